@@ -1,0 +1,39 @@
+"""lightning_seqpar: Megatron-style tensor, sequence and pipeline parallelism for ordinary LightningModules.
+
+Korthikanti et al., *Reducing Activation Recomputation in Large Transformer Models* (2022).
+"""
+
+from lightning_seqpar.mesh import ParallelMesh, validate_layout
+from lightning_seqpar.recompute import SelectiveRecompute, apply_recompute
+from lightning_seqpar.rewrite import Policy, RewriteContext, explain, rewrite
+from lightning_seqpar.strategy import SeqParallelStrategy, register
+from lightning_seqpar.tensor_parallel import (
+    ColumnParallelLinear,
+    CommunicationLog,
+    ParallelGroup,
+    RNGTracker,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    vocab_parallel_cross_entropy,
+)
+
+register()
+
+__all__ = [
+    "ColumnParallelLinear",
+    "CommunicationLog",
+    "ParallelGroup",
+    "ParallelMesh",
+    "Policy",
+    "RNGTracker",
+    "RewriteContext",
+    "RowParallelLinear",
+    "SelectiveRecompute",
+    "SeqParallelStrategy",
+    "VocabParallelEmbedding",
+    "apply_recompute",
+    "explain",
+    "rewrite",
+    "validate_layout",
+    "vocab_parallel_cross_entropy",
+]

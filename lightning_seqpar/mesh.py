@@ -1,0 +1,90 @@
+"""The ``(pipeline, data, tensor)`` process mesh, tensor-parallel ranks fastest.
+
+Megatron-LM orders ranks so that a tensor-parallel group is made of neighbouring devices (the
+fastest links): ``rank = tp_rank + t · (dp_rank + d · pp_rank)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from lightning_seqpar.tensor_parallel.collectives import ParallelGroup
+
+
+def validate_layout(world_size: int, tp: int, pp: int) -> int:
+    """Check a parallel layout and return the data-parallel size ``d = world_size // (tp · pp)``.
+
+    Raises:
+        ValueError: if ``tp`` or ``pp`` is not a positive integer, or ``world_size`` is not
+            divisible by ``tp · pp``. Called before any collective, so no process hangs.
+    """
+    for name, value in (("tp", tp), ("pp", pp)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
+    if world_size % (tp * pp):
+        raise ValueError(
+            f"The world size ({world_size} processes) is not divisible by tp·pp = {tp}·{pp} = {tp * pp}. "
+            f"Launch a multiple of {tp * pp} processes (devices × nodes) or change `tp`/`pp`."
+        )
+    return world_size // (tp * pp)
+
+
+@dataclass
+class ParallelMesh:
+    """Process groups of one rank in a ``(pp, dp, tp)`` layout.
+
+    Attributes:
+        tp, dp, pp: tensor-, data- and pipeline-parallel sizes (t, d, p in the paper).
+        tensor: the tensor-parallel group of this rank (size t).
+        data: the data-parallel group of this rank (size d).
+        pipeline: the pipeline-parallel group of this rank (size p).
+        device_mesh: the underlying ``torch.distributed.DeviceMesh`` (``None`` for a single process).
+    """
+
+    tp: int
+    dp: int
+    pp: int
+    tensor: ParallelGroup
+    data: ParallelGroup
+    pipeline: ParallelGroup
+    device_mesh: Optional[object] = None
+
+    @classmethod
+    def single(cls) -> "ParallelMesh":
+        """The mesh of an unparallelized run: every group has one rank."""
+        return cls(1, 1, 1, ParallelGroup(None), ParallelGroup(None), ParallelGroup(None))
+
+    @classmethod
+    def build(cls, tp: int, pp: int, device_type: str) -> "ParallelMesh":
+        """Build the mesh over the initialized default process group.
+
+        Raises:
+            ValueError: from :func:`validate_layout`.
+            RuntimeError: if ``torch.distributed`` is not initialized.
+        """
+        if not dist.is_initialized():
+            raise RuntimeError("ParallelMesh.build needs an initialized torch.distributed process group.")
+        world_size = dist.get_world_size()
+        dp = validate_layout(world_size, tp, pp)
+        from torch.distributed.device_mesh import init_device_mesh
+
+        device_mesh = init_device_mesh(device_type, (pp, dp, tp), mesh_dim_names=("pipeline", "data", "tensor"))
+
+        def group(name: str) -> ParallelGroup:
+            return ParallelGroup(device_mesh.get_group(name))
+
+        return cls(tp, dp, pp, group("tensor"), group("data"), group("pipeline"), device_mesh)
+
+    @staticmethod
+    def coordinates(rank: int, tp: int, dp: int) -> tuple[int, int, int]:
+        """``(pp_rank, dp_rank, tp_rank)`` of a global rank (tensor-parallel fastest)."""
+        return rank // (tp * dp), (rank // tp) % dp, rank % tp
+
+
+def default_device_type() -> str:
+    """``"cuda"`` when a GPU is present, else ``"cpu"``."""
+    return "cuda" if torch.cuda.is_available() else "cpu"

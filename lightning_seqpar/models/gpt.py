@@ -1,0 +1,162 @@
+"""A GPT in the nanoGPT manner: ordinary single-device code that the strategy rewrites.
+
+Token + learned position embeddings, ``n_layer`` pre-LN blocks with an explicit
+:class:`~lightning_seqpar.transformer.core_attention.CoreAttention`, a final LayerNorm and an LM head
+(tied to the token embedding or not) — the architecture of Korthikanti et al. 2022 §3.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from lightning_seqpar.transformer.core_attention import CoreAttention
+
+
+@dataclass
+class GPTConfig:
+    """Shape and regularization of a :class:`GPT`."""
+
+    vocab_size: int = 256
+    """v: vocabulary size (256 for byte-level text)."""
+    block_size: int = 256
+    """s: the longest sequence (position-embedding rows)."""
+    n_layer: int = 4
+    """L: transformer layers."""
+    n_head: int = 4
+    """a: attention heads."""
+    n_embd: int = 128
+    """h: hidden size."""
+    ffn_hidden_size: Optional[int] = None
+    """MLP width; ``None`` means 4h."""
+    dropout: float = 0.0
+    """Dropout after the embeddings, on attention probabilities, and after attention and MLP."""
+    bias: bool = True
+    """Biases in Linear layers and LayerNorms."""
+    tie_weights: bool = True
+    """Share the token embedding with the LM head (as in the paper)."""
+    label_smoothing: float = 0.0
+    """ε of the training loss."""
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention with a fused QKV projection. ``[b, s, h]`` → ``[b, s, h]``."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = config.n_head
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.core_attention = CoreAttention(config.dropout, causal=True)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, s, h = x.shape
+        q, k, v = self.c_attn(x).split(h, dim=2)  # each (b, s, h)
+        q, k, v = (t.view(b, s, self.n_head, h // self.n_head).transpose(1, 2) for t in (q, k, v))  # (b, a, s, d)
+        y = self.core_attention(q, k, v)  # (b, a, s, d)
+        y = y.transpose(1, 2).reshape(b, s, h)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    """``h → ffn → h`` with GeLU. ``[b, s, h]`` → ``[b, s, h]``."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        ffn = config.ffn_hidden_size or 4 * config.n_embd
+        self.c_fc = nn.Linear(config.n_embd, ffn, bias=config.bias)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(ffn, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    """Pre-LN transformer layer. ``[b, s, h]`` → ``[b, s, h]``."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """Decoder-only transformer language model.
+
+    ``forward(idx)`` returns logits ``[b, s, v]``; ``forward(idx, targets)`` returns the mean
+    cross-entropy loss (targets equal to -1 are ignored).
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(config.vocab_size, config.n_embd),
+                wpe=nn.Embedding(config.block_size, config.n_embd),
+                drop=nn.Dropout(config.dropout),
+                h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+                ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+            )
+        )
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        if config.tie_weights:
+            self.lm_head.weight = self.transformer.wte.weight
+        self.apply(self._init_weights)
+        for name, param in self.named_parameters():
+            if name.endswith("c_proj.weight"):  # GPT-2's scaled init of residual projections
+                nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, idx: Tensor, targets: Optional[Tensor] = None) -> Tensor:
+        b, s = idx.shape
+        if s > self.config.block_size:
+            raise ValueError(f"Sequence length {s} exceeds block_size {self.config.block_size}.")
+        pos = torch.arange(s, device=idx.device)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (b, s, h)
+        for block in self.transformer.h:
+            x = block(x)
+        logits = self.lm_head(self.transformer.ln_f(x))  # (b, s, v)
+        if targets is None:
+            return logits
+        return F.cross_entropy(
+            logits.view(-1, logits.size(-1)).float(),
+            targets.reshape(-1),
+            ignore_index=-1,
+            label_smoothing=self.config.label_smoothing,
+        )
+
+    @torch.no_grad()
+    def generate(self, idx: Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: Optional[int] = None,
+                 generator: Optional[torch.Generator] = None) -> Tensor:
+        """Append ``max_new_tokens`` sampled tokens to ``idx [b, s]``; returns ``[b, s + max_new_tokens]``."""
+        for _ in range(max_new_tokens):
+            context = idx[:, -self.config.block_size:]
+            logits = self(context)[:, -1, :].float() / temperature  # (b, v)
+            if top_k is not None:
+                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            probs = F.softmax(logits, dim=-1)
+            idx = torch.cat([idx, torch.multinomial(probs, 1, generator=generator)], dim=1)
+        return idx

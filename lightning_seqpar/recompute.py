@@ -1,0 +1,116 @@
+"""``SelectiveRecompute``: the paper's selective activation recomputation, as a Lightning callback."""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+import lightning.pytorch as pl
+import torch.nn as nn
+
+from lightning_seqpar.transformer.core_attention import CoreAttention
+
+
+def _layer_stacks(model: nn.Module) -> tuple[list[nn.Module], list[nn.Module]]:
+    """(containers with ``recompute_chunks``, bare layers with ``recompute_layer`` outside any container)."""
+    stacks, layers = [], []
+    inside: set[int] = set()
+    for module in model.modules():
+        if hasattr(module, "recompute_chunks"):
+            stacks.append(module)
+            inside.update(id(m) for m in module.modules() if m is not module)
+    for module in model.modules():
+        if hasattr(module, "recompute_layer") and id(module) not in inside:
+            layers.append(module)
+    return stacks, layers
+
+
+def apply_recompute(
+    model: nn.Module,
+    granularity: Literal["selective", "full", "none"] = "selective",
+    method: Literal["uniform", "block"] = "uniform",
+    num_layers: Optional[int] = None,
+) -> int:
+    """Configure recomputation on every rewritten layer of ``model``; return how many places it set.
+
+    * ``"selective"``: checkpoint each :class:`CoreAttention` (QKᵀ, softmax, softmax dropout, ·V),
+      Korthikanti et al. 2022 §5.
+    * ``"full"``: checkpoint whole layers, Megatron's ``--recompute-method``:
+      ``"uniform"`` checkpoints every chunk of ``num_layers`` consecutive layers (default 1);
+      ``"block"`` checkpoints the first ``num_layers`` layers of each stack individually (default all).
+    * ``"none"``: undo either.
+
+    Raises:
+        ValueError: for an unknown granularity/method, ``num_layers < 1``, uniform chunks of more than one
+            layer on layers that are not inside a stack module, or a model with no layer to recompute.
+    """
+    if granularity not in ("selective", "full", "none"):
+        raise ValueError(f"granularity must be 'selective', 'full' or 'none', got {granularity!r}.")
+    if method not in ("uniform", "block"):
+        raise ValueError(f"method must be 'uniform' or 'block', got {method!r}.")
+    if num_layers is not None and num_layers < 1:
+        raise ValueError(f"num_layers must be >= 1, got {num_layers}.")
+    attentions = [m for m in model.modules() if isinstance(m, CoreAttention)]
+    stacks, layers = _layer_stacks(model)
+    for m in attentions:
+        m.recompute = granularity == "selective"
+    for stack in stacks:
+        stack.recompute_chunks = []
+    for layer in layers:
+        layer.recompute_layer = False
+    if granularity == "none":
+        return 0
+    if granularity == "selective":
+        if not attentions:
+            raise ValueError("Selective recomputation found no CoreAttention module: is the model rewritten?")
+        return len(attentions)
+    if not stacks and not layers:
+        raise ValueError("Full recomputation found no rewritten transformer layer in the model.")
+    count = 0
+    for stack in stacks:
+        n = stack.num_layers if hasattr(stack, "num_layers") else len(stack.transformer.h)
+        if method == "uniform":
+            size = num_layers or 1
+            stack.recompute_chunks = [(i, min(i + size, n)) for i in range(0, n, size)]
+        else:
+            stack.recompute_chunks = [(i, i + 1) for i in range(min(num_layers or n, n))]
+        count += len(stack.recompute_chunks)
+    if layers and method == "uniform" and (num_layers or 1) > 1:
+        raise ValueError(
+            f"Uniform chunks of {num_layers} layers need the layers inside a stack (nn.TransformerEncoder or the "
+            f"reference GPT); these layers are called one by one by user code. Use num_layers=1 or method='block'."
+        )
+    chosen = layers if method == "uniform" else layers[: num_layers or len(layers)]
+    for layer in chosen:
+        layer.recompute_layer = True
+    return count + len(chosen)
+
+
+class SelectiveRecompute(pl.Callback):
+    """Activation recomputation for the layers :class:`~lightning_seqpar.SeqParallelStrategy` rewrote.
+
+    Args:
+        granularity: ``"selective"`` (core attention only, the default and the paper's proposal) or
+            ``"full"`` (whole layers).
+        method: for ``"full"``, ``"uniform"`` or ``"block"`` (Megatron-LM ``--recompute-method``).
+        num_layers: for ``"full"``, layers per uniform chunk or layers checkpointed by ``"block"``.
+
+    Applied when fitting starts, after the strategy has rewritten the model. Training is numerically
+    identical to no recomputation (dropout masks are replayed).
+
+    Raises:
+        ValueError: see :func:`apply_recompute`.
+    """
+
+    def __init__(
+        self,
+        granularity: Literal["selective", "full"] = "selective",
+        method: Literal["uniform", "block"] = "uniform",
+        num_layers: Optional[int] = None,
+    ) -> None:
+        if granularity not in ("selective", "full"):
+            raise ValueError(f"granularity must be 'selective' or 'full', got {granularity!r}.")
+        apply_recompute(nn.Module(), "none", method, num_layers)  # validates method and num_layers
+        self.granularity, self.method, self.num_layers = granularity, method, num_layers
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        apply_recompute(pl_module, self.granularity, self.method, self.num_layers)

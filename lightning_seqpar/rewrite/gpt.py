@@ -1,0 +1,37 @@
+"""Policy for the reference :class:`~lightning_seqpar.models.GPT`."""
+
+from __future__ import annotations
+
+from lightning_seqpar.models.gpt import GPT
+from lightning_seqpar.rewrite.policy import Policy, require_divisible
+from lightning_seqpar.transformer.gpt import ParallelGPT
+from lightning_seqpar.transformer.region import check_sequence_length
+
+
+class GPTPolicy(Policy):
+    """:class:`GPT` → :class:`ParallelGPT`: vocabulary-parallel embedding (entering the SP region by
+    reduce-scatter), TP+SP blocks, sequence-parallel final norm, column-parallel LM head."""
+
+    block = GPT
+    role = "stack"
+
+    def check(self, module, ctx, name):
+        c = module.config
+        require_divisible(name, "n_head", c.n_head, ctx.tp)
+        require_divisible(name, "ffn_hidden_size", c.ffn_hidden_size or 4 * c.n_embd, ctx.tp)
+        if ctx.sp:
+            check_sequence_length(c.block_size, ctx.group, f"{name} (block_size)")
+
+    def describe(self, module, ctx):
+        c = module.config
+        v_padded = -(-c.vocab_size // ctx.tp) * ctx.tp
+        region = "sequence-parallel [s/t, b, h]" if ctx.sp else "replicated [s, b, h]"
+        return (
+            f"wte: vocab {c.vocab_size} (padded {v_padded}) → {v_padded // ctx.tp} rows per rank; "
+            f"{c.n_layer} blocks with {c.n_head // ctx.tp} heads per rank, activations {region}; "
+            f"lm_head column-parallel{' (tied)' if c.tie_weights else ''}; "
+            f"loss {'vocab-parallel' if ctx.loss_parallel else 'on gathered logits'}"
+        )
+
+    def rewrite(self, module, ctx, *, enter_region, exit_region):
+        return ParallelGPT(module, ctx)

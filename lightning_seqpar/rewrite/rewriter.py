@@ -1,0 +1,164 @@
+"""Walk a model, find blocks a policy knows, and replace them with their parallel versions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+import torch.nn as nn
+
+from lightning_seqpar.rewrite.context import RewriteContext
+from lightning_seqpar.rewrite.gpt import GPTPolicy
+from lightning_seqpar.rewrite.policy import Policy
+from lightning_seqpar.rewrite.torch_encoder import TransformerEncoderLayerPolicy, TransformerEncoderPolicy
+from lightning_seqpar.tensor_parallel.collectives import ParallelGroup
+
+
+def default_policies() -> list[Policy]:
+    """The built-in policies: the reference GPT, ``nn.TransformerEncoder`` and ``nn.TransformerEncoderLayer``."""
+    return [GPTPolicy(), TransformerEncoderPolicy(), TransformerEncoderLayerPolicy()]
+
+
+@dataclass
+class PlannedRewrite:
+    """One module to be replaced."""
+
+    name: str
+    block: str
+    policy: Policy
+    enter_region: bool
+    exit_region: bool
+    detail: str
+
+
+@dataclass
+class RewritePlan:
+    """What :func:`rewrite` will do (or did): one entry per replaced module, in model order."""
+
+    tp: int
+    sequence_parallel: bool
+    entries: list[PlannedRewrite] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        mode = "TP+SP" if self.sequence_parallel else "TP"
+        lines = [f"{mode} rewrite at tp={self.tp}: {len(self.entries)} module(s)"]
+        for e in self.entries:
+            region = "".join(["  [enters region]" if e.enter_region else "", "  [leaves region]" if e.exit_region else ""])
+            lines.append(f"  {e.name or '<root>'} ({e.block}){region}\n      {e.detail}")
+        return "\n".join(lines)
+
+
+def _registry(policies: Optional[Iterable[Policy]]) -> dict[type, Policy]:
+    registry = {p.block: p for p in default_policies()}
+    registry.update({p.block: p for p in policies or ()})  # a user's policy overrides a built-in one
+    return registry
+
+
+def _candidate_blocks(model: nn.Module) -> list[str]:
+    names = {
+        type(m).__name__
+        for m in model.modules()
+        if m is not model and any(isinstance(c, nn.Linear) for c in m.children())
+    }
+    return sorted(names)
+
+
+def plan_rewrite(model: nn.Module, ctx: RewriteContext, policies: Optional[Iterable[Policy]] = None) -> RewritePlan:
+    """Find what to rewrite and check every shape, changing nothing.
+
+    Raises:
+        ValueError: if no module is recognized (naming the block classes found and how to register a
+            policy), or if a recognized module cannot be split t ways (naming it and the numbers).
+    """
+    registry = _registry(policies)
+    plan = RewritePlan(ctx.tp, ctx.sp)
+    claimed: list[str] = []
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        children = list(module.named_children())
+        chain_ok = isinstance(module, (nn.ModuleList, nn.Sequential))
+        i = 0
+        while i < len(children):
+            name, child = children[i]
+            full = f"{prefix}.{name}" if prefix else name
+            policy = registry.get(type(child))
+            if policy is None:
+                visit(full, child)
+                i += 1
+                continue
+            if policy.role == "stack" or not chain_ok:
+                run = [(full, child, policy)]
+            else:
+                run = []
+                while i + len(run) < len(children):
+                    n, c = children[i + len(run)]
+                    p = registry.get(type(c))
+                    if p is None or p.role != "layer":
+                        break
+                    run.append((f"{prefix}.{n}" if prefix else n, c, p))
+            for j, (n, c, p) in enumerate(run):
+                p.check(c, ctx, n)
+                stack = p.role == "stack"
+                plan.entries.append(
+                    PlannedRewrite(n, type(c).__name__, p, stack or j == 0, stack or j == len(run) - 1, p.describe(c, ctx))
+                )
+                claimed.append(n)
+            i += len(run)
+
+    root_policy = registry.get(type(model))
+    if root_policy is not None:
+        root_policy.check(model, ctx, type(model).__name__)
+        plan.entries.append(PlannedRewrite("", type(model).__name__, root_policy, True, True, root_policy.describe(model, ctx)))
+    else:
+        visit("", model)
+    if not plan.entries:
+        known = ", ".join(sorted(cls.__name__ for cls in registry))
+        raise ValueError(
+            f"No transformer block that lightning_seqpar can parallelize was found in {type(model).__name__}. "
+            f"Classes with Linear layers found: {', '.join(_candidate_blocks(model)) or 'none'}. "
+            f"Known blocks: {known}. Use one of those, or write a `lightning_seqpar.Policy` for your block class "
+            f"and pass it as `SeqParallelStrategy(policies=[MyPolicy()])`."
+        )
+    return plan
+
+
+def rewrite(model: nn.Module, ctx: RewriteContext, policies: Optional[Iterable[Policy]] = None) -> RewritePlan:
+    """Replace every recognized block of ``model`` in place by its tensor (+sequence) parallel version.
+
+    Weights are sliced from the single-device modules, so the rewritten model computes the same
+    function as before. ``model`` itself cannot be replaced: a recognized root (e.g. a bare
+    :class:`~lightning_seqpar.models.GPT`) must sit inside a parent module (a LightningModule).
+
+    Returns:
+        The executed :class:`RewritePlan`.
+
+    Raises:
+        ValueError: from :func:`plan_rewrite`, before any module is changed.
+    """
+    plan = plan_rewrite(model, ctx, policies)
+    for entry in plan.entries:
+        if not entry.name:
+            raise ValueError(f"{entry.block} is the model itself; wrap it in a LightningModule attribute to rewrite it.")
+        parent_name, _, attr = entry.name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        replacement = entry.policy.rewrite(
+            getattr(parent, attr) if not attr.isdigit() else parent[int(attr)], ctx,
+            enter_region=entry.enter_region, exit_region=entry.exit_region,
+        )
+        if attr.isdigit():
+            parent[int(attr)] = replacement
+        else:
+            setattr(parent, attr, replacement)
+    return plan
+
+
+def explain(model: nn.Module, tp: int, sequence_parallel: bool = True, policies: Optional[Iterable[Policy]] = None,
+            loss_parallel: bool = True) -> RewritePlan:
+    """Print and return what ``SeqParallelStrategy(tp=tp)`` would rewrite in ``model``; change nothing.
+
+    Needs no process group. Raises the same ``ValueError`` as the real rewrite would.
+    """
+    ctx = RewriteContext(ParallelGroup.virtual(tp), sequence_parallel, None, loss_parallel)
+    plan = plan_rewrite(model, ctx, policies)
+    print(plan)
+    return plan

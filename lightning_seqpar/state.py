@@ -1,0 +1,105 @@
+"""Whole-model views of sharded state: gather for checkpoints and comparisons, shard for loading.
+
+A checkpoint written this way holds the state dict of the *unparallelized* model (same keys,
+full shapes, no vocabulary padding), so it loads into any tensor-parallel layout or a single device.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+from lightning_seqpar.tensor_parallel.collectives import ParallelGroup
+
+
+def _params_by_name(module: nn.Module) -> dict[str, nn.Parameter]:
+    return dict(module.named_parameters(remove_duplicate=False))
+
+
+def full_state_dict(module: nn.Module, group: ParallelGroup) -> dict[str, Tensor]:
+    """The single-device state dict of ``module``, assembled from every tensor-parallel rank's shards.
+
+    Collective: every rank of ``group`` must call it. Returns CPU tensors on every rank.
+    """
+    params = _params_by_name(module)
+    gathered: dict[int, Tensor] = {}
+    out: dict[str, Tensor] = {}
+    for name, value in module.state_dict(keep_vars=True).items():
+        param = params.get(name)
+        spec = getattr(param, "shard_spec", None)
+        if spec is None:
+            out[name] = value.detach().cpu().clone() if isinstance(value, Tensor) else value
+            continue
+        if id(param) not in gathered:  # tied weights are gathered once
+            gathered[id(param)] = spec.gather(param.detach(), group).cpu()
+        out[name] = gathered[id(param)]
+    return out
+
+
+def full_gradients(module: nn.Module, group: ParallelGroup) -> dict[str, Tensor]:
+    """Gradients of ``module``'s parameters as the unparallelized model would hold them (collective)."""
+    out = {}
+    for name, param in module.named_parameters():
+        if param.grad is None:
+            continue
+        spec = getattr(param, "shard_spec", None)
+        out[name] = (spec.gather(param.grad, group) if spec is not None else param.grad.detach()).cpu()
+    return out
+
+
+def load_full_state_dict(module: nn.Module, state_dict: Mapping[str, Tensor], group: ParallelGroup, strict: bool = True) -> None:
+    """Copy a single-device state dict into ``module``, keeping this rank's shard of sharded parameters.
+
+    Raises:
+        KeyError: with ``strict``, listing missing and unexpected keys.
+    """
+    own = module.state_dict(keep_vars=True)
+    if strict:
+        missing, unexpected = set(own) - set(state_dict), set(state_dict) - set(own)
+        if missing or unexpected:
+            raise KeyError(f"State dict mismatch. Missing: {sorted(missing)}; unexpected: {sorted(unexpected)}.")
+    params = _params_by_name(module)
+    with torch.no_grad():
+        for name, target in own.items():
+            if name not in state_dict:
+                continue
+            value = state_dict[name]
+            spec = getattr(params.get(name), "shard_spec", None)
+            if spec is not None:
+                value = spec.shard(value, group)
+            target.copy_(value.to(target.device, target.dtype))
+
+
+def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def full_optimizer_state(optimizer: torch.optim.Optimizer, group: ParallelGroup) -> dict[str, Any]:
+    """``optimizer.state_dict()`` with every per-parameter tensor of a sharded parameter gathered (collective)."""
+    state = optimizer.state_dict()
+    params = _optimizer_params(optimizer)
+    for index, entry in state["state"].items():
+        spec = getattr(params[index], "shard_spec", None)
+        if spec is None:
+            continue
+        for key, value in entry.items():
+            if isinstance(value, Tensor) and value.shape == params[index].shape:
+                entry[key] = spec.gather(value, group).cpu()
+    return state
+
+
+def load_full_optimizer_state(optimizer: torch.optim.Optimizer, state: Mapping[str, Any], group: ParallelGroup) -> None:
+    """Inverse of :func:`full_optimizer_state`: keep this rank's shard of each per-parameter tensor."""
+    state = {"state": {k: dict(v) for k, v in state["state"].items()}, "param_groups": state["param_groups"]}
+    params = _optimizer_params(optimizer)
+    for index, entry in state["state"].items():
+        spec = getattr(params[int(index)], "shard_spec", None)
+        if spec is None:
+            continue
+        for key, value in entry.items():
+            if isinstance(value, Tensor) and value.dim() > spec.dim and value.shape[spec.dim] == spec.full_size:
+                entry[key] = spec.shard(value, group)
+    optimizer.load_state_dict(state)

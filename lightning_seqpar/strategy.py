@@ -1,0 +1,311 @@
+"""``SeqParallelStrategy``: Megatron-style tensor + sequence parallelism for ordinary LightningModules."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Callable, Iterable, Literal, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from torch import Tensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_seqpar.checkpoint_io import AtomicCheckpointIO
+from lightning_seqpar.gradients import clip_grad_norm_, finalize_gradients
+from lightning_seqpar.launcher import SeqParallelSpawnLauncher
+from lightning_seqpar.mesh import ParallelMesh, validate_layout
+from lightning_seqpar.rewrite import Policy, RewriteContext, RewritePlan, rewrite
+from lightning_seqpar.state import (
+    full_optimizer_state,
+    full_state_dict,
+    load_full_optimizer_state,
+    load_full_state_dict,
+)
+from lightning_seqpar.tensor_parallel.random import RNGTracker
+
+
+class SeqParallelStrategy(ParallelStrategy):
+    """Tensor (+ sequence) parallel training of an ordinary LightningModule.
+
+    On setup the strategy builds a ``(pp, dp, tp)`` process mesh (tensor-parallel ranks fastest),
+    makes every rank start from rank 0's weights, and rewrites the transformer blocks it recognizes
+    (see :func:`lightning_seqpar.explain`) into tensor-parallel modules whose shards are sliced from the
+    single-device weights. Each step it sums the gradients of sequence-parallel parameters over the
+    tensor-parallel group and averages all gradients over the data-parallel group; gradient clipping
+    uses the norm of the whole (unsharded) gradient. Checkpoints hold the unparallelized state dict.
+
+    Args:
+        tp: tensor-parallel size t (ranks sharing each layer).
+        pp: pipeline-parallel size p. Only 1 is available.
+        sequence_parallel: shard LayerNorm/dropout/residual activations along the sequence
+            (Korthikanti et al. 2022 §4.2.2). Ignored when ``tp == 1``.
+        loss_parallel: compute the reference GPT's loss on vocabulary-sharded logits.
+        policies: extra :class:`~lightning_seqpar.Policy` objects for the user's own block classes.
+        seed: base seed of the dropout streams; default: rank 0's ``torch.initial_seed()``.
+        start_method: ``"popen"`` (re-run the script per rank, like DDP), ``"spawn"`` or ``"fork"``.
+        process_group_backend: default ``"nccl"`` on GPUs, ``"gloo"`` on CPUs.
+
+    The data-parallel size is ``world_size // (tp · pp)``.
+
+    Raises:
+        ValueError: ``tp``/``pp`` not positive integers; world size not divisible by ``tp · pp``;
+            a model with nothing to rewrite or with shapes that do not split t ways.
+        NotImplementedError: ``pp > 1``.
+    """
+
+    strategy_name = "seq_parallel"
+
+    def __init__(
+        self,
+        tp: int = 1,
+        pp: int = 1,
+        sequence_parallel: bool = True,
+        loss_parallel: bool = True,
+        policies: Optional[Iterable[Policy]] = None,
+        seed: Optional[int] = None,
+        start_method: Literal["popen", "spawn", "fork"] = "popen",
+        accelerator: Optional[Accelerator] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+    ) -> None:
+        validate_layout(tp * pp, tp, pp)
+        if pp > 1:
+            raise NotImplementedError(
+                f"Pipeline parallelism is not available yet (pp={pp}). Use pp=1 and scale with `tp` and data parallelism."
+            )
+        if start_method not in ("popen", "spawn", "fork"):
+            raise ValueError(f"start_method must be 'popen', 'spawn' or 'fork', got {start_method!r}.")
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io or AtomicCheckpointIO(),
+            precision_plugin=precision_plugin,
+        )
+        self.tp, self.pp = tp, pp
+        self.sequence_parallel, self.loss_parallel = sequence_parallel, loss_parallel
+        self.policies = list(policies or ())
+        self._seed = seed
+        self._start_method = start_method
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._mesh: Optional[ParallelMesh] = None
+        self.rng_tracker: Optional[RNGTracker] = None
+        self.rewrite_plan: Optional[RewritePlan] = None
+        self.num_nodes = 1
+
+    # ------------------------------------------------------------------ layout
+    @property
+    def mesh(self) -> ParallelMesh:
+        """The ``(pp, dp, tp)`` process groups of this rank."""
+        if self._mesh is None:
+            raise RuntimeError("Accessing the parallel mesh before processes have initialized is not allowed.")
+        return self._mesh
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        """Processes on this node."""
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def is_distributed(self) -> bool:
+        return True
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Tensor-parallel peers must see the same batch: replicas are the data-parallel ranks only.
+        return {"num_replicas": self.mesh.dp, "rank": ParallelMesh.coordinates(self.global_rank, self.tp, self.mesh.dp)[1]}
+
+    @property
+    def process_group_backend(self) -> Optional[str]:
+        """``gloo`` or ``nccl``."""
+        return self._process_group_backend
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # shards exist only after the rewrite
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self.cluster_environment.creates_processes_externally:
+            return
+        if self._start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = SeqParallelSpawnLauncher(self, start_method=self._start_method)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self.set_world_ranks()
+        validate_layout(self.world_size, self.tp, self.pp)  # before any collective
+        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+            self.root_device
+        )
+        assert self.cluster_environment is not None
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout)
+        self._mesh = ParallelMesh.build(self.tp, self.pp, self.root_device.type)
+
+    def set_world_ranks(self) -> None:
+        """Tell the cluster environment this process's global rank and the world size."""
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank
+
+    # ------------------------------------------------------------------ model
+    @override
+    def setup(self, trainer: Any) -> None:
+        assert self.model is not None and self.accelerator is not None
+        self.accelerator.setup(trainer)
+        self.model_to_device()
+        self._broadcast_module(self.model)
+        self.rng_tracker = self._seed_streams()
+        ctx = RewriteContext(self.mesh.tensor, self.sequence_parallel, self.rng_tracker, self.loss_parallel)
+        self.rewrite_plan = rewrite(self.model, ctx, self.policies)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        self._make_clipping_shard_aware()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _broadcast_module(self, module: torch.nn.Module) -> None:
+        """Give every rank rank 0's parameters and buffers, so an unseeded init cannot diverge."""
+        if dist.get_world_size() == 1:
+            return
+        with torch.no_grad():
+            for tensor in [*module.parameters(), *module.buffers()]:
+                dist.broadcast(tensor.data, src=0)
+
+    def _seed_streams(self) -> RNGTracker:
+        seed = self._seed if self._seed is not None else self.broadcast(torch.initial_seed() % 2**31)
+        pp_rank, _, tp_rank = ParallelMesh.coordinates(self.global_rank, self.tp, self.mesh.dp)
+        # Replicated regions draw from the default generator: make it identical across the TP group.
+        torch.manual_seed(seed + 100 * pp_rank)
+        return RNGTracker.for_tensor_parallel(seed + 100 * pp_rank, tp_rank, self.root_device)
+
+    def _make_clipping_shard_aware(self) -> None:
+        # Lightning clips with torch.nn.utils.clip_grad_norm_, which would see one shard's norm.
+        plugin = self.precision_plugin
+        mesh = self.mesh
+
+        def clip_grad_by_norm(optimizer: Optimizer, clip_val: float) -> None:
+            clip_grad_norm_(plugin.main_params(optimizer), clip_val, mesh)
+
+        plugin.clip_grad_by_norm = clip_grad_by_norm
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        def closure_then_finalize() -> Any:
+            result = closure()
+            # Runs once per optimizer step (after the last accumulated backward), before clipping.
+            finalize_gradients(self.lightning_module.parameters(), self.mesh)
+            return result
+
+        return super().optimizer_step(optimizer, closure_then_finalize, model, **kwargs)
+
+    # ------------------------------------------------------------------ collectives
+    @override
+    def barrier(self, name: Optional[str] = None) -> None:
+        if not _distributed_is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    @override
+    def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    # ------------------------------------------------------------------ checkpoints
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The unparallelized model's state dict, gathered from the shards (collective, every rank)."""
+        assert self.lightning_module is not None
+        return full_state_dict(self.lightning_module, self.mesh.tensor)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        assert self.lightning_module is not None
+        load_full_state_dict(self.lightning_module, checkpoint["state_dict"], self.mesh.tensor, strict=strict)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        return full_optimizer_state(optimizer, self.mesh.tensor)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            load_full_optimizer_state(optimizer, state, self.mesh.tensor)
+
+    @override
+    def teardown(self) -> None:
+        assert self.cluster_environment is not None
+        self.cluster_environment.teardown()
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            cls.strategy_name, cls, description="Megatron-style tensor + sequence parallelism (lightning_seqpar)"
+        )
+
+
+def register() -> None:
+    """Make ``Trainer(strategy="seq_parallel")`` resolve to :class:`SeqParallelStrategy`."""
+    if SeqParallelStrategy.strategy_name not in StrategyRegistry:
+        SeqParallelStrategy.register_strategies(StrategyRegistry)

@@ -1,0 +1,157 @@
+"""A process group with the contiguous collectives tensor and sequence parallelism need.
+
+Every collective of the library goes through :class:`ParallelGroup`, so one object both runs the
+communication and (optionally) records it: attach a :class:`CommunicationLog` to ``group.log`` and
+each collective appends its kind and the bytes one rank moves. Nothing here is global: a model
+holds the group it was built with.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class CollectiveRecord:
+    """One collective call.
+
+    Attributes:
+        kind: ``"all_reduce"``, ``"all_gather"`` or ``"reduce_scatter"``.
+        full_bytes: size of the *global* (unsharded) tensor in bytes, ``numel · element_size``.
+        group_size: number of ranks t taking part.
+    """
+
+    kind: str
+    full_bytes: int
+    group_size: int
+
+    @property
+    def bytes_moved(self) -> int:
+        """Bytes one rank sends under the ring algorithm (NCCL's "bus bytes").
+
+        All-gather and reduce-scatter each move ``(t-1)/t · N``; an all-reduce is a reduce-scatter
+        followed by an all-gather, ``2 (t-1)/t · N`` (Korthikanti et al. 2022, §4.2.2).
+        """
+        factor = 2 if self.kind == "all_reduce" else 1
+        return factor * (self.group_size - 1) * self.full_bytes // self.group_size
+
+
+@dataclass
+class CommunicationLog:
+    """Records the collectives a :class:`ParallelGroup` runs (attach with ``group.log = CommunicationLog()``)."""
+
+    records: list[CollectiveRecord] = field(default_factory=list)
+
+    def count(self, kind: str) -> int:
+        """Number of collectives of ``kind`` recorded."""
+        return sum(r.kind == kind for r in self.records)
+
+    def bytes_moved(self, kind: Optional[str] = None) -> int:
+        """Bytes one rank sent (ring model), over all records or those of ``kind``."""
+        return sum(r.bytes_moved for r in self.records if kind is None or r.kind == kind)
+
+    def clear(self) -> None:
+        """Forget every record."""
+        self.records.clear()
+
+
+class ParallelGroup:
+    """A process group and this rank's place in it.
+
+    Args:
+        group: the ``torch.distributed`` process group, or ``None`` for a group of one rank
+            (every collective is then the identity, so the same model code runs unparallelized).
+
+    Collectives work on dimension 0 unless told otherwise, so that sequence-first activations
+    ``[s, b, h]`` are gathered and scattered without copies (Megatron-LM ``mappings.py``).
+    """
+
+    def __init__(self, group: Optional[dist.ProcessGroup] = None) -> None:
+        self.group = group
+        self.size = dist.get_world_size(group) if group is not None else 1
+        self.rank = dist.get_rank(group) if group is not None else 0
+        self.log: Optional[CommunicationLog] = None
+
+    @classmethod
+    def virtual(cls, size: int, rank: int = 0) -> "ParallelGroup":
+        """A group of ``size`` ranks with no process group behind it, for planning (``explain``).
+
+        Its collectives raise ``RuntimeError``.
+        """
+        group = cls(None)
+        group.size, group.rank = size, rank
+        return group
+
+    def __repr__(self) -> str:
+        return f"ParallelGroup(size={self.size}, rank={self.rank})"
+
+    def __getstate__(self) -> dict:
+        # Process groups cannot be pickled; a pickled model is a description of one rank's shard.
+        return {"group": None, "size": self.size, "rank": self.rank, "log": None}
+
+    def _record(self, kind: str, full: Tensor) -> None:
+        if self.group is None:
+            raise RuntimeError(f"A virtual ParallelGroup of size {self.size} cannot run {kind}.")
+        if self.log is not None:
+            self.log.records.append(CollectiveRecord(kind, full.numel() * full.element_size(), self.size))
+
+    def all_reduce(self, tensor: Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> Tensor:
+        """Reduce ``tensor`` in place over the group and return it (same shape on every rank)."""
+        if self.size == 1:
+            return tensor
+        self._record("all_reduce", tensor)
+        dist.all_reduce(tensor, op=op, group=self.group)
+        return tensor
+
+    def all_gather(self, tensor: Tensor, dim: int = 0) -> Tensor:
+        """Concatenate every rank's ``tensor`` along ``dim``: local ``[n, ...]`` → global ``[t·n, ...]``."""
+        if self.size == 1:
+            return tensor
+        tensor = tensor.contiguous()
+        if dim == 0:
+            out = torch.empty((self.size * tensor.shape[0], *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+            self._record("all_gather", out)
+            dist.all_gather_single(out, tensor, group=self.group)
+            return out
+        parts = [torch.empty_like(tensor) for _ in range(self.size)]
+        self._record("all_gather", tensor.new_empty((self.size * tensor.numel(),)))
+        dist.all_gather(parts, tensor, group=self.group)
+        return torch.cat(parts, dim=dim)
+
+    def reduce_scatter(self, tensor: Tensor) -> Tensor:
+        """Sum over the group and keep this rank's slice of dim 0: global ``[t·n, ...]`` → local ``[n, ...]``."""
+        if self.size == 1:
+            return tensor
+        if tensor.shape[0] % self.size:
+            raise ValueError(
+                f"reduce_scatter needs dim 0 ({tensor.shape[0]}) divisible by the group size ({self.size})."
+            )
+        tensor = tensor.contiguous()
+        out = torch.empty((tensor.shape[0] // self.size, *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+        self._record("reduce_scatter", tensor)
+        dist.reduce_scatter_single(out, tensor, group=self.group)
+        return out
+
+    def split(self, tensor: Tensor, dim: int = 0) -> Tensor:
+        """This rank's contiguous slice of ``tensor`` along ``dim`` (no communication)."""
+        if self.size == 1:
+            return tensor
+        if tensor.shape[dim] % self.size:
+            raise ValueError(
+                f"Cannot split dimension {dim} of size {tensor.shape[dim]} over {self.size} ranks: "
+                f"it must be divisible by the tensor-parallel size."
+            )
+        return tensor.chunk(self.size, dim=dim)[self.rank].contiguous()
+
+    def broadcast(self, tensor: Tensor, src_rank: int = 0) -> Tensor:
+        """Overwrite ``tensor`` in place with group rank ``src_rank``'s copy."""
+        if self.size == 1:
+            return tensor
+        self._record("broadcast", tensor)
+        dist.broadcast(tensor, src=dist.get_global_rank(self.group, src_rank), group=self.group)
+        return tensor

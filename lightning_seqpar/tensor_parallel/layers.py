@@ -1,0 +1,216 @@
+"""Column- and row-parallel linear layers (Shoeybi et al. 2019; Korthikanti et al. 2022 §4.2.2).
+
+A transformer sub-block is ``ColumnParallelLinear → elementwise → RowParallelLinear``: the first
+splits its output features over t ranks, the second its input features, so the pair needs one
+communication on each side. Under sequence parallelism those are g (all-gather of the
+sequence-sharded input) and ḡ (reduce-scatter of the partial outputs).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from lightning_seqpar.tensor_parallel.collectives import ParallelGroup
+from lightning_seqpar.tensor_parallel.mappings import (
+    gather_from_tensor_parallel_region,
+    reduce_from_tensor_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+)
+from lightning_seqpar.tensor_parallel.sharding import ShardSpec, shard_parameter
+
+
+class _ColumnParallelLinearFunction(torch.autograd.Function):
+    """``y = g(x) Aᵀ + b`` (SP) or ``y = f(x) Aᵀ + b`` (TP), saving only the local input shard.
+
+    Under SP the forward all-gathers ``x [s/t, b, h]`` but keeps only the shard for backward and
+    gathers it again there (Korthikanti et al. 2022 §4.2.2, the detail that makes Eq. 4 hold;
+    Megatron-LM ``LinearWithGradAccumulationAndAsyncCommunication``).
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Optional[Tensor], group: ParallelGroup, sequence_parallel: bool):
+        ctx.group, ctx.sequence_parallel, ctx.has_bias = group, sequence_parallel, bias is not None
+        total = group.all_gather(x, dim=0) if sequence_parallel else x  # [s, b, h]
+        ctx.save_for_backward(x, weight)  # x is the local [s/t, b, h] shard under SP
+        return F.linear(total, weight, bias)  # [s, b, out/t]
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor):
+        x, weight = ctx.saved_tensors
+        group = ctx.group
+        # Autocast ran the forward matmul in grad_output's dtype; backward mirrors it by hand.
+        compute = grad_output.dtype
+        grad_input = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_total = grad_output.matmul(weight.to(compute))  # [s, b, h], partial over ranks
+            if ctx.sequence_parallel:
+                grad_input = group.reduce_scatter(grad_total)  # [s/t, b, h]
+            else:
+                grad_input = group.all_reduce(grad_total)  # the f operator's backward
+            grad_input = grad_input.to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            total = group.all_gather(x, dim=0) if ctx.sequence_parallel else x
+            g2d = grad_output.reshape(-1, grad_output.shape[-1])
+            grad_weight = g2d.t().matmul(total.reshape(-1, total.shape[-1]).to(compute)).to(weight.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(0)
+        return grad_input, grad_weight, grad_bias, None, None
+
+
+def column_parallel_linear(
+    x: Tensor, weight: Tensor, bias: Optional[Tensor], group: ParallelGroup, sequence_parallel: bool
+) -> Tensor:
+    """Functional column-parallel linear.
+
+    Args:
+        x: ``[s/t, b, in]`` under SP, else ``[s, b, in]`` (replicated).
+        weight: local ``[out/t, in]``; bias: local ``[out/t]`` or ``None``.
+
+    Returns:
+        ``[s, b, out/t]``: this rank's output features for the whole sequence.
+    """
+    if group.size == 1:
+        return F.linear(x, weight, bias)
+    return _ColumnParallelLinearFunction.apply(x, weight, bias, group, sequence_parallel)
+
+
+class ColumnParallelLinear(nn.Module):
+    """``Y = X Aᵀ + b`` with A split by rows (output features) over the tensor-parallel group.
+
+    Args:
+        in_features, out_features: global sizes; ``out_features`` must divide by t.
+        group: the tensor-parallel :class:`ParallelGroup`.
+        sequence_parallel: input is sequence-sharded ``[s/t, b, in]`` and all-gathered (g);
+            otherwise it is replicated ``[s, b, in]`` (f).
+        gather_output: all-gather the output features, returning ``[s, b, out]``.
+        chunks: number of stacked blocks in the output dimension split separately (3 for fused QKV).
+
+    Shapes: weight ``[out/t, in]``; output ``[s, b, out/t]`` (or ``[s, b, out]`` with ``gather_output``).
+
+    Raises:
+        ValueError: if ``out_features`` (per chunk) is not divisible by t.
+
+    Source: Megatron-LM ``ColumnParallelLinear``.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        group: ParallelGroup,
+        *,
+        bias: bool = True,
+        sequence_parallel: bool = False,
+        gather_output: bool = False,
+        chunks: int = 1,
+    ) -> None:
+        super().__init__()
+        if out_features % (chunks * group.size):
+            raise ValueError(
+                f"ColumnParallelLinear: output features {out_features} (in {chunks} block(s)) are not "
+                f"divisible by the tensor-parallel size {group.size}."
+            )
+        self.in_features, self.out_features = in_features, out_features
+        self.group, self.sequence_parallel, self.gather_output = group, sequence_parallel, gather_output
+        self.spec = ShardSpec(dim=0, full_size=out_features, padded_size=out_features, chunks=chunks)
+        local = out_features // group.size
+        self.weight = nn.Parameter(torch.empty(local, in_features).normal_(std=0.02))
+        self.weight.shard_spec = self.spec
+        self.bias = nn.Parameter(torch.zeros(local)) if bias else None
+        if self.bias is not None:
+            self.bias.shard_spec = ShardSpec(0, out_features, out_features, chunks)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group: ParallelGroup, **kwargs) -> "ColumnParallelLinear":
+        """Shard a single-device ``nn.Linear`` (weights sliced, so both compute the same function)."""
+        layer = cls(linear.in_features, linear.out_features, group, bias=linear.bias is not None, **kwargs)
+        return layer.load_full(linear.weight, linear.bias)
+
+    def load_full(self, weight: Tensor, bias: Optional[Tensor]) -> "ColumnParallelLinear":
+        """Set this rank's shard from single-device ``weight [out, in]`` and ``bias [out]``."""
+        self.weight = shard_parameter(weight, self.spec, self.group)
+        if bias is not None:
+            self.bias = shard_parameter(bias, self.bias.shard_spec, self.group)
+        return self
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = column_parallel_linear(x, self.weight, self.bias, self.group, self.sequence_parallel)
+        if self.gather_output:
+            out = gather_from_tensor_parallel_region(out, self.group)  # [s, b, out]
+        return out
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features} (local {self.weight.shape[0]}), "
+            f"sequence_parallel={self.sequence_parallel}, tp={self.group.size}"
+        )
+
+
+class RowParallelLinear(nn.Module):
+    """``Y = X Aᵀ + b`` with A split by columns (input features) over the tensor-parallel group.
+
+    The partial products are summed by ḡ (reduce-scatter to ``[s/t, b, out]``) under sequence
+    parallelism, by f̄ (all-reduce to ``[s, b, out]``) otherwise; the bias is added after the
+    reduction, once. Under SP the bias sees only s/t tokens per rank, so it is tagged
+    ``sequence_parallel`` and its gradient is summed over the group before the optimizer step.
+
+    Args:
+        in_features, out_features: global sizes; ``in_features`` must divide by t.
+        group: the tensor-parallel :class:`ParallelGroup`.
+        sequence_parallel: reduce-scatter the output along s instead of all-reducing it.
+
+    Shapes: input ``[s, b, in/t]``; weight ``[out, in/t]``; output ``[s/t, b, out]`` (SP) or ``[s, b, out]``.
+
+    Raises:
+        ValueError: if ``in_features`` is not divisible by t.
+
+    Source: Megatron-LM ``RowParallelLinear``.
+    """
+
+    def __init__(
+        self, in_features: int, out_features: int, group: ParallelGroup, *, bias: bool = True, sequence_parallel: bool = False
+    ) -> None:
+        super().__init__()
+        if in_features % group.size:
+            raise ValueError(
+                f"RowParallelLinear: input features {in_features} are not divisible by the tensor-parallel "
+                f"size {group.size}."
+            )
+        self.in_features, self.out_features = in_features, out_features
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.spec = ShardSpec(dim=1, full_size=in_features, padded_size=in_features)
+        self.weight = nn.Parameter(torch.empty(out_features, in_features // group.size).normal_(std=0.02))
+        self.weight.shard_spec = self.spec
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        if self.bias is not None and sequence_parallel:
+            self.bias.sequence_parallel = True
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group: ParallelGroup, **kwargs) -> "RowParallelLinear":
+        """Shard a single-device ``nn.Linear`` (weights sliced, so both compute the same function)."""
+        layer = cls(linear.in_features, linear.out_features, group, bias=linear.bias is not None, **kwargs)
+        layer.weight = shard_parameter(linear.weight, layer.spec, group)
+        if linear.bias is not None:
+            layer.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=linear.bias.requires_grad)
+            if layer.sequence_parallel:
+                layer.bias.sequence_parallel = True
+        return layer
+
+    def forward(self, x: Tensor) -> Tensor:
+        partial = F.linear(x, self.weight)  # [s, b, out], a partial sum over ranks
+        if self.sequence_parallel:
+            out = reduce_scatter_to_sequence_parallel_region(partial, self.group)  # [s/t, b, out]
+        else:
+            out = reduce_from_tensor_parallel_region(partial, self.group)  # [s, b, out]
+        return out if self.bias is None else out + self.bias
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features} (local {self.weight.shape[1]}), out_features={self.out_features}, "
+            f"sequence_parallel={self.sequence_parallel}, tp={self.group.size}"
+        )

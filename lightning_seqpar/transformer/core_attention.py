@@ -1,0 +1,85 @@
+"""Core attention: the part of a transformer layer that selective recomputation recomputes."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from lightning_seqpar.tensor_parallel.random import RNGTracker, maybe_fork
+from lightning_seqpar.transformer.checkpointing import checkpoint
+
+
+class CoreAttention(nn.Module):
+    """``softmax(Q Kᵀ / √d + mask)`` → dropout → ``· V``, written out op by op.
+
+    These four ops hold the ``5as²b`` bytes of Eq. 1 (softmax output, dropout mask, dropout output)
+    while costing few FLOPs, so they are the ones worth recomputing (Korthikanti et al. 2022 §5,
+    Fig. 3; Megatron-LM ``CoreAttention``). The explicit form keeps those tensors measurable; a
+    fused kernel would not store them at all.
+
+    Args:
+        dropout: attention-probability dropout p.
+        causal: mask future positions.
+        rng_tracker: tracker whose tensor-parallel stream is used when ``sharded_heads``.
+        sharded_heads: heads are split over tensor-parallel ranks (each rank needs its own masks).
+
+    Attributes:
+        recompute: when ``True`` (set by :class:`~lightning_seqpar.SelectiveRecompute`), the forward is
+            checkpointed: only q, k, v are kept for backward.
+
+    Shapes: q, k, v ``[b, a_local, s, d]``; ``attn_mask`` additive, broadcastable to
+    ``[b, a_local, s, s]``; output ``[b, a_local, s, d]``.
+    """
+
+    def __init__(
+        self,
+        dropout: float = 0.0,
+        causal: bool = False,
+        rng_tracker: Optional[RNGTracker] = None,
+        sharded_heads: bool = False,
+    ) -> None:
+        super().__init__()
+        self.dropout, self.causal = dropout, causal
+        self.rng_tracker, self.sharded_heads = rng_tracker, sharded_heads
+        self.recompute = False
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None) -> Tensor:
+        if self.recompute and torch.is_grad_enabled():
+            return checkpoint(self._attend, q, k, v, attn_mask, rng_tracker=self.rng_tracker)
+        return self._attend(q, k, v, attn_mask)
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor]) -> Tensor:
+        s = q.shape[-2]
+        scores = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))  # [b, a, s, s]
+        if self.causal:
+            future = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
+            scores = scores.masked_fill(future, float("-inf"))
+        if attn_mask is not None:
+            scores = scores + attn_mask
+        probs = F.softmax(scores, dim=-1)
+        if self.training and self.dropout > 0:
+            with maybe_fork(self.rng_tracker, self.sharded_heads):
+                probs = F.dropout(probs, self.dropout)
+        return torch.matmul(probs, v)  # [b, a, s, d]
+
+    def extra_repr(self) -> str:
+        return f"dropout={self.dropout}, causal={self.causal}, recompute={self.recompute}"
+
+
+def split_heads(qkv: Tensor, num_heads: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Fused projection ``[s, b, 3·a·d]`` laid out ``[q | k | v]`` → q, k, v each ``[b, a, s, d]``."""
+    s, b, _ = qkv.shape
+    # -1 is the head dim d: the same code serves the local a/t heads of a shard.
+    q, k, v = qkv.view(s, b, 3, num_heads, -1).permute(2, 1, 3, 0, 4).unbind(0)
+    return q, k, v
+
+
+def merge_heads(context: Tensor) -> Tensor:
+    """``[b, a, s, d]`` → ``[s, b, a·d]``."""
+    b, a, s, d = context.shape
+    return context.permute(2, 0, 1, 3).reshape(s, b, a * d)

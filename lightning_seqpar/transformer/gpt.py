@@ -1,0 +1,163 @@
+"""Tensor + sequence parallel version of the reference :class:`~lightning_seqpar.models.GPT`.
+
+Submodule names mirror the single-device model, so state-dict keys are the same. Inside, activations
+are sequence-first and, under SP, sequence-sharded ``[s/t, b, h]`` from the embedding's
+reduce-scatter to the LM head's all-gather (Korthikanti et al. 2022 Fig. 5, §4.3).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+from lightning_seqpar.models.gpt import GPT, MLP, Block, CausalSelfAttention
+from lightning_seqpar.rewrite.context import RewriteContext
+from lightning_seqpar.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from lightning_seqpar.tensor_parallel.embedding import VocabParallelEmbedding
+from lightning_seqpar.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from lightning_seqpar.tensor_parallel.mappings import gather_from_tensor_parallel_region
+from lightning_seqpar.tensor_parallel.sharding import mark_sequence_parallel, shard_parameter
+from lightning_seqpar.transformer.checkpointing import checkpoint
+from lightning_seqpar.transformer.core_attention import merge_heads, split_heads
+from lightning_seqpar.transformer.dropout import ParallelDropout
+from lightning_seqpar.transformer.region import check_sequence_length
+from lightning_seqpar.transformer.stack import run_layers
+
+
+class ParallelCausalSelfAttention(nn.Module):
+    """:class:`CausalSelfAttention` with heads split over t ranks.
+
+    Shapes: input/output ``[s/t, b, h]`` (SP) or ``[s, b, h]``; inside, ``a/t`` local heads.
+    """
+
+    def __init__(self, attn: CausalSelfAttention, ctx: RewriteContext) -> None:
+        super().__init__()
+        self.n_head_local = attn.n_head // ctx.tp
+        self.c_attn = ColumnParallelLinear.from_linear(attn.c_attn, ctx.group, sequence_parallel=ctx.sp, chunks=3)
+        self.core_attention = attn.core_attention
+        self.core_attention.rng_tracker, self.core_attention.sharded_heads = ctx.rng_tracker, ctx.tp > 1
+        self.c_proj = RowParallelLinear.from_linear(attn.c_proj, ctx.group, sequence_parallel=ctx.sp)
+        self.resid_dropout = ParallelDropout(attn.resid_dropout.p, ctx.rng_tracker, sharded=ctx.sp)
+
+    def forward(self, x: Tensor) -> Tensor:
+        q, k, v = split_heads(self.c_attn(x), self.n_head_local)  # [b, a/t, s, d], g inside c_attn
+        y = merge_heads(self.core_attention(q, k, v))  # [s, b, h/t]
+        return self.resid_dropout(self.c_proj(y))  # [s/t, b, h] after ḡ
+
+
+class ParallelMLP(nn.Module):
+    """:class:`MLP` with the ffn features split over t ranks. ``[s/t, b, h]`` → ``[s/t, b, h]`` (SP)."""
+
+    def __init__(self, mlp: MLP, ctx: RewriteContext) -> None:
+        super().__init__()
+        self.c_fc = ColumnParallelLinear.from_linear(mlp.c_fc, ctx.group, sequence_parallel=ctx.sp)
+        self.gelu = mlp.gelu
+        self.c_proj = RowParallelLinear.from_linear(mlp.c_proj, ctx.group, sequence_parallel=ctx.sp)
+        self.dropout = ParallelDropout(mlp.dropout.p, ctx.rng_tracker, sharded=ctx.sp)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))  # [s, b, ffn/t] inside
+
+
+class ParallelBlock(nn.Module):
+    """:class:`Block` on sequence-first, sequence-sharded activations ``[s/t, b, h]`` (SP) or ``[s, b, h]``.
+
+    Attributes:
+        recompute_layer: checkpoint the whole layer (full recomputation), set by the recompute callback.
+    """
+
+    def __init__(self, block: Block, ctx: RewriteContext) -> None:
+        super().__init__()
+        self.ln_1, self.ln_2 = block.ln_1, block.ln_2
+        if ctx.sp:
+            mark_sequence_parallel(self.ln_1)
+            mark_sequence_parallel(self.ln_2)
+        self.attn = ParallelCausalSelfAttention(block.attn, ctx)
+        self.mlp = ParallelMLP(block.mlp, ctx)
+        self.rng_tracker = ctx.rng_tracker
+        self.recompute_layer = False
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.recompute_layer and torch.is_grad_enabled():
+            return checkpoint(self._forward, x, rng_tracker=self.rng_tracker)
+        return self._forward(x)
+
+    def _forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class ParallelGPT(GPT):
+    """The reference GPT with vocabulary-parallel embedding and LM head and TP+SP blocks.
+
+    ``forward(idx [b, s])`` returns full logits ``[b, s, v]`` (gathered over the vocabulary; under SP
+    a sequence whose length is not a multiple of t is right-padded, which causal attention makes
+    exact). ``forward(idx, targets)`` returns the mean loss, computed on vocabulary-sharded logits
+    (``loss_parallel``) or on gathered ones.
+
+    Raises:
+        ValueError: under SP, if a training sequence length is not divisible by t.
+    """
+
+    def __init__(self, gpt: GPT, ctx: RewriteContext) -> None:
+        nn.Module.__init__(self)
+        self.config, self.group, self.sp = gpt.config, ctx.group, ctx.sp
+        self.loss_parallel = ctx.loss_parallel
+        self.rng_tracker = ctx.rng_tracker
+        old = gpt.transformer
+        wte = VocabParallelEmbedding.from_embedding(old.wte, ctx.group, sequence_parallel=ctx.sp)
+        if ctx.sp:
+            mark_sequence_parallel(old.wpe)  # each rank adds only its s/t rows
+            mark_sequence_parallel(old.ln_f)
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=wte,
+                wpe=old.wpe,
+                drop=ParallelDropout(old.drop.p, ctx.rng_tracker, sharded=ctx.sp),
+                h=nn.ModuleList([ParallelBlock(block, ctx) for block in old.h]),
+                ln_f=old.ln_f,
+            )
+        )
+        v_padded = wte.spec.padded_size
+        self.lm_head = ColumnParallelLinear(gpt.config.n_embd, v_padded, ctx.group, bias=False, sequence_parallel=ctx.sp)
+        if gpt.config.tie_weights:
+            self.lm_head.weight = wte.weight
+        else:
+            self.lm_head.weight = shard_parameter(gpt.lm_head.weight, wte.spec, ctx.group)
+        self.recompute_chunks: list[tuple[int, int]] = []
+
+    def forward(self, idx: Tensor, targets: Optional[Tensor] = None) -> Tensor:
+        b, s = idx.shape
+        t = self.group.size
+        pad = 0
+        if self.sp and s % t:
+            if targets is not None:
+                check_sequence_length(s, self.group, "ParallelGPT")
+            pad = t - s % t  # inference only: trailing pad tokens cannot reach earlier positions
+            idx = torch.cat([idx, idx.new_zeros(b, pad)], dim=1)
+        s_total = s + pad
+        if s_total > self.config.block_size:
+            raise ValueError(f"Sequence length {s_total} exceeds block_size {self.config.block_size}.")
+        x = self.transformer.wte(idx)  # [s/t, b, h] (SP) or [s, b, h]
+        s_local = x.shape[0]
+        first = self.group.rank * s_local if self.sp else 0
+        pos = torch.arange(first, first + s_local, device=idx.device)
+        x = self.transformer.drop(x + self.transformer.wpe(pos).unsqueeze(1))
+        x = run_layers(self.transformer.h, x, self.recompute_chunks, self.rng_tracker)
+        logits = self.lm_head(self.transformer.ln_f(x))  # [s, b, v'/t], all-gather g inside
+        if targets is not None and self.loss_parallel:
+            return vocab_parallel_cross_entropy(
+                logits, targets.t(), self.group, self.config.vocab_size,
+                label_smoothing=self.config.label_smoothing, ignore_index=-1,
+            )
+        logits = gather_from_tensor_parallel_region(logits, self.group)[..., : self.config.vocab_size]
+        logits = logits.transpose(0, 1)[:, :s]  # [b, s, v]
+        if targets is None:
+            return logits
+        return nn.functional.cross_entropy(
+            logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1),
+            ignore_index=-1, label_smoothing=self.config.label_smoothing,
+        )

@@ -1,0 +1,54 @@
+"""Where the tensor-parallel region starts and ends.
+
+Inside the region activations are sequence-first and, under sequence parallelism, sharded along
+the sequence: ``[s/t, b, h]``. The region is entered once (transpose a batch-first input, scatter
+along s) and left once (gather along s, transpose back); consecutive rewritten layers pass the
+shard to each other with no communication between them.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from lightning_seqpar.tensor_parallel.collectives import ParallelGroup
+from lightning_seqpar.tensor_parallel.mappings import (
+    gather_from_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+)
+
+
+def check_sequence_length(s: int, group: ParallelGroup, where: str) -> None:
+    """Raise ``ValueError`` if sequence parallelism cannot split a sequence of length ``s``."""
+    if s % group.size:
+        raise ValueError(
+            f"{where}: sequence length {s} is not divisible by the tensor-parallel size {group.size}, "
+            f"which sequence parallelism needs. Use a sequence length that is a multiple of {group.size}, "
+            f"or `sequence_parallel=False`."
+        )
+
+
+def enter_parallel_region(x: Tensor, group: ParallelGroup, sequence_parallel: bool, batch_first: bool) -> Tensor:
+    """``[b, s, h]`` (batch-first) or ``[s, b, h]`` → ``[s/t, b, h]`` under SP, else ``[s, b, h]``.
+
+    Raises:
+        ValueError: under SP if s is not divisible by t.
+    """
+    if batch_first:
+        x = x.transpose(0, 1)
+    if sequence_parallel and group.size > 1:
+        check_sequence_length(x.shape[0], group, "Entering the sequence-parallel region")
+        x = scatter_to_sequence_parallel_region(x, group)
+    return x
+
+
+def exit_parallel_region(x: Tensor, group: ParallelGroup, sequence_parallel: bool, batch_first: bool) -> Tensor:
+    """Inverse of :func:`enter_parallel_region`: ``[s/t, b, h]`` → ``[b, s, h]`` or ``[s, b, h]``.
+
+    What follows is replicated, so the backward of the gather keeps the local slice of the (identical)
+    full gradients instead of reduce-scattering them.
+    """
+    if sequence_parallel and group.size > 1:
+        x = gather_from_sequence_parallel_region(x, group, tensor_parallel_output_grad=False)
+    if batch_first:
+        x = x.transpose(0, 1)
+    return x
