@@ -140,8 +140,10 @@ class GPT(nn.Module):
         logits = self.lm_head(self.transformer.ln_f(x))  # (b, s, v)
         if targets is None:
             return logits
+        if logits.dtype in (torch.float16, torch.bfloat16):
+            logits = logits.float()  # the softmax of 16-bit logits loses the loss's precision
         return F.cross_entropy(
-            logits.view(-1, logits.size(-1)).float(),
+            logits.view(-1, logits.size(-1)),
             targets.reshape(-1),
             ignore_index=-1,
             label_smoothing=self.config.label_smoothing,

@@ -157,7 +157,9 @@ class ParallelGPT(GPT):
         logits = logits.transpose(0, 1)[:, :s]  # [b, s, v]
         if targets is None:
             return logits
+        if logits.dtype in (torch.float16, torch.bfloat16):
+            logits = logits.float()
         return nn.functional.cross_entropy(
-            logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1),
+            logits.reshape(-1, logits.size(-1)), targets.reshape(-1),
             ignore_index=-1, label_smoothing=self.config.label_smoothing,
         )

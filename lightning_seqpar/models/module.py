@@ -1,0 +1,87 @@
+"""A LightningModule that trains the reference GPT: what a user would write for one device."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict
+from typing import Any, Optional, Union
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor
+from torchmetrics import MeanMetric
+
+from lightning_seqpar.models.gpt import GPT, GPTConfig
+
+
+class GPTLightningModule(pl.LightningModule):
+    """Language-model training of :class:`GPT` with AdamW and a warmup + cosine learning-rate schedule.
+
+    Logs ``train/loss`` and ``train/ppl`` every step, ``val/loss`` and ``val/ppl`` (torchmetrics means,
+    synchronized across processes) every validation.
+
+    Args:
+        model: a :class:`GPTConfig` or the dict of its fields.
+        learning_rate: peak learning rate.
+        weight_decay: AdamW weight decay on matrices (not on biases, norms, embeddings of size 1-D).
+        warmup_steps: linear warmup steps.
+        max_steps: total steps of the cosine decay (``None``: constant after warmup).
+        min_lr_ratio: final learning rate as a fraction of the peak.
+    """
+
+    def __init__(
+        self,
+        model: Union[GPTConfig, dict],
+        learning_rate: float = 1e-3,
+        weight_decay: float = 0.1,
+        warmup_steps: int = 0,
+        max_steps: Optional[int] = None,
+        min_lr_ratio: float = 0.1,
+    ) -> None:
+        super().__init__()
+        config = model if isinstance(model, GPTConfig) else GPTConfig(**model)
+        self.save_hyperparameters({"model": asdict(config), "learning_rate": learning_rate, "weight_decay": weight_decay,
+                                   "warmup_steps": warmup_steps, "max_steps": max_steps, "min_lr_ratio": min_lr_ratio})
+        self.gpt = GPT(config)
+        self.val_loss = MeanMetric()
+
+    def forward(self, idx: Tensor) -> Tensor:
+        """Logits ``[b, s, v]`` of token ids ``[b, s]``."""
+        return self.gpt(idx)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        loss = self.gpt(x, y)
+        self.log("train/loss", loss, prog_bar=True, sync_dist=True)
+        self.log("train/ppl", torch.exp(loss.detach()), sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        x, y = batch
+        self.val_loss.update(self.gpt(x, y))
+
+    def on_validation_epoch_end(self) -> None:
+        loss = self.val_loss.compute()
+        self.log("val/loss", loss, prog_bar=True)
+        self.log("val/ppl", torch.exp(loss))
+        self.val_loss.reset()
+
+    def configure_optimizers(self) -> Any:
+        hp = self.hparams
+        decay = [p for p in self.parameters() if p.dim() >= 2]
+        no_decay = [p for p in self.parameters() if p.dim() < 2]
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=hp.learning_rate, betas=(0.9, 0.95),
+        )
+
+        def schedule(step: int) -> float:
+            if step < hp.warmup_steps:
+                return (step + 1) / hp.warmup_steps
+            if not hp.max_steps:
+                return 1.0
+            progress = min(1.0, (step - hp.warmup_steps) / max(1, hp.max_steps - hp.warmup_steps))
+            return hp.min_lr_ratio + (1 - hp.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

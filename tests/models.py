@@ -1,0 +1,141 @@
+"""Tiny LightningModules used by the multi-process tests, and their single-process references."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Optional
+
+import lightning.pytorch as pl
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from lightning_seqpar.models import GPTConfig, GPTLightningModule
+from lightning_seqpar.state import full_gradients
+
+VOCAB, SEQ, BATCH = 13, 8, 2  # a vocabulary no tp in {2, 4} divides: exercises padding
+
+
+class EncoderLM(pl.LightningModule):
+    """A user's own model: embeddings, torch transformer layers, a head and a loss."""
+
+    def __init__(self, container: str = "encoder", batch_first: bool = True, norm_first: bool = True,
+                 activation: str = "gelu", masks: bool = True, dropout: float = 0.0, h: int = 16, heads: int = 4,
+                 layers: int = 2) -> None:
+        super().__init__()
+        self.batch_first, self.masks = batch_first, masks
+        self.embed = nn.Embedding(VOCAB, h)
+        self.pos = nn.Parameter(torch.randn(SEQ, h) * 0.1)
+        make = lambda: nn.TransformerEncoderLayer(h, heads, 2 * h, dropout=dropout, activation=activation,  # noqa: E731
+                                                  batch_first=batch_first, norm_first=norm_first)
+        self.container = container
+        if container == "encoder":
+            self.encoder = nn.TransformerEncoder(make(), layers, norm=nn.LayerNorm(h), enable_nested_tensor=False)
+        else:
+            self.layers = nn.ModuleList([make() for _ in range(layers)])
+        self.head = nn.Linear(h, VOCAB)
+
+    def forward(self, x):
+        b, s = x.shape
+        hidden = self.embed(x) + self.pos[:s]  # [b, s, h]
+        if not self.batch_first:
+            hidden = hidden.transpose(0, 1)
+        causal = torch.ones(s, s, dtype=torch.bool).triu(1) if self.masks else None
+        padding = torch.zeros(b, s, dtype=torch.bool)
+        if self.masks:
+            padding[0, -2:] = True  # the first sequence's last two tokens are padding
+        if self.container == "encoder":
+            hidden = self.encoder(hidden, mask=causal, src_key_padding_mask=padding if self.masks else None)
+        else:
+            for layer in self.layers:
+                hidden = layer(hidden, src_mask=causal, is_causal=self.masks)
+        if not self.batch_first:
+            hidden = hidden.transpose(0, 1)
+        return self.head(hidden)
+
+    def training_step(self, batch, batch_idx):
+        loss = compute_loss(self, *batch)
+        self.log("train/loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def compute_loss(module: pl.LightningModule, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    if isinstance(module, GPTLightningModule):
+        return module.gpt(x, y)
+    return F.cross_entropy(module(x).reshape(-1, VOCAB), y.reshape(-1))
+
+
+def gpt_module(dropout: float = 0.0, tie_weights: bool = True, label_smoothing: float = 0.1) -> GPTLightningModule:
+    config = GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=4, n_embd=16, dropout=dropout,
+                       tie_weights=tie_weights, label_smoothing=label_smoothing)
+    return GPTLightningModule(config, learning_rate=1e-2)
+
+
+def build(kind: str, **kwargs) -> pl.LightningModule:
+    """Seeded: every process builds the same initial model."""
+    torch.manual_seed(1234)
+    return gpt_module(**kwargs) if kind == "gpt" else EncoderLM(**kwargs)
+
+
+def token_data(steps: int, dp: int, seed: int = 0) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    n = steps * BATCH * dp
+    x = torch.randint(0, VOCAB, (n, SEQ), generator=g)
+    y = torch.randint(0, VOCAB, (n, SEQ), generator=g)
+    return TensorDataset(x, y)
+
+
+def loader(dataset: TensorDataset) -> DataLoader:
+    return DataLoader(dataset, batch_size=BATCH, shuffle=False)
+
+
+@dataclass
+class Recorder(pl.Callback):
+    """Per optimizer step: the loss and the gradients the unparallelized model would hold."""
+
+    losses: list = field(default_factory=list)
+    grads: list = field(default_factory=list)
+    replicated: list = field(default_factory=list)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(outputs["loss"].item())
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        strategy = trainer.strategy
+        group = strategy.mesh.tensor if hasattr(strategy, "mesh") else None
+        self.grads.append(full_gradients(pl_module, group) if group else
+                          {n: p.grad.detach().clone() for n, p in pl_module.named_parameters() if p.grad is not None})
+        self.replicated.append({n: p.grad.detach().clone() for n, p in pl_module.named_parameters()
+                                if p.grad is not None and not hasattr(p, "shard_spec")})
+
+
+def reference_run(module: pl.LightningModule, dataset: TensorDataset, steps: int, dp: int,
+                  accumulate: int = 1, clip: Optional[float] = None) -> Recorder:
+    """Single-process float64 training on the same global batches the parallel run sees."""
+    module = copy.deepcopy(module).double()
+    optimizer = module.configure_optimizers()
+    optimizer = optimizer["optimizer"] if isinstance(optimizer, dict) else optimizer
+    record = Recorder()
+    # Lightning gives each data-parallel rank DistributedSampler(shuffle=True, seed=0) indices.
+    order = [list(DistributedSampler(dataset, num_replicas=dp, rank=r, shuffle=True, seed=0)) for r in range(dp)]
+    for step in range(steps):
+        optimizer.zero_grad()
+        losses = []
+        for micro in range(accumulate):
+            k = step * accumulate + micro
+            idx = [i for r in range(dp) for i in order[r][k * BATCH : (k + 1) * BATCH]]
+            x, y = dataset.tensors[0][idx], dataset.tensors[1][idx]
+            loss = compute_loss(module, x, y)
+            (loss / accumulate).backward()
+            losses.append(loss.item())
+        record.losses.extend(losses)
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(module.parameters(), clip)
+        record.grads.append({n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None})
+        optimizer.step()
+    return record
