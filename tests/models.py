@@ -43,9 +43,8 @@ class EncoderLM(pl.LightningModule):
         if not self.batch_first:
             hidden = hidden.transpose(0, 1)
         causal = torch.ones(s, s, dtype=torch.bool).triu(1) if self.masks else None
-        padding = torch.zeros(b, s, dtype=torch.bool)
-        if self.masks:
-            padding[0, -2:] = True  # the first sequence's last two tokens are padding
+        # Token 0 in the last two positions is padding: depends on the data, never masks a whole row.
+        padding = (x == 0) & (torch.arange(s) >= s - 2)
         if self.container == "encoder":
             hidden = self.encoder(hidden, mask=causal, src_key_padding_mask=padding if self.masks else None)
         else:
@@ -86,6 +85,7 @@ def token_data(steps: int, dp: int, seed: int = 0) -> TensorDataset:
     g = torch.Generator().manual_seed(seed)
     n = steps * BATCH * dp
     x = torch.randint(0, VOCAB, (n, SEQ), generator=g)
+    x[::3, -1] = 0  # some key padding for models that mask token 0
     y = torch.randint(0, VOCAB, (n, SEQ), generator=g)
     return TensorDataset(x, y)
 
