@@ -80,6 +80,8 @@ def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
 def full_optimizer_state(optimizer: torch.optim.Optimizer, group: ParallelGroup) -> dict[str, Any]:
     """``optimizer.state_dict()`` with every per-parameter tensor of a sharded parameter gathered (collective)."""
     state = optimizer.state_dict()
+    # state_dict() shares the per-parameter dicts with the live optimizer: never write into them.
+    state["state"] = {index: dict(entry) for index, entry in state["state"].items()}
     params = _optimizer_params(optimizer)
     for index, entry in state["state"].items():
         spec = getattr(params[index], "shard_spec", None)

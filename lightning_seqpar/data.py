@@ -1,0 +1,110 @@
+"""Language-model data: the built-in corpus, any text, or nanoGPT-style token files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional, Union
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset
+
+BYTE_VOCAB_SIZE = 256
+
+
+def builtin_corpus() -> str:
+    """The Python reference documentation that ships with every CPython (``pydoc_data.topics``, ~465 kB).
+
+    Real English-and-code text that needs no download.
+    """
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[key] for key in sorted(topics))
+
+
+def load_tokens(path: Optional[Union[str, Path]] = None) -> tuple[Tensor, int]:
+    """Token ids ``[n]`` (int64) and the vocabulary size of a corpus.
+
+    Args:
+        path: ``None`` for :func:`builtin_corpus`; a ``.bin`` file of uint16 tokens (nanoGPT's format;
+            vocabulary = largest id + 1); a text file; or a directory, whose text files are concatenated
+            in sorted order. Text becomes UTF-8 bytes (vocabulary 256).
+
+    Raises:
+        FileNotFoundError: if ``path`` does not exist. ValueError: if it holds no tokens.
+    """
+    if path is None:
+        data = builtin_corpus().encode("utf-8")
+    else:
+        path = Path(path)
+        if not path.exists():
+            raise FileNotFoundError(f"No corpus at {path}.")
+        if path.suffix == ".bin":
+            tokens = torch.from_numpy(np.fromfile(path, dtype=np.uint16).astype(np.int64))
+            if tokens.numel() == 0:
+                raise ValueError(f"{path} holds no tokens.")
+            return tokens, int(tokens.max()) + 1
+        files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+        data = b"\n\n".join(p.read_bytes() for p in files)
+    if not data:
+        raise ValueError(f"The corpus at {path} is empty.")
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).long(), BYTE_VOCAB_SIZE
+
+
+def decode_bytes(tokens: Tensor) -> str:
+    """Byte tokens → text (invalid UTF-8 replaced)."""
+    return bytes(tokens.tolist()).decode("utf-8", errors="replace")
+
+
+class BlockDataset(Dataset):
+    """Consecutive, non-overlapping blocks: item i is ``(x, y)`` with ``x = tokens[i·s : i·s + s]`` and
+    ``y`` the same window shifted by one token. Shapes ``[s]`` each."""
+
+    def __init__(self, tokens: Tensor, block_size: int) -> None:
+        if tokens.numel() <= block_size:
+            raise ValueError(f"{tokens.numel()} tokens cannot fill one block of {block_size} + 1.")
+        self.tokens, self.block_size = tokens, block_size
+
+    def __len__(self) -> int:
+        return (self.tokens.numel() - 1) // self.block_size
+
+    def __getitem__(self, i: int) -> tuple[Tensor, Tensor]:
+        start = i * self.block_size
+        chunk = self.tokens[start : start + self.block_size + 1]
+        return chunk[:-1], chunk[1:]
+
+
+class TextDataModule(pl.LightningDataModule):
+    """Train/validation split of a corpus into blocks of ``block_size`` tokens.
+
+    Args:
+        path: see :func:`load_tokens` (``None``: the built-in corpus).
+        block_size: s, tokens per sample.
+        batch_size: samples per data-parallel rank and step (b).
+        val_fraction: share of the corpus (its tail) held out for validation.
+        num_workers: DataLoader workers.
+    """
+
+    def __init__(self, path: Optional[str] = None, block_size: int = 128, batch_size: int = 8,
+                 val_fraction: float = 0.05, num_workers: int = 0) -> None:
+        super().__init__()
+        if not 0 < val_fraction < 1:
+            raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}.")
+        self.path, self.block_size, self.batch_size = path, block_size, batch_size
+        self.val_fraction, self.num_workers = val_fraction, num_workers
+        self.tokens, self.vocab_size = load_tokens(path)
+
+    def setup(self, stage: Optional[str] = None) -> None:
+        split = int(self.tokens.numel() * (1 - self.val_fraction))
+        self.train_set = BlockDataset(self.tokens[:split], self.block_size)
+        self.val_set = BlockDataset(self.tokens[split:], self.block_size)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, drop_last=True,
+                          num_workers=self.num_workers)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False, drop_last=True,
+                          num_workers=self.num_workers)
