@@ -12,6 +12,7 @@ from torch import Tensor
 
 from lightning_seqpar.tensor_parallel.random import RNGTracker, maybe_fork
 from lightning_seqpar.transformer.checkpointing import checkpoint
+from lightning_seqpar.transformer.dropout import dropout
 
 
 class CoreAttention(nn.Module):
@@ -64,7 +65,7 @@ class CoreAttention(nn.Module):
         probs = F.softmax(scores, dim=-1)
         if self.training and self.dropout > 0:
             with maybe_fork(self.rng_tracker, self.sharded_heads):
-                probs = F.dropout(probs, self.dropout)
+                probs = dropout(probs, self.dropout)
         return torch.matmul(probs, v)  # [b, a, s, d]
 
     def extra_repr(self) -> str:

@@ -4,11 +4,20 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_seqpar.tensor_parallel.random import RNGTracker, maybe_fork
+
+
+def dropout(x: Tensor, p: float) -> Tensor:
+    """Training-mode dropout that keeps a 1-byte boolean mask for backward on every device.
+
+    ``F.dropout`` on CPU keeps a mask in the activation's dtype; the paper's accounting (and CUDA's
+    fused kernel) keep one byte per element (Korthikanti et al. 2022 §4.1).
+    """
+    return torch.native_dropout(x, p, True)[0]
 
 
 class ParallelDropout(nn.Module):
@@ -32,7 +41,7 @@ class ParallelDropout(nn.Module):
         if not self.training or self.p == 0:
             return x
         with maybe_fork(self.rng_tracker, self.sharded):
-            return F.dropout(x, self.p)
+            return dropout(x, self.p)
 
     def extra_repr(self) -> str:
         return f"p={self.p}, sharded={self.sharded}"

@@ -1,0 +1,125 @@
+"""Deterministic figures of one rewritten layer: collectives, bytes moved, bytes saved for backward.
+
+Korthikanti et al. 2022 §4.2.2: TP needs 2 all-reduces in a layer's forward; TP+SP replaces them with
+2 all-gathers + 2 reduce-scatters of the same total bytes, and divides by t the activations that TP
+leaves replicated (10·sbh of Eq. 2, 16-bit activations and 1-byte masks).
+"""
+
+import pytest
+import torch
+
+from lightning_seqpar.models.gpt import Block, GPTConfig
+from lightning_seqpar.rewrite import RewriteContext
+from lightning_seqpar.tensor_parallel import CommunicationLog, ParallelGroup
+from lightning_seqpar.tensor_parallel.random import RNGTracker
+from lightning_seqpar.transformer.gpt import ParallelBlock
+from tests.distributed import run_distributed
+
+S, B, H, A = 16, 2, 32, 4  # s, b, h, a
+F = 3 * H  # FFN width: f/t never equals h, so saved shapes tell the regions apart
+
+
+def _layer(rank, sequence_parallel, dtype=torch.float32, dropout=0.0):
+    torch.manual_seed(0)
+    group = ParallelGroup(torch.distributed.group.WORLD)
+    ctx = RewriteContext(group, sequence_parallel, RNGTracker.for_tensor_parallel(0, rank), True)
+    block = ParallelBlock(Block(GPTConfig(n_embd=H, n_head=A, block_size=S, dropout=dropout, ffn_hidden_size=F)), ctx).to(dtype)
+    torch.manual_seed(1)
+    x = torch.randn(S, B, H, dtype=dtype)
+    x = group.split(x) if ctx.sp else x  # [s/t, b, h] or [s, b, h]
+    x = x.clone().requires_grad_(True)
+    return group, block, x
+
+
+def _count(rank, world_size):
+    out = {}
+    for sp in (True, False):
+        group, block, x = _layer(rank, sp)
+        group.log = CommunicationLog()
+        y = block(x)
+        fwd = {k: group.log.count(k) for k in ("all_reduce", "all_gather", "reduce_scatter")}
+        fwd_bytes = group.log.bytes_moved()
+        group.log.clear()
+        y.sum().backward()
+        bwd = {k: group.log.count(k) for k in ("all_reduce", "all_gather", "reduce_scatter")}
+        out[sp] = fwd, fwd_bytes, bwd, group.log.bytes_moved()
+    return out
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda t: f"tp{t}")
+def counts(request):
+    return request.param, run_distributed(_count, request.param)[0]
+
+
+def test_forward_collectives_per_layer(counts):
+    _, c = counts
+    assert c[True][0] == {"all_reduce": 0, "all_gather": 2, "reduce_scatter": 2}  # g before QKV/fc1, ḡ after proj/fc2
+    assert c[False][0] == {"all_reduce": 2, "all_gather": 0, "reduce_scatter": 0}  # f̄ after proj/fc2
+
+
+def test_forward_bytes_equal_with_and_without_sequence_parallelism(counts):
+    t, c = counts
+    sbh_bytes = S * B * H * 4  # float32
+    assert c[True][1] == c[False][1] == 2 * 2 * (t - 1) * sbh_bytes // t
+
+
+def test_backward_collectives_per_layer(counts):
+    t, c = counts
+    # TP: f's all-reduce behind each column-parallel linear.
+    assert c[False][2] == {"all_reduce": 2, "all_gather": 0, "reduce_scatter": 0}
+    # SP: ḡ's all-gather (2), g's reduce-scatter (2), and the re-gather of the saved input shard (2, §4.2.2).
+    assert c[True][2] == {"all_reduce": 0, "all_gather": 4, "reduce_scatter": 2}
+    sbh_bytes = S * B * H * 4
+    regather = 2 * (t - 1) * sbh_bytes // t
+    assert c[True][3] == c[False][3] + regather
+
+
+def _saved_bytes(rank, world_size):
+    """Bytes each saved tensor keeps (storages counted once), grouped by region."""
+    out = {}
+    for sp in (True, False):
+        group, block, x = _layer(rank, sp, dtype=torch.bfloat16, dropout=0.1)
+        block.train()
+        params = {p.untyped_storage().data_ptr() for p in block.parameters()}
+        seen, regions = set(), {"sequence_parallel_terms": 0, "tensor_parallel_terms": 0, "other": 0}
+        s_local = x.shape[0]
+
+        def pack(t):
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in params and ptr not in seen:
+                seen.add(ptr)
+                nbytes = t.untyped_storage().nbytes()
+                if tuple(t.shape) == (s_local, B, H):
+                    regions["sequence_parallel_terms"] += nbytes  # LN inputs, linear inputs, hidden masks
+                elif t.shape[-1] == 1 or tuple(t.shape) == (S, S):
+                    regions["other"] += nbytes  # LN mean/rstd, the causal mask: not in the paper's count
+                else:
+                    regions["tensor_parallel_terms"] += nbytes  # head- and feature-sharded activations
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            block(x)
+        out[sp] = regions
+    return out
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda t: f"tp{t}")
+def saved(request):
+    return request.param, run_distributed(_saved_bytes, request.param)[0]
+
+
+def test_sequence_parallel_divides_the_replicated_activations_by_t(saved):
+    t, m = saved
+    sbh = S * B * H
+    # Eq. 2's replicated 10·sbh (2 LN inputs, 2 linear inputs at 2 bytes; 2 dropout masks at 1 byte) ...
+    assert m[False]["sequence_parallel_terms"] == 10 * sbh
+    # ... becomes 10·sbh/t under SP (Eq. 4), measured on the rewritten layer.
+    assert m[True]["sequence_parallel_terms"] * t == m[False]["sequence_parallel_terms"]
+
+
+def test_tensor_parallel_activations_unchanged_by_sequence_parallelism(saved):
+    t, m = saved
+    sbh = S * B * H
+    # Eq. 2's 24·sbh/t + 5as²b/t, with the MLP width f general: (8 + 4f/h)·sbh/t (Megatron-Core's form).
+    expected = (8 * sbh + 4 * S * B * F) // t + 5 * A * S * S * B // t
+    assert m[True]["tensor_parallel_terms"] == m[False]["tensor_parallel_terms"] == expected
