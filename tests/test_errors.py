@@ -1,0 +1,99 @@
+"""Bad input fails early with an error naming the value and the fix."""
+
+import os
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn as nn
+
+from lightning_seqpar import SelectiveRecompute, SeqParallelStrategy, explain, validate_layout
+from lightning_seqpar.models import GPT, GPTConfig
+from lightning_seqpar.tensor_parallel import ParallelGroup
+from lightning_seqpar.transformer.region import enter_parallel_region
+
+
+@pytest.mark.parametrize("world_size,tp,pp,match", [
+    (6, 4, 1, "not divisible by tp·pp = 4·1"), (4, 0, 1, "`tp` must be a positive integer"),
+    (4, 2, -1, "`pp` must be a positive integer"), (8, 3, 1, "Launch a multiple of 3"),
+])
+def test_layout_errors(world_size, tp, pp, match):
+    with pytest.raises(ValueError, match=match):
+        validate_layout(world_size, tp, pp)
+
+
+def test_pipeline_parallel_not_available_yet():
+    with pytest.raises(NotImplementedError, match="Pipeline parallelism is not available yet"):
+        SeqParallelStrategy(tp=2, pp=2)
+
+
+def test_world_size_not_divisible_fails_before_any_collective(monkeypatch, tmp_path):
+    monkeypatch.setenv("LOCAL_RANK", "0")  # this process is rank 0 of 3, launched externally
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "1")  # nothing listens: a collective would hang or fail differently
+    trainer = pl.Trainer(accelerator="cpu", devices=3, strategy=SeqParallelStrategy(tp=2), logger=False,
+                         default_root_dir=tmp_path)
+    from tests.models import build, loader, token_data
+
+    with pytest.raises(ValueError, match=r"world size \(3 processes\) is not divisible by tp·pp = 2·1"):
+        trainer.fit(build("gpt"), loader(token_data(1, 1)))
+    assert not torch.distributed.is_initialized()
+
+
+@pytest.mark.parametrize("config,match", [
+    (dict(n_head=6, n_embd=24), "n_head = 6 is not divisible by the tensor-parallel size tp = 4"),
+    (dict(n_head=4, n_embd=16, ffn_hidden_size=30), "ffn_hidden_size = 30 is not divisible"),
+    (dict(n_head=4, n_embd=16, block_size=10), "sequence length 10 is not divisible by the tensor-parallel size 4"),
+])
+def test_gpt_shapes_that_cannot_be_split(config, match):
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gpt = GPT(GPTConfig(**config))
+
+    with pytest.raises(ValueError, match=match):
+        explain(LM(), tp=4)
+
+
+def test_encoder_shapes_that_cannot_be_split():
+    layer = nn.TransformerEncoderLayer(12, 3, 24)
+    with pytest.raises(ValueError, match=r"0: nhead = 3 is not divisible by the tensor-parallel size tp = 2"):
+        explain(nn.ModuleList([layer]), tp=2)
+    layer = nn.TransformerEncoderLayer(12, 4, 30)
+    with pytest.raises(ValueError, match="dim_feedforward = 30 is not divisible"):
+        explain(nn.ModuleList([layer]), tp=4)
+
+
+def test_unknown_model_names_the_classes_found_and_how_to_register_a_policy():
+    class MyBlock(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(4, 4)
+
+    class MyModel(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList([MyBlock()])
+
+    with pytest.raises(ValueError, match=r"Classes with Linear layers found: MyBlock\..*policies=\[MyPolicy\(\)\]"):
+        explain(MyModel(), tp=2)
+
+
+def test_sequence_length_not_divisible_under_sp_fails_before_communicating():
+    group = ParallelGroup.virtual(4)  # a virtual group raises if anything tries to communicate
+    with pytest.raises(ValueError, match="sequence length 6 is not divisible by the tensor-parallel size 4"):
+        enter_parallel_region(torch.zeros(2, 6, 8), group, sequence_parallel=True, batch_first=True)
+
+
+def test_recompute_arguments():
+    with pytest.raises(ValueError, match="granularity"):
+        SelectiveRecompute(granularity="partial")
+    with pytest.raises(ValueError, match="method"):
+        SelectiveRecompute(granularity="full", method="random")
+    with pytest.raises(ValueError, match="num_layers must be >= 1"):
+        SelectiveRecompute(granularity="full", num_layers=0)
+
+
+def test_strategy_is_registered_by_name():
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="seq_parallel", logger=False)
+    assert isinstance(trainer.strategy, SeqParallelStrategy) and trainer.strategy.tp == 1
