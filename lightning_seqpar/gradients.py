@@ -45,6 +45,11 @@ def finalize_gradients(parameters: Iterable[torch.nn.Parameter], mesh: ParallelM
     _all_reduce_coalesced([p.grad for p in params], mesh.data, scale=1.0 / mesh.data.size)
 
 
+def _upcast(grad: Tensor) -> Tensor:
+    # 16-bit squares overflow and lose precision; float32 and float64 are kept as they are.
+    return grad.detach().float() if grad.element_size() < 4 else grad.detach()
+
+
 def grad_norm(parameters: Iterable[torch.nn.Parameter], mesh: ParallelMesh, norm_type: float = 2.0) -> Tensor:
     """The norm of the whole model's gradient, as one process would compute it.
 
@@ -64,16 +69,17 @@ def grad_norm(parameters: Iterable[torch.nn.Parameter], mesh: ParallelMesh, norm
     if not grads:
         return torch.zeros(())
     device = grads[0].grad.device
-    sharded = [p.grad.detach().float() for p in grads if hasattr(p, "shard_spec")]
-    replicated = [p.grad.detach().float() for p in grads if not hasattr(p, "shard_spec")]
+    dtype = torch.float64 if any(p.grad.dtype == torch.float64 for p in grads) else torch.float32
+    sharded = [_upcast(p.grad) for p in grads if hasattr(p, "shard_spec")]
+    replicated = [_upcast(p.grad) for p in grads if not hasattr(p, "shard_spec")]
     if norm_type == math.inf:
         local = torch.stack([g.abs().max() for g in sharded] or [torch.zeros((), device=device)]).max()
         mesh.tensor.all_reduce(local, op=torch.distributed.ReduceOp.MAX)
         rest = torch.stack([g.abs().max() for g in replicated] or [torch.zeros((), device=device)]).max()
         return torch.maximum(local, rest)
-    sharded_sq = sum((g.pow(2).sum() for g in sharded), torch.zeros((), device=device))
+    sharded_sq = sum((g.pow(2).sum() for g in sharded), torch.zeros((), device=device, dtype=dtype))
     mesh.tensor.all_reduce(sharded_sq)
-    replicated_sq = sum((g.pow(2).sum() for g in replicated), torch.zeros((), device=device))
+    replicated_sq = sum((g.pow(2).sum() for g in replicated), torch.zeros((), device=device, dtype=dtype))
     return (sharded_sq + replicated_sq).sqrt()
 
 

@@ -46,7 +46,8 @@ def full_gradients(module: nn.Module, group: ParallelGroup) -> dict[str, Tensor]
         if param.grad is None:
             continue
         spec = getattr(param, "shard_spec", None)
-        out[name] = (spec.gather(param.grad, group) if spec is not None else param.grad.detach()).cpu()
+        # A copy: on CPU .cpu() would return the live gradient, which clipping then scales in place.
+        out[name] = (spec.gather(param.grad, group) if spec is not None else param.grad.detach()).cpu().clone()
     return out
 
 

@@ -134,8 +134,9 @@ def reference_run(module: pl.LightningModule, dataset: TensorDataset, steps: int
             (loss / accumulate).backward()
             losses.append(loss.item())
         record.losses.extend(losses)
+        # Lightning's on_before_optimizer_step sees gradients before clipping; later steps see its effect.
+        record.grads.append({n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None})
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(module.parameters(), clip)
-        record.grads.append({n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None})
         optimizer.step()
     return record

@@ -21,6 +21,10 @@ CASES = {
     4: [Case(kind, tp, sp, rc, model) for kind, model in (("gpt", ()), ("encoder", ENCODER_A), ("encoder", ENCODER_B))
         for tp in (4, 2) for sp, rc in ((True, None), (False, None), (True, "selective"))],
 }
+# Lightning features that must see whole-model gradients: global-norm clipping across shards, accumulation.
+CLIP_ACCUMULATE = (("gradient_clip_val", 0.05), ("accumulate_grad_batches", 2))
+CASES[2].append(Case("gpt", 2, True, None, (), CLIP_ACCUMULATE))
+CASES[4].append(Case("encoder", 2, True, "selective", ENCODER_A, CLIP_ACCUMULATE))
 RTOL, ATOL = 1e-9, 1e-11
 
 
@@ -48,7 +52,9 @@ def _cases():
 
 def _id(wc):
     w, c = wc
-    return f"{c.kind}{''.join(v[0] for _, v in c.model if isinstance(v, str))}-tp{c.tp}dp{w // c.tp}-{'sp' if c.sequence_parallel else 'nosp'}-{c.recompute}"
+    extra = "-clip-accumulate" if c.trainer else ""
+    return (f"{c.kind}{''.join(v[0] for _, v in c.model if isinstance(v, str))}-tp{c.tp}dp{w // c.tp}-"
+            f"{'sp' if c.sequence_parallel else 'nosp'}-{c.recompute}{extra}")
 
 
 @pytest.mark.parametrize("world_case", _cases(), ids=[_id(wc) for wc in _cases()])
@@ -56,10 +62,14 @@ def test_loss_and_gradients_match_single_process(request, world_case):
     world_size, case = world_case
     per_rank = request.getfixturevalue(f"runs{world_size}")
     dp = case.dp(world_size)
-    ref = reference_run(build(case.kind, **dict(case.model)), token_data(STEPS, dp), STEPS, dp)
+    options = dict(case.trainer)
+    accumulate = options.get("accumulate_grad_batches", 1)
+    ref = reference_run(build(case.kind, **dict(case.model)), token_data(STEPS * accumulate, dp), STEPS, dp,
+                        accumulate=accumulate, clip=options.get("gradient_clip_val"))
     # Data-parallel ranks hold different batches: their mean is the global batch's loss.
     ranks_by_dp = [per_rank[d * case.tp][case] for d in range(dp)]
-    losses = torch.tensor([r[0] for r in ranks_by_dp], dtype=torch.float64).mean(0)
+    # Lightning reports each micro-batch's loss divided by the accumulation count.
+    losses = torch.tensor([r[0] for r in ranks_by_dp], dtype=torch.float64).mean(0) * accumulate
     torch.testing.assert_close(losses, torch.tensor(ref.losses, dtype=losses.dtype), rtol=RTOL, atol=ATOL)
     for rank in range(world_size):
         grads = per_rank[rank][case][1]
