@@ -27,11 +27,17 @@ class Case:
         return world_size // self.tp
 
 
-def fit(case: Case, world_size: int, steps: int = STEPS, callbacks=(), **overrides) -> Recorder:
-    """Train ``case`` for ``steps`` optimizer steps; return what this rank recorded."""
+def fit(case: Case, world_size: int, steps: int = STEPS, callbacks=(), epoch_steps=None, **overrides) -> Recorder:
+    """Train ``case`` for ``steps`` optimizer steps (epochs of ``epoch_steps``); return what this rank recorded."""
     module = build(case.kind, **dict(case.model))
     recorder = Recorder()
-    extra = list(callbacks)
+    ckpt_path = None
+    extra = []
+    for cb in callbacks:
+        if type(cb).__name__ == "_Resume":
+            ckpt_path = str(cb.path)
+        else:
+            extra.append(cb)
     if case.recompute:
         extra.append(SelectiveRecompute(granularity=case.recompute))
     trainer_kwargs = dict(
@@ -46,5 +52,6 @@ def fit(case: Case, world_size: int, steps: int = STEPS, callbacks=(), **overrid
         strategy=SeqParallelStrategy(tp=case.tp, sequence_parallel=case.sequence_parallel, **dict(case.strategy)),
         callbacks=[recorder, *extra], **trainer_kwargs,
     )
-    trainer.fit(module, loader(token_data(steps * accumulate, case.dp(world_size))))
+    data = token_data((epoch_steps or steps) * accumulate, case.dp(world_size))
+    trainer.fit(module, loader(data), ckpt_path=ckpt_path)
     return recorder
