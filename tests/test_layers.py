@@ -17,8 +17,6 @@ from lightning_seqpar.tensor_parallel import (
 )
 from tests.distributed import run_distributed
 
-torch.set_default_dtype(torch.float64)
-
 
 def _mlp_case(rank, world_size, sequence_parallel):
     """Column → GeLU → Row, the paper's Eq. 3, against nn.Linear; returns max errors."""
