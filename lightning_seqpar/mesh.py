@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-import torch
 import torch.distributed as dist
 
 from lightning_seqpar.tensor_parallel.collectives import ParallelGroup
@@ -84,7 +83,3 @@ class ParallelMesh:
         """``(pp_rank, dp_rank, tp_rank)`` of a global rank (tensor-parallel fastest)."""
         return rank // (tp * dp), (rank // tp) % dp, rank % tp
 
-
-def default_device_type() -> str:
-    """``"cuda"`` when a GPU is present, else ``"cpu"``."""
-    return "cuda" if torch.cuda.is_available() else "cpu"

@@ -27,17 +27,12 @@ class Case:
         return world_size // self.tp
 
 
-def fit(case: Case, world_size: int, steps: int = STEPS, callbacks=(), epoch_steps=None, **overrides) -> Recorder:
+def fit(case: Case, world_size: int, steps: int = STEPS, callbacks=(), epoch_steps=None, ckpt_path=None,
+        **overrides) -> Recorder:
     """Train ``case`` for ``steps`` optimizer steps (epochs of ``epoch_steps``); return what this rank recorded."""
     module = build(case.kind, **dict(case.model))
     recorder = Recorder()
-    ckpt_path = None
-    extra = []
-    for cb in callbacks:
-        if type(cb).__name__ == "_Resume":
-            ckpt_path = str(cb.path)
-        else:
-            extra.append(cb)
+    extra = list(callbacks)
     if case.recompute:
         extra.append(SelectiveRecompute(granularity=case.recompute))
     trainer_kwargs = dict(

@@ -23,16 +23,9 @@ def _resume(rank, world_size, directory):
     first = fit(case, world_size, steps=6, callbacks=[ckpt], epoch_steps=3, max_epochs=1,
                 enable_checkpointing=True).losses
     resumed = fit(case, world_size, steps=6, epoch_steps=3,
-                  callbacks=[_Resume(Path(directory) / "last.ckpt")]).losses
+                  ckpt_path=str(Path(directory) / "last.ckpt")).losses
     state = torch.load(Path(directory) / "last.ckpt", weights_only=False)["state_dict"]
     return straight, first, resumed, {k: tuple(v.shape) for k, v in state.items()}
-
-
-class _Resume:
-    """Marker: fit() passes ckpt_path through Trainer.fit (see tests.parity.fit)."""
-
-    def __init__(self, path):
-        self.path = path
 
 
 def test_resume_continues_the_same_loss_curve(tmp_path):

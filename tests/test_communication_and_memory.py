@@ -46,9 +46,18 @@ def _count(rank, world_size):
     return out
 
 
+def _measure(rank, world_size):
+    return _count(rank, world_size), _saved_bytes(rank, world_size)
+
+
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda t: f"tp{t}")
-def counts(request):
-    return request.param, run_distributed(_count, request.param)[0]
+def measured(request):
+    return request.param, run_distributed(_measure, request.param)[0]
+
+
+@pytest.fixture
+def counts(measured):
+    return measured[0], measured[1][0]
 
 
 def test_forward_collectives_per_layer(counts):
@@ -103,9 +112,9 @@ def _saved_bytes(rank, world_size):
     return out
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=lambda t: f"tp{t}")
-def saved(request):
-    return request.param, run_distributed(_saved_bytes, request.param)[0]
+@pytest.fixture
+def saved(measured):
+    return measured[0], measured[1][1]
 
 
 def test_sequence_parallel_divides_the_replicated_activations_by_t(saved):
