@@ -101,9 +101,12 @@ class Recorder(pl.Callback):
     losses: list = field(default_factory=list)
     grads: list = field(default_factory=list)
     replicated: list = field(default_factory=list)
+    logged: list = field(default_factory=list)  # ``self.log("train/loss", sync_dist=True)`` as this rank sees it
+    final_state: dict = field(default_factory=dict)  # the reference model's state dict after training
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.losses.append(outputs["loss"].item())
+        self.logged.append(trainer.callback_metrics["train/loss"].item())
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         strategy = trainer.strategy
@@ -115,9 +118,13 @@ class Recorder(pl.Callback):
 
 
 def reference_run(module: pl.LightningModule, dataset: TensorDataset, steps: int, dp: int,
-                  accumulate: int = 1, clip: Optional[float] = None) -> Recorder:
-    """Single-process float64 training on the same global batches the parallel run sees."""
-    module = copy.deepcopy(module).double()
+                  accumulate: int = 1, clip: Optional[float] = None, dtype: torch.dtype = torch.float64,
+                  autocast: Optional[torch.dtype] = None) -> Recorder:
+    """Single-process training on the same global batches the parallel run sees.
+
+    Parameters in ``dtype`` (float64 by default); ``autocast`` runs forward passes under CPU autocast.
+    """
+    module = copy.deepcopy(module).to(dtype)
     optimizer = module.configure_optimizers()
     optimizer = optimizer["optimizer"] if isinstance(optimizer, dict) else optimizer
     record = Recorder()
@@ -130,7 +137,8 @@ def reference_run(module: pl.LightningModule, dataset: TensorDataset, steps: int
             k = step * accumulate + micro
             idx = [i for r in range(dp) for i in order[r][k * BATCH : (k + 1) * BATCH]]
             x, y = dataset.tensors[0][idx], dataset.tensors[1][idx]
-            loss = compute_loss(module, x, y)
+            with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+                loss = compute_loss(module, x, y)
             (loss / accumulate).backward()
             losses.append(loss.item())
         record.losses.extend(losses)
@@ -139,4 +147,5 @@ def reference_run(module: pl.LightningModule, dataset: TensorDataset, steps: int
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(module.parameters(), clip)
         optimizer.step()
+    record.final_state = {k: v.detach().clone() for k, v in module.state_dict().items()}
     return record

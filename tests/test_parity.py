@@ -32,7 +32,7 @@ def _run_cases(rank, world_size):
     out = {}
     for case in CASES[world_size]:
         rec = fit(case, world_size)
-        out[case] = (rec.losses, rec.grads, rec.replicated)
+        out[case] = (rec.losses, rec.grads, rec.replicated, rec.logged)
     return out
 
 
@@ -72,6 +72,10 @@ def test_loss_and_gradients_match_single_process(request, world_case):
     losses = torch.tensor([r[0] for r in ranks_by_dp], dtype=torch.float64).mean(0) * accumulate
     torch.testing.assert_close(losses, torch.tensor(ref.losses, dtype=losses.dtype), rtol=RTOL, atol=ATOL)
     for rank in range(world_size):
+        # sync_dist=True: every rank logs the global batch's loss, identically.
+        logged = torch.tensor(per_rank[rank][case][3], dtype=torch.float64)
+        torch.testing.assert_close(logged, torch.tensor(ref.losses, dtype=logged.dtype), rtol=RTOL, atol=ATOL)
+        assert logged.tolist() == per_rank[0][case][3]
         grads = per_rank[rank][case][1]
         assert len(grads) == STEPS
         for step, (got, want) in enumerate(zip(grads, ref.grads)):
