@@ -1,0 +1,42 @@
+"""``python -m lightning_seqpar.memory [--png figure7.png]``: the paper's memory and FLOPs figures."""
+
+from __future__ import annotations
+
+import argparse
+
+from rich.console import Console
+from rich.table import Table
+
+from lightning_seqpar.memory.paper import PAPER_RUNS
+from lightning_seqpar.memory.report import GiB, extra_fraction, flops_rows, memory_rows, write_figure7
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m lightning_seqpar.memory", description=__doc__)
+    parser.add_argument("--png", default="figure7.png", help="where to write the Figure-7 bar chart")
+    args = parser.parse_args(argv)
+    console = Console(width=140)
+
+    rows = memory_rows()
+    table = Table(title="Activation memory (Table 2, Eq. 5/6; 16-bit, t = 8, s = 2048)")
+    for col in ("model", "technique", "per layer (GiB)", "% of TP (Fig. 7)", "first stage (GiB)"):
+        table.add_column(col, justify="left" if col in ("model", "technique") else "right")
+    for r in rows:
+        table.add_row(r.model, r.technique, f"{r.layer_bytes / GiB:.3f}", f"{r.percent_of_tp:.1f}",
+                      f"{r.first_stage_bytes / GiB:.2f}")
+    console.print(table)
+    console.print("§4.3 extra terms (embedding dropout, final norm, output layer, fp32 logits) as % of Eq. 5: "
+                  + ", ".join(f"{name} {100 * extra_fraction(run):.2f}%" for name, run in PAPER_RUNS.items()))
+
+    table = Table(title="FLOPs (Eq. 7 model, Eq. 8 hardware) at 312 TFLOP/s per A100, Table 5 iteration times")
+    for col in ("model", "selective overhead", "MFU", "MFU printed", "HFU", "HFU printed", "vs full recompute"):
+        table.add_column(col, justify="right")
+    for r in flops_rows():
+        table.add_row(r.model, f"{100 * r.selective_overhead:.2f}%", f"{100 * r.mfu:.1f}%", f"{100 * r.mfu_printed:.1f}%",
+                      f"{100 * r.hfu:.1f}%", f"{100 * r.hfu_printed:.1f}%", f"+{100 * r.throughput_increase:.1f}%")
+    console.print(table)
+    console.print(f"wrote {write_figure7(rows, args.png)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,184 @@
+"""Activation bytes of a transformer layer and of a pipeline stage: Korthikanti et al. 2022, §4–§5.
+
+Every figure is in **bytes** and counts what the forward pass keeps for the backward pass (Table 2):
+16-bit activations (``bytes_per_element=2``) and 1-byte dropout masks by default; LayerNorm statistics
+(2·sb elements per norm) are left out, as in the paper.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+Recompute = Literal["none", "selective", "full"]
+
+
+@dataclass(frozen=True)
+class TransformerShape:
+    """The sizes of Table 1 (Korthikanti et al. 2022)."""
+
+    s: int
+    """sequence length (tokens)"""
+    b: int
+    """micro-batch size (sequences)"""
+    h: int
+    """hidden size"""
+    a: int
+    """attention heads"""
+    L: int = 1
+    """transformer layers"""
+    v: int = 0
+    """vocabulary size"""
+    ffn_hidden_size: Optional[int] = None
+    """MLP width f (default 4h, the paper's)"""
+
+    @property
+    def f(self) -> int:
+        return self.ffn_hidden_size or 4 * self.h
+
+
+# name: (attention/MLP block, counted once per element at full width, kind)
+# kind "replicated": the LayerNorm/dropout/linear-input region TP leaves whole and SP splits over s.
+# kind "tensor": inside the head- or feature-sharded region, always ÷t.  kind "core": selective recompute drops it.
+def layer_activation_terms(
+    shape: TransformerShape,
+    t: int = 1,
+    sequence_parallel: bool = False,
+    recompute: Recompute = "none",
+    bytes_per_element: int = 2,
+    mask_bytes: int = 1,
+) -> dict[str, float]:
+    """Bytes one transformer layer keeps for backward on one tensor-parallel rank, term by term.
+
+    The terms are §4.1's (A1–A7 attention, M1–M4 MLP, the two LayerNorm inputs), generalised to an MLP
+    of width f (the 4h→h terms scale with f/4h, as in Megatron-Core's ``theoretical_memory_usage``).
+    Their sum is the matching row of Table 2:
+
+    =====================  =========================================  ====================
+    ``t``, SP, recompute   Table 2 row                                 sum (f = 4h)
+    =====================  =========================================  ====================
+    1, –, none             no parallelism (Eq. 1)                      sbh(34 + 5as/h)
+    t, off, none           tensor parallel (Eq. 2)                     sbh(10 + 24/t + 5as/(ht))
+    t, on, none            tensor + sequence parallel (Eq. 4)          sbh(34/t + 5as/(ht))
+    t, off, selective      tensor parallel + selective                 sbh(10 + 24/t)
+    t, on, selective       tensor + sequence parallel + selective      34·sbh/t
+    any, off, full         full recomputation                          2·sbh
+    =====================  =========================================  ====================
+
+    Full recomputation keeps only the layer input: ``2sbh``, or ``2sbh/t`` under SP, where the input
+    already is the local sequence shard ``[s/t, b, h]`` (no extra all-gather is needed, unlike the
+    ``--distribute-saved-activations`` the paper sets aside for TP alone).
+
+    Args:
+        shape: s, b, h, a, f (L and v are not used).
+        t: tensor-parallel size.
+        sequence_parallel: LayerNorm/dropout regions split along s (§4.2.2).
+        recompute: ``"none"``, ``"selective"`` (core attention, §5) or ``"full"``.
+        bytes_per_element: activation bytes (2 for 16-bit).
+        mask_bytes: dropout-mask bytes per element (1).
+
+    Raises:
+        ValueError: ``t < 1`` or an unknown ``recompute``.
+    """
+    if t < 1:
+        raise ValueError(f"t must be >= 1, got {t}.")
+    if recompute not in ("none", "selective", "full"):
+        raise ValueError(f"recompute must be 'none', 'selective' or 'full', got {recompute!r}.")
+    s, b, h, a, f = shape.s, shape.b, shape.h, shape.a, shape.f
+    e, m = bytes_per_element, mask_bytes
+    sbh = s * b * h
+    split = t if sequence_parallel else 1  # SP divides the replicated region by t
+    if recompute == "full":
+        return {"layer input": e * sbh / split}
+    terms = {
+        # replicated under TP (Eq. 2's 10·sbh), split along s under SP
+        "LN1 input": e * sbh / split,
+        "QKV input (LN1 output)": e * sbh / split,
+        "attention dropout mask": m * sbh / split,
+        "LN2 input": e * sbh / split,
+        "fc1 input (LN2 output)": e * sbh / split,
+        "MLP dropout mask": m * sbh / split,
+        # head- and feature-sharded (Eq. 2's 24·sbh/t for f = 4h)
+        "Q, K": 2 * e * sbh / t,
+        "V": e * sbh / t,
+        "projection input": e * sbh / t,
+        "GeLU input": e * s * b * f / t,
+        "fc2 input (GeLU output)": e * s * b * f / t,
+        # core attention (5as²b/t): what selective recomputation drops
+        "softmax output": e * a * s * s * b / t,
+        "softmax dropout mask": m * a * s * s * b / t,
+        "softmax dropout output": e * a * s * s * b / t,
+    }
+    if recompute == "selective":
+        for name in CORE_ATTENTION_TERMS:
+            del terms[name]
+    return terms
+
+
+CORE_ATTENTION_TERMS = ("softmax output", "softmax dropout mask", "softmax dropout output")
+
+
+def layer_activation_bytes(shape: TransformerShape, t: int = 1, sequence_parallel: bool = False,
+                           recompute: Recompute = "none", bytes_per_element: int = 2, mask_bytes: int = 1) -> float:
+    """Table 2: bytes of activations per transformer layer on one tensor-parallel rank.
+
+    The sum of :func:`layer_activation_terms` (see there for the rows, arguments and errors).
+    """
+    return sum(layer_activation_terms(shape, t, sequence_parallel, recompute, bytes_per_element, mask_bytes).values())
+
+
+def interleave_factor(p: int, m: int = 1) -> float:
+    """``1 + (p−1)/(p·m)``: the first stage's extra activations under the interleaved 1F1B schedule.
+
+    ``m`` is the number of model chunks (virtual stages) per pipeline rank; ``m = 1`` is plain 1F1B,
+    whose first stage holds exactly L layers' worth (factor 1). §4.2.3; Megatron-Core uses the same form.
+
+    Raises:
+        ValueError: ``p < 1`` or ``m < 1``.
+    """
+    if p < 1 or m < 1:
+        raise ValueError(f"p and m must be >= 1, got p={p}, m={m}.")
+    return 1.0 if m == 1 else 1 + (p - 1) / (p * m)
+
+
+def extra_activation_bytes(shape: TransformerShape, t: int = 1, p: int = 1, sequence_parallel: bool = True,
+                           bytes_per_element: int = 2, mask_bytes: int = 1) -> dict[str, float]:
+    """§4.3's activations outside the layers, on the first pipeline stage, term by term (bytes).
+
+    * embedding dropout mask for the p micro-batches in flight: ``sbhp/t`` (sequence parallel);
+    * with ``p == 1`` only (the stage also holds the model's end): the final LayerNorm's input
+      ``2sbh/t``, the output layer's input ``2sbh/t`` and the fp32 logits of the cross entropy ``4sbv/t``.
+
+    Without sequence parallelism the first three are not divided by t (the logits stay vocab-parallel).
+    """
+    s, b, h, v = shape.s, shape.b, shape.h, shape.v
+    split = t if sequence_parallel else 1
+    terms = {"embedding dropout mask": mask_bytes * s * b * h * p / split}
+    if p == 1:
+        terms["final LN input"] = bytes_per_element * s * b * h / split
+        terms["output layer input"] = bytes_per_element * s * b * h / split
+        terms["fp32 logits"] = 4 * s * b * v / t
+    return terms
+
+
+def first_stage_activation_bytes(
+    shape: TransformerShape,
+    t: int = 1,
+    p: int = 1,
+    m: int = 1,
+    sequence_parallel: bool = False,
+    recompute: Recompute = "none",
+    include_extra: bool = False,
+    bytes_per_element: int = 2,
+    mask_bytes: int = 1,
+) -> float:
+    """Activation bytes on the first pipeline stage under 1F1B (Eq. 5, Eq. 6 with selective recompute).
+
+    The first stage holds p micro-batches of L/p layers, L layers' worth independent of p, times
+    :func:`interleave_factor` ``(p, m)``; ``include_extra`` adds :func:`extra_activation_bytes`.
+    """
+    total = shape.L * layer_activation_bytes(shape, t, sequence_parallel, recompute, bytes_per_element, mask_bytes)
+    total *= interleave_factor(p, m)
+    if include_extra:
+        total += sum(extra_activation_bytes(shape, t, p, sequence_parallel, bytes_per_element, mask_bytes).values())
+    return total

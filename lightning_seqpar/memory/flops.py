@@ -1,0 +1,65 @@
+"""FLOPs per iteration and FLOPs utilization: Korthikanti et al. 2022, Appendix A and §6.3.
+
+GEMM FLOPs only (2 per multiply-add), following Narayanan et al. 2021; backward costs twice the forward.
+"""
+
+from __future__ import annotations
+
+from lightning_seqpar.memory.activations import Recompute, TransformerShape
+
+
+def layer_forward_flops(shape: TransformerShape, batch: int) -> float:
+    """Forward FLOPs of one layer for ``batch`` sequences: ``2Bsh(4h + 2f) + 4Bs²h``.
+
+    QKV 6Bsh², QKᵀ 2Bs²h, attention over V 2Bs²h, projection 2Bsh², MLP 4Bshf (16Bsh² for f = 4h):
+    ``24Bsh² + 4Bs²h`` in the paper's Appendix A.
+    """
+    s, h, f = shape.s, shape.h, shape.f
+    return 2 * batch * s * h * (4 * h + 2 * f) + 4 * batch * s * s * h
+
+
+def model_flops_per_iteration(shape: TransformerShape, batch: int) -> float:
+    """Eq. 7: FLOPs of one forward + backward, independent of implementation.
+
+    ``72·B·L·s·h²·(1 + s/(6h) + v/(12hL))`` for f = 4h. ``batch`` is the global batch B (sequences).
+    """
+    logits = 2 * batch * shape.s * shape.h * shape.v
+    return 3 * (shape.L * layer_forward_flops(shape, batch) + logits)
+
+
+def hardware_flops_per_iteration(shape: TransformerShape, batch: int, recompute: Recompute = "selective") -> float:
+    """FLOPs executed per iteration, recomputation included.
+
+    * ``"none"``: Eq. 7.
+    * ``"selective"``: Eq. 8 **as printed**, ``72BLsh²(1 + s/(3h) + v/(12hL))``. It adds 12BLs²h, a full
+      forward + backward of QKᵀ and ·V, though re-running their forward is 4BLs²h; Table 5's HFU and the
+      2.7% / 1.6% overheads of §5 follow the printed form, so it is kept.
+    * ``"full"``: one more forward of every layer, ``96BLsh²(1 + s/(6h) + v/(16hL))`` (Narayanan et al. 2021).
+    """
+    model = model_flops_per_iteration(shape, batch)
+    if recompute == "none":
+        return model
+    if recompute == "selective":
+        return model + 12 * batch * shape.L * shape.s ** 2 * shape.h
+    if recompute == "full":
+        return model + shape.L * layer_forward_flops(shape, batch)
+    raise ValueError(f"recompute must be 'none', 'selective' or 'full', got {recompute!r}.")
+
+
+def recompute_flops_overhead(shape: TransformerShape, recompute: Recompute = "selective") -> float:
+    """Extra FLOPs of recomputation as a fraction of the model FLOPs (§5: 2.7% for GPT-3, 1.6% for MT-NLG)."""
+    return hardware_flops_per_iteration(shape, 1, recompute) / model_flops_per_iteration(shape, 1) - 1
+
+
+def flops_utilization(flops_per_iteration: float, iteration_time_s: float, devices: int, peak_flops_per_device: float) -> float:
+    """MFU (with model FLOPs) or HFU (with hardware FLOPs): achieved FLOP/s over the devices' peak FLOP/s.
+
+    Raises:
+        ValueError: a non-positive time, device count or peak.
+    """
+    if iteration_time_s <= 0 or devices < 1 or peak_flops_per_device <= 0:
+        raise ValueError(
+            f"need iteration_time_s > 0, devices >= 1 and peak_flops_per_device > 0; got {iteration_time_s}, "
+            f"{devices}, {peak_flops_per_device}."
+        )
+    return flops_per_iteration / iteration_time_s / (devices * peak_flops_per_device)
