@@ -48,6 +48,14 @@ class CoreAttention(nn.Module):
         self.dropout, self.causal = dropout, causal
         self.rng_tracker, self.sharded_heads = rng_tracker, sharded_heads
         self.recompute = False
+        self._future: Optional[Tensor] = None
+
+    def _future_mask(self, s: int, device: torch.device) -> Tensor:
+        # Built once and reused: a mask allocated per call would add s² bytes to every layer's saved
+        # activations (masked_fill keeps it for backward), a term the paper's count does not have.
+        if self._future is None or self._future.shape[0] != s or self._future.device != device:
+            self._future = torch.ones(s, s, dtype=torch.bool, device=device).triu(1)
+        return self._future
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None) -> Tensor:
         if self.recompute and torch.is_grad_enabled():
@@ -58,8 +66,7 @@ class CoreAttention(nn.Module):
         s = q.shape[-2]
         scores = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))  # [b, a, s, s]
         if self.causal:
-            future = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
-            scores = scores.masked_fill(future, float("-inf"))
+            scores = scores.masked_fill(self._future_mask(s, q.device), float("-inf"))
         if attn_mask is not None:
             scores = scores + attn_mask
         probs = F.softmax(scores, dim=-1)
