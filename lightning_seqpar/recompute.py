@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 import lightning.pytorch as pl
+import torch
 import torch.nn as nn
 
+from lightning_seqpar.memory.activations import TransformerShape
+from lightning_seqpar.memory.planner import RecomputePlan, plan_recompute
 from lightning_seqpar.transformer.core_attention import CoreAttention
 
 
@@ -85,32 +88,103 @@ def apply_recompute(
     return count + len(chosen)
 
 
+def _selective_outside_full(model: nn.Module) -> None:
+    """Turn on selective recomputation in every layer that is not checkpointed whole."""
+    stacks, layers = _layer_stacks(model)
+    for stack in stacks:
+        chunks = stack.recompute_chunks
+        for i, layer in enumerate(_stack_layers(stack)):
+            if not any(lo <= i < hi for lo, hi in chunks):
+                for m in layer.modules():
+                    if isinstance(m, CoreAttention):
+                        m.recompute = True
+    for layer in layers:
+        if not layer.recompute_layer:
+            for m in layer.modules():
+                if isinstance(m, CoreAttention):
+                    m.recompute = True
+
+
+def _stack_layers(stack: nn.Module) -> list[nn.Module]:
+    return list(stack.layers if hasattr(stack, "layers") else stack.transformer.h)
+
+
+def rewritten_layers(model: nn.Module) -> list[nn.Module]:
+    """The rewritten transformer layers of ``model``, in order."""
+    return [m for m in model.modules() if hasattr(m, "recompute_layer")]
+
+
+def model_shape(model: nn.Module, s: int, b: int) -> tuple[TransformerShape, int, bool]:
+    """(shape, t, sequence_parallel) of a rewritten model, for sequences of ``s`` tokens in micro-batches of ``b``.
+
+    Raises:
+        ValueError: no rewritten layer in ``model``.
+    """
+    layers = rewritten_layers(model)
+    if not layers:
+        raise ValueError("granularity='auto' found no rewritten transformer layer: is the model rewritten?")
+    h, a, f, t, sp = layers[0].global_dims()
+    return TransformerShape(s=s, b=b, h=h, a=a, L=len(layers), ffn_hidden_size=f), t, sp
+
+
 class SelectiveRecompute(pl.Callback):
     """Activation recomputation for the layers :class:`~lightning_seqpar.SeqParallelStrategy` rewrote.
 
     Args:
-        granularity: ``"selective"`` (core attention only, the default and the paper's proposal) or
-            ``"full"`` (whole layers).
+        granularity: ``"selective"`` (core attention only, the default and the paper's proposal),
+            ``"full"`` (whole layers) or ``"auto"`` (the cheapest plan that fits ``memory_budget``, see
+            :func:`~lightning_seqpar.memory.planner.plan_recompute`: none → selective → full on the fewest
+            first layers with selective on the rest).
         method: for ``"full"``, ``"uniform"`` or ``"block"`` (Megatron-LM ``--recompute-method``).
         num_layers: for ``"full"``, layers per uniform chunk or layers checkpointed by ``"block"``.
+        memory_budget: for ``"auto"``: bytes of layer activations allowed per rank and micro-batch.
+        bytes_per_element: for ``"auto"``: activation bytes (default: the parameters' element size).
 
-    Applied when fitting starts, after the strategy has rewritten the model. Training is numerically
-    identical to no recomputation (dropout masks are replayed).
+    Applied when fitting starts, after the strategy has rewritten the model (``"auto"``: at the first
+    training batch, whose first tensor, token ids ``[b, s]``, gives s and b). Training is numerically identical to no recomputation
+    (dropout masks are replayed). ``plan`` holds the ``"auto"`` choice.
 
     Raises:
-        ValueError: see :func:`apply_recompute`.
+        ValueError: see :func:`apply_recompute`; ``"auto"`` without a positive ``memory_budget``, or a
+            budget that nothing fits.
     """
 
     def __init__(
         self,
-        granularity: Literal["selective", "full"] = "selective",
+        granularity: Literal["selective", "full", "auto"] = "selective",
         method: Literal["uniform", "block"] = "uniform",
         num_layers: Optional[int] = None,
+        memory_budget: Optional[float] = None,
+        bytes_per_element: Optional[int] = None,
     ) -> None:
-        if granularity not in ("selective", "full"):
-            raise ValueError(f"granularity must be 'selective' or 'full', got {granularity!r}.")
+        if granularity not in ("selective", "full", "auto"):
+            raise ValueError(f"granularity must be 'selective', 'full' or 'auto', got {granularity!r}.")
+        if granularity == "auto" and (memory_budget is None or memory_budget <= 0):
+            raise ValueError(f"granularity='auto' needs memory_budget > 0 (bytes), got {memory_budget!r}.")
         apply_recompute(nn.Module(), "none", method, num_layers)  # validates method and num_layers
         self.granularity, self.method, self.num_layers = granularity, method, num_layers
+        self.memory_budget, self.bytes_per_element = memory_budget, bytes_per_element
+        self.plan: Optional[RecomputePlan] = None
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        apply_recompute(pl_module, self.granularity, self.method, self.num_layers)
+        if self.granularity != "auto":
+            apply_recompute(pl_module, self.granularity, self.method, self.num_layers)
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        if self.granularity == "auto" and self.plan is None:
+            tokens = batch[0] if isinstance(batch, (tuple, list)) else batch
+            self.plan = self.choose(pl_module, *tokens.shape[-2:][::-1])
+
+    def choose(self, model: nn.Module, s: int, b: int) -> RecomputePlan:
+        """Plan for sequences of ``s`` tokens in micro-batches of ``b``, and apply it to ``model``."""
+        assert self.memory_budget is not None
+        shape, t, sp = model_shape(model, s, b)
+        element = self.bytes_per_element or next(model.parameters()).element_size()
+        plan = plan_recompute(shape, t, sp, self.memory_budget, element)
+        if plan.full_layers:
+            apply_recompute(model, "full", "block", plan.full_layers)
+            if plan.full_layers < shape.L:
+                _selective_outside_full(model)
+        else:
+            apply_recompute(model, plan.granularity)
+        return plan

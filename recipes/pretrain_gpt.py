@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning_seqpar import SelectiveRecompute, SeqParallelStrategy
 from lightning_seqpar.data import TextDataModule, decode_bytes
+from lightning_seqpar.memory.throughput import FlopsUtilization
 from lightning_seqpar.models import GPTConfig, GPTLightningModule
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
@@ -30,9 +31,11 @@ def build_trainer(cfg: DictConfig, output_dir: Path) -> pl.Trainer:
     callbacks: list[pl.Callback] = [
         ModelCheckpoint(dirpath=output_dir / cfg.checkpoint_dir, save_last=True, every_n_train_steps=cfg.trainer.val_check_interval),
         LearningRateMonitor(logging_interval="step"),
+        FlopsUtilization(peak_flops=cfg.peak_flops),
     ]
     if cfg.recompute.granularity != "none":
-        callbacks.append(SelectiveRecompute(cfg.recompute.granularity, cfg.recompute.method, cfg.recompute.num_layers))
+        callbacks.append(SelectiveRecompute(cfg.recompute.granularity, cfg.recompute.method, cfg.recompute.num_layers,
+                                            memory_budget=cfg.recompute.memory_budget))
     strategy = SeqParallelStrategy(**OmegaConf.to_container(cfg.strategy, resolve=True))
     return pl.Trainer(strategy=strategy, callbacks=callbacks, logger=CSVLogger(output_dir, name="logs"),
                       **OmegaConf.to_container(cfg.trainer, resolve=True))

@@ -70,4 +70,4 @@ def test_main_job_runs_end_to_end(tmp_path):
     assert "--- sample ---" in result.stdout and "val/loss" in result.stdout
     assert (out / "checkpoints" / "last.ckpt").exists()
     metrics = next((out / "logs").rglob("metrics.csv")).read_text()
-    assert "train/loss" in metrics.splitlines()[0]
+    assert "train/loss" in metrics.splitlines()[0] and "perf/tokens_per_s" in metrics.splitlines()[0]

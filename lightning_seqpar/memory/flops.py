@@ -36,14 +36,16 @@ def hardware_flops_per_iteration(shape: TransformerShape, batch: int, recompute:
       2.7% / 1.6% overheads of §5 follow the printed form, so it is kept.
     * ``"full"``: one more forward of every layer, ``96BLsh²(1 + s/(6h) + v/(16hL))`` (Narayanan et al. 2021).
     """
-    model = model_flops_per_iteration(shape, batch)
-    if recompute == "none":
-        return model
-    if recompute == "selective":
-        return model + 12 * batch * shape.L * shape.s ** 2 * shape.h
-    if recompute == "full":
-        return model + shape.L * layer_forward_flops(shape, batch)
-    raise ValueError(f"recompute must be 'none', 'selective' or 'full', got {recompute!r}.")
+    if recompute not in ("none", "selective", "full"):
+        raise ValueError(f"recompute must be 'none', 'selective' or 'full', got {recompute!r}.")
+    selective = shape.L if recompute == "selective" else 0
+    full = shape.L if recompute == "full" else 0
+    return model_flops_per_iteration(shape, batch) + recompute_flops(shape, batch, selective, full)
+
+
+def recompute_flops(shape: TransformerShape, batch: int, selective_layers: int = 0, full_layers: int = 0) -> float:
+    """FLOPs recomputation adds: ``12Bs²h`` per selective layer (Eq. 8 as printed), one forward per full layer."""
+    return selective_layers * 12 * batch * shape.s ** 2 * shape.h + full_layers * layer_forward_flops(shape, batch)
 
 
 def recompute_flops_overhead(shape: TransformerShape, recompute: Recompute = "selective") -> float:

@@ -75,10 +75,11 @@ class LiveActivationTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        inputs = {_local(t).untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
         for t in tree_flatten(out)[0]:
             if not isinstance(t, torch.Tensor) or t.device.type == "meta":
                 continue
+            t = _local(t)
             storage = t.untyped_storage()
             key = storage._cdata
             if key in inputs:
@@ -98,6 +99,11 @@ class LiveActivationTracker(TorchDispatchMode):
 
     def live_bytes(self, prefix: Optional[str] = None) -> int:
         return sum(r.nbytes for r in self.live(prefix))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    # A DTensor is a wrapper: the memory is its local shard's.
+    return getattr(t, "_local_tensor", t)
 
 
 def _inside(name: str, prefix: str) -> bool:

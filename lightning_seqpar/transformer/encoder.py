@@ -128,6 +128,11 @@ class ParallelTransformerEncoderLayer(nn.Module):
         self.dropout2 = ParallelDropout(layer.dropout2.p, ctx.rng_tracker, sharded=ctx.sp)
         self.activation = layer.activation
         self.recompute_layer = False
+        self._dims = (layer.linear1.in_features, layer.self_attn.num_heads, layer.linear1.out_features, ctx.tp, ctx.sp)
+
+    def global_dims(self) -> tuple[int, int, int, int, bool]:
+        """(h, a, ffn width, t, sequence parallel): the single-device sizes, for the memory model."""
+        return self._dims
 
     def forward(self, src: Tensor, src_mask: Optional[Tensor] = None, src_key_padding_mask: Optional[Tensor] = None,
                 is_causal: bool = False) -> Tensor:

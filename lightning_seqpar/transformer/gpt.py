@@ -79,6 +79,11 @@ class ParallelBlock(nn.Module):
         self.mlp = ParallelMLP(block.mlp, ctx)
         self.rng_tracker = ctx.rng_tracker
         self.recompute_layer = False
+        self._dims = (block.ln_1.normalized_shape[0], block.attn.n_head, self.mlp.c_fc.out_features, ctx.tp, ctx.sp)
+
+    def global_dims(self) -> tuple[int, int, int, int, bool]:
+        """(h, a, ffn width, t, sequence parallel): the single-device sizes, for the memory model."""
+        return self._dims
 
     def forward(self, x: Tensor) -> Tensor:
         if self.recompute_layer and torch.is_grad_enabled():

@@ -1,0 +1,1 @@
+"""Per-layer timing, memory and communication of our layers against torch-native TP + SP."""

@@ -1,0 +1,105 @@
+"""``FlopsUtilization``: tokens/s, model and hardware TFLOP/s, MFU and HFU, logged while training."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+import torch
+
+from lightning_seqpar.memory.flops import model_flops_per_iteration, recompute_flops
+from lightning_seqpar.tensor_parallel.embedding import VocabParallelEmbedding
+from lightning_seqpar.transformer.core_attention import CoreAttention
+
+# Dense 16-bit peak FLOP/s by device name (vendor data sheets; SXM parts).
+PEAK_FLOPS = {"A100": 312e12, "H100": 989e12, "H200": 989e12, "B200": 2250e12, "V100": 125e12, "L4": 121e12,
+              "A10G": 70e12, "L40S": 362e12}
+
+
+def peak_flops_of(device: torch.device) -> Optional[float]:
+    """The known 16-bit dense peak of ``device`` (FLOP/s), or ``None`` (CPUs, unknown GPUs)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in PEAK_FLOPS.items() if key in name), None)
+
+
+def _recompute_counts(model: torch.nn.Module) -> tuple[int, int]:
+    """(layers with selective recomputation, layers checkpointed whole) of a rewritten model."""
+    from lightning_seqpar.recompute import _layer_stacks
+
+    stacks, layers = _layer_stacks(model)
+    full = sum(hi - lo for stack in stacks for lo, hi in stack.recompute_chunks)
+    full += sum(1 for layer in layers if layer.recompute_layer)
+    selective = sum(1 for m in model.modules() if isinstance(m, CoreAttention) and m.recompute)
+    return selective, full
+
+
+class FlopsUtilization(pl.Callback):
+    """Log throughput and FLOPs utilization of every training batch (Korthikanti et al. 2022 §6.3).
+
+    Logged (per batch, on the progress bar's logger): ``perf/tokens_per_s`` (global, all data-parallel
+    ranks), ``perf/model_tflops`` and ``perf/hardware_tflops`` (per device, TFLOP/s, Eq. 7 and Eq. 8 with
+    this model's recomputation), ``perf/mfu`` and ``perf/hfu`` (fractions; only with a known peak), and
+    ``perf/peak_memory_gib`` on CUDA (``torch.cuda.max_memory_allocated``).
+
+    Args:
+        peak_flops: the device's peak FLOP/s; default: looked up by CUDA device name (``PEAK_FLOPS``).
+        vocab_size: for the output layer's FLOPs; default: the model's vocabulary-parallel embedding.
+
+    The model shape comes from the rewritten layers (:func:`~lightning_seqpar.recompute.model_shape`)
+    and each batch's token ids ``[b, s]``.
+    """
+
+    def __init__(self, peak_flops: Optional[float] = None, vocab_size: Optional[int] = None) -> None:
+        self.peak_flops, self.vocab_size = peak_flops, vocab_size
+        self._start: Optional[float] = None
+        self.last: dict[str, float] = {}
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if self._start is None:
+            return
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize(pl_module.device)
+        seconds = time.perf_counter() - self._start
+        self.last = self.measure(trainer, pl_module, batch, seconds)
+        pl_module.log_dict(self.last, on_step=True, on_epoch=False)
+
+    def measure(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, seconds: float) -> dict[str, float]:
+        """The logged figures for one batch that took ``seconds``."""
+        from dataclasses import replace
+
+        from lightning_seqpar.recompute import model_shape
+
+        tokens = batch[0] if isinstance(batch, (tuple, list)) else batch
+        b, s = tokens.shape[-2:]
+        shape, _, _ = model_shape(pl_module, s, b)
+        vocab = self.vocab_size
+        if vocab is None:
+            vocab = next((m.num_embeddings for m in pl_module.modules() if isinstance(m, VocabParallelEmbedding)), 0)
+        shape = replace(shape, v=vocab)
+        strategy = trainer.strategy
+        dp = strategy.mesh.dp if hasattr(strategy, "mesh") else trainer.world_size
+        world = trainer.world_size
+        global_batch = b * dp
+        selective, full = _recompute_counts(pl_module)
+        model = model_flops_per_iteration(shape, global_batch)
+        hardware = model + recompute_flops(shape, global_batch, selective, full)
+        out = {
+            "perf/tokens_per_s": global_batch * s / seconds,
+            "perf/model_tflops": model / seconds / world / 1e12,
+            "perf/hardware_tflops": hardware / seconds / world / 1e12,
+        }
+        device = next(pl_module.parameters()).device
+        peak = self.peak_flops or peak_flops_of(device)
+        if peak:
+            out["perf/mfu"] = model / seconds / world / peak
+            out["perf/hfu"] = hardware / seconds / world / peak
+        if device.type == "cuda":
+            out["perf/peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        return out

@@ -1,0 +1,49 @@
+"""``FlopsUtilization`` logs Eq. 7/8 FLOPs of the model it trains, per device and second."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn as nn
+
+from lightning_seqpar import RewriteContext, apply_recompute, rewrite
+from lightning_seqpar.memory import TransformerShape, model_flops_per_iteration
+from lightning_seqpar.memory.throughput import FlopsUtilization
+from lightning_seqpar.models.gpt import GPT, GPTConfig
+from lightning_seqpar.tensor_parallel import ParallelGroup
+from lightning_seqpar.tensor_parallel.random import RNGTracker
+
+S, B, H, A, L, V = 32, 2, 16, 4, 3, 50
+
+
+def _module():
+    root = nn.Module()
+    root.gpt = GPT(GPTConfig(vocab_size=V, block_size=S, n_layer=L, n_head=A, n_embd=H))
+    rewrite(root, RewriteContext(ParallelGroup.virtual(1), False, RNGTracker.for_tensor_parallel(0, 0), True))
+    return root
+
+
+@pytest.mark.parametrize("recompute,extra_per_layer", [
+    ("none", 0), ("selective", 12 * B * 2 * S * S * H), ("full", None)])
+def test_logged_flops_follow_equations_7_and_8(recompute, extra_per_layer):
+    module = _module()
+    apply_recompute(module, recompute)
+    trainer = SimpleNamespace(strategy=SimpleNamespace(mesh=SimpleNamespace(dp=2)), world_size=4)
+    batch = (torch.zeros(B, S, dtype=torch.long), torch.zeros(B, S, dtype=torch.long))
+    figures = FlopsUtilization(peak_flops=1e12).measure(trainer, module, batch, seconds=0.5)
+    shape = TransformerShape(s=S, b=B, h=H, a=A, L=L, v=V)
+    model = model_flops_per_iteration(shape, 2 * B)  # global batch: b × dp
+    if extra_per_layer is None:  # one more forward of every layer
+        extra_per_layer = 2 * 2 * B * S * H * (4 * H + 2 * 4 * H) + 4 * 2 * B * S * S * H
+    hardware = model + L * extra_per_layer
+    assert figures["perf/tokens_per_s"] == 2 * B * S / 0.5
+    assert figures["perf/model_tflops"] == pytest.approx(model / 0.5 / 4 / 1e12, rel=1e-12)
+    assert figures["perf/hardware_tflops"] == pytest.approx(hardware / 0.5 / 4 / 1e12, rel=1e-12)
+    assert figures["perf/mfu"] == pytest.approx(model / 0.5 / 4 / 1e12, rel=1e-12)
+    assert figures["perf/hfu"] == pytest.approx(hardware / 0.5 / 4 / 1e12, rel=1e-12)
+
+
+def test_no_peak_no_utilization_on_cpu():
+    trainer = SimpleNamespace(strategy=SimpleNamespace(mesh=SimpleNamespace(dp=1)), world_size=1)
+    figures = FlopsUtilization().measure(trainer, _module(), torch.zeros(B, S, dtype=torch.long), seconds=1.0)
+    assert "perf/mfu" not in figures and figures["perf/model_tflops"] > 0
