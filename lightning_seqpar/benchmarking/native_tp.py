@@ -47,7 +47,7 @@ class NativeBlock(nn.Module):
         super().__init__()
         self.ln_1, self.ln_2 = nn.LayerNorm(h), nn.LayerNorm(h)
         self.attn = NativeAttention(h, a, dropout)
-        self.mlp = nn.Sequential(nn.Linear(h, ffn), nn.GELU(approximate="tanh"), nn.Linear(ffn, h))
+        self.mlp = nn.Sequential(nn.Linear(h, ffn), nn.GELU(), nn.Linear(ffn, h))
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x: Tensor) -> Tensor:
