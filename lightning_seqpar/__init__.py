@@ -3,6 +3,7 @@
 Korthikanti et al., *Reducing Activation Recomputation in Large Transformer Models* (2022).
 """
 
+from lightning_seqpar.memory.throughput import FlopsUtilization
 from lightning_seqpar.mesh import ParallelMesh, validate_layout
 from lightning_seqpar.recompute import SelectiveRecompute, apply_recompute
 from lightning_seqpar.rewrite import Policy, RewriteContext, explain, rewrite
@@ -22,6 +23,7 @@ register()
 __all__ = [
     "ColumnParallelLinear",
     "CommunicationLog",
+    "FlopsUtilization",
     "ParallelGroup",
     "ParallelMesh",
     "Policy",

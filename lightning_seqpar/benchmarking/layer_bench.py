@@ -39,6 +39,8 @@ TABLE_4 = {
 
 @dataclass(frozen=True)
 class LayerResult:
+    """One row of the benchmark table: a library and configuration, its times, bytes kept and sent."""
+
     library: str
     configuration: str
     forward_ms: float

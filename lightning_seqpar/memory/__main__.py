@@ -12,6 +12,7 @@ from lightning_seqpar.memory.report import GiB, extra_fraction, flops_rows, memo
 
 
 def main(argv=None) -> None:
+    """Print the memory and FLOPs tables for Table 3's runs and write the Figure-7 PNG (``--png``)."""
     parser = argparse.ArgumentParser(prog="python -m lightning_seqpar.memory", description=__doc__)
     parser.add_argument("--png", default="figure7.png", help="where to write the Figure-7 bar chart")
     args = parser.parse_args(argv)

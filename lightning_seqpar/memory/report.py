@@ -34,6 +34,8 @@ TECHNIQUES: dict[str, tuple[bool, Recompute]] = {  # Figure 7's bars: (sequence 
 
 @dataclass(frozen=True)
 class MemoryRow:
+    """Figure 7 / Table 2 figures of one technique for one of the paper's runs (bytes, %)."""
+
     model: str
     technique: str
     layer_bytes: float
@@ -45,6 +47,7 @@ class MemoryRow:
 
 
 def memory_rows(runs: dict[str, PaperRun] = PAPER_RUNS) -> list[MemoryRow]:
+    """Every technique of :data:`TECHNIQUES` for every run (t, p, m of Table 3 and §6)."""
     rows = []
     for run in runs.values():
         baseline = layer_activation_bytes(run.shape, run.t)
@@ -63,6 +66,8 @@ def extra_fraction(run: PaperRun) -> float:
 
 @dataclass(frozen=True)
 class FlopsRow:
+    """§5's overhead and Table 5's MFU/HFU (fractions) for one of the paper's runs, computed and printed."""
+
     model: str
     selective_overhead: float
     """hardware/model FLOPs − 1 with selective recomputation (§5)"""
@@ -76,6 +81,7 @@ class FlopsRow:
 
 
 def flops_rows(runs: dict[str, PaperRun] = PAPER_RUNS, peak_flops: float = A100_BF16_PEAK_FLOPS) -> list[FlopsRow]:
+    """Eq. 7/8 FLOPs of each run's global batch over its Table 5 present-work time, at ``peak_flops`` per GPU."""
     rows = []
     for run in runs.values():
         model = model_flops_per_iteration(run.shape, run.global_batch)
