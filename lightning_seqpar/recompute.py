@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any, Literal, Optional
 
 import lightning.pytorch as pl
-import torch
 import torch.nn as nn
 
 from lightning_seqpar.memory.activations import TransformerShape
@@ -91,18 +90,29 @@ def apply_recompute(
 def _selective_outside_full(model: nn.Module) -> None:
     """Turn on selective recomputation in every layer that is not checkpointed whole."""
     stacks, layers = _layer_stacks(model)
-    for stack in stacks:
-        chunks = stack.recompute_chunks
-        for i, layer in enumerate(_stack_layers(stack)):
-            if not any(lo <= i < hi for lo, hi in chunks):
-                for m in layer.modules():
-                    if isinstance(m, CoreAttention):
-                        m.recompute = True
-    for layer in layers:
-        if not layer.recompute_layer:
-            for m in layer.modules():
-                if isinstance(m, CoreAttention):
-                    m.recompute = True
+    outside = [layer for stack in stacks for i, layer in enumerate(_stack_layers(stack))
+               if not any(lo <= i < hi for lo, hi in stack.recompute_chunks)]
+    outside += [layer for layer in layers if not layer.recompute_layer]
+    for layer in outside:
+        for m in layer.modules():
+            if isinstance(m, CoreAttention):
+                m.recompute = True
+
+
+def recompute_counts(model: nn.Module) -> tuple[int, int]:
+    """(layers with selective recomputation, layers checkpointed whole) of a rewritten model."""
+    stacks, layers = _layer_stacks(model)
+    full = sum(hi - lo for stack in stacks for lo, hi in stack.recompute_chunks)
+    full += sum(1 for layer in layers if layer.recompute_layer)
+    selective = sum(1 for m in model.modules() if isinstance(m, CoreAttention) and m.recompute)
+    return selective, full
+
+
+def micro_batch_shape(batch: Any) -> tuple[int, int]:
+    """(s, b) of a batch whose first tensor (or the batch itself) is token ids ``[b, s]``."""
+    tokens = batch[0] if isinstance(batch, (tuple, list)) else batch
+    b, s = tokens.shape[-2:]
+    return s, b
 
 
 def _stack_layers(stack: nn.Module) -> list[nn.Module]:
@@ -172,8 +182,7 @@ class SelectiveRecompute(pl.Callback):
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         if self.granularity == "auto" and self.plan is None:
-            tokens = batch[0] if isinstance(batch, (tuple, list)) else batch
-            self.plan = self.choose(pl_module, *tokens.shape[-2:][::-1])
+            self.plan = self.choose(pl_module, *micro_batch_shape(batch))
 
     def choose(self, model: nn.Module, s: int, b: int) -> RecomputePlan:
         """Plan for sequences of ``s`` tokens in micro-batches of ``b``, and apply it to ``model``."""

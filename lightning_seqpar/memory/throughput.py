@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any, Optional
 
 import lightning.pytorch as pl
 import torch
 
 from lightning_seqpar.memory.flops import model_flops_per_iteration, recompute_flops
+from lightning_seqpar.recompute import micro_batch_shape, model_shape, recompute_counts
 from lightning_seqpar.tensor_parallel.embedding import VocabParallelEmbedding
-from lightning_seqpar.transformer.core_attention import CoreAttention
 
 # Dense 16-bit peak FLOP/s by device name (vendor data sheets; SXM parts).
 PEAK_FLOPS = {"A100": 312e12, "H100": 989e12, "H200": 989e12, "B200": 2250e12, "V100": 125e12, "L4": 121e12,
@@ -23,17 +24,6 @@ def peak_flops_of(device: torch.device) -> Optional[float]:
         return None
     name = torch.cuda.get_device_name(device)
     return next((flops for key, flops in PEAK_FLOPS.items() if key in name), None)
-
-
-def _recompute_counts(model: torch.nn.Module) -> tuple[int, int]:
-    """(layers with selective recomputation, layers checkpointed whole) of a rewritten model."""
-    from lightning_seqpar.recompute import _layer_stacks
-
-    stacks, layers = _layer_stacks(model)
-    full = sum(hi - lo for stack in stacks for lo, hi in stack.recompute_chunks)
-    full += sum(1 for layer in layers if layer.recompute_layer)
-    selective = sum(1 for m in model.modules() if isinstance(m, CoreAttention) and m.recompute)
-    return selective, full
 
 
 class FlopsUtilization(pl.Callback):
@@ -72,12 +62,7 @@ class FlopsUtilization(pl.Callback):
 
     def measure(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, seconds: float) -> dict[str, float]:
         """The logged figures for one batch that took ``seconds``."""
-        from dataclasses import replace
-
-        from lightning_seqpar.recompute import model_shape
-
-        tokens = batch[0] if isinstance(batch, (tuple, list)) else batch
-        b, s = tokens.shape[-2:]
+        s, b = micro_batch_shape(batch)
         shape, _, _ = model_shape(pl_module, s, b)
         vocab = self.vocab_size
         if vocab is None:
@@ -87,7 +72,7 @@ class FlopsUtilization(pl.Callback):
         dp = strategy.mesh.dp if hasattr(strategy, "mesh") else trainer.world_size
         world = trainer.world_size
         global_batch = b * dp
-        selective, full = _recompute_counts(pl_module)
+        selective, full = recompute_counts(pl_module)
         model = model_flops_per_iteration(shape, global_batch)
         hardware = model + recompute_flops(shape, global_batch, selective, full)
         out = {
