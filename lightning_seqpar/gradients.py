@@ -30,19 +30,46 @@ def _all_reduce_coalesced(tensors: list[Tensor], group: ParallelGroup, scale: fl
             offset += t.numel()
 
 
+def _is_stage_local(param: torch.nn.Parameter) -> bool:
+    return getattr(param, "pipeline_stage_local", False)
+
+
+def _sum_over_stages(params: list[torch.nn.Parameter], group: ParallelGroup) -> None:
+    """Sum gradients of parameters every pipeline stage holds (embeddings, final norm, head).
+
+    A stage that did not use a parameter has no gradient for it; it joins with zeros, unless no stage
+    used it (then it keeps ``None``, as on one device, so the optimizer skips it).
+    """
+    if group.size == 1 or not params:
+        return
+    device = params[0].device
+    used = torch.tensor([float(p.grad is not None) for p in params], device=device)
+    group.all_reduce(used)
+    present = [p for p, u in zip(params, used.tolist()) if u > 0]
+    for p in present:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    _all_reduce_coalesced([p.grad for p in present], group)
+
+
 def finalize_gradients(parameters: Iterable[torch.nn.Parameter], mesh: ParallelMesh) -> None:
     """Make every rank's gradients those of the unparallelized model, in place.
 
     1. Sequence-parallel parameters (norms and row-parallel biases in the SP region, the position
        embedding) saw s/t tokens per rank: **sum** their gradients over the tensor-parallel group
        (Megatron-LM ``_allreduce_layernorm_grads``).
-    2. **Average** all gradients over the data-parallel group.
+    2. Parameters outside the pipelined layer stack live on every pipeline stage, and each stage
+       computed part of their gradient (the embedding on the first, the head on the last): **sum**
+       them over the pipeline group (Megatron-LM ``_allreduce_embedding_grads``, for every such parameter).
+    3. **Average** all gradients over the data-parallel group.
 
     Call once per optimizer step, after the last backward of the accumulation window.
     """
-    params = [p for p in parameters if p.grad is not None]
-    _all_reduce_coalesced([p.grad for p in params if getattr(p, "sequence_parallel", False)], mesh.tensor)
-    _all_reduce_coalesced([p.grad for p in params], mesh.data, scale=1.0 / mesh.data.size)
+    params = list(parameters)
+    with_grad = [p for p in params if p.grad is not None]
+    _all_reduce_coalesced([p.grad for p in with_grad if getattr(p, "sequence_parallel", False)], mesh.tensor)
+    _sum_over_stages([p for p in params if not _is_stage_local(p)], mesh.pipeline)
+    _all_reduce_coalesced([p.grad for p in params if p.grad is not None], mesh.data, scale=1.0 / mesh.data.size)
 
 
 def _upcast(grad: Tensor) -> Tensor:
@@ -54,8 +81,11 @@ def grad_norm(parameters: Iterable[torch.nn.Parameter], mesh: ParallelMesh, norm
     """The norm of the whole model's gradient, as one process would compute it.
 
     Each sharded parameter (``shard_spec``) contributes its shards from every tensor-parallel rank;
-    each replicated parameter contributes once. Data-parallel replicas are identical after
-    :func:`finalize_gradients`, so they are not counted again.
+    each layer held by one pipeline stage (``pipeline_stage_local``) contributes from that stage;
+    everything else contributes once. Data-parallel replicas, and the copies of shared parameters on
+    other stages, are identical after :func:`finalize_gradients`, so they are not counted again.
+
+    Collective over the tensor and pipeline groups: every rank calls it, with or without gradients.
 
     Args:
         norm_type: 2.0 or ``inf``.
@@ -65,22 +95,25 @@ def grad_norm(parameters: Iterable[torch.nn.Parameter], mesh: ParallelMesh, norm
     """
     if norm_type not in (2.0, math.inf):
         raise ValueError(f"Only the 2-norm and the inf-norm are supported, got norm_type={norm_type}.")
-    grads = [p for p in parameters if p.grad is not None]
-    if not grads:
-        return torch.zeros(())
-    device = grads[0].grad.device
+    params = list(parameters)
+    grads = [p for p in params if p.grad is not None]
+    device = params[0].device if params else torch.device("cpu")
     dtype = torch.float64 if any(p.grad.dtype == torch.float64 for p in grads) else torch.float32
-    sharded = [_upcast(p.grad) for p in grads if hasattr(p, "shard_spec")]
-    replicated = [_upcast(p.grad) for p in grads if not hasattr(p, "shard_spec")]
-    if norm_type == math.inf:
-        local = torch.stack([g.abs().max() for g in sharded] or [torch.zeros((), device=device)]).max()
-        mesh.tensor.all_reduce(local, op=torch.distributed.ReduceOp.MAX)
-        rest = torch.stack([g.abs().max() for g in replicated] or [torch.zeros((), device=device)]).max()
-        return torch.maximum(local, rest)
-    sharded_sq = sum((g.pow(2).sum() for g in sharded), torch.zeros((), device=device, dtype=dtype))
-    mesh.tensor.all_reduce(sharded_sq)
-    replicated_sq = sum((g.pow(2).sum() for g in replicated), torch.zeros((), device=device, dtype=dtype))
-    return (sharded_sq + replicated_sq).sqrt()
+    inf = norm_type == math.inf
+    op = torch.distributed.ReduceOp.MAX if inf else torch.distributed.ReduceOp.SUM
+
+    def part(sharded: bool, local: bool) -> Tensor:
+        chosen = [_upcast(p.grad) for p in grads if hasattr(p, "shard_spec") == sharded and _is_stage_local(p) == local]
+        if inf:
+            return torch.stack([g.abs().max().to(dtype) for g in chosen] or [torch.zeros((), device=device, dtype=dtype)]).max()
+        return sum((g.pow(2).sum().to(dtype) for g in chosen), torch.zeros((), device=device, dtype=dtype))
+
+    combine = torch.maximum if inf else torch.add
+    sharded = torch.stack([part(True, True), part(True, False)])
+    mesh.tensor.all_reduce(sharded, op=op)
+    stage_local = mesh.pipeline.all_reduce(combine(sharded[0], part(False, True)).reshape(1), op=op)[0]
+    total = combine(combine(stage_local, sharded[1]), part(False, False))
+    return total if inf else total.sqrt()
 
 
 def clip_grad_norm_(
@@ -90,9 +123,9 @@ def clip_grad_norm_(
 
     The same clipping ``torch.nn.utils.clip_grad_norm_`` applies to the unparallelized model.
     """
-    params = [p for p in parameters if p.grad is not None]
+    params = list(parameters)
     total = grad_norm(params, mesh, norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for p in params:
+    for p in (p for p in params if p.grad is not None):
         p.grad.detach().mul_(coef.to(p.grad.device, p.grad.dtype))
     return total

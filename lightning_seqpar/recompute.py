@@ -13,11 +13,15 @@ from lightning_seqpar.transformer.core_attention import CoreAttention
 
 
 def _layer_stacks(model: nn.Module) -> tuple[list[nn.Module], list[nn.Module]]:
-    """(containers with ``recompute_chunks``, bare layers with ``recompute_layer`` outside any container)."""
+    """(containers with ``recompute_chunks``, bare layers with ``recompute_layer`` outside any container).
+
+    A stack split over pipeline stages counts as bare layers: a checkpointed chunk must not span a
+    stage boundary, so each held layer is checkpointed on its own.
+    """
     stacks, layers = [], []
     inside: set[int] = set()
     for module in model.modules():
-        if hasattr(module, "recompute_chunks"):
+        if hasattr(module, "recompute_chunks") and not any(hasattr(m, "pipeline_stage") for m in module.modules()):
             stacks.append(module)
             inside.update(id(m) for m in module.modules() if m is not module)
     for module in model.modules():
@@ -79,7 +83,8 @@ def apply_recompute(
     if layers and method == "uniform" and (num_layers or 1) > 1:
         raise ValueError(
             f"Uniform chunks of {num_layers} layers need the layers inside a stack (nn.TransformerEncoder or the "
-            f"reference GPT); these layers are called one by one by user code. Use num_layers=1 or method='block'."
+            f"reference GPT) on one pipeline stage; these layers are called one by one by user code or split over "
+            f"pipeline stages. Use num_layers=1 or method='block'."
         )
     chosen = layers if method == "uniform" else layers[: num_layers or len(layers)]
     for layer in chosen:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, Callable, Iterable, Literal, Mapping, Optional
+from typing import Any, Callable, Iterable, Literal, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -31,18 +31,28 @@ from lightning_seqpar.checkpoint_io import AtomicCheckpointIO
 from lightning_seqpar.gradients import clip_grad_norm_, finalize_gradients
 from lightning_seqpar.launcher import SeqParallelSpawnLauncher
 from lightning_seqpar.mesh import ParallelMesh, validate_layout
+from lightning_seqpar.pipeline_parallel import (
+    PipelineExecutor,
+    PipelinedSteps,
+    StageLayout,
+    StageTransport,
+    check_microbatches,
+    resolve_schedule,
+    split_stages,
+)
 from lightning_seqpar.rewrite import Policy, RewriteContext, RewritePlan, rewrite
 from lightning_seqpar.state import (
     full_optimizer_state,
     full_state_dict,
     load_full_optimizer_state,
     load_full_state_dict,
+    merge_over_stages,
 )
 from lightning_seqpar.tensor_parallel.random import RNGTracker
 
 
 class SeqParallelStrategy(ParallelStrategy):
-    """Tensor (+ sequence) parallel training of an ordinary LightningModule.
+    """Tensor (+ sequence) and pipeline parallel training of an ordinary LightningModule.
 
     On setup the strategy builds a ``(pp, dp, tp)`` process mesh (tensor-parallel ranks fastest),
     makes every rank start from rank 0's weights, and rewrites the transformer blocks it recognizes
@@ -51,9 +61,21 @@ class SeqParallelStrategy(ParallelStrategy):
     tensor-parallel group and averages all gradients over the data-parallel group; gradient clipping
     uses the norm of the whole (unsharded) gradient. Checkpoints hold the unparallelized state dict.
 
+    With ``pp > 1`` the rewritten layer stack is split into stages (:mod:`lightning_seqpar.pipeline_parallel`):
+    each batch is cut into ``num_microbatches`` micro-batches and the module's own ``training_step`` runs
+    on each of them through the schedule; modules outside the stack (embeddings, final norm, head) are
+    kept on every stage, used by the first (before the stack) or the last (after it), and their
+    gradients are summed over the pipeline group. Validation and test steps run forward-only.
+
     Args:
         tp: tensor-parallel size t (ranks sharing each layer).
-        pp: pipeline-parallel size p. Only 1 is available.
+        pp: pipeline-parallel size p (stages of the layer stack).
+        num_microbatches: m, micro-batches per batch under pipeline parallelism (default ``pp``); the
+            per-rank batch size must be divisible by it.
+        schedule: ``"1F1B"`` (default; with ``virtual_stages > 1`` the interleaved 1F1B), ``"gpipe"`` or
+            ``"interleaved_1F1B"``.
+        virtual_stages: v, model chunks per pipeline rank for the interleaved schedule.
+        pipeline_split: layers of each of the ``pp·virtual_stages`` stages, in model order (default: equal).
         sequence_parallel: shard LayerNorm/dropout/residual activations along the sequence
             (Korthikanti et al. 2022 §4.2.2). Ignored when ``tp == 1``.
         loss_parallel: compute the reference GPT's loss on vocabulary-sharded logits.
@@ -66,8 +88,9 @@ class SeqParallelStrategy(ParallelStrategy):
 
     Raises:
         ValueError: ``tp``/``pp`` not positive integers; world size not divisible by ``tp · pp``;
-            a model with nothing to rewrite or with shapes that do not split t ways.
-        NotImplementedError: ``pp > 1``.
+            a model with nothing to rewrite or with shapes that do not split t ways; under ``pp > 1``, an
+            unknown schedule, fewer micro-batches than stages (or, interleaved, not a multiple of ``pp``), a
+            layer count that does not split into the stages asked, a batch not divisible into micro-batches.
     """
 
     strategy_name = "seq_parallel"
@@ -76,6 +99,10 @@ class SeqParallelStrategy(ParallelStrategy):
         self,
         tp: int = 1,
         pp: int = 1,
+        num_microbatches: Optional[int] = None,
+        schedule: str = "1F1B",
+        virtual_stages: int = 1,
+        pipeline_split: Optional[Sequence[int]] = None,
         sequence_parallel: bool = True,
         loss_parallel: bool = True,
         policies: Optional[Iterable[Policy]] = None,
@@ -90,10 +117,12 @@ class SeqParallelStrategy(ParallelStrategy):
         timeout: Optional[timedelta] = default_pg_timeout,
     ) -> None:
         validate_layout(tp * pp, tp, pp)
+        self.schedule = resolve_schedule(schedule, virtual_stages)
+        self.num_microbatches = num_microbatches if num_microbatches is not None else pp
+        self.virtual_stages = virtual_stages
+        self.pipeline_split = list(pipeline_split) if pipeline_split is not None else None
         if pp > 1:
-            raise NotImplementedError(
-                f"Pipeline parallelism is not available yet (pp={pp}). Use pp=1 and scale with `tp` and data parallelism."
-            )
+            check_microbatches(self.num_microbatches, pp, self.schedule)
         if start_method not in ("popen", "spawn", "fork"):
             raise ValueError(f"start_method must be 'popen', 'spawn' or 'fork', got {start_method!r}.")
         super().__init__(
@@ -113,6 +142,8 @@ class SeqParallelStrategy(ParallelStrategy):
         self._mesh: Optional[ParallelMesh] = None
         self.rng_tracker: Optional[RNGTracker] = None
         self.rewrite_plan: Optional[RewritePlan] = None
+        self.pipeline: Optional[PipelinedSteps] = None
+        self._remote_keys: list[str] = []
         self.num_nodes = 1
 
     # ------------------------------------------------------------------ layout
@@ -194,6 +225,8 @@ class SeqParallelStrategy(ParallelStrategy):
         self.rng_tracker = self._seed_streams()
         ctx = RewriteContext(self.mesh.tensor, self.sequence_parallel, self.rng_tracker, self.loss_parallel)
         self.rewrite_plan = rewrite(self.model, ctx, self.policies)
+        if self.pp > 1:
+            self._split_pipeline()
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self.barrier()
@@ -203,6 +236,17 @@ class SeqParallelStrategy(ParallelStrategy):
         self._make_clipping_shard_aware()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _split_pipeline(self) -> None:
+        pp_rank = ParallelMesh.coordinates(self.global_rank, self.tp, self.mesh.dp)[0]
+
+        def layout(num_layers: int) -> StageLayout:
+            return StageLayout.build(num_layers, self.pp, self.virtual_stages, self.pipeline_split)
+
+        runtime, self._remote_keys = split_stages(self.model, layout, pp_rank)
+        transport = StageTransport(self.mesh.pipeline, runtime.layout.num_stages, self.num_microbatches, self.root_device)
+        executor = PipelineExecutor(runtime, transport, pp_rank, self.schedule, self.num_microbatches)
+        self.pipeline = PipelinedSteps(executor, self.mesh.pipeline, self.num_microbatches)
 
     def _broadcast_module(self, module: torch.nn.Module) -> None:
         """Give every rank rank 0's parameters and buffers, so an unseeded init cannot diverge."""
@@ -244,6 +288,48 @@ class SeqParallelStrategy(ParallelStrategy):
 
         return super().optimizer_step(optimizer, closure_then_finalize, model, **kwargs)
 
+    # ------------------------------------------------------------------ steps
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.pipeline is None:
+            return super().training_step(*args, **kwargs)
+        assert self.lightning_module is not None
+        with self.precision_plugin.train_step_context():
+            return self.pipeline.training_step(self.lightning_module, *self._step_args(args, kwargs))
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.pipeline is None:
+            return super().validation_step(*args, **kwargs)
+        module = self.lightning_module
+        with self.precision_plugin.val_step_context():
+            return self.pipeline.evaluation_step(module, module.validation_step, *self._step_args(args, kwargs))
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.pipeline is None:
+            return super().test_step(*args, **kwargs)
+        module = self.lightning_module
+        with self.precision_plugin.test_step_context():
+            return self.pipeline.evaluation_step(module, module.test_step, *self._step_args(args, kwargs))
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.pipeline is not None:
+            raise NotImplementedError(
+                "predict_step is not pipelined: its outputs would exist on the last stage only. Load the checkpoint "
+                "(it holds the whole model) with pp=1 to predict."
+            )
+        return super().predict_step(*args, **kwargs)
+
+    @staticmethod
+    def _step_args(args: tuple, kwargs: dict) -> tuple[Any, int]:
+        batch = args[0] if args else kwargs["batch"]
+        batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
+        if len(args) > 2 or "dataloader_idx" in kwargs:
+            raise NotImplementedError("Several dataloaders are not supported under pipeline parallelism.")
+        return batch, batch_idx
+
     # ------------------------------------------------------------------ collectives
     @override
     def barrier(self, name: Optional[str] = None) -> None:
@@ -273,22 +359,43 @@ class SeqParallelStrategy(ParallelStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The unparallelized model's state dict, gathered from the shards (collective, every rank)."""
         assert self.lightning_module is not None
-        return full_state_dict(self.lightning_module, self.mesh.tensor)
+        return merge_over_stages(full_state_dict(self.lightning_module, self.mesh.tensor), self.mesh.pipeline)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         assert self.lightning_module is not None
-        load_full_state_dict(self.lightning_module, checkpoint["state_dict"], self.mesh.tensor, strict=strict)
+        state = checkpoint["state_dict"]
+        if self._remote_keys:  # this stage's part; the other stages' layers must be there too
+            missing = [k for k in self._remote_keys if k not in state]
+            if strict and missing:
+                raise KeyError(f"State dict mismatch. Missing (layers of other pipeline stages): {sorted(missing)}.")
+            remote = set(self._remote_keys)
+            state = {k: v for k, v in state.items() if k not in remote}
+        load_full_state_dict(self.lightning_module, state, self.mesh.tensor, strict=strict)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
-        return full_optimizer_state(optimizer, self.mesh.tensor)
+        state = full_optimizer_state(optimizer, self.mesh.tensor)
+        if self.mesh.pp == 1:
+            return state
+        # Each stage optimizes different layers: keep every stage's state, in pipeline-rank order.
+        stages: list[Any] = [None] * self.mesh.pp
+        dist.all_gather_object(stages, state, group=self.mesh.pipeline.group)
+        return {"pipeline_stages": stages}
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            if "pipeline_stages" in state:
+                stages = state["pipeline_stages"]
+                if len(stages) != self.mesh.pp:
+                    raise ValueError(
+                        f"The checkpoint's optimizer state was saved with pp={len(stages)}; this run has pp={self.mesh.pp}. "
+                        f"Resume with the same pipeline layout (the model weights alone load into any layout)."
+                    )
+                state = stages[self.mesh.pipeline.rank]
             load_full_optimizer_state(optimizer, state, self.mesh.tensor)
 
     @override

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_seqpar.models import GPTConfig, GPTLightningModule
-from lightning_seqpar.state import full_gradients
+from lightning_seqpar.state import full_gradients, merge_over_stages
 
 VOCAB, SEQ, BATCH = 13, 8, 2  # a vocabulary no tp in {2, 4} divides: exercises padding
 
@@ -69,8 +69,9 @@ def compute_loss(module: pl.LightningModule, x: torch.Tensor, y: torch.Tensor) -
     return F.cross_entropy(module(x).reshape(-1, VOCAB), y.reshape(-1))
 
 
-def gpt_module(dropout: float = 0.0, tie_weights: bool = True, label_smoothing: float = 0.1) -> GPTLightningModule:
-    config = GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=4, n_embd=16, dropout=dropout,
+def gpt_module(dropout: float = 0.0, tie_weights: bool = True, label_smoothing: float = 0.1,
+               n_layer: int = 2) -> GPTLightningModule:
+    config = GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=n_layer, n_head=4, n_embd=16, dropout=dropout,
                        tie_weights=tie_weights, label_smoothing=label_smoothing)
     return GPTLightningModule(config, learning_rate=1e-2)
 
@@ -110,8 +111,8 @@ class Recorder(pl.Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         strategy = trainer.strategy
-        group = strategy.mesh.tensor if hasattr(strategy, "mesh") else None
-        self.grads.append(full_gradients(pl_module, group) if group else
+        mesh = strategy.mesh if hasattr(strategy, "mesh") else None
+        self.grads.append(merge_over_stages(full_gradients(pl_module, mesh.tensor), mesh.pipeline) if mesh else
                           {n: p.grad.detach().clone() for n, p in pl_module.named_parameters() if p.grad is not None})
         self.replicated.append({n: p.grad.detach().clone() for n, p in pl_module.named_parameters()
                                 if p.grad is not None and not hasattr(p, "shard_spec")})

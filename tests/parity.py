@@ -22,9 +22,10 @@ class Case:
     model: tuple = field(default_factory=tuple)  # extra model kwargs as (key, value) pairs
     trainer: tuple = field(default_factory=tuple)  # extra Trainer kwargs as (key, value) pairs
     strategy: tuple = field(default_factory=tuple)
+    pp: int = 1
 
     def dp(self, world_size: int) -> int:
-        return world_size // self.tp
+        return world_size // (self.tp * self.pp)
 
 
 def fit(case: Case, world_size: int, steps: int = STEPS, callbacks=(), epoch_steps=None, ckpt_path=None,
@@ -44,7 +45,7 @@ def fit(case: Case, world_size: int, steps: int = STEPS, callbacks=(), epoch_ste
     trainer_kwargs.update(overrides)
     accumulate = trainer_kwargs.get("accumulate_grad_batches", 1)
     trainer = pl.Trainer(
-        strategy=SeqParallelStrategy(tp=case.tp, sequence_parallel=case.sequence_parallel, **dict(case.strategy)),
+        strategy=SeqParallelStrategy(tp=case.tp, pp=case.pp, sequence_parallel=case.sequence_parallel, **dict(case.strategy)),
         callbacks=[recorder, *extra], **trainer_kwargs,
     )
     data = token_data((epoch_steps or steps) * accumulate, case.dp(world_size))

@@ -1,0 +1,157 @@
+"""A LightningModule's ``training_step`` / ``validation_step`` run through a pipeline schedule.
+
+Lightning's automatic optimization calls ``training_step``, then ``zero_grad``, then ``backward`` on
+the returned loss. A schedule runs forwards *and* backwards inside ``training_step``, so the
+gradients it produces are set aside and handed back by the returned loss's backward
+(:class:`_PipelinedLoss`); ``accumulate_grad_batches`` and loss scaling then act on them as on one device.
+
+What the user logs inside the step is recorded on the last stage, averaged over micro-batches and
+logged on every rank (with the user's ``self.log`` arguments), so ``sync_dist`` collectives line up.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any, Callable, Optional
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import Tensor
+
+from lightning_seqpar.pipeline_parallel.executor import PipelineExecutor, StepResult, loss_of
+from lightning_seqpar.tensor_parallel.collectives import ParallelGroup
+
+
+def _batch_size(batch: Any) -> int:
+    sizes: set[int] = set()
+    apply_to_collection(batch, Tensor, lambda t: sizes.add(t.shape[0]) if t.dim() else None)
+    if len(sizes) != 1:
+        raise ValueError(
+            f"Pipeline parallelism cuts the batch into micro-batches along dimension 0, which must be the same for "
+            f"every tensor of the batch; found sizes {sorted(sizes) or 'none'}."
+        )
+    return sizes.pop()
+
+
+def split_microbatches(batch: Any, num_microbatches: int) -> list[Any]:
+    """Cut every tensor of ``batch`` (any nesting of lists, tuples, dicts) into m equal parts along dim 0.
+
+    Raises:
+        ValueError: tensors of different batch sizes, or a batch size not divisible by m.
+    """
+    b = _batch_size(batch)
+    if b % num_microbatches:
+        raise ValueError(
+            f"A batch of {b} samples cannot be cut into num_microbatches={num_microbatches} equal micro-batches. "
+            f"Use a batch size divisible by {num_microbatches} (and drop_last=True), or change num_microbatches."
+        )
+    return [apply_to_collection(batch, Tensor, lambda t, i=i: t.tensor_split(num_microbatches)[i])
+            for i in range(num_microbatches)]
+
+
+class _PipelinedLoss(torch.autograd.Function):
+    """Identity on the loss value; its backward adds ``grad_output ×`` the set-aside gradients to ``.grad``."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: Tensor, value: Tensor, grads: dict) -> Tensor:
+        ctx.grads = grads
+        return value.detach().clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: Tensor) -> tuple[None, None, None]:
+        for param, grad in ctx.grads.items():
+            grad = grad * grad_output.to(grad.dtype) if grad_output.item() != 1 else grad
+            param.grad = grad if param.grad is None else param.grad + grad
+        ctx.grads = {}
+        return None, None, None
+
+
+class _LogRecorder:
+    """Stands in for ``LightningModule.log`` during a schedule; keeps the calls of the last stage."""
+
+    def __init__(self) -> None:
+        self.calls: dict[str, tuple[list[float], Optional[torch.dtype], dict]] = {}
+
+    def __call__(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        if args:
+            raise TypeError("Under pipeline parallelism pass self.log options by keyword.")
+        if isinstance(value, Tensor) and value.numel() == 1:
+            number, dtype = float(value.detach().float() if value.dtype in (torch.float16, torch.bfloat16) else value.detach()), value.dtype
+        elif isinstance(value, numbers.Number):
+            number, dtype = float(value), None
+        else:
+            raise TypeError(
+                f"self.log('{name}', {type(value).__name__}) inside a pipelined step: values logged there are averaged "
+                f"over micro-batches, so they must be numbers or one-element tensors. Log metric objects in an epoch hook."
+            )
+        entry = self.calls.setdefault(name, ([], dtype, kwargs))
+        entry[0].append(number)
+
+    def means(self) -> dict[str, tuple[float, Optional[torch.dtype], dict]]:
+        return {name: (sum(values) / len(values), dtype, kwargs) for name, (values, dtype, kwargs) in self.calls.items()}
+
+
+class PipelinedSteps:
+    """Training and evaluation steps of a split LightningModule.
+
+    Args:
+        executor: runs the schedule on this rank.
+        pipeline: the pipeline-parallel group.
+        num_microbatches: m; the per-rank batch is cut into m micro-batches.
+    """
+
+    def __init__(self, executor: PipelineExecutor, pipeline: ParallelGroup, num_microbatches: int) -> None:
+        self.executor, self.pipeline, self.num_microbatches = executor, pipeline, num_microbatches
+        layout = executor.layout
+        self.last_rank = layout.rank_of(layout.num_stages - 1)
+        self.is_last = executor.rank == self.last_rank
+
+    def _run(self, module: pl.LightningModule, step: Callable[..., Any], batch: Any, batch_idx: int,
+             forward_only: bool) -> tuple[StepResult, dict]:
+        micro = split_microbatches(batch, self.num_microbatches)
+        recorder = _LogRecorder()
+        module.log = recorder  # an instance attribute shadows LightningModule.log for the schedule only
+        try:
+            result = self.executor.run(lambda i: step(micro[i], batch_idx), forward_only=forward_only)
+        finally:
+            del module.log
+        return result, recorder.means() if self.is_last else {}
+
+    def _share(self, payload: Any) -> Any:
+        box = [payload]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.pipeline.group, self.last_rank), group=self.pipeline.group)
+        return box[0]
+
+    @staticmethod
+    def _replay(module: pl.LightningModule, logs: dict) -> None:
+        for name, (value, dtype, kwargs) in logs.items():
+            module.log(name, torch.tensor(value, dtype=dtype or torch.get_default_dtype(), device=module.device), **kwargs)
+
+    def training_step(self, module: pl.LightningModule, batch: Any, batch_idx: int) -> Tensor:
+        """Run ``module.training_step`` on every micro-batch through the schedule.
+
+        Returns:
+            The mean micro-batch loss, identical on every rank; its ``backward()`` puts the schedule's
+            gradients (scaled by the incoming gradient, e.g. ``1/accumulate_grad_batches``) into ``.grad``.
+        """
+        params = [p for p in module.parameters() if p.requires_grad]
+        earlier = [p.grad for p in params]  # gradients accumulated by previous batches stay where they are
+        for p in params:
+            p.grad = None
+        result, logs = self._run(module, module.training_step, batch, batch_idx, forward_only=False)
+        fresh = {p: p.grad for p in params if p.grad is not None}
+        for p, grad in zip(params, earlier):
+            p.grad = grad
+        losses = [loss_of(result.outputs[i]).detach() for i in sorted(result.outputs)]
+        mean = sum(float(loss) for loss in losses) / len(losses) if losses else 0.0
+        value, dtype, logs = self._share((mean, losses[0].dtype if losses else None, logs))
+        self._replay(module, logs)
+        anchor = torch.zeros((), device=module.device, requires_grad=True)
+        return _PipelinedLoss.apply(anchor, torch.tensor(value, dtype=dtype, device=module.device), fresh)
+
+    def evaluation_step(self, module: pl.LightningModule, step: Callable[..., Any], batch: Any, batch_idx: int) -> None:
+        """Forward-only pipeline of ``step`` (``validation_step`` / ``test_step``); returns ``None``."""
+        _, logs = self._run(module, step, batch, batch_idx, forward_only=True)
+        self._replay(module, self._share(logs))

@@ -1,0 +1,157 @@
+"""Pipeline schedules as per-rank action lists: GPipe, 1F1B and interleaved 1F1B.
+
+An action is a forward or a backward of one model chunk on one micro-batch. The executor runs a
+rank's list in order; sends never block and receives wait for their data, so a list is correct
+when its data dependencies never form a cycle across ranks (checked by :func:`simulate`).
+
+Sources: GPipe (Huang et al. 2019); 1F1B / PipeDream-Flush and interleaved 1F1B (Narayanan et al.
+2021 §2.2, Megatron-LM ``schedules.py``), the schedules of Korthikanti et al. 2022 §6.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+SCHEDULES = ("1F1B", "gpipe", "interleaved_1F1B")
+ScheduleName = Literal["1F1B", "gpipe", "interleaved_1F1B"]
+
+
+@dataclass(frozen=True)
+class Action:
+    """``kind`` ``"F"`` or ``"B"`` of model chunk ``chunk`` on micro-batch ``microbatch``."""
+
+    kind: str
+    chunk: int
+    microbatch: int
+
+    def __repr__(self) -> str:
+        return f"{self.kind}{self.microbatch}" + (f".{self.chunk}" if self.chunk else "")
+
+
+def resolve_schedule(schedule: str, virtual_stages: int) -> ScheduleName:
+    """Canonical schedule name; ``"1F1B"`` with ``virtual_stages > 1`` is the interleaved schedule.
+
+    Raises:
+        ValueError: unknown name, ``virtual_stages < 1``, GPipe with several chunks, or the interleaved
+            schedule with one chunk.
+    """
+    names = {s.lower(): s for s in SCHEDULES} | {"interleaved": "interleaved_1F1B"}
+    if not isinstance(schedule, str) or schedule.lower() not in names:
+        raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}.")
+    if not isinstance(virtual_stages, int) or virtual_stages < 1:
+        raise ValueError(f"virtual_stages must be a positive integer, got {virtual_stages!r}.")
+    name = names[schedule.lower()]
+    if name == "1F1B" and virtual_stages > 1:
+        name = "interleaved_1F1B"
+    if name == "gpipe" and virtual_stages > 1:
+        raise ValueError(f"GPipe runs one model chunk per rank; got virtual_stages={virtual_stages}. "
+                         f"Use schedule='1F1B' for the interleaved schedule.")
+    if name == "interleaved_1F1B" and virtual_stages < 2:
+        raise ValueError("The interleaved 1F1B schedule needs virtual_stages >= 2 model chunks per rank.")
+    return name
+
+
+def check_microbatches(num_microbatches: int, pp: int, schedule: ScheduleName) -> None:
+    """Raise ``ValueError`` unless ``num_microbatches`` (m) suits the schedule.
+
+    Every schedule needs ``m >= p`` (fewer micro-batches than stages leaves stages idle for the whole
+    step); the interleaved schedule also needs ``m`` divisible by ``p``, since it moves through the
+    chunks in groups of ``p`` micro-batches (Megatron-LM's requirement).
+    """
+    if not isinstance(num_microbatches, int) or num_microbatches < 1:
+        raise ValueError(f"num_microbatches must be a positive integer, got {num_microbatches!r}.")
+    if num_microbatches < pp:
+        raise ValueError(
+            f"num_microbatches={num_microbatches} is smaller than pp={pp}: the {schedule} schedule needs at least "
+            f"one micro-batch per pipeline stage. Use num_microbatches >= {pp} (more shrinks the bubble)."
+        )
+    if schedule == "interleaved_1F1B" and num_microbatches % pp:
+        raise ValueError(
+            f"The interleaved schedule needs num_microbatches divisible by pp; got {num_microbatches} with pp={pp}. "
+            f"Use a multiple of {pp}."
+        )
+
+
+def gpipe(m: int, p: int, rank: int) -> list[Action]:
+    """All forwards, then all backwards: every rank holds the activations of all m micro-batches."""
+    return [Action("F", 0, i) for i in range(m)] + [Action("B", 0, i) for i in range(m)]
+
+
+def one_f_one_b(m: int, p: int, rank: int) -> list[Action]:
+    """1F1B: ``p - rank - 1`` warm-up forwards, then one forward / one backward; at most ``p - rank``
+    micro-batches in flight on ``rank``."""
+    warmup = min(p - rank - 1, m)
+    actions = [Action("F", 0, i) for i in range(warmup)]
+    for i in range(m - warmup):
+        actions += [Action("F", 0, warmup + i), Action("B", 0, i)]
+    return actions + [Action("B", 0, i) for i in range(m - warmup, m)]
+
+
+def interleaved_one_f_one_b(m: int, p: int, v: int, rank: int) -> list[Action]:
+    """Interleaved 1F1B with ``v`` chunks per rank: micro-batches advance through the chunks in groups
+    of p; the bubble shrinks by v (Narayanan et al. 2021 Eq. 2, Megatron-LM
+    ``forward_backward_pipelining_with_interleaving``)."""
+    total = m * v
+
+    def microbatch(k: int) -> int:
+        return (k // (p * v)) * p + k % p
+
+    def forward(k: int) -> Action:
+        return Action("F", (k // p) % v, microbatch(k))
+
+    def backward(k: int) -> Action:
+        return Action("B", v - 1 - (k // p) % v, microbatch(k))
+
+    warmup = min((p - rank - 1) * 2 + (v - 1) * p, total)
+    actions = [forward(k) for k in range(warmup)]
+    for i in range(total - warmup):
+        actions += [forward(warmup + i), backward(i)]
+    return actions + [backward(k) for k in range(total - warmup, total)]
+
+
+def build_schedule(schedule: ScheduleName, m: int, p: int, v: int, rank: int, forward_only: bool = False) -> list[Action]:
+    """The ordered actions of pipeline rank ``rank``; ``forward_only`` keeps the forwards (evaluation)."""
+    if schedule == "gpipe":
+        actions = gpipe(m, p, rank)
+    elif schedule == "1F1B":
+        actions = one_f_one_b(m, p, rank)
+    else:
+        actions = interleaved_one_f_one_b(m, p, v, rank)
+    return [a for a in actions if a.kind == "F"] if forward_only else actions
+
+
+def simulate(schedule: ScheduleName, m: int, p: int, v: int = 1) -> list[int]:
+    """Run every rank's list against the data dependencies; return each rank's peak in-flight micro-batches.
+
+    A forward of virtual stage k needs the forward of stage k-1; a backward of stage k needs the
+    backward of stage k+1 (or, on the last stage, its own forward).
+
+    Raises:
+        RuntimeError: if the lists deadlock.
+    """
+    stages = p * v
+    lists = [build_schedule(schedule, m, p, v, r) for r in range(p)]
+    done: set[tuple[str, int, int]] = set()
+    position, inflight, peak = [0] * p, [0] * p, [0] * p
+    progressed = True
+    while progressed:
+        progressed = False
+        for r in range(p):
+            while position[r] < len(lists[r]):
+                a = lists[r][position[r]]
+                stage = a.chunk * p + r
+                if a.kind == "F":
+                    ready = stage == 0 or ("F", stage - 1, a.microbatch) in done
+                else:
+                    ready = ("B", stage + 1, a.microbatch) in done if stage < stages - 1 else ("F", stage, a.microbatch) in done
+                if not ready:
+                    break
+                done.add((a.kind, stage, a.microbatch))
+                inflight[r] += 1 if a.kind == "F" else -1
+                peak[r] = max(peak[r], inflight[r])
+                position[r] += 1
+                progressed = True
+    if any(position[r] < len(lists[r]) for r in range(p)):
+        raise RuntimeError(f"{schedule} with m={m}, p={p}, v={v} deadlocks at {[lists[r][position[r]:][:1] for r in range(p)]}.")
+    return peak
