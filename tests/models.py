@@ -104,6 +104,13 @@ class Recorder(pl.Callback):
     replicated: list = field(default_factory=list)
     logged: list = field(default_factory=list)  # ``self.log("train/loss", sync_dist=True)`` as this rank sees it
     final_state: dict = field(default_factory=dict)  # the reference model's state dict after training
+    p2p_bytes: dict = field(default_factory=dict)  # pipeline point-to-point payload bytes this rank sent, by kind
+
+    def on_train_end(self, trainer, pl_module):
+        pipeline = getattr(trainer.strategy, "pipeline", None)
+        if pipeline is not None:
+            log = pipeline.executor.transport.log
+            self.p2p_bytes = {kind: log.bytes(kind) for kind in ("activation", "gradient")}
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.losses.append(outputs["loss"].item())
