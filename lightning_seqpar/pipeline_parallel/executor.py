@@ -102,6 +102,8 @@ class PipelineExecutor:
                     torch.autograd.backward(out / m)
                 else:
                     grad = self.transport.recv(GRADIENT, stage, action.microbatch, layout.rank_of(stage + 1))
+                    # The gradient came back, so the activation arrived: its send buffer can go.
+                    self.transport.release(ACTIVATION, stage + 1, action.microbatch)
                     torch.autograd.backward(out, grad)
                 if stage > 0:
                     assert incoming is not None

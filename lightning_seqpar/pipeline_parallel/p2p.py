@@ -63,7 +63,7 @@ class StageTransport:
     def __init__(self, group: ParallelGroup, num_stages: int, num_microbatches: int, device: torch.device) -> None:
         self.group, self.num_stages, self.num_microbatches, self.device = group, num_stages, num_microbatches, device
         self.log = TransferLog()
-        self._pending: list[tuple[dist.Work, Tensor]] = []
+        self._pending: dict[tuple[int, int, int], tuple[list[dist.Work], list[Tensor]]] = {}
 
     def _peer(self, pipeline_rank: int) -> int:
         return dist.get_global_rank(self.group.group, pipeline_rank)
@@ -72,7 +72,10 @@ class StageTransport:
         return 2 * ((kind * self.num_stages + stage) * self.num_microbatches + microbatch)
 
     def send(self, tensor: Tensor, kind: int, to_stage: int, microbatch: int, to_rank: int) -> None:
-        """Start sending ``tensor`` for virtual stage ``to_stage`` (on pipeline rank ``to_rank``)."""
+        """Start sending ``tensor`` for virtual stage ``to_stage`` (on pipeline rank ``to_rank``).
+
+        The buffer stays referenced until :meth:`release` (or :meth:`wait_all`) sees the transfer done.
+        """
         tensor = tensor.detach().contiguous()
         if tensor.dim() > _HEADER - 2:
             raise ValueError(f"Pipeline stages exchange tensors of at most {_HEADER - 2} dimensions, got {tuple(tensor.shape)}.")
@@ -80,9 +83,9 @@ class StageTransport:
         header[0], header[1] = _DTYPES.index(tensor.dtype), tensor.dim()
         header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
         tag, peer = self._tag(kind, to_stage, microbatch), self._peer(to_rank)
-        self._reap()
-        self._pending.append((dist.isend(header, peer, group=self.group.group, tag=tag + 1), header))
-        self._pending.append((dist.isend(tensor, peer, group=self.group.group, tag=tag), tensor))
+        works = [dist.isend(header, peer, group=self.group.group, tag=tag + 1),
+                 dist.isend(tensor, peer, group=self.group.group, tag=tag)]
+        self._pending[(kind, to_stage, microbatch)] = (works, [header, tensor])
         self.log.payload.append(("activation" if kind == ACTIVATION else "gradient", tensor.numel() * tensor.element_size()))
         self.log.header_bytes += header.numel() * header.element_size()
 
@@ -96,11 +99,15 @@ class StageTransport:
         dist.recv(out, peer, group=self.group.group, tag=tag)
         return out
 
-    def _reap(self) -> None:
-        self._pending = [(work, t) for work, t in self._pending if not work.is_completed()]
+    def release(self, kind: int, to_stage: int, microbatch: int) -> None:
+        """Wait for one send and drop its buffer (the executor calls it once the reply proves delivery)."""
+        works, _ = self._pending.pop((kind, to_stage, microbatch), ([], []))
+        for work in works:
+            work.wait()
 
     def wait_all(self) -> None:
         """Wait for every send started (end of a step)."""
-        for work, _ in self._pending:
-            work.wait()
+        for works, _ in self._pending.values():
+            for work in works:
+                work.wait()
         self._pending.clear()

@@ -25,10 +25,11 @@ from torch import Tensor
 from lightning_seqpar.pipeline_parallel.layout import StageLayout
 
 
-class StageOutput(BaseException):
+class StageOutput(Exception):
     """Raised by the last layer of a non-final stage: ``tensor`` goes to the next stage.
 
-    A ``BaseException``, so a user's ``except Exception`` around the model cannot swallow it.
+    An ``Exception`` (not a ``BaseException``): ``nn.Module`` runs its ``always_call`` forward hooks only
+    for those, and module-stack trackers rely on them. A model must not swallow it with ``except Exception``.
     """
 
     def __init__(self, tensor: Tensor) -> None:
