@@ -22,11 +22,6 @@ def test_layout_errors(world_size, tp, pp, match):
         validate_layout(world_size, tp, pp)
 
 
-def test_pipeline_parallel_not_available_yet():
-    with pytest.raises(NotImplementedError, match="Pipeline parallelism is not available yet"):
-        SeqParallelStrategy(tp=2, pp=2)
-
-
 def test_world_size_not_divisible_fails_before_any_collective(monkeypatch, tmp_path):
     monkeypatch.setenv("LOCAL_RANK", "0")  # this process is rank 0 of 3, launched externally
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")

@@ -1,0 +1,140 @@
+"""Schedules, stage layouts and the pipeline's input checks, without processes."""
+
+import copy
+
+import pytest
+import torch
+
+from lightning_seqpar import SeqParallelStrategy
+from lightning_seqpar.pipeline_parallel import (
+    Action,
+    RemoteLayer,
+    StageLayout,
+    build_schedule,
+    check_microbatches,
+    resolve_schedule,
+    simulate,
+    split_microbatches,
+    split_stages,
+)
+from lightning_seqpar.rewrite import RewriteContext, rewrite
+from lightning_seqpar.tensor_parallel import ParallelGroup
+from tests.models import build
+
+LAYOUTS = [("1F1B", m, p, 1) for m in (2, 4, 8) for p in (2, 4) if m >= p] + \
+          [("gpipe", 8, 2, 1), ("gpipe", 4, 4, 1)] + \
+          [("interleaved_1F1B", m, p, v) for m, p, v in ((2, 2, 2), (4, 2, 2), (8, 2, 3), (8, 4, 2), (4, 4, 4))]
+
+
+@pytest.mark.parametrize("schedule, m, p, v", LAYOUTS)
+def test_every_rank_runs_each_forward_and_backward_once_backward_after_forward(schedule, m, p, v):
+    for rank in range(p):
+        actions = build_schedule(schedule, m, p, v, rank)
+        expected = {Action(k, c, i) for k in "FB" for c in range(v) for i in range(m)}
+        assert len(actions) == len(expected) and set(actions) == expected
+        for c in range(v):
+            for i in range(m):
+                assert actions.index(Action("F", c, i)) < actions.index(Action("B", c, i))
+        assert build_schedule(schedule, m, p, v, rank, forward_only=True) == [a for a in actions if a.kind == "F"]
+
+
+@pytest.mark.parametrize("schedule, m, p, v", LAYOUTS)
+def test_schedules_never_deadlock_and_bound_in_flight_micro_batches(schedule, m, p, v):
+    peaks = simulate(schedule, m, p, v)
+    if schedule == "gpipe":
+        assert peaks == [m] * p
+    elif schedule == "1F1B":
+        assert peaks == [min(p - r, m) for r in range(p)]  # PipeDream-Flush: stage r holds p - r
+    else:  # Megatron's warm-up: 2(p - r - 1) + (v - 1)p forwards, then one more before the first backward
+        assert peaks == [min(2 * (p - r - 1) + (v - 1) * p + 1, m * v) for r in range(p)]
+
+
+def test_a_broken_order_is_reported_as_a_deadlock(monkeypatch):
+    import lightning_seqpar.pipeline_parallel.schedules as schedules
+
+    monkeypatch.setattr(schedules, "one_f_one_b", lambda m, p, rank: [a for a in schedules.gpipe(m, p, rank)][::-1])
+    with pytest.raises(RuntimeError, match="deadlocks"):
+        simulate("1F1B", 4, 2)
+
+
+def test_stage_layout_balanced_interleaved_and_explicit():
+    layout = StageLayout.build(8, 2, 2)
+    assert layout.sizes == (2, 2, 2, 2) and layout.stages_of(0) == [0, 2] and layout.stages_of(1) == [1, 3]
+    assert [layout.stage_of_layer(i) for i in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert layout.bounds(2) == (4, 6) and layout.rank_of(3) == 1
+    assert StageLayout.build(5, 2, split=[4, 1]).bounds(1) == (4, 5)
+
+
+@pytest.mark.parametrize("layers, pp, v, split, match", [
+    (3, 2, 1, None, "3 transformer layers do not divide into 2 equal pipeline stages"),
+    (4, 2, 3, None, "6 pipeline stages need at least 6 transformer layers; the model has 4"),
+    (4, 2, 1, [4, 0], "must give 2 positive layer counts"),
+    (4, 2, 1, [2, 1], "sum to the model's 4 layers"),
+])
+def test_layers_that_do_not_split_as_asked(layers, pp, v, split, match):
+    with pytest.raises(ValueError, match=match):
+        StageLayout.build(layers, pp, v, split)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(pp=2, num_microbatches=1), "num_microbatches=1 is smaller than pp=2"),
+    (dict(pp=4, num_microbatches=6, virtual_stages=2), "divisible by pp; got 6 with pp=4"),
+    (dict(pp=2, schedule="zero_bubble"), "schedule must be one of"),
+    (dict(pp=2, schedule="gpipe", virtual_stages=2), "GPipe runs one model chunk per rank"),
+    (dict(pp=2, schedule="interleaved_1F1B"), "needs virtual_stages >= 2"),
+    (dict(pp=2, virtual_stages=0), "virtual_stages must be a positive integer"),
+])
+def test_strategy_rejects_pipeline_settings_before_launching(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SeqParallelStrategy(**kwargs)
+
+
+def test_schedule_names():
+    assert resolve_schedule("1f1b", 2) == "interleaved_1F1B" and resolve_schedule("GPipe", 1) == "gpipe"
+    check_microbatches(4, 2, "interleaved_1F1B")
+
+
+def test_micro_batches_cut_every_tensor_of_a_nested_batch():
+    batch = {"x": torch.arange(12).view(6, 2), "pair": (torch.arange(6), torch.ones(6, 3))}
+    parts = split_microbatches(batch, 3)
+    assert len(parts) == 3 and torch.equal(parts[1]["x"], batch["x"][2:4]) and parts[2]["pair"][1].shape == (2, 3)
+    with pytest.raises(ValueError, match="batch of 6 samples cannot be cut into num_microbatches=4"):
+        split_microbatches(batch, 4)
+    with pytest.raises(ValueError, match="found sizes \\[5, 6\\]"):
+        split_microbatches((torch.zeros(6), torch.zeros(5)), 2)
+
+
+def _rewritten(kind, **kwargs):
+    module = build(kind, **kwargs)
+    rewrite(module, RewriteContext(ParallelGroup.virtual(1), False, None, True))
+    return module
+
+
+def test_split_keeps_this_ranks_layers_with_their_single_device_names():
+    module = _rewritten("gpt", n_layer=4)
+    runtime, remote = split_stages(module, lambda n: StageLayout.build(n, 2, 2), pipeline_rank=1)
+    layers = module.gpt.transformer.h
+    assert [isinstance(layer, RemoteLayer) for layer in layers] == [True, False, True, False]
+    assert remote[0].startswith("gpt.transformer.h.0.") and all(".h.1." not in k and ".h.3." not in k for k in remote)
+    assert {k for k in module.state_dict() if ".h." in k} == {k for k in build("gpt", n_layer=4).state_dict()
+                                                               if ".h.1." in k or ".h.3." in k}
+    assert all(p.pipeline_stage_local for p in layers[1].parameters())
+    assert not hasattr(module.gpt.transformer.wte.weight, "pipeline_stage_local")
+    with pytest.raises(RuntimeError, match="called outside a pipeline step"):
+        module.gpt(torch.zeros(1, 8, dtype=torch.long))
+
+
+def test_a_model_without_a_splittable_stack_says_why():
+    module = build("encoder", container="modulelist")
+    module.more = torch.nn.ModuleList([copy.deepcopy(module.layers[0])])  # a second container of layers
+    rewrite(module, RewriteContext(ParallelGroup.virtual(1), False, None, True))
+    with pytest.raises(ValueError, match="transformer layers sit in 2 containers"):
+        split_stages(module, lambda n: StageLayout.build(n, 2), 0)
+    module = build("encoder", container="modulelist")
+    module.extra = copy.deepcopy(module.layers[1])  # a layer that is a plain attribute
+    rewrite(module, RewriteContext(ParallelGroup.virtual(1), False, None, True))
+    with pytest.raises(ValueError, match="'extra' is a plain attribute"):
+        split_stages(module, lambda n: StageLayout.build(n, 2), 0)
+    plain = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="found no rewritten transformer layer"):
+        split_stages(plain, lambda n: StageLayout.build(n, 2), 0)
