@@ -3,6 +3,7 @@
     python recipes/pretrain_gpt.py                                   # 2 CPU processes, tp=2, SP, selective
     python recipes/pretrain_gpt.py strategy.tp=4 trainer.devices=4 model.n_layer=8
     python recipes/pretrain_gpt.py data.path=my_corpus/ trainer.max_steps=2000
+    python recipes/pretrain_gpt.py strategy=pp2_tp2 trainer.devices=4      # pipeline 2 × tensor 2, 1F1B
 
 Every field of ``conf/`` can be overridden on the command line (Hydra).
 """
@@ -41,8 +42,16 @@ def build_trainer(cfg: DictConfig, output_dir: Path) -> pl.Trainer:
                       **OmegaConf.to_container(cfg.trainer, resolve=True))
 
 
-def sample(module: GPTLightningModule, data: TextDataModule, cfg: DictConfig) -> str:
-    """Generate text from ``cfg.sample.prompt`` (every tensor-parallel rank must call it)."""
+def sample(module: GPTLightningModule, trainer: pl.Trainer, cfg: DictConfig) -> str:
+    """Generate text from ``cfg.sample.prompt`` (every rank must call it).
+
+    Under pipeline parallelism no rank holds the whole model: generate with a single-device copy
+    assembled from every stage (the checkpoint's state dict).
+    """
+    if cfg.strategy.pp > 1:
+        state = trainer.strategy.lightning_module_state_dict()
+        module = GPTLightningModule(module.gpt.config)
+        module.load_state_dict(state)
     module.eval()
     prompt = torch.tensor([list(cfg.sample.prompt.encode("utf-8"))], dtype=torch.long, device=module.device)
     generator = torch.Generator(device=module.device).manual_seed(cfg.seed)  # same draws on every rank
@@ -59,7 +68,7 @@ def main(cfg: DictConfig) -> dict:
     module = GPTLightningModule(model_cfg, max_steps=cfg.trainer.max_steps, **OmegaConf.to_container(cfg.optim, resolve=True))
     trainer = build_trainer(cfg, output_dir)
     trainer.fit(module, datamodule=data, ckpt_path=cfg.ckpt_path)
-    text = sample(module, data, cfg)
+    text = sample(module, trainer, cfg)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     if trainer.is_global_zero:
         print(f"\nfinal metrics: {metrics}\ncheckpoints: {output_dir / cfg.checkpoint_dir}")

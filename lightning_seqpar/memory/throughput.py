@@ -73,6 +73,11 @@ class FlopsUtilization(pl.Callback):
         world = trainer.world_size
         global_batch = b * dp
         selective, full = recompute_counts(pl_module)
+        pipeline = getattr(strategy, "pipeline", None)
+        if pipeline is not None:  # this stage holds L/p of the layers; the others hold (and recompute) alike
+            total = pipeline.executor.layout.num_layers
+            selective, full = selective * total // shape.L, full * total // shape.L
+            shape = replace(shape, L=total)
         model = model_flops_per_iteration(shape, global_batch)
         hardware = model + recompute_flops(shape, global_batch, selective, full)
         out = {
