@@ -51,6 +51,15 @@ class StageRuntime:
         self.active: Optional[int] = None
         self.incoming: Optional[Tensor] = None
 
+    @property
+    def feeds_pipeline(self) -> bool:
+        """Whether the code before the stack produces the input of the running stage (the first stage).
+
+        A model may skip its embedding when this is ``False``: the running stage's first layer replaces
+        whatever reaches it by the received activation.
+        """
+        return self.active == 0
+
     def run(self, stage: int, incoming: Optional[Tensor], step: Callable[[], Any]) -> tuple[bool, Any]:
         """Run ``step`` as virtual stage ``stage``; return ``(True, tensor to send)`` or ``(False, step's result)``."""
         self.active, self.incoming = stage, incoming
@@ -163,7 +172,8 @@ def split_stages(model: nn.Module, layout_for: Callable[[int], StageLayout], pip
     Returns:
         The runtime, and the state-dict keys now held by other ranks.
 
-    Held layers get ``pipeline_stage`` (their virtual stage); their parameters get ``pipeline_stage_local = True`` (gradients of the others are summed
+    Modules with a ``stage_runtime`` attribute (e.g. :class:`~lightning_seqpar.transformer.gpt.ParallelGPT`)
+    receive the runtime, to skip work whose result only the first stage uses. Held layers get ``pipeline_stage`` (their virtual stage); their parameters get ``pipeline_stage_local = True`` (gradients of the others are summed
     over the pipeline group, see :func:`lightning_seqpar.gradients.finalize_gradients`).
 
     Raises:
@@ -172,6 +182,9 @@ def split_stages(model: nn.Module, layout_for: Callable[[int], StageLayout], pip
     container, indices = find_layer_stack(model)
     layout = layout_for(len(indices))
     runtime = StageRuntime(layout)
+    for module in model.modules():
+        if hasattr(module, "stage_runtime"):
+            module.stage_runtime = runtime
     held = set(layout.stages_of(pipeline_rank))
     prefix = next(name for name, m in model.named_modules() if m is container)
     remote_keys: list[str] = []

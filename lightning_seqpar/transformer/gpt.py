@@ -133,6 +133,7 @@ class ParallelGPT(GPT):
         else:
             self.lm_head.weight = shard_parameter(gpt.lm_head.weight, wte.spec, ctx.group)
         self.recompute_chunks: list[tuple[int, int]] = []
+        self.stage_runtime = None  # set when the layers are split into pipeline stages
 
     def forward(self, idx: Tensor, targets: Optional[Tensor] = None) -> Tensor:
         b, s = idx.shape
@@ -146,11 +147,14 @@ class ParallelGPT(GPT):
         s_total = s + pad
         if s_total > self.config.block_size:
             raise ValueError(f"Sequence length {s_total} exceeds block_size {self.config.block_size}.")
-        x = self.transformer.wte(idx)  # [s/t, b, h] (SP) or [s, b, h]
-        s_local = x.shape[0]
-        first = self.group.rank * s_local if self.sp else 0
-        pos = torch.arange(first, first + s_local, device=idx.device)
-        x = self.transformer.drop(x + self.transformer.wpe(pos).unsqueeze(1))
+        if self.stage_runtime is not None and not self.stage_runtime.feeds_pipeline:
+            x = idx.new_empty(0)  # a later pipeline stage: its first layer takes the received activation
+        else:
+            x = self.transformer.wte(idx)  # [s/t, b, h] (SP) or [s, b, h]
+            s_local = x.shape[0]
+            first = self.group.rank * s_local if self.sp else 0
+            pos = torch.arange(first, first + s_local, device=idx.device)
+            x = self.transformer.drop(x + self.transformer.wpe(pos).unsqueeze(1))
         x = run_layers(self.transformer.h, x, self.recompute_chunks, self.rng_tracker)
         logits = self.lm_head(self.transformer.ln_f(x))  # [s, b, v'/t], all-gather g inside
         if targets is not None and self.loss_parallel:
