@@ -1,4 +1,11 @@
-"""Pipeline parallelism: stage layout, schedules, point-to-point transfers and their executor."""
+"""Pipeline parallelism: stage layout, schedules, point-to-point transfers and their executor.
+
+A stage here is a slice of the user's own ``training_step`` (see :mod:`.stage`), which needs the
+micro-batch (masks, targets) on every stage. ``torch.distributed.pipelining`` calls a stage module
+with the received tensors only and infers shapes by running stages on meta tensors, where our
+tensor-parallel collectives cannot run; so the schedules (GPipe, 1F1B, interleaved 1F1B, as in
+Megatron-LM) are per-rank action lists run by our executor over ``torch.distributed`` sends and receives.
+"""
 
 from lightning_seqpar.pipeline_parallel.executor import PipelineExecutor, StepResult
 from lightning_seqpar.pipeline_parallel.layout import StageLayout
