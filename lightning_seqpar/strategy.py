@@ -242,7 +242,7 @@ class SeqParallelStrategy(ParallelStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
 
     def _split_pipeline(self) -> None:
-        pp_rank = ParallelMesh.coordinates(self.global_rank, self.tp, self.mesh.dp)[0]
+        pp_rank = self.mesh.pipeline.rank
 
         def layout(num_layers: int) -> StageLayout:
             return StageLayout.build(num_layers, self.pp, self.virtual_stages, self.pipeline_split)

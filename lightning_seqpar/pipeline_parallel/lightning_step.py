@@ -78,7 +78,7 @@ class _LogRecorder:
         if args:
             raise TypeError("Under pipeline parallelism pass self.log options by keyword.")
         if isinstance(value, Tensor) and value.numel() == 1:
-            number, dtype = float(value.detach().float() if value.dtype in (torch.float16, torch.bfloat16) else value.detach()), value.dtype
+            number, dtype = float(value.detach()), value.dtype
         elif isinstance(value, numbers.Number):
             number, dtype = float(value), None
         else:
