@@ -3,9 +3,9 @@
 Korthikanti et al., *Reducing Activation Recomputation in Large Transformer Models* (2022).
 """
 
-from lightning_seqpar.memory.throughput import FlopsUtilization
+from lightning_seqpar.callbacks import FlopsUtilization, SelectiveRecompute
 from lightning_seqpar.mesh import ParallelMesh, validate_layout
-from lightning_seqpar.recompute import SelectiveRecompute, apply_recompute
+from lightning_seqpar.recompute import apply_recompute
 from lightning_seqpar.rewrite import Policy, RewriteContext, explain, rewrite
 from lightning_seqpar.strategy import SeqParallelStrategy, register
 from lightning_seqpar.tensor_parallel import (

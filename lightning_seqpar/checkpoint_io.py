@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 
@@ -15,7 +14,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     """``TorchCheckpointIO`` that writes to a temporary file in the target folder, flushes it to disk
     and renames it over the target, so a crash mid-save leaves the previous checkpoint intact."""
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Optional[Any] = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Union[str, os.PathLike], storage_options: Optional[Any] = None) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} does not take storage_options, got {storage_options!r}.")
         path = Path(path)

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from lightning_seqpar.mesh import ParallelMesh
+from lightning_seqpar.roles import is_sequence_parallel, is_stage_local, shard_spec
 from lightning_seqpar.tensor_parallel.collectives import ParallelGroup
 
 
@@ -28,10 +29,6 @@ def _all_reduce_coalesced(tensors: list[Tensor], group: ParallelGroup, scale: fl
         for t in same:
             t.copy_(flat[offset : offset + t.numel()].view_as(t))
             offset += t.numel()
-
-
-def _is_stage_local(param: torch.nn.Parameter) -> bool:
-    return getattr(param, "pipeline_stage_local", False)
 
 
 def _sum_over_stages(params: list[torch.nn.Parameter], group: ParallelGroup) -> None:
@@ -67,8 +64,8 @@ def finalize_gradients(parameters: Iterable[torch.nn.Parameter], mesh: ParallelM
     """
     params = list(parameters)
     with_grad = [p for p in params if p.grad is not None]
-    _all_reduce_coalesced([p.grad for p in with_grad if getattr(p, "sequence_parallel", False)], mesh.tensor)
-    _sum_over_stages([p for p in params if not _is_stage_local(p)], mesh.pipeline)
+    _all_reduce_coalesced([p.grad for p in with_grad if is_sequence_parallel(p)], mesh.tensor)
+    _sum_over_stages([p for p in params if not is_stage_local(p)], mesh.pipeline)
     _all_reduce_coalesced([p.grad for p in params if p.grad is not None], mesh.data, scale=1.0 / mesh.data.size)
 
 
@@ -80,8 +77,8 @@ def _upcast(grad: Tensor) -> Tensor:
 def grad_norm(parameters: Iterable[torch.nn.Parameter], mesh: ParallelMesh, norm_type: float = 2.0) -> Tensor:
     """The norm of the whole model's gradient, as one process would compute it.
 
-    Each sharded parameter (``shard_spec``) contributes its shards from every tensor-parallel rank;
-    each layer held by one pipeline stage (``pipeline_stage_local``) contributes from that stage;
+    Each sharded parameter contributes its shards from every tensor-parallel rank;
+    each stage-local parameter (:mod:`lightning_seqpar.roles`) contributes from that stage;
     everything else contributes once. Data-parallel replicas, and the copies of shared parameters on
     other stages, are identical after :func:`finalize_gradients`, so they are not counted again.
 
@@ -103,7 +100,7 @@ def grad_norm(parameters: Iterable[torch.nn.Parameter], mesh: ParallelMesh, norm
     op = torch.distributed.ReduceOp.MAX if inf else torch.distributed.ReduceOp.SUM
 
     def part(sharded: bool, local: bool) -> Tensor:
-        chosen = [_upcast(p.grad) for p in grads if hasattr(p, "shard_spec") == sharded and _is_stage_local(p) == local]
+        chosen = [_upcast(p.grad) for p in grads if (shard_spec(p) is not None) == sharded and is_stage_local(p) == local]
         if inf:
             return torch.stack([g.abs().max().to(dtype) for g in chosen] or [torch.zeros((), device=device, dtype=dtype)]).max()
         return sum((g.pow(2).sum().to(dtype) for g in chosen), torch.zeros((), device=device, dtype=dtype))

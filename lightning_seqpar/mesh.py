@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 from lightning_seqpar.tensor_parallel.collectives import ParallelGroup
 
@@ -32,30 +33,41 @@ def validate_layout(world_size: int, tp: int, pp: int) -> int:
     return world_size // (tp * pp)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ParallelMesh:
-    """Process groups of one rank in a ``(pp, dp, tp)`` layout.
+    """Process groups of one rank in a ``(pp, dp, tp)`` layout: the one source of its ranks and sizes.
 
     Attributes:
-        tp, dp, pp: tensor-, data- and pipeline-parallel sizes (t, d, p in the paper).
         tensor: the tensor-parallel group of this rank (size t).
         data: the data-parallel group of this rank (size d).
         pipeline: the pipeline-parallel group of this rank (size p).
         device_mesh: the underlying ``torch.distributed.DeviceMesh`` (``None`` for a single process).
     """
 
-    tp: int
-    dp: int
-    pp: int
     tensor: ParallelGroup
     data: ParallelGroup
     pipeline: ParallelGroup
     device_mesh: Optional[object] = None
 
+    @property
+    def tp(self) -> int:
+        """t, the tensor-parallel size."""
+        return self.tensor.size
+
+    @property
+    def dp(self) -> int:
+        """d, the data-parallel size."""
+        return self.data.size
+
+    @property
+    def pp(self) -> int:
+        """p, the pipeline-parallel size."""
+        return self.pipeline.size
+
     @classmethod
     def single(cls) -> "ParallelMesh":
         """The mesh of an unparallelized run: every group has one rank."""
-        return cls(1, 1, 1, ParallelGroup(None), ParallelGroup(None), ParallelGroup(None))
+        return cls(ParallelGroup(None), ParallelGroup(None), ParallelGroup(None))
 
     @classmethod
     def build(cls, tp: int, pp: int, device_type: str) -> "ParallelMesh":
@@ -67,19 +79,10 @@ class ParallelMesh:
         """
         if not dist.is_initialized():
             raise RuntimeError("ParallelMesh.build needs an initialized torch.distributed process group.")
-        world_size = dist.get_world_size()
-        dp = validate_layout(world_size, tp, pp)
-        from torch.distributed.device_mesh import init_device_mesh
-
+        dp = validate_layout(dist.get_world_size(), tp, pp)
         device_mesh = init_device_mesh(device_type, (pp, dp, tp), mesh_dim_names=("pipeline", "data", "tensor"))
 
         def group(name: str) -> ParallelGroup:
             return ParallelGroup(device_mesh.get_group(name))
 
-        return cls(tp, dp, pp, group("tensor"), group("data"), group("pipeline"), device_mesh)
-
-    @staticmethod
-    def coordinates(rank: int, tp: int, dp: int) -> tuple[int, int, int]:
-        """``(pp_rank, dp_rank, tp_rank)`` of a global rank (tensor-parallel fastest)."""
-        return rank // (tp * dp), (rank // tp) % dp, rank % tp
-
+        return cls(group("tensor"), group("data"), group("pipeline"), device_mesh)

@@ -1,32 +1,32 @@
-"""``SelectiveRecompute``: the paper's selective activation recomputation, as a Lightning callback."""
+"""Configure activation recomputation on a rewritten model: selective (core attention), full (whole
+layers) or a plan chosen from a memory budget. The Lightning callback is
+:class:`lightning_seqpar.callbacks.SelectiveRecompute`."""
 
 from __future__ import annotations
 
 from typing import Any, Literal, Optional
 
-import lightning.pytorch as pl
 import torch.nn as nn
 
 from lightning_seqpar.memory.activations import TransformerShape
 from lightning_seqpar.memory.planner import RecomputePlan, plan_recompute
+from lightning_seqpar.roles import LayerStack, ParallelLayer
 from lightning_seqpar.transformer.core_attention import CoreAttention
 
 
-def _layer_stacks(model: nn.Module) -> tuple[list[nn.Module], list[nn.Module]]:
-    """(containers with ``recompute_chunks``, bare layers with ``recompute_layer`` outside any container).
+def _is_split(stack: LayerStack) -> bool:
+    return any(isinstance(m, ParallelLayer) and m.pipeline_stage is not None for m in stack.stack_layers())
+
+
+def _layer_stacks(model: nn.Module) -> tuple[list[LayerStack], list[ParallelLayer]]:
+    """(layer stacks, layers outside any stack) of a rewritten model.
 
     A stack split over pipeline stages counts as bare layers: a checkpointed chunk must not span a
     stage boundary, so each held layer is checkpointed on its own.
     """
-    stacks, layers = [], []
-    inside: set[int] = set()
-    for module in model.modules():
-        if hasattr(module, "recompute_chunks") and not any(hasattr(m, "pipeline_stage") for m in module.modules()):
-            stacks.append(module)
-            inside.update(id(m) for m in module.modules() if m is not module)
-    for module in model.modules():
-        if hasattr(module, "recompute_layer") and id(module) not in inside:
-            layers.append(module)
+    stacks = [m for m in model.modules() if isinstance(m, LayerStack) and not _is_split(m)]
+    inside = {id(layer) for stack in stacks for layer in stack.stack_layers()}
+    layers = [m for m in model.modules() if isinstance(m, ParallelLayer) and id(m) not in inside]
     return stacks, layers
 
 
@@ -73,7 +73,7 @@ def apply_recompute(
         raise ValueError("Full recomputation found no rewritten transformer layer in the model.")
     count = 0
     for stack in stacks:
-        n = stack.num_layers if hasattr(stack, "num_layers") else len(stack.transformer.h)
+        n = len(stack.stack_layers())
         if method == "uniform":
             size = num_layers or 1
             stack.recompute_chunks = [(i, min(i + size, n)) for i in range(0, n, size)]
@@ -92,10 +92,10 @@ def apply_recompute(
     return count + len(chosen)
 
 
-def _selective_outside_full(model: nn.Module) -> None:
+def selective_outside_full(model: nn.Module) -> None:
     """Turn on selective recomputation in every layer that is not checkpointed whole."""
     stacks, layers = _layer_stacks(model)
-    outside = [layer for stack in stacks for i, layer in enumerate(_stack_layers(stack))
+    outside = [layer for stack in stacks for i, layer in enumerate(stack.stack_layers())
                if not any(lo <= i < hi for lo, hi in stack.recompute_chunks)]
     outside += [layer for layer in layers if not layer.recompute_layer]
     for layer in outside:
@@ -120,13 +120,9 @@ def micro_batch_shape(batch: Any) -> tuple[int, int]:
     return s, b
 
 
-def _stack_layers(stack: nn.Module) -> list[nn.Module]:
-    return list(stack.layers if hasattr(stack, "layers") else stack.transformer.h)
-
-
-def rewritten_layers(model: nn.Module) -> list[nn.Module]:
+def rewritten_layers(model: nn.Module) -> list[ParallelLayer]:
     """The rewritten transformer layers of ``model``, in order."""
-    return [m for m in model.modules() if hasattr(m, "recompute_layer")]
+    return [m for m in model.modules() if isinstance(m, ParallelLayer)]
 
 
 def model_shape(model: nn.Module, s: int, b: int) -> tuple[TransformerShape, int, bool]:
@@ -138,67 +134,15 @@ def model_shape(model: nn.Module, s: int, b: int) -> tuple[TransformerShape, int
     layers = rewritten_layers(model)
     if not layers:
         raise ValueError("granularity='auto' found no rewritten transformer layer: is the model rewritten?")
-    h, a, f, t, sp = layers[0].global_dims()
+    h, a, f, t, sp = layers[0].layer_dims()
     return TransformerShape(s=s, b=b, h=h, a=a, L=len(layers), ffn_hidden_size=f), t, sp
 
 
-class SelectiveRecompute(pl.Callback):
-    """Activation recomputation for the layers :class:`~lightning_seqpar.SeqParallelStrategy` rewrote.
-
-    Args:
-        granularity: ``"selective"`` (core attention only, the default and the paper's proposal),
-            ``"full"`` (whole layers) or ``"auto"`` (the cheapest plan that fits ``memory_budget``, see
-            :func:`~lightning_seqpar.memory.planner.plan_recompute`: none → selective → full on the fewest
-            first layers with selective on the rest).
-        method: for ``"full"``, ``"uniform"`` or ``"block"`` (Megatron-LM ``--recompute-method``).
-        num_layers: for ``"full"``, layers per uniform chunk or layers checkpointed by ``"block"``.
-        memory_budget: for ``"auto"``: bytes of layer activations allowed per rank and micro-batch.
-        bytes_per_element: for ``"auto"``: activation bytes (default: the parameters' element size).
-
-    Applied when fitting starts, after the strategy has rewritten the model (``"auto"``: at the first
-    training batch, whose first tensor, token ids ``[b, s]``, gives s and b). Training is numerically identical to no recomputation
-    (dropout masks are replayed). ``plan`` holds the ``"auto"`` choice.
-
-    Raises:
-        ValueError: see :func:`apply_recompute`; ``"auto"`` without a positive ``memory_budget``, or a
-            budget that nothing fits.
-    """
-
-    def __init__(
-        self,
-        granularity: Literal["selective", "full", "auto"] = "selective",
-        method: Literal["uniform", "block"] = "uniform",
-        num_layers: Optional[int] = None,
-        memory_budget: Optional[float] = None,
-        bytes_per_element: Optional[int] = None,
-    ) -> None:
-        if granularity not in ("selective", "full", "auto"):
-            raise ValueError(f"granularity must be 'selective', 'full' or 'auto', got {granularity!r}.")
-        if granularity == "auto" and (memory_budget is None or memory_budget <= 0):
-            raise ValueError(f"granularity='auto' needs memory_budget > 0 (bytes), got {memory_budget!r}.")
-        apply_recompute(nn.Module(), "none", method, num_layers)  # validates method and num_layers
-        self.granularity, self.method, self.num_layers = granularity, method, num_layers
-        self.memory_budget, self.bytes_per_element = memory_budget, bytes_per_element
-        self.plan: Optional[RecomputePlan] = None
-
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.granularity != "auto":
-            apply_recompute(pl_module, self.granularity, self.method, self.num_layers)
-
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
-        if self.granularity == "auto" and self.plan is None:
-            self.plan = self.choose(pl_module, *micro_batch_shape(batch))
-
-    def choose(self, model: nn.Module, s: int, b: int) -> RecomputePlan:
-        """Plan for sequences of ``s`` tokens in micro-batches of ``b``, and apply it to ``model``."""
-        assert self.memory_budget is not None
-        shape, t, sp = model_shape(model, s, b)
-        element = self.bytes_per_element or next(model.parameters()).element_size()
-        plan = plan_recompute(shape, t, sp, self.memory_budget, element)
-        if plan.full_layers:
-            apply_recompute(model, "full", "block", plan.full_layers)
-            if plan.full_layers < shape.L:
-                _selective_outside_full(model)
-        else:
-            apply_recompute(model, plan.granularity)
-        return plan
+def apply_recompute_plan(model: nn.Module, plan: RecomputePlan) -> None:
+    """Apply a :class:`RecomputePlan`: full recomputation of its first layers, selective on the rest."""
+    if plan.full_layers:
+        apply_recompute(model, "full", "block", plan.full_layers)
+        if plan.full_layers < len(rewritten_layers(model)):
+            selective_outside_full(model)
+    else:
+        apply_recompute(model, plan.granularity)

@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch import Tensor
 
+from lightning_seqpar.roles import shard_spec
 from lightning_seqpar.tensor_parallel.collectives import ParallelGroup
 
 
@@ -30,7 +31,7 @@ def full_state_dict(module: nn.Module, group: ParallelGroup) -> dict[str, Tensor
     out: dict[str, Tensor] = {}
     for name, value in module.state_dict(keep_vars=True).items():
         param = params.get(name)
-        spec = getattr(param, "shard_spec", None)
+        spec = shard_spec(param)
         if spec is None:
             out[name] = value.detach().cpu().clone() if isinstance(value, Tensor) else value
             continue
@@ -63,7 +64,7 @@ def full_gradients(module: nn.Module, group: ParallelGroup) -> dict[str, Tensor]
     for name, param in module.named_parameters():
         if param.grad is None:
             continue
-        spec = getattr(param, "shard_spec", None)
+        spec = shard_spec(param)
         # A copy: on CPU .cpu() would return the live gradient, which clipping then scales in place.
         out[name] = (spec.gather(param.grad, group) if spec is not None else param.grad.detach()).cpu().clone()
     return out
@@ -86,7 +87,7 @@ def load_full_state_dict(module: nn.Module, state_dict: Mapping[str, Tensor], gr
             if name not in state_dict:
                 continue
             value = state_dict[name]
-            spec = getattr(params.get(name), "shard_spec", None)
+            spec = shard_spec(params[name]) if name in params else None
             if spec is not None:
                 value = spec.shard(value, group)
             target.copy_(value.to(target.device, target.dtype))
@@ -103,7 +104,7 @@ def full_optimizer_state(optimizer: torch.optim.Optimizer, group: ParallelGroup)
     state["state"] = {index: dict(entry) for index, entry in state["state"].items()}
     params = _optimizer_params(optimizer)
     for index, entry in state["state"].items():
-        spec = getattr(params[index], "shard_spec", None)
+        spec = shard_spec(params[index])
         if spec is None:
             continue
         for key, value in entry.items():
@@ -117,7 +118,7 @@ def load_full_optimizer_state(optimizer: torch.optim.Optimizer, state: Mapping[s
     state = {"state": {k: dict(v) for k, v in state["state"].items()}, "param_groups": state["param_groups"]}
     params = _optimizer_params(optimizer)
     for index, entry in state["state"].items():
-        spec = getattr(params[int(index)], "shard_spec", None)
+        spec = shard_spec(params[int(index)])
         if spec is None:
             continue
         for key, value in entry.items():

@@ -8,39 +8,30 @@ from typing import Any, Callable, Iterable, Literal, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _set_num_threads_if_needed,
-    _sync_ddp_if_available,
-)
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
-from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
+from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_seqpar._compat import (
+    SubprocessScriptLauncher,
+    init_dist_connection,
+    optimizers_to_device,
+    set_num_threads_if_needed,
+    sync_ddp_if_available,
+)
 from lightning_seqpar.checkpoint_io import AtomicCheckpointIO
-from lightning_seqpar.gradients import clip_grad_norm_, finalize_gradients
+from lightning_seqpar.gradients import finalize_gradients
 from lightning_seqpar.launcher import SeqParallelSpawnLauncher
 from lightning_seqpar.mesh import ParallelMesh, validate_layout
-from lightning_seqpar.pipeline_parallel import (
-    PipelineExecutor,
-    PipelinedSteps,
-    StageLayout,
-    StageTransport,
-    check_microbatches,
-    resolve_schedule,
-    split_stages,
-)
+from lightning_seqpar.pipeline_parallel import PipelineConfig, PipelinedSteps, check_pipelined_module
+from lightning_seqpar.precision import ShardAwareClipping, shard_aware
 from lightning_seqpar.rewrite import Policy, RewriteContext, RewritePlan, rewrite
 from lightning_seqpar.state import (
     full_optimizer_state,
@@ -66,7 +57,10 @@ class SeqParallelStrategy(ParallelStrategy):
     each batch is cut into ``num_microbatches`` micro-batches and the module's own ``training_step`` runs
     on each of them through the schedule; modules outside the stack (embeddings, final norm, head) are
     kept on every stage, used by the first (before the stack) or the last (after it), and their
-    gradients are summed over the pipeline group. Validation and test steps run forward-only.
+    gradients are summed over the pipeline group. Validation and test steps run forward-only. What runs
+    on which stage, which hooks see what, and what is refused (manual optimization, a step that catches
+    the stage boundary, ``predict_step``) is the contract in :mod:`lightning_seqpar.pipeline_parallel.lightning_step`
+    and the README's "Pipeline parallelism".
 
     Args:
         tp: tensor-parallel size t (ranks sharing each layer).
@@ -118,12 +112,7 @@ class SeqParallelStrategy(ParallelStrategy):
         timeout: Optional[timedelta] = default_pg_timeout,
     ) -> None:
         validate_layout(tp * pp, tp, pp)
-        self.schedule = resolve_schedule(schedule, virtual_stages)
-        self.num_microbatches = num_microbatches if num_microbatches is not None else pp
-        self.virtual_stages = virtual_stages
-        self.pipeline_split = list(pipeline_split) if pipeline_split is not None else None
-        if pp > 1:
-            check_microbatches(self.num_microbatches, pp, self.schedule)
+        self.pipeline_config = PipelineConfig.build(pp, num_microbatches, schedule, virtual_stages, pipeline_split)
         if start_method not in ("popen", "spawn", "fork"):
             raise ValueError(f"start_method must be 'popen', 'spawn' or 'fork', got {start_method!r}.")
         super().__init__(
@@ -133,7 +122,7 @@ class SeqParallelStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io or AtomicCheckpointIO(),
             precision_plugin=precision_plugin,
         )
-        self.tp, self.pp = tp, pp
+        self.tp = tp
         self.sequence_parallel, self.loss_parallel = sequence_parallel, loss_parallel
         self.policies = list(policies or ())
         self._seed = seed
@@ -148,6 +137,11 @@ class SeqParallelStrategy(ParallelStrategy):
         self.num_nodes = 1
 
     # ------------------------------------------------------------------ layout
+    @property
+    def pp(self) -> int:
+        """p, the pipeline-parallel size asked for (``pipeline_config.pp``)."""
+        return self.pipeline_config.pp
+
     @property
     def mesh(self) -> ParallelMesh:
         """The ``(pp, dp, tp)`` process groups of this rank."""
@@ -175,7 +169,20 @@ class SeqParallelStrategy(ParallelStrategy):
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # Tensor-parallel peers must see the same batch: replicas are the data-parallel ranks only.
-        return {"num_replicas": self.mesh.dp, "rank": ParallelMesh.coordinates(self.global_rank, self.tp, self.mesh.dp)[1]}
+        return {"num_replicas": self.mesh.dp, "rank": self.mesh.data.rank}
+
+    @property
+    @override
+    def precision_plugin(self) -> Precision:
+        if self._precision_plugin is None:
+            self._precision_plugin = shard_aware(None)
+        return self._precision_plugin
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, precision_plugin: Optional[Precision]) -> None:
+        # Lightning picks the plugin from Trainer(precision=...); its clipping must see every shard.
+        self._precision_plugin = shard_aware(precision_plugin) if precision_plugin is not None else None
 
     @property
     def process_group_backend(self) -> Optional[str]:
@@ -193,7 +200,7 @@ class SeqParallelStrategy(ParallelStrategy):
         if self.cluster_environment.creates_processes_externally:
             return
         if self._start_method == "popen":
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
             self._launcher = SeqParallelSpawnLauncher(self, start_method=self._start_method)
 
@@ -202,15 +209,17 @@ class SeqParallelStrategy(ParallelStrategy):
         super().setup_environment()
         # Lightning's Fabric launchers do this; the Trainer's do not. Without it every process runs
         # cpu_count intra-op threads, and on CPU 4 processes on 2 cores ran 4.4x slower than with one each.
-        _set_num_threads_if_needed(self.num_processes)
+        set_num_threads_if_needed(self.num_processes)
         self.set_world_ranks()
         validate_layout(self.world_size, self.tp, self.pp)  # before any collective
-        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
-            self.root_device
-        )
+        if self._process_group_backend is None:
+            self._process_group_backend = "nccl" if self.root_device.type == "cuda" else "gloo"
         assert self.cluster_environment is not None
-        _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout)
+        init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout)
         self._mesh = ParallelMesh.build(self.tp, self.pp, self.root_device.type)
+        plugin = self.precision_plugin
+        assert isinstance(plugin, ShardAwareClipping)
+        plugin.mesh = self._mesh
 
     def set_world_ranks(self) -> None:
         """Tell the cluster environment this process's global rank and the world size."""
@@ -229,28 +238,20 @@ class SeqParallelStrategy(ParallelStrategy):
         self.rng_tracker = self._seed_streams()
         ctx = RewriteContext(self.mesh.tensor, self.sequence_parallel, self.rng_tracker, self.loss_parallel)
         self.rewrite_plan = rewrite(self.model, ctx, self.policies)
-        if self.pp > 1:
-            self._split_pipeline()
+        if self.pipeline_config.enabled:
+            self.pipeline, self._remote_keys = PipelinedSteps.build(
+                self.model, self.pipeline_config, self.mesh.pipeline, self.root_device
+            )
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
+            if self.pipeline is not None:
+                check_pipelined_module(self.lightning_module)
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
-        self._make_clipping_shard_aware()
         if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
-
-    def _split_pipeline(self) -> None:
-        pp_rank = self.mesh.pipeline.rank
-
-        def layout(num_layers: int) -> StageLayout:
-            return StageLayout.build(num_layers, self.pp, self.virtual_stages, self.pipeline_split)
-
-        runtime, self._remote_keys = split_stages(self.model, layout, pp_rank)
-        transport = StageTransport(self.mesh.pipeline, runtime.layout.num_stages, self.num_microbatches, self.root_device)
-        executor = PipelineExecutor(runtime, transport, pp_rank, self.schedule, self.num_microbatches)
-        self.pipeline = PipelinedSteps(executor, self.mesh.pipeline, self.num_microbatches)
+            optimizers_to_device(self.optimizers, self.root_device)
 
     def _broadcast_module(self, module: torch.nn.Module) -> None:
         """Give every rank rank 0's parameters and buffers, so an unseeded init cannot diverge."""
@@ -262,20 +263,10 @@ class SeqParallelStrategy(ParallelStrategy):
 
     def _seed_streams(self) -> RNGTracker:
         seed = self._seed if self._seed is not None else self.broadcast(torch.initial_seed() % 2**31)
-        pp_rank, _, tp_rank = ParallelMesh.coordinates(self.global_rank, self.tp, self.mesh.dp)
+        pp_rank, tp_rank = self.mesh.pipeline.rank, self.mesh.tensor.rank
         # Replicated regions draw from the default generator: make it identical across the TP group.
         torch.manual_seed(seed + 100 * pp_rank)
         return RNGTracker.for_tensor_parallel(seed + 100 * pp_rank, tp_rank, self.root_device)
-
-    def _make_clipping_shard_aware(self) -> None:
-        # Lightning clips with torch.nn.utils.clip_grad_norm_, which would see one shard's norm.
-        plugin = self.precision_plugin
-        mesh = self.mesh
-
-        def clip_grad_by_norm(optimizer: Optimizer, clip_val: float) -> None:
-            clip_grad_norm_(plugin.main_params(optimizer), clip_val, mesh)
-
-        plugin.clip_grad_by_norm = clip_grad_by_norm
 
     @override
     def model_to_device(self) -> None:
@@ -337,7 +328,7 @@ class SeqParallelStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ collectives
     @override
     def barrier(self, name: Optional[str] = None) -> None:
-        if not _distributed_is_initialized():
+        if not (dist.is_available() and dist.is_initialized()):
             return
         if dist.get_backend() == "nccl":
             dist.barrier(device_ids=[self.root_device.index])
@@ -346,7 +337,7 @@ class SeqParallelStrategy(ParallelStrategy):
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not _distributed_is_initialized():
+        if not (dist.is_available() and dist.is_initialized()):
             return obj
         box = [obj]
         dist.broadcast_object_list(box, src)
@@ -355,7 +346,7 @@ class SeqParallelStrategy(ParallelStrategy):
     @override
     def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
         if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+            return sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
     # ------------------------------------------------------------------ checkpoints
@@ -380,7 +371,7 @@ class SeqParallelStrategy(ParallelStrategy):
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer._optimizer
+            optimizer = optimizer.optimizer
         state = full_optimizer_state(optimizer, self.mesh.tensor)
         if self.mesh.pp == 1:
             return state

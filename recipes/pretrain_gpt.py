@@ -19,9 +19,8 @@ from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_seqpar import SelectiveRecompute, SeqParallelStrategy
+from lightning_seqpar import FlopsUtilization, SelectiveRecompute, SeqParallelStrategy
 from lightning_seqpar.data import TextDataModule, decode_bytes
-from lightning_seqpar.memory.throughput import FlopsUtilization
 from lightning_seqpar.models import GPTConfig, GPTLightningModule
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")

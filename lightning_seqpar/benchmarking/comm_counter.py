@@ -5,9 +5,8 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
+from lightning_seqpar._compat import TorchDispatchMode, tree_flatten
 from lightning_seqpar.tensor_parallel.collectives import CollectiveRecord, CommunicationLog
 
 # op name → (kind, which tensor has the full (unsharded) size: "out" or "in")
@@ -35,7 +34,7 @@ class CollectiveCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        name = func._schema.name.split("::")[-1]
+        name = func.overloadpacket.__name__  # e.g. "_allgather_base_"
         if name in _COLLECTIVES:
             kind, which = _COLLECTIVES[name]
             tensors = [t for t in tree_flatten(out if which == "out" else (args, kwargs))[0] if isinstance(t, torch.Tensor)]

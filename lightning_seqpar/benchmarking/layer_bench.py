@@ -22,10 +22,10 @@ from lightning_seqpar.benchmarking.native_tp import NativeBlock, parallelize_nat
 from lightning_seqpar.memory.activations import TransformerShape, layer_activation_bytes
 from lightning_seqpar.memory.tracker import LiveActivationTracker
 from lightning_seqpar.models.gpt import Block, GPTConfig
+from lightning_seqpar.models.parallel_gpt import ParallelBlock
 from lightning_seqpar.rewrite import RewriteContext
 from lightning_seqpar.tensor_parallel.collectives import CommunicationLog, ParallelGroup
 from lightning_seqpar.tensor_parallel.random import RNGTracker
-from lightning_seqpar.transformer.gpt import ParallelBlock
 
 # Table 4's rows: name → (sequence parallel, recompute)
 TABLE_4 = {

@@ -14,8 +14,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn as nn
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+
+from lightning_seqpar._compat import TorchDispatchMode, local_tensor, storage_key, tree_flatten
 
 
 @dataclass(frozen=True)
@@ -75,13 +75,13 @@ class LiveActivationTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        inputs = {_local(t).untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        inputs = {storage_key(local_tensor(t).untyped_storage()) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
         for t in tree_flatten(out)[0]:
             if not isinstance(t, torch.Tensor) or t.device.type == "meta":
                 continue
-            t = _local(t)
+            t = local_tensor(t)  # a DTensor is a wrapper: the memory is its local shard's
             storage = t.untyped_storage()
-            key = storage._cdata
+            key = storage_key(storage)
             if key in inputs:
                 continue  # a view or an in-place result
             known = self._refs.get(key)
@@ -99,11 +99,6 @@ class LiveActivationTracker(TorchDispatchMode):
 
     def live_bytes(self, prefix: Optional[str] = None) -> int:
         return sum(r.nbytes for r in self.live(prefix))
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    # A DTensor is a wrapper: the memory is its local shard's.
-    return getattr(t, "_local_tensor", t)
 
 
 def _inside(name: str, prefix: str) -> bool:

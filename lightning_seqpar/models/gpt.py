@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn as nn
@@ -17,6 +17,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_seqpar.transformer.core_attention import CoreAttention
+
+if TYPE_CHECKING:
+    from lightning_seqpar.rewrite import Policy
 
 
 @dataclass
@@ -121,6 +124,15 @@ class GPT(nn.Module):
         for name, param in self.named_parameters():
             if name.endswith("c_proj.weight"):  # GPT-2's scaled init of residual projections
                 nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    @classmethod
+    def parallel_policy(cls) -> "Policy":
+        """The :class:`~lightning_seqpar.Policy` that rewrites this model (found by the rewrite, see
+        :class:`~lightning_seqpar.rewrite.DeclaresPolicy`)."""
+        # Imported here: the parallel version subclasses GPT, so its module imports this one.
+        from lightning_seqpar.models.gpt_policy import GPTPolicy
+
+        return GPTPolicy()
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:

@@ -7,9 +7,10 @@ tensor-parallel collectives cannot run; so the schedules (GPipe, 1F1B, interleav
 Megatron-LM) are per-rank action lists run by our executor over ``torch.distributed`` sends and receives.
 """
 
+from lightning_seqpar.pipeline_parallel.config import PipelineConfig
 from lightning_seqpar.pipeline_parallel.executor import PipelineExecutor, StepResult
 from lightning_seqpar.pipeline_parallel.layout import StageLayout
-from lightning_seqpar.pipeline_parallel.lightning_step import PipelinedSteps, split_microbatches
+from lightning_seqpar.pipeline_parallel.lightning_step import PipelinedSteps, check_pipelined_module, split_microbatches
 from lightning_seqpar.pipeline_parallel.p2p import StageTransport, TransferLog
 from lightning_seqpar.pipeline_parallel.schedules import (
     SCHEDULES,
@@ -19,20 +20,23 @@ from lightning_seqpar.pipeline_parallel.schedules import (
     resolve_schedule,
     simulate,
 )
-from lightning_seqpar.pipeline_parallel.stage import RemoteLayer, StageRuntime, split_stages
+from lightning_seqpar.pipeline_parallel.stage import RemoteLayer, StageOutput, StageRuntime, split_stages
 
 __all__ = [
     "SCHEDULES",
     "Action",
+    "PipelineConfig",
     "PipelineExecutor",
     "PipelinedSteps",
     "RemoteLayer",
     "StageLayout",
+    "StageOutput",
     "StageRuntime",
     "StageTransport",
     "StepResult",
     "TransferLog",
     "build_schedule",
+    "check_pipelined_module",
     "check_microbatches",
     "resolve_schedule",
     "simulate",

@@ -8,9 +8,10 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
+from lightning_seqpar.pipeline_parallel.config import PipelineConfig
 from lightning_seqpar.pipeline_parallel.layout import StageLayout
 from lightning_seqpar.pipeline_parallel.p2p import ACTIVATION, GRADIENT, StageTransport
-from lightning_seqpar.pipeline_parallel.schedules import Action, ScheduleName, build_schedule
+from lightning_seqpar.pipeline_parallel.schedules import Action, build_schedule
 from lightning_seqpar.pipeline_parallel.stage import StageRuntime
 
 
@@ -47,24 +48,26 @@ class PipelineExecutor:
 
     Args:
         runtime: the :class:`StageRuntime` of the split model.
-        transport: point-to-point sends and receives in the pipeline group.
-        pipeline_rank: this rank's coordinate in the pipeline group.
-        schedule: ``"1F1B"``, ``"gpipe"`` or ``"interleaved_1F1B"``.
-        num_microbatches: m.
+        transport: point-to-point sends and receives in the pipeline group (its rank is this rank's stage).
+        config: schedule and m.
 
     Attributes:
         observers: callables run after each action with ``(action, in_flight)``, for measurements.
     """
 
-    def __init__(self, runtime: StageRuntime, transport: StageTransport, pipeline_rank: int, schedule: ScheduleName,
-                 num_microbatches: int) -> None:
-        self.runtime, self.transport, self.rank = runtime, transport, pipeline_rank
-        self.schedule, self.num_microbatches = schedule, num_microbatches
+    def __init__(self, runtime: StageRuntime, transport: StageTransport, config: PipelineConfig) -> None:
+        self.runtime, self.transport, self.config = runtime, transport, config
         self.observers: list[Callable[[Action, int], None]] = []
 
     @property
     def layout(self) -> StageLayout:
+        """The stage layout of the split model."""
         return self.runtime.layout
+
+    @property
+    def rank(self) -> int:
+        """This rank's coordinate in the pipeline group."""
+        return self.transport.group.rank
 
     def run(self, step: Callable[[int], Any], forward_only: bool = False) -> StepResult:
         """Run ``step(microbatch)`` (the user's step on micro-batch i) through the schedule.
@@ -72,9 +75,9 @@ class PipelineExecutor:
         In training, the last stage's loss of each micro-batch is back-propagated scaled by ``1/m``, so
         the parameters' ``.grad`` hold the gradient of the mean micro-batch loss.
         """
-        layout, m = self.layout, self.num_microbatches
+        layout, m = self.layout, self.config.num_microbatches
         last = layout.num_stages - 1
-        actions = build_schedule(self.schedule, m, layout.pp, layout.virtual_stages, self.rank, forward_only)
+        actions = build_schedule(self.config.schedule, m, layout.pp, layout.virtual_stages, self.rank, forward_only)
         result = StepResult()
         saved: dict[tuple[int, int], tuple[Optional[Tensor], Tensor]] = {}
         for action in actions:

@@ -7,6 +7,11 @@ gradients it produces are set aside and handed back by the returned loss's backw
 
 What the user logs inside the step is recorded on the last stage, averaged over micro-batches and
 logged on every rank (with the user's ``self.log`` arguments), so ``sync_dist`` collectives line up.
+While the schedule runs, ``module.log`` is an instance attribute that records the calls (Lightning
+offers no public hook between ``self.log`` and its result collection); it is removed afterwards.
+
+The contract with the user's LightningModule (README "Pipeline parallelism") is checked by
+:func:`check_pipelined_module` before the first step.
 """
 
 from __future__ import annotations
@@ -20,7 +25,11 @@ import torch.distributed as dist
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
+from lightning_seqpar.pipeline_parallel.config import PipelineConfig
 from lightning_seqpar.pipeline_parallel.executor import PipelineExecutor, StepResult, loss_of
+from lightning_seqpar.pipeline_parallel.layout import StageLayout
+from lightning_seqpar.pipeline_parallel.p2p import StageTransport
+from lightning_seqpar.pipeline_parallel.stage import split_stages
 from lightning_seqpar.tensor_parallel.collectives import ParallelGroup
 
 
@@ -93,24 +102,74 @@ class _LogRecorder:
         return {name: (sum(values) / len(values), dtype, kwargs) for name, (values, dtype, kwargs) in self.calls.items()}
 
 
+def check_pipelined_module(module: pl.LightningModule) -> None:
+    """Refuse what cannot run through a pipeline schedule, on every rank, before the first step.
+
+    Several optimizers need manual optimization in Lightning (it refuses them otherwise), so refusing
+    manual optimization refuses them too.
+
+    Raises:
+        ValueError: manual optimization: its ``manual_backward``/``optimizer.step()`` inside
+            ``training_step`` would run once per micro-batch, on the last stage only, while the schedule
+            runs its own backward.
+    """
+    if not module.automatic_optimization:
+        raise ValueError(
+            f"{type(module).__name__} uses manual optimization (automatic_optimization=False). Under pipeline "
+            f"parallelism the schedule runs the backward of every micro-batch inside training_step, so "
+            f"manual_backward and optimizer.step() there cannot work. Use automatic optimization (one optimizer), "
+            f"or pp=1."
+        )
+
+
 class PipelinedSteps:
     """Training and evaluation steps of a split LightningModule.
 
     Args:
-        executor: runs the schedule on this rank.
-        pipeline: the pipeline-parallel group.
-        num_microbatches: m; the per-rank batch is cut into m micro-batches.
+        executor: runs the schedule on this rank (its config gives m; its transport, the pipeline group).
     """
 
-    def __init__(self, executor: PipelineExecutor, pipeline: ParallelGroup, num_microbatches: int) -> None:
-        self.executor, self.pipeline, self.num_microbatches = executor, pipeline, num_microbatches
+    def __init__(self, executor: PipelineExecutor) -> None:
+        self.executor = executor
+        self.pipeline: ParallelGroup = executor.transport.group
         layout = executor.layout
         self.last_rank = layout.rank_of(layout.num_stages - 1)
         self.is_last = executor.rank == self.last_rank
 
+    @classmethod
+    def build(cls, model: pl.LightningModule, config: PipelineConfig, pipeline: ParallelGroup,
+              device: Any) -> tuple["PipelinedSteps", list[str]]:
+        """Split ``model`` (rewritten) into this rank's stages and set up the schedule.
+
+        Args:
+            model: the rewritten LightningModule; changed in place (:func:`split_stages`).
+            config: the pipeline configuration.
+            pipeline: this rank's pipeline-parallel group (its rank is this rank's stage).
+            device: where received activations and gradients are placed.
+
+        Returns:
+            The steps, and the state-dict keys held by other stages.
+
+        Raises:
+            ValueError: from :func:`split_stages`.
+        """
+        runtime, remote_keys = split_stages(model, config, pipeline.rank)
+        transport = StageTransport(pipeline, runtime.layout.num_stages, config.num_microbatches, device)
+        return cls(PipelineExecutor(runtime, transport, config)), remote_keys
+
+    @property
+    def config(self) -> PipelineConfig:
+        """The pipeline configuration."""
+        return self.executor.config
+
+    @property
+    def layout(self) -> StageLayout:
+        """The stage layout of the split model."""
+        return self.executor.layout
+
     def _run(self, module: pl.LightningModule, step: Callable[..., Any], batch: Any, batch_idx: int,
              forward_only: bool) -> tuple[StepResult, dict]:
-        micro = split_microbatches(batch, self.num_microbatches)
+        micro = split_microbatches(batch, self.config.num_microbatches)
         recorder = _LogRecorder()
         module.log = recorder  # an instance attribute shadows LightningModule.log for the schedule only
         try:

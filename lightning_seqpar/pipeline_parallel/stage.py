@@ -12,6 +12,12 @@ held layers route through :class:`StageRuntime`, which
 So the code before the stack (embeddings) feeds the pipeline on the first stage only, and the code
 after it (final norm, LM head, loss) runs on the last stage only. Parameter names, and therefore
 state-dict keys, are those of the single-device model.
+
+Why an exception: the user's ``training_step`` is unchanged code that calls the whole model and then
+the loss. The only way to end it at a stage boundary without running the rest (the next stages'
+layers are elsewhere; the LM head would be wasted work) is to leave the call. Layers reach the
+runtime through the explicit :class:`~lightning_seqpar.roles.ParallelLayer` router, not by patching
+``forward``. A step that catches the exception is detected and refused (:meth:`StageRuntime.run`).
 """
 
 from __future__ import annotations
@@ -22,14 +28,17 @@ from typing import Any, Callable, Optional
 import torch.nn as nn
 from torch import Tensor
 
+from lightning_seqpar.pipeline_parallel.config import PipelineConfig
 from lightning_seqpar.pipeline_parallel.layout import StageLayout
+from lightning_seqpar.roles import LayerStack, ParallelLayer, set_stage_local
 
 
 class StageOutput(Exception):
     """Raised by the last layer of a non-final stage: ``tensor`` goes to the next stage.
 
     An ``Exception`` (not a ``BaseException``): ``nn.Module`` runs its ``always_call`` forward hooks only
-    for those, and module-stack trackers rely on them. A model must not swallow it with ``except Exception``.
+    for those, and module-stack trackers rely on them. A step that swallows it (``except Exception``)
+    is refused with a ``RuntimeError`` by :meth:`StageRuntime.run`.
     """
 
     def __init__(self, tensor: Tensor) -> None:
@@ -50,6 +59,7 @@ class StageRuntime:
         self.layout = layout
         self.active: Optional[int] = None
         self.incoming: Optional[Tensor] = None
+        self._handed_on = False
 
     @property
     def feeds_pipeline(self) -> bool:
@@ -61,14 +71,27 @@ class StageRuntime:
         return self.active == 0
 
     def run(self, stage: int, incoming: Optional[Tensor], step: Callable[[], Any]) -> tuple[bool, Any]:
-        """Run ``step`` as virtual stage ``stage``; return ``(True, tensor to send)`` or ``(False, step's result)``."""
-        self.active, self.incoming = stage, incoming
+        """Run ``step`` as virtual stage ``stage``; return ``(True, tensor to send)`` or ``(False, step's result)``.
+
+        Raises:
+            RuntimeError: the step caught the :class:`StageOutput` raised at the stage's last layer and
+                returned normally (e.g. a ``try``/``except Exception`` around the forward).
+        """
+        self.active, self.incoming, self._handed_on = stage, incoming, False
         try:
-            return False, step()
+            result = step()
         except StageOutput as out:
             return True, out.tensor
         finally:
             self.active, self.incoming = None, None
+        if self._handed_on:
+            raise RuntimeError(
+                f"The step caught the pipeline's StageOutput raised at the last layer of stage {stage} and returned "
+                f"normally. Under pipeline parallelism a non-final stage ends the step there by raising "
+                f"lightning_seqpar.pipeline_parallel.StageOutput: do not catch it (re-raise it in an `except Exception:` "
+                f"around the model call), or use pp=1."
+            )
+        return False, result
 
     def _check(self, index: int) -> int:
         if self.active is None:
@@ -104,6 +127,7 @@ class StageRuntime:
                     f"Transformer layer {index} returned {type(out).__name__}; pipeline stages exchange one tensor, "
                     f"so the stack's layers must map a hidden-state tensor to a hidden-state tensor."
                 )
+            self._handed_on = True
             raise StageOutput(out)
         return out
 
@@ -132,7 +156,7 @@ def find_layer_stack(model: nn.Module) -> tuple[nn.Module, list[int]]:
     """
     found: dict[str, list[int]] = {}
     for name, module in model.named_modules():
-        if hasattr(module, "recompute_layer"):
+        if isinstance(module, ParallelLayer):
             parent, _, index = name.rpartition(".")
             if not index.isdigit():
                 raise ValueError(
@@ -144,7 +168,7 @@ def find_layer_stack(model: nn.Module) -> tuple[nn.Module, list[int]]:
         raise ValueError(
             f"Pipeline parallelism found no rewritten transformer layer in {type(model).__name__}: it splits the "
             f"layers that the tensor-parallel rewrite recognizes (the reference GPT, nn.TransformerEncoder(Layer)). "
-            f"Use those blocks, or a Policy whose layers have a `recompute_layer` attribute."
+            f"Use those blocks, or a Policy whose layers are lightning_seqpar.roles.ParallelLayer."
         )
     if len(found) > 1:
         raise ValueError(
@@ -161,30 +185,31 @@ def find_layer_stack(model: nn.Module) -> tuple[nn.Module, list[int]]:
     return container, indices
 
 
-def split_stages(model: nn.Module, layout_for: Callable[[int], StageLayout], pipeline_rank: int) -> tuple[StageRuntime, list[str]]:
+def split_stages(model: nn.Module, config: PipelineConfig, pipeline_rank: int) -> tuple[StageRuntime, list[str]]:
     """Keep this rank's layers of ``model`` and route them through a :class:`StageRuntime`, in place.
 
     Args:
         model: a rewritten model (after :func:`lightning_seqpar.rewrite`).
-        layout_for: builds the :class:`StageLayout` from the number of layers found.
+        config: the pipeline configuration (its layout is built from the number of layers found).
         pipeline_rank: this rank's coordinate in the pipeline group.
 
     Returns:
         The runtime, and the state-dict keys now held by other ranks.
 
-    Modules with a ``stage_runtime`` attribute (e.g. :class:`~lightning_seqpar.transformer.gpt.ParallelGPT`)
-    receive the runtime, to skip work whose result only the first stage uses. Held layers get ``pipeline_stage`` (their virtual stage); their parameters get ``pipeline_stage_local = True`` (gradients of the others are summed
-    over the pipeline group, see :func:`lightning_seqpar.gradients.finalize_gradients`).
+    Every :class:`~lightning_seqpar.roles.LayerStack` gets the runtime as its ``stage_position``. Held
+    layers are attached to their virtual stage (``ParallelLayer.attach_pipeline_stage``) and their
+    parameters become stage-local (the others' gradients are summed over the pipeline group, see
+    :func:`lightning_seqpar.gradients.finalize_gradients`).
 
     Raises:
         ValueError: from :func:`find_layer_stack` and :meth:`StageLayout.build`.
     """
     container, indices = find_layer_stack(model)
-    layout = layout_for(len(indices))
+    layout = config.layout(len(indices))
     runtime = StageRuntime(layout)
     for module in model.modules():
-        if hasattr(module, "stage_runtime"):
-            module.stage_runtime = runtime
+        if isinstance(module, LayerStack):
+            module.stage_position = runtime
     held = set(layout.stages_of(pipeline_rank))
     prefix = next(name for name, m in model.named_modules() if m is container)
     remote_keys: list[str] = []
@@ -192,11 +217,9 @@ def split_stages(model: nn.Module, layout_for: Callable[[int], StageLayout], pip
         stage = layout.stage_of_layer(index)
         layer = container[index]
         if stage in held:
-            layer.pipeline_stage = stage
+            layer.attach_pipeline_stage(stage, functools.partial(runtime.layer, index))
             for p in layer.parameters():
-                p.pipeline_stage_local = True
-            # An instance attribute, not a wrapper module: parameter names stay those of one device.
-            layer.forward = functools.partial(runtime.layer, index, type(layer).forward.__get__(layer))
+                set_stage_local(p)
             continue
         remote_keys += [f"{prefix}.{index}.{k}" for k in layer.state_dict()]
         container[index] = RemoteLayer(index, stage, runtime)

@@ -2,18 +2,36 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, Protocol, runtime_checkable
 
 import torch.nn as nn
 
-from lightning_seqpar.rewrite.context import RewriteContext
+from lightning_seqpar.transformer.context import RewriteContext
 
 
 class Policy:
     """Rewrites instances of one block class.
 
     Subclass it, set :attr:`block` and :attr:`role`, and implement :meth:`check`, :meth:`describe`
-    and :meth:`rewrite`; pass instances to ``SeqParallelStrategy(policies=[...])``.
+    and :meth:`rewrite`. Hand it to the strategy with ``SeqParallelStrategy(policies=[...])``, or let
+    the block class declare it (:class:`DeclaresPolicy`).
+
+    What the replacement must provide (:mod:`lightning_seqpar.roles`), so that every feature works:
+
+    * Each transformer layer is a :class:`~lightning_seqpar.roles.ParallelLayer`: it implements
+      ``layer_dims()`` (the memory model, ``granularity="auto"``, ``FlopsUtilization``) and honours
+      ``recompute_layer`` (full recomputation); pipeline parallelism splits a list of them.
+    * A module that runs its own list of layers (``role = "stack"``) is a
+      :class:`~lightning_seqpar.roles.LayerStack`: ``stack_layers()``, runs them with
+      :func:`~lightning_seqpar.transformer.stack.run_layers` (``recompute_chunks``), and may read
+      ``stage_position`` to skip its embedding on later pipeline stages.
+    * Core attention is a :class:`~lightning_seqpar.transformer.core_attention.CoreAttention`
+      (selective recomputation checkpoints those).
+    * Parameters take their roles through :mod:`lightning_seqpar.roles` (``ColumnParallelLinear``,
+      ``RowParallelLinear``, ``VocabParallelEmbedding``, ``shard_parameter`` and ``mark_sequence_parallel``
+      do it): sharded ones carry a ``ShardSpec`` (checkpoints gather them, clipping counts each shard once),
+      and replicated parameters that see s/t tokens per rank under SP (norms, the row-parallel bias)
+      are sequence-parallel (their gradients are summed over the tensor-parallel group).
 
     Attributes:
         block: the exact class this policy handles (subclasses need their own policy, since they may
@@ -37,6 +55,19 @@ class Policy:
     def rewrite(self, module: nn.Module, ctx: RewriteContext, *, enter_region: bool, exit_region: bool) -> nn.Module:
         """Return the parallel replacement of ``module`` (weights sliced from it)."""
         raise NotImplementedError
+
+
+@runtime_checkable
+class DeclaresPolicy(Protocol):
+    """A block class that names its own :class:`Policy` (``policy.block`` must be that class).
+
+    The rewrite asks ``type(module).parallel_policy()`` for a module no registered policy knows, so a
+    model can ship its parallel version beside it without the strategy importing either
+    (:class:`lightning_seqpar.models.GPT` does this).
+    """
+
+    @classmethod
+    def parallel_policy(cls) -> Policy: ...
 
 
 def require_divisible(name: str, what: str, value: int, tp: int) -> None:

@@ -7,16 +7,19 @@ from typing import Iterable, Optional
 
 import torch.nn as nn
 
-from lightning_seqpar.rewrite.context import RewriteContext
-from lightning_seqpar.rewrite.gpt import GPTPolicy
-from lightning_seqpar.rewrite.policy import Policy
+from lightning_seqpar.rewrite.policy import DeclaresPolicy, Policy
 from lightning_seqpar.rewrite.torch_encoder import TransformerEncoderLayerPolicy, TransformerEncoderPolicy
 from lightning_seqpar.tensor_parallel.collectives import ParallelGroup
+from lightning_seqpar.transformer.context import RewriteContext
 
 
 def default_policies() -> list[Policy]:
-    """The built-in policies: the reference GPT, ``nn.TransformerEncoder`` and ``nn.TransformerEncoderLayer``."""
-    return [GPTPolicy(), TransformerEncoderPolicy(), TransformerEncoderLayerPolicy()]
+    """The built-in policies: ``nn.TransformerEncoder`` and ``nn.TransformerEncoderLayer``.
+
+    Block classes that declare their own policy (:class:`DeclaresPolicy`, e.g. the reference GPT) need
+    no entry here.
+    """
+    return [TransformerEncoderPolicy(), TransformerEncoderLayerPolicy()]
 
 
 @dataclass
@@ -48,10 +51,21 @@ class RewritePlan:
         return "\n".join(lines)
 
 
-def _registry(policies: Optional[Iterable[Policy]]) -> dict[type, Policy]:
-    registry = {p.block: p for p in default_policies()}
-    registry.update({p.block: p for p in policies or ()})  # a user's policy overrides a built-in one
-    return registry
+class _Registry:
+    """Policies by exact block class: the user's, then the built-in ones, then what a class declares."""
+
+    def __init__(self, policies: Optional[Iterable[Policy]]) -> None:
+        self.by_class: dict[type, Optional[Policy]] = {p.block: p for p in default_policies()}
+        self.by_class.update({p.block: p for p in policies or ()})  # a user's policy overrides a built-in one
+
+    def get(self, cls: type) -> Optional[Policy]:
+        if cls not in self.by_class:
+            declared = cls.parallel_policy() if isinstance(cls, type) and issubclass(cls, DeclaresPolicy) else None
+            self.by_class[cls] = declared if declared is not None and declared.block is cls else None
+        return self.by_class[cls]
+
+    def known(self) -> list[str]:
+        return sorted(cls.__name__ for cls, p in self.by_class.items() if p is not None)
 
 
 def _candidate_blocks(model: nn.Module) -> list[str]:
@@ -70,7 +84,7 @@ def plan_rewrite(model: nn.Module, ctx: RewriteContext, policies: Optional[Itera
         ValueError: if no module is recognized (naming the block classes found and how to register a
             policy), or if a recognized module cannot be split t ways (naming it and the numbers).
     """
-    registry = _registry(policies)
+    registry = _Registry(policies)
     plan = RewritePlan(ctx.tp, ctx.sp)
     claimed: list[str] = []
 
@@ -112,12 +126,13 @@ def plan_rewrite(model: nn.Module, ctx: RewriteContext, policies: Optional[Itera
     else:
         visit("", model)
     if not plan.entries:
-        known = ", ".join(sorted(cls.__name__ for cls in registry))
+        known = ", ".join(registry.known())
         raise ValueError(
             f"No transformer block that lightning_seqpar can parallelize was found in {type(model).__name__}. "
             f"Classes with Linear layers found: {', '.join(_candidate_blocks(model)) or 'none'}. "
             f"Known blocks: {known}. Use one of those, or write a `lightning_seqpar.Policy` for your block class "
-            f"and pass it as `SeqParallelStrategy(policies=[MyPolicy()])`."
+            f"and pass it as `SeqParallelStrategy(policies=[MyPolicy()])` (or return it from the class's "
+            f"`parallel_policy()` classmethod)."
         )
     return plan
 

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from lightning_seqpar.rewrite.context import RewriteContext
 from lightning_seqpar.rewrite.policy import Policy, require_divisible
+from lightning_seqpar.transformer.context import RewriteContext
 from lightning_seqpar.transformer.encoder import ParallelTransformerEncoder, ParallelTransformerEncoderLayer
 
 
 def _check_layer(layer: nn.TransformerEncoderLayer, ctx: RewriteContext, name: str) -> None:
     mha = layer.self_attn
-    if not mha._qkv_same_embed_dim or mha.bias_k is not None or mha.add_zero_attn:
+    if mha.kdim != mha.embed_dim or mha.vdim != mha.embed_dim or mha.bias_k is not None or mha.add_zero_attn:
         raise ValueError(
             f"{name}: only self-attention with kdim = vdim = embed_dim, no bias_k/bias_v and no add_zero_attn "
             f"can be split over tensor-parallel ranks."

@@ -7,6 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from lightning_seqpar.roles import set_shard_spec
 from lightning_seqpar.tensor_parallel.collectives import ParallelGroup
 from lightning_seqpar.tensor_parallel.mappings import (
     reduce_from_tensor_parallel_region,
@@ -44,7 +45,7 @@ class VocabParallelEmbedding(nn.Module):
         self.per_rank = self.spec.padded_size // group.size
         self.vocab_start = group.rank * self.per_rank
         self.weight = nn.Parameter(torch.empty(self.per_rank, embedding_dim).normal_(std=0.02))
-        self.weight.shard_spec = self.spec
+        set_shard_spec(self.weight, self.spec)
 
     @classmethod
     def from_embedding(cls, embedding: nn.Embedding, group: ParallelGroup, **kwargs) -> "VocabParallelEmbedding":

@@ -15,6 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from lightning_seqpar.roles import set_sequence_parallel, set_shard_spec
 from lightning_seqpar.tensor_parallel.collectives import ParallelGroup
 from lightning_seqpar.tensor_parallel.mappings import (
     gather_from_tensor_parallel_region,
@@ -120,10 +121,11 @@ class ColumnParallelLinear(nn.Module):
         self.spec = ShardSpec(dim=0, full_size=out_features, padded_size=out_features, chunks=chunks)
         local = out_features // group.size
         self.weight = nn.Parameter(torch.empty(local, in_features).normal_(std=0.02))
-        self.weight.shard_spec = self.spec
+        set_shard_spec(self.weight, self.spec)
+        self.bias_spec = ShardSpec(0, out_features, out_features, chunks)
         self.bias = nn.Parameter(torch.zeros(local)) if bias else None
         if self.bias is not None:
-            self.bias.shard_spec = ShardSpec(0, out_features, out_features, chunks)
+            set_shard_spec(self.bias, self.bias_spec)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group: ParallelGroup, **kwargs) -> "ColumnParallelLinear":
@@ -135,7 +137,7 @@ class ColumnParallelLinear(nn.Module):
         """Set this rank's shard from single-device ``weight [out, in]`` and ``bias [out]``."""
         self.weight = shard_parameter(weight, self.spec, self.group)
         if bias is not None:
-            self.bias = shard_parameter(bias, self.bias.shard_spec, self.group)
+            self.bias = shard_parameter(bias, self.bias_spec, self.group)
         return self
 
     def forward(self, x: Tensor) -> Tensor:
@@ -185,10 +187,10 @@ class RowParallelLinear(nn.Module):
         self.group, self.sequence_parallel = group, sequence_parallel
         self.spec = ShardSpec(dim=1, full_size=in_features, padded_size=in_features)
         self.weight = nn.Parameter(torch.empty(out_features, in_features // group.size).normal_(std=0.02))
-        self.weight.shard_spec = self.spec
+        set_shard_spec(self.weight, self.spec)
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         if self.bias is not None and sequence_parallel:
-            self.bias.sequence_parallel = True
+            set_sequence_parallel(self.bias)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group: ParallelGroup, **kwargs) -> "RowParallelLinear":
@@ -198,7 +200,7 @@ class RowParallelLinear(nn.Module):
         if linear.bias is not None:
             layer.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=linear.bias.requires_grad)
             if layer.sequence_parallel:
-                layer.bias.sequence_parallel = True
+                set_sequence_parallel(layer.bias)
         return layer
 
     def forward(self, x: Tensor) -> Tensor:

@@ -3,7 +3,7 @@
 One :class:`ShardSpec` per sharded parameter drives every conversion between the single-device
 tensor and a rank's shard: slicing when a model is rewritten, gathering for a checkpoint or a
 gradient comparison, and slicing again when a checkpoint is loaded. The spec is stored on the
-parameter (``param.shard_spec``), Megatron's ``param.partition_dim`` done as one object.
+parameter (the sharded role of :mod:`lightning_seqpar.roles`), Megatron's ``param.partition_dim`` done as one object.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from lightning_seqpar.roles import set_sequence_parallel, set_shard_spec
 from lightning_seqpar.tensor_parallel.collectives import ParallelGroup
 
 
@@ -73,9 +74,9 @@ def padded_size(size: int, multiple: int) -> int:
 def shard_parameter(full: Tensor, spec: ShardSpec, group: ParallelGroup, *, sequence_parallel: bool = False):
     """A new ``nn.Parameter`` holding this rank's shard of ``full``, tagged with ``spec``."""
     param = torch.nn.Parameter(spec.shard(full.detach(), group), requires_grad=full.requires_grad)
-    param.shard_spec = spec
+    set_shard_spec(param, spec)
     if sequence_parallel:
-        param.sequence_parallel = True
+        set_sequence_parallel(param)
     return param
 
 
@@ -84,4 +85,4 @@ def mark_sequence_parallel(module: torch.nn.Module) -> None:
     so their gradients must be summed over the tensor-parallel group (Megatron-LM
     ``_allreduce_layernorm_grads``)."""
     for param in module.parameters(recurse=False):
-        param.sequence_parallel = True
+        set_sequence_parallel(param)

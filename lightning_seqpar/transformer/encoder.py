@@ -14,11 +14,12 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from lightning_seqpar.rewrite.context import RewriteContext
+from lightning_seqpar.roles import LayerDims, LayerStack, ParallelLayer
 from lightning_seqpar.tensor_parallel.collectives import ParallelGroup
 from lightning_seqpar.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, column_parallel_linear
 from lightning_seqpar.tensor_parallel.sharding import ShardSpec, mark_sequence_parallel, shard_parameter
 from lightning_seqpar.transformer.checkpointing import checkpoint
+from lightning_seqpar.transformer.context import RewriteContext
 from lightning_seqpar.transformer.core_attention import CoreAttention, merge_heads, split_heads
 from lightning_seqpar.transformer.dropout import ParallelDropout
 from lightning_seqpar.transformer.region import enter_parallel_region, exit_parallel_region
@@ -93,7 +94,7 @@ class ParallelMultiheadAttention(nn.Module):
         return self.out_proj(merge_heads(self.core_attention(q, k, v, bias)))
 
 
-class ParallelTransformerEncoderLayer(nn.Module):
+class ParallelTransformerEncoderLayer(ParallelLayer):
     """``nn.TransformerEncoderLayer`` with TP (+SP).
 
     Args:
@@ -106,8 +107,7 @@ class ParallelTransformerEncoderLayer(nn.Module):
     Shapes: input and output as torch's layer where a region boundary is, else ``[s/t, b, h]`` (SP)
     or ``[s, b, h]`` between rewritten layers.
 
-    Attributes:
-        recompute_layer: checkpoint the whole layer (full recomputation).
+    Roles: :class:`~lightning_seqpar.roles.ParallelLayer` (full recomputation honours ``recompute_layer``).
     """
 
     def __init__(self, layer: nn.TransformerEncoderLayer, ctx: RewriteContext, *, enter_region: bool = True,
@@ -127,11 +127,10 @@ class ParallelTransformerEncoderLayer(nn.Module):
         self.dropout1 = ParallelDropout(layer.dropout1.p, ctx.rng_tracker, sharded=ctx.sp)
         self.dropout2 = ParallelDropout(layer.dropout2.p, ctx.rng_tracker, sharded=ctx.sp)
         self.activation = layer.activation
-        self.recompute_layer = False
-        self._dims = (layer.linear1.in_features, layer.self_attn.num_heads, layer.linear1.out_features, ctx.tp, ctx.sp)
+        self._dims = LayerDims(layer.linear1.in_features, layer.self_attn.num_heads, layer.linear1.out_features,
+                               ctx.tp, ctx.sp)
 
-    def global_dims(self) -> tuple[int, int, int, int, bool]:
-        """(h, a, ffn width, t, sequence parallel): the single-device sizes, for the memory model."""
+    def layer_dims(self) -> LayerDims:
         return self._dims
 
     def forward(self, src: Tensor, src_mask: Optional[Tensor] = None, src_key_padding_mask: Optional[Tensor] = None,
@@ -157,13 +156,12 @@ class ParallelTransformerEncoderLayer(nn.Module):
         return self.dropout2(self.linear2(self.dropout(self.activation(self.linear1(x)))))  # [s, b, ffn/t] inside
 
 
-class ParallelTransformerEncoder(nn.Module):
+class ParallelTransformerEncoder(LayerStack):
     """``nn.TransformerEncoder`` with TP (+SP): one region for the whole stack and its final norm.
 
     Shapes: ``src`` ``[b, s, h]`` (batch_first) or ``[s, b, h]``; output the same.
 
-    Attributes:
-        recompute_chunks: ``(start, end)`` layer ranges checkpointed as one unit (full recomputation).
+    Roles: :class:`~lightning_seqpar.roles.LayerStack` over ``layers``.
     """
 
     def __init__(self, encoder: nn.TransformerEncoder, ctx: RewriteContext) -> None:
@@ -172,12 +170,14 @@ class ParallelTransformerEncoder(nn.Module):
         self.layers = nn.ModuleList(
             [ParallelTransformerEncoderLayer(layer, ctx, enter_region=False, exit_region=False) for layer in encoder.layers]
         )
-        self.num_layers = len(self.layers)
         self.norm = encoder.norm
         if self.norm is not None and ctx.sp:
             mark_sequence_parallel(self.norm)
         self.batch_first = self.layers[0].batch_first
         self.recompute_chunks: list[tuple[int, int]] = []
+
+    def stack_layers(self) -> nn.ModuleList:
+        return self.layers
 
     def forward(self, src: Tensor, mask: Optional[Tensor] = None, src_key_padding_mask: Optional[Tensor] = None,
                 is_causal: Optional[bool] = None) -> Tensor:

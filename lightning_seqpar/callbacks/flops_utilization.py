@@ -11,6 +11,7 @@ import torch
 
 from lightning_seqpar.memory.flops import model_flops_per_iteration, recompute_flops
 from lightning_seqpar.recompute import micro_batch_shape, model_shape, recompute_counts
+from lightning_seqpar.strategy import SeqParallelStrategy
 from lightning_seqpar.tensor_parallel.embedding import VocabParallelEmbedding
 
 # Dense 16-bit peak FLOP/s by device name (vendor data sheets; SXM parts).
@@ -69,13 +70,13 @@ class FlopsUtilization(pl.Callback):
             vocab = next((m.num_embeddings for m in pl_module.modules() if isinstance(m, VocabParallelEmbedding)), 0)
         shape = replace(shape, v=vocab)
         strategy = trainer.strategy
-        dp = strategy.mesh.dp if hasattr(strategy, "mesh") else trainer.world_size
+        ours = isinstance(strategy, SeqParallelStrategy)
+        dp = strategy.mesh.dp if ours else trainer.world_size
         world = trainer.world_size
         global_batch = b * dp
         selective, full = recompute_counts(pl_module)
-        pipeline = getattr(strategy, "pipeline", None)
-        if pipeline is not None:  # this stage holds L/p of the layers; the others hold (and recompute) alike
-            total = pipeline.executor.layout.num_layers
+        if ours and strategy.pipeline is not None:  # this stage holds L/p of the layers; the others alike
+            total = strategy.pipeline.layout.num_layers
             selective, full = selective * total // shape.L, full * total // shape.L
             shape = replace(shape, L=total)
         model = model_flops_per_iteration(shape, global_batch)

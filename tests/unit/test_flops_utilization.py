@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from lightning_seqpar import RewriteContext, apply_recompute, rewrite
+from lightning_seqpar import ParallelMesh, RewriteContext, SeqParallelStrategy, apply_recompute, rewrite
+from lightning_seqpar.callbacks import FlopsUtilization
 from lightning_seqpar.memory import TransformerShape, model_flops_per_iteration
-from lightning_seqpar.memory.throughput import FlopsUtilization
 from lightning_seqpar.models.gpt import GPT, GPTConfig
 from lightning_seqpar.tensor_parallel import ParallelGroup
 from lightning_seqpar.tensor_parallel.random import RNGTracker
@@ -23,12 +23,19 @@ def _module():
     return root
 
 
+def _trainer(tp, dp):
+    """A trainer whose strategy has a (tp, dp) mesh, as after setup (no processes needed)."""
+    strategy = SeqParallelStrategy(tp=tp)
+    strategy._mesh = ParallelMesh(ParallelGroup.virtual(tp), ParallelGroup.virtual(dp), ParallelGroup.virtual(1))
+    return SimpleNamespace(strategy=strategy, world_size=tp * dp)
+
+
 @pytest.mark.parametrize("recompute,extra_per_layer", [
     ("none", 0), ("selective", 12 * B * 2 * S * S * H), ("full", None)])
 def test_logged_flops_follow_equations_7_and_8(recompute, extra_per_layer):
     module = _module()
     apply_recompute(module, recompute)
-    trainer = SimpleNamespace(strategy=SimpleNamespace(mesh=SimpleNamespace(dp=2)), world_size=4)
+    trainer = _trainer(tp=2, dp=2)
     batch = (torch.zeros(B, S, dtype=torch.long), torch.zeros(B, S, dtype=torch.long))
     figures = FlopsUtilization(peak_flops=1e12).measure(trainer, module, batch, seconds=0.5)
     shape = TransformerShape(s=S, b=B, h=H, a=A, L=L, v=V)
@@ -44,6 +51,6 @@ def test_logged_flops_follow_equations_7_and_8(recompute, extra_per_layer):
 
 
 def test_no_peak_no_utilization_on_cpu():
-    trainer = SimpleNamespace(strategy=SimpleNamespace(mesh=SimpleNamespace(dp=1)), world_size=1)
+    trainer = _trainer(tp=1, dp=1)
     figures = FlopsUtilization().measure(trainer, _module(), torch.zeros(B, S, dtype=torch.long), seconds=1.0)
     assert "perf/mfu" not in figures and figures["perf/model_tflops"] > 0

@@ -1,10 +1,11 @@
-"""Policy for the reference :class:`~lightning_seqpar.models.GPT`."""
+"""Policy for the reference :class:`~lightning_seqpar.models.GPT`, declared by the model itself
+(:meth:`GPT.parallel_policy`), as a user's model would declare its own."""
 
 from __future__ import annotations
 
 from lightning_seqpar.models.gpt import GPT
 from lightning_seqpar.rewrite.policy import Policy, require_divisible
-from lightning_seqpar.transformer.gpt import ParallelGPT
+from lightning_seqpar.models.parallel_gpt import ParallelGPT
 from lightning_seqpar.transformer.region import check_sequence_length
 
 

@@ -28,7 +28,7 @@ def test_world_size_not_divisible_fails_before_any_collective(monkeypatch, tmp_p
     monkeypatch.setenv("MASTER_PORT", "1")  # nothing listens: a collective would hang or fail differently
     trainer = pl.Trainer(accelerator="cpu", devices=3, strategy=SeqParallelStrategy(tp=2), logger=False,
                          default_root_dir=tmp_path)
-    from tests.models import build, loader, token_data
+    from tests.helpers.models import build, loader, token_data
 
     with pytest.raises(ValueError, match=r"world size \(3 processes\) is not divisible by tp·pp = 2·1"):
         trainer.fit(build("gpt"), loader(token_data(1, 1)))

@@ -8,6 +8,7 @@ import torch
 from lightning_seqpar import SeqParallelStrategy
 from lightning_seqpar.pipeline_parallel import (
     Action,
+    PipelineConfig,
     RemoteLayer,
     StageLayout,
     build_schedule,
@@ -18,8 +19,9 @@ from lightning_seqpar.pipeline_parallel import (
     split_stages,
 )
 from lightning_seqpar.rewrite import RewriteContext, rewrite
+from lightning_seqpar.roles import is_stage_local
 from lightning_seqpar.tensor_parallel import ParallelGroup
-from tests.models import build
+from tests.helpers.models import build
 
 LAYOUTS = [("1F1B", m, p, 1) for m in (2, 4, 8) for p in (2, 4) if m >= p] + \
           [("gpipe", 8, 2, 1), ("gpipe", 4, 4, 1)] + \
@@ -112,14 +114,14 @@ def _rewritten(kind, **kwargs):
 
 def test_split_keeps_this_ranks_layers_with_their_single_device_names():
     module = _rewritten("gpt", n_layer=4)
-    runtime, remote = split_stages(module, lambda n: StageLayout.build(n, 2, 2), pipeline_rank=1)
+    runtime, remote = split_stages(module, PipelineConfig.build(pp=2, virtual_stages=2), pipeline_rank=1)
     layers = module.gpt.transformer.h
     assert [isinstance(layer, RemoteLayer) for layer in layers] == [True, False, True, False]
     assert remote[0].startswith("gpt.transformer.h.0.") and all(".h.1." not in k and ".h.3." not in k for k in remote)
     assert {k for k in module.state_dict() if ".h." in k} == {k for k in build("gpt", n_layer=4).state_dict()
                                                                if ".h.1." in k or ".h.3." in k}
-    assert all(p.pipeline_stage_local for p in layers[1].parameters())
-    assert not hasattr(module.gpt.transformer.wte.weight, "pipeline_stage_local")
+    assert all(is_stage_local(p) for p in layers[1].parameters())
+    assert not is_stage_local(module.gpt.transformer.wte.weight)
     with pytest.raises(RuntimeError, match="called outside a pipeline step"):
         module.gpt(torch.zeros(1, 8, dtype=torch.long))
 
@@ -129,12 +131,12 @@ def test_a_model_without_a_splittable_stack_says_why():
     module.more = torch.nn.ModuleList([copy.deepcopy(module.layers[0])])  # a second container of layers
     rewrite(module, RewriteContext(ParallelGroup.virtual(1), False, None, True))
     with pytest.raises(ValueError, match="transformer layers sit in 2 containers"):
-        split_stages(module, lambda n: StageLayout.build(n, 2), 0)
+        split_stages(module, PipelineConfig.build(pp=2), 0)
     module = build("encoder", container="modulelist")
     module.extra = copy.deepcopy(module.layers[1])  # a layer that is a plain attribute
     rewrite(module, RewriteContext(ParallelGroup.virtual(1), False, None, True))
     with pytest.raises(ValueError, match="'extra' is a plain attribute"):
-        split_stages(module, lambda n: StageLayout.build(n, 2), 0)
+        split_stages(module, PipelineConfig.build(pp=2), 0)
     plain = torch.nn.Sequential(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="found no rewritten transformer layer"):
-        split_stages(plain, lambda n: StageLayout.build(n, 2), 0)
+        split_stages(plain, PipelineConfig.build(pp=2), 0)

@@ -10,8 +10,8 @@ from torch.utils.data import DataLoader
 
 from lightning_seqpar import SeqParallelStrategy
 from lightning_seqpar.memory.tracker import LiveActivationTracker
-from tests.distributed import run_distributed
-from tests.models import build, token_data
+from tests.helpers.distributed import run_distributed
+from tests.helpers.models import build, token_data
 
 M, P = 8, 2
 LAYERS = "gpt.transformer.h"

@@ -14,13 +14,14 @@ import torch.nn as nn
 from torch import Tensor
 
 from lightning_seqpar.models.gpt import GPT, MLP, Block, CausalSelfAttention
-from lightning_seqpar.rewrite.context import RewriteContext
+from lightning_seqpar.roles import LayerDims, LayerStack, ParallelLayer
 from lightning_seqpar.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from lightning_seqpar.tensor_parallel.embedding import VocabParallelEmbedding
 from lightning_seqpar.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from lightning_seqpar.tensor_parallel.mappings import gather_from_tensor_parallel_region
 from lightning_seqpar.tensor_parallel.sharding import mark_sequence_parallel, shard_parameter
 from lightning_seqpar.transformer.checkpointing import checkpoint
+from lightning_seqpar.transformer.context import RewriteContext
 from lightning_seqpar.transformer.core_attention import merge_heads, split_heads
 from lightning_seqpar.transformer.dropout import ParallelDropout
 from lightning_seqpar.transformer.region import check_sequence_length
@@ -62,11 +63,10 @@ class ParallelMLP(nn.Module):
         return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))  # [s, b, ffn/t] inside
 
 
-class ParallelBlock(nn.Module):
+class ParallelBlock(ParallelLayer):
     """:class:`Block` on sequence-first, sequence-sharded activations ``[s/t, b, h]`` (SP) or ``[s, b, h]``.
 
-    Attributes:
-        recompute_layer: checkpoint the whole layer (full recomputation), set by the recompute callback.
+    Roles: :class:`~lightning_seqpar.roles.ParallelLayer` (full recomputation honours ``recompute_layer``).
     """
 
     def __init__(self, block: Block, ctx: RewriteContext) -> None:
@@ -78,11 +78,10 @@ class ParallelBlock(nn.Module):
         self.attn = ParallelCausalSelfAttention(block.attn, ctx)
         self.mlp = ParallelMLP(block.mlp, ctx)
         self.rng_tracker = ctx.rng_tracker
-        self.recompute_layer = False
-        self._dims = (block.ln_1.normalized_shape[0], block.attn.n_head, self.mlp.c_fc.out_features, ctx.tp, ctx.sp)
+        self._dims = LayerDims(block.ln_1.normalized_shape[0], block.attn.n_head, self.mlp.c_fc.out_features, ctx.tp,
+                               ctx.sp)
 
-    def global_dims(self) -> tuple[int, int, int, int, bool]:
-        """(h, a, ffn width, t, sequence parallel): the single-device sizes, for the memory model."""
+    def layer_dims(self) -> LayerDims:
         return self._dims
 
     def forward(self, x: Tensor) -> Tensor:
@@ -95,13 +94,16 @@ class ParallelBlock(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
-class ParallelGPT(GPT):
+class ParallelGPT(GPT, LayerStack):
     """The reference GPT with vocabulary-parallel embedding and LM head and TP+SP blocks.
 
     ``forward(idx [b, s])`` returns full logits ``[b, s, v]`` (gathered over the vocabulary; under SP
     a sequence whose length is not a multiple of t is right-padded, which causal attention makes
     exact). ``forward(idx, targets)`` returns the mean loss, computed on vocabulary-sharded logits
     (``loss_parallel``) or on gathered ones.
+
+    Roles: :class:`~lightning_seqpar.roles.LayerStack` over ``transformer.h``; on a later pipeline stage
+    it skips the embedding (the stage's first layer takes the received activation).
 
     Raises:
         ValueError: under SP, if a training sequence length is not divisible by t.
@@ -133,7 +135,9 @@ class ParallelGPT(GPT):
         else:
             self.lm_head.weight = shard_parameter(gpt.lm_head.weight, wte.spec, ctx.group)
         self.recompute_chunks: list[tuple[int, int]] = []
-        self.stage_runtime = None  # set when the layers are split into pipeline stages
+
+    def stack_layers(self) -> nn.ModuleList:
+        return self.transformer.h
 
     def forward(self, idx: Tensor, targets: Optional[Tensor] = None) -> Tensor:
         b, s = idx.shape
@@ -147,7 +151,7 @@ class ParallelGPT(GPT):
         s_total = s + pad
         if s_total > self.config.block_size:
             raise ValueError(f"Sequence length {s_total} exceeds block_size {self.config.block_size}.")
-        if self.stage_runtime is not None and not self.stage_runtime.feeds_pipeline:
+        if self.stage_position is not None and not self.stage_position.feeds_pipeline:
             x = idx.new_empty(0)  # a later pipeline stage: its first layer takes the received activation
         else:
             x = self.transformer.wte(idx)  # [s/t, b, h] (SP) or [s, b, h]

@@ -8,10 +8,10 @@ nn.TransformerEncoder(Layer)s; selective and full recomputation; clipping and ac
 import pytest
 import torch
 
-from tests.distributed import run_distributed
-from tests.models import BATCH, SEQ, build, reference_run, token_data
-from tests.parity import STEPS, Case, fit
-from tests.test_parity import CLIP_ACCUMULATE, ENCODER_A, ENCODER_B
+from tests.helpers.distributed import run_distributed
+from tests.helpers.models import BATCH, SEQ, build, reference_run, token_data
+from tests.helpers.parity import STEPS, Case, fit
+from tests.distributed.test_parity import CLIP_ACCUMULATE, ENCODER_A, ENCODER_B
 
 GPT4 = (("n_layer", 4),)
 INTERLEAVED = (("virtual_stages", 2),)

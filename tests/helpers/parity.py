@@ -8,7 +8,7 @@ from typing import Optional
 import lightning.pytorch as pl
 
 from lightning_seqpar import SelectiveRecompute, SeqParallelStrategy
-from tests.models import Recorder, build, loader, token_data
+from tests.helpers.models import Recorder, build, loader, token_data
 
 STEPS = 3
 

@@ -9,9 +9,9 @@ bounds sit near the reference's own distance from float64 and far below what a m
 import pytest
 import torch
 
-from tests.distributed import run_distributed
-from tests.models import build, reference_run, token_data
-from tests.parity import STEPS, Case, fit
+from tests.helpers.distributed import run_distributed
+from tests.helpers.models import build, reference_run, token_data
+from tests.helpers.parity import STEPS, Case, fit
 
 CASES = [Case("gpt", 2, True, "selective"), Case("encoder", 2, True, "selective"), Case("gpt", 2, False, None)]
 # precision: (reference kwargs, parameter dtype, loss atol, gradient bound at step 0, at later steps)

@@ -15,7 +15,7 @@ from lightning_seqpar.tensor_parallel import (
     scatter_to_sequence_parallel_region,
     vocab_parallel_cross_entropy,
 )
-from tests.distributed import run_distributed
+from tests.helpers.distributed import run_distributed
 
 
 def _mlp_case(rank, world_size, sequence_parallel):

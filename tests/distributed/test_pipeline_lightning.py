@@ -1,6 +1,8 @@
-"""Pipeline layouts inside Lightning: checkpoint resume, forward-only validation, errors on every rank.
+"""Pipeline layouts inside Lightning: checkpoint resume, forward-only validation, errors on every rank,
+and the contract with the user's module (what is refused, and how).
 
-One group of 4 processes (pp 2 × tp 2) runs everything.
+One group of 4 processes (pp 2 × tp 2) runs the first three; a step that swallows the stage boundary
+gets its own 2 processes (it ends that job).
 """
 
 from pathlib import Path
@@ -13,11 +15,35 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
 from lightning_seqpar import SeqParallelStrategy
-from tests.distributed import run_distributed
-from tests.models import build, loader, token_data
-from tests.parity import Case, fit
+from lightning_seqpar.models import GPTLightningModule
+from tests.helpers.distributed import run_distributed
+from tests.helpers.models import build, gpt_module, loader, token_data
+from tests.helpers.parity import Case, fit
 
 CASE = Case("gpt", 2, True, "selective", (), (), (), 2)
+
+
+class ManualOptimization(GPTLightningModule):
+    """A module that steps its optimizer itself."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        loss = self.gpt(*batch)
+        self.manual_backward(loss)
+        self.optimizers().step()
+
+
+class SwallowsExceptions(GPTLightningModule):
+    """A step that catches every exception around the forward pass and carries on."""
+
+    def training_step(self, batch, batch_idx):
+        try:
+            return self.gpt(*batch)
+        except Exception:  # noqa: BLE001 - the mistake under test
+            return torch.zeros((), requires_grad=True)
 
 
 def _trainer(world_size, **strategy):
@@ -26,9 +52,16 @@ def _trainer(world_size, **strategy):
                       enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
 
 
+def _as(cls, module):
+    torch.manual_seed(1234)
+    return cls(module.gpt.config, learning_rate=1e-2)
+
+
 def _errors(world_size):
     messages = []
-    for module, strategy in ((build("gpt", n_layer=3), {}), (build("gpt"), {"num_microbatches": 4})):
+    cases = ((build("gpt", n_layer=3), {}), (build("gpt"), {"num_microbatches": 4}),
+             (_as(ManualOptimization, gpt_module()), {}))
+    for module, strategy in cases:
         try:
             _trainer(world_size, **strategy).fit(module, loader(token_data(1, 1)))
         except ValueError as error:
@@ -77,6 +110,23 @@ def test_validation_runs_forward_only_through_the_pipeline_and_every_rank_logs_t
 def test_bad_pipeline_input_fails_on_every_rank_with_the_reason(runs):
     per_rank, _ = runs
     for run in per_rank:
-        assert len(run["errors"]) == 2
+        assert len(run["errors"]) == 3
         assert "3 transformer layers do not divide into 2 equal pipeline stages" in run["errors"][0]
         assert "batch of 2 samples cannot be cut into num_microbatches=4" in run["errors"][1]
+        assert "ManualOptimization uses manual optimization (automatic_optimization=False)" in run["errors"][2]
+
+
+def _swallow(rank, world_size):
+    trainer = pl.Trainer(strategy=SeqParallelStrategy(pp=2), accelerator="cpu", devices=world_size, max_steps=1,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    trainer.fit(_as(SwallowsExceptions, gpt_module()), loader(token_data(1, 1)))
+
+
+def test_a_step_that_swallows_the_stage_boundary_is_refused_and_the_job_ends():
+    with pytest.raises(AssertionError) as failed:
+        run_distributed(_swallow, 2, timeout=120)
+    report = str(failed.value)
+    # The first stage names the mistake; the last stage, waiting for its activation, fails instead of hanging.
+    assert "rank 0:" in report and "The step caught the pipeline's StageOutput" in report
+    assert "rank 1:" in report

@@ -12,7 +12,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from lightning_seqpar import SeqParallelStrategy
 from lightning_seqpar.models import GPTConfig, GPTLightningModule
+from lightning_seqpar.roles import shard_spec
 from lightning_seqpar.state import full_gradients, merge_over_stages
 
 VOCAB, SEQ, BATCH = 13, 8, 2  # a vocabulary no tp in {2, 4} divides: exercises padding
@@ -107,9 +109,9 @@ class Recorder(pl.Callback):
     p2p_bytes: dict = field(default_factory=dict)  # pipeline point-to-point payload bytes this rank sent, by kind
 
     def on_train_end(self, trainer, pl_module):
-        pipeline = getattr(trainer.strategy, "pipeline", None)
-        if pipeline is not None:
-            log = pipeline.executor.transport.log
+        strategy = trainer.strategy
+        if isinstance(strategy, SeqParallelStrategy) and strategy.pipeline is not None:
+            log = strategy.pipeline.executor.transport.log
             self.p2p_bytes = {kind: log.bytes(kind) for kind in ("activation", "gradient")}
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
@@ -118,11 +120,11 @@ class Recorder(pl.Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         strategy = trainer.strategy
-        mesh = strategy.mesh if hasattr(strategy, "mesh") else None
+        mesh = strategy.mesh if isinstance(strategy, SeqParallelStrategy) else None
         self.grads.append(merge_over_stages(full_gradients(pl_module, mesh.tensor), mesh.pipeline) if mesh else
                           {n: p.grad.detach().clone() for n, p in pl_module.named_parameters() if p.grad is not None})
         self.replicated.append({n: p.grad.detach().clone() for n, p in pl_module.named_parameters()
-                                if p.grad is not None and not hasattr(p, "shard_spec")})
+                                if p.grad is not None and shard_spec(p) is None})
 
 
 def reference_run(module: pl.LightningModule, dataset: TensorDataset, steps: int, dp: int,

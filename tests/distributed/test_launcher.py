@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from lightning_seqpar import SeqParallelStrategy
-from tests.models import build, loader, reference_run, token_data
-from tests.parity import STEPS
+from tests.helpers.models import build, loader, reference_run, token_data
+from tests.helpers.parity import STEPS
 
 
 @pytest.mark.parametrize("start_method", ["spawn", "fork"])

@@ -12,8 +12,8 @@ from lightning_seqpar.models.gpt import Block, GPTConfig
 from lightning_seqpar.rewrite import RewriteContext
 from lightning_seqpar.tensor_parallel import CommunicationLog, ParallelGroup
 from lightning_seqpar.tensor_parallel.random import RNGTracker
-from lightning_seqpar.transformer.gpt import ParallelBlock
-from tests.distributed import run_distributed
+from lightning_seqpar.models.parallel_gpt import ParallelBlock
+from tests.helpers.distributed import run_distributed
 
 S, B, H, A = 16, 2, 32, 4  # s, b, h, a
 F = 3 * H  # FFN width: f/t never equals h, so saved shapes tell the regions apart

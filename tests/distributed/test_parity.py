@@ -8,9 +8,9 @@ any gradient) fails.
 import pytest
 import torch
 
-from tests.distributed import run_distributed
-from tests.models import build, reference_run, token_data
-from tests.parity import STEPS, Case, fit
+from tests.helpers.distributed import run_distributed
+from tests.helpers.models import build, reference_run, token_data
+from tests.helpers.parity import STEPS, Case, fit
 
 ENCODER_A = (("container", "encoder"), ("batch_first", True), ("norm_first", True), ("activation", "gelu"))
 ENCODER_B = (("container", "modulelist"), ("batch_first", False), ("norm_first", False), ("activation", "relu"))

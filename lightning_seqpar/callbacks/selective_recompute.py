@@ -1,0 +1,68 @@
+"""``SelectiveRecompute``: the paper's selective activation recomputation, as a Lightning callback."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional
+
+import lightning.pytorch as pl
+import torch.nn as nn
+
+from lightning_seqpar.memory.planner import RecomputePlan, plan_recompute
+from lightning_seqpar.recompute import apply_recompute, apply_recompute_plan, micro_batch_shape, model_shape
+
+
+class SelectiveRecompute(pl.Callback):
+    """Activation recomputation for the layers :class:`~lightning_seqpar.SeqParallelStrategy` rewrote.
+
+    Args:
+        granularity: ``"selective"`` (core attention only, the default and the paper's proposal),
+            ``"full"`` (whole layers) or ``"auto"`` (the cheapest plan that fits ``memory_budget``, see
+            :func:`~lightning_seqpar.memory.planner.plan_recompute`: none → selective → full on the fewest
+            first layers with selective on the rest).
+        method: for ``"full"``, ``"uniform"`` or ``"block"`` (Megatron-LM ``--recompute-method``).
+        num_layers: for ``"full"``, layers per uniform chunk or layers checkpointed by ``"block"``.
+        memory_budget: for ``"auto"``: bytes of layer activations allowed per rank and micro-batch.
+        bytes_per_element: for ``"auto"``: activation bytes (default: the parameters' element size).
+
+    Applied when fitting starts, after the strategy has rewritten the model (``"auto"``: at the first
+    training batch, whose first tensor, token ids ``[b, s]``, gives s and b). Training is numerically identical to no recomputation
+    (dropout masks are replayed). ``plan`` holds the ``"auto"`` choice.
+
+    Raises:
+        ValueError: see :func:`apply_recompute`; ``"auto"`` without a positive ``memory_budget``, or a
+            budget that nothing fits.
+    """
+
+    def __init__(
+        self,
+        granularity: Literal["selective", "full", "auto"] = "selective",
+        method: Literal["uniform", "block"] = "uniform",
+        num_layers: Optional[int] = None,
+        memory_budget: Optional[float] = None,
+        bytes_per_element: Optional[int] = None,
+    ) -> None:
+        if granularity not in ("selective", "full", "auto"):
+            raise ValueError(f"granularity must be 'selective', 'full' or 'auto', got {granularity!r}.")
+        if granularity == "auto" and (memory_budget is None or memory_budget <= 0):
+            raise ValueError(f"granularity='auto' needs memory_budget > 0 (bytes), got {memory_budget!r}.")
+        apply_recompute(nn.Module(), "none", method, num_layers)  # validates method and num_layers
+        self.granularity, self.method, self.num_layers = granularity, method, num_layers
+        self.memory_budget, self.bytes_per_element = memory_budget, bytes_per_element
+        self.plan: Optional[RecomputePlan] = None
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.granularity != "auto":
+            apply_recompute(pl_module, self.granularity, self.method, self.num_layers)
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        if self.granularity == "auto" and self.plan is None:
+            self.plan = self.choose(pl_module, *micro_batch_shape(batch))
+
+    def choose(self, model: nn.Module, s: int, b: int) -> RecomputePlan:
+        """Plan for sequences of ``s`` tokens in micro-batches of ``b``, and apply it to ``model``."""
+        assert self.memory_budget is not None
+        shape, t, sp = model_shape(model, s, b)
+        element = self.bytes_per_element or next(model.parameters()).element_size()
+        plan = plan_recompute(shape, t, sp, self.memory_budget, element)
+        apply_recompute_plan(model, plan)
+        return plan

@@ -1,0 +1,84 @@
+"""Lightning precision plugins that clip by the norm of the whole, unsharded gradient.
+
+Lightning clips through its precision plugin (``Precision.clip_grad_by_norm``), which calls
+``torch.nn.utils.clip_grad_norm_`` on this rank's parameters: under tensor parallelism that is the
+norm of one shard, and under pipeline parallelism of one stage. :class:`ShardAwareClipping` replaces
+that one method with :func:`lightning_seqpar.gradients.clip_grad_norm_` (every shard once, every
+replicated parameter once, summed over stages). Lightning picks the plugin from ``Trainer(precision=...)``
+before the strategy sees it, so :func:`shard_aware` gives the strategy the same plugin as its
+shard-aware subclass, built with the same arguments.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
+from torch.optim import Optimizer
+
+from lightning_seqpar.gradients import clip_grad_norm_
+from lightning_seqpar.mesh import ParallelMesh
+
+
+class ShardAwareClipping:
+    """Mixin for a Lightning ``Precision`` plugin: gradient-norm clipping over the whole model.
+
+    Attributes:
+        mesh: the process mesh the norm is reduced over; set by the strategy once processes exist.
+    """
+
+    mesh: Optional[ParallelMesh] = None
+
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+        """Scale the gradients so that the unparallelized model's gradient norm is at most ``clip_val``.
+
+        Raises:
+            RuntimeError: before the strategy has set :attr:`mesh`.
+        """
+        if self.mesh is None:
+            raise RuntimeError("Gradient clipping ran before SeqParallelStrategy set up its process mesh.")
+        clip_grad_norm_(self.main_params(optimizer), clip_val, self.mesh)  # type: ignore[attr-defined]
+
+
+class SeqParallelPrecision(ShardAwareClipping, Precision):
+    """``precision="32-true"``."""
+
+
+class SeqParallelDoublePrecision(ShardAwareClipping, DoublePrecision):
+    """``precision="64-true"``."""
+
+
+class SeqParallelHalfPrecision(ShardAwareClipping, HalfPrecision):
+    """``precision="bf16-true"`` / ``"16-true"``."""
+
+
+class SeqParallelMixedPrecision(ShardAwareClipping, MixedPrecision):
+    """``precision="bf16-mixed"`` / ``"16-mixed"`` (the gradient scaler unscales before clipping, as in Lightning)."""
+
+
+def shard_aware(plugin: Optional[Precision]) -> Precision:
+    """The shard-aware version of one of Lightning's precision plugins (``None``: 32-true).
+
+    Raises:
+        ValueError: for a plugin class other than Lightning's ``Precision``, ``DoublePrecision``,
+            ``HalfPrecision`` and ``MixedPrecision`` that does not already mix in :class:`ShardAwareClipping`.
+    """
+    if plugin is None:
+        return SeqParallelPrecision()
+    if isinstance(plugin, ShardAwareClipping):
+        return plugin
+    kind = type(plugin)
+    if kind is Precision:
+        return SeqParallelPrecision()
+    if kind is DoublePrecision:
+        return SeqParallelDoublePrecision()
+    if kind is HalfPrecision:
+        return SeqParallelHalfPrecision(plugin.precision)  # type: ignore[arg-type]
+    if kind is MixedPrecision:
+        return SeqParallelMixedPrecision(plugin.precision, plugin.device, plugin.scaler)  # type: ignore[arg-type]
+    raise ValueError(
+        f"SeqParallelStrategy cannot clip gradients correctly with the precision plugin {kind.__name__}: its "
+        f"clip_grad_by_norm would see one shard. Use Trainer(precision='32-true' | '64-true' | 'bf16-true' | "
+        f"'bf16-mixed' | '16-true' | '16-mixed'), or add lightning_seqpar.precision.ShardAwareClipping as the "
+        f"first base class of {kind.__name__}."
+    )

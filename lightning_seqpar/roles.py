@@ -1,0 +1,155 @@
+"""The roles a rewritten module or parameter plays, stated once.
+
+Gradient reduction, checkpoint state, recomputation, the memory model and the pipeline split find
+what they act on through these roles and nothing else. A :class:`~lightning_seqpar.Policy` whose
+replacement modules take these roles gets every feature of the strategy.
+
+Module roles (base classes, found with ``isinstance``):
+
+* :class:`ParallelLayer`: one rewritten transformer layer. Full recomputation checkpoints it, the
+  memory model reads its sizes, the pipeline splits a list of them into stages.
+* :class:`LayerStack`: a rewritten module that runs a list of :class:`ParallelLayer` itself (the
+  reference GPT, ``nn.TransformerEncoder``). Full recomputation checkpoints chunks of its layers as
+  one unit; under pipeline parallelism it learns which stage is running.
+
+Parameter roles (tags on the ``nn.Parameter``, as Megatron-LM's ``param.sequence_parallel`` and
+``param.partition_dim``; written and read through the functions below only):
+
+* sharded (:func:`shard_spec`): split over the tensor-parallel group as its ``ShardSpec`` says.
+  Checkpoints gather it, the gradient norm counts every shard once.
+* sequence-parallel (:func:`is_sequence_parallel`): replicated over the tensor-parallel group, but
+  each rank saw s/t tokens, so gradients are summed over the group (Korthikanti et al. 2022 §4.2.2).
+* stage-local (:func:`is_stage_local`): held by one pipeline stage only. Every other parameter is
+  kept on every stage and its gradient summed over the pipeline group.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Protocol, Sequence
+
+import torch.nn as nn
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from lightning_seqpar.tensor_parallel.sharding import ShardSpec
+
+
+class LayerDims(NamedTuple):
+    """Single-device sizes of a transformer layer and its parallel layout, for the memory model."""
+
+    hidden_size: int
+    """h"""
+    num_heads: int
+    """a (query heads)"""
+    ffn_hidden_size: int
+    """MLP width (4h in the paper)"""
+    tp: int
+    """t"""
+    sequence_parallel: bool
+    """whether the norm/dropout/residual regions are sharded along s"""
+
+
+class LayerRouter(Protocol):
+    """Runs a layer as part of a pipeline stage: ``router(call, hidden, *args, **kwargs)``.
+
+    ``call`` runs the layer itself; the router may call it on ``hidden`` or on the activation
+    received from the previous stage, or pass ``hidden`` through for a layer of another stage.
+    """
+
+    def __call__(self, call: Callable[..., Any], hidden: Tensor, *args: Any, **kwargs: Any) -> Any: ...
+
+
+class StagePosition(Protocol):
+    """What a :class:`LayerStack` may ask about the pipeline stage that is running."""
+
+    @property
+    def feeds_pipeline(self) -> bool:
+        """Whether the code before the stack produces the running stage's input (the first stage)."""
+        ...
+
+
+class ParallelLayer(nn.Module):
+    """Role: one rewritten transformer layer.
+
+    ``forward(hidden, *args, **kwargs)`` maps the hidden state to one of the same shape: ``[s/t, b, h]``
+    (sequence parallel) or ``[s, b, h]`` between rewritten neighbours. Subclasses implement
+    :meth:`layer_dims` and honour :attr:`recompute_layer` in their forward (checkpoint the whole
+    layer, e.g. with :func:`lightning_seqpar.transformer.checkpointing.checkpoint`).
+
+    Attributes:
+        recompute_layer: checkpoint the whole layer (full recomputation); set by
+            :func:`~lightning_seqpar.recompute.apply_recompute`.
+        pipeline_stage: the virtual pipeline stage holding this layer, ``None`` when not split.
+    """
+
+    recompute_layer: bool = False
+    pipeline_stage: Optional[int] = None
+    _router: Optional[LayerRouter] = None
+
+    def layer_dims(self) -> LayerDims:
+        """The single-device sizes and layout of this layer."""
+        raise NotImplementedError(f"{type(self).__name__} must implement layer_dims().")
+
+    def attach_pipeline_stage(self, stage: int, router: LayerRouter) -> None:
+        """Hold this layer on virtual pipeline stage ``stage``; every call then goes through ``router``.
+
+        A router rather than a wrapper module keeps parameter names (state-dict keys) those of one device.
+        """
+        self.pipeline_stage, self._router = stage, router
+
+    def __call__(self, hidden: Tensor, *args: Any, **kwargs: Any) -> Any:
+        if self._router is None:
+            return super().__call__(hidden, *args, **kwargs)
+        return self._router(super().__call__, hidden, *args, **kwargs)
+
+
+class LayerStack(nn.Module):
+    """Role: a rewritten module that runs its own list of :class:`ParallelLayer` in order.
+
+    Subclasses implement :meth:`stack_layers` and run the layers with
+    :func:`lightning_seqpar.transformer.stack.run_layers` (which honours :attr:`recompute_chunks`).
+
+    Attributes:
+        recompute_chunks: ``(start, end)`` layer ranges checkpointed as one unit (Megatron-LM's full
+            recomputation, ``uniform``/``block``); set by :func:`~lightning_seqpar.recompute.apply_recompute`.
+        stage_position: set when the stack is split into pipeline stages. A stack may skip work whose
+            result only the first stage uses (an embedding) when ``stage_position.feeds_pipeline`` is
+            ``False``: the running stage's first layer replaces its input by the received activation.
+    """
+
+    recompute_chunks: Sequence[tuple[int, int]] = ()
+    stage_position: Optional[StagePosition] = None
+
+    def stack_layers(self) -> nn.ModuleList:
+        """The layers this module runs, in order (an ``nn.ModuleList`` the pipeline may split)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement stack_layers().")
+
+
+def shard_spec(param: Tensor) -> Optional["ShardSpec"]:
+    """The ``ShardSpec`` of a sharded parameter, ``None`` for a replicated one."""
+    return getattr(param, "shard_spec", None)
+
+
+def set_shard_spec(param: Tensor, spec: "ShardSpec") -> None:
+    """Tag ``param`` as this rank's shard of a parameter split as ``spec`` says."""
+    param.shard_spec = spec  # type: ignore[attr-defined]
+
+
+def is_sequence_parallel(param: Tensor) -> bool:
+    """Whether ``param``'s gradient must be summed over the tensor-parallel group (each rank saw s/t tokens)."""
+    return getattr(param, "sequence_parallel", False)
+
+
+def set_sequence_parallel(param: Tensor) -> None:
+    """Tag ``param`` as sequence-parallel."""
+    param.sequence_parallel = True  # type: ignore[attr-defined]
+
+
+def is_stage_local(param: Tensor) -> bool:
+    """Whether ``param`` belongs to one pipeline stage's layers (not shared by every stage)."""
+    return getattr(param, "pipeline_stage_local", False)
+
+
+def set_stage_local(param: Tensor) -> None:
+    """Tag ``param`` as held by one pipeline stage only."""
+    param.pipeline_stage_local = True  # type: ignore[attr-defined]
