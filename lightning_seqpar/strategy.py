@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, Callable, Iterable, Literal, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterable, Literal, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,7 @@ from lightning_seqpar._compat import (
     set_num_threads_if_needed,
     sync_ddp_if_available,
 )
+from lightning_seqpar.checkpoint_checks import check_finite, check_optimizer_state, check_state_dict_shapes
 from lightning_seqpar.checkpoint_io import AtomicCheckpointIO
 from lightning_seqpar.gradients import finalize_gradients
 from lightning_seqpar.launcher import SeqParallelSpawnLauncher
@@ -41,6 +42,21 @@ from lightning_seqpar.state import (
     merge_over_stages,
 )
 from lightning_seqpar.tensor_parallel.random import RNGTracker
+
+
+def _as_timedelta(timeout: Union[float, timedelta, None]) -> timedelta:
+    """Seconds or a ``timedelta`` (``None``: torch's default) as a positive ``timedelta``.
+
+    Raises:
+        ValueError: a value that is not positive, or not a number or ``timedelta``.
+    """
+    if timeout is None:
+        return default_pg_timeout
+    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        timeout = timedelta(seconds=timeout)
+    if not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0:
+        raise ValueError(f"timeout must be a positive number of seconds or a datetime.timedelta, got {timeout!r}.")
+    return timeout
 
 
 class SeqParallelStrategy(ParallelStrategy):
@@ -78,11 +94,16 @@ class SeqParallelStrategy(ParallelStrategy):
         seed: base seed of the dropout streams; default: rank 0's ``torch.initial_seed()``.
         start_method: ``"popen"`` (re-run the script per rank, like DDP), ``"spawn"`` or ``"fork"``.
         process_group_backend: default ``"nccl"`` on GPUs, ``"gloo"`` on CPUs.
+        timeout: how long a collective may wait for a peer before the job fails (seconds or a
+            ``timedelta``; default torch's 30 minutes). A stalled rank then ends the job with an error that
+            names the collective that timed out, instead of hanging it.
+        allow_non_finite_checkpoint: load checkpoints whose weights or optimizer state hold NaN/inf
+            (refused by default: they are corrupt, or the run had diverged).
 
     The data-parallel size is ``world_size // (tp · pp)``.
 
     Raises:
-        ValueError: ``tp``/``pp`` not positive integers; world size not divisible by ``tp · pp``;
+        ValueError: ``timeout`` not positive; ``tp``/``pp`` not positive integers; world size not divisible by ``tp · pp``;
             a model with nothing to rewrite or with shapes that do not split t ways; under ``pp > 1``, an
             unknown schedule, fewer micro-batches than stages (or, interleaved, not a multiple of ``pp``), a
             layer count that does not split into the stages asked, a batch not divisible into micro-batches.
@@ -109,7 +130,8 @@ class SeqParallelStrategy(ParallelStrategy):
         checkpoint_io: Optional[CheckpointIO] = None,
         precision_plugin: Optional[Precision] = None,
         process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout,
+        timeout: Union[float, timedelta, None] = None,
+        allow_non_finite_checkpoint: bool = False,
     ) -> None:
         validate_layout(tp * pp, tp, pp)
         self.pipeline_config = PipelineConfig.build(pp, num_microbatches, schedule, virtual_stages, pipeline_split)
@@ -128,7 +150,8 @@ class SeqParallelStrategy(ParallelStrategy):
         self._seed = seed
         self._start_method = start_method
         self._process_group_backend = process_group_backend
-        self._timeout = timeout
+        self._timeout = _as_timedelta(timeout)
+        self.allow_non_finite_checkpoint = allow_non_finite_checkpoint
         self._mesh: Optional[ParallelMesh] = None
         self.rng_tracker: Optional[RNGTracker] = None
         self.rewrite_plan: Optional[RewritePlan] = None
@@ -366,6 +389,13 @@ class SeqParallelStrategy(ParallelStrategy):
                 raise KeyError(f"State dict mismatch. Missing (layers of other pipeline stages): {sorted(missing)}.")
             remote = set(self._remote_keys)
             state = {k: v for k, v in state.items() if k not in remote}
+
+        def check() -> None:
+            if not self.allow_non_finite_checkpoint:
+                check_finite(state, "weight")
+            check_state_dict_shapes(self.lightning_module, state)
+
+        self._check_on_every_rank(check)
         load_full_state_dict(self.lightning_module, state, self.mesh.tensor, strict=strict)
 
     @override
@@ -382,16 +412,47 @@ class SeqParallelStrategy(ParallelStrategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            if "pipeline_stages" in state:
-                stages = state["pipeline_stages"]
-                if len(stages) != self.mesh.pp:
+        saved = checkpoint["optimizer_states"]
+        stage_states: list[Mapping[str, Any]] = []
+
+        def check() -> None:
+            if len(saved) != len(self.optimizers):
+                raise ValueError(f"The checkpoint holds {len(saved)} optimizer state(s); this run has {len(self.optimizers)}.")
+            for i, (optimizer, state) in enumerate(zip(self.optimizers, saved)):
+                saved_pp = len(state["pipeline_stages"]) if "pipeline_stages" in state else 1
+                if saved_pp != self.mesh.pp:
                     raise ValueError(
-                        f"The checkpoint's optimizer state was saved with pp={len(stages)}; this run has pp={self.mesh.pp}. "
-                        f"Resume with the same pipeline layout (the model weights alone load into any layout)."
+                        f"The checkpoint's optimizer state was saved with pp={saved_pp}; this run has pp={self.mesh.pp}. "
+                        f"Each pipeline stage keeps the optimizer state of its own layers, so it resumes only into the "
+                        f"same pipeline layout. Resume with pp={saved_pp}, or start from the weights alone: they load "
+                        f"into any layout (load the checkpoint's 'state_dict' into the model and fit without ckpt_path)."
                     )
-                state = stages[self.mesh.pipeline.rank]
+                if saved_pp > 1:
+                    state = state["pipeline_stages"][self.mesh.pipeline.rank]
+                where = f"optimizer state {i}" + (f" (pipeline stage {self.mesh.pipeline.rank})" if saved_pp > 1 else "")
+                if not self.allow_non_finite_checkpoint:
+                    check_finite(state, where)
+                check_optimizer_state(optimizer, state, where)
+                stage_states.append(state)
+
+        self._check_on_every_rank(check)
+        for optimizer, state in zip(self.optimizers, stage_states):
             load_full_optimizer_state(optimizer, state, self.mesh.tensor)
+
+    def _check_on_every_rank(self, check: Callable[[], None]) -> None:
+        """Run a checkpoint check on this rank; if it fails on any rank, raise its ``ValueError`` on every rank
+        (a rank that raised alone would leave the others waiting in their next collective)."""
+        try:
+            check()
+            error = None
+        except ValueError as failure:
+            error = str(failure)
+        errors: list[Optional[str]] = [None] * self.world_size
+        dist.all_gather_object(errors, error)
+        failed = [(rank, message) for rank, message in enumerate(errors) if message]
+        if failed:
+            rank, message = failed[0]
+            raise ValueError(f"{message} (found on rank {rank})")
 
     @override
     def teardown(self) -> None:

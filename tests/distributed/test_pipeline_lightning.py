@@ -69,6 +69,31 @@ def _errors(world_size):
     return messages
 
 
+def _resume_error(case, world_size, ckpt_path):
+    try:
+        fit(case, world_size, steps=-1, epoch_steps=3, max_epochs=2, ckpt_path=ckpt_path)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def _bad_checkpoints(world_size, directory):
+    """First error lines of resuming from checkpoints that must be refused, on this rank."""
+    directory = Path(directory)
+    pp1 = Case("gpt", 2, True, None)  # tp 2 × dp 2, no pipeline
+    fit(pp1, world_size, steps=-1, epoch_steps=3, max_epochs=1, enable_checkpointing=True,
+        callbacks=[ModelCheckpoint(dirpath=directory / "pp1", save_last=True)])
+    if torch.distributed.get_rank() == 0:  # the pipeline checkpoint with one Adam moment corrupted
+        checkpoint = torch.load(directory / "last.ckpt", weights_only=False)
+        checkpoint["optimizer_states"][0]["pipeline_stages"][1]["state"][0]["exp_avg"].view(-1)[3] = float("nan")
+        torch.save(checkpoint, directory / "corrupt.ckpt")
+    torch.distributed.barrier()
+    wide = Case("gpt", 2, True, None, model=(("n_embd", 32),), pp=2)
+    return dict(pp1_to_pp2=_resume_error(CASE, world_size, str(directory / "pp1" / "last.ckpt")),
+                corrupt=_resume_error(CASE, world_size, str(directory / "corrupt.ckpt")),
+                wider=_resume_error(wide, world_size, str(directory / "last.ckpt")))
+
+
 def _run(rank, world_size, directory):
     straight = fit(CASE, world_size, steps=-1, epoch_steps=3, max_epochs=2).losses
     ckpt = ModelCheckpoint(dirpath=directory, save_last=True)
@@ -76,7 +101,8 @@ def _run(rank, world_size, directory):
     resumed = fit(CASE, world_size, steps=-1, epoch_steps=3, max_epochs=2, ckpt_path=str(Path(directory) / "last.ckpt")).losses
     trainer = _trainer(world_size)
     validated = trainer.validate(build("gpt"), DataLoader(token_data(2, 1, seed=7), batch_size=2), verbose=False)
-    return dict(straight=straight, first=first, resumed=resumed, val=validated[0]["val/loss"], errors=_errors(world_size))
+    return dict(straight=straight, first=first, resumed=resumed, val=validated[0]["val/loss"], errors=_errors(world_size),
+                bad_checkpoints=_bad_checkpoints(world_size, directory))
 
 
 @pytest.fixture(scope="module")
@@ -130,3 +156,14 @@ def test_a_step_that_swallows_the_stage_boundary_is_refused_and_the_job_ends():
     # The first stage names the mistake; the last stage, waiting for its activation, fails instead of hanging.
     assert "rank 0:" in report and "The step caught the pipeline's StageOutput" in report
     assert "rank 1:" in report
+
+
+def test_checkpoints_that_cannot_resume_are_refused_on_every_rank_with_the_reason(runs):
+    per_rank, _ = runs
+    for run in per_rank:
+        bad = run["bad_checkpoints"]
+        assert "saved with pp=1; this run has pp=2" in bad["pp1_to_pp2"]
+        assert "does not fit this model" in bad["wider"] and "'gpt.transformer.wte.weight'" in bad["wider"]
+        # Stage 1 (ranks 2 and 3) holds the NaN; every rank refuses, so none is left waiting in a collective.
+        assert "optimizer state 0 (pipeline stage 1) '" in bad["corrupt"] and "found on rank 2" in bad["corrupt"]
+        assert "holds 1 non-finite value(s)" in bad["corrupt"]

@@ -1,0 +1,105 @@
+"""Checks a checkpoint passes before anything loads from it: a user's checkpoint is their data.
+
+Every check runs on every rank on the whole (unparallelized) state, before a single tensor is copied,
+and raises ``ValueError`` naming the key and what to do: a model of another shape, non-finite values
+(a corrupt file, or a run that had diverged), an optimizer state of another layout.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Mapping
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+from lightning_seqpar.roles import shard_spec
+
+
+def expected_full_shape(name: str, value: Tensor, param: nn.Parameter | None) -> tuple[int, ...]:
+    """Single-device shape of a state-dict entry: a sharded parameter's full size in its split dim."""
+    spec = shard_spec(param) if param is not None else None
+    shape = list(value.shape)
+    if spec is not None:
+        shape[spec.dim] = spec.full_size
+    return tuple(shape)
+
+
+def check_state_dict_shapes(module: nn.Module, state_dict: Mapping[str, Any]) -> None:
+    """Every tensor of ``state_dict`` has the single-device shape of ``module``'s entry of the same key.
+
+    Raises:
+        ValueError: listing each mismatching key with both shapes.
+    """
+    params = dict(module.named_parameters(remove_duplicate=False))
+    wrong = []
+    for name, own in module.state_dict(keep_vars=True).items():
+        value = state_dict.get(name)
+        if not isinstance(value, Tensor) or not isinstance(own, Tensor):
+            continue
+        want = expected_full_shape(name, own, params.get(name))
+        if tuple(value.shape) != want:
+            wrong.append(f"'{name}': checkpoint {tuple(value.shape)}, model {want}")
+    if wrong:
+        raise ValueError(
+            f"The checkpoint does not fit this model ({len(wrong)} tensor(s) of another shape): {'; '.join(wrong[:8])}"
+            f"{' ...' if len(wrong) > 8 else ''}. It was written for a model of another size (e.g. n_embd, n_layer, "
+            f"vocab_size); build the model with the checkpoint's configuration."
+        )
+
+
+def _tensors(obj: Any, prefix: str) -> Iterator[tuple[str, Tensor]]:
+    if isinstance(obj, Tensor):
+        yield prefix, obj
+    elif isinstance(obj, Mapping):
+        for key, value in obj.items():
+            yield from _tensors(value, f"{prefix}.{key}" if prefix else str(key))
+    elif isinstance(obj, (list, tuple)):
+        for i, value in enumerate(obj):
+            yield from _tensors(value, f"{prefix}[{i}]")
+
+
+def check_finite(state: Any, where: str) -> None:
+    """Every floating-point tensor in ``state`` (any nesting of dicts and lists) is finite.
+
+    Raises:
+        ValueError: naming the first key holding NaN or ±inf, and how many such values it holds.
+    """
+    for key, tensor in _tensors(state, ""):
+        if tensor.is_floating_point() and tensor.numel() and not bool(torch.isfinite(tensor).all()):
+            bad = int((~torch.isfinite(tensor)).sum())
+            raise ValueError(
+                f"The checkpoint's {where} '{key}' holds {bad} non-finite value(s) (NaN/inf) of {tensor.numel()}. The "
+                f"file is corrupt or the run had diverged when it was saved; resuming would spread them to every "
+                f"weight. Resume from an earlier checkpoint, or pass SeqParallelStrategy(allow_non_finite_checkpoint=True) "
+                f"to load it anyway."
+            )
+
+
+def check_optimizer_state(optimizer: torch.optim.Optimizer, state: Mapping[str, Any], where: str) -> None:
+    """``state`` (a single-device ``optimizer.state_dict()``) has this optimizer's groups and parameters.
+
+    Raises:
+        ValueError: another number of parameter groups or of parameters in a group, or a per-parameter
+            state tensor whose shape is not its parameter's single-device shape.
+    """
+    groups = state.get("param_groups") if isinstance(state, Mapping) else None
+    if groups is None or "state" not in state:
+        raise ValueError(f"The checkpoint's {where} is not an optimizer state dict (no 'state'/'param_groups').")
+    own = [len(g["params"]) for g in optimizer.param_groups]
+    saved = [len(g["params"]) for g in groups]
+    if own != saved:
+        raise ValueError(
+            f"The checkpoint's {where} holds {saved} parameters per group; this run's optimizer has {own}. It was saved "
+            f"for another model or another pipeline layout; resume with the same model and layout."
+        )
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    for index, entry in state["state"].items():
+        param = params[int(index)]
+        want = expected_full_shape("", param, param)
+        for key, value in entry.items():
+            if isinstance(value, Tensor) and value.dim() and tuple(value.shape) != want:
+                raise ValueError(
+                    f"The checkpoint's {where} entry {index}.{key} has shape {tuple(value.shape)}; its parameter has "
+                    f"{want}. It was saved for another model; resume with the same model."
+                )
