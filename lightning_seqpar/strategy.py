@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import signal
 from datetime import timedelta
 from typing import Any, Callable, Iterable, Literal, Mapping, Optional, Sequence, Union
 
@@ -28,6 +30,7 @@ from lightning_seqpar._compat import (
 )
 from lightning_seqpar.checkpoint_checks import check_finite, check_optimizer_state, check_state_dict_shapes
 from lightning_seqpar.checkpoint_io import AtomicCheckpointIO
+from lightning_seqpar.faults import timed_out_collective
 from lightning_seqpar.gradients import finalize_gradients
 from lightning_seqpar.launcher import SeqParallelSpawnLauncher
 from lightning_seqpar.mesh import ParallelMesh, validate_layout
@@ -42,6 +45,9 @@ from lightning_seqpar.state import (
     merge_over_stages,
 )
 from lightning_seqpar.tensor_parallel.random import RNGTracker
+
+
+log = logging.getLogger(__name__)
 
 
 def _as_timedelta(timeout: Union[float, timedelta, None]) -> timedelta:
@@ -453,6 +459,20 @@ class SeqParallelStrategy(ParallelStrategy):
         if failed:
             rank, message = failed[0]
             raise ValueError(f"{message} (found on rank {rank})")
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        collective = timed_out_collective(exception)
+        if collective is None:
+            return
+        log.error(
+            f"[rank {self.global_rank}] {collective} timed out after {self._timeout.total_seconds():g} s waiting for "
+            f"another rank: a peer is stalled (stopped, swapping, stuck in I/O) or far slower. The job stops. If the "
+            f"peers are only slow, raise SeqParallelStrategy(timeout=...) (recipe: strategy.timeout=SECONDS)."
+        )
+        if isinstance(self.launcher, SubprocessScriptLauncher) and self.local_rank == 0:
+            # The ranks this process started would wait for it until their own timeout, or stay stopped.
+            self.launcher.kill(signal.SIGKILL)
 
     @override
     def teardown(self) -> None:

@@ -10,7 +10,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "lightning_seqpar"
 # Lowest first. A module may import from its own layer and the layers below, never from one above.
 LAYERS = [
     ("foundation: communication, parallel layers, roles, mesh, pure formulas",
-     {"_compat", "roles", "tensor_parallel", "mesh", "memory"}),
+     {"_compat", "roles", "tensor_parallel", "mesh", "memory", "faults"}),
     ("parallel building blocks", {"transformer"}),
     ("policies and the rewrite", {"rewrite"}),
     ("parallel runtime: pipeline, gradient reduction, sharded state, checkpoint checks, recomputation",

@@ -1,0 +1,36 @@
+"""A stalled or killed rank ends the job within the configured timeout, with a message, leaving nothing behind."""
+
+import os
+import signal
+import time
+
+import pytest
+
+from tests.helpers.jobs import alive, children, kill_session, start_recipe, wait_for
+
+TIMEOUT = 8  # strategy.timeout, seconds
+MARGIN = 20  # seconds allowed beyond it: the failing rank's teardown and Python's exit
+
+
+@pytest.mark.parametrize("fault", ["SIGSTOP", "SIGKILL"])
+def test_a_stalled_or_killed_rank_ends_the_job_within_the_timeout(tmp_path, fault):
+    job, log = start_recipe(tmp_path, "model=gpt_tiny", f"strategy.timeout={TIMEOUT}", "trainer.max_steps=100000",
+                            "trainer.enable_progress_bar=false")
+    try:
+        wait_for(log, "All distributed processes registered", job)
+        time.sleep(3)  # into setup or training: any collective waiting on the peer must give up
+        (rank1,) = children(job.pid)
+        stopped = time.time()
+        os.kill(rank1, getattr(signal, fault))
+        job.wait(timeout=TIMEOUT + MARGIN + 30)
+        ended = time.time() - stopped
+        output = log.read_text()
+        print(f"{fault}: the job ended {ended:.1f} s after rank 1 was signalled, rc={job.returncode}")
+        assert job.returncode != 0
+        assert ended <= TIMEOUT + MARGIN, output[-3000:]
+        assert not alive(rank1)  # a stopped rank is killed, not left behind
+        if fault == "SIGSTOP":
+            assert f"timed out after {TIMEOUT} s waiting for another rank" in output
+            assert "torch.distributed." in output and "(called at " in output
+    finally:
+        kill_session(job)

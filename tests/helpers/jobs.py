@@ -1,0 +1,56 @@
+"""Run the recipe as a user would (a separate job, popen launch) and watch its processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def start_recipe(tmp_path: Path, *overrides: str) -> tuple[subprocess.Popen, Path]:
+    """Start ``recipes/pretrain_gpt.py`` in its own session; its output goes to ``tmp_path/job.log``."""
+    log = tmp_path / "job.log"
+    cmd = [sys.executable, str(ROOT / "recipes" / "pretrain_gpt.py"), f"hydra.run.dir={tmp_path / 'out'}", *overrides]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    with open(log, "w") as out:
+        job = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    return job, log
+
+
+def wait_for(log: Path, text: str, job: subprocess.Popen, timeout: float = 180) -> None:
+    """Wait until ``text`` appears in the job's output; fail if the job ends first."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if text in log.read_text():
+            return
+        if job.poll() is not None:
+            raise AssertionError(f"the job ended (rc={job.returncode}) before printing {text!r}:\n{log.read_text()[-3000:]}")
+        time.sleep(0.2)
+    raise AssertionError(f"no {text!r} after {timeout} s:\n{log.read_text()[-3000:]}")
+
+
+def children(pid: int) -> list[int]:
+    """Processes started by ``pid`` (Linux)."""
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` exists and is not a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def kill_session(job: subprocess.Popen) -> None:
+    """Kill whatever the job left behind."""
+    try:
+        os.killpg(job.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    job.wait()
