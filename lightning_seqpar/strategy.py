@@ -163,6 +163,7 @@ class SeqParallelStrategy(ParallelStrategy):
         self.rewrite_plan: Optional[RewritePlan] = None
         self.pipeline: Optional[PipelinedSteps] = None
         self._remote_keys: list[str] = []
+        self._parallelized: Optional[torch.nn.Module] = None
         self.num_nodes = 1
 
     # ------------------------------------------------------------------ layout
@@ -262,15 +263,17 @@ class SeqParallelStrategy(ParallelStrategy):
     def setup(self, trainer: Any) -> None:
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
-        self.model_to_device()
-        self._broadcast_module(self.model)
-        self.rng_tracker = self._seed_streams()
-        ctx = RewriteContext(self.mesh.tensor, self.sequence_parallel, self.rng_tracker, self.loss_parallel)
-        self.rewrite_plan = rewrite(self.model, ctx, self.policies)
-        if self.pipeline_config.enabled:
-            self.pipeline, self._remote_keys = PipelinedSteps.build(
-                self.model, self.pipeline_config, self.mesh.pipeline, self.root_device
-            )
+        if self.model is not self._parallelized:  # fit() then validate() on one trainer: rewritten once
+            self.model_to_device()
+            self._broadcast_module(self.model)
+            self.rng_tracker = self._seed_streams()
+            ctx = RewriteContext(self.mesh.tensor, self.sequence_parallel, self.rng_tracker, self.loss_parallel)
+            self.rewrite_plan = rewrite(self.model, ctx, self.policies)
+            if self.pipeline_config.enabled:
+                self.pipeline, self._remote_keys = PipelinedSteps.build(
+                    self.model, self.pipeline_config, self.mesh.pipeline, self.root_device
+                )
+            self._parallelized = self.model
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self.barrier()

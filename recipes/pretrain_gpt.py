@@ -20,7 +20,7 @@ from lightning.pytorch.loggers import CSVLogger
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_seqpar import FlopsUtilization, SelectiveRecompute, SeqParallelStrategy
-from lightning_seqpar.data import TextDataModule, decode_bytes
+from lightning_seqpar.data import TextDataModule
 from lightning_seqpar.models import GPTConfig, GPTLightningModule
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
@@ -29,7 +29,9 @@ CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 def build_trainer(cfg: DictConfig, output_dir: Path) -> pl.Trainer:
     """A Trainer for ``cfg`` writing logs and checkpoints under ``output_dir``."""
     callbacks: list[pl.Callback] = [
-        ModelCheckpoint(dirpath=output_dir / cfg.checkpoint_dir, save_last=True, every_n_train_steps=cfg.trainer.val_check_interval),
+        # "step000200.ckpt": no "=" in the name, so ckpt_path=... needs no quoting on Hydra's command line.
+        ModelCheckpoint(dirpath=output_dir / cfg.checkpoint_dir, filename="step{step:06d}", auto_insert_metric_name=False,
+                        save_last=True, every_n_train_steps=cfg.trainer.val_check_interval),
         LearningRateMonitor(logging_interval="step"),
         FlopsUtilization(peak_flops=cfg.peak_flops),
     ]
@@ -41,8 +43,9 @@ def build_trainer(cfg: DictConfig, output_dir: Path) -> pl.Trainer:
                       **OmegaConf.to_container(cfg.trainer, resolve=True))
 
 
-def sample(module: GPTLightningModule, trainer: pl.Trainer, cfg: DictConfig) -> str:
-    """Generate text from ``cfg.sample.prompt`` (every rank must call it).
+def sample(module: GPTLightningModule, trainer: pl.Trainer, data: TextDataModule, cfg: DictConfig) -> str:
+    """Generate from ``cfg.sample.prompt`` (a byte corpus) or from the validation split's first tokens (a token
+    corpus, printed as ids); every rank must call it.
 
     Under pipeline parallelism no rank holds the whole model: generate with a single-device copy
     assembled from every stage (the checkpoint's state dict).
@@ -52,10 +55,10 @@ def sample(module: GPTLightningModule, trainer: pl.Trainer, cfg: DictConfig) -> 
         module = GPTLightningModule(module.gpt.config)
         module.load_state_dict(state)
     module.eval()
-    prompt = torch.tensor([list(cfg.sample.prompt.encode("utf-8"))], dtype=torch.long, device=module.device)
+    prompt = data.prompt(cfg.sample.prompt)[None].to(module.device)
     generator = torch.Generator(device=module.device).manual_seed(cfg.seed)  # same draws on every rank
     out = module.gpt.generate(prompt, cfg.sample.max_new_tokens, cfg.sample.temperature, cfg.sample.top_k, generator)
-    return decode_bytes(out[0].cpu())
+    return data.decode(out[0].cpu())
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
@@ -67,7 +70,9 @@ def main(cfg: DictConfig) -> dict:
     module = GPTLightningModule(model_cfg, max_steps=cfg.trainer.max_steps, **OmegaConf.to_container(cfg.optim, resolve=True))
     trainer = build_trainer(cfg, output_dir)
     trainer.fit(module, datamodule=data, ckpt_path=cfg.ckpt_path)
-    text = sample(module, trainer, cfg)
+    if trainer.global_step % cfg.trainer.val_check_interval:  # the last step was not validated yet
+        trainer.validate(module, datamodule=data, verbose=False)
+    text = sample(module, trainer, data, cfg)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     if trainer.is_global_zero:
         print(f"\nfinal metrics: {metrics}\ncheckpoints: {output_dir / cfg.checkpoint_dir}")
