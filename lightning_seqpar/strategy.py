@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import signal
 from datetime import timedelta
@@ -48,6 +49,11 @@ from lightning_seqpar.tensor_parallel.random import RNGTracker
 
 
 log = logging.getLogger(__name__)
+
+
+def _destroy_process_group() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _as_timedelta(timeout: Union[float, timedelta, None]) -> timedelta:
@@ -246,6 +252,9 @@ class SeqParallelStrategy(ParallelStrategy):
             self._process_group_backend = "nccl" if self.root_device.type == "cuda" else "gloo"
         assert self.cluster_environment is not None
         init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout)
+        # Lightning does this for NCCL only. gloo's worker threads, left to interpreter teardown, abort a
+        # finished process now and then ("terminate called without an active exception", rc 134).
+        atexit.register(_destroy_process_group)
         self._mesh = ParallelMesh.build(self.tp, self.pp, self.root_device.type)
         plugin = self.precision_plugin
         assert isinstance(plugin, ShardAwareClipping)
