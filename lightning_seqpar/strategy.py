@@ -397,6 +397,12 @@ class SeqParallelStrategy(ParallelStrategy):
         assert self.lightning_module is not None
         return merge_over_stages(full_state_dict(self.lightning_module, self.mesh.tensor), self.mesh.pipeline)
 
+    def full_state_dict(self) -> dict[str, Any]:
+        """The single-device state dict of the trained model (same keys and shapes as before the rewrite),
+        on every rank, e.g. after ``trainer.fit``. Collective: every rank must call it. ``module.state_dict()``
+        returns this rank's shards instead."""
+        return self.lightning_module_state_dict()
+
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         assert self.lightning_module is not None
@@ -496,11 +502,17 @@ class SeqParallelStrategy(ParallelStrategy):
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(
-            cls.strategy_name, cls, description="Megatron-style tensor + sequence parallelism (lightning_seqpar)"
+            cls.strategy_name, cls, description="lightning_seqpar with its defaults: tp=1 (data parallel only)"
         )
+        for tp in (2, 4, 8):
+            strategy_registry.register(
+                f"{cls.strategy_name}_tp{tp}", cls, description=f"lightning_seqpar, tensor + sequence parallel tp={tp}",
+                tp=tp,
+            )
 
 
 def register() -> None:
-    """Make ``Trainer(strategy="seq_parallel")`` resolve to :class:`SeqParallelStrategy`."""
+    """Make ``Trainer(strategy="seq_parallel")`` (``tp=1``) and ``"seq_parallel_tp2"`` / ``_tp4`` / ``_tp8``
+    resolve to :class:`SeqParallelStrategy`; other layouts: pass ``SeqParallelStrategy(tp=..., pp=...)``."""
     if SeqParallelStrategy.strategy_name not in StrategyRegistry:
         SeqParallelStrategy.register_strategies(StrategyRegistry)

@@ -15,11 +15,12 @@ from pathlib import Path
 import hydra
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, TQDMProgressBar
 from lightning.pytorch.loggers import CSVLogger
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_seqpar import FlopsUtilization, SelectiveRecompute, SeqParallelStrategy
+from lightning_seqpar.callbacks import ParallelModelSummary
 from lightning_seqpar.data import TextDataModule
 from lightning_seqpar.models import GPTConfig, GPTLightningModule
 
@@ -34,7 +35,10 @@ def build_trainer(cfg: DictConfig, output_dir: Path) -> pl.Trainer:
                         save_last=True, every_n_train_steps=cfg.trainer.val_check_interval),
         LearningRateMonitor(logging_interval="step"),
         FlopsUtilization(peak_flops=cfg.peak_flops),
+        ParallelModelSummary(),  # the whole model's parameter count; Lightning's summary sees one shard
     ]
+    if cfg.trainer.enable_progress_bar:
+        callbacks.append(TQDMProgressBar())  # Lightning's rich bar prints "Epoch 0/-2" for step-based runs
     if cfg.recompute.granularity != "none":
         callbacks.append(SelectiveRecompute(cfg.recompute.granularity, cfg.recompute.method, cfg.recompute.num_layers,
                                             memory_budget=cfg.recompute.memory_budget))
@@ -70,10 +74,11 @@ def main(cfg: DictConfig) -> dict:
     module = GPTLightningModule(model_cfg, max_steps=cfg.trainer.max_steps, **OmegaConf.to_container(cfg.optim, resolve=True))
     trainer = build_trainer(cfg, output_dir)
     trainer.fit(module, datamodule=data, ckpt_path=cfg.ckpt_path)
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     if trainer.global_step % cfg.trainer.val_check_interval:  # the last step was not validated yet
         trainer.validate(module, datamodule=data, verbose=False)
+        metrics.update({k: float(v) for k, v in trainer.callback_metrics.items()})
     text = sample(module, trainer, data, cfg)
-    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     if trainer.is_global_zero:
         print(f"\nfinal metrics: {metrics}\ncheckpoints: {output_dir / cfg.checkpoint_dir}")
         print(f"--- sample ---\n{text}\n--------------")

@@ -12,9 +12,9 @@ from lightning_seqpar.memory.report import GiB, extra_fraction, flops_rows, memo
 
 
 def main(argv=None) -> None:
-    """Print the memory and FLOPs tables for Table 3's runs and write the Figure-7 PNG (``--png``)."""
+    """Print the memory and FLOPs tables for Table 3's runs; write the Figure-7 PNG only when ``--png`` is given."""
     parser = argparse.ArgumentParser(prog="python -m lightning_seqpar.memory", description=__doc__)
-    parser.add_argument("--png", default="figure7.png", help="where to write the Figure-7 bar chart")
+    parser.add_argument("--png", default=None, help="write the Figure-7 bar chart to this file (nothing is written without it)")
     args = parser.parse_args(argv)
     console = Console(width=140)
 
@@ -36,7 +36,8 @@ def main(argv=None) -> None:
         table.add_row(r.model, f"{100 * r.selective_overhead:.2f}%", f"{100 * r.mfu:.1f}%", f"{100 * r.mfu_printed:.1f}%",
                       f"{100 * r.hfu:.1f}%", f"{100 * r.hfu_printed:.1f}%", f"+{100 * r.throughput_increase:.1f}%")
     console.print(table)
-    console.print(f"wrote {write_figure7(rows, args.png)}")
+    if args.png:
+        console.print(f"wrote {write_figure7(rows, args.png)}")
 
 
 if __name__ == "__main__":

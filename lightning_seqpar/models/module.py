@@ -14,6 +14,13 @@ from torchmetrics import MeanMetric
 from lightning_seqpar.models.gpt import GPT, GPTConfig
 
 
+class ExpOfMean(MeanMetric):
+    """``exp`` of the mean of the values seen: perplexity from per-batch mean losses."""
+
+    def compute(self) -> Tensor:
+        return torch.exp(super().compute())
+
+
 class GPTLightningModule(pl.LightningModule):
     """Language-model training of :class:`GPT` with AdamW and a warmup + cosine learning-rate schedule.
 
@@ -44,6 +51,7 @@ class GPTLightningModule(pl.LightningModule):
                                    "warmup_steps": warmup_steps, "max_steps": max_steps, "min_lr_ratio": min_lr_ratio})
         self.gpt = GPT(config)
         self.val_loss = MeanMetric()
+        self.val_ppl = ExpOfMean()
 
     def forward(self, idx: Tensor) -> Tensor:
         """Logits ``[b, s, v]`` of token ids ``[b, s]``."""
@@ -58,13 +66,15 @@ class GPTLightningModule(pl.LightningModule):
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         x, y = batch
-        self.val_loss.update(self.gpt(x, y))
+        loss = self.gpt(x, y)
+        self.val_loss.update(loss)
+        self.val_ppl.update(loss)
 
     def on_validation_epoch_end(self) -> None:
-        loss = self.val_loss.compute()
-        self.log("val/loss", loss, prog_bar=True)
-        self.log("val/ppl", torch.exp(loss))
-        self.val_loss.reset()
+        # Metric objects: Lightning computes them (synchronized by torchmetrics) and resets them; a tensor
+        # logged here would need sync_dist although every rank already holds the same value.
+        self.log("val/loss", self.val_loss, prog_bar=True)
+        self.log("val/ppl", self.val_ppl)
 
     def configure_optimizers(self) -> Any:
         hp = self.hparams

@@ -45,12 +45,16 @@ def test_main_job_runs_end_to_end(tmp_path):
     """`python recipes/pretrain_gpt.py` with tiny settings: trains on 2 processes, validates, checkpoints, samples."""
     out = tmp_path / "run"
     cmd = [sys.executable, str(ROOT / "recipes" / "pretrain_gpt.py"), "model=gpt_tiny", "trainer.max_steps=6",
-           "trainer.val_check_interval=3", "trainer.log_every_n_steps=1", "trainer.limit_val_batches=2", "trainer.enable_progress_bar=false",
+           "trainer.val_check_interval=3", "trainer.log_every_n_steps=1", "trainer.limit_val_batches=2",
            "sample.max_new_tokens=16", f"hydra.run.dir={out}"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "--- sample ---" in result.stdout and "val/loss" in result.stdout
+    output = result.stdout + result.stderr
+    assert "Epoch 0" in output and "/-2" not in output  # the progress bar of a step-based run
+    assert "sync_dist=True" not in output  # no Lightning warning caused by the reference module
+    assert "whole model" in output and "Total FLOPs" not in output  # the whole model's parameter count
     assert (out / "checkpoints" / "last.ckpt").exists()
     metrics = next((out / "logs").rglob("metrics.csv")).read_text()
     assert "train/loss" in metrics.splitlines()[0] and "perf/tokens_per_s" in metrics.splitlines()[0]

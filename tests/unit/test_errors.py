@@ -92,3 +92,14 @@ def test_recompute_arguments():
 def test_strategy_is_registered_by_name():
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="seq_parallel", logger=False)
     assert isinstance(trainer.strategy, SeqParallelStrategy) and trainer.strategy.tp == 1
+
+
+def test_registered_names_carry_their_tensor_parallel_size():
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="seq_parallel_tp2", logger=False)
+    assert isinstance(trainer.strategy, SeqParallelStrategy) and trainer.strategy.tp == 2
+
+
+@pytest.mark.parametrize("timeout", [0, -5, "60"])
+def test_bad_timeouts(timeout):
+    with pytest.raises(ValueError, match="timeout must be a positive number of seconds or a datetime.timedelta"):
+        SeqParallelStrategy(timeout=timeout)

@@ -125,3 +125,10 @@ def test_report_prints_tables_and_writes_figure_7(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "TP + SP + selective" in out and "530B" in out and "2.69%" in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_writes_no_file_unless_asked(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    main([])
+    assert "Activation memory" in capsys.readouterr().out
+    assert list(tmp_path.iterdir()) == []
