@@ -7,13 +7,16 @@ and raises ``ValueError`` naming the key and what to do: a model of another shap
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, TypeVar
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch import Tensor
 
 from lightning_seqpar.roles import shard_spec
+
+T = TypeVar("T")
 
 
 def expected_full_shape(name: str, value: Tensor, param: nn.Parameter | None) -> tuple[int, ...]:
@@ -103,3 +106,61 @@ def check_optimizer_state(optimizer: torch.optim.Optimizer, state: Mapping[str, 
                     f"The checkpoint's {where} entry {index}.{key} has shape {tuple(value.shape)}; its parameter has "
                     f"{want}. It was saved for another model; resume with the same model."
                 )
+
+
+def optimizer_states_of_this_stage(saved: Sequence[Mapping[str, Any]], optimizers: Sequence[torch.optim.Optimizer],
+                                   pp: int, pipeline_rank: int, allow_non_finite: bool) -> list[Mapping[str, Any]]:
+    """Each optimizer's single-device state for this pipeline stage, from a checkpoint's ``optimizer_states``
+    (``{"pipeline_stages": [...]}`` per optimizer when written under ``pp > 1``), checked.
+
+    Raises:
+        ValueError: another number of optimizers; another pipeline layout; from :func:`check_finite`
+            (unless ``allow_non_finite``) and :func:`check_optimizer_state`.
+    """
+    if len(saved) != len(optimizers):
+        raise ValueError(f"The checkpoint holds {len(saved)} optimizer state(s); this run has {len(optimizers)}.")
+    states = []
+    for i, (optimizer, state) in enumerate(zip(optimizers, saved)):
+        saved_pp = len(state["pipeline_stages"]) if "pipeline_stages" in state else 1
+        if saved_pp != pp:
+            raise ValueError(
+                f"The checkpoint's optimizer state was saved with pp={saved_pp}; this run has pp={pp}. Each pipeline "
+                f"stage keeps the optimizer state of its own layers, so it resumes only into the same pipeline layout. "
+                f"Resume with pp={saved_pp}, or start from the weights alone: they load into any layout (load the "
+                f"checkpoint's 'state_dict' into the model and fit without ckpt_path)."
+            )
+        if saved_pp > 1:
+            state = state["pipeline_stages"][pipeline_rank]
+        where = f"optimizer state {i}" + (f" (pipeline stage {pipeline_rank})" if saved_pp > 1 else "")
+        if not allow_non_finite:
+            check_finite(state, where)
+        check_optimizer_state(optimizer, state, where)
+        states.append(state)
+    return states
+
+
+def on_every_rank(check: Callable[[], T]) -> T:
+    """Run ``check`` on this rank; if it raises ``ValueError`` on any rank, raise it on every rank.
+
+    A rank that raised alone would leave the others waiting in their next collective. Collective over
+    the default process group (a no-op wrapper without one).
+
+    Raises:
+        ValueError: the first failing rank's message, with its rank.
+    """
+    result: Optional[T] = None
+    try:
+        result = check()
+        error = None
+    except ValueError as failure:
+        error = str(failure)
+    if dist.is_available() and dist.is_initialized():
+        errors: list[Optional[str]] = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+    else:
+        errors = [error]
+    failed = [(rank, message) for rank, message in enumerate(errors) if message]
+    if failed:
+        rank, message = failed[0]
+        raise ValueError(f"{message} (found on rank {rank})")
+    return result  # type: ignore[return-value]

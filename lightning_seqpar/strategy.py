@@ -29,7 +29,12 @@ from lightning_seqpar._compat import (
     set_num_threads_if_needed,
     sync_ddp_if_available,
 )
-from lightning_seqpar.checkpoint_checks import check_finite, check_optimizer_state, check_state_dict_shapes
+from lightning_seqpar.checkpoint_checks import (
+    check_finite,
+    check_state_dict_shapes,
+    on_every_rank,
+    optimizer_states_of_this_stage,
+)
 from lightning_seqpar.checkpoint_io import AtomicCheckpointIO
 from lightning_seqpar.faults import timed_out_collective
 from lightning_seqpar.gradients import finalize_gradients
@@ -419,7 +424,7 @@ class SeqParallelStrategy(ParallelStrategy):
                 check_finite(state, "weight")
             check_state_dict_shapes(self.lightning_module, state)
 
-        self._check_on_every_rank(check)
+        on_every_rank(check)
         load_full_state_dict(self.lightning_module, state, self.mesh.tensor, strict=strict)
 
     @override
@@ -436,47 +441,12 @@ class SeqParallelStrategy(ParallelStrategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        saved = checkpoint["optimizer_states"]
-        stage_states: list[Mapping[str, Any]] = []
-
-        def check() -> None:
-            if len(saved) != len(self.optimizers):
-                raise ValueError(f"The checkpoint holds {len(saved)} optimizer state(s); this run has {len(self.optimizers)}.")
-            for i, (optimizer, state) in enumerate(zip(self.optimizers, saved)):
-                saved_pp = len(state["pipeline_stages"]) if "pipeline_stages" in state else 1
-                if saved_pp != self.mesh.pp:
-                    raise ValueError(
-                        f"The checkpoint's optimizer state was saved with pp={saved_pp}; this run has pp={self.mesh.pp}. "
-                        f"Each pipeline stage keeps the optimizer state of its own layers, so it resumes only into the "
-                        f"same pipeline layout. Resume with pp={saved_pp}, or start from the weights alone: they load "
-                        f"into any layout (load the checkpoint's 'state_dict' into the model and fit without ckpt_path)."
-                    )
-                if saved_pp > 1:
-                    state = state["pipeline_stages"][self.mesh.pipeline.rank]
-                where = f"optimizer state {i}" + (f" (pipeline stage {self.mesh.pipeline.rank})" if saved_pp > 1 else "")
-                if not self.allow_non_finite_checkpoint:
-                    check_finite(state, where)
-                check_optimizer_state(optimizer, state, where)
-                stage_states.append(state)
-
-        self._check_on_every_rank(check)
-        for optimizer, state in zip(self.optimizers, stage_states):
+        states = on_every_rank(lambda: optimizer_states_of_this_stage(
+            checkpoint["optimizer_states"], self.optimizers, self.mesh.pp, self.mesh.pipeline.rank,
+            self.allow_non_finite_checkpoint,
+        ))
+        for optimizer, state in zip(self.optimizers, states):
             load_full_optimizer_state(optimizer, state, self.mesh.tensor)
-
-    def _check_on_every_rank(self, check: Callable[[], None]) -> None:
-        """Run a checkpoint check on this rank; if it fails on any rank, raise its ``ValueError`` on every rank
-        (a rank that raised alone would leave the others waiting in their next collective)."""
-        try:
-            check()
-            error = None
-        except ValueError as failure:
-            error = str(failure)
-        errors: list[Optional[str]] = [None] * self.world_size
-        dist.all_gather_object(errors, error)
-        failed = [(rank, message) for rank, message in enumerate(errors) if message]
-        if failed:
-            rank, message = failed[0]
-            raise ValueError(f"{message} (found on rank {rank})")
 
     @override
     def on_exception(self, exception: BaseException) -> None:

@@ -71,7 +71,11 @@ def main(cfg: DictConfig) -> dict:
     output_dir = Path(hydra.core.hydra_config.HydraConfig.get().runtime.output_dir)
     data = TextDataModule(**OmegaConf.to_container(cfg.data, resolve=True))
     model_cfg = GPTConfig(**{**OmegaConf.to_container(cfg.model, resolve=True), "vocab_size": data.vocab_size})
-    module = GPTLightningModule(model_cfg, max_steps=cfg.trainer.max_steps, **OmegaConf.to_container(cfg.optim, resolve=True))
+    optim = OmegaConf.to_container(cfg.optim, resolve=True)
+    # The cosine decay ends at optim.decay_steps (default: this run's trainer.max_steps). A resumed run with a
+    # larger max_steps keeps the original curve only if decay_steps is set to the original horizon.
+    decay_steps = optim.pop("decay_steps", None) or cfg.trainer.max_steps
+    module = GPTLightningModule(model_cfg, max_steps=decay_steps, **optim)
     trainer = build_trainer(cfg, output_dir)
     trainer.fit(module, datamodule=data, ckpt_path=cfg.ckpt_path)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}

@@ -101,8 +101,9 @@ def _run(rank, world_size, directory):
     resumed = fit(CASE, world_size, steps=-1, epoch_steps=3, max_epochs=2, ckpt_path=str(Path(directory) / "last.ckpt")).losses
     trainer = _trainer(world_size)
     validated = trainer.validate(build("gpt"), DataLoader(token_data(2, 1, seed=7), batch_size=2), verbose=False)
+    whole = trainer.strategy.full_state_dict()  # collective: the single-device state dict on every rank
     return dict(straight=straight, first=first, resumed=resumed, val=validated[0]["val/loss"], errors=_errors(world_size),
-                bad_checkpoints=_bad_checkpoints(world_size, directory))
+                bad_checkpoints=_bad_checkpoints(world_size, directory), whole=whole)
 
 
 @pytest.fixture(scope="module")
@@ -131,6 +132,15 @@ def test_validation_runs_forward_only_through_the_pipeline_and_every_rank_logs_t
     for run in per_rank:  # torchmetrics keeps MeanMetric's state in float32 whatever the model's precision
         assert run["val"] == pytest.approx(want.item(), rel=1e-7)
         assert run["val"] == per_rank[0]["val"]
+
+
+def test_every_rank_gets_the_whole_single_device_state_dict_in_process(runs):
+    per_rank, _ = runs
+    for run in per_rank:
+        model = build("gpt").double()
+        model.load_state_dict(run["whole"], strict=True)  # every key, full shapes, no vocabulary padding
+        for key, value in run["whole"].items():
+            torch.testing.assert_close(value, per_rank[0]["whole"][key], rtol=0, atol=0)
 
 
 def test_bad_pipeline_input_fails_on_every_rank_with_the_reason(runs):
