@@ -69,10 +69,11 @@ def _as_timedelta(timeout: Union[float, timedelta, None]) -> timedelta:
     """
     if timeout is None:
         return default_pg_timeout
+    given = timeout
     if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
         timeout = timedelta(seconds=timeout)
     if not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0:
-        raise ValueError(f"timeout must be a positive number of seconds or a datetime.timedelta, got {timeout!r}.")
+        raise ValueError(f"timeout must be a positive number of seconds or a datetime.timedelta, got {given!r}.")
     return timeout
 
 
@@ -259,6 +260,7 @@ class SeqParallelStrategy(ParallelStrategy):
         init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout)
         # Lightning does this for NCCL only. gloo's worker threads, left to interpreter teardown, abort a
         # finished process now and then ("terminate called without an active exception", rc 134).
+        atexit.unregister(_destroy_process_group)  # once, however many trainers this process runs
         atexit.register(_destroy_process_group)
         self._mesh = ParallelMesh.build(self.tp, self.pp, self.root_device.type)
         plugin = self.precision_plugin
