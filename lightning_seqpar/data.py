@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Optional, Union
 
@@ -9,7 +10,7 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 BYTE_VOCAB_SIZE = 256
 
@@ -108,6 +109,10 @@ class BlockDataset(Dataset):
 class TextDataModule(pl.LightningDataModule):
     """Train/validation split of a corpus into blocks of ``block_size`` tokens.
 
+    The training loader is torchdata's ``StatefulDataLoader``: its position is part of Lightning's
+    checkpoints, so resuming mid-epoch continues with the exact next batch (with Lightning's
+    ``DistributedSampler`` over the data-parallel ranks).
+
     Args:
         path: see :func:`load_tokens` (``None``: the built-in corpus).
         vocab_size: the tokenizer's vocabulary of a ``.bin`` corpus (see :func:`load_tokens`).
@@ -145,9 +150,31 @@ class TextDataModule(pl.LightningDataModule):
         return self.tokens[split : split + max_tokens].clone()
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, drop_last=True,
-                          num_workers=self.num_workers)
+        """Shuffled blocks; a ``StatefulDataLoader``, whose position Lightning saves in checkpoints, so a run
+        resumed mid-epoch continues with the exact next batch.
+
+        Under a distributed strategy the ``DistributedSampler`` is made here, with the strategy's
+        data-parallel size and rank and Lightning's seed: were Lightning to inject it, the loader's
+        sampler would be a batch sampler, whose resumed position torchdata 0.11 counts in samples, not
+        batches (it would skip batch_size times too far).
+        """
+        sampler_kwargs = self.trainer.distributed_sampler_kwargs if self.trainer is not None else None
+        if sampler_kwargs:
+            seed = int(os.environ.get("PL_GLOBAL_SEED", 0))  # what Lightning's own sampler would use
+            sampler = DistributedSampler(self.train_set, shuffle=True, seed=seed, **sampler_kwargs)
+            return _stateful_loader(self.train_set, batch_size=self.batch_size, sampler=sampler, drop_last=True,
+                                    num_workers=self.num_workers)
+        return _stateful_loader(self.train_set, batch_size=self.batch_size, shuffle=True, drop_last=True,
+                                num_workers=self.num_workers)
 
     def val_dataloader(self) -> DataLoader:
+        """Blocks of the held-out tail, in order."""
         return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False, drop_last=True,
                           num_workers=self.num_workers)
+
+
+def _stateful_loader(dataset: Dataset, **kwargs: object) -> DataLoader:
+    # torchdata is imported here, not with the package: only the data module needs it.
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    return StatefulDataLoader(dataset, **kwargs)
