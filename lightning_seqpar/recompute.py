@@ -92,7 +92,7 @@ def apply_recompute(
     return count + len(chosen)
 
 
-def selective_outside_full(model: nn.Module) -> None:
+def _selective_outside_full(model: nn.Module) -> None:
     """Turn on selective recomputation in every layer that is not checkpointed whole."""
     stacks, layers = _layer_stacks(model)
     outside = [layer for stack in stacks for i, layer in enumerate(stack.stack_layers())
@@ -143,6 +143,6 @@ def apply_recompute_plan(model: nn.Module, plan: RecomputePlan) -> None:
     if plan.full_layers:
         apply_recompute(model, "full", "block", plan.full_layers)
         if plan.full_layers < len(rewritten_layers(model)):
-            selective_outside_full(model)
+            _selective_outside_full(model)
     else:
         apply_recompute(model, plan.granularity)
