@@ -280,7 +280,7 @@ class SeqParallelStrategy(ParallelStrategy):
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
         if self.model is not self._parallelized:  # fit() then validate() on one trainer: rewritten once
-            self.model_to_device()
+            # The single-device model stays where it was built; only its shards move to the device below.
             self._broadcast_module(self.model)
             self.rng_tracker = self._seed_streams()
             ctx = RewriteContext(self.mesh.tensor, self.sequence_parallel, self.rng_tracker, self.loss_parallel)
@@ -302,12 +302,22 @@ class SeqParallelStrategy(ParallelStrategy):
             optimizers_to_device(self.optimizers, self.root_device)
 
     def _broadcast_module(self, module: torch.nn.Module) -> None:
-        """Give every rank rank 0's parameters and buffers, so an unseeded init cannot diverge."""
+        """Give every rank rank 0's parameters and buffers, so an unseeded init cannot diverge.
+
+        One tensor at a time, in place; with NCCL a host tensor goes through a device buffer of its size, so
+        the unsliced model is never on the device.
+        """
         if dist.get_world_size() == 1:
             return
+        staged = dist.get_backend() == "nccl"
         with torch.no_grad():
             for tensor in [*module.parameters(), *module.buffers()]:
-                dist.broadcast(tensor.data, src=0)
+                if staged and tensor.device != self.root_device:
+                    buffer = tensor.data.to(self.root_device)
+                    dist.broadcast(buffer, src=0)
+                    tensor.data.copy_(buffer)
+                else:
+                    dist.broadcast(tensor.data, src=0)
 
     def _seed_streams(self) -> RNGTracker:
         seed = self._seed if self._seed is not None else self.broadcast(torch.initial_seed() % 2**31)

@@ -110,6 +110,7 @@ class ParallelGPT(GPT, LayerStack):
     """
 
     def __init__(self, gpt: GPT, ctx: RewriteContext) -> None:
+        # ``gpt`` is consumed: its blocks are released as they are sliced.
         nn.Module.__init__(self)
         self.config, self.group, self.sp = gpt.config, ctx.group, ctx.sp
         self.loss_parallel = ctx.loss_parallel
@@ -119,12 +120,16 @@ class ParallelGPT(GPT, LayerStack):
         if ctx.sp:
             mark_sequence_parallel(old.wpe)  # each rank adds only its s/t rows
             mark_sequence_parallel(old.ln_f)
+        blocks = nn.ModuleList()
+        for i in range(len(old.h)):
+            blocks.append(ParallelBlock(old.h[i], ctx))
+            old.h[i] = nn.Identity()  # the replaced model lets go of each block once it is sliced: one model in memory
         self.transformer = nn.ModuleDict(
             dict(
                 wte=wte,
                 wpe=old.wpe,
                 drop=ParallelDropout(old.drop.p, ctx.rng_tracker, sharded=ctx.sp),
-                h=nn.ModuleList([ParallelBlock(block, ctx) for block in old.h]),
+                h=blocks,
                 ln_f=old.ln_f,
             )
         )

@@ -167,9 +167,10 @@ class ParallelTransformerEncoder(LayerStack):
     def __init__(self, encoder: nn.TransformerEncoder, ctx: RewriteContext) -> None:
         super().__init__()
         self.group, self.sp, self.rng_tracker = ctx.group, ctx.sp, ctx.rng_tracker
-        self.layers = nn.ModuleList(
-            [ParallelTransformerEncoderLayer(layer, ctx, enter_region=False, exit_region=False) for layer in encoder.layers]
-        )
+        self.layers = nn.ModuleList()
+        for i in range(len(encoder.layers)):
+            self.layers.append(ParallelTransformerEncoderLayer(encoder.layers[i], ctx, enter_region=False, exit_region=False))
+            encoder.layers[i] = nn.Identity()  # released once sliced: one model in memory, not 1 + 1/t
         self.norm = encoder.norm
         if self.norm is not None and ctx.sp:
             mark_sequence_parallel(self.norm)
