@@ -1,27 +1,41 @@
-"""Naming what failed when a peer rank stalls: the collective that timed out and where it was called."""
+"""Naming what failed when a peer rank stalls or dies: the collective and where it was called."""
 
 from __future__ import annotations
 
 import traceback
+from dataclasses import dataclass
 from typing import Optional
 
 _TORCH_DISTRIBUTED = ("torch/distributed/distributed_c10d.py",)
+# gloo words it "Timed out waiting 8000ms for recv operation" or "Application timeout caused pair closure".
+_TIMEOUT_WORDS = ("timed out", "timeout")
 
 
-def timed_out_collective(exception: BaseException) -> Optional[str]:
-    """``"torch.distributed.all_reduce (called at strategy.py:372 in reduce)"`` when ``exception`` is a
-    collective's timeout (gloo: "Timed out waiting ... for recv operation"), else ``None``.
+@dataclass(frozen=True)
+class CollectiveFailure:
+    """A ``torch.distributed`` collective that raised."""
+
+    collective: str
+    """e.g. ``"torch.distributed.all_reduce (called at tensor_parallel/collectives.py:105 in all_reduce)"``"""
+    timed_out: bool
+    """whether it gave up waiting for a peer (the process-group timeout), rather than losing it"""
+
+
+def failed_collective(exception: BaseException) -> Optional[CollectiveFailure]:
+    """The collective ``exception`` was raised in, or ``None`` if it was not raised in one.
 
     The collective is the innermost ``torch.distributed`` function on the traceback; the call site is the
     innermost frame outside ``torch``. NCCL reports timeouts through its watchdog, which aborts the
     process instead of raising (``TORCH_NCCL_ASYNC_ERROR_HANDLING``), so this sees gloo's.
     """
-    if "timed out" not in str(exception).lower():
-        return None
     frames = traceback.extract_tb(exception.__traceback__)
-    collective = next((f.name for f in reversed(frames) if f.filename.endswith(_TORCH_DISTRIBUTED)), None)
-    if collective is None:
+    name = next((f.name for f in reversed(frames) if f.filename.endswith(_TORCH_DISTRIBUTED)), None)
+    if name is None:
         return None
     site = next((f for f in reversed(frames) if "/torch/" not in f.filename), None)
-    where = f" (called at {site.filename.rsplit('/', 2)[-2]}/{site.filename.rsplit('/', 1)[-1]}:{site.lineno} in {site.name})" if site else ""
-    return f"torch.distributed.{collective}{where}"
+    where = ""
+    if site is not None:
+        short = "/".join(site.filename.rsplit("/", 2)[-2:])
+        where = f" (called at {short}:{site.lineno} in {site.name})"
+    text = str(exception).lower()
+    return CollectiveFailure(f"torch.distributed.{name}{where}", any(word in text for word in _TIMEOUT_WORDS))

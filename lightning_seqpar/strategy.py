@@ -36,7 +36,7 @@ from lightning_seqpar.checkpoint_checks import (
     optimizer_states_of_this_stage,
 )
 from lightning_seqpar.checkpoint_io import AtomicCheckpointIO
-from lightning_seqpar.faults import timed_out_collective
+from lightning_seqpar.faults import failed_collective
 from lightning_seqpar.gradients import finalize_gradients
 from lightning_seqpar.launcher import SeqParallelSpawnLauncher
 from lightning_seqpar.mesh import ParallelMesh, validate_layout
@@ -462,14 +462,17 @@ class SeqParallelStrategy(ParallelStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        collective = timed_out_collective(exception)
-        if collective is None:
+        failure = failed_collective(exception)
+        if failure is None:
             return
-        log.error(
-            f"[rank {self.global_rank}] {collective} timed out after {self._timeout.total_seconds():g} s waiting for "
-            f"another rank: a peer is stalled (stopped, swapping, stuck in I/O) or far slower. The job stops. If the "
-            f"peers are only slow, raise SeqParallelStrategy(timeout=...) (recipe: strategy.timeout=SECONDS)."
-        )
+        if failure.timed_out:
+            log.error(
+                f"[rank {self.global_rank}] {failure.collective} timed out after {self._timeout.total_seconds():g} s "
+                f"waiting for another rank: a peer is stalled (stopped, swapping, stuck in I/O) or far slower. The job "
+                f"stops. If the peers are only slow, raise SeqParallelStrategy(timeout=...) (recipe: strategy.timeout=SECONDS)."
+            )
+        else:
+            log.error(f"[rank {self.global_rank}] {failure.collective} failed: another rank is gone ({exception}).")
         if isinstance(self.launcher, SubprocessScriptLauncher) and self.local_rank == 0:
             # The ranks this process started would wait for it until their own timeout, or stay stopped.
             self.launcher.kill(signal.SIGKILL)
