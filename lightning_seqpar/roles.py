@@ -97,10 +97,15 @@ class ParallelLayer(nn.Module):
         """
         self.pipeline_stage, self._router = stage, router
 
-    def __call__(self, hidden: Tensor, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._router is None:
-            return super().__call__(hidden, *args, **kwargs)
-        return self._router(super().__call__, hidden, *args, **kwargs)
+            return super().__call__(*args, **kwargs)
+        if not args:
+            raise TypeError(
+                f"{type(self).__name__} was called with keyword arguments only. Under pipeline parallelism a layer "
+                f"takes the hidden state as its first positional argument (the stage hands it on)."
+            )
+        return self._router(super().__call__, *args, **kwargs)
 
 
 class LayerStack(nn.Module):
