@@ -54,6 +54,14 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return getattr(tensor, "_local_tensor", tensor)
 
 
+def reset_multihead_attention(module: torch.nn.MultiheadAttention) -> None:
+    """``nn.MultiheadAttention``'s own initializer, for modules built on the meta device.
+
+    torch names it ``_reset_parameters`` (no public ``reset_parameters`` on this module in torch 2.13).
+    """
+    module._reset_parameters()
+
+
 def storage_key(storage: torch.UntypedStorage) -> int:
     """An identity of a storage that is equal for every view of it (what ``StorageWeakRef`` keys on).
 
@@ -70,6 +78,7 @@ __all__: list[Any] = [
     "init_dist_connection",
     "local_tensor",
     "optimizers_to_device",
+    "reset_multihead_attention",
     "set_num_threads_if_needed",
     "storage_key",
     "sync_ddp_if_available",

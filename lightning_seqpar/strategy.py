@@ -6,7 +6,8 @@ import atexit
 import logging
 import signal
 from datetime import timedelta
-from typing import Any, Callable, Iterable, Literal, Mapping, Optional, Sequence, Union
+from contextlib import contextmanager
+from typing import Any, Callable, Generator, Iterable, Literal, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -51,6 +52,7 @@ from lightning_seqpar.state import (
     merge_over_stages,
 )
 from lightning_seqpar.tensor_parallel.random import RNGTracker
+from lightning_seqpar.transformer.materialize import Materializer
 
 
 log = logging.getLogger(__name__)
@@ -282,13 +284,19 @@ class SeqParallelStrategy(ParallelStrategy):
         if self.model is not self._parallelized:  # fit() then validate() on one trainer: rewritten once
             # The single-device model stays where it was built; only its shards move to the device below.
             self._broadcast_module(self.model)
-            self.rng_tracker = self._seed_streams()
-            ctx = RewriteContext(self.mesh.tensor, self.sequence_parallel, self.rng_tracker, self.loss_parallel)
+            seed = self._seed if self._seed is not None else self.broadcast(torch.initial_seed() % 2**31)
+            self.rng_tracker = self._seed_streams(seed)
+            # Blocks built on the meta device (configure_model) are materialized one at a time, each from the
+            # same seed on every rank, just before they are sliced; other stages' layers are never materialized.
+            materializer = Materializer(seed)
+            ctx = RewriteContext(self.mesh.tensor, self.sequence_parallel, self.rng_tracker, self.loss_parallel,
+                                 materializer, self._held_layers if self.pipeline_config.enabled else None)
             self.rewrite_plan = rewrite(self.model, ctx, self.policies)
             if self.pipeline_config.enabled:
                 self.pipeline, self._remote_keys = PipelinedSteps.build(
                     self.model, self.pipeline_config, self.mesh.pipeline, self.root_device
                 )
+            materializer.remaining(self.model)
             self._parallelized = self.model
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -312,6 +320,8 @@ class SeqParallelStrategy(ParallelStrategy):
         staged = dist.get_backend() == "nccl"
         with torch.no_grad():
             for tensor in [*module.parameters(), *module.buffers()]:
+                if tensor.is_meta:  # built in configure_model: materialized from a shared seed instead
+                    continue
                 if staged and tensor.device != self.root_device:
                     buffer = tensor.data.to(self.root_device)
                     dist.broadcast(buffer, src=0)
@@ -319,12 +329,28 @@ class SeqParallelStrategy(ParallelStrategy):
                 else:
                     dist.broadcast(tensor.data, src=0)
 
-    def _seed_streams(self) -> RNGTracker:
-        seed = self._seed if self._seed is not None else self.broadcast(torch.initial_seed() % 2**31)
+    def _held_layers(self, num_layers: int) -> set[int]:
+        """Indices of a stack of ``num_layers`` layers that this pipeline rank keeps."""
+        try:
+            layout = self.pipeline_config.layout(num_layers)
+        except ValueError:  # the stage split reports it, with the model's whole stack in view
+            return set(range(num_layers))
+        return {i for stage in layout.stages_of(self.mesh.pipeline.rank) for i in range(*layout.bounds(stage))}
+
+    def _seed_streams(self, seed: int) -> RNGTracker:
         pp_rank, tp_rank = self.mesh.pipeline.rank, self.mesh.tensor.rank
         # Replicated regions draw from the default generator: make it identical across the TP group.
         torch.manual_seed(seed + 100 * pp_rank)
         return RNGTracker.for_tensor_parallel(seed + 100 * pp_rank, tp_rank, self.root_device)
+
+    @contextmanager
+    @override
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """Where Lightning runs ``configure_model()``: on the meta device, so no rank ever holds the whole
+        model. The strategy materializes this rank's shards (and pipeline stage) during setup, each
+        single-device block initialized by its own initializer just before it is sliced."""
+        with torch.device("meta"):
+            yield
 
     @override
     def model_to_device(self) -> None:

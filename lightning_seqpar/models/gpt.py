@@ -135,6 +135,21 @@ class GPT(nn.Module):
         return GPTPolicy()
 
     @staticmethod
+    def init_module(module: nn.Module, name: str, n_layer: int) -> None:
+        """Initialize ``module``'s own parameters as this model's constructor does (GPT-2's scheme): normal(0,
+        0.02) Linear and Embedding weights, zero biases, LayerNorm ones/zeros, and std ``0.02/√(2L)`` for the
+        residual projections ``c_proj``. Used to materialize a model built on the meta device."""
+        if isinstance(module, nn.Linear):
+            std = 0.02 / math.sqrt(2 * n_layer) if name.endswith("c_proj") else 0.02
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        elif isinstance(module, nn.LayerNorm):
+            module.reset_parameters()
+
+    @staticmethod
     def _init_weights(module: nn.Module) -> None:
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)

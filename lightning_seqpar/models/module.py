@@ -34,6 +34,7 @@ class GPTLightningModule(pl.LightningModule):
         warmup_steps: linear warmup steps.
         max_steps: total steps of the cosine decay (``None``: constant after warmup).
         min_lr_ratio: final learning rate as a fraction of the peak.
+        empty_init: build the GPT in ``configure_model()`` instead of here (see there).
     """
 
     def __init__(
@@ -44,14 +45,23 @@ class GPTLightningModule(pl.LightningModule):
         warmup_steps: int = 0,
         max_steps: Optional[int] = None,
         min_lr_ratio: float = 0.1,
+        empty_init: bool = False,
     ) -> None:
         super().__init__()
         config = model if isinstance(model, GPTConfig) else GPTConfig(**model)
+        self.config, self.empty_init = config, empty_init
         self.save_hyperparameters({"model": asdict(config), "learning_rate": learning_rate, "weight_decay": weight_decay,
                                    "warmup_steps": warmup_steps, "max_steps": max_steps, "min_lr_ratio": min_lr_ratio})
-        self.gpt = GPT(config)
+        if not empty_init:
+            self.gpt = GPT(config)
         self.val_loss = MeanMetric()
         self.val_ppl = ExpOfMean()
+
+    def configure_model(self) -> None:
+        """With ``empty_init``: build the GPT here, where the strategy makes it on the meta device (Lightning's
+        convention for models larger than one device); the strategy then materializes only this rank's shards."""
+        if self.empty_init and not hasattr(self, "gpt"):
+            self.gpt = GPT(self.config)
 
     def forward(self, idx: Tensor) -> Tensor:
         """Logits ``[b, s, v]`` of token ids ``[b, s]``."""

@@ -7,6 +7,7 @@ reduce-scatter to the LM head's all-gather (Korthikanti et al. 2022 Fig. 5, §4.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -116,13 +117,17 @@ class ParallelGPT(GPT, LayerStack):
         self.loss_parallel = ctx.loss_parallel
         self.rng_tracker = ctx.rng_tracker
         old = gpt.transformer
+        init = functools.partial(GPT.init_module, n_layer=gpt.config.n_layer)
+        for name in ("wte", "wpe", "ln_f"):  # built on the meta device: materialized here, once
+            ctx.prepare(old[name], f"transformer.{name}", init)
         wte = VocabParallelEmbedding.from_embedding(old.wte, ctx.group, sequence_parallel=ctx.sp)
         if ctx.sp:
             mark_sequence_parallel(old.wpe)  # each rank adds only its s/t rows
             mark_sequence_parallel(old.ln_f)
         blocks = nn.ModuleList()
-        for i in range(len(old.h)):
-            blocks.append(ParallelBlock(old.h[i], ctx))
+        for i in range(len(old.h)):  # a block of another pipeline stage stays on the meta device
+            blocks.append(ctx.build(old.h[i], f"transformer.h.{i}", lambda b: ParallelBlock(b, ctx), init,
+                                    held=ctx.holds(i, len(old.h))))
             old.h[i] = nn.Identity()  # the replaced model lets go of each block once it is sliced: one model in memory
         self.transformer = nn.ModuleDict(
             dict(
@@ -134,10 +139,12 @@ class ParallelGPT(GPT, LayerStack):
             )
         )
         v_padded = wte.spec.padded_size
-        self.lm_head = ColumnParallelLinear(gpt.config.n_embd, v_padded, ctx.group, bias=False, sequence_parallel=ctx.sp)
+        with torch.device("meta"):  # a skeleton: its weight is the embedding's or the head's slice
+            self.lm_head = ColumnParallelLinear(gpt.config.n_embd, v_padded, ctx.group, bias=False, sequence_parallel=ctx.sp)
         if gpt.config.tie_weights:
             self.lm_head.weight = wte.weight
         else:
+            ctx.prepare(gpt.lm_head, "lm_head", init)
             self.lm_head.weight = shard_parameter(gpt.lm_head.weight, wte.spec, ctx.group)
         self.recompute_chunks: list[tuple[int, int]] = []
 

@@ -32,6 +32,8 @@ class PlannedRewrite:
     enter_region: bool
     exit_region: bool
     detail: str
+    position: tuple[int, int] = (0, 1)
+    """(index, count) of a layer in its run of consecutive layers (a stack the pipeline may split)."""
 
 
 @dataclass
@@ -114,7 +116,8 @@ def plan_rewrite(model: nn.Module, ctx: RewriteContext, policies: Optional[Itera
                 p.check(c, ctx, n)
                 stack = p.role == "stack"
                 plan.entries.append(
-                    PlannedRewrite(n, type(c).__name__, p, stack or j == 0, stack or j == len(run) - 1, p.describe(c, ctx))
+                    PlannedRewrite(n, type(c).__name__, p, stack or j == 0, stack or j == len(run) - 1, p.describe(c, ctx),
+                                   (0, 1) if stack else (j, len(run)))
                 )
                 claimed.append(n)
             i += len(run)
@@ -156,10 +159,15 @@ def rewrite(model: nn.Module, ctx: RewriteContext, policies: Optional[Iterable[P
             raise ValueError(f"{entry.block} is the model itself; wrap it in a LightningModule attribute to rewrite it.")
         parent_name, _, attr = entry.name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        replacement = entry.policy.rewrite(
-            getattr(parent, attr) if not attr.isdigit() else parent[int(attr)], ctx,
-            enter_region=entry.enter_region, exit_region=entry.exit_region,
-        )
+        module = getattr(parent, attr) if not attr.isdigit() else parent[int(attr)]
+
+        def construct(original: nn.Module, entry: PlannedRewrite = entry) -> nn.Module:
+            return entry.policy.rewrite(original, ctx, enter_region=entry.enter_region, exit_region=entry.exit_region)
+
+        if entry.policy.role == "layer":
+            replacement = ctx.build(module, entry.name, construct, held=ctx.holds(*entry.position))
+        else:  # a stack builds (and materializes) its own layers
+            replacement = construct(module)
         if attr.isdigit():
             parent[int(attr)] = replacement
         else:

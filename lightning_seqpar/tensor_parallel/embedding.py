@@ -50,7 +50,8 @@ class VocabParallelEmbedding(nn.Module):
     @classmethod
     def from_embedding(cls, embedding: nn.Embedding, group: ParallelGroup, **kwargs) -> "VocabParallelEmbedding":
         """Shard a single-device ``nn.Embedding`` (rows sliced; padding rows zero)."""
-        layer = cls(embedding.num_embeddings, embedding.embedding_dim, group, **kwargs)
+        with torch.device("meta"):  # a skeleton: its weight is replaced by the slice
+            layer = cls(embedding.num_embeddings, embedding.embedding_dim, group, **kwargs)
         layer.weight = shard_parameter(embedding.weight, layer.spec, group)
         return layer
 

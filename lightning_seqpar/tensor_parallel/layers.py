@@ -130,7 +130,8 @@ class ColumnParallelLinear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear, group: ParallelGroup, **kwargs) -> "ColumnParallelLinear":
         """Shard a single-device ``nn.Linear`` (weights sliced, so both compute the same function)."""
-        layer = cls(linear.in_features, linear.out_features, group, bias=linear.bias is not None, **kwargs)
+        with torch.device("meta"):  # a skeleton: its weights are replaced by the slices
+            layer = cls(linear.in_features, linear.out_features, group, bias=linear.bias is not None, **kwargs)
         return layer.load_full(linear.weight, linear.bias)
 
     def load_full(self, weight: Tensor, bias: Optional[Tensor]) -> "ColumnParallelLinear":
@@ -195,7 +196,8 @@ class RowParallelLinear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear, group: ParallelGroup, **kwargs) -> "RowParallelLinear":
         """Shard a single-device ``nn.Linear`` (weights sliced, so both compute the same function)."""
-        layer = cls(linear.in_features, linear.out_features, group, bias=linear.bias is not None, **kwargs)
+        with torch.device("meta"):  # a skeleton: its weights are replaced by the slices
+            layer = cls(linear.in_features, linear.out_features, group, bias=linear.bias is not None, **kwargs)
         layer.weight = shard_parameter(linear.weight, layer.spec, group)
         if linear.bias is not None:
             layer.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=linear.bias.requires_grad)

@@ -1,0 +1,132 @@
+"""Give a module built on the meta device real weights, one single-device block at a time.
+
+A model built under ``SeqParallelStrategy.model_sharded_context()`` (Lightning's ``configure_model``) has no
+storage. The rewrite builds each parallel block on the meta device, allocates this rank's shards, then
+materializes the single-device block one submodule at a time, copies its slices in and releases it, so a
+rank holds its shards plus one single-device submodule at most (shards first: the transient tensors then
+reuse the same memory each time, instead of leaving holes between shards). Every rank draws a block's initial values
+from the same seed (the strategy's seed and the block's qualified name), so the shards of one tensor on
+different ranks come from the same full tensor and no broadcast is needed.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.nn as nn
+
+from lightning_seqpar._compat import reset_multihead_attention
+from lightning_seqpar.roles import shard_spec
+from lightning_seqpar.tensor_parallel.collectives import ParallelGroup
+
+Initializer = Callable[[nn.Module, str], None]
+"""``init(module, qualified_name)``: initialize ``module``'s own parameters and buffers (not its children's)."""
+
+
+def to_empty(module: nn.Module, device: torch.device, recurse: bool = True) -> None:
+    """``module.to_empty(device=...)`` that keeps each parameter's roles (the tags on the ``nn.Parameter``,
+    :mod:`lightning_seqpar.roles`): torch makes new ``Parameter`` objects when leaving the meta device."""
+    tags = {id(p): dict(p.__dict__) for p in module.parameters(recurse=recurse)}
+    before = {name: p for name, p in module.named_parameters(recurse=recurse, remove_duplicate=False)}
+    module.to_empty(device=device, recurse=recurse)
+    for name, new in module.named_parameters(recurse=recurse, remove_duplicate=False):
+        new.__dict__.update(tags.get(id(before[name]), {}))
+
+
+def has_meta_tensors(module: nn.Module) -> bool:
+    """Whether any parameter or buffer of ``module`` (or its children) is on the meta device."""
+    return any(t.is_meta for t in (*module.parameters(), *module.buffers()))
+
+
+def reset_own_parameters(module: nn.Module, name: str) -> None:
+    """The module's own initializer: ``reset_parameters()`` (torch's layers), ``MultiheadAttention``'s.
+
+    Raises:
+        ValueError: ``module`` has parameters or buffers of its own but no initializer.
+    """
+    if isinstance(module, nn.MultiheadAttention):
+        reset_multihead_attention(module)
+    elif hasattr(module, "reset_parameters"):
+        module.reset_parameters()
+    elif any(True for _ in module.parameters(recurse=False)) or any(True for _ in module.buffers(recurse=False)):
+        raise ValueError(
+            f"'{name or type(module).__name__}' ({type(module).__name__}) was built on the meta device (configure_model) "
+            f"but has no reset_parameters() to initialize it. Give it one, or build it in __init__."
+        )
+
+
+@dataclass
+class Materializer:
+    """Materializes meta-device modules on ``device``, seeded per module name so every rank agrees.
+
+    Attributes:
+        seed: the run's base seed (the same on every rank).
+        device: where the single-device block is materialized before slicing (the CPU: one block).
+    """
+
+    seed: int
+    device: torch.device = torch.device("cpu")
+
+    def __call__(self, module: nn.Module, name: str, init: Optional[Initializer] = None) -> None:
+        """Materialize ``module`` (qualified name ``name``) if it has meta tensors; ``init`` defaults to
+        :func:`reset_own_parameters`, applied to every submodule, children before parents (the order
+        their constructors ran: ``MultiheadAttention`` re-initializes its ``out_proj`` bias after it).
+
+        Raises:
+            ValueError: from :func:`reset_own_parameters`.
+        """
+        if not has_meta_tensors(module):
+            return
+        to_empty(module, self.device)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.seed + zlib.crc32(name.encode()))
+            with torch.no_grad():
+                for sub_name, sub in reversed(list(module.named_modules())):
+                    (init or reset_own_parameters)(sub, f"{name}.{sub_name}" if sub_name else name)
+
+    def into(self, parallel: nn.Module, original: nn.Module, name: str, group: ParallelGroup,
+             init: Optional[Initializer] = None) -> None:
+        """Fill ``parallel``'s tensors (same state-dict keys as ``original``) from ``original`` on the meta device:
+        each submodule of ``original`` is materialized, sliced into ``parallel`` and released in turn, so at most
+        one single-device submodule (e.g. one Linear) exists at a time. Submodules ``parallel`` reuses as they
+        are (norms) are materialized in place.
+        """
+        shared = {id(m) for m in parallel.modules()}
+        targets = parallel.state_dict(keep_vars=True)
+        with torch.no_grad():
+            for sub_name, sub in reversed(list(original.named_modules())):
+                if not any(True for _ in sub.parameters(recurse=False)) and not any(True for _ in sub.buffers(recurse=False)):
+                    continue  # every tensor here was on the meta device; shared ones were just allocated empty
+                qualified = f"{name}.{sub_name}" if sub_name else name
+                to_empty(sub, self.device, recurse=False)
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(self.seed + zlib.crc32(qualified.encode()))
+                    (init or reset_own_parameters)(sub, qualified)
+                if id(sub) in shared:
+                    continue  # the parallel block holds this very module
+                for key, value in {**dict(sub.named_parameters(recurse=False)), **dict(sub.named_buffers(recurse=False))}.items():
+                    target = targets[f"{sub_name}.{key}" if sub_name else key]
+                    spec = shard_spec(target)
+                    target.copy_(spec.shard(value, group) if spec is not None else value)
+                to_empty(sub, torch.device("meta"), recurse=False)  # released
+
+    def remaining(self, model: nn.Module) -> None:
+        """Materialize every module of ``model`` that still owns meta tensors (those no policy rewrote),
+        each with its own initializer.
+
+        Raises:
+            ValueError: from :func:`reset_own_parameters`.
+        """
+        for name, module in model.named_modules():
+            own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+            if own and all(t.is_meta for t in own):
+                to_empty(module, self.device, recurse=False)
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(self.seed + zlib.crc32(name.encode()))
+                    with torch.no_grad():
+                        reset_own_parameters(module, name)
+
+
