@@ -75,7 +75,7 @@ def main(cfg: DictConfig) -> dict:
     # The cosine decay ends at optim.decay_steps (default: this run's trainer.max_steps). A resumed run with a
     # larger max_steps keeps the original curve only if decay_steps is set to the original horizon.
     decay_steps = optim.pop("decay_steps", None) or cfg.trainer.max_steps
-    module = GPTLightningModule(model_cfg, max_steps=decay_steps, **optim)
+    module = GPTLightningModule(model_cfg, max_steps=decay_steps, empty_init=cfg.empty_init, **optim)
     trainer = build_trainer(cfg, output_dir)
     trainer.fit(module, datamodule=data, ckpt_path=cfg.ckpt_path)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
