@@ -286,16 +286,18 @@ class SeqParallelStrategy(ParallelStrategy):
             self._broadcast_module(self.model)
             seed = self._seed if self._seed is not None else self.broadcast(torch.initial_seed() % 2**31)
             self.rng_tracker = self._seed_streams(seed)
-            # Blocks built on the meta device (configure_model) are materialized one at a time, each from the
-            # same seed on every rank, just before they are sliced; other stages' layers are never materialized.
+            # Blocks built on the meta device (configure_model) become meta skeletons; after the stage split the
+            # shards this rank keeps are allocated and filled from single-device submodules materialized one at a
+            # time from a seed shared by every rank. Other stages' layers are never materialized.
             materializer = Materializer(seed)
             ctx = RewriteContext(self.mesh.tensor, self.sequence_parallel, self.rng_tracker, self.loss_parallel,
-                                 materializer, self._held_layers if self.pipeline_config.enabled else None)
+                                 materializer)
             self.rewrite_plan = rewrite(self.model, ctx, self.policies)
             if self.pipeline_config.enabled:
                 self.pipeline, self._remote_keys = PipelinedSteps.build(
                     self.model, self.pipeline_config, self.mesh.pipeline, self.root_device
                 )
+            materializer.fill(self.model, self.mesh.tensor)
             materializer.remaining(self.model)
             self._parallelized = self.model
         self.model = self.precision_plugin.convert_module(self.model)
@@ -328,14 +330,6 @@ class SeqParallelStrategy(ParallelStrategy):
                     tensor.data.copy_(buffer)
                 else:
                     dist.broadcast(tensor.data, src=0)
-
-    def _held_layers(self, num_layers: int) -> set[int]:
-        """Indices of a stack of ``num_layers`` layers that this pipeline rank keeps."""
-        try:
-            layout = self.pipeline_config.layout(num_layers)
-        except ValueError:  # the stage split reports it, with the model's whole stack in view
-            return set(range(num_layers))
-        return {i for stage in layout.stages_of(self.mesh.pipeline.rank) for i in range(*layout.bounds(stage))}
 
     def _seed_streams(self, seed: int) -> RNGTracker:
         pp_rank, tp_rank = self.mesh.pipeline.rank, self.mesh.tensor.rank

@@ -125,9 +125,8 @@ class ParallelGPT(GPT, LayerStack):
             mark_sequence_parallel(old.wpe)  # each rank adds only its s/t rows
             mark_sequence_parallel(old.ln_f)
         blocks = nn.ModuleList()
-        for i in range(len(old.h)):  # a block of another pipeline stage stays on the meta device
-            blocks.append(ctx.build(old.h[i], f"transformer.h.{i}", lambda b: ParallelBlock(b, ctx), init,
-                                    held=ctx.holds(i, len(old.h))))
+        for i in range(len(old.h)):
+            blocks.append(ctx.build(old.h[i], f"transformer.h.{i}", lambda b: ParallelBlock(b, ctx), init))
             old.h[i] = nn.Identity()  # the replaced model lets go of each block once it is sliced: one model in memory
         self.transformer = nn.ModuleDict(
             dict(

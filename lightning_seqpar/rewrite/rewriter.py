@@ -32,8 +32,6 @@ class PlannedRewrite:
     enter_region: bool
     exit_region: bool
     detail: str
-    position: tuple[int, int] = (0, 1)
-    """(index, count) of a layer in its run of consecutive layers (a stack the pipeline may split)."""
 
 
 @dataclass
@@ -116,8 +114,7 @@ def plan_rewrite(model: nn.Module, ctx: RewriteContext, policies: Optional[Itera
                 p.check(c, ctx, n)
                 stack = p.role == "stack"
                 plan.entries.append(
-                    PlannedRewrite(n, type(c).__name__, p, stack or j == 0, stack or j == len(run) - 1, p.describe(c, ctx),
-                                   (0, 1) if stack else (j, len(run)))
+                    PlannedRewrite(n, type(c).__name__, p, stack or j == 0, stack or j == len(run) - 1, p.describe(c, ctx))
                 )
                 claimed.append(n)
             i += len(run)
@@ -165,8 +162,8 @@ def rewrite(model: nn.Module, ctx: RewriteContext, policies: Optional[Iterable[P
             return entry.policy.rewrite(original, ctx, enter_region=entry.enter_region, exit_region=entry.exit_region)
 
         if entry.policy.role == "layer":
-            replacement = ctx.build(module, entry.name, construct, held=ctx.holds(*entry.position))
-        else:  # a stack builds (and materializes) its own layers
+            replacement = ctx.build(module, entry.name, construct)
+        else:  # a stack builds its own layers
             replacement = construct(module)
         if attr.isdigit():
             parent[int(attr)] = replacement

@@ -9,7 +9,7 @@ import torch.nn as nn
 
 from lightning_seqpar.tensor_parallel.collectives import ParallelGroup
 from lightning_seqpar.tensor_parallel.random import RNGTracker
-from lightning_seqpar.transformer.materialize import Initializer, Materializer, has_meta_tensors, to_empty
+from lightning_seqpar.transformer.materialize import Initializer, Materializer, has_meta_tensors
 
 
 @dataclass
@@ -21,10 +21,8 @@ class RewriteContext:
         sequence_parallel: shard the LayerNorm/dropout/residual regions along s (ignored when t = 1).
         rng_tracker: dropout streams for sharded regions (``None``: the default generator only).
         loss_parallel: compute the LM loss on vocabulary-sharded logits instead of gathering them.
-        materialize: gives meta-device single-device blocks real weights just before they are sliced
-            (``None``: every module must already be materialized).
-        held_layers: for pipeline parallelism, ``held_layers(L)`` is the set of indices of a stack of L layers
-            that this rank keeps; the others stay on the meta device (they are dropped by the stage split).
+        materialize: gives meta-device single-device modules real weights: small ones (embeddings, norms)
+            just before they are sliced, blocks after the stage split (``None``: nothing may be on meta).
     """
 
     group: ParallelGroup
@@ -32,7 +30,6 @@ class RewriteContext:
     rng_tracker: Optional[RNGTracker] = None
     loss_parallel: bool = True
     materialize: Optional[Materializer] = None
-    held_layers: Optional[Callable[[int], set[int]]] = None
 
     def prepare(self, module: nn.Module, name: str, init: Optional[Initializer] = None) -> None:
         """Materialize ``module`` if it was built on the meta device (see :class:`Materializer`).
@@ -46,26 +43,21 @@ class RewriteContext:
             raise ValueError(f"'{name}' is on the meta device; rewrite it through SeqParallelStrategy, which materializes it.")
 
     def build(self, original: nn.Module, name: str, construct: Callable[[nn.Module], nn.Module],
-              init: Optional[Initializer] = None, held: bool = True) -> nn.Module:
-        """``construct(original)``, the parallel version of a block; for a block on the meta device, its shards
-        are allocated first, then filled from the single-device block materialized one submodule at a time.
-        A block this rank does not hold (``held=False``) stays on the meta device.
+              init: Optional[Initializer] = None) -> nn.Module:
+        """``construct(original)``, the parallel version of a block. A block on the meta device gives a meta
+        skeleton whose shards are allocated and filled later, by :meth:`Materializer.fill` (after the stage
+        split, so other stages' layers never are).
 
         Raises:
             ValueError: a meta-device block and no materializer.
         """
-        if not held or not has_meta_tensors(original):
+        if not has_meta_tensors(original):
             return construct(original)
         if self.materialize is None:
             raise ValueError(f"'{name}' is on the meta device; rewrite it through SeqParallelStrategy, which materializes it.")
         parallel = construct(original)  # meta skeleton: the slices' shapes
-        to_empty(parallel, self.materialize.device)
-        self.materialize.into(parallel, original, name, self.group, init)
+        self.materialize.pending.append((parallel, original, name, init))
         return parallel
-
-    def holds(self, index: int, num_layers: int) -> bool:
-        """Whether this rank keeps layer ``index`` of a stack of ``num_layers`` (pipeline parallelism)."""
-        return self.held_layers is None or index in self.held_layers(num_layers)
 
     @property
     def tp(self) -> int:

@@ -168,11 +168,10 @@ class ParallelTransformerEncoder(LayerStack):
         super().__init__()
         self.group, self.sp, self.rng_tracker = ctx.group, ctx.sp, ctx.rng_tracker
         self.layers = nn.ModuleList()
-        for i in range(len(encoder.layers)):  # a layer of another pipeline stage stays on the meta device
+        for i in range(len(encoder.layers)):
             self.layers.append(ctx.build(
                 encoder.layers[i], f"layers.{i}",
                 lambda layer: ParallelTransformerEncoderLayer(layer, ctx, enter_region=False, exit_region=False),
-                held=ctx.holds(i, len(encoder.layers)),
             ))
             encoder.layers[i] = nn.Identity()  # released once sliced: one model in memory, not 1 + 1/t
         if encoder.norm is not None:

@@ -1,18 +1,18 @@
-"""Give a module built on the meta device real weights, one single-device block at a time.
+"""Give a module built on the meta device real weights, one single-device submodule at a time.
 
 A model built under ``SeqParallelStrategy.model_sharded_context()`` (Lightning's ``configure_model``) has no
 storage. The rewrite builds each parallel block on the meta device, allocates this rank's shards, then
 materializes the single-device block one submodule at a time, copies its slices in and releases it, so a
 rank holds its shards plus one single-device submodule at most (shards first: the transient tensors then
-reuse the same memory each time, instead of leaving holes between shards). Every rank draws a block's initial values
-from the same seed (the strategy's seed and the block's qualified name), so the shards of one tensor on
-different ranks come from the same full tensor and no broadcast is needed.
+reuse the same memory each time, instead of leaving holes between shards). Every rank draws a submodule's
+initial values from the same seed (the strategy's seed and the submodule's qualified name), so the shards of
+one tensor on different ranks come from the same full tensor and no broadcast is needed.
 """
 
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
@@ -69,6 +69,8 @@ class Materializer:
 
     seed: int
     device: torch.device = torch.device("cpu")
+    pending: list[tuple[nn.Module, nn.Module, str, Optional[Initializer]]] = field(default_factory=list)
+    """(parallel skeleton, single-device block on meta, name, initializer) left by the rewrite for :meth:`fill`"""
 
     def __call__(self, module: nn.Module, name: str, init: Optional[Initializer] = None) -> None:
         """Materialize ``module`` (qualified name ``name``) if it has meta tensors; ``init`` defaults to
@@ -81,11 +83,14 @@ class Materializer:
         if not has_meta_tensors(module):
             return
         to_empty(module, self.device)
-        with torch.random.fork_rng(devices=[]):
+        for sub_name, sub in reversed(list(module.named_modules())):
+            self._initialize(sub, f"{name}.{sub_name}" if sub_name else name, init)
+
+    def _initialize(self, module: nn.Module, name: str, init: Optional[Initializer]) -> None:
+        # The same values on every rank, whatever else this rank has drawn: a seed per submodule name.
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
             torch.manual_seed(self.seed + zlib.crc32(name.encode()))
-            with torch.no_grad():
-                for sub_name, sub in reversed(list(module.named_modules())):
-                    (init or reset_own_parameters)(sub, f"{name}.{sub_name}" if sub_name else name)
+            (init or reset_own_parameters)(module, name)
 
     def into(self, parallel: nn.Module, original: nn.Module, name: str, group: ParallelGroup,
              init: Optional[Initializer] = None) -> None:
@@ -100,11 +105,8 @@ class Materializer:
             for sub_name, sub in reversed(list(original.named_modules())):
                 if not any(True for _ in sub.parameters(recurse=False)) and not any(True for _ in sub.buffers(recurse=False)):
                     continue  # every tensor here was on the meta device; shared ones were just allocated empty
-                qualified = f"{name}.{sub_name}" if sub_name else name
                 to_empty(sub, self.device, recurse=False)
-                with torch.random.fork_rng(devices=[]):
-                    torch.manual_seed(self.seed + zlib.crc32(qualified.encode()))
-                    (init or reset_own_parameters)(sub, qualified)
+                self._initialize(sub, f"{name}.{sub_name}" if sub_name else name, init)
                 if id(sub) in shared:
                     continue  # the parallel block holds this very module
                 for key, value in {**dict(sub.named_parameters(recurse=False)), **dict(sub.named_buffers(recurse=False))}.items():
@@ -112,6 +114,18 @@ class Materializer:
                     spec = shard_spec(target)
                     target.copy_(spec.shard(value, group) if spec is not None else value)
                 to_empty(sub, torch.device("meta"), recurse=False)  # released
+
+    def fill(self, model: nn.Module, group: ParallelGroup) -> None:
+        """Allocate the shards of every pending block still in ``model`` (the stage split dropped the others),
+        then fill them block by block (:meth:`into`). All shards first: the transient single-device
+        submodules then reuse one region of memory instead of leaving holes between shards."""
+        present = {id(m) for m in model.modules()}
+        kept = [entry for entry in self.pending if id(entry[0]) in present]
+        for parallel, *_ in kept:
+            to_empty(parallel, self.device)
+        for parallel, original, name, init in kept:
+            self.into(parallel, original, name, group, init)
+        self.pending.clear()
 
     def remaining(self, model: nn.Module) -> None:
         """Materialize every module of ``model`` that still owns meta tensors (those no policy rewrote),
@@ -124,9 +138,6 @@ class Materializer:
             own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
             if own and all(t.is_meta for t in own):
                 to_empty(module, self.device, recurse=False)
-                with torch.random.fork_rng(devices=[]):
-                    torch.manual_seed(self.seed + zlib.crc32(name.encode()))
-                    with torch.no_grad():
-                        reset_own_parameters(module, name)
+                self._initialize(module, name, None)
 
 
