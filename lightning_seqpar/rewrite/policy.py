@@ -25,6 +25,10 @@ class Policy:
       :class:`~lightning_seqpar.roles.LayerStack`: ``stack_layers()``, runs them with
       :func:`~lightning_seqpar.transformer.stack.run_layers` (``recompute_chunks``), and may read
       ``stage_position`` to skip its embedding on later pipeline stages.
+    * For a model built on the meta device (``configure_model``), :meth:`rewrite` builds each replacement
+      block through ``ctx.build(original, name, construct)`` (and small modules it slices through
+      ``ctx.prepare``), and the replacement's state-dict keys mirror the original's: the strategy then
+      fills only the shards this rank keeps.
     * Core attention is a :class:`~lightning_seqpar.transformer.core_attention.CoreAttention`
       (selective recomputation checkpoints those).
     * Parameters take their roles through :mod:`lightning_seqpar.roles` (``ColumnParallelLinear``,
