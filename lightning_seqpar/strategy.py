@@ -59,8 +59,13 @@ log = logging.getLogger(__name__)
 
 
 def _destroy_process_group() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    try:  # every rank is done with its peers before any tears its connections down (bounded: a peer may be gone)
+        dist.barrier(async_op=True).wait(timeout=timedelta(seconds=30))
+    except Exception:  # noqa: BLE001 - at exit, a missing peer is no reason to keep the process
+        pass
+    dist.destroy_process_group()
 
 
 def _as_timedelta(timeout: Union[float, timedelta, None]) -> timedelta:
