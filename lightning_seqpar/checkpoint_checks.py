@@ -14,18 +14,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch import Tensor
 
-from lightning_seqpar.roles import shard_spec
+from lightning_seqpar.tensor_parallel.sharding import full_shape
 
 T = TypeVar("T")
-
-
-def expected_full_shape(name: str, value: Tensor, param: nn.Parameter | None) -> tuple[int, ...]:
-    """Single-device shape of a state-dict entry: a sharded parameter's full size in its split dim."""
-    spec = shard_spec(param) if param is not None else None
-    shape = list(value.shape)
-    if spec is not None:
-        shape[spec.dim] = spec.full_size
-    return tuple(shape)
 
 
 def check_state_dict_shapes(module: nn.Module, state_dict: Mapping[str, Any]) -> None:
@@ -34,13 +25,12 @@ def check_state_dict_shapes(module: nn.Module, state_dict: Mapping[str, Any]) ->
     Raises:
         ValueError: listing each mismatching key with both shapes.
     """
-    params = dict(module.named_parameters(remove_duplicate=False))
     wrong = []
-    for name, own in module.state_dict(keep_vars=True).items():
+    for name, own in module.state_dict(keep_vars=True).items():  # keep_vars: parameters carry their shard spec
         value = state_dict.get(name)
         if not isinstance(value, Tensor) or not isinstance(own, Tensor):
             continue
-        want = expected_full_shape(name, own, params.get(name))
+        want = full_shape(own)
         if tuple(value.shape) != want:
             wrong.append(f"'{name}': checkpoint {tuple(value.shape)}, model {want}")
     if wrong:
@@ -99,7 +89,7 @@ def check_optimizer_state(optimizer: torch.optim.Optimizer, state: Mapping[str, 
     params = [p for g in optimizer.param_groups for p in g["params"]]
     for index, entry in state["state"].items():
         param = params[int(index)]
-        want = expected_full_shape("", param, param)
+        want = full_shape(param)
         for key, value in entry.items():
             if isinstance(value, Tensor) and value.dim() and tuple(value.shape) != want:
                 raise ValueError(

@@ -15,6 +15,7 @@ from torch import Tensor
 
 from lightning_seqpar.roles import shard_spec
 from lightning_seqpar.tensor_parallel.collectives import ParallelGroup
+from lightning_seqpar.tensor_parallel.sharding import load_from_full
 
 
 def _params_by_name(module: nn.Module) -> dict[str, nn.Parameter]:
@@ -81,16 +82,9 @@ def load_full_state_dict(module: nn.Module, state_dict: Mapping[str, Tensor], gr
         missing, unexpected = set(own) - set(state_dict), set(state_dict) - set(own)
         if missing or unexpected:
             raise KeyError(f"State dict mismatch. Missing: {sorted(missing)}; unexpected: {sorted(unexpected)}.")
-    params = _params_by_name(module)
-    with torch.no_grad():
-        for name, target in own.items():
-            if name not in state_dict:
-                continue
-            value = state_dict[name]
-            spec = shard_spec(params[name]) if name in params else None
-            if spec is not None:
-                value = spec.shard(value, group)
-            target.copy_(value.to(target.device, target.dtype))
+    for name, target in own.items():  # keep_vars: parameters carry their shard spec
+        if name in state_dict:
+            load_from_full(target, state_dict[name], group)
 
 
 def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:

@@ -303,7 +303,6 @@ class SeqParallelStrategy(ParallelStrategy):
                     self.model, self.pipeline_config, self.mesh.pipeline, self.root_device
                 )
             materializer.fill(self.model, self.mesh.tensor)
-            materializer.remaining(self.model)
             self._parallelized = self.model
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_seqpar.roles import set_sequence_parallel, set_shard_spec
+from lightning_seqpar.roles import set_sequence_parallel, set_shard_spec, shard_spec
 from lightning_seqpar.tensor_parallel.collectives import ParallelGroup
 
 
@@ -86,3 +86,22 @@ def mark_sequence_parallel(module: torch.nn.Module) -> None:
     ``_allreduce_layernorm_grads``)."""
     for param in module.parameters(recurse=False):
         set_sequence_parallel(param)
+
+
+def full_shape(tensor: Tensor) -> tuple[int, ...]:
+    """The single-device shape of this rank's ``tensor``: a sharded parameter's full size in its split dim
+    (vocabulary padding excluded), any other tensor's own shape."""
+    spec = shard_spec(tensor)
+    shape = list(tensor.shape)
+    if spec is not None:
+        shape[spec.dim] = spec.full_size
+    return tuple(shape)
+
+
+def load_from_full(target: Tensor, full: Tensor, group: ParallelGroup) -> None:
+    """Copy the single-device ``full`` into this rank's ``target``, in place: its slice if ``target`` is a
+    sharded parameter, all of it otherwise (cast to ``target``'s device and dtype)."""
+    spec = shard_spec(target)
+    value = spec.shard(full, group) if spec is not None else full
+    with torch.no_grad():
+        target.copy_(value.to(target.device, target.dtype))

@@ -37,10 +37,8 @@ class RewriteContext:
         Raises:
             ValueError: a meta-device module and no materializer (the strategy provides one).
         """
-        if self.materialize is not None:
-            self.materialize(module, name, init)
-        elif has_meta_tensors(module):
-            raise ValueError(f"'{name}' is on the meta device; rewrite it through SeqParallelStrategy, which materializes it.")
+        if has_meta_tensors(module):
+            self._materializer(name)(module, name, init)
 
     def build(self, original: nn.Module, name: str, construct: Callable[[nn.Module], nn.Module],
               init: Optional[Initializer] = None) -> nn.Module:
@@ -53,11 +51,15 @@ class RewriteContext:
         """
         if not has_meta_tensors(original):
             return construct(original)
+        materializer = self._materializer(name)
+        parallel = construct(original)  # meta skeleton: the slices' shapes
+        materializer.pending.append((parallel, original, name, init))
+        return parallel
+
+    def _materializer(self, name: str) -> Materializer:
         if self.materialize is None:
             raise ValueError(f"'{name}' is on the meta device; rewrite it through SeqParallelStrategy, which materializes it.")
-        parallel = construct(original)  # meta skeleton: the slices' shapes
-        self.materialize.pending.append((parallel, original, name, init))
-        return parallel
+        return self.materialize
 
     @property
     def tp(self) -> int:

@@ -19,8 +19,8 @@ import torch
 import torch.nn as nn
 
 from lightning_seqpar._compat import reset_multihead_attention
-from lightning_seqpar.roles import shard_spec
 from lightning_seqpar.tensor_parallel.collectives import ParallelGroup
+from lightning_seqpar.tensor_parallel.sharding import load_from_full
 
 Initializer = Callable[[nn.Module, str], None]
 """``init(module, qualified_name)``: initialize ``module``'s own parameters and buffers (not its children's)."""
@@ -29,11 +29,10 @@ Initializer = Callable[[nn.Module, str], None]
 def to_empty(module: nn.Module, device: torch.device, recurse: bool = True) -> None:
     """``module.to_empty(device=...)`` that keeps each parameter's roles (the tags on the ``nn.Parameter``,
     :mod:`lightning_seqpar.roles`): torch makes new ``Parameter`` objects when leaving the meta device."""
-    tags = {id(p): dict(p.__dict__) for p in module.parameters(recurse=recurse)}
-    before = {name: p for name, p in module.named_parameters(recurse=recurse, remove_duplicate=False)}
+    tags = {name: dict(p.__dict__) for name, p in module.named_parameters(recurse=recurse, remove_duplicate=False)}
     module.to_empty(device=device, recurse=recurse)
     for name, new in module.named_parameters(recurse=recurse, remove_duplicate=False):
-        new.__dict__.update(tags.get(id(before[name]), {}))
+        new.__dict__.update(tags[name])
 
 
 def has_meta_tensors(module: nn.Module) -> bool:
@@ -109,16 +108,19 @@ class Materializer:
                 self._initialize(sub, f"{name}.{sub_name}" if sub_name else name, init)
                 if id(sub) in shared:
                     continue  # the parallel block holds this very module
-                for key, value in {**dict(sub.named_parameters(recurse=False)), **dict(sub.named_buffers(recurse=False))}.items():
-                    target = targets[f"{sub_name}.{key}" if sub_name else key]
-                    spec = shard_spec(target)
-                    target.copy_(spec.shard(value, group) if spec is not None else value)
+                for key, value in [*sub.named_parameters(recurse=False), *sub.named_buffers(recurse=False)]:
+                    load_from_full(targets[f"{sub_name}.{key}" if sub_name else key], value, group)
                 to_empty(sub, torch.device("meta"), recurse=False)  # released
 
     def fill(self, model: nn.Module, group: ParallelGroup) -> None:
         """Allocate the shards of every pending block still in ``model`` (the stage split dropped the others),
-        then fill them block by block (:meth:`into`). All shards first: the transient single-device
-        submodules then reuse one region of memory instead of leaving holes between shards."""
+        then fill them block by block (:meth:`into`); last, materialize the modules no policy rewrote. All
+        shards first: the transient single-device submodules then reuse one region of memory instead of
+        leaving holes between shards.
+
+        Raises:
+            ValueError: from :func:`reset_own_parameters`.
+        """
         present = {id(m) for m in model.modules()}
         kept = [entry for entry in self.pending if id(entry[0]) in present]
         for parallel, *_ in kept:
@@ -126,8 +128,9 @@ class Materializer:
         for parallel, original, name, init in kept:
             self.into(parallel, original, name, group, init)
         self.pending.clear()
+        self._remaining(model)
 
-    def remaining(self, model: nn.Module) -> None:
+    def _remaining(self, model: nn.Module) -> None:
         """Materialize every module of ``model`` that still owns meta tensors (those no policy rewrote),
         each with its own initializer.
 

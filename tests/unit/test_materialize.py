@@ -34,7 +34,6 @@ def _rewritten(kind, tp, rank, drop_layer=None):
     if drop_layer is not None:  # what the stage split does to another stage's layer
         root.gpt.transformer.h[drop_layer] = nn.Identity()
     materializer.fill(root, group)
-    materializer.remaining(root)
     return root
 
 
