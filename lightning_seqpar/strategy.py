@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import logging
 import signal
+from pathlib import Path
 from datetime import timedelta
 from contextlib import contextmanager
 from typing import Any, Callable, Generator, Iterable, Literal, Mapping, Optional, Sequence, Union
@@ -36,7 +37,15 @@ from lightning_seqpar.checkpoint_checks import (
     on_every_rank,
     optimizer_states_of_this_stage,
 )
-from lightning_seqpar.checkpoint_io import AtomicCheckpointIO
+from lightning_seqpar.checkpoint.sharded import FORMAT_KEY, is_sharded_checkpoint, model_entries, single_device_shapes
+from lightning_seqpar.checkpoint.trainer_checkpoint import (
+    load_trainer_checkpoint,
+    optimizer_checkpoint_state,
+    save_trainer_checkpoint,
+)
+from lightning_seqpar.checkpoint.writer import ShardedCheckpointWriter, coordinator_pid
+from lightning_seqpar.checkpoint_io import AtomicCheckpointIO, remove_stale_temporaries
+from lightning_seqpar.distributed_optimizer import shard_optimizers
 from lightning_seqpar.faults import failed_collective
 from lightning_seqpar.gradients import finalize_gradients
 from lightning_seqpar.launcher import SeqParallelSpawnLauncher
@@ -124,11 +133,21 @@ class SeqParallelStrategy(ParallelStrategy):
             names the collective that timed out, instead of hanging it.
         allow_non_finite_checkpoint: load checkpoints whose weights or optimizer state hold NaN/inf
             (refused by default: they are corrupt, or the run had diverged).
+        checkpoint_format: ``"sharded"`` (default): a checkpoint is a directory written by every rank in
+            parallel through ``torch.distributed.checkpoint``, each rank its own shards, and it resumes under
+            any other layout (tp, pp, dp, sequence parallelism, ``zero``); see :mod:`lightning_seqpar.checkpoint`.
+            ``"full"``: one file holding the single-device model and optimizer, gathered onto every rank
+            (small models only; resumes under the same pipeline layout). Both formats load whatever the setting.
+        async_save: with the sharded format, write checkpoints in a background thread while training goes on
+            (``torch.distributed.checkpoint.async_save``; one save in flight, the state is first copied to host memory).
+        zero: ``1`` shards the optimizer state over the data-parallel ranks (ZeRO stage 1, Megatron's distributed
+            optimizer; :mod:`lightning_seqpar.distributed_optimizer`); ``0`` (default) replicates it.
 
     The data-parallel size is ``world_size // (tp · pp)``.
 
     Raises:
-        ValueError: ``timeout`` not positive; ``tp``/``pp`` not positive integers; world size not divisible by ``tp · pp``;
+        ValueError: ``timeout`` not positive; an unknown ``checkpoint_format`` or ``zero``; ``zero=1`` or
+            ``async_save`` with ``checkpoint_format="full"``; ``tp``/``pp`` not positive integers; world size not divisible by ``tp · pp``;
             a model with nothing to rewrite or with shapes that do not split t ways; under ``pp > 1``, an
             unknown schedule, fewer micro-batches than stages (or, interleaved, not a multiple of ``pp``), a
             layer count that does not split into the stages asked, a batch not divisible into micro-batches.
@@ -157,8 +176,21 @@ class SeqParallelStrategy(ParallelStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Union[float, timedelta, None] = None,
         allow_non_finite_checkpoint: bool = False,
+        checkpoint_format: Literal["sharded", "full"] = "sharded",
+        async_save: bool = False,
+        zero: Literal[0, 1] = 0,
     ) -> None:
         validate_layout(tp * pp, tp, pp)
+        if checkpoint_format not in ("sharded", "full"):
+            raise ValueError(f"checkpoint_format must be 'sharded' or 'full', got {checkpoint_format!r}.")
+        if zero not in (0, 1):
+            raise ValueError(f"zero must be 0 (replicated optimizer state) or 1 (sharded over data-parallel ranks), "
+                             f"got {zero!r}.")
+        if checkpoint_format == "full" and (zero or async_save):
+            raise ValueError(
+                f"checkpoint_format='full' gathers the whole optimizer onto every rank and writes from rank 0; "
+                f"{'zero=1' if zero else 'async_save=True'} needs checkpoint_format='sharded'."
+            )
         self.pipeline_config = PipelineConfig.build(pp, num_microbatches, schedule, virtual_stages, pipeline_split)
         if start_method not in ("popen", "spawn", "fork"):
             raise ValueError(f"start_method must be 'popen', 'spawn' or 'fork', got {start_method!r}.")
@@ -177,6 +209,8 @@ class SeqParallelStrategy(ParallelStrategy):
         self._process_group_backend = process_group_backend
         self._timeout = _as_timedelta(timeout)
         self.allow_non_finite_checkpoint = allow_non_finite_checkpoint
+        self.checkpoint_format, self.async_save, self.zero = checkpoint_format, async_save, zero
+        self._checkpoint_writer: Optional[ShardedCheckpointWriter] = None
         self._mesh: Optional[ParallelMesh] = None
         self.rng_tracker: Optional[RNGTracker] = None
         self.rewrite_plan: Optional[RewritePlan] = None
@@ -273,6 +307,10 @@ class SeqParallelStrategy(ParallelStrategy):
         plugin = self.precision_plugin
         assert isinstance(plugin, ShardAwareClipping)
         plugin.mesh = self._mesh
+        # Background checkpoint writes run collectives of their own: never on training's process group.
+        group = dist.new_group(backend="gloo") if self.async_save else None
+        self._checkpoint_writer = ShardedCheckpointWriter(self.global_rank == 0, coordinator_pid(), group,
+                                                          self.async_save)
 
     def set_world_ranks(self) -> None:
         """Tell the cluster environment this process's global rank and the world size."""
@@ -311,6 +349,8 @@ class SeqParallelStrategy(ParallelStrategy):
             if self.pipeline is not None:
                 check_pipelined_module(self.lightning_module)
             self.setup_optimizers(trainer)
+            if self.zero:
+                self.optimizers = shard_optimizers(self.optimizers, self.lr_scheduler_configs, self.mesh.data)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             optimizers_to_device(self.optimizers, self.root_device)
@@ -432,21 +472,91 @@ class SeqParallelStrategy(ParallelStrategy):
         return tensor
 
     # ------------------------------------------------------------------ checkpoints
+    @property
+    def _tp_device_mesh(self) -> Any:
+        device_mesh = self.mesh.device_mesh
+        return None if device_mesh is None else device_mesh["tensor"]  # type: ignore[index]
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The unparallelized model's state dict, gathered from the shards (collective, every rank)."""
+        """Sharded format: this rank's shards as ``torch.distributed.checkpoint`` views (same keys as the
+        single-device model; no communication). Full format: the unparallelized model's state dict,
+        gathered from the shards (collective, every rank)."""
         assert self.lightning_module is not None
-        return merge_over_stages(full_state_dict(self.lightning_module, self.mesh.tensor), self.mesh.pipeline)
+        if self.checkpoint_format == "sharded":
+            return model_entries(self.lightning_module, self._tp_device_mesh)
+        return self.full_state_dict()
 
     def full_state_dict(self) -> dict[str, Any]:
         """The single-device state dict of the trained model (same keys and shapes as before the rewrite),
         on every rank, e.g. after ``trainer.fit``. Collective: every rank must call it. ``module.state_dict()``
         returns this rank's shards instead."""
-        return self.lightning_module_state_dict()
+        assert self.lightning_module is not None
+        return merge_over_stages(full_state_dict(self.lightning_module, self.mesh.tensor), self.mesh.pipeline)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer.optimizer
+        if self.checkpoint_format == "sharded":
+            return optimizer_checkpoint_state(optimizer, self.lightning_module, self._tp_device_mesh)
+        state = full_optimizer_state(optimizer, self.mesh.tensor)
+        if self.mesh.pp == 1:
+            return state
+        # Each stage optimizes different layers: keep every stage's state, in pipeline-rank order.
+        stages: list[Any] = [None] * self.mesh.pp
+        dist.all_gather_object(stages, state, group=self.mesh.pipeline.group)
+        return {"pipeline_stages": stages}
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """Sharded format: every rank writes its shards into the directory ``filepath``, published atomically
+        (collective). Full format: rank 0 writes the file ``filepath`` atomically.
+
+        Raises:
+            TypeError: ``storage_options`` given with the sharded format.
+        """
+        if self.checkpoint_format == "full":
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        if storage_options is not None:
+            raise TypeError(f"The sharded checkpoint format takes no storage_options, got {storage_options!r}.")
+        assert self.lightning_module is not None and self._checkpoint_writer is not None
+        path = Path(self.broadcast(str(filepath)))  # every rank writes into rank 0's directory
+        shapes = merge_over_stages(single_device_shapes(self.lightning_module), self.mesh.pipeline)
+        layout = {"tp": self.mesh.tp, "pp": self.mesh.pp, "dp": self.mesh.dp, "zero": self.zero,
+                  "sequence_parallel": self.sequence_parallel}
+        save_trainer_checkpoint(self._checkpoint_writer, checkpoint, path, shapes, layout)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self._checkpoint_writer is not None:
+            self._checkpoint_writer.wait()  # never remove a checkpoint still being published
+        super().remove_checkpoint(filepath)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """A sharded checkpoint directory is read in place, each rank its own shards of the model and (when
+        fitting) of the optimizers, whatever layout wrote it; a full checkpoint file is read whole on every rank.
+        A checkpoint whose save was killed between its two renames is restored first."""
+        assert self.lightning_module is not None
+        path = Path(self.broadcast(str(checkpoint_path)))
+        if self.is_global_zero and not path.exists() and path.parent.is_dir():
+            remove_stale_temporaries(path.parent)
+        self.barrier("load_checkpoint")
+        if not is_sharded_checkpoint(path):
+            return super().load_checkpoint(path, weights_only=weights_only)
+        if self._checkpoint_writer is not None:
+            self._checkpoint_writer.wait()
+        return load_trainer_checkpoint(
+            path, self.lightning_module, [getattr(o, "optimizer", o) for o in self.optimizers], self._tp_device_mesh,
+            self.lightning_module.strict_loading, self.allow_non_finite_checkpoint, weights_only,
+        )
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         assert self.lightning_module is not None
+        if FORMAT_KEY in checkpoint:  # a sharded checkpoint: read in place by load_checkpoint
+            return
         state = checkpoint["state_dict"]
         if self._remote_keys:  # this stage's part; the other stages' layers must be there too
             missing = [k for k in self._remote_keys if k not in state]
@@ -464,19 +574,12 @@ class SeqParallelStrategy(ParallelStrategy):
         load_full_state_dict(self.lightning_module, state, self.mesh.tensor, strict=strict)
 
     @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer.optimizer
-        state = full_optimizer_state(optimizer, self.mesh.tensor)
-        if self.mesh.pp == 1:
-            return state
-        # Each stage optimizes different layers: keep every stage's state, in pipeline-rank order.
-        stages: list[Any] = [None] * self.mesh.pp
-        dist.all_gather_object(stages, state, group=self.mesh.pipeline.group)
-        return {"pipeline_stages": stages}
-
-    @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        if FORMAT_KEY in checkpoint:  # a sharded checkpoint: read in place by load_checkpoint
+            return
+        if self.zero:
+            raise ValueError("A full (single-file) checkpoint's optimizer state does not resume under zero=1; "
+                             "resume with zero=0, or from a sharded checkpoint.")
         states = on_every_rank(lambda: optimizer_states_of_this_stage(
             checkpoint["optimizer_states"], self.optimizers, self.mesh.pp, self.mesh.pipeline.rank,
             self.allow_non_finite_checkpoint,
@@ -503,6 +606,8 @@ class SeqParallelStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        if self._checkpoint_writer is not None:
+            self._checkpoint_writer.close()  # a checkpoint still being written is finished and published
         assert self.cluster_environment is not None
         self.cluster_environment.teardown()
         super().teardown()

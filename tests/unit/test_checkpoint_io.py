@@ -55,7 +55,7 @@ def test_temporaries_of_killed_writers_are_removed_on_the_next_save(tmp_path):
         finally:
             os.fsync = real_fsync
         assert sorted(p.name for p in tmp_path.iterdir()) == [f".epoch.ckpt.tmp-{alive.pid}", "last.ckpt"]
-        assert len(synced_directories) == 1  # the folder, after the rename
+        assert len(synced_directories) == 2  # the folder after the cleanup, and after the rename
         assert torch.load(tmp_path / "last.ckpt", weights_only=True) == {"step": 3}
     finally:
         alive.kill()

@@ -1,0 +1,16 @@
+"""Checkpoints that no rank has to hold whole: sharded, resharding, atomic.
+
+- :mod:`.sharded`: the model's and optimizers' shards described to ``torch.distributed.checkpoint`` by
+  single-device name, global shape and offset (:mod:`.layout`), so any layout loads any other.
+- :mod:`.trainer_checkpoint`: a Lightning checkpoint as such a directory plus ``trainer_state.pt``.
+- :mod:`.writer` and :mod:`.atomic`: written by every rank in parallel, published atomically, optionally
+  in the background.
+- :mod:`.safe_reader`: the DCP index read with an allowlist, never an arbitrary unpickle.
+- :mod:`.consolidate` and ``python -m lightning_seqpar.checkpoint consolidate CKPT_DIR OUT``: the
+  single-device state dict, without a process group.
+"""
+
+from lightning_seqpar.checkpoint.consolidate import consolidate, load_state_dict_file, write_state_dict
+from lightning_seqpar.checkpoint.sharded import is_sharded_checkpoint
+
+__all__ = ["consolidate", "is_sharded_checkpoint", "load_state_dict_file", "write_state_dict"]

@@ -1,0 +1,33 @@
+"""``python -m lightning_seqpar.checkpoint consolidate CKPT_DIR OUT``: a sharded checkpoint as one
+single-device state dict file (``.pt``, or ``.safetensors`` with the safetensors package), loadable with
+``model.load_state_dict(torch.load(OUT))`` without any process group."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional, Sequence
+
+from lightning_seqpar.checkpoint.consolidate import consolidate, write_state_dict
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m lightning_seqpar.checkpoint", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    merge = commands.add_parser("consolidate", help="sharded checkpoint directory -> single-device state dict file")
+    merge.add_argument("checkpoint", help="a sharded checkpoint directory (e.g. checkpoints/last.ckpt)")
+    merge.add_argument("out", help="output file: NAME.pt or NAME.safetensors")
+    args = parser.parse_args(argv)
+    try:
+        state = consolidate(args.checkpoint)
+    except (FileNotFoundError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    out = write_state_dict(state, args.out)
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    print(f"wrote {len(state)} tensors ({total / 2**20:.1f} MiB) to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

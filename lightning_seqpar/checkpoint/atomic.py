@@ -1,0 +1,108 @@
+"""Publishing a checkpoint (a file or a directory) atomically under its final name.
+
+A checkpoint is written under a hidden temporary name in the target folder (``.NAME.tmp-PID``) and
+renamed to ``NAME`` only when complete, so a reader never sees a partial one. Replacing an existing
+``NAME`` (e.g. ``last.ckpt``) moves it aside to ``.NAME.old-PID`` first; a writer killed between the
+two renames leaves the previous checkpoint there, and :func:`recover_stale` puts it back. POSIX
+``rename`` is atomic for files and directories alike.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+TMP_MARK = ".tmp-"
+OLD_MARK = ".old-"
+
+
+def temporary_path(path: Path, pid: int | None = None) -> Path:
+    """Where ``path`` is written before it is published: ``.NAME.tmp-PID`` beside it (``pid``: the writer's,
+    default this process's; a multi-process writer passes its coordinator's so every rank agrees)."""
+    return path.with_name(f".{path.name}{TMP_MARK}{os.getpid() if pid is None else pid}")
+
+
+def _writer_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return pid != os.getpid()
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def recover_stale(directory: Path) -> list[Path]:
+    """Clean up after writers killed mid-save in ``directory``; those still running are left alone.
+
+    A dead writer's temporary (``.NAME.tmp-PID``) is deleted. Its moved-aside previous checkpoint
+    (``.NAME.old-PID``) is renamed back to ``NAME`` if nothing was published there, and deleted
+    otherwise. Returns the paths removed or restored.
+    """
+    touched = []
+    for mark in (OLD_MARK, TMP_MARK):
+        for path in sorted(directory.glob(f".*{mark}*")):
+            stem, _, pid = path.name.rpartition(mark)
+            if not pid.isdigit() or _writer_alive(int(pid)):
+                continue
+            final = directory / stem[1:]
+            if mark == OLD_MARK and not final.exists():
+                os.replace(path, final)
+            else:
+                _remove(path)
+            touched.append(path)
+    if touched:
+        fsync_directory(directory)
+    return touched
+
+
+def fsync_directory(directory: Path) -> None:
+    """Flush ``directory``'s entries: a rename is durable only once its directory is on disk (POSIX)."""
+    if os.name != "posix":  # Windows cannot open directories
+        return
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(path: Path) -> None:
+    """Flush every file under ``path`` (or ``path`` itself) and every directory holding them."""
+    if path.is_file():
+        with open(path, "rb+") as f:
+            os.fsync(f.fileno())
+        return
+    for root, _, files in os.walk(path):
+        for name in files:
+            with open(Path(root) / name, "rb+") as f:
+                os.fsync(f.fileno())
+        fsync_directory(Path(root))
+
+
+def publish(tmp: Path, final: Path) -> None:
+    """Make the complete ``tmp`` (file or directory) visible as ``final``, replacing what was there.
+
+    Everything under ``tmp`` is flushed first. A crash at any moment leaves either the previous ``final``
+    or the new one under that name (or, between the two renames, the previous one as ``.NAME.old-PID``,
+    which :func:`recover_stale` restores); never a partial checkpoint.
+    """
+    fsync_tree(tmp)
+    old = None
+    # A file replaces a file in one rename; a directory cannot replace one that exists, so it is moved aside.
+    if final.exists() and (final.is_dir() or tmp.is_dir()):
+        old = final.with_name(f".{final.name}{OLD_MARK}{os.getpid()}")
+        _remove(old)
+        os.replace(final, old)
+    os.replace(tmp, final)
+    fsync_directory(final.parent)
+    if old is not None:
+        _remove(old)

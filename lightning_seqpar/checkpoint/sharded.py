@@ -1,0 +1,216 @@
+"""Sharded checkpoints: every rank writes and reads only its own shards, through ``torch.distributed.checkpoint``.
+
+A checkpoint is a directory holding DCP's files (one ``__R_0.distcp`` per writing rank and the index
+``.metadata``) and ``trainer_state.pt``, the rest of Lightning's checkpoint (loops, schedulers,
+callbacks, hyperparameters) plus what a reader needs without the model: the single-device shape of
+every weight and each optimizer's hyperparameters.
+
+Keys are the single-device names, so any layout reads any other (DCP reshards on load):
+
+- ``state_dict.<name>``: each entry of the model's ``state_dict()``, global shape (fused q/k/v stored
+  ``[3, n, ...]``, see :mod:`.layout`), vocabulary padding left out;
+- ``optimizer_states.<i>.state.<parameter name>.<key>``: the per-parameter optimizer state (AdamW's
+  ``step``, ``exp_avg``, ``exp_avg_sq``), keyed by parameter *name*, not by position, so a pipeline
+  stage (or a ZeRO-1 partition) finds its parameters' state whatever layout wrote it.
+
+Saving is collective over the process group given; replicated tensors (data-parallel copies, modules
+every pipeline stage holds) are written once, by the rank DCP's deduplication picks.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch import Tensor
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from lightning_seqpar.checkpoint.layout import dcp_view, saved_shape
+from lightning_seqpar.checkpoint.safe_reader import METADATA_FILE, SafeFileSystemReader
+from lightning_seqpar.checkpoint_checks import check_finite, on_every_rank
+from lightning_seqpar.roles import shard_spec
+from lightning_seqpar.tensor_parallel.sharding import full_shape
+
+MODEL_PREFIX = "state_dict."
+OPTIMIZER_PREFIX = "optimizer_states."
+TRAINER_STATE_FILE = "trainer_state.pt"
+FORMAT_KEY = "lightning_seqpar"
+FORMAT = "sharded-dcp-1"
+
+
+def is_sharded_checkpoint(path: Path) -> bool:
+    """Whether ``path`` is a complete sharded checkpoint directory (DCP writes its index last)."""
+    return Path(path).is_dir() and (Path(path) / METADATA_FILE).is_file()
+
+
+def local_part(tensor: Tensor) -> Tensor:
+    """The rank's own memory behind a :func:`~.layout.dcp_view` (the tensor itself when replicated)."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+# ---------------------------------------------------------------------------------------------- model
+def model_entries(module: nn.Module, tp_mesh: Optional[DeviceMesh]) -> dict[str, Tensor]:
+    """``module.state_dict()`` as DCP must see it (same keys; values are :func:`~.layout.dcp_view` views).
+
+    Raises:
+        TypeError: a state-dict entry that is not a tensor (``get_extra_state``), which DCP would pickle.
+    """
+    entries = {}
+    for name, value in module.state_dict(keep_vars=True).items():  # keep_vars: parameters carry their shard spec
+        if not isinstance(value, Tensor):
+            raise TypeError(f"state_dict entry '{name}' is a {type(value).__name__}, not a tensor: sharded checkpoints "
+                            f"hold tensors only. Use checkpoint_format='full' for this model.")
+        entries[name] = dcp_view(value, shard_spec(value), tp_mesh)
+    return entries
+
+
+def single_device_shapes(module: nn.Module) -> dict[str, list[int]]:
+    """Each state-dict key's single-device shape (recorded in the checkpoint: fused weights are saved reshaped)."""
+    return {name: list(full_shape(value)) for name, value in module.state_dict(keep_vars=True).items()
+            if isinstance(value, Tensor)}
+
+
+def _expected_shape(value: Tensor) -> tuple[int, ...]:
+    return saved_shape(shard_spec(value), full_shape(value))
+
+
+def load_model(module: nn.Module, path: Path, metadata: Metadata, tp_mesh: Optional[DeviceMesh], strict: bool,
+               allow_non_finite: bool) -> None:
+    """Read this rank's shards of ``module`` from the sharded checkpoint ``path``, in place (collective).
+
+    Checked on every rank before anything is read: with ``strict``, every key of this rank's state dict
+    is in the checkpoint, and no checkpoint weight is unknown to every rank; every shape is the saved one.
+
+    Raises:
+        ValueError: a missing/unexpected key or a shape mismatch (raised on every rank), a non-finite
+            value after loading (unless ``allow_non_finite``).
+    """
+    saved = {k[len(MODEL_PREFIX):]: v for k, v in metadata.state_dict_metadata.items() if k.startswith(MODEL_PREFIX)}
+    own = {k: v for k, v in module.state_dict(keep_vars=True).items() if isinstance(v, Tensor)}
+    everyone: list[Any] = [set(own)]
+    if dist.is_initialized() and dist.get_world_size() > 1:  # pipeline stages hold different keys
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, set(own))
+
+    def check() -> None:
+        missing = sorted(set(own) - set(saved))
+        unexpected = sorted(set(saved) - set().union(*everyone))
+        if strict and (missing or unexpected):
+            raise ValueError(
+                f"The checkpoint {path} does not hold this model's weights. Missing: {missing[:8]}; unexpected: "
+                f"{unexpected[:8]}. Load it into the model it was saved from, or set strict_loading=False on the "
+                f"LightningModule to load the matching keys only."
+            )
+        wrong = [f"'{k}': checkpoint {tuple(saved[k].size)}, model {_expected_shape(v)}" for k, v in own.items()
+                 if k in saved and isinstance(saved[k], TensorStorageMetadata)
+                 and tuple(saved[k].size) != _expected_shape(v)]
+        if wrong:
+            raise ValueError(
+                f"The checkpoint does not fit this model ({len(wrong)} tensor(s) of another shape): {'; '.join(wrong[:8])}. "
+                f"It was written for a model of another size (e.g. n_embd, n_layer, vocab_size); build the model with "
+                f"the checkpoint's configuration."
+            )
+
+    on_every_rank(check)
+    targets = {MODEL_PREFIX + k: dcp_view(v, shard_spec(v), tp_mesh) for k, v in own.items() if k in saved}
+    with torch.no_grad():
+        dcp.load(targets, storage_reader=SafeFileSystemReader(path))
+    if not allow_non_finite:
+        on_every_rank(lambda: check_finite({k: local_part(v) for k, v in targets.items()}, "weight"))
+
+
+# ---------------------------------------------------------------------------------------------- optimizer
+def inner_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer that holds this rank's state: ZeRO-1's local optimizer, or ``optimizer`` itself."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+
+
+def parameter_names(module: nn.Module) -> dict[int, str]:
+    """``id(parameter) → name`` (a tied parameter keeps its first name, as in ``named_parameters()``)."""
+    return {id(p): name for name, p in module.named_parameters()}
+
+
+def optimizer_entries(optimizer: torch.optim.Optimizer, names: Mapping[int, str],
+                      tp_mesh: Optional[DeviceMesh]) -> dict[str, Tensor]:
+    """This rank's per-parameter optimizer state as DCP must see it: ``{"<name>.<key>": view}``.
+
+    Raises:
+        TypeError: a non-tensor state value (e.g. LBFGS's), or a parameter the module does not name.
+    """
+    local = inner_optimizer(optimizer)
+    entries = {}
+    for param, state in local.state.items():
+        if id(param) not in names:
+            raise TypeError("The optimizer holds a parameter that is not the LightningModule's: sharded checkpoints key "
+                            "optimizer state by parameter name. Optimize the module's own parameters.")
+        for key, value in state.items():
+            if not isinstance(value, Tensor):
+                raise TypeError(f"Optimizer state '{key}' of '{names[id(param)]}' is a {type(value).__name__}: sharded "
+                                f"checkpoints hold tensors only. Use checkpoint_format='full'.")
+            like_param = value.shape == param.shape and param.dim() > 0
+            entries[f"{names[id(param)]}.{key}"] = dcp_view(value, shard_spec(param) if like_param else None, tp_mesh)
+    return entries
+
+
+def hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Each parameter group's settings (``lr``, ``betas``, ...), without its parameters."""
+    return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+
+
+def load_optimizer(index: int, optimizer: torch.optim.Optimizer, groups: Sequence[Mapping[str, Any]],
+                   names: Mapping[int, str], path: Path, metadata: Metadata, tp_mesh: Optional[DeviceMesh],
+                   allow_non_finite: bool) -> None:
+    """Read the state of the parameters this rank optimizes from the sharded checkpoint ``path`` (collective).
+
+    State tensors are allocated from the checkpoint's index (a tensor shaped like its parameter is this
+    rank's shard of it; others, like ``step``, whole), filled by DCP, and handed to ``load_state_dict``;
+    ``groups`` (the saved hyperparameters) replace each group's settings.
+
+    Raises:
+        ValueError: another number of parameter groups; a non-finite value (unless ``allow_non_finite``).
+    """
+    if len(groups) != len(optimizer.param_groups):
+        raise ValueError(f"The checkpoint's optimizer {index} has {len(groups)} parameter groups; this run's has "
+                         f"{len(optimizer.param_groups)}. Resume with the optimizer configuration it was saved with.")
+    local = inner_optimizer(optimizer)
+    prefix = f"{OPTIMIZER_PREFIX}{index}.state."
+    saved = {k[len(prefix):]: v for k, v in metadata.state_dict_metadata.items() if k.startswith(prefix)}
+    targets: dict[str, Tensor] = {}
+    state: dict[int, dict[str, Tensor]] = {}
+    position = 0
+    for group in local.param_groups:
+        for param in group["params"]:
+            name = names[id(param)]
+            entry = {}
+            for key, meta in saved.items():
+                head, _, field = key.rpartition(".")
+                if head != name or not isinstance(meta, TensorStorageMetadata):
+                    continue
+                if param.dim() > 0 and tuple(meta.size) == saved_shape(shard_spec(param), full_shape(param)):
+                    value = torch.zeros_like(param, dtype=meta.properties.dtype)
+                    targets[prefix + key] = dcp_view(value, shard_spec(param), tp_mesh)
+                else:
+                    value = torch.zeros(tuple(meta.size), dtype=meta.properties.dtype)
+                    targets[prefix + key] = value
+                entry[field] = value
+            if entry:
+                state[position] = entry
+            position += 1
+    with torch.no_grad():
+        dcp.load(targets, storage_reader=SafeFileSystemReader(path))
+    if not allow_non_finite:
+        on_every_rank(lambda: check_finite({k: local_part(v) for k, v in targets.items()}, f"optimizer {index} state"))
+    live = local.state_dict()["param_groups"]
+    local.load_state_dict({"state": state, "param_groups": [{**saved_group, "params": group["params"]}
+                                                            for saved_group, group in zip(groups, live)]})
+    if local is not optimizer:  # ZeRO-1: the wrapper's groups are the ones schedulers and step() read
+        for saved_group, group in zip(groups, optimizer.param_groups):
+            group.update(saved_group)

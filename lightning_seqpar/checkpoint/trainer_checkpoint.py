@@ -1,0 +1,107 @@
+"""A Lightning checkpoint (the dict ``Trainer.save_checkpoint`` builds) as a sharded checkpoint directory.
+
+The model's and optimizers' tensors go to DCP (:mod:`.sharded`); everything else of the dict (epoch,
+loops, schedulers, callbacks, hyperparameters) goes to ``trainer_state.pt``, with a ``lightning_seqpar``
+entry describing the checkpoint: format version, layout that wrote it, single-device weight shapes, each
+optimizer's hyperparameters. ``trainer_state.pt`` is read with ``weights_only=True``.
+"""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.optim import Optimizer
+
+from lightning_seqpar.checkpoint.safe_reader import read_metadata
+from lightning_seqpar.checkpoint.sharded import (
+    FORMAT,
+    FORMAT_KEY,
+    MODEL_PREFIX,
+    OPTIMIZER_PREFIX,
+    TRAINER_STATE_FILE,
+    hyperparameters,
+    load_model,
+    load_optimizer,
+    optimizer_entries,
+    parameter_names,
+)
+from lightning_seqpar.checkpoint.writer import ShardedCheckpointWriter
+
+
+def optimizer_checkpoint_state(optimizer: Optimizer, module: nn.Module, tp_mesh: Optional[DeviceMesh]) -> dict[str, Any]:
+    """What ``Strategy.optimizer_state`` returns in the sharded format: ``{"state": {"<parameter name>.<key>":
+    DCP view}, "param_groups": [settings without parameters]}``, this rank's part only (no communication)."""
+    return {"state": optimizer_entries(optimizer, parameter_names(module), tp_mesh),
+            "param_groups": hyperparameters(optimizer)}
+
+
+def save_trainer_checkpoint(writer: ShardedCheckpointWriter, checkpoint: dict[str, Any], path: Path,
+                            single_device_shapes: dict[str, list[int]], layout: dict[str, Any]) -> None:
+    """Write Lightning's ``checkpoint`` (``state_dict`` and ``optimizer_states`` holding DCP views) to the
+    directory ``path`` (collective). ``single_device_shapes`` must cover the whole model (every stage)."""
+    checkpoint = dict(checkpoint)
+    entries = {MODEL_PREFIX + k: v for k, v in checkpoint.pop("state_dict").items()}
+    groups = None
+    if "optimizer_states" in checkpoint:
+        groups = []
+        for index, state in enumerate(checkpoint.pop("optimizer_states")):
+            entries.update({f"{OPTIMIZER_PREFIX}{index}.state.{k}": v for k, v in state["state"].items()})
+            groups.append(state["param_groups"])
+    checkpoint[FORMAT_KEY] = {"format": FORMAT, "layout": layout, "single_device_shapes": single_device_shapes,
+                              "optimizer_param_groups": groups}
+    writer.save(path, entries, checkpoint)
+
+
+def read_trainer_state(path: Path, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    """``trainer_state.pt`` of the sharded checkpoint ``path`` (``weights_only`` unless told ``False``).
+
+    Raises:
+        ValueError: the file holds objects ``weights_only`` refuses, or is not of this format.
+    """
+    file = Path(path) / TRAINER_STATE_FILE
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=weights_only is not False)
+    except pickle.UnpicklingError as error:
+        raise ValueError(
+            f"{file} holds objects that loading with weights_only=True refuses ({error}). If you trust the checkpoint, "
+            f"pass weights_only=False to trainer.fit/validate, or allow the classes with "
+            f"torch.serialization.add_safe_globals."
+        ) from error
+    if not isinstance(state, dict) or state.get(FORMAT_KEY, {}).get("format") != FORMAT:
+        raise ValueError(f"{path} is not a lightning_seqpar sharded checkpoint of format {FORMAT!r}.")
+    return state
+
+
+def load_trainer_checkpoint(path: Path, module: nn.Module, optimizers: Sequence[Optimizer],
+                            tp_mesh: Optional[DeviceMesh], strict: bool, allow_non_finite: bool,
+                            weights_only: Optional[bool] = None) -> dict[str, Any]:
+    """Read the sharded checkpoint ``path`` into ``module`` and (if any) ``optimizers``, in place, each rank
+    its own shards (collective), and return the rest of the Lightning checkpoint for the Trainer.
+
+    The returned dict has ``state_dict`` empty (already loaded) and, if saved, ``optimizer_states`` holding
+    each optimizer's saved settings (already loaded when ``optimizers`` were given).
+
+    Raises:
+        ValueError: from :func:`read_trainer_state`, :func:`~.sharded.load_model`, :func:`~.sharded.load_optimizer`;
+            another number of optimizers than saved.
+    """
+    state = read_trainer_state(path, weights_only)
+    info = state[FORMAT_KEY]
+    metadata = read_metadata(path)
+    load_model(module, path, metadata, tp_mesh, strict, allow_non_finite)
+    groups = info["optimizer_param_groups"]
+    if groups is not None and optimizers:
+        if len(groups) != len(optimizers):
+            raise ValueError(f"The checkpoint holds {len(groups)} optimizer(s); this run has {len(optimizers)}.")
+        names = parameter_names(module)
+        for index, (optimizer, saved) in enumerate(zip(optimizers, groups)):
+            load_optimizer(index, optimizer, saved, names, path, metadata, tp_mesh, allow_non_finite)
+    state["state_dict"] = {}
+    if groups is not None:
+        state["optimizer_states"] = groups
+    return state

@@ -1,0 +1,124 @@
+"""Writing a sharded checkpoint directory atomically, in the foreground or while training goes on.
+
+Every rank writes its shards into ``.NAME.tmp-PID`` (PID: the coordinator's, so every rank agrees) beside
+the target; when DCP has written its index, which it does only after every rank reported its files, the
+coordinator adds ``trainer_state.pt`` and publishes the directory under ``NAME`` (see :mod:`.atomic`).
+A save killed at any moment therefore leaves the previous checkpoint under ``NAME`` and no partial one.
+
+With ``async_save``, ``torch.distributed.checkpoint.async_save`` copies the state to host memory (staging,
+on the caller's thread; the copy costs one more shard of host memory until written) and writes in a
+background thread; the coordinator publishes when it completes. One save is in flight at a time: the
+next save, and :meth:`ShardedCheckpointWriter.wait`, wait for it. The background collectives need a
+process group of their own (gloo), so they never interleave with training's.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import Tensor
+from torch.distributed.checkpoint import FileSystemWriter
+
+from lightning_seqpar.checkpoint.atomic import publish, recover_stale, temporary_path
+from lightning_seqpar.checkpoint.sharded import TRAINER_STATE_FILE
+
+
+class ShardedCheckpointWriter:
+    """Saves sharded checkpoints of one job (every rank holds one writer).
+
+    Args:
+        coordinator: whether this rank publishes (rank 0).
+        coordinator_pid: the coordinator's process id, which names the temporary directory on every rank.
+        process_group: the group DCP's collectives run on (default: the world); required, and of its own,
+            for ``async_save``.
+        async_save: write in the background while training continues.
+    """
+
+    def __init__(self, coordinator: bool, coordinator_pid: int, process_group: Optional[Any] = None,
+                 async_save: bool = False) -> None:
+        self.coordinator, self.coordinator_pid = coordinator, coordinator_pid
+        self.process_group, self.async_save = process_group, async_save
+        self._executor: Optional[ThreadPoolExecutor] = None
+        self._pending: Optional[Future] = None
+
+    def save(self, path: Path, entries: Mapping[str, Tensor], trainer_state: Mapping[str, Any]) -> None:
+        """Write ``entries`` (DCP views, every rank its own) and the coordinator's ``trainer_state`` to ``path``.
+
+        Collective over ``process_group``; returns when published, or, with ``async_save``, once staged.
+
+        Raises:
+            Whatever the previous asynchronous save raised, re-raised here (or by :meth:`wait`).
+        """
+        self.wait()
+        path = Path(path)
+        tmp = temporary_path(path, self.coordinator_pid)
+        if self.coordinator:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            recover_stale(path.parent)
+            tmp.mkdir()
+            with open(tmp / TRAINER_STATE_FILE, "wb") as f:
+                torch.save(dict(trainer_state), f)
+        dist.barrier(group=self.process_group)  # the directory exists before anyone writes into it
+        writer = FileSystemWriter(tmp)
+        if not self.async_save:
+            try:
+                dcp.save(dict(entries), storage_writer=writer, process_group=self.process_group)
+            except BaseException:
+                self._discard(tmp)
+                raise
+            if self.coordinator:
+                publish(tmp, path)
+            return
+        written = dcp.async_save(dict(entries), storage_writer=writer, process_group=self.process_group)
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-publish")
+        self._pending = self._executor.submit(self._finish, written, tmp, path)
+
+    def _finish(self, written: Any, tmp: Path, path: Path) -> None:
+        try:
+            written.result()
+        except BaseException:
+            self._discard(tmp)
+            raise
+        if self.coordinator:
+            publish(tmp, path)
+
+    def _discard(self, tmp: Path) -> None:
+        if self.coordinator and tmp.exists():
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is written and published.
+
+        Raises:
+            Whatever that save raised.
+        """
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def close(self) -> None:
+        """:meth:`wait`, then stop the background thread."""
+        try:
+            self.wait()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None
+
+
+def coordinator_pid(process_group: Optional[Any] = None) -> int:
+    """Rank 0's process id, on every rank (collective)."""
+    value = [os.getpid()]
+    if dist.is_initialized() and dist.get_world_size(process_group) > 1:
+        dist.broadcast_object_list(value, src=dist.get_global_rank(process_group, 0) if process_group else 0,
+                                   group=process_group)
+    return value[0]
