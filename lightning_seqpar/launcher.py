@@ -23,7 +23,7 @@ class SeqParallelSpawnLauncher(MultiProcessingLauncher):
     def _collect_rank_zero_results(self, trainer: Any, results: Any) -> Optional[WorkerOutput]:
         callback = trainer.checkpoint_callback
         best_model_path = getattr(callback, "best_model_path", None) if callback else None
-        state_dict = trainer.strategy.lightning_module_state_dict()  # collective: every rank takes part
+        state_dict = trainer.strategy.full_state_dict()  # collective: every rank takes part
         if trainer.strategy.local_rank != 0:
             return None
         weights_path = None

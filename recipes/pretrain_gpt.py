@@ -55,7 +55,7 @@ def sample(module: GPTLightningModule, trainer: pl.Trainer, data: TextDataModule
     assembled from every stage (the checkpoint's state dict).
     """
     if cfg.strategy.pp > 1:
-        state = trainer.strategy.lightning_module_state_dict()
+        state = trainer.strategy.full_state_dict()  # collective: the single-device weights on every rank
         module = GPTLightningModule(module.gpt.config)
         module.load_state_dict(state)
     module.eval()

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def _resume(rank, world_size, directory):
     # Epoch-based: Lightning restarts a plain DataLoader at the next epoch boundary, so the data order of the
     # resumed run is the uninterrupted run's (a step-based run restarts the interrupted epoch's iterator).
-    case = Case("gpt", 2, True, "selective")
+    case = Case("gpt", 2, True, "selective", strategy=(("checkpoint_format", "full"),))
     straight = fit(case, world_size, steps=-1, epoch_steps=3, max_epochs=2).losses
     ckpt = ModelCheckpoint(dirpath=directory, save_last=True)
     first = fit(case, world_size, steps=-1, callbacks=[ckpt], epoch_steps=3, max_epochs=1,
@@ -30,13 +30,13 @@ def _resume(rank, world_size, directory):
     return straight, first, resumed, {k: tuple(v.shape) for k, v in state.items()}
 
 
-def test_resume_continues_the_same_loss_curve(tmp_path):
+def test_full_format_resume_continues_the_same_loss_curve(tmp_path):
     straight, first, resumed, shapes = run_distributed(_resume, 2, str(tmp_path))[0]
     assert len(straight) == 6
     assert first == straight[:3]
     # Weights, Adam moments and step counts restored exactly: the curve continues bit for bit.
     assert resumed == straight[3:]
-    # The checkpoint holds the unparallelized model: full shapes, no vocabulary padding.
+    # The single-file checkpoint holds the unparallelized model: full shapes, no vocabulary padding.
     assert shapes["gpt.transformer.wte.weight"] == (13, 16)
     assert shapes["gpt.transformer.h.0.attn.c_attn.weight"] == (48, 16)
 

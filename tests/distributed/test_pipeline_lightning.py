@@ -20,7 +20,8 @@ from tests.helpers.distributed import run_distributed
 from tests.helpers.models import build, gpt_module, loader, token_data
 from tests.helpers.parity import Case, fit
 
-CASE = Case("gpt", 2, True, "selective", (), (), (), 2)
+FULL = (("checkpoint_format", "full"),)  # the single-file format; sharded checkpoints: test_sharded_checkpoint.py
+CASE = Case("gpt", 2, True, "selective", (), (), FULL, 2)
 
 
 class ManualOptimization(GPTLightningModule):
@@ -80,7 +81,7 @@ def _resume_error(case, world_size, ckpt_path):
 def _bad_checkpoints(world_size, directory):
     """First error lines of resuming from checkpoints that must be refused, on this rank."""
     directory = Path(directory)
-    pp1 = Case("gpt", 2, True, None)  # tp 2 × dp 2, no pipeline
+    pp1 = Case("gpt", 2, True, None, strategy=FULL)  # tp 2 × dp 2, no pipeline
     fit(pp1, world_size, steps=-1, epoch_steps=3, max_epochs=1, enable_checkpointing=True,
         callbacks=[ModelCheckpoint(dirpath=directory / "pp1", save_last=True)])
     if torch.distributed.get_rank() == 0:  # the pipeline checkpoint with one Adam moment corrupted

@@ -19,6 +19,7 @@ def start_recipe(tmp_path: Path, *overrides: str) -> tuple[subprocess.Popen, Pat
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     with open(log, "w") as out:
         job = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    job.started = time.time()  # type: ignore[attr-defined]
     return job, log
 
 
