@@ -25,6 +25,9 @@ CASES = {
 CLIP_ACCUMULATE = (("gradient_clip_val", 0.05), ("accumulate_grad_batches", 2))
 CASES[2].append(Case("gpt", 2, True, None, (), CLIP_ACCUMULATE))
 CASES[4].append(Case("encoder", 2, True, "selective", ENCODER_A, CLIP_ACCUMULATE))
+# ZeRO-1: the optimizer state sharded over the two data-parallel ranks trains exactly as replicated state.
+ZERO1 = (("zero", 1),)
+CASES[4].append(Case("gpt", 2, True, None, (), CLIP_ACCUMULATE, ZERO1))
 RTOL, ATOL = 1e-9, 1e-11
 
 
@@ -52,7 +55,7 @@ def _cases():
 
 def _id(wc):
     w, c = wc
-    extra = "-clip-accumulate" if c.trainer else ""
+    extra = ("-clip-accumulate" if c.trainer else "") + "".join(f"-{k}{v}" for k, v in c.strategy)
     return (f"{c.kind}{''.join(v[0] for _, v in c.model if isinstance(v, str))}-tp{c.tp}dp{w // c.tp}-"
             f"{'sp' if c.sequence_parallel else 'nosp'}-{c.recompute}{extra}")
 

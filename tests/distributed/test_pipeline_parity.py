@@ -34,6 +34,7 @@ CASES = {
         Case("gpt", 2, True, "selective", GPT4, CLIP_ACCUMULATE, INTERLEAVED, 2),
         Case("encoder", 2, True, "selective", ENCODER_A, (), (), 2),
         Case("encoder", 2, True, "full", ENCODER_B, (), GPIPE, 2),
+        Case("gpt", 1, True, None, UNTIED, CLIP_ACCUMULATE, (("zero", 1),), 2),  # pp 2 x dp 2, ZeRO-1
     ],
     8: [
         Case("gpt", 2, True, "selective", (), (), (), 2),
