@@ -37,6 +37,7 @@ from lightning_seqpar.checkpoint_checks import (
     on_every_rank,
     optimizer_states_of_this_stage,
 )
+from lightning_seqpar.checkpoint.consolidate import load_state_dict_file
 from lightning_seqpar.checkpoint.sharded import FORMAT_KEY, is_sharded_checkpoint, model_entries, single_device_shapes
 from lightning_seqpar.checkpoint.trainer_checkpoint import (
     load_trainer_checkpoint,
@@ -493,6 +494,20 @@ class SeqParallelStrategy(ParallelStrategy):
         returns this rank's shards instead."""
         assert self.lightning_module is not None
         return merge_over_stages(full_state_dict(self.lightning_module, self.mesh.tensor), self.mesh.pipeline)
+
+    def load_single_device_state_dict(self, source: Union[str, Path, Mapping[str, Tensor]], strict: bool = True) -> None:
+        """Start from single-device weights in any layout: copy this rank's shards (and stage) out of ``source``,
+        a state dict of the unparallelized model, or a file holding one (``.pt``/``.ckpt`` read with
+        ``weights_only=True`` and memory-mapped, so a rank reads only the bytes of its slices; ``.safetensors``;
+        a sharded checkpoint directory). Collective; call it after setup, e.g. in ``on_fit_start``.
+
+        Raises:
+            KeyError: with ``strict``, keys missing from ``source`` or unknown to the model.
+            ValueError: a tensor of another shape, or non-finite values (checked on every rank first).
+        """
+        if not isinstance(source, Mapping):
+            source = load_state_dict_file(source)
+        self.load_model_state_dict({"state_dict": source}, strict=strict)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:

@@ -111,3 +111,92 @@ def test_consolidated_checkpoint_loads_into_the_plain_model(saved, tmp_path):
     model.load_state_dict(torch.load(out, weights_only=True))
     for key, value in model.state_dict().items():
         torch.testing.assert_close(value, after_one_epoch[key], rtol=1e-9, atol=1e-12, msg=key)
+
+
+def _validated_trainer(world, tp, pp, **strategy):
+    trainer = _trainer(SeqParallelStrategy(tp=tp, pp=pp, **strategy), world, 1)
+    module = build("gpt")
+    trainer.validate(module, _loader(1, 0), verbose=False)  # sets up the parallel model
+    return trainer, module
+
+
+def _start_from_single_device(rank, world, path):
+    trainer, _ = _validated_trainer(world, 2, 2)
+    trainer.strategy.load_single_device_state_dict(path)
+    return trainer.strategy.full_state_dict()
+
+
+def test_a_single_device_state_dict_is_the_starting_point_of_any_layout(saved, tmp_path):
+    path = tmp_path / "single.pt"
+    torch.save(consolidate(saved["tp2"][1]), path)
+    want = torch.load(path, weights_only=True)
+    for whole in run_distributed(_start_from_single_device, 4, str(path)):  # pp 2 x tp 2
+        assert whole.keys() == want.keys()
+        for key in want:
+            torch.testing.assert_close(whole[key], want[key], rtol=0, atol=0, msg=key)
+
+
+def _bad(rank, world, good, directory):
+    errors = {}
+    trainer, module = _validated_trainer(world, 2, 1)
+    with torch.no_grad():
+        module.gpt.transformer.h[0].mlp.c_fc.weight.view(-1)[1] = float("nan")  # a shard of rank 0 only
+    trainer.save_checkpoint(f"{directory}/nan.ckpt")
+    for name, model, checkpoint in (("nan", (), f"{directory}/nan.ckpt"), ("wider", (("n_embd", 32),), good)):
+        try:
+            trainer = _trainer(SeqParallelStrategy(tp=2), world, 2)
+            trainer.fit(build("gpt", **dict(model)), _loader(1, 0), ckpt_path=checkpoint)
+        except ValueError as error:
+            errors[name] = str(error)
+    return errors
+
+
+def test_bad_sharded_checkpoints_are_refused_on_every_rank_with_the_reason(saved, tmp_path):
+    for errors in run_distributed(_bad, 2, str(saved["tp2"][1]), str(tmp_path)):
+        assert "'state_dict.gpt.transformer.h.0.mlp.c_fc.weight' holds 1 non-finite value(s)" in errors["nan"]
+        assert "found on rank 0" in errors["nan"]
+        assert "does not fit this model" in errors["wider"] and "'gpt.transformer.wte.weight'" in errors["wider"]
+
+
+class _GatedSave(pl.Callback):
+    """Saves after step 1 with the write held back until step 3 has trained."""
+
+    def __init__(self, path, gate):
+        self.path, self.gate, self.published_while_training, self.at_save = path, gate, None, None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == 1:
+            self.at_save = trainer.strategy.full_state_dict()
+            trainer.save_checkpoint(self.path)
+        if trainer.global_step == 3:
+            self.published_while_training = is_sharded_checkpoint(Path(self.path))
+            self.gate.set()
+
+
+def _async(rank, world, path):
+    import threading
+
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    gate, write = threading.Event(), FileSystemWriter.write_data
+
+    def gated(self, plan, planner):
+        assert gate.wait(120)
+        return write(self, plan, planner)
+
+    FileSystemWriter.write_data = gated
+    probe = _GatedSave(path, gate)
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=SeqParallelStrategy(tp=2, async_save=True),
+                         precision="64-true", max_steps=4, logger=False, enable_checkpointing=False, callbacks=[probe],
+                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+    trainer.fit(build("gpt"), _loader(1, 0))  # teardown waits for the save in flight
+    return probe.published_while_training, probe.at_save, trainer.global_step
+
+
+def test_async_save_writes_while_training_goes_on(tmp_path):
+    path = tmp_path / "async.ckpt"
+    for published_while_training, at_save, steps in run_distributed(_async, 2, str(path)):
+        assert steps == 4 and published_while_training is False  # steps 2 and 3 trained while it was written
+        state = consolidate(path)  # published once written: the weights as they were at step 1
+        for key, value in at_save.items():
+            torch.testing.assert_close(state[key], value, rtol=0, atol=0, msg=key)

@@ -1,0 +1,93 @@
+"""Sharded checkpoint pieces that need no process group: publishing, recovery, the safe index reader, views."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from lightning_seqpar.checkpoint.atomic import publish, recover_stale, temporary_path
+from lightning_seqpar.checkpoint.layout import dcp_view, saved_shape
+from lightning_seqpar.checkpoint.safe_reader import SafeFileSystemReader, read_metadata
+from lightning_seqpar.tensor_parallel.sharding import ShardSpec
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_a_directory_replaces_the_previous_one_in_place(tmp_path):
+    final = tmp_path / "last.ckpt"
+    for step in (1, 2):
+        tmp = temporary_path(final)
+        tmp.mkdir()
+        (tmp / "step").write_text(str(step))
+        publish(tmp, final)
+        assert (final / "step").read_text() == str(step)
+    assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
+
+
+def test_recovery_restores_the_previous_checkpoint_of_a_writer_killed_between_its_renames(tmp_path):
+    pid = _dead_pid()
+    old = tmp_path / f".last.ckpt.old-{pid}"  # moved aside; the new one never got its name
+    old.mkdir()
+    (old / "step").write_text("1")
+    partial = tmp_path / f".last.ckpt.tmp-{pid}"
+    partial.mkdir()
+    (partial / "half").write_text("x")
+    other_old = tmp_path / f".epoch.ckpt.old-{pid}"  # moved aside and replaced: the old copy goes
+    other_old.mkdir()
+    (tmp_path / "epoch.ckpt").mkdir()
+    recover_stale(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch.ckpt", "last.ckpt"]
+    assert (tmp_path / "last.ckpt" / "step").read_text() == "1"
+
+
+def test_directories_of_running_writers_are_kept(tmp_path):
+    writer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        theirs = temporary_path(tmp_path / "last.ckpt", writer.pid)
+        theirs.mkdir()
+        recover_stale(tmp_path)
+        assert theirs.exists()
+    finally:
+        writer.kill()
+        writer.wait()
+    recover_stale(tmp_path)
+    assert not theirs.exists()
+
+
+def test_the_index_is_read_with_an_allowlist(tmp_path):
+    dcp.save({"w": torch.ones(2, 3)}, checkpoint_id=tmp_path / "ok", no_dist=True)
+    assert "w" in read_metadata(tmp_path / "ok").state_dict_metadata
+    target = {"w": torch.zeros(2, 3)}
+    dcp.load(target, storage_reader=SafeFileSystemReader(tmp_path / "ok"), no_dist=True)
+    assert torch.equal(target["w"], torch.ones(2, 3))
+
+    class Exploit:
+        def __reduce__(self):
+            return (os.system, ("echo pwned",))
+
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / ".metadata").write_bytes(pickle.dumps(Exploit()))
+    with pytest.raises(pickle.UnpicklingError, match="posix.system|os.system"):
+        read_metadata(bad)
+
+
+def test_views_leave_out_vocabulary_padding_and_store_fused_blocks_as_one_contiguous_shard():
+    # Padding other than ceil(full/t) rows per rank is not DTensor's uneven split: refused, not mis-saved.
+    with pytest.raises(ValueError, match="ceil"):
+        dcp_view(torch.zeros(16, 2), ShardSpec(dim=0, full_size=13, padded_size=16), None)
+    fused = ShardSpec(dim=0, full_size=12, padded_size=12, chunks=3)
+    view = dcp_view(torch.arange(12 * 2.0).reshape(12, 2), fused, None)
+    assert view.shape == (3, 4, 2) and saved_shape(fused, (12, 2)) == (3, 4, 2)
+    view.zero_()  # a view: loading writes into the parameter itself
+    assert saved_shape(None, (5, 2)) == (5, 2)
