@@ -38,7 +38,13 @@ from lightning_seqpar.checkpoint_checks import (
     optimizer_states_of_this_stage,
 )
 from lightning_seqpar.checkpoint.consolidate import load_state_dict_file
-from lightning_seqpar.checkpoint.sharded import FORMAT_KEY, is_sharded_checkpoint, model_entries, single_device_shapes
+from lightning_seqpar.checkpoint.sharded import (
+    FORMAT_KEY,
+    is_sharded_checkpoint,
+    model_entries,
+    single_device_shapes,
+    tied_aliases,
+)
 from lightning_seqpar.checkpoint.trainer_checkpoint import (
     load_trainer_checkpoint,
     optimizer_checkpoint_state,
@@ -540,7 +546,8 @@ class SeqParallelStrategy(ParallelStrategy):
         shapes = merge_over_stages(single_device_shapes(self.lightning_module), self.mesh.pipeline)
         layout = {"tp": self.mesh.tp, "pp": self.mesh.pp, "dp": self.mesh.dp, "zero": self.zero,
                   "sequence_parallel": self.sequence_parallel}
-        save_trainer_checkpoint(self._checkpoint_writer, checkpoint, path, shapes, layout)
+        tied = merge_over_stages(tied_aliases(self.lightning_module), self.mesh.pipeline)
+        save_trainer_checkpoint(self._checkpoint_writer, checkpoint, path, shapes, tied, layout)
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:

@@ -33,13 +33,18 @@ def consolidate(path: os.PathLike | str) -> dict[str, Tensor]:
     path = Path(path)
     if not is_sharded_checkpoint(path):
         raise FileNotFoundError(f"{path} is not a complete sharded checkpoint directory (no .metadata inside).")
-    shapes = read_trainer_state(path)[FORMAT_KEY]["single_device_shapes"]
+    info = read_trainer_state(path)[FORMAT_KEY]
+    shapes = info["single_device_shapes"]
     metadata = read_metadata(path)
     saved = {k: v for k, v in metadata.state_dict_metadata.items()
              if k.startswith(MODEL_PREFIX) and isinstance(v, TensorStorageMetadata)}
     targets = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in saved.items()}
     dcp.load(targets, storage_reader=SafeFileSystemReader(path), no_dist=True)
-    return {k[len(MODEL_PREFIX):]: v.reshape(shapes[k[len(MODEL_PREFIX):]]) for k, v in targets.items()}
+    state = {k[len(MODEL_PREFIX):]: v.reshape(shapes[k[len(MODEL_PREFIX):]]) for k, v in targets.items()}
+    for alias, stored in info["tied"].items():  # tied parameters: one tensor under each of their keys
+        state[alias] = state[stored]
+    order = list(shapes)  # the model's own key order
+    return {k: state[k] for k in sorted(state, key=lambda k: order.index(k) if k in order else len(order))}
 
 
 def write_state_dict(state_dict: dict[str, Tensor], out: os.PathLike | str) -> Path:

@@ -55,19 +55,38 @@ def local_part(tensor: Tensor) -> Tensor:
 
 
 # ---------------------------------------------------------------------------------------------- model
-def model_entries(module: nn.Module, tp_mesh: Optional[DeviceMesh]) -> dict[str, Tensor]:
-    """``module.state_dict()`` as DCP must see it (same keys; values are :func:`~.layout.dcp_view` views).
-
-    Raises:
-        TypeError: a state-dict entry that is not a tensor (``get_extra_state``), which DCP would pickle.
-    """
-    entries = {}
+def _unique_tensors(module: nn.Module) -> tuple[dict[str, Tensor], dict[str, str]]:
+    """``module.state_dict(keep_vars=True)`` with each tied parameter under its first key only, and the
+    other keys as ``{alias: first key}`` (tied embeddings: stored once, as ``torch.save`` would)."""
+    unique: dict[str, Tensor] = {}
+    aliases: dict[str, str] = {}
+    first: dict[int, str] = {}
     for name, value in module.state_dict(keep_vars=True).items():  # keep_vars: parameters carry their shard spec
         if not isinstance(value, Tensor):
             raise TypeError(f"state_dict entry '{name}' is a {type(value).__name__}, not a tensor: sharded checkpoints "
                             f"hold tensors only. Use checkpoint_format='full' for this model.")
-        entries[name] = dcp_view(value, shard_spec(value), tp_mesh)
-    return entries
+        if isinstance(value, nn.Parameter) and id(value) in first:
+            aliases[name] = first[id(value)]
+            continue
+        first[id(value)] = name
+        unique[name] = value
+    return unique, aliases
+
+
+def model_entries(module: nn.Module, tp_mesh: Optional[DeviceMesh]) -> dict[str, Tensor]:
+    """``module.state_dict()`` as DCP must see it: values are :func:`~.layout.dcp_view` views, a tied
+    parameter under its first key only (:func:`tied_aliases` gives the others).
+
+    Raises:
+        TypeError: a state-dict entry that is not a tensor (``get_extra_state``), which DCP would pickle.
+    """
+    unique, _ = _unique_tensors(module)
+    return {name: dcp_view(value, shard_spec(value), tp_mesh) for name, value in unique.items()}
+
+
+def tied_aliases(module: nn.Module) -> dict[str, str]:
+    """``{state-dict key: key it is stored under}`` for the keys of tied parameters left out of the checkpoint."""
+    return _unique_tensors(module)[1]
 
 
 def single_device_shapes(module: nn.Module) -> dict[str, list[int]]:
@@ -92,7 +111,7 @@ def load_model(module: nn.Module, path: Path, metadata: Metadata, tp_mesh: Optio
             value after loading (unless ``allow_non_finite``).
     """
     saved = {k[len(MODEL_PREFIX):]: v for k, v in metadata.state_dict_metadata.items() if k.startswith(MODEL_PREFIX)}
-    own = {k: v for k, v in module.state_dict(keep_vars=True).items() if isinstance(v, Tensor)}
+    own, _ = _unique_tensors(module)
     everyone: list[Any] = [set(own)]
     if dist.is_initialized() and dist.get_world_size() > 1:  # pipeline stages hold different keys
         everyone = [None] * dist.get_world_size()

@@ -41,9 +41,11 @@ def optimizer_checkpoint_state(optimizer: Optimizer, module: nn.Module, tp_mesh:
 
 
 def save_trainer_checkpoint(writer: ShardedCheckpointWriter, checkpoint: dict[str, Any], path: Path,
-                            single_device_shapes: dict[str, list[int]], layout: dict[str, Any]) -> None:
+                            single_device_shapes: dict[str, list[int]], tied: dict[str, str],
+                            layout: dict[str, Any]) -> None:
     """Write Lightning's ``checkpoint`` (``state_dict`` and ``optimizer_states`` holding DCP views) to the
-    directory ``path`` (collective). ``single_device_shapes`` must cover the whole model (every stage)."""
+    directory ``path`` (collective). ``single_device_shapes`` must cover the whole model (every stage), and
+    ``tied`` maps the state-dict keys of tied parameters left out to the key they are stored under."""
     checkpoint = dict(checkpoint)
     entries = {MODEL_PREFIX + k: v for k, v in checkpoint.pop("state_dict").items()}
     groups = None
@@ -53,7 +55,7 @@ def save_trainer_checkpoint(writer: ShardedCheckpointWriter, checkpoint: dict[st
             entries.update({f"{OPTIMIZER_PREFIX}{index}.state.{k}": v for k, v in state["state"].items()})
             groups.append(state["param_groups"])
     checkpoint[FORMAT_KEY] = {"format": FORMAT, "layout": layout, "single_device_shapes": single_device_shapes,
-                              "optimizer_param_groups": groups}
+                              "tied": tied, "optimizer_param_groups": groups}
     writer.save(path, entries, checkpoint)
 
 

@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_seqpar import SeqParallelStrategy
 from lightning_seqpar.checkpoint import consolidate, is_sharded_checkpoint
+from lightning_seqpar.checkpoint.safe_reader import read_metadata
 from tests.helpers.distributed import run_distributed
 from tests.helpers.models import Recorder, build, token_data
 
@@ -96,6 +97,9 @@ def test_resume_under_another_layout_continues_the_one_process_curve(saved, refe
 
 
 def test_consolidated_checkpoint_loads_into_the_plain_model(saved, tmp_path):
+    stored = read_metadata(saved["tp2"][1]).state_dict_metadata
+    # The tied embedding / LM head is stored once, as torch.save would, and comes back under both keys.
+    assert "state_dict.gpt.transformer.wte.weight" in stored and "state_dict.gpt.lm_head.weight" not in stored
     _, after_one_epoch = _reference(1)
     for name in ("tp2", "pp2xtp2"):
         state = consolidate(saved[name][1])
