@@ -64,7 +64,13 @@ def write_state_dict(state_dict: dict[str, Tensor], out: os.PathLike | str) -> P
             except ImportError as error:
                 raise ImportError("Writing .safetensors needs the safetensors package: pip install safetensors "
                                   "(or lightning_seqpar[hf]).") from error
-            save_file({k: v.contiguous() for k, v in state_dict.items()}, str(tmp))
+            stored: set[int] = set()
+            tensors = {}
+            for key, value in state_dict.items():  # safetensors refuses shared memory: a tied weight is copied
+                value = value.contiguous()
+                tensors[key] = value.clone() if value.data_ptr() in stored else value
+                stored.add(value.data_ptr())
+            save_file(tensors, str(tmp))
         else:
             torch.save(state_dict, tmp)
         publish(tmp, out)

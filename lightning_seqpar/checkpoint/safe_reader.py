@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 METADATA_FILE = ".metadata"
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
@@ -63,7 +63,6 @@ class SafeFileSystemReader(FileSystemReader):
         metadata = read_metadata(Path(self.path))
         # DCP's own reader fills these in (see FileSystemReader.read_metadata); keep its behaviour.
         if getattr(metadata, "storage_meta", None) is None:
-            from torch.distributed.checkpoint.metadata import StorageMeta
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata

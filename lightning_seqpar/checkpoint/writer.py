@@ -15,6 +15,7 @@ process group of their own (gloo), so they never interleave with training's.
 from __future__ import annotations
 
 import os
+import shutil
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Mapping, Optional
@@ -91,8 +92,6 @@ class ShardedCheckpointWriter:
 
     def _discard(self, tmp: Path) -> None:
         if self.coordinator and tmp.exists():
-            import shutil
-
             shutil.rmtree(tmp, ignore_errors=True)
 
     def wait(self) -> None:

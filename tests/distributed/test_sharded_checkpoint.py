@@ -13,7 +13,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_seqpar import SeqParallelStrategy
-from lightning_seqpar.checkpoint import consolidate, is_sharded_checkpoint
+from lightning_seqpar.checkpoint import consolidate, is_sharded_checkpoint, write_state_dict
 from lightning_seqpar.checkpoint.safe_reader import read_metadata
 from tests.helpers.distributed import run_distributed
 from tests.helpers.models import Recorder, build, token_data
@@ -107,6 +107,13 @@ def test_consolidated_checkpoint_loads_into_the_plain_model(saved, tmp_path):
         model.load_state_dict(state)  # strict: same keys, single-device shapes, no vocabulary padding
         for key, value in model.state_dict().items():
             torch.testing.assert_close(value, after_one_epoch[key], rtol=1e-9, atol=1e-12, msg=key)
+    from safetensors.torch import load_file
+
+    write_state_dict(consolidate(saved["tp2"][1]), tmp_path / "model.safetensors")
+    model = build("gpt").double()
+    model.load_state_dict(load_file(tmp_path / "model.safetensors"))
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(value, after_one_epoch[key], rtol=1e-9, atol=1e-12, msg=key)
     out = tmp_path / "model.pt"
     result = subprocess.run([sys.executable, "-m", "lightning_seqpar.checkpoint", "consolidate",
                              str(saved["tp2xdp2_zero1"][1]), str(out)], cwd=ROOT, capture_output=True, text=True)
