@@ -84,3 +84,9 @@ __all__: list[Any] = [
     "sync_ddp_if_available",
     "tree_flatten",
 ]
+
+
+def hf_attention_implementation(config: object) -> str:
+    """The attention kernel a Hugging Face config selects (``"eager"``, ``"sdpa"``, ...). transformers 5 keeps
+    it in ``config._attn_implementation`` (the public ``attn_implementation`` is only a constructor argument)."""
+    return getattr(config, "_attn_implementation", None) or "eager"

@@ -48,6 +48,11 @@ class Policy:
     block: ClassVar[type[nn.Module]]
     role: ClassVar[str] = "layer"
 
+    def matches(self, module: nn.Module) -> bool:
+        """Whether this policy rewrites ``module``: by default, exactly the instances of :attr:`block`. A policy
+        that recognizes a layout by structure (e.g. every Hugging Face model of the Llama layout) overrides it."""
+        return type(module) is self.block
+
     def check(self, module: nn.Module, ctx: RewriteContext, name: str) -> None:
         """Raise ``ValueError`` naming ``name`` and the numbers if ``module`` cannot be split t ways."""
         raise NotImplementedError

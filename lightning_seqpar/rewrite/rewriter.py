@@ -7,6 +7,7 @@ from typing import Iterable, Optional
 
 import torch.nn as nn
 
+from lightning_seqpar.rewrite.hf_decoder import LlamaLayoutPolicy
 from lightning_seqpar.rewrite.policy import DeclaresPolicy, Policy
 from lightning_seqpar.rewrite.torch_encoder import TransformerEncoderLayerPolicy, TransformerEncoderPolicy
 from lightning_seqpar.tensor_parallel.collectives import ParallelGroup
@@ -14,12 +15,13 @@ from lightning_seqpar.transformer.context import RewriteContext
 
 
 def default_policies() -> list[Policy]:
-    """The built-in policies: ``nn.TransformerEncoder`` and ``nn.TransformerEncoderLayer``.
+    """The built-in policies: ``nn.TransformerEncoder``, ``nn.TransformerEncoderLayer``, and Hugging Face
+    decoder layers of the Llama layout (recognized by structure).
 
     Block classes that declare their own policy (:class:`DeclaresPolicy`, e.g. the reference GPT) need
     no entry here.
     """
-    return [TransformerEncoderPolicy(), TransformerEncoderLayerPolicy()]
+    return [TransformerEncoderPolicy(), TransformerEncoderLayerPolicy(), LlamaLayoutPolicy()]
 
 
 @dataclass
@@ -52,20 +54,26 @@ class RewritePlan:
 
 
 class _Registry:
-    """Policies by exact block class: the user's, then the built-in ones, then what a class declares."""
+    """Policies by exact block class (the user's, then the built-in ones), then what a class declares, then the
+    policies that recognize a layout by structure (:meth:`Policy.matches`), the user's first."""
 
     def __init__(self, policies: Optional[Iterable[Policy]]) -> None:
-        self.by_class: dict[type, Optional[Policy]] = {p.block: p for p in default_policies()}
-        self.by_class.update({p.block: p for p in policies or ()})  # a user's policy overrides a built-in one
+        every = [*(policies or ()), *default_policies()]
+        self.structural = [p for p in every if p.block is nn.Module]
+        self.by_class: dict[type, Optional[Policy]] = {p.block: p for p in reversed(every) if p.block is not nn.Module}
 
-    def get(self, cls: type) -> Optional[Policy]:
+    def get(self, module: nn.Module) -> Optional[Policy]:
+        cls = type(module)
         if cls not in self.by_class:
-            declared = cls.parallel_policy() if isinstance(cls, type) and issubclass(cls, DeclaresPolicy) else None
-            self.by_class[cls] = declared if declared is not None and declared.block is cls else None
+            declared = cls.parallel_policy() if issubclass(cls, DeclaresPolicy) else None
+            if declared is None or declared.block is not cls:
+                declared = next((p for p in self.structural if p.matches(module)), None)
+            self.by_class[cls] = declared
         return self.by_class[cls]
 
     def known(self) -> list[str]:
-        return sorted(cls.__name__ for cls, p in self.by_class.items() if p is not None)
+        return sorted({cls.__name__ for cls, p in self.by_class.items() if p is not None}
+                      | {"Hugging Face decoder layers of the Llama layout"})
 
 
 def _candidate_blocks(model: nn.Module) -> list[str]:
@@ -95,7 +103,7 @@ def plan_rewrite(model: nn.Module, ctx: RewriteContext, policies: Optional[Itera
         while i < len(children):
             name, child = children[i]
             full = f"{prefix}.{name}" if prefix else name
-            policy = registry.get(type(child))
+            policy = registry.get(child)
             if policy is None:
                 visit(full, child)
                 i += 1
@@ -106,7 +114,7 @@ def plan_rewrite(model: nn.Module, ctx: RewriteContext, policies: Optional[Itera
                 run = []
                 while i + len(run) < len(children):
                     n, c = children[i + len(run)]
-                    p = registry.get(type(c))
+                    p = registry.get(c)
                     if p is None or p.role != "layer":
                         break
                     run.append((f"{prefix}.{n}" if prefix else n, c, p))
@@ -119,7 +127,7 @@ def plan_rewrite(model: nn.Module, ctx: RewriteContext, policies: Optional[Itera
                 claimed.append(n)
             i += len(run)
 
-    root_policy = registry.get(type(model))
+    root_policy = registry.get(model)
     if root_policy is not None:
         root_policy.check(model, ctx, type(model).__name__)
         plan.entries.append(PlannedRewrite("", type(model).__name__, root_policy, True, True, root_policy.describe(model, ctx)))

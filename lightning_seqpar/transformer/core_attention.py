@@ -28,6 +28,8 @@ class CoreAttention(nn.Module):
         causal: mask future positions.
         rng_tracker: tracker whose tensor-parallel stream is used when ``sharded_heads``.
         sharded_heads: heads are split over tensor-parallel ranks (each rank needs its own masks).
+        softmax_dtype: compute the softmax in this dtype and cast back (Hugging Face's eager attention uses
+            float32 whatever the input's dtype); default: the scores' dtype.
 
     Attributes:
         recompute: when ``True`` (set by :class:`~lightning_seqpar.SelectiveRecompute`), the forward is
@@ -43,9 +45,10 @@ class CoreAttention(nn.Module):
         causal: bool = False,
         rng_tracker: Optional[RNGTracker] = None,
         sharded_heads: bool = False,
+        softmax_dtype: Optional[torch.dtype] = None,
     ) -> None:
         super().__init__()
-        self.dropout, self.causal = dropout, causal
+        self.dropout, self.causal, self.softmax_dtype = dropout, causal, softmax_dtype
         self.rng_tracker, self.sharded_heads = rng_tracker, sharded_heads
         self.recompute = False
         self._future: Optional[Tensor] = None
@@ -69,7 +72,7 @@ class CoreAttention(nn.Module):
             scores = scores.masked_fill(self._future_mask(s, q.device), float("-inf"))
         if attn_mask is not None:
             scores = scores + attn_mask
-        probs = F.softmax(scores, dim=-1)
+        probs = F.softmax(scores, dim=-1, dtype=self.softmax_dtype).to(scores.dtype)
         if self.training and self.dropout > 0:
             with maybe_fork(self.rng_tracker, self.sharded_heads):
                 probs = dropout(probs, self.dropout)

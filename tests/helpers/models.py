@@ -66,6 +66,8 @@ class EncoderLM(pl.LightningModule):
 
 
 def compute_loss(module: pl.LightningModule, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    if hasattr(module, "compute_loss"):
+        return module.compute_loss(x, y)
     if isinstance(module, GPTLightningModule):
         return module.gpt(x, y)
     return F.cross_entropy(module(x).reshape(-1, VOCAB), y.reshape(-1))
@@ -81,6 +83,10 @@ def gpt_module(dropout: float = 0.0, tie_weights: bool = True, label_smoothing: 
 def build(kind: str, **kwargs) -> pl.LightningModule:
     """Seeded: every process builds the same initial model."""
     torch.manual_seed(1234)
+    if kind == "hf":
+        from tests.helpers.hf_models import HFCausalLM
+
+        return HFCausalLM(**kwargs)
     return gpt_module(**kwargs) if kind == "gpt" else EncoderLM(**kwargs)
 
 

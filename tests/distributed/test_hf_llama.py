@@ -1,0 +1,97 @@
+"""Hugging Face models of the Llama layout train under TP (+SP) exactly like one process.
+
+Tiny random configs (transformers' LlamaConfig / Qwen2Config, grouped-query attention with 2 key/value heads
+for 4 query heads), float64, loss and every gradient over 3 AdamW steps.
+"""
+
+import pytest
+import torch
+
+from lightning_seqpar import explain
+from tests.helpers.distributed import run_distributed
+from tests.helpers.models import build, reference_run, token_data
+from tests.helpers.parity import STEPS, Case, fit
+
+
+CASES = {
+    2: [
+        Case("hf", 2, True, None),                                          # TP + SP, eager, hand-written loss
+        Case("hf", 2, False, None),                                         # TP only
+        Case("hf", 2, True, "selective"),                                   # selective recompute of core attention
+        Case("hf", 2, True, None, (("attn_implementation", "sdpa"),)),      # fused attention
+        Case("hf", 2, True, None, (("labels", True), ("bias", True), ("tie", True))),  # labels=, q/k/v bias, tied
+        Case("hf", 2, True, None, (("family", "qwen2"),)),                  # another family of the same layout
+    ],
+    4: [Case("hf", 2, True, "selective")],                                  # tp 2 x dp 2
+}
+# Hugging Face's RMSNorm computes in float32 whatever the input's dtype, so float64 runs agree only to float32
+# rounding where the tensor-parallel sums (in float64, another order) cross it: ~1e-7 relative on the loss, up to
+# 6e-5 on single small gradient elements, ~1e-6 on a gradient's norm. Gradients are compared by the relative error
+# of the whole tensor: a missing reduction (a factor t = 2) gives >= 0.5.
+LOSS_RTOL, GRAD_BOUND = 1e-6, 1e-5
+
+
+def _relative_error(got, want):
+    return ((got - want).norm() / want.norm().clamp_min(1e-300)).item()
+
+
+def _run_cases(rank, world_size):
+    out = {}
+    for case in CASES[world_size]:
+        rec = fit(case, world_size)
+        out[case] = (rec.losses, rec.grads, rec.logged)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs2():
+    return run_distributed(_run_cases, 2)
+
+
+@pytest.fixture(scope="module")
+def runs4():
+    return run_distributed(_run_cases, 4)
+
+
+def _cases():
+    return [(w, c) for w in CASES for c in CASES[w]]
+
+
+def _id(wc):
+    w, c = wc
+    model = "-".join(f"{k}={v}" for k, v in c.model)
+    return f"tp{c.tp}dp{w // c.tp}-{'sp' if c.sequence_parallel else 'nosp'}-{c.recompute}-{model or 'llama-eager'}"
+
+
+@pytest.mark.parametrize("world_case", _cases(), ids=[_id(wc) for wc in _cases()])
+def test_llama_layout_matches_single_process(request, world_case):
+    world_size, case = world_case
+    per_rank = request.getfixturevalue(f"runs{world_size}")
+    dp = case.dp(world_size)
+    ref = reference_run(build(case.kind, **dict(case.model)), token_data(STEPS, dp), STEPS, dp)
+    for rank in range(world_size):
+        _, grads, logged = per_rank[rank][case]
+        torch.testing.assert_close(torch.tensor(logged, dtype=torch.float64), torch.tensor(ref.losses, dtype=torch.float64),
+                                   rtol=LOSS_RTOL, atol=0)
+        assert len(grads) == STEPS
+        for step, (got, want) in enumerate(zip(grads, ref.grads)):
+            assert got.keys() == want.keys(), set(got) ^ set(want)
+            for name in want:
+                error = _relative_error(got[name], want[name])
+                assert error < GRAD_BOUND, f"rank {rank} step {step} {name}: relative error {error:.3g}"
+
+
+def test_explain_names_the_layout_and_the_split(capsys):
+    plan = explain(build("hf"), tp=2)
+    assert len(plan.entries) == 2 and plan.entries[0].enter_region and plan.entries[1].exit_region
+    assert "LlamaDecoderLayer (Llama layout): 4 query / 2 key-value heads → 2 / 1 per rank" in str(plan)
+    assert "attention sdpa (fused kernel: no s² tensor" in str(explain(build("hf", attn_implementation="sdpa"), tp=2))
+
+
+def test_bad_llama_inputs_fail_before_any_collective_with_the_numbers():
+    with pytest.raises(ValueError, match=r"num_key_value_heads = 2 is not divisible by .* tp = 4.*Valid tp: \[1, 2\]"):
+        explain(build("hf"), tp=4)
+    with pytest.raises(ValueError, match="attn_implementation='flex_attention' is not supported"):
+        module = build("hf")
+        module.model.config._attn_implementation = "flex_attention"
+        explain(module, tp=2)
