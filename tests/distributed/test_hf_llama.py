@@ -21,8 +21,12 @@ CASES = {
         Case("hf", 2, True, None, (("attn_implementation", "sdpa"),)),      # fused attention
         Case("hf", 2, True, None, (("labels", True), ("bias", True), ("tie", True))),  # labels=, q/k/v bias, tied
         Case("hf", 2, True, None, (("family", "qwen2"),)),                  # another family of the same layout
+        Case("hf", 1, True, None, pp=2),                                    # pp 2: the decoder layer list is the stack
     ],
-    4: [Case("hf", 2, True, "selective")],                                  # tp 2 x dp 2
+    4: [
+        Case("hf", 2, True, "selective"),                                   # tp 2 x dp 2
+        Case("hf", 2, True, None, (("labels", True), ("tie", True)), pp=2),  # pp 2 x tp 2, tied embedding
+    ],
 }
 # Hugging Face's RMSNorm computes in float32 whatever the input's dtype, so float64 runs agree only to float32
 # rounding where the tensor-parallel sums (in float64, another order) cross it: ~1e-7 relative on the loss, up to
@@ -60,7 +64,8 @@ def _cases():
 def _id(wc):
     w, c = wc
     model = "-".join(f"{k}={v}" for k, v in c.model)
-    return f"tp{c.tp}dp{w // c.tp}-{'sp' if c.sequence_parallel else 'nosp'}-{c.recompute}-{model or 'llama-eager'}"
+    return (f"pp{c.pp}tp{c.tp}dp{c.dp(w)}-{'sp' if c.sequence_parallel else 'nosp'}-{c.recompute}-"
+            f"{model or 'llama-eager'}")
 
 
 @pytest.mark.parametrize("world_case", _cases(), ids=[_id(wc) for wc in _cases()])
