@@ -80,6 +80,9 @@ def load_full_state_dict(module: nn.Module, state_dict: Mapping[str, Tensor], gr
     own = module.state_dict(keep_vars=True)
     if strict:
         missing, unexpected = set(own) - set(state_dict), set(state_dict) - set(own)
+        # A tied parameter is stored under one of its keys (Hugging Face omits lm_head.weight when tied).
+        present = {id(own[k]) for k in own if k in state_dict}
+        missing = {k for k in missing if id(own[k]) not in present}
         if missing or unexpected:
             raise KeyError(f"State dict mismatch. Missing: {sorted(missing)}; unexpected: {sorted(unexpected)}.")
     for name, target in own.items():  # keep_vars: parameters carry their shard spec

@@ -38,6 +38,7 @@ from lightning_seqpar.checkpoint_checks import (
     optimizer_states_of_this_stage,
 )
 from lightning_seqpar.checkpoint.consolidate import load_state_dict_file
+from lightning_seqpar.checkpoint.safetensors_dir import SafetensorsStateDict, save_hf_directory
 from lightning_seqpar.checkpoint.sharded import (
     FORMAT_KEY,
     is_sharded_checkpoint,
@@ -501,19 +502,46 @@ class SeqParallelStrategy(ParallelStrategy):
         assert self.lightning_module is not None
         return merge_over_stages(full_state_dict(self.lightning_module, self.mesh.tensor), self.mesh.pipeline)
 
-    def load_single_device_state_dict(self, source: Union[str, Path, Mapping[str, Tensor]], strict: bool = True) -> None:
-        """Start from single-device weights in any layout: copy this rank's shards (and stage) out of ``source``,
-        a state dict of the unparallelized model, or a file holding one (``.pt``/``.ckpt`` read with
-        ``weights_only=True`` and memory-mapped, so a rank reads only the bytes of its slices; ``.safetensors``;
-        a sharded checkpoint directory). Collective; call it after setup, e.g. in ``on_fit_start``.
+    def load_single_device_state_dict(self, source: Union[str, Path, Mapping[str, Tensor]], strict: bool = True,
+                                      prefix: str = "") -> None:
+        """Start from single-device weights in any layout: copy this rank's shards (and stage) out of ``source``:
+
+        - a state dict of the unparallelized model;
+        - a ``.pt``/``.ckpt`` file holding one (read with ``weights_only=True``, memory-mapped);
+        - a ``.safetensors`` file or a Hugging Face checkpoint directory (``*.safetensors``, sharded index
+          included): read lazily, each rank only the rows of its own shards;
+        - a sharded checkpoint directory of ours.
+
+        ``prefix`` is prepended to the file's keys: the attribute path of the stored model inside your
+        LightningModule (``"model."`` for ``self.model = AutoModelForCausalLM...``). A tied parameter may be
+        stored under one of its keys. Collective; call it after setup, e.g. in ``on_fit_start``.
 
         Raises:
             KeyError: with ``strict``, keys missing from ``source`` or unknown to the model.
-            ValueError: a tensor of another shape, or non-finite values (checked on every rank first).
+            ValueError: a tensor of another shape, or non-finite values in an in-memory state dict (checked on
+                every rank first).
         """
         if not isinstance(source, Mapping):
-            source = load_state_dict_file(source)
+            path = Path(source)
+            if path.suffix == ".safetensors" or (path.is_dir() and not is_sharded_checkpoint(path)):
+                source = SafetensorsStateDict(path, prefix)
+                prefix = ""
+            else:
+                source = load_state_dict_file(path)
+        if prefix:
+            source = {prefix + k: v for k, v in source.items()}
         self.load_model_state_dict({"state_dict": source}, strict=strict)
+
+    def save_hf_pretrained(self, out: Union[str, Path], config: Any, prefix: str = "model.") -> None:
+        """Export the trained Hugging Face model as a directory ``AutoModelForCausalLM.from_pretrained(out)`` loads:
+        ``config.json`` and ``model.safetensors`` with the single-device weights of the module's keys under
+        ``prefix`` (the attribute path of the model in your LightningModule). Collective: every rank must call
+        it; the weights are gathered onto every rank (whole model) and rank 0 writes, atomically.
+        """
+        state = self.full_state_dict()
+        if self.is_global_zero:
+            save_hf_directory(state, config, out, prefix)
+        self.barrier("save_hf_pretrained")
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:

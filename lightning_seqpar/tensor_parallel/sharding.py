@@ -58,6 +58,30 @@ class ShardSpec:
         gathered = group.all_gather(local.detach().movedim(self.dim, 0), dim=0).movedim(0, self.dim)
         return self.unshard(list(gathered.chunk(group.size, dim=self.dim)))
 
+    def local_ranges(self, group: ParallelGroup) -> list[tuple[int, int]]:
+        """The ``[start, stop)`` ranges of dim :attr:`dim` of the single-device tensor that make up this rank's
+        shard, one per chunk, in order (rows of vocabulary padding lie past ``full_size`` and are left out)."""
+        chunk_full, chunk_padded = self.full_size // self.chunks, self.padded_size // self.chunks
+        per_rank = chunk_padded // group.size
+        ranges = []
+        for c in range(self.chunks):
+            start = group.rank * per_rank
+            stop = min(start + per_rank, chunk_full)
+            ranges.append((c * chunk_full + min(start, chunk_full), c * chunk_full + max(stop, min(start, chunk_full))))
+        return ranges
+
+    def read_shard(self, read_rows, group: ParallelGroup) -> Tensor:
+        """This rank's shard from ``read_rows(start, stop)``, which returns rows ``[start, stop)`` of dim
+        :attr:`dim` of the single-device tensor (e.g. a safetensors slice), so that only this rank's bytes
+        are read; padding rows are zeros."""
+        pieces = [read_rows(start, stop) for start, stop in self.local_ranges(group)]
+        local = torch.cat(pieces, dim=self.dim) if len(pieces) > 1 else pieces[0]
+        want = self.padded_size // group.size
+        if local.shape[self.dim] < want:  # the last ranks' padding rows of the vocabulary
+            pad = [0, 0] * (local.dim() - 1 - self.dim) + [0, want - local.shape[self.dim]]
+            local = F.pad(local, pad)
+        return local
+
     def _pad(self, full: Tensor) -> Tensor:
         extra = self.padded_size - self.full_size
         if extra == 0:
@@ -98,10 +122,18 @@ def full_shape(tensor: Tensor) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def load_from_full(target: Tensor, full: Tensor, group: ParallelGroup) -> None:
+def load_from_full(target: Tensor, full, group: ParallelGroup) -> None:
     """Copy the single-device ``full`` into this rank's ``target``, in place: its slice if ``target`` is a
-    sharded parameter, all of it otherwise (cast to ``target``'s device and dtype)."""
+    sharded parameter, all of it otherwise (cast to ``target``'s device and dtype).
+
+    ``full`` is a tensor, or a lazy reader of one (``.rows(dim, start, stop)`` and ``.read()``, e.g. a tensor of
+    a safetensors file), of which only this rank's rows are read.
+    """
     spec = shard_spec(target)
-    value = spec.shard(full, group) if spec is not None else full
+    if not isinstance(full, Tensor):
+        value = (spec.read_shard(lambda start, stop: full.rows(spec.dim, start, stop), group) if spec is not None
+                 else full.read())
+    else:
+        value = spec.shard(full, group) if spec is not None else full
     with torch.no_grad():
         target.copy_(value.to(target.device, target.dtype))

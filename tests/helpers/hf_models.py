@@ -41,5 +41,8 @@ class HFCausalLM(pl.LightningModule):
         self.log("train/loss", loss, sync_dist=True)
         return loss
 
+    def validation_step(self, batch, batch_idx):
+        self.log("val/loss", self.compute_loss(*batch), sync_dist=True)
+
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)

@@ -1,0 +1,112 @@
+"""A Hugging Face checkpoint directory (``config.json`` + ``*.safetensors``, with or without
+``model.safetensors.index.json``) read lazily, each rank only the rows of its own shards.
+
+:class:`SafetensorsStateDict` maps state-dict keys to :class:`LazyTensor` handles without reading any
+data; :func:`~lightning_seqpar.tensor_parallel.sharding.load_from_full` copies a handle into a module's
+tensor, reading only this rank's rows of a sharded parameter through ``safetensors``' slices
+(``safe_open(f).get_slice(name)[a:b]``). Needs the ``safetensors`` package (``pip install lightning_seqpar[hf]``),
+imported when used.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Iterator, Mapping
+
+import torch
+from torch import Tensor
+
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class LazyTensor:
+    """One tensor of a safetensors file, not read yet. ``shape`` is known; :meth:`rows` reads a range of a dim."""
+
+    def __init__(self, file: Path, name: str, shape: tuple[int, ...]) -> None:
+        self.file, self.name, self.shape = file, name, torch.Size(shape)
+
+    def rows(self, dim: int, start: int, stop: int) -> Tensor:
+        """Rows ``[start, stop)`` of dim ``dim`` (only those bytes are read)."""
+        from safetensors import safe_open
+
+        with safe_open(str(self.file), framework="pt") as f:
+            index = (slice(None),) * dim + (slice(start, stop),)
+            return f.get_slice(self.name)[index]
+
+    def read(self) -> Tensor:
+        """The whole tensor."""
+        from safetensors import safe_open
+
+        with safe_open(str(self.file), framework="pt") as f:
+            return f.get_tensor(self.name)
+
+
+class SafetensorsStateDict(Mapping[str, LazyTensor]):
+    """The state dict stored in a Hugging Face checkpoint directory, keys prefixed by ``prefix`` (the attribute
+    path of the Hugging Face model inside your LightningModule, e.g. ``"model."``).
+
+    Raises:
+        FileNotFoundError: no ``*.safetensors`` in ``directory``.
+        ImportError: without the safetensors package, with the install command.
+    """
+
+    def __init__(self, directory: os.PathLike | str, prefix: str = "") -> None:
+        try:
+            from safetensors import safe_open
+        except ImportError as error:
+            raise ImportError("Reading .safetensors needs the safetensors package: pip install 'lightning_seqpar[hf]'.") from error
+        directory = Path(directory)
+        index = directory / INDEX_FILE
+        if index.is_file():
+            files = sorted({directory / f for f in json.loads(index.read_text())["weight_map"].values()})
+        else:
+            files = sorted(directory.glob("*.safetensors")) if directory.is_dir() else [directory]
+        if not files or not all(f.is_file() for f in files):
+            raise FileNotFoundError(f"No .safetensors weights found in {directory}.")
+        self._tensors: dict[str, LazyTensor] = {}
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    self._tensors[prefix + name] = LazyTensor(file, name, tuple(f.get_slice(name).get_shape()))
+
+    def __getitem__(self, key: str) -> LazyTensor:
+        return self._tensors[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+
+def save_hf_directory(state_dict: Mapping[str, Tensor], config: object, out: os.PathLike | str, prefix: str = "") -> Path:
+    """Write a Hugging Face checkpoint directory (``config.json`` + ``model.safetensors``) that
+    ``AutoModelForCausalLM.from_pretrained(out)`` loads, atomically (published under ``out`` when complete).
+
+    Args:
+        state_dict: single-device weights; only keys starting with ``prefix`` are written, without it. A tied
+            parameter (the same tensor under two keys) is written once, under its first key, as
+            ``save_pretrained`` does.
+        config: the model's ``PretrainedConfig`` (written with its ``save_pretrained``).
+    """
+    from safetensors.torch import save_file
+
+    from lightning_seqpar.checkpoint.atomic import publish, temporary_path
+
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temporary_path(out)
+    tmp.mkdir()
+    tensors, seen = {}, set()
+    for key, value in state_dict.items():
+        if not key.startswith(prefix) or value.data_ptr() in seen:
+            continue
+        seen.add(value.data_ptr())
+        tensors[key[len(prefix):]] = value.detach().contiguous()
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(str(tmp))  # type: ignore[attr-defined]
+    publish(tmp, out)
+    return out
