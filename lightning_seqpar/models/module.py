@@ -21,20 +21,80 @@ class ExpOfMean(MeanMetric):
         return torch.exp(super().compute())
 
 
-class GPTLightningModule(pl.LightningModule):
-    """Language-model training of :class:`GPT` with AdamW and a warmup + cosine learning-rate schedule.
+class CausalLMModule(pl.LightningModule):
+    """Language-model training with AdamW and a warmup + cosine learning-rate schedule; subclasses build the
+    model and say how to compute the loss (:meth:`loss`).
 
     Logs ``train/loss`` and ``train/ppl`` every step, ``val/loss`` and ``val/ppl`` (torchmetrics means,
-    synchronized across processes) every validation.
+    synchronized across processes) every validation. Batches are ``(x, y)`` token ids ``[b, s]``, ``y`` being
+    ``x`` shifted by one (nanoGPT's convention, :class:`~lightning_seqpar.data.TextDataModule`).
 
     Args:
-        model: a :class:`GPTConfig` or the dict of its fields.
         learning_rate: peak learning rate.
         weight_decay: AdamW weight decay on matrices (not on biases, norms, embeddings of size 1-D).
         warmup_steps: linear warmup steps.
         max_steps: total steps of the cosine decay (``None``: constant after warmup).
         min_lr_ratio: final learning rate as a fraction of the peak.
+    """
+
+    def __init__(self, learning_rate: float = 1e-3, weight_decay: float = 0.1, warmup_steps: int = 0,
+                 max_steps: Optional[int] = None, min_lr_ratio: float = 0.1) -> None:
+        super().__init__()
+        self.optimization = {"learning_rate": learning_rate, "weight_decay": weight_decay,
+                             "warmup_steps": warmup_steps, "max_steps": max_steps, "min_lr_ratio": min_lr_ratio}
+        self.val_loss = MeanMetric()
+        self.val_ppl = ExpOfMean()
+
+    def loss(self, x: Tensor, y: Tensor) -> Tensor:
+        """Mean cross entropy of predicting ``y`` from ``x``."""
+        raise NotImplementedError
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        loss = self.loss(*batch)
+        self.log("train/loss", loss, prog_bar=True, sync_dist=True)
+        self.log("train/ppl", torch.exp(loss.detach()), sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        loss = self.loss(*batch)
+        self.val_loss.update(loss)
+        self.val_ppl.update(loss)
+
+    def on_validation_epoch_end(self) -> None:
+        # Metric objects: Lightning computes them (synchronized by torchmetrics) and resets them; a tensor
+        # logged here would need sync_dist although every rank already holds the same value.
+        self.log("val/loss", self.val_loss, prog_bar=True)
+        self.log("val/ppl", self.val_ppl)
+
+    def configure_optimizers(self) -> Any:
+        hp = self.optimization
+        decay = [p for p in self.parameters() if p.dim() >= 2]
+        no_decay = [p for p in self.parameters() if p.dim() < 2]
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": hp["weight_decay"]}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=hp["learning_rate"], betas=(0.9, 0.95),
+        )
+        warmup, total, floor = hp["warmup_steps"], hp["max_steps"], hp["min_lr_ratio"]
+
+        def schedule(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / warmup
+            if not total:
+                return 1.0
+            progress = min(1.0, (step - warmup) / max(1, total - warmup))
+            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class GPTLightningModule(CausalLMModule):
+    """Language-model training of :class:`GPT` (see :class:`CausalLMModule`).
+
+    Args:
+        model: a :class:`GPTConfig` or the dict of its fields.
         empty_init: build the GPT in ``configure_model()`` instead of here (see there).
+        **optimization: :class:`CausalLMModule`'s arguments.
     """
 
     def __init__(
@@ -47,15 +107,12 @@ class GPTLightningModule(pl.LightningModule):
         min_lr_ratio: float = 0.1,
         empty_init: bool = False,
     ) -> None:
-        super().__init__()
+        super().__init__(learning_rate, weight_decay, warmup_steps, max_steps, min_lr_ratio)
         config = model if isinstance(model, GPTConfig) else GPTConfig(**model)
         self.config, self.empty_init = config, empty_init
-        self.save_hyperparameters({"model": asdict(config), "learning_rate": learning_rate, "weight_decay": weight_decay,
-                                   "warmup_steps": warmup_steps, "max_steps": max_steps, "min_lr_ratio": min_lr_ratio})
+        self.save_hyperparameters({"model": asdict(config), **self.optimization})
         if not empty_init:
             self.gpt = GPT(config)
-        self.val_loss = MeanMetric()
-        self.val_ppl = ExpOfMean()
 
     def configure_model(self) -> None:
         """With ``empty_init``: build the GPT here, where the strategy makes it on the meta device (Lightning's
@@ -67,41 +124,5 @@ class GPTLightningModule(pl.LightningModule):
         """Logits ``[b, s, v]`` of token ids ``[b, s]``."""
         return self.gpt(idx)
 
-    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-        x, y = batch
-        loss = self.gpt(x, y)
-        self.log("train/loss", loss, prog_bar=True, sync_dist=True)
-        self.log("train/ppl", torch.exp(loss.detach()), sync_dist=True)
-        return loss
-
-    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
-        x, y = batch
-        loss = self.gpt(x, y)
-        self.val_loss.update(loss)
-        self.val_ppl.update(loss)
-
-    def on_validation_epoch_end(self) -> None:
-        # Metric objects: Lightning computes them (synchronized by torchmetrics) and resets them; a tensor
-        # logged here would need sync_dist although every rank already holds the same value.
-        self.log("val/loss", self.val_loss, prog_bar=True)
-        self.log("val/ppl", self.val_ppl)
-
-    def configure_optimizers(self) -> Any:
-        hp = self.hparams
-        decay = [p for p in self.parameters() if p.dim() >= 2]
-        no_decay = [p for p in self.parameters() if p.dim() < 2]
-        optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=hp.learning_rate, betas=(0.9, 0.95),
-        )
-
-        def schedule(step: int) -> float:
-            if step < hp.warmup_steps:
-                return (step + 1) / hp.warmup_steps
-            if not hp.max_steps:
-                return 1.0
-            progress = min(1.0, (step - hp.warmup_steps) / max(1, hp.max_steps - hp.warmup_steps))
-            return hp.min_lr_ratio + (1 - hp.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+    def loss(self, x: Tensor, y: Tensor) -> Tensor:
+        return self.gpt(x, y)

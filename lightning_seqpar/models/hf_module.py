@@ -1,0 +1,69 @@
+"""A LightningModule that trains a Hugging Face causal LM: what a user would write for one device.
+
+transformers is imported when the module is built, never by ``import lightning_seqpar``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch.nn.functional as F
+from torch import Tensor
+
+from lightning_seqpar.models.module import CausalLMModule
+
+
+class HFCausalLMModule(CausalLMModule):
+    """Training of ``AutoModelForCausalLM`` (held as ``self.model``) from a config or from pretrained weights.
+
+    Args:
+        config: keyword arguments of the model's config, with ``model_type`` (e.g. ``"llama"``, ``"qwen2"``) —
+            a model of random init; or ``None`` with ``pretrained``.
+        pretrained: a local Hugging Face checkpoint directory (``config.json`` + ``*.safetensors``). The model is
+            built from its config, then each rank reads only its own slices of the weights when training starts
+            (:meth:`~lightning_seqpar.SeqParallelStrategy.load_single_device_state_dict`); one device reads them whole.
+        attn_implementation: ``"eager"`` (explicit core attention: selective recomputation applies) or ``"sdpa"``.
+        **optimization: :class:`CausalLMModule`'s arguments.
+
+    Raises:
+        ValueError: neither or both of ``config`` and ``pretrained``.
+    """
+
+    def __init__(self, config: Optional[dict] = None, pretrained: Optional[str] = None,
+                 attn_implementation: str = "eager", **optimization: Any) -> None:
+        super().__init__(**optimization)
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        if (config is None) == (pretrained is None):
+            raise ValueError("Give either config (a model of random init) or pretrained (a checkpoint directory), "
+                             f"got config={config!r}, pretrained={pretrained!r}.")
+        if pretrained is not None:
+            hf_config = AutoConfig.from_pretrained(pretrained, attn_implementation=attn_implementation)
+        else:
+            options = dict(config)
+            hf_config = AutoConfig.for_model(options.pop("model_type"), attn_implementation=attn_implementation,
+                                             **options)
+        self.pretrained = pretrained
+        self.save_hyperparameters({"config": hf_config.to_dict(), "pretrained": pretrained, **self.optimization})
+        self.model = AutoModelForCausalLM.from_config(hf_config)
+
+    def on_fit_start(self) -> None:
+        if self.pretrained is None or self.trainer.ckpt_path is not None:  # a resumed run has its own weights
+            return
+        strategy = self.trainer.strategy
+        if hasattr(strategy, "load_single_device_state_dict"):
+            strategy.load_single_device_state_dict(self.pretrained, prefix="model.")
+        else:
+            from transformers import AutoModelForCausalLM
+
+            self.model.load_state_dict(AutoModelForCausalLM.from_pretrained(self.pretrained).state_dict())
+
+    def forward(self, idx: Tensor) -> Tensor:
+        """Logits ``[b, s, v]`` of token ids ``[b, s]`` (full vocabulary, batch-first, as on one device)."""
+        return self.model(input_ids=idx, use_cache=False).logits
+
+    def loss(self, x: Tensor, y: Tensor) -> Tensor:
+        logits = self(x)  # [b, s, v]
+        if logits.dtype.itemsize < 4:  # 16-bit logits: the softmax in float32
+            logits = logits.float()
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
