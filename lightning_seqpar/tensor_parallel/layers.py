@@ -80,6 +80,66 @@ def column_parallel_linear(
     return _ColumnParallelLinearFunction.apply(x, weight, bias, group, sequence_parallel)
 
 
+class _ColumnParallelLinearsFunction(torch.autograd.Function):
+    """Several column-parallel projections of one input (``q/k/v``, ``gate/up``): one g, one saved shard.
+
+    ``y_i = g(x) A_iᵀ + b_i`` for each weight; the forward all-gathers ``x`` once and, like
+    :class:`_ColumnParallelLinearFunction`, keeps only the local shard (and the weights themselves, no
+    concatenated copy) for backward, where it gathers it once again and sums the input gradients of all
+    projections before the one reduce-scatter.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: ParallelGroup, sequence_parallel: bool, *params: Optional[Tensor]):
+        ctx.group, ctx.sequence_parallel = group, sequence_parallel
+        weights, biases = params[0::2], params[1::2]
+        ctx.has_bias = [b is not None for b in biases]
+        total = group.all_gather(x, dim=0) if sequence_parallel else x  # [s, b, h]
+        ctx.save_for_backward(x, *weights)  # x is the local [s/t, b, h] shard under SP
+        return tuple(F.linear(total, w, b) for w, b in zip(weights, biases))  # each [s, b, out_i/t]
+
+    @staticmethod
+    def backward(ctx, *grad_outputs: Tensor):
+        x, *weights = ctx.saved_tensors
+        group = ctx.group
+        compute = grad_outputs[0].dtype
+        grads: list[Optional[Tensor]] = [None] * (2 * len(weights))
+        if ctx.needs_input_grad[0]:
+            grad_total = sum(g.matmul(w.to(compute)) for g, w in zip(grad_outputs, weights))  # [s, b, h], partial
+            grad_input = group.reduce_scatter(grad_total) if ctx.sequence_parallel else group.all_reduce(grad_total)
+            grad_input = grad_input.to(x.dtype)
+        else:
+            grad_input = None
+        if any(ctx.needs_input_grad[3::2]):
+            total = group.all_gather(x, dim=0) if ctx.sequence_parallel else x
+            total2d = total.reshape(-1, total.shape[-1]).to(compute)
+            for i, (g, w) in enumerate(zip(grad_outputs, weights)):
+                g2d = g.reshape(-1, g.shape[-1])
+                if ctx.needs_input_grad[3 + 2 * i]:
+                    grads[2 * i] = g2d.t().matmul(total2d).to(w.dtype)
+                if ctx.has_bias[i] and ctx.needs_input_grad[4 + 2 * i]:
+                    grads[2 * i + 1] = g2d.sum(0)
+        return (grad_input, None, None, *grads)
+
+
+def column_parallel_linears(x: Tensor, layers: "list[ColumnParallelLinear]", group: ParallelGroup,
+                            sequence_parallel: bool) -> tuple[Tensor, ...]:
+    """Several column-parallel linears applied to the same input with one all-gather (Megatron fuses q/k/v into
+    one weight; this keeps separate weights, e.g. a Hugging Face model's ``q_proj``/``k_proj``/``v_proj``).
+
+    Args:
+        x: ``[s/t, b, in]`` under SP, else ``[s, b, in]``.
+        layers: the :class:`ColumnParallelLinear` modules (their local ``[out_i/t, in]`` weights and biases).
+
+    Returns:
+        One ``[s, b, out_i/t]`` per layer.
+    """
+    params = [p for layer in layers for p in (layer.weight, layer.bias)]
+    if group.size == 1:
+        return tuple(F.linear(x, layer.weight, layer.bias) for layer in layers)
+    return _ColumnParallelLinearsFunction.apply(x, group, sequence_parallel, *params)
+
+
 class ColumnParallelLinear(nn.Module):
     """``Y = X Aᵀ + b`` with A split by rows (output features) over the tensor-parallel group.
 

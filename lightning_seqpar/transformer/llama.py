@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_seqpar.roles import LayerDims, ParallelLayer
-from lightning_seqpar.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, column_parallel_linear
+from lightning_seqpar.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, column_parallel_linears
 from lightning_seqpar.tensor_parallel.sharding import mark_sequence_parallel
 from lightning_seqpar.transformer.checkpointing import checkpoint
 from lightning_seqpar.transformer.context import RewriteContext
@@ -34,15 +34,6 @@ from lightning_seqpar.transformer.core_attention import CoreAttention, merge_hea
 from lightning_seqpar.transformer.region import enter_parallel_region, exit_parallel_region
 
 ATTENTION_IMPLEMENTATIONS = ("eager", "sdpa")
-
-
-def _fused(linears: list[nn.Module]) -> tuple[Tensor, Optional[Tensor]]:
-    # One matmul (and one all-gather) for several column-parallel projections of the same input; autograd
-    # splits the gradient back onto each weight.
-    weight = torch.cat([linear.weight for linear in linears])
-    biases = [linear.bias for linear in linears]
-    bias = torch.cat(biases) if all(b is not None for b in biases) else None
-    return weight, bias
 
 
 def additive_mask(mask: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
@@ -78,11 +69,8 @@ class ParallelLlamaAttention(nn.Module):
                                             softmax_dtype=torch.float32)
 
     def forward(self, x: Tensor, position_embeddings: tuple[Tensor, Tensor], mask: Optional[Tensor]) -> Tensor:
-        weight, bias = _fused([self.q_proj, self.k_proj, self.v_proj])
-        qkv = column_parallel_linear(x, weight, bias, self.group, self.sp)  # [s, b, (a + 2 a_kv)/t · d]
-        s, b, _ = qkv.shape
-        q, k, v = qkv.split([self.heads_local * self.head_dim, self.kv_heads_local * self.head_dim,
-                             self.kv_heads_local * self.head_dim], dim=-1)
+        q, k, v = column_parallel_linears(x, [self.q_proj, self.k_proj, self.v_proj], self.group, self.sp)
+        s, b, _ = q.shape  # q [s, b, a/t · d], k and v [s, b, a_kv/t · d]
         q = q.view(s, b, self.heads_local, self.head_dim).permute(1, 2, 0, 3)  # [b, a/t, s, d]
         k = k.view(s, b, self.kv_heads_local, self.head_dim).permute(1, 2, 0, 3)  # [b, a_kv/t, s, d]
         v = v.view(s, b, self.kv_heads_local, self.head_dim).permute(1, 2, 0, 3)
@@ -119,8 +107,7 @@ class ParallelGatedMLP(nn.Module):
         self.act_fn = mlp.act_fn
 
     def forward(self, x: Tensor) -> Tensor:
-        weight, bias = _fused([self.gate_proj, self.up_proj])
-        gate, up = column_parallel_linear(x, weight, bias, self.group, self.sp).chunk(2, dim=-1)  # [s, b, f/t] each
+        gate, up = column_parallel_linears(x, [self.gate_proj, self.up_proj], self.group, self.sp)  # [s, b, f/t] each
         return self.down_proj(self.act_fn(gate) * up)
 
 
