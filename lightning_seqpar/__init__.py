@@ -7,6 +7,8 @@ from lightning_seqpar.callbacks import FlopsUtilization, SelectiveRecompute
 from lightning_seqpar.mesh import ParallelMesh, validate_layout
 from lightning_seqpar.recompute import apply_recompute
 from lightning_seqpar.rewrite import Policy, RewriteContext, explain, rewrite
+from lightning_seqpar.rewrite.declared import DeclaredBlockPolicy
+from lightning_seqpar.transformer.declared_block import BlockSpec
 from lightning_seqpar.strategy import SeqParallelStrategy, register
 from lightning_seqpar.tensor_parallel import (
     ColumnParallelLinear,
@@ -21,7 +23,9 @@ from lightning_seqpar.tensor_parallel import (
 register()
 
 __all__ = [
+    "BlockSpec",
     "ColumnParallelLinear",
+    "DeclaredBlockPolicy",
     "CommunicationLog",
     "FlopsUtilization",
     "ParallelGroup",

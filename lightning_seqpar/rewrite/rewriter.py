@@ -59,7 +59,7 @@ class _Registry:
 
     def __init__(self, policies: Optional[Iterable[Policy]]) -> None:
         every = [*(policies or ()), *default_policies()]
-        self.structural = [p for p in every if p.block is nn.Module]
+        self.structural = [p for p in every if p.block is nn.Module]  # recognized by structure
         self.by_class: dict[type, Optional[Policy]] = {p.block: p for p in reversed(every) if p.block is not nn.Module}
 
     def get(self, module: nn.Module) -> Optional[Policy]:
@@ -77,11 +77,15 @@ class _Registry:
 
 
 def _candidate_blocks(model: nn.Module) -> list[str]:
-    names = {
-        type(m).__name__
-        for m in model.modules()
-        if m is not model and any(isinstance(c, nn.Linear) for c in m.children())
-    }
+    """Classes that look like transformer blocks: elements of layer lists, and modules holding projections
+    (children with a 2-D weight: ``nn.Linear``, Hugging Face's ``Conv1D`` ...)."""
+    names = set()
+    for module in model.modules():
+        if isinstance(module, (nn.ModuleList, nn.Sequential)):
+            names.update(type(child).__name__ for child in module.children())
+        elif module is not model and any(getattr(getattr(c, "weight", None), "dim", lambda: 0)() == 2
+                                         for c in module.children()):
+            names.add(type(module).__name__)
     return sorted(names)
 
 
@@ -137,10 +141,11 @@ def plan_rewrite(model: nn.Module, ctx: RewriteContext, policies: Optional[Itera
         known = ", ".join(registry.known())
         raise ValueError(
             f"No transformer block that lightning_seqpar can parallelize was found in {type(model).__name__}. "
-            f"Classes with Linear layers found: {', '.join(_candidate_blocks(model)) or 'none'}. "
-            f"Known blocks: {known}. Use one of those, or write a `lightning_seqpar.Policy` for your block class "
-            f"and pass it as `SeqParallelStrategy(policies=[MyPolicy()])` (or return it from the class's "
-            f"`parallel_policy()` classmethod)."
+            f"Block-like classes found (in layer lists, or holding projections): {', '.join(_candidate_blocks(model)) or 'none'}. "
+            f"Known blocks: {known}. Describe your block in a few lines: `DeclaredBlockPolicy(MyBlock, BlockSpec("
+            f"attention_norm=..., qkv=... or q/k/v=..., attention_out=..., mlp_in=... or gate/up=..., mlp_out=..., "
+            f"activation=..., num_heads=...))` from lightning_seqpar, passed as `SeqParallelStrategy(policies=[...])`; "
+            f"or write a `lightning_seqpar.Policy` (or return one from the class's `parallel_policy()` classmethod)."
         )
     return plan
 

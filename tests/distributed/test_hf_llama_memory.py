@@ -53,8 +53,10 @@ def test_sequence_parallel_divides_the_norm_terms_by_t_and_nothing_else(measured
     assert {k: v for k, v in sharded.items() if k not in NORMS} == {k: v for k, v in replicated.items() if k not in NORMS}
 
 
-def test_the_gated_mlp_keeps_four_intermediate_tensors(measured):
+def test_attention_and_gated_mlp_keep_their_stated_terms(measured):
     for per_module in measured.values():
-        assert per_module["mlp"] + per_module["mlp.act_fn"] == 8 * S * B * F // T
+        attention = 4 * 2 * S * B * H // T  # rotated q, k and v at a/t heads (k, v repeated for GQA), o_proj's input
+        swiglu = 8 * S * B * F // T  # gate and up outputs, silu(gate), their product: four [s, b, f/t] bf16
         # No copy of the weights is kept: q/k/v and gate/up share one gather without concatenating their weights.
-        assert per_module["self_attn"] == 4 * 2 * S * B * H // T  # rotated q, k and v at a/t heads, o_proj's input
+        assert per_module[""] + per_module["activation"] == attention + swiglu
+        assert per_module["activation"] == 2 * S * B * F // T

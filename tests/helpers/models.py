@@ -87,6 +87,10 @@ def build(kind: str, **kwargs) -> pl.LightningModule:
         from tests.helpers.hf_models import HFCausalLM
 
         return HFCausalLM(**kwargs)
+    if kind == "nano":
+        from tests.helpers.user_block import NanoLM
+
+        return NanoLM(**kwargs)
     return gpt_module(**kwargs) if kind == "gpt" else EncoderLM(**kwargs)
 
 

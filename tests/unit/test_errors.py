@@ -70,7 +70,7 @@ def test_unknown_model_names_the_classes_found_and_how_to_register_a_policy():
             super().__init__()
             self.blocks = nn.ModuleList([MyBlock()])
 
-    with pytest.raises(ValueError, match=r"Classes with Linear layers found: MyBlock\..*policies=\[MyPolicy\(\)\]"):
+    with pytest.raises(ValueError, match=r"Block-like classes found \(in layer lists, or holding projections\): MyBlock\..*BlockSpec.*Policy"):
         explain(MyModel(), tp=2)
 
 

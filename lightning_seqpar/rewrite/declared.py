@@ -1,0 +1,117 @@
+"""Your own block as data: a :class:`~lightning_seqpar.transformer.declared_block.BlockSpec` turned into a policy.
+
+    policy = DeclaredBlockPolicy(Block, BlockSpec(attention_norm="ln_1", mlp_norm="ln_2", qkv="attn.c_attn",
+                                                  attention_out="attn.c_proj", mlp_in="mlp.c_fc",
+                                                  mlp_out="mlp.c_proj", activation="F.gelu", num_heads="attn.n_head"))
+    SeqParallelStrategy(tp=2, policies=[policy])
+
+The built-in Hugging Face policy is one of these, its spec read off each model's config
+(:mod:`lightning_seqpar.rewrite.hf_decoder`).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch.nn as nn
+
+from lightning_seqpar.rewrite.policy import Policy, require_divisible
+from lightning_seqpar.transformer.context import RewriteContext
+from lightning_seqpar.transformer.declared_block import ATTENTION_IMPLEMENTATIONS, BlockSpec, ParallelBlock, resolve, value_of
+
+
+class DeclaredBlockPolicy(Policy):
+    """Rewrites every instance of ``block`` into a :class:`ParallelBlock` built from ``spec``.
+
+    Args:
+        block: the user's block class (exact class).
+        spec: which submodules play which part; see :class:`BlockSpec`.
+
+    Raises (from :meth:`check`, before any process communicates):
+        ValueError: a declared path that does not exist or is not an ``nn.Linear``; neither or both of ``qkv``
+            and ``q``/``k``/``v`` (or of ``mlp_in`` and ``gate``/``up``); heads, key/value heads or MLP width not
+            divisible by tp; an attention implementation other than eager/sdpa.
+    """
+
+    role = "layer"
+
+    def __init__(self, block: type[nn.Module], spec: Optional[BlockSpec] = None) -> None:
+        self.block = block  # type: ignore[misc]
+        self.spec = spec
+
+    def __eq__(self, other: object) -> bool:  # a declaration is its value: equal across processes
+        return type(other) is type(self) and (other.block, other.spec) == (self.block, self.spec)  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        return hash((type(self), self.block, self.spec))
+
+    def spec_for(self, module: nn.Module) -> BlockSpec:
+        """The declaration for ``module`` (a subclass may read it off the module, e.g. its config)."""
+        assert self.spec is not None
+        return self.spec
+
+    def check(self, module: nn.Module, ctx: RewriteContext, name: str) -> None:
+        spec = self.spec_for(module)
+        attention, mlp = spec.projections()
+        if bool(spec.qkv) == bool(spec.q or spec.k or spec.v) or (not spec.qkv and not (spec.q and spec.k and spec.v)):
+            raise ValueError(f"{name}: declare the attention input as qkv='...' (fused) or as q=, k=, v= (all three).")
+        if bool(spec.mlp_in) == bool(spec.gate or spec.up) or (not spec.mlp_in and not (spec.gate and spec.up)):
+            raise ValueError(f"{name}: declare the MLP input as mlp_in='...' or as gate= and up= (both).")
+        linears = {*attention, *mlp, spec.attention_out, spec.mlp_out}
+        try:
+            for role, path in spec.paths().items():
+                found = resolve(module, path)
+                if path in linears and not isinstance(found, nn.Linear):
+                    raise ValueError(f"{name}: the declared {role} '{path}' is a {type(found).__name__}, not an "
+                                     f"nn.Linear.")
+            heads = value_of(module, spec.num_heads)
+            kv_heads = value_of(module, spec.num_kv_heads) or heads
+            if not spec.activation.startswith("F."):
+                resolve(module, spec.activation)
+            if spec.rotary:
+                import sys
+
+                if not callable(getattr(sys.modules.get(type(module).__module__), spec.rotary, None)):
+                    raise ValueError(f"{name}: the declared rotary function '{spec.rotary}' is not in "
+                                     f"{type(module).__module__}.")
+        except AttributeError as error:
+            raise ValueError(f"{name} ({type(module).__name__}): the block declaration names a part that does not "
+                             f"exist: {error} Fix the BlockSpec.") from None
+        require_divisible(name, "the number of attention heads", heads, ctx.tp)
+        if kv_heads % ctx.tp:
+            valid = [t for t in range(1, kv_heads + 1) if kv_heads % t == 0 and heads % t == 0]
+            raise ValueError(
+                f"{name}: num_key_value_heads = {kv_heads} is not divisible by the tensor-parallel size tp = {ctx.tp} "
+                f"(grouped-query attention splits the key/value heads over tp ranks). Valid tp: {valid}."
+            )
+        require_divisible(name, "the MLP width", resolve(module, mlp[0]).out_features, ctx.tp)
+        implementation = value_of(module, spec.attention) if "." in spec.attention else spec.attention
+        if implementation not in ATTENTION_IMPLEMENTATIONS:
+            raise ValueError(
+                f"{name}: attn_implementation={implementation!r} is not supported under tensor parallelism. Use "
+                f"'eager' (explicit core attention: selective recomputation applies) or 'sdpa' (fused: keeps no s² "
+                f"tensor)."
+            )
+
+    def describe(self, module: nn.Module, ctx: RewriteContext) -> str:
+        spec = self.spec_for(module)
+        attention, mlp = spec.projections()
+        heads = value_of(module, spec.num_heads)
+        kv_heads = value_of(module, spec.num_kv_heads) or heads
+        implementation = value_of(module, spec.attention) if "." in spec.attention else spec.attention
+        heads_text = (f"{heads} query / {kv_heads} key-value heads → {heads // ctx.tp} / {kv_heads // ctx.tp}"
+                      if kv_heads != heads else f"{heads} heads → {heads // ctx.tp}")
+        return (
+            f"{type(module).__name__}{self.layout_name()}: {heads_text} per rank "
+            f"({'/'.join(attention)} column-parallel, one gather; {spec.attention_out} row-parallel); "
+            f"{'/'.join(mlp)} column-parallel, {spec.mlp_out} row-parallel; {spec.attention_norm}/{spec.mlp_norm} "
+            f"{'sequence-parallel' if ctx.sp else 'replicated'}; attention {implementation}"
+            + (" (fused kernel: no s² tensor, selective recompute unnecessary)" if implementation == "sdpa" else "")
+        )
+
+    def layout_name(self) -> str:
+        """Shown after the class name by :meth:`describe` (e.g. ``" (Llama layout)"``)."""
+        return " (declared block)"
+
+    def rewrite(self, module: nn.Module, ctx: RewriteContext, *, enter_region: bool, exit_region: bool) -> nn.Module:
+        return ParallelBlock(module, self.spec_for(module), ctx, enter_region=enter_region, exit_region=exit_region)
