@@ -17,7 +17,14 @@ import torch.nn as nn
 
 from lightning_seqpar.rewrite.policy import Policy, require_divisible
 from lightning_seqpar.transformer.context import RewriteContext
-from lightning_seqpar.transformer.declared_block import ATTENTION_IMPLEMENTATIONS, BlockSpec, ParallelBlock, resolve, value_of
+from lightning_seqpar.transformer.declared_block import (
+    ATTENTION_IMPLEMENTATIONS,
+    BlockSpec,
+    ParallelBlock,
+    out_features,
+    resolve,
+    value_of,
+)
 
 
 class DeclaredBlockPolicy(Policy):
@@ -61,9 +68,10 @@ class DeclaredBlockPolicy(Policy):
         try:
             for role, path in spec.paths().items():
                 found = resolve(module, path)
-                if path in linears and not isinstance(found, nn.Linear):
+                transposed_ok = spec.transposed and getattr(getattr(found, "weight", None), "dim", lambda: 0)() == 2
+                if path in linears and not (isinstance(found, nn.Linear) or transposed_ok):
                     raise ValueError(f"{name}: the declared {role} '{path}' is a {type(found).__name__}, not an "
-                                     f"nn.Linear.")
+                                     f"nn.Linear (a Conv1D-style [in, out] weight needs transposed=True).")
             heads = value_of(module, spec.num_heads)
             kv_heads = value_of(module, spec.num_kv_heads) or heads
             if not spec.activation.startswith("F."):
@@ -84,7 +92,7 @@ class DeclaredBlockPolicy(Policy):
                 f"{name}: num_key_value_heads = {kv_heads} is not divisible by the tensor-parallel size tp = {ctx.tp} "
                 f"(grouped-query attention splits the key/value heads over tp ranks). Valid tp: {valid}."
             )
-        require_divisible(name, "the MLP width", resolve(module, mlp[0]).out_features, ctx.tp)
+        require_divisible(name, "the MLP width", out_features(resolve(module, mlp[0])), ctx.tp)
         implementation = value_of(module, spec.attention) if "." in spec.attention else spec.attention
         if implementation not in ATTENTION_IMPLEMENTATIONS:
             raise ValueError(

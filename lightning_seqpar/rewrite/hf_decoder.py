@@ -83,3 +83,52 @@ class LlamaLayoutPolicy(DeclaredBlockPolicy):
 
     def layout_name(self) -> str:
         return " (Llama layout)"
+
+
+def is_gpt2_layout(module: nn.Module) -> bool:
+    """Whether ``module`` is a decoder block of GPT-2's layout: ``ln_1``, ``attn`` with fused ``c_attn`` and
+    ``c_proj`` Conv1D (weights ``[in, out]``), ``ln_2``, ``mlp`` with ``c_fc``/``c_proj`` Conv1D and ``act``; no
+    cross-attention."""
+    attention, mlp = getattr(module, "attn", None), getattr(module, "mlp", None)
+    if attention is None or mlp is None or getattr(attention, "config", None) is None or hasattr(module, "crossattention"):
+        return False
+    conv = [getattr(attention, "c_attn", None), getattr(attention, "c_proj", None), getattr(mlp, "c_fc", None),
+            getattr(mlp, "c_proj", None)]
+    if not all(c is not None and hasattr(c, "nf") and getattr(c, "weight", None) is not None for c in conv):
+        return False
+    return all(isinstance(getattr(module, n, None), nn.Module) for n in ("ln_1", "ln_2")) and hasattr(mlp, "act")
+
+
+def gpt2_block_spec(module: nn.Module) -> BlockSpec:
+    """The :class:`BlockSpec` of a GPT-2-layout block, read off its config.
+
+    Raises:
+        ValueError: ``scale_attn_by_inverse_layer_idx`` or ``reorder_and_upcast_attn`` (not supported).
+    """
+    config = module.attn.config
+    for option in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
+        if getattr(config, option, False):
+            raise ValueError(f"GPT-2's {option}=True is not supported under tensor parallelism; set it to False.")
+    return BlockSpec(
+        attention_norm="ln_1", mlp_norm="ln_2", qkv="attn.c_attn", attention_out="attn.c_proj", mlp_in="mlp.c_fc",
+        mlp_out="mlp.c_proj", activation="mlp.act", num_heads=config.num_attention_heads,
+        attention_dropout=float(config.attn_pdrop), residual_dropouts=("attn.resid_dropout", "mlp.dropout"),
+        attention=hf_attention_implementation(config), transposed=True, mask_position=1,
+        scaling=None if getattr(config, "scale_attn_weights", True) else 1.0,
+    )
+
+
+class GPT2LayoutPolicy(DeclaredBlockPolicy):
+    """Any Hugging Face block of GPT-2's layout → :class:`ParallelBlock` (Conv1D shards keep ``[in, out]``)."""
+
+    def __init__(self) -> None:
+        super().__init__(nn.Module)
+
+    def matches(self, module: nn.Module) -> bool:
+        return is_gpt2_layout(module)
+
+    def spec_for(self, module: nn.Module) -> BlockSpec:
+        return gpt2_block_spec(module)
+
+    def layout_name(self) -> str:
+        return " (GPT-2 layout)"

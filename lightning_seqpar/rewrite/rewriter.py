@@ -7,7 +7,7 @@ from typing import Iterable, Optional
 
 import torch.nn as nn
 
-from lightning_seqpar.rewrite.hf_decoder import LlamaLayoutPolicy
+from lightning_seqpar.rewrite.hf_decoder import GPT2LayoutPolicy, LlamaLayoutPolicy
 from lightning_seqpar.rewrite.policy import DeclaresPolicy, Policy
 from lightning_seqpar.rewrite.torch_encoder import TransformerEncoderLayerPolicy, TransformerEncoderPolicy
 from lightning_seqpar.tensor_parallel.collectives import ParallelGroup
@@ -16,12 +16,12 @@ from lightning_seqpar.transformer.context import RewriteContext
 
 def default_policies() -> list[Policy]:
     """The built-in policies: ``nn.TransformerEncoder``, ``nn.TransformerEncoderLayer``, and Hugging Face
-    decoder layers of the Llama layout (recognized by structure).
+    decoder blocks of the Llama and GPT-2 layouts (recognized by structure).
 
     Block classes that declare their own policy (:class:`DeclaresPolicy`, e.g. the reference GPT) need
     no entry here.
     """
-    return [TransformerEncoderPolicy(), TransformerEncoderLayerPolicy(), LlamaLayoutPolicy()]
+    return [TransformerEncoderPolicy(), TransformerEncoderLayerPolicy(), LlamaLayoutPolicy(), GPT2LayoutPolicy()]
 
 
 @dataclass
@@ -73,7 +73,7 @@ class _Registry:
 
     def known(self) -> list[str]:
         return sorted({cls.__name__ for cls, p in self.by_class.items() if p is not None}
-                      | {"Hugging Face decoder layers of the Llama layout"})
+                      | {"Hugging Face decoder blocks of the Llama and GPT-2 layouts"})
 
 
 def _candidate_blocks(model: nn.Module) -> list[str]:

@@ -134,9 +134,9 @@ def column_parallel_linears(x: Tensor, layers: "list[ColumnParallelLinear]", gro
     Returns:
         One ``[s, b, out_i/t]`` per layer.
     """
-    params = [p for layer in layers for p in (layer.weight, layer.bias)]
+    params = [p for layer in layers for p in (layer.linear_weight, layer.bias)]
     if group.size == 1:
-        return tuple(F.linear(x, layer.weight, layer.bias) for layer in layers)
+        return tuple(F.linear(x, w, b) for w, b in zip(params[0::2], params[1::2]))
     return _ColumnParallelLinearsFunction.apply(x, group, sequence_parallel, *params)
 
 
@@ -187,12 +187,33 @@ class ColumnParallelLinear(nn.Module):
         if self.bias is not None:
             set_shard_spec(self.bias, self.bias_spec)
 
+    transposed = False
+
+    @property
+    def linear_weight(self) -> Tensor:
+        """The local weight as ``F.linear`` takes it, ``[out/t, in]`` (a transposed view for a Conv1D's)."""
+        return self.weight.t() if self.transposed else self.weight
+
     @classmethod
     def from_linear(cls, linear: nn.Linear, group: ParallelGroup, **kwargs) -> "ColumnParallelLinear":
         """Shard a single-device ``nn.Linear`` (weights sliced, so both compute the same function)."""
         with torch.device("meta"):  # a skeleton: its weights are replaced by the slices
             layer = cls(linear.in_features, linear.out_features, group, bias=linear.bias is not None, **kwargs)
         return layer.load_full(linear.weight, linear.bias)
+
+    @classmethod
+    def from_conv1d(cls, conv: nn.Module, group: ParallelGroup, **kwargs) -> "ColumnParallelLinear":
+        """Shard a Hugging Face ``Conv1D`` (GPT-2's linear with weights stored ``[in, out]``): the weight stays
+        ``[in, out/t]`` (split along dim 1), so state-dict shapes stay the original's."""
+        in_features, out_features = conv.weight.shape
+        with torch.device("meta"):
+            layer = cls(in_features, out_features, group, bias=conv.bias is not None, **kwargs)
+        layer.transposed = True
+        layer.spec = ShardSpec(dim=1, full_size=out_features, padded_size=out_features, chunks=layer.spec.chunks)
+        layer.weight = shard_parameter(conv.weight, layer.spec, group)
+        if conv.bias is not None:
+            layer.bias = shard_parameter(conv.bias, layer.bias_spec, group)
+        return layer
 
     def load_full(self, weight: Tensor, bias: Optional[Tensor]) -> "ColumnParallelLinear":
         """Set this rank's shard from single-device ``weight [out, in]`` and ``bias [out]``."""
@@ -202,14 +223,14 @@ class ColumnParallelLinear(nn.Module):
         return self
 
     def forward(self, x: Tensor) -> Tensor:
-        out = column_parallel_linear(x, self.weight, self.bias, self.group, self.sequence_parallel)
+        out = column_parallel_linear(x, self.linear_weight, self.bias, self.group, self.sequence_parallel)
         if self.gather_output:
             out = gather_from_tensor_parallel_region(out, self.group)  # [s, b, out]
         return out
 
     def extra_repr(self) -> str:
         return (
-            f"in_features={self.in_features}, out_features={self.out_features} (local {self.weight.shape[0]}), "
+            f"in_features={self.in_features}, out_features={self.out_features} (local {self.linear_weight.shape[0]}), "
             f"sequence_parallel={self.sequence_parallel}, tp={self.group.size}"
         )
 
@@ -265,8 +286,26 @@ class RowParallelLinear(nn.Module):
                 set_sequence_parallel(layer.bias)
         return layer
 
+    transposed = False
+
+    @classmethod
+    def from_conv1d(cls, conv: nn.Module, group: ParallelGroup, **kwargs) -> "RowParallelLinear":
+        """Shard a Hugging Face ``Conv1D`` (weights ``[in, out]``): the weight stays ``[in/t, out]`` (split along
+        dim 0), so state-dict shapes stay the original's."""
+        in_features, out_features = conv.weight.shape
+        with torch.device("meta"):
+            layer = cls(in_features, out_features, group, bias=conv.bias is not None, **kwargs)
+        layer.transposed = True
+        layer.spec = ShardSpec(dim=0, full_size=in_features, padded_size=in_features)
+        layer.weight = shard_parameter(conv.weight, layer.spec, group)
+        if conv.bias is not None:
+            layer.bias = nn.Parameter(conv.bias.detach().clone(), requires_grad=conv.bias.requires_grad)
+            if layer.sequence_parallel:
+                set_sequence_parallel(layer.bias)
+        return layer
+
     def forward(self, x: Tensor) -> Tensor:
-        partial = F.linear(x, self.weight)  # [s, b, out], a partial sum over ranks
+        partial = F.linear(x, self.weight.t() if self.transposed else self.weight)  # [s, b, out], partial over ranks
         if self.sequence_parallel:
             out = reduce_scatter_to_sequence_parallel_region(partial, self.group)  # [s/t, b, out]
         else:
@@ -275,6 +314,6 @@ class RowParallelLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (
-            f"in_features={self.in_features} (local {self.weight.shape[1]}), out_features={self.out_features}, "
+            f"in_features={self.in_features} (local {self.in_features // self.group.size}), out_features={self.out_features}, "
             f"sequence_parallel={self.sequence_parallel}, tp={self.group.size}"
         )

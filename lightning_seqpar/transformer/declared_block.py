@@ -73,6 +73,10 @@ class BlockSpec:
         softmax_dtype: dtype of the eager softmax (``torch.float32`` as Hugging Face computes it); default the
             scores' dtype.
         scaling: attention score scale: a float, or the path of a float attribute; default ``head_dim ** -0.5``.
+        transposed: the projections store their weights ``[in, out]`` (Hugging Face's ``Conv1D``, GPT-2);
+            shards keep that layout, so state-dict shapes stay the original's.
+        mask_position: where the caller passes the attention mask among the positional arguments after the
+            hidden states (GPT-2's blocks get ``(hidden, past_key_values, mask, ...)``: 1); default: keyword only.
     """
 
     attention_norm: str
@@ -97,6 +101,8 @@ class BlockSpec:
     attention: str = "eager"
     softmax_dtype: Optional[torch.dtype] = None
     scaling: Union[float, str, None] = None
+    transposed: bool = False
+    mask_position: Optional[int] = None
 
     def projections(self) -> tuple[list[str], list[str]]:
         """The column-parallel paths of the attention input and of the MLP input."""
@@ -144,6 +150,11 @@ def _activation(block: nn.Module, spec: BlockSpec) -> Callable[[Tensor], Tensor]
     return resolve(block, spec.activation)
 
 
+def out_features(module: nn.Module) -> int:
+    """Output features of an ``nn.Linear`` or of a ``Conv1D`` (weight ``[in, out]``)."""
+    return module.out_features if isinstance(module, nn.Linear) else module.weight.shape[1]
+
+
 def _set(root: nn.Module, path: str, module: nn.Module) -> None:
     parent, _, name = path.rpartition(".")
     target = root
@@ -180,19 +191,20 @@ class ParallelBlock(ParallelLayer):
         attention, mlp = spec.projections()
         self.num_heads = value_of(block, spec.num_heads)
         self.num_kv_heads = value_of(block, spec.num_kv_heads) or self.num_heads
-        hidden = resolve(block, spec.attention_out).out_features
+        hidden = out_features(resolve(block, spec.attention_out))
         self.head_dim = value_of(block, spec.head_dim) or hidden // self.num_heads
         self.heads_local, self.kv_heads_local = self.num_heads // ctx.tp, self.num_kv_heads // ctx.tp
         scaling = value_of(block, spec.scaling)
         self.score_factor = 1.0 if scaling is None else float(scaling) * self.head_dim**0.5  # CoreAttention uses 1/√d
         chunks = 3 if spec.qkv else 1
+        column = ColumnParallelLinear.from_conv1d if spec.transposed else ColumnParallelLinear.from_linear
+        row = RowParallelLinear.from_conv1d if spec.transposed else RowParallelLinear.from_linear
         for path in attention:
-            _set(self, path, ColumnParallelLinear.from_linear(resolve(block, path), ctx.group, sequence_parallel=ctx.sp,
-                                                              chunks=chunks))
+            _set(self, path, column(resolve(block, path), ctx.group, sequence_parallel=ctx.sp, chunks=chunks))
         for path in mlp:
-            _set(self, path, ColumnParallelLinear.from_linear(resolve(block, path), ctx.group, sequence_parallel=ctx.sp))
+            _set(self, path, column(resolve(block, path), ctx.group, sequence_parallel=ctx.sp))
         for path in (spec.attention_out, spec.mlp_out):
-            _set(self, path, RowParallelLinear.from_linear(resolve(block, path), ctx.group, sequence_parallel=ctx.sp))
+            _set(self, path, row(resolve(block, path), ctx.group, sequence_parallel=ctx.sp))
         for path in (spec.attention_norm, spec.mlp_norm):
             norm = resolve(block, path)
             if ctx.sp:
@@ -211,7 +223,7 @@ class ParallelBlock(ParallelLayer):
         self.attention_residual_dropout = ParallelDropout(drops[0], ctx.rng_tracker, sharded=ctx.sp)
         self.mlp_residual_dropout = ParallelDropout(drops[1], ctx.rng_tracker, sharded=ctx.sp)
         self.rotary = getattr(sys.modules[type(block).__module__], spec.rotary) if spec.rotary else None
-        ffn = sum(resolve(block, p).out_features for p in mlp[:1])
+        ffn = out_features(resolve(block, mlp[0]))
         self._dims = LayerDims(hidden, self.num_heads, ffn, ctx.tp, ctx.sp)
 
     def layer_dims(self) -> LayerDims:
@@ -220,6 +232,10 @@ class ParallelBlock(ParallelLayer):
     def forward(self, hidden_states: Tensor, *args: Any, attention_mask: Optional[Tensor] = None,
                 position_embeddings: Optional[tuple[Tensor, Tensor]] = None, past_key_values: Any = None,
                 use_cache: Optional[bool] = False, **kwargs: Any) -> Tensor:
+        if self.spec.mask_position is not None and len(args) > self.spec.mask_position:
+            attention_mask = args[self.spec.mask_position]
+        if self.spec.mask_position is not None and args and args[0] is not None and self.spec.mask_position > 0:
+            past_key_values = args[0]  # (hidden, past_key_values, mask, ...)
         if past_key_values is not None or use_cache:
             raise NotImplementedError("A tensor-parallel block keeps no key/value cache: call the model with "
                                       "use_cache=False (training), or generate from the single-device model.")

@@ -58,9 +58,10 @@ def test_a_declaration_naming_a_missing_part_is_refused_with_what_exists():
 
 
 def test_an_unknown_hugging_face_layout_names_what_was_found_and_the_declaration():
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import OPTConfig, OPTForCausalLM
 
-    holder = torch.nn.Module()
-    holder.model = GPT2LMHeadModel(GPT2Config(vocab_size=13, n_positions=8, n_embd=16, n_layer=1, n_head=4))
-    with pytest.raises(ValueError, match=r"Block-like classes found .*GPT2Attention, GPT2Block.*DeclaredBlockPolicy\(MyBlock, BlockSpec\("):
+    holder = torch.nn.Module()  # OPT: fc1/fc2 directly in the layer, no mlp submodule: neither built-in layout
+    holder.model = OPTForCausalLM(OPTConfig(vocab_size=13, max_position_embeddings=8, hidden_size=16, num_hidden_layers=1,
+                                            ffn_dim=32, num_attention_heads=4, word_embed_proj_dim=16))
+    with pytest.raises(ValueError, match=r"Block-like classes found .*OPTDecoderLayer.*DeclaredBlockPolicy\(MyBlock, BlockSpec\("):
         explain(holder, tp=2)

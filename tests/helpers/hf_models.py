@@ -16,13 +16,17 @@ class HFCausalLM(pl.LightningModule):
     def __init__(self, family: str = "llama", attn_implementation: str = "eager", labels: bool = False,
                  kv_heads: int = 2, bias: bool = False, tie: bool = False, layers: int = 2) -> None:
         super().__init__()
-        from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+        from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Config
 
         common = dict(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=layers,
                       num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=2 * SEQ,
                       tie_word_embeddings=tie, attn_implementation=attn_implementation)
         if family == "llama":
             config = LlamaConfig(attention_bias=bias, **common)
+        elif family == "gpt2":  # fused c_attn, Conv1D weights [in, out], learned positions, tied LM head
+            config = GPT2Config(vocab_size=VOCAB, n_positions=2 * SEQ, n_embd=16, n_layer=layers, n_head=4,
+                                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+                                attn_implementation=attn_implementation)
         else:
             config = Qwen2Config(**common)
         self.model = AutoModelForCausalLM.from_config(config)

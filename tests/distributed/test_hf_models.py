@@ -1,7 +1,8 @@
-"""Hugging Face models of the Llama layout train under TP (+SP) exactly like one process.
+"""Hugging Face causal LMs train under TP (+SP) and PP like one process, and their weights go in and out.
 
-Tiny random configs (transformers' LlamaConfig / Qwen2Config, grouped-query attention with 2 key/value heads
-for 4 query heads), float64, loss and every gradient over 3 AdamW steps.
+Tiny random configs: Llama and Qwen2 (Llama layout: grouped-query attention with 2 key/value heads for 4 query
+heads, rotary embeddings, RMSNorm, SwiGLU) and GPT-2 (Conv1D, fused c_attn, learned positions, tied head);
+float64, loss and every gradient over 3 AdamW steps.
 """
 
 import pytest
@@ -22,6 +23,9 @@ CASES = {
         Case("hf", 2, True, None, (("labels", True), ("bias", True), ("tie", True))),  # labels=, q/k/v bias, tied
         Case("hf", 2, True, None, (("family", "qwen2"),)),                  # another family of the same layout
         Case("hf", 1, True, None, pp=2),                                    # pp 2: the decoder layer list is the stack
+        Case("hf", 2, True, None, (("family", "gpt2"),)),                   # GPT-2: Conv1D, fused c_attn, tied head
+        Case("hf", 2, True, "selective", (("family", "gpt2"), ("labels", True))),
+        Case("hf", 1, True, None, (("family", "gpt2"),), pp=2),
     ],
     4: [
         Case("hf", 2, True, "selective"),                                   # tp 2 x dp 2
@@ -91,6 +95,8 @@ def test_explain_names_the_layout_and_the_split(capsys):
     assert len(plan.entries) == 2 and plan.entries[0].enter_region and plan.entries[1].exit_region
     assert "LlamaDecoderLayer (Llama layout): 4 query / 2 key-value heads → 2 / 1 per rank" in str(plan)
     assert "attention sdpa (fused kernel: no s² tensor" in str(explain(build("hf", attn_implementation="sdpa"), tp=2))
+    gpt2 = str(explain(build("hf", family="gpt2"), tp=2))
+    assert "GPT2Block (GPT-2 layout): 4 heads → 2 per rank (attn.c_attn column-parallel" in gpt2
 
 
 def test_bad_llama_inputs_fail_before_any_collective_with_the_numbers():
