@@ -30,6 +30,11 @@ def _layer_stacks(model: nn.Module) -> tuple[list[LayerStack], list[ParallelLaye
     return stacks, layers
 
 
+def fused_attention_layers(model: nn.Module) -> list[ParallelLayer]:
+    """The rewritten layers whose core attention is a fused kernel (selective recomputation skips them)."""
+    return [m for m in model.modules() if isinstance(m, ParallelLayer) and m.fused_attention]
+
+
 def apply_recompute(
     model: nn.Module,
     granularity: Literal["selective", "full", "none"] = "selective",
@@ -66,9 +71,9 @@ def apply_recompute(
     if granularity == "none":
         return 0
     if granularity == "selective":
-        if not attentions:
+        if not attentions and not any(layer.fused_attention for layer in layers):
             raise ValueError("Selective recomputation found no CoreAttention module: is the model rewritten?")
-        return len(attentions)
+        return len(attentions)  # layers with a fused kernel keep no s² tensor: nothing to recompute there
     if not stacks and not layers:
         raise ValueError("Full recomputation found no rewritten transformer layer in the model.")
     count = 0

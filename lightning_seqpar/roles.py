@@ -80,9 +80,12 @@ class ParallelLayer(nn.Module):
         recompute_layer: checkpoint the whole layer (full recomputation); set by
             :func:`~lightning_seqpar.recompute.apply_recompute`.
         pipeline_stage: the virtual pipeline stage holding this layer, ``None`` when not split.
+        fused_attention: the layer's core attention is a fused kernel (SDPA/flash), which keeps no ``s²``
+            tensor: selective recomputation has nothing to recompute in it.
     """
 
     recompute_layer: bool = False
+    fused_attention: bool = False
     pipeline_stage: Optional[int] = None
     _router: Optional[LayerRouter] = None
 

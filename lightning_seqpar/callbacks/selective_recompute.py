@@ -5,10 +5,17 @@ from __future__ import annotations
 from typing import Any, Literal, Optional
 
 import lightning.pytorch as pl
+from lightning.pytorch.utilities import rank_zero_warn
 import torch.nn as nn
 
 from lightning_seqpar.memory.planner import RecomputePlan, plan_recompute
-from lightning_seqpar.recompute import apply_recompute, apply_recompute_plan, micro_batch_shape, model_shape
+from lightning_seqpar.recompute import (
+    apply_recompute,
+    apply_recompute_plan,
+    fused_attention_layers,
+    micro_batch_shape,
+    model_shape,
+)
 
 
 class SelectiveRecompute(pl.Callback):
@@ -53,6 +60,14 @@ class SelectiveRecompute(pl.Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.granularity != "auto":
             apply_recompute(pl_module, self.granularity, self.method, self.num_layers)
+        fused = fused_attention_layers(pl_module)
+        if fused and self.granularity in ("selective", "auto"):
+            rank_zero_warn(
+                f"{len(fused)} rewritten layer(s) use a fused attention kernel (attn_implementation='sdpa'), which keeps "
+                f"no s² tensor: selective recomputation has nothing to recompute there and leaves them as they are. "
+                f"Use granularity='full' to trade compute for memory in those layers, or attn_implementation='eager' "
+                f"for the explicit core attention (Korthikanti et al. 2022 §5)."
+            )
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         if self.granularity == "auto" and self.plan is None:

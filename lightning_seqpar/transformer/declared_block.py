@@ -217,8 +217,10 @@ class ParallelBlock(ParallelLayer):
         dropout = dropout.p if isinstance(dropout, nn.Dropout) else float(dropout or 0.0)
         self.implementation = value_of(block, spec.attention) if "." in spec.attention else spec.attention
         self.dropout_p = dropout
-        self.core_attention = CoreAttention(dropout, rng_tracker=ctx.rng_tracker, sharded_heads=ctx.tp > 1,
-                                            softmax_dtype=spec.softmax_dtype)
+        self.fused_attention = self.implementation == "sdpa"
+        # Only the explicit path has a CoreAttention for selective recomputation to checkpoint.
+        self.core_attention = None if self.fused_attention else CoreAttention(
+            dropout, rng_tracker=ctx.rng_tracker, sharded_heads=ctx.tp > 1, softmax_dtype=spec.softmax_dtype)
         drops = [resolve(block, p).p for p in spec.residual_dropouts] or [0.0, 0.0]
         self.attention_residual_dropout = ParallelDropout(drops[0], ctx.rng_tracker, sharded=ctx.sp)
         self.mlp_residual_dropout = ParallelDropout(drops[1], ctx.rng_tracker, sharded=ctx.sp)
@@ -278,6 +280,7 @@ class ParallelBlock(ParallelLayer):
             bias = additive_mask(mask, q.dtype)
             if bias is None and self.spec.causal:
                 bias = torch.full((s, s), float("-inf"), dtype=q.dtype, device=q.device).triu(1)
+            assert self.core_attention is not None
             context = self.core_attention(q * self.score_factor if self.score_factor != 1.0 else q, k, v, bias)
         return self.get_submodule(self.spec.attention_out)(merge_heads(context))  # [s/t, b, h] under SP
 
