@@ -9,7 +9,7 @@ from typing import Any, Optional, Union
 import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-from lightning_seqpar.checkpoint.atomic import publish, recover_stale, temporary_path
+from lightning_seqpar.checkpoint.atomic import publish, recover_stale, remove, temporary_path
 
 
 def remove_stale_temporaries(directory: Path) -> list[Path]:
@@ -21,7 +21,8 @@ def remove_stale_temporaries(directory: Path) -> list[Path]:
 class AtomicCheckpointIO(TorchCheckpointIO):
     """``TorchCheckpointIO`` that writes to a temporary file in the target folder, flushes it to disk,
     renames it over the target and flushes the folder, so a crash mid-save leaves the previous checkpoint
-    intact. What writers killed earlier left behind is cleaned up on the next save."""
+    intact. What writers killed earlier left behind is cleaned up on the next save. Removal (``save_top_k``)
+    takes a checkpoint off its name in one rename before deleting it."""
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Union[str, os.PathLike],
                         storage_options: Optional[Any] = None) -> None:
@@ -43,3 +44,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         finally:
             if tmp.exists():
                 tmp.unlink()
+
+    def remove_checkpoint(self, path: Union[str, os.PathLike]) -> None:
+        """Remove the checkpoint file or directory ``path`` atomically (see :func:`~lightning_seqpar.checkpoint.atomic.remove`)."""
+        remove(Path(path))

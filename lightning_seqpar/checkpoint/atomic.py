@@ -3,8 +3,9 @@
 A checkpoint is written under a hidden temporary name in the target folder (``.NAME.tmp-PID``) and
 renamed to ``NAME`` only when complete, so a reader never sees a partial one. Replacing an existing
 ``NAME`` (e.g. ``last.ckpt``) moves it aside to ``.NAME.old-PID`` first; a writer killed between the
-two renames leaves the previous checkpoint there, and :func:`recover_stale` puts it back. POSIX
-``rename`` is atomic for files and directories alike.
+two renames leaves the previous checkpoint there, and :func:`recover_stale` puts it back. Removing one
+renames it to ``.NAME.del-PID`` before deleting its files, so a removal killed halfway never leaves a
+partial checkpoint under its name. POSIX ``rename`` is atomic for files and directories alike.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 
 TMP_MARK = ".tmp-"
 OLD_MARK = ".old-"
+DELETE_MARK = ".del-"
 
 
 def temporary_path(path: Path, pid: int | None = None) -> Path:
@@ -30,6 +32,11 @@ def _writer_alive(pid: int) -> bool:
         return False
     except PermissionError:  # exists, owned by someone else
         return True
+    try:  # a killed process not yet reaped by its parent is a zombie: it writes nothing more
+        if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+            return False
+    except (OSError, IndexError):
+        pass
     return pid != os.getpid()
 
 
@@ -48,7 +55,7 @@ def recover_stale(directory: Path) -> list[Path]:
     otherwise. Returns the paths removed or restored.
     """
     touched = []
-    for mark in (OLD_MARK, TMP_MARK):
+    for mark in (OLD_MARK, TMP_MARK, DELETE_MARK):
         for path in sorted(directory.glob(f".*{mark}*")):
             stem, _, pid = path.name.rpartition(mark)
             if not pid.isdigit() or _writer_alive(int(pid)):
@@ -106,3 +113,15 @@ def publish(tmp: Path, final: Path) -> None:
     fsync_directory(final.parent)
     if old is not None:
         _remove(old)
+
+
+def remove(path: Path) -> None:
+    """Delete the checkpoint ``path`` (file or directory) so that it disappears from its name at once: it is
+    renamed to ``.NAME.del-PID`` and then deleted (what a killed removal leaves, :func:`recover_stale` deletes)."""
+    if not (path.exists() or path.is_symlink()):
+        return
+    doomed = path.with_name(f".{path.name}{DELETE_MARK}{os.getpid()}")
+    _remove(doomed)
+    os.replace(path, doomed)
+    fsync_directory(path.parent)
+    _remove(doomed)

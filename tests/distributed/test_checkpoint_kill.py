@@ -37,7 +37,7 @@ def test_kill_9_during_saves_never_leaves_a_partial_checkpoint(tmp_path):
             time.sleep(rng.uniform(0.0, 1.5))
         finally:
             kill_session(job)
-        seen_partial += any(".tmp-" in p.name or ".old-" in p.name for p in checkpoints.iterdir())
+        seen_partial += any(mark in p.name for p in checkpoints.iterdir() for mark in (".tmp-", ".old-", ".del-"))
         recover_stale(checkpoints)  # what the next save or load does first
         assert not any(p.name.startswith(".") for p in checkpoints.iterdir())
         published = _published(checkpoints)

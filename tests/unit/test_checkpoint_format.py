@@ -91,3 +91,18 @@ def test_views_leave_out_vocabulary_padding_and_store_fused_blocks_as_one_contig
     assert view.shape == (3, 4, 2) and saved_shape(fused, (12, 2)) == (3, 4, 2)
     view.zero_()  # a view: loading writes into the parameter itself
     assert saved_shape(None, (5, 2)) == (5, 2)
+
+
+def test_removal_takes_the_checkpoint_off_its_name_first(tmp_path):
+    from lightning_seqpar.checkpoint.atomic import remove
+    from lightning_seqpar.checkpoint_io import AtomicCheckpointIO
+
+    pid = _dead_pid()
+    half_deleted = tmp_path / f".step1.ckpt.del-{pid}"  # a removal killed halfway
+    half_deleted.mkdir()
+    (tmp_path / "step2.ckpt").mkdir()
+    (tmp_path / "step2.ckpt" / "__0_0.distcp").write_bytes(b"x")
+    AtomicCheckpointIO().remove_checkpoint(tmp_path / "step2.ckpt")
+    recover_stale(tmp_path)
+    assert list(tmp_path.iterdir()) == []
+    remove(tmp_path / "absent.ckpt")  # nothing to do
