@@ -69,11 +69,33 @@ def llama_block_spec(module: nn.Module) -> BlockSpec:
     )
 
 
+def check_full_attention(config: Any, name: str) -> None:
+    """Refuse a config whose layers attend to a sliding window: the parallel block applies the model's causal and
+    padding masks only, so it would attend to the whole sequence instead, silently.
+
+    Raises:
+        ValueError: naming the setting and the fix.
+    """
+    windowed = [t for t in (getattr(config, "layer_types", None) or []) if t != "full_attention"]
+    if not getattr(config, "layer_types", None) and getattr(config, "sliding_window", None):
+        windowed = ["sliding_window"]
+    if windowed:
+        raise ValueError(
+            f"{name}: the model attends to a sliding window (sliding_window={getattr(config, 'sliding_window', None)}, "
+            f"layer types {sorted(set(windowed))}), which lightning_seqpar does not support yet. Set sliding_window=None "
+            f"(and use_sliding_window=False) in the config to train with full causal attention."
+        )
+
+
 class LlamaLayoutPolicy(DeclaredBlockPolicy):
     """Any Hugging Face decoder layer of the Llama layout → :class:`ParallelBlock`."""
 
     def __init__(self) -> None:
         super().__init__(nn.Module)  # matched by structure (:meth:`matches`), not by class
+
+    def check(self, module: nn.Module, ctx: Any, name: str) -> None:
+        check_full_attention(_config(module), name)
+        super().check(module, ctx, name)
 
     def matches(self, module: nn.Module) -> bool:
         return is_llama_layout(module)

@@ -102,6 +102,10 @@ def test_explain_names_the_layout_and_the_split(capsys):
 def test_bad_llama_inputs_fail_before_any_collective_with_the_numbers():
     with pytest.raises(ValueError, match=r"num_key_value_heads = 2 is not divisible by .* tp = 4.*Valid tp: \[1, 2\]"):
         explain(build("hf"), tp=4)
+    windowed = build("hf", family="qwen2")
+    windowed.model.config.layer_types = ["sliding_attention"] * 2
+    with pytest.raises(ValueError, match=r"attends to a sliding window .* Set sliding_window=None"):
+        explain(windowed, tp=2)
     with pytest.raises(ValueError, match="attn_implementation='flex_attention' is not supported"):
         module = build("hf")
         module.model.config._attn_implementation = "flex_attention"
