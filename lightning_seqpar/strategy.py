@@ -5,16 +5,14 @@ from __future__ import annotations
 import atexit
 import logging
 import signal
-from pathlib import Path
 from datetime import timedelta
 from contextlib import contextmanager
-from typing import Any, Callable, Generator, Iterable, Literal, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Generator, Iterable, Literal, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.pytorch.accelerators import Accelerator
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
@@ -31,28 +29,9 @@ from lightning_seqpar._compat import (
     set_num_threads_if_needed,
     sync_ddp_if_available,
 )
-from lightning_seqpar.checkpoint_checks import (
-    check_finite,
-    check_state_dict_shapes,
-    on_every_rank,
-    optimizer_states_of_this_stage,
-)
-from lightning_seqpar.checkpoint.consolidate import load_state_dict_file
-from lightning_seqpar.checkpoint.safetensors_dir import SafetensorsStateDict, save_hf_directory
-from lightning_seqpar.checkpoint.sharded import (
-    FORMAT_KEY,
-    is_sharded_checkpoint,
-    model_entries,
-    single_device_shapes,
-    tied_aliases,
-)
-from lightning_seqpar.checkpoint.trainer_checkpoint import (
-    load_trainer_checkpoint,
-    optimizer_checkpoint_state,
-    save_trainer_checkpoint,
-)
 from lightning_seqpar.checkpoint.writer import ShardedCheckpointWriter, coordinator_pid
-from lightning_seqpar.checkpoint_io import AtomicCheckpointIO, remove_stale_temporaries
+from lightning_seqpar.checkpoint_io import AtomicCheckpointIO
+from lightning_seqpar.checkpointing import CheckpointingMixin
 from lightning_seqpar.distributed_optimizer import shard_optimizers
 from lightning_seqpar.faults import failed_collective
 from lightning_seqpar.gradients import finalize_gradients
@@ -61,13 +40,6 @@ from lightning_seqpar.mesh import ParallelMesh, validate_layout
 from lightning_seqpar.pipeline_parallel import PipelineConfig, PipelinedSteps, check_pipelined_module
 from lightning_seqpar.precision import ShardAwareClipping, shard_aware
 from lightning_seqpar.rewrite import Policy, RewriteContext, RewritePlan, rewrite
-from lightning_seqpar.state import (
-    full_optimizer_state,
-    full_state_dict,
-    load_full_optimizer_state,
-    load_full_state_dict,
-    merge_over_stages,
-)
 from lightning_seqpar.tensor_parallel.random import RNGTracker
 from lightning_seqpar.transformer.materialize import Materializer
 
@@ -101,7 +73,7 @@ def _as_timedelta(timeout: Union[float, timedelta, None]) -> timedelta:
     return timeout
 
 
-class SeqParallelStrategy(ParallelStrategy):
+class SeqParallelStrategy(CheckpointingMixin, ParallelStrategy):
     """Tensor (+ sequence) and pipeline parallel training of an ordinary LightningModule.
 
     On setup the strategy builds a ``(pp, dp, tp)`` process mesh (tensor-parallel ranks fastest),
@@ -478,164 +450,6 @@ class SeqParallelStrategy(ParallelStrategy):
         if isinstance(tensor, Tensor):
             return sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
-
-    # ------------------------------------------------------------------ checkpoints
-    @property
-    def _tp_device_mesh(self) -> Any:
-        device_mesh = self.mesh.device_mesh
-        return None if device_mesh is None else device_mesh["tensor"]  # type: ignore[index]
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """Sharded format: this rank's shards as ``torch.distributed.checkpoint`` views (same keys as the
-        single-device model; no communication). Full format: the unparallelized model's state dict,
-        gathered from the shards (collective, every rank)."""
-        assert self.lightning_module is not None
-        if self.checkpoint_format == "sharded":
-            return model_entries(self.lightning_module, self._tp_device_mesh)
-        return self.full_state_dict()
-
-    def full_state_dict(self) -> dict[str, Any]:
-        """The single-device state dict of the trained model (same keys and shapes as before the rewrite),
-        on every rank, e.g. after ``trainer.fit``. Collective: every rank must call it. ``module.state_dict()``
-        returns this rank's shards instead."""
-        assert self.lightning_module is not None
-        return merge_over_stages(full_state_dict(self.lightning_module, self.mesh.tensor), self.mesh.pipeline)
-
-    def load_single_device_state_dict(self, source: Union[str, Path, Mapping[str, Tensor]], strict: bool = True,
-                                      prefix: str = "") -> None:
-        """Start from single-device weights in any layout: copy this rank's shards (and stage) out of ``source``:
-
-        - a state dict of the unparallelized model;
-        - a ``.pt``/``.ckpt`` file holding one (read with ``weights_only=True``, memory-mapped);
-        - a ``.safetensors`` file or a Hugging Face checkpoint directory (``*.safetensors``, sharded index
-          included): read lazily, each rank only the rows of its own shards;
-        - a sharded checkpoint directory of ours.
-
-        ``prefix`` is prepended to the file's keys: the attribute path of the stored model inside your
-        LightningModule (``"model."`` for ``self.model = AutoModelForCausalLM...``). A tied parameter may be
-        stored under one of its keys. Collective; call it after setup, e.g. in ``on_fit_start``.
-
-        Raises:
-            KeyError: with ``strict``, keys missing from ``source`` or unknown to the model.
-            ValueError: a tensor of another shape, or non-finite values in an in-memory state dict (checked on
-                every rank first).
-        """
-        if not isinstance(source, Mapping):
-            path = Path(source)
-            if path.suffix == ".safetensors" or (path.is_dir() and not is_sharded_checkpoint(path)):
-                source = SafetensorsStateDict(path, prefix)
-                prefix = ""
-            else:
-                source = load_state_dict_file(path)
-        if prefix:
-            source = {prefix + k: v for k, v in source.items()}
-        self.load_model_state_dict({"state_dict": source}, strict=strict)
-
-    def save_hf_pretrained(self, out: Union[str, Path], config: Any, prefix: str = "model.") -> None:
-        """Export the trained Hugging Face model as a directory ``AutoModelForCausalLM.from_pretrained(out)`` loads:
-        ``config.json`` and ``model.safetensors`` with the single-device weights of the module's keys under
-        ``prefix`` (the attribute path of the model in your LightningModule). Collective: every rank must call
-        it; the weights are gathered onto every rank (whole model) and rank 0 writes, atomically.
-        """
-        state = self.full_state_dict()
-        if self.is_global_zero:
-            save_hf_directory(state, config, out, prefix)
-        self.barrier("save_hf_pretrained")
-
-    @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer.optimizer
-        if self.checkpoint_format == "sharded":
-            return optimizer_checkpoint_state(optimizer, self.lightning_module, self._tp_device_mesh)
-        state = full_optimizer_state(optimizer, self.mesh.tensor)
-        if self.mesh.pp == 1:
-            return state
-        # Each stage optimizes different layers: keep every stage's state, in pipeline-rank order.
-        stages: list[Any] = [None] * self.mesh.pp
-        dist.all_gather_object(stages, state, group=self.mesh.pipeline.group)
-        return {"pipeline_stages": stages}
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        """Sharded format: every rank writes its shards into the directory ``filepath``, published atomically
-        (collective). Full format: rank 0 writes the file ``filepath`` atomically.
-
-        Raises:
-            TypeError: ``storage_options`` given with the sharded format.
-        """
-        if self.checkpoint_format == "full":
-            return super().save_checkpoint(checkpoint, filepath, storage_options)
-        if storage_options is not None:
-            raise TypeError(f"The sharded checkpoint format takes no storage_options, got {storage_options!r}.")
-        assert self.lightning_module is not None and self._checkpoint_writer is not None
-        path = Path(self.broadcast(str(filepath)))  # every rank writes into rank 0's directory
-        shapes = merge_over_stages(single_device_shapes(self.lightning_module), self.mesh.pipeline)
-        layout = {"tp": self.mesh.tp, "pp": self.mesh.pp, "dp": self.mesh.dp, "zero": self.zero,
-                  "sequence_parallel": self.sequence_parallel}
-        tied = merge_over_stages(tied_aliases(self.lightning_module), self.mesh.pipeline)
-        save_trainer_checkpoint(self._checkpoint_writer, checkpoint, path, shapes, tied, layout)
-
-    @override
-    def remove_checkpoint(self, filepath: Any) -> None:
-        if self._checkpoint_writer is not None:
-            self._checkpoint_writer.wait()  # never remove a checkpoint still being published
-        super().remove_checkpoint(filepath)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """A sharded checkpoint directory is read in place, each rank its own shards of the model and (when
-        fitting) of the optimizers, whatever layout wrote it; a full checkpoint file is read whole on every rank.
-        A checkpoint whose save was killed between its two renames is restored first."""
-        assert self.lightning_module is not None
-        path = Path(self.broadcast(str(checkpoint_path)))
-        if self.is_global_zero and not path.exists() and path.parent.is_dir():
-            remove_stale_temporaries(path.parent)
-        self.barrier("load_checkpoint")
-        if not is_sharded_checkpoint(path):
-            return super().load_checkpoint(path, weights_only=weights_only)
-        if self._checkpoint_writer is not None:
-            self._checkpoint_writer.wait()
-        return load_trainer_checkpoint(
-            path, self.lightning_module, [getattr(o, "optimizer", o) for o in self.optimizers], self._tp_device_mesh,
-            self.lightning_module.strict_loading, self.allow_non_finite_checkpoint, weights_only,
-        )
-
-    @override
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        assert self.lightning_module is not None
-        if FORMAT_KEY in checkpoint:  # a sharded checkpoint: read in place by load_checkpoint
-            return
-        state = checkpoint["state_dict"]
-        if self._remote_keys:  # this stage's part; the other stages' layers must be there too
-            missing = [k for k in self._remote_keys if k not in state]
-            if strict and missing:
-                raise KeyError(f"State dict mismatch. Missing (layers of other pipeline stages): {sorted(missing)}.")
-            remote = set(self._remote_keys)
-            state = {k: v for k, v in state.items() if k not in remote}
-
-        def check() -> None:
-            if not self.allow_non_finite_checkpoint:
-                check_finite(state, "weight")
-            check_state_dict_shapes(self.lightning_module, state)
-
-        on_every_rank(check)
-        load_full_state_dict(self.lightning_module, state, self.mesh.tensor, strict=strict)
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        if FORMAT_KEY in checkpoint:  # a sharded checkpoint: read in place by load_checkpoint
-            return
-        if self.zero:
-            raise ValueError("A full (single-file) checkpoint's optimizer state does not resume under zero=1; "
-                             "resume with zero=0, or from a sharded checkpoint.")
-        states = on_every_rank(lambda: optimizer_states_of_this_stage(
-            checkpoint["optimizer_states"], self.optimizers, self.mesh.pp, self.mesh.pipeline.rank,
-            self.allow_non_finite_checkpoint,
-        ))
-        for optimizer, state in zip(self.optimizers, states):
-            load_full_optimizer_state(optimizer, state, self.mesh.tensor)
 
     @override
     def on_exception(self, exception: BaseException) -> None:

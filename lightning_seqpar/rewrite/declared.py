@@ -11,6 +11,7 @@ The built-in Hugging Face policy is one of these, its spec read off each model's
 
 from __future__ import annotations
 
+import sys
 from typing import Optional
 
 import torch.nn as nn
@@ -77,8 +78,6 @@ class DeclaredBlockPolicy(Policy):
             if not spec.activation.startswith("F."):
                 resolve(module, spec.activation)
             if spec.rotary:
-                import sys
-
                 if not callable(getattr(sys.modules.get(type(module).__module__), spec.rotary, None)):
                     raise ValueError(f"{name}: the declared rotary function '{spec.rotary}' is not in "
                                      f"{type(module).__module__}.")

@@ -268,9 +268,9 @@ class ParallelBlock(ParallelLayer):
             cos, sin = position_embeddings  # the whole sequence's positions
             q, k = self.rotary(q, k, cos, sin)
         groups = self.heads_local // self.kv_heads_local
-        if self.implementation == "sdpa":
+        if self.implementation == "sdpa":  # takes the mask as given: bool (True = attend) or additive
             context = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=_bool_or_additive(mask), dropout_p=self.dropout_p if self.training else 0.0,
+                q, k, v, attn_mask=mask, dropout_p=self.dropout_p if self.training else 0.0,
                 is_causal=mask is None and self.spec.causal, scale=self.score_factor * self.head_dim**-0.5,
                 enable_gqa=groups > 1,
             )
@@ -289,10 +289,6 @@ class ParallelBlock(ParallelLayer):
         outputs = column_parallel_linears(x, layers, self.group, self.sp)  # each [s, b, f/t]
         inner = self.activation(outputs[0]) * outputs[1] if len(outputs) == 2 else self.activation(outputs[0])
         return self.get_submodule(self.spec.mlp_out)(inner)
-
-
-def _bool_or_additive(mask: Optional[Tensor]) -> Optional[Tensor]:
-    return mask  # SDPA takes both: bool (True = attend) or additive
 
 
 def additive_mask(mask: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:

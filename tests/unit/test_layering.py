@@ -17,7 +17,7 @@ LAYERS = [
      {"pipeline_parallel", "gradients", "state", "checkpoint_checks", "checkpoint", "distributed_optimizer",
       "recompute"}),
     ("Lightning integration: strategy, precision, checkpoint IO, launcher, callbacks, data",
-     {"strategy", "precision", "checkpoint_io", "launcher", "callbacks", "data"}),
+     {"strategy", "checkpointing", "precision", "checkpoint_io", "launcher", "callbacks", "data"}),
     ("reference models and measurement harnesses (ordinary users of the library)", {"models", "benchmarking"}),
     ("package facade", {"__init__"}),
 ]
