@@ -12,6 +12,7 @@ from lightning_seqpar.checkpoint.consolidate import consolidate, write_state_dic
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run the command line; returns the exit status (0, or 2 when the checkpoint is not a complete sharded one)."""
     parser = argparse.ArgumentParser(prog="python -m lightning_seqpar.checkpoint", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     merge = commands.add_parser("consolidate", help="sharded checkpoint directory -> single-device state dict file")
