@@ -8,7 +8,7 @@ from pathlib import Path
 
 from lightning_seqpar.checkpoint import consolidate, is_sharded_checkpoint
 from lightning_seqpar.checkpoint.atomic import recover_stale
-from tests.helpers.jobs import kill_session, start_recipe, wait_for
+from tests.helpers.jobs import kill_session, start_recipe
 
 KILLS = 5
 
