@@ -48,7 +48,7 @@ class DeclaredBlockPolicy(Policy):
         self.spec = spec
 
     def __eq__(self, other: object) -> bool:  # a declaration is its value: equal across processes
-        return type(other) is type(self) and (other.block, other.spec) == (self.block, self.spec)  # type: ignore[attr-defined]
+        return type(other) is type(self) and vars(other) == vars(self)
 
     def __hash__(self) -> int:
         return hash((type(self), self.block, self.spec))

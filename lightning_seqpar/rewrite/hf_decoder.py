@@ -15,7 +15,7 @@ transformers is never imported here.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -31,13 +31,14 @@ _PLAN = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_att
 
 
 def _config(module: nn.Module) -> Optional[Any]:
-    return getattr(getattr(module, "self_attn", None), "config", None)
+    attention = getattr(module, "self_attn", None) or getattr(module, "attn", None)  # Llama / GPT-2 naming
+    return getattr(attention, "config", None)
 
 
 def is_llama_layout(module: nn.Module) -> bool:
     """Whether ``module`` is a decoder layer of the Llama layout (see the module docstring)."""
     attention, mlp = getattr(module, "self_attn", None), getattr(module, "mlp", None)
-    if attention is None or mlp is None or not hasattr(mlp, "act_fn") or _config(module) is None:
+    if attention is None or mlp is None or not hasattr(mlp, "act_fn") or getattr(attention, "config", None) is None:
         return False
     if not all(isinstance(getattr(attention, n, None), nn.Linear) for n in _ATTENTION):
         return False
@@ -55,7 +56,7 @@ def is_llama_layout(module: nn.Module) -> bool:
 
 def llama_block_spec(module: nn.Module) -> BlockSpec:
     """The :class:`BlockSpec` of a Llama-layout decoder layer, read off its config."""
-    config = _config(module)
+    config = module.self_attn.config
     heads = config.num_attention_heads
     return BlockSpec(
         attention_norm="input_layernorm", mlp_norm="post_attention_layernorm",
@@ -85,26 +86,6 @@ def check_full_attention(config: Any, name: str) -> None:
             f"layer types {sorted(set(windowed))}), which lightning_seqpar does not support yet. Set sliding_window=None "
             f"(and use_sliding_window=False) in the config to train with full causal attention."
         )
-
-
-class LlamaLayoutPolicy(DeclaredBlockPolicy):
-    """Any Hugging Face decoder layer of the Llama layout → :class:`ParallelBlock`."""
-
-    def __init__(self) -> None:
-        super().__init__(nn.Module)  # matched by structure (:meth:`matches`), not by class
-
-    def check(self, module: nn.Module, ctx: Any, name: str) -> None:
-        check_full_attention(_config(module), name)
-        super().check(module, ctx, name)
-
-    def matches(self, module: nn.Module) -> bool:
-        return is_llama_layout(module)
-
-    def spec_for(self, module: nn.Module) -> BlockSpec:
-        return llama_block_spec(module)
-
-    def layout_name(self) -> str:
-        return " (Llama layout)"
 
 
 def is_gpt2_layout(module: nn.Module) -> bool:
@@ -140,17 +121,31 @@ def gpt2_block_spec(module: nn.Module) -> BlockSpec:
     )
 
 
-class GPT2LayoutPolicy(DeclaredBlockPolicy):
-    """Any Hugging Face block of GPT-2's layout → :class:`ParallelBlock` (Conv1D shards keep ``[in, out]``)."""
+class HFLayoutPolicy(DeclaredBlockPolicy):
+    """Every Hugging Face block of one layout → :class:`ParallelBlock`, recognized by ``is_layout`` (structure, not
+    class) and declared by ``block_spec`` (read off the block's config). Configs with sliding-window attention are
+    refused (:func:`check_full_attention`)."""
 
-    def __init__(self) -> None:
-        super().__init__(nn.Module)
+    def __init__(self, layout: str, is_layout: Callable[[nn.Module], bool],
+                 block_spec: Callable[[nn.Module], BlockSpec]) -> None:
+        super().__init__(nn.Module)  # matched by structure (:meth:`matches`), not by class
+        self.layout, self.is_layout, self.block_spec = layout, is_layout, block_spec
+
+    def check(self, module: nn.Module, ctx: Any, name: str) -> None:
+        check_full_attention(_config(module), name)
+        super().check(module, ctx, name)
 
     def matches(self, module: nn.Module) -> bool:
-        return is_gpt2_layout(module)
+        return self.is_layout(module)
 
     def spec_for(self, module: nn.Module) -> BlockSpec:
-        return gpt2_block_spec(module)
+        return self.block_spec(module)
 
     def layout_name(self) -> str:
-        return " (GPT-2 layout)"
+        return f" ({self.layout} layout)"
+
+
+def hf_policies() -> list[HFLayoutPolicy]:
+    """The built-in Hugging Face layouts: Llama (Mistral, Qwen2, ...) and GPT-2."""
+    return [HFLayoutPolicy("Llama", is_llama_layout, llama_block_spec),
+            HFLayoutPolicy("GPT-2", is_gpt2_layout, gpt2_block_spec)]

@@ -7,7 +7,7 @@ from typing import Iterable, Optional
 
 import torch.nn as nn
 
-from lightning_seqpar.rewrite.hf_decoder import GPT2LayoutPolicy, LlamaLayoutPolicy
+from lightning_seqpar.rewrite.hf_decoder import hf_policies
 from lightning_seqpar.rewrite.policy import DeclaresPolicy, Policy
 from lightning_seqpar.rewrite.torch_encoder import TransformerEncoderLayerPolicy, TransformerEncoderPolicy
 from lightning_seqpar.tensor_parallel.collectives import ParallelGroup
@@ -21,7 +21,7 @@ def default_policies() -> list[Policy]:
     Block classes that declare their own policy (:class:`DeclaresPolicy`, e.g. the reference GPT) need
     no entry here.
     """
-    return [TransformerEncoderPolicy(), TransformerEncoderLayerPolicy(), LlamaLayoutPolicy(), GPT2LayoutPolicy()]
+    return [TransformerEncoderPolicy(), TransformerEncoderLayerPolicy(), *hf_policies()]
 
 
 @dataclass

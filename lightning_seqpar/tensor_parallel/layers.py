@@ -274,32 +274,31 @@ class RowParallelLinear(nn.Module):
         if self.bias is not None and sequence_parallel:
             set_sequence_parallel(self.bias)
 
+    transposed = False
+
     @classmethod
     def from_linear(cls, linear: nn.Linear, group: ParallelGroup, **kwargs) -> "RowParallelLinear":
         """Shard a single-device ``nn.Linear`` (weights sliced, so both compute the same function)."""
-        with torch.device("meta"):  # a skeleton: its weights are replaced by the slices
-            layer = cls(linear.in_features, linear.out_features, group, bias=linear.bias is not None, **kwargs)
-        layer.weight = shard_parameter(linear.weight, layer.spec, group)
-        if linear.bias is not None:
-            layer.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=linear.bias.requires_grad)
-            if layer.sequence_parallel:
-                set_sequence_parallel(layer.bias)
-        return layer
-
-    transposed = False
+        return cls._sliced(linear.weight, linear.bias, group, transposed=False, **kwargs)
 
     @classmethod
     def from_conv1d(cls, conv: nn.Module, group: ParallelGroup, **kwargs) -> "RowParallelLinear":
         """Shard a Hugging Face ``Conv1D`` (weights ``[in, out]``): the weight stays ``[in/t, out]`` (split along
         dim 0), so state-dict shapes stay the original's."""
-        in_features, out_features = conv.weight.shape
-        with torch.device("meta"):
-            layer = cls(in_features, out_features, group, bias=conv.bias is not None, **kwargs)
-        layer.transposed = True
-        layer.spec = ShardSpec(dim=0, full_size=in_features, padded_size=in_features)
-        layer.weight = shard_parameter(conv.weight, layer.spec, group)
-        if conv.bias is not None:
-            layer.bias = nn.Parameter(conv.bias.detach().clone(), requires_grad=conv.bias.requires_grad)
+        return cls._sliced(conv.weight, conv.bias, group, transposed=True, **kwargs)
+
+    @classmethod
+    def _sliced(cls, weight: Tensor, bias: Optional[Tensor], group: ParallelGroup, transposed: bool,
+                **kwargs) -> "RowParallelLinear":
+        out_features, in_features = weight.shape[::-1] if transposed else weight.shape
+        with torch.device("meta"):  # a skeleton: its weights are replaced by the slices
+            layer = cls(in_features, out_features, group, bias=bias is not None, **kwargs)
+        if transposed:
+            layer.transposed = True
+            layer.spec = ShardSpec(dim=0, full_size=in_features, padded_size=in_features)
+        layer.weight = shard_parameter(weight, layer.spec, group)
+        if bias is not None:  # replicated: added once, after the reduction
+            layer.bias = nn.Parameter(bias.detach().clone(), requires_grad=bias.requires_grad)
             if layer.sequence_parallel:
                 set_sequence_parallel(layer.bias)
         return layer
