@@ -3,18 +3,16 @@
 Korthikanti et al., *Reducing Activation Recomputation in Large Transformer Models* (2022).
 """
 
-from lightning_seqpar.callbacks import FlopsUtilization, SelectiveRecompute
-from lightning_seqpar.mesh import ParallelMesh, validate_layout
+from lightning_seqpar.lightning.callbacks import FlopsUtilization, SelectiveRecompute
+from lightning_seqpar.parallel.mesh import ParallelMesh, validate_layout
 from lightning_seqpar.recompute import apply_recompute
 from lightning_seqpar.rewrite import Policy, RewriteContext, explain, rewrite
-from lightning_seqpar.rewrite.declared import DeclaredBlockPolicy
+from lightning_seqpar.transformer.declared_policy import DeclaredBlockPolicy
 from lightning_seqpar.transformer.declared_block import BlockSpec
-from lightning_seqpar.strategy import SeqParallelStrategy, register
+from lightning_seqpar.lightning.strategy import SeqParallelStrategy, register
+from lightning_seqpar.parallel import CommunicationLog, ParallelGroup, RNGTracker
 from lightning_seqpar.tensor_parallel import (
     ColumnParallelLinear,
-    CommunicationLog,
-    ParallelGroup,
-    RNGTracker,
     RowParallelLinear,
     VocabParallelEmbedding,
     vocab_parallel_cross_entropy,

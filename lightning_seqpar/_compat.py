@@ -1,8 +1,9 @@
-"""Every private Lightning or torch name the library uses, in one place.
+"""Every private torch or transformers name the library uses, in one place (Lightning's are in
+:mod:`lightning_seqpar.lightning._compat`, the only folder that may import Lightning).
 
-Each entry says why it is needed and which public alternative was checked (Lightning 2.6, torch 2.13,
-the versions ``setup.cfg`` pins and CI tests). ``tests/unit/test_layering.py`` fails if a private
-name of either library is imported anywhere else, so an upgrade has one file to review.
+Each entry says why it is needed and which public alternative was checked (torch 2.13, transformers 5, the
+versions ``setup.cfg`` pins and CI tests). ``tests/unit/test_layering.py`` fails if a private name of a
+library is used in any module but the two ``_compat`` modules, so an upgrade has two files to review.
 """
 
 from __future__ import annotations
@@ -10,33 +11,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-
-# Starts the default process group from a Lightning ClusterEnvironment (MASTER_ADDR/PORT, rank,
-# world size) and registers NCCL teardown at exit, exactly as Lightning's DDP and ModelParallel
-# strategies do. Public alternative checked: torch.distributed.init_process_group, which would mean
-# re-implementing the environment hand-off and the NCCL atexit handling.
-from lightning.fabric.utilities.distributed import _init_dist_connection as init_dist_connection  # noqa: F401
-
-# Fabric's launchers give each process cpu_count // local_processes intra-op threads; the Trainer's do
-# not (4 processes on 2 cores ran 4.4x slower). Public alternative: torch.set_num_threads with our own
-# copy of Lightning's suggestion, which would drift from Fabric's rule.
-from lightning.fabric.utilities.distributed import _set_num_threads_if_needed as set_num_threads_if_needed  # noqa: F401
-
-# Strategy.reduce for self.log(sync_dist=True): Lightning's own reduction (mean/sum, group, non-float
-# dtypes) as DDP uses it. No public equivalent in lightning.pytorch.
-from lightning.fabric.utilities.distributed import _sync_ddp_if_available as sync_ddp_if_available  # noqa: F401
-
-# Moves optimizer state to the device after setup, as every Lightning strategy does. No public equivalent.
-from lightning.fabric.utilities.optimizer import _optimizers_to_device as optimizers_to_device  # noqa: F401
-
-# Lightning's launchers: popen re-runs the script per rank (the `ddp` default), the multiprocessing one
-# spawns/forks and returns rank 0's results to the main process. Lightning exposes no public launcher
-# classes; its own strategies import these. lightning_seqpar.launcher overrides two of the latter's
-# private methods (_collect_rank_zero_results, _wrapping_function): the hooks Lightning's own
-# subclasses override; there is no public one.
-from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher as SubprocessScriptLauncher  # noqa: F401
-from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher as MultiProcessingLauncher  # noqa: F401
-from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput as WorkerOutput  # noqa: F401
 
 # The live-activation tracker and the collective counter sit below autograd, where only a dispatch mode
 # sees every op's outputs (saved_tensors_hooks miss checkpoint caches). torch documents TorchDispatchMode
@@ -71,17 +45,11 @@ def storage_key(storage: torch.UntypedStorage) -> int:
 
 
 __all__: list[Any] = [
-    "MultiProcessingLauncher",
-    "SubprocessScriptLauncher",
     "TorchDispatchMode",
-    "WorkerOutput",
-    "init_dist_connection",
+    "hf_attention_implementation",
     "local_tensor",
-    "optimizers_to_device",
     "reset_multihead_attention",
-    "set_num_threads_if_needed",
     "storage_key",
-    "sync_ddp_if_available",
     "tree_flatten",
 ]
 

@@ -7,7 +7,7 @@ from typing import Any, Optional
 import torch
 
 from lightning_seqpar._compat import TorchDispatchMode, tree_flatten
-from lightning_seqpar.tensor_parallel.collectives import CollectiveRecord, CommunicationLog
+from lightning_seqpar.parallel.collectives import CollectiveRecord, CommunicationLog
 
 # op name → (kind, which tensor has the full (unsharded) size: "out" or "in")
 _COLLECTIVES = {

@@ -1,10 +1,13 @@
 """Checkpoints that no rank has to hold whole: sharded, resharding, atomic.
 
 - :mod:`.sharded`: the model's and optimizers' shards described to ``torch.distributed.checkpoint`` by
-  single-device name, global shape and offset (:mod:`.layout`), so any layout loads any other.
+  single-device name, global shape and offset (``ShardSpec``'s DCP view,
+  :mod:`lightning_seqpar.tensor_parallel.sharding`), so any layout loads any other.
 - :mod:`.trainer_checkpoint`: a Lightning checkpoint as such a directory plus ``trainer_state.pt``.
 - :mod:`.writer` and :mod:`.atomic`: written by every rank in parallel, published atomically, optionally
   in the background.
+- :mod:`.checks`: shapes, keys and finiteness of what is loaded, refused on every rank together.
+- :mod:`.full_state`: the single-file format's gathered single-device model and optimizer state.
 - :mod:`.safe_reader`: the DCP index read with an allowlist, never an arbitrary unpickle.
 - :mod:`.consolidate` and ``python -m lightning_seqpar.checkpoint consolidate CKPT_DIR OUT``: the
   single-device state dict, without a process group.

@@ -9,8 +9,9 @@ module's ``load_state_dict`` accepts. The whole model is in host memory once: th
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
-from typing import Optional
+from typing import Mapping, Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -21,6 +22,7 @@ from lightning_seqpar.checkpoint.atomic import publish, temporary_path
 from lightning_seqpar.checkpoint.safe_reader import SafeFileSystemReader, read_metadata
 from lightning_seqpar.checkpoint.sharded import FORMAT_KEY, MODEL_PREFIX, is_sharded_checkpoint
 from lightning_seqpar.checkpoint.trainer_checkpoint import read_trainer_state
+from lightning_seqpar.hf.weights import load_safetensors_file, save_safetensors_file, write_hf_directory
 
 
 def consolidate(path: os.PathLike | str) -> dict[str, Tensor]:
@@ -59,18 +61,7 @@ def write_state_dict(state_dict: dict[str, Tensor], out: os.PathLike | str) -> P
     tmp = temporary_path(out)
     try:
         if out.suffix == ".safetensors":
-            try:
-                from safetensors.torch import save_file
-            except ImportError as error:
-                raise ImportError("Writing .safetensors needs the safetensors package: pip install safetensors "
-                                  "(or lightning_seqpar[hf]).") from error
-            stored: set[int] = set()
-            tensors = {}
-            for key, value in state_dict.items():  # safetensors refuses shared memory: a tied weight is copied
-                value = value.contiguous()
-                tensors[key] = value.clone() if value.data_ptr() in stored else value
-                stored.add(value.data_ptr())
-            save_file(tensors, str(tmp))
+            save_safetensors_file(state_dict, tmp)
         else:
             torch.save(state_dict, tmp)
         publish(tmp, out)
@@ -88,11 +79,31 @@ def load_state_dict_file(path: os.PathLike | str, names: Optional[list[str]] = N
     if path.is_dir():
         state = consolidate(path)
     elif path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        state = load_file(str(path))
+        state = load_safetensors_file(path)
     else:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
             state = state["state_dict"]
     return state if names is None else {k: v for k, v in state.items() if k in names}
+
+
+def export_hf_directory(state_dict: Mapping[str, Tensor], config: object, out: os.PathLike | str,
+                        prefix: str = "") -> Path:
+    """Write a Hugging Face checkpoint directory that ``AutoModelForCausalLM.from_pretrained(out)`` loads
+    (:func:`~lightning_seqpar.hf.weights.write_hf_directory`), atomically: written beside ``out`` and published
+    under its name when complete. Returns ``out``.
+
+    Raises:
+        ImportError: without the safetensors package, with the install command.
+    """
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temporary_path(out)
+    tmp.mkdir()
+    try:
+        write_hf_directory(state_dict, config, tmp, prefix)
+        publish(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return out

@@ -16,10 +16,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from lightning_seqpar.models.sampling import Sampling
 from lightning_seqpar.transformer.core_attention import CoreAttention
 
 if TYPE_CHECKING:
-    from lightning_seqpar.rewrite import Policy
+    from lightning_seqpar.transformer.policy import Policy
 
 
 @dataclass
@@ -98,7 +99,7 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
-class GPT(nn.Module):
+class GPT(Sampling, nn.Module):
     """Decoder-only transformer language model.
 
     ``forward(idx)`` returns logits ``[b, s, v]``; ``forward(idx, targets)`` returns the mean
@@ -128,11 +129,11 @@ class GPT(nn.Module):
     @classmethod
     def parallel_policy(cls) -> "Policy":
         """The :class:`~lightning_seqpar.Policy` that rewrites this model (found by the rewrite, see
-        :class:`~lightning_seqpar.rewrite.DeclaresPolicy`)."""
-        # Imported here: the parallel version subclasses GPT, so its module imports this one.
+        :class:`~lightning_seqpar.transformer.policy.DeclaresPolicy`)."""
+        # Imported when asked: the policy's module imports the parallel version, which this module need not load.
         from lightning_seqpar.models.gpt_policy import GPTPolicy
 
-        return GPTPolicy()
+        return GPTPolicy(cls)
 
     @staticmethod
     def init_module(module: nn.Module, name: str, n_layer: int) -> None:
@@ -175,17 +176,3 @@ class GPT(nn.Module):
             ignore_index=-1,
             label_smoothing=self.config.label_smoothing,
         )
-
-    @torch.no_grad()
-    def generate(self, idx: Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: Optional[int] = None,
-                 generator: Optional[torch.Generator] = None) -> Tensor:
-        """Append ``max_new_tokens`` sampled tokens to ``idx [b, s]``; returns ``[b, s + max_new_tokens]``."""
-        for _ in range(max_new_tokens):
-            context = idx[:, -self.config.block_size:]
-            logits = self(context)[:, -1, :].float() / temperature  # (b, v)
-            if top_k is not None:
-                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            probs = F.softmax(logits, dim=-1)
-            idx = torch.cat([idx, torch.multinomial(probs, 1, generator=generator)], dim=1)
-        return idx

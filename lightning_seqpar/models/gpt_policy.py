@@ -3,18 +3,21 @@
 
 from __future__ import annotations
 
-from lightning_seqpar.models.gpt import GPT
-from lightning_seqpar.rewrite.policy import Policy, require_divisible
+import torch.nn as nn
+
+from lightning_seqpar.transformer.policy import Policy, require_divisible
 from lightning_seqpar.models.parallel_gpt import ParallelGPT
 from lightning_seqpar.transformer.region import check_sequence_length
 
 
 class GPTPolicy(Policy):
-    """:class:`GPT` → :class:`ParallelGPT`: vocabulary-parallel embedding (entering the SP region by
+    """:class:`~lightning_seqpar.models.GPT` → :class:`ParallelGPT`: vocabulary-parallel embedding (entering the SP region by
     reduce-scatter), TP+SP blocks, sequence-parallel final norm, column-parallel LM head."""
 
-    block = GPT
     role = "stack"
+
+    def __init__(self, block: type[nn.Module]) -> None:
+        self.block = block  # type: ignore[misc]  # the GPT class itself, which names this policy
 
     def check(self, module, ctx, name):
         c = module.config

@@ -1,6 +1,7 @@
 """A LightningModule that trains a Hugging Face causal LM: what a user would write for one device.
 
-transformers is imported when the module is built, never by ``import lightning_seqpar``.
+transformers is imported when the module is built (through :mod:`lightning_seqpar.hf.models`), never by
+``import lightning_seqpar``.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from typing import Any, Optional
 import torch.nn.functional as F
 from torch import Tensor
 
+from lightning_seqpar.hf.models import build_causal_lm, causal_lm_config, pretrained_state_dict
 from lightning_seqpar.models.module import CausalLMModule
 
 
@@ -32,20 +34,10 @@ class HFCausalLMModule(CausalLMModule):
     def __init__(self, config: Optional[dict] = None, pretrained: Optional[str] = None,
                  attn_implementation: str = "eager", **optimization: Any) -> None:
         super().__init__(**optimization)
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        if (config is None) == (pretrained is None):
-            raise ValueError("Give either config (a model of random init) or pretrained (a checkpoint directory), "
-                             f"got config={config!r}, pretrained={pretrained!r}.")
-        if pretrained is not None:
-            hf_config = AutoConfig.from_pretrained(pretrained, attn_implementation=attn_implementation)
-        else:
-            options = dict(config)
-            hf_config = AutoConfig.for_model(options.pop("model_type"), attn_implementation=attn_implementation,
-                                             **options)
+        hf_config = causal_lm_config(config, pretrained, attn_implementation)
         self.pretrained = pretrained
         self.save_hyperparameters({"config": hf_config.to_dict(), "pretrained": pretrained, **self.optimization})
-        self.model = AutoModelForCausalLM.from_config(hf_config)
+        self.model = build_causal_lm(hf_config)
 
     def on_fit_start(self) -> None:
         if self.pretrained is None or self.trainer.ckpt_path is not None:  # a resumed run has its own weights
@@ -54,9 +46,7 @@ class HFCausalLMModule(CausalLMModule):
         if hasattr(strategy, "load_single_device_state_dict"):
             strategy.load_single_device_state_dict(self.pretrained, prefix="model.")
         else:
-            from transformers import AutoModelForCausalLM
-
-            self.model.load_state_dict(AutoModelForCausalLM.from_pretrained(self.pretrained).state_dict())
+            self.model.load_state_dict(pretrained_state_dict(self.pretrained))
 
     def forward(self, idx: Tensor) -> Tensor:
         """Logits ``[b, s, v]`` of token ids ``[b, s]`` (full vocabulary, batch-first, as on one device)."""

@@ -14,14 +14,14 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from lightning_seqpar.models.gpt import GPT, MLP, Block, CausalSelfAttention
-from lightning_seqpar.roles import LayerDims, LayerStack, ParallelLayer
+from lightning_seqpar.models.sampling import Sampling
+from lightning_seqpar.transformer.roles import LayerDims, LayerStack, ParallelLayer
 from lightning_seqpar.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from lightning_seqpar.tensor_parallel.embedding import VocabParallelEmbedding
 from lightning_seqpar.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from lightning_seqpar.tensor_parallel.mappings import gather_from_tensor_parallel_region
 from lightning_seqpar.tensor_parallel.sharding import mark_sequence_parallel, shard_parameter
-from lightning_seqpar.transformer.checkpointing import checkpoint
+from lightning_seqpar.parallel.random import recomputed
 from lightning_seqpar.transformer.context import RewriteContext
 from lightning_seqpar.transformer.core_attention import merge_heads, split_heads
 from lightning_seqpar.transformer.dropout import ParallelDropout
@@ -30,12 +30,12 @@ from lightning_seqpar.transformer.stack import run_layers
 
 
 class ParallelCausalSelfAttention(nn.Module):
-    """:class:`CausalSelfAttention` with heads split over t ranks.
+    """:class:`~lightning_seqpar.models.gpt.CausalSelfAttention` with heads split over t ranks.
 
     Shapes: input/output ``[s/t, b, h]`` (SP) or ``[s, b, h]``; inside, ``a/t`` local heads.
     """
 
-    def __init__(self, attn: CausalSelfAttention, ctx: RewriteContext) -> None:
+    def __init__(self, attn: nn.Module, ctx: RewriteContext) -> None:
         super().__init__()
         self.n_head_local = attn.n_head // ctx.tp
         self.c_attn = ColumnParallelLinear.from_linear(attn.c_attn, ctx.group, sequence_parallel=ctx.sp, chunks=3)
@@ -51,9 +51,9 @@ class ParallelCausalSelfAttention(nn.Module):
 
 
 class ParallelMLP(nn.Module):
-    """:class:`MLP` with the ffn features split over t ranks. ``[s/t, b, h]`` → ``[s/t, b, h]`` (SP)."""
+    """:class:`~lightning_seqpar.models.gpt.MLP` with the ffn features split over t ranks. ``[s/t, b, h]`` → ``[s/t, b, h]`` (SP)."""
 
-    def __init__(self, mlp: MLP, ctx: RewriteContext) -> None:
+    def __init__(self, mlp: nn.Module, ctx: RewriteContext) -> None:
         super().__init__()
         self.c_fc = ColumnParallelLinear.from_linear(mlp.c_fc, ctx.group, sequence_parallel=ctx.sp)
         self.gelu = mlp.gelu
@@ -65,12 +65,12 @@ class ParallelMLP(nn.Module):
 
 
 class ParallelBlock(ParallelLayer):
-    """:class:`Block` on sequence-first, sequence-sharded activations ``[s/t, b, h]`` (SP) or ``[s, b, h]``.
+    """:class:`~lightning_seqpar.models.gpt.Block` on sequence-first, sequence-sharded activations ``[s/t, b, h]`` (SP) or ``[s, b, h]``.
 
     Roles: :class:`~lightning_seqpar.roles.ParallelLayer` (full recomputation honours ``recompute_layer``).
     """
 
-    def __init__(self, block: Block, ctx: RewriteContext) -> None:
+    def __init__(self, block: nn.Module, ctx: RewriteContext) -> None:
         super().__init__()
         self.ln_1, self.ln_2 = block.ln_1, block.ln_2
         if ctx.sp:
@@ -87,7 +87,7 @@ class ParallelBlock(ParallelLayer):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.recompute_layer and torch.is_grad_enabled():
-            return checkpoint(self._forward, x, rng_tracker=self.rng_tracker)
+            return recomputed(self._forward, x, rng_tracker=self.rng_tracker)
         return self._forward(x)
 
     def _forward(self, x: Tensor) -> Tensor:
@@ -95,7 +95,7 @@ class ParallelBlock(ParallelLayer):
         return x + self.mlp(self.ln_2(x))
 
 
-class ParallelGPT(GPT, LayerStack):
+class ParallelGPT(Sampling, LayerStack):
     """The reference GPT with vocabulary-parallel embedding and LM head and TP+SP blocks.
 
     ``forward(idx [b, s])`` returns full logits ``[b, s, v]`` (gathered over the vocabulary; under SP
@@ -110,14 +110,14 @@ class ParallelGPT(GPT, LayerStack):
         ValueError: under SP, if a training sequence length is not divisible by t.
     """
 
-    def __init__(self, gpt: GPT, ctx: RewriteContext) -> None:
+    def __init__(self, gpt: nn.Module, ctx: RewriteContext) -> None:
         # ``gpt`` is consumed: its blocks are released as they are sliced.
         nn.Module.__init__(self)
         self.config, self.group, self.sp = gpt.config, ctx.group, ctx.sp
         self.loss_parallel = ctx.loss_parallel
         self.rng_tracker = ctx.rng_tracker
         old = gpt.transformer
-        init = functools.partial(GPT.init_module, n_layer=gpt.config.n_layer)
+        init = functools.partial(type(gpt).init_module, n_layer=gpt.config.n_layer)
         for name in ("wte", "wpe", "ln_f"):  # built on the meta device: materialized here, once
             ctx.prepare(old[name], f"transformer.{name}", init)
         wte = VocabParallelEmbedding.from_embedding(old.wte, ctx.group, sequence_parallel=ctx.sp)

@@ -5,12 +5,13 @@ micro-batch (masks, targets) on every stage. ``torch.distributed.pipelining`` ca
 with the received tensors only and infers shapes by running stages on meta tensors, where our
 tensor-parallel collectives cannot run; so the schedules (GPipe, 1F1B, interleaved 1F1B, as in
 Megatron-LM) are per-rank action lists run by our executor over ``torch.distributed`` sends and receives.
+Nothing here imports Lightning: :mod:`lightning_seqpar.lightning.pipelined_steps` runs a LightningModule's steps
+through it.
 """
 
 from lightning_seqpar.pipeline_parallel.config import PipelineConfig
 from lightning_seqpar.pipeline_parallel.executor import PipelineExecutor, StepResult
 from lightning_seqpar.pipeline_parallel.layout import StageLayout
-from lightning_seqpar.pipeline_parallel.lightning_step import PipelinedSteps, check_pipelined_module, split_microbatches
 from lightning_seqpar.pipeline_parallel.p2p import StageTransport, TransferLog
 from lightning_seqpar.pipeline_parallel.schedules import (
     SCHEDULES,
@@ -27,7 +28,6 @@ __all__ = [
     "Action",
     "PipelineConfig",
     "PipelineExecutor",
-    "PipelinedSteps",
     "RemoteLayer",
     "StageLayout",
     "StageOutput",
@@ -36,10 +36,8 @@ __all__ = [
     "StepResult",
     "TransferLog",
     "build_schedule",
-    "check_pipelined_module",
     "check_microbatches",
     "resolve_schedule",
     "simulate",
-    "split_microbatches",
     "split_stages",
 ]

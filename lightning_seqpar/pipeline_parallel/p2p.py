@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_seqpar.tensor_parallel.collectives import ParallelGroup
+from lightning_seqpar.parallel.collectives import ParallelGroup
 
 _DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.bool]
 _HEADER = 10  # dtype code, ndim, up to 8 sizes

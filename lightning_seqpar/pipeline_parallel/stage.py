@@ -30,7 +30,8 @@ from torch import Tensor
 
 from lightning_seqpar.pipeline_parallel.config import PipelineConfig
 from lightning_seqpar.pipeline_parallel.layout import StageLayout
-from lightning_seqpar.roles import LayerStack, ParallelLayer, set_stage_local
+from lightning_seqpar.tensor_parallel.sharding import set_stage_local
+from lightning_seqpar.transformer.roles import LayerStack, ParallelLayer
 
 
 class StageOutput(Exception):

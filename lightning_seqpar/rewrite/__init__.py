@@ -1,6 +1,6 @@
 """Rewriting standard transformer modules into tensor + sequence parallel ones."""
 
-from lightning_seqpar.rewrite.policy import DeclaresPolicy, Policy
+from lightning_seqpar.transformer.policy import DeclaresPolicy, Policy
 from lightning_seqpar.rewrite.rewriter import RewritePlan, default_policies, explain, plan_rewrite, rewrite
 from lightning_seqpar.transformer.context import RewriteContext
 

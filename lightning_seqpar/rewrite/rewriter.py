@@ -7,10 +7,10 @@ from typing import Iterable, Optional
 
 import torch.nn as nn
 
-from lightning_seqpar.rewrite.hf_decoder import hf_policies
-from lightning_seqpar.rewrite.policy import DeclaresPolicy, Policy
-from lightning_seqpar.rewrite.torch_encoder import TransformerEncoderLayerPolicy, TransformerEncoderPolicy
-from lightning_seqpar.tensor_parallel.collectives import ParallelGroup
+from lightning_seqpar.hf.layouts import hf_policies
+from lightning_seqpar.transformer.policy import DeclaresPolicy, Policy
+from lightning_seqpar.transformer.encoder_policy import TransformerEncoderLayerPolicy, TransformerEncoderPolicy
+from lightning_seqpar.parallel.collectives import ParallelGroup
 from lightning_seqpar.transformer.context import RewriteContext
 
 

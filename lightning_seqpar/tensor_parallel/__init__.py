@@ -1,6 +1,6 @@
-"""Tensor-parallel layers, communication operators and their helpers."""
+"""Tensor-parallel layers (column, row, vocabulary), the conjugate operators f/f̄/g/ḡ, the vocabulary-parallel
+loss, and how a parameter is sharded (``ShardSpec`` and the parameter tags)."""
 
-from lightning_seqpar.tensor_parallel.collectives import CommunicationLog, ParallelGroup
 from lightning_seqpar.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from lightning_seqpar.tensor_parallel.embedding import VocabParallelEmbedding
 from lightning_seqpar.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -12,14 +12,10 @@ from lightning_seqpar.tensor_parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_sequence_parallel_region,
 )
-from lightning_seqpar.tensor_parallel.random import RNGTracker
 from lightning_seqpar.tensor_parallel.sharding import ShardSpec
 
 __all__ = [
     "ColumnParallelLinear",
-    "CommunicationLog",
-    "ParallelGroup",
-    "RNGTracker",
     "RowParallelLinear",
     "ShardSpec",
     "VocabParallelEmbedding",

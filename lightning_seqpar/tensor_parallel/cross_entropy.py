@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_seqpar.tensor_parallel.collectives import ParallelGroup
+from lightning_seqpar.parallel.collectives import ParallelGroup
 from lightning_seqpar.tensor_parallel.mappings import reduce_from_tensor_parallel_region
 
 

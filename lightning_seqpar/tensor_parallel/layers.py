@@ -15,8 +15,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_seqpar.roles import set_sequence_parallel, set_shard_spec
-from lightning_seqpar.tensor_parallel.collectives import ParallelGroup
+from lightning_seqpar.tensor_parallel.sharding import set_sequence_parallel, set_shard_spec
+from lightning_seqpar.parallel.collectives import ParallelGroup
 from lightning_seqpar.tensor_parallel.mappings import (
     gather_from_tensor_parallel_region,
     reduce_from_tensor_parallel_region,

@@ -3,19 +3,50 @@
 One :class:`ShardSpec` per sharded parameter drives every conversion between the single-device
 tensor and a rank's shard: slicing when a model is rewritten, gathering for a checkpoint or a
 gradient comparison, and slicing again when a checkpoint is loaded. The spec is stored on the
-parameter (the sharded role of :mod:`lightning_seqpar.roles`), Megatron's ``param.partition_dim`` done as one object.
+parameter, Megatron's ``param.partition_dim`` done as one object.
+
+Parameter roles (tags on the ``nn.Parameter``, as Megatron-LM's ``param.sequence_parallel`` and
+``param.partition_dim``; written and read through the functions below only):
+
+* sharded (:func:`shard_spec`): split over the tensor-parallel group as its ``ShardSpec`` says.
+  Checkpoints gather it, the gradient norm counts every shard once.
+* sequence-parallel (:func:`is_sequence_parallel`): replicated over the tensor-parallel group, but
+  each rank saw s/t tokens, so gradients are summed over the group (Korthikanti et al. 2022 §4.2.2).
+* stage-local (:func:`is_stage_local`): held by one pipeline stage only. Every other parameter is
+  kept on every stage and its gradient summed over the pipeline group.
+
+How a shard is described to ``torch.distributed.checkpoint`` (DCP): global shape and offset
+(:func:`dcp_view`, :func:`saved_shape`).
+
+DCP reshards on load when every saved and loaded tensor says which part of the global tensor it is.
+A sharded parameter (and each optimizer state tensor shaped like it) becomes a ``DTensor`` view of the
+live local shard over the tensor-parallel device mesh, ``[Shard(dim)]``; everything else is a plain
+tensor, replicated, which DCP writes once (its deduplication picks one writer per identical piece).
+Views, not copies: loading writes straight into the model's and optimizer's memory.
+
+Two layouts of :class:`ShardSpec` need care:
+
+- Vocabulary padding: rank r holds rows ``[r·c, (r+1)·c)`` of the padded table, ``c = padded/t``; the rows
+  past ``full_size`` are left out, so the checkpoint holds the single-device table and the shards are
+  ``torch.chunk``'s uneven split, which is DTensor's.
+- Fused blocks (``chunks`` k, e.g. ``[q; k; v]``): rank r holds ``[q_r; k_r; v_r]``, k separate pieces of
+  the ``[k·n, ...]`` tensor. The global tensor is stored as ``[k, n, ...]`` (a view of the same memory) and
+  split along the second dim, a contiguous shard again; :func:`saved_shape` gives that shape, and the
+  single-device shape is restored by a reshape (checkpoints record it).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 
-from lightning_seqpar.roles import set_sequence_parallel, set_shard_spec, shard_spec
-from lightning_seqpar.tensor_parallel.collectives import ParallelGroup
+from lightning_seqpar.parallel.collectives import ParallelGroup
 
 
 @dataclass(frozen=True)
@@ -90,6 +121,36 @@ class ShardSpec:
         return F.pad(full, pad)
 
 
+def shard_spec(param: Tensor) -> Optional[ShardSpec]:
+    """The ``ShardSpec`` of a sharded parameter, ``None`` for a replicated one."""
+    return getattr(param, "shard_spec", None)
+
+
+def set_shard_spec(param: Tensor, spec: ShardSpec) -> None:
+    """Tag ``param`` as this rank's shard of a parameter split as ``spec`` says."""
+    param.shard_spec = spec  # type: ignore[attr-defined]
+
+
+def is_sequence_parallel(param: Tensor) -> bool:
+    """Whether ``param``'s gradient must be summed over the tensor-parallel group (each rank saw s/t tokens)."""
+    return getattr(param, "sequence_parallel", False)
+
+
+def set_sequence_parallel(param: Tensor) -> None:
+    """Tag ``param`` as sequence-parallel."""
+    param.sequence_parallel = True  # type: ignore[attr-defined]
+
+
+def is_stage_local(param: Tensor) -> bool:
+    """Whether ``param`` belongs to one pipeline stage's layers (not shared by every stage)."""
+    return getattr(param, "pipeline_stage_local", False)
+
+
+def set_stage_local(param: Tensor) -> None:
+    """Tag ``param`` as held by one pipeline stage only."""
+    param.pipeline_stage_local = True  # type: ignore[attr-defined]
+
+
 def padded_size(size: int, multiple: int) -> int:
     """``size`` rounded up to a multiple of ``multiple``."""
     return -(-size // multiple) * multiple
@@ -137,3 +198,55 @@ def load_from_full(target: Tensor, full, group: ParallelGroup) -> None:
         value = spec.shard(full, group) if spec is not None else full
     with torch.no_grad():
         target.copy_(value.to(target.device, target.dtype))
+
+
+def saved_shape(spec: Optional[ShardSpec], single_device_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The global shape under which a tensor of ``single_device_shape`` sharded by ``spec`` is saved."""
+    shape = list(single_device_shape)
+    if spec is not None and spec.chunks > 1:
+        shape[spec.dim:spec.dim + 1] = [spec.chunks, spec.full_size // spec.chunks]
+    return tuple(shape)
+
+
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, step = [], 1
+    for size in reversed(shape):
+        stride.append(step)
+        step *= size
+    return tuple(reversed(stride))
+
+
+def dcp_view(local: Tensor, spec: Optional[ShardSpec], tp_mesh: Optional[DeviceMesh]) -> Tensor:
+    """This rank's ``local`` tensor as DCP must see it: a plain tensor when it is replicated, otherwise a
+    ``DTensor`` over ``tp_mesh`` whose global shape is :func:`saved_shape` and whose local part is a view of
+    ``local`` (``[full/t, ...]``-sized; vocabulary padding cut off).
+
+    Raises:
+        ValueError: a spec whose padding is not the ``ceil(full/t)`` rows per rank DTensor's split assumes,
+            or one both fused and padded.
+    """
+    data = local.detach()
+    if spec is None:
+        return data
+    t = 1 if tp_mesh is None else tp_mesh.size()
+    rank = 0 if tp_mesh is None else tp_mesh.get_local_rank()
+    if spec.padded_size != spec.full_size:
+        per_rank = spec.padded_size // t
+        if spec.chunks > 1 or per_rank != -(-spec.full_size // t):
+            raise ValueError(
+                f"Cannot describe a shard of {spec} at t={t} to torch.distributed.checkpoint: padding must give each "
+                f"rank ceil(full_size/t) rows and fused blocks cannot be padded."
+            )
+        keep = min(max(spec.full_size - rank * per_rank, 0), per_rank)
+        data = data.narrow(spec.dim, 0, keep)  # [full/t, ...]: padding rows never reach the checkpoint
+    dim = spec.dim
+    if spec.chunks > 1:
+        data = data.unflatten(dim, (spec.chunks, -1))  # [k, n/t, ...]: one contiguous shard of [k, n, ...]
+        dim += 1
+    if t == 1:
+        return data
+    global_shape = list(data.shape)
+    global_shape[dim] = spec.full_size // spec.chunks
+    shape = torch.Size(global_shape)
+    return DTensor.from_local(data, tp_mesh, [Shard(dim)], run_check=False, shape=shape,
+                              stride=_contiguous_stride(tuple(shape)))

@@ -7,8 +7,8 @@ from typing import Callable, Optional
 
 import torch.nn as nn
 
-from lightning_seqpar.tensor_parallel.collectives import ParallelGroup
-from lightning_seqpar.tensor_parallel.random import RNGTracker
+from lightning_seqpar.parallel.collectives import ParallelGroup
+from lightning_seqpar.parallel.random import RNGTracker
 from lightning_seqpar.transformer.materialize import Initializer, Materializer, has_meta_tensors
 
 

@@ -10,8 +10,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_seqpar.tensor_parallel.random import RNGTracker, maybe_fork
-from lightning_seqpar.transformer.checkpointing import checkpoint
+from lightning_seqpar.parallel.random import RNGTracker, maybe_fork
+from lightning_seqpar.parallel.random import recomputed
 from lightning_seqpar.transformer.dropout import dropout
 
 
@@ -62,7 +62,7 @@ class CoreAttention(nn.Module):
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None) -> Tensor:
         if self.recompute and torch.is_grad_enabled():
-            return checkpoint(self._attend, q, k, v, attn_mask, rng_tracker=self.rng_tracker)
+            return recomputed(self._attend, q, k, v, attn_mask, rng_tracker=self.rng_tracker)
         return self._attend(q, k, v, attn_mask)
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor]) -> Tensor:

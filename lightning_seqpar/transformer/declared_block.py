@@ -31,10 +31,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_seqpar.roles import LayerDims, ParallelLayer
+from lightning_seqpar.transformer.roles import LayerDims, ParallelLayer
 from lightning_seqpar.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, column_parallel_linears
 from lightning_seqpar.tensor_parallel.sharding import mark_sequence_parallel
-from lightning_seqpar.transformer.checkpointing import checkpoint
+from lightning_seqpar.parallel.random import recomputed
 from lightning_seqpar.transformer.context import RewriteContext
 from lightning_seqpar.transformer.core_attention import CoreAttention, merge_heads
 from lightning_seqpar.transformer.dropout import ParallelDropout
@@ -243,7 +243,7 @@ class ParallelBlock(ParallelLayer):
                                       "use_cache=False (training), or generate from the single-device model.")
         x = enter_parallel_region(hidden_states, self.group, self.sp, True) if self.enter_region else hidden_states
         if self.recompute_layer and torch.is_grad_enabled():
-            x = checkpoint(self._body, x, position_embeddings, attention_mask, rng_tracker=self.rng_tracker)
+            x = recomputed(self._body, x, position_embeddings, attention_mask, rng_tracker=self.rng_tracker)
         else:
             x = self._body(x, position_embeddings, attention_mask)
         return exit_parallel_region(x, self.group, self.sp, True) if self.exit_region else x

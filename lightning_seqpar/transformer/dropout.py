@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from lightning_seqpar.tensor_parallel.random import RNGTracker, maybe_fork
+from lightning_seqpar.parallel.random import RNGTracker, maybe_fork
 
 
 def dropout(x: Tensor, p: float) -> Tensor:

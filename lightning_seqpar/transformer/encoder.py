@@ -14,11 +14,11 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from lightning_seqpar.roles import LayerDims, LayerStack, ParallelLayer
-from lightning_seqpar.tensor_parallel.collectives import ParallelGroup
+from lightning_seqpar.transformer.roles import LayerDims, LayerStack, ParallelLayer
+from lightning_seqpar.parallel.collectives import ParallelGroup
 from lightning_seqpar.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, column_parallel_linear
 from lightning_seqpar.tensor_parallel.sharding import ShardSpec, mark_sequence_parallel, shard_parameter
-from lightning_seqpar.transformer.checkpointing import checkpoint
+from lightning_seqpar.parallel.random import recomputed
 from lightning_seqpar.transformer.context import RewriteContext
 from lightning_seqpar.transformer.core_attention import CoreAttention, merge_heads, split_heads
 from lightning_seqpar.transformer.dropout import ParallelDropout
@@ -140,7 +140,7 @@ class ParallelTransformerEncoderLayer(ParallelLayer):
         bias = attention_bias(src_mask, src_key_padding_mask, is_causal, s, x.shape[1], self.self_attn.num_heads,
                               self.group, x.dtype, x.device)
         if self.recompute_layer and torch.is_grad_enabled():
-            x = checkpoint(self._body, x, bias, rng_tracker=self.rng_tracker)
+            x = recomputed(self._body, x, bias, rng_tracker=self.rng_tracker)
         else:
             x = self._body(x, bias)
         return exit_parallel_region(x, self.group, self.sp, self.batch_first) if self.exit_region else x

@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 
 from lightning_seqpar._compat import reset_multihead_attention
-from lightning_seqpar.tensor_parallel.collectives import ParallelGroup
+from lightning_seqpar.parallel.collectives import ParallelGroup
 from lightning_seqpar.tensor_parallel.sharding import load_from_full
 
 Initializer = Callable[[nn.Module, str], None]

@@ -8,8 +8,8 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from lightning_seqpar.tensor_parallel.random import RNGTracker
-from lightning_seqpar.transformer.checkpointing import checkpoint
+from lightning_seqpar.parallel.random import RNGTracker
+from lightning_seqpar.parallel.random import recomputed
 
 
 def run_layers(
@@ -38,6 +38,6 @@ def run_layers(
                 x = layer(x, **kwargs)
             return x
 
-        hidden = checkpoint(chunk, hidden, rng_tracker=rng_tracker)
+        hidden = recomputed(chunk, hidden, rng_tracker=rng_tracker)
         i = end
     return hidden

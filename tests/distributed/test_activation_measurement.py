@@ -10,7 +10,7 @@ import torch
 from lightning_seqpar.memory import TransformerShape
 from lightning_seqpar.benchmarking.measure import measure_gpt_layer
 from lightning_seqpar.memory.tracker import LiveActivationTracker
-from lightning_seqpar.tensor_parallel import ParallelGroup
+from lightning_seqpar.parallel import ParallelGroup
 from tests.helpers.distributed import run_distributed
 
 SHAPE = TransformerShape(s=256, b=2, h=128, a=4)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_seqpar.checkpoint_io import AtomicCheckpointIO
+from lightning_seqpar.lightning.checkpoint_io import AtomicCheckpointIO
 from tests.helpers.distributed import run_distributed
 from tests.helpers.parity import Case, fit
 

@@ -10,8 +10,8 @@ import torch
 
 from lightning_seqpar.models.gpt import Block, GPTConfig
 from lightning_seqpar.rewrite import RewriteContext
-from lightning_seqpar.tensor_parallel import CommunicationLog, ParallelGroup
-from lightning_seqpar.tensor_parallel.random import RNGTracker
+from lightning_seqpar.parallel import CommunicationLog, ParallelGroup
+from lightning_seqpar.parallel.random import RNGTracker
 from lightning_seqpar.models.parallel_gpt import ParallelBlock
 from tests.helpers.distributed import run_distributed
 

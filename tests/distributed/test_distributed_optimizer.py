@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lightning_seqpar import SeqParallelStrategy
-from lightning_seqpar.distributed_optimizer import optimizer_state_bytes
+from lightning_seqpar.optim.distributed_optimizer import optimizer_state_bytes
 from tests.helpers.distributed import run_distributed
 from tests.helpers.models import build, loader, token_data
 

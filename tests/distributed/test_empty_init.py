@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_seqpar import RewriteContext, SeqParallelStrategy, rewrite
 from lightning_seqpar.models import GPT, GPTConfig, GPTLightningModule
-from lightning_seqpar.tensor_parallel import ParallelGroup
+from lightning_seqpar.parallel import ParallelGroup
 from lightning_seqpar.transformer.materialize import Materializer
 from tests.helpers.distributed import run_distributed
 from tests.helpers.models import BATCH, SEQ, VOCAB, Recorder, loader, reference_run, token_data

@@ -5,9 +5,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from lightning_seqpar.parallel import ParallelGroup
 from lightning_seqpar.tensor_parallel import (
     ColumnParallelLinear,
-    ParallelGroup,
     RowParallelLinear,
     VocabParallelEmbedding,
     gather_from_sequence_parallel_region,

@@ -5,7 +5,7 @@ import torch
 import torch.nn as nn
 
 from lightning_seqpar import RewriteContext, rewrite
-from lightning_seqpar.checkpoint_checks import (
+from lightning_seqpar.checkpoint.checks import (
     check_finite,
     check_optimizer_state,
     check_state_dict_shapes,
@@ -13,7 +13,7 @@ from lightning_seqpar.checkpoint_checks import (
     optimizer_states_of_this_stage,
 )
 from lightning_seqpar.models.gpt import GPT, GPTConfig
-from lightning_seqpar.tensor_parallel import ParallelGroup
+from lightning_seqpar.parallel import ParallelGroup
 
 CONFIG = GPTConfig(vocab_size=13, block_size=8, n_layer=1, n_head=4, n_embd=16)
 

@@ -12,7 +12,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from lightning_seqpar.checkpoint.atomic import publish, recover_stale, temporary_path
-from lightning_seqpar.checkpoint.layout import dcp_view, saved_shape
+from lightning_seqpar.tensor_parallel.sharding import dcp_view, saved_shape
 from lightning_seqpar.checkpoint.safe_reader import SafeFileSystemReader, read_metadata
 from lightning_seqpar.tensor_parallel.sharding import ShardSpec
 
@@ -95,7 +95,7 @@ def test_views_leave_out_vocabulary_padding_and_store_fused_blocks_as_one_contig
 
 def test_removal_takes_the_checkpoint_off_its_name_first(tmp_path):
     from lightning_seqpar.checkpoint.atomic import remove
-    from lightning_seqpar.checkpoint_io import AtomicCheckpointIO
+    from lightning_seqpar.lightning.checkpoint_io import AtomicCheckpointIO
 
     pid = _dead_pid()
     half_deleted = tmp_path / f".step1.ckpt.del-{pid}"  # a removal killed halfway

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from lightning_seqpar.checkpoint_io import AtomicCheckpointIO
+from lightning_seqpar.lightning.checkpoint_io import AtomicCheckpointIO
 
 
 def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):

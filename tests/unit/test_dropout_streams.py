@@ -5,7 +5,7 @@ import torch
 
 def test_attention_dropout_differs_across_head_shards():
     """Core attention dropout on sharded heads draws from the per-rank stream."""
-    from lightning_seqpar.tensor_parallel.random import RNGTracker
+    from lightning_seqpar.parallel.random import RNGTracker
     from lightning_seqpar.transformer.core_attention import CoreAttention
 
     q = torch.ones(1, 2, 8, 4)

@@ -9,7 +9,7 @@ import torch.nn as nn
 
 from lightning_seqpar import SelectiveRecompute, SeqParallelStrategy, explain, validate_layout
 from lightning_seqpar.models import GPT, GPTConfig
-from lightning_seqpar.tensor_parallel import ParallelGroup
+from lightning_seqpar.parallel import ParallelGroup
 from lightning_seqpar.transformer.region import enter_parallel_region
 
 

@@ -2,7 +2,7 @@
 
 import torch.distributed as dist
 
-from lightning_seqpar.faults import failed_collective
+from lightning_seqpar.parallel.faults import failed_collective
 
 
 def _raise_inside_a_collective(message):

@@ -7,11 +7,11 @@ import torch
 import torch.nn as nn
 
 from lightning_seqpar import ParallelMesh, RewriteContext, SeqParallelStrategy, apply_recompute, rewrite
-from lightning_seqpar.callbacks import FlopsUtilization
+from lightning_seqpar.lightning.callbacks import FlopsUtilization
 from lightning_seqpar.memory import TransformerShape, model_flops_per_iteration
 from lightning_seqpar.models.gpt import GPT, GPTConfig
-from lightning_seqpar.tensor_parallel import ParallelGroup
-from lightning_seqpar.tensor_parallel.random import RNGTracker
+from lightning_seqpar.parallel import ParallelGroup
+from lightning_seqpar.parallel.random import RNGTracker
 
 S, B, H, A, L, V = 32, 2, 16, 4, 3, 50
 

@@ -1,4 +1,5 @@
-"""The package's structure: imports run one way, private library names live in ``_compat`` only."""
+"""The package's structure: one concept per folder, imports run one way, optional libraries stay behind their
+boundary, private library names live in the ``_compat`` modules only."""
 
 import ast
 import subprocess
@@ -9,20 +10,26 @@ PACKAGE = Path(__file__).resolve().parents[2] / "lightning_seqpar"
 
 # Lowest first. A module may import from its own layer and the layers below, never from one above.
 LAYERS = [
-    ("foundation: communication, parallel layers, roles, mesh, pure formulas",
-     {"_compat", "roles", "tensor_parallel", "mesh", "memory", "faults"}),
-    ("parallel building blocks", {"transformer"}),
-    ("policies and the rewrite", {"rewrite"}),
-    ("parallel runtime: pipeline, gradient reduction, sharded state, checkpoints, ZeRO-1, recomputation",
-     {"pipeline_parallel", "gradients", "state", "checkpoint_checks", "checkpoint", "distributed_optimizer",
-      "recompute"}),
-    ("Lightning integration: strategy, precision, checkpoint IO, launcher, callbacks, data",
-     {"strategy", "checkpointing", "precision", "checkpoint_io", "launcher", "callbacks", "data"}),
-    ("reference models and measurement harnesses (ordinary users of the library)", {"models", "benchmarking"}),
+    ("foundation: process groups and the mesh, RNG streams, the memory/FLOPs model, torch's private names",
+     {"_compat", "parallel", "memory"}),
+    ("tensor-parallel layers, operators and sharding", {"tensor_parallel"}),
+    ("parallel transformer blocks, their roles and the policies that build them", {"transformer"}),
+    ("Hugging Face layouts, weights and models (the [hf] extra)", {"hf"}),
+    ("the rewriter", {"rewrite"}),
+    ("runtime: recomputation, pipeline, gradients and optimizer, checkpoint files",
+     {"recompute", "pipeline_parallel", "optim", "checkpoint"}),
+    ("Lightning integration", {"lightning"}),
+    ("reference models, data and measurement harnesses (ordinary users of the library)",
+     {"models", "data", "benchmarking"}),
     ("package facade", {"__init__"}),
 ]
 LAYER_OF = {part: i for i, (_, parts) in enumerate(LAYERS) for part in parts}
-THIRD_PARTY = ("torch", "lightning", "lightning_utilities", "pytorch_lightning")
+THIRD_PARTY = ("torch", "lightning", "lightning_utilities", "pytorch_lightning", "transformers", "safetensors",
+               "tokenizers")
+LIGHTNING = ("lightning", "pytorch_lightning", "lightning_utilities", "lightning_fabric")
+LIGHTNING_PARTS = {"lightning", "models", "data"}
+HF_LIBRARIES = ("transformers", "safetensors", "tokenizers")
+STRATEGY_MAX_LINES = 300
 
 
 def _modules() -> list[Path]:
@@ -30,31 +37,33 @@ def _modules() -> list[Path]:
 
 
 def _part(path: Path) -> str:
-    """The top-level component of a file of the package (``strategy``, ``pipeline_parallel``, ...)."""
+    """The top-level component of a file of the package (``lightning``, ``pipeline_parallel``, ``data``, ...)."""
     rel = path.relative_to(PACKAGE).with_suffix("")
     return rel.parts[0]
 
 
-def _runtime_nodes(tree: ast.AST):
-    """Every node except those under ``if TYPE_CHECKING:`` (annotations only, never executed)."""
-    stack = [tree]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
-            stack.extend(node.orelse)
-            continue
-        yield node
-        stack.extend(ast.iter_child_nodes(node))
+def _module_name(path: Path) -> str:
+    """``lightning_seqpar.a.b`` for ``a/b.py``, ``lightning_seqpar.a`` for ``a/__init__.py``."""
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _imports(path: Path) -> list[tuple[int, str]]:
-    """``(line, module)`` of every import executed at runtime, module-level or inside functions."""
+def _imports(path: Path) -> list[tuple[int, str, bool]]:
+    """``(line, module, lazy)`` of every import in ``path``: module-level, inside functions and under
+    ``if TYPE_CHECKING:`` alike (an annotation-only import is still a dependency of the design).
+    ``lazy``: inside a function, where it runs only when called."""
     out = []
-    for node in _runtime_nodes(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            out += [(node.lineno, alias.name) for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            out.append((node.lineno, node.module))
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            lazy = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            if isinstance(child, ast.Import):
+                out.extend((child.lineno, alias.name, in_function) for alias in child.names)
+            elif isinstance(child, ast.ImportFrom) and child.module and not child.level:
+                out.append((child.lineno, child.module, in_function))
+            visit(child, lazy)
+
+    visit(ast.parse(path.read_text()), False)
     return out
 
 
@@ -66,16 +75,65 @@ def _own_target(module: str) -> str | None:
     return None
 
 
+def _module_graph() -> dict[str, set[str]]:
+    """Module → the package modules it imports (``from lightning_seqpar.a import x`` is an edge to ``a``)."""
+    known = {_module_name(p) for p in _modules()}
+    graph: dict[str, set[str]] = {}
+    for path in _modules():
+        here = _module_name(path)
+        for _, module, _ in _imports(path):
+            if module.startswith("lightning_seqpar") and module != here:
+                while module not in known:
+                    module = module.rpartition(".")[0]
+                graph.setdefault(here, set()).add(module)
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle per strongly connected component of more than one node (Tarjan), as its sorted members."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def connect(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in graph.get(node, ()):
+            if nxt not in index:
+                connect(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            connect(node)
+    return found
+
+
 def test_every_part_of_the_package_has_a_layer():
     parts = {_part(p) for p in _modules()}
-    assert parts - set(LAYER_OF) == set(), "put the new module in a layer of LAYERS"
+    assert parts - set(LAYER_OF) == set(), "put the new folder or module in a layer of LAYERS"
 
 
 def test_no_import_runs_up_from_a_lower_layer():
     violations = []
     for path in _modules():
         here = LAYER_OF[_part(path)]
-        for line, module in _imports(path):
+        for line, module, _ in _imports(path):
             target = _own_target(module)
             if target is not None and LAYER_OF[target] > here:
                 violations.append(f"{path.relative_to(PACKAGE.parent)}:{line} imports {module} "
@@ -83,30 +141,67 @@ def test_no_import_runs_up_from_a_lower_layer():
     assert violations == []
 
 
-def test_parts_import_each_other_without_cycles():
+def test_folders_import_each_other_without_cycles():
     graph: dict[str, set[str]] = {}
     for path in _modules():
-        for _, module in _imports(path):
+        for _, module, _ in _imports(path):
             target = _own_target(module)
             if target is not None and target != _part(path):
                 graph.setdefault(_part(path), set()).add(target)
+    assert _cycles(graph) == []
 
-    def reaches(start: str, goal: str, seen: set[str]) -> bool:
-        for nxt in graph.get(start, ()):
-            if nxt == goal or (nxt not in seen and reaches(nxt, goal, seen | {nxt})):
-                return True
-        return False
 
-    cycles = sorted(part for part in graph if reaches(part, part, {part}))
-    assert cycles == []
+def test_modules_import_each_other_without_cycles():
+    """Inside a folder too, counting imports under ``TYPE_CHECKING`` and inside functions."""
+    assert _cycles(_module_graph()) == []
+
+
+def test_the_cycle_check_catches_a_cycle_through_a_lazy_import(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from lightning_seqpar.b import B\n"
+                   "def f():\n    from lightning_seqpar.c import C\n")
+    assert [(line, m) for line, m, _ in _imports(bad)] == [(1, "typing"), (3, "lightning_seqpar.b"),
+                                                           (5, "lightning_seqpar.c")]
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
 
 
 def test_the_layer_check_catches_an_upward_import(tmp_path):
     """The check above can fail: an import from the strategy inside a building block is reported."""
     bad = tmp_path / "bad.py"
-    bad.write_text("def f():\n    from lightning_seqpar.strategy import SeqParallelStrategy\n")
-    assert [(line, _own_target(m)) for line, m in _imports(bad)] == [(2, "strategy")]
-    assert LAYER_OF["strategy"] > LAYER_OF["transformer"]
+    bad.write_text("def f():\n    from lightning_seqpar.lightning.strategy import SeqParallelStrategy\n")
+    assert [(line, _own_target(m)) for line, m, _ in _imports(bad)] == [(2, "lightning")]
+    assert LAYER_OF["lightning"] > LAYER_OF["transformer"]
+
+
+def test_lightning_is_imported_only_by_the_lightning_folder_models_and_data():
+    found = [f"{p.relative_to(PACKAGE.parent)}:{line} imports {m}" for p in _modules()
+             if _part(p) not in LIGHTNING_PARTS for line, m, _ in _imports(p) if m.split(".")[0] in LIGHTNING]
+    assert found == []
+
+
+def test_hugging_face_libraries_are_imported_only_under_hf_and_only_when_used():
+    outside = [f"{p.relative_to(PACKAGE.parent)}:{line} imports {m}" for p in _modules() if _part(p) != "hf"
+               for line, m, _ in _imports(p) if m.split(".")[0] in HF_LIBRARIES]
+    eager = [f"{p.relative_to(PACKAGE.parent)}:{line} imports {m} at module level" for p in _modules()
+             if _part(p) == "hf" for line, m, lazy in _imports(p) if m.split(".")[0] in HF_LIBRARIES and not lazy]
+    assert outside == [] and eager == []
+
+
+def test_the_strategy_reads_in_one_sitting():
+    lines = len((PACKAGE / "lightning" / "strategy.py").read_text().splitlines())
+    assert lines <= STRATEGY_MAX_LINES, f"lightning/strategy.py has {lines} lines: move a step into the room owning it"
+
+
+def test_the_public_names_import_from_the_package():
+    import lightning_seqpar
+
+    names = ["SeqParallelStrategy", "SelectiveRecompute", "BlockSpec", "DeclaredBlockPolicy", "explain", "Policy",
+             "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "ParallelGroup", "RNGTracker",
+             "CommunicationLog", "FlopsUtilization", "ParallelMesh", "RewriteContext", "apply_recompute", "rewrite",
+             "validate_layout", "vocab_parallel_cross_entropy"]
+    assert [n for n in names if not hasattr(lightning_seqpar, n)] == []
+    assert set(names) <= set(lightning_seqpar.__all__)
 
 
 def _defined_private_attributes() -> set[str]:
@@ -186,10 +281,3 @@ def test_importing_the_package_loads_neither_the_reference_models_nor_optional_e
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=PACKAGE.parent).stdout.strip()
     assert out == "[]"
-
-
-def test_pure_formulas_import_no_lightning():
-    """The memory model is formulas: callbacks and harnesses import it, never the reverse."""
-    lightning = [(str(p.relative_to(PACKAGE)), m) for p in _modules() if _part(p) == "memory"
-                 for _, m in _imports(p) if m.split(".")[0] in ("lightning", "pytorch_lightning")]
-    assert lightning == []

@@ -3,9 +3,9 @@
 import torch.nn as nn
 
 from lightning_seqpar import RewriteContext, rewrite
-from lightning_seqpar.callbacks import parameter_counts
+from lightning_seqpar.lightning.callbacks import parameter_counts
 from lightning_seqpar.models.gpt import GPT, GPTConfig
-from lightning_seqpar.tensor_parallel import ParallelGroup
+from lightning_seqpar.parallel import ParallelGroup
 
 
 def test_whole_model_count_is_the_single_device_count_and_rank_count_is_the_shard():

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from lightning_seqpar import SeqParallelStrategy
+from lightning_seqpar.lightning.pipelined_steps import split_microbatches
 from lightning_seqpar.pipeline_parallel import (
     Action,
     PipelineConfig,
@@ -15,12 +16,11 @@ from lightning_seqpar.pipeline_parallel import (
     check_microbatches,
     resolve_schedule,
     simulate,
-    split_microbatches,
     split_stages,
 )
 from lightning_seqpar.rewrite import RewriteContext, rewrite
-from lightning_seqpar.roles import is_stage_local
-from lightning_seqpar.tensor_parallel import ParallelGroup
+from lightning_seqpar.tensor_parallel.sharding import is_stage_local
+from lightning_seqpar.parallel import ParallelGroup
 from tests.helpers.models import build
 
 LAYOUTS = [("1F1B", m, p, 1) for m in (2, 4, 8) for p in (2, 4) if m >= p] + \

@@ -6,7 +6,7 @@ import torch
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 
 from lightning_seqpar import ParallelMesh, SeqParallelStrategy
-from lightning_seqpar.precision import ShardAwareClipping, shard_aware
+from lightning_seqpar.lightning.precision import ShardAwareClipping, shard_aware
 
 
 @pytest.mark.parametrize("precision,base", [

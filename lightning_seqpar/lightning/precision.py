@@ -16,8 +16,8 @@ from typing import Optional, Union
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 from torch.optim import Optimizer
 
-from lightning_seqpar.gradients import clip_grad_norm_
-from lightning_seqpar.mesh import ParallelMesh
+from lightning_seqpar.optim.gradients import clip_grad_norm_
+from lightning_seqpar.parallel.mesh import ParallelMesh
 
 
 class ShardAwareClipping:

@@ -18,8 +18,8 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_seqpar.checkpoint.consolidate import load_state_dict_file
-from lightning_seqpar.checkpoint.safetensors_dir import SafetensorsStateDict, save_hf_directory
+from lightning_seqpar.checkpoint.consolidate import export_hf_directory, load_state_dict_file
+from lightning_seqpar.hf.weights import SafetensorsStateDict
 from lightning_seqpar.checkpoint.sharded import (
     FORMAT_KEY,
     is_sharded_checkpoint,
@@ -32,14 +32,14 @@ from lightning_seqpar.checkpoint.trainer_checkpoint import (
     optimizer_checkpoint_state,
     save_trainer_checkpoint,
 )
-from lightning_seqpar.checkpoint_checks import (
+from lightning_seqpar.checkpoint.checks import (
     check_finite,
     check_state_dict_shapes,
     on_every_rank,
     optimizer_states_of_this_stage,
 )
-from lightning_seqpar.checkpoint_io import remove_stale_temporaries
-from lightning_seqpar.state import (
+from lightning_seqpar.lightning.checkpoint_io import remove_stale_temporaries
+from lightning_seqpar.checkpoint.full_state import (
     full_optimizer_state,
     full_state_dict,
     load_full_optimizer_state,
@@ -112,7 +112,7 @@ class CheckpointingMixin:
         """
         state = self.full_state_dict()
         if self.is_global_zero:
-            save_hf_directory(state, config, out, prefix)
+            export_hf_directory(state, config, out, prefix)
         self.barrier("save_hf_pretrained")
 
     @override

@@ -8,7 +8,7 @@ from typing import Any, Optional
 import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerFn
 
-from lightning_seqpar._compat import MultiProcessingLauncher, WorkerOutput
+from lightning_seqpar.lightning._compat import MultiProcessingLauncher, WorkerOutput
 
 
 class SeqParallelSpawnLauncher(MultiProcessingLauncher):

@@ -8,7 +8,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_warn
 import torch.nn as nn
 
-from lightning_seqpar.memory.planner import RecomputePlan, plan_recompute
+from lightning_seqpar.recompute.planner import RecomputePlan, plan_recompute
 from lightning_seqpar.recompute import (
     apply_recompute,
     apply_recompute_plan,

@@ -1,4 +1,4 @@
-"""The roles a rewritten module or parameter plays, stated once.
+"""The roles a rewritten module plays, stated once.
 
 Gradient reduction, checkpoint state, recomputation, the memory model and the pipeline split find
 what they act on through these roles and nothing else. A :class:`~lightning_seqpar.Policy` whose
@@ -12,26 +12,16 @@ Module roles (base classes, found with ``isinstance``):
   reference GPT, ``nn.TransformerEncoder``). Full recomputation checkpoints chunks of its layers as
   one unit; under pipeline parallelism it learns which stage is running.
 
-Parameter roles (tags on the ``nn.Parameter``, as Megatron-LM's ``param.sequence_parallel`` and
-``param.partition_dim``; written and read through the functions below only):
-
-* sharded (:func:`shard_spec`): split over the tensor-parallel group as its ``ShardSpec`` says.
-  Checkpoints gather it, the gradient norm counts every shard once.
-* sequence-parallel (:func:`is_sequence_parallel`): replicated over the tensor-parallel group, but
-  each rank saw s/t tokens, so gradients are summed over the group (Korthikanti et al. 2022 §4.2.2).
-* stage-local (:func:`is_stage_local`): held by one pipeline stage only. Every other parameter is
-  kept on every stage and its gradient summed over the pipeline group.
+Parameter roles (sharded, sequence-parallel, stage-local) are tags stated beside ``ShardSpec`` in
+:mod:`lightning_seqpar.tensor_parallel.sharding`.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Protocol, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Protocol, Sequence
 
 import torch.nn as nn
 from torch import Tensor
-
-if TYPE_CHECKING:
-    from lightning_seqpar.tensor_parallel.sharding import ShardSpec
 
 
 class LayerDims(NamedTuple):
@@ -131,33 +121,3 @@ class LayerStack(nn.Module):
     def stack_layers(self) -> nn.ModuleList:
         """The layers this module runs, in order (an ``nn.ModuleList`` the pipeline may split)."""
         raise NotImplementedError(f"{type(self).__name__} must implement stack_layers().")
-
-
-def shard_spec(param: Tensor) -> Optional["ShardSpec"]:
-    """The ``ShardSpec`` of a sharded parameter, ``None`` for a replicated one."""
-    return getattr(param, "shard_spec", None)
-
-
-def set_shard_spec(param: Tensor, spec: "ShardSpec") -> None:
-    """Tag ``param`` as this rank's shard of a parameter split as ``spec`` says."""
-    param.shard_spec = spec  # type: ignore[attr-defined]
-
-
-def is_sequence_parallel(param: Tensor) -> bool:
-    """Whether ``param``'s gradient must be summed over the tensor-parallel group (each rank saw s/t tokens)."""
-    return getattr(param, "sequence_parallel", False)
-
-
-def set_sequence_parallel(param: Tensor) -> None:
-    """Tag ``param`` as sequence-parallel."""
-    param.sequence_parallel = True  # type: ignore[attr-defined]
-
-
-def is_stage_local(param: Tensor) -> bool:
-    """Whether ``param`` belongs to one pipeline stage's layers (not shared by every stage)."""
-    return getattr(param, "pipeline_stage_local", False)
-
-
-def set_stage_local(param: Tensor) -> None:
-    """Tag ``param`` as held by one pipeline stage only."""
-    param.pipeline_stage_local = True  # type: ignore[attr-defined]

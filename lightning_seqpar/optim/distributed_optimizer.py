@@ -24,7 +24,7 @@ import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim import Optimizer
 
-from lightning_seqpar.tensor_parallel.collectives import ParallelGroup
+from lightning_seqpar.parallel.collectives import ParallelGroup
 
 
 def shard_optimizer(optimizer: Optimizer, data: ParallelGroup) -> ZeroRedundancyOptimizer:

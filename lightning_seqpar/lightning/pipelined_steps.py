@@ -30,7 +30,7 @@ from lightning_seqpar.pipeline_parallel.executor import PipelineExecutor, StepRe
 from lightning_seqpar.pipeline_parallel.layout import StageLayout
 from lightning_seqpar.pipeline_parallel.p2p import StageTransport
 from lightning_seqpar.pipeline_parallel.stage import split_stages
-from lightning_seqpar.tensor_parallel.collectives import ParallelGroup
+from lightning_seqpar.parallel.collectives import ParallelGroup
 
 
 def _batch_size(batch: Any) -> int:

@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch.nn as nn
 
-from lightning_seqpar.rewrite.policy import Policy, require_divisible
+from lightning_seqpar.transformer.policy import Policy, require_divisible
 from lightning_seqpar.transformer.context import RewriteContext
 from lightning_seqpar.transformer.declared_block import (
     ATTENTION_IMPLEMENTATIONS,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from lightning_seqpar.rewrite.policy import Policy, require_divisible
+from lightning_seqpar.transformer.policy import Policy, require_divisible
 from lightning_seqpar.transformer.context import RewriteContext
 from lightning_seqpar.transformer.encoder import ParallelTransformerEncoder, ParallelTransformerEncoderLayer
 

@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 
 from lightning_seqpar._compat import hf_attention_implementation
-from lightning_seqpar.rewrite.declared import DeclaredBlockPolicy
+from lightning_seqpar.transformer.declared_policy import DeclaredBlockPolicy
 from lightning_seqpar.transformer.declared_block import BlockSpec
 
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")

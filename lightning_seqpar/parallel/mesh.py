@@ -12,7 +12,7 @@ from typing import Optional
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from lightning_seqpar.tensor_parallel.collectives import ParallelGroup
+from lightning_seqpar.parallel.collectives import ParallelGroup
 
 
 def validate_layout(world_size: int, tp: int, pp: int) -> int:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Iterator, Mapping
+from typing import Iterator, Mapping, Optional
 
 import torch
 from torch import Tensor
@@ -54,10 +54,9 @@ class SafetensorsStateDict(Mapping[str, LazyTensor]):
     """
 
     def __init__(self, directory: os.PathLike | str, prefix: str = "") -> None:
-        try:
-            from safetensors import safe_open
-        except ImportError as error:
-            raise ImportError("Reading .safetensors needs the safetensors package: pip install 'lightning_seqpar[hf]'.") from error
+        _require_safetensors("Reading")
+        from safetensors import safe_open
+
         directory = Path(directory)
         index = directory / INDEX_FILE
         if index.is_file():
@@ -82,31 +81,67 @@ class SafetensorsStateDict(Mapping[str, LazyTensor]):
         return len(self._tensors)
 
 
-def save_hf_directory(state_dict: Mapping[str, Tensor], config: object, out: os.PathLike | str, prefix: str = "") -> Path:
-    """Write a Hugging Face checkpoint directory (``config.json`` + ``model.safetensors``) that
-    ``AutoModelForCausalLM.from_pretrained(out)`` loads, atomically (published under ``out`` when complete).
+def _require_safetensors(action: str) -> None:
+    try:
+        import safetensors  # noqa: F401
+    except ImportError as error:
+        raise ImportError(f"{action} .safetensors needs the safetensors package: pip install 'lightning_seqpar[hf]' "
+                          f"(or pip install safetensors).") from error
+
+
+def save_safetensors_file(state_dict: Mapping[str, Tensor], path: os.PathLike | str,
+                          metadata: Optional[dict[str, str]] = None) -> None:
+    """Write ``state_dict`` to the safetensors file ``path`` (in place: the caller publishes it atomically).
+
+    safetensors refuses tensors sharing memory: a tensor stored under two keys (a tied weight) is copied.
+
+    Raises:
+        ImportError: without the safetensors package, with the install command.
+    """
+    _require_safetensors("Writing")
+    from safetensors.torch import save_file
+
+    stored: set[int] = set()
+    tensors = {}
+    for key, value in state_dict.items():
+        value = value.detach().contiguous()
+        tensors[key] = value.clone() if value.data_ptr() in stored else value
+        stored.add(value.data_ptr())
+    save_file(tensors, str(path), metadata=metadata)
+
+
+def load_safetensors_file(path: os.PathLike | str) -> dict[str, Tensor]:
+    """Every tensor of the safetensors file ``path``.
+
+    Raises:
+        ImportError: without the safetensors package, with the install command.
+    """
+    _require_safetensors("Reading")
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+def write_hf_directory(state_dict: Mapping[str, Tensor], config: object, directory: os.PathLike | str,
+                       prefix: str = "") -> None:
+    """Write the files of a Hugging Face checkpoint directory (``config.json`` + ``model.safetensors``) that
+    ``AutoModelForCausalLM.from_pretrained`` loads into the existing ``directory`` (the caller publishes it
+    atomically: :func:`lightning_seqpar.checkpoint.consolidate.export_hf_directory`).
 
     Args:
         state_dict: single-device weights; only keys starting with ``prefix`` are written, without it. A tied
             parameter (the same tensor under two keys) is written once, under its first key, as
             ``save_pretrained`` does.
         config: the model's ``PretrainedConfig`` (written with its ``save_pretrained``).
+
+    Raises:
+        ImportError: without the safetensors package, with the install command.
     """
-    from safetensors.torch import save_file
-
-    from lightning_seqpar.checkpoint.atomic import publish, temporary_path
-
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temporary_path(out)
-    tmp.mkdir()
     tensors, seen = {}, set()
     for key, value in state_dict.items():
         if not key.startswith(prefix) or value.data_ptr() in seen:
             continue
         seen.add(value.data_ptr())
-        tensors[key[len(prefix):]] = value.detach().contiguous()
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    config.save_pretrained(str(tmp))  # type: ignore[attr-defined]
-    publish(tmp, out)
-    return out
+        tensors[key[len(prefix):]] = value
+    save_safetensors_file(tensors, Path(directory) / "model.safetensors", metadata={"format": "pt"})
+    config.save_pretrained(str(directory))  # type: ignore[attr-defined]

@@ -11,15 +11,16 @@ The default generator serves the first case (it is seeded identically on the gro
 *tensor-parallel* stream, seeded ``seed + 2718 + tp_rank``, serves the second. :meth:`RNGTracker.fork`
 swaps a stream into the device's default generator for the duration of a block, so plain
 ``F.dropout`` draws from it; recomputation replays masks because
-:func:`lightning_seqpar.recompute.checkpoint` restores the stream states it had in forward.
+:func:`recomputed` restores the stream states it had in forward.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
+import torch.utils.checkpoint
 
 TENSOR_PARALLEL_STREAM = "tensor-parallel"
 _TENSOR_PARALLEL_SEED_OFFSET = 2718  # Megatron-LM's offset, kept so seeds mean the same thing there
@@ -94,3 +95,31 @@ def maybe_fork(tracker: Optional[RNGTracker], sharded: bool) -> Iterator[None]:
             yield
     else:
         yield
+
+
+def recomputed(function: Callable, *args: Any, rng_tracker: Optional[RNGTracker] = None, **kwargs: Any) -> Any:
+    """Run ``function(*args, **kwargs)`` keeping only its inputs for backward; recompute it there, drawing the
+    dropout masks it drew the first time.
+
+    ``torch.utils.checkpoint`` restores the default generator when it recomputes, but not the tracker's
+    streams, which have advanced since the forward pass: they are snapshot here and swapped in while
+    recomputing (Megatron-LM's ``CheckpointFunction`` does the same for its CUDA RNG tracker). Built on
+    non-reentrant ``torch.utils.checkpoint.checkpoint`` with ``preserve_rng_state=True``. Numerically identical
+    to calling ``function`` directly.
+    """
+    snapshot = rng_tracker.get_states() if rng_tracker is not None else None
+    calls = 0
+
+    def run(*inner_args: Any, **inner_kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 1 or snapshot is None:
+            return function(*inner_args, **inner_kwargs)
+        current = rng_tracker.get_states()
+        rng_tracker.set_states(snapshot)
+        try:
+            return function(*inner_args, **inner_kwargs)
+        finally:
+            rng_tracker.set_states(current)
+
+    return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)

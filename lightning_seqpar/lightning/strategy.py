@@ -22,7 +22,7 @@ from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_seqpar._compat import (
+from lightning_seqpar.lightning._compat import (
     SubprocessScriptLauncher,
     init_dist_connection,
     optimizers_to_device,
@@ -30,17 +30,18 @@ from lightning_seqpar._compat import (
     sync_ddp_if_available,
 )
 from lightning_seqpar.checkpoint.writer import ShardedCheckpointWriter, coordinator_pid
-from lightning_seqpar.checkpoint_io import AtomicCheckpointIO
-from lightning_seqpar.checkpointing import CheckpointingMixin
-from lightning_seqpar.distributed_optimizer import shard_optimizers
-from lightning_seqpar.faults import failed_collective
-from lightning_seqpar.gradients import finalize_gradients
-from lightning_seqpar.launcher import SeqParallelSpawnLauncher
-from lightning_seqpar.mesh import ParallelMesh, validate_layout
-from lightning_seqpar.pipeline_parallel import PipelineConfig, PipelinedSteps, check_pipelined_module
-from lightning_seqpar.precision import ShardAwareClipping, shard_aware
+from lightning_seqpar.lightning.checkpoint_io import AtomicCheckpointIO
+from lightning_seqpar.lightning.checkpoint_hooks import CheckpointingMixin
+from lightning_seqpar.optim.distributed_optimizer import shard_optimizers
+from lightning_seqpar.parallel.faults import failed_collective
+from lightning_seqpar.optim.gradients import finalize_gradients
+from lightning_seqpar.lightning.launcher import SeqParallelSpawnLauncher
+from lightning_seqpar.parallel.mesh import ParallelMesh, validate_layout
+from lightning_seqpar.lightning.pipelined_steps import PipelinedSteps, check_pipelined_module
+from lightning_seqpar.pipeline_parallel import PipelineConfig
+from lightning_seqpar.lightning.precision import ShardAwareClipping, shard_aware
 from lightning_seqpar.rewrite import Policy, RewriteContext, RewritePlan, rewrite
-from lightning_seqpar.tensor_parallel.random import RNGTracker
+from lightning_seqpar.parallel.random import RNGTracker
 from lightning_seqpar.transformer.materialize import Materializer
 
 

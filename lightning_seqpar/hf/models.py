@@ -1,0 +1,46 @@
+"""Hugging Face causal LMs built from a config or a local pretrained directory (``transformers`` imported here,
+when called)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch.nn as nn
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError as error:
+        raise ImportError("Hugging Face models need transformers: pip install 'lightning_seqpar[hf]'.") from error
+    return transformers
+
+
+def causal_lm_config(config: Optional[dict] = None, pretrained: Optional[str] = None,
+                     attn_implementation: str = "eager") -> Any:
+    """The ``PretrainedConfig`` of a causal LM: from ``config`` (keyword arguments with ``model_type``, e.g.
+    ``{"model_type": "llama", "hidden_size": 64, ...}``) or read from the local directory ``pretrained``.
+
+    Raises:
+        ValueError: neither or both of ``config`` and ``pretrained``.
+        ImportError: without transformers, with the install command.
+    """
+    if (config is None) == (pretrained is None):
+        raise ValueError("Give either config (a model of random init) or pretrained (a checkpoint directory), "
+                         f"got config={config!r}, pretrained={pretrained!r}.")
+    auto_config = _transformers().AutoConfig
+    if pretrained is not None:
+        return auto_config.from_pretrained(pretrained, attn_implementation=attn_implementation)
+    options = dict(config)
+    return auto_config.for_model(options.pop("model_type"), attn_implementation=attn_implementation, **options)
+
+
+def build_causal_lm(config: Any) -> nn.Module:
+    """``AutoModelForCausalLM.from_config(config)``: a model of random init (its weights are replaced when
+    pretrained ones are loaded)."""
+    return _transformers().AutoModelForCausalLM.from_config(config)
+
+
+def pretrained_state_dict(directory: str) -> dict:
+    """The state dict of the pretrained causal LM in ``directory``, read whole (for one device)."""
+    return _transformers().AutoModelForCausalLM.from_pretrained(directory).state_dict()

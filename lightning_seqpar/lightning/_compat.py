@@ -1,0 +1,46 @@
+"""Every private Lightning name the library uses, in one place.
+
+Each entry says why it is needed and which public alternative was checked (Lightning 2.6, the version
+``setup.cfg`` pins and CI tests). ``tests/unit/test_layering.py`` fails if a private library name is used
+anywhere but here and in :mod:`lightning_seqpar._compat` (torch's), so an upgrade has one file to review.
+"""
+
+from __future__ import annotations
+
+# Starts the default process group from a Lightning ClusterEnvironment (MASTER_ADDR/PORT, rank,
+# world size) and registers NCCL teardown at exit, exactly as Lightning's DDP and ModelParallel
+# strategies do. Public alternative checked: torch.distributed.init_process_group, which would mean
+# re-implementing the environment hand-off and the NCCL atexit handling.
+from lightning.fabric.utilities.distributed import _init_dist_connection as init_dist_connection  # noqa: F401
+
+# Fabric's launchers give each process cpu_count // local_processes intra-op threads; the Trainer's do
+# not (4 processes on 2 cores ran 4.4x slower). Public alternative: torch.set_num_threads with our own
+# copy of Lightning's suggestion, which would drift from Fabric's rule.
+from lightning.fabric.utilities.distributed import _set_num_threads_if_needed as set_num_threads_if_needed  # noqa: F401
+
+# Strategy.reduce for self.log(sync_dist=True): Lightning's own reduction (mean/sum, group, non-float
+# dtypes) as DDP uses it. No public equivalent in lightning.pytorch.
+from lightning.fabric.utilities.distributed import _sync_ddp_if_available as sync_ddp_if_available  # noqa: F401
+
+# Moves optimizer state to the device after setup, as every Lightning strategy does. No public equivalent.
+from lightning.fabric.utilities.optimizer import _optimizers_to_device as optimizers_to_device  # noqa: F401
+
+# Lightning's launchers: popen re-runs the script per rank (the `ddp` default), the multiprocessing one
+# spawns/forks and returns rank 0's results to the main process. Lightning exposes no public launcher
+# classes; its own strategies import these. lightning_seqpar.lightning.launcher overrides two of the latter's
+# private methods (_collect_rank_zero_results, _wrapping_function): the hooks Lightning's own
+# subclasses override; there is no public one.
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher as SubprocessScriptLauncher  # noqa: F401
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher as MultiProcessingLauncher  # noqa: F401
+from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput as WorkerOutput  # noqa: F401
+
+
+__all__ = [
+    "MultiProcessingLauncher",
+    "SubprocessScriptLauncher",
+    "WorkerOutput",
+    "init_dist_connection",
+    "optimizers_to_device",
+    "set_num_threads_if_needed",
+    "sync_ddp_if_available",
+]

@@ -1,0 +1,8 @@
+"""What happens between backward and the optimizer step: gradient finalization over the mesh (sequence-parallel
+sums over tp, shared parameters over pp, averages over dp), the sharded gradient norm and clipping, and the
+distributed optimizer (ZeRO-1)."""
+
+from lightning_seqpar.optim.distributed_optimizer import optimizer_state_bytes, shard_optimizers
+from lightning_seqpar.optim.gradients import clip_grad_norm_, finalize_gradients, grad_norm
+
+__all__ = ["clip_grad_norm_", "finalize_gradients", "grad_norm", "optimizer_state_bytes", "shard_optimizers"]
