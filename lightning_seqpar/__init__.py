@@ -4,19 +4,19 @@ Korthikanti et al., *Reducing Activation Recomputation in Large Transformer Mode
 """
 
 from lightning_seqpar.lightning.callbacks import FlopsUtilization, SelectiveRecompute
+from lightning_seqpar.lightning.strategy import SeqParallelStrategy, register
+from lightning_seqpar.parallel import CommunicationLog, ParallelGroup, RNGTracker
 from lightning_seqpar.parallel.mesh import ParallelMesh, validate_layout
 from lightning_seqpar.recompute import apply_recompute
 from lightning_seqpar.rewrite import Policy, RewriteContext, explain, rewrite
-from lightning_seqpar.transformer.declared_policy import DeclaredBlockPolicy
-from lightning_seqpar.transformer.declared_block import BlockSpec
-from lightning_seqpar.lightning.strategy import SeqParallelStrategy, register
-from lightning_seqpar.parallel import CommunicationLog, ParallelGroup, RNGTracker
 from lightning_seqpar.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
     vocab_parallel_cross_entropy,
 )
+from lightning_seqpar.transformer.declared_block import BlockSpec
+from lightning_seqpar.transformer.declared_policy import DeclaredBlockPolicy
 
 register()
 

@@ -22,8 +22,8 @@ from lightning.pytorch.loggers import CSVLogger
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_seqpar import FlopsUtilization, SelectiveRecompute, SeqParallelStrategy
-from lightning_seqpar.lightning.callbacks import ParallelModelSummary
 from lightning_seqpar.data import TextDataModule
+from lightning_seqpar.lightning.callbacks import ParallelModelSummary
 from lightning_seqpar.models import CausalLMModule, GPTConfig, GPTLightningModule, HFCausalLMModule
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")

@@ -23,9 +23,9 @@ from lightning_seqpar.memory.activations import TransformerShape, layer_activati
 from lightning_seqpar.memory.tracker import LiveActivationTracker
 from lightning_seqpar.models.gpt import Block, GPTConfig
 from lightning_seqpar.models.parallel_gpt import ParallelBlock
-from lightning_seqpar.rewrite import RewriteContext
 from lightning_seqpar.parallel.collectives import CommunicationLog, ParallelGroup
 from lightning_seqpar.parallel.random import RNGTracker
+from lightning_seqpar.rewrite import RewriteContext
 
 # Table 4's rows: name → (sequence parallel, recompute)
 TABLE_4 = {

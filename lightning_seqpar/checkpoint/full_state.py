@@ -13,8 +13,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch import Tensor
 
-from lightning_seqpar.tensor_parallel.sharding import shard_spec
 from lightning_seqpar.parallel.collectives import ParallelGroup
+from lightning_seqpar.tensor_parallel.sharding import shard_spec
 from lightning_seqpar.tensor_parallel.sharding import load_from_full
 
 

@@ -31,9 +31,9 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from lightning_seqpar.tensor_parallel.sharding import dcp_view, saved_shape
-from lightning_seqpar.checkpoint.safe_reader import METADATA_FILE, SafeFileSystemReader
 from lightning_seqpar.checkpoint.checks import check_finite, on_every_rank
+from lightning_seqpar.checkpoint.safe_reader import METADATA_FILE, SafeFileSystemReader
+from lightning_seqpar.tensor_parallel.sharding import dcp_view, saved_shape
 from lightning_seqpar.tensor_parallel.sharding import shard_spec
 from lightning_seqpar.tensor_parallel.sharding import full_shape
 

@@ -21,8 +21,8 @@ import torch
 import torch.nn as nn
 
 from lightning_seqpar._compat import hf_attention_implementation
-from lightning_seqpar.transformer.declared_policy import DeclaredBlockPolicy
 from lightning_seqpar.transformer.declared_block import BlockSpec
+from lightning_seqpar.transformer.declared_policy import DeclaredBlockPolicy
 
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")

@@ -18,8 +18,20 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_seqpar.checkpoint.checks import (
+    check_finite,
+    check_state_dict_shapes,
+    on_every_rank,
+    optimizer_states_of_this_stage,
+)
 from lightning_seqpar.checkpoint.consolidate import export_hf_directory, load_state_dict_file
-from lightning_seqpar.hf.weights import SafetensorsStateDict
+from lightning_seqpar.checkpoint.full_state import (
+    full_optimizer_state,
+    full_state_dict,
+    load_full_optimizer_state,
+    load_full_state_dict,
+    merge_over_stages,
+)
 from lightning_seqpar.checkpoint.sharded import (
     FORMAT_KEY,
     is_sharded_checkpoint,
@@ -32,25 +44,38 @@ from lightning_seqpar.checkpoint.trainer_checkpoint import (
     optimizer_checkpoint_state,
     save_trainer_checkpoint,
 )
-from lightning_seqpar.checkpoint.checks import (
-    check_finite,
-    check_state_dict_shapes,
-    on_every_rank,
-    optimizer_states_of_this_stage,
-)
+from lightning_seqpar.checkpoint.writer import ShardedCheckpointWriter, coordinator_pid
+from lightning_seqpar.hf.weights import SafetensorsStateDict
 from lightning_seqpar.lightning.checkpoint_io import remove_stale_temporaries
-from lightning_seqpar.checkpoint.full_state import (
-    full_optimizer_state,
-    full_state_dict,
-    load_full_optimizer_state,
-    load_full_state_dict,
-    merge_over_stages,
-)
+
+
+def check_checkpoint_options(checkpoint_format: str, zero: int, async_save: bool) -> None:
+    """Refuse a combination of the strategy's checkpoint settings that cannot work, before anything starts.
+
+    Raises:
+        ValueError: an unknown ``checkpoint_format`` or ``zero``; ``zero=1`` or ``async_save`` with the full format.
+    """
+    if checkpoint_format not in ("sharded", "full"):
+        raise ValueError(f"checkpoint_format must be 'sharded' or 'full', got {checkpoint_format!r}.")
+    if zero not in (0, 1):
+        raise ValueError(f"zero must be 0 (replicated optimizer state) or 1 (sharded over data-parallel ranks), "
+                         f"got {zero!r}.")
+    if checkpoint_format == "full" and (zero or async_save):
+        raise ValueError(
+            f"checkpoint_format='full' gathers the whole optimizer onto every rank and writes from rank 0; "
+            f"{'zero=1' if zero else 'async_save=True'} needs checkpoint_format='sharded'."
+        )
 
 
 class CheckpointingMixin:
     """The checkpoint hooks of :class:`~lightning_seqpar.SeqParallelStrategy`; it reads the strategy's mesh,
     module, optimizers, writer and settings (``checkpoint_format``, ``zero``, ``allow_non_finite_checkpoint``)."""
+
+    def _start_checkpoint_writer(self) -> None:
+        # Background checkpoint writes run collectives of their own: never on training's process group.
+        group = dist.new_group(backend="gloo") if self.async_save else None
+        self._checkpoint_writer = ShardedCheckpointWriter(self.global_rank == 0, coordinator_pid(), group,
+                                                          self.async_save)
 
     @property
     def _tp_device_mesh(self) -> Any:

@@ -1,4 +1,5 @@
-"""Spawn launcher that returns the *whole* trained model to the main process."""
+"""How the strategy starts its processes: Lightning's popen launcher, or a spawn/fork launcher that returns the
+*whole* trained model to the main process."""
 
 from __future__ import annotations
 
@@ -6,9 +7,10 @@ import os
 from typing import Any, Optional
 
 import torch.distributed as dist
+from lightning.fabric.plugins import ClusterEnvironment
 from lightning.pytorch.trainer.states import TrainerFn
 
-from lightning_seqpar.lightning._compat import MultiProcessingLauncher, WorkerOutput
+from lightning_seqpar.lightning._compat import MultiProcessingLauncher, SubprocessScriptLauncher, WorkerOutput
 
 
 class SeqParallelSpawnLauncher(MultiProcessingLauncher):
@@ -40,3 +42,13 @@ class SeqParallelSpawnLauncher(MultiProcessingLauncher):
             dist.barrier()
             dist.destroy_process_group()
         os._exit(0)
+
+
+def configure_launcher(strategy: Any, environment: ClusterEnvironment, start_method: str) -> Optional[Any]:
+    """The launcher of ``strategy``: none when the cluster starts the processes (torchrun, SLURM), Lightning's
+    popen launcher (re-runs the script per rank, as DDP does) or :class:`SeqParallelSpawnLauncher`."""
+    if environment.creates_processes_externally:
+        return None
+    if start_method == "popen":
+        return SubprocessScriptLauncher(environment, strategy.num_processes, strategy.num_nodes)
+    return SeqParallelSpawnLauncher(strategy, start_method=start_method)

@@ -24,13 +24,14 @@ import torch
 import torch.distributed as dist
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
+from typing_extensions import override
 
+from lightning_seqpar.parallel.collectives import ParallelGroup
 from lightning_seqpar.pipeline_parallel.config import PipelineConfig
 from lightning_seqpar.pipeline_parallel.executor import PipelineExecutor, StepResult, loss_of
 from lightning_seqpar.pipeline_parallel.layout import StageLayout
 from lightning_seqpar.pipeline_parallel.p2p import StageTransport
 from lightning_seqpar.pipeline_parallel.stage import split_stages
-from lightning_seqpar.parallel.collectives import ParallelGroup
 
 
 def _batch_size(batch: Any) -> int:
@@ -214,3 +215,52 @@ class PipelinedSteps:
         """Forward-only pipeline of ``step`` (``validation_step`` / ``test_step``); returns ``None``."""
         _, logs = self._run(module, step, batch, batch_idx, forward_only=True)
         self._replay(module, self._share(logs))
+
+
+class PipelinedStepsMixin:
+    """The strategy's ``training_step`` / ``validation_step`` / ``test_step``: Lightning's own when the model is not
+    split into stages, otherwise through :attr:`pipeline` (a :class:`PipelinedSteps`); ``predict_step`` is refused
+    under pipeline parallelism."""
+
+    pipeline: Optional[PipelinedSteps] = None
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.pipeline is None:
+            return super().training_step(*args, **kwargs)
+        assert self.lightning_module is not None
+        with self.precision_plugin.train_step_context():
+            return self.pipeline.training_step(self.lightning_module, *self._step_args(args, kwargs))
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.pipeline is None:
+            return super().validation_step(*args, **kwargs)
+        module = self.lightning_module
+        with self.precision_plugin.val_step_context():
+            return self.pipeline.evaluation_step(module, module.validation_step, *self._step_args(args, kwargs))
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.pipeline is None:
+            return super().test_step(*args, **kwargs)
+        module = self.lightning_module
+        with self.precision_plugin.test_step_context():
+            return self.pipeline.evaluation_step(module, module.test_step, *self._step_args(args, kwargs))
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.pipeline is not None:
+            raise NotImplementedError(
+                "predict_step is not pipelined: its outputs would exist on the last stage only. Load the checkpoint "
+                "(it holds the whole model) with pp=1 to predict."
+            )
+        return super().predict_step(*args, **kwargs)
+
+    @staticmethod
+    def _step_args(args: tuple, kwargs: dict) -> tuple[Any, int]:
+        batch = args[0] if args else kwargs["batch"]
+        batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
+        if len(args) > 2 or "dataloader_idx" in kwargs:
+            raise NotImplementedError("Several dataloaders are not supported under pipeline parallelism.")
+        return batch, batch_idx

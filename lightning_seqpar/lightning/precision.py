@@ -3,7 +3,7 @@
 Lightning clips through its precision plugin (``Precision.clip_grad_by_norm``), which calls
 ``torch.nn.utils.clip_grad_norm_`` on this rank's parameters: under tensor parallelism that is the
 norm of one shard, and under pipeline parallelism of one stage. :class:`ShardAwareClipping` replaces
-that one method with :func:`lightning_seqpar.gradients.clip_grad_norm_` (every shard once, every
+that one method with :func:`lightning_seqpar.optim.clip_grad_norm_` (every shard once, every
 replicated parameter once, summed over stages). Lightning picks the plugin from ``Trainer(precision=...)``
 before the strategy sees it, so :func:`shard_aware` gives the strategy the same plugin as its
 shard-aware subclass, built with the same arguments.
@@ -11,10 +11,11 @@ shard-aware subclass, built with the same arguments.
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 from torch.optim import Optimizer
+from typing_extensions import override
 
 from lightning_seqpar.optim.gradients import clip_grad_norm_
 from lightning_seqpar.parallel.mesh import ParallelMesh
@@ -82,3 +83,23 @@ def shard_aware(plugin: Optional[Precision]) -> Precision:
         f"'bf16-mixed' | '16-true' | '16-mixed'), or add lightning_seqpar.precision.ShardAwareClipping as the "
         f"first base class of {kind.__name__}."
     )
+
+
+class ShardAwarePrecisionPlugin:
+    """The strategy's ``precision_plugin`` property: Lightning picks the plugin from ``Trainer(precision=...)``
+    and hands it to the strategy, which keeps it as its :func:`shard_aware` subclass (its clipping must see
+    every shard and stage)."""
+
+    _precision_plugin: Any
+
+    @property
+    @override
+    def precision_plugin(self) -> Precision:
+        if self._precision_plugin is None:
+            self._precision_plugin = shard_aware(None)
+        return self._precision_plugin
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, precision_plugin: Optional[Precision]) -> None:
+        self._precision_plugin = shard_aware(precision_plugin) if precision_plugin is not None else None

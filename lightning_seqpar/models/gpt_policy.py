@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from lightning_seqpar.transformer.policy import Policy, require_divisible
 from lightning_seqpar.models.parallel_gpt import ParallelGPT
+from lightning_seqpar.transformer.policy import Policy, require_divisible
 from lightning_seqpar.transformer.region import check_sequence_length
 
 

@@ -15,17 +15,17 @@ import torch.nn as nn
 from torch import Tensor
 
 from lightning_seqpar.models.sampling import Sampling
-from lightning_seqpar.transformer.roles import LayerDims, LayerStack, ParallelLayer
+from lightning_seqpar.parallel.random import recomputed
 from lightning_seqpar.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from lightning_seqpar.tensor_parallel.embedding import VocabParallelEmbedding
 from lightning_seqpar.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from lightning_seqpar.tensor_parallel.mappings import gather_from_tensor_parallel_region
 from lightning_seqpar.tensor_parallel.sharding import mark_sequence_parallel, shard_parameter
-from lightning_seqpar.parallel.random import recomputed
 from lightning_seqpar.transformer.context import RewriteContext
 from lightning_seqpar.transformer.core_attention import merge_heads, split_heads
 from lightning_seqpar.transformer.dropout import ParallelDropout
 from lightning_seqpar.transformer.region import check_sequence_length
+from lightning_seqpar.transformer.roles import LayerDims, LayerStack, ParallelLayer
 from lightning_seqpar.transformer.stack import run_layers
 
 

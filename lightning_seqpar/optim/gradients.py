@@ -8,9 +8,9 @@ from typing import Iterable
 import torch
 from torch import Tensor
 
+from lightning_seqpar.parallel.collectives import ParallelGroup
 from lightning_seqpar.parallel.mesh import ParallelMesh
 from lightning_seqpar.tensor_parallel.sharding import is_sequence_parallel, is_stage_local, shard_spec
-from lightning_seqpar.parallel.collectives import ParallelGroup
 
 
 def _all_reduce_coalesced(tensors: list[Tensor], group: ParallelGroup, scale: float = 1.0) -> None:

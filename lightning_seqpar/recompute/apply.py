@@ -9,9 +9,9 @@ from typing import Any, Literal, Optional
 import torch.nn as nn
 
 from lightning_seqpar.memory.activations import TransformerShape
-from lightning_seqpar.recompute.planner import RecomputePlan, plan_recompute
-from lightning_seqpar.transformer.roles import LayerStack, ParallelLayer
+from lightning_seqpar.recompute.planner import RecomputePlan
 from lightning_seqpar.transformer.core_attention import CoreAttention
+from lightning_seqpar.transformer.roles import LayerStack, ParallelLayer
 
 
 def _is_split(stack: LayerStack) -> bool:

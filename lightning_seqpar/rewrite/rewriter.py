@@ -8,10 +8,10 @@ from typing import Iterable, Optional
 import torch.nn as nn
 
 from lightning_seqpar.hf.layouts import hf_policies
-from lightning_seqpar.transformer.policy import DeclaresPolicy, Policy
-from lightning_seqpar.transformer.encoder_policy import TransformerEncoderLayerPolicy, TransformerEncoderPolicy
 from lightning_seqpar.parallel.collectives import ParallelGroup
 from lightning_seqpar.transformer.context import RewriteContext
+from lightning_seqpar.transformer.encoder_policy import TransformerEncoderLayerPolicy, TransformerEncoderPolicy
+from lightning_seqpar.transformer.policy import DeclaresPolicy, Policy
 
 
 def default_policies() -> list[Policy]:

@@ -7,12 +7,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_seqpar.tensor_parallel.sharding import set_shard_spec
 from lightning_seqpar.parallel.collectives import ParallelGroup
 from lightning_seqpar.tensor_parallel.mappings import (
     reduce_from_tensor_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
+from lightning_seqpar.tensor_parallel.sharding import set_shard_spec
 from lightning_seqpar.tensor_parallel.sharding import ShardSpec, padded_size, shard_parameter
 
 

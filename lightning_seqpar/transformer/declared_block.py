@@ -31,14 +31,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_seqpar.transformer.roles import LayerDims, ParallelLayer
+from lightning_seqpar.parallel.random import recomputed
 from lightning_seqpar.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, column_parallel_linears
 from lightning_seqpar.tensor_parallel.sharding import mark_sequence_parallel
-from lightning_seqpar.parallel.random import recomputed
 from lightning_seqpar.transformer.context import RewriteContext
 from lightning_seqpar.transformer.core_attention import CoreAttention, merge_heads
 from lightning_seqpar.transformer.dropout import ParallelDropout
 from lightning_seqpar.transformer.region import enter_parallel_region, exit_parallel_region
+from lightning_seqpar.transformer.roles import LayerDims, ParallelLayer
 
 ATTENTION_IMPLEMENTATIONS = ("eager", "sdpa")
 

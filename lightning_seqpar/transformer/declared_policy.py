@@ -16,7 +16,6 @@ from typing import Optional
 
 import torch.nn as nn
 
-from lightning_seqpar.transformer.policy import Policy, require_divisible
 from lightning_seqpar.transformer.context import RewriteContext
 from lightning_seqpar.transformer.declared_block import (
     ATTENTION_IMPLEMENTATIONS,
@@ -26,6 +25,7 @@ from lightning_seqpar.transformer.declared_block import (
     resolve,
     value_of,
 )
+from lightning_seqpar.transformer.policy import Policy, require_divisible
 
 
 class DeclaredBlockPolicy(Policy):

@@ -14,15 +14,15 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from lightning_seqpar.transformer.roles import LayerDims, LayerStack, ParallelLayer
 from lightning_seqpar.parallel.collectives import ParallelGroup
+from lightning_seqpar.parallel.random import recomputed
 from lightning_seqpar.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, column_parallel_linear
 from lightning_seqpar.tensor_parallel.sharding import ShardSpec, mark_sequence_parallel, shard_parameter
-from lightning_seqpar.parallel.random import recomputed
 from lightning_seqpar.transformer.context import RewriteContext
 from lightning_seqpar.transformer.core_attention import CoreAttention, merge_heads, split_heads
 from lightning_seqpar.transformer.dropout import ParallelDropout
 from lightning_seqpar.transformer.region import enter_parallel_region, exit_parallel_region
+from lightning_seqpar.transformer.roles import LayerDims, LayerStack, ParallelLayer
 from lightning_seqpar.transformer.stack import run_layers
 
 

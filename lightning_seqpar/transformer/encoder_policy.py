@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from lightning_seqpar.transformer.policy import Policy, require_divisible
 from lightning_seqpar.transformer.context import RewriteContext
 from lightning_seqpar.transformer.encoder import ParallelTransformerEncoder, ParallelTransformerEncoderLayer
+from lightning_seqpar.transformer.policy import Policy, require_divisible
 
 
 def _check_layer(layer: nn.TransformerEncoderLayer, ctx: RewriteContext, name: str) -> None:

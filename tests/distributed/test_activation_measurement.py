@@ -7,8 +7,8 @@ t = 1, 2, 4; SP on and off; recomputation none / selective / full.
 import pytest
 import torch
 
-from lightning_seqpar.memory import TransformerShape
 from lightning_seqpar.benchmarking.measure import measure_gpt_layer
+from lightning_seqpar.memory import TransformerShape
 from lightning_seqpar.memory.tracker import LiveActivationTracker
 from lightning_seqpar.parallel import ParallelGroup
 from tests.helpers.distributed import run_distributed

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from lightning_seqpar.models.gpt import Block, GPTConfig
-from lightning_seqpar.rewrite import RewriteContext
+from lightning_seqpar.models.parallel_gpt import ParallelBlock
 from lightning_seqpar.parallel import CommunicationLog, ParallelGroup
 from lightning_seqpar.parallel.random import RNGTracker
-from lightning_seqpar.models.parallel_gpt import ParallelBlock
+from lightning_seqpar.rewrite import RewriteContext
 from tests.helpers.distributed import run_distributed
 
 S, B, H, A = 16, 2, 32, 4  # s, b, h, a

@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_seqpar import SeqParallelStrategy
+from lightning_seqpar.checkpoint.full_state import full_gradients, merge_over_stages
 from lightning_seqpar.models import GPTConfig, GPTLightningModule
 from lightning_seqpar.tensor_parallel.sharding import shard_spec
-from lightning_seqpar.checkpoint.full_state import full_gradients, merge_over_stages
 
 VOCAB, SEQ, BATCH = 13, 8, 2  # a vocabulary no tp in {2, 4} divides: exercises padding
 

@@ -12,8 +12,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from lightning_seqpar.checkpoint.atomic import publish, recover_stale, temporary_path
-from lightning_seqpar.tensor_parallel.sharding import dcp_view, saved_shape
 from lightning_seqpar.checkpoint.safe_reader import SafeFileSystemReader, read_metadata
+from lightning_seqpar.tensor_parallel.sharding import dcp_view, saved_shape
 from lightning_seqpar.tensor_parallel.sharding import ShardSpec
 
 

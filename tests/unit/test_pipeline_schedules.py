@@ -7,6 +7,7 @@ import torch
 
 from lightning_seqpar import SeqParallelStrategy
 from lightning_seqpar.lightning.pipelined_steps import split_microbatches
+from lightning_seqpar.parallel import ParallelGroup
 from lightning_seqpar.pipeline_parallel import (
     Action,
     PipelineConfig,
@@ -20,7 +21,6 @@ from lightning_seqpar.pipeline_parallel import (
 )
 from lightning_seqpar.rewrite import RewriteContext, rewrite
 from lightning_seqpar.tensor_parallel.sharding import is_stage_local
-from lightning_seqpar.parallel import ParallelGroup
 from tests.helpers.models import build
 
 LAYOUTS = [("1F1B", m, p, 1) for m in (2, 4, 8) for p in (2, 4) if m >= p] + \

@@ -5,13 +5,13 @@ import torch
 import torch.nn as nn
 
 from lightning_seqpar import RewriteContext, SelectiveRecompute, rewrite
-from lightning_seqpar.memory import TransformerShape, layer_activation_bytes
 from lightning_seqpar.benchmarking.measure import remainder_kind
-from lightning_seqpar.recompute.planner import plan_recompute
+from lightning_seqpar.memory import TransformerShape, layer_activation_bytes
 from lightning_seqpar.memory.tracker import LiveActivationTracker
 from lightning_seqpar.models.gpt import GPT, GPTConfig
 from lightning_seqpar.parallel import ParallelGroup
 from lightning_seqpar.parallel.random import RNGTracker
+from lightning_seqpar.recompute.planner import plan_recompute
 from lightning_seqpar.transformer.core_attention import CoreAttention
 
 SHAPE = TransformerShape(s=64, b=2, h=32, a=4, L=4)

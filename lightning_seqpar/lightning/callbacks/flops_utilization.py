@@ -9,9 +9,9 @@ from typing import Any, Optional
 import lightning.pytorch as pl
 import torch
 
+from lightning_seqpar.lightning.strategy import SeqParallelStrategy
 from lightning_seqpar.memory.flops import model_flops_per_iteration, recompute_flops
 from lightning_seqpar.recompute import micro_batch_shape, model_shape, recompute_counts
-from lightning_seqpar.lightning.strategy import SeqParallelStrategy
 from lightning_seqpar.tensor_parallel.embedding import VocabParallelEmbedding
 
 # Dense 16-bit peak FLOP/s by device name (vendor data sheets; SXM parts).

@@ -9,8 +9,8 @@ import torch
 import torch.nn as nn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_seqpar.tensor_parallel.sharding import is_stage_local, shard_spec
 from lightning_seqpar.lightning.strategy import SeqParallelStrategy
+from lightning_seqpar.tensor_parallel.sharding import is_stage_local, shard_spec
 
 
 def whole_numel(param: nn.Parameter) -> int:

@@ -8,7 +8,6 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_warn
 import torch.nn as nn
 
-from lightning_seqpar.recompute.planner import RecomputePlan, plan_recompute
 from lightning_seqpar.recompute import (
     apply_recompute,
     apply_recompute_plan,
@@ -16,6 +15,7 @@ from lightning_seqpar.recompute import (
     micro_batch_shape,
     model_shape,
 )
+from lightning_seqpar.recompute.planner import RecomputePlan, plan_recompute
 
 
 class SelectiveRecompute(pl.Callback):

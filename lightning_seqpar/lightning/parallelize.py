@@ -1,0 +1,87 @@
+"""From the user's single-device model to this rank's part of the parallel one, in the order it must happen:
+same weights everywhere → dropout streams → rewrite → pipeline split → materialize the shards kept."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable, Optional
+
+import torch
+import torch.distributed as dist
+
+from lightning_seqpar.lightning.pipelined_steps import PipelinedSteps
+from lightning_seqpar.parallel.mesh import ParallelMesh
+from lightning_seqpar.parallel.random import RNGTracker
+from lightning_seqpar.pipeline_parallel.config import PipelineConfig
+from lightning_seqpar.rewrite import Policy, RewriteContext, RewritePlan, rewrite
+from lightning_seqpar.transformer.materialize import Materializer
+
+
+@dataclass
+class ParallelModel:
+    """What parallelizing a model produced, besides the model rewritten in place."""
+
+    rng_tracker: RNGTracker
+    rewrite_plan: RewritePlan
+    pipeline: Optional[PipelinedSteps]
+    """the pipelined steps when ``pp > 1``"""
+    remote_keys: list[str]
+    """state-dict keys held by other pipeline stages"""
+
+
+def broadcast_module(module: torch.nn.Module, device: torch.device) -> None:
+    """Give every rank rank 0's parameters and buffers, so an unseeded init cannot diverge.
+
+    One tensor at a time, in place; with NCCL a host tensor goes through a device buffer of its size, so
+    the unsliced model is never on the device. Tensors on the meta device (built in ``configure_model``) are
+    skipped: they are materialized from a shared seed instead.
+    """
+    if dist.get_world_size() == 1:
+        return
+    staged = dist.get_backend() == "nccl"
+    with torch.no_grad():
+        for tensor in [*module.parameters(), *module.buffers()]:
+            if tensor.is_meta:
+                continue
+            if staged and tensor.device != device:
+                buffer = tensor.data.to(device)
+                dist.broadcast(buffer, src=0)
+                tensor.data.copy_(buffer)
+            else:
+                dist.broadcast(tensor.data, src=0)
+
+
+def seed_streams(seed: int, mesh: ParallelMesh, device: torch.device) -> RNGTracker:
+    """Seed the default generator alike over the tensor-parallel group (replicated regions) and return the
+    tracker of the per-rank tensor-parallel stream (sharded regions); pipeline stages draw apart."""
+    pp_rank, tp_rank = mesh.pipeline.rank, mesh.tensor.rank
+    torch.manual_seed(seed + 100 * pp_rank)
+    return RNGTracker.for_tensor_parallel(seed + 100 * pp_rank, tp_rank, device)
+
+
+def parallelize(model: torch.nn.Module, mesh: ParallelMesh, device: torch.device, *, seed: Optional[int],
+                broadcast: Callable[[int], int], sequence_parallel: bool, loss_parallel: bool,
+                policies: Iterable[Policy], pipeline: PipelineConfig) -> ParallelModel:
+    """Rewrite ``model`` (a LightningModule, in place) into this rank's tensor (+ sequence) and pipeline parallel
+    part. ``seed``: base seed of the dropout streams and of meta-device materialization; ``None`` takes rank 0's
+    ``torch.initial_seed()`` through ``broadcast``.
+
+    Raises:
+        ValueError: from the rewrite (nothing recognized, shapes that do not split) or the pipeline split, before
+            any rank has changed its model.
+    """
+    # The single-device model stays where it was built; only its shards move to the device afterwards.
+    broadcast_module(model, device)
+    seed = seed if seed is not None else broadcast(torch.initial_seed() % 2**31)
+    rng_tracker = seed_streams(seed, mesh, device)
+    # Blocks built on the meta device (configure_model) become meta skeletons; after the stage split the shards
+    # this rank keeps are allocated and filled from single-device submodules materialized one at a time from a
+    # seed shared by every rank. Other stages' layers are never materialized.
+    materializer = Materializer(seed)
+    ctx = RewriteContext(mesh.tensor, sequence_parallel, rng_tracker, loss_parallel, materializer)
+    plan = rewrite(model, ctx, policies)
+    steps, remote_keys = None, []
+    if pipeline.enabled:
+        steps, remote_keys = PipelinedSteps.build(model, pipeline, mesh.pipeline, device)
+    materializer.fill(model, mesh.tensor)
+    return ParallelModel(rng_tracker, plan, steps, remote_keys)

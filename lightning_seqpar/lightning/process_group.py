@@ -1,0 +1,102 @@
+"""The default process group's life under the strategy: started from Lightning's cluster environment with a
+bounded timeout, the strategy's collectives on it, torn down cleanly at exit, and a failed collective named when a
+peer stalls or dies."""
+
+from __future__ import annotations
+
+import atexit
+import logging
+from datetime import timedelta
+from typing import Any, Optional, Union
+
+import torch.distributed as dist
+from lightning.fabric.plugins import ClusterEnvironment
+from torch import Tensor
+from torch.distributed.constants import default_pg_timeout
+from typing_extensions import override
+
+from lightning_seqpar.lightning._compat import init_dist_connection, sync_ddp_if_available
+from lightning_seqpar.parallel.faults import failed_collective
+
+log = logging.getLogger(__name__)
+
+
+def as_timedelta(timeout: Union[float, timedelta, None]) -> timedelta:
+    """Seconds or a ``timedelta`` (``None``: torch's default, 30 minutes) as a positive ``timedelta``.
+
+    Raises:
+        ValueError: a value that is not positive, or not a number or ``timedelta``.
+    """
+    if timeout is None:
+        return default_pg_timeout
+    given = timeout
+    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        timeout = timedelta(seconds=timeout)
+    if not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0:
+        raise ValueError(f"timeout must be a positive number of seconds or a datetime.timedelta, got {given!r}.")
+    return timeout
+
+
+def _destroy_process_group() -> None:
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    try:  # every rank is done with its peers before any tears its connections down (bounded: a peer may be gone)
+        dist.barrier(async_op=True).wait(timeout=timedelta(seconds=30))
+    except Exception:  # noqa: BLE001 - at exit, a missing peer is no reason to keep the process
+        pass
+    dist.destroy_process_group()
+
+
+def start_process_group(environment: ClusterEnvironment, backend: str, timeout: timedelta) -> None:
+    """Initialize the default process group from ``environment`` (as Lightning's DDP strategy does) and destroy
+    it at interpreter exit after a bounded barrier."""
+    init_dist_connection(environment, backend, timeout=timeout)
+    # Lightning does this for NCCL only. gloo's worker threads, left to interpreter teardown, abort a
+    # finished process now and then ("terminate called without an active exception", rc 134).
+    atexit.unregister(_destroy_process_group)  # once, however many trainers this process runs
+    atexit.register(_destroy_process_group)
+
+
+def report_failed_collective(exception: BaseException, rank: int, timeout: timedelta) -> bool:
+    """Log which collective ``exception`` was raised in and what it means (a stalled or a lost peer, and the
+    fix); ``False`` when it was not raised in a collective."""
+    failure = failed_collective(exception)
+    if failure is None:
+        return False
+    if failure.timed_out:
+        log.error(
+            f"[rank {rank}] {failure.collective} timed out after {timeout.total_seconds():g} s "
+            f"waiting for another rank: a peer is stalled (stopped, swapping, stuck in I/O) or far slower. The job "
+            f"stops. If the peers are only slow, raise SeqParallelStrategy(timeout=...) (recipe: strategy.timeout=SECONDS)."
+        )
+    else:
+        log.error(f"[rank {rank}] {failure.collective} failed: another rank is gone ({exception}).")
+    return True
+
+
+class ProcessGroupCollectives:
+    """The strategy's ``barrier``, ``broadcast`` and ``reduce`` (for ``self.log(..., sync_dist=True)``) on the default
+    process group, as Lightning's DDP strategy does them; no-ops before the group exists."""
+
+    @override
+    def barrier(self, name: Optional[str] = None) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not (dist.is_available() and dist.is_initialized()):
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    @override
+    def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
+        if isinstance(tensor, Tensor):
+            return sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
