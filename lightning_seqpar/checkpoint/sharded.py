@@ -50,7 +50,7 @@ def is_sharded_checkpoint(path: Path) -> bool:
 
 
 def local_part(tensor: Tensor) -> Tensor:
-    """The rank's own memory behind a :func:`~.layout.dcp_view` (the tensor itself when replicated)."""
+    """The rank's own memory behind a :func:`~lightning_seqpar.tensor_parallel.sharding.dcp_view` (the tensor itself when replicated)."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
@@ -74,7 +74,7 @@ def _unique_tensors(module: nn.Module) -> tuple[dict[str, Tensor], dict[str, str
 
 
 def model_entries(module: nn.Module, tp_mesh: Optional[DeviceMesh]) -> dict[str, Tensor]:
-    """``module.state_dict()`` as DCP must see it: values are :func:`~.layout.dcp_view` views, a tied
+    """``module.state_dict()`` as DCP must see it: values are :func:`~lightning_seqpar.tensor_parallel.sharding.dcp_view` views, a tied
     parameter under its first key only (:func:`tied_aliases` gives the others).
 
     Raises:

@@ -6,7 +6,7 @@ A block is of the Llama layout when it has ``self_attn`` with Linear ``q_proj``,
 ``base_model_tp_plan``, that plan names q/k/v and gate/up column-wise and o/down row-wise. Llama, Mistral,
 Qwen2 and others share it; a new model of the same layout needs no code change.
 
-The policy is a :class:`~lightning_seqpar.rewrite.declared.DeclaredBlockPolicy` whose
+The policy is a :class:`~lightning_seqpar.DeclaredBlockPolicy` whose
 :class:`~lightning_seqpar.transformer.declared_block.BlockSpec` is read off each block's config: sizes from
 the config, rotary embeddings with the function of the block's own module (``apply_rotary_pos_emb``), the
 attention kernel the config selects, the softmax in float32 as transformers' eager attention computes it.

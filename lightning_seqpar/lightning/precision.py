@@ -80,7 +80,7 @@ def shard_aware(plugin: Optional[Precision]) -> Precision:
     raise ValueError(
         f"SeqParallelStrategy cannot clip gradients correctly with the precision plugin {kind.__name__}: its "
         f"clip_grad_by_norm would see one shard. Use Trainer(precision='32-true' | '64-true' | 'bf16-true' | "
-        f"'bf16-mixed' | '16-true' | '16-mixed'), or add lightning_seqpar.precision.ShardAwareClipping as the "
+        f"'bf16-mixed' | '16-true' | '16-mixed'), or add lightning_seqpar.lightning.precision.ShardAwareClipping as the "
         f"first base class of {kind.__name__}."
     )
 

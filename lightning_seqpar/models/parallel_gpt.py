@@ -67,7 +67,7 @@ class ParallelMLP(nn.Module):
 class ParallelBlock(ParallelLayer):
     """:class:`~lightning_seqpar.models.gpt.Block` on sequence-first, sequence-sharded activations ``[s/t, b, h]`` (SP) or ``[s, b, h]``.
 
-    Roles: :class:`~lightning_seqpar.roles.ParallelLayer` (full recomputation honours ``recompute_layer``).
+    Roles: :class:`~lightning_seqpar.transformer.roles.ParallelLayer` (full recomputation honours ``recompute_layer``).
     """
 
     def __init__(self, block: nn.Module, ctx: RewriteContext) -> None:
@@ -103,7 +103,7 @@ class ParallelGPT(Sampling, LayerStack):
     exact). ``forward(idx, targets)`` returns the mean loss, computed on vocabulary-sharded logits
     (``loss_parallel``) or on gathered ones.
 
-    Roles: :class:`~lightning_seqpar.roles.LayerStack` over ``transformer.h``; on a later pipeline stage
+    Roles: :class:`~lightning_seqpar.transformer.roles.LayerStack` over ``transformer.h``; on a later pipeline stage
     it skips the embedding (the stage's first layer takes the received activation).
 
     Raises:

@@ -8,7 +8,7 @@ writing our own: it wraps any ``torch.optim`` class, runs on gloo and NCCL, and 
 ``param_groups`` for learning-rate schedulers. Its partition is by whole parameters (largest first,
 greedy), so a rank holds about, not exactly, 1/d of the state.
 
-Gradients are reduced as before (:func:`lightning_seqpar.gradients.finalize_gradients`: sequence-parallel
+Gradients are reduced as before (:func:`lightning_seqpar.optim.finalize_gradients`: sequence-parallel
 sums over tp, shared-module sums over pp, the mean over dp), so clipping, accumulation and mixed
 precision see the same gradients as without ZeRO; the step then costs one broadcast of each updated
 parameter from its owner, ``(d-1)/d`` of the parameter bytes per rank, instead of Megatron's

@@ -78,7 +78,7 @@ def grad_norm(parameters: Iterable[torch.nn.Parameter], mesh: ParallelMesh, norm
     """The norm of the whole model's gradient, as one process would compute it.
 
     Each sharded parameter contributes its shards from every tensor-parallel rank;
-    each stage-local parameter (:mod:`lightning_seqpar.roles`) contributes from that stage;
+    each stage-local parameter (:func:`lightning_seqpar.tensor_parallel.sharding.is_stage_local`) contributes from that stage;
     everything else contributes once. Data-parallel replicas, and the copies of shared parameters on
     other stages, are identical after :func:`finalize_gradients`, so they are not counted again.
 

@@ -16,7 +16,7 @@ state-dict keys, are those of the single-device model.
 Why an exception: the user's ``training_step`` is unchanged code that calls the whole model and then
 the loss. The only way to end it at a stage boundary without running the rest (the next stages'
 layers are elsewhere; the LM head would be wasted work) is to leave the call. Layers reach the
-runtime through the explicit :class:`~lightning_seqpar.roles.ParallelLayer` router, not by patching
+runtime through the explicit :class:`~lightning_seqpar.transformer.roles.ParallelLayer` router, not by patching
 ``forward``. A step that catches the exception is detected and refused (:meth:`StageRuntime.run`).
 """
 
@@ -169,7 +169,7 @@ def find_layer_stack(model: nn.Module) -> tuple[nn.Module, list[int]]:
         raise ValueError(
             f"Pipeline parallelism found no rewritten transformer layer in {type(model).__name__}: it splits the "
             f"layers that the tensor-parallel rewrite recognizes (the reference GPT, nn.TransformerEncoder(Layer)). "
-            f"Use those blocks, or a Policy whose layers are lightning_seqpar.roles.ParallelLayer."
+            f"Use those blocks, or a Policy whose layers are lightning_seqpar.transformer.roles.ParallelLayer."
         )
     if len(found) > 1:
         raise ValueError(
@@ -197,10 +197,10 @@ def split_stages(model: nn.Module, config: PipelineConfig, pipeline_rank: int) -
     Returns:
         The runtime, and the state-dict keys now held by other ranks.
 
-    Every :class:`~lightning_seqpar.roles.LayerStack` gets the runtime as its ``stage_position``. Held
+    Every :class:`~lightning_seqpar.transformer.roles.LayerStack` gets the runtime as its ``stage_position``. Held
     layers are attached to their virtual stage (``ParallelLayer.attach_pipeline_stage``) and their
     parameters become stage-local (the others' gradients are summed over the pipeline group, see
-    :func:`lightning_seqpar.gradients.finalize_gradients`).
+    :func:`lightning_seqpar.optim.finalize_gradients`).
 
     Raises:
         ValueError: from :func:`find_layer_stack` and :meth:`StageLayout.build`.

@@ -1,6 +1,6 @@
 """Configure activation recomputation on a rewritten model: selective (core attention), full (whole
 layers) or a plan chosen from a memory budget. The Lightning callback is
-:class:`lightning_seqpar.callbacks.SelectiveRecompute`."""
+:class:`lightning_seqpar.SelectiveRecompute`."""
 
 from __future__ import annotations
 

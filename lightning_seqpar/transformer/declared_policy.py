@@ -6,7 +6,7 @@
     SeqParallelStrategy(tp=2, policies=[policy])
 
 The built-in Hugging Face policy is one of these, its spec read off each model's config
-(:mod:`lightning_seqpar.rewrite.hf_decoder`).
+(:mod:`lightning_seqpar.hf.layouts`).
 """
 
 from __future__ import annotations

@@ -107,7 +107,7 @@ class ParallelTransformerEncoderLayer(ParallelLayer):
     Shapes: input and output as torch's layer where a region boundary is, else ``[s/t, b, h]`` (SP)
     or ``[s, b, h]`` between rewritten layers.
 
-    Roles: :class:`~lightning_seqpar.roles.ParallelLayer` (full recomputation honours ``recompute_layer``).
+    Roles: :class:`~lightning_seqpar.transformer.roles.ParallelLayer` (full recomputation honours ``recompute_layer``).
     """
 
     def __init__(self, layer: nn.TransformerEncoderLayer, ctx: RewriteContext, *, enter_region: bool = True,
@@ -161,7 +161,7 @@ class ParallelTransformerEncoder(LayerStack):
 
     Shapes: ``src`` ``[b, s, h]`` (batch_first) or ``[s, b, h]``; output the same.
 
-    Roles: :class:`~lightning_seqpar.roles.LayerStack` over ``layers``.
+    Roles: :class:`~lightning_seqpar.transformer.roles.LayerStack` over ``layers``.
     """
 
     def __init__(self, encoder: nn.TransformerEncoder, ctx: RewriteContext) -> None:

@@ -28,7 +28,7 @@ Initializer = Callable[[nn.Module, str], None]
 
 def to_empty(module: nn.Module, device: torch.device, recurse: bool = True) -> None:
     """``module.to_empty(device=...)`` that keeps each parameter's roles (the tags on the ``nn.Parameter``,
-    :mod:`lightning_seqpar.roles`): torch makes new ``Parameter`` objects when leaving the meta device."""
+    :mod:`lightning_seqpar.tensor_parallel.sharding`): torch makes new ``Parameter`` objects when leaving the meta device."""
     tags = {name: dict(p.__dict__) for name, p in module.named_parameters(recurse=recurse, remove_duplicate=False)}
     module.to_empty(device=device, recurse=recurse)
     for name, new in module.named_parameters(recurse=recurse, remove_duplicate=False):

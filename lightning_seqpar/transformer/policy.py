@@ -16,13 +16,13 @@ class Policy:
     and :meth:`rewrite`. Hand it to the strategy with ``SeqParallelStrategy(policies=[...])``, or let
     the block class declare it (:class:`DeclaresPolicy`).
 
-    What the replacement must provide (:mod:`lightning_seqpar.roles`), so that every feature works:
+    What the replacement must provide (:mod:`lightning_seqpar.transformer.roles`), so that every feature works:
 
-    * Each transformer layer is a :class:`~lightning_seqpar.roles.ParallelLayer`: it implements
+    * Each transformer layer is a :class:`~lightning_seqpar.transformer.roles.ParallelLayer`: it implements
       ``layer_dims()`` (the memory model, ``granularity="auto"``, ``FlopsUtilization``) and honours
       ``recompute_layer`` (full recomputation); pipeline parallelism splits a list of them.
     * A module that runs its own list of layers (``role = "stack"``) is a
-      :class:`~lightning_seqpar.roles.LayerStack`: ``stack_layers()``, runs them with
+      :class:`~lightning_seqpar.transformer.roles.LayerStack`: ``stack_layers()``, runs them with
       :func:`~lightning_seqpar.transformer.stack.run_layers` (``recompute_chunks``), and may read
       ``stage_position`` to skip its embedding on later pipeline stages.
     * For a model built on the meta device (``configure_model``), :meth:`rewrite` builds each replacement
@@ -31,7 +31,7 @@ class Policy:
       fills only the shards this rank keeps.
     * Core attention is a :class:`~lightning_seqpar.transformer.core_attention.CoreAttention`
       (selective recomputation checkpoints those).
-    * Parameters take their roles through :mod:`lightning_seqpar.roles` (``ColumnParallelLinear``,
+    * Parameters take their roles through the tags of :mod:`lightning_seqpar.tensor_parallel.sharding` (``ColumnParallelLinear``,
       ``RowParallelLinear``, ``VocabParallelEmbedding``, ``shard_parameter`` and ``mark_sequence_parallel``
       do it): sharded ones carry a ``ShardSpec`` (checkpoints gather them, clipping counts each shard once),
       and replicated parameters that see s/t tokens per rank under SP (norms, the row-parallel bias)

@@ -64,7 +64,7 @@ class ParallelLayer(nn.Module):
     ``forward(hidden, *args, **kwargs)`` maps the hidden state to one of the same shape: ``[s/t, b, h]``
     (sequence parallel) or ``[s, b, h]`` between rewritten neighbours. Subclasses implement
     :meth:`layer_dims` and honour :attr:`recompute_layer` in their forward (checkpoint the whole
-    layer, e.g. with :func:`lightning_seqpar.transformer.checkpointing.checkpoint`).
+    layer, e.g. with :func:`lightning_seqpar.parallel.recomputed`).
 
     Attributes:
         recompute_layer: checkpoint the whole layer (full recomputation); set by

@@ -10,8 +10,8 @@ import torch
 
 from lightning_seqpar import explain
 from tests.helpers.distributed import run_distributed
-from tests.helpers.models import build, reference_run, token_data
-from tests.helpers.parity import STEPS, Case, fit
+from tests.helpers.models import build, token_data
+from tests.helpers.parity import Case, all_cases, assert_matches_single_process, case_id, relative_error_below, run_cases
 
 
 CASES = {
@@ -39,55 +39,21 @@ CASES = {
 LOSS_RTOL, GRAD_BOUND = 1e-6, 1e-5
 
 
-def _relative_error(got, want):
-    return ((got - want).norm() / want.norm().clamp_min(1e-300)).item()
-
-
-def _run_cases(rank, world_size):
-    out = {}
-    for case in CASES[world_size]:
-        rec = fit(case, world_size)
-        out[case] = (rec.losses, rec.grads, rec.logged)
-    return out
-
-
 @pytest.fixture(scope="module")
 def runs2():
-    return run_distributed(_run_cases, 2)
+    return run_cases(CASES, 2)
 
 
 @pytest.fixture(scope="module")
 def runs4():
-    return run_distributed(_run_cases, 4)
+    return run_cases(CASES, 4)
 
 
-def _cases():
-    return [(w, c) for w in CASES for c in CASES[w]]
-
-
-def _id(wc):
-    w, c = wc
-    model = "-".join(f"{k}={v}" for k, v in c.model)
-    return (f"pp{c.pp}tp{c.tp}dp{c.dp(w)}-{'sp' if c.sequence_parallel else 'nosp'}-{c.recompute}-"
-            f"{model or 'llama-eager'}")
-
-
-@pytest.mark.parametrize("world_case", _cases(), ids=[_id(wc) for wc in _cases()])
+@pytest.mark.parametrize("world_case", all_cases(CASES), ids=case_id)
 def test_llama_layout_matches_single_process(request, world_case):
     world_size, case = world_case
     per_rank = request.getfixturevalue(f"runs{world_size}")
-    dp = case.dp(world_size)
-    ref = reference_run(build(case.kind, **dict(case.model)), token_data(STEPS, dp), STEPS, dp)
-    for rank in range(world_size):
-        _, grads, logged = per_rank[rank][case]
-        torch.testing.assert_close(torch.tensor(logged, dtype=torch.float64), torch.tensor(ref.losses, dtype=torch.float64),
-                                   rtol=LOSS_RTOL, atol=0)
-        assert len(grads) == STEPS
-        for step, (got, want) in enumerate(zip(grads, ref.grads)):
-            assert got.keys() == want.keys(), set(got) ^ set(want)
-            for name in want:
-                error = _relative_error(got[name], want[name])
-                assert error < GRAD_BOUND, f"rank {rank} step {step} {name}: relative error {error:.3g}"
+    assert_matches_single_process(per_rank, case, world_size, LOSS_RTOL, 0, relative_error_below(GRAD_BOUND))
 
 
 def test_explain_names_the_layout_and_the_split(capsys):

@@ -6,11 +6,9 @@ nn.TransformerEncoder(Layer)s; selective and full recomputation; clipping and ac
 """
 
 import pytest
-import torch
 
-from tests.helpers.distributed import run_distributed
-from tests.helpers.models import BATCH, SEQ, build, reference_run, token_data
-from tests.helpers.parity import STEPS, Case, fit
+from tests.helpers.models import BATCH, SEQ
+from tests.helpers.parity import STEPS, Case, all_cases, assert_matches_single_process, case_id, close, run_cases
 from tests.distributed.test_parity import CLIP_ACCUMULATE, ENCODER_A, ENCODER_B
 
 GPT4 = (("n_layer", 4),)
@@ -43,63 +41,26 @@ CASES = {
 RTOL, ATOL = 1e-9, 1e-11
 
 
-def _run_cases(rank, world_size):
-    return {case: fit(case, world_size) for case in CASES[world_size]}
-
-
 @pytest.fixture(scope="module")
 def runs2():
-    return run_distributed(_run_cases, 2)
+    return run_cases(CASES, 2)
 
 
 @pytest.fixture(scope="module")
 def runs4():
-    return run_distributed(_run_cases, 4)
+    return run_cases(CASES, 4)
 
 
 @pytest.fixture(scope="module")
 def runs8():
-    return run_distributed(_run_cases, 8)
+    return run_cases(CASES, 8)
 
 
-def _cases():
-    return [(w, c) for w in CASES for c in CASES[w]]
-
-
-def _id(wc):
-    w, c = wc
-    name = f"{c.kind}{''.join(v[0] for _, v in c.model if isinstance(v, str))}-pp{c.pp}tp{c.tp}dp{c.dp(w)}"
-    extras = [f"{k}{v}" for k, v in c.strategy] + ["sp" if c.sequence_parallel else "nosp", str(c.recompute)]
-    return "-".join([name, *extras] + (["clip-accumulate"] if c.trainer else []) + (["untied"] if UNTIED[0] in c.model else []))
-
-
-@pytest.mark.parametrize("world_case", _cases(), ids=[_id(wc) for wc in _cases()])
+@pytest.mark.parametrize("world_case", all_cases(CASES), ids=case_id)
 def test_pipelined_training_matches_single_process(request, world_case):
     world_size, case = world_case
     per_rank = request.getfixturevalue(f"runs{world_size}")
-    dp = case.dp(world_size)
-    options = dict(case.trainer)
-    accumulate = options.get("accumulate_grad_batches", 1)
-    ref = reference_run(build(case.kind, **dict(case.model)), token_data(STEPS * accumulate, dp), STEPS, dp,
-                        accumulate=accumulate, clip=options.get("gradient_clip_val"))
-    for rank in range(world_size):
-        record = per_rank[rank][case]
-        # sync_dist=True: every rank, whatever its stage, logs the global batch's loss, identically.
-        logged = torch.tensor(record.logged, dtype=torch.float64)
-        torch.testing.assert_close(logged, torch.tensor(ref.losses, dtype=logged.dtype), rtol=RTOL, atol=ATOL)
-        assert record.logged == per_rank[0][case].logged
-        assert len(record.grads) == STEPS
-        for step, (got, want) in enumerate(zip(record.grads, ref.grads)):
-            assert got.keys() == want.keys(), set(got) ^ set(want)
-            for name in want:
-                torch.testing.assert_close(got[name], want[name], rtol=RTOL, atol=ATOL,
-                                           msg=lambda m: f"rank {rank} step {step} {name}: {m}")
-    # The returned loss is the mean over micro-batches on every rank; data-parallel replicas average.
-    tp, pp = case.tp, case.pp
-    for stage in range(pp):
-        replicas = [per_rank[(stage * dp + d) * tp][case].losses for d in range(dp)]
-        losses = torch.tensor(replicas, dtype=torch.float64).mean(0) * accumulate
-        torch.testing.assert_close(losses, torch.tensor(ref.losses, dtype=losses.dtype), rtol=RTOL, atol=ATOL)
+    assert_matches_single_process(per_rank, case, world_size, RTOL, ATOL, close(RTOL, ATOL))
 
 
 def test_sequence_parallel_sends_one_tp_th_of_the_bytes_across_stages(runs4):

@@ -1,14 +1,17 @@
-"""Run the same training under SeqParallelStrategy inside already-spawned processes."""
+"""The parity harness: the same training under SeqParallelStrategy in spawned processes, compared with one process."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import lightning.pytorch as pl
+import torch
+from torch import Tensor
 
 from lightning_seqpar import SelectiveRecompute, SeqParallelStrategy
-from tests.helpers.models import Recorder, build, loader, token_data
+from tests.helpers.distributed import run_distributed
+from tests.helpers.models import Recorder, build, loader, reference_run, token_data
 
 STEPS = 3
 
@@ -51,3 +54,77 @@ def fit(case: Case, world_size: int, steps: int = STEPS, callbacks=(), epoch_ste
     data = token_data((epoch_steps or steps) * accumulate, case.dp(world_size))
     trainer.fit(module, loader(data), ckpt_path=ckpt_path)
     return recorder
+
+
+def _fit_all(rank: int, world_size: int, cases: list[Case]) -> dict[Case, Recorder]:
+    return {case: fit(case, world_size) for case in cases}
+
+
+def run_cases(cases: dict[int, list[Case]], world_size: int) -> list[dict[Case, Recorder]]:
+    """Every case of ``world_size``, trained in one group of spawned processes: each rank's records by case."""
+    return run_distributed(_fit_all, world_size, cases[world_size])
+
+
+def all_cases(cases: dict[int, list[Case]]) -> list[tuple[int, Case]]:
+    return [(w, c) for w in cases for c in cases[w]]
+
+
+def case_id(world_case: tuple[int, Case]) -> str:
+    """A readable test id: model, layout, SP, recomputation, then what the case adds."""
+    w, c = world_case
+    model = "".join(f"-{k}={v}" for k, v in c.model)
+    strategy = "".join(f"-{k}={v}" for k, v in c.strategy)
+    return (f"{c.kind}-pp{c.pp}tp{c.tp}dp{c.dp(w)}-{'sp' if c.sequence_parallel else 'nosp'}-{c.recompute}"
+            f"{model}{strategy}{'-clip-accumulate' if c.trainer else ''}")
+
+
+def assert_matches_single_process(per_rank: list[dict[Case, Recorder]], case: Case, world_size: int,
+                                  loss_rtol: float, loss_atol: float, grad_matches: Callable[[Tensor, Tensor], str]):
+    """The single-process float64 reference of ``case`` against every rank's records.
+
+    * the loss each rank logged (``sync_dist=True``: the global batch's) equals the reference, identically on
+      every rank;
+    * the loss ``training_step`` returned, averaged over data-parallel replicas, equals it on every pipeline
+      stage (the mean over micro-batches; Lightning divides it by the accumulation count);
+    * every parameter's gradient on every rank, before every optimizer step: ``grad_matches(got, want)`` returns
+      what differs, or ``""``.
+    """
+    dp = case.dp(world_size)
+    options = dict(case.trainer)
+    accumulate = options.get("accumulate_grad_batches", 1)
+    ref = reference_run(build(case.kind, **dict(case.model)), token_data(STEPS * accumulate, dp), STEPS, dp,
+                        accumulate=accumulate, clip=options.get("gradient_clip_val"))
+    want_losses = torch.tensor(ref.losses, dtype=torch.float64)
+    for rank in range(world_size):
+        record = per_rank[rank][case]
+        logged = torch.tensor(record.logged, dtype=torch.float64)
+        torch.testing.assert_close(logged, want_losses, rtol=loss_rtol, atol=loss_atol, msg=lambda m: f"rank {rank}: {m}")
+        assert record.logged == per_rank[0][case].logged
+        assert len(record.grads) == STEPS
+        for step, (got, want) in enumerate(zip(record.grads, ref.grads)):
+            assert got.keys() == want.keys(), set(got) ^ set(want)
+            differences = {name: grad_matches(got[name], want[name]) for name in want}
+            assert {n: d for n, d in differences.items() if d} == {}, f"rank {rank} step {step}"
+    for stage in range(case.pp):  # rank = tp_rank + t·(dp_rank + d·pp_rank)
+        replicas = [per_rank[(stage * dp + d) * case.tp][case].losses for d in range(dp)]
+        losses = torch.tensor(replicas, dtype=torch.float64).mean(0) * accumulate
+        torch.testing.assert_close(losses, want_losses, rtol=loss_rtol, atol=loss_atol, msg=lambda m: f"stage {stage}: {m}")
+
+
+def close(rtol: float, atol: float) -> Callable[[Tensor, Tensor], str]:
+    """Element-wise comparison, as ``torch.testing.assert_close``."""
+    def compare(got: Tensor, want: Tensor) -> str:
+        try:
+            torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
+        except AssertionError as error:
+            return str(error)
+        return ""
+    return compare
+
+
+def relative_error_below(bound: float) -> Callable[[Tensor, Tensor], str]:
+    """Whole-tensor comparison: ``‖got − want‖ / ‖want‖ < bound`` (a missing reduction by t = 2 gives ≥ 0.5)."""
+    def compare(got: Tensor, want: Tensor) -> str:
+        error = ((got - want).norm() / want.norm().clamp_min(1e-300)).item()
+        return "" if error < bound else f"relative error {error:.3g}"
+    return compare

@@ -35,7 +35,7 @@ def test_clipping_before_the_mesh_exists_and_unknown_plugins_are_refused():
     class Custom(Precision):
         pass
 
-    with pytest.raises(ValueError, match="add lightning_seqpar.precision.ShardAwareClipping as the first base class of Custom"):
+    with pytest.raises(ValueError, match="add lightning_seqpar.lightning.precision.ShardAwareClipping as the first base class of Custom"):
         SeqParallelStrategy(precision_plugin=Custom())
 
     class CustomShardAware(ShardAwareClipping, Precision):

@@ -24,7 +24,7 @@ class SelectiveRecompute(pl.Callback):
     Args:
         granularity: ``"selective"`` (core attention only, the default and the paper's proposal),
             ``"full"`` (whole layers) or ``"auto"`` (the cheapest plan that fits ``memory_budget``, see
-            :func:`~lightning_seqpar.memory.planner.plan_recompute`: none → selective → full on the fewest
+            :func:`~lightning_seqpar.recompute.plan_recompute`: none → selective → full on the fewest
             first layers with selective on the rest).
         method: for ``"full"``, ``"uniform"`` or ``"block"`` (Megatron-LM ``--recompute-method``).
         num_layers: for ``"full"``, layers per uniform chunk or layers checkpointed by ``"block"``.
