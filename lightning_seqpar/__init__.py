@@ -15,7 +15,7 @@ from lightning_seqpar.tensor_parallel import (
     VocabParallelEmbedding,
     vocab_parallel_cross_entropy,
 )
-from lightning_seqpar.transformer.declared_block import BlockSpec
+from lightning_seqpar.transformer.block_spec import BlockSpec
 from lightning_seqpar.transformer.declared_policy import DeclaredBlockPolicy
 
 register()

@@ -15,15 +15,17 @@ transformers is never imported here.
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Callable, Optional
 
 import torch
 import torch.nn as nn
 
 from lightning_seqpar._compat import hf_attention_implementation
-from lightning_seqpar.transformer.declared_block import BlockSpec
+from lightning_seqpar.transformer.block_spec import BlockSpec
 from lightning_seqpar.transformer.declared_policy import DeclaredBlockPolicy
 
+_SAMPLE_HEAD_DIM = 8
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
 _PLAN = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
@@ -67,6 +69,8 @@ def llama_block_spec(module: nn.Module) -> BlockSpec:
         attention_dropout=float(getattr(config, "attention_dropout", 0.0) or 0.0), rotary="apply_rotary_pos_emb",
         attention=hf_attention_implementation(config), softmax_dtype=torch.float32,
         scaling=getattr(module.self_attn, "scaling", None),
+        q_norm="self_attn.q_norm" if isinstance(getattr(module.self_attn, "q_norm", None), nn.Module) else None,
+        k_norm="self_attn.k_norm" if isinstance(getattr(module.self_attn, "k_norm", None), nn.Module) else None,
     )
 
 
@@ -143,6 +147,28 @@ class HFLayoutPolicy(DeclaredBlockPolicy):
 
     def layout_name(self) -> str:
         return f" ({self.layout} layout)"
+
+    def undeclared_message(self, module: nn.Module, name: str, left_out: list[str]) -> str:
+        return (f"{name} ({type(module).__name__}): this Hugging Face block has parts the {self.layout} layout does not "
+                f"have: {', '.join(left_out)}. Its parallel version would compute without them, so "
+                f"{type(module).__name__} is not supported (tested families: Llama, Mistral, Qwen2, Qwen3, GPT-2). "
+                f"Describe the block with a BlockSpec that names them, or write a Policy for it.")
+
+    def sample_block(self, module: nn.Module) -> nn.Module:
+        """A small block of ``module``'s class built from a copy of its config with 8 values per head (the head
+        counts, and so the split over tp, unchanged), so that the self-check costs little whatever the model's
+        size, and works for a model on the meta device."""
+        config = copy.deepcopy(_config(module))
+        heads = getattr(config, "num_attention_heads", None) or config.n_head
+        hidden = heads * _SAMPLE_HEAD_DIM
+        for key, value in (("hidden_size", hidden), ("head_dim", _SAMPLE_HEAD_DIM), ("intermediate_size", 4 * hidden),
+                           ("n_embd", hidden), ("n_inner", None)):
+            if hasattr(config, key):
+                setattr(config, key, value)
+        attention = getattr(module, "self_attn", None) or getattr(module, "attn", None)
+        with torch.device("cpu"):
+            small = type(module)(config, getattr(attention, "layer_idx", 0) or 0)
+        return super().sample_block(small)
 
 
 def hf_policies() -> list[HFLayoutPolicy]:

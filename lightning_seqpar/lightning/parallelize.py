@@ -61,10 +61,11 @@ def seed_streams(seed: int, mesh: ParallelMesh, device: torch.device) -> RNGTrac
 
 def parallelize(model: torch.nn.Module, mesh: ParallelMesh, device: torch.device, *, seed: Optional[int],
                 broadcast: Callable[[int], int], sequence_parallel: bool, loss_parallel: bool,
-                policies: Iterable[Policy], pipeline: PipelineConfig) -> ParallelModel:
+                policies: Iterable[Policy], verify: bool, pipeline: PipelineConfig) -> ParallelModel:
     """Rewrite ``model`` (a LightningModule, in place) into this rank's tensor (+ sequence) and pipeline parallel
     part. ``seed``: base seed of the dropout streams and of meta-device materialization; ``None`` takes rank 0's
-    ``torch.initial_seed()`` through ``broadcast``.
+    ``torch.initial_seed()`` through ``broadcast``. ``verify``: run the policies' self-checks (every rank runs
+    the same, without communicating, so a refusal reaches every rank).
 
     Raises:
         ValueError: from the rewrite (nothing recognized, shapes that do not split) or the pipeline split, before
@@ -79,7 +80,7 @@ def parallelize(model: torch.nn.Module, mesh: ParallelMesh, device: torch.device
     # seed shared by every rank. Other stages' layers are never materialized.
     materializer = Materializer(seed)
     ctx = RewriteContext(mesh.tensor, sequence_parallel, rng_tracker, loss_parallel, materializer)
-    plan = rewrite(model, ctx, policies)
+    plan = rewrite(model, ctx, policies, verify)
     steps, remote_keys = None, []
     if pipeline.enabled:
         steps, remote_keys = PipelinedSteps.build(model, pipeline, mesh.pipeline, device)

@@ -64,6 +64,8 @@ class SeqParallelStrategy(
             (Korthikanti et al. 2022 §4.2.2). Ignored when ``tp == 1``.
         loss_parallel: compute the reference GPT's loss on vocabulary-sharded logits.
         policies: extra :class:`~lightning_seqpar.Policy` objects for the user's own block classes.
+        verify_rewrite: check each declared block class before training: its parallel block must compute what the
+            block computes on a small input (one small forward per class, no communication).
         seed: base seed of the dropout streams; default: rank 0's ``torch.initial_seed()``.
         start_method: ``"popen"`` (re-run the script per rank, like DDP), ``"spawn"`` or ``"fork"``.
         process_group_backend: default ``"nccl"`` on GPUs, ``"gloo"`` on CPUs.
@@ -102,6 +104,7 @@ class SeqParallelStrategy(
         sequence_parallel: bool = True,
         loss_parallel: bool = True,
         policies: Optional[Iterable[Policy]] = None,
+        verify_rewrite: bool = True,
         seed: Optional[int] = None,
         start_method: Literal["popen", "spawn", "fork"] = "popen",
         accelerator: Optional[Accelerator] = None,
@@ -130,10 +133,10 @@ class SeqParallelStrategy(
         )
         self.tp = tp
         self.sequence_parallel, self.loss_parallel = sequence_parallel, loss_parallel
-        self.policies = list(policies or ())
+        self.policies, self.verify_rewrite = list(policies or ()), verify_rewrite
         self._seed = seed
         self._start_method = start_method
-        self._process_group_backend = process_group_backend
+        self.process_group_backend = process_group_backend  # None: nccl on GPUs, gloo on CPUs
         self._timeout = as_timedelta(timeout)
         self.allow_non_finite_checkpoint = allow_non_finite_checkpoint
         self.checkpoint_format, self.async_save, self.zero = checkpoint_format, async_save, zero
@@ -181,11 +184,6 @@ class SeqParallelStrategy(
         return {"num_replicas": self.mesh.dp, "rank": self.mesh.data.rank}
 
     @property
-    def process_group_backend(self) -> Optional[str]:
-        """``gloo`` or ``nccl``."""
-        return self._process_group_backend
-
-    @property
     @override
     def restore_checkpoint_after_setup(self) -> bool:
         return True  # shards exist only after the rewrite
@@ -203,10 +201,10 @@ class SeqParallelStrategy(
         set_num_threads_if_needed(self.num_processes)
         self.set_world_ranks()
         validate_layout(self.world_size, self.tp, self.pp)  # before any collective
-        if self._process_group_backend is None:
-            self._process_group_backend = "nccl" if self.root_device.type == "cuda" else "gloo"
+        if self.process_group_backend is None:
+            self.process_group_backend = "nccl" if self.root_device.type == "cuda" else "gloo"
         assert self.cluster_environment is not None
-        start_process_group(self.cluster_environment, self._process_group_backend, self._timeout)
+        start_process_group(self.cluster_environment, self.process_group_backend, self._timeout)
         self._mesh = ParallelMesh.build(self.tp, self.pp, self.root_device.type)
         plugin = self.precision_plugin
         assert isinstance(plugin, ShardAwareClipping)
@@ -228,7 +226,7 @@ class SeqParallelStrategy(
             parallel = parallelize(
                 self.model, self.mesh, self.root_device, seed=self._seed, broadcast=self.broadcast,
                 sequence_parallel=self.sequence_parallel, loss_parallel=self.loss_parallel, policies=self.policies,
-                pipeline=self.pipeline_config,
+                verify=self.verify_rewrite, pipeline=self.pipeline_config,
             )
             self.rng_tracker, self.rewrite_plan = parallel.rng_tracker, parallel.rewrite_plan
             self.pipeline, self._remote_keys = parallel.pipeline, parallel.remote_keys

@@ -50,7 +50,7 @@ class HFCausalLMModule(CausalLMModule):
 
     def forward(self, idx: Tensor) -> Tensor:
         """Logits ``[b, s, v]`` of token ids ``[b, s]`` (full vocabulary, batch-first, as on one device)."""
-        return self.model(input_ids=idx, use_cache=False).logits
+        return self.model(input_ids=idx).logits
 
     def loss(self, x: Tensor, y: Tensor) -> Tensor:
         logits = self(x)  # [b, s, v]

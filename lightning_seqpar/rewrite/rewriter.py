@@ -89,16 +89,28 @@ def _candidate_blocks(model: nn.Module) -> list[str]:
     return sorted(names)
 
 
-def plan_rewrite(model: nn.Module, ctx: RewriteContext, policies: Optional[Iterable[Policy]] = None) -> RewritePlan:
+def plan_rewrite(model: nn.Module, ctx: RewriteContext, policies: Optional[Iterable[Policy]] = None,
+                 verify: bool = True) -> RewritePlan:
     """Find what to rewrite and check every shape, changing nothing.
+
+    ``verify``: also run each policy's self-check (:meth:`Policy.verify`) on one block of each class: the parallel
+    block computes what the block computes, on a small input (no communication; a forward of one small block).
 
     Raises:
         ValueError: if no module is recognized (naming the block classes found and how to register a
-            policy), or if a recognized module cannot be split t ways (naming it and the numbers).
+            policy), if a recognized module cannot be split t ways (naming it and the numbers), or if a
+            self-check finds a parallel block that computes something else.
     """
     registry = _Registry(policies)
     plan = RewritePlan(ctx.tp, ctx.sp)
     claimed: list[str] = []
+    verified: set[type] = set()
+
+    def check(policy: Policy, module: nn.Module, name: str) -> None:
+        policy.check(module, ctx, name)
+        if verify and type(module) not in verified:
+            verified.add(type(module))
+            policy.verify(module, ctx, name)
 
     def visit(prefix: str, module: nn.Module) -> None:
         children = list(module.named_children())
@@ -123,7 +135,7 @@ def plan_rewrite(model: nn.Module, ctx: RewriteContext, policies: Optional[Itera
                         break
                     run.append((f"{prefix}.{n}" if prefix else n, c, p))
             for j, (n, c, p) in enumerate(run):
-                p.check(c, ctx, n)
+                check(p, c, n)
                 stack = p.role == "stack"
                 plan.entries.append(
                     PlannedRewrite(n, type(c).__name__, p, stack or j == 0, stack or j == len(run) - 1, p.describe(c, ctx))
@@ -133,7 +145,7 @@ def plan_rewrite(model: nn.Module, ctx: RewriteContext, policies: Optional[Itera
 
     root_policy = registry.get(model)
     if root_policy is not None:
-        root_policy.check(model, ctx, type(model).__name__)
+        check(root_policy, model, type(model).__name__)
         plan.entries.append(PlannedRewrite("", type(model).__name__, root_policy, True, True, root_policy.describe(model, ctx)))
     else:
         visit("", model)
@@ -150,7 +162,8 @@ def plan_rewrite(model: nn.Module, ctx: RewriteContext, policies: Optional[Itera
     return plan
 
 
-def rewrite(model: nn.Module, ctx: RewriteContext, policies: Optional[Iterable[Policy]] = None) -> RewritePlan:
+def rewrite(model: nn.Module, ctx: RewriteContext, policies: Optional[Iterable[Policy]] = None,
+            verify: bool = True) -> RewritePlan:
     """Replace every recognized block of ``model`` in place by its tensor (+sequence) parallel version.
 
     Weights are sliced from the single-device modules, so the rewritten model computes the same
@@ -163,7 +176,7 @@ def rewrite(model: nn.Module, ctx: RewriteContext, policies: Optional[Iterable[P
     Raises:
         ValueError: from :func:`plan_rewrite`, before any module is changed.
     """
-    plan = plan_rewrite(model, ctx, policies)
+    plan = plan_rewrite(model, ctx, policies, verify)
     for entry in plan.entries:
         if not entry.name:
             raise ValueError(f"{entry.block} is the model itself; wrap it in a LightningModule attribute to rewrite it.")
@@ -186,12 +199,12 @@ def rewrite(model: nn.Module, ctx: RewriteContext, policies: Optional[Iterable[P
 
 
 def explain(model: nn.Module, tp: int, sequence_parallel: bool = True, policies: Optional[Iterable[Policy]] = None,
-            loss_parallel: bool = True) -> RewritePlan:
+            loss_parallel: bool = True, verify: bool = True) -> RewritePlan:
     """Print and return what ``SeqParallelStrategy(tp=tp)`` would rewrite in ``model``; change nothing.
 
     Needs no process group. Raises the same ``ValueError`` as the real rewrite would.
     """
     ctx = RewriteContext(ParallelGroup.virtual(tp), sequence_parallel, None, loss_parallel)
-    plan = plan_rewrite(model, ctx, policies)
+    plan = plan_rewrite(model, ctx, policies, verify)
     print(plan)
     return plan

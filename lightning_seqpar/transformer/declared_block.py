@@ -23,8 +23,7 @@ Face passes them.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -34,125 +33,17 @@ from torch import Tensor
 from lightning_seqpar.parallel.random import recomputed
 from lightning_seqpar.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, column_parallel_linears
 from lightning_seqpar.tensor_parallel.sharding import mark_sequence_parallel
+from lightning_seqpar.transformer.block_spec import BlockSpec, out_features, resolve, value_of
 from lightning_seqpar.transformer.context import RewriteContext
 from lightning_seqpar.transformer.core_attention import CoreAttention, merge_heads
 from lightning_seqpar.transformer.dropout import ParallelDropout
 from lightning_seqpar.transformer.region import enter_parallel_region, exit_parallel_region
 from lightning_seqpar.transformer.roles import LayerDims, ParallelLayer
 
-ATTENTION_IMPLEMENTATIONS = ("eager", "sdpa")
-
-
-@dataclass(frozen=True)
-class BlockSpec:
-    """Which submodules of a pre-norm transformer block play which part (dotted paths inside the block).
-
-    Attributes:
-        attention_norm: the norm before attention (LayerNorm, RMSNorm, ...; joins the sequence-parallel region).
-        mlp_norm: the norm before the MLP (joins the sequence-parallel region).
-        attention_out: the attention output projection (``nn.Linear``, row-parallel).
-        mlp_out: the MLP output projection (``nn.Linear``, row-parallel).
-        num_heads: the query head count: an ``int``, or the path of the attribute holding it (e.g.
-            ``"attn.n_head"``, ``"self_attn.config.num_attention_heads"``).
-        qkv: a fused ``[q; k; v]`` projection (``nn.Linear``, column-parallel, split per head block); or
-        q, k, v: three separate projections (column-parallel, one all-gather for the three).
-        mlp_in: the MLP input projection (column-parallel); or
-        gate, up: a gated MLP, ``act(gate(x)) · up(x)`` (SwiGLU; column-parallel, one all-gather).
-        activation: the path of the activation (a module or a function attribute, e.g. ``"mlp.gelu"``,
-            ``"mlp.act_fn"``), or a name of ``torch.nn.functional`` prefixed ``"F."`` (``"F.gelu"``).
-        num_kv_heads: key/value heads of grouped-query attention (int or attribute path); default ``num_heads``.
-        head_dim: per-head size (int or attribute path); default ``hidden_size // num_heads``.
-        attention_dropout: dropout on the attention probabilities: a float, or the path of an ``nn.Dropout``
-            or of a float attribute.
-        residual_dropouts: paths of the ``nn.Dropout`` after ``attention_out`` and after ``mlp_out`` (0 or 2).
-        rotary: name of a function ``(q, k, cos, sin) -> (q, k)`` in the block's own Python module, applied to
-            q and k when the caller passes ``position_embeddings=(cos, sin)`` (Hugging Face's ``apply_rotary_pos_emb``).
-        causal: mask future positions when no ``attention_mask`` is passed.
-        attention: ``"eager"`` (explicit core attention: selective recomputation applies) or ``"sdpa"`` (fused,
-            keeps no s² tensor); or the path of an attribute holding one of them.
-        softmax_dtype: dtype of the eager softmax (``torch.float32`` as Hugging Face computes it); default the
-            scores' dtype.
-        scaling: attention score scale: a float, or the path of a float attribute; default ``head_dim ** -0.5``.
-        transposed: the projections store their weights ``[in, out]`` (Hugging Face's ``Conv1D``, GPT-2);
-            shards keep that layout, so state-dict shapes stay the original's.
-        mask_position: where the caller passes the attention mask among the positional arguments after the
-            hidden states (GPT-2's blocks get ``(hidden, past_key_values, mask, ...)``: 1); default: keyword only.
-    """
-
-    attention_norm: str
-    mlp_norm: str
-    attention_out: str
-    mlp_out: str
-    num_heads: Union[int, str]
-    activation: str
-    qkv: Optional[str] = None
-    q: Optional[str] = None
-    k: Optional[str] = None
-    v: Optional[str] = None
-    mlp_in: Optional[str] = None
-    gate: Optional[str] = None
-    up: Optional[str] = None
-    num_kv_heads: Union[int, str, None] = None
-    head_dim: Union[int, str, None] = None
-    attention_dropout: Union[float, str] = 0.0
-    residual_dropouts: tuple[str, ...] = ()
-    rotary: Optional[str] = None
-    causal: bool = True
-    attention: str = "eager"
-    softmax_dtype: Optional[torch.dtype] = None
-    scaling: Union[float, str, None] = None
-    transposed: bool = False
-    mask_position: Optional[int] = None
-
-    def projections(self) -> tuple[list[str], list[str]]:
-        """The column-parallel paths of the attention input and of the MLP input."""
-        attention = [self.qkv] if self.qkv else [p for p in (self.q, self.k, self.v) if p]
-        mlp = [self.mlp_in] if self.mlp_in else [p for p in (self.gate, self.up) if p]
-        return attention, mlp
-
-    def paths(self) -> dict[str, str]:
-        """Every submodule path the declaration names, by role."""
-        attention, mlp = self.projections()
-        named = {"attention_norm": self.attention_norm, "mlp_norm": self.mlp_norm,
-                 "attention_out": self.attention_out, "mlp_out": self.mlp_out}
-        named.update({f"attention input {i}": p for i, p in enumerate(attention)})
-        named.update({f"mlp input {i}": p for i, p in enumerate(mlp)})
-        named.update({f"residual dropout {i}": p for i, p in enumerate(self.residual_dropouts)})
-        return named
-
-
-def resolve(block: nn.Module, path: str) -> Any:
-    """The attribute at dotted ``path`` inside ``block``.
-
-    Raises:
-        AttributeError: naming the first missing part and what exists there.
-    """
-    value: Any = block
-    done = []
-    for part in path.split("."):
-        if not hasattr(value, part):
-            where = ".".join(done) or type(block).__name__
-            children = sorted(n for n, _ in value.named_children()) if isinstance(value, nn.Module) else []
-            raise AttributeError(f"'{path}': {where} has no '{part}' (its submodules: {children}).")
-        value = getattr(value, part)
-        done.append(part)
-    return value
-
-
-def value_of(block: nn.Module, spec_value: Union[int, float, str, None]) -> Any:
-    """An ``int``/``float`` as given; a string as the attribute it names."""
-    return resolve(block, spec_value) if isinstance(spec_value, str) else spec_value
-
-
 def _activation(block: nn.Module, spec: BlockSpec) -> Callable[[Tensor], Tensor]:
     if spec.activation.startswith("F."):
         return getattr(F, spec.activation[2:])
     return resolve(block, spec.activation)
-
-
-def out_features(module: nn.Module) -> int:
-    """Output features of an ``nn.Linear`` or of a ``Conv1D`` (weight ``[in, out]``)."""
-    return module.out_features if isinstance(module, nn.Linear) else module.weight.shape[1]
 
 
 def _set(root: nn.Module, path: str, module: nn.Module) -> None:
@@ -178,8 +69,12 @@ class ParallelBlock(ParallelLayer):
     Shapes: ``hidden_states`` ``[b, s, h]`` at a region boundary, ``[s/t, b, h]`` (SP) or ``[s, b, h]``
     between rewritten blocks; q ``[b, a/t, s, d]``, k/v ``[b, a_kv/t, s, d]``; output like the input.
 
+    A key/value cache is neither filled nor read (see :func:`refuse_used_cache`): a forward with the config's
+    default ``use_cache`` trains and validates as on one device; a cache holding past tokens is refused.
+
     Raises:
-        NotImplementedError: called with a key/value cache (training only).
+        NotImplementedError: called with a key/value cache that holds past tokens, or again with a cache it has
+            already seen (generation).
     """
 
     def __init__(self, block: nn.Module, spec: BlockSpec, ctx: RewriteContext, *, enter_region: bool = True,
@@ -210,6 +105,10 @@ class ParallelBlock(ParallelLayer):
             if ctx.sp:
                 mark_sequence_parallel(norm)
             _set(self, path, norm)
+        for path in filter(None, (spec.q_norm, spec.k_norm)):  # per-head norms: each rank normalizes a/t heads
+            norm = resolve(block, path)
+            mark_sequence_parallel(norm)  # replicated; the gradient of a share of the heads: summed over tp
+            _set(self, path, norm)
         self.attention_projections = attention
         self.mlp_projections = mlp
         self.activation = _activation(block, spec)
@@ -238,9 +137,7 @@ class ParallelBlock(ParallelLayer):
             attention_mask = args[self.spec.mask_position]
         if self.spec.mask_position is not None and args and args[0] is not None and self.spec.mask_position > 0:
             past_key_values = args[0]  # (hidden, past_key_values, mask, ...)
-        if past_key_values is not None or use_cache:
-            raise NotImplementedError("A tensor-parallel block keeps no key/value cache: call the model with "
-                                      "use_cache=False (training), or generate from the single-device model.")
+        refuse_used_cache(self, past_key_values)
         x = enter_parallel_region(hidden_states, self.group, self.sp, True) if self.enter_region else hidden_states
         if self.recompute_layer and torch.is_grad_enabled():
             x = recomputed(self._body, x, position_embeddings, attention_mask, rng_tracker=self.rng_tracker)
@@ -261,8 +158,13 @@ class ParallelBlock(ParallelLayer):
             q, k, v = outputs[0].view(s, b, 3, -1).unbind(2)
         else:
             q, k, v = outputs
-        q = q.reshape(s, b, self.heads_local, self.head_dim).permute(1, 2, 0, 3)  # [b, a/t, s, d]
-        k = k.reshape(s, b, self.kv_heads_local, self.head_dim).permute(1, 2, 0, 3)  # [b, a_kv/t, s, d]
+        q = q.reshape(s, b, self.heads_local, self.head_dim)  # [s, b, a/t, d]
+        k = k.reshape(s, b, self.kv_heads_local, self.head_dim)  # [s, b, a_kv/t, d]
+        if self.spec.q_norm:
+            q = self.get_submodule(self.spec.q_norm)(q)
+        if self.spec.k_norm:
+            k = self.get_submodule(self.spec.k_norm)(k)
+        q, k = q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3)  # [b, a/t, s, d], [b, a_kv/t, s, d]
         v = v.reshape(s, b, self.kv_heads_local, self.head_dim).permute(1, 2, 0, 3)
         if self.rotary is not None and position_embeddings is not None:
             cos, sin = position_embeddings  # the whole sequence's positions
@@ -289,6 +191,40 @@ class ParallelBlock(ParallelLayer):
         outputs = column_parallel_linears(x, layers, self.group, self.sp)  # each [s, b, f/t]
         inner = self.activation(outputs[0]) * outputs[1] if len(outputs) == 2 else self.activation(outputs[0])
         return self.get_submodule(self.spec.mlp_out)(inner)
+
+
+CACHE_MARK = "tensor_parallel_layers_seen"
+"""Attribute set on a key/value cache object: the ids of the parallel layers that were called with it."""
+
+
+def refuse_used_cache(layer: nn.Module, cache: Any) -> None:
+    """Let a forward through with a key/value cache only when no past is read from it.
+
+    A Hugging Face model makes a new, empty cache for every call with ``use_cache=True`` (its config's default):
+    a training or validation forward then reads nothing from it, and the layer keeps no keys/values in it (it
+    computes no differently). A cache holding tokens (``past_key_values`` passed in), or one this layer has
+    already seen (generation reuses the cache of the previous step, which the layer left empty), would make the
+    layer attend to past tokens it does not have: refused. Costs no device synchronization (a cache's length is a
+    shape).
+
+    Raises:
+        NotImplementedError: naming the fix (``use_cache=False``, or generating from a single-device model).
+    """
+    if cache is None:
+        return
+    seen = getattr(cache, CACHE_MARK, None)
+    length = cache.get_seq_length() if hasattr(cache, "get_seq_length") else None
+    if length is None or length > 0 or (seen is not None and id(layer) in seen):
+        raise NotImplementedError(
+            f"{type(layer).__name__} was called with a key/value cache holding past tokens (past_key_values, or "
+            f"generation): a tensor-parallel block keeps no key/value cache. Train and evaluate without passing "
+            f"past_key_values (use_cache=False, or the config's default, is fine); generate from the single-device "
+            f"model (e.g. lightning_seqpar.checkpoint.consolidate, or the strategy's full_state_dict())."
+        )
+    if seen is None:
+        seen = set()
+        setattr(cache, CACHE_MARK, seen)
+    seen.add(id(layer))
 
 
 def additive_mask(mask: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:

@@ -12,20 +12,24 @@ The built-in Hugging Face policy is one of these, its spec read off each model's
 from __future__ import annotations
 
 import sys
+import copy
 from typing import Optional
 
+import torch
 import torch.nn as nn
 
 from lightning_seqpar.transformer.context import RewriteContext
-from lightning_seqpar.transformer.declared_block import (
+from lightning_seqpar.transformer.block_spec import (
     ATTENTION_IMPLEMENTATIONS,
     BlockSpec,
-    ParallelBlock,
     out_features,
     resolve,
+    undeclared_parts,
     value_of,
 )
+from lightning_seqpar.transformer.declared_block import ParallelBlock
 from lightning_seqpar.transformer.policy import Policy, require_divisible
+from lightning_seqpar.transformer.verify import verify_parallel_block
 
 
 class DeclaredBlockPolicy(Policy):
@@ -35,10 +39,11 @@ class DeclaredBlockPolicy(Policy):
         block: the user's block class (exact class).
         spec: which submodules play which part; see :class:`BlockSpec`.
 
-    Raises (from :meth:`check`, before any process communicates):
+    Raises (from :meth:`check` and :meth:`verify`, before any process communicates):
         ValueError: a declared path that does not exist or is not an ``nn.Linear``; neither or both of ``qkv``
-            and ``q``/``k``/``v`` (or of ``mlp_in`` and ``gate``/``up``); heads, key/value heads or MLP width not
-            divisible by tp; an attention implementation other than eager/sdpa.
+            and ``q``/``k``/``v`` (or of ``mlp_in`` and ``gate``/``up``); a parameter or buffer of the block in no
+            declared part; heads, key/value heads or MLP width not divisible by tp; an attention implementation
+            other than eager/sdpa; a parallel block that does not compute what the block computes.
     """
 
     role = "layer"
@@ -84,6 +89,9 @@ class DeclaredBlockPolicy(Policy):
         except AttributeError as error:
             raise ValueError(f"{name} ({type(module).__name__}): the block declaration names a part that does not "
                              f"exist: {error} Fix the BlockSpec.") from None
+        left_out = undeclared_parts(module, spec)
+        if left_out:
+            raise ValueError(self.undeclared_message(module, name, left_out))
         require_divisible(name, "the number of attention heads", heads, ctx.tp)
         if kv_heads % ctx.tp:
             valid = [t for t in range(1, kv_heads + 1) if kv_heads % t == 0 and heads % t == 0]
@@ -99,6 +107,34 @@ class DeclaredBlockPolicy(Policy):
                 f"'eager' (explicit core attention: selective recomputation applies) or 'sdpa' (fused: keeps no s² "
                 f"tensor)."
             )
+
+    def undeclared_message(self, module: nn.Module, name: str, left_out: list[str]) -> str:
+        """The refusal of a block with parts its declaration does not name."""
+        return (f"{name} ({type(module).__name__}): parts of the block are in no declared part of its BlockSpec: "
+                f"{', '.join(left_out)}. The parallel block would compute without them (a different function) and "
+                f"drop their weights. Declare them (e.g. q_norm=/k_norm= for per-head query/key norms), or write a "
+                f"Policy for this block.")
+
+    def sample_block(self, module: nn.Module) -> nn.Module:
+        """A block of ``module``'s class, with values, for :meth:`verify` to consume: a copy of ``module`` whose
+        floating-point parameters are redrawn (an initialization that zeroes a projection would hide a misnamed
+        part), allocated on the CPU if ``module`` is on the meta device."""
+        sample = copy.deepcopy(module)
+        if any(t.is_meta for t in [*sample.parameters(), *sample.buffers()]):
+            sample = sample.to_empty(device="cpu")
+        generator = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for param in sample.parameters():
+                if param.is_floating_point():
+                    param.copy_(torch.randn(param.shape, generator=generator, dtype=param.dtype) * 0.5)
+        return sample
+
+    def verify(self, module: nn.Module, ctx: RewriteContext, name: str) -> None:
+        """Check that the parallel block computes what ``module`` computes, at ``ctx``'s tp and SP, on a small
+        input (:func:`~lightning_seqpar.transformer.verify.verify_parallel_block`); once per block class."""
+        sample = self.sample_block(module)
+        spec = self.spec_for(sample)
+        verify_parallel_block(sample, spec, ctx.tp, ctx.sp, name, lambda block, c: ParallelBlock(block, spec, c))
 
     def describe(self, module: nn.Module, ctx: RewriteContext) -> str:
         spec = self.spec_for(module)

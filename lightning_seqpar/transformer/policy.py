@@ -57,6 +57,12 @@ class Policy:
         """Raise ``ValueError`` naming ``name`` and the numbers if ``module`` cannot be split t ways."""
         raise NotImplementedError
 
+    def verify(self, module: nn.Module, ctx: RewriteContext, name: str) -> None:
+        """Check, before training, that the replacement of ``module`` computes what ``module`` computes; called once
+        per block class by the rewrite (unless turned off). Raise ``ValueError`` naming ``name`` when it does not.
+        By default nothing is checked (the built-in policies are proven by parity tests); a policy built from a
+        declaration checks it (:class:`~lightning_seqpar.DeclaredBlockPolicy`)."""
+
     def describe(self, module: nn.Module, ctx: RewriteContext) -> str:
         """One line saying what the rewrite does to ``module``."""
         raise NotImplementedError

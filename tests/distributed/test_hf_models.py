@@ -1,6 +1,9 @@
 """Hugging Face causal LMs train under TP (+SP) and PP like one process, and their weights go in and out.
 
-Tiny random configs: Llama and Qwen2 (Llama layout: grouped-query attention with 2 key/value heads for 4 query
+Every model is called as transformers' examples call it: ``model(input_ids=x, labels=x)``, with the config's
+default ``use_cache``; also with a padding ``attention_mask`` and explicit ``position_ids``.
+
+Tiny random configs: Llama, Mistral, Qwen2 and Qwen3 (Llama layout; Qwen3 with per-head q/k norms: grouped-query attention with 2 key/value heads for 4 query
 heads, rotary embeddings, RMSNorm, SwiGLU) and GPT-2 (Conv1D, fused c_attn, learned positions, tied head);
 float64, loss and every gradient over 3 AdamW steps.
 """
@@ -22,10 +25,15 @@ CASES = {
         Case("hf", 2, True, None, (("attn_implementation", "sdpa"),)),      # fused attention
         Case("hf", 2, True, None, (("labels", True), ("bias", True), ("tie", True))),  # labels=, q/k/v bias, tied
         Case("hf", 2, True, None, (("family", "qwen2"),)),                  # another family of the same layout
+        Case("hf", 2, True, "selective", (("family", "qwen3"), ("labels", True))),  # per-head q/k norms
+        Case("hf", 2, True, None, (("family", "mistral"),)),                # full attention
         Case("hf", 1, True, None, pp=2),                                    # pp 2: the decoder layer list is the stack
         Case("hf", 2, True, None, (("family", "gpt2"),)),                   # GPT-2: Conv1D, fused c_attn, tied head
         Case("hf", 2, True, "selective", (("family", "gpt2"), ("labels", True))),
         Case("hf", 1, True, None, (("family", "gpt2"),), pp=2),
+        Case("hf", 2, True, None, (("padding", True), ("labels", True))),    # padding attention_mask, eager
+        Case("hf", 2, True, None, (("padding", True), ("attn_implementation", "sdpa"))),
+        Case("hf", 2, True, "selective", (("position_offset", 5),)),        # explicit position_ids
     ],
     4: [
         Case("hf", 2, True, "selective"),                                   # tp 2 x dp 2

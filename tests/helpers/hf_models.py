@@ -14,30 +14,53 @@ class HFCausalLM(pl.LightningModule):
     the labels inside the model) or a hand-written cross entropy on the returned logits."""
 
     def __init__(self, family: str = "llama", attn_implementation: str = "eager", labels: bool = False,
-                 kv_heads: int = 2, bias: bool = False, tie: bool = False, layers: int = 2) -> None:
+                 kv_heads: int = 2, bias: bool = False, tie: bool = False, layers: int = 2, padding: bool = False,
+                 position_offset: int = 0) -> None:
         super().__init__()
-        from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Config
+        import transformers
 
         common = dict(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=layers,
                       num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=2 * SEQ,
                       tie_word_embeddings=tie, attn_implementation=attn_implementation)
+        full_attention = dict(sliding_window=None, layer_types=["full_attention"] * layers)
         if family == "llama":
-            config = LlamaConfig(attention_bias=bias, **common)
+            config = transformers.LlamaConfig(attention_bias=bias, **common)
+        elif family == "qwen3":  # per-head q/k RMSNorms
+            config = transformers.Qwen3Config(attention_bias=bias, **common, **full_attention)
+        elif family == "mistral":  # full attention (no sliding window)
+            config = transformers.MistralConfig(**common, sliding_window=None)
+        elif family == "gemma2":  # Llama's parts plus pre/post feed-forward norms: refused
+            config = transformers.Gemma2Config(head_dim=4, **common, **full_attention)
+        elif family == "olmo":  # Llama's parts, q/k/v clipped in its forward: caught by the self-check
+            config = transformers.OlmoConfig(clip_qkv=0.5, **common)
         elif family == "gpt2":  # fused c_attn, Conv1D weights [in, out], learned positions, tied LM head
-            config = GPT2Config(vocab_size=VOCAB, n_positions=2 * SEQ, n_embd=16, n_layer=layers, n_head=4,
+            config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=2 * SEQ, n_embd=16, n_layer=layers, n_head=4,
                                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
                                 attn_implementation=attn_implementation)
         else:
-            config = Qwen2Config(**common)
-        self.model = AutoModelForCausalLM.from_config(config)
+            config = transformers.Qwen2Config(**common)
+        self.model = transformers.AutoModelForCausalLM.from_config(config)
         self.labels = labels
+        self.padding, self.position_offset = padding, position_offset
+
+    def _inputs(self, x: torch.Tensor) -> dict:
+        """``input_ids``, and what the module was asked to add: a padding ``attention_mask`` (the last 3 tokens of
+        the first sequence of each batch are padding) and ``position_ids`` starting at ``position_offset``."""
+        inputs = {"input_ids": x}
+        if self.padding:
+            mask = torch.ones_like(x)
+            mask[0, -3:] = 0
+            inputs["attention_mask"] = mask
+        if self.position_offset:
+            inputs["position_ids"] = torch.arange(x.shape[1], device=x.device).expand_as(x) + self.position_offset
+        return inputs
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=x, use_cache=False).logits  # [b, s, v], batch-first as on one device
+        return self.model(**self._inputs(x)).logits  # [b, s, v], batch-first as on one device; default use_cache
 
     def compute_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if self.labels:
-            return self.model(input_ids=x, labels=y, use_cache=False).loss
+            return self.model(**self._inputs(x), labels=y).loss
         return F.cross_entropy(self(x).reshape(-1, VOCAB), y.reshape(-1))
 
     def training_step(self, batch, batch_idx):

@@ -1,0 +1,93 @@
+"""t ranks of a tensor-parallel group emulated by t threads of one process, so that parallel layers can be run
+and checked without any process group (the rewrite's self-check). Each collective is computed from every
+thread's tensor, exactly as ``torch.distributed`` would combine them."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_seqpar.parallel.collectives import ParallelGroup
+
+_WAIT_S = 60.0  # a thread that waits longer at a collective has lost a peer to an error
+
+
+class _Exchange:
+    """What the threads of one emulated group share: one slot per rank and a barrier."""
+
+    def __init__(self, size: int) -> None:
+        self.slots: list[Optional[Tensor]] = [None] * size
+        self.barrier = threading.Barrier(size, timeout=_WAIT_S)
+
+    def gather(self, rank: int, tensor: Tensor) -> list[Tensor]:
+        self.slots[rank] = tensor
+        self.barrier.wait()
+        every = list(self.slots)  # type: ignore[arg-type]
+        self.barrier.wait()  # nobody overwrites a slot before every rank has read them all
+        return every
+
+
+class EmulatedGroup(ParallelGroup):
+    """Rank ``rank`` of an emulated group of ``size`` ranks (one thread each; see :func:`run_emulated`).
+
+    all-reduce (sum), all-gather, reduce-scatter and broadcast give what they give on a real group; the sum
+    is taken in rank order on every rank, so every rank holds bitwise the same result.
+    """
+
+    def __init__(self, size: int, rank: int, exchange: _Exchange) -> None:
+        super().__init__(None)
+        self.size, self.rank, self._exchange = size, rank, exchange
+
+    def all_reduce(self, tensor: Tensor, op: Any = dist.ReduceOp.SUM) -> Tensor:
+        if op != dist.ReduceOp.SUM:
+            raise NotImplementedError(f"An emulated group reduces by SUM only, got {op}.")
+        parts = self._exchange.gather(self.rank, tensor.clone())
+        total = parts[0].clone()
+        for part in parts[1:]:
+            total += part
+        tensor.copy_(total)
+        return tensor
+
+    def all_gather(self, tensor: Tensor, dim: int = 0) -> Tensor:
+        return torch.cat(self._exchange.gather(self.rank, tensor.contiguous()), dim=dim)
+
+    def reduce_scatter(self, tensor: Tensor) -> Tensor:
+        total = self.all_reduce(tensor.contiguous().clone())
+        return total.chunk(self.size, dim=0)[self.rank].contiguous()
+
+    def broadcast(self, tensor: Tensor, src_rank: int = 0) -> Tensor:
+        tensor.copy_(self._exchange.gather(self.rank, tensor.clone())[src_rank])
+        return tensor
+
+
+def run_emulated(size: int, function: Callable[[ParallelGroup], Any]) -> list[Any]:
+    """``function(group)`` on each of ``size`` emulated ranks at once; the results in rank order.
+
+    Raises:
+        the first exception a rank raised (the others are released from their collectives).
+    """
+    exchange = _Exchange(size)
+    results: list[Any] = [None] * size
+    errors: list[BaseException] = []
+
+    def run(rank: int) -> None:
+        try:
+            results[rank] = function(EmulatedGroup(size, rank, exchange))
+        except threading.BrokenBarrierError:
+            pass  # another rank failed first: its error is reported
+        except BaseException as error:  # noqa: BLE001 - re-raised in the caller's thread
+            errors.append(error)
+            exchange.barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(rank,), daemon=True) for rank in range(size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return results

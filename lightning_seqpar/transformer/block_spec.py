@@ -1,0 +1,156 @@
+"""A declaration of a pre-norm transformer block: which of its submodules plays which part (:class:`BlockSpec`),
+and the checks that the declaration names every part the block has."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+import torch
+import torch.nn as nn
+
+ATTENTION_IMPLEMENTATIONS = ("eager", "sdpa")
+
+
+@dataclass(frozen=True)
+class BlockSpec:
+    """Which submodules of a pre-norm transformer block play which part (dotted paths inside the block).
+
+    Attributes:
+        attention_norm: the norm before attention (LayerNorm, RMSNorm, ...; joins the sequence-parallel region).
+        mlp_norm: the norm before the MLP (joins the sequence-parallel region).
+        attention_out: the attention output projection (``nn.Linear``, row-parallel).
+        mlp_out: the MLP output projection (``nn.Linear``, row-parallel).
+        num_heads: the query head count: an ``int``, or the path of the attribute holding it (e.g.
+            ``"attn.n_head"``, ``"self_attn.config.num_attention_heads"``).
+        qkv: a fused ``[q; k; v]`` projection (``nn.Linear``, column-parallel, split per head block); or
+        q, k, v: three separate projections (column-parallel, one all-gather for the three).
+        mlp_in: the MLP input projection (column-parallel); or
+        gate, up: a gated MLP, ``act(gate(x)) · up(x)`` (SwiGLU; column-parallel, one all-gather).
+        activation: the path of the activation (a module or a function attribute, e.g. ``"mlp.gelu"``,
+            ``"mlp.act_fn"``), or a name of ``torch.nn.functional`` prefixed ``"F."`` (``"F.gelu"``).
+        num_kv_heads: key/value heads of grouped-query attention (int or attribute path); default ``num_heads``.
+        head_dim: per-head size (int or attribute path); default ``hidden_size // num_heads``.
+        attention_dropout: dropout on the attention probabilities: a float, or the path of an ``nn.Dropout``
+            or of a float attribute.
+        residual_dropouts: paths of the ``nn.Dropout`` after ``attention_out`` and after ``mlp_out`` (0 or 2).
+        rotary: name of a function ``(q, k, cos, sin) -> (q, k)`` in the block's own Python module, applied to
+            q and k when the caller passes ``position_embeddings=(cos, sin)`` (Hugging Face's ``apply_rotary_pos_emb``).
+        causal: mask future positions when no ``attention_mask`` is passed.
+        attention: ``"eager"`` (explicit core attention: selective recomputation applies) or ``"sdpa"`` (fused,
+            keeps no s² tensor); or the path of an attribute holding one of them.
+        softmax_dtype: dtype of the eager softmax (``torch.float32`` as Hugging Face computes it); default the
+            scores' dtype.
+        scaling: attention score scale: a float, or the path of a float attribute; default ``head_dim ** -0.5``.
+        transposed: the projections store their weights ``[in, out]`` (Hugging Face's ``Conv1D``, GPT-2);
+            shards keep that layout, so state-dict shapes stay the original's.
+        mask_position: where the caller passes the attention mask among the positional arguments after the
+            hidden states (GPT-2's blocks get ``(hidden, past_key_values, mask, ...)``: 1); default: keyword only.
+        q_norm, k_norm: norms applied to each query / key head (over ``head_dim``) after the projection and before
+            the rotary embedding (Qwen3, OLMo-2 style). Their weights are replicated; each rank normalizes a share
+            of the heads, so their gradients are summed over the tensor-parallel group.
+
+    Every parameter and buffer of the block must sit in a declared part: :func:`undeclared_parts` lists the
+    others, and the policy refuses such a block.
+    """
+
+    attention_norm: str
+    mlp_norm: str
+    attention_out: str
+    mlp_out: str
+    num_heads: Union[int, str]
+    activation: str
+    qkv: Optional[str] = None
+    q: Optional[str] = None
+    k: Optional[str] = None
+    v: Optional[str] = None
+    mlp_in: Optional[str] = None
+    gate: Optional[str] = None
+    up: Optional[str] = None
+    num_kv_heads: Union[int, str, None] = None
+    head_dim: Union[int, str, None] = None
+    attention_dropout: Union[float, str] = 0.0
+    residual_dropouts: tuple[str, ...] = ()
+    rotary: Optional[str] = None
+    causal: bool = True
+    attention: str = "eager"
+    softmax_dtype: Optional[torch.dtype] = None
+    scaling: Union[float, str, None] = None
+    transposed: bool = False
+    mask_position: Optional[int] = None
+    q_norm: Optional[str] = None
+    k_norm: Optional[str] = None
+
+    def projections(self) -> tuple[list[str], list[str]]:
+        """The column-parallel paths of the attention input and of the MLP input."""
+        attention = [self.qkv] if self.qkv else [p for p in (self.q, self.k, self.v) if p]
+        mlp = [self.mlp_in] if self.mlp_in else [p for p in (self.gate, self.up) if p]
+        return attention, mlp
+
+    def paths(self) -> dict[str, str]:
+        """Every submodule path the declaration names, by role."""
+        attention, mlp = self.projections()
+        named = {"attention_norm": self.attention_norm, "mlp_norm": self.mlp_norm,
+                 "attention_out": self.attention_out, "mlp_out": self.mlp_out}
+        named.update({f"attention input {i}": p for i, p in enumerate(attention)})
+        named.update({f"mlp input {i}": p for i, p in enumerate(mlp)})
+        named.update({f"residual dropout {i}": p for i, p in enumerate(self.residual_dropouts)})
+        named.update({role: p for role, p in (("q_norm", self.q_norm), ("k_norm", self.k_norm)) if p})
+        return named
+
+
+def resolve(block: nn.Module, path: str) -> Any:
+    """The attribute at dotted ``path`` inside ``block``.
+
+    Raises:
+        AttributeError: naming the first missing part and what exists there.
+    """
+    value: Any = block
+    done = []
+    for part in path.split("."):
+        if not hasattr(value, part):
+            where = ".".join(done) or type(block).__name__
+            children = sorted(n for n, _ in value.named_children()) if isinstance(value, nn.Module) else []
+            raise AttributeError(f"'{path}': {where} has no '{part}' (its submodules: {children}).")
+        value = getattr(value, part)
+        done.append(part)
+    return value
+
+
+def value_of(block: nn.Module, spec_value: Union[int, float, str, None]) -> Any:
+    """An ``int``/``float`` as given; a string as the attribute it names."""
+    return resolve(block, spec_value) if isinstance(spec_value, str) else spec_value
+
+
+def out_features(module: nn.Module) -> int:
+    """Output features of an ``nn.Linear`` or of a ``Conv1D`` (weight ``[in, out]``)."""
+    return module.out_features if isinstance(module, nn.Linear) else module.weight.shape[1]
+
+
+def declared_modules(block: nn.Module, spec: BlockSpec) -> list[str]:
+    """The paths of the submodules ``spec`` names in ``block`` (its projections, norms, activation and dropouts)."""
+    paths = list(spec.paths().values())
+    for extra in (spec.activation, spec.attention_dropout):
+        if isinstance(extra, str) and not extra.startswith("F.") and isinstance(_maybe(block, extra), nn.Module):
+            paths.append(extra)
+    return paths
+
+
+def undeclared_parts(block: nn.Module, spec: BlockSpec) -> list[str]:
+    """The parameters and buffers of ``block`` that no part of ``spec`` holds: the parallel block would compute
+    without them (a different function, silently) and they would leave the state dict."""
+    declared = declared_modules(block, spec)
+
+    def held(name: str) -> bool:
+        return any(name.startswith(path + ".") for path in declared)
+
+    parameters = [f"{n} (parameter {tuple(p.shape)})" for n, p in block.named_parameters() if not held(n)]
+    buffers = [f"{n} (buffer {tuple(b.shape)})" for n, b in block.named_buffers() if not held(n)]
+    return parameters + buffers
+
+
+def _maybe(block: nn.Module, path: str) -> Any:
+    try:
+        return resolve(block, path)
+    except AttributeError:
+        return None
