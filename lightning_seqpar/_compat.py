@@ -47,6 +47,7 @@ def storage_key(storage: torch.UntypedStorage) -> int:
 __all__: list[Any] = [
     "TorchDispatchMode",
     "hf_attention_implementation",
+    "hf_init_weights",
     "local_tensor",
     "reset_multihead_attention",
     "storage_key",
@@ -58,3 +59,13 @@ def hf_attention_implementation(config: object) -> str:
     """The attention kernel a Hugging Face config selects (``"eager"``, ``"sdpa"``, ...). transformers 5 keeps
     it in ``config._attn_implementation`` (the public ``attn_implementation`` is only a constructor argument)."""
     return getattr(config, "_attn_implementation", None) or "eager"
+
+
+def hf_init_weights(model: Any) -> Any:
+    """The initializer of a Hugging Face ``PreTrainedModel``, ``model._init_weights(module)`` (``None`` for any other
+    module): it initializes one module's own weights as the model's constructor does, including recomputing rotary
+    ``inv_freq`` buffers. transformers 5 exposes no public per-module initializer (``init_weights()`` walks the
+    whole model, which on a model larger than one device is what must not happen)."""
+    if getattr(model, "config", None) is None or not callable(getattr(type(model), "_init_weights", None)):
+        return None
+    return model._init_weights

@@ -52,6 +52,31 @@ def _tensors(obj: Any, prefix: str) -> Iterator[tuple[str, Tensor]]:
             yield from _tensors(value, f"{prefix}[{i}]")
 
 
+def check_initial_weights(module: nn.Module, source: Mapping[str, Any], strict: bool) -> None:
+    """Single-device weights ``source`` (tensors or lazy readers with a ``shape``) fit ``module`` before any is
+    read: every shape matches, and with ``strict`` every key is known and every tensor of ``module`` is there
+    (a tied parameter under one of its keys is enough; non-persistent buffers are never stored).
+
+    Raises:
+        ValueError: mismatching shapes (from :func:`check_state_dict_shapes`).
+        KeyError: with ``strict``, unknown keys or missing tensors, naming them.
+    """
+    check_state_dict_shapes(module, source)
+    if not strict:
+        return
+    own = module.state_dict(keep_vars=True)
+    unknown = sorted(k for k in source if k not in own)
+    by_tensor: dict[int, list[str]] = {}
+    for key, tensor in own.items():
+        by_tensor.setdefault(id(tensor), []).append(key)
+    missing = sorted(keys[0] for keys in by_tensor.values() if not any(k in source for k in keys))
+    if unknown or missing:
+        raise KeyError(f"The single-device weights do not fit the model: missing {missing[:8]}"
+                       f"{' ...' if len(missing) > 8 else ''}, unknown {unknown[:8]}{' ...' if len(unknown) > 8 else ''}. "
+                       f"Check the prefix (the model's attribute path in your LightningModule, e.g. 'model.'), or pass "
+                       f"strict=False to initialize what is missing with the model's own initializer.")
+
+
 def check_finite(state: Any, where: str) -> None:
     """Every floating-point tensor in ``state`` (any nesting of dicts and lists) is finite.
 

@@ -20,6 +20,7 @@ from typing_extensions import override
 
 from lightning_seqpar.checkpoint.checks import (
     check_finite,
+    check_initial_weights,
     check_state_dict_shapes,
     on_every_rank,
     optimizer_states_of_this_stage,
@@ -46,6 +47,7 @@ from lightning_seqpar.checkpoint.trainer_checkpoint import (
 )
 from lightning_seqpar.checkpoint.writer import ShardedCheckpointWriter, coordinator_pid
 from lightning_seqpar.hf.weights import SafetensorsStateDict
+from lightning_seqpar.transformer.materialize import has_meta_tensors
 from lightning_seqpar.lightning.checkpoint_io import remove_stale_temporaries
 
 
@@ -111,7 +113,13 @@ class CheckpointingMixin:
 
         ``prefix`` is prepended to the file's keys: the attribute path of the stored model inside your
         LightningModule (``"model."`` for ``self.model = AutoModelForCausalLM...``). A tied parameter may be
-        stored under one of its keys. Collective; call it after setup, e.g. in ``on_fit_start``.
+        stored under one of its keys.
+
+        Called in ``configure_model()`` on a model built there (on the meta device), the weights are read when the
+        strategy materializes the shards: each tensor straight into its shard, with no random initialization first
+        (keys the source lacks, with ``strict=False``, are drawn with the model's own initializer); no rank holds
+        the whole model. Called after setup (e.g. in ``on_fit_start``), it copies into the existing shards
+        (collective).
 
         Raises:
             KeyError: with ``strict``, keys missing from ``source`` or unknown to the model.
@@ -127,6 +135,11 @@ class CheckpointingMixin:
                 source = load_state_dict_file(path)
         if prefix:
             source = {prefix + k: v for k, v in source.items()}
+        module = self.lightning_module
+        if module is not None and module is not self._parallelized and has_meta_tensors(module):
+            check_initial_weights(module, source, strict)  # the same on every rank: refused on all of them
+            self._initial_weights = source  # read into the shards by setup's materialization
+            return
         self.load_model_state_dict({"state_dict": source}, strict=strict)
 
     def save_hf_pretrained(self, out: Union[str, Path], config: Any, prefix: str = "model.") -> None:

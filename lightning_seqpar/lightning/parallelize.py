@@ -4,11 +4,12 @@ same weights everywhere → dropout streams → rewrite → pipeline split → m
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
 
+from lightning_seqpar.hf.init import hf_initializers
 from lightning_seqpar.lightning.pipelined_steps import PipelinedSteps
 from lightning_seqpar.parallel.mesh import ParallelMesh
 from lightning_seqpar.parallel.random import RNGTracker
@@ -61,11 +62,14 @@ def seed_streams(seed: int, mesh: ParallelMesh, device: torch.device) -> RNGTrac
 
 def parallelize(model: torch.nn.Module, mesh: ParallelMesh, device: torch.device, *, seed: Optional[int],
                 broadcast: Callable[[int], int], sequence_parallel: bool, loss_parallel: bool,
-                policies: Iterable[Policy], verify: bool, pipeline: PipelineConfig) -> ParallelModel:
+                policies: Iterable[Policy], verify: bool, pipeline: PipelineConfig,
+                source: Optional[Mapping[str, Any]] = None) -> ParallelModel:
     """Rewrite ``model`` (a LightningModule, in place) into this rank's tensor (+ sequence) and pipeline parallel
     part. ``seed``: base seed of the dropout streams and of meta-device materialization; ``None`` takes rank 0's
     ``torch.initial_seed()`` through ``broadcast``. ``verify``: run the policies' self-checks (every rank runs
-    the same, without communicating, so a refusal reaches every rank).
+    the same, without communicating, so a refusal reaches every rank). ``source``: single-device weights read
+    straight into the shards of a model built on the meta device (checked already); what it lacks is drawn with
+    the owning model's initializer (Hugging Face's, found in the model) or the policy's.
 
     Raises:
         ValueError: from the rewrite (nothing recognized, shapes that do not split) or the pipeline split, before
@@ -78,7 +82,7 @@ def parallelize(model: torch.nn.Module, mesh: ParallelMesh, device: torch.device
     # Blocks built on the meta device (configure_model) become meta skeletons; after the stage split the shards
     # this rank keeps are allocated and filled from single-device submodules materialized one at a time from a
     # seed shared by every rank. Other stages' layers are never materialized.
-    materializer = Materializer(seed)
+    materializer = Materializer(seed, initializers=hf_initializers(model), source=source)
     ctx = RewriteContext(mesh.tensor, sequence_parallel, rng_tracker, loss_parallel, materializer)
     plan = rewrite(model, ctx, policies, verify)
     steps, remote_keys = None, []

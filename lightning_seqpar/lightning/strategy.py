@@ -5,7 +5,7 @@ from __future__ import annotations
 import signal
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Callable, Generator, Iterable, Literal, Optional, Sequence, Union
+from typing import Any, Callable, Generator, Iterable, Literal, Mapping, Optional, Sequence, Union
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
@@ -147,6 +147,7 @@ class SeqParallelStrategy(
         self.pipeline: Optional[PipelinedSteps] = None
         self._remote_keys: list[str] = []  # state-dict keys of other pipeline stages
         self._parallelized: Optional[torch.nn.Module] = None
+        self._initial_weights: Optional[Mapping[str, Any]] = None  # read into the shards as they are made
         self.num_nodes = 1
 
     @property
@@ -226,8 +227,9 @@ class SeqParallelStrategy(
             parallel = parallelize(
                 self.model, self.mesh, self.root_device, seed=self._seed, broadcast=self.broadcast,
                 sequence_parallel=self.sequence_parallel, loss_parallel=self.loss_parallel, policies=self.policies,
-                verify=self.verify_rewrite, pipeline=self.pipeline_config,
+                verify=self.verify_rewrite, pipeline=self.pipeline_config, source=self._initial_weights,
             )
+            self._initial_weights = None
             self.rng_tracker, self.rewrite_plan = parallel.rng_tracker, parallel.rewrite_plan
             self.pipeline, self._remote_keys = parallel.pipeline, parallel.remote_keys
             self._parallelized = self.model

@@ -18,12 +18,16 @@ from lightning_seqpar.models.module import CausalLMModule
 class HFCausalLMModule(CausalLMModule):
     """Training of ``AutoModelForCausalLM`` (held as ``self.model``) from a config or from pretrained weights.
 
+    The model is built in :meth:`configure_model` (Lightning's convention for models larger than one device): under
+    :class:`~lightning_seqpar.SeqParallelStrategy` it is made on the meta device and each rank materializes only its
+    shards and pipeline stage, pretrained weights read straight into them (each rank its own rows of the
+    safetensors files); on one device it is built and loaded as usual.
+
     Args:
         config: keyword arguments of the model's config, with ``model_type`` (e.g. ``"llama"``, ``"qwen2"``) —
             a model of random init; or ``None`` with ``pretrained``.
-        pretrained: a local Hugging Face checkpoint directory (``config.json`` + ``*.safetensors``). The model is
-            built from its config, then each rank reads only its own slices of the weights when training starts
-            (:meth:`~lightning_seqpar.SeqParallelStrategy.load_single_device_state_dict`); one device reads them whole.
+        pretrained: a local Hugging Face checkpoint directory (``config.json`` + ``*.safetensors``). A run resumed
+            from a checkpoint (``ckpt_path``) takes the checkpoint's weights instead.
         attn_implementation: ``"eager"`` (explicit core attention: selective recomputation applies) or ``"sdpa"``.
         **optimization: :class:`CausalLMModule`'s arguments.
 
@@ -34,16 +38,18 @@ class HFCausalLMModule(CausalLMModule):
     def __init__(self, config: Optional[dict] = None, pretrained: Optional[str] = None,
                  attn_implementation: str = "eager", **optimization: Any) -> None:
         super().__init__(**optimization)
-        hf_config = causal_lm_config(config, pretrained, attn_implementation)
+        self.hf_config = causal_lm_config(config, pretrained, attn_implementation)
         self.pretrained = pretrained
-        self.save_hyperparameters({"config": hf_config.to_dict(), "pretrained": pretrained, **self.optimization})
-        self.model = build_causal_lm(hf_config)
+        self.save_hyperparameters({"config": self.hf_config.to_dict(), "pretrained": pretrained, **self.optimization})
 
-    def on_fit_start(self) -> None:
+    def configure_model(self) -> None:
+        if hasattr(self, "model"):
+            return
+        self.model = build_causal_lm(self.hf_config)
         if self.pretrained is None or self.trainer.ckpt_path is not None:  # a resumed run has its own weights
             return
         strategy = self.trainer.strategy
-        if hasattr(strategy, "load_single_device_state_dict"):
+        if hasattr(strategy, "load_single_device_state_dict"):  # read into the shards when they are made
             strategy.load_single_device_state_dict(self.pretrained, prefix="model.")
         else:
             self.model.load_state_dict(pretrained_state_dict(self.pretrained))

@@ -7,13 +7,18 @@ rank holds its shards plus one single-device submodule at most (shards first: th
 reuse the same memory each time, instead of leaving holes between shards). Every rank draws a submodule's
 initial values from the same seed (the strategy's seed and the submodule's qualified name), so the shards of
 one tensor on different ranks come from the same full tensor and no broadcast is needed.
+
+With a ``source`` (single-device weights, e.g. a Hugging Face directory read lazily), every tensor found there
+is read straight into its shard (only this rank's rows), with no random initialization first; the rest (keys
+the source lacks, non-persistent buffers such as rotary ``inv_freq``) is drawn with the owning model's
+initializer. Parameters shared by several modules (tied embeddings) stay shared.
 """
 
 from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 import torch.nn as nn
@@ -64,10 +69,17 @@ class Materializer:
     Attributes:
         seed: the run's base seed (the same on every rank).
         device: where the single-device block is materialized before slicing (the CPU: one block).
+        initializers: ``(qualified name, initializer)`` of the models that initialize their own submodules (e.g.
+            Hugging Face's ``_init_weights``); a submodule takes the one of the longest name containing it, else
+            the initializer the policy gave, else :func:`reset_own_parameters`.
+        source: single-device values by qualified state-dict key (tensors or lazy readers, see
+            :func:`~lightning_seqpar.tensor_parallel.sharding.load_from_full`), read instead of initializing.
     """
 
     seed: int
     device: torch.device = torch.device("cpu")
+    initializers: list[tuple[str, Initializer]] = field(default_factory=list)
+    source: Optional[Mapping[str, Any]] = None
     pending: list[tuple[nn.Module, nn.Module, str, Optional[Initializer]]] = field(default_factory=list)
     """(parallel skeleton, single-device block on meta, name, initializer) left by the rewrite for :meth:`fill`"""
 
@@ -86,10 +98,21 @@ class Materializer:
             self._initialize(sub, f"{name}.{sub_name}" if sub_name else name, init)
 
     def _initialize(self, module: nn.Module, name: str, init: Optional[Initializer]) -> None:
+        owner = max((entry for entry in self.initializers if name == entry[0] or name.startswith(entry[0] + ".")
+                     or not entry[0]), key=lambda entry: len(entry[0]), default=None)
         # The same values on every rank, whatever else this rank has drawn: a seed per submodule name.
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             torch.manual_seed(self.seed + zlib.crc32(name.encode()))
-            (init or reset_own_parameters)(module, name)
+            (owner[1] if owner is not None else init or reset_own_parameters)(module, name)
+
+    def _from_source(self, module: nn.Module, name: str) -> Optional[dict[str, Any]]:
+        """``module``'s own tensors as the source holds them (by local key), or ``None`` when the source lacks any
+        of them (non-persistent buffers are never in a state dict: such a module is initialized)."""
+        if self.source is None:
+            return None
+        keys = [key for key, _ in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]]
+        found = {key: self.source.get(f"{name}.{key}" if name else key) for key in keys}
+        return found if all(v is not None for v in found.values()) else None
 
     def into(self, parallel: nn.Module, original: nn.Module, name: str, group: ParallelGroup,
              init: Optional[Initializer] = None) -> None:
@@ -104,8 +127,17 @@ class Materializer:
             for sub_name, sub in reversed(list(original.named_modules())):
                 if not any(True for _ in sub.parameters(recurse=False)) and not any(True for _ in sub.buffers(recurse=False)):
                     continue  # every tensor here was on the meta device; shared ones were just allocated empty
+                qualified = f"{name}.{sub_name}" if sub_name else name
+                stored = self._from_source(sub, qualified)
+                if stored is not None and id(sub) not in shared:  # straight from the source into the shards
+                    for key, value in stored.items():
+                        load_from_full(targets[f"{sub_name}.{key}" if sub_name else key], value, group)
+                    continue
                 to_empty(sub, self.device, recurse=False)
-                self._initialize(sub, f"{name}.{sub_name}" if sub_name else name, init)
+                if stored is None:
+                    self._initialize(sub, qualified, init)
+                else:
+                    self._copy_from(sub, stored, group)
                 if id(sub) in shared:
                     continue  # the parallel block holds this very module
                 for key, value in [*sub.named_parameters(recurse=False), *sub.named_buffers(recurse=False)]:
@@ -137,10 +169,31 @@ class Materializer:
         Raises:
             ValueError: from :func:`reset_own_parameters`.
         """
+        materialized: dict[int, nn.Parameter] = {}  # a shared (tied) meta parameter → its materialized one
         for name, module in model.named_modules():
             own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
-            if own and all(t.is_meta for t in own):
-                to_empty(module, self.device, recurse=False)
+            if not own or not all(t.is_meta for t in own):
+                continue
+            params = dict(module.named_parameters(recurse=False))
+            if params and not any(True for _ in module.buffers(recurse=False)) and all(
+                    id(p) in materialized for p in params.values()):
+                for key, param in params.items():  # tied to a parameter materialized already: stays tied
+                    setattr(module, key, materialized[id(param)])
+                continue
+            stored = self._from_source(module, name)
+            to_empty(module, self.device, recurse=False)
+            if stored is None:
                 self._initialize(module, name, None)
+            else:
+                self._copy_from(module, stored, None)
+            for key, param in params.items():
+                materialized[id(param)] = getattr(module, key)
+
+    @staticmethod
+    def _copy_from(module: nn.Module, stored: dict[str, Any], group: Optional[ParallelGroup]) -> None:
+        """Copy the source's values into ``module``'s own (single-device, just allocated) tensors."""
+        own = dict([*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)])
+        for key, value in stored.items():
+            load_from_full(own[key], value, group or ParallelGroup())
 
 
