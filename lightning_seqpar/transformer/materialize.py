@@ -16,6 +16,7 @@ initializer. Parameters shared by several modules (tied embeddings) stay shared.
 
 from __future__ import annotations
 
+import ctypes
 import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional
@@ -28,6 +29,27 @@ from lightning_seqpar.parallel.collectives import ParallelGroup
 from lightning_seqpar.tensor_parallel.sharding import load_from_full
 
 Initializer = Callable[[nn.Module, str], None]
+
+
+def _load_malloc_trim() -> Optional[Callable[[int], int]]:
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        return None
+
+
+_MALLOC_TRIM = _load_malloc_trim()
+
+
+def release_freed_memory() -> None:
+    """Give the memory of freed transient tensors back to the OS (glibc's ``malloc_trim``; a no-op elsewhere).
+
+    glibc keeps freed heap memory resident, in every thread's arena, and after freeing a large block raises its
+    mmap threshold so that later blocks of that size come from the heap: the single-device submodules
+    materialized one after another would otherwise leave up to a whole model's worth resident on a rank.
+    """
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
 """``init(module, qualified_name)``: initialize ``module``'s own parameters and buffers (not its children's)."""
 
 
@@ -159,8 +181,10 @@ class Materializer:
             to_empty(parallel, self.device)
         for parallel, original, name, init in kept:
             self.into(parallel, original, name, group, init)
+            release_freed_memory()
         self.pending.clear()
         self._remaining(model)
+        release_freed_memory()
 
     def _remaining(self, model: nn.Module) -> None:
         """Materialize every module of ``model`` that still owns meta tensors (those no policy rewrote),

@@ -6,7 +6,6 @@ of the whole model.
 """
 
 import gc
-import resource
 
 import lightning.pytorch as pl
 import torch
@@ -15,23 +14,19 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_seqpar import SeqParallelStrategy
 from lightning_seqpar.models import GPTConfig, GPTLightningModule
 from tests.helpers.distributed import run_distributed
-
-
-def _resident_kib() -> int:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * 4
+from tests.helpers.memory import peak_resident_kib, resident_kib
 
 
 def _validate_eager_model(rank, world_size):
     gc.collect()
-    before = _resident_kib()
+    before = resident_kib()
     module = GPTLightningModule(GPTConfig(vocab_size=256, block_size=16, n_layer=24, n_head=16, n_embd=1024))
     model_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
     tokens = torch.randint(0, 256, (2, 16))
     trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=SeqParallelStrategy(tp=world_size), logger=False,
                          enable_progress_bar=False, enable_model_summary=False)
     trainer.validate(module, DataLoader(TensorDataset(tokens, tokens), batch_size=2), verbose=False)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    peak = peak_resident_kib()
     return model_bytes, (peak - before) * 1024 / model_bytes
 
 

@@ -1,0 +1,125 @@
+"""``HFCausalLMModule`` builds its model on the meta device: each rank materializes only its shards and stage, a
+pretrained directory read straight into them. Training then matches one process with the same weights (float64,
+loss and every gradient, 3 AdamW steps), at tp 2 and pp 2 × tp 2."""
+
+import os
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn as nn
+import transformers
+
+from lightning_seqpar import RewriteContext, SeqParallelStrategy, rewrite
+from lightning_seqpar.hf.init import hf_initializers
+from lightning_seqpar.models import HFCausalLMModule
+from lightning_seqpar.parallel import ParallelGroup
+from lightning_seqpar.transformer.materialize import Materializer
+from tests.helpers.distributed import run_distributed
+from tests.helpers.memory import peak_resident_kib, resident_kib
+from tests.helpers.models import SEQ, VOCAB, Recorder, loader, reference_run, token_data
+from tests.helpers.parity import relative_error_below
+
+SEED, STEPS = 5, 3
+CONFIG = dict(model_type="llama", vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2 * SEQ, tie_word_embeddings=True)
+LOSS_RTOL, GRAD_BOUND = 1e-6, 1e-5  # Hugging Face's RMSNorm rounds to float32 (see test_hf_models)
+
+
+def _fit(rank, world_size, tp, pp, config, pretrained):
+    recorder = Recorder()
+    trainer = pl.Trainer(accelerator="cpu", devices=world_size, precision="64-true", max_steps=STEPS, logger=False,
+                         strategy=SeqParallelStrategy(tp=tp, pp=pp, seed=SEED), callbacks=[recorder],
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         limit_val_batches=0, num_sanity_val_steps=0)
+    module = HFCausalLMModule(config, pretrained, learning_rate=1e-2)
+    trainer.fit(module, loader(token_data(STEPS, 1)))
+    return recorder.losses, recorder.grads
+
+
+def _materialized_reference(config: dict) -> HFCausalLMModule:
+    """One device, with the weights the strategy draws from SEED on the meta device."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)  # as under precision="64-true", whose configure_model runs in float64
+    try:
+        module = HFCausalLMModule(config, learning_rate=1e-2)
+        with torch.device("meta"):
+            root = nn.Module()
+            root.model = transformers.AutoModelForCausalLM.from_config(module.hf_config)
+        materializer, group = Materializer(SEED, initializers=hf_initializers(root)), ParallelGroup()
+        rewrite(root, RewriteContext(group, False, None, True, materializer), verify=False)
+        materializer.fill(root, group)
+        module.model = transformers.AutoModelForCausalLM.from_config(module.hf_config)
+        module.model.load_state_dict(root.model.state_dict())
+    finally:
+        torch.set_default_dtype(previous)
+    return module
+
+
+def _assert_matches(runs, ref):
+    compare = relative_error_below(GRAD_BOUND)
+    for losses, grads in runs:
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref.losses), rtol=LOSS_RTOL, atol=0)
+        for got, want in zip(grads, ref.grads):
+            assert set(got) == set(want)
+            assert {n: compare(got[n], want[n]) for n in want if compare(got[n], want[n])} == {}
+
+
+@pytest.mark.parametrize("tp, pp", [(2, 1), (2, 2)], ids=["tp2", "pp2tp2"])
+def test_a_pretrained_directory_is_read_into_the_shards_and_trains_like_one_process(tmp_path, tp, pp):
+    source = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.for_model(**CONFIG, attn_implementation="eager"))
+    source.save_pretrained(tmp_path / "pretrained", max_shard_size="20KB")  # several files and an index
+    reference = HFCausalLMModule(pretrained=str(tmp_path / "pretrained"), learning_rate=1e-2)
+    reference.model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "pretrained", dtype=torch.float64)
+    ref = reference_run(reference, token_data(STEPS, 1), STEPS, 1)
+    _assert_matches(run_distributed(_fit, tp * pp, tp, pp, None, str(tmp_path / "pretrained")), ref)
+
+
+@pytest.mark.parametrize("tp, pp", [(2, 1), (2, 2)], ids=["tp2", "pp2tp2"])
+def test_a_model_from_a_config_is_drawn_on_the_meta_device_and_trains_like_one_process(tp, pp):
+    ref = reference_run(_materialized_reference(CONFIG), token_data(STEPS, 1), STEPS, 1)
+    _assert_matches(run_distributed(_fit, tp * pp, tp, pp, CONFIG, None), ref)
+
+
+BIG = dict(model_type="llama", vocab_size=8192, hidden_size=1024, intermediate_size=2816, num_hidden_layers=26,
+           num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=64, tie_word_embeddings=True)
+
+
+def _validate_pretrained(rank, world_size, tp, pp, directory):
+    import gc
+    from torch.utils.data import DataLoader, TensorDataset
+
+    gc.collect()
+    before = resident_kib()
+    tokens = torch.randint(0, BIG["vocab_size"], (4, 16))
+    trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=SeqParallelStrategy(tp=tp, pp=pp), logger=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    trainer.validate(HFCausalLMModule(pretrained=directory), DataLoader(TensorDataset(tokens, tokens), batch_size=4),
+                     verbose=False)
+    return (peak_resident_kib() - before) * 1024
+
+
+@pytest.fixture(scope="module")
+def big_directory(tmp_path_factory):
+    """A 315M-parameter Llama (1.26 GB in float32) saved in 7 safetensors shards with an index."""
+    directory = tmp_path_factory.mktemp("llama315m")
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**BIG))
+    model_bytes = sum(p.numel() * 4 for p in model.parameters())
+    model.save_pretrained(directory, max_shard_size="200MB")
+    del model
+    # Freshly written pages are dirty in the page cache, and a process mapping such a file (safetensors reads
+    # through mmap) is charged for all of it; a directory written earlier (downloaded, copied) is clean.
+    os.sync()
+    return str(directory), model_bytes
+
+
+@pytest.mark.parametrize("tp, pp, bound", [(2, 1, 0.6), (2, 2, 0.35)], ids=["tp2", "pp2tp2"])
+def test_no_rank_holds_the_whole_pretrained_model(big_directory, tp, pp, bound):
+    """Peak resident growth per rank while ``HFCausalLMModule(pretrained=DIR)`` is built, loaded and validated, over
+    the model's float32 bytes, in plain processes (glibc's defaults)."""
+    directory, model_bytes = big_directory
+    assert model_bytes >= 300e6 * 4
+    for growth in run_distributed(_validate_pretrained, tp * pp, tp, pp, directory):
+        print(f"tp={tp} pp={pp}: peak growth {growth / model_bytes:.3f} x the whole model")
+        assert growth / model_bytes <= bound
