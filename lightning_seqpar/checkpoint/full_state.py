@@ -14,8 +14,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from lightning_seqpar.parallel.collectives import ParallelGroup
-from lightning_seqpar.tensor_parallel.sharding import shard_spec
-from lightning_seqpar.tensor_parallel.sharding import load_from_full
+from lightning_seqpar.tensor_parallel.sharding import load_from_full, shard_spec
 
 
 def _params_by_name(module: nn.Module) -> dict[str, nn.Parameter]:

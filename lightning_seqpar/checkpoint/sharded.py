@@ -33,9 +33,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_seqpar.checkpoint.checks import check_finite, on_every_rank
 from lightning_seqpar.checkpoint.safe_reader import METADATA_FILE, SafeFileSystemReader
-from lightning_seqpar.tensor_parallel.sharding import dcp_view, saved_shape
-from lightning_seqpar.tensor_parallel.sharding import shard_spec
-from lightning_seqpar.tensor_parallel.sharding import full_shape
+from lightning_seqpar.tensor_parallel.sharding import dcp_view, full_shape, saved_shape, shard_spec
 
 MODEL_PREFIX = "state_dict."
 OPTIMIZER_PREFIX = "optimizer_states."

@@ -3,6 +3,9 @@
 
 - :mod:`.layouts`: decoder blocks of the Llama and GPT-2 layouts recognized by structure, as
   :class:`~lightning_seqpar.DeclaredBlockPolicy` objects read off each block's config.
+- :mod:`.vocabulary`: the embedding, LM head and loss split over the vocabulary (``labels=`` never builds
+  ``[b, s, v]`` logits; ``.logits`` gathered when read).
+- :mod:`.init`: the models' own initializers, for building them on the meta device.
 - :mod:`.weights`: safetensors files and Hugging Face checkpoint directories, read lazily (each rank only its rows)
   and written.
 - :mod:`.models`: causal LMs built from a config or a pretrained directory.

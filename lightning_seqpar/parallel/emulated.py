@@ -34,7 +34,7 @@ class _Exchange:
 class EmulatedGroup(ParallelGroup):
     """Rank ``rank`` of an emulated group of ``size`` ranks (one thread each; see :func:`run_emulated`).
 
-    all-reduce (sum), all-gather, reduce-scatter and broadcast give what they give on a real group; the sum
+    all-reduce (sum, max, min), all-gather, reduce-scatter and broadcast give what they give on a real group; the sum
     is taken in rank order on every rank, so every rank holds bitwise the same result.
     """
 
@@ -43,12 +43,13 @@ class EmulatedGroup(ParallelGroup):
         self.size, self.rank, self._exchange = size, rank, exchange
 
     def all_reduce(self, tensor: Tensor, op: Any = dist.ReduceOp.SUM) -> Tensor:
-        if op != dist.ReduceOp.SUM:
-            raise NotImplementedError(f"An emulated group reduces by SUM only, got {op}.")
+        combine = {dist.ReduceOp.SUM: torch.add, dist.ReduceOp.MAX: torch.maximum, dist.ReduceOp.MIN: torch.minimum}
+        if op not in combine:
+            raise NotImplementedError(f"An emulated group reduces by SUM, MAX or MIN, got {op}.")
         parts = self._exchange.gather(self.rank, tensor.clone())
         total = parts[0].clone()
         for part in parts[1:]:
-            total += part
+            total = combine[op](total, part)
         tensor.copy_(total)
         return tensor
 

@@ -8,6 +8,7 @@ from typing import Iterable, Optional
 import torch.nn as nn
 
 from lightning_seqpar.hf.layouts import hf_policies
+from lightning_seqpar.hf.vocabulary import HFVocabularyPolicy
 from lightning_seqpar.parallel.collectives import ParallelGroup
 from lightning_seqpar.transformer.context import RewriteContext
 from lightning_seqpar.transformer.encoder_policy import TransformerEncoderLayerPolicy, TransformerEncoderPolicy
@@ -15,13 +16,13 @@ from lightning_seqpar.transformer.policy import DeclaresPolicy, Policy
 
 
 def default_policies() -> list[Policy]:
-    """The built-in policies: ``nn.TransformerEncoder``, ``nn.TransformerEncoderLayer``, and Hugging Face
-    decoder blocks of the Llama and GPT-2 layouts (recognized by structure).
+    """The built-in policies: ``nn.TransformerEncoder``, ``nn.TransformerEncoderLayer``, Hugging Face decoder blocks
+    of the Llama and GPT-2 layouts (recognized by structure) and the vocabulary of a Hugging Face causal LM.
 
     Block classes that declare their own policy (:class:`DeclaresPolicy`, e.g. the reference GPT) need
     no entry here.
     """
-    return [TransformerEncoderPolicy(), TransformerEncoderLayerPolicy(), *hf_policies()]
+    return [TransformerEncoderPolicy(), TransformerEncoderLayerPolicy(), *hf_policies(), HFVocabularyPolicy()]
 
 
 @dataclass
@@ -120,6 +121,12 @@ def plan_rewrite(model: nn.Module, ctx: RewriteContext, policies: Optional[Itera
             name, child = children[i]
             full = f"{prefix}.{name}" if prefix else name
             policy = registry.get(child)
+            if policy is not None and policy.role == "vocabulary":  # around the layers: they are visited too
+                if ctx.tp > 1:
+                    check(policy, child, full)
+                    plan.entries.append(PlannedRewrite(full, type(child).__name__, policy, False, False,
+                                                       policy.describe(child, ctx)))
+                policy = None
             if policy is None:
                 visit(full, child)
                 i += 1
@@ -144,10 +151,14 @@ def plan_rewrite(model: nn.Module, ctx: RewriteContext, policies: Optional[Itera
             i += len(run)
 
     root_policy = registry.get(model)
-    if root_policy is not None:
+    if root_policy is not None and root_policy.role != "vocabulary":
         check(root_policy, model, type(model).__name__)
         plan.entries.append(PlannedRewrite("", type(model).__name__, root_policy, True, True, root_policy.describe(model, ctx)))
     else:
+        if root_policy is not None and ctx.tp > 1:  # a causal LM given as the model itself (explain)
+            check(root_policy, model, type(model).__name__)
+            plan.entries.append(PlannedRewrite("", type(model).__name__, root_policy, False, False,
+                                               root_policy.describe(model, ctx)))
         visit("", model)
     if not plan.entries:
         known = ", ".join(registry.known())
@@ -178,6 +189,9 @@ def rewrite(model: nn.Module, ctx: RewriteContext, policies: Optional[Iterable[P
     """
     plan = plan_rewrite(model, ctx, policies, verify)
     for entry in plan.entries:
+        if not entry.name and entry.policy.role == "vocabulary":
+            entry.policy.rewrite(model, ctx, enter_region=False, exit_region=False, name="")
+            continue
         if not entry.name:
             raise ValueError(f"{entry.block} is the model itself; wrap it in a LightningModule attribute to rewrite it.")
         parent_name, _, attr = entry.name.rpartition(".")
@@ -185,6 +199,8 @@ def rewrite(model: nn.Module, ctx: RewriteContext, policies: Optional[Iterable[P
         module = getattr(parent, attr) if not attr.isdigit() else parent[int(attr)]
 
         def construct(original: nn.Module, entry: PlannedRewrite = entry) -> nn.Module:
+            if entry.policy.role == "vocabulary":  # changes the model around its layers; named for the materializer
+                return entry.policy.rewrite(original, ctx, enter_region=False, exit_region=False, name=entry.name)
             return entry.policy.rewrite(original, ctx, enter_region=entry.enter_region, exit_region=entry.exit_region)
 
         if entry.policy.role == "layer":

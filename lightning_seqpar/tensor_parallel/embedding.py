@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -12,8 +14,7 @@ from lightning_seqpar.tensor_parallel.mappings import (
     reduce_from_tensor_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
-from lightning_seqpar.tensor_parallel.sharding import set_shard_spec
-from lightning_seqpar.tensor_parallel.sharding import ShardSpec, padded_size, shard_parameter
+from lightning_seqpar.tensor_parallel.sharding import ShardSpec, padded_size, set_shard_spec, shard_parameter
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -29,18 +30,25 @@ class VocabParallelEmbedding(nn.Module):
         embedding_dim: h.
         group: the tensor-parallel group.
         sequence_parallel: return the sequence shard ``[s/t, b, h]`` instead of ``[s, b, h]``.
+        batch_first: without SP, return ``[b, s, h]`` (a Hugging Face model's layout outside its layers).
+        padding_idx: the token whose row gets no gradient (``nn.Embedding``'s ``padding_idx``), held by one rank.
 
     Shapes: input ids ``[b, s]`` (batch-first, as a data loader gives them); output sequence-first
-    ``[s/t, b, h]`` under SP, else ``[s, b, h]``; weight ``[v'/t, h]``.
+    ``[s/t, b, h]`` under SP, else ``[s, b, h]`` (or ``[b, s, h]`` with ``batch_first``); weight ``[v'/t, h]``.
 
     Raises:
         ValueError: under SP if s is not divisible by t.
     """
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, group: ParallelGroup, *, sequence_parallel: bool = False):
+    def __init__(self, num_embeddings: int, embedding_dim: int, group: ParallelGroup, *, sequence_parallel: bool = False,
+                 batch_first: bool = False, padding_idx: Optional[int] = None):
         super().__init__()
+        if sequence_parallel and batch_first:
+            raise ValueError("VocabParallelEmbedding: the sequence-parallel output is sequence-first; batch_first=True "
+                             "needs sequence_parallel=False.")
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.group, self.sequence_parallel = group, sequence_parallel
+        self.group, self.sequence_parallel, self.batch_first = group, sequence_parallel, batch_first
+        self.padding_idx = padding_idx
         self.spec = ShardSpec(dim=0, full_size=num_embeddings, padded_size=padded_size(num_embeddings, group.size))
         self.per_rank = self.spec.padded_size // group.size
         self.vocab_start = group.rank * self.per_rank
@@ -49,24 +57,28 @@ class VocabParallelEmbedding(nn.Module):
 
     @classmethod
     def from_embedding(cls, embedding: nn.Embedding, group: ParallelGroup, **kwargs) -> "VocabParallelEmbedding":
-        """Shard a single-device ``nn.Embedding`` (rows sliced; padding rows zero)."""
+        """Shard a single-device ``nn.Embedding`` (rows sliced; padding rows zero; its ``padding_idx`` kept)."""
+        kwargs.setdefault("padding_idx", embedding.padding_idx)
         with torch.device("meta"):  # a skeleton: its weight is replaced by the slice
             layer = cls(embedding.num_embeddings, embedding.embedding_dim, group, **kwargs)
         layer.weight = shard_parameter(embedding.weight, layer.spec, group)
         return layer
 
     def forward(self, input_ids: Tensor) -> Tensor:
-        ids = input_ids.t()  # [s, b]: sequence-first from here on
+        ids = input_ids if self.batch_first else input_ids.t()  # [s, b]: sequence-first from here on
+        padding = None
+        if self.padding_idx is not None and 0 <= self.padding_idx - self.vocab_start < self.per_rank:
+            padding = self.padding_idx - self.vocab_start  # this rank holds the row that gets no gradient
         if self.group.size == 1:
-            out = F.embedding(ids, self.weight)
+            out = F.embedding(ids, self.weight, padding_idx=padding)
         else:
             local = ids - self.vocab_start
             outside = (local < 0) | (local >= self.per_rank)
-            out = F.embedding(local.masked_fill(outside, 0), self.weight)  # [s, b, h]
+            out = F.embedding(local.masked_fill(outside, 0), self.weight, padding_idx=padding)  # [s, b, h]
             out = out.masked_fill(outside.unsqueeze(-1), 0.0)  # partial: only this rank's tokens
         if self.sequence_parallel:
             return reduce_scatter_to_sequence_parallel_region(out, self.group)  # [s/t, b, h]
-        return reduce_from_tensor_parallel_region(out, self.group)  # [s, b, h]
+        return reduce_from_tensor_parallel_region(out, self.group)  # [s, b, h], or [b, s, h] batch-first
 
     def extra_repr(self) -> str:
         return (

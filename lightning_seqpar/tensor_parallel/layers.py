@@ -21,8 +21,7 @@ from lightning_seqpar.tensor_parallel.mappings import (
     reduce_from_tensor_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
-from lightning_seqpar.tensor_parallel.sharding import set_sequence_parallel, set_shard_spec
-from lightning_seqpar.tensor_parallel.sharding import ShardSpec, shard_parameter
+from lightning_seqpar.tensor_parallel.sharding import ShardSpec, set_sequence_parallel, set_shard_spec, shard_parameter
 
 
 class _ColumnParallelLinearFunction(torch.autograd.Function):

@@ -10,8 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_seqpar.parallel.random import RNGTracker, maybe_fork
-from lightning_seqpar.parallel.random import recomputed
+from lightning_seqpar.parallel.random import RNGTracker, maybe_fork, recomputed
 from lightning_seqpar.transformer.dropout import dropout
 
 

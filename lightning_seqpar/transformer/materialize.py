@@ -177,23 +177,27 @@ class Materializer:
         """
         present = {id(m) for m in model.modules()}
         kept = [entry for entry in self.pending if id(entry[0]) in present]
+        materialized: dict[int, nn.Parameter] = {}  # a meta parameter → its allocated one (ties stay ties)
         for parallel, *_ in kept:
+            before = dict(parallel.named_parameters())
             to_empty(parallel, self.device)
+            materialized.update({id(p): getattr(parallel.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2])
+                                 for n, p in before.items()})
         for parallel, original, name, init in kept:
             self.into(parallel, original, name, group, init)
             release_freed_memory()
         self.pending.clear()
-        self._remaining(model)
+        self._remaining(model, materialized)
         release_freed_memory()
 
-    def _remaining(self, model: nn.Module) -> None:
+    def _remaining(self, model: nn.Module, materialized: dict[int, nn.Parameter]) -> None:
         """Materialize every module of ``model`` that still owns meta tensors (those no policy rewrote),
         each with its own initializer.
 
         Raises:
             ValueError: from :func:`reset_own_parameters`.
         """
-        materialized: dict[int, nn.Parameter] = {}  # a shared (tied) meta parameter → its materialized one
+        # ``materialized``: a shared (tied) meta parameter → its materialized one
         for name, module in model.named_modules():
             own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
             if not own or not all(t.is_meta for t in own):

@@ -42,7 +42,10 @@ class Policy:
             change ``forward``).
         role: ``"layer"`` for a transformer layer whose input and output are ``[s/t, b, h]`` between
             rewritten neighbours (consecutive layers in an ``nn.ModuleList``/``nn.Sequential`` share
-            one parallel region); ``"stack"`` for a module that opens and closes its own region.
+            one parallel region); ``"stack"`` for a module that opens and closes its own region;
+            ``"vocabulary"`` for a model whose embedding and head the policy splits in place, around layers that
+            other policies rewrite (its :meth:`rewrite` takes ``name=``, the model's qualified name; applied at
+            t > 1 only).
     """
 
     block: ClassVar[type[nn.Module]]

@@ -8,8 +8,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from lightning_seqpar.parallel.random import RNGTracker
-from lightning_seqpar.parallel.random import recomputed
+from lightning_seqpar.parallel.random import RNGTracker, recomputed
 
 
 def run_layers(

@@ -23,7 +23,9 @@ from tests.helpers.parity import relative_error_below
 SEED, STEPS = 5, 3
 CONFIG = dict(model_type="llama", vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2 * SEQ, tie_word_embeddings=True)
-LOSS_RTOL, GRAD_BOUND = 1e-6, 1e-5  # Hugging Face's RMSNorm rounds to float32 (see test_hf_models)
+# Hugging Face's RMSNorm and loss round to float32 (see test_hf_models): whole-tensor relative errors reach ~1e-5 on
+# small gradients; a missing reduction (a factor t = 2) gives >= 0.5.
+LOSS_RTOL, GRAD_BOUND = 1e-6, 1e-4
 
 
 def _fit(rank, world_size, tp, pp, config, pretrained):
@@ -67,6 +69,7 @@ def _assert_matches(runs, ref):
 
 @pytest.mark.parametrize("tp, pp", [(2, 1), (2, 2)], ids=["tp2", "pp2tp2"])
 def test_a_pretrained_directory_is_read_into_the_shards_and_trains_like_one_process(tmp_path, tp, pp):
+    torch.manual_seed(0)
     source = transformers.AutoModelForCausalLM.from_config(
         transformers.AutoConfig.for_model(**CONFIG, attn_implementation="eager"))
     source.save_pretrained(tmp_path / "pretrained", max_shard_size="20KB")  # several files and an index

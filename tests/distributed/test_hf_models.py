@@ -66,7 +66,10 @@ def test_llama_layout_matches_single_process(request, world_case):
 
 def test_explain_names_the_layout_and_the_split(capsys):
     plan = explain(build("hf"), tp=2)
-    assert len(plan.entries) == 2 and plan.entries[0].enter_region and plan.entries[1].exit_region
+    vocabulary, first, last = plan.entries
+    assert vocabulary.name == "model" and first.enter_region and last.exit_region
+    assert ("LlamaForCausalLM: model.embed_tokens vocabulary-parallel (13 rows, padded 14 → 7 per rank), lm_head "
+            "column-parallel over the vocabulary; labels= gives the vocabulary-parallel loss") in str(plan)
     assert "LlamaDecoderLayer (Llama layout): 4 query / 2 key-value heads → 2 / 1 per rank" in str(plan)
     assert "attention sdpa (fused kernel: no s² tensor" in str(explain(build("hf", attn_implementation="sdpa"), tp=2))
     gpt2 = str(explain(build("hf", family="gpt2"), tp=2))

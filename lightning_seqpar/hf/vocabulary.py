@@ -1,0 +1,136 @@
+"""The vocabulary of a Hugging Face causal LM split over the tensor-parallel group, as the reference GPT's is.
+
+``get_input_embeddings()`` becomes a :class:`~lightning_seqpar.VocabParallelEmbedding` (rows split, padded to a
+multiple of t, ``padding_idx`` kept) and ``lm_head`` a column-parallel linear over the vocabulary sharing its
+weight when the two are tied. The head returns :class:`~lightning_seqpar.tensor_parallel.vocab_logits.VocabShardedLogits`;
+with ``labels=``, the model's loss function is :func:`causal_lm_loss`, the vocabulary-parallel cross entropy with
+transformers' ``ForCausalLMLoss`` semantics (labels shifted inside, ``ignore_index=-100``, ``num_items_in_batch``),
+so no rank materializes ``[b, s, v]`` logits; reading ``.logits`` gathers them (once, when used).
+Megatron-LM: ``VocabParallelEmbedding``, the output layer as ``ColumnParallelLinear``, ``vocab_parallel_cross_entropy``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from lightning_seqpar.parallel.collectives import ParallelGroup
+from lightning_seqpar.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from lightning_seqpar.tensor_parallel.embedding import VocabParallelEmbedding
+from lightning_seqpar.tensor_parallel.layers import ColumnParallelLinear
+from lightning_seqpar.tensor_parallel.sharding import padded_size, shard_parameter
+from lightning_seqpar.tensor_parallel.vocab_logits import VocabShardedLogits
+from lightning_seqpar.transformer.context import RewriteContext
+from lightning_seqpar.transformer.policy import Policy
+
+
+def is_causal_lm(module: nn.Module) -> bool:
+    """A Hugging Face causal LM: ``get_input_embeddings()`` an ``nn.Embedding``, an ``nn.Linear`` ``lm_head`` over
+    the same vocabulary, a ``config`` and a settable ``loss_function``."""
+    head, config = getattr(module, "lm_head", None), getattr(module, "config", None)
+    get_embeddings = getattr(module, "get_input_embeddings", None)
+    if not isinstance(head, nn.Linear) or config is None or not callable(get_embeddings) or not hasattr(
+            type(module), "loss_function"):
+        return False
+    embedding = get_embeddings()
+    return isinstance(embedding, nn.Embedding) and head.out_features == embedding.num_embeddings
+
+
+def _embedding_path(model: nn.Module) -> str:
+    embedding = model.get_input_embeddings()
+    return next(name for name, module in model.named_modules() if module is embedding)
+
+
+def _replace(root: nn.Module, path: str, module: nn.Module) -> None:
+    parent, _, name = path.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, name, module)
+
+
+class VocabParallelHead(ColumnParallelLinear):
+    """The LM head split over the (padded) vocabulary: ``[b, s, h]`` replicated → logits ``[b, s, v'/t]`` wrapped
+    as :class:`VocabShardedLogits` (single-device shape ``[b, s, v]``)."""
+
+    def __init__(self, in_features: int, vocab_size: int, group: ParallelGroup) -> None:
+        super().__init__(in_features, padded_size(vocab_size, group.size), group, bias=False)
+        self.vocab_size = vocab_size
+
+    def forward(self, x: Tensor) -> Tensor:
+        return VocabShardedLogits.wrap(super().forward(x), self.group, self.vocab_size)
+
+
+def causal_lm_loss(original: Callable[..., Tensor]) -> Callable[..., Tensor]:
+    """transformers' causal-LM loss (``ForCausalLMLoss``) on vocabulary-sharded logits; ``original`` for others."""
+
+    def loss(logits: Tensor, labels: Tensor, vocab_size: int, num_items_in_batch: Optional[Tensor] = None,
+             ignore_index: int = -100, shift_labels: Optional[Tensor] = None, **kwargs: Any) -> Tensor:
+        if not isinstance(logits, VocabShardedLogits):
+            return original(logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
+                            ignore_index=ignore_index, shift_labels=shift_labels, **kwargs)
+        if shift_labels is None:  # tokens < n predict n
+            shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        local = logits.local_shard.float()  # [b, s, v'/t], upcast as transformers does
+        reduction = "sum" if num_items_in_batch is not None else "mean"
+        value = vocab_parallel_cross_entropy(local, shift_labels.to(local.device), logits.group, logits.vocab_size,
+                                             ignore_index=ignore_index, reduction=reduction)
+        if num_items_in_batch is not None:
+            value = value / (num_items_in_batch.to(value.device) if torch.is_tensor(num_items_in_batch)
+                             else num_items_in_batch)
+        return value
+
+    return loss
+
+
+class HFVocabularyPolicy(Policy):
+    """Splits a Hugging Face causal LM's embedding, LM head and loss over the vocabulary (see the module docstring).
+    Its decoder layers are rewritten by their own policies; this one changes the model around them."""
+
+    block = nn.Module  # recognized by structure (:meth:`matches`)
+    role = "vocabulary"
+
+    def matches(self, module: nn.Module) -> bool:
+        return is_causal_lm(module)
+
+    def check(self, module: nn.Module, ctx: RewriteContext, name: str) -> None:
+        pass  # any vocabulary: padded to a multiple of t
+
+    def describe(self, module: nn.Module, ctx: RewriteContext) -> str:
+        v = module.lm_head.out_features
+        v_padded = padded_size(v, ctx.tp)
+        tied = module.lm_head.weight is module.get_input_embeddings().weight
+        return (f"{type(module).__name__}: {_embedding_path(module)} vocabulary-parallel ({v} rows, padded {v_padded} "
+                f"→ {v_padded // ctx.tp} per rank), lm_head column-parallel over the vocabulary{' (tied)' if tied else ''}; "
+                f"labels= gives the vocabulary-parallel loss{'' if ctx.loss_parallel else ' (off: loss_parallel=False)'}; "
+                f".logits gathered only when read (b·s·{v} elements per rank)")
+
+    def rewrite(self, module: nn.Module, ctx: RewriteContext, *, enter_region: bool, exit_region: bool,
+                name: str = "") -> nn.Module:
+        """Replace ``module``'s embedding and head in place (``name``: its qualified name, for the materializer)."""
+        prefix = f"{name}." if name else ""
+        path = _embedding_path(module)
+        old_embedding, old_head = module.get_input_embeddings(), module.lm_head
+        tied = old_head.weight is old_embedding.weight
+        embedding = ctx.build(old_embedding, f"{prefix}{path}",
+                              lambda e: VocabParallelEmbedding.from_embedding(e, ctx.group, batch_first=True))
+        _replace(module, path, embedding)
+
+        def head_of(linear: nn.Module) -> nn.Module:
+            with torch.device("meta"):  # a skeleton: its weight is the embedding's or the head's slice
+                head = VocabParallelHead(linear.in_features, linear.out_features, ctx.group)
+            head.weight = shard_parameter(linear.weight, embedding.spec, ctx.group)
+            return head
+
+        if tied:
+            with torch.device("meta"):
+                head = VocabParallelHead(old_head.in_features, old_head.out_features, ctx.group)
+            head.weight = embedding.weight
+        else:
+            head = ctx.build(old_head, f"{prefix}lm_head", head_of)
+        module.lm_head = head
+        if ctx.loss_parallel:
+            module.loss_function = causal_lm_loss(module.loss_function)
+        return module
+
