@@ -3,7 +3,7 @@
 ``get_input_embeddings()`` becomes a :class:`~lightning_seqpar.VocabParallelEmbedding` (rows split, padded to a
 multiple of t, ``padding_idx`` kept) and ``lm_head`` a column-parallel linear over the vocabulary sharing its
 weight when the two are tied. The head returns :class:`~lightning_seqpar.tensor_parallel.vocab_logits.VocabShardedLogits`;
-with ``labels=``, the model's loss function is :func:`causal_lm_loss`, the vocabulary-parallel cross entropy with
+with ``labels=``, the model's loss function is :class:`CausalLMLoss`, the vocabulary-parallel cross entropy with
 transformers' ``ForCausalLMLoss`` semantics (labels shifted inside, ``ignore_index=-100``, ``num_items_in_batch``),
 so no rank materializes ``[b, s, v]`` logits; reading ``.logits`` gathers them (once, when used).
 Megatron-LM: ``VocabParallelEmbedding``, the output layer as ``ColumnParallelLinear``, ``vocab_parallel_cross_entropy``.
@@ -62,14 +62,18 @@ class VocabParallelHead(ColumnParallelLinear):
         return VocabShardedLogits.wrap(super().forward(x), self.group, self.vocab_size)
 
 
-def causal_lm_loss(original: Callable[..., Tensor]) -> Callable[..., Tensor]:
-    """transformers' causal-LM loss (``ForCausalLMLoss``) on vocabulary-sharded logits; ``original`` for others."""
+class CausalLMLoss:
+    """transformers' causal-LM loss (``ForCausalLMLoss``) on vocabulary-sharded logits; ``original`` (the model's
+    own loss function) for any other logits. An object, not a closure: the model stays picklable."""
 
-    def loss(logits: Tensor, labels: Tensor, vocab_size: int, num_items_in_batch: Optional[Tensor] = None,
-             ignore_index: int = -100, shift_labels: Optional[Tensor] = None, **kwargs: Any) -> Tensor:
+    def __init__(self, original: Callable[..., Tensor]) -> None:
+        self.original = original
+
+    def __call__(self, logits: Tensor, labels: Tensor, vocab_size: int, num_items_in_batch: Optional[Tensor] = None,
+                 ignore_index: int = -100, shift_labels: Optional[Tensor] = None, **kwargs: Any) -> Tensor:
         if not isinstance(logits, VocabShardedLogits):
-            return original(logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
-                            ignore_index=ignore_index, shift_labels=shift_labels, **kwargs)
+            return self.original(logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
+                                 ignore_index=ignore_index, shift_labels=shift_labels, **kwargs)
         if shift_labels is None:  # tokens < n predict n
             shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
         local = logits.local_shard.float()  # [b, s, v'/t], upcast as transformers does
@@ -80,8 +84,6 @@ def causal_lm_loss(original: Callable[..., Tensor]) -> Callable[..., Tensor]:
             value = value / (num_items_in_batch.to(value.device) if torch.is_tensor(num_items_in_batch)
                              else num_items_in_batch)
         return value
-
-    return loss
 
 
 class HFVocabularyPolicy(Policy):
@@ -131,6 +133,6 @@ class HFVocabularyPolicy(Policy):
             head = ctx.build(old_head, f"{prefix}lm_head", head_of)
         module.lm_head = head
         if ctx.loss_parallel:
-            module.loss_function = causal_lm_loss(module.loss_function)
+            module.loss_function = CausalLMLoss(module.loss_function)
         return module
 

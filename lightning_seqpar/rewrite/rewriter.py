@@ -160,7 +160,7 @@ def plan_rewrite(model: nn.Module, ctx: RewriteContext, policies: Optional[Itera
             plan.entries.append(PlannedRewrite("", type(model).__name__, root_policy, False, False,
                                                root_policy.describe(model, ctx)))
         visit("", model)
-    if not plan.entries:
+    if all(entry.policy.role == "vocabulary" for entry in plan.entries):  # a vocabulary alone is no transformer
         known = ", ".join(registry.known())
         raise ValueError(
             f"No transformer block that lightning_seqpar can parallelize was found in {type(model).__name__}. "

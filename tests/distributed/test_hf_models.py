@@ -40,11 +40,12 @@ CASES = {
         Case("hf", 2, True, None, (("labels", True), ("tie", True)), pp=2),  # pp 2 x tp 2, tied embedding
     ],
 }
-# Hugging Face's RMSNorm computes in float32 whatever the input's dtype, so float64 runs agree only to float32
-# rounding where the tensor-parallel sums (in float64, another order) cross it: ~1e-7 relative on the loss, up to
-# 6e-5 on single small gradient elements, ~1e-6 on a gradient's norm. Gradients are compared by the relative error
-# of the whole tensor: a missing reduction (a factor t = 2) gives >= 0.5.
-LOSS_RTOL, GRAD_BOUND = 1e-6, 1e-5
+# Hugging Face's RMSNorm and its causal-LM loss compute in float32 whatever the input's dtype, so float64 runs agree
+# only to float32 rounding where the tensor-parallel sums (in float64, another order) and the vocabulary-parallel loss
+# (float32 on shards, another summation order) cross it: ~1e-7 relative on the loss, and after AdamW steps up to
+# ~4e-5 relative on a whole gradient tensor. Gradients are compared by the relative error of the whole tensor: a
+# missing reduction (a factor t = 2) gives >= 0.5.
+LOSS_RTOL, GRAD_BOUND = 1e-6, 1e-4
 
 
 @pytest.fixture(scope="module")

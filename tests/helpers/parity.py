@@ -104,7 +104,8 @@ def assert_matches_single_process(per_rank: list[dict[Case, Recorder]], case: Ca
         for step, (got, want) in enumerate(zip(record.grads, ref.grads)):
             assert got.keys() == want.keys(), set(got) ^ set(want)
             differences = {name: grad_matches(got[name], want[name]) for name in want}
-            assert {n: d for n, d in differences.items() if d} == {}, f"rank {rank} step {step}"
+            wrong = {n: d for n, d in differences.items() if d}
+            assert wrong == {}, f"rank {rank} step {step}: {wrong}"
     for stage in range(case.pp):  # rank = tp_rank + t·(dp_rank + d·pp_rank)
         replicas = [per_rank[(stage * dp + d) * case.tp][case].losses for d in range(dp)]
         losses = torch.tensor(replicas, dtype=torch.float64).mean(0) * accumulate
