@@ -67,23 +67,37 @@ def _assert_matches(runs, ref):
             assert {n: compare(got[n], want[n]) for n in want if compare(got[n], want[n])} == {}
 
 
-@pytest.mark.parametrize("tp, pp", [(2, 1), (2, 2)], ids=["tp2", "pp2tp2"])
-def test_a_pretrained_directory_is_read_into_the_shards_and_trains_like_one_process(tmp_path, tp, pp):
+def _fit_both(rank, world_size, tp, pp, pretrained):
+    return _fit(rank, world_size, tp, pp, None, pretrained), _fit(rank, world_size, tp, pp, CONFIG, None)
+
+
+@pytest.fixture(scope="module")
+def pretrained_directory(tmp_path_factory):
+    """A tiny Llama saved in several safetensors files with an index, and its one-process reference run."""
+    directory = tmp_path_factory.mktemp("pretrained")
     torch.manual_seed(0)
     source = transformers.AutoModelForCausalLM.from_config(
         transformers.AutoConfig.for_model(**CONFIG, attn_implementation="eager"))
-    source.save_pretrained(tmp_path / "pretrained", max_shard_size="20KB")  # several files and an index
-    reference = HFCausalLMModule(pretrained=str(tmp_path / "pretrained"), learning_rate=1e-2)
-    reference.model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "pretrained", dtype=torch.float64)
-    ref = reference_run(reference, token_data(STEPS, 1), STEPS, 1)
-    _assert_matches(run_distributed(_fit, tp * pp, tp, pp, None, str(tmp_path / "pretrained")), ref)
+    source.save_pretrained(directory, max_shard_size="20KB")
+    reference = HFCausalLMModule(pretrained=str(directory), learning_rate=1e-2)
+    reference.model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float64)
+    return str(directory), reference_run(reference, token_data(STEPS, 1), STEPS, 1)
 
 
-@pytest.mark.parametrize("tp, pp", [(2, 1), (2, 2)], ids=["tp2", "pp2tp2"])
-def test_a_model_from_a_config_is_drawn_on_the_meta_device_and_trains_like_one_process(tp, pp):
-    ref = reference_run(_materialized_reference(CONFIG), token_data(STEPS, 1), STEPS, 1)
-    _assert_matches(run_distributed(_fit, tp * pp, tp, pp, CONFIG, None), ref)
+@pytest.fixture(scope="module", params=[(2, 1), (2, 2)], ids=["tp2", "pp2tp2"])
+def runs(request, pretrained_directory):
+    """Both ways of building, trained in one group of spawned processes per layout."""
+    tp, pp = request.param
+    per_rank = run_distributed(_fit_both, tp * pp, tp, pp, pretrained_directory[0])
+    return [from_directory for from_directory, _ in per_rank], [from_config for _, from_config in per_rank]
 
+
+def test_a_pretrained_directory_is_read_into_the_shards_and_trains_like_one_process(runs, pretrained_directory):
+    _assert_matches(runs[0], pretrained_directory[1])
+
+
+def test_a_model_from_a_config_is_drawn_on_the_meta_device_and_trains_like_one_process(runs):
+    _assert_matches(runs[1], reference_run(_materialized_reference(CONFIG), token_data(STEPS, 1), STEPS, 1))
 
 BIG = dict(model_type="llama", vocab_size=8192, hidden_size=1024, intermediate_size=2816, num_hidden_layers=26,
            num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=64, tie_word_embeddings=True)
