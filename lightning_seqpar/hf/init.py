@@ -3,13 +3,10 @@ submodule materialized by the strategy is initialized by the model that owns it,
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch.nn as nn
 
 from lightning_seqpar._compat import hf_init_weights
-
-Initializer = Callable[[nn.Module, str], None]
+from lightning_seqpar.transformer.materialize import Initializer
 
 
 def hf_initializers(root: nn.Module) -> list[tuple[str, Initializer]]:

@@ -31,7 +31,7 @@ def _measure(rank, world_size, sp):
     holder.to(torch.bfloat16)
     layer = "model.model.layers.1"  # between two rewritten layers: no region boundary
     with LiveActivationTracker(holder) as tracker:
-        logits = holder.model(input_ids=torch.randint(0, 32, (B, S)), use_cache=False).logits
+        logits = holder.model(input_ids=torch.randint(0, 32, (B, S))).logits
     per_module: dict[str, int] = {}
     for record in tracker.live(layer):
         part = record.module[len(layer) + 1:]

@@ -119,12 +119,12 @@ def test_pretrained_directory_in_and_out_gives_the_one_device_logits(tmp_path):
     assert (tmp_path / "pretrained" / "model.safetensors.index.json").exists()
     x = token_data(1, 1, seed=3).tensors[0]
     with torch.no_grad():
-        want = source(input_ids=x, use_cache=False).logits
+        want = source(input_ids=x).logits
     for logits in run_distributed(_round_trip, 2, str(tmp_path / "pretrained"), str(tmp_path / "exported")):
         torch.testing.assert_close(logits, want, rtol=1e-9, atol=1e-10)  # each rank read its own slices
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "exported", dtype=torch.float64)
     with torch.no_grad():
-        got = reloaded(input_ids=x, use_cache=False).logits
+        got = reloaded(input_ids=x).logits
     # Same weights; built directly in float64, the reloaded model's rotary table is not the float32-rounded one of
     # the source (built in float32, then converted): ~3e-8 apart.
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
