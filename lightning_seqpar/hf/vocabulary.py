@@ -108,6 +108,27 @@ class HFVocabularyPolicy(Policy):
                 f"labels= gives the vocabulary-parallel loss{'' if ctx.loss_parallel else ' (off: loss_parallel=False)'}; "
                 f".logits gathered only when read (b·s·{v} elements per rank)")
 
+    def pipeline_placement(self, module: nn.Module) -> dict[str, str]:
+        """The base model's children with parameters registered before its layer list (embeddings: token, and
+        GPT-2's positions) on the first stage; those after it (the final norm) and ``lm_head`` on the last.
+        Registration order is a guess at execution order that cannot go wrong silently: a placeholder that runs
+        where its part was not expected raises (:mod:`lightning_seqpar.pipeline_parallel.placement`)."""
+        base = getattr(module, "base_model", None)
+        children = list(base.named_children()) if isinstance(base, nn.Module) and base is not module else []
+        stack = next((i for i, (_, child) in enumerate(children) if isinstance(child, nn.ModuleList)), None)
+        if stack is None:
+            return {}
+        prefix = next(name for name, m in module.named_modules() if m is base)
+        placement = {"lm_head": "last"}
+        for i, (name, child) in enumerate(children):
+            if i == stack or not any(True for _ in child.parameters()):
+                continue
+            if i > stack:
+                placement[f"{prefix}.{name}"] = "last"
+            elif isinstance(child, (nn.Embedding, VocabParallelEmbedding)):
+                placement[f"{prefix}.{name}"] = "first"
+        return placement
+
     def rewrite(self, module: nn.Module, ctx: RewriteContext, *, enter_region: bool, exit_region: bool,
                 name: str = "") -> nn.Module:
         """Replace ``module``'s embedding and head in place (``name``: its qualified name, for the materializer)."""

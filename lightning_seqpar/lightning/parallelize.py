@@ -15,6 +15,7 @@ from lightning_seqpar.parallel.mesh import ParallelMesh
 from lightning_seqpar.parallel.random import RNGTracker
 from lightning_seqpar.pipeline_parallel.config import PipelineConfig
 from lightning_seqpar.rewrite import Policy, RewriteContext, RewritePlan, rewrite
+from lightning_seqpar.rewrite.rewriter import pipeline_placement
 from lightning_seqpar.transformer.materialize import Materializer
 
 
@@ -84,9 +85,11 @@ def parallelize(model: torch.nn.Module, mesh: ParallelMesh, device: torch.device
     # seed shared by every rank. Other stages' layers are never materialized.
     materializer = Materializer(seed, initializers=hf_initializers(model), source=source)
     ctx = RewriteContext(mesh.tensor, sequence_parallel, rng_tracker, loss_parallel, materializer)
+    policies = list(policies)
     plan = rewrite(model, ctx, policies, verify)
     steps, remote_keys = None, []
-    if pipeline.enabled:
-        steps, remote_keys = PipelinedSteps.build(model, pipeline, mesh.pipeline, device)
+    if pipeline.enabled:  # embeddings on the first stage, final norm and head on the last, where a policy says so
+        steps, remote_keys = PipelinedSteps.build(model, pipeline, mesh.pipeline, device,
+                                                  pipeline_placement(model, policies))
     materializer.fill(model, mesh.tensor)
     return ParallelModel(rng_tracker, plan, steps, remote_keys)

@@ -31,6 +31,7 @@ from lightning_seqpar.pipeline_parallel.config import PipelineConfig
 from lightning_seqpar.pipeline_parallel.executor import PipelineExecutor, StepResult, loss_of
 from lightning_seqpar.pipeline_parallel.layout import StageLayout
 from lightning_seqpar.pipeline_parallel.p2p import StageTransport
+from lightning_seqpar.pipeline_parallel.placement import place_outside_stack
 from lightning_seqpar.pipeline_parallel.stage import split_stages
 
 
@@ -139,7 +140,7 @@ class PipelinedSteps:
 
     @classmethod
     def build(cls, model: pl.LightningModule, config: PipelineConfig, pipeline: ParallelGroup,
-              device: Any) -> tuple["PipelinedSteps", list[str]]:
+              device: Any, placement: Optional[dict[str, str]] = None) -> tuple["PipelinedSteps", list[str]]:
         """Split ``model`` (rewritten) into this rank's stages and set up the schedule.
 
         Args:
@@ -147,14 +148,16 @@ class PipelinedSteps:
             config: the pipeline configuration.
             pipeline: this rank's pipeline-parallel group (its rank is this rank's stage).
             device: where received activations and gradients are placed.
+            placement: parts outside the layer stack held by the first or the last stage only.
 
         Returns:
             The steps, and the state-dict keys held by other stages.
 
         Raises:
-            ValueError: from :func:`split_stages`.
+            ValueError: from :func:`split_stages` and :func:`place_outside_stack`.
         """
         runtime, remote_keys = split_stages(model, config, pipeline.rank)
+        remote_keys += place_outside_stack(model, placement or {}, runtime, pipeline.rank)
         transport = StageTransport(pipeline, runtime.layout.num_stages, config.num_microbatches, device)
         return cls(PipelineExecutor(runtime, transport, config)), remote_keys
 

@@ -10,7 +10,9 @@ from torch import Tensor
 
 from lightning_seqpar.parallel.collectives import ParallelGroup
 from lightning_seqpar.parallel.mesh import ParallelMesh
-from lightning_seqpar.tensor_parallel.sharding import is_sequence_parallel, is_stage_local, shard_spec
+from lightning_seqpar.tensor_parallel.sharding import (
+    counted_on_stage, is_pipeline_tied, is_sequence_parallel, is_stage_local, shard_spec,
+)
 
 
 def _all_reduce_coalesced(tensors: list[Tensor], group: ParallelGroup, scale: float = 1.0) -> None:
@@ -32,7 +34,8 @@ def _all_reduce_coalesced(tensors: list[Tensor], group: ParallelGroup, scale: fl
 
 
 def _sum_over_stages(params: list[torch.nn.Parameter], group: ParallelGroup) -> None:
-    """Sum gradients of parameters every pipeline stage holds (embeddings, final norm, head).
+    """Sum gradients of parameters held by every stage of ``group`` (embeddings, final norm, head kept everywhere;
+    a tied embedding and LM head in the embedding group).
 
     A stage that did not use a parameter has no gradient for it; it joins with zeros, unless no stage
     used it (then it keeps ``None``, as on one device, so the optimizer skips it).
@@ -55,9 +58,10 @@ def finalize_gradients(parameters: Iterable[torch.nn.Parameter], mesh: ParallelM
     1. Sequence-parallel parameters (norms and row-parallel biases in the SP region, the position
        embedding) saw s/t tokens per rank: **sum** their gradients over the tensor-parallel group
        (Megatron-LM ``_allreduce_layernorm_grads``).
-    2. Parameters outside the pipelined layer stack live on every pipeline stage, and each stage
-       computed part of their gradient (the embedding on the first, the head on the last): **sum**
-       them over the pipeline group (Megatron-LM ``_allreduce_embedding_grads``, for every such parameter).
+    2. Parameters outside the pipelined layer stack that live on every pipeline stage: each stage
+       computed part of their gradient: **sum** them over the pipeline group. A tied embedding and LM head
+       placed on the first and the last stage only (pipeline-tied): **sum** between those two stages
+       (Megatron-LM ``_allreduce_embedding_grads`` over its embedding group).
     3. **Average** all gradients over the data-parallel group.
 
     Call once per optimizer step, after the last backward of the accumulation window.
@@ -65,7 +69,8 @@ def finalize_gradients(parameters: Iterable[torch.nn.Parameter], mesh: ParallelM
     params = list(parameters)
     with_grad = [p for p in params if p.grad is not None]
     _all_reduce_coalesced([p.grad for p in with_grad if is_sequence_parallel(p)], mesh.tensor)
-    _sum_over_stages([p for p in params if not is_stage_local(p)], mesh.pipeline)
+    _sum_over_stages([p for p in params if not is_stage_local(p) and not is_pipeline_tied(p)], mesh.pipeline)
+    _sum_over_stages([p for p in params if is_pipeline_tied(p)], mesh.embedding)
     _all_reduce_coalesced([p.grad for p in params if p.grad is not None], mesh.data, scale=1.0 / mesh.data.size)
 
 
@@ -78,8 +83,8 @@ def grad_norm(parameters: Iterable[torch.nn.Parameter], mesh: ParallelMesh, norm
     """The norm of the whole model's gradient, as one process would compute it.
 
     Each sharded parameter contributes its shards from every tensor-parallel rank;
-    each stage-local parameter (:func:`lightning_seqpar.tensor_parallel.sharding.is_stage_local`) contributes from that stage;
-    everything else contributes once. Data-parallel replicas, and the copies of shared parameters on
+    each stage-local parameter (:func:`lightning_seqpar.tensor_parallel.sharding.is_stage_local`) contributes from that stage,
+    a pipeline-tied one from the first stage; everything else contributes once. Data-parallel replicas, and the copies of shared parameters on
     other stages, are identical after :func:`finalize_gradients`, so they are not counted again.
 
     Collective over the tensor and pipeline groups: every rank calls it, with or without gradients.
@@ -99,8 +104,13 @@ def grad_norm(parameters: Iterable[torch.nn.Parameter], mesh: ParallelMesh, norm
     inf = norm_type == math.inf
     op = torch.distributed.ReduceOp.MAX if inf else torch.distributed.ReduceOp.SUM
 
+    pipeline_rank = mesh.pipeline.rank
+    # A pipeline-tied parameter's gradient is identical on the first and the last stage: counted on the first.
+    grads = [p for p in grads if not is_pipeline_tied(p) or pipeline_rank == 0]
+
     def part(sharded: bool, local: bool) -> Tensor:
-        chosen = [_upcast(p.grad) for p in grads if (shard_spec(p) is not None) == sharded and is_stage_local(p) == local]
+        chosen = [_upcast(p.grad) for p in grads
+                  if (shard_spec(p) is not None) == sharded and counted_on_stage(p, pipeline_rank) == local]
         if inf:
             return torch.stack([g.abs().max().to(dtype) for g in chosen] or [torch.zeros((), device=device, dtype=dtype)]).max()
         return sum((g.pow(2).sum().to(dtype) for g in chosen), torch.zeros((), device=device, dtype=dtype))

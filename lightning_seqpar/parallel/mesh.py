@@ -42,12 +42,24 @@ class ParallelMesh:
         data: the data-parallel group of this rank (size d).
         pipeline: the pipeline-parallel group of this rank (size p).
         device_mesh: the underlying ``torch.distributed.DeviceMesh`` (``None`` for a single process).
+        first_and_last: for ``p > 2``, the group of the first and the last pipeline stage of this rank's
+            ``(data, tensor)`` coordinate when this rank is one of them (:attr:`embedding`).
     """
 
     tensor: ParallelGroup
     data: ParallelGroup
     pipeline: ParallelGroup
     device_mesh: Optional[object] = None
+    first_and_last: Optional[ParallelGroup] = None
+
+    @property
+    def embedding(self) -> ParallelGroup:
+        """The first and the last pipeline stage of this rank's pipeline (Megatron-LM's embedding group): where
+        the gradients of a tied embedding and LM head are summed. The pipeline group itself when ``p <= 2``; a
+        group of one rank on middle stages (they hold no such parameter)."""
+        if self.pipeline.size <= 2:
+            return self.pipeline
+        return self.first_and_last if self.first_and_last is not None else ParallelGroup(None)
 
     @property
     def tp(self) -> int:
@@ -85,4 +97,12 @@ class ParallelMesh:
         def group(name: str) -> ParallelGroup:
             return ParallelGroup(device_mesh.get_group(name))
 
-        return cls(group("tensor"), group("data"), group("pipeline"), device_mesh)
+        first_and_last = None
+        if pp > 2:  # every rank creates every group, in the same order (torch.distributed.new_group's rule)
+            rank = dist.get_rank()
+            for coordinate in range(dp * tp):
+                ranks = [coordinate, coordinate + (pp - 1) * dp * tp]
+                created = dist.new_group(ranks)
+                if rank in ranks:
+                    first_and_last = ParallelGroup(created)
+        return cls(group("tensor"), group("data"), group("pipeline"), device_mesh, first_and_last)

@@ -61,6 +61,7 @@ class StageRuntime:
         self.active: Optional[int] = None
         self.incoming: Optional[Tensor] = None
         self._handed_on = False
+        self._entered = False  # whether a layer of the stack ran in this step
 
     @property
     def feeds_pipeline(self) -> bool:
@@ -71,6 +72,11 @@ class StageRuntime:
         """
         return self.active == 0
 
+    @property
+    def before_stack(self) -> bool:
+        """Whether a pipeline step is running and has not reached the layer stack yet."""
+        return self.active is not None and not self._entered
+
     def run(self, stage: int, incoming: Optional[Tensor], step: Callable[[], Any]) -> tuple[bool, Any]:
         """Run ``step`` as virtual stage ``stage``; return ``(True, tensor to send)`` or ``(False, step's result)``.
 
@@ -78,7 +84,7 @@ class StageRuntime:
             RuntimeError: the step caught the :class:`StageOutput` raised at the stage's last layer and
                 returned normally (e.g. a ``try``/``except Exception`` around the forward).
         """
-        self.active, self.incoming, self._handed_on = stage, incoming, False
+        self.active, self.incoming, self._handed_on, self._entered = stage, incoming, False, False
         try:
             result = step()
         except StageOutput as out:
@@ -95,6 +101,7 @@ class StageRuntime:
         return False, result
 
     def _check(self, index: int) -> int:
+        self._entered = True
         if self.active is None:
             raise RuntimeError(
                 f"Transformer layer {index} was called outside a pipeline step. Under pipeline parallelism the model "

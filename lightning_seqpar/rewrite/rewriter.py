@@ -224,3 +224,17 @@ def explain(model: nn.Module, tp: int, sequence_parallel: bool = True, policies:
     plan = plan_rewrite(model, ctx, policies, verify)
     print(plan)
     return plan
+
+
+def pipeline_placement(model: nn.Module, policies: Optional[Iterable[Policy]] = None) -> dict[str, str]:
+    """``{qualified path: "first" | "last"}``: the parts outside the layer stack that one pipeline stage holds, as
+    the policies of the models found in ``model`` place them (:meth:`Policy.pipeline_placement`; a Hugging Face
+    causal LM's embeddings on the first stage, its final norm and LM head on the last). At any tp."""
+    registry = _Registry(policies)
+    placement: dict[str, str] = {}
+    for name, module in model.named_modules():
+        policy = registry.get(module)
+        if policy is not None and policy.role == "vocabulary":
+            placement.update({f"{name}.{path}" if name else path: where
+                              for path, where in policy.pipeline_placement(module).items()})
+    return placement

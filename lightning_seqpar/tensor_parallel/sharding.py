@@ -12,8 +12,11 @@ Parameter roles (tags on the ``nn.Parameter``, as Megatron-LM's ``param.sequence
   Checkpoints gather it, the gradient norm counts every shard once.
 * sequence-parallel (:func:`is_sequence_parallel`): replicated over the tensor-parallel group, but
   each rank saw s/t tokens, so gradients are summed over the group (Korthikanti et al. 2022 §4.2.2).
-* stage-local (:func:`is_stage_local`): held by one pipeline stage only. Every other parameter is
-  kept on every stage and its gradient summed over the pipeline group.
+* stage-local (:func:`is_stage_local`): held by one pipeline stage only.
+* pipeline-tied (:func:`is_pipeline_tied`): one tensor held by the first and the last pipeline stage only (a
+  tied embedding and LM head split apart by the pipeline): gradients summed between those two stages
+  (Megatron-LM's embedding group), counted once (on the first stage) by norms and summaries.
+  Every other parameter is kept on every stage and its gradient summed over the pipeline group.
 
 How a shard is described to ``torch.distributed.checkpoint`` (DCP): global shape and offset
 (:func:`dcp_view`, :func:`saved_shape`).
@@ -149,6 +152,22 @@ def is_stage_local(param: Tensor) -> bool:
 def set_stage_local(param: Tensor) -> None:
     """Tag ``param`` as held by one pipeline stage only."""
     param.pipeline_stage_local = True  # type: ignore[attr-defined]
+
+
+def is_pipeline_tied(param: Tensor) -> bool:
+    """Whether ``param`` is held by the first and the last pipeline stage only (see the module docstring)."""
+    return getattr(param, "pipeline_tied", False)
+
+
+def set_pipeline_tied(param: Tensor) -> None:
+    """Tag ``param`` as held by the first and the last pipeline stage only."""
+    param.pipeline_tied = True  # type: ignore[attr-defined]
+
+
+def counted_on_stage(param: Tensor, pipeline_rank: int) -> bool:
+    """Whether this stage counts ``param`` among the parameters summed over the pipeline group (gradient norms,
+    parameter counts): a stage-local one on its stage, a pipeline-tied one on the first stage."""
+    return is_stage_local(param) or (is_pipeline_tied(param) and pipeline_rank == 0)
 
 
 def padded_size(size: int, multiple: int) -> int:

@@ -176,7 +176,11 @@ class Materializer:
             ValueError: from :func:`reset_own_parameters`.
         """
         present = {id(m) for m in model.modules()}
-        kept = [entry for entry in self.pending if id(entry[0]) in present]
+        params = {id(p) for p in model.parameters()}
+        # A block the stage split dropped is still filled when the model shares a parameter of it (a tied embedding
+        # whose LM head is on this stage): the tie is restored by ``_remaining``.
+        kept = [entry for entry in self.pending
+                if id(entry[0]) in present or any(id(p) in params for p in entry[0].parameters())]
         materialized: dict[int, nn.Parameter] = {}  # a meta parameter → its allocated one (ties stay ties)
         for parallel, *_ in kept:
             before = dict(parallel.named_parameters())

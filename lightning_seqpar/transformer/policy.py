@@ -74,6 +74,13 @@ class Policy:
         """Return the parallel replacement of ``module`` (weights sliced from it)."""
         raise NotImplementedError
 
+    def pipeline_placement(self, module: nn.Module) -> dict[str, str]:
+        """Parts of ``module`` outside the layer stack that one pipeline stage needs, by path relative to ``module``:
+        ``"first"`` (an embedding, run before the stack) or ``"last"`` (final norm, LM head, run after it). Other
+        stages hold a placeholder instead (:mod:`lightning_seqpar.pipeline_parallel.placement`). By default
+        nothing is placed: what is outside the stack stays on every stage."""
+        return {}
+
 
 @runtime_checkable
 class DeclaresPolicy(Protocol):

@@ -38,6 +38,8 @@ CASES = {
     4: [
         Case("hf", 2, True, "selective"),                                   # tp 2 x dp 2
         Case("hf", 2, True, None, (("labels", True), ("tie", True)), pp=2),  # pp 2 x tp 2, tied embedding
+        Case("hf", 2, True, None, (("labels", True),), pp=2),               # pp 2 x tp 2, untied
+        Case("hf", 1, True, None, (("labels", True), ("tie", True), ("layers", 4)), pp=4, batch=4),  # embedding group of 2 of 4
     ],
 }
 # Hugging Face's RMSNorm and its causal-LM loss compute in float32 whatever the input's dtype, so float64 runs agree

@@ -94,17 +94,17 @@ def build(kind: str, **kwargs) -> pl.LightningModule:
     return gpt_module(**kwargs) if kind == "gpt" else EncoderLM(**kwargs)
 
 
-def token_data(steps: int, dp: int, seed: int = 0) -> TensorDataset:
+def token_data(steps: int, dp: int, seed: int = 0, batch: int = BATCH) -> TensorDataset:
     g = torch.Generator().manual_seed(seed)
-    n = steps * BATCH * dp
+    n = steps * batch * dp
     x = torch.randint(0, VOCAB, (n, SEQ), generator=g)
     x[::3, -1] = 0  # some key padding for models that mask token 0
     y = torch.randint(0, VOCAB, (n, SEQ), generator=g)
     return TensorDataset(x, y)
 
 
-def loader(dataset: TensorDataset) -> DataLoader:
-    return DataLoader(dataset, batch_size=BATCH, shuffle=False)
+def loader(dataset: TensorDataset, batch: int = BATCH) -> DataLoader:
+    return DataLoader(dataset, batch_size=batch, shuffle=False)
 
 
 @dataclass
@@ -139,10 +139,11 @@ class Recorder(pl.Callback):
 
 def reference_run(module: pl.LightningModule, dataset: TensorDataset, steps: int, dp: int,
                   accumulate: int = 1, clip: Optional[float] = None, dtype: torch.dtype = torch.float64,
-                  autocast: Optional[torch.dtype] = None) -> Recorder:
+                  autocast: Optional[torch.dtype] = None, batch: int = BATCH) -> Recorder:
     """Single-process training on the same global batches the parallel run sees.
 
-    Parameters in ``dtype`` (float64 by default); ``autocast`` runs forward passes under CPU autocast.
+    Parameters in ``dtype`` (float64 by default); ``autocast`` runs forward passes under CPU autocast; ``batch``:
+    samples per data-parallel rank and micro-step.
     """
     module = copy.deepcopy(module).to(dtype)
     optimizer = module.configure_optimizers()
@@ -155,7 +156,7 @@ def reference_run(module: pl.LightningModule, dataset: TensorDataset, steps: int
         losses = []
         for micro in range(accumulate):
             k = step * accumulate + micro
-            idx = [i for r in range(dp) for i in order[r][k * BATCH : (k + 1) * BATCH]]
+            idx = [i for r in range(dp) for i in order[r][k * batch : (k + 1) * batch]]
             x, y = dataset.tensors[0][idx], dataset.tensors[1][idx]
             with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
                 loss = compute_loss(module, x, y)

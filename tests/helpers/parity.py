@@ -11,7 +11,7 @@ from torch import Tensor
 
 from lightning_seqpar import SelectiveRecompute, SeqParallelStrategy
 from tests.helpers.distributed import run_distributed
-from tests.helpers.models import Recorder, build, loader, reference_run, token_data
+from tests.helpers.models import BATCH, Recorder, build, loader, reference_run, token_data
 
 STEPS = 3
 
@@ -26,6 +26,7 @@ class Case:
     trainer: tuple = field(default_factory=tuple)  # extra Trainer kwargs as (key, value) pairs
     strategy: tuple = field(default_factory=tuple)
     pp: int = 1
+    batch: int = BATCH  # samples per data-parallel rank and step (pp > 2 needs micro-batches >= pp)
 
     def dp(self, world_size: int) -> int:
         return world_size // (self.tp * self.pp)
@@ -51,8 +52,8 @@ def fit(case: Case, world_size: int, steps: int = STEPS, callbacks=(), epoch_ste
         strategy=SeqParallelStrategy(tp=case.tp, pp=case.pp, sequence_parallel=case.sequence_parallel, **dict(case.strategy)),
         callbacks=[recorder, *extra], **trainer_kwargs,
     )
-    data = token_data((epoch_steps or steps) * accumulate, case.dp(world_size))
-    trainer.fit(module, loader(data), ckpt_path=ckpt_path)
+    data = token_data((epoch_steps or steps) * accumulate, case.dp(world_size), batch=case.batch)
+    trainer.fit(module, loader(data, case.batch), ckpt_path=ckpt_path)
     return recorder
 
 
@@ -75,7 +76,7 @@ def case_id(world_case: tuple[int, Case]) -> str:
     model = "".join(f"-{k}={v}" for k, v in c.model)
     strategy = "".join(f"-{k}={v}" for k, v in c.strategy)
     return (f"{c.kind}-pp{c.pp}tp{c.tp}dp{c.dp(w)}-{'sp' if c.sequence_parallel else 'nosp'}-{c.recompute}"
-            f"{model}{strategy}{'-clip-accumulate' if c.trainer else ''}")
+            f"{model}{strategy}{'-clip-accumulate' if c.trainer else ''}{f'-batch{c.batch}' if c.batch != BATCH else ''}")
 
 
 def assert_matches_single_process(per_rank: list[dict[Case, Recorder]], case: Case, world_size: int,
@@ -92,8 +93,8 @@ def assert_matches_single_process(per_rank: list[dict[Case, Recorder]], case: Ca
     dp = case.dp(world_size)
     options = dict(case.trainer)
     accumulate = options.get("accumulate_grad_batches", 1)
-    ref = reference_run(build(case.kind, **dict(case.model)), token_data(STEPS * accumulate, dp), STEPS, dp,
-                        accumulate=accumulate, clip=options.get("gradient_clip_val"))
+    ref = reference_run(build(case.kind, **dict(case.model)), token_data(STEPS * accumulate, dp, batch=case.batch), STEPS,
+                        dp, accumulate=accumulate, clip=options.get("gradient_clip_val"), batch=case.batch)
     want_losses = torch.tensor(ref.losses, dtype=torch.float64)
     for rank in range(world_size):
         record = per_rank[rank][case]

@@ -10,7 +10,7 @@ import torch.nn as nn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_seqpar.lightning.strategy import SeqParallelStrategy
-from lightning_seqpar.tensor_parallel.sharding import is_stage_local, shard_spec
+from lightning_seqpar.tensor_parallel.sharding import counted_on_stage, is_pipeline_tied, shard_spec
 
 
 def whole_numel(param: nn.Parameter) -> int:
@@ -25,14 +25,16 @@ def parameter_counts(module: nn.Module, strategy: Any) -> dict[str, tuple[int, i
     """``{top-level child: (whole-model parameters, this rank's parameters)}`` plus ``"total"``.
 
     Collective under pipeline parallelism (every rank must call it): stage-local layers are counted on
-    the stage holding them and summed over the pipeline group.
+    the stage holding them (a pipeline-tied embedding on the first) and summed over the pipeline group.
     """
     names = [name for name, _ in module.named_children()]
+    pipeline_rank = strategy.mesh.pipeline.rank if isinstance(strategy, SeqParallelStrategy) else 0
     whole_local, whole_shared, here = [], [], []
     for name in names:
         params = list(dict(getattr(module, name).named_parameters()).values())  # tied weights once
-        whole_local.append(sum(whole_numel(p) for p in params if is_stage_local(p)))
-        whole_shared.append(sum(whole_numel(p) for p in params if not is_stage_local(p)))
+        whole_local.append(sum(whole_numel(p) for p in params if counted_on_stage(p, pipeline_rank)))
+        whole_shared.append(sum(whole_numel(p) for p in params if not counted_on_stage(p, pipeline_rank)
+                                and not is_pipeline_tied(p)))
         here.append(sum(p.numel() for p in params))
     local = torch.tensor(whole_local, dtype=torch.float64)
     if isinstance(strategy, SeqParallelStrategy) and strategy.mesh.pp > 1:
