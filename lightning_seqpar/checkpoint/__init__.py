@@ -13,7 +13,9 @@
   single-device state dict, without a process group.
 """
 
-from lightning_seqpar.checkpoint.consolidate import consolidate, load_state_dict_file, write_state_dict
+from lightning_seqpar.checkpoint.consolidate import (
+    consolidate, consolidate_to_safetensors, load_state_dict_file, write_state_dict,
+)
 from lightning_seqpar.checkpoint.sharded import is_sharded_checkpoint
 
-__all__ = ["consolidate", "is_sharded_checkpoint", "load_state_dict_file", "write_state_dict"]
+__all__ = ["consolidate", "consolidate_to_safetensors", "is_sharded_checkpoint", "load_state_dict_file", "write_state_dict"]

@@ -1,6 +1,7 @@
 """``python -m lightning_seqpar.checkpoint consolidate CKPT_DIR OUT``: a sharded checkpoint as one
-single-device state dict file (``.pt``, or ``.safetensors`` with the safetensors package), loadable with
-``model.load_state_dict(torch.load(OUT))`` without any process group."""
+single-device state dict file, loadable with ``model.load_state_dict(...)`` without any process group:
+``.safetensors`` is written one tensor at a time (memory: the largest tensor); ``.pt`` holds the whole model
+in memory once (``torch.save``)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
-from lightning_seqpar.checkpoint.consolidate import consolidate, write_state_dict
+from lightning_seqpar.checkpoint.consolidate import consolidate, consolidate_to_safetensors, write_state_dict
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -20,13 +21,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     merge.add_argument("out", help="output file: NAME.pt or NAME.safetensors")
     args = parser.parse_args(argv)
     try:
-        state = consolidate(args.checkpoint)
+        if args.out.endswith(".safetensors"):
+            count, total = consolidate_to_safetensors(args.checkpoint, args.out)
+        else:
+            state = consolidate(args.checkpoint)
+            write_state_dict(state, args.out)
+            count, total = len(state), sum(t.numel() * t.element_size() for t in state.values())
     except (FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    out = write_state_dict(state, args.out)
-    total = sum(t.numel() * t.element_size() for t in state.values())
-    print(f"wrote {len(state)} tensors ({total / 2**20:.1f} MiB) to {out}")
+    print(f"wrote {count} tensors ({total / 2**20:.1f} MiB) to {args.out}")
     return 0
 
 

@@ -3,15 +3,15 @@
 ``consolidate`` reads every ``state_dict.*`` tensor of a sharded checkpoint directory whole (DCP assembles
 each from the shards of whatever layout wrote it), restores each single-device shape recorded in the
 checkpoint (fused q/k/v is stored ``[3, n, ...]``) and returns what the original, unparallelized
-module's ``load_state_dict`` accepts. The whole model is in host memory once: this is for export.
+module's ``load_state_dict`` accepts. The whole model is in host memory once. :func:`consolidate_to_safetensors`
+streams instead: one tensor in memory at a time.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -22,7 +22,8 @@ from lightning_seqpar.checkpoint.atomic import publish, temporary_path
 from lightning_seqpar.checkpoint.safe_reader import SafeFileSystemReader, read_metadata
 from lightning_seqpar.checkpoint.sharded import FORMAT_KEY, MODEL_PREFIX, is_sharded_checkpoint
 from lightning_seqpar.checkpoint.trainer_checkpoint import read_trainer_state
-from lightning_seqpar.hf.weights import load_safetensors_file, save_safetensors_file, write_hf_directory
+from lightning_seqpar.hf.streaming import SafetensorsStreamWriter, TensorEntry
+from lightning_seqpar.hf.weights import load_safetensors_file, save_safetensors_file
 
 
 def consolidate(path: os.PathLike | str) -> dict[str, Tensor]:
@@ -47,6 +48,44 @@ def consolidate(path: os.PathLike | str) -> dict[str, Tensor]:
         state[alias] = state[stored]
     order = list(shapes)  # the model's own key order
     return {k: state[k] for k in sorted(state, key=lambda k: order.index(k) if k in order else len(order))}
+
+
+def consolidate_to_safetensors(path: os.PathLike | str, out: os.PathLike | str) -> tuple[int, int]:
+    """Write the single-device state dict of the sharded checkpoint ``path`` (as :func:`consolidate` returns it,
+    tied keys included) to the safetensors file ``out``, one tensor at a time: each is read whole from the shards
+    (DCP), written and dropped, so memory holds the largest tensor at most. Published atomically. Returns
+    ``(tensors, bytes)`` written.
+
+    Raises:
+        FileNotFoundError: ``path`` is not a complete sharded checkpoint (no ``.metadata``).
+        ValueError: from :func:`~.trainer_checkpoint.read_trainer_state`.
+        ImportError: never (the file is written without the safetensors package).
+    """
+    path, out = Path(path), Path(out)
+    if not is_sharded_checkpoint(path):
+        raise FileNotFoundError(f"{path} is not a complete sharded checkpoint directory (no .metadata inside).")
+    info = read_trainer_state(path)[FORMAT_KEY]
+    shapes, tied = info["single_device_shapes"], info["tied"]
+    saved = {k[len(MODEL_PREFIX):]: v for k, v in read_metadata(path).state_dict_metadata.items()
+             if k.startswith(MODEL_PREFIX) and isinstance(v, TensorStorageMetadata)}
+    stored = {key: tied.get(key, key) for key in shapes if tied.get(key, key) in saved}
+    entries = [TensorEntry(key, saved[source].properties.dtype, tuple(shapes[key])) for key, source in stored.items()]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temporary_path(out)
+    try:
+        with SafetensorsStreamWriter(tmp, entries) as writer:
+            for entry in entries:
+                meta = saved[stored[entry.name]]
+                value = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+                dcp.load({MODEL_PREFIX + stored[entry.name]: value}, storage_reader=SafeFileSystemReader(path),
+                         no_dist=True)
+                writer.write(entry.name, value.reshape(entry.shape))
+                del value
+        publish(tmp, out)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return len(entries), sum(e.nbytes for e in entries)
 
 
 def write_state_dict(state_dict: dict[str, Tensor], out: os.PathLike | str) -> Path:
@@ -85,25 +124,3 @@ def load_state_dict_file(path: os.PathLike | str, names: Optional[list[str]] = N
         if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
             state = state["state_dict"]
     return state if names is None else {k: v for k, v in state.items() if k in names}
-
-
-def export_hf_directory(state_dict: Mapping[str, Tensor], config: object, out: os.PathLike | str,
-                        prefix: str = "") -> Path:
-    """Write a Hugging Face checkpoint directory that ``AutoModelForCausalLM.from_pretrained(out)`` loads
-    (:func:`~lightning_seqpar.hf.weights.write_hf_directory`), atomically: written beside ``out`` and published
-    under its name when complete. Returns ``out``.
-
-    Raises:
-        ImportError: without the safetensors package, with the install command.
-    """
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temporary_path(out)
-    tmp.mkdir()
-    try:
-        write_hf_directory(state_dict, config, tmp, prefix)
-        publish(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-    return out

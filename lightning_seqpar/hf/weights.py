@@ -120,28 +120,3 @@ def load_safetensors_file(path: os.PathLike | str) -> dict[str, Tensor]:
     from safetensors.torch import load_file
 
     return load_file(str(path))
-
-
-def write_hf_directory(state_dict: Mapping[str, Tensor], config: object, directory: os.PathLike | str,
-                       prefix: str = "") -> None:
-    """Write the files of a Hugging Face checkpoint directory (``config.json`` + ``model.safetensors``) that
-    ``AutoModelForCausalLM.from_pretrained`` loads into the existing ``directory`` (the caller publishes it
-    atomically: :func:`lightning_seqpar.checkpoint.consolidate.export_hf_directory`).
-
-    Args:
-        state_dict: single-device weights; only keys starting with ``prefix`` are written, without it. A tied
-            parameter (the same tensor under two keys) is written once, under its first key, as
-            ``save_pretrained`` does.
-        config: the model's ``PretrainedConfig`` (written with its ``save_pretrained``).
-
-    Raises:
-        ImportError: without the safetensors package, with the install command.
-    """
-    tensors, seen = {}, set()
-    for key, value in state_dict.items():
-        if not key.startswith(prefix) or value.data_ptr() in seen:
-            continue
-        seen.add(value.data_ptr())
-        tensors[key[len(prefix):]] = value
-    save_safetensors_file(tensors, Path(directory) / "model.safetensors", metadata={"format": "pt"})
-    config.save_pretrained(str(directory))  # type: ignore[attr-defined]

@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping, Optional, Union
 
+import torch
 import torch.distributed as dist
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch import Tensor
@@ -25,7 +26,8 @@ from lightning_seqpar.checkpoint.checks import (
     on_every_rank,
     optimizer_states_of_this_stage,
 )
-from lightning_seqpar.checkpoint.consolidate import export_hf_directory, load_state_dict_file
+from lightning_seqpar.checkpoint.consolidate import load_state_dict_file
+from lightning_seqpar.checkpoint.hf_export import export_hf_pretrained
 from lightning_seqpar.checkpoint.full_state import (
     full_optimizer_state,
     full_state_dict,
@@ -142,16 +144,33 @@ class CheckpointingMixin:
             return
         self.load_model_state_dict({"state_dict": source}, strict=strict)
 
-    def save_hf_pretrained(self, out: Union[str, Path], config: Any, prefix: str = "model.") -> None:
-        """Export the trained Hugging Face model as a directory ``AutoModelForCausalLM.from_pretrained(out)`` loads:
-        ``config.json`` and ``model.safetensors`` with the single-device weights of the module's keys under
-        ``prefix`` (the attribute path of the model in your LightningModule). Collective: every rank must call
-        it; the weights are gathered onto every rank (whole model) and rank 0 writes, atomically.
+    def save_hf_pretrained(self, out: Union[str, Path], config: Any = None, prefix: str = "model.", *,
+                           source: Union[str, Path, None] = None, max_shard_size: Union[int, str] = "5GB",
+                           dtype: Optional[torch.dtype] = None) -> Path:
+        """Export the trained Hugging Face model as a directory ``AutoModelForCausalLM.from_pretrained(out)`` loads,
+        without a whole model on any rank (:func:`~lightning_seqpar.checkpoint.hf_export.export_hf_pretrained`):
+        safetensors files of at most ``max_shard_size`` with their index, ``config.json``, and the tokenizer and
+        generation files of the model directory ``source``. Collective: every rank must call it; published
+        atomically.
+
+        Args:
+            out: the directory to write (replaced atomically if it exists).
+            config: the model's ``PretrainedConfig``; default: the ``config`` of the module under ``prefix``.
+            prefix: the attribute path of the Hugging Face model in your LightningModule.
+            source: where the tokenizer and generation files come from; default: the directory the config was
+                loaded from (``config.name_or_path``), when it is one.
+            dtype: the dtype written (default: the parameters').
+
+        Raises:
+            ValueError: nothing under ``prefix``, a dtype safetensors cannot store, a bad ``max_shard_size``.
         """
-        state = self.full_state_dict()
-        if self.is_global_zero:
-            export_hf_directory(state, config, out, prefix)
-        self.barrier("save_hf_pretrained")
+        assert self.lightning_module is not None
+        if config is None:
+            config = self.lightning_module.get_submodule(prefix.rstrip(".")).config
+        if source is None and Path(str(getattr(config, "name_or_path", "") or "")).is_dir():
+            source = config.name_or_path
+        return export_hf_pretrained(self.lightning_module, self.mesh, self.broadcast(str(out)), config, prefix=prefix,
+                                    source=source, max_shard_size=max_shard_size, dtype=dtype)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:

@@ -148,6 +148,26 @@ class ParallelGroup:
             )
         return tensor.chunk(self.size, dim=dim)[self.rank].contiguous()
 
+    def gather(self, tensor: Tensor) -> Optional[Tensor]:
+        """Every rank's ``tensor`` (same shape everywhere) stacked on group rank 0: ``[t, *shape]``; ``None`` elsewhere.
+
+        Received one rank at a time straight into the result (point-to-point, in rank order, so NCCL's in-order
+        matching holds), so the receiving rank allocates exactly ``t`` times ``tensor``, where a ``gather`` collective
+        may stage a second copy (gloo does).
+        """
+        if self.size == 1:
+            return tensor.unsqueeze(0)
+        tensor = tensor.contiguous()
+        self._record("gather", torch.empty((self.size * tensor.numel(),), dtype=tensor.dtype, device="meta"))
+        if self.rank != 0:
+            dist.send(tensor, dst=dist.get_global_rank(self.group, 0), group=self.group)
+            return None
+        out = torch.empty((self.size, *tensor.shape), dtype=tensor.dtype, device=tensor.device)
+        out[0].copy_(tensor)
+        for source in range(1, self.size):
+            dist.recv(out[source], src=dist.get_global_rank(self.group, source), group=self.group)
+        return out
+
     def broadcast(self, tensor: Tensor, src_rank: int = 0) -> Tensor:
         """Overwrite ``tensor`` in place with group rank ``src_rank``'s copy."""
         if self.size == 1:

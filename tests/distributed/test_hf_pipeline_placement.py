@@ -3,7 +3,6 @@ a tied embedding is held by those two stages only, its gradient summed between t
 Training parity for these layouts is in test_hf_models (pp 2, pp 2 x tp 2 tied and untied, pp 4 tied)."""
 
 import lightning.pytorch as pl
-import torch
 import torch.distributed as dist
 
 from lightning_seqpar import SeqParallelStrategy

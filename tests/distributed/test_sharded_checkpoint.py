@@ -122,6 +122,16 @@ def test_consolidated_checkpoint_loads_into_the_plain_model(saved, tmp_path):
     model.load_state_dict(torch.load(out, weights_only=True))
     for key, value in model.state_dict().items():
         torch.testing.assert_close(value, after_one_epoch[key], rtol=1e-9, atol=1e-12, msg=key)
+    # .safetensors is streamed one tensor at a time: the same state dict, tied keys included, from pp 2 x tp 2 too
+    streamed = tmp_path / "streamed.safetensors"
+    result = subprocess.run([sys.executable, "-m", "lightning_seqpar.checkpoint", "consolidate",
+                             str(saved["pp2xtp2"][1]), str(streamed)], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    whole = consolidate(saved["pp2xtp2"][1])
+    read = load_file(streamed)
+    assert sorted(read) == sorted(whole)
+    for key, value in whole.items():
+        assert torch.equal(read[key], value), key
 
 
 def _validated_trainer(world, tp, pp, **strategy):

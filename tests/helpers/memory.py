@@ -12,3 +12,9 @@ def peak_resident_kib() -> int:
     from the forked parent, so a spawned worker would report the test runner's own peak when it is higher."""
     with open("/proc/self/status") as status:
         return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
+
+
+def reset_peak_resident() -> None:
+    """Start a new peak (VmHWM := resident now), Linux's ``clear_refs`` 5."""
+    with open("/proc/self/clear_refs", "w") as clear_refs:
+        clear_refs.write("5")

@@ -1,6 +1,5 @@
 """Bad input fails early with an error naming the value and the fix."""
 
-import os
 
 import lightning.pytorch as pl
 import pytest

@@ -1,0 +1,174 @@
+"""A parallel model exported as the Hugging Face directory ``from_pretrained`` loads, without a whole model anywhere.
+
+Every rank states the tensors it holds; the plan (which tensors, in which file, written by which rank) is then
+the same on every rank. Each pipeline stage writes the files of its own tensors: for every tensor, the stage's
+tensor-parallel ranks (of data-parallel replica 0) gather their shards on tensor-parallel rank 0, which streams
+the single-device tensor into its file (:class:`~lightning_seqpar.hf.streaming.SafetensorsStreamWriter`) and
+drops it before the next. So a rank holds at most its own shards plus one tensor's gathered shards, and the
+stages write in parallel. Rank 0 then adds the index, ``config.json`` and the source directory's tokenizer and
+generation files, and publishes the directory atomically.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Iterator, Optional, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch import Tensor
+
+from lightning_seqpar.checkpoint.atomic import publish, temporary_path
+from lightning_seqpar.checkpoint.sharded import _unique_tensors
+from lightning_seqpar.hf.streaming import (
+    SafetensorsStreamWriter, TensorEntry, check_storable, copy_companion_files, file_names, split_into_files,
+    write_index,
+)
+from lightning_seqpar.parallel.mesh import ParallelMesh
+from lightning_seqpar.tensor_parallel.sharding import ShardSpec, full_shape, shard_spec
+from lightning_seqpar.transformer.materialize import release_freed_memory
+
+_BLOCK_BYTES = 16 * 2**20
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20,
+          "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(size: Union[int, str]) -> int:
+    """Bytes from ``5_000_000`` or ``"5GB"`` (powers of ten, as ``save_pretrained``'s ``max_shard_size``) / ``"4GiB"``.
+
+    Raises:
+        ValueError: anything else, naming the value.
+    """
+    if isinstance(size, int) and size > 0:
+        return size
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*", str(size).upper())
+    if match is None or match.group(2) not in _UNITS or float(match.group(1)) <= 0:
+        raise ValueError(f"max_shard_size={size!r} is not a size: give bytes (an int) or e.g. '5GB', '500MB', '4GiB'.")
+    return int(float(match.group(1)) * _UNITS[match.group(2)])
+
+
+def unsharded_pieces(shards: list[Tensor], spec: ShardSpec) -> Iterator[Tensor]:
+    """The single-device tensor assembled from every rank's shard, as consecutive row-major pieces (vocabulary
+    padding left out): shards split along dim 0 are written as they are; other splits by blocks of rows."""
+    if spec.dim == 0:
+        chunk_rows = spec.full_size // spec.chunks
+        for c in range(spec.chunks):
+            left = chunk_rows
+            for shard in shards:
+                piece = shard.chunk(spec.chunks, dim=0)[c]
+                if left > 0:
+                    yield piece[: min(piece.shape[0], left)]
+                left -= piece.shape[0]
+        return
+    row_bytes = max(1, shards[0][0].numel() * shards[0].element_size() * len(shards))
+    step = max(1, _BLOCK_BYTES // row_bytes)
+    for start in range(0, shards[0].shape[0], step):
+        yield spec.unshard([shard[start:start + step] for shard in shards])
+
+
+def _plan(module: nn.Module, mesh: ParallelMesh, prefix: str, dtype: Optional[torch.dtype],
+          max_file_bytes: int) -> tuple[dict[str, Tensor], list[list[TensorEntry]], list[int]]:
+    """This rank's tensors by name, the files (entries in order) and the pipeline stage writing each file."""
+    unique, _ = _unique_tensors(module)  # a tied tensor once, under its first key (save_pretrained's choice)
+    mine = {name[len(prefix):]: value for name, value in unique.items() if name.startswith(prefix)}
+    entries = [TensorEntry(name, dtype or value.dtype, full_shape(value)) for name, value in mine.items()]
+    coordinates = (mesh.pipeline.rank, mesh.data.rank, mesh.tensor.rank)
+    everyone: list[Any] = [(coordinates, entries)]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, (coordinates, entries))
+    per_stage: dict[int, list[TensorEntry]] = {}
+    seen: set[str] = set()
+    for (stage, data_rank, tensor_rank), stated in sorted(everyone, key=lambda item: item[0]):
+        if data_rank or tensor_rank:
+            continue
+        per_stage[stage] = [e for e in stated if e.name not in seen]  # shared parts: the first stage writes them
+        seen.update(e.name for e in stated)
+    if not seen:
+        raise ValueError(f"No tensor of the model is under prefix '{prefix}': pass the attribute path of the Hugging "
+                         f"Face model inside your LightningModule (e.g. prefix='model.').")
+    check_storable([e for stage in per_stage.values() for e in stage])
+    stages = sorted(per_stage)
+    files, writers = [], []
+    for stage in stages:
+        cut = split_into_files([per_stage[stage]], max_file_bytes)
+        files += cut
+        writers += [stage] * len(cut)
+    return mine, files, writers
+
+
+def export_hf_pretrained(module: nn.Module, mesh: ParallelMesh, out: os.PathLike | str, config: Any, *,
+                         prefix: str = "model.", source: Optional[os.PathLike | str] = None,
+                         max_shard_size: Union[int, str] = "5GB", dtype: Optional[torch.dtype] = None) -> Path:
+    """Write ``module``'s Hugging Face model (the keys under ``prefix``) as a directory ``from_pretrained`` loads.
+
+    Collective over the default process group: every rank calls it. Safetensors files of at most
+    ``max_shard_size`` each (one file: ``model.safetensors``; more: ``model-0000i-of-0000n.safetensors`` and
+    ``model.safetensors.index.json``), ``config.json`` from ``config``, and the tokenizer and generation files of
+    the model directory ``source``. Tensors are written in ``dtype`` (default: as trained). Peak memory of any
+    rank: its shards plus one gathered tensor (and a 16 MiB block of rows). Returns ``out``.
+
+    Raises:
+        ValueError: nothing under ``prefix``; a dtype safetensors cannot store; a bad ``max_shard_size``, on every
+            rank before anything is written.
+    """
+    mine, files, writers = _plan(module, mesh, prefix, dtype, parse_size(max_shard_size))
+    out = Path(out)
+    distributed = dist.is_initialized() and dist.get_world_size() > 1
+    tmp = [str(temporary_path(out))]
+    if distributed:
+        dist.broadcast_object_list(tmp, src=0)
+    tmp_dir = Path(tmp[0])
+    if not distributed or dist.get_rank() == 0:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp_dir.mkdir()
+    if distributed:
+        dist.barrier()
+    try:
+        names = file_names(len(files))
+        if mesh.data.rank == 0:
+            for name, file, stage in zip(names, files, writers):
+                if stage == mesh.pipeline.rank:
+                    _write_file(tmp_dir / name, file, mine, mesh)
+        if distributed:
+            dist.barrier()
+        if not distributed or dist.get_rank() == 0:
+            write_index(tmp_dir, files)
+            config.save_pretrained(str(tmp_dir))
+            if source is not None and Path(source).is_dir():
+                copy_companion_files(source, tmp_dir)
+            publish(tmp_dir, out)
+    finally:
+        if (not distributed or dist.get_rank() == 0) and tmp_dir.exists():
+            shutil.rmtree(tmp_dir)
+    if distributed:
+        dist.barrier()
+    return out
+
+
+def _write_file(path: Path, entries: list[TensorEntry], mine: dict[str, Tensor], mesh: ParallelMesh) -> None:
+    """One file of this stage: the tensor-parallel ranks gather each sharded tensor on their rank 0, which writes."""
+    writer = SafetensorsStreamWriter(path, entries) if mesh.tensor.rank == 0 else None
+    try:
+        for entry in entries:
+            value = mine[entry.name].detach()
+            spec = shard_spec(mine[entry.name])
+            if spec is None:
+                if writer is not None:
+                    writer.write(entry.name, value)
+                continue
+            shards = mesh.tensor.gather(value)
+            if writer is not None:
+                writer.write_pieces(entry.name, unsharded_pieces(list(shards.unbind(0)), spec))
+            del shards
+            release_freed_memory()  # glibc would keep the freed tensor's pages resident for the next one
+    except BaseException:
+        if writer is not None:
+            writer.close(check=False)
+        raise
+    if writer is not None:
+        writer.close()
