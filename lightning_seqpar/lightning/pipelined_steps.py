@@ -30,7 +30,7 @@ from lightning_seqpar.parallel.collectives import ParallelGroup
 from lightning_seqpar.pipeline_parallel.config import PipelineConfig
 from lightning_seqpar.pipeline_parallel.executor import PipelineExecutor, StepResult, loss_of
 from lightning_seqpar.pipeline_parallel.layout import StageLayout
-from lightning_seqpar.pipeline_parallel.p2p import StageTransport
+from lightning_seqpar.pipeline_parallel.p2p import StageTransport, shapes_signature
 from lightning_seqpar.pipeline_parallel.placement import place_outside_stack
 from lightning_seqpar.pipeline_parallel.stage import split_stages
 
@@ -158,7 +158,7 @@ class PipelinedSteps:
         """
         runtime, remote_keys = split_stages(model, config, pipeline.rank)
         remote_keys += place_outside_stack(model, placement or {}, runtime, pipeline.rank)
-        transport = StageTransport(pipeline, runtime.layout.num_stages, config.num_microbatches, device)
+        transport = StageTransport(pipeline, device)
         return cls(PipelineExecutor(runtime, transport, config)), remote_keys
 
     @property
@@ -177,7 +177,8 @@ class PipelinedSteps:
         recorder = _LogRecorder()
         module.log = recorder  # an instance attribute shadows LightningModule.log for the schedule only
         try:
-            result = self.executor.run(lambda i: step(micro[i], batch_idx), forward_only=forward_only)
+            result = self.executor.run(lambda i: step(micro[i], batch_idx), forward_only=forward_only,
+                                       signature=shapes_signature(micro[0], forward_only))
         finally:
             del module.log
         return result, recorder.means() if self.is_last else {}

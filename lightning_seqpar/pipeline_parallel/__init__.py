@@ -9,9 +9,11 @@ Nothing here imports Lightning: :mod:`lightning_seqpar.lightning.pipelined_steps
 through it.
 """
 
+from lightning_seqpar.pipeline_parallel.comm_plan import Batch, Transfer, build_program
 from lightning_seqpar.pipeline_parallel.config import PipelineConfig
 from lightning_seqpar.pipeline_parallel.executor import PipelineExecutor, StepResult
 from lightning_seqpar.pipeline_parallel.layout import StageLayout
+from lightning_seqpar.pipeline_parallel.nccl_model import check_programs
 from lightning_seqpar.pipeline_parallel.p2p import StageTransport, TransferLog
 from lightning_seqpar.pipeline_parallel.schedules import (
     SCHEDULES,
@@ -26,6 +28,7 @@ from lightning_seqpar.pipeline_parallel.stage import RemoteLayer, StageOutput, S
 __all__ = [
     "SCHEDULES",
     "Action",
+    "Batch",
     "PipelineConfig",
     "PipelineExecutor",
     "RemoteLayer",
@@ -34,8 +37,11 @@ __all__ = [
     "StageRuntime",
     "StageTransport",
     "StepResult",
+    "Transfer",
     "TransferLog",
+    "build_program",
     "build_schedule",
+    "check_programs",
     "check_microbatches",
     "resolve_schedule",
     "simulate",

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Hashable, Optional
 
 import torch
 from torch import Tensor
 
 from lightning_seqpar.pipeline_parallel.config import PipelineConfig
 from lightning_seqpar.pipeline_parallel.layout import StageLayout
-from lightning_seqpar.pipeline_parallel.p2p import ACTIVATION, GRADIENT, StageTransport
-from lightning_seqpar.pipeline_parallel.schedules import Action, build_schedule
+from lightning_seqpar.pipeline_parallel.comm_plan import ACTIVATION, GRADIENT, Batch, Step, build_program, with_headers
+from lightning_seqpar.pipeline_parallel.p2p import Message, StageTransport
+from lightning_seqpar.pipeline_parallel.schedules import Action
 from lightning_seqpar.pipeline_parallel.stage import StageRuntime
 
 
@@ -58,6 +59,7 @@ class PipelineExecutor:
     def __init__(self, runtime: StageRuntime, transport: StageTransport, config: PipelineConfig) -> None:
         self.runtime, self.transport, self.config = runtime, transport, config
         self.observers: list[Callable[[Action, int], None]] = []
+        self._programs: dict[tuple[bool, bool], list[Step]] = {}  # (forward-only, with headers) -> program
 
     @property
     def layout(self) -> StageLayout:
@@ -69,31 +71,42 @@ class PipelineExecutor:
         """This rank's coordinate in the pipeline group."""
         return self.transport.group.rank
 
-    def run(self, step: Callable[[int], Any], forward_only: bool = False) -> StepResult:
+    def run(self, step: Callable[[int], Any], forward_only: bool = False, signature: Hashable = None) -> StepResult:
         """Run ``step(microbatch)`` (the user's step on micro-batch i) through the schedule.
 
         In training, the last stage's loss of each micro-batch is back-propagated scaled by ``1/m``, so
-        the parameters' ``.grad`` hold the gradient of the mean micro-batch loss.
+        the parameters' ``.grad`` hold the gradient of the mean micro-batch loss. ``signature``: what the shapes
+        sent between stages depend on (:func:`~lightning_seqpar.pipeline_parallel.p2p.shapes_signature`); they are
+        exchanged in the first step of each signature only.
         """
         layout, m = self.layout, self.config.num_microbatches
         last = layout.num_stages - 1
-        actions = build_schedule(self.config.schedule, m, layout.pp, layout.virtual_stages, self.rank, forward_only)
+        headers = self.transport.begin_step((signature, forward_only))
+        program = (forward_only, headers)
+        if program not in self._programs:
+            plain = build_program(self.config.schedule, m, layout, self.rank, forward_only)
+            self._programs[program] = with_headers(plain) if headers else plain
         result = StepResult()
         saved: dict[tuple[int, int], tuple[Optional[Tensor], Tensor]] = {}
-        for action in actions:
+        outgoing: dict[Message, Tensor] = {}
+        received: dict[Message, Tensor] = {}
+        for action in self._programs[program]:
+            if isinstance(action, Batch):
+                received.update(self.transport.exchange(action, outgoing))
+                continue
             stage = layout.stage(self.rank, action.chunk)
             key = (action.chunk, action.microbatch)
             if action.kind == "F":
                 incoming = None
                 if stage > 0:
-                    incoming = self.transport.recv(ACTIVATION, stage, action.microbatch, layout.rank_of(stage - 1))
+                    incoming = received.pop((ACTIVATION, stage, action.microbatch))
                     if not forward_only and incoming.is_floating_point():
                         incoming.requires_grad_()
                 sent, out = self.runtime.run(stage, incoming, lambda i=action.microbatch: step(i))
                 if stage < last:
                     if not sent:
                         raise RuntimeError(f"Stage {stage} finished the step without reaching its last layer.")
-                    self.transport.send(out, ACTIVATION, stage + 1, action.microbatch, layout.rank_of(stage + 1))
+                    outgoing[(ACTIVATION, stage + 1, action.microbatch)] = out
                 else:
                     result.outputs[action.microbatch] = out
                     out = loss_of(out) if not forward_only else out
@@ -104,17 +117,14 @@ class PipelineExecutor:
                 if stage == last:
                     torch.autograd.backward(out / m)
                 else:
-                    grad = self.transport.recv(GRADIENT, stage, action.microbatch, layout.rank_of(stage + 1))
-                    # The gradient came back, so the activation arrived: its send buffer can go.
-                    self.transport.release(ACTIVATION, stage + 1, action.microbatch)
-                    torch.autograd.backward(out, grad)
+                    torch.autograd.backward(out, received.pop((GRADIENT, stage, action.microbatch)))
                 if stage > 0:
                     assert incoming is not None
                     grad_in = incoming.grad if incoming.grad is not None else torch.zeros_like(incoming)
-                    self.transport.send(grad_in, GRADIENT, stage - 1, action.microbatch, layout.rank_of(stage - 1))
+                    outgoing[(GRADIENT, stage - 1, action.microbatch)] = grad_in
                 del incoming, out
             result.peak_in_flight = max(result.peak_in_flight, len(saved))
             for observe in self.observers:
                 observe(action, len(saved))
-        self.transport.wait_all()
+        assert not outgoing and not received, (outgoing.keys(), received.keys())
         return result

@@ -1,11 +1,17 @@
-"""Point-to-point transfers between pipeline stages.
+"""Point-to-point transfers between pipeline stages, under NCCL's rules.
 
-Each message is preceded by a small header (dtype and shape), so a stage needs no shape
-inference and a model may send any ``[s/t, b, h]`` shard. Sends are asynchronous and only receives
-wait: the schedules never form a cycle of receives (``schedules.simulate``), so nothing deadlocks,
-and a send's buffer is released as soon as the transfer completes. Tags name the message
-(activation or gradient, receiving virtual stage, micro-batch), so transfers between the same two
-ranks can be received in any order.
+A rank's transfers are posted in the batches of its program (:mod:`~lightning_seqpar.pipeline_parallel.comm_plan`),
+each as one ``torch.distributed.batch_isend_irecv`` that completes before the rank goes on. No tag is used:
+between two ranks, messages are matched by the order they were posted, on both sides the same
+(:mod:`~lightning_seqpar.pipeline_parallel.nccl_model` checks it for every schedule).
+
+A receive must know its tensor's shape and dtype before the message arrives. They are a function of the
+micro-batch's shapes, which every stage sees alike, so they are exchanged only in the first step with a new
+*signature* (the micro-batch's tensor shapes and dtypes, and whether the step is forward-only): there each
+activation is preceded by a small header (dtype and shape), read on the host
+(:func:`~lightning_seqpar.pipeline_parallel.comm_plan.with_headers`; a gradient has its activation's shape);
+afterwards no transfer reads anything back to the host. A sender whose tensor does not have the recorded shape
+raises (its peer is then left waiting in its receive until the process group's timeout).
 
 Under sequence parallelism the tensor sent is the local ``[s/t, b, h]`` shard and the peer is the
 rank with the same tensor- and data-parallel coordinates in the neighbouring stage (Korthikanti
@@ -15,16 +21,18 @@ et al. 2022 §4.2.2): the pipeline group contains exactly those ranks.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Hashable, Mapping
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from lightning_seqpar.parallel.collectives import ParallelGroup
+from lightning_seqpar.pipeline_parallel.comm_plan import ACTIVATION, Batch, Transfer
 
 _DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.bool]
 _HEADER = 10  # dtype code, ndim, up to 8 sizes
-ACTIVATION, GRADIENT = 0, 1
+Message = tuple[str, int, int]
 
 
 @dataclass
@@ -34,11 +42,13 @@ class TransferLog:
     Attributes:
         payload: ``(kind, bytes)`` per message: ``"activation"`` forward, ``"gradient"`` backward;
             ``numel · element_size`` of the tensor sent.
-        header_bytes: bytes of the shape headers (not counted in ``payload``).
+        header_bytes: bytes of the shape headers this rank sent or received (not counted in ``payload``).
+        batches: ``batch_isend_irecv`` calls made.
     """
 
     payload: list[tuple[str, int]] = field(default_factory=list)
     header_bytes: int = 0
+    batches: int = 0
 
     def bytes(self, kind: str | None = None) -> int:
         """Payload bytes sent, over all messages or those of ``kind``."""
@@ -48,66 +58,117 @@ class TransferLog:
         """Forget every record."""
         self.payload.clear()
         self.header_bytes = 0
+        self.batches = 0
 
 
 class StageTransport:
-    """Sends and receives of one pipeline rank.
+    """The sends and receives of one pipeline rank: runs the batches of its program, as they are.
 
     Args:
         group: the pipeline-parallel group (ranks holding the same tensor/data-parallel shard).
-        num_stages: virtual stages ``p·v`` (tags are unique per stage and micro-batch).
-        num_microbatches: m.
         device: where received tensors are placed.
+
+    The first batch of point-to-point operations in an NCCL group must involve every rank of it, unless the
+    group's communicator exists: a one-element all-reduce at construction creates it.
     """
 
-    def __init__(self, group: ParallelGroup, num_stages: int, num_microbatches: int, device: torch.device) -> None:
-        self.group, self.num_stages, self.num_microbatches, self.device = group, num_stages, num_microbatches, device
+    def __init__(self, group: ParallelGroup, device: torch.device) -> None:
+        self.group, self.device = group, torch.device(device)
         self.log = TransferLog()
-        self._pending: dict[tuple[int, int, int], tuple[list[dist.Work], list[Tensor]]] = {}
+        # (signature, receiving stage) -> shape and dtype of the activation sent to that stage
+        self._shapes: dict[tuple[Hashable, int], tuple[tuple[int, ...], torch.dtype]] = {}
+        self._signatures: set[Hashable] = set()
+        self._signature: Hashable = None
+        if group.size > 1:
+            group.all_reduce(torch.zeros(1, device=self.device))
+
+    def begin_step(self, signature: Hashable) -> bool:
+        """Start a step whose micro-batches have ``signature``; return whether it exchanges shapes (the signature is
+        new: run :func:`~lightning_seqpar.pipeline_parallel.comm_plan.with_headers`' program). Every rank of the
+        pipeline decides alike: they see the same micro-batches."""
+        new = signature not in self._signatures
+        self._signatures.add(signature)
+        self._signature = signature
+        return new
 
     def _peer(self, pipeline_rank: int) -> int:
         return dist.get_global_rank(self.group.group, pipeline_rank)
 
-    def _tag(self, kind: int, stage: int, microbatch: int) -> int:
-        return 2 * ((kind * self.num_stages + stage) * self.num_microbatches + microbatch)
+    def _shape(self, t: Transfer) -> tuple[tuple[int, ...], torch.dtype]:
+        # A gradient has the shape of the activation its receiver sent to the next stage.
+        return self._shapes[(self._signature, t.stage if t.kind == ACTIVATION else t.stage + 1)]
 
-    def send(self, tensor: Tensor, kind: int, to_stage: int, microbatch: int, to_rank: int) -> None:
-        """Start sending ``tensor`` for virtual stage ``to_stage`` (on pipeline rank ``to_rank``).
+    def exchange(self, batch: Batch, outgoing: dict[Message, Tensor]) -> dict[Message, Tensor]:
+        """Post ``batch`` as one ``batch_isend_irecv``, in its order, and wait for it: send the tensors its sends
+        name (taken from ``outgoing`` once their payload goes), and return what it received, by message.
 
-        The buffer stays referenced until :meth:`release` (or :meth:`wait_all`) sees the transfer done.
+        Raises:
+            ValueError: a header for a tensor of more than 8 dimensions or of a dtype the header cannot name.
+            RuntimeError: a tensor whose shape or dtype is not the one recorded for its message in this
+                signature's first step (its peer then waits until the process group's timeout).
         """
-        tensor = tensor.detach().contiguous()
-        if tensor.dim() > _HEADER - 2:
-            raise ValueError(f"Pipeline stages exchange tensors of at most {_HEADER - 2} dimensions, got {tuple(tensor.shape)}.")
-        header = torch.zeros(_HEADER, dtype=torch.int64, device=tensor.device)
-        header[0], header[1] = _DTYPES.index(tensor.dtype), tensor.dim()
-        header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
-        tag, peer = self._tag(kind, to_stage, microbatch), self._peer(to_rank)
-        works = [dist.isend(header, peer, group=self.group.group, tag=tag + 1),
-                 dist.isend(tensor, peer, group=self.group.group, tag=tag)]
-        self._pending[(kind, to_stage, microbatch)] = (works, [header, tensor])
-        self.log.payload.append(("activation" if kind == ACTIVATION else "gradient", tensor.numel() * tensor.element_size()))
-        self.log.header_bytes += header.numel() * header.element_size()
-
-    def recv(self, kind: int, stage: int, microbatch: int, from_rank: int) -> Tensor:
-        """Wait for the tensor sent to virtual stage ``stage`` for ``microbatch`` by pipeline rank ``from_rank``."""
-        tag, peer = self._tag(kind, stage, microbatch), self._peer(from_rank)
-        header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
-        dist.recv(header, peer, group=self.group.group, tag=tag + 1)
-        ndim = int(header[1])
-        out = torch.empty([int(n) for n in header[2 : 2 + ndim]], dtype=_DTYPES[int(header[0])], device=self.device)
-        dist.recv(out, peer, group=self.group.group, tag=tag)
-        return out
-
-    def release(self, kind: int, to_stage: int, microbatch: int) -> None:
-        """Wait for one send and drop its buffer (the executor calls it once the reply proves delivery)."""
-        works, _ = self._pending.pop((kind, to_stage, microbatch), ([], []))
-        for work in works:
+        ops: list[dist.P2POp] = []
+        received: dict[Message, Tensor] = {}
+        headers: list[tuple[Transfer, Tensor]] = []
+        for t in batch.transfers:
+            peer = self._peer(t.peer)
+            if t.send and t.header:
+                tensor = outgoing[t.message]
+                header = self._header(tensor)
+                self._shapes[(self._signature, t.stage)] = (tuple(tensor.shape), tensor.dtype)
+                ops.append(dist.P2POp(dist.isend, header, peer, self.group.group))
+                self.log.header_bytes += header.numel() * header.element_size()
+            elif t.send:
+                tensor = outgoing.pop(t.message).detach().contiguous()
+                shape, dtype = self._shape(t)
+                if (tuple(tensor.shape), tensor.dtype) != (shape, dtype):
+                    raise RuntimeError(
+                        f"Pipeline stage {t.stage - 1 if t.kind == 'activation' else t.stage + 1} sends a {t.kind} of "
+                        f"shape {tuple(tensor.shape)} ({tensor.dtype}) for micro-batch {t.microbatch}, where micro-"
+                        f"batches of the same shapes sent {shape} ({dtype}). What a stage sends must depend only on "
+                        f"the micro-batch's shapes."
+                    )
+                ops.append(dist.P2POp(dist.isend, tensor, peer, self.group.group))
+                self.log.payload.append((t.kind, tensor.numel() * tensor.element_size()))
+            elif t.header:
+                header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
+                ops.append(dist.P2POp(dist.irecv, header, peer, self.group.group))
+                headers.append((t, header))
+                self.log.header_bytes += header.numel() * header.element_size()
+            else:
+                shape, dtype = self._shape(t)
+                received[t.message] = torch.empty(shape, dtype=dtype, device=self.device)
+                ops.append(dist.P2POp(dist.irecv, received[t.message], peer, self.group.group))
+        self.log.batches += 1
+        for work in dist.batch_isend_irecv(ops):
             work.wait()
+        for t, header in headers:  # the transport's only reads to the host: in a signature's first step
+            code, ndim, *sizes = header.tolist()
+            self._shapes[(self._signature, t.stage)] = (tuple(sizes[:ndim]), _DTYPES[code])
+        return received
 
-    def wait_all(self) -> None:
-        """Wait for every send started (end of a step)."""
-        for works, _ in self._pending.values():
-            for work in works:
-                work.wait()
-        self._pending.clear()
+    def _header(self, tensor: Tensor) -> Tensor:
+        if tensor.dim() > _HEADER - 2 or tensor.dtype not in _DTYPES:
+            raise ValueError(f"Pipeline stages exchange tensors of at most {_HEADER - 2} dimensions and dtypes "
+                             f"{_DTYPES}; got {tuple(tensor.shape)} {tensor.dtype}.")
+        values = [_DTYPES.index(tensor.dtype), tensor.dim(), *tensor.shape, *[0] * (_HEADER - 2 - tensor.dim())]
+        return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+
+def shapes_signature(microbatch: object, forward_only: bool) -> Hashable:
+    """What the shapes sent between stages depend on: every tensor's shape and dtype in ``microbatch`` (any
+    nesting of lists, tuples and dicts), and whether the step is forward-only. Host metadata only."""
+    leaves: list[tuple] = []
+
+    def visit(value: object) -> None:
+        if isinstance(value, Tensor):
+            leaves.append((tuple(value.shape), value.dtype))
+        elif isinstance(value, Mapping):
+            for key in sorted(value, key=str):
+                visit(value[key])
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                visit(item)
+
+    visit(microbatch)
+    return forward_only, tuple(leaves)

@@ -1,8 +1,9 @@
 """Pipeline schedules as per-rank action lists: GPipe, 1F1B and interleaved 1F1B.
 
 An action is a forward or a backward of one model chunk on one micro-batch. The executor runs a
-rank's list in order; sends never block and receives wait for their data, so a list is correct
-when its data dependencies never form a cycle across ranks (checked by :func:`simulate`).
+rank's list in order; its data dependencies must never form a cycle across ranks (checked by
+:func:`simulate`, which also counts the micro-batches in flight), and the transfers between the
+actions must not deadlock under NCCL's rules (:mod:`.comm_plan`, checked by :mod:`.nccl_model`).
 
 Sources: GPipe (Huang et al. 2019); 1F1B / PipeDream-Flush and interleaved 1F1B (Narayanan et al.
 2021 §2.2, Megatron-LM ``schedules.py``), the schedules of Korthikanti et al. 2022 §6.
@@ -88,6 +89,14 @@ def one_f_one_b(m: int, p: int, rank: int) -> list[Action]:
     return actions + [Action("B", 0, i) for i in range(m - warmup, m)]
 
 
+def interleaved_warmup(m: int, p: int, v: int, rank: int) -> int:
+    """Forwards before the interleaved schedule's steady state on ``rank`` (Megatron-LM's count). With a single group
+    of p micro-batches every forward runs first, as Megatron-LM does: the steady state's paired transfers
+    (:mod:`~lightning_seqpar.pipeline_parallel.comm_plan`) would otherwise wait on each other around the ring."""
+    total = m * v
+    return total if m == p else min((p - rank - 1) * 2 + (v - 1) * p, total)
+
+
 def interleaved_one_f_one_b(m: int, p: int, v: int, rank: int) -> list[Action]:
     """Interleaved 1F1B with ``v`` chunks per rank: micro-batches advance through the chunks in groups
     of p; the bubble shrinks by v (Narayanan et al. 2021 Eq. 2, Megatron-LM
@@ -103,7 +112,7 @@ def interleaved_one_f_one_b(m: int, p: int, v: int, rank: int) -> list[Action]:
     def backward(k: int) -> Action:
         return Action("B", v - 1 - (k // p) % v, microbatch(k))
 
-    warmup = min((p - rank - 1) * 2 + (v - 1) * p, total)
+    warmup = interleaved_warmup(m, p, v, rank)
     actions = [forward(k) for k in range(warmup)]
     for i in range(total - warmup):
         actions += [forward(warmup + i), backward(i)]

@@ -14,7 +14,7 @@ from lightning_seqpar.tensor_parallel.mappings import (
     reduce_from_tensor_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
-from lightning_seqpar.tensor_parallel.sharding import ShardSpec, padded_size, set_shard_spec, shard_parameter
+from lightning_seqpar.tensor_parallel.sharding import ShardSpec, init_shard, padded_size, shard_parameter
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -52,8 +52,7 @@ class VocabParallelEmbedding(nn.Module):
         self.spec = ShardSpec(dim=0, full_size=num_embeddings, padded_size=padded_size(num_embeddings, group.size))
         self.per_rank = self.spec.padded_size // group.size
         self.vocab_start = group.rank * self.per_rank
-        self.weight = nn.Parameter(torch.empty(self.per_rank, embedding_dim).normal_(std=0.02))
-        set_shard_spec(self.weight, self.spec)
+        self.weight = init_shard((num_embeddings, embedding_dim), self.spec, group)
 
     @classmethod
     def from_embedding(cls, embedding: nn.Embedding, group: ParallelGroup, **kwargs) -> "VocabParallelEmbedding":

@@ -21,7 +21,9 @@ from lightning_seqpar.tensor_parallel.mappings import (
     reduce_from_tensor_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
-from lightning_seqpar.tensor_parallel.sharding import ShardSpec, set_sequence_parallel, set_shard_spec, shard_parameter
+from lightning_seqpar.tensor_parallel.sharding import (
+    ShardSpec, init_shard, set_sequence_parallel, set_shard_spec, shard_parameter,
+)
 
 
 class _ColumnParallelLinearFunction(torch.autograd.Function):
@@ -179,8 +181,7 @@ class ColumnParallelLinear(nn.Module):
         self.group, self.sequence_parallel, self.gather_output = group, sequence_parallel, gather_output
         self.spec = ShardSpec(dim=0, full_size=out_features, padded_size=out_features, chunks=chunks)
         local = out_features // group.size
-        self.weight = nn.Parameter(torch.empty(local, in_features).normal_(std=0.02))
-        set_shard_spec(self.weight, self.spec)
+        self.weight = init_shard((out_features, in_features), self.spec, group)
         self.bias_spec = ShardSpec(0, out_features, out_features, chunks)
         self.bias = nn.Parameter(torch.zeros(local)) if bias else None
         if self.bias is not None:
@@ -267,8 +268,7 @@ class RowParallelLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.group, self.sequence_parallel = group, sequence_parallel
         self.spec = ShardSpec(dim=1, full_size=in_features, padded_size=in_features)
-        self.weight = nn.Parameter(torch.empty(out_features, in_features // group.size).normal_(std=0.02))
-        set_shard_spec(self.weight, self.spec)
+        self.weight = init_shard((out_features, in_features), self.spec, group)
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         if self.bias is not None and sequence_parallel:
             set_sequence_parallel(self.bias)

@@ -184,6 +184,20 @@ def shard_parameter(full: Tensor, spec: ShardSpec, group: ParallelGroup, *, sequ
     return param
 
 
+def init_shard(full_shape: tuple[int, ...], spec: ShardSpec, group: ParallelGroup, std: float = 0.02):
+    """A new parameter holding this rank's shard of one single-device ``normal_(0, std)`` draw of ``full_shape``
+    (Megatron-LM's ``init_method_normal``), tagged with ``spec``.
+
+    The whole tensor is drawn from the default generator (seeded alike on every tensor-parallel rank) and sliced,
+    as Megatron-LM's ``_initialize_affine_weight_cpu`` does: the shards differ from rank to rank and gathered they
+    are what one device draws with the same seed, whatever t. On the meta device nothing is drawn.
+    """
+    full = torch.empty(full_shape)
+    if not full.is_meta:
+        full.normal_(std=std)
+    return shard_parameter(full, spec, group)
+
+
 def mark_sequence_parallel(module: torch.nn.Module) -> None:
     """Tag a module's own parameters as sequence-parallel: replicated, but each rank sees s/t tokens,
     so their gradients must be summed over the tensor-parallel group (Megatron-LM

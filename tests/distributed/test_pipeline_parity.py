@@ -20,7 +20,8 @@ CASES = {
     2: [
         Case("gpt", 1, True, None, (), (), (), 2),
         Case("gpt", 1, True, None, UNTIED, (), GPIPE, 2),
-        Case("gpt", 1, True, "selective", GPT4, (), INTERLEAVED, 2),
+        Case("gpt", 1, True, "selective", GPT4, (), INTERLEAVED, 2),  # m = p: every forward first
+        Case("gpt", 1, True, None, GPT4, (), INTERLEAVED + (("num_microbatches", 4),), 2, batch=4),  # steady state
         Case("gpt", 1, True, "full", GPT4, (), (("pipeline_split", (3, 1)),), 2),
         Case("encoder", 1, True, None, ENCODER_A, (), (), 2),
         Case("encoder", 1, True, "selective", ENCODER_B, (), (), 2),

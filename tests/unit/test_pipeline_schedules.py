@@ -47,6 +47,8 @@ def test_schedules_never_deadlock_and_bound_in_flight_micro_batches(schedule, m,
         assert peaks == [m] * p
     elif schedule == "1F1B":
         assert peaks == [min(p - r, m) for r in range(p)]  # PipeDream-Flush: stage r holds p - r
+    elif m == p:  # one group of p micro-batches: every forward first, as Megatron runs it
+        assert peaks == [m * v] * p
     else:  # Megatron's warm-up: 2(p - r - 1) + (v - 1)p forwards, then one more before the first backward
         assert peaks == [min(2 * (p - r - 1) + (v - 1) * p + 1, m * v) for r in range(p)]
 
