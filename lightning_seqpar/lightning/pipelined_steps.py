@@ -16,16 +16,15 @@ The contract with the user's LightningModule (README "Pipeline parallelism") is 
 
 from __future__ import annotations
 
-import numbers
 from typing import Any, Callable, Optional
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_seqpar.lightning.pipeline_logs import LogRecorder, LogShare
 from lightning_seqpar.parallel.collectives import ParallelGroup
 from lightning_seqpar.pipeline_parallel.config import PipelineConfig
 from lightning_seqpar.pipeline_parallel.executor import PipelineExecutor, StepResult, loss_of
@@ -73,35 +72,10 @@ class _PipelinedLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_output: Tensor) -> tuple[None, None, None]:
         for param, grad in ctx.grads.items():
-            grad = grad * grad_output.to(grad.dtype) if grad_output.item() != 1 else grad
+            grad.mul_(grad_output.to(grad.dtype))  # in place, and no host read of grad_output (exact when it is 1)
             param.grad = grad if param.grad is None else param.grad + grad
         ctx.grads = {}
         return None, None, None
-
-
-class _LogRecorder:
-    """Stands in for ``LightningModule.log`` during a schedule; keeps the calls of the last stage."""
-
-    def __init__(self) -> None:
-        self.calls: dict[str, tuple[list[float], Optional[torch.dtype], dict]] = {}
-
-    def __call__(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
-        if args:
-            raise TypeError("Under pipeline parallelism pass self.log options by keyword.")
-        if isinstance(value, Tensor) and value.numel() == 1:
-            number, dtype = float(value.detach()), value.dtype
-        elif isinstance(value, numbers.Number):
-            number, dtype = float(value), None
-        else:
-            raise TypeError(
-                f"self.log('{name}', {type(value).__name__}) inside a pipelined step: values logged there are averaged "
-                f"over micro-batches, so they must be numbers or one-element tensors. Log metric objects in an epoch hook."
-            )
-        entry = self.calls.setdefault(name, ([], dtype, kwargs))
-        entry[0].append(number)
-
-    def means(self) -> dict[str, tuple[float, Optional[torch.dtype], dict]]:
-        return {name: (sum(values) / len(values), dtype, kwargs) for name, (values, dtype, kwargs) in self.calls.items()}
 
 
 def check_pipelined_module(module: pl.LightningModule) -> None:
@@ -137,6 +111,7 @@ class PipelinedSteps:
         layout = executor.layout
         self.last_rank = layout.rank_of(layout.num_stages - 1)
         self.is_last = executor.rank == self.last_rank
+        self.logs = LogShare(self.pipeline, self.last_rank)
 
     @classmethod
     def build(cls, model: pl.LightningModule, config: PipelineConfig, pipeline: ParallelGroup,
@@ -172,26 +147,21 @@ class PipelinedSteps:
         return self.executor.layout
 
     def _run(self, module: pl.LightningModule, step: Callable[..., Any], batch: Any, batch_idx: int,
-             forward_only: bool) -> tuple[StepResult, dict]:
+             forward_only: bool) -> tuple[StepResult, LogRecorder]:
         micro = split_microbatches(batch, self.config.num_microbatches)
-        recorder = _LogRecorder()
+        recorder = LogRecorder()
         module.log = recorder  # an instance attribute shadows LightningModule.log for the schedule only
         try:
             result = self.executor.run(lambda i: step(micro[i], batch_idx), forward_only=forward_only,
                                        signature=shapes_signature(micro[0], forward_only))
         finally:
             del module.log
-        return result, recorder.means() if self.is_last else {}
-
-    def _share(self, payload: Any) -> Any:
-        box = [payload]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(self.pipeline.group, self.last_rank), group=self.pipeline.group)
-        return box[0]
+        return result, recorder
 
     @staticmethod
-    def _replay(module: pl.LightningModule, logs: dict) -> None:
-        for name, (value, dtype, kwargs) in logs.items():
-            module.log(name, torch.tensor(value, dtype=dtype or torch.get_default_dtype(), device=module.device), **kwargs)
+    def _replay(module: pl.LightningModule, logged: list[tuple[str, Tensor, dict]], dtypes: dict) -> None:
+        for name, value, kwargs in logged:
+            module.log(name, value.to(dtypes.get(name) or torch.get_default_dtype()), **kwargs)
 
     def training_step(self, module: pl.LightningModule, batch: Any, batch_idx: int) -> Tensor:
         """Run ``module.training_step`` on every micro-batch through the schedule.
@@ -199,26 +169,30 @@ class PipelinedSteps:
         Returns:
             The mean micro-batch loss, identical on every rank; its ``backward()`` puts the schedule's
             gradients (scaled by the incoming gradient, e.g. ``1/accumulate_grad_batches``) into ``.grad``.
+            Nothing is read back to the host.
         """
         params = [p for p in module.parameters() if p.requires_grad]
         earlier = [p.grad for p in params]  # gradients accumulated by previous batches stay where they are
         for p in params:
             p.grad = None
-        result, logs = self._run(module, module.training_step, batch, batch_idx, forward_only=False)
+        result, recorder = self._run(module, module.training_step, batch, batch_idx, forward_only=False)
         fresh = {p: p.grad for p in params if p.grad is not None}
         for p, grad in zip(params, earlier):
             p.grad = grad
-        losses = [loss_of(result.outputs[i]).detach() for i in sorted(result.outputs)]
-        mean = sum(float(loss) for loss in losses) / len(losses) if losses else 0.0
-        value, dtype, logs = self._share((mean, losses[0].dtype if losses else None, logs))
-        self._replay(module, logs)
+        mean = None
+        if self.is_last:
+            losses = [loss_of(result.outputs[i]).detach() for i in sorted(result.outputs)]
+            mean = torch.stack(losses).mean()
+        value, logged = self.logs.share("training", mean, recorder if self.is_last else None, module.device)
+        self._replay(module, logged, self.logs.dtypes("training"))
         anchor = torch.zeros((), device=module.device, requires_grad=True)
-        return _PipelinedLoss.apply(anchor, torch.tensor(value, dtype=dtype, device=module.device), fresh)
+        return _PipelinedLoss.apply(anchor, value.to(self.logs.loss_dtype("training")), fresh)
 
     def evaluation_step(self, module: pl.LightningModule, step: Callable[..., Any], batch: Any, batch_idx: int) -> None:
         """Forward-only pipeline of ``step`` (``validation_step`` / ``test_step``); returns ``None``."""
-        _, logs = self._run(module, step, batch, batch_idx, forward_only=True)
-        self._replay(module, self._share(logs))
+        _, recorder = self._run(module, step, batch, batch_idx, forward_only=True)
+        _, logged = self.logs.share("evaluation", None, recorder if self.is_last else None, module.device)
+        self._replay(module, logged, self.logs.dtypes("evaluation"))
 
 
 class PipelinedStepsMixin:

@@ -54,3 +54,40 @@ def test_no_peak_no_utilization_on_cpu():
     trainer = _trainer(tp=1, dp=1)
     figures = FlopsUtilization().measure(trainer, _module(), torch.zeros(B, S, dtype=torch.long), seconds=1.0)
     assert "perf/mfu" not in figures and figures["perf/model_tflops"] > 0
+
+
+def test_on_cuda_batches_are_timed_with_events_and_never_waited_for(monkeypatch):
+    """The CUDA path, with events standing in: reported once the device has passed a batch's end (``query``), never
+    by waiting (no ``synchronize``), from the events' elapsed time."""
+    class Event:
+        made = []
+
+        def __init__(self, enable_timing):
+            self.done, self.at = False, None
+            Event.made.append(self)
+
+        def record(self):
+            self.at = len(Event.made)
+
+        def query(self):
+            return self.done
+
+        def elapsed_time(self, end):
+            return 250.0  # ms
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: pytest.fail("synchronized"))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 0)
+    callback = FlopsUtilization(peak_flops=1e12)
+    module = _module()
+    module.log_dict = lambda figures, **kwargs: None
+    monkeypatch.setattr(type(module), "device", property(lambda self: torch.device("cuda")), raising=False)
+    trainer = _trainer(tp=1, dp=1)
+    batch = torch.zeros(B, S, dtype=torch.long)
+    callback.on_train_batch_start(trainer, module, batch, 0)
+    callback.on_train_batch_end(trainer, module, None, batch, 0)
+    assert callback.last == {}  # the device has not reached the batch's end yet
+    Event.made[1].done = True
+    callback.on_train_batch_start(trainer, module, batch, 1)
+    callback.on_train_batch_end(trainer, module, None, batch, 1)
+    assert callback.last["perf/tokens_per_s"] == B * S / 0.25

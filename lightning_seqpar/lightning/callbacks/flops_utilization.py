@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import replace
 from typing import Any, Optional
 
@@ -46,18 +47,39 @@ class FlopsUtilization(pl.Callback):
     def __init__(self, peak_flops: Optional[float] = None, vocab_size: Optional[int] = None) -> None:
         self.peak_flops, self.vocab_size = peak_flops, vocab_size
         self._start: Optional[float] = None
+        self._timed: deque = deque()  # CUDA: [start event, end event, batch] of batches not reported yet
         self.last: dict[str, float] = {}
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
-        self._start = time.perf_counter()
+        if pl_module.device.type == "cuda":
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            self._timed.append([start, None, batch])
+        else:
+            self._start = time.perf_counter()
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if self._start is None:
-            return
+        """On the CPU, time the batch that just ended. On CUDA, record an event and report the newest batch whose
+        events the device has passed (``Event.query``, which does not wait): the host never waits for the device,
+        and the figures lag the device's progress by a batch or so."""
         if pl_module.device.type == "cuda":
-            torch.cuda.synchronize(pl_module.device)
-        seconds = time.perf_counter() - self._start
+            if not self._timed:
+                return
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._timed[-1][1] = end
+            done = None
+            while self._timed and self._timed[0][1] is not None and self._timed[0][1].query():
+                done = self._timed.popleft()
+            if done is None:
+                return
+            start, end, batch = done
+            seconds = start.elapsed_time(end) / 1e3  # milliseconds
+        else:
+            if self._start is None:
+                return
+            seconds = time.perf_counter() - self._start
         self.last = self.measure(trainer, pl_module, batch, seconds)
         pl_module.log_dict(self.last, on_step=True, on_epoch=False)
 
