@@ -26,6 +26,18 @@ from lightning_seqpar.tensor_parallel.sharding import (
 )
 
 
+def autocast_input(x: Tensor) -> Tensor:
+    """``x`` in autocast's dtype when autocast is on for its device and would cast it for a matmul (a float32 input;
+    float64 is never cast), else ``x``. Casting before the all-gather sends, and keeps for backward, 16 bits
+    instead of the 32 of a norm's output under autocast (norms run in float32), with the same product: the
+    matmul would have cast the gathered tensor itself. The input's gradient is reduced in the matmul's dtype, as
+    before, and returned in ``x``'s."""
+    device = x.device.type
+    if x.dtype == torch.float32 and torch.is_autocast_enabled(device):
+        return x.to(torch.get_autocast_dtype(device))
+    return x
+
+
 class _ColumnParallelLinearFunction(torch.autograd.Function):
     """``y = g(x) Aᵀ + b`` (SP) or ``y = f(x) Aᵀ + b`` (TP), saving only the local input shard.
 
@@ -36,7 +48,8 @@ class _ColumnParallelLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Optional[Tensor], group: ParallelGroup, sequence_parallel: bool):
-        ctx.group, ctx.sequence_parallel, ctx.has_bias = group, sequence_parallel, bias is not None
+        ctx.group, ctx.sequence_parallel, ctx.has_bias, ctx.input_dtype = group, sequence_parallel, bias is not None, x.dtype
+        x = autocast_input(x)  # the matmul would cast it: gather and keep it in 16 bits
         total = group.all_gather(x, dim=0) if sequence_parallel else x  # [s, b, h]
         ctx.save_for_backward(x, weight)  # x is the local [s/t, b, h] shard under SP
         return F.linear(total, weight, bias)  # [s, b, out/t]
@@ -54,7 +67,7 @@ class _ColumnParallelLinearFunction(torch.autograd.Function):
                 grad_input = group.reduce_scatter(grad_total)  # [s/t, b, h]
             else:
                 grad_input = group.all_reduce(grad_total)  # the f operator's backward
-            grad_input = grad_input.to(x.dtype)
+            grad_input = grad_input.to(ctx.input_dtype)
         if ctx.needs_input_grad[1]:
             total = group.all_gather(x, dim=0) if ctx.sequence_parallel else x
             g2d = grad_output.reshape(-1, grad_output.shape[-1])
@@ -92,9 +105,10 @@ class _ColumnParallelLinearsFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, group: ParallelGroup, sequence_parallel: bool, *params: Optional[Tensor]):
-        ctx.group, ctx.sequence_parallel = group, sequence_parallel
+        ctx.group, ctx.sequence_parallel, ctx.input_dtype = group, sequence_parallel, x.dtype
         weights, biases = params[0::2], params[1::2]
         ctx.has_bias = [b is not None for b in biases]
+        x = autocast_input(x)  # the matmuls would cast it: gather and keep it in 16 bits
         total = group.all_gather(x, dim=0) if sequence_parallel else x  # [s, b, h]
         ctx.save_for_backward(x, *weights)  # x is the local [s/t, b, h] shard under SP
         return tuple(F.linear(total, w, b) for w, b in zip(weights, biases))  # each [s, b, out_i/t]
@@ -108,7 +122,7 @@ class _ColumnParallelLinearsFunction(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_total = sum(g.matmul(w.to(compute)) for g, w in zip(grad_outputs, weights))  # [s, b, h], partial
             grad_input = group.reduce_scatter(grad_total) if ctx.sequence_parallel else group.all_reduce(grad_total)
-            grad_input = grad_input.to(x.dtype)
+            grad_input = grad_input.to(ctx.input_dtype)
         else:
             grad_input = None
         if any(ctx.needs_input_grad[3::2]):

@@ -132,3 +132,49 @@ def test_tensor_parallel_activations_unchanged_by_sequence_parallelism(saved):
     # Eq. 2's 24·sbh/t + 5as²b/t, with the MLP width f general: (8 + 4f/h)·sbh/t (Megatron-Core's form).
     expected = (8 * sbh + 4 * S * B * F) // t + 5 * A * S * S * B // t
     assert m[True]["tensor_parallel_terms"] == m[False]["tensor_parallel_terms"] == expected
+
+
+def _autocast_bytes(rank, world_size):
+    """Bytes moved by one layer's forward and backward (float32 parameters and input) with and without CPU bfloat16
+    autocast, as Lightning's ``bf16-mixed`` runs it; and, under autocast, the bytes kept of the replicated regions."""
+    out = {}
+    for sp in (True, False):
+        moved = {}
+        for autocast in (False, True):
+            group, block, x = _layer(rank, sp)
+            group.log = CommunicationLog()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                y = block(x)
+            forward = group.log.bytes_moved()
+            y.float().sum().backward()
+            moved[autocast] = forward, group.log.bytes_moved() - forward
+        out[sp] = moved
+    group, block, x = _layer(rank, True, dropout=0.1)
+    block.train()
+    seen, kept = set(), 0
+
+    def pack(t):
+        nonlocal kept
+        ptr = t.untyped_storage().data_ptr()
+        if tuple(t.shape) == tuple(x.shape) and ptr not in seen and t is not x:
+            seen.add(ptr)
+            kept += t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+        block(x.detach().clone().requires_grad_(True))
+    return out, kept
+
+
+def test_sixteen_bit_collectives_under_autocast():
+    """Under autocast the layer's collectives carry bfloat16: half the bytes of float32, forward and backward, with
+    and without SP (the all-gather before each column-parallel linear sends what its matmul would cast anyway)."""
+    t = 2
+    moved, kept = run_distributed(_autocast_bytes, t)[0]
+    for sp in (True, False):
+        assert moved[sp][True][0] * 2 == moved[sp][False][0] > 0, (sp, moved[sp])
+        assert moved[sp][True][1] * 2 == moved[sp][False][1] > 0, (sp, moved[sp])
+    # Kept for backward in the replicated regions under SP: the 2 LayerNorm inputs stay float32 (autocast runs
+    # norms and the residual stream in float32), the 2 column-parallel linear inputs are 16-bit, the 2 dropout
+    # masks 1 byte: (2·4 + 2·2 + 2·1)·sbh/t, where float32 linear inputs would give 18·sbh/t.
+    assert kept == 14 * S * B * H // t
