@@ -31,10 +31,19 @@ class TransformerShape:
     """vocabulary size"""
     ffn_hidden_size: Optional[int] = None
     """MLP width f (default 4h, the paper's)"""
+    num_kv_heads: Optional[int] = None
+    """key/value heads g of grouped-query attention (default a: multi-head attention, the paper's)"""
+    gated_mlp: bool = False
+    """an MLP of three ``h × f`` matrices (SwiGLU: gate, up, down) instead of two"""
 
     @property
     def f(self) -> int:
         return self.ffn_hidden_size or 4 * self.h
+
+    @property
+    def g(self) -> int:
+        """Key/value heads."""
+        return self.num_kv_heads or self.a
 
 
 # name: (attention/MLP block, counted once per element at full width, kind)

@@ -9,19 +9,23 @@ from lightning_seqpar.memory.activations import Recompute, TransformerShape
 
 
 def layer_forward_flops(shape: TransformerShape, batch: int) -> float:
-    """Forward FLOPs of one layer for ``batch`` sequences: ``2Bsh(4h + 2f) + 4Bs²h``.
+    """Forward FLOPs of one layer for ``batch`` sequences.
 
-    QKV 6Bsh², QKᵀ 2Bs²h, attention over V 2Bs²h, projection 2Bsh², MLP 4Bshf (16Bsh² for f = 4h):
-    ``24Bsh² + 4Bs²h`` in the paper's Appendix A.
+    Query and output projections ``2·2Bsh²``, key and value projections ``2·2Bsh·(g/a)h`` (g key/value heads),
+    QKᵀ and attention over V ``2·2Bs²h``, the MLP ``2Bshf`` per matrix (2 matrices, or 3 gated). With g = a and
+    two matrices of f = 4h: ``24Bsh² + 4Bs²h``, the paper's Appendix A.
     """
     s, h, f = shape.s, shape.h, shape.f
-    return 2 * batch * s * h * (4 * h + 2 * f) + 4 * batch * s * s * h
+    kv = 2 * h * shape.g // shape.a  # the key and value projections' output features
+    matrices = 3 if shape.gated_mlp else 2
+    return 2 * batch * s * h * (2 * h + kv + matrices * f) + 4 * batch * s * s * h
 
 
 def model_flops_per_iteration(shape: TransformerShape, batch: int) -> float:
     """Eq. 7: FLOPs of one forward + backward, independent of implementation.
 
-    ``72·B·L·s·h²·(1 + s/(6h) + v/(12hL))`` for f = 4h. ``batch`` is the global batch B (sequences).
+    ``72·B·L·s·h²·(1 + s/(6h) + v/(12hL))`` for f = 4h, multi-head attention and two MLP matrices; in general
+    three times (:func:`layer_forward_flops` per layer + the logits' ``2Bshv``). ``batch`` is the global batch B.
     """
     logits = 2 * batch * shape.s * shape.h * shape.v
     return 3 * (shape.L * layer_forward_flops(shape, batch) + logits)

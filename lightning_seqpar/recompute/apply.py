@@ -139,8 +139,11 @@ def model_shape(model: nn.Module, s: int, b: int) -> tuple[TransformerShape, int
     layers = rewritten_layers(model)
     if not layers:
         raise ValueError("granularity='auto' found no rewritten transformer layer: is the model rewritten?")
-    h, a, f, t, sp = layers[0].layer_dims()
-    return TransformerShape(s=s, b=b, h=h, a=a, L=len(layers), ffn_hidden_size=f), t, sp
+    dims = layers[0].layer_dims()
+    shape = TransformerShape(s=s, b=b, h=dims.hidden_size, a=dims.num_heads, L=len(layers),
+                             ffn_hidden_size=dims.ffn_hidden_size, num_kv_heads=dims.num_kv_heads,
+                             gated_mlp=dims.gated_mlp)
+    return shape, dims.tp, dims.sequence_parallel
 
 
 def apply_recompute_plan(model: nn.Module, plan: RecomputePlan) -> None:

@@ -125,7 +125,7 @@ class ParallelBlock(ParallelLayer):
         self.mlp_residual_dropout = ParallelDropout(drops[1], ctx.rng_tracker, sharded=ctx.sp)
         self.rotary = getattr(sys.modules[type(block).__module__], spec.rotary) if spec.rotary else None
         ffn = out_features(resolve(block, mlp[0]))
-        self._dims = LayerDims(hidden, self.num_heads, ffn, ctx.tp, ctx.sp)
+        self._dims = LayerDims(hidden, self.num_heads, ffn, ctx.tp, ctx.sp, self.num_kv_heads, len(mlp) == 2)
 
     def layer_dims(self) -> LayerDims:
         return self._dims

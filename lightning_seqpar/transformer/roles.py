@@ -37,6 +37,10 @@ class LayerDims(NamedTuple):
     """t"""
     sequence_parallel: bool
     """whether the norm/dropout/residual regions are sharded along s"""
+    num_kv_heads: Optional[int] = None
+    """key/value heads g (grouped-query attention); ``None``: a"""
+    gated_mlp: bool = False
+    """an MLP of three matrices, ``down(act(gate(x)) · up(x))`` (SwiGLU), instead of two"""
 
 
 class LayerRouter(Protocol):

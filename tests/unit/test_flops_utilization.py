@@ -91,3 +91,26 @@ def test_on_cuda_batches_are_timed_with_events_and_never_waited_for(monkeypatch)
     callback.on_train_batch_start(trainer, module, batch, 1)
     callback.on_train_batch_end(trainer, module, None, batch, 1)
     assert callback.last["perf/tokens_per_s"] == B * S / 0.25
+
+
+@pytest.mark.parametrize("vocab_parallel", [False, True], ids=["tp1", "tp2-vocab-parallel"])
+def test_llama_flops_count_grouped_query_attention_the_gated_mlp_and_the_vocabulary(vocab_parallel):
+    """A Hugging Face Llama (4 query / 2 key-value heads, SwiGLU MLP of width 32, vocabulary 13), counted by hand."""
+    from tests.helpers.models import build
+
+    module = build("hf")
+    tp = 2 if vocab_parallel else 1
+    rewrite(module, RewriteContext(ParallelGroup.virtual(tp), False, RNGTracker.for_tensor_parallel(0, 0), True),
+            verify=False)
+    config = module.model.config
+    h, a, g, f, v, L = (config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
+                        config.intermediate_size, config.vocab_size, config.num_hidden_layers)
+    b, s = 2, 8
+    per_layer = (2 * b * s * h * h          # q_proj
+                 + 2 * 2 * b * s * h * (h // a * g)  # k_proj, v_proj: g heads of h/a
+                 + 2 * b * s * h * h        # o_proj
+                 + 3 * 2 * b * s * h * f    # gate_proj, up_proj, down_proj
+                 + 2 * 2 * b * s * s * h)   # QKᵀ and attention over V
+    expected = 3 * (L * per_layer + 2 * b * s * h * v)
+    figures = FlopsUtilization().measure(_trainer(tp=tp, dp=1), module, torch.zeros(b, s, dtype=torch.long), seconds=1.0)
+    assert figures["perf/model_tflops"] * 1e12 * tp == pytest.approx(expected, rel=1e-12)

@@ -28,6 +28,19 @@ def peak_flops_of(device: torch.device) -> Optional[float]:
     return next((flops for key, flops in PEAK_FLOPS.items() if key in name), None)
 
 
+def vocabulary_of(module: torch.nn.Module) -> int:
+    """v for the output layer's FLOPs: a vocabulary-parallel embedding's (the reference GPT), else the ``vocab_size``
+    of a Hugging Face model's config (the same on every pipeline stage, wherever the embedding is), else 0."""
+    for sub in module.modules():
+        if isinstance(sub, VocabParallelEmbedding):
+            return sub.num_embeddings
+    for sub in module.modules():
+        vocab = getattr(getattr(sub, "config", None), "vocab_size", None)
+        if isinstance(vocab, int) and hasattr(sub, "lm_head"):
+            return vocab
+    return 0
+
+
 class FlopsUtilization(pl.Callback):
     """Log throughput and FLOPs utilization of every training batch (Korthikanti et al. 2022 §6.3).
 
@@ -38,10 +51,10 @@ class FlopsUtilization(pl.Callback):
 
     Args:
         peak_flops: the device's peak FLOP/s; default: looked up by CUDA device name (``PEAK_FLOPS``).
-        vocab_size: for the output layer's FLOPs; default: the model's vocabulary-parallel embedding.
+        vocab_size: for the output layer's FLOPs; default: :func:`vocabulary_of` the model.
 
-    The model shape comes from the rewritten layers (:func:`~lightning_seqpar.recompute.model_shape`)
-    and each batch's token ids ``[b, s]``.
+    The model shape comes from the rewritten layers (:func:`~lightning_seqpar.recompute.model_shape`: grouped-query
+    attention and gated MLPs included, as the Llama family has them) and each batch's token ids ``[b, s]``.
     """
 
     def __init__(self, peak_flops: Optional[float] = None, vocab_size: Optional[int] = None) -> None:
@@ -87,9 +100,7 @@ class FlopsUtilization(pl.Callback):
         """The logged figures for one batch that took ``seconds``."""
         s, b = micro_batch_shape(batch)
         shape, _, _ = model_shape(pl_module, s, b)
-        vocab = self.vocab_size
-        if vocab is None:
-            vocab = next((m.num_embeddings for m in pl_module.modules() if isinstance(m, VocabParallelEmbedding)), 0)
+        vocab = self.vocab_size if self.vocab_size is not None else vocabulary_of(pl_module)
         shape = replace(shape, v=vocab)
         strategy = trainer.strategy
         ours = isinstance(strategy, SeqParallelStrategy)
