@@ -1,11 +1,16 @@
 """Publishing a checkpoint (a file or a directory) atomically under its final name.
 
-A checkpoint is written under a hidden temporary name in the target folder (``.NAME.tmp-PID``) and
+A checkpoint is written under a hidden temporary name in the target folder (``.NAME.tmp-ID``) and
 renamed to ``NAME`` only when complete, so a reader never sees a partial one. Replacing an existing
-``NAME`` (e.g. ``last.ckpt``) moves it aside to ``.NAME.old-PID`` first; a writer killed between the
+``NAME`` (e.g. ``last.ckpt``) moves it aside to ``.NAME.old-ID`` first; a writer killed between the
 two renames leaves the previous checkpoint there, and :func:`recover_stale` puts it back. Removing one
-renames it to ``.NAME.del-PID`` before deleting its files, so a removal killed halfway never leaves a
+renames it to ``.NAME.del-ID`` before deleting its files, so a removal killed halfway never leaves a
 partial checkpoint under its name. POSIX ``rename`` is atomic for files and directories alike.
+
+``ID`` is the writer's identity, ``PID-START`` (its process id and the clock tick it started at, from
+``/proc``): a process that reuses the PID of a writer killed earlier (after a restart) has another start
+time, so what the dead writer left is still recovered. A bare ``PID`` (older checkpoints, systems without
+``/proc``) is taken as alive while that PID is.
 """
 
 from __future__ import annotations
@@ -19,13 +24,30 @@ OLD_MARK = ".old-"
 DELETE_MARK = ".del-"
 
 
-def temporary_path(path: Path, pid: int | None = None) -> Path:
-    """Where ``path`` is written before it is published: ``.NAME.tmp-PID`` beside it (``pid``: the writer's,
-    default this process's; a multi-process writer passes its coordinator's so every rank agrees)."""
-    return path.with_name(f".{path.name}{TMP_MARK}{os.getpid() if pid is None else pid}")
+def _start_tick(pid: int) -> str | None:
+    """The clock tick process ``pid`` started at (``/proc/PID/stat`` field 22), ``None`` if unknown."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
 
 
-def _writer_alive(pid: int) -> bool:
+def writer_identity(pid: int | None = None) -> str:
+    """``PID-START`` of process ``pid`` (default this one), or ``PID`` where the start time is unknown."""
+    pid = os.getpid() if pid is None else pid
+    start = _start_tick(pid)
+    return f"{pid}-{start}" if start is not None else str(pid)
+
+
+def temporary_path(path: Path, writer: int | str | None = None) -> Path:
+    """Where ``path`` is written before it is published: ``.NAME.tmp-ID`` beside it (``writer``: the writer's
+    identity, default this process's; a multi-process writer passes its coordinator's so every rank agrees)."""
+    return path.with_name(f".{path.name}{TMP_MARK}{writer_identity() if writer is None else writer}")
+
+
+def _writer_alive(identity: str) -> bool:
+    pid_text, _, start = identity.partition("-")
+    pid = int(pid_text)
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -37,6 +59,8 @@ def _writer_alive(pid: int) -> bool:
             return False
     except (OSError, IndexError):
         pass
+    if start and _start_tick(pid) not in (None, start):
+        return False  # the PID now belongs to another process: the writer is gone
     return pid != os.getpid()
 
 
@@ -50,15 +74,15 @@ def _remove(path: Path) -> None:
 def recover_stale(directory: Path) -> list[Path]:
     """Clean up after writers killed mid-save in ``directory``; those still running are left alone.
 
-    A dead writer's temporary (``.NAME.tmp-PID``) is deleted. Its moved-aside previous checkpoint
-    (``.NAME.old-PID``) is renamed back to ``NAME`` if nothing was published there, and deleted
+    A dead writer's temporary (``.NAME.tmp-ID``) is deleted. Its moved-aside previous checkpoint
+    (``.NAME.old-ID``) is renamed back to ``NAME`` if nothing was published there, and deleted
     otherwise. Returns the paths removed or restored.
     """
     touched = []
     for mark in (OLD_MARK, TMP_MARK, DELETE_MARK):
         for path in sorted(directory.glob(f".*{mark}*")):
-            stem, _, pid = path.name.rpartition(mark)
-            if not pid.isdigit() or _writer_alive(int(pid)):
+            stem, _, identity = path.name.rpartition(mark)
+            if not identity.replace("-", "", 1).isdigit() or _writer_alive(identity):
                 continue
             final = directory / stem[1:]
             if mark == OLD_MARK and not final.exists():
@@ -99,14 +123,14 @@ def publish(tmp: Path, final: Path) -> None:
     """Make the complete ``tmp`` (file or directory) visible as ``final``, replacing what was there.
 
     Everything under ``tmp`` is flushed first. A crash at any moment leaves either the previous ``final``
-    or the new one under that name (or, between the two renames, the previous one as ``.NAME.old-PID``,
+    or the new one under that name (or, between the two renames, the previous one as ``.NAME.old-ID``,
     which :func:`recover_stale` restores); never a partial checkpoint.
     """
     fsync_tree(tmp)
     old = None
     # A file replaces a file in one rename; a directory cannot replace one that exists, so it is moved aside.
     if final.exists() and (final.is_dir() or tmp.is_dir()):
-        old = final.with_name(f".{final.name}{OLD_MARK}{os.getpid()}")
+        old = final.with_name(f".{final.name}{OLD_MARK}{writer_identity()}")
         _remove(old)
         os.replace(final, old)
     os.replace(tmp, final)
@@ -117,10 +141,10 @@ def publish(tmp: Path, final: Path) -> None:
 
 def remove(path: Path) -> None:
     """Delete the checkpoint ``path`` (file or directory) so that it disappears from its name at once: it is
-    renamed to ``.NAME.del-PID`` and then deleted (what a killed removal leaves, :func:`recover_stale` deletes)."""
+    renamed to ``.NAME.del-ID`` and then deleted (what a killed removal leaves, :func:`recover_stale` deletes)."""
     if not (path.exists() or path.is_symlink()):
         return
-    doomed = path.with_name(f".{path.name}{DELETE_MARK}{os.getpid()}")
+    doomed = path.with_name(f".{path.name}{DELETE_MARK}{writer_identity()}")
     _remove(doomed)
     os.replace(path, doomed)
     fsync_directory(path.parent)

@@ -14,14 +14,13 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import Tensor
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_seqpar.checkpoint.atomic import publish, temporary_path
-from lightning_seqpar.checkpoint.safe_reader import SafeFileSystemReader, read_metadata
-from lightning_seqpar.checkpoint.sharded import FORMAT_KEY, MODEL_PREFIX, is_sharded_checkpoint
-from lightning_seqpar.checkpoint.trainer_checkpoint import read_trainer_state
+from lightning_seqpar.checkpoint.safe_reader import read_metadata
+from lightning_seqpar.checkpoint.sharded import FORMAT_KEY, MODEL_PREFIX, is_sharded_checkpoint, read_shards
+from lightning_seqpar.checkpoint.trainer_checkpoint import read_trainer_state, verified
 from lightning_seqpar.hf.streaming import SafetensorsStreamWriter, TensorEntry
 from lightning_seqpar.hf.weights import load_safetensors_file, save_safetensors_file
 
@@ -31,18 +30,20 @@ def consolidate(path: os.PathLike | str) -> dict[str, Tensor]:
 
     Raises:
         FileNotFoundError: ``path`` is not a complete sharded checkpoint (no ``.metadata``).
-        ValueError: from :func:`~.trainer_checkpoint.read_trainer_state`.
+        ValueError: a file that is not what was written (:func:`~.trainer_checkpoint.verified`), from
+            :func:`~.trainer_checkpoint.read_trainer_state`.
     """
     path = Path(path)
     if not is_sharded_checkpoint(path):
         raise FileNotFoundError(f"{path} is not a complete sharded checkpoint directory (no .metadata inside).")
+    verified(path)
     info = read_trainer_state(path)[FORMAT_KEY]
     shapes = info["single_device_shapes"]
     metadata = read_metadata(path)
     saved = {k: v for k, v in metadata.state_dict_metadata.items()
              if k.startswith(MODEL_PREFIX) and isinstance(v, TensorStorageMetadata)}
     targets = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in saved.items()}
-    dcp.load(targets, storage_reader=SafeFileSystemReader(path), no_dist=True)
+    read_shards(targets, path, no_dist=True)
     state = {k[len(MODEL_PREFIX):]: v.reshape(shapes[k[len(MODEL_PREFIX):]]) for k, v in targets.items()}
     for alias, stored in info["tied"].items():  # tied parameters: one tensor under each of their keys
         state[alias] = state[stored]
@@ -64,6 +65,7 @@ def consolidate_to_safetensors(path: os.PathLike | str, out: os.PathLike | str) 
     path, out = Path(path), Path(out)
     if not is_sharded_checkpoint(path):
         raise FileNotFoundError(f"{path} is not a complete sharded checkpoint directory (no .metadata inside).")
+    verified(path)
     info = read_trainer_state(path)[FORMAT_KEY]
     shapes, tied = info["single_device_shapes"], info["tied"]
     saved = {k[len(MODEL_PREFIX):]: v for k, v in read_metadata(path).state_dict_metadata.items()
@@ -77,8 +79,7 @@ def consolidate_to_safetensors(path: os.PathLike | str, out: os.PathLike | str) 
             for entry in entries:
                 meta = saved[stored[entry.name]]
                 value = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
-                dcp.load({MODEL_PREFIX + stored[entry.name]: value}, storage_reader=SafeFileSystemReader(path),
-                         no_dist=True)
+                read_shards({MODEL_PREFIX + stored[entry.name]: value}, path, no_dist=True)
                 writer.write(entry.name, value.reshape(entry.shape))
                 del value
         publish(tmp, out)

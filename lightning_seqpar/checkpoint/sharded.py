@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch import Tensor
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
@@ -50,6 +51,20 @@ def is_sharded_checkpoint(path: Path) -> bool:
 def local_part(tensor: Tensor) -> Tensor:
     """The rank's own memory behind a :func:`~lightning_seqpar.tensor_parallel.sharding.dcp_view` (the tensor itself when replicated)."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def read_shards(targets: dict[str, Tensor], path: Path, no_dist: bool = False) -> None:
+    """``dcp.load`` of ``targets`` from ``path``; its failures (``CheckpointException`` derives from
+    ``BaseException``, which ``except Exception`` misses) become a ``ValueError`` naming the checkpoint.
+
+    Raises:
+        ValueError: a shard that cannot be read, with what DCP reported.
+    """
+    try:
+        dcp.load(targets, storage_reader=SafeFileSystemReader(path), no_dist=no_dist)
+    except CheckpointException as error:
+        raise ValueError(f"Reading the shards of {path} failed ({str(error)[:500]}): the checkpoint is damaged. Resume "
+                         f"from the checkpoint before it, or run `python -m lightning_seqpar.checkpoint verify` on it.") from error
 
 
 # ---------------------------------------------------------------------------------------------- model
@@ -137,7 +152,7 @@ def load_model(module: nn.Module, path: Path, metadata: Metadata, tp_mesh: Optio
     on_every_rank(check)
     targets = {MODEL_PREFIX + k: dcp_view(v, shard_spec(v), tp_mesh) for k, v in own.items() if k in saved}
     with torch.no_grad():
-        dcp.load(targets, storage_reader=SafeFileSystemReader(path))
+        read_shards(targets, path)
     if not allow_non_finite:
         on_every_rank(lambda: check_finite({k: local_part(v) for k, v in targets.items()}, "weight"))
 
@@ -222,7 +237,7 @@ def load_optimizer(index: int, optimizer: torch.optim.Optimizer, groups: Sequenc
                 state[position] = entry
             position += 1
     with torch.no_grad():
-        dcp.load(targets, storage_reader=SafeFileSystemReader(path))
+        read_shards(targets, path)
     if not allow_non_finite:
         on_every_rank(lambda: check_finite({k: local_part(v) for k, v in targets.items()}, f"optimizer {index} state"))
     live = local.state_dict()["param_groups"]

@@ -9,14 +9,17 @@ optimizer's hyperparameters. ``trainer_state.pt`` is read with ``weights_only=Tr
 from __future__ import annotations
 
 import pickle
+import warnings
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
+from lightning_seqpar.checkpoint.manifest import verify_on_every_rank
 from lightning_seqpar.checkpoint.safe_reader import read_metadata
 from lightning_seqpar.checkpoint.sharded import (
     FORMAT,
@@ -63,7 +66,8 @@ def read_trainer_state(path: Path, weights_only: Optional[bool] = None) -> dict[
     """``trainer_state.pt`` of the sharded checkpoint ``path`` (``weights_only`` unless told ``False``).
 
     Raises:
-        ValueError: the file holds objects ``weights_only`` refuses, or is not of this format.
+        ValueError: the file holds objects ``weights_only`` refuses, cannot be read, or is not of this format,
+            naming it.
     """
     file = Path(path) / TRAINER_STATE_FILE
     try:
@@ -74,9 +78,29 @@ def read_trainer_state(path: Path, weights_only: Optional[bool] = None) -> dict[
             f"pass weights_only=False to trainer.fit/validate, or allow the classes with "
             f"torch.serialization.add_safe_globals."
         ) from error
+    except (OSError, EOFError, RuntimeError, UnicodeDecodeError, ValueError, AttributeError) as error:
+        raise ValueError(f"{file} cannot be read ({type(error).__name__}: {error}): it is damaged or missing. "
+                         f"Resume from the checkpoint before it.") from error
     if not isinstance(state, dict) or state.get(FORMAT_KEY, {}).get("format") != FORMAT:
         raise ValueError(f"{path} is not a lightning_seqpar sharded checkpoint of format {FORMAT!r}.")
     return state
+
+
+def verified(path: Path) -> Optional[dict[str, Any]]:
+    """Check every file of the sharded checkpoint ``path`` against its manifest, the ranks sharing the reading
+    (collective when a process group exists). A checkpoint
+    without a manifest (written before they existed) is loaded with a warning. Returns the manifest.
+
+    Raises:
+        ValueError: on every rank, naming each damaged, missing or foreign file.
+    """
+    manifest = verify_on_every_rank(Path(path))
+    if manifest is None:
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            warnings.warn(f"The checkpoint {path} has no manifest (written before they existed): it is loaded without "
+                          f"checking that its files are those written.", stacklevel=3)
+        return None
+    return manifest
 
 
 def load_trainer_checkpoint(path: Path, module: nn.Module, optimizers: Sequence[Optimizer],
@@ -89,11 +113,15 @@ def load_trainer_checkpoint(path: Path, module: nn.Module, optimizers: Sequence[
     each optimizer's saved settings (already loaded when ``optimizers`` were given).
 
     Raises:
-        ValueError: from :func:`read_trainer_state`, :func:`~.sharded.load_model`, :func:`~.sharded.load_optimizer`;
-            another number of optimizers than saved.
+        ValueError: from :func:`verified` (before anything is read), :func:`read_trainer_state`,
+            :func:`~.sharded.load_model`, :func:`~.sharded.load_optimizer`; another number of optimizers than saved.
     """
+    manifest = verified(path)
     state = read_trainer_state(path, weights_only)
     info = state[FORMAT_KEY]
+    if manifest is not None and info.get("save_id") != manifest["save_id"]:
+        raise ValueError(f"{Path(path) / TRAINER_STATE_FILE} belongs to another save than the checkpoint's manifest "
+                         f"(save {info.get('save_id')} against {manifest['save_id']}). Resume from the checkpoint before it.")
     metadata = read_metadata(path)
     load_model(module, path, metadata, tp_mesh, strict, allow_non_finite)
     groups = info["optimizer_param_groups"]

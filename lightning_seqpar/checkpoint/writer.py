@@ -1,8 +1,9 @@
 """Writing a sharded checkpoint directory atomically, in the foreground or while training goes on.
 
 Every rank writes its shards into ``.NAME.tmp-PID`` (PID: the coordinator's, so every rank agrees) beside
-the target; when DCP has written its index, which it does only after every rank reported its files, the
-coordinator adds ``trainer_state.pt`` and publishes the directory under ``NAME`` (see :mod:`.atomic`).
+the target; when DCP has written its index, which it does only after every rank reported its files, every rank
+records the size and CRC-32 of its files and the coordinator writes the manifest (:mod:`.manifest`) and
+publishes the directory under ``NAME`` (see :mod:`.atomic`).
 A save killed at any moment therefore leaves the previous checkpoint under ``NAME`` and no partial one.
 
 With ``async_save``, ``torch.distributed.checkpoint.async_save`` copies the state to host memory (staging,
@@ -14,8 +15,8 @@ process group of their own (gloo), so they never interleave with training's.
 
 from __future__ import annotations
 
-import os
 import shutil
+import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Mapping, Optional
@@ -25,9 +26,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 
-from lightning_seqpar.checkpoint.atomic import publish, recover_stale, temporary_path
-from lightning_seqpar.checkpoint.sharded import TRAINER_STATE_FILE
+from lightning_seqpar.checkpoint.atomic import publish, recover_stale, temporary_path, writer_identity
+from lightning_seqpar.checkpoint.manifest import file_entry, write_manifest
+from lightning_seqpar.checkpoint.safe_reader import METADATA_FILE
+from lightning_seqpar.checkpoint.sharded import FORMAT_KEY, TRAINER_STATE_FILE
 
 
 class ShardedCheckpointWriter:
@@ -35,18 +39,20 @@ class ShardedCheckpointWriter:
 
     Args:
         coordinator: whether this rank publishes (rank 0).
-        coordinator_pid: the coordinator's process id, which names the temporary directory on every rank.
+        coordinator_pid: the coordinator's identity (:func:`coordinator_pid`), which names the temporary directory
+            on every rank.
         process_group: the group DCP's collectives run on (default: the world); required, and of its own,
             for ``async_save``.
         async_save: write in the background while training continues.
     """
 
-    def __init__(self, coordinator: bool, coordinator_pid: int, process_group: Optional[Any] = None,
+    def __init__(self, coordinator: bool, coordinator_pid: int | str, process_group: Optional[Any] = None,
                  async_save: bool = False) -> None:
         self.coordinator, self.coordinator_pid = coordinator, coordinator_pid
         self.process_group, self.async_save = process_group, async_save
         self._executor: Optional[ThreadPoolExecutor] = None
         self._pending: Optional[Future] = None
+        self._save_id = ""
 
     def save(self, path: Path, entries: Mapping[str, Tensor], trainer_state: Mapping[str, Any]) -> None:
         """Write ``entries`` (DCP views, every rank its own) and the coordinator's ``trainer_state`` to ``path``.
@@ -63,13 +69,20 @@ class ShardedCheckpointWriter:
             path.parent.mkdir(parents=True, exist_ok=True)
             recover_stale(path.parent)
             tmp.mkdir()
+            trainer_state = dict(trainer_state)
+            self._save_id = uuid.uuid4().hex
+            trainer_state[FORMAT_KEY] = {**trainer_state.get(FORMAT_KEY, {}), "save_id": self._save_id}
             with open(tmp / TRAINER_STATE_FILE, "wb") as f:
-                torch.save(dict(trainer_state), f)
+                torch.save(trainer_state, f)
         dist.barrier(group=self.process_group)  # the directory exists before anyone writes into it
         writer = FileSystemWriter(tmp)
         if not self.async_save:
             try:
                 dcp.save(dict(entries), storage_writer=writer, process_group=self.process_group)
+                self._write_manifest(tmp)
+            except CheckpointException as error:  # a BaseException: name the checkpoint (a full disk, ...)
+                self._discard(tmp)
+                raise OSError(f"Writing the checkpoint {path} failed: {str(error)[:500]}") from error
             except BaseException:
                 self._discard(tmp)
                 raise
@@ -84,11 +97,28 @@ class ShardedCheckpointWriter:
     def _finish(self, written: Any, tmp: Path, path: Path) -> None:
         try:
             written.result()
+            self._write_manifest(tmp)
         except BaseException:
             self._discard(tmp)
             raise
         if self.coordinator:
             publish(tmp, path)
+
+    def _write_manifest(self, tmp: Path) -> None:
+        """Every rank records the files it wrote (DCP names them ``__RANK_*``); the coordinator adds ``.metadata``
+        and ``trainer_state.pt`` and writes the manifest last (collective over ``process_group``)."""
+        distributed = dist.is_initialized() and dist.get_world_size(self.process_group) > 1
+        rank = dist.get_rank(self.process_group) if distributed else 0
+        mine = {p.name: file_entry(p) for p in sorted(tmp.glob(f"__{rank}_*"))}
+        gathered: list[Any] = [mine]
+        if distributed:
+            gathered = [None] * dist.get_world_size(self.process_group) if self.coordinator else None
+            dst = dist.get_global_rank(self.process_group, 0) if self.process_group is not None else 0
+            dist.gather_object(mine, gathered, dst=dst, group=self.process_group)
+        if self.coordinator:
+            files = {name: entry for part in gathered for name, entry in part.items()}
+            files.update({name: file_entry(tmp / name) for name in (METADATA_FILE, TRAINER_STATE_FILE)})
+            write_manifest(tmp, self._save_id, files)
 
     def _discard(self, tmp: Path) -> None:
         if self.coordinator and tmp.exists():
@@ -114,9 +144,9 @@ class ShardedCheckpointWriter:
                 self._executor = None
 
 
-def coordinator_pid(process_group: Optional[Any] = None) -> int:
-    """Rank 0's process id, on every rank (collective)."""
-    value = [os.getpid()]
+def coordinator_pid(process_group: Optional[Any] = None) -> str:
+    """Rank 0's writer identity (``PID-START``, :func:`~.atomic.writer_identity`), on every rank (collective)."""
+    value = [writer_identity()]
     if dist.is_initialized() and dist.get_world_size(process_group) > 1:
         dist.broadcast_object_list(value, src=dist.get_global_rank(process_group, 0) if process_group else 0,
                                    group=process_group)

@@ -222,6 +222,9 @@ class CheckpointingMixin:
         if self.is_global_zero and not path.exists() and path.parent.is_dir():
             remove_stale_temporaries(path.parent)
         self.barrier("load_checkpoint")
+        if path.is_dir() and not is_sharded_checkpoint(path):
+            raise ValueError(f"{path} is a directory without .metadata: a sharded checkpoint whose save did not finish, "
+                             f"or a damaged one. Resume from the checkpoint before it.")
         if not is_sharded_checkpoint(path):
             return super().load_checkpoint(path, weights_only=weights_only)
         if self._checkpoint_writer is not None:

@@ -41,6 +41,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             with open(tmp, "wb") as f:
                 torch.save(checkpoint, f)
             publish(tmp, path)
+        except OSError as error:  # a full disk names no file by itself
+            raise OSError(error.errno, f"Writing the checkpoint {path} failed: {error.strerror or error}") from error
         finally:
             if tmp.exists():
                 tmp.unlink()

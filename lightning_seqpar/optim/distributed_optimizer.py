@@ -17,6 +17,8 @@ reduce-scatter + all-gather (same volume in total, an all-reduce where Megatron 
 
 from __future__ import annotations
 
+import warnings
+
 import inspect
 from typing import Any, Sequence
 
@@ -49,7 +51,11 @@ def shard_optimizer(optimizer: Optimizer, data: ParallelGroup) -> ZeroRedundancy
 def shard_optimizers(optimizers: Sequence[Optimizer], lr_scheduler_configs: Sequence[Any],
                      data: ParallelGroup) -> list[ZeroRedundancyOptimizer]:
     """:func:`shard_optimizer` for each, and each learning-rate scheduler pointed at its optimizer's
-    replacement (a scheduler writes ``lr`` into ``scheduler.optimizer.param_groups``)."""
+    replacement (a scheduler writes ``lr`` into ``scheduler.optimizer.param_groups``). With one data-parallel rank
+    there is nothing to shard: a warning says so (the run is as with ``zero=0``, plus ZeRO's bookkeeping)."""
+    if data.size == 1:
+        warnings.warn("zero=1 shards the optimizer state over the data-parallel ranks, and this run has one (dp = 1): "
+                      "nothing is saved. Use zero=0, or more devices than tp·pp.", stacklevel=2)
     sharded = [shard_optimizer(optimizer, data) for optimizer in optimizers]
     for config in lr_scheduler_configs:
         for old, new in zip(optimizers, sharded):

@@ -105,3 +105,24 @@ def test_removal_takes_the_checkpoint_off_its_name_first(tmp_path):
     recover_stale(tmp_path)
     assert list(tmp_path.iterdir()) == []
     remove(tmp_path / "absent.ckpt")  # nothing to do
+
+
+def test_a_checkpoint_moved_aside_by_a_writer_whose_pid_was_reused_is_restored(tmp_path):
+    """The PID in ``.NAME.old-PID-START`` now belongs to a live process that started at another time (a restart
+    reused it): the writer is gone, so its moved-aside checkpoint is put back. The same PID and start: kept."""
+    from lightning_seqpar.checkpoint.atomic import writer_identity
+
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        pid, start = writer_identity(other.pid).split("-")
+        reused = tmp_path / f".last.ckpt.old-{pid}-{int(start) + 1}"  # written by an earlier process of that PID
+        reused.mkdir()
+        (reused / "step").write_text("1")
+        running = tmp_path / f".epoch.ckpt.old-{pid}-{start}"  # the live process itself: left alone
+        running.mkdir()
+        recover_stale(tmp_path)
+        assert (tmp_path / "last.ckpt" / "step").read_text() == "1" and not reused.exists()
+        assert running.exists() and not (tmp_path / "epoch.ckpt").exists()
+    finally:
+        other.kill()
+        other.wait()

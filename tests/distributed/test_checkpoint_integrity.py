@@ -1,0 +1,137 @@
+"""A checkpoint loads exactly as it was written, or is refused naming the file: every file of a sharded checkpoint
+is checked against the manifest written with it (size and CRC-32) before any tensor reaches the model."""
+
+import random
+import shutil
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_seqpar.checkpoint.manifest import MANIFEST_FILE
+from lightning_seqpar.checkpoint.trainer_checkpoint import verified
+from tests.helpers.distributed import run_distributed
+from tests.helpers.jobs import ROOT
+from tests.helpers.parity import Case, fit
+
+CASE = Case("gpt", 2, True, None)
+
+
+def _save(rank, world_size, directory):
+    checkpoints = ModelCheckpoint(dirpath=directory, filename="step{step}", every_n_train_steps=1, save_top_k=-1)
+    fit(CASE, world_size, steps=2, callbacks=[checkpoints], enable_checkpointing=True)
+
+
+def _load(rank, world_size, checkpoint):
+    try:
+        fit(CASE, world_size, steps=3, ckpt_path=checkpoint)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("integrity")
+    run_distributed(_save, 2, str(directory))
+    first, second = sorted(p for p in directory.iterdir() if p.name.startswith("step"))
+    assert (second / MANIFEST_FILE).is_file()
+    return first, second
+
+
+def _copy(saved, tmp_path, name="ckpt"):
+    target = tmp_path / name
+    shutil.copytree(saved[1], target)
+    return target
+
+
+def _flip(path, offsets):
+    data = bytearray(path.read_bytes())
+    for offset in offsets:
+        data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _shards(path):
+    return sorted(path.glob("*.distcp"))
+
+
+CORRUPTIONS = {
+    "three flipped bytes in a shard": lambda p, s: _flip(_shards(p)[0], [100, 2000, 4000]),
+    "one flipped bit in trainer_state.pt": lambda p, s: _flip(p / "trainer_state.pt", [300]),
+    "a flipped byte in the index": lambda p, s: _flip(p / ".metadata", [50]),
+    "a truncated shard": lambda p, s: _shards(p)[1].write_bytes(_shards(p)[1].read_bytes()[:-10]),
+    "a deleted shard": lambda p, s: _shards(p)[0].unlink(),
+    "a shard of another save": lambda p, s: shutil.copy(_shards(s[0])[0], p / _shards(s[0])[0].name),
+    "a file added": lambda p, s: (p / "__9_0.distcp").write_bytes(b"x" * 64),
+}
+
+
+@pytest.mark.parametrize("corruption", sorted(CORRUPTIONS))
+def test_every_kind_of_damage_is_refused_naming_the_file(saved, tmp_path, corruption):
+    checkpoint = _copy(saved, tmp_path)
+    verified(checkpoint)  # intact: passes
+    CORRUPTIONS[corruption](checkpoint, saved)
+    with pytest.raises(ValueError, match=rf"{checkpoint}/[^ ]+: .*Resume from the checkpoint before it"):
+        verified(checkpoint)
+
+
+def test_a_damaged_manifest_is_refused(saved, tmp_path):
+    checkpoint = _copy(saved, tmp_path)
+    (checkpoint / MANIFEST_FILE).write_text("{not json")
+    with pytest.raises(ValueError, match=rf"manifest {checkpoint}/manifest.json is damaged"):
+        verified(checkpoint)
+
+
+def test_a_sweep_of_random_edits_loads_nothing_silently(saved, tmp_path):
+    rng = random.Random(0)
+    silent, edits = 0, 0
+    for kind in ("shard", "trainer_state"):
+        for _ in range(60):
+            checkpoint = tmp_path / "sweep"
+            shutil.rmtree(checkpoint, ignore_errors=True)
+            shutil.copytree(saved[1], checkpoint)
+            target = rng.choice(_shards(checkpoint)) if kind == "shard" else checkpoint / "trainer_state.pt"
+            data = bytearray(target.read_bytes())
+            offset = rng.randrange(len(data))
+            data[offset] = (data[offset] + rng.randrange(1, 256)) % 256  # always another byte
+            target.write_bytes(bytes(data))
+            edits += 1
+            try:
+                verified(checkpoint)
+                silent += 1
+            except ValueError as error:
+                assert target.name in str(error)
+    assert edits == 120 and silent == 0
+
+
+def test_every_rank_refuses_a_damaged_checkpoint_before_loading(saved, tmp_path):
+    checkpoint = _copy(saved, tmp_path)
+    _flip(_shards(checkpoint)[1], [64])
+    errors = run_distributed(_load, 2, str(checkpoint))
+    assert all(error is not None and _shards(checkpoint)[1].name in error for error in errors), errors
+
+
+def test_a_checkpoint_without_a_manifest_loads_with_a_warning(saved, tmp_path):
+    checkpoint = _copy(saved, tmp_path)
+    (checkpoint / MANIFEST_FILE).unlink()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert verified(checkpoint) is None
+    assert any("has no manifest" in str(w.message) for w in caught)
+    assert run_distributed(_load, 2, str(checkpoint)) == [None, None]
+
+
+def test_the_verify_command_reports_file_by_file(saved, tmp_path):
+    command = [sys.executable, "-m", "lightning_seqpar.checkpoint", "verify"]
+    good = subprocess.run(command + [str(saved[1])], cwd=ROOT, capture_output=True, text=True)
+    assert good.returncode == 0 and "all files are as written" in good.stdout
+    checkpoint = _copy(saved, tmp_path)
+    _flip(checkpoint / "trainer_state.pt", [10])
+    bad = subprocess.run(command + [str(checkpoint)], cwd=ROOT, capture_output=True, text=True)
+    assert bad.returncode == 1
+    assert "trainer_state.pt: content differs from what was written" in bad.stdout
+    assert ".metadata: ok" in bad.stdout and "1 file(s) differ" in bad.stdout
