@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_seqpar.checkpoint.atomic import publish, temporary_path
 from lightning_seqpar.checkpoint.safe_reader import read_metadata
+from lightning_seqpar.checkpoint.manifest import check_zip_file, is_zip_file
 from lightning_seqpar.checkpoint.sharded import FORMAT_KEY, MODEL_PREFIX, is_sharded_checkpoint, read_shards
 from lightning_seqpar.checkpoint.trainer_checkpoint import read_trainer_state, verified
 from lightning_seqpar.hf.streaming import SafetensorsStreamWriter, TensorEntry
@@ -121,6 +122,8 @@ def load_state_dict_file(path: os.PathLike | str, names: Optional[list[str]] = N
     elif path.suffix == ".safetensors":
         state = load_safetensors_file(path)
     else:
+        if is_zip_file(path):
+            check_zip_file(path)
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
             state = state["state_dict"]

@@ -11,6 +11,7 @@ manifests existed loads with a warning.
 from __future__ import annotations
 
 import json
+import zipfile
 import zlib
 from pathlib import Path
 from typing import Any, Optional
@@ -126,3 +127,28 @@ def verify_on_every_rank(directory: Path, group: Optional[Any] = None) -> Option
         raise ValueError(f"The checkpoint {directory} is not what was written: " + "; ".join(problems[:8])
                          + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "") + f". {_ADVICE}")
     return manifest
+
+
+def is_zip_file(path: Path) -> bool:
+    """Whether ``path`` starts as a zip archive does (``torch.save``'s format since torch 1.6)."""
+    with open(path, "rb") as f:
+        return f.read(4) == b"PK\x03\x04"
+
+
+def check_zip_file(path: Path) -> None:
+    """Check every member of the ``torch.save`` file ``path`` against the CRC-32 its zip directory records (torch
+    writes them but does not check them when loading): the single-file checkpoint format's verification.
+
+    Raises:
+        ValueError: a member whose content differs, or a file that is not a readable zip archive (truncated,
+            overwritten), naming the file.
+    """
+    try:
+        with zipfile.ZipFile(path) as archive:
+            damaged = archive.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError, zlib.error) as error:
+        raise ValueError(f"The checkpoint {path} cannot be read as written ({error}): it is truncated or damaged. "
+                         f"{_ADVICE}") from error
+    if damaged is not None:
+        raise ValueError(f"The checkpoint {path} is not what was written: its record {damaged!r} differs from its "
+                         f"CRC-32. {_ADVICE}")

@@ -19,7 +19,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
-from lightning_seqpar.checkpoint.manifest import verify_on_every_rank
+from lightning_seqpar.checkpoint.manifest import check_zip_file, is_zip_file, verify_on_every_rank
 from lightning_seqpar.checkpoint.safe_reader import read_metadata
 from lightning_seqpar.checkpoint.sharded import (
     FORMAT,
@@ -70,6 +70,8 @@ def read_trainer_state(path: Path, weights_only: Optional[bool] = None) -> dict[
             naming it.
     """
     file = Path(path) / TRAINER_STATE_FILE
+    if file.is_file() and is_zip_file(file):
+        check_zip_file(file)  # also for checkpoints written before manifests
     try:
         state = torch.load(file, map_location="cpu", weights_only=weights_only is not False)
     except pickle.UnpicklingError as error:

@@ -28,6 +28,7 @@ from lightning_seqpar.checkpoint.checks import (
 )
 from lightning_seqpar.checkpoint.consolidate import load_state_dict_file
 from lightning_seqpar.checkpoint.hf_export import export_hf_pretrained
+from lightning_seqpar.checkpoint.manifest import check_zip_file, is_zip_file
 from lightning_seqpar.checkpoint.full_state import (
     full_optimizer_state,
     full_state_dict,
@@ -226,6 +227,8 @@ class CheckpointingMixin:
             raise ValueError(f"{path} is a directory without .metadata: a sharded checkpoint whose save did not finish, "
                              f"or a damaged one. Resume from the checkpoint before it.")
         if not is_sharded_checkpoint(path):
+            if path.is_file() and is_zip_file(path):
+                on_every_rank(lambda: check_zip_file(path))  # each rank checks what it reads
             return super().load_checkpoint(path, weights_only=weights_only)
         if self._checkpoint_writer is not None:
             self._checkpoint_writer.wait()

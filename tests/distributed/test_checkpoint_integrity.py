@@ -18,16 +18,17 @@ from tests.helpers.jobs import ROOT
 from tests.helpers.parity import Case, fit
 
 CASE = Case("gpt", 2, True, None)
+FULL = Case("gpt", 2, True, None, strategy=(("checkpoint_format", "full"),))
 
 
-def _save(rank, world_size, directory):
+def _save(rank, world_size, directory, case=CASE):
     checkpoints = ModelCheckpoint(dirpath=directory, filename="step{step}", every_n_train_steps=1, save_top_k=-1)
-    fit(CASE, world_size, steps=2, callbacks=[checkpoints], enable_checkpointing=True)
+    fit(case, world_size, steps=2, callbacks=[checkpoints], enable_checkpointing=True)
 
 
-def _load(rank, world_size, checkpoint):
+def _load(rank, world_size, checkpoint, case=CASE):
     try:
-        fit(CASE, world_size, steps=3, ckpt_path=checkpoint)
+        fit(case, world_size, steps=3, ckpt_path=checkpoint)
     except ValueError as error:
         return str(error)
     return None
@@ -135,3 +136,35 @@ def test_the_verify_command_reports_file_by_file(saved, tmp_path):
     assert bad.returncode == 1
     assert "trainer_state.pt: content differs from what was written" in bad.stdout
     assert ".metadata: ok" in bad.stdout and "1 file(s) differ" in bad.stdout
+
+
+def test_a_single_file_checkpoint_is_checked_against_its_zip_crcs(tmp_path):
+    """The full format (and trainer_state.pt, and .pt weights): torch.save's zip records carry a CRC-32 that
+    torch does not check; loading checks it, so a flipped byte is refused naming the file."""
+    from lightning_seqpar.checkpoint.consolidate import load_state_dict_file
+
+    path = tmp_path / "weights.pt"
+    torch.save({"w": torch.arange(4096, dtype=torch.float32)}, path)
+    assert torch.equal(load_state_dict_file(path)["w"], torch.arange(4096, dtype=torch.float32))
+    data = bytearray(path.read_bytes())
+    offset = bytes(data).index(torch.arange(4096, dtype=torch.float32).numpy().tobytes()[:64]) + 1000
+    data[offset] ^= 0x40
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=rf"The checkpoint {path} is not what was written: its record .* differs"):
+        load_state_dict_file(path)
+    path.write_bytes(bytes(data[: len(data) // 2]))
+    with pytest.raises(ValueError, match=rf"The checkpoint {path} cannot be read as written"):
+        load_state_dict_file(path)
+
+
+
+def test_every_rank_refuses_a_damaged_single_file_checkpoint(tmp_path):
+    run_distributed(_save, 2, str(tmp_path), FULL)
+    checkpoint = sorted(tmp_path.glob("step*.ckpt"))[-1]
+    assert checkpoint.is_file()
+    assert run_distributed(_load, 2, str(checkpoint), FULL) == [None, None]  # intact: resumes
+    data = bytearray(checkpoint.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    checkpoint.write_bytes(bytes(data))
+    errors = run_distributed(_load, 2, str(checkpoint), FULL)
+    assert all(error is not None and f"The checkpoint {checkpoint}" in error for error in errors), errors
