@@ -60,3 +60,20 @@ def test_temporaries_of_killed_writers_are_removed_on_the_next_save(tmp_path):
     finally:
         alive.kill()
         alive.wait()
+
+
+def test_a_full_disk_names_the_checkpoint_and_keeps_the_previous_one(tmp_path, monkeypatch):
+    import errno
+
+    io = AtomicCheckpointIO()
+    path = tmp_path / "last.ckpt"
+    io.save_checkpoint({"step": 1}, path)
+
+    def full(obj, f, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", full)
+    with pytest.raises(OSError, match=rf"Writing the checkpoint {path} failed: No space left on device"):
+        io.save_checkpoint({"step": 2}, path)
+    monkeypatch.undo()
+    assert torch.load(path, weights_only=False) == {"step": 1}
