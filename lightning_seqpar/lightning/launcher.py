@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
+import sys
 from typing import Any, Optional
 
 import torch.distributed as dist
@@ -44,11 +47,44 @@ class SeqParallelSpawnLauncher(MultiProcessingLauncher):
         os._exit(0)
 
 
+LAUNCHER_PID = "LIGHTNING_SEQPAR_LAUNCHER_PID"
+
+
+class SeqParallelPopenLauncher(SubprocessScriptLauncher):
+    """Lightning's popen launcher (re-runs the script per rank, as DDP does), whose children end with it: each is
+    told the launcher's PID and asks the kernel to kill it when its parent dies (:func:`end_with_launcher`), so a
+    launcher that fails or is killed leaves no rank running (they would otherwise wait in a collective until the
+    timeout)."""
+
+    def _call_children_scripts(self) -> None:
+        os.environ[LAUNCHER_PID] = str(os.getpid())
+        try:
+            super()._call_children_scripts()
+        finally:
+            del os.environ[LAUNCHER_PID]
+
+
+def end_with_launcher() -> None:
+    """In a rank started by :class:`SeqParallelPopenLauncher`: be killed when the launcher dies (Linux's
+    ``PR_SET_PDEATHSIG``), or exit now if it already has. Elsewhere, nothing."""
+    launcher = os.environ.get(LAUNCHER_PID)
+    if launcher is None or not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != int(launcher):  # the launcher died before the request took effect
+        os._exit(1)
+
+
 def configure_launcher(strategy: Any, environment: ClusterEnvironment, start_method: str) -> Optional[Any]:
-    """The launcher of ``strategy``: none when the cluster starts the processes (torchrun, SLURM), Lightning's
-    popen launcher (re-runs the script per rank, as DDP does) or :class:`SeqParallelSpawnLauncher`."""
+    """The launcher of ``strategy``: none when the cluster starts the processes (torchrun, SLURM, or this is a rank
+    the popen launcher started: it then ends with its launcher), :class:`SeqParallelPopenLauncher` or
+    :class:`SeqParallelSpawnLauncher`."""
     if environment.creates_processes_externally:
+        end_with_launcher()
         return None
     if start_method == "popen":
-        return SubprocessScriptLauncher(environment, strategy.num_processes, strategy.num_nodes)
+        return SeqParallelPopenLauncher(environment, strategy.num_processes, strategy.num_nodes)
     return SeqParallelSpawnLauncher(strategy, start_method=start_method)

@@ -34,3 +34,22 @@ def test_a_stalled_or_killed_rank_ends_the_job_within_the_timeout(tmp_path, faul
             assert "torch.distributed." in output and "(called at " in output
     finally:
         kill_session(job)
+
+
+def test_ranks_end_with_a_launcher_that_dies(tmp_path):
+    """The popen launcher (rank 0) killed outright: its other ranks are killed with it by the kernel, instead of
+    waiting in a collective until the timeout."""
+    job, log = start_recipe(tmp_path, "model=gpt_tiny", "strategy.timeout=60", "trainer.max_steps=100000",
+                            "trainer.enable_progress_bar=false")
+    try:
+        wait_for(log, "All distributed processes registered", job)
+        (rank1,) = children(job.pid)
+        os.kill(job.pid, signal.SIGKILL)
+        killed = time.time()
+        while alive(rank1) and time.time() - killed < 30:
+            time.sleep(0.05)
+        outlived = time.time() - killed
+        print(f"rank 1 outlived the launcher by {outlived:.2f} s")
+        assert not alive(rank1) and outlived < 0.5  # by itself (no fix) it noticed after 1.5-3 s
+    finally:
+        kill_session(job)
