@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import os
 import signal
+import subprocess
 import sys
 from typing import Any, Optional
 
@@ -53,8 +55,8 @@ LAUNCHER_PID = "LIGHTNING_SEQPAR_LAUNCHER_PID"
 class SeqParallelPopenLauncher(SubprocessScriptLauncher):
     """Lightning's popen launcher (re-runs the script per rank, as DDP does), whose children end with it: each is
     told the launcher's PID and asks the kernel to kill it when its parent dies (:func:`end_with_launcher`), so a
-    launcher that fails or is killed leaves no rank running (they would otherwise wait in a collective until the
-    timeout)."""
+    launcher that is killed leaves no rank running (they would otherwise wait in a collective until the timeout).
+    A launcher that exits normally first waits for its ranks (up to 2 minutes), so none is cut short."""
 
     def _call_children_scripts(self) -> None:
         os.environ[LAUNCHER_PID] = str(os.getpid())
@@ -62,6 +64,16 @@ class SeqParallelPopenLauncher(SubprocessScriptLauncher):
             super()._call_children_scripts()
         finally:
             del os.environ[LAUNCHER_PID]
+        # A launcher that ends normally lets its ranks finish what follows their last collective (a failing one has
+        # Lightning kill them first; a killed one takes them with it).
+        atexit.register(self._wait_for_ranks)
+
+    def _wait_for_ranks(self, timeout: float = 120.0) -> None:
+        for proc in self.procs:
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                return
 
 
 def end_with_launcher() -> None:
