@@ -36,6 +36,15 @@ def reset_multihead_attention(module: torch.nn.MultiheadAttention) -> None:
     module._reset_parameters()
 
 
+def set_process_group_timeout(timeout: Any) -> None:
+    """How long the default process group's collectives wait for a peer, changed after it started
+    (``torch.distributed.distributed_c10d._set_pg_timeout``; ``init_process_group`` takes one timeout for the start
+    and for every collective, with no public way to tell them apart)."""
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    _set_pg_timeout(timeout)
+
+
 def storage_key(storage: torch.UntypedStorage) -> int:
     """An identity of a storage that is equal for every view of it (what ``StorageWeakRef`` keys on).
 
@@ -50,6 +59,7 @@ __all__: list[Any] = [
     "hf_init_weights",
     "local_tensor",
     "reset_multihead_attention",
+    "set_process_group_timeout",
     "storage_key",
     "tree_flatten",
 ]

@@ -15,6 +15,7 @@ from torch import Tensor
 from torch.distributed.constants import default_pg_timeout
 from typing_extensions import override
 
+from lightning_seqpar._compat import set_process_group_timeout
 from lightning_seqpar.lightning._compat import init_dist_connection, sync_ddp_if_available
 from lightning_seqpar.parallel.faults import failed_collective
 
@@ -47,10 +48,18 @@ def _destroy_process_group() -> None:
     dist.destroy_process_group()
 
 
+# Processes start at their own pace (imports, a cold file cache, a busy node): waiting for all of them to join is
+# not a collective stalled on a peer, and gets at least this long.
+START_TIMEOUT = timedelta(minutes=5)
+
+
 def start_process_group(environment: ClusterEnvironment, backend: str, timeout: timedelta) -> None:
-    """Initialize the default process group from ``environment`` (as Lightning's DDP strategy does) and destroy
-    it at interpreter exit after a bounded barrier."""
-    init_dist_connection(environment, backend, timeout=timeout)
+    """Initialize the default process group from ``environment`` (as Lightning's DDP strategy does), waiting up to
+    ``max(timeout, 5 minutes)`` for every process to join, then ``timeout`` in each collective; destroy it at
+    interpreter exit after a bounded barrier."""
+    init_dist_connection(environment, backend, timeout=max(timeout, START_TIMEOUT))
+    if timeout < START_TIMEOUT:
+        set_process_group_timeout(timeout)
     # Lightning does this for NCCL only. gloo's worker threads, left to interpreter teardown, abort a
     # finished process now and then ("terminate called without an active exception", rc 134).
     atexit.unregister(_destroy_process_group)  # once, however many trainers this process runs
