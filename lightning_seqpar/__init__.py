@@ -1,43 +1,59 @@
 """lightning_seqpar: Megatron-style tensor, sequence and pipeline parallelism for ordinary LightningModules.
 
 Korthikanti et al., *Reducing Activation Recomputation in Large Transformer Models* (2022).
+
+The names below are imported when first used (PEP 562), so ``import lightning_seqpar`` (or one of its torch-only
+parts: ``tensor_parallel``, ``parallel``, ``memory``) loads neither Lightning nor, through it, the optional
+extras. ``Trainer(strategy="seq_parallel")`` and its ``_tp2``/``_tp4``/``_tp8`` names resolve once the strategy
+is imported, and at once when Lightning was imported first.
 """
 
-from lightning_seqpar.lightning.callbacks import FlopsUtilization, SelectiveRecompute
-from lightning_seqpar.lightning.strategy import SeqParallelStrategy, register
-from lightning_seqpar.parallel import CommunicationLog, ParallelGroup, RNGTracker
-from lightning_seqpar.parallel.mesh import ParallelMesh, validate_layout
-from lightning_seqpar.recompute import apply_recompute
-from lightning_seqpar.rewrite import Policy, RewriteContext, explain, rewrite
-from lightning_seqpar.tensor_parallel import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-    vocab_parallel_cross_entropy,
-)
-from lightning_seqpar.transformer.block_spec import BlockSpec
-from lightning_seqpar.transformer.declared_policy import DeclaredBlockPolicy
+from __future__ import annotations
 
-register()
+import importlib
+import sys
+from typing import Any
 
-__all__ = [
-    "BlockSpec",
-    "ColumnParallelLinear",
-    "DeclaredBlockPolicy",
-    "CommunicationLog",
-    "FlopsUtilization",
-    "ParallelGroup",
-    "ParallelMesh",
-    "Policy",
-    "RNGTracker",
-    "RewriteContext",
-    "RowParallelLinear",
-    "SelectiveRecompute",
-    "SeqParallelStrategy",
-    "VocabParallelEmbedding",
-    "apply_recompute",
-    "explain",
-    "rewrite",
-    "validate_layout",
-    "vocab_parallel_cross_entropy",
-]
+_EXPORTS = {
+    "BlockSpec": "lightning_seqpar.transformer.block_spec",
+    "ColumnParallelLinear": "lightning_seqpar.tensor_parallel",
+    "CommunicationLog": "lightning_seqpar.parallel",
+    "DeclaredBlockPolicy": "lightning_seqpar.transformer.declared_policy",
+    "FlopsUtilization": "lightning_seqpar.lightning.callbacks",
+    "ParallelGroup": "lightning_seqpar.parallel",
+    "ParallelMesh": "lightning_seqpar.parallel.mesh",
+    "Policy": "lightning_seqpar.rewrite",
+    "RNGTracker": "lightning_seqpar.parallel",
+    "RewriteContext": "lightning_seqpar.rewrite",
+    "RowParallelLinear": "lightning_seqpar.tensor_parallel",
+    "SelectiveRecompute": "lightning_seqpar.lightning.callbacks",
+    "SeqParallelStrategy": "lightning_seqpar.lightning.strategy",
+    "VocabParallelEmbedding": "lightning_seqpar.tensor_parallel",
+    "apply_recompute": "lightning_seqpar.recompute",
+    "explain": "lightning_seqpar.rewrite",
+    "validate_layout": "lightning_seqpar.parallel.mesh",
+    "vocab_parallel_cross_entropy": "lightning_seqpar.tensor_parallel",
+}
+
+__all__ = sorted([*_EXPORTS, "rewrite"])
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'lightning_seqpar' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})
+
+
+# The function, not the subpackage of the same name (importing ``lightning_seqpar.rewrite`` would otherwise leave the
+# subpackage under this name). It loads torch only.
+from lightning_seqpar.rewrite import rewrite  # noqa: E402
+
+if "lightning.pytorch" in sys.modules:  # Lightning is loaded already: the strategy's names cost nothing more
+    importlib.import_module("lightning_seqpar.lightning")
