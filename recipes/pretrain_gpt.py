@@ -5,13 +5,17 @@
     python recipes/pretrain_gpt.py data.path=my_corpus/ trainer.max_steps=2000
     python recipes/pretrain_gpt.py strategy=pp2_tp2 trainer.devices=4      # pipeline 2 × tensor 2, 1F1B
     python recipes/pretrain_gpt.py model=llama_tiny                         # a Llama-shaped Hugging Face model
-    python recipes/pretrain_gpt.py model=hf_pretrained model.pretrained=DIR # fine-tune a local HF checkpoint
+    python recipes/pretrain_gpt.py model=hf_pretrained model.pretrained=DIR data.path=corpus.jsonl export_hf=out
+                                                                            # fine-tune a local HF checkpoint
 
 Every field of ``conf/`` can be overridden on the command line (Hydra).
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import warnings
 from pathlib import Path
 
 import hydra
@@ -23,10 +27,66 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning_seqpar import FlopsUtilization, SelectiveRecompute, SeqParallelStrategy
 from lightning_seqpar.data import TextDataModule
+from lightning_seqpar.data.tokenizer import has_tokenizer
 from lightning_seqpar.lightning.callbacks import ParallelModelSummary
 from lightning_seqpar.models import CausalLMModule, GPTConfig, GPTLightningModule, HFCausalLMModule
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+log = logging.getLogger("pretrain_gpt")
+
+
+# Warnings no user of this recipe can act on: torch 2.13 deprecations inside Lightning and torchdata, and
+# ModelCheckpoint's note on resuming into a new folder (every run writes into its own Hydra folder).
+QUIET_WARNINGS = (r".*isinstance\(treespec, LeafSpec\).*", r".*'set_vital' is deprecated.*", r"The dirpath has changed")
+
+
+class _DropTips(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Tip:" not in str(record.msg)  # Lightning's advertisement for optional packages
+
+
+def route_logs_to_hydra() -> None:
+    """Send Lightning's and transformers' messages and Python warnings through Hydra's handlers, so the job's log
+    file (``pretrain_gpt.log``) holds what the console shows; ranks other than 0 write to their own log file
+    (``train_ddp_process_N.log``) and show only errors on the console, so nothing is printed once per rank."""
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric", "transformers", "torchmetrics"):
+        logger = logging.getLogger(name)
+        logger.handlers.clear()  # handlers added at import, before Hydra configured logging, would print twice
+        logger.propagate = True
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_DropTips())
+    for pattern in QUIET_WARNINGS:
+        warnings.filterwarnings("ignore", message=pattern)
+    logging.captureWarnings(True)
+    if any(int(os.environ.get(name, 0)) for name in ("RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK")):
+        for handler in logging.getLogger().handlers:
+            if not isinstance(handler, logging.FileHandler):
+                handler.setLevel(logging.ERROR)
+
+
+def check_options(cfg: DictConfig) -> None:
+    """Refuse options that cannot apply to this run, before any process starts.
+
+    Raises:
+        ValueError: ``empty_init`` or ``export_hf`` where they have no effect, naming the fix.
+    """
+    kind = cfg.model.get("kind", "gpt")
+    if cfg.empty_init and kind == "hf":
+        raise ValueError("empty_init=true has no effect with a Hugging Face model: HFCausalLMModule always builds it "
+                         "in configure_model() on the meta device, each rank materializing only its shards. Drop "
+                         "empty_init.")
+    if cfg.export_hf and kind != "hf":
+        raise ValueError(f"export_hf={cfg.export_hf} needs a Hugging Face model (model=hf_pretrained or "
+                         f"model=llama_tiny); the reference GPT has no Hugging Face layout. To keep its weights, use "
+                         f"python -m lightning_seqpar.checkpoint consolidate CKPT_DIR model.safetensors.")
+
+
+def data_module(cfg: DictConfig) -> TextDataModule:
+    """The corpus read with ``data.tokenizer``; by default with a pretrained model's own tokenizer."""
+    data = OmegaConf.to_container(cfg.data, resolve=True)
+    pretrained = cfg.model.get("pretrained") if cfg.model.get("kind", "gpt") == "hf" else None
+    if data.get("tokenizer") is None and has_tokenizer(pretrained):
+        data["tokenizer"] = pretrained
+    return TextDataModule(**data)
 
 
 def build_trainer(cfg: DictConfig, output_dir: Path) -> pl.Trainer:
@@ -64,8 +124,8 @@ def build_module(cfg: DictConfig, data: TextDataModule, decay_steps: int, optim:
 
 
 def sample(module: CausalLMModule, trainer: pl.Trainer, data: TextDataModule, cfg: DictConfig) -> str:
-    """Generate from ``cfg.sample.prompt`` (a byte corpus) or from the validation split's first tokens (a token
-    corpus, printed as ids); every rank must call it.
+    """Generate from ``cfg.sample.prompt`` (tokenized by the corpus's tokenizer) or, for a token file without a
+    tokenizer, from the validation split's first tokens (printed as ids); every rank must call it.
 
     Under pipeline parallelism no rank holds the whole model: generate with a single-device copy
     assembled from every stage (the checkpoint's state dict).
@@ -94,9 +154,11 @@ def sample(module: CausalLMModule, trainer: pl.Trainer, data: TextDataModule, cf
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def main(cfg: DictConfig) -> dict:
+    route_logs_to_hydra()
+    check_options(cfg)
     pl.seed_everything(cfg.seed, workers=True)
     output_dir = Path(hydra.core.hydra_config.HydraConfig.get().runtime.output_dir)
-    data = TextDataModule(**OmegaConf.to_container(cfg.data, resolve=True))
+    data = data_module(cfg)
     optim = OmegaConf.to_container(cfg.optim, resolve=True)
     # The cosine decay ends at optim.decay_steps (default: this run's trainer.max_steps). A resumed run with a
     # larger max_steps keeps the original curve only if decay_steps is set to the original horizon.
@@ -108,10 +170,15 @@ def main(cfg: DictConfig) -> dict:
     if trainer.global_step % cfg.trainer.val_check_interval:  # the last step was not validated yet
         trainer.validate(module, datamodule=data, verbose=False)
         metrics.update({k: float(v) for k, v in trainer.callback_metrics.items()})
+    if cfg.export_hf:  # collective: each stage's tp rank 0 streams its tensors into the files
+        exported = trainer.strategy.save_hf_pretrained(Path(cfg.export_hf).absolute(), source=module.pretrained,
+                                                       tokenizer=data.tokenizer if hasattr(data.tokenizer, "save_pretrained") else None)
+        log.info("exported Hugging Face model: %s", exported)
     text = sample(module, trainer, data, cfg)
     if trainer.is_global_zero:
-        print(f"\nfinal metrics: {metrics}\ncheckpoints: {output_dir / cfg.checkpoint_dir}")
-        print(f"--- sample ---\n{text}\n--------------")
+        log.info("final metrics: %s", metrics)
+        log.info("checkpoints: %s", output_dir / cfg.checkpoint_dir)
+        log.info("--- sample ---\n%s\n--------------", text)
     return metrics
 
 

@@ -11,6 +11,8 @@
 - :mod:`.safe_reader`: the DCP index read with an allowlist, never an arbitrary unpickle.
 - :mod:`.consolidate` and ``python -m lightning_seqpar.checkpoint consolidate CKPT_DIR OUT``: the
   single-device state dict, without a process group.
+- :mod:`.hf_export` (collective, from the live model) and :mod:`.hf_from_checkpoint` (``export-hf``, one process,
+  from a checkpoint): a Hugging Face directory ``from_pretrained`` loads.
 """
 
 from lightning_seqpar.checkpoint.consolidate import (

@@ -1,9 +1,13 @@
 """``python -m lightning_seqpar.checkpoint verify CKPT_DIR``: every file checked against the checkpoint's manifest.
 
-``python -m lightning_seqpar.checkpoint consolidate CKPT_DIR OUT``: a sharded checkpoint as one
-single-device state dict file, loadable with ``model.load_state_dict(...)`` without any process group:
-``.safetensors`` is written one tensor at a time (memory: the largest tensor); ``.pt`` holds the whole model
-in memory once (``torch.save``)."""
+``python -m lightning_seqpar.checkpoint consolidate CKPT_DIR OUT [--prefix P]``: a sharded checkpoint as one
+single-device state dict file, keyed as your LightningModule's ``state_dict`` (``module.load_state_dict(...)``
+takes it, without any process group); ``--prefix model.`` keeps the keys under ``model.`` without it, for the
+model your module holds as ``self.model``. ``.safetensors`` is written one tensor at a time (memory: the largest
+tensor); ``.pt``/``.pth`` hold the whole model in memory once (``torch.save``).
+
+``python -m lightning_seqpar.checkpoint export-hf CKPT_DIR OUT_DIR [--config MODEL_DIR]``: the Hugging Face model
+in a sharded checkpoint as a directory ``from_pretrained`` loads (one tensor in memory at a time)."""
 
 from __future__ import annotations
 
@@ -11,6 +15,8 @@ import argparse
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
+
+import torch
 
 from lightning_seqpar.checkpoint.consolidate import consolidate, consolidate_to_safetensors, write_state_dict
 from lightning_seqpar.checkpoint.manifest import check_files, read_manifest, unlisted_files
@@ -23,20 +29,42 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     merge = commands.add_parser("consolidate", help="sharded checkpoint directory -> single-device state dict file")
     merge.add_argument("checkpoint", help="a sharded checkpoint directory (e.g. checkpoints/last.ckpt)")
-    merge.add_argument("out", help="output file: NAME.pt or NAME.safetensors")
+    merge.add_argument("out", help="output file: NAME.safetensors, NAME.pt or NAME.pth")
+    merge.add_argument("--prefix", default="", help="keep only the keys under this prefix, without it (e.g. model.)")
+    export = commands.add_parser("export-hf", help="sharded checkpoint -> Hugging Face model directory")
+    export.add_argument("checkpoint", help="a sharded checkpoint directory of a Hugging Face model")
+    export.add_argument("out", help="the directory to write")
+    export.add_argument("--config", default=None,
+                        help="the model directory it was trained from (config, tokenizer and generation files); "
+                             "default: the config the checkpoint records")
+    export.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
+    export.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                        help="dtype written (default: as trained)")
     check = commands.add_parser("verify", help="check every file of a sharded checkpoint against its manifest")
     check.add_argument("checkpoint", help="a sharded checkpoint directory")
     args = parser.parse_args(argv)
     if args.command == "verify":
         return verify(Path(args.checkpoint))
     try:
-        if args.out.endswith(".safetensors"):
-            count, total = consolidate_to_safetensors(args.checkpoint, args.out)
+        if args.command == "export-hf":
+            from lightning_seqpar.checkpoint.hf_from_checkpoint import export_checkpoint_to_hf
+
+            dtype = None if args.dtype is None else getattr(torch, args.dtype)
+            out = export_checkpoint_to_hf(args.checkpoint, args.out, args.config, max_shard_size=args.max_shard_size,
+                                          dtype=dtype)
+            print(f"wrote {out} ({', '.join(sorted(p.name for p in out.iterdir()))})")
+            return 0
+        suffix = Path(args.out).suffix
+        if suffix not in (".safetensors", ".pt", ".pth"):
+            raise ValueError(f"{args.out}: name the output file NAME.safetensors, NAME.pt or NAME.pth (the format "
+                             f"comes from the suffix); for a Hugging Face directory use export-hf.")
+        if suffix == ".safetensors":
+            count, total = consolidate_to_safetensors(args.checkpoint, args.out, prefix=args.prefix)
         else:
-            state = consolidate(args.checkpoint)
+            state = consolidate(args.checkpoint, prefix=args.prefix)
             write_state_dict(state, args.out)
             count, total = len(state), sum(t.numel() * t.element_size() for t in state.values())
-    except (FileNotFoundError, ValueError) as error:
+    except (FileNotFoundError, ValueError, ImportError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     print(f"wrote {count} tensors ({total / 2**20:.1f} MiB) to {args.out}")

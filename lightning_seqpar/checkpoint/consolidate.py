@@ -26,8 +26,22 @@ from lightning_seqpar.hf.streaming import SafetensorsStreamWriter, TensorEntry
 from lightning_seqpar.hf.weights import load_safetensors_file, save_safetensors_file
 
 
-def consolidate(path: os.PathLike | str) -> dict[str, Tensor]:
-    """The single-device model state dict held by the sharded checkpoint directory ``path``.
+def _under(prefix: str, keys: list[str], path: Path) -> list[str]:
+    """The keys under ``prefix`` (all when it is empty).
+
+    Raises:
+        ValueError: none is, naming the prefix and keys that exist.
+    """
+    chosen = [k for k in keys if k.startswith(prefix)]
+    if not chosen:
+        raise ValueError(f"No key of {path} starts with prefix '{prefix}' (it holds e.g. {keys[:4]}).")
+    return chosen
+
+
+def consolidate(path: os.PathLike | str, prefix: str = "") -> dict[str, Tensor]:
+    """The single-device model state dict held by the sharded checkpoint directory ``path``, keyed as the
+    LightningModule's ``state_dict``; with ``prefix`` (e.g. ``"model."``), only the keys under it, without it: the
+    state dict of the submodule your module holds under that name.
 
     Raises:
         FileNotFoundError: ``path`` is not a complete sharded checkpoint (no ``.metadata``).
@@ -49,12 +63,13 @@ def consolidate(path: os.PathLike | str) -> dict[str, Tensor]:
     for alias, stored in info["tied"].items():  # tied parameters: one tensor under each of their keys
         state[alias] = state[stored]
     order = list(shapes)  # the model's own key order
-    return {k: state[k] for k in sorted(state, key=lambda k: order.index(k) if k in order else len(order))}
+    keys = _under(prefix, sorted(state, key=lambda k: order.index(k) if k in order else len(order)), path)
+    return {k[len(prefix):]: state[k] for k in keys}
 
 
-def consolidate_to_safetensors(path: os.PathLike | str, out: os.PathLike | str) -> tuple[int, int]:
-    """Write the single-device state dict of the sharded checkpoint ``path`` (as :func:`consolidate` returns it,
-    tied keys included) to the safetensors file ``out``, one tensor at a time: each is read whole from the shards
+def consolidate_to_safetensors(path: os.PathLike | str, out: os.PathLike | str, prefix: str = "") -> tuple[int, int]:
+    """Write the single-device state dict of the sharded checkpoint ``path`` (as :func:`consolidate` returns it with
+    ``prefix``, tied keys included) to the safetensors file ``out``, one tensor at a time: each is read whole from the shards
     (DCP), written and dropped, so memory holds the largest tensor at most. Published atomically. Returns
     ``(tensors, bytes)`` written.
 
@@ -71,16 +86,18 @@ def consolidate_to_safetensors(path: os.PathLike | str, out: os.PathLike | str) 
     shapes, tied = info["single_device_shapes"], info["tied"]
     saved = {k[len(MODEL_PREFIX):]: v for k, v in read_metadata(path).state_dict_metadata.items()
              if k.startswith(MODEL_PREFIX) and isinstance(v, TensorStorageMetadata)}
-    stored = {key: tied.get(key, key) for key in shapes if tied.get(key, key) in saved}
-    entries = [TensorEntry(key, saved[source].properties.dtype, tuple(shapes[key])) for key, source in stored.items()]
+    stored = {key: tied.get(key, key) for key in _under(prefix, list(shapes), path) if tied.get(key, key) in saved}
+    entries = [TensorEntry(key[len(prefix):], saved[source].properties.dtype, tuple(shapes[key]))
+               for key, source in stored.items()]
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = temporary_path(out)
     try:
         with SafetensorsStreamWriter(tmp, entries) as writer:
             for entry in entries:
-                meta = saved[stored[entry.name]]
+                source = stored[prefix + entry.name]
+                meta = saved[source]
                 value = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
-                read_shards({MODEL_PREFIX + stored[entry.name]: value}, path, no_dist=True)
+                read_shards({MODEL_PREFIX + source: value}, path, no_dist=True)
                 writer.write(entry.name, value.reshape(entry.shape))
                 del value
         publish(tmp, out)

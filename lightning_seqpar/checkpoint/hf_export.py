@@ -103,13 +103,15 @@ def _plan(module: nn.Module, mesh: ParallelMesh, prefix: str, dtype: Optional[to
 
 def export_hf_pretrained(module: nn.Module, mesh: ParallelMesh, out: os.PathLike | str, config: Any, *,
                          prefix: str = "model.", source: Optional[os.PathLike | str] = None,
-                         max_shard_size: Union[int, str] = "5GB", dtype: Optional[torch.dtype] = None) -> Path:
+                         max_shard_size: Union[int, str] = "5GB", dtype: Optional[torch.dtype] = None,
+                         tokenizer: Any = None) -> Path:
     """Write ``module``'s Hugging Face model (the keys under ``prefix``) as a directory ``from_pretrained`` loads.
 
     Collective over the default process group: every rank calls it. Safetensors files of at most
     ``max_shard_size`` each (one file: ``model.safetensors``; more: ``model-0000i-of-0000n.safetensors`` and
     ``model.safetensors.index.json``), ``config.json`` from ``config``, and the tokenizer and generation files of
-    the model directory ``source``. Tensors are written in ``dtype`` (default: as trained). Peak memory of any
+    the model directory ``source`` (``tokenizer.save_pretrained`` replaces the tokenizer's, when given). Tensors are
+    written in ``dtype`` (default: as trained). Peak memory of any
     rank: its shards plus one gathered tensor (and a 16 MiB block of rows). Returns ``out``.
 
     Raises:
@@ -141,6 +143,8 @@ def export_hf_pretrained(module: nn.Module, mesh: ParallelMesh, out: os.PathLike
             config.save_pretrained(str(tmp_dir))
             if source is not None and Path(source).is_dir():
                 copy_companion_files(source, tmp_dir)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(str(tmp_dir))
             publish(tmp_dir, out)
     finally:
         if (not distributed or dist.get_rank() == 0) and tmp_dir.exists():

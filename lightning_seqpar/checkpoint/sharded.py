@@ -19,6 +19,8 @@ every pipeline stage holds) are written once, by the rank DCP's deduplication pi
 
 from __future__ import annotations
 
+import warnings
+
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
@@ -61,7 +63,10 @@ def read_shards(targets: dict[str, Tensor], path: Path, no_dist: bool = False) -
         ValueError: a shard that cannot be read, with what DCP reported.
     """
     try:
-        dcp.load(targets, storage_reader=SafeFileSystemReader(path), no_dist=no_dist)
+        with warnings.catch_warnings():
+            if no_dist:  # DCP warns that it reads in one process, which is what no_dist asks for
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(targets, storage_reader=SafeFileSystemReader(path), no_dist=no_dist)
     except CheckpointException as error:
         raise ValueError(f"Reading the shards of {path} failed ({str(error)[:500]}): the checkpoint is damaged. Resume "
                          f"from the checkpoint before it, or run `python -m lightning_seqpar.checkpoint verify` on it.") from error

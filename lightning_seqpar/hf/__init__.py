@@ -9,4 +9,5 @@
 - :mod:`.weights`: safetensors files and Hugging Face checkpoint directories, read lazily (each rank only its rows)
   and written.
 - :mod:`.models`: causal LMs built from a config or a pretrained directory.
+- :mod:`.tokenizer`: a model's tokenizer as the data pipeline uses it (:mod:`lightning_seqpar.data`).
 """

@@ -44,3 +44,18 @@ def build_causal_lm(config: Any) -> nn.Module:
 def pretrained_state_dict(directory: str) -> dict:
     """The state dict of the pretrained causal LM in ``directory``, read whole (for one device)."""
     return _transformers().AutoModelForCausalLM.from_pretrained(directory).state_dict()
+
+
+def saved_tensor_shapes(config: Any) -> dict[str, tuple[int, ...]]:
+    """Name → shape of each tensor ``save_pretrained`` writes for a causal LM of ``config``, in the model's order: its
+    persistent state, a tied weight once (under its first name). Built on the meta device: no memory is used."""
+    import torch
+
+    with torch.device("meta"):
+        model = build_causal_lm(config)
+    shapes, seen = {}, set()
+    for name, value in model.state_dict(keep_vars=True).items():
+        if id(value) not in seen:
+            seen.add(id(value))
+            shapes[name] = tuple(value.shape)
+    return shapes

@@ -147,7 +147,7 @@ class CheckpointingMixin:
 
     def save_hf_pretrained(self, out: Union[str, Path], config: Any = None, prefix: str = "model.", *,
                            source: Union[str, Path, None] = None, max_shard_size: Union[int, str] = "5GB",
-                           dtype: Optional[torch.dtype] = None) -> Path:
+                           dtype: Optional[torch.dtype] = None, tokenizer: Any = None) -> Path:
         """Export the trained Hugging Face model as a directory ``AutoModelForCausalLM.from_pretrained(out)`` loads,
         without a whole model on any rank (:func:`~lightning_seqpar.checkpoint.hf_export.export_hf_pretrained`):
         safetensors files of at most ``max_shard_size`` with their index, ``config.json``, and the tokenizer and
@@ -161,6 +161,8 @@ class CheckpointingMixin:
             source: where the tokenizer and generation files come from; default: the directory the config was
                 loaded from (``config.name_or_path``), when it is one.
             dtype: the dtype written (default: the parameters').
+            tokenizer: a tokenizer to save with the model (anything with ``save_pretrained(dir)``: the one the model
+                was trained with); it replaces the tokenizer files copied from ``source``.
 
         Raises:
             ValueError: nothing under ``prefix``, a dtype safetensors cannot store, a bad ``max_shard_size``.
@@ -171,7 +173,7 @@ class CheckpointingMixin:
         if source is None and Path(str(getattr(config, "name_or_path", "") or "")).is_dir():
             source = config.name_or_path
         return export_hf_pretrained(self.lightning_module, self.mesh, self.broadcast(str(out)), config, prefix=prefix,
-                                    source=source, max_shard_size=max_shard_size, dtype=dtype)
+                                    source=source, max_shard_size=max_shard_size, dtype=dtype, tokenizer=tokenizer)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:

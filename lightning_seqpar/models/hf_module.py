@@ -54,6 +54,14 @@ class HFCausalLMModule(CausalLMModule):
         else:
             self.model.load_state_dict(pretrained_state_dict(self.pretrained))
 
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config.vocab_size
+
+    @property
+    def tokenizer_path(self) -> Optional[str]:
+        return self.pretrained
+
     def forward(self, idx: Tensor) -> Tensor:
         """Logits ``[b, s, v]`` of token ids ``[b, s]`` (full vocabulary, batch-first, as on one device)."""
         return self.model(input_ids=idx).logits

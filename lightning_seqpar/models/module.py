@@ -49,6 +49,16 @@ class CausalLMModule(pl.LightningModule):
         """Mean cross entropy of predicting ``y`` from ``x``."""
         raise NotImplementedError
 
+    @property
+    def vocab_size(self) -> Optional[int]:
+        """The model's vocabulary (v): token ids must be below it. The data module checks its corpus against it."""
+        return None
+
+    @property
+    def tokenizer_path(self) -> Optional[str]:
+        """The directory of the model's own tokenizer, when it has one."""
+        return None
+
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         loss = self.loss(*batch)
         self.log("train/loss", loss, prog_bar=True, sync_dist=True)
@@ -119,6 +129,10 @@ class GPTLightningModule(CausalLMModule):
         convention for models larger than one device); the strategy then materializes only this rank's shards."""
         if self.empty_init and not hasattr(self, "gpt"):
             self.gpt = GPT(self.config)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
 
     def forward(self, idx: Tensor) -> Tensor:
         """Logits ``[b, s, v]`` of token ids ``[b, s]``."""

@@ -1,0 +1,148 @@
+"""The token cache of a text corpus: tokenized once, reused by every later run and every rank.
+
+:func:`ensure_token_cache` returns a ``.tokens`` file (:mod:`.token_file`) holding the corpus tokenized by the
+given tokenizer, documents joined by its separator (the end-of-text token). It reuses the file when its header
+names the same tokenizer identity, the same source files (sizes and modification times) and the same JSON field;
+otherwise it tokenizes again (saying why) and replaces the file atomically. The cache lies beside the corpus
+(``corpus.txt`` → ``corpus.txt.TOKENIZER.tokens``; a folder ``docs/`` → ``docs.TOKENIZER.tokens`` beside it), or
+in ``cache_dir``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from pathlib import Path
+from typing import Callable, Iterator, Optional
+
+import numpy as np
+
+from lightning_seqpar.data.corpus import Piece, corpus_bytes, corpus_files, fingerprint, read_documents
+from lightning_seqpar.data.token_file import TokenFileHeader, TokenFileWriter, dtype_for, read_header, source_key
+from lightning_seqpar.data.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+_BATCH = 4  # pieces (up to 32 KiB of text each, or one record) encoded together: ~2 MB of transient memory
+
+
+def cache_path(corpus: Path, tokenizer: Tokenizer, cache_dir: Optional[Path] = None) -> Path:
+    """Where the tokens of ``corpus`` by ``tokenizer`` are cached."""
+    slug = "".join(c if c.isalnum() or c in "-_" else "-" for c in tokenizer.name)[-48:] or "tokenizer"
+    name = f"{corpus.resolve().name}.{slug}.tokens"
+    if cache_dir is None:
+        return corpus.resolve().parent / name
+    where = hashlib.sha256(str(corpus.resolve()).encode()).hexdigest()[:8]  # two corpora of one name stay apart
+    return Path(cache_dir) / f"{where}-{name}"
+
+
+def stale_reason(path: Path, tokenizer: Tokenizer, source: list, text_field: str) -> Optional[str]:
+    """Why the cache ``path`` cannot be used for this corpus and tokenizer (``None``: it can)."""
+    if not path.exists():
+        return "no cache yet"
+    try:
+        header = read_header(path)
+    except ValueError as error:
+        return str(error)
+    if header.tokenizer_identity != tokenizer.identity:
+        return (f"it was made with another tokenizer ({header.tokenizer}, identity {header.tokenizer_identity}; now "
+                f"{tokenizer.name}, {tokenizer.identity})")
+    if header.source != source_key(source):
+        return "the corpus files changed since it was made"
+    if header.text_field != text_field:
+        return f"it read JSON field '{header.text_field}', now '{text_field}'"
+    return None
+
+
+def ensure_token_cache(corpus: Path, tokenizer: Tokenizer, cache_dir: Optional[Path] = None,
+                       text_field: str = "text", progress: bool = True) -> Path:
+    """The ``.tokens`` file of ``corpus`` (a text file, a ``.jsonl`` file or a folder of them) by ``tokenizer``,
+    tokenized now unless a valid cache exists. Call it on one process per node (Lightning's ``prepare_data``).
+
+    Raises:
+        FileNotFoundError: no corpus at ``corpus``.
+        ValueError: an empty corpus; a bad JSON Lines record (:func:`~.corpus.read_documents`).
+        PermissionError: the cache's folder is not writable (set ``cache_dir``).
+    """
+    files = corpus_files(corpus)
+    source = fingerprint(files)
+    path = cache_path(corpus, tokenizer, cache_dir)
+    reason = stale_reason(path, tokenizer, source, text_field)
+    if reason is None:
+        log.info("Token cache %s is up to date: reusing it.", path)
+        return path
+    if reason != "no cache yet":
+        log.warning("Token cache %s is rebuilt: %s.", path, reason)
+    header = TokenFileHeader(dtype_for(tokenizer.vocab_size).name, tokenizer.vocab_size, tokenizer=tokenizer.name,
+                             tokenizer_identity=tokenizer.identity, source=source, text_field=text_field)
+    start, total = time.perf_counter(), corpus_bytes(files)
+    try:
+        writer = TokenFileWriter(path, header)
+    except PermissionError as error:
+        raise PermissionError(f"Cannot write the token cache {path} ({error.strerror}): set data.cache_dir "
+                              f"(TextDataModule(cache_dir=...)) to a writable folder.") from None
+    try:
+        with _progress(total, f"tokenizing {corpus.name} ({tokenizer.name})", progress) as advance:
+            for ids in tokenize_documents(read_documents(files, text_field), tokenizer, advance):
+                writer.append(ids)
+        if header.num_tokens == 0:
+            raise ValueError(f"The corpus at {corpus} holds no text.")
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    seconds = time.perf_counter() - start
+    log.info("Tokenized %s: %d tokens from %.1f MB in %.1f s (%.0f tokens/s); cache %s (%.1f MB, %s).", corpus,
+             header.num_tokens, total / 1e6, seconds, header.num_tokens / max(seconds, 1e-9), path,
+             path.stat().st_size / 1e6, header.dtype)
+    return path
+
+
+def tokenize_documents(pieces: Iterator[Piece], tokenizer: Tokenizer,
+                       advance: Callable[[int], None] = lambda n: None) -> Iterator[np.ndarray]:
+    """Ids of consecutive pieces of documents, the separator after each document, in batches of :data:`_BATCH`
+    pieces (the Rust tokenizer encodes a batch on every core). A very long line is one piece."""
+    separator = np.asarray(tokenizer.separator, dtype=np.int64)
+    batch: list[Piece] = []
+
+    def flush() -> np.ndarray:
+        parts = []
+        for piece, ids in zip(batch, tokenizer.encode_batch([p.text for p in batch])):
+            parts.append(ids)
+            if piece.ends_document:
+                parts.append(separator)
+        advance(sum(len(p.text.encode("utf-8", errors="replace")) for p in batch))
+        batch.clear()
+        return np.concatenate(parts)
+
+    for piece in pieces:
+        batch.append(piece)
+        if len(batch) == _BATCH:
+            yield flush()
+    if batch:
+        yield flush()
+
+
+class _progress:
+    """A rich progress bar over bytes of text on a terminal; nothing otherwise (logs say when it is done)."""
+
+    def __init__(self, total: int, description: str, enabled: bool) -> None:
+        self.total, self.description, self.enabled = total, description, enabled
+        self.bar = None
+
+    def __enter__(self) -> Callable[[int], None]:
+        import sys
+
+        if not (self.enabled and sys.stderr.isatty()):
+            return lambda n: None
+        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
+                            transient=True)
+        self.bar.start()
+        task = self.bar.add_task(self.description, total=self.total)
+        return lambda n: self.bar.advance(task, n)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.stop()

@@ -1,0 +1,181 @@
+"""Token files: a cache of a tokenized corpus (``.tokens``, with a header) and nanoGPT's headerless ``.bin``.
+
+A ``.tokens`` file is ``LSPTOKS1``, an 8-byte little-endian header length, a JSON header padded to
+:data:`DATA_OFFSET` bytes, then the ids as little-endian ``uint8``, ``uint16`` or ``uint32`` (the narrowest that holds
+the vocabulary). The header records the dtype, the vocabulary size, the number of tokens, the largest id, the
+tokenizer (name and identity) and the source files' sizes and modification times, so a file is never read with
+the wrong dtype or taken for the tokens of another tokenizer or corpus. Files are opened memory-mapped: every rank
+maps the same pages of the page cache instead of holding its own copy. Written under a temporary name and renamed
+when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+
+from lightning_seqpar.checkpoint.atomic import publish, temporary_path
+
+MAGIC = b"LSPTOKS1"
+DATA_OFFSET = 4096
+_SCAN = 2**24  # ids per chunk when scanning a file for its largest id
+
+
+def dtype_for(vocab_size: int) -> np.dtype:
+    """The narrowest that holds every id: ``uint8`` for bytes, ``uint16`` up to 65 536 ids, ``uint32`` above."""
+    return np.dtype(np.uint8 if vocab_size <= 2**8 else np.uint16 if vocab_size <= 2**16 else np.uint32)
+
+
+@dataclass
+class TokenFileHeader:
+    """What a ``.tokens`` file holds and how it was made."""
+
+    dtype: str
+    vocab_size: int
+    num_tokens: int = 0
+    max_id: int = -1
+    tokenizer: str = ""           # the tokenizer's name (a directory name, or "bytes")
+    tokenizer_identity: str = ""  # hash of what decides its ids (lightning_seqpar.data.tokenizer)
+    source: list = field(default_factory=list)  # [[file, bytes, mtime_ns], ...] of the corpus
+    text_field: Optional[str] = None
+
+    def to_bytes(self) -> bytes:
+        body = json.dumps(asdict(self)).encode()
+        if 16 + len(body) > DATA_OFFSET:  # a corpus of very many files: keep the header, drop the per-file list
+            body = json.dumps({**asdict(self), "source": [["files", len(self.source), _digest(self.source)]]}).encode()
+        return MAGIC + struct.pack("<Q", len(body)) + body.ljust(DATA_OFFSET - 16, b" ")
+
+
+def _digest(source: list) -> str:
+    import hashlib
+
+    return hashlib.sha256(json.dumps(source).encode()).hexdigest()
+
+
+def source_key(source: list) -> list:
+    """``source`` as a header records it (a long file list is recorded as its digest)."""
+    header = TokenFileHeader("uint16", 1, source=source)
+    return json.loads(header.to_bytes()[16:].decode())["source"]
+
+
+class TokenFileWriter:
+    """Appends ids to a new ``.tokens`` file; :meth:`close` writes the header and publishes it atomically."""
+
+    def __init__(self, path: Path, header: TokenFileHeader) -> None:
+        self.path, self.header = path, header
+        self.dtype = np.dtype(header.dtype)
+        self.tmp = temporary_path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = open(self.tmp, "wb")
+        self.file.write(b"\0" * DATA_OFFSET)
+
+    def append(self, ids: np.ndarray) -> None:
+        """Add ``ids`` (any integer dtype) at the end.
+
+        Raises:
+            ValueError: an id at or above the vocabulary size.
+        """
+        if ids.size == 0:
+            return
+        largest = int(ids.max())
+        if largest >= self.header.vocab_size or int(ids.min()) < 0:
+            raise ValueError(f"The tokenizer {self.header.tokenizer} produced id {largest}, outside its vocabulary of "
+                             f"{self.header.vocab_size}.")
+        self.header.max_id = max(self.header.max_id, largest)
+        self.header.num_tokens += int(ids.size)
+        self.file.write(ids.astype(self.dtype.newbyteorder("<"), copy=False).tobytes())
+
+    def close(self) -> Path:
+        self.file.seek(0)
+        self.file.write(self.header.to_bytes())
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+        publish(self.tmp, self.path)
+        return self.path
+
+    def abort(self) -> None:
+        self.file.close()
+        self.tmp.unlink(missing_ok=True)
+
+
+def is_token_file(path: Path) -> bool:
+    """Whether ``path`` starts with the ``.tokens`` magic."""
+    try:
+        with open(path, "rb") as file:
+            return file.read(len(MAGIC)) == MAGIC
+    except OSError:
+        return False
+
+
+def read_header(path: Path) -> TokenFileHeader:
+    """The header of the ``.tokens`` file ``path``.
+
+    Raises:
+        ValueError: not a token file, or one whose size disagrees with its header (truncated), naming it.
+    """
+    with open(path, "rb") as file:
+        start = file.read(16)
+        if len(start) < 16 or start[:8] != MAGIC:
+            raise ValueError(f"{path} is not a .tokens file (no {MAGIC!r} header); a headerless file of uint16 ids "
+                             f"(nanoGPT's format) is named .bin.")
+        (length,) = struct.unpack("<Q", start[8:])
+        try:
+            header = TokenFileHeader(**json.loads(file.read(length)))
+        except (ValueError, TypeError) as error:
+            raise ValueError(f"{path} has a damaged header ({error}); delete it to rebuild the cache.") from None
+    expected = DATA_OFFSET + header.num_tokens * np.dtype(header.dtype).itemsize
+    size = path.stat().st_size
+    if size != expected:
+        raise ValueError(f"{path} holds {size} bytes, but its header describes {header.num_tokens} {header.dtype} ids "
+                         f"({expected} bytes): it is damaged or truncated; delete it to rebuild the cache.")
+    return header
+
+
+def open_tokens(path: Path) -> tuple[TokenFileHeader, np.ndarray]:
+    """The header and the ids ``[n]`` of a ``.tokens`` file, memory-mapped read-only."""
+    header = read_header(path)
+    ids = np.memmap(path, dtype=np.dtype(header.dtype).newbyteorder("<"), mode="r", offset=DATA_OFFSET,
+                    shape=(header.num_tokens,))
+    return header, ids
+
+
+def open_bin(path: Path, dtype: str = "uint16") -> np.ndarray:
+    """The ids ``[n]`` of a headerless token file (nanoGPT's ``.bin``: ``uint16``; ``uint32`` when stated), mapped.
+
+    Raises:
+        ValueError: a dtype other than uint16/uint32; a size that is not a whole number of ids; no ids.
+    """
+    if dtype not in ("uint16", "uint32"):
+        raise ValueError(f"data.token_dtype={dtype!r}: a .bin file holds 'uint16' (nanoGPT) or 'uint32' ids.")
+    item = np.dtype(dtype).itemsize
+    size = path.stat().st_size
+    if size % item:
+        raise ValueError(f"{path} holds {size} bytes, not a multiple of {item}: a .bin corpus is a flat array of "
+                         f"{dtype} token ids ({item} bytes each). The file is truncated or not a token file.")
+    if size == 0:
+        raise ValueError(f"{path} holds no tokens.")
+    return np.memmap(path, dtype=np.dtype(dtype).newbyteorder("<"), mode="r", shape=(size // item,))
+
+
+def largest_id(ids: np.ndarray) -> tuple[int, Any]:
+    """The largest id of ``ids`` and a function giving the first position of an id ``>= v``; read in chunks, so a
+    mapped file is scanned without an in-memory copy."""
+    largest = -1
+    for start in range(0, ids.shape[0], _SCAN):
+        largest = max(largest, int(ids[start:start + _SCAN].max()))
+
+    def first_at_or_above(limit: int) -> int:
+        for start in range(0, ids.shape[0], _SCAN):
+            hits = np.flatnonzero(ids[start:start + _SCAN] >= limit)
+            if hits.size:
+                return start + int(hits[0])
+        return -1
+
+    return largest, first_at_or_above
