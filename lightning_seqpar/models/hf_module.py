@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_seqpar.hf.models import build_causal_lm, causal_lm_config, pretrained_state_dict
@@ -67,7 +66,7 @@ class HFCausalLMModule(CausalLMModule):
         return self.model(input_ids=idx).logits
 
     def loss(self, x: Tensor, y: Tensor) -> Tensor:
-        logits = self(x)  # [b, s, v]
-        if logits.dtype.itemsize < 4:  # 16-bit logits: the softmax in float32
-            logits = logits.float()
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        """Mean cross entropy of ``y`` given ``x`` (``[b, s]`` each, ``y`` already shifted), through the model's own
+        loss (``labels=``, with ``shift_labels=y`` so every position counts): under tensor parallelism the
+        vocabulary-parallel cross entropy, so no rank builds the ``[b, s, v]`` logits."""
+        return self.model(input_ids=x, labels=y, shift_labels=y).loss
