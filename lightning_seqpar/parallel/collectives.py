@@ -9,7 +9,7 @@ holds the group it was built with.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -46,6 +46,11 @@ class CommunicationLog:
     """Records the collectives a :class:`ParallelGroup` runs (attach with ``group.log = CommunicationLog()``)."""
 
     records: list[CollectiveRecord] = field(default_factory=list)
+    events: list[str] = field(default_factory=list)  # "all_gather start", "all_gather wait", ... of async collectives
+
+    def event(self, what: str) -> None:
+        """Note a moment in order (the start and completion of a collective run asynchronously)."""
+        self.events.append(what)
 
     def count(self, kind: str) -> int:
         """Number of collectives of ``kind`` recorded."""
@@ -56,8 +61,29 @@ class CommunicationLog:
         return sum(r.bytes_moved for r in self.records if kind is None or r.kind == kind)
 
     def clear(self) -> None:
-        """Forget every record."""
+        """Forget every record and event."""
         self.records.clear()
+        self.events.clear()
+
+
+class Pending:
+    """A collective in flight (``torch.distributed``'s ``Work``): :meth:`wait` returns its result once it is done.
+
+    Started before independent compute and waited for after it, the communication runs while the compute does
+    (Megatron-LM's ``async_tensor_model_parallel_allreduce`` / overlapped sequence-parallel backward). On CUDA the
+    overlap also needs the collective's kernel to be scheduled before the compute's: ``CUDA_DEVICE_MAX_CONNECTIONS=1``.
+    """
+
+    def __init__(self, result: Tensor, work: Optional[Any] = None, hook: Optional[Callable[[str], None]] = None) -> None:
+        self._result, self._work, self._hook = result, work, hook
+
+    def wait(self) -> Tensor:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+            if self._hook is not None:
+                self._hook("wait")
+        return self._result
 
 
 class ParallelGroup:
@@ -125,8 +151,26 @@ class ParallelGroup:
 
     def reduce_scatter(self, tensor: Tensor) -> Tensor:
         """Sum over the group and keep this rank's slice of dim 0: global ``[t·n, ...]`` → local ``[n, ...]``."""
+        return self.reduce_scatter_start(tensor).wait()
+
+    def all_gather_start(self, tensor: Tensor) -> Pending:
+        """:meth:`all_gather` along dim 0, started and returned in flight (:class:`Pending`): ``[n, ...]`` →
+        ``[t·n, ...]`` once waited for."""
         if self.size == 1:
-            return tensor
+            return Pending(tensor)
+        tensor = tensor.contiguous()
+        out = torch.empty((self.size * tensor.shape[0], *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+        self._record("all_gather", out)
+        return self._started(out, dist.all_gather_single(out, tensor, group=self.group, async_op=True), "all_gather")
+
+    def reduce_scatter_start(self, tensor: Tensor) -> Pending:
+        """:meth:`reduce_scatter`, started and returned in flight (:class:`Pending`).
+
+        Raises:
+            ValueError: dim 0 not divisible by the group size.
+        """
+        if self.size == 1:
+            return Pending(tensor)
         if tensor.shape[0] % self.size:
             raise ValueError(
                 f"reduce_scatter needs dim 0 ({tensor.shape[0]}) divisible by the group size ({self.size})."
@@ -134,8 +178,14 @@ class ParallelGroup:
         tensor = tensor.contiguous()
         out = torch.empty((tensor.shape[0] // self.size, *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
         self._record("reduce_scatter", tensor)
-        dist.reduce_scatter_single(out, tensor, group=self.group)
-        return out
+        return self._started(out, dist.reduce_scatter_single(out, tensor, group=self.group, async_op=True),
+                             "reduce_scatter")
+
+    def _started(self, out: Tensor, work: Any, kind: str) -> Pending:
+        hook = self.log.event if self.log is not None else None
+        if hook is not None:
+            hook(f"{kind} start")
+        return Pending(out, work, None if hook is None else lambda what: hook(f"{kind} {what}"))
 
     def split(self, tensor: Tensor, dim: int = 0) -> Tensor:
         """This rank's contiguous slice of ``tensor`` along ``dim`` (no communication)."""

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_seqpar.parallel.collectives import ParallelGroup
+from lightning_seqpar.parallel.collectives import ParallelGroup, Pending
 
 _WAIT_S = 60.0  # a thread that waits longer at a collective has lost a peer to an error
 
@@ -59,6 +59,12 @@ class EmulatedGroup(ParallelGroup):
     def reduce_scatter(self, tensor: Tensor) -> Tensor:
         total = self.all_reduce(tensor.contiguous().clone())
         return total.chunk(self.size, dim=0)[self.rank].contiguous()
+
+    def all_gather_start(self, tensor: Tensor) -> Pending:
+        return Pending(self.all_gather(tensor))  # threads of one process: done at once, in the same order
+
+    def reduce_scatter_start(self, tensor: Tensor) -> Pending:
+        return Pending(self.reduce_scatter(tensor))
 
     def broadcast(self, tensor: Tensor, src_rank: int = 0) -> Tensor:
         tensor.copy_(self._exchange.gather(self.rank, tensor.clone())[src_rank])

@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_seqpar.parallel.collectives import ParallelGroup
+from lightning_seqpar.parallel.collectives import ParallelGroup, Pending
 from lightning_seqpar.tensor_parallel.mappings import (
     gather_from_tensor_parallel_region,
     reduce_from_tensor_parallel_region,
@@ -60,21 +60,36 @@ class _ColumnParallelLinearFunction(torch.autograd.Function):
         group = ctx.group
         # Autocast ran the forward matmul in grad_output's dtype; backward mirrors it by hand.
         compute = grad_output.dtype
-        grad_input = grad_weight = grad_bias = None
-        if ctx.needs_input_grad[0]:
-            grad_total = grad_output.matmul(weight.to(compute))  # [s, b, h], partial over ranks
-            if ctx.sequence_parallel:
-                grad_input = group.reduce_scatter(grad_total)  # [s/t, b, h]
-            else:
-                grad_input = group.all_reduce(grad_total)  # the f operator's backward
-            grad_input = grad_input.to(ctx.input_dtype)
-        if ctx.needs_input_grad[1]:
-            total = group.all_gather(x, dim=0) if ctx.sequence_parallel else x
+        grad_weight = grad_bias = None
+        weights_need = ctx.needs_input_grad[1]
+        # Megatron's overlap: the input's re-gather runs during the input-gradient GEMM, and the input gradient's
+        # reduce-scatter during the weight-gradient GEMM.
+        gathering = group.all_gather_start(x) if weights_need and ctx.sequence_parallel else None
+        reducing, grad_input = _input_gradient(ctx, group, [grad_output], [weight], compute)
+        if weights_need:
+            total = gathering.wait() if gathering is not None else x  # [s, b, h]
             g2d = grad_output.reshape(-1, grad_output.shape[-1])
             grad_weight = g2d.t().matmul(total.reshape(-1, total.shape[-1]).to(compute)).to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(0)
+        if reducing is not None:
+            grad_input = reducing.wait().to(ctx.input_dtype)
         return grad_input, grad_weight, grad_bias, None, None
+
+
+def _input_gradient(ctx, group: ParallelGroup, grad_outputs: list[Tensor], weights: list[Tensor],
+                    compute: torch.dtype) -> tuple[Optional[Pending], Optional[Tensor]]:
+    """The input gradient ``Σ_i dY_i A_i`` ``[s, b, h]``, partial over ranks, then reduced: under SP a reduce-scatter
+    started and returned in flight (waited for after the weight-gradient GEMM); without SP the f operator's
+    all-reduce, done. ``(None, None)`` when the input needs no gradient."""
+    if not ctx.needs_input_grad[0]:
+        return None, None
+    grad_total = grad_outputs[0].matmul(weights[0].to(compute))
+    for g, w in zip(grad_outputs[1:], weights[1:]):
+        grad_total = grad_total + g.matmul(w.to(compute))
+    if ctx.sequence_parallel:
+        return group.reduce_scatter_start(grad_total), None
+    return None, group.all_reduce(grad_total).to(ctx.input_dtype)
 
 
 def column_parallel_linear(
@@ -119,21 +134,20 @@ class _ColumnParallelLinearsFunction(torch.autograd.Function):
         group = ctx.group
         compute = grad_outputs[0].dtype
         grads: list[Optional[Tensor]] = [None] * (2 * len(weights))
-        if ctx.needs_input_grad[0]:
-            grad_total = sum(g.matmul(w.to(compute)) for g, w in zip(grad_outputs, weights))  # [s, b, h], partial
-            grad_input = group.reduce_scatter(grad_total) if ctx.sequence_parallel else group.all_reduce(grad_total)
-            grad_input = grad_input.to(ctx.input_dtype)
-        else:
-            grad_input = None
-        if any(ctx.needs_input_grad[3::2]):
-            total = group.all_gather(x, dim=0) if ctx.sequence_parallel else x
-            total2d = total.reshape(-1, total.shape[-1]).to(compute)
+        weights_need = any(ctx.needs_input_grad[3::2])
+        gathering = group.all_gather_start(x) if weights_need and ctx.sequence_parallel else None  # see above
+        reducing, grad_input = _input_gradient(ctx, group, list(grad_outputs), list(weights), compute)
+        if weights_need or any(ctx.needs_input_grad[4::2]):
+            total = gathering.wait() if gathering is not None else x
+            total2d = total.reshape(-1, total.shape[-1]).to(compute) if weights_need else None
             for i, (g, w) in enumerate(zip(grad_outputs, weights)):
                 g2d = g.reshape(-1, g.shape[-1])
                 if ctx.needs_input_grad[3 + 2 * i]:
                     grads[2 * i] = g2d.t().matmul(total2d).to(w.dtype)
                 if ctx.has_bias[i] and ctx.needs_input_grad[4 + 2 * i]:
                     grads[2 * i + 1] = g2d.sum(0)
+        if reducing is not None:
+            grad_input = reducing.wait().to(ctx.input_dtype)
         return (grad_input, None, None, *grads)
 
 
