@@ -57,7 +57,8 @@ def stale_reason(path: Path, tokenizer: Tokenizer, source: list, text_field: str
 def ensure_token_cache(corpus: Path, tokenizer: Tokenizer, cache_dir: Optional[Path] = None,
                        text_field: str = "text", progress: bool = True) -> Path:
     """The ``.tokens`` file of ``corpus`` (a text file, a ``.jsonl`` file or a folder of them) by ``tokenizer``,
-    tokenized now unless a valid cache exists. Call it on one process per node (Lightning's ``prepare_data``).
+    tokenized now unless a valid cache exists. Call it on one process per node; the others
+    :func:`wait_for_token_cache`.
 
     Raises:
         FileNotFoundError: no corpus at ``corpus``.
@@ -95,6 +96,37 @@ def ensure_token_cache(corpus: Path, tokenizer: Tokenizer, cache_dir: Optional[P
     log.info("Tokenized %s: %d tokens from %.1f MB in %.1f s (%.0f tokens/s); cache %s (%.1f MB, %s).", corpus,
              header.num_tokens, total / 1e6, seconds, header.num_tokens / max(seconds, 1e-9), path,
              path.stat().st_size / 1e6, header.dtype)
+    return path
+
+
+def wait_for_token_cache(corpus: Path, tokenizer: Tokenizer, cache_dir: Optional[Path] = None,
+                         text_field: str = "text", stall_timeout: float = 300.0, poll: float = 0.2) -> Path:
+    """Wait until another process (the node's local rank 0) has made the cache :func:`ensure_token_cache` would
+    return, and return it. No collective is involved, so a long tokenization trips no collective timeout, and a
+    stalled or dead writer is noticed: the wait gives up when neither the cache became valid nor its writer's
+    temporary file grew for ``stall_timeout`` seconds.
+
+    Raises:
+        TimeoutError: no progress for ``stall_timeout`` seconds, naming the cache.
+    """
+    files = corpus_files(corpus)
+    source = fingerprint(files)
+    path = cache_path(corpus, tokenizer, cache_dir)
+    progress, last = time.monotonic(), None
+    while stale_reason(path, tokenizer, source, text_field) is not None:
+        state = []
+        for temporary in sorted(path.parent.glob(f".{path.name}.tmp-*")):
+            try:
+                state.append((temporary.name, temporary.stat().st_size))
+            except FileNotFoundError:  # published or removed between the listing and the stat
+                pass
+        if state != last:
+            progress, last = time.monotonic(), state
+        elif time.monotonic() - progress > stall_timeout:
+            raise TimeoutError(f"The token cache {path} was neither written nor valid after {stall_timeout:.0f} s "
+                               f"without progress: the process writing it (local rank 0) stalled or died. See its log; "
+                               f"delete leftover .{path.name}.tmp-* files and start again.")
+        time.sleep(poll)
     return path
 
 

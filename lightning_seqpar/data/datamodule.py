@@ -13,7 +13,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lightning_seqpar.data.blocks import BlockDataset, TokenSource
-from lightning_seqpar.data.cache import cache_path, ensure_token_cache, tokenize_documents
+from lightning_seqpar.data.cache import cache_path, ensure_token_cache, tokenize_documents, wait_for_token_cache
 from lightning_seqpar.data.corpus import Piece, builtin_corpus
 from lightning_seqpar.data.token_file import largest_id, open_bin, read_header
 from lightning_seqpar.data.tokenizer import BYTES, Tokenizer, has_tokenizer, load_tokenizer
@@ -28,8 +28,9 @@ class TextDataModule(pl.LightningDataModule):
 
     - ``None``: the Python reference documentation that ships with CPython (:func:`~.corpus.builtin_corpus`).
     - a text file, a ``.jsonl`` file (one document per line, the string under ``text_field``) or a folder of them:
-      tokenized by ``tokenizer`` once, on one process per node (``prepare_data``), into a token cache beside the
-      corpus or in ``cache_dir`` (:mod:`~lightning_seqpar.data.cache`) that later runs reuse; documents are joined
+      tokenized by ``tokenizer`` once, by each node's local rank 0 in ``setup`` while the node's other ranks wait for
+      the file (no collective, so no timeout but ``stall_timeout``), into a token cache beside the corpus or in
+      ``cache_dir`` (:mod:`~lightning_seqpar.data.cache`) that later runs reuse; documents are joined
       with the tokenizer's end-of-text token.
     - a ``.tokens`` cache, or a headerless ``.bin`` of ``token_dtype`` ids (nanoGPT's uint16 format).
 
@@ -56,6 +57,7 @@ class TextDataModule(pl.LightningDataModule):
         text_field: the field of a JSON Lines record holding its text.
         cache_dir: where token caches go (default: beside the corpus).
         token_dtype: ``"uint16"`` or ``"uint32"``: the ids of a ``.bin`` file.
+        stall_timeout: seconds the other ranks wait for the cache without seeing its writer make progress.
 
     Raises:
         FileNotFoundError: no corpus at ``path``.
@@ -67,7 +69,7 @@ class TextDataModule(pl.LightningDataModule):
     def __init__(self, path: Optional[str] = None, block_size: int = 128, batch_size: int = 8,
                  val_fraction: float = 0.05, num_workers: int = 0, vocab_size: Optional[int] = None,
                  tokenizer: Union[str, Tokenizer, None] = None, text_field: str = "text", cache_dir: Optional[str] = None,
-                 token_dtype: str = "uint16") -> None:
+                 token_dtype: str = "uint16", stall_timeout: float = 300.0) -> None:
         super().__init__()
         if not 0 < val_fraction < 1:
             raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}.")
@@ -75,6 +77,7 @@ class TextDataModule(pl.LightningDataModule):
         self.block_size, self.batch_size = block_size, batch_size
         self.val_fraction, self.num_workers = val_fraction, num_workers
         self.text_field, self.cache_dir = text_field, None if cache_dir is None else Path(cache_dir)
+        self.stall_timeout = stall_timeout
         self.tokenizer_explicit = tokenizer is not None
         if self.path is not None and not self.path.exists():
             raise FileNotFoundError(f"No corpus at {self.path}.")
@@ -138,13 +141,6 @@ class TextDataModule(pl.LightningDataModule):
         assert self.tokenizer is not None
         return cache_path(self.path, self.tokenizer, self.cache_dir)
 
-    def prepare_data(self) -> None:
-        """Tokenize a text corpus into its cache unless a valid one exists (Lightning runs this on one process per
-        node while the others wait)."""
-        if self.kind == "text" and self.path is not None:
-            assert self.tokenizer is not None
-            ensure_token_cache(self.path, self.tokenizer, self.cache_dir, self.text_field)
-
     def setup(self, stage: Optional[str] = None) -> None:
         """Map the ids, split them, and check them against the model (see the class)."""
         if self.source is None:
@@ -170,10 +166,11 @@ class TextDataModule(pl.LightningDataModule):
             pieces = iter([Piece(builtin_corpus(), ends_document=True)])
             ids = np.concatenate(list(tokenize_documents(pieces, self.tokenizer)))
             return TokenSource(kind="memory", array=ids.astype(np.int32))
-        path = self.cache_path()
-        assert path is not None
-        if not path.exists():  # setup without prepare_data (e.g. called by hand)
-            self.prepare_data()
+        assert self.tokenizer is not None and self.path is not None
+        if self.trainer is None or self.trainer.local_rank == 0:
+            path = ensure_token_cache(self.path, self.tokenizer, self.cache_dir, self.text_field)
+        else:  # not Lightning's prepare_data: its barrier never times out, so a stalled rank would hang the job
+            path = wait_for_token_cache(self.path, self.tokenizer, self.cache_dir, self.text_field, self.stall_timeout)
         return TokenSource(path, "tokens")
 
     def check_model(self, model_vocab_size: Optional[int], model_tokenizer: Optional[str] = None) -> None:

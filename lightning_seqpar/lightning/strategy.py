@@ -31,7 +31,7 @@ from lightning_seqpar.lightning.process_group import (
     report_failed_collective,
     start_process_group,
 )
-from lightning_seqpar.optim import finalize_gradients, shard_optimizers
+from lightning_seqpar.optim import Buckets, NoBuckets, finalize_gradients, gradient_buckets, shard_optimizers
 from lightning_seqpar.parallel import ParallelMesh, RNGTracker, validate_layout
 from lightning_seqpar.pipeline_parallel import PipelineConfig
 from lightning_seqpar.rewrite import Policy, RewritePlan
@@ -131,14 +131,11 @@ class SeqParallelStrategy(
             checkpoint_io=checkpoint_io or AtomicCheckpointIO(),
             precision_plugin=precision_plugin,
         )
-        self.tp = tp
-        self.sequence_parallel, self.loss_parallel = sequence_parallel, loss_parallel
+        self.tp, self.sequence_parallel, self.loss_parallel = tp, sequence_parallel, loss_parallel
         self.policies, self.verify_rewrite = list(policies or ()), verify_rewrite
-        self._seed = seed
-        self._start_method = start_method
+        self._seed, self._start_method = seed, start_method
         self.process_group_backend = process_group_backend  # None: nccl on GPUs, gloo on CPUs
-        self._timeout = as_timedelta(timeout)
-        self.allow_non_finite_checkpoint = allow_non_finite_checkpoint
+        self._timeout, self.allow_non_finite_checkpoint = as_timedelta(timeout), allow_non_finite_checkpoint
         self.checkpoint_format, self.async_save, self.zero = checkpoint_format, async_save, zero
         self._checkpoint_writer: Optional[ShardedCheckpointWriter] = None
         self._mesh: Optional[ParallelMesh] = None
@@ -148,6 +145,7 @@ class SeqParallelStrategy(
         self._remote_keys: list[str] = []  # state-dict keys of other pipeline stages
         self._parallelized: Optional[torch.nn.Module] = None
         self._initial_weights: Optional[Mapping[str, Any]] = None  # read into the shards as they are made
+        self._buckets: Buckets = NoBuckets()  # data-parallel reduction during backward
         self.num_nodes = 1
 
     @property
@@ -240,6 +238,7 @@ class SeqParallelStrategy(
             if self.pipeline is not None:
                 check_pipelined_module(self.lightning_module)
             self.setup_optimizers(trainer)
+            self._buckets = gradient_buckets(self.model, self.mesh.data, self.pipeline is not None, self._buckets)
             if self.zero:
                 self.optimizers = shard_optimizers(self.optimizers, self.lr_scheduler_configs, self.mesh.data)
         self.setup_precision_plugin()
@@ -263,9 +262,10 @@ class SeqParallelStrategy(
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         def closure_then_finalize() -> Any:
-            result = closure()
+            with self._buckets.reducing():  # the closure runs the window's last backward: buckets reduce during it
+                result = closure()
             # Runs once per optimizer step (after the last accumulated backward), before clipping.
-            finalize_gradients(self.lightning_module.parameters(), self.mesh)
+            finalize_gradients(self.lightning_module.parameters(), self.mesh, frozenset(self._buckets.finish()))
             return result
 
         return super().optimizer_step(optimizer, closure_then_finalize, model, **kwargs)

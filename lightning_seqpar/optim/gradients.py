@@ -52,7 +52,8 @@ def _sum_over_stages(params: list[torch.nn.Parameter], group: ParallelGroup) -> 
     _all_reduce_coalesced([p.grad for p in present], group)
 
 
-def finalize_gradients(parameters: Iterable[torch.nn.Parameter], mesh: ParallelMesh) -> None:
+def finalize_gradients(parameters: Iterable[torch.nn.Parameter], mesh: ParallelMesh,
+                       averaged: frozenset[int] = frozenset()) -> None:
     """Make every rank's gradients those of the unparallelized model, in place.
 
     1. Sequence-parallel parameters (norms and row-parallel biases in the SP region, the position
@@ -64,14 +65,17 @@ def finalize_gradients(parameters: Iterable[torch.nn.Parameter], mesh: ParallelM
        (Megatron-LM ``_allreduce_embedding_grads`` over its embedding group).
     3. **Average** all gradients over the data-parallel group.
 
-    Call once per optimizer step, after the last backward of the accumulation window.
+    Call once per optimizer step, after the last backward of the accumulation window. ``averaged``: the ``id`` of
+    parameters whose gradients were averaged over the data-parallel group already, during backward
+    (:class:`~lightning_seqpar.optim.grad_buckets.GradientBuckets`; the sums of steps 1-2 commute with that mean).
     """
     params = list(parameters)
     with_grad = [p for p in params if p.grad is not None]
     _all_reduce_coalesced([p.grad for p in with_grad if is_sequence_parallel(p)], mesh.tensor)
     _sum_over_stages([p for p in params if not is_stage_local(p) and not is_pipeline_tied(p)], mesh.pipeline)
     _sum_over_stages([p for p in params if is_pipeline_tied(p)], mesh.embedding)
-    _all_reduce_coalesced([p.grad for p in params if p.grad is not None], mesh.data, scale=1.0 / mesh.data.size)
+    _all_reduce_coalesced([p.grad for p in params if p.grad is not None and id(p) not in averaged], mesh.data,
+                          scale=1.0 / mesh.data.size)
 
 
 def _upcast(grad: Tensor) -> Tensor:

@@ -66,6 +66,9 @@ class CommunicationLog:
         self.events.clear()
 
 
+ASYNC_COLLECTIVE = "lightning_seqpar_async_collective"
+
+
 class Pending:
     """A collective in flight (``torch.distributed``'s ``Work``): :meth:`wait` returns its result once it is done.
 
@@ -74,12 +77,23 @@ class Pending:
     overlap also needs the collective's kernel to be scheduled before the compute's: ``CUDA_DEVICE_MAX_CONNECTIONS=1``.
     """
 
-    def __init__(self, result: Tensor, work: Optional[Any] = None, hook: Optional[Callable[[str], None]] = None) -> None:
-        self._result, self._work, self._hook = result, work, hook
+    def __init__(self, result: Tensor, work: Optional[Any] = None, hook: Optional[Callable[[str], None]] = None,
+                 kind: str = "") -> None:
+        self._result, self._work, self._hook, self.kind = result, work, hook, kind
 
     def wait(self) -> Tensor:
+        """The result, once the collective is done.
+
+        Raises:
+            RuntimeError: the collective failed or timed out; the exception carries the collective's name in its
+                ``ASYNC_COLLECTIVE`` attribute (its traceback holds no ``torch.distributed`` frame to name it by).
+        """
         if self._work is not None:
-            self._work.wait()
+            try:
+                self._work.wait()
+            except RuntimeError as error:
+                setattr(error, ASYNC_COLLECTIVE, self.kind)
+                raise
             self._work = None
             if self._hook is not None:
                 self._hook("wait")
@@ -153,6 +167,13 @@ class ParallelGroup:
         """Sum over the group and keep this rank's slice of dim 0: global ``[t·n, ...]`` → local ``[n, ...]``."""
         return self.reduce_scatter_start(tensor).wait()
 
+    def all_reduce_start(self, tensor: Tensor) -> Pending:
+        """:meth:`all_reduce` (sum, in place), started and returned in flight (:class:`Pending`)."""
+        if self.size == 1:
+            return Pending(tensor)
+        self._record("all_reduce", tensor)
+        return self._started(tensor, dist.all_reduce(tensor, group=self.group, async_op=True), "all_reduce")
+
     def all_gather_start(self, tensor: Tensor) -> Pending:
         """:meth:`all_gather` along dim 0, started and returned in flight (:class:`Pending`): ``[n, ...]`` →
         ``[t·n, ...]`` once waited for."""
@@ -185,7 +206,7 @@ class ParallelGroup:
         hook = self.log.event if self.log is not None else None
         if hook is not None:
             hook(f"{kind} start")
-        return Pending(out, work, None if hook is None else lambda what: hook(f"{kind} {what}"))
+        return Pending(out, work, None if hook is None else lambda what: hook(f"{kind} {what}"), kind)
 
     def split(self, tensor: Tensor, dim: int = 0) -> Tensor:
         """This rank's contiguous slice of ``tensor`` along ``dim`` (no communication)."""

@@ -6,6 +6,8 @@ import traceback
 from dataclasses import dataclass
 from typing import Optional
 
+from lightning_seqpar.parallel.collectives import ASYNC_COLLECTIVE
+
 _TORCH_DISTRIBUTED = ("torch/distributed/distributed_c10d.py",)
 # gloo words it "Timed out waiting 8000ms for recv operation" or "Application timeout caused pair closure".
 _TIMEOUT_WORDS = ("timed out", "timeout")
@@ -30,6 +32,8 @@ def failed_collective(exception: BaseException) -> Optional[CollectiveFailure]:
     """
     frames = traceback.extract_tb(exception.__traceback__)
     name = next((f.name for f in reversed(frames) if f.filename.endswith(_TORCH_DISTRIBUTED)), None)
+    if name is None:  # a collective started asynchronously fails where it is waited for (Pending.wait)
+        name = getattr(exception, ASYNC_COLLECTIVE, None)
     if name is None:
         return None
     site = next((f for f in reversed(frames) if "/torch/" not in f.filename), None)

@@ -4,10 +4,11 @@ memory map; neither holds the corpus in its own memory."""
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import torch.distributed as dist
 
-from lightning_seqpar.data import TextDataModule
+from lightning_seqpar.data import TextDataModule, ensure_token_cache
 from tests.helpers.distributed import run_distributed
 from tests.helpers.memory import AnonymousPeak, anonymous_bytes
 
@@ -36,7 +37,7 @@ def _tokenize_and_read(rank: int, world_size: int, corpus: str, model_dir: str) 
             data.tokenizer.encode_batch([file.read(65536)] * 8)
         out["tokenizer_working_set"] = anonymous_bytes() - before
         with AnonymousPeak() as tokenizing:
-            data.prepare_data()
+            ensure_token_cache(Path(corpus), data.tokenizer, progress=False)
         out["tokenizing"] = tokenizing.growth
     dist.barrier()
     with AnonymousPeak() as reading:

@@ -28,3 +28,18 @@ def test_gloo_timeouts_in_both_wordings_and_a_lost_peer():
 
 def test_an_error_outside_collectives_is_not_a_collective_failure():
     assert failed_collective(ValueError("timed out reading a file")) is None
+
+
+def test_an_asynchronous_collective_is_named_where_it_is_waited_for():
+    from lightning_seqpar.parallel.collectives import Pending
+
+    class FailingWork:
+        def wait(self):
+            raise RuntimeError("Timed out waiting 8000ms for recv operation to complete")
+
+    try:
+        Pending(None, FailingWork(), kind="reduce_scatter").wait()
+    except RuntimeError as error:
+        failure = failed_collective(error)
+    assert failure is not None and failure.timed_out
+    assert failure.collective.startswith("torch.distributed.reduce_scatter (called at ")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lightning_seqpar.data import TextDataModule, ensure_token_cache
-from lightning_seqpar.data.cache import cache_path
+from lightning_seqpar.data.cache import cache_path, wait_for_token_cache
 from lightning_seqpar.data.token_file import open_tokens, read_header
 
 
@@ -155,3 +155,20 @@ def test_prompts_and_samples_are_text_of_the_tokenizer(tmp_path):
     data = TextDataModule(str(path), tokenizer=WordTokenizer(WORDS))
     assert data.prompt("w3 w4").tolist() == [65533, 65534] and data.prompt("").tolist() == [0]
     assert data.decode(torch.tensor([65533, 65534])) == "w3 w4"
+
+
+def test_other_ranks_wait_for_the_cache_and_give_up_on_a_writer_that_stalls(tmp_path):
+    import threading
+    import time
+
+    path, _ = _corpus(tmp_path)
+    tokenizer = WordTokenizer(WORDS)
+    writer = threading.Timer(0.5, lambda: ensure_token_cache(path, tokenizer, progress=False))
+    writer.start()
+    assert wait_for_token_cache(path, tokenizer, stall_timeout=30) == cache_path(path, tokenizer)
+    writer.join()
+    other = WordTokenizer(WORDS, base=3, salt="-other")  # its cache is stale and nobody rebuilds it
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match="neither written nor valid after 1 s without progress"):
+        wait_for_token_cache(path, other, stall_timeout=1.0, poll=0.05)
+    assert time.monotonic() - started < 5

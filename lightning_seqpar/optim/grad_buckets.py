@@ -1,0 +1,157 @@
+"""Data-parallel gradient reduction in contiguous buckets, each started as soon as its last gradient is ready.
+
+PyTorch DDP's reducer and Megatron-LM's ``DistributedDataParallel(overlap_grad_reduce=True)``: parameters are
+grouped, in the reverse of their order in the model (the order backward produces their gradients), into buckets of
+at most ``bucket_bytes``, each with one flat buffer. While armed (the last backward of an accumulation window), the
+moment autograd has accumulated a parameter's gradient its values are copied into its slice of the bucket's buffer
+and ``param.grad`` becomes that slice; when a bucket's last gradient arrives, its all-reduce over the data-parallel
+group starts, and runs while backward goes on through the earlier layers. :meth:`GradientBuckets.finish` waits for
+them and averages. Gradients are reduced in float32 where they are 16-bit (the buffer is float32; the averaged
+values are copied back). A bucket some of whose parameters got no gradient is never started: those gradients are
+reduced afterwards with the rest (:func:`~lightning_seqpar.optim.finalize_gradients`).
+
+The buffers are the only copy of the gradients that persists (a ``torch.cat`` of all gradients, as a whole-model
+coalesced all-reduce makes, would double them during the reduction).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterable, Iterator, Optional, Union
+
+import torch
+import torch.nn as nn
+
+from lightning_seqpar.parallel.collectives import ParallelGroup, Pending
+
+DEFAULT_BUCKET_BYTES = 25 * 2**20  # PyTorch DDP's bucket_cap_mb
+
+
+class _Bucket:
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        self.params = params
+        dtype = params[0].dtype
+        self.reduce_dtype = torch.float32 if dtype.itemsize < 4 else dtype
+        self.offsets, total = [], 0
+        for p in params:
+            self.offsets.append(total)
+            total += p.numel()
+        self.buffer = torch.zeros(total, dtype=self.reduce_dtype, device=params[0].device)
+        self.ready: set[int] = set()
+        self.pending: Optional[Pending] = None
+
+    def slice(self, index: int) -> torch.Tensor:
+        p = self.params[index]
+        return self.buffer[self.offsets[index]:self.offsets[index] + p.numel()].view_as(p)
+
+
+class GradientBuckets:
+    """Overlapped, bucketed data-parallel gradient averaging for ``params`` over ``data`` (see the module).
+
+    Args:
+        params: the model's parameters, in the model's order (those without ``requires_grad`` are left out).
+        data: the data-parallel group.
+        bucket_bytes: largest bucket, in bytes of its buffer (a larger parameter gets a bucket of its own).
+    """
+
+    def __init__(self, params: Iterable[nn.Parameter], data: ParallelGroup,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+        self.data, self.armed = data, False
+        self.buckets: list[_Bucket] = []
+        self._where: dict[int, tuple[_Bucket, int]] = {}
+        group: list[nn.Parameter] = []
+        size = 0
+        unique = list({id(p): p for p in params if p.requires_grad}.values())  # tied parameters once
+        for p in reversed(unique):
+            nbytes = p.numel() * max(4, p.element_size())
+            if group and (size + nbytes > bucket_bytes or p.dtype != group[0].dtype or p.device != group[0].device):
+                self._add(group)
+                group, size = [], 0
+            group.append(p)
+            size += nbytes
+        if group:
+            self._add(group)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._ready) for p in unique]
+
+    def _add(self, params: list[nn.Parameter]) -> None:
+        bucket = _Bucket(params)
+        self.buckets.append(bucket)
+        for index, p in enumerate(params):
+            self._where[id(p)] = (bucket, index)
+
+    @contextmanager
+    def reducing(self) -> Iterator[None]:
+        """Arm the buckets for the backward run inside (the last of an accumulation window)."""
+        for bucket in self.buckets:
+            bucket.ready, bucket.pending = set(), None
+        self.armed = True
+        try:
+            yield
+        finally:
+            self.armed = False
+
+    def _ready(self, param: nn.Parameter) -> None:
+        if not self.armed or param.grad is None:
+            return
+        bucket, index = self._where[id(param)]
+        if bucket.pending is not None:
+            raise RuntimeError(f"A parameter of shape {tuple(param.shape)} received a second gradient in one backward, "
+                               f"after its bucket's data-parallel reduction had started (a reentrant checkpoint, or "
+                               f"a backward of its own inside the step?). Use torch.utils.checkpoint with "
+                               f"use_reentrant=False, and one backward per micro-batch.")
+        view = bucket.slice(index)
+        view.copy_(param.grad)
+        if param.grad.dtype == view.dtype:
+            param.grad = view  # the buffer is the gradient: reduced in place, nothing copied back
+        bucket.ready.add(index)
+        if len(bucket.ready) == len(bucket.params):
+            bucket.pending = self.data.all_reduce_start(bucket.buffer)
+
+    def finish(self) -> set[int]:
+        """Wait for the started buckets, average them over the group and hand 16-bit gradients their values back.
+        Returns the ``id`` of every parameter whose gradient is now averaged."""
+        done: set[int] = set()
+        for bucket in self.buckets:
+            if bucket.pending is None:
+                continue
+            bucket.pending.wait().div_(self.data.size)
+            bucket.pending = None
+            for index, p in enumerate(bucket.params):
+                if p.grad is not None and p.grad.data_ptr() != bucket.slice(index).data_ptr():
+                    p.grad.copy_(bucket.slice(index))
+                done.add(id(p))
+        return done
+
+    def remove(self) -> None:
+        """Take the hooks off the parameters."""
+        for hook in self._hooks:
+            hook.remove()
+
+
+class NoBuckets:
+    """Stands for :class:`GradientBuckets` where gradients are reduced after backward instead (one data-parallel
+    rank; pipeline schedules, whose gradients are handed back after the schedule's own backward passes)."""
+
+    @contextmanager
+    def reducing(self) -> Iterator[None]:
+        yield
+
+    def finish(self) -> set[int]:
+        return set()
+
+    def remove(self) -> None:
+        pass
+
+
+Buckets = Union[GradientBuckets, NoBuckets]
+
+
+def gradient_buckets(module: nn.Module, data: ParallelGroup, pipelined: bool, previous: Optional[Buckets] = None
+                     ) -> Buckets:
+    """The buckets for ``module``'s parameters (replacing ``previous``'s hooks), or :class:`NoBuckets` for one
+    data-parallel rank or a pipelined model."""
+    if previous is not None:
+        previous.remove()
+    if data.size == 1 or pipelined:
+        return NoBuckets()
+    return GradientBuckets(module.parameters(), data)
