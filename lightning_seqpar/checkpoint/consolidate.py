@@ -38,33 +38,67 @@ def _under(prefix: str, keys: list[str], path: Path) -> list[str]:
     return chosen
 
 
+class StoredModel:
+    """The model tensors of a sharded checkpoint, read one at a time (DCP assembles each from the shards of whatever
+    layout wrote it): the checkpoint is checked against its manifest first.
+
+    Attributes:
+        trainer_state: ``trainer_state.pt`` (hyperparameters, loops, ...).
+        shapes: single-device shape of every state-dict key, in the model's order.
+        tied: ``{alias: key}`` of tied parameters (stored once, under ``key``).
+
+    Raises:
+        FileNotFoundError: ``path`` is not a complete sharded checkpoint (no ``.metadata``).
+        ValueError: a file that is not what was written; from :func:`~.trainer_checkpoint.read_trainer_state`.
+    """
+
+    def __init__(self, path: os.PathLike | str) -> None:
+        self.path = Path(path)
+        if not is_sharded_checkpoint(self.path):
+            raise FileNotFoundError(f"{self.path} is not a complete sharded checkpoint directory (no .metadata inside).")
+        verified(self.path)
+        self.trainer_state = read_trainer_state(self.path)
+        info = self.trainer_state[FORMAT_KEY]
+        self.shapes, self.tied = info["single_device_shapes"], info["tied"]
+        self._saved = {k[len(MODEL_PREFIX):]: v for k, v in read_metadata(self.path).state_dict_metadata.items()
+                       if k.startswith(MODEL_PREFIX) and isinstance(v, TensorStorageMetadata)}
+
+    def stored_key(self, key: str) -> Optional[str]:
+        """Where ``key``'s values are stored (its tied twin's key for an alias); ``None`` if it holds no tensor."""
+        stored = self.tied.get(key, key)
+        return stored if stored in self._saved else None
+
+    def dtype(self, key: str) -> torch.dtype:
+        return self._saved[self.tied.get(key, key)].properties.dtype
+
+    def read(self, key: str) -> Tensor:
+        """The single-device tensor of ``key``, read whole from the shards."""
+        return self.read_many([key])[key]
+
+    def read_many(self, keys: list[str]) -> dict[str, Tensor]:
+        """The single-device tensors of ``keys``, in one read; tied keys share one tensor."""
+        stored = {self.tied.get(key, key) for key in keys}
+        targets = {MODEL_PREFIX + k: torch.empty(tuple(self._saved[k].size), dtype=self._saved[k].properties.dtype)
+                   for k in stored}
+        read_shards(targets, self.path, no_dist=True)
+        return {key: targets[MODEL_PREFIX + self.tied.get(key, key)].view(self.shapes[key]) for key in keys}
+
+
 def consolidate(path: os.PathLike | str, prefix: str = "") -> dict[str, Tensor]:
     """The single-device model state dict held by the sharded checkpoint directory ``path``, keyed as the
-    LightningModule's ``state_dict``; with ``prefix`` (e.g. ``"model."``), only the keys under it, without it: the
-    state dict of the submodule your module holds under that name.
+    LightningModule's ``state_dict`` (tied parameters: one tensor under each of their keys); with ``prefix`` (e.g.
+    ``"model."``), only the keys under it, without it: the state dict of the submodule your module holds under that
+    name. Only those tensors are read.
 
     Raises:
         FileNotFoundError: ``path`` is not a complete sharded checkpoint (no ``.metadata``).
         ValueError: a file that is not what was written (:func:`~.trainer_checkpoint.verified`), from
-            :func:`~.trainer_checkpoint.read_trainer_state`.
+            :func:`~.trainer_checkpoint.read_trainer_state`; no key under ``prefix``.
     """
-    path = Path(path)
-    if not is_sharded_checkpoint(path):
-        raise FileNotFoundError(f"{path} is not a complete sharded checkpoint directory (no .metadata inside).")
-    verified(path)
-    info = read_trainer_state(path)[FORMAT_KEY]
-    shapes = info["single_device_shapes"]
-    metadata = read_metadata(path)
-    saved = {k: v for k, v in metadata.state_dict_metadata.items()
-             if k.startswith(MODEL_PREFIX) and isinstance(v, TensorStorageMetadata)}
-    targets = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in saved.items()}
-    read_shards(targets, path, no_dist=True)
-    state = {k[len(MODEL_PREFIX):]: v.reshape(shapes[k[len(MODEL_PREFIX):]]) for k, v in targets.items()}
-    for alias, stored in info["tied"].items():  # tied parameters: one tensor under each of their keys
-        state[alias] = state[stored]
-    order = list(shapes)  # the model's own key order
-    keys = _under(prefix, sorted(state, key=lambda k: order.index(k) if k in order else len(order)), path)
-    return {k[len(prefix):]: state[k] for k in keys}
+    stored = StoredModel(path)
+    keys = [key for key in _under(prefix, list(stored.shapes), stored.path) if stored.stored_key(key) is not None]
+    values = stored.read_many(keys)
+    return {key[len(prefix):]: values[key] for key in keys}
 
 
 def consolidate_to_safetensors(path: os.PathLike | str, out: os.PathLike | str, prefix: str = "") -> tuple[int, int]:
@@ -78,28 +112,16 @@ def consolidate_to_safetensors(path: os.PathLike | str, out: os.PathLike | str, 
         ValueError: from :func:`~.trainer_checkpoint.read_trainer_state`.
         ImportError: never (the file is written without the safetensors package).
     """
-    path, out = Path(path), Path(out)
-    if not is_sharded_checkpoint(path):
-        raise FileNotFoundError(f"{path} is not a complete sharded checkpoint directory (no .metadata inside).")
-    verified(path)
-    info = read_trainer_state(path)[FORMAT_KEY]
-    shapes, tied = info["single_device_shapes"], info["tied"]
-    saved = {k[len(MODEL_PREFIX):]: v for k, v in read_metadata(path).state_dict_metadata.items()
-             if k.startswith(MODEL_PREFIX) and isinstance(v, TensorStorageMetadata)}
-    stored = {key: tied.get(key, key) for key in _under(prefix, list(shapes), path) if tied.get(key, key) in saved}
-    entries = [TensorEntry(key[len(prefix):], saved[source].properties.dtype, tuple(shapes[key]))
-               for key, source in stored.items()]
+    stored = StoredModel(path)
+    out = Path(out)
+    keys = [key for key in _under(prefix, list(stored.shapes), stored.path) if stored.stored_key(key) is not None]
+    entries = [TensorEntry(key[len(prefix):], stored.dtype(key), tuple(stored.shapes[key])) for key in keys]
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = temporary_path(out)
     try:
         with SafetensorsStreamWriter(tmp, entries) as writer:
             for entry in entries:
-                source = stored[prefix + entry.name]
-                meta = saved[source]
-                value = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
-                read_shards({MODEL_PREFIX + source: value}, path, no_dist=True)
-                writer.write(entry.name, value.reshape(entry.shape))
-                del value
+                writer.write(entry.name, stored.read(prefix + entry.name))
         publish(tmp, out)
     finally:
         if tmp.exists():

@@ -25,8 +25,7 @@ from torch import Tensor
 from lightning_seqpar.checkpoint.atomic import publish, temporary_path
 from lightning_seqpar.checkpoint.sharded import _unique_tensors
 from lightning_seqpar.hf.streaming import (
-    SafetensorsStreamWriter, TensorEntry, check_storable, copy_companion_files, file_names, split_into_files,
-    write_index,
+    SafetensorsStreamWriter, TensorEntry, check_storable, file_names, finish_directory, split_into_files,
 )
 from lightning_seqpar.parallel.mesh import ParallelMesh
 from lightning_seqpar.tensor_parallel.sharding import ShardSpec, full_shape, shard_spec
@@ -139,12 +138,7 @@ def export_hf_pretrained(module: nn.Module, mesh: ParallelMesh, out: os.PathLike
         if distributed:
             dist.barrier()
         if not distributed or dist.get_rank() == 0:
-            write_index(tmp_dir, files)
-            config.save_pretrained(str(tmp_dir))
-            if source is not None and Path(source).is_dir():
-                copy_companion_files(source, tmp_dir)
-            if tokenizer is not None:
-                tokenizer.save_pretrained(str(tmp_dir))
+            finish_directory(tmp_dir, files, config, source, tokenizer)
             publish(tmp_dir, out)
     finally:
         if (not distributed or dist.get_rank() == 0) and tmp_dir.exists():

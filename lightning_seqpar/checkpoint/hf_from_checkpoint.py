@@ -18,17 +18,13 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_seqpar.checkpoint.atomic import publish, temporary_path
+from lightning_seqpar.checkpoint.consolidate import StoredModel
 from lightning_seqpar.checkpoint.hf_export import parse_size
-from lightning_seqpar.checkpoint.safe_reader import read_metadata
-from lightning_seqpar.checkpoint.sharded import FORMAT_KEY, MODEL_PREFIX, is_sharded_checkpoint, read_shards
-from lightning_seqpar.checkpoint.trainer_checkpoint import read_trainer_state, verified
 from lightning_seqpar.hf.models import causal_lm_config, saved_tensor_shapes
 from lightning_seqpar.hf.streaming import (
-    SafetensorsStreamWriter, TensorEntry, check_storable, copy_companion_files, file_names, split_into_files,
-    write_index,
+    SafetensorsStreamWriter, TensorEntry, check_storable, file_names, finish_directory, split_into_files,
 )
 
 
@@ -60,35 +56,25 @@ def export_checkpoint_to_hf(checkpoint: Union[str, os.PathLike], out: Union[str,
         ValueError: a file that is not as written; no config (neither ``config_dir`` nor recorded); a tensor
             missing or of another shape than the config's model, naming it; a bad ``max_shard_size`` or dtype.
     """
-    path, out = Path(checkpoint), Path(out)
-    if not is_sharded_checkpoint(path):
-        raise FileNotFoundError(f"{path} is not a complete sharded checkpoint directory (no .metadata inside).")
-    verified(path)
-    state = read_trainer_state(path)
-    hparams = state.get("hyper_parameters") or {}
+    stored, out = StoredModel(checkpoint), Path(out)
+    hparams = stored.trainer_state.get("hyper_parameters") or {}
     if config_dir is not None:
         config = causal_lm_config(pretrained=str(config_dir))
         source: Optional[Path] = Path(config_dir)
     elif isinstance(hparams.get("config"), dict):
         config = causal_lm_config(config={k: v for k, v in hparams["config"].items() if k != "transformers_version"})
-        recorded = hparams.get("pretrained")
-        source = Path(recorded) if recorded and Path(recorded).is_dir() else None
+        source = Path(hparams["pretrained"]) if hparams.get("pretrained") else None
     else:
-        raise ValueError(f"{path} records no Hugging Face config (it was not written by HFCausalLMModule): pass "
-                         f"--config DIR, the model directory it was trained from.")
-    info = state[FORMAT_KEY]
-    shapes, tied = info["single_device_shapes"], info["tied"]
-    saved = {k[len(MODEL_PREFIX):]: v for k, v in read_metadata(path).state_dict_metadata.items()
-             if k.startswith(MODEL_PREFIX) and isinstance(v, TensorStorageMetadata)}
+        raise ValueError(f"{stored.path} records no Hugging Face config (it was not written by HFCausalLMModule): "
+                         f"pass --config DIR, the model directory it was trained from.")
     expected = saved_tensor_shapes(config)
-    prefix = find_prefix(expected, shapes)
+    prefix = find_prefix(expected, stored.shapes)
     entries = []
     for name, shape in expected.items():
-        if tuple(shapes[prefix + name]) != shape:
-            raise ValueError(f"'{prefix + name}' is {tuple(shapes[prefix + name])} in the checkpoint but {shape} in the "
-                             f"config's model: pass --config with the model directory it was trained from.")
-        stored = saved[tied.get(prefix + name, prefix + name)]
-        entries.append(TensorEntry(name, dtype or stored.properties.dtype, shape))
+        if tuple(stored.shapes[prefix + name]) != shape:
+            raise ValueError(f"'{prefix + name}' is {tuple(stored.shapes[prefix + name])} in the checkpoint but {shape} "
+                             f"in the config's model: pass --config with the model directory it was trained from.")
+        entries.append(TensorEntry(name, dtype or stored.dtype(prefix + name), shape))
     check_storable(entries)
     files = split_into_files([entries], parse_size(max_shard_size))
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -98,16 +84,8 @@ def export_checkpoint_to_hf(checkpoint: Union[str, os.PathLike], out: Union[str,
         for name, file in zip(file_names(len(files)), files):
             with SafetensorsStreamWriter(tmp / name, file) as writer:
                 for entry in file:
-                    key = tied.get(prefix + entry.name, prefix + entry.name)
-                    meta = saved[key]
-                    value = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
-                    read_shards({MODEL_PREFIX + key: value}, path, no_dist=True)
-                    writer.write(entry.name, value.reshape(entry.shape).to(entry.dtype))
-                    del value
-        write_index(tmp, files)
-        config.save_pretrained(str(tmp))
-        if source is not None:
-            copy_companion_files(source, tmp)
+                    writer.write(entry.name, stored.read(prefix + entry.name).to(entry.dtype))
+        finish_directory(tmp, files, config, source)
         publish(tmp, out)
     finally:
         if tmp.exists():

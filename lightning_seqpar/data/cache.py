@@ -19,7 +19,7 @@ from typing import Callable, Iterator, Optional
 import numpy as np
 
 from lightning_seqpar.data.corpus import Piece, corpus_bytes, corpus_files, fingerprint, read_documents
-from lightning_seqpar.data.token_file import TokenFileHeader, TokenFileWriter, dtype_for, read_header, source_key
+from lightning_seqpar.data.token_file import TokenFileHeader, TokenFileWriter, describe_source, dtype_for, read_header
 from lightning_seqpar.data.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ def stale_reason(path: Path, tokenizer: Tokenizer, source: list, text_field: str
     if header.tokenizer_identity != tokenizer.identity:
         return (f"it was made with another tokenizer ({header.tokenizer}, identity {header.tokenizer_identity}; now "
                 f"{tokenizer.name}, {tokenizer.identity})")
-    if header.source != source_key(source):
+    if header.source != describe_source(source):
         return "the corpus files changed since it was made"
     if header.text_field != text_field:
         return f"it read JSON field '{header.text_field}', now '{text_field}'"
@@ -75,7 +75,8 @@ def ensure_token_cache(corpus: Path, tokenizer: Tokenizer, cache_dir: Optional[P
     if reason != "no cache yet":
         log.warning("Token cache %s is rebuilt: %s.", path, reason)
     header = TokenFileHeader(dtype_for(tokenizer.vocab_size).name, tokenizer.vocab_size, tokenizer=tokenizer.name,
-                             tokenizer_identity=tokenizer.identity, source=source, text_field=text_field)
+                             tokenizer_identity=tokenizer.identity, source=describe_source(source),
+                             text_field=text_field)
     start, total = time.perf_counter(), corpus_bytes(files)
     try:
         writer = TokenFileWriter(path, header)
@@ -131,7 +132,7 @@ def wait_for_token_cache(corpus: Path, tokenizer: Tokenizer, cache_dir: Optional
 
 
 def tokenize_documents(pieces: Iterator[Piece], tokenizer: Tokenizer,
-                       advance: Callable[[int], None] = lambda n: None) -> Iterator[np.ndarray]:
+                       advance: Callable[[list[str]], None] = lambda texts: None) -> Iterator[np.ndarray]:
     """Ids of consecutive pieces of documents, the separator after each document, in batches of :data:`_BATCH`
     pieces (the Rust tokenizer encodes a batch on every core). A very long line is one piece."""
     separator = np.asarray(tokenizer.separator, dtype=np.int64)
@@ -143,7 +144,7 @@ def tokenize_documents(pieces: Iterator[Piece], tokenizer: Tokenizer,
             parts.append(ids)
             if piece.ends_document:
                 parts.append(separator)
-        advance(sum(len(p.text.encode("utf-8", errors="replace")) for p in batch))
+        advance([p.text for p in batch])
         batch.clear()
         return np.concatenate(parts)
 
@@ -162,18 +163,18 @@ class _progress:
         self.total, self.description, self.enabled = total, description, enabled
         self.bar = None
 
-    def __enter__(self) -> Callable[[int], None]:
+    def __enter__(self) -> Callable[[list[str]], None]:
         import sys
 
         if not (self.enabled and sys.stderr.isatty()):
-            return lambda n: None
+            return lambda texts: None
         from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
         self.bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
                             transient=True)
         self.bar.start()
         task = self.bar.add_task(self.description, total=self.total)
-        return lambda n: self.bar.advance(task, n)
+        return lambda texts: self.bar.advance(task, sum(len(t.encode("utf-8", errors="replace")) for t in texts))
 
     def __exit__(self, *exc: object) -> None:
         if self.bar is not None:

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from lightning_seqpar.data.blocks import BlockDataset, TokenSource
 from lightning_seqpar.data.cache import cache_path, ensure_token_cache, tokenize_documents, wait_for_token_cache
 from lightning_seqpar.data.corpus import Piece, builtin_corpus
-from lightning_seqpar.data.token_file import largest_id, open_bin, read_header
+from lightning_seqpar.data.token_file import first_at_or_above, largest_id, open_bin, read_header
 from lightning_seqpar.data.tokenizer import BYTES, Tokenizer, has_tokenizer, load_tokenizer
 
 UINT16_IDS = 2**16
@@ -108,10 +108,10 @@ class TextDataModule(pl.LightningDataModule):
                                  f"({why}; {token_dtype} names {limit}). If the file holds uint32 ids, set "
                                  f"data.token_dtype=uint32; or give the text and the tokenizer (data.path=TEXT), whose "
                                  f"cache stores ids wide enough.")
-            self.max_id, first_at_or_above = largest_id(ids)
+            self.max_id = largest_id(ids)
             if vocab_size is not None and self.max_id >= vocab_size:
                 raise ValueError(f"{self.path} holds token id {self.max_id} (first out-of-range id at position "
-                                 f"{first_at_or_above(vocab_size)}), not below data.vocab_size={vocab_size}. Set "
+                                 f"{first_at_or_above(ids, vocab_size)}), not below data.vocab_size={vocab_size}. Set "
                                  f"data.vocab_size to the tokenizer's vocabulary size, or check the file.")
             self.vocab_size = vocab_size if vocab_size is not None else self.max_id + 1
         else:
@@ -146,9 +146,6 @@ class TextDataModule(pl.LightningDataModule):
         if self.source is None:
             self.source = self._open_source()
         ids = self.source.open()
-        if self.max_id is None:
-            self.max_id = largest_id(ids)[0] if self.kind != "text" or self.path is None else read_header(
-                self.source.path).max_id
         module = self.trainer.lightning_module if self.trainer is not None else None
         if module is not None:
             self.check_model(getattr(module, "vocab_size", None), getattr(module, "tokenizer_path", None))
@@ -157,6 +154,7 @@ class TextDataModule(pl.LightningDataModule):
         self.val_set = BlockDataset(self.source, split, ids.shape[0], self.block_size, "validation")
 
     def _open_source(self) -> TokenSource:
+        """Where the ids are; for text, the cache made (or waited for) now, and its largest id."""
         if self.kind == "tokens":
             return TokenSource(self.path, "tokens")
         if self.kind == "bin":
@@ -165,12 +163,14 @@ class TextDataModule(pl.LightningDataModule):
             assert self.tokenizer is not None
             pieces = iter([Piece(builtin_corpus(), ends_document=True)])
             ids = np.concatenate(list(tokenize_documents(pieces, self.tokenizer)))
+            self.max_id = int(ids.max())
             return TokenSource(kind="memory", array=ids.astype(np.int32))
         assert self.tokenizer is not None and self.path is not None
         if self.trainer is None or self.trainer.local_rank == 0:
             path = ensure_token_cache(self.path, self.tokenizer, self.cache_dir, self.text_field)
         else:  # not Lightning's prepare_data: its barrier never times out, so a stalled rank would hang the job
             path = wait_for_token_cache(self.path, self.tokenizer, self.cache_dir, self.text_field, self.stall_timeout)
+        self.max_id = read_header(path).max_id
         return TokenSource(path, "tokens")
 
     def check_model(self, model_vocab_size: Optional[int], model_tokenizer: Optional[str] = None) -> None:

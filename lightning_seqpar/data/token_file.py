@@ -11,12 +11,13 @@ when complete.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import struct
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import numpy as np
 
@@ -42,26 +43,18 @@ class TokenFileHeader:
     max_id: int = -1
     tokenizer: str = ""           # the tokenizer's name (a directory name, or "bytes")
     tokenizer_identity: str = ""  # hash of what decides its ids (lightning_seqpar.data.tokenizer)
-    source: list = field(default_factory=list)  # [[file, bytes, mtime_ns], ...] of the corpus
+    source: dict = field(default_factory=dict)  # {"files": n, "digest": ...} of the corpus (describe_source)
     text_field: Optional[str] = None
 
     def to_bytes(self) -> bytes:
         body = json.dumps(asdict(self)).encode()
-        if 16 + len(body) > DATA_OFFSET:  # a corpus of very many files: keep the header, drop the per-file list
-            body = json.dumps({**asdict(self), "source": [["files", len(self.source), _digest(self.source)]]}).encode()
         return MAGIC + struct.pack("<Q", len(body)) + body.ljust(DATA_OFFSET - 16, b" ")
 
 
-def _digest(source: list) -> str:
-    import hashlib
-
-    return hashlib.sha256(json.dumps(source).encode()).hexdigest()
-
-
-def source_key(source: list) -> list:
-    """``source`` as a header records it (a long file list is recorded as its digest)."""
-    header = TokenFileHeader("uint16", 1, source=source)
-    return json.loads(header.to_bytes()[16:].decode())["source"]
+def describe_source(fingerprint: list) -> dict:
+    """How a header records the corpus files' ``[name, bytes, mtime_ns]`` list: their number and a digest (any
+    number of files fits the header)."""
+    return {"files": len(fingerprint), "digest": hashlib.sha256(json.dumps(fingerprint).encode()).hexdigest()}
 
 
 class TokenFileWriter:
@@ -164,18 +157,15 @@ def open_bin(path: Path, dtype: str = "uint16") -> np.ndarray:
     return np.memmap(path, dtype=np.dtype(dtype).newbyteorder("<"), mode="r", shape=(size // item,))
 
 
-def largest_id(ids: np.ndarray) -> tuple[int, Any]:
-    """The largest id of ``ids`` and a function giving the first position of an id ``>= v``; read in chunks, so a
-    mapped file is scanned without an in-memory copy."""
-    largest = -1
+def largest_id(ids: np.ndarray) -> int:
+    """The largest id of ``ids``, read in chunks, so a mapped file is scanned without an in-memory copy."""
+    return max(int(ids[start:start + _SCAN].max()) for start in range(0, ids.shape[0], _SCAN))
+
+
+def first_at_or_above(ids: np.ndarray, limit: int) -> int:
+    """The position of the first id ``>= limit`` (-1: none), read in chunks."""
     for start in range(0, ids.shape[0], _SCAN):
-        largest = max(largest, int(ids[start:start + _SCAN].max()))
-
-    def first_at_or_above(limit: int) -> int:
-        for start in range(0, ids.shape[0], _SCAN):
-            hits = np.flatnonzero(ids[start:start + _SCAN] >= limit)
-            if hits.size:
-                return start + int(hits[0])
-        return -1
-
-    return largest, first_at_or_above
+        hits = np.flatnonzero(ids[start:start + _SCAN] >= limit)
+        if hits.size:
+            return start + int(hits[0])
+    return -1

@@ -162,3 +162,16 @@ def copy_companion_files(source: os.PathLike | str, directory: os.PathLike | str
             shutil.copy2(source / name, Path(directory) / name)
             copied.append(name)
     return copied
+
+
+def finish_directory(directory: os.PathLike | str, files: Sequence[Sequence[TensorEntry]], config: object,
+                     source: Optional[os.PathLike | str] = None, tokenizer: object = None) -> None:
+    """Complete an exported model directory whose weight files are written: the index, ``config.json``, the
+    tokenizer and generation files of the model directory ``source`` (if it is one), then ``tokenizer``'s own files
+    (``save_pretrained``), which replace the copied tokenizer's."""
+    write_index(directory, files)
+    config.save_pretrained(str(directory))  # type: ignore[attr-defined]
+    if source is not None and Path(source).is_dir():
+        copy_companion_files(source, directory)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(directory))  # type: ignore[attr-defined]

@@ -265,7 +265,7 @@ class SeqParallelStrategy(
             with self._buckets.reducing():  # the closure runs the window's last backward: buckets reduce during it
                 result = closure()
             # Runs once per optimizer step (after the last accumulated backward), before clipping.
-            finalize_gradients(self.lightning_module.parameters(), self.mesh, frozenset(self._buckets.finish()))
+            finalize_gradients(self.lightning_module.parameters(), self.mesh, self._buckets.finish())
             return result
 
         return super().optimizer_step(optimizer, closure_then_finalize, model, **kwargs)

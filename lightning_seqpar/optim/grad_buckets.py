@@ -107,9 +107,9 @@ class GradientBuckets:
         if len(bucket.ready) == len(bucket.params):
             bucket.pending = self.data.all_reduce_start(bucket.buffer)
 
-    def finish(self) -> set[int]:
-        """Wait for the started buckets, average them over the group and hand 16-bit gradients their values back.
-        Returns the ``id`` of every parameter whose gradient is now averaged."""
+    def finish(self) -> frozenset[int]:
+        """Wait for the started buckets, average them over the group and hand 16-bit gradients their values back
+        (the others are views of the buffer already). Returns the ``id`` of every parameter now averaged."""
         done: set[int] = set()
         for bucket in self.buckets:
             if bucket.pending is None:
@@ -117,10 +117,10 @@ class GradientBuckets:
             bucket.pending.wait().div_(self.data.size)
             bucket.pending = None
             for index, p in enumerate(bucket.params):
-                if p.grad is not None and p.grad.data_ptr() != bucket.slice(index).data_ptr():
+                if p.grad is not None and p.grad.dtype != bucket.reduce_dtype:
                     p.grad.copy_(bucket.slice(index))
                 done.add(id(p))
-        return done
+        return frozenset(done)
 
     def remove(self) -> None:
         """Take the hooks off the parameters."""
@@ -136,8 +136,8 @@ class NoBuckets:
     def reducing(self) -> Iterator[None]:
         yield
 
-    def finish(self) -> set[int]:
-        return set()
+    def finish(self) -> frozenset[int]:
+        return frozenset()
 
     def remove(self) -> None:
         pass

@@ -9,7 +9,7 @@ holds the group it was built with.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -77,9 +77,9 @@ class Pending:
     overlap also needs the collective's kernel to be scheduled before the compute's: ``CUDA_DEVICE_MAX_CONNECTIONS=1``.
     """
 
-    def __init__(self, result: Tensor, work: Optional[Any] = None, hook: Optional[Callable[[str], None]] = None,
-                 kind: str = "") -> None:
-        self._result, self._work, self._hook, self.kind = result, work, hook, kind
+    def __init__(self, result: Tensor, work: Optional[Any] = None, kind: str = "",
+                 log: Optional[CommunicationLog] = None) -> None:
+        self._result, self._work, self.kind, self._log = result, work, kind, log
 
     def wait(self) -> Tensor:
         """The result, once the collective is done.
@@ -95,8 +95,8 @@ class Pending:
                 setattr(error, ASYNC_COLLECTIVE, self.kind)
                 raise
             self._work = None
-            if self._hook is not None:
-                self._hook("wait")
+            if self._log is not None:
+                self._log.event(f"{self.kind} wait")
         return self._result
 
 
@@ -152,46 +152,50 @@ class ParallelGroup:
         """Concatenate every rank's ``tensor`` along ``dim``: local ``[n, ...]`` → global ``[t·n, ...]``."""
         if self.size == 1:
             return tensor
-        tensor = tensor.contiguous()
         if dim == 0:
-            out = torch.empty((self.size * tensor.shape[0], *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
-            self._record("all_gather", out)
-            dist.all_gather_single(out, tensor, group=self.group)
-            return out
+            return self._all_gather_single(tensor, async_op=False)[0]
+        tensor = tensor.contiguous()
         parts = [torch.empty_like(tensor) for _ in range(self.size)]
         self._record("all_gather", tensor.new_empty((self.size * tensor.numel(),)))
         dist.all_gather(parts, tensor, group=self.group)
         return torch.cat(parts, dim=dim)
 
     def reduce_scatter(self, tensor: Tensor) -> Tensor:
-        """Sum over the group and keep this rank's slice of dim 0: global ``[t·n, ...]`` → local ``[n, ...]``."""
-        return self.reduce_scatter_start(tensor).wait()
+        """Sum over the group and keep this rank's slice of dim 0: global ``[t·n, ...]`` → local ``[n, ...]``.
+
+        Raises:
+            ValueError: dim 0 not divisible by the group size.
+        """
+        if self.size == 1:
+            return tensor
+        return self._reduce_scatter_single(tensor, async_op=False)[0]
 
     def all_reduce_start(self, tensor: Tensor) -> Pending:
         """:meth:`all_reduce` (sum, in place), started and returned in flight (:class:`Pending`)."""
         if self.size == 1:
             return Pending(tensor)
         self._record("all_reduce", tensor)
-        return self._started(tensor, dist.all_reduce(tensor, group=self.group, async_op=True), "all_reduce")
+        return self._pending("all_reduce", tensor, dist.all_reduce(tensor, group=self.group, async_op=True))
 
     def all_gather_start(self, tensor: Tensor) -> Pending:
-        """:meth:`all_gather` along dim 0, started and returned in flight (:class:`Pending`): ``[n, ...]`` →
-        ``[t·n, ...]`` once waited for."""
+        """:meth:`all_gather` along dim 0, started and returned in flight (:class:`Pending`)."""
         if self.size == 1:
             return Pending(tensor)
+        return self._pending("all_gather", *self._all_gather_single(tensor, async_op=True))
+
+    def reduce_scatter_start(self, tensor: Tensor) -> Pending:
+        """:meth:`reduce_scatter`, started and returned in flight (:class:`Pending`)."""
+        if self.size == 1:
+            return Pending(tensor)
+        return self._pending("reduce_scatter", *self._reduce_scatter_single(tensor, async_op=True))
+
+    def _all_gather_single(self, tensor: Tensor, async_op: bool) -> tuple[Tensor, Any]:
         tensor = tensor.contiguous()
         out = torch.empty((self.size * tensor.shape[0], *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
         self._record("all_gather", out)
-        return self._started(out, dist.all_gather_single(out, tensor, group=self.group, async_op=True), "all_gather")
+        return out, dist.all_gather_single(out, tensor, group=self.group, async_op=async_op)
 
-    def reduce_scatter_start(self, tensor: Tensor) -> Pending:
-        """:meth:`reduce_scatter`, started and returned in flight (:class:`Pending`).
-
-        Raises:
-            ValueError: dim 0 not divisible by the group size.
-        """
-        if self.size == 1:
-            return Pending(tensor)
+    def _reduce_scatter_single(self, tensor: Tensor, async_op: bool) -> tuple[Tensor, Any]:
         if tensor.shape[0] % self.size:
             raise ValueError(
                 f"reduce_scatter needs dim 0 ({tensor.shape[0]}) divisible by the group size ({self.size})."
@@ -199,14 +203,12 @@ class ParallelGroup:
         tensor = tensor.contiguous()
         out = torch.empty((tensor.shape[0] // self.size, *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
         self._record("reduce_scatter", tensor)
-        return self._started(out, dist.reduce_scatter_single(out, tensor, group=self.group, async_op=True),
-                             "reduce_scatter")
+        return out, dist.reduce_scatter_single(out, tensor, group=self.group, async_op=async_op)
 
-    def _started(self, out: Tensor, work: Any, kind: str) -> Pending:
-        hook = self.log.event if self.log is not None else None
-        if hook is not None:
-            hook(f"{kind} start")
-        return Pending(out, work, None if hook is None else lambda what: hook(f"{kind} {what}"), kind)
+    def _pending(self, kind: str, result: Tensor, work: Any) -> Pending:
+        if self.log is not None:
+            self.log.event(f"{kind} start")
+        return Pending(result, work, kind, self.log)
 
     def split(self, tensor: Tensor, dim: int = 0) -> Tensor:
         """This rank's contiguous slice of ``tensor`` along ``dim`` (no communication)."""

@@ -65,31 +65,30 @@ class _ColumnParallelLinearFunction(torch.autograd.Function):
         # Megatron's overlap: the input's re-gather runs during the input-gradient GEMM, and the input gradient's
         # reduce-scatter during the weight-gradient GEMM.
         gathering = group.all_gather_start(x) if weights_need and ctx.sequence_parallel else None
-        reducing, grad_input = _input_gradient(ctx, group, [grad_output], [weight], compute)
+        reducing = _input_gradient(ctx, group, [grad_output], [weight], compute)
         if weights_need:
             total = gathering.wait() if gathering is not None else x  # [s, b, h]
             g2d = grad_output.reshape(-1, grad_output.shape[-1])
             grad_weight = g2d.t().matmul(total.reshape(-1, total.shape[-1]).to(compute)).to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(0)
-        if reducing is not None:
-            grad_input = reducing.wait().to(ctx.input_dtype)
+        grad_input = reducing.wait().to(ctx.input_dtype) if reducing is not None else None
         return grad_input, grad_weight, grad_bias, None, None
 
 
 def _input_gradient(ctx, group: ParallelGroup, grad_outputs: list[Tensor], weights: list[Tensor],
-                    compute: torch.dtype) -> tuple[Optional[Pending], Optional[Tensor]]:
-    """The input gradient ``Σ_i dY_i A_i`` ``[s, b, h]``, partial over ranks, then reduced: under SP a reduce-scatter
+                    compute: torch.dtype) -> Optional[Pending]:
+    """The input gradient ``Σ_i dY_i A_i`` ``[s, b, h]``, partial over ranks, being reduced: under SP a reduce-scatter
     started and returned in flight (waited for after the weight-gradient GEMM); without SP the f operator's
-    all-reduce, done. ``(None, None)`` when the input needs no gradient."""
+    all-reduce, done. ``None`` when the input needs no gradient."""
     if not ctx.needs_input_grad[0]:
-        return None, None
+        return None
     grad_total = grad_outputs[0].matmul(weights[0].to(compute))
     for g, w in zip(grad_outputs[1:], weights[1:]):
         grad_total = grad_total + g.matmul(w.to(compute))
     if ctx.sequence_parallel:
-        return group.reduce_scatter_start(grad_total), None
-    return None, group.all_reduce(grad_total).to(ctx.input_dtype)
+        return group.reduce_scatter_start(grad_total)
+    return Pending(group.all_reduce(grad_total))
 
 
 def column_parallel_linear(
@@ -136,9 +135,9 @@ class _ColumnParallelLinearsFunction(torch.autograd.Function):
         grads: list[Optional[Tensor]] = [None] * (2 * len(weights))
         weights_need = any(ctx.needs_input_grad[3::2])
         gathering = group.all_gather_start(x) if weights_need and ctx.sequence_parallel else None  # see above
-        reducing, grad_input = _input_gradient(ctx, group, list(grad_outputs), list(weights), compute)
+        reducing = _input_gradient(ctx, group, list(grad_outputs), list(weights), compute)
         if weights_need or any(ctx.needs_input_grad[4::2]):
-            total = gathering.wait() if gathering is not None else x
+            total = gathering.wait() if gathering is not None else x  # [s, b, h]
             total2d = total.reshape(-1, total.shape[-1]).to(compute) if weights_need else None
             for i, (g, w) in enumerate(zip(grad_outputs, weights)):
                 g2d = g.reshape(-1, g.shape[-1])
@@ -146,8 +145,7 @@ class _ColumnParallelLinearsFunction(torch.autograd.Function):
                     grads[2 * i] = g2d.t().matmul(total2d).to(w.dtype)
                 if ctx.has_bias[i] and ctx.needs_input_grad[4 + 2 * i]:
                     grads[2 * i + 1] = g2d.sum(0)
-        if reducing is not None:
-            grad_input = reducing.wait().to(ctx.input_dtype)
+        grad_input = reducing.wait().to(ctx.input_dtype) if reducing is not None else None
         return (grad_input, None, None, *grads)
 
 

@@ -52,7 +52,7 @@ def _reduce(rank, world_size, dtype):
         _loss(model, rank, 1, log).backward()
     counter = _CountCats()
     with counter:
-        finalize_gradients(model.parameters(), mesh, frozenset(buckets.finish()))
+        finalize_gradients(model.parameters(), mesh, buckets.finish())
     events = group.log.events
     # reference: both backward passes, then one coalesced all-reduce (in float32) and the mean
     for step in (0, 1):

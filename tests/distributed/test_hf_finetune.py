@@ -103,7 +103,7 @@ def test_a_folder_of_text_files_fine_tunes_at_tp_2_with_the_models_tokenizer(tmp
                    "sample.prompt=The bapo", *(f"{k}={v}" for k, v in TINY_RUN.items())], tmp_path)
     assert _sample(result.stdout).startswith("The bapo")
     header, ids = open_tokens(tmp_path / "docs.tiny-llama.tokens")  # beside the folder, not inside it
-    assert header.dtype == "uint32" and (ids == 0).sum() == 3 and len(header.source) == 3
+    assert header.dtype == "uint32" and (ids == 0).sum() == 3 and header.source["files"] == 3
     console = result.stdout + result.stderr
     assert "Traceback" not in console and "WARNING" not in console and "Warning" not in console  # nothing to act on
     assert console.count("Parameters (whole model") == 1  # printed once: by rank 0, through one handler
