@@ -11,7 +11,8 @@ Keys are the single-device names, so any layout reads any other (DCP reshards on
   ``[3, n, ...]``, see :mod:`.layout`), vocabulary padding left out;
 - ``optimizer_states.<i>.state.<parameter name>.<key>``: the per-parameter optimizer state (AdamW's
   ``step``, ``exp_avg``, ``exp_avg_sq``), keyed by parameter *name*, not by position, so a pipeline
-  stage (or a ZeRO-1 partition) finds its parameters' state whatever layout wrote it.
+  stage finds its parameters' state whatever layout wrote it; with ``zero=1`` each state tensor is stored whole
+  (assembled from the data-parallel ranks' element ranges), so either ``zero`` reads what the other wrote.
 
 Saving is collective over the process group given; replicated tensors (data-parallel copies, modules
 every pipeline stage holds) are written once, by the rank DCP's deduplication picks.
@@ -35,6 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from lightning_seqpar.checkpoint.checks import check_finite, on_every_rank
+from lightning_seqpar.optim.distributed_optimizer import DistributedOptimizer
 from lightning_seqpar.checkpoint.safe_reader import METADATA_FILE, SafeFileSystemReader
 from lightning_seqpar.tensor_parallel.sharding import dcp_view, full_shape, saved_shape, shard_spec
 
@@ -163,28 +165,29 @@ def load_model(module: nn.Module, path: Path, metadata: Metadata, tp_mesh: Optio
 
 
 # ---------------------------------------------------------------------------------------------- optimizer
-def inner_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """The optimizer that holds this rank's state: ZeRO-1's local optimizer, or ``optimizer`` itself."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
-
-
 def parameter_names(module: nn.Module) -> dict[int, str]:
     """``id(parameter) → name`` (a tied parameter keeps its first name, as in ``named_parameters()``)."""
     return {id(p): name for name, p in module.named_parameters()}
 
 
+def _state_by_parameter(optimizer: torch.optim.Optimizer) -> Mapping[Tensor, Mapping[str, Any]]:
+    """Per-parameter state as an unsharded optimizer holds it: a distributed optimizer's assembled on data-parallel
+    rank 0 (collective; nothing on the other ranks, whose copies would be the same)."""
+    if isinstance(optimizer, DistributedOptimizer):
+        return optimizer.gathered_state()
+    return optimizer.state
+
+
 def optimizer_entries(optimizer: torch.optim.Optimizer, names: Mapping[int, str],
                       tp_mesh: Optional[DeviceMesh]) -> dict[str, Tensor]:
-    """This rank's per-parameter optimizer state as DCP must see it: ``{"<name>.<key>": view}``.
+    """This rank's per-parameter optimizer state as DCP must see it: ``{"<name>.<key>": view}`` (collective over the
+    data-parallel group for a :class:`~lightning_seqpar.optim.DistributedOptimizer`).
 
     Raises:
         TypeError: a non-tensor state value (e.g. LBFGS's), or a parameter the module does not name.
     """
-    local = inner_optimizer(optimizer)
     entries = {}
-    for param, state in local.state.items():
+    for param, state in _state_by_parameter(optimizer).items():
         if id(param) not in names:
             raise TypeError("The optimizer holds a parameter that is not the LightningModule's: sharded checkpoints key "
                             "optimizer state by parameter name. Optimize the module's own parameters.")
@@ -217,13 +220,12 @@ def load_optimizer(index: int, optimizer: torch.optim.Optimizer, groups: Sequenc
     if len(groups) != len(optimizer.param_groups):
         raise ValueError(f"The checkpoint's optimizer {index} has {len(groups)} parameter groups; this run's has "
                          f"{len(optimizer.param_groups)}. Resume with the optimizer configuration it was saved with.")
-    local = inner_optimizer(optimizer)
     prefix = f"{OPTIMIZER_PREFIX}{index}.state."
     saved = {k[len(prefix):]: v for k, v in metadata.state_dict_metadata.items() if k.startswith(prefix)}
+    distributed = isinstance(optimizer, DistributedOptimizer)
     targets: dict[str, Tensor] = {}
-    state: dict[int, dict[str, Tensor]] = {}
-    position = 0
-    for group in local.param_groups:
+    state: dict[Tensor, dict[str, Tensor]] = {}
+    for group in optimizer.param_groups:
         for param in group["params"]:
             name = names[id(param)]
             entry = {}
@@ -232,22 +234,24 @@ def load_optimizer(index: int, optimizer: torch.optim.Optimizer, groups: Sequenc
                 if head != name or not isinstance(meta, TensorStorageMetadata):
                     continue
                 if param.dim() > 0 and tuple(meta.size) == saved_shape(shard_spec(param), full_shape(param)):
-                    value = torch.zeros_like(param, dtype=meta.properties.dtype)
+                    # A distributed optimizer keeps a range of each: the whole shard is read into host memory.
+                    value = torch.zeros_like(param, dtype=meta.properties.dtype, device="cpu" if distributed else None)
                     targets[prefix + key] = dcp_view(value, shard_spec(param), tp_mesh)
                 else:
                     value = torch.zeros(tuple(meta.size), dtype=meta.properties.dtype)
                     targets[prefix + key] = value
                 entry[field] = value
             if entry:
-                state[position] = entry
-            position += 1
+                state[param] = entry
     with torch.no_grad():
         read_shards(targets, path)
     if not allow_non_finite:
         on_every_rank(lambda: check_finite({k: local_part(v) for k, v in targets.items()}, f"optimizer {index} state"))
-    live = local.state_dict()["param_groups"]
-    local.load_state_dict({"state": state, "param_groups": [{**saved_group, "params": group["params"]}
-                                                            for saved_group, group in zip(groups, live)]})
-    if local is not optimizer:  # ZeRO-1: the wrapper's groups are the ones schedulers and step() read
-        for saved_group, group in zip(groups, optimizer.param_groups):
-            group.update(saved_group)
+    if distributed:
+        optimizer.load_gathered_state(state, groups)
+        return
+    positions = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+    live = optimizer.state_dict()["param_groups"]
+    optimizer.load_state_dict({"state": {positions[id(p)]: entry for p, entry in state.items()},
+                               "param_groups": [{**saved_group, "params": group["params"]}
+                                                for saved_group, group in zip(groups, live)]})

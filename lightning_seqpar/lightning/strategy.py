@@ -31,7 +31,8 @@ from lightning_seqpar.lightning.process_group import (
     report_failed_collective,
     start_process_group,
 )
-from lightning_seqpar.optim import Buckets, NoBuckets, finalize_gradients, gradient_buckets, shard_optimizers
+from lightning_seqpar.optim import Buckets, NoBuckets
+from lightning_seqpar.optim.step import data_parallel_optimizers, reduced_gradients
 from lightning_seqpar.parallel import ParallelMesh, RNGTracker, validate_layout
 from lightning_seqpar.pipeline_parallel import PipelineConfig
 from lightning_seqpar.rewrite import Policy, RewritePlan
@@ -238,9 +239,9 @@ class SeqParallelStrategy(
             if self.pipeline is not None:
                 check_pipelined_module(self.lightning_module)
             self.setup_optimizers(trainer)
-            self._buckets = gradient_buckets(self.model, self.mesh.data, self.pipeline is not None, self._buckets)
-            if self.zero:
-                self.optimizers = shard_optimizers(self.optimizers, self.lr_scheduler_configs, self.mesh.data)
+            self.optimizers, self._buckets = data_parallel_optimizers(
+                self.model, self.optimizers, self.lr_scheduler_configs, self.mesh, self.zero, self.pipeline is not None,
+                self._buckets)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             optimizers_to_device(self.optimizers, self.root_device)
@@ -262,11 +263,9 @@ class SeqParallelStrategy(
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         def closure_then_finalize() -> Any:
-            with self._buckets.reducing():  # the closure runs the window's last backward: buckets reduce during it
-                result = closure()
-            # Runs once per optimizer step (after the last accumulated backward), before clipping.
-            finalize_gradients(self.lightning_module.parameters(), self.mesh, self._buckets.finish())
-            return result
+            # The closure runs the window's last backward: buckets reduce during it, gradients are final before clipping.
+            with reduced_gradients(optimizer, self._buckets, self.lightning_module.parameters, self.mesh):
+                return closure()
 
         return super().optimizer_step(optimizer, closure_then_finalize, model, **kwargs)
 

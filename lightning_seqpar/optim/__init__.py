@@ -2,9 +2,9 @@
 sums over tp, shared parameters over pp, averages over dp), the sharded gradient norm and clipping, and the
 distributed optimizer (ZeRO-1)."""
 
-from lightning_seqpar.optim.distributed_optimizer import optimizer_state_bytes, shard_optimizers
+from lightning_seqpar.optim.distributed_optimizer import DistributedOptimizer, distribute_optimizers, optimizer_state_bytes
 from lightning_seqpar.optim.grad_buckets import Buckets, GradientBuckets, NoBuckets, gradient_buckets
 from lightning_seqpar.optim.gradients import clip_grad_norm_, finalize_gradients, grad_norm
 
-__all__ = ["Buckets", "GradientBuckets", "NoBuckets", "clip_grad_norm_", "finalize_gradients", "grad_norm",
-           "gradient_buckets", "optimizer_state_bytes", "shard_optimizers"]
+__all__ = ["Buckets", "DistributedOptimizer", "GradientBuckets", "NoBuckets", "clip_grad_norm_", "distribute_optimizers",
+           "finalize_gradients", "grad_norm", "gradient_buckets", "optimizer_state_bytes"]

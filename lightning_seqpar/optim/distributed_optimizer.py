@@ -1,62 +1,276 @@
-"""ZeRO stage 1 over the data-parallel group: each data-parallel rank keeps 1/d of the optimizer state.
+"""ZeRO stage 1 with Megatron-LM's traffic: each data-parallel rank updates, and keeps the optimizer state of, 1/d of
+every parameter's elements.
 
-Megatron-LM's distributed optimizer (``--use-distributed-optimizer``) and DeepSpeed's ZeRO-1 shard the
-optimizer state over the d data-parallel replicas: rank r updates only its part of the parameters and
-the updated parameters are then sent to the other replicas. This is
-``torch.distributed.optim.ZeroRedundancyOptimizer`` (Rajbhandari et al. 2020), which we use rather than
-writing our own: it wraps any ``torch.optim`` class, runs on gloo and NCCL, and keeps
-``param_groups`` for learning-rate schedulers. Its partition is by whole parameters (largest first,
-greedy), so a rank holds about, not exactly, 1/d of the state.
+Megatron-LM's ``DistributedOptimizer`` (``--use-distributed-optimizer``; Rajbhandari et al. 2020, ZeRO-1): instead of
+all-reducing gradients and updating every parameter everywhere,
 
-Gradients are reduced as before (:func:`lightning_seqpar.optim.finalize_gradients`: sequence-parallel
-sums over tp, shared-module sums over pp, the mean over dp), so clipping, accumulation and mixed
-precision see the same gradients as without ZeRO; the step then costs one broadcast of each updated
-parameter from its owner, ``(d-1)/d`` of the parameter bytes per rank, instead of Megatron's
-reduce-scatter + all-gather (same volume in total, an all-reduce where Megatron reduce-scatters).
+1. gradients are reduce-scattered in buckets (:mod:`.sharded_buckets`), during the last backward of an accumulation
+   window: rank r receives the average of its element range of each parameter;
+2. the wrapped optimizer updates only those ranges: its "parameters" are views of the model's parameters
+   (``param.view(-1)[start:stop]``), so its state (AdamW's ``exp_avg``, ``exp_avg_sq``) is 1/d of the model's,
+   split by elements, not by whole parameters;
+3. the updated ranges are all-gathered back into every replica's parameters, bucket by bucket.
+
+Reduce-scatter + all-gather move what one all-reduce moves (``2 (d-1)/d`` of the gradient bytes per rank, ring
+model; the all-gather in the parameters' dtype), against ZeRO's usual all-reduce + broadcast (3/2 of it). Only
+optimizers that update each element from that element alone are exact under an element split: :data:`ELEMENTWISE`.
+
+The sequence-parallel sums over tp and the sums of shared parameters over pipeline stages are taken on the owned
+ranges (the ranges of a parameter are the same on every tensor-parallel and pipeline peer); the gradient norm for
+clipping sums the ranges' squares over the data-parallel group too. After backward, ``param.grad`` is ``None``: the
+averaged gradient of a range is :meth:`DistributedOptimizer.owned_gradient`, all of it
+:meth:`DistributedOptimizer.gathered_gradient` (collective).
+
+Checkpoints keep the zero=0 format: :meth:`DistributedOptimizer.gathered_state` assembles each state tensor on
+data-parallel rank 0 (one at a time, moved to host memory), and :meth:`DistributedOptimizer.load_gathered_state`
+keeps the owned range of each, so a checkpoint written under either ``zero`` resumes under the other, or another d.
 """
 
 from __future__ import annotations
 
-import warnings
-
 import inspect
-from typing import Any, Sequence
+import warnings
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
-from torch.distributed.optim import ZeroRedundancyOptimizer
+import torch.nn as nn
+from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_seqpar.parallel.collectives import ParallelGroup
+from lightning_seqpar.optim.gradients import (
+    _all_reduce_coalesced, norm_of_gradients, shared_over_stages, used_anywhere,
+)
+from lightning_seqpar.optim.sharded_buckets import ShardedGradientBuckets, _rows, owned_range
+from lightning_seqpar.parallel.mesh import ParallelMesh
+from lightning_seqpar.tensor_parallel.sharding import is_pipeline_tied, is_sequence_parallel
+
+#: 0-dim state every optimizer of :data:`ELEMENTWISE` keeps whole (a 0-dim parameter's other state is 0-dim too).
+SCALAR_STATE = frozenset({"step", "eta", "mu"})
+
+#: Optimizers whose update of an element reads only that element's parameter, gradient and state.
+ELEMENTWISE: tuple[type[Optimizer], ...] = (
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
+    torch.optim.RMSprop, torch.optim.Adagrad, torch.optim.Adadelta, torch.optim.ASGD,
+)
 
 
-def shard_optimizer(optimizer: Optimizer, data: ParallelGroup) -> ZeroRedundancyOptimizer:
-    """``optimizer`` rebuilt as ZeRO-1 over the data-parallel group ``data``: same class, same parameter
-    groups and settings, its state partitioned over the d ranks.
+class DistributedOptimizer(Optimizer):
+    """``optimizer`` (fresh, as from ``configure_optimizers``) run as ZeRO-1 over ``mesh.data`` (see the module).
+
+    ``param_groups`` are the model's parameters with the wrapped optimizer's settings: learning-rate schedulers
+    and ``zero_grad`` work on them as on the original; each step copies the settings into the inner optimizer.
+
+    Args:
+        optimizer: an optimizer of a class in :data:`ELEMENTWISE`, holding no state yet.
+        mesh: the process mesh (the data-parallel group shards; tensor and pipeline groups finish the gradients).
+        overlap: reduce-scatter buckets during backward (not under a pipeline schedule).
 
     Raises:
-        ValueError: the optimizer already holds state (it must be fresh, as from ``configure_optimizers``).
+        ValueError: an optimizer class not in :data:`ELEMENTWISE`, or one already holding state.
     """
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
-        return optimizer
-    if optimizer.state:
-        raise ValueError(f"zero=1 shards a fresh optimizer; this {type(optimizer).__name__} already holds state. "
-                         f"Return a new optimizer from configure_optimizers.")
-    groups = [dict(group) for group in optimizer.param_groups]
-    # `defaults` can hold entries the constructor does not take (AdamW's decoupled_weight_decay); the groups keep them.
-    accepted = inspect.signature(type(optimizer).__init__).parameters
-    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
-    return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), process_group=data.group, **defaults)
+
+    def __init__(self, optimizer: Optimizer, mesh: ParallelMesh, overlap: bool = True) -> None:
+        kind = type(optimizer)
+        if kind not in ELEMENTWISE:
+            raise ValueError(
+                f"zero=1 splits every parameter into element ranges, one per data-parallel rank, which is exact only "
+                f"for optimizers that update each element on its own ({', '.join(c.__name__ for c in ELEMENTWISE)}); "
+                f"{kind.__name__} is not one of them. Use zero=0, or one of those optimizers.")
+        if optimizer.state:
+            raise ValueError(f"zero=1 shards a fresh optimizer; this {kind.__name__} already holds state. "
+                             f"Return a new optimizer from configure_optimizers.")
+        self.mesh, self.wrapped_class = mesh, kind
+        groups = [dict(group) for group in optimizer.param_groups]
+        super().__init__(groups, dict(optimizer.defaults))
+        params = list({id(p): p for g in self.param_groups for p in g["params"] if p.requires_grad}.values())
+        self.buckets = ShardedGradientBuckets(params, mesh.data, overlap)
+        d, r = mesh.data.size, mesh.data.rank
+        self._ranges = {id(p): owned_range(p.numel(), d, r) for p in params}
+        self._pieces = {id(p): self._piece_of(p) for p in params}
+        # `defaults` can hold entries the constructor does not take (AdamW's decoupled_weight_decay); groups keep them.
+        accepted = inspect.signature(kind.__init__).parameters
+        inner_groups = [{**{k: v for k, v in g.items() if k != "params"},
+                         "params": [self._pieces[id(p)] for p in g["params"] if id(p) in self._pieces]}
+                        for g in self.param_groups]
+        self.inner = kind(inner_groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
+
+    def _piece_of(self, param: nn.Parameter) -> Tensor:
+        start, stop = self._ranges[id(param)]
+        return param.detach().view(-1)[start:stop]
+
+    # ------------------------------------------------------------------------------------------------ gradients
+    def reducing(self) -> Any:
+        """Context for the backward of the last micro-batch: buckets reduce-scatter as their gradients arrive."""
+        return self.buckets.reducing()
+
+    def finish_gradients(self) -> None:
+        """After the last backward: wait for the reduce-scatters, take the tensor-parallel and pipeline sums on the
+        owned ranges, and hand each range its gradient (``None`` where no rank got one, as on one device)."""
+        params = self.buckets.params
+        used = dict(zip(map(id, params), used_anywhere(self.buckets.finish(), self.mesh.host("data"))))
+        mesh = self.mesh
+        owned = {id(p): self.buckets.owned_gradient(p) for p in params}
+        _all_reduce_coalesced([owned[id(p)] for p in params if is_sequence_parallel(p)], mesh.tensor)
+        for over, host, chosen in ((mesh.pipeline, mesh.host("pipeline"), shared_over_stages(params)),
+                                   (mesh.embedding, mesh.host("embedding"), [p for p in params if is_pipeline_tied(p)])):
+            if over.size > 1 and chosen:
+                for p, u in zip(chosen, used_anywhere([used[id(p)] for p in chosen], host)):
+                    used[id(p)] = u
+                _all_reduce_coalesced([owned[id(p)] for p in chosen], over)
+        for p in params:
+            piece = self._pieces[id(p)]
+            grad = owned[id(p)]
+            piece.grad = (grad if grad.dtype == piece.dtype else grad.to(piece.dtype)) if used[id(p)] else None
+
+    def owned_gradient(self, param: nn.Parameter) -> Optional[Tensor]:
+        """The averaged gradient of this rank's element range of ``param`` (after :meth:`finish_gradients`)."""
+        return self._pieces[id(param)].grad
+
+    def gathered_gradient(self, param: nn.Parameter) -> Optional[Tensor]:
+        """The whole averaged gradient of ``param`` (this rank's tensor-parallel shard), assembled from every
+        data-parallel rank's range (collective over the data-parallel group; for inspection and tests)."""
+        piece = self._pieces[id(param)]
+        present = used_anywhere([piece.grad is not None], self.mesh.host("data"))[0]
+        if not present:
+            return None
+        grad = piece.grad if piece.grad is not None else torch.zeros_like(piece)
+        return self._gather_all(param, grad)
+
+    def grad_norm(self, norm_type: float = 2.0) -> Tensor:
+        """The whole model's gradient norm, as one process computes it, from the owned ranges (collective)."""
+        pairs = [(p, self._pieces[id(p)].grad) for p in self.buckets.params if self._pieces[id(p)].grad is not None]
+        device = self.buckets.params[0].device if self.buckets.params else torch.device("cpu")
+        return norm_of_gradients(pairs, self.mesh, norm_type, device, data_parallel_parts=True)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
+        """Scale the owned gradients so that :meth:`grad_norm` is at most ``max_norm``; return the norm before."""
+        total = self.grad_norm(norm_type)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for piece in self._pieces.values():
+            if piece.grad is not None:
+                piece.grad.mul_(coef.to(piece.grad.device, piece.grad.dtype))
+        return total
+
+    # ------------------------------------------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        """Run ``closure`` (forward, backward, :meth:`finish_gradients`, clipping), update the owned ranges, and
+        all-gather the updated parameters over the data-parallel group."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group, inner in zip(self.param_groups, self.inner.param_groups):
+            inner.update({k: v for k, v in group.items() if k != "params"})
+        for p in self.buckets.params:  # a parameter moved or re-materialized since: point its piece at it again
+            self._pieces[id(p)].data = self._piece_of(p)
+        self.inner.step()
+        self._all_gather_parameters()
+        return loss
+
+    def _all_gather_parameters(self) -> None:
+        data = self.mesh.data
+        if data.size == 1:
+            return
+        started = []
+        for bucket in self.buckets.buckets:
+            send = torch.zeros(bucket.width, dtype=bucket.params[0].dtype, device=bucket.params[0].device)
+            for index, p in enumerate(bucket.params):
+                piece = self._pieces[id(p)]
+                start = bucket.columns[index]
+                send[start:start + piece.numel()].copy_(piece)
+            started.append((bucket, data.all_gather_start(send)))
+        for bucket, pending in started:
+            gathered = pending.wait().view(data.size, bucket.width)
+            for index, p in enumerate(bucket.params):
+                k, start = bucket.widths[index], bucket.columns[index]
+                full, rest = _rows(p.detach().view(-1), k)
+                full.copy_(gathered[: full.shape[0], start:start + k])
+                if rest.numel():
+                    rest.copy_(gathered[full.shape[0], start:start + rest.numel()])
+
+    def _gather_all(self, param: nn.Parameter, piece: Tensor) -> Tensor:
+        """``param``-shaped tensor from every data-parallel rank's range ``piece`` (all-gather)."""
+        d, k = self.mesh.data.size, -(-param.numel() // self.mesh.data.size)
+        padded = torch.zeros(k, dtype=piece.dtype, device=piece.device)
+        padded[: piece.numel()].copy_(piece)
+        return self.mesh.data.all_gather(padded)[: param.numel()].view(param.shape) if d > 1 else piece.view(param.shape)
+
+    # ------------------------------------------------------------------------------------------------ state
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds (its ranges'), summed over every state tensor."""
+        return sum(v.numel() * v.element_size() for s in self.inner.state.values() for v in s.values()
+                   if isinstance(v, Tensor))
+
+    def gathered_state(self) -> dict[nn.Parameter, dict[str, Tensor]]:
+        """Each parameter's optimizer state as the unsharded optimizer holds it (this rank's tensor-parallel shard),
+        on data-parallel rank 0, in host memory; ``{}`` on the other ranks. Collective over the data-parallel group,
+        one state tensor at a time."""
+        out: dict[nn.Parameter, dict[str, Tensor]] = {}
+        data = self.mesh.data
+        for p in self.buckets.params:
+            piece = self._pieces[id(p)]
+            # Every range of a parameter is stepped or none is (the used flags are global): rank 0's keys are all's.
+            state = self.inner.state.get(piece, {})
+            full: dict[str, Tensor] = {}
+            for key, value in sorted(state.items()):
+                if isinstance(value, Tensor) and value.dim() == 1 and value.shape == piece.shape:
+                    k = -(-p.numel() // data.size)
+                    padded = torch.zeros(k, dtype=value.dtype, device=value.device)
+                    padded[: value.numel()].copy_(value)
+                    parts = data.gather(padded)
+                    if parts is not None:
+                        full[key] = parts.reshape(-1)[: p.numel()].view(p.shape).cpu()
+                else:
+                    full[key] = value.detach().cpu() if isinstance(value, Tensor) else value
+            if data.rank == 0 and full:
+                out[p] = full
+        return out
+
+    def load_gathered_state(self, state: Mapping[nn.Parameter, Mapping[str, Tensor]],
+                            groups: Sequence[Mapping[str, Any]]) -> None:
+        """Load unsharded per-parameter state (as :meth:`gathered_state` returns, read on every rank), keeping this
+        rank's range of each tensor shaped like its parameter; ``groups``: the saved settings of each group."""
+        inner_state: dict[int, dict[str, Tensor]] = {}
+        position = 0
+        by_id = {id(p): s for p, s in state.items()}
+        for group in self.param_groups:
+            for p in group["params"]:
+                if id(p) not in self._pieces:
+                    continue
+                saved = by_id.get(id(p))
+                if saved:
+                    start, stop = self._ranges[id(p)]
+                    inner_state[position] = {
+                        key: (value.reshape(-1)[start:stop].to(p.device, copy=True) if isinstance(value, Tensor)
+                              and value.shape == p.shape and (p.dim() > 0 or key not in SCALAR_STATE) else value)
+                        for key, value in saved.items()}
+                position += 1
+        inner_groups = self.inner.state_dict()["param_groups"]
+        self.inner.load_state_dict({"state": inner_state, "param_groups": [
+            {**dict(saved), "params": live["params"]} for saved, live in zip(groups, inner_groups)]})
+        for saved, group in zip(groups, self.param_groups):
+            group.update(saved)
+
+    def remove(self) -> None:
+        """Take the bucket hooks off the parameters."""
+        self.buckets.remove()
 
 
-def shard_optimizers(optimizers: Sequence[Optimizer], lr_scheduler_configs: Sequence[Any],
-                     data: ParallelGroup) -> list[ZeroRedundancyOptimizer]:
-    """:func:`shard_optimizer` for each, and each learning-rate scheduler pointed at its optimizer's
+def distribute_optimizers(optimizers: Sequence[Optimizer], lr_scheduler_configs: Sequence[Any], mesh: ParallelMesh,
+                          pipelined: bool) -> list[DistributedOptimizer]:
+    """:class:`DistributedOptimizer` for each optimizer, and each learning-rate scheduler pointed at its optimizer's
     replacement (a scheduler writes ``lr`` into ``scheduler.optimizer.param_groups``). With one data-parallel rank
-    there is nothing to shard: a warning says so (the run is as with ``zero=0``, plus ZeRO's bookkeeping)."""
-    if data.size == 1:
+    there is nothing to shard: a warning says so.
+
+    Raises:
+        ValueError: from :class:`DistributedOptimizer`.
+    """
+    if mesh.dp == 1:
         warnings.warn("zero=1 shards the optimizer state over the data-parallel ranks, and this run has one (dp = 1): "
                       "nothing is saved. Use zero=0, or more devices than tp·pp.", stacklevel=2)
-    sharded = [shard_optimizer(optimizer, data) for optimizer in optimizers]
+    sharded = [o if isinstance(o, DistributedOptimizer) else DistributedOptimizer(o, mesh, overlap=not pipelined)
+               for o in optimizers]
     for config in lr_scheduler_configs:
         for old, new in zip(optimizers, sharded):
             if getattr(config.scheduler, "optimizer", None) is old:
@@ -65,7 +279,10 @@ def shard_optimizers(optimizers: Sequence[Optimizer], lr_scheduler_configs: Sequ
 
 
 def optimizer_state_bytes(optimizer: Optimizer) -> int:
-    """Bytes of optimizer state this rank holds (ZeRO-1: its partition's), summed over every state tensor."""
-    local = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
-    return sum(value.numel() * value.element_size() for state in local.state.values() for value in state.values()
+    """Bytes of optimizer state this rank holds (zero=1: its element ranges'), summed over every state tensor."""
+    if isinstance(optimizer, DistributedOptimizer):
+        return optimizer.state_bytes()
+    return sum(value.numel() * value.element_size() for state in optimizer.state.values() for value in state.values()
                if isinstance(value, torch.Tensor))
+
+

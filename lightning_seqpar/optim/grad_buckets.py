@@ -7,8 +7,10 @@ moment autograd has accumulated a parameter's gradient its values are copied int
 and ``param.grad`` becomes that slice; when a bucket's last gradient arrives, its all-reduce over the data-parallel
 group starts, and runs while backward goes on through the earlier layers. :meth:`GradientBuckets.finish` waits for
 them and averages. Gradients are reduced in float32 where they are 16-bit (the buffer is float32; the averaged
-values are copied back). A bucket some of whose parameters got no gradient is never started: those gradients are
-reduced afterwards with the rest (:func:`~lightning_seqpar.optim.finalize_gradients`).
+values are copied back). Under a pipeline schedule, whose backward passes run inside the training step, nothing is
+armed: :meth:`GradientBuckets.finish` fills the buckets and starts them all after backward. A bucket some of whose
+parameters got no gradient is never started: those gradients are reduced afterwards with the rest
+(:func:`~lightning_seqpar.optim.finalize_gradients`).
 
 The buffers are the only copy of the gradients that persists (a ``torch.cat`` of all gradients, as a whole-model
 coalesced all-reduce makes, would double them during the reduction).
@@ -51,12 +53,14 @@ class GradientBuckets:
     Args:
         params: the model's parameters, in the model's order (those without ``requires_grad`` are left out).
         data: the data-parallel group.
+        overlap: start each bucket during the armed backward (``False`` under a pipeline schedule: all start in
+            :meth:`finish`).
         bucket_bytes: largest bucket, in bytes of its buffer (a larger parameter gets a bucket of its own).
     """
 
-    def __init__(self, params: Iterable[nn.Parameter], data: ParallelGroup,
+    def __init__(self, params: Iterable[nn.Parameter], data: ParallelGroup, overlap: bool = True,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
-        self.data, self.armed = data, False
+        self.data, self.overlap, self.armed = data, overlap, False
         self.buckets: list[_Bucket] = []
         self._where: dict[int, tuple[_Bucket, int]] = {}
         group: list[nn.Parameter] = []
@@ -84,7 +88,7 @@ class GradientBuckets:
         """Arm the buckets for the backward run inside (the last of an accumulation window)."""
         for bucket in self.buckets:
             bucket.ready, bucket.pending = set(), None
-        self.armed = True
+        self.armed = self.overlap
         try:
             yield
         finally:
@@ -99,18 +103,29 @@ class GradientBuckets:
                                f"after its bucket's data-parallel reduction had started (a reentrant checkpoint, or "
                                f"a backward of its own inside the step?). Use torch.utils.checkpoint with "
                                f"use_reentrant=False, and one backward per micro-batch.")
+        self._fill(bucket, index, param)
+        if len(bucket.ready) == len(bucket.params):
+            bucket.pending = self.data.all_reduce_start(bucket.buffer)
+
+    @staticmethod
+    def _fill(bucket: _Bucket, index: int, param: nn.Parameter) -> None:
         view = bucket.slice(index)
         view.copy_(param.grad)
         if param.grad.dtype == view.dtype:
             param.grad = view  # the buffer is the gradient: reduced in place, nothing copied back
         bucket.ready.add(index)
-        if len(bucket.ready) == len(bucket.params):
-            bucket.pending = self.data.all_reduce_start(bucket.buffer)
 
     def finish(self) -> frozenset[int]:
         """Wait for the started buckets, average them over the group and hand 16-bit gradients their values back
-        (the others are views of the buffer already). Returns the ``id`` of every parameter now averaged."""
+        (the others are views of the buffer already). Buckets backward did not start (not armed) are filled and
+        started first, if each of their parameters has a gradient. Returns the ``id`` of every parameter now averaged."""
         done: set[int] = set()
+        for bucket in self.buckets:
+            if bucket.pending is None and all(p.grad is not None for p in bucket.params):
+                for index, p in enumerate(bucket.params):
+                    if index not in bucket.ready:
+                        self._fill(bucket, index, p)
+                bucket.pending = self.data.all_reduce_start(bucket.buffer)
         for bucket in self.buckets:
             if bucket.pending is None:
                 continue
@@ -129,8 +144,7 @@ class GradientBuckets:
 
 
 class NoBuckets:
-    """Stands for :class:`GradientBuckets` where gradients are reduced after backward instead (one data-parallel
-    rank; pipeline schedules, whose gradients are handed back after the schedule's own backward passes)."""
+    """Stands for :class:`GradientBuckets` where there is nothing to reduce (one data-parallel rank)."""
 
     @contextmanager
     def reducing(self) -> Iterator[None]:
@@ -148,10 +162,10 @@ Buckets = Union[GradientBuckets, NoBuckets]
 
 def gradient_buckets(module: nn.Module, data: ParallelGroup, pipelined: bool, previous: Optional[Buckets] = None
                      ) -> Buckets:
-    """The buckets for ``module``'s parameters (replacing ``previous``'s hooks), or :class:`NoBuckets` for one
-    data-parallel rank or a pipelined model."""
+    """The buckets for ``module``'s parameters (replacing ``previous``'s hooks; started during backward unless
+    ``pipelined``), or :class:`NoBuckets` for one data-parallel rank."""
     if previous is not None:
         previous.remove()
-    if data.size == 1 or pipelined:
+    if data.size == 1:
         return NoBuckets()
-    return GradientBuckets(module.parameters(), data)
+    return GradientBuckets(module.parameters(), data, overlap=not pipelined)

@@ -33,23 +33,37 @@ def _all_reduce_coalesced(tensors: list[Tensor], group: ParallelGroup, scale: fl
             offset += t.numel()
 
 
-def _sum_over_stages(params: list[torch.nn.Parameter], group: ParallelGroup) -> None:
+def used_anywhere(flags: list[bool], host: ParallelGroup) -> list[bool]:
+    """Whether each parameter got a gradient on any rank of ``host``: this rank's ``flags`` (known on the host),
+    OR-ed over the group as a CPU tensor. ``host`` is a gloo group (:meth:`ParallelMesh.host`), so no device
+    value is read back: the step runs ahead of the device."""
+    if host.size == 1 or not flags:
+        return list(flags)
+    used = torch.tensor(flags, dtype=torch.uint8)
+    torch.distributed.all_reduce(used, op=torch.distributed.ReduceOp.MAX, group=host.group)  # bookkeeping: not logged
+    return [bool(u) for u in used.numpy()]  # host memory: read without a dispatched op
+
+
+def _sum_over_stages(params: list[torch.nn.Parameter], group: ParallelGroup, host: ParallelGroup) -> None:
     """Sum gradients of parameters held by every stage of ``group`` (embeddings, final norm, head kept everywhere;
-    a tied embedding and LM head in the embedding group).
+    a tied embedding and LM head in the embedding group); ``host`` is its gloo twin.
 
     A stage that did not use a parameter has no gradient for it; it joins with zeros, unless no stage
     used it (then it keeps ``None``, as on one device, so the optimizer skips it).
     """
     if group.size == 1 or not params:
         return
-    device = params[0].device
-    used = torch.tensor([float(p.grad is not None) for p in params], device=device)
-    group.all_reduce(used)
-    present = [p for p, u in zip(params, used.tolist()) if u > 0]
+    present = [p for p, u in zip(params, used_anywhere([p.grad is not None for p in params], host)) if u]
     for p in present:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     _all_reduce_coalesced([p.grad for p in present], group)
+
+
+def shared_over_stages(params: Iterable[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+    """The parameters every pipeline stage holds a copy of (outside the layer stack, not pipeline-tied), in the
+    same order on every stage."""
+    return [p for p in params if not is_stage_local(p) and not is_pipeline_tied(p)]
 
 
 def finalize_gradients(parameters: Iterable[torch.nn.Parameter], mesh: ParallelMesh,
@@ -72,8 +86,8 @@ def finalize_gradients(parameters: Iterable[torch.nn.Parameter], mesh: ParallelM
     params = list(parameters)
     with_grad = [p for p in params if p.grad is not None]
     _all_reduce_coalesced([p.grad for p in with_grad if is_sequence_parallel(p)], mesh.tensor)
-    _sum_over_stages([p for p in params if not is_stage_local(p) and not is_pipeline_tied(p)], mesh.pipeline)
-    _sum_over_stages([p for p in params if is_pipeline_tied(p)], mesh.embedding)
+    _sum_over_stages(shared_over_stages(params), mesh.pipeline, mesh.host("pipeline"))
+    _sum_over_stages([p for p in params if is_pipeline_tied(p)], mesh.embedding, mesh.host("embedding"))
     _all_reduce_coalesced([p.grad for p in params if p.grad is not None and id(p) not in averaged], mesh.data,
                           scale=1.0 / mesh.data.size)
 
@@ -99,31 +113,46 @@ def grad_norm(parameters: Iterable[torch.nn.Parameter], mesh: ParallelMesh, norm
     Raises:
         ValueError: for other norm types.
     """
+    params = list(parameters)
+    return norm_of_gradients([(p, p.grad) for p in params if p.grad is not None], mesh, norm_type,
+                             params[0].device if params else torch.device("cpu"))
+
+
+def norm_of_gradients(gradients: list[tuple[torch.nn.Parameter, Tensor]], mesh: ParallelMesh, norm_type: float,
+                      device: torch.device, data_parallel_parts: bool = False) -> Tensor:
+    """:func:`grad_norm` of ``(parameter, gradient)`` pairs, each gradient counted as its parameter's tags say.
+    ``data_parallel_parts``: each data-parallel rank holds a disjoint part of every gradient (the distributed
+    optimizer's element ranges), so the parts are also reduced over the data-parallel group.
+
+    Raises:
+        ValueError: a norm type other than 2.0 or ``inf``.
+    """
     if norm_type not in (2.0, math.inf):
         raise ValueError(f"Only the 2-norm and the inf-norm are supported, got norm_type={norm_type}.")
-    params = list(parameters)
-    grads = [p for p in params if p.grad is not None]
-    device = params[0].device if params else torch.device("cpu")
-    dtype = torch.float64 if any(p.grad.dtype == torch.float64 for p in grads) else torch.float32
+    dtype = torch.float64 if any(g.dtype == torch.float64 for _, g in gradients) else torch.float32
     inf = norm_type == math.inf
     op = torch.distributed.ReduceOp.MAX if inf else torch.distributed.ReduceOp.SUM
 
     pipeline_rank = mesh.pipeline.rank
     # A pipeline-tied parameter's gradient is identical on the first and the last stage: counted on the first.
-    grads = [p for p in grads if not is_pipeline_tied(p) or pipeline_rank == 0]
+    gradients = [(p, g) for p, g in gradients if not is_pipeline_tied(p) or pipeline_rank == 0]
 
     def part(sharded: bool, local: bool) -> Tensor:
-        chosen = [_upcast(p.grad) for p in grads
+        chosen = [_upcast(g) for p, g in gradients
                   if (shard_spec(p) is not None) == sharded and counted_on_stage(p, pipeline_rank) == local]
         if inf:
-            return torch.stack([g.abs().max().to(dtype) for g in chosen] or [torch.zeros((), device=device, dtype=dtype)]).max()
+            return torch.stack([g.abs().max().to(dtype) for g in chosen if g.numel()]
+                               or [torch.zeros((), device=device, dtype=dtype)]).max()
         return sum((g.pow(2).sum().to(dtype) for g in chosen), torch.zeros((), device=device, dtype=dtype))
 
     combine = torch.maximum if inf else torch.add
-    sharded = torch.stack([part(True, True), part(True, False)])
+    parts = torch.stack([part(True, True), part(True, False), part(False, True), part(False, False)])
+    if data_parallel_parts:
+        mesh.data.all_reduce(parts, op=op)
+    sharded = parts[:2].clone()
     mesh.tensor.all_reduce(sharded, op=op)
-    stage_local = mesh.pipeline.all_reduce(combine(sharded[0], part(False, True)).reshape(1), op=op)[0]
-    total = combine(combine(stage_local, sharded[1]), part(False, False))
+    stage_local = mesh.pipeline.all_reduce(combine(sharded[0], parts[2]).reshape(1), op=op)[0]
+    total = combine(combine(stage_local, sharded[1]), parts[3])
     return total if inf else total.sqrt()
 
 

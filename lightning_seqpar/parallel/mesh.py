@@ -6,8 +6,8 @@ fastest links): ``rank = tp_rank + t · (dp_rank + d · pp_rank)``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Mapping, Optional
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
@@ -44,6 +44,10 @@ class ParallelMesh:
         device_mesh: the underlying ``torch.distributed.DeviceMesh`` (``None`` for a single process).
         first_and_last: for ``p > 2``, the group of the first and the last pipeline stage of this rank's
             ``(data, tensor)`` coordinate when this rank is one of them (:attr:`embedding`).
+        host_groups: gloo twins of the data, pipeline and first-and-last groups, ``{"data": ..., ...}``, when the
+            default backend is not gloo (NCCL): flags the host already knows (which parameters got a gradient) are
+            exchanged on them in host memory, with no device synchronization (Megatron-LM's
+            ``get_data_parallel_group_gloo``). Empty under gloo, whose groups serve as they are.
     """
 
     tensor: ParallelGroup
@@ -51,6 +55,7 @@ class ParallelMesh:
     pipeline: ParallelGroup
     device_mesh: Optional[object] = None
     first_and_last: Optional[ParallelGroup] = None
+    host_groups: Mapping[str, ParallelGroup] = field(default_factory=dict)
 
     @property
     def embedding(self) -> ParallelGroup:
@@ -60,6 +65,13 @@ class ParallelMesh:
         if self.pipeline.size <= 2:
             return self.pipeline
         return self.first_and_last if self.first_and_last is not None else ParallelGroup(None)
+
+    def host(self, name: str) -> ParallelGroup:
+        """The group ``name`` (``"data"``, ``"pipeline"`` or ``"embedding"``) for exchanging host-side values: CPU
+        tensors, reduced without touching the device (:attr:`host_groups`)."""
+        if name in self.host_groups:
+            return self.host_groups[name]
+        return {"data": self.data, "pipeline": self.pipeline, "embedding": self.embedding}[name]
 
     @property
     def tp(self) -> int:
@@ -82,8 +94,10 @@ class ParallelMesh:
         return cls(ParallelGroup(None), ParallelGroup(None), ParallelGroup(None))
 
     @classmethod
-    def build(cls, tp: int, pp: int, device_type: str) -> "ParallelMesh":
+    def build(cls, tp: int, pp: int, device_type: str, host_groups: Optional[bool] = None) -> "ParallelMesh":
         """Build the mesh over the initialized default process group.
+
+        ``host_groups``: create the gloo twins of :attr:`host_groups` (default: when the backend is not gloo).
 
         Raises:
             ValueError: from :func:`validate_layout`.
@@ -97,12 +111,30 @@ class ParallelMesh:
         def group(name: str) -> ParallelGroup:
             return ParallelGroup(device_mesh.get_group(name))
 
-        first_and_last = None
-        if pp > 2:  # every rank creates every group, in the same order (torch.distributed.new_group's rule)
-            rank = dist.get_rank()
-            for coordinate in range(dp * tp):
-                ranks = [coordinate, coordinate + (pp - 1) * dp * tp]
-                created = dist.new_group(ranks)
-                if rank in ranks:
-                    first_and_last = ParallelGroup(created)
-        return cls(group("tensor"), group("data"), group("pipeline"), device_mesh, first_and_last)
+        first_and_last = _new_groups([[c, c + (pp - 1) * dp * tp] for c in range(dp * tp)]) if pp > 2 else None
+        if host_groups is None:
+            host_groups = dist.get_backend() != "gloo"
+        host: dict[str, ParallelGroup] = {}
+        if host_groups:
+            ranks = lambda p_, d_, t_: t_ + tp * (d_ + dp * p_)  # noqa: E731  (the mesh's rank order)
+            host["data"] = _new_groups([[ranks(p_, d_, t_) for d_ in range(dp)] for p_ in range(pp) for t_ in range(tp)],
+                                       "gloo")
+            host["pipeline"] = _new_groups([[ranks(p_, d_, t_) for p_ in range(pp)] for d_ in range(dp)
+                                            for t_ in range(tp)], "gloo")
+            if pp > 2:
+                embedding = _new_groups([[c, c + (pp - 1) * dp * tp] for c in range(dp * tp)], "gloo")
+                host["embedding"] = embedding if embedding is not None else ParallelGroup(None)
+            elif pp == 2:
+                host["embedding"] = host["pipeline"]
+        return cls(group("tensor"), group("data"), group("pipeline"), device_mesh, first_and_last, host)
+
+
+def _new_groups(all_ranks: list[list[int]], backend: Optional[str] = None) -> Optional[ParallelGroup]:
+    """Create one process group per rank list (every rank creates every group, in the same order:
+    ``torch.distributed.new_group``'s rule) and return the one holding this rank, if any."""
+    rank, mine = dist.get_rank(), None
+    for ranks in all_ranks:
+        created = dist.new_group(ranks, backend=backend)
+        if rank in ranks:
+            mine = ParallelGroup(created)
+    return mine

@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_seqpar import SeqParallelStrategy
 from lightning_seqpar.checkpoint.full_state import full_gradients, merge_over_stages
+from lightning_seqpar.optim import DistributedOptimizer
 from lightning_seqpar.models import GPTConfig, GPTLightningModule
 from lightning_seqpar.tensor_parallel.sharding import shard_spec
 
@@ -131,10 +132,17 @@ class Recorder(pl.Callback):
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         strategy = trainer.strategy
         mesh = strategy.mesh if isinstance(strategy, SeqParallelStrategy) else None
+        distributed = isinstance(getattr(optimizer, "optimizer", optimizer), DistributedOptimizer)
+        if distributed:  # zero=1: the gradients are the optimizer's element ranges; assembled for the comparison
+            for p in pl_module.parameters():
+                p.grad = optimizer.gathered_gradient(p)
         self.grads.append(merge_over_stages(full_gradients(pl_module, mesh.tensor), mesh.pipeline) if mesh else
                           {n: p.grad.detach().clone() for n, p in pl_module.named_parameters() if p.grad is not None})
         self.replicated.append({n: p.grad.detach().clone() for n, p in pl_module.named_parameters()
                                 if p.grad is not None and shard_spec(p) is None})
+        if distributed:
+            for p in pl_module.parameters():
+                p.grad = None
 
 
 def reference_run(module: pl.LightningModule, dataset: TensorDataset, steps: int, dp: int,

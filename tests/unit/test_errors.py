@@ -102,3 +102,17 @@ def test_registered_names_carry_their_tensor_parallel_size():
 def test_bad_timeouts(timeout):
     with pytest.raises(ValueError, match="timeout must be a positive number of seconds or a datetime.timedelta"):
         SeqParallelStrategy(timeout=timeout)
+
+
+def test_zero1_refuses_an_optimizer_that_is_not_elementwise():
+    from lightning_seqpar.optim import DistributedOptimizer
+    from lightning_seqpar.parallel.mesh import ParallelMesh
+
+    params = [torch.nn.Parameter(torch.ones(4, 4))]
+    with pytest.raises(ValueError, match=r"Adafactor is not one of them\. Use zero=0"):
+        DistributedOptimizer(torch.optim.Adafactor(params), ParallelMesh.single())
+    used = torch.optim.AdamW(params)
+    params[0].grad = torch.ones(4, 4)
+    used.step()
+    with pytest.raises(ValueError, match="already holds state"):
+        DistributedOptimizer(used, ParallelMesh.single())
