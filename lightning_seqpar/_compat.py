@@ -79,3 +79,24 @@ def hf_init_weights(model: Any) -> Any:
     if getattr(model, "config", None) is None or not callable(getattr(type(model), "_init_weights", None)):
         return None
     return model._init_weights
+
+
+def track_step_for_schedulers(optimizer: torch.optim.Optimizer) -> None:
+    """Mark ``optimizer.step`` as a learning-rate scheduler built on it would (``_opt_called`` /
+    ``_wrapped_by_lr_sched``), for an optimizer that replaces the one the scheduler was built on.
+
+    A scheduler patches its optimizer's ``step`` in its constructor to check that ``optimizer.step()`` runs before
+    ``scheduler.step()``; pointing ``scheduler.optimizer`` at a replacement (the distributed optimizer) leaves the
+    replacement unpatched and every ``scheduler.step()`` warns that ``optimizer.step()`` "has been overridden".
+    torch has no public way to re-patch it.
+    """
+    step = optimizer.step
+    if getattr(step, "_wrapped_by_lr_sched", False):
+        return
+
+    def tracked(*args: Any, **kwargs: Any) -> Any:
+        optimizer._opt_called = True  # type: ignore[attr-defined]
+        return step(*args, **kwargs)
+
+    tracked._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = tracked  # type: ignore[method-assign]

@@ -16,6 +16,7 @@ The contract with the user's LightningModule (README "Pipeline parallelism") is 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import lightning.pytorch as pl
@@ -25,6 +26,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_seqpar.lightning.pipeline_logs import LogRecorder, LogShare
+from lightning_seqpar.optim.grad_buckets import BucketArming
 from lightning_seqpar.parallel.collectives import ParallelGroup
 from lightning_seqpar.pipeline_parallel.config import PipelineConfig
 from lightning_seqpar.pipeline_parallel.executor import PipelineExecutor, StepResult, loss_of
@@ -98,6 +100,17 @@ def check_pipelined_module(module: pl.LightningModule) -> None:
         )
 
 
+@dataclass(frozen=True)
+class ScheduleReduction:
+    """Data-parallel reduction during the schedule: the armed buckets, the loss's incoming gradient (``1 /
+    accumulate_grad_batches``, known on the host when no loss scaler is used) and whether the window's earlier
+    batches accumulated gradients."""
+
+    arming: BucketArming
+    scale: float
+    accumulated: bool
+
+
 class PipelinedSteps:
     """Training and evaluation steps of a split LightningModule.
 
@@ -147,13 +160,15 @@ class PipelinedSteps:
         return self.executor.layout
 
     def _run(self, module: pl.LightningModule, step: Callable[..., Any], batch: Any, batch_idx: int,
-             forward_only: bool) -> tuple[StepResult, LogRecorder]:
+             forward_only: bool, before_last_backward: Optional[Callable[[], Any]] = None
+             ) -> tuple[StepResult, LogRecorder]:
         micro = split_microbatches(batch, self.config.num_microbatches)
         recorder = LogRecorder()
         module.log = recorder  # an instance attribute shadows LightningModule.log for the schedule only
         try:
             result = self.executor.run(lambda i: step(micro[i], batch_idx), forward_only=forward_only,
-                                       signature=shapes_signature(micro[0], forward_only))
+                                       signature=shapes_signature(micro[0], forward_only),
+                                       before_last_backward=before_last_backward)
         finally:
             del module.log
         return result, recorder
@@ -163,22 +178,33 @@ class PipelinedSteps:
         for name, value, kwargs in logged:
             module.log(name, value.to(dtypes.get(name) or torch.get_default_dtype()), **kwargs)
 
-    def training_step(self, module: pl.LightningModule, batch: Any, batch_idx: int) -> Tensor:
+    def training_step(self, module: pl.LightningModule, batch: Any, batch_idx: int,
+                      reduction: Optional[ScheduleReduction] = None) -> Tensor:
         """Run ``module.training_step`` on every micro-batch through the schedule.
+
+        ``reduction``: in the last batch of an accumulation window, the data-parallel buckets take each gradient
+        during this rank's last backward of the schedule, as ``earlier + scale · fresh`` (what the returned loss's
+        backward would make of it), so their reductions start while the other stages still run backward.
 
         Returns:
             The mean micro-batch loss, identical on every rank; its ``backward()`` puts the schedule's
-            gradients (scaled by the incoming gradient, e.g. ``1/accumulate_grad_batches``) into ``.grad``.
-            Nothing is read back to the host.
+            gradients (scaled by the incoming gradient, e.g. ``1/accumulate_grad_batches``) into ``.grad``
+            (those the buckets took are theirs already). Nothing is read back to the host.
         """
         params = [p for p in module.parameters() if p.requires_grad]
         earlier = [p.grad for p in params]  # gradients accumulated by previous batches stay where they are
         for p in params:
             p.grad = None
-        result, recorder = self._run(module, module.training_step, batch, batch_idx, forward_only=False)
-        fresh = {p: p.grad for p in params if p.grad is not None}
+        arm = None
+        if reduction is not None:
+            kept = {id(p): g for p, g in zip(params, earlier) if g is not None} if reduction.accumulated else {}
+            arm = lambda: reduction.arming.arm_in_schedule(reduction.scale, kept)  # noqa: E731
+        result, recorder = self._run(module, module.training_step, batch, batch_idx, False, arm)
+        taken = reduction.arming.taken() if reduction is not None else frozenset()
+        fresh = {p: p.grad for p in params if p.grad is not None and id(p) not in taken}
         for p, grad in zip(params, earlier):
-            p.grad = grad
+            if id(p) not in taken:
+                p.grad = grad
         mean = None
         if self.is_last:
             losses = [loss_of(result.outputs[i]).detach() for i in sorted(result.outputs)]
@@ -201,14 +227,23 @@ class PipelinedStepsMixin:
     under pipeline parallelism."""
 
     pipeline: Optional[PipelinedSteps] = None
+    _arming: Optional[BucketArming] = None  # the buckets of the optimizer step running (set by the strategy)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self.pipeline is None:
             return super().training_step(*args, **kwargs)
         assert self.lightning_module is not None
+        batch, batch_idx = self._step_args(args, kwargs)
         with self.precision_plugin.train_step_context():
-            return self.pipeline.training_step(self.lightning_module, *self._step_args(args, kwargs))
+            return self.pipeline.training_step(self.lightning_module, batch, batch_idx, self._reduction(batch_idx))
+
+    def _reduction(self, batch_idx: int) -> Optional[ScheduleReduction]:
+        # A loss scaler's factor lives on the device: then the buckets reduce after backward instead.
+        if self._arming is None or getattr(self.precision_plugin, "scaler", None) is not None:
+            return None
+        accumulate = self.lightning_module.trainer.accumulate_grad_batches
+        return ScheduleReduction(self._arming, 1.0 / accumulate, batch_idx % accumulate != 0)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -264,7 +264,7 @@ class SeqParallelStrategy(
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         def closure_then_finalize() -> Any:
             # The closure runs the window's last backward: buckets reduce during it, gradients are final before clipping.
-            with reduced_gradients(optimizer, self._buckets, self.lightning_module.parameters, self.mesh):
+            with reduced_gradients(optimizer, self._buckets, self.lightning_module.parameters, self.mesh) as self._arming:
                 return closure()
 
         return super().optimizer_step(optimizer, closure_then_finalize, model, **kwargs)

@@ -37,10 +37,12 @@ import torch.nn as nn
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_seqpar._compat import track_step_for_schedulers
 from lightning_seqpar.optim.gradients import (
     _all_reduce_coalesced, norm_of_gradients, shared_over_stages, used_anywhere,
 )
 from lightning_seqpar.optim.sharded_buckets import ShardedGradientBuckets, _rows, owned_range
+from lightning_seqpar.parallel.collectives import Pending
 from lightning_seqpar.parallel.mesh import ParallelMesh
 from lightning_seqpar.tensor_parallel.sharding import is_pipeline_tied, is_sequence_parallel
 
@@ -79,11 +81,12 @@ class DistributedOptimizer(Optimizer):
         if optimizer.state:
             raise ValueError(f"zero=1 shards a fresh optimizer; this {kind.__name__} already holds state. "
                              f"Return a new optimizer from configure_optimizers.")
-        self.mesh, self.wrapped_class = mesh, kind
+        self.mesh = mesh
         groups = [dict(group) for group in optimizer.param_groups]
         super().__init__(groups, dict(optimizer.defaults))
         params = list({id(p): p for g in self.param_groups for p in g["params"] if p.requires_grad}.values())
-        self.buckets = ShardedGradientBuckets(params, mesh.data, overlap)
+        apart = frozenset(map(id, shared_over_stages(params))) if mesh.pp > 1 else frozenset()
+        self.buckets = ShardedGradientBuckets(params, mesh.data, overlap, apart)
         d, r = mesh.data.size, mesh.data.rank
         self._ranges = {id(p): owned_range(p.numel(), d, r) for p in params}
         self._pieces = {id(p): self._piece_of(p) for p in params}
@@ -99,10 +102,6 @@ class DistributedOptimizer(Optimizer):
         return param.detach().view(-1)[start:stop]
 
     # ------------------------------------------------------------------------------------------------ gradients
-    def reducing(self) -> Any:
-        """Context for the backward of the last micro-batch: buckets reduce-scatter as their gradients arrive."""
-        return self.buckets.reducing()
-
     def finish_gradients(self) -> None:
         """After the last backward: wait for the reduce-scatters, take the tensor-parallel and pipeline sums on the
         owned ranges, and hand each range its gradient (``None`` where no rank got one, as on one device)."""
@@ -169,25 +168,34 @@ class DistributedOptimizer(Optimizer):
         return loss
 
     def _all_gather_parameters(self) -> None:
+        """Every rank's updated ranges into every replica's parameters, bucket by bucket, two in flight: the next
+        bucket's all-gather runs while the previous one is copied out, and at most two buckets' buffers exist at once.
+        Not deferred into the next forward (Megatron's ``overlap_param_gather``): whatever reads the parameters after
+        ``step()`` (callbacks, checkpoints) reads them updated."""
         data = self.mesh.data
         if data.size == 1:
             return
-        started = []
+        in_flight: list[tuple[Any, Pending]] = []
         for bucket in self.buckets.buckets:
             send = torch.zeros(bucket.width, dtype=bucket.params[0].dtype, device=bucket.params[0].device)
             for index, p in enumerate(bucket.params):
                 piece = self._pieces[id(p)]
                 start = bucket.columns[index]
                 send[start:start + piece.numel()].copy_(piece)
-            started.append((bucket, data.all_gather_start(send)))
-        for bucket, pending in started:
-            gathered = pending.wait().view(data.size, bucket.width)
-            for index, p in enumerate(bucket.params):
-                k, start = bucket.widths[index], bucket.columns[index]
-                full, rest = _rows(p.detach().view(-1), k)
-                full.copy_(gathered[: full.shape[0], start:start + k])
-                if rest.numel():
-                    rest.copy_(gathered[full.shape[0], start:start + rest.numel()])
+            in_flight.append((bucket, data.all_gather_start(send)))
+            if len(in_flight) == 2:
+                self._copy_out(*in_flight.pop(0))
+        for bucket, pending in in_flight:
+            self._copy_out(bucket, pending)
+
+    def _copy_out(self, bucket: Any, pending: Pending) -> None:
+        gathered = pending.wait().view(self.mesh.data.size, bucket.width)
+        for index, p in enumerate(bucket.params):
+            k, start = bucket.widths[index], bucket.columns[index]
+            full, rest = _rows(p.detach().view(-1), k)
+            full.copy_(gathered[: full.shape[0], start:start + k])
+            if rest.numel():
+                rest.copy_(gathered[full.shape[0], start:start + rest.numel()])
 
     def _gather_all(self, param: nn.Parameter, piece: Tensor) -> Tensor:
         """``param``-shaped tensor from every data-parallel rank's range ``piece`` (all-gather)."""
@@ -275,6 +283,7 @@ def distribute_optimizers(optimizers: Sequence[Optimizer], lr_scheduler_configs:
         for old, new in zip(optimizers, sharded):
             if getattr(config.scheduler, "optimizer", None) is old:
                 config.scheduler.optimizer = new
+                track_step_for_schedulers(new)
     return sharded
 
 

@@ -19,11 +19,13 @@ coalesced all-reduce makes, would double them during the reduction).
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterable, Iterator, Optional, Union
+from typing import Iterable, Iterator, Mapping, Optional, Union
 
 import torch
 import torch.nn as nn
+from torch import Tensor
 
+from lightning_seqpar.optim.gradients import shared_over_stages
 from lightning_seqpar.parallel.collectives import ParallelGroup, Pending
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # PyTorch DDP's bucket_cap_mb
@@ -47,7 +49,58 @@ class _Bucket:
         return self.buffer[self.offsets[index]:self.offsets[index] + p.numel()].view_as(p)
 
 
-class GradientBuckets:
+class BucketArming:
+    """When bucket hooks act, and on what value: shared by :class:`GradientBuckets` and the distributed optimizer's
+    buckets.
+
+    :meth:`window` spans the closure of an optimizer step (the last batch of an accumulation window); the hooks act
+    during its backward when the buckets overlap (no pipeline). Under a pipeline schedule the backward passes run
+    inside the training step, one per micro-batch, and the gradient Lightning will see is ``earlier + scale ·
+    fresh`` (gradients accumulated by the window's earlier batches, and the schedule's, scaled by the loss's
+    incoming gradient): :meth:`arm_in_schedule`, called just before the schedule's last backward on this rank, makes
+    the hooks reduce that value, so each bucket starts as its gradients become final.
+    """
+
+    overlap: bool
+    armed: bool = False
+    window_end: bool = False
+    _scale: float = 1.0
+    _earlier: Mapping[int, Tensor] = {}
+
+    @contextmanager
+    def window(self) -> Iterator[None]:
+        self.window_end, self.armed, self._scale, self._earlier = True, self.overlap, 1.0, {}
+        try:
+            yield
+        finally:
+            self.window_end, self.armed, self._earlier = False, False, {}
+
+    def arm_in_schedule(self, scale: float, earlier: Mapping[int, Tensor]) -> bool:
+        """Inside :meth:`window` only: the hooks reduce ``earlier[id(p)] + scale · p.grad`` from now on. Returns
+        whether they were armed."""
+        if not self.window_end:
+            return False
+        self.armed, self._scale, self._earlier = True, scale, earlier
+        return True
+
+    def _value(self, param: nn.Parameter) -> Tensor:
+        """The gradient a hook reduces for ``param`` (its accumulated ``.grad``, or the schedule's combination)."""
+        grad = param.grad
+        assert grad is not None
+        if self._scale != 1.0:
+            grad = grad * self._scale
+        earlier = self._earlier.get(id(param))
+        return grad if earlier is None else earlier + grad
+
+    def taken(self) -> frozenset[int]:
+        """The ``id`` of every parameter a hook has taken in this window (none outside one)."""
+        return self._taken() if self.window_end else frozenset()
+
+    def _taken(self) -> frozenset[int]:
+        raise NotImplementedError
+
+
+class GradientBuckets(BucketArming):
     """Overlapped, bucketed data-parallel gradient averaging for ``params`` over ``data`` (see the module).
 
     Args:
@@ -60,7 +113,7 @@ class GradientBuckets:
 
     def __init__(self, params: Iterable[nn.Parameter], data: ParallelGroup, overlap: bool = True,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
-        self.data, self.overlap, self.armed = data, overlap, False
+        self.data, self.overlap = data, overlap
         self.buckets: list[_Bucket] = []
         self._where: dict[int, tuple[_Bucket, int]] = {}
         group: list[nn.Parameter] = []
@@ -88,11 +141,11 @@ class GradientBuckets:
         """Arm the buckets for the backward run inside (the last of an accumulation window)."""
         for bucket in self.buckets:
             bucket.ready, bucket.pending = set(), None
-        self.armed = self.overlap
-        try:
+        with self.window():
             yield
-        finally:
-            self.armed = False
+
+    def _taken(self) -> frozenset[int]:
+        return frozenset(id(p) for b in self.buckets for i, p in enumerate(b.params) if i in b.ready)
 
     def _ready(self, param: nn.Parameter) -> None:
         if not self.armed or param.grad is None:
@@ -103,16 +156,16 @@ class GradientBuckets:
                                f"after its bucket's data-parallel reduction had started (a reentrant checkpoint, or "
                                f"a backward of its own inside the step?). Use torch.utils.checkpoint with "
                                f"use_reentrant=False, and one backward per micro-batch.")
-        self._fill(bucket, index, param)
+        self._fill(bucket, index, param, self._value(param))
         if len(bucket.ready) == len(bucket.params):
             bucket.pending = self.data.all_reduce_start(bucket.buffer)
 
     @staticmethod
-    def _fill(bucket: _Bucket, index: int, param: nn.Parameter) -> None:
+    def _fill(bucket: _Bucket, index: int, param: nn.Parameter, grad: Tensor) -> None:
         view = bucket.slice(index)
-        view.copy_(param.grad)
-        if param.grad.dtype == view.dtype:
-            param.grad = view  # the buffer is the gradient: reduced in place, nothing copied back
+        view.copy_(grad)
+        if param.grad is not None and param.grad.dtype == view.dtype:
+            param.grad = view  # the buffer is the gradient: reduced in place
         bucket.ready.add(index)
 
     def finish(self) -> frozenset[int]:
@@ -121,19 +174,26 @@ class GradientBuckets:
         started first, if each of their parameters has a gradient. Returns the ``id`` of every parameter now averaged."""
         done: set[int] = set()
         for bucket in self.buckets:
-            if bucket.pending is None and all(p.grad is not None for p in bucket.params):
+            if bucket.pending is not None:
+                continue
+            if all(i in bucket.ready or p.grad is not None for i, p in enumerate(bucket.params)):
                 for index, p in enumerate(bucket.params):
                     if index not in bucket.ready:
-                        self._fill(bucket, index, p)
+                        self._fill(bucket, index, p, p.grad)
                 bucket.pending = self.data.all_reduce_start(bucket.buffer)
+            else:  # reduced by finalize_gradients with the parameters that have no gradient: taken values go back
+                for index in bucket.ready:
+                    p = bucket.params[index]
+                    p.grad = bucket.slice(index).to(p.dtype, copy=True)
         for bucket in self.buckets:
             if bucket.pending is None:
                 continue
             bucket.pending.wait().div_(self.data.size)
             bucket.pending = None
             for index, p in enumerate(bucket.params):
-                if p.grad is not None and p.grad.dtype != bucket.reduce_dtype:
-                    p.grad.copy_(bucket.slice(index))
+                # The slice itself where the dtypes agree; Lightning's zero_grad may have dropped .grad since the hook
+                view = bucket.slice(index)
+                p.grad = view if view.dtype == p.dtype else view.to(p.dtype)
                 done.add(id(p))
         return frozenset(done)
 
@@ -143,8 +203,16 @@ class GradientBuckets:
             hook.remove()
 
 
-class NoBuckets:
+class NoBuckets(BucketArming):
     """Stands for :class:`GradientBuckets` where there is nothing to reduce (one data-parallel rank)."""
+
+    overlap = False
+
+    def arm_in_schedule(self, scale: float, earlier: Mapping[int, Tensor]) -> bool:
+        return False
+
+    def _taken(self) -> frozenset[int]:
+        return frozenset()
 
     @contextmanager
     def reducing(self) -> Iterator[None]:
@@ -162,10 +230,17 @@ Buckets = Union[GradientBuckets, NoBuckets]
 
 def gradient_buckets(module: nn.Module, data: ParallelGroup, pipelined: bool, previous: Optional[Buckets] = None
                      ) -> Buckets:
-    """The buckets for ``module``'s parameters (replacing ``previous``'s hooks; started during backward unless
-    ``pipelined``), or :class:`NoBuckets` for one data-parallel rank."""
+    """The buckets for ``module``'s parameters (replacing ``previous``'s hooks; started during backward, or during
+    the schedule's last backward if ``pipelined``), or :class:`NoBuckets` for one data-parallel rank. Under a
+    pipeline, the parameters every stage holds a copy of are left to
+    :func:`~lightning_seqpar.optim.finalize_gradients` (a stage that does not use one has no gradient for it, which
+    would hold its bucket back; they are small: position embeddings, final norms)."""
     if previous is not None:
         previous.remove()
     if data.size == 1:
         return NoBuckets()
-    return GradientBuckets(module.parameters(), data, overlap=not pipelined)
+    params = list(module.parameters())
+    if pipelined:
+        shared = set(map(id, shared_over_stages(params)))
+        params = [p for p in params if id(p) not in shared]
+    return GradientBuckets(params, data, overlap=not pipelined)

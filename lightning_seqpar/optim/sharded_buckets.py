@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from lightning_seqpar.optim.grad_buckets import DEFAULT_BUCKET_BYTES
+from lightning_seqpar.optim.grad_buckets import DEFAULT_BUCKET_BYTES, BucketArming
 from lightning_seqpar.parallel.collectives import ParallelGroup, Pending
 
 
@@ -79,26 +79,29 @@ class _ShardedBucket:
         return self.reduced[self.columns[index]:self.columns[index] + stop - start]
 
 
-class ShardedGradientBuckets:
+class ShardedGradientBuckets(BucketArming):
     """Bucketed reduce-scatter of ``params``' gradients over ``data`` (see the module).
 
     Args:
         params: the parameters of one optimizer, in the model's order (``requires_grad`` ones).
         data: the data-parallel group.
         overlap: start each bucket during the armed backward (not under a pipeline schedule).
+        apart: parameters kept out of the others' buckets (those every pipeline stage holds, which a stage that does
+            not use them gets no gradient for: they would hold a bucket back until :meth:`finish`).
         bucket_bytes: largest bucket, in bytes of its ``[d, S]`` buffer.
     """
 
     def __init__(self, params: list[nn.Parameter], data: ParallelGroup, overlap: bool = True,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
-        self.data, self.overlap, self.armed = data, overlap, False
+                 apart: frozenset[int] = frozenset(), bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+        self.data, self.overlap = data, overlap
         self.buckets: list[_ShardedBucket] = []
         self._where: dict[int, tuple[_ShardedBucket, int]] = {}
         group: list[nn.Parameter] = []
         size = 0
         for p in reversed(params):
             nbytes = -(-p.numel() // data.size) * data.size * max(4, p.element_size())
-            if group and (size + nbytes > bucket_bytes or p.dtype != group[0].dtype or p.device != group[0].device):
+            if group and (size + nbytes > bucket_bytes or p.dtype != group[0].dtype or p.device != group[0].device
+                          or (id(p) in apart) != (id(group[0]) in apart)):
                 self._add(group)
                 group, size = [], 0
             group.append(p)
@@ -125,11 +128,11 @@ class ShardedGradientBuckets:
         """Arm the buckets for the backward run inside (the last of an accumulation window)."""
         for bucket in self.buckets:
             bucket.ready, bucket.pending, bucket.reduced = set(), None, None
-        self.armed = self.overlap
-        try:
+        with self.window():
             yield
-        finally:
-            self.armed = False
+
+    def _taken(self) -> frozenset[int]:
+        return frozenset(id(p) for b in self.buckets for i, p in enumerate(b.params) if i in b.ready)
 
     def _ready(self, param: nn.Parameter) -> None:
         if not self.armed or param.grad is None:
@@ -140,7 +143,7 @@ class ShardedGradientBuckets:
                                f"after it was handed to its data-parallel reduction (a reentrant checkpoint, or a "
                                f"backward of its own inside the step?). Use torch.utils.checkpoint with "
                                f"use_reentrant=False, and one backward per micro-batch.")
-        bucket.put(index, param.grad)
+        bucket.put(index, self._value(param))
         param.grad = None  # the bucket holds it now
         bucket.ready.add(index)
         if len(bucket.ready) == len(bucket.params):

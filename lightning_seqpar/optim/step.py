@@ -9,26 +9,27 @@ import torch.nn as nn
 from torch.optim import Optimizer
 
 from lightning_seqpar.optim.distributed_optimizer import DistributedOptimizer, distribute_optimizers
-from lightning_seqpar.optim.grad_buckets import Buckets, NoBuckets, gradient_buckets
+from lightning_seqpar.optim.grad_buckets import BucketArming, Buckets, NoBuckets, gradient_buckets
 from lightning_seqpar.optim.gradients import finalize_gradients
 from lightning_seqpar.parallel.mesh import ParallelMesh
 
 
 @contextmanager
 def reduced_gradients(optimizer: Optimizer, buckets: Buckets, parameters: Callable[[], Iterable[nn.Parameter]],
-                      mesh: ParallelMesh) -> Iterator[None]:
+                      mesh: ParallelMesh) -> Iterator[BucketArming]:
     """Around the closure of an optimizer step (it runs the last backward of the accumulation window): buckets
     reduce during that backward, and on leaving, the gradients are those of the unparallelized model, ready for
     clipping. ``optimizer``: a :class:`DistributedOptimizer` reduce-scatters its own buckets and keeps the owned
     ranges (:meth:`~DistributedOptimizer.finish_gradients`); any other is preceded by ``buckets`` and
-    :func:`~lightning_seqpar.optim.finalize_gradients` over ``parameters()``."""
+    :func:`~lightning_seqpar.optim.finalize_gradients` over ``parameters()``. Yields the buckets in use (a pipeline
+    schedule arms them for its last backward)."""
     if isinstance(optimizer, DistributedOptimizer):
-        with optimizer.reducing():
-            yield
+        with optimizer.buckets.reducing():
+            yield optimizer.buckets
         optimizer.finish_gradients()
         return
     with buckets.reducing():
-        yield
+        yield buckets
     finalize_gradients(parameters(), mesh, buckets.finish())
 
 

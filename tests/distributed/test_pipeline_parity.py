@@ -1,7 +1,7 @@
 """Pipeline layouts train exactly like one process: loss, logged loss and every parameter gradient, 3 steps.
 
 Layouts: pp 2 (1F1B, GPipe, interleaved with 2 chunks per rank), pp 2 × tp 2 with and without SP,
-pp 2 × tp 2 × dp 2 on 8 processes; the reference GPT and a user's own module around
+pp 2 × dp 2 (zero 0 interleaved, zero 1), pp 2 × tp 2 × dp 2 on 8 processes; the reference GPT and a user's own module around
 nn.TransformerEncoder(Layer)s; selective and full recomputation; clipping and accumulation.
 """
 
@@ -34,6 +34,7 @@ CASES = {
         Case("encoder", 2, True, "selective", ENCODER_A, (), (), 2),
         Case("encoder", 2, True, "full", ENCODER_B, (), GPIPE, 2),
         Case("gpt", 1, True, None, UNTIED, CLIP_ACCUMULATE, (("zero", 1),), 2),  # pp 2 x dp 2, ZeRO-1
+        Case("gpt", 1, True, None, GPT4, CLIP_ACCUMULATE, INTERLEAVED, 2),  # pp 2 x dp 2, reduced during the schedule
     ],
     8: [
         Case("gpt", 2, True, "selective", (), (), (), 2),

@@ -105,3 +105,21 @@ def test_host_flags_are_or_ed_over_gloo_twins_without_a_device_read():
         pipeline_peers = {rank, rank ^ 2}
         assert over_data == [0 in data_peers, 3 in data_peers, False]
         assert over_pipeline == [0 in pipeline_peers, 3 in pipeline_peers, False]
+
+
+def _counted(rank, world_size):
+    from lightning_seqpar.benchmarking.comm_counter import CollectiveCounter
+
+    group = ParallelGroup(torch.distributed.group.WORLD)
+    group.log = CommunicationLog()
+    with CollectiveCounter(world_size) as counter:
+        group.reduce_scatter(torch.ones(8, 3))
+        group.all_gather(torch.ones(4, 3))
+        group.all_reduce(torch.ones(5))
+        group.reduce_scatter_start(torch.ones(6)).wait()
+    return {k: (counter.log.bytes_moved(k), group.log.bytes_moved(k)) for k in ("reduce_scatter", "all_gather", "all_reduce")}
+
+
+def test_the_benchmarks_collective_counter_agrees_with_the_communication_log():
+    for counted in run_distributed(_counted, 2):
+        assert all(seen == logged > 0 for seen, logged in counted.values()), counted

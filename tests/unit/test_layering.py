@@ -27,7 +27,7 @@ LAYER_OF = {part: i for i, (_, parts) in enumerate(LAYERS) for part in parts}
 THIRD_PARTY = ("torch", "lightning", "lightning_utilities", "pytorch_lightning", "transformers", "safetensors",
                "tokenizers")
 LIGHTNING = ("lightning", "pytorch_lightning", "lightning_utilities", "lightning_fabric")
-LIGHTNING_PARTS = {"lightning", "models", "data"}
+LIGHTNING_PARTS = {"lightning", "models", "data", "benchmarking"}  # benchmarks drive the Trainer as users do
 HF_LIBRARIES = ("transformers", "safetensors", "tokenizers")
 STRATEGY_MAX_LINES = 300
 

@@ -1,0 +1,59 @@
+"""Training-step benchmark: one GPT, the same batches, under our layouts and torch-native TP + SP (+ FSDP2), in one run.
+
+    python recipes/benchmark_training.py                      # on CPU (gloo), or on GPUs (NCCL) when there are 4
+    python recipes/benchmark_training.py n_embd=512 precision=bf16-mixed
+
+Prints one table (tokens/s, time inside communication calls, bytes sent per step per collective kind) and writes it
+as markdown and CSV (``out=...``).
+"""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+from rich.console import Console
+from rich.table import Table
+
+from lightning_seqpar.benchmarking.training_bench import KINDS, TrainingResult, run_training_benchmark
+
+CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+COLUMNS = ["library", "layout", "processes", "tokens/s", "step ms", "comm ms"] + [f"{k} KiB" for k in KINDS]
+
+
+def rows(results: list[TrainingResult]) -> list[list[str]]:
+    return [[r.library, r.layout, str(r.world), f"{r.tokens_per_s:.0f}", f"{r.step_ms:.1f}", f"{r.comm_ms:.1f}"]
+            + [f"{r.bytes_per_step.get(k, 0) / 1024:.0f}" for k in KINDS] for r in results]
+
+
+@hydra.main(config_path=CONF_DIR, config_name="benchmark_training", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    settings = OmegaConf.to_container(cfg, resolve=True)
+    settings.pop("hydra", None)
+    out, only = Path(settings.pop("out")), settings.pop("only")
+    results = run_training_benchmark(settings, only=only)
+    title = (f"Training step, GPT L={cfg.n_layer} h={cfg.n_embd} a={cfg.n_head} v={cfg.vocab_size}, "
+             f"{cfg.global_batch} x {cfg.s} tokens per step, {cfg.precision} (median of {cfg.iters}; bytes and comm "
+             f"time from one more, counted step; rank 0)")
+    table = Table(title=title)
+    for col in COLUMNS:
+        table.add_column(col, justify="left" if col in ("library", "layout") else "right")
+    body = rows(results)
+    for row in body:
+        table.add_row(*row)
+    Console(width=180).print(table)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "benchmark_training.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(COLUMNS)
+        writer.writerows(body)
+    lines = [f"**{title}**", "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(row) + " |" for row in body]
+    (out / "benchmark_training.md").write_text("\n".join(lines) + "\n")
+    Console().print(f"wrote {out / 'benchmark_training.md'} and {out / 'benchmark_training.csv'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""Under a pipeline schedule the data-parallel buckets take each gradient during this rank's last backward of the
+schedule (as the returned loss's backward would combine it) and start reducing there, not after the schedule:
+pp 2 x dp 2, zero 0 (all-reduce) and zero 1 (reduce-scatter), with gradient accumulation. Parity with one process
+for these layouts: test_pipeline_parity."""
+
+import lightning.pytorch as pl
+
+from lightning_seqpar.parallel import CommunicationLog
+from tests.distributed.test_parity import CLIP_ACCUMULATE
+from tests.helpers.distributed import run_distributed
+from tests.helpers.parity import Case, fit
+
+
+class _Order(pl.Callback):
+    """Per optimizer step: the data-parallel group's collective events and the schedule's actions, in order."""
+
+    def __init__(self):
+        self.steps = []
+
+    def on_train_start(self, trainer, pl_module):
+        strategy = trainer.strategy
+        self.log = strategy.mesh.data.log = CommunicationLog()
+        strategy.pipeline.executor.observers.append(
+            lambda action, in_flight: self.log.event(f"{action.kind} done"))
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.steps.append(list(self.log.events))
+        self.log.clear()
+
+
+def _orders(rank, world_size):
+    out = {}
+    for zero in (0, 1):
+        order = _Order()
+        fit(Case("gpt", 1, True, None, (), CLIP_ACCUMULATE, (("zero", zero),), 2), world_size, callbacks=[order])
+        out[zero] = order.steps
+    return out
+
+
+def test_buckets_start_reducing_inside_the_last_backward_of_the_schedule():
+    for per_rank in run_distributed(_orders, 4):  # pp 2 x dp 2
+        for zero, kind in ((0, "all_reduce"), (1, "reduce_scatter")):
+            steps = per_rank[zero]
+            assert steps, zero
+            for events in steps:
+                backward = [i for i, e in enumerate(events) if e == "B done"]
+                starts = [i for i, e in enumerate(events) if e == f"{kind} start"]
+                # The window's first batch ran its schedule before; the buckets start within this rank's last backward
+                # (after the one before it, before it returns), not after the schedule.
+                inside = [i for i in starts if backward[-2] < i < backward[-1]]
+                assert inside and min(starts) == inside[0], (zero, events)
+                if zero == 0:  # every bucket (parameters every stage holds are reduced with the stage sums)
+                    assert inside == starts, events
+                else:  # every bucket but the one of the parameters every stage holds, which starts after backward
+                    assert len(starts) - len(inside) == 1 and len(inside) >= 1, events
