@@ -100,3 +100,12 @@ def track_step_for_schedulers(optimizer: torch.optim.Optimizer) -> None:
 
     tracked._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
     optimizer.step = tracked  # type: ignore[method-assign]
+
+
+def tensor_version(tensor: torch.Tensor) -> int:
+    """How many times ``tensor``'s memory was written in place (autograd's version counter, shared by views).
+
+    The distributed optimizer's float32 main params must notice weights loaded into a parameter between steps;
+    torch exposes the counter only as ``Tensor._version``.
+    """
+    return tensor._version

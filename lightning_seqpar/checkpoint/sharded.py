@@ -36,7 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from lightning_seqpar.checkpoint.checks import check_finite, on_every_rank
-from lightning_seqpar.optim.distributed_optimizer import DistributedOptimizer
+from lightning_seqpar.optim.distributed_optimizer import MAIN_PARAM, DistributedOptimizer
 from lightning_seqpar.checkpoint.safe_reader import METADATA_FILE, SafeFileSystemReader
 from lightning_seqpar.tensor_parallel.sharding import dcp_view, full_shape, saved_shape, shard_spec
 
@@ -232,6 +232,8 @@ def load_optimizer(index: int, optimizer: torch.optim.Optimizer, groups: Sequenc
             for key, meta in saved.items():
                 head, _, field = key.rpartition(".")
                 if head != name or not isinstance(meta, TensorStorageMetadata):
+                    continue
+                if field == MAIN_PARAM and not distributed:  # zero=0 updates the parameters themselves
                     continue
                 if param.dim() > 0 and tuple(meta.size) == saved_shape(shard_spec(param), full_shape(param)):
                     # A distributed optimizer keeps a range of each: the whole shard is read into host memory.

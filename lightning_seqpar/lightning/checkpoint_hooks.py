@@ -54,17 +54,23 @@ from lightning_seqpar.transformer.materialize import has_meta_tensors
 from lightning_seqpar.lightning.checkpoint_io import remove_stale_temporaries
 
 
-def check_checkpoint_options(checkpoint_format: str, zero: int, async_save: bool) -> None:
-    """Refuse a combination of the strategy's checkpoint settings that cannot work, before anything starts.
+def check_checkpoint_options(checkpoint_format: str, zero: int, async_save: bool, fp32_main_params: bool = False
+                             ) -> None:
+    """Refuse a combination of the strategy's checkpoint and optimizer-state settings that cannot work, before
+    anything starts.
 
     Raises:
-        ValueError: an unknown ``checkpoint_format`` or ``zero``; ``zero=1`` or ``async_save`` with the full format.
+        ValueError: an unknown ``checkpoint_format`` or ``zero``; ``zero=1`` or ``async_save`` with the full format;
+            ``fp32_main_params`` without ``zero=1``.
     """
     if checkpoint_format not in ("sharded", "full"):
         raise ValueError(f"checkpoint_format must be 'sharded' or 'full', got {checkpoint_format!r}.")
     if zero not in (0, 1):
         raise ValueError(f"zero must be 0 (replicated optimizer state) or 1 (sharded over data-parallel ranks), "
                          f"got {zero!r}.")
+    if fp32_main_params and zero != 1:
+        raise ValueError("fp32_main_params=True keeps float32 main params with the sharded optimizer state, and needs "
+                         "zero=1. Set zero=1 (and precision='bf16-true'), or leave fp32_main_params off.")
     if checkpoint_format == "full" and (zero or async_save):
         raise ValueError(
             f"checkpoint_format='full' gathers the whole optimizer onto every rank and writes from rank 0; "

@@ -81,12 +81,14 @@ class SeqParallelStrategy(
         async_save: sharded format only: write checkpoints in a background thread while training goes on.
         zero: ``1`` shards the optimizer state over the data-parallel ranks (ZeRO-1,
             :mod:`lightning_seqpar.optim.distributed_optimizer`); ``0`` (default) replicates it.
+        fp32_main_params: with ``zero=1`` and 16-bit parameters (``precision="bf16-true"``), update a float32 copy of
+            each rank's element ranges and round it into the parameters (Megatron's main params: 4 bytes / d each).
 
     The data-parallel size is ``world_size // (tp · pp)``.
 
     Raises:
         ValueError: ``timeout`` not positive; an unknown ``checkpoint_format`` or ``zero``; ``zero=1`` or
-            ``async_save`` with ``checkpoint_format="full"``; ``tp``/``pp`` not positive integers; world size not divisible by ``tp · pp``;
+            ``async_save`` with ``checkpoint_format="full"``; ``fp32_main_params`` without ``zero=1``; ``tp``/``pp`` not positive integers; world size not divisible by ``tp · pp``;
             a model with nothing to rewrite or with shapes that do not split t ways; under ``pp > 1``, an
             unknown schedule, fewer micro-batches than stages (or, interleaved, not a multiple of ``pp``), a
             layer count that does not split into the stages asked, a batch not divisible into micro-batches.
@@ -119,25 +121,22 @@ class SeqParallelStrategy(
         checkpoint_format: Literal["sharded", "full"] = "sharded",
         async_save: bool = False,
         zero: Literal[0, 1] = 0,
+        fp32_main_params: bool = False,
     ) -> None:
         validate_layout(tp * pp, tp, pp)
-        check_checkpoint_options(checkpoint_format, zero, async_save)
+        check_checkpoint_options(checkpoint_format, zero, async_save, fp32_main_params)
         self.pipeline_config = PipelineConfig.build(pp, num_microbatches, schedule, virtual_stages, pipeline_split)
         if start_method not in ("popen", "spawn", "fork"):
             raise ValueError(f"start_method must be 'popen', 'spawn' or 'fork', got {start_method!r}.")
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io or AtomicCheckpointIO(),
-            precision_plugin=precision_plugin,
-        )
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
+                         checkpoint_io=checkpoint_io or AtomicCheckpointIO(), precision_plugin=precision_plugin)
         self.tp, self.sequence_parallel, self.loss_parallel = tp, sequence_parallel, loss_parallel
         self.policies, self.verify_rewrite = list(policies or ()), verify_rewrite
         self._seed, self._start_method = seed, start_method
         self.process_group_backend = process_group_backend  # None: nccl on GPUs, gloo on CPUs
         self._timeout, self.allow_non_finite_checkpoint = as_timedelta(timeout), allow_non_finite_checkpoint
         self.checkpoint_format, self.async_save, self.zero = checkpoint_format, async_save, zero
+        self.fp32_main_params = fp32_main_params
         self._checkpoint_writer: Optional[ShardedCheckpointWriter] = None
         self._mesh: Optional[ParallelMesh] = None
         self.rng_tracker: Optional[RNGTracker] = None
@@ -241,7 +240,7 @@ class SeqParallelStrategy(
             self.setup_optimizers(trainer)
             self.optimizers, self._buckets = data_parallel_optimizers(
                 self.model, self.optimizers, self.lr_scheduler_configs, self.mesh, self.zero, self.pipeline is not None,
-                self._buckets)
+                self._buckets, self.fp32_main_params)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             optimizers_to_device(self.optimizers, self.root_device)

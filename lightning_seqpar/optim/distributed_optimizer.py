@@ -37,7 +37,7 @@ import torch.nn as nn
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_seqpar._compat import track_step_for_schedulers
+from lightning_seqpar._compat import tensor_version, track_step_for_schedulers
 from lightning_seqpar.optim.gradients import (
     _all_reduce_coalesced, norm_of_gradients, shared_over_stages, used_anywhere,
 )
@@ -45,6 +45,9 @@ from lightning_seqpar.optim.sharded_buckets import ShardedGradientBuckets, _rows
 from lightning_seqpar.parallel.collectives import Pending
 from lightning_seqpar.parallel.mesh import ParallelMesh
 from lightning_seqpar.tensor_parallel.sharding import is_pipeline_tied, is_sequence_parallel
+
+#: The optimizer-state key under which checkpoints hold a parameter's float32 main copy (``main_params=True``).
+MAIN_PARAM = "main_param"
 
 #: 0-dim state every optimizer of :data:`ELEMENTWISE` keeps whole (a 0-dim parameter's other state is 0-dim too).
 SCALAR_STATE = frozenset({"step", "eta", "mu"})
@@ -66,12 +69,16 @@ class DistributedOptimizer(Optimizer):
         optimizer: an optimizer of a class in :data:`ELEMENTWISE`, holding no state yet.
         mesh: the process mesh (the data-parallel group shards; tensor and pipeline groups finish the gradients).
         overlap: reduce-scatter buckets during backward (not under a pipeline schedule).
+        main_params: for 16-bit parameters, update a float32 copy of this rank's ranges (Megatron-LM's main params,
+            kept with the optimizer state, 1/d of them per rank) and round it into the parameters after each step;
+            gradients reach the update in float32 as reduced. Without it a 16-bit parameter is updated in its dtype.
 
     Raises:
         ValueError: an optimizer class not in :data:`ELEMENTWISE`, or one already holding state.
     """
 
-    def __init__(self, optimizer: Optimizer, mesh: ParallelMesh, overlap: bool = True) -> None:
+    def __init__(self, optimizer: Optimizer, mesh: ParallelMesh, overlap: bool = True, main_params: bool = False
+                 ) -> None:
         kind = type(optimizer)
         if kind not in ELEMENTWISE:
             raise ValueError(
@@ -89,7 +96,11 @@ class DistributedOptimizer(Optimizer):
         self.buckets = ShardedGradientBuckets(params, mesh.data, overlap, apart)
         d, r = mesh.data.size, mesh.data.rank
         self._ranges = {id(p): owned_range(p.numel(), d, r) for p in params}
-        self._pieces = {id(p): self._piece_of(p) for p in params}
+        self._views = {id(p): self._piece_of(p) for p in params}  # the ranges of the parameters themselves
+        # What the inner optimizer updates: a float32 copy of a 16-bit range (main params), else the range itself.
+        self._pieces = {key: view.float() if main_params and view.element_size() < 4 else view
+                        for key, view in self._views.items()}
+        self._record_versions()
         # `defaults` can hold entries the constructor does not take (AdamW's decoupled_weight_decay); groups keep them.
         accepted = inspect.signature(kind.__init__).parameters
         inner_groups = [{**{k: v for k, v in g.items() if k != "params"},
@@ -161,10 +172,15 @@ class DistributedOptimizer(Optimizer):
                 loss = closure()
         for group, inner in zip(self.param_groups, self.inner.param_groups):
             inner.update({k: v for k, v in group.items() if k != "params"})
-        for p in self.buckets.params:  # a parameter moved or re-materialized since: point its piece at it again
-            self._pieces[id(p)].data = self._piece_of(p)
+        for p in self.buckets.params:  # a parameter moved or re-materialized since: point its range at it again
+            self._views[id(p)].data = self._piece_of(p)
+        self._refresh_main_params()
         self.inner.step()
+        for key, view in self._views.items():
+            if self._pieces[key] is not view:  # main params: rounded into the parameter
+                view.copy_(self._pieces[key])
         self._all_gather_parameters()
+        self._record_versions()
         return loss
 
     def _all_gather_parameters(self) -> None:
@@ -179,9 +195,9 @@ class DistributedOptimizer(Optimizer):
         for bucket in self.buckets.buckets:
             send = torch.zeros(bucket.width, dtype=bucket.params[0].dtype, device=bucket.params[0].device)
             for index, p in enumerate(bucket.params):
-                piece = self._pieces[id(p)]
+                view = self._views[id(p)]
                 start = bucket.columns[index]
-                send[start:start + piece.numel()].copy_(piece)
+                send[start:start + view.numel()].copy_(view)
             in_flight.append((bucket, data.all_gather_start(send)))
             if len(in_flight) == 2:
                 self._copy_out(*in_flight.pop(0))
@@ -206,20 +222,25 @@ class DistributedOptimizer(Optimizer):
 
     # ------------------------------------------------------------------------------------------------ state
     def state_bytes(self) -> int:
-        """Bytes of optimizer state this rank holds (its ranges'), summed over every state tensor."""
-        return sum(v.numel() * v.element_size() for s in self.inner.state.values() for v in s.values()
-                   if isinstance(v, Tensor))
+        """Bytes of optimizer state this rank holds (its ranges'), summed over every state tensor, main params
+        included."""
+        main = sum(piece.numel() * piece.element_size() for key, piece in self._pieces.items()
+                   if piece is not self._views[key])
+        return main + sum(v.numel() * v.element_size() for s in self.inner.state.values() for v in s.values()
+                          if isinstance(v, Tensor))
 
     def gathered_state(self) -> dict[nn.Parameter, dict[str, Tensor]]:
         """Each parameter's optimizer state as the unsharded optimizer holds it (this rank's tensor-parallel shard),
-        on data-parallel rank 0, in host memory; ``{}`` on the other ranks. Collective over the data-parallel group,
-        one state tensor at a time."""
+        and its float32 main copy as :data:`MAIN_PARAM`, on data-parallel rank 0, in host memory; ``{}`` on the other
+        ranks. Collective over the data-parallel group, one state tensor at a time."""
         out: dict[nn.Parameter, dict[str, Tensor]] = {}
         data = self.mesh.data
         for p in self.buckets.params:
             piece = self._pieces[id(p)]
             # Every range of a parameter is stepped or none is (the used flags are global): rank 0's keys are all's.
-            state = self.inner.state.get(piece, {})
+            state = dict(self.inner.state.get(piece, {}))
+            if piece is not self._views[id(p)] and state:
+                state[MAIN_PARAM] = piece
             full: dict[str, Tensor] = {}
             for key, value in sorted(state.items()):
                 if isinstance(value, Tensor) and value.dim() == 1 and value.shape == piece.shape:
@@ -238,7 +259,8 @@ class DistributedOptimizer(Optimizer):
     def load_gathered_state(self, state: Mapping[nn.Parameter, Mapping[str, Tensor]],
                             groups: Sequence[Mapping[str, Any]]) -> None:
         """Load unsharded per-parameter state (as :meth:`gathered_state` returns, read on every rank), keeping this
-        rank's range of each tensor shaped like its parameter; ``groups``: the saved settings of each group."""
+        rank's range of each tensor shaped like its parameter; ``groups``: the saved settings of each group. Main
+        params come from :data:`MAIN_PARAM` where saved, else from the parameters (as loaded)."""
         inner_state: dict[int, dict[str, Tensor]] = {}
         position = 0
         by_id = {id(p): s for p, s in state.items()}
@@ -246,19 +268,34 @@ class DistributedOptimizer(Optimizer):
             for p in group["params"]:
                 if id(p) not in self._pieces:
                     continue
-                saved = by_id.get(id(p))
-                if saved:
-                    start, stop = self._ranges[id(p)]
-                    inner_state[position] = {
-                        key: (value.reshape(-1)[start:stop].to(p.device, copy=True) if isinstance(value, Tensor)
+                start, stop = self._ranges[id(p)]
+                mine = {key: (value.reshape(-1)[start:stop].to(p.device, copy=True) if isinstance(value, Tensor)
                               and value.shape == p.shape and (p.dim() > 0 or key not in SCALAR_STATE) else value)
-                        for key, value in saved.items()}
+                        for key, value in (by_id.get(id(p)) or {}).items()}
+                main = mine.pop(MAIN_PARAM, None)
+                piece, view = self._pieces[id(p)], self._views[id(p)]
+                if piece is not view:
+                    piece.copy_(main if main is not None else view)
+                if mine:
+                    inner_state[position] = mine
                 position += 1
+        self._record_versions()
         inner_groups = self.inner.state_dict()["param_groups"]
         self.inner.load_state_dict({"state": inner_state, "param_groups": [
             {**dict(saved), "params": live["params"]} for saved, live in zip(groups, inner_groups)]})
         for saved, group in zip(groups, self.param_groups):
             group.update(saved)
+
+    def _record_versions(self) -> None:
+        self._versions = {key: tensor_version(view) for key, view in self._views.items()
+                          if self._pieces[key] is not view}
+
+    def _refresh_main_params(self) -> None:
+        """A parameter written outside this optimizer since its last step (weights loaded into it) is taken as it
+        is: its main copy restarts from it, rather than the step overwriting it with the stale copy."""
+        for key, version in self._versions.items():
+            if tensor_version(self._views[key]) != version:
+                self._pieces[key].copy_(self._views[key])
 
     def remove(self) -> None:
         """Take the bucket hooks off the parameters."""
@@ -266,7 +303,7 @@ class DistributedOptimizer(Optimizer):
 
 
 def distribute_optimizers(optimizers: Sequence[Optimizer], lr_scheduler_configs: Sequence[Any], mesh: ParallelMesh,
-                          pipelined: bool) -> list[DistributedOptimizer]:
+                          pipelined: bool, main_params: bool = False) -> list[DistributedOptimizer]:
     """:class:`DistributedOptimizer` for each optimizer, and each learning-rate scheduler pointed at its optimizer's
     replacement (a scheduler writes ``lr`` into ``scheduler.optimizer.param_groups``). With one data-parallel rank
     there is nothing to shard: a warning says so.
@@ -277,7 +314,7 @@ def distribute_optimizers(optimizers: Sequence[Optimizer], lr_scheduler_configs:
     if mesh.dp == 1:
         warnings.warn("zero=1 shards the optimizer state over the data-parallel ranks, and this run has one (dp = 1): "
                       "nothing is saved. Use zero=0, or more devices than tp·pp.", stacklevel=2)
-    sharded = [o if isinstance(o, DistributedOptimizer) else DistributedOptimizer(o, mesh, overlap=not pipelined)
+    sharded = [o if isinstance(o, DistributedOptimizer) else DistributedOptimizer(o, mesh, not pipelined, main_params)
                for o in optimizers]
     for config in lr_scheduler_configs:
         for old, new in zip(optimizers, sharded):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
@@ -34,16 +35,21 @@ def reduced_gradients(optimizer: Optimizer, buckets: Buckets, parameters: Callab
 
 
 def data_parallel_optimizers(module: nn.Module, optimizers: Sequence[Optimizer], lr_scheduler_configs: Sequence[Any],
-                             mesh: ParallelMesh, zero: int, pipelined: bool, previous: Buckets
-                             ) -> tuple[list[Optimizer], Buckets]:
+                             mesh: ParallelMesh, zero: int, pipelined: bool, previous: Buckets,
+                             main_params: bool = False) -> tuple[list[Optimizer], Buckets]:
     """The optimizers a run steps and the buckets that reduce for them, replacing ``previous`` (a second ``fit``):
-    ``zero=1``, :class:`DistributedOptimizer` for each (they bucket their own gradients); ``zero=0``, the optimizers
-    as they are and :class:`~lightning_seqpar.optim.grad_buckets.GradientBuckets` over ``module``.
+    ``zero=1``, :class:`DistributedOptimizer` for each (they bucket their own gradients; ``main_params``: float32
+    main params of 16-bit parameters); ``zero=0``, the optimizers as they are and
+    :class:`~lightning_seqpar.optim.grad_buckets.GradientBuckets` over ``module``.
 
     Raises:
         ValueError: from :class:`DistributedOptimizer`.
     """
     previous.remove()
     if zero:
-        return list(distribute_optimizers(optimizers, lr_scheduler_configs, mesh, pipelined)), NoBuckets()
+        if main_params and not any(p.element_size() < 4 for p in module.parameters()):
+            warnings.warn("fp32_main_params=True has no effect: the parameters are not 16-bit (precision='bf16-mixed' "
+                          "keeps float32 parameters already). Use precision='bf16-true' for 16-bit parameters with "
+                          "float32 main params.", stacklevel=2)
+        return list(distribute_optimizers(optimizers, lr_scheduler_configs, mesh, pipelined, main_params)), NoBuckets()
     return list(optimizers), gradient_buckets(module, mesh.data, pipelined)

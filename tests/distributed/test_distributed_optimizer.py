@@ -118,3 +118,41 @@ def test_zero1_moves_what_one_all_reduce_of_the_gradients_moves(runs):
                 assert sum(sharded["bytes"].values()) == replicated["bytes"]["all_reduce"]
             else:  # 16-bit parameters are gathered as they are: a quarter less
                 assert sum(sharded["bytes"].values()) == replicated["bytes"]["all_reduce"] * 3 // 4
+
+
+def _epochs(world_size, epochs, directory=None, resume=None, zero=1, main=True):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    callbacks = [ModelCheckpoint(dirpath=directory, save_last=True, save_top_k=0)] if directory else []
+    trainer = pl.Trainer(strategy=SeqParallelStrategy(tp=2, zero=zero, fp32_main_params=main), accelerator="cpu",
+                         devices=world_size, precision="bf16-true", max_epochs=epochs, logger=False,
+                         enable_checkpointing=bool(directory), enable_progress_bar=False, enable_model_summary=False,
+                         num_sanity_val_steps=0, callbacks=callbacks, use_distributed_sampler=False)
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    trainer.fit(build("gpt", **dict(WIDE)), loader(token_data(2, 1, seed=(rank // 2) % DP)), ckpt_path=resume)
+    return trainer.strategy.full_state_dict()
+
+
+def _resumes(rank, world_size, directory):
+    straight = _epochs(world_size, 2)
+    _epochs(world_size, 1, directory)
+    resumed = _epochs(world_size, 2, resume=f"{directory}/last.ckpt")
+    as_zero0 = _epochs(world_size, 2, resume=f"{directory}/last.ckpt", zero=0, main=False)
+    return straight, resumed, as_zero0
+
+
+def test_fp32_main_params_are_checkpointed_and_resume_exactly(tmp_path):
+    from lightning_seqpar.checkpoint.safe_reader import read_metadata
+
+    straight, resumed, as_zero0 = run_distributed(_resumes, 4, str(tmp_path))[0]
+    for key in straight:  # the float32 copies carry what the bfloat16 weights cannot: the same run, bit for bit
+        torch.testing.assert_close(resumed[key], straight[key], rtol=0, atol=0, msg=key)
+    stored = read_metadata(tmp_path / "last.ckpt").state_dict_metadata
+    mains = [k for k in stored if k.endswith(".main_param")]
+    assert mains and all(stored[k].properties.dtype == torch.float32 for k in mains)
+    assert as_zero0.keys() == straight.keys()  # zero=0 resumes from it too (its parameters are updated in place)
+
+
+def test_fp32_main_params_need_zero1():
+    with pytest.raises(ValueError, match="needs zero=1"):
+        SeqParallelStrategy(tp=2, fp32_main_params=True)

@@ -40,6 +40,8 @@ CASES = {
         Case("hf", 2, True, None, (("labels", True), ("tie", True)), pp=2),  # pp 2 x tp 2, tied embedding
         Case("hf", 2, True, None, (("labels", True),), pp=2),               # pp 2 x tp 2, untied
         Case("hf", 1, True, None, (("labels", True), ("tie", True), ("layers", 4)), pp=4, batch=4),  # embedding group of 2 of 4
+        Case("hf", 1, True, None, (("labels", True), ("tie", True)), (("gradient_clip_val", 0.05),), (("zero", 1),),
+             pp=2),  # pp 2 x dp 2, distributed optimizer: a tied embedding's ranges summed between the two stages
     ],
 }
 # Hugging Face's RMSNorm and its causal-LM loss compute in float32 whatever the input's dtype, so float64 runs agree
