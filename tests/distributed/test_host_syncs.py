@@ -13,7 +13,8 @@ SCALAR = torch.ops.aten._local_scalar_dense.default
 CASES = {
     2: [Case("gpt", 2, True, "selective"),
         Case("gpt", 1, True, None, (("n_layer", 4),), (), (("virtual_stages", 2), ("num_microbatches", 4)), 2, batch=4)],
-    4: [Case("gpt", 2, True, "selective", (), (), (), 2)],
+    4: [Case("gpt", 2, True, "selective", (), (), (), 2),
+        Case("gpt", 1, True, None, (), (), (("zero", 1),), 2)],  # pp 2 x dp 2: buckets reduce-scatter in the schedule
 }
 
 

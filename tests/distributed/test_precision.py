@@ -51,3 +51,19 @@ def test_16_bit_training_matches_single_process(runs, precision, case):
                 assert got[name].dtype == param_dtype, name
                 err = _relative_error(got[name], want[name])
                 assert err < bound, f"rank {rank} step {step} {name}: relative error {err:.3g} >= {bound}"
+
+
+def _pipeline_bytes(rank, world_size):
+    case = Case("gpt", 1, True, None, (), (), (), 2)  # pp 2
+    return {p: fit(case, world_size, precision=p).p2p_bytes for p in ("32-true", "bf16-mixed", "bf16-true")}
+
+
+def test_pipeline_transfers_are_16_bit_with_16_bit_parameters_and_float32_under_autocast():
+    sent_by_rank = run_distributed(_pipeline_bytes, 2)
+    assert sent_by_rank[0]["32-true"]["activation"] > 0 and sent_by_rank[1]["32-true"]["gradient"] > 0
+    for sent in sent_by_rank:  # stage 0 sends activations, stage 1 their gradients
+        for kind in ("activation", "gradient"):
+            assert 2 * sent["bf16-true"][kind] == sent["32-true"][kind], (kind, sent)
+            # bf16-mixed: the residual stream between stages is float32, as autocast computes it (its next
+            # operations, a norm and an addition, run in float32): sending it in 16 bits would change the numbers.
+            assert sent["bf16-mixed"][kind] == sent["32-true"][kind], (kind, sent)
