@@ -7,9 +7,10 @@ moment autograd has accumulated a parameter's gradient its values are copied int
 and ``param.grad`` becomes that slice; when a bucket's last gradient arrives, its all-reduce over the data-parallel
 group starts, and runs while backward goes on through the earlier layers. :meth:`GradientBuckets.finish` waits for
 them and averages. Gradients are reduced in float32 where they are 16-bit (the buffer is float32; the averaged
-values are copied back). Under a pipeline schedule, whose backward passes run inside the training step, nothing is
-armed: :meth:`GradientBuckets.finish` fills the buckets and starts them all after backward. A bucket some of whose
-parameters got no gradient is never started: those gradients are reduced afterwards with the rest
+values are copied back). Under a pipeline schedule, whose backward passes run inside the training step, the hooks
+are armed just before this rank's last backward of the schedule (:meth:`BucketArming.arm_in_schedule`);
+:meth:`GradientBuckets.finish` fills and starts whatever backward did not. A bucket some of whose parameters got no
+gradient is never started: those gradients are reduced afterwards with the rest
 (:func:`~lightning_seqpar.optim.finalize_gradients`).
 
 The buffers are the only copy of the gradients that persists (a ``torch.cat`` of all gradients, as a whole-model
@@ -69,6 +70,7 @@ class BucketArming:
 
     @contextmanager
     def window(self) -> Iterator[None]:
+        """The closure of an optimizer step: hooks armed at once if the buckets overlap backward."""
         self.window_end, self.armed, self._scale, self._earlier = True, self.overlap, 1.0, {}
         try:
             yield
@@ -106,8 +108,8 @@ class GradientBuckets(BucketArming):
     Args:
         params: the model's parameters, in the model's order (those without ``requires_grad`` are left out).
         data: the data-parallel group.
-        overlap: start each bucket during the armed backward (``False`` under a pipeline schedule: all start in
-            :meth:`finish`).
+        overlap: start each bucket during the backward of the optimizer step's closure (``False`` under a pipeline
+            schedule, whose last backward :meth:`arm_in_schedule` arms instead).
         bucket_bytes: largest bucket, in bytes of its buffer (a larger parameter gets a bucket of its own).
     """
 
