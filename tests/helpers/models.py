@@ -135,7 +135,8 @@ class Recorder(pl.Callback):
         distributed = isinstance(getattr(optimizer, "optimizer", optimizer), DistributedOptimizer)
         if distributed:  # zero=1: the gradients are the optimizer's element ranges; assembled for the comparison
             for p in pl_module.parameters():
-                p.grad = optimizer.gathered_gradient(p)
+                g = optimizer.gathered_gradient(p)  # float32 under fp32 main params
+                p.grad = None if g is None else g.to(p.dtype)
         self.grads.append(merge_over_stages(full_gradients(pl_module, mesh.tensor), mesh.pipeline) if mesh else
                           {n: p.grad.detach().clone() for n, p in pl_module.named_parameters() if p.grad is not None})
         self.replicated.append({n: p.grad.detach().clone() for n, p in pl_module.named_parameters()
