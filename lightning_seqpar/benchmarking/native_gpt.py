@@ -1,7 +1,6 @@
-"""The reference GPT written for torch's own tensor parallelism (separate q/k/v projections, batch-first), and its
+"""The reference GPT written for torch's own tensor parallelism (separate q/k/v projections, batch-first) and its
 torch-native TP + SP plan over the whole model (torchtitan's: vocabulary-parallel embedding, sequence-parallel
-norms, column-parallel head), optionally sharded over data-parallel ranks with FSDP2: what
-``tests``/benchmarks compare our layout against, on the same sizes."""
+norms, column-parallel head): the baseline the training benchmark runs beside our layouts, on the same sizes."""
 
 from __future__ import annotations
 
@@ -18,7 +17,8 @@ from lightning_seqpar.benchmarking.native_tp import NativeBlock, parallelize_nat
 
 class NativeGPT(nn.Module):
     """Token + position embeddings, ``n_layer`` :class:`NativeBlock` s, final norm, head: the reference GPT's
-    parameters (q/k/v as three matrices instead of one fused one). ``idx [b, s]`` → loss against ``targets``."""
+    parameters (q/k/v as three matrices instead of one fused one). ``idx``, ``targets``: token ids ``[b, s]`` →
+    the mean cross entropy (a 0-dim float32 tensor). Parallelized, the blocks see local ``[b, s/t, h]``."""
 
     def __init__(self, vocab_size: int, block_size: int, n_layer: int, n_embd: int, n_head: int,
                  dropout: float = 0.0) -> None:
