@@ -160,7 +160,7 @@ class PipelinedSteps:
         return self.executor.layout
 
     def _run(self, module: pl.LightningModule, step: Callable[..., Any], batch: Any, batch_idx: int,
-             forward_only: bool, before_last_backward: Optional[Callable[[], Any]] = None
+             forward_only: bool, before_last_backward: Optional[Callable[[int, bool], Any]] = None
              ) -> tuple[StepResult, LogRecorder]:
         micro = split_microbatches(batch, self.config.num_microbatches)
         recorder = LogRecorder()
@@ -183,8 +183,9 @@ class PipelinedSteps:
         """Run ``module.training_step`` on every micro-batch through the schedule.
 
         ``reduction``: in the last batch of an accumulation window, the data-parallel buckets take each gradient
-        during this rank's last backward of the schedule, as ``earlier + scale · fresh`` (what the returned loss's
-        backward would make of it), so their reductions start while the other stages still run backward.
+        during the last backward of its model chunk (the layer stack's parameters) or of this rank (the others), as
+        ``earlier + scale · fresh`` (what the returned loss's backward would make of it), so their reductions start
+        while backward goes on.
 
         Returns:
             The mean micro-batch loss, identical on every rank; its ``backward()`` puts the schedule's
@@ -198,7 +199,12 @@ class PipelinedSteps:
         arm = None
         if reduction is not None:
             kept = {id(p): g for p, g in zip(params, earlier) if g is not None} if reduction.accumulated else {}
-            arm = lambda: reduction.arming.arm_in_schedule(reduction.scale, kept)  # noqa: E731
+            executor = self.executor
+
+            def arm(chunk: int, final: bool) -> None:
+                # A chunk's layers are final after its last backward; the rest (embedding, head) after the rank's last.
+                only = None if final else executor.runtime.stage_parameters.get(self.layout.stage(executor.rank, chunk))
+                reduction.arming.arm_in_schedule(reduction.scale, kept, only if only is not None or final else [])
         result, recorder = self._run(module, module.training_step, batch, batch_idx, False, arm)
         taken = reduction.arming.taken() if reduction is not None else frozenset()
         fresh = {p: p.grad for p in params if p.grad is not None and id(p) not in taken}

@@ -67,23 +67,33 @@ class BucketArming:
     window_end: bool = False
     _scale: float = 1.0
     _earlier: Mapping[int, Tensor] = {}
+    _only: Optional[set[int]] = None  # armed for these parameters only (None: all)
 
     @contextmanager
     def window(self) -> Iterator[None]:
         """The closure of an optimizer step: hooks armed at once if the buckets overlap backward."""
-        self.window_end, self.armed, self._scale, self._earlier = True, self.overlap, 1.0, {}
+        self.window_end, self.armed, self._scale, self._earlier, self._only = True, self.overlap, 1.0, {}, None
         try:
             yield
         finally:
-            self.window_end, self.armed, self._earlier = False, False, {}
+            self.window_end, self.armed, self._earlier, self._only = False, False, {}, None
 
-    def arm_in_schedule(self, scale: float, earlier: Mapping[int, Tensor]) -> bool:
-        """Inside :meth:`window` only: the hooks reduce ``earlier[id(p)] + scale · p.grad`` from now on. Returns
-        whether they were armed."""
+    def arm_in_schedule(self, scale: float, earlier: Mapping[int, Tensor],
+                        only: Optional[Iterable[nn.Parameter]] = None) -> bool:
+        """Inside :meth:`window` only: the hooks reduce ``earlier[id(p)] + scale · p.grad`` from now on, for the
+        parameters ``only`` (added to those armed before; ``None``: every parameter). Returns whether they were
+        armed."""
         if not self.window_end:
             return False
+        if only is None:
+            self._only = None
+        elif not self.armed or self._only is not None:
+            self._only = (self._only or set()) | set(map(id, only))
         self.armed, self._scale, self._earlier = True, scale, earlier
         return True
+
+    def _acts_on(self, param: nn.Parameter) -> bool:
+        return self.armed and param.grad is not None and (self._only is None or id(param) in self._only)
 
     def _value(self, param: nn.Parameter) -> Tensor:
         """The gradient a hook reduces for ``param`` (its accumulated ``.grad``, or the schedule's combination)."""
@@ -150,7 +160,7 @@ class GradientBuckets(BucketArming):
         return frozenset(id(p) for b in self.buckets for i, p in enumerate(b.params) if i in b.ready)
 
     def _ready(self, param: nn.Parameter) -> None:
-        if not self.armed or param.grad is None:
+        if not self._acts_on(param):
             return
         bucket, index = self._where[id(param)]
         if bucket.pending is not None:
@@ -210,7 +220,8 @@ class NoBuckets(BucketArming):
 
     overlap = False
 
-    def arm_in_schedule(self, scale: float, earlier: Mapping[int, Tensor]) -> bool:
+    def arm_in_schedule(self, scale: float, earlier: Mapping[int, Tensor],
+                        only: Optional[Iterable[nn.Parameter]] = None) -> bool:
         return False
 
     def _taken(self) -> frozenset[int]:

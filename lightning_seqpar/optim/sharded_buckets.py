@@ -135,7 +135,7 @@ class ShardedGradientBuckets(BucketArming):
         return frozenset(id(p) for b in self.buckets for i, p in enumerate(b.params) if i in b.ready)
 
     def _ready(self, param: nn.Parameter) -> None:
-        if not self.armed or param.grad is None:
+        if not self._acts_on(param):
             return
         bucket, index = self._where[id(param)]
         if index in bucket.ready:

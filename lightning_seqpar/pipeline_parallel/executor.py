@@ -72,14 +72,15 @@ class PipelineExecutor:
         return self.transport.group.rank
 
     def run(self, step: Callable[[int], Any], forward_only: bool = False, signature: Hashable = None,
-            before_last_backward: Optional[Callable[[], Any]] = None) -> StepResult:
+            before_last_backward: Optional[Callable[[int, bool], Any]] = None) -> StepResult:
         """Run ``step(microbatch)`` (the user's step on micro-batch i) through the schedule.
 
         In training, the last stage's loss of each micro-batch is back-propagated scaled by ``1/m``, so
         the parameters' ``.grad`` hold the gradient of the mean micro-batch loss. ``signature``: what the shapes
         sent between stages depend on (:func:`~lightning_seqpar.pipeline_parallel.p2p.shapes_signature`); they are
-        exchanged in the first step of each signature only. ``before_last_backward`` is called just before this rank's
-        last backward pass of the step (after it, every gradient of this rank is final).
+        exchanged in the first step of each signature only. ``before_last_backward(chunk, final)`` is called just
+        before the last backward pass of each of this rank's model chunks (after it, that chunk's layers' gradients are
+        final); ``final`` marks this rank's last backward of the step.
         """
         layout, m = self.layout, self.config.num_microbatches
         last = layout.num_stages - 1
@@ -89,15 +90,16 @@ class PipelineExecutor:
             plain = build_program(self.config.schedule, m, layout, self.rank, forward_only)
             self._programs[program] = with_headers(plain) if headers else plain
         program_steps = self._programs[program]
-        last_backward = max((i for i, a in enumerate(program_steps) if not isinstance(a, Batch) and a.kind != "F"),
-                            default=-1)
+        last_of_chunk = {a.chunk: i for i, a in enumerate(program_steps) if not isinstance(a, Batch) and a.kind != "F"}
+        last_backward = {i: chunk for chunk, i in last_of_chunk.items()}  # action index -> chunk it finishes
+        final = max(last_backward, default=-1)
         result = StepResult()
         saved: dict[tuple[int, int], tuple[Optional[Tensor], Tensor]] = {}
         outgoing: dict[Message, Tensor] = {}
         received: dict[Message, Tensor] = {}
         for index, action in enumerate(program_steps):
-            if index == last_backward and before_last_backward is not None:
-                before_last_backward()
+            if index in last_backward and before_last_backward is not None:
+                before_last_backward(last_backward[index], index == final)
             if isinstance(action, Batch):
                 received.update(self.transport.exchange(action, outgoing))
                 continue

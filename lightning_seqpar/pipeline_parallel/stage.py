@@ -52,12 +52,14 @@ class StageRuntime:
 
     Attributes:
         layout: the stage layout.
+        stage_parameters: the parameters of the layers of each virtual stage this rank holds.
         active: virtual stage being run, ``None`` outside a pipeline step.
         incoming: activation received from the previous stage (``None`` on the first stage).
     """
 
     def __init__(self, layout: StageLayout) -> None:
         self.layout = layout
+        self.stage_parameters: dict[int, list[nn.Parameter]] = {}  # this rank's stages: their layers' parameters
         self.active: Optional[int] = None
         self.incoming: Optional[Tensor] = None
         self._handed_on = False
@@ -228,6 +230,7 @@ def split_stages(model: nn.Module, config: PipelineConfig, pipeline_rank: int) -
             layer.attach_pipeline_stage(stage, functools.partial(runtime.layer, index))
             for p in layer.parameters():
                 set_stage_local(p)
+            runtime.stage_parameters.setdefault(stage, []).extend(layer.parameters())
             continue
         remote_keys += [f"{prefix}.{index}.{k}" for k in layer.state_dict()]
         container[index] = RemoteLayer(index, stage, runtime)

@@ -1,14 +1,15 @@
-"""Under a pipeline schedule the data-parallel buckets take each gradient during this rank's last backward of the
-schedule (as the returned loss's backward would combine it) and start reducing there, not after the schedule:
-pp 2 x dp 2, zero 0 (all-reduce) and zero 1 (reduce-scatter), with gradient accumulation. Parity with one process
-for these layouts: test_pipeline_parity."""
+"""Under a pipeline schedule the data-parallel buckets take each gradient (as the returned loss's backward would
+combine it) during the last backward of its model chunk (layers) or of this rank (the rest), and start reducing
+there, not after the schedule: pp 2 x dp 2, zero 0 (all-reduce) and zero 1 (reduce-scatter), with gradient
+accumulation; interleaved with small buckets, each chunk's at its own last backward, trained like one process.
+Parity with one process for the default buckets: test_pipeline_parity."""
 
 import lightning.pytorch as pl
 
 from lightning_seqpar.parallel import CommunicationLog
 from tests.distributed.test_parity import CLIP_ACCUMULATE
 from tests.helpers.distributed import run_distributed
-from tests.helpers.parity import Case, fit
+from tests.helpers.parity import Case, assert_matches_single_process, close, fit
 
 
 class _Order(pl.Callback):
@@ -53,3 +54,40 @@ def test_buckets_start_reducing_inside_the_last_backward_of_the_schedule():
                     assert inside == starts, events
                 else:  # every bucket but the one of the parameters every stage holds, which starts after backward
                     assert len(starts) - len(inside) == 1 and len(inside) >= 1, events
+
+
+class _SmallBuckets(_Order):
+    """The same, with buckets of about one layer (the default 25 MiB would hold this whole model)."""
+
+    def on_train_start(self, trainer, pl_module):
+        from lightning_seqpar.optim import GradientBuckets
+        from lightning_seqpar.optim.gradients import shared_over_stages
+
+        strategy = trainer.strategy
+        strategy._buckets.remove()
+        shared = set(map(id, shared_over_stages(list(pl_module.parameters()))))
+        strategy._buckets = GradientBuckets([p for p in pl_module.parameters() if id(p) not in shared],
+                                            strategy.mesh.data, overlap=False, bucket_bytes=8192)
+        super().on_train_start(trainer, pl_module)
+
+
+INTERLEAVED = Case("gpt", 1, True, None, (("n_layer", 4),), CLIP_ACCUMULATE,
+                   (("virtual_stages", 2), ("num_microbatches", 4)), 2, batch=4)
+
+
+def _interleaved(rank, world_size):
+    order = _SmallBuckets()
+    recorder = fit(INTERLEAVED, world_size, callbacks=[order])
+    return {INTERLEAVED: recorder}, order.steps
+
+
+def test_interleaved_chunks_start_their_buckets_at_their_own_last_backward():
+    runs = run_distributed(_interleaved, 4)  # pp 2 x dp 2, two model chunks per rank, buckets of about a layer
+    assert_matches_single_process([r for r, _ in runs], INTERLEAVED, 4, 1e-9, 1e-11, close(1e-9, 1e-11))
+    for _, steps in runs:
+        for events in steps:
+            backward = [i for i, e in enumerate(events) if e == "B done"]
+            starts = [i for i, e in enumerate(events) if e == "all_reduce start"]
+            # the later chunk's layers are final before this rank's last backward begins: their buckets start then
+            assert starts and min(starts) < backward[-2], events
+            assert max(starts) < backward[-1], events  # and every bucket before the schedule ends
