@@ -8,15 +8,14 @@ Prints a table and writes it as markdown and CSV (``out=...``).
 
 from __future__ import annotations
 
-import csv
 from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
-from rich.table import Table
 
 from lightning_seqpar.benchmarking.layer_bench import LayerResult, run_layer_benchmark
+from lightning_seqpar.benchmarking.report import print_table, write_table
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 COLUMNS = ["library", "configuration", "forward ms", "backward ms", "combined ms", "overhead %",
@@ -45,26 +44,12 @@ def main(cfg: DictConfig) -> None:
     meta, results = run_layer_benchmark(settings)
     title = (f"One layer, t={meta['t']}, s={cfg.s}, b={cfg.b}, h={cfg.h}, a={cfg.a}, {meta['dtype']}, "
              f"{meta['device']} (median of {cfg.iters})")
-    table = Table(title=title)
-    for col in COLUMNS:
-        table.add_column(col, justify="left" if col in ("library", "configuration") else "right")
     body = rows(results)
-    for row in body:
-        table.add_row(*row)
     console = Console(width=160)
-    console.print(table)
+    print_table(title, COLUMNS, body, ("library", "configuration"), console)
     console.print(summary(results))
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "benchmark.csv", "w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(COLUMNS)
-        writer.writerows(body)
-    lines = [f"**{title}**", "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(row) + " |" for row in body]
-    lines += ["", summary(results), ""]
-    (out / "benchmark.md").write_text("\n".join(lines))
-    console.print(f"wrote {out / 'benchmark.md'} and {out / 'benchmark.csv'}")
-
+    written = write_table(out, "benchmark", title, COLUMNS, body, [summary(results)])
+    console.print(f"wrote {written[0]} and {written[1]}")
 
 if __name__ == "__main__":
     main()

@@ -9,14 +9,13 @@ as markdown and CSV (``out=...``).
 
 from __future__ import annotations
 
-import csv
 from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
-from rich.table import Table
 
+from lightning_seqpar.benchmarking.report import print_table, write_table
 from lightning_seqpar.benchmarking.training_bench import KINDS, TrainingResult, run_training_benchmark
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
@@ -37,23 +36,11 @@ def main(cfg: DictConfig) -> None:
     title = (f"Training step, GPT L={cfg.n_layer} h={cfg.n_embd} a={cfg.n_head} v={cfg.vocab_size}, "
              f"{cfg.global_batch} x {cfg.s} tokens per step, {cfg.precision} (median of {cfg.iters}; bytes and comm "
              f"time from one more, counted step; rank 0)")
-    table = Table(title=title)
-    for col in COLUMNS:
-        table.add_column(col, justify="left" if col in ("library", "layout") else "right")
     body = rows(results)
-    for row in body:
-        table.add_row(*row)
-    Console(width=180).print(table)
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "benchmark_training.csv", "w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(COLUMNS)
-        writer.writerows(body)
-    lines = [f"**{title}**", "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(row) + " |" for row in body]
-    (out / "benchmark_training.md").write_text("\n".join(lines) + "\n")
-    Console().print(f"wrote {out / 'benchmark_training.md'} and {out / 'benchmark_training.csv'}")
-
+    console = Console(width=180)
+    print_table(title, COLUMNS, body, ("library", "layout"), console)
+    written = write_table(out, "benchmark_training", title, COLUMNS, body)
+    console.print(f"wrote {written[0]} and {written[1]}")
 
 if __name__ == "__main__":
     main()

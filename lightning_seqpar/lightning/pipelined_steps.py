@@ -203,8 +203,9 @@ class PipelinedSteps:
 
             def arm(chunk: int, final: bool) -> None:
                 # A chunk's layers are final after its last backward; the rest (embedding, head) after the rank's last.
-                only = None if final else executor.runtime.stage_parameters.get(self.layout.stage(executor.rank, chunk))
-                reduction.arming.arm_in_schedule(reduction.scale, kept, only if only is not None or final else [])
+                stage = self.layout.stage(executor.rank, chunk)
+                only = None if final else executor.runtime.stage_parameters.get(stage, [])
+                reduction.arming.arm_in_schedule(reduction.scale, kept, only)
         result, recorder = self._run(module, module.training_step, batch, batch_idx, False, arm)
         taken = reduction.arming.taken() if reduction is not None else frozenset()
         fresh = {p: p.grad for p in params if p.grad is not None and id(p) not in taken}

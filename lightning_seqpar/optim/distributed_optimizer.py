@@ -41,7 +41,7 @@ from lightning_seqpar._compat import tensor_version, track_step_for_schedulers
 from lightning_seqpar.optim.gradients import (
     _all_reduce_coalesced, norm_of_gradients, shared_over_stages, used_anywhere,
 )
-from lightning_seqpar.optim.sharded_buckets import ShardedGradientBuckets, _rows, owned_range
+from lightning_seqpar.optim.sharded_buckets import ShardedGradientBuckets, _ShardedBucket, out_of_rows, owned_range
 from lightning_seqpar.parallel.collectives import Pending
 from lightning_seqpar.parallel.mesh import ParallelMesh
 from lightning_seqpar.tensor_parallel.sharding import is_pipeline_tied, is_sequence_parallel
@@ -172,8 +172,6 @@ class DistributedOptimizer(Optimizer):
                 loss = closure()
         for group, inner in zip(self.param_groups, self.inner.param_groups):
             inner.update({k: v for k, v in group.items() if k != "params"})
-        for p in self.buckets.params:  # a parameter moved or re-materialized since: point its range at it again
-            self._views[id(p)].data = self._piece_of(p)
         self._refresh_main_params()
         self.inner.step()
         for key, view in self._views.items():
@@ -191,12 +189,12 @@ class DistributedOptimizer(Optimizer):
         data = self.mesh.data
         if data.size == 1:
             return
-        in_flight: list[tuple[Any, Pending]] = []
+        in_flight: list[tuple[_ShardedBucket, Pending]] = []
         for bucket in self.buckets.buckets:
             send = torch.zeros(bucket.width, dtype=bucket.params[0].dtype, device=bucket.params[0].device)
             for index, p in enumerate(bucket.params):
                 view = self._views[id(p)]
-                start = bucket.columns[index]
+                start = bucket.offsets[index]
                 send[start:start + view.numel()].copy_(view)
             in_flight.append((bucket, data.all_gather_start(send)))
             if len(in_flight) == 2:
@@ -204,21 +202,23 @@ class DistributedOptimizer(Optimizer):
         for bucket, pending in in_flight:
             self._copy_out(bucket, pending)
 
-    def _copy_out(self, bucket: Any, pending: Pending) -> None:
+    def _copy_out(self, bucket: _ShardedBucket, pending: Pending) -> None:
         gathered = pending.wait().view(self.mesh.data.size, bucket.width)
         for index, p in enumerate(bucket.params):
-            k, start = bucket.widths[index], bucket.columns[index]
-            full, rest = _rows(p.detach().view(-1), k)
-            full.copy_(gathered[: full.shape[0], start:start + k])
-            if rest.numel():
-                rest.copy_(gathered[full.shape[0], start:start + rest.numel()])
+            out_of_rows(bucket.region(index, gathered), p.detach().view(-1))
+
+    def _padded(self, param: nn.Parameter, piece: Tensor) -> Tensor:
+        """This rank's range ``piece`` of ``param`` (or a state tensor of it) padded to ``ceil(numel / d)``: every
+        rank's is then the same size for a gather."""
+        padded = torch.zeros(-(-param.numel() // self.mesh.data.size), dtype=piece.dtype, device=piece.device)
+        padded[: piece.numel()].copy_(piece)
+        return padded
 
     def _gather_all(self, param: nn.Parameter, piece: Tensor) -> Tensor:
         """``param``-shaped tensor from every data-parallel rank's range ``piece`` (all-gather)."""
-        d, k = self.mesh.data.size, -(-param.numel() // self.mesh.data.size)
-        padded = torch.zeros(k, dtype=piece.dtype, device=piece.device)
-        padded[: piece.numel()].copy_(piece)
-        return self.mesh.data.all_gather(padded)[: param.numel()].view(param.shape) if d > 1 else piece.view(param.shape)
+        if self.mesh.data.size == 1:
+            return piece.view(param.shape)
+        return self.mesh.data.all_gather(self._padded(param, piece))[: param.numel()].view(param.shape)
 
     # ------------------------------------------------------------------------------------------------ state
     def state_bytes(self) -> int:
@@ -244,10 +244,7 @@ class DistributedOptimizer(Optimizer):
             full: dict[str, Tensor] = {}
             for key, value in sorted(state.items()):
                 if isinstance(value, Tensor) and value.dim() == 1 and value.shape == piece.shape:
-                    k = -(-p.numel() // data.size)
-                    padded = torch.zeros(k, dtype=value.dtype, device=value.device)
-                    padded[: value.numel()].copy_(value)
-                    parts = data.gather(padded)
+                    parts = data.gather(self._padded(p, value))
                     if parts is not None:
                         full[key] = parts.reshape(-1)[: p.numel()].view(p.shape).cpu()
                 else:

@@ -19,6 +19,7 @@ coalesced all-reduce makes, would double them during the reduction).
 
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
 from typing import Iterable, Iterator, Mapping, Optional, Union
 
@@ -33,21 +34,28 @@ DEFAULT_BUCKET_BYTES = 25 * 2**20  # PyTorch DDP's bucket_cap_mb
 
 
 class _Bucket:
-    def __init__(self, params: list[nn.Parameter]) -> None:
+    """Parameters reduced together, and their buffer ``[rows, S]``: parameter i owns columns
+    ``offsets[i] : offsets[i] + widths[i]`` with ``widths[i] = ceil(numel / rows)`` (``rows = 1``: a flat buffer for an
+    all-reduce; ``rows = d``: one row per data-parallel rank for a reduce-scatter). float32 for 16-bit parameters."""
+
+    def __init__(self, params: list[nn.Parameter], rows: int = 1) -> None:
         self.params = params
         dtype = params[0].dtype
         self.reduce_dtype = torch.float32 if dtype.itemsize < 4 else dtype
+        self.widths = [-(-p.numel() // rows) for p in params]
         self.offsets, total = [], 0
-        for p in params:
+        for k in self.widths:
             self.offsets.append(total)
-            total += p.numel()
-        self.buffer = torch.zeros(total, dtype=self.reduce_dtype, device=params[0].device)
+            total += k
+        self.width = total  # S
+        self.buffer = torch.zeros(rows, total, dtype=self.reduce_dtype, device=params[0].device)
         self.ready: set[int] = set()
         self.pending: Optional[Pending] = None
 
     def slice(self, index: int) -> torch.Tensor:
+        """Parameter ``index``'s part of a one-row buffer, shaped like it."""
         p = self.params[index]
-        return self.buffer[self.offsets[index]:self.offsets[index] + p.numel()].view_as(p)
+        return self.buffer[0, self.offsets[index]:self.offsets[index] + p.numel()].view_as(p)
 
 
 class BucketArming:
@@ -112,41 +120,57 @@ class BucketArming:
         raise NotImplementedError
 
 
-class GradientBuckets(BucketArming):
-    """Overlapped, bucketed data-parallel gradient averaging for ``params`` over ``data`` (see the module).
+class HookedBuckets(BucketArming):
+    """Buckets over parameters and the post-accumulate-grad hooks that fill them (a subclass says how: ``_bucket``,
+    ``_ready``): parameters in the reverse of model order (the order backward produces their gradients), a new
+    bucket at ``bucket_bytes`` of buffer, at a change of dtype or device, and between ``apart`` parameters and the
+    others; tied parameters once."""
 
-    Args:
-        params: the model's parameters, in the model's order (those without ``requires_grad`` are left out).
-        data: the data-parallel group.
-        overlap: start each bucket during the backward of the optimizer step's closure (``False`` under a pipeline
-            schedule, whose last backward :meth:`arm_in_schedule` arms instead).
-        bucket_bytes: largest bucket, in bytes of its buffer (a larger parameter gets a bucket of its own).
-    """
+    data: ParallelGroup
+    buckets: list
 
-    def __init__(self, params: Iterable[nn.Parameter], data: ParallelGroup, overlap: bool = True,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+    def _form(self, params: Iterable[nn.Parameter], data: ParallelGroup, overlap: bool, bucket_bytes: int,
+              rows: int = 1, apart: frozenset[int] = frozenset()) -> None:
         self.data, self.overlap = data, overlap
-        self.buckets: list[_Bucket] = []
-        self._where: dict[int, tuple[_Bucket, int]] = {}
+        self.buckets, self._where = [], {}
+        unique = list({id(p): p for p in params if p.requires_grad}.values())
         group: list[nn.Parameter] = []
         size = 0
-        unique = list({id(p): p for p in params if p.requires_grad}.values())  # tied parameters once
         for p in reversed(unique):
-            nbytes = p.numel() * max(4, p.element_size())
-            if group and (size + nbytes > bucket_bytes or p.dtype != group[0].dtype or p.device != group[0].device):
+            nbytes = -(-p.numel() // rows) * rows * max(4, p.element_size())
+            if group and (size + nbytes > bucket_bytes or p.dtype != group[0].dtype or p.device != group[0].device
+                          or (id(p) in apart) != (id(group[0]) in apart)):
                 self._add(group)
                 group, size = [], 0
             group.append(p)
             size += nbytes
         if group:
             self._add(group)
-        self._hooks = [p.register_post_accumulate_grad_hook(self._ready) for p in unique]
+        this = weakref.ref(self)  # the hooks must not keep replaced buckets alive (a second fit)
+
+        def ready(param: nn.Parameter) -> None:
+            buckets = this()
+            if buckets is not None:
+                buckets._ready(param)
+
+        self._hooks = [p.register_post_accumulate_grad_hook(ready) for p in unique]
+
+    def _bucket(self, params: list[nn.Parameter]) -> _Bucket:
+        raise NotImplementedError
+
+    def _ready(self, param: nn.Parameter) -> None:
+        raise NotImplementedError
 
     def _add(self, params: list[nn.Parameter]) -> None:
-        bucket = _Bucket(params)
+        bucket = self._bucket(params)
         self.buckets.append(bucket)
         for index, p in enumerate(params):
             self._where[id(p)] = (bucket, index)
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        """Every parameter, in model order."""
+        return [p for bucket in reversed(self.buckets) for p in reversed(bucket.params)]
 
     @contextmanager
     def reducing(self) -> Iterator[None]:
@@ -159,6 +183,30 @@ class GradientBuckets(BucketArming):
     def _taken(self) -> frozenset[int]:
         return frozenset(id(p) for b in self.buckets for i, p in enumerate(b.params) if i in b.ready)
 
+    def remove(self) -> None:
+        """Take the hooks off the parameters."""
+        for hook in self._hooks:
+            hook.remove()
+
+
+class GradientBuckets(HookedBuckets):
+    """Overlapped, bucketed data-parallel gradient averaging for ``params`` over ``data`` (see the module).
+
+    Args:
+        params: the model's parameters, in the model's order (those without ``requires_grad`` are left out).
+        data: the data-parallel group.
+        overlap: start each bucket during the backward of the optimizer step's closure (``False`` under a pipeline
+            schedule, whose last backward :meth:`arm_in_schedule` arms instead).
+        bucket_bytes: largest bucket, in bytes of its buffer (a larger parameter gets a bucket of its own).
+    """
+
+    def __init__(self, params: Iterable[nn.Parameter], data: ParallelGroup, overlap: bool = True,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+        self._form(params, data, overlap, bucket_bytes)
+
+    def _bucket(self, params: list[nn.Parameter]) -> _Bucket:
+        return _Bucket(params)
+
     def _ready(self, param: nn.Parameter) -> None:
         if not self._acts_on(param):
             return
@@ -170,7 +218,7 @@ class GradientBuckets(BucketArming):
                                f"use_reentrant=False, and one backward per micro-batch.")
         self._fill(bucket, index, param, self._value(param))
         if len(bucket.ready) == len(bucket.params):
-            bucket.pending = self.data.all_reduce_start(bucket.buffer)
+            bucket.pending = self.data.all_reduce_start(bucket.buffer.view(-1))
 
     @staticmethod
     def _fill(bucket: _Bucket, index: int, param: nn.Parameter, grad: Tensor) -> None:
@@ -192,7 +240,7 @@ class GradientBuckets(BucketArming):
                 for index, p in enumerate(bucket.params):
                     if index not in bucket.ready:
                         self._fill(bucket, index, p, p.grad)
-                bucket.pending = self.data.all_reduce_start(bucket.buffer)
+                bucket.pending = self.data.all_reduce_start(bucket.buffer.view(-1))
             else:  # reduced by finalize_gradients with the parameters that have no gradient: taken values go back
                 for index in bucket.ready:
                     p = bucket.params[index]
@@ -208,11 +256,6 @@ class GradientBuckets(BucketArming):
                 p.grad = view if view.dtype == p.dtype else view.to(p.dtype)
                 done.add(id(p))
         return frozenset(done)
-
-    def remove(self) -> None:
-        """Take the hooks off the parameters."""
-        for hook in self._hooks:
-            hook.remove()
 
 
 class NoBuckets(BucketArming):
@@ -241,15 +284,12 @@ class NoBuckets(BucketArming):
 Buckets = Union[GradientBuckets, NoBuckets]
 
 
-def gradient_buckets(module: nn.Module, data: ParallelGroup, pipelined: bool, previous: Optional[Buckets] = None
-                     ) -> Buckets:
-    """The buckets for ``module``'s parameters (replacing ``previous``'s hooks; started during backward, or during
-    the schedule's last backward if ``pipelined``), or :class:`NoBuckets` for one data-parallel rank. Under a
+def gradient_buckets(module: nn.Module, data: ParallelGroup, pipelined: bool) -> Buckets:
+    """The buckets for ``module``'s parameters (started during backward, or during the schedule's last backward if
+    ``pipelined``), or :class:`NoBuckets` for one data-parallel rank. Under a
     pipeline, the parameters every stage holds a copy of are left to
     :func:`~lightning_seqpar.optim.finalize_gradients` (a stage that does not use one has no gradient for it, which
     would hold its bucket back; they are small: position embeddings, final norms)."""
-    if previous is not None:
-        previous.remove()
     if data.size == 1:
         return NoBuckets()
     params = list(module.parameters())

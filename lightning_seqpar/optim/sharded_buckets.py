@@ -17,16 +17,13 @@ are filled and started by :meth:`ShardedGradientBuckets.finish`. Gradients are r
 
 from __future__ import annotations
 
-import weakref
-from contextlib import contextmanager
-from typing import Iterator, Optional
+from typing import Optional
 
-import torch
 import torch.nn as nn
 from torch import Tensor
 
-from lightning_seqpar.optim.grad_buckets import DEFAULT_BUCKET_BYTES, BucketArming
-from lightning_seqpar.parallel.collectives import ParallelGroup, Pending
+from lightning_seqpar.optim.grad_buckets import DEFAULT_BUCKET_BYTES, HookedBuckets, _Bucket
+from lightning_seqpar.parallel.collectives import ParallelGroup
 
 
 def owned_range(numel: int, d: int, rank: int) -> tuple[int, int]:
@@ -36,50 +33,48 @@ def owned_range(numel: int, d: int, rank: int) -> tuple[int, int]:
     return min(rank * k, numel), min((rank + 1) * k, numel)
 
 
-def _rows(flat: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """``flat`` (``n`` elements) as its full rows of ``k``, ``[n // k, k]``, and the shorter rest ``[n % k]``."""
-    full = flat.numel() // k
-    return flat[: full * k].view(full, k), flat[full * k:]
+def into_rows(flat: Tensor, region: Tensor) -> None:
+    """Copy ``flat`` (``n`` elements) row by row into ``region`` ``[d, k]`` (``d·k >= n``; padding left as it is)."""
+    full = flat.numel() // region.shape[1]
+    region[:full].copy_(flat[: full * region.shape[1]].view(full, -1))
+    if flat.numel() > full * region.shape[1]:
+        region[full, : flat.numel() - full * region.shape[1]].copy_(flat[full * region.shape[1]:])
 
 
-class _ShardedBucket:
+def out_of_rows(region: Tensor, flat: Tensor) -> None:
+    """The inverse of :func:`into_rows`: ``flat``'s ``n`` elements from ``region``'s rows."""
+    full = flat.numel() // region.shape[1]
+    flat[: full * region.shape[1]].view(full, -1).copy_(region[:full])
+    if flat.numel() > full * region.shape[1]:
+        flat[full * region.shape[1]:].copy_(region[full, : flat.numel() - full * region.shape[1]])
+
+
+class _ShardedBucket(_Bucket):
     def __init__(self, params: list[nn.Parameter], data: ParallelGroup) -> None:
-        self.params, self.d = params, data.size
-        dtype = params[0].dtype
-        self.reduce_dtype = torch.float32 if dtype.itemsize < 4 else dtype
-        self.widths = [-(-p.numel() // self.d) for p in params]
-        self.columns, total = [], 0
-        for k in self.widths:
-            self.columns.append(total)
-            total += k
-        self.width = total  # S
-        self.buffer = torch.zeros(self.d, total, dtype=self.reduce_dtype, device=params[0].device)
-        self.ready: set[int] = set()
-        self.pending: Optional[Pending] = None
+        super().__init__(params, rows=data.size)
+        self.d = data.size
         self.reduced: Optional[Tensor] = None  # [S]: this rank's ranges, summed (averaged by finish)
 
-    def region(self, index: int) -> Tensor:
-        """Parameter ``index``'s columns of the buffer, ``[d, k]``."""
-        return self.buffer[:, self.columns[index]:self.columns[index] + self.widths[index]]
+    def region(self, index: int, matrix: Optional[Tensor] = None) -> Tensor:
+        """Parameter ``index``'s columns, ``[d, k]``, of the buffer or of another ``[d, S]`` ``matrix`` (gathered
+        parameters)."""
+        matrix = self.buffer if matrix is None else matrix
+        return matrix[:, self.offsets[index]:self.offsets[index] + self.widths[index]]
 
     def put(self, index: int, grad: Optional[Tensor]) -> None:
-        region, k = self.region(index), self.widths[index]
         if grad is None:
-            region.zero_()
-            return
-        full, rest = _rows(grad.detach().reshape(-1), k)
-        region[: full.shape[0]].copy_(full)
-        if rest.numel():
-            region[full.shape[0], : rest.numel()].copy_(rest)
+            self.region(index).zero_()
+        else:
+            into_rows(grad.detach().reshape(-1), self.region(index))
 
     def owned(self, index: int, rank: int) -> Tensor:
         """This rank's reduced range of parameter ``index``, ``[stop - start]`` (a view of :attr:`reduced`)."""
         assert self.reduced is not None
         start, stop = owned_range(self.params[index].numel(), self.d, rank)
-        return self.reduced[self.columns[index]:self.columns[index] + stop - start]
+        return self.reduced[self.offsets[index]:self.offsets[index] + stop - start]
 
 
-class ShardedGradientBuckets(BucketArming):
+class ShardedGradientBuckets(HookedBuckets):
     """Bucketed reduce-scatter of ``params``' gradients over ``data`` (see the module).
 
     Args:
@@ -93,46 +88,10 @@ class ShardedGradientBuckets(BucketArming):
 
     def __init__(self, params: list[nn.Parameter], data: ParallelGroup, overlap: bool = True,
                  apart: frozenset[int] = frozenset(), bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
-        self.data, self.overlap = data, overlap
-        self.buckets: list[_ShardedBucket] = []
-        self._where: dict[int, tuple[_ShardedBucket, int]] = {}
-        group: list[nn.Parameter] = []
-        size = 0
-        for p in reversed(params):
-            nbytes = -(-p.numel() // data.size) * data.size * max(4, p.element_size())
-            if group and (size + nbytes > bucket_bytes or p.dtype != group[0].dtype or p.device != group[0].device
-                          or (id(p) in apart) != (id(group[0]) in apart)):
-                self._add(group)
-                group, size = [], 0
-            group.append(p)
-            size += nbytes
-        if group:
-            self._add(group)
-        this = weakref.ref(self)  # the hooks must not keep a replaced optimizer's buffers alive (a second fit)
+        self._form(params, data, overlap, bucket_bytes, rows=data.size, apart=apart)
 
-        def ready(param: nn.Parameter) -> None:
-            buckets = this()
-            if buckets is not None:
-                buckets._ready(param)
-
-        self._hooks = [p.register_post_accumulate_grad_hook(ready) for p in params]
-
-    def _add(self, params: list[nn.Parameter]) -> None:
-        bucket = _ShardedBucket(params, self.data)
-        self.buckets.append(bucket)
-        for index, p in enumerate(params):
-            self._where[id(p)] = (bucket, index)
-
-    @contextmanager
-    def reducing(self) -> Iterator[None]:
-        """Arm the buckets for the backward run inside (the last of an accumulation window)."""
-        for bucket in self.buckets:
-            bucket.ready, bucket.pending, bucket.reduced = set(), None, None
-        with self.window():
-            yield
-
-    def _taken(self) -> frozenset[int]:
-        return frozenset(id(p) for b in self.buckets for i, p in enumerate(b.params) if i in b.ready)
+    def _bucket(self, params: list[nn.Parameter]) -> _ShardedBucket:
+        return _ShardedBucket(params, self.data)
 
     def _ready(self, param: nn.Parameter) -> None:
         if not self._acts_on(param):
@@ -167,17 +126,7 @@ class ShardedGradientBuckets(BucketArming):
             bucket.pending = None
         return [used[id(p)] for p in self.params]
 
-    @property
-    def params(self) -> list[nn.Parameter]:
-        """Every parameter, in model order."""
-        return [p for bucket in reversed(self.buckets) for p in reversed(bucket.params)]
-
     def owned_gradient(self, param: nn.Parameter) -> Tensor:
         """The averaged gradient of this rank's range of ``param`` (after :meth:`finish`), in the reduce dtype."""
         bucket, index = self._where[id(param)]
         return bucket.owned(index, self.data.rank)
-
-    def remove(self) -> None:
-        """Take the hooks off the parameters."""
-        for hook in self._hooks:
-            hook.remove()

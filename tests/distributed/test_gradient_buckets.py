@@ -4,27 +4,17 @@ in float32 for 16-bit gradients, without concatenating gradients."""
 
 import torch
 import torch.nn as nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_seqpar.optim import GradientBuckets, finalize_gradients
 from lightning_seqpar.parallel import CommunicationLog, ParallelGroup
 from lightning_seqpar.parallel.mesh import ParallelMesh
 from tests.helpers.distributed import run_distributed
+from tests.helpers.op_counter import CAT, OpCounter
 
 
-class _CountCats(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.cats = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.cats += func is torch.ops.aten.cat.default
-        return func(*args, **(kwargs or {}))
-
-
-def _model(dtype):
+def _model(dtype, last_width=16):
     torch.manual_seed(0)
-    return nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)]).to(dtype)
+    return nn.Sequential(*[nn.Linear(16, 16) for _ in range(3)], nn.Linear(16, last_width)).to(dtype)
 
 
 def _loss(model, rank, step, log=None):
@@ -50,7 +40,7 @@ def _reduce(rank, world_size, dtype):
     group.log.clear()
     with buckets.reducing():
         _loss(model, rank, 1, log).backward()
-    counter = _CountCats()
+    counter = OpCounter({CAT: "cat"})
     with counter:
         finalize_gradients(model.parameters(), mesh, buckets.finish())
     events = group.log.events
@@ -63,7 +53,7 @@ def _reduce(rank, world_size, dtype):
         torch.distributed.all_reduce(g)
         expected.append((g / world_size).to(dtype))
     exact = all(torch.equal(p.grad, e) for p, e in zip(model.parameters(), expected))
-    return events, exact, counter.cats, [p.grad.dtype for p in model.parameters()]
+    return events, exact, counter.counts["cat"], [p.grad.dtype for p in model.parameters()]
 
 
 def test_buckets_start_before_the_first_layers_backward_and_average_exactly():

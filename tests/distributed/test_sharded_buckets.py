@@ -4,48 +4,21 @@ element range of every parameter, with no concatenation and no host read; host-s
 the mesh's groups."""
 
 import torch
-import torch.nn as nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_seqpar.optim.gradients import used_anywhere
 from lightning_seqpar.optim.sharded_buckets import ShardedGradientBuckets, owned_range
 from lightning_seqpar.parallel import CommunicationLog, ParallelGroup
 from lightning_seqpar.parallel.mesh import ParallelMesh
+from tests.distributed.test_gradient_buckets import _loss, _model
 from tests.helpers.distributed import run_distributed
+from tests.helpers.op_counter import CAT, HOST_READ, OpCounter
 
-WATCHED = {torch.ops.aten.cat.default: "cat", torch.ops.aten._local_scalar_dense.default: "host read"}
-
-
-class _Count(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts = {name: 0 for name in WATCHED.values()}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in WATCHED:
-            self.counts[WATCHED[func]] += 1
-        return func(*args, **(kwargs or {}))
-
-
-def _model(dtype):
-    torch.manual_seed(0)
-    return nn.Sequential(*[nn.Linear(16, 15) if i == 3 else nn.Linear(16, 16) for i in range(4)]).to(dtype)
-
-
-def _loss(model, rank, step, log=None):
-    torch.manual_seed(100 * step + rank)  # each data-parallel rank its own batch
-    x = torch.randn(8, 16, dtype=next(model.parameters()).dtype)
-    hidden = model[0](x)
-    if log is not None:
-        hidden.register_hook(lambda g: log.event("layer 0 backward begins"))
-    for layer in model[1:]:
-        hidden = layer(torch.tanh(hidden))
-    return hidden.float().pow(2).mean()
+WATCHED = {CAT: "cat", HOST_READ: "host read"}
 
 
 def _reduce(rank, world_size, dtype):
     group = ParallelGroup(torch.distributed.group.WORLD)
-    model, reference = _model(dtype), _model(dtype)
+    model, reference = _model(dtype, last_width=15), _model(dtype, last_width=15)  # a 15-element bias: uneven ranges
     log = group.log = CommunicationLog()
     params = list(model.parameters())
     buckets = ShardedGradientBuckets(params, group, bucket_bytes=16 * 17 * 4)  # one layer per bucket
@@ -56,7 +29,7 @@ def _reduce(rank, world_size, dtype):
     with buckets.reducing():
         _loss(model, rank, 1, log).backward()
     dropped = all(p.grad is None for p in params)  # the buckets hold the only copy
-    with _Count() as counter:
+    with OpCounter(WATCHED) as counter:
         used = buckets.finish()
     for step in (0, 1):  # reference: both backward passes, one float32 all-reduce, the mean, this rank's range
         _loss(reference, rank, step).backward()
@@ -90,7 +63,7 @@ def test_owned_ranges_cover_every_element_once():
 def _host_flags(rank, world_size):
     mesh = ParallelMesh.build(1, 2, "cpu", host_groups=True)  # pp 2 x dp 2, gloo twins as under NCCL
     data, pipeline = mesh.host("data"), mesh.host("pipeline")
-    with _Count() as counter:
+    with OpCounter(WATCHED) as counter:
         over_data = used_anywhere([rank == 0, rank == 3, False], data)
         over_pipeline = used_anywhere([rank == 0, rank == 3, False], pipeline)
     return (data is not mesh.data, torch.distributed.get_backend(data.group), data.size, pipeline.size,
