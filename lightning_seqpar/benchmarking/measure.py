@@ -15,6 +15,8 @@ from lightning_seqpar.parallel.random import RNGTracker
 from lightning_seqpar.recompute import apply_recompute
 from lightning_seqpar.rewrite import rewrite
 from lightning_seqpar.transformer.context import RewriteContext
+from lightning_seqpar.transformer.residual import cast_residual_stream
+from lightning_seqpar.transformer.roles import ParallelLayer
 
 
 def remainder_kind(record: StorageRecord) -> str:
@@ -74,12 +76,17 @@ def measure_gpt_layer(
     dropout: float = 0.1,
     layers: int = 3,
     seed: int = 0,
+    autocast: bool = False,
 ) -> LayerMeasurement:
     """Build the reference GPT, rewrite it for ``group``, and measure a middle layer's activations.
 
     Collective when ``group.size > 1`` (call on every rank). The layer measured is ``h[layers // 2]``:
     its own output is the next layer's LayerNorm input, so the layer-by-layer accounting of Table 2
     holds exactly. 16-bit activations, 1-byte dropout masks, the explicit core attention.
+
+    ``dtype``: the parameters' and activations' dtype; with ``autocast=True`` the parameters stay float32 and the
+    passes run under CPU autocast to ``dtype`` (Lightning's ``bf16-mixed``) with the residual stream cast to it
+    (:func:`~lightning_seqpar.transformer.residual.cast_residual_stream`).
     """
     torch.manual_seed(seed)
     config = GPTConfig(vocab_size=256, block_size=shape.s, n_layer=layers, n_head=shape.a, n_embd=shape.h,
@@ -87,13 +94,16 @@ def measure_gpt_layer(
     root = _Root(GPT(config))
     tracker_rng = RNGTracker.for_tensor_parallel(seed, group.rank)
     rewrite(root, RewriteContext(group, sequence_parallel, tracker_rng, loss_parallel=True))
-    model = root.gpt.to(dtype).train()
+    model = root.gpt.to(torch.float32 if autocast else dtype).train()
+    if autocast:
+        cast_residual_stream(m for m in model.modules() if isinstance(m, ParallelLayer))
     apply_recompute(model, recompute)
     idx = torch.randint(0, config.vocab_size, (shape.b, shape.s))
-    model(idx, idx).backward()  # warm-up: one-time buffers (the causal mask) are not activations
+    with torch.autocast("cpu", dtype, enabled=autocast):
+        model(idx, idx).backward()  # warm-up: one-time buffers (the causal mask) are not activations
+        with LiveActivationTracker(model) as tracker:
+            loss = model(idx, idx)
     prefix = f"transformer.h.{layers // 2}"
-    with LiveActivationTracker(model) as tracker:
-        loss = model(idx, idx)
     records = tracker.live(prefix)
     measured = sum(r.nbytes for r in records)
     del loss

@@ -24,7 +24,7 @@ from lightning_seqpar.lightning.checkpoint_io import AtomicCheckpointIO
 from lightning_seqpar.lightning.launcher import configure_launcher
 from lightning_seqpar.lightning.parallelize import parallelize
 from lightning_seqpar.lightning.pipelined_steps import PipelinedSteps, PipelinedStepsMixin, check_pipelined_module
-from lightning_seqpar.lightning.precision import ShardAwareClipping, ShardAwarePrecisionPlugin
+from lightning_seqpar.lightning.precision import ShardAwareClipping, ShardAwarePrecisionPlugin, low_precision_residual
 from lightning_seqpar.lightning.process_group import (
     ProcessGroupCollectives,
     as_timedelta,
@@ -54,9 +54,8 @@ class SeqParallelStrategy(
 
     Args:
         tp: tensor-parallel size t (ranks sharing each layer).
-        pp: pipeline-parallel size p (stages of the layer stack).
-        num_microbatches: m, micro-batches per batch under pipeline parallelism (default ``pp``); the
-            per-rank batch size must be divisible by it.
+        pp: pipeline-parallel size p (stages of the layer stack). The data-parallel size is ``world_size // (tp · pp)``.
+        num_microbatches: m, micro-batches per batch under pipeline parallelism (default ``pp``), dividing the rank's batch.
         schedule: ``"1F1B"`` (default; with ``virtual_stages > 1`` the interleaved 1F1B), ``"gpipe"`` or
             ``"interleaved_1F1B"``.
         virtual_stages: v, model chunks per pipeline rank for the interleaved schedule.
@@ -83,13 +82,14 @@ class SeqParallelStrategy(
             :mod:`lightning_seqpar.optim.distributed_optimizer`); ``0`` (default) replicates it.
         fp32_main_params: with ``zero=1`` and 16-bit parameters (``precision="bf16-true"``), update a float32 copy of
             each rank's element ranges and round it into the parameters (Megatron's main params: 4 bytes / d each).
-
-    The data-parallel size is ``world_size // (tp · pp)``.
+        low_precision_residual: under ``bf16-mixed`` / ``16-mixed``, carry the residual stream (hidden states, pipeline
+            transfers, norm inputs kept) in 16 bits, as Megatron does: Table 2's bytes, 16-bit residual additions.
 
     Raises:
         ValueError: ``timeout`` not positive; an unknown ``checkpoint_format`` or ``zero``; ``zero=1`` or
-            ``async_save`` with ``checkpoint_format="full"``; ``fp32_main_params`` without ``zero=1``; ``tp``/``pp`` not positive integers; world size not divisible by ``tp · pp``;
-            a model with nothing to rewrite or with shapes that do not split t ways; under ``pp > 1``, an
+            ``async_save`` with ``checkpoint_format="full"``; ``fp32_main_params`` without ``zero=1``; ``tp``/``pp``
+            not positive integers; world size not divisible by ``tp · pp``; ``low_precision_residual`` without
+            autocast (at setup); a model with nothing to rewrite or with shapes that do not split t ways; under ``pp > 1``, an
             unknown schedule, fewer micro-batches than stages (or, interleaved, not a multiple of ``pp``), a
             layer count that does not split into the stages asked, a batch not divisible into micro-batches.
     """
@@ -122,6 +122,7 @@ class SeqParallelStrategy(
         async_save: bool = False,
         zero: Literal[0, 1] = 0,
         fp32_main_params: bool = False,
+        low_precision_residual: bool = False,
     ) -> None:
         validate_layout(tp * pp, tp, pp)
         check_checkpoint_options(checkpoint_format, zero, async_save, fp32_main_params)
@@ -132,11 +133,10 @@ class SeqParallelStrategy(
                          checkpoint_io=checkpoint_io or AtomicCheckpointIO(), precision_plugin=precision_plugin)
         self.tp, self.sequence_parallel, self.loss_parallel = tp, sequence_parallel, loss_parallel
         self.policies, self.verify_rewrite = list(policies or ()), verify_rewrite
-        self._seed, self._start_method = seed, start_method
-        self.process_group_backend = process_group_backend  # None: nccl on GPUs, gloo on CPUs
+        self._seed, self._start_method, self.process_group_backend = seed, start_method, process_group_backend
         self._timeout, self.allow_non_finite_checkpoint = as_timedelta(timeout), allow_non_finite_checkpoint
         self.checkpoint_format, self.async_save, self.zero = checkpoint_format, async_save, zero
-        self.fp32_main_params = fp32_main_params
+        self.fp32_main_params, self.low_precision_residual = fp32_main_params, low_precision_residual
         self._checkpoint_writer: Optional[ShardedCheckpointWriter] = None
         self._mesh: Optional[ParallelMesh] = None
         self.rng_tracker: Optional[RNGTracker] = None
@@ -228,6 +228,8 @@ class SeqParallelStrategy(
                 verify=self.verify_rewrite, pipeline=self.pipeline_config, source=self._initial_weights,
             )
             self._initial_weights = None
+            if self.low_precision_residual:
+                low_precision_residual(self.model, self.precision_plugin)
             self.rng_tracker, self.rewrite_plan = parallel.rng_tracker, parallel.rewrite_plan
             self.pipeline, self._remote_keys = parallel.pipeline, parallel.remote_keys
             self._parallelized = self.model

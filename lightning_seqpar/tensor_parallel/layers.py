@@ -334,7 +334,9 @@ class RowParallelLinear(nn.Module):
             out = reduce_scatter_to_sequence_parallel_region(partial, self.group)  # [s/t, b, out]
         else:
             out = reduce_from_tensor_parallel_region(partial, self.group)  # [s, b, out]
-        return out if self.bias is None else out + self.bias
+        # Under autocast the product is 16-bit, and so is a single-device Linear's output with its bias: a float32
+        # bias would promote the sum, and with it the residual stream it is added to.
+        return out if self.bias is None else out + self.bias.to(out.dtype)
 
     def extra_repr(self) -> str:
         return (

@@ -12,6 +12,7 @@ from torch import Tensor
 
 from lightning_seqpar.parallel.random import RNGTracker, maybe_fork, recomputed
 from lightning_seqpar.transformer.dropout import dropout
+from lightning_seqpar.transformer.upcast import keeping_16_bit_input
 
 
 class CoreAttention(nn.Module):
@@ -71,11 +72,15 @@ class CoreAttention(nn.Module):
             scores = scores.masked_fill(self._future_mask(s, q.device), float("-inf"))
         if attn_mask is not None:
             scores = scores + attn_mask
-        probs = F.softmax(scores, dim=-1, dtype=self.softmax_dtype).to(scores.dtype)
+        # Under CUDA autocast a 16-bit softmax runs in float32 and would keep its float32 output: keep the scores.
+        probs = keeping_16_bit_input(self._softmax, scores) if self.softmax_dtype is None else self._softmax(scores)
         if self.training and self.dropout > 0:
             with maybe_fork(self.rng_tracker, self.sharded_heads):
                 probs = dropout(probs, self.dropout)
         return torch.matmul(probs, v)  # [b, a, s, d]
+
+    def _softmax(self, scores: Tensor) -> Tensor:
+        return F.softmax(scores, dim=-1, dtype=self.softmax_dtype).to(scores.dtype)
 
     def extra_repr(self) -> str:
         return f"dropout={self.dropout}, causal={self.causal}, recompute={self.recompute}"

@@ -13,6 +13,8 @@ from lightning_seqpar.models.parallel_gpt import ParallelBlock
 from lightning_seqpar.parallel import CommunicationLog, ParallelGroup
 from lightning_seqpar.parallel.random import RNGTracker
 from lightning_seqpar.rewrite import RewriteContext
+from lightning_seqpar.transformer.residual import cast_residual_stream
+from tests.helpers.cuda_autocast import cuda_autocast_rules
 from tests.helpers.distributed import run_distributed
 
 S, B, H, A = 16, 2, 32, 4  # s, b, h, a
@@ -149,21 +151,29 @@ def _autocast_bytes(rank, world_size):
             y.float().sum().backward()
             moved[autocast] = forward, group.log.bytes_moved() - forward
         out[sp] = moved
+    return out, {cast: _kept_under_autocast(rank, cast) for cast in (False, True)}
+
+
+def _kept_under_autocast(rank, cast_residual):
     group, block, x = _layer(rank, True, dropout=0.1)
     block.train()
+    if cast_residual:
+        cast_residual_stream([block])
+    x = x.detach().clone().requires_grad_(True)
     seen, kept = set(), 0
 
     def pack(t):
         nonlocal kept
         ptr = t.untyped_storage().data_ptr()
-        if tuple(t.shape) == tuple(x.shape) and ptr not in seen and t is not x:
+        if tuple(t.shape) == tuple(x.shape) and ptr not in seen:  # the input too: the first norm keeps it
             seen.add(ptr)
             kept += t.untyped_storage().nbytes()
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
-        block(x.detach().clone().requires_grad_(True))
-    return out, kept
+    with cuda_autocast_rules(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+            torch.autocast("cpu", dtype=torch.bfloat16):
+        block(x)
+    return kept
 
 
 def test_sixteen_bit_collectives_under_autocast():
@@ -177,4 +187,7 @@ def test_sixteen_bit_collectives_under_autocast():
     # Kept for backward in the replicated regions under SP: the 2 LayerNorm inputs stay float32 (autocast runs
     # norms and the residual stream in float32), the 2 column-parallel linear inputs are 16-bit, the 2 dropout
     # masks 1 byte: (2·4 + 2·2 + 2·1)·sbh/t, where float32 linear inputs would give 18·sbh/t.
-    assert kept == 14 * S * B * H // t
+    assert kept[False] == 14 * S * B * H // t
+    # With the residual stream cast to 16 bits (low_precision_residual) the norm inputs are 2 bytes too: Eq. 4's
+    # 10·sbh/t at 2-byte activations, and the layer's output stays 16-bit (the row-parallel bias is added in 16 bits).
+    assert kept[True] == 10 * S * B * H // t
