@@ -72,8 +72,12 @@ class CoreAttention(nn.Module):
             scores = scores.masked_fill(self._future_mask(s, q.device), float("-inf"))
         if attn_mask is not None:
             scores = scores + attn_mask
-        # Under CUDA autocast a 16-bit softmax runs in float32 and would keep its float32 output: keep the scores.
-        probs = keeping_16_bit_input(self._softmax, scores) if self.softmax_dtype is None else self._softmax(scores)
+        # Under CUDA autocast a 16-bit softmax runs in float32 and would keep its float32 output: keep the scores
+        # instead. Not when the whole core attention is recomputed: its tensors live only during its backward.
+        if self.softmax_dtype is None and not self.recompute:
+            probs = keeping_16_bit_input(self._softmax, scores)
+        else:
+            probs = self._softmax(scores)
         if self.training and self.dropout > 0:
             with maybe_fork(self.rng_tracker, self.sharded_heads):
                 probs = dropout(probs, self.dropout)

@@ -56,11 +56,11 @@ class _NormKeeping16BitInput:
     def __init__(self, norm: nn.Module) -> None:
         self.norm = norm
 
-    def __call__(self, hidden: Any, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         forward = partial(type(self.norm).forward, self.norm)
-        if not isinstance(hidden, torch.Tensor):
-            return forward(hidden, *args, **kwargs)
-        return keeping_16_bit_input(forward, hidden, *args, **kwargs)
+        if not args or not isinstance(args[0], torch.Tensor):  # called with keywords: as it was
+            return forward(*args, **kwargs)
+        return keeping_16_bit_input(forward, *args, **kwargs)
 
 
 class _NormForwardHandle:
