@@ -17,7 +17,8 @@ from tests.helpers.parity import STEPS, Case, fit
 
 LOW_PRECISION_RESIDUAL = (("low_precision_residual", True),)
 CASES = [Case("gpt", 2, True, "selective"), Case("encoder", 2, True, "selective"), Case("gpt", 2, False, None),
-         Case("gpt", 2, True, "selective", strategy=LOW_PRECISION_RESIDUAL)]
+         Case("gpt", 2, True, "selective", strategy=LOW_PRECISION_RESIDUAL),
+         Case("hf", 2, True, None, model=(("labels", True),), strategy=LOW_PRECISION_RESIDUAL)]
 # precision: (reference kwargs, parameter dtype, loss atol, gradient bound at step 0, at later steps)
 PRECISIONS = {
     "bf16-mixed": (dict(dtype=torch.float32, autocast=torch.bfloat16), torch.float32, 1e-2, 0.03, 0.12),
@@ -33,9 +34,11 @@ def _run(rank, world_size):
 
 
 def _reference_module(case):
-    module = build(case.kind)
+    module = build(case.kind, **dict(case.model))
     if case.strategy == LOW_PRECISION_RESIDUAL:  # the same casts on the single-device blocks
-        cast_residual_stream(m for m in module.modules() if isinstance(m, Block))
+        blocks = [m for m in module.modules() if isinstance(m, Block) or type(m).__name__ == "LlamaDecoderLayer"]
+        assert len(blocks) == 2  # both layers of the tiny models
+        cast_residual_stream(blocks)
     return module
 
 
@@ -51,7 +54,7 @@ def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def _run_id(run):
     p, c = run
-    return (f"{p}-{c.kind}-{'sp' if c.sequence_parallel else 'nosp'}-{c.recompute}"
+    return (f"{p}-{c.kind}-{'sp' if c.sequence_parallel else 'nosp'}-{c.recompute}{''.join(f'-{k}' for k, _ in c.model)}"
             f"{'-low_precision_residual' if c.strategy else ''}")
 
 
