@@ -12,11 +12,10 @@ from lightning_seqpar.memory.tracker import LiveActivationTracker, StorageRecord
 from lightning_seqpar.models.gpt import GPT, GPTConfig
 from lightning_seqpar.parallel.collectives import ParallelGroup
 from lightning_seqpar.parallel.random import RNGTracker
-from lightning_seqpar.recompute import apply_recompute
+from lightning_seqpar.recompute import apply_recompute, rewritten_layers
 from lightning_seqpar.rewrite import rewrite
 from lightning_seqpar.transformer.context import RewriteContext
 from lightning_seqpar.transformer.residual import cast_residual_stream
-from lightning_seqpar.transformer.roles import ParallelLayer
 
 
 def remainder_kind(record: StorageRecord) -> str:
@@ -96,7 +95,7 @@ def measure_gpt_layer(
     rewrite(root, RewriteContext(group, sequence_parallel, tracker_rng, loss_parallel=True))
     model = root.gpt.to(torch.float32 if autocast else dtype).train()
     if autocast:
-        cast_residual_stream(m for m in model.modules() if isinstance(m, ParallelLayer))
+        cast_residual_stream(rewritten_layers(model))
     apply_recompute(model, recompute)
     idx = torch.randint(0, config.vocab_size, (shape.b, shape.s))
     with torch.autocast("cpu", dtype, enabled=autocast):

@@ -21,8 +21,8 @@ from typing_extensions import override
 from lightning_seqpar.optim.distributed_optimizer import DistributedOptimizer
 from lightning_seqpar.optim.gradients import clip_grad_norm_
 from lightning_seqpar.parallel.mesh import ParallelMesh
+from lightning_seqpar.recompute import rewritten_layers
 from lightning_seqpar.transformer.residual import cast_residual_stream
-from lightning_seqpar.transformer.roles import ParallelLayer
 
 
 class ShardAwareClipping:
@@ -128,4 +128,4 @@ def low_precision_residual(model: nn.Module, plugin: Precision) -> None:
             f"and needs Trainer(precision='bf16-mixed') or '16-mixed'; got precision={plugin.precision!r}. "
             f"Under 'bf16-true' the residual stream is 16-bit already: drop the option."
         )
-    cast_residual_stream(m for m in model.modules() if isinstance(m, ParallelLayer))
+    cast_residual_stream(rewritten_layers(model))

@@ -26,14 +26,12 @@ import torch
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
+from lightning_seqpar.tensor_parallel.layers import autocast_input
 from lightning_seqpar.transformer.upcast import keeping_16_bit_input
 
 
 def _to_autocast_dtype(hidden: Any) -> Any:
-    if not isinstance(hidden, torch.Tensor) or hidden.dtype != torch.float32:
-        return hidden  # float64 is never autocast; 16-bit is already there
-    device = hidden.device.type
-    return hidden.to(torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else hidden
+    return autocast_input(hidden) if isinstance(hidden, torch.Tensor) else hidden
 
 
 def _cast_hidden(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
