@@ -56,6 +56,66 @@ def is_llama_layout(module: nn.Module) -> bool:
     return True
 
 
+_FUSED_ATTENTION = ("qkv_proj", "query_key_value", "Wqkv", "c_attn", "qkv")
+_ATTENTION_NAMES = ("self_attn", "attention", "self_attention", "attn")
+
+
+def _children(module: Optional[nn.Module]) -> list[str]:
+    return [n for n, _ in module.named_children()] if isinstance(module, nn.Module) else []
+
+
+def llama_layout_mismatch(module: nn.Module) -> list[str]:
+    """Why ``module`` is not a decoder layer of the Llama layout, in the field's words (``"fused qkv_proj"``,
+    ``"parallel residual"``, ``"post-norms"``, ``"mixture of experts"``); empty when it is, or when it is no
+    decoder layer at all."""
+    attention = next((getattr(module, n) for n in _ATTENTION_NAMES if isinstance(getattr(module, n, None), nn.Module)),
+                     None)
+    if attention is None:
+        return []
+    reasons = []
+    config = getattr(attention, "config", None)
+    fused = [n for n in _FUSED_ATTENTION if hasattr(attention, n)]
+    if fused:
+        reasons.append(f"fused {fused[0]} (q, k and v in one projection)")
+    elif not all(isinstance(getattr(attention, n, None), nn.Linear) for n in _ATTENTION[:3]):
+        reasons.append(f"attention projections {_children(attention)} (not q_proj/k_proj/v_proj)")
+    if not fused and not isinstance(getattr(attention, "o_proj", None), nn.Linear):
+        reasons.append(f"attention output not o_proj (attention has {_children(attention)})")
+    mlp = next((getattr(module, n) for n in ("mlp", "feed_forward", "block_sparse_moe") if hasattr(module, n)), None)
+    mlp_parts = _children(mlp)
+    if any(n in mlp_parts for n in ("experts", "router")) or hasattr(module, "block_sparse_moe"):
+        reasons.append("mixture of experts (an MLP of experts and a router)")
+    elif "gate_up_proj" in mlp_parts:
+        reasons.append("fused gate_up_proj (gate and up in one projection)")
+    elif mlp is not None and not all(n in mlp_parts for n in _MLP):
+        reasons.append(f"MLP of {mlp_parts} (not gate_proj/up_proj/down_proj)")
+    has = {n for n in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                       "post_feedforward_layernorm") if isinstance(getattr(module, n, None), nn.Module)}
+    if "input_layernorm" not in has and "post_feedforward_layernorm" in has:
+        reasons.append("post-norms (norms after attention and MLP, none before)")
+    elif "input_layernorm" in has and "post_attention_layernorm" not in has:
+        reasons.append("parallel residual (attention and MLP from one norm)")
+    elif {"pre_feedforward_layernorm", "post_feedforward_layernorm"} & has:
+        reasons.append("extra norms around the MLP (pre/post_feedforward_layernorm)")
+    named = {r.split(" (")[0] for r in reasons}
+    return reasons + [r for r in unsupported_settings(config) if r.split(" (")[0] not in named]
+
+
+def unsupported_settings(config: Any) -> list[str]:
+    """Settings of a Llama-layout config that the parallel block does not implement (read off the config, before
+    the whole-model check would find them)."""
+    reasons = []
+    factor = getattr(config, "partial_rotary_factor", None)
+    if factor is None:
+        factor = (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor")
+    if isinstance(factor, (int, float)) and factor < 1:
+        reasons.append(f"partial rotary (config.partial_rotary_factor={factor})")
+    for key in ("use_parallel_residual", "parallel_attn"):
+        if getattr(config, key, False) is True:
+            reasons.append(f"parallel residual (config.{key}=True)")
+    return reasons
+
+
 def llama_block_spec(module: nn.Module) -> BlockSpec:
     """The :class:`BlockSpec` of a Llama-layout decoder layer, read off its config."""
     config = module.self_attn.config
@@ -66,7 +126,7 @@ def llama_block_spec(module: nn.Module) -> BlockSpec:
         gate="mlp.gate_proj", up="mlp.up_proj", mlp_out="mlp.down_proj", activation="mlp.act_fn",
         num_heads=heads, num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
         head_dim=getattr(module.self_attn, "head_dim", None) or config.hidden_size // heads,
-        attention_dropout=float(getattr(config, "attention_dropout", 0.0) or 0.0), rotary="apply_rotary_pos_emb",
+        attention_dropout=float(getattr(config, "attention_dropout", 0.0) or 0.0), rotary="apply_rotary_pos_emb" if getattr(module.self_attn, "use_rope", True) else None,  # SmolLM3: NoPE layers
         attention=hf_attention_implementation(config), softmax_dtype=torch.float32,
         scaling=getattr(module.self_attn, "scaling", None),
         q_norm="self_attn.q_norm" if isinstance(getattr(module.self_attn, "q_norm", None), nn.Module) else None,
@@ -120,7 +180,8 @@ def gpt2_block_spec(module: nn.Module) -> BlockSpec:
         attention_norm="ln_1", mlp_norm="ln_2", qkv="attn.c_attn", attention_out="attn.c_proj", mlp_in="mlp.c_fc",
         mlp_out="mlp.c_proj", activation="mlp.act", num_heads=config.num_attention_heads,
         attention_dropout=float(config.attn_pdrop), residual_dropouts=("attn.resid_dropout", "mlp.dropout"),
-        attention=hf_attention_implementation(config), transposed=True, mask_position=1,
+        attention=hf_attention_implementation(config), transposed=True,
+        arguments=("cache", "attention_mask", "encoder_hidden_states"),
         scaling=None if getattr(config, "scale_attn_weights", True) else 1.0,
     )
 
@@ -131,13 +192,22 @@ class HFLayoutPolicy(DeclaredBlockPolicy):
     refused (:func:`check_full_attention`)."""
 
     def __init__(self, layout: str, is_layout: Callable[[nn.Module], bool],
-                 block_spec: Callable[[nn.Module], BlockSpec]) -> None:
+                 block_spec: Callable[[nn.Module], BlockSpec],
+                 why_not: Optional[Callable[[nn.Module], list[str]]] = None) -> None:
         super().__init__(nn.Module)  # matched by structure (:meth:`matches`), not by class
-        self.layout, self.is_layout, self.block_spec = layout, is_layout, block_spec
+        self.layout, self.is_layout, self.block_spec, self.why_not = layout, is_layout, block_spec, why_not
 
     def check(self, module: nn.Module, ctx: Any, name: str) -> None:
         check_full_attention(_config(module), name)
+        unsupported = self.mismatch(module)
+        if unsupported:
+            raise ValueError(f"{name} ({type(module).__name__}): the {self.layout} layout's parallel block does not "
+                             f"implement {'; '.join(unsupported)}. Train with the default setting, or write a Policy "
+                             f"for this block.")
         super().check(module, ctx, name)
+
+    def mismatch(self, module: nn.Module) -> list[str]:
+        return self.why_not(module) if self.why_not is not None else []
 
     def matches(self, module: nn.Module) -> bool:
         return self.is_layout(module)
@@ -173,5 +243,5 @@ class HFLayoutPolicy(DeclaredBlockPolicy):
 
 def hf_policies() -> list[HFLayoutPolicy]:
     """The built-in Hugging Face layouts: Llama (Mistral, Qwen2, ...) and GPT-2."""
-    return [HFLayoutPolicy("Llama", is_llama_layout, llama_block_spec),
+    return [HFLayoutPolicy("Llama", is_llama_layout, llama_block_spec, llama_layout_mismatch),
             HFLayoutPolicy("GPT-2", is_gpt2_layout, gpt2_block_spec)]

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from lightning_seqpar.parallel.collectives import ParallelGroup
 from lightning_seqpar.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-from lightning_seqpar.tensor_parallel.embedding import VocabParallelEmbedding
+from lightning_seqpar.tensor_parallel.embedding import VocabParallelEmbedding, embedding_scale
 from lightning_seqpar.tensor_parallel.layers import ColumnParallelLinear
 from lightning_seqpar.tensor_parallel.sharding import padded_size, shard_parameter
 from lightning_seqpar.tensor_parallel.vocab_logits import VocabShardedLogits
@@ -97,7 +97,12 @@ class HFVocabularyPolicy(Policy):
         return is_causal_lm(module)
 
     def check(self, module: nn.Module, ctx: RewriteContext, name: str) -> None:
-        pass  # any vocabulary: padded to a multiple of t
+        """Any vocabulary (padded to a multiple of t); an embedding it can split (:func:`embedding_scale`)."""
+        if ctx.tp > 1:
+            try:
+                embedding_scale(module.get_input_embeddings())
+            except ValueError as error:
+                raise ValueError(f"{name or type(module).__name__}: {error}") from None
 
     def describe(self, module: nn.Module, ctx: RewriteContext) -> str:
         v = module.lm_head.out_features

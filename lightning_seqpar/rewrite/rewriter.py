@@ -73,21 +73,44 @@ class _Registry:
         return self.by_class[cls]
 
     def known(self) -> list[str]:
-        return sorted({cls.__name__ for cls, p in self.by_class.items() if p is not None}
+        return sorted({cls.__name__ for cls, p in self.by_class.items() if p is not None and p.role != "vocabulary"}
                       | {"Hugging Face decoder blocks of the Llama and GPT-2 layouts"})
 
 
-def _candidate_blocks(model: nn.Module) -> list[str]:
-    """Classes that look like transformer blocks: elements of layer lists, and modules holding projections
-    (children with a 2-D weight: ``nn.Linear``, Hugging Face's ``Conv1D`` ...)."""
-    names = set()
+def _candidate_blocks(model: nn.Module) -> dict[str, nn.Module]:
+    """Classes that look like transformer blocks, with one instance each: elements of layer lists; where there are
+    none, modules holding projections (children with a 2-D weight: ``nn.Linear``, Hugging Face's ``Conv1D`` ...)."""
+    in_lists: dict[str, nn.Module] = {}
+    holding: dict[str, nn.Module] = {}
     for module in model.modules():
         if isinstance(module, (nn.ModuleList, nn.Sequential)):
-            names.update(type(child).__name__ for child in module.children())
+            for child in module.children():
+                in_lists.setdefault(type(child).__name__, child)
         elif module is not model and any(getattr(getattr(c, "weight", None), "dim", lambda: 0)() == 2
                                          for c in module.children()):
-            names.add(type(module).__name__)
-    return sorted(names)
+            holding.setdefault(type(module).__name__, module)
+    return dict(sorted((in_lists or holding).items()))  # the layers of a layer list, where there is one
+
+
+_POSITION_ATTRIBUTES = frozenset({"layer_idx", "layer_id", "layer_number", "layer_index", "idx", "index"})
+
+
+def configuration(module: nn.Module) -> tuple:
+    """What can make two blocks of one class compute differently, besides their weights: the plain attributes
+    (flags, numbers, strings) of the block and its submodules, a layer's position excepted. Blocks of one class are
+    self-checked once per configuration (SmolLM3's layers without rotary embeddings differ by ``use_rope``)."""
+    plain = (bool, int, float, str, type(None))
+    return tuple((path, key, repr(value)) for path, sub in module.named_modules() for key, value in sorted(vars(sub).items())
+                 if not key.startswith("_") and key not in _POSITION_ATTRIBUTES and isinstance(value, plain))
+
+
+def _why_not(candidates: dict[str, nn.Module], registry: _Registry) -> str:
+    """Each candidate block class with the reasons the structural policies give for not taking it."""
+    lines = []
+    for name, module in candidates.items():
+        reasons = [r for p in registry.structural for r in p.mismatch(module)]
+        lines.append(f"{name}: {'; '.join(dict.fromkeys(reasons)) if reasons else 'not a known layout'}")
+    return "; ".join(lines) or "none"
 
 
 def plan_rewrite(model: nn.Module, ctx: RewriteContext, policies: Optional[Iterable[Policy]] = None,
@@ -102,16 +125,27 @@ def plan_rewrite(model: nn.Module, ctx: RewriteContext, policies: Optional[Itera
             policy), if a recognized module cannot be split t ways (naming it and the numbers), or if a
             self-check finds a parallel block that computes something else.
     """
+    policies = list(policies or ())
     registry = _Registry(policies)
     plan = RewritePlan(ctx.tp, ctx.sp)
     claimed: list[str] = []
-    verified: set[type] = set()
+    verified: set[tuple] = set()
+    whole_models: list[str] = []  # checked as a whole: their blocks need no check of their own
+    pending_models: list[tuple[nn.Module, str]] = []
 
     def check(policy: Policy, module: nn.Module, name: str) -> None:
         policy.check(module, ctx, name)
-        if verify and type(module) not in verified:
-            verified.add(type(module))
+        inside_checked = any(name.startswith(f"{prefix}.") or not prefix for prefix in whole_models)
+        key = (type(module), configuration(module))
+        if verify and key not in verified and not inside_checked:
+            verified.add(key)
             policy.verify(module, ctx, name)
+
+    def check_model(policy: Policy, module: nn.Module, name: str) -> None:
+        policy.check(module, ctx, name)
+        if verify:  # run once every block passed its own checks (whose refusals say more)
+            whole_models.append(name)
+            pending_models.append((module, f"{name} ({type(module).__name__})" if name else type(module).__name__))
 
     def visit(prefix: str, module: nn.Module) -> None:
         children = list(module.named_children())
@@ -122,8 +156,8 @@ def plan_rewrite(model: nn.Module, ctx: RewriteContext, policies: Optional[Itera
             full = f"{prefix}.{name}" if prefix else name
             policy = registry.get(child)
             if policy is not None and policy.role == "vocabulary":  # around the layers: they are visited too
+                check_model(policy, child, full)
                 if ctx.tp > 1:
-                    check(policy, child, full)
                     plan.entries.append(PlannedRewrite(full, type(child).__name__, policy, False, False,
                                                        policy.describe(child, ctx)))
                 policy = None
@@ -155,8 +189,9 @@ def plan_rewrite(model: nn.Module, ctx: RewriteContext, policies: Optional[Itera
         check(root_policy, model, type(model).__name__)
         plan.entries.append(PlannedRewrite("", type(model).__name__, root_policy, True, True, root_policy.describe(model, ctx)))
     else:
-        if root_policy is not None and ctx.tp > 1:  # a causal LM given as the model itself (explain)
-            check(root_policy, model, type(model).__name__)
+        if root_policy is not None:  # a causal LM given as the model itself (explain)
+            check_model(root_policy, model, "")
+        if root_policy is not None and ctx.tp > 1:
             plan.entries.append(PlannedRewrite("", type(model).__name__, root_policy, False, False,
                                                root_policy.describe(model, ctx)))
         visit("", model)
@@ -164,13 +199,32 @@ def plan_rewrite(model: nn.Module, ctx: RewriteContext, policies: Optional[Itera
         known = ", ".join(registry.known())
         raise ValueError(
             f"No transformer block that lightning_seqpar can parallelize was found in {type(model).__name__}. "
-            f"Block-like classes found (in layer lists, or holding projections): {', '.join(_candidate_blocks(model)) or 'none'}. "
+            f"Block-like classes found (in layer lists, or holding projections), and why none is known: "
+            f"{_why_not(_candidate_blocks(model), registry)}. "
             f"Known blocks: {known}. Describe your block in a few lines: `DeclaredBlockPolicy(MyBlock, BlockSpec("
             f"attention_norm=..., qkv=... or q/k/v=..., attention_out=..., mlp_in=... or gate/up=..., mlp_out=..., "
             f"activation=..., num_heads=...))` from lightning_seqpar, passed as `SeqParallelStrategy(policies=[...])`; "
             f"or write a `lightning_seqpar.Policy` (or return one from the class's `parallel_policy()` classmethod)."
         )
+    for module, name in pending_models:
+        verify_model(module, ctx, name, policies)
     return plan
+
+
+def verify_model(model: nn.Module, ctx: RewriteContext, name: str, policies: list[Policy]) -> float:
+    """The whole-model check of a Hugging Face causal LM (:func:`lightning_seqpar.hf.model_check.check_causal_lm`):
+    a small copy rewritten with the same policies, tp and sequence parallelism on emulated ranks; before training.
+
+    Raises:
+        ValueError (:class:`~lightning_seqpar.transformer.model_check.ModelCheckError`): the rewrite is refused.
+    """
+    from lightning_seqpar.hf.model_check import check_causal_lm
+
+    def build(small: nn.Module, group: ParallelGroup) -> nn.Module:
+        rewrite(small, RewriteContext(group, ctx.sequence_parallel, None, ctx.loss_parallel), policies, verify=False)
+        return small
+
+    return check_causal_lm(model, ctx.tp, build, name)
 
 
 def rewrite(model: nn.Module, ctx: RewriteContext, policies: Optional[Iterable[Policy]] = None,

@@ -44,8 +44,11 @@ class BlockSpec:
         scaling: attention score scale: a float, or the path of a float attribute; default ``head_dim ** -0.5``.
         transposed: the projections store their weights ``[in, out]`` (Hugging Face's ``Conv1D``, GPT-2);
             shards keep that layout, so state-dict shapes stay the original's.
-        mask_position: where the caller passes the attention mask among the positional arguments after the
-            hidden states (GPT-2's blocks get ``(hidden, past_key_values, mask, ...)``: 1); default: keyword only.
+        arguments: the names of the positional arguments the model passes after the hidden states, in order
+            (GPT-2's model calls ``block(hidden, cache, mask, encoder_hidden_states, ...)``: ``("cache",
+            "attention_mask", "encoder_hidden_states")``); default none, every other argument by keyword. Names and
+            what the parallel block does with each: :mod:`lightning_seqpar.transformer.block_arguments`; any other
+            argument that is not ``None`` is refused by name.
         q_norm, k_norm: norms applied to each query / key head (over ``head_dim``) after the projection and before
             the rotary embedding (Qwen3, OLMo-2 style). Their weights are replicated; each rank normalizes a share
             of the heads, so their gradients are summed over the tensor-parallel group.
@@ -77,7 +80,7 @@ class BlockSpec:
     softmax_dtype: Optional[torch.dtype] = None
     scaling: Union[float, str, None] = None
     transposed: bool = False
-    mask_position: Optional[int] = None
+    arguments: tuple[str, ...] = ()
     q_norm: Optional[str] = None
     k_norm: Optional[str] = None
 

@@ -33,6 +33,7 @@ from torch import Tensor
 from lightning_seqpar.parallel.random import recomputed
 from lightning_seqpar.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, column_parallel_linears
 from lightning_seqpar.tensor_parallel.sharding import mark_sequence_parallel
+from lightning_seqpar.transformer.block_arguments import parse_block_arguments
 from lightning_seqpar.transformer.block_spec import BlockSpec, out_features, resolve, value_of
 from lightning_seqpar.transformer.context import RewriteContext
 from lightning_seqpar.transformer.core_attention import CoreAttention, merge_heads
@@ -83,6 +84,7 @@ class ParallelBlock(ParallelLayer):
         self.group, self.sp, self.rng_tracker = ctx.group, ctx.sp, ctx.rng_tracker
         self.enter_region, self.exit_region = enter_region, exit_region
         self.spec = spec
+        self._name = f"The tensor-parallel {type(block).__name__}"
         attention, mlp = spec.projections()
         self.num_heads = value_of(block, spec.num_heads)
         self.num_kv_heads = value_of(block, spec.num_kv_heads) or self.num_heads
@@ -130,14 +132,10 @@ class ParallelBlock(ParallelLayer):
     def layer_dims(self) -> LayerDims:
         return self._dims
 
-    def forward(self, hidden_states: Tensor, *args: Any, attention_mask: Optional[Tensor] = None,
-                position_embeddings: Optional[tuple[Tensor, Tensor]] = None, past_key_values: Any = None,
-                use_cache: Optional[bool] = False, **kwargs: Any) -> Tensor:
-        if self.spec.mask_position is not None and len(args) > self.spec.mask_position:
-            attention_mask = args[self.spec.mask_position]
-        if self.spec.mask_position is not None and args and args[0] is not None and self.spec.mask_position > 0:
-            past_key_values = args[0]  # (hidden, past_key_values, mask, ...)
-        refuse_used_cache(self, past_key_values)
+    def forward(self, hidden_states: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        call = parse_block_arguments(self._name, self.spec.arguments, args, kwargs)
+        refuse_used_cache(self, call.cache)
+        position_embeddings, attention_mask = call.position_embeddings, call.attention_mask
         x = enter_parallel_region(hidden_states, self.group, self.sp, True) if self.enter_region else hidden_states
         if self.recompute_layer and torch.is_grad_enabled():
             x = recomputed(self._body, x, position_embeddings, attention_mask, rng_tracker=self.rng_tracker)
@@ -216,7 +214,8 @@ def refuse_used_cache(layer: nn.Module, cache: Any) -> None:
     length = cache.get_seq_length() if hasattr(cache, "get_seq_length") else None
     if length is None or length > 0 or (seen is not None and id(layer) in seen):
         raise NotImplementedError(
-            f"{type(layer).__name__} was called with a key/value cache holding past tokens (past_key_values, or "
+            f"{getattr(layer, '_name', type(layer).__name__)} was called with a key/value cache holding past tokens "
+            f"(cache= / past_key_values=, or "
             f"generation): a tensor-parallel block keeps no key/value cache. Train and evaluate without passing "
             f"past_key_values (use_cache=False, or the config's default, is fine); generate from the single-device "
             f"model (e.g. lightning_seqpar.checkpoint.consolidate, or the strategy's full_state_dict())."

@@ -11,13 +11,15 @@ The built-in Hugging Face policy is one of these, its spec read off each model's
 
 from __future__ import annotations
 
-import sys
 import copy
+import inspect
+import sys
 from typing import Optional
 
 import torch
 import torch.nn as nn
 
+from lightning_seqpar.transformer.block_arguments import NO_EFFECT, USED
 from lightning_seqpar.transformer.context import RewriteContext
 from lightning_seqpar.transformer.block_spec import (
     ATTENTION_IMPLEMENTATIONS,
@@ -30,6 +32,31 @@ from lightning_seqpar.transformer.block_spec import (
 from lightning_seqpar.transformer.declared_block import ParallelBlock
 from lightning_seqpar.transformer.policy import Policy, require_divisible
 from lightning_seqpar.transformer.verify import verify_parallel_block
+
+
+def refuse_unknown_parameters(module: nn.Module, spec: BlockSpec, name: str) -> None:
+    """Refuse a block whose ``forward`` requires an argument the parallel block cannot use (litgpt's
+    ``Block.forward(x, cos, sin, ...)``): the model must pass it, and ignoring it would compute another function.
+    Optional ones are checked when passed (:func:`~lightning_seqpar.transformer.block_arguments.parse_block_arguments`).
+
+    Raises:
+        ValueError: naming the parameters, the block and the fix.
+    """
+    try:
+        parameters = list(inspect.signature(module.forward).parameters.values())[1:]  # after the hidden states
+    except (TypeError, ValueError):
+        return
+    known = set(USED) | set(NO_EFFECT)
+    unknown = [p.name for i, p in enumerate(parameters)
+               if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+               and p.name not in known and (i >= len(spec.arguments) or spec.arguments[i] not in known)]
+    if unknown:
+        raise ValueError(
+            f"{name} ({type(module).__name__}): its forward requires {unknown}, which the parallel block built from "
+            f"the BlockSpec cannot use (it uses {list(USED)}; rotary embeddings as position_embeddings=(cos, sin) with "
+            f"BlockSpec(rotary=...)). Ignoring them would compute another function. Pass what the block needs under "
+            f"those names (and name positional ones in BlockSpec(arguments=...)), or write a Policy for this block."
+        )
 
 
 class DeclaredBlockPolicy(Policy):
@@ -89,6 +116,7 @@ class DeclaredBlockPolicy(Policy):
         except AttributeError as error:
             raise ValueError(f"{name} ({type(module).__name__}): the block declaration names a part that does not "
                              f"exist: {error} Fix the BlockSpec.") from None
+        refuse_unknown_parameters(module, spec, name)
         left_out = undeclared_parts(module, spec)
         if left_out:
             raise ValueError(self.undeclared_message(module, name, left_out))

@@ -56,6 +56,11 @@ class Policy:
         that recognizes a layout by structure (e.g. every Hugging Face model of the Llama layout) overrides it."""
         return type(module) is self.block
 
+    def mismatch(self, module: nn.Module) -> list[str]:
+        """Why this policy does not rewrite ``module``, or what in it the policy cannot implement, in the field's
+        words (e.g. ``"fused qkv_proj"``, ``"post-norms"``): shown when no policy takes a model. Default: nothing."""
+        return []
+
     def check(self, module: nn.Module, ctx: RewriteContext, name: str) -> None:
         """Raise ``ValueError`` naming ``name`` and the numbers if ``module`` cannot be split t ways."""
         raise NotImplementedError

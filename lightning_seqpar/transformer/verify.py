@@ -87,7 +87,7 @@ def verify_parallel_block(sample: nn.Module, spec: BlockSpec, tp: int, sequence_
             f"{name} ({type(sample).__name__}): the tensor-parallel block built from its declaration does not compute "
             f"what the block computes: on a small float64 input at tp={tp}, the outputs differ by {difference:.3g} "
             f"(relative; largest element difference {largest:.3g}). The declaration misses or misnames a part of "
-            f"the block's forward; fix the BlockSpec (or the policy). SeqParallelStrategy(verify_rewrite=False) "
-            f"skips this check."
+            f"the block's forward (a scale, clipping, a norm in another place, an argument it reads); fix the "
+            f"BlockSpec, or write a Policy for this block."
         )
     return difference

@@ -33,6 +33,14 @@ class HFCausalLM(pl.LightningModule):
             config = transformers.Gemma2Config(head_dim=4, **common, **full_attention)
         elif family == "olmo":  # Llama's parts, q/k/v clipped in its forward: caught by the self-check
             config = transformers.OlmoConfig(clip_qkv=0.5, **common)
+        elif family == "gemma":  # the Llama layout's parts; the embedding scaled by √h, norms (1 + w), gelu-tanh
+            config = transformers.GemmaConfig(head_dim=4, **common)
+        elif family == "smollm3":  # every other layer without rotary embeddings (NoPE), as in SmolLM3's layout
+            config = transformers.SmolLM3Config(**common, no_rope_layers=[int(i % 2 == 0) for i in range(layers)],
+                                                pad_token_id=None, bos_token_id=None, eos_token_id=None,
+                                                **full_attention)
+        elif family == "granite":  # multipliers the Llama layout does not have: caught by the self-check
+            config = transformers.GraniteConfig(residual_multiplier=0.5, **common)
         elif family == "gpt2":  # fused c_attn, Conv1D weights [in, out], learned positions, tied LM head
             config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=2 * SEQ, n_embd=16, n_layer=layers, n_head=4,
                                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,

@@ -38,25 +38,6 @@ def test_the_self_check_catches_a_wrong_declaration_and_can_be_turned_off():
     assert len(plan.entries) == 2
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "gpt2"])
-def test_the_tested_hugging_face_families_pass_their_self_check(family):
-    plan = explain(build("hf", family=family), tp=2)
-    assert [e.policy.role for e in plan.entries] == ["vocabulary", "layer", "layer"]
-
-
-def test_gemma_blocks_are_refused_naming_the_parts_the_llama_layout_lacks():
-    module = build("hf", family="gemma2")
-    with pytest.raises(ValueError, match=r"Gemma2DecoderLayer\): this Hugging Face block has parts the Llama layout "
-                                         r"does not have: pre_feedforward_layernorm\.weight.*not supported"):
-        explain(module, tp=2)
-
-
-def test_a_block_that_computes_what_the_layout_does_not_say_is_caught():
-    module = build("hf", family="olmo")  # the Llama layout's parts, but q/k/v clipped (clip_qkv) in its forward
-    with pytest.raises(ValueError, match=r"OlmoDecoderLayer\): the tensor-parallel block .* does not compute"):
-        explain(module, tp=2)
-
-
 def test_emulated_ranks_combine_tensors_as_collectives_do():
     import torch
 
@@ -71,3 +52,57 @@ def test_emulated_ranks_combine_tensors_as_collectives_do():
         assert reduced.tolist() == [10, 12, 14, 16]
         assert scattered.tolist() == [[10, 12], [14, 16]][rank]
         assert broadcast.tolist() == [10, 11, 12, 13]
+
+
+class RotaryBlock(Block):
+    """litgpt's convention: the model passes the rotary tables positionally, ``block(x, cos, sin)``."""
+
+    def forward(self, x, cos, sin, mask=None):
+        return super().forward(x * cos[: x.shape[1]].mean() + sin[: x.shape[1]].mean())
+
+
+def test_a_block_whose_forward_requires_arguments_it_cannot_use_is_refused_before_training():
+    module = NanoLM()
+    module.h = nn.ModuleList([RotaryBlock(16, 4, 0.0) for _ in range(2)])
+    for verify in (True, False):  # whether or not the self-check runs
+        with pytest.raises(ValueError, match=r"h\.0 \(RotaryBlock\): its forward requires \['cos', 'sin'\], which the "
+                                             r"parallel block .* cannot use"):
+            explain(module, tp=2, policies=[DeclaredBlockPolicy(RotaryBlock, BLOCK_SPEC)], verify=verify)
+
+
+def test_blocks_of_one_class_are_checked_once_per_configuration():
+    """A later layer that differs from the first by a plain attribute gets its own check (SmolLM3's NoPE layers)."""
+
+    class ScaledBlock(Block):
+        def __init__(self, *args, scale: float = 1.0) -> None:
+            super().__init__(*args)
+            self.scale = scale
+
+        def forward(self, x):
+            return super().forward(x) * self.scale
+
+    module = NanoLM()
+    module.h = nn.ModuleList([ScaledBlock(16, 4, 0.0), ScaledBlock(16, 4, 0.0, scale=2.0)])
+    with pytest.raises(ValueError, match=r"h\.1 \(ScaledBlock\): the tensor-parallel block .* does not compute"):
+        explain(module, tp=2, policies=[DeclaredBlockPolicy(ScaledBlock, BLOCK_SPEC)])
+
+
+def test_a_rewritten_block_refuses_what_it_does_not_understand_by_name():
+    import torch
+
+    from lightning_seqpar import RewriteContext
+    from lightning_seqpar.parallel import ParallelGroup
+    from lightning_seqpar.transformer.declared_block import ParallelBlock
+
+    block = ParallelBlock(Block(16, 4, 0.0), BLOCK_SPEC, RewriteContext(ParallelGroup(), True, None, True))
+    x = torch.randn(2, 8, 16)
+    assert block(x, position_ids=torch.arange(8), use_cache=False, output_attentions=False).shape == x.shape
+    with pytest.raises(TypeError, match=r"tensor-parallel Block was called with 'alibi' \(a tensor of shape \(2, 8\)\), "
+                                        r"which its tensor-parallel version does not understand"):
+        block(x, alibi=torch.zeros(2, 8))
+    with pytest.raises(TypeError, match=r"1 positional argument\(s\) after the hidden states; argument 1 is a tensor.*"
+                                        r"BlockSpec\(arguments="):
+        block(x, torch.zeros(8))
+    with pytest.raises(TypeError, match=r"output_attentions=bool True: refused when true"):
+        block(x, output_attentions=True)
+    block(x, alibi=None)  # an argument left at None changes nothing

@@ -69,7 +69,8 @@ def test_unknown_model_names_the_classes_found_and_how_to_register_a_policy():
             super().__init__()
             self.blocks = nn.ModuleList([MyBlock()])
 
-    with pytest.raises(ValueError, match=r"Block-like classes found \(in layer lists, or holding projections\): MyBlock\..*BlockSpec.*Policy"):
+    with pytest.raises(ValueError, match=r"Block-like classes found \(in layer lists, or holding projections\), and why none is known: "
+                                         r"MyBlock: not a known layout\..*BlockSpec.*Policy"):
         explain(MyModel(), tp=2)
 
 

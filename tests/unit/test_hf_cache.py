@@ -38,3 +38,23 @@ def test_a_cache_holding_past_tokens_or_generation_is_refused_with_the_fix(famil
         model(input_ids=x[:, 4:5], past_key_values=past)
     with pytest.raises(NotImplementedError, match="keeps no key/value cache"):
         model.generate(x[:, :4], attention_mask=torch.ones_like(x[:, :4]), max_new_tokens=2, do_sample=False)
+
+
+@pytest.mark.parametrize("sequence_parallel", [True, False])
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_generation_at_tp_2_is_refused_never_different_tokens(family, sequence_parallel):
+    """Each rank holds half the heads and would attend without a cache of past keys: refused with the fix, whether
+    the layers pass the cache as ``cache=`` (transformers >= 5.24) or ``past_key_values=``, SP on or off."""
+    from lightning_seqpar.parallel.emulated import run_emulated
+
+    module = build("hf", family=family).double()
+    x = token_data(1, 1).tensors[0][:, :4]
+
+    def one_rank(group):
+        model = copy.deepcopy(module.model)
+        rewrite(model, RewriteContext(group, sequence_parallel, None, True))
+        return model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=3, do_sample=False)
+
+    with pytest.raises(NotImplementedError, match=r"tensor-parallel \w+ was called with a key/value cache holding "
+                                                  r"past tokens .* generate from the single-device model"):
+        run_emulated(2, one_rank)

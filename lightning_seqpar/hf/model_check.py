@@ -1,0 +1,150 @@
+"""The whole-model check of a Hugging Face causal LM (:mod:`lightning_seqpar.transformer.model_check`): a small copy
+built from the model's own config, called as users call it, ``model(input_ids=x, labels=x)``.
+
+The copy keeps everything that decides what the model computes: its class, the number of layers and every per-layer
+list of the config (``layer_types``, ``no_rope_layers``, ...), the head counts (so the split over t), every flag and
+multiplier; only the widths shrink (8 values per head, an MLP of 8·t, a vocabulary of 8·t + 1 rows, padded like
+any). Its weights are redrawn (an initialization that zeroes a projection would hide a part left out).
+
+When the copy disagrees, each config setting that differs from the config class's default is set back to it in turn;
+those that make the difference go away are named (``clip_qkv``, ``residual_multiplier``): the rewrite does not
+implement them.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn as nn
+
+from lightning_seqpar.parallel.collectives import ParallelGroup
+from lightning_seqpar.transformer.model_check import ModelCheckError, check_whole_model
+
+_HEAD_DIM = 8
+_BATCH = 2
+_SIZES = {"hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+          "head_dim", "vocab_size", "max_position_embeddings", "n_embd", "n_layer", "n_head", "n_inner",
+          "n_positions", "pad_token_id", "bos_token_id", "eos_token_id", "torch_dtype", "dtype",
+          "tie_word_embeddings", "architectures", "transformers_version", "model_type", "use_cache"}
+"""Config keys the check sets itself or that do not decide the function (not blamed)."""
+_MAX_BLAMED_TRIES = 40
+
+
+def _layer_stack(model: nn.Module) -> Optional[str]:
+    base = getattr(model, "base_model", model)
+    prefix = next((n for n, m in model.named_modules() if m is base), "")
+    for child_name, child in base.named_children():
+        if isinstance(child, nn.ModuleList):
+            return f"{prefix}.{child_name}" if prefix else child_name
+    return None
+
+
+def parts_in_order(model: nn.Module) -> list[str]:
+    """The embedding, each decoder layer and the base model's parts after the layers (the final norm), by path."""
+    embedding = model.get_input_embeddings()
+    parts = [next(n for n, m in model.named_modules() if m is embedding)]
+    stack = _layer_stack(model)
+    if stack is None:
+        return parts
+    layers = model.get_submodule(stack)
+    parts += [f"{stack}.{i}" for i in range(len(layers))]
+    base_prefix, _, stack_name = stack.rpartition(".")
+    base = model.get_submodule(base_prefix) if base_prefix else model
+    after = False
+    for child_name, child in base.named_children():
+        if child_name == stack_name:
+            after = True
+        elif after and any(True for _ in child.parameters()):
+            parts.append(f"{base_prefix}.{child_name}" if base_prefix else child_name)
+    return parts
+
+
+def small_config(config: Any, tp: int, overrides: Optional[dict[str, Any]] = None) -> Any:
+    """A copy of ``config`` with the same layers and heads, small widths, and ``overrides`` set."""
+    small = copy.deepcopy(config)
+    heads = getattr(small, "num_attention_heads", None) or small.n_head
+    hidden = heads * _HEAD_DIM
+    vocab = _HEAD_DIM * tp + 1  # not a multiple of t: the padding of the vocabulary is checked too
+    for key, value in (("hidden_size", hidden), ("head_dim", _HEAD_DIM), ("intermediate_size", _HEAD_DIM * tp),
+                       ("n_embd", hidden), ("n_inner", _HEAD_DIM * tp), ("vocab_size", vocab)):
+        if key in vars(small) or hasattr(type(small), key) and isinstance(getattr(type(small), key), property) \
+                and getattr(type(small), key).fset is not None:
+            setattr(small, key, value)  # a read-only property (derived from others) follows them
+    for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        value = getattr(small, key, None)
+        if isinstance(value, int) and value >= vocab:
+            setattr(small, key, None)
+    for key, value in (overrides or {}).items():
+        setattr(small, key, value)
+    return small
+
+
+def small_model(model: nn.Module, tp: int, overrides: Optional[dict[str, Any]] = None) -> nn.Module:
+    """A float64 model of ``model``'s class from :func:`small_config`, on the CPU, weights redrawn (seed 0)."""
+    config = small_config(model.config, tp, overrides)
+    generator = torch.Generator().manual_seed(0)
+    with torch.device("cpu"):
+        small = type(model)(config).double()
+    with torch.no_grad():
+        for param in small.parameters():
+            if param.dim() >= 2:
+                param.copy_(torch.randn(param.shape, generator=generator, dtype=param.dtype) * param.shape[-1] ** -0.5)
+            else:
+                param.copy_(1.0 + 0.2 * torch.randn(param.shape, generator=generator, dtype=param.dtype))
+    return small
+
+
+def _check(model: nn.Module, tp: int, build: Callable[[nn.Module, ParallelGroup], nn.Module], name: str,
+           overrides: Optional[dict[str, Any]] = None) -> float:
+    small = small_model(model, tp, overrides)
+    s = 4 * tp  # divisible by t (sequence parallelism)
+    x = torch.randint(0, small.config.vocab_size, (_BATCH, s), generator=torch.Generator().manual_seed(1))
+    difference = check_whole_model(small, build, lambda m: m(input_ids=x, labels=x), tp, parts_in_order(small), name,
+                                   call_text="model(input_ids=x, labels=x)")
+    return difference.relative
+
+
+def _blamed(model: nn.Module, tp: int, build: Callable[[nn.Module, ParallelGroup], nn.Module], name: str) -> list[str]:
+    config = model.config
+    try:
+        defaults = type(config)()
+    except Exception:  # noqa: BLE001 - a config class without defaults: nothing to compare with
+        return []
+    found = []
+    tried = 0
+    for key, value in sorted(vars(config).items()):
+        default = getattr(defaults, key, value)
+        if key.startswith("_") or key in _SIZES or value == default or tried >= _MAX_BLAMED_TRIES:
+            continue
+        if not all(v is None or isinstance(v, (bool, int, float, str)) for v in (value, default)):
+            continue
+        tried += 1
+        try:
+            _check(model, tp, build, name, {key: default})
+        except Exception:  # noqa: BLE001 - still different, or not buildable with the default
+            continue
+        found.append(f"config.{key}={value!r} (with its default {default!r} the outputs agree)")
+    return found
+
+
+def check_causal_lm(model: nn.Module, tp: int, build: Callable[[nn.Module, ParallelGroup], nn.Module],
+                    name: str) -> float:
+    """Check that the rewrite of ``model`` (a Hugging Face causal LM; ``build(copy, group)`` rewrites one emulated
+    rank's copy) computes its loss and logits; return the relative difference.
+
+    Raises:
+        ModelCheckError: naming the first part that differs and the config settings responsible where found.
+    """
+    try:
+        return _check(model, tp, build, name)
+    except ModelCheckError as error:
+        if "does not compute" not in str(error):
+            raise
+        blamed = _blamed(model, tp, build, name)
+        cause = (f" Settings the rewrite does not implement: {'; '.join(blamed)}. Train with them at their default, "
+                 f"or describe the block with a Policy that implements them." if blamed else
+                 " No single config setting explains it: that part computes something the layout policy does not "
+                 "describe; write a Policy for its block.")
+        raise ModelCheckError(str(error) + cause) from None

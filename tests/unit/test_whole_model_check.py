@@ -1,0 +1,85 @@
+"""Accepted means correct on the whole model: before training, a small copy of a Hugging Face causal LM runs through
+its own forward as ``model(input_ids=x, labels=x)``, once as it is and once rewritten on emulated tensor-parallel ranks;
+what differs is refused, naming the part and the setting. Tested through ``explain``, which runs the strategy's checks."""
+
+import pytest
+
+from lightning_seqpar import explain
+from tests.helpers.models import build
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "gpt2", "gemma", "smollm3"])
+def test_the_supported_families_pass_the_whole_model_check(family):
+    plan = explain(build("hf", family=family), tp=2)
+    assert [e.policy.role for e in plan.entries] == ["vocabulary", "layer", "layer"]
+
+
+def test_the_check_finds_gemmas_embedding_scale_and_smollm3s_layers_without_rotary(monkeypatch):
+    """What the per-block check missed: each is refused, at the part where it first differs, when not implemented."""
+    import lightning_seqpar.hf.layouts as layouts
+    import lightning_seqpar.tensor_parallel.embedding as embedding
+
+    monkeypatch.setattr(embedding, "embedding_scale", lambda e: None)  # the vocabulary-parallel embedding unscaled
+    with pytest.raises(ValueError, match=r"model \(GemmaForCausalLM\): its tensor-parallel version does not compute "
+                                         r"what the model computes.*first part whose output differs is "
+                                         r"model\.embed_tokens"):
+        explain(build("hf", family="gemma"), tp=2)
+    monkeypatch.undo()
+    spec = layouts.llama_block_spec
+    monkeypatch.setattr(layouts, "llama_block_spec",
+                        lambda m: __import__("dataclasses").replace(spec(m), rotary="apply_rotary_pos_emb"))
+    with pytest.raises(ValueError, match=r"first part whose output differs is model\.layers\.1 "):  # the NoPE layer
+        explain(build("hf", family="smollm3"), tp=2)
+
+
+@pytest.mark.parametrize("family, setting", [("olmo", r"config\.clip_qkv=0\.5 \(with its default None"),
+                                             ("granite", r"config\.residual_multiplier=0\.5 \(with its default 1\.0")])
+def test_a_difference_is_refused_naming_the_setting_responsible(family, setting):
+    with pytest.raises(ValueError, match=r"does not compute what the model computes.*first part whose output differs "
+                                         r"is model\.layers\.0 .*Settings the rewrite does not implement: " + setting) as error:
+        explain(build("hf", family=family), tp=2)
+    assert "verify_rewrite" not in str(error.value)  # no refusal recommends turning the check off
+
+
+def _tiny(config_class, **extra):
+    from transformers import AutoModelForCausalLM
+
+    config = config_class(vocab_size=13, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, pad_token_id=None, bos_token_id=None, eos_token_id=None, **extra)
+    return AutoModelForCausalLM.from_config(config)
+
+
+@pytest.mark.parametrize("family, reasons", [
+    ("Phi3Config", r"Phi3DecoderLayer: fused qkv_proj \(q, k and v in one projection\); fused gate_up_proj"),
+    ("Olmo2Config", r"Olmo2DecoderLayer: post-norms \(norms after attention and MLP, none before\)"),
+    ("GPTNeoXConfig", r"GPTNeoXLayer: fused query_key_value .*partial rotary \(config\.partial_rotary_factor=0\.25\); "
+                      r"parallel residual \(config\.use_parallel_residual=True\)"),
+    ("CohereConfig", r"CohereDecoderLayer: parallel residual \(attention and MLP from one norm\)"),
+    ("MixtralConfig", r"MixtralDecoderLayer: mixture of experts"),
+])
+def test_a_model_nothing_recognizes_is_refused_with_each_block_class_and_why(family, reasons):
+    import transformers
+
+    with pytest.raises(ValueError, match=r"No transformer block .* why none is known: " + reasons) as error:
+        explain(_tiny(getattr(transformers, family)), tp=2)
+    known = str(error.value).split("Known blocks: ")[1].split(".")[0]
+    assert "ForCausalLM" not in known  # the model class is not a block
+
+
+def test_partial_rotary_is_refused_by_name_not_by_a_crash():
+    from transformers import StableLmConfig
+
+    with pytest.raises(ValueError, match=r"layers\.0 \(StableLmDecoderLayer\): the Llama layout's parallel block does "
+                                         r"not implement partial rotary \(config\.partial_rotary_factor=0\.25\)"):
+        explain(_tiny(StableLmConfig), tp=2)
+
+
+def test_a_part_that_fails_in_the_check_is_refused_cleanly_naming_it(monkeypatch):
+    import lightning_seqpar.hf.layouts as layouts
+
+    spec = layouts.llama_block_spec
+    monkeypatch.setattr(layouts, "llama_block_spec",  # a head size the projections do not have
+                        lambda m: __import__("dataclasses").replace(spec(m), head_dim=3))
+    with pytest.raises(ValueError, match=r"model \(LlamaForCausalLM\): its tensor-parallel version fails at "
+                                         r"model\.layers\.0 on a small input at tp=2: RuntimeError"):
+        explain(build("hf"), tp=2)
