@@ -20,6 +20,7 @@ import torch
 
 from lightning_seqpar.checkpoint.consolidate import consolidate, consolidate_to_safetensors, write_state_dict
 from lightning_seqpar.checkpoint.manifest import check_files, read_manifest, unlisted_files
+from lightning_seqpar.checkpoint.locate import not_a_checkpoint
 from lightning_seqpar.checkpoint.sharded import is_sharded_checkpoint
 
 
@@ -76,7 +77,7 @@ def verify(path: Path) -> int:
     """Print each file of the checkpoint ``path`` with ``ok`` or what differs from its manifest; 0 when all match,
     1 when any differs (or the manifest is damaged), 2 when ``path`` is not a complete sharded checkpoint."""
     if not is_sharded_checkpoint(path):
-        print(f"error: {path} is not a complete sharded checkpoint directory (no .metadata inside).", file=sys.stderr)
+        print(f"error: {not_a_checkpoint(path) if Path(path).is_dir() else f'{path} is not a complete sharded checkpoint directory (no .metadata inside).'}", file=sys.stderr)
         return 2
     try:
         manifest = read_manifest(path)

@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from lightning_seqpar.checkpoint.atomic import publish, temporary_path
 from lightning_seqpar.checkpoint.safe_reader import read_metadata
 from lightning_seqpar.checkpoint.manifest import check_zip_file, is_zip_file
+from lightning_seqpar.checkpoint.locate import not_a_checkpoint
 from lightning_seqpar.checkpoint.sharded import FORMAT_KEY, MODEL_PREFIX, is_sharded_checkpoint, read_shards
 from lightning_seqpar.checkpoint.trainer_checkpoint import read_trainer_state, verified
 from lightning_seqpar.hf.streaming import SafetensorsStreamWriter, TensorEntry
@@ -55,7 +56,8 @@ class StoredModel:
     def __init__(self, path: os.PathLike | str) -> None:
         self.path = Path(path)
         if not is_sharded_checkpoint(self.path):
-            raise FileNotFoundError(f"{self.path} is not a complete sharded checkpoint directory (no .metadata inside).")
+            raise FileNotFoundError(not_a_checkpoint(self.path) if self.path.is_dir() else
+                                    f"{self.path} is not a complete sharded checkpoint directory (no .metadata inside).")
         verified(self.path)
         self.trainer_state = read_trainer_state(self.path)
         info = self.trainer_state[FORMAT_KEY]

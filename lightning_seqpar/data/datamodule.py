@@ -185,6 +185,11 @@ class TextDataModule(pl.LightningDataModule):
                              f"its token ids are not bytes. Tokenize with it (data.tokenizer={model_tokenizer}; the "
                              f"recipe does so by default for model=hf_pretrained), or set data.tokenizer=bytes to "
                              f"train on bytes anyway.")
+        if self.is_bytes and not self.tokenizer_explicit and model_tokenizer is not None and self.kind == "text":
+            raise ValueError(f"The model directory {model_tokenizer} holds no tokenizer, so the corpus would be read as "
+                             f"UTF-8 bytes (ids 0..255), which are not the ids the pretrained model was trained on. Name "
+                             f"the model's tokenizer with data.tokenizer=DIR, or set data.tokenizer=bytes to train on "
+                             f"bytes anyway.")
         if model_vocab_size is None:
             return
         if self.kind == "bin" and self.token_dtype == "uint16" and model_vocab_size > UINT16_IDS:

@@ -101,8 +101,14 @@ def _check(model: nn.Module, tp: int, build: Callable[[nn.Module, ParallelGroup]
     small = small_model(model, tp, overrides)
     s = 4 * tp  # divisible by t (sequence parallelism)
     x = torch.randint(0, small.config.vocab_size, (_BATCH, s), generator=torch.Generator().manual_seed(1))
-    difference = check_whole_model(small, build, lambda m: m(input_ids=x, labels=x), tp, parts_in_order(small), name,
-                                   call_text="model(input_ids=x, labels=x)")
+    padding = torch.ones_like(x)
+    padding[0, -2:] = 0  # the first sequence ends in two padding tokens
+
+    def call(model: nn.Module) -> dict[str, Any]:
+        return {"": model(input_ids=x, labels=x), "with a padding mask:": model(input_ids=x, attention_mask=padding)}
+
+    difference = check_whole_model(small, build, call, tp, parts_in_order(small), name,
+                                   call_text="model(input_ids=x, labels=x) and model(input_ids=x, attention_mask=m)")
     return difference.relative
 
 

@@ -3,6 +3,7 @@ when called)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Optional
 
 import torch.nn as nn
@@ -30,9 +31,27 @@ def causal_lm_config(config: Optional[dict] = None, pretrained: Optional[str] = 
                          f"got config={config!r}, pretrained={pretrained!r}.")
     auto_config = _transformers().AutoConfig
     if pretrained is not None:
+        check_model_directory(pretrained)
         return auto_config.from_pretrained(pretrained, attn_implementation=attn_implementation)
     options = dict(config)
     return auto_config.for_model(options.pop("model_type"), attn_implementation=attn_implementation, **options)
+
+
+def check_model_directory(directory: str) -> None:
+    """Refuse a local model directory that cannot be read as one, naming what is missing.
+
+    Raises:
+        FileNotFoundError: no such directory, or one without ``config.json`` (listing what it holds).
+    """
+    path = Path(directory)
+    if not path.exists():
+        raise FileNotFoundError(f"No model directory at {directory} (model.pretrained must be a local Hugging Face "
+                                f"model directory: config.json, *.safetensors and its tokenizer; nothing is downloaded).")
+    if path.is_dir() and not (path / "config.json").is_file():
+        held = sorted(p.name for p in path.iterdir())
+        raise FileNotFoundError(f"{directory} has no config.json, so it is not a Hugging Face model directory (it holds "
+                                f"{held[:12]}{' ...' if len(held) > 12 else ''}). Point model.pretrained at the directory "
+                                f"save_pretrained wrote (config.json beside the *.safetensors).")
 
 
 def build_causal_lm(config: Any) -> nn.Module:

@@ -29,6 +29,7 @@ from lightning_seqpar.checkpoint.checks import (
 from lightning_seqpar.checkpoint.consolidate import load_state_dict_file
 from lightning_seqpar.checkpoint.hf_export import export_hf_pretrained
 from lightning_seqpar.checkpoint.manifest import check_zip_file, is_zip_file
+from lightning_seqpar.checkpoint.locate import not_a_checkpoint
 from lightning_seqpar.checkpoint.full_state import (
     full_optimizer_state,
     full_state_dict,
@@ -232,8 +233,7 @@ class CheckpointingMixin:
             remove_stale_temporaries(path.parent)
         self.barrier("load_checkpoint")
         if path.is_dir() and not is_sharded_checkpoint(path):
-            raise ValueError(f"{path} is a directory without .metadata: a sharded checkpoint whose save did not finish, "
-                             f"or a damaged one. Resume from the checkpoint before it.")
+            raise ValueError(not_a_checkpoint(path))
         if not is_sharded_checkpoint(path):
             if path.is_file() and is_zip_file(path):
                 on_every_rank(lambda: check_zip_file(path))  # each rank checks what it reads

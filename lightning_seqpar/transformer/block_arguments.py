@@ -23,6 +23,8 @@ NO_EFFECT = {
     "output_attentions": "refused when true (the parallel block returns no attention probabilities)",
     "output_hidden_states": "hidden states are collected by the model, outside its layers",
     "num_items_in_batch": "a loss argument: the layers do not read it",
+    "shift_labels": "a loss argument: the layers do not read it",
+    "ignore_index": "a loss argument: the layers do not read it",
     "encoder_hidden_states": "refused when given (cross-attention is not a declared part)",
     "encoder_attention_mask": "refused when given (cross-attention is not a declared part)",
 }

@@ -53,7 +53,10 @@ def _as_plain(value: Any) -> Any:
 
 
 def _outputs(result: Any) -> dict[str, Tensor]:
-    """The tensors a model returns, by name (``loss``, ``logits`` of a Hugging Face output; or the tensor)."""
+    """The tensors a model returns, by name (``loss``, ``logits`` of a Hugging Face output; or the tensor; a dict of
+    such results, by its keys)."""
+    if isinstance(result, dict):
+        return {f"{key} {name}".strip(): v for key, value in result.items() for name, v in _outputs(value).items()}
     if isinstance(result, Tensor):
         return {"output": _as_plain(result)}
     if isinstance(result, (tuple, list)):

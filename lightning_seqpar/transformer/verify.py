@@ -65,7 +65,13 @@ def verify_parallel_block(sample: nn.Module, spec: BlockSpec, tp: int, sequence_
     sample = sample.double().eval()
     x, kwargs = _inputs(sample, spec, tp)
     with torch.no_grad():
-        want = _output(sample(x, **kwargs))
+        try:
+            want = _output(sample(x, **kwargs))
+        except Exception as error:  # noqa: BLE001 - a block the check cannot call is not accepted unchecked
+            raise ValueError(f"{name} ({type(sample).__name__}): the self-check cannot call the block as "
+                             f"block(hidden_states{''.join(f', {k}=...' for k in kwargs)}) on a small input "
+                             f"({type(error).__name__}: {error}), so its parallel version cannot be checked. Declare "
+                             f"how the block is called (BlockSpec), or write a Policy for it.") from error
 
         def one_rank(group: ParallelGroup) -> Tensor:
             block = build(sample, RewriteContext(group, sequence_parallel and tp > 1, None, True)).eval()

@@ -84,7 +84,7 @@ def test_a_llama_shaped_model_trains_and_a_local_hugging_face_directory_fine_tun
     pretrained = AutoModelForCausalLM.from_config(config)
     pretrained.save_pretrained(tmp_path / "pretrained")
     _recipe(tmp_path / "tune", "model=hf_pretrained", f"model.pretrained={tmp_path / 'pretrained'}",
-            "optim.learning_rate=0.0")
+            "optim.learning_rate=0.0", "data.tokenizer=bytes")  # a byte-level model: its directory has no tokenizer
     state = consolidate(tmp_path / "tune" / "run" / "checkpoints" / "last.ckpt")
     for key, value in pretrained.state_dict().items():
         torch.testing.assert_close(state[f"model.{key}"], value, rtol=0, atol=0, msg=key)

@@ -3,7 +3,8 @@
 Every model is called as transformers' examples call it: ``model(input_ids=x, labels=x)``, with the config's
 default ``use_cache``; also with a padding ``attention_mask`` and explicit ``position_ids``.
 
-Tiny random configs: Llama, Mistral, Qwen2 and Qwen3 (Llama layout; Qwen3 with per-head q/k norms: grouped-query attention with 2 key/value heads for 4 query
+Tiny random configs: Llama, Mistral, Qwen2, Qwen3, Gemma (its embedding scaled by √h) and SmolLM3 (every other layer
+without rotary embeddings) (Llama layout; Qwen3 with per-head q/k norms: grouped-query attention with 2 key/value heads for 4 query
 heads, rotary embeddings, RMSNorm, SwiGLU) and GPT-2 (Conv1D, fused c_attn, learned positions, tied head);
 float64, loss and every gradient over 3 AdamW steps.
 """
@@ -34,6 +35,8 @@ CASES = {
         Case("hf", 2, True, None, (("padding", True), ("labels", True))),    # padding attention_mask, eager
         Case("hf", 2, True, None, (("padding", True), ("attn_implementation", "sdpa"))),
         Case("hf", 2, True, "selective", (("position_offset", 5),)),        # explicit position_ids
+        Case("hf", 2, True, None, (("family", "gemma"), ("labels", True))),  # embedding scaled by √h, (1 + w) norms
+        Case("hf", 2, True, None, (("family", "smollm3"), ("labels", True))),  # a layer without rotary embeddings
     ],
     4: [
         Case("hf", 2, True, "selective"),                                   # tp 2 x dp 2
