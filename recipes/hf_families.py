@@ -21,7 +21,7 @@ FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "smollm3", "olmo", "g
             "gpt_neox", "falcon", "cohere", "cohere2", "starcoder2", "stablelm", "mixtral", "qwen2_moe", "qwen3_moe",
             "granitemoe", "nemotron", "persimmon", "gptj", "codegen", "bloom", "opt", "gpt_bigcode"]
 SIZES = dict(vocab_size=13, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, pad_token_id=None, bos_token_id=None, eos_token_id=None, max_position_embeddings=64)
+             num_key_value_heads=2, head_dim=4, pad_token_id=None, bos_token_id=None, eos_token_id=None, max_position_embeddings=64)
 
 
 def tiny_model(model_type: str):
@@ -30,12 +30,16 @@ def tiny_model(model_type: str):
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     config_class = CONFIG_MAPPING[model_type]
-    config = config_class(**SIZES)
-    for key, value in (("sliding_window", None), ("use_sliding_window", False)):
-        if hasattr(config, key):
-            setattr(config, key, value)
-    if getattr(config, "layer_types", None):
+    try:
+        config = config_class(**SIZES)
+    except AttributeError:  # head_dim derived from the others (a read-only property)
+        config = config_class(**{k: v for k, v in SIZES.items() if k != "head_dim"})
+    if getattr(config, "layer_types", None):  # full attention on every layer (sliding windows are refused)
         config.layer_types = ["full_attention"] * config.num_hidden_layers
+    else:
+        for key, value in (("sliding_window", None), ("use_sliding_window", False)):
+            if hasattr(config, key):
+                setattr(config, key, value)
     return AutoModelForCausalLM.from_config(config, attn_implementation="eager")
 
 

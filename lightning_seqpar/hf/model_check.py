@@ -3,7 +3,7 @@ built from the model's own config, called as users call it, ``model(input_ids=x,
 
 The copy keeps everything that decides what the model computes: its class, the number of layers and every per-layer
 list of the config (``layer_types``, ``no_rope_layers``, ...), the head counts (so the split over t), every flag and
-multiplier; only the widths shrink (8 values per head, an MLP of 8·t, a vocabulary of 8·t + 1 rows, padded like
+multiplier; only the widths shrink (4 values per head, an MLP of 4·t, a vocabulary of 4·t + 1 rows, padded like
 any). Its weights are redrawn (an initialization that zeroes a projection would hide a part left out).
 
 When the copy disagrees, each config setting that differs from the config class's default is set back to it in turn;
@@ -22,7 +22,7 @@ import torch.nn as nn
 from lightning_seqpar.parallel.collectives import ParallelGroup
 from lightning_seqpar.transformer.model_check import ModelCheckError, check_whole_model
 
-_HEAD_DIM = 8
+_HEAD_DIM = 4
 _BATCH = 2
 _SIZES = {"hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
           "head_dim", "vocab_size", "max_position_embeddings", "n_embd", "n_layer", "n_head", "n_inner",

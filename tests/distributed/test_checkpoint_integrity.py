@@ -116,6 +116,12 @@ def test_every_rank_refuses_a_damaged_checkpoint_before_loading(saved, tmp_path)
     assert all(error is not None and _shards(checkpoint)[1].name in error for error in errors), errors
 
 
+def test_a_checkpoint_path_at_the_folder_of_checkpoints_lists_them_on_every_rank(saved):
+    errors = run_distributed(_load, 2, str(saved[0].parent))
+    listed = f"it holds {saved[0].name}, {saved[1].name}."
+    assert all(e is not None and "is a folder of checkpoints, not a checkpoint" in e and listed in e for e in errors), errors
+
+
 def test_a_checkpoint_without_a_manifest_loads_with_a_warning(saved, tmp_path):
     checkpoint = _copy(saved, tmp_path)
     (checkpoint / MANIFEST_FILE).unlink()
