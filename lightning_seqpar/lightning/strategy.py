@@ -64,8 +64,8 @@ class SeqParallelStrategy(
             (Korthikanti et al. 2022 §4.2.2). Ignored when ``tp == 1``.
         loss_parallel: compute the reference GPT's loss on vocabulary-sharded logits.
         policies: extra :class:`~lightning_seqpar.Policy` objects for the user's own block classes.
-        verify_rewrite: check each declared block class before training: its parallel block must compute what the
-            block computes on a small input (one small forward per class, no communication).
+        verify_rewrite: check the rewrite before training, without communication: a Hugging Face causal LM whole (a
+            small copy on emulated tp ranks), other declared blocks once per class and configuration.
         seed: base seed of the dropout streams; default: rank 0's ``torch.initial_seed()``.
         start_method: ``"popen"`` (re-run the script per rank, like DDP), ``"spawn"`` or ``"fork"``.
         process_group_backend: default ``"nccl"`` on GPUs, ``"gloo"`` on CPUs.
