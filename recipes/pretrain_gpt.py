@@ -27,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning_seqpar import FlopsUtilization, SelectiveRecompute, SeqParallelStrategy
 from lightning_seqpar.data import TextDataModule
+from lightning_seqpar.checkpoint.destination import refuse_export_destination
 from lightning_seqpar.data.tokenizer import has_tokenizer
 from lightning_seqpar.lightning.callbacks import ParallelModelSummary
 from lightning_seqpar.models import CausalLMModule, GPTConfig, GPTLightningModule, HFCausalLMModule
@@ -63,11 +64,14 @@ def route_logs_to_hydra() -> None:
                 handler.setLevel(logging.ERROR)
 
 
-def check_options(cfg: DictConfig) -> None:
+def check_options(cfg: DictConfig, output_dir: Path) -> None:
     """Refuse options that cannot apply to this run, before any process starts.
 
     Raises:
         ValueError: ``empty_init`` or ``export_hf`` where they have no effect, naming the fix.
+        FileExistsError: an ``export_hf`` destination that holds anything but a previous export (or that, without
+            ``export_hf_overwrite``), or that is or holds the run folder or the source model directory: refused
+            before training, not after it.
     """
     kind = cfg.model.get("kind", "gpt")
     if cfg.empty_init and kind == "hf":
@@ -78,6 +82,9 @@ def check_options(cfg: DictConfig) -> None:
         raise ValueError(f"export_hf={cfg.export_hf} needs a Hugging Face model (model=hf_pretrained or "
                          f"model=llama_tiny); the reference GPT has no Hugging Face layout. To keep its weights, use "
                          f"python -m lightning_seqpar.checkpoint consolidate CKPT_DIR model.safetensors.")
+    if cfg.export_hf:
+        refuse_export_destination(cfg.export_hf, overwrite=cfg.export_hf_overwrite,
+                                  protected=(output_dir, cfg.model.get("pretrained")))
 
 
 def data_module(cfg: DictConfig) -> TextDataModule:
@@ -155,9 +162,9 @@ def sample(module: CausalLMModule, trainer: pl.Trainer, data: TextDataModule, cf
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def main(cfg: DictConfig) -> dict:
     route_logs_to_hydra()
-    check_options(cfg)
-    pl.seed_everything(cfg.seed, workers=True)
     output_dir = Path(hydra.core.hydra_config.HydraConfig.get().runtime.output_dir)
+    check_options(cfg, output_dir)
+    pl.seed_everything(cfg.seed, workers=True)
     data = data_module(cfg)
     optim = OmegaConf.to_container(cfg.optim, resolve=True)
     # The cosine decay ends at optim.decay_steps (default: this run's trainer.max_steps). A resumed run with a
@@ -172,6 +179,7 @@ def main(cfg: DictConfig) -> dict:
         metrics.update({k: float(v) for k, v in trainer.callback_metrics.items()})
     if cfg.export_hf:  # collective: each stage's tp rank 0 streams its tensors into the files
         exported = trainer.strategy.save_hf_pretrained(Path(cfg.export_hf).absolute(), source=module.pretrained,
+                                                       overwrite=cfg.export_hf_overwrite,
                                                        tokenizer=data.tokenizer if hasattr(data.tokenizer, "save_pretrained") else None)
         log.info("exported Hugging Face model: %s", exported)
     text = sample(module, trainer, data, cfg)

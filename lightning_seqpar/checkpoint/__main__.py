@@ -20,6 +20,7 @@ import torch
 
 from lightning_seqpar.checkpoint.consolidate import consolidate, consolidate_to_safetensors, write_state_dict
 from lightning_seqpar.checkpoint.manifest import check_files, read_manifest, unlisted_files
+from lightning_seqpar.checkpoint.destination import refuse_existing_file
 from lightning_seqpar.checkpoint.locate import not_a_checkpoint
 from lightning_seqpar.checkpoint.sharded import is_sharded_checkpoint
 
@@ -41,6 +42,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     export.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
     export.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                         help="dtype written (default: as trained)")
+    export.add_argument("--overwrite", action="store_true",
+                        help="replace a previous export at OUT (never anything else)")
+    merge.add_argument("--overwrite", action="store_true", help="replace an existing file at OUT")
     check = commands.add_parser("verify", help="check every file of a sharded checkpoint against its manifest")
     check.add_argument("checkpoint", help="a sharded checkpoint directory")
     args = parser.parse_args(argv)
@@ -52,20 +56,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
             dtype = None if args.dtype is None else getattr(torch, args.dtype)
             out = export_checkpoint_to_hf(args.checkpoint, args.out, args.config, max_shard_size=args.max_shard_size,
-                                          dtype=dtype)
+                                          dtype=dtype, overwrite=args.overwrite)
             print(f"wrote {out} ({', '.join(sorted(p.name for p in out.iterdir()))})")
             return 0
         suffix = Path(args.out).suffix
         if suffix not in (".safetensors", ".pt", ".pth"):
             raise ValueError(f"{args.out}: name the output file NAME.safetensors, NAME.pt or NAME.pth (the format "
                              f"comes from the suffix); for a Hugging Face directory use export-hf.")
+        refuse_existing_file(args.out, args.overwrite)
         if suffix == ".safetensors":
             count, total = consolidate_to_safetensors(args.checkpoint, args.out, prefix=args.prefix)
         else:
             state = consolidate(args.checkpoint, prefix=args.prefix)
             write_state_dict(state, args.out)
             count, total = len(state), sum(t.numel() * t.element_size() for t in state.values())
-    except (FileNotFoundError, ValueError, ImportError) as error:
+    except (FileNotFoundError, FileExistsError, ValueError, ImportError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     print(f"wrote {count} tensors ({total / 2**20:.1f} MiB) to {args.out}")

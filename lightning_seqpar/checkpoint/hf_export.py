@@ -15,7 +15,7 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Iterator, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from lightning_seqpar.checkpoint.atomic import publish, temporary_path
+from lightning_seqpar.checkpoint.destination import export_refusal, mark_export
 from lightning_seqpar.checkpoint.sharded import _unique_tensors
 from lightning_seqpar.hf.streaming import (
     SafetensorsStreamWriter, TensorEntry, check_storable, file_names, finish_directory, split_into_files,
@@ -103,7 +104,8 @@ def _plan(module: nn.Module, mesh: ParallelMesh, prefix: str, dtype: Optional[to
 def export_hf_pretrained(module: nn.Module, mesh: ParallelMesh, out: os.PathLike | str, config: Any, *,
                          prefix: str = "model.", source: Optional[os.PathLike | str] = None,
                          max_shard_size: Union[int, str] = "5GB", dtype: Optional[torch.dtype] = None,
-                         tokenizer: Any = None) -> Path:
+                         tokenizer: Any = None, overwrite: bool = False,
+                         protected: Sequence[Optional[os.PathLike | str]] = ()) -> Path:
     """Write ``module``'s Hugging Face model (the keys under ``prefix``) as a directory ``from_pretrained`` loads.
 
     Collective over the default process group: every rank calls it. Safetensors files of at most
@@ -111,19 +113,24 @@ def export_hf_pretrained(module: nn.Module, mesh: ParallelMesh, out: os.PathLike
     ``model.safetensors.index.json``), ``config.json`` from ``config``, and the tokenizer and generation files of
     the model directory ``source`` (``tokenizer.save_pretrained`` replaces the tokenizer's, when given). Tensors are
     written in ``dtype`` (default: as trained). Peak memory of any
-    rank: its shards plus one gathered tensor (and a 16 MiB block of rows). Returns ``out``.
+    rank: its shards plus one gathered tensor (and a 16 MiB block of rows). Returns ``out``. ``out`` must be new,
+    empty or a previous export (replaced with ``overwrite``), and neither be nor hold a ``protected`` folder
+    (:mod:`lightning_seqpar.checkpoint.destination`).
 
     Raises:
         ValueError: nothing under ``prefix``; a dtype safetensors cannot store; a bad ``max_shard_size``, on every
             rank before anything is written.
+        FileExistsError: a destination that must not be written (rank 0 decides; raised on every rank).
     """
     mine, files, writers = _plan(module, mesh, prefix, dtype, parse_size(max_shard_size))
     out = Path(out)
     distributed = dist.is_initialized() and dist.get_world_size() > 1
-    tmp = [str(temporary_path(out))]
-    if distributed:
-        dist.broadcast_object_list(tmp, src=0)
-    tmp_dir = Path(tmp[0])
+    decided = [str(temporary_path(out)), export_refusal(out, overwrite=overwrite, protected=protected)]
+    if distributed:  # what rank 0 sees decides: every rank refuses, or none
+        dist.broadcast_object_list(decided, src=0)
+    if decided[1] is not None:
+        raise FileExistsError(decided[1])
+    tmp_dir = Path(decided[0])
     if not distributed or dist.get_rank() == 0:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp_dir.mkdir()
@@ -139,6 +146,7 @@ def export_hf_pretrained(module: nn.Module, mesh: ParallelMesh, out: os.PathLike
             dist.barrier()
         if not distributed or dist.get_rank() == 0:
             finish_directory(tmp_dir, files, config, source, tokenizer)
+            mark_export(tmp_dir, "training")
             publish(tmp_dir, out)
     finally:
         if (not distributed or dist.get_rank() == 0) and tmp_dir.exists():

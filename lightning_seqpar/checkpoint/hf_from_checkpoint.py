@@ -21,6 +21,7 @@ import torch
 
 from lightning_seqpar.checkpoint.atomic import publish, temporary_path
 from lightning_seqpar.checkpoint.consolidate import StoredModel
+from lightning_seqpar.checkpoint.destination import mark_export, refuse_export_destination
 from lightning_seqpar.checkpoint.hf_export import parse_size
 from lightning_seqpar.hf.models import causal_lm_config, saved_tensor_shapes
 from lightning_seqpar.hf.streaming import (
@@ -47,15 +48,19 @@ def find_prefix(expected: dict[str, tuple[int, ...]], stored: dict[str, Any]) ->
 
 def export_checkpoint_to_hf(checkpoint: Union[str, os.PathLike], out: Union[str, os.PathLike],
                             config_dir: Optional[Union[str, os.PathLike]] = None, *,
-                            max_shard_size: Union[int, str] = "5GB", dtype: Optional[torch.dtype] = None) -> Path:
+                            max_shard_size: Union[int, str] = "5GB", dtype: Optional[torch.dtype] = None,
+                            overwrite: bool = False) -> Path:
     """Write the Hugging Face model held by the sharded checkpoint ``checkpoint`` as the directory ``out`` (see the
-    module). Returns ``out``.
+    module). Returns ``out``: new, empty, or a previous export replaced with ``overwrite``; never the checkpoint's
+    folder (or one holding it) or the model directory (:mod:`lightning_seqpar.checkpoint.destination`).
 
     Raises:
         FileNotFoundError: not a complete sharded checkpoint.
+        FileExistsError: a destination that must not be written, before anything is read.
         ValueError: a file that is not as written; no config (neither ``config_dir`` nor recorded); a tensor
             missing or of another shape than the config's model, naming it; a bad ``max_shard_size`` or dtype.
     """
+    refuse_export_destination(out, overwrite=overwrite, protected=(checkpoint, config_dir))
     stored, out = StoredModel(checkpoint), Path(out)
     hparams = stored.trainer_state.get("hyper_parameters") or {}
     if config_dir is not None:
@@ -67,6 +72,7 @@ def export_checkpoint_to_hf(checkpoint: Union[str, os.PathLike], out: Union[str,
     else:
         raise ValueError(f"{stored.path} records no Hugging Face config (it was not written by HFCausalLMModule): "
                          f"pass --config DIR, the model directory it was trained from.")
+    refuse_export_destination(out, overwrite=overwrite, protected=(checkpoint, source))  # the model it came from
     expected = saved_tensor_shapes(config)
     prefix = find_prefix(expected, stored.shapes)
     entries = []
@@ -86,6 +92,8 @@ def export_checkpoint_to_hf(checkpoint: Union[str, os.PathLike], out: Union[str,
                 for entry in file:
                     writer.write(entry.name, stored.read(prefix + entry.name).to(entry.dtype))
         finish_directory(tmp, files, config, source)
+        mark_export(tmp, str(checkpoint))
+        refuse_export_destination(out, overwrite=overwrite, protected=(checkpoint, config_dir, source))
         publish(tmp, out)
     finally:
         if tmp.exists():

@@ -154,7 +154,8 @@ class CheckpointingMixin:
 
     def save_hf_pretrained(self, out: Union[str, Path], config: Any = None, prefix: str = "model.", *,
                            source: Union[str, Path, None] = None, max_shard_size: Union[int, str] = "5GB",
-                           dtype: Optional[torch.dtype] = None, tokenizer: Any = None) -> Path:
+                           dtype: Optional[torch.dtype] = None, tokenizer: Any = None,
+                           overwrite: bool = False) -> Path:
         """Export the trained Hugging Face model as a directory ``AutoModelForCausalLM.from_pretrained(out)`` loads,
         without a whole model on any rank (:func:`~lightning_seqpar.checkpoint.hf_export.export_hf_pretrained`):
         safetensors files of at most ``max_shard_size`` with their index, ``config.json``, and the tokenizer and
@@ -162,7 +163,7 @@ class CheckpointingMixin:
         atomically.
 
         Args:
-            out: the directory to write (replaced atomically if it exists).
+            out: the directory to write: new, empty, or a previous export (replaced atomically with ``overwrite``).
             config: the model's ``PretrainedConfig``; default: the ``config`` of the module under ``prefix``.
             prefix: the attribute path of the Hugging Face model in your LightningModule.
             source: where the tokenizer and generation files come from; default: the directory the config was
@@ -170,17 +171,25 @@ class CheckpointingMixin:
             dtype: the dtype written (default: the parameters').
             tokenizer: a tokenizer to save with the model (anything with ``save_pretrained(dir)``: the one the model
                 was trained with); it replaces the tokenizer files copied from ``source``.
+            overwrite: replace a previous export at ``out`` (recognized by its marker file).
 
         Raises:
             ValueError: nothing under ``prefix``, a dtype safetensors cannot store, a bad ``max_shard_size``.
+            FileExistsError: ``out`` holds anything but a previous export (or that, without ``overwrite``), or is
+                (or holds) the run's folder, checkpoints or logs, or ``source``
+                (:mod:`lightning_seqpar.checkpoint.destination`); on every rank, before anything is written.
         """
         assert self.lightning_module is not None
         if config is None:
             config = self.lightning_module.get_submodule(prefix.rstrip(".")).config
         if source is None and Path(str(getattr(config, "name_or_path", "") or "")).is_dir():
             source = config.name_or_path
+        trainer = self.lightning_module.trainer
+        kept = [source, trainer.default_root_dir, getattr(trainer.logger, "log_dir", None),
+                *(getattr(c, "dirpath", None) for c in trainer.checkpoint_callbacks)]
         return export_hf_pretrained(self.lightning_module, self.mesh, self.broadcast(str(out)), config, prefix=prefix,
-                                    source=source, max_shard_size=max_shard_size, dtype=dtype, tokenizer=tokenizer)
+                                    source=source, max_shard_size=max_shard_size, dtype=dtype, tokenizer=tokenizer,
+                                    overwrite=overwrite, protected=kept)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:

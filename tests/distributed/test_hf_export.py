@@ -25,13 +25,30 @@ LAYOUTS = {2: [("llama", 2, 1), ("gpt2", 2, 1)], 4: [("llama", 2, 2)]}
 TOKENIZER_CONFIG = '{"model_max_length": 16, "tokenizer_class": "PreTrainedTokenizerFast"}\n'
 
 
+def _refusal(call):
+    try:
+        call()
+    except FileExistsError as error:
+        return str(error)
+    return None
+
+
 def _export(rank, world_size, root):
+    refusals = {}
     for family, tp, pp in LAYOUTS[world_size]:
         trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=SeqParallelStrategy(tp=tp, pp=pp),
                              precision="64-true", logger=False, enable_progress_bar=False, enable_model_summary=False)
         module = HFCausalLMModule(pretrained=f"{root}/{family}")  # on the meta device, read into the shards
         trainer.validate(module, loader(token_data(1, 1)), verbose=False)
-        trainer.strategy.save_hf_pretrained(f"{root}/{family}-tp{tp}pp{pp}", max_shard_size="10KB")
+        out = f"{root}/{family}-tp{tp}pp{pp}"
+        trainer.strategy.save_hf_pretrained(out, max_shard_size="10KB")
+        if family == "llama" and world_size == 2:  # what an export must not replace, then a replaced export
+            refusals["again"] = _refusal(lambda: trainer.strategy.save_hf_pretrained(out))
+            refusals["source"] = _refusal(lambda: trainer.strategy.save_hf_pretrained(f"{root}/{family}",
+                                                                                       overwrite=True))
+            refusals["user files"] = _refusal(lambda: trainer.strategy.save_hf_pretrained(f"{root}/mine"))
+            trainer.strategy.save_hf_pretrained(out, max_shard_size="10KB", overwrite=True)
+    return refusals
 
 
 @pytest.fixture(scope="module")
@@ -43,14 +60,26 @@ def exported(tmp_path_factory):
         source.save_pretrained(root / family, max_shard_size="20KB")
         transformers.GenerationConfig(max_new_tokens=7, do_sample=False).save_pretrained(root / family)
         (root / family / "tokenizer_config.json").write_text(TOKENIZER_CONFIG)
-    for world_size in LAYOUTS:
-        run_distributed(_export, world_size, str(root))
-    return root
+    (root / "mine").mkdir()
+    (root / "mine" / "notes.txt").write_text("the user's")
+    refusals = {world_size: run_distributed(_export, world_size, str(root)) for world_size in LAYOUTS}
+    return root, refusals[2]
+
+
+def test_an_export_replaces_only_a_previous_export_and_only_when_asked(exported):
+    root, refusals = exported
+    for rank in refusals:  # every rank refuses, before anything is written
+        assert "holds a previous export. Pass --overwrite" in rank["again"]
+        assert f"The export destination {root}/llama must be kept" in rank["source"]
+        assert "holds files no export wrote (notes.txt)" in rank["user files"]
+    assert (root / "mine" / "notes.txt").read_text() == "the user's"
+    assert (root / "llama" / "config.json").is_file()
 
 
 @pytest.mark.parametrize("family, tp, pp", [layout for layouts in LAYOUTS.values() for layout in layouts],
                          ids=lambda v: str(v))
 def test_the_exported_directory_reloads_with_the_same_weights_and_logits(exported, family, tp, pp):
+    exported = exported[0]
     out = exported / f"{family}-tp{tp}pp{pp}"
     index = json.loads((out / "model.safetensors.index.json").read_text())
     files = sorted({*index["weight_map"].values()})

@@ -122,6 +122,9 @@ def test_corpora_and_options_that_cannot_apply_are_refused_with_the_fix(tmp_path
 
     assert "empty_init=true has no effect with a Hugging Face model" in refused("model=llama_tiny", "empty_init=true")
     assert "export_hf=out needs a Hugging Face model" in refused("model=gpt_tiny", "export_hf=out")
+    run_folder = f"The export destination {tmp_path / 'out'} must be kept"  # before training, not after it
+    assert run_folder in refused("model=llama_tiny", f"export_hf={tmp_path / 'out'}")
+    assert "must be kept" in refused("model=hf_pretrained", f"model.pretrained={model_dir}", f"export_hf={model_dir}")
     (tmp_path / "gpt2.bin").write_bytes(np.arange(3000, dtype=np.uint16).tobytes())
     out = refused("model=hf_pretrained", f"model.pretrained={model_dir}", f"data.path={tmp_path / 'gpt2.bin'}",
                   "data.tokenizer=null", "trainer.max_steps=1", "model.block_size=32")

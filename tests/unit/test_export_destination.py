@@ -1,0 +1,53 @@
+"""An export never deletes what it did not write: a destination holding the user's files, a regular file, the run
+folder or the checkpoint exported is refused before anything is read; a previous export is replaced only when asked."""
+
+import pytest
+
+from lightning_seqpar.checkpoint.__main__ import main
+from lightning_seqpar.checkpoint.destination import EXPORT_MARKER, export_refusal, mark_export
+
+
+def test_new_empty_and_marked_destinations_are_the_only_ones_written(tmp_path):
+    assert export_refusal(tmp_path / "new") is None
+    (tmp_path / "empty").mkdir()
+    assert export_refusal(tmp_path / "empty") is None
+    (tmp_path / "previous").mkdir()
+    mark_export(tmp_path / "previous", "test")
+    assert "holds a previous export. Pass --overwrite" in export_refusal(tmp_path / "previous")
+    assert export_refusal(tmp_path / "previous", overwrite=True) is None
+    (tmp_path / "file").write_text("x")
+    assert "is a file: an export writes a directory" in export_refusal(tmp_path / "file", overwrite=True)
+    assert (tmp_path / "previous" / EXPORT_MARKER).is_file()
+
+
+def test_a_run_folder_is_refused_even_with_overwrite(tmp_path):
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    mark_export(run, "test")  # even one that looks like an export
+    reason = export_refusal(run, overwrite=True, protected=[run / "checkpoints"])
+    assert reason.startswith(f"The export destination {run} holds {run / 'checkpoints'}, which must be kept")
+
+
+@pytest.mark.parametrize("where", ["the run folder", "a folder of the user's files", "a regular file"])
+def test_export_hf_refuses_with_exit_2_and_deletes_nothing(tmp_path, capsys, where):
+    run = tmp_path / "run"
+    checkpoint = run / "checkpoints" / "last.ckpt"
+    checkpoint.mkdir(parents=True)
+    (run / "pretrain_gpt.log").write_text("log")
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("notes")
+    (tmp_path / "file.txt").write_text("text")
+    out = {"the run folder": run, "a folder of the user's files": tmp_path / "mine",
+           "a regular file": tmp_path / "file.txt"}[where]
+    assert main(["export-hf", str(checkpoint), str(out), "--overwrite"]) == 2
+    error = capsys.readouterr().err
+    assert f"The export destination {out}" in error
+    assert (run / "pretrain_gpt.log").read_text() == "log" and checkpoint.is_dir()
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "notes" and (tmp_path / "file.txt").read_text() == "text"
+
+
+def test_consolidate_replaces_a_file_only_when_asked(tmp_path, capsys):
+    (tmp_path / "model.safetensors").write_bytes(b"mine")
+    assert main(["consolidate", str(tmp_path / "ckpt"), str(tmp_path / "model.safetensors")]) == 2
+    assert "exists. Pass --overwrite to replace it" in capsys.readouterr().err
+    assert (tmp_path / "model.safetensors").read_bytes() == b"mine"
