@@ -19,7 +19,14 @@ from typing import Callable, Iterator, Optional
 import numpy as np
 
 from lightning_seqpar.data.corpus import Piece, corpus_bytes, corpus_files, fingerprint, read_documents
-from lightning_seqpar.data.token_file import TokenFileHeader, TokenFileWriter, describe_source, dtype_for, read_header
+from lightning_seqpar.data.token_file import (
+    TokenFileHeader,
+    TokenFileWriter,
+    body_damage,
+    describe_source,
+    dtype_for,
+    read_header,
+)
 from lightning_seqpar.data.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -51,7 +58,8 @@ def stale_reason(path: Path, tokenizer: Tokenizer, source: list, text_field: str
         return "the corpus files changed since it was made"
     if header.text_field != text_field:
         return f"it read JSON field '{header.text_field}', now '{text_field}'"
-    return None
+    damage = body_damage(path, header)  # every rank checks what it will read: a damaged cache is never used
+    return None if damage is None else f"its ids are damaged: {damage}"
 
 
 def ensure_token_cache(corpus: Path, tokenizer: Tokenizer, cache_dir: Optional[Path] = None,

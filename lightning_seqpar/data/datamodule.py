@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from lightning_seqpar.data.blocks import BlockDataset, TokenSource
 from lightning_seqpar.data.cache import cache_path, ensure_token_cache, tokenize_documents, wait_for_token_cache
 from lightning_seqpar.data.corpus import Piece, builtin_corpus
-from lightning_seqpar.data.token_file import first_at_or_above, largest_id, open_bin, read_header
+from lightning_seqpar.data.token_file import body_damage, first_at_or_above, largest_id, open_bin, read_header
 from lightning_seqpar.data.tokenizer import BYTES, Tokenizer, has_tokenizer, load_tokenizer
 
 UINT16_IDS = 2**16
@@ -87,6 +87,10 @@ class TextDataModule(pl.LightningDataModule):
         if suffix == ".tokens":
             self.kind = "tokens"
             header = read_header(self.path)
+            damage = body_damage(self.path, header)
+            if damage is not None:
+                raise ValueError(f"{self.path}: {damage}. Given as a .tokens file, it cannot be rebuilt here (its "
+                                 f"corpus is not named): tokenize the text again (data.path=TEXT).")
             self._refuse_vocab_size(vocab_size, header.vocab_size, f"the cache {self.path.name} records it")
             if self.tokenizer is not None and self.tokenizer.identity != header.tokenizer_identity:
                 raise ValueError(f"{self.path} was tokenized by {header.tokenizer} (identity "
@@ -197,9 +201,13 @@ class TextDataModule(pl.LightningDataModule):
                              f"it was made by another tokenizer, or holds uint32 ids (set data.token_dtype=uint32). "
                              f"Tokenize the text with the model's tokenizer instead (data.path=TEXT).")
         if self.max_id is not None and self.max_id >= model_vocab_size:
-            raise ValueError(f"The corpus {self.path or '(built-in)'} holds token id {self.max_id}, but the model's "
-                             f"vocabulary has {model_vocab_size} ids (0..{model_vocab_size - 1}). Use the tokenizer the "
-                             f"model was trained with, or a model whose vocab_size is at least {self.max_id + 1}.")
+            where = ""
+            if self.source is not None:
+                where = f" (first at or above it at position {first_at_or_above(self.source.open(), model_vocab_size)})"
+            raise ValueError(f"The corpus {self.path or '(built-in)'} holds token id {self.max_id}{where}, but the "
+                             f"model's vocabulary has {model_vocab_size} ids (0..{model_vocab_size - 1}). Use the "
+                             f"tokenizer the model was trained with, or a model whose vocab_size is at least "
+                             f"{self.max_id + 1}.")
 
     def decode(self, ids: Tensor) -> str:
         """Text of ``ids`` ``[n]`` by the tokenizer; a token file without one is written out as ids ``"[464 3 ...]"``."""

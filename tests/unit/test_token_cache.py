@@ -94,6 +94,52 @@ def test_a_damaged_cache_is_rebuilt_and_a_foreign_one_is_refused(tmp_path):
     assert TextDataModule(str(cache), tokenizer=tokenizer).vocab_size == 65570
 
 
+def _edit_body(cache, offset, data):
+    from lightning_seqpar.data.token_file import DATA_OFFSET
+
+    with open(cache, "r+b") as file:
+        file.seek(DATA_OFFSET + offset)
+        file.write(data)
+
+
+@pytest.mark.parametrize("damage", [b"\xff\xff", b"\0" * 64])  # flipped bytes (id 65535), a zeroed run of bytes
+def test_a_cache_whose_ids_were_damaged_is_rebuilt_with_a_warning(tmp_path, caplog, damage):
+    path, _ = _corpus(tmp_path)
+    tokenizer = WordTokenizer(WORDS, base=100)  # uint8 ids below 256: 0xff is out of its vocabulary of 140
+    cache = ensure_token_cache(path, tokenizer, progress=False)
+    before = open_tokens(cache)[1].tolist()
+    _edit_body(cache, 10, damage)
+    with caplog.at_level(logging.WARNING, logger="lightning_seqpar.data.cache"):
+        ensure_token_cache(path, tokenizer, progress=False)
+    assert "is rebuilt: its ids are damaged: bytes 4096.." in caplog.text
+    assert open_tokens(cache)[1].tolist() == before
+
+
+def test_a_damaged_tokens_file_given_directly_is_refused_naming_the_bytes(tmp_path):
+    path, _ = _corpus(tmp_path)
+    cache = ensure_token_cache(path, WordTokenizer(WORDS, base=100), progress=False)
+    _edit_body(cache, 3, b"\xff")
+    with pytest.raises(ValueError, match=rf"{cache}: bytes 4096\.\.\d+ differ from what was written\. Given as a "
+                                         rf"\.tokens file, it cannot be rebuilt here"):
+        TextDataModule(str(cache))
+
+
+def test_a_cache_written_before_bodies_were_checked_is_rebuilt(tmp_path, caplog):
+    import json as json_module
+
+    path, _ = _corpus(tmp_path)
+    tokenizer = WordTokenizer(WORDS)
+    cache = ensure_token_cache(path, tokenizer, progress=False)
+    header = read_header(cache)
+    header.block_bytes, header.block_crc32 = 0, []
+    with open(cache, "r+b") as file:
+        file.write(header.to_bytes())
+    assert json_module.loads(read_header(cache).to_bytes()[16:])["block_bytes"] == 0
+    with caplog.at_level(logging.WARNING, logger="lightning_seqpar.data.cache"):
+        ensure_token_cache(path, tokenizer, progress=False)
+    assert "records no checksum of its ids" in caplog.text and read_header(cache).block_bytes > 0
+
+
 def test_json_lines_documents_are_joined_by_the_end_of_text_token(tmp_path):
     records = [{"text": "w1 w2", "id": 1}, {"text": "w3", "id": 2}, {"body": "w4"}]
     (tmp_path / "c.jsonl").write_text("\n".join(json.dumps(r) for r in records[:2]) + "\n\n")
@@ -115,7 +161,8 @@ def test_ids_the_model_cannot_embed_are_refused_before_training(tmp_path):
     data = TextDataModule(str(path), tokenizer=WordTokenizer(WORDS), block_size=8)
     data.setup()
     data.check_model(65570)
-    with pytest.raises(ValueError, match="holds token id 65569, but the model's vocabulary has 65536 ids"):
+    with pytest.raises(ValueError, match=r"holds token id 65569 \(first at or above it at position \d+\), but the "
+                                         r"model's vocabulary has 65536 ids"):
         data.check_model(65536)
 
 
