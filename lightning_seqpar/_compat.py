@@ -36,13 +36,14 @@ def reset_multihead_attention(module: torch.nn.MultiheadAttention) -> None:
     module._reset_parameters()
 
 
-def set_process_group_timeout(timeout: Any) -> None:
-    """How long the default process group's collectives wait for a peer, changed after it started
-    (``torch.distributed.distributed_c10d._set_pg_timeout``; ``init_process_group`` takes one timeout for the start
-    and for every collective, with no public way to tell them apart)."""
+def set_process_group_timeout(timeout: Any, group: Any = None) -> None:
+    """How long the collectives of ``group`` (default: the default process group) wait for a peer, changed after it
+    started (``torch.distributed.distributed_c10d._set_pg_timeout``; ``init_process_group`` takes one timeout for the
+    start and for every collective, with no public way to tell them apart, and ``init_device_mesh`` none: its groups
+    get torch's default of 30 minutes)."""
     from torch.distributed.distributed_c10d import _set_pg_timeout
 
-    _set_pg_timeout(timeout)
+    _set_pg_timeout(timeout, group)
 
 
 def storage_key(storage: torch.UntypedStorage) -> int:

@@ -204,7 +204,7 @@ class SeqParallelStrategy(
             self.process_group_backend = "nccl" if self.root_device.type == "cuda" else "gloo"
         assert self.cluster_environment is not None
         start_process_group(self.cluster_environment, self.process_group_backend, self._timeout)
-        self._mesh = ParallelMesh.build(self.tp, self.pp, self.root_device.type)
+        self._mesh = ParallelMesh.build(self.tp, self.pp, self.root_device.type, timeout=self._timeout)
         plugin = self.precision_plugin
         assert isinstance(plugin, ShardAwareClipping)
         plugin.mesh = self._mesh

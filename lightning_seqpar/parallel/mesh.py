@@ -7,11 +7,13 @@ fastest links): ``rank = tp_rank + t · (dp_rank + d · pp_rank)``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Mapping, Optional
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from lightning_seqpar._compat import set_process_group_timeout
 from lightning_seqpar.parallel.collectives import ParallelGroup
 
 
@@ -94,10 +96,13 @@ class ParallelMesh:
         return cls(ParallelGroup(None), ParallelGroup(None), ParallelGroup(None))
 
     @classmethod
-    def build(cls, tp: int, pp: int, device_type: str, host_groups: Optional[bool] = None) -> "ParallelMesh":
+    def build(cls, tp: int, pp: int, device_type: str, host_groups: Optional[bool] = None,
+              timeout: Optional[timedelta] = None) -> "ParallelMesh":
         """Build the mesh over the initialized default process group.
 
         ``host_groups``: create the gloo twins of :attr:`host_groups` (default: when the backend is not gloo).
+        ``timeout``: how long every group's collectives wait for a peer (default: torch's 30 minutes); the same for
+        all of them, so a stalled peer ends the job after the strategy's timeout whichever group it stalls.
 
         Raises:
             ValueError: from :func:`validate_layout`.
@@ -107,34 +112,39 @@ class ParallelMesh:
             raise RuntimeError("ParallelMesh.build needs an initialized torch.distributed process group.")
         dp = validate_layout(dist.get_world_size(), tp, pp)
         device_mesh = init_device_mesh(device_type, (pp, dp, tp), mesh_dim_names=("pipeline", "data", "tensor"))
+        if timeout is not None:
+            for name in ("pipeline", "data", "tensor"):
+                set_process_group_timeout(timeout, device_mesh.get_group(name))
 
         def group(name: str) -> ParallelGroup:
             return ParallelGroup(device_mesh.get_group(name))
 
-        first_and_last = _new_groups([[c, c + (pp - 1) * dp * tp] for c in range(dp * tp)]) if pp > 2 else None
+        first_and_last = _new_groups([[c, c + (pp - 1) * dp * tp] for c in range(dp * tp)], None, timeout) \
+            if pp > 2 else None
         if host_groups is None:
             host_groups = dist.get_backend() != "gloo"
         host: dict[str, ParallelGroup] = {}
         if host_groups:
             ranks = lambda p_, d_, t_: t_ + tp * (d_ + dp * p_)  # noqa: E731  (the mesh's rank order)
             host["data"] = _new_groups([[ranks(p_, d_, t_) for d_ in range(dp)] for p_ in range(pp) for t_ in range(tp)],
-                                       "gloo")
+                                       "gloo", timeout)
             host["pipeline"] = _new_groups([[ranks(p_, d_, t_) for p_ in range(pp)] for d_ in range(dp)
-                                            for t_ in range(tp)], "gloo")
+                                            for t_ in range(tp)], "gloo", timeout)
             if pp > 2:
-                embedding = _new_groups([[c, c + (pp - 1) * dp * tp] for c in range(dp * tp)], "gloo")
+                embedding = _new_groups([[c, c + (pp - 1) * dp * tp] for c in range(dp * tp)], "gloo", timeout)
                 host["embedding"] = embedding if embedding is not None else ParallelGroup(None)
             elif pp == 2:
                 host["embedding"] = host["pipeline"]
         return cls(group("tensor"), group("data"), group("pipeline"), device_mesh, first_and_last, host)
 
 
-def _new_groups(all_ranks: list[list[int]], backend: Optional[str] = None) -> Optional[ParallelGroup]:
+def _new_groups(all_ranks: list[list[int]], backend: Optional[str] = None,
+                timeout: Optional[timedelta] = None) -> Optional[ParallelGroup]:
     """Create one process group per rank list (every rank creates every group, in the same order:
     ``torch.distributed.new_group``'s rule) and return the one holding this rank, if any."""
     rank, mine = dist.get_rank(), None
     for ranks in all_ranks:
-        created = dist.new_group(ranks, backend=backend)
+        created = dist.new_group(ranks, backend=backend, timeout=timeout)
         if rank in ranks:
             mine = ParallelGroup(created)
     return mine
