@@ -45,6 +45,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     export.add_argument("--overwrite", action="store_true",
                         help="replace a previous export at OUT (never anything else)")
     merge.add_argument("--overwrite", action="store_true", help="replace an existing file at OUT")
+    for command in (merge, export):
+        command.add_argument("--allow-unverified", action="store_true",
+                             help="read a checkpoint whose manifest is gone, its files unchecked")
     check = commands.add_parser("verify", help="check every file of a sharded checkpoint against its manifest")
     check.add_argument("checkpoint", help="a sharded checkpoint directory")
     args = parser.parse_args(argv)
@@ -56,7 +59,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
             dtype = None if args.dtype is None else getattr(torch, args.dtype)
             out = export_checkpoint_to_hf(args.checkpoint, args.out, args.config, max_shard_size=args.max_shard_size,
-                                          dtype=dtype, overwrite=args.overwrite)
+                                          dtype=dtype, overwrite=args.overwrite,
+                                          allow_unverified=args.allow_unverified)
             print(f"wrote {out} ({', '.join(sorted(p.name for p in out.iterdir()))})")
             return 0
         suffix = Path(args.out).suffix
@@ -65,9 +69,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                              f"comes from the suffix); for a Hugging Face directory use export-hf.")
         refuse_existing_file(args.out, args.overwrite)
         if suffix == ".safetensors":
-            count, total = consolidate_to_safetensors(args.checkpoint, args.out, prefix=args.prefix)
+            count, total = consolidate_to_safetensors(args.checkpoint, args.out, prefix=args.prefix,
+                                                      allow_unverified=args.allow_unverified)
         else:
-            state = consolidate(args.checkpoint, prefix=args.prefix)
+            state = consolidate(args.checkpoint, prefix=args.prefix, allow_unverified=args.allow_unverified)
             write_state_dict(state, args.out)
             count, total = len(state), sum(t.numel() * t.element_size() for t in state.values())
     except (FileNotFoundError, FileExistsError, ValueError, ImportError) as error:
@@ -90,7 +95,10 @@ def verify(path: Path) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 1
     if manifest is None:
-        print(f"{path}: no manifest (written before they existed); nothing to check against.")
+        from lightning_seqpar.checkpoint.trainer_checkpoint import recorded_save_id
+
+        save_id = recorded_save_id(path)
+        print(f"{path}: no manifest ({f'it is gone: trainer_state.pt names save {save_id}' if save_id else 'written before they existed'}); nothing to check against.")
         return 1
     bad = 0
     for name in sorted(manifest["files"]):

@@ -53,12 +53,12 @@ class StoredModel:
         ValueError: a file that is not what was written; from :func:`~.trainer_checkpoint.read_trainer_state`.
     """
 
-    def __init__(self, path: os.PathLike | str) -> None:
+    def __init__(self, path: os.PathLike | str, allow_unverified: bool = False) -> None:
         self.path = Path(path)
         if not is_sharded_checkpoint(self.path):
             raise FileNotFoundError(not_a_checkpoint(self.path) if self.path.is_dir() else
                                     f"{self.path} is not a complete sharded checkpoint directory (no .metadata inside).")
-        verified(self.path)
+        verified(self.path, allow_unverified)
         self.trainer_state = read_trainer_state(self.path)
         info = self.trainer_state[FORMAT_KEY]
         self.shapes, self.tied = info["single_device_shapes"], info["tied"]
@@ -86,7 +86,7 @@ class StoredModel:
         return {key: targets[MODEL_PREFIX + self.tied.get(key, key)].view(self.shapes[key]) for key in keys}
 
 
-def consolidate(path: os.PathLike | str, prefix: str = "") -> dict[str, Tensor]:
+def consolidate(path: os.PathLike | str, prefix: str = "", allow_unverified: bool = False) -> dict[str, Tensor]:
     """The single-device model state dict held by the sharded checkpoint directory ``path``, keyed as the
     LightningModule's ``state_dict`` (tied parameters: one tensor under each of their keys); with ``prefix`` (e.g.
     ``"model."``), only the keys under it, without it: the state dict of the submodule your module holds under that
@@ -95,15 +95,17 @@ def consolidate(path: os.PathLike | str, prefix: str = "") -> dict[str, Tensor]:
     Raises:
         FileNotFoundError: ``path`` is not a complete sharded checkpoint (no ``.metadata``).
         ValueError: a file that is not what was written (:func:`~.trainer_checkpoint.verified`), from
-            :func:`~.trainer_checkpoint.read_trainer_state`; no key under ``prefix``.
+            :func:`~.trainer_checkpoint.read_trainer_state`; no key under ``prefix``. ``allow_unverified``: read
+            a checkpoint whose manifest is gone.
     """
-    stored = StoredModel(path)
+    stored = StoredModel(path, allow_unverified)
     keys = [key for key in _under(prefix, list(stored.shapes), stored.path) if stored.stored_key(key) is not None]
     values = stored.read_many(keys)
     return {key[len(prefix):]: values[key] for key in keys}
 
 
-def consolidate_to_safetensors(path: os.PathLike | str, out: os.PathLike | str, prefix: str = "") -> tuple[int, int]:
+def consolidate_to_safetensors(path: os.PathLike | str, out: os.PathLike | str, prefix: str = "",
+                               allow_unverified: bool = False) -> tuple[int, int]:
     """Write the single-device state dict of the sharded checkpoint ``path`` (as :func:`consolidate` returns it with
     ``prefix``, tied keys included) to the safetensors file ``out``, one tensor at a time: each is read whole from the shards
     (DCP), written and dropped, so memory holds the largest tensor at most. Published atomically. Returns
@@ -114,7 +116,7 @@ def consolidate_to_safetensors(path: os.PathLike | str, out: os.PathLike | str, 
         ValueError: from :func:`~.trainer_checkpoint.read_trainer_state`.
         ImportError: never (the file is written without the safetensors package).
     """
-    stored = StoredModel(path)
+    stored = StoredModel(path, allow_unverified)
     out = Path(out)
     keys = [key for key in _under(prefix, list(stored.shapes), stored.path) if stored.stored_key(key) is not None]
     entries = [TensorEntry(key[len(prefix):], stored.dtype(key), tuple(stored.shapes[key])) for key in keys]

@@ -49,7 +49,7 @@ def find_prefix(expected: dict[str, tuple[int, ...]], stored: dict[str, Any]) ->
 def export_checkpoint_to_hf(checkpoint: Union[str, os.PathLike], out: Union[str, os.PathLike],
                             config_dir: Optional[Union[str, os.PathLike]] = None, *,
                             max_shard_size: Union[int, str] = "5GB", dtype: Optional[torch.dtype] = None,
-                            overwrite: bool = False) -> Path:
+                            overwrite: bool = False, allow_unverified: bool = False) -> Path:
     """Write the Hugging Face model held by the sharded checkpoint ``checkpoint`` as the directory ``out`` (see the
     module). Returns ``out``: new, empty, or a previous export replaced with ``overwrite``; never the checkpoint's
     folder (or one holding it) or the model directory (:mod:`lightning_seqpar.checkpoint.destination`).
@@ -61,7 +61,7 @@ def export_checkpoint_to_hf(checkpoint: Union[str, os.PathLike], out: Union[str,
             missing or of another shape than the config's model, naming it; a bad ``max_shard_size`` or dtype.
     """
     refuse_export_destination(out, overwrite=overwrite, protected=(checkpoint, config_dir))
-    stored, out = StoredModel(checkpoint), Path(out)
+    stored, out = StoredModel(checkpoint, allow_unverified), Path(out)
     hparams = stored.trainer_state.get("hyper_parameters") or {}
     if config_dir is not None:
         config = causal_lm_config(pretrained=str(config_dir))

@@ -19,7 +19,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
-from lightning_seqpar.checkpoint.manifest import check_zip_file, is_zip_file, verify_on_every_rank
+from lightning_seqpar.checkpoint.manifest import MANIFEST_FILE, check_zip_file, is_zip_file, verify_on_every_rank
 from lightning_seqpar.checkpoint.safe_reader import read_metadata
 from lightning_seqpar.checkpoint.sharded import (
     FORMAT,
@@ -88,26 +88,46 @@ def read_trainer_state(path: Path, weights_only: Optional[bool] = None) -> dict[
     return state
 
 
-def verified(path: Path) -> Optional[dict[str, Any]]:
+def recorded_save_id(path: Path, weights_only: Optional[bool] = None) -> Optional[str]:
+    """The save id ``trainer_state.pt`` of the checkpoint ``path`` records (``None``: none, or unreadable)."""
+    try:
+        return read_trainer_state(path, weights_only).get(FORMAT_KEY, {}).get("save_id") or None
+    except ValueError:
+        return None  # unreadable: refused, naming the file, when it is read
+
+
+def verified(path: Path, allow_unverified: bool = False,
+             weights_only: Optional[bool] = None) -> Optional[dict[str, Any]]:
     """Check every file of the sharded checkpoint ``path`` against its manifest, the ranks sharing the reading
-    (collective when a process group exists). A checkpoint
-    without a manifest (written before they existed) is loaded with a warning. Returns the manifest.
+    (collective when a process group exists). Returns the manifest.
+
+    A checkpoint without a manifest is loaded with a warning only when it was written before manifests existed;
+    one whose ``trainer_state.pt`` names a save id had a manifest, and losing it must not switch every check off:
+    refused, unless ``allow_unverified`` (then loaded unchecked, with a warning).
 
     Raises:
-        ValueError: on every rank, naming each damaged, missing or foreign file.
+        ValueError: on every rank, naming each damaged, missing or foreign file, or the missing manifest.
     """
     manifest = verify_on_every_rank(Path(path))
-    if manifest is None:
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            warnings.warn(f"The checkpoint {path} has no manifest (written before they existed): it is loaded without "
-                          f"checking that its files are those written.", stacklevel=3)
-        return None
-    return manifest
+    if manifest is not None:
+        return manifest
+    save_id = recorded_save_id(Path(path), weights_only)
+    if save_id is not None and not allow_unverified:
+        raise ValueError(
+            f"The checkpoint {path} has no {MANIFEST_FILE}, but its {TRAINER_STATE_FILE} names save {save_id}: it was "
+            f"written with a manifest, which is gone, so none of its files can be checked. Restore {MANIFEST_FILE}, "
+            f"resume from another checkpoint, or load it unchecked with SeqParallelStrategy("
+            f"allow_unverified_checkpoint=True) (the checkpoint commands: --allow-unverified).")
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        why = "its manifest is gone; loaded unchecked as asked" if save_id else "written before they existed"
+        warnings.warn(f"The checkpoint {path} has no manifest ({why}): it is loaded without checking that its files "
+                      f"are those written.", stacklevel=3)
+    return None
 
 
 def load_trainer_checkpoint(path: Path, module: nn.Module, optimizers: Sequence[Optimizer],
                             tp_mesh: Optional[DeviceMesh], strict: bool, allow_non_finite: bool,
-                            weights_only: Optional[bool] = None) -> dict[str, Any]:
+                            weights_only: Optional[bool] = None, allow_unverified: bool = False) -> dict[str, Any]:
     """Read the sharded checkpoint ``path`` into ``module`` and (if any) ``optimizers``, in place, each rank
     its own shards (collective), and return the rest of the Lightning checkpoint for the Trainer.
 
@@ -118,7 +138,7 @@ def load_trainer_checkpoint(path: Path, module: nn.Module, optimizers: Sequence[
         ValueError: from :func:`verified` (before anything is read), :func:`read_trainer_state`,
             :func:`~.sharded.load_model`, :func:`~.sharded.load_optimizer`; another number of optimizers than saved.
     """
-    manifest = verified(path)
+    manifest = verified(path, allow_unverified, weights_only)
     state = read_trainer_state(path, weights_only)
     info = state[FORMAT_KEY]
     if manifest is not None and info.get("save_id") != manifest["save_id"]:

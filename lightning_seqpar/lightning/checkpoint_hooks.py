@@ -252,6 +252,7 @@ class CheckpointingMixin:
         return load_trainer_checkpoint(
             path, self.lightning_module, [getattr(o, "optimizer", o) for o in self.optimizers], self._tp_device_mesh,
             self.lightning_module.strict_loading, self.allow_non_finite_checkpoint, weights_only,
+            self.allow_unverified_checkpoint,
         )
 
     @override

@@ -74,6 +74,7 @@ class SeqParallelStrategy(
             names the collective that timed out, instead of hanging it.
         allow_non_finite_checkpoint: load checkpoints whose weights or optimizer state hold NaN/inf
             (refused by default: they are corrupt, or the run had diverged).
+        allow_unverified_checkpoint: load a checkpoint whose manifest is gone, its files unchecked (refused by default).
         checkpoint_format: ``"sharded"`` (default): a directory written by every rank through
             ``torch.distributed.checkpoint``, which resumes under any other layout (:mod:`lightning_seqpar.checkpoint`);
             ``"full"``: one file of the single-device model and optimizer (small models; same pipeline layout).
@@ -118,6 +119,7 @@ class SeqParallelStrategy(
         process_group_backend: Optional[str] = None,
         timeout: Union[float, timedelta, None] = None,
         allow_non_finite_checkpoint: bool = False,
+        allow_unverified_checkpoint: bool = False,
         checkpoint_format: Literal["sharded", "full"] = "sharded",
         async_save: bool = False,
         zero: Literal[0, 1] = 0,
@@ -135,6 +137,7 @@ class SeqParallelStrategy(
         self.policies, self.verify_rewrite = list(policies or ()), verify_rewrite
         self._seed, self._start_method, self.process_group_backend = seed, start_method, process_group_backend
         self._timeout, self.allow_non_finite_checkpoint = as_timedelta(timeout), allow_non_finite_checkpoint
+        self.allow_unverified_checkpoint = allow_unverified_checkpoint
         self.checkpoint_format, self.async_save, self.zero = checkpoint_format, async_save, zero
         self.fp32_main_params, self.low_precision_residual = fp32_main_params, low_precision_residual
         self._checkpoint_writer: Optional[ShardedCheckpointWriter] = None
@@ -163,12 +166,10 @@ class SeqParallelStrategy(
     @property
     @override
     def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
+        return self.parallel_devices[self.local_rank]  # type: ignore[index]
 
     @property
-    def num_processes(self) -> int:
-        """Processes on this node."""
+    def num_processes(self) -> int:  # on this node
         return len(self.parallel_devices) if self.parallel_devices is not None else 0
 
     @property
@@ -211,7 +212,6 @@ class SeqParallelStrategy(
         self._start_checkpoint_writer()
 
     def set_world_ranks(self) -> None:
-        """Tell the cluster environment this process's global rank and the world size."""
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)

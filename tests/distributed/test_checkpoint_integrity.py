@@ -122,13 +122,34 @@ def test_a_checkpoint_path_at_the_folder_of_checkpoints_lists_them_on_every_rank
     assert all(e is not None and "is a folder of checkpoints, not a checkpoint" in e and listed in e for e in errors), errors
 
 
-def test_a_checkpoint_without_a_manifest_loads_with_a_warning(saved, tmp_path):
+def test_a_deleted_manifest_is_refused_unless_loading_unchecked_is_asked_for(saved, tmp_path):
     checkpoint = _copy(saved, tmp_path)
     (checkpoint / MANIFEST_FILE).unlink()
+    with pytest.raises(ValueError, match=r"has no manifest.json, but its trainer_state.pt names save \w+: it was "
+                                         r"written with a manifest, which is gone.*allow_unverified_checkpoint=True"):
+        verified(checkpoint)
+    errors = run_distributed(_load, 2, str(checkpoint))
+    assert all(e is not None and "which is gone" in e for e in errors), errors
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert verified(checkpoint, allow_unverified=True) is None
+    assert any("its manifest is gone; loaded unchecked as asked" in str(w.message) for w in caught)
+    allowed = Case("gpt", 2, True, None, strategy=(("allow_unverified_checkpoint", True),))
+    assert run_distributed(_load, 2, str(checkpoint), allowed) == [None, None]
+
+
+def test_a_checkpoint_written_before_manifests_loads_with_a_warning(saved, tmp_path):
+    from lightning_seqpar.checkpoint.sharded import FORMAT_KEY
+
+    checkpoint = _copy(saved, tmp_path)
+    (checkpoint / MANIFEST_FILE).unlink()
+    state = torch.load(checkpoint / "trainer_state.pt", weights_only=False)
+    del state[FORMAT_KEY]["save_id"]  # as written before saves had ids
+    torch.save(state, checkpoint / "trainer_state.pt")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert verified(checkpoint) is None
-    assert any("has no manifest" in str(w.message) for w in caught)
+    assert any("has no manifest (written before they existed)" in str(w.message) for w in caught)
     assert run_distributed(_load, 2, str(checkpoint)) == [None, None]
 
 
