@@ -9,7 +9,7 @@ import os
 import signal
 import subprocess
 import sys
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 from lightning.fabric.plugins import ClusterEnvironment
@@ -18,7 +18,20 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning_seqpar.lightning._compat import MultiProcessingLauncher, SubprocessScriptLauncher, WorkerOutput
 
 
-class SeqParallelSpawnLauncher(MultiProcessingLauncher):
+class _ChecksFirst:
+    """A launcher that runs ``check(strategy, module)`` in the launching process before it starts any rank (set by
+    :func:`configure_launcher`): a layout error is raised once, before the ranks exist."""
+
+    check: Optional[Callable[[Any, Any], None]] = None
+    checked_strategy: Any = None
+
+    def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        if self.check is not None and args:
+            self.check(self.checked_strategy, args[0])  # the module given to fit/validate/test/predict
+        return super().launch(function, *args, trainer=trainer, **kwargs)  # type: ignore[misc]
+
+
+class SeqParallelSpawnLauncher(_ChecksFirst, MultiProcessingLauncher):
     """Lightning's spawn/fork launcher, with two changes.
 
     * Rank 0 sends back the gathered single-device state dict (the workers' modules hold shards),
@@ -52,7 +65,7 @@ class SeqParallelSpawnLauncher(MultiProcessingLauncher):
 LAUNCHER_PID = "LIGHTNING_SEQPAR_LAUNCHER_PID"
 
 
-class SeqParallelPopenLauncher(SubprocessScriptLauncher):
+class SeqParallelPopenLauncher(_ChecksFirst, SubprocessScriptLauncher):
     """Lightning's popen launcher (re-runs the script per rank, as DDP does), whose children end with it: each is
     told the launcher's PID and asks the kernel to kill it when its parent dies (:func:`end_with_launcher`), so a
     launcher that is killed leaves no rank running (they would otherwise wait in a collective until the timeout).
@@ -90,13 +103,17 @@ def end_with_launcher() -> None:
         os._exit(1)
 
 
-def configure_launcher(strategy: Any, environment: ClusterEnvironment, start_method: str) -> Optional[Any]:
+def configure_launcher(strategy: Any, environment: ClusterEnvironment, start_method: str,
+                       check: Optional[Callable[[Any, Any], None]] = None) -> Optional[Any]:
     """The launcher of ``strategy``: none when the cluster starts the processes (torchrun, SLURM, or this is a rank
     the popen launcher started: it then ends with its launcher), :class:`SeqParallelPopenLauncher` or
-    :class:`SeqParallelSpawnLauncher`."""
+    :class:`SeqParallelSpawnLauncher`, which run ``check(strategy, module)`` before starting any rank."""
     if environment.creates_processes_externally:
         end_with_launcher()
         return None
     if start_method == "popen":
-        return SeqParallelPopenLauncher(environment, strategy.num_processes, strategy.num_nodes)
-    return SeqParallelSpawnLauncher(strategy, start_method=start_method)
+        launcher: Any = SeqParallelPopenLauncher(environment, strategy.num_processes, strategy.num_nodes)
+    else:
+        launcher = SeqParallelSpawnLauncher(strategy, start_method=start_method)
+    launcher.check, launcher.checked_strategy = check, strategy
+    return launcher

@@ -93,3 +93,25 @@ def parallelize(model: torch.nn.Module, mesh: ParallelMesh, device: torch.device
                                                   pipeline_placement(model, policies))
     materializer.fill(model, mesh.tensor)
     return ParallelModel(rng_tracker, plan, steps, remote_keys)
+
+
+def check_before_start(strategy: Any, module: Any) -> None:
+    """The rewrite's static checks of ``module`` at ``strategy``'s tp (heads, MLP width and vocabulary against tp; what is recognized), run in the
+    launching process before any rank starts, so that a layout that cannot work fails once, at once, with exit 1.
+    Skipped for a module that builds its model later (``configure_model`` or ``setup``): the ranks check it then.
+    The self-check (a forward on emulated ranks) runs on the ranks only.
+
+    Raises:
+        ValueError: as :func:`~lightning_seqpar.rewrite.rewriter.plan_rewrite`.
+    """
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    from lightning_seqpar.parallel.collectives import ParallelGroup
+    from lightning_seqpar.rewrite.rewriter import plan_rewrite
+
+    if not isinstance(module, torch.nn.Module) or any(
+            is_overridden(hook, module) for hook in ("configure_model", "setup")):
+        return
+    group = ParallelGroup.virtual(strategy.tp)
+    plan_rewrite(module, RewriteContext(group, strategy.sequence_parallel, None, strategy.loss_parallel),
+                 strategy.policies, verify=False)

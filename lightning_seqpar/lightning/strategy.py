@@ -22,7 +22,7 @@ from lightning_seqpar.lightning._compat import SubprocessScriptLauncher, optimiz
 from lightning_seqpar.lightning.checkpoint_hooks import CheckpointingMixin, check_checkpoint_options
 from lightning_seqpar.lightning.checkpoint_io import AtomicCheckpointIO
 from lightning_seqpar.lightning.launcher import configure_launcher
-from lightning_seqpar.lightning.parallelize import parallelize
+from lightning_seqpar.lightning.parallelize import check_before_start, parallelize
 from lightning_seqpar.lightning.pipelined_steps import PipelinedSteps, PipelinedStepsMixin, check_pipelined_module
 from lightning_seqpar.lightning.precision import ShardAwareClipping, ShardAwarePrecisionPlugin, low_precision_residual
 from lightning_seqpar.lightning.process_group import (
@@ -189,9 +189,9 @@ class SeqParallelStrategy(
         return True  # shards exist only after the rewrite
 
     @override
-    def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        self._launcher = configure_launcher(self, self.cluster_environment, self._start_method)
+    def _configure_launcher(self) -> None:  # in Trainer(): a world that does not split fails there, before any rank
+        validate_layout(self.num_nodes * self.num_processes, self.tp, self.pp)
+        self._launcher = configure_launcher(self, self.cluster_environment, self._start_method, check_before_start)
 
     @override
     def setup_environment(self) -> None:

@@ -25,12 +25,9 @@ def test_world_size_not_divisible_fails_before_any_collective(monkeypatch, tmp_p
     monkeypatch.setenv("LOCAL_RANK", "0")  # this process is rank 0 of 3, launched externally
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "1")  # nothing listens: a collective would hang or fail differently
-    trainer = pl.Trainer(accelerator="cpu", devices=3, strategy=SeqParallelStrategy(tp=2), logger=False,
-                         default_root_dir=tmp_path)
-    from tests.helpers.models import build, loader, token_data
-
     with pytest.raises(ValueError, match=r"world size \(3 processes\) is not divisible by tp·pp = 2·1"):
-        trainer.fit(build("gpt"), loader(token_data(1, 1)))
+        pl.Trainer(accelerator="cpu", devices=3, strategy=SeqParallelStrategy(tp=2), logger=False,
+                   default_root_dir=tmp_path)  # in the Trainer's constructor: before any rank starts
     assert not torch.distributed.is_initialized()
 
 
@@ -117,3 +114,16 @@ def test_zero1_refuses_an_optimizer_that_is_not_elementwise():
     used.step()
     with pytest.raises(ValueError, match="already holds state"):
         DistributedOptimizer(used, ParallelMesh.single())
+
+
+@pytest.mark.parametrize("start_method", ["popen", "spawn"])
+def test_a_model_that_cannot_split_is_refused_before_any_rank_starts(tmp_path, start_method):
+    from tests.helpers.models import loader, token_data
+
+    module = pl.LightningModule()
+    module.gpt = GPT(GPTConfig(vocab_size=16, block_size=8, n_layer=1, n_head=3, n_embd=12))
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=SeqParallelStrategy(tp=2, start_method=start_method),
+                         logger=False, default_root_dir=tmp_path)
+    with pytest.raises(ValueError, match=r"n_head = 3 is not divisible by the tensor-parallel size tp = 2"):
+        trainer.fit(module, loader(token_data(1, 1)))
+    assert getattr(trainer.strategy.launcher, "procs", []) == [] and not torch.distributed.is_initialized()
