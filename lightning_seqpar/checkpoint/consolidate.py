@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from lightning_seqpar.checkpoint.atomic import publish, temporary_path
+from lightning_seqpar.checkpoint.atomic import publish, recover_stale, temporary_path
 from lightning_seqpar.checkpoint.safe_reader import read_metadata
 from lightning_seqpar.checkpoint.manifest import check_zip_file, is_zip_file
 from lightning_seqpar.checkpoint.locate import not_a_checkpoint
@@ -121,6 +121,7 @@ def consolidate_to_safetensors(path: os.PathLike | str, out: os.PathLike | str, 
     keys = [key for key in _under(prefix, list(stored.shapes), stored.path) if stored.stored_key(key) is not None]
     entries = [TensorEntry(key[len(prefix):], stored.dtype(key), tuple(stored.shapes[key])) for key in keys]
     out.parent.mkdir(parents=True, exist_ok=True)
+    recover_stale(out.parent)  # what writers killed earlier left there
     tmp = temporary_path(out)
     try:
         with SafetensorsStreamWriter(tmp, entries) as writer:
@@ -142,6 +143,7 @@ def write_state_dict(state_dict: dict[str, Tensor], out: os.PathLike | str) -> P
     """
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    recover_stale(out.parent)
     tmp = temporary_path(out)
     try:
         if out.suffix == ".safetensors":

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch import Tensor
 
-from lightning_seqpar.checkpoint.atomic import publish, temporary_path
+from lightning_seqpar.checkpoint.atomic import publish, recover_stale, temporary_path
 from lightning_seqpar.checkpoint.destination import export_refusal, mark_export
 from lightning_seqpar.checkpoint.sharded import _unique_tensors
 from lightning_seqpar.hf.streaming import (
@@ -133,6 +133,7 @@ def export_hf_pretrained(module: nn.Module, mesh: ParallelMesh, out: os.PathLike
     tmp_dir = Path(decided[0])
     if not distributed or dist.get_rank() == 0:
         out.parent.mkdir(parents=True, exist_ok=True)
+        recover_stale(out.parent)  # what exports (and other writers) killed earlier left there
         tmp_dir.mkdir()
     if distributed:
         dist.barrier()

@@ -19,7 +19,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from lightning_seqpar.checkpoint.atomic import publish, temporary_path
+from lightning_seqpar.checkpoint.atomic import publish, recover_stale, temporary_path
 from lightning_seqpar.checkpoint.consolidate import StoredModel
 from lightning_seqpar.checkpoint.destination import mark_export, refuse_export_destination
 from lightning_seqpar.checkpoint.hf_export import parse_size
@@ -61,6 +61,8 @@ def export_checkpoint_to_hf(checkpoint: Union[str, os.PathLike], out: Union[str,
             missing or of another shape than the config's model, naming it; a bad ``max_shard_size`` or dtype.
     """
     refuse_export_destination(out, overwrite=overwrite, protected=(checkpoint, config_dir))
+    if Path(out).parent.is_dir():
+        recover_stale(Path(out).parent)  # what exports (and other writers) killed earlier left there
     stored, out = StoredModel(checkpoint, allow_unverified), Path(out)
     hparams = stored.trainer_state.get("hyper_parameters") or {}
     if config_dir is not None:

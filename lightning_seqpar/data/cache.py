@@ -18,6 +18,7 @@ from typing import Callable, Iterator, Optional
 
 import numpy as np
 
+from lightning_seqpar.checkpoint.atomic import recover_stale
 from lightning_seqpar.data.corpus import Piece, corpus_bytes, corpus_files, fingerprint, read_documents
 from lightning_seqpar.data.token_file import (
     TokenFileHeader,
@@ -76,6 +77,8 @@ def ensure_token_cache(corpus: Path, tokenizer: Tokenizer, cache_dir: Optional[P
     files = corpus_files(corpus)
     source = fingerprint(files)
     path = cache_path(corpus, tokenizer, cache_dir)
+    if path.parent.is_dir():
+        recover_stale(path.parent)  # what tokenizations (and exports, checkpoints) killed earlier left there
     reason = stale_reason(path, tokenizer, source, text_field)
     if reason is None:
         log.info("Token cache %s is up to date: reusing it.", path)

@@ -51,3 +51,18 @@ def test_consolidate_replaces_a_file_only_when_asked(tmp_path, capsys):
     assert main(["consolidate", str(tmp_path / "ckpt"), str(tmp_path / "model.safetensors")]) == 2
     assert "exists. Pass --overwrite to replace it" in capsys.readouterr().err
     assert (tmp_path / "model.safetensors").read_bytes() == b"mine"
+
+
+def test_what_a_killed_export_or_consolidation_left_is_removed_by_the_next_one(tmp_path, capsys):
+    import subprocess
+    import sys
+
+    from lightning_seqpar.checkpoint.atomic import temporary_path
+
+    gone = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True).stdout)
+    partial = temporary_path(tmp_path / "exported", f"{gone}-1")
+    (partial / "model.safetensors").parent.mkdir()
+    (partial / "model.safetensors").write_bytes(b"\0" * 1024)
+    main(["export-hf", str(tmp_path / "no-checkpoint"), str(tmp_path / "exported")])  # refused, after cleaning
+    assert not partial.exists()

@@ -219,3 +219,22 @@ def test_other_ranks_wait_for_the_cache_and_give_up_on_a_writer_that_stalls(tmp_
     with pytest.raises(TimeoutError, match="neither written nor valid after 1 s without progress"):
         wait_for_token_cache(path, other, stall_timeout=1.0, poll=0.05)
     assert time.monotonic() - started < 5
+
+
+def test_what_a_killed_tokenization_left_is_removed_by_the_next_one(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from lightning_seqpar.checkpoint.atomic import temporary_path, writer_identity
+
+    path, _ = _corpus(tmp_path)
+    tokenizer = WordTokenizer(WORDS)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    gone = int(dead.stdout)  # a process that has exited: the writer of a partial cache killed earlier
+    partial = temporary_path(cache_path(path, tokenizer), f"{gone}-1")
+    partial.write_bytes(b"\0" * 4096)
+    alive = temporary_path(cache_path(path, tokenizer), writer_identity(os.getppid()))  # a live writer's: kept
+    alive.write_bytes(b"")
+    ensure_token_cache(path, tokenizer, progress=False)
+    assert not partial.exists() and alive.exists()
