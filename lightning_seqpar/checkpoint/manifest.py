@@ -35,9 +35,17 @@ def file_entry(path: Path) -> dict[str, Any]:
     return {"size": size, "crc32": f"{crc:08x}"}
 
 
+def _digest(manifest: dict[str, Any]) -> str:
+    """CRC-32 of the manifest's content (all but its own digest), so an edit that leaves valid JSON is noticed as
+    the manifest's damage instead of blamed on the file whose entry was edited."""
+    body = {k: v for k, v in manifest.items() if k != "digest"}
+    return f"{zlib.crc32(json.dumps(body, sort_keys=True).encode()):08x}"
+
+
 def write_manifest(directory: Path, save_id: str, files: dict[str, dict[str, Any]]) -> None:
     """Write ``manifest.json`` into ``directory`` (the caller publishes the directory afterwards)."""
-    manifest = {"format": MANIFEST_FORMAT, "save_id": save_id, "files": dict(sorted(files.items()))}
+    manifest: dict[str, Any] = {"format": MANIFEST_FORMAT, "save_id": save_id, "files": dict(sorted(files.items()))}
+    manifest["digest"] = _digest(manifest)
     (directory / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1) + "\n")
 
 
@@ -57,6 +65,8 @@ def read_manifest(directory: Path) -> Optional[dict[str, Any]]:
         for name, entry in manifest["files"].items():
             if not isinstance(entry.get("size"), int) or not isinstance(entry.get("crc32"), str):
                 raise ValueError(f"bad entry for {name!r}")
+        if "digest" in manifest and manifest["digest"] != _digest(manifest):  # manifests before digests have none
+            raise ValueError("its content differs from what was written: edited or corrupted")
         return manifest
     except (OSError, UnicodeDecodeError, ValueError, AttributeError, TypeError) as error:
         raise ValueError(f"The checkpoint's manifest {path} is damaged ({error}): the checkpoint cannot be verified. "
@@ -146,7 +156,7 @@ def check_zip_file(path: Path) -> None:
     try:
         with zipfile.ZipFile(path) as archive:
             damaged = archive.testzip()
-    except (zipfile.BadZipFile, OSError, EOFError, zlib.error) as error:
+    except (zipfile.BadZipFile, OSError, EOFError, zlib.error, UnicodeDecodeError) as error:
         raise ValueError(f"The checkpoint {path} cannot be read as written ({error}): it is truncated or damaged. "
                          f"{_ADVICE}") from error
     if damaged is not None:

@@ -98,6 +98,9 @@ class ShardedCheckpointWriter:
         try:
             written.result()
             self._write_manifest(tmp)
+        except CheckpointException as error:  # a full disk, ...: named with the checkpoint, as a synchronous save
+            self._discard(tmp)
+            raise OSError(f"Writing the checkpoint {path} in the background failed: {str(error)[:500]}") from error
         except BaseException:
             self._discard(tmp)
             raise

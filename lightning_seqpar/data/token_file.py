@@ -91,7 +91,10 @@ class TokenFileWriter:
         self.header.max_id = max(self.header.max_id, largest)
         self.header.num_tokens += int(ids.size)
         data = ids.astype(self.dtype.newbyteorder("<"), copy=False).tobytes()
-        self.file.write(data)
+        try:
+            self.file.write(data)
+        except OSError as error:
+            raise self._named(error) from error
         view = memoryview(data)
         while view:
             take = min(len(view), BLOCK_BYTES - self._filled)
@@ -104,16 +107,27 @@ class TokenFileWriter:
     def close(self) -> Path:
         if self._filled:
             self.header.block_crc32.append(self._crc)
-        self.file.seek(0)
-        self.file.write(self.header.to_bytes())
-        self.file.flush()
-        os.fsync(self.file.fileno())
-        self.file.close()
+        try:
+            self.file.seek(0)
+            self.file.write(self.header.to_bytes())
+            self.file.flush()
+            os.fsync(self.file.fileno())
+            self.file.close()
+        except OSError as error:
+            raise self._named(error) from error
         publish(self.tmp, self.path)
         return self.path
 
+    def _named(self, error: OSError) -> OSError:
+        """A write error (a full disk names no path of its own) with the cache's path and the fix."""
+        return OSError(error.errno, f"Writing the token cache {self.tmp} failed ({error.strerror}): free space there, "
+                                    f"or set data.cache_dir to another folder")
+
     def abort(self) -> None:
-        self.file.close()
+        try:
+            self.file.close()
+        except OSError:  # the buffered bytes of a full disk: the file is deleted anyway
+            pass
         self.tmp.unlink(missing_ok=True)
 
 

@@ -79,6 +79,10 @@ def check_checkpoint_options(checkpoint_format: str, zero: int, async_save: bool
         )
 
 
+FULL_FORMAT_MARK = "lightning_seqpar_full_format"
+"""Key of a full-format checkpoint written by the strategy (its optimizer state is in the parallel model's order)."""
+
+
 class CheckpointingMixin:
     """The checkpoint hooks of :class:`~lightning_seqpar.SeqParallelStrategy`; it reads the strategy's mesh,
     module, optimizers, writer and settings (``checkpoint_format``, ``zero``, ``allow_non_finite_checkpoint``)."""
@@ -213,8 +217,8 @@ class CheckpointingMixin:
         Raises:
             TypeError: ``storage_options`` given with the sharded format.
         """
-        if self.checkpoint_format == "full":
-            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        if self.checkpoint_format == "full":  # marked: a plain Lightning file's optimizer state is told apart on load
+            return super().save_checkpoint({**checkpoint, FULL_FORMAT_MARK: True}, filepath, storage_options)
         if storage_options is not None:
             raise TypeError(f"The sharded checkpoint format takes no storage_options, got {storage_options!r}.")
         assert self.lightning_module is not None and self._checkpoint_writer is not None
@@ -243,6 +247,9 @@ class CheckpointingMixin:
         self.barrier("load_checkpoint")
         if path.is_dir() and not is_sharded_checkpoint(path):
             raise ValueError(not_a_checkpoint(path))
+        if path.is_file() and is_sharded_checkpoint(path.parent):
+            raise ValueError(f"{path} is one file of the sharded checkpoint {path.parent}: resume from the directory, "
+                             f"ckpt_path={path.parent}.")
         if not is_sharded_checkpoint(path):
             if path.is_file() and is_zip_file(path):
                 on_every_rank(lambda: check_zip_file(path))  # each rank checks what it reads
@@ -283,9 +290,20 @@ class CheckpointingMixin:
         if self.zero:
             raise ValueError("A full (single-file) checkpoint's optimizer state does not resume under zero=1; "
                              "resume with zero=0, or from a sharded checkpoint.")
-        states = on_every_rank(lambda: optimizer_states_of_this_stage(
-            checkpoint["optimizer_states"], self.optimizers, self.mesh.pp, self.mesh.pipeline.rank,
-            self.allow_non_finite_checkpoint,
-        ))
+        try:
+            states = on_every_rank(lambda: optimizer_states_of_this_stage(
+                checkpoint["optimizer_states"], self.optimizers, self.mesh.pp, self.mesh.pipeline.rank,
+                self.allow_non_finite_checkpoint,
+            ))
+        except ValueError as error:
+            if FULL_FORMAT_MARK in checkpoint:
+                raise
+            detail = str(error).split(" It was saved for another model")[0]
+            raise ValueError(
+                f"{detail}: the checkpoint was not written by SeqParallelStrategy (a plain Lightning or DDP checkpoint): "
+                f"its optimizer state follows the single-device model's parameter order, which the parallel model does "
+                f"not keep. Its weights load: call self.trainer.strategy.load_single_device_state_dict(PATH) in "
+                f"configure_model() or on_fit_start() and train without ckpt_path (the optimizer starts afresh)."
+            ) from None
         for optimizer, state in zip(self.optimizers, states):
             load_full_optimizer_state(optimizer, state, self.mesh.tensor)

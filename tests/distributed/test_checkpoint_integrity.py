@@ -1,6 +1,7 @@
 """A checkpoint loads exactly as it was written, or is refused naming the file: every file of a sharded checkpoint
 is checked against the manifest written with it (size and CRC-32) before any tensor reaches the model."""
 
+import json
 import random
 import shutil
 import subprocess
@@ -80,11 +81,32 @@ def test_every_kind_of_damage_is_refused_naming_the_file(saved, tmp_path, corrup
         verified(checkpoint)
 
 
-def test_a_damaged_manifest_is_refused(saved, tmp_path):
+def _edit_manifest(checkpoint, change):
+    manifest = json.loads((checkpoint / MANIFEST_FILE).read_text())
+    change(manifest)
+    (checkpoint / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1))
+
+
+MANIFEST_EDITS = {
+    "not JSON": lambda p: (p / MANIFEST_FILE).write_text("{not json"),
+    "a file's CRC-32 edited": lambda p: _edit_manifest(p, lambda m: m["files"][".metadata"].update(crc32="00000000")),
+    "a file's size edited": lambda p: _edit_manifest(p, lambda m: m["files"][".metadata"].update(size=1)),
+    "the save id edited": lambda p: _edit_manifest(p, lambda m: m.update(save_id="0" * 32)),
+    "a file's entry removed": lambda p: _edit_manifest(p, lambda m: m["files"].pop(".metadata")),
+}
+
+
+@pytest.mark.parametrize("edit", sorted(MANIFEST_EDITS))
+def test_a_damaged_or_edited_manifest_is_refused_naming_the_manifest_and_verify_agrees(saved, tmp_path, edit):
+    """An edit that leaves valid JSON blames the manifest, not the intact file whose entry changed, and the verify
+    command reports what loading refuses."""
     checkpoint = _copy(saved, tmp_path)
-    (checkpoint / MANIFEST_FILE).write_text("{not json")
+    MANIFEST_EDITS[edit](checkpoint)
     with pytest.raises(ValueError, match=rf"manifest {checkpoint}/manifest.json is damaged"):
         verified(checkpoint)
+    result = subprocess.run([sys.executable, "-m", "lightning_seqpar.checkpoint", "verify", str(checkpoint)], cwd=ROOT,
+                            capture_output=True, text=True)
+    assert result.returncode == 1 and "manifest.json is damaged" in result.stderr
 
 
 def test_a_sweep_of_random_edits_loads_nothing_silently(saved, tmp_path):
@@ -114,6 +136,27 @@ def test_every_rank_refuses_a_damaged_checkpoint_before_loading(saved, tmp_path)
     _flip(_shards(checkpoint)[1], [64])
     errors = run_distributed(_load, 2, str(checkpoint))
     assert all(error is not None and _shards(checkpoint)[1].name in error for error in errors), errors
+
+
+def test_a_plain_lightning_checkpoint_is_refused_with_how_to_start_from_its_weights(tmp_path):
+    import lightning.pytorch as pl
+
+    from tests.helpers.models import build, loader, token_data
+
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_progress_bar=False,
+                         enable_checkpointing=False, enable_model_summary=False)
+    trainer.fit(build("gpt"), loader(token_data(1, 1)))
+    trainer.save_checkpoint(tmp_path / "plain.ckpt")
+    errors = run_distributed(_load, 2, str(tmp_path / "plain.ckpt"))
+    assert all(e is not None and "the checkpoint was not written by SeqParallelStrategy" in e
+               and "load_single_device_state_dict(PATH)" in e and "another model" not in e for e in errors), errors
+
+
+def test_a_checkpoint_path_at_one_of_its_files_names_the_directory(saved):
+    shard = _shards(saved[1])[0]
+    errors = run_distributed(_load, 2, str(shard))
+    assert all(e == f"{shard} is one file of the sharded checkpoint {saved[1]}: resume from the directory, "
+                    f"ckpt_path={saved[1]}." for e in errors), errors
 
 
 def test_a_checkpoint_path_at_the_folder_of_checkpoints_lists_them_on_every_rank(saved):
@@ -181,6 +224,12 @@ def test_a_single_file_checkpoint_is_checked_against_its_zip_crcs(tmp_path):
         load_state_dict_file(path)
     path.write_bytes(bytes(data[: len(data) // 2]))
     with pytest.raises(ValueError, match=rf"The checkpoint {path} cannot be read as written"):
+        load_state_dict_file(path)
+    torch.save({"w": torch.zeros(4)}, path)
+    data = bytearray(path.read_bytes())
+    data[bytes(data).rindex(b"weights/data.pkl") + 2] = 0xFF  # a record's name in the zip directory, not UTF-8
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=rf"The checkpoint {path} cannot be read as written \('utf-8' codec"):
         load_state_dict_file(path)
 
 

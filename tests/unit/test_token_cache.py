@@ -238,3 +238,31 @@ def test_what_a_killed_tokenization_left_is_removed_by_the_next_one(tmp_path):
     alive.write_bytes(b"")
     ensure_token_cache(path, tokenizer, progress=False)
     assert not partial.exists() and alive.exists()
+
+
+def test_a_full_disk_while_tokenizing_names_the_cache_and_leaves_nothing(tmp_path, monkeypatch):
+    import errno
+
+    from lightning_seqpar.data import token_file
+
+    path, _ = _corpus(tmp_path)
+
+    class FullDisk:
+        def __init__(self, real):
+            self.real, self.writes = real, 0
+
+        def write(self, data):
+            self.writes += 1
+            if self.writes > 1:  # after the header's placeholder: the disk fills up
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return self.real.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self.real, name)
+
+    real_open = open
+    monkeypatch.setattr(token_file, "open", lambda *a, **k: FullDisk(real_open(*a, **k)), raising=False)
+    with pytest.raises(OSError, match=r"Writing the token cache .*\.corpus\.txt\.words\.tokens\.tmp-[\d-]+ failed \(No "
+                                      r"space left on device\): free space there, or set data.cache_dir"):
+        ensure_token_cache(path, WordTokenizer(WORDS), progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt"]
