@@ -36,6 +36,18 @@ def reset_multihead_attention(module: torch.nn.MultiheadAttention) -> None:
     module._reset_parameters()
 
 
+def default_store() -> Any:
+    """The key-value store of the default process group (``torch.distributed.distributed_c10d._get_default_store``),
+    or ``None`` when no process group exists."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
+
+
 def set_process_group_timeout(timeout: Any, group: Any = None) -> None:
     """How long the collectives of ``group`` (default: the default process group) wait for a peer, changed after it
     started (``torch.distributed.distributed_c10d._set_pg_timeout``; ``init_process_group`` takes one timeout for the
@@ -60,6 +72,7 @@ __all__: list[Any] = [
     "hf_init_weights",
     "local_tensor",
     "reset_multihead_attention",
+    "default_store",
     "set_process_group_timeout",
     "storage_key",
     "tree_flatten",

@@ -16,6 +16,7 @@ from torch.distributed.constants import default_pg_timeout
 from typing_extensions import override
 
 from lightning_seqpar._compat import set_process_group_timeout
+from lightning_seqpar.lightning.failure import FailureWatch, report_failure
 from lightning_seqpar.lightning._compat import init_dist_connection, sync_ddp_if_available
 from lightning_seqpar.parallel.faults import failed_collective
 
@@ -53,10 +54,10 @@ def _destroy_process_group() -> None:
 START_TIMEOUT = timedelta(minutes=5)
 
 
-def start_process_group(environment: ClusterEnvironment, backend: str, timeout: timedelta) -> None:
+def start_process_group(environment: ClusterEnvironment, backend: str, timeout: timedelta) -> FailureWatch:
     """Initialize the default process group from ``environment`` (as Lightning's DDP strategy does), waiting up to
     ``max(timeout, 5 minutes)`` for every process to join, then ``timeout`` in each collective; destroy it at
-    interpreter exit after a bounded barrier."""
+    interpreter exit after a bounded barrier. Returns this rank's watch over the other ranks' failures."""
     init_dist_connection(environment, backend, timeout=max(timeout, START_TIMEOUT))
     if timeout < START_TIMEOUT:
         set_process_group_timeout(timeout)
@@ -64,11 +65,15 @@ def start_process_group(environment: ClusterEnvironment, backend: str, timeout: 
     # finished process now and then ("terminate called without an active exception", rc 134).
     atexit.unregister(_destroy_process_group)  # once, however many trainers this process runs
     atexit.register(_destroy_process_group)
+    return FailureWatch(dist.get_rank())  # another rank's error ends this one too (report_failed_collective)
 
 
-def report_failed_collective(exception: BaseException, rank: int, timeout: timedelta) -> bool:
-    """Log which collective ``exception`` was raised in and what it means (a stalled or a lost peer, and the
-    fix); ``False`` when it was not raised in a collective."""
+def report_failed_collective(exception: BaseException, rank: int, timeout: timedelta,
+                             watch: Optional[FailureWatch] = None) -> bool:
+    """Tell the other ranks this one failed (``watch``: they stop within seconds instead of waiting for it), and log
+    which collective ``exception`` was raised in and what it means (a stalled or a lost peer, and the fix); ``False``
+    when it was not raised in a collective."""
+    report_failure(watch, exception)
     failure = failed_collective(exception)
     if failure is None:
         return False

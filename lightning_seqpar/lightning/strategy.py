@@ -204,7 +204,7 @@ class SeqParallelStrategy(
         if self.process_group_backend is None:
             self.process_group_backend = "nccl" if self.root_device.type == "cuda" else "gloo"
         assert self.cluster_environment is not None
-        start_process_group(self.cluster_environment, self.process_group_backend, self._timeout)
+        self._failure_watch = start_process_group(self.cluster_environment, self.process_group_backend, self._timeout)
         self._mesh = ParallelMesh.build(self.tp, self.pp, self.root_device.type, timeout=self._timeout)
         plugin = self.precision_plugin
         assert isinstance(plugin, ShardAwareClipping)
@@ -272,7 +272,7 @@ class SeqParallelStrategy(
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        failed = report_failed_collective(exception, self.global_rank, self._timeout)
+        failed = report_failed_collective(exception, self.global_rank, self._timeout, getattr(self, "_failure_watch", None))
         if failed and isinstance(self.launcher, SubprocessScriptLauncher) and self.local_rank == 0:
             # The ranks this process started would wait for it until their own timeout, or stay stopped.
             self.launcher.kill(signal.SIGKILL)

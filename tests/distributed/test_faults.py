@@ -59,3 +59,23 @@ def test_ranks_end_with_a_launcher_that_dies(tmp_path):
         assert not alive(rank1) and outlived < 0.5  # by itself (no fix) it noticed after 1.5-3 s
     finally:
         kill_session(job)
+
+
+@pytest.mark.parametrize("failing_rank", [0, 1])
+def test_an_error_on_one_rank_ends_every_rank_within_seconds_with_its_message(tmp_path, failing_rank):
+    """One rank fails while the other is in a long wait that is no collective (as ranks waiting for rank 0's token
+    cache are): the other rank stops within seconds, saying whose error stopped it."""
+    import subprocess
+    import sys
+
+    from tests.helpers.jobs import ROOT
+
+    start = time.time()
+    job = subprocess.run([sys.executable, str(ROOT / "tests" / "helpers" / "failing_job.py"), str(failing_rank)],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=110)
+    ended = time.time() - start
+    output = job.stdout + job.stderr
+    print(f"rank {failing_rank} failed: the job ended after {ended:.1f} s, rc={job.returncode}")
+    assert job.returncode != 0 and f"the data of rank {failing_rank} cannot be read" in output
+    assert f"[rank {1 - failing_rank}] stopping: rank {failing_rank}: RuntimeError: the data of rank" in output, output
+    assert ended <= 40, output[-3000:]
