@@ -27,6 +27,7 @@ _EXPORTS = {
     "RewriteContext": "lightning_seqpar.rewrite",
     "RowParallelLinear": "lightning_seqpar.tensor_parallel",
     "SelectiveRecompute": "lightning_seqpar.lightning.callbacks",
+    "Preemption": "lightning_seqpar.lightning.preemption",
     "SeqParallelStrategy": "lightning_seqpar.lightning.strategy",
     "VocabParallelEmbedding": "lightning_seqpar.tensor_parallel",
     "apply_recompute": "lightning_seqpar.recompute",

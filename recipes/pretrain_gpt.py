@@ -9,6 +9,12 @@
                                                                             # fine-tune a local HF checkpoint
 
 Every field of ``conf/`` can be overridden on the command line (Hydra).
+
+Preemption: SIGTERM (e.g. ``kill PID`` of the launching process, or a scheduler's notice) stops every rank after one
+agreed step with ``checkpoints/last.ckpt`` and exits 0; resume with ``ckpt_path=.../checkpoints/last.ckpt``. Under
+SLURM, ask for the requeue signal ahead of the time limit, ``#SBATCH --signal=SIGUSR1@90``, and launch with ``srun``:
+Lightning's SLURM environment (auto-requeue on) then has the job save ``hpc_ckpt_N.ckpt`` in the run folder, requeue
+itself with ``scontrol requeue`` and resume from it when it starts again.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, TQ
 from lightning.pytorch.loggers import CSVLogger
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_seqpar import FlopsUtilization, SelectiveRecompute, SeqParallelStrategy
+from lightning_seqpar import FlopsUtilization, Preemption, SelectiveRecompute, SeqParallelStrategy
 from lightning_seqpar.data import TextDataModule
 from lightning_seqpar.checkpoint.destination import refuse_export_destination
 from lightning_seqpar.data.tokenizer import has_tokenizer
@@ -173,6 +179,9 @@ def main(cfg: DictConfig) -> dict:
     module = build_module(cfg, data, decay_steps, optim)
     trainer = build_trainer(cfg, output_dir)
     trainer.fit(module, datamodule=data, ckpt_path=cfg.ckpt_path)
+    preemption = next((c for c in trainer.callbacks if isinstance(c, Preemption)), None)
+    if preemption is not None and preemption.preempted is not None:  # SIGTERM: saved, nothing more before the end
+        return {"preempted_after_step": float(trainer.global_step)}
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     if trainer.global_step % cfg.trainer.val_check_interval:  # the last step was not validated yet
         trainer.validate(module, datamodule=data, verbose=False)

@@ -7,6 +7,8 @@ anywhere but here and in :mod:`lightning_seqpar._compat` (torch's), so an upgrad
 
 from __future__ import annotations
 
+from typing import Any
+
 # Starts the default process group from a Lightning ClusterEnvironment (MASTER_ADDR/PORT, rank,
 # world size) and registers NCCL teardown at exit, exactly as Lightning's DDP and ModelParallel
 # strategies do. Public alternative checked: torch.distributed.init_process_group, which would mean
@@ -35,10 +37,17 @@ from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcess
 from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput as WorkerOutput  # noqa: F401
 
 
+def hpc_save_path(trainer: Any) -> str:
+    """Where Lightning's SLURM auto-requeue saves (``hpc_ckpt_N.ckpt`` in ``default_root_dir``) and resumes from when
+    the job starts again (``trainer._checkpoint_connector.hpc_save_path``)."""
+    return trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)
+
+
 __all__ = [
     "MultiProcessingLauncher",
     "SubprocessScriptLauncher",
     "WorkerOutput",
+    "hpc_save_path",
     "init_dist_connection",
     "optimizers_to_device",
     "set_num_threads_if_needed",

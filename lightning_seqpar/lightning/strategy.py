@@ -11,7 +11,7 @@ import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
+from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch.optim import Optimizer
@@ -23,6 +23,7 @@ from lightning_seqpar.lightning.checkpoint_hooks import CheckpointingMixin, chec
 from lightning_seqpar.lightning.checkpoint_io import AtomicCheckpointIO
 from lightning_seqpar.lightning.launcher import configure_launcher
 from lightning_seqpar.lightning.parallelize import check_before_start, parallelize
+from lightning_seqpar.lightning.preemption import add_preemption
 from lightning_seqpar.lightning.pipelined_steps import PipelinedSteps, PipelinedStepsMixin, check_pipelined_module
 from lightning_seqpar.lightning.precision import ShardAwareClipping, ShardAwarePrecisionPlugin, low_precision_residual
 from lightning_seqpar.lightning.process_group import (
@@ -237,6 +238,7 @@ class SeqParallelStrategy(
         self.model_to_device()
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
+            add_preemption(trainer)  # SIGTERM: a checkpoint at a step every rank agrees on (no collective in a handler)
             if self.pipeline is not None:
                 check_pipelined_module(self.lightning_module)
             self.setup_optimizers(trainer)
@@ -292,9 +294,3 @@ class SeqParallelStrategy(
         for tp in (2, 4, 8):
             strategy_registry.register(f"{cls.strategy_name}_tp{tp}", cls, description=f"lightning_seqpar tp={tp}", tp=tp)
 
-
-def register() -> None:
-    """Make ``Trainer(strategy="seq_parallel")`` (``tp=1``) and ``"seq_parallel_tp2"`` / ``_tp4`` / ``_tp8``
-    resolve to :class:`SeqParallelStrategy`; other layouts: pass ``SeqParallelStrategy(tp=..., pp=...)``."""
-    if SeqParallelStrategy.strategy_name not in StrategyRegistry:
-        SeqParallelStrategy.register_strategies(StrategyRegistry)

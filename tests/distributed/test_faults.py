@@ -79,3 +79,39 @@ def test_an_error_on_one_rank_ends_every_rank_within_seconds_with_its_message(tm
     assert job.returncode != 0 and f"the data of rank {failing_rank} cannot be read" in output
     assert f"[rank {1 - failing_rank}] stopping: rank {failing_rank}: RuntimeError: the data of rank" in output, output
     assert ended <= 40, output[-3000:]
+
+
+@pytest.mark.parametrize("during", ["a step", "a save"])
+def test_sigterm_saves_a_checkpoint_and_ends_every_rank_cleanly(tmp_path, during):
+    """Preemption: SIGTERM to the job (the launcher, rank 0) while it trains, or while it saves every step in the
+    background; every rank stops after the same step, saves last.ckpt together and exits 0, within seconds."""
+    import subprocess
+    import sys
+
+    from tests.helpers.jobs import ROOT
+
+    saves = ["strategy.async_save=true", "trainer.val_check_interval=1"] if during == "a save" else []
+    job, log = start_recipe(tmp_path, "model=gpt_tiny", "strategy.timeout=60", "trainer.max_steps=100000",
+                            "trainer.enable_progress_bar=false", *saves)
+    try:
+        wait_for(log, "All distributed processes registered", job)
+        time.sleep(8)  # well into training
+        signalled = time.time()
+        os.kill(job.pid, signal.SIGTERM)
+        job.wait(timeout=120)
+        ended = time.time() - signalled
+        output = log.read_text()
+        print(f"SIGTERM during {during}: the job ended {ended:.1f} s later, rc={job.returncode}")
+        assert job.returncode == 0, output[-3000:]
+        assert ended <= 30, output[-3000:]
+        assert "Preempted (signal 15): stopped after step" in output
+        checkpoint = tmp_path / "out" / "checkpoints" / "last.ckpt"
+        verify = subprocess.run([sys.executable, "-m", "lightning_seqpar.checkpoint", "verify", str(checkpoint)],
+                                cwd=ROOT, capture_output=True, text=True)
+        assert verify.returncode == 0, verify.stdout + verify.stderr
+        step = int(output.split("stopped after step ")[1].split(",")[0])
+        assert f"step {step}" in output and not [p for p in (tmp_path / "out" / "checkpoints").iterdir()
+                                                 if p.name.startswith(".")]  # nothing half-written left
+    finally:
+        kill_session(job)
+
