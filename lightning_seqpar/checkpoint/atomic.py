@@ -7,6 +7,10 @@ two renames leaves the previous checkpoint there, and :func:`recover_stale` puts
 renames it to ``.NAME.del-ID`` before deleting its files, so a removal killed halfway never leaves a
 partial checkpoint under its name. POSIX ``rename`` is atomic for files and directories alike.
 
+Publishing and removing take an exclusive lock on the folder (``flock`` on the directory itself: no lock file), and
+readers of a checkpoint hold a shared one while they read it (:func:`folder_lock`), so a reader never sees half of one
+save and half of the next, and two writers into one folder take turns instead of racing between their renames.
+
 ``ID`` is the writer's identity, ``PID-START`` (its process id and the clock tick it started at, from
 ``/proc``): a process that reuses the PID of a writer killed earlier (after a restart) has another start
 time, so what the dead writer left is still recovered. A bare ``PID`` (older checkpoints, systems without
@@ -17,7 +21,9 @@ from __future__ import annotations
 
 import os
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 TMP_MARK = ".tmp-"
 OLD_MARK = ".old-"
@@ -71,6 +77,16 @@ def _remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
+def other_live_writers(directory: Path, own: str) -> list[str]:
+    """Identities of live processes other than ``own`` writing into ``directory`` now (from their temporaries)."""
+    found = set()
+    for path in directory.glob(f".*{TMP_MARK}*"):
+        identity = path.name.rpartition(TMP_MARK)[2]
+        if identity != own and identity.replace("-", "", 1).isdigit() and _writer_alive(identity):
+            found.add(identity)
+    return sorted(found)
+
+
 def recover_stale(directory: Path) -> list[Path]:
     """Clean up after writers killed mid-save in ``directory``; those still running are left alone.
 
@@ -119,6 +135,25 @@ def fsync_tree(path: Path) -> None:
         fsync_directory(Path(root))
 
 
+@contextmanager
+def folder_lock(folder: Path, exclusive: bool) -> Iterator[None]:
+    """Hold ``folder``'s lock while the block runs: exclusive to change what it holds, shared to read a checkpoint in
+    it (advisory ``flock`` on the directory; where the directory cannot be opened or locked, e.g. not POSIX, nothing
+    is held)."""
+    try:
+        import fcntl
+
+        fd = os.open(folder, os.O_RDONLY)
+    except (ImportError, OSError):
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
 def publish(tmp: Path, final: Path) -> None:
     """Make the complete ``tmp`` (file or directory) visible as ``final``, replacing what was there.
 
@@ -128,13 +163,14 @@ def publish(tmp: Path, final: Path) -> None:
     """
     fsync_tree(tmp)
     old = None
-    # A file replaces a file in one rename; a directory cannot replace one that exists, so it is moved aside.
-    if final.exists() and (final.is_dir() or tmp.is_dir()):
-        old = final.with_name(f".{final.name}{OLD_MARK}{writer_identity()}")
-        _remove(old)
-        os.replace(final, old)
-    os.replace(tmp, final)
-    fsync_directory(final.parent)
+    with folder_lock(final.parent, exclusive=True):  # no reader is in the middle of the previous one
+        # A file replaces a file in one rename; a directory cannot replace one that exists, so it is moved aside.
+        if final.exists() and (final.is_dir() or tmp.is_dir()):
+            old = final.with_name(f".{final.name}{OLD_MARK}{writer_identity()}")
+            _remove(old)
+            os.replace(final, old)
+        os.replace(tmp, final)
+        fsync_directory(final.parent)
     if old is not None:
         _remove(old)
 
@@ -145,7 +181,8 @@ def remove(path: Path) -> None:
     if not (path.exists() or path.is_symlink()):
         return
     doomed = path.with_name(f".{path.name}{DELETE_MARK}{writer_identity()}")
-    _remove(doomed)
-    os.replace(path, doomed)
-    fsync_directory(path.parent)
+    with folder_lock(path.parent, exclusive=True):
+        _remove(doomed)
+        os.replace(path, doomed)
+        fsync_directory(path.parent)
     _remove(doomed)

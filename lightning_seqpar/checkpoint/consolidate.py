@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from lightning_seqpar.checkpoint.atomic import publish, recover_stale, temporary_path
+from lightning_seqpar.checkpoint.atomic import folder_lock, publish, recover_stale, temporary_path
 from lightning_seqpar.checkpoint.safe_reader import read_metadata
 from lightning_seqpar.checkpoint.manifest import check_zip_file, is_zip_file
 from lightning_seqpar.checkpoint.locate import not_a_checkpoint
@@ -58,6 +58,28 @@ class StoredModel:
         if not is_sharded_checkpoint(self.path):
             raise FileNotFoundError(not_a_checkpoint(self.path) if self.path.is_dir() else
                                     f"{self.path} is not a complete sharded checkpoint directory (no .metadata inside).")
+        # Held until close(): a job saving into the folder waits, so every tensor read is of the save verified.
+        self._lock = folder_lock(self.path.parent, exclusive=False)
+        self._lock.__enter__()
+        try:
+            self._open(allow_unverified)
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self) -> "StoredModel":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Release the folder's read lock."""
+        if self._lock is not None:
+            self._lock.__exit__(None, None, None)
+            self._lock = None
+
+    def _open(self, allow_unverified: bool) -> None:
         verified(self.path, allow_unverified)
         self.trainer_state = read_trainer_state(self.path)
         info = self.trainer_state[FORMAT_KEY]
@@ -98,9 +120,9 @@ def consolidate(path: os.PathLike | str, prefix: str = "", allow_unverified: boo
             :func:`~.trainer_checkpoint.read_trainer_state`; no key under ``prefix``. ``allow_unverified``: read
             a checkpoint whose manifest is gone.
     """
-    stored = StoredModel(path, allow_unverified)
-    keys = [key for key in _under(prefix, list(stored.shapes), stored.path) if stored.stored_key(key) is not None]
-    values = stored.read_many(keys)
+    with StoredModel(path, allow_unverified) as stored:
+        keys = [key for key in _under(prefix, list(stored.shapes), stored.path) if stored.stored_key(key) is not None]
+        values = stored.read_many(keys)
     return {key[len(prefix):]: values[key] for key in keys}
 
 
@@ -116,17 +138,17 @@ def consolidate_to_safetensors(path: os.PathLike | str, out: os.PathLike | str, 
         ValueError: from :func:`~.trainer_checkpoint.read_trainer_state`.
         ImportError: never (the file is written without the safetensors package).
     """
-    stored = StoredModel(path, allow_unverified)
     out = Path(out)
-    keys = [key for key in _under(prefix, list(stored.shapes), stored.path) if stored.stored_key(key) is not None]
-    entries = [TensorEntry(key[len(prefix):], stored.dtype(key), tuple(stored.shapes[key])) for key in keys]
     out.parent.mkdir(parents=True, exist_ok=True)
     recover_stale(out.parent)  # what writers killed earlier left there
     tmp = temporary_path(out)
     try:
-        with SafetensorsStreamWriter(tmp, entries) as writer:
-            for entry in entries:
-                writer.write(entry.name, stored.read(prefix + entry.name))
+        with StoredModel(path, allow_unverified) as stored:  # released before publishing (perhaps into its folder)
+            keys = [k for k in _under(prefix, list(stored.shapes), stored.path) if stored.stored_key(k) is not None]
+            entries = [TensorEntry(key[len(prefix):], stored.dtype(key), tuple(stored.shapes[key])) for key in keys]
+            with SafetensorsStreamWriter(tmp, entries) as writer:
+                for entry in entries:
+                    writer.write(entry.name, stored.read(prefix + entry.name))
         publish(tmp, out)
     finally:
         if tmp.exists():

@@ -64,6 +64,15 @@ def export_checkpoint_to_hf(checkpoint: Union[str, os.PathLike], out: Union[str,
     if Path(out).parent.is_dir():
         recover_stale(Path(out).parent)  # what exports (and other writers) killed earlier left there
     stored, out = StoredModel(checkpoint, allow_unverified), Path(out)
+    try:
+        return _export(stored, out, config_dir, max_shard_size, dtype, overwrite)
+    finally:
+        stored.close()
+
+
+def _export(stored: StoredModel, out: Path, config_dir: Optional[Union[str, os.PathLike]],
+            max_shard_size: Union[int, str], dtype: Optional[torch.dtype], overwrite: bool) -> Path:
+    checkpoint = stored.path
     hparams = stored.trainer_state.get("hyper_parameters") or {}
     if config_dir is not None:
         config = causal_lm_config(pretrained=str(config_dir))
@@ -96,6 +105,7 @@ def export_checkpoint_to_hf(checkpoint: Union[str, os.PathLike], out: Union[str,
         finish_directory(tmp, files, config, source)
         mark_export(tmp, str(checkpoint))
         refuse_export_destination(out, overwrite=overwrite, protected=(checkpoint, config_dir, source))
+        stored.close()  # the checkpoint is read: its folder's lock is released before publishing (perhaps there)
         publish(tmp, out)
     finally:
         if tmp.exists():

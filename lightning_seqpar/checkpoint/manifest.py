@@ -128,11 +128,15 @@ def verify_on_every_rank(directory: Path, group: Optional[Any] = None) -> Option
         manifest, problems = verify_checkpoint(directory, rank, world)
     except ValueError as error:
         problems = [str(error)]
-    outcomes = [problems]
+    save = manifest["save_id"] if manifest is not None else None
+    outcomes = [(problems, save)]
     if distributed:
         outcomes = [None] * world
-        dist.all_gather_object(outcomes, problems, group=group)
-    problems = [p for found in outcomes for p in found]
+        dist.all_gather_object(outcomes, (problems, save), group=group)
+    problems = [p for found, _ in outcomes for p in found]
+    saves = sorted({str(s) for _, s in outcomes})
+    if not problems and len(saves) > 1:  # a folder lock that does not hold across hosts (some network file systems)
+        problems = [f"{directory} was replaced while the ranks read it (saves {', '.join(saves)}); read it again"]
     if problems:
         raise ValueError(f"The checkpoint {directory} is not what was written: " + "; ".join(problems[:8])
                          + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "") + f". {_ADVICE}")

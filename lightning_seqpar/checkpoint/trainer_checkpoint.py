@@ -19,6 +19,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
+from lightning_seqpar.checkpoint.atomic import folder_lock
 from lightning_seqpar.checkpoint.manifest import MANIFEST_FILE, check_zip_file, is_zip_file, verify_on_every_rank
 from lightning_seqpar.checkpoint.safe_reader import read_metadata
 from lightning_seqpar.checkpoint.sharded import (
@@ -131,28 +132,30 @@ def load_trainer_checkpoint(path: Path, module: nn.Module, optimizers: Sequence[
     """Read the sharded checkpoint ``path`` into ``module`` and (if any) ``optimizers``, in place, each rank
     its own shards (collective), and return the rest of the Lightning checkpoint for the Trainer.
 
-    The returned dict has ``state_dict`` empty (already loaded) and, if saved, ``optimizer_states`` holding
+    Read under a shared lock of its folder (:func:`~.atomic.folder_lock`): a job saving into that folder waits to
+    publish, so the files read are all of one save. The returned dict has ``state_dict`` empty (already loaded) and, if saved, ``optimizer_states`` holding
     each optimizer's saved settings (already loaded when ``optimizers`` were given).
 
     Raises:
         ValueError: from :func:`verified` (before anything is read), :func:`read_trainer_state`,
             :func:`~.sharded.load_model`, :func:`~.sharded.load_optimizer`; another number of optimizers than saved.
     """
-    manifest = verified(path, allow_unverified, weights_only)
-    state = read_trainer_state(path, weights_only)
-    info = state[FORMAT_KEY]
-    if manifest is not None and info.get("save_id") != manifest["save_id"]:
-        raise ValueError(f"{Path(path) / TRAINER_STATE_FILE} belongs to another save than the checkpoint's manifest "
-                         f"(save {info.get('save_id')} against {manifest['save_id']}). Resume from the checkpoint before it.")
-    metadata = read_metadata(path)
-    load_model(module, path, metadata, tp_mesh, strict, allow_non_finite)
-    groups = info["optimizer_param_groups"]
-    if groups is not None and optimizers:
-        if len(groups) != len(optimizers):
-            raise ValueError(f"The checkpoint holds {len(groups)} optimizer(s); this run has {len(optimizers)}.")
-        names = parameter_names(module)
-        for index, (optimizer, saved) in enumerate(zip(optimizers, groups)):
-            load_optimizer(index, optimizer, saved, names, path, metadata, tp_mesh, allow_non_finite)
+    with folder_lock(Path(path).parent, exclusive=False):  # no save replaces it while it is read
+        manifest = verified(path, allow_unverified, weights_only)
+        state = read_trainer_state(path, weights_only)
+        info = state[FORMAT_KEY]
+        if manifest is not None and info.get("save_id") != manifest["save_id"]:
+            raise ValueError(f"{Path(path) / TRAINER_STATE_FILE} belongs to another save than the checkpoint's manifest "
+                             f"(save {info.get('save_id')} against {manifest['save_id']}). Resume from the checkpoint before it.")
+        metadata = read_metadata(path)
+        load_model(module, path, metadata, tp_mesh, strict, allow_non_finite)
+        groups = info["optimizer_param_groups"]
+        if groups is not None and optimizers:
+            if len(groups) != len(optimizers):
+                raise ValueError(f"The checkpoint holds {len(groups)} optimizer(s); this run has {len(optimizers)}.")
+            names = parameter_names(module)
+            for index, (optimizer, saved) in enumerate(zip(optimizers, groups)):
+                load_optimizer(index, optimizer, saved, names, path, metadata, tp_mesh, allow_non_finite)
     state["state_dict"] = {}
     if groups is not None:
         state["optimizer_states"] = groups

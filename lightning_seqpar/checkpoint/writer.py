@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import shutil
 import uuid
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Mapping, Optional
@@ -28,7 +29,7 @@ from torch import Tensor
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
-from lightning_seqpar.checkpoint.atomic import publish, recover_stale, temporary_path, writer_identity
+from lightning_seqpar.checkpoint.atomic import other_live_writers, publish, recover_stale, temporary_path, writer_identity
 from lightning_seqpar.checkpoint.manifest import file_entry, write_manifest
 from lightning_seqpar.checkpoint.safe_reader import METADATA_FILE
 from lightning_seqpar.checkpoint.sharded import FORMAT_KEY, TRAINER_STATE_FILE
@@ -68,6 +69,10 @@ class ShardedCheckpointWriter:
         if self.coordinator:
             path.parent.mkdir(parents=True, exist_ok=True)
             recover_stale(path.parent)
+            others = other_live_writers(path.parent, str(self.coordinator_pid))
+            if others:  # publishing is serialized (folder lock), but the jobs replace each other's checkpoints
+                warnings.warn(f"Another job (writer {', '.join(others)}) is saving checkpoints into {path.parent} too: "
+                              f"each replaces the other's {path.name}. Give each run its own checkpoint folder.")
             tmp.mkdir()
             trainer_state = dict(trainer_state)
             self._save_id = uuid.uuid4().hex
