@@ -79,6 +79,9 @@ def test_every_kind_of_damage_is_refused_naming_the_file(saved, tmp_path, corrup
     CORRUPTIONS[corruption](checkpoint, saved)
     with pytest.raises(ValueError, match=rf"{checkpoint}/[^ ]+: .*Resume from the checkpoint before it"):
         verified(checkpoint)
+    from lightning_seqpar.checkpoint.__main__ import verify
+
+    assert verify(checkpoint) == 1  # the command agrees with loading
 
 
 def _edit_manifest(checkpoint, change):
