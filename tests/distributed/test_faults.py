@@ -81,6 +81,25 @@ def test_an_error_on_one_rank_ends_every_rank_within_seconds_with_its_message(tm
     assert ended <= 40, output[-3000:]
 
 
+def test_an_empty_corpus_found_by_rank_0_ends_the_job_within_seconds(tmp_path):
+    """The reproduction: rank 0 finds the corpus empty while tokenizing; rank 1, waiting for the token cache (outside
+    any collective), waited out its 300 s stall timeout and then blamed a writer that "stalled or died"."""
+    (tmp_path / "empty.txt").write_text("")
+    start = time.time()
+    job, log = start_recipe(tmp_path, "model=gpt_tiny", f"data.path={tmp_path / 'empty.txt'}",
+                            "trainer.enable_progress_bar=false")
+    try:
+        job.wait(timeout=120)
+        ended = time.time() - start
+        output = log.read_text()
+        print(f"empty corpus: the job ended {ended:.1f} s after it started, rc={job.returncode}")
+        assert job.returncode != 0 and "holds no text" in output
+        assert "[rank 1] stopping: rank 0: ValueError: The corpus at" in output, output[-3000:]
+        assert "stalled or died" not in output and ended <= 60, output[-3000:]
+    finally:
+        kill_session(job)
+
+
 @pytest.mark.parametrize("during", ["a step", "a save"])
 def test_sigterm_saves_a_checkpoint_and_ends_every_rank_cleanly(tmp_path, during):
     """Preemption: SIGTERM to the job (the launcher, rank 0) while it trains, or while it saves every step in the
