@@ -89,7 +89,7 @@ class CheckpointingMixin:
 
     def _start_checkpoint_writer(self) -> None:
         # Background checkpoint writes run collectives of their own: never on training's process group.
-        group = dist.new_group(backend="gloo", timeout=self._timeout) if self.async_save else None
+        group = dist.new_group(backend="gloo", timeout=self._timeout, group_desc="async_save") if self.async_save else None
         self._checkpoint_writer = ShardedCheckpointWriter(self.global_rank == 0, coordinator_pid(), group,
                                                           self.async_save)
 

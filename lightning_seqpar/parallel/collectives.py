@@ -67,6 +67,7 @@ class CommunicationLog:
 
 
 ASYNC_COLLECTIVE = "lightning_seqpar_async_collective"
+ASYNC_GROUP = "lightning_seqpar_async_group"
 
 
 class Pending:
@@ -78,21 +79,23 @@ class Pending:
     """
 
     def __init__(self, result: Tensor, work: Optional[Any] = None, kind: str = "",
-                 log: Optional[CommunicationLog] = None) -> None:
-        self._result, self._work, self.kind, self._log = result, work, kind, log
+                 log: Optional[CommunicationLog] = None, group: Optional[str] = None) -> None:
+        self._result, self._work, self.kind, self._log, self._group = result, work, kind, log, group
 
     def wait(self) -> Tensor:
         """The result, once the collective is done.
 
         Raises:
             RuntimeError: the collective failed or timed out; the exception carries the collective's name in its
-                ``ASYNC_COLLECTIVE`` attribute (its traceback holds no ``torch.distributed`` frame to name it by).
+                ``ASYNC_COLLECTIVE`` attribute and its process group's description in ``ASYNC_GROUP`` (its traceback
+                holds no ``torch.distributed`` frame to name them by).
         """
         if self._work is not None:
             try:
                 self._work.wait()
             except RuntimeError as error:
                 setattr(error, ASYNC_COLLECTIVE, self.kind)
+                setattr(error, ASYNC_GROUP, self._group)
                 raise
             self._work = None
             if self._log is not None:
@@ -208,7 +211,8 @@ class ParallelGroup:
     def _pending(self, kind: str, result: Tensor, work: Any) -> Pending:
         if self.log is not None:
             self.log.event(f"{kind} start")
-        return Pending(result, work, kind, self.log)
+        description = "default_pg" if self.group is None else getattr(self.group, "group_desc", None)
+        return Pending(result, work, kind, self.log, description)
 
     def split(self, tensor: Tensor, dim: int = 0) -> Tensor:
         """This rank's contiguous slice of ``tensor`` along ``dim`` (no communication)."""

@@ -6,7 +6,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Optional
 
-from lightning_seqpar.parallel.collectives import ASYNC_COLLECTIVE
+from lightning_seqpar.parallel.collectives import ASYNC_COLLECTIVE, ASYNC_GROUP
 
 _TORCH_DISTRIBUTED = ("torch/distributed/distributed_c10d.py",)
 # gloo words it "Timed out waiting 8000ms for recv operation" or "Application timeout caused pair closure".
@@ -18,7 +18,8 @@ class CollectiveFailure:
     """A ``torch.distributed`` collective that raised."""
 
     collective: str
-    """e.g. ``"torch.distributed.all_reduce (called at tensor_parallel/collectives.py:105 in all_reduce)"``"""
+    """e.g. ``"torch.distributed.all_reduce (called at tensor_parallel/collectives.py:105 in all_reduce) on process
+    group 'mesh_tensor'"`` (the group's description, where the traceback holds it)"""
     timed_out: bool
     """whether it gave up waiting for a peer (the process-group timeout), rather than losing it"""
 
@@ -41,5 +42,20 @@ def failed_collective(exception: BaseException) -> Optional[CollectiveFailure]:
     if site is not None:
         short = "/".join(site.filename.rsplit("/", 2)[-2:])
         where = f" (called at {short}:{site.lineno} in {site.name})"
+    group = _group_description(exception)
+    on = f" on process group {group!r}" if group else ""
     text = str(exception).lower()
-    return CollectiveFailure(f"torch.distributed.{name}{where}", any(word in text for word in _TIMEOUT_WORDS))
+    return CollectiveFailure(f"torch.distributed.{name}{where}{on}", any(word in text for word in _TIMEOUT_WORDS))
+
+
+def _group_description(exception: BaseException) -> Optional[str]:
+    """The ``group_desc`` of the process group the innermost ``torch.distributed`` frame was called with (the default
+    group's is ``"default_pg"``; the library names its own: ``mesh_tensor``, ``async_save``, ...)."""
+    found, tb = getattr(exception, ASYNC_GROUP, None), exception.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code.co_filename.endswith(_TORCH_DISTRIBUTED) and "group" in frame.f_locals:
+            group = frame.f_locals["group"]
+            found = "default_pg" if group is None else getattr(group, "group_desc", None) or found
+        tb = tb.tb_next
+    return found

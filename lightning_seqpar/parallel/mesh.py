@@ -119,32 +119,33 @@ class ParallelMesh:
         def group(name: str) -> ParallelGroup:
             return ParallelGroup(device_mesh.get_group(name))
 
-        first_and_last = _new_groups([[c, c + (pp - 1) * dp * tp] for c in range(dp * tp)], None, timeout) \
-            if pp > 2 else None
+        first_and_last = _new_groups([[c, c + (pp - 1) * dp * tp] for c in range(dp * tp)], None, timeout,
+                                     "first_and_last_stage") if pp > 2 else None
         if host_groups is None:
             host_groups = dist.get_backend() != "gloo"
         host: dict[str, ParallelGroup] = {}
         if host_groups:
             ranks = lambda p_, d_, t_: t_ + tp * (d_ + dp * p_)  # noqa: E731  (the mesh's rank order)
             host["data"] = _new_groups([[ranks(p_, d_, t_) for d_ in range(dp)] for p_ in range(pp) for t_ in range(tp)],
-                                       "gloo", timeout)
+                                       "gloo", timeout, "host_data")
             host["pipeline"] = _new_groups([[ranks(p_, d_, t_) for p_ in range(pp)] for d_ in range(dp)
-                                            for t_ in range(tp)], "gloo", timeout)
+                                            for t_ in range(tp)], "gloo", timeout, "host_pipeline")
             if pp > 2:
-                embedding = _new_groups([[c, c + (pp - 1) * dp * tp] for c in range(dp * tp)], "gloo", timeout)
+                embedding = _new_groups([[c, c + (pp - 1) * dp * tp] for c in range(dp * tp)], "gloo", timeout,
+                                        "host_first_and_last_stage")
                 host["embedding"] = embedding if embedding is not None else ParallelGroup(None)
             elif pp == 2:
                 host["embedding"] = host["pipeline"]
         return cls(group("tensor"), group("data"), group("pipeline"), device_mesh, first_and_last, host)
 
 
-def _new_groups(all_ranks: list[list[int]], backend: Optional[str] = None,
-                timeout: Optional[timedelta] = None) -> Optional[ParallelGroup]:
+def _new_groups(all_ranks: list[list[int]], backend: Optional[str] = None, timeout: Optional[timedelta] = None,
+                description: Optional[str] = None) -> Optional[ParallelGroup]:
     """Create one process group per rank list (every rank creates every group, in the same order:
     ``torch.distributed.new_group``'s rule) and return the one holding this rank, if any."""
     rank, mine = dist.get_rank(), None
     for ranks in all_ranks:
-        created = dist.new_group(ranks, backend=backend, timeout=timeout)
+        created = dist.new_group(ranks, backend=backend, timeout=timeout, group_desc=description)
         if rank in ranks:
             mine = ParallelGroup(created)
     return mine

@@ -37,7 +37,7 @@ def test_a_stalled_or_killed_rank_ends_the_job_within_the_timeout(tmp_path, faul
         assert not alive(rank1)  # a stopped rank is killed, not left behind
         if fault == "SIGSTOP":
             assert f"timed out after {TIMEOUT} s waiting for another rank" in output
-            assert "torch.distributed." in output and "(called at " in output
+            assert "torch.distributed." in output and "(called at " in output and "on process group '" in output
     finally:
         kill_session(job)
 
