@@ -25,6 +25,8 @@ log = logging.getLogger(__name__)
 COUNT_KEY = "lightning_seqpar/failures"
 MESSAGE_KEY = "lightning_seqpar/failure"
 POLL_S = 0.5
+"""Seconds between two reads of the store by one rank, up to 256 ranks; proportionally longer beyond (the store is
+served by one process: about 512 reads/s whatever the job's size)."""
 GRACE_S = 3.0
 """How long a rank that learns of another's failure waits to fail by itself (with its own message) before exiting."""
 
@@ -35,12 +37,14 @@ class FailureWatch:
 
     Args:
         rank: this process's global rank.
+        world_size: the number of ranks (sets how often the store is read).
         store: the process group's store (default: the default group's; ``None`` without a process group: nothing
             is watched or reported).
     """
 
-    def __init__(self, rank: int, store: Any = None) -> None:
+    def __init__(self, rank: int, world_size: int = 1, store: Any = None) -> None:
         self.rank, self.store = rank, store if store is not None else default_store()
+        self.poll_s = POLL_S * max(1.0, world_size / 256)
         self.armed = self.store is not None
         self.armed_at = self._count() if self.armed else 0
         if self.armed:
@@ -78,7 +82,7 @@ class FailureWatch:
                     sys.stderr.flush()
                     os._exit(1)
                 return
-            time.sleep(POLL_S)
+            time.sleep(self.poll_s)
 
 
 def report_failure(watch: Optional[FailureWatch], exception: BaseException) -> None:

@@ -65,7 +65,7 @@ def start_process_group(environment: ClusterEnvironment, backend: str, timeout: 
     # finished process now and then ("terminate called without an active exception", rc 134).
     atexit.unregister(_destroy_process_group)  # once, however many trainers this process runs
     atexit.register(_destroy_process_group)
-    return FailureWatch(dist.get_rank())  # another rank's error ends this one too (report_failed_collective)
+    return FailureWatch(dist.get_rank(), dist.get_world_size())  # another rank's error ends this one too (report_failed_collective)
 
 
 def report_failed_collective(exception: BaseException, rank: int, timeout: timedelta,

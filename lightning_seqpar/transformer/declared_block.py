@@ -73,9 +73,13 @@ class ParallelBlock(ParallelLayer):
     A key/value cache is neither filled nor read (see :func:`refuse_used_cache`): a forward with the config's
     default ``use_cache`` trains and validates as on one device; a cache holding past tokens is refused.
 
+    Arguments are taken as :mod:`~lightning_seqpar.transformer.block_arguments` says: positional ones named by
+    ``spec.arguments``, the cache under either name, those without effect listed; anything else is refused.
+
     Raises:
         NotImplementedError: called with a key/value cache that holds past tokens, or again with a cache it has
             already seen (generation).
+        TypeError: an argument the block does not understand, by name, before any communication.
     """
 
     def __init__(self, block: nn.Module, spec: BlockSpec, ctx: RewriteContext, *, enter_region: bool = True,
