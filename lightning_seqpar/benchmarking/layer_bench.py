@@ -148,6 +148,7 @@ def _worker(rank: int, world: int, port: int, cfg: dict, out_dir: str) -> None:
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    os._exit(0)  # done: gloo's threads abort a finished process now and then in interpreter teardown (SIGABRT)
 
 
 def run_layer_benchmark(cfg: dict[str, Any]) -> tuple[dict, list[LayerResult]]:

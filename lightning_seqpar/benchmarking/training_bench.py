@@ -214,6 +214,7 @@ def _worker(local_rank: int, row: Row, port: int, cfg: dict[str, Any], out_dir: 
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    os._exit(0)  # done: gloo's threads abort a finished process now and then in interpreter teardown (SIGABRT)
 
 
 def run_training_benchmark(cfg: dict[str, Any], rows: tuple[Row, ...] = ROWS,
