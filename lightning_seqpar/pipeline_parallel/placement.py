@@ -52,7 +52,7 @@ class SkippedEmbedding(nn.Module):
         self.dtype = fn(torch.empty(0, dtype=self.dtype)).dtype  # follows .double(), .to(bfloat16), ...
         return super()._apply(fn, recurse)
 
-    def forward(self, ids: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+    def forward(self, ids: Tensor) -> Tensor:  # an embedding's call: ids only (anything more is a TypeError)
         if not self._runtime.before_stack:
             raise RuntimeError(
                 f"'{self.name}' (an embedding held by the first pipeline stage) ran on pipeline stage "
@@ -79,7 +79,7 @@ class LastStageOnly(nn.Module):
     def extra_repr(self) -> str:
         return f"'{self.name}' held by the last pipeline stage"
 
-    def forward(self, *args: Any, **kwargs: Any) -> Tensor:
+    def forward(self, *args: Any, **kwargs: Any) -> Tensor:  # refuses every call, whatever its arguments
         raise RuntimeError(
             f"'{self.name}' is held by the last pipeline stage (it runs after the layer stack), but it ran on an "
             f"earlier stage, before the stack. Use pp=1 for this model, or a policy that places this part on every "

@@ -153,7 +153,9 @@ class RemoteLayer(nn.Module):
     def extra_repr(self) -> str:
         return f"layer={self.index}, stage={self.pipeline_stage}"
 
-    def forward(self, hidden: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+    def forward(self, hidden: Tensor, *layer_args: Any, **layer_kwargs: Any) -> Tensor:
+        # The held layer's other arguments (mask, rotary tables, cache) are checked and used by that layer on its own
+        # stage, which runs the same model code with the same call; here no layer computes.
         return self._runtime.pass_through(self.index, hidden)
 
 

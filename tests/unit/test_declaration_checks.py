@@ -96,7 +96,7 @@ def test_a_rewritten_block_refuses_what_it_does_not_understand_by_name():
 
     block = ParallelBlock(Block(16, 4, 0.0), BLOCK_SPEC, RewriteContext(ParallelGroup(), True, None, True))
     x = torch.randn(2, 8, 16)
-    assert block(x, position_ids=torch.arange(8), use_cache=False, output_attentions=False).shape == x.shape
+    assert block(x, position_ids=torch.arange(8), use_cache=True, output_attentions=False).shape == x.shape
     with pytest.raises(TypeError, match=r"tensor-parallel Block was called with 'alibi' \(a tensor of shape \(2, 8\)\), "
                                         r"which its tensor-parallel version does not understand"):
         block(x, alibi=torch.zeros(2, 8))
