@@ -10,7 +10,7 @@ logged on every rank (with the user's ``self.log`` arguments), so ``sync_dist`` 
 While the schedule runs, ``module.log`` is an instance attribute that records the calls (Lightning
 offers no public hook between ``self.log`` and its result collection); it is removed afterwards.
 
-The contract with the user's LightningModule (README "Pipeline parallelism") is checked by
+The contract with the user's LightningModule (docs/pipeline.md) is checked by
 :func:`check_pipelined_module` before the first step.
 """
 

@@ -48,8 +48,8 @@ class SeqParallelStrategy(
     ``setup``: rank 0's weights on every rank → the recognized blocks rewritten (:func:`lightning_seqpar.explain`
     shows which) → the layer stack split into pipeline stages → this rank's shards materialized
     (:mod:`.parallelize`) → precision → optimizers (sharded over data-parallel ranks with ``zero=1``). Each step
-    runs the module's own steps, through the pipeline schedule when ``pp > 1`` (:mod:`.pipelined_steps`; the
-    README's "Pipeline parallelism" states the contract); gradients are then finalized over the mesh
+    runs the module's own steps, through the pipeline schedule when ``pp > 1`` (:mod:`.pipelined_steps`;
+    docs/pipeline.md states the contract); gradients are then finalized over the mesh
     (:mod:`lightning_seqpar.optim`) and clipped by the norm of the whole unsharded gradient. Checkpoints hold the
     single-device state dict (:mod:`.checkpoint_hooks`).
 

@@ -1,4 +1,4 @@
-"""Fine-tuning a pretrained Hugging Face model from the recipe, as the README's walk-through says: the corpus
+"""Fine-tuning a pretrained Hugging Face model from the recipe, as the walk-through (docs/huggingface.md) says: the corpus
 tokenized by the model's own tokenizer (a vocabulary above 65 535: uint32 cache), text out, and a directory that
 ``from_pretrained`` and ``AutoTokenizer`` load with the trained weights."""
 
@@ -24,8 +24,8 @@ TINY_RUN = {"trainer.max_steps": "4", "model.block_size": "32", "data.batch_size
 
 
 def walkthrough_commands() -> list[str]:
-    """The ``python ...`` lines of the README's fine-tuning walk-through, as written."""
-    readme = (ROOT / "README.md").read_text()
+    """The ``python ...`` lines of the fine-tuning walk-through (docs/huggingface.md), as written."""
+    readme = (ROOT / "docs" / "huggingface.md").read_text()
     block = re.search(r"<!-- walkthrough -->\n```bash\n(.*?)```\n<!-- /walkthrough -->", readme, re.S).group(1)
     return [line for line in block.splitlines() if line.startswith("python ")]
 
@@ -59,7 +59,7 @@ def test_the_readme_walkthrough_fine_tunes_on_json_lines_exports_and_generates(t
                               for i in range(0, 2000, 20)))
     train, export_cli, generate = walkthrough_commands()
     train = train.replace("path/to/model", str(model_dir)).replace("corpus.jsonl", str(corpus))
-    train = train.replace("recipes/", f"{ROOT}/recipes/")  # the README runs from the repository; outputs go to cwd
+    train = train.replace("recipes/", f"{ROOT}/recipes/")  # the walk-through runs from the repository; outputs go to cwd
     result = _run(_recipe_args(train, TINY_RUN), tmp_path)
 
     sample = _sample(result.stdout)  # decoded text of the model's tokenizer, from sample.prompt ("The ")
