@@ -124,8 +124,19 @@ def wait_for_token_cache(corpus: Path, tokenizer: Tokenizer, cache_dir: Optional
     files = corpus_files(corpus)
     source = fingerprint(files)
     path = cache_path(corpus, tokenizer, cache_dir)
-    progress, last = time.monotonic(), None
-    while stale_reason(path, tokenizer, source, text_field) is not None:
+    progress, last, damaged = time.monotonic(), None, None
+    while True:
+        try:
+            stat = path.stat()
+            identity: Optional[tuple] = (stat.st_ino, stat.st_mtime_ns, stat.st_size)
+        except FileNotFoundError:
+            identity = None
+        if identity is None or identity != damaged:  # a file found damaged is not read again until it is replaced
+            reason = stale_reason(path, tokenizer, source, text_field)
+            if reason is None:
+                break
+            if reason.startswith("its ids are damaged"):
+                damaged = identity
         state = []
         for temporary in sorted(path.parent.glob(f".{path.name}.tmp-*")):
             try:

@@ -50,6 +50,10 @@ class FailureWatch:
         if self.armed:
             threading.Thread(target=self._watch, name="lightning_seqpar-failure-watch", daemon=True).start()
 
+    def stop(self) -> None:
+        """Stop watching (the run is over; a later run in this process makes its own watch)."""
+        self.armed = False
+
     def _count(self) -> int:
         return int(self.store.add(COUNT_KEY, 0))
 

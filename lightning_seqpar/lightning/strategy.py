@@ -283,8 +283,9 @@ class SeqParallelStrategy(
     def teardown(self) -> None:
         if self._checkpoint_writer is not None:
             self._checkpoint_writer.close()  # a checkpoint still being written is finished and published
-        assert self.cluster_environment is not None
-        self.cluster_environment.teardown()
+        if getattr(self, "_failure_watch", None) is not None:
+            self._failure_watch.stop()  # a later run in this process (another Trainer) makes its own
+        self.cluster_environment.teardown()  # type: ignore[union-attr]
         super().teardown()
 
     @classmethod

@@ -266,3 +266,18 @@ def test_a_full_disk_while_tokenizing_names_the_cache_and_leaves_nothing(tmp_pat
                                       r"space left on device\): free space there, or set data.cache_dir"):
         ensure_token_cache(path, WordTokenizer(WORDS), progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt"]
+
+
+def test_a_waiting_rank_reads_a_damaged_cache_once_not_at_every_poll(tmp_path, monkeypatch):
+    from lightning_seqpar.data import cache as cache_module
+
+    path, _ = _corpus(tmp_path)
+    tokenizer = WordTokenizer(WORDS, base=100)
+    cache = ensure_token_cache(path, tokenizer, progress=False)
+    _edit_body(cache, 3, b"\xff")  # rank 0 would rebuild it; this rank waits
+    reads = []
+    real = cache_module.body_damage
+    monkeypatch.setattr(cache_module, "body_damage", lambda *a: reads.append(1) or real(*a))
+    with pytest.raises(TimeoutError, match="neither written nor valid"):
+        wait_for_token_cache(path, tokenizer, stall_timeout=0.5, poll=0.05)
+    assert len(reads) == 1  # ten polls, one pass over the ids
