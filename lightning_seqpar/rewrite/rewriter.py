@@ -130,22 +130,21 @@ def plan_rewrite(model: nn.Module, ctx: RewriteContext, policies: Optional[Itera
     plan = RewritePlan(ctx.tp, ctx.sp)
     claimed: list[str] = []
     verified: set[tuple] = set()
-    whole_models: list[str] = []  # checked as a whole: their blocks need no check of their own
-    pending_models: list[tuple[nn.Module, str]] = []
+    whole_models: list[tuple[str, nn.Module]] = []  # checked as a whole, once every block passed its own checks
 
     def check(policy: Policy, module: nn.Module, name: str) -> None:
         policy.check(module, ctx, name)
-        inside_checked = any(name.startswith(f"{prefix}.") or not prefix for prefix in whole_models)
+        if not verify or any(name.startswith(f"{prefix}.") or not prefix for prefix, _ in whole_models):
+            return  # the blocks of a model checked whole need no check of their own
         key = (type(module), configuration(module))
-        if verify and key not in verified and not inside_checked:
+        if key not in verified:
             verified.add(key)
             policy.verify(module, ctx, name)
 
     def check_model(policy: Policy, module: nn.Module, name: str) -> None:
         policy.check(module, ctx, name)
-        if verify:  # run once every block passed its own checks (whose refusals say more)
-            whole_models.append(name)
-            pending_models.append((module, f"{name} ({type(module).__name__})" if name else type(module).__name__))
+        if verify:
+            whole_models.append((name, module))
 
     def visit(prefix: str, module: nn.Module) -> None:
         children = list(module.named_children())
@@ -206,8 +205,8 @@ def plan_rewrite(model: nn.Module, ctx: RewriteContext, policies: Optional[Itera
             f"activation=..., num_heads=...))` from lightning_seqpar, passed as `SeqParallelStrategy(policies=[...])`; "
             f"or write a `lightning_seqpar.Policy` (or return one from the class's `parallel_policy()` classmethod)."
         )
-    for module, name in pending_models:
-        verify_model(module, ctx, name, policies)
+    for name, module in whole_models:  # after the blocks' own checks, whose refusals say more
+        verify_model(module, ctx, f"{name} ({type(module).__name__})" if name else type(module).__name__, policies)
     return plan
 
 
