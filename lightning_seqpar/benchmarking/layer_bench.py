@@ -22,7 +22,7 @@ from lightning_seqpar.benchmarking.native_tp import NativeBlock, parallelize_nat
 from lightning_seqpar.memory.activations import TransformerShape, layer_activation_bytes
 from lightning_seqpar.memory.tracker import LiveActivationTracker
 from lightning_seqpar.models.gpt import Block, GPTConfig
-from lightning_seqpar.models.parallel_gpt import ParallelBlock
+from lightning_seqpar.models.parallel_gpt import parallel_gpt_block
 from lightning_seqpar.parallel.collectives import CommunicationLog, ParallelGroup
 from lightning_seqpar.parallel.random import RNGTracker
 from lightning_seqpar.rewrite import RewriteContext
@@ -96,8 +96,8 @@ def _ours(cfg: dict, group: ParallelGroup, device: torch.device, dtype: torch.dt
         torch.manual_seed(0)
         ctx = RewriteContext(group, sp, RNGTracker.for_tensor_parallel(0, group.rank, device), True)
         block = Block(GPTConfig(n_embd=h, n_head=a, block_size=s, dropout=cfg["dropout"], ffn_hidden_size=f))
-        layer = ParallelBlock(block, ctx).to(device, dtype).train()
-        layer.attn.core_attention.recompute = recompute == "selective"
+        layer = parallel_gpt_block(block, ctx).to(device, dtype).train()
+        layer.core_attention.recompute = recompute == "selective"
         layer.recompute_layer = recompute == "full"
         local_s = s // t if sp else s
         make = lambda: torch.randn(local_s, b, h, device=device, dtype=dtype, requires_grad=True)  # noqa: E731

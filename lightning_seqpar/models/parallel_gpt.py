@@ -15,84 +15,33 @@ import torch.nn as nn
 from torch import Tensor
 
 from lightning_seqpar.models.sampling import Sampling
-from lightning_seqpar.parallel.random import recomputed
 from lightning_seqpar.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from lightning_seqpar.tensor_parallel.embedding import VocabParallelEmbedding
-from lightning_seqpar.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from lightning_seqpar.tensor_parallel.layers import ColumnParallelLinear
 from lightning_seqpar.tensor_parallel.mappings import gather_from_tensor_parallel_region
 from lightning_seqpar.tensor_parallel.sharding import mark_sequence_parallel, shard_parameter
+from lightning_seqpar.transformer.block_spec import BlockSpec
 from lightning_seqpar.transformer.context import RewriteContext
-from lightning_seqpar.transformer.core_attention import merge_heads, split_heads
+from lightning_seqpar.transformer.declared_block import ParallelBlock
 from lightning_seqpar.transformer.dropout import ParallelDropout
 from lightning_seqpar.transformer.region import check_sequence_length
-from lightning_seqpar.transformer.roles import LayerDims, LayerStack, ParallelLayer
+from lightning_seqpar.transformer.roles import LayerStack
 from lightning_seqpar.transformer.stack import run_layers
 
 
-class ParallelCausalSelfAttention(nn.Module):
-    """:class:`~lightning_seqpar.models.gpt.CausalSelfAttention` with heads split over t ranks.
-
-    Shapes: input/output ``[s/t, b, h]`` (SP) or ``[s, b, h]``; inside, ``a/t`` local heads.
-    """
-
-    def __init__(self, attn: nn.Module, ctx: RewriteContext) -> None:
-        super().__init__()
-        self.n_head_local = attn.n_head // ctx.tp
-        self.c_attn = ColumnParallelLinear.from_linear(attn.c_attn, ctx.group, sequence_parallel=ctx.sp, chunks=3)
-        self.core_attention = attn.core_attention
-        self.core_attention.rng_tracker, self.core_attention.sharded_heads = ctx.rng_tracker, ctx.tp > 1
-        self.c_proj = RowParallelLinear.from_linear(attn.c_proj, ctx.group, sequence_parallel=ctx.sp)
-        self.resid_dropout = ParallelDropout(attn.resid_dropout.p, ctx.rng_tracker, sharded=ctx.sp)
-
-    def forward(self, x: Tensor) -> Tensor:
-        q, k, v = split_heads(self.c_attn(x), self.n_head_local)  # [b, a/t, s, d], g inside c_attn
-        y = merge_heads(self.core_attention(q, k, v))  # [s, b, h/t]
-        return self.resid_dropout(self.c_proj(y))  # [s/t, b, h] after ḡ
+GPT_BLOCK = BlockSpec(
+    attention_norm="ln_1", mlp_norm="ln_2", qkv="attn.c_attn", attention_out="attn.c_proj", mlp_in="mlp.c_fc",
+    mlp_out="mlp.c_proj", activation="mlp.gelu", num_heads="attn.n_head",
+    attention_dropout="attn.core_attention.dropout", residual_dropouts=("attn.resid_dropout", "mlp.dropout"),
+)
+"""The reference GPT's :class:`~lightning_seqpar.models.gpt.Block` as a declaration: its parallel version is the one
+declared :class:`~lightning_seqpar.transformer.declared_block.ParallelBlock` (causal core attention, fused q/k/v)."""
 
 
-class ParallelMLP(nn.Module):
-    """:class:`~lightning_seqpar.models.gpt.MLP` with the ffn features split over t ranks. ``[s/t, b, h]`` → ``[s/t, b, h]`` (SP)."""
-
-    def __init__(self, mlp: nn.Module, ctx: RewriteContext) -> None:
-        super().__init__()
-        self.c_fc = ColumnParallelLinear.from_linear(mlp.c_fc, ctx.group, sequence_parallel=ctx.sp)
-        self.gelu = mlp.gelu
-        self.c_proj = RowParallelLinear.from_linear(mlp.c_proj, ctx.group, sequence_parallel=ctx.sp)
-        self.dropout = ParallelDropout(mlp.dropout.p, ctx.rng_tracker, sharded=ctx.sp)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))  # [s, b, ffn/t] inside
-
-
-class ParallelBlock(ParallelLayer):
-    """:class:`~lightning_seqpar.models.gpt.Block` on sequence-first, sequence-sharded activations ``[s/t, b, h]`` (SP) or ``[s, b, h]``.
-
-    Roles: :class:`~lightning_seqpar.transformer.roles.ParallelLayer` (full recomputation honours ``recompute_layer``).
-    """
-
-    def __init__(self, block: nn.Module, ctx: RewriteContext) -> None:
-        super().__init__()
-        self.ln_1, self.ln_2 = block.ln_1, block.ln_2
-        if ctx.sp:
-            mark_sequence_parallel(self.ln_1)
-            mark_sequence_parallel(self.ln_2)
-        self.attn = ParallelCausalSelfAttention(block.attn, ctx)
-        self.mlp = ParallelMLP(block.mlp, ctx)
-        self.rng_tracker = ctx.rng_tracker
-        self._dims = LayerDims(block.ln_1.normalized_shape[0], block.attn.n_head, self.mlp.c_fc.out_features, ctx.tp,
-                               ctx.sp)
-
-    def layer_dims(self) -> LayerDims:
-        return self._dims
-
-    def forward(self, x: Tensor) -> Tensor:
-        if self.recompute_layer and torch.is_grad_enabled():
-            return recomputed(self._forward, x, rng_tracker=self.rng_tracker)
-        return self._forward(x)
-
-    def _forward(self, x: Tensor) -> Tensor:
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
+def parallel_gpt_block(block: nn.Module, ctx: RewriteContext) -> ParallelBlock:
+    """The tensor (+sequence) parallel version of one GPT block: ``[s/t, b, h]`` (SP) or ``[s, b, h]`` in and out
+    (the region is the model's, from the embedding's reduce-scatter to the LM head's all-gather)."""
+    return ParallelBlock(block, GPT_BLOCK, ctx, enter_region=False, exit_region=False)
 
 
 class ParallelGPT(Sampling, LayerStack):
@@ -126,7 +75,7 @@ class ParallelGPT(Sampling, LayerStack):
             mark_sequence_parallel(old.ln_f)
         blocks = nn.ModuleList()
         for i in range(len(old.h)):
-            blocks.append(ctx.build(old.h[i], f"transformer.h.{i}", lambda b: ParallelBlock(b, ctx), init))
+            blocks.append(ctx.build(old.h[i], f"transformer.h.{i}", lambda b: parallel_gpt_block(b, ctx), init))
             old.h[i] = nn.Identity()  # the replaced model lets go of each block once it is sliced: one model in memory
         self.transformer = nn.ModuleDict(
             dict(

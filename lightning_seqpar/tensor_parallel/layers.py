@@ -343,3 +343,25 @@ class RowParallelLinear(nn.Module):
             f"in_features={self.in_features} (local {self.in_features // self.group.size}), out_features={self.out_features}, "
             f"sequence_parallel={self.sequence_parallel}, tp={self.group.size}"
         )
+
+
+class ColumnParallelInProjection(nn.Module):
+    """The packed ``[q; k; v]`` input projection of an ``nn.MultiheadAttention`` split by head blocks over the
+    tensor-parallel group, under torch's parameter names (``in_proj_weight`` ``[3h/t, h]``, ``in_proj_bias``
+    ``[3h/t]``), so state-dict keys stay those of torch's module. Applied by
+    :func:`column_parallel_linears` as a :class:`ColumnParallelLinear` is (``linear_weight``, ``bias``).
+    """
+
+    def __init__(self, mha: nn.MultiheadAttention, group: ParallelGroup) -> None:
+        super().__init__()
+        spec = ShardSpec(dim=0, full_size=3 * mha.embed_dim, padded_size=3 * mha.embed_dim, chunks=3)
+        self.in_proj_weight = shard_parameter(mha.in_proj_weight, spec, group)
+        self.in_proj_bias = shard_parameter(mha.in_proj_bias, spec, group) if mha.in_proj_bias is not None else None
+
+    @property
+    def linear_weight(self) -> Tensor:
+        return self.in_proj_weight
+
+    @property
+    def bias(self) -> Optional[Tensor]:
+        return self.in_proj_bias

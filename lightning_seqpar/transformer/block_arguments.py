@@ -31,16 +31,21 @@ NO_EFFECT = {
 """Arguments a caller may pass that do not change what the block computes, with the reason."""
 
 _REFUSED_WHEN_SET = ("output_attentions", "encoder_hidden_states", "encoder_attention_mask")
-USED = ("attention_mask", "position_embeddings") + CACHE_NAMES
+TORCH_MASKS = ("src_mask", "src_key_padding_mask", "is_causal")
+"""torch's ``nn.TransformerEncoderLayer`` mask arguments (bool ``True`` = masked; see
+:func:`~lightning_seqpar.transformer.masks.torch_attention_bias`)."""
+USED = ("attention_mask", "position_embeddings") + CACHE_NAMES + TORCH_MASKS
 
 
 class BlockArguments(NamedTuple):
     """What a declared block uses of its call: the attention mask (``[b, 1, s, s]``, bool or additive), the rotary
-    ``(cos, sin)`` of the whole sequence (``[b, s, d]`` each) and the key/value cache object."""
+    ``(cos, sin)`` of the whole sequence (``[b, s, d]`` each), the key/value cache object, and torch's masks
+    (``src_mask``, ``src_key_padding_mask``, ``is_causal``) by name when given."""
 
     attention_mask: Optional[Tensor]
     position_embeddings: Optional[tuple[Tensor, Tensor]]
     cache: Any
+    torch_masks: dict[str, Any]
 
 
 def _describe(value: Any) -> str:
@@ -88,4 +93,6 @@ def parse_block_arguments(block: str, positional_names: tuple[str, ...], args: t
                 f"result). Leave '{key}' out of the call, or describe what it does in the block's Policy."
             )
     caches = [named[n] for n in CACHE_NAMES if named.get(n) is not None]
-    return BlockArguments(named.get("attention_mask"), named.get("position_embeddings"), caches[0] if caches else None)
+    torch_masks = {n: named[n] for n in TORCH_MASKS if named.get(n) is not None}
+    return BlockArguments(named.get("attention_mask"), named.get("position_embeddings"), caches[0] if caches else None,
+                          torch_masks)

@@ -4,7 +4,9 @@ and the checks that the declaration names every part the block has."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
+
+import sys
 
 import torch
 import torch.nn as nn
@@ -23,7 +25,8 @@ class BlockSpec:
         mlp_out: the MLP output projection (``nn.Linear``, row-parallel).
         num_heads: the query head count: an ``int``, or the path of the attribute holding it (e.g.
             ``"attn.n_head"``, ``"self_attn.config.num_attention_heads"``).
-        qkv: a fused ``[q; k; v]`` projection (``nn.Linear``, column-parallel, split per head block); or
+        qkv: a fused ``[q; k; v]`` projection (``nn.Linear``, column-parallel, split per head block; or an
+            ``nn.MultiheadAttention``, whose packed ``in_proj_weight`` is that projection); or
         q, k, v: three separate projections (column-parallel, one all-gather for the three).
         mlp_in: the MLP input projection (column-parallel); or
         gate, up: a gated MLP, ``act(gate(x)) · up(x)`` (SwiGLU; column-parallel, one all-gather).
@@ -34,7 +37,7 @@ class BlockSpec:
         attention_dropout: dropout on the attention probabilities: a float, or the path of an ``nn.Dropout``
             or of a float attribute.
         residual_dropouts: paths of the ``nn.Dropout`` after ``attention_out`` and after ``mlp_out`` (0 or 2).
-        rotary: name of a function ``(q, k, cos, sin) -> (q, k)`` in the block's own Python module, applied to
+        rotary: a function ``(q, k, cos, sin) -> (q, k)`` (or its name in the block's own Python module), applied to
             q and k when the caller passes ``position_embeddings=(cos, sin)`` (Hugging Face's ``apply_rotary_pos_emb``).
         causal: mask future positions when no ``attention_mask`` is passed.
         attention: ``"eager"`` (explicit core attention: selective recomputation applies) or ``"sdpa"`` (fused,
@@ -49,6 +52,12 @@ class BlockSpec:
             "attention_mask", "encoder_hidden_states")``); default none, every other argument by keyword. Names and
             what the parallel block does with each: :mod:`lightning_seqpar.transformer.block_arguments`; any other
             argument that is not ``None`` is refused by name.
+        norm_first: pre-norm (``x + f(norm(x))``, the default) or post-norm (``norm(x + f(x))``, the original
+            Transformer's and torch's ``norm_first=False``): a bool, or the path of a bool attribute.
+        mlp_dropout: the path of an ``nn.Dropout`` between the activation and ``mlp_out`` (torch's encoder layer
+            ``dropout``); it sees ``[s, b, ffn/t]`` features, so each rank draws its own mask.
+        batch_first: the block's input and output are ``[b, s, h]`` (default) or ``[s, b, h]`` where the parallel
+            region starts or ends: a bool, or the path of a bool attribute (``"self_attn.batch_first"``).
         q_norm, k_norm: norms applied to each query / key head (over ``head_dim``) after the projection and before
             the rotary embedding (Qwen3, OLMo-2 style). Their weights are replicated; each rank normalizes a share
             of the heads, so their gradients are summed over the tensor-parallel group.
@@ -74,7 +83,7 @@ class BlockSpec:
     head_dim: Union[int, str, None] = None
     attention_dropout: Union[float, str] = 0.0
     residual_dropouts: tuple[str, ...] = ()
-    rotary: Optional[str] = None
+    rotary: Union[str, Callable[..., Any], None] = None
     causal: bool = True
     attention: str = "eager"
     softmax_dtype: Optional[torch.dtype] = None
@@ -83,6 +92,9 @@ class BlockSpec:
     arguments: tuple[str, ...] = ()
     q_norm: Optional[str] = None
     k_norm: Optional[str] = None
+    norm_first: Union[bool, str] = True
+    mlp_dropout: Optional[str] = None
+    batch_first: Union[bool, str] = True
 
     def projections(self) -> tuple[list[str], list[str]]:
         """The column-parallel paths of the attention input and of the MLP input."""
@@ -98,7 +110,8 @@ class BlockSpec:
         named.update({f"attention input {i}": p for i, p in enumerate(attention)})
         named.update({f"mlp input {i}": p for i, p in enumerate(mlp)})
         named.update({f"residual dropout {i}": p for i, p in enumerate(self.residual_dropouts)})
-        named.update({role: p for role, p in (("q_norm", self.q_norm), ("k_norm", self.k_norm)) if p})
+        named.update({role: p for role, p in (("q_norm", self.q_norm), ("k_norm", self.k_norm),
+                                              ("mlp_dropout", self.mlp_dropout)) if p})
         return named
 
 
@@ -125,8 +138,19 @@ def value_of(block: nn.Module, spec_value: Union[int, float, str, None]) -> Any:
     return resolve(block, spec_value) if isinstance(spec_value, str) else spec_value
 
 
+def rotary_function(block: nn.Module, spec: BlockSpec) -> Optional[Callable[..., Any]]:
+    """The declared rotary function: as given, or found by name in ``block``'s own Python module (once, when the
+    parallel block is built)."""
+    if spec.rotary is None or callable(spec.rotary):
+        return spec.rotary
+    return getattr(sys.modules.get(type(block).__module__), spec.rotary, None)
+
+
 def out_features(module: nn.Module) -> int:
-    """Output features of an ``nn.Linear`` or of a ``Conv1D`` (weight ``[in, out]``)."""
+    """Output features of an ``nn.Linear``, of a ``Conv1D`` (weight ``[in, out]``) or of an ``nn.MultiheadAttention``'s
+    packed input projection (``3h``)."""
+    if isinstance(module, nn.MultiheadAttention):
+        return module.in_proj_weight.shape[0]
     return module.out_features if isinstance(module, nn.Linear) else module.weight.shape[1]
 
 

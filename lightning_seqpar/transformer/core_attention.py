@@ -12,6 +12,7 @@ from torch import Tensor
 
 from lightning_seqpar.parallel.random import RNGTracker, maybe_fork, recomputed
 from lightning_seqpar.transformer.dropout import dropout
+from lightning_seqpar.transformer.masks import FutureMask, apply_mask
 from lightning_seqpar.transformer.upcast import keeping_16_bit_input
 
 
@@ -25,7 +26,8 @@ class CoreAttention(nn.Module):
 
     Args:
         dropout: attention-probability dropout p.
-        causal: mask future positions.
+        causal: mask future positions when no ``attn_mask`` is given (a given mask is the whole mask, as Hugging
+            Face's causal masks are).
         rng_tracker: tracker whose tensor-parallel stream is used when ``sharded_heads``.
         sharded_heads: heads are split over tensor-parallel ranks (each rank needs its own masks).
         softmax_dtype: compute the softmax in this dtype and cast back (Hugging Face's eager attention uses
@@ -35,8 +37,8 @@ class CoreAttention(nn.Module):
         recompute: when ``True`` (set by :class:`~lightning_seqpar.SelectiveRecompute`), the forward is
             checkpointed: only q, k, v are kept for backward.
 
-    Shapes: q, k, v ``[b, a_local, s, d]``; ``attn_mask`` additive, broadcastable to
-    ``[b, a_local, s, s]``; output ``[b, a_local, s, d]``.
+    Shapes: q, k, v ``[b, a_local, s, d]``; ``attn_mask`` broadcastable to ``[b, a_local, s, s]``, bool (``True`` =
+    attend) or additive float (:func:`~lightning_seqpar.transformer.masks.apply_mask`); output ``[b, a_local, s, d]``.
     """
 
     def __init__(
@@ -51,14 +53,7 @@ class CoreAttention(nn.Module):
         self.dropout, self.causal, self.softmax_dtype = dropout, causal, softmax_dtype
         self.rng_tracker, self.sharded_heads = rng_tracker, sharded_heads
         self.recompute = False
-        self._future: Optional[Tensor] = None
-
-    def _future_mask(self, s: int, device: torch.device) -> Tensor:
-        # Built once and reused: a mask allocated per call would add s² bytes to every layer's saved
-        # activations (masked_fill keeps it for backward), a term the paper's count does not have.
-        if self._future is None or self._future.shape[0] != s or self._future.device != device:
-            self._future = torch.ones(s, s, dtype=torch.bool, device=device).triu(1)
-        return self._future
+        self.future_mask = FutureMask()
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None) -> Tensor:
         if self.recompute and torch.is_grad_enabled():
@@ -68,10 +63,10 @@ class CoreAttention(nn.Module):
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor]) -> Tensor:
         s = q.shape[-2]
         scores = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))  # [b, a, s, s]
-        if self.causal:
-            scores = scores.masked_fill(self._future_mask(s, q.device), float("-inf"))
         if attn_mask is not None:
-            scores = scores + attn_mask
+            scores = apply_mask(scores, attn_mask)
+        elif self.causal:
+            scores = scores.masked_fill(self.future_mask(s, q.device), float("-inf"))
         # Under CUDA autocast a 16-bit softmax runs in float32 and would keep its float32 output: keep the scores
         # instead. Not when the whole core attention is recomputed: its tensors live only during its backward.
         if self.softmax_dtype is None and not self.recompute:

@@ -22,8 +22,7 @@ Face passes them.
 
 from __future__ import annotations
 
-import sys
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 import torch.nn as nn
@@ -31,13 +30,16 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_seqpar.parallel.random import recomputed
-from lightning_seqpar.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, column_parallel_linears
+from lightning_seqpar.tensor_parallel.layers import (
+    ColumnParallelInProjection, ColumnParallelLinear, RowParallelLinear, column_parallel_linears,
+)
 from lightning_seqpar.tensor_parallel.sharding import mark_sequence_parallel
 from lightning_seqpar.transformer.block_arguments import parse_block_arguments
-from lightning_seqpar.transformer.block_spec import BlockSpec, out_features, resolve, value_of
+from lightning_seqpar.transformer.block_spec import BlockSpec, out_features, resolve, rotary_function, value_of
 from lightning_seqpar.transformer.context import RewriteContext
 from lightning_seqpar.transformer.core_attention import CoreAttention, merge_heads
 from lightning_seqpar.transformer.dropout import ParallelDropout
+from lightning_seqpar.transformer.masks import torch_attention_bias
 from lightning_seqpar.transformer.region import enter_parallel_region, exit_parallel_region
 from lightning_seqpar.transformer.roles import LayerDims, ParallelLayer
 
@@ -47,7 +49,7 @@ def _activation(block: nn.Module, spec: BlockSpec) -> Callable[[Tensor], Tensor]
     return resolve(block, spec.activation)
 
 
-def _set(root: nn.Module, path: str, module: nn.Module) -> None:
+def _set(root: nn.Module, path: str, module: nn.Module) -> nn.Module:
     parent, _, name = path.rpartition(".")
     target = root
     for part in filter(None, parent.split(".")):
@@ -55,20 +57,43 @@ def _set(root: nn.Module, path: str, module: nn.Module) -> None:
             target.add_module(part, nn.Module())
         target = getattr(target, part)
     target.add_module(name, module)
+    return module
+
+
+def _dropout_p(value: Any) -> float:
+    return value.p if isinstance(value, nn.Dropout) else float(value or 0.0)
+
+
+class _Parts(NamedTuple):
+    attention_in: tuple[nn.Module, ...]
+    mlp_in: tuple[nn.Module, ...]
+    attention_out: nn.Module
+    mlp_out: nn.Module
+    attention_norm: nn.Module
+    mlp_norm: nn.Module
+    q_norm: Optional[nn.Module]
+    k_norm: Optional[nn.Module]
 
 
 class ParallelBlock(ParallelLayer):
-    """The tensor (+sequence) parallel version of a block described by a :class:`BlockSpec`.
+    """The tensor (+sequence) parallel version of a block described by a :class:`BlockSpec`: the one parallel
+    transformer layer, serving Hugging Face decoder layers, the reference GPT's blocks, torch's
+    ``nn.TransformerEncoderLayer`` and users' declared blocks.
 
     Args:
         block: the single-device block; its norms (and activation module) are reused, its weights sliced.
         spec: the declaration.
         ctx: rewrite context.
-        enter_region / exit_region: this block starts / ends the parallel region (``[b, s, h]`` batch-first
-            outside it).
+        enter_region / exit_region: this block starts / ends the parallel region (``[b, s, h]`` batch-first, or
+            ``[s, b, h]`` when ``spec.batch_first`` is false, outside it).
 
     Shapes: ``hidden_states`` ``[b, s, h]`` at a region boundary, ``[s/t, b, h]`` (SP) or ``[s, b, h]``
     between rewritten blocks; q ``[b, a/t, s, d]``, k/v ``[b, a_kv/t, s, d]``; output like the input.
+
+    Masks (:mod:`~lightning_seqpar.transformer.masks`): ``attention_mask`` in Hugging Face's convention (bool
+    ``True`` = attend, or additive; ``[b, 1, s, s]`` or ``[b, a/t, s, s]``) is applied as given; torch's
+    ``src_mask``/``src_key_padding_mask``/``is_causal`` are combined into one bias; with no mask, future
+    positions are masked when ``spec.causal`` (the core attention's cached ``[s, s]`` mask).
 
     A key/value cache is neither filled nor read (see :func:`refuse_used_cache`): a forward with the config's
     default ``use_cache`` trains and validates as on one device; a cache holding past tokens is refused.
@@ -89,6 +114,8 @@ class ParallelBlock(ParallelLayer):
         self.enter_region, self.exit_region = enter_region, exit_region
         self.spec = spec
         self._name = f"The tensor-parallel {type(block).__name__}"
+        self.batch_first = bool(value_of(block, spec.batch_first))
+        self.norm_first = bool(value_of(block, spec.norm_first))
         attention, mlp = spec.projections()
         self.num_heads = value_of(block, spec.num_heads)
         self.num_kv_heads = value_of(block, spec.num_kv_heads) or self.num_heads
@@ -100,36 +127,48 @@ class ParallelBlock(ParallelLayer):
         chunks = 3 if spec.qkv else 1
         column = ColumnParallelLinear.from_conv1d if spec.transposed else ColumnParallelLinear.from_linear
         row = RowParallelLinear.from_conv1d if spec.transposed else RowParallelLinear.from_linear
-        for path in attention:
-            _set(self, path, column(resolve(block, path), ctx.group, sequence_parallel=ctx.sp, chunks=chunks))
-        for path in mlp:
-            _set(self, path, column(resolve(block, path), ctx.group, sequence_parallel=ctx.sp))
-        for path in (spec.attention_out, spec.mlp_out):
-            _set(self, path, row(resolve(block, path), ctx.group, sequence_parallel=ctx.sp))
+
+        def column_of(path: str, chunks: int) -> nn.Module:
+            found = resolve(block, path)
+            if isinstance(found, nn.MultiheadAttention):
+                return ColumnParallelInProjection(found, ctx.group)
+            return column(found, ctx.group, sequence_parallel=ctx.sp, chunks=chunks)
+
+        attention_in = tuple(_set(self, p, column_of(p, chunks)) for p in attention)
+        mlp_in = tuple(_set(self, p, column_of(p, 1)) for p in mlp)
+        attention_out, mlp_out = (_set(self, p, row(resolve(block, p), ctx.group, sequence_parallel=ctx.sp))
+                                  for p in (spec.attention_out, spec.mlp_out))
+        norms = []
         for path in (spec.attention_norm, spec.mlp_norm):
             norm = resolve(block, path)
             if ctx.sp:
                 mark_sequence_parallel(norm)
-            _set(self, path, norm)
-        for path in filter(None, (spec.q_norm, spec.k_norm)):  # per-head norms: each rank normalizes a/t heads
-            norm = resolve(block, path)
-            mark_sequence_parallel(norm)  # replicated; the gradient of a share of the heads: summed over tp
-            _set(self, path, norm)
-        self.attention_projections = attention
-        self.mlp_projections = mlp
+            norms.append(_set(self, path, norm))
+        head_norms = []
+        for path in (spec.q_norm, spec.k_norm):
+            norm = resolve(block, path) if path else None
+            if norm is not None:  # per-head norms: each rank normalizes a/t heads
+                mark_sequence_parallel(norm)  # replicated; the gradient of a share of the heads: summed over tp
+                _set(self, path, norm)
+            head_norms.append(norm)
+        # Resolved once: the forward holds the modules, not their paths. A plain tuple, so they are registered only
+        # under the block's own names (state-dict keys stay the single-device block's).
+        self._parts = _Parts(attention_in, mlp_in, attention_out, mlp_out, norms[0], norms[1], *head_norms)
         self.activation = _activation(block, spec)
-        dropout = value_of(block, spec.attention_dropout)
-        dropout = dropout.p if isinstance(dropout, nn.Dropout) else float(dropout or 0.0)
+        dropout = _dropout_p(value_of(block, spec.attention_dropout))
         self.implementation = value_of(block, spec.attention) if "." in spec.attention else spec.attention
         self.dropout_p = dropout
         self.fused_attention = self.implementation == "sdpa"
         # Only the explicit path has a CoreAttention for selective recomputation to checkpoint.
         self.core_attention = None if self.fused_attention else CoreAttention(
-            dropout, rng_tracker=ctx.rng_tracker, sharded_heads=ctx.tp > 1, softmax_dtype=spec.softmax_dtype)
+            dropout, causal=spec.causal, rng_tracker=ctx.rng_tracker, sharded_heads=ctx.tp > 1,
+            softmax_dtype=spec.softmax_dtype)
         drops = [resolve(block, p).p for p in spec.residual_dropouts] or [0.0, 0.0]
         self.attention_residual_dropout = ParallelDropout(drops[0], ctx.rng_tracker, sharded=ctx.sp)
         self.mlp_residual_dropout = ParallelDropout(drops[1], ctx.rng_tracker, sharded=ctx.sp)
-        self.rotary = getattr(sys.modules[type(block).__module__], spec.rotary) if spec.rotary else None
+        self.mlp_inner_dropout = None if not spec.mlp_dropout else ParallelDropout(
+            resolve(block, spec.mlp_dropout).p, ctx.rng_tracker, sharded=ctx.tp > 1)  # on ffn/t features
+        self.rotary = rotary_function(block, spec)
         ffn = out_features(resolve(block, mlp[0]))
         self._dims = LayerDims(hidden, self.num_heads, ffn, ctx.tp, ctx.sp, self.num_kv_heads, len(mlp) == 2)
 
@@ -139,22 +178,32 @@ class ParallelBlock(ParallelLayer):
     def forward(self, hidden_states: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         call = parse_block_arguments(self._name, self.spec.arguments, args, kwargs)
         refuse_used_cache(self, call.cache)
-        position_embeddings, attention_mask = call.position_embeddings, call.attention_mask
-        x = enter_parallel_region(hidden_states, self.group, self.sp, True) if self.enter_region else hidden_states
+        x = enter_parallel_region(hidden_states, self.group, self.sp, self.batch_first) if self.enter_region \
+            else hidden_states
+        mask = call.attention_mask
+        if call.torch_masks:
+            masks = call.torch_masks
+            s = x.shape[0] * (self.group.size if self.sp else 1)
+            mask = torch_attention_bias(masks.get("src_mask"), masks.get("src_key_padding_mask"),
+                                        bool(masks.get("is_causal", False)), s, x.shape[1], self.num_heads,
+                                        self.group, x.dtype, x.device)
         if self.recompute_layer and torch.is_grad_enabled():
-            x = recomputed(self._body, x, position_embeddings, attention_mask, rng_tracker=self.rng_tracker)
+            x = recomputed(self._body, x, call.position_embeddings, mask, rng_tracker=self.rng_tracker)
         else:
-            x = self._body(x, position_embeddings, attention_mask)
-        return exit_parallel_region(x, self.group, self.sp, True) if self.exit_region else x
+            x = self._body(x, call.position_embeddings, mask)
+        return exit_parallel_region(x, self.group, self.sp, self.batch_first) if self.exit_region else x
 
     def _body(self, x: Tensor, position_embeddings: Optional[tuple[Tensor, Tensor]], mask: Optional[Tensor]) -> Tensor:
-        attention_norm, mlp_norm = self.get_submodule(self.spec.attention_norm), self.get_submodule(self.spec.mlp_norm)
-        x = x + self.attention_residual_dropout(self._attention(attention_norm(x), position_embeddings, mask))
-        return x + self.mlp_residual_dropout(self._mlp(mlp_norm(x)))  # [s/t, b, h]
+        parts = self._parts
+        if not self.norm_first:  # post-norm: norm(x + f(x))
+            x = parts.attention_norm(x + self.attention_residual_dropout(self._attention(x, position_embeddings, mask)))
+            return parts.mlp_norm(x + self.mlp_residual_dropout(self._mlp(x)))
+        x = x + self.attention_residual_dropout(self._attention(parts.attention_norm(x), position_embeddings, mask))
+        return x + self.mlp_residual_dropout(self._mlp(parts.mlp_norm(x)))  # [s/t, b, h]
 
     def _attention(self, x: Tensor, position_embeddings: Optional[tuple[Tensor, Tensor]], mask: Optional[Tensor]) -> Tensor:
-        layers = [self.get_submodule(p) for p in self.attention_projections]
-        outputs = column_parallel_linears(x, layers, self.group, self.sp)  # each [s, b, ·/t]
+        parts = self._parts
+        outputs = column_parallel_linears(x, list(parts.attention_in), self.group, self.sp)  # each [s, b, ·/t]
         s, b = outputs[0].shape[:2]
         if len(outputs) == 1:  # fused [q_r; k_r; v_r]
             q, k, v = outputs[0].view(s, b, 3, -1).unbind(2)
@@ -162,10 +211,10 @@ class ParallelBlock(ParallelLayer):
             q, k, v = outputs
         q = q.reshape(s, b, self.heads_local, self.head_dim)  # [s, b, a/t, d]
         k = k.reshape(s, b, self.kv_heads_local, self.head_dim)  # [s, b, a_kv/t, d]
-        if self.spec.q_norm:
-            q = self.get_submodule(self.spec.q_norm)(q)
-        if self.spec.k_norm:
-            k = self.get_submodule(self.spec.k_norm)(k)
+        if parts.q_norm is not None:
+            q = parts.q_norm(q)
+        if parts.k_norm is not None:
+            k = parts.k_norm(k)
         q, k = q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3)  # [b, a/t, s, d], [b, a_kv/t, s, d]
         v = v.reshape(s, b, self.kv_heads_local, self.head_dim).permute(1, 2, 0, 3)
         if self.rotary is not None and position_embeddings is not None:
@@ -181,18 +230,16 @@ class ParallelBlock(ParallelLayer):
         else:
             if groups > 1:
                 k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # [b, a/t, s, d]
-            bias = additive_mask(mask, q.dtype)
-            if bias is None and self.spec.causal:
-                bias = torch.full((s, s), float("-inf"), dtype=q.dtype, device=q.device).triu(1)
             assert self.core_attention is not None
-            context = self.core_attention(q * self.score_factor if self.score_factor != 1.0 else q, k, v, bias)
-        return self.get_submodule(self.spec.attention_out)(merge_heads(context))  # [s/t, b, h] under SP
+            context = self.core_attention(q * self.score_factor if self.score_factor != 1.0 else q, k, v, mask)
+        return parts.attention_out(merge_heads(context))  # [s/t, b, h] under SP
 
     def _mlp(self, x: Tensor) -> Tensor:
-        layers = [self.get_submodule(p) for p in self.mlp_projections]
-        outputs = column_parallel_linears(x, layers, self.group, self.sp)  # each [s, b, f/t]
+        outputs = column_parallel_linears(x, list(self._parts.mlp_in), self.group, self.sp)  # each [s, b, f/t]
         inner = self.activation(outputs[0]) * outputs[1] if len(outputs) == 2 else self.activation(outputs[0])
-        return self.get_submodule(self.spec.mlp_out)(inner)
+        if self.mlp_inner_dropout is not None:
+            inner = self.mlp_inner_dropout(inner)
+        return self._parts.mlp_out(inner)
 
 
 CACHE_MARK = "tensor_parallel_layers_seen"
@@ -228,11 +275,3 @@ def refuse_used_cache(layer: nn.Module, cache: Any) -> None:
         seen = set()
         setattr(cache, CACHE_MARK, seen)
     seen.add(id(layer))
-
-
-def additive_mask(mask: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
-    """A Hugging Face attention mask (``[b, 1, s, s]``; bool with ``True`` = attend, or additive float) as an
-    additive bias for :class:`CoreAttention`."""
-    if mask is None or mask.dtype != torch.bool:
-        return None if mask is None else mask.to(dtype)
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import inspect
-import sys
 from typing import Optional
 
 import torch
@@ -26,6 +25,7 @@ from lightning_seqpar.transformer.block_spec import (
     BlockSpec,
     out_features,
     resolve,
+    rotary_function,
     undeclared_parts,
     value_of,
 )
@@ -102,17 +102,17 @@ class DeclaredBlockPolicy(Policy):
             for role, path in spec.paths().items():
                 found = resolve(module, path)
                 transposed_ok = spec.transposed and getattr(getattr(found, "weight", None), "dim", lambda: 0)() == 2
-                if path in linears and not (isinstance(found, nn.Linear) or transposed_ok):
+                packed = path == spec.qkv and isinstance(found, nn.MultiheadAttention)
+                if path in linears and not (isinstance(found, nn.Linear) or transposed_ok or packed):
                     raise ValueError(f"{name}: the declared {role} '{path}' is a {type(found).__name__}, not an "
                                      f"nn.Linear (a Conv1D-style [in, out] weight needs transposed=True).")
             heads = value_of(module, spec.num_heads)
             kv_heads = value_of(module, spec.num_kv_heads) or heads
             if not spec.activation.startswith("F."):
                 resolve(module, spec.activation)
-            if spec.rotary:
-                if not callable(getattr(sys.modules.get(type(module).__module__), spec.rotary, None)):
-                    raise ValueError(f"{name}: the declared rotary function '{spec.rotary}' is not in "
-                                     f"{type(module).__module__}.")
+            if spec.rotary and not callable(rotary_function(module, spec)):
+                raise ValueError(f"{name}: the declared rotary function '{spec.rotary}' is not in "
+                                 f"{type(module).__module__}.")
         except AttributeError as error:
             raise ValueError(f"{name} ({type(module).__name__}): the block declaration names a part that does not "
                              f"exist: {error} Fix the BlockSpec.") from None

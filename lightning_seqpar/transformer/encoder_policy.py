@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch.nn as nn
 
 from lightning_seqpar.transformer.context import RewriteContext
-from lightning_seqpar.transformer.encoder import ParallelTransformerEncoder, ParallelTransformerEncoderLayer
+from lightning_seqpar.transformer.encoder import ParallelTransformerEncoder, parallel_encoder_layer
 from lightning_seqpar.transformer.policy import Policy, require_divisible
 
 
@@ -21,7 +21,8 @@ def _check_layer(layer: nn.TransformerEncoderLayer, ctx: RewriteContext, name: s
 
 
 class TransformerEncoderLayerPolicy(Policy):
-    """``nn.TransformerEncoderLayer`` → :class:`ParallelTransformerEncoderLayer`."""
+    """``nn.TransformerEncoderLayer`` → the declared :class:`~lightning_seqpar.transformer.declared_block.ParallelBlock`
+    (:data:`~lightning_seqpar.transformer.encoder.ENCODER_LAYER`)."""
 
     block = nn.TransformerEncoderLayer
     role = "layer"
@@ -38,7 +39,7 @@ class TransformerEncoderLayerPolicy(Policy):
         )
 
     def rewrite(self, module, ctx, *, enter_region, exit_region):
-        return ParallelTransformerEncoderLayer(module, ctx, enter_region=enter_region, exit_region=exit_region)
+        return parallel_encoder_layer(module, ctx, enter_region=enter_region, exit_region=exit_region)
 
 
 class TransformerEncoderPolicy(Policy):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lightning_seqpar.models.gpt import Block, GPTConfig
-from lightning_seqpar.models.parallel_gpt import ParallelBlock
+from lightning_seqpar.models.parallel_gpt import parallel_gpt_block
 from lightning_seqpar.parallel import CommunicationLog, ParallelGroup
 from lightning_seqpar.parallel.random import RNGTracker
 from lightning_seqpar.rewrite import RewriteContext
@@ -25,7 +25,7 @@ def _layer(rank, sequence_parallel, dtype=torch.float32, dropout=0.0):
     torch.manual_seed(0)
     group = ParallelGroup(torch.distributed.group.WORLD)
     ctx = RewriteContext(group, sequence_parallel, RNGTracker.for_tensor_parallel(0, rank), True)
-    block = ParallelBlock(Block(GPTConfig(n_embd=H, n_head=A, block_size=S, dropout=dropout, ffn_hidden_size=F)), ctx).to(dtype)
+    block = parallel_gpt_block(Block(GPTConfig(n_embd=H, n_head=A, block_size=S, dropout=dropout, ffn_hidden_size=F)), ctx).to(dtype)
     torch.manual_seed(1)
     x = torch.randn(S, B, H, dtype=dtype)
     x = group.split(x) if ctx.sp else x  # [s/t, b, h] or [s, b, h]
