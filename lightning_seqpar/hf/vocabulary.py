@@ -1,8 +1,9 @@
 """The vocabulary of a Hugging Face causal LM split over the tensor-parallel group, as the reference GPT's is.
 
 ``get_input_embeddings()`` becomes a :class:`~lightning_seqpar.VocabParallelEmbedding` (rows split, padded to a
-multiple of t, ``padding_idx`` kept) and ``lm_head`` a column-parallel linear over the vocabulary sharing its
-weight when the two are tied. The head returns :class:`~lightning_seqpar.tensor_parallel.vocab_logits.VocabShardedLogits`;
+multiple of t, ``padding_idx`` kept) and ``lm_head`` the
+:class:`~lightning_seqpar.transformer.vocabulary.VocabParallelHead` the reference GPT uses too, sharing the
+embedding's weight when the two are tied. The head returns :class:`~lightning_seqpar.tensor_parallel.vocab_logits.VocabShardedLogits`;
 with ``labels=``, the model's loss function is :class:`CausalLMLoss`, the vocabulary-parallel cross entropy with
 transformers' ``ForCausalLMLoss`` semantics (labels shifted inside, ``ignore_index=-100``, ``num_items_in_batch``),
 so no rank materializes ``[b, s, v]`` logits; reading ``.logits`` gathers them (once, when used).
@@ -18,14 +19,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_seqpar.parallel.collectives import ParallelGroup
 from lightning_seqpar.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from lightning_seqpar.tensor_parallel.embedding import VocabParallelEmbedding, embedding_scale
-from lightning_seqpar.tensor_parallel.layers import ColumnParallelLinear
-from lightning_seqpar.tensor_parallel.sharding import padded_size, shard_parameter
+from lightning_seqpar.tensor_parallel.sharding import padded_size
 from lightning_seqpar.tensor_parallel.vocab_logits import VocabShardedLogits
 from lightning_seqpar.transformer.context import RewriteContext
 from lightning_seqpar.transformer.policy import Policy
+from lightning_seqpar.transformer.vocabulary import parallel_lm_head
 
 
 def is_causal_lm(module: nn.Module) -> bool:
@@ -48,18 +48,6 @@ def _embedding_path(model: nn.Module) -> str:
 def _replace(root: nn.Module, path: str, module: nn.Module) -> None:
     parent, _, name = path.rpartition(".")
     setattr(root.get_submodule(parent) if parent else root, name, module)
-
-
-class VocabParallelHead(ColumnParallelLinear):
-    """The LM head split over the (padded) vocabulary: ``[b, s, h]`` replicated → logits ``[b, s, v'/t]`` wrapped
-    as :class:`VocabShardedLogits` (single-device shape ``[b, s, v]``)."""
-
-    def __init__(self, in_features: int, vocab_size: int, group: ParallelGroup) -> None:
-        super().__init__(in_features, padded_size(vocab_size, group.size), group, bias=False)
-        self.vocab_size = vocab_size
-
-    def forward(self, x: Tensor) -> Tensor:
-        return VocabShardedLogits.wrap(super().forward(x), self.group, self.vocab_size)
 
 
 class CausalLMLoss:
@@ -145,19 +133,7 @@ class HFVocabularyPolicy(Policy):
                               lambda e: VocabParallelEmbedding.from_embedding(e, ctx.group, batch_first=True))
         _replace(module, path, embedding)
 
-        def head_of(linear: nn.Module) -> nn.Module:
-            with torch.device("meta"):  # a skeleton: its weight is the embedding's or the head's slice
-                head = VocabParallelHead(linear.in_features, linear.out_features, ctx.group)
-            head.weight = shard_parameter(linear.weight, embedding.spec, ctx.group)
-            return head
-
-        if tied:
-            with torch.device("meta"):
-                head = VocabParallelHead(old_head.in_features, old_head.out_features, ctx.group)
-            head.weight = embedding.weight
-        else:
-            head = ctx.build(old_head, f"{prefix}lm_head", head_of)
-        module.lm_head = head
+        module.lm_head = parallel_lm_head(old_head, embedding, ctx, f"{prefix}lm_head", tied=tied, wrap_logits=True)
         if ctx.loss_parallel:
             module.loss_function = CausalLMLoss(module.loss_function)
         return module

@@ -26,7 +26,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_seqpar.lightning.pipeline_logs import LogRecorder, LogShare
-from lightning_seqpar.optim.grad_buckets import BucketArming
+from lightning_seqpar.optim.grad_sync import GradientSync, ScheduleGradients
 from lightning_seqpar.parallel.collectives import ParallelGroup
 from lightning_seqpar.pipeline_parallel.config import PipelineConfig
 from lightning_seqpar.pipeline_parallel.executor import PipelineExecutor, StepResult, loss_of
@@ -100,17 +100,6 @@ def check_pipelined_module(module: pl.LightningModule) -> None:
         )
 
 
-@dataclass(frozen=True)
-class ScheduleReduction:
-    """Data-parallel reduction during the schedule: the armed buckets, the loss's incoming gradient (``1 /
-    accumulate_grad_batches``, known on the host when no loss scaler is used) and whether the window's earlier
-    batches accumulated gradients."""
-
-    arming: BucketArming
-    scale: float
-    accumulated: bool
-
-
 class PipelinedSteps:
     """Training and evaluation steps of a split LightningModule.
 
@@ -179,39 +168,31 @@ class PipelinedSteps:
             module.log(name, value.to(dtypes.get(name) or torch.get_default_dtype()), **kwargs)
 
     def training_step(self, module: pl.LightningModule, batch: Any, batch_idx: int,
-                      reduction: Optional[ScheduleReduction] = None) -> Tensor:
+                      gradients: Optional[ScheduleGradients] = None) -> Tensor:
         """Run ``module.training_step`` on every micro-batch through the schedule.
 
-        ``reduction``: in the last batch of an accumulation window, the data-parallel buckets take each gradient
-        during the last backward of its model chunk (the layer stack's parameters) or of this rank (the others), as
-        ``earlier + scale · fresh`` (what the returned loss's backward would make of it), so their reductions start
-        while backward goes on.
+        ``gradients`` (from :meth:`~lightning_seqpar.optim.grad_sync.GradientSync.schedule`; default: none reduce):
+        the window's earlier gradients are kept aside, and in the window's last batch the data-parallel buckets take
+        each gradient during the last backward of its model chunk (the layer stack's parameters) or of this rank
+        (the others), so their reductions start while backward goes on.
 
         Returns:
             The mean micro-batch loss, identical on every rank; its ``backward()`` puts the schedule's
             gradients (scaled by the incoming gradient, e.g. ``1/accumulate_grad_batches``) into ``.grad``
             (those the buckets took are theirs already). Nothing is read back to the host.
         """
-        params = [p for p in module.parameters() if p.requires_grad]
-        earlier = [p.grad for p in params]  # gradients accumulated by previous batches stay where they are
-        for p in params:
-            p.grad = None
+        if gradients is None:
+            gradients = ScheduleGradients([p for p in module.parameters() if p.requires_grad], None, 1.0, False)
         arm = None
-        if reduction is not None:
-            kept = {id(p): g for p, g in zip(params, earlier) if g is not None} if reduction.accumulated else {}
+        if gradients.reduces:
             executor = self.executor
 
             def arm(chunk: int, final: bool) -> None:
                 # A chunk's layers are final after its last backward; the rest (embedding, head) after the rank's last.
                 stage = self.layout.stage(executor.rank, chunk)
-                only = None if final else executor.runtime.stage_parameters.get(stage, [])
-                reduction.arming.arm_in_schedule(reduction.scale, kept, only)
+                gradients.arm(None if final else executor.runtime.stage_parameters.get(stage, []))
         result, recorder = self._run(module, module.training_step, batch, batch_idx, False, arm)
-        taken = reduction.arming.taken() if reduction is not None else frozenset()
-        fresh = {p: p.grad for p in params if p.grad is not None and id(p) not in taken}
-        for p, grad in zip(params, earlier):
-            if id(p) not in taken:
-                p.grad = grad
+        fresh = gradients.fresh()
         mean = None
         if self.is_last:
             losses = [loss_of(result.outputs[i]).detach() for i in sorted(result.outputs)]
@@ -234,7 +215,7 @@ class PipelinedStepsMixin:
     under pipeline parallelism."""
 
     pipeline: Optional[PipelinedSteps] = None
-    _arming: Optional[BucketArming] = None  # the buckets of the optimizer step running (set by the strategy)
+    grad_sync: Optional[GradientSync] = None  # the run's data-parallel reduction (set by the strategy at fit)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -243,14 +224,15 @@ class PipelinedStepsMixin:
         assert self.lightning_module is not None
         batch, batch_idx = self._step_args(args, kwargs)
         with self.precision_plugin.train_step_context():
-            return self.pipeline.training_step(self.lightning_module, batch, batch_idx, self._reduction(batch_idx))
+            return self.pipeline.training_step(self.lightning_module, batch, batch_idx, self._gradients(batch_idx))
 
-    def _reduction(self, batch_idx: int) -> Optional[ScheduleReduction]:
-        # A loss scaler's factor lives on the device: then the buckets reduce after backward instead.
-        if self._arming is None or getattr(self.precision_plugin, "scaler", None) is not None:
+    def _gradients(self, batch_idx: int) -> Optional[ScheduleGradients]:
+        if self.grad_sync is None:
             return None
-        accumulate = self.lightning_module.trainer.accumulate_grad_batches
-        return ScheduleReduction(self._arming, 1.0 / accumulate, batch_idx % accumulate != 0)
+        module = self.lightning_module
+        params = [p for p in module.parameters() if p.requires_grad]
+        scaled = getattr(self.precision_plugin, "scaler", None) is not None
+        return self.grad_sync.schedule(params, batch_idx, module.trainer.accumulate_grad_batches, scaled)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -32,8 +32,7 @@ from lightning_seqpar.lightning.process_group import (
     report_failed_collective,
     start_process_group,
 )
-from lightning_seqpar.optim import Buckets, NoBuckets
-from lightning_seqpar.optim.step import data_parallel_optimizers, reduced_gradients
+from lightning_seqpar.optim.grad_sync import GradientSync
 from lightning_seqpar.parallel import ParallelMesh, RNGTracker, validate_layout
 from lightning_seqpar.pipeline_parallel import PipelineConfig
 from lightning_seqpar.rewrite import Policy, RewritePlan
@@ -149,7 +148,7 @@ class SeqParallelStrategy(
         self._remote_keys: list[str] = []  # state-dict keys of other pipeline stages
         self._parallelized: Optional[torch.nn.Module] = None
         self._initial_weights: Optional[Mapping[str, Any]] = None  # read into the shards as they are made
-        self._buckets: Buckets = NoBuckets()  # data-parallel reduction during backward
+        self.grad_sync: Optional[GradientSync] = None  # the fit's data-parallel reduction (one owner)
         self.num_nodes = 1
 
     @property
@@ -242,9 +241,11 @@ class SeqParallelStrategy(
             if self.pipeline is not None:
                 check_pipelined_module(self.lightning_module)
             self.setup_optimizers(trainer)
-            self.optimizers, self._buckets = data_parallel_optimizers(
-                self.model, self.optimizers, self.lr_scheduler_configs, self.mesh, self.zero, self.pipeline is not None,
-                self._buckets, self.fp32_main_params)
+            if self.grad_sync is not None:
+                self.grad_sync.remove()  # a second fit: the previous buckets' hooks go
+            self.grad_sync = GradientSync(self.model, self.optimizers, self.lr_scheduler_configs, self.mesh, self.zero,
+                                          self.pipeline is not None, self.fp32_main_params)
+            self.optimizers = self.grad_sync.optimizers
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             optimizers_to_device(self.optimizers, self.root_device)
@@ -267,7 +268,8 @@ class SeqParallelStrategy(
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         def closure_then_finalize() -> Any:
             # The closure runs the window's last backward: buckets reduce during it, gradients are final before clipping.
-            with reduced_gradients(optimizer, self._buckets, self.lightning_module.parameters, self.mesh) as self._arming:
+            assert self.grad_sync is not None
+            with self.grad_sync.final_backward(optimizer):
                 return closure()
 
         return super().optimizer_step(optimizer, closure_then_finalize, model, **kwargs)

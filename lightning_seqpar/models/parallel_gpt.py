@@ -17,9 +17,8 @@ from torch import Tensor
 from lightning_seqpar.models.sampling import Sampling
 from lightning_seqpar.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from lightning_seqpar.tensor_parallel.embedding import VocabParallelEmbedding
-from lightning_seqpar.tensor_parallel.layers import ColumnParallelLinear
 from lightning_seqpar.tensor_parallel.mappings import gather_from_tensor_parallel_region
-from lightning_seqpar.tensor_parallel.sharding import mark_sequence_parallel, shard_parameter
+from lightning_seqpar.tensor_parallel.sharding import mark_sequence_parallel
 from lightning_seqpar.transformer.block_spec import BlockSpec
 from lightning_seqpar.transformer.context import RewriteContext
 from lightning_seqpar.transformer.declared_block import ParallelBlock
@@ -27,6 +26,7 @@ from lightning_seqpar.transformer.dropout import ParallelDropout
 from lightning_seqpar.transformer.region import check_sequence_length
 from lightning_seqpar.transformer.roles import LayerStack
 from lightning_seqpar.transformer.stack import run_layers
+from lightning_seqpar.transformer.vocabulary import parallel_lm_head
 
 
 GPT_BLOCK = BlockSpec(
@@ -86,14 +86,10 @@ class ParallelGPT(Sampling, LayerStack):
                 ln_f=old.ln_f,
             )
         )
-        v_padded = wte.spec.padded_size
-        with torch.device("meta"):  # a skeleton: its weight is the embedding's or the head's slice
-            self.lm_head = ColumnParallelLinear(gpt.config.n_embd, v_padded, ctx.group, bias=False, sequence_parallel=ctx.sp)
-        if gpt.config.tie_weights:
-            self.lm_head.weight = wte.weight
-        else:
-            ctx.prepare(gpt.lm_head, "lm_head", init)
-            self.lm_head.weight = shard_parameter(gpt.lm_head.weight, wte.spec, ctx.group)
+        if not gpt.config.tie_weights:
+            ctx.prepare(gpt.lm_head, "lm_head", init)  # materialized with the embedding, as every stage holds both
+        self.lm_head = parallel_lm_head(gpt.lm_head, wte, ctx, "lm_head", tied=gpt.config.tie_weights,
+                                        sequence_parallel=ctx.sp)
         self.recompute_chunks: list[tuple[int, int]] = []
 
     def stack_layers(self) -> nn.ModuleList:

@@ -20,6 +20,7 @@ coalesced all-reduce makes, would double them during the reduction).
 from __future__ import annotations
 
 import weakref
+from types import MappingProxyType
 from contextlib import contextmanager
 from typing import Iterable, Iterator, Mapping, Optional, Union
 
@@ -74,17 +75,17 @@ class BucketArming:
     armed: bool = False
     window_end: bool = False
     _scale: float = 1.0
-    _earlier: Mapping[int, Tensor] = {}
+    _earlier: Mapping[int, Tensor] = MappingProxyType({})  # immutable: a class default shared by every instance
     _only: Optional[set[int]] = None  # armed for these parameters only (None: all)
 
     @contextmanager
     def window(self) -> Iterator[None]:
         """The closure of an optimizer step: hooks armed at once if the buckets overlap backward."""
-        self.window_end, self.armed, self._scale, self._earlier, self._only = True, self.overlap, 1.0, {}, None
+        self.window_end, self.armed, self._scale, self._earlier, self._only = True, self.overlap, 1.0, MappingProxyType({}), None
         try:
             yield
         finally:
-            self.window_end, self.armed, self._earlier, self._only = False, False, {}, None
+            self.window_end, self.armed, self._earlier, self._only = False, False, MappingProxyType({}), None
 
     def arm_in_schedule(self, scale: float, earlier: Mapping[int, Tensor],
                         only: Optional[Iterable[nn.Parameter]] = None) -> bool:

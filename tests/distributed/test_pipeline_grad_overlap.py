@@ -64,10 +64,9 @@ class _SmallBuckets(_Order):
         from lightning_seqpar.optim.gradients import shared_over_stages
 
         strategy = trainer.strategy
-        strategy._buckets.remove()
         shared = set(map(id, shared_over_stages(list(pl_module.parameters()))))
-        strategy._buckets = GradientBuckets([p for p in pl_module.parameters() if id(p) not in shared],
-                                            strategy.mesh.data, overlap=False, bucket_bytes=8192)
+        strategy.grad_sync.replace_buckets(GradientBuckets([p for p in pl_module.parameters() if id(p) not in shared],
+                                                           strategy.mesh.data, overlap=False, bucket_bytes=8192))
         super().on_train_start(trainer, pl_module)
 
 

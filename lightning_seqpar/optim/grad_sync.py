@@ -1,0 +1,152 @@
+"""Data-parallel gradient synchronization, owned by one object per run.
+
+Megatron-Core's ``DistributedDataParallel`` is the model (``no_sync`` / ``start_grad_sync`` / ``finish_grad_sync``):
+:class:`GradientSync` decides when a gradient is reduced and with what value. It holds the buckets of the run
+(:class:`~lightning_seqpar.optim.grad_buckets.GradientBuckets` with ``zero=0``; each
+:class:`~lightning_seqpar.optim.distributed_optimizer.DistributedOptimizer`'s sharded buckets with ``zero=1``), and
+the accumulation window:
+
+- batches before the last of a window accumulate locally (nothing is reduced: Megatron's ``no_sync``);
+- :meth:`GradientSync.final_backward` spans the closure of an optimizer step, which runs the window's last backward:
+  the buckets reduce as their gradients become final, and on leaving, every gradient is the unparallelized
+  model's (``finish_grad_sync``), ready for clipping;
+- under a pipeline schedule, whose backward passes run inside the training step, :meth:`GradientSync.schedule`
+  gives the step a :class:`ScheduleGradients`: it keeps the window's earlier gradients aside, arms the buckets
+  at each model chunk's last backward with ``earlier + scale · fresh`` (the value Lightning's backward of the
+  returned loss would make), and hands back what the buckets did not take.
+
+The strategy holds the one :class:`GradientSync` of a fit and hands the pipelined steps what :meth:`schedule` returns.
+"""
+
+from __future__ import annotations
+
+import warnings
+from contextlib import contextmanager
+from typing import Any, Iterable, Iterator, Optional, Sequence
+
+import torch.nn as nn
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_seqpar.optim.distributed_optimizer import DistributedOptimizer, distribute_optimizers
+from lightning_seqpar.optim.grad_buckets import BucketArming, Buckets, NoBuckets, gradient_buckets
+from lightning_seqpar.optim.gradients import finalize_gradients
+from lightning_seqpar.parallel.mesh import ParallelMesh
+
+
+class ScheduleGradients:
+    """The gradients of one pipelined training step (one batch of an accumulation window).
+
+    Args:
+        params: the module's trainable parameters.
+        arming: the buckets to arm (the window's last batch), or ``None`` (an earlier batch, or a loss scaler whose
+            factor lives on the device: the buckets then reduce after backward).
+        scale: the loss's incoming gradient, ``1 / accumulate_grad_batches``.
+        accumulated: earlier batches of the window left gradients (added to what the buckets reduce).
+    """
+
+    def __init__(self, params: Sequence[nn.Parameter], arming: Optional[BucketArming], scale: float,
+                 accumulated: bool) -> None:
+        self.params, self.arming, self.scale = list(params), arming, scale
+        self._earlier = [p.grad for p in self.params]  # stay aside while the schedule runs
+        self._kept = ({id(p): g for p, g in zip(self.params, self._earlier) if g is not None}
+                      if accumulated and arming is not None else {})
+        for p in self.params:
+            p.grad = None
+
+    @property
+    def reduces(self) -> bool:
+        """Whether the buckets reduce during this schedule (the window's last batch)."""
+        return self.arming is not None
+
+    def arm(self, only: Optional[Iterable[nn.Parameter]]) -> None:
+        """Just before a last backward: the buckets take ``only``'s gradients (``None``: every parameter's) as they
+        become final, as ``earlier + scale · fresh``."""
+        if self.arming is not None:
+            self.arming.arm_in_schedule(self.scale, self._kept, only)
+
+    def fresh(self) -> dict[nn.Parameter, Tensor]:
+        """After the schedule: the earlier gradients back where the buckets did not take them, and the schedule's
+        own gradients of those parameters (for the returned loss's backward to add, scaled)."""
+        taken = self.arming.taken() if self.arming is not None else frozenset()
+        fresh = {p: p.grad for p in self.params if p.grad is not None and id(p) not in taken}
+        for p, grad in zip(self.params, self._earlier):
+            if id(p) not in taken:
+                p.grad = grad
+        return fresh
+
+
+class GradientSync:
+    """The owner of data-parallel gradient reduction for one fit (see the module).
+
+    Args:
+        module: the rewritten model (its parameters, in model order).
+        optimizers: the optimizers Lightning configured.
+        lr_scheduler_configs: their schedulers (re-pointed at the distributed optimizers with ``zero=1``).
+        mesh: the process groups; gradients are reduced over ``mesh.data``.
+        zero: ``1``: :class:`DistributedOptimizer` for each optimizer (they reduce-scatter their own buckets);
+            ``0``: the optimizers as they are, with all-reduce buckets over ``module``.
+        pipelined: a pipeline schedule runs the backward passes (buckets armed per model chunk, not overlapped with
+            the closure's backward).
+        main_params: ``zero=1`` only: float32 main params of 16-bit parameters.
+
+    Attributes:
+        optimizers: the optimizers to step (distributed ones with ``zero=1``).
+
+    Raises:
+        ValueError: from :class:`DistributedOptimizer`.
+    """
+
+    def __init__(self, module: nn.Module, optimizers: Sequence[Optimizer], lr_scheduler_configs: Sequence[Any],
+                 mesh: ParallelMesh, zero: int, pipelined: bool, main_params: bool = False) -> None:
+        self.module, self.mesh = module, mesh
+        self._window: Optional[BucketArming] = None
+        if zero:
+            if main_params and not any(p.element_size() < 4 for p in module.parameters()):
+                warnings.warn("fp32_main_params=True has no effect: the parameters are not 16-bit (precision="
+                              "'bf16-mixed' keeps float32 parameters already). Use precision='bf16-true' for 16-bit "
+                              "parameters with float32 main params.", stacklevel=2)
+            self.optimizers: list[Optimizer] = list(
+                distribute_optimizers(optimizers, lr_scheduler_configs, mesh, pipelined, main_params))
+            self.buckets: Buckets = NoBuckets()
+        else:
+            self.optimizers = list(optimizers)
+            self.buckets = gradient_buckets(module, mesh.data, pipelined)
+
+    def replace_buckets(self, buckets: Buckets) -> None:
+        """Reduce through ``buckets`` from now on (``zero=0``), the current ones released."""
+        self.buckets.remove()
+        self.buckets = buckets
+
+    def remove(self) -> None:
+        """Release the buckets' hooks (a later fit builds its own :class:`GradientSync`)."""
+        self.buckets.remove()
+
+    def _buckets_of(self, optimizer: Optimizer) -> Any:
+        return optimizer.buckets if isinstance(optimizer, DistributedOptimizer) else self.buckets
+
+    @contextmanager
+    def final_backward(self, optimizer: Optimizer) -> Iterator[None]:
+        """Around the closure of ``optimizer``'s step (it runs the window's last backward): the buckets reduce
+        during that backward (or the schedule inside it); on leaving, the gradients are those of the unparallelized
+        model. A :class:`DistributedOptimizer` keeps its owned ranges (:meth:`~DistributedOptimizer.finish_gradients`);
+        otherwise the buckets are finished and :func:`~lightning_seqpar.optim.finalize_gradients` reduces the rest."""
+        buckets = self._buckets_of(optimizer)
+        with buckets.reducing():
+            self._window = buckets
+            try:
+                yield
+            finally:
+                self._window = None
+        if isinstance(optimizer, DistributedOptimizer):
+            optimizer.finish_gradients()
+        else:
+            finalize_gradients(self.module.parameters(), self.mesh, buckets.finish())
+
+    def schedule(self, params: Sequence[nn.Parameter], batch_idx: int, accumulate: int,
+                 device_scaled: bool) -> ScheduleGradients:
+        """The gradients of a pipelined training step on batch ``batch_idx`` of windows of ``accumulate`` batches;
+        the buckets are armed in it only inside :meth:`final_backward` and without a loss scaler
+        (``device_scaled``: its factor lives on the device, so the buckets reduce after backward instead)."""
+        arming = None if self._window is None or device_scaled else self._window
+        return ScheduleGradients(params, arming, 1.0 / accumulate, batch_idx % accumulate != 0)
