@@ -18,25 +18,28 @@ _EXPORTS = {
     "BlockSpec": "lightning_seqpar.transformer.block_spec",
     "ColumnParallelLinear": "lightning_seqpar.tensor_parallel",
     "CommunicationLog": "lightning_seqpar.parallel",
-    "DeclaredBlockPolicy": "lightning_seqpar.transformer.declared_policy",
+    "DeclaredBlockPolicy": "lightning_seqpar.rewriting.declared_policy",
+    "ModelPolicy": "lightning_seqpar.rewriting",
+    "StackPolicy": "lightning_seqpar.rewriting",
     "FlopsUtilization": "lightning_seqpar.lightning.callbacks",
     "ParallelGroup": "lightning_seqpar.parallel",
     "ParallelMesh": "lightning_seqpar.parallel.mesh",
-    "Policy": "lightning_seqpar.rewrite",
+    "Policy": "lightning_seqpar.rewriting",
     "RNGTracker": "lightning_seqpar.parallel",
-    "RewriteContext": "lightning_seqpar.rewrite",
+    "RewriteContext": "lightning_seqpar.rewriting",
     "RowParallelLinear": "lightning_seqpar.tensor_parallel",
     "SelectiveRecompute": "lightning_seqpar.lightning.callbacks",
     "Preemption": "lightning_seqpar.lightning.preemption",
     "SeqParallelStrategy": "lightning_seqpar.lightning.strategy",
     "VocabParallelEmbedding": "lightning_seqpar.tensor_parallel",
     "apply_recompute": "lightning_seqpar.recompute",
-    "explain": "lightning_seqpar.rewrite",
+    "explain": "lightning_seqpar.policies",
+    "rewrite": "lightning_seqpar.policies",
     "validate_layout": "lightning_seqpar.parallel.mesh",
     "vocab_parallel_cross_entropy": "lightning_seqpar.tensor_parallel",
 }
 
-__all__ = sorted([*_EXPORTS, "rewrite"])
+__all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:
@@ -51,10 +54,6 @@ def __getattr__(name: str) -> Any:
 def __dir__() -> list[str]:
     return sorted({*globals(), *_EXPORTS})
 
-
-# The function, not the subpackage of the same name (importing ``lightning_seqpar.rewrite`` would otherwise leave the
-# subpackage under this name). It loads torch only.
-from lightning_seqpar.rewrite import rewrite  # noqa: E402
 
 if "lightning.pytorch" in sys.modules:  # Lightning is loaded already: the strategy's names cost nothing more
     importlib.import_module("lightning_seqpar.lightning")

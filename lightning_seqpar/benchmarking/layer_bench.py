@@ -25,7 +25,7 @@ from lightning_seqpar.models.gpt import Block, GPTConfig
 from lightning_seqpar.models.parallel_gpt import parallel_gpt_block
 from lightning_seqpar.parallel.collectives import CommunicationLog, ParallelGroup
 from lightning_seqpar.parallel.random import RNGTracker
-from lightning_seqpar.rewrite import RewriteContext
+from lightning_seqpar.rewriting import RewriteContext
 
 # Table 4's rows: name → (sequence parallel, recompute)
 TABLE_4 = {

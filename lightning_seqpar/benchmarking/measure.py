@@ -13,7 +13,7 @@ from lightning_seqpar.models.gpt import GPT, GPTConfig
 from lightning_seqpar.parallel.collectives import ParallelGroup
 from lightning_seqpar.parallel.random import RNGTracker
 from lightning_seqpar.recompute import apply_recompute, rewritten_layers
-from lightning_seqpar.rewrite import rewrite
+from lightning_seqpar.policies import rewrite
 from lightning_seqpar.transformer.context import RewriteContext
 from lightning_seqpar.transformer.residual import cast_residual_stream
 

@@ -23,7 +23,7 @@ import torch.nn as nn
 
 from lightning_seqpar._compat import hf_attention_implementation
 from lightning_seqpar.transformer.block_spec import BlockSpec
-from lightning_seqpar.transformer.declared_policy import DeclaredBlockPolicy
+from lightning_seqpar.rewriting.declared_policy import DeclaredBlockPolicy
 
 _SAMPLE_HEAD_DIM = 8
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")

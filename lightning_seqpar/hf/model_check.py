@@ -1,4 +1,4 @@
-"""The whole-model check of a Hugging Face causal LM (:mod:`lightning_seqpar.transformer.model_check`): a small copy
+"""The whole-model check of a Hugging Face causal LM (:mod:`lightning_seqpar.rewriting.model_check`): a small copy
 built from the model's own config, called as users call it, ``model(input_ids=x, labels=x)``.
 
 The copy keeps everything that decides what the model computes: its class, the number of layers and every per-layer
@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from lightning_seqpar.parallel.collectives import ParallelGroup
-from lightning_seqpar.transformer.model_check import ModelCheckError, check_whole_model
+from lightning_seqpar.rewriting.model_check import ModelCheckError, check_whole_model
 
 _HEAD_DIM = 4
 _BATCH = 2

@@ -19,12 +19,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from lightning_seqpar.hf.model_check import check_causal_lm
+from lightning_seqpar.parallel.collectives import ParallelGroup
+from lightning_seqpar.rewriting.policy import ModelPolicy
 from lightning_seqpar.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from lightning_seqpar.tensor_parallel.embedding import VocabParallelEmbedding, embedding_scale
 from lightning_seqpar.tensor_parallel.sharding import padded_size
 from lightning_seqpar.tensor_parallel.vocab_logits import VocabShardedLogits
 from lightning_seqpar.transformer.context import RewriteContext
-from lightning_seqpar.transformer.policy import Policy
 from lightning_seqpar.transformer.vocabulary import parallel_lm_head
 
 
@@ -74,12 +76,11 @@ class CausalLMLoss:
         return value
 
 
-class HFVocabularyPolicy(Policy):
+class HFVocabularyPolicy(ModelPolicy):
     """Splits a Hugging Face causal LM's embedding, LM head and loss over the vocabulary (see the module docstring).
     Its decoder layers are rewritten by their own policies; this one changes the model around them."""
 
     block = nn.Module  # recognized by structure (:meth:`matches`)
-    role = "vocabulary"
 
     def matches(self, module: nn.Module) -> bool:
         return is_causal_lm(module)
@@ -100,6 +101,20 @@ class HFVocabularyPolicy(Policy):
                 f"→ {v_padded // ctx.tp} per rank), lm_head column-parallel over the vocabulary{' (tied)' if tied else ''}; "
                 f"labels= gives the vocabulary-parallel loss{'' if ctx.loss_parallel else ' (off: loss_parallel=False)'}; "
                 f".logits gathered only when read (b·s·{v} elements per rank)")
+
+    def verify_model(self, module: nn.Module, ctx: RewriteContext, name: str,
+                     rewrite_small: Callable[[nn.Module, RewriteContext], nn.Module]) -> None:
+        """The whole-model check (:func:`~lightning_seqpar.hf.model_check.check_causal_lm`): a small copy rewritten
+        with the same policies, tp and sequence parallelism on emulated ranks; before training.
+
+        Raises:
+            ValueError (:class:`~lightning_seqpar.rewriting.model_check.ModelCheckError`): the rewrite is refused.
+        """
+
+        def build(small: nn.Module, group: ParallelGroup) -> nn.Module:
+            return rewrite_small(small, RewriteContext(group, ctx.sequence_parallel, None, ctx.loss_parallel))
+
+        check_causal_lm(module, ctx.tp, build, name)
 
     def pipeline_placement(self, module: nn.Module) -> dict[str, str]:
         """The base model's children with parameters registered before its layer list (embeddings: token, and

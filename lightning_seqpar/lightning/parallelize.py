@@ -14,8 +14,8 @@ from lightning_seqpar.lightning.pipelined_steps import PipelinedSteps
 from lightning_seqpar.parallel.mesh import ParallelMesh
 from lightning_seqpar.parallel.random import RNGTracker
 from lightning_seqpar.pipeline_parallel.config import PipelineConfig
-from lightning_seqpar.rewrite import Policy, RewriteContext, RewritePlan, rewrite
-from lightning_seqpar.rewrite.rewriter import pipeline_placement
+from lightning_seqpar.policies import pipeline_placement, rewrite
+from lightning_seqpar.rewriting import Policy, RewriteContext, RewritePlan
 from lightning_seqpar.transformer.materialize import Materializer
 
 
@@ -102,12 +102,12 @@ def check_before_start(strategy: Any, module: Any) -> None:
     The self-check (a forward on emulated ranks) runs on the ranks only.
 
     Raises:
-        ValueError: as :func:`~lightning_seqpar.rewrite.rewriter.plan_rewrite`.
+        ValueError: as :func:`~lightning_seqpar.policies.plan_rewrite`.
     """
     from lightning.pytorch.utilities.model_helpers import is_overridden
 
     from lightning_seqpar.parallel.collectives import ParallelGroup
-    from lightning_seqpar.rewrite.rewriter import plan_rewrite
+    from lightning_seqpar.policies import plan_rewrite
 
     if not isinstance(module, torch.nn.Module) or any(
             is_overridden(hook, module) for hook in ("configure_model", "setup")):

@@ -35,7 +35,7 @@ from lightning_seqpar.lightning.process_group import (
 from lightning_seqpar.optim.grad_sync import GradientSync
 from lightning_seqpar.parallel import ParallelMesh, RNGTracker, validate_layout
 from lightning_seqpar.pipeline_parallel import PipelineConfig
-from lightning_seqpar.rewrite import Policy, RewritePlan
+from lightning_seqpar.rewriting import Policy, RewritePlan
 
 
 class SeqParallelStrategy(

@@ -20,7 +20,7 @@ from lightning_seqpar.models.sampling import Sampling
 from lightning_seqpar.transformer.core_attention import CoreAttention
 
 if TYPE_CHECKING:
-    from lightning_seqpar.transformer.policy import Policy
+    from lightning_seqpar.rewriting.policy import Policy
 
 
 @dataclass
@@ -129,7 +129,7 @@ class GPT(Sampling, nn.Module):
     @classmethod
     def parallel_policy(cls) -> "Policy":
         """The :class:`~lightning_seqpar.Policy` that rewrites this model (found by the rewrite, see
-        :class:`~lightning_seqpar.transformer.policy.DeclaresPolicy`)."""
+        :class:`~lightning_seqpar.rewriting.policy.DeclaresPolicy`)."""
         # Imported when asked: the policy's module imports the parallel version, which this module need not load.
         from lightning_seqpar.models.gpt_policy import GPTPolicy
 

@@ -6,15 +6,13 @@ from __future__ import annotations
 import torch.nn as nn
 
 from lightning_seqpar.models.parallel_gpt import ParallelGPT
-from lightning_seqpar.transformer.policy import Policy, require_divisible
+from lightning_seqpar.rewriting.policy import StackPolicy, require_divisible
 from lightning_seqpar.transformer.region import check_sequence_length
 
 
-class GPTPolicy(Policy):
+class GPTPolicy(StackPolicy):
     """:class:`~lightning_seqpar.models.GPT` → :class:`ParallelGPT`: vocabulary-parallel embedding (entering the SP region by
     reduce-scatter), TP+SP blocks, sequence-parallel final norm, column-parallel LM head."""
-
-    role = "stack"
 
     def __init__(self, block: type[nn.Module]) -> None:
         self.block = block  # type: ignore[misc]  # the GPT class itself, which names this policy

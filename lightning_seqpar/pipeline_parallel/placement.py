@@ -101,7 +101,7 @@ def place_outside_stack(model: nn.Module, placement: Mapping[str, str], runtime:
 
     Args:
         model: the rewritten model, its layers already split (:func:`~.stage.split_stages`).
-        placement: ``{qualified path: "first" | "last"}`` (:func:`lightning_seqpar.rewrite.pipeline_placement`).
+        placement: ``{qualified path: "first" | "last"}`` (:func:`lightning_seqpar.policies.pipeline_placement`).
         runtime: the split model's runtime.
         pipeline_rank: this rank's coordinate in the pipeline group.
 

@@ -12,7 +12,7 @@ from lightning_seqpar.models.gpt import Block, GPTConfig
 from lightning_seqpar.models.parallel_gpt import parallel_gpt_block
 from lightning_seqpar.parallel import CommunicationLog, ParallelGroup
 from lightning_seqpar.parallel.random import RNGTracker
-from lightning_seqpar.rewrite import RewriteContext
+from lightning_seqpar.rewriting import RewriteContext
 from lightning_seqpar.transformer.residual import cast_residual_stream
 from tests.helpers.cuda_autocast import cuda_autocast_rules
 from tests.helpers.distributed import run_distributed

@@ -10,7 +10,7 @@ import torch
 
 from lightning_seqpar import explain
 from lightning_seqpar.transformer.block_spec import BlockSpec
-from lightning_seqpar.transformer.declared_policy import DeclaredBlockPolicy
+from lightning_seqpar.rewriting.declared_policy import DeclaredBlockPolicy
 from tests.helpers.distributed import run_distributed
 from tests.helpers.models import build, reference_run, token_data
 from tests.helpers.parity import STEPS, Case, fit

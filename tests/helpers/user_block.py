@@ -8,7 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lightning_seqpar.transformer.block_spec import BlockSpec
-from lightning_seqpar.transformer.declared_policy import DeclaredBlockPolicy
+from lightning_seqpar.rewriting.declared_policy import DeclaredBlockPolicy
 from tests.helpers.models import SEQ, VOCAB
 
 

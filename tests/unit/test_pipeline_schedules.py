@@ -19,7 +19,8 @@ from lightning_seqpar.pipeline_parallel import (
     simulate,
     split_stages,
 )
-from lightning_seqpar.rewrite import RewriteContext, rewrite
+from lightning_seqpar.policies import rewrite
+from lightning_seqpar.rewriting import RewriteContext
 from lightning_seqpar.tensor_parallel.sharding import is_stage_local
 from tests.helpers.models import build
 

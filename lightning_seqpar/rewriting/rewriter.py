@@ -1,4 +1,9 @@
-"""Walk a model, find blocks a policy knows, and replace them with their parallel versions."""
+"""Walk a model, find blocks a policy knows, and replace them with their parallel versions.
+
+The engine takes the whole, ordered list of policies (the user's, then the built-in ones that
+:mod:`lightning_seqpar.policies` adds); it applies each through :meth:`Policy.replace` and checks whole models through
+:meth:`Policy.verify_model`, never asking a policy what it is.
+"""
 
 from __future__ import annotations
 
@@ -7,22 +12,9 @@ from typing import Iterable, Optional
 
 import torch.nn as nn
 
-from lightning_seqpar.hf.layouts import hf_policies
-from lightning_seqpar.hf.vocabulary import HFVocabularyPolicy
 from lightning_seqpar.parallel.collectives import ParallelGroup
+from lightning_seqpar.rewriting.policy import DeclaresPolicy, Policy
 from lightning_seqpar.transformer.context import RewriteContext
-from lightning_seqpar.transformer.encoder_policy import TransformerEncoderLayerPolicy, TransformerEncoderPolicy
-from lightning_seqpar.transformer.policy import DeclaresPolicy, Policy
-
-
-def default_policies() -> list[Policy]:
-    """The built-in policies: ``nn.TransformerEncoder``, ``nn.TransformerEncoderLayer``, Hugging Face decoder blocks
-    of the Llama and GPT-2 layouts (recognized by structure) and the vocabulary of a Hugging Face causal LM.
-
-    Block classes that declare their own policy (:class:`DeclaresPolicy`, e.g. the reference GPT) need
-    no entry here.
-    """
-    return [TransformerEncoderPolicy(), TransformerEncoderLayerPolicy(), *hf_policies(), HFVocabularyPolicy()]
 
 
 @dataclass
@@ -55,11 +47,11 @@ class RewritePlan:
 
 
 class _Registry:
-    """Policies by exact block class (the user's, then the built-in ones), then what a class declares, then the
-    policies that recognize a layout by structure (:meth:`Policy.matches`), the user's first."""
+    """Policies by exact block class (earlier in the list first), then what a class declares, then the policies that
+    recognize a layout by structure (:meth:`Policy.matches`), earlier first."""
 
-    def __init__(self, policies: Optional[Iterable[Policy]]) -> None:
-        every = [*(policies or ()), *default_policies()]
+    def __init__(self, policies: Iterable[Policy]) -> None:
+        every = list(policies)
         self.structural = [p for p in every if p.block is nn.Module]  # recognized by structure
         self.by_class: dict[type, Optional[Policy]] = {p.block: p for p in reversed(every) if p.block is not nn.Module}
 
@@ -73,7 +65,7 @@ class _Registry:
         return self.by_class[cls]
 
     def known(self) -> list[str]:
-        return sorted({cls.__name__ for cls, p in self.by_class.items() if p is not None and p.role != "vocabulary"}
+        return sorted({cls.__name__ for cls, p in self.by_class.items() if p is not None and not p.around_layers}
                       | {"Hugging Face decoder blocks of the Llama and GPT-2 layouts"})
 
 
@@ -113,9 +105,9 @@ def _why_not(candidates: dict[str, nn.Module], registry: _Registry) -> str:
     return "; ".join(lines) or "none"
 
 
-def plan_rewrite(model: nn.Module, ctx: RewriteContext, policies: Optional[Iterable[Policy]] = None,
-                 verify: bool = True) -> RewritePlan:
-    """Find what to rewrite and check every shape, changing nothing.
+def plan_rewrite(model: nn.Module, ctx: RewriteContext, policies: Iterable[Policy], verify: bool = True) -> RewritePlan:
+    """Find what to rewrite with ``policies`` (every one, in order of precedence) and check every shape, changing
+    nothing.
 
     ``verify``: also run each policy's self-check (:meth:`Policy.verify`) on one block of each class: the parallel
     block computes what the block computes, on a small input (no communication; a forward of one small block).
@@ -130,11 +122,11 @@ def plan_rewrite(model: nn.Module, ctx: RewriteContext, policies: Optional[Itera
     plan = RewritePlan(ctx.tp, ctx.sp)
     claimed: list[str] = []
     verified: set[tuple] = set()
-    whole_models: list[tuple[str, nn.Module]] = []  # checked as a whole, once every block passed its own checks
+    whole_models: list[tuple[str, nn.Module, Policy]] = []  # checked whole, once every block passed its own checks
 
     def check(policy: Policy, module: nn.Module, name: str) -> None:
         policy.check(module, ctx, name)
-        if not verify or any(name.startswith(f"{prefix}.") or not prefix for prefix, _ in whole_models):
+        if not verify or any(name.startswith(f"{prefix}.") or not prefix for prefix, _, _ in whole_models):
             return  # the blocks of a model checked whole need no check of their own
         key = (type(module), configuration(module))
         if key not in verified:
@@ -144,7 +136,7 @@ def plan_rewrite(model: nn.Module, ctx: RewriteContext, policies: Optional[Itera
     def check_model(policy: Policy, module: nn.Module, name: str) -> None:
         policy.check(module, ctx, name)
         if verify:
-            whole_models.append((name, module))
+            whole_models.append((name, module, policy))
 
     def visit(prefix: str, module: nn.Module) -> None:
         children = list(module.named_children())
@@ -154,7 +146,7 @@ def plan_rewrite(model: nn.Module, ctx: RewriteContext, policies: Optional[Itera
             name, child = children[i]
             full = f"{prefix}.{name}" if prefix else name
             policy = registry.get(child)
-            if policy is not None and policy.role == "vocabulary":  # around the layers: they are visited too
+            if policy is not None and policy.around_layers:  # the layers inside are visited too
                 check_model(policy, child, full)
                 if ctx.tp > 1:
                     plan.entries.append(PlannedRewrite(full, type(child).__name__, policy, False, False,
@@ -164,27 +156,24 @@ def plan_rewrite(model: nn.Module, ctx: RewriteContext, policies: Optional[Itera
                 visit(full, child)
                 i += 1
                 continue
-            if policy.role == "stack" or not chain_ok:
+            if not policy.chains or not chain_ok:
                 run = [(full, child, policy)]
             else:
                 run = []
                 while i + len(run) < len(children):
                     n, c = children[i + len(run)]
                     p = registry.get(c)
-                    if p is None or p.role != "layer":
+                    if p is None or not p.chains:
                         break
                     run.append((f"{prefix}.{n}" if prefix else n, c, p))
-            for j, (n, c, p) in enumerate(run):
+            for j, (n, c, p) in enumerate(run):  # a run of one opens and closes its region
                 check(p, c, n)
-                stack = p.role == "stack"
-                plan.entries.append(
-                    PlannedRewrite(n, type(c).__name__, p, stack or j == 0, stack or j == len(run) - 1, p.describe(c, ctx))
-                )
+                plan.entries.append(PlannedRewrite(n, type(c).__name__, p, j == 0, j == len(run) - 1, p.describe(c, ctx)))
                 claimed.append(n)
             i += len(run)
 
     root_policy = registry.get(model)
-    if root_policy is not None and root_policy.role != "vocabulary":
+    if root_policy is not None and not root_policy.around_layers:
         check(root_policy, model, type(model).__name__)
         plan.entries.append(PlannedRewrite("", type(model).__name__, root_policy, True, True, root_policy.describe(model, ctx)))
     else:
@@ -194,7 +183,7 @@ def plan_rewrite(model: nn.Module, ctx: RewriteContext, policies: Optional[Itera
             plan.entries.append(PlannedRewrite("", type(model).__name__, root_policy, False, False,
                                                root_policy.describe(model, ctx)))
         visit("", model)
-    if all(entry.policy.role == "vocabulary" for entry in plan.entries):  # a vocabulary alone is no transformer
+    if all(entry.policy.around_layers for entry in plan.entries):  # a vocabulary alone is no transformer
         known = ", ".join(registry.known())
         raise ValueError(
             f"No transformer block that lightning_seqpar can parallelize was found in {type(model).__name__}. "
@@ -205,34 +194,26 @@ def plan_rewrite(model: nn.Module, ctx: RewriteContext, policies: Optional[Itera
             f"activation=..., num_heads=...))` from lightning_seqpar, passed as `SeqParallelStrategy(policies=[...])`; "
             f"or write a `lightning_seqpar.Policy` (or return one from the class's `parallel_policy()` classmethod)."
         )
-    for name, module in whole_models:  # after the blocks' own checks, whose refusals say more
-        verify_model(module, ctx, f"{name} ({type(module).__name__})" if name else type(module).__name__, policies)
+    policies = list(policies)
+    for name, module, policy in whole_models:  # after the blocks' own checks, whose refusals say more
+
+        def rewrite_small(small: nn.Module, small_ctx: RewriteContext) -> nn.Module:
+            rewrite(small, small_ctx, policies, verify=False)
+            return small
+
+        policy.verify_model(module, ctx, f"{name} ({type(module).__name__})" if name else type(module).__name__,
+                            rewrite_small)
     return plan
 
 
-def verify_model(model: nn.Module, ctx: RewriteContext, name: str, policies: list[Policy]) -> float:
-    """The whole-model check of a Hugging Face causal LM (:func:`lightning_seqpar.hf.model_check.check_causal_lm`):
-    a small copy rewritten with the same policies, tp and sequence parallelism on emulated ranks; before training.
-
-    Raises:
-        ValueError (:class:`~lightning_seqpar.transformer.model_check.ModelCheckError`): the rewrite is refused.
-    """
-    from lightning_seqpar.hf.model_check import check_causal_lm
-
-    def build(small: nn.Module, group: ParallelGroup) -> nn.Module:
-        rewrite(small, RewriteContext(group, ctx.sequence_parallel, None, ctx.loss_parallel), policies, verify=False)
-        return small
-
-    return check_causal_lm(model, ctx.tp, build, name)
-
-
-def rewrite(model: nn.Module, ctx: RewriteContext, policies: Optional[Iterable[Policy]] = None,
-            verify: bool = True) -> RewritePlan:
-    """Replace every recognized block of ``model`` in place by its tensor (+sequence) parallel version.
+def rewrite(model: nn.Module, ctx: RewriteContext, policies: Iterable[Policy], verify: bool = True) -> RewritePlan:
+    """Replace every module of ``model`` that one of ``policies`` knows, in place, by its tensor (+sequence) parallel
+    version (:meth:`Policy.replace`).
 
     Weights are sliced from the single-device modules, so the rewritten model computes the same
     function as before. ``model`` itself cannot be replaced: a recognized root (e.g. a bare
-    :class:`~lightning_seqpar.models.GPT`) must sit inside a parent module (a LightningModule).
+    :class:`~lightning_seqpar.models.GPT`) must sit inside a parent module (a LightningModule); a model changed in
+    place (:class:`~lightning_seqpar.rewriting.policy.ModelPolicy`) can be the root.
 
     Returns:
         The executed :class:`RewritePlan`.
@@ -242,24 +223,16 @@ def rewrite(model: nn.Module, ctx: RewriteContext, policies: Optional[Iterable[P
     """
     plan = plan_rewrite(model, ctx, policies, verify)
     for entry in plan.entries:
-        if not entry.name and entry.policy.role == "vocabulary":
-            entry.policy.rewrite(model, ctx, enter_region=False, exit_region=False, name="")
+        if not entry.name and entry.policy.around_layers:
+            entry.policy.replace(model, ctx, "", enter_region=False, exit_region=False)
             continue
         if not entry.name:
             raise ValueError(f"{entry.block} is the model itself; wrap it in a LightningModule attribute to rewrite it.")
         parent_name, _, attr = entry.name.rpartition(".")
         parent = model.get_submodule(parent_name)
         module = getattr(parent, attr) if not attr.isdigit() else parent[int(attr)]
-
-        def construct(original: nn.Module, entry: PlannedRewrite = entry) -> nn.Module:
-            if entry.policy.role == "vocabulary":  # changes the model around its layers; named for the materializer
-                return entry.policy.rewrite(original, ctx, enter_region=False, exit_region=False, name=entry.name)
-            return entry.policy.rewrite(original, ctx, enter_region=entry.enter_region, exit_region=entry.exit_region)
-
-        if entry.policy.role == "layer":
-            replacement = ctx.build(module, entry.name, construct)
-        else:  # a stack builds its own layers
-            replacement = construct(module)
+        replacement = entry.policy.replace(module, ctx, entry.name, enter_region=entry.enter_region,
+                                           exit_region=entry.exit_region)
         if attr.isdigit():
             parent[int(attr)] = replacement
         else:
@@ -267,9 +240,9 @@ def rewrite(model: nn.Module, ctx: RewriteContext, policies: Optional[Iterable[P
     return plan
 
 
-def explain(model: nn.Module, tp: int, sequence_parallel: bool = True, policies: Optional[Iterable[Policy]] = None,
+def explain(model: nn.Module, tp: int, policies: Iterable[Policy], sequence_parallel: bool = True,
             loss_parallel: bool = True, verify: bool = True) -> RewritePlan:
-    """Print and return what ``SeqParallelStrategy(tp=tp)`` would rewrite in ``model``; change nothing.
+    """Print and return what a rewrite with ``policies`` at ``tp`` would do to ``model``; change nothing.
 
     Needs no process group. Raises the same ``ValueError`` as the real rewrite would.
     """
@@ -279,7 +252,7 @@ def explain(model: nn.Module, tp: int, sequence_parallel: bool = True, policies:
     return plan
 
 
-def pipeline_placement(model: nn.Module, policies: Optional[Iterable[Policy]] = None) -> dict[str, str]:
+def pipeline_placement(model: nn.Module, policies: Iterable[Policy]) -> dict[str, str]:
     """``{qualified path: "first" | "last"}``: the parts outside the layer stack that one pipeline stage holds, as
     the policies of the models found in ``model`` place them (:meth:`Policy.pipeline_placement`; a Hugging Face
     causal LM's embeddings on the first stage, its final norm and LM head on the last). At any tp."""
@@ -287,7 +260,7 @@ def pipeline_placement(model: nn.Module, policies: Optional[Iterable[Policy]] = 
     placement: dict[str, str] = {}
     for name, module in model.named_modules():
         policy = registry.get(module)
-        if policy is not None and policy.role == "vocabulary":
+        if policy is not None:
             placement.update({f"{name}.{path}" if name else path: where
                               for path, where in policy.pipeline_placement(module).items()})
     return placement

@@ -6,7 +6,7 @@ import torch.nn as nn
 
 from lightning_seqpar.transformer.context import RewriteContext
 from lightning_seqpar.transformer.encoder import ParallelTransformerEncoder, parallel_encoder_layer
-from lightning_seqpar.transformer.policy import Policy, require_divisible
+from lightning_seqpar.rewriting.policy import Policy, StackPolicy, require_divisible
 
 
 def _check_layer(layer: nn.TransformerEncoderLayer, ctx: RewriteContext, name: str) -> None:
@@ -25,7 +25,6 @@ class TransformerEncoderLayerPolicy(Policy):
     (:data:`~lightning_seqpar.transformer.encoder.ENCODER_LAYER`)."""
 
     block = nn.TransformerEncoderLayer
-    role = "layer"
 
     def check(self, module, ctx, name):
         _check_layer(module, ctx, name)
@@ -42,11 +41,10 @@ class TransformerEncoderLayerPolicy(Policy):
         return parallel_encoder_layer(module, ctx, enter_region=enter_region, exit_region=exit_region)
 
 
-class TransformerEncoderPolicy(Policy):
+class TransformerEncoderPolicy(StackPolicy):
     """``nn.TransformerEncoder`` → :class:`ParallelTransformerEncoder` (one region for all its layers)."""
 
     block = nn.TransformerEncoder
-    role = "stack"
 
     def check(self, module, ctx, name):
         for i, layer in enumerate(module.layers):

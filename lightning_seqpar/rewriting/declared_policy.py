@@ -30,8 +30,8 @@ from lightning_seqpar.transformer.block_spec import (
     value_of,
 )
 from lightning_seqpar.transformer.declared_block import ParallelBlock
-from lightning_seqpar.transformer.policy import Policy, require_divisible
-from lightning_seqpar.transformer.verify import verify_parallel_block
+from lightning_seqpar.rewriting.policy import Policy, require_divisible
+from lightning_seqpar.rewriting.verify import verify_parallel_block
 
 
 def refuse_unknown_parameters(module: nn.Module, spec: BlockSpec, name: str) -> None:
@@ -72,8 +72,6 @@ class DeclaredBlockPolicy(Policy):
             declared part; heads, key/value heads or MLP width not divisible by tp; an attention implementation
             other than eager/sdpa; a parallel block that does not compute what the block computes.
     """
-
-    role = "layer"
 
     def __init__(self, block: type[nn.Module], spec: Optional[BlockSpec] = None) -> None:
         self.block = block  # type: ignore[misc]
@@ -159,7 +157,7 @@ class DeclaredBlockPolicy(Policy):
 
     def verify(self, module: nn.Module, ctx: RewriteContext, name: str) -> None:
         """Check that the parallel block computes what ``module`` computes, at ``ctx``'s tp and SP, on a small
-        input (:func:`~lightning_seqpar.transformer.verify.verify_parallel_block`); once per block class."""
+        input (:func:`~lightning_seqpar.rewriting.verify.verify_parallel_block`); once per block class."""
         sample = self.sample_block(module)
         spec = self.spec_for(sample)
         verify_parallel_block(sample, spec, ctx.tp, ctx.sp, name, lambda block, c: ParallelBlock(block, spec, c))

@@ -1,8 +1,17 @@
-"""Policies: how one block class becomes its tensor + sequence parallel version."""
+"""Policies: how one block class becomes its tensor + sequence parallel version.
+
+Three kinds, each saying how the rewriter applies it (:meth:`Policy.replace`), so the rewriter never asks a policy
+what it is:
+
+* :class:`Policy`: a transformer layer; consecutive layers in a list share one parallel region.
+* :class:`StackPolicy`: a module that runs its own layers and opens and closes its own region.
+* :class:`ModelPolicy`: a model whose parts around its layers (embedding, LM head, loss) the policy splits in
+  place; its layers are rewritten by their own policies, and the model is checked whole.
+"""
 
 from __future__ import annotations
 
-from typing import ClassVar, Protocol, runtime_checkable
+from typing import Callable, ClassVar, Protocol, runtime_checkable
 
 import torch.nn as nn
 
@@ -12,7 +21,7 @@ from lightning_seqpar.transformer.context import RewriteContext
 class Policy:
     """Rewrites instances of one block class.
 
-    Subclass it, set :attr:`block` and :attr:`role`, and implement :meth:`check`, :meth:`describe`
+    Subclass it (or :class:`StackPolicy` / :class:`ModelPolicy`), set :attr:`block`, and implement :meth:`check`, :meth:`describe`
     and :meth:`rewrite`. Hand it to the strategy with ``SeqParallelStrategy(policies=[...])``, or let
     the block class declare it (:class:`DeclaresPolicy`).
 
@@ -21,7 +30,7 @@ class Policy:
     * Each transformer layer is a :class:`~lightning_seqpar.transformer.roles.ParallelLayer`: it implements
       ``layer_dims()`` (the memory model, ``granularity="auto"``, ``FlopsUtilization``) and honours
       ``recompute_layer`` (full recomputation); pipeline parallelism splits a list of them.
-    * A module that runs its own list of layers (``role = "stack"``) is a
+    * A module that runs its own list of layers (a :class:`StackPolicy`'s replacement) is a
       :class:`~lightning_seqpar.transformer.roles.LayerStack`: ``stack_layers()``, runs them with
       :func:`~lightning_seqpar.transformer.stack.run_layers` (``recompute_chunks``), and may read
       ``stage_position`` to skip its embedding on later pipeline stages.
@@ -40,16 +49,17 @@ class Policy:
     Attributes:
         block: the exact class this policy handles (subclasses need their own policy, since they may
             change ``forward``).
-        role: ``"layer"`` for a transformer layer whose input and output are ``[s/t, b, h]`` between
-            rewritten neighbours (consecutive layers in an ``nn.ModuleList``/``nn.Sequential`` share
-            one parallel region); ``"stack"`` for a module that opens and closes its own region;
-            ``"vocabulary"`` for a model whose embedding and head the policy splits in place, around layers that
-            other policies rewrite (its :meth:`rewrite` takes ``name=``, the model's qualified name; applied at
-            t > 1 only).
+        role: what :func:`~lightning_seqpar.explain` calls it (``"layer"``; ``"stack"`` for a
+            :class:`StackPolicy`, ``"vocabulary"`` for a :class:`ModelPolicy`); shown, not dispatched on.
+        chains: consecutive modules of this policy in an ``nn.ModuleList``/``nn.Sequential`` share one parallel
+            region (their input and output are ``[s/t, b, h]`` between rewritten neighbours).
+        around_layers: the policy changes the model around its layers (:class:`ModelPolicy`).
     """
 
     block: ClassVar[type[nn.Module]]
     role: ClassVar[str] = "layer"
+    chains: ClassVar[bool] = True
+    around_layers: ClassVar[bool] = False
 
     def matches(self, module: nn.Module) -> bool:
         """Whether this policy rewrites ``module``: by default, exactly the instances of :attr:`block`. A policy
@@ -79,12 +89,50 @@ class Policy:
         """Return the parallel replacement of ``module`` (weights sliced from it)."""
         raise NotImplementedError
 
+    def replace(self, module: nn.Module, ctx: RewriteContext, name: str, *, enter_region: bool,
+                exit_region: bool) -> nn.Module:
+        """How the rewriter applies this policy to ``module`` (qualified ``name``): a layer is built through
+        ``ctx.build`` (a meta-device layer becomes a skeleton filled after the pipeline split)."""
+        return ctx.build(module, name, lambda m: self.rewrite(m, ctx, enter_region=enter_region,
+                                                              exit_region=exit_region))
+
+    def verify_model(self, module: nn.Module, ctx: RewriteContext, name: str,
+                     rewrite_small: Callable[[nn.Module, RewriteContext], nn.Module]) -> None:
+        """Check the whole model ``module`` (a :class:`ModelPolicy`'s), once every block passed its own checks;
+        ``rewrite_small(model, ctx)`` rewrites a small copy with the same policies. Nothing for other kinds."""
+
     def pipeline_placement(self, module: nn.Module) -> dict[str, str]:
         """Parts of ``module`` outside the layer stack that one pipeline stage needs, by path relative to ``module``:
         ``"first"`` (an embedding, run before the stack) or ``"last"`` (final norm, LM head, run after it). Other
         stages hold a placeholder instead (:mod:`lightning_seqpar.pipeline_parallel.placement`). By default
         nothing is placed: what is outside the stack stays on every stage."""
         return {}
+
+
+class StackPolicy(Policy):
+    """A policy for a module that runs its own list of layers (a :class:`~lightning_seqpar.transformer.roles.LayerStack`
+    replacement): it opens and closes its own parallel region and builds its layers itself."""
+
+    role = "stack"
+    chains = False
+
+    def replace(self, module: nn.Module, ctx: RewriteContext, name: str, *, enter_region: bool,
+                exit_region: bool) -> nn.Module:
+        return self.rewrite(module, ctx, enter_region=True, exit_region=True)
+
+
+class ModelPolicy(Policy):
+    """A policy for a whole model whose parts around the layers (embedding, LM head, loss) it splits in place; its
+    layers are visited and rewritten by their own policies. Applied at t > 1 only; :meth:`rewrite` takes ``name=``
+    (the model's qualified name, for the materializer) and returns the model itself."""
+
+    role = "vocabulary"
+    chains = False
+    around_layers = True
+
+    def replace(self, module: nn.Module, ctx: RewriteContext, name: str, *, enter_region: bool,
+                exit_region: bool) -> nn.Module:
+        return self.rewrite(module, ctx, enter_region=False, exit_region=False, name=name)  # type: ignore[call-arg]
 
 
 @runtime_checkable

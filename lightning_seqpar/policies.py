@@ -1,0 +1,71 @@
+"""The built-in policies, and the rewrite with them: where the rewriting engine (:mod:`lightning_seqpar.rewriting`)
+and the Hugging Face layouts (:mod:`lightning_seqpar.hf`) meet.
+
+:func:`rewrite`, :func:`plan_rewrite`, :func:`explain` and :func:`pipeline_placement` take the user's policies and put
+them before :func:`default_policies` (a user's policy for a class wins over a built-in one).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch.nn as nn
+
+from lightning_seqpar.hf.layouts import hf_policies
+from lightning_seqpar.hf.vocabulary import HFVocabularyPolicy
+from lightning_seqpar.rewriting import rewriter
+from lightning_seqpar.rewriting.encoder_policy import TransformerEncoderLayerPolicy, TransformerEncoderPolicy
+from lightning_seqpar.rewriting.policy import Policy
+from lightning_seqpar.rewriting.rewriter import RewritePlan
+from lightning_seqpar.transformer.context import RewriteContext
+
+
+def default_policies() -> list[Policy]:
+    """The built-in policies: ``nn.TransformerEncoder``, ``nn.TransformerEncoderLayer``, Hugging Face decoder blocks
+    of the Llama and GPT-2 layouts (recognized by structure) and the vocabulary of a Hugging Face causal LM.
+
+    Block classes that declare their own policy (:class:`~lightning_seqpar.rewriting.policy.DeclaresPolicy`, e.g.
+    the reference GPT) need no entry here.
+    """
+    return [TransformerEncoderPolicy(), TransformerEncoderLayerPolicy(), *hf_policies(), HFVocabularyPolicy()]
+
+
+def _with_defaults(policies: Optional[Iterable[Policy]]) -> list[Policy]:
+    return [*(policies or ()), *default_policies()]
+
+
+def plan_rewrite(model: nn.Module, ctx: RewriteContext, policies: Optional[Iterable[Policy]] = None,
+                 verify: bool = True) -> RewritePlan:
+    """What :func:`rewrite` would do, every shape checked, nothing changed
+    (:func:`lightning_seqpar.rewriting.rewriter.plan_rewrite` with the built-in policies after ``policies``).
+
+    Raises:
+        ValueError: nothing recognized, a shape that does not split t ways, or a self-check that fails.
+    """
+    return rewriter.plan_rewrite(model, ctx, _with_defaults(policies), verify)
+
+
+def rewrite(model: nn.Module, ctx: RewriteContext, policies: Optional[Iterable[Policy]] = None,
+            verify: bool = True) -> RewritePlan:
+    """Replace every recognized block of ``model`` in place by its tensor (+sequence) parallel version
+    (:func:`lightning_seqpar.rewriting.rewriter.rewrite` with the built-in policies after ``policies``).
+
+    Raises:
+        ValueError: as :func:`plan_rewrite`, before any module is changed.
+    """
+    return rewriter.rewrite(model, ctx, _with_defaults(policies), verify)
+
+
+def explain(model: nn.Module, tp: int, sequence_parallel: bool = True, policies: Optional[Iterable[Policy]] = None,
+            loss_parallel: bool = True, verify: bool = True) -> RewritePlan:
+    """Print and return what ``SeqParallelStrategy(tp=tp)`` would rewrite in ``model``; change nothing.
+
+    Needs no process group. Raises the same ``ValueError`` as the real rewrite would.
+    """
+    return rewriter.explain(model, tp, _with_defaults(policies), sequence_parallel, loss_parallel, verify)
+
+
+def pipeline_placement(model: nn.Module, policies: Optional[Iterable[Policy]] = None) -> dict[str, str]:
+    """The parts outside the layer stack that one pipeline stage holds
+    (:func:`lightning_seqpar.rewriting.rewriter.pipeline_placement` with the built-in policies after ``policies``)."""
+    return rewriter.pipeline_placement(model, _with_defaults(policies))
