@@ -8,14 +8,17 @@ Prints a table and writes it as markdown and CSV (``out=...``).
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
-from lightning_seqpar.benchmarking.layer_bench import LayerResult, run_layer_benchmark
-from lightning_seqpar.benchmarking.report import print_table, write_table
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: the tools are the recipes package's
+
+from recipes.benchmarking.layer_bench import LayerResult, run_layer_benchmark  # noqa: E402
+from recipes.benchmarking.report import print_table, write_table  # noqa: E402
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 COLUMNS = ["library", "configuration", "forward ms", "backward ms", "combined ms", "overhead %",

@@ -9,14 +9,17 @@ as markdown and CSV (``out=...``).
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
-from lightning_seqpar.benchmarking.report import print_table, write_table
-from lightning_seqpar.benchmarking.training_bench import KINDS, TrainingResult, run_training_benchmark
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: the tools are the recipes package's
+
+from recipes.benchmarking.report import print_table, write_table  # noqa: E402
+from recipes.benchmarking.training_bench import KINDS, TrainingResult, run_training_benchmark  # noqa: E402
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 COLUMNS = ["library", "layout", "processes", "tokens/s", "step ms", "comm ms"] + [f"{k} KiB" for k in KINDS]

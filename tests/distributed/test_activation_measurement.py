@@ -9,9 +9,9 @@ measured with CUDA autocast's float32 rule for norms and softmax in force (what 
 import pytest
 import torch
 
-from lightning_seqpar.benchmarking.measure import measure_gpt_layer
+from recipes.benchmarking.measure import measure_gpt_layer
 from lightning_seqpar.memory import TransformerShape
-from lightning_seqpar.memory.tracker import LiveActivationTracker
+from recipes.benchmarking.tracker import LiveActivationTracker
 from lightning_seqpar.parallel import ParallelGroup
 from tests.helpers.cuda_autocast import cuda_autocast_rules
 from tests.helpers.distributed import run_distributed

@@ -81,7 +81,7 @@ def test_host_flags_are_or_ed_over_gloo_twins_without_a_device_read():
 
 
 def _counted(rank, world_size):
-    from lightning_seqpar.benchmarking.comm_counter import CollectiveCounter
+    from recipes.benchmarking.comm_counter import CollectiveCounter
 
     group = ParallelGroup(torch.distributed.group.WORLD)
     group.log = CommunicationLog()

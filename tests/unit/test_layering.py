@@ -20,15 +20,14 @@ LAYERS = [
     ("runtime: recomputation, pipeline, gradients and optimizer, checkpoint files",
      {"recompute", "pipeline_parallel", "optim", "checkpoint"}),
     ("Lightning integration", {"lightning"}),
-    ("reference models, data and measurement harnesses (ordinary users of the library)",
-     {"models", "data", "benchmarking"}),
+    ("reference models and data (ordinary users of the library)", {"models", "data"}),
     ("package facade", {"__init__"}),
 ]
 LAYER_OF = {part: i for i, (_, parts) in enumerate(LAYERS) for part in parts}
 THIRD_PARTY = ("torch", "lightning", "lightning_utilities", "pytorch_lightning", "transformers", "safetensors",
                "tokenizers")
 LIGHTNING = ("lightning", "pytorch_lightning", "lightning_utilities", "lightning_fabric")
-LIGHTNING_PARTS = {"lightning", "models", "data", "benchmarking"}  # benchmarks drive the Trainer as users do
+LIGHTNING_PARTS = {"lightning", "models", "data"}
 HF_LIBRARIES = ("transformers", "safetensors", "tokenizers")
 STRATEGY_MAX_LINES = 300
 
@@ -278,7 +277,7 @@ def test_importing_the_package_loads_neither_the_reference_models_nor_optional_e
     # Lightning itself loads transformers when it is installed (torchmetrics' BERTScore): count only what we add.
     code = ("import sys, lightning.pytorch; before = set(sys.modules); import lightning_seqpar; "
             "print(sorted(m for m in set(sys.modules) - before if m.startswith(('lightning_seqpar.models', "
-            "'lightning_seqpar.benchmarking', 'transformers', 'safetensors', 'torchdata'))))")
+            "'transformers', 'safetensors', 'torchdata'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=PACKAGE.parent).stdout.strip()
     assert out == "[]"

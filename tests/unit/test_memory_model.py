@@ -14,9 +14,9 @@ from lightning_seqpar.memory import (
     model_flops_per_iteration,
     recompute_flops_overhead,
 )
-from lightning_seqpar.memory.__main__ import main
-from lightning_seqpar.memory.paper import PAPER_RUNS
-from lightning_seqpar.memory.report import GiB, extra_fraction, flops_rows, memory_rows
+from recipes.memory_report import main
+from recipes.benchmarking.paper import PAPER_RUNS
+from recipes.benchmarking.memory_tables import GiB, extra_fraction, flops_rows, memory_rows
 
 SHAPES = [TransformerShape(s=2048, b=1, h=12288, a=96), TransformerShape(s=512, b=3, h=1024, a=16),
           TransformerShape(s=96, b=2, h=64, a=4)]

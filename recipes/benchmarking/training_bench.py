@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_seqpar.benchmarking.comm_counter import CollectiveCounter
+from recipes.benchmarking.comm_counter import CollectiveCounter
 
 KINDS = ("all_reduce", "reduce_scatter", "all_gather", "send")
 
@@ -167,7 +167,7 @@ def _native(row: Row, cfg: dict[str, Any], device: torch.device, out_dir: str) -
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from lightning_seqpar.benchmarking.native_gpt import NativeGPT, parallelize_native_gpt, sum_position_gradient
+    from recipes.benchmarking.native_gpt import NativeGPT, parallelize_native_gpt, sum_position_gradient
 
     mesh = init_device_mesh(device.type, (row.dp, row.tp), mesh_dim_names=("data", "tensor"))
     torch.manual_seed(0)

@@ -1,19 +1,23 @@
-"""``python -m lightning_seqpar.memory [--png figure7.png]``: the paper's memory and FLOPs figures."""
+"""``python recipes/memory_report.py [--png figure7.png]``: the paper's memory and FLOPs figures."""
 
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
-from lightning_seqpar.memory.paper import PAPER_RUNS
-from lightning_seqpar.memory.report import GiB, extra_fraction, flops_rows, memory_rows, write_figure7
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: the tools are the recipes package's
+
+from recipes.benchmarking.memory_tables import GiB, extra_fraction, flops_rows, memory_rows, write_figure7  # noqa: E402
+from recipes.benchmarking.paper import PAPER_RUNS  # noqa: E402
 
 
 def main(argv=None) -> None:
     """Print the memory and FLOPs tables for Table 3's runs; write the Figure-7 PNG only when ``--png`` is given."""
-    parser = argparse.ArgumentParser(prog="python -m lightning_seqpar.memory", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python recipes/memory_report.py", description=__doc__)
     parser.add_argument("--png", default=None, help="write the Figure-7 bar chart to this file (nothing is written without it)")
     args = parser.parse_args(argv)
     console = Console(width=140)

@@ -19,7 +19,7 @@ from lightning_seqpar.memory.flops import (
     model_flops_per_iteration,
     recompute_flops_overhead,
 )
-from lightning_seqpar.memory.paper import A100_BF16_PEAK_FLOPS, PAPER_RUNS, PaperRun
+from recipes.benchmarking.paper import A100_BF16_PEAK_FLOPS, PAPER_RUNS, PaperRun
 
 GiB = 2**30
 

@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
-from lightning_seqpar.benchmarking.native_tp import NativeBlock, parallelize_native
+from recipes.benchmarking.native_tp import NativeBlock, parallelize_native
 
 
 class NativeGPT(nn.Module):
