@@ -5,8 +5,9 @@ tensor and a rank's shard: slicing when a model is rewritten, gathering for a ch
 gradient comparison, and slicing again when a checkpoint is loaded. The spec is stored on the
 parameter, Megatron's ``param.partition_dim`` done as one object.
 
-Parameter roles (tags on the ``nn.Parameter``, as Megatron-LM's ``param.sequence_parallel`` and
-``param.partition_dim``; written and read through the functions below only):
+Parameter roles: one record per parameter (:class:`ParameterRoles`, Megatron-LM's ``param.partition_dim``,
+``param.sequence_parallel`` and its embedding group as one object), written and read through the functions below only;
+a parameter made from another (leaving the meta device, :func:`parameter_like`) takes the record with it:
 
 * sharded (:func:`shard_spec`): split over the tensor-parallel group as its ``ShardSpec`` says.
   Checkpoints gather it, the gradient norm counts every shard once.
@@ -40,7 +41,7 @@ Two layouts of :class:`ShardSpec` need care:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -124,44 +125,83 @@ class ShardSpec:
         return F.pad(full, pad)
 
 
+@dataclass(frozen=True)
+class ParameterRoles:
+    """What the parallel runtime must know about one parameter (see the module docstring).
+
+    Attributes:
+        shard: how it is split over the tensor-parallel group; ``None``: replicated.
+        sequence_parallel: replicated, its gradient summed over the tensor-parallel group.
+        stage_local: held by one pipeline stage only.
+        pipeline_tied: held by the first and the last pipeline stage only.
+    """
+
+    shard: Optional[ShardSpec] = None
+    sequence_parallel: bool = False
+    stage_local: bool = False
+    pipeline_tied: bool = False
+
+
+_NO_ROLES = ParameterRoles()
+_ROLES_ATTRIBUTE = "parallel_roles"
+
+
+def roles_of(param: Tensor) -> ParameterRoles:
+    """``param``'s :class:`ParameterRoles` (none set: a replicated parameter of every stage)."""
+    return getattr(param, _ROLES_ATTRIBUTE, _NO_ROLES)
+
+
+def _update_roles(param: Tensor, **changes: object) -> None:
+    setattr(param, _ROLES_ATTRIBUTE, replace(roles_of(param), **changes))
+
+
+def parameter_like(old: Tensor, data: Tensor) -> torch.nn.Parameter:
+    """A new ``nn.Parameter`` of ``data`` standing for ``old`` (e.g. ``old`` materialized off the meta device): same
+    ``requires_grad``, same :class:`ParameterRoles`."""
+    new = torch.nn.Parameter(data, requires_grad=old.requires_grad)
+    if roles_of(old) is not _NO_ROLES:
+        setattr(new, _ROLES_ATTRIBUTE, roles_of(old))
+    return new
+
+
 def shard_spec(param: Tensor) -> Optional[ShardSpec]:
     """The ``ShardSpec`` of a sharded parameter, ``None`` for a replicated one."""
-    return getattr(param, "shard_spec", None)
+    return roles_of(param).shard
 
 
 def set_shard_spec(param: Tensor, spec: ShardSpec) -> None:
     """Tag ``param`` as this rank's shard of a parameter split as ``spec`` says."""
-    param.shard_spec = spec  # type: ignore[attr-defined]
+    _update_roles(param, shard=spec)
 
 
 def is_sequence_parallel(param: Tensor) -> bool:
     """Whether ``param``'s gradient must be summed over the tensor-parallel group (each rank saw s/t tokens)."""
-    return getattr(param, "sequence_parallel", False)
+    return roles_of(param).sequence_parallel
 
 
 def set_sequence_parallel(param: Tensor) -> None:
     """Tag ``param`` as sequence-parallel."""
-    param.sequence_parallel = True  # type: ignore[attr-defined]
+    _update_roles(param, sequence_parallel=True)
 
 
 def is_stage_local(param: Tensor) -> bool:
     """Whether ``param`` belongs to one pipeline stage's layers (not shared by every stage)."""
-    return getattr(param, "pipeline_stage_local", False)
+    return roles_of(param).stage_local
 
 
 def set_stage_local(param: Tensor) -> None:
     """Tag ``param`` as held by one pipeline stage only."""
-    param.pipeline_stage_local = True  # type: ignore[attr-defined]
+    _update_roles(param, stage_local=True)
 
 
 def is_pipeline_tied(param: Tensor) -> bool:
     """Whether ``param`` is held by the first and the last pipeline stage only (see the module docstring)."""
-    return getattr(param, "pipeline_tied", False)
+    return roles_of(param).pipeline_tied
 
 
 def set_pipeline_tied(param: Tensor) -> None:
     """Tag ``param`` as held by the first and the last pipeline stage only."""
-    param.pipeline_tied = True  # type: ignore[attr-defined]
+    _update_roles(param, pipeline_tied=True)
 
 
 def counted_on_stage(param: Tensor, pipeline_rank: int) -> bool:

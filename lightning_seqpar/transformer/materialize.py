@@ -26,7 +26,7 @@ import torch.nn as nn
 
 from lightning_seqpar._compat import reset_multihead_attention
 from lightning_seqpar.parallel.collectives import ParallelGroup
-from lightning_seqpar.tensor_parallel.sharding import load_from_full
+from lightning_seqpar.tensor_parallel.sharding import load_from_full, parameter_like
 
 Initializer = Callable[[nn.Module, str], None]
 
@@ -54,12 +54,17 @@ def release_freed_memory() -> None:
 
 
 def to_empty(module: nn.Module, device: torch.device, recurse: bool = True) -> None:
-    """``module.to_empty(device=...)`` that keeps each parameter's roles (the tags on the ``nn.Parameter``,
-    :mod:`lightning_seqpar.tensor_parallel.sharding`): torch makes new ``Parameter`` objects when leaving the meta device."""
-    tags = {name: dict(p.__dict__) for name, p in module.named_parameters(recurse=recurse, remove_duplicate=False)}
-    module.to_empty(device=device, recurse=recurse)
-    for name, new in module.named_parameters(recurse=recurse, remove_duplicate=False):
-        new.__dict__.update(tags[name])
+    """``module.to_empty(device=...)`` made of :func:`~lightning_seqpar.tensor_parallel.sharding.parameter_like`: each
+    new parameter is built with its predecessor's roles (leaving the meta device needs new ``Parameter`` objects),
+    and a parameter shared by several modules stays one parameter."""
+    made: dict[int, nn.Parameter] = {}
+    for owner in (module.modules() if recurse else [module]):
+        for name, param in list(owner.named_parameters(recurse=False, remove_duplicate=False)):
+            if id(param) not in made:
+                made[id(param)] = parameter_like(param, torch.empty_like(param, device=device))
+            setattr(owner, name, made[id(param)])  # an existing parameter's slot: replaced in place
+        for name, buffer in list(owner.named_buffers(recurse=False, remove_duplicate=False)):
+            setattr(owner, name, torch.empty_like(buffer, device=device))  # keeps the buffer's persistence
 
 
 def has_meta_tensors(module: nn.Module) -> bool:

@@ -6,6 +6,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lightning_seqpar.parallel import ParallelGroup
+from lightning_seqpar.tensor_parallel.sharding import set_shard_spec
 from lightning_seqpar.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -132,7 +133,7 @@ def _embedding_and_loss_case(rank, world_size, vocab, label_smoothing, sequence_
     pemb = VocabParallelEmbedding.from_embedding(emb, group, sequence_parallel=sequence_parallel)
     phead = ColumnParallelLinear(h, pemb.spec.padded_size, group, bias=False, sequence_parallel=sequence_parallel)
     phead.weight = torch.nn.Parameter(pemb.spec.shard(head.weight.detach(), group))
-    phead.weight.shard_spec = pemb.spec
+    set_shard_spec(phead.weight, pemb.spec)
     x = pemb(ids)  # [s/t, b, h] or [s, b, h]
     loss = vocab_parallel_cross_entropy(phead(x), target.t(), group, vocab, label_smoothing=label_smoothing,
                                         ignore_index=-1)
