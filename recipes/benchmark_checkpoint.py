@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_seqpar import SeqParallelStrategy
 from lightning_seqpar.checkpoint.manifest import verify_on_every_rank
+from lightning_seqpar.lightning.config import CheckpointConfig
 from lightning_seqpar.models import GPTConfig, GPTLightningModule
 
 
@@ -69,7 +70,7 @@ def main() -> None:
     out = Path(args.out or tempfile.mkdtemp())
     rows = []
     for fmt in ("sharded", "full"):
-        strategy.checkpoint_format = fmt
+        strategy.checkpointer.config = CheckpointConfig(format=fmt)
         path = out / f"{fmt}.ckpt"
         before = _peak_rss()
         saves = [_timed(lambda: trainer.save_checkpoint(path)) for _ in range(args.repeats)]

@@ -16,14 +16,12 @@ The contract with the user's LightningModule (docs/pipeline.md) is checked by
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import lightning.pytorch as pl
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
-from typing_extensions import override
 
 from lightning_seqpar.lightning.pipeline_logs import LogRecorder, LogShare
 from lightning_seqpar.optim.grad_sync import GradientSync, ScheduleGradients
@@ -167,6 +165,27 @@ class PipelinedSteps:
         for name, value, kwargs in logged:
             module.log(name, value.to(dtypes.get(name) or torch.get_default_dtype()), **kwargs)
 
+    def run_training_step(self, module: pl.LightningModule, precision: Any, grad_sync: Optional[GradientSync],
+                          args: tuple, kwargs: dict) -> Tensor:
+        """The strategy's ``training_step`` under pipeline parallelism: :meth:`training_step` on Lightning's call, in
+        the precision plugin's context, with the gradients ``grad_sync`` schedules (none before the optimizers
+        exist)."""
+        batch, batch_idx = step_args(args, kwargs)
+        gradients = None
+        if grad_sync is not None:
+            params = [p for p in module.parameters() if p.requires_grad]
+            scaled = getattr(precision, "scaler", None) is not None  # its factor lives on the device
+            gradients = grad_sync.schedule(params, batch_idx, module.trainer.accumulate_grad_batches, scaled)
+        with precision.train_step_context():
+            return self.training_step(module, batch, batch_idx, gradients)
+
+    def run_evaluation_step(self, module: pl.LightningModule, precision: Any, stage: str, args: tuple,
+                            kwargs: dict) -> None:
+        """The strategy's ``validation_step`` / ``test_step`` (``stage``) under pipeline parallelism."""
+        context = precision.val_step_context() if stage == "validation" else precision.test_step_context()
+        with context:
+            return self.evaluation_step(module, getattr(module, f"{stage}_step"), *step_args(args, kwargs))
+
     def training_step(self, module: pl.LightningModule, batch: Any, batch_idx: int,
                       gradients: Optional[ScheduleGradients] = None) -> Tensor:
         """Run ``module.training_step`` on every micro-batch through the schedule.
@@ -209,60 +228,26 @@ class PipelinedSteps:
         self._replay(module, logged, self.logs.dtypes("evaluation"))
 
 
-class PipelinedStepsMixin:
-    """The strategy's ``training_step`` / ``validation_step`` / ``test_step``: Lightning's own when the model is not
-    split into stages, otherwise through :attr:`pipeline` (a :class:`PipelinedSteps`); ``predict_step`` is refused
-    under pipeline parallelism."""
+def step_args(args: tuple, kwargs: dict) -> tuple[Any, int]:
+    """``(batch, batch_idx)`` of a step's call as Lightning makes it.
 
-    pipeline: Optional[PipelinedSteps] = None
-    grad_sync: Optional[GradientSync] = None  # the run's data-parallel reduction (set by the strategy at fit)
+    Raises:
+        NotImplementedError: several dataloaders (``dataloader_idx``).
+    """
+    batch = args[0] if args else kwargs["batch"]
+    batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
+    if len(args) > 2 or "dataloader_idx" in kwargs:
+        raise NotImplementedError("Several dataloaders are not supported under pipeline parallelism.")
+    return batch, batch_idx
 
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self.pipeline is None:
-            return super().training_step(*args, **kwargs)
-        assert self.lightning_module is not None
-        batch, batch_idx = self._step_args(args, kwargs)
-        with self.precision_plugin.train_step_context():
-            return self.pipeline.training_step(self.lightning_module, batch, batch_idx, self._gradients(batch_idx))
 
-    def _gradients(self, batch_idx: int) -> Optional[ScheduleGradients]:
-        if self.grad_sync is None:
-            return None
-        module = self.lightning_module
-        params = [p for p in module.parameters() if p.requires_grad]
-        scaled = getattr(self.precision_plugin, "scaler", None) is not None
-        return self.grad_sync.schedule(params, batch_idx, module.trainer.accumulate_grad_batches, scaled)
+def refuse_predict() -> None:
+    """``predict_step`` under pipeline parallelism.
 
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self.pipeline is None:
-            return super().validation_step(*args, **kwargs)
-        module = self.lightning_module
-        with self.precision_plugin.val_step_context():
-            return self.pipeline.evaluation_step(module, module.validation_step, *self._step_args(args, kwargs))
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self.pipeline is None:
-            return super().test_step(*args, **kwargs)
-        module = self.lightning_module
-        with self.precision_plugin.test_step_context():
-            return self.pipeline.evaluation_step(module, module.test_step, *self._step_args(args, kwargs))
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self.pipeline is not None:
-            raise NotImplementedError(
-                "predict_step is not pipelined: its outputs would exist on the last stage only. Load the checkpoint "
-                "(it holds the whole model) with pp=1 to predict."
-            )
-        return super().predict_step(*args, **kwargs)
-
-    @staticmethod
-    def _step_args(args: tuple, kwargs: dict) -> tuple[Any, int]:
-        batch = args[0] if args else kwargs["batch"]
-        batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
-        if len(args) > 2 or "dataloader_idx" in kwargs:
-            raise NotImplementedError("Several dataloaders are not supported under pipeline parallelism.")
-        return batch, batch_idx
+    Raises:
+        NotImplementedError: always, naming the fix.
+    """
+    raise NotImplementedError(
+        "predict_step is not pipelined: its outputs would exist on the last stage only. Load the checkpoint "
+        "(it holds the whole model) with pp=1 to predict."
+    )

@@ -16,7 +16,6 @@ from typing import Any, Optional, Union
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 from torch import nn
 from torch.optim import Optimizer
-from typing_extensions import override
 
 from lightning_seqpar.optim.distributed_optimizer import DistributedOptimizer
 from lightning_seqpar.optim.gradients import clip_grad_norm_
@@ -91,26 +90,6 @@ def shard_aware(plugin: Optional[Precision]) -> Precision:
         f"'bf16-mixed' | '16-true' | '16-mixed'), or add lightning_seqpar.lightning.precision.ShardAwareClipping as the "
         f"first base class of {kind.__name__}."
     )
-
-
-class ShardAwarePrecisionPlugin:
-    """The strategy's ``precision_plugin`` property: Lightning picks the plugin from ``Trainer(precision=...)``
-    and hands it to the strategy, which keeps it as its :func:`shard_aware` subclass (its clipping must see
-    every shard and stage)."""
-
-    _precision_plugin: Any
-
-    @property
-    @override
-    def precision_plugin(self) -> Precision:
-        if self._precision_plugin is None:
-            self._precision_plugin = shard_aware(None)
-        return self._precision_plugin
-
-    @precision_plugin.setter
-    @override
-    def precision_plugin(self, precision_plugin: Optional[Precision]) -> None:
-        self._precision_plugin = shard_aware(precision_plugin) if precision_plugin is not None else None
 
 
 def low_precision_residual(model: nn.Module, plugin: Precision) -> None:

@@ -13,7 +13,6 @@ import torch.distributed as dist
 from lightning.fabric.plugins import ClusterEnvironment
 from torch import Tensor
 from torch.distributed.constants import default_pg_timeout
-from typing_extensions import override
 
 from lightning_seqpar._compat import set_process_group_timeout
 from lightning_seqpar.lightning.failure import FailureWatch, report_failure
@@ -88,29 +87,28 @@ def report_failed_collective(exception: BaseException, rank: int, timeout: timed
     return True
 
 
-class ProcessGroupCollectives:
-    """The strategy's ``barrier``, ``broadcast`` and ``reduce`` (for ``self.log(..., sync_dist=True)``) on the default
-    process group, as Lightning's DDP strategy does them; no-ops before the group exists."""
+def barrier(device: Any) -> None:
+    """The strategy's ``barrier`` on the default process group (``device``: this rank's, for NCCL); a no-op before
+    the group exists."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if dist.get_backend() == "nccl":
+        dist.barrier(device_ids=[device.index])
+    else:
+        dist.barrier()
 
-    @override
-    def barrier(self, name: Optional[str] = None) -> None:
-        if not (dist.is_available() and dist.is_initialized()):
-            return
-        if dist.get_backend() == "nccl":
-            dist.barrier(device_ids=[self.root_device.index])
-        else:
-            dist.barrier()
 
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not (dist.is_available() and dist.is_initialized()):
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src)
-        return box[0]
+def broadcast(obj: Any, src: int = 0) -> Any:
+    """The strategy's ``broadcast`` of a picklable object from rank ``src``; ``obj`` itself before the group exists."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src)
+    return box[0]
 
-    @override
-    def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
-        if isinstance(tensor, Tensor):
-            return sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
+
+def reduce(tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
+    """The strategy's ``reduce`` (for ``self.log(..., sync_dist=True)``), as Lightning's DDP strategy does it."""
+    if isinstance(tensor, Tensor):
+        return sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+    return tensor

@@ -17,30 +17,24 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_seqpar.checkpoint.writer import ShardedCheckpointWriter
+import lightning_seqpar.lightning.process_group as process_group
 from lightning_seqpar.lightning._compat import SubprocessScriptLauncher, optimizers_to_device, set_num_threads_if_needed
-from lightning_seqpar.lightning.checkpoint_hooks import CheckpointingMixin, check_checkpoint_options
 from lightning_seqpar.lightning.checkpoint_io import AtomicCheckpointIO
+from lightning_seqpar.lightning.checkpointer import Checkpointer
+from lightning_seqpar.lightning.config import CheckpointConfig, DataParallelConfig, check_together
 from lightning_seqpar.lightning.launcher import configure_launcher
 from lightning_seqpar.lightning.parallelize import check_before_start, parallelize
+from lightning_seqpar.lightning.pipelined_steps import PipelinedSteps, check_pipelined_module, refuse_predict
+from lightning_seqpar.lightning.precision import ShardAwareClipping, low_precision_residual, shard_aware
 from lightning_seqpar.lightning.preemption import add_preemption
-from lightning_seqpar.lightning.pipelined_steps import PipelinedSteps, PipelinedStepsMixin, check_pipelined_module
-from lightning_seqpar.lightning.precision import ShardAwareClipping, ShardAwarePrecisionPlugin, low_precision_residual
-from lightning_seqpar.lightning.process_group import (
-    ProcessGroupCollectives,
-    as_timedelta,
-    report_failed_collective,
-    start_process_group,
-)
+from lightning_seqpar.lightning.process_group import as_timedelta, report_failed_collective, start_process_group
 from lightning_seqpar.optim.grad_sync import GradientSync
 from lightning_seqpar.parallel import ParallelMesh, RNGTracker, validate_layout
 from lightning_seqpar.pipeline_parallel import PipelineConfig
 from lightning_seqpar.rewriting import Policy, RewritePlan
 
 
-class SeqParallelStrategy(
-    CheckpointingMixin, PipelinedStepsMixin, ProcessGroupCollectives, ShardAwarePrecisionPlugin, ParallelStrategy
-):
+class SeqParallelStrategy(ParallelStrategy):
     """Tensor (+ sequence) and pipeline parallel training of an ordinary LightningModule.
 
     ``setup_environment``: the process group and the ``(pp, dp, tp)`` mesh, tensor-parallel ranks fastest.
@@ -50,16 +44,21 @@ class SeqParallelStrategy(
     runs the module's own steps, through the pipeline schedule when ``pp > 1`` (:mod:`.pipelined_steps`;
     docs/pipeline.md states the contract); gradients are then finalized over the mesh
     (:mod:`lightning_seqpar.optim`) and clipped by the norm of the whole unsharded gradient. Checkpoints hold the
-    single-device state dict (:mod:`.checkpoint_hooks`).
+    single-device state dict (:mod:`.checkpointer`).
+
+    Parts it holds (each owns its state; the Lightning hooks below call them): :attr:`checkpointer`
+    (:class:`~.checkpointer.Checkpointer`), :attr:`pipeline` (:class:`~.pipelined_steps.PipelinedSteps`, ``pp > 1``),
+    :attr:`grad_sync` (:class:`~lightning_seqpar.optim.grad_sync.GradientSync`, while fitting). Settings grouped by
+    part: ``pipeline_config`` (:class:`~lightning_seqpar.pipeline_parallel.PipelineConfig`), ``checkpointing``
+    (:class:`~.config.CheckpointConfig`), ``data_parallel`` (:class:`~.config.DataParallelConfig`); the flat keywords
+    are shorthands for their fields.
 
     Args:
         tp: tensor-parallel size t (ranks sharing each layer).
         pp: pipeline-parallel size p (stages of the layer stack). The data-parallel size is ``world_size // (tp · pp)``.
-        num_microbatches: m, micro-batches per batch under pipeline parallelism (default ``pp``), dividing the rank's batch.
-        schedule: ``"1F1B"`` (default; with ``virtual_stages > 1`` the interleaved 1F1B), ``"gpipe"`` or
-            ``"interleaved_1F1B"``.
-        virtual_stages: v, model chunks per pipeline rank for the interleaved schedule.
-        pipeline_split: layers of each of the ``pp·virtual_stages`` stages, in model order (default: equal).
+        num_microbatches, schedule, virtual_stages, pipeline_split: shorthands for
+            :class:`~lightning_seqpar.pipeline_parallel.PipelineConfig`'s ``num_microbatches`` (m, default ``pp``),
+            ``schedule`` (``"1F1B"``, ``"gpipe"``, ``"interleaved_1F1B"``), ``virtual_stages`` (v), ``split``.
         sequence_parallel: shard LayerNorm/dropout/residual activations along the sequence
             (Korthikanti et al. 2022 §4.2.2). Ignored when ``tp == 1``.
         loss_parallel: compute the reference GPT's loss on vocabulary-sharded logits.
@@ -72,27 +71,18 @@ class SeqParallelStrategy(
         timeout: how long a collective may wait for a peer before the job fails (seconds or a
             ``timedelta``; default torch's 30 minutes). A stalled rank then ends the job with an error that
             names the collective that timed out, instead of hanging it.
-        allow_non_finite_checkpoint: load checkpoints whose weights or optimizer state hold NaN/inf
-            (refused by default: they are corrupt, or the run had diverged).
-        allow_unverified_checkpoint: load a checkpoint whose manifest is gone, its files unchecked (refused by default).
-        checkpoint_format: ``"sharded"`` (default): a directory written by every rank through
-            ``torch.distributed.checkpoint``, which resumes under any other layout (:mod:`lightning_seqpar.checkpoint`);
-            ``"full"``: one file of the single-device model and optimizer (small models; same pipeline layout).
-        async_save: sharded format only: write checkpoints in a background thread while training goes on.
-        zero: ``1`` shards the optimizer state over the data-parallel ranks (ZeRO-1,
-            :mod:`lightning_seqpar.optim.distributed_optimizer`); ``0`` (default) replicates it.
-        fp32_main_params: with ``zero=1`` and 16-bit parameters (``precision="bf16-true"``), update a float32 copy of
-            each rank's element ranges and round it into the parameters (Megatron's main params: 4 bytes / d each).
+        allow_non_finite_checkpoint, allow_unverified_checkpoint, checkpoint_format, async_save: shorthands for
+            :class:`~.config.CheckpointConfig`'s ``allow_non_finite``, ``allow_unverified``, ``format``, ``async_save``.
+        zero, fp32_main_params: shorthands for :class:`~.config.DataParallelConfig`'s fields.
+        checkpointing, data_parallel: the groups themselves (then their shorthands are not given).
         low_precision_residual: under ``bf16-mixed`` / ``16-mixed``, carry the residual stream (hidden states, pipeline
             transfers, norm inputs kept) in 16 bits, as Megatron does: Table 2's bytes, 16-bit residual additions.
 
     Raises:
-        ValueError: ``timeout`` not positive; an unknown ``checkpoint_format`` or ``zero``; ``zero=1`` or
-            ``async_save`` with ``checkpoint_format="full"``; ``fp32_main_params`` without ``zero=1``; ``tp``/``pp``
-            not positive integers; world size not divisible by ``tp · pp``; ``low_precision_residual`` without
-            autocast (at setup); a model with nothing to rewrite or with shapes that do not split t ways; under ``pp > 1``, an
-            unknown schedule, fewer micro-batches than stages (or, interleaved, not a multiple of ``pp``), a
-            layer count that does not split into the stages asked, a batch not divisible into micro-batches.
+        ValueError: settings each config refuses, or that refuse each other (:func:`~.config.check_together`);
+            ``timeout`` not positive; ``tp``/``pp`` not positive integers; a world size not divisible by ``tp · pp``;
+            at setup, ``low_precision_residual`` without autocast, a model with nothing to rewrite or with shapes that
+            do not split t ways, a layer count or batch that does not split into the stages or micro-batches asked.
     """
 
     strategy_name = "seq_parallel"
@@ -125,9 +115,14 @@ class SeqParallelStrategy(
         zero: Literal[0, 1] = 0,
         fp32_main_params: bool = False,
         low_precision_residual: bool = False,
+        checkpointing: Optional[CheckpointConfig] = None,
+        data_parallel: Optional[DataParallelConfig] = None,
     ) -> None:
         validate_layout(tp * pp, tp, pp)
-        check_checkpoint_options(checkpoint_format, zero, async_save, fp32_main_params)
+        self.checkpointer = Checkpointer(checkpointing or CheckpointConfig(
+            checkpoint_format, async_save, allow_non_finite_checkpoint, allow_unverified_checkpoint), self)
+        self.data_parallel = data_parallel or DataParallelConfig(zero, fp32_main_params)
+        check_together(self.checkpointer.config, self.data_parallel)
         self.pipeline_config = PipelineConfig.build(pp, num_microbatches, schedule, virtual_stages, pipeline_split)
         if start_method not in ("popen", "spawn", "fork"):
             raise ValueError(f"start_method must be 'popen', 'spawn' or 'fork', got {start_method!r}.")
@@ -136,18 +131,12 @@ class SeqParallelStrategy(
         self.tp, self.sequence_parallel, self.loss_parallel = tp, sequence_parallel, loss_parallel
         self.policies, self.verify_rewrite = list(policies or ()), verify_rewrite
         self._seed, self._start_method, self.process_group_backend = seed, start_method, process_group_backend
-        self._timeout, self.allow_non_finite_checkpoint = as_timedelta(timeout), allow_non_finite_checkpoint
-        self.allow_unverified_checkpoint = allow_unverified_checkpoint
-        self.checkpoint_format, self.async_save, self.zero = checkpoint_format, async_save, zero
-        self.fp32_main_params, self.low_precision_residual = fp32_main_params, low_precision_residual
-        self._checkpoint_writer: Optional[ShardedCheckpointWriter] = None
+        self._timeout, self.low_precision_residual = as_timedelta(timeout), low_precision_residual
         self._mesh: Optional[ParallelMesh] = None
         self.rng_tracker: Optional[RNGTracker] = None
         self.rewrite_plan: Optional[RewritePlan] = None
         self.pipeline: Optional[PipelinedSteps] = None
-        self._remote_keys: list[str] = []  # state-dict keys of other pipeline stages
         self._parallelized: Optional[torch.nn.Module] = None
-        self._initial_weights: Optional[Mapping[str, Any]] = None  # read into the shards as they are made
         self.grad_sync: Optional[GradientSync] = None  # the fit's data-parallel reduction (one owner)
         self.num_nodes = 1
 
@@ -209,7 +198,7 @@ class SeqParallelStrategy(
         plugin = self.precision_plugin
         assert isinstance(plugin, ShardAwareClipping)
         plugin.mesh = self._mesh
-        self._start_checkpoint_writer()
+        self.checkpointer.start(self._timeout)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -225,13 +214,13 @@ class SeqParallelStrategy(
             parallel = parallelize(
                 self.model, self.mesh, self.root_device, seed=self._seed, broadcast=self.broadcast,
                 sequence_parallel=self.sequence_parallel, loss_parallel=self.loss_parallel, policies=self.policies,
-                verify=self.verify_rewrite, pipeline=self.pipeline_config, source=self._initial_weights,
+                verify=self.verify_rewrite, pipeline=self.pipeline_config, source=self.checkpointer.initial_weights,
             )
-            self._initial_weights = None
+            self.checkpointer.initial_weights = None
             if self.low_precision_residual:
                 low_precision_residual(self.model, self.precision_plugin)
             self.rng_tracker, self.rewrite_plan = parallel.rng_tracker, parallel.rewrite_plan
-            self.pipeline, self._remote_keys = parallel.pipeline, parallel.remote_keys
+            self.pipeline, self.checkpointer.remote_keys = parallel.pipeline, parallel.remote_keys
             self._parallelized = self.model
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -243,8 +232,9 @@ class SeqParallelStrategy(
             self.setup_optimizers(trainer)
             if self.grad_sync is not None:
                 self.grad_sync.remove()  # a second fit: the previous buckets' hooks go
-            self.grad_sync = GradientSync(self.model, self.optimizers, self.lr_scheduler_configs, self.mesh, self.zero,
-                                          self.pipeline is not None, self.fp32_main_params)
+            self.grad_sync = GradientSync(self.model, self.optimizers, self.lr_scheduler_configs, self.mesh,
+                                          self.data_parallel.zero, self.pipeline is not None,
+                                          self.data_parallel.fp32_main_params)
             self.optimizers = self.grad_sync.optimizers
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -274,6 +264,96 @@ class SeqParallelStrategy(
 
         return super().optimizer_step(optimizer, closure_then_finalize, model, **kwargs)
 
+    # ---- Lightning's hooks, each handed to the part that owns it
+    @property
+    @override
+    def precision_plugin(self) -> Precision:  # kept as its shard_aware subclass: clipping must see every shard and stage
+        if self._precision_plugin is None:
+            self._precision_plugin = shard_aware(None)
+        return self._precision_plugin
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, precision_plugin: Optional[Precision]) -> None:
+        self._precision_plugin = shard_aware(precision_plugin) if precision_plugin is not None else None
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.pipeline is None:
+            return super().training_step(*args, **kwargs)
+        return self.pipeline.run_training_step(self.lightning_module, self.precision_plugin, self.grad_sync, args, kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.pipeline is None:
+            return super().validation_step(*args, **kwargs)
+        return self.pipeline.run_evaluation_step(self.lightning_module, self.precision_plugin, "validation", args, kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.pipeline is None:
+            return super().test_step(*args, **kwargs)
+        return self.pipeline.run_evaluation_step(self.lightning_module, self.precision_plugin, "test", args, kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.pipeline is not None:
+            refuse_predict()
+        return super().predict_step(*args, **kwargs)
+
+    @override
+    def barrier(self, name: Optional[str] = None) -> None:
+        process_group.barrier(self.root_device)
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return process_group.broadcast(obj, src)
+
+    @override
+    def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
+        return process_group.reduce(tensor, group, reduce_op)
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return self.checkpointer.model_state()
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        return self.checkpointer.optimizer_state(optimizer)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        self.checkpointer.save(checkpoint, filepath, storage_options, super().save_checkpoint)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        self.checkpointer.wait()  # never remove a checkpoint still being published
+        super().remove_checkpoint(filepath)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        return self.checkpointer.load(checkpoint_path, weights_only, super().load_checkpoint)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        self.checkpointer.load_model_state_dict(checkpoint, strict)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        self.checkpointer.load_optimizer_state_dict(checkpoint)
+
+    def full_state_dict(self) -> dict[str, Any]:
+        """:meth:`.checkpointer.Checkpointer.full_state_dict`: the single-device state dict (collective)."""
+        return self.checkpointer.full_state_dict()
+
+    def load_single_device_state_dict(self, source: Any, strict: bool = True, prefix: str = "") -> None:
+        """:meth:`.checkpointer.Checkpointer.load_single_device_state_dict`: start from single-device weights."""
+        self.checkpointer.load_single_device_state_dict(source, strict, prefix)
+
+    def save_hf_pretrained(self, out: Any, config: Any = None, prefix: str = "model.", **options: Any) -> Any:
+        """:meth:`.checkpointer.Checkpointer.save_hf_pretrained`: export a Hugging Face directory (collective)."""
+        return self.checkpointer.save_hf_pretrained(out, config, prefix, **options)
+
     @override
     def on_exception(self, exception: BaseException) -> None:
         failed = report_failed_collective(exception, self.global_rank, self._timeout, getattr(self, "_failure_watch", None))
@@ -283,8 +363,7 @@ class SeqParallelStrategy(
 
     @override
     def teardown(self) -> None:
-        if self._checkpoint_writer is not None:
-            self._checkpoint_writer.close()  # a checkpoint still being written is finished and published
+        self.checkpointer.close()  # a checkpoint still being written is finished and published
         if getattr(self, "_failure_watch", None) is not None:
             self._failure_watch.stop()  # a later run in this process (another Trainer) makes its own
         self.cluster_environment.teardown()  # type: ignore[union-attr]

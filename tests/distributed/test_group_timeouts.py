@@ -30,7 +30,7 @@ def _strategy_groups(rank, world_size, directory):
     trainer.fit(build("gpt"), loader(token_data(1, 1)))
     mesh = trainer.strategy.mesh
     groups = {"tensor": mesh.tensor.group, "data": mesh.data.group, "pipeline": mesh.pipeline.group,
-              "async save": trainer.strategy._checkpoint_writer.process_group}
+              "async save": trainer.strategy.checkpointer.writer.process_group}
     return {name: _timeout(group) for name, group in groups.items()}
 
 

@@ -30,7 +30,7 @@ def _placement(rank, world_size, tie):
                  for name, p in module.named_parameters() if "layers" not in name},
         "tied_is_one_tensor": getattr(model.lm_head, "weight", None) is getattr(model.model.embed_tokens, "weight", 0),
         "embedding_group": embedding_ranks,
-        "remote": sorted(k for k in trainer.strategy._remote_keys if "layers" not in k),
+        "remote": sorted(k for k in trainer.strategy.checkpointer.remote_keys if "layers" not in k),
     }
 
 

@@ -1,4 +1,4 @@
-"""How :class:`~lightning_seqpar.SeqParallelStrategy` saves and loads checkpoints (a mixin of the strategy).
+"""How :class:`~lightning_seqpar.SeqParallelStrategy` saves and loads checkpoints: its :class:`Checkpointer` part.
 
 Two formats (``checkpoint_format``): ``"sharded"``, a directory written by every rank through
 ``torch.distributed.checkpoint`` that any layout loads (:mod:`lightning_seqpar.checkpoint`), and ``"full"``,
@@ -10,14 +10,13 @@ a Hugging Face directory) as the starting point of any layout, and the Hugging F
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch import Tensor
 from torch.optim import Optimizer
-from typing_extensions import override
 
 from lightning_seqpar.checkpoint.checks import (
     check_finite,
@@ -53,67 +52,72 @@ from lightning_seqpar.checkpoint.writer import ShardedCheckpointWriter, coordina
 from lightning_seqpar.hf.weights import SafetensorsStateDict
 from lightning_seqpar.transformer.materialize import has_meta_tensors
 from lightning_seqpar.lightning.checkpoint_io import remove_stale_temporaries
-
-
-def check_checkpoint_options(checkpoint_format: str, zero: int, async_save: bool, fp32_main_params: bool = False
-                             ) -> None:
-    """Refuse a combination of the strategy's checkpoint and optimizer-state settings that cannot work, before
-    anything starts.
-
-    Raises:
-        ValueError: an unknown ``checkpoint_format`` or ``zero``; ``zero=1`` or ``async_save`` with the full format;
-            ``fp32_main_params`` without ``zero=1``.
-    """
-    if checkpoint_format not in ("sharded", "full"):
-        raise ValueError(f"checkpoint_format must be 'sharded' or 'full', got {checkpoint_format!r}.")
-    if zero not in (0, 1):
-        raise ValueError(f"zero must be 0 (replicated optimizer state) or 1 (sharded over data-parallel ranks), "
-                         f"got {zero!r}.")
-    if fp32_main_params and zero != 1:
-        raise ValueError("fp32_main_params=True keeps float32 main params with the sharded optimizer state, and needs "
-                         "zero=1. Set zero=1 (and precision='bf16-true'), or leave fp32_main_params off.")
-    if checkpoint_format == "full" and (zero or async_save):
-        raise ValueError(
-            f"checkpoint_format='full' gathers the whole optimizer onto every rank and writes from rank 0; "
-            f"{'zero=1' if zero else 'async_save=True'} needs checkpoint_format='sharded'."
-        )
+from lightning_seqpar.lightning.config import CheckpointConfig
 
 
 FULL_FORMAT_MARK = "lightning_seqpar_full_format"
 """Key of a full-format checkpoint written by the strategy (its optimizer state is in the parallel model's order)."""
 
 
-class CheckpointingMixin:
-    """The checkpoint hooks of :class:`~lightning_seqpar.SeqParallelStrategy`; it reads the strategy's mesh,
-    module, optimizers, writer and settings (``checkpoint_format``, ``zero``, ``allow_non_finite_checkpoint``)."""
+class Checkpointer:
+    """The strategy's checkpoint part: it owns the writer, the checkpoint settings, the keys other pipeline stages
+    hold and the single-device weights waiting for the shards; it reads the strategy's module, mesh, optimizers and
+    collectives (``strategy``), which it does not own. The strategy's Lightning hooks call it.
 
-    def _start_checkpoint_writer(self) -> None:
+    Args:
+        config: the checkpoint settings.
+        strategy: the strategy this part serves.
+    """
+
+    def __init__(self, config: CheckpointConfig, strategy: Any) -> None:
+        self.config, self.strategy = config, strategy
+        self.writer: Optional[ShardedCheckpointWriter] = None
+        self.remote_keys: list[str] = []  # state-dict keys of other pipeline stages (set when the model is split)
+        self.initial_weights: Optional[Mapping[str, Any]] = None  # read into the shards as they are made
+
+    def start(self, timeout: Any) -> None:
+        """Make the writer, once the process group exists."""
         # Background checkpoint writes run collectives of their own: never on training's process group.
-        group = dist.new_group(backend="gloo", timeout=self._timeout, group_desc="async_save") if self.async_save else None
-        self._checkpoint_writer = ShardedCheckpointWriter(self.global_rank == 0, coordinator_pid(), group,
-                                                          self.async_save)
+        group = (dist.new_group(backend="gloo", timeout=timeout, group_desc="async_save") if self.config.async_save
+                 else None)
+        self.writer = ShardedCheckpointWriter(self.strategy.global_rank == 0, coordinator_pid(), group,
+                                              self.config.async_save)
+
+    def close(self) -> None:
+        """Finish and publish a checkpoint still being written."""
+        if self.writer is not None:
+            self.writer.close()
+
+    @property
+    def module(self) -> Any:
+        """The strategy's LightningModule."""
+        return self.strategy.lightning_module
+
+    @property
+    def mesh(self) -> Any:
+        """The strategy's process groups."""
+        return self.strategy.mesh
 
     @property
     def _tp_device_mesh(self) -> Any:
         device_mesh = self.mesh.device_mesh
         return None if device_mesh is None else device_mesh["tensor"]  # type: ignore[index]
 
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
+    def model_state(self) -> dict[str, Any]:
         """Sharded format: this rank's shards as ``torch.distributed.checkpoint`` views (same keys as the
         single-device model; no communication). Full format: the unparallelized model's state dict,
         gathered from the shards (collective, every rank)."""
-        assert self.lightning_module is not None
-        if self.checkpoint_format == "sharded":
-            return model_entries(self.lightning_module, self._tp_device_mesh)
+        assert self.module is not None
+        if self.config.format == "sharded":
+            return model_entries(self.module, self._tp_device_mesh)
         return self.full_state_dict()
 
     def full_state_dict(self) -> dict[str, Any]:
         """The single-device state dict of the trained model (same keys and shapes as before the rewrite),
         on every rank, e.g. after ``trainer.fit``. Collective: every rank must call it. ``module.state_dict()``
         returns this rank's shards instead."""
-        assert self.lightning_module is not None
-        return merge_over_stages(full_state_dict(self.lightning_module, self.mesh.tensor), self.mesh.pipeline)
+        assert self.module is not None
+        return merge_over_stages(full_state_dict(self.module, self.mesh.tensor), self.mesh.pipeline)
 
     def load_single_device_state_dict(self, source: Union[str, Path, Mapping[str, Tensor]], strict: bool = True,
                                       prefix: str = "") -> None:
@@ -149,10 +153,10 @@ class CheckpointingMixin:
                 source = load_state_dict_file(path)
         if prefix:
             source = {prefix + k: v for k, v in source.items()}
-        module = self.lightning_module
-        if module is not None and module is not self._parallelized and has_meta_tensors(module):
+        module = self.module
+        if module is not None and module is not self.strategy._parallelized and has_meta_tensors(module):
             check_initial_weights(module, source, strict)  # the same on every rank: refused on all of them
-            self._initial_weights = source  # read into the shards by setup's materialization
+            self.initial_weights = source  # read into the shards by setup's materialization
             return
         self.load_model_state_dict({"state_dict": source}, strict=strict)
 
@@ -183,24 +187,24 @@ class CheckpointingMixin:
                 (or holds) the run's folder, checkpoints or logs, or ``source``
                 (:mod:`lightning_seqpar.checkpoint.destination`); on every rank, before anything is written.
         """
-        assert self.lightning_module is not None
+        assert self.module is not None
         if config is None:
-            config = self.lightning_module.get_submodule(prefix.rstrip(".")).config
+            config = self.module.get_submodule(prefix.rstrip(".")).config
         if source is None and Path(str(getattr(config, "name_or_path", "") or "")).is_dir():
             source = config.name_or_path
-        trainer = self.lightning_module.trainer
+        trainer = self.module.trainer
         kept = [source, trainer.default_root_dir, getattr(trainer.logger, "log_dir", None),
                 *(getattr(c, "dirpath", None) for c in trainer.checkpoint_callbacks)]
-        return export_hf_pretrained(self.lightning_module, self.mesh, self.broadcast(str(out)), config, prefix=prefix,
+        return export_hf_pretrained(self.module, self.mesh, self.strategy.broadcast(str(out)), config, prefix=prefix,
                                     source=source, max_shard_size=max_shard_size, dtype=dtype, tokenizer=tokenizer,
                                     overwrite=overwrite, protected=kept)
 
-    @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The optimizer's state for a checkpoint: DCP views (sharded format), or gathered per stage (full)."""
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer.optimizer
-        if self.checkpoint_format == "sharded":
-            return optimizer_checkpoint_state(optimizer, self.lightning_module, self._tp_device_mesh)
+        if self.config.format == "sharded":
+            return optimizer_checkpoint_state(optimizer, self.module, self._tp_device_mesh)
         state = full_optimizer_state(optimizer, self.mesh.tensor)
         if self.mesh.pp == 1:
             return state
@@ -209,42 +213,41 @@ class CheckpointingMixin:
         dist.all_gather_object(stages, state, group=self.mesh.pipeline.group)
         return {"pipeline_stages": stages}
 
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+    def save(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any],
+             write_file: Callable[[dict[str, Any], Any, Optional[Any]], None]) -> None:
         """Sharded format: every rank writes its shards into the directory ``filepath``, published atomically
         (collective). Full format: rank 0 writes the file ``filepath`` atomically.
 
         Raises:
             TypeError: ``storage_options`` given with the sharded format.
         """
-        if self.checkpoint_format == "full":  # marked: a plain Lightning file's optimizer state is told apart on load
-            return super().save_checkpoint({**checkpoint, FULL_FORMAT_MARK: True}, filepath, storage_options)
+        if self.config.format == "full":  # marked: a plain Lightning file's optimizer state is told apart on load
+            return write_file({**checkpoint, FULL_FORMAT_MARK: True}, filepath, storage_options)
         if storage_options is not None:
             raise TypeError(f"The sharded checkpoint format takes no storage_options, got {storage_options!r}.")
-        assert self.lightning_module is not None and self._checkpoint_writer is not None
-        path = Path(self.broadcast(str(filepath)))  # every rank writes into rank 0's directory
-        shapes = merge_over_stages(single_device_shapes(self.lightning_module), self.mesh.pipeline)
-        layout = {"tp": self.mesh.tp, "pp": self.mesh.pp, "dp": self.mesh.dp, "zero": self.zero,
-                  "sequence_parallel": self.sequence_parallel}
-        tied = merge_over_stages(tied_aliases(self.lightning_module), self.mesh.pipeline)
-        save_trainer_checkpoint(self._checkpoint_writer, checkpoint, path, shapes, tied, layout)
+        assert self.module is not None and self.writer is not None
+        path = Path(self.strategy.broadcast(str(filepath)))  # every rank writes into rank 0's directory
+        shapes = merge_over_stages(single_device_shapes(self.module), self.mesh.pipeline)
+        layout = {"tp": self.mesh.tp, "pp": self.mesh.pp, "dp": self.mesh.dp,
+                  "zero": self.strategy.data_parallel.zero, "sequence_parallel": self.strategy.sequence_parallel}
+        tied = merge_over_stages(tied_aliases(self.module), self.mesh.pipeline)
+        save_trainer_checkpoint(self.writer, checkpoint, path, shapes, tied, layout)
 
-    @override
-    def remove_checkpoint(self, filepath: Any) -> None:
-        if self._checkpoint_writer is not None:
-            self._checkpoint_writer.wait()  # never remove a checkpoint still being published
-        super().remove_checkpoint(filepath)
+    def wait(self) -> None:
+        """Wait for a checkpoint still being published (before one is removed or read)."""
+        if self.writer is not None:
+            self.writer.wait()
 
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    def load(self, checkpoint_path: Any, weights_only: Optional[bool],
+             read_file: Callable[..., dict[str, Any]]) -> dict[str, Any]:
         """A sharded checkpoint directory is read in place, each rank its own shards of the model and (when
         fitting) of the optimizers, whatever layout wrote it; a full checkpoint file is read whole on every rank.
         A checkpoint whose save was killed between its two renames is restored first."""
-        assert self.lightning_module is not None
-        path = Path(self.broadcast(str(checkpoint_path)))
-        if self.is_global_zero and not path.exists() and path.parent.is_dir():
+        assert self.module is not None
+        path = Path(self.strategy.broadcast(str(checkpoint_path)))
+        if self.strategy.is_global_zero and not path.exists() and path.parent.is_dir():
             remove_stale_temporaries(path.parent)
-        self.barrier("load_checkpoint")
+        self.strategy.barrier("load_checkpoint")
         if path.is_dir() and not is_sharded_checkpoint(path):
             raise ValueError(not_a_checkpoint(path))
         if path.is_file() and is_sharded_checkpoint(path.parent):
@@ -253,47 +256,46 @@ class CheckpointingMixin:
         if not is_sharded_checkpoint(path):
             if path.is_file() and is_zip_file(path):
                 on_every_rank(lambda: check_zip_file(path))  # each rank checks what it reads
-            return super().load_checkpoint(path, weights_only=weights_only)
-        if self._checkpoint_writer is not None:
-            self._checkpoint_writer.wait()
+            return read_file(path, weights_only=weights_only)
+        self.wait()
         return load_trainer_checkpoint(
-            path, self.lightning_module, [getattr(o, "optimizer", o) for o in self.optimizers], self._tp_device_mesh,
-            self.lightning_module.strict_loading, self.allow_non_finite_checkpoint, weights_only,
-            self.allow_unverified_checkpoint,
+            path, self.module, [getattr(o, "optimizer", o) for o in self.strategy.optimizers], self._tp_device_mesh,
+            self.module.strict_loading, self.config.allow_non_finite, weights_only,
+            self.config.allow_unverified,
         )
 
-    @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        assert self.lightning_module is not None
+        """Lightning's ``load_model_state_dict``: a single-device state dict into this rank's shards and stage."""
+        assert self.module is not None
         if FORMAT_KEY in checkpoint:  # a sharded checkpoint: read in place by load_checkpoint
             return
         state = checkpoint["state_dict"]
-        if self._remote_keys:  # this stage's part; the other stages' layers must be there too
-            missing = [k for k in self._remote_keys if k not in state]
+        if self.remote_keys:  # this stage's part; the other stages' layers must be there too
+            missing = [k for k in self.remote_keys if k not in state]
             if strict and missing:
                 raise KeyError(f"State dict mismatch. Missing (layers of other pipeline stages): {sorted(missing)}.")
-            remote = set(self._remote_keys)
+            remote = set(self.remote_keys)
             state = {k: v for k, v in state.items() if k not in remote}
 
         def check() -> None:
-            if not self.allow_non_finite_checkpoint:
+            if not self.config.allow_non_finite:
                 check_finite(state, "weight")
-            check_state_dict_shapes(self.lightning_module, state)
+            check_state_dict_shapes(self.module, state)
 
         on_every_rank(check)
-        load_full_state_dict(self.lightning_module, state, self.mesh.tensor, strict=strict)
+        load_full_state_dict(self.module, state, self.mesh.tensor, strict=strict)
 
-    @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Lightning's ``load_optimizer_state_dict``: a full checkpoint's optimizer state (zero=0)."""
         if FORMAT_KEY in checkpoint:  # a sharded checkpoint: read in place by load_checkpoint
             return
-        if self.zero:
+        if self.strategy.data_parallel.zero:
             raise ValueError("A full (single-file) checkpoint's optimizer state does not resume under zero=1; "
                              "resume with zero=0, or from a sharded checkpoint.")
         try:
             states = on_every_rank(lambda: optimizer_states_of_this_stage(
-                checkpoint["optimizer_states"], self.optimizers, self.mesh.pp, self.mesh.pipeline.rank,
-                self.allow_non_finite_checkpoint,
+                checkpoint["optimizer_states"], self.strategy.optimizers, self.mesh.pp, self.mesh.pipeline.rank,
+                self.config.allow_non_finite,
             ))
         except ValueError as error:
             if FULL_FORMAT_MARK in checkpoint:
@@ -305,5 +307,5 @@ class CheckpointingMixin:
                 f"not keep. Its weights load: call self.trainer.strategy.load_single_device_state_dict(PATH) in "
                 f"configure_model() or on_fit_start() and train without ckpt_path (the optimizer starts afresh)."
             ) from None
-        for optimizer, state in zip(self.optimizers, states):
+        for optimizer, state in zip(self.strategy.optimizers, states):
             load_full_optimizer_state(optimizer, state, self.mesh.tensor)

@@ -1,0 +1,76 @@
+"""The strategy's settings, grouped by the part that owns them, each group validated once, in its constructor.
+
+``SeqParallelStrategy`` takes these objects (``checkpointing=CheckpointConfig(...)``, ``data_parallel=...``) or the
+flat keywords they replace (``checkpoint_format=``, ``zero=`` ...), which stay as shorthands. The pipeline's are
+:class:`~lightning_seqpar.pipeline_parallel.config.PipelineConfig`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """How checkpoints are written and what loading accepts (the strategy's
+    :class:`~lightning_seqpar.lightning.checkpointer.Checkpointer`).
+
+    Raises:
+        ValueError: an unknown ``format``; ``async_save`` with the full format.
+    """
+
+    format: Literal["sharded", "full"] = "sharded"
+    """``"sharded"``: a directory written by every rank through ``torch.distributed.checkpoint``, which resumes under
+    any other layout (:mod:`lightning_seqpar.checkpoint`); ``"full"``: one file of the single-device model and optimizer
+    (small models; the same pipeline layout)."""
+    async_save: bool = False
+    """sharded format only: write checkpoints in a background thread while training goes on."""
+    allow_non_finite: bool = False
+    """load checkpoints whose weights or optimizer state hold NaN/inf (refused by default: they are corrupt, or the
+    run had diverged)."""
+    allow_unverified: bool = False
+    """load a checkpoint whose manifest is gone, its files unchecked (refused by default)."""
+
+    def __post_init__(self) -> None:
+        if self.format not in ("sharded", "full"):
+            raise ValueError(f"checkpoint_format must be 'sharded' or 'full', got {self.format!r}.")
+        if self.format == "full" and self.async_save:
+            raise ValueError("checkpoint_format='full' gathers the whole optimizer onto every rank and writes from "
+                             "rank 0; async_save=True needs checkpoint_format='sharded'.")
+
+
+@dataclass(frozen=True)
+class DataParallelConfig:
+    """How the optimizer state and gradients are kept over the data-parallel ranks
+    (:class:`~lightning_seqpar.optim.grad_sync.GradientSync`).
+
+    Raises:
+        ValueError: an unknown ``zero``; ``fp32_main_params`` without ``zero=1``.
+    """
+
+    zero: Literal[0, 1] = 0
+    """``1`` shards the optimizer state over the data-parallel ranks (ZeRO-1,
+    :mod:`lightning_seqpar.optim.distributed_optimizer`); ``0`` replicates it."""
+    fp32_main_params: bool = False
+    """with ``zero=1`` and 16-bit parameters (``precision="bf16-true"``), update a float32 copy of each rank's element
+    ranges and round it into the parameters (Megatron's main params: 4 bytes / d each)."""
+
+    def __post_init__(self) -> None:
+        if self.zero not in (0, 1):
+            raise ValueError(f"zero must be 0 (replicated optimizer state) or 1 (sharded over data-parallel ranks), "
+                             f"got {self.zero!r}.")
+        if self.fp32_main_params and self.zero != 1:
+            raise ValueError("fp32_main_params=True keeps float32 main params with the sharded optimizer state, and "
+                             "needs zero=1. Set zero=1 (and precision='bf16-true'), or leave fp32_main_params off.")
+
+
+def check_together(checkpointing: CheckpointConfig, data_parallel: DataParallelConfig) -> None:
+    """What one group cannot check alone.
+
+    Raises:
+        ValueError: ``zero=1`` with the full checkpoint format.
+    """
+    if checkpointing.format == "full" and data_parallel.zero:
+        raise ValueError("checkpoint_format='full' gathers the whole optimizer onto every rank and writes from rank 0; "
+                         "zero=1 needs checkpoint_format='sharded'.")
