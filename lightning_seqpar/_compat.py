@@ -2,7 +2,7 @@
 :mod:`lightning_seqpar.lightning._compat`, the only folder that may import Lightning).
 
 Each entry says why it is needed and which public alternative was checked (torch 2.13, transformers 5, the
-versions ``setup.cfg`` pins and CI tests). ``tests/unit/test_layering.py`` fails if a private name of a
+versions ``setup.cfg`` pins and CI tests). ``tests/package/test_layering.py`` fails if a private name of a
 library is used in any module but the two ``_compat`` modules, so an upgrade has two files to review.
 """
 

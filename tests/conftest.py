@@ -1,20 +1,27 @@
-"""Test lanes: ``tests/unit`` runs in one process; ``tests/distributed`` starts processes (gloo on CPU).
-
-Every test under ``tests/distributed`` is marked ``distributed``, so ``python -m pytest -m "not distributed"``
-is the fast lane.
+"""Tests by concept: ``tests/<folder>`` mirrors ``lightning_seqpar/<folder>`` (plus ``package/`` for the package's
+structure and versions, ``recipes/`` for the recipes). A test module that starts processes (gloo on CPU) says so with
+``pytestmark = pytest.mark.distributed``, so ``python -m pytest -m "not distributed"`` is the fast single-process lane;
+a module that uses the multi-process helpers without the mark is refused at collection.
 """
 
 from pathlib import Path
 
 import pytest
 
-_DISTRIBUTED = Path(__file__).parent / "distributed"
+_STARTS_PROCESSES = ("run_distributed", "run_cases", "start_recipe")  # the multi-process helpers
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    unmarked = set()
     for item in items:
-        if _DISTRIBUTED in Path(item.fspath).parents:
-            item.add_marker(pytest.mark.distributed)
+        module = getattr(item, "module", None)
+        if module is None or item.get_closest_marker("distributed") is not None:
+            continue
+        if any(name in vars(module) for name in _STARTS_PROCESSES):
+            unmarked.add(Path(str(item.fspath)).name)
+    if unmarked:
+        raise pytest.UsageError(f"{sorted(unmarked)} start processes but are not marked: add "
+                                f"`pytestmark = pytest.mark.distributed` (the fast lane must stay single-process).")
 
 
 @pytest.fixture(scope="session")

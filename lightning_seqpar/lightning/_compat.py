@@ -1,7 +1,7 @@
 """Every private Lightning name the library uses, in one place.
 
 Each entry says why it is needed and which public alternative was checked (Lightning 2.6, the version
-``setup.cfg`` pins and CI tests). ``tests/unit/test_layering.py`` fails if a private library name is used
+``setup.cfg`` pins and CI tests). ``tests/package/test_layering.py`` fails if a private library name is used
 anywhere but here and in :mod:`lightning_seqpar._compat` (torch's), so an upgrade has one file to review.
 """
 

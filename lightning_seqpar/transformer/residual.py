@@ -9,7 +9,7 @@ where Table 2 of Korthikanti et al. (2022) counts 2: about ``4·sbh/t`` per laye
 outputs added to it are already 16-bit (linear outputs under autocast, dropout keeps the dtype), so the whole
 stream stays 16-bit from the first layer on. This changes the numbers: the residual additions round to 16
 bits, as they do in Megatron-LM's bf16 training. A parallel model and a single-device one with the same layers
-cast train alike (``tests/distributed/test_precision.py``).
+cast train alike (``tests/lightning/test_precision.py``).
 
 A 16-bit stream is not yet a 16-bit norm input kept for backward: CUDA autocast runs ``layer_norm`` in float32
 by casting its input, and the norm keeps that float32 copy (Hugging Face RMSNorms upcast in their own forward and

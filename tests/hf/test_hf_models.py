@@ -1,0 +1,141 @@
+"""Hugging Face causal LMs train under TP (+SP) and PP like one process, and their weights go in and out.
+
+Every model is called as transformers' examples call it: ``model(input_ids=x, labels=x)``, with the config's
+default ``use_cache``; also with a padding ``attention_mask`` and explicit ``position_ids``.
+
+Tiny random configs: Llama, Mistral, Qwen2, Qwen3, Gemma (its embedding scaled by √h) and SmolLM3 (every other layer
+without rotary embeddings) (Llama layout; Qwen3 with per-head q/k norms: grouped-query attention with 2 key/value heads for 4 query
+heads, rotary embeddings, RMSNorm, SwiGLU) and GPT-2 (Conv1D, fused c_attn, learned positions, tied head);
+float64, loss and every gradient over 3 AdamW steps.
+"""
+
+import pytest
+import torch
+
+from lightning_seqpar import explain
+from tests.helpers.distributed import run_distributed
+from tests.helpers.models import build, token_data
+from tests.helpers.parity import Case, all_cases, assert_matches_single_process, case_id, relative_error_below, run_cases
+
+pytestmark = pytest.mark.distributed  # starts processes: outside the fast lane
+
+
+CASES = {
+    2: [
+        Case("hf", 2, True, None),                                          # TP + SP, eager, hand-written loss
+        Case("hf", 2, False, None),                                         # TP only
+        Case("hf", 2, True, "selective"),                                   # selective recompute of core attention
+        Case("hf", 2, True, None, (("attn_implementation", "sdpa"),)),      # fused attention
+        Case("hf", 2, True, None, (("labels", True), ("bias", True), ("tie", True))),  # labels=, q/k/v bias, tied
+        Case("hf", 2, True, None, (("family", "qwen2"),)),                  # another family of the same layout
+        Case("hf", 2, True, "selective", (("family", "qwen3"), ("labels", True))),  # per-head q/k norms
+        Case("hf", 2, True, None, (("family", "mistral"),)),                # full attention
+        Case("hf", 1, True, None, pp=2),                                    # pp 2: the decoder layer list is the stack
+        Case("hf", 2, True, None, (("family", "gpt2"),)),                   # GPT-2: Conv1D, fused c_attn, tied head
+        Case("hf", 2, True, "selective", (("family", "gpt2"), ("labels", True))),
+        Case("hf", 1, True, None, (("family", "gpt2"),), pp=2),
+        Case("hf", 2, True, None, (("padding", True), ("labels", True))),    # padding attention_mask, eager
+        Case("hf", 2, True, None, (("padding", True), ("attn_implementation", "sdpa"))),
+        Case("hf", 2, True, "selective", (("position_offset", 5),)),        # explicit position_ids
+        Case("hf", 2, True, None, (("family", "gemma"), ("labels", True))),  # embedding scaled by √h, (1 + w) norms
+        Case("hf", 2, True, None, (("family", "smollm3"), ("labels", True))),  # a layer without rotary embeddings
+    ],
+    4: [
+        Case("hf", 2, True, "selective"),                                   # tp 2 x dp 2
+        Case("hf", 2, True, None, (("labels", True), ("tie", True)), pp=2),  # pp 2 x tp 2, tied embedding
+        Case("hf", 2, True, None, (("labels", True),), pp=2),               # pp 2 x tp 2, untied
+        Case("hf", 1, True, None, (("labels", True), ("tie", True), ("layers", 4)), pp=4, batch=4),  # embedding group of 2 of 4
+        Case("hf", 1, True, None, (("labels", True), ("tie", True)), (("gradient_clip_val", 0.05),), (("zero", 1),),
+             pp=2),  # pp 2 x dp 2, distributed optimizer: a tied embedding's ranges summed between the two stages
+    ],
+}
+# Hugging Face's RMSNorm and its causal-LM loss compute in float32 whatever the input's dtype, so float64 runs agree
+# only to float32 rounding where the tensor-parallel sums (in float64, another order) and the vocabulary-parallel loss
+# (float32 on shards, another summation order) cross it: ~1e-7 relative on the loss, and after AdamW steps up to
+# ~4e-5 relative on a whole gradient tensor. Gradients are compared by the relative error of the whole tensor: a
+# missing reduction (a factor t = 2) gives >= 0.5.
+LOSS_RTOL, GRAD_BOUND = 1e-6, 1e-4
+
+
+@pytest.fixture(scope="module")
+def runs2():
+    return run_cases(CASES, 2)
+
+
+@pytest.fixture(scope="module")
+def runs4():
+    return run_cases(CASES, 4)
+
+
+@pytest.mark.parametrize("world_case", all_cases(CASES), ids=case_id)
+def test_llama_layout_matches_single_process(request, world_case):
+    world_size, case = world_case
+    per_rank = request.getfixturevalue(f"runs{world_size}")
+    assert_matches_single_process(per_rank, case, world_size, LOSS_RTOL, 0, relative_error_below(GRAD_BOUND))
+
+
+def test_explain_names_the_layout_and_the_split(capsys):
+    plan = explain(build("hf"), tp=2)
+    vocabulary, first, last = plan.entries
+    assert vocabulary.name == "model" and first.enter_region and last.exit_region
+    assert ("LlamaForCausalLM: model.embed_tokens vocabulary-parallel (13 rows, padded 14 → 7 per rank), lm_head "
+            "column-parallel over the vocabulary; labels= gives the vocabulary-parallel loss") in str(plan)
+    assert "LlamaDecoderLayer (Llama layout): 4 query / 2 key-value heads → 2 / 1 per rank" in str(plan)
+    assert "attention sdpa (fused kernel: no s² tensor" in str(explain(build("hf", attn_implementation="sdpa"), tp=2))
+    gpt2 = str(explain(build("hf", family="gpt2"), tp=2))
+    assert "GPT2Block (GPT-2 layout): 4 heads → 2 per rank (attn.c_attn column-parallel" in gpt2
+
+
+def test_bad_llama_inputs_fail_before_any_collective_with_the_numbers():
+    with pytest.raises(ValueError, match=r"num_key_value_heads = 2 is not divisible by .* tp = 4.*Valid tp: \[1, 2\]"):
+        explain(build("hf"), tp=4)
+    windowed = build("hf", family="qwen2")
+    windowed.model.config.layer_types = ["sliding_attention"] * 2
+    with pytest.raises(ValueError, match=r"attends to a sliding window .* Set sliding_window=None"):
+        explain(windowed, tp=2)
+    with pytest.raises(ValueError, match="attn_implementation='flex_attention' is not supported"):
+        module = build("hf")
+        module.model.config._attn_implementation = "flex_attention"
+        explain(module, tp=2)
+
+
+def _round_trip(rank, world_size, pretrained, exported):
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader
+
+    from lightning_seqpar import SeqParallelStrategy
+
+    module = build("hf", tie=True)
+    torch.nn.init.normal_(module.model.model.embed_tokens.weight)  # other weights than the directory's
+    trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=SeqParallelStrategy(tp=2), precision="64-true",
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    x, y = token_data(1, 1, seed=3).tensors
+    trainer.validate(module, DataLoader([(x[0], y[0])], batch_size=1), verbose=False)  # sets up the parallel model
+    trainer.strategy.load_single_device_state_dict(pretrained, prefix="model.")
+    module.eval()
+    with torch.no_grad():
+        logits = module(x)
+    trainer.strategy.save_hf_pretrained(exported, module.model.config)
+    return logits
+
+
+def test_pretrained_directory_in_and_out_gives_the_one_device_logits(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    source = build("hf", tie=True).model.double()
+    torch.nn.init.normal_(source.model.layers[1].mlp.down_proj.weight)  # not the seeded init
+    source.save_pretrained(tmp_path / "pretrained", max_shard_size="20KB")  # several files and an index
+    assert (tmp_path / "pretrained" / "model.safetensors.index.json").exists()
+    x = token_data(1, 1, seed=3).tensors[0]
+    with torch.no_grad():
+        want = source(input_ids=x).logits
+    for logits in run_distributed(_round_trip, 2, str(tmp_path / "pretrained"), str(tmp_path / "exported")):
+        torch.testing.assert_close(logits, want, rtol=1e-9, atol=1e-10)  # each rank read its own slices
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "exported", dtype=torch.float64)
+    with torch.no_grad():
+        got = reloaded(input_ids=x).logits
+    # Same weights; built directly in float64, the reloaded model's rotary table is not the float32-rounded one of
+    # the source (built in float32, then converted): ~3e-8 apart.
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    for key, value in source.state_dict().items():
+        torch.testing.assert_close(reloaded.state_dict()[key], value, rtol=0, atol=0, msg=key)

@@ -1,0 +1,27 @@
+"""A successful run exits 0, every time: no abort in interpreter teardown (popen launch, the default)."""
+
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from tests.helpers.jobs import ROOT
+
+pytestmark = pytest.mark.distributed  # starts processes: outside the fast lane
+
+RUNS = 20
+
+
+def _run(_):
+    result = subprocess.run([sys.executable, str(ROOT / "tests" / "helpers" / "short_job.py")], capture_output=True,
+                            text=True, timeout=300, cwd=ROOT)
+    return result.returncode, result.stdout + result.stderr
+
+
+def test_twenty_short_runs_all_exit_0_without_an_abort():
+    with ThreadPoolExecutor(2) as pool:  # two jobs at a time: 4 processes on the 2 cores
+        results = list(pool.map(_run, range(RUNS)))
+    failures = [(rc, out[-2000:]) for rc, out in results if rc != 0 or "terminate called" in out]
+    assert failures == []
+    assert all(out.count("done") == 2 for _, out in results)  # both ranks finished their work

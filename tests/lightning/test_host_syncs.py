@@ -1,0 +1,69 @@
+"""No host syncs in the training step: ``aten._local_scalar_dense`` (behind ``.item()``, ``float()``, ``.tolist()`` of
+a tensor) is counted with a dispatch mode around the strategy's training step and backward, every step after the
+first (which exchanges the pipeline's activation shapes once), for tp 2, pp 2 x tp 2 and the interleaved schedule."""
+
+import pytest
+import lightning.pytorch as pl
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tests.helpers.distributed import run_distributed
+from tests.helpers.parity import Case, fit
+
+pytestmark = pytest.mark.distributed  # starts processes: outside the fast lane
+
+SCALAR = torch.ops.aten._local_scalar_dense.default
+CASES = {
+    2: [Case("gpt", 2, True, "selective"),
+        Case("gpt", 1, True, None, (("n_layer", 4),), (), (("virtual_stages", 2), ("num_microbatches", 4)), 2, batch=4)],
+    4: [Case("gpt", 2, True, "selective", (), (), (), 2),
+        Case("gpt", 1, True, None, (), (), (("zero", 1),), 2)],  # pp 2 x dp 2: buckets reduce-scatter in the schedule
+}
+
+
+class _Count(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func is SCALAR
+        return func(*args, **(kwargs or {}))
+
+
+class _CountSyncs(pl.Callback):
+    """Wraps the strategy's training_step and backward; one count per optimizer step."""
+
+    def __init__(self):
+        self.per_step = []
+
+    def setup(self, trainer, pl_module, stage):
+        strategy = trainer.strategy
+        for name in ("training_step", "backward"):
+            original = getattr(strategy, name)
+
+            def counted(*args, _original=original, _first=name == "training_step", **kwargs):
+                if _first:
+                    self.per_step.append(0)
+                with _Count() as mode:
+                    out = _original(*args, **kwargs)
+                self.per_step[-1] += mode.count
+                return out
+
+            setattr(strategy, name, counted)
+
+
+def _counts(rank, world_size):
+    out = []
+    for case in CASES[world_size]:
+        syncs = _CountSyncs()
+        fit(case, world_size, callbacks=[syncs])
+        out.append(syncs.per_step)
+    return out
+
+
+def test_no_host_sync_in_the_training_step_after_the_first():
+    for world_size in CASES:
+        for rank, per_case in enumerate(run_distributed(_counts, world_size)):
+            for case, per_step in zip(CASES[world_size], per_case):
+                assert len(per_step) == 3 and per_step[1:] == [0, 0], (world_size, rank, case, per_step)

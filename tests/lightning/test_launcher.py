@@ -1,0 +1,33 @@
+"""``Trainer.fit`` called from this (pytest) process spawns the ranks and gets the trained model back."""
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from lightning_seqpar import SeqParallelStrategy
+from tests.helpers.models import build, loader, reference_run, token_data
+from tests.helpers.parity import STEPS
+
+pytestmark = pytest.mark.distributed  # starts processes: outside the fast lane
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "fork"])
+def test_spawned_ranks_return_the_trained_unparallelized_model(start_method):
+    module = build("gpt")
+    initial = {k: v.clone() for k, v in module.state_dict().items()}
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy=SeqParallelStrategy(tp=2, start_method=start_method),
+        precision="64-true", max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+    )
+    trainer.fit(module, loader(token_data(STEPS, 1)))
+
+    ref = reference_run(build("gpt"), token_data(STEPS, 1), STEPS, 1)
+    state = module.state_dict()
+    assert state.keys() == ref.final_state.keys()
+    assert all(not torch.equal(state[name], initial[name]) for name in state if "weight" in name)
+    for name, want in ref.final_state.items():
+        torch.testing.assert_close(state[name].double(), want, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    # sync_dist-logged metrics travel back too.
+    torch.testing.assert_close(trainer.callback_metrics["train/loss"].double(),
+                               torch.tensor(ref.losses[-1], dtype=torch.float64), rtol=1e-6, atol=0)

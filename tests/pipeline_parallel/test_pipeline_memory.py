@@ -1,0 +1,73 @@
+"""1F1B bounds the activations a stage holds; GPipe holds every micro-batch's (measured live bytes).
+
+Stage 0 of a pp=2 GPT runs m=8 micro-batches; a storage tracker records, after every action of the
+schedule, the bytes still alive that the stage's transformer layers created in forward.
+"""
+
+import lightning.pytorch as pl
+import pytest
+from torch.utils.data import DataLoader
+
+from lightning_seqpar import SeqParallelStrategy
+from recipes.benchmarking.tracker import LiveActivationTracker
+from tests.helpers.distributed import run_distributed
+from tests.helpers.models import build, token_data
+
+pytestmark = pytest.mark.distributed  # starts processes: outside the fast lane
+
+M, P = 8, 2
+LAYERS = "gpt.transformer.h"
+
+
+class _Measure(pl.Callback):
+    """Live bytes of the layer stack's forward storages after each schedule action (first batch)."""
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[str, int, int]] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.tracker = LiveActivationTracker(pl_module).__enter__()
+        executor = trainer.strategy.pipeline.executor
+        executor.observers.append(lambda action, in_flight: self.samples.append(
+            (repr(action), in_flight, self.tracker.live_bytes(LAYERS))))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.tracker.__exit__(None, None, None)
+        trainer.strategy.pipeline.executor.observers.clear()
+
+
+def _measure(rank, world_size):
+    out = {}
+    for schedule in ("1F1B", "gpipe"):
+        measure = _Measure()
+        trainer = pl.Trainer(
+            strategy=SeqParallelStrategy(pp=P, num_microbatches=M, schedule=schedule), accelerator="cpu",
+            devices=world_size, precision="64-true", max_steps=1, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, callbacks=[measure],
+        )
+        trainer.fit(build("gpt"), DataLoader(token_data(M // 2, 1), batch_size=M))
+        out[schedule] = measure.samples
+    return out
+
+
+@pytest.fixture(scope="module")
+def samples():
+    return run_distributed(_measure, P)
+
+
+@pytest.mark.parametrize("schedule, bound", [("1F1B", P), ("gpipe", M)])
+def test_first_stage_holds_activations_of_at_most_the_schedules_in_flight_micro_batches(samples, schedule, bound):
+    stage0 = samples[0][schedule]
+    assert len(stage0) == 2 * M  # every micro-batch forward and backward once
+    cached = stage0[-1][2]  # alive after the last backward: the causal mask, built once per layer
+    one = stage0[0][2] - cached  # after the first forward: one micro-batch's activations
+    assert stage0[0][1] == 1 and one > 100 * cached
+    for action, in_flight, live in stage0:
+        assert live == cached + in_flight * one, (action, in_flight, live, one)
+    assert max(n for _, n, _ in stage0) == bound
+    assert max(live for _, _, live in stage0) == cached + bound * one
+
+
+def test_last_stage_of_1f1b_holds_one_micro_batch(samples):
+    last = samples[1]["1F1B"]
+    assert max(n for _, n, _ in last) == 1

@@ -1,0 +1,81 @@
+"""Pipeline layouts train exactly like one process: loss, logged loss and every parameter gradient, 3 steps.
+
+Layouts: pp 2 (1F1B, GPipe, interleaved with 2 chunks per rank), pp 2 × tp 2 with and without SP,
+pp 2 × dp 2 (zero 0 interleaved, zero 1), pp 2 × tp 2 × dp 2 on 8 processes; the reference GPT and a user's own module around
+nn.TransformerEncoder(Layer)s; selective and full recomputation; clipping and accumulation.
+"""
+
+import pytest
+
+from tests.helpers.models import BATCH, SEQ
+from tests.helpers.parity import STEPS, Case, all_cases, assert_matches_single_process, case_id, close, run_cases
+from tests.lightning.test_parity import CLIP_ACCUMULATE, ENCODER_A, ENCODER_B
+
+pytestmark = pytest.mark.distributed  # starts processes: outside the fast lane
+
+GPT4 = (("n_layer", 4),)
+INTERLEAVED = (("virtual_stages", 2),)
+GPIPE = (("schedule", "gpipe"),)
+UNTIED = (("tie_weights", False),)
+
+CASES = {
+    2: [
+        Case("gpt", 1, True, None, (), (), (), 2),
+        Case("gpt", 1, True, None, UNTIED, (), GPIPE, 2),
+        Case("gpt", 1, True, "selective", GPT4, (), INTERLEAVED, 2),  # m = p: every forward first
+        Case("gpt", 1, True, None, GPT4, (), INTERLEAVED + (("num_microbatches", 4),), 2, batch=4),  # steady state
+        Case("gpt", 1, True, "full", GPT4, (), (("pipeline_split", (3, 1)),), 2),
+        Case("encoder", 1, True, None, ENCODER_A, (), (), 2),
+        Case("encoder", 1, True, "selective", ENCODER_B, (), (), 2),
+        Case("gpt", 1, True, None, UNTIED, CLIP_ACCUMULATE, (), 2),
+    ],
+    4: [
+        Case("gpt", 2, True, "selective", (), (), (), 2),
+        Case("gpt", 2, False, "selective", (), (), (), 2),
+        Case("gpt", 2, True, "selective", GPT4, CLIP_ACCUMULATE, INTERLEAVED, 2),
+        Case("encoder", 2, True, "selective", ENCODER_A, (), (), 2),
+        Case("encoder", 2, True, "full", ENCODER_B, (), GPIPE, 2),
+        Case("gpt", 1, True, None, UNTIED, CLIP_ACCUMULATE, (("zero", 1),), 2),  # pp 2 x dp 2, ZeRO-1
+        Case("gpt", 1, True, None, GPT4, CLIP_ACCUMULATE, INTERLEAVED, 2),  # pp 2 x dp 2, reduced during the schedule
+    ],
+    8: [
+        Case("gpt", 2, True, "selective", (), (), (), 2),
+    ],
+}
+RTOL, ATOL = 1e-9, 1e-11
+
+
+@pytest.fixture(scope="module")
+def runs2():
+    return run_cases(CASES, 2)
+
+
+@pytest.fixture(scope="module")
+def runs4():
+    return run_cases(CASES, 4)
+
+
+@pytest.fixture(scope="module")
+def runs8():
+    return run_cases(CASES, 8)
+
+
+@pytest.mark.parametrize("world_case", all_cases(CASES), ids=case_id)
+def test_pipelined_training_matches_single_process(request, world_case):
+    world_size, case = world_case
+    per_rank = request.getfixturevalue(f"runs{world_size}")
+    assert_matches_single_process(per_rank, case, world_size, RTOL, ATOL, close(RTOL, ATOL))
+
+
+def test_sequence_parallel_sends_one_tp_th_of_the_bytes_across_stages(runs4):
+    with_sp, without_sp = CASES[4][0], CASES[4][1]
+    h, t, m = 16, 2, 2  # gpt_module: n_embd 16; micro-batches = pp
+    for rank in range(4):
+        sp, no_sp = runs4[rank][with_sp].p2p_bytes, runs4[rank][without_sp].p2p_bytes
+        first_stage = rank < 2
+        kind = "activation" if first_stage else "gradient"
+        # Each step, stage 0 sends each micro-batch's [s/t, b/m, h] (SP) or [s, b/m, h] float64 shard forward,
+        # stage 1 sends its gradient back.
+        assert no_sp[kind] == STEPS * m * SEQ * (BATCH // m) * h * 8
+        assert sp[kind] * t == no_sp[kind]
+        assert sp["activation" if not first_stage else "gradient"] == 0

@@ -1,0 +1,59 @@
+"""Pipeline transfers as NCCL needs them, observed on gloo: every message in a ``batch_isend_irecv`` with tag 0
+(matched by order alone), shape headers only in the first step of a micro-batch shape, and the batches each rank
+posts are those of the program the NCCL model checks (tests/pipeline_parallel/test_pipeline_nccl_model.py)."""
+
+import pytest
+import lightning.pytorch as pl
+import torch.distributed as dist
+
+from lightning_seqpar.pipeline_parallel.comm_plan import Batch, build_program
+from tests.helpers.distributed import run_distributed
+from tests.helpers.parity import Case, fit
+
+pytestmark = pytest.mark.distributed  # starts processes: outside the fast lane
+
+CASES = [Case("gpt", 1, True, None, (("n_layer", 4),), (), (("virtual_stages", 2), ("num_microbatches", 4)), 2, batch=4),
+         Case("gpt", 1, True, None, (), (), (), 2)]
+
+
+class _PerStep(pl.Callback):
+    def __init__(self):
+        self.header_bytes, self.batches = [], []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        log = trainer.strategy.pipeline.executor.transport.log
+        self.header_bytes.append(log.header_bytes)
+        self.batches.append(log.batches)
+
+
+def _transfers(rank, world_size):
+    posted = []
+    original = dist.batch_isend_irecv
+
+    def recording(ops):
+        posted.append([op.tag for op in ops])
+        return original(ops)
+
+    dist.batch_isend_irecv = recording  # looked up on the module by the transport at each call
+    results = []
+    for case in CASES:
+        posted.clear()
+        per_step = _PerStep()
+        fit(case, world_size, callbacks=[per_step])
+        config = dict(case.strategy)
+        layout_v = config.get("virtual_stages", 1)
+        results.append((list(posted), per_step.header_bytes, per_step.batches, layout_v,
+                        config.get("num_microbatches", 2)))
+    return results
+
+
+def test_transfers_are_batched_untagged_and_shapes_are_sent_once():
+    from lightning_seqpar.pipeline_parallel.layout import StageLayout
+
+    for rank, per_case in enumerate(run_distributed(_transfers, 2)):
+        for posted, header_bytes, batches, v, m in per_case:
+            assert posted and all(tag == 0 for tags in posted for tag in tags)
+            assert header_bytes[0] > 0 and header_bytes[1:] == [header_bytes[0]] * (len(header_bytes) - 1)
+            schedule = "interleaved_1F1B" if v > 1 else "1F1B"
+            plain = sum(isinstance(s, Batch) for s in build_program(schedule, m, StageLayout(2, v, (1,) * (2 * v)), rank))
+            assert [b - a for a, b in zip(batches, batches[1:])] == [plain] * (len(batches) - 1)
