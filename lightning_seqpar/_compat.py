@@ -123,3 +123,22 @@ def tensor_version(tensor: torch.Tensor) -> int:
     torch exposes the counter only as ``Tensor._version``.
     """
     return tensor._version
+
+
+def sharded_tensor(local: list[tuple[torch.Tensor, list[int]]], placed: list[tuple[list[int], list[int], int]],
+                   size: list[int], dtype: torch.dtype) -> Any:
+    """A ``ShardedTensor`` (``torch.distributed._shard``, which ``torch.distributed.checkpoint`` reads and writes by
+    arbitrary chunks) of global ``size``: ``local`` this rank's pieces ``(tensor, offsets)``, ``placed`` every piece
+    of the tensor ``(offsets, sizes, global rank)`` (this rank's included), covering it once. No communication:
+    torch's constructor from local shards and global metadata trusts the caller's metadata."""
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+    from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+
+    device = local[0][0].device if local else torch.device("cpu")
+    metadata = [ShardMetadata(list(offsets), list(sizes), f"rank:{rank}/{device}") for offsets, sizes, rank in placed]
+    mine = {tuple(m.shard_offsets): m for m in metadata if m.placement.rank() == torch.distributed.get_rank()}
+    shards = [Shard(tensor, mine[tuple(offsets)]) for tensor, offsets in local]
+    properties = TensorProperties(dtype=dtype, layout=torch.strided, requires_grad=False, pin_memory=False)
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        shards, ShardedTensorMetadata(metadata, torch.Size(size), properties))

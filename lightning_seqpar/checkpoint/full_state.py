@@ -6,10 +6,9 @@ full shapes, no vocabulary padding), so it loads into any tensor-parallel layout
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch import Tensor
 
@@ -39,23 +38,6 @@ def full_state_dict(module: nn.Module, group: ParallelGroup) -> dict[str, Tensor
             gathered[id(param)] = spec.gather(param.detach(), group).cpu()
         out[name] = gathered[id(param)]
     return out
-
-
-def merge_over_stages(local: dict[str, Any], pipeline: Optional[ParallelGroup]) -> dict[str, Any]:
-    """Union of every pipeline stage's ``local`` dict (collective over ``pipeline``; identity without one).
-
-    Each stage holds its own layers and a copy of the shared modules, so the union is the whole
-    model's dict; shared entries are identical on every stage and the first stage's copy is kept.
-    """
-    if pipeline is None or pipeline.size == 1:
-        return local
-    parts: list[Any] = [None] * pipeline.size
-    dist.all_gather_object(parts, local, group=pipeline.group)
-    merged: dict[str, Any] = {}
-    for part in parts:
-        for key, value in part.items():
-            merged.setdefault(key, value)
-    return merged
 
 
 def full_gradients(module: nn.Module, group: ParallelGroup) -> dict[str, Tensor]:

@@ -11,8 +11,9 @@ Keys are the single-device names, so any layout reads any other (DCP reshards on
   ``[3, n, ...]``, see :mod:`.layout`), vocabulary padding left out;
 - ``optimizer_states.<i>.state.<parameter name>.<key>``: the per-parameter optimizer state (AdamW's
   ``step``, ``exp_avg``, ``exp_avg_sq``), keyed by parameter *name*, not by position, so a pipeline
-  stage finds its parameters' state whatever layout wrote it; with ``zero=1`` each state tensor is stored whole
-  (assembled from the data-parallel ranks' element ranges), so either ``zero`` reads what the other wrote.
+  stage finds its parameters' state whatever layout wrote it; with ``zero=1`` each data-parallel rank writes its
+  element ranges in place, as chunks of the same global tensor (the optimizer's own entries, :class:`ShardsItsState`),
+  so either ``zero`` reads what the other wrote.
 
 Saving is collective over the process group given; replicated tensors (data-parallel copies, modules
 every pipeline stage holds) are written once, by the rank DCP's deduplication picks.
@@ -23,7 +24,7 @@ from __future__ import annotations
 import warnings
 
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -36,8 +37,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from lightning_seqpar.checkpoint.checks import check_finite, on_every_rank
-from lightning_seqpar.optim.distributed_optimizer import MAIN_PARAM, DistributedOptimizer
 from lightning_seqpar.checkpoint.safe_reader import METADATA_FILE, SafeFileSystemReader
+from lightning_seqpar.tensor_parallel.dcp_ranges import MAIN_PARAM
 from lightning_seqpar.tensor_parallel.sharding import dcp_view, full_shape, saved_shape, shard_spec
 
 MODEL_PREFIX = "state_dict."
@@ -52,9 +53,16 @@ def is_sharded_checkpoint(path: Path) -> bool:
     return Path(path).is_dir() and (Path(path) / METADATA_FILE).is_file()
 
 
-def local_part(tensor: Tensor) -> Tensor:
-    """The rank's own memory behind a :func:`~lightning_seqpar.tensor_parallel.sharding.dcp_view` (the tensor itself when replicated)."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+def local_part(tensor: Any) -> Tensor:
+    """The rank's own memory behind a DCP view: a :func:`~lightning_seqpar.tensor_parallel.sharding.dcp_view`'s local
+    shard, an element range's pieces (:func:`~lightning_seqpar.tensor_parallel.dcp_ranges.dcp_range_view`) flattened
+    together, the tensor itself when replicated."""
+    if isinstance(tensor, DTensor):
+        return tensor.to_local()
+    if hasattr(tensor, "local_shards"):
+        pieces = [shard.tensor.reshape(-1) for shard in tensor.local_shards()]
+        return torch.cat(pieces) if pieces else torch.zeros(0)
+    return tensor
 
 
 def read_shards(targets: dict[str, Tensor], path: Path, no_dist: bool = False) -> None:
@@ -170,24 +178,31 @@ def parameter_names(module: nn.Module) -> dict[int, str]:
     return {id(p): name for name, p in module.named_parameters()}
 
 
-def _state_by_parameter(optimizer: torch.optim.Optimizer) -> Mapping[Tensor, Mapping[str, Any]]:
-    """Per-parameter state as an unsharded optimizer holds it: a distributed optimizer's assembled on data-parallel
-    rank 0 (collective; nothing on the other ranks, whose copies would be the same)."""
-    if isinstance(optimizer, DistributedOptimizer):
-        return optimizer.gathered_state()
-    return optimizer.state
+@runtime_checkable
+class ShardsItsState(Protocol):
+    """An optimizer that describes its own state to the checkpoint (the distributed optimizer: each rank's element
+    ranges, written and read in place)."""
+
+    def checkpoint_entries(self, names: Mapping[int, str], tp_mesh: Any) -> dict[str, Tensor]:
+        """``{"<parameter name>.<key>": DCP view}`` of this rank's state (no communication)."""
+
+    def checkpoint_targets(self, saved: Mapping[str, tuple[tuple[int, ...], torch.dtype]], names: Mapping[int, str],
+                           tp_mesh: Any) -> tuple[dict[str, Tensor], Callable[[Sequence[Mapping[str, Any]]], None]]:
+        """DCP targets for the saved ``{"<name>.<key>": (shape, dtype)}`` and the call that installs what was read."""
 
 
 def optimizer_entries(optimizer: torch.optim.Optimizer, names: Mapping[int, str],
                       tp_mesh: Optional[DeviceMesh]) -> dict[str, Tensor]:
-    """This rank's per-parameter optimizer state as DCP must see it: ``{"<name>.<key>": view}`` (collective over the
-    data-parallel group for a :class:`~lightning_seqpar.optim.DistributedOptimizer`).
+    """This rank's per-parameter optimizer state as DCP must see it: ``{"<name>.<key>": view}`` (an optimizer that
+    :class:`ShardsItsState` gives its own). No communication.
 
     Raises:
         TypeError: a non-tensor state value (e.g. LBFGS's), or a parameter the module does not name.
     """
+    if isinstance(optimizer, ShardsItsState):
+        return optimizer.checkpoint_entries(names, tp_mesh)
     entries = {}
-    for param, state in _state_by_parameter(optimizer).items():
+    for param, state in optimizer.state.items():
         if id(param) not in names:
             raise TypeError("The optimizer holds a parameter that is not the LightningModule's: sharded checkpoints key "
                             "optimizer state by parameter name. Optimize the module's own parameters.")
@@ -222,7 +237,16 @@ def load_optimizer(index: int, optimizer: torch.optim.Optimizer, groups: Sequenc
                          f"{len(optimizer.param_groups)}. Resume with the optimizer configuration it was saved with.")
     prefix = f"{OPTIMIZER_PREFIX}{index}.state."
     saved = {k[len(prefix):]: v for k, v in metadata.state_dict_metadata.items() if k.startswith(prefix)}
-    distributed = isinstance(optimizer, DistributedOptimizer)
+    if isinstance(optimizer, ShardsItsState):
+        shapes = {k: (tuple(v.size), v.properties.dtype) for k, v in saved.items() if isinstance(v, TensorStorageMetadata)}
+        own, finish = optimizer.checkpoint_targets(shapes, names, tp_mesh)
+        targets = {prefix + k: v for k, v in own.items()}
+        with torch.no_grad():
+            read_shards(targets, path)
+        if not allow_non_finite:
+            on_every_rank(lambda: check_finite({k: local_part(v) for k, v in targets.items()}, f"optimizer {index} state"))
+        finish(groups)
+        return
     targets: dict[str, Tensor] = {}
     state: dict[Tensor, dict[str, Tensor]] = {}
     for group in optimizer.param_groups:
@@ -233,11 +257,10 @@ def load_optimizer(index: int, optimizer: torch.optim.Optimizer, groups: Sequenc
                 head, _, field = key.rpartition(".")
                 if head != name or not isinstance(meta, TensorStorageMetadata):
                     continue
-                if field == MAIN_PARAM and not distributed:  # zero=0 updates the parameters themselves
+                if field == MAIN_PARAM:  # zero=0 updates the parameters themselves
                     continue
                 if param.dim() > 0 and tuple(meta.size) == saved_shape(shard_spec(param), full_shape(param)):
-                    # A distributed optimizer keeps a range of each: the whole shard is read into host memory.
-                    value = torch.zeros_like(param, dtype=meta.properties.dtype, device="cpu" if distributed else None)
+                    value = torch.zeros_like(param, dtype=meta.properties.dtype)
                     targets[prefix + key] = dcp_view(value, shard_spec(param), tp_mesh)
                 else:
                     value = torch.zeros(tuple(meta.size), dtype=meta.properties.dtype)
@@ -249,9 +272,6 @@ def load_optimizer(index: int, optimizer: torch.optim.Optimizer, groups: Sequenc
         read_shards(targets, path)
     if not allow_non_finite:
         on_every_rank(lambda: check_finite({k: local_part(v) for k, v in targets.items()}, f"optimizer {index} state"))
-    if distributed:
-        optimizer.load_gathered_state(state, groups)
-        return
     positions = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
     live = optimizer.state_dict()["param_groups"]
     optimizer.load_state_dict({"state": {positions[id(p)]: entry for p, entry in state.items()},

@@ -34,8 +34,8 @@ from lightning_seqpar.checkpoint.full_state import (
     full_state_dict,
     load_full_optimizer_state,
     load_full_state_dict,
-    merge_over_stages,
 )
+from lightning_seqpar.checkpoint.stages import merge_over_stages
 from lightning_seqpar.checkpoint.sharded import (
     FORMAT_KEY,
     is_sharded_checkpoint,

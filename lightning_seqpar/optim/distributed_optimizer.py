@@ -21,9 +21,11 @@ clipping sums the ranges' squares over the data-parallel group too. After backwa
 averaged gradient of a range is :meth:`DistributedOptimizer.owned_gradient`, all of it
 :meth:`DistributedOptimizer.gathered_gradient` (collective).
 
-Checkpoints keep the zero=0 format: :meth:`DistributedOptimizer.gathered_state` assembles each state tensor on
-data-parallel rank 0 (one at a time, moved to host memory), and :meth:`DistributedOptimizer.load_gathered_state`
-keeps the owned range of each, so a checkpoint written under either ``zero`` resumes under the other, or another d.
+The optimizer owns its checkpoint state: :meth:`DistributedOptimizer.checkpoint_entries` describes each state tensor's
+owned range to ``torch.distributed.checkpoint`` where it lives (:func:`~lightning_seqpar.tensor_parallel.dcp_ranges.dcp_range_view`:
+chunks of the unsharded optimizer's tensor, under its key), and :meth:`DistributedOptimizer.checkpoint_targets` reads
+the owned ranges back; no rank assembles another's state, and a checkpoint written under either ``zero`` resumes under
+the other, or another d.
 """
 
 from __future__ import annotations
@@ -44,10 +46,11 @@ from lightning_seqpar.optim.gradients import (
 from lightning_seqpar.optim.sharded_buckets import ShardedGradientBuckets, _ShardedBucket, out_of_rows, owned_range
 from lightning_seqpar.parallel.collectives import Pending
 from lightning_seqpar.parallel.mesh import ParallelMesh
-from lightning_seqpar.tensor_parallel.sharding import is_pipeline_tied, is_sequence_parallel
+from lightning_seqpar.tensor_parallel.dcp_ranges import MAIN_PARAM, RangeLayout, dcp_range_view, range_layout
+from lightning_seqpar.tensor_parallel.sharding import (
+    dcp_view, full_shape, is_pipeline_tied, is_sequence_parallel, saved_shape, shard_spec,
+)
 
-#: The optimizer-state key under which checkpoints hold a parameter's float32 main copy (``main_params=True``).
-MAIN_PARAM = "main_param"
 
 #: 0-dim state every optimizer of :data:`ELEMENTWISE` keeps whole (a 0-dim parameter's other state is 0-dim too).
 SCALAR_STATE = frozenset({"step", "eta", "mu"})
@@ -229,46 +232,85 @@ class DistributedOptimizer(Optimizer):
         return main + sum(v.numel() * v.element_size() for s in self.inner.state.values() for v in s.values()
                           if isinstance(v, Tensor))
 
-    def gathered_state(self) -> dict[nn.Parameter, dict[str, Tensor]]:
-        """Each parameter's optimizer state as the unsharded optimizer holds it (this rank's tensor-parallel shard),
-        and its float32 main copy as :data:`MAIN_PARAM`, on data-parallel rank 0, in host memory; ``{}`` on the other
-        ranks. Collective over the data-parallel group, one state tensor at a time."""
-        out: dict[nn.Parameter, dict[str, Tensor]] = {}
-        data = self.mesh.data
+    def _range_layout(self) -> Optional[RangeLayout]:
+        mesh = self.mesh
+        return range_layout(mesh.device_mesh, mesh.tensor.rank, mesh.data.rank, mesh.pipeline.rank)
+
+    def _state_view(self, param: nn.Parameter, value: Tensor, tp_mesh: Any) -> Optional[Tensor]:
+        """A range ``value`` of a state tensor shaped like ``param`` as DCP must see it (see the module); ``None``
+        where this rank holds none of a 0-dim parameter's state."""
+        if param.dim() == 0:  # one element: its owner writes it whole
+            return value.detach().view(()) if value.numel() else None
+        if self.mesh.dp == 1:  # the whole shard: the view an unsharded optimizer's state has
+            return dcp_view(value.detach().view(param.shape), shard_spec(param), tp_mesh)
+        return dcp_range_view(value.detach(), param, self._range_layout())
+
+    def checkpoint_entries(self, names: Mapping[int, str], tp_mesh: Any) -> dict[str, Tensor]:
+        """This rank's optimizer state as ``torch.distributed.checkpoint`` entries ``{"<parameter name>.<key>": view}``
+        (the float32 main copy as :data:`MAIN_PARAM`): each tensor shaped like the owned range is written in place,
+        as chunks of the unsharded optimizer's tensor (global shape: the parameter's saved shape); scalar state
+        (``step``) as it is. No communication.
+
+        Raises:
+            TypeError: a non-tensor state value.
+        """
+        entries: dict[str, Tensor] = {}
         for p in self.buckets.params:
             piece = self._pieces[id(p)]
-            # Every range of a parameter is stepped or none is (the used flags are global): rank 0's keys are all's.
             state = dict(self.inner.state.get(piece, {}))
             if piece is not self._views[id(p)] and state:
                 state[MAIN_PARAM] = piece
-            full: dict[str, Tensor] = {}
-            for key, value in sorted(state.items()):
-                if isinstance(value, Tensor) and value.dim() == 1 and value.shape == piece.shape:
-                    parts = data.gather(self._padded(p, value))
-                    if parts is not None:
-                        full[key] = parts.reshape(-1)[: p.numel()].view(p.shape).cpu()
+            for key, value in state.items():
+                if not isinstance(value, Tensor):
+                    raise TypeError(f"Optimizer state '{key}' of '{names[id(p)]}' is a {type(value).__name__}: sharded "
+                                    f"checkpoints hold tensors only.")
+                if value.dim() == 1 and value.shape == piece.shape:
+                    view = self._state_view(p, value, tp_mesh)
+                    if view is not None:
+                        entries[f"{names[id(p)]}.{key}"] = view
                 else:
-                    full[key] = value.detach().cpu() if isinstance(value, Tensor) else value
-            if data.rank == 0 and full:
-                out[p] = full
-        return out
+                    entries[f"{names[id(p)]}.{key}"] = value.detach()
+        return entries
 
-    def load_gathered_state(self, state: Mapping[nn.Parameter, Mapping[str, Tensor]],
-                            groups: Sequence[Mapping[str, Any]]) -> None:
-        """Load unsharded per-parameter state (as :meth:`gathered_state` returns, read on every rank), keeping this
-        rank's range of each tensor shaped like its parameter; ``groups``: the saved settings of each group. Main
-        params come from :data:`MAIN_PARAM` where saved, else from the parameters (as loaded)."""
+    def checkpoint_targets(self, saved: Mapping[str, tuple[tuple[int, ...], torch.dtype]], names: Mapping[int, str],
+                           tp_mesh: Any) -> tuple[dict[str, Tensor], Callable[[Sequence[Mapping[str, Any]]], None]]:
+        """Where to read this rank's optimizer state from a checkpoint: ``saved`` maps ``"<parameter name>.<key>"`` to
+        the saved ``(shape, dtype)``. Returns the DCP targets (keyed like ``saved``) and ``finish(groups)``, which
+        hands the read ranges to the inner optimizer (main params from :data:`MAIN_PARAM` where saved, else from the
+        parameters as loaded) and the saved settings ``groups`` to each parameter group."""
+        targets: dict[str, Tensor] = {}
+        ranges: dict[int, dict[str, Tensor]] = {}
+        for p in self.buckets.params:
+            start, stop = self._ranges[id(p)]
+            for key, (shape, dtype) in saved.items():
+                name, _, field = key.rpartition(".")
+                if name != names[id(p)]:
+                    continue
+                if p.dim() > 0 and tuple(shape) == saved_shape(shard_spec(p), full_shape(p)):
+                    value = torch.zeros(stop - start, dtype=dtype, device=p.device)
+                    targets[key] = self._state_view(p, value, tp_mesh)
+                elif p.dim() == 0 and tuple(shape) == () and field not in SCALAR_STATE:
+                    whole = torch.zeros((), dtype=dtype, device=p.device)
+                    targets[key] = whole
+                    value = whole.view(1)[start:stop]
+                else:
+                    value = torch.zeros(tuple(shape), dtype=dtype)
+                    targets[key] = value
+                ranges.setdefault(id(p), {})[field] = value
+
+        def finish(groups: Sequence[Mapping[str, Any]]) -> None:
+            self._load_ranges(ranges, groups)
+
+        return targets, finish
+
+    def _load_ranges(self, ranges: Mapping[int, Mapping[str, Tensor]], groups: Sequence[Mapping[str, Any]]) -> None:
         inner_state: dict[int, dict[str, Tensor]] = {}
         position = 0
-        by_id = {id(p): s for p, s in state.items()}
         for group in self.param_groups:
             for p in group["params"]:
                 if id(p) not in self._pieces:
                     continue
-                start, stop = self._ranges[id(p)]
-                mine = {key: (value.reshape(-1)[start:stop].to(p.device, copy=True) if isinstance(value, Tensor)
-                              and value.shape == p.shape and (p.dim() > 0 or key not in SCALAR_STATE) else value)
-                        for key, value in (by_id.get(id(p)) or {}).items()}
+                mine = {key: value.to(p.device) if value.dim() else value for key, value in ranges.get(id(p), {}).items()}
                 main = mine.pop(MAIN_PARAM, None)
                 piece, view = self._pieces[id(p)], self._views[id(p)]
                 if piece is not view:

@@ -223,3 +223,18 @@ def test_async_save_writes_while_training_goes_on(tmp_path):
         state = consolidate(path)  # published once written: the weights as they were at step 1
         for key, value in at_save.items():
             torch.testing.assert_close(state[key], value, rtol=0, atol=0, msg=key)
+
+
+def test_zero1_optimizer_state_is_written_by_the_ranks_that_own_it(saved):
+    # tp 2 x dp 2, zero=1: ranks 0, 1 are data-parallel rank 0, ranks 2, 3 data-parallel rank 1. Each writes its own
+    # element ranges in place; none assembles another's (as a gather onto data-parallel rank 0 would).
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(str(saved["tp2xdp2_zero1"][1])).read_metadata()
+    writers: dict[str, set[int]] = {}
+    for index, info in metadata.storage_data.items():
+        if index.fqn.startswith("optimizer_states.0.state.") and index.fqn.endswith((".exp_avg", ".exp_avg_sq")):
+            writers.setdefault(index.fqn, set()).add(int(info.relative_path.split("_")[2]))
+    assert writers
+    for fqn, ranks in writers.items():
+        assert {rank // 2 for rank in ranks} == {0, 1}, (fqn, ranks)  # both data-parallel ranks wrote a part

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_seqpar import SeqParallelStrategy
-from lightning_seqpar.checkpoint.full_state import full_gradients, merge_over_stages
+from lightning_seqpar.checkpoint.full_state import full_gradients
+from lightning_seqpar.checkpoint.stages import merge_over_stages
 from lightning_seqpar.optim import DistributedOptimizer
 from lightning_seqpar.models import GPTConfig, GPTLightningModule
 from lightning_seqpar.tensor_parallel.sharding import shard_spec

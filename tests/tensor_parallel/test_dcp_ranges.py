@@ -1,0 +1,56 @@
+"""An element range of a shard as checkpoint chunks: contiguous pieces of the range that tile the single-device
+tensor exactly once over every (tensor, data)-parallel coordinate, vocabulary padding left out."""
+
+import itertools
+
+import pytest
+import torch
+
+from lightning_seqpar.tensor_parallel.dcp_ranges import _chunks, _owned, range_boxes
+from lightning_seqpar.tensor_parallel.sharding import ShardSpec, saved_shape, set_shard_spec
+
+
+@pytest.mark.parametrize("shape", [(7,), (3, 5), (4, 3, 5), (2, 3, 1, 4)])
+def test_a_range_is_contiguous_boxes_that_cover_it_once(shape):
+    numel = torch.Size(shape).numel()
+    for start, stop in itertools.combinations_with_replacement(range(numel + 1), 2):
+        covered = torch.zeros(shape, dtype=torch.int64)
+        for offsets, sizes, flat in range_boxes(shape, start, stop):
+            box = tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
+            covered[box] += 1
+            where = torch.zeros(shape, dtype=torch.bool)
+            where[box] = True
+            assert where.reshape(-1).nonzero().flatten().tolist() == list(range(flat, flat + where.sum()))
+        want = torch.zeros(numel, dtype=torch.int64)
+        want[start:stop] = 1
+        assert covered.reshape(-1).tolist() == want.tolist()
+        assert len(range_boxes(shape, start, stop)) <= 2 * len(shape)
+
+
+def _local(full_shape, spec, tp, rank):
+    shape = list(full_shape)
+    shape[spec.dim] = spec.padded_size // tp
+    param = torch.nn.Parameter(torch.empty(shape))
+    set_shard_spec(param, spec)
+    return param
+
+
+@pytest.mark.parametrize("case", ["column", "row", "fused qkv", "padded vocabulary", "replicated"])
+@pytest.mark.parametrize("tp, dp", [(1, 3), (2, 2), (4, 3)])
+def test_every_coordinate_s_chunks_tile_the_single_device_tensor_once(case, tp, dp):
+    full, spec = {
+        "column": ((8, 6), ShardSpec(0, 8, 8)),
+        "row": ((6, 8), ShardSpec(1, 8, 8)),
+        "fused qkv": ((24, 5), ShardSpec(0, 24, 24, chunks=3)),
+        "padded vocabulary": ((10, 3), ShardSpec(0, 10, -(-10 // tp) * tp)),
+        "replicated": ((5, 7), None),
+    }[case]
+    covered = torch.zeros(saved_shape(spec, full), dtype=torch.int64)
+    for i in range(tp if spec is not None else 1):
+        param = _local(full, spec, tp, i) if spec is not None else torch.nn.Parameter(torch.empty(full))
+        for j in range(dp):
+            start, stop = _owned(param.numel(), dp, j)
+            for offsets, sizes, flat in _chunks(param, i, start, stop):
+                covered[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))] += 1
+                assert start <= flat and flat + torch.Size(sizes).numel() <= stop
+    assert covered.min() == 1 and covered.max() == 1
