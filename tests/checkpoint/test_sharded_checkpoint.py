@@ -39,14 +39,14 @@ def _trainer(strategy, devices: int, epochs: int, callbacks=()) -> pl.Trainer:
     )
 
 
-def _run(rank, world, tp, pp, zero, epochs, directory, resume):
+def _run(rank, world, tp, pp, zero, epochs, directory, resume, async_save=False):
     """Train the seeded tiny GPT under (tp, pp, dp = world/(tp·pp), zero); save last.ckpt; return logged losses."""
     dp = world // (tp * pp)
     recorder = Recorder()
     callbacks = [recorder]
     if directory:
         callbacks.append(ModelCheckpoint(dirpath=directory, save_last=True, save_top_k=0))
-    trainer = _trainer(SeqParallelStrategy(tp=tp, pp=pp, zero=zero), world, epochs, callbacks)
+    trainer = _trainer(SeqParallelStrategy(tp=tp, pp=pp, zero=zero, async_save=async_save), world, epochs, callbacks)
     trainer.fit(build("gpt"), _loader(dp, (rank // tp) % dp), ckpt_path=resume)
     return recorder.logged
 
@@ -238,3 +238,25 @@ def test_zero1_optimizer_state_is_written_by_the_ranks_that_own_it(saved):
     assert writers
     for fqn, ranks in writers.items():
         assert {rank // 2 for rank in ranks} == {0, 1}, (fqn, ranks)  # both data-parallel ranks wrote a part
+
+
+def _optimizer_state(path):
+    """Every optimizer-state tensor of the sharded checkpoint ``path``, read whole in this process."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from lightning_seqpar.checkpoint.safe_reader import read_metadata
+    from lightning_seqpar.checkpoint.sharded import read_shards
+
+    stored = read_metadata(path).state_dict_metadata
+    targets = {k: torch.zeros(tuple(m.size), dtype=m.properties.dtype) for k, m in stored.items()
+               if k.startswith("optimizer_states.") and isinstance(m, TensorStorageMetadata)}
+    read_shards(targets, path, no_dist=True)
+    return targets
+
+
+def test_zero1_state_saved_in_the_background_is_the_state_saved_in_place(saved, tmp_path):
+    run_distributed(_run, 4, 2, 1, 1, 1, str(tmp_path), None, True)  # the "tp2xdp2_zero1" run, saved asynchronously
+    background, in_place = _optimizer_state(tmp_path / "last.ckpt"), _optimizer_state(saved["tp2xdp2_zero1"][1])
+    assert background.keys() == in_place.keys() and any(k.endswith(".exp_avg") for k in background)
+    for key, value in in_place.items():
+        torch.testing.assert_close(background[key], value, rtol=0, atol=0, msg=key)
