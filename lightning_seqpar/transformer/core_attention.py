@@ -55,17 +55,22 @@ class CoreAttention(nn.Module):
         self.recompute = False
         self.future_mask = FutureMask()
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None) -> Tensor:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None,
+                causal: Optional[bool] = None) -> Tensor:
+        """``causal``: mask future positions (the cached mask) on top of ``attn_mask``; default: :attr:`causal` when
+        no ``attn_mask`` is given."""
+        if causal is None:
+            causal = self.causal and attn_mask is None
         if self.recompute and torch.is_grad_enabled():
-            return recomputed(self._attend, q, k, v, attn_mask, rng_tracker=self.rng_tracker)
-        return self._attend(q, k, v, attn_mask)
+            return recomputed(self._attend, q, k, v, attn_mask, causal, rng_tracker=self.rng_tracker)
+        return self._attend(q, k, v, attn_mask, causal)
 
-    def _attend(self, q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor]) -> Tensor:
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], causal: bool) -> Tensor:
         s = q.shape[-2]
         scores = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))  # [b, a, s, s]
         if attn_mask is not None:
             scores = apply_mask(scores, attn_mask)
-        elif self.causal:
+        if causal:
             scores = scores.masked_fill(self.future_mask(s, q.device), float("-inf"))
         # Under CUDA autocast a 16-bit softmax runs in float32 and would keep its float32 output: keep the scores
         # instead. Not when the whole core attention is recomputed: its tensors live only during its backward.

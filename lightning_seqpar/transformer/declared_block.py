@@ -92,8 +92,9 @@ class ParallelBlock(ParallelLayer):
 
     Masks (:mod:`~lightning_seqpar.transformer.masks`): ``attention_mask`` in Hugging Face's convention (bool
     ``True`` = attend, or additive; ``[b, 1, s, s]`` or ``[b, a/t, s, s]``) is applied as given; torch's
-    ``src_mask``/``src_key_padding_mask``/``is_causal`` are combined into one bias; with no mask, future
-    positions are masked when ``spec.causal`` (the core attention's cached ``[s, s]`` mask).
+    ``src_mask``/``src_key_padding_mask`` are combined into one bias and ``is_causal`` masks future positions
+    (the core attention's cached ``[s, s]`` mask, built once per length); with no mask, future positions are masked
+    when ``spec.causal``.
 
     A key/value cache is neither filled nor read (see :func:`refuse_used_cache`): a forward with the config's
     default ``use_cache`` trains and validates as on one device; a cache holding past tokens is refused.
@@ -180,28 +181,41 @@ class ParallelBlock(ParallelLayer):
         refuse_used_cache(self, call.cache)
         x = enter_parallel_region(hidden_states, self.group, self.sp, self.batch_first) if self.enter_region \
             else hidden_states
-        mask = call.attention_mask
-        if call.torch_masks:
-            masks = call.torch_masks
-            s = x.shape[0] * (self.group.size if self.sp else 1)
-            mask = torch_attention_bias(masks.get("src_mask"), masks.get("src_key_padding_mask"),
-                                        bool(masks.get("is_causal", False)), s, x.shape[1], self.num_heads,
-                                        self.group, x.dtype, x.device)
+        mask, causal = self._mask(call, x)
         if self.recompute_layer and torch.is_grad_enabled():
-            x = recomputed(self._body, x, call.position_embeddings, mask, rng_tracker=self.rng_tracker)
+            x = recomputed(self._body, x, call.position_embeddings, mask, causal, rng_tracker=self.rng_tracker)
         else:
-            x = self._body(x, call.position_embeddings, mask)
+            x = self._body(x, call.position_embeddings, mask, causal)
         return exit_parallel_region(x, self.group, self.sp, self.batch_first) if self.exit_region else x
 
-    def _body(self, x: Tensor, position_embeddings: Optional[tuple[Tensor, Tensor]], mask: Optional[Tensor]) -> Tensor:
+    def _mask(self, call: Any, x: Tensor) -> tuple[Optional[Tensor], Optional[bool]]:
+        """The mask in Hugging Face's convention and the causal flag (``None``: causal when no mask is given and the
+        block is declared causal). torch's ``src_mask``/``src_key_padding_mask`` are combined here (a standalone
+        layer's call); an encoder stack passes its combined bias as ``attention_mask`` with ``is_causal``."""
+        masks = call.torch_masks
+        if "src_mask" not in masks and "src_key_padding_mask" not in masks:
+            return call.attention_mask, (bool(masks["is_causal"]) if "is_causal" in masks else None)
+        if call.attention_mask is not None:
+            raise TypeError(f"{self._name} was called with both attention_mask and torch's src_mask / "
+                            f"src_key_padding_mask: pass the mask in one convention.")
+        s = x.shape[0] * (self.group.size if self.sp else 1)
+        return torch_attention_bias(masks.get("src_mask"), masks.get("src_key_padding_mask"),
+                                    bool(masks.get("is_causal", False)), s, x.shape[1], self.num_heads, self.group,
+                                    x.dtype, x.device)
+
+    def _body(self, x: Tensor, position_embeddings: Optional[tuple[Tensor, Tensor]], mask: Optional[Tensor],
+              causal: Optional[bool] = None) -> Tensor:
         parts = self._parts
         if not self.norm_first:  # post-norm: norm(x + f(x))
-            x = parts.attention_norm(x + self.attention_residual_dropout(self._attention(x, position_embeddings, mask)))
+            attention = self._attention(x, position_embeddings, mask, causal)
+            x = parts.attention_norm(x + self.attention_residual_dropout(attention))
             return parts.mlp_norm(x + self.mlp_residual_dropout(self._mlp(x)))
-        x = x + self.attention_residual_dropout(self._attention(parts.attention_norm(x), position_embeddings, mask))
+        x = x + self.attention_residual_dropout(self._attention(parts.attention_norm(x), position_embeddings, mask,
+                                                                causal))
         return x + self.mlp_residual_dropout(self._mlp(parts.mlp_norm(x)))  # [s/t, b, h]
 
-    def _attention(self, x: Tensor, position_embeddings: Optional[tuple[Tensor, Tensor]], mask: Optional[Tensor]) -> Tensor:
+    def _attention(self, x: Tensor, position_embeddings: Optional[tuple[Tensor, Tensor]], mask: Optional[Tensor],
+                   causal: Optional[bool] = None) -> Tensor:
         parts = self._parts
         outputs = column_parallel_linears(x, list(parts.attention_in), self.group, self.sp)  # each [s, b, ·/t]
         s, b = outputs[0].shape[:2]
@@ -224,14 +238,15 @@ class ParallelBlock(ParallelLayer):
         if self.implementation == "sdpa":  # takes the mask as given: bool (True = attend) or additive
             context = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, dropout_p=self.dropout_p if self.training else 0.0,
-                is_causal=mask is None and self.spec.causal, scale=self.score_factor * self.head_dim**-0.5,
+                is_causal=(mask is None and self.spec.causal) if causal is None else causal,
+                scale=self.score_factor * self.head_dim**-0.5,
                 enable_gqa=groups > 1,
             )
         else:
             if groups > 1:
                 k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # [b, a/t, s, d]
             assert self.core_attention is not None
-            context = self.core_attention(q * self.score_factor if self.score_factor != 1.0 else q, k, v, mask)
+            context = self.core_attention(q * self.score_factor if self.score_factor != 1.0 else q, k, v, mask, causal)
         return parts.attention_out(merge_heads(context))  # [s/t, b, h] under SP
 
     def _mlp(self, x: Tensor) -> Tensor:

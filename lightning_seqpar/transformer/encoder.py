@@ -77,9 +77,9 @@ class ParallelTransformerEncoder(LayerStack):
                 is_causal: Optional[bool] = None) -> Tensor:
         x = enter_parallel_region(src, self.group, self.sp, self.batch_first)
         s = x.shape[0] * (self.group.size if self.sp else 1)
-        bias = torch_attention_bias(mask, src_key_padding_mask, bool(is_causal), s, x.shape[1], self.num_heads,
-                                    self.group, x.dtype, x.device)
-        x = run_layers(self.layers, x, self.recompute_chunks, self.rng_tracker, attention_mask=bias)
+        bias, causal = torch_attention_bias(mask, src_key_padding_mask, bool(is_causal), s, x.shape[1], self.num_heads,
+                                            self.group, x.dtype, x.device)
+        x = run_layers(self.layers, x, self.recompute_chunks, self.rng_tracker, attention_mask=bias, is_causal=causal)
         if self.norm is not None:
             x = self.norm(x)
         return exit_parallel_region(x, self.group, self.sp, self.batch_first)

@@ -6,7 +6,8 @@ One place decides what a mask means, so that a layer never allocates an ``s × s
 - a Hugging Face mask (``[b, 1, s, s]``; bool with ``True`` = attend, or additive float) is used as given: the
   model builds it once per forward and every layer reads the same tensor (:func:`apply_mask`);
 - torch's conventions (``src_mask`` bool with ``True`` = masked, or float; ``src_key_padding_mask`` ``[b, s]``;
-  ``is_causal``) are combined into one additive bias by :func:`torch_attention_bias`, once per stack forward
+  ``is_causal``) are combined by :func:`torch_attention_bias` into one additive bias (``None`` when there is only
+  causality, which the cached future mask applies), once per stack forward
   (:class:`~lightning_seqpar.transformer.encoder.ParallelTransformerEncoder`) and passed down to its layers.
 """
 
@@ -66,8 +67,10 @@ def torch_attention_bias(
     group: ParallelGroup,
     dtype: torch.dtype,
     device: torch.device,
-) -> Optional[Tensor]:
-    """torch's masks (``nn.TransformerEncoderLayer``) as one additive bias for this rank's heads.
+) -> tuple[Optional[Tensor], bool]:
+    """torch's masks (``nn.TransformerEncoderLayer``) as one additive bias for this rank's heads, and whether future
+    positions are masked besides (``is_causal`` without ``attn_mask``: by the core attention's cached mask, no
+    ``s × s`` tensor made here).
 
     Args:
         attn_mask: ``[s, s]`` or ``[b·a, s, s]`` (global heads), bool (``True`` = masked) or float.
@@ -77,11 +80,10 @@ def torch_attention_bias(
 
     Returns:
         ``None`` or an additive float tensor broadcastable to ``[b, a/t, s, s]`` (Hugging Face's additive convention,
-        so :func:`apply_mask` applies it).
+        so :func:`apply_mask` applies it); and the causal flag.
     """
     bias = None
-    if attn_mask is None and is_causal:
-        attn_mask = torch.ones(s, s, dtype=torch.bool, device=device).triu(1)
+    causal = attn_mask is None and is_causal
     if attn_mask is not None:
         bias = _torch_additive(attn_mask, dtype)
         if bias.dim() == 2:
@@ -92,4 +94,4 @@ def torch_attention_bias(
     if key_padding_mask is not None:
         padding = _torch_additive(key_padding_mask, dtype).view(b, 1, 1, s)
         bias = padding if bias is None else bias + padding
-    return bias
+    return bias, causal
