@@ -1,7 +1,8 @@
 """The strategy's settings, grouped by the part that owns them, each group validated once, in its constructor.
 
-``SeqParallelStrategy`` takes these objects (``checkpointing=CheckpointConfig(...)``, ``data_parallel=...``) or the
-flat keywords they replace (``checkpoint_format=``, ``zero=`` ...), which stay as shorthands. The pipeline's are
+``SeqParallelStrategy`` takes these objects (``checkpointing=CheckpointConfig(...)``, ``data_parallel=...``,
+``precision_config=PrecisionConfig(...)``) or the flat keywords they replace (``checkpoint_format=``, ``zero=`` ...),
+which stay as shorthands. The pipeline's are
 :class:`~lightning_seqpar.pipeline_parallel.config.PipelineConfig`.
 """
 
@@ -63,6 +64,17 @@ class DataParallelConfig:
         if self.fp32_main_params and self.zero != 1:
             raise ValueError("fp32_main_params=True keeps float32 main params with the sharded optimizer state, and "
                              "needs zero=1. Set zero=1 (and precision='bf16-true'), or leave fp32_main_params off.")
+
+
+@dataclass(frozen=True)
+class PrecisionConfig:
+    """What the strategy adds to Lightning's ``precision=`` (``docs/precision.md``). Checked against the precision
+    plugin at setup, where the plugin is known.
+    """
+
+    low_precision_residual: bool = False
+    """under ``bf16-mixed`` / ``16-mixed``, carry the residual stream (hidden states, pipeline transfers, norm inputs
+    kept) in 16 bits, as Megatron does: Table 2's bytes, 16-bit residual additions."""
 
 
 def check_together(checkpointing: CheckpointConfig, data_parallel: DataParallelConfig) -> None:

@@ -21,7 +21,7 @@ import lightning_seqpar.lightning.process_group as process_group
 from lightning_seqpar.lightning._compat import SubprocessScriptLauncher, optimizers_to_device, set_num_threads_if_needed
 from lightning_seqpar.lightning.checkpoint_io import AtomicCheckpointIO
 from lightning_seqpar.lightning.checkpointer import Checkpointer
-from lightning_seqpar.lightning.config import CheckpointConfig, DataParallelConfig, check_together
+from lightning_seqpar.lightning.config import CheckpointConfig, DataParallelConfig, PrecisionConfig, check_together
 from lightning_seqpar.lightning.launcher import configure_launcher
 from lightning_seqpar.lightning.parallelize import check_before_start, parallelize
 from lightning_seqpar.lightning.pipelined_steps import PipelinedSteps, check_pipelined_module, refuse_predict
@@ -50,8 +50,8 @@ class SeqParallelStrategy(ParallelStrategy):
     (:class:`~.checkpointer.Checkpointer`), :attr:`pipeline` (:class:`~.pipelined_steps.PipelinedSteps`, ``pp > 1``),
     :attr:`grad_sync` (:class:`~lightning_seqpar.optim.grad_sync.GradientSync`, while fitting). Settings grouped by
     part: ``pipeline_config`` (:class:`~lightning_seqpar.pipeline_parallel.PipelineConfig`), ``checkpointing``
-    (:class:`~.config.CheckpointConfig`), ``data_parallel`` (:class:`~.config.DataParallelConfig`); the flat keywords
-    are shorthands for their fields.
+    (:class:`~.config.CheckpointConfig`), ``data_parallel`` (:class:`~.config.DataParallelConfig`),
+    ``precision_config`` (:class:`~.config.PrecisionConfig`); the flat keywords are shorthands for their fields.
 
     Args:
         tp: tensor-parallel size t (ranks sharing each layer).
@@ -74,9 +74,8 @@ class SeqParallelStrategy(ParallelStrategy):
         allow_non_finite_checkpoint, allow_unverified_checkpoint, checkpoint_format, async_save: shorthands for
             :class:`~.config.CheckpointConfig`'s ``allow_non_finite``, ``allow_unverified``, ``format``, ``async_save``.
         zero, fp32_main_params: shorthands for :class:`~.config.DataParallelConfig`'s fields.
-        checkpointing, data_parallel: the groups themselves (then their shorthands are not given).
-        low_precision_residual: under ``bf16-mixed`` / ``16-mixed``, carry the residual stream (hidden states, pipeline
-            transfers, norm inputs kept) in 16 bits, as Megatron does: Table 2's bytes, 16-bit residual additions.
+        low_precision_residual: shorthand for :class:`~.config.PrecisionConfig`'s field.
+        checkpointing, data_parallel, precision_config: the groups themselves (then their shorthands are not given).
 
     Raises:
         ValueError: settings each config refuses, or that refuse each other (:func:`~.config.check_together`);
@@ -117,6 +116,7 @@ class SeqParallelStrategy(ParallelStrategy):
         low_precision_residual: bool = False,
         checkpointing: Optional[CheckpointConfig] = None,
         data_parallel: Optional[DataParallelConfig] = None,
+        precision_config: Optional[PrecisionConfig] = None,
     ) -> None:
         validate_layout(tp * pp, tp, pp)
         self.checkpointer = Checkpointer(checkpointing or CheckpointConfig(
@@ -131,7 +131,8 @@ class SeqParallelStrategy(ParallelStrategy):
         self.tp, self.sequence_parallel, self.loss_parallel = tp, sequence_parallel, loss_parallel
         self.policies, self.verify_rewrite = list(policies or ()), verify_rewrite
         self._seed, self._start_method, self.process_group_backend = seed, start_method, process_group_backend
-        self._timeout, self.low_precision_residual = as_timedelta(timeout), low_precision_residual
+        self._timeout = as_timedelta(timeout)
+        self.precision_config = precision_config or PrecisionConfig(low_precision_residual)
         self._mesh: Optional[ParallelMesh] = None
         self.rng_tracker: Optional[RNGTracker] = None
         self.rewrite_plan: Optional[RewritePlan] = None
@@ -217,7 +218,7 @@ class SeqParallelStrategy(ParallelStrategy):
                 verify=self.verify_rewrite, pipeline=self.pipeline_config, source=self.checkpointer.initial_weights,
             )
             self.checkpointer.initial_weights = None
-            if self.low_precision_residual:
+            if self.precision_config.low_precision_residual:
                 low_precision_residual(self.model, self.precision_plugin)
             self.rng_tracker, self.rewrite_plan = parallel.rng_tracker, parallel.rewrite_plan
             self.pipeline, self.checkpointer.remote_keys = parallel.pipeline, parallel.remote_keys

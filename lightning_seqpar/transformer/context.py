@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch.nn as nn
 
 from lightning_seqpar.parallel.collectives import ParallelGroup
 from lightning_seqpar.parallel.random import RNGTracker
+from lightning_seqpar.transformer.masks import MaskCache
 from lightning_seqpar.transformer.materialize import Initializer, Materializer, has_meta_tensors
 
 
@@ -23,6 +24,7 @@ class RewriteContext:
         loss_parallel: compute the LM loss on vocabulary-sharded logits instead of gathering them.
         materialize: gives meta-device single-device modules real weights: small ones (embeddings, norms)
             just before they are sliced, blocks after the stage split (``None``: nothing may be on meta).
+        masks: the torch-convention mask combination the rewritten layers share (:class:`MaskCache`).
     """
 
     group: ParallelGroup
@@ -30,6 +32,7 @@ class RewriteContext:
     rng_tracker: Optional[RNGTracker] = None
     loss_parallel: bool = True
     materialize: Optional[Materializer] = None
+    masks: MaskCache = field(default_factory=MaskCache)
 
     def prepare(self, module: nn.Module, name: str, init: Optional[Initializer] = None) -> None:
         """Materialize ``module`` if it was built on the meta device (see :class:`Materializer`).

@@ -113,6 +113,7 @@ class ParallelBlock(ParallelLayer):
         super().__init__()
         self.group, self.sp, self.rng_tracker = ctx.group, ctx.sp, ctx.rng_tracker
         self.enter_region, self.exit_region = enter_region, exit_region
+        self.mask_cache = ctx.masks
         self.spec = spec
         self._name = f"The tensor-parallel {type(block).__name__}"
         self.batch_first = bool(value_of(block, spec.batch_first))
@@ -199,9 +200,11 @@ class ParallelBlock(ParallelLayer):
             raise TypeError(f"{self._name} was called with both attention_mask and torch's src_mask / "
                             f"src_key_padding_mask: pass the mask in one convention.")
         s = x.shape[0] * (self.group.size if self.sp else 1)
-        return torch_attention_bias(masks.get("src_mask"), masks.get("src_key_padding_mask"),
-                                    bool(masks.get("is_causal", False)), s, x.shape[1], self.num_heads, self.group,
-                                    x.dtype, x.device)
+        src_mask, padding = masks.get("src_mask"), masks.get("src_key_padding_mask")
+        is_causal = bool(masks.get("is_causal"))
+        return self.mask_cache.get((src_mask, padding), (is_causal, s, x.shape[1], x.dtype, x.device), lambda: (
+            torch_attention_bias(src_mask, padding, is_causal, s, x.shape[1], self.num_heads, self.group, x.dtype,
+                                 x.device)))
 
     def _body(self, x: Tensor, position_embeddings: Optional[tuple[Tensor, Tensor]], mask: Optional[Tensor],
               causal: Optional[bool] = None) -> Tensor:

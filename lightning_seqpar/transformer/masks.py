@@ -8,16 +8,19 @@ One place decides what a mask means, so that a layer never allocates an ``s × s
 - torch's conventions (``src_mask`` bool with ``True`` = masked, or float; ``src_key_padding_mask`` ``[b, s]``;
   ``is_causal``) are combined by :func:`torch_attention_bias` into one additive bias (``None`` when there is only
   causality, which the cached future mask applies), once per stack forward
-  (:class:`~lightning_seqpar.transformer.encoder.ParallelTransformerEncoder`) and passed down to its layers.
+  (:class:`~lightning_seqpar.transformer.encoder.ParallelTransformerEncoder`) and passed down to its layers; layers
+  the user's code calls one by one with the same masks share one combination through a :class:`MaskCache`.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import weakref
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
 
+from lightning_seqpar._compat import tensor_version
 from lightning_seqpar.parallel.collectives import ParallelGroup
 
 
@@ -39,6 +42,34 @@ class FutureMask:
 
     def __getstate__(self) -> dict:  # a cache: not part of a copied or pickled model
         return {"_mask": None}
+
+
+class MaskCache:
+    """The last combination of torch-convention masks, reused while the same mask tensors come back: the layers of one
+    forward, called one by one with the model's ``src_mask`` / ``src_key_padding_mask``, build it once, not once per
+    layer. Keyed by the masks' identity (weak references: a freed mask is never mistaken for a new one) and version (a
+    mask changed in place is combined again). One per rewrite (:class:`~lightning_seqpar.rewriting.RewriteContext`
+    holds it); not copied with a model."""
+
+    def __init__(self) -> None:
+        self._inputs: tuple = ()
+        self._rest: tuple = ()
+        self._value: Any = None
+
+    def get(self, masks: tuple[Optional[Tensor], ...], rest: tuple, build: Callable[[], Any]) -> Any:
+        """``build()``, or what it returned for the same ``masks`` (tensors or ``None``) and ``rest`` last time."""
+        same = len(masks) == len(self._inputs) and rest == self._rest and all(
+            (m is None and held is None) or (m is not None and held is not None and held[0]() is m
+                                             and held[1] == tensor_version(m))
+            for m, held in zip(masks, self._inputs))
+        if not same:
+            self._value = build()
+            self._inputs = tuple(None if m is None else (weakref.ref(m), tensor_version(m)) for m in masks)
+            self._rest = rest
+        return self._value
+
+    def __getstate__(self) -> dict:  # a cache: a copied or pickled model starts without it
+        return {"_inputs": (), "_rest": (), "_value": None}
 
 
 def apply_mask(scores: Tensor, mask: Optional[Tensor]) -> Tensor:
