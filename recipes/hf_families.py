@@ -34,12 +34,6 @@ def tiny_model(model_type: str):
         config = config_class(**SIZES)
     except AttributeError:  # head_dim derived from the others (a read-only property)
         config = config_class(**{k: v for k, v in SIZES.items() if k != "head_dim"})
-    if getattr(config, "layer_types", None):  # full attention on every layer (sliding windows are refused)
-        config.layer_types = ["full_attention"] * config.num_hidden_layers
-    else:
-        for key, value in (("sliding_window", None), ("use_sliding_window", False)):
-            if hasattr(config, key):
-                setattr(config, key, value)
     return AutoModelForCausalLM.from_config(config, attn_implementation="eager")
 
 

@@ -134,24 +134,6 @@ def llama_block_spec(module: nn.Module) -> BlockSpec:
     )
 
 
-def check_full_attention(config: Any, name: str) -> None:
-    """Refuse a config whose layers attend to a sliding window: the parallel block applies the model's causal and
-    padding masks only, so it would attend to the whole sequence instead, silently.
-
-    Raises:
-        ValueError: naming the setting and the fix.
-    """
-    windowed = [t for t in (getattr(config, "layer_types", None) or []) if t != "full_attention"]
-    if not getattr(config, "layer_types", None) and getattr(config, "sliding_window", None):
-        windowed = ["sliding_window"]
-    if windowed:
-        raise ValueError(
-            f"{name}: the model attends to a sliding window (sliding_window={getattr(config, 'sliding_window', None)}, "
-            f"layer types {sorted(set(windowed))}), which lightning_seqpar does not support yet. Set sliding_window=None "
-            f"(and use_sliding_window=False) in the config to train with full causal attention."
-        )
-
-
 def is_gpt2_layout(module: nn.Module) -> bool:
     """Whether ``module`` is a decoder block of GPT-2's layout: ``ln_1``, ``attn`` with fused ``c_attn`` and
     ``c_proj`` Conv1D (weights ``[in, out]``), ``ln_2``, ``mlp`` with ``c_fc``/``c_proj`` Conv1D and ``act``; no
@@ -188,8 +170,12 @@ def gpt2_block_spec(module: nn.Module) -> BlockSpec:
 
 class HFLayoutPolicy(DeclaredBlockPolicy):
     """Every Hugging Face block of one layout → :class:`ParallelBlock`, recognized by ``is_layout`` (structure, not
-    class) and declared by ``block_spec`` (read off the block's config). Configs with sliding-window attention are
-    refused (:func:`check_full_attention`)."""
+    class) and declared by ``block_spec`` (read off the block's config).
+
+    Sliding-window layers (Mistral's ``sliding_window``, Qwen2's ``use_sliding_window``, ``layer_types``) are exact
+    as they are: transformers builds each layer type's mask once per forward, the window in it, and the parallel
+    block applies the mask it is given (``torch.where`` on the scores, or the fused kernel's ``attn_mask``); where
+    the window covers the whole sequence transformers passes no mask and the block is causal."""
 
     def __init__(self, layout: str, is_layout: Callable[[nn.Module], bool],
                  block_spec: Callable[[nn.Module], BlockSpec],
@@ -198,7 +184,6 @@ class HFLayoutPolicy(DeclaredBlockPolicy):
         self.layout, self.is_layout, self.block_spec, self.why_not = layout, is_layout, block_spec, why_not
 
     def check(self, module: nn.Module, ctx: Any, name: str) -> None:
-        check_full_attention(_config(module), name)
         unsupported = self.mismatch(module)
         if unsupported:
             raise ValueError(f"{name} ({type(module).__name__}): the {self.layout} layout's parallel block does not "

@@ -8,6 +8,9 @@ import torch.nn.functional as F
 
 from tests.helpers.models import SEQ, VOCAB
 
+WINDOW = 3
+"""The sliding window of the windowed families: shorter than the sequence, so it masks."""
+
 
 class HFCausalLM(pl.LightningModule):
     """A user's module around ``AutoModelForCausalLM.from_config``: the loss from ``labels=`` (Hugging Face shifts
@@ -29,6 +32,11 @@ class HFCausalLM(pl.LightningModule):
             config = transformers.Qwen3Config(attention_bias=bias, **common, **full_attention)
         elif family == "mistral":  # full attention (no sliding window)
             config = transformers.MistralConfig(**common, sliding_window=None)
+        elif family == "mistral_window":  # a sliding window shorter than the sequence, on every layer
+            config = transformers.MistralConfig(**common, sliding_window=WINDOW)
+        elif family == "qwen2_window":  # full and sliding-window layers mixed (use_sliding_window, max_window_layers)
+            config = transformers.Qwen2Config(**common, use_sliding_window=True, sliding_window=WINDOW,
+                                              max_window_layers=1)
         elif family == "gemma2":  # Llama's parts plus pre/post feed-forward norms: refused
             config = transformers.Gemma2Config(head_dim=4, **common, **full_attention)
         elif family == "olmo":  # Llama's parts, q/k/v clipped in its forward: caught by the self-check

@@ -39,11 +39,15 @@ CASES = {
         Case("hf", 2, True, "selective", (("position_offset", 5),)),        # explicit position_ids
         Case("hf", 2, True, None, (("family", "gemma"), ("labels", True))),  # embedding scaled by √h, (1 + w) norms
         Case("hf", 2, True, None, (("family", "smollm3"), ("labels", True))),  # a layer without rotary embeddings
+        Case("hf", 2, True, None, (("family", "mistral_window"),)),         # sliding window < sequence, eager
+        Case("hf", 2, True, None, (("family", "mistral_window"), ("attn_implementation", "sdpa"), ("padding", True))),
+        Case("hf", 2, True, "selective", (("family", "qwen2_window"), ("labels", True))),  # full and window layers
     ],
     4: [
         Case("hf", 2, True, "selective"),                                   # tp 2 x dp 2
         Case("hf", 2, True, None, (("labels", True), ("tie", True)), pp=2),  # pp 2 x tp 2, tied embedding
         Case("hf", 2, True, None, (("labels", True),), pp=2),               # pp 2 x tp 2, untied
+        Case("hf", 2, True, None, (("family", "qwen2_window"), ("labels", True)), pp=2),  # windows over the stages
         Case("hf", 1, True, None, (("labels", True), ("tie", True), ("layers", 4)), pp=4, batch=4),  # embedding group of 2 of 4
         Case("hf", 1, True, None, (("labels", True), ("tie", True)), (("gradient_clip_val", 0.05),), (("zero", 1),),
              pp=2),  # pp 2 x dp 2, distributed optimizer: a tied embedding's ranges summed between the two stages
@@ -89,10 +93,6 @@ def test_explain_names_the_layout_and_the_split(capsys):
 def test_bad_llama_inputs_fail_before_any_collective_with_the_numbers():
     with pytest.raises(ValueError, match=r"num_key_value_heads = 2 is not divisible by .* tp = 4.*Valid tp: \[1, 2\]"):
         explain(build("hf"), tp=4)
-    windowed = build("hf", family="qwen2")
-    windowed.model.config.layer_types = ["sliding_attention"] * 2
-    with pytest.raises(ValueError, match=r"attends to a sliding window .* Set sliding_window=None"):
-        explain(windowed, tp=2)
     with pytest.raises(ValueError, match="attn_implementation='flex_attention' is not supported"):
         module = build("hf")
         module.model.config._attn_implementation = "flex_attention"
@@ -139,3 +139,25 @@ def test_pretrained_directory_in_and_out_gives_the_one_device_logits(tmp_path):
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
     for key, value in source.state_dict().items():
         torch.testing.assert_close(reloaded.state_dict()[key], value, rtol=0, atol=0, msg=key)
+
+
+def test_the_sliding_windows_of_the_parity_cases_mask_and_a_window_over_the_sequence_is_full_attention():
+    # The windowed parity cases above are exact; here, that their window changes what one device computes (so the
+    # parity is about the window), and that a window covering the sequence is full causal attention.
+    from tests.helpers.hf_models import WINDOW
+    from tests.helpers.models import SEQ
+
+    x = token_data(1, 1)[0][0].unsqueeze(0)
+    for family in ("mistral_window", "qwen2_window"):
+        torch.manual_seed(0)
+        windowed = build("hf", family=family).double().eval()
+        full = build("hf", family=family).double().eval()
+        full.load_state_dict(windowed.state_dict())
+        assert WINDOW < SEQ
+        full.model.config.sliding_window = SEQ  # the whole sequence
+        with torch.no_grad():
+            narrow, wide = windowed(x), full(x)
+            full.model.config.sliding_window = None
+            if family == "mistral_window":
+                torch.testing.assert_close(wide, full(x), rtol=0, atol=0)
+        assert not torch.allclose(narrow, wide)
