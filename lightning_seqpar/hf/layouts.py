@@ -95,7 +95,7 @@ def llama_layout_mismatch(module: nn.Module) -> list[str]:
         reasons.append("post-norms (norms after attention and MLP, none before)")
     elif "input_layernorm" in has and "post_attention_layernorm" not in has:
         reasons.append("parallel residual (attention and MLP from one norm)")
-    elif {"pre_feedforward_layernorm", "post_feedforward_layernorm"} & has:
+    elif len({"pre_feedforward_layernorm", "post_feedforward_layernorm"} & has) == 1:  # both: Gemma 2/3's sandwich
         reasons.append("extra norms around the MLP (pre/post_feedforward_layernorm)")
     named = {r.split(" (")[0] for r in reasons}
     return reasons + [r for r in unsupported_settings(config) if r.split(" (")[0] not in named]
@@ -116,12 +116,24 @@ def unsupported_settings(config: Any) -> list[str]:
     return reasons
 
 
+def _sandwich(module: nn.Module) -> bool:
+    """Gemma 2/3's norms: ``post_attention_layernorm`` after attention, ``pre_feedforward_layernorm`` before the MLP and
+    ``post_feedforward_layernorm`` after it."""
+    return all(isinstance(getattr(module, n, None), nn.Module)
+               for n in ("pre_feedforward_layernorm", "post_feedforward_layernorm"))
+
+
 def llama_block_spec(module: nn.Module) -> BlockSpec:
-    """The :class:`BlockSpec` of a Llama-layout decoder layer, read off its config."""
+    """The :class:`BlockSpec` of a Llama-layout decoder layer, read off its config (Gemma 2/3: norms around both
+    branches, attention-logit soft-capping)."""
     config = module.self_attn.config
     heads = config.num_attention_heads
+    sandwich = _sandwich(module)
     return BlockSpec(
-        attention_norm="input_layernorm", mlp_norm="post_attention_layernorm",
+        attention_norm="input_layernorm", mlp_norm="pre_feedforward_layernorm" if sandwich else "post_attention_layernorm",
+        attention_post_norm="post_attention_layernorm" if sandwich else None,
+        mlp_post_norm="post_feedforward_layernorm" if sandwich else None,
+        attention_softcap=getattr(module.self_attn, "attn_logit_softcapping", None),
         q="self_attn.q_proj", k="self_attn.k_proj", v="self_attn.v_proj", attention_out="self_attn.o_proj",
         gate="mlp.gate_proj", up="mlp.up_proj", mlp_out="mlp.down_proj", activation="mlp.act_fn",
         num_heads=heads, num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,

@@ -5,7 +5,9 @@ is computed on them directly (:func:`~lightning_seqpar.tensor_parallel.cross_ent
 so the full ``[b, s, v]`` logits never exist. But a model's output still carries ``.logits``, and code written for
 one device may read it: :class:`VocabShardedLogits` reports the single-device shape, and the first operation on it
 gathers the vocabulary (f̄'s conjugate: all-gather forward, this rank's columns backward), padding cut, once; from
-then on it is the single-device tensor, gradients included. Nobody receives a sharded tensor by surprise; the
+then on it is the single-device tensor, gradients included. Elementwise operations with a number and ``tanh`` (a
+final-logit soft-cap, ``cap · tanh(logits / cap)``, or a logit scale) are applied to the shard and stay sharded, so
+the loss after them is still computed on the shards. Nobody receives a sharded tensor by surprise; the
 gather costs ``b·s·v`` elements per rank, only when the logits are used.
 """
 
@@ -22,6 +24,12 @@ from lightning_seqpar.tensor_parallel.mappings import gather_from_tensor_paralle
 # Read without gathering: what a shard and the whole tensor share.
 _SAME_AS_LOCAL = {torch.Tensor.dtype, torch.Tensor.device, torch.Tensor.requires_grad, torch.Tensor.grad_fn,
                   torch.Tensor.is_leaf, torch.Tensor.layout, torch.Tensor.ndim}
+
+# Elementwise with a number: applied to the shard, the result still sharded (final-logit soft-capping,
+# ``cap · tanh(logits / cap)``, and logit scales keep the loss vocabulary-parallel).
+_ELEMENTWISE_WITH_NUMBER = {torch.Tensor.__truediv__, torch.Tensor.__mul__, torch.Tensor.__rmul__, torch.Tensor.div,
+                            torch.Tensor.mul, torch.div, torch.mul}
+_ELEMENTWISE = {torch.tanh, torch.Tensor.tanh}
 
 
 class VocabShardedLogits(torch.Tensor):
@@ -67,6 +75,11 @@ class VocabShardedLogits(torch.Tensor):
                 return this.local_shard.dim()
             if descriptor in _SAME_AS_LOCAL:
                 return func(this.local_shard)
+            if this.full is None and not kwargs and (
+                    (func in _ELEMENTWISE and len(args) == 1)
+                    or (func in _ELEMENTWISE_WITH_NUMBER and len(args) == 2 and isinstance(args[1], (int, float))
+                        and not isinstance(args[1], bool))):
+                return VocabShardedLogits.wrap(func(this.local_shard, *args[1:]), this.group, this.vocab_size)
         unwrapped = [a.gathered() if isinstance(a, VocabShardedLogits) else a for a in args]
         unwrapped_kwargs = {k: v.gathered() if isinstance(v, VocabShardedLogits) else v for k, v in kwargs.items()}
         return func(*unwrapped, **unwrapped_kwargs)

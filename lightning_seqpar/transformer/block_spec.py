@@ -58,6 +58,12 @@ class BlockSpec:
             ``dropout``); it sees ``[s, b, ffn/t]`` features, so each rank draws its own mask.
         batch_first: the block's input and output are ``[b, s, h]`` (default) or ``[s, b, h]`` where the parallel
             region starts or ends: a bool, or the path of a bool attribute (``"self_attn.batch_first"``).
+        attention_post_norm, mlp_post_norm: norms applied to the attention / MLP output before it joins the
+            residual (``x + post_norm(f(norm(x)))``: Gemma 2/3's ``post_attention_layernorm`` and
+            ``post_feedforward_layernorm``); on ``[s/t, b, h]`` shards under SP, their weights sequence-parallel.
+        attention_softcap: attention-logit soft-capping, ``cap · tanh(scores / cap)`` before the mask (Gemma 2's
+            ``attn_logit_softcapping``): a float, or the path of a float attribute; ``None``: none. Explicit
+            attention only (a fused kernel has no soft-cap).
         q_norm, k_norm: norms applied to each query / key head (over ``head_dim``) after the projection and before
             the rotary embedding (Qwen3, OLMo-2 style). Their weights are replicated; each rank normalizes a share
             of the heads, so their gradients are summed over the tensor-parallel group.
@@ -93,6 +99,9 @@ class BlockSpec:
     q_norm: Optional[str] = None
     k_norm: Optional[str] = None
     norm_first: Union[bool, str] = True
+    attention_post_norm: Optional[str] = None
+    mlp_post_norm: Optional[str] = None
+    attention_softcap: Union[float, str, None] = None
     mlp_dropout: Optional[str] = None
     batch_first: Union[bool, str] = True
 
@@ -111,7 +120,9 @@ class BlockSpec:
         named.update({f"mlp input {i}": p for i, p in enumerate(mlp)})
         named.update({f"residual dropout {i}": p for i, p in enumerate(self.residual_dropouts)})
         named.update({role: p for role, p in (("q_norm", self.q_norm), ("k_norm", self.k_norm),
-                                              ("mlp_dropout", self.mlp_dropout)) if p})
+                                              ("mlp_dropout", self.mlp_dropout),
+                                              ("attention_post_norm", self.attention_post_norm),
+                                              ("mlp_post_norm", self.mlp_post_norm)) if p})
         return named
 
 

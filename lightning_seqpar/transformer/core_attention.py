@@ -32,6 +32,7 @@ class CoreAttention(nn.Module):
         sharded_heads: heads are split over tensor-parallel ranks (each rank needs its own masks).
         softmax_dtype: compute the softmax in this dtype and cast back (Hugging Face's eager attention uses
             float32 whatever the input's dtype); default: the scores' dtype.
+        softcap: soft-cap the scores, ``cap · tanh(scores / cap)``, before the mask (Gemma 2); ``None``: not.
 
     Attributes:
         recompute: when ``True`` (set by :class:`~lightning_seqpar.SelectiveRecompute`), the forward is
@@ -48,9 +49,10 @@ class CoreAttention(nn.Module):
         rng_tracker: Optional[RNGTracker] = None,
         sharded_heads: bool = False,
         softmax_dtype: Optional[torch.dtype] = None,
+        softcap: Optional[float] = None,
     ) -> None:
         super().__init__()
-        self.dropout, self.causal, self.softmax_dtype = dropout, causal, softmax_dtype
+        self.dropout, self.causal, self.softmax_dtype, self.softcap = dropout, causal, softmax_dtype, softcap
         self.rng_tracker, self.sharded_heads = rng_tracker, sharded_heads
         self.recompute = False
         self.future_mask = FutureMask()
@@ -68,6 +70,8 @@ class CoreAttention(nn.Module):
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], causal: bool) -> Tensor:
         s = q.shape[-2]
         scores = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))  # [b, a, s, s]
+        if self.softcap is not None:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
         if attn_mask is not None:
             scores = apply_mask(scores, attn_mask)
         if causal:

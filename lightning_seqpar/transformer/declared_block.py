@@ -73,6 +73,8 @@ class _Parts(NamedTuple):
     mlp_norm: nn.Module
     q_norm: Optional[nn.Module]
     k_norm: Optional[nn.Module]
+    attention_post_norm: Optional[nn.Module]
+    mlp_post_norm: Optional[nn.Module]
 
 
 class ParallelBlock(ParallelLayer):
@@ -146,6 +148,14 @@ class ParallelBlock(ParallelLayer):
             if ctx.sp:
                 mark_sequence_parallel(norm)
             norms.append(_set(self, path, norm))
+        post_norms = []
+        for path in (spec.attention_post_norm, spec.mlp_post_norm):  # on the branch outputs, [s/t, b, h] under SP
+            norm = resolve(block, path) if path else None
+            if norm is not None:
+                if ctx.sp:
+                    mark_sequence_parallel(norm)
+                _set(self, path, norm)
+            post_norms.append(norm)
         head_norms = []
         for path in (spec.q_norm, spec.k_norm):
             norm = resolve(block, path) if path else None
@@ -155,16 +165,17 @@ class ParallelBlock(ParallelLayer):
             head_norms.append(norm)
         # Resolved once: the forward holds the modules, not their paths. A plain tuple, so they are registered only
         # under the block's own names (state-dict keys stay the single-device block's).
-        self._parts = _Parts(attention_in, mlp_in, attention_out, mlp_out, norms[0], norms[1], *head_norms)
+        self._parts = _Parts(attention_in, mlp_in, attention_out, mlp_out, norms[0], norms[1], *head_norms, *post_norms)
         self.activation = _activation(block, spec)
         dropout = _dropout_p(value_of(block, spec.attention_dropout))
         self.implementation = value_of(block, spec.attention) if "." in spec.attention else spec.attention
         self.dropout_p = dropout
         self.fused_attention = self.implementation == "sdpa"
         # Only the explicit path has a CoreAttention for selective recomputation to checkpoint.
+        softcap = value_of(block, spec.attention_softcap)
         self.core_attention = None if self.fused_attention else CoreAttention(
             dropout, causal=spec.causal, rng_tracker=ctx.rng_tracker, sharded_heads=ctx.tp > 1,
-            softmax_dtype=spec.softmax_dtype)
+            softmax_dtype=spec.softmax_dtype, softcap=None if softcap is None else float(softcap))
         drops = [resolve(block, p).p for p in spec.residual_dropouts] or [0.0, 0.0]
         self.attention_residual_dropout = ParallelDropout(drops[0], ctx.rng_tracker, sharded=ctx.sp)
         self.mlp_residual_dropout = ParallelDropout(drops[1], ctx.rng_tracker, sharded=ctx.sp)
@@ -213,9 +224,14 @@ class ParallelBlock(ParallelLayer):
             attention = self._attention(x, position_embeddings, mask, causal)
             x = parts.attention_norm(x + self.attention_residual_dropout(attention))
             return parts.mlp_norm(x + self.mlp_residual_dropout(self._mlp(x)))
-        x = x + self.attention_residual_dropout(self._attention(parts.attention_norm(x), position_embeddings, mask,
-                                                                causal))
-        return x + self.mlp_residual_dropout(self._mlp(parts.mlp_norm(x)))  # [s/t, b, h]
+        attention = self._attention(parts.attention_norm(x), position_embeddings, mask, causal)
+        if parts.attention_post_norm is not None:
+            attention = parts.attention_post_norm(attention)
+        x = x + self.attention_residual_dropout(attention)
+        mlp = self._mlp(parts.mlp_norm(x))
+        if parts.mlp_post_norm is not None:
+            mlp = parts.mlp_post_norm(mlp)
+        return x + self.mlp_residual_dropout(mlp)  # [s/t, b, h]
 
     def _attention(self, x: Tensor, position_embeddings: Optional[tuple[Tensor, Tensor]], mask: Optional[Tensor],
                    causal: Optional[bool] = None) -> Tensor:

@@ -37,8 +37,13 @@ class HFCausalLM(pl.LightningModule):
         elif family == "qwen2_window":  # full and sliding-window layers mixed (use_sliding_window, max_window_layers)
             config = transformers.Qwen2Config(**common, use_sliding_window=True, sliding_window=WINDOW,
                                               max_window_layers=1)
-        elif family == "gemma2":  # Llama's parts plus pre/post feed-forward norms: refused
-            config = transformers.Gemma2Config(head_dim=4, **common, **full_attention)
+        elif family == "gemma2":  # norms around both branches, soft-capped attention and final logits, windows
+            config = transformers.Gemma2Config(head_dim=4, query_pre_attn_scalar=2, sliding_window=WINDOW,
+                                               attn_logit_softcapping=0.5, final_logit_softcapping=0.5, **common)
+        elif family == "gemma3":  # Gemma 2's norms, per-head q/k norms, local and global rotary tables, windows
+            config = transformers.Gemma3TextConfig(head_dim=4, query_pre_attn_scalar=2, sliding_window=WINDOW,
+                                                   layer_types=["sliding_attention", "full_attention"] * (layers // 2),
+                                                   final_logit_softcapping=0.5, **common)
         elif family == "olmo":  # Llama's parts, q/k/v clipped in its forward: caught by the self-check
             config = transformers.OlmoConfig(clip_qkv=0.5, **common)
         elif family == "gemma":  # the Llama layout's parts; the embedding scaled by √h, norms (1 + w), gelu-tanh
