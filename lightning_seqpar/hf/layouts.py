@@ -1,10 +1,12 @@
 """Hugging Face decoder-only models of the Llama layout, recognized by structure, not by class name.
 
 A block is of the Llama layout when it has ``self_attn`` with Linear ``q_proj``, ``k_proj``, ``v_proj``,
-``o_proj``, an ``mlp`` with Linear ``gate_proj``, ``up_proj``, ``down_proj`` and an ``act_fn``, and the norms
-``input_layernorm`` and ``post_attention_layernorm``; and, where the model's config has a
-``base_model_tp_plan``, that plan names q/k/v and gate/up column-wise and o/down row-wise. Llama, Mistral,
-Qwen2 and others share it; a new model of the same layout needs no code change.
+``o_proj``, an ``mlp`` with Linear ``gate_proj``, ``up_proj``, ``down_proj`` and an ``act_fn``, and the norm
+``input_layernorm`` (then ``post_attention_layernorm`` before the MLP; or, Gemma 2/3, after attention, with
+``pre_feedforward_layernorm`` and ``post_feedforward_layernorm`` around the MLP; or none, Cohere: attention and MLP
+read the same normed input, a parallel residual); and, where the model's config has a ``base_model_tp_plan``, that
+plan names q/k/v and gate/up column-wise and o/down row-wise. Llama, Mistral, Qwen2, Gemma 2/3, Cohere and others
+share it; a new model of the same layout needs no code change.
 
 The policy is a :class:`~lightning_seqpar.DeclaredBlockPolicy` whose
 :class:`~lightning_seqpar.transformer.declared_block.BlockSpec` is read off each block's config: sizes from
@@ -46,7 +48,7 @@ def is_llama_layout(module: nn.Module) -> bool:
         return False
     if not all(isinstance(getattr(mlp, n, None), nn.Linear) for n in _MLP):
         return False
-    if not all(isinstance(getattr(module, n, None), nn.Module) for n in ("input_layernorm", "post_attention_layernorm")):
+    if not isinstance(getattr(module, "input_layernorm", None), nn.Module):  # without a second norm: parallel residual
         return False
     plan = getattr(_config(module), "base_model_tp_plan", None) or {}
     for suffix, style in _PLAN.items():  # the model's own plan, where it has one, must agree
@@ -93,7 +95,7 @@ def llama_layout_mismatch(module: nn.Module) -> list[str]:
                        "post_feedforward_layernorm") if isinstance(getattr(module, n, None), nn.Module)}
     if "input_layernorm" not in has and "post_feedforward_layernorm" in has:
         reasons.append("post-norms (norms after attention and MLP, none before)")
-    elif "input_layernorm" in has and "post_attention_layernorm" not in has:
+    elif "input_layernorm" in has and "post_attention_layernorm" not in has and not is_llama_layout(module):
         reasons.append("parallel residual (attention and MLP from one norm)")
     elif len({"pre_feedforward_layernorm", "post_feedforward_layernorm"} & has) == 1:  # both: Gemma 2/3's sandwich
         reasons.append("extra norms around the MLP (pre/post_feedforward_layernorm)")
@@ -116,6 +118,20 @@ def unsupported_settings(config: Any) -> list[str]:
     return reasons
 
 
+_ROTARY_ON_SLIDING_LAYERS_ONLY = frozenset({"cohere2"})
+"""Families whose attention applies rotary embeddings on its sliding-window layers only (global layers are NoPE)."""
+
+
+def _uses_rope(module: nn.Module) -> bool:
+    """Whether the layer's attention applies rotary embeddings: not SmolLM3's NoPE layers (``use_rope``), nor Cohere 2's
+    global layers."""
+    attention = module.self_attn
+    if not getattr(attention, "use_rope", True):
+        return False
+    model_type = getattr(getattr(attention, "config", None), "model_type", None)
+    return not (model_type in _ROTARY_ON_SLIDING_LAYERS_ONLY and getattr(attention, "sliding_window", None) is None)
+
+
 def _sandwich(module: nn.Module) -> bool:
     """Gemma 2/3's norms: ``post_attention_layernorm`` after attention, ``pre_feedforward_layernorm`` before the MLP and
     ``post_feedforward_layernorm`` after it."""
@@ -129,8 +145,10 @@ def llama_block_spec(module: nn.Module) -> BlockSpec:
     config = module.self_attn.config
     heads = config.num_attention_heads
     sandwich = _sandwich(module)
+    parallel = not isinstance(getattr(module, "post_attention_layernorm", None), nn.Module)  # Cohere: one norm
     return BlockSpec(
-        attention_norm="input_layernorm", mlp_norm="pre_feedforward_layernorm" if sandwich else "post_attention_layernorm",
+        attention_norm="input_layernorm", parallel_residual=parallel,
+        mlp_norm="input_layernorm" if parallel else "pre_feedforward_layernorm" if sandwich else "post_attention_layernorm",
         attention_post_norm="post_attention_layernorm" if sandwich else None,
         mlp_post_norm="post_feedforward_layernorm" if sandwich else None,
         attention_softcap=getattr(module.self_attn, "attn_logit_softcapping", None),
@@ -138,7 +156,7 @@ def llama_block_spec(module: nn.Module) -> BlockSpec:
         gate="mlp.gate_proj", up="mlp.up_proj", mlp_out="mlp.down_proj", activation="mlp.act_fn",
         num_heads=heads, num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
         head_dim=getattr(module.self_attn, "head_dim", None) or config.hidden_size // heads,
-        attention_dropout=float(getattr(config, "attention_dropout", 0.0) or 0.0), rotary="apply_rotary_pos_emb" if getattr(module.self_attn, "use_rope", True) else None,  # SmolLM3: NoPE layers
+        attention_dropout=float(getattr(config, "attention_dropout", 0.0) or 0.0), rotary="apply_rotary_pos_emb" if _uses_rope(module) else None,
         attention=hf_attention_implementation(config), softmax_dtype=torch.float32,
         scaling=getattr(module.self_attn, "scaling", None),
         q_norm="self_attn.q_norm" if isinstance(getattr(module.self_attn, "q_norm", None), nn.Module) else None,

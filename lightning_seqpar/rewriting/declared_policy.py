@@ -174,8 +174,9 @@ class DeclaredBlockPolicy(Policy):
             f"{type(module).__name__}{self.layout_name()}: {heads_text} per rank "
             f"({'/'.join(attention)} column-parallel, one gather; {spec.attention_out} row-parallel); "
             f"{'/'.join(mlp)} column-parallel, {spec.mlp_out} row-parallel; "
-            f"{'/'.join(p for p in (spec.attention_norm, spec.attention_post_norm, spec.mlp_norm, spec.mlp_post_norm) if p)} "
-            f"{'sequence-parallel' if ctx.sp else 'replicated'}; attention {implementation}"
+            f"{'/'.join(dict.fromkeys(p for p in (spec.attention_norm, spec.attention_post_norm, spec.mlp_norm, spec.mlp_post_norm) if p))} "
+            f"{'sequence-parallel' if ctx.sp else 'replicated'}; "
+            f"{'parallel residual; ' if spec.parallel_residual else ''}attention {implementation}"
             + (f" soft-capped at {value_of(module, spec.attention_softcap)}"
                if value_of(module, spec.attention_softcap) is not None and implementation != "sdpa" else "")
             + (" (fused kernel: no s² tensor, selective recompute unnecessary)" if implementation == "sdpa" else "")

@@ -58,6 +58,9 @@ class BlockSpec:
             ``dropout``); it sees ``[s, b, ffn/t]`` features, so each rank draws its own mask.
         batch_first: the block's input and output are ``[b, s, h]`` (default) or ``[s, b, h]`` where the parallel
             region starts or ends: a bool, or the path of a bool attribute (``"self_attn.batch_first"``).
+        parallel_residual: attention and MLP both read the block's input and both join the residual,
+            ``x + attn(norm1(x)) + mlp(norm2(x))`` (Cohere with one norm, ``mlp_norm`` = ``attention_norm``; GPT-NeoX
+            with two); pre-norm only.
         attention_post_norm, mlp_post_norm: norms applied to the attention / MLP output before it joins the
             residual (``x + post_norm(f(norm(x)))``: Gemma 2/3's ``post_attention_layernorm`` and
             ``post_feedforward_layernorm``); on ``[s/t, b, h]`` shards under SP, their weights sequence-parallel.
@@ -99,6 +102,7 @@ class BlockSpec:
     q_norm: Optional[str] = None
     k_norm: Optional[str] = None
     norm_first: Union[bool, str] = True
+    parallel_residual: bool = False
     attention_post_norm: Optional[str] = None
     mlp_post_norm: Optional[str] = None
     attention_softcap: Union[float, str, None] = None

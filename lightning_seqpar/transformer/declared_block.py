@@ -224,9 +224,13 @@ class ParallelBlock(ParallelLayer):
             attention = self._attention(x, position_embeddings, mask, causal)
             x = parts.attention_norm(x + self.attention_residual_dropout(attention))
             return parts.mlp_norm(x + self.mlp_residual_dropout(self._mlp(x)))
-        attention = self._attention(parts.attention_norm(x), position_embeddings, mask, causal)
+        normed = parts.attention_norm(x)
+        attention = self._attention(normed, position_embeddings, mask, causal)
         if parts.attention_post_norm is not None:
             attention = parts.attention_post_norm(attention)
+        if self.spec.parallel_residual:  # both branches read the block's input
+            branch = normed if parts.mlp_norm is parts.attention_norm else parts.mlp_norm(x)
+            return x + self.attention_residual_dropout(attention) + self.mlp_residual_dropout(self._mlp(branch))
         x = x + self.attention_residual_dropout(attention)
         mlp = self._mlp(parts.mlp_norm(x))
         if parts.mlp_post_norm is not None:

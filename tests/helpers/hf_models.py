@@ -40,6 +40,12 @@ class HFCausalLM(pl.LightningModule):
         elif family == "gemma2":  # norms around both branches, soft-capped attention and final logits, windows
             config = transformers.Gemma2Config(head_dim=4, query_pre_attn_scalar=2, sliding_window=WINDOW,
                                                attn_logit_softcapping=0.5, final_logit_softcapping=0.5, **common)
+        elif family == "cohere":  # parallel residual from one norm, logit scale (kept vocabulary-parallel)
+            config = transformers.CohereConfig(logit_scale=0.5, **common)
+        elif family == "cohere2":  # cohere with sliding-window layers that alone take rotary embeddings
+            config = transformers.Cohere2Config(logit_scale=0.5, sliding_window=WINDOW,
+                                                layer_types=["sliding_attention", "full_attention"] * (layers // 2),
+                                                **common)
         elif family == "gemma3":  # Gemma 2's norms, per-head q/k norms, local and global rotary tables, windows
             config = transformers.Gemma3TextConfig(head_dim=4, query_pre_attn_scalar=2, sliding_window=WINDOW,
                                                    layer_types=["sliding_attention", "full_attention"] * (layers // 2),

@@ -54,7 +54,6 @@ def _tiny(config_class, **extra):
     ("Olmo2Config", r"Olmo2DecoderLayer: post-norms \(norms after attention and MLP, none before\)"),
     ("GPTNeoXConfig", r"GPTNeoXLayer: fused query_key_value .*partial rotary \(config\.partial_rotary_factor=0\.25\); "
                       r"parallel residual \(config\.use_parallel_residual=True\)"),
-    ("CohereConfig", r"CohereDecoderLayer: parallel residual \(attention and MLP from one norm\)"),
     ("MixtralConfig", r"MixtralDecoderLayer: mixture of experts"),
 ])
 def test_a_model_nothing_recognizes_is_refused_with_each_block_class_and_why(family, reasons):
