@@ -30,6 +30,26 @@ from lightning_seqpar.rewriting.declared_policy import DeclaredBlockPolicy
 _SAMPLE_HEAD_DIM = 8
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
+# MLPs of the Llama family: (gate, input, output, activation); gate None for a plain MLP, down(act(in(x))).
+_MLPS = (("gate_proj", "up_proj", "down_proj", "act_fn"),   # SwiGLU (Llama, Qwen, Gemma ...)
+         (None, "up_proj", "down_proj", "act_fn"),           # Arcee, Nemotron
+         (None, "c_fc", "c_proj", "act"),                    # Starcoder2
+         (None, "fc1", "fc2", "activation_fn"))              # Phi
+
+
+def mlp_parts(mlp: Optional[nn.Module]) -> Optional[tuple[Optional[str], str, str, str]]:
+    """The names ``(gate, input, output, activation)`` of a Llama-family MLP (see :data:`_MLPS`), or ``None``."""
+    for gate, up, down, act in _MLPS:
+        linears = [n for n in (gate, up, down) if n]
+        if all(isinstance(getattr(mlp, n, None), nn.Linear) for n in linears) and hasattr(mlp, act) and (
+                gate is not None or not hasattr(mlp, "gate_proj")):
+            return gate, up, down, act
+    return None
+
+
+def attention_output(attention: Optional[nn.Module]) -> Optional[str]:
+    """The attention output projection's name: ``o_proj`` (Llama), ``dense`` (Phi)."""
+    return next((n for n in ("o_proj", "dense") if isinstance(getattr(attention, n, None), nn.Linear)), None)
 _PLAN = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
          "self_attn.o_proj": "rowwise", "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise", "mlp.down_proj": "rowwise"}
 
@@ -42,11 +62,11 @@ def _config(module: nn.Module) -> Optional[Any]:
 def is_llama_layout(module: nn.Module) -> bool:
     """Whether ``module`` is a decoder layer of the Llama layout (see the module docstring)."""
     attention, mlp = getattr(module, "self_attn", None), getattr(module, "mlp", None)
-    if attention is None or mlp is None or not hasattr(mlp, "act_fn") or getattr(attention, "config", None) is None:
+    if attention is None or mlp is None or getattr(attention, "config", None) is None:
         return False
-    if not all(isinstance(getattr(attention, n, None), nn.Linear) for n in _ATTENTION):
+    if not all(isinstance(getattr(attention, n, None), nn.Linear) for n in _ATTENTION[:3]):
         return False
-    if not all(isinstance(getattr(mlp, n, None), nn.Linear) for n in _MLP):
+    if attention_output(attention) is None or mlp_parts(mlp) is None:
         return False
     if not isinstance(getattr(module, "input_layernorm", None), nn.Module):  # without a second norm: parallel residual
         return False
@@ -81,16 +101,16 @@ def llama_layout_mismatch(module: nn.Module) -> list[str]:
         reasons.append(f"fused {fused[0]} (q, k and v in one projection)")
     elif not all(isinstance(getattr(attention, n, None), nn.Linear) for n in _ATTENTION[:3]):
         reasons.append(f"attention projections {_children(attention)} (not q_proj/k_proj/v_proj)")
-    if not fused and not isinstance(getattr(attention, "o_proj", None), nn.Linear):
-        reasons.append(f"attention output not o_proj (attention has {_children(attention)})")
+    if not fused and attention_output(attention) is None:
+        reasons.append(f"attention output not o_proj/dense (attention has {_children(attention)})")
     mlp = next((getattr(module, n) for n in ("mlp", "feed_forward", "block_sparse_moe") if hasattr(module, n)), None)
-    mlp_parts = _children(mlp)
-    if any(n in mlp_parts for n in ("experts", "router")) or hasattr(module, "block_sparse_moe"):
+    if any(n in _children(mlp) for n in ("experts", "router")) or hasattr(module, "block_sparse_moe"):
         reasons.append("mixture of experts (an MLP of experts and a router)")
-    elif "gate_up_proj" in mlp_parts:
+    elif "gate_up_proj" in _children(mlp):
         reasons.append("fused gate_up_proj (gate and up in one projection)")
-    elif mlp is not None and not all(n in mlp_parts for n in _MLP):
-        reasons.append(f"MLP of {mlp_parts} (not gate_proj/up_proj/down_proj)")
+    elif mlp is not None and mlp_parts(mlp) is None:
+        reasons.append(f"MLP of {_children(mlp)} (not gate_proj/up_proj/down_proj, up_proj/down_proj, c_fc/c_proj or "
+                       f"fc1/fc2)")
     has = {n for n in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                        "post_feedforward_layernorm") if isinstance(getattr(module, n, None), nn.Module)}
     if "input_layernorm" not in has and "post_feedforward_layernorm" in has:
@@ -107,14 +127,9 @@ def unsupported_settings(config: Any) -> list[str]:
     """Settings of a Llama-layout config that the parallel block does not implement (read off the config, before
     the whole-model check would find them)."""
     reasons = []
-    factor = getattr(config, "partial_rotary_factor", None)
-    if factor is None:
-        factor = (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor")
-    if isinstance(factor, (int, float)) and factor < 1:
-        reasons.append(f"partial rotary (config.partial_rotary_factor={factor})")
-    for key in ("use_parallel_residual", "parallel_attn"):
+    for key in ("qk_layernorm", "use_qk_norm"):  # StableLM, Cohere: a norm weight per head, not shared by the heads
         if getattr(config, key, False) is True:
-            reasons.append(f"parallel residual (config.{key}=True)")
+            reasons.append(f"per-head q/k norms with a weight for each head (config.{key}=True)")
     return reasons
 
 
@@ -145,6 +160,7 @@ def llama_block_spec(module: nn.Module) -> BlockSpec:
     config = module.self_attn.config
     heads = config.num_attention_heads
     sandwich = _sandwich(module)
+    gate, up, down, act = mlp_parts(module.mlp)
     parallel = not isinstance(getattr(module, "post_attention_layernorm", None), nn.Module)  # Cohere: one norm
     return BlockSpec(
         attention_norm="input_layernorm", parallel_residual=parallel,
@@ -152,8 +168,10 @@ def llama_block_spec(module: nn.Module) -> BlockSpec:
         attention_post_norm="post_attention_layernorm" if sandwich else None,
         mlp_post_norm="post_feedforward_layernorm" if sandwich else None,
         attention_softcap=getattr(module.self_attn, "attn_logit_softcapping", None),
-        q="self_attn.q_proj", k="self_attn.k_proj", v="self_attn.v_proj", attention_out="self_attn.o_proj",
-        gate="mlp.gate_proj", up="mlp.up_proj", mlp_out="mlp.down_proj", activation="mlp.act_fn",
+        q="self_attn.q_proj", k="self_attn.k_proj", v="self_attn.v_proj",
+        attention_out=f"self_attn.{attention_output(module.self_attn)}",
+        gate=f"mlp.{gate}" if gate else None, up=f"mlp.{up}" if gate else None, mlp_in=None if gate else f"mlp.{up}",
+        mlp_out=f"mlp.{down}", activation=f"mlp.{act}",
         num_heads=heads, num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
         head_dim=getattr(module.self_attn, "head_dim", None) or config.hidden_size // heads,
         attention_dropout=float(getattr(config, "attention_dropout", 0.0) or 0.0), rotary="apply_rotary_pos_emb" if _uses_rope(module) else None,

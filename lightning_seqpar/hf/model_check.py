@@ -61,13 +61,26 @@ def parts_in_order(model: nn.Module) -> list[str]:
     return parts
 
 
+def _head_dim(config: Any) -> int:
+    """Values per head of the small copy: :data:`_HEAD_DIM`, or the smallest size at least that whose rotated part
+    (a partial rotary factor) is a whole, even number of dims, as in the real model (rotary pairs dims)."""
+    factor = getattr(config, "partial_rotary_factor", None)
+    if factor is None:
+        factor = (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor")
+    if not isinstance(factor, (int, float)) or factor >= 1 or factor <= 0:
+        return _HEAD_DIM
+    return next(d for d in range(_HEAD_DIM, 257) if abs(d * factor - round(d * factor)) < 1e-9
+                and round(d * factor) % 2 == 0 and round(d * factor) > 0)
+
+
 def small_config(config: Any, tp: int, overrides: Optional[dict[str, Any]] = None) -> Any:
     """A copy of ``config`` with the same layers and heads, small widths, and ``overrides`` set."""
     small = copy.deepcopy(config)
     heads = getattr(small, "num_attention_heads", None) or small.n_head
-    hidden = heads * _HEAD_DIM
+    head_dim = _head_dim(small)
+    hidden = heads * head_dim
     vocab = _HEAD_DIM * tp + 1  # not a multiple of t: the padding of the vocabulary is checked too
-    for key, value in (("hidden_size", hidden), ("head_dim", _HEAD_DIM), ("intermediate_size", _HEAD_DIM * tp),
+    for key, value in (("hidden_size", hidden), ("head_dim", head_dim), ("intermediate_size", _HEAD_DIM * tp),
                        ("n_embd", hidden), ("n_inner", _HEAD_DIM * tp), ("vocab_size", vocab)):
         if key in vars(small) or hasattr(type(small), key) and isinstance(getattr(type(small), key), property) \
                 and getattr(type(small), key).fset is not None:

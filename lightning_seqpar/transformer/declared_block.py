@@ -256,7 +256,12 @@ class ParallelBlock(ParallelLayer):
         v = v.reshape(s, b, self.kv_heads_local, self.head_dim).permute(1, 2, 0, 3)
         if self.rotary is not None and position_embeddings is not None:
             cos, sin = position_embeddings  # the whole sequence's positions
-            q, k = self.rotary(q, k, cos, sin)
+            rotated = cos.shape[-1]
+            if rotated < self.head_dim:  # partial rotary: the first dims of each head turn, the rest pass
+                q_turned, k_turned = self.rotary(q[..., :rotated], k[..., :rotated], cos, sin)
+                q, k = torch.cat([q_turned, q[..., rotated:]], -1), torch.cat([k_turned, k[..., rotated:]], -1)
+            else:
+                q, k = self.rotary(q, k, cos, sin)
         groups = self.heads_local // self.kv_heads_local
         if self.implementation == "sdpa":  # takes the mask as given: bool (True = attend) or additive
             context = F.scaled_dot_product_attention(

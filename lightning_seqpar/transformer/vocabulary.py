@@ -18,7 +18,7 @@ from torch import Tensor
 from lightning_seqpar.parallel.collectives import ParallelGroup
 from lightning_seqpar.tensor_parallel.embedding import VocabParallelEmbedding
 from lightning_seqpar.tensor_parallel.layers import ColumnParallelLinear
-from lightning_seqpar.tensor_parallel.sharding import padded_size, shard_parameter
+from lightning_seqpar.tensor_parallel.sharding import ShardSpec, padded_size, set_shard_spec, shard_parameter
 from lightning_seqpar.tensor_parallel.vocab_logits import VocabShardedLogits
 from lightning_seqpar.transformer.context import RewriteContext
 from lightning_seqpar.transformer.materialize import Initializer
@@ -38,9 +38,12 @@ class VocabParallelHead(ColumnParallelLinear):
     """
 
     def __init__(self, in_features: int, vocab_size: int, group: ParallelGroup, *, sequence_parallel: bool = False,
-                 wrap_logits: bool = False) -> None:
-        super().__init__(in_features, padded_size(vocab_size, group.size), group, bias=False,
-                         sequence_parallel=sequence_parallel)
+                 wrap_logits: bool = False, bias: bool = False) -> None:
+        padded = padded_size(vocab_size, group.size)
+        super().__init__(in_features, padded, group, bias=bias, sequence_parallel=sequence_parallel)
+        self.bias_spec = ShardSpec(0, vocab_size, padded)  # Phi's head has a bias: padded with the vocabulary
+        if self.bias is not None:
+            set_shard_spec(self.bias, self.bias_spec)
         self.vocab_size, self.wrap_logits = vocab_size, wrap_logits
 
     def forward(self, x: Tensor) -> Tensor:
@@ -57,17 +60,29 @@ def parallel_lm_head(head: nn.Linear, embedding: VocabParallelEmbedding, ctx: Re
 
     def skeleton() -> VocabParallelHead:
         with torch.device("meta"):  # its weight is the embedding's or the head's slice
-            return VocabParallelHead(head.in_features, head.out_features, ctx.group,
-                                     sequence_parallel=sequence_parallel, wrap_logits=wrap_logits)
+            return VocabParallelHead(head.in_features, head.out_features, ctx.group, sequence_parallel=sequence_parallel,
+                                     wrap_logits=wrap_logits, bias=head.bias is not None)
 
-    if tied:
+    def with_bias(parallel: VocabParallelHead, linear: nn.Module) -> VocabParallelHead:
+        if linear.bias is not None:
+            parallel.bias = shard_parameter(linear.bias, parallel.bias_spec, ctx.group)
+        return parallel
+
+    if tied and head.bias is None:
         parallel = skeleton()
         parallel.weight = embedding.weight
         return parallel
+    if tied:  # the weight is the embedding's; the bias is the head's own
+        def tied_with_bias(linear: nn.Module) -> nn.Module:
+            parallel = skeleton()
+            parallel.weight = embedding.weight
+            return with_bias(parallel, linear)
+
+        return ctx.build(head, name, tied_with_bias, init)
 
     def sliced(linear: nn.Module) -> nn.Module:
         parallel = skeleton()
         parallel.weight = shard_parameter(linear.weight, embedding.spec, ctx.group)
-        return parallel
+        return with_bias(parallel, linear)
 
     return ctx.build(head, name, sliced, init)

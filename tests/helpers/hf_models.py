@@ -46,6 +46,12 @@ class HFCausalLM(pl.LightningModule):
             config = transformers.Cohere2Config(logit_scale=0.5, sliding_window=WINDOW,
                                                 layer_types=["sliding_attention", "full_attention"] * (layers // 2),
                                                 **common)
+        elif family == "stablelm":  # partial rotary (half of each head), LayerNorms with bias
+            config = transformers.StableLmConfig(**common, partial_rotary_factor=0.5)
+        elif family == "phi":  # one norm (parallel residual), dense / fc1 / fc2, partial rotary, a bias on the head
+            config = transformers.PhiConfig(**common, resid_pdrop=0.0, embd_pdrop=0.0)
+        elif family == "starcoder2":  # Llama's attention, a plain c_fc / c_proj MLP, biases, LayerNorms
+            config = transformers.Starcoder2Config(**common)
         elif family == "gemma3":  # Gemma 2's norms, per-head q/k norms, local and global rotary tables, windows
             config = transformers.Gemma3TextConfig(head_dim=4, query_pre_attn_scalar=2, sliding_window=WINDOW,
                                                    layer_types=["sliding_attention", "full_attention"] * (layers // 2),

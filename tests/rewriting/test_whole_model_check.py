@@ -52,8 +52,8 @@ def _tiny(config_class, **extra):
 @pytest.mark.parametrize("family, reasons", [
     ("Phi3Config", r"Phi3DecoderLayer: fused qkv_proj \(q, k and v in one projection\); fused gate_up_proj"),
     ("Olmo2Config", r"Olmo2DecoderLayer: post-norms \(norms after attention and MLP, none before\)"),
-    ("GPTNeoXConfig", r"GPTNeoXLayer: fused query_key_value .*partial rotary \(config\.partial_rotary_factor=0\.25\); "
-                      r"parallel residual \(config\.use_parallel_residual=True\)"),
+    ("GPTNeoXConfig", r"GPTNeoXLayer: fused query_key_value \(q, k and v in one projection\); MLP of "
+                      r"\['dense_h_to_4h', 'dense_4h_to_h', 'act'\]"),
     ("MixtralConfig", r"MixtralDecoderLayer: mixture of experts"),
 ])
 def test_a_model_nothing_recognizes_is_refused_with_each_block_class_and_why(family, reasons):
@@ -65,12 +65,20 @@ def test_a_model_nothing_recognizes_is_refused_with_each_block_class_and_why(fam
     assert "ForCausalLM" not in known  # the model class is not a block
 
 
-def test_partial_rotary_is_refused_by_name_not_by_a_crash():
+def test_per_head_norm_weights_are_refused_by_name_not_by_a_crash():
     from transformers import StableLmConfig
 
     with pytest.raises(ValueError, match=r"layers\.0 \(StableLmDecoderLayer\): the Llama layout's parallel block does "
-                                         r"not implement partial rotary \(config\.partial_rotary_factor=0\.25\)"):
-        explain(_tiny(StableLmConfig), tp=2)
+                                         r"not implement per-head q/k norms with a weight for each head "
+                                         r"\(config\.qk_layernorm=True\)"):
+        explain(_tiny(StableLmConfig, qk_layernorm=True), tp=2)
+
+
+@pytest.mark.parametrize("family", ["StableLmConfig", "PhiConfig", "NemotronConfig", "Starcoder2Config", "ArceeConfig"])
+def test_partial_rotary_and_the_llama_family_s_other_mlps_pass_the_whole_model_check(family):
+    import transformers
+
+    explain(_tiny(getattr(transformers, family)), tp=2)  # StableLM rotates 1/4 of each head: checked with 8 per head
 
 
 def test_a_part_that_fails_in_the_check_is_refused_cleanly_naming_it(monkeypatch):
