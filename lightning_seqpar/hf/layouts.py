@@ -34,17 +34,28 @@ _MLP = ("gate_proj", "up_proj", "down_proj")
 _MLPS = (("gate_proj", "up_proj", "down_proj", "act_fn"),   # SwiGLU (Llama, Qwen, Gemma ...)
          (None, "up_proj", "down_proj", "act_fn"),           # Arcee, Nemotron
          (None, "c_fc", "c_proj", "act"),                    # Starcoder2
-         (None, "fc1", "fc2", "activation_fn"))              # Phi
+         (None, "fc1", "fc2", "activation_fn"),              # Phi
+         ("gate_up_proj", None, "down_proj", "activation_fn"),  # fused [gate; up]: Phi-3
+         ("gate_up_proj", None, "down_proj", "act_fn"))      # GLM
 
 
 def mlp_parts(mlp: Optional[nn.Module]) -> Optional[tuple[Optional[str], str, str, str]]:
-    """The names ``(gate, input, output, activation)`` of a Llama-family MLP (see :data:`_MLPS`), or ``None``."""
+    """The names ``(gate, input, output, activation)`` of a Llama-family MLP (see :data:`_MLPS`; input ``None``: the
+    gate is the fused ``[gate; up]``), or ``None``."""
     for gate, up, down, act in _MLPS:
         linears = [n for n in (gate, up, down) if n]
         if all(isinstance(getattr(mlp, n, None), nn.Linear) for n in linears) and hasattr(mlp, act) and (
                 gate is not None or not hasattr(mlp, "gate_proj")):
             return gate, up, down, act
     return None
+
+
+def _fused_qkv(attention: nn.Module) -> bool:
+    """A fused ``qkv_proj`` of equal q, k and v parts (no grouped-query attention: Phi-3-mini)."""
+    config = getattr(attention, "config", None)
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return isinstance(getattr(attention, "qkv_proj", None), nn.Linear) and heads is not None and kv_heads == heads
 
 
 def attention_output(attention: Optional[nn.Module]) -> Optional[str]:
@@ -64,7 +75,7 @@ def is_llama_layout(module: nn.Module) -> bool:
     attention, mlp = getattr(module, "self_attn", None), getattr(module, "mlp", None)
     if attention is None or mlp is None or getattr(attention, "config", None) is None:
         return False
-    if not all(isinstance(getattr(attention, n, None), nn.Linear) for n in _ATTENTION[:3]):
+    if not (all(isinstance(getattr(attention, n, None), nn.Linear) for n in _ATTENTION[:3]) or _fused_qkv(attention)):
         return False
     if attention_output(attention) is None or mlp_parts(mlp) is None:
         return False
@@ -97,17 +108,17 @@ def llama_layout_mismatch(module: nn.Module) -> list[str]:
     reasons = []
     config = getattr(attention, "config", None)
     fused = [n for n in _FUSED_ATTENTION if hasattr(attention, n)]
-    if fused:
+    if fused and fused[0] == "qkv_proj" and not _fused_qkv(attention) and getattr(attention, "config", None) is not None:
+        reasons.append("fused qkv_proj with grouped-query attention (q, k and v of unequal sizes)")
+    elif fused and not (fused[0] == "qkv_proj" and _fused_qkv(attention)):
         reasons.append(f"fused {fused[0]} (q, k and v in one projection)")
-    elif not all(isinstance(getattr(attention, n, None), nn.Linear) for n in _ATTENTION[:3]):
+    elif not fused and not all(isinstance(getattr(attention, n, None), nn.Linear) for n in _ATTENTION[:3]):
         reasons.append(f"attention projections {_children(attention)} (not q_proj/k_proj/v_proj)")
-    if not fused and attention_output(attention) is None:
+    if (not fused or _fused_qkv(attention)) and attention_output(attention) is None:
         reasons.append(f"attention output not o_proj/dense (attention has {_children(attention)})")
     mlp = next((getattr(module, n) for n in ("mlp", "feed_forward", "block_sparse_moe") if hasattr(module, n)), None)
     if any(n in _children(mlp) for n in ("experts", "router")) or hasattr(module, "block_sparse_moe"):
         reasons.append("mixture of experts (an MLP of experts and a router)")
-    elif "gate_up_proj" in _children(mlp):
-        reasons.append("fused gate_up_proj (gate and up in one projection)")
     elif mlp is not None and mlp_parts(mlp) is None:
         reasons.append(f"MLP of {_children(mlp)} (not gate_proj/up_proj/down_proj, up_proj/down_proj, c_fc/c_proj or "
                        f"fc1/fc2)")
@@ -161,6 +172,7 @@ def llama_block_spec(module: nn.Module) -> BlockSpec:
     heads = config.num_attention_heads
     sandwich = _sandwich(module)
     gate, up, down, act = mlp_parts(module.mlp)
+    fused_qkv = _fused_qkv(module.self_attn) and not isinstance(getattr(module.self_attn, "q_proj", None), nn.Linear)
     parallel = not isinstance(getattr(module, "post_attention_layernorm", None), nn.Module)  # Cohere: one norm
     return BlockSpec(
         attention_norm="input_layernorm", parallel_residual=parallel,
@@ -168,9 +180,11 @@ def llama_block_spec(module: nn.Module) -> BlockSpec:
         attention_post_norm="post_attention_layernorm" if sandwich else None,
         mlp_post_norm="post_feedforward_layernorm" if sandwich else None,
         attention_softcap=getattr(module.self_attn, "attn_logit_softcapping", None),
-        q="self_attn.q_proj", k="self_attn.k_proj", v="self_attn.v_proj",
+        q=None if fused_qkv else "self_attn.q_proj", k=None if fused_qkv else "self_attn.k_proj",
+        v=None if fused_qkv else "self_attn.v_proj", qkv="self_attn.qkv_proj" if fused_qkv else None,
         attention_out=f"self_attn.{attention_output(module.self_attn)}",
-        gate=f"mlp.{gate}" if gate else None, up=f"mlp.{up}" if gate else None, mlp_in=None if gate else f"mlp.{up}",
+        gate=f"mlp.{gate}" if gate and up else None, up=f"mlp.{up}" if gate and up else None,
+        gate_up=f"mlp.{gate}" if gate and not up else None, mlp_in=None if gate else f"mlp.{up}",
         mlp_out=f"mlp.{down}", activation=f"mlp.{act}",
         num_heads=heads, num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
         head_dim=getattr(module.self_attn, "head_dim", None) or config.hidden_size // heads,

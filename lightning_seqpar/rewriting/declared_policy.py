@@ -93,8 +93,10 @@ class DeclaredBlockPolicy(Policy):
         attention, mlp = spec.projections()
         if bool(spec.qkv) == bool(spec.q or spec.k or spec.v) or (not spec.qkv and not (spec.q and spec.k and spec.v)):
             raise ValueError(f"{name}: declare the attention input as qkv='...' (fused) or as q=, k=, v= (all three).")
-        if bool(spec.mlp_in) == bool(spec.gate or spec.up) or (not spec.mlp_in and not (spec.gate and spec.up)):
-            raise ValueError(f"{name}: declare the MLP input as mlp_in='...' or as gate= and up= (both).")
+        kinds = [bool(spec.mlp_in), bool(spec.gate or spec.up), bool(spec.gate_up)]
+        if sum(kinds) != 1 or (kinds[1] and not (spec.gate and spec.up)):
+            raise ValueError(f"{name}: declare the MLP input as mlp_in='...', as gate= and up= (both), or as gate_up= "
+                             f"(fused).")
         linears = {*attention, *mlp, spec.attention_out, spec.mlp_out}
         try:
             for role, path in spec.paths().items():
@@ -125,7 +127,8 @@ class DeclaredBlockPolicy(Policy):
                 f"{name}: num_key_value_heads = {kv_heads} is not divisible by the tensor-parallel size tp = {ctx.tp} "
                 f"(grouped-query attention splits the key/value heads over tp ranks). Valid tp: {valid}."
             )
-        require_divisible(name, "the MLP width", out_features(resolve(module, mlp[0])), ctx.tp)
+        width = out_features(resolve(module, mlp[0])) // (2 if spec.gate_up else 1)
+        require_divisible(name, "the MLP width", width, ctx.tp)
         implementation = value_of(module, spec.attention) if "." in spec.attention else spec.attention
         if implementation not in ATTENTION_IMPLEMENTATIONS:
             raise ValueError(

@@ -29,7 +29,9 @@ class BlockSpec:
             ``nn.MultiheadAttention``, whose packed ``in_proj_weight`` is that projection); or
         q, k, v: three separate projections (column-parallel, one all-gather for the three).
         mlp_in: the MLP input projection (column-parallel); or
-        gate, up: a gated MLP, ``act(gate(x)) · up(x)`` (SwiGLU; column-parallel, one all-gather).
+        gate, up: a gated MLP, ``act(gate(x)) · up(x)`` (SwiGLU; column-parallel, one all-gather); or
+        gate_up: the two fused as one ``[gate; up]`` projection (Phi-3, GLM), split per rank as ``[gate_r; up_r]`` so
+            checkpoints and exports keep the fused layout.
         activation: the path of the activation (a module or a function attribute, e.g. ``"mlp.gelu"``,
             ``"mlp.act_fn"``), or a name of ``torch.nn.functional`` prefixed ``"F."`` (``"F.gelu"``).
         num_kv_heads: key/value heads of grouped-query attention (int or attribute path); default ``num_heads``.
@@ -88,6 +90,7 @@ class BlockSpec:
     mlp_in: Optional[str] = None
     gate: Optional[str] = None
     up: Optional[str] = None
+    gate_up: Optional[str] = None
     num_kv_heads: Union[int, str, None] = None
     head_dim: Union[int, str, None] = None
     attention_dropout: Union[float, str] = 0.0
@@ -112,7 +115,7 @@ class BlockSpec:
     def projections(self) -> tuple[list[str], list[str]]:
         """The column-parallel paths of the attention input and of the MLP input."""
         attention = [self.qkv] if self.qkv else [p for p in (self.q, self.k, self.v) if p]
-        mlp = [self.mlp_in] if self.mlp_in else [p for p in (self.gate, self.up) if p]
+        mlp = [self.mlp_in] if self.mlp_in else [self.gate_up] if self.gate_up else [p for p in (self.gate, self.up) if p]
         return attention, mlp
 
     def paths(self) -> dict[str, str]:

@@ -139,7 +139,7 @@ class ParallelBlock(ParallelLayer):
             return column(found, ctx.group, sequence_parallel=ctx.sp, chunks=chunks)
 
         attention_in = tuple(_set(self, p, column_of(p, chunks)) for p in attention)
-        mlp_in = tuple(_set(self, p, column_of(p, 1)) for p in mlp)
+        mlp_in = tuple(_set(self, p, column_of(p, 2 if spec.gate_up else 1)) for p in mlp)
         attention_out, mlp_out = (_set(self, p, row(resolve(block, p), ctx.group, sequence_parallel=ctx.sp))
                                   for p in (spec.attention_out, spec.mlp_out))
         norms = []
@@ -182,8 +182,9 @@ class ParallelBlock(ParallelLayer):
         self.mlp_inner_dropout = None if not spec.mlp_dropout else ParallelDropout(
             resolve(block, spec.mlp_dropout).p, ctx.rng_tracker, sharded=ctx.tp > 1)  # on ffn/t features
         self.rotary = rotary_function(block, spec)
-        ffn = out_features(resolve(block, mlp[0]))
-        self._dims = LayerDims(hidden, self.num_heads, ffn, ctx.tp, ctx.sp, self.num_kv_heads, len(mlp) == 2)
+        ffn = out_features(resolve(block, mlp[0])) // (2 if spec.gate_up else 1)
+        gated = len(mlp) == 2 or bool(spec.gate_up)
+        self._dims = LayerDims(hidden, self.num_heads, ffn, ctx.tp, ctx.sp, self.num_kv_heads, gated)
 
     def layer_dims(self) -> LayerDims:
         return self._dims
@@ -279,6 +280,8 @@ class ParallelBlock(ParallelLayer):
 
     def _mlp(self, x: Tensor) -> Tensor:
         outputs = column_parallel_linears(x, list(self._parts.mlp_in), self.group, self.sp)  # each [s, b, f/t]
+        if self.spec.gate_up:  # fused [gate_r; up_r]
+            outputs = outputs[0].chunk(2, dim=-1)
         inner = self.activation(outputs[0]) * outputs[1] if len(outputs) == 2 else self.activation(outputs[0])
         if self.mlp_inner_dropout is not None:
             inner = self.mlp_inner_dropout(inner)

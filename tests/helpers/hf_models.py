@@ -52,6 +52,11 @@ class HFCausalLM(pl.LightningModule):
             config = transformers.PhiConfig(**common, resid_pdrop=0.0, embd_pdrop=0.0)
         elif family == "starcoder2":  # Llama's attention, a plain c_fc / c_proj MLP, biases, LayerNorms
             config = transformers.Starcoder2Config(**common)
+        elif family == "phi3":  # fused qkv_proj (no grouped-query attention) and fused gate_up_proj
+            config = transformers.Phi3Config(**{**common, "num_key_value_heads": 4}, resid_pdrop=0.0, embd_pdrop=0.0,
+                                             pad_token_id=None, bos_token_id=None, eos_token_id=None)
+        elif family == "glm":  # fused gate_up_proj, partial rotary
+            config = transformers.GlmConfig(**common, pad_token_id=None, bos_token_id=None, eos_token_id=None)
         elif family == "gemma3":  # Gemma 2's norms, per-head q/k norms, local and global rotary tables, windows
             config = transformers.Gemma3TextConfig(head_dim=4, query_pre_attn_scalar=2, sliding_window=WINDOW,
                                                    layer_types=["sliding_attention", "full_attention"] * (layers // 2),
