@@ -288,7 +288,39 @@ class HFLayoutPolicy(DeclaredBlockPolicy):
         return super().sample_block(small)
 
 
+def is_neox_layout(module: nn.Module) -> bool:
+    """Whether ``module`` is a GPT-NeoX layer: ``attention`` with a per-head fused ``query_key_value`` and ``dense``,
+    ``mlp`` with ``dense_h_to_4h`` / ``dense_4h_to_h`` / ``act``, ``input_layernorm``, ``post_attention_layernorm``
+    and the two residual dropouts."""
+    attention, mlp = getattr(module, "attention", None), getattr(module, "mlp", None)
+    config = getattr(attention, "config", None)
+    return (getattr(config, "model_type", None) == "gpt_neox"
+            and all(isinstance(getattr(attention, n, None), nn.Linear) for n in ("query_key_value", "dense"))
+            and all(isinstance(getattr(mlp, n, None), nn.Linear) for n in ("dense_h_to_4h", "dense_4h_to_h"))
+            and hasattr(mlp, "act")
+            and all(isinstance(getattr(module, n, None), nn.Module)
+                    for n in ("input_layernorm", "post_attention_layernorm", "post_attention_dropout",
+                              "post_mlp_dropout")))
+
+
+def neox_block_spec(module: nn.Module) -> BlockSpec:
+    """The :class:`BlockSpec` of a GPT-NeoX layer (Pythia): per-head fused q/k/v, partial rotary, the parallel
+    residual of two norms when ``use_parallel_residual``."""
+    config = module.attention.config
+    return BlockSpec(
+        attention_norm="input_layernorm", mlp_norm="post_attention_layernorm",
+        parallel_residual=bool(config.use_parallel_residual), qkv="attention.query_key_value", qkv_per_head=True,
+        attention_out="attention.dense", mlp_in="mlp.dense_h_to_4h", mlp_out="mlp.dense_4h_to_h", activation="mlp.act",
+        num_heads=config.num_attention_heads, head_dim=module.attention.head_size,
+        attention_dropout=float(getattr(config, "attention_dropout", 0.0) or 0.0),
+        residual_dropouts=("post_attention_dropout", "post_mlp_dropout"), rotary="apply_rotary_pos_emb",
+        attention=hf_attention_implementation(config), softmax_dtype=torch.float32,
+        scaling=getattr(module.attention, "scaling", None),
+    )
+
+
 def hf_policies() -> list[HFLayoutPolicy]:
-    """The built-in Hugging Face layouts: Llama (Mistral, Qwen2, ...) and GPT-2."""
+    """The built-in Hugging Face layouts: Llama (Mistral, Qwen2, ...), GPT-2 and GPT-NeoX."""
     return [HFLayoutPolicy("Llama", is_llama_layout, llama_block_spec, llama_layout_mismatch),
-            HFLayoutPolicy("GPT-2", is_gpt2_layout, gpt2_block_spec)]
+            HFLayoutPolicy("GPT-2", is_gpt2_layout, gpt2_block_spec),
+            HFLayoutPolicy("GPT-NeoX", is_neox_layout, neox_block_spec)]

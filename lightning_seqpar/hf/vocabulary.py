@@ -31,15 +31,29 @@ from lightning_seqpar.transformer.vocabulary import parallel_lm_head
 
 
 def is_causal_lm(module: nn.Module) -> bool:
-    """A Hugging Face causal LM: ``get_input_embeddings()`` an ``nn.Embedding``, an ``nn.Linear`` ``lm_head`` over
-    the same vocabulary, a ``config`` and a settable ``loss_function``."""
-    head, config = getattr(module, "lm_head", None), getattr(module, "config", None)
+    """A Hugging Face causal LM: ``get_input_embeddings()`` an ``nn.Embedding``, ``get_output_embeddings()`` an
+    ``nn.Linear`` over the same vocabulary (``lm_head``; GPT-NeoX's ``embed_out``), a ``config`` and a settable
+    ``loss_function``."""
+    head, config = _output_embeddings(module), getattr(module, "config", None)
     get_embeddings = getattr(module, "get_input_embeddings", None)
     if not isinstance(head, nn.Linear) or config is None or not callable(get_embeddings) or not hasattr(
             type(module), "loss_function"):
         return False
     embedding = get_embeddings()
     return isinstance(embedding, nn.Embedding) and head.out_features == embedding.num_embeddings
+
+
+def _output_embeddings(model: nn.Module) -> Optional[nn.Module]:
+    get = getattr(model, "get_output_embeddings", None)
+    try:
+        return get() if callable(get) else None
+    except (AttributeError, NotImplementedError):
+        return None
+
+
+def _head_path(model: nn.Module) -> str:
+    head = _output_embeddings(model)
+    return next(name for name, module in model.named_modules() if module is head)
 
 
 def _embedding_path(model: nn.Module) -> str:
@@ -94,11 +108,12 @@ class HFVocabularyPolicy(ModelPolicy):
                 raise ValueError(f"{name or type(module).__name__}: {error}") from None
 
     def describe(self, module: nn.Module, ctx: RewriteContext) -> str:
-        v = module.lm_head.out_features
+        head = _output_embeddings(module)
+        v = head.out_features
         v_padded = padded_size(v, ctx.tp)
-        tied = module.lm_head.weight is module.get_input_embeddings().weight
+        tied = head.weight is module.get_input_embeddings().weight
         return (f"{type(module).__name__}: {_embedding_path(module)} vocabulary-parallel ({v} rows, padded {v_padded} "
-                f"→ {v_padded // ctx.tp} per rank), lm_head column-parallel over the vocabulary{' (tied)' if tied else ''}; "
+                f"→ {v_padded // ctx.tp} per rank), {_head_path(module)} column-parallel over the vocabulary{' (tied)' if tied else ''}; "
                 f"labels= gives the vocabulary-parallel loss{'' if ctx.loss_parallel else ' (off: loss_parallel=False)'}; "
                 f".logits gathered only when read (b·s·{v} elements per rank)")
 
@@ -127,7 +142,7 @@ class HFVocabularyPolicy(ModelPolicy):
         if stack is None:
             return {}
         prefix = next(name for name, m in module.named_modules() if m is base)
-        placement = {"lm_head": "last"}
+        placement = {_head_path(module): "last"}
         for i, (name, child) in enumerate(children):
             if i == stack or not any(True for _ in child.parameters()):
                 continue
@@ -142,13 +157,15 @@ class HFVocabularyPolicy(ModelPolicy):
         """Replace ``module``'s embedding and head in place (``name``: its qualified name, for the materializer)."""
         prefix = f"{name}." if name else ""
         path = _embedding_path(module)
-        old_embedding, old_head = module.get_input_embeddings(), module.lm_head
+        old_embedding, old_head = module.get_input_embeddings(), _output_embeddings(module)
+        head_path = _head_path(module)
         tied = old_head.weight is old_embedding.weight
         embedding = ctx.build(old_embedding, f"{prefix}{path}",
                               lambda e: VocabParallelEmbedding.from_embedding(e, ctx.group, batch_first=True))
         _replace(module, path, embedding)
 
-        module.lm_head = parallel_lm_head(old_head, embedding, ctx, f"{prefix}lm_head", tied=tied, wrap_logits=True)
+        _replace(module, head_path, parallel_lm_head(old_head, embedding, ctx, f"{prefix}{head_path}", tied=tied,
+                                                     wrap_logits=True))
         if ctx.loss_parallel:
             module.loss_function = CausalLMLoss(module.loss_function)
         return module

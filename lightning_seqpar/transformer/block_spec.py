@@ -28,6 +28,8 @@ class BlockSpec:
         qkv: a fused ``[q; k; v]`` projection (``nn.Linear``, column-parallel, split per head block; or an
             ``nn.MultiheadAttention``, whose packed ``in_proj_weight`` is that projection); or
         q, k, v: three separate projections (column-parallel, one all-gather for the three).
+        qkv_per_head: the fused projection's rows are grouped by head, ``[q_h; k_h; v_h]`` for each head h (GPT-NeoX)
+            rather than ``[q; k; v]``: split over t ranks by whole heads.
         mlp_in: the MLP input projection (column-parallel); or
         gate, up: a gated MLP, ``act(gate(x)) · up(x)`` (SwiGLU; column-parallel, one all-gather); or
         gate_up: the two fused as one ``[gate; up]`` projection (Phi-3, GLM), split per rank as ``[gate_r; up_r]`` so
@@ -91,6 +93,7 @@ class BlockSpec:
     gate: Optional[str] = None
     up: Optional[str] = None
     gate_up: Optional[str] = None
+    qkv_per_head: bool = False
     num_kv_heads: Union[int, str, None] = None
     head_dim: Union[int, str, None] = None
     attention_dropout: Union[float, str] = 0.0

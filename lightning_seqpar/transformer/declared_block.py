@@ -128,7 +128,7 @@ class ParallelBlock(ParallelLayer):
         self.heads_local, self.kv_heads_local = self.num_heads // ctx.tp, self.num_kv_heads // ctx.tp
         scaling = value_of(block, spec.scaling)
         self.score_factor = 1.0 if scaling is None else float(scaling) * self.head_dim**0.5  # CoreAttention uses 1/√d
-        chunks = 3 if spec.qkv else 1
+        chunks = 3 if spec.qkv and not spec.qkv_per_head else 1  # per head: whole heads are contiguous rows
         column = ColumnParallelLinear.from_conv1d if spec.transposed else ColumnParallelLinear.from_linear
         row = RowParallelLinear.from_conv1d if spec.transposed else RowParallelLinear.from_linear
 
@@ -243,7 +243,9 @@ class ParallelBlock(ParallelLayer):
         parts = self._parts
         outputs = column_parallel_linears(x, list(parts.attention_in), self.group, self.sp)  # each [s, b, ·/t]
         s, b = outputs[0].shape[:2]
-        if len(outputs) == 1:  # fused [q_r; k_r; v_r]
+        if len(outputs) == 1 and self.spec.qkv_per_head:  # this rank's heads, each [q_h; k_h; v_h]
+            q, k, v = outputs[0].view(s, b, self.heads_local, 3, self.head_dim).unbind(3)
+        elif len(outputs) == 1:  # fused [q_r; k_r; v_r]
             q, k, v = outputs[0].view(s, b, 3, -1).unbind(2)
         else:
             q, k, v = outputs

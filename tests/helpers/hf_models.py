@@ -18,7 +18,7 @@ class HFCausalLM(pl.LightningModule):
 
     def __init__(self, family: str = "llama", attn_implementation: str = "eager", labels: bool = False,
                  kv_heads: int = 2, bias: bool = False, tie: bool = False, layers: int = 2, padding: bool = False,
-                 position_offset: int = 0) -> None:
+                 position_offset: int = 0, parallel_residual: bool = True) -> None:
         super().__init__()
         import transformers
 
@@ -57,6 +57,10 @@ class HFCausalLM(pl.LightningModule):
                                              pad_token_id=None, bos_token_id=None, eos_token_id=None)
         elif family == "glm":  # fused gate_up_proj, partial rotary
             config = transformers.GlmConfig(**common, pad_token_id=None, bos_token_id=None, eos_token_id=None)
+        elif family == "gpt_neox":  # per-head fused query_key_value, partial rotary, parallel residual of two norms
+            config = transformers.GPTNeoXConfig(**{k: v for k, v in common.items() if k != "num_key_value_heads"},
+                                                use_parallel_residual=parallel_residual, hidden_dropout=0.0,
+                                                pad_token_id=None, bos_token_id=None, eos_token_id=None)
         elif family == "gemma3":  # Gemma 2's norms, per-head q/k norms, local and global rotary tables, windows
             config = transformers.Gemma3TextConfig(head_dim=4, query_pre_attn_scalar=2, sliding_window=WINDOW,
                                                    layer_types=["sliding_attention", "full_attention"] * (layers // 2),

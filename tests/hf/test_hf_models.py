@@ -52,6 +52,8 @@ CASES = {
         Case("hf", 2, True, None, (("family", "starcoder2"), ("labels", True))),  # plain MLP with biases
         Case("hf", 2, True, "selective", (("family", "phi3"), ("labels", True))),  # fused qkv_proj and gate_up_proj
         Case("hf", 2, True, None, (("family", "glm"), ("labels", True))),     # fused gate_up_proj, partial rotary
+        Case("hf", 2, True, None, (("family", "gpt_neox"), ("labels", True))),  # per-head fused q/k/v, two norms
+        Case("hf", 2, True, "selective", (("family", "gpt_neox"), ("parallel_residual", False))),
     ],
     4: [
         Case("hf", 2, True, "selective"),                                   # tp 2 x dp 2
@@ -62,6 +64,7 @@ CASES = {
         Case("hf", 2, True, None, (("family", "cohere"), ("labels", True)), pp=2),  # parallel residual over stages
         Case("hf", 2, True, None, (("family", "phi"), ("labels", True)), pp=2),  # head bias on the last stage
         Case("hf", 2, True, None, (("family", "phi3"), ("labels", True)), pp=2),  # fused projections over stages
+        Case("hf", 2, True, None, (("family", "gpt_neox"), ("labels", True)), pp=2),  # its head named by the model
         Case("hf", 1, True, None, (("labels", True), ("tie", True), ("layers", 4)), pp=4, batch=4),  # embedding group of 2 of 4
         Case("hf", 1, True, None, (("labels", True), ("tie", True)), (("gradient_clip_val", 0.05),), (("zero", 1),),
              pp=2),  # pp 2 x dp 2, distributed optimizer: a tied embedding's ranges summed between the two stages

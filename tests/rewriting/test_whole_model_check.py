@@ -52,8 +52,8 @@ def _tiny(config_class, **extra):
 @pytest.mark.parametrize("family, reasons", [
     ("Phi3Config", r"Phi3DecoderLayer: fused qkv_proj with grouped-query attention \(q, k and v of unequal sizes\)"),
     ("Olmo2Config", r"Olmo2DecoderLayer: post-norms \(norms after attention and MLP, none before\)"),
-    ("GPTNeoXConfig", r"GPTNeoXLayer: fused query_key_value \(q, k and v in one projection\); MLP of "
-                      r"\['dense_h_to_4h', 'dense_4h_to_h', 'act'\]"),
+    ("FalconConfig", r"FalconDecoderLayer: fused query_key_value \(q, k and v in one projection\); MLP of "
+                     r"\['dense_h_to_4h', 'act', 'dense_4h_to_h'\]"),
     ("MixtralConfig", r"MixtralDecoderLayer: mixture of experts"),
 ])
 def test_a_model_nothing_recognizes_is_refused_with_each_block_class_and_why(family, reasons):

@@ -45,7 +45,7 @@ def test_the_fused_loss_equals_cross_entropy_on_the_whole_vocabulary(t, smoothin
 
 
 @pytest.mark.parametrize("family, tie", [("llama", True), ("llama", False), ("gpt2", True), ("gemma2", True),
-                                         ("cohere", True), ("phi", False)])
+                                         ("cohere", True), ("phi", False), ("gpt_neox", False)])
 def test_a_causal_lm_with_a_split_vocabulary_gives_the_one_device_loss_logits_and_gradients(family, tie):
     reference = build("hf", family=family, tie=tie).model.double()
     x = token_data(1, 1).tensors[0]
