@@ -106,6 +106,11 @@ class HFVocabularyPolicy(ModelPolicy):
                 embedding_scale(module.get_input_embeddings())
             except ValueError as error:
                 raise ValueError(f"{name or type(module).__name__}: {error}") from None
+            head = _output_embeddings(module)
+            if head.bias is not None and head.weight is module.get_input_embeddings().weight:
+                raise ValueError(f"{name or type(module).__name__}: its LM head is tied to the embedding and has a bias "
+                                 f"of its own, which tensor parallelism does not support. Untie it "
+                                 f"(tie_word_embeddings=False), or drop the bias.")
 
     def describe(self, module: nn.Module, ctx: RewriteContext) -> str:
         head = _output_embeddings(module)

@@ -67,6 +67,12 @@ def to_empty(module: nn.Module, device: torch.device, recurse: bool = True) -> N
             setattr(owner, name, torch.empty_like(buffer, device=device))  # keeps the buffer's persistence
 
 
+def _unstored_buffers(module: nn.Module) -> bool:
+    """Whether ``module`` owns buffers no state dict holds (non-persistent: computed by its initializer)."""
+    persistent = {key for key in module.state_dict(keep_vars=True) if "." not in key}
+    return any(key not in persistent for key, _ in module.named_buffers(recurse=False))
+
+
 def has_meta_tensors(module: nn.Module) -> bool:
     """Whether any parameter or buffer of ``module`` (or its children) is on the meta device."""
     return any(t.is_meta for t in (*module.parameters(), *module.buffers()))
@@ -137,7 +143,11 @@ class Materializer:
         of them (non-persistent buffers are never in a state dict: such a module is initialized)."""
         if self.source is None:
             return None
-        keys = [key for key, _ in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]]
+        # Own persistent tensors only: a non-persistent buffer (Gemma's embed_scale, rotary inv_freq) is never stored
+        # and is not the parallel module's either.
+        keys = [key for key in module.state_dict(keep_vars=True) if "." not in key]
+        if not keys:  # non-persistent buffers only (rotary inv_freq): computed by the module's initializer
+            return None
         found = {key: self.source.get(f"{name}.{key}" if name else key) for key in keys}
         return found if all(v is not None for v in found.values()) else None
 
@@ -161,14 +171,16 @@ class Materializer:
                         load_from_full(targets[f"{sub_name}.{key}" if sub_name else key], value, group)
                     continue
                 to_empty(sub, self.device, recurse=False)
-                if stored is None:
+                if stored is None or _unstored_buffers(sub):  # computed buffers (Gemma's embed_scale) need init
                     self._initialize(sub, qualified, init)
-                else:
+                if stored is not None:
                     self._copy_from(sub, stored, group)
                 if id(sub) in shared:
                     continue  # the parallel block holds this very module
                 for key, value in [*sub.named_parameters(recurse=False), *sub.named_buffers(recurse=False)]:
-                    load_from_full(targets[f"{sub_name}.{key}" if sub_name else key], value, group)
+                    target = targets.get(f"{sub_name}.{key}" if sub_name else key)
+                    if target is not None:  # a non-persistent buffer of the original the parallel module computes
+                        load_from_full(target, value, group)
                 to_empty(sub, torch.device("meta"), recurse=False)  # released
 
     def fill(self, model: nn.Module, group: ParallelGroup) -> None:
@@ -219,9 +231,9 @@ class Materializer:
                 continue
             stored = self._from_source(module, name)
             to_empty(module, self.device, recurse=False)
-            if stored is None:
+            if stored is None or _unstored_buffers(module):
                 self._initialize(module, name, None)
-            else:
+            if stored is not None:
                 self._copy_from(module, stored, None)
             for key, param in params.items():
                 materialized[id(param)] = getattr(module, key)

@@ -68,17 +68,13 @@ def parallel_lm_head(head: nn.Linear, embedding: VocabParallelEmbedding, ctx: Re
             parallel.bias = shard_parameter(linear.bias, parallel.bias_spec, ctx.group)
         return parallel
 
-    if tied and head.bias is None:
+    if tied:
+        if head.bias is not None:
+            raise ValueError(f"{name}: an LM head tied to the embedding and with a bias of its own is not supported "
+                             f"under tensor parallelism. Untie it (tie_word_embeddings=False), or drop the bias.")
         parallel = skeleton()
         parallel.weight = embedding.weight
         return parallel
-    if tied:  # the weight is the embedding's; the bias is the head's own
-        def tied_with_bias(linear: nn.Module) -> nn.Module:
-            parallel = skeleton()
-            parallel.weight = embedding.weight
-            return with_bias(parallel, linear)
-
-        return ctx.build(head, name, tied_with_bias, init)
 
     def sliced(linear: nn.Module) -> nn.Module:
         parallel = skeleton()

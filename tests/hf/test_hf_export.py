@@ -22,8 +22,21 @@ FAMILIES = {
                   num_key_value_heads=2, max_position_embeddings=2 * SEQ, **COMMON),
     # fused c_attn as a Conv1D [h, 3h]: split per block along dim 1
     "gpt2": dict(model_type="gpt2", n_embd=16, n_head=4, n_positions=2 * SEQ, bos_token_id=0, eos_token_id=0, **COMMON),
+    # fused qkv_proj [q; k; v] and gate_up_proj [gate; up]: split per block, exported fused
+    "phi3": dict(model_type="phi3", hidden_size=16, intermediate_size=32, num_attention_heads=4, num_key_value_heads=4,
+                 max_position_embeddings=2 * SEQ, pad_token_id=None, bos_token_id=None, eos_token_id=None, **COMMON),
+    # query_key_value fused per head: split by whole heads
+    "gpt_neox": dict(model_type="gpt_neox", hidden_size=16, intermediate_size=32, num_attention_heads=4,
+                     max_position_embeddings=2 * SEQ, pad_token_id=None, bos_token_id=None, eos_token_id=None, **COMMON),
+    # norms around both branches; a bias on the LM head (sharded with the vocabulary)
+    "gemma2": dict(model_type="gemma2", hidden_size=16, intermediate_size=32, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=4, max_position_embeddings=2 * SEQ, **COMMON),
+    "phi": dict(model_type="phi", hidden_size=16, intermediate_size=32, num_attention_heads=4,
+                max_position_embeddings=2 * SEQ, pad_token_id=None, bos_token_id=None, eos_token_id=None,
+                **{**COMMON, "tie_word_embeddings": False}),
 }
-LAYOUTS = {2: [("llama", 2, 1), ("gpt2", 2, 1)], 4: [("llama", 2, 2)]}
+LAYOUTS = {2: [("llama", 2, 1), ("gpt2", 2, 1), ("phi3", 2, 1), ("gpt_neox", 2, 1), ("gemma2", 2, 1), ("phi", 2, 1)],
+           4: [("llama", 2, 2), ("phi3", 2, 2)]}
 TOKENIZER_CONFIG = '{"model_max_length": 16, "tokenizer_class": "PreTrainedTokenizerFast"}\n'
 
 
@@ -78,6 +91,10 @@ def test_an_export_replaces_only_a_previous_export_and_only_when_asked(exported)
     assert (root / "llama" / "config.json").is_file()
 
 
+def exported_tied(family):
+    return FAMILIES[family]["tie_word_embeddings"]
+
+
 @pytest.mark.parametrize("family, tp, pp", [layout for layouts in LAYOUTS.values() for layout in layouts],
                          ids=lambda v: str(v))
 def test_the_exported_directory_reloads_with_the_same_weights_and_logits(exported, family, tp, pp):
@@ -86,7 +103,8 @@ def test_the_exported_directory_reloads_with_the_same_weights_and_logits(exporte
     index = json.loads((out / "model.safetensors.index.json").read_text())
     files = sorted({*index["weight_map"].values()})
     assert len(files) > 2 and sorted(p.name for p in out.glob("*.safetensors")) == files
-    assert "lm_head.weight" not in index["weight_map"]  # tied: stored once, as save_pretrained does
+    tied = exported_tied(family)
+    assert ("lm_head.weight" in index["weight_map"]) != tied  # tied: stored once, as save_pretrained does
     assert (out / "tokenizer_config.json").read_text() == TOKENIZER_CONFIG
     assert json.loads((out / "generation_config.json").read_text())["max_new_tokens"] == 7
     assert not [p for p in exported.iterdir() if p.name.startswith(".")]  # no temporary left beside it

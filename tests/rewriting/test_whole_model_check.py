@@ -90,3 +90,11 @@ def test_a_part_that_fails_in_the_check_is_refused_cleanly_naming_it(monkeypatch
     with pytest.raises(ValueError, match=r"model \(LlamaForCausalLM\): its tensor-parallel version fails at "
                                          r"model\.layers\.0 on a small input at tp=2: RuntimeError"):
         explain(build("hf"), tp=2)
+
+
+def test_a_tied_lm_head_with_a_bias_of_its_own_is_refused_with_the_fix():
+    from transformers import PhiConfig
+
+    with pytest.raises(ValueError, match=r"LM head is tied to the embedding and has a bias of its own.*"
+                                         r"tie_word_embeddings=False"):
+        explain(_tiny(PhiConfig, tie_word_embeddings=True), tp=2)
