@@ -79,7 +79,7 @@ def is_llama_layout(module: nn.Module) -> bool:
         return False
     if attention_output(attention) is None or mlp_parts(mlp) is None:
         return False
-    if not isinstance(getattr(module, "input_layernorm", None), nn.Module):  # without a second norm: parallel residual
+    if not (isinstance(getattr(module, "input_layernorm", None), nn.Module) or _post_norms_only(module)):
         return False
     plan = getattr(_config(module), "base_model_tp_plan", None) or {}
     for suffix, style in _PLAN.items():  # the model's own plan, where it has one, must agree
@@ -124,11 +124,11 @@ def llama_layout_mismatch(module: nn.Module) -> list[str]:
                        f"fc1/fc2)")
     has = {n for n in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                        "post_feedforward_layernorm") if isinstance(getattr(module, n, None), nn.Module)}
-    if "input_layernorm" not in has and "post_feedforward_layernorm" in has:
+    if "input_layernorm" not in has and "post_feedforward_layernorm" in has and not _post_norms_only(module):
         reasons.append("post-norms (norms after attention and MLP, none before)")
     elif "input_layernorm" in has and "post_attention_layernorm" not in has and not is_llama_layout(module):
         reasons.append("parallel residual (attention and MLP from one norm)")
-    elif len({"pre_feedforward_layernorm", "post_feedforward_layernorm"} & has) == 1:  # both: Gemma 2/3's sandwich
+    elif len({"pre_feedforward_layernorm", "post_feedforward_layernorm"} & has) == 1 and not _post_norms_only(module):
         reasons.append("extra norms around the MLP (pre/post_feedforward_layernorm)")
     named = {r.split(" (")[0] for r in reasons}
     return reasons + [r for r in unsupported_settings(config) if r.split(" (")[0] not in named]
@@ -158,6 +158,23 @@ def _uses_rope(module: nn.Module) -> bool:
     return not (model_type in _ROTARY_ON_SLIDING_LAYERS_ONLY and getattr(attention, "sliding_window", None) is None)
 
 
+def _post_norms_only(module: nn.Module) -> bool:
+    """OLMo 2's norms: ``post_attention_layernorm`` after attention and ``post_feedforward_layernorm`` after the MLP,
+    none before either."""
+    return (not isinstance(getattr(module, "input_layernorm", None), nn.Module)
+            and all(isinstance(getattr(module, n, None), nn.Module)
+                    for n in ("post_attention_layernorm", "post_feedforward_layernorm")))
+
+
+def _qk_norm_over_heads(module: nn.Module) -> bool:
+    """q/k norms over the whole projection (all heads: OLMo 2) rather than over each head (Qwen3)."""
+    norm = getattr(module.self_attn, "q_norm", None)
+    weight = getattr(norm, "weight", None)
+    return weight is not None and weight.dim() == 1 and weight.shape[0] == module.self_attn.config.num_attention_heads * (
+        getattr(module.self_attn, "head_dim", None) or module.self_attn.config.hidden_size //
+        module.self_attn.config.num_attention_heads)
+
+
 def _sandwich(module: nn.Module) -> bool:
     """Gemma 2/3's norms: ``post_attention_layernorm`` after attention, ``pre_feedforward_layernorm`` before the MLP and
     ``post_feedforward_layernorm`` after it."""
@@ -170,15 +187,17 @@ def llama_block_spec(module: nn.Module) -> BlockSpec:
     branches, attention-logit soft-capping)."""
     config = module.self_attn.config
     heads = config.num_attention_heads
-    sandwich = _sandwich(module)
+    sandwich, post_only = _sandwich(module), _post_norms_only(module)
     gate, up, down, act = mlp_parts(module.mlp)
     fused_qkv = _fused_qkv(module.self_attn) and not isinstance(getattr(module.self_attn, "q_proj", None), nn.Linear)
     parallel = not isinstance(getattr(module, "post_attention_layernorm", None), nn.Module)  # Cohere: one norm
     return BlockSpec(
-        attention_norm="input_layernorm", parallel_residual=parallel,
-        mlp_norm="input_layernorm" if parallel else "pre_feedforward_layernorm" if sandwich else "post_attention_layernorm",
-        attention_post_norm="post_attention_layernorm" if sandwich else None,
-        mlp_post_norm="post_feedforward_layernorm" if sandwich else None,
+        attention_norm=None if post_only else "input_layernorm", parallel_residual=parallel,
+        mlp_norm=(None if post_only else "input_layernorm" if parallel else "pre_feedforward_layernorm" if sandwich
+                  else "post_attention_layernorm"),
+        attention_post_norm="post_attention_layernorm" if sandwich or post_only else None,
+        mlp_post_norm="post_feedforward_layernorm" if sandwich or post_only else None,
+        qk_norm_over_heads=_qk_norm_over_heads(module),
         attention_softcap=getattr(module.self_attn, "attn_logit_softcapping", None),
         q=None if fused_qkv else "self_attn.q_proj", k=None if fused_qkv else "self_attn.k_proj",
         v=None if fused_qkv else "self_attn.v_proj", qkv="self_attn.qkv_proj" if fused_qkv else None,

@@ -113,6 +113,28 @@ def copy_to_tensor_parallel_region(x: Tensor, group: ParallelGroup) -> Tensor:
     return _CopyToTensorParallelRegion.apply(x, group)
 
 
+class _SumOverTensorParallelRegion(torch.autograd.Function):
+    """All-reduce in forward and in backward: a sum every rank uses, so each rank's part of it receives the gradients
+    of all the ranks' uses."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: ParallelGroup) -> Tensor:
+        ctx.group = group
+        return group.all_reduce(x.clone())
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return ctx.group.all_reduce(grad.clone()), None
+
+
+def sum_over_tensor_parallel_region(x: Tensor, group: ParallelGroup) -> Tensor:
+    """The sum of ``x`` over the tensor-parallel group, on every rank, differentiable as such (all-reduce forward and
+    backward; e.g. the sum of squares of a norm whose features are split over tp). Shape unchanged."""
+    if group.size == 1:
+        return x
+    return _SumOverTensorParallelRegion.apply(x, group)
+
+
 def reduce_from_tensor_parallel_region(x: Tensor, group: ParallelGroup) -> Tensor:
     """f̄: all-reduce (sum) forward, identity backward. Shape unchanged."""
     if group.size == 1:

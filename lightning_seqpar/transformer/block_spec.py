@@ -19,8 +19,9 @@ class BlockSpec:
     """Which submodules of a pre-norm transformer block play which part (dotted paths inside the block).
 
     Attributes:
-        attention_norm: the norm before attention (LayerNorm, RMSNorm, ...; joins the sequence-parallel region).
-        mlp_norm: the norm before the MLP (joins the sequence-parallel region).
+        attention_norm: the norm before attention (LayerNorm, RMSNorm, ...; joins the sequence-parallel region);
+            ``None``: none (OLMo 2 normalizes the branch outputs only, ``attention_post_norm``).
+        mlp_norm: the norm before the MLP (joins the sequence-parallel region); ``None``: none.
         attention_out: the attention output projection (``nn.Linear``, row-parallel).
         mlp_out: the MLP output projection (``nn.Linear``, row-parallel).
         num_heads: the query head count: an ``int``, or the path of the attribute holding it (e.g.
@@ -71,6 +72,9 @@ class BlockSpec:
         attention_softcap: attention-logit soft-capping, ``cap · tanh(scores / cap)`` before the mask (Gemma 2's
             ``attn_logit_softcapping``): a float, or the path of a float attribute; ``None``: none. Explicit
             attention only (a fused kernel has no soft-cap).
+        qk_norm_over_heads: ``q_norm`` / ``k_norm`` normalize the whole projection (all heads together, OLMo 2), an
+            RMSNorm over features split across tp: its weight is sharded and the mean of squares summed over tp
+            (:class:`~lightning_seqpar.tensor_parallel.norms.TensorParallelRMSNorm`).
         q_norm, k_norm: norms applied to each query / key head (over ``head_dim``) after the projection and before
             the rotary embedding (Qwen3, OLMo-2 style). Their weights are replicated; each rank normalizes a share
             of the heads, so their gradients are summed over the tensor-parallel group.
@@ -79,8 +83,8 @@ class BlockSpec:
     others, and the policy refuses such a block.
     """
 
-    attention_norm: str
-    mlp_norm: str
+    attention_norm: Optional[str]
+    mlp_norm: Optional[str]
     attention_out: str
     mlp_out: str
     num_heads: Union[int, str]
@@ -94,6 +98,7 @@ class BlockSpec:
     up: Optional[str] = None
     gate_up: Optional[str] = None
     qkv_per_head: bool = False
+    qk_norm_over_heads: bool = False
     num_kv_heads: Union[int, str, None] = None
     head_dim: Union[int, str, None] = None
     attention_dropout: Union[float, str] = 0.0
@@ -124,8 +129,8 @@ class BlockSpec:
     def paths(self) -> dict[str, str]:
         """Every submodule path the declaration names, by role."""
         attention, mlp = self.projections()
-        named = {"attention_norm": self.attention_norm, "mlp_norm": self.mlp_norm,
-                 "attention_out": self.attention_out, "mlp_out": self.mlp_out}
+        named = {role: path for role, path in (("attention_norm", self.attention_norm), ("mlp_norm", self.mlp_norm),
+                                               ("attention_out", self.attention_out), ("mlp_out", self.mlp_out)) if path}
         named.update({f"attention input {i}": p for i, p in enumerate(attention)})
         named.update({f"mlp input {i}": p for i, p in enumerate(mlp)})
         named.update({f"residual dropout {i}": p for i, p in enumerate(self.residual_dropouts)})

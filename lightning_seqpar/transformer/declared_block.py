@@ -33,6 +33,7 @@ from lightning_seqpar.parallel.random import recomputed
 from lightning_seqpar.tensor_parallel.layers import (
     ColumnParallelInProjection, ColumnParallelLinear, RowParallelLinear, column_parallel_linears,
 )
+from lightning_seqpar.tensor_parallel.norms import TensorParallelRMSNorm
 from lightning_seqpar.tensor_parallel.sharding import mark_sequence_parallel
 from lightning_seqpar.transformer.block_arguments import parse_block_arguments
 from lightning_seqpar.transformer.block_spec import BlockSpec, out_features, resolve, rotary_function, value_of
@@ -144,10 +145,12 @@ class ParallelBlock(ParallelLayer):
                                   for p in (spec.attention_out, spec.mlp_out))
         norms = []
         for path in (spec.attention_norm, spec.mlp_norm):
-            norm = resolve(block, path)
-            if ctx.sp:
-                mark_sequence_parallel(norm)
-            norms.append(_set(self, path, norm))
+            norm = resolve(block, path) if path else None
+            if norm is not None:
+                if ctx.sp:
+                    mark_sequence_parallel(norm)
+                _set(self, path, norm)
+            norms.append(norm)
         post_norms = []
         for path in (spec.attention_post_norm, spec.mlp_post_norm):  # on the branch outputs, [s/t, b, h] under SP
             norm = resolve(block, path) if path else None
@@ -159,7 +162,9 @@ class ParallelBlock(ParallelLayer):
         head_norms = []
         for path in (spec.q_norm, spec.k_norm):
             norm = resolve(block, path) if path else None
-            if norm is not None:  # per-head norms: each rank normalizes a/t heads
+            if norm is not None and spec.qk_norm_over_heads:  # over all heads: features split over tp
+                norm = _set(self, path, TensorParallelRMSNorm(norm, ctx.group))
+            elif norm is not None:  # per-head norms: each rank normalizes a/t heads
                 mark_sequence_parallel(norm)  # replicated; the gradient of a share of the heads: summed over tp
                 _set(self, path, norm)
             head_norms.append(norm)
@@ -225,15 +230,15 @@ class ParallelBlock(ParallelLayer):
             attention = self._attention(x, position_embeddings, mask, causal)
             x = parts.attention_norm(x + self.attention_residual_dropout(attention))
             return parts.mlp_norm(x + self.mlp_residual_dropout(self._mlp(x)))
-        normed = parts.attention_norm(x)
+        normed = x if parts.attention_norm is None else parts.attention_norm(x)
         attention = self._attention(normed, position_embeddings, mask, causal)
         if parts.attention_post_norm is not None:
             attention = parts.attention_post_norm(attention)
         if self.spec.parallel_residual:  # both branches read the block's input
-            branch = normed if parts.mlp_norm is parts.attention_norm else parts.mlp_norm(x)
+            branch = normed if parts.mlp_norm is parts.attention_norm else x if parts.mlp_norm is None else parts.mlp_norm(x)
             return x + self.attention_residual_dropout(attention) + self.mlp_residual_dropout(self._mlp(branch))
         x = x + self.attention_residual_dropout(attention)
-        mlp = self._mlp(parts.mlp_norm(x))
+        mlp = self._mlp(x if parts.mlp_norm is None else parts.mlp_norm(x))
         if parts.mlp_post_norm is not None:
             mlp = parts.mlp_post_norm(mlp)
         return x + self.mlp_residual_dropout(mlp)  # [s/t, b, h]
@@ -249,12 +254,16 @@ class ParallelBlock(ParallelLayer):
             q, k, v = outputs[0].view(s, b, 3, -1).unbind(2)
         else:
             q, k, v = outputs
+        if self.spec.qk_norm_over_heads:  # over all heads: [s, b, a·d/t], the statistic summed over tp
+            q = q if parts.q_norm is None else parts.q_norm(q)
+            k = k if parts.k_norm is None else parts.k_norm(k)
         q = q.reshape(s, b, self.heads_local, self.head_dim)  # [s, b, a/t, d]
         k = k.reshape(s, b, self.kv_heads_local, self.head_dim)  # [s, b, a_kv/t, d]
-        if parts.q_norm is not None:
-            q = parts.q_norm(q)
-        if parts.k_norm is not None:
-            k = parts.k_norm(k)
+        if not self.spec.qk_norm_over_heads:
+            if parts.q_norm is not None:
+                q = parts.q_norm(q)
+            if parts.k_norm is not None:
+                k = parts.k_norm(k)
         q, k = q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3)  # [b, a/t, s, d], [b, a_kv/t, s, d]
         v = v.reshape(s, b, self.kv_heads_local, self.head_dim).permute(1, 2, 0, 3)
         if self.rotary is not None and position_embeddings is not None:

@@ -61,6 +61,8 @@ class HFCausalLM(pl.LightningModule):
             config = transformers.GPTNeoXConfig(**{k: v for k, v in common.items() if k != "num_key_value_heads"},
                                                 use_parallel_residual=parallel_residual, hidden_dropout=0.0,
                                                 pad_token_id=None, bos_token_id=None, eos_token_id=None)
+        elif family == "olmo2":  # norms after attention and MLP only, q/k norms over all heads (summed over tp)
+            config = transformers.Olmo2Config(**common, pad_token_id=None, bos_token_id=None, eos_token_id=None)
         elif family == "gemma3":  # Gemma 2's norms, per-head q/k norms, local and global rotary tables, windows
             config = transformers.Gemma3TextConfig(head_dim=4, query_pre_attn_scalar=2, sliding_window=WINDOW,
                                                    layer_types=["sliding_attention", "full_attention"] * (layers // 2),

@@ -54,6 +54,7 @@ CASES = {
         Case("hf", 2, True, None, (("family", "glm"), ("labels", True))),     # fused gate_up_proj, partial rotary
         Case("hf", 2, True, None, (("family", "gpt_neox"), ("labels", True))),  # per-head fused q/k/v, two norms
         Case("hf", 2, True, "selective", (("family", "gpt_neox"), ("parallel_residual", False))),
+        Case("hf", 2, True, None, (("family", "olmo2"), ("labels", True))),   # post-norms, q/k norms over all heads
     ],
     4: [
         Case("hf", 2, True, "selective"),                                   # tp 2 x dp 2
@@ -65,6 +66,8 @@ CASES = {
         Case("hf", 2, True, None, (("family", "phi"), ("labels", True)), pp=2),  # head bias on the last stage
         Case("hf", 2, True, None, (("family", "phi3"), ("labels", True)), pp=2),  # fused projections over stages
         Case("hf", 2, True, None, (("family", "gpt_neox"), ("labels", True)), pp=2),  # its head named by the model
+        Case("hf", 2, True, "selective", (("family", "olmo2"), ("labels", True)), pp=2),
+        Case("hf", 4, True, None, (("family", "olmo2"), ("labels", True), ("kv_heads", 4))),  # the statistic over tp 4
         Case("hf", 1, True, None, (("labels", True), ("tie", True), ("layers", 4)), pp=4, batch=4),  # embedding group of 2 of 4
         Case("hf", 1, True, None, (("labels", True), ("tie", True)), (("gradient_clip_val", 0.05),), (("zero", 1),),
              pp=2),  # pp 2 x dp 2, distributed optimizer: a tied embedding's ranges summed between the two stages

@@ -51,7 +51,6 @@ def _tiny(config_class, **extra):
 
 @pytest.mark.parametrize("family, reasons", [
     ("Phi3Config", r"Phi3DecoderLayer: fused qkv_proj with grouped-query attention \(q, k and v of unequal sizes\)"),
-    ("Olmo2Config", r"Olmo2DecoderLayer: post-norms \(norms after attention and MLP, none before\)"),
     ("FalconConfig", r"FalconDecoderLayer: fused query_key_value \(q, k and v in one projection\); MLP of "
                      r"\['dense_h_to_4h', 'act', 'dense_4h_to_h'\]"),
     ("MixtralConfig", r"MixtralDecoderLayer: mixture of experts"),
