@@ -108,7 +108,9 @@ def llama_layout_mismatch(module: nn.Module) -> list[str]:
     reasons = []
     config = getattr(attention, "config", None)
     fused = [n for n in _FUSED_ATTENTION if hasattr(attention, n)]
-    if fused and fused[0] == "qkv_proj" and not _fused_qkv(attention) and getattr(attention, "config", None) is not None:
+    heads = getattr(config, "num_attention_heads", None)
+    grouped = heads is not None and (getattr(config, "num_key_value_heads", None) or heads) != heads
+    if fused and fused[0] == "qkv_proj" and grouped:
         reasons.append("fused qkv_proj with grouped-query attention (q, k and v of unequal sizes)")
     elif fused and not (fused[0] == "qkv_proj" and _fused_qkv(attention)):
         reasons.append(f"fused {fused[0]} (q, k and v in one projection)")
