@@ -68,6 +68,15 @@ CASES = {
         Case("hf", 2, True, None, (("family", "gpt_neox"), ("labels", True)), pp=2),  # its head named by the model
         Case("hf", 2, True, "selective", (("family", "olmo2"), ("labels", True)), pp=2),
         Case("hf", 4, True, None, (("family", "olmo2"), ("labels", True), ("kv_heads", 4))),  # the statistic over tp 4
+        Case("hf", 4, True, None, (("family", "gemma2"), ("labels", True), ("kv_heads", 4))),  # soft-caps at tp 4
+        Case("hf", 4, True, None, (("family", "phi3"), ("labels", True))),    # fused projections at tp 4
+        Case("hf", 4, True, None, (("family", "gpt_neox"), ("labels", True))),  # one head per rank
+        Case("hf", 2, True, None, (("family", "gemma3"), ("labels", True)), pp=2),
+        Case("hf", 2, True, None, (("family", "cohere2"), ("labels", True)), pp=2),
+        Case("hf", 2, True, None, (("family", "stablelm"), ("labels", True)), pp=2),
+        Case("hf", 2, True, None, (("family", "starcoder2"), ("labels", True)), pp=2),
+        Case("hf", 2, True, None, (("family", "glm"), ("labels", True)), pp=2),
+        Case("hf", 2, True, None, (("family", "mistral_window"), ("labels", True)), pp=2),
         Case("hf", 1, True, None, (("labels", True), ("tie", True), ("layers", 4)), pp=4, batch=4),  # embedding group of 2 of 4
         Case("hf", 1, True, None, (("labels", True), ("tie", True)), (("gradient_clip_val", 0.05),), (("zero", 1),),
              pp=2),  # pp 2 x dp 2, distributed optimizer: a tied embedding's ranges summed between the two stages
