@@ -54,6 +54,9 @@ def _tiny(config_class, **extra):
     ("FalconConfig", r"FalconDecoderLayer: fused query_key_value \(q, k and v in one projection\); MLP of "
                      r"\['dense_h_to_4h', 'act', 'dense_4h_to_h'\]"),
     ("MixtralConfig", r"MixtralDecoderLayer: mixture of experts"),
+    ("OPTConfig", r"OPTDecoderLayer: attention output not o_proj/dense \(attention has \['k_proj', 'v_proj', 'q_proj', "
+                  r"'out_proj'\]\)"),
+    ("GPTBigCodeConfig", r"GPTBigCodeBlock: fused c_attn \(q, k and v in one projection\)"),
 ])
 def test_a_model_nothing_recognizes_is_refused_with_each_block_class_and_why(family, reasons):
     import transformers
@@ -64,13 +67,14 @@ def test_a_model_nothing_recognizes_is_refused_with_each_block_class_and_why(fam
     assert "ForCausalLM" not in known  # the model class is not a block
 
 
-def test_per_head_norm_weights_are_refused_by_name_not_by_a_crash():
-    from transformers import StableLmConfig
+@pytest.mark.parametrize("family, option", [("StableLmConfig", "qk_layernorm"), ("CohereConfig", "use_qk_norm")])
+def test_per_head_norm_weights_are_refused_by_name_not_by_a_crash(family, option):
+    import transformers
 
-    with pytest.raises(ValueError, match=r"layers\.0 \(StableLmDecoderLayer\): the Llama layout's parallel block does "
-                                         r"not implement per-head q/k norms with a weight for each head "
-                                         r"\(config\.qk_layernorm=True\)"):
-        explain(_tiny(StableLmConfig, qk_layernorm=True), tp=2)
+    layer = family.replace("Config", "DecoderLayer")
+    with pytest.raises(ValueError, match=rf"layers\.0 \({layer}\): the Llama layout's parallel block does not implement "
+                                         rf"per-head q/k norms with a weight for each head \(config\.{option}=True\)"):
+        explain(_tiny(getattr(transformers, family), **{option: True}), tp=2)
 
 
 @pytest.mark.parametrize("family", ["StableLmConfig", "PhiConfig", "NemotronConfig", "Starcoder2Config", "ArceeConfig"])
