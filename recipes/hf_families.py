@@ -78,7 +78,7 @@ def main() -> None:
     import transformers
 
     print(f"transformers {transformers.__version__}, tp={args.tp}")
-    print(f"| family | outcome | measured, or why refused (seconds of checks) |\n|---|---|---|")
+    print("| family | outcome | measured, or why refused (seconds of checks) |\n|---|---|---|")
     for model_type in args.families:
         print("| {} | {} | {} |".format(*row(model_type, args.tp)), flush=True)
 

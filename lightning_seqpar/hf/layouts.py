@@ -170,11 +170,11 @@ def _post_norms_only(module: nn.Module) -> bool:
 
 def _qk_norm_over_heads(module: nn.Module) -> bool:
     """q/k norms over the whole projection (all heads: OLMo 2) rather than over each head (Qwen3)."""
-    norm = getattr(module.self_attn, "q_norm", None)
-    weight = getattr(norm, "weight", None)
-    return weight is not None and weight.dim() == 1 and weight.shape[0] == module.self_attn.config.num_attention_heads * (
-        getattr(module.self_attn, "head_dim", None) or module.self_attn.config.hidden_size //
-        module.self_attn.config.num_attention_heads)
+    attention = module.self_attn
+    weight = getattr(getattr(attention, "q_norm", None), "weight", None)
+    heads = attention.config.num_attention_heads
+    head_dim = getattr(attention, "head_dim", None) or attention.config.hidden_size // heads
+    return weight is not None and weight.dim() == 1 and weight.shape[0] == heads * head_dim
 
 
 def _sandwich(module: nn.Module) -> bool:
@@ -289,7 +289,7 @@ class HFLayoutPolicy(DeclaredBlockPolicy):
     def undeclared_message(self, module: nn.Module, name: str, left_out: list[str]) -> str:
         return (f"{name} ({type(module).__name__}): this Hugging Face block has parts the {self.layout} layout does not "
                 f"have: {', '.join(left_out)}. Its parallel version would compute without them, so "
-                f"{type(module).__name__} is not supported (tested families: Llama, Mistral, Qwen2, Qwen3, GPT-2). "
+                f"{type(module).__name__} is not supported (the families tested: the README's family table). "
                 f"Describe the block with a BlockSpec that names them, or write a Policy for it.")
 
     def sample_block(self, module: nn.Module) -> nn.Module:

@@ -233,17 +233,21 @@ class DistributedOptimizer(Optimizer):
                           if isinstance(v, Tensor))
 
     def _range_layout(self) -> Optional[RangeLayout]:
+        """Where every data-parallel rank's ranges live (``None`` with one data-parallel rank: nothing is split)."""
         mesh = self.mesh
+        if mesh.dp == 1:
+            return None
         return range_layout(mesh.device_mesh, mesh.tensor.rank, mesh.data.rank, mesh.pipeline.rank)
 
-    def _state_view(self, param: nn.Parameter, value: Tensor, tp_mesh: Any) -> Optional[Tensor]:
+    def _state_view(self, param: nn.Parameter, value: Tensor, tp_mesh: Any,
+                    layout: Optional[RangeLayout]) -> Optional[Tensor]:
         """A range ``value`` of a state tensor shaped like ``param`` as DCP must see it (see the module); ``None``
         where this rank holds none of a 0-dim parameter's state."""
         if param.dim() == 0:  # one element: its owner writes it whole
             return value.detach().view(()) if value.numel() else None
-        if self.mesh.dp == 1:  # the whole shard: the view an unsharded optimizer's state has
+        if layout is None:  # one data-parallel rank: the whole shard, the view an unsharded optimizer's state has
             return dcp_view(value.detach().view(param.shape), shard_spec(param), tp_mesh)
-        return dcp_range_view(value.detach(), param, self._range_layout())
+        return dcp_range_view(value.detach(), param, layout)
 
     def checkpoint_entries(self, names: Mapping[int, str], tp_mesh: Any) -> dict[str, Tensor]:
         """This rank's optimizer state as ``torch.distributed.checkpoint`` entries ``{"<parameter name>.<key>": view}``
@@ -255,6 +259,7 @@ class DistributedOptimizer(Optimizer):
             TypeError: a non-tensor state value.
         """
         entries: dict[str, Tensor] = {}
+        layout = self._range_layout()
         for p in self.buckets.params:
             piece = self._pieces[id(p)]
             state = dict(self.inner.state.get(piece, {}))
@@ -265,7 +270,7 @@ class DistributedOptimizer(Optimizer):
                     raise TypeError(f"Optimizer state '{key}' of '{names[id(p)]}' is a {type(value).__name__}: sharded "
                                     f"checkpoints hold tensors only.")
                 if value.dim() == 1 and value.shape == piece.shape:
-                    view = self._state_view(p, value, tp_mesh)
+                    view = self._state_view(p, value, tp_mesh, layout)
                     if view is not None:
                         entries[f"{names[id(p)]}.{key}"] = view
                 else:
@@ -280,15 +285,17 @@ class DistributedOptimizer(Optimizer):
         parameters as loaded) and the saved settings ``groups`` to each parameter group."""
         targets: dict[str, Tensor] = {}
         ranges: dict[int, dict[str, Tensor]] = {}
+        layout = self._range_layout()
+        by_name: dict[str, list[tuple[str, str, tuple[int, ...], torch.dtype]]] = {}
+        for key, (shape, dtype) in saved.items():
+            name, _, field = key.rpartition(".")
+            by_name.setdefault(name, []).append((key, field, shape, dtype))
         for p in self.buckets.params:
             start, stop = self._ranges[id(p)]
-            for key, (shape, dtype) in saved.items():
-                name, _, field = key.rpartition(".")
-                if name != names[id(p)]:
-                    continue
+            for key, field, shape, dtype in by_name.get(names[id(p)], []):
                 if p.dim() > 0 and tuple(shape) == saved_shape(shard_spec(p), full_shape(p)):
                     value = torch.zeros(stop - start, dtype=dtype, device=p.device)
-                    targets[key] = self._state_view(p, value, tp_mesh)
+                    targets[key] = self._state_view(p, value, tp_mesh, layout)
                 elif p.dim() == 0 and tuple(shape) == () and field not in SCALAR_STATE:
                     whole = torch.zeros((), dtype=dtype, device=p.device)
                     targets[key] = whole

@@ -14,7 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-import torch
 from torch import Tensor
 
 from lightning_seqpar._compat import sharded_tensor
