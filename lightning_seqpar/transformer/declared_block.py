@@ -22,7 +22,7 @@ Face passes them.
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -231,12 +231,18 @@ class ParallelBlock(ParallelLayer):
             x = parts.attention_norm(x + self.attention_residual_dropout(attention))
             return parts.mlp_norm(x + self.mlp_residual_dropout(self._mlp(x)))
         normed = x if parts.attention_norm is None else parts.attention_norm(x)
-        attention = self._attention(normed, position_embeddings, mask, causal)
+        # One norm feeding both branches (Cohere, Phi): every input projection under one all-gather of it.
+        shared = self.spec.parallel_residual and parts.mlp_norm is parts.attention_norm
+        projected = column_parallel_linears(normed, [*parts.attention_in, *parts.mlp_in], self.group, self.sp) \
+            if shared else None
+        split = len(parts.attention_in)
+        attention = self._attention(normed, position_embeddings, mask, causal, projected and projected[:split])
         if parts.attention_post_norm is not None:
             attention = parts.attention_post_norm(attention)
         if self.spec.parallel_residual:  # both branches read the block's input
-            branch = normed if parts.mlp_norm is parts.attention_norm else x if parts.mlp_norm is None else parts.mlp_norm(x)
-            return x + self.attention_residual_dropout(attention) + self.mlp_residual_dropout(self._mlp(branch))
+            mlp = self._mlp(normed, projected[split:]) if shared else self._mlp(
+                x if parts.mlp_norm is None else parts.mlp_norm(x))
+            return x + self.attention_residual_dropout(attention) + self.mlp_residual_dropout(mlp)
         x = x + self.attention_residual_dropout(attention)
         mlp = self._mlp(x if parts.mlp_norm is None else parts.mlp_norm(x))
         if parts.mlp_post_norm is not None:
@@ -244,9 +250,11 @@ class ParallelBlock(ParallelLayer):
         return x + self.mlp_residual_dropout(mlp)  # [s/t, b, h]
 
     def _attention(self, x: Tensor, position_embeddings: Optional[tuple[Tensor, Tensor]], mask: Optional[Tensor],
-                   causal: Optional[bool] = None) -> Tensor:
+                   causal: Optional[bool] = None, outputs: Optional[Sequence[Tensor]] = None) -> Tensor:
+        """``outputs``: the input projections of ``x`` when computed already (one all-gather with the MLP's)."""
         parts = self._parts
-        outputs = column_parallel_linears(x, list(parts.attention_in), self.group, self.sp)  # each [s, b, ·/t]
+        if outputs is None:
+            outputs = column_parallel_linears(x, list(parts.attention_in), self.group, self.sp)  # each [s, b, ·/t]
         s, b = outputs[0].shape[:2]
         if len(outputs) == 1 and self.spec.qkv_per_head:  # this rank's heads, each [q_h; k_h; v_h]
             q, k, v = outputs[0].view(s, b, self.heads_local, 3, self.head_dim).unbind(3)
@@ -289,8 +297,9 @@ class ParallelBlock(ParallelLayer):
             context = self.core_attention(q * self.score_factor if self.score_factor != 1.0 else q, k, v, mask, causal)
         return parts.attention_out(merge_heads(context))  # [s/t, b, h] under SP
 
-    def _mlp(self, x: Tensor) -> Tensor:
-        outputs = column_parallel_linears(x, list(self._parts.mlp_in), self.group, self.sp)  # each [s, b, f/t]
+    def _mlp(self, x: Tensor, outputs: Optional[Sequence[Tensor]] = None) -> Tensor:
+        if outputs is None:
+            outputs = column_parallel_linears(x, list(self._parts.mlp_in), self.group, self.sp)  # each [s, b, f/t]
         if self.spec.gate_up:  # fused [gate_r; up_r]
             outputs = outputs[0].chunk(2, dim=-1)
         inner = self.activation(outputs[0]) * outputs[1] if len(outputs) == 2 else self.activation(outputs[0])
