@@ -55,11 +55,12 @@ def unsharded_pieces(shards: list[Tensor], spec: ShardSpec) -> Iterator[Tensor]:
     """The single-device tensor assembled from every rank's shard, as consecutive row-major pieces (vocabulary
     padding left out): shards split along dim 0 are written as they are; other splits by blocks of rows."""
     if spec.dim == 0:
-        chunk_rows = spec.full_size // spec.chunks
+        local_blocks = [size // len(shards) for size in spec.blocks()]
+        full_blocks = spec.chunk_sizes or (spec.full_size // spec.chunks,) * spec.chunks
         for c in range(spec.chunks):
-            left = chunk_rows
+            left = full_blocks[c]
             for shard in shards:
-                piece = shard.chunk(spec.chunks, dim=0)[c]
+                piece = shard.split(local_blocks, dim=0)[c]
                 if left > 0:
                     yield piece[: min(piece.shape[0], left)]
                 left -= piece.shape[0]

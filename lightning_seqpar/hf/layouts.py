@@ -51,11 +51,11 @@ def mlp_parts(mlp: Optional[nn.Module]) -> Optional[tuple[Optional[str], str, st
 
 
 def _fused_qkv(attention: nn.Module) -> bool:
-    """A fused ``qkv_proj`` of equal q, k and v parts (no grouped-query attention: Phi-3-mini)."""
+    """A fused ``qkv_proj``, ``[q; k; v]`` (Phi-3; under grouped-query attention k and v are the smaller parts:
+    Phi-3-medium, Phi-4-mini)."""
     config = getattr(attention, "config", None)
-    heads = getattr(config, "num_attention_heads", None)
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    return isinstance(getattr(attention, "qkv_proj", None), nn.Linear) and heads is not None and kv_heads == heads
+    return isinstance(getattr(attention, "qkv_proj", None), nn.Linear) and \
+        getattr(config, "num_attention_heads", None) is not None
 
 
 def attention_output(attention: Optional[nn.Module]) -> Optional[str]:
@@ -106,13 +106,8 @@ def llama_layout_mismatch(module: nn.Module) -> list[str]:
     if attention is None:
         return []
     reasons = []
-    config = getattr(attention, "config", None)
     fused = [n for n in _FUSED_ATTENTION if hasattr(attention, n)]
-    heads = getattr(config, "num_attention_heads", None)
-    grouped = heads is not None and (getattr(config, "num_key_value_heads", None) or heads) != heads
-    if fused and fused[0] == "qkv_proj" and grouped:
-        reasons.append("fused qkv_proj with grouped-query attention (q, k and v of unequal sizes)")
-    elif fused and not (fused[0] == "qkv_proj" and _fused_qkv(attention)):
+    if fused and not (fused[0] == "qkv_proj" and _fused_qkv(attention)):
         reasons.append(f"fused {fused[0]} (q, k and v in one projection)")
     elif not fused and not all(isinstance(getattr(attention, n, None), nn.Linear) for n in _ATTENTION[:3]):
         reasons.append(f"attention projections {_children(attention)} (not q_proj/k_proj/v_proj)")
@@ -132,17 +127,6 @@ def llama_layout_mismatch(module: nn.Module) -> list[str]:
         reasons.append("parallel residual (attention and MLP from one norm)")
     elif len({"pre_feedforward_layernorm", "post_feedforward_layernorm"} & has) == 1 and not _post_norms_only(module):
         reasons.append("extra norms around the MLP (pre/post_feedforward_layernorm)")
-    named = {r.split(" (")[0] for r in reasons}
-    return reasons + [r for r in unsupported_settings(config) if r.split(" (")[0] not in named]
-
-
-def unsupported_settings(config: Any) -> list[str]:
-    """Settings of a Llama-layout config that the parallel block does not implement (read off the config, before
-    the whole-model check would find them)."""
-    reasons = []
-    for key in ("qk_layernorm", "use_qk_norm"):  # StableLM, Cohere: a norm weight per head, not shared by the heads
-        if getattr(config, key, False) is True:
-            reasons.append(f"per-head q/k norms with a weight for each head (config.{key}=True)")
     return reasons
 
 
@@ -177,6 +161,17 @@ def _qk_norm_over_heads(module: nn.Module) -> bool:
     return weight is not None and weight.dim() == 1 and weight.shape[0] == heads * head_dim
 
 
+def _head_norm(attention: nn.Module, which: str) -> Optional[str]:
+    """The path of the q or k norm: ``q_norm`` (Qwen3, Gemma 3, OLMo 2, Cohere) or ``q_layernorm`` (StableLM)."""
+    name = next((n for n in (f"{which}_norm", f"{which}_layernorm") if isinstance(getattr(attention, n, None), nn.Module)),
+                None)
+    return f"self_attn.{name}" if name else None
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _sandwich(module: nn.Module) -> bool:
     """Gemma 2/3's norms: ``post_attention_layernorm`` after attention, ``pre_feedforward_layernorm`` before the MLP and
     ``post_feedforward_layernorm`` after it."""
@@ -201,6 +196,8 @@ def llama_block_spec(module: nn.Module) -> BlockSpec:
         mlp_post_norm="post_feedforward_layernorm" if sandwich or post_only else None,
         qk_norm_over_heads=_qk_norm_over_heads(module),
         attention_softcap=getattr(module.self_attn, "attn_logit_softcapping", None),
+        residual_multiplier="residual_multiplier" if _number(getattr(module, "residual_multiplier", None))
+        else None,  # Granite
         q=None if fused_qkv else "self_attn.q_proj", k=None if fused_qkv else "self_attn.k_proj",
         v=None if fused_qkv else "self_attn.v_proj", qkv="self_attn.qkv_proj" if fused_qkv else None,
         attention_out=f"self_attn.{attention_output(module.self_attn)}",
@@ -212,8 +209,7 @@ def llama_block_spec(module: nn.Module) -> BlockSpec:
         attention_dropout=float(getattr(config, "attention_dropout", 0.0) or 0.0), rotary="apply_rotary_pos_emb" if _uses_rope(module) else None,
         attention=hf_attention_implementation(config), softmax_dtype=torch.float32,
         scaling=getattr(module.self_attn, "scaling", None),
-        q_norm="self_attn.q_norm" if isinstance(getattr(module.self_attn, "q_norm", None), nn.Module) else None,
-        k_norm="self_attn.k_norm" if isinstance(getattr(module.self_attn, "k_norm", None), nn.Module) else None,
+        q_norm=_head_norm(module.self_attn, "q"), k_norm=_head_norm(module.self_attn, "k"),
     )
 
 

@@ -89,6 +89,8 @@ def _chunks(param: Tensor, tp_rank: int, start: int, stop: int) -> list[tuple[tu
     ``param``'s shard on tensor-parallel rank ``tp_rank`` (padding rows left out)."""
     spec = shard_spec(param)
     shape = list(param.shape)
+    if spec is not None and spec.uneven:
+        return _piece_chunks(param, tp_rank, start, stop)
     dim, keep, offset = None, None, 0
     if spec is not None:
         dim = spec.dim
@@ -113,6 +115,24 @@ def _chunks(param: Tensor, tp_rank: int, start: int, stop: int) -> list[tuple[tu
                 sizes[dim] = end - offsets[dim]
             offsets[dim] += offset
         out.append((tuple(offsets), tuple(sizes), flat))
+    return out
+
+
+def _piece_chunks(param: Tensor, tp_rank: int, start: int, stop: int) -> list[Box]:
+    """:func:`_chunks` of a shard of unequal fused blocks (split along dim 0): each block's rows of the local shard are
+    one run of rows of the single-device tensor, cut into boxes on its own."""
+    spec = shard_spec(param)
+    assert spec is not None
+    rest = tuple(param.shape[1:])
+    inner = _volume(rest)
+    out: list[Box] = []
+    row = 0
+    for first, last in spec.rank_ranges(tp_rank, spec.full_size // param.shape[0]):
+        rows = last - first
+        lo, hi = max(start, row * inner), min(stop, (row + rows) * inner)
+        for offsets, sizes, flat in range_boxes((rows, *rest), lo - row * inner, hi - row * inner):
+            out.append(((offsets[0] + first, *offsets[1:]), sizes, flat + row * inner))
+        row += rows
     return out
 
 

@@ -8,7 +8,8 @@ sequence-sharded input) and ḡ (reduce-scatter of the partial outputs).
 
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import replace
+from typing import Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
@@ -176,7 +177,8 @@ class ColumnParallelLinear(nn.Module):
         sequence_parallel: input is sequence-sharded ``[s/t, b, in]`` and all-gathered (g);
             otherwise it is replicated ``[s, b, in]`` (f).
         gather_output: all-gather the output features, returning ``[s, b, out]``.
-        chunks: number of stacked blocks in the output dimension split separately (3 for fused QKV).
+        chunks: number of stacked blocks in the output dimension split separately (3 for fused QKV), or
+            their sizes when they differ (``(a·d, a_kv·d, a_kv·d)`` for fused QKV under grouped-query attention).
 
     Shapes: weight ``[out/t, in]``; output ``[s, b, out/t]`` (or ``[s, b, out]`` with ``gather_output``).
 
@@ -195,20 +197,23 @@ class ColumnParallelLinear(nn.Module):
         bias: bool = True,
         sequence_parallel: bool = False,
         gather_output: bool = False,
-        chunks: int = 1,
+        chunks: Union[int, Sequence[int]] = 1,
     ) -> None:
         super().__init__()
-        if out_features % (chunks * group.size):
+        sizes = tuple(chunks) if not isinstance(chunks, int) else (out_features // chunks,) * chunks
+        if sum(sizes) != out_features or any(size % group.size for size in sizes):
             raise ValueError(
-                f"ColumnParallelLinear: output features {out_features} (in {chunks} block(s)) are not "
+                f"ColumnParallelLinear: output features {out_features} (in blocks of {list(sizes)}) are not "
                 f"divisible by the tensor-parallel size {group.size}."
             )
+        uneven = sizes if len(set(sizes)) > 1 else ()
         self.in_features, self.out_features = in_features, out_features
         self.group, self.sequence_parallel, self.gather_output = group, sequence_parallel, gather_output
-        self.spec = ShardSpec(dim=0, full_size=out_features, padded_size=out_features, chunks=chunks)
+        self.spec = ShardSpec(dim=0, full_size=out_features, padded_size=out_features, chunks=len(sizes),
+                              chunk_sizes=uneven)
         local = out_features // group.size
         self.weight = init_shard((out_features, in_features), self.spec, group)
-        self.bias_spec = ShardSpec(0, out_features, out_features, chunks)
+        self.bias_spec = self.spec
         self.bias = nn.Parameter(torch.zeros(local)) if bias else None
         if self.bias is not None:
             set_shard_spec(self.bias, self.bias_spec)
@@ -235,7 +240,7 @@ class ColumnParallelLinear(nn.Module):
         with torch.device("meta"):
             layer = cls(in_features, out_features, group, bias=conv.bias is not None, **kwargs)
         layer.transposed = True
-        layer.spec = ShardSpec(dim=1, full_size=out_features, padded_size=out_features, chunks=layer.spec.chunks)
+        layer.spec = replace(layer.spec, dim=1)
         layer.weight = shard_parameter(conv.weight, layer.spec, group)
         if conv.bias is not None:
             layer.bias = shard_parameter(conv.bias, layer.bias_spec, group)

@@ -37,6 +37,10 @@ Two layouts of :class:`ShardSpec` need care:
   the ``[k·n, ...]`` tensor. The global tensor is stored as ``[k, n, ...]`` (a view of the same memory) and
   split along the second dim, a contiguous shard again; :func:`saved_shape` gives that shape, and the
   single-device shape is restored by a reshape (checkpoints record it).
+- Fused blocks of unequal sizes (``chunk_sizes``, e.g. ``[q; k; v]`` of grouped-query attention, q ``a·d`` rows and
+  k, v ``a_kv·d`` each): no reshape makes rank r's ``[q_r; k_r; v_r]`` one rectangle, so the global tensor keeps
+  its single-device shape and the shard is described as k pieces of it (a ``ShardedTensor``, which DCP reads and
+  writes by arbitrary chunks); split along dim 0 only.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from lightning_seqpar._compat import sharded_tensor
 from lightning_seqpar.parallel.collectives import ParallelGroup
 
 
@@ -64,25 +69,43 @@ class ShardSpec:
             rows are zeros.
         chunks: number of stacked blocks in ``dim`` that are each split separately, e.g. 3 for a fused
             ``[q; k; v]`` projection, so that rank r holds ``[q_r; k_r; v_r]``.
+        chunk_sizes: the blocks' single-device sizes when they differ (``(a·d, a_kv·d, a_kv·d)`` for a fused
+            projection under grouped-query attention); empty: ``chunks`` equal blocks.
     """
 
     dim: int
     full_size: int
     padded_size: int
     chunks: int = 1
+    chunk_sizes: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.chunk_sizes and (len(self.chunk_sizes) != self.chunks or sum(self.chunk_sizes) != self.full_size
+                                 or self.padded_size != self.full_size):
+            raise ValueError(f"{self}: chunk_sizes must be `chunks` sizes summing to full_size, without padding.")
+
+    @property
+    def uneven(self) -> bool:
+        """Whether the fused blocks differ in size (described to DCP by pieces, not by a reshape)."""
+        return len(set(self.chunk_sizes)) > 1
+
+    def blocks(self) -> tuple[int, ...]:
+        """The padded single-device size of each stacked block, in order."""
+        return self.chunk_sizes or (self.padded_size // self.chunks,) * self.chunks
 
     def shard(self, full: Tensor, group: ParallelGroup) -> Tensor:
         """Single-device tensor → this rank's shard (a new contiguous tensor)."""
         if full.shape[self.dim] != self.full_size:
             raise ValueError(f"Expected size {self.full_size} in dim {self.dim}, got shape {tuple(full.shape)}.")
         padded = self._pad(full)
-        pieces = padded.chunk(self.chunks, dim=self.dim)
+        pieces = padded.split(list(self.blocks()), dim=self.dim)
         local = [p.chunk(group.size, dim=self.dim)[group.rank] for p in pieces]
         return torch.cat(local, dim=self.dim).contiguous()
 
     def unshard(self, shards: list[Tensor]) -> Tensor:
         """Every rank's shard, in rank order → the single-device tensor."""
-        per_rank = [s.chunk(self.chunks, dim=self.dim) for s in shards]
+        local_blocks = [size // len(shards) for size in self.blocks()]
+        per_rank = [s.split(local_blocks, dim=self.dim) for s in shards]
         blocks = [torch.cat([pieces[c] for pieces in per_rank], dim=self.dim) for c in range(self.chunks)]
         return torch.cat(blocks, dim=self.dim).narrow(self.dim, 0, self.full_size)
 
@@ -96,13 +119,19 @@ class ShardSpec:
     def local_ranges(self, group: ParallelGroup) -> list[tuple[int, int]]:
         """The ``[start, stop)`` ranges of dim :attr:`dim` of the single-device tensor that make up this rank's
         shard, one per chunk, in order (rows of vocabulary padding lie past ``full_size`` and are left out)."""
-        chunk_full, chunk_padded = self.full_size // self.chunks, self.padded_size // self.chunks
-        per_rank = chunk_padded // group.size
-        ranges = []
-        for c in range(self.chunks):
-            start = group.rank * per_rank
-            stop = min(start + per_rank, chunk_full)
-            ranges.append((c * chunk_full + min(start, chunk_full), c * chunk_full + max(stop, min(start, chunk_full))))
+        return self.rank_ranges(group.rank, group.size)
+
+    def rank_ranges(self, rank: int, t: int) -> list[tuple[int, int]]:
+        """:meth:`local_ranges` of tensor-parallel rank ``rank`` of ``t``."""
+        padded = self.blocks()
+        full = self.chunk_sizes or (self.full_size // self.chunks,) * self.chunks
+        ranges, offset = [], 0
+        for chunk_full, chunk_padded in zip(full, padded):
+            per_rank = chunk_padded // t
+            start = min(rank * per_rank, chunk_full)
+            stop = max(min(rank * per_rank + per_rank, chunk_full), start)
+            ranges.append((offset + start, offset + stop))
+            offset += chunk_full
         return ranges
 
     def read_shard(self, read_rows, group: ParallelGroup) -> Tensor:
@@ -276,7 +305,7 @@ def load_from_full(target: Tensor, full, group: ParallelGroup) -> None:
 def saved_shape(spec: Optional[ShardSpec], single_device_shape: tuple[int, ...]) -> tuple[int, ...]:
     """The global shape under which a tensor of ``single_device_shape`` sharded by ``spec`` is saved."""
     shape = list(single_device_shape)
-    if spec is not None and spec.chunks > 1:
+    if spec is not None and spec.chunks > 1 and not spec.uneven:
         shape[spec.dim:spec.dim + 1] = [spec.chunks, spec.full_size // spec.chunks]
     return tuple(shape)
 
@@ -303,6 +332,8 @@ def dcp_view(local: Tensor, spec: Optional[ShardSpec], tp_mesh: Optional[DeviceM
         return data
     t = 1 if tp_mesh is None else tp_mesh.size()
     rank = 0 if tp_mesh is None else tp_mesh.get_local_rank()
+    if spec.uneven:
+        return _pieces_view(data, spec, tp_mesh)
     if spec.padded_size != spec.full_size:
         per_rank = spec.padded_size // t
         if spec.chunks > 1 or per_rank != -(-spec.full_size // t):
@@ -323,3 +354,25 @@ def dcp_view(local: Tensor, spec: Optional[ShardSpec], tp_mesh: Optional[DeviceM
     shape = torch.Size(global_shape)
     return DTensor.from_local(data, tp_mesh, [Shard(dim)], run_check=False, shape=shape,
                               stride=_contiguous_stride(tuple(shape)))
+
+
+def _pieces_view(data: Tensor, spec: ShardSpec, tp_mesh: Optional[DeviceMesh]) -> Tensor:
+    """A shard of unequal fused blocks as DCP must see it: one piece per block, each a view of its rows of ``data``,
+    at its rows of the single-device tensor (no communication: every rank's rows follow from ``spec``)."""
+    if spec.dim != 0:
+        raise ValueError(f"Cannot describe a shard of {spec} to torch.distributed.checkpoint: fused blocks of unequal "
+                         f"sizes are split along dim 0 only.")
+    t = 1 if tp_mesh is None else tp_mesh.size()
+    if t == 1:
+        return data
+    rank = tp_mesh.get_local_rank()
+    size = [spec.full_size, *data.shape[1:]]
+    ranks = tp_mesh.mesh.reshape(-1).tolist()
+    rest = [0] * (data.dim() - 1)
+    local, row = [], 0
+    for start, stop in spec.rank_ranges(rank, t):
+        local.append((data.narrow(0, row, stop - start), [start, *rest]))
+        row += stop - start
+    placed = [([start, *rest], [stop - start, *data.shape[1:]], ranks[r]) for r in range(t)
+              for start, stop in spec.rank_ranges(r, t)]
+    return sharded_tensor(local, placed, size, data.dtype)

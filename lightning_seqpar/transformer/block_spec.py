@@ -72,12 +72,18 @@ class BlockSpec:
         attention_softcap: attention-logit soft-capping, ``cap · tanh(scores / cap)`` before the mask (Gemma 2's
             ``attn_logit_softcapping``): a float, or the path of a float attribute; ``None``: none. Explicit
             attention only (a fused kernel has no soft-cap).
+        residual_multiplier: each branch's output is scaled by it before joining the residual,
+            ``x + m · f(norm(x))`` (Granite's ``residual_multiplier``): a float, or the path of a float attribute;
+            ``None``: 1.
         qk_norm_over_heads: ``q_norm`` / ``k_norm`` normalize the whole projection (all heads together, OLMo 2), an
             RMSNorm over features split across tp: its weight is sharded and the mean of squares summed over tp
             (:class:`~lightning_seqpar.tensor_parallel.norms.TensorParallelRMSNorm`).
         q_norm, k_norm: norms applied to each query / key head (over ``head_dim``) after the projection and before
             the rotary embedding (Qwen3, OLMo-2 style). Their weights are replicated; each rank normalizes a share
-            of the heads, so their gradients are summed over the tensor-parallel group.
+            of the heads, so their gradients are summed over the tensor-parallel group. A norm with a weight of its
+            own per head (a ``[a, d]`` weight, Cohere's ``use_qk_norm``; or a ``ModuleList`` ``norms`` of one
+            ``nn.LayerNorm`` per head, StableLM's ``qk_layernorm``) applies this rank's heads' weights
+            (:class:`~lightning_seqpar.tensor_parallel.norms.LocalHeadsNorm`).
 
     Every parameter and buffer of the block must sit in a declared part: :func:`undeclared_parts` lists the
     others, and the policy refuses such a block.
@@ -117,6 +123,7 @@ class BlockSpec:
     attention_post_norm: Optional[str] = None
     mlp_post_norm: Optional[str] = None
     attention_softcap: Union[float, str, None] = None
+    residual_multiplier: Union[float, str, None] = None
     mlp_dropout: Optional[str] = None
     batch_first: Union[bool, str] = True
 

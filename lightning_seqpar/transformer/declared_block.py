@@ -33,7 +33,7 @@ from lightning_seqpar.parallel.random import recomputed
 from lightning_seqpar.tensor_parallel.layers import (
     ColumnParallelInProjection, ColumnParallelLinear, RowParallelLinear, column_parallel_linears,
 )
-from lightning_seqpar.tensor_parallel.norms import TensorParallelRMSNorm
+from lightning_seqpar.tensor_parallel.norms import LocalHeadsNorm, TensorParallelRMSNorm, per_head_weights
 from lightning_seqpar.tensor_parallel.sharding import mark_sequence_parallel
 from lightning_seqpar.transformer.block_arguments import parse_block_arguments
 from lightning_seqpar.transformer.block_spec import BlockSpec, out_features, resolve, rotary_function, value_of
@@ -72,8 +72,8 @@ class _Parts(NamedTuple):
     mlp_out: nn.Module
     attention_norm: nn.Module
     mlp_norm: nn.Module
-    q_norm: Optional[nn.Module]
-    k_norm: Optional[nn.Module]
+    q_norm: Optional[Callable[[Tensor], Tensor]]
+    k_norm: Optional[Callable[[Tensor], Tensor]]
     attention_post_norm: Optional[nn.Module]
     mlp_post_norm: Optional[nn.Module]
 
@@ -129,11 +129,13 @@ class ParallelBlock(ParallelLayer):
         self.heads_local, self.kv_heads_local = self.num_heads // ctx.tp, self.num_kv_heads // ctx.tp
         scaling = value_of(block, spec.scaling)
         self.score_factor = 1.0 if scaling is None else float(scaling) * self.head_dim**0.5  # CoreAttention uses 1/√d
-        chunks = 3 if spec.qkv and not spec.qkv_per_head else 1  # per head: whole heads are contiguous rows
+        # Fused [q; k; v]: each of the three split over tp (per head: whole heads are contiguous rows).
+        qkv_sizes = (self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim)
+        chunks = qkv_sizes if spec.qkv and not spec.qkv_per_head else 1
         column = ColumnParallelLinear.from_conv1d if spec.transposed else ColumnParallelLinear.from_linear
         row = RowParallelLinear.from_conv1d if spec.transposed else RowParallelLinear.from_linear
 
-        def column_of(path: str, chunks: int) -> nn.Module:
+        def column_of(path: str, chunks: Any) -> nn.Module:
             found = resolve(block, path)
             if isinstance(found, nn.MultiheadAttention):
                 return ColumnParallelInProjection(found, ctx.group)
@@ -159,14 +161,18 @@ class ParallelBlock(ParallelLayer):
                     mark_sequence_parallel(norm)
                 _set(self, path, norm)
             post_norms.append(norm)
-        head_norms = []
-        for path in (spec.q_norm, spec.k_norm):
+        head_norms: list[Any] = []
+        for path, heads, local in ((spec.q_norm, self.num_heads, self.heads_local),
+                                   (spec.k_norm, self.num_kv_heads, self.kv_heads_local)):
             norm = resolve(block, path) if path else None
             if norm is not None and spec.qk_norm_over_heads:  # over all heads: features split over tp
                 norm = _set(self, path, TensorParallelRMSNorm(norm, ctx.group))
             elif norm is not None:  # per-head norms: each rank normalizes a/t heads
-                mark_sequence_parallel(norm)  # replicated; the gradient of a share of the heads: summed over tp
+                for module in norm.modules():  # replicated; the gradient of a share of the heads: summed over tp
+                    mark_sequence_parallel(module)
                 _set(self, path, norm)
+                if per_head_weights(norm, heads):  # a weight of its own per head: this rank's heads' weights
+                    norm = LocalHeadsNorm(norm, ctx.group.rank * local, local)
             head_norms.append(norm)
         # Resolved once: the forward holds the modules, not their paths. A plain tuple, so they are registered only
         # under the block's own names (state-dict keys stay the single-device block's).
@@ -187,6 +193,8 @@ class ParallelBlock(ParallelLayer):
         self.mlp_inner_dropout = None if not spec.mlp_dropout else ParallelDropout(
             resolve(block, spec.mlp_dropout).p, ctx.rng_tracker, sharded=ctx.tp > 1)  # on ffn/t features
         self.rotary = rotary_function(block, spec)
+        multiplier = value_of(block, spec.residual_multiplier)
+        self.residual_multiplier = None if multiplier is None or float(multiplier) == 1.0 else float(multiplier)
         ffn = out_features(resolve(block, mlp[0])) // (2 if spec.gate_up else 1)
         gated = len(mlp) == 2 or bool(spec.gate_up)
         self._dims = LayerDims(hidden, self.num_heads, ffn, ctx.tp, ctx.sp, self.num_kv_heads, gated)
@@ -239,15 +247,20 @@ class ParallelBlock(ParallelLayer):
         attention = self._attention(normed, position_embeddings, mask, causal, projected and projected[:split])
         if parts.attention_post_norm is not None:
             attention = parts.attention_post_norm(attention)
+        attention = self._scaled(attention)
         if self.spec.parallel_residual:  # both branches read the block's input
             mlp = self._mlp(normed, projected[split:]) if shared else self._mlp(
                 x if parts.mlp_norm is None else parts.mlp_norm(x))
-            return x + self.attention_residual_dropout(attention) + self.mlp_residual_dropout(mlp)
+            return x + self.attention_residual_dropout(attention) + self.mlp_residual_dropout(self._scaled(mlp))
         x = x + self.attention_residual_dropout(attention)
         mlp = self._mlp(x if parts.mlp_norm is None else parts.mlp_norm(x))
         if parts.mlp_post_norm is not None:
             mlp = parts.mlp_post_norm(mlp)
-        return x + self.mlp_residual_dropout(mlp)  # [s/t, b, h]
+        return x + self.mlp_residual_dropout(self._scaled(mlp))  # [s/t, b, h]
+
+    def _scaled(self, branch: Tensor) -> Tensor:
+        """A branch's output as it joins the residual: times the residual multiplier, if any."""
+        return branch if self.residual_multiplier is None else branch * self.residual_multiplier
 
     def _attention(self, x: Tensor, position_embeddings: Optional[tuple[Tensor, Tensor]], mask: Optional[Tensor],
                    causal: Optional[bool] = None, outputs: Optional[Sequence[Tensor]] = None) -> Tensor:
@@ -259,7 +272,8 @@ class ParallelBlock(ParallelLayer):
         if len(outputs) == 1 and self.spec.qkv_per_head:  # this rank's heads, each [q_h; k_h; v_h]
             q, k, v = outputs[0].view(s, b, self.heads_local, 3, self.head_dim).unbind(3)
         elif len(outputs) == 1:  # fused [q_r; k_r; v_r]
-            q, k, v = outputs[0].view(s, b, 3, -1).unbind(2)
+            kv_width = self.kv_heads_local * self.head_dim
+            q, k, v = outputs[0].split([self.heads_local * self.head_dim, kv_width, kv_width], dim=-1)
         else:
             q, k, v = outputs
         if self.spec.qk_norm_over_heads:  # over all heads: [s, b, a·d/t], the statistic summed over tp

@@ -18,7 +18,7 @@ class HFCausalLM(pl.LightningModule):
 
     def __init__(self, family: str = "llama", attn_implementation: str = "eager", labels: bool = False,
                  kv_heads: int = 2, bias: bool = False, tie: bool = False, layers: int = 2, padding: bool = False,
-                 position_offset: int = 0, parallel_residual: bool = True) -> None:
+                 position_offset: int = 0, parallel_residual: bool = True, qk_norm: bool = False) -> None:
         super().__init__()
         import transformers
 
@@ -41,19 +41,19 @@ class HFCausalLM(pl.LightningModule):
             config = transformers.Gemma2Config(head_dim=4, query_pre_attn_scalar=2, sliding_window=WINDOW,
                                                attn_logit_softcapping=0.5, final_logit_softcapping=0.5, **common)
         elif family == "cohere":  # parallel residual from one norm, logit scale (kept vocabulary-parallel)
-            config = transformers.CohereConfig(logit_scale=0.5, **common)
+            config = transformers.CohereConfig(logit_scale=0.5, use_qk_norm=qk_norm, **common)  # q/k norms: [a, d]
         elif family == "cohere2":  # cohere with sliding-window layers that alone take rotary embeddings
             config = transformers.Cohere2Config(logit_scale=0.5, sliding_window=WINDOW,
                                                 layer_types=["sliding_attention", "full_attention"] * (layers // 2),
                                                 **common)
         elif family == "stablelm":  # partial rotary (half of each head), LayerNorms with bias
-            config = transformers.StableLmConfig(**common, partial_rotary_factor=0.5)
+            config = transformers.StableLmConfig(**common, partial_rotary_factor=0.5, qk_layernorm=qk_norm)  # per head
         elif family == "phi":  # one norm (parallel residual), dense / fc1 / fc2, partial rotary, a bias on the head
             config = transformers.PhiConfig(**common, resid_pdrop=0.0, embd_pdrop=0.0)
         elif family == "starcoder2":  # Llama's attention, a plain c_fc / c_proj MLP, biases, LayerNorms
             config = transformers.Starcoder2Config(**common)
-        elif family == "phi3":  # fused qkv_proj (no grouped-query attention) and fused gate_up_proj
-            config = transformers.Phi3Config(**{**common, "num_key_value_heads": 4}, resid_pdrop=0.0, embd_pdrop=0.0,
+        elif family == "phi3":  # fused qkv_proj (q, k, v of unequal sizes under grouped-query attention), gate_up_proj
+            config = transformers.Phi3Config(**common, resid_pdrop=0.0, embd_pdrop=0.0,
                                              pad_token_id=None, bos_token_id=None, eos_token_id=None)
         elif family == "glm":  # fused gate_up_proj, partial rotary
             config = transformers.GlmConfig(**common, pad_token_id=None, bos_token_id=None, eos_token_id=None)
@@ -75,8 +75,9 @@ class HFCausalLM(pl.LightningModule):
             config = transformers.SmolLM3Config(**common, no_rope_layers=[int(i % 2 == 0) for i in range(layers)],
                                                 pad_token_id=None, bos_token_id=None, eos_token_id=None,
                                                 **full_attention)
-        elif family == "granite":  # multipliers the Llama layout does not have: caught by the self-check
-            config = transformers.GraniteConfig(residual_multiplier=0.5, **common)
+        elif family == "granite":  # multipliers of the embedding, the residual branches, the scores and the logits
+            config = transformers.GraniteConfig(residual_multiplier=0.5, embedding_multiplier=3.0,
+                                                attention_multiplier=0.3, logits_scaling=2.0, **common)
         elif family == "gpt2":  # fused c_attn, Conv1D weights [in, out], learned positions, tied LM head
             config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=2 * SEQ, n_embd=16, n_layer=layers, n_head=4,
                                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,

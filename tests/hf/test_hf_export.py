@@ -22,8 +22,8 @@ FAMILIES = {
                   num_key_value_heads=2, max_position_embeddings=2 * SEQ, **COMMON),
     # fused c_attn as a Conv1D [h, 3h]: split per block along dim 1
     "gpt2": dict(model_type="gpt2", n_embd=16, n_head=4, n_positions=2 * SEQ, bos_token_id=0, eos_token_id=0, **COMMON),
-    # fused qkv_proj [q; k; v] and gate_up_proj [gate; up]: split per block, exported fused
-    "phi3": dict(model_type="phi3", hidden_size=16, intermediate_size=32, num_attention_heads=4, num_key_value_heads=4,
+    # fused qkv_proj [q; k; v] (k, v smaller: grouped-query) and gate_up_proj [gate; up]: split per block, exported fused
+    "phi3": dict(model_type="phi3", hidden_size=16, intermediate_size=32, num_attention_heads=4, num_key_value_heads=2,
                  max_position_embeddings=2 * SEQ, pad_token_id=None, bos_token_id=None, eos_token_id=None, **COMMON),
     # query_key_value fused per head: split by whole heads
     "gpt_neox": dict(model_type="gpt_neox", hidden_size=16, intermediate_size=32, num_attention_heads=4,

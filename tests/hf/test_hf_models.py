@@ -50,11 +50,15 @@ CASES = {
         Case("hf", 2, True, None, (("family", "stablelm"), ("labels", True))),  # partial rotary
         Case("hf", 2, True, None, (("family", "phi"), ("labels", True))),     # parallel residual, head bias
         Case("hf", 2, True, None, (("family", "starcoder2"), ("labels", True))),  # plain MLP with biases
-        Case("hf", 2, True, "selective", (("family", "phi3"), ("labels", True))),  # fused qkv_proj and gate_up_proj
+        Case("hf", 2, True, "selective", (("family", "phi3"), ("labels", True))),  # fused qkv_proj (GQA), gate_up_proj
+        Case("hf", 2, True, None, (("family", "phi3"), ("kv_heads", 4))),  # fused q, k, v of equal sizes
         Case("hf", 2, True, None, (("family", "glm"), ("labels", True))),     # fused gate_up_proj, partial rotary
         Case("hf", 2, True, None, (("family", "gpt_neox"), ("labels", True))),  # per-head fused q/k/v, two norms
         Case("hf", 2, True, "selective", (("family", "gpt_neox"), ("parallel_residual", False))),
         Case("hf", 2, True, None, (("family", "olmo2"), ("labels", True))),   # post-norms, q/k norms over all heads
+        Case("hf", 2, True, None, (("family", "granite"), ("labels", True))),  # embedding/residual/score/logit multipliers
+        Case("hf", 2, True, "selective", (("family", "stablelm"), ("qk_norm", True))),  # a LayerNorm per head
+        Case("hf", 2, True, None, (("family", "cohere"), ("qk_norm", True), ("labels", True))),  # [a, d] norm weights
     ],
     4: [
         Case("hf", 2, True, "selective"),                                   # tp 2 x dp 2
@@ -69,7 +73,7 @@ CASES = {
         Case("hf", 2, True, "selective", (("family", "olmo2"), ("labels", True)), pp=2),
         Case("hf", 4, True, None, (("family", "olmo2"), ("labels", True), ("kv_heads", 4))),  # the statistic over tp 4
         Case("hf", 4, True, None, (("family", "gemma2"), ("labels", True), ("kv_heads", 4))),  # soft-caps at tp 4
-        Case("hf", 4, True, None, (("family", "phi3"), ("labels", True))),    # fused projections at tp 4
+        Case("hf", 4, True, None, (("family", "phi3"), ("labels", True), ("kv_heads", 4))),  # fused at tp 4
         Case("hf", 4, True, None, (("family", "gpt_neox"), ("labels", True))),  # one head per rank
         Case("hf", 2, True, None, (("family", "gemma3"), ("labels", True)), pp=2),
         Case("hf", 2, True, None, (("family", "cohere2"), ("labels", True)), pp=2),
@@ -77,6 +81,9 @@ CASES = {
         Case("hf", 2, True, None, (("family", "starcoder2"), ("labels", True)), pp=2),
         Case("hf", 2, True, None, (("family", "glm"), ("labels", True)), pp=2),
         Case("hf", 2, True, None, (("family", "mistral_window"), ("labels", True)), pp=2),
+        Case("hf", 2, True, None, (("family", "granite"), ("labels", True)), pp=2),  # logits scaled on the last stage
+        Case("hf", 4, True, None, (("family", "cohere"), ("qk_norm", True), ("kv_heads", 4))),  # one head's weights
+        Case("hf", 2, True, None, (("family", "stablelm"), ("qk_norm", True), ("labels", True)), (), (("zero", 1),)),
         Case("hf", 1, True, None, (("labels", True), ("tie", True), ("layers", 4)), pp=4, batch=4),  # embedding group of 2 of 4
         Case("hf", 1, True, None, (("labels", True), ("tie", True)), (("gradient_clip_val", 0.05),), (("zero", 1),),
              pp=2),  # pp 2 x dp 2, distributed optimizer: a tied embedding's ranges summed between the two stages

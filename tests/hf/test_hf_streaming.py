@@ -48,6 +48,7 @@ def test_a_stream_refuses_wrong_order_wrong_size_and_missing_tensors(tmp_path):
 @pytest.mark.parametrize("spec, shape", [
     (ShardSpec(0, 13, 14), (13, 4)),              # vocabulary padding on the last rank
     (ShardSpec(0, 12, 12, chunks=3), (12, 4)),    # fused [q; k; v] split per block
+    (ShardSpec(0, 16, 16, 3, (8, 4, 4)), (16, 4)),  # ... of unequal blocks (grouped-query attention)
     (ShardSpec(1, 6, 6), (5, 6)),                 # row-parallel: split along dim 1
     (ShardSpec(1, 12, 12, chunks=3), (4, 12)),    # GPT-2's Conv1D c_attn: fused along dim 1
 ])
