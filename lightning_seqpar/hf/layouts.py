@@ -24,6 +24,7 @@ import torch
 import torch.nn as nn
 
 from lightning_seqpar._compat import hf_attention_implementation
+from lightning_seqpar.hf.falcon import falcon_block_spec, is_falcon_layout
 from lightning_seqpar.transformer.block_spec import BlockSpec
 from lightning_seqpar.rewriting.declared_policy import DeclaredBlockPolicy
 
@@ -337,7 +338,8 @@ def neox_block_spec(module: nn.Module) -> BlockSpec:
 
 
 def hf_policies() -> list[HFLayoutPolicy]:
-    """The built-in Hugging Face layouts: Llama (Mistral, Qwen2, ...), GPT-2 and GPT-NeoX."""
+    """The built-in Hugging Face layouts: Llama (Mistral, Qwen2, ...), GPT-2, GPT-NeoX and Falcon."""
     return [HFLayoutPolicy("Llama", is_llama_layout, llama_block_spec, llama_layout_mismatch),
             HFLayoutPolicy("GPT-2", is_gpt2_layout, gpt2_block_spec),
-            HFLayoutPolicy("GPT-NeoX", is_neox_layout, neox_block_spec)]
+            HFLayoutPolicy("GPT-NeoX", is_neox_layout, neox_block_spec),
+            HFLayoutPolicy("Falcon", is_falcon_layout, falcon_block_spec)]

@@ -145,18 +145,20 @@ class StageRuntime:
 class RemoteLayer(nn.Module):
     """Placeholder for a layer held by another pipeline rank (no parameters)."""
 
-    def __init__(self, index: int, stage: int, runtime: StageRuntime) -> None:
+    def __init__(self, index: int, stage: int, runtime: StageRuntime, returns_tuple: bool = False) -> None:
         super().__init__()
         self.index, self.pipeline_stage = index, stage
         self._runtime = runtime
+        self.returns_tuple = returns_tuple  # the layer it stands for returns (hidden, None): so does the placeholder
 
     def extra_repr(self) -> str:
         return f"layer={self.index}, stage={self.pipeline_stage}"
 
-    def forward(self, hidden: Tensor, *layer_args: Any, **layer_kwargs: Any) -> Tensor:
+    def forward(self, hidden: Tensor, *layer_args: Any, **layer_kwargs: Any) -> Any:
         # The held layer's other arguments (mask, rotary tables, cache) are checked and used by that layer on its own
         # stage, which runs the same model code with the same call; here no layer computes.
-        return self._runtime.pass_through(self.index, hidden)
+        out = self._runtime.pass_through(self.index, hidden)
+        return (out, None) if self.returns_tuple else out
 
 
 def find_layer_stack(model: nn.Module) -> tuple[nn.Module, list[int]]:
@@ -235,5 +237,5 @@ def split_stages(model: nn.Module, config: PipelineConfig, pipeline_rank: int) -
             runtime.stage_parameters.setdefault(stage, []).extend(layer.parameters())
             continue
         remote_keys += [f"{prefix}.{index}.{k}" for k in layer.state_dict()]
-        container[index] = RemoteLayer(index, stage, runtime)
+        container[index] = RemoteLayer(index, stage, runtime, getattr(layer, "returns_tuple", False))
     return runtime, remote_keys

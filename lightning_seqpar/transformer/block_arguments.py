@@ -27,10 +27,12 @@ NO_EFFECT = {
     "ignore_index": "a loss argument: the layers do not read it",
     "encoder_hidden_states": "refused when given (cross-attention is not a declared part)",
     "encoder_attention_mask": "refused when given (cross-attention is not a declared part)",
+    "alibi": "refused when given (ALiBi position biases are not a declared part; Falcon passes None with rotary "
+             "embeddings)",
 }
 """Arguments a caller may pass that do not change what the block computes, with the reason."""
 
-_REFUSED_WHEN_SET = ("output_attentions", "encoder_hidden_states", "encoder_attention_mask")
+_REFUSED_WHEN_SET = ("output_attentions", "encoder_hidden_states", "encoder_attention_mask", "alibi")
 TORCH_MASKS = ("src_mask", "src_key_padding_mask", "is_causal")
 """torch's ``nn.TransformerEncoderLayer`` mask arguments (bool ``True`` = masked; see
 :func:`~lightning_seqpar.transformer.masks.torch_attention_bias`)."""

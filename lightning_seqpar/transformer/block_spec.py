@@ -29,8 +29,10 @@ class BlockSpec:
         qkv: a fused ``[q; k; v]`` projection (``nn.Linear``, column-parallel, split per head block; or an
             ``nn.MultiheadAttention``, whose packed ``in_proj_weight`` is that projection); or
         q, k, v: three separate projections (column-parallel, one all-gather for the three).
-        qkv_per_head: the fused projection's rows are grouped by head, ``[q_h; k_h; v_h]`` for each head h (GPT-NeoX)
-            rather than ``[q; k; v]``: split over t ranks by whole heads.
+        qkv_per_head: the fused projection's rows are grouped by key/value head rather than ``[q; k; v]``: for each
+            key/value head g, its ``a/a_kv`` query heads, then ``k_g``, then ``v_g`` (Falcon's new architecture;
+            GPT-NeoX and Falcon without grouping, ``a_kv = a``: ``[q_h; k_h; v_h]`` per head); split over t ranks by
+            whole groups.
         mlp_in: the MLP input projection (column-parallel); or
         gate, up: a gated MLP, ``act(gate(x)) · up(x)`` (SwiGLU; column-parallel, one all-gather); or
         gate_up: the two fused as one ``[gate; up]`` projection (Phi-3, GLM), split per rank as ``[gate_r; up_r]`` so
@@ -85,6 +87,9 @@ class BlockSpec:
             ``nn.LayerNorm`` per head, StableLM's ``qk_layernorm``) applies this rank's heads' weights
             (:class:`~lightning_seqpar.tensor_parallel.norms.LocalHeadsNorm`).
 
+        returns_attention_weights: the block returns ``(hidden_states, attention_weights)`` and its model reads
+            ``outputs[0]`` (Falcon): the parallel block returns ``(hidden_states, None)``.
+
     Every parameter and buffer of the block must sit in a declared part: :func:`undeclared_parts` lists the
     others, and the policy refuses such a block.
     """
@@ -124,6 +129,7 @@ class BlockSpec:
     mlp_post_norm: Optional[str] = None
     attention_softcap: Union[float, str, None] = None
     residual_multiplier: Union[float, str, None] = None
+    returns_attention_weights: bool = False
     mlp_dropout: Optional[str] = None
     batch_first: Union[bool, str] = True
 

@@ -118,6 +118,7 @@ class ParallelBlock(ParallelLayer):
         self.enter_region, self.exit_region = enter_region, exit_region
         self.mask_cache = ctx.masks
         self.spec = spec
+        self.returns_tuple = spec.returns_attention_weights
         self._name = f"The tensor-parallel {type(block).__name__}"
         self.batch_first = bool(value_of(block, spec.batch_first))
         self.norm_first = bool(value_of(block, spec.norm_first))
@@ -269,8 +270,10 @@ class ParallelBlock(ParallelLayer):
         if outputs is None:
             outputs = column_parallel_linears(x, list(parts.attention_in), self.group, self.sp)  # each [s, b, ·/t]
         s, b = outputs[0].shape[:2]
-        if len(outputs) == 1 and self.spec.qkv_per_head:  # this rank's heads, each [q_h; k_h; v_h]
-            q, k, v = outputs[0].view(s, b, self.heads_local, 3, self.head_dim).unbind(3)
+        if len(outputs) == 1 and self.spec.qkv_per_head:  # this rank's key/value heads, each [q_g..; k_g; v_g]
+            groups = self.heads_local // self.kv_heads_local
+            grouped = outputs[0].view(s, b, self.kv_heads_local, groups + 2, self.head_dim)
+            q, k, v = grouped[..., :groups, :].reshape(s, b, -1), grouped[..., groups, :], grouped[..., groups + 1, :]
         elif len(outputs) == 1:  # fused [q_r; k_r; v_r]
             kv_width = self.kv_heads_local * self.head_dim
             q, k, v = outputs[0].split([self.heads_local * self.head_dim, kv_width, kv_width], dim=-1)

@@ -76,9 +76,13 @@ class ParallelLayer(nn.Module):
         pipeline_stage: the virtual pipeline stage holding this layer, ``None`` when not split.
         fused_attention: the layer's core attention is a fused kernel (SDPA/flash), which keeps no ``s²``
             tensor: selective recomputation has nothing to recompute in it.
+        returns_tuple: the model reads the layer's output as ``outputs[0]`` (Falcon's layers return their attention
+            weights beside the hidden state): a call returns ``(hidden, None)``. ``forward`` and the pipeline's
+            stages exchange the tensor alone; the tuple is made last, in ``__call__``.
     """
 
     recompute_layer: bool = False
+    returns_tuple: bool = False
     fused_attention: bool = False
     pipeline_stage: Optional[int] = None
     _router: Optional[LayerRouter] = None
@@ -95,6 +99,10 @@ class ParallelLayer(nn.Module):
         self.pipeline_stage, self._router = stage, router
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        out = self._routed(*args, **kwargs)
+        return (out, None) if self.returns_tuple else out
+
+    def _routed(self, *args: Any, **kwargs: Any) -> Any:
         if self._router is None:
             return super().__call__(*args, **kwargs)
         if not args:

@@ -67,6 +67,13 @@ class HFCausalLM(pl.LightningModule):
             config = transformers.Gemma3TextConfig(head_dim=4, query_pre_attn_scalar=2, sliding_window=WINDOW,
                                                    layer_types=["sliding_attention", "full_attention"] * (layers // 2),
                                                    final_logit_softcapping=0.5, **common)
+        elif family.startswith("falcon"):  # fused query_key_value in Falcon's three layouts, a (hidden, None) output
+            layout = {"falcon": dict(new_decoder_architecture=True, num_kv_heads=kv_heads),  # grouped per k/v head, 2 norms
+                      "falcon_sequential": dict(multi_query=False, parallel_attn=False),  # [q_h; k_h; v_h], 2 norms
+                      "falcon_multi_query": dict(multi_query=True)}[family]  # [q; k; v], one k/v head, parallel
+            config = transformers.FalconConfig(**{k: v for k, v in common.items() if k not in (
+                "intermediate_size", "num_key_value_heads")}, **layout, pad_token_id=None, bos_token_id=None,
+                eos_token_id=None)
         elif family == "olmo":  # Llama's parts, q/k/v clipped in its forward: caught by the self-check
             config = transformers.OlmoConfig(clip_qkv=0.5, **common)
         elif family == "gemma":  # the Llama layout's parts; the embedding scaled by √h, norms (1 + w), gelu-tanh

@@ -34,12 +34,16 @@ FAMILIES = {
     # q/k norms over all heads: their weights sharded like the projections
     "olmo2": dict(model_type="olmo2", hidden_size=16, intermediate_size=32, num_attention_heads=4, num_key_value_heads=2,
                   max_position_embeddings=2 * SEQ, pad_token_id=None, bos_token_id=None, eos_token_id=None, **COMMON),
+    # query_key_value grouped per key/value head (Falcon's new decoder architecture)
+    "falcon": dict(model_type="falcon", hidden_size=16, num_attention_heads=4, new_decoder_architecture=True,
+                   num_kv_heads=2, max_position_embeddings=2 * SEQ, pad_token_id=None, bos_token_id=None,
+                   eos_token_id=None, **COMMON),
     "phi": dict(model_type="phi", hidden_size=16, intermediate_size=32, num_attention_heads=4,
                 max_position_embeddings=2 * SEQ, pad_token_id=None, bos_token_id=None, eos_token_id=None,
                 **{**COMMON, "tie_word_embeddings": False}),
 }
 LAYOUTS = {2: [("llama", 2, 1), ("gpt2", 2, 1), ("phi3", 2, 1), ("gpt_neox", 2, 1), ("gemma2", 2, 1), ("phi", 2, 1),
-               ("olmo2", 2, 1)],
+               ("olmo2", 2, 1), ("falcon", 2, 1)],
            4: [("llama", 2, 2), ("phi3", 2, 2)]}
 TOKENIZER_CONFIG = '{"model_max_length": 16, "tokenizer_class": "PreTrainedTokenizerFast"}\n'
 

@@ -59,6 +59,9 @@ CASES = {
         Case("hf", 2, True, None, (("family", "granite"), ("labels", True))),  # embedding/residual/score/logit multipliers
         Case("hf", 2, True, "selective", (("family", "stablelm"), ("qk_norm", True))),  # a LayerNorm per head
         Case("hf", 2, True, None, (("family", "cohere"), ("qk_norm", True), ("labels", True))),  # [a, d] norm weights
+        Case("hf", 2, True, None, (("family", "falcon"), ("labels", True))),  # q/k/v grouped per k/v head, two norms
+        Case("hf", 2, True, "selective", (("family", "falcon_sequential"),)),  # [q_h; k_h; v_h], sequential residual
+        Case("hf", 1, True, None, (("family", "falcon_multi_query"), ("labels", True)), pp=2),  # one k/v head: tp 1
     ],
     4: [
         Case("hf", 2, True, "selective"),                                   # tp 2 x dp 2
@@ -83,6 +86,8 @@ CASES = {
         Case("hf", 2, True, None, (("family", "mistral_window"), ("labels", True)), pp=2),
         Case("hf", 2, True, None, (("family", "granite"), ("labels", True)), pp=2),  # logits scaled on the last stage
         Case("hf", 4, True, None, (("family", "cohere"), ("qk_norm", True), ("kv_heads", 4))),  # one head's weights
+        Case("hf", 2, True, None, (("family", "falcon"), ("labels", True)), pp=2),  # (hidden, None) across stages
+        Case("hf", 4, True, None, (("family", "falcon"), ("kv_heads", 4), ("attn_implementation", "sdpa"))),
         Case("hf", 2, True, None, (("family", "stablelm"), ("qk_norm", True), ("labels", True)), (), (("zero", 1),)),
         Case("hf", 1, True, None, (("labels", True), ("tie", True), ("layers", 4)), pp=4, batch=4),  # embedding group of 2 of 4
         Case("hf", 1, True, None, (("labels", True), ("tie", True)), (("gradient_clip_val", 0.05),), (("zero", 1),),

@@ -97,8 +97,10 @@ def test_a_rewritten_block_refuses_what_it_does_not_understand_by_name():
     block = ParallelBlock(Block(16, 4, 0.0), BLOCK_SPEC, RewriteContext(ParallelGroup(), True, None, True))
     x = torch.randn(2, 8, 16)
     assert block(x, position_ids=torch.arange(8), use_cache=True, output_attentions=False).shape == x.shape
-    with pytest.raises(TypeError, match=r"tensor-parallel Block was called with 'alibi' \(a tensor of shape \(2, 8\)\), "
+    with pytest.raises(TypeError, match=r"tensor-parallel Block was called with 'bias' \(a tensor of shape \(2, 8\)\), "
                                         r"which its tensor-parallel version does not understand"):
+        block(x, bias=torch.zeros(2, 8))
+    with pytest.raises(TypeError, match=r"alibi=a tensor of shape \(2, 8\): refused when given \(ALiBi"):
         block(x, alibi=torch.zeros(2, 8))
     with pytest.raises(TypeError, match=r"1 positional argument\(s\) after the hidden states; argument 1 is a tensor.*"
                                         r"BlockSpec\(arguments="):

@@ -51,8 +51,6 @@ def _tiny(config_class, **extra):
 @pytest.mark.parametrize("family, reasons", [
     ("BloomConfig", r"BloomBlock: fused query_key_value \(q, k and v in one projection\); MLP of "
                     r"\['dense_h_to_4h', 'gelu_impl', 'dense_4h_to_h'\]"),
-    ("FalconConfig", r"FalconDecoderLayer: fused query_key_value \(q, k and v in one projection\); MLP of "
-                     r"\['dense_h_to_4h', 'act', 'dense_4h_to_h'\]"),
     ("MixtralConfig", r"MixtralDecoderLayer: mixture of experts"),
     ("OPTConfig", r"OPTDecoderLayer: attention output not o_proj/dense \(attention has \['k_proj', 'v_proj', 'q_proj', "
                   r"'out_proj'\]\)"),
