@@ -22,7 +22,7 @@ from lightning_seqpar.transformer.context import RewriteContext
 
 def default_policies() -> list[Policy]:
     """The built-in policies: ``nn.TransformerEncoder``, ``nn.TransformerEncoderLayer``, Hugging Face decoder blocks
-    of the Llama and GPT-2 layouts (recognized by structure) and the vocabulary of a Hugging Face causal LM.
+    of the Llama, GPT-2, GPT-NeoX and Falcon layouts (recognized by structure) and the vocabulary of a Hugging Face causal LM.
 
     Block classes that declare their own policy (:class:`~lightning_seqpar.rewriting.policy.DeclaresPolicy`, e.g.
     the reference GPT) need no entry here.

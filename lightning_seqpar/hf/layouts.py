@@ -99,9 +99,9 @@ def _children(module: Optional[nn.Module]) -> list[str]:
 
 
 def llama_layout_mismatch(module: nn.Module) -> list[str]:
-    """Why ``module`` is not a decoder layer of the Llama layout, in the field's words (``"fused qkv_proj"``,
-    ``"parallel residual"``, ``"post-norms"``, ``"mixture of experts"``); empty when it is, or when it is no
-    decoder layer at all."""
+    """Why ``module`` is not a decoder layer of the Llama layout, in the field's words (``"fused query_key_value"``,
+    ``"extra norms around the MLP"``, ``"mixture of experts"``); empty when it is, or when it is no decoder layer at
+    all."""
     attention = next((getattr(module, n) for n in _ATTENTION_NAMES if isinstance(getattr(module, n, None), nn.Module)),
                      None)
     if attention is None:
@@ -124,8 +124,6 @@ def llama_layout_mismatch(module: nn.Module) -> list[str]:
                        "post_feedforward_layernorm") if isinstance(getattr(module, n, None), nn.Module)}
     if "input_layernorm" not in has and "post_feedforward_layernorm" in has and not _post_norms_only(module):
         reasons.append("post-norms (norms after attention and MLP, none before)")
-    elif "input_layernorm" in has and "post_attention_layernorm" not in has and not is_llama_layout(module):
-        reasons.append("parallel residual (attention and MLP from one norm)")
     elif len({"pre_feedforward_layernorm", "post_feedforward_layernorm"} & has) == 1 and not _post_norms_only(module):
         reasons.append("extra norms around the MLP (pre/post_feedforward_layernorm)")
     return reasons

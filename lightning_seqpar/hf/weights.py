@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Iterator, Mapping, Optional
+from typing import Callable, Iterator, Mapping, Optional
 
 import torch
 from torch import Tensor
@@ -46,14 +46,16 @@ class LazyTensor:
 
 class SafetensorsStateDict(Mapping[str, LazyTensor]):
     """The state dict stored in a Hugging Face checkpoint directory, keys prefixed by ``prefix`` (the attribute
-    path of the Hugging Face model inside your LightningModule, e.g. ``"model."``).
+    path of the Hugging Face model inside your LightningModule, e.g. ``"model."``), each stored name first passed
+    through ``rename`` when given (the model's own renamings: :mod:`lightning_seqpar.hf.checkpoint_keys`).
 
     Raises:
         FileNotFoundError: no ``*.safetensors`` in ``directory``.
         ImportError: without the safetensors package, with the install command.
     """
 
-    def __init__(self, directory: os.PathLike | str, prefix: str = "") -> None:
+    def __init__(self, directory: os.PathLike | str, prefix: str = "",
+                 rename: Optional[Callable[[str], str]] = None) -> None:
         _require_safetensors("Reading")
         from safetensors import safe_open
 
@@ -69,7 +71,8 @@ class SafetensorsStateDict(Mapping[str, LazyTensor]):
         for file in files:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():
-                    self._tensors[prefix + name] = LazyTensor(file, name, tuple(f.get_slice(name).get_shape()))
+                    key = prefix + (rename(name) if rename is not None else name)
+                    self._tensors[key] = LazyTensor(file, name, tuple(f.get_slice(name).get_shape()))
 
     def __getitem__(self, key: str) -> LazyTensor:
         return self._tensors[key]

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
+import torch.nn as nn
 import torch.distributed as dist
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch import Tensor
@@ -49,6 +50,7 @@ from lightning_seqpar.checkpoint.trainer_checkpoint import (
     save_trainer_checkpoint,
 )
 from lightning_seqpar.checkpoint.writer import ShardedCheckpointWriter, coordinator_pid
+from lightning_seqpar.hf.checkpoint_keys import checkpoint_key_renamer
 from lightning_seqpar.hf.weights import SafetensorsStateDict
 from lightning_seqpar.transformer.materialize import has_meta_tensors
 from lightning_seqpar.lightning.checkpoint_io import remove_stale_temporaries
@@ -147,7 +149,7 @@ class Checkpointer:
         if not isinstance(source, Mapping):
             path = Path(source)
             if path.suffix == ".safetensors" or (path.is_dir() and not is_sharded_checkpoint(path)):
-                source = SafetensorsStateDict(path, prefix)
+                source = SafetensorsStateDict(path, prefix, checkpoint_key_renamer(self._stored_model(prefix)))
                 prefix = ""
             else:
                 source = load_state_dict_file(path)
@@ -159,6 +161,13 @@ class Checkpointer:
             self.initial_weights = source  # read into the shards by setup's materialization
             return
         self.load_model_state_dict({"state_dict": source}, strict=strict)
+
+    def _stored_model(self, prefix: str) -> Optional[nn.Module]:
+        """The model under ``prefix`` in the LightningModule (``None``: none there; the keys check names the prefix)."""
+        try:
+            return self.module.get_submodule(prefix.rstrip(".")) if self.module is not None else None
+        except AttributeError:
+            return None
 
     def save_hf_pretrained(self, out: Union[str, Path], config: Any = None, prefix: str = "model.", *,
                            source: Union[str, Path, None] = None, max_shard_size: Union[int, str] = "5GB",

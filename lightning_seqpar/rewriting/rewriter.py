@@ -66,7 +66,7 @@ class _Registry:
 
     def known(self) -> list[str]:
         return sorted({cls.__name__ for cls, p in self.by_class.items() if p is not None and not p.around_layers}
-                      | {"Hugging Face decoder blocks of the Llama and GPT-2 layouts"})
+                      | {"Hugging Face decoder blocks of the Llama, GPT-2, GPT-NeoX and Falcon layouts"})
 
 
 def _candidate_blocks(model: nn.Module) -> dict[str, nn.Module]:

@@ -3,6 +3,7 @@ its own forward as ``model(input_ids=x, labels=x)``, once as it is and once rewr
 what differs is refused, naming the part and the setting. Tested through ``explain``, which runs the strategy's checks."""
 
 import pytest
+import torch.nn as nn
 
 from lightning_seqpar import explain
 from tests.helpers.models import build
@@ -89,3 +90,31 @@ def test_a_tied_lm_head_with_a_bias_of_its_own_is_refused_with_the_fix():
     with pytest.raises(ValueError, match=r"LM head is tied to the embedding and has a bias of its own.*"
                                          r"tie_word_embeddings=False"):
         explain(_tiny(PhiConfig, tie_word_embeddings=True), tp=2)
+
+
+def test_one_extra_norm_around_the_mlp_is_refused_by_name():
+    import transformers
+
+    model = _tiny(transformers.LlamaConfig)
+    layer = model.model.layers[0]
+    layer.pre_feedforward_layernorm = type(layer.input_layernorm)(16)  # Gemma 2 has it with post_feedforward_layernorm
+    with pytest.raises(ValueError, match=r"model\.layers\.0 \(LlamaDecoderLayer\): the Llama layout's parallel block "
+                                         r"does not implement extra norms around the MLP"):
+        explain(model, tp=2)
+
+
+def test_a_one_norm_layer_of_no_known_layout_is_refused_for_what_it_lacks_not_for_its_parallel_residual():
+    import transformers
+
+    class Experts(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.router, self.experts = nn.Linear(16, 2), nn.ModuleList([nn.Linear(16, 16)])
+
+    model = _tiny(transformers.CohereConfig)  # attention and MLP from one norm: a parallel residual, accepted
+    for layer in model.model.layers:
+        layer.mlp = Experts()
+    with pytest.raises(ValueError, match=r"why none is known: CohereDecoderLayer: mixture of experts \(an MLP of "
+                                         r"experts and a router\); Linear") as error:
+        explain(model, tp=2)
+    assert "parallel residual" not in str(error.value)
