@@ -6,7 +6,7 @@ copy called as ``model(input_ids=x, labels=x)``, as is and on emulated tensor-pa
 family: accepted with the relative difference of the check, or refused with the first sentence of the reason; and
 the seconds the checks took.
 
-    python recipes/hf_families.py [--tp 2] [--families llama gemma ...]
+    python recipes/hf_families.py [--tp 2] [--families llama gemma falcon:new-arch ...]
 """
 
 from __future__ import annotations
@@ -20,20 +20,28 @@ FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "smollm3", "olmo", "g
             "seed_oss", "ernie4_5", "arcee", "gpt2", "gemma2", "gemma3_text", "olmo2", "olmo3", "phi", "phi3",
             "gpt_neox", "falcon", "cohere", "cohere2", "starcoder2", "stablelm", "mixtral", "qwen2_moe", "qwen3_moe",
             "granitemoe", "nemotron", "persimmon", "gptj", "codegen", "bloom", "opt", "gpt_bigcode"]
+VARIANTS = {  # a family's other published layouts, as "model_type:variant": the config settings that make it
+    "phi3:no-gqa": dict(num_key_value_heads=4),  # Phi-3-mini: q, k and v of equal sizes
+    "falcon:new-arch": dict(new_decoder_architecture=True, num_kv_heads=2),  # Falcon-40B/180B
+    "falcon:per-head": dict(multi_query=False),  # one key/value head per query head
+    "stablelm:qk-norm": dict(qk_layernorm=True), "cohere:qk-norm": dict(use_qk_norm=True),
+}
 SIZES = dict(vocab_size=13, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=4, pad_token_id=None, bos_token_id=None, eos_token_id=None, max_position_embeddings=64)
 
 
 def tiny_model(model_type: str):
-    """A two-layer model of ``model_type`` with 4 heads of 4 values, built from its config class."""
+    """A two-layer model of ``model_type`` (or ``model_type:variant``, :data:`VARIANTS`) with 4 heads of 4 values,
+    built from its config class."""
     from transformers import AutoModelForCausalLM
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    config_class = CONFIG_MAPPING[model_type]
+    config_class = CONFIG_MAPPING[model_type.split(":")[0]]
+    sizes = {**SIZES, **VARIANTS.get(model_type, {})}
     try:
-        config = config_class(**SIZES)
+        config = config_class(**sizes)
     except AttributeError:  # head_dim derived from the others (a read-only property)
-        config = config_class(**{k: v for k, v in SIZES.items() if k != "head_dim"})
+        config = config_class(**{k: v for k, v in sizes.items() if k != "head_dim"})
     return AutoModelForCausalLM.from_config(config, attn_implementation="eager")
 
 
@@ -73,7 +81,7 @@ def difference(model, tp: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tp", type=int, default=2)
-    parser.add_argument("--families", nargs="*", default=FAMILIES)
+    parser.add_argument("--families", nargs="*", default=FAMILIES + list(VARIANTS))
     args = parser.parse_args()
     import transformers
 

@@ -123,7 +123,8 @@ def llama_layout_mismatch(module: nn.Module) -> list[str]:
     has = {n for n in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                        "post_feedforward_layernorm") if isinstance(getattr(module, n, None), nn.Module)}
     if "input_layernorm" not in has and "post_feedforward_layernorm" in has and not _post_norms_only(module):
-        reasons.append("post-norms (norms after attention and MLP, none before)")
+        reasons.append("post-norms other than OLMo 2's (post_attention_layernorm and post_feedforward_layernorm, none "
+                       "before)")
     elif len({"pre_feedforward_layernorm", "post_feedforward_layernorm"} & has) == 1 and not _post_norms_only(module):
         reasons.append("extra norms around the MLP (pre/post_feedforward_layernorm)")
     return reasons

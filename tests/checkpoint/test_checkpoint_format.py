@@ -90,7 +90,8 @@ def test_views_leave_out_vocabulary_padding_and_store_fused_blocks_as_one_contig
     assert view.shape == (3, 4, 2) and saved_shape(fused, (12, 2)) == (3, 4, 2)
     view.zero_()  # a view: loading writes into the parameter itself
     assert saved_shape(None, (5, 2)) == (5, 2)
-    # Unequal blocks keep the single-device shape (their pieces described one by one: the tp 2 runs of tests/hf/test_hf_families_resume.py)
+    # Unequal blocks keep the single-device shape, their pieces described one by one (saved at tp 2 and resumed at
+    # pp 2 in tests/hf/test_hf_families_resume.py: Phi-3 under grouped-query attention)
     uneven = ShardSpec(dim=0, full_size=16, padded_size=16, chunks=3, chunk_sizes=(8, 4, 4))
     assert saved_shape(uneven, (16, 2)) == (16, 2)
     assert [uneven.rank_ranges(r, 2) for r in range(2)] == [[(0, 4), (8, 10), (12, 14)], [(4, 8), (10, 12), (14, 16)]]

@@ -118,3 +118,39 @@ def test_a_one_norm_layer_of_no_known_layout_is_refused_for_what_it_lacks_not_fo
                                          r"experts and a router\); Linear") as error:
         explain(model, tp=2)
     assert "parallel residual" not in str(error.value)
+
+
+def _without(model, attribute, rename=None):
+    for layer in model.model.layers:
+        owner, name = (layer.self_attn, attribute.split(".")[1]) if "." in attribute else (layer, attribute)
+        if rename:
+            setattr(owner, rename, getattr(owner, name))
+        delattr(owner, name)
+    return model
+
+
+@pytest.mark.parametrize("config, change, reason", [
+    ("LlamaConfig", ("self_attn.q_proj", "query"), r"attention projections \['k_proj', 'v_proj', 'o_proj', 'query'\] "
+                                                  r"\(not q_proj/k_proj/v_proj\)"),
+    ("Olmo2Config", ("post_attention_layernorm", None), r"post-norms other than OLMo 2's"),
+])
+def test_each_remaining_layout_reason_is_named(config, change, reason):
+    import transformers
+
+    model = _without(_tiny(getattr(transformers, config)), *change)
+    with pytest.raises(ValueError, match=rf"why none is known: \w+DecoderLayer: {reason}"):
+        explain(model, tp=2)
+
+
+@pytest.mark.parametrize("setting, message", [
+    (dict(alibi=True, multi_query=False), r"Falcon's alibi=True \(ALiBi position biases, Falcon-RW\) is not supported"),
+    (dict(hidden_dropout=0.1), r"Falcon's hidden_dropout=0\.1 is not supported .* set it to 0\.0"),
+    (dict(attention_dropout=0.1), r"Falcon's attention_dropout=0\.1 is not supported"),
+])
+def test_falcon_settings_the_parallel_block_does_not_implement_are_refused_by_name(setting, message):
+    import transformers
+
+    config = transformers.FalconConfig(vocab_size=13, hidden_size=16, num_hidden_layers=2, num_attention_heads=4,
+                                       pad_token_id=None, bos_token_id=None, eos_token_id=None, **setting)
+    with pytest.raises(ValueError, match=message):
+        explain(transformers.AutoModelForCausalLM.from_config(config), tp=1)
