@@ -86,11 +86,13 @@ def parallelize(model: torch.nn.Module, mesh: ParallelMesh, device: torch.device
     materializer = Materializer(seed, initializers=hf_initializers(model), source=source)
     ctx = RewriteContext(mesh.tensor, sequence_parallel, rng_tracker, loss_parallel, materializer)
     policies = list(policies)
+    # Read off the single-device model: the policies recognize a model by its parts, which the rewrite replaces
+    # (a vocabulary-parallel embedding is no nn.Embedding); the paths stay the same.
+    placement = pipeline_placement(model, policies) if pipeline.enabled else {}
     plan = rewrite(model, ctx, policies, verify)
     steps, remote_keys = None, []
     if pipeline.enabled:  # embeddings on the first stage, final norm and head on the last, where a policy says so
-        steps, remote_keys = PipelinedSteps.build(model, pipeline, mesh.pipeline, device,
-                                                  pipeline_placement(model, policies))
+        steps, remote_keys = PipelinedSteps.build(model, pipeline, mesh.pipeline, device, placement)
     materializer.fill(model, mesh.tensor)
     return ParallelModel(rng_tracker, plan, steps, remote_keys)
 

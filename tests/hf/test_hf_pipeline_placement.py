@@ -17,8 +17,8 @@ from tests.helpers.models import loader, token_data
 pytestmark = pytest.mark.distributed  # starts processes: outside the fast lane
 
 
-def _placement(rank, world_size, tie):
-    trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=SeqParallelStrategy(tp=1, pp=4),
+def _placement(rank, world_size, tie, tp=1):
+    trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=SeqParallelStrategy(tp=tp, pp=4 // tp),
                          precision="64-true", logger=False, enable_progress_bar=False, enable_model_summary=False)
     config = dict(CONFIG, num_hidden_layers=4, tie_word_embeddings=tie)
     module = HFCausalLMModule(config, learning_rate=1e-2)  # built on the meta device
@@ -64,3 +64,14 @@ def test_untied_embedding_and_head_are_each_on_one_stage():
     assert last["parts"]["model.embed_tokens"] == SkippedEmbedding.__name__
     assert first["remote"] == ["model.lm_head.weight", "model.model.norm.weight"]
     assert last["remote"] == ["model.model.embed_tokens.weight"]
+
+
+def test_under_tensor_parallelism_too_each_part_is_on_its_stage_only():
+    # The rewrite replaces the embedding and head by vocabulary-parallel ones; the placement is read before it.
+    first, _, last, _ = run_distributed(_placement, 4, False, 2)  # pp 2 x tp 2: ranks 0, 1 first stage; 2, 3 last
+    skipped, last_only = SkippedEmbedding.__name__, LastStageOnly.__name__
+    assert first["parts"] == {"model.embed_tokens": "VocabParallelEmbedding", "model.norm": last_only,
+                              "lm_head": last_only}
+    assert last["parts"]["model.embed_tokens"] == skipped and last["parts"]["model.norm"] == "LlamaRMSNorm"
+    assert first["tags"] == {"model.model.embed_tokens.weight": "local"}
+    assert last["tags"] == {"model.model.norm.weight": "local", "model.lm_head.weight": "local"}
