@@ -19,6 +19,7 @@ LAYERS = [
     ("the built-in policies: where the rewriting engine and the Hugging Face layouts meet", {"policies"}),
     ("runtime: recomputation, pipeline, gradients and optimizer, checkpoint files",
      {"recompute", "pipeline_parallel", "optim", "checkpoint"}),
+    ("planning: layouts, their bytes per rank and step time", {"plan"}),
     ("Lightning integration", {"lightning"}),
     ("reference models and data (ordinary users of the library)", {"models", "data"}),
     ("package facade", {"__init__"}),

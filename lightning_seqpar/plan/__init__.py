@@ -1,0 +1,18 @@
+"""Know before you rent: every layout of a model on N GPUs, its bytes per rank, FLOPs, traffic and step time.
+
+- :mod:`.inventory`, :mod:`.models`: the model's parameters and how the strategy splits them (built on the meta
+  device from its config);
+- :mod:`.state`: model-state bytes per rank, exact (equal to what the strategy's ranks hold);
+- :mod:`.activations`: activation bytes of the micro-batches in flight (the paper's model, uncalibrated);
+- :mod:`.cost`: the step-time model and the hardware rates;
+- :mod:`.planner`: :func:`plan`, the ranked records; ``python -m lightning_seqpar.plan`` prints them.
+"""
+
+from lightning_seqpar.plan.cost import Hardware
+from lightning_seqpar.plan.inventory import ModelInventory, ParameterEntry
+from lightning_seqpar.plan.models import inventory_of_hf_model, model_inventory
+from lightning_seqpar.plan.planner import LayoutRecord, plan
+from lightning_seqpar.plan.state import StateBytes, state_bytes
+
+__all__ = ["Hardware", "LayoutRecord", "ModelInventory", "ParameterEntry", "StateBytes", "inventory_of_hf_model",
+           "model_inventory", "plan", "state_bytes"]

@@ -1,0 +1,99 @@
+"""``python -m lightning_seqpar.plan MODEL --gpus N --gpu-memory 80GB --seq-len S --global-batch B``: the layouts of
+MODEL on N GPUs, ranked (see :mod:`lightning_seqpar.plan.planner`).
+
+MODEL is a Hugging Face ``config.json``, a directory holding one, or a GPT size of the paper (``gpt-22b``, ``gpt-175b``,
+``gpt-530b``, ``gpt-1t``). Prints the top feasible layouts with the most loaded rank's bytes by kind, the headroom left,
+FLOPs, bytes per collective kind, the bubble and the predicted step time, then every rejected layout with its reason;
+``--json`` prints every record instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from typing import Optional, Sequence
+
+from lightning_seqpar.checkpoint.hf_export import parse_size
+from lightning_seqpar.plan.cost import Hardware
+from lightning_seqpar.plan.models import model_inventory
+from lightning_seqpar.plan.planner import LayoutRecord, plan
+
+GB = 1e9
+
+
+def _layout(r: LayoutRecord) -> str:
+    return (f"tp{r.tp} pp{r.pp}{f'×v{r.vpp}' if r.vpp > 1 else ''} dp{r.dp}{' zero1' if r.zero else ''} "
+            f"mbs{r.micro_batch} {r.recompute}")
+
+
+def table(records: list[LayoutRecord], hardware: Hardware, top: int) -> str:
+    """The top feasible layouts (the most loaded rank's GB by kind, what is left of the GPU, the predicted step, bubble
+    and MFU), then every rejected layout with its reason, as text."""
+    feasible = [r for r in records if r.feasible][:top]
+    head = ("| rank | tp | pp | vpp | dp | zero | mbs | m | recompute | params | grads | main | optim | act | other | "
+            "total GB | left GB | step s | bubble | MFU |")
+    lines = [head, "|" + "---|" * 20]
+    for i, r in enumerate(feasible, 1):
+        b = r.bytes
+        mfu = r.flops["model"] / (r.step_time["total"] * r.tp * r.pp * r.dp) / hardware.peak_flops
+        lines.append(f"| {i} | {r.tp} | {r.pp} | {r.vpp} | {r.dp} | {r.zero} | {r.micro_batch} | {r.num_microbatches} | "
+                     f"{r.recompute} | " + " | ".join(f"{b[k] / GB:.1f}" for k in (
+                         "parameters", "gradients", "main_params", "optimizer", "activations", "other", "total"))
+                     + f" | {(hardware.memory - b['total']) / GB:.1f} | {r.step_time['total']:.2f} | {r.bubble:.2f} | "
+                     f"{mfu:.2f} |")
+    if not feasible:
+        lines.append("| (no layout fits) |")
+    rules: dict[str, list[str]] = defaultdict(list)
+    memory = []
+    for r in records:
+        if r.feasible:
+            continue
+        if r.bytes:  # passed the rules, too large
+            memory.append((r.bytes["total"], f"- {_layout(r)}: {r.reason}"))
+        else:
+            rules[r.reason or ""].append(_layout(r))
+    lines.append(f"\nRejected: {sum(map(len, rules.values())) + len(memory)} layouts")
+    for reason, layouts in sorted(rules.items(), key=lambda item: -len(item[1])):
+        lines.append(f"- {reason}: {', '.join(layouts)}")
+    lines += [line for _, line in sorted(memory)]
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m lightning_seqpar.plan", description=__doc__.split("\n\n")[0])
+    parser.add_argument("model")
+    parser.add_argument("--gpus", type=int, required=True)
+    parser.add_argument("--seq-len", type=int, required=True)
+    parser.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
+    parser.add_argument("--gpu", default="h100", help="h100, h200, a100, b200: the rates' defaults")
+    parser.add_argument("--gpu-memory", default=None, help="bytes per GPU, e.g. 80GB (default: the GPU's)")
+    parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument("--precision", default="bf16-mixed", choices=["bf16-mixed", "bf16-true", "32-true"])
+    parser.add_argument("--headroom", type=float, default=0.8)
+    parser.add_argument("--efficiency", type=float, default=0.5, help="fraction of peak FLOP/s reached")
+    parser.add_argument("--top", type=int, default=10)
+    parser.add_argument("--json", action="store_true", help="every layout considered, as JSON records")
+    args = parser.parse_args(argv)
+    memory = float(parse_size(args.gpu_memory)) if args.gpu_memory else None
+    hardware = Hardware.named(args.gpu, memory=memory, gpus_per_node=args.gpus_per_node, efficiency=args.efficiency)
+    inventory = model_inventory(args.model, args.seq_len)
+    records = plan(inventory, args.gpus, args.seq_len, args.global_batch, hardware=hardware,
+                   precision=args.precision, headroom=args.headroom)
+    if args.json:
+        json.dump([r.as_dict() for r in records], sys.stdout, indent=1)
+        print()
+        return 0
+    print(f"{inventory.name}: {inventory.num_parameters / 1e9:.2f} B parameters, L={inventory.num_layers}, "
+          f"h={inventory.hidden_size}, a={inventory.num_heads}, kv heads={inventory.num_kv_heads}, v={inventory.vocab_size}; "
+          f"{args.gpus} × {args.gpu} ({hardware.memory / GB:g} GB, {args.headroom:g} usable), s={args.seq_len}, "
+          f"global batch {args.global_batch} sequences, {args.precision}. Model-state bytes exact; activations "
+          f"from the analytic model (uncalibrated); step time: compute at {args.efficiency:g} of peak + collectives "
+          f"+ bubble, nothing overlapped.")
+    print(table(records, hardware, args.top))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

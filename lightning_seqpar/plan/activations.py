@@ -1,0 +1,68 @@
+"""Activation bytes of the most loaded pipeline rank: Table 2 of Korthikanti et al. 2022 for the model's own sizes,
+times the micro-batches in flight, plus what lives outside the layers.
+
+Per layer and micro-batch (bytes; e bytes per activation element, ``split = t`` under sequence parallelism else 1):
+
+- the region tensor parallelism leaves whole, split along s by SP: the two norms' inputs and the two projections'
+  inputs, ``4·e·sbh / split``, and 1-byte dropout masks of the residual branches when they drop (``2·sbh / split``);
+- the head- and feature-split region: q and the attention context ``2·e·sb·a·d / t``, k and v ``2·e·sb·g·d / t`` (g
+  key/value heads), the MLP ``2·e·sbf / t`` (two matrices) or ``3·e·sbf / t`` (gated: gate, up and their product);
+- core attention, unless recomputed (selective) or fused (SDPA keeps no ``s²`` tensor): the softmax output
+  ``e·a·s²b / t``, and with attention dropout its mask and output ``(1 + e)·a·s²b / t``;
+- full recomputation keeps the layer's input only, ``e·sbh / split``.
+
+For a = g, f = 4h and dropouts everywhere the sum is Table 2's ``sbh(34/t + 5as/(ht))`` (e = 2). In flight on pipeline
+rank r under 1F1B: ``min(p − r, m)`` micro-batches of its layers (the first rank holds L layers' worth when m ≥ p),
+times ``1 + (p − 1)/(p·v)`` interleaved with v chunks (§4.2.3); GPipe keeps all m. Outside the layers: on the last
+rank the final norm's and the head's inputs ``2·e·sbh / split`` and the vocabulary-parallel loss's float32 logits and
+their softmax ``8·sbv / t``.
+
+Not yet calibrated against measured peaks: an analytic model, stated as such in the planner's output.
+"""
+
+from __future__ import annotations
+
+from lightning_seqpar.plan.inventory import ModelInventory
+
+
+def layer_bytes(inventory: ModelInventory, s: int, b: int, t: int, sequence_parallel: bool = True,
+                recompute: str = "selective", element: int = 2, dropout: bool = False) -> float:
+    """Bytes one layer keeps for backward per micro-batch on one tensor-parallel rank (see the module docstring).
+
+    Raises:
+        ValueError: an unknown ``recompute``.
+    """
+    if recompute not in ("none", "selective", "full"):
+        raise ValueError(f"recompute must be 'none', 'selective' or 'full', got {recompute!r}.")
+    split = t if sequence_parallel and t > 1 else 1
+    h, a, g, d, f = (inventory.hidden_size, inventory.num_heads, inventory.num_kv_heads, inventory.head_dim,
+                     inventory.ffn_hidden_size)
+    if recompute == "full":
+        return element * s * b * h / split
+    whole = 4 * element * s * b * h / split + (2 * s * b * h / split if dropout else 0)
+    heads = (2 * a * d + 2 * g * d) * element * s * b / t
+    mlp = (3 if inventory.gated_mlp else 2) * element * s * b * f / t
+    core = 0.0
+    if recompute == "none" and inventory.eager_attention:
+        core = element * a * s * s * b / t
+        if inventory.attention_dropout > 0:
+            core += (1 + element) * a * s * s * b / t
+    return whole + heads + mlp + core
+
+
+def in_flight(pp: int, num_microbatches: int, pipeline_rank: int, schedule: str = "1F1B", vpp: int = 1) -> float:
+    """Micro-batches whose activations pipeline rank ``pipeline_rank`` holds at once (see the module docstring)."""
+    if schedule.lower() == "gpipe":
+        return float(num_microbatches)
+    held = float(min(pp - pipeline_rank, num_microbatches))
+    return held * (1 + (pp - 1) / (pp * vpp)) if vpp > 1 else held
+
+
+def outside_layers_bytes(inventory: ModelInventory, s: int, b: int, t: int, last: bool,
+                         sequence_parallel: bool = True, element: int = 2) -> float:
+    """The last rank's final norm and head inputs and the loss's logits for one micro-batch (bytes)."""
+    if not last:
+        return 0.0
+    split = t if sequence_parallel and t > 1 else 1
+    padded = -(-inventory.vocab_size // t) * t
+    return 2 * element * s * b * inventory.hidden_size / split + 8 * s * b * padded / t

@@ -1,0 +1,71 @@
+"""The step-time model of a layout: every term stated, every rate an input.
+
+``time = compute + tensor-parallel communication + data-parallel communication + pipeline bubble``, nothing assumed
+overlapped (an upper bound for a run that overlaps its gradient reduction):
+
+- compute: the rank's hardware FLOPs per step (Eq. 8 with the recomputation chosen; the model FLOPs are Eq. 7)
+  over ``efficiency × peak`` FLOP/s;
+- tensor (+ sequence) parallel: per layer and micro-batch, the forward's two all-gathers and two reduce-scatters of
+  ``e·sbh`` and the backward's four, ``8·(t − 1)/t·e·sbh`` bytes per rank (ring), four more per layer with full
+  recomputation, over the intra-node bandwidth;
+- data parallel: the gradients' all-reduce, ``2·(d − 1)/d`` of the float32 gradient bytes (zero 1: reduce-scatter
+  of them and all-gather of the parameters, the same volume), over the inter-node bandwidth when d spans nodes;
+- pipeline: ``2·e·sbh / split`` bytes per micro-batch and stage boundary each way, over the inter-node bandwidth;
+  the bubble adds ``(p − 1)/(v·m)`` of the compute time.
+
+Source: Korthikanti et al. 2022 (Eq. 7, 8, §4.2.2 volumes), Narayanan et al. 2021 (bubble).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GPUS = {  # peak dense bf16 FLOP/s, memory (bytes), NVLink per GPU and network per GPU (bytes/s, one direction)
+    "h100": (989e12, 80e9, 450e9, 50e9),
+    "h200": (989e12, 141e9, 450e9, 50e9),
+    "a100": (312e12, 80e9, 300e9, 25e9),
+    "b200": (2250e12, 192e9, 900e9, 50e9),
+}
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """The rates the step-time model reads.
+
+    Attributes:
+        peak_flops: dense 16-bit FLOP/s per GPU.
+        memory: bytes per GPU.
+        intra_node_bandwidth, inter_node_bandwidth: bytes/s per GPU, one direction (NVLink; the network).
+        gpus_per_node: GPUs sharing the intra-node bandwidth.
+        efficiency: the fraction of peak FLOP/s a GEMM-bound step reaches (0.5 by default).
+    """
+
+    peak_flops: float = 989e12
+    memory: float = 80e9
+    intra_node_bandwidth: float = 450e9
+    inter_node_bandwidth: float = 50e9
+    gpus_per_node: int = 8
+    efficiency: float = 0.5
+
+    @classmethod
+    def named(cls, name: str, **overrides: float) -> "Hardware":
+        """The defaults of a known GPU (:data:`GPUS`), with ``overrides``.
+
+        Raises:
+            ValueError: an unknown name, listing the known ones.
+        """
+        if name.lower() not in GPUS:
+            raise ValueError(f"Unknown GPU {name!r}: one of {sorted(GPUS)}, or give --peak-tflops and the bandwidths.")
+        peak, memory, intra, inter = GPUS[name.lower()]
+        values = dict(peak_flops=peak, memory=memory, intra_node_bandwidth=intra, inter_node_bandwidth=inter)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+
+def ring_bytes(kind: str, payload: float, n: int) -> float:
+    """Bytes each rank sends in a ring ``kind`` (``all_gather``/``reduce_scatter``: ``(n − 1)/n`` of the full
+    payload; ``all_reduce``: twice that) among n ranks."""
+    if n <= 1:
+        return 0.0
+    factor = 2 if kind == "all_reduce" else 1
+    return factor * (n - 1) / n * payload

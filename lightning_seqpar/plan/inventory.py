@@ -1,0 +1,199 @@
+"""Every parameter of a model and how the strategy splits it: the planner's exact count of model state.
+
+The model is built on the meta device from its Hugging Face config (no memory, nothing downloaded), and each
+parameter is classified the way the rewrite splits it, by the same declarations the rewrite uses
+(:class:`~lightning_seqpar.transformer.block_spec.BlockSpec` of each decoder layer, read by the built-in
+Hugging Face layouts):
+
+- ``column``: a column-parallel projection's weight and bias (q/k/v, gate/up, fused or not), and a q/k norm over
+  all heads: ``numel / t`` per rank;
+- ``row``: a row-parallel projection's weight (o, down): ``numel / t``; its bias is replicated;
+- ``vocab``: the embedding and LM head (and its bias), rows padded to a multiple of t: ``ceil(v / t)·h`` per rank;
+- ``replicated``: norms, per-head norms, learned positions, everything else: whole on every rank.
+
+Which pipeline stage holds what follows :class:`~lightning_seqpar.pipeline_parallel.layout.StageLayout` and the
+pipeline placement: layers by stage; the embedding (and learned positions) on the first stage; the final norm and the
+head on the last; a tied embedding and head on both; any other parameter on every stage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
+
+import torch.nn as nn
+
+from lightning_seqpar.tensor_parallel.sharding import padded_size
+
+Split = Literal["column", "row", "vocab", "replicated"]
+Part = Literal["layer", "embedding", "head", "final", "other"]
+
+
+@dataclass(frozen=True)
+class ParameterEntry:
+    """One parameter of the single-device model.
+
+    Attributes:
+        name: its state-dict key.
+        shape: its single-device shape.
+        split: how tensor parallelism splits it (see the module docstring).
+        part: ``layer`` (with :attr:`layer` its index), ``embedding`` (first stage), ``head`` / ``final`` (last
+            stage), ``other`` (every stage).
+        layer: the decoder layer's index, for ``part == "layer"``.
+        tied: the embedding and head share it (held by the first and the last stage).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    split: Split
+    part: Part
+    layer: Optional[int] = None
+    tied: bool = False
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for size in self.shape:
+            n *= size
+        return n
+
+    def local_numel(self, t: int) -> int:
+        """Elements on one tensor-parallel rank of ``t`` (every rank holds the same number: vocabulary padding rows
+        are stored)."""
+        if self.split == "vocab":
+            return padded_size(self.shape[0], t) // t * (self.numel // self.shape[0])
+        if self.split in ("column", "row"):
+            return self.numel // t
+        return self.numel
+
+
+@dataclass
+class ModelInventory:
+    """A model's parameters (:class:`ParameterEntry`) and the sizes the activation and FLOPs models read.
+
+    Attributes:
+        name: the model's class or preset name.
+        entries: every unique parameter, in the model's order.
+        num_layers, hidden_size, num_heads, num_kv_heads, head_dim, ffn_hidden_size, vocab_size: L, h, a, g, d, f, v.
+        gated_mlp: three ``h × f`` matrices (SwiGLU) instead of two.
+        attention_dropout: the attention-probability dropout (a mask is kept only when > 0).
+        eager_attention: the explicit core attention (keeps ``a·s²`` probabilities unless recomputed) or a fused kernel.
+    """
+
+    name: str
+    entries: list[ParameterEntry]
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_hidden_size: int
+    vocab_size: int
+    gated_mlp: bool
+    attention_dropout: float = 0.0
+    eager_attention: bool = True
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def num_parameters(self) -> int:
+        """Single-device parameter count (a tied weight once)."""
+        return sum(e.numel for e in self.entries)
+
+    @property
+    def tied_embeddings(self) -> bool:
+        return any(e.tied for e in self.entries)
+
+
+def inventory_of_model(model: nn.Module, specs: dict[str, Any], name: Optional[str] = None) -> ModelInventory:
+    """Classify every parameter of ``model`` (built on the meta device; a Hugging Face causal LM).
+
+    Args:
+        model: the single-device model.
+        specs: ``{decoder layer path: BlockSpec}`` of its transformer layers, in order.
+
+    Raises:
+        ValueError: no layer, or an embedding/head the vocabulary split does not recognize.
+    """
+    if not specs:
+        raise ValueError(f"{type(model).__name__}: no transformer layer the rewrite recognizes; nothing to plan.")
+    embedding = model.get_input_embeddings()
+    head = model.get_output_embeddings()
+    if not isinstance(embedding, nn.Embedding) or not isinstance(head, nn.Linear):
+        raise ValueError(f"{type(model).__name__}: the planner needs an nn.Embedding input and an nn.Linear LM head.")
+    tied = head.weight is embedding.weight
+    layer_paths = list(specs)
+    roles: dict[int, tuple[Split, Part, Optional[int]]] = {}
+    for index, path in enumerate(layer_paths):
+        layer, spec = model.get_submodule(path), specs[path]
+        attention, mlp = spec.projections()
+        column = [*attention, *mlp]
+        if spec.qk_norm_over_heads:
+            column += [p for p in (spec.q_norm, spec.k_norm) if p]
+        row = [spec.attention_out, spec.mlp_out]
+        for pname, param in layer.named_parameters():
+            owner = pname.rpartition(".")[0]
+            if owner in column:
+                split: Split = "column"
+            elif owner in row and pname.endswith("weight"):
+                split = "row"
+            else:
+                split = "replicated"
+            roles[id(param)] = (split, "layer", index)
+    for param in embedding.parameters():
+        roles[id(param)] = ("vocab", "embedding", None)
+    for param in head.parameters():
+        if id(param) not in roles:
+            roles[id(param)] = ("vocab", "head", None)
+    final = _final_norm(model, layer_paths)
+    for param in (final.parameters() if final is not None else ()):
+        roles.setdefault(id(param), ("replicated", "final", None))
+    positions = _learned_positions(model, embedding)
+    for param in (positions.parameters() if positions is not None else ()):
+        roles.setdefault(id(param), ("replicated", "embedding", None))
+    entries, seen = [], set()
+    for pname, param in model.named_parameters():  # a tied weight once, under its first name
+        if id(param) in seen:
+            continue
+        seen.add(id(param))
+        split, part, layer_index = roles.get(id(param), ("replicated", "other", None))
+        entries.append(ParameterEntry(pname, tuple(param.shape), split, part, layer_index,
+                                      tied=tied and param is embedding.weight))
+    first = specs[layer_paths[0]]
+    sample = model.get_submodule(layer_paths[0])
+    return _sizes(name or type(model).__name__, entries, len(layer_paths), embedding, first, sample)
+
+
+def _sizes(name: str, entries: list[ParameterEntry], layers: int, embedding: nn.Embedding, spec: Any,
+           sample: nn.Module) -> ModelInventory:
+    from lightning_seqpar.transformer.block_spec import out_features, resolve, value_of
+
+    hidden = embedding.weight.shape[1]
+    heads = int(value_of(sample, spec.num_heads))
+    kv_heads = int(value_of(sample, spec.num_kv_heads) or heads)
+    head_dim = int(value_of(sample, spec.head_dim) or hidden // heads)
+    _, mlp = spec.projections()
+    ffn = out_features(resolve(sample, mlp[0])) // (2 if spec.gate_up else 1)
+    dropout = value_of(sample, spec.attention_dropout) if isinstance(spec.attention_dropout, (int, float)) else 0.0
+    attention = value_of(sample, spec.attention) if "." in spec.attention else spec.attention
+    return ModelInventory(name, entries, layers, hidden, heads, kv_heads, head_dim, ffn, embedding.weight.shape[0],
+                          gated_mlp=len(mlp) == 2 or bool(spec.gate_up), attention_dropout=float(dropout or 0.0),
+                          eager_attention=attention == "eager")
+
+
+def _final_norm(model: nn.Module, layer_paths: list[str]) -> Optional[nn.Module]:
+    """The norm after the last layer: a direct child of the layers' parent's parent named like one (``norm``,
+    ``ln_f``, ``final_layernorm``, ``final_layer_norm``)."""
+    stack = layer_paths[0].rpartition(".")[0].rpartition(".")[0]
+    parent = model.get_submodule(stack) if stack else model
+    for candidate in ("norm", "ln_f", "final_layernorm", "final_layer_norm"):
+        if isinstance(getattr(parent, candidate, None), nn.Module):
+            return getattr(parent, candidate)
+    return None
+
+
+def _learned_positions(model: nn.Module, embedding: nn.Embedding) -> Optional[nn.Module]:
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Embedding) and module is not embedding and name.rpartition(".")[2] in ("wpe",
+                                                                                                       "embed_positions"):
+            return module
+    return None

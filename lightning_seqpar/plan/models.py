@@ -1,0 +1,82 @@
+"""The model a plan is for: a Hugging Face ``config.json`` (or a directory holding one, or its dict), or a size of the
+paper's GPT models, built on the meta device and inventoried (:mod:`.inventory`). transformers is imported here, when
+called."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+
+from lightning_seqpar.plan.inventory import ModelInventory, inventory_of_model
+
+GPT_SIZES = {  # Korthikanti et al. 2022, Table 3: the GPT models of the paper (vocabulary 51 200, learned positions)
+    "gpt-22b": dict(n_embd=6144, n_head=64, n_layer=48),
+    "gpt-175b": dict(n_embd=12288, n_head=96, n_layer=96),
+    "gpt-530b": dict(n_embd=20480, n_head=128, n_layer=105),
+    "gpt-1t": dict(n_embd=25600, n_head=160, n_layer=128),
+}
+
+
+def load_model_config(model: Union[str, Path, dict], seq_len: int = 2048) -> dict:
+    """The config dict of ``model``: a dict with ``model_type``, a ``config.json`` file or a directory holding one,
+    or a name of :data:`GPT_SIZES` (a GPT-2-layout config with ``seq_len`` positions).
+
+    Raises:
+        FileNotFoundError: a path without a ``config.json``.
+        ValueError: a name that is none of these, listing the sizes.
+    """
+    if isinstance(model, dict):
+        return dict(model)
+    if str(model).lower() in GPT_SIZES:
+        return dict(model_type="gpt2", vocab_size=51200, n_positions=seq_len, tie_word_embeddings=True,
+                    **GPT_SIZES[str(model).lower()])
+    path = Path(model)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{model}: neither a config.json, a directory holding one, nor a GPT size "
+                                f"({', '.join(GPT_SIZES)}).")
+    return json.loads(path.read_text())
+
+
+def model_inventory(model: Union[str, Path, dict], seq_len: int = 2048) -> ModelInventory:
+    """Build ``model`` (see :func:`load_model_config`) on the meta device and classify its parameters as the rewrite
+    splits them.
+
+    Raises:
+        ValueError: a model whose layers no built-in layout recognizes (the reasons of
+            :func:`lightning_seqpar.explain`).
+    """
+    from lightning_seqpar.hf.layouts import hf_policies
+    from lightning_seqpar.hf.models import build_causal_lm, causal_lm_config
+
+    options = load_model_config(model, seq_len)
+    config = causal_lm_config(config=options)
+    with torch.device("meta"):
+        built = build_causal_lm(config)
+    return inventory_of_hf_model(built, name=str(options.get("_name_or_path") or type(built).__name__))
+
+
+def inventory_of_hf_model(model: Any, name: Optional[str] = None) -> ModelInventory:
+    """:func:`~lightning_seqpar.plan.inventory.inventory_of_model` of a Hugging Face causal LM, its layers declared
+    by the built-in layouts (as the rewrite declares them).
+
+    Raises:
+        ValueError: no layer of a built-in layout (the reasons of :func:`lightning_seqpar.explain`).
+    """
+    from lightning_seqpar.hf.layouts import hf_policies
+
+    policies = hf_policies()
+    specs: dict[str, Any] = {}
+    for path, module in model.named_modules():
+        policy = next((p for p in policies if p.matches(module)), None)
+        if policy is not None:
+            specs[path] = policy.spec_for(module)
+    if not specs:
+        from lightning_seqpar.policies import explain
+
+        explain(model, tp=1, verify=False)  # raises, naming each block class and why it is not known
+    return inventory_of_model(model, specs, name=name)

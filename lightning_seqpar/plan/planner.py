@@ -1,0 +1,187 @@
+"""Every layout of a model on N GPUs, feasible or not and why, ranked by predicted step time.
+
+:func:`plan` enumerates tensor, pipeline (with virtual stages) and data parallel sizes, ZeRO, micro-batch size and
+recomputation; checks each against the strategy's rules (the reason of each rejection in the field's words); for each
+feasible one predicts, per pipeline rank, the model-state bytes (exact: :mod:`.state`), the activations of the
+micro-batches in flight (:mod:`.activations`), the communication buffers, the FLOPs, the bytes per collective kind and
+the step time (:mod:`.cost`); a layout fits when its most loaded rank stays within ``headroom × memory`` (0.8 by
+default: Fujii et al. found no run under 80 % of device memory that ran out).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+from lightning_seqpar.memory.activations import TransformerShape
+from lightning_seqpar.memory.flops import hardware_flops_per_iteration, model_flops_per_iteration
+from lightning_seqpar.plan.activations import in_flight, layer_bytes, outside_layers_bytes
+from lightning_seqpar.plan.cost import Hardware, ring_bytes
+from lightning_seqpar.plan.inventory import ModelInventory
+from lightning_seqpar.plan.state import PARAMETER_BYTES, StateBytes, stage_layout, state_bytes
+
+RECOMPUTE = ("selective", "none", "full")
+
+
+@dataclass
+class LayoutRecord:
+    """One layout the planner considered (``--json`` prints these).
+
+    Attributes:
+        tp, cp, pp, vpp, dp, zero, micro_batch, num_microbatches, recompute, main_params: the layout.
+        feasible: it passes every rule and fits in memory.
+        reason: why not (``None`` when feasible).
+        bytes: the most loaded rank's predicted bytes: ``parameters``, ``gradients``, ``main_params``,
+            ``optimizer``, ``activations``, ``other`` (communication buffers), ``total``.
+        stage: the most loaded pipeline rank.
+        flops: model and hardware FLOPs per step (Eq. 7, Eq. 8).
+        collective_bytes: bytes each rank sends per step, by kind (``tensor``, ``data``, ``pipeline``).
+        bubble: the pipeline bubble's fraction of the compute time.
+        step_time: predicted seconds per step and its terms.
+    """
+
+    tp: int
+    cp: int
+    pp: int
+    vpp: int
+    dp: int
+    zero: int
+    micro_batch: int
+    num_microbatches: int
+    recompute: str
+    main_params: bool
+    feasible: bool = False
+    reason: Optional[str] = None
+    bytes: dict[str, int] = field(default_factory=dict)
+    stage: int = 0
+    flops: dict[str, float] = field(default_factory=dict)
+    collective_bytes: dict[str, float] = field(default_factory=dict)
+    bubble: float = 0.0
+    step_time: dict[str, float] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def plan(inventory: ModelInventory, gpus: int, seq_len: int, global_batch: int, *, hardware: Hardware = Hardware(),
+         precision: str = "bf16-mixed", headroom: float = 0.8, schedule: str = "1F1B",
+         micro_batches: tuple[int, ...] = (1, 2, 4), attention_dropout: bool = False) -> list[LayoutRecord]:
+    """Every layout of ``inventory`` on ``gpus`` GPUs, feasible ones first by predicted step time, then the rejected.
+
+    Args:
+        seq_len: s, tokens per sequence. global_batch: sequences per optimizer step.
+        precision: ``bf16-mixed``, ``bf16-true`` (with float32 main params under zero 1), ``32-true``.
+        headroom: the fraction of ``hardware.memory`` a feasible layout may fill.
+
+    Raises:
+        ValueError: ``gpus``, ``seq_len`` or ``global_batch`` below 1, or an unknown precision.
+    """
+    if gpus < 1 or seq_len < 1 or global_batch < 1:
+        raise ValueError(f"gpus, seq_len and global_batch must be >= 1; got {gpus}, {seq_len}, {global_batch}.")
+    if precision not in PARAMETER_BYTES:
+        raise ValueError(f"precision={precision!r}: one of {sorted(PARAMETER_BYTES)}.")
+    records = []
+    for tp in _divisors(gpus):
+        for pp in _divisors(gpus // tp):
+            dp = gpus // (tp * pp)
+            for vpp in ([1, 2] if pp > 1 else [1]):
+                for zero in ([0, 1] if dp > 1 else [0]):
+                    for mbs in micro_batches:
+                        for recompute in RECOMPUTE:
+                            record = LayoutRecord(tp, 1, pp, vpp, dp, zero, mbs, 0, recompute,
+                                                  main_params=zero == 1 and precision == "bf16-true")
+                            _evaluate(record, inventory, seq_len, global_batch, hardware, precision, headroom,
+                                      schedule, attention_dropout)
+                            records.append(record)
+    feasible = sorted((r for r in records if r.feasible), key=lambda r: r.step_time["total"])
+    return feasible + [r for r in records if not r.feasible]
+
+
+def _rule(record: LayoutRecord, inventory: ModelInventory, s: int, global_batch: int, hardware: Hardware) -> Optional[str]:
+    """The first rule ``record`` breaks, in the field's words; ``None``: none."""
+    tp, pp, vpp, dp, mbs = record.tp, record.pp, record.vpp, record.dp, record.micro_batch
+    if tp > hardware.gpus_per_node:
+        return f"tp={tp} spans nodes ({hardware.gpus_per_node} GPUs per node): its collectives need the intra-node links"
+    if inventory.num_heads % tp:
+        return f"heads={inventory.num_heads} not divisible by tp={tp}"
+    if inventory.num_kv_heads % tp:
+        return f"kv_heads={inventory.num_kv_heads} not divisible by tp={tp}"
+    if inventory.ffn_hidden_size % tp:
+        return f"ffn={inventory.ffn_hidden_size} not divisible by tp={tp}"
+    if s % tp:
+        return f"seq_len={s} not divisible by tp={tp} (sequence parallelism splits the sequence)"
+    if inventory.num_layers % (pp * vpp):
+        return f"layers={inventory.num_layers} not divisible by pp·vpp={pp * vpp}"
+    if global_batch % (dp * mbs):
+        return f"global_batch={global_batch} not divisible by dp·micro_batch={dp * mbs}"
+    m = global_batch // (dp * mbs)
+    record.num_microbatches = m
+    if pp > 1 and m < pp:
+        return f"micro-batches={m} < pp={pp}: stages would idle"
+    if vpp > 1 and m % pp:
+        return f"micro-batches={m} not divisible by pp={pp} (the interleaved schedule)"
+    return None
+
+
+def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_batch: int, hardware: Hardware,
+              precision: str, headroom: float, schedule: str, dropout: bool) -> None:
+    record.reason = _rule(record, inventory, s, global_batch, hardware)
+    if record.reason is not None:
+        return
+    tp, pp, vpp, dp, b, m = record.tp, record.pp, record.vpp, record.dp, record.micro_batch, record.num_microbatches
+    element = 2 if precision.startswith("bf16") else PARAMETER_BYTES[precision]
+    layout = stage_layout(inventory, pp, vpp)
+    per_layer = layer_bytes(inventory, s, b, tp, True, record.recompute, element, dropout)
+    worst: tuple[float, int, dict[str, int]] = (-1.0, 0, {})
+    for rank in range(pp):
+        state: StateBytes = state_bytes(inventory, tp, pp, dp, pipeline_rank=rank, vpp=vpp, zero=record.zero,
+                                        precision=precision, main_params=record.main_params)
+        layers = sum(layout.sizes[stage] for stage in layout.stages_of(rank))
+        last = rank == layout.rank_of(layout.num_stages - 1)
+        activations = layers * per_layer * in_flight(pp, m, rank, schedule, vpp)
+        activations += outside_layers_bytes(inventory, s, b, tp, last, True, element)
+        other = element * s * b * inventory.hidden_size * (1 + (2 if pp > 1 else 0) / tp)  # gathered input, p2p
+        split = dict(parameters=state.parameters, gradients=state.gradients, main_params=state.main_params,
+                     optimizer=state.optimizer, activations=int(activations), other=int(other))
+        split["total"] = sum(split.values())
+        if split["total"] > worst[0]:
+            worst = (split["total"], rank, split)
+    _, record.stage, record.bytes = worst
+    shape = TransformerShape(s=s, b=1, h=inventory.hidden_size, a=inventory.num_heads, L=inventory.num_layers,
+                             v=inventory.vocab_size, ffn_hidden_size=inventory.ffn_hidden_size,
+                             num_kv_heads=inventory.num_kv_heads, gated_mlp=inventory.gated_mlp)
+    model = model_flops_per_iteration(shape, global_batch)
+    executed = hardware_flops_per_iteration(shape, global_batch, record.recompute)
+    record.flops = {"model": model, "hardware": executed}
+    sbh = element * s * b * inventory.hidden_size
+    layers_per_rank = inventory.num_layers // pp
+    collectives = 8 + (4 if record.recompute == "full" else 0)
+    gradient_bytes = state_bytes(inventory, tp, pp, 1, pipeline_rank=record.stage, vpp=vpp,
+                                 precision="32-true").parameters  # reduced in float32
+    record.collective_bytes = {
+        "tensor": layers_per_rank * m * collectives * ring_bytes("all_gather", sbh, tp),
+        "data": ring_bytes("all_reduce", gradient_bytes, dp),
+        "pipeline": (2 * m * vpp * sbh / tp) if pp > 1 else 0.0,
+    }
+    compute = executed / (tp * pp * dp) / (hardware.efficiency * hardware.peak_flops)
+    record.bubble = (pp - 1) / (vpp * m) if pp > 1 else 0.0
+    inter = dp * tp * pp > hardware.gpus_per_node
+    times = {
+        "compute": compute,
+        "tensor": record.collective_bytes["tensor"] / hardware.intra_node_bandwidth,
+        "data": record.collective_bytes["data"] / (hardware.inter_node_bandwidth if inter else hardware.intra_node_bandwidth),
+        "pipeline": record.collective_bytes["pipeline"] / hardware.inter_node_bandwidth,
+        "bubble": record.bubble * compute,
+    }
+    times["total"] = sum(times.values())
+    record.step_time = times
+    budget = headroom * hardware.memory
+    if record.bytes["total"] > budget:
+        record.reason = (f"needs {record.bytes['total'] / 1e9:.1f} GB > {headroom:g} × {hardware.memory / 1e9:g} GB on "
+                         f"stage {record.stage}")
+        return
+    record.feasible = True

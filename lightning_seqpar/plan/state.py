@@ -1,0 +1,105 @@
+"""Model-state bytes of one rank: parameters, gradients, main params and optimizer state, as the strategy holds them.
+
+Per element of the parameters a rank holds (:func:`held_entries`):
+
+=============  =====================  ==========================================================================
+precision      parameters, gradients  AdamW state (``exp_avg``, ``exp_avg_sq``) and main params
+=============  =====================  ==========================================================================
+``32-true``    4 + 4                  2 × 4
+``bf16-mixed`` 4 + 4                  2 × 4 (the parameters are float32; autocast computes in bfloat16)
+``bf16-true``  2 + 2                  2 × 2; under ``zero=1`` with ``main_params`` a float32 main copy (4) and
+                                      its state 2 × 4
+``64-true``    8 + 8                  2 × 8
+=============  =====================  ==========================================================================
+
+Under ``zero=1`` (Megatron's distributed optimizer) the state and main params cover the rank's element range of each
+parameter, ``ceil(n / d)`` elements (the last ranges shorter). Gradients are reduced in float32 for 16-bit parameters
+(``r = max(4, bytes per element)``):
+
+- ``zero=0``, ``d = 1``: each parameter's ``.grad``;
+- ``zero=0``, ``d > 1``: the all-reduce buckets, ``n·r`` per parameter, which the ``.grad`` of a parameter of that
+  dtype is a view of (a 16-bit ``.grad`` is kept beside them);
+- ``zero=1``: the reduce-scatter buckets, ``d·ceil(n / d)·r`` per parameter, and the reduced range kept for the
+  update, ``ceil(n / d)·r``; no ``.grad`` after the step.
+
+AdamW also keeps a float32 ``step`` per parameter (4 bytes). Bytes, exact: equal to what each rank holds after a step
+(``tests/plan/test_state_bytes.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from lightning_seqpar.optim.sharded_buckets import owned_range
+from lightning_seqpar.pipeline_parallel.layout import StageLayout
+from lightning_seqpar.plan.inventory import ModelInventory, ParameterEntry
+
+PARAMETER_BYTES = {"32-true": 4, "bf16-mixed": 4, "bf16-true": 2, "64-true": 8}
+ADAM_STATES = 2
+STEP_BYTES = 4
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Model-state bytes of one rank (see the module docstring)."""
+
+    parameters: int
+    gradients: int
+    main_params: int
+    optimizer: int
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.gradients + self.main_params + self.optimizer
+
+
+def stage_layout(inventory: ModelInventory, pp: int, vpp: int = 1,
+                 pipeline_split: Optional[Sequence[int]] = None) -> StageLayout:
+    """The strategy's layers per virtual stage (:meth:`StageLayout.build`; raises its ``ValueError``)."""
+    return StageLayout.build(inventory.num_layers, pp, vpp, pipeline_split)
+
+
+def held_entries(inventory: ModelInventory, layout: StageLayout, pipeline_rank: int) -> list[ParameterEntry]:
+    """The parameters pipeline rank ``pipeline_rank`` holds: its stages' layers; the embedding on the first rank and
+    the final norm and head on the last (a tied embedding on both); any other parameter everywhere."""
+    layers = {i for stage in layout.stages_of(pipeline_rank) for i in range(*layout.bounds(stage))}
+    first = pipeline_rank == layout.rank_of(0)
+    last = pipeline_rank == layout.rank_of(layout.num_stages - 1)
+
+    def held(entry: ParameterEntry) -> bool:
+        if entry.part == "layer":
+            return entry.layer in layers
+        if entry.part == "embedding":
+            return first or (entry.tied and last)
+        if entry.part in ("head", "final"):
+            return last
+        return True
+
+    return [e for e in inventory.entries if held(e)]
+
+
+def state_bytes(inventory: ModelInventory, tp: int, pp: int = 1, dp: int = 1, *, pipeline_rank: int = 0,
+                data_rank: int = 0, vpp: int = 1, zero: int = 0, precision: str = "bf16-mixed",
+                main_params: bool = False, pipeline_split: Optional[Sequence[int]] = None) -> StateBytes:
+    """Model-state bytes of the rank at ``(pipeline_rank, data_rank)`` (every tensor-parallel rank holds as much).
+
+    Raises:
+        ValueError: an unknown precision, or a pipeline split the strategy refuses.
+    """
+    if precision not in PARAMETER_BYTES:
+        raise ValueError(f"precision={precision!r}: one of {sorted(PARAMETER_BYTES)}.")
+    element = PARAMETER_BYTES[precision]
+    reduced = max(4, element)
+    local = [e.local_numel(tp) for e in held_entries(inventory, stage_layout(inventory, pp, vpp, pipeline_split),
+                                                     pipeline_rank)]
+    total = sum(local)
+    steps = STEP_BYTES * len(local)
+    if zero == 0:
+        gradients = total * element if dp == 1 else total * reduced + (total * element if element < reduced else 0)
+        return StateBytes(total * element, gradients, 0, ADAM_STATES * total * element + steps)
+    widths = [-(-n // dp) for n in local]
+    owned = sum(stop - start for start, stop in (owned_range(n, dp, data_rank) for n in local))
+    main = 4 if main_params and element < 4 else 0
+    gradients = (dp + 1) * sum(widths) * reduced
+    return StateBytes(total * element, gradients, owned * main, ADAM_STATES * owned * (main or element) + steps)

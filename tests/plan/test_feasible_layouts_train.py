@@ -1,0 +1,71 @@
+"""Every layout the planner marks feasible for a toy model on 4 GPUs constructs under the strategy and takes a
+training step (one of each tensor/pipeline/virtual-stage/data/ZeRO combination, with its micro-batches and
+recomputation), and its most loaded rank's model-state bytes are what that rank holds."""
+
+from __future__ import annotations
+
+import math
+
+import lightning.pytorch as pl
+import pytest
+
+from lightning_seqpar import SelectiveRecompute, SeqParallelStrategy
+from lightning_seqpar.lightning.config import DataParallelConfig
+from lightning_seqpar.plan import Hardware, inventory_of_hf_model, plan
+from tests.helpers.distributed import run_distributed
+from tests.helpers.models import SEQ, build, loader, token_data
+from tests.plan.test_state_bytes import _Held
+
+pytestmark = pytest.mark.distributed  # starts processes: outside the fast lane
+
+MODEL = dict(layers=4, kv_heads=4, labels=True)
+GLOBAL_BATCH = 8
+
+
+def _layouts():
+    records = plan(inventory_of_hf_model(build("hf", **MODEL).model), 4, SEQ, GLOBAL_BATCH, precision="32-true",
+                   hardware=Hardware(memory=1e12), micro_batches=(1, 2))
+    kinds: dict[tuple, list] = {}
+    for r in records:
+        if r.feasible:
+            kinds.setdefault((r.tp, r.pp, r.vpp, r.dp, r.zero), []).append(r)
+    chosen = []  # one per kind, the recomputation and micro-batch size taking turns
+    for i, candidates in enumerate(kinds.values()):
+        want = (("selective", "full", "none")[i % 3], (1, 2)[i % 2])
+        chosen.append(next((r for r in candidates if (r.recompute, r.micro_batch) == want), candidates[0]))
+    return chosen, records
+
+
+def _steps(rank, world, layouts):
+    out = []
+    for r in layouts:
+        held = _Held()
+        pipeline = dict(num_microbatches=r.num_microbatches, virtual_stages=r.vpp,
+                        schedule="interleaved_1F1B" if r.vpp > 1 else "1F1B") if r.pp > 1 else {}
+        strategy = SeqParallelStrategy(tp=r.tp, pp=r.pp, data_parallel=DataParallelConfig(zero=r.zero), **pipeline)
+        callbacks = [held, *([SelectiveRecompute(granularity=r.recompute)] if r.recompute != "none" else [])]
+        # Micro-batches: the pipeline schedule's under pp, gradient accumulation otherwise; either way one step.
+        batch, accumulate = (GLOBAL_BATCH // r.dp, 1) if r.pp > 1 else (r.micro_batch, r.num_microbatches)
+        trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, precision="32-true", max_steps=1,
+                             accumulate_grad_batches=accumulate, logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                             num_sanity_val_steps=0, callbacks=callbacks)
+        data = token_data(GLOBAL_BATCH // (r.dp * batch), r.dp, batch=batch)
+        trainer.fit(build("hf", **MODEL), loader(data, batch))
+        out.append((trainer.callback_metrics["train/loss"].item(), held.held))
+    return out
+
+
+def test_every_feasible_kind_of_layout_trains_and_holds_the_predicted_state():
+    layouts, records = _layouts()
+    kinds = {(r.tp, r.pp, r.vpp, r.dp, r.zero) for r in layouts}
+    assert {(2, 2, 1, 1, 0), (1, 2, 2, 2, 1), (4, 1, 1, 1, 0)} - kinds == set()  # tp 4: vocabulary padded 13 -> 16
+    assert any(not r.feasible for r in records)  # e.g. pp 4 x vpp 2 needs 8 layers
+    results = run_distributed(_steps, 4, layouts)
+    for index, r in enumerate(layouts):
+        for rank in results:
+            loss, held = rank[index]
+            assert math.isfinite(loss), r
+            if held["coordinates"][0] == r.stage and held["coordinates"][1] == 0:  # the most loaded stage
+                predicted = {k: r.bytes[k] for k in ("parameters", "gradients", "main_params", "optimizer")}
+                assert {k: held[k] for k in predicted} == predicted, r

@@ -1,0 +1,125 @@
+"""The planner at full size on CPU: real configs inventoried on the meta device (their parameter counts, every rank's
+share), every feasibility rule triggered, the records and the command line."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from lightning_seqpar.plan import Hardware, LayoutRecord, model_inventory, plan, state_bytes
+from lightning_seqpar.plan.__main__ import main
+from lightning_seqpar.plan.planner import _rule
+from lightning_seqpar.plan.state import held_entries, stage_layout
+
+# Published configs, written here (nothing is downloaded).
+LLAMA3_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                 num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
+                 tie_word_embeddings=False)
+LLAMA3_70B = dict(LLAMA3_8B, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64)
+QWEN3_32B = dict(model_type="qwen3", vocab_size=151936, hidden_size=5120, intermediate_size=25600,
+                 num_hidden_layers=64, num_attention_heads=64, num_key_value_heads=8, head_dim=128,
+                 max_position_embeddings=40960, tie_word_embeddings=False)
+# The parameter counts their model cards state.
+PUBLISHED = {"llama3-8b": (LLAMA3_8B, 8_030_261_248), "llama3-70b": (LLAMA3_70B, 70_553_706_496),
+             "qwen3-32b": (QWEN3_32B, 32_762_123_264)}
+
+
+@pytest.fixture(scope="module")
+def inventories():
+    return {name: model_inventory(config) for name, (config, _) in PUBLISHED.items()}
+
+
+@pytest.mark.parametrize("name", PUBLISHED)
+def test_real_configs_are_counted_exactly_and_every_rank_s_share_adds_up(inventories, name):
+    inventory, total = inventories[name], PUBLISHED[name][1]
+    assert inventory.num_parameters == total
+    for tp, pp, vpp in [(1, 1, 1), (8, 1, 1), (4, 4, 1), (8, 8, 1), (2, 4, 2), (8, 16, 1)]:
+        if inventory.num_layers % (pp * vpp):
+            continue
+        layout = stage_layout(inventory, pp, vpp)
+        # Summed over the t ranks of every stage: each split parameter once (the vocabulary with its padding rows),
+        # each replicated one t times, and what every stage holds p times.
+        held = sum(e.local_numel(tp) * tp for rank in range(pp) for e in held_entries(inventory, layout, rank))
+        padding = (-(-inventory.vocab_size // tp) * tp - inventory.vocab_size) * inventory.hidden_size * 2
+        replicated = sum(e.numel for e in inventory.entries if e.split == "replicated") * (tp - 1)
+        assert held == total + padding + replicated, (tp, pp, vpp)
+        first = state_bytes(inventory, tp, pp, 1, pipeline_rank=0, vpp=vpp, precision="bf16-true")
+        assert first.parameters == 2 * sum(e.local_numel(tp) for e in held_entries(inventory, layout, 0))
+
+
+def test_the_vocabulary_is_padded_to_a_multiple_of_t_on_the_first_and_last_stage_only(inventories):
+    inventory = inventories["llama3-8b"]
+    layout = stage_layout(inventory, 4)
+    names = [{e.name for e in held_entries(inventory, layout, rank)} for rank in range(4)]
+    assert "model.embed_tokens.weight" in names[0] and "lm_head.weight" in names[3]
+    assert not {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"} & (names[1] | names[2])
+    embedding = next(e for e in inventory.entries if e.name == "model.embed_tokens.weight")
+    assert embedding.local_numel(3) == 42752 * 4096  # ceil(128256 / 3) rows
+
+
+def _record(**layout) -> LayoutRecord:
+    values = dict(tp=1, cp=1, pp=1, vpp=1, dp=1, zero=0, micro_batch=1, num_microbatches=0, recompute="selective",
+                  main_params=False)
+    values.update(layout)
+    return LayoutRecord(**values)
+
+
+@pytest.mark.parametrize("layout, seq_len, batch, reason", [
+    (dict(tp=16), 8192, 512, "tp=16 spans nodes (8 GPUs per node)"),
+    (dict(tp=8), 8192, 512, None),
+    (dict(tp=3), 8192, 512, "heads=64 not divisible by tp=3"),
+    (dict(pp=3), 8192, 512, "layers=80 not divisible by pp·vpp=3"),
+    (dict(dp=3), 8192, 512, "global_batch=512 not divisible by dp·micro_batch=3"),
+    (dict(pp=8, dp=64), 8192, 512, None),  # 8 micro-batches for 8 stages
+    (dict(pp=8, dp=128), 8192, 512, "micro-batches=4 < pp=8: stages would idle"),
+    (dict(pp=4, vpp=2, dp=16, micro_batch=2), 8192, 192, "micro-batches=6 not divisible by pp=4"),
+    (dict(tp=8), 8190, 512, "seq_len=8190 not divisible by tp=8"),
+])
+def test_each_rule_rejects_with_its_reason(inventories, layout, seq_len, batch, reason):
+    got = _record(**layout)
+    found = _rule(got, inventories["llama3-70b"], seq_len, batch, Hardware())
+    assert (found is None) if reason is None else (found is not None and found.startswith(reason)), found
+
+
+def test_key_value_heads_and_the_mlp_width_are_checked_too(inventories):
+    assert _rule(_record(tp=16), inventories["qwen3-32b"], 8192, 512, Hardware(gpus_per_node=16)) == \
+        "kv_heads=8 not divisible by tp=16"
+    assert _rule(_record(tp=8), model_inventory(dict(LLAMA3_8B, intermediate_size=14340)), 8192, 512, Hardware()) \
+        == "ffn=14340 not divisible by tp=8"
+
+
+def test_layouts_are_ranked_feasible_first_and_memory_rejections_name_the_bytes(inventories):
+    records = plan(inventories["llama3-70b"], 64, 8192, 512, hardware=Hardware(memory=80e9))
+    feasible = [r for r in records if r.feasible]
+    assert feasible and all(r.bytes["total"] <= 0.8 * 80e9 for r in feasible)
+    times = [r.step_time["total"] for r in feasible]
+    assert times == sorted(times)
+    assert records[:len(feasible)] == feasible
+    too_big = [r for r in records if not r.feasible and r.bytes]
+    assert too_big and all(r.reason.startswith("needs ") and "> 0.8 × 80 GB on stage" in r.reason for r in too_big)
+    assert any(r.tp == 1 and r.pp == 1 for r in too_big)  # 70B unsplit on 80 GB cannot fit
+    best = feasible[0]
+    assert best.bytes["total"] == sum(v for k, v in best.bytes.items() if k != "total")
+    assert set(best.step_time) == {"compute", "tensor", "data", "pipeline", "bubble", "total"}
+
+
+def test_the_command_line_prints_the_table_and_the_json_records(tmp_path, capsys):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(LLAMA3_8B))
+    assert main([str(config), "--gpus", "8", "--seq-len", "4096", "--global-batch", "32", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "LlamaForCausalLM: 8.03 B parameters" in out
+    assert [line.split(" | ")[0] for line in out.splitlines() if re.match(r"\| \d+ \| ", line)] == ["| 1", "| 2", "| 3"]
+    assert "Rejected:" in out
+    assert main([str(tmp_path), "--gpus", "8", "--seq-len", "4096", "--global-batch", "32", "--json"]) == 0
+    records = json.loads(capsys.readouterr().out)
+    keys = {"tp", "cp", "pp", "vpp", "dp", "zero", "micro_batch", "recompute", "feasible", "reason", "bytes"}
+    assert records and all(keys <= set(r) for r in records)
+    assert {r["feasible"] for r in records} == {True, False}
+    assert all((r["reason"] is None) == r["feasible"] for r in records)
+    parts = {"parameters", "gradients", "main_params", "optimizer", "activations", "other", "total"}
+    assert all(set(r["bytes"]) == parts for r in records if r["feasible"])
+    with pytest.raises(FileNotFoundError, match="neither a config.json"):
+        main([str(tmp_path / "missing"), "--gpus", "8", "--seq-len", "4096", "--global-batch", "32"])

@@ -1,0 +1,98 @@
+"""The planner's model-state bytes equal what each rank of the strategy holds after a training step: parameters,
+gradients (with their reduction buckets), main params and optimizer state, per pipeline and data-parallel rank, over
+layouts with vocabulary padding, tied and untied embeddings, uneven and interleaved pipeline stages, zero 0 and 1,
+every precision, and the Llama, GPT-2 and Phi-3 (fused, unequal q/k/v) layouts."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from lightning_seqpar import SeqParallelStrategy
+from lightning_seqpar.lightning.config import DataParallelConfig
+from lightning_seqpar.plan.models import inventory_of_hf_model
+from lightning_seqpar.plan.state import state_bytes
+from tests.helpers.distributed import run_distributed
+from tests.helpers.models import build, loader, token_data
+
+pytestmark = pytest.mark.distributed  # starts processes: outside the fast lane
+
+# (model options, tp, pp, zero, precision, fp32 main params, strategy extras): world 4, dp = 4 / (tp·pp)
+LAYOUTS = [
+    (dict(tie=True), 2, 2, 0, "32-true", False, {}),                      # vocabulary 13 padded to 14, tied over stages
+    (dict(), 2, 1, 0, "bf16-true", False, {}),                            # dp 2: 16-bit .grad beside float32 buckets
+    (dict(), 2, 1, 1, "32-true", False, {}),                              # zero 1: reduce-scatter buckets, ranges
+    (dict(tie=True), 1, 2, 1, "bf16-true", True, {}),                     # float32 main params of the ranges
+    (dict(tie=True), 1, 1, 0, "bf16-mixed", False, {}),                   # dp 4: float32 parameters, all-reduce
+    (dict(kv_heads=4), 4, 1, 0, "32-true", False, {}),                    # vocabulary 13 padded to 16
+    (dict(layers=4), 1, 2, 1, "32-true", False, dict(pipeline_split=(1, 3))),  # uneven stages, uneven ranges
+    (dict(layers=4, tie=True), 2, 2, 0, "32-true", False,
+     dict(virtual_stages=2, schedule="interleaved_1F1B", num_microbatches=2)),  # interleaved: two chunks per rank
+    (dict(family="gpt2"), 2, 2, 0, "32-true", False, {}),                 # Conv1D, biases, learned positions
+    (dict(family="phi3"), 2, 1, 1, "bf16-true", True, {}),                # fused q/k/v of unequal sizes
+]
+
+
+def _bytes(tensors) -> int:
+    storages = {}
+    for t in tensors:
+        if t is not None and t.numel():
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+class _Held(pl.Callback):
+    """What this rank holds after its step, by kind (bytes of distinct storages)."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        params = list({id(p): p for p in pl_module.parameters()}.values())
+        optimizer = trainer.optimizers[0]
+        inner = getattr(optimizer, "inner", optimizer)  # the distributed optimizer's wrapped AdamW
+        own = {p.untyped_storage().data_ptr() for p in params}
+        pieces = [p for g in inner.param_groups for p in g["params"]] if inner is not optimizer else []
+        buckets = [*getattr(trainer.strategy.grad_sync.buckets, "buckets", []),
+                   *getattr(getattr(optimizer, "buckets", None), "buckets", [])]
+        reduction = [b.buffer for b in buckets] + [getattr(b, "reduced", None) for b in buckets]
+        mesh = trainer.strategy.mesh
+        self.held = dict(
+            coordinates=(mesh.pipeline.rank, mesh.data.rank),
+            parameters=_bytes(params),
+            gradients=_bytes([*[p.grad for p in params], *reduction]),
+            main_params=_bytes([p for p in pieces if p.untyped_storage().data_ptr() not in own]),
+            optimizer=_bytes([v for state in inner.state.values() for v in state.values() if torch.is_tensor(v)]),
+        )
+
+
+def _measure(rank, world):
+    out = []
+    for options, tp, pp, zero, precision, main, extra in LAYOUTS:
+        held = _Held()
+        parallel = DataParallelConfig(zero=zero, fp32_main_params=main)
+        trainer = pl.Trainer(accelerator="cpu", devices=world, precision=precision, max_steps=1, logger=False,
+                             strategy=SeqParallelStrategy(tp=tp, pp=pp, data_parallel=parallel, **extra),
+                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                             limit_val_batches=0, num_sanity_val_steps=0, callbacks=[held])
+        trainer.fit(build("hf", labels=True, **options), loader(token_data(1, world // (tp * pp))))
+        out.append(held.held)
+    return out
+
+
+@pytest.fixture(scope="module")
+def held():
+    return run_distributed(_measure, 4)
+
+
+@pytest.mark.parametrize("index", range(len(LAYOUTS)), ids=lambda i: str(LAYOUTS[i][:6]))
+def test_predicted_model_state_bytes_equal_what_each_rank_holds(held, index):
+    options, tp, pp, zero, precision, main, extra = LAYOUTS[index]
+    inventory = inventory_of_hf_model(build("hf", **options).model)
+    for rank in held:
+        got = rank[index]
+        pipeline_rank, data_rank = got["coordinates"]
+        want = state_bytes(inventory, tp, pp, 4 // (tp * pp), pipeline_rank=pipeline_rank, data_rank=data_rank,
+                           vpp=extra.get("virtual_stages", 1), zero=zero, precision=precision, main_params=main,
+                           pipeline_split=extra.get("pipeline_split"))
+        assert {k: got[k] for k in ("parameters", "gradients", "main_params", "optimizer")} == {
+            "parameters": want.parameters, "gradients": want.gradients, "main_params": want.main_params,
+            "optimizer": want.optimizer}, (pipeline_rank, data_rank)
