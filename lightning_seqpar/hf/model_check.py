@@ -73,6 +73,11 @@ def _head_dim(config: Any) -> int:
                 and round(d * factor) % 2 == 0 and round(d * factor) > 0)
 
 
+def probe_head_dim(config: Any) -> int:
+    """Values per head of a small copy of the model of ``config`` (:func:`small_config`)."""
+    return _head_dim(config)
+
+
 def small_config(config: Any, tp: int, overrides: Optional[dict[str, Any]] = None) -> Any:
     """A copy of ``config`` with the same layers and heads, small widths, and ``overrides`` set."""
     small = copy.deepcopy(config)
@@ -82,16 +87,23 @@ def small_config(config: Any, tp: int, overrides: Optional[dict[str, Any]] = Non
     vocab = _HEAD_DIM * tp + 1  # not a multiple of t: the padding of the vocabulary is checked too
     for key, value in (("hidden_size", hidden), ("head_dim", head_dim), ("intermediate_size", _HEAD_DIM * tp),
                        ("n_embd", hidden), ("n_inner", _HEAD_DIM * tp), ("vocab_size", vocab)):
-        if key in vars(small) or hasattr(type(small), key) and isinstance(getattr(type(small), key), property) \
-                and getattr(type(small), key).fset is not None:
-            setattr(small, key, value)  # a read-only property (derived from others) follows them
+        if _settable(small, key):
+            setattr(small, key, value)
     for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
         value = getattr(small, key, None)
         if isinstance(value, int) and value >= vocab:
             setattr(small, key, None)
     for key, value in (overrides or {}).items():
-        setattr(small, key, value)
+        if _settable(small, key) or not hasattr(small, key):
+            setattr(small, key, value)
     return small
+
+
+def _settable(config: Any, key: str) -> bool:
+    """Whether ``config`` holds ``key`` itself, or as a property with a setter (a read-only property is derived from
+    other sizes and follows them)."""
+    attribute = getattr(type(config), key, None)
+    return key in vars(config) or isinstance(attribute, property) and attribute.fset is not None
 
 
 def small_model(model: nn.Module, tp: int, overrides: Optional[dict[str, Any]] = None) -> nn.Module:

@@ -3,7 +3,8 @@
 - :mod:`.inventory`, :mod:`.models`: the model's parameters and how the strategy splits them (built on the meta
   device from its config);
 - :mod:`.state`: model-state bytes per rank, exact (equal to what the strategy's ranks hold);
-- :mod:`.activations`: activation bytes of the micro-batches in flight (the paper's model, uncalibrated);
+- :mod:`.probe`: a layer's activation bytes measured on small copies of the model and scaled (calibrated);
+- :mod:`.activations`: the micro-batches in flight, the last stage's logits, and Table 2's model;
 - :mod:`.cost`: the step-time model and the hardware rates;
 - :mod:`.planner`: :func:`plan`, the ranked records; ``python -m lightning_seqpar.plan`` prints them.
 """

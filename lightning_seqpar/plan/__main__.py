@@ -75,12 +75,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--efficiency", type=float, default=0.5, help="fraction of peak FLOP/s reached")
     parser.add_argument("--top", type=int, default=10)
     parser.add_argument("--json", action="store_true", help="every layout considered, as JSON records")
+    parser.add_argument("--analytic", action="store_true",
+                        help="activations from Table 2's model instead of probes of the model's layer (faster)")
     args = parser.parse_args(argv)
     memory = float(parse_size(args.gpu_memory)) if args.gpu_memory else None
     hardware = Hardware.named(args.gpu, memory=memory, gpus_per_node=args.gpus_per_node, efficiency=args.efficiency)
     inventory = model_inventory(args.model, args.seq_len)
     records = plan(inventory, args.gpus, args.seq_len, args.global_batch, hardware=hardware,
-                   precision=args.precision, headroom=args.headroom)
+                   precision=args.precision, headroom=args.headroom, calibrate=not args.analytic)
     if args.json:
         json.dump([r.as_dict() for r in records], sys.stdout, indent=1)
         print()
@@ -88,9 +90,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"{inventory.name}: {inventory.num_parameters / 1e9:.2f} B parameters, L={inventory.num_layers}, "
           f"h={inventory.hidden_size}, a={inventory.num_heads}, kv heads={inventory.num_kv_heads}, v={inventory.vocab_size}; "
           f"{args.gpus} × {args.gpu} ({hardware.memory / GB:g} GB, {args.headroom:g} usable), s={args.seq_len}, "
-          f"global batch {args.global_batch} sequences, {args.precision}. Model-state bytes exact; activations "
-          f"from the analytic model (uncalibrated); step time: compute at {args.efficiency:g} of peak + collectives "
-          f"+ bubble, nothing overlapped.")
+          f"global batch {args.global_batch} sequences, {args.precision}. Model-state bytes exact; a layer's "
+          f"activations {'from Table 2' if args.analytic else 'measured on small copies of it and scaled'}, times "
+          f"the micro-batches in flight; step time: compute at {args.efficiency:g} of peak + collectives + bubble, "
+          f"nothing overlapped.")
     print(table(records, hardware, args.top))
     return 0
 

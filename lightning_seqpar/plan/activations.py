@@ -17,7 +17,8 @@ times ``1 + (p − 1)/(p·v)`` interleaved with v chunks (§4.2.3); GPipe keeps 
 rank the final norm's and the head's inputs ``2·e·sbh / split`` and the vocabulary-parallel loss's float32 logits and
 their softmax ``8·sbv / t``.
 
-Not yet calibrated against measured peaks: an analytic model, stated as such in the planner's output.
+The per-layer figure here is the analytic one (``--analytic``); by default the planner measures the model's own layer
+(:mod:`.probe`).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ head on the last; a tied embedding and head on both; any other parameter on ever
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
 import torch.nn as nn
@@ -92,7 +92,8 @@ class ModelInventory:
     gated_mlp: bool
     attention_dropout: float = 0.0
     eager_attention: bool = True
-    notes: list[str] = field(default_factory=list)
+    config: Any = None
+    """the Hugging Face config the model was built from (what the activation probes copy)"""
 
     @property
     def num_parameters(self) -> int:

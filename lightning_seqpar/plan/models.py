@@ -79,4 +79,6 @@ def inventory_of_hf_model(model: Any, name: Optional[str] = None) -> ModelInvent
         from lightning_seqpar.policies import explain
 
         explain(model, tp=1, verify=False)  # raises, naming each block class and why it is not known
-    return inventory_of_model(model, specs, name=name)
+    inventory = inventory_of_model(model, specs, name=name)
+    inventory.config = getattr(model, "config", None)
+    return inventory

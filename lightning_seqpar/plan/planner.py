@@ -3,7 +3,8 @@
 :func:`plan` enumerates tensor, pipeline (with virtual stages) and data parallel sizes, ZeRO, micro-batch size and
 recomputation; checks each against the strategy's rules (the reason of each rejection in the field's words); for each
 feasible one predicts, per pipeline rank, the model-state bytes (exact: :mod:`.state`), the activations of the
-micro-batches in flight (:mod:`.activations`), the communication buffers, the FLOPs, the bytes per collective kind and
+micro-batches in flight (a layer's bytes measured on small copies of the model and scaled, :mod:`.probe`; Table 2's
+model, :mod:`.activations`, where the model cannot be probed), the communication buffers, the FLOPs, the bytes per collective kind and
 the step time (:mod:`.cost`); a layout fits when its most loaded rank stays within ``headroom × memory`` (0.8 by
 default: Fujii et al. found no run under 80 % of device memory that ran out).
 """
@@ -69,13 +70,17 @@ def _divisors(n: int) -> list[int]:
 
 def plan(inventory: ModelInventory, gpus: int, seq_len: int, global_batch: int, *, hardware: Hardware = Hardware(),
          precision: str = "bf16-mixed", headroom: float = 0.8, schedule: str = "1F1B",
-         micro_batches: tuple[int, ...] = (1, 2, 4), attention_dropout: bool = False) -> list[LayoutRecord]:
+         micro_batches: tuple[int, ...] = (1, 2, 4), attention_dropout: bool = False,
+         calibrate: bool = True) -> list[LayoutRecord]:
     """Every layout of ``inventory`` on ``gpus`` GPUs, feasible ones first by predicted step time, then the rejected.
 
     Args:
         seq_len: s, tokens per sequence. global_batch: sequences per optimizer step.
         precision: ``bf16-mixed``, ``bf16-true`` (with float32 main params under zero 1), ``32-true``.
         headroom: the fraction of ``hardware.memory`` a feasible layout may fill.
+        calibrate: a layer's activation bytes measured on small copies of the model and scaled
+            (:mod:`~lightning_seqpar.plan.probe`; a Hugging Face model), else the analytic model
+            (:mod:`~lightning_seqpar.plan.activations`).
 
     Raises:
         ValueError: ``gpus``, ``seq_len`` or ``global_batch`` below 1, or an unknown precision.
@@ -85,6 +90,7 @@ def plan(inventory: ModelInventory, gpus: int, seq_len: int, global_batch: int, 
     if precision not in PARAMETER_BYTES:
         raise ValueError(f"precision={precision!r}: one of {sorted(PARAMETER_BYTES)}.")
     records = []
+    fits: dict[tuple, Any] = {}
     for tp in _divisors(gpus):
         for pp in _divisors(gpus // tp):
             dp = gpus // (tp * pp)
@@ -95,7 +101,7 @@ def plan(inventory: ModelInventory, gpus: int, seq_len: int, global_batch: int, 
                             record = LayoutRecord(tp, 1, pp, vpp, dp, zero, mbs, 0, recompute,
                                                   main_params=zero == 1 and precision == "bf16-true")
                             _evaluate(record, inventory, seq_len, global_batch, hardware, precision, headroom,
-                                      schedule, attention_dropout)
+                                      schedule, attention_dropout, fits if calibrate else None)
                             records.append(record)
     feasible = sorted((r for r in records if r.feasible), key=lambda r: r.step_time["total"])
     return feasible + [r for r in records if not r.feasible]
@@ -127,15 +133,30 @@ def _rule(record: LayoutRecord, inventory: ModelInventory, s: int, global_batch:
     return None
 
 
+def _layer_bytes(record: LayoutRecord, inventory: ModelInventory, s: int, precision: str, dropout: bool,
+                 fits: Optional[dict[tuple, Any]]) -> float:
+    """One layer's activation bytes per micro-batch: measured and scaled where the model can be probed."""
+    if fits is None or inventory.config is None:
+        element = 2 if precision.startswith("bf16") else PARAMETER_BYTES[precision]
+        return layer_bytes(inventory, s, record.micro_batch, record.tp, True, record.recompute, element, dropout)
+    key = (record.tp, record.recompute, precision)
+    if key not in fits:
+        from lightning_seqpar.plan.probe import fit_layer
+
+        fits[key] = fit_layer(inventory.config, record.tp, True, record.recompute, precision)
+    return fits[key].bytes(s, record.micro_batch, inventory.head_dim, inventory.ffn_hidden_size)
+
+
 def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_batch: int, hardware: Hardware,
-              precision: str, headroom: float, schedule: str, dropout: bool) -> None:
+              precision: str, headroom: float, schedule: str, dropout: bool,
+              fits: Optional[dict[tuple, Any]] = None) -> None:
     record.reason = _rule(record, inventory, s, global_batch, hardware)
     if record.reason is not None:
         return
     tp, pp, vpp, dp, b, m = record.tp, record.pp, record.vpp, record.dp, record.micro_batch, record.num_microbatches
     element = 2 if precision.startswith("bf16") else PARAMETER_BYTES[precision]
     layout = stage_layout(inventory, pp, vpp)
-    per_layer = layer_bytes(inventory, s, b, tp, True, record.recompute, element, dropout)
+    per_layer = _layer_bytes(record, inventory, s, precision, dropout, fits)
     worst: tuple[float, int, dict[str, int]] = (-1.0, 0, {})
     for rank in range(pp):
         state: StateBytes = state_bytes(inventory, tp, pp, dp, pipeline_rank=rank, vpp=vpp, zero=record.zero,

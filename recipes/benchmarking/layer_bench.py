@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 from recipes.benchmarking.comm_counter import CollectiveCounter
 from recipes.benchmarking.native_tp import NativeBlock, parallelize_native
 from lightning_seqpar.memory.activations import TransformerShape, layer_activation_bytes
-from recipes.benchmarking.tracker import LiveActivationTracker
+from lightning_seqpar.memory.tracker import LiveActivationTracker
 from lightning_seqpar.models.gpt import Block, GPTConfig
 from lightning_seqpar.models.parallel_gpt import parallel_gpt_block
 from lightning_seqpar.parallel.collectives import CommunicationLog, ParallelGroup

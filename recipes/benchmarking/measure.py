@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 from lightning_seqpar.memory.activations import Recompute, TransformerShape, layer_activation_terms
-from recipes.benchmarking.tracker import LiveActivationTracker, StorageRecord
+from lightning_seqpar.memory.tracker import LiveActivationTracker, StorageRecord
 from lightning_seqpar.models.gpt import GPT, GPTConfig
 from lightning_seqpar.parallel.collectives import ParallelGroup
 from lightning_seqpar.parallel.random import RNGTracker

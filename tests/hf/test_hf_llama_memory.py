@@ -21,7 +21,7 @@ def _measure(rank, world_size, sp):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from lightning_seqpar import ParallelGroup, RewriteContext, RNGTracker, rewrite
-    from recipes.benchmarking.tracker import LiveActivationTracker
+    from lightning_seqpar.memory.tracker import LiveActivationTracker
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=32, hidden_size=H, intermediate_size=F, num_hidden_layers=3, num_attention_heads=4,

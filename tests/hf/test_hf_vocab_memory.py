@@ -15,7 +15,7 @@ def _kept_outside_layers(rank, world_size):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from lightning_seqpar import ParallelGroup, RewriteContext, rewrite
-    from recipes.benchmarking.tracker import LiveActivationTracker
+    from lightning_seqpar.memory.tracker import LiveActivationTracker
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=2 * H, num_hidden_layers=1, num_attention_heads=4,

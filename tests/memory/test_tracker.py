@@ -2,7 +2,7 @@
 
 import torch
 
-from recipes.benchmarking.tracker import LiveActivationTracker
+from lightning_seqpar.memory.tracker import LiveActivationTracker
 
 
 def test_tracker_counts_live_outputs_once_and_ignores_views_and_inputs():

@@ -9,7 +9,7 @@ import pytest
 from torch.utils.data import DataLoader
 
 from lightning_seqpar import SeqParallelStrategy
-from recipes.benchmarking.tracker import LiveActivationTracker
+from lightning_seqpar.memory.tracker import LiveActivationTracker
 from tests.helpers.distributed import run_distributed
 from tests.helpers.models import build, token_data
 

@@ -91,7 +91,7 @@ def test_key_value_heads_and_the_mlp_width_are_checked_too(inventories):
 
 
 def test_layouts_are_ranked_feasible_first_and_memory_rejections_name_the_bytes(inventories):
-    records = plan(inventories["llama3-70b"], 64, 8192, 512, hardware=Hardware(memory=80e9))
+    records = plan(inventories["llama3-70b"], 64, 8192, 512, hardware=Hardware(memory=80e9), calibrate=False)
     feasible = [r for r in records if r.feasible]
     assert feasible and all(r.bytes["total"] <= 0.8 * 80e9 for r in feasible)
     times = [r.step_time["total"] for r in feasible]
@@ -108,12 +108,14 @@ def test_layouts_are_ranked_feasible_first_and_memory_rejections_name_the_bytes(
 def test_the_command_line_prints_the_table_and_the_json_records(tmp_path, capsys):
     config = tmp_path / "config.json"
     config.write_text(json.dumps(LLAMA3_8B))
-    assert main([str(config), "--gpus", "8", "--seq-len", "4096", "--global-batch", "32", "--top", "3"]) == 0
+    assert main([str(config), "--gpus", "8", "--seq-len", "4096", "--global-batch", "32", "--top", "3",
+                 "--analytic"]) == 0
     out = capsys.readouterr().out
     assert "LlamaForCausalLM: 8.03 B parameters" in out
     assert [line.split(" | ")[0] for line in out.splitlines() if re.match(r"\| \d+ \| ", line)] == ["| 1", "| 2", "| 3"]
     assert "Rejected:" in out
-    assert main([str(tmp_path), "--gpus", "8", "--seq-len", "4096", "--global-batch", "32", "--json"]) == 0
+    assert main([str(tmp_path), "--gpus", "8", "--seq-len", "4096", "--global-batch", "32", "--json",
+                 "--analytic"]) == 0
     records = json.loads(capsys.readouterr().out)
     keys = {"tp", "cp", "pp", "vpp", "dp", "zero", "micro_batch", "recompute", "feasible", "reason", "bytes"}
     assert records and all(keys <= set(r) for r in records)
@@ -123,3 +125,26 @@ def test_the_command_line_prints_the_table_and_the_json_records(tmp_path, capsys
     assert all(set(r["bytes"]) == parts for r in records if r["feasible"])
     with pytest.raises(FileNotFoundError, match="neither a config.json"):
         main([str(tmp_path / "missing"), "--gpus", "8", "--seq-len", "4096", "--global-batch", "32"])
+
+
+def test_calibrated_activations_come_from_the_model_s_own_layer(inventories):
+    from lightning_seqpar.plan.planner import _evaluate
+    from lightning_seqpar.plan.probe import fit_layer
+
+    inventory = inventories["llama3-8b"]
+    record = _record(tp=8, dp=1)
+    _rule(record, inventory, 4096, 8, Hardware())
+    _evaluate(record, inventory, 4096, 8, Hardware(), "bf16-mixed", 0.8, "1F1B", False, fits={})
+    per_layer = fit_layer(inventory.config, 8, True, "selective", "bf16-mixed").bytes(4096, 1, inventory.head_dim,
+                                                                                     inventory.ffn_hidden_size)
+    logits = 2 * 2 * 4096 * inventory.hidden_size / 8 + 8 * 4096 * 128256 / 8  # the last stage's extra
+    assert record.bytes["activations"] == int(32 * per_layer + logits)
+
+
+def test_the_command_line_probes_the_model_by_default(tmp_path, capsys):
+    tiny = dict(LLAMA3_8B, vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2)
+    (tmp_path / "config.json").write_text(json.dumps(tiny))
+    assert main([str(tmp_path), "--gpus", "2", "--seq-len", "256", "--global-batch", "4", "--gpu-memory", "1GB"]) == 0
+    out = capsys.readouterr().out
+    assert "activations measured on small copies of it and scaled" in out and "| 1 |" in out

@@ -11,7 +11,7 @@ import torch
 
 from recipes.benchmarking.measure import measure_gpt_layer
 from lightning_seqpar.memory import TransformerShape
-from recipes.benchmarking.tracker import LiveActivationTracker
+from lightning_seqpar.memory.tracker import LiveActivationTracker
 from lightning_seqpar.parallel import ParallelGroup
 from tests.helpers.cuda_autocast import cuda_autocast_rules
 from tests.helpers.distributed import run_distributed

@@ -7,7 +7,7 @@ import torch.nn as nn
 from lightning_seqpar import RewriteContext, SelectiveRecompute, rewrite
 from recipes.benchmarking.measure import remainder_kind
 from lightning_seqpar.memory import TransformerShape, layer_activation_bytes
-from recipes.benchmarking.tracker import LiveActivationTracker
+from lightning_seqpar.memory.tracker import LiveActivationTracker
 from lightning_seqpar.models.gpt import GPT, GPTConfig
 from lightning_seqpar.parallel import ParallelGroup
 from lightning_seqpar.parallel.random import RNGTracker
