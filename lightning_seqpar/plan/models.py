@@ -42,9 +42,10 @@ def load_model_config(model: Union[str, Path, dict], seq_len: int = 2048) -> dic
     return json.loads(path.read_text())
 
 
-def model_inventory(model: Union[str, Path, dict], seq_len: int = 2048) -> ModelInventory:
+def model_inventory(model: Union[str, Path, dict], seq_len: int = 2048, attention: str = "eager") -> ModelInventory:
     """Build ``model`` (see :func:`load_model_config`) on the meta device and classify its parameters as the rewrite
-    splits them.
+    splits them. ``attention``: the kernel the run will use, ``"eager"`` (the explicit core attention, whose ``s²``
+    probabilities selective recomputation drops) or ``"sdpa"`` (fused: no ``s²`` tensor).
 
     Raises:
         ValueError: a model whose layers no built-in layout recognizes (the reasons of
@@ -54,7 +55,7 @@ def model_inventory(model: Union[str, Path, dict], seq_len: int = 2048) -> Model
     from lightning_seqpar.hf.models import build_causal_lm, causal_lm_config
 
     options = load_model_config(model, seq_len)
-    config = causal_lm_config(config=options)
+    config = causal_lm_config(config=options, attn_implementation=attention)
     with torch.device("meta"):
         built = build_causal_lm(config)
     return inventory_of_hf_model(built, name=str(options.get("_name_or_path") or type(built).__name__))

@@ -22,6 +22,7 @@ from lightning_seqpar.plan.inventory import ModelInventory
 from lightning_seqpar.plan.state import PARAMETER_BYTES, StateBytes, stage_layout, state_bytes
 
 RECOMPUTE = ("selective", "none", "full")
+VIRTUAL_STAGES = (1, 2, 4, 5)
 
 
 @dataclass
@@ -94,7 +95,7 @@ def plan(inventory: ModelInventory, gpus: int, seq_len: int, global_batch: int, 
     for tp in _divisors(gpus):
         for pp in _divisors(gpus // tp):
             dp = gpus // (tp * pp)
-            for vpp in ([1, 2] if pp > 1 else [1]):
+            for vpp in (VIRTUAL_STAGES if pp > 1 else (1,)):
                 for zero in ([0, 1] if dp > 1 else [0]):
                     for mbs in micro_batches:
                         for recompute in RECOMPUTE:
@@ -120,6 +121,8 @@ def _rule(record: LayoutRecord, inventory: ModelInventory, s: int, global_batch:
         return f"ffn={inventory.ffn_hidden_size} not divisible by tp={tp}"
     if s % tp:
         return f"seq_len={s} not divisible by tp={tp} (sequence parallelism splits the sequence)"
+    if record.recompute == "selective" and not inventory.eager_attention:
+        return "selective recomputation has nothing to recompute in fused attention (sdpa keeps no s² tensor)"
     if inventory.num_layers % (pp * vpp):
         return f"layers={inventory.num_layers} not divisible by pp·vpp={pp * vpp}"
     if global_batch % (dp * mbs):

@@ -83,6 +83,13 @@ def test_each_rule_rejects_with_its_reason(inventories, layout, seq_len, batch, 
     assert (found is None) if reason is None else (found is not None and found.startswith(reason)), found
 
 
+def test_selective_recomputation_is_not_offered_with_fused_attention():
+    fused = model_inventory(LLAMA3_8B, attention="sdpa")
+    assert _rule(_record(tp=8), fused, 8192, 512, Hardware()) == (
+        "selective recomputation has nothing to recompute in fused attention (sdpa keeps no s² tensor)")
+    assert _rule(_record(tp=8, recompute="full"), fused, 8192, 512, Hardware()) is None
+
+
 def test_key_value_heads_and_the_mlp_width_are_checked_too(inventories):
     assert _rule(_record(tp=16), inventories["qwen3-32b"], 8192, 512, Hardware(gpus_per_node=16)) == \
         "kv_heads=8 not divisible by tp=16"
