@@ -137,17 +137,20 @@ def _rule(record: LayoutRecord, inventory: ModelInventory, s: int, global_batch:
 
 
 def _layer_bytes(record: LayoutRecord, inventory: ModelInventory, s: int, precision: str, dropout: bool,
-                 fits: Optional[dict[tuple, Any]]) -> float:
-    """One layer's activation bytes per micro-batch: measured and scaled where the model can be probed."""
+                 fits: Optional[dict[tuple, Any]]) -> tuple[float, float]:
+    """One layer's activation bytes: per micro-batch in flight, and made once per step (autocast's weight copies);
+    measured and scaled where the model can be probed."""
     if fits is None or inventory.config is None:
         element = 2 if precision.startswith("bf16") else PARAMETER_BYTES[precision]
-        return layer_bytes(inventory, s, record.micro_batch, record.tp, True, record.recompute, element, dropout)
+        return layer_bytes(inventory, s, record.micro_batch, record.tp, True, record.recompute, element, dropout), 0.0
     key = (record.tp, record.recompute, precision)
     if key not in fits:
         from lightning_seqpar.plan.probe import fit_layer
 
         fits[key] = fit_layer(inventory.config, record.tp, True, record.recompute, precision)
-    return fits[key].bytes(s, record.micro_batch, inventory.head_dim, inventory.ffn_hidden_size)
+    fit, d, f = fits[key], inventory.head_dim, inventory.ffn_hidden_size
+    shared = fit.shared_bytes(d, f)
+    return fit.bytes(s, record.micro_batch, d, f) - shared, shared
 
 
 def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_batch: int, hardware: Hardware,
@@ -159,14 +162,14 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
     tp, pp, vpp, dp, b, m = record.tp, record.pp, record.vpp, record.dp, record.micro_batch, record.num_microbatches
     element = 2 if precision.startswith("bf16") else PARAMETER_BYTES[precision]
     layout = stage_layout(inventory, pp, vpp)
-    per_layer = _layer_bytes(record, inventory, s, precision, dropout, fits)
+    per_layer, per_step = _layer_bytes(record, inventory, s, precision, dropout, fits)
     worst: tuple[float, int, dict[str, int]] = (-1.0, 0, {})
     for rank in range(pp):
         state: StateBytes = state_bytes(inventory, tp, pp, dp, pipeline_rank=rank, vpp=vpp, zero=record.zero,
                                         precision=precision, main_params=record.main_params)
         layers = sum(layout.sizes[stage] for stage in layout.stages_of(rank))
         last = rank == layout.rank_of(layout.num_stages - 1)
-        activations = layers * per_layer * in_flight(pp, m, rank, schedule, vpp)
+        activations = layers * (per_layer * in_flight(pp, m, rank, schedule, vpp) + per_step)
         activations += outside_layers_bytes(inventory, s, b, tp, last, True, element)
         other = element * s * b * inventory.hidden_size * (1 + (2 if pp > 1 else 0) / tp)  # gathered input, p2p
         split = dict(parameters=state.parameters, gradients=state.gradients, main_params=state.main_params,

@@ -42,7 +42,14 @@ class LayerFit:
     check_error: float
 
     def bytes(self, s: int, b: int, head_dim: int, ffn: int) -> float:
+        """All the layer keeps for one micro-batch."""
         return sum(c * term for c, term in zip(self.coefficients, _terms(b, s, head_dim, ffn)))
+
+    def shared_bytes(self, head_dim: int, ffn: int) -> float:
+        """The part of :meth:`bytes` made once per step, not per micro-batch: the 16-bit weight copies autocast caches
+        (``d²``, ``d·f``), which every micro-batch of a pipeline step shares (the schedule runs in one autocast
+        region)."""
+        return sum(c * term for c, term in zip(self.coefficients[6:], _terms(0, 0, head_dim, ffn)[6:]))
 
 
 def measure_layer(config: Any, tp: int, sequence_parallel: bool, recompute: str, precision: str, s: int, b: int,

@@ -142,10 +142,11 @@ def test_calibrated_activations_come_from_the_model_s_own_layer(inventories):
     record = _record(tp=8, dp=1)
     _rule(record, inventory, 4096, 8, Hardware())
     _evaluate(record, inventory, 4096, 8, Hardware(), "bf16-mixed", 0.8, "1F1B", False, fits={})
-    per_layer = fit_layer(inventory.config, 8, True, "selective", "bf16-mixed").bytes(4096, 1, inventory.head_dim,
-                                                                                     inventory.ffn_hidden_size)
+    fit = fit_layer(inventory.config, 8, True, "selective", "bf16-mixed")
+    per_layer = fit.bytes(4096, 1, inventory.head_dim, inventory.ffn_hidden_size)
+    assert 0 < fit.shared_bytes(inventory.head_dim, inventory.ffn_hidden_size) < per_layer  # autocast's weight copies
     logits = 2 * 2 * 4096 * inventory.hidden_size / 8 + 8 * 4096 * 128256 / 8  # the last stage's extra
-    assert record.bytes["activations"] == int(32 * per_layer + logits)
+    assert record.bytes["activations"] == int(32 * per_layer + logits)  # pp 1: one micro-batch in flight
 
 
 def test_the_command_line_probes_the_model_by_default(tmp_path, capsys):
