@@ -14,8 +14,8 @@ Per layer and micro-batch (bytes; e bytes per activation element, ``split = t`` 
 For a = g, f = 4h and dropouts everywhere the sum is Table 2's ``sbh(34/t + 5as/(ht))`` (e = 2). In flight on pipeline
 rank r under 1F1B: ``min(p − r, m)`` micro-batches of its layers (the first rank holds L layers' worth when m ≥ p),
 times ``1 + (p − 1)/(p·v)`` interleaved with v chunks (§4.2.3); GPipe keeps all m. Outside the layers: on the last
-rank the final norm's and the head's inputs ``2·e·sbh / split`` and the vocabulary-parallel loss's float32 logits and
-their softmax ``8·sbv / t``.
+rank the final norm's float32 copy and output of the gathered ``[b, s, h]`` stack output, ``(4 + e)·sbh``, and the
+vocabulary-parallel loss's float32 logits and their softmax ``8·sbv / t``.
 
 The per-layer figure here is the analytic one (``--analytic``); by default the planner measures the model's own layer
 (:mod:`.probe`).
@@ -61,9 +61,10 @@ def in_flight(pp: int, num_microbatches: int, pipeline_rank: int, schedule: str 
 
 def outside_layers_bytes(inventory: ModelInventory, s: int, b: int, t: int, last: bool,
                          sequence_parallel: bool = True, element: int = 2) -> float:
-    """The last rank's final norm and head inputs and the loss's logits for one micro-batch (bytes)."""
+    """The last rank's final norm (the stack's gathered ``[b, s, h]`` output: a float32 copy and the normed output)
+    and the loss's float32 logits and their softmax, ``[b·s, v/t]`` each, for one micro-batch (bytes; measured on a
+    Hugging Face Llama at tp 2: the norm's and the loss's tensors are these)."""
     if not last:
         return 0.0
-    split = t if sequence_parallel and t > 1 else 1
     padded = -(-inventory.vocab_size // t) * t
-    return 2 * element * s * b * inventory.hidden_size / split + 8 * s * b * padded / t
+    return (4 + element) * s * b * inventory.hidden_size + 8 * s * b * padded / t

@@ -153,6 +153,20 @@ def _layer_bytes(record: LayoutRecord, inventory: ModelInventory, s: int, precis
     return fit.bytes(s, record.micro_batch, d, f) - shared, shared
 
 
+def _outside_bytes(record: LayoutRecord, inventory: ModelInventory, s: int, precision: str, element: int,
+                   fits: Optional[dict[tuple, Any]]) -> float:
+    """What a micro-batch keeps outside the layers (final norm, head, loss; counted on the last stage): measured and
+    scaled where the model can be probed."""
+    if fits is None or inventory.config is None:
+        return outside_layers_bytes(inventory, s, record.micro_batch, record.tp, True, True, element)
+    key = ("outside", record.tp, precision)
+    if key not in fits:
+        from lightning_seqpar.plan.probe import fit_outside
+
+        fits[key] = fit_outside(inventory.config, record.tp, True, precision)
+    return fits[key].bytes(s, record.micro_batch, inventory.head_dim, inventory.vocab_size)
+
+
 def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_batch: int, hardware: Hardware,
               precision: str, headroom: float, schedule: str, dropout: bool,
               fits: Optional[dict[tuple, Any]] = None) -> None:
@@ -170,7 +184,9 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
         layers = sum(layout.sizes[stage] for stage in layout.stages_of(rank))
         last = rank == layout.rank_of(layout.num_stages - 1)
         activations = layers * (per_layer * in_flight(pp, m, rank, schedule, vpp) + per_step)
-        activations += outside_layers_bytes(inventory, s, b, tp, last, True, element)
+        if last:
+            activations += _outside_bytes(record, inventory, s, precision, element, fits) * in_flight(
+                pp, m, rank, schedule, vpp)
         other = element * s * b * inventory.hidden_size * (1 + (2 if pp > 1 else 0) / tp)  # gathered input, p2p
         split = dict(parameters=state.parameters, gradients=state.gradients, main_params=state.main_params,
                      optimizer=state.optimizer, activations=int(activations), other=int(other))

@@ -12,6 +12,9 @@ the batch (a mask ``s²``, rotary tables ``s·d``, weights cast by autocast ``d�
 bytes are a sum of the eight terms :data:`TERMS` (d values per head, f the MLP width). Nine probes of different
 ``(b, s, d, f)`` give their coefficients (least squares), a tenth checks the fit, and the full size follows exactly.
 Source: the mock-module estimators that measured within −1.3 %…+0.5 % where the closed forms were 7–15 % low.
+
+What a forward keeps outside its layers (embedding, the last layer's gathered output, final norm, LM head, loss) is
+fitted the same way over ``(b, s, d, v)``: :func:`fit_outside`.
 """
 
 from __future__ import annotations
@@ -53,9 +56,16 @@ class LayerFit:
 
 
 def measure_layer(config: Any, tp: int, sequence_parallel: bool, recompute: str, precision: str, s: int, b: int,
-                  overrides: Optional[dict] = None) -> int:
+                  overrides: Optional[dict] = None, whole: bool = False) -> int:
     """Bytes the middle decoder layer of a small copy of the model of ``config`` keeps for backward on rank 0 of
-    ``tp`` emulated ranks (see the module docstring)."""
+    ``tp`` emulated ranks (see the module docstring); ``whole``: what the whole forward keeps."""
+    layer, everything = measure(config, tp, sequence_parallel, recompute, precision, s, b, overrides)
+    return everything if whole else layer
+
+
+def measure(config: Any, tp: int, sequence_parallel: bool, recompute: str, precision: str, s: int, b: int,
+            overrides: Optional[dict] = None) -> tuple[int, int]:
+    """``(middle layer, whole forward)``: the bytes each keeps for backward (see :func:`measure_layer`)."""
     from lightning_seqpar.hf.model_check import parts_in_order, small_config
     from lightning_seqpar.hf.models import build_causal_lm
     from lightning_seqpar.memory.tracker import LiveActivationTracker
@@ -71,7 +81,7 @@ def measure_layer(config: Any, tp: int, sequence_parallel: bool, recompute: str,
     dtype = _DTYPES[precision]
     x = torch.randint(0, small.vocab_size, (b, s), generator=torch.Generator().manual_seed(0))
 
-    def one_rank(group: Any) -> Optional[int]:
+    def one_rank(group: Any) -> Optional[tuple[int, int]]:
         torch.manual_seed(0)
         model = build_causal_lm(small).to(dtype).train()
         rewrite(model, RewriteContext(group, sequence_parallel, None, True), verify=False)
@@ -85,7 +95,7 @@ def measure_layer(config: Any, tp: int, sequence_parallel: bool, recompute: str,
         layer = parts_in_order(model)[2]  # the embedding, then the layers: the middle one
         with autocast, LiveActivationTracker(model) as tracker:
             out = model(input_ids=x, labels=x)
-        kept = tracker.live_bytes(layer)
+        kept = tracker.live_bytes(layer), tracker.live_bytes()
         del out
         return kept
 
@@ -117,3 +127,47 @@ def fit_layer(config: Any, tp: int, sequence_parallel: bool = True, recompute: s
     coefficients = tuple(round(c, 6) for c in solution.tolist())
     predicted = sum(c * term for c, term in zip(coefficients, rows[-1]))
     return LayerFit(coefficients, check_error=abs(predicted - kept[-1]) / kept[-1])
+
+
+OUTSIDE_TERMS = ("bsd", "bsv", "bs", "sd", "ss", "dv")
+# (b, s, d, v) of the outside probes, s and v times t; the last checks the fit.
+_OUTSIDE_PROBES = ((1, 8, 8, 64), (2, 8, 8, 64), (1, 16, 8, 64), (1, 8, 16, 64), (1, 8, 8, 128), (2, 16, 16, 64),
+                   (1, 16, 8, 128), (2, 8, 16, 128))
+
+
+def _outside_terms(b: int, s: int, d: int, v: int) -> list[float]:
+    return [b * s * d, b * s * v, b * s, s * d, s * s, d * v]
+
+
+@dataclass(frozen=True)
+class OutsideFit:
+    """Bytes a forward keeps outside its layers (the embedding, the last layer's gathered output, the final norm, the
+    LM head and the loss): ``Σ coefficients[k] · OUTSIDE_TERMS[k]`` (v the vocabulary), and the check probe's error."""
+
+    coefficients: tuple[float, ...]
+    check_error: float
+
+    def bytes(self, s: int, b: int, head_dim: int, vocab: int) -> float:
+        return sum(c * term for c, term in zip(self.coefficients, _outside_terms(b, s, head_dim, vocab)))
+
+
+def fit_outside(config: Any, tp: int, sequence_parallel: bool = True, precision: str = "bf16-mixed") -> OutsideFit:
+    """:class:`OutsideFit` for ``config`` at ``tp``: the whole forward's bytes less three times the middle layer's,
+    on probes of different ``(b, s, d, v)``."""
+    from lightning_seqpar.hf.model_check import probe_head_dim
+
+    heads = getattr(config, "num_attention_heads", None) or config.n_head
+    base = probe_head_dim(config)
+    rows, kept = [], []
+    for b, s, d, v in _OUTSIDE_PROBES:
+        s, d, v = s * tp, d // 4 * base, v * tp
+        overrides = dict(head_dim=d, hidden_size=heads * d, n_embd=heads * d, intermediate_size=16 * tp,
+                         n_inner=16 * tp, ffn_hidden_size=16 * tp, vocab_size=v)
+        layer, everything = measure(config, tp, sequence_parallel, "none", precision, s, b, overrides)
+        rows.append(_outside_terms(b, s, d, v))
+        kept.append(float(everything - 3 * layer))
+    a = torch.tensor(rows[:-1], dtype=torch.float64)
+    solution = torch.linalg.lstsq(a, torch.tensor(kept[:-1], dtype=torch.float64).unsqueeze(1)).solution.flatten()
+    coefficients = tuple(round(c, 6) for c in solution.tolist())
+    predicted = sum(c * term for c, term in zip(coefficients, rows[-1]))
+    return OutsideFit(coefficients, check_error=abs(predicted - kept[-1]) / max(kept[-1], 1.0))

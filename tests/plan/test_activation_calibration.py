@@ -74,3 +74,22 @@ def test_the_probes_see_what_the_layouts_change():
                              for r in ("none", "selective", "full"))
     assert full < selective < none
     assert measure_layer(config, 2, False, "none", "32-true", s, b, overrides) > none  # no SP: whole norm inputs
+
+
+@pytest.mark.parametrize("family, precision", [("qwen3", "bf16-mixed"), ("gpt2", "bf16-mixed"), ("gemma2", "32-true")])
+def test_a_whole_forward_is_its_layers_and_what_lies_outside_them(family, precision):
+    # One micro-batch on one stage: what the planner adds up (the probed layer three times, and the probed rest:
+    # embedding, final norm, head, loss) against everything the forward keeps, at a size no probe used.
+    from lightning_seqpar.plan.probe import fit_outside, measure
+
+    config, tp = _config(family), 2
+    layer, outside = fit_layer(config, tp, True, "none", precision), fit_outside(config, tp, True, precision)
+    heads, base = config.num_attention_heads, probe_head_dim(config)
+    s, b, d, f, v = 24 * tp, 2, 3 * base, 40 * tp, 1000
+    overrides = dict(head_dim=d, hidden_size=heads * d, n_embd=heads * d, intermediate_size=f, n_inner=f,
+                     ffn_hidden_size=f, vocab_size=v)
+    _, measured = measure(config, tp, True, "none", precision, s, b, overrides)
+    predicted = 3 * layer.bytes(s, b, d, f) + outside.bytes(s, b, d, v)
+    print(f"\n{family} {precision}: whole forward measured {measured}, predicted {predicted:.0f}, "
+          f"{(predicted - measured) / measured:+.2%}")
+    assert abs(predicted - measured) <= BOUND * measured

@@ -136,7 +136,7 @@ def test_the_command_line_prints_the_table_and_the_json_records(tmp_path, capsys
 
 def test_calibrated_activations_come_from_the_model_s_own_layer(inventories):
     from lightning_seqpar.plan.planner import _evaluate
-    from lightning_seqpar.plan.probe import fit_layer
+    from lightning_seqpar.plan.probe import fit_layer, fit_outside
 
     inventory = inventories["llama3-8b"]
     record = _record(tp=8, dp=1)
@@ -145,8 +145,9 @@ def test_calibrated_activations_come_from_the_model_s_own_layer(inventories):
     fit = fit_layer(inventory.config, 8, True, "selective", "bf16-mixed")
     per_layer = fit.bytes(4096, 1, inventory.head_dim, inventory.ffn_hidden_size)
     assert 0 < fit.shared_bytes(inventory.head_dim, inventory.ffn_hidden_size) < per_layer  # autocast's weight copies
-    logits = 2 * 2 * 4096 * inventory.hidden_size / 8 + 8 * 4096 * 128256 / 8  # the last stage's extra
-    assert record.bytes["activations"] == int(32 * per_layer + logits)  # pp 1: one micro-batch in flight
+    outside = fit_outside(inventory.config, 8, True, "bf16-mixed").bytes(4096, 1, inventory.head_dim, 128256)
+    assert outside > 8 * 4096 * 128256 / 8  # at least the loss's float32 logits and their softmax
+    assert record.bytes["activations"] == int(32 * per_layer + outside)  # pp 1: one micro-batch in flight
 
 
 def test_the_command_line_probes_the_model_by_default(tmp_path, capsys):
