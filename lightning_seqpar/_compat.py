@@ -142,3 +142,9 @@ def sharded_tensor(local: list[tuple[torch.Tensor, list[int]]], placed: list[tup
     properties = TensorProperties(dtype=dtype, layout=torch.strided, requires_grad=False, pin_memory=False)
     return ShardedTensor._init_from_local_shards_and_global_metadata(
         shards, ShardedTensorMetadata(metadata, torch.Size(size), properties))
+
+
+def destroy_library(library: Any) -> None:
+    """Remove the kernels a ``torch.library.Library`` registered (``Library._destroy``): torch has no public way to
+    take back an ``IMPL`` registration before the object is garbage-collected."""
+    library._destroy()

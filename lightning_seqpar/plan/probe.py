@@ -4,7 +4,8 @@ Table 2 counts what Megatron's layer keeps; a Hugging Face layer keeps more (flo
 the float32 softmax beside its 16-bit copy, rotary and key/value-repeat copies), and each family differs. So the
 planner measures instead of assuming: a small copy of the model (:func:`~lightning_seqpar.hf.model_check.small_config`:
 its class and heads, three layers, small widths) is rewritten on t emulated ranks with the layout's sequence parallelism
-and recomputation, called as users call it (``model(input_ids=x, labels=x)``) in the run's dtype, and the bytes its
+and recomputation, called as users call it (``model(input_ids=x, labels=x)``) in the run's dtype (``bf16-mixed`` under CUDA autocast's rule for
+norms and softmax, :mod:`lightning_seqpar.memory.cuda_autocast`: what a GPU keeps), and the bytes its
 middle layer leaves alive for backward on rank 0 (what it made: its input is the layer before's) are read by :class:`~lightning_seqpar.memory.tracker.LiveActivationTracker`.
 
 Every tensor a layer keeps is ``b × s × (a width or a constant)``, ``b × heads × s²`` in core attention, or shared by
@@ -68,6 +69,7 @@ def measure(config: Any, tp: int, sequence_parallel: bool, recompute: str, preci
     """``(middle layer, whole forward)``: the bytes each keeps for backward (see :func:`measure_layer`)."""
     from lightning_seqpar.hf.model_check import parts_in_order, small_config
     from lightning_seqpar.hf.models import build_causal_lm
+    from lightning_seqpar.memory.cuda_autocast import cuda_autocast_rules
     from lightning_seqpar.memory.tracker import LiveActivationTracker
     from lightning_seqpar.parallel.emulated import run_emulated
     from lightning_seqpar.policies import rewrite
@@ -88,6 +90,7 @@ def measure(config: Any, tp: int, sequence_parallel: bool, recompute: str, preci
         if recompute != "none":
             apply_recompute(model, recompute)
         autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed")
+        # (the CUDA rule for norms and softmax is in force around the emulated ranks: measure())
         if group.rank != 0:
             with autocast:
                 model(input_ids=x, labels=x)
@@ -99,7 +102,10 @@ def measure(config: Any, tp: int, sequence_parallel: bool, recompute: str, preci
         del out
         return kept
 
-    return run_emulated(tp, one_rank)[0]
+    if precision != "bf16-mixed":
+        return run_emulated(tp, one_rank)[0]
+    with cuda_autocast_rules():  # what a GPU keeps: CUDA autocast runs norms and softmax in float32
+        return run_emulated(tp, one_rank)[0]
 
 
 def fit_layer(config: Any, tp: int, sequence_parallel: bool = True, recompute: str = "selective",

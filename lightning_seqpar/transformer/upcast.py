@@ -9,7 +9,7 @@ backward under the same autocast state, so the numbers are autocast's. These ope
 recomputation reads about what reading the kept float32 tensor would have.
 
 CPU autocast does not upcast ``layer_norm`` or ``softmax``; the tests apply CUDA's rule on CPU
-(``tests/helpers/cuda_autocast.py``) to measure what a GPU keeps.
+(``lightning_seqpar/memory/cuda_autocast.py``) to measure what a GPU keeps.
 """
 
 from __future__ import annotations

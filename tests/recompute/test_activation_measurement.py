@@ -13,7 +13,7 @@ from recipes.benchmarking.measure import measure_gpt_layer
 from lightning_seqpar.memory import TransformerShape
 from lightning_seqpar.memory.tracker import LiveActivationTracker
 from lightning_seqpar.parallel import ParallelGroup
-from tests.helpers.cuda_autocast import cuda_autocast_rules
+from lightning_seqpar.memory.cuda_autocast import cuda_autocast_rules
 from tests.helpers.distributed import run_distributed
 
 pytestmark = pytest.mark.distributed  # starts processes: outside the fast lane

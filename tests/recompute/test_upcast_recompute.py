@@ -1,6 +1,6 @@
 """Operations CUDA autocast runs in float32 keep their 16-bit input, with autocast's numbers.
 
-Measured under CUDA autocast's rule for norms and softmax applied to CPU autocast (``tests/helpers/cuda_autocast.py``).
+Measured under CUDA autocast's rule for norms and softmax applied to CPU autocast (``lightning_seqpar/memory/cuda_autocast.py``).
 """
 
 import copy
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from lightning_seqpar.transformer.core_attention import CoreAttention
 from lightning_seqpar.transformer.residual import cast_residual_stream, keep_16_bit_norm_inputs
-from tests.helpers.cuda_autocast import cuda_autocast_rules
+from lightning_seqpar.memory.cuda_autocast import cuda_autocast_rules
 
 
 class UpcastingRMSNorm(nn.Module):

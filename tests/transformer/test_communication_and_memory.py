@@ -14,7 +14,7 @@ from lightning_seqpar.parallel import CommunicationLog, ParallelGroup
 from lightning_seqpar.parallel.random import RNGTracker
 from lightning_seqpar.rewriting import RewriteContext
 from lightning_seqpar.transformer.residual import cast_residual_stream
-from tests.helpers.cuda_autocast import cuda_autocast_rules
+from lightning_seqpar.memory.cuda_autocast import cuda_autocast_rules
 from tests.helpers.distributed import run_distributed
 
 pytestmark = pytest.mark.distributed  # starts processes: outside the fast lane

@@ -3,7 +3,9 @@
 CUDA autocast runs ``layer_norm`` and ``softmax`` (without an explicit ``dtype``) in float32 whatever their
 input (the "CUDA ops that can autocast to float32" of torch's autocast op reference); CPU autocast leaves a
 16-bit input in 16 bits. Bytes kept for backward under ``bf16-mixed`` are measured on CPU with this rule in
-force, so they are what a GPU keeps.
+force (the planner's probes, :mod:`lightning_seqpar.plan.probe`, and the memory tests), so they are what a GPU keeps.
+The rule is registered as AutocastCPU kernels of ``aten::layer_norm`` and ``aten::softmax.int`` for the duration of
+the ``with`` block (process-wide: every thread, the emulated ranks included).
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from contextlib import contextmanager
 from typing import Iterator, Optional
 
 import torch
+
+from lightning_seqpar._compat import destroy_library
 
 
 def _upcast(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -38,4 +42,4 @@ def cuda_autocast_rules() -> Iterator[None]:
     try:
         yield
     finally:
-        library._destroy()
+        destroy_library(library)
