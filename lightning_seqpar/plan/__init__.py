@@ -6,7 +6,8 @@
 - :mod:`.probe`: a layer's activation bytes measured on small copies of the model and scaled (calibrated);
 - :mod:`.activations`: the micro-batches in flight, the last stage's logits, and Table 2's model;
 - :mod:`.cost`: the step-time model and the hardware rates;
-- :mod:`.planner`: :func:`plan`, the ranked records; ``python -m lightning_seqpar.plan`` prints them.
+- :mod:`.planner`: :func:`plan`, the ranked records; ``python -m lightning_seqpar.plan`` prints them;
+- :mod:`.dry_run`: one rank built at full size on the meta device, its parameters against the prediction.
 """
 
 from lightning_seqpar.plan.cost import Hardware

@@ -4,7 +4,8 @@ MODEL on N GPUs, ranked (see :mod:`lightning_seqpar.plan.planner`).
 MODEL is a Hugging Face ``config.json``, a directory holding one, or a GPT size of the paper (``gpt-22b``, ``gpt-175b``,
 ``gpt-530b``, ``gpt-1t``). Prints the top feasible layouts with the most loaded rank's bytes by kind, the headroom left,
 FLOPs, bytes per collective kind, the bubble and the predicted step time, then every rejected layout with its reason;
-``--json`` prints every record instead.
+``--json`` prints every record instead; ``--dry-run`` builds each pipeline rank of the top layout at full size on the
+meta device and prints its parameter bytes against the prediction.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Optional, Sequence
 
 from lightning_seqpar.checkpoint.hf_export import parse_size
 from lightning_seqpar.plan.cost import Hardware
-from lightning_seqpar.plan.models import model_inventory
+from lightning_seqpar.plan.models import load_model_config, model_inventory
 from lightning_seqpar.plan.planner import LayoutRecord, plan
 
 GB = 1e9
@@ -77,6 +78,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--efficiency", type=float, default=0.5, help="fraction of peak FLOP/s reached")
     parser.add_argument("--top", type=int, default=10)
     parser.add_argument("--json", action="store_true", help="every layout considered, as JSON records")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="build each pipeline rank of the top layout at full size on the meta device and print its "
+                             "parameter bytes against the prediction")
     parser.add_argument("--analytic", action="store_true",
                         help="activations from Table 2's model instead of probes of the model's layer (faster)")
     args = parser.parse_args(argv)
@@ -97,6 +101,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"the micro-batches in flight; step time: compute at {args.efficiency:g} of peak + collectives + bubble, "
           f"nothing overlapped.")
     print(table(records, hardware, args.top))
+    best = next((r for r in records if r.feasible), None)
+    if args.dry_run and best is not None:
+        from lightning_seqpar.plan.dry_run import dry_run
+
+        print(f"\nDry run of rank 1's layout (tp {best.tp}, pp {best.pp}, vpp {best.vpp}), built on the meta device:")
+        for rank in range(best.pp):
+            built = dry_run(load_model_config(args.model, args.seq_len), inventory, best.tp, best.pp, best.vpp, rank,
+                            args.precision)
+            print(f"  pipeline rank {rank}: parameters {built.measured:,} bytes built, {built.predicted:,} predicted"
+                  f"{'' if built.measured == built.predicted else '  DIFFERENT'}")
     return 0
 
 

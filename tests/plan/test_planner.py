@@ -134,20 +134,22 @@ def test_the_command_line_prints_the_table_and_the_json_records(tmp_path, capsys
         main([str(tmp_path / "missing"), "--gpus", "8", "--seq-len", "4096", "--global-batch", "32"])
 
 
-def test_calibrated_activations_come_from_the_model_s_own_layer(inventories):
+def test_calibrated_activations_come_from_the_model_s_own_layer():
     from lightning_seqpar.plan.planner import _evaluate
     from lightning_seqpar.plan.probe import fit_layer, fit_outside
 
-    inventory = inventories["llama3-8b"]
-    record = _record(tp=8, dp=1)
-    _rule(record, inventory, 4096, 8, Hardware())
-    _evaluate(record, inventory, 4096, 8, Hardware(), "bf16-mixed", 0.8, "1F1B", False, fits={})
-    fit = fit_layer(inventory.config, 8, True, "selective", "bf16-mixed")
-    per_layer = fit.bytes(4096, 1, inventory.head_dim, inventory.ffn_hidden_size)
+    tiny = dict(LLAMA3_8B, vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                num_attention_heads=4, num_key_value_heads=2)
+    inventory = model_inventory(tiny)
+    record = _record(tp=2, dp=1)
+    _rule(record, inventory, 512, 8, Hardware())
+    _evaluate(record, inventory, 512, 8, Hardware(), "bf16-mixed", 0.8, "1F1B", False, fits={})
+    fit = fit_layer(inventory.config, 2, True, "selective", "bf16-mixed")
+    per_layer = fit.bytes(512, 1, inventory.head_dim, inventory.ffn_hidden_size)
     assert 0 < fit.shared_bytes(inventory.head_dim, inventory.ffn_hidden_size) < per_layer  # autocast's weight copies
-    outside = fit_outside(inventory.config, 8, True, "bf16-mixed").bytes(4096, 1, inventory.head_dim, 128256)
-    assert outside > 8 * 4096 * 128256 / 8  # at least the loss's float32 logits and their softmax
-    assert record.bytes["activations"] == int(32 * per_layer + outside)  # pp 1: one micro-batch in flight
+    outside = fit_outside(inventory.config, 2, True, "bf16-mixed").bytes(512, 1, inventory.head_dim, 1000)
+    assert outside > 4 * 512 * 1000 / 2  # at least a float32 copy of the logits shard
+    assert record.bytes["activations"] == int(4 * per_layer + outside)  # pp 1: one micro-batch in flight
 
 
 def test_the_command_line_probes_the_model_by_default(tmp_path, capsys):
@@ -157,3 +159,30 @@ def test_the_command_line_probes_the_model_by_default(tmp_path, capsys):
     assert main([str(tmp_path), "--gpus", "2", "--seq-len", "256", "--global-batch", "4", "--gpu-memory", "1GB"]) == 0
     out = capsys.readouterr().out
     assert "activations measured on small copies of it and scaled" in out and "| 1 |" in out
+
+
+@pytest.mark.parametrize("name, tp, pp, vpp", [
+    ("llama3-8b", 8, 1, 1), ("llama3-8b", 8, 4, 1), ("llama3-8b", 4, 4, 2), ("llama3-8b", 2, 8, 2),
+    ("llama3-70b", 8, 8, 1), ("llama3-70b", 8, 4, 5), ("llama3-70b", 4, 16, 1), ("llama3-70b", 8, 2, 1),
+    ("qwen3-32b", 8, 8, 1), ("qwen3-32b", 4, 4, 2), ("qwen3-32b", 8, 16, 1), ("qwen3-32b", 2, 2, 1),
+])
+def test_full_size_ranks_built_on_the_meta_device_hold_the_predicted_parameters(inventories, name, tp, pp, vpp):
+    # The strategy's own rewrite, stage split and placement at the real size: the first, a middle and the last
+    # pipeline rank, on the last tensor rank (which holds the vocabulary's padding rows; every tensor rank holds as
+    # many elements).
+    from lightning_seqpar.plan.dry_run import dry_run
+
+    config = PUBLISHED[name][0]
+    for pipeline_rank in sorted({0, pp // 2, pp - 1}):
+        built = dry_run(config, inventories[name], tp, pp, vpp, pipeline_rank, "bf16-true", tp - 1)
+        assert built.measured == built.predicted, pipeline_rank
+
+
+def test_the_command_line_dry_run_prints_every_pipeline_rank(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA3_8B))
+    assert main([str(tmp_path), "--gpus", "32", "--seq-len", "8192", "--global-batch", "64", "--gpu-memory", "40GB",
+                 "--top", "1", "--analytic", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if line.startswith("  pipeline rank ")]
+    assert lines and all("DIFFERENT" not in line for line in lines)
+    assert "built on the meta device" in out

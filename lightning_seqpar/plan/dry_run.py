@@ -1,0 +1,61 @@
+"""One rank of a layout built at full size on the meta device, its parameters counted against the planner's.
+
+The model is built from its config on the meta device, rewritten by the strategy's own code for one tensor-parallel
+rank of t (an emulated group: nothing communicates, nothing is allocated; the materializer keeps every shard on the meta
+device), split into pipeline stages and its outside parts placed as the strategy does for ``pipeline_rank``. What the
+rank then holds is counted by element and dtype, and set beside :func:`~lightning_seqpar.plan.state.state_bytes`: the
+same code paths as a run, at the real size, without a GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+import torch
+
+from lightning_seqpar.plan.inventory import ModelInventory
+from lightning_seqpar.plan.state import PARAMETER_BYTES, state_bytes
+
+
+@dataclass(frozen=True)
+class DryRun:
+    """Parameter bytes a rank holds when built (``measured``) and as the planner predicts them."""
+
+    pipeline_rank: int
+    measured: int
+    predicted: int
+
+
+def dry_run(config: Union[dict, str], inventory: ModelInventory, tp: int, pp: int = 1, vpp: int = 1,
+            pipeline_rank: int = 0, precision: str = "bf16-mixed", tensor_rank: int = 0) -> DryRun:
+    """Build the rank at ``(pipeline_rank, tensor_rank)`` of the layout (``tp``, ``pp``, ``vpp``) of the model of
+    ``config`` on the meta device and count its parameter bytes (see the module docstring).
+
+    Raises:
+        ValueError: what the rewrite or the stage split refuses for this layout.
+    """
+    from lightning_seqpar.hf.models import build_causal_lm, causal_lm_config
+    from lightning_seqpar.parallel.collectives import ParallelGroup
+    from lightning_seqpar.pipeline_parallel.config import PipelineConfig
+    from lightning_seqpar.pipeline_parallel.placement import place_outside_stack
+    from lightning_seqpar.pipeline_parallel.stage import split_stages
+    from lightning_seqpar.plan.models import load_model_config
+    from lightning_seqpar.policies import pipeline_placement, rewrite
+    from lightning_seqpar.transformer.context import RewriteContext
+    from lightning_seqpar.transformer.materialize import Materializer
+
+    with torch.device("meta"):
+        model = build_causal_lm(causal_lm_config(config=load_model_config(config)))
+    placement = pipeline_placement(model)  # read before the rewrite, as the strategy reads it
+    meta = Materializer(seed=0, device=torch.device("meta"))
+    rewrite(model, RewriteContext(ParallelGroup.virtual(tp, tensor_rank), True, None, True, meta), verify=False)
+    if pp > 1:
+        schedule = "interleaved_1F1B" if vpp > 1 else "1F1B"
+        pipeline = PipelineConfig.build(pp, pp, schedule, vpp)
+        runtime, _ = split_stages(model, pipeline, pipeline_rank)
+        place_outside_stack(model, placement, runtime, pipeline_rank)
+    unique = {id(p): p for p in model.parameters()}.values()
+    measured = sum(p.numel() for p in unique) * PARAMETER_BYTES[precision]
+    predicted = state_bytes(inventory, tp, pp, 1, pipeline_rank=pipeline_rank, vpp=vpp, precision=precision).parameters
+    return DryRun(pipeline_rank, measured, predicted)
