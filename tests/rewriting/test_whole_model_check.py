@@ -154,3 +154,13 @@ def test_falcon_settings_the_parallel_block_does_not_implement_are_refused_by_na
                                        pad_token_id=None, bos_token_id=None, eos_token_id=None, **setting)
     with pytest.raises(ValueError, match=message):
         explain(transformers.AutoModelForCausalLM.from_config(config), tp=1)
+
+
+@pytest.mark.parametrize("option", ["scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"])
+def test_gpt2_options_the_parallel_block_does_not_implement_are_refused_by_name(option):
+    import transformers
+
+    config = transformers.GPT2Config(vocab_size=13, n_embd=16, n_layer=2, n_head=4, **{option: True})
+    with pytest.raises(ValueError, match=rf"GPT-2's {option}=True is not supported under tensor parallelism; set it "
+                                         rf"to False"):
+        explain(transformers.AutoModelForCausalLM.from_config(config), tp=2)
