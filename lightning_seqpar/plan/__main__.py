@@ -63,6 +63,12 @@ def table(records: list[LayoutRecord], hardware: Hardware, top: int) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run the command with ``argv`` (default ``sys.argv[1:]``): print the table (or the JSON records), return 0.
+
+    Raises:
+        FileNotFoundError: MODEL is no config.json, directory holding one, or GPT size.
+        ValueError: a GPU, size or precision it does not know, or a model no built-in layout recognizes.
+    """
     parser = argparse.ArgumentParser(prog="python -m lightning_seqpar.plan", description=__doc__.split("\n\n")[0])
     parser.add_argument("model")
     parser.add_argument("--gpus", type=int, required=True)

@@ -24,6 +24,7 @@ The per-layer figure here is the analytic one (``--analytic``); by default the p
 from __future__ import annotations
 
 from lightning_seqpar.plan.inventory import ModelInventory
+from lightning_seqpar.tensor_parallel.sharding import padded_size
 
 
 def layer_bytes(inventory: ModelInventory, s: int, b: int, t: int, sequence_parallel: bool = True,
@@ -66,5 +67,5 @@ def outside_layers_bytes(inventory: ModelInventory, s: int, b: int, t: int, last
     Hugging Face Llama at tp 2: the norm's and the loss's tensors are these)."""
     if not last:
         return 0.0
-    padded = -(-inventory.vocab_size // t) * t
+    padded = padded_size(inventory.vocab_size, t)
     return (4 + element) * s * b * inventory.hidden_size + 8 * s * b * padded / t

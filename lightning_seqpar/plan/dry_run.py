@@ -35,18 +35,16 @@ def dry_run(config: Union[dict, str], inventory: ModelInventory, tp: int, pp: in
     Raises:
         ValueError: what the rewrite or the stage split refuses for this layout.
     """
-    from lightning_seqpar.hf.models import build_causal_lm, causal_lm_config
     from lightning_seqpar.parallel.collectives import ParallelGroup
     from lightning_seqpar.pipeline_parallel.config import PipelineConfig
     from lightning_seqpar.pipeline_parallel.placement import place_outside_stack
     from lightning_seqpar.pipeline_parallel.stage import split_stages
-    from lightning_seqpar.plan.models import load_model_config
+    from lightning_seqpar.plan.models import load_model_config, meta_model
     from lightning_seqpar.policies import pipeline_placement, rewrite
     from lightning_seqpar.transformer.context import RewriteContext
     from lightning_seqpar.transformer.materialize import Materializer
 
-    with torch.device("meta"):
-        model = build_causal_lm(causal_lm_config(config=load_model_config(config)))
+    model = meta_model(load_model_config(config))
     placement = pipeline_placement(model)  # read before the rewrite, as the strategy reads it
     meta = Materializer(seed=0, device=torch.device("meta"))
     rewrite(model, RewriteContext(ParallelGroup.virtual(tp, tensor_rank), True, None, True, meta), verify=False)

@@ -12,7 +12,7 @@ Hugging Face layouts):
 - ``replicated``: norms, per-head norms, learned positions, everything else: whole on every rank.
 
 Which pipeline stage holds what follows :class:`~lightning_seqpar.pipeline_parallel.layout.StageLayout` and the
-pipeline placement: layers by stage; the embedding (and learned positions) on the first stage; the final norm and the
+strategy's pipeline placement (:func:`lightning_seqpar.policies.pipeline_placement`): layers by stage; the embedding (and learned positions) on the first stage; the final norm and the
 head on the last; a tied embedding and head on both; any other parameter on every stage.
 """
 
@@ -105,12 +105,15 @@ class ModelInventory:
         return any(e.tied for e in self.entries)
 
 
-def inventory_of_model(model: nn.Module, specs: dict[str, Any], name: Optional[str] = None) -> ModelInventory:
+def inventory_of_model(model: nn.Module, specs: dict[str, Any], placement: dict[str, str],
+                       name: Optional[str] = None) -> ModelInventory:
     """Classify every parameter of ``model`` (built on the meta device; a Hugging Face causal LM).
 
     Args:
         model: the single-device model.
         specs: ``{decoder layer path: BlockSpec}`` of its transformer layers, in order.
+        placement: ``{path: "first" | "last"}``, the parts outside the layers one pipeline stage holds, as the
+            strategy places them (:func:`lightning_seqpar.policies.pipeline_placement`).
 
     Raises:
         ValueError: no layer, or an embedding/head the vocabulary split does not recognize.
@@ -145,12 +148,9 @@ def inventory_of_model(model: nn.Module, specs: dict[str, Any], name: Optional[s
     for param in head.parameters():
         if id(param) not in roles:
             roles[id(param)] = ("vocab", "head", None)
-    final = _final_norm(model, layer_paths)
-    for param in (final.parameters() if final is not None else ()):
-        roles.setdefault(id(param), ("replicated", "final", None))
-    positions = _learned_positions(model, embedding)
-    for param in (positions.parameters() if positions is not None else ()):
-        roles.setdefault(id(param), ("replicated", "embedding", None))
+    for path, where in placement.items():  # learned positions on the first stage, the final norm on the last
+        for param in model.get_submodule(path).parameters():
+            roles.setdefault(id(param), ("replicated", "embedding" if where == "first" else "final", None))
     entries, seen = [], set()
     for pname, param in model.named_parameters():  # a tied weight once, under its first name
         if id(param) in seen:
@@ -179,22 +179,3 @@ def _sizes(name: str, entries: list[ParameterEntry], layers: int, embedding: nn.
     return ModelInventory(name, entries, layers, hidden, heads, kv_heads, head_dim, ffn, embedding.weight.shape[0],
                           gated_mlp=len(mlp) == 2 or bool(spec.gate_up), attention_dropout=float(dropout or 0.0),
                           eager_attention=attention == "eager")
-
-
-def _final_norm(model: nn.Module, layer_paths: list[str]) -> Optional[nn.Module]:
-    """The norm after the last layer: a direct child of the layers' parent's parent named like one (``norm``,
-    ``ln_f``, ``final_layernorm``, ``final_layer_norm``)."""
-    stack = layer_paths[0].rpartition(".")[0].rpartition(".")[0]
-    parent = model.get_submodule(stack) if stack else model
-    for candidate in ("norm", "ln_f", "final_layernorm", "final_layer_norm"):
-        if isinstance(getattr(parent, candidate, None), nn.Module):
-            return getattr(parent, candidate)
-    return None
-
-
-def _learned_positions(model: nn.Module, embedding: nn.Embedding) -> Optional[nn.Module]:
-    for name, module in model.named_modules():
-        if isinstance(module, nn.Embedding) and module is not embedding and name.rpartition(".")[2] in ("wpe",
-                                                                                                       "embed_positions"):
-            return module
-    return None

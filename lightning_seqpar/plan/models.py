@@ -51,14 +51,17 @@ def model_inventory(model: Union[str, Path, dict], seq_len: int = 2048, attentio
         ValueError: a model whose layers no built-in layout recognizes (the reasons of
             :func:`lightning_seqpar.explain`).
     """
-    from lightning_seqpar.hf.layouts import hf_policies
+    options = load_model_config(model, seq_len)
+    built = meta_model(options, attention)
+    return inventory_of_hf_model(built, name=str(options.get("_name_or_path") or type(built).__name__))
+
+
+def meta_model(options: dict, attention: str = "eager") -> Any:
+    """The Hugging Face causal LM of the config dict ``options`` built on the meta device (nothing allocated)."""
     from lightning_seqpar.hf.models import build_causal_lm, causal_lm_config
 
-    options = load_model_config(model, seq_len)
-    config = causal_lm_config(config=options, attn_implementation=attention)
     with torch.device("meta"):
-        built = build_causal_lm(config)
-    return inventory_of_hf_model(built, name=str(options.get("_name_or_path") or type(built).__name__))
+        return build_causal_lm(causal_lm_config(config=options, attn_implementation=attention))
 
 
 def inventory_of_hf_model(model: Any, name: Optional[str] = None) -> ModelInventory:
@@ -80,6 +83,8 @@ def inventory_of_hf_model(model: Any, name: Optional[str] = None) -> ModelInvent
         from lightning_seqpar.policies import explain
 
         explain(model, tp=1, verify=False)  # raises, naming each block class and why it is not known
-    inventory = inventory_of_model(model, specs, name=name)
+    from lightning_seqpar.policies import pipeline_placement
+
+    inventory = inventory_of_model(model, specs, pipeline_placement(model), name=name)
     inventory.config = getattr(model, "config", None)
     return inventory

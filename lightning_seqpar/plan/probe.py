@@ -128,11 +128,17 @@ def fit_layer(config: Any, tp: int, sequence_parallel: bool = True, recompute: s
                          ffn_hidden_size=f)
         rows.append(_terms(b, s, d, f))
         kept.append(float(measure_layer(config, tp, sequence_parallel, recompute, precision, s, b, overrides)))
+    return LayerFit(*_least_squares(rows, kept))
+
+
+def _least_squares(rows: list[list[float]], kept: list[float]) -> tuple[tuple[float, ...], float]:
+    """The coefficients that give ``kept`` from the terms ``rows`` (all but the last probe), and the relative error
+    they make on the last probe."""
     a = torch.tensor(rows[:-1], dtype=torch.float64)
     solution = torch.linalg.lstsq(a, torch.tensor(kept[:-1], dtype=torch.float64).unsqueeze(1)).solution.flatten()
     coefficients = tuple(round(c, 6) for c in solution.tolist())
     predicted = sum(c * term for c, term in zip(coefficients, rows[-1]))
-    return LayerFit(coefficients, check_error=abs(predicted - kept[-1]) / kept[-1])
+    return coefficients, abs(predicted - kept[-1]) / max(kept[-1], 1.0)
 
 
 OUTSIDE_TERMS = ("bsd", "bsv", "bs", "sd", "ss", "dv")
@@ -172,8 +178,4 @@ def fit_outside(config: Any, tp: int, sequence_parallel: bool = True, precision:
         layer, everything = measure(config, tp, sequence_parallel, "none", precision, s, b, overrides)
         rows.append(_outside_terms(b, s, d, v))
         kept.append(float(everything - 3 * layer))
-    a = torch.tensor(rows[:-1], dtype=torch.float64)
-    solution = torch.linalg.lstsq(a, torch.tensor(kept[:-1], dtype=torch.float64).unsqueeze(1)).solution.flatten()
-    coefficients = tuple(round(c, 6) for c in solution.tolist())
-    predicted = sum(c * term for c, term in zip(coefficients, rows[-1]))
-    return OutsideFit(coefficients, check_error=abs(predicted - kept[-1]) / max(kept[-1], 1.0))
+    return OutsideFit(*_least_squares(rows, kept))

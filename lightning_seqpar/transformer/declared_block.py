@@ -146,22 +146,14 @@ class ParallelBlock(ParallelLayer):
         mlp_in = tuple(_set(self, p, column_of(p, 2 if spec.gate_up else 1)) for p in mlp)
         attention_out, mlp_out = (_set(self, p, row(resolve(block, p), ctx.group, sequence_parallel=ctx.sp))
                                   for p in (spec.attention_out, spec.mlp_out))
-        norms = []
-        for path in (spec.attention_norm, spec.mlp_norm):
+        norms = []  # before each branch, and (post-norms) on the branch outputs: all on [s/t, b, h] under SP
+        for path in (spec.attention_norm, spec.mlp_norm, spec.attention_post_norm, spec.mlp_post_norm):
             norm = resolve(block, path) if path else None
             if norm is not None:
                 if ctx.sp:
                     mark_sequence_parallel(norm)
                 _set(self, path, norm)
             norms.append(norm)
-        post_norms = []
-        for path in (spec.attention_post_norm, spec.mlp_post_norm):  # on the branch outputs, [s/t, b, h] under SP
-            norm = resolve(block, path) if path else None
-            if norm is not None:
-                if ctx.sp:
-                    mark_sequence_parallel(norm)
-                _set(self, path, norm)
-            post_norms.append(norm)
         head_norms: list[Any] = []
         for path, heads, local in ((spec.q_norm, self.num_heads, self.heads_local),
                                    (spec.k_norm, self.num_kv_heads, self.kv_heads_local)):
@@ -177,7 +169,7 @@ class ParallelBlock(ParallelLayer):
             head_norms.append(norm)
         # Resolved once: the forward holds the modules, not their paths. A plain tuple, so they are registered only
         # under the block's own names (state-dict keys stay the single-device block's).
-        self._parts = _Parts(attention_in, mlp_in, attention_out, mlp_out, norms[0], norms[1], *head_norms, *post_norms)
+        self._parts = _Parts(attention_in, mlp_in, attention_out, mlp_out, norms[0], norms[1], *head_norms, *norms[2:])
         self.activation = _activation(block, spec)
         dropout = _dropout_p(value_of(block, spec.attention_dropout))
         self.implementation = value_of(block, spec.attention) if "." in spec.attention else spec.attention
