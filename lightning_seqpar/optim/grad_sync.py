@@ -48,7 +48,10 @@ class ScheduleGradients:
     def __init__(self, params: Sequence[nn.Parameter], arming: Optional[BucketArming], scale: float,
                  accumulated: bool) -> None:
         self.params, self.arming, self.scale = list(params), arming, scale
-        self._earlier = [p.grad for p in self.params]  # stay aside while the schedule runs
+        # An earlier batch's gradients stay aside while the schedule runs. At a window's first batch they are the last
+        # step's, which Lightning's zero_grad drops after this training step: released now, they do not sit beside
+        # the schedule's own gradients at its peak (one gradient per parameter, not two).
+        self._earlier = [p.grad if accumulated else None for p in self.params]
         self._kept = ({id(p): g for p, g in zip(self.params, self._earlier) if g is not None}
                       if accumulated and arming is not None else {})
         for p in self.params:

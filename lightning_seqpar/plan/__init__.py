@@ -5,16 +5,18 @@
 - :mod:`.state`: model-state bytes per rank, exact (equal to what the strategy's ranks hold);
 - :mod:`.probe`: a layer's activation bytes measured on small copies of the model and scaled (calibrated);
 - :mod:`.activations`: the micro-batches in flight, the last stage's logits, and Table 2's model;
+- :mod:`.transients`: what a step holds only for a moment at its peak (a backward's gradients, the optimizer's
+  temporaries);
 - :mod:`.cost`: the step-time model and the hardware rates;
-- :mod:`.planner`: :func:`plan`, the ranked records; ``python -m lightning_seqpar.plan`` prints them;
+- :mod:`.planner`: :func:`plan`, the ranked records (:func:`predict`: one layout's); ``python -m lightning_seqpar.plan`` prints them;
 - :mod:`.dry_run`: one rank built at full size on the meta device, its parameters against the prediction.
 """
 
 from lightning_seqpar.plan.cost import Hardware
 from lightning_seqpar.plan.inventory import ModelInventory, ParameterEntry
 from lightning_seqpar.plan.models import inventory_of_hf_model, model_inventory
-from lightning_seqpar.plan.planner import LayoutRecord, plan
+from lightning_seqpar.plan.planner import LayoutRecord, plan, predict
 from lightning_seqpar.plan.state import StateBytes, state_bytes
 
 __all__ = ["Hardware", "LayoutRecord", "ModelInventory", "ParameterEntry", "StateBytes", "inventory_of_hf_model",
-           "model_inventory", "plan", "state_bytes"]
+           "model_inventory", "plan", "predict", "state_bytes"]

@@ -20,6 +20,11 @@ from lightning_seqpar.plan.activations import in_flight, layer_bytes, outside_la
 from lightning_seqpar.plan.cost import Hardware, ring_bytes
 from lightning_seqpar.plan.inventory import ModelInventory
 from lightning_seqpar.plan.state import PARAMETER_BYTES, StateBytes, stage_layout, state_bytes
+from lightning_seqpar.plan.transients import (
+    accumulation_bytes,
+    backward_transient_bytes,
+    optimizer_transient_bytes,
+)
 
 RECOMPUTE = ("selective", "none", "full")
 VIRTUAL_STAGES = (1, 2, 4, 5)
@@ -108,6 +113,24 @@ def plan(inventory: ModelInventory, gpus: int, seq_len: int, global_batch: int, 
     return feasible + [r for r in records if not r.feasible]
 
 
+def predict(inventory: ModelInventory, record: LayoutRecord, seq_len: int, global_batch: int, *,
+            hardware: Hardware = Hardware(), precision: str = "bf16-mixed", headroom: float = 0.8,
+            schedule: str = "1F1B", attention_dropout: bool = False, calibrate: bool = True,
+            fits: Optional[dict[tuple, Any]] = None) -> LayoutRecord:
+    """Fill in ``record`` (one layout: its ``tp``, ``pp``, ``vpp``, ``dp``, ``zero``, ``micro_batch``, ``recompute``,
+    ``main_params``) as :func:`plan` does: its rules, bytes of its most loaded rank, FLOPs, traffic, step time.
+    ``fits``: the probes' cache, shared between calls. Returns ``record``.
+
+    Raises:
+        ValueError: an unknown precision.
+    """
+    if precision not in PARAMETER_BYTES:
+        raise ValueError(f"precision={precision!r}: one of {sorted(PARAMETER_BYTES)}.")
+    _evaluate(record, inventory, seq_len, global_batch, hardware, precision, headroom, schedule, attention_dropout,
+              (fits if fits is not None else {}) if calibrate else None)
+    return record
+
+
 def _rule(record: LayoutRecord, inventory: ModelInventory, s: int, global_batch: int, hardware: Hardware) -> Optional[str]:
     """The first rule ``record`` breaks, in the field's words; ``None``: none."""
     tp, pp, vpp, dp, mbs = record.tp, record.pp, record.vpp, record.dp, record.micro_batch
@@ -177,17 +200,30 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
     element = 2 if precision.startswith("bf16") else PARAMETER_BYTES[precision]
     layout = stage_layout(inventory, pp, vpp)
     per_layer, per_step = _layer_bytes(record, inventory, s, precision, dropout, fits)
+    recomputed = 0.0  # what a layer's backward makes again: its kept bytes without recomputation, less with it
+    if record.recompute != "none":
+        whole = LayoutRecord(tp, 1, pp, vpp, dp, record.zero, b, m, "none", record.main_params)
+        recomputed = max(0.0, _layer_bytes(whole, inventory, s, precision, dropout, fits)[0] - per_layer)
     worst: tuple[float, int, dict[str, int]] = (-1.0, 0, {})
+    parameter = PARAMETER_BYTES[precision]
     for rank in range(pp):
         state: StateBytes = state_bytes(inventory, tp, pp, dp, pipeline_rank=rank, vpp=vpp, zero=record.zero,
                                         precision=precision, main_params=record.main_params)
         layers = sum(layout.sizes[stage] for stage in layout.stages_of(rank))
         last = rank == layout.rank_of(layout.num_stages - 1)
-        activations = layers * (per_layer * in_flight(pp, m, rank, schedule, vpp) + per_step)
+        held = in_flight(pp, m, rank, schedule, vpp)
+        activations = layers * (per_layer * held + per_step)
         if last:
-            activations += _outside_bytes(record, inventory, s, precision, element, fits) * in_flight(
-                pp, m, rank, schedule, vpp)
-        other = element * s * b * inventory.hidden_size * (1 + (2 if pp > 1 else 0) / tp)  # gathered input, p2p
+            activations += _outside_bytes(record, inventory, s, precision, element, fits) * held
+        if pp > 1:  # each micro-batch in flight keeps the stage input it received, [s/t, b, h]
+            activations += held * element * s * b * inventory.hidden_size / tp
+        # (autocast's 16-bit weight gradient and its float32 copy under bf16-mixed)
+        gradient = parameter + (2 if precision == "bf16-mixed" else 0)
+        backward = backward_transient_bytes(inventory, s, b, tp, element, gradient, last, m > 1, recomputed)
+        backward += accumulation_bytes(state.parameters // parameter, parameter, m, dp > 1 or record.zero == 1,
+                                       record.zero == 0 and parameter < 4)
+        # The step peaks in a backward, or in the optimizer's step once the activations are gone.
+        other = max(backward, optimizer_transient_bytes(state.second_moment) - activations)
         split = dict(parameters=state.parameters, gradients=state.gradients, main_params=state.main_params,
                      optimizer=state.optimizer, activations=int(activations), other=int(other))
         split["total"] = sum(split.values())

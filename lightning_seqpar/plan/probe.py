@@ -76,10 +76,7 @@ def measure(config: Any, tp: int, sequence_parallel: bool, recompute: str, preci
     from lightning_seqpar.recompute import apply_recompute
     from lightning_seqpar.transformer.context import RewriteContext
 
-    layers = getattr(config, "num_hidden_layers", None) or config.n_layer
-    # Three layers, the middle one measured (the last gathers its output under SP); per-layer lists cut to match.
-    per_layer = {k: v[:3] for k, v in vars(config).items() if isinstance(v, list) and len(v) == layers}
-    small = small_config(config, tp, dict(num_hidden_layers=3, n_layer=3, **per_layer, **(overrides or {})))
+    small = small_config(config, tp, _small_overrides(config, overrides))
     dtype = _DTYPES[precision]
     x = torch.randint(0, small.vocab_size, (b, s), generator=torch.Generator().manual_seed(0))
 
@@ -106,6 +103,14 @@ def measure(config: Any, tp: int, sequence_parallel: bool, recompute: str, preci
         return run_emulated(tp, one_rank)[0]
     with cuda_autocast_rules():  # what a GPU keeps: CUDA autocast runs norms and softmax in float32
         return run_emulated(tp, one_rank)[0]
+
+
+def _small_overrides(config: Any, overrides: Optional[dict]) -> dict:
+    """Three layers (the middle one is measured; the last gathers its output under SP), per-layer lists cut to
+    match, and ``overrides``."""
+    layers = getattr(config, "num_hidden_layers", None) or config.n_layer
+    per_layer = {k: v[:3] for k, v in vars(config).items() if isinstance(v, list) and len(v) == layers}
+    return dict(num_hidden_layers=3, n_layer=3, **per_layer, **(overrides or {}))
 
 
 def fit_layer(config: Any, tp: int, sequence_parallel: bool = True, recompute: str = "selective",

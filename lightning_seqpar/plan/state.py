@@ -48,10 +48,17 @@ class StateBytes:
     gradients: int
     main_params: int
     optimizer: int
+    steps: int = 0
+    """of ``optimizer``: AdamW's float32 ``step`` counters"""
 
     @property
     def total(self) -> int:
         return self.parameters + self.gradients + self.main_params + self.optimizer
+
+    @property
+    def second_moment(self) -> int:
+        """Bytes of one AdamW state kind (``exp_avg_sq``) on this rank."""
+        return (self.optimizer - self.steps) // ADAM_STATES
 
 
 def stage_layout(inventory: ModelInventory, pp: int, vpp: int = 1,
@@ -97,9 +104,10 @@ def state_bytes(inventory: ModelInventory, tp: int, pp: int = 1, dp: int = 1, *,
     steps = STEP_BYTES * len(local)
     if zero == 0:
         gradients = total * element if dp == 1 else total * reduced + (total * element if element < reduced else 0)
-        return StateBytes(total * element, gradients, 0, ADAM_STATES * total * element + steps)
+        return StateBytes(total * element, gradients, 0, ADAM_STATES * total * element + steps, steps)
     widths = [-(-n // dp) for n in local]
     owned = sum(stop - start for start, stop in (owned_range(n, dp, data_rank) for n in local))
     main = 4 if main_params and element < 4 else 0
     gradients = (dp + 1) * sum(widths) * reduced
-    return StateBytes(total * element, gradients, owned * main, ADAM_STATES * owned * (main or element) + steps)
+    return StateBytes(total * element, gradients, owned * main, ADAM_STATES * owned * (main or element) + steps,
+                      steps)

@@ -1,0 +1,62 @@
+"""What a training step holds only for a moment at its peak, above the model state and the kept activations (bytes).
+
+A rank's step peaks either in a backward, when the most micro-batches are in flight, or in the optimizer's step:
+
+- **backward through the loss** (the last pipeline rank): the float32 gradients of the vocabulary-parallel logits
+  and of their log-softmax, ``2 · 4 · b·s·v/t``, then beside them the gradient of the head's input ``e·b·s·h`` or,
+  when the gradients accumulate (every micro-batch of a step but the first), the head's weight gradient before it is
+  added to ``.grad``, ``r · v/t · h``;
+- **backward through a layer**: the input gathered again over the sequence for a weight gradient (§4.2.2, ``e·s·b·h``
+  under sequence parallelism) or, accumulating, the largest weight gradient of the layer before it is added
+  (``r · h·f/t`` for an MLP matrix; gate and up together, ``2·r · h·f/t``, in a gated MLP, whose input gradient
+  they share; under ``bf16-mixed`` autocast's 16-bit gradient and its float32 copy, ``r = 2 + 4``); the incoming
+  and outgoing gradient of the layer's output ``2·e·s·b·h / t``; under recomputation, what the layer's backward
+  makes again beside them (one layer's kept bytes without recomputation, less those with it, for one micro-batch);
+- **gradients accumulated beside the buckets**: with m > 1 micro-batches (a pipeline schedule's or gradient
+  accumulation's) the ``.grad`` of the earlier ones is kept apart from the data-parallel buckets until the last
+  backward fills them (one gradient per parameter, ``r`` bytes each, where the buckets are not already the
+  ``.grad`` of a 16-bit parameter);
+- **the optimizer**: AdamW's multi-tensor step (torch's default on CUDA) makes one temporary the size of its
+  second-moment state (``exp_avg_sq.sqrt()``) before the update.
+
+(``e`` bytes per activation element, ``r`` per parameter element.) Calibrated with the kept bytes against the peak a
+tracker measures over whole training steps: ``tests/plan/test_step_calibration.py``.
+"""
+
+from __future__ import annotations
+
+from lightning_seqpar.plan.inventory import ModelInventory
+from lightning_seqpar.tensor_parallel.sharding import padded_size
+
+
+def backward_transient_bytes(inventory: ModelInventory, s: int, b: int, t: int, element: int, parameter: int,
+                             last: bool, accumulating: bool, recomputed: float = 0.0,
+                             sequence_parallel: bool = True) -> float:
+    """The larger of a backward's moments through the loss (``last`` rank only) and through a layer (see the module
+    docstring), for a micro-batch of ``b`` sequences of ``s`` tokens on one tensor-parallel rank of ``t``;
+    ``recomputed``: the bytes a layer's backward makes again (recomputation)."""
+    h = inventory.hidden_size
+    sbh = s * b * h
+    largest = max((e.local_numel(t) for e in inventory.entries if e.part == "layer"), default=0)
+    weight_gradients = (2 if inventory.gated_mlp else 1) * largest * parameter if accumulating else 0
+    gathered = element * sbh if sequence_parallel and t > 1 else 0
+    layer = max(gathered, weight_gradients) + recomputed + 2 * element * sbh / t
+    if not last:
+        return layer
+    v = padded_size(inventory.vocab_size, t) // t
+    head = parameter * v * h if accumulating else element * sbh
+    return max(layer, 2 * 4 * s * b * v + head)
+
+
+def accumulation_bytes(gradient_elements: int, parameter: int, num_microbatches: int, buckets: bool,
+                       grad_beside_buckets: bool) -> float:
+    """``.grad`` kept apart from the buckets while micro-batches accumulate (see the module docstring)."""
+    if num_microbatches == 1 or not buckets or grad_beside_buckets:
+        return 0.0
+    return float(gradient_elements * parameter)
+
+
+def optimizer_transient_bytes(second_moment: int) -> float:
+    """AdamW's temporary of its multi-tensor step: one tensor per parameter the size of ``exp_avg_sq``
+    (``second_moment`` bytes on this rank)."""
+    return float(second_moment)
