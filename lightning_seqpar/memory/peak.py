@@ -4,7 +4,10 @@ any device, CPU included: what a GPU's allocator would have to hold at its fulle
 Every storage the step's ops create is seen below autograd (a ``TorchDispatchMode``: backward's and the optimizer's
 temporaries included) and weakly referenced with a callback, so the live total falls when a storage is freed and
 the peak is read after every op. Storages that exist before the step (parameters, optimizer state, gradient
-buckets, the batch) are counted from :meth:`PeakMemoryTracker.hold`, and leave the total when freed too. The same
+buckets, the batch) are counted from :meth:`PeakMemoryTracker.hold`, and leave the total when freed too. A storage
+first seen as the output of a view was made outside the dispatcher, by a backend's own machinery (gloo's
+reduce-scatter stages a copy of its whole input; NCCL's does not): it is not counted, so the peak is what the step's
+own ops hold. The same
 mechanism as torch's ``torch.distributed._tools.mem_tracker.MemTracker``, without its global module and optimizer
 hooks (a pipeline schedule runs modules out of their forward/backward order) and without the per-module snapshots.
 """
@@ -69,6 +72,8 @@ class PeakMemoryTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         out = func(*args, **(kwargs or {}))
+        if getattr(func, "is_view", False):
+            return out  # shares its input's storage (see the module docstring)
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 self._track(t)

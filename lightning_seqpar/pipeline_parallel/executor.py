@@ -21,7 +21,8 @@ class StepResult:
     """What one pipelined step produced on this rank.
 
     Attributes:
-        outputs: the step function's result per micro-batch, on the rank holding the last stage (else empty).
+        outputs: the step function's result per micro-batch, on the rank holding the last stage (else empty); in
+            training, detached once its backward has run.
         peak_in_flight: most micro-batches (per chunk) whose activations this rank held at once.
     """
 
@@ -42,6 +43,18 @@ def loss_of(output: Any) -> Tensor:
             f"got {type(output).__name__}. Skipping a batch by returning None is not supported."
         )
     return loss
+
+
+def _detached(output: Any) -> Any:
+    """``output`` (a ``training_step`` result) without its graph: its tensors detached, a mapping as a ``dict``, a
+    list or tuple as one (anything else as it is)."""
+    if isinstance(output, Tensor):
+        return output.detach()
+    if isinstance(output, dict):
+        return {k: _detached(v) for k, v in output.items()}
+    if isinstance(output, (list, tuple)):
+        return type(output)(_detached(v) for v in output) if type(output) in (list, tuple) else output
+    return output
 
 
 class PipelineExecutor:
@@ -125,6 +138,9 @@ class PipelineExecutor:
                 incoming, out = saved.pop(key)
                 if stage == last:
                     torch.autograd.backward(out / m)
+                    # Kept for the step's result, the output would keep its graph's nodes, and through them the
+                    # stage input and its gradient, alive until the step ends: two [s/t, b, h] per micro-batch.
+                    result.outputs[action.microbatch] = _detached(result.outputs[action.microbatch])
                 else:
                     torch.autograd.backward(out, received.pop((GRADIENT, stage, action.microbatch)))
                 if stage > 0:

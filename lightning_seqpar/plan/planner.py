@@ -11,18 +11,21 @@ default: Fujii et al. found no run under 80 % of device memory that ran out).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 from lightning_seqpar.memory.activations import TransformerShape
 from lightning_seqpar.memory.flops import hardware_flops_per_iteration, model_flops_per_iteration
-from lightning_seqpar.plan.activations import in_flight, layer_bytes, outside_layers_bytes
+from lightning_seqpar.pipeline_parallel.schedules import build_schedule, resolve_schedule
+from lightning_seqpar.plan.activations import layer_bytes, outside_layers_bytes
 from lightning_seqpar.plan.cost import Hardware, ring_bytes
 from lightning_seqpar.plan.inventory import ModelInventory
 from lightning_seqpar.plan.state import PARAMETER_BYTES, StateBytes, stage_layout, state_bytes
 from lightning_seqpar.plan.transients import (
     accumulation_bytes,
     backward_transient_bytes,
+    largest_layer_weight,
     optimizer_transient_bytes,
 )
 
@@ -160,34 +163,53 @@ def _rule(record: LayoutRecord, inventory: ModelInventory, s: int, global_batch:
 
 
 def _layer_bytes(record: LayoutRecord, inventory: ModelInventory, s: int, precision: str, dropout: bool,
-                 fits: Optional[dict[tuple, Any]]) -> tuple[float, float]:
-    """One layer's activation bytes: per micro-batch in flight, and made once per step (autocast's weight copies);
-    measured and scaled where the model can be probed."""
+                 fits: Optional[dict[tuple, Any]]) -> float:
+    """One layer's activation bytes per micro-batch in flight (autocast's 16-bit weight copies included: the parallel
+    layers cast inside their autograd functions, where autocast's cache does not apply, so every micro-batch's
+    forward keeps its own); measured and scaled where the model can be probed."""
     if fits is None or inventory.config is None:
         element = 2 if precision.startswith("bf16") else PARAMETER_BYTES[precision]
-        return layer_bytes(inventory, s, record.micro_batch, record.tp, True, record.recompute, element, dropout), 0.0
+        return layer_bytes(inventory, s, record.micro_batch, record.tp, True, record.recompute, element, dropout)
     key = (record.tp, record.recompute, precision)
     if key not in fits:
         from lightning_seqpar.plan.probe import fit_layer
 
         fits[key] = fit_layer(inventory.config, record.tp, True, record.recompute, precision)
-    fit, d, f = fits[key], inventory.head_dim, inventory.ffn_hidden_size
-    shared = fit.shared_bytes(d, f)
-    return fit.bytes(s, record.micro_batch, d, f) - shared, shared
+    return fits[key].bytes(s, record.micro_batch, inventory.head_dim, inventory.ffn_hidden_size)
 
 
 def _outside_bytes(record: LayoutRecord, inventory: ModelInventory, s: int, precision: str, element: int,
-                   fits: Optional[dict[tuple, Any]]) -> float:
-    """What a micro-batch keeps outside the layers (final norm, head, loss; counted on the last stage): measured and
-    scaled where the model can be probed."""
+                   fits: Optional[dict[tuple, Any]]) -> tuple[float, float]:
+    """What a micro-batch's forward keeps outside the layers (embedding, prologue, final norm, head, loss), and of it
+    the prologue every pipeline stage's forward makes again (attention mask, rotary tables, position ids): measured
+    and scaled where the model can be probed (the analytic model has no prologue)."""
     if fits is None or inventory.config is None:
-        return outside_layers_bytes(inventory, s, record.micro_batch, record.tp, True, True, element)
+        return outside_layers_bytes(inventory, s, record.micro_batch, record.tp, True, True, element), 0.0
     key = ("outside", record.tp, precision)
     if key not in fits:
         from lightning_seqpar.plan.probe import fit_outside
 
         fits[key] = fit_outside(inventory.config, record.tp, True, precision)
-    return fits[key].bytes(s, record.micro_batch, inventory.head_dim, inventory.vocab_size)
+    sizes = (s, record.micro_batch, inventory.head_dim, inventory.vocab_size)
+    return fits[key].bytes(*sizes), fits[key].prologue_bytes(*sizes)
+
+
+@functools.lru_cache(maxsize=4096)
+def _backward_moments(schedule: str, m: int, pp: int, vpp: int, rank: int) -> tuple[tuple[tuple[int, ...], int, bool], ...]:
+    """The distinct moments at which pipeline rank ``rank`` starts a backward in ``schedule``: the forwards in
+    flight then, counted per model chunk; the backward's chunk; whether gradients have accumulated already (an
+    earlier backward ran)."""
+    moments: dict[tuple[tuple[int, ...], int, bool], None] = {}
+    counts = [0] * vpp
+    done = False
+    for action in build_schedule(schedule, m, pp, vpp, rank):
+        if action.kind == "F":
+            counts[action.chunk] += 1
+            continue
+        moments[(tuple(counts), action.chunk, done)] = None
+        counts[action.chunk] -= 1
+        done = True
+    return tuple(moments)
 
 
 def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_batch: int, hardware: Hardware,
@@ -199,31 +221,42 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
     tp, pp, vpp, dp, b, m = record.tp, record.pp, record.vpp, record.dp, record.micro_batch, record.num_microbatches
     element = 2 if precision.startswith("bf16") else PARAMETER_BYTES[precision]
     layout = stage_layout(inventory, pp, vpp)
-    per_layer, per_step = _layer_bytes(record, inventory, s, precision, dropout, fits)
+    per_layer = _layer_bytes(record, inventory, s, precision, dropout, fits)
     recomputed = 0.0  # what a layer's backward makes again: its kept bytes without recomputation, less with it
     if record.recompute != "none":
         whole = LayoutRecord(tp, 1, pp, vpp, dp, record.zero, b, m, "none", record.main_params)
-        recomputed = max(0.0, _layer_bytes(whole, inventory, s, precision, dropout, fits)[0] - per_layer)
+        recomputed = max(0.0, _layer_bytes(whole, inventory, s, precision, dropout, fits) - per_layer)
     worst: tuple[float, int, dict[str, int]] = (-1.0, 0, {})
     parameter = PARAMETER_BYTES[precision]
+    outside, prologue = _outside_bytes(record, inventory, s, precision, element, fits)
+    # Each forward of a model chunk keeps, besides its layers': under a pipeline, its input ([s/t, b, h], received or
+    # the embedding's) and the prologue its stage made; the last chunk's, the rest of what lies outside the layers.
+    around, after = (0.0, outside) if pp == 1 else (element * s * b * inventory.hidden_size / tp + prologue, 0.0)
+    if pp > 1:
+        after = max(0.0, outside - around)
+    gradient = parameter + (2 if precision == "bf16-mixed" else 0)  # autocast's 16-bit weight gradient + its fp32 copy
+    name = resolve_schedule(schedule, vpp) if pp > 1 else "1F1B"
+    largest = largest_layer_weight(inventory, tp)
     for rank in range(pp):
         state: StateBytes = state_bytes(inventory, tp, pp, dp, pipeline_rank=rank, vpp=vpp, zero=record.zero,
                                         precision=precision, main_params=record.main_params)
-        layers = sum(layout.sizes[stage] for stage in layout.stages_of(rank))
-        last = rank == layout.rank_of(layout.num_stages - 1)
-        held = in_flight(pp, m, rank, schedule, vpp)
-        activations = layers * (per_layer * held + per_step)
-        if last:
-            activations += _outside_bytes(record, inventory, s, precision, element, fits) * held
-        if pp > 1:  # each micro-batch in flight keeps the stage input it received, [s/t, b, h]
-            activations += held * element * s * b * inventory.hidden_size / tp
-        # (autocast's 16-bit weight gradient and its float32 copy under bf16-mixed)
-        gradient = parameter + (2 if precision == "bf16-mixed" else 0)
-        backward = backward_transient_bytes(inventory, s, b, tp, element, gradient, last, m > 1, recomputed)
-        backward += accumulation_bytes(state.parameters // parameter, parameter, m, dp > 1 or record.zero == 1,
-                                       record.zero == 0 and parameter < 4)
-        # The step peaks in a backward, or in the optimizer's step once the activations are gone.
-        other = max(backward, optimizer_transient_bytes(state.second_moment) - activations)
+        stages = layout.stages_of(rank)
+        accumulated = accumulation_bytes(state.parameters // parameter, parameter, m, dp > 1 or record.zero == 1,
+                                         record.zero == 0 and parameter < 4)
+        # The step peaks at one of this rank's backwards (what its schedule holds in flight then, and what that
+        # backward makes) or in the optimizer's step, once the activations are gone.
+        peak = (0.0, 0.0, 0.0)  # (total, activations, other)
+        for counts, chunk, accumulating in _backward_moments(name, m, pp, vpp, rank):
+            kept = sum(n * (layout.sizes[stages[c]] * per_layer + around
+                            + (after if stages[c] == layout.num_stages - 1 else 0.0)) for c, n in enumerate(counts))
+            last = stages[chunk] == layout.num_stages - 1
+            moment = backward_transient_bytes(inventory, s, b, tp, element, gradient, last, accumulating, recomputed,
+                                              largest=largest)
+            moment += accumulated if accumulating else 0.0
+            if kept + moment > peak[0]:
+                peak = (kept + moment, kept, moment)
+        _, activations, other = peak
+        other = max(other, optimizer_transient_bytes(state.second_moment) - activations)
         split = dict(parameters=state.parameters, gradients=state.gradients, main_params=state.main_params,
                      optimizer=state.optimizer, activations=int(activations), other=int(other))
         split["total"] = sum(split.values())

@@ -50,9 +50,10 @@ class LayerFit:
         return sum(c * term for c, term in zip(self.coefficients, _terms(b, s, head_dim, ffn)))
 
     def shared_bytes(self, head_dim: int, ffn: int) -> float:
-        """The part of :meth:`bytes` made once per step, not per micro-batch: the 16-bit weight copies autocast caches
-        (``d²``, ``d·f``), which every micro-batch of a pipeline step shares (the schedule runs in one autocast
-        region)."""
+        """The part of :meth:`bytes` that does not grow with the tokens: the 16-bit weight copies autocast makes
+        (``d²``, ``d·f``). The parallel layers cast inside their autograd functions, where autocast's weight cache
+        does not apply, so each micro-batch's forward keeps its own (measured over whole pipelined steps:
+        ``tests/plan/test_step_calibration.py``)."""
         return sum(c * term for c, term in zip(self.coefficients[6:], _terms(0, 0, head_dim, ffn)[6:]))
 
 
@@ -60,13 +61,15 @@ def measure_layer(config: Any, tp: int, sequence_parallel: bool, recompute: str,
                   overrides: Optional[dict] = None, whole: bool = False) -> int:
     """Bytes the middle decoder layer of a small copy of the model of ``config`` keeps for backward on rank 0 of
     ``tp`` emulated ranks (see the module docstring); ``whole``: what the whole forward keeps."""
-    layer, everything = measure(config, tp, sequence_parallel, recompute, precision, s, b, overrides)
+    layer, everything, _ = measure(config, tp, sequence_parallel, recompute, precision, s, b, overrides)
     return everything if whole else layer
 
 
 def measure(config: Any, tp: int, sequence_parallel: bool, recompute: str, precision: str, s: int, b: int,
-            overrides: Optional[dict] = None) -> tuple[int, int]:
-    """``(middle layer, whole forward)``: the bytes each keeps for backward (see :func:`measure_layer`)."""
+            overrides: Optional[dict] = None) -> tuple[int, int, int]:
+    """``(middle layer, whole forward, prologue)``: the bytes each keeps for backward (see :func:`measure_layer`);
+    the prologue is what the base model makes before its layers besides the embedding (the attention mask, the
+    rotary tables, the position ids), which every pipeline stage's forward makes again."""
     from lightning_seqpar.hf.model_check import parts_in_order, small_config
     from lightning_seqpar.hf.models import build_causal_lm
     from lightning_seqpar.memory.cuda_autocast import cuda_autocast_rules
@@ -92,10 +95,14 @@ def measure(config: Any, tp: int, sequence_parallel: bool, recompute: str, preci
             with autocast:
                 model(input_ids=x, labels=x)
             return None
-        layer = parts_in_order(model)[2]  # the embedding, then the layers: the middle one
+        parts = parts_in_order(model)  # the embedding, the three layers, the parts after them
         with autocast, LiveActivationTracker(model) as tracker:
             out = model(input_ids=x, labels=x)
-        kept = tracker.live_bytes(layer), tracker.live_bytes()
+        stack = parts[1].rpartition(".")[0]
+        base = stack.rpartition(".")[0]
+        prologue = (tracker.live_bytes(base) - tracker.live_bytes(stack) - tracker.live_bytes(parts[0])
+                    - sum(tracker.live_bytes(part) for part in parts[4:])) if base else 0
+        kept = tracker.live_bytes(parts[2]), tracker.live_bytes(), prologue
         del out
         return kept
 
@@ -146,26 +153,32 @@ def _least_squares(rows: list[list[float]], kept: list[float]) -> tuple[tuple[fl
     return coefficients, abs(predicted - kept[-1]) / max(kept[-1], 1.0)
 
 
-OUTSIDE_TERMS = ("bsd", "bsv", "bs", "sd", "ss", "dv")
+OUTSIDE_TERMS = ("bsd", "bsv", "bs", "sd", "ss", "dv", "bss")
 # (b, s, d, v) of the outside probes, s and v times t; the last checks the fit.
 _OUTSIDE_PROBES = ((1, 8, 8, 64), (2, 8, 8, 64), (1, 16, 8, 64), (1, 8, 16, 64), (1, 8, 8, 128), (2, 16, 16, 64),
-                   (1, 16, 8, 128), (2, 8, 16, 128))
+                   (1, 16, 8, 128), (2, 24, 8, 64), (2, 8, 16, 128))
 
 
 def _outside_terms(b: int, s: int, d: int, v: int) -> list[float]:
-    return [b * s * d, b * s * v, b * s, s * d, s * s, d * v]
+    return [b * s * d, b * s * v, b * s, s * d, s * s, d * v, b * s * s]
 
 
 @dataclass(frozen=True)
 class OutsideFit:
-    """Bytes a forward keeps outside its layers (the embedding, the last layer's gathered output, the final norm, the
-    LM head and the loss): ``Σ coefficients[k] · OUTSIDE_TERMS[k]`` (v the vocabulary), and the check probe's error."""
+    """Bytes a forward keeps outside its layers (the embedding, the base model's prologue, the last layer's gathered
+    output, the final norm, the LM head and the loss): ``Σ coefficients[k] · OUTSIDE_TERMS[k]`` (v the vocabulary);
+    of them, the prologue (:func:`measure`): ``Σ prologue[k] · OUTSIDE_TERMS[k]``; and the check probe's error."""
 
     coefficients: tuple[float, ...]
     check_error: float
+    prologue: tuple[float, ...] = ()
 
     def bytes(self, s: int, b: int, head_dim: int, vocab: int) -> float:
         return sum(c * term for c, term in zip(self.coefficients, _outside_terms(b, s, head_dim, vocab)))
+
+    def prologue_bytes(self, s: int, b: int, head_dim: int, vocab: int) -> float:
+        """What every pipeline stage's forward makes before its layers (the mask, rotary tables, position ids)."""
+        return sum(c * term for c, term in zip(self.prologue, _outside_terms(b, s, head_dim, vocab)))
 
 
 def fit_outside(config: Any, tp: int, sequence_parallel: bool = True, precision: str = "bf16-mixed") -> OutsideFit:
@@ -175,12 +188,14 @@ def fit_outside(config: Any, tp: int, sequence_parallel: bool = True, precision:
 
     heads = getattr(config, "num_attention_heads", None) or config.n_head
     base = probe_head_dim(config)
-    rows, kept = [], []
+    rows, kept, prologues = [], [], []
     for b, s, d, v in _OUTSIDE_PROBES:
         s, d, v = s * tp, d // 4 * base, v * tp
         overrides = dict(head_dim=d, hidden_size=heads * d, n_embd=heads * d, intermediate_size=16 * tp,
                          n_inner=16 * tp, ffn_hidden_size=16 * tp, vocab_size=v)
-        layer, everything = measure(config, tp, sequence_parallel, "none", precision, s, b, overrides)
+        layer, everything, prologue = measure(config, tp, sequence_parallel, "none", precision, s, b, overrides)
         rows.append(_outside_terms(b, s, d, v))
         kept.append(float(everything - 3 * layer))
-    return OutsideFit(*_least_squares(rows, kept))
+        prologues.append(float(prologue))
+    coefficients, error = _least_squares(rows, kept)
+    return OutsideFit(coefficients, error, _least_squares(rows, prologues)[0])

@@ -25,19 +25,27 @@ tracker measures over whole training steps: ``tests/plan/test_step_calibration.p
 
 from __future__ import annotations
 
+from typing import Optional
+
 from lightning_seqpar.plan.inventory import ModelInventory
 from lightning_seqpar.tensor_parallel.sharding import padded_size
 
 
+def largest_layer_weight(inventory: ModelInventory, t: int) -> int:
+    """Elements of a layer's largest parameter on one tensor-parallel rank of ``t``."""
+    return max((e.local_numel(t) for e in inventory.entries if e.part == "layer"), default=0)
+
+
 def backward_transient_bytes(inventory: ModelInventory, s: int, b: int, t: int, element: int, parameter: int,
                              last: bool, accumulating: bool, recomputed: float = 0.0,
-                             sequence_parallel: bool = True) -> float:
+                             sequence_parallel: bool = True, largest: Optional[int] = None) -> float:
     """The larger of a backward's moments through the loss (``last`` rank only) and through a layer (see the module
     docstring), for a micro-batch of ``b`` sequences of ``s`` tokens on one tensor-parallel rank of ``t``;
-    ``recomputed``: the bytes a layer's backward makes again (recomputation)."""
+    ``recomputed``: the bytes a layer's backward makes again (recomputation); ``largest``:
+    :func:`largest_layer_weight` (computed when not given)."""
     h = inventory.hidden_size
     sbh = s * b * h
-    largest = max((e.local_numel(t) for e in inventory.entries if e.part == "layer"), default=0)
+    largest = largest_layer_weight(inventory, t) if largest is None else largest
     weight_gradients = (2 if inventory.gated_mlp else 1) * largest * parameter if accumulating else 0
     gathered = element * sbh if sequence_parallel and t > 1 else 0
     layer = max(gathered, weight_gradients) + recomputed + 2 * element * sbh / t

@@ -29,7 +29,7 @@ class _Measure(pl.Callback):
         self.tracker = LiveActivationTracker(pl_module).__enter__()
         executor = trainer.strategy.pipeline.executor
         executor.observers.append(lambda action, in_flight: self.samples.append(
-            (repr(action), in_flight, self.tracker.live_bytes(LAYERS))))
+            (repr(action), in_flight, self.tracker.live_bytes(LAYERS), self.tracker.live_bytes())))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.tracker.__exit__(None, None, None)
@@ -62,12 +62,21 @@ def test_first_stage_holds_activations_of_at_most_the_schedules_in_flight_micro_
     cached = stage0[-1][2]  # alive after the last backward: the causal mask, built once per layer
     one = stage0[0][2] - cached  # after the first forward: one micro-batch's activations
     assert stage0[0][1] == 1 and one > 100 * cached
-    for action, in_flight, live in stage0:
+    for action, in_flight, live, _ in stage0:
         assert live == cached + in_flight * one, (action, in_flight, live, one)
-    assert max(n for _, n, _ in stage0) == bound
-    assert max(live for _, _, live in stage0) == cached + bound * one
+    assert max(n for _, n, _, _ in stage0) == bound
+    assert max(live for _, _, live, _ in stage0) == cached + bound * one
 
 
 def test_last_stage_of_1f1b_holds_one_micro_batch(samples):
     last = samples[1]["1F1B"]
-    assert max(n for _, n, _ in last) == 1
+    assert max(n for _, n, _, _ in last) == 1
+
+
+def test_the_last_stage_keeps_no_micro_batch_s_input_after_its_backward(samples):
+    # The step's result keeps each micro-batch's loss (float64 scalars), not its graph: through the graph's nodes
+    # the received stage input and its gradient ([s, b, h] each) would stay alive until the step ends.
+    after_backward = [total for action, _, _, total in samples[1]["1F1B"] if action.startswith("B")]
+    assert len(after_backward) == M
+    growth = [later - earlier for earlier, later in zip(after_backward, after_backward[1:])]
+    assert all(0 <= g <= 16 for g in growth), growth  # two float64 scalars: the loss kept for the result, and one more
