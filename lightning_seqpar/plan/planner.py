@@ -41,8 +41,11 @@ class LayoutRecord:
         tp, cp, pp, vpp, dp, zero, micro_batch, num_microbatches, recompute, main_params: the layout.
         feasible: it passes every rule and fits in memory.
         reason: why not (``None`` when feasible).
-        bytes: the most loaded rank's predicted bytes: ``parameters``, ``gradients``, ``main_params``,
-            ``optimizer``, ``activations``, ``other`` (communication buffers), ``total``.
+        bytes: the most loaded rank's predicted bytes at its step's peak: ``parameters``, ``gradients`` (none of
+            a step's first backward's ``.grad`` when it peaks there), ``main_params``, ``optimizer``,
+            ``activations`` (kept by the micro-batches in flight), ``other`` (what exists only at that moment: a
+            backward's transients, pipeline buffers, or the optimizer's temporaries: :mod:`.transients`),
+            ``total``.
         stage: the most loaded pipeline rank.
         flops: model and hardware FLOPs per step (Eq. 7, Eq. 8).
         collective_bytes: bytes each rank sends per step, by kind (``tensor``, ``data``, ``pipeline``).
@@ -234,6 +237,7 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
     around, after = (0.0, outside) if pp == 1 else (element * s * b * inventory.hidden_size / tp + prologue, 0.0)
     if pp > 1:
         after = max(0.0, outside - around)
+    epilogue = max(0.0, outside - prologue - element * s * b * inventory.hidden_size / tp)  # after the last layer
     gradient = parameter + (2 if precision == "bf16-mixed" else 0)  # autocast's 16-bit weight gradient + its fp32 copy
     name = resolve_schedule(schedule, vpp) if pp > 1 else "1F1B"
     largest = largest_layer_weight(inventory, tp)
@@ -243,21 +247,26 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
         stages = layout.stages_of(rank)
         accumulated = accumulation_bytes(state.parameters // parameter, parameter, m, dp > 1 or record.zero == 1,
                                          record.zero == 0 and parameter < 4)
+        # `.grad` a step's first backward has not made yet (where the buckets are not the gradients).
+        unmade = state.gradients if dp == 1 and record.zero == 0 else (
+            state.parameters if record.zero == 0 and parameter < 4 else 0)
         # The step peaks at one of this rank's backwards (what its schedule holds in flight then, and what that
         # backward makes) or in the optimizer's step, once the activations are gone.
-        peak = (0.0, 0.0, 0.0)  # (total, activations, other)
+        opt = optimizer_transient_bytes(state.second_moment)
+        peak = (state.total + opt, state.gradients, 0.0, opt)  # (total, gradients, activations, other)
         for counts, chunk, accumulating in _backward_moments(name, m, pp, vpp, rank):
             kept = sum(n * (layout.sizes[stages[c]] * per_layer + around
                             + (after if stages[c] == layout.num_stages - 1 else 0.0)) for c, n in enumerate(counts))
             last = stages[chunk] == layout.num_stages - 1
             moment = backward_transient_bytes(inventory, s, b, tp, element, gradient, last, accumulating, recomputed,
-                                              largest=largest)
+                                              record.recompute == "selective", largest=largest, freed=epilogue)
             moment += accumulated if accumulating else 0.0
-            if kept + moment > peak[0]:
-                peak = (kept + moment, kept, moment)
-        _, activations, other = peak
-        other = max(other, optimizer_transient_bytes(state.second_moment) - activations)
-        split = dict(parameters=state.parameters, gradients=state.gradients, main_params=state.main_params,
+            gradients = state.gradients - (0 if accumulating else unmade)
+            total = state.total - state.gradients + gradients + kept + moment
+            if total > peak[0]:
+                peak = (total, gradients, kept, moment)
+        _, gradients, activations, other = peak
+        split = dict(parameters=state.parameters, gradients=gradients, main_params=state.main_params,
                      optimizer=state.optimizer, activations=int(activations), other=int(other))
         split["total"] = sum(split.values())
         if split["total"] > worst[0]:

@@ -11,7 +11,7 @@ import pytest
 
 from lightning_seqpar import SelectiveRecompute, SeqParallelStrategy
 from lightning_seqpar.lightning.config import DataParallelConfig
-from lightning_seqpar.plan import Hardware, inventory_of_hf_model, plan
+from lightning_seqpar.plan import Hardware, inventory_of_hf_model, plan, state_bytes
 from tests.helpers.distributed import run_distributed
 from tests.helpers.models import SEQ, build, loader, token_data
 from tests.plan.test_state_bytes import _Held
@@ -20,11 +20,12 @@ pytestmark = pytest.mark.distributed  # starts processes: outside the fast lane
 
 MODEL = dict(layers=4, kv_heads=4, labels=True)
 GLOBAL_BATCH = 8
+inventory = inventory_of_hf_model(build("hf", **MODEL).model)
 
 
 def _layouts():
-    records = plan(inventory_of_hf_model(build("hf", **MODEL).model), 4, SEQ, GLOBAL_BATCH, precision="32-true",
-                   hardware=Hardware(memory=1e12), micro_batches=(1, 2))
+    records = plan(inventory, 4, SEQ, GLOBAL_BATCH, precision="32-true", hardware=Hardware(memory=1e12),
+                   micro_batches=(1, 2))
     kinds: dict[tuple, list] = {}
     for r in records:
         if r.feasible:
@@ -67,5 +68,10 @@ def test_every_feasible_kind_of_layout_trains_and_holds_the_predicted_state():
             loss, held = rank[index]
             assert math.isfinite(loss), r
             if held["coordinates"][0] == r.stage and held["coordinates"][1] == 0:  # the most loaded stage
-                predicted = {k: r.bytes[k] for k in ("parameters", "gradients", "main_params", "optimizer")}
+                state = state_bytes(inventory, r.tp, r.pp, r.dp, pipeline_rank=r.stage, vpp=r.vpp, zero=r.zero,
+                                    precision="32-true", main_params=r.main_params)
+                predicted = {k: getattr(state, k) for k in ("parameters", "gradients", "main_params", "optimizer")}
                 assert {k: held[k] for k in predicted} == predicted, r
+                # at the peak: the state, less the .grad a first backward has not made when the step peaks there
+                assert {k: r.bytes[k] for k in predicted} == {**predicted, "gradients": r.bytes["gradients"]}
+                assert r.bytes["gradients"] in (state.gradients, 0), r

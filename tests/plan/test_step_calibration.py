@@ -1,12 +1,13 @@
 """The planner's peak bytes of a whole training step against the peak a live-tensor tracker measures on the most
-loaded rank, over 21 small layouts of tensor (with sequence), pipeline (1F1B and interleaved) and data parallelism,
+loaded rank, over 23 small layouts of tensor (with sequence), pipeline (1F1B, interleaved and GPipe) and data parallelism,
 ZeRO 0 and 1, fp32 main params, recomputation kinds, precisions, gradient accumulation and the vocabulary-parallel
 loss. The second step is measured (the optimizer state exists), from its first batch to its last, model state
 included. The signed errors are printed as a table.
 
-The issue's bound is 5 % for every layout; 15 of the 21 meet it, the other six (interleaved stages, fp32 main params
-of zero 1, tp 4 with selective recomputation) are within 11 %. The test holds both so that neither can slip.
-"""
+The issue's bound is 5 % for every layout. 22 of the 23 meet it; the one that does not is full recomputation of a
+pipelined bf16-true model (tp 2 × pp 2), whose first stage peaks while a layer is remade in its backward, 7.9 % above
+the prediction at this toy size (the remade layer's forward temporaries are not in the model). The test holds both
+figures so that neither slips."""
 
 from __future__ import annotations
 
@@ -24,13 +25,13 @@ from tests.helpers.distributed import run_distributed
 pytestmark = pytest.mark.distributed  # starts processes: outside the fast lane
 
 BOUND = 0.05  # the issue's bound
-WITHIN_BOUND = 15  # layouts meeting it today
-WORST = 0.11  # the others
+WITHIN_BOUND = 22  # layouts that meet it
+WORST = 0.085  # the one that does not (see the module docstring)
 WORLD, S, GLOBAL_BATCH = 4, 32, 8
 CONFIG = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=8,
               num_key_value_heads=4, max_position_embeddings=64, pad_token_id=None, bos_token_id=None,
               eos_token_id=None)
-LAYOUTS = [  # (tp, pp, vpp, zero, micro-batch, recompute, precision): dp = 4 / (tp·pp), m = 8 / (dp·micro-batch)
+LAYOUTS = [  # (tp, pp, vpp, zero, micro-batch, recompute, precision[, schedule]): dp = 4 / (tp·pp), m = 8 / (dp·mbs)
     (2, 1, 1, 0, 2, "none", "32-true"), (2, 2, 1, 0, 1, "selective", "32-true"), (1, 2, 1, 1, 1, "none", "bf16-mixed"),
     (4, 1, 1, 0, 1, "full", "32-true"), (1, 4, 1, 0, 1, "none", "32-true"), (1, 2, 2, 0, 1, "none", "32-true"),
     (2, 2, 1, 0, 2, "none", "bf16-mixed"), (2, 1, 1, 1, 1, "selective", "bf16-true"),
@@ -40,6 +41,7 @@ LAYOUTS = [  # (tp, pp, vpp, zero, micro-batch, recompute, precision): dp = 4 / 
     (4, 1, 1, 0, 4, "selective", "32-true"), (2, 2, 1, 0, 1, "full", "bf16-true"),
     (1, 2, 2, 1, 1, "selective", "bf16-mixed"), (2, 1, 1, 0, 1, "none", "bf16-true"),
     (1, 1, 1, 0, 2, "full", "32-true"), (1, 2, 1, 1, 2, "none", "bf16-true"),
+    (2, 2, 1, 0, 1, "selective", "32-true", "gpipe"), (1, 2, 1, 0, 2, "none", "bf16-mixed", "gpipe"),
 ]
 
 
@@ -88,11 +90,11 @@ class _StepPeak(pl.Callback):
 
 def _measure(rank, world):
     out = []
-    for tp, pp, vpp, zero, mbs, recompute, precision in LAYOUTS:
+    for tp, pp, vpp, zero, mbs, recompute, precision, *schedule in LAYOUTS:
         dp = world // (tp * pp)
         m = GLOBAL_BATCH // (dp * mbs)
-        pipeline = dict(num_microbatches=m, virtual_stages=vpp,
-                        schedule="interleaved_1F1B" if vpp > 1 else "1F1B") if pp > 1 else {}
+        name = schedule[0] if schedule else "interleaved_1F1B" if vpp > 1 else "1F1B"
+        pipeline = dict(num_microbatches=m, virtual_stages=vpp, schedule=name) if pp > 1 else {}
         parallel = DataParallelConfig(zero=zero, fp32_main_params=zero == 1 and precision == "bf16-true")
         peak = _StepPeak()
         callbacks = [peak, *([SelectiveRecompute(granularity=recompute)] if recompute != "none" else [])]
@@ -118,17 +120,20 @@ def errors():
     inventory = inventory_of_hf_model(meta_model(dict(model_type="llama", **CONFIG)))
     fits: dict = {}
     rows = []
-    for index, (tp, pp, vpp, zero, mbs, recompute, precision) in enumerate(LAYOUTS):
+    for index, (tp, pp, vpp, zero, mbs, recompute, precision, *schedule) in enumerate(LAYOUTS):
         record = LayoutRecord(tp, 1, pp, vpp, WORLD // (tp * pp), zero, mbs, 0, recompute,
                               main_params=zero == 1 and precision == "bf16-true")
-        predict(inventory, record, S, GLOBAL_BATCH, hardware=Hardware(memory=1e12), precision=precision, fits=fits)
+        predict(inventory, record, S, GLOBAL_BATCH, hardware=Hardware(memory=1e12), precision=precision, fits=fits,
+                schedule=(schedule or ["1F1B"])[0])
         assert record.feasible, record.reason
         stage, peak = max((rank[index] for rank in measured), key=lambda p: p[1])
         rows.append((LAYOUTS[index], record.stage, record.bytes["total"], stage, peak))
-    print("\n| tp | pp | vpp | zero | micro-batch | recompute | precision | predicted bytes (stage) | measured peak "
-          "(stage) | signed error |\n|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| tp | pp | vpp | zero | micro-batch | recompute | precision | schedule | predicted bytes (stage) | "
+          "measured peak (stage) | signed error |\n|---|---|---|---|---|---|---|---|---|---|---|")
     for layout, predicted_stage, predicted, stage, peak in rows:
-        print("| " + " | ".join(map(str, layout)) + f" | {predicted} ({predicted_stage}) | {peak} ({stage}) | "
+        columns = (*layout[:7], layout[7] if len(layout) > 7 else "" if layout[1] == 1 else
+                   "interleaved 1F1B" if layout[2] > 1 else "1F1B")
+        print("| " + " | ".join(map(str, columns)) + f" | {predicted} ({predicted_stage}) | {peak} ({stage}) | "
               f"{(predicted - peak) / peak:+.2%} |")
     return rows
 
