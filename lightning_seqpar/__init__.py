@@ -17,6 +17,7 @@ from typing import Any
 _EXPORTS = {
     "BlockSpec": "lightning_seqpar.transformer.block_spec",
     "ColumnParallelLinear": "lightning_seqpar.tensor_parallel",
+    "AutoLayout": "lightning_seqpar.lightning.auto_layout",
     "CommunicationLog": "lightning_seqpar.parallel",
     "DeclaredBlockPolicy": "lightning_seqpar.rewriting.declared_policy",
     "ModelPolicy": "lightning_seqpar.rewriting",

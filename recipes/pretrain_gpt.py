@@ -155,7 +155,7 @@ def sample(module: CausalLMModule, trainer: pl.Trainer, data: TextDataModule, cf
         out = model.generate(prompt, max_new_tokens=cfg.sample.max_new_tokens, do_sample=True,
                              temperature=cfg.sample.temperature, top_k=cfg.sample.top_k)
         return data.decode(out[0].cpu())
-    if cfg.strategy.pp > 1:
+    if trainer.strategy.pp > 1:
         state = trainer.strategy.full_state_dict()  # collective: the single-device weights on every rank
         module = GPTLightningModule(module.gpt.config)
         module.load_state_dict(state)

@@ -19,6 +19,7 @@ from typing_extensions import override
 
 import lightning_seqpar.lightning.process_group as process_group
 from lightning_seqpar.lightning._compat import SubprocessScriptLauncher, optimizers_to_device, set_num_threads_if_needed
+from lightning_seqpar.lightning.auto_layout import AutoLayout, auto_layout_of, check_world, choose_layout
 from lightning_seqpar.lightning.checkpoint_io import AtomicCheckpointIO
 from lightning_seqpar.lightning.checkpointer import Checkpointer
 from lightning_seqpar.lightning.config import CheckpointConfig, DataParallelConfig, PrecisionConfig, check_together
@@ -37,14 +38,13 @@ from lightning_seqpar.rewriting import Policy, RewritePlan
 class SeqParallelStrategy(ParallelStrategy):
     """Tensor (+ sequence) and pipeline parallel training of an ordinary LightningModule.
 
-    ``setup_environment``: the process group and the ``(pp, dp, tp)`` mesh, tensor-parallel ranks fastest.
-    ``setup``: rank 0's weights on every rank → the recognized blocks rewritten (:func:`lightning_seqpar.explain`
-    shows which) → the layer stack split into pipeline stages → this rank's shards materialized
-    (:mod:`.parallelize`) → precision → optimizers (sharded over data-parallel ranks with ``zero=1``). Each step
-    runs the module's own steps, through the pipeline schedule when ``pp > 1`` (:mod:`.pipelined_steps`;
-    docs/pipeline.md states the contract); gradients are then finalized over the mesh
-    (:mod:`lightning_seqpar.optim`) and clipped by the norm of the whole unsharded gradient. Checkpoints hold the
-    single-device state dict (:mod:`.checkpointer`).
+    ``setup_environment``: the process group and the ``(pp, dp, tp)`` mesh, tensor-parallel ranks fastest. ``setup``:
+    rank 0's weights on every rank → the recognized blocks rewritten (:func:`lightning_seqpar.explain` shows which) →
+    the layer stack split into pipeline stages → this rank's shards materialized (:mod:`.parallelize`) → precision →
+    optimizers (sharded over data-parallel ranks with ``zero=1``). Each step runs the module's own steps, through the
+    pipeline schedule when ``pp > 1`` (:mod:`.pipelined_steps`; docs/pipeline.md states the contract); gradients are
+    then finalized over the mesh (:mod:`lightning_seqpar.optim`) and clipped by the norm of the whole unsharded
+    gradient. Checkpoints hold the single-device state dict (:mod:`.checkpointer`).
 
     Parts it holds (each owns its state; the Lightning hooks below call them): :attr:`checkpointer`
     (:class:`~.checkpointer.Checkpointer`), :attr:`pipeline` (:class:`~.pipelined_steps.PipelinedSteps`, ``pp > 1``),
@@ -59,8 +59,8 @@ class SeqParallelStrategy(ParallelStrategy):
         num_microbatches, schedule, virtual_stages, pipeline_split: shorthands for
             :class:`~lightning_seqpar.pipeline_parallel.PipelineConfig`'s ``num_microbatches`` (m, default ``pp``),
             ``schedule`` (``"1F1B"``, ``"gpipe"``, ``"interleaved_1F1B"``), ``virtual_stages`` (v), ``split``.
-        sequence_parallel: shard LayerNorm/dropout/residual activations along the sequence
-            (Korthikanti et al. 2022 §4.2.2). Ignored when ``tp == 1``.
+        sequence_parallel: shard LayerNorm/dropout/residual activations along the sequence (Korthikanti et al. 2022
+            §4.2.2). Ignored when ``tp == 1``.
         loss_parallel: compute the reference GPT's loss on vocabulary-sharded logits.
         policies: extra :class:`~lightning_seqpar.Policy` objects for the user's own block classes.
         verify_rewrite: check the rewrite before training, without communication: a Hugging Face causal LM whole (a
@@ -68,14 +68,13 @@ class SeqParallelStrategy(ParallelStrategy):
         seed: base seed of the dropout streams; default: rank 0's ``torch.initial_seed()``.
         start_method: ``"popen"`` (re-run the script per rank, like DDP), ``"spawn"`` or ``"fork"``.
         process_group_backend: default ``"nccl"`` on GPUs, ``"gloo"`` on CPUs.
-        timeout: how long a collective may wait for a peer before the job fails (seconds or a
-            ``timedelta``; default torch's 30 minutes). A stalled rank then ends the job with an error that
-            names the collective that timed out, instead of hanging it.
-        allow_non_finite_checkpoint, allow_unverified_checkpoint, checkpoint_format, async_save: shorthands for
-            :class:`~.config.CheckpointConfig`'s ``allow_non_finite``, ``allow_unverified``, ``format``, ``async_save``.
-        zero, fp32_main_params: shorthands for :class:`~.config.DataParallelConfig`'s fields.
-        low_precision_residual: shorthand for :class:`~.config.PrecisionConfig`'s field.
-        checkpointing, data_parallel, precision_config: the groups themselves (then their shorthands are not given).
+        timeout: how long a collective may wait for a peer before the job fails (seconds or a ``timedelta``; default
+            torch's 30 minutes). A stalled rank then ends the job with an error naming the collective, not a hang.
+        allow_non_finite_checkpoint, allow_unverified_checkpoint, checkpoint_format, async_save, zero, fp32_main_params,
+            low_precision_residual: shorthands for fields of the groups ``checkpointing``, ``data_parallel`` and
+            ``precision_config`` (:mod:`.config`'s classes), which may be given instead.
+        layout: :class:`~.auto_layout.AutoLayout` (then no ``tp``/``pp``): the planner's best layout for the model,
+            the world and the device memory, chosen before the process groups are built (:mod:`.auto_layout`).
 
     Raises:
         ValueError: settings each config refuses, or that refuse each other (:func:`~.config.check_together`);
@@ -117,8 +116,9 @@ class SeqParallelStrategy(ParallelStrategy):
         checkpointing: Optional[CheckpointConfig] = None,
         data_parallel: Optional[DataParallelConfig] = None,
         precision_config: Optional[PrecisionConfig] = None,
+        layout: Optional[AutoLayout] = None,
     ) -> None:
-        validate_layout(tp * pp, tp, pp)
+        self.auto, self.chosen_layout = auto_layout_of(layout, tp, pp), None
         self.checkpointer = Checkpointer(checkpointing or CheckpointConfig(
             checkpoint_format, async_save, allow_non_finite_checkpoint, allow_unverified_checkpoint), self)
         self.data_parallel = data_parallel or DataParallelConfig(zero, fp32_main_params)
@@ -180,7 +180,7 @@ class SeqParallelStrategy(ParallelStrategy):
 
     @override
     def _configure_launcher(self) -> None:  # in Trainer(): a world that does not split fails there, before any rank
-        validate_layout(self.num_nodes * self.num_processes, self.tp, self.pp)
+        check_world(self, self.num_nodes * self.num_processes)
         self._launcher = configure_launcher(self, self.cluster_environment, self._start_method, check_before_start)
 
     @override
@@ -190,6 +190,7 @@ class SeqParallelStrategy(ParallelStrategy):
         # cpu_count intra-op threads, and on CPU 4 processes on 2 cores ran 4.4x slower than with one each.
         set_num_threads_if_needed(self.num_processes)
         self.set_world_ranks()
+        choose_layout(self)  # layout=AutoLayout(...): from the model, world and device memory, before any allocation
         validate_layout(self.world_size, self.tp, self.pp)  # before any collective
         if self.process_group_backend is None:
             self.process_group_backend = "nccl" if self.root_device.type == "cuda" else "gloo"

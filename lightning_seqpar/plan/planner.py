@@ -83,7 +83,7 @@ def _divisors(n: int) -> list[int]:
 def plan(inventory: ModelInventory, gpus: int, seq_len: int, global_batch: int, *, hardware: Hardware = Hardware(),
          precision: str = "bf16-mixed", headroom: float = 0.8, schedule: str = "1F1B",
          micro_batches: tuple[int, ...] = (1, 2, 4), attention_dropout: bool = False,
-         calibrate: bool = True) -> list[LayoutRecord]:
+         calibrate: bool = True, fits: Optional[dict[tuple, Any]] = None) -> list[LayoutRecord]:
     """Every layout of ``inventory`` on ``gpus`` GPUs, feasible ones first by predicted step time, then the rejected.
 
     Args:
@@ -93,6 +93,7 @@ def plan(inventory: ModelInventory, gpus: int, seq_len: int, global_batch: int, 
         calibrate: a layer's activation bytes measured on small copies of the model and scaled
             (:mod:`~lightning_seqpar.plan.probe`; a Hugging Face model), else the analytic model
             (:mod:`~lightning_seqpar.plan.activations`).
+        fits: the probes' cache, shared between calls (its own when not given).
 
     Raises:
         ValueError: ``gpus``, ``seq_len`` or ``global_batch`` below 1, or an unknown precision.
@@ -102,7 +103,7 @@ def plan(inventory: ModelInventory, gpus: int, seq_len: int, global_batch: int, 
     if precision not in PARAMETER_BYTES:
         raise ValueError(f"precision={precision!r}: one of {sorted(PARAMETER_BYTES)}.")
     records = []
-    fits: dict[tuple, Any] = {}
+    fits = {} if fits is None else fits
     for tp in _divisors(gpus):
         for pp in _divisors(gpus // tp):
             dp = gpus // (tp * pp)

@@ -1,0 +1,191 @@
+"""``SeqParallelStrategy(layout=AutoLayout(...))``: the planner's best layout, chosen before the process groups exist.
+
+From the model (built on the meta device where it is not built yet, through its ``configure_model``), the world size
+and each device's memory (CUDA's total, or ``memory_budget``), :func:`choose_layout` asks
+:func:`lightning_seqpar.plan.plan` for every layout of tensor, pipeline (with virtual stages) and data parallelism,
+micro-batch and recomputation whose most loaded rank fits in ``headroom`` of that memory, and gives the strategy the
+best ranked one before anything is allocated on a device: ``tp``, ``pp``, the schedule's micro-batches and virtual
+stages, and the recomputation (a :class:`~lightning_seqpar.SelectiveRecompute` callback, unless the run has one: its
+granularity then bounds the search). The choice and the runner-up are logged with their predicted bytes. When
+nothing fits it refuses, naming the smallest world size and the longest sequence (halved until it fits) that would.
+
+The loader's batch is per data-parallel rank (Lightning's convention): ``batch_size`` here. The data-parallel size
+follows from the choice (``world / (tp·pp)``), so the global batch is ``batch_size × dp``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lightning_seqpar.parallel import validate_layout
+
+
+@dataclass(frozen=True)
+class AutoLayout:
+    """What ``layout="auto"`` plans for.
+
+    Attributes:
+        seq_len: s, tokens per sequence of the training batches.
+        batch_size: sequences per data-parallel rank and optimizer step (the train loader's ``batch_size``).
+        memory_budget: bytes of one device's memory; ``None``: the CUDA device's total (required on CPU).
+        headroom: the fraction of ``memory_budget`` a layout's most loaded rank may fill (Fujii et al.: 0.8).
+        micro_batches: micro-batch sizes the pipeline may use (each must divide ``batch_size``).
+    """
+
+    seq_len: int
+    batch_size: int
+    memory_budget: Optional[float] = None
+    headroom: float = 0.8
+    micro_batches: tuple[int, ...] = (1, 2, 4)
+
+    def __post_init__(self) -> None:
+        if self.seq_len < 1 or self.batch_size < 1:
+            raise ValueError(f"AutoLayout needs seq_len >= 1 and batch_size >= 1, got {self.seq_len}, {self.batch_size}.")
+        if not 0 < self.headroom <= 1:
+            raise ValueError(f"AutoLayout.headroom={self.headroom}: a fraction of the device memory in (0, 1].")
+
+
+def auto_layout_of(layout: Union[None, str, AutoLayout, dict], tp: Any, pp: int) -> Optional[AutoLayout]:
+    """The strategy's ``layout`` argument as an :class:`AutoLayout` (``None``: the ``tp``/``pp`` given, checked).
+
+    Raises:
+        ValueError: ``layout="auto"`` without the run's shapes (the fix: ``AutoLayout(seq_len=..., batch_size=...)``),
+            an unknown ``layout``, ``tp``/``pp`` given with it, or ``tp``/``pp`` that are not positive integers.
+    """
+    if layout is None:
+        validate_layout(tp * pp if isinstance(tp, int) and isinstance(pp, int) else 1, tp, pp)
+        return None
+    if layout == "auto":
+        raise ValueError("layout='auto' plans for the run's shapes: pass layout=AutoLayout(seq_len=S, batch_size=B) "
+                         "(B: the train loader's batch size, per data-parallel rank).")
+    if isinstance(layout, dict):
+        layout = AutoLayout(**{k: tuple(v) if k == "micro_batches" else v for k, v in layout.items()})
+    if not isinstance(layout, AutoLayout):
+        raise ValueError(f"layout={layout!r}: None (tp and pp as given) or AutoLayout(seq_len=..., batch_size=...).")
+    if tp != 1 or pp != 1:
+        raise ValueError(f"layout=AutoLayout(...) chooses tp and pp; got tp={tp}, pp={pp} as well: leave them out.")
+    return layout
+
+
+def check_world(strategy: Any, world: int) -> None:
+    """A world of ``world`` processes splits into the strategy's ``tp · pp`` (nothing to check under ``layout``).
+
+    Raises:
+        ValueError: from :func:`~lightning_seqpar.parallel.validate_layout`.
+    """
+    if strategy.auto is None:
+        validate_layout(world, strategy.tp, strategy.pp)
+
+
+def _hf_model(module: torch.nn.Module) -> Optional[torch.nn.Module]:
+    """The Hugging Face causal LM inside ``module`` (a model with a ``config`` and input embeddings)."""
+    for candidate in module.modules():
+        if hasattr(getattr(candidate, "config", None), "model_type") and hasattr(candidate, "get_input_embeddings"):
+            return candidate
+    return None
+
+
+def _memory(auto: AutoLayout, device: torch.device) -> float:
+    if auto.memory_budget is not None:
+        return float(auto.memory_budget)
+    if device.type == "cuda":
+        return float(torch.cuda.get_device_properties(device).total_memory)
+    raise ValueError(f"AutoLayout(memory_budget=None) reads the CUDA device's memory; on {device.type} give "
+                     f"memory_budget=BYTES per device.")
+
+
+def choose_layout(strategy: Any) -> Any:
+    """Choose ``strategy``'s layout (see the module docstring) and set its ``tp``, ``pipeline_config`` and
+    recomputation, once; returns the chosen :class:`~lightning_seqpar.plan.LayoutRecord` (``None`` without
+    ``layout``).
+
+    Raises:
+        ValueError: a model that is not a Hugging Face causal LM, a device memory to read that cannot be read, or
+            no layout that fits (naming the smallest world and the longest sequence that would).
+    """
+    from lightning_seqpar.lightning.callbacks.selective_recompute import SelectiveRecompute
+    from lightning_seqpar.pipeline_parallel import PipelineConfig
+    from lightning_seqpar.plan import inventory_of_hf_model
+
+    auto: Optional[AutoLayout] = strategy.auto
+    if auto is None or strategy.chosen_layout is not None:
+        return strategy.chosen_layout
+    module = strategy.lightning_module
+    model = _hf_model(module)
+    if model is None and callable(getattr(module, "configure_model", None)):
+        with strategy.model_sharded_context():  # Lightning's contract: configure_model is idempotent
+            module.configure_model()
+        model = _hf_model(module)
+    if model is None:
+        raise ValueError(f"layout=AutoLayout(...) plans Hugging Face causal LMs; {type(module).__name__} holds none. "
+                         f"Give tp and pp (python -m lightning_seqpar.plan helps choose them).")
+    trainer = module.trainer
+    existing = [c for c in trainer.callbacks if isinstance(c, SelectiveRecompute)]
+    kinds = frozenset({c.granularity for c in existing} & {"none", "selective", "full"})
+    world = strategy.num_nodes * strategy.num_processes
+    memory = _memory(auto, strategy.root_device)
+    inventory = inventory_of_hf_model(model)
+    options = dict(precision=str(trainer.precision), zero=strategy.data_parallel.zero, recompute=kinds,
+                   gpus_per_node=strategy.num_processes, fits={})
+    ranked = rank_layouts(inventory, world, auto.seq_len, auto, memory, **options)
+    if not ranked:
+        raise ValueError(_nothing_fits(inventory, world, auto, memory, options))
+    best = ranked[0]
+    runner_up = ranked[1] if len(ranked) > 1 else None
+    rank_zero_info(f"layout=auto chose {_describe(best)}; runner-up: {_describe(runner_up) if runner_up else 'none'}")
+    strategy.tp = best.tp
+    strategy.pipeline_config = PipelineConfig.build(
+        best.pp, best.num_microbatches if best.pp > 1 else None, "interleaved_1F1B" if best.vpp > 1 else "1F1B",
+        best.vpp, None)
+    if not existing and best.recompute != "none":
+        trainer.callbacks.append(SelectiveRecompute(granularity=best.recompute))
+    strategy.chosen_layout = best
+    return best
+
+
+def _describe(record: Any) -> str:
+    return (f"tp={record.tp} pp={record.pp} vpp={record.vpp} dp={record.dp} micro_batch={record.micro_batch} "
+            f"m={record.num_microbatches} recompute={record.recompute}: {_size(record.bytes['total'])} on stage "
+            f"{record.stage} ({', '.join(f'{k} {_size(v)}' for k, v in record.bytes.items() if k != 'total')})")
+
+
+def _size(n: float) -> str:
+    return next(f"{n / scale:.3g} {unit}" for scale, unit in ((1e9, "GB"), (1e6, "MB"), (1e3, "kB"), (1, "B"))
+                if n >= scale or scale == 1)
+
+
+def rank_layouts(inventory: Any, world: int, seq_len: int, auto: AutoLayout, memory: float, *, precision: str,
+                 zero: int = 0, recompute: frozenset = frozenset(), gpus_per_node: int = 8,
+                 fits: Optional[dict] = None) -> list[Any]:
+    """The feasible layouts ``layout=auto`` chooses from, best first (:func:`lightning_seqpar.plan.plan`'s records):
+    the loader's ``auto.batch_size`` per data-parallel rank (a global batch of ``batch_size × dp``), micro-batches
+    splitting it under a pipeline (the whole batch without one), ``zero`` as given, the recomputation among
+    ``recompute`` (any when empty)."""
+    from lightning_seqpar.plan import Hardware, plan
+
+    hardware = Hardware(memory=memory, gpus_per_node=gpus_per_node)
+    found = []
+    for dp in [d for d in range(1, world + 1) if world % d == 0]:
+        for record in plan(inventory, world, seq_len, auto.batch_size * dp, hardware=hardware, precision=precision,
+                           headroom=auto.headroom, micro_batches=auto.micro_batches, fits=fits):
+            whole = record.pp > 1 or record.micro_batch == auto.batch_size  # no pipeline: the loader's batch
+            if (record.feasible and record.dp == dp and record.zero == zero and whole
+                    and (not recompute or record.recompute in recompute)):
+                found.append(record)
+    return sorted(found, key=lambda r: r.step_time["total"])
+
+
+def _nothing_fits(inventory: Any, world: int, auto: AutoLayout, memory: float, options: dict) -> str:
+    more = next((w for w in (2 * world, 4 * world, 8 * world, 16 * world)
+                 if rank_layouts(inventory, w, auto.seq_len, auto, memory, **options)), None)
+    s = auto.seq_len // 2
+    while s >= 1 and not rank_layouts(inventory, world, s, auto, memory, **options):
+        s //= 2
+    return (f"layout=auto: no layout of this model fits {auto.headroom:g} × {memory / 1e9:g} GB per device on {world} "
+            f"devices at seq_len={auto.seq_len}, batch_size={auto.batch_size}. The smallest that would fit: "
+            + (f"{more} devices" if more else f"more than {16 * world} devices")
+            + (f", or seq_len={s} on {world}." if s >= 1 else "; no shorter sequence fits either."))

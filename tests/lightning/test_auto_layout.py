@@ -1,0 +1,76 @@
+"""``SeqParallelStrategy(layout=AutoLayout(...))`` on 4 CPU processes: under a memory budget the planner's best
+layout that fits is chosen before the process groups exist, and it trains; a budget too small for any layout is
+refused before training, naming the smallest world that would fit."""
+
+from __future__ import annotations
+
+import math
+
+import lightning.pytorch as pl
+import pytest
+
+from lightning_seqpar import SeqParallelStrategy
+from lightning_seqpar.lightning.auto_layout import AutoLayout, auto_layout_of, rank_layouts
+from lightning_seqpar.plan import inventory_of_hf_model
+from tests.helpers.distributed import run_distributed
+from tests.helpers.models import SEQ, build, loader, token_data
+
+pytestmark = pytest.mark.distributed  # starts processes: outside the fast lane
+
+MODEL = dict(layers=4, kv_heads=4, labels=True)
+BATCH, WORLD = 4, 4  # the loader's batch per data-parallel rank
+FITS: dict = {}  # the planner's probes, shared by the expectations
+
+
+def _ranked(world, budget):
+    inventory = inventory_of_hf_model(build("hf", **MODEL).model)
+    return rank_layouts(inventory, world, SEQ, AutoLayout(SEQ, BATCH, budget), budget, precision="32-true",
+                        gpus_per_node=WORLD, fits=FITS)
+
+
+def _fit(rank, world, budgets):
+    out = []
+    for budget in budgets:
+        strategy = SeqParallelStrategy(layout=AutoLayout(seq_len=SEQ, batch_size=BATCH, memory_budget=budget))
+        trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, precision="32-true", max_steps=2,
+                             logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                             enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0)
+        try:
+            trainer.fit(build("hf", **MODEL), loader(token_data(2, strategy_dp(strategy, world), batch=BATCH), BATCH))
+        except ValueError as error:
+            out.append(str(error))
+            continue
+        chosen = strategy.chosen_layout
+        out.append(((chosen.tp, chosen.pp, chosen.vpp, chosen.micro_batch, chosen.recompute),
+                    trainer.callback_metrics["train/loss"].item()))
+    return out
+
+
+def strategy_dp(strategy, world):
+    return world // (strategy.tp * strategy.pp) if strategy.chosen_layout else 1
+
+
+def test_a_budget_chooses_the_best_layout_that_fits_and_it_trains():
+    unbounded = _ranked(WORLD, 1e12)
+    budget = unbounded[0].bytes["total"] / 0.8 * 0.999  # the fastest layout does not fit: the budget decides
+    fitting = _ranked(WORLD, budget)
+    assert fitting and len(fitting) < len(unbounded) and fitting[0] != unbounded[0]
+    small = min(r.bytes["total"] for r in _ranked(2 * WORLD, 1e12))
+    too_small = small / 0.8 * 1.001  # 8 devices fit, 4 do not
+    assert not _ranked(WORLD, too_small)
+    results = run_distributed(_fit, WORLD, [budget, too_small])
+    best = fitting[0]
+    for (layout, loss), refusal in results:
+        assert layout == (best.tp, best.pp, best.vpp, best.micro_batch, best.recompute)
+        assert math.isfinite(loss)
+        assert "no layout of this model fits 0.8 ×" in refusal and "The smallest that would fit: 8 devices" in refusal
+
+
+def test_layout_auto_names_what_it_needs():
+    with pytest.raises(ValueError, match=r"layout=AutoLayout\(seq_len=S, batch_size=B\)"):
+        auto_layout_of("auto", 1, 1)
+    with pytest.raises(ValueError, match="chooses tp and pp; got tp=2"):
+        auto_layout_of(AutoLayout(8, 4), 2, 1)
+    with pytest.raises(ValueError, match="headroom"):
+        AutoLayout(8, 4, headroom=1.5)
+    assert auto_layout_of(dict(seq_len=8, batch_size=4, micro_batches=[1, 2]), 1, 1).micro_batches == (1, 2)
