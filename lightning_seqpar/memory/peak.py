@@ -7,7 +7,8 @@ the peak is read after every op. Storages that exist before the step (parameters
 buckets, the batch) are counted from :meth:`PeakMemoryTracker.hold`, and leave the total when freed too. A storage
 first seen as the output of a view was made outside the dispatcher, by a backend's own machinery (gloo's
 reduce-scatter stages a copy of its whole input; NCCL's does not): it is not counted, so the peak is what the step's
-own ops hold. The same
+own ops hold. Nor is the CPU generator's state (a ``uint8`` vector of its size), which recomputation saves per
+checkpointed region: in a GPU run it lives in host memory. The same
 mechanism as torch's ``torch.distributed._tools.mem_tracker.MemTracker``, without its global module and optimizer
 hooks (a pipeline schedule runs modules out of their forward/backward order) and without the per-module snapshots.
 """
@@ -20,6 +21,7 @@ from typing import Any, Iterable, Optional
 import torch
 
 from lightning_seqpar._compat import TorchDispatchMode, local_tensor, tree_flatten
+from lightning_seqpar.memory.tracker import host_rng_state
 
 
 class PeakMemoryTracker(TorchDispatchMode):
@@ -54,7 +56,7 @@ class PeakMemoryTracker(TorchDispatchMode):
 
     def _track(self, t: torch.Tensor) -> None:
         t = local_tensor(t)  # a DTensor's memory is its local shard's
-        if t.device.type == "meta":
+        if t.device.type == "meta" or host_rng_state(t):
             return
         # torch keeps one Python object per live storage (storages preserve their PyObject), so its id and a weak
         # reference to it last exactly as long as the memory.

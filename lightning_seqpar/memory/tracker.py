@@ -18,6 +18,15 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from lightning_seqpar._compat import TorchDispatchMode, local_tensor, storage_key, tree_flatten
 
 
+def host_rng_state(t: torch.Tensor) -> bool:
+    """Whether ``t`` looks like the CPU generator's state (a ``uint8`` vector of its size), which recomputation saves
+    per checkpointed region: in a GPU run it lives in host memory, so neither tracker counts it."""
+    return t.dtype == torch.uint8 and t.dim() == 1 and t.numel() == _HOST_STATE_NUMEL
+
+
+_HOST_STATE_NUMEL = torch.get_rng_state().numel()
+
+
 @dataclass(frozen=True)
 class StorageRecord:
     """One storage an op created: who made it and how big it is (plain data: safe to pickle)."""
@@ -77,7 +86,7 @@ class LiveActivationTracker(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         inputs = {storage_key(local_tensor(t).untyped_storage()) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
         for t in tree_flatten(out)[0]:
-            if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            if not isinstance(t, torch.Tensor) or t.device.type == "meta" or host_rng_state(t):
                 continue
             t = local_tensor(t)  # a DTensor is a wrapper: the memory is its local shard's
             storage = t.untyped_storage()

@@ -260,7 +260,7 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
                             + (after if stages[c] == layout.num_stages - 1 else 0.0)) for c, n in enumerate(counts))
             last = stages[chunk] == layout.num_stages - 1
             moment = backward_transient_bytes(inventory, s, b, tp, element, gradient, last, accumulating, recomputed,
-                                              record.recompute == "selective", largest=largest, freed=epilogue)
+                                              largest=largest, freed=epilogue)
             moment += accumulated if accumulating else 0.0
             gradients = state.gradients - (0 if accumulating else unmade)
             total = state.total - state.gradients + gradients + kept + moment

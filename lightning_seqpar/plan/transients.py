@@ -12,11 +12,7 @@ A rank's step peaks either in a backward, when the most micro-batches are in fli
   (``r · h·f/t`` for an MLP matrix; gate and up together, ``2·r · h·f/t``, in a gated MLP, whose input gradient
   they share; under ``bf16-mixed`` autocast's 16-bit gradient and its float32 copy, ``r = 2 + 4``); the incoming
   and outgoing gradient of the layer's output ``2·e·s·b·h / t``; under recomputation, what the layer's backward makes
-  again beside them (one layer's kept bytes without recomputation, less those with it, for one micro-batch), and
-  under selective recomputation of the explicit core attention, its backward's gradients of the remade
-  probabilities (the gradient, its float32 copy when 16-bit, the float32 gradient of the scores:
-  ``(e + 4 + 4)·a/t·b·s²``, ``8·a/t·b·s²`` in float32; without recomputation they take the place of the kept
-  probabilities they free, and under full recomputation of tensors the remade layer frees);
+  again beside them (one layer's kept bytes without recomputation, less those with it, for one micro-batch);
 - **gradients accumulated beside the buckets**: with m > 1 micro-batches (a pipeline schedule's or gradient
   accumulation's) the ``.grad`` of the earlier ones is kept apart from the data-parallel buckets until the last
   backward fills them (one gradient per parameter, ``r`` bytes each, where the buckets are not already the
@@ -42,13 +38,12 @@ def largest_layer_weight(inventory: ModelInventory, t: int) -> int:
 
 
 def backward_transient_bytes(inventory: ModelInventory, s: int, b: int, t: int, element: int, parameter: int,
-                             last: bool, accumulating: bool, recomputed: float = 0.0, selective: bool = False,
+                             last: bool, accumulating: bool, recomputed: float = 0.0,
                              sequence_parallel: bool = True, largest: Optional[int] = None,
                              freed: float = 0.0) -> float:
     """The larger of a backward's moments through the loss (``last`` rank only) and through a layer (see the module
     docstring), for a micro-batch of ``b`` sequences of ``s`` tokens on one tensor-parallel rank of ``t``;
-    ``recomputed``: the bytes a layer's backward makes again (recomputation; ``selective``: of core attention only);
-    ``largest``:
+    ``recomputed``: the bytes a layer's backward makes again (recomputation); ``largest``:
     :func:`largest_layer_weight` (computed when not given); ``freed``: on the last rank, what the micro-batch kept
     after its layers (final norm, head, loss), gone once its backward reaches them."""
     h = inventory.hidden_size
@@ -56,10 +51,7 @@ def backward_transient_bytes(inventory: ModelInventory, s: int, b: int, t: int, 
     largest = largest_layer_weight(inventory, t) if largest is None else largest
     weight_gradients = (2 if inventory.gated_mlp else 1) * largest * parameter if accumulating else 0
     gathered = element * sbh if sequence_parallel and t > 1 else 0
-    attention = 0.0
-    if selective and inventory.eager_attention:
-        attention = (element + (4 if element < 4 else 0) + 4) * inventory.num_heads / t * b * s * s
-    layer = max(gathered, weight_gradients, attention) + recomputed + 2 * element * sbh / t
+    layer = max(gathered, weight_gradients) + recomputed + 2 * element * sbh / t
     if not last:
         return layer
     v = padded_size(inventory.vocab_size, t) // t

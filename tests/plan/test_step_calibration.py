@@ -1,15 +1,12 @@
 """The planner's peak bytes of a whole training step against the peak a live-tensor tracker measures on the most
 loaded rank, over 23 small layouts of tensor (with sequence), pipeline (1F1B, interleaved and GPipe) and data parallelism,
 ZeRO 0 and 1, fp32 main params, recomputation kinds, precisions, gradient accumulation and the vocabulary-parallel
-loss. The second step is measured (the optimizer state exists), from its first batch to its last, model state
-included. The signed errors are printed as a table.
-
-The issue's bound is 5 % for every layout. 22 of the 23 meet it; the one that does not is full recomputation of a
-pipelined bf16-true model (tp 2 × pp 2), whose first stage peaks while a layer is remade in its backward, 7.9 % above
-the prediction at this toy size (the remade layer's forward temporaries are not in the model). The test holds both
-figures so that neither slips."""
+loss: every one within 5 %. The second step is measured (the optimizer state exists), from its first batch to its
+last, model state included. The signed errors are printed as a table."""
 
 from __future__ import annotations
+
+import gc
 
 import lightning.pytorch as pl
 import pytest
@@ -24,9 +21,7 @@ from tests.helpers.distributed import run_distributed
 
 pytestmark = pytest.mark.distributed  # starts processes: outside the fast lane
 
-BOUND = 0.05  # the issue's bound
-WITHIN_BOUND = 22  # layouts that meet it
-WORST = 0.085  # the one that does not (see the module docstring)
+BOUND = 0.05
 WORLD, S, GLOBAL_BATCH = 4, 32, 8
 CONFIG = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=8,
               num_key_value_heads=4, max_position_embeddings=64, pad_token_id=None, bos_token_id=None,
@@ -77,6 +72,8 @@ class _StepPeak(pl.Callback):
         buckets = [*getattr(trainer.strategy.grad_sync.buckets, "buckets", []),
                    *getattr(getattr(optimizer, "buckets", None), "buckets", [])]
         params = list(pl_module.parameters())
+        gc.collect()
+        gc.disable()  # a collection at a moment of its own choosing would move the peak from run to run
         self.tracker = PeakMemoryTracker().__enter__()
         self.tracker.hold(params, [p.grad for p in params], [p for g in inner.param_groups for p in g["params"]],
                           [v for state in inner.state.values() for v in state.values() if torch.is_tensor(v)],
@@ -85,6 +82,7 @@ class _StepPeak(pl.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if batch_idx == 2 * trainer.accumulate_grad_batches - 1:
             self.tracker.__exit__(None, None, None)
+            gc.enable()
             self.peak = (trainer.strategy.mesh.pipeline.rank, self.tracker.peak)
 
 
@@ -140,9 +138,8 @@ def errors():
 
 def test_every_layout_s_step_peak_is_predicted_within_the_bound(errors):
     assert len(errors) >= 20
-    relative = [abs(predicted - peak) / peak for *_, predicted, _, peak in errors]
-    assert sum(error <= BOUND for error in relative) >= WITHIN_BOUND, errors
-    assert max(relative) <= WORST, errors
+    worst = max(abs(predicted - peak) / peak for *_, predicted, _, peak in errors)
+    assert worst <= BOUND, errors
 
 
 def test_the_tracker_counts_what_a_step_frees_and_what_it_keeps():
