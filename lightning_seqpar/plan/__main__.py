@@ -80,6 +80,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--precision", default="bf16-mixed", choices=["bf16-mixed", "bf16-true", "32-true"])
     parser.add_argument("--attention", default="eager", choices=["eager", "sdpa"],
                         help="the attention kernel the run uses (HFCausalLMModule's attn_implementation)")
+    parser.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd"],
+                        help="its state per parameter element (sgd: with momentum)")
     parser.add_argument("--headroom", type=float, default=0.8)
     parser.add_argument("--efficiency", type=float, default=0.5, help="fraction of peak FLOP/s reached")
     parser.add_argument("--top", type=int, default=10)
@@ -94,7 +96,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     hardware = Hardware.named(args.gpu, memory=memory, gpus_per_node=args.gpus_per_node, efficiency=args.efficiency)
     inventory = model_inventory(args.model, args.seq_len, args.attention)
     records = plan(inventory, args.gpus, args.seq_len, args.global_batch, hardware=hardware,
-                   precision=args.precision, headroom=args.headroom, calibrate=not args.analytic)
+                   precision=args.precision, headroom=args.headroom, calibrate=not args.analytic,
+                   optimizer=args.optimizer)
     if args.json:
         json.dump([r.as_dict() for r in records], sys.stdout, indent=1)
         print()
@@ -102,7 +105,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"{inventory.name}: {inventory.num_parameters / 1e9:.2f} B parameters, L={inventory.num_layers}, "
           f"h={inventory.hidden_size}, a={inventory.num_heads}, kv heads={inventory.num_kv_heads}, v={inventory.vocab_size}; "
           f"{args.gpus} × {args.gpu} ({hardware.memory / GB:g} GB, {args.headroom:g} usable), s={args.seq_len}, "
-          f"global batch {args.global_batch} sequences, {args.precision}, {args.attention} attention. Model-state bytes exact; a layer's "
+          f"global batch {args.global_batch} sequences, {args.precision}, {args.optimizer}, {args.attention} attention. Model-state bytes exact; a layer's "
           f"activations {'from Table 2' if args.analytic else 'measured on small copies of it and scaled'}, times "
           f"the micro-batches in flight; step time: compute at {args.efficiency:g} of peak + collectives + bubble, "
           f"nothing overlapped.")

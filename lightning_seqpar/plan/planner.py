@@ -21,12 +21,11 @@ from lightning_seqpar.pipeline_parallel.schedules import build_schedule, resolve
 from lightning_seqpar.plan.activations import layer_bytes, outside_layers_bytes
 from lightning_seqpar.plan.cost import Hardware, ring_bytes
 from lightning_seqpar.plan.inventory import ModelInventory
-from lightning_seqpar.plan.state import PARAMETER_BYTES, StateBytes, stage_layout, state_bytes
+from lightning_seqpar.plan.state import OPTIMIZER_STATES, PARAMETER_BYTES, StateBytes, stage_layout, state_bytes
 from lightning_seqpar.plan.transients import (
     accumulation_bytes,
     backward_transient_bytes,
     largest_layer_weight,
-    optimizer_transient_bytes,
 )
 
 RECOMPUTE = ("selective", "none", "full")
@@ -83,7 +82,8 @@ def _divisors(n: int) -> list[int]:
 def plan(inventory: ModelInventory, gpus: int, seq_len: int, global_batch: int, *, hardware: Hardware = Hardware(),
          precision: str = "bf16-mixed", headroom: float = 0.8, schedule: str = "1F1B",
          micro_batches: tuple[int, ...] = (1, 2, 4), attention_dropout: bool = False,
-         calibrate: bool = True, fits: Optional[dict[tuple, Any]] = None) -> list[LayoutRecord]:
+         calibrate: bool = True, fits: Optional[dict[tuple, Any]] = None,
+         optimizer: str = "adamw") -> list[LayoutRecord]:
     """Every layout of ``inventory`` on ``gpus`` GPUs, feasible ones first by predicted step time, then the rejected.
 
     Args:
@@ -94,14 +94,17 @@ def plan(inventory: ModelInventory, gpus: int, seq_len: int, global_batch: int, 
             (:mod:`~lightning_seqpar.plan.probe`; a Hugging Face model), else the analytic model
             (:mod:`~lightning_seqpar.plan.activations`).
         fits: the probes' cache, shared between calls (its own when not given).
+        optimizer: ``adamw`` (the default), ``adam`` or ``sgd`` (with momentum): its state per parameter element.
 
     Raises:
-        ValueError: ``gpus``, ``seq_len`` or ``global_batch`` below 1, or an unknown precision.
+        ValueError: ``gpus``, ``seq_len`` or ``global_batch`` below 1, or an unknown precision or optimizer.
     """
     if gpus < 1 or seq_len < 1 or global_batch < 1:
         raise ValueError(f"gpus, seq_len and global_batch must be >= 1; got {gpus}, {seq_len}, {global_batch}.")
     if precision not in PARAMETER_BYTES:
         raise ValueError(f"precision={precision!r}: one of {sorted(PARAMETER_BYTES)}.")
+    if optimizer not in OPTIMIZER_STATES:
+        raise ValueError(f"optimizer={optimizer!r}: one of {sorted(OPTIMIZER_STATES)} (sgd: with momentum).")
     records = []
     fits = {} if fits is None else fits
     for tp in _divisors(gpus):
@@ -114,7 +117,7 @@ def plan(inventory: ModelInventory, gpus: int, seq_len: int, global_batch: int, 
                             record = LayoutRecord(tp, 1, pp, vpp, dp, zero, mbs, 0, recompute,
                                                   main_params=zero == 1 and precision == "bf16-true")
                             _evaluate(record, inventory, seq_len, global_batch, hardware, precision, headroom,
-                                      schedule, attention_dropout, fits if calibrate else None)
+                                      schedule, attention_dropout, fits if calibrate else None, optimizer)
                             records.append(record)
     feasible = sorted((r for r in records if r.feasible), key=lambda r: r.step_time["total"])
     return feasible + [r for r in records if not r.feasible]
@@ -123,7 +126,7 @@ def plan(inventory: ModelInventory, gpus: int, seq_len: int, global_batch: int, 
 def predict(inventory: ModelInventory, record: LayoutRecord, seq_len: int, global_batch: int, *,
             hardware: Hardware = Hardware(), precision: str = "bf16-mixed", headroom: float = 0.8,
             schedule: str = "1F1B", attention_dropout: bool = False, calibrate: bool = True,
-            fits: Optional[dict[tuple, Any]] = None) -> LayoutRecord:
+            fits: Optional[dict[tuple, Any]] = None, optimizer: str = "adamw") -> LayoutRecord:
     """Fill in ``record`` (one layout: its ``tp``, ``pp``, ``vpp``, ``dp``, ``zero``, ``micro_batch``, ``recompute``,
     ``main_params``) as :func:`plan` does: its rules, bytes of its most loaded rank, FLOPs, traffic, step time.
     ``fits``: the probes' cache, shared between calls. Returns ``record``.
@@ -134,7 +137,7 @@ def predict(inventory: ModelInventory, record: LayoutRecord, seq_len: int, globa
     if precision not in PARAMETER_BYTES:
         raise ValueError(f"precision={precision!r}: one of {sorted(PARAMETER_BYTES)}.")
     _evaluate(record, inventory, seq_len, global_batch, hardware, precision, headroom, schedule, attention_dropout,
-              (fits if fits is not None else {}) if calibrate else None)
+              (fits if fits is not None else {}) if calibrate else None, optimizer)
     return record
 
 
@@ -218,7 +221,7 @@ def _backward_moments(schedule: str, m: int, pp: int, vpp: int, rank: int) -> tu
 
 def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_batch: int, hardware: Hardware,
               precision: str, headroom: float, schedule: str, dropout: bool,
-              fits: Optional[dict[tuple, Any]] = None) -> None:
+              fits: Optional[dict[tuple, Any]] = None, optimizer: str = "adamw") -> None:
     record.reason = _rule(record, inventory, s, global_batch, hardware)
     if record.reason is not None:
         return
@@ -244,7 +247,7 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
     largest = largest_layer_weight(inventory, tp)
     for rank in range(pp):
         state: StateBytes = state_bytes(inventory, tp, pp, dp, pipeline_rank=rank, vpp=vpp, zero=record.zero,
-                                        precision=precision, main_params=record.main_params)
+                                        precision=precision, main_params=record.main_params, optimizer=optimizer)
         stages = layout.stages_of(rank)
         accumulated = accumulation_bytes(state.parameters // parameter, parameter, m, dp > 1 or record.zero == 1,
                                          record.zero == 0 and parameter < 4)
@@ -253,7 +256,7 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
             state.parameters if record.zero == 0 and parameter < 4 else 0)
         # The step peaks at one of this rank's backwards (what its schedule holds in flight then, and what that
         # backward makes) or in the optimizer's step, once the activations are gone.
-        opt = optimizer_transient_bytes(state.second_moment)
+        opt = state.temporary  # the optimizer's step, after the backwards
         peak = (state.total + opt, state.gradients, 0.0, opt)  # (total, gradients, activations, other)
         for counts, chunk, accumulating in _backward_moments(name, m, pp, vpp, rank):
             kept = sum(n * (layout.sizes[stages[c]] * per_layer + around

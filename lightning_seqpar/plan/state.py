@@ -22,8 +22,9 @@ parameter, ``ceil(n / d)`` elements (the last ranges shorter). Gradients are red
 - ``zero=1``: the reduce-scatter buckets, ``d·ceil(n / d)·r`` per parameter, and the reduced range kept for the
   update, ``ceil(n / d)·r``; no ``.grad`` after the step.
 
-AdamW also keeps a float32 ``step`` per parameter (4 bytes). Bytes, exact: equal to what each rank holds after a step
-(``tests/plan/test_state_bytes.py``).
+AdamW (and Adam) also keeps a float32 ``step`` per parameter (4 bytes); SGD with momentum keeps one state
+(``momentum_buffer``) and no step (:data:`OPTIMIZER_STATES`). Bytes, exact: equal to what each rank holds after a step
+(``tests/plan/test_state_bytes.py``, AdamW; ``tests/plan/test_planner.py``, SGD).
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ from lightning_seqpar.pipeline_parallel.layout import StageLayout
 from lightning_seqpar.plan.inventory import ModelInventory, ParameterEntry
 
 PARAMETER_BYTES = {"32-true": 4, "bf16-mixed": 4, "bf16-true": 2, "64-true": 8}
-ADAM_STATES = 2
+OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1}
+"""state tensors per parameter element: ``exp_avg`` and ``exp_avg_sq``; SGD's ``momentum_buffer``"""
 STEP_BYTES = 4
 
 
@@ -50,15 +52,13 @@ class StateBytes:
     optimizer: int
     steps: int = 0
     """of ``optimizer``: AdamW's float32 ``step`` counters"""
+    temporary: int = 0
+    """what the optimizer's multi-tensor step makes for a moment (AdamW: ``exp_avg_sq.sqrt()``, one state's size;
+    SGD with momentum: nothing)"""
 
     @property
     def total(self) -> int:
         return self.parameters + self.gradients + self.main_params + self.optimizer
-
-    @property
-    def second_moment(self) -> int:
-        """Bytes of one AdamW state kind (``exp_avg_sq``) on this rank."""
-        return (self.optimizer - self.steps) // ADAM_STATES
 
 
 def stage_layout(inventory: ModelInventory, pp: int, vpp: int = 1,
@@ -88,26 +88,31 @@ def held_entries(inventory: ModelInventory, layout: StageLayout, pipeline_rank: 
 
 def state_bytes(inventory: ModelInventory, tp: int, pp: int = 1, dp: int = 1, *, pipeline_rank: int = 0,
                 data_rank: int = 0, vpp: int = 1, zero: int = 0, precision: str = "bf16-mixed",
-                main_params: bool = False, pipeline_split: Optional[Sequence[int]] = None) -> StateBytes:
+                main_params: bool = False, pipeline_split: Optional[Sequence[int]] = None,
+                optimizer: str = "adamw") -> StateBytes:
     """Model-state bytes of the rank at ``(pipeline_rank, data_rank)`` (every tensor-parallel rank holds as much).
 
     Raises:
-        ValueError: an unknown precision, or a pipeline split the strategy refuses.
+        ValueError: an unknown precision or optimizer, or a pipeline split the strategy refuses.
     """
     if precision not in PARAMETER_BYTES:
         raise ValueError(f"precision={precision!r}: one of {sorted(PARAMETER_BYTES)}.")
+    if optimizer not in OPTIMIZER_STATES:
+        raise ValueError(f"optimizer={optimizer!r}: one of {sorted(OPTIMIZER_STATES)} (sgd: with momentum).")
+    states, adam = OPTIMIZER_STATES[optimizer], optimizer.startswith("adam")
     element = PARAMETER_BYTES[precision]
     reduced = max(4, element)
     local = [e.local_numel(tp) for e in held_entries(inventory, stage_layout(inventory, pp, vpp, pipeline_split),
                                                      pipeline_rank)]
     total = sum(local)
-    steps = STEP_BYTES * len(local)
+    steps = STEP_BYTES * len(local) if adam else 0
     if zero == 0:
         gradients = total * element if dp == 1 else total * reduced + (total * element if element < reduced else 0)
-        return StateBytes(total * element, gradients, 0, ADAM_STATES * total * element + steps, steps)
+        return StateBytes(total * element, gradients, 0, states * total * element + steps, steps,
+                          total * element if adam else 0)
     widths = [-(-n // dp) for n in local]
     owned = sum(stop - start for start, stop in (owned_range(n, dp, data_rank) for n in local))
     main = 4 if main_params and element < 4 else 0
     gradients = (dp + 1) * sum(widths) * reduced
-    return StateBytes(total * element, gradients, owned * main, ADAM_STATES * owned * (main or element) + steps,
-                      steps)
+    return StateBytes(total * element, gradients, owned * main, states * owned * (main or element) + steps, steps,
+                      owned * (main or element) if adam else 0)

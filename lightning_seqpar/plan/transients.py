@@ -18,7 +18,7 @@ A rank's step peaks either in a backward, when the most micro-batches are in fli
   backward fills them (one gradient per parameter, ``r`` bytes each, where the buckets are not already the
   ``.grad`` of a 16-bit parameter);
 - **the optimizer**: AdamW's multi-tensor step (torch's default on CUDA) makes one temporary the size of its
-  second-moment state (``exp_avg_sq.sqrt()``) before the update.
+  second-moment state (``exp_avg_sq.sqrt()``) before the update (:attr:`~.state.StateBytes.temporary`).
 
 (``e`` bytes per activation element, ``r`` per parameter element.) Calibrated with the kept bytes against the peak a
 tracker measures over whole training steps: ``tests/plan/test_step_calibration.py``.
@@ -66,9 +66,3 @@ def accumulation_bytes(gradient_elements: int, parameter: int, num_microbatches:
     if num_microbatches == 1 or not buckets or grad_beside_buckets:
         return 0.0
     return float(gradient_elements * parameter)
-
-
-def optimizer_transient_bytes(second_moment: int) -> float:
-    """AdamW's temporary of its multi-tensor step: one tensor per parameter the size of ``exp_avg_sq``
-    (``second_moment`` bytes on this rank)."""
-    return float(second_moment)

@@ -7,6 +7,7 @@ import json
 import re
 
 import pytest
+import torch
 
 from lightning_seqpar.plan import Hardware, LayoutRecord, model_inventory, plan, state_bytes
 from lightning_seqpar.plan.__main__ import main
@@ -186,3 +187,28 @@ def test_the_command_line_dry_run_prints_every_pipeline_rank(tmp_path, capsys):
     lines = [line for line in out.splitlines() if line.startswith("  pipeline rank ")]
     assert lines and all("DIFFERENT" not in line for line in lines)
     assert "built on the meta device" in out
+
+
+@pytest.mark.parametrize("name, make", [
+    ("sgd", lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9)),
+    ("adamw", lambda params: torch.optim.AdamW(params, lr=0.1)),
+])
+def test_the_optimizer_s_state_is_what_it_keeps_after_a_step(name, make):
+    from lightning_seqpar.plan import inventory_of_hf_model
+    from tests.helpers.models import SEQ, VOCAB, build
+
+    module = build("hf", labels=True)
+    optimizer = make(module.parameters())
+    x = torch.randint(0, VOCAB, (2, SEQ))
+    module.model(input_ids=x, labels=x).loss.backward()
+    optimizer.step()
+    held = sum(v.untyped_storage().nbytes() for state in optimizer.state.values() for v in state.values()
+               if torch.is_tensor(v))
+    predicted = state_bytes(inventory_of_hf_model(module.model), 1, precision="32-true", optimizer=name)
+    assert predicted.optimizer == held
+    assert predicted.temporary == (predicted.parameters if name == "adamw" else 0)  # exp_avg_sq.sqrt(); SGD none
+
+
+def test_an_unknown_optimizer_is_refused_by_name(inventories):
+    with pytest.raises(ValueError, match="optimizer='lion': one of"):
+        plan(inventories["llama3-8b"], 8, 4096, 32, optimizer="lion", calibrate=False)
