@@ -46,6 +46,9 @@ def table(records: list[LayoutRecord], hardware: Hardware, top: int) -> str:
                      f"{mfu:.2f} |")
     if not feasible:
         lines.append("| (no layout fits) |")
+    elif feasible[0].other:
+        lines.append("\nRank 1's other: " + ", ".join(f"{k.replace('_', ' ')} {v / GB:.1f} GB"
+                                                     for k, v in feasible[0].other.items()))
     rules: dict[str, list[str]] = defaultdict(list)
     memory = []
     for r in records:

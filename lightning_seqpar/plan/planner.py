@@ -50,6 +50,9 @@ class LayoutRecord:
         collective_bytes: bytes each rank sends per step, by kind (``tensor``, ``data``, ``pipeline``).
         bubble: the pipeline bubble's fraction of the compute time.
         step_time: predicted seconds per step and its terms.
+        other: what ``bytes["other"]`` is made of at the peak: ``backward`` (a backward's transients),
+            ``accumulated_gradients`` (``.grad`` beside the data-parallel buckets) or ``optimizer`` (its step's
+            temporary).
     """
 
     tp: int
@@ -70,6 +73,7 @@ class LayoutRecord:
     collective_bytes: dict[str, float] = field(default_factory=dict)
     bubble: float = 0.0
     step_time: dict[str, float] = field(default_factory=dict)
+    other: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -233,7 +237,7 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
     if record.recompute != "none":
         whole = LayoutRecord(tp, 1, pp, vpp, dp, record.zero, b, m, "none", record.main_params)
         recomputed = max(0.0, _layer_bytes(whole, inventory, s, precision, dropout, fits) - per_layer)
-    worst: tuple[float, int, dict[str, int]] = (-1.0, 0, {})
+    worst: tuple[float, int, dict[str, int], dict[str, int]] = (-1.0, 0, {}, {})
     parameter = PARAMETER_BYTES[precision]
     outside, prologue = _outside_bytes(record, inventory, s, precision, element, fits)
     # Each forward of a model chunk keeps, besides its layers': under a pipeline, its input ([s/t, b, h], received or
@@ -257,25 +261,26 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
         # The step peaks at one of this rank's backwards (what its schedule holds in flight then, and what that
         # backward makes) or in the optimizer's step, once the activations are gone.
         opt = state.temporary  # the optimizer's step, after the backwards
-        peak = (state.total + opt, state.gradients, 0.0, opt)  # (total, gradients, activations, other)
+        peak = (state.total + opt, state.gradients, 0.0, {"optimizer": opt})  # (total, gradients, activations, other)
         for counts, chunk, accumulating in _backward_moments(name, m, pp, vpp, rank):
             kept = sum(n * (layout.sizes[stages[c]] * per_layer + around
                             + (after if stages[c] == layout.num_stages - 1 else 0.0)) for c, n in enumerate(counts))
             last = stages[chunk] == layout.num_stages - 1
-            moment = backward_transient_bytes(inventory, s, b, tp, element, gradient, last, accumulating, recomputed,
-                                              largest=largest, freed=epilogue)
-            moment += accumulated if accumulating else 0.0
+            moment = {"backward": backward_transient_bytes(inventory, s, b, tp, element, gradient, last, accumulating,
+                                                           recomputed, largest=largest, freed=epilogue),
+                      "accumulated_gradients": accumulated if accumulating else 0.0}
             gradients = state.gradients - (0 if accumulating else unmade)
-            total = state.total - state.gradients + gradients + kept + moment
+            total = state.total - state.gradients + gradients + kept + sum(moment.values())
             if total > peak[0]:
                 peak = (total, gradients, kept, moment)
         _, gradients, activations, other = peak
+        parts = {k: int(v) for k, v in other.items() if v}
         split = dict(parameters=state.parameters, gradients=gradients, main_params=state.main_params,
-                     optimizer=state.optimizer, activations=int(activations), other=int(other))
+                     optimizer=state.optimizer, activations=int(activations), other=sum(parts.values()))
         split["total"] = sum(split.values())
         if split["total"] > worst[0]:
-            worst = (split["total"], rank, split)
-    _, record.stage, record.bytes = worst
+            worst = (split["total"], rank, split, parts)
+    _, record.stage, record.bytes, record.other = worst
     shape = TransformerShape(s=s, b=1, h=inventory.hidden_size, a=inventory.num_heads, L=inventory.num_layers,
                              v=inventory.vocab_size, ffn_hidden_size=inventory.ffn_hidden_size,
                              num_kv_heads=inventory.num_kv_heads, gated_mlp=inventory.gated_mlp)

@@ -212,3 +212,13 @@ def test_the_optimizer_s_state_is_what_it_keeps_after_a_step(name, make):
 def test_an_unknown_optimizer_is_refused_by_name(inventories):
     with pytest.raises(ValueError, match="optimizer='lion': one of"):
         plan(inventories["llama3-8b"], 8, 4096, 32, optimizer="lion", calibrate=False)
+
+
+def test_other_bytes_name_what_they_are(inventories):
+    records = [r for r in plan(inventories["llama3-8b"], 16, 4096, 64, hardware=Hardware(memory=1e15),
+                               calibrate=False) if r.feasible]
+    assert all(sum(r.other.values()) == r.bytes["other"] for r in records)
+    accumulating = next(r for r in records if r.dp > 1 and r.zero == 0 and r.num_microbatches > 1)
+    # bf16-mixed keeps float32 parameters: the earlier micro-batches' .grad beside the buckets is one of each
+    assert accumulating.other["accumulated_gradients"] == accumulating.bytes["parameters"]
+    assert {"backward", "accumulated_gradients", "optimizer"} >= set().union(*(r.other for r in records))
