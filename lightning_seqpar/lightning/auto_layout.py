@@ -167,16 +167,11 @@ def rank_layouts(inventory: Any, world: int, seq_len: int, auto: AutoLayout, mem
     ``recompute`` (any when empty)."""
     from lightning_seqpar.plan import Hardware, plan
 
-    hardware = Hardware(memory=memory, gpus_per_node=gpus_per_node)
-    found = []
-    for dp in [d for d in range(1, world + 1) if world % d == 0]:
-        for record in plan(inventory, world, seq_len, auto.batch_size * dp, hardware=hardware, precision=precision,
-                           headroom=auto.headroom, micro_batches=auto.micro_batches, fits=fits):
-            whole = record.pp > 1 or record.micro_batch == auto.batch_size  # no pipeline: the loader's batch
-            if (record.feasible and record.dp == dp and record.zero == zero and whole
-                    and (not recompute or record.recompute in recompute)):
-                found.append(record)
-    return sorted(found, key=lambda r: r.step_time["total"])
+    records = plan(inventory, world, seq_len, auto.batch_size, hardware=Hardware(memory=memory,
+                   gpus_per_node=gpus_per_node), precision=precision, headroom=auto.headroom,
+                   micro_batches=auto.micro_batches, fits=fits, per_rank_batch=True)
+    return [r for r in records if r.feasible and r.zero == zero and (not recompute or r.recompute in recompute)
+            and (r.pp > 1 or r.micro_batch == auto.batch_size)]  # no pipeline: the loader's whole batch
 
 
 def _nothing_fits(inventory: Any, world: int, auto: AutoLayout, memory: float, options: dict) -> str:

@@ -1,5 +1,6 @@
-"""Activation bytes of the most loaded pipeline rank: Table 2 of Korthikanti et al. 2022 for the model's own sizes,
-times the micro-batches in flight, plus what lives outside the layers.
+"""Activation bytes per layer and micro-batch from Table 2 of Korthikanti et al. 2022 for the model's own sizes, and
+what lives outside the layers (the planner's ``--analytic`` figures; the micro-batches in flight come from the rank's
+own schedule, :mod:`.planner`).
 
 Per layer and micro-batch (bytes; e bytes per activation element, ``split = t`` under sequence parallelism else 1):
 
@@ -11,10 +12,8 @@ Per layer and micro-batch (bytes; e bytes per activation element, ``split = t`` 
   ``e·a·s²b / t``, and with attention dropout its mask and output ``(1 + e)·a·s²b / t``;
 - full recomputation keeps the layer's input only, ``e·sbh / split``.
 
-For a = g, f = 4h and dropouts everywhere the sum is Table 2's ``sbh(34/t + 5as/(ht))`` (e = 2). In flight on pipeline
-rank r under 1F1B: ``min(p − r, m)`` micro-batches of its layers (the first rank holds L layers' worth when m ≥ p),
-times ``1 + (p − 1)/(p·v)`` interleaved with v chunks (§4.2.3); GPipe keeps all m. Outside the layers: on the last
-rank the final norm's float32 copy and output of the gathered ``[b, s, h]`` stack output, ``(4 + e)·sbh``, and the
+For a = g, f = 4h and dropouts everywhere the sum is Table 2's ``sbh(34/t + 5as/(ht))`` (e = 2). Outside the layers:
+on the last rank the final norm's float32 copy and output of the gathered ``[b, s, h]`` stack output, ``(4 + e)·sbh``, and the
 vocabulary-parallel loss's float32 logits and their softmax ``8·sbv / t``.
 
 The per-layer figure here is the analytic one (``--analytic``); by default the planner measures the model's own layer
@@ -50,14 +49,6 @@ def layer_bytes(inventory: ModelInventory, s: int, b: int, t: int, sequence_para
         if inventory.attention_dropout > 0:
             core += (1 + element) * a * s * s * b / t
     return whole + heads + mlp + core
-
-
-def in_flight(pp: int, num_microbatches: int, pipeline_rank: int, schedule: str = "1F1B", vpp: int = 1) -> float:
-    """Micro-batches whose activations pipeline rank ``pipeline_rank`` holds at once (see the module docstring)."""
-    if schedule.lower() == "gpipe":
-        return float(num_microbatches)
-    held = float(min(pp - pipeline_rank, num_microbatches))
-    return held * (1 + (pp - 1) / (pp * vpp)) if vpp > 1 else held
 
 
 def outside_layers_bytes(inventory: ModelInventory, s: int, b: int, t: int, last: bool,

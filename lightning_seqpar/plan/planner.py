@@ -87,7 +87,7 @@ def plan(inventory: ModelInventory, gpus: int, seq_len: int, global_batch: int, 
          precision: str = "bf16-mixed", headroom: float = 0.8, schedule: str = "1F1B",
          micro_batches: tuple[int, ...] = (1, 2, 4), attention_dropout: bool = False,
          calibrate: bool = True, fits: Optional[dict[tuple, Any]] = None,
-         optimizer: str = "adamw") -> list[LayoutRecord]:
+         optimizer: str = "adamw", per_rank_batch: bool = False) -> list[LayoutRecord]:
     """Every layout of ``inventory`` on ``gpus`` GPUs, feasible ones first by predicted step time, then the rejected.
 
     Args:
@@ -99,16 +99,15 @@ def plan(inventory: ModelInventory, gpus: int, seq_len: int, global_batch: int, 
             (:mod:`~lightning_seqpar.plan.activations`).
         fits: the probes' cache, shared between calls (its own when not given).
         optimizer: ``adamw`` (the default), ``adam`` or ``sgd`` (with momentum): its state per parameter element.
+        per_rank_batch: ``global_batch`` is per data-parallel rank (a Lightning loader's batch): each layout's global
+            batch is ``global_batch × dp``.
 
     Raises:
         ValueError: ``gpus``, ``seq_len`` or ``global_batch`` below 1, or an unknown precision or optimizer.
     """
     if gpus < 1 or seq_len < 1 or global_batch < 1:
         raise ValueError(f"gpus, seq_len and global_batch must be >= 1; got {gpus}, {seq_len}, {global_batch}.")
-    if precision not in PARAMETER_BYTES:
-        raise ValueError(f"precision={precision!r}: one of {sorted(PARAMETER_BYTES)}.")
-    if optimizer not in OPTIMIZER_STATES:
-        raise ValueError(f"optimizer={optimizer!r}: one of {sorted(OPTIMIZER_STATES)} (sgd: with momentum).")
+    _check(precision, optimizer)
     records = []
     fits = {} if fits is None else fits
     for tp in _divisors(gpus):
@@ -120,8 +119,9 @@ def plan(inventory: ModelInventory, gpus: int, seq_len: int, global_batch: int, 
                         for recompute in RECOMPUTE:
                             record = LayoutRecord(tp, 1, pp, vpp, dp, zero, mbs, 0, recompute,
                                                   main_params=zero == 1 and precision == "bf16-true")
-                            _evaluate(record, inventory, seq_len, global_batch, hardware, precision, headroom,
-                                      schedule, attention_dropout, fits if calibrate else None, optimizer)
+                            _evaluate(record, inventory, seq_len, global_batch * dp if per_rank_batch else global_batch,
+                                      hardware, precision, headroom, schedule, attention_dropout,
+                                      fits if calibrate else None, optimizer)
                             records.append(record)
     feasible = sorted((r for r in records if r.feasible), key=lambda r: r.step_time["total"])
     return feasible + [r for r in records if not r.feasible]
@@ -136,13 +136,19 @@ def predict(inventory: ModelInventory, record: LayoutRecord, seq_len: int, globa
     ``fits``: the probes' cache, shared between calls. Returns ``record``.
 
     Raises:
-        ValueError: an unknown precision.
+        ValueError: an unknown precision or optimizer.
     """
-    if precision not in PARAMETER_BYTES:
-        raise ValueError(f"precision={precision!r}: one of {sorted(PARAMETER_BYTES)}.")
+    _check(precision, optimizer)
     _evaluate(record, inventory, seq_len, global_batch, hardware, precision, headroom, schedule, attention_dropout,
               (fits if fits is not None else {}) if calibrate else None, optimizer)
     return record
+
+
+def _check(precision: str, optimizer: str) -> None:
+    if precision not in PARAMETER_BYTES:
+        raise ValueError(f"precision={precision!r}: one of {sorted(PARAMETER_BYTES)}.")
+    if optimizer not in OPTIMIZER_STATES:
+        raise ValueError(f"optimizer={optimizer!r}: one of {sorted(OPTIMIZER_STATES)} (sgd: with momentum).")
 
 
 def _rule(record: LayoutRecord, inventory: ModelInventory, s: int, global_batch: int, hardware: Hardware) -> Optional[str]:
@@ -240,12 +246,12 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
     worst: tuple[float, int, dict[str, int], dict[str, int]] = (-1.0, 0, {}, {})
     parameter = PARAMETER_BYTES[precision]
     outside, prologue = _outside_bytes(record, inventory, s, precision, element, fits)
-    # Each forward of a model chunk keeps, besides its layers': under a pipeline, its input ([s/t, b, h], received or
-    # the embedding's) and the prologue its stage made; the last chunk's, the rest of what lies outside the layers.
-    around, after = (0.0, outside) if pp == 1 else (element * s * b * inventory.hidden_size / tp + prologue, 0.0)
-    if pp > 1:
-        after = max(0.0, outside - around)
-    epilogue = max(0.0, outside - prologue - element * s * b * inventory.hidden_size / tp)  # after the last layer
+    # Outside the layers, a forward keeps the stage input ([s/t, b, h]: the embedding's output, or what a pipeline
+    # stage received), the prologue (mask, rotary tables, position ids) and the epilogue (final norm, head, loss).
+    # Under a pipeline every chunk-forward keeps an input and a prologue of its own; only the last chunk an epilogue.
+    stage_input = element * s * b * inventory.hidden_size / tp
+    epilogue = max(0.0, outside - prologue - stage_input)
+    around, after = (0.0, outside) if pp == 1 else (stage_input + prologue, epilogue)
     gradient = parameter + (2 if precision == "bf16-mixed" else 0)  # autocast's 16-bit weight gradient + its fp32 copy
     name = resolve_schedule(schedule, vpp) if pp > 1 else "1F1B"
     largest = largest_layer_weight(inventory, tp)
@@ -253,7 +259,7 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
         state: StateBytes = state_bytes(inventory, tp, pp, dp, pipeline_rank=rank, vpp=vpp, zero=record.zero,
                                         precision=precision, main_params=record.main_params, optimizer=optimizer)
         stages = layout.stages_of(rank)
-        accumulated = accumulation_bytes(state.parameters // parameter, parameter, m, dp > 1 or record.zero == 1,
+        accumulated = accumulation_bytes(state.parameters, m, dp > 1 or record.zero == 1,
                                          record.zero == 0 and parameter < 4)
         # `.grad` a step's first backward has not made yet (where the buckets are not the gradients).
         unmade = state.gradients if dp == 1 and record.zero == 0 else (

@@ -49,13 +49,6 @@ class LayerFit:
         """All the layer keeps for one micro-batch."""
         return sum(c * term for c, term in zip(self.coefficients, _terms(b, s, head_dim, ffn)))
 
-    def shared_bytes(self, head_dim: int, ffn: int) -> float:
-        """The part of :meth:`bytes` that does not grow with the tokens: the 16-bit weight copies autocast makes
-        (``d²``, ``d·f``). The parallel layers cast inside their autograd functions, where autocast's weight cache
-        does not apply, so each micro-batch's forward keeps its own (measured over whole pipelined steps:
-        ``tests/plan/test_step_calibration.py``)."""
-        return sum(c * term for c, term in zip(self.coefficients[6:], _terms(0, 0, head_dim, ffn)[6:]))
-
 
 def measure_layer(config: Any, tp: int, sequence_parallel: bool, recompute: str, precision: str, s: int, b: int,
                   overrides: Optional[dict] = None, whole: bool = False) -> int:

@@ -60,9 +60,9 @@ def backward_transient_bytes(inventory: ModelInventory, s: int, b: int, t: int, 
     return max(layer - freed, 2 * 4 * s * b * v + head, final_norm + element * sbh)
 
 
-def accumulation_bytes(gradient_elements: int, parameter: int, num_microbatches: int, buckets: bool,
-                       grad_beside_buckets: bool) -> float:
-    """``.grad`` kept apart from the buckets while micro-batches accumulate (see the module docstring)."""
+def accumulation_bytes(parameter_bytes: int, num_microbatches: int, buckets: bool, grad_beside_buckets: bool) -> float:
+    """``.grad`` kept apart from the buckets while micro-batches accumulate (see the module docstring): one gradient
+    per parameter, in the parameters' dtype (``parameter_bytes`` on this rank)."""
     if num_microbatches == 1 or not buckets or grad_beside_buckets:
         return 0.0
-    return float(gradient_elements * parameter)
+    return float(parameter_bytes)

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import lightning.pytorch as pl
 import pytest
-import torch
 
 from lightning_seqpar import SeqParallelStrategy
 from lightning_seqpar.lightning.config import DataParallelConfig
 from lightning_seqpar.plan.models import inventory_of_hf_model
 from lightning_seqpar.plan.state import state_bytes
 from tests.helpers.distributed import run_distributed
+from tests.helpers.model_state import model_state
 from tests.helpers.models import build, loader, token_data
 
 pytestmark = pytest.mark.distributed  # starts processes: outside the fast lane
@@ -46,22 +46,9 @@ class _Held(pl.Callback):
     """What this rank holds after its step, by kind (bytes of distinct storages)."""
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        params = list({id(p): p for p in pl_module.parameters()}.values())
-        optimizer = trainer.optimizers[0]
-        inner = getattr(optimizer, "inner", optimizer)  # the distributed optimizer's wrapped AdamW
-        own = {p.untyped_storage().data_ptr() for p in params}
-        pieces = [p for g in inner.param_groups for p in g["params"]] if inner is not optimizer else []
-        buckets = [*getattr(trainer.strategy.grad_sync.buckets, "buckets", []),
-                   *getattr(getattr(optimizer, "buckets", None), "buckets", [])]
-        reduction = [b.buffer for b in buckets] + [getattr(b, "reduced", None) for b in buckets]
         mesh = trainer.strategy.mesh
-        self.held = dict(
-            coordinates=(mesh.pipeline.rank, mesh.data.rank),
-            parameters=_bytes(params),
-            gradients=_bytes([*[p.grad for p in params], *reduction]),
-            main_params=_bytes([p for p in pieces if p.untyped_storage().data_ptr() not in own]),
-            optimizer=_bytes([v for state in inner.state.values() for v in state.values() if torch.is_tensor(v)]),
-        )
+        held = {kind: _bytes(tensors) for kind, tensors in model_state(trainer, pl_module).items()}
+        self.held = dict(coordinates=(mesh.pipeline.rank, mesh.data.rank), **held)
 
 
 def _measure(rank, world):

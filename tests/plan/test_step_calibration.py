@@ -18,6 +18,7 @@ from lightning_seqpar.lightning.config import DataParallelConfig
 from lightning_seqpar.memory.peak import PeakMemoryTracker
 from lightning_seqpar.plan import Hardware, LayoutRecord, inventory_of_hf_model, predict
 from tests.helpers.distributed import run_distributed
+from tests.helpers.model_state import model_state
 
 pytestmark = pytest.mark.distributed  # starts processes: outside the fast lane
 
@@ -67,17 +68,11 @@ class _StepPeak(pl.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if batch_idx != trainer.accumulate_grad_batches:
             return
-        optimizer = trainer.optimizers[0]
-        inner = getattr(optimizer, "inner", optimizer)
-        buckets = [*getattr(trainer.strategy.grad_sync.buckets, "buckets", []),
-                   *getattr(getattr(optimizer, "buckets", None), "buckets", [])]
-        params = list(pl_module.parameters())
+        state = model_state(trainer, pl_module)
         gc.collect()
         gc.disable()  # a collection at a moment of its own choosing would move the peak from run to run
         self.tracker = PeakMemoryTracker().__enter__()
-        self.tracker.hold(params, [p.grad for p in params], [p for g in inner.param_groups for p in g["params"]],
-                          [v for state in inner.state.values() for v in state.values() if torch.is_tensor(v)],
-                          [b.buffer for b in buckets], [getattr(b, "reduced", None) for b in buckets])
+        self.tracker.hold(*state.values())
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if batch_idx == 2 * trainer.accumulate_grad_batches - 1:
