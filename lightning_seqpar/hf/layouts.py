@@ -18,7 +18,7 @@ transformers is never imported here.
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -144,6 +144,16 @@ def _uses_rope(module: nn.Module) -> bool:
     return not (model_type in _ROTARY_ON_SLIDING_LAYERS_ONLY and getattr(attention, "sliding_window", None) is None)
 
 
+def _sliding_window(attention: nn.Module, config: Any) -> Union[int, str, None]:
+    """The layer's attention window: the attention's own ``sliding_window`` where it has one (per layer type: Qwen2,
+    Gemma 2/3, Cohere 2), else the config's, which the attention passes to its kernel on every layer (Mistral, Phi-3,
+    Starcoder2). Read under context parallelism, where the block masks by it (the model's masks are not used)."""
+    if hasattr(attention, "sliding_window"):
+        return "self_attn.sliding_window"
+    window = getattr(config, "sliding_window", None)
+    return int(window) if window is not None else None
+
+
 def _post_norms_only(module: nn.Module) -> bool:
     """OLMo 2's norms: ``post_attention_layernorm`` after attention and ``post_feedforward_layernorm`` after the MLP,
     none before either."""
@@ -210,6 +220,7 @@ def llama_block_spec(module: nn.Module) -> BlockSpec:
         attention=hf_attention_implementation(config), softmax_dtype=torch.float32,
         scaling=getattr(module.self_attn, "scaling", None),
         q_norm=_head_norm(module.self_attn, "q"), k_norm=_head_norm(module.self_attn, "k"),
+        sliding_window=_sliding_window(module.self_attn, config),
     )
 
 

@@ -19,6 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from lightning_seqpar.hf.context_parallel import install_context_parallel
 from lightning_seqpar.hf.model_check import check_causal_lm
 from lightning_seqpar.parallel.collectives import ParallelGroup
 from lightning_seqpar.rewriting.policy import ModelPolicy
@@ -173,5 +174,7 @@ class HFVocabularyPolicy(ModelPolicy):
                                                      wrap_logits=True))
         if ctx.loss_parallel:
             module.loss_function = CausalLMLoss(module.loss_function)
+        if ctx.context is not None:  # each cp rank runs the model on its own tokens
+            install_context_parallel(module, ctx.context, ctx.tp if ctx.sp else 1, name)
         return module
 

@@ -49,7 +49,7 @@ class AutoLayout:
             raise ValueError(f"AutoLayout.headroom={self.headroom}: a fraction of the device memory in (0, 1].")
 
 
-def auto_layout_of(layout: Union[None, str, AutoLayout, dict], tp: Any, pp: int) -> Optional[AutoLayout]:
+def auto_layout_of(layout: Union[None, str, AutoLayout, dict], tp: Any, pp: int, cp: int = 1) -> Optional[AutoLayout]:
     """The strategy's ``layout`` argument as an :class:`AutoLayout` (``None``: the ``tp``/``pp`` given, checked).
 
     Raises:
@@ -57,7 +57,8 @@ def auto_layout_of(layout: Union[None, str, AutoLayout, dict], tp: Any, pp: int)
             an unknown ``layout``, ``tp``/``pp`` given with it, or ``tp``/``pp`` that are not positive integers.
     """
     if layout is None:
-        validate_layout(tp * pp if isinstance(tp, int) and isinstance(pp, int) else 1, tp, pp)
+        ints = all(isinstance(v, int) for v in (tp, pp, cp))
+        validate_layout(tp * pp * cp if ints else 1, tp, pp, cp)
         return None
     if layout == "auto":
         raise ValueError("layout='auto' plans for the run's shapes: pass layout=AutoLayout(seq_len=S, batch_size=B) "
@@ -68,6 +69,9 @@ def auto_layout_of(layout: Union[None, str, AutoLayout, dict], tp: Any, pp: int)
         raise ValueError(f"layout={layout!r}: None (tp and pp as given) or AutoLayout(seq_len=..., batch_size=...).")
     if tp != 1 or pp != 1:
         raise ValueError(f"layout=AutoLayout(...) chooses tp and pp; got tp={tp}, pp={pp} as well: leave them out.")
+    if cp != 1:
+        raise ValueError(f"layout=AutoLayout(...) plans without context parallelism; got cp={cp}. Give tp, pp and cp "
+                         f"yourself (python -m lightning_seqpar.plan helps), or leave cp out.")
     return layout
 
 
@@ -78,7 +82,7 @@ def check_world(strategy: Any, world: int) -> None:
         ValueError: from :func:`~lightning_seqpar.parallel.validate_layout`.
     """
     if strategy.auto is None:
-        validate_layout(world, strategy.tp, strategy.pp)
+        validate_layout(world, strategy.tp, strategy.pp, strategy.cp)
 
 
 def _hf_model(module: torch.nn.Module) -> Optional[torch.nn.Module]:

@@ -9,6 +9,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional
 import torch
 import torch.distributed as dist
 
+from lightning_seqpar.context_parallel import ContextParallel
 from lightning_seqpar.hf.init import hf_initializers
 from lightning_seqpar.lightning.pipelined_steps import PipelinedSteps
 from lightning_seqpar.parallel.mesh import ParallelMesh
@@ -55,26 +56,30 @@ def broadcast_module(module: torch.nn.Module, device: torch.device) -> None:
 
 def seed_streams(seed: int, mesh: ParallelMesh, device: torch.device) -> RNGTracker:
     """Seed the default generator alike over the tensor-parallel group (replicated regions) and return the
-    tracker of the per-rank tensor-parallel stream (sharded regions); pipeline stages draw apart."""
+    tracker of the per-rank tensor-parallel stream (sharded regions); pipeline stages draw apart, and so do
+    context-parallel ranks (they hold other tokens in every region)."""
     pp_rank, tp_rank = mesh.pipeline.rank, mesh.tensor.rank
-    torch.manual_seed(seed + 100 * pp_rank)
-    return RNGTracker.for_tensor_parallel(seed + 100 * pp_rank, tp_rank, device)
+    base = seed + 100 * pp_rank + 7919 * mesh.context.rank
+    torch.manual_seed(base)
+    return RNGTracker.for_tensor_parallel(base, tp_rank, device)
 
 
 def parallelize(model: torch.nn.Module, mesh: ParallelMesh, device: torch.device, *, seed: Optional[int],
                 broadcast: Callable[[int], int], sequence_parallel: bool, loss_parallel: bool,
                 policies: Iterable[Policy], verify: bool, pipeline: PipelineConfig,
-                source: Optional[Mapping[str, Any]] = None) -> ParallelModel:
+                source: Optional[Mapping[str, Any]] = None, cp_comm: str = "ring") -> ParallelModel:
     """Rewrite ``model`` (a LightningModule, in place) into this rank's tensor (+ sequence) and pipeline parallel
     part. ``seed``: base seed of the dropout streams and of meta-device materialization; ``None`` takes rank 0's
     ``torch.initial_seed()`` through ``broadcast``. ``verify``: run the policies' self-checks (every rank runs
     the same, without communicating, so a refusal reaches every rank). ``source``: single-device weights read
     straight into the shards of a model built on the meta device (checked already); what it lacks is drawn with
-    the owning model's initializer (Hugging Face's, found in the model) or the policy's.
+    the owning model's initializer (Hugging Face's, found in the model) or the policy's. ``cp_comm``: the
+    context-parallel attention (``"ring"`` or ``"all_to_all"``) when the mesh has ``cp > 1``.
 
     Raises:
         ValueError: from the rewrite (nothing recognized, shapes that do not split) or the pipeline split, before
-            any rank has changed its model.
+            any rank has changed its model; under context parallelism, a model with no Hugging Face causal LM (the
+            entry that splits the sequence over the cp ranks).
     """
     # The single-device model stays where it was built; only its shards move to the device afterwards.
     broadcast_module(model, device)
@@ -84,12 +89,17 @@ def parallelize(model: torch.nn.Module, mesh: ParallelMesh, device: torch.device
     # this rank keeps are allocated and filled from single-device submodules materialized one at a time from a
     # seed shared by every rank. Other stages' layers are never materialized.
     materializer = Materializer(seed, initializers=hf_initializers(model), source=source)
-    ctx = RewriteContext(mesh.tensor, sequence_parallel, rng_tracker, loss_parallel, materializer)
+    context = ContextParallel(mesh.context, cp_comm) if mesh.cp > 1 else None
+    ctx = RewriteContext(mesh.tensor, sequence_parallel, rng_tracker, loss_parallel, materializer, context=context)
     policies = list(policies)
     # Read off the single-device model: the policies recognize a model by its parts, which the rewrite replaces
     # (a vocabulary-parallel embedding is no nn.Embedding); the paths stay the same.
     placement = pipeline_placement(model, policies) if pipeline.enabled else {}
     plan = rewrite(model, ctx, policies, verify)
+    if context is not None and not context.entries:
+        raise ValueError(f"Context parallelism (cp={mesh.cp}) splits the sequence where a Hugging Face causal LM is "
+                         f"called (model(input_ids=..., labels=...)); {type(model).__name__} holds none. The "
+                         f"reference GPT and torch's encoder layers train without cp (use tp, pp).")
     steps, remote_keys = None, []
     if pipeline.enabled:  # embeddings on the first stage, final norm and head on the last, where a policy says so
         steps, remote_keys = PipelinedSteps.build(model, pipeline, mesh.pipeline, device, placement)

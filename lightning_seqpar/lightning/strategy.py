@@ -31,6 +31,7 @@ from lightning_seqpar.lightning.preemption import add_preemption
 from lightning_seqpar.lightning.process_group import as_timedelta, report_failed_collective, start_process_group
 from lightning_seqpar.optim.grad_sync import GradientSync
 from lightning_seqpar.parallel import ParallelMesh, RNGTracker, validate_layout
+from lightning_seqpar.context_parallel import ContextParallel
 from lightning_seqpar.pipeline_parallel import PipelineConfig
 from lightning_seqpar.rewriting import Policy, RewritePlan
 
@@ -55,7 +56,9 @@ class SeqParallelStrategy(ParallelStrategy):
 
     Args:
         tp: tensor-parallel size t (ranks sharing each layer).
-        pp: pipeline-parallel size p (stages of the layer stack). The data-parallel size is ``world_size // (tp · pp)``.
+        pp: pipeline-parallel size p (stages of the layer stack). The data-parallel size is ``world // (tp·cp·pp)``.
+        cp, cp_comm: context-parallel size c (ranks sharing each sequence, attention included; a Hugging Face causal
+            LM) and its attention, ``"ring"`` or ``"all_to_all"`` (:mod:`lightning_seqpar.context_parallel`).
         num_microbatches, schedule, virtual_stages, pipeline_split: shorthands for
             :class:`~lightning_seqpar.pipeline_parallel.PipelineConfig`'s ``num_microbatches`` (m, default ``pp``),
             ``schedule`` (``"1F1B"``, ``"gpipe"``, ``"interleaved_1F1B"``), ``virtual_stages`` (v), ``split``.
@@ -117,8 +120,11 @@ class SeqParallelStrategy(ParallelStrategy):
         data_parallel: Optional[DataParallelConfig] = None,
         precision_config: Optional[PrecisionConfig] = None,
         layout: Optional[AutoLayout] = None,
+        cp: int = 1,
+        cp_comm: Literal["ring", "all_to_all"] = "ring",
     ) -> None:
-        self.auto, self.chosen_layout = auto_layout_of(layout, tp, pp), None
+        self.auto, self.chosen_layout = auto_layout_of(layout, tp, pp, cp), None
+        self.cp, self.cp_comm = cp, ContextParallel.check_comm(cp_comm)
         self.checkpointer = Checkpointer(checkpointing or CheckpointConfig(
             checkpoint_format, async_save, allow_non_finite_checkpoint, allow_unverified_checkpoint), self)
         self.data_parallel = data_parallel or DataParallelConfig(zero, fp32_main_params)
@@ -171,7 +177,7 @@ class SeqParallelStrategy(ParallelStrategy):
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # Tensor-parallel peers must see the same batch: replicas are the data-parallel ranks only.
-        return {"num_replicas": self.mesh.dp, "rank": self.mesh.data.rank}
+        return {"num_replicas": self.mesh.dp, "rank": self.mesh.batch_rank}  # cp peers too
 
     @property
     @override
@@ -191,12 +197,12 @@ class SeqParallelStrategy(ParallelStrategy):
         set_num_threads_if_needed(self.num_processes)
         self.set_world_ranks()
         choose_layout(self)  # layout=AutoLayout(...): from the model, world and device memory, before any allocation
-        validate_layout(self.world_size, self.tp, self.pp)  # before any collective
+        validate_layout(self.world_size, self.tp, self.pp, self.cp)  # before any collective
         if self.process_group_backend is None:
             self.process_group_backend = "nccl" if self.root_device.type == "cuda" else "gloo"
         assert self.cluster_environment is not None
         self._failure_watch = start_process_group(self.cluster_environment, self.process_group_backend, self._timeout)
-        self._mesh = ParallelMesh.build(self.tp, self.pp, self.root_device.type, timeout=self._timeout)
+        self._mesh = ParallelMesh.build(self.tp, self.pp, self.root_device.type, timeout=self._timeout, cp=self.cp)
         plugin = self.precision_plugin
         assert isinstance(plugin, ShardAwareClipping)
         plugin.mesh = self._mesh
@@ -217,7 +223,7 @@ class SeqParallelStrategy(ParallelStrategy):
                 self.model, self.mesh, self.root_device, seed=self._seed, broadcast=self.broadcast,
                 sequence_parallel=self.sequence_parallel, loss_parallel=self.loss_parallel, policies=self.policies,
                 verify=self.verify_rewrite, pipeline=self.pipeline_config, source=self.checkpointer.initial_weights,
-            )
+                cp_comm=self.cp_comm)
             self.checkpointer.initial_weights = None
             if self.precision_config.low_precision_residual:
                 low_precision_residual(self.model, self.precision_plugin)

@@ -235,7 +235,7 @@ class DistributedOptimizer(Optimizer):
     def _range_layout(self) -> Optional[RangeLayout]:
         """Where every data-parallel rank's ranges live (``None`` with one data-parallel rank: nothing is split)."""
         mesh = self.mesh
-        if mesh.dp == 1:
+        if mesh.data.size == 1:
             return None
         return range_layout(mesh.device_mesh, mesh.tensor.rank, mesh.data.rank, mesh.pipeline.rank)
 
@@ -357,7 +357,7 @@ def distribute_optimizers(optimizers: Sequence[Optimizer], lr_scheduler_configs:
     Raises:
         ValueError: from :class:`DistributedOptimizer`.
     """
-    if mesh.dp == 1:
+    if mesh.data.size == 1:
         warnings.warn("zero=1 shards the optimizer state over the data-parallel ranks, and this run has one (dp = 1): "
                       "nothing is saved. Use zero=0, or more devices than tp·pp.", stacklevel=2)
     sharded = [o if isinstance(o, DistributedOptimizer) else DistributedOptimizer(o, mesh, not pipelined, main_params)

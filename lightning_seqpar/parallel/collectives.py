@@ -21,7 +21,9 @@ class CollectiveRecord:
     """One collective call.
 
     Attributes:
-        kind: ``"all_reduce"``, ``"all_gather"`` or ``"reduce_scatter"``.
+        kind: ``"all_reduce"``, ``"all_gather"``, ``"reduce_scatter"``, ``"all_to_all"`` (``full_bytes``: the local
+            tensor, of which ``(t−1)/t`` leaves the rank) or ``"ring_send"`` (one message to the next rank of a ring;
+            ``full_bytes``: the message).
         full_bytes: size of the *global* (unsharded) tensor in bytes, ``numel · element_size``.
         group_size: number of ranks t taking part.
     """
@@ -37,6 +39,8 @@ class CollectiveRecord:
         All-gather and reduce-scatter each move ``(t-1)/t · N``; an all-reduce is a reduce-scatter
         followed by an all-gather, ``2 (t-1)/t · N`` (Korthikanti et al. 2022, §4.2.2).
         """
+        if self.kind == "ring_send":  # point-to-point: the message itself
+            return self.full_bytes
         factor = 2 if self.kind == "all_reduce" else 1
         return factor * (self.group_size - 1) * self.full_bytes // self.group_size
 
@@ -101,6 +105,17 @@ class Pending:
             if self._log is not None:
                 self._log.event(f"{self.kind} wait")
         return self._result
+
+
+class _Works:
+    """Several ``Work`` handles waited for as one (a batch of point-to-point operations)."""
+
+    def __init__(self, works: list[Any]) -> None:
+        self.works = works
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
 
 
 class ParallelGroup:
@@ -191,6 +206,37 @@ class ParallelGroup:
         if self.size == 1:
             return Pending(tensor)
         return self._pending("reduce_scatter", *self._reduce_scatter_single(tensor, async_op=True))
+
+    def ring_exchange_start(self, tensor: Tensor) -> Pending:
+        """Send ``tensor`` to the next rank of the group's ring (``rank + 1 mod size``) and receive the previous
+        rank's tensor of the same shape, started and returned in flight (:class:`Pending`: the received tensor).
+
+        Both transfers are posted as one ``batch_isend_irecv``, the send first, on every rank: NCCL matches
+        point-to-point messages by the order they were posted (tags are ignored), and with every rank posting the
+        same pattern the i-th send from a rank meets the i-th receive of its successor; a batch completes as a whole,
+        so no rank blocks in a send its peer has not yet answered.
+        """
+        if self.size == 1:
+            return Pending(tensor)
+        tensor = tensor.contiguous()
+        self._record("ring_send", tensor)
+        received = torch.empty_like(tensor)
+        following = dist.get_global_rank(self.group, (self.rank + 1) % self.size)
+        preceding = dist.get_global_rank(self.group, (self.rank - 1) % self.size)
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor, following, self.group),
+                                        dist.P2POp(dist.irecv, received, preceding, self.group)])
+        return self._pending("ring_send", received, _Works(works))
+
+    def all_to_all(self, tensor: Tensor) -> Tensor:
+        """``tensor`` ``[size, ...]``: slice ``i`` goes to rank ``i``; returns ``[size, ...]`` whose slice ``j`` came
+        from rank ``j`` (``all_to_all_single``)."""
+        if self.size == 1:
+            return tensor
+        tensor = tensor.contiguous()
+        self._record("all_to_all", tensor)
+        out = torch.empty_like(tensor)
+        dist.all_to_all_single(out, tensor, group=self.group)
+        return out
 
     def _all_gather_single(self, tensor: Tensor, async_op: bool) -> tuple[Tensor, Any]:
         tensor = tensor.contiguous()

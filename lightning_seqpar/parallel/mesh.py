@@ -1,7 +1,10 @@
-"""The ``(pipeline, data, tensor)`` process mesh, tensor-parallel ranks fastest.
+"""The ``(pipeline, data, context, tensor)`` process mesh, tensor-parallel ranks fastest, then context-parallel.
 
 Megatron-LM orders ranks so that a tensor-parallel group is made of neighbouring devices (the
-fastest links): ``rank = tp_rank + t · (dp_rank + d · pp_rank)``.
+fastest links), context-parallel ranks next: ``rank = tp_rank + t · (cp_rank + c · (dp_rank + d · pp_rank))``.
+Parameters are replicated over context-parallel ranks as over data-parallel ones, and their gradients are reduced
+over both together: the ``data`` group of the mesh is that ``d · c`` group (Megatron-LM's data-parallel group
+"with context parallel"), so the gradient buckets and the distributed optimizer need no second reduction.
 """
 
 from __future__ import annotations
@@ -17,31 +20,36 @@ from lightning_seqpar._compat import set_process_group_timeout
 from lightning_seqpar.parallel.collectives import ParallelGroup
 
 
-def validate_layout(world_size: int, tp: int, pp: int) -> int:
-    """Check a parallel layout and return the data-parallel size ``d = world_size // (tp · pp)``.
+def validate_layout(world_size: int, tp: int, pp: int, cp: int = 1) -> int:
+    """Check a parallel layout and return the size of the gradient-reduction group ``d · c = world_size // (tp · pp)``
+    (the data-parallel size d times the context-parallel size c).
 
     Raises:
-        ValueError: if ``tp`` or ``pp`` is not a positive integer, or ``world_size`` is not
-            divisible by ``tp · pp``. Called before any collective, so no process hangs.
+        ValueError: if ``tp``, ``pp`` or ``cp`` is not a positive integer, or ``world_size`` is not
+            divisible by ``tp · cp · pp``. Called before any collective, so no process hangs.
     """
-    for name, value in (("tp", tp), ("pp", pp)):
-        if not isinstance(value, int) or value < 1:
+    for name, value in (("tp", tp), ("pp", pp), ("cp", cp)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
-    if world_size % (tp * pp):
+    unit = tp * cp * pp
+    if world_size % unit:
+        names = "tp·pp" if cp == 1 else "tp·cp·pp"
+        values = f"{tp}·{pp}" if cp == 1 else f"{tp}·{cp}·{pp}"
         raise ValueError(
-            f"The world size ({world_size} processes) is not divisible by tp·pp = {tp}·{pp} = {tp * pp}. "
-            f"Launch a multiple of {tp * pp} processes (devices × nodes) or change `tp`/`pp`."
+            f"The world size ({world_size} processes) is not divisible by {names} = {values} = {unit}. "
+            f"Launch a multiple of {unit} processes (devices × nodes) or change `tp`/`pp`{'/`cp`' if cp > 1 else ''}."
         )
     return world_size // (tp * pp)
 
 
 @dataclass(frozen=True)
 class ParallelMesh:
-    """Process groups of one rank in a ``(pp, dp, tp)`` layout: the one source of its ranks and sizes.
+    """Process groups of one rank in a ``(pp, dp, cp, tp)`` layout: the one source of its ranks and sizes.
 
     Attributes:
         tensor: the tensor-parallel group of this rank (size t).
-        data: the data-parallel group of this rank (size d).
+        data: the group over which parameters are replicated and gradients reduced: the data-parallel ranks and,
+            under context parallelism, their context-parallel ranks (size ``d · c``; rank ``dp_rank · c + cp_rank``).
         pipeline: the pipeline-parallel group of this rank (size p).
         device_mesh: the underlying ``torch.distributed.DeviceMesh`` (``None`` for a single process).
         first_and_last: for ``p > 2``, the group of the first and the last pipeline stage of this rank's
@@ -50,6 +58,8 @@ class ParallelMesh:
             default backend is not gloo (NCCL): flags the host already knows (which parameters got a gradient) are
             exchanged on them in host memory, with no device synchronization (Megatron-LM's
             ``get_data_parallel_group_gloo``). Empty under gloo, whose groups serve as they are.
+        context: the context-parallel group of this rank (size c): ranks holding other tokens of the same
+            sequences, inside ``data``.
     """
 
     tensor: ParallelGroup
@@ -58,6 +68,7 @@ class ParallelMesh:
     device_mesh: Optional[object] = None
     first_and_last: Optional[ParallelGroup] = None
     host_groups: Mapping[str, ParallelGroup] = field(default_factory=dict)
+    context: ParallelGroup = field(default_factory=ParallelGroup)
 
     @property
     def embedding(self) -> ParallelGroup:
@@ -82,8 +93,18 @@ class ParallelMesh:
 
     @property
     def dp(self) -> int:
-        """d, the data-parallel size."""
-        return self.data.size
+        """d, the data-parallel size: replicas that see different batches (``data`` holds ``d · c`` ranks)."""
+        return self.data.size // self.context.size
+
+    @property
+    def cp(self) -> int:
+        """c, the context-parallel size."""
+        return self.context.size
+
+    @property
+    def batch_rank(self) -> int:
+        """This rank's data-parallel rank (which batch it reads): context-parallel peers read the same one."""
+        return self.data.rank // self.context.size
 
     @property
     def pp(self) -> int:
@@ -97,8 +118,12 @@ class ParallelMesh:
 
     @classmethod
     def build(cls, tp: int, pp: int, device_type: str, host_groups: Optional[bool] = None,
-              timeout: Optional[timedelta] = None) -> "ParallelMesh":
+              timeout: Optional[timedelta] = None, cp: int = 1) -> "ParallelMesh":
         """Build the mesh over the initialized default process group.
+
+        The ``torch.distributed`` device mesh is ``(pipeline, data, tensor)`` with ``data`` of size ``d · c``: with
+        context-parallel ranks next to tensor-parallel ones, that flattening is the same rank order. ``cp``: c, whose
+        groups are cut out of ``data``.
 
         ``host_groups``: create the gloo twins of :attr:`host_groups` (default: when the backend is not gloo).
         ``timeout``: how long every group's collectives wait for a peer (default: torch's 30 minutes); the same for
@@ -110,7 +135,7 @@ class ParallelMesh:
         """
         if not dist.is_initialized():
             raise RuntimeError("ParallelMesh.build needs an initialized torch.distributed process group.")
-        dp = validate_layout(dist.get_world_size(), tp, pp)
+        dp = validate_layout(dist.get_world_size(), tp, pp, cp)  # d · c
         device_mesh = init_device_mesh(device_type, (pp, dp, tp), mesh_dim_names=("pipeline", "data", "tensor"))
         if timeout is not None:
             for name in ("pipeline", "data", "tensor"):
@@ -136,7 +161,11 @@ class ParallelMesh:
                 host["embedding"] = embedding if embedding is not None else ParallelGroup(None)
             elif pp == 2:
                 host["embedding"] = host["pipeline"]
-        return cls(group("tensor"), group("data"), group("pipeline"), device_mesh, first_and_last, host)
+        context = _new_groups([[t_ + tp * (d_ + dp * p_) for d_ in range(g * cp, (g + 1) * cp)]
+                               for p_ in range(pp) for g in range(dp // cp) for t_ in range(tp)],
+                              None, timeout, "context") if cp > 1 else None
+        return cls(group("tensor"), group("data"), group("pipeline"), device_mesh, first_and_last, host,
+                   context or ParallelGroup(None))
 
 
 def _new_groups(all_ranks: list[list[int]], backend: Optional[str] = None, timeout: Optional[timedelta] = None,

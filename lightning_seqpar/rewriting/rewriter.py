@@ -148,7 +148,7 @@ def plan_rewrite(model: nn.Module, ctx: RewriteContext, policies: Iterable[Polic
             policy = registry.get(child)
             if policy is not None and policy.around_layers:  # the layers inside are visited too
                 check_model(policy, child, full)
-                if ctx.tp > 1:
+                if ctx.tp > 1 or ctx.cp > 1:  # cp: the model's entry splits the sequence
                     plan.entries.append(PlannedRewrite(full, type(child).__name__, policy, False, False,
                                                        policy.describe(child, ctx)))
                 policy = None
@@ -179,7 +179,7 @@ def plan_rewrite(model: nn.Module, ctx: RewriteContext, policies: Iterable[Polic
     else:
         if root_policy is not None:  # a causal LM given as the model itself (explain)
             check_model(root_policy, model, "")
-        if root_policy is not None and ctx.tp > 1:
+        if root_policy is not None and (ctx.tp > 1 or ctx.cp > 1):
             plan.entries.append(PlannedRewrite("", type(model).__name__, root_policy, False, False,
                                                root_policy.describe(model, ctx)))
         visit("", model)

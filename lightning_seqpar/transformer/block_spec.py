@@ -87,6 +87,10 @@ class BlockSpec:
             ``nn.LayerNorm`` per head, StableLM's ``qk_layernorm``) applies this rank's heads' weights
             (:class:`~lightning_seqpar.tensor_parallel.norms.LocalHeadsNorm`).
 
+        sliding_window: the layer's attention window w (a query sees the keys at most ``w − 1`` positions back): an
+            int, or the path of an attribute (``"self_attn.sliding_window"``, ``None`` on full-attention layers). Read
+            under context parallelism only, where the block masks each ring block itself; on one cp rank the
+            model's own masks carry the window.
         returns_attention_weights: the block returns ``(hidden_states, attention_weights)`` and its model reads
             ``outputs[0]`` (Falcon): the parallel block returns ``(hidden_states, None)``.
 
@@ -132,6 +136,7 @@ class BlockSpec:
     returns_attention_weights: bool = False
     mlp_dropout: Optional[str] = None
     batch_first: Union[bool, str] = True
+    sliding_window: Union[int, str, None] = None
 
     def projections(self) -> tuple[list[str], list[str]]:
         """The column-parallel paths of the attention input and of the MLP input."""

@@ -7,6 +7,7 @@ from typing import Callable, Optional
 
 import torch.nn as nn
 
+from lightning_seqpar.context_parallel.runtime import ContextParallel
 from lightning_seqpar.parallel.collectives import ParallelGroup
 from lightning_seqpar.parallel.random import RNGTracker
 from lightning_seqpar.transformer.masks import MaskCache
@@ -25,6 +26,7 @@ class RewriteContext:
         materialize: gives meta-device single-device modules real weights: small ones (embeddings, norms)
             just before they are sliced, blocks after the stage split (``None``: nothing may be on meta).
         masks: the torch-convention mask combination the rewritten layers share (:class:`MaskCache`).
+        context: context parallelism (c > 1: the sequence split over a cp group as well), or ``None``.
     """
 
     group: ParallelGroup
@@ -33,6 +35,7 @@ class RewriteContext:
     loss_parallel: bool = True
     materialize: Optional[Materializer] = None
     masks: MaskCache = field(default_factory=MaskCache)
+    context: Optional[ContextParallel] = None
 
     def prepare(self, module: nn.Module, name: str, init: Optional[Initializer] = None) -> None:
         """Materialize ``module`` if it was built on the meta device (see :class:`Materializer`).
@@ -68,6 +71,11 @@ class RewriteContext:
     def tp(self) -> int:
         """t."""
         return self.group.size
+
+    @property
+    def cp(self) -> int:
+        """c (1 without context parallelism)."""
+        return 1 if self.context is None else self.context.c
 
     @property
     def sp(self) -> bool:

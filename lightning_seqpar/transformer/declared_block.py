@@ -29,6 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from lightning_seqpar.context_parallel import ContextParallelBatch, check_all_to_all_heads, context_parallel_attention
 from lightning_seqpar.parallel.random import recomputed
 from lightning_seqpar.tensor_parallel.layers import (
     ColumnParallelInProjection, ColumnParallelLinear, RowParallelLinear, column_parallel_linears,
@@ -186,11 +187,33 @@ class ParallelBlock(ParallelLayer):
         self.mlp_inner_dropout = None if not spec.mlp_dropout else ParallelDropout(
             resolve(block, spec.mlp_dropout).p, ctx.rng_tracker, sharded=ctx.tp > 1)  # on ffn/t features
         self.rotary = rotary_function(block, spec)
+        self.softcap = None if softcap is None else float(softcap)
+        self.window = value_of(block, spec.sliding_window)
+        self.context = ctx.context
+        if self.context is not None:
+            self._check_context_parallel(ctx)
         multiplier = value_of(block, spec.residual_multiplier)
         self.residual_multiplier = None if multiplier is None or float(multiplier) == 1.0 else float(multiplier)
         ffn = out_features(resolve(block, mlp[0])) // (2 if spec.gate_up else 1)
         gated = len(mlp) == 2 or bool(spec.gate_up)
         self._dims = LayerDims(hidden, self.num_heads, ffn, ctx.tp, ctx.sp, self.num_kv_heads, gated)
+
+    def _check_context_parallel(self, ctx: RewriteContext) -> None:
+        """What context-parallel attention computes exactly, or a refusal naming the part and the fix.
+
+        Raises:
+            ValueError: attention-probability dropout (its masks would be drawn per ring block), a block that is not
+                causal, or all-to-all attention with local head counts that do not divide by c.
+        """
+        if self.dropout_p > 0:
+            raise ValueError(f"{self._name}: attention dropout p={self.dropout_p} under context parallelism (cp="
+                             f"{ctx.cp}) is not supported: the ring computes attention block by block. Set the model's "
+                             f"attention dropout to 0 (attention_dropout / attn_pdrop), as modern recipes do.")
+        if not self.spec.causal:
+            raise ValueError(f"{self._name}: context parallelism here balances causal attention; this block is "
+                             f"declared non-causal (BlockSpec.causal=False). Train it without cp.")
+        if self.context.comm == "all_to_all":
+            check_all_to_all_heads(self.heads_local, self.kv_heads_local, ctx.cp, self._name)
 
     def layer_dims(self) -> LayerDims:
         return self._dims
@@ -200,7 +223,10 @@ class ParallelBlock(ParallelLayer):
         refuse_used_cache(self, call.cache)
         x = enter_parallel_region(hidden_states, self.group, self.sp, self.batch_first) if self.enter_region \
             else hidden_states
-        mask, causal = self._mask(call, x)
+        if self.context is not None:  # the model's masks are of its local tokens: the layout says what each sees
+            mask, causal = self.context.layout(self._name).with_window(self.window), None
+        else:
+            mask, causal = self._mask(call, x)
         if self.recompute_layer and torch.is_grad_enabled():
             x = recomputed(self._body, x, call.position_embeddings, mask, causal, rng_tracker=self.rng_tracker)
         else:
@@ -291,6 +317,9 @@ class ParallelBlock(ParallelLayer):
                 q, k = torch.cat([q_turned, q[..., rotated:]], -1), torch.cat([k_turned, k[..., rotated:]], -1)
             else:
                 q, k = self.rotary(q, k, cos, sin)
+        if isinstance(mask, ContextParallelBatch):  # the sequence split over cp ranks: ring or all-to-all attention
+            context = context_parallel_attention(q, k, v, mask, self.score_factor * self.head_dim**-0.5, self.softcap)
+            return parts.attention_out(merge_heads(context))
         groups = self.heads_local // self.kv_heads_local
         if self.implementation == "sdpa":  # takes the mask as given: bool (True = attend) or additive
             context = F.scaled_dot_product_attention(

@@ -18,7 +18,8 @@ class HFCausalLM(pl.LightningModule):
 
     def __init__(self, family: str = "llama", attn_implementation: str = "eager", labels: bool = False,
                  kv_heads: int = 2, bias: bool = False, tie: bool = False, layers: int = 2, padding: bool = False,
-                 position_offset: int = 0, parallel_residual: bool = True, qk_norm: bool = False) -> None:
+                 position_offset: int = 0, parallel_residual: bool = True, qk_norm: bool = False,
+                 ignored_labels: str = "", documents: bool = False) -> None:
         super().__init__()
         import transformers
 
@@ -94,6 +95,7 @@ class HFCausalLM(pl.LightningModule):
         self.model = transformers.AutoModelForCausalLM.from_config(config)
         self.labels = labels
         self.padding, self.position_offset = padding, position_offset
+        self.ignored_labels, self.documents = ignored_labels, documents
 
     def _inputs(self, x: torch.Tensor) -> dict:
         """``input_ids``, and what the module was asked to add: a padding ``attention_mask`` (the last 3 tokens of
@@ -105,14 +107,30 @@ class HFCausalLM(pl.LightningModule):
             inputs["attention_mask"] = mask
         if self.position_offset:
             inputs["position_ids"] = torch.arange(x.shape[1], device=x.device).expand_as(x) + self.position_offset
+        if self.documents:  # packed rows (DataCollatorWithFlattening): documents of 3 and 5 tokens, then 6 and 2
+            s = x.shape[1]
+            starts = [[0, 3], [0, 6]]
+            inputs["position_ids"] = torch.stack([
+                torch.cat([torch.arange(e - b) for b, e in zip(row, row[1:] + [s])]) for row in
+                (starts[i % 2] for i in range(x.shape[0]))]).to(x.device)
         return inputs
+
+    def _labels(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """``y``, with ``-100`` where the module was asked: at padding (``"padding"``: what collators do) or on most
+        of the first row (``"uneven"``: context-parallel ranks then hold different numbers of supervised tokens)."""
+        if self.ignored_labels == "padding":
+            return y.masked_fill(self._inputs(x)["attention_mask"] == 0, -100)
+        if self.ignored_labels == "uneven":
+            y = y.clone()
+            y[0, : 3 * y.shape[1] // 4] = -100
+        return y
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.model(**self._inputs(x)).logits  # [b, s, v], batch-first as on one device; default use_cache
 
     def compute_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if self.labels:
-            return self.model(**self._inputs(x), labels=y).loss
+            return self.model(**self._inputs(x), labels=self._labels(x, y)).loss
         return F.cross_entropy(self(x).reshape(-1, VOCAB), y.reshape(-1))
 
     def training_step(self, batch, batch_idx):

@@ -27,9 +27,10 @@ class Case:
     strategy: tuple = field(default_factory=tuple)
     pp: int = 1
     batch: int = BATCH  # samples per data-parallel rank and step (pp > 2 needs micro-batches >= pp)
+    cp: int = 1
 
     def dp(self, world_size: int) -> int:
-        return world_size // (self.tp * self.pp)
+        return world_size // (self.tp * self.pp * self.cp)
 
 
 def fit(case: Case, world_size: int, steps: int = STEPS, callbacks=(), epoch_steps=None, ckpt_path=None,
@@ -49,7 +50,8 @@ def fit(case: Case, world_size: int, steps: int = STEPS, callbacks=(), epoch_ste
     trainer_kwargs.update(overrides)
     accumulate = trainer_kwargs.get("accumulate_grad_batches", 1)
     trainer = pl.Trainer(
-        strategy=SeqParallelStrategy(tp=case.tp, pp=case.pp, sequence_parallel=case.sequence_parallel, **dict(case.strategy)),
+        strategy=SeqParallelStrategy(tp=case.tp, pp=case.pp, cp=case.cp, sequence_parallel=case.sequence_parallel,
+                                     **dict(case.strategy)),
         callbacks=[recorder, *extra], **trainer_kwargs,
     )
     data = token_data((epoch_steps or steps) * accumulate, case.dp(world_size), batch=case.batch)
@@ -75,7 +77,7 @@ def case_id(world_case: tuple[int, Case]) -> str:
     w, c = world_case
     model = "".join(f"-{k}={v}" for k, v in c.model)
     strategy = "".join(f"-{k}={v}" for k, v in c.strategy)
-    return (f"{c.kind}-pp{c.pp}tp{c.tp}dp{c.dp(w)}-{'sp' if c.sequence_parallel else 'nosp'}-{c.recompute}"
+    return (f"{c.kind}-pp{c.pp}{f'cp{c.cp}' if c.cp > 1 else ''}tp{c.tp}dp{c.dp(w)}-{'sp' if c.sequence_parallel else 'nosp'}-{c.recompute}"
             f"{model}{strategy}{'-clip-accumulate' if c.trainer else ''}{f'-batch{c.batch}' if c.batch != BATCH else ''}")
 
 
@@ -107,8 +109,8 @@ def assert_matches_single_process(per_rank: list[dict[Case, Recorder]], case: Ca
             differences = {name: grad_matches(got[name], want[name]) for name in want}
             wrong = {n: d for n, d in differences.items() if d}
             assert wrong == {}, f"rank {rank} step {step}: {wrong}"
-    for stage in range(case.pp):  # rank = tp_rank + t·(dp_rank + d·pp_rank)
-        replicas = [per_rank[(stage * dp + d) * case.tp][case].losses for d in range(dp)]
+    for stage in range(case.pp):  # rank = tp_rank + t·(cp_rank + c·(dp_rank + d·pp_rank))
+        replicas = [per_rank[(stage * dp + d) * case.cp * case.tp][case].losses for d in range(dp)]
         losses = torch.tensor(replicas, dtype=torch.float64).mean(0) * accumulate
         torch.testing.assert_close(losses, want_losses, rtol=loss_rtol, atol=loss_atol, msg=lambda m: f"stage {stage}: {m}")
 

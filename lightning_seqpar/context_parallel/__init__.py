@@ -1,0 +1,11 @@
+"""Context parallelism: the sequence split over c more ranks, attention included (ring or all-to-all), with causal
+load balancing, packed documents, padding and sliding windows kept exact."""
+
+from lightning_seqpar.context_parallel.attention import check_all_to_all_heads, context_parallel_attention
+from lightning_seqpar.context_parallel.layout import (
+    ContextParallelBatch, check_context_length, documents_from_positions, local_indices,
+)
+from lightning_seqpar.context_parallel.runtime import COMMS, ContextParallel
+
+__all__ = ["COMMS", "ContextParallel", "ContextParallelBatch", "check_all_to_all_heads", "check_context_length",
+           "context_parallel_attention", "documents_from_positions", "local_indices"]

@@ -1,0 +1,85 @@
+"""The context-parallel settings of a rewritten model and the layout of the forward running now.
+
+The model-level entry (:mod:`lightning_seqpar.hf.context_parallel` for Hugging Face causal LMs) works out a
+forward's :class:`~.layout.ContextParallelBatch` from the whole batch, which every cp rank holds, and opens it with
+:meth:`ContextParallel.forward_of`; the parallel layers read it once at their call (:meth:`ContextParallel.layout`) and
+pass it down as their mask, so a recomputed layer or a pipelined micro-batch's backward uses the layout of its own
+forward, never the one open later. One object per rewrite, held by the layers and the model entry: no global state.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator, Optional
+
+from lightning_seqpar.context_parallel.layout import ContextParallelBatch
+from lightning_seqpar.parallel.collectives import ParallelGroup
+
+COMMS = ("ring", "all_to_all")
+
+
+class ContextParallel:
+    """Context parallelism of one rewrite.
+
+    Args:
+        group: the context-parallel group (size c > 1).
+        comm: ``"ring"`` or ``"all_to_all"`` (:mod:`.attention`).
+
+    Raises:
+        ValueError: an unknown ``comm``.
+    """
+
+    def __init__(self, group: ParallelGroup, comm: str = "ring") -> None:
+        self.group, self.comm = group, self.check_comm(comm)
+        self._current: Optional[ContextParallelBatch] = None
+        self._stack: list[Optional[ContextParallelBatch]] = []
+        self.entries = 0  # model-level entries installed (a model without one cannot split its sequence)
+
+    @staticmethod
+    def check_comm(comm: str) -> str:
+        """``comm`` if it names a context-parallel attention.
+
+        Raises:
+            ValueError: an unknown ``comm``.
+        """
+        if comm not in COMMS:
+            raise ValueError(f"cp_comm={comm!r}: context-parallel attention is 'ring' or 'all_to_all'.")
+        return comm
+
+    @property
+    def c(self) -> int:
+        return self.group.size
+
+    @contextmanager
+    def forward_of(self, layout: ContextParallelBatch) -> Iterator[ContextParallelBatch]:
+        """Open ``layout`` for the layers of the forward run inside (nested forwards restore the outer one)."""
+        outer, self._current = self._current, layout
+        try:
+            yield layout
+        finally:
+            self._current = outer
+
+    def open(self, layout: ContextParallelBatch) -> None:
+        """Open ``layout`` until :meth:`close` (a model's forward pre-hook and forward hook)."""
+        self._stack.append(self._current)
+        self._current = layout
+
+    def close(self) -> None:
+        """Close the layout :meth:`open` opened last."""
+        self._current = self._stack.pop() if self._stack else None
+
+    def layout(self, where: str) -> ContextParallelBatch:
+        """The open forward's layout.
+
+        Raises:
+            RuntimeError: no forward of the whole model is open: a layer called on its own holds only its tokens and
+                cannot know which positions they are.
+        """
+        if self._current is None:
+            raise RuntimeError(f"{where} runs under context parallelism (cp={self.c}) and was called outside the "
+                               f"model's forward: call the whole model (model(input_ids=..., labels=...)), which "
+                               f"splits the sequence over the cp ranks and tells every layer its positions.")
+        return self._current
+
+    def __getstate__(self) -> dict:  # a pickled model describes one rank; no forward is open in a copy
+        return {"group": self.group, "comm": self.comm, "_current": None, "_stack": [], "entries": self.entries}
