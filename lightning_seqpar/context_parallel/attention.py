@@ -5,8 +5,7 @@
   travel around the cp ring in ``c − 1`` steps, the next block's transfer in flight while the current one is
   computed. Blocks a query cannot see (later chunks; outside a window) are skipped; partial outputs merge by
   log-sum-exp. Backward sends K/V around again with their gradient accumulators, which arrive home after ``c``
-  steps. Per layer and step a rank sends ``(c−1)·2·b·a_kv/t·(s/c)·d`` elements forward and
-  ``(c−1)·2·… + c·2·…`` backward (K/V again, then dK/dV).
+  steps (:func:`bytes_per_layer`).
 - **All-to-all** (Jacobs et al., *DeepSpeed-Ulysses*, 2023): one all-to-all turns ``[b, a/t, s/c, d]`` into
   ``[b, a/(t·c), s, d]`` (heads scattered, sequence gathered) for q, k and v; attention runs on whole sequences;
   one all-to-all brings the output back. Local query and key/value heads must both divide by c.
@@ -70,17 +69,21 @@ class _BlockwiseAttention(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         steps = group.size if ctx.ring else 1
         kv = torch.stack([k, v])
-        d_kv = torch.zeros(kv.shape, dtype=acc, device=kv.device)  # the gradient of the source held now
+        # The gradient of the source held now travels with it in k's dtype (16-bit traffic under mixed precision, as
+        # Transformer Engine sends it); each step's own contributions are summed in the accumulation dtype first.
+        d_kv = torch.zeros_like(kv)
         for step in range(steps):
             source_chunks = layout.chunks((group.rank - step) % group.size) if ctx.ring else ctx.q_chunks
             pending = group.ring_exchange_start(kv) if step < steps - 1 else None
+            step_kv = torch.zeros(kv.shape, dtype=acc, device=kv.device)
             attend_backward(q, ctx.q_chunks, kv[0], kv[1], source_chunks, layout, ctx.scale, ctx.softcap, d_out, lse,
-                            delta, dq, d_kv[0], d_kv[1])
+                            delta, dq, step_kv[0], step_kv[1])
+            d_kv = d_kv + step_kv.to(kv.dtype)
             if steps > 1:  # the accumulator follows its source; after the last step it reaches the source's owner
                 d_kv = group.ring_exchange_start(d_kv).wait()
             if pending is not None:
                 kv = pending.wait()
-        return dq.to(q.dtype), d_kv[0].to(k.dtype), d_kv[1].to(v.dtype), None, None, None, None, None
+        return dq.to(q.dtype), d_kv[0], d_kv[1], None, None, None, None, None
 
 
 class _AllToAll(torch.autograd.Function):
@@ -152,3 +155,23 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, layout: ContextP
     every = tuple(range(2 * layout.c))
     out = _BlockwiseAttention.apply(q, k, v, layout, every, False, scale, softcap)
     return _AllToAll.apply(out, layout, True)
+
+
+def bytes_per_layer(comm: str, b: int, s: int, heads: int, kv_heads: int, head_dim: int, t: int, c: int,
+                    element_size: int) -> dict[str, dict[str, int]]:
+    """Bytes one rank sends per layer for context-parallel attention, forward and backward, by collective kind (what
+    :class:`~lightning_seqpar.parallel.CommunicationLog` counts). ``heads``/``kv_heads``: a and a_kv (global); the
+    rank holds ``a/t`` and ``a_kv/t`` of them over ``s/c`` tokens; ``element_size``: bytes of q/k/v's dtype.
+
+    - ring: K and V of ``b · (a_kv/t) · (s/c) · d`` elements each travel ``c − 1`` hops forward; backward they travel
+      again (``c − 1``) and their gradients ``c`` hops: ``"ring_send"`` ``(c−1)·2·kv`` forward, ``(2c−1)·2·kv``
+      backward.
+    - all-to-all: q, k, v before and the output after, each leaving ``(c−1)/c`` of its local tensor, forward and
+      again backward: ``"all_to_all"`` ``2 · (c−1)/c · (2·q + 2·kv)``.
+    """
+    local_q = b * (heads // t) * (s // c) * head_dim * element_size
+    local_kv = b * (kv_heads // t) * (s // c) * head_dim * element_size
+    if comm == "ring":
+        return {"forward": {"ring_send": (c - 1) * 2 * local_kv}, "backward": {"ring_send": (2 * c - 1) * 2 * local_kv}}
+    one_way = 2 * ((c - 1) * local_q // c) + 2 * ((c - 1) * local_kv // c)
+    return {"forward": {"all_to_all": one_way}, "backward": {"all_to_all": one_way}}

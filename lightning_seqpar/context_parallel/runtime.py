@@ -21,8 +21,12 @@ COMMS = ("ring", "all_to_all")
 class ContextParallel:
     """Context parallelism of one rewrite.
 
+    With one cp rank (``c = 1``) it serves packed documents: a forward given ``position_ids`` opens a layout whose
+    documents start where they restart at 0, and attention stays inside each (transformers' eager and SDPA kernels
+    would attend across them).
+
     Args:
-        group: the context-parallel group (size c > 1).
+        group: the context-parallel group (size c ≥ 1).
         comm: ``"ring"`` or ``"all_to_all"`` (:mod:`.attention`).
 
     Raises:
@@ -59,8 +63,9 @@ class ContextParallel:
         finally:
             self._current = outer
 
-    def open(self, layout: ContextParallelBatch) -> None:
-        """Open ``layout`` until :meth:`close` (a model's forward pre-hook and forward hook)."""
+    def open(self, layout: Optional[ContextParallelBatch]) -> None:
+        """Open ``layout`` until :meth:`close` (a model's forward pre-hook and forward hook); ``None`` (one cp rank
+        and nothing to mask beyond the model's own masks): the layers use the model's masks."""
         self._stack.append(self._current)
         self._current = layout
 
@@ -68,14 +73,14 @@ class ContextParallel:
         """Close the layout :meth:`open` opened last."""
         self._current = self._stack.pop() if self._stack else None
 
-    def layout(self, where: str) -> ContextParallelBatch:
-        """The open forward's layout.
+    def layout(self, where: str) -> Optional[ContextParallelBatch]:
+        """The open forward's layout (``None`` on one cp rank when the model's masks serve).
 
         Raises:
-            RuntimeError: no forward of the whole model is open: a layer called on its own holds only its tokens and
-                cannot know which positions they are.
+            RuntimeError: ``c > 1`` and no forward of the whole model is open: a layer called on its own holds only its
+                tokens and cannot know which positions they are.
         """
-        if self._current is None:
+        if self._current is None and self.c > 1:
             raise RuntimeError(f"{where} runs under context parallelism (cp={self.c}) and was called outside the "
                                f"model's forward: call the whole model (model(input_ids=..., labels=...)), which "
                                f"splits the sequence over the cp ranks and tells every layer its positions.")

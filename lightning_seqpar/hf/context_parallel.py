@@ -1,5 +1,10 @@
 """A Hugging Face causal LM under context parallelism: each cp rank runs the model on its own tokens only.
 
+With one cp rank the entry only reads packed documents: a call with ``position_ids`` (``[b, s]``, restarting at 0
+where a document starts, as transformers' ``DataCollatorWithFlattening`` makes them) runs attention inside each
+document, block by block (:mod:`lightning_seqpar.context_parallel.blocks`), where transformers' eager and SDPA kernels
+would attend across them; the call is otherwise unchanged.
+
 Installed on the model by :class:`~lightning_seqpar.hf.vocabulary.HFVocabularyPolicy` when ``cp > 1``, as a forward
 pre-hook and a forward hook (``torch.nn.Module.register_forward_pre_hook(with_kwargs=True)`` and
 ``register_forward_hook(with_kwargs=True, always_call=True)``), so the user's call stays
@@ -65,6 +70,8 @@ class ContextParallelEntry:
         call = dict(inspect.signature(type(module).forward).bind(module, *args, **kwargs).arguments)
         call.pop("self", None)
         call.update(call.pop("kwargs", {}) or {})
+        if self.context.c == 1:
+            return self._documents_only(args, kwargs, call)
         for name in _REFUSED:
             value = call.get(name)
             if value is not None and not (name == "logits_to_keep" and value == 0):
@@ -97,6 +104,24 @@ class ContextParallelEntry:
             call["labels"], call["shift_labels"] = labels[:, mine], shifted[:, mine]
         self.context.open(ContextParallelBatch(self.context.group, self.context.comm, s, documents, padding))
         return (), call
+
+    def _documents_only(self, args: tuple, kwargs: dict, call: dict) -> tuple[tuple, dict]:
+        """One cp rank: the call unchanged; with ``position_ids``, a layout whose documents start at their restarts
+        (and whose padding is the attention mask's), so attention stays inside each document."""
+        positions = call.get("position_ids")
+        if positions is None or positions.dim() != 2:
+            self.context.open(None)
+            return args, kwargs
+        s = positions.shape[1]
+        check_context_length(s, 1, self.tp_unit, self.name)
+        mask = call.get("attention_mask")
+        padding = self._padding(mask, *positions.shape) if mask is not None and mask.dim() == 2 else None
+        if mask is not None and mask.dim() != 2:
+            raise TypeError(f"{self.name} was given position_ids and a {mask.dim()}-D attention_mask: packed documents "
+                            f"are read from position_ids restarting at 0, with attention_mask as [b, s] padding.")
+        self.context.open(ContextParallelBatch(self.context.group, self.context.comm, s,
+                                               documents_from_positions(positions), padding))
+        return args, kwargs
 
     def _padding(self, mask: Optional[torch.Tensor], b: int, s: int) -> Optional[torch.Tensor]:
         if mask is None:

@@ -117,3 +117,9 @@ def configure_launcher(strategy: Any, environment: ClusterEnvironment, start_met
         launcher = SeqParallelSpawnLauncher(strategy, start_method=start_method)
     launcher.check, launcher.checked_strategy = check, strategy
     return launcher
+
+
+def check_start_method(start_method: str) -> None:
+    """Raise ``ValueError`` unless ``start_method`` is one the launcher knows."""
+    if start_method not in ("popen", "spawn", "fork"):
+        raise ValueError(f"start_method must be 'popen', 'spawn' or 'fork', got {start_method!r}.")

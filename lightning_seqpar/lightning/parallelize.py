@@ -89,14 +89,14 @@ def parallelize(model: torch.nn.Module, mesh: ParallelMesh, device: torch.device
     # this rank keeps are allocated and filled from single-device submodules materialized one at a time from a
     # seed shared by every rank. Other stages' layers are never materialized.
     materializer = Materializer(seed, initializers=hf_initializers(model), source=source)
-    context = ContextParallel(mesh.context, cp_comm) if mesh.cp > 1 else None
+    context = ContextParallel(mesh.context, cp_comm)  # one cp rank too: packed documents
     ctx = RewriteContext(mesh.tensor, sequence_parallel, rng_tracker, loss_parallel, materializer, context=context)
     policies = list(policies)
     # Read off the single-device model: the policies recognize a model by its parts, which the rewrite replaces
     # (a vocabulary-parallel embedding is no nn.Embedding); the paths stay the same.
     placement = pipeline_placement(model, policies) if pipeline.enabled else {}
     plan = rewrite(model, ctx, policies, verify)
-    if context is not None and not context.entries:
+    if mesh.cp > 1 and not context.entries:
         raise ValueError(f"Context parallelism (cp={mesh.cp}) splits the sequence where a Hugging Face causal LM is "
                          f"called (model(input_ids=..., labels=...)); {type(model).__name__} holds none. The "
                          f"reference GPT and torch's encoder layers train without cp (use tp, pp).")

@@ -23,7 +23,7 @@ from lightning_seqpar.lightning.auto_layout import AutoLayout, auto_layout_of, c
 from lightning_seqpar.lightning.checkpoint_io import AtomicCheckpointIO
 from lightning_seqpar.lightning.checkpointer import Checkpointer
 from lightning_seqpar.lightning.config import CheckpointConfig, DataParallelConfig, PrecisionConfig, check_together
-from lightning_seqpar.lightning.launcher import configure_launcher
+from lightning_seqpar.lightning.launcher import check_start_method, configure_launcher
 from lightning_seqpar.lightning.parallelize import check_before_start, parallelize
 from lightning_seqpar.lightning.pipelined_steps import PipelinedSteps, check_pipelined_module, refuse_predict
 from lightning_seqpar.lightning.precision import ShardAwareClipping, low_precision_residual, shard_aware
@@ -39,7 +39,7 @@ from lightning_seqpar.rewriting import Policy, RewritePlan
 class SeqParallelStrategy(ParallelStrategy):
     """Tensor (+ sequence) and pipeline parallel training of an ordinary LightningModule.
 
-    ``setup_environment``: the process group and the ``(pp, dp, tp)`` mesh, tensor-parallel ranks fastest. ``setup``:
+    ``setup_environment``: the process group and the ``(pp, dp, cp, tp)`` mesh, tensor-parallel ranks fastest. ``setup``:
     rank 0's weights on every rank → the recognized blocks rewritten (:func:`lightning_seqpar.explain` shows which) →
     the layer stack split into pipeline stages → this rank's shards materialized (:mod:`.parallelize`) → precision →
     optimizers (sharded over data-parallel ranks with ``zero=1``). Each step runs the module's own steps, through the
@@ -81,7 +81,7 @@ class SeqParallelStrategy(ParallelStrategy):
 
     Raises:
         ValueError: settings each config refuses, or that refuse each other (:func:`~.config.check_together`);
-            ``timeout`` not positive; ``tp``/``pp`` not positive integers; a world size not divisible by ``tp · pp``;
+            ``timeout`` not positive; ``tp``/``pp``/``cp`` not positive integers; a world not divisible by ``tp·cp·pp``;
             at setup, ``low_precision_residual`` without autocast, a model with nothing to rewrite or with shapes that
             do not split t ways, a layer count or batch that does not split into the stages or micro-batches asked.
     """
@@ -90,11 +90,9 @@ class SeqParallelStrategy(ParallelStrategy):
 
     def __init__(
         self,
-        tp: int = 1,
-        pp: int = 1,
+        tp: int = 1, pp: int = 1,
         num_microbatches: Optional[int] = None,
-        schedule: str = "1F1B",
-        virtual_stages: int = 1,
+        schedule: str = "1F1B", virtual_stages: int = 1,
         pipeline_split: Optional[Sequence[int]] = None,
         sequence_parallel: bool = True,
         loss_parallel: bool = True,
@@ -102,8 +100,7 @@ class SeqParallelStrategy(ParallelStrategy):
         verify_rewrite: bool = True,
         seed: Optional[int] = None,
         start_method: Literal["popen", "spawn", "fork"] = "popen",
-        accelerator: Optional[Accelerator] = None,
-        parallel_devices: Optional[list[torch.device]] = None,
+        accelerator: Optional[Accelerator] = None, parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
         checkpoint_io: Optional[CheckpointIO] = None,
         precision_plugin: Optional[Precision] = None,
@@ -120,8 +117,7 @@ class SeqParallelStrategy(ParallelStrategy):
         data_parallel: Optional[DataParallelConfig] = None,
         precision_config: Optional[PrecisionConfig] = None,
         layout: Optional[AutoLayout] = None,
-        cp: int = 1,
-        cp_comm: Literal["ring", "all_to_all"] = "ring",
+        cp: int = 1, cp_comm: Literal["ring", "all_to_all"] = "ring",
     ) -> None:
         self.auto, self.chosen_layout = auto_layout_of(layout, tp, pp, cp), None
         self.cp, self.cp_comm = cp, ContextParallel.check_comm(cp_comm)
@@ -130,15 +126,13 @@ class SeqParallelStrategy(ParallelStrategy):
         self.data_parallel = data_parallel or DataParallelConfig(zero, fp32_main_params)
         check_together(self.checkpointer.config, self.data_parallel)
         self.pipeline_config = PipelineConfig.build(pp, num_microbatches, schedule, virtual_stages, pipeline_split)
-        if start_method not in ("popen", "spawn", "fork"):
-            raise ValueError(f"start_method must be 'popen', 'spawn' or 'fork', got {start_method!r}.")
+        check_start_method(start_method)
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
                          checkpoint_io=checkpoint_io or AtomicCheckpointIO(), precision_plugin=precision_plugin)
         self.tp, self.sequence_parallel, self.loss_parallel = tp, sequence_parallel, loss_parallel
         self.policies, self.verify_rewrite = list(policies or ()), verify_rewrite
         self._seed, self._start_method, self.process_group_backend = seed, start_method, process_group_backend
-        self._timeout = as_timedelta(timeout)
-        self.precision_config = precision_config or PrecisionConfig(low_precision_residual)
+        self._timeout, self.precision_config = as_timedelta(timeout), precision_config or PrecisionConfig(low_precision_residual)
         self._mesh: Optional[ParallelMesh] = None
         self.rng_tracker: Optional[RNGTracker] = None
         self.rewrite_plan: Optional[RewritePlan] = None

@@ -190,7 +190,7 @@ class ParallelBlock(ParallelLayer):
         self.softcap = None if softcap is None else float(softcap)
         self.window = value_of(block, spec.sliding_window)
         self.context = ctx.context
-        if self.context is not None:
+        if ctx.cp > 1:
             self._check_context_parallel(ctx)
         multiplier = value_of(block, spec.residual_multiplier)
         self.residual_multiplier = None if multiplier is None or float(multiplier) == 1.0 else float(multiplier)
@@ -223,8 +223,12 @@ class ParallelBlock(ParallelLayer):
         refuse_used_cache(self, call.cache)
         x = enter_parallel_region(hidden_states, self.group, self.sp, self.batch_first) if self.enter_region \
             else hidden_states
-        if self.context is not None:  # the model's masks are of its local tokens: the layout says what each sees
-            mask, causal = self.context.layout(self._name).with_window(self.window), None
+        layout = self.context.layout(self._name) if self.context is not None else None
+        if layout is not None:  # the model's masks are of its local tokens: the layout says what each sees
+            if self.dropout_p > 0 and self.training:  # one cp rank, packed documents (cp > 1 refused it at the rewrite)
+                raise ValueError(f"{self._name}: attention dropout p={self.dropout_p} with packed documents "
+                                 f"(position_ids) is not supported: set the model's attention dropout to 0.")
+            mask, causal = layout.with_window(self.window), None
         else:
             mask, causal = self._mask(call, x)
         if self.recompute_layer and torch.is_grad_enabled():

@@ -110,9 +110,19 @@ class HFCausalLM(pl.LightningModule):
         if self.documents:  # packed rows (DataCollatorWithFlattening): documents of 3 and 5 tokens, then 6 and 2
             s = x.shape[1]
             starts = [[0, 3], [0, 6]]
-            inputs["position_ids"] = torch.stack([
+            positions = torch.stack([
                 torch.cat([torch.arange(e - b) for b, e in zip(row, row[1:] + [s])]) for row in
                 (starts[i % 2] for i in range(x.shape[0]))]).to(x.device)
+            inputs["position_ids"] = positions
+            if type(self.model.get_input_embeddings()).__name__ != "VocabParallelEmbedding":
+                # One process, unparallelized: transformers' eager and SDPA kernels attend across documents given
+                # position_ids alone, so the reference says where each document ends with a 4-D additive mask.
+                documents = (positions == 0).cumsum(-1)
+                i = torch.arange(s, device=x.device)
+                allowed = (i[:, None] >= i[None, :])[None] & (documents[:, :, None] == documents[:, None, :])
+                dtype = self.model.get_input_embeddings().weight.dtype
+                inputs["attention_mask"] = torch.zeros(allowed.shape, dtype=dtype).masked_fill(
+                    ~allowed, float("-inf"))[:, None]
         return inputs
 
     def _labels(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

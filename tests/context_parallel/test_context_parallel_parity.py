@@ -1,0 +1,68 @@
+"""Hugging Face causal LMs under context parallelism train like one process: float64, the loss every rank logs and
+every parameter's gradient over 3 AdamW steps, called as users call them (``model(input_ids=x, labels=x)``).
+
+Ring and all-to-all attention; cp 2 and 4; tp 2 × cp 2 with and without sequence parallelism; pp 2 × cp 2;
+cp 2 × dp 2 with the distributed optimizer; eager and SDPA; padding, explicit positions, sliding windows (full and
+window layers mixed), soft-capping, packed documents (position ids restarting at 0; on one cp rank too, where the
+one-process reference is given the documents' 4-D mask); labels of -100 spread unevenly over the cp ranks (the loss stays the token-weighted
+mean of one process); Llama (grouped-query attention), Qwen3 (per-head q/k norms), GPT-2 (learned positions), Gemma 2;
+selective and full recomputation.
+"""
+
+import pytest
+
+from tests.helpers.parity import Case, all_cases, assert_matches_single_process, case_id, relative_error_below, run_cases
+
+pytestmark = pytest.mark.distributed  # starts processes: outside the fast lane
+
+LABELS = (("labels", True),)
+A2A = (("cp_comm", "all_to_all"),)
+PADDED = (("padding", True), ("ignored_labels", "padding"))  # collators label padding -100
+
+CASES = {
+    2: [
+        Case("hf", 1, True, None, LABELS, cp=2),                                   # ring, grouped-query attention
+        Case("hf", 1, True, None, LABELS, strategy=A2A, cp=2),                     # all-to-all
+        Case("hf", 1, True, "full", LABELS + PADDED, cp=2),                        # padding, full recomputation
+        Case("hf", 1, True, "selective", LABELS + (("attn_implementation", "sdpa"), ("position_offset", 5)), cp=2),
+        Case("hf", 1, True, None, LABELS + (("ignored_labels", "uneven"),), cp=2),  # -100 mostly on one rank's tokens
+        Case("hf", 1, True, None, LABELS + (("family", "gpt2"),), cp=2),           # learned positions
+        Case("hf", 1, True, None, LABELS + (("family", "qwen3"),), strategy=A2A, cp=2),
+        Case("hf", 1, True, None, LABELS + (("family", "mistral_window"), ("attn_implementation", "sdpa")) + PADDED,
+             cp=2),                                                                 # a window < s on every layer
+        Case("hf", 1, True, None, LABELS + (("family", "mistral_window"), ("attn_implementation", "sdpa")) + PADDED,
+             strategy=A2A, cp=2),
+        Case("hf", 1, True, "selective", LABELS + (("family", "qwen2_window"),), cp=2),  # full and window layers
+        Case("hf", 1, True, None, LABELS + (("family", "gemma2"),), cp=2),         # soft-capped scores, windows
+        Case("hf", 1, True, None, LABELS + (("documents", True),), cp=2),          # packed documents
+        Case("hf", 1, True, "full", LABELS + (("documents", True),), strategy=A2A, cp=2),
+        Case("hf", 2, True, None, LABELS + (("documents", True),)),                # one cp rank: documents kept apart
+    ],
+    4: [
+        Case("hf", 2, True, None, LABELS, cp=2),                                   # tp 2 × cp 2, SP
+        Case("hf", 2, False, None, LABELS, cp=2),                                  # tp 2 × cp 2, no SP
+        Case("hf", 2, True, "selective", LABELS + (("kv_heads", 4),), strategy=A2A, cp=2),
+        Case("hf", 1, True, None, LABELS, cp=4),
+        Case("hf", 1, True, None, LABELS + (("kv_heads", 4),), strategy=A2A, cp=4),
+        Case("hf", 1, True, None, LABELS, pp=2, cp=2),                             # stage transfers of s/c tokens
+        Case("hf", 1, True, None, LABELS, strategy=(("zero", 1),), cp=2),          # cp 2 × dp 2, distributed optimizer
+        Case("hf", 2, True, "full", LABELS + (("family", "qwen3"),), cp=2),
+        Case("hf", 2, True, None, LABELS + (("family", "gpt2"),), cp=2),
+        Case("hf", 2, True, None, LABELS + (("documents", True), ("family", "qwen3")), cp=2),
+    ],
+}
+
+_results: dict = {}
+
+
+def _per_rank(world_size):
+    if world_size not in _results:
+        _results[world_size] = run_cases(CASES, world_size)
+    return _results[world_size]
+
+
+@pytest.mark.parametrize("world_case", all_cases(CASES), ids=case_id)
+def test_context_parallel_training_matches_one_process(world_case):
+    world_size, case = world_case
+    assert_matches_single_process(_per_rank(world_size), case, world_size, loss_rtol=1e-6, loss_atol=1e-8,
+                                  grad_matches=relative_error_below(1e-4))

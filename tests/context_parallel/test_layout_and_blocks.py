@@ -1,0 +1,148 @@
+"""Context parallelism on one process: which tokens a cp rank holds, what each attention block sees, the blockwise
+kernel against dense attention (values and gradients, float64), and the refusals that come before training."""
+
+import pytest
+import torch
+
+from lightning_seqpar import SeqParallelStrategy
+from lightning_seqpar.context_parallel import (
+    ContextParallel, ContextParallelBatch, check_all_to_all_heads, check_context_length, context_parallel_attention,
+    documents_from_positions, local_indices,
+)
+from lightning_seqpar.context_parallel.attention import bytes_per_layer
+from lightning_seqpar.parallel import ParallelGroup, validate_layout
+
+
+def test_each_rank_holds_chunks_r_and_2c_minus_1_minus_r_and_the_same_causal_work():
+    s = 16
+    for c in (1, 2, 4):
+        held = [local_indices(s, c, r) for r in range(c)]
+        assert torch.equal(torch.cat(held).sort().values, torch.arange(s))  # every position once
+        n = s // (2 * c)
+        assert [h[::n].tolist() for h in held] == [[r * n, (2 * c - 1 - r) * n] for r in range(c)]
+        work = {int(((h + 1).sum())) for h in held}  # visible keys of a causal query at position i: i + 1
+        assert len(work) == 1  # load balanced: every rank computes as many query-key pairs
+
+
+def _layout(s, c=2, **kw):
+    return ContextParallelBatch(ParallelGroup.virtual(c), "ring", s, **kw)
+
+
+def test_blocks_are_skipped_full_or_masked_by_chunk_ids_alone():
+    layout = _layout(8)  # chunks of 2
+    assert layout.block_mask(1, 2) == ("skip", None)  # a later chunk: never seen
+    assert layout.block_mask(2, 1) == ("full", None)  # an earlier chunk, nothing else to mask
+    kind, allowed = layout.block_mask(1, 1)  # the diagonal: causal within the chunk
+    assert kind == "mask" and allowed[0].tolist() == [[True, False], [True, True]]
+    windowed = layout.with_window(2)  # a query sees itself and one key back
+    assert windowed.block_mask(3, 1) == ("skip", None)  # positions 6-7 against 2-3: all outside the window
+    kind, allowed = windowed.block_mask(2, 1)  # positions 4-5 against 2-3: only 3 for 4
+    assert kind == "mask" and allowed[0].tolist() == [[False, True], [False, False]]
+    documents = documents_from_positions(torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]]))
+    assert documents.tolist() == [[1, 1, 1, 2, 2, 2, 2, 2]]
+    kind, allowed = _layout(8, documents=documents).block_mask(2, 1)  # 4-5 (document 2) against 2-3 (1 | 2)
+    assert kind == "mask" and allowed[0].tolist() == [[False, True], [False, True]]
+    padding = torch.tensor([[False, False, True, False, False, False, False, False]])
+    kind, allowed = _layout(8, padding=padding).block_mask(2, 1)
+    assert kind == "mask" and allowed[0].tolist() == [[False, True], [False, True]]
+
+
+def _dense(q, k, v, scale, softcap, documents, padding, window):
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    scores = q @ k.transpose(-1, -2) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    i = torch.arange(q.shape[2])
+    allowed = i[:, None] >= i[None, :]
+    if window is not None:
+        allowed = allowed & (i[:, None] - i[None, :] < window)
+    allowed = (allowed[None] & (documents[:, :, None] == documents[:, None, :]) & ~padding[:, None, :])[:, None]
+    seen = allowed.any(-1, keepdim=True)  # a query with no key to see gives zeros (no NaN through its row)
+    probs = torch.softmax(scores.masked_fill(~allowed & seen, float("-inf")), -1) * seen
+    return probs @ v
+
+
+@pytest.mark.parametrize("window,softcap", [(None, None), (3, None), (None, 2.0), (5, 1.5)])
+def test_blockwise_attention_equals_dense_attention_in_values_and_gradients(window, softcap):
+    torch.manual_seed(0)
+    b, a, a_kv, s, d = 2, 4, 2, 8, 3  # grouped-query attention: two query heads per key/value head
+    q, k, v = (torch.randn(b, h, s, d, dtype=torch.float64, requires_grad=True) for h in (a, a_kv, a_kv))
+    documents = documents_from_positions(torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4], list(range(8))]))
+    padding = torch.zeros(b, s, dtype=torch.bool)
+    padding[1, 6:] = True
+    layout = ContextParallelBatch(ParallelGroup(None), "all_to_all", s, documents, padding, window)  # one rank
+    got = context_parallel_attention(q, k, v, layout, 0.7, softcap)
+    want = _dense(q, k, v, 0.7, softcap, documents, padding, window)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert torch.autograd.gradcheck(lambda *x: context_parallel_attention(*x, layout, 0.7, softcap), (q, k, v))
+
+
+def test_a_query_with_no_key_to_see_gives_zeros_not_nan():
+    q, k, v = (torch.randn(1, 1, 4, 2, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    padding = torch.tensor([[True, True, False, False]])  # left padding: queries 0 and 1 see no key
+    layout = ContextParallelBatch(ParallelGroup(None), "all_to_all", 4, padding=padding)
+    out = context_parallel_attention(q, k, v, layout, 1.0)
+    assert out[0, 0, :2].abs().sum() == 0 and torch.isfinite(out).all()
+    out.sum().backward()
+    assert all(torch.isfinite(x.grad).all() for x in (q, k, v))
+
+
+def test_bytes_per_layer_formulas():
+    ring = bytes_per_layer("ring", b=2, s=32, heads=8, kv_heads=2, head_dim=4, t=2, c=4, element_size=2)
+    kv = 2 * 1 * 8 * 4 * 2  # b · a_kv/t · s/c · d · bytes
+    assert ring == {"forward": {"ring_send": 3 * 2 * kv}, "backward": {"ring_send": 7 * 2 * kv}}
+    a2a = bytes_per_layer("all_to_all", b=2, s=32, heads=8, kv_heads=8, head_dim=4, t=2, c=4, element_size=2)
+    q = 2 * 4 * 8 * 4 * 2
+    assert a2a["forward"] == a2a["backward"] == {"all_to_all": 4 * (3 * q // 4)}
+
+
+def test_refusals_name_the_numbers_and_the_fix():
+    with pytest.raises(ValueError, match=r"sequence length 12 is not divisible by 2·cp·tp = 2·2·2 = 8"):
+        check_context_length(12, 2, 2, "here")
+    with pytest.raises(ValueError, match=r"2 query heads and 1 key/value heads .*cp_comm='ring'"):
+        check_all_to_all_heads(2, 1, 2, "here")
+    with pytest.raises(ValueError, match="cp_comm='ulysses'"):
+        SeqParallelStrategy(cp=2, cp_comm="ulysses")
+    with pytest.raises(ValueError, match="`cp` must be a positive integer, got 0"):
+        SeqParallelStrategy(cp=0)
+    with pytest.raises(ValueError, match=r"not divisible by tp·cp·pp = 2·2·1 = 4"):
+        validate_layout(6, 2, 1, 2)
+    with pytest.raises(RuntimeError, match="called outside the model's forward"):
+        ContextParallel(ParallelGroup.virtual(2)).layout("A layer")
+
+
+def _rewritten(comm="ring", c=2, **model):
+    from lightning_seqpar.policies import rewrite
+    from lightning_seqpar.rewriting import RewriteContext
+    from tests.helpers.models import build
+
+    module = build("hf", labels=True, **model)
+    rewrite(module, RewriteContext(ParallelGroup(None), context=ContextParallel(ParallelGroup.virtual(c), comm)))
+    return module
+
+
+def test_what_context_parallel_attention_cannot_compute_is_refused_at_the_rewrite():
+    import transformers
+
+    with pytest.raises(ValueError, match=r"attention dropout p=0.1 under context parallelism"):
+        module = _rewritten()
+        config = module.model.config
+        config.attention_dropout = 0.1
+        from lightning_seqpar.policies import rewrite
+        from lightning_seqpar.rewriting import RewriteContext
+
+        rewrite(transformers.AutoModelForCausalLM.from_config(config),
+                RewriteContext(ParallelGroup(None), context=ContextParallel(ParallelGroup.virtual(2))))
+    with pytest.raises(ValueError, match=r"4 query heads and 2 key/value heads"):
+        _rewritten("all_to_all", c=4)  # 2 key/value heads cannot be scattered over 4 ranks
+
+
+def test_a_sequence_the_layout_cannot_split_and_a_cache_are_refused_before_any_communication():
+    module = _rewritten()
+    with pytest.raises(ValueError, match=r"sequence length 6 is not divisible by 2·cp·tp = 2·2·1 = 4"):
+        module.model(input_ids=torch.zeros(1, 6, dtype=torch.long))
+    with pytest.raises(TypeError, match="cache_position="):
+        module.model(input_ids=torch.zeros(1, 8, dtype=torch.long), cache_position=torch.arange(8))
+    with pytest.raises(TypeError, match=r"attention_mask as \[b, s\]"):
+        module.model(input_ids=torch.zeros(1, 8, dtype=torch.long), attention_mask=torch.ones(1, 1, 8, 8))
