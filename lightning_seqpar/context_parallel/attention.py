@@ -68,12 +68,17 @@ class _BlockwiseAttention(torch.autograd.Function):
         delta = (d_out * out.to(acc)).sum(-1)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         steps = group.size if ctx.ring else 1
+        if steps == 1:  # one local source: no ring, nothing stacked
+            d_k, d_v = (torch.zeros(x.shape, dtype=acc, device=x.device) for x in (k, v))
+            attend_backward(q, ctx.q_chunks, k, v, ctx.q_chunks, layout, ctx.scale, ctx.softcap, d_out, lse, delta,
+                            dq, d_k, d_v)
+            return dq.to(q.dtype), d_k.to(k.dtype), d_v.to(v.dtype), None, None, None, None, None
         kv = torch.stack([k, v])
         # The gradient of the source held now travels with it in k's dtype (16-bit traffic under mixed precision, as
         # Transformer Engine sends it); each step's own contributions are summed in the accumulation dtype first.
         d_kv = torch.zeros_like(kv)
         for step in range(steps):
-            source_chunks = layout.chunks((group.rank - step) % group.size) if ctx.ring else ctx.q_chunks
+            source_chunks = layout.chunks((group.rank - step) % group.size)
             pending = group.ring_exchange_start(kv) if step < steps - 1 else None
             step_kv = torch.zeros(kv.shape, dtype=acc, device=kv.device)
             attend_backward(q, ctx.q_chunks, kv[0], kv[1], source_chunks, layout, ctx.scale, ctx.softcap, d_out, lse,
