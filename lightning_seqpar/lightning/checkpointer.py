@@ -237,7 +237,7 @@ class Checkpointer:
         assert self.module is not None and self.writer is not None
         path = Path(self.strategy.broadcast(str(filepath)))  # every rank writes into rank 0's directory
         shapes = merge_over_stages(single_device_shapes(self.module), self.mesh.pipeline)
-        layout = {"tp": self.mesh.tp, "pp": self.mesh.pp, "dp": self.mesh.dp,
+        layout = {"tp": self.mesh.tp, "pp": self.mesh.pp, "dp": self.mesh.dp, "cp": self.mesh.cp,
                   "zero": self.strategy.data_parallel.zero, "sequence_parallel": self.strategy.sequence_parallel}
         tied = merge_over_stages(tied_aliases(self.module), self.mesh.pipeline)
         save_trainer_checkpoint(self.writer, checkpoint, path, shapes, tied, layout)

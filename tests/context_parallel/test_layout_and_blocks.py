@@ -146,3 +146,17 @@ def test_a_sequence_the_layout_cannot_split_and_a_cache_are_refused_before_any_c
         module.model(input_ids=torch.zeros(1, 8, dtype=torch.long), cache_position=torch.arange(8))
     with pytest.raises(TypeError, match=r"attention_mask as \[b, s\]"):
         module.model(input_ids=torch.zeros(1, 8, dtype=torch.long), attention_mask=torch.ones(1, 1, 8, 8))
+
+
+def test_the_recipe_strategy_group_builds_a_context_parallel_strategy():
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    conf = Path(__file__).resolve().parents[2] / "conf"
+    with initialize_config_dir(str(conf), version_base=None):
+        cfg = compose("config", overrides=["model=llama_tiny", "strategy=tp2_cp2", "strategy.cp_comm=all_to_all"])
+    strategy = SeqParallelStrategy(**OmegaConf.to_container(cfg.strategy, resolve=True))
+    assert (strategy.tp, strategy.cp, strategy.cp_comm) == (2, 2, "all_to_all")
+    assert cfg.model.block_size % (2 * strategy.cp * strategy.tp) == 0  # the published block splits
