@@ -81,14 +81,16 @@ class CausalLMLoss:
                                  ignore_index=ignore_index, shift_labels=shift_labels, **kwargs)
         if shift_labels is None:  # tokens < n predict n
             shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-        local = logits.local_shard.float()  # [b, s, v'/t], upcast as transformers does
-        reduction = "sum" if num_items_in_batch is not None else "mean"
-        value = vocab_parallel_cross_entropy(local, shift_labels.to(local.device), logits.group, logits.vocab_size,
-                                             ignore_index=ignore_index, reduction=reduction)
-        if num_items_in_batch is not None:
-            value = value / (num_items_in_batch.to(value.device) if torch.is_tensor(num_items_in_batch)
-                             else num_items_in_batch)
-        return value
+
+        def summed(local: Tensor, rows: slice) -> Tensor:  # [b, rows, v'/t], upcast as transformers does
+            return vocab_parallel_cross_entropy(local.float(), shift_labels[:, rows].to(local.device), logits.group,
+                                                logits.vocab_size, ignore_index=ignore_index, reduction="sum")
+
+        value = logits.over_chunks(summed)  # chunk by chunk when the head left the logits pending (loss_chunk)
+        if num_items_in_batch is None:  # the mean over supervised tokens
+            return value / (shift_labels != ignore_index).sum().clamp(min=1).to(value.device)
+        return value / (num_items_in_batch.to(value.device) if torch.is_tensor(num_items_in_batch)
+                        else num_items_in_batch)
 
 
 class HFVocabularyPolicy(ModelPolicy):
@@ -171,7 +173,7 @@ class HFVocabularyPolicy(ModelPolicy):
         _replace(module, path, embedding)
 
         _replace(module, head_path, parallel_lm_head(old_head, embedding, ctx, f"{prefix}{head_path}", tied=tied,
-                                                     wrap_logits=True))
+                                                     wrap_logits=True, loss_chunk=ctx.loss_chunk))
         if ctx.loss_parallel:
             module.loss_function = CausalLMLoss(module.loss_function)
         if ctx.context is not None:  # each cp rank runs the model on its own tokens

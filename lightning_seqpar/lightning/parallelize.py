@@ -67,14 +67,16 @@ def seed_streams(seed: int, mesh: ParallelMesh, device: torch.device) -> RNGTrac
 def parallelize(model: torch.nn.Module, mesh: ParallelMesh, device: torch.device, *, seed: Optional[int],
                 broadcast: Callable[[int], int], sequence_parallel: bool, loss_parallel: bool,
                 policies: Iterable[Policy], verify: bool, pipeline: PipelineConfig,
-                source: Optional[Mapping[str, Any]] = None, cp_comm: str = "ring") -> ParallelModel:
+                source: Optional[Mapping[str, Any]] = None, cp_comm: str = "ring",
+                loss_chunk: Optional[int] = None) -> ParallelModel:
     """Rewrite ``model`` (a LightningModule, in place) into this rank's tensor (+ sequence) and pipeline parallel
     part. ``seed``: base seed of the dropout streams and of meta-device materialization; ``None`` takes rank 0's
     ``torch.initial_seed()`` through ``broadcast``. ``verify``: run the policies' self-checks (every rank runs
     the same, without communicating, so a refusal reaches every rank). ``source``: single-device weights read
     straight into the shards of a model built on the meta device (checked already); what it lacks is drawn with
     the owning model's initializer (Hugging Face's, found in the model) or the policy's. ``cp_comm``: the
-    context-parallel attention (``"ring"`` or ``"all_to_all"``) when the mesh has ``cp > 1``.
+    context-parallel attention (``"ring"`` or ``"all_to_all"``) when the mesh has ``cp > 1``. ``loss_chunk``: positions
+    whose logits a Hugging Face model's loss computes at once (:class:`~lightning_seqpar.rewriting.RewriteContext`).
 
     Raises:
         ValueError: from the rewrite (nothing recognized, shapes that do not split) or the pipeline split, before
@@ -90,7 +92,8 @@ def parallelize(model: torch.nn.Module, mesh: ParallelMesh, device: torch.device
     # seed shared by every rank. Other stages' layers are never materialized.
     materializer = Materializer(seed, initializers=hf_initializers(model), source=source)
     context = ContextParallel(mesh.context, cp_comm)  # one cp rank too: packed documents
-    ctx = RewriteContext(mesh.tensor, sequence_parallel, rng_tracker, loss_parallel, materializer, context=context)
+    ctx = RewriteContext(mesh.tensor, sequence_parallel, rng_tracker, loss_parallel, materializer, context=context,
+                         loss_chunk=loss_chunk)
     policies = list(policies)
     # Read off the single-device model: the policies recognize a model by its parts, which the rewrite replaces
     # (a vocabulary-parallel embedding is no nn.Embedding); the paths stay the same.
@@ -127,3 +130,14 @@ def check_before_start(strategy: Any, module: Any) -> None:
     group = ParallelGroup.virtual(strategy.tp)
     plan_rewrite(module, RewriteContext(group, strategy.sequence_parallel, None, strategy.loss_parallel),
                  strategy.policies, verify=False)
+
+
+def check_loss_chunk(loss_chunk: Optional[int]) -> Optional[int]:
+    """``loss_chunk`` if it is ``None`` or a positive number of positions.
+
+    Raises:
+        ValueError: naming the value.
+    """
+    if loss_chunk is not None and (not isinstance(loss_chunk, int) or isinstance(loss_chunk, bool) or loss_chunk < 1):
+        raise ValueError(f"loss_chunk={loss_chunk!r}: a positive number of sequence positions, or None (no chunks).")
+    return loss_chunk

@@ -24,7 +24,7 @@ from lightning_seqpar.lightning.checkpoint_io import AtomicCheckpointIO
 from lightning_seqpar.lightning.checkpointer import Checkpointer
 from lightning_seqpar.lightning.config import CheckpointConfig, DataParallelConfig, PrecisionConfig, check_together
 from lightning_seqpar.lightning.launcher import check_start_method, configure_launcher
-from lightning_seqpar.lightning.parallelize import check_before_start, parallelize
+from lightning_seqpar.lightning.parallelize import check_before_start, check_loss_chunk, parallelize
 from lightning_seqpar.lightning.pipelined_steps import PipelinedSteps, check_pipelined_module, refuse_predict
 from lightning_seqpar.lightning.precision import ShardAwareClipping, low_precision_residual, shard_aware
 from lightning_seqpar.lightning.preemption import add_preemption
@@ -59,6 +59,7 @@ class SeqParallelStrategy(ParallelStrategy):
         pp: pipeline-parallel size p (stages of the layer stack). The data-parallel size is ``world // (tp·cp·pp)``.
         cp, cp_comm: context-parallel size c (ranks sharing each sequence, attention included; a Hugging Face causal
             LM) and its attention, ``"ring"`` or ``"all_to_all"`` (:mod:`lightning_seqpar.context_parallel`).
+        loss_chunk: a Hugging Face model's LM head and loss run over this many positions at a time (``None``: all).
         num_microbatches, schedule, virtual_stages, pipeline_split: shorthands for
             :class:`~lightning_seqpar.pipeline_parallel.PipelineConfig`'s ``num_microbatches`` (m, default ``pp``),
             ``schedule`` (``"1F1B"``, ``"gpipe"``, ``"interleaved_1F1B"``), ``virtual_stages`` (v), ``split``.
@@ -94,8 +95,7 @@ class SeqParallelStrategy(ParallelStrategy):
         num_microbatches: Optional[int] = None,
         schedule: str = "1F1B", virtual_stages: int = 1,
         pipeline_split: Optional[Sequence[int]] = None,
-        sequence_parallel: bool = True,
-        loss_parallel: bool = True,
+        sequence_parallel: bool = True, loss_parallel: bool = True,
         policies: Optional[Iterable[Policy]] = None,
         verify_rewrite: bool = True,
         seed: Optional[int] = None,
@@ -117,10 +117,10 @@ class SeqParallelStrategy(ParallelStrategy):
         data_parallel: Optional[DataParallelConfig] = None,
         precision_config: Optional[PrecisionConfig] = None,
         layout: Optional[AutoLayout] = None,
-        cp: int = 1, cp_comm: Literal["ring", "all_to_all"] = "ring",
+        cp: int = 1, cp_comm: Literal["ring", "all_to_all"] = "ring", loss_chunk: Optional[int] = 4096,
     ) -> None:
         self.auto, self.chosen_layout = auto_layout_of(layout, tp, pp, cp), None
-        self.cp, self.cp_comm = cp, ContextParallel.check_comm(cp_comm)
+        self.cp, self.cp_comm, self.loss_chunk = cp, ContextParallel.check_comm(cp_comm), check_loss_chunk(loss_chunk)
         self.checkpointer = Checkpointer(checkpointing or CheckpointConfig(
             checkpoint_format, async_save, allow_non_finite_checkpoint, allow_unverified_checkpoint), self)
         self.data_parallel = data_parallel or DataParallelConfig(zero, fp32_main_params)
@@ -217,7 +217,7 @@ class SeqParallelStrategy(ParallelStrategy):
                 self.model, self.mesh, self.root_device, seed=self._seed, broadcast=self.broadcast,
                 sequence_parallel=self.sequence_parallel, loss_parallel=self.loss_parallel, policies=self.policies,
                 verify=self.verify_rewrite, pipeline=self.pipeline_config, source=self.checkpointer.initial_weights,
-                cp_comm=self.cp_comm)
+                cp_comm=self.cp_comm, loss_chunk=self.loss_chunk)
             self.checkpointer.initial_weights = None
             if self.precision_config.low_precision_residual:
                 low_precision_residual(self.model, self.precision_plugin)

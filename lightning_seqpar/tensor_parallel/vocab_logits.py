@@ -13,9 +13,10 @@ gather costs ``b·s·v`` elements per rank, only when the logits are used.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
+import torch.utils.checkpoint
 from torch import Tensor
 
 from lightning_seqpar.parallel.collectives import ParallelGroup
@@ -35,23 +36,66 @@ _ELEMENTWISE = {torch.tanh, torch.Tensor.tanh}
 class VocabShardedLogits(torch.Tensor):
     """This rank's vocabulary columns ``[..., v'/t]`` of logits whose single-device shape is ``[..., v]``.
 
+    Logits may also be *pending* (:meth:`pending`): the head's input and the head, not yet applied. A vocabulary-parallel
+    loss then computes them a chunk of the sequence at a time (:meth:`over_chunks`), so at most one chunk's
+    ``[b, chunk, v'/t]`` exists in forward or backward; anything else that reads them computes them whole, once.
+
     Attributes:
-        local_shard: the shard, a plain tensor (what a vocabulary-parallel loss takes).
+        local_shard: the shard, a plain tensor (what a vocabulary-parallel loss takes); computed when first read if
+            pending.
         group: the tensor-parallel group the vocabulary is split over.
         vocab_size: v, the single-device vocabulary (columns past it are padding).
+        chunk: positions of dim 1 per chunk of a pending computation (``None``: computed whole).
     """
 
-    local_shard: Tensor
     group: ParallelGroup
     vocab_size: int
     full: Optional[Tensor]
+    chunk: Optional[int]
 
     @staticmethod
     def wrap(local: Tensor, group: ParallelGroup, vocab_size: int) -> "VocabShardedLogits":
         """``local`` ``[..., v'/t]`` as logits that read as ``[..., v]``."""
         logits = local.as_subclass(VocabShardedLogits)
-        logits.local_shard, logits.group, logits.vocab_size, logits.full = local, group, vocab_size, None
+        logits._local, logits.group, logits.vocab_size, logits.full = local, group, vocab_size, None
+        logits._head, logits._input, logits._ops, logits.chunk = None, None, (), None
         return logits
+
+    @staticmethod
+    def pending(head: Callable[[Tensor], Tensor], x: Tensor, group: ParallelGroup, vocab_size: int, chunk: int,
+                ops: tuple = ()) -> "VocabShardedLogits":
+        """The logits ``head(x)`` (``x`` ``[b, s, h]`` → ``[b, s, v'/t]``), followed by ``ops`` (elementwise
+        ``(function, arguments)``), not computed yet; a loss takes them ``chunk`` positions of dim 1 at a time."""
+        logits = x.new_empty(0).as_subclass(VocabShardedLogits)
+        logits._local, logits.group, logits.vocab_size, logits.full = None, group, vocab_size, None
+        logits._head, logits._input, logits._ops, logits.chunk = head, x, ops, chunk
+        return logits
+
+    @property
+    def local_shard(self) -> Tensor:
+        if self._local is None:
+            self._local = self._compute(self._input)
+        return self._local
+
+    def _compute(self, x: Tensor) -> Tensor:
+        out = self._head(x)
+        for func, args in self._ops:
+            out = func(out, *args)
+        return out
+
+    def over_chunks(self, loss_of: Callable[[Tensor, slice], Tensor]) -> Tensor:
+        """``Σ loss_of(local logits of positions rows, rows)`` over chunks of dim 1: for pending logits of more than
+        one chunk, each chunk's logits are computed inside ``torch.utils.checkpoint`` (kept: only the head's input),
+        so forward holds one chunk's logits at a time and backward recomputes each; otherwise the logits whole."""
+        if self._local is not None or self.chunk is None or self._input.shape[1] <= self.chunk:
+            return loss_of(self.local_shard, slice(None))
+        total = None
+        for start in range(0, self._input.shape[1], self.chunk):
+            rows = slice(start, start + self.chunk)
+            part = torch.utils.checkpoint.checkpoint(lambda x, rows=rows: loss_of(self._compute(x), rows),
+                                                     self._input[:, rows], use_reentrant=False)
+            total = part if total is None else total + part
+        return total
 
     def gathered(self) -> Tensor:
         """The single-device logits ``[..., v]`` (gathered once, differentiable)."""
@@ -60,7 +104,8 @@ class VocabShardedLogits(torch.Tensor):
         return self.full
 
     def global_shape(self) -> torch.Size:
-        return torch.Size((*self.local_shard.shape[:-1], self.vocab_size))
+        leading = self._input.shape[:-1] if self._local is None else self.local_shard.shape[:-1]
+        return torch.Size((*leading, self.vocab_size))
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
@@ -79,6 +124,9 @@ class VocabShardedLogits(torch.Tensor):
                     (func in _ELEMENTWISE and len(args) == 1)
                     or (func in _ELEMENTWISE_WITH_NUMBER and len(args) == 2 and isinstance(args[1], (int, float))
                         and not isinstance(args[1], bool))):
+                if this._local is None:  # still pending: the operation joins the computation
+                    return VocabShardedLogits.pending(this._head, this._input, this.group, this.vocab_size, this.chunk,
+                                                      this._ops + ((func, args[1:]),))
                 return VocabShardedLogits.wrap(func(this.local_shard, *args[1:]), this.group, this.vocab_size)
         unwrapped = [a.gathered() if isinstance(a, VocabShardedLogits) else a for a in args]
         unwrapped_kwargs = {k: v.gathered() if isinstance(v, VocabShardedLogits) else v for k, v in kwargs.items()}

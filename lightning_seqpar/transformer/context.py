@@ -27,6 +27,9 @@ class RewriteContext:
             just before they are sliced, blocks after the stage split (``None``: nothing may be on meta).
         masks: the torch-convention mask combination the rewritten layers share (:class:`MaskCache`).
         context: context parallelism (c > 1: the sequence split over a cp group as well), or ``None``.
+        loss_chunk: positions of the sequence whose logits a Hugging Face model's vocabulary-parallel loss computes at
+            once (:meth:`~lightning_seqpar.tensor_parallel.vocab_logits.VocabShardedLogits.over_chunks`); ``None``:
+            all of them.
     """
 
     group: ParallelGroup
@@ -36,6 +39,7 @@ class RewriteContext:
     materialize: Optional[Materializer] = None
     masks: MaskCache = field(default_factory=MaskCache)
     context: Optional[ContextParallel] = None
+    loss_chunk: Optional[int] = None
 
     def prepare(self, module: nn.Module, name: str, init: Optional[Initializer] = None) -> None:
         """Materialize ``module`` if it was built on the meta device (see :class:`Materializer`).

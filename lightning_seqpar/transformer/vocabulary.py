@@ -33,27 +33,31 @@ class VocabParallelHead(ColumnParallelLinear):
         sequence_parallel: the input is the sequence shard ``[s/t, b, h]`` (all-gathered along s, g) rather than
             replicated.
         wrap_logits: return :class:`VocabShardedLogits` (single-device shape ``[..., v]``) instead of the plain shard.
+        loss_chunk: with ``wrap_logits``, return the logits pending (computed when read, or by a vocabulary-parallel
+            loss ``loss_chunk`` positions of dim 1 at a time: :meth:`VocabShardedLogits.over_chunks`); ``None``: at once.
 
     Shapes: input ``[s/t, b, h]`` (SP) or ``[..., h]`` replicated; output ``[..., v'/t]``; weight ``[v'/t, h]``.
     """
 
     def __init__(self, in_features: int, vocab_size: int, group: ParallelGroup, *, sequence_parallel: bool = False,
-                 wrap_logits: bool = False, bias: bool = False) -> None:
+                 wrap_logits: bool = False, bias: bool = False, loss_chunk: Optional[int] = None) -> None:
         padded = padded_size(vocab_size, group.size)
         super().__init__(in_features, padded, group, bias=bias, sequence_parallel=sequence_parallel)
         self.bias_spec = ShardSpec(0, vocab_size, padded)  # Phi's head has a bias: padded with the vocabulary
         if self.bias is not None:
             set_shard_spec(self.bias, self.bias_spec)
-        self.vocab_size, self.wrap_logits = vocab_size, wrap_logits
+        self.vocab_size, self.wrap_logits, self.loss_chunk = vocab_size, wrap_logits, loss_chunk
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.wrap_logits and self.loss_chunk is not None and x.dim() == 3:  # [b, s, h]: chunks of s
+            return VocabShardedLogits.pending(super().forward, x, self.group, self.vocab_size, self.loss_chunk)
         local = super().forward(x)
         return VocabShardedLogits.wrap(local, self.group, self.vocab_size) if self.wrap_logits else local
 
 
 def parallel_lm_head(head: nn.Linear, embedding: VocabParallelEmbedding, ctx: RewriteContext, name: str, *,
                      tied: bool, sequence_parallel: bool = False, wrap_logits: bool = False,
-                     init: Optional[Initializer] = None) -> VocabParallelHead:
+                     init: Optional[Initializer] = None, loss_chunk: Optional[int] = None) -> VocabParallelHead:
     """The :class:`VocabParallelHead` of the single-device ``head`` (``[v, h]``): sharing ``embedding``'s weight when
     ``tied``, else this rank's rows of ``head.weight`` (filled later if ``head`` is on the meta device; ``name`` and
     ``init`` are the materializer's)."""
@@ -61,7 +65,7 @@ def parallel_lm_head(head: nn.Linear, embedding: VocabParallelEmbedding, ctx: Re
     def skeleton() -> VocabParallelHead:
         with torch.device("meta"):  # its weight is the embedding's or the head's slice
             return VocabParallelHead(head.in_features, head.out_features, ctx.group, sequence_parallel=sequence_parallel,
-                                     wrap_logits=wrap_logits, bias=head.bias is not None)
+                                     wrap_logits=wrap_logits, bias=head.bias is not None, loss_chunk=loss_chunk)
 
     def with_bias(parallel: VocabParallelHead, linear: nn.Module) -> VocabParallelHead:
         if linear.bias is not None:

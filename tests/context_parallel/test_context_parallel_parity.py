@@ -5,7 +5,8 @@ Ring and all-to-all attention; cp 2 and 4; tp 2 × cp 2 with and without sequenc
 cp 2 × dp 2 with the distributed optimizer; eager and SDPA; padding, explicit positions, sliding windows (full and
 window layers mixed), soft-capping, packed documents (position ids restarting at 0; on one cp rank too, where the
 one-process reference is given the documents' 4-D mask); labels of -100 spread unevenly over the cp ranks (the loss stays the token-weighted
-mean of one process); Llama (grouped-query attention), Qwen3 (per-head q/k norms), GPT-2 (learned positions), Gemma 2;
+mean of one process); the LM head and loss over chunks of the sequence (``loss_chunk``, final-logit soft-caps and
+scales included); Llama (grouped-query attention), Qwen3 (per-head q/k norms), GPT-2 (learned positions), Gemma 2;
 selective and full recomputation.
 """
 
@@ -37,6 +38,10 @@ CASES = {
         Case("hf", 1, True, None, LABELS + (("documents", True),), cp=2),          # packed documents
         Case("hf", 1, True, "full", LABELS + (("documents", True),), strategy=A2A, cp=2),
         Case("hf", 2, True, None, LABELS + (("documents", True),)),                # one cp rank: documents kept apart
+        Case("hf", 2, True, None, LABELS, strategy=(("loss_chunk", 2),)),          # the loss over chunks of 2
+        Case("hf", 2, True, "selective", LABELS + (("family", "gemma2"),), strategy=(("loss_chunk", 3),)),  # soft-cap
+        Case("hf", 1, True, None, LABELS + (("family", "granite"),), strategy=(("loss_chunk", 1),), cp=2),  # scaling
+        Case("hf", 2, True, None, (("family", "gemma2"),), strategy=(("loss_chunk", 3),)),  # .logits read: computed whole
     ],
     4: [
         Case("hf", 2, True, None, LABELS, cp=2),                                   # tp 2 × cp 2, SP
@@ -49,6 +54,7 @@ CASES = {
         Case("hf", 2, True, "full", LABELS + (("family", "qwen3"),), cp=2),
         Case("hf", 2, True, None, LABELS + (("family", "gpt2"),), cp=2),
         Case("hf", 2, True, None, LABELS + (("documents", True), ("family", "qwen3")), cp=2),
+        Case("hf", 2, True, None, LABELS, strategy=(("loss_chunk", 1),), cp=2),
     ],
 }
 

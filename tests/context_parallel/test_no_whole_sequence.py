@@ -58,3 +58,42 @@ def test_no_rank_makes_a_tensor_of_the_whole_sequence(tp, cp, comm):
             found = [f for f in found if f[1] > local]
         assert found == []
     assert len({loss for _, loss in results}) == 1  # every rank holds the whole sequence's loss
+
+
+class _Logits(TorchDispatchMode):
+    """The largest floating-point [b, s, v] tensor (v = 13, unpadded at tp 1): the logits and their gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() >= 3 and t.shape[-1] == 13:
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def _largest_logits(rank, world_size, loss_chunk):
+    mesh = ParallelMesh.build(1, 1, "cpu", cp=2)
+    torch.manual_seed(0)
+    module = build("hf", labels=True).double()
+    rewrite(module, RewriteContext(mesh.tensor, True, None, True, context=ContextParallel(mesh.context),
+                                   loss_chunk=loss_chunk))
+    x = torch.randint(0, 13, (3, S), generator=torch.Generator().manual_seed(1))
+    with _Logits() as mode:
+        loss = module.model(input_ids=x, labels=x).loss
+        loss.backward()
+    grads = {n: p.grad.clone() for n, p in module.named_parameters()}
+    return mode.largest, float(loss), grads
+
+
+def test_the_chunked_loss_keeps_at_most_one_chunk_of_logits_and_computes_the_same():
+    chunked = run_distributed(_largest_logits, 2, 3)[0]
+    whole = run_distributed(_largest_logits, 2, None)[0]
+    assert chunked[0] == 3 * 3 * 13  # [b, chunk, v]: forward and the backward's recomputation alike
+    assert whole[0] == 3 * (S // 2) * 13  # unchunked: the rank's whole [b, s/c, v]
+    assert abs(chunked[1] - whole[1]) <= 1e-12 * abs(whole[1])
+    for name, grad in whole[2].items():
+        torch.testing.assert_close(chunked[2][name], grad, rtol=1e-10, atol=1e-12)
