@@ -61,6 +61,11 @@ class _BlockwiseAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, d_out: Tensor) -> tuple[Optional[Tensor], ...]:
+        with torch.autocast(d_out.device.type, enabled=False):  # float32 blocks, whatever encloses the backward
+            return _BlockwiseAttention._backward(ctx, d_out)
+
+    @staticmethod
+    def _backward(ctx: Any, d_out: Tensor) -> tuple[Optional[Tensor], ...]:
         q, k, v, out, lse = ctx.saved_tensors
         layout, group = ctx.layout, ctx.layout.group
         acc = accumulation_dtype(q.dtype)
@@ -148,12 +153,24 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, layout: ContextP
     """``softmax(softcap(q kᵀ · scale) + mask) · v`` for this rank's queries over the whole sequence (see the module
     docstring); the mask is causal, per document, without padding keys and within the window, as ``layout`` says.
 
-    Shapes: q ``[b, a/t, s/c, d]``, k/v ``[b, a_kv/t, s/c, d]``; returns ``[b, a/t, s/c, d]``.
+    Shapes: q ``[b, a/t, s/c, d]``, k/v ``[b, a_kv/t, s/c, d]``; returns ``[b, a/t, s/c, d]``. Under autocast, q, k
+    and v are cast to its dtype first (the dtype its matmuls would use), so the ring and the all-to-all move 16-bit
+    tensors, and the blocks run outside autocast, accumulating in float32.
 
     Raises:
         ValueError: all-to-all with head counts that do not divide by c (:func:`check_all_to_all_heads`).
     """
-    if layout.comm == "ring":
+    device = q.device.type
+    if torch.is_autocast_enabled(device):  # what the attention's matmuls would take: 16-bit over the wire, not float32
+        dtype = torch.get_autocast_dtype(device)
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    with torch.autocast(device, enabled=False):  # the blocks accumulate in float32 (blocks.accumulation_dtype)
+        return _attention(q, k, v, layout, scale, softcap)
+
+
+def _attention(q: Tensor, k: Tensor, v: Tensor, layout: ContextParallelBatch, scale: float,
+               softcap: Optional[float]) -> Tensor:
+    if layout.comm == "ring" or layout.c == 1:
         return _BlockwiseAttention.apply(q, k, v, layout, layout.chunks(), True, scale, softcap)
     check_all_to_all_heads(q.shape[1], k.shape[1], layout.c, "Context-parallel attention")
     q, k, v = (_AllToAll.apply(x, layout, False) for x in (q, k, v))

@@ -27,7 +27,7 @@ def _loader(dp: int, dp_rank: int) -> DataLoader:
 def _trainer(strategy, devices: int, epochs: int, callbacks) -> pl.Trainer:
     return pl.Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, precision="64-true", max_epochs=epochs, logger=False,
-        enable_checkpointing=True, callbacks=callbacks, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks), callbacks=callbacks, enable_progress_bar=False, enable_model_summary=False,
         limit_val_batches=0, num_sanity_val_steps=0, use_distributed_sampler=False,
     )
 
@@ -35,7 +35,7 @@ def _trainer(strategy, devices: int, epochs: int, callbacks) -> pl.Trainer:
 def _run(rank, world, tp, cp, pp, epochs, directory, resume):
     dp = world // (tp * cp * pp)
     recorder = Recorder()
-    callbacks = [recorder, ModelCheckpoint(dirpath=directory or None, save_last=bool(directory), save_top_k=0)]
+    callbacks = [recorder] + ([ModelCheckpoint(dirpath=directory, save_last=True, save_top_k=0)] if directory else [])
     trainer = _trainer(SeqParallelStrategy(tp=tp, cp=cp, pp=pp), world, epochs, callbacks)
     trainer.fit(build("hf", labels=True, kv_heads=4), _loader(dp, (rank // (tp * cp)) % dp), ckpt_path=resume)
     return recorder.logged
