@@ -123,7 +123,11 @@ class HFVocabularyPolicy(ModelPolicy):
         return (f"{type(module).__name__}: {_embedding_path(module)} vocabulary-parallel ({v} rows, padded {v_padded} "
                 f"→ {v_padded // ctx.tp} per rank), {_head_path(module)} column-parallel over the vocabulary{' (tied)' if tied else ''}; "
                 f"labels= gives the vocabulary-parallel loss{'' if ctx.loss_parallel else ' (off: loss_parallel=False)'}; "
-                f".logits gathered only when read (b·s·{v} elements per rank)")
+                f".logits gathered only when read (b·s·{v} elements per rank)"
+                + (f"; loss over chunks of {ctx.loss_chunk} positions" if ctx.loss_chunk else "")
+                + (f"; context parallel over cp={ctx.cp}: each rank embeds its s/{ctx.cp} tokens (chunks r and "
+                   f"{2 * ctx.cp - 1}−r), true positions, labels shifted over the whole row, the loss summed over cp"
+                   if ctx.cp > 1 else ""))
 
     def verify_model(self, module: nn.Module, ctx: RewriteContext, name: str,
                      rewrite_small: Callable[[nn.Module, RewriteContext], nn.Module]) -> None:

@@ -3,6 +3,7 @@
 from lightning_seqpar.memory.activations import (
     CORE_ATTENTION_TERMS,
     TransformerShape,
+    context_parallel_buffer_bytes,
     extra_activation_bytes,
     first_stage_activation_bytes,
     interleave_factor,
@@ -20,6 +21,7 @@ from lightning_seqpar.memory.flops import (
 __all__ = [
     "CORE_ATTENTION_TERMS",
     "TransformerShape",
+    "context_parallel_buffer_bytes",
     "extra_activation_bytes",
     "first_stage_activation_bytes",
     "flops_utilization",

@@ -56,6 +56,7 @@ def layer_activation_terms(
     recompute: Recompute = "none",
     bytes_per_element: int = 2,
     mask_bytes: int = 1,
+    c: int = 1,
 ) -> dict[str, float]:
     """Bytes one transformer layer keeps for backward on one tensor-parallel rank, term by term.
 
@@ -78,9 +79,15 @@ def layer_activation_terms(
     already is the local sequence shard ``[s/t, b, h]`` (no extra all-gather is needed, unlike the
     ``--distribute-saved-activations`` the paper sets aside for TP alone).
 
+    With context parallelism (``c > 1``) every term is of the rank's ``s/c`` tokens, and core attention runs block by
+    block (:mod:`lightning_seqpar.context_parallel`): instead of the ``5as²b/t`` terms it keeps its output and the
+    float32 log-sum-exp of each query, ``e·sbh/(tc) + 4·asb/(tc)``, whatever the recomputation. Under SP the layer
+    then keeps ``(34 + 1)·sbh/(tc) + 4asb/(tc)``: Table 2's selective row divided by c, plus the kernel's terms.
+
     Args:
         shape: s, b, h, a, f (L and v are not used).
         t: tensor-parallel size.
+        c: context-parallel size.
         sequence_parallel: LayerNorm/dropout regions split along s (§4.2.2).
         recompute: ``"none"``, ``"selective"`` (core attention, §5) or ``"full"``.
         bytes_per_element: activation bytes (2 for 16-bit).
@@ -89,8 +96,8 @@ def layer_activation_terms(
     Raises:
         ValueError: ``t < 1`` or an unknown ``recompute``.
     """
-    if t < 1:
-        raise ValueError(f"t must be >= 1, got {t}.")
+    if t < 1 or c < 1:
+        raise ValueError(f"t and c must be >= 1, got t={t}, c={c}.")
     if recompute not in ("none", "selective", "full"):
         raise ValueError(f"recompute must be 'none', 'selective' or 'full', got {recompute!r}.")
     s, b, h, a, f = shape.s, shape.b, shape.h, shape.a, shape.f
@@ -118,22 +125,48 @@ def layer_activation_terms(
         "softmax dropout mask": m * a * s * s * b / t,
         "softmax dropout output": e * a * s * s * b / t,
     }
-    if recompute == "selective":
+    if recompute == "selective" or c > 1:
         for name in CORE_ATTENTION_TERMS:
             del terms[name]
+    if c > 1:  # the rank's s/c tokens; the blockwise kernel's own output and log-sum-exp
+        terms = {name: value / c for name, value in terms.items()}
+        terms["attention output (blockwise kernel)"] = e * sbh / (t * c)
+        terms["log-sum-exp (float32)"] = 4 * a * s * b / (t * c)
     return terms
+
+
+def context_parallel_buffer_bytes(shape: TransformerShape, t: int, c: int, comm: str = "ring",
+                                  bytes_per_element: int = 2) -> dict[str, float]:
+    """Bytes context-parallel attention holds while it runs, beyond what the layer keeps (one layer at a time).
+
+    - ring: the key/value block being computed and the next one arriving, ``2 · 2·b·(g/t)·(s/c)·d`` elements; in
+      backward also the travelling dK/dV (the same again);
+    - all-to-all: q, k, v and the output of whole sequences of ``a/(tc)`` (``g/(tc)``) heads, the size of the local ones.
+
+    Raises:
+        ValueError: an unknown ``comm``.
+    """
+    s, b, d, e = shape.s, shape.b, shape.h // shape.a, bytes_per_element
+    kv = 2 * b * (shape.g / t) * (s / c) * d * e  # K and V of one rank's tokens
+    if comm == "ring":
+        return {"K/V held and arriving": 2 * kv, "dK/dV travelling (backward)": 2 * kv}
+    if comm == "all_to_all":
+        return {"gathered q, k, v and output": kv + 2 * b * (shape.a / t) * (s / c) * d * e}
+    raise ValueError(f"comm must be 'ring' or 'all_to_all', got {comm!r}.")
 
 
 CORE_ATTENTION_TERMS = ("softmax output", "softmax dropout mask", "softmax dropout output")
 
 
 def layer_activation_bytes(shape: TransformerShape, t: int = 1, sequence_parallel: bool = False,
-                           recompute: Recompute = "none", bytes_per_element: int = 2, mask_bytes: int = 1) -> float:
-    """Table 2: bytes of activations per transformer layer on one tensor-parallel rank.
+                           recompute: Recompute = "none", bytes_per_element: int = 2, mask_bytes: int = 1,
+                           c: int = 1) -> float:
+    """Table 2: bytes of activations per transformer layer on one tensor- (and context-) parallel rank.
 
     The sum of :func:`layer_activation_terms` (see there for the rows, arguments and errors).
     """
-    return sum(layer_activation_terms(shape, t, sequence_parallel, recompute, bytes_per_element, mask_bytes).values())
+    return sum(layer_activation_terms(shape, t, sequence_parallel, recompute, bytes_per_element, mask_bytes,
+                                      c).values())
 
 
 def interleave_factor(p: int, m: int = 1) -> float:

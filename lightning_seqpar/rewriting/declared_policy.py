@@ -183,7 +183,15 @@ class DeclaredBlockPolicy(Policy):
             + (f" soft-capped at {value_of(module, spec.attention_softcap)}"
                if value_of(module, spec.attention_softcap) is not None and implementation != "sdpa" else "")
             + (" (fused kernel: no s² tensor, selective recompute unnecessary)" if implementation == "sdpa" else "")
+            + (self._context_text(module, spec, ctx) if ctx.cp > 1 else "")
         )
+
+    def _context_text(self, module: nn.Module, spec: BlockSpec, ctx: RewriteContext) -> str:
+        window = value_of(module, spec.sliding_window)
+        c = ctx.cp
+        return (f"; context parallel over cp={c} ({ctx.context.comm}): each rank's s/{c} tokens in chunks r and "
+                f"{2 * c - 1}−r of {2 * c}, attention block by block (log-sum-exp merged; no s² tensor kept"
+                + (f"; window {window}, blocks outside it skipped" if window is not None else "") + ")")
 
     def layout_name(self) -> str:
         """Shown after the class name by :meth:`describe` (e.g. ``" (Llama layout)"``)."""

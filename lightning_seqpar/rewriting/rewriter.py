@@ -12,6 +12,7 @@ from typing import Iterable, Optional
 
 import torch.nn as nn
 
+from lightning_seqpar.context_parallel import ContextParallel
 from lightning_seqpar.parallel.collectives import ParallelGroup
 from lightning_seqpar.rewriting.policy import DeclaresPolicy, Policy
 from lightning_seqpar.transformer.context import RewriteContext
@@ -36,10 +37,13 @@ class RewritePlan:
     tp: int
     sequence_parallel: bool
     entries: list[PlannedRewrite] = field(default_factory=list)
+    cp: int = 1
+    cp_comm: str = "ring"
 
     def __str__(self) -> str:
-        mode = "TP+SP" if self.sequence_parallel else "TP"
-        lines = [f"{mode} rewrite at tp={self.tp}: {len(self.entries)} module(s)"]
+        mode = ("TP+SP" if self.sequence_parallel else "TP") + (f"+CP ({self.cp_comm})" if self.cp > 1 else "")
+        at = f"tp={self.tp}" + (f", cp={self.cp}" if self.cp > 1 else "")
+        lines = [f"{mode} rewrite at {at}: {len(self.entries)} module(s)"]
         for e in self.entries:
             region = "".join(["  [enters region]" if e.enter_region else "", "  [leaves region]" if e.exit_region else ""])
             lines.append(f"  {e.name or '<root>'} ({e.block}){region}\n      {e.detail}")
@@ -119,7 +123,7 @@ def plan_rewrite(model: nn.Module, ctx: RewriteContext, policies: Iterable[Polic
     """
     policies = list(policies or ())
     registry = _Registry(policies)
-    plan = RewritePlan(ctx.tp, ctx.sp)
+    plan = RewritePlan(ctx.tp, ctx.sp, cp=ctx.cp, cp_comm=ctx.context.comm if ctx.context is not None else "ring")
     claimed: list[str] = []
     verified: set[tuple] = set()
     whole_models: list[tuple[str, nn.Module, Policy]] = []  # checked whole, once every block passed its own checks
@@ -241,12 +245,14 @@ def rewrite(model: nn.Module, ctx: RewriteContext, policies: Iterable[Policy], v
 
 
 def explain(model: nn.Module, tp: int, policies: Iterable[Policy], sequence_parallel: bool = True,
-            loss_parallel: bool = True, verify: bool = True) -> RewritePlan:
-    """Print and return what a rewrite with ``policies`` at ``tp`` would do to ``model``; change nothing.
+            loss_parallel: bool = True, verify: bool = True, cp: int = 1, cp_comm: str = "ring") -> RewritePlan:
+    """Print and return what a rewrite with ``policies`` at ``tp`` (and context-parallel size ``cp``) would do to
+    ``model``; change nothing.
 
     Needs no process group. Raises the same ``ValueError`` as the real rewrite would.
     """
-    ctx = RewriteContext(ParallelGroup.virtual(tp), sequence_parallel, None, loss_parallel)
+    context = ContextParallel(ParallelGroup.virtual(cp), cp_comm) if cp > 1 else None
+    ctx = RewriteContext(ParallelGroup.virtual(tp), sequence_parallel, None, loss_parallel, context=context)
     plan = plan_rewrite(model, ctx, policies, verify)
     print(plan)
     return plan
