@@ -8,7 +8,7 @@ library is used in any module but the two ``_compat`` modules, so an upgrade has
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -148,3 +148,21 @@ def destroy_library(library: Any) -> None:
     """Remove the kernels a ``torch.library.Library`` registered (``Library._destroy``): torch has no public way to
     take back an ``IMPL`` registration before the object is garbage-collected."""
     library._destroy()
+
+
+def flash_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
+                             mask: Optional[torch.Tensor], scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused CPU attention kernel that returns the log-sum-exp of each query's scores (``[b, a, s]``) with the
+    output: what a ring merges blocks by. ``aten._scaled_dot_product_flash_attention_for_cpu`` (private, torch 2.13);
+    ``mask`` additive, broadcastable to ``[b, a, s, s_k]``."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, attn_mask=mask,
+                                                                       scale=scale)
+
+
+def flash_attention_backward(d_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             out: torch.Tensor, lse: torch.Tensor, is_causal: bool, mask: Optional[torch.Tensor],
+                             scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of q, k, v of :func:`flash_attention_with_lse` for the given (final) output and log-sum-exp
+    (``aten._scaled_dot_product_flash_attention_for_cpu_backward``)."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        d_out, q, k, v, out, lse, 0.0, is_causal, attn_mask=mask, scale=scale)

@@ -42,7 +42,7 @@ class _BlockwiseAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, layout: ContextParallelBatch, q_chunks: tuple[int, ...],
-                ring: bool, scale: float, softcap: Optional[float]) -> Tensor:
+                ring: bool, scale: float, softcap: Optional[float], fused: bool) -> Tensor:
         n, group = layout.chunk, layout.group
         out, lse = _initial(q, len(q_chunks), n)
         steps = group.size if ring else 1
@@ -51,12 +51,13 @@ class _BlockwiseAttention(torch.autograd.Function):
             source_chunks = layout.chunks((group.rank - step) % group.size) if ring else q_chunks
             pending = group.ring_exchange_start(kv) if step < steps - 1 else None  # the next source, in flight
             key, value = (kv[0], kv[1]) if kv is not None else (k, v)
-            attend(q, q_chunks, key, value, source_chunks, layout, scale, softcap, out, lse)
+            attend(q, q_chunks, key, value, source_chunks, layout, scale, softcap, out, lse, fused)
             if pending is not None:
                 kv = pending.wait()
         result = torch.cat(out, dim=2).to(q.dtype)
         ctx.save_for_backward(q, k, v, result, torch.cat(lse, dim=2))
         ctx.layout, ctx.q_chunks, ctx.ring, ctx.scale, ctx.softcap = layout, q_chunks, ring, scale, softcap
+        ctx.fused = fused
         return result
 
     @staticmethod
@@ -69,6 +70,7 @@ class _BlockwiseAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         layout, group = ctx.layout, ctx.layout.group
         acc = accumulation_dtype(q.dtype)
+        native = (out, d_out.to(q.dtype).contiguous()) if ctx.fused else None
         d_out = d_out.to(acc)
         delta = (d_out * out.to(acc)).sum(-1)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
@@ -76,8 +78,8 @@ class _BlockwiseAttention(torch.autograd.Function):
         if steps == 1:  # one local source: no ring, nothing stacked
             d_k, d_v = (torch.zeros(x.shape, dtype=acc, device=x.device) for x in (k, v))
             attend_backward(q, ctx.q_chunks, k, v, ctx.q_chunks, layout, ctx.scale, ctx.softcap, d_out, lse, delta,
-                            dq, d_k, d_v)
-            return dq.to(q.dtype), d_k.to(k.dtype), d_v.to(v.dtype), None, None, None, None, None
+                            dq, d_k, d_v, native)
+            return dq.to(q.dtype), d_k.to(k.dtype), d_v.to(v.dtype), None, None, None, None, None, None
         kv = torch.stack([k, v])
         # The gradient of the source held now travels with it in k's dtype (16-bit traffic under mixed precision, as
         # Transformer Engine sends it); each step's own contributions are summed in the accumulation dtype first.
@@ -87,13 +89,13 @@ class _BlockwiseAttention(torch.autograd.Function):
             pending = group.ring_exchange_start(kv) if step < steps - 1 else None
             step_kv = torch.zeros(kv.shape, dtype=acc, device=kv.device)
             attend_backward(q, ctx.q_chunks, kv[0], kv[1], source_chunks, layout, ctx.scale, ctx.softcap, d_out, lse,
-                            delta, dq, step_kv[0], step_kv[1])
+                            delta, dq, step_kv[0], step_kv[1], native)
             d_kv = d_kv + step_kv.to(kv.dtype)
             if steps > 1:  # the accumulator follows its source; after the last step it reaches the source's owner
                 d_kv = group.ring_exchange_start(d_kv).wait()
             if pending is not None:
                 kv = pending.wait()
-        return dq.to(q.dtype), d_kv[0], d_kv[1], None, None, None, None, None
+        return dq.to(q.dtype), d_kv[0], d_kv[1], None, None, None, None, None, None
 
 
 class _AllToAll(torch.autograd.Function):
@@ -149,13 +151,16 @@ def check_all_to_all_heads(heads: int, kv_heads: int, c: int, where: str) -> Non
 
 
 def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, layout: ContextParallelBatch, scale: float,
-                               softcap: Optional[float] = None) -> Tensor:
+                               softcap: Optional[float] = None, fused: bool = False) -> Tensor:
     """``softmax(softcap(q kᵀ · scale) + mask) · v`` for this rank's queries over the whole sequence (see the module
     docstring); the mask is causal, per document, without padding keys and within the window, as ``layout`` says.
 
     Shapes: q ``[b, a/t, s/c, d]``, k/v ``[b, a_kv/t, s/c, d]``; returns ``[b, a/t, s/c, d]``. Under autocast, q, k
     and v are cast to its dtype first (the dtype its matmuls would use), so the ring and the all-to-all move 16-bit
     tensors, and the blocks run outside autocast, accumulating in float32.
+
+    ``fused``: compute each block with the fused CPU kernel that returns the log-sum-exp (SDPA's flash kernel for
+    CPU) instead of op by op; with a soft-cap, or on another device, the blocks run op by op.
 
     Raises:
         ValueError: all-to-all with head counts that do not divide by c (:func:`check_all_to_all_heads`).
@@ -164,18 +169,19 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, layout: ContextP
     if torch.is_autocast_enabled(device):  # what the attention's matmuls would take: 16-bit over the wire, not float32
         dtype = torch.get_autocast_dtype(device)
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    fused = fused and softcap is None and device == "cpu"  # the fused kernel has no soft-cap; CUDA: op by op
     with torch.autocast(device, enabled=False):  # the blocks accumulate in float32 (blocks.accumulation_dtype)
-        return _attention(q, k, v, layout, scale, softcap)
+        return _attention(q, k, v, layout, scale, softcap, fused)
 
 
 def _attention(q: Tensor, k: Tensor, v: Tensor, layout: ContextParallelBatch, scale: float,
-               softcap: Optional[float]) -> Tensor:
+               softcap: Optional[float], fused: bool) -> Tensor:
     if layout.comm == "ring" or layout.c == 1:
-        return _BlockwiseAttention.apply(q, k, v, layout, layout.chunks(), True, scale, softcap)
+        return _BlockwiseAttention.apply(q, k, v, layout, layout.chunks(), True, scale, softcap, fused)
     check_all_to_all_heads(q.shape[1], k.shape[1], layout.c, "Context-parallel attention")
     q, k, v = (_AllToAll.apply(x, layout, False) for x in (q, k, v))
     every = tuple(range(2 * layout.c))
-    out = _BlockwiseAttention.apply(q, k, v, layout, every, False, scale, softcap)
+    out = _BlockwiseAttention.apply(q, k, v, layout, every, False, scale, softcap, fused)
     return _AllToAll.apply(out, layout, True)
 
 

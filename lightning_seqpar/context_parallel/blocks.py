@@ -9,6 +9,10 @@ probabilities from the final log-sum-exp (FlashAttention-2's backward, Dao 2023)
 Shapes (local to one call): q ``[b, a, m·n, d]`` holding ``m`` chunks of ``n`` tokens, k and v ``[b, a_kv, m'·n, d]``
 (grouped-query attention: each key/value head serves ``a / a_kv`` query heads, expanded per block). Scores,
 softmax and accumulators are in float32 (or float64 for float64 inputs).
+
+A block is computed either op by op (the explicit core attention: scores, mask, log-sum-exp, ``· V``) or, with
+``fused``, by the fused CPU kernel that returns the log-sum-exp (``_compat.flash_attention_with_lse``) and its backward
+given the final output and log-sum-exp; a query with no key to see in a masked block gets ``lse = -inf`` either way.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
+from lightning_seqpar._compat import flash_attention_backward, flash_attention_with_lse
 from lightning_seqpar.context_parallel.layout import ContextParallelBatch
 
 
@@ -55,23 +60,42 @@ def _finite(lse: Tensor) -> Tensor:
     return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
 
 
+def _fused_inputs(layout: ContextParallelBatch, qc: int, kc: int, allowed: Optional[Tensor],
+                  dtype: torch.dtype) -> tuple[bool, Optional[Tensor]]:
+    """``(is_causal, additive mask)`` of a block for the fused kernel: a diagonal block with nothing but causality
+    is the kernel's own causal case; any other mask goes in additive."""
+    if qc == kc and layout.documents is None and layout.padding is None and layout.window is None:
+        return True, None
+    if allowed is None:
+        return False, None
+    return False, torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
+        ~allowed, float("-inf"))[:, None]
+
+
 def attend(q: Tensor, q_chunks: Sequence[int], k: Tensor, v: Tensor, k_chunks: Sequence[int],
            layout: ContextParallelBatch, scale: float, softcap: Optional[float], out: list[Tensor],
-           lse: list[Tensor]) -> None:
+           lse: list[Tensor], fused: bool = False) -> None:
     """Add every visible block of ``q`` (chunks ``q_chunks``) against ``k``/``v`` (chunks ``k_chunks``) into the
     accumulators ``out[i]`` ``[b, a, n, d]`` and ``lse[i]`` ``[b, a, n]`` of query chunk ``i``, in place."""
     n, heads, acc = layout.chunk, q.shape[1], out[0].dtype
     for i, qc in enumerate(q_chunks):
-        q_blk = q[:, :, i * n:(i + 1) * n].to(acc)
+        q_blk = q[:, :, i * n:(i + 1) * n]
         for j, kc in enumerate(k_chunks):
             kind, allowed = layout.block_mask(qc, kc)
             if kind == "skip":
                 continue
-            k_blk = _expand(k[:, :, j * n:(j + 1) * n], heads).to(acc)
-            v_blk = _expand(v[:, :, j * n:(j + 1) * n], heads).to(acc)
-            scores, _ = _scores(q_blk, k_blk, scale, softcap, allowed)
-            blk_lse = torch.logsumexp(scores, dim=-1)  # [b, a, n]
-            blk_out = torch.matmul(torch.exp(scores - _finite(blk_lse)[..., None]), v_blk)
+            k_blk = _expand(k[:, :, j * n:(j + 1) * n], heads)
+            v_blk = _expand(v[:, :, j * n:(j + 1) * n], heads)
+            if fused:
+                causal, mask = _fused_inputs(layout, qc, kc, allowed, q.dtype)
+                blk_out, blk_lse = flash_attention_with_lse(q_blk, k_blk, v_blk, causal, mask, scale)
+                blk_out, blk_lse = blk_out.to(acc), blk_lse.to(acc)
+                if mask is not None:  # the kernel gives a query that sees nothing lse 0: it has no weight
+                    blk_lse = blk_lse.masked_fill(~allowed.any(-1)[:, None], float("-inf"))
+            else:
+                scores, _ = _scores(q_blk.to(acc), k_blk.to(acc), scale, softcap, allowed)
+                blk_lse = torch.logsumexp(scores, dim=-1)  # [b, a, n]
+                blk_out = torch.matmul(torch.exp(scores - _finite(blk_lse)[..., None]), v_blk.to(acc))
             merged = torch.logaddexp(lse[i], blk_lse)
             safe = _finite(merged)
             out[i] = out[i] * torch.exp(lse[i] - safe)[..., None] + blk_out * torch.exp(blk_lse - safe)[..., None]
@@ -80,10 +104,12 @@ def attend(q: Tensor, q_chunks: Sequence[int], k: Tensor, v: Tensor, k_chunks: S
 
 def attend_backward(q: Tensor, q_chunks: Sequence[int], k: Tensor, v: Tensor, k_chunks: Sequence[int],
                     layout: ContextParallelBatch, scale: float, softcap: Optional[float], d_out: Tensor, lse: Tensor,
-                    delta: Tensor, dq: Tensor, dk: Tensor, dv: Tensor) -> None:
+                    delta: Tensor, dq: Tensor, dk: Tensor, dv: Tensor, fused: Optional[tuple[Tensor, Tensor]] = None
+                    ) -> None:
     """The gradients of :func:`attend`'s blocks, added in place: ``dq`` ``[b, a, m·n, d]`` for ``q``, ``dk``/``dv``
     ``[b, a_kv, m'·n, d]`` for ``k``/``v``. ``d_out`` ``[b, a, m·n, d]``, ``lse`` ``[b, a, m·n]`` (the final
-    log-sum-exp of each query) and ``delta = rowsum(d_out ∘ out)`` ``[b, a, m·n]``, all in the accumulation dtype."""
+    log-sum-exp of each query) and ``delta = rowsum(d_out ∘ out)`` ``[b, a, m·n]``, all in the accumulation dtype.
+    ``fused``: the output and its gradient in q's dtype, for the fused kernel's backward (``None``: op by op)."""
     n, heads, kv_heads, acc = layout.chunk, q.shape[1], k.shape[1], dq.dtype
     for i, qc in enumerate(q_chunks):
         rows = slice(i * n, (i + 1) * n)
@@ -94,6 +120,17 @@ def attend_backward(q: Tensor, q_chunks: Sequence[int], k: Tensor, v: Tensor, k_
             if kind == "skip":
                 continue
             cols = slice(j * n, (j + 1) * n)
+            if fused is not None:
+                out, d_out_native = fused
+                causal, mask = _fused_inputs(layout, qc, kc, allowed, q.dtype)
+                k_blk, v_blk = _expand(k[:, :, cols], heads), _expand(v[:, :, cols], heads)
+                d_q, d_k, d_v = flash_attention_backward(
+                    d_out_native[:, :, rows], q[:, :, rows], k_blk, v_blk, out[:, :, rows],
+                    lse_blk[..., 0].to(lse.dtype), causal, mask, scale)
+                dq[:, :, rows] += d_q.to(acc)
+                dk[:, :, cols] += _fold(d_k.to(acc), kv_heads)
+                dv[:, :, cols] += _fold(d_v.to(acc), kv_heads)
+                continue
             k_blk = _expand(k[:, :, cols], heads).to(acc)
             v_blk = _expand(v[:, :, cols], heads).to(acc)
             scores, capped = _scores(q_blk, k_blk, scale, softcap, allowed)

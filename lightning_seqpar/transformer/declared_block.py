@@ -322,7 +322,8 @@ class ParallelBlock(ParallelLayer):
             else:
                 q, k = self.rotary(q, k, cos, sin)
         if isinstance(mask, ContextParallelBatch):  # the sequence split over cp ranks: ring or all-to-all attention
-            context = context_parallel_attention(q, k, v, mask, self.score_factor * self.head_dim**-0.5, self.softcap)
+            context = context_parallel_attention(q, k, v, mask, self.score_factor * self.head_dim**-0.5, self.softcap,
+                                                 fused=self.fused_attention)
             return parts.attention_out(merge_heads(context))
         groups = self.heads_local // self.kv_heads_local
         if self.implementation == "sdpa":  # takes the mask as given: bool (True = attend) or additive

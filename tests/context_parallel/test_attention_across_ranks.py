@@ -1,6 +1,6 @@
 """Ring and all-to-all attention on 2 and 4 gloo processes against dense attention of the whole sequence on one
 process (float64): outputs and the gradients of q, k and v, with grouped-query heads, packed documents, padding, a
-sliding window and soft-capping; the bytes each rank sends equal :func:`bytes_per_layer`; the ring's transfers, as
+sliding window and soft-capping, op by op and with the fused kernel; the bytes each rank sends equal :func:`bytes_per_layer`; the ring's transfers, as
 posted, pass the model of NCCL's point-to-point rules."""
 
 import pytest
@@ -18,11 +18,14 @@ from tests.helpers.distributed import run_distributed
 pytestmark = pytest.mark.distributed  # starts processes: outside the fast lane
 
 B, A, A_KV, S, D = 2, 4, 2, 16, 3
-SETTINGS = [  # (comm, window, softcap, documents, padding)
-    ("ring", None, None, False, False),
-    ("ring", 5, 1.5, True, True),
-    ("all_to_all", None, None, True, False),
-    ("all_to_all", 3, None, False, True),
+SETTINGS = [  # (comm, window, softcap, documents, padding, fused kernel)
+    ("ring", None, None, False, False, False),
+    ("ring", 5, 1.5, True, True, False),
+    ("ring", None, None, False, False, True),
+    ("ring", 5, None, True, True, True),
+    ("all_to_all", None, None, True, False, False),
+    ("all_to_all", 3, None, False, True, False),
+    ("all_to_all", 3, None, True, True, True),
 ]
 
 
@@ -41,13 +44,13 @@ def _on_ranks(rank, world_size):
     q, k, v, grad, documents, padding = _inputs()
     mine = local_indices(S, world_size, rank)
     results = []
-    for comm, window, softcap, docs, pad in SETTINGS:
+    for comm, window, softcap, docs, pad, fused in SETTINGS:
         heads = (A, A) if comm == "all_to_all" and world_size > A_KV else (A, A_KV)  # a2a: kv heads divisible by c
         kk, vv = (x.repeat_interleave(heads[1] // A_KV, 1) for x in (k, v))
         layout = ContextParallelBatch(group, comm, S, documents if docs else None, padding if pad else None, window)
         local = [x[:, :, mine].clone().requires_grad_() for x in (q, kk, vv)]
         group.log = CommunicationLog()
-        out = context_parallel_attention(*local, layout, 0.5, softcap)
+        out = context_parallel_attention(*local, layout, 0.5, softcap, fused)
         forward = {kind: group.log.bytes_moved(kind) for kind in ("ring_send", "all_to_all")}
         hops = group.log.count("ring_send")
         group.log.clear()
@@ -62,7 +65,7 @@ def _on_ranks(rank, world_size):
 def test_ring_and_all_to_all_attention_equal_dense_attention_and_their_formulas(world_size):
     per_rank = run_distributed(_on_ranks, world_size)
     q, k, v, grad, documents, padding = _inputs()
-    for i, (comm, window, softcap, docs, pad) in enumerate(SETTINGS):
+    for i, (comm, window, softcap, docs, pad, _) in enumerate(SETTINGS):
         heads = per_rank[0][i][5]
         kk, vv = (x.repeat_interleave(heads[1] // A_KV, 1).requires_grad_() for x in (k, v))
         qq = q.clone().requires_grad_()

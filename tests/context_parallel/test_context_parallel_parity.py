@@ -2,7 +2,8 @@
 every parameter's gradient over 3 AdamW steps, called as users call them (``model(input_ids=x, labels=x)``).
 
 Ring and all-to-all attention; cp 2 and 4; tp 2 × cp 2 with and without sequence parallelism; pp 2 × cp 2;
-cp 2 × dp 2 with the distributed optimizer; eager and SDPA; padding, explicit positions, sliding windows (full and
+cp 2 × dp 2 with the distributed optimizer; eager (blocks op by op) and SDPA (blocks by the fused kernel that
+returns the log-sum-exp); padding, explicit positions, sliding windows (full and
 window layers mixed), soft-capping, packed documents (position ids restarting at 0; on one cp rank too, where the
 one-process reference is given the documents' 4-D mask); labels of -100 spread unevenly over the cp ranks (the loss stays the token-weighted
 mean of one process); the LM head and loss over chunks of the sequence (``loss_chunk``, final-logit soft-caps and
@@ -37,6 +38,8 @@ CASES = {
         Case("hf", 1, True, None, LABELS + (("family", "gemma2"),), cp=2),         # soft-capped scores, windows
         Case("hf", 1, True, None, LABELS + (("documents", True),), cp=2),          # packed documents
         Case("hf", 1, True, "full", LABELS + (("documents", True),), strategy=A2A, cp=2),
+        Case("hf", 1, True, None, LABELS + (("documents", True), ("attn_implementation", "sdpa")), strategy=A2A,
+             cp=2),                                                                 # the fused kernel per block
         Case("hf", 2, True, None, LABELS + (("documents", True),)),                # one cp rank: documents kept apart
         Case("hf", 2, True, None, LABELS, strategy=(("loss_chunk", 2),)),          # the loss over chunks of 2
         Case("hf", 2, True, "selective", LABELS + (("family", "gemma2"),), strategy=(("loss_chunk", 3),)),  # soft-cap
@@ -55,6 +58,7 @@ CASES = {
         Case("hf", 2, True, None, LABELS + (("family", "gpt2"),), cp=2),
         Case("hf", 2, True, None, LABELS + (("documents", True), ("family", "qwen3")), cp=2),
         Case("hf", 2, True, None, LABELS, strategy=(("loss_chunk", 1),), cp=2),
+        Case("hf", 2, True, None, LABELS + (("attn_implementation", "sdpa"), ("documents", True)), cp=2),  # fused
     ],
 }
 

@@ -63,8 +63,9 @@ def _dense(q, k, v, scale, softcap, documents, padding, window):
     return probs @ v
 
 
-@pytest.mark.parametrize("window,softcap", [(None, None), (3, None), (None, 2.0), (5, 1.5)])
-def test_blockwise_attention_equals_dense_attention_in_values_and_gradients(window, softcap):
+@pytest.mark.parametrize("window,softcap,fused", [(None, None, False), (3, None, False), (None, 2.0, False),
+                                                  (5, 1.5, False), (None, None, True), (3, None, True)])
+def test_blockwise_attention_equals_dense_attention_in_values_and_gradients(window, softcap, fused):
     torch.manual_seed(0)
     b, a, a_kv, s, d = 2, 4, 2, 8, 3  # grouped-query attention: two query heads per key/value head
     q, k, v = (torch.randn(b, h, s, d, dtype=torch.float64, requires_grad=True) for h in (a, a_kv, a_kv))
@@ -72,17 +73,18 @@ def test_blockwise_attention_equals_dense_attention_in_values_and_gradients(wind
     padding = torch.zeros(b, s, dtype=torch.bool)
     padding[1, 6:] = True
     layout = ContextParallelBatch(ParallelGroup(None), "all_to_all", s, documents, padding, window)  # one rank
-    got = context_parallel_attention(q, k, v, layout, 0.7, softcap)
+    got = context_parallel_attention(q, k, v, layout, 0.7, softcap, fused)
     want = _dense(q, k, v, 0.7, softcap, documents, padding, window)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
-    assert torch.autograd.gradcheck(lambda *x: context_parallel_attention(*x, layout, 0.7, softcap), (q, k, v))
+    assert torch.autograd.gradcheck(lambda *x: context_parallel_attention(*x, layout, 0.7, softcap, fused), (q, k, v))
 
 
-def test_a_query_with_no_key_to_see_gives_zeros_not_nan():
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_query_with_no_key_to_see_gives_zeros_not_nan(fused):
     q, k, v = (torch.randn(1, 1, 4, 2, dtype=torch.float64, requires_grad=True) for _ in range(3))
     padding = torch.tensor([[True, True, False, False]])  # left padding: queries 0 and 1 see no key
     layout = ContextParallelBatch(ParallelGroup(None), "all_to_all", 4, padding=padding)
-    out = context_parallel_attention(q, k, v, layout, 1.0)
+    out = context_parallel_attention(q, k, v, layout, 1.0, fused=fused)
     assert out[0, 0, :2].abs().sum() == 0 and torch.isfinite(out).all()
     out.sum().backward()
     assert all(torch.isfinite(x.grad).all() for x in (q, k, v))
