@@ -48,3 +48,20 @@ def test_training_benchmark_recipe_writes_one_table_for_both_libraries(tmp_path)
     for row in table:
         assert float(row["tokens/s"]) > 0 and float(row["reduce_scatter KiB"]) > 0 and float(row["all_gather KiB"]) > 0
     assert "tp 2 x dp 2 FSDP2" in (tmp_path / "benchmark_training.md").read_text()
+
+
+def test_context_parallel_benchmark_recipe_compares_tp_with_tp_times_cp(tmp_path):
+    cmd = [sys.executable, str(ROOT / "recipes" / "benchmark_context_parallel.py"), "vocab_size=64", "hidden=32",
+           "heads=8", "kv_heads=4", "s=256", "iters=1", "warmup=0", "s_min=64", "s_max=1024", "budget_mib=2",
+           f"out={tmp_path}"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    with open(tmp_path / "benchmark_context_parallel.csv") as f:
+        table = {r["layout"]: r for r in csv.DictReader(f)}
+    assert list(table) == ["tp 4", "tp 2 x cp 2 ring", "tp 2 x cp 2 all_to_all"]
+    assert float(table["tp 2 x cp 2 ring"]["ring_send KiB"]) > 0 and float(table["tp 4"]["ring_send KiB"]) == 0
+    assert float(table["tp 2 x cp 2 all_to_all"]["all_to_all KiB"]) > 0
+    for layout in ("tp 2 x cp 2 ring", "tp 2 x cp 2 all_to_all"):  # the s² term is gone: less kept, longer s
+        assert float(table[layout]["kept MiB/rank"]) < float(table["tp 4"]["kept MiB/rank"])
+        assert int(table[layout]["longest s in budget"]) > int(table["tp 4"]["longest s in budget"])
