@@ -14,6 +14,8 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+from lightning_seqpar.context_parallel import ContextParallelBatch, check_context_length, local_indices
+from lightning_seqpar.context_parallel.loss import sum_over_context
 from lightning_seqpar.models.sampling import Sampling
 from lightning_seqpar.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from lightning_seqpar.tensor_parallel.embedding import VocabParallelEmbedding
@@ -63,6 +65,9 @@ class ParallelGPT(Sampling, LayerStack):
         # ``gpt`` is consumed: its blocks are released as they are sliced.
         nn.Module.__init__(self)
         self.config, self.group, self.sp = gpt.config, ctx.group, ctx.sp
+        self.context = ctx.context if ctx.cp > 1 else None
+        if self.context is not None:  # this model splits its own sequence over the cp ranks
+            self.context.entries += 1
         self.loss_parallel = ctx.loss_parallel
         self.rng_tracker = ctx.rng_tracker
         old = gpt.transformer
@@ -96,6 +101,8 @@ class ParallelGPT(Sampling, LayerStack):
         return self.transformer.h
 
     def forward(self, idx: Tensor, targets: Optional[Tensor] = None) -> Tensor:
+        if self.context is not None:
+            return self._context_parallel_loss(idx, targets)
         b, s = idx.shape
         t = self.group.size
         pad = 0
@@ -132,3 +139,47 @@ class ParallelGPT(Sampling, LayerStack):
             logits.reshape(-1, logits.size(-1)), targets.reshape(-1),
             ignore_index=-1, label_smoothing=self.config.label_smoothing,
         )
+
+    def _context_parallel_loss(self, idx: Tensor, targets: Optional[Tensor]) -> Tensor:
+        """Under context parallelism: this cp rank's tokens (chunks r and 2c−1−r) from the embedding to the loss, at
+        their true positions; the loss is its tokens' sum over the whole batch's count of targets, summed over cp
+        (:mod:`lightning_seqpar.context_parallel`).
+
+        Raises:
+            ValueError: no ``targets`` (logits of the whole sequence are not gathered over cp: generate from the
+                single-device model), or a sequence length not divisible by ``2·c·t``.
+        """
+        if targets is None:
+            raise ValueError("ParallelGPT under context parallelism computes the loss (model(idx, targets)); logits of "
+                             "the whole sequence are held by no rank. Generate from the single-device model "
+                             "(lightning_seqpar.checkpoint.consolidate, or the strategy's full_state_dict()).")
+        b, s = idx.shape
+        c, t = self.context.c, self.group.size
+        check_context_length(s, c, t if self.sp else 1, "ParallelGPT")
+        if s > self.config.block_size:
+            raise ValueError(f"Sequence length {s} exceeds block_size {self.config.block_size}.")
+        mine = local_indices(s, c, self.context.group.rank, idx.device)
+        layout = ContextParallelBatch(self.context.group, self.context.comm, s)
+        with self.context.forward_of(layout):
+            if self.stage_position is not None and not self.stage_position.feeds_pipeline:
+                x = idx.new_empty(0)  # a later pipeline stage: its first layer takes the received activation
+            else:
+                x = self.transformer.wte(idx[:, mine])  # [s/(c·t), b, h] (SP) or [s/c, b, h]
+                shard = x.shape[0]
+                first = self.group.rank * shard if self.sp else 0
+                pos = mine[first:first + shard]  # the tokens' true positions
+                x = self.transformer.drop(x + self.transformer.wpe(pos).unsqueeze(1))
+            x = run_layers(self.transformer.h, x, self.recompute_chunks, self.rng_tracker)
+        logits = self.lm_head(self.transformer.ln_f(x))  # [s/c, b, v'/t]
+        local = targets[:, mine]
+        count = (targets != -1).sum().clamp(min=1)
+        if self.loss_parallel:
+            summed = vocab_parallel_cross_entropy(logits, local.t(), self.group, self.config.vocab_size,
+                                                  label_smoothing=self.config.label_smoothing, ignore_index=-1,
+                                                  reduction="sum")
+        else:
+            logits = gather_from_tensor_parallel_region(logits, self.group)[..., : self.config.vocab_size].float()
+            summed = nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), local.t().reshape(-1),
+                                                 ignore_index=-1, label_smoothing=self.config.label_smoothing,
+                                                 reduction="sum")
+        return sum_over_context(summed / count, self.context.group)

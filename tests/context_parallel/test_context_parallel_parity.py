@@ -6,7 +6,7 @@ cp 2 × dp 2 with the distributed optimizer; eager (blocks op by op) and SDPA (b
 returns the log-sum-exp); padding, explicit positions, sliding windows (full and
 window layers mixed), soft-capping, packed documents (position ids restarting at 0; on one cp rank too, where the
 one-process reference is given the documents' 4-D mask); labels of -100 spread unevenly over the cp ranks (the loss stays the token-weighted
-mean of one process); the LM head and loss over chunks of the sequence (``loss_chunk``, final-logit soft-caps and
+mean of one process); the reference GPT (learned positions, label smoothing); the LM head and loss over chunks of the sequence (``loss_chunk``, final-logit soft-caps and
 scales included); Llama (grouped-query attention), Qwen3 (per-head q/k norms), GPT-2 (learned positions), Gemma 2;
 selective and full recomputation.
 """
@@ -45,6 +45,9 @@ CASES = {
         Case("hf", 2, True, "selective", LABELS + (("family", "gemma2"),), strategy=(("loss_chunk", 3),)),  # soft-cap
         Case("hf", 1, True, None, LABELS + (("family", "granite"),), strategy=(("loss_chunk", 1),), cp=2),  # scaling
         Case("hf", 2, True, None, (("family", "gemma2"),), strategy=(("loss_chunk", 3),)),  # .logits read: computed whole
+        Case("hf", 1, True, None, LABELS + (("family", "gemma3"),), cp=2),         # local/global rotary, window layers
+        Case("gpt", 1, True, None, cp=2),                                          # the reference GPT: label smoothing
+        Case("gpt", 1, True, "selective", strategy=A2A + (("loss_parallel", False),), cp=2),
     ],
     4: [
         Case("hf", 2, True, None, LABELS, cp=2),                                   # tp 2 × cp 2, SP
@@ -59,6 +62,8 @@ CASES = {
         Case("hf", 2, True, None, LABELS + (("documents", True), ("family", "qwen3")), cp=2),
         Case("hf", 2, True, None, LABELS, strategy=(("loss_chunk", 1),), cp=2),
         Case("hf", 2, True, None, LABELS + (("attn_implementation", "sdpa"), ("documents", True)), cp=2),  # fused
+        Case("gpt", 2, True, None, cp=2),
+        Case("gpt", 1, True, None, pp=2, cp=2),
     ],
 }
 
