@@ -11,7 +11,9 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: the tools are the recipes package's
 
-from recipes.benchmarking.memory_tables import GiB, extra_fraction, flops_rows, memory_rows, write_figure7  # noqa: E402
+from recipes.benchmarking.memory_tables import (  # noqa: E402
+    GiB, context_rows, extra_fraction, flops_rows, memory_rows, write_figure7,
+)
 from recipes.benchmarking.paper import PAPER_RUNS  # noqa: E402
 
 
@@ -39,6 +41,16 @@ def main(argv=None) -> None:
     for r in flops_rows():
         table.add_row(r.model, f"{100 * r.selective_overhead:.2f}%", f"{100 * r.mfu:.1f}%", f"{100 * r.mfu_printed:.1f}%",
                       f"{100 * r.hfu:.1f}%", f"{100 * r.hfu_printed:.1f}%", f"+{100 * r.throughput_increase:.1f}%")
+    console.print(table)
+    table = Table(title="Context parallelism at s = 32768 (TP + SP + selective at c = 1; ring attention's blockwise "
+                        "kernel at c > 1; 16-bit, each run's t)")
+    for col in ("model", "c", "per layer per rank (GiB)", "÷ at c = 1", "ring buffers (GiB)"):
+        table.add_column(col, justify="left" if col == "model" else "right")
+    base = {}
+    for r in context_rows():
+        base.setdefault(r.model, r.layer_bytes)
+        table.add_row(r.model, str(r.c), f"{r.layer_bytes / GiB:.3f}", f"{base[r.model] / r.layer_bytes:.2f}",
+                      f"{r.ring_bytes / GiB:.3f}")
     console.print(table)
     if args.png:
         console.print(f"wrote {write_figure7(rows, args.png)}")

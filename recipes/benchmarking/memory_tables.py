@@ -121,3 +121,33 @@ def write_figure7(rows: list[MemoryRow], path: Union[str, Path]) -> Path:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+@dataclass(frozen=True)
+class ContextRow:
+    """Per-layer activation bytes of one of the paper's runs at a longer sequence, split over c context ranks."""
+
+    model: str
+    s: int
+    c: int
+    layer_bytes: float
+    """kept per layer per rank: TP + SP + selective (c = 1), or the blockwise kernel's terms (c > 1)"""
+    ring_bytes: float
+    """the ring's K/V held and arriving, and the travelling dK/dV, while one layer's attention runs"""
+
+
+def context_rows(runs: dict[str, PaperRun] = PAPER_RUNS, s: int = 32768, cps: tuple[int, ...] = (1, 2, 4, 8)
+                 ) -> list[ContextRow]:
+    """Each run's shape at sequence ``s`` under its t with SP: per-layer bytes for every c of ``cps``
+    (:func:`~lightning_seqpar.memory.layer_activation_bytes` with ``c``) and the ring's buffers."""
+    from dataclasses import replace
+
+    from lightning_seqpar.memory import context_parallel_buffer_bytes
+
+    rows = []
+    for run in runs.values():
+        shape = replace(run.shape, s=s)
+        for c in cps:
+            ring = sum(context_parallel_buffer_bytes(shape, run.t, c, "ring").values()) if c > 1 else 0.0
+            rows.append(ContextRow(run.name, s, c, layer_activation_bytes(shape, run.t, True, "selective", c=c), ring))
+    return rows

@@ -16,7 +16,7 @@ from lightning_seqpar.memory import (
 )
 from recipes.memory_report import main
 from recipes.benchmarking.paper import PAPER_RUNS
-from recipes.benchmarking.memory_tables import GiB, extra_fraction, flops_rows, memory_rows
+from recipes.benchmarking.memory_tables import GiB, context_rows, extra_fraction, flops_rows, memory_rows
 
 SHAPES = [TransformerShape(s=2048, b=1, h=12288, a=96), TransformerShape(s=512, b=3, h=1024, a=16),
           TransformerShape(s=96, b=2, h=64, a=4)]
@@ -132,3 +132,13 @@ def test_report_writes_no_file_unless_asked(tmp_path, monkeypatch, capsys):
     main([])
     assert "Activation memory" in capsys.readouterr().out
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_report_shows_context_parallelism_dividing_each_layer():
+    rows = {(r.model, r.c): r for r in context_rows()}
+    for model in ("22B", "175B", "530B", "1T"):
+        one, eight = rows[(model, 1)], rows[(model, 8)]
+        # c = 1 is Table 2's 34·sbh/t; at c > 1 the kernel's output and log-sum-exp join, all over c
+        assert 7.5 < one.layer_bytes / eight.layer_bytes < 8
+        assert rows[(model, 2)].layer_bytes == 4 * eight.layer_bytes
+        assert one.ring_bytes == 0 and rows[(model, 2)].ring_bytes == 4 * eight.ring_bytes > 0
