@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import statistics
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -25,7 +23,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from recipes.benchmarking.processes import run_on_processes
 
 
 @dataclass(frozen=True)
@@ -156,10 +155,5 @@ def run_context_benchmark(cfg: dict[str, Any], layouts: tuple[Layout, ...] = LAY
                              f"({layout.name}).")
     results = []
     for layout in layouts:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        with tempfile.TemporaryDirectory() as out_dir:
-            mp.start_processes(_worker, args=(layout, port, cfg, out_dir), nprocs=layout.world, start_method="spawn")
-            results.append(ContextResult(**pickle.loads((Path(out_dir) / "result.pkl").read_bytes())))
+        results.append(ContextResult(**run_on_processes(_worker, layout.world, layout, cfg)))
     return results

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import statistics
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -15,10 +13,10 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from recipes.benchmarking.comm_counter import CollectiveCounter
 from recipes.benchmarking.native_tp import NativeBlock, parallelize_native
+from recipes.benchmarking.processes import run_on_processes
 from lightning_seqpar.memory.activations import TransformerShape, layer_activation_bytes
 from lightning_seqpar.memory.tracker import LiveActivationTracker
 from lightning_seqpar.models.gpt import Block, GPTConfig
@@ -164,10 +162,5 @@ def run_layer_benchmark(cfg: dict[str, Any]) -> tuple[dict, list[LayerResult]]:
     for key in ("a", "ffn", "s"):
         if cfg[key] % cfg["tp"]:
             raise ValueError(f"{key}={cfg[key]} is not divisible by tp={cfg['tp']}; pick sizes that split.")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_worker, args=(cfg["tp"], port, cfg, out_dir), nprocs=cfg["tp"], start_method="spawn")
-        meta, rows = pickle.loads((Path(out_dir) / "results.pkl").read_bytes())
+    meta, rows = run_on_processes(_worker, cfg["tp"], cfg["tp"], cfg, "results.pkl")
     return meta, [LayerResult(**r) for r in rows]

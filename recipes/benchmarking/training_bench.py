@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import statistics
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -22,9 +20,9 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from recipes.benchmarking.comm_counter import CollectiveCounter
+from recipes.benchmarking.processes import run_on_processes
 
 KINDS = ("all_reduce", "reduce_scatter", "all_gather", "send")
 
@@ -233,10 +231,5 @@ def run_training_benchmark(cfg: dict[str, Any], rows: tuple[Row, ...] = ROWS,
     for row in rows:
         if only and f"{row.library}: {row.layout}" not in only and row.layout not in only:
             continue
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        with tempfile.TemporaryDirectory() as out_dir:
-            mp.start_processes(_worker, args=(row, port, cfg, out_dir), nprocs=row.world, start_method="spawn")
-            results.append(TrainingResult(**pickle.loads((Path(out_dir) / "result.pkl").read_bytes())))
+        results.append(TrainingResult(**run_on_processes(_worker, row.world, row, cfg)))
     return results

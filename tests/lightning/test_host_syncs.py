@@ -1,6 +1,7 @@
 """No host syncs in the training step: ``aten._local_scalar_dense`` (behind ``.item()``, ``float()``, ``.tolist()`` of
 a tensor) is counted with a dispatch mode around the strategy's training step and backward, every step after the
-first (which exchanges the pipeline's activation shapes once), for tp 2, pp 2 x tp 2 and the interleaved schedule."""
+first (which exchanges the pipeline's activation shapes once), for tp 2, pp 2 x tp 2, the interleaved schedule and
+context parallelism."""
 
 import pytest
 import lightning.pytorch as pl
@@ -15,7 +16,10 @@ pytestmark = pytest.mark.distributed  # starts processes: outside the fast lane
 SCALAR = torch.ops.aten._local_scalar_dense.default
 CASES = {
     2: [Case("gpt", 2, True, "selective"),
-        Case("gpt", 1, True, None, (("n_layer", 4),), (), (("virtual_stages", 2), ("num_microbatches", 4)), 2, batch=4)],
+        Case("gpt", 1, True, None, (("n_layer", 4),), (), (("virtual_stages", 2), ("num_microbatches", 4)), 2, batch=4),
+        Case("gpt", 1, True, None, cp=2),  # context parallel: the ring's transfers, the loss over cp
+        Case("hf", 1, True, None, (("labels", True), ("documents", True), ("padding", True)),
+             strategy=(("cp_comm", "all_to_all"), ("loss_chunk", 2)), cp=2)],  # + masks, documents, chunked loss
     4: [Case("gpt", 2, True, "selective", (), (), (), 2),
         Case("gpt", 1, True, None, (), (), (("zero", 1),), 2)],  # pp 2 x dp 2: buckets reduce-scatter in the schedule
 }
