@@ -34,6 +34,7 @@ _EXPORTS = {
     "SeqParallelStrategy": "lightning_seqpar.lightning.strategy",
     "VocabParallelEmbedding": "lightning_seqpar.tensor_parallel",
     "apply_recompute": "lightning_seqpar.recompute",
+    "context_parallel_batch": "lightning_seqpar.context_parallel",
     "explain": "lightning_seqpar.policies",
     "rewrite": "lightning_seqpar.policies",
     "validate_layout": "lightning_seqpar.parallel.mesh",

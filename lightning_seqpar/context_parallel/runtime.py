@@ -37,7 +37,6 @@ class ContextParallel:
         self.group, self.comm = group, self.check_comm(comm)
         self._current: Optional[ContextParallelBatch] = None
         self._stack: list[Optional[ContextParallelBatch]] = []
-        self.entries = 0  # model-level entries installed (a model without one cannot split its sequence)
 
     @staticmethod
     def check_comm(comm: str) -> str:
@@ -81,10 +80,12 @@ class ContextParallel:
                 tokens and cannot know which positions they are.
         """
         if self._current is None and self.c > 1:
-            raise RuntimeError(f"{where} runs under context parallelism (cp={self.c}) and was called outside the "
-                               f"model's forward: call the whole model (model(input_ids=..., labels=...)), which "
-                               f"splits the sequence over the cp ranks and tells every layer its positions.")
+            raise RuntimeError(f"{where} runs under context parallelism (cp={self.c}) and was called outside a "
+                               f"forward that split the sequence over the cp ranks. A Hugging Face causal LM or the "
+                               f"reference GPT does it when called whole (model(input_ids=..., labels=...)); a model of "
+                               f"your own blocks takes its tokens in `with lightning_seqpar.context_parallel_batch("
+                               f"self, input_ids, labels=...) as part:` (see its docstring).")
         return self._current
 
     def __getstate__(self) -> dict:  # a pickled model describes one rank; no forward is open in a copy
-        return {"group": self.group, "comm": self.comm, "_current": None, "_stack": [], "entries": self.entries}
+        return {"group": self.group, "comm": self.comm, "_current": None, "_stack": []}

@@ -147,6 +147,5 @@ class ContextParallelEntry:
 def install_context_parallel(model: nn.Module, context: ContextParallel, tp_unit: int, name: str) -> None:
     """Run ``model`` (a Hugging Face causal LM) on this cp rank's tokens (see the module docstring)."""
     entry = ContextParallelEntry(context, tp_unit, name or type(model).__name__)
-    context.entries += 1
     model.register_forward_pre_hook(entry.before, with_kwargs=True)
     model.register_forward_hook(entry.after, with_kwargs=True, always_call=True)

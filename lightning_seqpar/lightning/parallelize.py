@@ -80,8 +80,7 @@ def parallelize(model: torch.nn.Module, mesh: ParallelMesh, device: torch.device
 
     Raises:
         ValueError: from the rewrite (nothing recognized, shapes that do not split) or the pipeline split, before
-            any rank has changed its model; under context parallelism, a model with neither a Hugging Face causal LM
-            nor the reference GPT (the entries that split the sequence over the cp ranks).
+            any rank has changed its model.
     """
     # The single-device model stays where it was built; only its shards move to the device afterwards.
     broadcast_module(model, device)
@@ -99,11 +98,6 @@ def parallelize(model: torch.nn.Module, mesh: ParallelMesh, device: torch.device
     # (a vocabulary-parallel embedding is no nn.Embedding); the paths stay the same.
     placement = pipeline_placement(model, policies) if pipeline.enabled else {}
     plan = rewrite(model, ctx, policies, verify)
-    if mesh.cp > 1 and not context.entries:
-        raise ValueError(f"Context parallelism (cp={mesh.cp}) splits the sequence where a Hugging Face causal LM or "
-                         f"the reference GPT is called (model(input_ids=..., labels=...)); {type(model).__name__} "
-                         f"holds neither. A model of declared blocks or torch's encoder layers trains without cp "
-                         f"(use tp, pp): its own forward would have to take each rank's tokens and positions.")
     steps, remote_keys = None, []
     if pipeline.enabled:  # embeddings on the first stage, final norm and head on the last, where a policy says so
         steps, remote_keys = PipelinedSteps.build(model, pipeline, mesh.pipeline, device, placement)

@@ -66,8 +66,6 @@ class ParallelGPT(Sampling, LayerStack):
         nn.Module.__init__(self)
         self.config, self.group, self.sp = gpt.config, ctx.group, ctx.sp
         self.context = ctx.context if ctx.cp > 1 else None
-        if self.context is not None:  # this model splits its own sequence over the cp ranks
-            self.context.entries += 1
         self.loss_parallel = ctx.loss_parallel
         self.rng_tracker = ctx.rng_tracker
         old = gpt.transformer

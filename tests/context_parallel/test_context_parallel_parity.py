@@ -6,20 +6,24 @@ cp 2 × dp 2 with the distributed optimizer; eager (blocks op by op) and SDPA (b
 returns the log-sum-exp); padding, explicit positions, sliding windows (full and
 window layers mixed), soft-capping, packed documents (position ids restarting at 0; on one cp rank too, where the
 one-process reference is given the documents' 4-D mask); labels of -100 spread unevenly over the cp ranks (the loss stays the token-weighted
-mean of one process); the reference GPT (learned positions, label smoothing); the LM head and loss over chunks of the sequence (``loss_chunk``, final-logit soft-caps and
+mean of one process); the reference GPT (learned positions, label smoothing); a model of declared blocks whose step
+takes its share with ``context_parallel_batch``; the LM head and loss over chunks of the sequence (``loss_chunk``, final-logit soft-caps and
 scales included); Llama (grouped-query attention), Qwen3 (per-head q/k norms), GPT-2 (learned positions), Gemma 2;
 selective and full recomputation.
 """
 
 import pytest
 
-from tests.helpers.parity import Case, all_cases, assert_matches_single_process, case_id, relative_error_below, run_cases
+from tests.helpers.distributed import run_distributed
+from tests.helpers.parity import Case, all_cases, assert_matches_single_process, case_id, fit, relative_error_below, run_cases
+from tests.helpers.user_block import POLICY
 
 pytestmark = pytest.mark.distributed  # starts processes: outside the fast lane
 
 LABELS = (("labels", True),)
 A2A = (("cp_comm", "all_to_all"),)
 PADDED = (("padding", True), ("ignored_labels", "padding"))  # collators label padding -100
+DECLARED = (("policies", (POLICY,)),)  # a user's own block, declared; its step takes its share of the batch
 
 CASES = {
     2: [
@@ -48,6 +52,7 @@ CASES = {
         Case("hf", 1, True, None, LABELS + (("family", "gemma3"),), cp=2),         # local/global rotary, window layers
         Case("gpt", 1, True, None, cp=2),                                          # the reference GPT: label smoothing
         Case("gpt", 1, True, "selective", strategy=A2A + (("loss_parallel", False),), cp=2),
+        Case("nano_cp", 1, True, None, strategy=DECLARED, cp=2),                   # declared blocks
     ],
     4: [
         Case("hf", 2, True, None, LABELS, cp=2),                                   # tp 2 × cp 2, SP
@@ -64,6 +69,8 @@ CASES = {
         Case("hf", 2, True, None, LABELS + (("attn_implementation", "sdpa"), ("documents", True)), cp=2),  # fused
         Case("gpt", 2, True, None, cp=2),
         Case("gpt", 1, True, None, pp=2, cp=2),
+        Case("nano_cp", 2, True, "selective", strategy=DECLARED, cp=2),
+        Case("nano_cp", 1, True, None, strategy=DECLARED + A2A, cp=4),
     ],
 }
 
@@ -81,3 +88,16 @@ def test_context_parallel_training_matches_one_process(world_case):
     world_size, case = world_case
     assert_matches_single_process(_per_rank(world_size), case, world_size, loss_rtol=1e-6, loss_atol=1e-8,
                                   grad_matches=relative_error_below(1e-4))
+
+
+def _without_its_share(rank, world_size):
+    try:
+        fit(Case("nano", 1, True, None, strategy=DECLARED, cp=2), world_size)
+    except RuntimeError as error:
+        return str(error)
+    return None
+
+
+def test_a_model_of_declared_blocks_that_does_not_take_its_share_is_refused_at_its_first_forward():
+    for message in run_distributed(_without_its_share, 2):
+        assert message is not None and "context_parallel_batch(self, input_ids, labels=...)" in message

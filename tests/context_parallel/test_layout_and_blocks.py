@@ -110,7 +110,7 @@ def test_refusals_name_the_numbers_and_the_fix():
         SeqParallelStrategy(cp=0)
     with pytest.raises(ValueError, match=r"not divisible by tp·cp·pp = 2·2·1 = 4"):
         validate_layout(6, 2, 1, 2)
-    with pytest.raises(RuntimeError, match="called outside the model's forward"):
+    with pytest.raises(RuntimeError, match="called outside a forward that split the sequence"):
         ContextParallel(ParallelGroup.virtual(2)).layout("A layer")
 
 

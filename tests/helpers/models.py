@@ -93,6 +93,10 @@ def build(kind: str, **kwargs) -> pl.LightningModule:
         from tests.helpers.user_block import NanoLM
 
         return NanoLM(**kwargs)
+    if kind == "nano_cp":
+        from tests.helpers.user_block import NanoLMContextParallel
+
+        return NanoLMContextParallel(**kwargs)
     return gpt_module(**kwargs) if kind == "gpt" else EncoderLM(**kwargs)
 
 
