@@ -105,7 +105,7 @@ def layer_activation_terms(
     sbh = s * b * h
     split = t if sequence_parallel else 1  # SP divides the replicated region by t
     if recompute == "full":
-        return {"layer input": e * sbh / split}
+        return {"layer input": e * sbh / (split * c)}
     terms = {
         # replicated under TP (Eq. 2's 10·sbh), split along s under SP
         "LN1 input": e * sbh / split,

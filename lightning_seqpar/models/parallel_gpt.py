@@ -167,7 +167,7 @@ class ParallelGPT(Sampling, LayerStack):
                 first = self.group.rank * shard if self.sp else 0
                 pos = mine[first:first + shard]  # the tokens' true positions
                 x = self.transformer.drop(x + self.transformer.wpe(pos).unsqueeze(1))
-            x = run_layers(self.transformer.h, x, self.recompute_chunks, self.rng_tracker)
+            x = run_layers(self.transformer.h, x, self.recompute_chunks, self.rng_tracker, self.context)
         logits = self.lm_head(self.transformer.ln_f(x))  # [s/c, b, v'/t]
         local = targets[:, mine]
         count = (targets != -1).sum().clamp(min=1)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn as nn
 
+from lightning_seqpar.context_parallel import ContextParallel
 from lightning_seqpar.memory.activations import Recompute, TransformerShape, layer_activation_terms
 from lightning_seqpar.memory.tracker import LiveActivationTracker, StorageRecord
 from lightning_seqpar.models.gpt import GPT, GPTConfig
@@ -76,6 +78,8 @@ def measure_gpt_layer(
     layers: int = 3,
     seed: int = 0,
     autocast: bool = False,
+    context: Optional[ParallelGroup] = None,
+    comm: str = "ring",
 ) -> LayerMeasurement:
     """Build the reference GPT, rewrite it for ``group``, and measure a middle layer's activations.
 
@@ -85,14 +89,20 @@ def measure_gpt_layer(
 
     ``dtype``: the parameters' and activations' dtype; with ``autocast=True`` the parameters stay float32 and the
     passes run under CPU autocast to ``dtype`` (Lightning's ``bf16-mixed``) with the residual stream cast to it
-    (:func:`~lightning_seqpar.transformer.residual.cast_residual_stream`).
+    (:func:`~lightning_seqpar.transformer.residual.cast_residual_stream`). ``context``: a context-parallel group
+    (collective over it too; ``comm`` its attention): the layer keeps the rank's ``s/c`` tokens, and attention
+    probabilities are not dropped (context-parallel attention refuses it; the residual dropouts stay).
     """
     torch.manual_seed(seed)
     config = GPTConfig(vocab_size=256, block_size=shape.s, n_layer=layers, n_head=shape.a, n_embd=shape.h,
                        dropout=dropout, ffn_hidden_size=shape.ffn_hidden_size)
     root = _Root(GPT(config))
+    if context is not None:
+        for block in root.gpt.transformer.h:
+            block.attn.core_attention.dropout = 0.0
     tracker_rng = RNGTracker.for_tensor_parallel(seed, group.rank)
-    rewrite(root, RewriteContext(group, sequence_parallel, tracker_rng, loss_parallel=True))
+    cp = ContextParallel(context, comm) if context is not None else None
+    rewrite(root, RewriteContext(group, sequence_parallel, tracker_rng, loss_parallel=True, context=cp))
     model = root.gpt.to(torch.float32 if autocast else dtype).train()
     if autocast:
         cast_residual_stream(rewritten_layers(model))
@@ -107,5 +117,6 @@ def measure_gpt_layer(
     measured = sum(r.nbytes for r in records)
     del loss
     terms = layer_activation_terms(shape, group.size, sequence_parallel and group.size > 1, recompute,
-                                   bytes_per_element=torch.finfo(dtype).bits // 8)
+                                   bytes_per_element=torch.finfo(dtype).bits // 8,
+                                   c=context.size if context is not None else 1)
     return LayerMeasurement(group.size, sequence_parallel and group.size > 1, recompute, measured, terms, records)

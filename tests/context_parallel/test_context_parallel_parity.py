@@ -51,6 +51,7 @@ CASES = {
         Case("hf", 2, True, None, (("family", "gemma2"),), strategy=(("loss_chunk", 3),)),  # .logits read: computed whole
         Case("hf", 1, True, None, LABELS + (("family", "gemma3"),), cp=2),         # local/global rotary, window layers
         Case("gpt", 1, True, None, cp=2),                                          # the reference GPT: label smoothing
+        Case("gpt", 1, True, "full", strategy=A2A, cp=2),                          # layers recomputed in backward
         Case("gpt", 1, True, "selective", strategy=A2A + (("loss_parallel", False),), cp=2),
         Case("nano_cp", 1, True, None, strategy=DECLARED, cp=2),                   # declared blocks
     ],
