@@ -20,7 +20,8 @@ pytestmark = pytest.mark.distributed  # starts processes: outside the fast lane
 LOW_PRECISION_RESIDUAL = (("low_precision_residual", True),)
 CASES = [Case("gpt", 2, True, "selective"), Case("encoder", 2, True, "selective"), Case("gpt", 2, False, None),
          Case("gpt", 2, True, "selective", strategy=LOW_PRECISION_RESIDUAL),
-         Case("hf", 2, True, None, model=(("labels", True),), strategy=LOW_PRECISION_RESIDUAL)]
+         Case("hf", 2, True, None, model=(("labels", True),), strategy=LOW_PRECISION_RESIDUAL),
+         Case("gpt", 1, True, None, cp=2), Case("hf", 1, True, None, model=(("labels", True),), cp=2)]  # context parallel
 # precision: (reference kwargs, parameter dtype, loss atol, gradient bound at step 0, at later steps)
 PRECISIONS = {
     "bf16-mixed": (dict(dtype=torch.float32, autocast=torch.bfloat16), torch.float32, 1e-2, 0.03, 0.12),
@@ -57,7 +58,7 @@ def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 def _run_id(run):
     p, c = run
     return (f"{p}-{c.kind}-{'sp' if c.sequence_parallel else 'nosp'}-{c.recompute}{''.join(f'-{k}' for k, _ in c.model)}"
-            f"{'-low_precision_residual' if c.strategy else ''}")
+            f"{'-low_precision_residual' if c.strategy else ''}{f'-cp{c.cp}' if c.cp > 1 else ''}")
 
 
 @pytest.mark.parametrize("precision, case", RUNS, ids=[_run_id(r) for r in RUNS])
