@@ -53,16 +53,21 @@ def auto_layout_of(layout: Union[None, str, AutoLayout, dict], tp: Any, pp: int,
     """The strategy's ``layout`` argument as an :class:`AutoLayout` (``None``: the ``tp``/``pp`` given, checked).
 
     Raises:
-        ValueError: ``layout="auto"`` without the run's shapes (the fix: ``AutoLayout(seq_len=..., batch_size=...)``),
+        ValueError: ``layout="auto"`` or ``tp="auto"`` without the run's shapes (the fix:
+            ``layout=AutoLayout(seq_len=..., batch_size=...)``: Lightning sets up the data after the process groups),
             an unknown ``layout``, ``tp``/``pp`` given with it, or ``tp``/``pp`` that are not positive integers.
     """
+    if layout is None and tp == "auto":
+        layout = "auto"  # the same request, spelled on tp
+        tp = 1
     if layout is None:
         ints = all(isinstance(v, int) for v in (tp, pp, cp))
         validate_layout(tp * pp * cp if ints else 1, tp, pp, cp)
         return None
     if layout == "auto":
-        raise ValueError("layout='auto' plans for the run's shapes: pass layout=AutoLayout(seq_len=S, batch_size=B) "
-                         "(B: the train loader's batch size, per data-parallel rank).")
+        raise ValueError("layout='auto' (or tp='auto') plans for the run's shapes, which Lightning sets up only after the "
+                         "process groups exist: pass layout=AutoLayout(seq_len=S, batch_size=B) (B: the train loader's "
+                         "batch size, per data-parallel rank); recipe: strategy=auto.")
     if isinstance(layout, dict):
         layout = AutoLayout(**{k: tuple(v) if k == "micro_batches" else v for k, v in layout.items()})
     if not isinstance(layout, AutoLayout):

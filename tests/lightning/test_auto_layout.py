@@ -69,6 +69,8 @@ def test_a_budget_chooses_the_best_layout_that_fits_and_it_trains():
 def test_layout_auto_names_what_it_needs():
     with pytest.raises(ValueError, match=r"layout=AutoLayout\(seq_len=S, batch_size=B\)"):
         auto_layout_of("auto", 1, 1)
+    with pytest.raises(ValueError, match=r"or tp='auto'.*layout=AutoLayout\(seq_len=S, batch_size=B\)"):
+        SeqParallelStrategy(tp="auto")
     with pytest.raises(ValueError, match="chooses tp and pp; got tp=2"):
         auto_layout_of(AutoLayout(8, 4), 2, 1)
     with pytest.raises(ValueError, match="headroom"):
