@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from recipes.benchmarking.processes import run_on_processes
+from recipes.benchmarking.processes import run_on_processes, worker_device
 
 
 @dataclass(frozen=True)
@@ -125,14 +125,8 @@ def _run(layout: Layout, cfg: dict[str, Any], device: torch.device, out_dir: str
 
 
 def _worker(local_rank: int, layout: Layout, port: int, cfg: dict[str, Any], out_dir: str) -> None:
-    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= layout.world
-    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if cuda:
-        torch.cuda.set_device(device)
-    else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // layout.world))
-    dist.init_process_group("nccl" if cuda else "gloo", rank=local_rank, world_size=layout.world)
+    device = worker_device(local_rank, layout.world, port)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=local_rank, world_size=layout.world)
     try:
         _run(layout, cfg, device, out_dir)
         dist.barrier()

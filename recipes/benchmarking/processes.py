@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import pickle
 import socket
 import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
 import torch.multiprocessing as mp
 
 
@@ -21,3 +23,16 @@ def run_on_processes(worker: Callable[..., None], world: int, what: Any, cfg: di
     with tempfile.TemporaryDirectory() as out_dir:
         mp.start_processes(worker, args=(what, port, cfg, out_dir), nprocs=world, start_method="spawn")
         return pickle.loads((Path(out_dir) / result).read_bytes())
+
+
+def worker_device(local_rank: int, world: int, port: int) -> torch.device:
+    """In a worker: the rendezvous address, and this rank's device (its GPU when there are ``world`` of them, where it
+    becomes the current one; else the CPU, with the cores shared among the ranks)."""
+    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if cuda:
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    return device

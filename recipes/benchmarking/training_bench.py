@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from recipes.benchmarking.comm_counter import CollectiveCounter
-from recipes.benchmarking.processes import run_on_processes
+from recipes.benchmarking.processes import run_on_processes, worker_device
 
 KINDS = ("all_reduce", "reduce_scatter", "all_gather", "send")
 
@@ -195,14 +195,10 @@ def _native(row: Row, cfg: dict[str, Any], device: torch.device, out_dir: str) -
 
 
 def _worker(local_rank: int, row: Row, port: int, cfg: dict[str, Any], out_dir: str) -> None:
-    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= row.world
-    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(local_rank),
-                      LOCAL_RANK=str(local_rank), WORLD_SIZE=str(row.world), LOCAL_WORLD_SIZE=str(row.world))
-    if cuda:
-        torch.cuda.set_device(device)
-    else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // row.world))
+    device = worker_device(local_rank, row.world, port)
+    cuda = device.type == "cuda"
+    os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(row.world),
+                      LOCAL_WORLD_SIZE=str(row.world))
     if row.library == "lightning_seqpar":  # launched like torchrun: the strategy starts the process group
         _ours(row, cfg, device, out_dir)
         return
