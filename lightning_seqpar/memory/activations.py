@@ -81,8 +81,9 @@ def layer_activation_terms(
 
     With context parallelism (``c > 1``) every term is of the rank's ``s/c`` tokens, and core attention runs block by
     block (:mod:`lightning_seqpar.context_parallel`): instead of the ``5as²b/t`` terms it keeps its output and the
-    float32 log-sum-exp of each query, ``e·sbh/(tc) + 4·asb/(tc)``, whatever the recomputation. Under SP the layer
-    then keeps ``(34 + 1)·sbh/(tc) + 4asb/(tc)``: Table 2's selective row divided by c, plus the kernel's terms.
+    float32 log-sum-exp of each query, ``e·sbh/(tc) + 4·asb/(tc)`` (full recomputation: the layer input ÷ c). Under SP the layer
+    then keeps ``(34 + 2)·sbh/(tc) + 4asb/(tc)`` with 16-bit activations: Table 2's selective row divided by c, plus the
+    kernel's output (``e·sbh/(tc)``) and log-sum-exp.
 
     Args:
         shape: s, b, h, a, f (L and v are not used).
