@@ -69,13 +69,22 @@ def _replace(root: nn.Module, path: str, module: nn.Module) -> None:
 
 class CausalLMLoss:
     """transformers' causal-LM loss (``ForCausalLMLoss``) on vocabulary-sharded logits; ``original`` (the model's
-    own loss function) for any other logits. An object, not a closure: the model stays picklable."""
+    own loss function) for any other logits. An object, not a closure: the model stays picklable.
 
-    def __init__(self, original: Callable[..., Tensor]) -> None:
-        self.original = original
+    ``context_parallel``: the model runs on one cp rank's tokens, whose labels only the model's entry can shift (over
+    the whole row); a call without ``shift_labels`` (a model that does not pass its keyword arguments on to its loss)
+    would shift them within the rank's chunks, and is refused.
+    """
+
+    def __init__(self, original: Callable[..., Tensor], context_parallel: bool = False) -> None:
+        self.original, self.context_parallel = original, context_parallel
 
     def __call__(self, logits: Tensor, labels: Tensor, vocab_size: int, num_items_in_batch: Optional[Tensor] = None,
                  ignore_index: int = -100, shift_labels: Optional[Tensor] = None, **kwargs: Any) -> Tensor:
+        if self.context_parallel and shift_labels is None:
+            raise ValueError("Under context parallelism the model's loss was called without shift_labels=: its forward "
+                             "does not pass its keyword arguments on to loss_function, so the labels of this rank's "
+                             "chunks would be shifted within them. Train this model without cp.")
         if not isinstance(logits, VocabShardedLogits):
             return self.original(logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
                                  ignore_index=ignore_index, shift_labels=shift_labels, **kwargs)
@@ -178,8 +187,8 @@ class HFVocabularyPolicy(ModelPolicy):
 
         _replace(module, head_path, parallel_lm_head(old_head, embedding, ctx, f"{prefix}{head_path}", tied=tied,
                                                      wrap_logits=True, loss_chunk=ctx.loss_chunk))
-        if ctx.loss_parallel:
-            module.loss_function = CausalLMLoss(module.loss_function)
+        if ctx.loss_parallel or ctx.cp > 1:  # cp: the loss is checked to get the labels shifted over the whole row
+            module.loss_function = CausalLMLoss(module.loss_function, context_parallel=ctx.cp > 1)
         if ctx.context is not None:  # each cp rank runs the model on its own tokens
             install_context_parallel(module, ctx.context, ctx.tp if ctx.sp else 1, name)
         return module

@@ -162,3 +162,12 @@ def test_the_recipe_strategy_group_builds_a_context_parallel_strategy():
     strategy = SeqParallelStrategy(**OmegaConf.to_container(cfg.strategy, resolve=True))
     assert (strategy.tp, strategy.cp, strategy.cp_comm) == (2, 2, "all_to_all")
     assert cfg.model.block_size % (2 * strategy.cp * strategy.tp) == 0  # the published block splits
+
+
+def test_a_loss_called_without_the_labels_shifted_over_the_whole_row_is_refused_under_context_parallelism():
+    module = _rewritten()
+    loss = module.model.loss_function
+    logits, labels = torch.zeros(1, 4, 13), torch.zeros(1, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match="called without shift_labels="):
+        loss(logits, labels, 13)
+    assert torch.isfinite(loss(logits, labels, 13, shift_labels=labels))  # as the model's entry calls it
