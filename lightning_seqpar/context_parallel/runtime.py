@@ -54,13 +54,14 @@ class ContextParallel:
         return self.group.size
 
     @contextmanager
-    def forward_of(self, layout: ContextParallelBatch) -> Iterator[ContextParallelBatch]:
-        """Open ``layout`` for the layers of the forward run inside (nested forwards restore the outer one)."""
-        outer, self._current = self._current, layout
+    def forward_of(self, layout: Optional[ContextParallelBatch]) -> Iterator[Optional[ContextParallelBatch]]:
+        """:meth:`open` ``layout`` for the block inside, :meth:`close` after it (nested forwards restore the outer
+        one)."""
+        self.open(layout)
         try:
             yield layout
         finally:
-            self._current = outer
+            self.close()
 
     def open(self, layout: Optional[ContextParallelBatch]) -> None:
         """Open ``layout`` until :meth:`close` (a model's forward pre-hook and forward hook); ``None`` (one cp rank

@@ -58,6 +58,7 @@ class ContextParallelEntry:
 
     def __init__(self, context: ContextParallel, tp_unit: int, name: str) -> None:
         self.context, self.tp_unit, self.name = context, tp_unit, name
+        self._signature: Optional[inspect.Signature] = None
 
     def before(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Name every argument, then take this rank's tokens (see the module docstring).
@@ -67,7 +68,9 @@ class ContextParallelEntry:
                 ``logits_to_keep`` other than 0.
             ValueError: a sequence length that does not split into ``2·c·t`` (:func:`check_context_length`).
         """
-        call = dict(inspect.signature(type(module).forward).bind(module, *args, **kwargs).arguments)
+        if self._signature is None:  # once: binding is on every forward's path
+            self._signature = inspect.signature(type(module).forward)
+        call = dict(self._signature.bind(module, *args, **kwargs).arguments)
         call.pop("self", None)
         call.update(call.pop("kwargs", {}) or {})
         if self.context.c == 1:
@@ -139,9 +142,6 @@ class ContextParallelEntry:
         if loss is not None:
             output.loss = sum_over_context(loss, self.context.group)
         return output
-
-    def __getstate__(self) -> dict:
-        return dict(self.__dict__)
 
 
 def install_context_parallel(model: nn.Module, context: ContextParallel, tp_unit: int, name: str) -> None:
