@@ -150,19 +150,70 @@ def destroy_library(library: Any) -> None:
     library._destroy()
 
 
-def flash_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
-                             mask: Optional[torch.Tensor], scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The fused CPU attention kernel that returns the log-sum-exp of each query's scores (``[b, a, s]``) with the
-    output: what a ring merges blocks by. ``aten._scaled_dot_product_flash_attention_for_cpu`` (private, torch 2.13);
-    ``mask`` additive, broadcastable to ``[b, a, s, s_k]``."""
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, attn_mask=mask,
-                                                                       scale=scale)
+def fused_attention_supported(q: torch.Tensor) -> bool:
+    """Whether :func:`fused_attention_with_lse` has a kernel for ``q`` ``[b, a, n, d]``: SDPA's flash kernel on CPU
+    (any floating dtype); on CUDA the memory-efficient kernel, the one of SDPA's CUDA kernels that takes an additive
+    mask and returns the log-sum-exp (16/32-bit, ``d`` a multiple of 8)."""
+    if q.device.type == "cpu":
+        return True
+    return q.dtype in (torch.float16, torch.bfloat16, torch.float32) and q.shape[-1] % 8 == 0
 
 
-def flash_attention_backward(d_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                             out: torch.Tensor, lse: torch.Tensor, is_causal: bool, mask: Optional[torch.Tensor],
+_BIAS_ALIGNMENT = 16
+"""The memory-efficient kernel reads its bias in 128-bit rows: every stride but the last a multiple of 8 (16-bit) or
+4 (32-bit) elements. torch's SDPA pads the last dimension to 16 and slices it back (``preprocess_mask``)."""
+
+
+def _efficient_bias(allowed: Optional[torch.Tensor], q: torch.Tensor, keys: int) -> Optional[torch.Tensor]:
+    """``allowed`` ``[b, n, n_k]`` (bool) as the kernel's additive bias ``[b, a, n, n_k]`` in q's dtype: the dtype's
+    lowest finite value where masked, not ``-inf``, so a query row that sees nothing stays finite (its weight is
+    removed by the caller through its log-sum-exp) instead of NaN."""
+    if allowed is None:
+        return None
+    b, n, _ = allowed.shape
+    padded = -(-keys // _BIAS_ALIGNMENT) * _BIAS_ALIGNMENT
+    bias = torch.zeros((b, 1, n, padded), dtype=q.dtype, device=q.device)
+    bias[..., :keys].masked_fill_(~allowed[:, None], torch.finfo(q.dtype).min)
+    return bias[..., :keys].expand(b, q.shape[1], n, keys)
+
+
+def fused_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
+                             allowed: Optional[torch.Tensor], scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fused attention kernel that returns, with the output ``[b, a, n, d]``, the log-sum-exp of each query's scores
+    ``[b, a, n]`` (float32, or float64 on CPU for float64 inputs): what a ring merges blocks by. ``allowed``
+    ``[b, n, n_k]`` (bool, or ``None``) is the block's mask; a query row with no allowed key gets an arbitrary
+    finite output and lse that the caller must discard.
+
+    - CPU: ``aten._scaled_dot_product_flash_attention_for_cpu`` (private, torch 2.13), additive ``-inf`` mask.
+    - CUDA: ``aten._scaled_dot_product_efficient_attention`` with ``compute_log_sumexp`` (its lse is padded to a
+      multiple of 32 queries; sliced here). SDPA's CUDA flash kernel takes no mask, so it serves no masked block.
+    """
+    if q.device.type == "cpu":
+        mask = None if allowed is None else torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(
+            ~allowed, float("-inf"))[:, None]
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, attn_mask=mask,
+                                                                           scale=scale)
+    out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, k, v, _efficient_bias(allowed, q, k.shape[2]), True, 0.0, is_causal, scale=scale)
+    return out, lse[..., :q.shape[2]]
+
+
+def fused_attention_backward(d_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             out: torch.Tensor, lse: torch.Tensor, is_causal: bool, allowed: Optional[torch.Tensor],
                              scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The gradients of q, k, v of :func:`flash_attention_with_lse` for the given (final) output and log-sum-exp
-    (``aten._scaled_dot_product_flash_attention_for_cpu_backward``)."""
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        d_out, q, k, v, out, lse, 0.0, is_causal, attn_mask=mask, scale=scale)
+    """The gradients of q, k, v of :func:`fused_attention_with_lse` for the given (final) output ``[b, a, n, d]`` and
+    log-sum-exp ``[b, a, n]`` (``aten._scaled_dot_product_flash_attention_for_cpu_backward`` on CPU,
+    ``aten._scaled_dot_product_efficient_attention_backward`` on CUDA: no dropout, so its random-state tensors are
+    the empty scalars its forward returns without dropout)."""
+    if q.device.type == "cpu":
+        mask = None if allowed is None else torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(
+            ~allowed, float("-inf"))[:, None]
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            d_out, q, k, v, out, lse, 0.0, is_causal, attn_mask=mask, scale=scale)
+    n = q.shape[2]
+    lse = torch.nn.functional.pad(lse.float(), (0, -(-n // 32) * 32 - n)).contiguous()  # the kernel's padded layout
+    no_rng = torch.empty((), dtype=torch.long)
+    d_q, d_k, d_v, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        d_out, q, k, v, _efficient_bias(allowed, q, k.shape[2]), out, lse, no_rng, no_rng, 0.0,
+        [True, True, True, False], is_causal, scale=scale)
+    return d_q, d_k, d_v

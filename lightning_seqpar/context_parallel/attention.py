@@ -24,6 +24,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
+from lightning_seqpar._compat import fused_attention_supported
 from lightning_seqpar.context_parallel.blocks import accumulation_dtype, attend, attend_backward
 from lightning_seqpar.context_parallel.layout import ContextParallelBatch
 
@@ -159,8 +160,9 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, layout: ContextP
     and v are cast to its dtype first (the dtype its matmuls would use), so the ring and the all-to-all move 16-bit
     tensors, and the blocks run outside autocast, accumulating in float32.
 
-    ``fused``: compute each block with the fused CPU kernel that returns the log-sum-exp (SDPA's flash kernel for
-    CPU) instead of op by op; with a soft-cap, or on another device, the blocks run op by op.
+    ``fused``: compute each block with a fused kernel that returns the log-sum-exp (SDPA's flash kernel on CPU, its
+    memory-efficient kernel on CUDA) instead of op by op; with a soft-cap, or where no such kernel takes q (float64
+    on CUDA, a head size not a multiple of 8), the blocks run op by op.
 
     Raises:
         ValueError: all-to-all with head counts that do not divide by c (:func:`check_all_to_all_heads`).
@@ -169,7 +171,7 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, layout: ContextP
     if torch.is_autocast_enabled(device):  # what the attention's matmuls would take: 16-bit over the wire, not float32
         dtype = torch.get_autocast_dtype(device)
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    fused = fused and softcap is None and device == "cpu"  # the fused kernel has no soft-cap; CUDA: op by op
+    fused = fused and softcap is None and fused_attention_supported(q)  # the fused kernels have no soft-cap
     with torch.autocast(device, enabled=False):  # the blocks accumulate in float32 (blocks.accumulation_dtype)
         return _attention(q, k, v, layout, scale, softcap, fused)
 

@@ -11,8 +11,9 @@ Shapes (local to one call): q ``[b, a, m·n, d]`` holding ``m`` chunks of ``n`` 
 softmax and accumulators are in float32 (or float64 for float64 inputs).
 
 A block is computed either op by op (the explicit core attention: scores, mask, log-sum-exp, ``· V``) or, with
-``fused``, by the fused CPU kernel that returns the log-sum-exp (``_compat.flash_attention_with_lse``) and its backward
-given the final output and log-sum-exp; a query with no key to see in a masked block gets ``lse = -inf`` either way.
+``fused``, by a fused kernel that returns the log-sum-exp (``_compat.fused_attention_with_lse``: SDPA's flash kernel
+on CPU, its memory-efficient kernel on CUDA) and its backward given the final output and log-sum-exp; a query with no
+key to see in a masked block gets ``lse = -inf`` either way.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from lightning_seqpar._compat import flash_attention_backward, flash_attention_with_lse
+from lightning_seqpar._compat import fused_attention_backward, fused_attention_with_lse
 from lightning_seqpar.context_parallel.layout import ContextParallelBatch
 
 
@@ -60,16 +61,13 @@ def _finite(lse: Tensor) -> Tensor:
     return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
 
 
-def _fused_inputs(layout: ContextParallelBatch, qc: int, kc: int, allowed: Optional[Tensor],
-                  dtype: torch.dtype) -> tuple[bool, Optional[Tensor]]:
-    """``(is_causal, additive mask)`` of a block for the fused kernel: a diagonal block with nothing but causality
-    is the kernel's own causal case; any other mask goes in additive."""
+def _fused_inputs(layout: ContextParallelBatch, qc: int, kc: int, allowed: Optional[Tensor]
+                  ) -> tuple[bool, Optional[Tensor]]:
+    """``(is_causal, mask)`` of a block for the fused kernel: a diagonal block with nothing but causality is the
+    kernel's own causal case; any other mask goes in as the block's ``allowed`` mask."""
     if qc == kc and layout.documents is None and layout.padding is None and layout.window is None:
         return True, None
-    if allowed is None:
-        return False, None
-    return False, torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
-        ~allowed, float("-inf"))[:, None]
+    return False, allowed
 
 
 def attend(q: Tensor, q_chunks: Sequence[int], k: Tensor, v: Tensor, k_chunks: Sequence[int],
@@ -87,10 +85,10 @@ def attend(q: Tensor, q_chunks: Sequence[int], k: Tensor, v: Tensor, k_chunks: S
             k_blk = _expand(k[:, :, j * n:(j + 1) * n], heads)
             v_blk = _expand(v[:, :, j * n:(j + 1) * n], heads)
             if fused:
-                causal, mask = _fused_inputs(layout, qc, kc, allowed, q.dtype)
-                blk_out, blk_lse = flash_attention_with_lse(q_blk, k_blk, v_blk, causal, mask, scale)
+                causal, mask = _fused_inputs(layout, qc, kc, allowed)
+                blk_out, blk_lse = fused_attention_with_lse(q_blk, k_blk, v_blk, causal, mask, scale)
                 blk_out, blk_lse = blk_out.to(acc), blk_lse.to(acc)
-                if mask is not None:  # the kernel gives a query that sees nothing lse 0: it has no weight
+                if mask is not None:  # a query that sees nothing gets a finite lse from the kernel: it has no weight
                     blk_lse = blk_lse.masked_fill(~allowed.any(-1)[:, None], float("-inf"))
             else:
                 scores, _ = _scores(q_blk.to(acc), k_blk.to(acc), scale, softcap, allowed)
@@ -122,9 +120,9 @@ def attend_backward(q: Tensor, q_chunks: Sequence[int], k: Tensor, v: Tensor, k_
             cols = slice(j * n, (j + 1) * n)
             if fused is not None:
                 out, d_out_native = fused
-                causal, mask = _fused_inputs(layout, qc, kc, allowed, q.dtype)
+                causal, mask = _fused_inputs(layout, qc, kc, allowed)
                 k_blk, v_blk = _expand(k[:, :, cols], heads), _expand(v[:, :, cols], heads)
-                d_q, d_k, d_v = flash_attention_backward(
+                d_q, d_k, d_v = fused_attention_backward(
                     d_out_native[:, :, rows], q[:, :, rows], k_blk, v_blk, out[:, :, rows],
                     lse_blk[..., 0].to(lse.dtype), causal, mask, scale)
                 dq[:, :, rows] += d_q.to(acc)

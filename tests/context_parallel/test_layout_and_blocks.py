@@ -90,6 +90,48 @@ def test_a_query_with_no_key_to_see_gives_zeros_not_nan(fused):
     assert all(torch.isfinite(x.grad).all() for x in (q, k, v))
 
 
+def test_the_cuda_kernel_calls_match_torchs_operator_schemas_and_shapes():
+    """The CUDA branch of the fused kernel (SDPA's memory-efficient kernel, the one that takes a mask and returns the
+    log-sum-exp), run on meta tensors: torch's meta kernels check the arguments and give the shapes a GPU would."""
+    from lightning_seqpar._compat import fused_attention_backward, fused_attention_supported, fused_attention_with_lse
+
+    b, a, n, d = 2, 4, 40, 16  # n not a multiple of 32 (the kernel's lse padding) nor of 16 (the bias alignment)
+    for dtype in (torch.bfloat16, torch.float32):
+        q, k, v = (torch.empty(b, a, n, d, dtype=dtype, device="meta") for _ in range(3))
+        assert fused_attention_supported(q)
+        for allowed in (None, torch.ones(b, n, n, dtype=torch.bool, device="meta")):
+            out, lse = fused_attention_with_lse(q, k, v, allowed is None, allowed, 0.5)
+            assert out.shape == (b, a, n, d) and out.dtype == dtype
+            assert lse.shape == (b, a, n) and lse.dtype == torch.float32
+            grads = fused_attention_backward(out, q, k, v, out, lse, allowed is None, allowed, 0.5)
+            assert [g.shape for g in grads] == [(b, a, n, d)] * 3 and all(g.dtype == dtype for g in grads)
+    assert not fused_attention_supported(torch.empty(1, 1, 4, 16, dtype=torch.float64, device="meta"))
+    assert not fused_attention_supported(torch.empty(1, 1, 4, 12, dtype=torch.bfloat16, device="meta"))
+
+
+def test_the_cuda_kernels_bias_is_aligned_finite_and_drops_exactly_the_masked_keys():
+    """The memory-efficient kernel's additive bias: strides aligned to 16 elements, the dtype's lowest finite value
+    where masked (a query that sees nothing stays finite). Fed to the CPU kernel, it gives the same output as the
+    boolean mask wherever a query sees a key."""
+    from lightning_seqpar._compat import _efficient_bias, fused_attention_with_lse
+
+    torch.manual_seed(0)
+    b, a, n, d = 1, 2, 5, 4
+    q, k, v = (torch.randn(b, a, n, d, dtype=torch.float32) for _ in range(3))
+    allowed = torch.rand(b, n, n) > 0.4
+    allowed[0, 2] = False  # query 2 sees nothing
+    bias = _efficient_bias(allowed, q, n)
+    assert bias.shape == (b, a, n, n) and all(st % 16 == 0 for st in bias.stride()[:-1]) and bias.stride(-1) == 1
+    assert torch.isfinite(bias).all() and torch.equal(bias[:, 0] == 0, allowed)
+    want, want_lse = fused_attention_with_lse(q, k, v, False, allowed, 1.0)
+    got, got_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bias,
+                                                                               scale=1.0)
+    sees = allowed.any(-1)[:, None]  # [b, 1, n]
+    torch.testing.assert_close(got[sees.expand(b, a, n)], want[sees.expand(b, a, n)])
+    torch.testing.assert_close(got_lse[sees.expand(b, a, n)], want_lse[sees.expand(b, a, n)])
+    assert torch.isfinite(got).all() and (got_lse[~sees.expand(b, a, n)] < -1e30).all()  # discarded by its lse
+
+
 def test_bytes_per_layer_formulas():
     ring = bytes_per_layer("ring", b=2, s=32, heads=8, kv_heads=2, head_dim=4, t=2, c=4, element_size=2)
     kv = 2 * 1 * 8 * 4 * 2  # b · a_kv/t · s/c · d · bytes
