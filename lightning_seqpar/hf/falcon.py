@@ -23,6 +23,7 @@ import torch.nn as nn
 
 from lightning_seqpar._compat import hf_attention_implementation
 from lightning_seqpar.transformer.block_spec import BlockSpec
+from lightning_seqpar.transformer.tuner_layers import linear_of
 
 
 def is_falcon_layout(module: nn.Module) -> bool:
@@ -31,8 +32,8 @@ def is_falcon_layout(module: nn.Module) -> bool:
     attention, mlp = getattr(module, "self_attention", None), getattr(module, "mlp", None)
     config = getattr(attention, "config", None)
     return (getattr(config, "model_type", None) == "falcon"
-            and all(isinstance(getattr(attention, n, None), nn.Linear) for n in ("query_key_value", "dense"))
-            and all(isinstance(getattr(mlp, n, None), nn.Linear) for n in ("dense_h_to_4h", "dense_4h_to_h"))
+            and all(isinstance(linear_of(getattr(attention, n, None)), nn.Linear) for n in ("query_key_value", "dense"))
+            and all(isinstance(linear_of(getattr(mlp, n, None)), nn.Linear) for n in ("dense_h_to_4h", "dense_4h_to_h"))
             and hasattr(mlp, "act"))
 
 

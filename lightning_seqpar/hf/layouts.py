@@ -27,6 +27,7 @@ from lightning_seqpar._compat import hf_attention_implementation
 from lightning_seqpar.hf.falcon import falcon_block_spec, is_falcon_layout
 from lightning_seqpar.transformer.block_spec import BlockSpec
 from lightning_seqpar.rewriting.declared_policy import DeclaredBlockPolicy
+from lightning_seqpar.transformer.tuner_layers import linear_of
 
 _SAMPLE_HEAD_DIM = 8
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -45,7 +46,7 @@ def mlp_parts(mlp: Optional[nn.Module]) -> Optional[tuple[Optional[str], str, st
     gate is the fused ``[gate; up]``), or ``None``."""
     for gate, up, down, act in _MLPS:
         linears = [n for n in (gate, up, down) if n]
-        if all(isinstance(getattr(mlp, n, None), nn.Linear) for n in linears) and hasattr(mlp, act) and (
+        if all(isinstance(linear_of(getattr(mlp, n, None)), nn.Linear) for n in linears) and hasattr(mlp, act) and (
                 gate is not None or not hasattr(mlp, "gate_proj")):
             return gate, up, down, act
     return None
@@ -55,13 +56,13 @@ def _fused_qkv(attention: nn.Module) -> bool:
     """A fused ``qkv_proj``, ``[q; k; v]`` (Phi-3; under grouped-query attention k and v are the smaller parts:
     Phi-3-medium, Phi-4-mini)."""
     config = getattr(attention, "config", None)
-    return isinstance(getattr(attention, "qkv_proj", None), nn.Linear) and \
+    return isinstance(linear_of(getattr(attention, "qkv_proj", None)), nn.Linear) and \
         getattr(config, "num_attention_heads", None) is not None
 
 
 def attention_output(attention: Optional[nn.Module]) -> Optional[str]:
     """The attention output projection's name: ``o_proj`` (Llama), ``dense`` (Phi)."""
-    return next((n for n in ("o_proj", "dense") if isinstance(getattr(attention, n, None), nn.Linear)), None)
+    return next((n for n in ("o_proj", "dense") if isinstance(linear_of(getattr(attention, n, None)), nn.Linear)), None)
 _PLAN = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
          "self_attn.o_proj": "rowwise", "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise", "mlp.down_proj": "rowwise"}
 
@@ -76,7 +77,7 @@ def is_llama_layout(module: nn.Module) -> bool:
     attention, mlp = getattr(module, "self_attn", None), getattr(module, "mlp", None)
     if attention is None or mlp is None or getattr(attention, "config", None) is None:
         return False
-    if not (all(isinstance(getattr(attention, n, None), nn.Linear) for n in _ATTENTION[:3]) or _fused_qkv(attention)):
+    if not (all(isinstance(linear_of(getattr(attention, n, None)), nn.Linear) for n in _ATTENTION[:3]) or _fused_qkv(attention)):
         return False
     if attention_output(attention) is None or mlp_parts(mlp) is None:
         return False
@@ -110,7 +111,7 @@ def llama_layout_mismatch(module: nn.Module) -> list[str]:
     fused = [n for n in _FUSED_ATTENTION if hasattr(attention, n)]
     if fused and not (fused[0] == "qkv_proj" and _fused_qkv(attention)):
         reasons.append(f"fused {fused[0]} (q, k and v in one projection)")
-    elif not fused and not all(isinstance(getattr(attention, n, None), nn.Linear) for n in _ATTENTION[:3]):
+    elif not fused and not all(isinstance(linear_of(getattr(attention, n, None)), nn.Linear) for n in _ATTENTION[:3]):
         reasons.append(f"attention projections {_children(attention)} (not q_proj/k_proj/v_proj)")
     if (not fused or _fused_qkv(attention)) and attention_output(attention) is None:
         reasons.append(f"attention output not o_proj/dense (attention has {_children(attention)})")
@@ -196,7 +197,7 @@ def llama_block_spec(module: nn.Module) -> BlockSpec:
     heads = config.num_attention_heads
     sandwich, post_only = _sandwich(module), _post_norms_only(module)
     gate, up, down, act = mlp_parts(module.mlp)
-    fused_qkv = _fused_qkv(module.self_attn) and not isinstance(getattr(module.self_attn, "q_proj", None), nn.Linear)
+    fused_qkv = _fused_qkv(module.self_attn) and not isinstance(linear_of(getattr(module.self_attn, "q_proj", None)), nn.Linear)
     parallel = not isinstance(getattr(module, "post_attention_layernorm", None), nn.Module)  # Cohere: one norm
     return BlockSpec(
         attention_norm=None if post_only else "input_layernorm", parallel_residual=parallel,
@@ -231,8 +232,8 @@ def is_gpt2_layout(module: nn.Module) -> bool:
     attention, mlp = getattr(module, "attn", None), getattr(module, "mlp", None)
     if attention is None or mlp is None or getattr(attention, "config", None) is None or hasattr(module, "crossattention"):
         return False
-    conv = [getattr(attention, "c_attn", None), getattr(attention, "c_proj", None), getattr(mlp, "c_fc", None),
-            getattr(mlp, "c_proj", None)]
+    conv = [linear_of(c) for c in (getattr(attention, "c_attn", None), getattr(attention, "c_proj", None),
+                                   getattr(mlp, "c_fc", None), getattr(mlp, "c_proj", None))]
     if not all(c is not None and hasattr(c, "nf") and getattr(c, "weight", None) is not None for c in conv):
         return False
     return all(isinstance(getattr(module, n, None), nn.Module) for n in ("ln_1", "ln_2")) and hasattr(mlp, "act")
@@ -323,8 +324,8 @@ def is_neox_layout(module: nn.Module) -> bool:
     attention, mlp = getattr(module, "attention", None), getattr(module, "mlp", None)
     config = getattr(attention, "config", None)
     return (getattr(config, "model_type", None) == "gpt_neox"
-            and all(isinstance(getattr(attention, n, None), nn.Linear) for n in ("query_key_value", "dense"))
-            and all(isinstance(getattr(mlp, n, None), nn.Linear) for n in ("dense_h_to_4h", "dense_4h_to_h"))
+            and all(isinstance(linear_of(getattr(attention, n, None)), nn.Linear) for n in ("query_key_value", "dense"))
+            and all(isinstance(linear_of(getattr(mlp, n, None)), nn.Linear) for n in ("dense_h_to_4h", "dense_4h_to_h"))
             and hasattr(mlp, "act")
             and all(isinstance(getattr(module, n, None), nn.Module)
                     for n in ("input_layernorm", "post_attention_layernorm", "post_attention_dropout",

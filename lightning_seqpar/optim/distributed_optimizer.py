@@ -141,7 +141,10 @@ class DistributedOptimizer(Optimizer):
 
     def gathered_gradient(self, param: nn.Parameter) -> Optional[Tensor]:
         """The whole averaged gradient of ``param`` (this rank's tensor-parallel shard), assembled from every
-        data-parallel rank's range (collective over the data-parallel group; for inspection and tests)."""
+        data-parallel rank's range (collective over the data-parallel group; for inspection and tests). ``None``
+        for a frozen parameter (``requires_grad=False``: it has no range, no gradient and no optimizer state)."""
+        if not param.requires_grad:
+            return None
         piece = self._pieces[id(param)]
         present = used_anywhere([piece.grad is not None], self.mesh.host("data"))[0]
         if not present:

@@ -32,6 +32,8 @@ from lightning_seqpar.transformer.block_spec import (
 from lightning_seqpar.transformer.declared_block import ParallelBlock
 from lightning_seqpar.rewriting.policy import Policy, require_divisible
 from lightning_seqpar.rewriting.verify import verify_parallel_block
+from lightning_seqpar.transformer.lora import lora_parts
+from lightning_seqpar.transformer.tuner_layers import linear_of
 
 
 def refuse_unknown_parameters(module: nn.Module, spec: BlockSpec, name: str) -> None:
@@ -101,6 +103,8 @@ class DeclaredBlockPolicy(Policy):
         try:
             for role, path in spec.paths().items():
                 found = resolve(module, path)
+                if path in linears and lora_parts(found, f"{name}: the declared {role} '{path}'") is not None:
+                    found = linear_of(found)  # a LoRA adapter the parallel block carries: the base is split
                 transposed_ok = spec.transposed and getattr(getattr(found, "weight", None), "dim", lambda: 0)() == 2
                 packed = path == spec.qkv and isinstance(found, nn.MultiheadAttention)
                 if path in linears and not (isinstance(found, nn.Linear) or transposed_ok or packed):

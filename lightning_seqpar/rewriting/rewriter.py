@@ -16,6 +16,7 @@ from lightning_seqpar.context_parallel import ContextParallel
 from lightning_seqpar.parallel.collectives import ParallelGroup
 from lightning_seqpar.rewriting.policy import DeclaresPolicy, Policy
 from lightning_seqpar.transformer.context import RewriteContext
+from lightning_seqpar.transformer.lora import refuse_unsupported_peft
 
 
 @dataclass
@@ -198,6 +199,7 @@ def plan_rewrite(model: nn.Module, ctx: RewriteContext, policies: Iterable[Polic
             f"activation=..., num_heads=...))` from lightning_seqpar, passed as `SeqParallelStrategy(policies=[...])`; "
             f"or write a `lightning_seqpar.Policy` (or return one from the class's `parallel_policy()` classmethod)."
         )
+    refuse_unsupported_peft(model, [e.name for e in plan.entries if not e.policy.around_layers])
     policies = list(policies)
     for name, module, policy in whole_models:  # after the blocks' own checks, whose refusals say more
 

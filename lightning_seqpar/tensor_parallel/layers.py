@@ -157,15 +157,22 @@ def column_parallel_linears(x: Tensor, layers: "list[ColumnParallelLinear]", gro
 
     Args:
         x: ``[s/t, b, in]`` under SP, else ``[s, b, in]``.
-        layers: the :class:`ColumnParallelLinear` modules (their local ``[out_i/t, in]`` weights and biases).
+        layers: the :class:`ColumnParallelLinear` modules (their local ``[out_i/t, in]`` weights and biases). A layer
+            with an ``adapter`` (LoRA: :mod:`lightning_seqpar.transformer.lora`) adds ``adapter(x)`` ``[s, b, out_i/t]``
+            to its output; the adapter takes ``x`` as given (sequence-local under SP) and does its own communication.
 
     Returns:
         One ``[s, b, out_i/t]`` per layer.
     """
     params = [p for layer in layers for p in (layer.linear_weight, layer.bias)]
     if group.size == 1:
-        return tuple(F.linear(x, w, b) for w, b in zip(params[0::2], params[1::2]))
-    return _ColumnParallelLinearsFunction.apply(x, group, sequence_parallel, *params)
+        outputs = tuple(F.linear(x, w, b) for w, b in zip(params[0::2], params[1::2]))
+    else:
+        outputs = _ColumnParallelLinearsFunction.apply(x, group, sequence_parallel, *params)
+    adapters = [getattr(layer, "adapter", None) for layer in layers]
+    if not any(adapters):
+        return tuple(outputs)
+    return tuple(out if adapter is None else out + adapter(x) for out, adapter in zip(outputs, adapters))
 
 
 class ColumnParallelLinear(nn.Module):
@@ -334,7 +341,15 @@ class RowParallelLinear(nn.Module):
         return layer
 
     def forward(self, x: Tensor) -> Tensor:
-        partial = F.linear(x, self.weight.t() if self.transposed else self.weight)  # [s, b, out], partial over ranks
+        return self.reduce(self.partial(x))
+
+    def partial(self, x: Tensor) -> Tensor:
+        """This rank's product ``[s, b, out]``, partial over ranks (before ḡ / f̄; no bias)."""
+        return F.linear(x, self.weight.t() if self.transposed else self.weight)
+
+    def reduce(self, partial: Tensor) -> Tensor:
+        """The partial products summed over ranks (ḡ: ``[s/t, b, out]``; f̄: ``[s, b, out]``), plus the bias: other
+        partial sums of the same output (a LoRA adapter's) are added to ``partial`` first, reduced once."""
         if self.sequence_parallel:
             out = reduce_scatter_to_sequence_parallel_region(partial, self.group)  # [s/t, b, out]
         else:

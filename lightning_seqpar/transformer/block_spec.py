@@ -11,6 +11,8 @@ import sys
 import torch
 import torch.nn as nn
 
+from lightning_seqpar.transformer.tuner_layers import linear_of
+
 ATTENTION_IMPLEMENTATIONS = ("eager", "sdpa")
 
 
@@ -195,6 +197,7 @@ def out_features(module: nn.Module) -> int:
     packed input projection (``3h``)."""
     if isinstance(module, nn.MultiheadAttention):
         return module.in_proj_weight.shape[0]
+    module = linear_of(module)  # a PEFT LoRA layer: the projection it wraps
     return module.out_features if isinstance(module, nn.Linear) else module.weight.shape[1]
 
 

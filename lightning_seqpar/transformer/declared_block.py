@@ -41,6 +41,7 @@ from lightning_seqpar.transformer.block_spec import BlockSpec, out_features, res
 from lightning_seqpar.transformer.context import RewriteContext
 from lightning_seqpar.transformer.core_attention import CoreAttention, merge_heads
 from lightning_seqpar.transformer.dropout import ParallelDropout
+from lightning_seqpar.transformer.lora import column_with_lora, linear_of, row_with_lora
 from lightning_seqpar.transformer.masks import torch_attention_bias
 from lightning_seqpar.transformer.region import enter_parallel_region, exit_parallel_region
 from lightning_seqpar.transformer.roles import LayerDims, ParallelLayer
@@ -141,12 +142,17 @@ class ParallelBlock(ParallelLayer):
             found = resolve(block, path)
             if isinstance(found, nn.MultiheadAttention):
                 return ColumnParallelInProjection(found, ctx.group)
-            return column(found, ctx.group, sequence_parallel=ctx.sp, chunks=chunks)
+            base = column(linear_of(found), ctx.group, sequence_parallel=ctx.sp, chunks=chunks)
+            return column_with_lora(base, found, ctx, f"{self._name} {path}")
+
+        def row_of(path: str) -> nn.Module:
+            found = resolve(block, path)
+            base = row(linear_of(found), ctx.group, sequence_parallel=ctx.sp)
+            return row_with_lora(base, found, ctx, f"{self._name} {path}")
 
         attention_in = tuple(_set(self, p, column_of(p, chunks)) for p in attention)
         mlp_in = tuple(_set(self, p, column_of(p, 2 if spec.gate_up else 1)) for p in mlp)
-        attention_out, mlp_out = (_set(self, p, row(resolve(block, p), ctx.group, sequence_parallel=ctx.sp))
-                                  for p in (spec.attention_out, spec.mlp_out))
+        attention_out, mlp_out = (_set(self, p, row_of(p)) for p in (spec.attention_out, spec.mlp_out))
         norms = []  # before each branch, and (post-norms) on the branch outputs: all on [s/t, b, h] under SP
         for path in (spec.attention_norm, spec.mlp_norm, spec.attention_post_norm, spec.mlp_post_norm):
             norm = resolve(block, path) if path else None

@@ -11,6 +11,12 @@ from tests.helpers.models import SEQ, VOCAB
 WINDOW = 3
 """The sliding window of the windowed families: shorter than the sequence, so it masks."""
 
+SEVEN = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LORA = {"all": (SEVEN, False),  # B drawn too (PEFT's init_lora_weights=False): every adapter has a gradient at once
+        "default": (SEVEN, True),  # PEFT's default: B = 0
+        "attention": (["q_proj", "v_proj"], False)}
+"""``lora=`` of :class:`HFCausalLM`: (target_modules, init_lora_weights) of a LoraConfig(r=2, lora_alpha=4)."""
+
 
 class HFCausalLM(pl.LightningModule):
     """A user's module around ``AutoModelForCausalLM.from_config``: the loss from ``labels=`` (Hugging Face shifts
@@ -19,7 +25,7 @@ class HFCausalLM(pl.LightningModule):
     def __init__(self, family: str = "llama", attn_implementation: str = "eager", labels: bool = False,
                  kv_heads: int = 2, bias: bool = False, tie: bool = False, layers: int = 2, padding: bool = False,
                  position_offset: int = 0, parallel_residual: bool = True, qk_norm: bool = False,
-                 ignored_labels: str = "", documents: bool = False) -> None:
+                 ignored_labels: str = "", documents: bool = False, lora: str = "") -> None:
         super().__init__()
         import transformers
 
@@ -93,6 +99,12 @@ class HFCausalLM(pl.LightningModule):
         else:
             config = transformers.Qwen2Config(**common)
         self.model = transformers.AutoModelForCausalLM.from_config(config)
+        if lora:
+            from peft import LoraConfig, get_peft_model
+
+            targets, init = LORA[lora]
+            self.model = get_peft_model(self.model, LoraConfig(r=2, lora_alpha=4, target_modules=targets,
+                                                               init_lora_weights=init))
         self.labels = labels
         self.padding, self.position_offset = padding, position_offset
         self.ignored_labels, self.documents = ignored_labels, documents

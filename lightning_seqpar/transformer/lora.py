@@ -1,0 +1,216 @@
+"""LoRA adapters (Hu et al., *LoRA*, 2021) on tensor- and sequence-parallel linears: Hugging Face PEFT's
+``lora.Linear`` layers rewritten with the projection they wrap.
+
+A LoRA linear computes ``y = x Wᵀ + b + (α/r) · drop(x) Aᵀ Bᵀ`` with ``A [r, in]`` and ``B [out, r]``. Split the way
+its base is split, every rank computes its part with r-sized traffic only:
+
+- **column-parallel base** (q/k/v, gate/up; fused or not): ``A`` replicated, ``B`` split like the base's output
+  rows (``[out/t, r]``, fused blocks split per block). ``a = drop(x) Aᵀ`` is computed on the rank's own tokens
+  (``[s/t, b, r]`` under SP) and then all-gathered (g; reduce-scattered in backward), so what LoRA-A keeps for
+  backward is the sequence-local input, as the base keeps (Korthikanti et al. 2022 §4.2.2); without SP ``a`` goes
+  through f (all-reduce of its gradient). Under SP each rank's ``A`` gradient covers its s/t tokens: tagged
+  sequence-parallel, summed over tp.
+- **row-parallel base** (o, down): ``A`` split like the base's input columns (``[r, in/t]``), ``B`` replicated.
+  The adapter's partial product ``(α/r) · drop(x) Aᵀ Bᵀ`` is added to the base's before the one reduce-scatter
+  (all-reduce without SP), as one process sums them; ``B``'s gradient is partial over tp (its input is a partial
+  sum): tagged, summed over tp.
+
+The values are the single-device adapter's, sliced (PEFT drew them on one device: training is the same at every
+tp). Names stay PEFT's (``q_proj.base_layer.weight``, ``q_proj.lora_A.default.weight``,
+``q_proj.lora_B.default.weight``), so gradients, checkpoints and exports are keyed as the PEFT model's.
+
+LoRA dropout draws from the stream of the region its input lives in: the sequence-parallel stream for a
+column-parallel input under SP (tokens differ per rank), the default generator for a replicated one, the
+tensor-parallel stream for a row-parallel input (features differ per rank).
+
+What is refused, naming the module (:func:`lora_parts`): DoRA, LoRA biases, more than one active adapter, merged or
+disabled adapters, a base that is not an ``nn.Linear`` (GPT-2's ``Conv1D``), adapters on anything the strategy does
+not rewrite as a block projection (:func:`refuse_unsupported_peft`), and PEFT methods other than LoRA.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from lightning_seqpar.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from lightning_seqpar.tensor_parallel.mappings import (
+    copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
+)
+from lightning_seqpar.tensor_parallel.sharding import ShardSpec, set_sequence_parallel, shard_parameter
+from lightning_seqpar.transformer.context import RewriteContext
+from lightning_seqpar.transformer.dropout import ParallelDropout
+from lightning_seqpar.transformer.tuner_layers import is_peft_tuner_layer, linear_of
+
+
+@dataclass(frozen=True)
+class LoRAParts:
+    """One active LoRA adapter of a PEFT ``lora.Linear``, on one device: ``a`` ``[r, in]``, ``b`` ``[out, r]``."""
+
+    name: str
+    base: nn.Linear
+    a: nn.Parameter
+    b: nn.Parameter
+    scaling: float
+    dropout: float
+
+
+def lora_parts(module: Any, where: str) -> Optional[LoRAParts]:
+    """The adapter of a PEFT ``lora.Linear`` (``None`` for any other module).
+
+    Raises:
+        ValueError: naming ``where`` and the feature, for what the parallel LoRA layers do not compute: another PEFT
+            layer type, DoRA, LoRA biases, several or no active adapters, merged or disabled adapters, a base that is
+            not an ``nn.Linear``.
+    """
+    if not is_peft_tuner_layer(module):
+        return None
+    kind = type(module).__name__
+    if not (hasattr(module, "lora_A") and hasattr(module, "lora_B") and type(module).__module__.startswith(
+            "peft.tuners.lora")):
+        raise ValueError(f"{where}: a PEFT {type(module).__module__}.{kind} layer; only LoRA adapters are trained "
+                         f"under the strategy. Use peft.LoraConfig.")
+    base = module.get_base_layer()
+    active = list(module.active_adapters)
+    problems = []
+    if type(base) is not nn.Linear:
+        problems.append(f"its base is a {type(base).__name__}, not an nn.Linear (LoRA on GPT-2's Conv1D projections "
+                        f"is not supported)")
+    if len(active) != 1:
+        problems.append(f"{len(active)} active adapters {active} (train one at a time: model.set_adapter(name))")
+    if getattr(module, "merged", False) or getattr(module, "disable_adapters", False):
+        problems.append("its adapter is merged into the base or disabled (model.unmerge_adapter() / enable_adapters)")
+    name = active[0] if active else ""
+    if active and getattr(module, "use_dora", {}).get(name, False):
+        problems.append("DoRA (use_dora=True)")
+    if active and getattr(module, "lora_bias", {}).get(name, False):
+        problems.append("LoRA biases (lora_bias=True)")
+    if active and name not in module.lora_A:
+        problems.append(f"the active adapter {name!r} is not a linear adapter here")
+    if problems:
+        raise ValueError(f"{where}: this LoRA layer cannot be trained under the strategy: {'; '.join(problems)}.")
+    drop = module.lora_dropout[name]
+    return LoRAParts(name, base, module.lora_A[name].weight, module.lora_B[name].weight, float(module.scaling[name]),
+                     float(drop.p) if isinstance(drop, nn.Dropout) else 0.0)
+
+
+class _Weight(nn.Module):
+    """Holds one adapter matrix as ``weight``, so names stay PEFT's (``lora_A.default.weight``)."""
+
+    def __init__(self, weight: nn.Parameter) -> None:
+        super().__init__()
+        self.weight = weight
+
+
+def _adapter_dicts(module: nn.Module, parts: LoRAParts, a: nn.Parameter, b: nn.Parameter) -> None:
+    module.lora_A = nn.ModuleDict({parts.name: _Weight(a)})
+    module.lora_B = nn.ModuleDict({parts.name: _Weight(b)})
+
+
+class LoRAColumnParallelLinear(nn.Module):
+    """A :class:`ColumnParallelLinear` (``base_layer``) with a LoRA adapter; see the module docstring.
+
+    Shapes: input ``[s/t, b, in]`` (SP) or ``[s, b, in]``; ``lora_A`` ``[r, in]`` replicated, ``lora_B``
+    ``[out/t, r]``; output ``[s, b, out/t]``. :func:`column_parallel_linears` applies ``base_layer`` with the other
+    projections of the same input (one all-gather) and adds :meth:`adapter`.
+    """
+
+    def __init__(self, base: ColumnParallelLinear, parts: LoRAParts, ctx: RewriteContext) -> None:
+        super().__init__()
+        self.base_layer, self.group, self.sequence_parallel = base, ctx.group, base.sequence_parallel
+        self.scaling = parts.scaling
+        a = nn.Parameter(parts.a.detach().clone(), requires_grad=parts.a.requires_grad)
+        if self.sequence_parallel and ctx.group.size > 1:  # each rank's gradient covers its s/t tokens
+            set_sequence_parallel(a)
+        b = shard_parameter(parts.b, base.spec, ctx.group)  # the base's output rows, block by block
+        _adapter_dicts(self, parts, a, b)
+        self.adapter_name = parts.name
+        self.lora_dropout = ParallelDropout(parts.dropout, ctx.rng_tracker, sharded=self.sequence_parallel)
+
+    @property
+    def linear_weight(self) -> Tensor:
+        return self.base_layer.linear_weight
+
+    @property
+    def bias(self) -> Optional[Tensor]:
+        return self.base_layer.bias
+
+    def adapter(self, x: Tensor) -> Tensor:
+        """``(α/r) · g(drop(x) Aᵀ) Bᵀ`` ``[s, b, out/t]`` from the input as the base takes it (``[s/t, b, in]``
+        under SP)."""
+        a = F.linear(self.lora_dropout(x), self.lora_A[self.adapter_name].weight)  # [s/t, b, r]
+        if self.sequence_parallel:
+            a = gather_from_sequence_parallel_region(a, self.group)  # [s, b, r]; backward reduce-scatters
+        else:
+            a = copy_to_tensor_parallel_region(a, self.group)  # backward all-reduces: B is split by output
+        return F.linear(a, self.lora_B[self.adapter_name].weight) * self.scaling
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.base_layer(x) + self.adapter(x)
+
+
+class LoRARowParallelLinear(nn.Module):
+    """A :class:`RowParallelLinear` (``base_layer``) with a LoRA adapter whose partial product joins the base's
+    before the one reduction; see the module docstring.
+
+    Shapes: input ``[s, b, in/t]``; ``lora_A`` ``[r, in/t]``, ``lora_B`` ``[out, r]`` replicated; output
+    ``[s/t, b, out]`` (SP) or ``[s, b, out]``.
+    """
+
+    def __init__(self, base: RowParallelLinear, parts: LoRAParts, ctx: RewriteContext) -> None:
+        super().__init__()
+        self.base_layer, self.scaling, self.adapter_name = base, parts.scaling, parts.name
+        a = shard_parameter(parts.a, ShardSpec(dim=1, full_size=parts.a.shape[1], padded_size=parts.a.shape[1]),
+                            ctx.group)
+        b = nn.Parameter(parts.b.detach().clone(), requires_grad=parts.b.requires_grad)
+        if ctx.group.size > 1:  # its input is this rank's partial sum: the gradient is partial too
+            set_sequence_parallel(b)
+        _adapter_dicts(self, parts, a, b)
+        self.lora_dropout = ParallelDropout(parts.dropout, ctx.rng_tracker, sharded=ctx.group.size > 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        a = F.linear(self.lora_dropout(x), self.lora_A[self.adapter_name].weight)  # [s, b, r], partial over ranks
+        adapter = F.linear(a, self.lora_B[self.adapter_name].weight) * self.scaling
+        return self.base_layer.reduce(self.base_layer.partial(x) + adapter)
+
+
+def column_with_lora(base: ColumnParallelLinear, found: Any, ctx: RewriteContext, where: str) -> nn.Module:
+    """``base`` with the adapter of ``found`` (a PEFT LoRA layer), or ``base`` when ``found`` has none."""
+    parts = lora_parts(found, where)
+    return base if parts is None else LoRAColumnParallelLinear(base, parts, ctx)
+
+
+def row_with_lora(base: RowParallelLinear, found: Any, ctx: RewriteContext, where: str) -> nn.Module:
+    """``base`` with the adapter of ``found`` (a PEFT LoRA layer), or ``base`` when ``found`` has none."""
+    parts = lora_parts(found, where)
+    return base if parts is None else LoRARowParallelLinear(base, parts, ctx)
+
+
+def refuse_unsupported_peft(model: nn.Module, rewritten: list[str]) -> None:
+    """Refuse PEFT parts the rewrite would drop or not split: a tuner layer outside the blocks being rewritten (an
+    adapter on ``lm_head`` or ``embed_tokens``), ``modules_to_save`` copies, and PEFT methods other than LoRA.
+
+    Raises:
+        ValueError: naming the module and the fix.
+    """
+    for name, module in model.named_modules():
+        configs = getattr(module, "peft_config", None)
+        if isinstance(configs, dict):
+            for adapter, config in configs.items():
+                kind = str(getattr(getattr(config, "peft_type", None), "value", getattr(config, "peft_type", "")))
+                if kind != "LORA":
+                    raise ValueError(f"{name or type(model).__name__}: PEFT adapter {adapter!r} is {kind}; only LoRA "
+                                     f"is trained under the strategy. Use peft.LoraConfig.")
+        inside = any(name == r or name.startswith(f"{r}.") for r in rewritten)
+        if type(module).__name__ == "ModulesToSaveWrapper":
+            raise ValueError(f"{name}: PEFT modules_to_save (a trainable copy of {name.rsplit('.', 1)[-1]}) is not "
+                             f"supported under the strategy: remove it from the LoraConfig.")
+        if is_peft_tuner_layer(module) and not inside:
+            raise ValueError(f"{name}: a PEFT adapter outside the transformer layers the strategy rewrites; LoRA is "
+                             f"trained on the layers' projections only (q/k/v/o, gate/up/down). Remove "
+                             f"{name.rsplit('.', 1)[-1]!r} from target_modules.")
