@@ -41,6 +41,7 @@ class ParameterEntry:
             stage), ``other`` (every stage).
         layer: the decoder layer's index, for ``part == "layer"``.
         tied: the embedding and head share it (held by the first and the last stage).
+        trainable: ``requires_grad``; a frozen parameter (LoRA's base) has no gradient and no optimizer state.
     """
 
     name: str
@@ -49,6 +50,7 @@ class ParameterEntry:
     part: Part
     layer: Optional[int] = None
     tied: bool = False
+    trainable: bool = True
 
     @property
     def numel(self) -> int:
@@ -135,14 +137,7 @@ def inventory_of_model(model: nn.Module, specs: dict[str, Any], placement: dict[
             column += [p for p in (spec.q_norm, spec.k_norm) if p]
         row = [spec.attention_out, spec.mlp_out]
         for pname, param in layer.named_parameters():
-            owner = pname.rpartition(".")[0]
-            if owner in column:
-                split: Split = "column"
-            elif owner in row and pname.endswith("weight"):
-                split = "row"
-            else:
-                split = "replicated"
-            roles[id(param)] = (split, "layer", index)
+            roles[id(param)] = (_split(pname, column, row), "layer", index)
     for param in embedding.parameters():
         roles[id(param)] = ("vocab", "embedding", None)
     for param in head.parameters():
@@ -158,10 +153,33 @@ def inventory_of_model(model: nn.Module, specs: dict[str, Any], placement: dict[
         seen.add(id(param))
         split, part, layer_index = roles.get(id(param), ("replicated", "other", None))
         entries.append(ParameterEntry(pname, tuple(param.shape), split, part, layer_index,
-                                      tied=tied and param is embedding.weight))
+                                      tied=tied and param is embedding.weight, trainable=param.requires_grad))
     first = specs[layer_paths[0]]
     sample = model.get_submodule(layer_paths[0])
     return _sizes(name or type(model).__name__, entries, len(layer_paths), embedding, first, sample)
+
+
+def _split(pname: str, column: list[str], row: list[str]) -> Split:
+    """How the rewrite splits the layer parameter ``pname``. A PEFT LoRA layer's base (``q_proj.base_layer.weight``)
+    is split as the projection; its adapter follows it (:mod:`lightning_seqpar.transformer.lora`): on a
+    column-parallel projection ``lora_A`` is replicated and ``lora_B`` split like the output, on a row-parallel one
+    ``lora_A`` is split like the input and ``lora_B`` replicated."""
+    owner, _, leaf = pname.rpartition(".")
+    parts = owner.split(".")
+    if len(parts) >= 2 and parts[-2] in ("lora_A", "lora_B"):
+        projection, matrix = ".".join(parts[:-2]), parts[-2]
+        if projection in column:
+            return "column" if matrix == "lora_B" else "replicated"
+        if projection in row:
+            return "row" if matrix == "lora_A" else "replicated"
+        return "replicated"
+    if parts[-1] == "base_layer":
+        owner = ".".join(parts[:-1])
+    if owner in column:
+        return "column"
+    if owner in row and leaf == "weight":
+        return "row"
+    return "replicated"
 
 
 def _sizes(name: str, entries: list[ParameterEntry], layers: int, embedding: nn.Embedding, spec: Any,

@@ -20,7 +20,10 @@ parameter, ``ceil(n / d)`` elements (the last ranges shorter). Gradients are red
 - ``zero=0``, ``d > 1``: the all-reduce buckets, ``n·r`` per parameter, which the ``.grad`` of a parameter of that
   dtype is a view of (a 16-bit ``.grad`` is kept beside them);
 - ``zero=1``: the reduce-scatter buckets, ``d·ceil(n / d)·r`` per parameter, and the reduced range kept for the
-  update, ``ceil(n / d)·r``; no ``.grad`` after the step.
+  update, ``ceil(n / d)·r`` (with ``d = 1`` the bucket itself, counted once); no ``.grad`` after the step.
+
+Frozen parameters (``requires_grad=False``: LoRA's base) count as parameters only: no gradient, no bucket, no main
+param, no optimizer state (a frozen bf16 parameter costs its 2 bytes).
 
 AdamW (and Adam) also keeps a float32 ``step`` per parameter (4 bytes); SGD with momentum keeps one state
 (``momentum_buffer``) and no step (:data:`OPTIMIZER_STATES`). Bytes, exact: equal to what each rank holds after a step
@@ -102,17 +105,18 @@ def state_bytes(inventory: ModelInventory, tp: int, pp: int = 1, dp: int = 1, *,
     states, adam = OPTIMIZER_STATES[optimizer], optimizer.startswith("adam")
     element = PARAMETER_BYTES[precision]
     reduced = max(4, element)
-    local = [e.local_numel(tp) for e in held_entries(inventory, stage_layout(inventory, pp, vpp, pipeline_split),
-                                                     pipeline_rank)]
+    held = held_entries(inventory, stage_layout(inventory, pp, vpp, pipeline_split), pipeline_rank)
+    parameters = sum(e.local_numel(tp) for e in held) * element
+    local = [e.local_numel(tp) for e in held if e.trainable]  # a frozen parameter: no gradient, no state
     total = sum(local)
     steps = STEP_BYTES * len(local) if adam else 0
     if zero == 0:
         gradients = total * element if dp == 1 else total * reduced + (total * element if element < reduced else 0)
-        return StateBytes(total * element, gradients, 0, states * total * element + steps, steps,
+        return StateBytes(parameters, gradients, 0, states * total * element + steps, steps,
                           total * element if adam else 0)
     widths = [-(-n // dp) for n in local]
     owned = sum(stop - start for start, stop in (owned_range(n, dp, data_rank) for n in local))
     main = 4 if main_params and element < 4 else 0
-    gradients = (dp + 1) * sum(widths) * reduced
-    return StateBytes(total * element, gradients, owned * main, states * owned * (main or element) + steps, steps,
+    gradients = (dp + 1 if dp > 1 else 1) * sum(widths) * reduced  # d = 1: the reduced range is the bucket itself
+    return StateBytes(parameters, gradients, owned * main, states * owned * (main or element) + steps, steps,
                       owned * (main or element) if adam else 0)

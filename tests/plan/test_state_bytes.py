@@ -31,6 +31,9 @@ LAYOUTS = [
      dict(virtual_stages=2, schedule="interleaved_1F1B", num_microbatches=2)),  # interleaved: two chunks per rank
     (dict(family="gpt2"), 2, 2, 0, "32-true", False, {}),                 # Conv1D, biases, learned positions
     (dict(family="phi3"), 2, 1, 1, "bf16-true", True, {}),                # fused q/k/v of unequal sizes
+    (dict(lora="all"), 2, 1, 0, "bf16-true", False, {}),                  # LoRA: a frozen base costs its 2 bytes only
+    (dict(lora="all", tie=True), 2, 2, 1, "32-true", False, {}),          # adapters' ranges, frozen embedding on 2 stages
+    (dict(lora="attention"), 1, 2, 1, "bf16-true", True, {}),             # main params of the adapters only
 ]
 
 
