@@ -188,7 +188,27 @@ class DeclaredBlockPolicy(Policy):
                if value_of(module, spec.attention_softcap) is not None and implementation != "sdpa" else "")
             + (" (fused kernel: no s² tensor, selective recompute unnecessary)" if implementation == "sdpa" else "")
             + (self._context_text(module, spec, ctx) if ctx.cp > 1 else "")
+            + self._lora_text(module, spec, ctx)
         )
+
+    @staticmethod
+    def _lora_text(module: nn.Module, spec: BlockSpec, ctx: RewriteContext) -> str:
+        """The LoRA adapters a PEFT model put on the projections, and how they are split."""
+        attention, mlp = spec.projections()
+        adapted = {}
+        for path in (*attention, spec.attention_out, *mlp, spec.mlp_out):
+            parts = lora_parts(resolve(module, path), path)
+            if parts is not None:
+                adapted[path] = parts
+        if not adapted:
+            return ""
+        ranks = sorted({p.a.shape[0] for p in adapted.values()})
+        frozen = sum(p.numel() for p in module.parameters() if not p.requires_grad)
+        rows = {spec.attention_out, spec.mlp_out}
+        return (f"; LoRA r={'/'.join(map(str, ranks))} on {'/'.join(adapted)} (column: A replicated, B split; row: "
+                f"A split, B replicated, added before the one reduction); {frozen:,} frozen parameters: no gradient, "
+                f"no optimizer state" + (f"; {sum(p not in rows for p in adapted)} r-sized all-gathers per layer"
+                                          if ctx.sp and ctx.tp > 1 else ""))
 
     def _context_text(self, module: nn.Module, spec: BlockSpec, ctx: RewriteContext) -> str:
         window = value_of(module, spec.sliding_window)

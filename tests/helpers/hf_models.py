@@ -14,7 +14,8 @@ WINDOW = 3
 SEVEN = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LORA = {"all": (SEVEN, False),  # B drawn too (PEFT's init_lora_weights=False): every adapter has a gradient at once
         "default": (SEVEN, True),  # PEFT's default: B = 0
-        "attention": (["q_proj", "v_proj"], False)}
+        "attention": (["q_proj", "v_proj"], False),
+        "rows": (["o_proj", "down_proj"], False)}  # row-parallel only: adapters that add no communication
 """``lora=`` of :class:`HFCausalLM`: (target_modules, init_lora_weights) of a LoraConfig(r=2, lora_alpha=4)."""
 
 

@@ -78,3 +78,10 @@ def test_the_split_follows_the_base_and_names_stay_pefts():
     assert shard_spec(oa).dim == 1 and torch.equal(oa, single[f"{prefix}.o_proj.lora_A.default.weight"][:, :8])
     assert shard_spec(ob) is None and is_sequence_parallel(ob)
     assert not any(p.requires_grad for n, p in module.named_parameters() if "base_layer" in n)  # frozen stays frozen
+
+
+def test_explain_names_the_adapters_their_split_and_the_frozen_parameters(capsys):
+    plan = explain(_peft(target_modules=["q_proj", "o_proj"]), tp=2)
+    detail = plan.entries[1].detail
+    assert "LoRA r=2 on self_attn.q_proj/self_attn.o_proj" in detail and "1 r-sized all-gathers per layer" in detail
+    assert "frozen parameters: no gradient, no optimizer state" in detail
