@@ -52,10 +52,12 @@ def _tensors(obj: Any, prefix: str) -> Iterator[tuple[str, Tensor]]:
             yield from _tensors(value, f"{prefix}[{i}]")
 
 
-def check_initial_weights(module: nn.Module, source: Mapping[str, Any], strict: bool) -> None:
+def check_initial_weights(module: nn.Module, source: Mapping[str, Any], strict: bool,
+                          added: frozenset[str] = frozenset()) -> None:
     """Single-device weights ``source`` (tensors or lazy readers with a ``shape``) fit ``module`` before any is
     read: every shape matches, and with ``strict`` every key is known and every tensor of ``module`` is there
-    (a tied parameter under one of its keys is enough; non-persistent buffers are never stored).
+    (a tied parameter under one of its keys is enough; non-persistent buffers are never stored), but for
+    ``added``: keys a base checkpoint cannot hold (PEFT's adapters, initialized by their own rule).
 
     Raises:
         ValueError: mismatching shapes (from :func:`check_state_dict_shapes`).
@@ -69,7 +71,8 @@ def check_initial_weights(module: nn.Module, source: Mapping[str, Any], strict: 
     by_tensor: dict[int, list[str]] = {}
     for key, tensor in own.items():
         by_tensor.setdefault(id(tensor), []).append(key)
-    missing = sorted(keys[0] for keys in by_tensor.values() if not any(k in source for k in keys))
+    missing = sorted(keys[0] for keys in by_tensor.values()
+                     if not any(k in source for k in keys) and not any(k in added for k in keys))
     if unknown or missing:
         raise KeyError(f"The single-device weights do not fit the model: missing {missing[:8]}"
                        f"{' ...' if len(missing) > 8 else ''}, unknown {unknown[:8]}{' ...' if len(unknown) > 8 else ''}. "

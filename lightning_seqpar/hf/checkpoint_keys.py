@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
+from lightning_seqpar.transformer.lora import peft_key_mapping
+
 
 def checkpoint_key_renamer(model: Any) -> Optional[Callable[[str], str]]:
     """A function from a key stored in ``model``'s checkpoint to ``model``'s state-dict key, or ``None`` when ``model``
@@ -21,6 +23,10 @@ def checkpoint_key_renamer(model: Any) -> Optional[Callable[[str], str]]:
     Raises (from the returned function):
         ValueError: a stored key that transformers converts beyond a rename, naming the key and the fix.
     """
+    peft = peft_key_mapping(model) if model is not None else None
+    if peft is not None:  # a PEFT-wrapped model: the base model's renamings, then PEFT's names (base_layer)
+        base = checkpoint_key_renamer(model.get_base_model())
+        return lambda key: peft.get(base(key) if base is not None else key, key)
     if getattr(model, "config", None) is None or not hasattr(model, "base_model_prefix"):
         return None
     try:

@@ -55,6 +55,7 @@ from lightning_seqpar.hf.weights import SafetensorsStateDict
 from lightning_seqpar.transformer.materialize import has_meta_tensors
 from lightning_seqpar.lightning.checkpoint_io import remove_stale_temporaries
 from lightning_seqpar.lightning.config import CheckpointConfig
+from lightning_seqpar.transformer.lora import adapter_keys
 
 
 FULL_FORMAT_MARK = "lightning_seqpar_full_format"
@@ -157,7 +158,7 @@ class Checkpointer:
             source = {prefix + k: v for k, v in source.items()}
         module = self.module
         if module is not None and module is not self.strategy._parallelized and has_meta_tensors(module):
-            check_initial_weights(module, source, strict)  # the same on every rank: refused on all of them
+            check_initial_weights(module, source, strict, frozenset(adapter_keys(module)))  # the same on every rank
             self.initial_weights = source  # read into the shards by setup's materialization
             return
         self.load_model_state_dict({"state_dict": source}, strict=strict)

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from lightning_seqpar.context_parallel import ContextParallel
 from lightning_seqpar.hf.init import hf_initializers
+from lightning_seqpar.transformer.lora import lora_initializers
 from lightning_seqpar.lightning.pipelined_steps import PipelinedSteps
 from lightning_seqpar.parallel.mesh import ParallelMesh
 from lightning_seqpar.parallel.random import RNGTracker
@@ -89,7 +90,7 @@ def parallelize(model: torch.nn.Module, mesh: ParallelMesh, device: torch.device
     # Blocks built on the meta device (configure_model) become meta skeletons; after the stage split the shards
     # this rank keeps are allocated and filled from single-device submodules materialized one at a time from a
     # seed shared by every rank. Other stages' layers are never materialized.
-    materializer = Materializer(seed, initializers=hf_initializers(model), source=source)
+    materializer = Materializer(seed, initializers=hf_initializers(model) + lora_initializers(model), source=source)
     context = ContextParallel(mesh.context, cp_comm)  # one cp rank too: packed documents
     ctx = RewriteContext(mesh.tensor, sequence_parallel, rng_tracker, loss_parallel, materializer, context=context,
                          loss_chunk=loss_chunk)

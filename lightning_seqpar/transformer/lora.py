@@ -30,6 +30,7 @@ not rewrite as a block projection (:func:`refuse_unsupported_peft`), and PEFT me
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -214,3 +215,79 @@ def refuse_unsupported_peft(model: nn.Module, rewritten: list[str]) -> None:
             raise ValueError(f"{name}: a PEFT adapter outside the transformer layers the strategy rewrites; LoRA is "
                              f"trained on the layers' projections only (q/k/v/o, gate/up/down). Remove "
                              f"{name.rsplit('.', 1)[-1]!r} from target_modules.")
+
+
+def lora_initializers(root: nn.Module) -> list[tuple[str, Any]]:
+    """``(qualified name, initializer)`` for the adapters of every PEFT LoRA layer in ``root``, for a model built on
+    the meta device: LoRA's own rule rather than the model's (which would draw B like any Linear, so the adapted
+    model would not start as the pretrained one). ``init_lora_weights=True`` (PEFT's default): A
+    ``kaiming_uniform_(a=√5)``, B zeros; ``"gaussian"``: A ``normal(0, 1/r)``, B zeros; ``False``: both as
+    ``nn.Linear``'s own initializer.
+
+    Raises (when an adapter is initialized):
+        ValueError: another rule (PiSSA, OLoRA, LoftQ, EVA, ...: computed from the pretrained weights), naming it and
+            the fix.
+    """
+    rules = {}
+    for name, module in root.named_modules():
+        configs = getattr(module, "peft_config", None)
+        if isinstance(configs, dict):
+            for layer_name, layer in module.named_modules():
+                for adapter in getattr(layer, "lora_A", {}) if is_peft_tuner_layer(layer) else ():
+                    if adapter in configs:
+                        prefix = f"{name}.{layer_name}" if name else layer_name
+                        rules[prefix, adapter] = getattr(configs[adapter], "init_lora_weights", True)
+    found = []
+    for (prefix, adapter), rule in rules.items():
+        for matrix in ("lora_A", "lora_B"):
+            found.append((f"{prefix}.{matrix}.{adapter}",
+                          lambda sub, name, rule=rule, matrix=matrix: _init_adapter(sub, name, rule, matrix)))
+    return found
+
+
+def _init_adapter(module: nn.Module, name: str, rule: Any, matrix: str) -> None:
+    weight = getattr(module, "weight", None)
+    if weight is None:
+        return
+    if rule is False:
+        module.reset_parameters()
+    elif rule is True or rule == "gaussian":
+        if matrix == "lora_B":
+            nn.init.zeros_(weight)
+        elif rule is True:
+            nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+        else:
+            nn.init.normal_(weight, std=1 / weight.shape[0])
+    else:
+        raise ValueError(f"{name}: init_lora_weights={rule!r} computes the adapter from the pretrained weights, which "
+                         f"a model built on the meta device does not hold when the adapter is initialized. Use "
+                         f"init_lora_weights=True (or 'gaussian'), or start from a PEFT adapter directory made with it.")
+
+
+def adapter_keys(root: nn.Module) -> set[str]:
+    """State-dict keys of ``root`` that PEFT adapters added (``...lora_A.default.weight``): not in a base model's
+    checkpoint, initialized by LoRA's rule (:func:`lora_initializers`) unless an adapter directory gives them."""
+    keys = set()
+    for name, module in root.named_modules():
+        if is_peft_tuner_layer(module):
+            for key in module.state_dict(keep_vars=True):
+                if key.split(".")[0] in ("lora_A", "lora_B"):
+                    keys.add(f"{name}.{key}" if name else key)
+    return keys
+
+
+def peft_key_mapping(model: nn.Module) -> Optional[dict[str, str]]:
+    """For a PEFT-wrapped model, ``{the base model's key: the wrapped model's key}``
+    (``model.layers.0.self_attn.q_proj.weight`` → ``base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight``):
+    how a base checkpoint's keys name the wrapped model's tensors. ``None`` for any other model."""
+    if not isinstance(getattr(model, "peft_config", None), dict):
+        return None
+    mapping = {}
+    for key in model.state_dict(keep_vars=True):
+        parts = key.split(".")
+        if parts[:2] == ["base_model", "model"]:
+            parts = parts[2:]
+        if "lora_A" in parts or "lora_B" in parts:
+            continue
+        mapping[".".join(p for p in parts if p != "base_layer")] = key
+    return mapping

@@ -1,0 +1,87 @@
+"""Micro-batches that know their optimizer step's supervised-token count, so the loss is one process's mean.
+
+Fine-tuning data supervises a varying number of tokens per row (assistant turns only, padding), so the mean loss of
+each micro-batch, averaged over micro-batches and data-parallel ranks, is not the mean over the step's supervised
+tokens that one process would compute over the same global batch. Each micro-batch here carries
+``num_items_in_step`` (``[b]``, every entry the count of supervised tokens in the whole optimizer step: every
+data-parallel rank's rows, every accumulated micro-batch), read from the same seeded permutation every rank computes,
+so no rank communicates for it. The module divides its loss sum by ``num_items_in_step / replicas``, ``replicas``
+being the losses averaged into one step's gradient (:func:`~lightning_seqpar.lightning.loss_average.loss_replicas`).
+
+Order: each epoch a permutation of the rows seeded by ``seed + epoch`` (the same on every rank; Lightning calls
+:meth:`StepSampler.set_epoch`); step j takes the next ``d · a · b`` rows (``d`` data-parallel ranks, ``a`` accumulated
+micro-batches of ``b`` rows), micro-batch ``m`` of rank ``q`` the ``b`` rows at ``((j·a + m)·d + q)·b``; an incomplete
+last step is dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, Sampler
+
+from lightning_seqpar.data.packing import Rows
+
+
+class StepSampler(Sampler):
+    """Yields ``(epoch, k)``: micro-batch ``k`` of this rank in ``epoch`` (see the module docstring)."""
+
+    def __init__(self, micro_batches: int) -> None:
+        self.micro_batches, self.epoch = micro_batches, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.micro_batches
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        return iter([(self.epoch, k) for k in range(self.micro_batches)])
+
+
+class StepBatches(Dataset):
+    """This rank's micro-batches of ``rows``, each a dict of ``[b, s]`` tensors (``input_ids``, ``labels``, and
+    ``position_ids`` when packed, else ``attention_mask``) and ``num_items_in_step`` ``[b]``.
+
+    Raises:
+        ValueError: fewer rows than one optimizer step takes (``d · a · b``), naming the numbers.
+    """
+
+    def __init__(self, rows: Rows, batch_size: int, replicas: int, rank: int, accumulate: int, seed: int,
+                 shuffle: bool = True, split: str = "training") -> None:
+        self.rows, self.b, self.d, self.rank, self.a = rows, batch_size, replicas, rank, accumulate
+        self.seed, self.shuffle = seed, shuffle
+        self.steps = len(rows) // (replicas * accumulate * batch_size)
+        if self.steps == 0:
+            raise ValueError(f"The {split} split has {len(rows)} rows, fewer than one optimizer step takes: "
+                             f"{replicas} data-parallel ranks × {accumulate} accumulated micro-batches × {batch_size} "
+                             f"rows. Use more data, a smaller data.batch_size, or a smaller val_fraction.")
+        self.counts = rows.supervised
+
+    def __len__(self) -> int:
+        return self.steps * self.a
+
+    def sampler(self) -> StepSampler:
+        return StepSampler(len(self))
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(len(self.rows))
+        generator = torch.Generator().manual_seed(self.seed + epoch)
+        return torch.randperm(len(self.rows), generator=generator).numpy()
+
+    def __getitem__(self, index: tuple[int, int]) -> dict[str, torch.Tensor]:
+        epoch, k = index
+        order = self._order(epoch)
+        step, micro = divmod(k, self.a)
+        per_step = self.d * self.a * self.b
+        start = step * per_step + (micro * self.d + self.rank) * self.b
+        mine = order[start:start + self.b]
+        total = int(self.counts[order[step * per_step:(step + 1) * per_step]].sum())
+        batch = {"input_ids": torch.from_numpy(self.rows.input_ids[mine]),
+                 "labels": torch.from_numpy(self.rows.labels[mine]),
+                 "position_ids" if self.rows.packed else "attention_mask": torch.from_numpy(self.rows.second[mine])}
+        batch["num_items_in_step"] = torch.full((self.b,), total, dtype=torch.long)
+        return batch

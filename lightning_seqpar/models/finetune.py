@@ -1,0 +1,108 @@
+"""A LightningModule that fine-tunes a pretrained Hugging Face causal LM on supervised examples: in full, or with
+LoRA adapters (PEFT) on the frozen model; what a user would write for one device.
+
+PEFT and transformers are imported when the module builds its model, never by ``import lightning_seqpar``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from lightning_seqpar.hf.models import build_causal_lm, pretrained_state_dict
+from lightning_seqpar.lightning.loss_average import data_parallel_replicas, loss_replicas, pipeline_microbatches
+from lightning_seqpar.models.hf_module import HFCausalLMModule
+
+LORA_DEFAULTS = {"r": 16, "alpha": 32, "dropout": 0.0,
+                 "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
+
+
+class FineTuneModule(HFCausalLMModule):
+    """Supervised fine-tuning of ``AutoModelForCausalLM`` from a pretrained directory.
+
+    Batches are dicts (:class:`~lightning_seqpar.data.finetune_datamodule.FineTuneDataModule`): ``input_ids`` and
+    ``labels`` ``[b, s]`` (``-100`` off the supervised tokens), ``position_ids`` (packed examples) or
+    ``attention_mask`` (padded), and ``num_items_in_step`` ``[b]``, the optimizer step's supervised-token count.
+    The training loss of a micro-batch is its token sum over ``num_items_in_step / R``
+    (:func:`~lightning_seqpar.lightning.loss_average.loss_replicas`): the step's gradient is that of one process's
+    mean over the step's supervised tokens, however they fall across rows, ranks and micro-batches. Validation logs
+    the mean over every supervised token of the split (``val/loss``) and its exponential (``val/ppl``).
+
+    Args:
+        pretrained: a local Hugging Face checkpoint directory (``config.json`` + ``*.safetensors``).
+        lora: ``None`` for full fine-tuning, or LoRA's settings: ``r``, ``alpha``, ``dropout``, ``target_modules``
+            (defaults :data:`LORA_DEFAULTS`); the model is wrapped with ``peft.get_peft_model`` and only the adapters
+            train.
+        attn_implementation: ``"eager"`` or ``"sdpa"``.
+        **optimization: :class:`~lightning_seqpar.models.module.CausalLMModule`'s arguments.
+
+    Raises:
+        ImportError: ``lora`` without PEFT installed, with the install command.
+    """
+
+    def __init__(self, pretrained: str, lora: Optional[dict] = None, attn_implementation: str = "eager",
+                 **optimization: Any) -> None:
+        super().__init__(None, pretrained, attn_implementation, **optimization)
+        self.lora = None if lora is None else {**LORA_DEFAULTS, **lora}
+        self.save_hyperparameters({"lora": self.lora})
+
+    def configure_model(self) -> None:
+        if hasattr(self, "model"):
+            return
+        model = build_causal_lm(self.hf_config)
+        strategy = self.trainer.strategy
+        into_shards = hasattr(strategy, "load_single_device_state_dict")
+        resumed = self.trainer.ckpt_path is not None
+        if not into_shards and not resumed:  # one device: the weights first, then the adapters around them
+            model.load_state_dict(pretrained_state_dict(self.pretrained))
+        if self.lora is not None:
+            model = self._with_lora(model)
+        self.model = model
+        if into_shards and not resumed:  # read into the shards when they are made; adapters by LoRA's own rule
+            strategy.load_single_device_state_dict(self.pretrained, prefix="model.")
+
+    def _with_lora(self, model: Any) -> Any:
+        try:
+            from peft import LoraConfig, get_peft_model
+        except ImportError as error:
+            raise ImportError("LoRA needs PEFT: pip install 'lightning_seqpar[peft]'.") from error
+        lora = self.lora
+        return get_peft_model(model, LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
+                                                target_modules=list(lora["target_modules"])))
+
+    def configure_optimizers(self) -> Any:
+        if self.lora is None:
+            return super().configure_optimizers()
+        hp = self.optimization  # LoRA: only the adapters, no weight decay on them by default (PEFT's recipes)
+        optimizer = torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=hp["learning_rate"],
+                                      betas=(0.9, 0.95), weight_decay=0.0)
+        config = super().configure_optimizers()
+        schedule = config["lr_scheduler"]["scheduler"].lr_lambdas[0]
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def _model_inputs(self, batch: dict) -> dict:
+        return {k: v for k, v in batch.items() if k != "num_items_in_step"}
+
+    def training_step(self, batch: dict, batch_idx: int) -> Tensor:
+        count = batch["num_items_in_step"][0].clamp_min(1).to(torch.float64)
+        divisor = count / loss_replicas(self.trainer)
+        loss = self.model(**self._model_inputs(batch), num_items_in_batch=divisor).loss
+        self.log("train/loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        """Logs ``val/loss``: this micro-batch's share of the split's mean over supervised tokens (``num_items_in_step``
+        of a validation batch counts the whole split), summed over batches and data-parallel ranks; ranks holding
+        the same replica (tensor-, context-, pipeline-parallel) each log ``1/k`` of it, and a pipeline's average over
+        its m micro-batches is undone by ``m``. The perplexity is ``exp(val/loss)``."""
+        count = batch["num_items_in_step"][0].clamp_min(1).to(torch.float64)
+        token_sum = self.model(**self._model_inputs(batch), num_items_in_batch=1).loss
+        same_replica = self.trainer.world_size // data_parallel_replicas(self.trainer)
+        share = token_sum * pipeline_microbatches(self.trainer) / (count * same_replica)
+        self.log("val/loss", share, reduce_fx="sum", sync_dist=True, on_step=False, on_epoch=True, prog_bar=True)
+
+    def on_validation_epoch_end(self) -> None:
+        pass  # val/loss is a sum of logged shares (validation_step): no metric objects to compute

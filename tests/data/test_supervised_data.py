@@ -1,0 +1,122 @@
+"""Fine-tuning data on one process: conversations rendered with the tokenizer's chat template and supervised on the
+assistant's tokens (against transformers' own rendering and its {% generation %} mask), prompt/completion pairs and
+texts, packing with position ids restarting per example, padding, overflow, the cache that records the template,
+and micro-batches that carry their optimizer step's supervised-token count."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from lightning_seqpar.data.finetune_datamodule import FineTuneDataModule
+from lightning_seqpar.data.packing import IGNORE, Rows, pack_examples
+from lightning_seqpar.data.step_batches import StepBatches
+from lightning_seqpar.data.supervised import render_record
+from lightning_seqpar.hf.tokenizer import HFTokenizer
+from tests.helpers.chat_tokenizer import CONVERSATIONS, MARKED, chat_tokenizer
+
+
+def _tok(template=MARKED.replace("{% generation %}", "").replace("{% endgeneration %}", "")):
+    return HFTokenizer(chat_tokenizer(template), "chat")
+
+
+@pytest.mark.parametrize("messages", CONVERSATIONS)
+def test_conversations_render_as_transformers_does_and_supervise_the_assistants_tokens(messages):
+    plain, marked = _tok(), _tok(MARKED)
+    got = render_record({"messages": messages}, plain, "here")  # no markers: the prefixes say where turns are
+    reference = marked.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                                     return_assistant_tokens_mask=True)
+    assert got.ids.tolist() == list(reference["input_ids"])
+    assert got.supervised.tolist() == [bool(m) for m in reference["assistant_masks"]]
+    assert got.supervised.any() and not got.supervised.all()
+    from_markers = render_record({"messages": messages}, marked, "here")  # with markers: transformers' own mask
+    assert from_markers.supervised.tolist() == got.supervised.tolist()
+    text = plain.tokenizer.decode(got.ids[got.supervised].tolist())
+    assert text.replace(" ", "").replace("<|end|>", "") == "".join(
+        m["content"] for m in messages if m["role"] == "assistant").replace(" ", "")
+
+
+def test_a_conversation_without_a_chat_template_is_refused_with_the_fix():
+    with pytest.raises(ValueError, match=r"data.jsonl:3: .*has no chat template.*\{\"prompt\", \"completion\"\}"):
+        render_record({"messages": CONVERSATIONS[1]}, _tok(None), "data.jsonl:3")
+    with pytest.raises(ValueError, match="no assistant turn"):
+        render_record({"messages": CONVERSATIONS[1][:1]}, _tok(), "here")
+    with pytest.raises(ValueError, match=r"expected \"messages\""):
+        render_record({"question": "why"}, _tok(), "here")
+
+
+def test_prompt_completion_and_text_records():
+    tok = _tok()
+    pair = render_record({"prompt": "what is two plus two", "completion": "four"}, tok, "here")
+    assert pair.ids.tolist()[-2:] == [tok.tokenizer.convert_tokens_to_ids("four"), tok.separator[0]]
+    assert pair.supervised.tolist() == [False] * 5 + [True, True]  # the completion and the end-of-text token
+    text = render_record({"text": "hello how are you"}, tok, "here")
+    assert text.supervised.all() and len(text) == 5
+
+
+def test_packed_rows_restart_positions_and_never_predict_across_an_example():
+    tok = _tok()
+    examples = [render_record({"prompt": "hello", "completion": w}, tok, "here") for w in ("yes", "no", "ok")]
+    rows = pack_examples(examples, 8, pad_id=1)  # 3 tokens each ("hello", the completion, end): two per row
+    assert len(rows) == 2 and rows.packed
+    assert rows.second[0].tolist() == [0, 1, 2, 0, 1, 2, 0, 1]  # the tail after two examples: a padding document
+    assert rows.second[1].tolist() == [0, 1, 2, 0, 1, 2, 3, 4]
+    assert rows.labels[0].tolist() == [IGNORE, *examples[0].ids[1:].tolist(), IGNORE, *examples[1].ids[1:].tolist(),
+                                       IGNORE, IGNORE]  # each example's first label: never predicted across
+    assert rows.input_ids[1, 3:].tolist() == [1] * 5 and rows.labels[1, 3:].tolist() == [IGNORE] * 5
+    assert rows.supervised.tolist() == [4, 2]
+    padded = pack_examples(examples, 6, pad_id=1, packing=False)
+    assert len(padded) == 3 and padded.second[0].tolist() == [1, 1, 1, 0, 0, 0]  # attention_mask
+
+
+def test_an_example_longer_than_the_block_is_refused_or_truncated():
+    tok = _tok()
+    long = render_record({"text": "hello how are you i am fine"}, tok, "here")  # 8 tokens
+    with pytest.raises(ValueError, match=r"data.jsonl: record 1: 8 tokens, longer than the block of 6.*"
+                                         r"data.overflow=truncate"):
+        pack_examples([long], 6, 1, names=["data.jsonl: record 1"])
+    assert pack_examples([long], 6, 1, overflow="truncate").input_ids[0].tolist() == long.ids[:6].tolist()
+
+
+def test_each_micro_batch_carries_its_steps_supervised_token_count():
+    n, s = 20, 6
+    rng = np.random.default_rng(0)
+    labels = np.where(rng.random((n, s)) < 0.4, 7, IGNORE)  # supervised tokens spread unevenly over the rows
+    rows = Rows(np.arange(n)[:, None].repeat(s, 1), labels, np.tile(np.arange(s), (n, 1)), True)  # row i holds i
+    d, a, b = 2, 2, 2
+    ranks = [StepBatches(rows, b, d, r, a, seed=3) for r in range(d)]
+    for k in range(len(ranks[0])):
+        step = k // a
+        batches = [ranks[r][(1, step * a + m)] for r in range(d) for m in range(a)]
+        counts = {int(x["num_items_in_step"][0]) for x in batches}
+        total = sum(int((x["labels"][:, 1:] != IGNORE).sum()) for x in batches)
+        assert counts == {total}  # every rank's every micro-batch of the step knows the step's count
+        # The losses R = d·a micro-batches average into the step: each sum over N / R gives one process's mean.
+        token_losses = [torch.rand(x["labels"].shape, generator=torch.Generator().manual_seed(i))
+                        for i, x in enumerate(batches)]
+        sums = [(t[:, 1:] * (x["labels"][:, 1:] != IGNORE)).sum() for t, x in zip(token_losses, batches)]
+        averaged = torch.stack([s / (total / (d * a)) for s in sums]).mean()
+        torch.testing.assert_close(averaged, torch.stack(sums).sum() / total)
+    seen = [tuple(ranks[r][(0, k)]["input_ids"][i].tolist()) for r in range(d) for k in range(len(ranks[r]))
+            for i in range(b)]
+    assert len(set(seen)) == len(seen)  # no row twice in an epoch
+    assert ranks[0][(0, 0)]["input_ids"].tolist() != ranks[0][(1, 0)]["input_ids"].tolist()  # reshuffled per epoch
+
+
+def test_the_data_module_caches_the_rendering_keyed_by_tokenizer_and_template(tmp_path):
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": m}) + "\n" for m in CONVERSATIONS * 4))
+    module = FineTuneDataModule(str(data), _tok(), block_size=32, batch_size=1, val_fraction=0.25)
+    module.setup()
+    cache = module.cache_path()
+    with np.load(cache) as stored:
+        meta = json.loads(bytes(stored["meta"]).decode())
+    assert meta["examples"] == 12 and meta["chat_template"] and meta["supervised"] > 0
+    other = FineTuneDataModule(str(data), _tok(MARKED), block_size=32, batch_size=1, val_fraction=0.25)
+    assert other.cache_path() != cache  # another template: another cache
+    batch = next(iter(module.train_dataloader()))
+    assert set(batch) == {"input_ids", "labels", "position_ids", "num_items_in_step"}
+    assert int(batch["num_items_in_step"][0]) == int((batch["labels"][:, 1:] != IGNORE).sum())  # d = a = 1
+    val = next(iter(module.val_dataloader()))
+    assert int(val["num_items_in_step"][0]) == int(module.val_rows.supervised.sum())  # the whole split's count

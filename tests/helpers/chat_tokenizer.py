@@ -1,0 +1,37 @@
+"""A tiny Hugging Face tokenizer with a chat template, built offline (``tokenizers`` word level): what a chat model's
+tokenizer directory gives the fine-tuning data pipeline."""
+
+from __future__ import annotations
+
+WORDS = ("hello how are you i am fine thanks what is two plus two four the sky blue why because light scatters "
+         "tell me a joke no say yes ok bye good morning night sun moon star").split()
+SPECIALS = ["<unk>", "<pad>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
+
+# The assistant's turn inside {% generation %} markers (transformers' return_assistant_tokens_mask reads them).
+MARKED = ("{% for m in messages %}{% if m['role'] == 'assistant' %}<|assistant|>{% generation %}{{ m['content'] }}"
+          "<|end|>{% endgeneration %}{% else %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endif %}{% endfor %}"
+          "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+PLAIN = MARKED.replace("{% generation %}", "").replace("{% endgeneration %}", "")  # most templates: no markers
+
+
+def chat_tokenizer(template: str | None = PLAIN):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: i for i, token in enumerate(SPECIALS + WORDS)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", pad_token="<pad>",
+                                        eos_token="<|end|>", additional_special_tokens=SPECIALS[3:])
+    if template is not None:
+        tokenizer.chat_template = template
+    return tokenizer
+
+
+CONVERSATIONS = [
+    [{"role": "system", "content": "good morning"}, {"role": "user", "content": "what is two plus two"},
+     {"role": "assistant", "content": "four"}, {"role": "user", "content": "why"},
+     {"role": "assistant", "content": "because the sky is blue"}],
+    [{"role": "user", "content": "tell me a joke"}, {"role": "assistant", "content": "no"}],
+    [{"role": "user", "content": "hello how are you"}, {"role": "assistant", "content": "i am fine thanks"}],
+]
