@@ -15,7 +15,7 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -72,9 +72,12 @@ def unsharded_pieces(shards: list[Tensor], spec: ShardSpec) -> Iterator[Tensor]:
 
 
 def _plan(module: nn.Module, mesh: ParallelMesh, prefix: str, dtype: Optional[torch.dtype],
-          max_file_bytes: int) -> tuple[dict[str, Tensor], list[list[TensorEntry]], list[int]]:
+          max_file_bytes: int, view: Optional[Callable[[dict[str, Tensor]], dict[str, Tensor]]] = None
+          ) -> tuple[dict[str, Tensor], list[list[TensorEntry]], list[int]]:
     """This rank's tensors by name, the files (entries in order) and the pipeline stage writing each file."""
     unique, _ = _unique_tensors(module)  # a tied tensor once, under its first key (save_pretrained's choice)
+    if view is not None:  # e.g. LoRA merged into its base weights (checkpoint.peft_export.merged_tensors)
+        unique = view(unique)
     mine = {name[len(prefix):]: value for name, value in unique.items() if name.startswith(prefix)}
     entries = [TensorEntry(name, dtype or value.dtype, full_shape(value)) for name, value in mine.items()]
     coordinates = (mesh.pipeline.rank, mesh.data.rank, mesh.tensor.rank)
@@ -106,7 +109,8 @@ def export_hf_pretrained(module: nn.Module, mesh: ParallelMesh, out: os.PathLike
                          prefix: str = "model.", source: Optional[os.PathLike | str] = None,
                          max_shard_size: Union[int, str] = "5GB", dtype: Optional[torch.dtype] = None,
                          tokenizer: Any = None, overwrite: bool = False,
-                         protected: Sequence[Optional[os.PathLike | str]] = ()) -> Path:
+                         protected: Sequence[Optional[os.PathLike | str]] = (),
+                         view: Optional[Callable[[dict[str, Tensor]], dict[str, Tensor]]] = None) -> Path:
     """Write ``module``'s Hugging Face model (the keys under ``prefix``) as a directory ``from_pretrained`` loads.
 
     Collective over the default process group: every rank calls it. Safetensors files of at most
@@ -116,14 +120,15 @@ def export_hf_pretrained(module: nn.Module, mesh: ParallelMesh, out: os.PathLike
     written in ``dtype`` (default: as trained). Peak memory of any
     rank: its shards plus one gathered tensor (and a 16 MiB block of rows). Returns ``out``. ``out`` must be new,
     empty or a previous export (replaced with ``overwrite``), and neither be nor hold a ``protected`` folder
-    (:mod:`lightning_seqpar.checkpoint.destination`).
+    (:mod:`lightning_seqpar.checkpoint.destination`). ``view`` maps the module's tensors (by state-dict key, this
+    rank's shards) to those written (same shard tags).
 
     Raises:
         ValueError: nothing under ``prefix``; a dtype safetensors cannot store; a bad ``max_shard_size``, on every
             rank before anything is written.
         FileExistsError: a destination that must not be written (rank 0 decides; raised on every rank).
     """
-    mine, files, writers = _plan(module, mesh, prefix, dtype, parse_size(max_shard_size))
+    mine, files, writers = _plan(module, mesh, prefix, dtype, parse_size(max_shard_size), view)
     out = Path(out)
     distributed = dist.is_initialized() and dist.get_world_size() > 1
     decided = [str(temporary_path(out)), export_refusal(out, overwrite=overwrite, protected=protected)]

@@ -55,6 +55,7 @@ from lightning_seqpar.hf.weights import SafetensorsStateDict
 from lightning_seqpar.transformer.materialize import has_meta_tensors
 from lightning_seqpar.lightning.checkpoint_io import remove_stale_temporaries
 from lightning_seqpar.lightning.config import CheckpointConfig
+from lightning_seqpar.checkpoint.peft_export import merged_tensors
 from lightning_seqpar.transformer.lora import adapter_keys
 
 
@@ -173,7 +174,7 @@ class Checkpointer:
     def save_hf_pretrained(self, out: Union[str, Path], config: Any = None, prefix: str = "model.", *,
                            source: Union[str, Path, None] = None, max_shard_size: Union[int, str] = "5GB",
                            dtype: Optional[torch.dtype] = None, tokenizer: Any = None,
-                           overwrite: bool = False) -> Path:
+                           overwrite: bool = False, merge_lora: bool = False) -> Path:
         """Export the trained Hugging Face model as a directory ``AutoModelForCausalLM.from_pretrained(out)`` loads,
         without a whole model on any rank (:func:`~lightning_seqpar.checkpoint.hf_export.export_hf_pretrained`):
         safetensors files of at most ``max_shard_size`` with their index, ``config.json``, and the tokenizer and
@@ -190,6 +191,9 @@ class Checkpointer:
             tokenizer: a tokenizer to save with the model (anything with ``save_pretrained(dir)``: the one the model
                 was trained with); it replaces the tokenizer files copied from ``source``.
             overwrite: replace a previous export at ``out`` (recognized by its marker file).
+            merge_lora: a PEFT-wrapped model: write ``W + (α/r)·B·A`` under the base model's keys, an ordinary
+                Hugging Face directory (:func:`~lightning_seqpar.checkpoint.peft_export.merged_tensors`); the
+                adapters alone are exported by :func:`~lightning_seqpar.checkpoint.peft_export.export_peft_adapter`.
 
         Raises:
             ValueError: nothing under ``prefix``, a dtype safetensors cannot store, a bad ``max_shard_size``.
@@ -198,6 +202,11 @@ class Checkpointer:
                 (:mod:`lightning_seqpar.checkpoint.destination`); on every rank, before anything is written.
         """
         assert self.module is not None
+        wrapped = isinstance(getattr(self.module.get_submodule(prefix.rstrip(".")), "peft_config", None), dict)
+        if wrapped and not merge_lora:
+            raise ValueError("The model carries PEFT adapters: export them as a PEFT adapter directory "
+                             "(lightning_seqpar.checkpoint.peft_export.export_peft_adapter), or pass merge_lora=True "
+                             "for a Hugging Face directory of the merged weights.")
         if config is None:
             config = self.module.get_submodule(prefix.rstrip(".")).config
         if source is None and Path(str(getattr(config, "name_or_path", "") or "")).is_dir():
@@ -207,7 +216,8 @@ class Checkpointer:
                 *(getattr(c, "dirpath", None) for c in trainer.checkpoint_callbacks)]
         return export_hf_pretrained(self.module, self.mesh, self.strategy.broadcast(str(out)), config, prefix=prefix,
                                     source=source, max_shard_size=max_shard_size, dtype=dtype, tokenizer=tokenizer,
-                                    overwrite=overwrite, protected=kept)
+                                    overwrite=overwrite, protected=kept,
+                                    view=(lambda tensors: merged_tensors(self.module, tensors, prefix)) if wrapped else None)
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """The optimizer's state for a checkpoint: DCP views (sharded format), or gathered per stage (full)."""

@@ -1,0 +1,147 @@
+"""LoRA adapters trained under the strategy, back to the ecosystem: a PEFT adapter directory, or merged weights.
+
+- **Adapter directory** (:func:`export_peft_adapter`): ``adapter_config.json`` (the PEFT config the model was wrapped
+  with) and ``adapter_model.safetensors`` under PEFT's own keys (``base_model.model.<module>.lora_A.weight``: the
+  adapter's name dropped, as ``get_peft_model_state_dict`` saves them), so ``PeftModel.from_pretrained(base, DIR)``
+  loads it. Adapters are r-sized: each is assembled from its tensor-parallel shards and pipeline stages (a few MB for
+  a 70B model at r = 16) while no rank holds any base weight it does not hold already.
+- **Merged** (:func:`merged_tensors`, used by ``save_hf_pretrained(..., merge_lora=True)``): ``W + (α/r)·B·A`` of each
+  adapted projection under the base model's key, every other tensor as it is: an ordinary Hugging Face directory. Each
+  rank merges its own shard (column-parallel: ``B``'s rows and ``W``'s; row-parallel: ``A``'s columns and ``W``'s),
+  so the merged shard is computed where the shards are and streamed like any other tensor.
+
+Both are collective; the directory is published atomically.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch import Tensor
+
+from lightning_seqpar.checkpoint.atomic import publish, recover_stale, temporary_path
+from lightning_seqpar.checkpoint.destination import export_refusal, mark_export
+from lightning_seqpar.checkpoint.stages import merge_over_stages
+from lightning_seqpar.hf.streaming import SafetensorsStreamWriter, TensorEntry
+from lightning_seqpar.parallel.mesh import ParallelMesh
+from lightning_seqpar.tensor_parallel.sharding import set_shard_spec, shard_spec
+from lightning_seqpar.transformer.tuner_layers import is_peft_tuner_layer
+
+ADAPTER_FILE, CONFIG_FILE = "adapter_model.safetensors", "adapter_config.json"
+
+
+def peft_model(module: nn.Module, prefix: str) -> Any:
+    """The PEFT-wrapped model under ``prefix`` in ``module``.
+
+    Raises:
+        ValueError: nothing there is a PEFT model, naming the fix.
+    """
+    model = module.get_submodule(prefix.rstrip(".")) if prefix else module
+    if not isinstance(getattr(model, "peft_config", None), dict):
+        raise ValueError(f"The model under prefix '{prefix}' ({type(model).__name__}) carries no PEFT adapters: "
+                         f"export it with save_hf_pretrained, or wrap it with peft.get_peft_model before training.")
+    return model
+
+
+def _adapters(model: nn.Module) -> list[tuple[str, str, nn.Module]]:
+    """``(layer path, adapter name, layer)`` of every adapted projection (rewritten or not)."""
+    found = []
+    for name, layer in model.named_modules():
+        lora_a = getattr(layer, "lora_A", None)
+        if isinstance(lora_a, nn.ModuleDict) and (is_peft_tuner_layer(layer) or hasattr(layer, "base_layer")):
+            found.extend((name, adapter, layer) for adapter in lora_a)
+    return found
+
+
+def _gathered(param: Tensor, mesh: ParallelMesh) -> Tensor:
+    spec = shard_spec(param)
+    return (spec.gather(param.detach(), mesh.tensor) if spec is not None else param.detach()).cpu().clone()
+
+
+def export_peft_adapter(module: nn.Module, mesh: ParallelMesh, out: os.PathLike | str, prefix: str = "model.",
+                        overwrite: bool = False, protected: Sequence[Optional[os.PathLike | str]] = ()) -> Path:
+    """Write the adapters of the PEFT model under ``prefix`` as a PEFT adapter directory (see the module docstring).
+    Collective over the default process group. Returns ``out``.
+
+    Raises:
+        ValueError: no PEFT model under ``prefix``.
+        FileExistsError: a destination that must not be written (:mod:`lightning_seqpar.checkpoint.destination`).
+    """
+    model = peft_model(module, prefix)
+    local: dict[str, Tensor] = {}
+    for path, adapter, layer in _adapters(model):
+        for matrix in ("lora_A", "lora_B"):
+            key = f"{path}.{matrix}.weight"  # PEFT's saved key: the adapter's name dropped
+            local[key] = _gathered(getattr(layer, matrix)[adapter].weight, mesh)
+    adapters = merge_over_stages(local, mesh.pipeline)
+    out = Path(out)
+    distributed = dist.is_initialized() and dist.get_world_size() > 1
+    decided = [str(temporary_path(out)), export_refusal(out, overwrite=overwrite, protected=protected)]
+    if distributed:
+        dist.broadcast_object_list(decided, src=0)
+    if decided[1] is not None:
+        raise FileExistsError(decided[1])
+    if not distributed or dist.get_rank() == 0:
+        tmp = Path(decided[0])
+        out.parent.mkdir(parents=True, exist_ok=True)
+        recover_stale(out.parent)
+        tmp.mkdir()
+        try:
+            ordered = sorted(adapters.items())
+            writer = SafetensorsStreamWriter(tmp / ADAPTER_FILE, [TensorEntry(k, v.dtype, tuple(v.shape))
+                                                                  for k, v in ordered])
+            for key, value in ordered:
+                writer.write(key, value.contiguous())
+            writer.close()
+            name = next(iter(model.peft_config))
+            config = model.peft_config[name].to_dict()
+            (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True, default=_json_default))
+            mark_export(tmp, "adapter")
+            publish(tmp, out)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+    if distributed:
+        dist.barrier()
+    return out
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, (set, frozenset)):
+        return sorted(value)
+    return str(value)
+
+
+def merged_tensors(module: nn.Module, tensors: dict[str, Tensor], prefix: str = "model.") -> dict[str, Tensor]:
+    """``tensors`` (the module's, by state-dict key) as the merged base model's: each adapted projection's base
+    weight ``W + scaling·B·A`` (this rank's shard, tagged like ``W``) under the base model's key, the adapters
+    dropped, PEFT's ``base_model.model.`` and ``base_layer.`` removed from the keys."""
+    model = peft_model(module, prefix)
+    merged: dict[str, Tensor] = {}
+    for path, adapter, layer in _adapters(model):
+        base = layer.base_layer
+        weight = base.weight if not getattr(base, "transposed", False) else base.weight.t()
+        a, b = layer.lora_A[adapter].weight, layer.lora_B[adapter].weight
+        scaling = layer.scaling if isinstance(layer.scaling, (int, float)) else layer.scaling[adapter]
+        with torch.no_grad():
+            value = weight.detach() + scaling * (b.detach().to(weight.dtype) @ a.detach().to(weight.dtype))
+        spec = shard_spec(base.weight)
+        if spec is not None:
+            set_shard_spec(value, spec)
+        merged[f"{prefix}{path}.base_layer.weight"] = value
+    out = {}
+    for key, value in tensors.items():
+        if ".lora_A." in key or ".lora_B." in key:
+            continue
+        value = merged.get(key, value)
+        name = key[len(prefix):] if key.startswith(prefix) else key
+        name = name[len("base_model.model."):] if name.startswith("base_model.model.") else name
+        out[prefix + name.replace(".base_layer.", ".")] = value
+    return out
