@@ -131,8 +131,20 @@ class FineTuneDataModule(pl.LightningDataModule):
         return pack_examples(examples, self.block_size, pad, self.packing, self.overflow, names)
 
     def setup(self, stage: Optional[str] = None) -> None:
+        """Render (or read) the examples, check their ids against the model, and make the rows.
+
+        Raises:
+            ValueError: an id at or above the model's vocabulary (another tokenizer's data), naming both.
+        """
         if self.examples is None:
             self.examples = self.load_examples()
+        module = self.trainer.lightning_module if self.trainer is not None else None
+        vocab = getattr(module, "vocab_size", None)
+        largest = max(int(e.ids.max()) for e in self.examples)
+        if vocab is not None and largest >= vocab:
+            raise ValueError(f"{self.path} rendered to token id {largest}, but the model's vocabulary has {vocab} ids: "
+                             f"the tokenizer ({self.tokenizer.name}) is not the model's. Use the model's tokenizer "
+                             f"(data.tokenizer=null reads the model directory's).")
         held_out = max(1, int(len(self.examples) * self.val_fraction))
         split = len(self.examples) - held_out
         if split < 1:

@@ -20,15 +20,21 @@ from typing import Iterator
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, Sampler
+from torch.utils.data import Dataset, DistributedSampler
 
 from lightning_seqpar.data.packing import Rows
 
 
-class StepSampler(Sampler):
-    """Yields ``(epoch, k)``: micro-batch ``k`` of this rank in ``epoch`` (see the module docstring)."""
+class StepSampler(DistributedSampler):
+    """Yields ``(epoch, k)``: micro-batch ``k`` of this rank in ``epoch`` (see the module docstring).
+
+    A ``DistributedSampler`` by type only (none of its splitting is used): Lightning wraps any other sampler of a
+    distributed run so that each rank takes every d-th of its indices, which would split this rank's own
+    micro-batches again.
+    """
 
     def __init__(self, micro_batches: int) -> None:
+        super().__init__(range(micro_batches), num_replicas=1, rank=0, shuffle=False)
         self.micro_batches, self.epoch = micro_batches, 0
 
     def set_epoch(self, epoch: int) -> None:

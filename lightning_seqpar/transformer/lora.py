@@ -280,8 +280,8 @@ def peft_key_mapping(model: nn.Module) -> Optional[dict[str, str]]:
     """For a PEFT-wrapped model, ``{the base model's key: the wrapped model's key}``
     (``model.layers.0.self_attn.q_proj.weight`` → ``base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight``):
     how a base checkpoint's keys name the wrapped model's tensors. ``None`` for any other model."""
-    if not isinstance(getattr(model, "peft_config", None), dict):
-        return None
+    if not isinstance(getattr(model, "peft_config", None), dict) or not callable(getattr(model, "get_base_model", None)):
+        return None  # (PEFT also puts its config on the wrapped transformers model: that one is no wrapper)
     mapping = {}
     for key in model.state_dict(keep_vars=True):
         parts = key.split(".")

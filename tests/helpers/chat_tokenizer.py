@@ -5,6 +5,7 @@ from __future__ import annotations
 
 WORDS = ("hello how are you i am fine thanks what is two plus two four the sky blue why because light scatters "
          "tell me a joke no say yes ok bye good morning night sun moon star").split()
+WORDS = list(dict.fromkeys(WORDS))  # each word once: ids are 0..n-1
 SPECIALS = ["<unk>", "<pad>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
 
 # The assistant's turn inside {% generation %} markers (transformers' return_assistant_tokens_mask reads them).
@@ -35,3 +36,34 @@ CONVERSATIONS = [
     [{"role": "user", "content": "tell me a joke"}, {"role": "assistant", "content": "no"}],
     [{"role": "user", "content": "hello how are you"}, {"role": "assistant", "content": "i am fine thanks"}],
 ]
+
+
+def make_chat_model_dir(directory, hidden: int = 32, layers: int = 2):
+    """A tiny random Llama saved with the chat tokenizer (its template included): a chat model's directory."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = chat_tokenizer()
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
+    LlamaForCausalLM(config).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def chat_records(n: int, seed: int = 0) -> list[dict]:
+    """``n`` conversations of made-up turns over the tokenizer's words (one to three exchanges each)."""
+    import random
+
+    rng = random.Random(seed)
+    records = []
+    for _ in range(n):
+        messages = []
+        for _ in range(rng.randint(1, 3)):
+            messages.append({"role": "user", "content": " ".join(rng.choices(WORDS, k=rng.randint(2, 6)))})
+            messages.append({"role": "assistant", "content": " ".join(rng.choices(WORDS, k=rng.randint(1, 5)))})
+        records.append({"messages": messages})
+    return records

@@ -1,0 +1,141 @@
+"""Fine-tune a local Hugging Face model on chat or instruction data, in full or with LoRA, under tensor / sequence /
+pipeline parallelism.
+
+    python recipes/finetune.py model.pretrained=DIR data.path=chat.jsonl                   # full, 2 CPU processes, tp 2
+    python recipes/finetune.py model.pretrained=DIR data.path=chat.jsonl peft=lora peft.r=16 peft.alpha=32 \\
+        export_hf=adapter export_hf_merged=merged                                          # LoRA, PEFT + merged export
+    python recipes/finetune.py ... strategy=pp2_tp2 trainer.devices=4                      # pipeline 2 × tensor 2
+
+The data is JSON Lines: ``{"messages": [...]}`` (rendered with the tokenizer's chat template; loss on the assistant's
+tokens), ``{"prompt", "completion"}`` (loss on the completion) or ``{"text"}``; examples are packed into rows of
+``data.block_size`` tokens without attending to each other (``data.packing=false``: one per row, padded). The loss is
+the mean over the supervised tokens of each optimizer step, as one process would compute it. At the end: validation
+loss and perplexity on the held-out examples' supervised tokens, a reply decoded from ``sample.prompt`` and the
+exports asked for. Every field of ``conf/finetune.yaml`` can be overridden on the command line (Hydra).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+from pathlib import Path
+
+import hydra
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+from omegaconf import DictConfig, OmegaConf
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: helpers of the recipes package
+
+from lightning_seqpar import SelectiveRecompute, SeqParallelStrategy  # noqa: E402
+from lightning_seqpar.checkpoint.destination import refuse_export_destination  # noqa: E402
+from lightning_seqpar.checkpoint.peft_export import export_peft_adapter  # noqa: E402
+from lightning_seqpar.data.finetune_datamodule import FineTuneDataModule  # noqa: E402
+from lightning_seqpar.lightning.callbacks import ParallelModelSummary  # noqa: E402
+from lightning_seqpar.models.finetune import FineTuneModule  # noqa: E402
+from recipes.pretrain_gpt import CONF_DIR, route_logs_to_hydra  # noqa: E402
+
+log = logging.getLogger("finetune")
+
+
+def check_options(cfg: DictConfig, output_dir: Path) -> None:
+    """Refuse, before any process starts, exports that cannot apply or would overwrite what must stay.
+
+    Raises:
+        ValueError: ``export_hf_merged`` without LoRA.
+        FileExistsError: an export destination that must not be written (:mod:`lightning_seqpar.checkpoint.destination`).
+    """
+    if cfg.export_hf_merged and cfg.peft.kind != "lora":
+        raise ValueError("export_hf_merged needs peft=lora (full fine-tuning has no adapters to merge): use export_hf.")
+    for out in (cfg.export_hf, cfg.export_hf_merged):
+        if out:
+            refuse_export_destination(out, overwrite=cfg.export_hf_overwrite,
+                                      protected=(output_dir, cfg.model.pretrained))
+
+
+def build(cfg: DictConfig, output_dir: Path) -> tuple[FineTuneModule, FineTuneDataModule, pl.Trainer]:
+    data = FineTuneDataModule(cfg.data.path, cfg.data.tokenizer or cfg.model.pretrained, cfg.data.block_size,
+                              cfg.data.batch_size, cfg.data.packing, cfg.data.overflow, cfg.data.val_fraction,
+                              cfg.seed, cfg.data.cache_dir)
+    lora = None
+    if cfg.peft.kind == "lora":
+        lora = {k: v for k, v in OmegaConf.to_container(cfg.peft, resolve=True).items() if k != "kind"}
+    optim = OmegaConf.to_container(cfg.optim, resolve=True)
+    module = FineTuneModule(cfg.model.pretrained, lora, cfg.model.attn_implementation,
+                            max_steps=cfg.trainer.max_steps, **optim)
+    callbacks: list[pl.Callback] = [
+        ModelCheckpoint(dirpath=output_dir / cfg.checkpoint_dir, filename="step{step:06d}",
+                        auto_insert_metric_name=False, save_last=True, every_n_train_steps=cfg.trainer.val_check_interval),
+        ParallelModelSummary(),
+    ]
+    if cfg.recompute.granularity != "none":
+        callbacks.append(SelectiveRecompute(cfg.recompute.granularity))
+    trainer = pl.Trainer(strategy=SeqParallelStrategy(**OmegaConf.to_container(cfg.strategy, resolve=True)),
+                         callbacks=callbacks, logger=CSVLogger(output_dir, name="logs"),
+                         **OmegaConf.to_container(cfg.trainer, resolve=True))
+    return module, data, trainer
+
+
+def reply(module: FineTuneModule, trainer: pl.Trainer, data: FineTuneDataModule, prompt: str, tokens: int) -> str:
+    """A greedy reply to ``prompt`` (one user turn, rendered with the chat template when there is one), from a
+    single-device copy of the fine-tuned model (collective: every rank calls it)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = data.tokenizer.tokenizer
+    if getattr(hf, "chat_template", None):
+        ids = hf.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                     tokenize=True, return_dict=True)["input_ids"]
+    else:
+        ids = hf(prompt, add_special_tokens=False)["input_ids"]
+    lora = module.lora is not None
+    state = trainer.strategy.full_state_dict()  # collective: the single-device weights (LoRA: base and adapters)
+    model = AutoModelForCausalLM.from_config(module.hf_config).to(module.device, torch.float32)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=module.lora["r"], lora_alpha=module.lora["alpha"],
+                                                 target_modules=list(module.lora["target_modules"])))
+    model.load_state_dict({k[len("model."):]: v for k, v in state.items() if k.startswith("model.")})
+    model.eval()
+    prompt_ids = torch.tensor([ids], device=module.device)
+    with torch.no_grad():
+        out = model.generate(input_ids=prompt_ids, max_new_tokens=tokens, do_sample=False,
+                             pad_token_id=data.tokenizer.separator[0])
+    return data.tokenizer.decode(out[0, len(ids):].tolist())
+
+
+@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="finetune")
+def main(cfg: DictConfig) -> dict:
+    route_logs_to_hydra()
+    output_dir = Path(hydra.core.hydra_config.HydraConfig.get().runtime.output_dir)
+    check_options(cfg, output_dir)
+    pl.seed_everything(cfg.seed, workers=True)
+    module, data, trainer = build(cfg, output_dir)
+    trainer.fit(module, datamodule=data, ckpt_path=cfg.ckpt_path)
+    trainer.validate(module, datamodule=data, verbose=False)
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    metrics["val/ppl"] = math.exp(metrics["val/loss"])
+    strategy = trainer.strategy
+    if cfg.export_hf and module.lora is not None:  # collective
+        export_peft_adapter(module, strategy.mesh, Path(cfg.export_hf).absolute(), overwrite=cfg.export_hf_overwrite)
+        log.info("exported PEFT adapter: %s", cfg.export_hf)
+    elif cfg.export_hf:
+        strategy.save_hf_pretrained(Path(cfg.export_hf).absolute(), source=module.pretrained,
+                                    overwrite=cfg.export_hf_overwrite, tokenizer=data.tokenizer)
+        log.info("exported Hugging Face model: %s", cfg.export_hf)
+    if cfg.export_hf_merged:
+        strategy.save_hf_pretrained(Path(cfg.export_hf_merged).absolute(), source=module.pretrained,
+                                    overwrite=cfg.export_hf_overwrite, tokenizer=data.tokenizer, merge_lora=True)
+        log.info("exported merged Hugging Face model: %s", cfg.export_hf_merged)
+    text = reply(module, trainer, data, cfg.sample.prompt, cfg.sample.max_new_tokens)
+    if trainer.is_global_zero:
+        log.info("final metrics: %s", metrics)
+        log.info("--- sample ---\n%s\n%s\n--------------", cfg.sample.prompt, text)
+    return metrics
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""Fine-tuning as the recipe runs it trains like one process: a pretrained chat model's directory read into the
+shards of a PEFT-wrapped model (adapters initialized by LoRA's rule on the meta device), conversations rendered with
+its chat template and packed, tp 2 × dp 2 with 2 accumulated micro-batches: every adapter's gradient at each of 3
+steps equals one process's gradient of the mean over the step's supervised tokens (all rows of all ranks and
+micro-batches), and the validation loss equals one process's mean over the held-out supervised tokens."""
+
+import json
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from lightning_seqpar import SeqParallelStrategy
+from lightning_seqpar.checkpoint.full_state import full_gradients, full_state_dict
+from lightning_seqpar.data.finetune_datamodule import FineTuneDataModule
+from lightning_seqpar.data.step_batches import StepBatches
+from lightning_seqpar.models.finetune import FineTuneModule
+from tests.helpers.chat_tokenizer import chat_records, make_chat_model_dir
+from tests.helpers.distributed import run_distributed
+
+pytestmark = pytest.mark.distributed  # starts processes: outside the fast lane
+
+STEPS, TP, DP, ACCUMULATE, BATCH, BLOCK = 3, 2, 2, 2, 2, 48
+LORA = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"]}
+
+
+class _Record(pl.Callback):
+    def on_train_start(self, trainer, pl_module):
+        self.initial = full_state_dict(pl_module, trainer.strategy.mesh.tensor)
+        self.grads = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.grads.append(full_gradients(pl_module, trainer.strategy.mesh.tensor))
+
+    def on_train_end(self, trainer, pl_module):
+        self.final = full_state_dict(pl_module, trainer.strategy.mesh.tensor)
+
+
+def _data(directory):
+    return FineTuneDataModule(str(directory / "chat.jsonl"), str(directory / "model"), BLOCK, BATCH,
+                              val_fraction=0.2)
+
+
+def _fit(rank, world_size, directory):
+    record = _Record()
+    trainer = pl.Trainer(accelerator="cpu", devices=world_size, precision="64-true", max_steps=STEPS, logger=False,
+                         strategy=SeqParallelStrategy(tp=TP), accumulate_grad_batches=ACCUMULATE,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         num_sanity_val_steps=0, check_val_every_n_epoch=None, val_check_interval=1000,
+                         callbacks=[record])
+    module = FineTuneModule(str(directory / "model"), LORA, learning_rate=1e-2, warmup_steps=0)
+    data = _data(directory)
+    trainer.fit(module, datamodule=data)
+    metrics = trainer.validate(module, datamodule=data, verbose=False)[0]
+    return record.initial, record.grads, record.final, metrics["val/loss"]
+
+
+@pytest.fixture(scope="module")
+def directory(tmp_path_factory):
+    root = tmp_path_factory.mktemp("chat")
+    make_chat_model_dir(root / "model")
+    (root / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chat_records(160)))
+    return root
+
+
+@pytest.fixture(scope="module")
+def parallel(directory):
+    return run_distributed(_fit, TP * DP, directory)[0]
+
+
+def _reference(directory, state):
+    """One process: PEFT on one device, the run's adapters loaded (float64)."""
+    from peft import LoraConfig, get_peft_model
+    from lightning_seqpar.hf.models import build_causal_lm, causal_lm_config, pretrained_state_dict
+
+    model = build_causal_lm(causal_lm_config(None, str(directory / "model"), "eager"))
+    model.load_state_dict(pretrained_state_dict(str(directory / "model")))
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=LORA["target_modules"])).double()
+    model.load_state_dict({k[len("model."):]: v for k, v in state.items()})
+    return model
+
+
+def _inputs(batch):
+    """The batch as the one-process model takes it: its eager attention would cross packed examples given position
+    ids alone, so the reference is given the examples' causal mask (tests/helpers/hf_models.py does the same)."""
+    inputs = {k: v for k, v in batch.items() if k != "num_items_in_step"}
+    documents = (inputs["position_ids"] == 0).cumsum(-1)
+    s = documents.shape[1]
+    allowed = torch.ones(s, s, dtype=torch.bool).tril()[None] & (documents[:, :, None] == documents[:, None, :])
+    inputs["attention_mask"] = torch.zeros(allowed.shape, dtype=torch.float64).masked_fill(
+        ~allowed, float("-inf"))[:, None]
+    return inputs
+
+
+def _relative(got, want):
+    return ((got - want).norm() / want.norm().clamp_min(1e-300)).item()
+
+
+def test_adapter_gradients_are_one_process_mean_over_each_steps_supervised_tokens(directory, parallel):
+    initial, grads, _, _ = parallel
+    data = _data(directory)
+    data.setup()
+    model = _reference(directory, initial)  # the adapters the run drew with LoRA's rule
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, betas=(0.9, 0.95),
+                                  weight_decay=0.0)
+    ranks = [StepBatches(data.train_rows, BATCH, DP, q, ACCUMULATE, seed=0) for q in range(DP)]
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        batches = [ranks[q][(0, step * ACCUMULATE + m)] for q in range(DP) for m in range(ACCUMULATE)]
+        total = int(batches[0]["num_items_in_step"][0])
+        assert total == sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches)
+        for batch in batches:  # the mean over the whole step's supervised tokens, as one process computes it
+            model(**_inputs(batch), num_items_in_batch=total).loss.backward()
+        want = {"model." + n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        got = grads[step]
+        assert got.keys() == want.keys() and len(want) == 2 * 5 * 2
+        wrong = {n: e for n in want if (e := _relative(got[n], want[n])) > 1e-4 and want[n].norm() > 0}
+        assert wrong == {}, (step, wrong)
+        assert all(torch.equal(got[n], want[n]) for n in want if want[n].norm() == 0)  # B = 0 at first: A's grad 0
+        optimizer.step()
+
+
+def test_validation_loss_is_the_mean_over_the_held_out_supervised_tokens(directory, parallel):
+    _, _, final, val_loss = parallel
+    data = _data(directory)
+    data.setup()
+    model = _reference(directory, final)
+    rows = data.val_rows
+    batch = min(BATCH, max(1, len(rows) // DP))
+    used = len(rows) // (DP * batch) * DP * batch  # what the validation loader covers: whole micro-batches per rank
+    whole = StepBatches(rows, used, 1, 0, 1, seed=0, shuffle=False, split="validation")[(0, 0)]
+    with torch.no_grad():
+        token_sum = model(**_inputs(whole), num_items_in_batch=1).loss
+    assert val_loss == pytest.approx((token_sum / int(whole["num_items_in_step"][0])).item(), rel=1e-6)
