@@ -1,0 +1,84 @@
+"""The fine-tuning walk-through (docs/finetuning.md) as written: LoRA on chat data at tp 2 from a pretrained chat
+model's directory, validation loss and perplexity on supervised tokens, a reply, the PEFT adapter and the merged
+model exported and loaded by PEFT and transformers; and full fine-tuning with the refusals that come first."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.helpers.chat_tokenizer import chat_records, make_chat_model_dir
+from tests.helpers.jobs import ROOT
+
+pytestmark = pytest.mark.distributed  # starts processes: outside the fast lane
+
+TINY = {"trainer.max_steps": "4", "trainer.val_check_interval": "2", "data.block_size": "64", "data.batch_size": "2",
+        "sample.max_new_tokens": "6", "trainer.enable_progress_bar": "false"}
+
+
+def walkthrough() -> list[str]:
+    text = (ROOT / "docs" / "finetuning.md").read_text()
+    block = re.search(r"<!-- walkthrough -->\n```bash\n(.*?)```\n<!-- /walkthrough -->", text, re.S).group(1)
+    return [line for line in block.splitlines() if line.startswith("python ")]
+
+
+def _run(args, cwd, check=True):
+    result = subprocess.run(args, cwd=cwd, env={**os.environ, "PYTHONPATH": str(ROOT), "HYDRA_FULL_ERROR": "1"},
+                            capture_output=True, text=True, timeout=600)
+    if check:
+        assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    return result
+
+
+@pytest.fixture(scope="module")
+def chat_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("chat_recipe")
+    make_chat_model_dir(root / "model")
+    (root / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chat_records(120)))
+    return root
+
+
+def test_the_walkthrough_trains_lora_on_chat_data_and_exports_what_peft_and_transformers_load(chat_dir, tmp_path):
+    train, load_adapter, load_merged = (line.replace("path/to/model", str(chat_dir / "model"))
+                                        .replace("chat.jsonl", str(chat_dir / "chat.jsonl")) for line in walkthrough())
+    args = shlex.split(train.replace("recipes/", f"{ROOT}/recipes/"))
+    result = _run([sys.executable, *args[1:], *(f"{k}={v}" for k, v in TINY.items())], tmp_path)
+    log = (tmp_path / "outputs" / "lora" / "finetune.log").read_text()
+    metrics = json.loads(re.search(r"final metrics: (\{.*\})", log).group(1).replace("'", '"'))
+    assert metrics["val/ppl"] == pytest.approx(math.exp(metrics["val/loss"]), rel=1e-12) and metrics["val/loss"] > 0
+    assert "--- sample ---" in log and "Traceback" not in result.stderr
+    assert (tmp_path / "adapter" / "adapter_config.json").is_file() and (tmp_path / "merged" / "config.json").is_file()
+    assert _run(shlex.split(load_adapter.replace("python", sys.executable, 1)), tmp_path).stdout.strip() == "16"
+    parameters = int(_run(shlex.split(load_merged.replace("python", sys.executable, 1)), tmp_path).stdout.strip())
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(chat_dir / "model")
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    assert parameters == base.num_parameters()  # the merged model is the base's shape: adapters folded in
+    changed = [k for k, v in merged.state_dict().items() if not torch.equal(v, base.state_dict()[k])]
+    assert changed and all(any(p in k for p in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                 "down_proj")) for k in changed)  # only adapted projections moved
+
+
+def test_full_fine_tuning_exports_the_whole_model_and_bad_options_are_refused_first(chat_dir, tmp_path):
+    recipe = [sys.executable, str(ROOT / "recipes" / "finetune.py"), f"model.pretrained={chat_dir / 'model'}",
+              f"data.path={chat_dir / 'chat.jsonl'}", f"hydra.run.dir={tmp_path / 'out'}"]
+    refused = _run([*recipe, "export_hf_merged=m"], tmp_path, check=False)
+    assert refused.returncode != 0 and "export_hf_merged needs peft=lora" in refused.stderr
+    refused = _run([*recipe, "data.block_size=8"], tmp_path, check=False)
+    assert refused.returncode != 0 and "longer than the block of 8" in refused.stderr + refused.stdout
+    _run([*recipe, f"export_hf={tmp_path / 'full'}", *(f"{k}={v}" for k, v in TINY.items())], tmp_path)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    full = AutoModelForCausalLM.from_pretrained(tmp_path / "full")
+    base = AutoModelForCausalLM.from_pretrained(chat_dir / "model")
+    assert all(not torch.equal(v, base.state_dict()[k]) for k, v in full.state_dict().items() if v.dim() == 2)
+    assert AutoTokenizer.from_pretrained(tmp_path / "full").chat_template  # the tokenizer, template included
