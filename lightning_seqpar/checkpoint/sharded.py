@@ -128,11 +128,12 @@ def _expected_shape(value: Tensor) -> tuple[int, ...]:
 
 
 def load_model(module: nn.Module, path: Path, metadata: Metadata, tp_mesh: Optional[DeviceMesh], strict: bool,
-               allow_non_finite: bool) -> None:
+               allow_non_finite: bool, frozen: frozenset[str] = frozenset()) -> None:
     """Read this rank's shards of ``module`` from the sharded checkpoint ``path``, in place (collective).
 
     Checked on every rank before anything is read: with ``strict``, every key of this rank's state dict
-    is in the checkpoint, and no checkpoint weight is unknown to every rank; every shape is the saved one.
+    is in the checkpoint (but ``frozen``: the frozen base a checkpoint left out, read again from its directory),
+    and no checkpoint weight is unknown to every rank; every shape is the saved one.
 
     Raises:
         ValueError: a missing/unexpected key or a shape mismatch (raised on every rank), a non-finite
@@ -146,7 +147,7 @@ def load_model(module: nn.Module, path: Path, metadata: Metadata, tp_mesh: Optio
         dist.all_gather_object(everyone, set(own))
 
     def check() -> None:
-        missing = sorted(set(own) - set(saved))
+        missing = sorted(set(own) - set(saved) - frozen)
         unexpected = sorted(set(saved) - set().union(*everyone))
         if strict and (missing or unexpected):
             raise ValueError(

@@ -35,6 +35,7 @@ from lightning_seqpar.checkpoint.sharded import (
     parameter_names,
 )
 from lightning_seqpar.checkpoint.writer import ShardedCheckpointWriter
+from lightning_seqpar.checkpoint.frozen_base import FrozenBase
 
 
 def optimizer_checkpoint_state(optimizer: Optimizer, module: nn.Module, tp_mesh: Optional[DeviceMesh]) -> dict[str, Any]:
@@ -128,7 +129,8 @@ def verified(path: Path, allow_unverified: bool = False,
 
 def load_trainer_checkpoint(path: Path, module: nn.Module, optimizers: Sequence[Optimizer],
                             tp_mesh: Optional[DeviceMesh], strict: bool, allow_non_finite: bool,
-                            weights_only: Optional[bool] = None, allow_unverified: bool = False) -> dict[str, Any]:
+                            weights_only: Optional[bool] = None, allow_unverified: bool = False,
+                            frozen_base: Optional[FrozenBase] = None) -> dict[str, Any]:
     """Read the sharded checkpoint ``path`` into ``module`` and (if any) ``optimizers``, in place, each rank
     its own shards (collective), and return the rest of the Lightning checkpoint for the Trainer.
 
@@ -136,9 +138,13 @@ def load_trainer_checkpoint(path: Path, module: nn.Module, optimizers: Sequence[
     publish, so the files read are all of one save. The returned dict has ``state_dict`` empty (already loaded) and, if saved, ``optimizer_states`` holding
     each optimizer's saved settings (already loaded when ``optimizers`` were given).
 
+    ``frozen_base``: where this run read its frozen weights from; a checkpoint that left its frozen weights out
+    (:mod:`~.frozen_base`) loads only when they are the same.
+
     Raises:
         ValueError: from :func:`verified` (before anything is read), :func:`read_trainer_state`,
-            :func:`~.sharded.load_model`, :func:`~.sharded.load_optimizer`; another number of optimizers than saved.
+            :func:`~.sharded.load_model`, :func:`~.sharded.load_optimizer`; another number of optimizers than saved;
+            a checkpoint without its frozen weights whose base this run does not read from the same files.
     """
     with folder_lock(Path(path).parent, exclusive=False):  # no save replaces it while it is read
         manifest = verified(path, allow_unverified, weights_only)
@@ -148,7 +154,8 @@ def load_trainer_checkpoint(path: Path, module: nn.Module, optimizers: Sequence[
             raise ValueError(f"{Path(path) / TRAINER_STATE_FILE} belongs to another save than the checkpoint's manifest "
                              f"(save {info.get('save_id')} against {manifest['save_id']}). Resume from the checkpoint before it.")
         metadata = read_metadata(path)
-        load_model(module, path, metadata, tp_mesh, strict, allow_non_finite)
+        load_model(module, path, metadata, tp_mesh, strict, allow_non_finite,
+                   _frozen_keys(path, info["layout"].get("frozen_base"), frozen_base))
         groups = info["optimizer_param_groups"]
         if groups is not None and optimizers:
             if len(groups) != len(optimizers):
@@ -160,3 +167,19 @@ def load_trainer_checkpoint(path: Path, module: nn.Module, optimizers: Sequence[
     if groups is not None:
         state["optimizer_states"] = groups
     return state
+
+
+def _frozen_keys(path: Path, saved: Optional[dict[str, Any]], current: Optional[FrozenBase]) -> frozenset[str]:
+    """The keys the checkpoint left out because they are the frozen base's, checked against this run's base.
+
+    Raises:
+        ValueError: the checkpoint left its frozen weights out and this run does not read them from the same files.
+    """
+    if saved is None:
+        return frozenset()
+    why = "this run reads no frozen weights from a pretrained directory" if current is None else current.mismatch(saved)
+    if why is not None:
+        raise ValueError(f"The checkpoint {path} holds the trainable weights only; {why}. Resume with the model read "
+                         f"from {saved['directory']} as it was (load_single_device_state_dict in configure_model), "
+                         f"unchanged.")
+    return frozenset(saved["keys"])

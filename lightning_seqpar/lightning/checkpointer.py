@@ -55,6 +55,7 @@ from lightning_seqpar.hf.weights import SafetensorsStateDict
 from lightning_seqpar.transformer.materialize import has_meta_tensors
 from lightning_seqpar.lightning.checkpoint_io import remove_stale_temporaries
 from lightning_seqpar.lightning.config import CheckpointConfig
+from lightning_seqpar.checkpoint.frozen_base import FrozenBase
 from lightning_seqpar.checkpoint.peft_export import merged_tensors
 from lightning_seqpar.transformer.lora import adapter_keys
 
@@ -78,6 +79,7 @@ class Checkpointer:
         self.writer: Optional[ShardedCheckpointWriter] = None
         self.remote_keys: list[str] = []  # state-dict keys of other pipeline stages (set when the model is split)
         self.initial_weights: Optional[Mapping[str, Any]] = None  # read into the shards as they are made
+        self.frozen_base: Optional[FrozenBase] = None  # where frozen weights were read from: not checkpointed again
 
     def start(self, timeout: Any) -> None:
         """Make the writer, once the process group exists."""
@@ -113,8 +115,17 @@ class Checkpointer:
         gathered from the shards (collective, every rank)."""
         assert self.module is not None
         if self.config.format == "sharded":
-            return model_entries(self.module, self._tp_device_mesh)
+            entries = model_entries(self.module, self._tp_device_mesh)
+            frozen = self._frozen_record()
+            return entries if frozen is None else {k: v for k, v in entries.items() if k not in set(frozen.keys)}
         return self.full_state_dict()
+
+    def _frozen_record(self) -> Optional[FrozenBase]:
+        """The frozen base this checkpoint leaves out: frozen parameters read from a pretrained directory."""
+        if self.frozen_base is None or self.module is None:
+            return None
+        record = self.frozen_base.with_keys(self.module)
+        return record if record.keys else None
 
     def full_state_dict(self) -> dict[str, Any]:
         """The single-device state dict of the trained model (same keys and shapes as before the rewrite),
@@ -150,6 +161,8 @@ class Checkpointer:
         """
         if not isinstance(source, Mapping):
             path = Path(source)
+            if path.suffix == ".safetensors" or (path.is_dir() and not is_sharded_checkpoint(path)):
+                self.frozen_base = FrozenBase.of(path)
             if path.suffix == ".safetensors" or (path.is_dir() and not is_sharded_checkpoint(path)):
                 source = SafetensorsStateDict(path, prefix, checkpoint_key_renamer(self._stored_model(prefix)))
                 prefix = ""
@@ -250,6 +263,10 @@ class Checkpointer:
         shapes = merge_over_stages(single_device_shapes(self.module), self.mesh.pipeline)
         layout = {"tp": self.mesh.tp, "pp": self.mesh.pp, "dp": self.mesh.dp, "cp": self.mesh.cp,
                   "zero": self.strategy.data_parallel.zero, "sequence_parallel": self.strategy.sequence_parallel}
+        frozen = self._frozen_record()
+        if frozen is not None:  # every stage's frozen keys: the manifest says what a resume reads from the base
+            keys = merge_over_stages({k: True for k in frozen.keys}, self.mesh.pipeline)
+            layout["frozen_base"] = FrozenBase(frozen.directory, frozen.files, sorted(keys)).as_record()
         tied = merge_over_stages(tied_aliases(self.module), self.mesh.pipeline)
         save_trainer_checkpoint(self.writer, checkpoint, path, shapes, tied, layout)
 
@@ -281,7 +298,7 @@ class Checkpointer:
         return load_trainer_checkpoint(
             path, self.module, [getattr(o, "optimizer", o) for o in self.strategy.optimizers], self._tp_device_mesh,
             self.module.strict_loading, self.config.allow_non_finite, weights_only,
-            self.config.allow_unverified,
+            self.config.allow_unverified, self.frozen_base,
         )
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:

@@ -60,7 +60,9 @@ class FineTuneModule(HFCausalLMModule):
         if self.lora is not None:
             model = self._with_lora(model)
         self.model = model
-        if into_shards and not resumed:  # read into the shards when they are made; adapters by LoRA's own rule
+        # Read into the shards when they are made; adapters by LoRA's own rule. Resuming LoRA, the frozen base is
+        # read again too: the sharded checkpoint holds the adapters only (checkpoint.frozen_base).
+        if into_shards and (not resumed or self.lora is not None):
             strategy.load_single_device_state_dict(self.pretrained, prefix="model.")
 
     def _with_lora(self, model: Any) -> Any:

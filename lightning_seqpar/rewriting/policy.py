@@ -134,6 +134,11 @@ class ModelPolicy(Policy):
                 exit_region: bool) -> nn.Module:
         return self.rewrite(module, ctx, enter_region=False, exit_region=False, name=name)  # type: ignore[call-arg]
 
+    def install_entry(self, module: nn.Module, ctx: RewriteContext, name: str) -> None:
+        """At t = 1 and c = 1, where nothing around the layers is split: what the model's call must still do for
+        its rewritten layers (a Hugging Face model's packed documents read from ``position_ids``). Nothing by
+        default."""
+
 
 @runtime_checkable
 class DeclaresPolicy(Protocol):

@@ -38,6 +38,9 @@ class RewritePlan:
     tp: int
     sequence_parallel: bool
     entries: list[PlannedRewrite] = field(default_factory=list)
+    entries_only: list[tuple[str, Policy]] = field(default_factory=list)
+    """models whose parts around the layers stay whole (t = c = 1) but whose call needs its entry
+    (:meth:`ModelPolicy.install_entry`): ``(qualified name, policy)``"""
     cp: int = 1
     cp_comm: str = "ring"
 
@@ -156,6 +159,8 @@ def plan_rewrite(model: nn.Module, ctx: RewriteContext, policies: Iterable[Polic
                 if ctx.tp > 1 or ctx.cp > 1:  # cp: the model's entry splits the sequence
                     plan.entries.append(PlannedRewrite(full, type(child).__name__, policy, False, False,
                                                        policy.describe(child, ctx)))
+                elif ctx.context is not None:  # one rank: packed documents still reach the rewritten layers
+                    plan.entries_only.append((full, policy))
                 policy = None
             if policy is None:
                 visit(full, child)
@@ -187,6 +192,8 @@ def plan_rewrite(model: nn.Module, ctx: RewriteContext, policies: Iterable[Polic
         if root_policy is not None and (ctx.tp > 1 or ctx.cp > 1):
             plan.entries.append(PlannedRewrite("", type(model).__name__, root_policy, False, False,
                                                root_policy.describe(model, ctx)))
+        elif root_policy is not None and ctx.context is not None:
+            plan.entries_only.append(("", root_policy))
         visit("", model)
     if all(entry.policy.around_layers for entry in plan.entries):  # a vocabulary alone is no transformer
         known = ", ".join(registry.known())
@@ -243,6 +250,8 @@ def rewrite(model: nn.Module, ctx: RewriteContext, policies: Iterable[Policy], v
             parent[int(attr)] = replacement
         else:
             setattr(parent, attr, replacement)
+    for name, policy in plan.entries_only:
+        policy.install_entry(model.get_submodule(name) if name else model, ctx, name)  # type: ignore[attr-defined]
     return plan
 
 

@@ -45,6 +45,8 @@ CASES = {
         Case("hf", 1, True, None, LABELS + (("documents", True), ("attn_implementation", "sdpa")), strategy=A2A,
              cp=2),                                                                 # the fused kernel per block
         Case("hf", 2, True, None, LABELS + (("documents", True),)),                # one cp rank: documents kept apart
+        Case("hf", 1, True, None, LABELS + (("documents", True),), pp=2),          # t = c = 1: the model's entry alone
+        Case("hf", 1, True, None, LABELS + (("documents", True),)),                # dp 2, nothing split around layers
         Case("hf", 2, True, None, LABELS, strategy=(("loss_chunk", 2),)),          # the loss over chunks of 2
         Case("hf", 2, True, "selective", LABELS + (("family", "gemma2"),), strategy=(("loss_chunk", 3),)),  # soft-cap
         Case("hf", 1, True, None, LABELS + (("family", "granite"),), strategy=(("loss_chunk", 1),), cp=2),  # scaling

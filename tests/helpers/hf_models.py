@@ -125,9 +125,9 @@ class HFCausalLM(pl.LightningModule):
             starts = [[0, 3], [0, 6]]
             positions = torch.stack([
                 torch.cat([torch.arange(e - b) for b, e in zip(row, row[1:] + [s])]) for row in
-                (starts[i % 2] for i in range(x.shape[0]))]).to(x.device)
+                (starts[int(x[i, 0]) % 2] for i in range(x.shape[0]))]).to(x.device)  # by content: micro-batches agree
             inputs["position_ids"] = positions
-            if type(self.model.get_input_embeddings()).__name__ != "VocabParallelEmbedding":
+            if type(getattr(self._trainer, "strategy", None)).__name__ != "SeqParallelStrategy":
                 # One process, unparallelized: transformers' eager and SDPA kernels attend across documents given
                 # position_ids alone, so the reference says where each document ends with a 4-D additive mask.
                 documents = (positions == 0).cumsum(-1)

@@ -1,0 +1,88 @@
+"""A LoRA run from a pretrained directory checkpoints its adapters and their optimizer state only: the frozen base is
+recorded (directory, files) instead of written again, read from the directory on resume, under another layout, on
+the uninterrupted run's loss curve; a resume reading its base from another directory is refused before training."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import lightning.pytorch as pl
+import pytest
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_seqpar import SeqParallelStrategy
+from lightning_seqpar.data.finetune_datamodule import FineTuneDataModule
+from lightning_seqpar.models.finetune import FineTuneModule
+from tests.helpers.chat_tokenizer import chat_records, make_chat_model_dir
+from tests.helpers.distributed import run_distributed
+
+pytestmark = pytest.mark.distributed  # starts processes: outside the fast lane
+
+LORA = {"r": 4, "alpha": 8}
+
+
+class _Losses(pl.Callback):
+    def __init__(self):
+        self.losses = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(float(outputs["loss"]))
+
+
+def _run(rank, world, tp, pp, steps, root, model_dir, checkpoints, resume):
+    pl.seed_everything(0, verbose=False)  # the adapters' draw (LoRA's rule, seeded by the run's seed) alike in every run
+    record = _Losses()
+    callbacks = [record] + ([ModelCheckpoint(dirpath=checkpoints, save_last=True, save_top_k=0)] if checkpoints else [])
+    trainer = pl.Trainer(accelerator="cpu", devices=world, precision="64-true", max_steps=steps, logger=False,
+                         strategy=SeqParallelStrategy(tp=tp, pp=pp), enable_checkpointing=bool(checkpoints),
+                         callbacks=callbacks, enable_progress_bar=False, enable_model_summary=False,
+                         limit_val_batches=0, num_sanity_val_steps=0)
+    data = FineTuneDataModule(str(root / "chat.jsonl"), str(model_dir), 48, 2, val_fraction=0.1)
+    trainer.fit(FineTuneModule(str(model_dir), LORA, learning_rate=1e-2), datamodule=data, ckpt_path=resume)
+    return record.losses
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora_base")
+    make_chat_model_dir(root / "model")
+    (root / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chat_records(80)))
+    return root
+
+
+@pytest.fixture(scope="module")
+def saved(root):
+    losses = run_distributed(_run, 2, 2, 1, 2, root, root / "model", root / "checkpoints", None)[0]
+    return losses, root / "checkpoints" / "last.ckpt"
+
+
+def test_the_checkpoint_holds_the_adapters_and_records_the_base(root, saved):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from lightning_seqpar.checkpoint.sharded import FORMAT_KEY, MODEL_PREFIX
+    from lightning_seqpar.checkpoint.trainer_checkpoint import read_trainer_state
+
+    _, checkpoint = saved
+    keys = FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    weights = [k for k in keys if k.startswith(MODEL_PREFIX)]
+    assert weights and all(".lora_" in k for k in weights)  # no frozen tensor written again
+    assert any(".lora_" in k for k in keys if not k.startswith(MODEL_PREFIX))  # the adapters' optimizer state
+    frozen = read_trainer_state(checkpoint)[FORMAT_KEY]["layout"]["frozen_base"]
+    assert frozen["directory"] == str((root / "model").resolve()) and "model.safetensors" in frozen["files"]
+    assert any(k.endswith("q_proj.base_layer.weight") for k in frozen["keys"])
+
+
+def test_resuming_under_another_layout_reads_the_base_again_and_continues_the_curve(root, saved):
+    first, checkpoint = saved
+    whole = run_distributed(_run, 2, 2, 1, 4, root, root / "model", None, None)[0]
+    resumed = run_distributed(_run, 2, 1, 2, 4, root, root / "model", None, str(checkpoint))[0]
+    assert first == pytest.approx(whole[:2], rel=1e-9)
+    assert resumed == pytest.approx(whole[2:], rel=1e-6)
+
+
+def test_a_resume_reading_its_base_from_elsewhere_is_refused(root, saved, tmp_path):
+    _, checkpoint = saved
+    shutil.copytree(root / "model", tmp_path / "copy")
+    with pytest.raises(AssertionError, match=r"holds the trainable weights only; its frozen weights were read from "):
+        run_distributed(_run, 2, 2, 1, 4, root, tmp_path / "copy", None, str(checkpoint))
