@@ -60,11 +60,12 @@ def build(cfg: DictConfig, output_dir: Path) -> tuple[FineTuneModule, FineTuneDa
     data = FineTuneDataModule(cfg.data.path, cfg.data.tokenizer or cfg.model.pretrained, cfg.data.block_size,
                               cfg.data.batch_size, cfg.data.packing, cfg.data.overflow, cfg.data.val_fraction,
                               cfg.seed, cfg.data.cache_dir)
-    lora = None
+    lora, adapter = None, None
     if cfg.peft.kind == "lora":
-        lora = {k: v for k, v in OmegaConf.to_container(cfg.peft, resolve=True).items() if k != "kind"}
+        lora = {k: v for k, v in OmegaConf.to_container(cfg.peft, resolve=True).items() if k not in ("kind", "adapter")}
+        adapter = cfg.peft.get("adapter")
     optim = OmegaConf.to_container(cfg.optim, resolve=True)
-    module = FineTuneModule(cfg.model.pretrained, lora, cfg.model.attn_implementation,
+    module = FineTuneModule(cfg.model.pretrained, lora, cfg.model.attn_implementation, adapter,
                             max_steps=cfg.trainer.max_steps, **optim)
     callbacks: list[pl.Callback] = [
         ModelCheckpoint(dirpath=output_dir / cfg.checkpoint_dir, filename="step{step:06d}",

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -111,6 +112,27 @@ def export_peft_adapter(module: nn.Module, mesh: ParallelMesh, out: os.PathLike 
     if distributed:
         dist.barrier()
     return out
+
+
+def adapter_state_dict(directory: Path, prefix: str, model: Any) -> Any:
+    """A PEFT adapter directory's weights as the PEFT-wrapped ``model`` (under ``prefix``) names them: PEFT saves
+    ``...q_proj.lora_A.weight``, the live model holds ``...q_proj.lora_A.<adapter>.weight``. Lazy: each rank reads
+    its own slices.
+
+    Raises:
+        FileNotFoundError: no ``adapter_model.safetensors`` in ``directory``.
+    """
+    from lightning_seqpar.hf.weights import SafetensorsStateDict
+
+    file = directory / ADAPTER_FILE
+    if not file.is_file():
+        raise FileNotFoundError(f"{directory} is not a PEFT adapter directory: it has no {ADAPTER_FILE}.")
+    name = next(iter(model.peft_config)) if model is not None else "default"
+
+    def rename(key: str) -> str:
+        return re.sub(r"\.(lora_[AB])\.weight$", rf".\1.{name}.weight", key)
+
+    return SafetensorsStateDict(file, prefix, rename)
 
 
 def _json_default(value: Any) -> Any:

@@ -56,7 +56,7 @@ from lightning_seqpar.transformer.materialize import has_meta_tensors
 from lightning_seqpar.lightning.checkpoint_io import remove_stale_temporaries
 from lightning_seqpar.lightning.config import CheckpointConfig
 from lightning_seqpar.checkpoint.frozen_base import FrozenBase
-from lightning_seqpar.checkpoint.peft_export import merged_tensors
+from lightning_seqpar.checkpoint.peft_export import adapter_state_dict, merged_tensors
 from lightning_seqpar.transformer.lora import adapter_keys
 
 
@@ -135,7 +135,7 @@ class Checkpointer:
         return merge_over_stages(full_state_dict(self.module, self.mesh.tensor), self.mesh.pipeline)
 
     def load_single_device_state_dict(self, source: Union[str, Path, Mapping[str, Tensor]], strict: bool = True,
-                                      prefix: str = "") -> None:
+                                      prefix: str = "", adapter: Union[str, Path, None] = None) -> None:
         """Start from single-device weights in any layout: copy this rank's shards (and stage) out of ``source``:
 
         - a state dict of the unparallelized model;
@@ -154,11 +154,21 @@ class Checkpointer:
         the whole model. Called after setup (e.g. in ``on_fit_start``), it copies into the existing shards
         (collective).
 
+        ``adapter``: a PEFT adapter directory whose LoRA weights start the PEFT-wrapped model under ``prefix``
+        (read lazily like the base, each rank its own slices); ``source`` is then the base model's directory.
+
         Raises:
             KeyError: with ``strict``, keys missing from ``source`` or unknown to the model.
             ValueError: a tensor of another shape, or non-finite values in an in-memory state dict (checked on
                 every rank first).
         """
+        if adapter is not None:
+            base = Path(source)  # type: ignore[arg-type]
+            stored = self._stored_model(prefix)
+            source = {**SafetensorsStateDict(base, prefix, checkpoint_key_renamer(stored)),
+                      **adapter_state_dict(Path(adapter), prefix, stored)}
+            self.frozen_base = FrozenBase.of(base)
+            prefix = ""
         if not isinstance(source, Mapping):
             path = Path(source)
             if path.suffix == ".safetensors" or (path.is_dir() and not is_sharded_checkpoint(path)):

@@ -6,6 +6,8 @@ PEFT and transformers are imported when the module builds its model, never by ``
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -36,6 +38,8 @@ class FineTuneModule(HFCausalLMModule):
             (defaults :data:`LORA_DEFAULTS`); the model is wrapped with ``peft.get_peft_model`` and only the adapters
             train.
         attn_implementation: ``"eager"`` or ``"sdpa"``.
+        adapter: a PEFT adapter directory to start from (its ``adapter_config.json`` sets r, α, dropout and the
+            targets; ``lora`` is then ignored).
         **optimization: :class:`~lightning_seqpar.models.module.CausalLMModule`'s arguments.
 
     Raises:
@@ -43,10 +47,15 @@ class FineTuneModule(HFCausalLMModule):
     """
 
     def __init__(self, pretrained: str, lora: Optional[dict] = None, attn_implementation: str = "eager",
-                 **optimization: Any) -> None:
+                 adapter: Optional[str] = None, **optimization: Any) -> None:
         super().__init__(None, pretrained, attn_implementation, **optimization)
+        self.adapter = adapter
+        if adapter is not None:  # its own settings: the adapter continues as it was made
+            saved = json.loads((Path(adapter) / "adapter_config.json").read_text())
+            lora = {"r": saved["r"], "alpha": saved["lora_alpha"], "dropout": saved.get("lora_dropout", 0.0),
+                    "target_modules": sorted(saved["target_modules"])}
         self.lora = None if lora is None else {**LORA_DEFAULTS, **lora}
-        self.save_hyperparameters({"lora": self.lora})
+        self.save_hyperparameters({"lora": self.lora, "adapter": adapter})
 
     def configure_model(self) -> None:
         if hasattr(self, "model"):
@@ -57,19 +66,27 @@ class FineTuneModule(HFCausalLMModule):
         resumed = self.trainer.ckpt_path is not None
         if not into_shards and not resumed:  # one device: the weights first, then the adapters around them
             model.load_state_dict(pretrained_state_dict(self.pretrained))
-        if self.lora is not None:
+        if self.adapter is not None and not into_shards:
+            from peft import PeftModel
+
+            model = PeftModel.from_pretrained(model, self.adapter, is_trainable=True)
+        elif self.lora is not None:
             model = self._with_lora(model)
         self.model = model
-        # Read into the shards when they are made; adapters by LoRA's own rule. Resuming LoRA, the frozen base is
-        # read again too: the sharded checkpoint holds the adapters only (checkpoint.frozen_base).
+        # Read into the shards when they are made; adapters by LoRA's own rule, or from the adapter directory.
+        # Resuming LoRA, the frozen base is read again too: the sharded checkpoint holds the adapters only.
         if into_shards and (not resumed or self.lora is not None):
-            strategy.load_single_device_state_dict(self.pretrained, prefix="model.")
+            strategy.checkpointer.load_single_device_state_dict(self.pretrained, prefix="model.", adapter=self.adapter)
 
     def _with_lora(self, model: Any) -> Any:
         try:
-            from peft import LoraConfig, get_peft_model
+            from peft import LoraConfig, PeftConfig, get_peft_model
         except ImportError as error:
             raise ImportError("LoRA needs PEFT: pip install 'lightning_seqpar[peft]'.") from error
+        if self.adapter is not None:  # the adapter's own config (its weights are read into the shards)
+            config = PeftConfig.from_pretrained(self.adapter)
+            config.inference_mode = False
+            return get_peft_model(model, config)
         lora = self.lora
         return get_peft_model(model, LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
                                                 target_modules=list(lora["target_modules"])))

@@ -1,6 +1,7 @@
 """A LoRA run from a pretrained directory checkpoints its adapters and their optimizer state only: the frozen base is
 recorded (directory, files) instead of written again, read from the directory on resume, under another layout, on
-the uninterrupted run's loss curve; a resume reading its base from another directory is refused before training."""
+the uninterrupted run's loss curve; a resume reading its base from another directory is refused before training. A
+PEFT adapter directory starts a run under another layout with exactly its values."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import shutil
 
 import lightning.pytorch as pl
 import pytest
+import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_seqpar import SeqParallelStrategy
@@ -86,3 +88,50 @@ def test_a_resume_reading_its_base_from_elsewhere_is_refused(root, saved, tmp_pa
     shutil.copytree(root / "model", tmp_path / "copy")
     with pytest.raises(AssertionError, match=r"holds the trainable weights only; its frozen weights were read from "):
         run_distributed(_run, 2, 2, 1, 4, root, tmp_path / "copy", None, str(checkpoint))
+
+
+def _start_from_adapter(rank, world, tp, pp, root, adapter):
+    from lightning_seqpar.checkpoint.full_state import full_state_dict
+    from lightning_seqpar.checkpoint.stages import merge_over_stages
+
+    class Initial(pl.Callback):
+        def on_train_start(self, trainer, pl_module):
+            mesh = trainer.strategy.mesh
+            state = merge_over_stages(full_state_dict(pl_module, mesh.tensor), mesh.pipeline)
+            self.adapters = {k: v for k, v in state.items() if ".lora_" in k}
+
+    initial = Initial()
+    trainer = pl.Trainer(accelerator="cpu", devices=world, precision="64-true", max_steps=1, logger=False,
+                         strategy=SeqParallelStrategy(tp=tp, pp=pp), enable_checkpointing=False, callbacks=[initial],
+                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                         num_sanity_val_steps=0)
+    data = FineTuneDataModule(str(root / "chat.jsonl"), str(root / "model"), 48, 2, val_fraction=0.1)
+    trainer.fit(FineTuneModule(str(root / "model"), adapter=str(adapter)), datamodule=data)
+    return initial.adapters
+
+
+def test_a_peft_adapter_directory_starts_a_run_under_another_layout(root, saved, tmp_path):
+    """An adapter exported at tp 2 starts a pp 2 run with exactly its values (read into the shards)."""
+    from safetensors.torch import load_file
+
+    adapter = tmp_path / "adapter"
+    run_distributed(_export_after_steps, 2, root, adapter)
+    stored = load_file(str(adapter / "adapter_model.safetensors"))
+    initial = run_distributed(_start_from_adapter, 2, 1, 2, root, adapter)[0]
+    assert len(initial) == len(stored) > 0
+    for key, value in stored.items():
+        live = "model." + key.replace(".lora_A.weight", ".lora_A.default.weight").replace(
+            ".lora_B.weight", ".lora_B.default.weight")
+        assert torch.equal(initial[live], value), key
+
+
+def _export_after_steps(rank, world, root, out):
+    from lightning_seqpar.checkpoint.peft_export import export_peft_adapter
+
+    pl.seed_everything(0, verbose=False)
+    trainer = pl.Trainer(accelerator="cpu", devices=world, precision="64-true", max_steps=2, logger=False,
+                         strategy=SeqParallelStrategy(tp=2), enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0)
+    data = FineTuneDataModule(str(root / "chat.jsonl"), str(root / "model"), 48, 2, val_fraction=0.1)
+    trainer.fit(FineTuneModule(str(root / "model"), LORA, learning_rate=1e-2), datamodule=data)
+    export_peft_adapter(trainer.lightning_module, trainer.strategy.mesh, out)
