@@ -112,3 +112,37 @@ def test_frozen_parameters_have_no_bucket_no_state_and_no_data_parallel_traffic(
     want = {"all_reduce": adapters, "reduce_scatter": 0, "all_gather": 0} if zero == 0 else \
         {"all_reduce": 0, "reduce_scatter": adapters, "all_gather": adapters}
     assert held.data == want
+
+
+def _saved_by_adapters(rank, world_size):
+    """Shapes and storages of what LoRA-A of column-parallel layers keeps for backward, and of the base's input."""
+    from lightning_seqpar.transformer.lora import LoRAColumnParallelLinear
+
+    module = build("hf", labels=True, lora="all").double()
+    group = ParallelGroup(torch.distributed.group.WORLD)
+    rewrite(module, RewriteContext(group, True))
+    kept = []
+    original = LoRAColumnParallelLinear.adapter
+
+    def adapter(self, x):
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+            return original(self, x)
+
+    LoRAColumnParallelLinear.adapter = adapter
+    try:
+        x, y = token_data(1, 1).tensors
+        module.compute_loss(x[:BATCH], y[:BATCH])
+    finally:
+        LoRAColumnParallelLinear.adapter = original
+    return [(tuple(t.shape), t.untyped_storage().data_ptr()) for t in kept]
+
+
+def test_lora_a_keeps_only_the_sequence_local_input_under_sp():
+    kept = run_distributed(_saved_by_adapters, 2)[0]  # matmuls keep their inputs flattened: [tokens, features]
+    h, t = 16, 2
+    inputs = [(shape, ptr) for shape, ptr in kept if shape[-1] == h and shape != (R, h)]  # not A itself
+    assert inputs and all(shape == (SEQ // t * BATCH, h) for shape, _ in inputs)  # s/t·b tokens: ÷ t, never gathered
+    gathered = [shape for shape, _ in kept if shape[-1] == R and shape[0] > R]
+    assert gathered and all(shape == (SEQ * BATCH, R) for shape in gathered)  # what is gathered is r-sized
+    # Per layer two inputs (q/k/v's and gate/up's: the norm outputs the base keeps for its own backward), no copy.
+    assert len({ptr for _, ptr in inputs}) == 2 * 2
