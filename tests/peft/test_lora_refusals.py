@@ -78,6 +78,17 @@ def test_the_split_follows_the_base_and_names_stay_pefts():
     assert shard_spec(oa).dim == 1 and torch.equal(oa, single[f"{prefix}.o_proj.lora_A.default.weight"][:, :8])
     assert shard_spec(ob) is None and is_sequence_parallel(ob)
     assert not any(p.requires_grad for n, p in module.named_parameters() if "base_layer" in n)  # frozen stays frozen
+    # LoRA dropout's stream: a column input under SP and a row input (features) differ across tp ranks.
+    assert q.lora_dropout.sharded and o.lora_dropout.sharded
+
+
+def test_without_sp_a_column_adapters_dropout_draws_alike_on_every_rank():
+    module = _peft(target_modules=["q_proj", "o_proj"], lora_dropout=0.1)
+    rewrite(module, RewriteContext(ParallelGroup.virtual(2), False))
+    layer = module.model.base_model.model.model.layers[0]
+    q, o = layer.self_attn.q_proj, layer.self_attn.o_proj
+    assert q.lora_dropout.p == o.lora_dropout.p == 0.1
+    assert not q.lora_dropout.sharded and o.lora_dropout.sharded  # replicated input: one mask; split features: own
 
 
 def test_explain_names_the_adapters_their_split_and_the_frozen_parameters(capsys):
