@@ -5,7 +5,8 @@ q/k norms). The frozen base has no gradient anywhere (the gradients compared are
 
 Adapters are drawn with ``init_lora_weights=False`` (B random, not zeros) so that A has a gradient from the first
 step; one case keeps PEFT's default (B = 0). Layouts: tp 2 with and without SP, tp 4, pp 2, pp 2 × tp 2, tp 2 × dp 2
-with the distributed optimizer, selective and full recomputation.
+with the distributed optimizer, selective and full recomputation; and under context parallelism (tp 2 × cp 2 ring;
+cp 2 × dp 2 all-to-all with packed documents).
 """
 
 import pytest
@@ -34,6 +35,8 @@ CASES = {
         Case("hf", 2, True, None, QWEN3, pp=2),
         Case("hf", 2, True, None, LORA, strategy=(("zero", 1),)),           # tp 2 × dp 2, distributed optimizer
         Case("hf", 1, True, None, LORA + (("kv_heads", 4),), strategy=(("zero", 1),)),  # tp 1 × dp 4
+        Case("hf", 2, True, None, LORA, cp=2),                              # tp 2 × cp 2 (ring)
+        Case("hf", 1, True, None, LORA + (("documents", True),), strategy=(("cp_comm", "all_to_all"),), cp=2),
     ],
 }
 # As for the full models (tests/hf/test_hf_models.py): Hugging Face's norms and loss compute in float32 whatever the
