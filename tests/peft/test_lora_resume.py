@@ -1,4 +1,4 @@
-"""A LoRA run's sharded checkpoint resumes under another layout (tp 2 → pp 2, tp 2 → one process), its adapters and
+"""A LoRA run's sharded checkpoint resumes under another layout (tp 2 → one process), its adapters and
 their AdamW state resharded, on the loss curve of the uninterrupted one-process PEFT run; a checkpoint that lost
 one tensor-parallel rank's file is refused before any weight is read."""
 
@@ -63,7 +63,7 @@ def _close(got, want):
         assert abs(g - w) <= 1e-6 * abs(w), (got, want)
 
 
-@pytest.mark.parametrize("world, tp, pp", [(2, 1, 2), (1, 1, 1)], ids=["tp2-to-pp2", "tp2-to-one-process"])
+@pytest.mark.parametrize("world, tp, pp", [(1, 1, 1)], ids=["tp2-to-one-process"])  # into pp: test_lora_checkpoint_base
 def test_a_lora_checkpoint_resumes_under_another_layout_on_the_one_process_curve(saved, reference, world, tp, pp):
     first, checkpoint = saved
     _close(first, reference[:EPOCH_STEPS])
