@@ -122,10 +122,11 @@ class HFCausalLM(pl.LightningModule):
             inputs["position_ids"] = torch.arange(x.shape[1], device=x.device).expand_as(x) + self.position_offset
         if self.documents:  # packed rows (DataCollatorWithFlattening): documents of 3 and 5 tokens, then 6 and 2
             s = x.shape[1]
-            starts = [[0, 3], [0, 6]]
-            positions = torch.stack([
-                torch.cat([torch.arange(e - b) for b, e in zip(row, row[1:] + [s])]) for row in
-                (starts[int(x[i, 0]) % 2] for i in range(x.shape[0]))]).to(x.device)  # by content: micro-batches agree
+            patterns = torch.stack([torch.cat([torch.arange(e - b) for b, e in zip(row, row[1:] + [s])])
+                                    for row in ([0, 3], [0, 6])]).to(x.device)  # [2, s]
+            # Chosen by the row's content, so a pipeline's micro-batches see the documents one process sees; by
+            # indexing, not int(): no host sync in the step (tests/lightning/test_host_syncs.py).
+            positions = patterns[x[:, 0] % 2]
             inputs["position_ids"] = positions
             if type(getattr(self._trainer, "strategy", None)).__name__ != "SeqParallelStrategy":
                 # One process, unparallelized: transformers' eager and SDPA kernels attend across documents given
