@@ -41,7 +41,8 @@ from lightning_seqpar.transformer.block_spec import BlockSpec, out_features, res
 from lightning_seqpar.transformer.context import RewriteContext
 from lightning_seqpar.transformer.core_attention import CoreAttention, merge_heads
 from lightning_seqpar.transformer.dropout import ParallelDropout
-from lightning_seqpar.transformer.lora import column_with_lora, linear_of, row_with_lora
+from lightning_seqpar.transformer.lora import column_with_lora, row_with_lora
+from lightning_seqpar.transformer.tuner_layers import linear_of
 from lightning_seqpar.transformer.masks import torch_attention_bias
 from lightning_seqpar.transformer.region import enter_parallel_region, exit_parallel_region
 from lightning_seqpar.transformer.roles import LayerDims, ParallelLayer

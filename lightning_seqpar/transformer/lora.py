@@ -34,7 +34,6 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
-import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
@@ -46,7 +45,7 @@ from lightning_seqpar.tensor_parallel.mappings import (
 from lightning_seqpar.tensor_parallel.sharding import ShardSpec, set_sequence_parallel, shard_parameter
 from lightning_seqpar.transformer.context import RewriteContext
 from lightning_seqpar.transformer.dropout import ParallelDropout
-from lightning_seqpar.transformer.tuner_layers import is_peft_tuner_layer, linear_of
+from lightning_seqpar.transformer.tuner_layers import is_peft_tuner_layer
 
 
 @dataclass(frozen=True)
