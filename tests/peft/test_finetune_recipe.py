@@ -30,8 +30,14 @@ def walkthrough() -> list[str]:
     return [line for line in block.splitlines() if line.startswith("python ")]
 
 
+# Left in this process's environment by tests that ran a launcher in it: a new job must pick its own rendezvous.
+LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK",
+                    "GROUP_RANK")
+
+
 def _run(args, cwd, check=True):
-    result = subprocess.run(args, cwd=cwd, env={**os.environ, "PYTHONPATH": str(ROOT), "HYDRA_FULL_ERROR": "1"},
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
+    result = subprocess.run(args, cwd=cwd, env={**env, "PYTHONPATH": str(ROOT), "HYDRA_FULL_ERROR": "1"},
                             capture_output=True, text=True, timeout=600)
     if check:
         assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
