@@ -177,6 +177,13 @@ def _efficient_bias(allowed: Optional[torch.Tensor], q: torch.Tensor, keys: int)
     return bias[..., :keys].expand(b, q.shape[1], n, keys)
 
 
+def _cpu_mask(allowed: Optional[torch.Tensor], q: torch.Tensor) -> Optional[torch.Tensor]:
+    """``allowed`` ``[b, n, n_k]`` as the CPU kernel's additive mask ``[b, 1, n, n_k]`` (``-inf`` where masked)."""
+    if allowed is None:
+        return None
+    return torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(~allowed, float("-inf"))[:, None]
+
+
 def fused_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
                              allowed: Optional[torch.Tensor], scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """A fused attention kernel that returns, with the output ``[b, a, n, d]``, the log-sum-exp of each query's scores
@@ -189,10 +196,8 @@ def fused_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
       multiple of 32 queries; sliced here). SDPA's CUDA flash kernel takes no mask, so it serves no masked block.
     """
     if q.device.type == "cpu":
-        mask = None if allowed is None else torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(
-            ~allowed, float("-inf"))[:, None]
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, attn_mask=mask,
-                                                                           scale=scale)
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal,
+                                                                           attn_mask=_cpu_mask(allowed, q), scale=scale)
     out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
         q, k, v, _efficient_bias(allowed, q, k.shape[2]), True, 0.0, is_causal, scale=scale)
     return out, lse[..., :q.shape[2]]
@@ -206,10 +211,8 @@ def fused_attention_backward(d_out: torch.Tensor, q: torch.Tensor, k: torch.Tens
     ``aten._scaled_dot_product_efficient_attention_backward`` on CUDA: no dropout, so its random-state tensors are
     the empty scalars its forward returns without dropout)."""
     if q.device.type == "cpu":
-        mask = None if allowed is None else torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(
-            ~allowed, float("-inf"))[:, None]
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            d_out, q, k, v, out, lse, 0.0, is_causal, attn_mask=mask, scale=scale)
+            d_out, q, k, v, out, lse, 0.0, is_causal, attn_mask=_cpu_mask(allowed, q), scale=scale)
     n = q.shape[2]
     lse = torch.nn.functional.pad(lse.float(), (0, -(-n // 32) * 32 - n)).contiguous()  # the kernel's padded layout
     no_rng = torch.empty((), dtype=torch.long)

@@ -91,14 +91,10 @@ def reply(module: FineTuneModule, trainer: pl.Trainer, data: FineTuneDataModule,
                                      tokenize=True, return_dict=True)["input_ids"]
     else:
         ids = hf(prompt, add_special_tokens=False)["input_ids"]
-    lora = module.lora is not None
     state = trainer.strategy.full_state_dict()  # collective: the single-device weights (LoRA: base and adapters)
     model = AutoModelForCausalLM.from_config(module.hf_config).to(module.device, torch.float32)
-    if lora:
-        from peft import LoraConfig, get_peft_model
-
-        model = get_peft_model(model, LoraConfig(r=module.lora["r"], lora_alpha=module.lora["alpha"],
-                                                 target_modules=list(module.lora["target_modules"])))
+    if module.lora is not None:
+        model = module.with_adapters(model)  # the same PEFT wrapping: the adapters' keys match
     model.load_state_dict({k[len("model."):]: v for k, v in state.items() if k.startswith("model.")})
     model.eval()
     prompt_ids = torch.tensor([ids], device=module.device)

@@ -16,9 +16,6 @@ from typing import Any, Optional
 
 import torch.nn as nn
 
-WEIGHT_SUFFIXES = (".safetensors", ".json")
-
-
 @dataclass(frozen=True)
 class FrozenBase:
     """Where a run's frozen weights were read from (see the module docstring)."""
@@ -32,9 +29,8 @@ class FrozenBase:
     def of(cls, source: Path) -> "FrozenBase":
         source = source.resolve()
         directory = source if source.is_dir() else source.parent
-        paths = sorted(p for p in directory.iterdir() if p.suffix in WEIGHT_SUFFIXES and
-                       (p.suffix == ".safetensors" or p.name.endswith(".safetensors.index.json"))) \
-            if source.is_dir() else [source]
+        paths = sorted(p for p in directory.iterdir() if p.suffix == ".safetensors"
+                       or p.name.endswith(".safetensors.index.json")) if source.is_dir() else [source]
         return cls(str(directory), {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in paths})
 
     def with_keys(self, module: nn.Module) -> "FrozenBase":

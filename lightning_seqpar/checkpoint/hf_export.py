@@ -76,7 +76,7 @@ def _plan(module: nn.Module, mesh: ParallelMesh, prefix: str, dtype: Optional[to
           ) -> tuple[dict[str, Tensor], list[list[TensorEntry]], list[int]]:
     """This rank's tensors by name, the files (entries in order) and the pipeline stage writing each file."""
     unique, _ = _unique_tensors(module)  # a tied tensor once, under its first key (save_pretrained's choice)
-    if view is not None:  # e.g. LoRA merged into its base weights (checkpoint.peft_export.merged_tensors)
+    if view is not None:  # e.g. a PEFT model's keys as the base model's (checkpoint.peft_export.MergedLoRA)
         unique = view(unique)
     mine = {name[len(prefix):]: value for name, value in unique.items() if name.startswith(prefix)}
     entries = [TensorEntry(name, dtype or value.dtype, full_shape(value)) for name, value in mine.items()]
@@ -110,7 +110,8 @@ def export_hf_pretrained(module: nn.Module, mesh: ParallelMesh, out: os.PathLike
                          max_shard_size: Union[int, str] = "5GB", dtype: Optional[torch.dtype] = None,
                          tokenizer: Any = None, overwrite: bool = False,
                          protected: Sequence[Optional[os.PathLike | str]] = (),
-                         view: Optional[Callable[[dict[str, Tensor]], dict[str, Tensor]]] = None) -> Path:
+                         view: Optional[Callable[[dict[str, Tensor]], dict[str, Tensor]]] = None,
+                         transform: Optional[Callable[[str, Tensor], Tensor]] = None) -> Path:
     """Write ``module``'s Hugging Face model (the keys under ``prefix``) as a directory ``from_pretrained`` loads.
 
     Collective over the default process group: every rank calls it. Safetensors files of at most
@@ -121,7 +122,8 @@ def export_hf_pretrained(module: nn.Module, mesh: ParallelMesh, out: os.PathLike
     rank: its shards plus one gathered tensor (and a 16 MiB block of rows). Returns ``out``. ``out`` must be new,
     empty or a previous export (replaced with ``overwrite``), and neither be nor hold a ``protected`` folder
     (:mod:`lightning_seqpar.checkpoint.destination`). ``view`` maps the module's tensors (by state-dict key, this
-    rank's shards) to those written (same shard tags).
+    rank's shards) to those written; ``transform(name, shard)`` gives what is written of each, computed when it is
+    written (LoRA merged into its base weight), so no rank holds more than one transformed tensor.
 
     Raises:
         ValueError: nothing under ``prefix``; a dtype safetensors cannot store; a bad ``max_shard_size``, on every
@@ -148,7 +150,7 @@ def export_hf_pretrained(module: nn.Module, mesh: ParallelMesh, out: os.PathLike
         if mesh.data.rank == 0:
             for name, file, stage in zip(names, files, writers):
                 if stage == mesh.pipeline.rank:
-                    _write_file(tmp_dir / name, file, mine, mesh)
+                    _write_file(tmp_dir / name, file, mine, mesh, transform)
         if distributed:
             dist.barrier()
         if not distributed or dist.get_rank() == 0:
@@ -163,12 +165,16 @@ def export_hf_pretrained(module: nn.Module, mesh: ParallelMesh, out: os.PathLike
     return out
 
 
-def _write_file(path: Path, entries: list[TensorEntry], mine: dict[str, Tensor], mesh: ParallelMesh) -> None:
+def _write_file(path: Path, entries: list[TensorEntry], mine: dict[str, Tensor], mesh: ParallelMesh,
+                transform: Optional[Callable[[str, Tensor], Tensor]] = None) -> None:
     """One file of this stage: the tensor-parallel ranks gather each sharded tensor on their rank 0, which writes."""
     writer = SafetensorsStreamWriter(path, entries) if mesh.tensor.rank == 0 else None
     try:
         for entry in entries:
             value = mine[entry.name].detach()
+            if transform is not None:
+                with torch.no_grad():
+                    value = transform(entry.name, value)
             spec = shard_spec(mine[entry.name])
             if spec is None:
                 if writer is not None:

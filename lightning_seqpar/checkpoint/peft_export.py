@@ -5,7 +5,7 @@
   adapter's name dropped, as ``get_peft_model_state_dict`` saves them), so ``PeftModel.from_pretrained(base, DIR)``
   loads it. Adapters are r-sized: each is assembled from its tensor-parallel shards and pipeline stages (a few MB for
   a 70B model at r = 16) while no rank holds any base weight it does not hold already.
-- **Merged** (:func:`merged_tensors`, used by ``save_hf_pretrained(..., merge_lora=True)``): ``W + (α/r)·B·A`` of each
+- **Merged** (:class:`MergedLoRA`, used by ``save_hf_pretrained(..., merge_lora=True)``): ``W + (α/r)·B·A`` of each
   adapted projection under the base model's key, every other tensor as it is: an ordinary Hugging Face directory. Each
   rank merges its own shard (column-parallel: ``B``'s rows and ``W``'s; row-parallel: ``A``'s columns and ``W``'s),
   so the merged shard is computed where the shards are and streamed like any other tensor.
@@ -22,7 +22,6 @@ import shutil
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch import Tensor
@@ -32,7 +31,7 @@ from lightning_seqpar.checkpoint.destination import export_refusal, mark_export
 from lightning_seqpar.checkpoint.stages import merge_over_stages
 from lightning_seqpar.hf.streaming import SafetensorsStreamWriter, TensorEntry
 from lightning_seqpar.parallel.mesh import ParallelMesh
-from lightning_seqpar.tensor_parallel.sharding import set_shard_spec, shard_spec
+from lightning_seqpar.tensor_parallel.sharding import shard_spec
 from lightning_seqpar.transformer.tuner_layers import is_peft_tuner_layer
 
 ADAPTER_FILE, CONFIG_FILE = "adapter_model.safetensors", "adapter_config.json"
@@ -141,29 +140,31 @@ def _json_default(value: Any) -> Any:
     return str(value)
 
 
-def merged_tensors(module: nn.Module, tensors: dict[str, Tensor], prefix: str = "model.") -> dict[str, Tensor]:
-    """``tensors`` (the module's, by state-dict key) as the merged base model's: each adapted projection's base
-    weight ``W + scaling·B·A`` (this rank's shard, tagged like ``W``) under the base model's key, the adapters
-    dropped, PEFT's ``base_model.model.`` and ``base_layer.`` removed from the keys."""
-    model = peft_model(module, prefix)
-    merged: dict[str, Tensor] = {}
-    for path, adapter, layer in _adapters(model):
-        base = layer.base_layer
-        weight = base.weight if not getattr(base, "transposed", False) else base.weight.t()
-        a, b = layer.lora_A[adapter].weight, layer.lora_B[adapter].weight
+def _base_key(key: str) -> str:
+    """A PEFT-wrapped model's key as the base model's (``base_model.model.`` and ``base_layer.`` removed)."""
+    key = key[len("base_model.model."):] if key.startswith("base_model.model.") else key
+    return key.replace(".base_layer.", ".")
+
+
+class MergedLoRA:
+    """The merged export of the PEFT model under ``prefix`` in ``module``: :meth:`names` gives the tensors written (the
+    module's, by state-dict key, the adapters dropped, under the base model's keys), and calling it with a written
+    name and this rank's shard of the base weight gives ``W + scaling·B·A`` (this rank's shard: column-parallel, B's
+    rows; row-parallel, A's columns), computed when that tensor is written, one at a time."""
+
+    def __init__(self, module: nn.Module, prefix: str = "model.") -> None:
+        self.prefix = prefix
+        self.adapted = {_base_key(f"{path}.base_layer.weight"): (layer, adapter)
+                        for path, adapter, layer in _adapters(peft_model(module, prefix))}
+
+    def names(self, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+        return {self.prefix + _base_key(key[len(self.prefix):] if key.startswith(self.prefix) else key): value
+                for key, value in tensors.items() if ".lora_A." not in key and ".lora_B." not in key}
+
+    def __call__(self, name: str, weight: Tensor) -> Tensor:
+        if name not in self.adapted:
+            return weight
+        layer, adapter = self.adapted[name]
+        a, b = layer.lora_A[adapter].weight.detach(), layer.lora_B[adapter].weight.detach()
         scaling = layer.scaling if isinstance(layer.scaling, (int, float)) else layer.scaling[adapter]
-        with torch.no_grad():
-            value = weight.detach() + scaling * (b.detach().to(weight.dtype) @ a.detach().to(weight.dtype))
-        spec = shard_spec(base.weight)
-        if spec is not None:
-            set_shard_spec(value, spec)
-        merged[f"{prefix}{path}.base_layer.weight"] = value
-    out = {}
-    for key, value in tensors.items():
-        if ".lora_A." in key or ".lora_B." in key:
-            continue
-        value = merged.get(key, value)
-        name = key[len(prefix):] if key.startswith(prefix) else key
-        name = name[len("base_model.model."):] if name.startswith("base_model.model.") else name
-        out[prefix + name.replace(".base_layer.", ".")] = value
-    return out
+        return weight + scaling * (b.to(weight.dtype) @ a.to(weight.dtype))

@@ -19,12 +19,13 @@ its whole rendering, an unknown format, or a conversation with no assistant turn
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-FORMATS = ("messages", "prompt", "text")
+_GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
 @dataclass(frozen=True)
@@ -63,11 +64,11 @@ def render_messages(messages: list[dict], tokenizer: Any, where: str) -> Supervi
                          f"tokenizer_config.json), or give the data as {{\"prompt\", \"completion\"}} records.")
     if not any(m.get("role") == "assistant" for m in messages):
         raise ValueError(f"{where}: a conversation with no assistant turn has nothing to learn; drop it.")
-    full = hf.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
-    ids = _ids(full)
-    marked = np.asarray(full.get("assistant_masks", [0] * len(ids)), dtype=bool)
-    if marked.any():  # the template's {% generation %} markers say which tokens the assistant wrote
-        return SupervisedExample(np.asarray(ids, dtype=np.int64), marked)
+    if _GENERATION.search(hf.chat_template):  # its {% generation %} markers say which tokens the assistant wrote
+        full = hf.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        return SupervisedExample(np.asarray(_ids(full), dtype=np.int64),
+                                 np.asarray(full["assistant_masks"], dtype=bool))
+    ids = _ids(hf.apply_chat_template(messages, tokenize=True))
     supervised = np.zeros(len(ids), dtype=bool)
     for i, message in enumerate(messages):
         if message.get("role") != "assistant":

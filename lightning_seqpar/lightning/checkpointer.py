@@ -56,7 +56,7 @@ from lightning_seqpar.transformer.materialize import has_meta_tensors
 from lightning_seqpar.lightning.checkpoint_io import remove_stale_temporaries
 from lightning_seqpar.lightning.config import CheckpointConfig
 from lightning_seqpar.checkpoint.frozen_base import FrozenBase
-from lightning_seqpar.checkpoint.peft_export import adapter_state_dict, merged_tensors
+from lightning_seqpar.checkpoint.peft_export import MergedLoRA, adapter_state_dict
 from lightning_seqpar.transformer.lora import adapter_keys
 
 
@@ -215,7 +215,7 @@ class Checkpointer:
                 was trained with); it replaces the tokenizer files copied from ``source``.
             overwrite: replace a previous export at ``out`` (recognized by its marker file).
             merge_lora: a PEFT-wrapped model: write ``W + (α/r)·B·A`` under the base model's keys, an ordinary
-                Hugging Face directory (:func:`~lightning_seqpar.checkpoint.peft_export.merged_tensors`); the
+                Hugging Face directory (:class:`~lightning_seqpar.checkpoint.peft_export.MergedLoRA`); the
                 adapters alone are exported by :func:`~lightning_seqpar.checkpoint.peft_export.export_peft_adapter`.
 
         Raises:
@@ -237,10 +237,11 @@ class Checkpointer:
         trainer = self.module.trainer
         kept = [source, trainer.default_root_dir, getattr(trainer.logger, "log_dir", None),
                 *(getattr(c, "dirpath", None) for c in trainer.checkpoint_callbacks)]
+        merged = MergedLoRA(self.module, prefix) if wrapped else None
         return export_hf_pretrained(self.module, self.mesh, self.strategy.broadcast(str(out)), config, prefix=prefix,
                                     source=source, max_shard_size=max_shard_size, dtype=dtype, tokenizer=tokenizer,
-                                    overwrite=overwrite, protected=kept,
-                                    view=(lambda tensors: merged_tensors(self.module, tensors, prefix)) if wrapped else None)
+                                    overwrite=overwrite, protected=kept, view=merged and merged.names,
+                                    transform=merged)
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """The optimizer's state for a checkpoint: DCP views (sharded format), or gathered per stage (full)."""

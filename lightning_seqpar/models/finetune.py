@@ -71,14 +71,15 @@ class FineTuneModule(HFCausalLMModule):
 
             model = PeftModel.from_pretrained(model, self.adapter, is_trainable=True)
         elif self.lora is not None:
-            model = self._with_lora(model)
+            model = self.with_adapters(model)
         self.model = model
         # Read into the shards when they are made; adapters by LoRA's own rule, or from the adapter directory.
         # Resuming LoRA, the frozen base is read again too: the sharded checkpoint holds the adapters only.
         if into_shards and (not resumed or self.lora is not None):
             strategy.checkpointer.load_single_device_state_dict(self.pretrained, prefix="model.", adapter=self.adapter)
 
-    def _with_lora(self, model: Any) -> Any:
+    def with_adapters(self, model: Any) -> Any:
+        """``model`` wrapped with PEFT as this module's LoRA settings (or its adapter directory's config) say."""
         try:
             from peft import LoraConfig, PeftConfig, get_peft_model
         except ImportError as error:
@@ -90,17 +91,6 @@ class FineTuneModule(HFCausalLMModule):
         lora = self.lora
         return get_peft_model(model, LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
                                                 target_modules=list(lora["target_modules"])))
-
-    def configure_optimizers(self) -> Any:
-        if self.lora is None:
-            return super().configure_optimizers()
-        hp = self.optimization  # LoRA: only the adapters, no weight decay on them by default (PEFT's recipes)
-        optimizer = torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=hp["learning_rate"],
-                                      betas=(0.9, 0.95), weight_decay=0.0)
-        config = super().configure_optimizers()
-        schedule = config["lr_scheduler"]["scheduler"].lr_lambdas[0]
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def _model_inputs(self, batch: dict) -> dict:
         return {k: v for k, v in batch.items() if k != "num_items_in_step"}

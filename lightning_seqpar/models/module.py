@@ -78,8 +78,9 @@ class CausalLMModule(pl.LightningModule):
 
     def configure_optimizers(self) -> Any:
         hp = self.optimization
-        decay = [p for p in self.parameters() if p.dim() >= 2]
-        no_decay = [p for p in self.parameters() if p.dim() < 2]
+        trainable = [p for p in self.parameters() if p.requires_grad]  # frozen ones (LoRA's base) get no state
+        decay = [p for p in trainable if p.dim() >= 2]
+        no_decay = [p for p in trainable if p.dim() < 2]
         optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": hp["weight_decay"]}, {"params": no_decay, "weight_decay": 0.0}],
             lr=hp["learning_rate"], betas=(0.9, 0.95),

@@ -42,7 +42,7 @@ from lightning_seqpar.tensor_parallel.layers import ColumnParallelLinear, RowPar
 from lightning_seqpar.tensor_parallel.mappings import (
     copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
 )
-from lightning_seqpar.tensor_parallel.sharding import ShardSpec, set_sequence_parallel, shard_parameter
+from lightning_seqpar.tensor_parallel.sharding import set_sequence_parallel, shard_parameter
 from lightning_seqpar.transformer.context import RewriteContext
 from lightning_seqpar.transformer.dropout import ParallelDropout
 from lightning_seqpar.transformer.tuner_layers import is_peft_tuner_layer
@@ -53,7 +53,6 @@ class LoRAParts:
     """One active LoRA adapter of a PEFT ``lora.Linear``, on one device: ``a`` ``[r, in]``, ``b`` ``[out, r]``."""
 
     name: str
-    base: nn.Linear
     a: nn.Parameter
     b: nn.Parameter
     scaling: float
@@ -95,7 +94,7 @@ def lora_parts(module: Any, where: str) -> Optional[LoRAParts]:
     if problems:
         raise ValueError(f"{where}: this LoRA layer cannot be trained under the strategy: {'; '.join(problems)}.")
     drop = module.lora_dropout[name]
-    return LoRAParts(name, base, module.lora_A[name].weight, module.lora_B[name].weight, float(module.scaling[name]),
+    return LoRAParts(name, module.lora_A[name].weight, module.lora_B[name].weight, float(module.scaling[name]),
                      float(drop.p) if isinstance(drop, nn.Dropout) else 0.0)
 
 
@@ -122,15 +121,14 @@ class LoRAColumnParallelLinear(nn.Module):
 
     def __init__(self, base: ColumnParallelLinear, parts: LoRAParts, ctx: RewriteContext) -> None:
         super().__init__()
-        self.base_layer, self.group, self.sequence_parallel = base, ctx.group, base.sequence_parallel
-        self.scaling = parts.scaling
+        self.base_layer, self.scaling = base, parts.scaling
         a = nn.Parameter(parts.a.detach().clone(), requires_grad=parts.a.requires_grad)
-        if self.sequence_parallel and ctx.group.size > 1:  # each rank's gradient covers its s/t tokens
+        if base.sequence_parallel and ctx.group.size > 1:  # each rank's gradient covers its s/t tokens
             set_sequence_parallel(a)
         b = shard_parameter(parts.b, base.spec, ctx.group)  # the base's output rows, block by block
         _adapter_dicts(self, parts, a, b)
         self.adapter_name = parts.name
-        self.lora_dropout = ParallelDropout(parts.dropout, ctx.rng_tracker, sharded=self.sequence_parallel)
+        self.lora_dropout = ParallelDropout(parts.dropout, ctx.rng_tracker, sharded=base.sequence_parallel)
 
     @property
     def linear_weight(self) -> Tensor:
@@ -143,11 +141,12 @@ class LoRAColumnParallelLinear(nn.Module):
     def adapter(self, x: Tensor) -> Tensor:
         """``(α/r) · g(drop(x) Aᵀ) Bᵀ`` ``[s, b, out/t]`` from the input as the base takes it (``[s/t, b, in]``
         under SP)."""
+        base = self.base_layer
         a = F.linear(self.lora_dropout(x), self.lora_A[self.adapter_name].weight)  # [s/t, b, r]
-        if self.sequence_parallel:
-            a = gather_from_sequence_parallel_region(a, self.group)  # [s, b, r]; backward reduce-scatters
+        if base.sequence_parallel:
+            a = gather_from_sequence_parallel_region(a, base.group)  # [s, b, r]; backward reduce-scatters
         else:
-            a = copy_to_tensor_parallel_region(a, self.group)  # backward all-reduces: B is split by output
+            a = copy_to_tensor_parallel_region(a, base.group)  # backward all-reduces: B is split by output
         return F.linear(a, self.lora_B[self.adapter_name].weight) * self.scaling
 
     def forward(self, x: Tensor) -> Tensor:
@@ -165,8 +164,7 @@ class LoRARowParallelLinear(nn.Module):
     def __init__(self, base: RowParallelLinear, parts: LoRAParts, ctx: RewriteContext) -> None:
         super().__init__()
         self.base_layer, self.scaling, self.adapter_name = base, parts.scaling, parts.name
-        a = shard_parameter(parts.a, ShardSpec(dim=1, full_size=parts.a.shape[1], padded_size=parts.a.shape[1]),
-                            ctx.group)
+        a = shard_parameter(parts.a, base.spec, ctx.group)  # the base's input columns
         b = nn.Parameter(parts.b.detach().clone(), requires_grad=parts.b.requires_grad)
         if ctx.group.size > 1:  # its input is this rank's partial sum: the gradient is partial too
             set_sequence_parallel(b)

@@ -67,3 +67,12 @@ def chat_records(n: int, seed: int = 0) -> list[dict]:
             messages.append({"role": "assistant", "content": " ".join(rng.choices(WORDS, k=rng.randint(1, 5)))})
         records.append({"messages": messages})
     return records
+
+
+def make_chat_dir(root, conversations: int):
+    """``root/model`` (:func:`make_chat_model_dir`) and ``root/chat.jsonl`` of ``conversations`` records; ``root``."""
+    import json
+
+    make_chat_model_dir(root / "model")
+    (root / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chat_records(conversations)))
+    return root

@@ -4,7 +4,6 @@ its chat template and packed, tp 2 × dp 2 with 2 accumulated micro-batches: eve
 steps equals one process's gradient of the mean over the step's supervised tokens (all rows of all ranks and
 micro-batches), and the validation loss equals one process's mean over the held-out supervised tokens."""
 
-import json
 
 import lightning.pytorch as pl
 import pytest
@@ -15,7 +14,7 @@ from lightning_seqpar.checkpoint.full_state import full_gradients, full_state_di
 from lightning_seqpar.data.finetune_datamodule import FineTuneDataModule
 from lightning_seqpar.data.step_batches import StepBatches
 from lightning_seqpar.models.finetune import FineTuneModule
-from tests.helpers.chat_tokenizer import chat_records, make_chat_model_dir
+from tests.helpers.chat_tokenizer import make_chat_dir
 from tests.helpers.distributed import run_distributed
 
 pytestmark = pytest.mark.distributed  # starts processes: outside the fast lane
@@ -48,7 +47,7 @@ def _fit(rank, world_size, directory):
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          num_sanity_val_steps=0, check_val_every_n_epoch=None, val_check_interval=1000,
                          callbacks=[record])
-    module = FineTuneModule(str(directory / "model"), LORA, learning_rate=1e-2, warmup_steps=0)
+    module = FineTuneModule(str(directory / "model"), LORA, learning_rate=1e-2, warmup_steps=0, weight_decay=0.0)
     data = _data(directory)
     trainer.fit(module, datamodule=data)
     metrics = trainer.validate(module, datamodule=data, verbose=False)[0]
@@ -57,10 +56,7 @@ def _fit(rank, world_size, directory):
 
 @pytest.fixture(scope="module")
 def directory(tmp_path_factory):
-    root = tmp_path_factory.mktemp("chat")
-    make_chat_model_dir(root / "model")
-    (root / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chat_records(160)))
-    return root
+    return make_chat_dir(tmp_path_factory.mktemp("chat"), 160)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from tests.helpers.chat_tokenizer import chat_records, make_chat_model_dir
+from tests.helpers.chat_tokenizer import make_chat_dir
 from tests.helpers.jobs import ROOT
 
 pytestmark = pytest.mark.distributed  # starts processes: outside the fast lane
@@ -46,10 +46,7 @@ def _run(args, cwd, check=True):
 
 @pytest.fixture(scope="module")
 def chat_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("chat_recipe")
-    make_chat_model_dir(root / "model")
-    (root / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chat_records(120)))
-    return root
+    return make_chat_dir(tmp_path_factory.mktemp("chat_recipe"), 120)
 
 
 def test_the_walkthrough_trains_lora_on_chat_data_and_exports_what_peft_and_transformers_load(chat_dir, tmp_path):

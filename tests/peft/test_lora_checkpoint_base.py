@@ -5,7 +5,6 @@ PEFT adapter directory starts a run under another layout with exactly its values
 
 from __future__ import annotations
 
-import json
 import shutil
 
 import lightning.pytorch as pl
@@ -16,7 +15,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_seqpar import SeqParallelStrategy
 from lightning_seqpar.data.finetune_datamodule import FineTuneDataModule
 from lightning_seqpar.models.finetune import FineTuneModule
-from tests.helpers.chat_tokenizer import chat_records, make_chat_model_dir
+from tests.helpers.chat_tokenizer import make_chat_dir
 from tests.helpers.distributed import run_distributed
 
 pytestmark = pytest.mark.distributed  # starts processes: outside the fast lane
@@ -47,10 +46,7 @@ def _run(rank, world, tp, pp, steps, root, model_dir, checkpoints, resume):
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
-    root = tmp_path_factory.mktemp("lora_base")
-    make_chat_model_dir(root / "model")
-    (root / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chat_records(80)))
-    return root
+    return make_chat_dir(tmp_path_factory.mktemp("lora_base"), 80)
 
 
 @pytest.fixture(scope="module")
