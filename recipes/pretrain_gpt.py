@@ -140,8 +140,9 @@ def sample(module: CausalLMModule, trainer: pl.Trainer, data: TextDataModule, cf
     """Generate from ``cfg.sample.prompt`` (tokenized by the corpus's tokenizer) or, for a token file without a
     tokenizer, from the validation split's first tokens (printed as ids); every rank must call it.
 
-    Under pipeline parallelism no rank holds the whole model: generate with a single-device copy
-    assembled from every stage (the checkpoint's state dict).
+    Under pipeline parallelism no rank holds the whole model, and under context parallelism each rank holds chunks of
+    the sequence (the model computes the loss, not whole-sequence logits): generate with a single-device copy
+    assembled from every stage and shard (the checkpoint's state dict).
     """
     prompt = data.prompt(cfg.sample.prompt)[None].to(module.device)
     if isinstance(module, HFCausalLMModule):  # generation keeps a key/value cache: a single-device copy
@@ -155,7 +156,7 @@ def sample(module: CausalLMModule, trainer: pl.Trainer, data: TextDataModule, cf
         out = model.generate(prompt, max_new_tokens=cfg.sample.max_new_tokens, do_sample=True,
                              temperature=cfg.sample.temperature, top_k=cfg.sample.top_k)
         return data.decode(out[0].cpu())
-    if trainer.strategy.pp > 1:
+    if trainer.strategy.pp > 1 or trainer.strategy.cp > 1:
         state = trainer.strategy.full_state_dict()  # collective: the single-device weights on every rank
         module = GPTLightningModule(module.gpt.config)
         module.load_state_dict(state)

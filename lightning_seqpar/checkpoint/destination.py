@@ -2,8 +2,9 @@
 
 An export (``export_hf``, ``export-hf``) publishes a whole directory under its name, replacing what is there. So
 before anything is written, the destination must be absent, an empty directory, or a previous export (recognized by
-the marker file every export writes, and replaced only when asked: ``overwrite``). A folder of the user's files, a
-regular file, the run folder (checkpoints, logs) and the model directory the run started from are refused by name;
+the marker file every export writes, and replaced only when asked: ``overwrite``). The marker lists the files the
+export wrote; a previous export holding any other file (one the user put there since) is refused even with
+``overwrite``, naming the files. A folder of the user's files, a regular file, the run folder (checkpoints, logs) and the model directory the run started from are refused by name;
 the last two even with ``overwrite``. ``consolidate`` writes one file and refuses to replace an existing one unless
 asked.
 """
@@ -47,6 +48,11 @@ def export_refusal(out: os.PathLike | str, *, overwrite: bool = False,
     if not held:
         return None
     if EXPORT_MARKER in held:
+        added = _not_exported(target)
+        if added:
+            shown = ", ".join(added[:_SHOWN]) + (f" and {len(added) - _SHOWN} more" if len(added) > _SHOWN else "")
+            return (f"The export destination {out} holds a previous export and files it did not write ({shown}): "
+                    f"replacing it would delete them. Move them out of {out}, or export to a new directory.")
         return None if overwrite else (
             f"The export destination {out} holds a previous export. Pass --overwrite (export_hf_overwrite=true in the "
             f"recipe, overwrite=True in save_hf_pretrained) to replace it, or export to a new directory.")
@@ -67,9 +73,26 @@ def refuse_export_destination(out: os.PathLike | str, *, overwrite: bool = False
         raise FileExistsError(reason)
 
 
+def _files(directory: Path) -> list[str]:
+    """Every file and link under ``directory`` (but the marker), relative, ``/``-separated."""
+    return sorted(p.relative_to(directory).as_posix() for p in directory.rglob("*")
+                  if not p.is_dir() or p.is_symlink()) if directory.is_dir() else []
+
+
+def _not_exported(directory: Path) -> list[str]:
+    """The files of a marked ``directory`` its export did not write (all of them when the marker lists none)."""
+    try:
+        written = set(json.loads((directory / EXPORT_MARKER).read_text())["files"])
+    except (OSError, ValueError, KeyError, TypeError):  # unreadable, or a marker older than its file list
+        written = set()
+    return [name for name in _files(directory) if name != EXPORT_MARKER and name not in written]
+
+
 def mark_export(directory: os.PathLike | str, source: str) -> None:
-    """Write the marker of an exported directory (before it is published)."""
-    (Path(directory) / EXPORT_MARKER).write_text(json.dumps({"written_by": "lightning_seqpar", "from": source}) + "\n")
+    """Write the marker of an exported directory, listing the files written (after them, before it is published)."""
+    files = [name for name in _files(Path(directory)) if name != EXPORT_MARKER]
+    record = {"written_by": "lightning_seqpar", "from": source, "files": files}
+    (Path(directory) / EXPORT_MARKER).write_text(json.dumps(record) + "\n")
 
 
 def refuse_existing_file(out: os.PathLike | str, overwrite: bool) -> None:

@@ -2,19 +2,36 @@
 tensors are not written again; the checkpoint records where they were read from, and a resume reads them from there,
 refused when the directory or its files are not the same.
 
-The record (``FrozenBase``): the directory's absolute path and each weight file's name, size and modification time,
-and the frozen state-dict keys. A resume whose model reads its frozen weights from the same files (the
+The record (``FrozenBase``): the directory's absolute path, each weight file's name, size and modification time, the
+SHA-256 of each file's content, and the frozen state-dict keys. Size and time alone would accept other weights of the
+same shapes written with the old time (or one flipped byte), so a resume compares content: each rank hashes the
+base's weight files once when its first checkpoint is written and once when it resumes (one sequential read of the
+files, about 1 s per 2 GB on one core; the ranks of a node read them from the page cache the load filled). A record
+written before digests existed is compared by size and time. A resume whose model reads its frozen weights from the same files (the
 LightningModule calls ``load_single_device_state_dict(DIR)`` in ``configure_model`` whether resuming or not) loads the
 trainable tensors from the checkpoint and nothing else.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import hashlib
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
 
 import torch.nn as nn
+
+_CHUNK = 1 << 22
+
+
+def file_digest(path: Path) -> str:
+    """The SHA-256 of a file's content (hex), read in 4 MiB chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
 
 @dataclass(frozen=True)
 class FrozenBase:
@@ -24,6 +41,8 @@ class FrozenBase:
     files: dict[str, list[int]]
     """``{file name: [bytes, mtime in ns]}`` of the weight files and their index"""
     keys: list[str] = field(default_factory=list)
+    digests: dict[str, str] = field(default_factory=dict)
+    """``{file name: SHA-256}``; empty until :meth:`with_digests` (hashing costs a read of the files)"""
 
     @classmethod
     def of(cls, source: Path) -> "FrozenBase":
@@ -37,18 +56,32 @@ class FrozenBase:
         """This record with the frozen state-dict keys of ``module`` (those the checkpoint leaves out)."""
         frozen = {id(p) for p in module.parameters() if not p.requires_grad}
         params = dict(module.named_parameters(remove_duplicate=False))
-        return FrozenBase(self.directory, self.files,
-                          sorted(k for k in module.state_dict(keep_vars=True) if id(params.get(k)) in frozen))
+        return replace(self, keys=sorted(k for k in module.state_dict(keep_vars=True) if id(params.get(k)) in frozen))
+
+    def with_digests(self) -> "FrozenBase":
+        """This record with each file's content digest (computed here unless already held)."""
+        if self.digests:
+            return self
+        return replace(self, digests={name: file_digest(Path(self.directory) / name) for name in sorted(self.files)})
 
     def as_record(self) -> dict[str, Any]:
         return asdict(self)
 
     def mismatch(self, saved: dict[str, Any]) -> Optional[str]:
-        """Why the checkpoint's record ``saved`` is not this run's base (``None``: the same directory and files)."""
+        """Why the checkpoint's record ``saved`` is not this run's base (``None``: the same directory and files, by
+        content when ``saved`` holds digests: this record must then hold them too)."""
         if saved["directory"] != self.directory:
             return f"its frozen weights were read from {saved['directory']}, this run reads them from {self.directory}"
-        changed = sorted(set(saved["files"]) ^ set(self.files)) + sorted(
-            name for name in set(saved["files"]) & set(self.files) if list(saved["files"][name]) != self.files[name])
+        names = set(saved["files"]) | set(self.files)
+        changed = sorted(names - (set(saved["files"]) & set(self.files)))
+        common = sorted(set(saved["files"]) & set(self.files))
+        if saved.get("digests"):
+            assert self.digests, "compare content with a record from with_digests()"
+            changed += [name for name in common if saved["digests"].get(name) != self.digests.get(name)]
+            what = "content"
+        else:  # a record from before digests: size and time
+            changed += [name for name in common if list(saved["files"][name]) != list(self.files[name])]
+            what = "size or modification time"
         if changed:
-            return f"the files of {self.directory} changed since it was saved: {changed[:8]}"
+            return f"the files of {self.directory} changed ({what}) since it was saved: {sorted(changed)[:8]}"
         return None

@@ -177,6 +177,8 @@ def _frozen_keys(path: Path, saved: Optional[dict[str, Any]], current: Optional[
     """
     if saved is None:
         return frozenset()
+    if current is not None and saved.get("digests"):
+        current = current.with_digests()  # content, not size and time: other weights of the same shapes differ here
     why = "this run reads no frozen weights from a pretrained directory" if current is None else current.mismatch(saved)
     if why is not None:
         raise ValueError(f"The checkpoint {path} holds the trainable weights only; {why}. Resume with the model read "

@@ -134,7 +134,8 @@ class FineTuneDataModule(pl.LightningDataModule):
         """Render (or read) the examples, check their ids against the model, and make the rows.
 
         Raises:
-            ValueError: an id at or above the model's vocabulary (another tokenizer's data), naming both.
+            ValueError: an id at or above the model's vocabulary (another tokenizer's data), naming both; a split
+                with no supervised token (its mean loss would be 0), naming the file and the records.
         """
         if self.examples is None:
             self.examples = self.load_examples()
@@ -151,6 +152,12 @@ class FineTuneDataModule(pl.LightningDataModule):
             raise ValueError(f"{self.path} holds {len(self.examples)} record(s): too few to hold out validation.")
         self.train_rows = self._rows(self.examples[:split], 0)
         self.val_rows = self._rows(self.examples[split:], split)
+        splits = (("training", self.train_rows, 1, split), ("validation", self.val_rows, split + 1, len(self.examples)))
+        for name, rows, first, last in splits:
+            if int(rows.supervised.sum()) == 0:  # a mean over no token: loss 0, perplexity 1, nothing learnt
+                raise ValueError(f"{self.path}: the {name} split (records {first}-{last}) has no supervised token: "
+                                 f"every assistant turn or completion in it is empty (or truncated away). Give those "
+                                 f"records content to learn, or fix the data's format.")
 
     def _place(self) -> tuple[int, int, int]:
         trainer = self.trainer
@@ -169,11 +176,12 @@ class FineTuneDataModule(pl.LightningDataModule):
         return StatefulDataLoader(batches, batch_size=None, sampler=batches.sampler())
 
     def val_dataloader(self) -> DataLoader:
-        """The held-out rows in order; ``num_items_in_step`` counts the whole split's supervised tokens."""
+        """The held-out rows in order, one micro-batch per validation step: ``num_items_in_step`` counts the
+        supervised tokens of that micro-batch on every data-parallel rank, so a validation stopped early
+        (``limit_val_batches``) divides by the tokens it saw."""
         replicas, rank, _ = self._place()
         batch = min(self.batch_size, max(1, len(self.val_rows) // replicas))
-        batches = StepBatches(self.val_rows, batch, replicas, rank, len(self.val_rows) // (replicas * batch) or 1,
-                              self.seed, shuffle=False, split="validation")
+        batches = StepBatches(self.val_rows, batch, replicas, rank, 1, self.seed, shuffle=False, split="validation")
         return DataLoader(batches, batch_size=None, sampler=batches.sampler())
 
     def decode(self, ids: Any) -> str:

@@ -9,6 +9,7 @@ a Hugging Face directory) as the starting point of any layout, and the Hugging F
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Union
 
@@ -125,7 +126,10 @@ class Checkpointer:
         if self.frozen_base is None or self.module is None:
             return None
         record = self.frozen_base.with_keys(self.module)
-        return record if record.keys else None
+        if not record.keys:
+            return None
+        self.frozen_base = self.frozen_base.with_digests()  # hashed once per run, when the first checkpoint needs it
+        return replace(record, digests=self.frozen_base.digests)
 
     def full_state_dict(self) -> dict[str, Any]:
         """The single-device state dict of the trained model (same keys and shapes as before the rewrite),
@@ -277,7 +281,7 @@ class Checkpointer:
         frozen = self._frozen_record()
         if frozen is not None:  # every stage's frozen keys: the manifest says what a resume reads from the base
             keys = merge_over_stages({k: True for k in frozen.keys}, self.mesh.pipeline)
-            layout["frozen_base"] = FrozenBase(frozen.directory, frozen.files, sorted(keys)).as_record()
+            layout["frozen_base"] = replace(frozen, keys=sorted(keys)).as_record()
         tied = merge_over_stages(tied_aliases(self.module), self.mesh.pipeline)
         save_trainer_checkpoint(self.writer, checkpoint, path, shapes, tied, layout)
 

@@ -30,7 +30,8 @@ class FineTuneModule(HFCausalLMModule):
     The training loss of a micro-batch is its token sum over ``num_items_in_step / R``
     (:func:`~lightning_seqpar.lightning.loss_average.loss_replicas`): the step's gradient is that of one process's
     mean over the step's supervised tokens, however they fall across rows, ranks and micro-batches. Validation logs
-    the mean over every supervised token of the split (``val/loss``) and its exponential (``val/ppl``).
+    the mean over the supervised tokens of the validation batches run (``val/loss``; all of the split unless
+    ``limit_val_batches`` stops it earlier); the recipe reports its exponential (``val/ppl``).
 
     Args:
         pretrained: a local Hugging Face checkpoint directory (``config.json`` + ``*.safetensors``).
@@ -102,16 +103,23 @@ class FineTuneModule(HFCausalLMModule):
         self.log("train/loss", loss, prog_bar=True, sync_dist=True)
         return loss
 
+    def on_validation_epoch_start(self) -> None:
+        # [this rank's share of the token-loss sum, supervised tokens of the validation steps run]: the mean is
+        # taken over the batches that ran (limit_val_batches may stop early), never over a count fixed beforehand
+        self._val_sums = torch.zeros(2, dtype=torch.float64, device=self.device)
+
     def validation_step(self, batch: dict, batch_idx: int) -> None:
-        """Logs ``val/loss``: this micro-batch's share of the split's mean over supervised tokens (``num_items_in_step``
-        of a validation batch counts the whole split), summed over batches and data-parallel ranks; ranks holding
-        the same replica (tensor-, context-, pipeline-parallel) each log ``1/k`` of it, and a pipeline's average over
-        its m micro-batches is undone by ``m``. The perplexity is ``exp(val/loss)``."""
-        count = batch["num_items_in_step"][0].clamp_min(1).to(torch.float64)
+        """Adds this micro-batch's token-loss sum to the epoch's: ``num_items_in_step`` of a validation batch counts
+        the supervised tokens of its validation step (this micro-batch on every data-parallel rank), added once;
+        ranks holding the same replica (tensor-, context-, pipeline-parallel) each add ``1/k`` of the sum, and a
+        pipeline's average over its m micro-batches is undone by ``m``."""
         token_sum = self.model(**self._model_inputs(batch), num_items_in_batch=1).loss
         same_replica = self.trainer.world_size // data_parallel_replicas(self.trainer)
-        share = token_sum * pipeline_microbatches(self.trainer) / (count * same_replica)
-        self.log("val/loss", share, reduce_fx="sum", sync_dist=True, on_step=False, on_epoch=True, prog_bar=True)
+        share = token_sum.detach().to(torch.float64) * pipeline_microbatches(self.trainer) / same_replica
+        self._val_sums += torch.stack([share, batch["num_items_in_step"][0].to(self._val_sums)])
 
     def on_validation_epoch_end(self) -> None:
-        pass  # val/loss is a sum of logged shares (validation_step): no metric objects to compute
+        """Logs ``val/loss``: the mean over the supervised tokens of the validation batches run (every data-parallel
+        rank's), summed over ranks from their shares; the perplexity is ``exp(val/loss)``."""
+        share, tokens = self._val_sums
+        self.log("val/loss", share / tokens.clamp_min(1), reduce_fx="sum", sync_dist=True, prog_bar=True)

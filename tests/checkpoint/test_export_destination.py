@@ -20,6 +20,23 @@ def test_new_empty_and_marked_destinations_are_the_only_ones_written(tmp_path):
     assert (tmp_path / "previous" / EXPORT_MARKER).is_file()
 
 
+def test_a_previous_export_holding_a_file_the_user_added_is_refused_even_with_overwrite(tmp_path):
+    previous = tmp_path / "previous"
+    (previous / "sub").mkdir(parents=True)
+    (previous / "config.json").write_text("{}")
+    (previous / "sub" / "model.safetensors").write_bytes(b"weights")
+    mark_export(previous, "test")
+    assert export_refusal(previous, overwrite=True) is None  # what the export wrote, nothing else
+    (previous / "README_mine.md").write_text("mine")
+    (previous / "sub" / "notes.txt").write_text("mine")
+    reason = export_refusal(previous, overwrite=True)
+    assert reason == (f"The export destination {previous} holds a previous export and files it did not write "
+                      f"(README_mine.md, sub/notes.txt): replacing it would delete them. Move them out of {previous}, "
+                      f"or export to a new directory.")
+    (previous / EXPORT_MARKER).write_text('{"written_by": "lightning_seqpar", "from": "old"}')  # no file list
+    assert "files it did not write (README_mine.md, config.json" in export_refusal(previous, overwrite=True)
+
+
 def test_a_run_folder_is_refused_even_with_overwrite(tmp_path):
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)

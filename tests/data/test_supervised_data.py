@@ -119,4 +119,18 @@ def test_the_data_module_caches_the_rendering_keyed_by_tokenizer_and_template(tm
     assert set(batch) == {"input_ids", "labels", "position_ids", "num_items_in_step"}
     assert int(batch["num_items_in_step"][0]) == int((batch["labels"][:, 1:] != IGNORE).sum())  # d = a = 1
     val = next(iter(module.val_dataloader()))
-    assert int(val["num_items_in_step"][0]) == int(module.val_rows.supervised.sum())  # the whole split's count
+    assert int(val["num_items_in_step"][0]) == int((val["labels"][:, 1:] != IGNORE).sum())  # its own step's count
+
+
+def test_a_split_with_no_supervised_token_is_refused_naming_the_file(tmp_path):
+    """A template that ends an assistant turn with nothing of its own: empty replies supervise no token, and a mean
+    over none would report loss 0 and perplexity 1."""
+    bare = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    data = tmp_path / "empty.jsonl"
+    empty = [[{"role": "user", "content": "hello"}, {"role": "assistant", "content": ""}]] * 8
+    data.write_text("".join(json.dumps({"messages": m}) + "\n" for m in empty))
+    module = FineTuneDataModule(str(data), _tok(bare), block_size=32, batch_size=1, val_fraction=0.25)
+    with pytest.raises(ValueError, match=r"empty\.jsonl: the training split \(records 1-6\) has no supervised token"):
+        module.setup()
+

@@ -51,7 +51,9 @@ def _fit(rank, world_size, directory):
     data = _data(directory)
     trainer.fit(module, datamodule=data)
     metrics = trainer.validate(module, datamodule=data, verbose=False)[0]
-    return record.initial, record.grads, record.final, metrics["val/loss"]
+    trainer.limit_val_batches = 1  # the first validation step alone: its own tokens are the denominator
+    first = trainer.validate(module, datamodule=data, verbose=False)[0]
+    return record.initial, record.grads, record.final, (metrics["val/loss"], first["val/loss"])
 
 
 @pytest.fixture(scope="module")
@@ -116,15 +118,21 @@ def test_adapter_gradients_are_one_process_mean_over_each_steps_supervised_token
         optimizer.step()
 
 
-def test_validation_loss_is_the_mean_over_the_held_out_supervised_tokens(directory, parallel):
-    _, _, final, val_loss = parallel
+def test_validation_loss_is_the_mean_over_the_held_out_supervised_tokens_of_the_batches_run(directory, parallel):
+    _, _, final, (val_loss, first_loss) = parallel
     data = _data(directory)
     data.setup()
     model = _reference(directory, final)
     rows = data.val_rows
     batch = min(BATCH, max(1, len(rows) // DP))
-    used = len(rows) // (DP * batch) * DP * batch  # what the validation loader covers: whole micro-batches per rank
-    whole = StepBatches(rows, used, 1, 0, 1, seed=0, shuffle=False, split="validation")[(0, 0)]
-    with torch.no_grad():
-        token_sum = model(**_inputs(whole), num_items_in_batch=1).loss
-    assert val_loss == pytest.approx((token_sum / int(whole["num_items_in_step"][0])).item(), rel=1e-6)
+    steps = len(rows) // (DP * batch)
+    assert steps >= 2  # limit_val_batches=1 then runs part of the split
+
+    def mean_over(n_rows):  # one process's mean over the supervised tokens of the first n_rows held-out rows
+        whole = StepBatches(rows, n_rows, 1, 0, 1, seed=0, shuffle=False, split="validation")[(0, 0)]
+        with torch.no_grad():
+            token_sum = model(**_inputs(whole), num_items_in_batch=1).loss
+        return (token_sum / int(whole["num_items_in_step"][0])).item()
+
+    assert val_loss == pytest.approx(mean_over(steps * DP * batch), rel=1e-6)  # whole micro-batches per rank
+    assert first_loss == pytest.approx(mean_over(DP * batch), rel=1e-6)  # one step: every rank's first micro-batch

@@ -86,6 +86,27 @@ def test_a_resume_reading_its_base_from_elsewhere_is_refused(root, saved, tmp_pa
         run_distributed(_run, 2, 2, 1, 4, root, tmp_path / "copy", None, str(checkpoint))
 
 
+def test_a_resume_on_a_base_whose_content_changed_under_the_same_size_and_time_is_refused(root, saved):
+    """One flipped byte of the base's weights, written back with the file's old modification time."""
+    import os
+
+    _, checkpoint = saved
+    weights = root / "model" / "model.safetensors"
+    original, stat = weights.read_bytes(), weights.stat()
+    flipped = bytearray(original)
+    flipped[-3] ^= 0x01  # inside the last tensor's data
+    try:
+        weights.write_bytes(bytes(flipped))
+        os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+        assert weights.stat().st_size == stat.st_size and weights.stat().st_mtime_ns == stat.st_mtime_ns
+        with pytest.raises(AssertionError, match=r"holds the trainable weights only; the files of .* changed \(content\) "
+                                                 r"since it was saved: \['model.safetensors'\]"):
+            run_distributed(_run, 2, 2, 1, 4, root, root / "model", None, str(checkpoint))
+    finally:
+        weights.write_bytes(original)
+        os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+
+
 def _start_from_adapter(rank, world, tp, pp, root, adapter):
     from lightning_seqpar.checkpoint.full_state import full_state_dict
     from lightning_seqpar.checkpoint.stages import merge_over_stages
