@@ -14,24 +14,13 @@ trainable tensors from the checkpoint and nothing else.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
 
 import torch.nn as nn
 
-_CHUNK = 1 << 22
-
-
-def file_digest(path: Path) -> str:
-    """The SHA-256 of a file's content (hex), read in 4 MiB chunks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
+from lightning_seqpar.checkpoint.atomic import file_digest
 
 @dataclass(frozen=True)
 class FrozenBase:

@@ -34,6 +34,10 @@ def check_context_length(s: int, c: int, t: int, where: str) -> None:
         ValueError: naming ``s``, ``2·c·t`` and the fix.
     """
     unit = 2 * c * t if c > 1 else 2  # one cp rank: two chunks; sequence parallelism checks its own split
+    if s % unit and c == 1:
+        raise ValueError(f"{where}: sequence length {s} is odd, but packed documents (position_ids restarting at 0) are "
+                         f"attended in two halves of the sequence. Use an even length (pad the batch, or change the "
+                         f"block size).")
     if s % unit:
         raise ValueError(f"{where}: sequence length {s} is not divisible by 2·cp·tp = 2·{c}·{t} = {unit}: context "
                          f"parallelism cuts the sequence into 2·cp chunks (load balancing), each split over tp under "

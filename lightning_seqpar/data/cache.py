@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Callable, Iterator, Optional
@@ -20,6 +21,7 @@ import numpy as np
 
 from lightning_seqpar.checkpoint.atomic import recover_stale
 from lightning_seqpar.data.corpus import Piece, corpus_bytes, corpus_files, fingerprint, read_documents
+from lightning_seqpar.data.progress import ByteProgress
 from lightning_seqpar.data.token_file import (
     TokenFileHeader,
     TokenFileWriter,
@@ -77,7 +79,7 @@ def ensure_token_cache(corpus: Path, tokenizer: Tokenizer, cache_dir: Optional[P
     files = corpus_files(corpus)
     source = fingerprint(files)
     path = cache_path(corpus, tokenizer, cache_dir)
-    if path.parent.is_dir():
+    if path.parent.is_dir() and os.access(path.parent, os.W_OK):
         recover_stale(path.parent)  # what tokenizations (and exports, checkpoints) killed earlier left there
     reason = stale_reason(path, tokenizer, source, text_field)
     if reason is None:
@@ -91,11 +93,12 @@ def ensure_token_cache(corpus: Path, tokenizer: Tokenizer, cache_dir: Optional[P
     start, total = time.perf_counter(), corpus_bytes(files)
     try:
         writer = TokenFileWriter(path, header)
-    except PermissionError as error:
+    except OSError as error:  # a read-only folder or file system (EACCES, EPERM, EROFS), or no space for the file
         raise PermissionError(f"Cannot write the token cache {path} ({error.strerror}): set data.cache_dir "
-                              f"(TextDataModule(cache_dir=...)) to a writable folder.") from None
+                              f"(TextDataModule(cache_dir=...)) to a writable folder with space.") from None
     try:
-        with _progress(total, f"tokenizing {corpus.name} ({tokenizer.name})", progress) as advance:
+        with ByteProgress(total, f"tokenizing {corpus.name} ({tokenizer.name})", progress) as bytes_done:
+            advance = lambda texts: bytes_done(sum(len(t.encode("utf-8", errors="replace")) for t in texts))
             for ids in tokenize_documents(read_documents(files, text_field), tokenizer, advance):
                 writer.append(ids)
         if header.num_tokens == 0:
@@ -176,28 +179,3 @@ def tokenize_documents(pieces: Iterator[Piece], tokenizer: Tokenizer,
             yield flush()
     if batch:
         yield flush()
-
-
-class _progress:
-    """A rich progress bar over bytes of text on a terminal; nothing otherwise (logs say when it is done)."""
-
-    def __init__(self, total: int, description: str, enabled: bool) -> None:
-        self.total, self.description, self.enabled = total, description, enabled
-        self.bar = None
-
-    def __enter__(self) -> Callable[[list[str]], None]:
-        import sys
-
-        if not (self.enabled and sys.stderr.isatty()):
-            return lambda texts: None
-        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
-
-        self.bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
-                            transient=True)
-        self.bar.start()
-        task = self.bar.add_task(self.description, total=self.total)
-        return lambda texts: self.bar.advance(task, sum(len(t.encode("utf-8", errors="replace")) for t in texts))
-
-    def __exit__(self, *exc: object) -> None:
-        if self.bar is not None:
-            self.bar.stop()

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
-import time
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -12,13 +12,13 @@ import lightning.pytorch as pl
 import numpy as np
 from torch.utils.data import DataLoader
 
-from lightning_seqpar.checkpoint.atomic import publish, temporary_path
 from lightning_seqpar.data.packing import OVERFLOW, Rows, pack_examples
 from lightning_seqpar.data.step_batches import StepBatches
-from lightning_seqpar.data.supervised import SupervisedExample, render_record, template_identity
+from lightning_seqpar.data.supervised import SupervisedExample, template_identity
+from lightning_seqpar.data.supervised_cache import CACHE_VERSION, damage, is_cache, open_cache, wait_for_cache, write_cache
 from lightning_seqpar.data.tokenizer import Tokenizer, load_tokenizer
 
-CACHE_VERSION = 1
+log = logging.getLogger(__name__)
 
 
 class FineTuneDataModule(pl.LightningDataModule):
@@ -26,15 +26,16 @@ class FineTuneDataModule(pl.LightningDataModule):
     (:mod:`~lightning_seqpar.data.packing`), batched so each micro-batch knows its optimizer step's supervised-token
     count (:mod:`~lightning_seqpar.data.step_batches`).
 
-    The records are rendered once, by each node's local rank 0 in ``setup`` (the node's other ranks wait for the
-    file), into a cache beside the data (or in ``cache_dir``): ``FILE.sft-<key>.npz``, written atomically. Its key
-    and its ``meta`` record the tokenizer's identity, the chat template's hash, the formats found and the tokens
-    supervised, so a cache made with another tokenizer or template is never read. The tail ``val_fraction`` of the
-    records (at least one) is the validation split.
+    The records are rendered once, by each node's local rank 0 in ``setup`` in one streaming pass (the node's other
+    ranks wait while it makes progress), into a cache beside the data (or in ``cache_dir``): the directory
+    ``FILE.sft-<key>`` (:mod:`~lightning_seqpar.data.supervised_cache`), published atomically. Its key and its
+    ``meta.json`` record the tokenizer's identity and the chat template's hash, so a cache made with another
+    tokenizer or template is never read; its digests are checked before it is read, and a damaged cache is prepared
+    again with a warning. The tail ``val_fraction`` of the records (at least one) is the validation split.
 
     Args:
         path: a ``.jsonl`` file, one record per line (``{"messages": [...]}``, ``{"prompt", "completion"}`` or
-            ``{"text"}``).
+            ``{"text"}``), or a cache directory prepared from one (read as it is: refused when damaged).
         tokenizer: a Hugging Face tokenizer directory or name, or a tokenizer object
             (:class:`~lightning_seqpar.data.tokenizer.Tokenizer`).
         block_size: s, tokens per row.
@@ -44,86 +45,98 @@ class FineTuneDataModule(pl.LightningDataModule):
         val_fraction: share of the records held out.
         seed: the rows' order each epoch is a permutation seeded by ``seed + epoch``.
         cache_dir: where the cache goes (default: beside the data).
-        stall_timeout: seconds the other ranks wait for the cache.
+        stall_timeout: seconds the other ranks wait for the cache without it making progress.
+        progress: a progress bar while the cache is prepared (on a terminal).
 
     Raises:
         FileNotFoundError: no file at ``path``.
-        ValueError: ``overflow`` or ``val_fraction`` out of range; from the rendering and packing (a record the
-            tokenizer cannot render, an example too long), before training.
+        ValueError: ``overflow`` or ``val_fraction`` out of range; from the reading, rendering and packing (a line
+            that is not UTF-8 or JSON, a record the tokenizer cannot render, an example too long: naming the file and
+            line), before training.
     """
 
     def __init__(self, path: str, tokenizer: Union[str, Tokenizer], block_size: int = 512, batch_size: int = 4,
                  packing: bool = True, overflow: str = "refuse", val_fraction: float = 0.05, seed: int = 0,
-                 cache_dir: Optional[str] = None, stall_timeout: float = 300.0) -> None:
+                 cache_dir: Optional[str] = None, stall_timeout: float = 300.0, progress: bool = True) -> None:
         super().__init__()
         self.path = Path(path)
-        if not self.path.is_file():
-            raise FileNotFoundError(f"No data at {self.path} (a .jsonl file of records).")
+        if not (self.path.is_file() or is_cache(self.path)):
+            raise FileNotFoundError(f"No data at {self.path} (a .jsonl file of records, or a cache prepared from one).")
         if overflow not in OVERFLOW:
             raise ValueError(f"data.overflow={overflow!r}: one of {OVERFLOW}.")
         if not 0 < val_fraction < 1:
             raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}.")
         self.tokenizer: Tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
         self.block_size, self.batch_size, self.packing, self.overflow = block_size, batch_size, packing, overflow
-        self.val_fraction, self.seed, self.stall_timeout = val_fraction, seed, stall_timeout
+        self.val_fraction, self.seed, self.stall_timeout, self.progress = val_fraction, seed, stall_timeout, progress
+        self._checked: dict[tuple[int, int], Optional[str]] = {}  # a published cache's digest check, by its meta's stat
         self.cache_dir = None if cache_dir is None else Path(cache_dir)
         self.vocab_size = self.tokenizer.vocab_size
         self.examples: Optional[list[SupervisedExample]] = None
 
     def cache_path(self) -> Path:
+        """The cache directory of the data: the data path itself when it is one, else ``FILE.sft-<key>`` beside the
+        file (or in ``cache_dir``), keyed by tokenizer and template."""
+        if self.path.is_dir():
+            return self.path
         key = f"{self.tokenizer.identity}-{template_identity(self.tokenizer) or 'notemplate'}"
-        return (self.cache_dir or self.path.parent) / f"{self.path.name}.sft-{key}.npz"
+        return (self.cache_dir or self.path.parent) / f"{self.path.name}.sft-{key}"
 
-    def render(self) -> list[SupervisedExample]:
-        """Every record, rendered (raises on the first that cannot be)."""
-        examples = []
-        with self.path.open(encoding="utf-8") as lines:
-            for number, line in enumerate(lines, 1):
-                if line.strip():
-                    examples.append(render_record(json.loads(line), self.tokenizer, f"{self.path}:{number}"))
-        if not examples:
-            raise ValueError(f"{self.path} holds no records.")
-        return examples
-
-    def _write_cache(self, path: Path) -> None:
-        examples = self.render()
-        lengths = np.asarray([len(e) for e in examples], dtype=np.int64)
-        meta = {"version": CACHE_VERSION, "source": str(self.path.resolve()), "source_bytes": self.path.stat().st_size,
-                "source_mtime_ns": self.path.stat().st_mtime_ns, "tokenizer": self.tokenizer.identity,
-                "chat_template": template_identity(self.tokenizer), "examples": len(examples),
-                "tokens": int(lengths.sum()), "supervised": int(sum(int(e.supervised.sum()) for e in examples))}
-        tmp = temporary_path(path)  # published whole: a reader never sees a partial cache
-        with open(tmp, "wb") as handle:
-            np.savez(handle, ids=np.concatenate([e.ids for e in examples]),
-                     supervised=np.concatenate([e.supervised for e in examples]), lengths=lengths,
-                     meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8))
-        publish(tmp, path)
-
-    def _fresh(self, path: Path) -> bool:
-        if not path.is_file():
-            return False
-        with np.load(path) as cache:
-            meta = json.loads(bytes(cache["meta"]).decode())
+    def _identity(self) -> dict:
         stat = self.path.stat()
-        return meta.get("version") == CACHE_VERSION and meta["source_bytes"] == stat.st_size and \
-            meta["source_mtime_ns"] == stat.st_mtime_ns
+        return {"source": str(self.path.resolve()), "source_bytes": stat.st_size, "source_mtime_ns": stat.st_mtime_ns,
+                "tokenizer": self.tokenizer.identity, "chat_template": template_identity(self.tokenizer)}
+
+    def _matches(self, path: Path) -> bool:
+        """Whether ``path`` holds a cache of this file, tokenizer and template (its content is checked apart)."""
+        if not is_cache(path):
+            return False
+        meta = json.loads((path / "meta.json").read_text())
+        return meta.get("version") == CACHE_VERSION and all(meta.get(k) == v for k, v in self._identity().items())
+
+    def _damage(self, path: Path) -> Optional[str]:
+        """What is wrong with the matching cache at ``path`` (``None``: it passes its digests); checked once per
+        published cache."""
+        stamp = (path / "meta.json").stat()
+        key = (stamp.st_ino, stamp.st_mtime_ns)
+        if key not in self._checked:
+            self._checked[key] = damage(path)
+        return self._checked[key]
+
+    def prepare_cache(self) -> Path:
+        """Render the data into its cache unless a whole one of this file, tokenizer and template exists (a damaged
+        one is prepared again, with a warning); one process per node calls it. Returns the cache directory."""
+        path = self.cache_path()
+        why = "no cache yet" if not self._matches(path) else self._damage(path)
+        if why is not None:
+            if why != "no cache yet":
+                log.warning("The fine-tuning cache %s is damaged (%s): prepared again from %s.", path, why, self.path)
+            write_cache(self.path, self.tokenizer, path, self._identity(), self.progress)
+        return path
 
     def load_examples(self) -> list[SupervisedExample]:
-        """The rendered examples from the cache, made (local rank 0) or waited for (the others) first."""
+        """The rendered examples from the cache, made (local rank 0) or waited for (the others) first.
+
+        Raises:
+            ValueError: the data path is a cache directory that is damaged or was made with another tokenizer or
+                template, naming it.
+            TimeoutError: local rank 0 made no progress on the cache for ``stall_timeout`` seconds.
+        """
         path = self.cache_path()
+        if path == self.path:  # given directly: there is no source to prepare it again from
+            cache = open_cache(path)
+            made = {k: cache.meta.get(k) for k in ("tokenizer", "chat_template")}
+            ours = {"tokenizer": self.tokenizer.identity, "chat_template": template_identity(self.tokenizer)}
+            if made != ours:
+                raise ValueError(f"The fine-tuning cache {path} was made with tokenizer {made['tokenizer']} and chat "
+                                 f"template {made['chat_template'] or 'none'}; this run's are {ours['tokenizer']} and "
+                                 f"{ours['chat_template'] or 'none'}. Give the .jsonl file to prepare it again.")
+            return cache.examples()
         if self.trainer is None or self.trainer.local_rank == 0:
-            if not self._fresh(path):
-                self._write_cache(path)
+            self.prepare_cache()
         else:
-            start = time.monotonic()
-            while not self._fresh(path):
-                if time.monotonic() - start > self.stall_timeout:
-                    raise TimeoutError(f"{path} was not written within {self.stall_timeout:g} s by local rank 0.")
-                time.sleep(0.2)
-        with np.load(path) as cache:
-            ids, supervised, lengths = cache["ids"], cache["supervised"], cache["lengths"]
-        bounds = np.concatenate([[0], np.cumsum(lengths)])
-        return [SupervisedExample(ids[a:b], supervised[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+            wait_for_cache(path, lambda p: self._matches(p) and self._damage(p) is None, self.stall_timeout)
+        return open_cache(path).examples()
 
     def _rows(self, examples: list[SupervisedExample], first: int) -> Rows:
         names = [f"{self.path}: record {first + i + 1}" for i in range(len(examples))]

@@ -64,7 +64,8 @@ class ContextParallelEntry:
         """Name every argument, then take this rank's tokens (see the module docstring).
 
         Raises:
-            TypeError: a cache or cache position, a 4-D attention mask (its ``s × s`` could not be split), or
+            NotImplementedError: a key/value cache (generation), naming how to generate from the single-device model.
+            TypeError: a cache position, a 4-D attention mask (its ``s × s`` could not be split), or
                 ``logits_to_keep`` other than 0.
             ValueError: a sequence length that does not split into ``2·c·t`` (:func:`check_context_length`).
         """
@@ -73,6 +74,13 @@ class ContextParallelEntry:
         call = dict(self._signature.bind(module, *args, **kwargs).arguments)
         call.pop("self", None)
         call.update(call.pop("kwargs", {}) or {})
+        if call.get("past_key_values") is not None or call.get("cache") is not None:
+            raise NotImplementedError(
+                f"{self.name} was called with a key/value cache (past_key_values=, as generate() does): its layers "
+                f"are rewritten for training (split over tensor- or context-parallel ranks) and keep no key/value cache. Generation runs on the single-device model: gather it on every rank with "
+                f"trainer.strategy.full_state_dict() and load it into AutoModelForCausalLM.from_config(config), or "
+                f"export it (trainer.strategy.save_hf_pretrained(DIR), or python -m lightning_seqpar.checkpoint "
+                f"export-hf CHECKPOINT DIR) and generate from AutoModelForCausalLM.from_pretrained(DIR).")
         if self.context.c == 1:
             return self._documents_only(args, kwargs, call)
         for name in _REFUSED:

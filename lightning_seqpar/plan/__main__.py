@@ -3,8 +3,9 @@ MODEL on N GPUs, ranked (see :mod:`lightning_seqpar.plan.planner`).
 
 MODEL is a Hugging Face ``config.json``, a directory holding one, or a GPT size of the paper (``gpt-22b``, ``gpt-175b``,
 ``gpt-530b``, ``gpt-1t``). Prints the top feasible layouts with the most loaded rank's bytes by kind, the headroom left,
-FLOPs, bytes per collective kind, the bubble and the predicted step time, then every rejected layout with its reason;
-``--json`` prints every record instead; ``--dry-run`` builds each pipeline rank of the top layout at full size on the
+FLOPs, bytes per collective kind, the bubble and the predicted step time, then one line per rejection rule with its
+count (``--verbose``: every rejected layout with its reason), and, when nothing fits, what would (the GPU memory the
+smallest layout needs, a shorter sequence, the fused attention kernel, LoRA); ``--json`` prints every record instead; ``--dry-run`` builds each pipeline rank of the top layout at full size on the
 meta device and prints its parameter bytes against the prediction.
 """
 
@@ -12,9 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from collections import defaultdict
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from lightning_seqpar.checkpoint.hf_export import parse_size
 from lightning_seqpar.plan.cost import Hardware
@@ -22,6 +24,24 @@ from lightning_seqpar.plan.models import load_model_config, model_inventory
 from lightning_seqpar.plan.planner import LayoutRecord, plan
 
 GB = 1e9
+MAX_GPUS = 1 << 20
+"""The largest GPU count planned (a million: beyond any cluster); more is refused rather than searched for hours."""
+
+
+def _count(flag: str, most: int) -> Callable[[str], int]:
+    """An argparse type: an integer in ``[1, most]``, else an error naming ``flag`` and the value."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if not 1 <= value <= most:
+            raise argparse.ArgumentTypeError(f"{value:,} is outside 1..{most:,}")
+        return value
+
+    parse.__name__ = flag
+    return parse
 
 
 def _layout(r: LayoutRecord) -> str:
@@ -29,9 +49,15 @@ def _layout(r: LayoutRecord) -> str:
             f"mbs{r.micro_batch} {r.recompute}")
 
 
-def table(records: list[LayoutRecord], hardware: Hardware, top: int) -> str:
+def _rule_of(reason: str) -> str:
+    """A rejection's rule: its reason with the numbers taken out (``layers=N not divisible by pp·vpp=N``)."""
+    return re.sub(r"\d+(\.\d+)?", "N", reason)
+
+
+def table(records: list[LayoutRecord], hardware: Hardware, top: int, verbose: bool = False) -> str:
     """The top feasible layouts (the most loaded rank's GB by kind, what is left of the GPU, the predicted step, bubble
-    and MFU), then every rejected layout with its reason, as text."""
+    and MFU), then the rejected layouts: one line per rule with its count and an example, and the layouts too large
+    for the GPU in one line with the smallest; ``verbose``: every rejected layout with its reason."""
     feasible = [r for r in records if r.feasible][:top]
     head = ("| rank | tp | pp | vpp | dp | zero | mbs | m | recompute | params | grads | main | optim | act | other | "
             "total GB | left GB | step s | bubble | MFU |")
@@ -49,19 +75,57 @@ def table(records: list[LayoutRecord], hardware: Hardware, top: int) -> str:
     elif feasible[0].other:
         lines.append("\nRank 1's other: " + ", ".join(f"{k.replace('_', ' ')} {v / GB:.1f} GB"
                                                      for k, v in feasible[0].other.items()))
-    rules: dict[str, list[str]] = defaultdict(list)
-    memory = []
+    rules: dict[str, list[LayoutRecord]] = defaultdict(list)
+    memory = sorted((r for r in records if not r.feasible and r.bytes), key=lambda r: r.bytes["total"])
     for r in records:
-        if r.feasible:
-            continue
-        if r.bytes:  # passed the rules, too large
-            memory.append((r.bytes["total"], f"- {_layout(r)}: {r.reason}"))
+        if not r.feasible and not r.bytes:  # rejected by a rule before its bytes were priced
+            rules[r.reason if verbose else _rule_of(r.reason or "")].append(r)
+    lines.append(f"\nRejected: {sum(map(len, rules.values())) + len(memory)} layouts"
+                 + ("" if verbose else " (every one with its reason: --verbose or --json)"))
+    for rule, rejected in sorted(rules.items(), key=lambda item: -len(item[1])):
+        if verbose:
+            lines.append(f"- {rule}: {', '.join(_layout(r) for r in rejected)}")
         else:
-            rules[r.reason or ""].append(_layout(r))
-    lines.append(f"\nRejected: {sum(map(len, rules.values())) + len(memory)} layouts")
-    for reason, layouts in sorted(rules.items(), key=lambda item: -len(item[1])):
-        lines.append(f"- {reason}: {', '.join(layouts)}")
-    lines += [line for _, line in sorted(memory)]
+            lines.append(f"- {len(rejected)} × {rule} (e.g. {_layout(rejected[0])}: {rejected[0].reason})")
+    if verbose:
+        lines += [f"- {_layout(r)}: {r.reason}" for r in memory]
+    elif memory:
+        lines.append(f"- {len(memory)} × too large for the GPU (the smallest: {_layout(memory[0])}: {memory[0].reason})")
+    return "\n".join(lines)
+
+
+def what_would_fit(records: list[LayoutRecord], inventory: Any, args: argparse.Namespace, hardware: Hardware) -> str:
+    """When no layout fits: the GPU memory the smallest layout needs, and the options that would fit (a shorter
+    sequence, the fused attention kernel), each planned; LoRA's saving as an estimate."""
+    lines = ["\nNo layout fits. What would:"]
+    memory = sorted((r for r in records if not r.feasible and r.bytes), key=lambda r: r.bytes["total"])
+    if not memory:
+        return "\nNo layout passes the rules above: change the GPU count, the batch or the sequence length they name."
+    least = memory[0]
+    lines.append(f"- GPUs of at least {least.bytes['total'] / args.headroom / GB:.0f} GB (--gpu-memory; the smallest "
+                 f"layout, {_layout(least)}, needs {least.bytes['total'] / GB:.1f} GB at --headroom {args.headroom:g}), "
+                 f"or more GPUs: the model state divides over them")
+    options = {}
+    if args.attention == "eager":
+        options["--attention sdpa (no s² probabilities kept)"] = dict(attention="sdpa", seq_len=args.seq_len)
+    for shorter in (args.seq_len // 2, args.seq_len // 4, args.seq_len // 8):
+        if shorter >= 1:
+            options[f"--seq-len {shorter}"] = dict(attention=args.attention, seq_len=shorter)
+    for flag, option in options.items():
+        again = plan(model_inventory(args.model, option["seq_len"], option["attention"]), args.gpus, option["seq_len"],
+                     args.global_batch, hardware=hardware, precision=args.precision, headroom=args.headroom,
+                     calibrate=not args.analytic, optimizer=args.optimizer)
+        best = next((r for r in again if r.feasible), None)
+        if best is not None:
+            lines.append(f"- {flag}: {_layout(best)} fits ({best.bytes['total'] / GB:.1f} GB)")
+            if flag.startswith("--seq-len"):
+                break
+        else:
+            lines.append(f"- {flag}: does not fit either")
+    state = least.bytes["gradients"] + least.bytes["main_params"] + least.bytes["optimizer"]
+    lines.append(f"- LoRA (the base frozen: no gradients, main params or optimizer state for it): about "
+                 f"{(least.bytes['total'] - state) / GB:.1f} GB for {_layout(least)} (an estimate: the adapters' own "
+                 f"state not counted)")
     return "\n".join(lines)
 
 
@@ -74,12 +138,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """
     parser = argparse.ArgumentParser(prog="python -m lightning_seqpar.plan", description=__doc__.split("\n\n")[0])
     parser.add_argument("model")
-    parser.add_argument("--gpus", type=int, required=True)
-    parser.add_argument("--seq-len", type=int, required=True)
-    parser.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
-    parser.add_argument("--gpu", default="h100", help="h100, h200, a100, b200: the rates' defaults")
+    parser.add_argument("--gpus", type=_count("--gpus", MAX_GPUS), required=True)
+    parser.add_argument("--seq-len", type=_count("--seq-len", 1 << 24), required=True)
+    parser.add_argument("--global-batch", type=_count("--global-batch", 1 << 24), required=True,
+                        help="sequences per optimizer step")
+    parser.add_argument("--gpu", default=None, help="h100 (default), h200, a100, b200: the rates' defaults")
     parser.add_argument("--gpu-memory", default=None, help="bytes per GPU, e.g. 80GB (default: the GPU's)")
-    parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument("--gpus-per-node", type=_count("--gpus-per-node", MAX_GPUS), default=8)
     parser.add_argument("--precision", default="bf16-mixed", choices=["bf16-mixed", "bf16-true", "32-true"])
     parser.add_argument("--attention", default="eager", choices=["eager", "sdpa"],
                         help="the attention kernel the run uses (HFCausalLMModule's attn_implementation)")
@@ -87,16 +152,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="its state per parameter element (sgd: with momentum)")
     parser.add_argument("--headroom", type=float, default=0.8)
     parser.add_argument("--efficiency", type=float, default=0.5, help="fraction of peak FLOP/s reached")
-    parser.add_argument("--top", type=int, default=10)
+    parser.add_argument("--top", type=_count("--top", 1 << 20), default=10)
     parser.add_argument("--json", action="store_true", help="every layout considered, as JSON records")
+    parser.add_argument("--verbose", action="store_true", help="every rejected layout with its reason")
     parser.add_argument("--dry-run", action="store_true",
                         help="build each pipeline rank of the top layout at full size on the meta device and print its "
                              "parameter bytes against the prediction")
     parser.add_argument("--analytic", action="store_true",
                         help="activations from Table 2's model instead of probes of the model's layer (faster)")
     args = parser.parse_args(argv)
+    if not 0 < args.headroom <= 1 or not 0 < args.efficiency <= 1:
+        parser.error(f"--headroom {args.headroom:g} and --efficiency {args.efficiency:g} are fractions in (0, 1].")
     memory = float(parse_size(args.gpu_memory)) if args.gpu_memory else None
-    hardware = Hardware.named(args.gpu, memory=memory, gpus_per_node=args.gpus_per_node, efficiency=args.efficiency)
+    if memory is not None and memory <= 0:
+        parser.error(f"--gpu-memory {args.gpu_memory}: a positive size, e.g. 80GB.")
+    hardware = Hardware.named(args.gpu or "h100", memory=memory, gpus_per_node=args.gpus_per_node,
+                              efficiency=args.efficiency)
+    gpu = args.gpu or ("h100" if memory is None else "GPU (h100's rates: --gpu to set them)")
     inventory = model_inventory(args.model, args.seq_len, args.attention)
     records = plan(inventory, args.gpus, args.seq_len, args.global_batch, hardware=hardware,
                    precision=args.precision, headroom=args.headroom, calibrate=not args.analytic,
@@ -107,13 +179,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     print(f"{inventory.name}: {inventory.num_parameters / 1e9:.2f} B parameters, L={inventory.num_layers}, "
           f"h={inventory.hidden_size}, a={inventory.num_heads}, kv heads={inventory.num_kv_heads}, v={inventory.vocab_size}; "
-          f"{args.gpus} × {args.gpu} ({hardware.memory / GB:g} GB, {args.headroom:g} usable), s={args.seq_len}, "
+          f"{args.gpus} × {gpu} ({hardware.memory / GB:g} GB, {args.headroom:g} usable), s={args.seq_len}, "
           f"global batch {args.global_batch} sequences, {args.precision}, {args.optimizer}, {args.attention} attention. Model-state bytes exact; a layer's "
           f"activations {'from Table 2' if args.analytic else 'measured on small copies of it and scaled'}, times "
           f"the micro-batches in flight; step time: compute at {args.efficiency:g} of peak + collectives + bubble, "
           f"nothing overlapped.")
-    print(table(records, hardware, args.top))
+    print(table(records, hardware, args.top, args.verbose))
     best = next((r for r in records if r.feasible), None)
+    if best is None:
+        print(what_would_fit(records, inventory, args, hardware))
     if args.dry_run and best is not None:
         from lightning_seqpar.plan.dry_run import dry_run
 

@@ -29,7 +29,7 @@ def load_model_config(model: Union[str, Path, dict], seq_len: int = 2048) -> dic
         ValueError: a name that is none of these, listing the sizes.
     """
     if isinstance(model, dict):
-        return dict(model)
+        return check_sizes(dict(model), "the config")
     if str(model).lower() in GPT_SIZES:
         return dict(model_type="gpt2", vocab_size=51200, n_positions=seq_len, tie_word_embeddings=True,
                     **GPT_SIZES[str(model).lower()])
@@ -39,7 +39,43 @@ def load_model_config(model: Union[str, Path, dict], seq_len: int = 2048) -> dic
     if not path.is_file():
         raise FileNotFoundError(f"{model}: neither a config.json, a directory holding one, nor a GPT size "
                                 f"({', '.join(GPT_SIZES)}).")
-    return json.loads(path.read_text())
+    return check_sizes(json.loads(path.read_text()), str(path))
+
+
+REQUIRED_SIZES = ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size")
+MAX_LAYERS = 10_000
+"""Far above any published model (a few hundred layers): a larger count is a typo, and building it would not end."""
+
+
+def check_sizes(options: dict, where: str) -> dict:
+    """``options`` if it states the sizes a plan needs, as positive integers: the layers, hidden size, heads and
+    vocabulary (under the names its ``model_type`` uses; a composite config's ``text_config`` is read for them).
+    transformers would fill what is missing with its defaults (32 layers of 4096: Llama-2-7B) and plan a model nobody
+    asked for.
+
+    Raises:
+        ValueError: a size missing, not a positive integer, or layers above :data:`MAX_LAYERS`, naming it.
+    """
+    from transformers import CONFIG_MAPPING
+
+    model_type = options.get("model_type")
+    if model_type not in CONFIG_MAPPING:
+        raise ValueError(f"{where}: model_type {model_type!r} is not one transformers knows; name the model's family "
+                         f"(e.g. \"llama\").")
+    text = options.get("text_config") if isinstance(options.get("text_config"), dict) else options
+    aliases = getattr(CONFIG_MAPPING[text.get("model_type", model_type)], "attribute_map", {})
+    for name in REQUIRED_SIZES:
+        key = name if name in text else aliases.get(name, name)
+        if key not in text:
+            raise ValueError(f"{where}: no {name!r}{f' (or {aliases[name]!r})' if name in aliases else ''}; a plan "
+                             f"needs the model's {', '.join(REQUIRED_SIZES)}. Give the model's own config.json.")
+        value = text[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{where}: {key} = {value!r}; it must be a positive integer.")
+        if name == "num_hidden_layers" and value > MAX_LAYERS:
+            raise ValueError(f"{where}: {key} = {value:,}; no model has more than a few hundred layers (at most "
+                             f"{MAX_LAYERS:,} are planned). Check the config.")
+    return options
 
 
 def model_inventory(model: Union[str, Path, dict], seq_len: int = 2048, attention: str = "eager") -> ModelInventory:

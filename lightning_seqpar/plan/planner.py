@@ -80,7 +80,8 @@ class LayoutRecord:
 
 
 def _divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
+    small = [k for k in range(1, int(n ** 0.5) + 1) if n % k == 0]
+    return sorted(set(small + [n // k for k in small]))
 
 
 def plan(inventory: ModelInventory, gpus: int, seq_len: int, global_batch: int, *, hardware: Hardware = Hardware(),

@@ -110,8 +110,7 @@ def test_the_data_module_caches_the_rendering_keyed_by_tokenizer_and_template(tm
     module = FineTuneDataModule(str(data), _tok(), block_size=32, batch_size=1, val_fraction=0.25)
     module.setup()
     cache = module.cache_path()
-    with np.load(cache) as stored:
-        meta = json.loads(bytes(stored["meta"]).decode())
+    meta = json.loads((cache / "meta.json").read_text())
     assert meta["examples"] == 12 and meta["chat_template"] and meta["supervised"] > 0
     other = FineTuneDataModule(str(data), _tok(MARKED), block_size=32, batch_size=1, val_fraction=0.25)
     assert other.cache_path() != cache  # another template: another cache
@@ -134,3 +133,75 @@ def test_a_split_with_no_supervised_token_is_refused_naming_the_file(tmp_path):
     with pytest.raises(ValueError, match=r"empty\.jsonl: the training split \(records 1-6\) has no supervised token"):
         module.setup()
 
+
+
+def _chat_file(tmp_path, n=12):
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": m}) + "\n" for m in (CONVERSATIONS * n)[:n]))
+    return data
+
+
+def test_a_damaged_cache_is_prepared_again_with_a_warning_and_refused_by_name_when_given_directly(tmp_path, caplog):
+    data = _chat_file(tmp_path)
+    first = FineTuneDataModule(str(data), _tok(), block_size=32, batch_size=1, val_fraction=0.25, progress=False)
+    first.setup()
+    cache = first.cache_path()
+    ids = cache / "ids.bin"
+    damaged = bytearray(ids.read_bytes())
+    damaged[5] ^= 0x01
+    ids.write_bytes(bytes(damaged))
+    given = FineTuneDataModule(str(cache), _tok(), block_size=32, batch_size=1, val_fraction=0.25)
+    with pytest.raises(ValueError, match=r"The fine-tuning cache .*sft-.* is damaged: ids.bin does not match its "
+                                         r"recorded SHA-256. Prepare it again from its .jsonl file."):
+        given.setup()
+    again = FineTuneDataModule(str(data), _tok(), block_size=32, batch_size=1, val_fraction=0.25, progress=False)
+    with caplog.at_level("WARNING"):
+        again.setup()
+    assert "is damaged (ids.bin does not match its recorded SHA-256): prepared again from" in caplog.text
+    assert np.array_equal(again.train_rows.input_ids, first.train_rows.input_ids)
+    whole = FineTuneDataModule(str(cache), _tok(), block_size=32, batch_size=1, val_fraction=0.25)
+    whole.setup()  # the rebuilt cache, given directly, is read as it is
+    assert np.array_equal(whole.train_rows.labels, first.train_rows.labels)
+    (cache / "lengths.bin").write_bytes(b"")  # truncated: another size than recorded
+    with pytest.raises(ValueError, match=r"lengths.bin is missing or of another size than recorded"):
+        FineTuneDataModule(str(cache), _tok(), block_size=32, batch_size=1).setup()
+
+
+@pytest.mark.parametrize("line, message", [
+    (b'{"messages": [{"role": "user", "content": "hi"}', r"bad.jsonl:7: not JSON \(Expecting ',' delimiter at column "
+                                                         r"48\); each line must be one JSON object."),
+    (b'{"messages": "hello"}', r"bad.jsonl:7: \"messages\" is str 'hello'; expected a list of"),
+    (b'{"messages": [{"role": "user"}, {"role": "assistant", "content": "x"}]}',
+     r"bad.jsonl:7: message 0 is .*; each message needs a \"role\" and a \"content\"."),
+    (b'{"messages": [{"role": "user", "content": 3}, {"role": "assistant", "content": "x"}]}',
+     r"bad.jsonl:7: message 0's content is int '3'; expected a string"),
+    (b'{"messages": [{"role": "user", "content": ["a"]}, {"role": "assistant", "content": "x"}]}',
+     r"bad.jsonl:7: message 0's content is list"),
+    (b'{"messages": [{"role": "user", "content": "hi"}, {"role": "robot", "content": "x"}]}',
+     r"bad.jsonl:7: message 1 has role 'robot', which the chat template does not know; the roles are system, user, "
+     r"assistant, tool. Rename it"),
+    (b'{"messages": [{"role": "user", "content": "hi"}, {"role": "bot", "content": "x"}]}',
+     r"bad.jsonl:7: message 1 has role 'bot'"),
+    (b'{"text": "caf\xe9 ok"}', r"bad.jsonl:7: byte 14 of the line is not UTF-8 \(b'\\xe9'\); save the file as UTF-8."),
+    (b'{"prompt": "hi", "completion": 4}', r"bad.jsonl:7: \"completion\" is int '4'; expected a string."),
+])
+def test_a_bad_record_is_refused_naming_the_file_and_line_and_the_fix(tmp_path, line, message):
+    good = [json.dumps({"messages": CONVERSATIONS[i % 3]}).encode() for i in range(6)]
+    data = tmp_path / "bad.jsonl"
+    data.write_bytes(b"\n".join(good + [line] + good) + b"\n")
+    module = FineTuneDataModule(str(data), _tok(), block_size=32, batch_size=1, progress=False)
+    with pytest.raises(ValueError, match=message):
+        module.setup()
+    assert not list(tmp_path.glob("*.sft-*")) and not list(tmp_path.glob(".*tmp*"))  # nothing half-written is left
+
+
+def test_batched_rendering_equals_one_record_at_a_time(tmp_path):
+    from lightning_seqpar.data.supervised import render_records
+
+    records = [{"messages": m} for m in CONVERSATIONS] + [{"prompt": "hello", "completion": "yes"}, {"text": "sun moon"}]
+    for tokenizer in (_tok(), _tok(MARKED)):
+        batched = render_records(records, tokenizer, [f"r{i}" for i in range(len(records))])
+        for record, example in zip(records, batched):
+            alone = render_record(record, tokenizer, "here")
+            assert example.ids.tolist() == alone.ids.tolist()
+            assert example.supervised.tolist() == alone.supervised.tolist()

@@ -58,3 +58,25 @@ def test_generation_at_tp_2_is_refused_never_different_tokens(family, sequence_p
     with pytest.raises(NotImplementedError, match=r"tensor-parallel \w+ was called with a key/value cache holding "
                                                   r"past tokens .* generate from the single-device model"):
         run_emulated(2, one_rank)
+
+
+@pytest.mark.parametrize("sequence_parallel", [True, False])
+def test_generation_under_the_strategys_entry_says_how_to_generate_from_the_single_device_model(sequence_parallel):
+    """The strategy installs the model's entry at every layout (packed documents): generate() meets it first, with an
+    odd-length step of one token; the refusal names generation and the way to the single-device model, not a
+    sequence length (before: "sequence length 1 is not divisible by 2·cp·tp = 2·1·1")."""
+    from lightning_seqpar.context_parallel import ContextParallel
+    from lightning_seqpar.parallel.emulated import run_emulated
+
+    module = build("hf", family="llama").double()
+    x = token_data(1, 1).tensors[0][:, :5]
+
+    def one_rank(group):
+        model = copy.deepcopy(module.model)
+        rewrite(model, RewriteContext(group, sequence_parallel, None, True, context=ContextParallel(ParallelGroup())))
+        return model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=3, do_sample=False)
+
+    with pytest.raises(NotImplementedError, match=r"called with a key/value cache \(past_key_values=, as generate\(\) "
+                                                  r"does\).*Generation runs on the single-device model: gather it .*"
+                                                  r"full_state_dict\(\).*save_hf_pretrained"):
+        run_emulated(2, one_rank)

@@ -221,3 +221,46 @@ def test_other_bytes_name_what_they_are(inventories):
     # bf16-mixed keeps float32 parameters: the earlier micro-batches' .grad beside the buckets is one of each
     assert accumulating.other["accumulated_gradients"] == accumulating.bytes["parameters"]
     assert {"backward", "accumulated_gradients", "optimizer"} >= set().union(*(r.other for r in records))
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"model_type": "llama"}, r"config.json: no 'num_hidden_layers'; a plan needs the model's num_hidden_layers, "
+                              r"hidden_size, num_attention_heads, vocab_size"),
+    (dict(LLAMA3_8B, hidden_size=None), r"config.json: hidden_size = None; it must be a positive integer"),
+    (dict(LLAMA3_8B, num_hidden_layers=0), r"num_hidden_layers = 0; it must be a positive integer"),
+    (dict(LLAMA3_8B, vocab_size=-5), r"vocab_size = -5; it must be a positive integer"),
+    (dict(LLAMA3_8B, num_hidden_layers=1_000_000_000), r"num_hidden_layers = 1,000,000,000; no model has more than"),
+    ({"model_type": "gpt2", "n_embd": 64, "n_head": 4, "vocab_size": 100}, r"no 'num_hidden_layers' \(or 'n_layer'\)"),
+])
+def test_a_config_missing_or_misstating_a_size_is_refused_by_name(tmp_path, config, message):
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=message):
+        main([str(tmp_path), "--gpus", "8", "--seq-len", "4096", "--global-batch", "32", "--analytic"])
+
+
+@pytest.mark.parametrize("flag, value", [("--gpus", "0"), ("--gpus", "1000000000"), ("--seq-len", "0"),
+                                         ("--global-batch", "-1"), ("--gpus", "eight")])
+def test_counts_out_of_range_are_refused_at_once_naming_the_flag(tmp_path, capsys, flag, value):
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA3_8B))
+    args = {"--gpus": "8", "--seq-len": "4096", "--global-batch": "32", flag: value}
+    with pytest.raises(SystemExit) as exited:
+        main([str(tmp_path), *[x for kv in args.items() for x in kv], "--analytic"])
+    assert exited.value.code == 2 and f"argument {flag}: " in capsys.readouterr().err
+
+
+def test_the_default_output_is_short_and_says_what_would_fit_when_nothing_does(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA3_8B))
+    base = [str(tmp_path), "--gpus", "8", "--seq-len", "65536", "--global-batch", "8", "--analytic"]
+    assert main(base + ["--gpu-memory", "40GB"]) == 0
+    out = capsys.readouterr().out
+    assert len(out.splitlines()) < 20 and max(map(len, out.splitlines()[1:])) < 300
+    assert "8 × GPU (h100's rates: --gpu to set them) (40 GB" in out and "× h100" not in out
+    rules = [line for line in out.splitlines() if re.match(r"- \d+ × ", line)]
+    assert len(rules) == len({line.split(" (e.g.")[0] for line in rules}) >= 2  # one line per rule
+    assert re.search(r"- \d+ × too large for the GPU \(the smallest: .*needs [\d.]+ GB > 0.8 × 40 GB", out)
+    assert "No layout fits. What would:\n- GPUs of at least " in out
+    assert "- --attention sdpa (no s² probabilities kept): " in out and "- LoRA (the base frozen" in out
+    assert re.search(r"- --seq-len 32768: tp\d+ pp\d+.* fits", out)  # a shorter sequence that fits, planned
+    assert main(base + ["--verbose"]) == 0
+    verbose = capsys.readouterr().out
+    assert "(e.g." not in verbose and len(verbose.splitlines()) > len(out.splitlines())
