@@ -16,6 +16,8 @@ import os
 from pathlib import Path
 from typing import Iterable, Optional
 
+from lightning_seqpar.checkpoint.atomic import file_digest
+
 EXPORT_MARKER = ".lightning_seqpar_export"
 """Written into every exported directory: ``--overwrite`` replaces only a directory holding it."""
 _SHOWN = 6
@@ -88,10 +90,13 @@ def _not_exported(directory: Path) -> list[str]:
     return [name for name in _files(directory) if name != EXPORT_MARKER and name not in written]
 
 
-def mark_export(directory: os.PathLike | str, source: str) -> None:
-    """Write the marker of an exported directory, listing the files written (after them, before it is published)."""
+def mark_export(directory: os.PathLike | str, source: str, digests: bool = False) -> None:
+    """Write the marker of an exported directory, listing the files written (after them, before it is published);
+    ``digests``: with each file's SHA-256 too, verified when the directory is read back (small exports: adapters)."""
     files = [name for name in _files(Path(directory)) if name != EXPORT_MARKER]
-    record = {"written_by": "lightning_seqpar", "from": source, "files": files}
+    record: dict = {"written_by": "lightning_seqpar", "from": source, "files": files}
+    if digests:
+        record["sha256"] = {name: file_digest(Path(directory) / name) for name in files}
     (Path(directory) / EXPORT_MARKER).write_text(json.dumps(record) + "\n")
 
 

@@ -103,7 +103,7 @@ def export_peft_adapter(module: nn.Module, mesh: ParallelMesh, out: os.PathLike 
             name = next(iter(model.peft_config))
             config = model.peft_config[name].to_dict()
             (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True, default=_json_default))
-            mark_export(tmp, "adapter")
+            mark_export(tmp, "adapter", digests=True)  # verified when a run starts from it
             publish(tmp, out)
         finally:
             if tmp.exists():

@@ -63,10 +63,15 @@ def load_tokenizer(spec: str) -> Tokenizer:
     Raises:
         ImportError: a Hugging Face tokenizer without ``transformers``, with the install command.
         ValueError: a directory that holds no tokenizer, naming what it holds.
+        FileNotFoundError: a local path that does not exist.
     """
     if spec == BYTES:
         return ByteTokenizer()
-    path = Path(spec)
+    path = Path(spec).expanduser()
+    if not path.exists() and (spec.startswith(("/", ".", "~")) or path.parent.is_dir() and str(path.parent) != "."):
+        raise FileNotFoundError(f"No tokenizer at {spec}: the directory does not exist (a model directory's tokenizer "
+                                f"is read from it; nothing is downloaded). Check the path (model.pretrained, "
+                                f"data.tokenizer).")
     if path.is_dir() and not has_tokenizer(spec):
         raise ValueError(f"{spec} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}; it has "
                          f"{sorted(p.name for p in path.iterdir())[:12]}). Name a tokenizer directory with "

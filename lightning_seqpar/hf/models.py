@@ -3,6 +3,7 @@ when called)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Optional
 
@@ -41,7 +42,8 @@ def check_model_directory(directory: str) -> None:
     """Refuse a local model directory that cannot be read as one, naming what is missing.
 
     Raises:
-        FileNotFoundError: no such directory, or one without ``config.json`` (listing what it holds).
+        FileNotFoundError: no such directory, one without ``config.json`` (listing what it holds), a weight file its
+            index names missing, or no weights at all.
     """
     path = Path(directory)
     if not path.exists():
@@ -52,6 +54,17 @@ def check_model_directory(directory: str) -> None:
         raise FileNotFoundError(f"{directory} has no config.json, so it is not a Hugging Face model directory (it holds "
                                 f"{held[:12]}{' ...' if len(held) > 12 else ''}). Point model.pretrained at the directory "
                                 f"save_pretrained wrote (config.json beside the *.safetensors).")
+    index = path / "model.safetensors.index.json"
+    if path.is_dir() and index.is_file():  # a sharded checkpoint: every file its index names
+        files = sorted(set(json.loads(index.read_text()).get("weight_map", {}).values()))
+        missing = [name for name in files if not (path / name).is_file()]
+        if missing:
+            raise FileNotFoundError(f"{directory} lacks {missing[:6]}{' ...' if len(missing) > 6 else ''}, named by "
+                                    f"its model.safetensors.index.json: the model directory is incomplete. Copy it "
+                                    f"whole again.")
+    elif path.is_dir() and not any(path.glob("*.safetensors")) and not any(path.glob("pytorch_model*.bin")):
+        raise FileNotFoundError(f"{directory} holds no weights (no *.safetensors): copy the model directory whole "
+                                f"again, or give a config for a model of random init.")
 
 
 def build_causal_lm(config: Any) -> nn.Module:

@@ -107,13 +107,15 @@ def parallelize(model: torch.nn.Module, mesh: ParallelMesh, device: torch.device
 
 
 def check_before_start(strategy: Any, module: Any) -> None:
-    """The rewrite's static checks of ``module`` at ``strategy``'s tp (heads, MLP width and vocabulary against tp; what is recognized), run in the
+    """The rewrite's static checks of ``module`` at ``strategy``'s tp (heads, MLP width and vocabulary against tp; what
+    is recognized; the pipeline's stage split of its layers), run in the
     launching process before any rank starts, so that a layout that cannot work fails once, at once, with exit 1.
     Skipped for a module that builds its model later (``configure_model`` or ``setup``): the ranks check it then.
     The self-check (a forward on emulated ranks) runs on the ranks only.
 
     Raises:
-        ValueError: as :func:`~lightning_seqpar.policies.plan_rewrite`.
+        ValueError: as :func:`~lightning_seqpar.policies.plan_rewrite`; a pipeline stage split the layers found do not
+            admit (:meth:`~lightning_seqpar.pipeline_parallel.config.PipelineConfig.layout`).
     """
     from lightning.pytorch.utilities.model_helpers import is_overridden
 
@@ -126,6 +128,12 @@ def check_before_start(strategy: Any, module: Any) -> None:
     group = ParallelGroup.virtual(strategy.tp)
     plan_rewrite(module, RewriteContext(group, strategy.sequence_parallel, None, strategy.loss_parallel),
                  strategy.policies, verify=False)
+    if strategy.pipeline_config.enabled:  # the stage split of the layer stack (pipeline_split's sum, p·v ≤ L)
+        stacks = [m for m in module.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 1
+                  and len({type(layer) for layer in m}) == 1]
+        if stacks:  # the largest list of alike modules: the layers (the ranks check the rewritten stack itself)
+            layers = max(stacks, key=lambda m: sum(p.numel() for p in m.parameters()))
+            strategy.pipeline_config.layout(len(layers))
 
 
 def check_loss_chunk(loss_chunk: Optional[int]) -> Optional[int]:

@@ -6,13 +6,12 @@ PEFT and transformers are imported when the module builds its model, never by ``
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any, Optional
 
 import torch
 from torch import Tensor
 
+from lightning_seqpar.checkpoint.peft_adapter import check_adapter_directory, check_lora_targets
 from lightning_seqpar.hf.models import build_causal_lm, pretrained_state_dict
 from lightning_seqpar.lightning.loss_average import data_parallel_replicas, loss_replicas, pipeline_microbatches
 from lightning_seqpar.models.hf_module import HFCausalLMModule
@@ -45,17 +44,25 @@ class FineTuneModule(HFCausalLMModule):
 
     Raises:
         ImportError: ``lora`` without PEFT installed, with the install command.
+        FileNotFoundError: a missing model directory or weight file, or an adapter directory without its files.
+        ValueError: LoRA target names that match no module (listing the model's linear names); an adapter made for
+            another base, damaged, or differing from its export's digests (naming it and its base).
     """
 
     def __init__(self, pretrained: str, lora: Optional[dict] = None, attn_implementation: str = "eager",
                  adapter: Optional[str] = None, **optimization: Any) -> None:
         super().__init__(None, pretrained, attn_implementation, **optimization)
         self.adapter = adapter
+        if adapter is not None or lora is not None:  # refused here, before any process starts, naming the fix
+            with torch.device("meta"):
+                base = build_causal_lm(self.hf_config)
         if adapter is not None:  # its own settings: the adapter continues as it was made
-            saved = json.loads((Path(adapter) / "adapter_config.json").read_text())
+            saved = check_adapter_directory(adapter, base, pretrained)
             lora = {"r": saved["r"], "alpha": saved["lora_alpha"], "dropout": saved.get("lora_dropout", 0.0),
                     "target_modules": sorted(saved["target_modules"])}
         self.lora = None if lora is None else {**LORA_DEFAULTS, **lora}
+        if self.lora is not None and adapter is None:
+            check_lora_targets(self.lora["target_modules"], base)
         self.save_hyperparameters({"lora": self.lora, "adapter": adapter})
 
     def configure_model(self) -> None:

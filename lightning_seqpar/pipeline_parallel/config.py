@@ -35,12 +35,16 @@ class PipelineConfig:
 
         Raises:
             ValueError: from :func:`~.schedules.resolve_schedule` and, when ``pp > 1``,
-                :func:`~.schedules.check_microbatches`.
+                :func:`~.schedules.check_microbatches`; a ``split`` of the wrong length or with an empty stage (its sum
+                is checked against the model's layers when they are known: :meth:`layout`).
         """
         name = resolve_schedule(schedule, virtual_stages)
         m = num_microbatches if num_microbatches is not None else pp
         if pp > 1:
             check_microbatches(m, pp, name)
+        if split is not None and (len(split) != pp * virtual_stages or any(int(n) < 1 for n in split)):
+            raise ValueError(f"pipeline_split={list(split)} must give {pp * virtual_stages} positive layer counts "
+                             f"(pp={pp} × virtual_stages={virtual_stages}), one per stage.")
         return cls(pp, m, name, virtual_stages, tuple(split) if split is not None else None)
 
     @property

@@ -127,3 +127,38 @@ def test_a_model_that_cannot_split_is_refused_before_any_rank_starts(tmp_path, s
     with pytest.raises(ValueError, match=r"n_head = 3 is not divisible by the tensor-parallel size tp = 2"):
         trainer.fit(module, loader(token_data(1, 1)))
     assert getattr(trainer.strategy.launcher, "procs", []) == [] and not torch.distributed.is_initialized()
+
+
+def test_a_pipeline_split_the_model_cannot_take_is_refused_before_any_rank_starts(tmp_path):
+    from tests.helpers.models import loader, token_data
+
+    with pytest.raises(ValueError, match=r"pipeline_split=\[3\] must give 2 positive layer counts \(pp=2 × "
+                                         r"virtual_stages=1\)"):
+        SeqParallelStrategy(pp=2, pipeline_split=[3])  # in the constructor: the recipe's config fails at once
+    module = pl.LightningModule()
+    module.gpt = GPT(GPTConfig(vocab_size=16, block_size=8, n_layer=4, n_head=2, n_embd=8))
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=SeqParallelStrategy(pp=2, pipeline_split=[3, 3]),
+                         logger=False, default_root_dir=tmp_path)
+    with pytest.raises(ValueError, match=r"pipeline_split=\[3, 3\] must give 2 positive layer counts .* that sum to "
+                                         r"the model's 4 layers"):
+        trainer.fit(module, loader(token_data(1, 1)))
+    assert getattr(trainer.strategy.launcher, "procs", []) == [] and not torch.distributed.is_initialized()
+
+
+def test_a_read_only_cache_folder_is_refused_with_the_cache_dir_advice(tmp_path, monkeypatch):
+    """A read-only corpus folder (EROFS on a read-only mount; root passes permission bits, so it is simulated)."""
+    import errno
+
+    from lightning_seqpar.data import cache
+    from lightning_seqpar.data.tokenizer import ByteTokenizer
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("hello world " * 10)
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(cache, "TokenFileWriter", read_only)
+    with pytest.raises(PermissionError, match=r"Cannot write the token cache .*corpus.txt.* \(Read-only file system\): "
+                                              r"set data.cache_dir"):
+        cache.ensure_token_cache(corpus, ByteTokenizer(), progress=False)

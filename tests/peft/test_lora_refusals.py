@@ -96,3 +96,85 @@ def test_explain_names_the_adapters_their_split_and_the_frozen_parameters(capsys
     detail = plan.entries[1].detail
     assert "LoRA r=2 on self_attn.q_proj/self_attn.o_proj" in detail and "1 r-sized all-gathers per layer" in detail
     assert "frozen parameters: no gradient, no optimizer state" in detail
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory):
+    from tests.helpers.chat_tokenizer import make_chat_model_dir
+
+    return make_chat_model_dir(tmp_path_factory.mktemp("base") / "model")
+
+
+def test_lora_targets_that_match_no_module_are_refused_listing_the_linear_names(chat_model):
+    from lightning_seqpar.models.finetune import FineTuneModule
+
+    with pytest.raises(ValueError, match=r"LoRA target_modules \['wq', 'w_gate'\] match no module of "
+                                         r"LlamaForCausalLM.*named down_proj, gate_proj, k_proj, lm_head, o_proj, "
+                                         r"q_proj, up_proj, v_proj; set peft.target_modules"):
+        FineTuneModule(str(chat_model), {"target_modules": ["q_proj", "wq", "w_gate"]})
+    FineTuneModule(str(chat_model), {"target_modules": ["q_proj", "down_proj"]})  # both exist: accepted
+
+
+def _adapter_of(model_dir, out, hidden):
+    """A PEFT adapter saved for a base of ``hidden`` (the chat base's shape when equal)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    config.hidden_size, config.intermediate_size = hidden, 2 * hidden
+    config._name_or_path = f"another-base-{hidden}"
+    model = peft.get_peft_model(AutoModelForCausalLM.from_config(config),
+                                peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "down_proj"]))
+    model.save_pretrained(out, save_embedding_layers=False)  # no lookup of the named base
+    return out
+
+
+def test_an_adapter_of_another_base_or_damaged_is_refused_naming_it_before_training(chat_model, tmp_path):
+    from lightning_seqpar.checkpoint.destination import mark_export
+    from lightning_seqpar.models.finetune import FineTuneModule
+
+    other = _adapter_of(chat_model, tmp_path / "other", hidden=16)
+    with pytest.raises(ValueError, match=rf"The adapter {other} was made for another-base-16: its "
+                                         r"base_model.model.model.layers.0.mlp.down_proj.lora_A.weight is \[2, 32\], "
+                                         r"but this base \(.*model\) needs \[2, 64\] for "
+                                         r"model.layers.0.mlp.down_proj \(r=2\)"):
+        FineTuneModule(str(chat_model), adapter=str(other))
+    good = _adapter_of(chat_model, tmp_path / "good", hidden=32)
+    assert FineTuneModule(str(chat_model), adapter=str(good)).lora["r"] == 2
+    mark_export(good, "adapter", digests=True)  # as export_peft_adapter writes it
+    weights = good / "adapter_model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0x40  # a flipped bit in the last tensor's data: the header still reads
+    weights.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"adapter_model.safetensors differs from what was exported \(its SHA-256"):
+        FineTuneModule(str(chat_model), adapter=str(good))
+    weights.write_bytes(b"\xff" * 16 + bytes(data[16:]))
+    (good / ".lightning_seqpar_export").unlink()  # not ours: the header is what tells
+    with pytest.raises(ValueError, match=r"adapter_model.safetensors cannot be read as safetensors: its header is "
+                                         r"damaged"):
+        FineTuneModule(str(chat_model), adapter=str(good))
+    with pytest.raises(FileNotFoundError, match=r"is not a PEFT adapter directory: it has no adapter_config.json"):
+        FineTuneModule(str(chat_model), adapter=str(tmp_path))
+
+
+def test_a_missing_base_or_base_file_is_refused_naming_it(chat_model, tmp_path):
+    import shutil
+
+    from lightning_seqpar.data.tokenizer import load_tokenizer
+    from lightning_seqpar.models.finetune import FineTuneModule
+
+    gone = tmp_path / "no-such-model"
+    with pytest.raises(FileNotFoundError, match=rf"No tokenizer at {gone}: the directory does not exist"):
+        load_tokenizer(str(gone))
+    with pytest.raises(FileNotFoundError, match=rf"No model directory at {gone}"):
+        FineTuneModule(str(gone), {"r": 2})
+    copy = tmp_path / "copy"
+    shutil.copytree(chat_model, copy)
+    (copy / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match=rf"{copy} holds no weights"):
+        FineTuneModule(str(copy), {"r": 2})
+    (copy / "model-00002-of-00002.safetensors").write_bytes(b"")
+    (copy / "model.safetensors.index.json").write_text(
+        '{"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}')
+    with pytest.raises(FileNotFoundError, match=r"lacks \['model-00001-of-00002.safetensors'\], named by its "
+                                                r"model.safetensors.index.json"):
+        FineTuneModule(str(copy), {"r": 2})

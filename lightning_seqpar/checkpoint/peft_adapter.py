@@ -1,0 +1,126 @@
+"""Checks before a run wraps a model with LoRA: target names that match a module, and an adapter directory that is
+whole and made for this base. Each raises before any process starts, naming the directory, the file or the name and
+the fix, where transformers, PEFT or safetensors would fail later with a message about something else (a meta tensor
+that cannot be copied, a header that cannot be parsed, adapters silently on fewer modules than asked).
+
+The base is the plain causal LM (no PEFT wrapping), typically built on the meta device from its config: nothing is
+allocated.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from pathlib import Path
+from typing import Any, Sequence, Union
+
+import torch.nn as nn
+
+from lightning_seqpar.checkpoint.atomic import file_digest
+from lightning_seqpar.checkpoint.destination import EXPORT_MARKER
+from lightning_seqpar.checkpoint.peft_export import ADAPTER_FILE, CONFIG_FILE
+_LORA_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<part>[AB])(?:\.[^.]+)?\.weight$")
+
+
+def linear_names(base: nn.Module) -> list[str]:
+    """The last name of every linear layer of ``base`` (``q_proj``, ``down_proj``, ``lm_head``, ...), once each."""
+    return sorted({name.rpartition(".")[2] for name, module in base.named_modules()
+                   if isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"})  # GPT-2's projections
+
+
+def check_lora_targets(targets: Union[str, Sequence[str]], base: nn.Module) -> None:
+    """Refuse LoRA ``target_modules`` that match no module of ``base`` (PEFT's rule: a name matches a module whose
+    qualified name is it or ends with ``.name``; a string is a regular expression over the qualified names, and
+    ``"all-linear"`` matches every linear layer but the head).
+
+    Raises:
+        ValueError: naming the targets that match nothing and the linear names the model has.
+    """
+    names = [name for name, _ in base.named_modules() if name]
+    if isinstance(targets, str):
+        if targets == "all-linear" or any(re.fullmatch(targets, name) for name in names):
+            return
+        unmatched = [targets]
+    else:
+        unmatched = [t for t in targets if not any(name == t or name.endswith("." + t) for name in names)]
+    if unmatched:
+        raise ValueError(f"LoRA target_modules {unmatched} match no module of {type(base).__name__}, so no adapter "
+                         f"would be put there. Its linear layers are named {', '.join(linear_names(base))}; set "
+                         f"peft.target_modules to some of those.")
+
+
+def safetensors_shapes(file: Path) -> dict[str, tuple[int, ...]]:
+    """Name → shape of each tensor in a safetensors file, read from its header alone.
+
+    Raises:
+        ValueError: a header that cannot be read (a damaged or truncated file), naming the file.
+    """
+    try:
+        with open(file, "rb") as handle:
+            (length,) = struct.unpack("<Q", handle.read(8))
+            if length > file.stat().st_size - 8:
+                raise ValueError(f"its header claims {length:,} bytes, more than the file holds")
+            header = json.loads(handle.read(length))
+        return {k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"}
+    except (struct.error, ValueError, KeyError, TypeError, AttributeError) as error:
+        raise ValueError(f"{file} cannot be read as safetensors: its header is damaged ({error}). Export the adapter "
+                         f"again, or copy it whole.") from None
+
+
+def check_adapter_directory(directory: Union[str, Path], base: nn.Module, base_name: str) -> dict[str, Any]:
+    """The adapter config of ``directory`` once the directory is whole and made for ``base``: its two files present,
+    their digests (recorded by this project's exports) matching, and every LoRA tensor the shape ``base``'s module
+    of that name needs (``A`` ``[r, in]``, ``B`` ``[out, r]``).
+
+    Raises:
+        FileNotFoundError: no such directory, or one without ``adapter_config.json`` / ``adapter_model.safetensors``.
+        ValueError: a file whose digest differs from the one recorded at export, a damaged header, or a tensor for a
+            module ``base`` does not have or of another shape, naming the adapter, the base it was made for
+            (``base_model_name_or_path``) and the fix.
+    """
+    directory = Path(directory)
+    for name in (CONFIG_FILE, ADAPTER_FILE):
+        if not (directory / name).is_file():
+            raise FileNotFoundError(f"{directory} is not a PEFT adapter directory: it has no {name} (peft.adapter= "
+                                    f"names the directory export_peft_adapter or PeftModel.save_pretrained wrote).")
+    _check_digests(directory)
+    config = json.loads((directory / CONFIG_FILE).read_text())
+    made_for = config.get("base_model_name_or_path") or "an unnamed base"
+    modules = dict(base.named_modules())
+    for key, shape in safetensors_shapes(directory / ADAPTER_FILE).items():
+        match = _LORA_KEY.match(key)
+        if match is None:
+            continue
+        path, part = match["module"], match["part"]
+        module = modules.get(path)
+        if module is None:
+            raise ValueError(f"The adapter {directory} was made for {made_for}: it adapts {path}, which this base "
+                             f"({base_name}) does not have. Start from an adapter of this base, or set "
+                             f"model.pretrained to the base it was made for.")
+        out_features, in_features = _features(module)
+        want = (config.get("r"), in_features) if part == "A" else (out_features, config.get("r"))
+        if tuple(shape) != tuple(want):
+            raise ValueError(f"The adapter {directory} was made for {made_for}: its {key} is {list(shape)}, but this "
+                             f"base ({base_name}) needs {list(want)} for {path} (r={config.get('r')}). Start from an "
+                             f"adapter of this base, or set model.pretrained to the base it was made for.")
+    return config
+
+
+def _features(module: nn.Module) -> tuple[int, int]:
+    if hasattr(module, "out_features") and hasattr(module, "in_features"):
+        return int(module.out_features), int(module.in_features)
+    weight = getattr(module, "weight", None)  # GPT-2's Conv1D keeps [in, out]
+    return (int(weight.shape[1]), int(weight.shape[0])) if weight is not None else (-1, -1)
+
+
+def _check_digests(directory: Path) -> None:
+    """Verify the files an export of this project recorded digests for (none recorded: nothing to verify)."""
+    try:
+        recorded = json.loads((directory / EXPORT_MARKER).read_text()).get("sha256", {})
+    except (OSError, ValueError, AttributeError):
+        return
+    for name, digest in sorted(recorded.items()):
+        if (directory / name).is_file() and file_digest(directory / name) != digest:
+            raise ValueError(f"{directory / name} differs from what was exported (its SHA-256 does not match the one "
+                             f"recorded in {EXPORT_MARKER}): the file is damaged. Export the adapter again.")
