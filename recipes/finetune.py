@@ -24,7 +24,7 @@ from pathlib import Path
 import hydra
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 from lightning.pytorch.loggers import CSVLogger
 from omegaconf import DictConfig, OmegaConf
 
@@ -34,7 +34,7 @@ from lightning_seqpar import SelectiveRecompute, SeqParallelStrategy  # noqa: E4
 from lightning_seqpar.checkpoint.destination import refuse_export_destination  # noqa: E402
 from lightning_seqpar.checkpoint.peft_export import export_peft_adapter  # noqa: E402
 from lightning_seqpar.data.finetune_datamodule import FineTuneDataModule  # noqa: E402
-from lightning_seqpar.lightning.callbacks import ParallelModelSummary  # noqa: E402
+from lightning_seqpar.lightning.callbacks import LayoutReport, ParallelModelSummary  # noqa: E402
 from lightning_seqpar.models.finetune import FineTuneModule  # noqa: E402
 from recipes.pretrain_gpt import CONF_DIR, route_logs_to_hydra  # noqa: E402
 
@@ -70,8 +70,11 @@ def build(cfg: DictConfig, output_dir: Path) -> tuple[FineTuneModule, FineTuneDa
     callbacks: list[pl.Callback] = [
         ModelCheckpoint(dirpath=output_dir / cfg.checkpoint_dir, filename="step{step:06d}",
                         auto_insert_metric_name=False, save_last=True, every_n_train_steps=cfg.trainer.val_check_interval),
-        ParallelModelSummary(),
+        ParallelModelSummary(),  # with a frozen base: PEFT's "trainable params: … || all params: …" line
+        LayoutReport(cfg.data.block_size, cfg.data.batch_size),  # tp/cp/pp/dp and the predicted, then measured, peak
     ]
+    if cfg.trainer.get("enable_progress_bar", True):
+        callbacks.append(TQDMProgressBar())  # Lightning's rich bar prints "Epoch 4/-2" for step-based runs
     if cfg.recompute.granularity != "none":
         callbacks.append(SelectiveRecompute(cfg.recompute.granularity))
     trainer = pl.Trainer(strategy=SeqParallelStrategy(**OmegaConf.to_container(cfg.strategy, resolve=True)),
@@ -112,7 +115,8 @@ def main(cfg: DictConfig) -> dict:
     pl.seed_everything(cfg.seed, workers=True)
     module, data, trainer = build(cfg, output_dir)
     trainer.fit(module, datamodule=data, ckpt_path=cfg.ckpt_path)
-    trainer.validate(module, datamodule=data, verbose=False)
+    if trainer.global_step % cfg.trainer.val_check_interval or "val/loss" not in trainer.callback_metrics:
+        trainer.validate(module, datamodule=data, verbose=False)  # the last step was not validated yet
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     metrics["val/ppl"] = math.exp(metrics["val/loss"])
     strategy = trainer.strategy

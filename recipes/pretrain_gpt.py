@@ -35,7 +35,7 @@ from lightning_seqpar import FlopsUtilization, Preemption, SelectiveRecompute, S
 from lightning_seqpar.data import TextDataModule
 from lightning_seqpar.checkpoint.destination import refuse_export_destination
 from lightning_seqpar.data.tokenizer import has_tokenizer
-from lightning_seqpar.lightning.callbacks import ParallelModelSummary
+from lightning_seqpar.lightning.callbacks import LayoutReport, ParallelModelSummary
 from lightning_seqpar.models import CausalLMModule, GPTConfig, GPTLightningModule, HFCausalLMModule
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
@@ -111,6 +111,7 @@ def build_trainer(cfg: DictConfig, output_dir: Path) -> pl.Trainer:
         LearningRateMonitor(logging_interval="step"),
         FlopsUtilization(peak_flops=cfg.peak_flops),
         ParallelModelSummary(),  # the whole model's parameter count; Lightning's summary sees one shard
+        LayoutReport(cfg.data.block_size, cfg.data.batch_size),  # tp/cp/pp/dp and the predicted, then measured, peak
     ]
     if cfg.trainer.enable_progress_bar:
         callbacks.append(TQDMProgressBar())  # Lightning's rich bar prints "Epoch 0/-2" for step-based runs

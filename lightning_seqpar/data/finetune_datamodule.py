@@ -189,9 +189,9 @@ class FineTuneDataModule(pl.LightningDataModule):
         return StatefulDataLoader(batches, batch_size=None, sampler=batches.sampler())
 
     def val_dataloader(self) -> DataLoader:
-        """The held-out rows in order, one micro-batch per validation step: ``num_items_in_step`` counts the
-        supervised tokens of that micro-batch on every data-parallel rank, so a validation stopped early
-        (``limit_val_batches``) divides by the tokens it saw."""
+        """The held-out rows in order, one micro-batch per validation step (``num_items_in_step``: that step's
+        supervised tokens on every data-parallel rank); the loader's :meth:`StepBatches.supervised_in` gives the
+        tokens of the batches a (possibly limited) validation runs."""
         replicas, rank, _ = self._place()
         batch = min(self.batch_size, max(1, len(self.val_rows) // replicas))
         batches = StepBatches(self.val_rows, batch, replicas, rank, 1, self.seed, shuffle=False, split="validation")

@@ -69,6 +69,19 @@ class StepBatches(Dataset):
     def __len__(self) -> int:
         return self.steps * self.a
 
+    def supervised_in(self, micro_batches: float) -> int:
+        """Supervised tokens of the first ``micro_batches`` micro-batches of epoch 0 on every rank (the whole epoch
+        when more, ``inf`` included): what a validation that runs that many batches is a mean over. One micro-batch
+        per step (``accumulate`` 1, as validation runs).
+
+        Raises:
+            ValueError: accumulated micro-batches (a step's count would be split between micro-batches).
+        """
+        if self.a != 1:
+            raise ValueError(f"supervised_in counts whole steps; this loader accumulates {self.a} micro-batches.")
+        steps = int(min(micro_batches, len(self)))
+        return int(self.counts[self._order(0)[:steps * self.d * self.b]].sum())
+
     def sampler(self) -> StepSampler:
         return StepSampler(len(self))
 

@@ -107,10 +107,11 @@ def _memory(auto: AutoLayout, device: torch.device) -> float:
                      f"memory_budget=BYTES per device.")
 
 
-def choose_layout(strategy: Any) -> Any:
+def choose_layout(strategy: Any, module: Any = None, trainer: Any = None) -> Any:
     """Choose ``strategy``'s layout (see the module docstring) and set its ``tp``, ``pipeline_config`` and
     recomputation, once; returns the chosen :class:`~lightning_seqpar.plan.LayoutRecord` (``None`` without
-    ``layout``).
+    ``layout``). ``module`` and ``trainer``: where they are not connected to the strategy yet (the launching process
+    chooses before it starts any rank).
 
     Raises:
         ValueError: a model that is not a Hugging Face causal LM, a device memory to read that cannot be read, or
@@ -123,7 +124,7 @@ def choose_layout(strategy: Any) -> Any:
     auto: Optional[AutoLayout] = strategy.auto
     if auto is None or strategy.chosen_layout is not None:
         return strategy.chosen_layout
-    module = strategy.lightning_module
+    module = module if module is not None else strategy.lightning_module
     model = _hf_model(module)
     if model is None and callable(getattr(module, "configure_model", None)):
         with strategy.model_sharded_context():  # Lightning's contract: configure_model is idempotent
@@ -132,7 +133,7 @@ def choose_layout(strategy: Any) -> Any:
     if model is None:
         raise ValueError(f"layout=AutoLayout(...) plans Hugging Face causal LMs; {type(module).__name__} holds none. "
                          f"Give tp and pp (python -m lightning_seqpar.plan helps choose them).")
-    trainer = module.trainer
+    trainer = trainer if trainer is not None else module.trainer
     existing = [c for c in trainer.callbacks if isinstance(c, SelectiveRecompute)]
     kinds = frozenset({c.granularity for c in existing} & {"none", "selective", "full"})
     world = strategy.num_nodes * strategy.num_processes

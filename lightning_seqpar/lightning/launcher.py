@@ -19,15 +19,18 @@ from lightning_seqpar.lightning._compat import MultiProcessingLauncher, Subproce
 
 
 class _ChecksFirst:
-    """A launcher that runs ``check(strategy, module)`` in the launching process before it starts any rank (set by
+    """A launcher that runs ``check(strategy, module, trainer)`` in the launching process before it starts any rank (set by
     :func:`configure_launcher`): a layout error is raised once, before the ranks exist."""
 
-    check: Optional[Callable[[Any, Any], None]] = None
+    check: Optional[Callable[[Any, Any, Any], None]] = None
     checked_strategy: Any = None
+    launching_process_is_rank_0 = False
+    """popen: the launching process goes on as rank 0, so what it builds for a check (a model on the meta device, to
+    choose a layout) is its own; spawn: the ranks are new processes, and the check leaves the module as it was."""
 
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
-        if self.check is not None and args:
-            self.check(self.checked_strategy, args[0])  # the module given to fit/validate/test/predict
+        if self.check is not None and args:  # the module given to fit/validate/test/predict
+            self.check(self.checked_strategy, args[0], trainer if self.launching_process_is_rank_0 else None)
         return super().launch(function, *args, trainer=trainer, **kwargs)  # type: ignore[misc]
 
 
@@ -71,6 +74,8 @@ class SeqParallelPopenLauncher(_ChecksFirst, SubprocessScriptLauncher):
     launcher that is killed leaves no rank running (they would otherwise wait in a collective until the timeout).
     A launcher that exits normally first waits for its ranks (up to 2 minutes), so none is cut short."""
 
+    launching_process_is_rank_0 = True
+
     def _call_children_scripts(self) -> None:
         os.environ[LAUNCHER_PID] = str(os.getpid())
         try:
@@ -104,10 +109,11 @@ def end_with_launcher() -> None:
 
 
 def configure_launcher(strategy: Any, environment: ClusterEnvironment, start_method: str,
-                       check: Optional[Callable[[Any, Any], None]] = None) -> Optional[Any]:
+                       check: Optional[Callable[[Any, Any, Any], None]] = None) -> Optional[Any]:
     """The launcher of ``strategy``: none when the cluster starts the processes (torchrun, SLURM, or this is a rank
     the popen launcher started: it then ends with its launcher), :class:`SeqParallelPopenLauncher` or
-    :class:`SeqParallelSpawnLauncher`, which run ``check(strategy, module)`` before starting any rank."""
+    :class:`SeqParallelSpawnLauncher`, which run ``check(strategy, module, trainer)`` before starting any rank (``trainer``
+    given where the launching process goes on as rank 0)."""
     if environment.creates_processes_externally:
         end_with_launcher()
         return None

@@ -106,12 +106,14 @@ def parallelize(model: torch.nn.Module, mesh: ParallelMesh, device: torch.device
     return ParallelModel(rng_tracker, plan, steps, remote_keys)
 
 
-def check_before_start(strategy: Any, module: Any) -> None:
+def check_before_start(strategy: Any, module: Any, trainer: Any = None) -> None:
     """The rewrite's static checks of ``module`` at ``strategy``'s tp (heads, MLP width and vocabulary against tp; what
     is recognized; the pipeline's stage split of its layers), run in the
     launching process before any rank starts, so that a layout that cannot work fails once, at once, with exit 1.
     Skipped for a module that builds its model later (``configure_model`` or ``setup``): the ranks check it then.
-    The self-check (a forward on emulated ranks) runs on the ranks only.
+    The self-check (a forward on emulated ranks) runs on the ranks only. With ``trainer`` (the launching process goes
+    on as rank 0) a ``layout=AutoLayout(...)`` is chosen here too, so a budget no layout fits is refused once, before
+    the other ranks start.
 
     Raises:
         ValueError: as :func:`~lightning_seqpar.policies.plan_rewrite`; a pipeline stage split the layers found do not
@@ -122,6 +124,10 @@ def check_before_start(strategy: Any, module: Any) -> None:
     from lightning_seqpar.parallel.collectives import ParallelGroup
     from lightning_seqpar.policies import plan_rewrite
 
+    if trainer is not None and getattr(strategy, "auto", None) is not None:  # layout=AutoLayout: chosen here, once
+        from lightning_seqpar.lightning.auto_layout import choose_layout
+
+        choose_layout(strategy, module, trainer)
     if not isinstance(module, torch.nn.Module) or any(
             is_overridden(hook, module) for hook in ("configure_model", "setup")):
         return

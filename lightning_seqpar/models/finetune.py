@@ -111,22 +111,22 @@ class FineTuneModule(HFCausalLMModule):
         return loss
 
     def on_validation_epoch_start(self) -> None:
-        # [this rank's share of the token-loss sum, supervised tokens of the validation steps run]: the mean is
-        # taken over the batches that ran (limit_val_batches may stop early), never over a count fixed beforehand
-        self._val_sums = torch.zeros(2, dtype=torch.float64, device=self.device)
+        # The denominator: the supervised tokens of the validation batches that will run (every data-parallel rank's),
+        # not of the whole split: limit_val_batches (or the sanity check) may run fewer. Read from the loader's own
+        # steps (the same on every rank, pipeline stages included), so no rank communicates for it.
+        trainer = self.trainer
+        runs = (trainer.num_sanity_val_batches if trainer.sanity_checking else trainer.num_val_batches)[0]
+        self._val_tokens = max(1, trainer.val_dataloaders.dataset.supervised_in(runs))
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
-        """Adds this micro-batch's token-loss sum to the epoch's: ``num_items_in_step`` of a validation batch counts
-        the supervised tokens of its validation step (this micro-batch on every data-parallel rank), added once;
-        ranks holding the same replica (tensor-, context-, pipeline-parallel) each add ``1/k`` of the sum, and a
-        pipeline's average over its m micro-batches is undone by ``m``."""
+        """Logs ``val/loss``: this micro-batch's share of the mean over the supervised tokens of the validation batches
+        run (:meth:`on_validation_epoch_start`), summed over batches and ranks; ranks holding the same replica
+        (tensor-, context-, pipeline-parallel) each log ``1/k`` of it, and a pipeline's average over its m
+        micro-batches is undone by ``m``. The recipe reports ``exp(val/loss)`` as the perplexity."""
         token_sum = self.model(**self._model_inputs(batch), num_items_in_batch=1).loss
         same_replica = self.trainer.world_size // data_parallel_replicas(self.trainer)
-        share = token_sum.detach().to(torch.float64) * pipeline_microbatches(self.trainer) / same_replica
-        self._val_sums += torch.stack([share, batch["num_items_in_step"][0].to(self._val_sums)])
+        share = token_sum * pipeline_microbatches(self.trainer) / (self._val_tokens * same_replica)
+        self.log("val/loss", share, reduce_fx="sum", sync_dist=True, on_step=False, on_epoch=True, prog_bar=True)
 
     def on_validation_epoch_end(self) -> None:
-        """Logs ``val/loss``: the mean over the supervised tokens of the validation batches run (every data-parallel
-        rank's), summed over ranks from their shares; the perplexity is ``exp(val/loss)``."""
-        share, tokens = self._val_sums
-        self.log("val/loss", share / tokens.clamp_min(1), reduce_fx="sum", sync_dist=True, prog_bar=True)
+        pass  # val/loss is a sum of logged shares (validation_step): no metric objects to compute

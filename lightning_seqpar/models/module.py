@@ -73,6 +73,9 @@ class CausalLMModule(pl.LightningModule):
     def on_validation_epoch_end(self) -> None:
         # Metric objects: Lightning computes them (synchronized by torchmetrics) and resets them; a tensor
         # logged here would need sync_dist although every rank already holds the same value.
+        for metric in (self.val_loss, self.val_ppl):
+            if metric.update_count == 0:  # a pipeline stage before the last computes no loss: it adds weight 0
+                metric.update(torch.zeros((), device=self.device), weight=0.0)
         self.log("val/loss", self.val_loss, prog_bar=True)
         self.log("val/ppl", self.val_ppl)
 

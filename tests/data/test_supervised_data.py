@@ -121,6 +121,15 @@ def test_the_data_module_caches_the_rendering_keyed_by_tokenizer_and_template(tm
     assert int(val["num_items_in_step"][0]) == int((val["labels"][:, 1:] != IGNORE).sum())  # its own step's count
 
 
+def test_a_validation_loader_counts_the_tokens_of_the_batches_that_run():
+    rows = pack_examples([render_record({"prompt": "hello", "completion": " ".join(["yes"] * n)}, _tok(), "here")
+                          for n in range(1, 9)], 16, 0, packing=False)
+    ranks = [StepBatches(rows, 1, 2, q, 1, seed=0, shuffle=False, split="validation") for q in range(2)]
+    counts = [int((ranks[q][(0, k)]["labels"][:, 1:] != IGNORE).sum()) for k in range(4) for q in range(2)]
+    assert ranks[0].supervised_in(1) == sum(counts[:2]) < ranks[0].supervised_in(3) == sum(counts[:6])
+    assert ranks[1].supervised_in(float("inf")) == ranks[0].supervised_in(4) == sum(counts) == rows.supervised.sum()
+
+
 def test_a_split_with_no_supervised_token_is_refused_naming_the_file(tmp_path):
     """A template that ends an assistant turn with nothing of its own: empty replies supervise no token, and a mean
     over none would report loss 0 and perplexity 1."""

@@ -162,3 +162,46 @@ def test_a_read_only_cache_folder_is_refused_with_the_cache_dir_advice(tmp_path,
     with pytest.raises(PermissionError, match=r"Cannot write the token cache .*corpus.txt.* \(Read-only file system\): "
                                               r"set data.cache_dir"):
         cache.ensure_token_cache(corpus, ByteTokenizer(), progress=False)
+
+
+def test_the_documented_auto_layout_example_has_a_layout_that_fits():
+    """conf/strategy/auto.yaml's command line, as written: its budget admits a layout of its model on its devices
+    (before: 2e6 bytes, which none fits)."""
+    import re
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from lightning_seqpar.lightning.auto_layout import AutoLayout, rank_layouts
+    from lightning_seqpar.plan import inventory_of_hf_model
+    from lightning_seqpar.plan.models import meta_model
+
+    root = Path(__file__).resolve().parents[2]
+    command = next(line for line in (root / "conf" / "strategy" / "auto.yaml").read_text().splitlines()
+                   if "recipes/pretrain_gpt.py" in line)
+    overrides = command.split("recipes/pretrain_gpt.py", 1)[1].split()
+    with initialize_config_dir(str(root / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=overrides)
+    model = OmegaConf.to_container(cfg.model, resolve=True)
+    for key in ("kind", "block_size", "attn_implementation"):
+        model.pop(key)
+    inventory = inventory_of_hf_model(meta_model({**model, "vocab_size": 256}))  # the corpus's byte vocabulary
+    auto = AutoLayout(**OmegaConf.to_container(cfg.strategy.layout, resolve=True))
+    ranked = rank_layouts(inventory, cfg.trainer.devices, auto.seq_len, auto, auto.memory_budget, precision="32-true",
+                          gpus_per_node=cfg.trainer.devices)
+    assert ranked and re.search(r"memory_budget=\d", command)
+
+
+def test_a_budget_no_layout_fits_is_refused_once_before_any_rank_starts(tmp_path):
+    from lightning_seqpar.lightning.auto_layout import AutoLayout
+    from tests.helpers.models import SEQ, build, loader, token_data
+
+    strategy = SeqParallelStrategy(layout=AutoLayout(seq_len=SEQ, batch_size=2, memory_budget=1e3),
+                                   start_method="popen")
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False, default_root_dir=tmp_path,
+                         precision="32-true")
+    with pytest.raises(ValueError, match=r"layout=auto: no layout of this model fits 0.8 × 1e-06 GB per device on 2 "
+                                         r"devices"):
+        trainer.fit(build("hf", labels=True), loader(token_data(1, 1)))
+    assert getattr(trainer.strategy.launcher, "procs", []) == [] and not torch.distributed.is_initialized()

@@ -180,3 +180,35 @@ def test_checkpoints_that_cannot_resume_are_refused_on_every_rank_with_the_reaso
         # Stage 1 (ranks 2 and 3) holds the NaN; every rank refuses, so none is left waiting in a collective.
         assert "optimizer state 0 (pipeline stage 1) '" in bad["corrupt"] and "found on rank 2" in bad["corrupt"]
         assert "holds 1 non-finite value(s)" in bad["corrupt"]
+
+
+def _validate_gpt(rank, world, pp):
+    import warnings
+
+    from torch.utils.data import DataLoader
+
+    from lightning_seqpar.models.gpt import GPTConfig
+    from lightning_seqpar.models.module import GPTLightningModule
+
+    torch.manual_seed(0)
+    data = torch.randint(0, 32, (8, 9))
+    loader = DataLoader([(row[:-1], row[1:]) for row in data], batch_size=2)
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=SeqParallelStrategy(tp=1, pp=pp) if world > 1
+                         else "auto", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, precision="64-true")
+    module = GPTLightningModule(GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=8))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        metrics = trainer.validate(module, loader, verbose=False)[0]
+    return metrics, [str(w.message) for w in caught if "before the ``update``" in str(w.message)]
+
+
+def test_validation_under_a_pipeline_gives_the_one_process_metrics_without_metric_warnings():
+    """The stages before the last compute no loss: their metric objects add nothing (weight 0), and torchmetrics'
+    "compute called before update" warning is not raised on every validation (before: on every stage but the last)."""
+    (first, warned), (last, warned_last) = run_distributed(_validate_gpt, 2, 2)
+    reference, _ = _validate_gpt(0, 1, 1)
+    assert warned == warned_last == []
+    for metrics in (first, last):
+        assert metrics["val/loss"] == pytest.approx(reference["val/loss"], rel=1e-12)
+        assert metrics["val/ppl"] == pytest.approx(reference["val/ppl"], rel=1e-12)

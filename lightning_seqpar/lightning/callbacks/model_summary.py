@@ -21,8 +21,9 @@ def whole_numel(param: nn.Parameter) -> int:
     return param.numel() // param.shape[spec.dim] * spec.full_size
 
 
-def parameter_counts(module: nn.Module, strategy: Any) -> dict[str, tuple[int, int]]:
-    """``{top-level child: (whole-model parameters, this rank's parameters)}`` plus ``"total"``.
+def parameter_counts(module: nn.Module, strategy: Any, trainable: bool = False) -> dict[str, tuple[int, int]]:
+    """``{top-level child: (whole-model parameters, this rank's parameters)}`` plus ``"total"``; ``trainable``: of
+    the parameters that train only (``requires_grad``: LoRA's adapters, not its frozen base).
 
     Collective under pipeline parallelism (every rank must call it): stage-local layers are counted on
     the stage holding them (a pipeline-tied embedding on the first) and summed over the pipeline group.
@@ -31,7 +32,8 @@ def parameter_counts(module: nn.Module, strategy: Any) -> dict[str, tuple[int, i
     pipeline_rank = strategy.mesh.pipeline.rank if isinstance(strategy, SeqParallelStrategy) else 0
     whole_local, whole_shared, here = [], [], []
     for name in names:
-        params = list(dict(getattr(module, name).named_parameters()).values())  # tied weights once
+        params = [p for p in dict(getattr(module, name).named_parameters()).values()  # tied weights once
+                  if p.requires_grad or not trainable]
         whole_local.append(sum(whole_numel(p) for p in params if counted_on_stage(p, pipeline_rank)))
         whole_shared.append(sum(whole_numel(p) for p in params if not counted_on_stage(p, pipeline_rank)
                                 and not is_pipeline_tied(p)))
@@ -70,3 +72,8 @@ class ParallelModelSummary(pl.Callback):
         lines = [f"{'module':<{width}}  {'whole model':>12}  {'rank 0':>12}"]
         lines += [f"{name:<{width}}  {_human(whole):>12}  {_human(here):>12}" for name, (whole, here) in self.counts.items()]
         rank_zero_info("Parameters (whole model = single-device count; rank 0 = its shards and stage):\n" + "\n".join(lines))
+        total = self.counts["total"][0]
+        trained = parameter_counts(pl_module, trainer.strategy, trainable=True)["total"][0]  # collective under pp
+        if trained < total:  # a frozen base (LoRA): PEFT's print_trainable_parameters line, for the whole model
+            rank_zero_info(f"trainable params: {trained:,} || all params: {total:,} || "
+                           f"trainable%: {100 * trained / total:.4f}")

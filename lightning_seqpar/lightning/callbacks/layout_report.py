@@ -1,0 +1,119 @@
+"""``LayoutReport``: the layout and the planner's predicted per-rank peak when fitting starts, the measured peak beside
+it when fitting ends.
+
+The prediction is :func:`lightning_seqpar.plan.predict` for the run's own layout (tp, pp, virtual stages, dp, ZeRO,
+micro-batch, recomputation, precision) at the run's sequence length and batch, of the model rebuilt from its config on
+the meta device (PEFT-wrapped as the run is; the reference GPT as the GPT-2 layout of its sizes). The measured peak is
+the device's (``torch.cuda.max_memory_allocated``: bytes of tensors, comparable with the prediction) on CUDA, and the
+process's resident peak (``ru_maxrss``: the interpreter, libraries and data included, an upper bound) on CPU.
+Context parallelism is not priced by the planner yet: the line says so instead of a figure.
+"""
+
+from __future__ import annotations
+
+import resource
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+GB = 1e9
+
+
+def _recompute(trainer: pl.Trainer) -> str:
+    from lightning_seqpar.lightning.callbacks.selective_recompute import SelectiveRecompute
+
+    kinds = [c.granularity for c in trainer.callbacks if isinstance(c, SelectiveRecompute)]
+    return kinds[0] if kinds and kinds[0] in ("selective", "full") else "none"
+
+
+def _planned_model(module: pl.LightningModule) -> Optional[torch.nn.Module]:
+    """The module's model rebuilt on the meta device as the planner reads it (``None``: not one it knows)."""
+    from lightning_seqpar.lightning.auto_layout import _hf_model
+    from lightning_seqpar.plan.models import meta_model
+
+    model = _hf_model(module)
+    if model is not None:
+        config = model.config.to_dict()
+        rebuilt = meta_model(config, getattr(model.config, "_attn_implementation", None) or "eager")
+        if getattr(module, "lora", None) is not None and hasattr(module, "with_adapters"):
+            with torch.device("meta"):
+                rebuilt = module.with_adapters(rebuilt)  # LoRA: the frozen base costs its parameters only
+        return rebuilt
+    gpt = getattr(getattr(module, "gpt", None), "config", None)
+    if gpt is not None and hasattr(gpt, "n_embd"):  # the reference GPT: the GPT-2 layout of its sizes
+        return meta_model(dict(model_type="gpt2", vocab_size=gpt.vocab_size, n_positions=gpt.block_size,
+                               n_embd=gpt.n_embd, n_head=gpt.n_head, n_layer=gpt.n_layer, tie_word_embeddings=True))
+    return None
+
+
+def predicted_peak(trainer: pl.Trainer, module: pl.LightningModule, seq_len: int, batch_size: int) -> tuple[
+        Optional[int], str]:
+    """``(bytes, how)``: the planner's predicted peak of the most loaded rank for this run, or ``(None, why not)``."""
+    from lightning_seqpar.plan import Hardware, LayoutRecord, inventory_of_hf_model, predict
+
+    strategy = trainer.strategy
+    mesh = getattr(strategy, "mesh", None)
+    if mesh is None:
+        return None, "not under SeqParallelStrategy"
+    if mesh.cp > 1:
+        return None, "the planner does not price context parallelism yet"
+    model = _planned_model(module)
+    if model is None:
+        return None, f"the planner does not know {type(module).__name__}'s model"
+    config = strategy.pipeline_config
+    dp = mesh.dp
+    m = config.num_microbatches if mesh.pp > 1 else 1
+    record = LayoutRecord(mesh.tp, 1, mesh.pp, config.virtual_stages, dp, strategy.data_parallel.zero,
+                          max(1, batch_size // m), m, _recompute(trainer),
+                          main_params=bool(getattr(strategy.data_parallel, "fp32_main_params", False)))
+    precision = str(trainer.precision)
+    predict(inventory_of_hf_model(model), record, seq_len, batch_size * dp * trainer.accumulate_grad_batches,
+            hardware=Hardware(memory=1e15), precision=precision if precision != "64-true" else "32-true",
+            calibrate=False)
+    how = "Table 2's activations" + (", float32 bytes for float64" if precision == "64-true" else "")
+    return record.bytes.get("total"), how
+
+
+def measured_peak(device: torch.device) -> tuple[int, str]:
+    """``(bytes, what)``: CUDA's peak of allocated tensor bytes, or the process's resident peak on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device), "torch.cuda.max_memory_allocated"
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "peak RSS of the process (an upper bound)"
+
+
+class LayoutReport(pl.Callback):
+    """Logs (rank 0) ``layout: tp=… cp=… pp=… dp=… ep=1 …; predicted peak per rank X GB`` when fitting starts and
+    ``peak memory: measured X GB (how) vs predicted Y GB`` when it ends.
+
+    Args:
+        seq_len: s, tokens per sequence of the training batches.
+        batch_size: sequences per data-parallel rank and micro-batch step (the loader's batch).
+
+    Attributes:
+        predicted: the prediction in bytes (``None`` where the planner cannot give one); measured: the peak at the end.
+    """
+
+    def __init__(self, seq_len: int, batch_size: int) -> None:
+        self.seq_len, self.batch_size = seq_len, batch_size
+        self.predicted: Optional[int] = None
+        self.measured: Optional[int] = None
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        mesh = getattr(trainer.strategy, "mesh", None)
+        layout = (f"tp={mesh.tp} cp={mesh.cp} pp={mesh.pp} dp={mesh.dp} ep=1" if mesh is not None
+                  else f"{trainer.world_size} process(es), no model parallelism")
+        try:
+            self.predicted, how = predicted_peak(trainer, pl_module, self.seq_len, self.batch_size)
+        except (ValueError, NotImplementedError) as error:  # a model the planner refuses: said, not fatal
+            self.predicted, how = None, f"the planner cannot price it ({error})"
+        said = (f"predicted peak per rank {self.predicted / GB:.3f} GB ({how})" if self.predicted is not None
+                else f"no predicted peak: {how}")
+        rank_zero_info(f"layout: {layout} (world {trainer.world_size}, {trainer.precision}, s={self.seq_len}, "
+                       f"b={self.batch_size} per data-parallel rank); {said}")
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.measured, what = measured_peak(pl_module.device)
+        versus = f" vs predicted {self.predicted / GB:.3f} GB" if self.predicted is not None else ""
+        rank_zero_info(f"peak memory of rank 0: measured {self.measured / GB:.3f} GB ({what}){versus}")
