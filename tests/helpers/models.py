@@ -27,9 +27,9 @@ class EncoderLM(pl.LightningModule):
 
     def __init__(self, container: str = "encoder", batch_first: bool = True, norm_first: bool = True,
                  activation: str = "gelu", masks: bool = True, dropout: float = 0.0, h: int = 16, heads: int = 4,
-                 layers: int = 2) -> None:
+                 layers: int = 2, causal_hint: bool = False) -> None:
         super().__init__()
-        self.batch_first, self.masks = batch_first, masks
+        self.batch_first, self.masks, self.causal_hint = batch_first, masks, causal_hint
         self.embed = nn.Embedding(VOCAB, h)
         self.pos = nn.Parameter(torch.randn(SEQ, h) * 0.1)
         make = lambda: nn.TransformerEncoderLayer(h, heads, 2 * h, dropout=dropout, activation=activation,  # noqa: E731
@@ -50,7 +50,8 @@ class EncoderLM(pl.LightningModule):
         # Token 0 in the last two positions is padding: depends on the data, never masks a whole row.
         padding = (x == 0) & (torch.arange(s) >= s - 2)
         if self.container == "encoder":
-            hidden = self.encoder(hidden, mask=causal, src_key_padding_mask=padding if self.masks else None)
+            hidden = self.encoder(hidden, mask=causal, src_key_padding_mask=padding if self.masks else None,
+                                  **({"is_causal": True} if self.causal_hint else {}))  # torch's documented hint
         else:
             for layer in self.layers:
                 hidden = layer(hidden, src_mask=causal, is_causal=self.masks)
