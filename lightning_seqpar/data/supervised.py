@@ -31,6 +31,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from lightning_seqpar.hf.tokenizer import render_chat
+
 _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _NAMED_ROLE = re.compile(r"""role['"]?\]?\s*==\s*['"]([A-Za-z_]+)['"]""")
 STANDARD_ROLES = ("system", "user", "assistant", "tool")
@@ -129,14 +131,13 @@ def render_conversations(conversations: Sequence[list[dict]], tokenizer: Any,
                 for ids, mask in zip(full["input_ids"], full["assistant_masks"])]
     turns = [(c, i) for c, messages in enumerate(conversations)
              for i, message in enumerate(messages) if message["role"] == "assistant"]
-    texts = hf.apply_chat_template(list(conversations), tokenize=False)
+    texts = render_chat(hf, list(conversations), False)
     rendered: dict[tuple[int, int, bool], str] = {}
     for prompt in (True, False):  # before the turn (with the generation prompt), and through it
         keys = [(c, i + (0 if prompt else 1)) for c, i in turns]
         asked = [(c, n) for c, n in keys if n > 0]  # an assistant turn first: nothing before it
         if asked:
-            out = hf.apply_chat_template([conversations[c][:n] for c, n in asked], tokenize=False,
-                                         add_generation_prompt=prompt)
+            out = render_chat(hf, [conversations[c][:n] for c, n in asked], prompt)
             rendered.update({(c, n, prompt): text for (c, n), text in zip(asked, out)})
     spans: list[list[tuple[int, int]]] = [[] for _ in conversations]
     for c, i in turns:

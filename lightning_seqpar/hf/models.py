@@ -91,3 +91,12 @@ def saved_tensor_shapes(config: Any) -> dict[str, tuple[int, ...]]:
             seen.add(id(value))
             shapes[name] = tuple(value.shape)
     return shapes
+
+
+def config_aliases(model_type: str) -> Optional[dict[str, str]]:
+    """The ``attribute_map`` of the config class of ``model_type`` (``hidden_size`` → ``n_embd`` for GPT-2...), or
+    ``None`` for a model type transformers does not know."""
+    mapping = _transformers().CONFIG_MAPPING
+    if model_type not in mapping:
+        return None
+    return dict(getattr(mapping[model_type], "attribute_map", {}))

@@ -6,9 +6,12 @@ saved; its SLURM handler saves a checkpoint (a collective) inside the handler to
 signal. At the end of each training step a rank that was signalled proposes, in the process group's store, to stop
 after the next step (the first proposal wins); every rank reads the store there, so all stop after the same step,
 whichever of them got the signal. Every step couples all ranks through its collectives, so no rank can have finished
-that next step when the proposal is made. Then every rank saves the checkpoint together (``last.ckpt`` in the
-``ModelCheckpoint`` folder; under SLURM with auto-requeue, Lightning's ``hpc_ckpt_N.ckpt``, which it resumes from, and
-the job is requeued) and returns from ``fit`` normally. No collective runs in a signal handler; the time bound is one
+that next step when the proposal is made. Then every rank saves the checkpoint together, at the end of that step's
+batch, where ``ModelCheckpoint`` saves (``last.ckpt`` in the ``ModelCheckpoint`` folder; under SLURM with
+auto-requeue, Lightning's ``hpc_ckpt_N.ckpt``, which it resumes from, and the job is requeued), and returns from
+``fit`` normally. Saved there, the loops' progress is that of a step in the middle of an epoch: a resume continues
+with the next batch of the same epoch and logs its first step as that step (saved once training had ended, Lightning
+counted the epoch as finished and the logged steps ran one ahead). No collective runs in a signal handler; the time bound is one
 training step plus the save.
 """
 
@@ -76,15 +79,14 @@ class Preemption(pl.Callback):
                 store.compare_set(STOP_KEY, "", str(step + 1))
         if self._stop_after is None and store is not None and store.check([STOP_KEY]):
             self._stop_after = int(store.get(STOP_KEY))
-        if self._stop_after is not None and step >= self._stop_after:
+        if self._stop_after is not None and step >= self._stop_after and self.preempted is None:
             self.preempted = self.signalled or signal.SIGTERM
             trainer.should_stop = True
+            self._save(trainer)
 
-    def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        if self.preempted is None:
-            return
-        requeue = _requeue_signal(trainer) is not None
-        if requeue:
+    def _save(self, trainer: "pl.Trainer") -> None:
+        """The checkpoint of the stop, at the end of the step's batch (see the module docstring)."""
+        if _requeue_signal(trainer) is not None:
             path: Optional[str] = hpc_save_path(trainer)
         else:
             callback = trainer.checkpoint_callback
@@ -93,6 +95,12 @@ class Preemption(pl.Callback):
         if path is not None:
             trainer.save_checkpoint(path)  # collective: every rank is here, after the same step
             self.checkpoint = Path(path)
+
+    def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self.preempted is None:
+            return
+        requeue = _requeue_signal(trainer) is not None
+        path = None if self.checkpoint is None else str(self.checkpoint)
         store = default_store()
         if store is not None and trainer.is_global_zero:
             store.delete_key(STOP_KEY)  # after the save, which every rank joined: none reads it any more

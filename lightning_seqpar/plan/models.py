@@ -56,14 +56,14 @@ def check_sizes(options: dict, where: str) -> dict:
     Raises:
         ValueError: a size missing, not a positive integer, or layers above :data:`MAX_LAYERS`, naming it.
     """
-    from transformers import CONFIG_MAPPING
+    from lightning_seqpar.hf.models import config_aliases
 
     model_type = options.get("model_type")
-    if model_type not in CONFIG_MAPPING:
+    if not isinstance(model_type, str) or config_aliases(model_type) is None:
         raise ValueError(f"{where}: model_type {model_type!r} is not one transformers knows; name the model's family "
                          f"(e.g. \"llama\").")
     text = options.get("text_config") if isinstance(options.get("text_config"), dict) else options
-    aliases = getattr(CONFIG_MAPPING[text.get("model_type", model_type)], "attribute_map", {})
+    aliases = config_aliases(text.get("model_type", model_type)) or config_aliases(model_type) or {}
     for name in REQUIRED_SIZES:
         key = name if name in text else aliases.get(name, name)
         if key not in text:

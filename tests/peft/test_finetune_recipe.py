@@ -58,6 +58,15 @@ def test_the_walkthrough_trains_lora_on_chat_data_and_exports_what_peft_and_tran
     metrics = json.loads(re.search(r"final metrics: (\{.*\})", log).group(1).replace("'", '"'))
     assert metrics["val/ppl"] == pytest.approx(math.exp(metrics["val/loss"]), rel=1e-12) and metrics["val/loss"] > 0
     assert "--- sample ---" in log and "Traceback" not in result.stderr
+    # What a user sees first: the layout with the predicted peak, PEFT's trainable line, the measured peak at the end.
+    assert re.search(r"layout: tp=2 cp=1 pp=1 dp=1 ep=1 \(world 2, .*\); predicted peak per rank [\d.]+ GB", log)
+    assert re.search(r"trainable params: [\d,]+ \|\| all params: [\d,]+ \|\| trainable%: [\d.]+", log)
+    assert re.search(r"peak memory of rank 0: measured [\d.]+ GB \(peak RSS .*\) vs predicted [\d.]+ GB", log)
+    metrics_csv = next((tmp_path / "outputs" / "lora").rglob("metrics.csv")).read_text().splitlines()
+    header = metrics_csv[0].split(",")
+    validated = [row.split(",")[header.index("step")] for row in metrics_csv[1:]
+                 if row.split(",")[header.index("val/loss")]]
+    assert len(validated) == len(set(validated)) == 2  # steps 2 and 4, the last one not validated again
     assert (tmp_path / "adapter" / "adapter_config.json").is_file() and (tmp_path / "merged" / "config.json").is_file()
     assert _run(shlex.split(load_adapter.replace("python", sys.executable, 1)), tmp_path).stdout.strip() == "16"
     parameters = int(_run(shlex.split(load_merged.replace("python", sys.executable, 1)), tmp_path).stdout.strip())
@@ -78,7 +87,9 @@ def test_full_fine_tuning_exports_the_whole_model_and_bad_options_are_refused_fi
     assert refused.returncode != 0 and "export_hf_merged needs peft=lora" in refused.stderr
     refused = _run([*recipe, "data.block_size=8"], tmp_path, check=False)
     assert refused.returncode != 0 and "longer than the block of 8" in refused.stderr + refused.stdout
-    _run([*recipe, f"export_hf={tmp_path / 'full'}", *(f"{k}={v}" for k, v in TINY.items())], tmp_path)
+    shown = dict(TINY, **{"trainer.enable_progress_bar": "true"})
+    result = _run([*recipe, f"export_hf={tmp_path / 'full'}", *(f"{k}={v}" for k, v in shown.items())], tmp_path)
+    assert "Epoch 0" in result.stdout + result.stderr and "/-2" not in result.stdout + result.stderr  # the bar
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     full = AutoModelForCausalLM.from_pretrained(tmp_path / "full")
