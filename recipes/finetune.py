@@ -59,7 +59,7 @@ def check_options(cfg: DictConfig, output_dir: Path) -> None:
 def build(cfg: DictConfig, output_dir: Path) -> tuple[FineTuneModule, FineTuneDataModule, pl.Trainer]:
     data = FineTuneDataModule(cfg.data.path, cfg.data.tokenizer or cfg.model.pretrained, cfg.data.block_size,
                               cfg.data.batch_size, cfg.data.packing, cfg.data.overflow, cfg.data.val_fraction,
-                              cfg.seed, cfg.data.cache_dir)
+                              cfg.seed, cfg.data.cache_dir, cfg.data.stall_timeout)
     lora, adapter = None, None
     if cfg.peft.kind == "lora":
         lora = {k: v for k, v in OmegaConf.to_container(cfg.peft, resolve=True).items() if k not in ("kind", "adapter")}

@@ -134,7 +134,12 @@ class _Sections:
 
     def append(self, name: str, values: np.ndarray) -> None:
         data = np.ascontiguousarray(values, dtype=np.dtype(SECTIONS[name]).newbyteorder("<")).tobytes()
-        self.files[name].write(data)
+        try:
+            self.files[name].write(data)
+        except OSError as error:  # a full disk names no path of its own
+            raise OSError(error.errno, f"Writing the fine-tuning cache {self.files[name].name} failed "
+                                       f"({error.strerror}): free space there, or set data.cache_dir to another "
+                                       f"folder") from None
         self.digests[name].update(data)
         self.bytes[name] += len(data)
 
