@@ -6,7 +6,8 @@ cp 2 × dp 2 with the distributed optimizer; eager (blocks op by op) and SDPA (b
 returns the log-sum-exp); padding, explicit positions, sliding windows (full and
 window layers mixed), soft-capping, packed documents (position ids restarting at 0; on one cp rank too, where the
 one-process reference is given the documents' 4-D mask); labels of -100 spread unevenly over the cp ranks (the loss stays the token-weighted
-mean of one process); the reference GPT (learned positions, label smoothing); a model of declared blocks whose step
+mean of one process); the reference GPT (learned positions, label smoothing); a user's own ``nn.TransformerEncoder`` GPT called as a causal
+encoder (its stack on the cp rank's chunks, the sequence gathered back for its head and loss); a model of declared blocks whose step
 takes its share with ``context_parallel_batch``; the LM head and loss over chunks of the sequence (``loss_chunk``, final-logit soft-caps and
 scales included); Llama (grouped-query attention), Qwen3 (per-head q/k norms), GPT-2 (learned positions), Gemma 2;
 selective and full recomputation.
@@ -24,6 +25,7 @@ LABELS = (("labels", True),)
 A2A = (("cp_comm", "all_to_all"),)
 PADDED = (("padding", True), ("ignored_labels", "padding"))  # collators label padding -100
 DECLARED = (("policies", (POLICY,)),)  # a user's own block, declared; its step takes its share of the batch
+CAUSAL = (("causal_hint", True),)  # a user's nn.TransformerEncoder GPT, called with is_causal=True as torch documents
 
 CASES = {
     2: [
@@ -56,6 +58,8 @@ CASES = {
         Case("gpt", 1, True, "full", strategy=A2A, cp=2),                          # layers recomputed in backward
         Case("gpt", 1, True, "selective", strategy=A2A + (("loss_parallel", False),), cp=2),
         Case("nano_cp", 1, True, None, strategy=DECLARED, cp=2),                   # declared blocks
+        Case("encoder", 1, True, None, CAUSAL, cp=2),                              # ring, padding, batch-first
+        Case("encoder", 1, True, "selective", CAUSAL + (("batch_first", False),), strategy=A2A, cp=2),
     ],
     4: [
         Case("hf", 2, True, None, LABELS, cp=2),                                   # tp 2 × cp 2, SP
@@ -74,6 +78,8 @@ CASES = {
         Case("gpt", 1, True, None, pp=2, cp=2),
         Case("nano_cp", 2, True, "selective", strategy=DECLARED, cp=2),
         Case("nano_cp", 1, True, None, strategy=DECLARED + A2A, cp=4),
+        Case("encoder", 2, True, None, CAUSAL, cp=2),                              # tp 2 (+SP) × cp 2
+        Case("encoder", 1, True, None, CAUSAL + (("norm_first", False),), cp=2),   # cp 2 × dp 2, post-norm
     ],
 }
 
