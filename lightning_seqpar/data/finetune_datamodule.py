@@ -136,7 +136,7 @@ class FineTuneDataModule(pl.LightningDataModule):
             self.prepare_cache()
         else:
             wait_for_cache(path, lambda p: self._matches(p) and self._damage(p) is None, self.stall_timeout)
-        return open_cache(path).examples()
+        return open_cache(path, verified=self._damage(path) is None).examples()  # digests read once per cache
 
     def _rows(self, examples: list[SupervisedExample], first: int) -> Rows:
         names = [f"{self.path}: record {first + i + 1}" for i in range(len(examples))]

@@ -170,13 +170,6 @@ def _by_prefix_ids(messages: list[dict], text: str, spans: list[tuple[int, int]]
     return SupervisedExample(np.asarray(ids, dtype=np.int64), supervised)
 
 
-def render_messages(messages: list[dict], tokenizer: Any, where: str) -> SupervisedExample:
-    """A conversation rendered with the tokenizer's chat template, supervised on the assistant's turns."""
-    if not getattr(_hf(tokenizer), "chat_template", None):
-        raise _no_template(tokenizer, where)
-    return render_conversations([check_messages(messages, known_roles(tokenizer), where)], tokenizer, [where])[0]
-
-
 def _text(record: dict, key: str, where: str) -> str:
     if not isinstance(record[key], str):
         raise ValueError(f"{where}: \"{key}\" is {type(record[key]).__name__} {str(record[key])[:40]!r}; expected a "

@@ -109,13 +109,14 @@ def damage(path: Path) -> Optional[str]:
     return None
 
 
-def open_cache(path: Path) -> SupervisedCache:
-    """The cache at ``path``, verified.
+def open_cache(path: Path, verified: bool = False) -> SupervisedCache:
+    """The cache at ``path``, verified by its digests unless the caller has just done so (``verified``: a second read
+    of every section would double the cost).
 
     Raises:
         ValueError: a damaged cache, naming it and what is wrong.
     """
-    why = damage(path)
+    why = None if verified else damage(path)
     if why is not None:
         raise ValueError(f"The fine-tuning cache {path} is damaged: {why}. Prepare it again from its .jsonl file.")
     meta = json.loads((path / "meta.json").read_text())

@@ -90,7 +90,7 @@ def check_world(strategy: Any, world: int) -> None:
         validate_layout(world, strategy.tp, strategy.pp, strategy.cp)
 
 
-def _hf_model(module: torch.nn.Module) -> Optional[torch.nn.Module]:
+def hf_model_in(module: torch.nn.Module) -> Optional[torch.nn.Module]:
     """The Hugging Face causal LM inside ``module`` (a model with a ``config`` and input embeddings)."""
     for candidate in module.modules():
         if hasattr(getattr(candidate, "config", None), "model_type") and hasattr(candidate, "get_input_embeddings"):
@@ -125,11 +125,11 @@ def choose_layout(strategy: Any, module: Any = None, trainer: Any = None) -> Any
     if auto is None or strategy.chosen_layout is not None:
         return strategy.chosen_layout
     module = module if module is not None else strategy.lightning_module
-    model = _hf_model(module)
+    model = hf_model_in(module)
     if model is None and callable(getattr(module, "configure_model", None)):
         with strategy.model_sharded_context():  # Lightning's contract: configure_model is idempotent
             module.configure_model()
-        model = _hf_model(module)
+        model = hf_model_in(module)
     if model is None:
         raise ValueError(f"layout=AutoLayout(...) plans Hugging Face causal LMs; {type(module).__name__} holds none. "
                          f"Give tp and pp (python -m lightning_seqpar.plan helps choose them).")

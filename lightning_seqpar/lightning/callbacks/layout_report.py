@@ -30,10 +30,10 @@ def _recompute(trainer: pl.Trainer) -> str:
 
 def _planned_model(module: pl.LightningModule) -> Optional[torch.nn.Module]:
     """The module's model rebuilt on the meta device as the planner reads it (``None``: not one it knows)."""
-    from lightning_seqpar.lightning.auto_layout import _hf_model
+    from lightning_seqpar.lightning.auto_layout import hf_model_in
     from lightning_seqpar.plan.models import meta_model
 
-    model = _hf_model(module)
+    model = hf_model_in(module)
     if model is not None:
         config = model.config.to_dict()
         rebuilt = meta_model(config, getattr(model.config, "_attn_implementation", None) or "eager")
