@@ -33,13 +33,12 @@ import torch.nn as nn
 from torch import Tensor
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from lightning_seqpar.checkpoint.checks import check_finite, on_every_rank
 from lightning_seqpar.checkpoint.safe_reader import METADATA_FILE, SafeFileSystemReader
 from lightning_seqpar.tensor_parallel.dcp_ranges import MAIN_PARAM
-from lightning_seqpar.tensor_parallel.sharding import dcp_view, full_shape, saved_shape, shard_spec
+from lightning_seqpar.tensor_parallel.sharding import ShardMeshes, dcp_view, full_shape, saved_shape, shard_spec
 
 MODEL_PREFIX = "state_dict."
 OPTIMIZER_PREFIX = "optimizer_states."
@@ -101,7 +100,7 @@ def _unique_tensors(module: nn.Module) -> tuple[dict[str, Tensor], dict[str, str
     return unique, aliases
 
 
-def model_entries(module: nn.Module, tp_mesh: Optional[DeviceMesh]) -> dict[str, Tensor]:
+def model_entries(module: nn.Module, meshes: ShardMeshes) -> dict[str, Tensor]:
     """``module.state_dict()`` as DCP must see it: values are :func:`~lightning_seqpar.tensor_parallel.sharding.dcp_view` views, a tied
     parameter under its first key only (:func:`tied_aliases` gives the others).
 
@@ -109,7 +108,7 @@ def model_entries(module: nn.Module, tp_mesh: Optional[DeviceMesh]) -> dict[str,
         TypeError: a state-dict entry that is not a tensor (``get_extra_state``), which DCP would pickle.
     """
     unique, _ = _unique_tensors(module)
-    return {name: dcp_view(value, shard_spec(value), tp_mesh) for name, value in unique.items()}
+    return {name: dcp_view(value, shard_spec(value), meshes(value)) for name, value in unique.items()}
 
 
 def tied_aliases(module: nn.Module) -> dict[str, str]:
@@ -127,7 +126,7 @@ def _expected_shape(value: Tensor) -> tuple[int, ...]:
     return saved_shape(shard_spec(value), full_shape(value))
 
 
-def load_model(module: nn.Module, path: Path, metadata: Metadata, tp_mesh: Optional[DeviceMesh], strict: bool,
+def load_model(module: nn.Module, path: Path, metadata: Metadata, meshes: ShardMeshes, strict: bool,
                allow_non_finite: bool, frozen: frozenset[str] = frozenset()) -> None:
     """Read this rank's shards of ``module`` from the sharded checkpoint ``path``, in place (collective).
 
@@ -166,7 +165,7 @@ def load_model(module: nn.Module, path: Path, metadata: Metadata, tp_mesh: Optio
             )
 
     on_every_rank(check)
-    targets = {MODEL_PREFIX + k: dcp_view(v, shard_spec(v), tp_mesh) for k, v in own.items() if k in saved}
+    targets = {MODEL_PREFIX + k: dcp_view(v, shard_spec(v), meshes(v)) for k, v in own.items() if k in saved}
     with torch.no_grad():
         read_shards(targets, path)
     if not allow_non_finite:
@@ -184,16 +183,16 @@ class ShardsItsState(Protocol):
     """An optimizer that describes its own state to the checkpoint (the distributed optimizer: each rank's element
     ranges, written and read in place)."""
 
-    def checkpoint_entries(self, names: Mapping[int, str], tp_mesh: Any) -> dict[str, Tensor]:
+    def checkpoint_entries(self, names: Mapping[int, str], meshes: Any) -> dict[str, Tensor]:
         """``{"<parameter name>.<key>": DCP view}`` of this rank's state (no communication)."""
 
     def checkpoint_targets(self, saved: Mapping[str, tuple[tuple[int, ...], torch.dtype]], names: Mapping[int, str],
-                           tp_mesh: Any) -> tuple[dict[str, Tensor], Callable[[Sequence[Mapping[str, Any]]], None]]:
+                           meshes: Any) -> tuple[dict[str, Tensor], Callable[[Sequence[Mapping[str, Any]]], None]]:
         """DCP targets for the saved ``{"<name>.<key>": (shape, dtype)}`` and the call that installs what was read."""
 
 
 def optimizer_entries(optimizer: torch.optim.Optimizer, names: Mapping[int, str],
-                      tp_mesh: Optional[DeviceMesh]) -> dict[str, Tensor]:
+                      meshes: ShardMeshes) -> dict[str, Tensor]:
     """This rank's per-parameter optimizer state as DCP must see it: ``{"<name>.<key>": view}`` (an optimizer that
     :class:`ShardsItsState` gives its own). No communication.
 
@@ -201,7 +200,7 @@ def optimizer_entries(optimizer: torch.optim.Optimizer, names: Mapping[int, str]
         TypeError: a non-tensor state value (e.g. LBFGS's), or a parameter the module does not name.
     """
     if isinstance(optimizer, ShardsItsState):
-        return optimizer.checkpoint_entries(names, tp_mesh)
+        return optimizer.checkpoint_entries(names, meshes)
     entries = {}
     for param, state in optimizer.state.items():
         if id(param) not in names:
@@ -212,7 +211,7 @@ def optimizer_entries(optimizer: torch.optim.Optimizer, names: Mapping[int, str]
                 raise TypeError(f"Optimizer state '{key}' of '{names[id(param)]}' is a {type(value).__name__}: sharded "
                                 f"checkpoints hold tensors only. Use checkpoint_format='full'.")
             like_param = value.shape == param.shape and param.dim() > 0
-            entries[f"{names[id(param)]}.{key}"] = dcp_view(value, shard_spec(param) if like_param else None, tp_mesh)
+            entries[f"{names[id(param)]}.{key}"] = dcp_view(value, shard_spec(param) if like_param else None, meshes(param))
     return entries
 
 
@@ -222,7 +221,7 @@ def hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
 
 
 def load_optimizer(index: int, optimizer: torch.optim.Optimizer, groups: Sequence[Mapping[str, Any]],
-                   names: Mapping[int, str], path: Path, metadata: Metadata, tp_mesh: Optional[DeviceMesh],
+                   names: Mapping[int, str], path: Path, metadata: Metadata, meshes: ShardMeshes,
                    allow_non_finite: bool) -> None:
     """Read the state of the parameters this rank optimizes from the sharded checkpoint ``path`` (collective).
 
@@ -240,7 +239,7 @@ def load_optimizer(index: int, optimizer: torch.optim.Optimizer, groups: Sequenc
     saved = {k[len(prefix):]: v for k, v in metadata.state_dict_metadata.items() if k.startswith(prefix)}
     if isinstance(optimizer, ShardsItsState):
         shapes = {k: (tuple(v.size), v.properties.dtype) for k, v in saved.items() if isinstance(v, TensorStorageMetadata)}
-        own, finish = optimizer.checkpoint_targets(shapes, names, tp_mesh)
+        own, finish = optimizer.checkpoint_targets(shapes, names, meshes)
         targets = {prefix + k: v for k, v in own.items()}
         with torch.no_grad():
             read_shards(targets, path)
@@ -262,7 +261,7 @@ def load_optimizer(index: int, optimizer: torch.optim.Optimizer, groups: Sequenc
                     continue
                 if param.dim() > 0 and tuple(meta.size) == saved_shape(shard_spec(param), full_shape(param)):
                     value = torch.zeros_like(param, dtype=meta.properties.dtype)
-                    targets[prefix + key] = dcp_view(value, shard_spec(param), tp_mesh)
+                    targets[prefix + key] = dcp_view(value, shard_spec(param), meshes(param))
                 else:
                     value = torch.zeros(tuple(meta.size), dtype=meta.properties.dtype)
                     targets[prefix + key] = value

@@ -16,7 +16,6 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
 from lightning_seqpar.checkpoint.atomic import folder_lock
@@ -36,12 +35,13 @@ from lightning_seqpar.checkpoint.sharded import (
 )
 from lightning_seqpar.checkpoint.writer import ShardedCheckpointWriter
 from lightning_seqpar.checkpoint.frozen_base import FrozenBase
+from lightning_seqpar.tensor_parallel.sharding import ShardMeshes
 
 
-def optimizer_checkpoint_state(optimizer: Optimizer, module: nn.Module, tp_mesh: Optional[DeviceMesh]) -> dict[str, Any]:
+def optimizer_checkpoint_state(optimizer: Optimizer, module: nn.Module, meshes: ShardMeshes) -> dict[str, Any]:
     """What ``Strategy.optimizer_state`` returns in the sharded format: ``{"state": {"<parameter name>.<key>":
     DCP view}, "param_groups": [settings without parameters]}``, this rank's part only (no communication)."""
-    return {"state": optimizer_entries(optimizer, parameter_names(module), tp_mesh),
+    return {"state": optimizer_entries(optimizer, parameter_names(module), meshes),
             "param_groups": hyperparameters(optimizer)}
 
 
@@ -128,7 +128,7 @@ def verified(path: Path, allow_unverified: bool = False,
 
 
 def load_trainer_checkpoint(path: Path, module: nn.Module, optimizers: Sequence[Optimizer],
-                            tp_mesh: Optional[DeviceMesh], strict: bool, allow_non_finite: bool,
+                            meshes: ShardMeshes, strict: bool, allow_non_finite: bool,
                             weights_only: Optional[bool] = None, allow_unverified: bool = False,
                             frozen_base: Optional[FrozenBase] = None) -> dict[str, Any]:
     """Read the sharded checkpoint ``path`` into ``module`` and (if any) ``optimizers``, in place, each rank
@@ -154,7 +154,7 @@ def load_trainer_checkpoint(path: Path, module: nn.Module, optimizers: Sequence[
             raise ValueError(f"{Path(path) / TRAINER_STATE_FILE} belongs to another save than the checkpoint's manifest "
                              f"(save {info.get('save_id')} against {manifest['save_id']}). Resume from the checkpoint before it.")
         metadata = read_metadata(path)
-        load_model(module, path, metadata, tp_mesh, strict, allow_non_finite,
+        load_model(module, path, metadata, meshes, strict, allow_non_finite,
                    _frozen_keys(path, info["layout"].get("frozen_base"), frozen_base))
         groups = info["optimizer_param_groups"]
         if groups is not None and optimizers:
@@ -162,7 +162,7 @@ def load_trainer_checkpoint(path: Path, module: nn.Module, optimizers: Sequence[
                 raise ValueError(f"The checkpoint holds {len(groups)} optimizer(s); this run has {len(optimizers)}.")
             names = parameter_names(module)
             for index, (optimizer, saved) in enumerate(zip(optimizers, groups)):
-                load_optimizer(index, optimizer, saved, names, path, metadata, tp_mesh, allow_non_finite)
+                load_optimizer(index, optimizer, saved, names, path, metadata, meshes, allow_non_finite)
     state["state_dict"] = {}
     if groups is not None:
         state["optimizer_states"] = groups

@@ -106,9 +106,9 @@ class Checkpointer:
         return self.strategy.mesh
 
     @property
-    def _tp_device_mesh(self) -> Any:
-        device_mesh = self.mesh.device_mesh
-        return None if device_mesh is None else device_mesh["tensor"]  # type: ignore[index]
+    def _shard_meshes(self) -> Any:
+        """Each parameter's device mesh of the group its shard is split over (DTensor views of shards)."""
+        return self.mesh.shard_device_mesh
 
     def model_state(self) -> dict[str, Any]:
         """Sharded format: this rank's shards as ``torch.distributed.checkpoint`` views (same keys as the
@@ -116,7 +116,7 @@ class Checkpointer:
         gathered from the shards (collective, every rank)."""
         assert self.module is not None
         if self.config.format == "sharded":
-            entries = model_entries(self.module, self._tp_device_mesh)
+            entries = model_entries(self.module, self._shard_meshes)
             frozen = self._frozen_record()
             return entries if frozen is None else {k: v for k, v in entries.items() if k not in set(frozen.keys)}
         return self.full_state_dict()
@@ -252,7 +252,7 @@ class Checkpointer:
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer.optimizer
         if self.config.format == "sharded":
-            return optimizer_checkpoint_state(optimizer, self.module, self._tp_device_mesh)
+            return optimizer_checkpoint_state(optimizer, self.module, self._shard_meshes)
         state = full_optimizer_state(optimizer, self.mesh.tensor)
         if self.mesh.pp == 1:
             return state
@@ -311,7 +311,7 @@ class Checkpointer:
             return read_file(path, weights_only=weights_only)
         self.wait()
         return load_trainer_checkpoint(
-            path, self.module, [getattr(o, "optimizer", o) for o in self.strategy.optimizers], self._tp_device_mesh,
+            path, self.module, [getattr(o, "optimizer", o) for o in self.strategy.optimizers], self._shard_meshes,
             self.module.strict_loading, self.config.allow_non_finite, weights_only,
             self.config.allow_unverified, self.frozen_base,
         )

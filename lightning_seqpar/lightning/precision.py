@@ -17,7 +17,6 @@ from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, 
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_seqpar.optim.distributed_optimizer import DistributedOptimizer
 from lightning_seqpar.optim.gradients import clip_grad_norm_
 from lightning_seqpar.parallel.mesh import ParallelMesh
 from lightning_seqpar.recompute import rewritten_layers
@@ -42,8 +41,9 @@ class ShardAwareClipping:
         if self.mesh is None:
             raise RuntimeError("Gradient clipping ran before SeqParallelStrategy set up its process mesh.")
         optimizer = getattr(optimizer, "optimizer", optimizer)  # a LightningOptimizer's
-        if isinstance(optimizer, DistributedOptimizer):  # zero=1: the gradients are its owned element ranges
-            optimizer.clip_grad_norm_(clip_val)
+        own = getattr(optimizer, "clip_grad_norm_", None)  # zero=1: the gradients are its owned element ranges
+        if callable(own):
+            own(clip_val)
             return
         clip_grad_norm_(self.main_params(optimizer), clip_val, self.mesh)  # type: ignore[attr-defined]
 

@@ -148,7 +148,7 @@ class SeqParallelStrategy(ParallelStrategy):
 
     @property
     def mesh(self) -> ParallelMesh:
-        """The ``(pp, dp, tp)`` process groups of this rank."""
+        """This rank's process groups, by name (:class:`~lightning_seqpar.parallel.ParallelMesh`)."""
         if self._mesh is None:
             raise RuntimeError("Accessing the parallel mesh before processes have initialized is not allowed.")
         return self._mesh
@@ -191,12 +191,12 @@ class SeqParallelStrategy(ParallelStrategy):
         set_num_threads_if_needed(self.num_processes)
         self.set_world_ranks()
         choose_layout(self)  # layout=AutoLayout(...): from the model, world and device memory, before any allocation
-        validate_layout(self.world_size, self.tp, self.pp, self.cp)  # before any collective
+        dims = validate_layout(self.world_size, self.tp, self.pp, self.cp)  # before any collective
         if self.process_group_backend is None:
             self.process_group_backend = "nccl" if self.root_device.type == "cuda" else "gloo"
         assert self.cluster_environment is not None
         self._failure_watch = start_process_group(self.cluster_environment, self.process_group_backend, self._timeout)
-        self._mesh = ParallelMesh.build(self.tp, self.pp, self.root_device.type, timeout=self._timeout, cp=self.cp)
+        self._mesh = ParallelMesh.build(device_type=self.root_device.type, timeout=self._timeout, dims=dims)
         plugin = self.precision_plugin
         assert isinstance(plugin, ShardAwareClipping)
         plugin.mesh = self._mesh

@@ -40,15 +40,17 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_seqpar._compat import tensor_version, track_step_for_schedulers
+from lightning_seqpar.optim.grad_buckets import Replicas
 from lightning_seqpar.optim.gradients import (
-    _all_reduce_coalesced, norm_of_gradients, shared_over_stages, used_anywhere,
+    _all_reduce_coalesced, by_group, norm_of_gradients, shared_over_stages, used_anywhere,
 )
 from lightning_seqpar.optim.sharded_buckets import ShardedGradientBuckets, _ShardedBucket, out_of_rows, owned_range
 from lightning_seqpar.parallel.collectives import Pending
 from lightning_seqpar.parallel.mesh import ParallelMesh
 from lightning_seqpar.tensor_parallel.dcp_ranges import MAIN_PARAM, RangeLayout, dcp_range_view, range_layout
+from lightning_seqpar.parallel.placement import placement_of
 from lightning_seqpar.tensor_parallel.sharding import (
-    dcp_view, full_shape, is_pipeline_tied, is_sequence_parallel, saved_shape, shard_spec,
+    ShardMeshes, dcp_view, full_shape, is_pipeline_tied, saved_shape, shard_spec,
 )
 
 
@@ -63,7 +65,8 @@ ELEMENTWISE: tuple[type[Optimizer], ...] = (
 
 
 class DistributedOptimizer(Optimizer):
-    """``optimizer`` (fresh, as from ``configure_optimizers``) run as ZeRO-1 over ``mesh.data`` (see the module).
+    """``optimizer`` (fresh, as from ``configure_optimizers``) run as ZeRO-1 (see the module): each parameter's
+    elements split over the group its placement replicates it over (``dp_cp``; ``edp`` for experts).
 
     ``param_groups`` are the model's parameters with the wrapped optimizer's settings: learning-rate schedulers
     and ``zero_grad`` work on them as on the original; each step copies the settings into the inner optimizer.
@@ -96,9 +99,9 @@ class DistributedOptimizer(Optimizer):
         super().__init__(groups, dict(optimizer.defaults))
         params = list({id(p): p for g in self.param_groups for p in g["params"] if p.requires_grad}.values())
         apart = frozenset(map(id, shared_over_stages(params))) if mesh.pp > 1 else frozenset()
-        self.buckets = ShardedGradientBuckets(params, mesh.data, overlap, apart)
-        d, r = mesh.data.size, mesh.data.rank
-        self._ranges = {id(p): owned_range(p.numel(), d, r) for p in params}
+        self.buckets = ShardedGradientBuckets(params, Replicas.of_mesh(mesh), overlap, apart)
+        self._ranges = {id(p): owned_range(p.numel(), self._group(p).size, self._group(p).rank) for p in params}
+        self._layouts: dict[tuple[str, str], Optional[RangeLayout]] = {}
         self._views = {id(p): self._piece_of(p) for p in params}  # the ranges of the parameters themselves
         # What the inner optimizer updates: a float32 copy of a 16-bit range (main params), else the range itself.
         self._pieces = {key: view.float() if main_params and view.element_size() < 4 else view
@@ -111,6 +114,10 @@ class DistributedOptimizer(Optimizer):
                         for g in self.param_groups]
         self.inner = kind(inner_groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
 
+    def _group(self, param: nn.Parameter) -> Any:
+        """The group ``param``'s element ranges are split over (its replicas)."""
+        return self.mesh.group(placement_of(param).replicated_over)
+
     def _piece_of(self, param: nn.Parameter) -> Tensor:
         start, stop = self._ranges[id(param)]
         return param.detach().view(-1)[start:stop]
@@ -120,10 +127,14 @@ class DistributedOptimizer(Optimizer):
         """After the last backward: wait for the reduce-scatters, take the tensor-parallel and pipeline sums on the
         owned ranges, and hand each range its gradient (``None`` where no rank got one, as on one device)."""
         params = self.buckets.params
-        used = dict(zip(map(id, params), used_anywhere(self.buckets.finish(), self.mesh.host("data"))))
+        here = dict(zip(map(id, params), self.buckets.finish()))
+        used: dict[int, bool] = {}
+        for name, chosen in by_group(params, "replicated_over"):
+            used.update(zip(map(id, chosen), used_anywhere([here[id(p)] for p in chosen], self.mesh.host(name))))
         mesh = self.mesh
         owned = {id(p): self.buckets.owned_gradient(p) for p in params}
-        _all_reduce_coalesced([owned[id(p)] for p in params if is_sequence_parallel(p)], mesh.tensor)
+        for name, chosen in by_group(params, "partial_over"):
+            _all_reduce_coalesced([owned[id(p)] for p in chosen], mesh.group(name))
         for over, host, chosen in ((mesh.pipeline, mesh.host("pipeline"), shared_over_stages(params)),
                                    (mesh.embedding, mesh.host("embedding"), [p for p in params if is_pipeline_tied(p)])):
             if over.size > 1 and chosen:
@@ -146,7 +157,7 @@ class DistributedOptimizer(Optimizer):
         if not param.requires_grad:
             return None
         piece = self._pieces[id(param)]
-        present = used_anywhere([piece.grad is not None], self.mesh.host("data"))[0]
+        present = used_anywhere([piece.grad is not None], self.mesh.host(placement_of(param).replicated_over))[0]
         if not present:
             return None
         grad = piece.grad if piece.grad is not None else torch.zeros_like(piece)
@@ -192,39 +203,39 @@ class DistributedOptimizer(Optimizer):
         bucket's all-gather runs while the previous one is copied out, and at most two buckets' buffers exist at once.
         Not deferred into the next forward (Megatron's ``overlap_param_gather``): whatever reads the parameters after
         ``step()`` (callbacks, checkpoints) reads them updated."""
-        data = self.mesh.data
-        if data.size == 1:
-            return
         in_flight: list[tuple[_ShardedBucket, Pending]] = []
         for bucket in self.buckets.buckets:
+            if bucket.group.size == 1:
+                continue
             send = torch.zeros(bucket.width, dtype=bucket.params[0].dtype, device=bucket.params[0].device)
             for index, p in enumerate(bucket.params):
                 view = self._views[id(p)]
                 start = bucket.offsets[index]
                 send[start:start + view.numel()].copy_(view)
-            in_flight.append((bucket, data.all_gather_start(send)))
+            in_flight.append((bucket, bucket.group.all_gather_start(send)))
             if len(in_flight) == 2:
                 self._copy_out(*in_flight.pop(0))
         for bucket, pending in in_flight:
             self._copy_out(bucket, pending)
 
     def _copy_out(self, bucket: _ShardedBucket, pending: Pending) -> None:
-        gathered = pending.wait().view(self.mesh.data.size, bucket.width)
+        gathered = pending.wait().view(bucket.group.size, bucket.width)
         for index, p in enumerate(bucket.params):
             out_of_rows(bucket.region(index, gathered), p.detach().view(-1))
 
     def _padded(self, param: nn.Parameter, piece: Tensor) -> Tensor:
         """This rank's range ``piece`` of ``param`` (or a state tensor of it) padded to ``ceil(numel / d)``: every
         rank's is then the same size for a gather."""
-        padded = torch.zeros(-(-param.numel() // self.mesh.data.size), dtype=piece.dtype, device=piece.device)
+        padded = torch.zeros(-(-param.numel() // self._group(param).size), dtype=piece.dtype, device=piece.device)
         padded[: piece.numel()].copy_(piece)
         return padded
 
     def _gather_all(self, param: nn.Parameter, piece: Tensor) -> Tensor:
         """``param``-shaped tensor from every data-parallel rank's range ``piece`` (all-gather)."""
-        if self.mesh.data.size == 1:
+        group = self._group(param)
+        if group.size == 1:
             return piece.view(param.shape)
-        return self.mesh.data.all_gather(self._padded(param, piece))[: param.numel()].view(param.shape)
+        return group.all_gather(self._padded(param, piece))[: param.numel()].view(param.shape)
 
     # ------------------------------------------------------------------------------------------------ state
     def state_bytes(self) -> int:
@@ -235,24 +246,26 @@ class DistributedOptimizer(Optimizer):
         return main + sum(v.numel() * v.element_size() for s in self.inner.state.values() for v in s.values()
                           if isinstance(v, Tensor))
 
-    def _range_layout(self) -> Optional[RangeLayout]:
-        """Where every data-parallel rank's ranges live (``None`` with one data-parallel rank: nothing is split)."""
-        mesh = self.mesh
-        if mesh.data.size == 1:
-            return None
-        return range_layout(mesh.device_mesh, mesh.tensor.rank, mesh.data.rank, mesh.pipeline.rank)
+    def _range_layout(self, param: nn.Parameter) -> Optional[RangeLayout]:
+        """Where every replica's ranges of ``param`` live (``None`` with one replica: nothing is split)."""
+        placement = placement_of(param)
+        key = (placement.replicated_over, placement.shard_over if placement.shard is not None else "")
+        if key not in self._layouts:
+            self._layouts[key] = (None if self._group(param).size == 1 else
+                                  range_layout(self.mesh, placement.replicated_over, key[1] or None))
+        return self._layouts[key]
 
-    def _state_view(self, param: nn.Parameter, value: Tensor, tp_mesh: Any,
+    def _state_view(self, param: nn.Parameter, value: Tensor, shard_mesh: Any,
                     layout: Optional[RangeLayout]) -> Optional[Tensor]:
         """A range ``value`` of a state tensor shaped like ``param`` as DCP must see it (see the module); ``None``
         where this rank holds none of a 0-dim parameter's state."""
         if param.dim() == 0:  # one element: its owner writes it whole
             return value.detach().view(()) if value.numel() else None
         if layout is None:  # one data-parallel rank: the whole shard, the view an unsharded optimizer's state has
-            return dcp_view(value.detach().view(param.shape), shard_spec(param), tp_mesh)
+            return dcp_view(value.detach().view(param.shape), shard_spec(param), shard_mesh)
         return dcp_range_view(value.detach(), param, layout)
 
-    def checkpoint_entries(self, names: Mapping[int, str], tp_mesh: Any) -> dict[str, Tensor]:
+    def checkpoint_entries(self, names: Mapping[int, str], meshes: ShardMeshes) -> dict[str, Tensor]:
         """This rank's optimizer state as ``torch.distributed.checkpoint`` entries ``{"<parameter name>.<key>": view}``
         (the float32 main copy as :data:`MAIN_PARAM`): each tensor shaped like the owned range is written in place,
         as chunks of the unsharded optimizer's tensor (global shape: the parameter's saved shape); scalar state
@@ -262,8 +275,8 @@ class DistributedOptimizer(Optimizer):
             TypeError: a non-tensor state value.
         """
         entries: dict[str, Tensor] = {}
-        layout = self._range_layout()
         for p in self.buckets.params:
+            layout = self._range_layout(p)
             piece = self._pieces[id(p)]
             state = dict(self.inner.state.get(piece, {}))
             if piece is not self._views[id(p)] and state:
@@ -273,7 +286,7 @@ class DistributedOptimizer(Optimizer):
                     raise TypeError(f"Optimizer state '{key}' of '{names[id(p)]}' is a {type(value).__name__}: sharded "
                                     f"checkpoints hold tensors only.")
                 if value.dim() == 1 and value.shape == piece.shape:
-                    view = self._state_view(p, value, tp_mesh, layout)
+                    view = self._state_view(p, value, meshes(p), layout)
                     if view is not None:
                         entries[f"{names[id(p)]}.{key}"] = view
                 else:
@@ -281,24 +294,24 @@ class DistributedOptimizer(Optimizer):
         return entries
 
     def checkpoint_targets(self, saved: Mapping[str, tuple[tuple[int, ...], torch.dtype]], names: Mapping[int, str],
-                           tp_mesh: Any) -> tuple[dict[str, Tensor], Callable[[Sequence[Mapping[str, Any]]], None]]:
+                           meshes: ShardMeshes) -> tuple[dict[str, Tensor], Callable[[Sequence[Mapping[str, Any]]], None]]:
         """Where to read this rank's optimizer state from a checkpoint: ``saved`` maps ``"<parameter name>.<key>"`` to
         the saved ``(shape, dtype)``. Returns the DCP targets (keyed like ``saved``) and ``finish(groups)``, which
         hands the read ranges to the inner optimizer (main params from :data:`MAIN_PARAM` where saved, else from the
         parameters as loaded) and the saved settings ``groups`` to each parameter group."""
         targets: dict[str, Tensor] = {}
         ranges: dict[int, dict[str, Tensor]] = {}
-        layout = self._range_layout()
         by_name: dict[str, list[tuple[str, str, tuple[int, ...], torch.dtype]]] = {}
         for key, (shape, dtype) in saved.items():
             name, _, field = key.rpartition(".")
             by_name.setdefault(name, []).append((key, field, shape, dtype))
         for p in self.buckets.params:
+            layout = self._range_layout(p)
             start, stop = self._ranges[id(p)]
             for key, field, shape, dtype in by_name.get(names[id(p)], []):
                 if p.dim() > 0 and tuple(shape) == saved_shape(shard_spec(p), full_shape(p)):
                     value = torch.zeros(stop - start, dtype=dtype, device=p.device)
-                    targets[key] = self._state_view(p, value, tp_mesh, layout)
+                    targets[key] = self._state_view(p, value, meshes(p), layout)
                 elif p.dim() == 0 and tuple(shape) == () and field not in SCALAR_STATE:
                     whole = torch.zeros((), dtype=dtype, device=p.device)
                     targets[key] = whole
@@ -360,7 +373,7 @@ def distribute_optimizers(optimizers: Sequence[Optimizer], lr_scheduler_configs:
     Raises:
         ValueError: from :class:`DistributedOptimizer`.
     """
-    if mesh.data.size == 1:
+    if mesh.data.size == 1 and mesh.size("edp") == 1:
         warnings.warn("zero=1 shards the optimizer state over the data-parallel ranks, and this run has one (dp = 1): "
                       "nothing is saved. Use zero=0, or more devices than tp·pp.", stacklevel=2)
     sharded = [o if isinstance(o, DistributedOptimizer) else DistributedOptimizer(o, mesh, not pipelined, main_params)
@@ -375,8 +388,9 @@ def distribute_optimizers(optimizers: Sequence[Optimizer], lr_scheduler_configs:
 
 def optimizer_state_bytes(optimizer: Optimizer) -> int:
     """Bytes of optimizer state this rank holds (zero=1: its element ranges'), summed over every state tensor."""
-    if isinstance(optimizer, DistributedOptimizer):
-        return optimizer.state_bytes()
+    own = getattr(optimizer, "state_bytes", None)  # an optimizer that holds element ranges counts its own
+    if callable(own):
+        return own()
     return sum(value.numel() * value.element_size() for state in optimizer.state.values() for value in state.values()
                if isinstance(value, torch.Tensor))
 

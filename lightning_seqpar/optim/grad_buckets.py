@@ -4,8 +4,8 @@ PyTorch DDP's reducer and Megatron-LM's ``DistributedDataParallel(overlap_grad_r
 grouped, in the reverse of their order in the model (the order backward produces their gradients), into buckets of
 at most ``bucket_bytes``, each with one flat buffer. While armed (the last backward of an accumulation window), the
 moment autograd has accumulated a parameter's gradient its values are copied into its slice of the bucket's buffer
-and ``param.grad`` becomes that slice; when a bucket's last gradient arrives, its all-reduce over the data-parallel
-group starts, and runs while backward goes on through the earlier layers. :meth:`GradientBuckets.finish` waits for
+and ``param.grad`` becomes that slice; when a bucket's last gradient arrives, its all-reduce over its parameters' data
+replicas (:class:`Replicas`: the group their placement names, ``dp_cp`` for dense weights) starts, and runs while backward goes on through the earlier layers. :meth:`GradientBuckets.finish` waits for
 them and averages. Gradients are reduced in float32 where they are 16-bit (the buffer is float32; the averaged
 values are copied back). Under a pipeline schedule, whose backward passes run inside the training step, the hooks
 are armed just before this rank's last backward of the schedule (:meth:`BucketArming.arm_in_schedule`);
@@ -20,9 +20,10 @@ coalesced all-reduce makes, would double them during the reduction).
 from __future__ import annotations
 
 import weakref
-from types import MappingProxyType
 from contextlib import contextmanager
-from typing import Iterable, Iterator, Mapping, Optional, Union
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Callable, Iterable, Iterator, Mapping, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -30,17 +31,53 @@ from torch import Tensor
 
 from lightning_seqpar.optim.gradients import shared_over_stages
 from lightning_seqpar.parallel.collectives import ParallelGroup, Pending
+from lightning_seqpar.parallel.mesh import ParallelMesh
+from lightning_seqpar.parallel.placement import placement_of
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # PyTorch DDP's bucket_cap_mb
 
 
+@dataclass(frozen=True)
+class Replicas:
+    """Where each parameter's data replicas are, and what their summed gradient is divided by.
+
+    Attributes:
+        group_of: the group a parameter's gradient is summed over (its placement's ``replicated_over``).
+        divisor: the number of data replicas d·c (the same for every parameter: an expert's gradient summed over
+            its expert data-parallel group already holds the tokens of every replica, Megatron-Core's expert
+            gradient scaling).
+    """
+
+    group_of: Callable[[nn.Parameter], ParallelGroup]
+    divisor: int
+
+    @classmethod
+    def of_mesh(cls, mesh: ParallelMesh) -> "Replicas":
+        """Each parameter's ``replicated_over`` group of ``mesh``; divided by d·c."""
+        return cls(lambda p: mesh.group(placement_of(p).replicated_over), mesh.data.size)
+
+    @classmethod
+    def over(cls, group: ParallelGroup) -> "Replicas":
+        """Every parameter over ``group``, averaged over it."""
+        return cls(lambda p: group, group.size)
+
+    def trivial(self, params: Iterable[nn.Parameter]) -> bool:
+        """Whether nothing is communicated or scaled for ``params``."""
+        return self.divisor == 1 and all(self.group_of(p).size == 1 for p in params)
+
+
+def as_replicas(data: Union[ParallelGroup, Replicas]) -> Replicas:
+    """``data`` as :class:`Replicas` (a group: every parameter averaged over it)."""
+    return data if isinstance(data, Replicas) else Replicas.over(data)
+
+
 class _Bucket:
-    """Parameters reduced together, and their buffer ``[rows, S]``: parameter i owns columns
+    """Parameters reduced together over ``group``, and their buffer ``[rows, S]``: parameter i owns columns
     ``offsets[i] : offsets[i] + widths[i]`` with ``widths[i] = ceil(numel / rows)`` (``rows = 1``: a flat buffer for an
     all-reduce; ``rows = d``: one row per data-parallel rank for a reduce-scatter). float32 for 16-bit parameters."""
 
-    def __init__(self, params: list[nn.Parameter], rows: int = 1) -> None:
-        self.params = params
+    def __init__(self, params: list[nn.Parameter], group: ParallelGroup, rows: int = 1) -> None:
+        self.params, self.group = params, group
         dtype = params[0].dtype
         self.reduce_dtype = torch.float32 if dtype.itemsize < 4 else dtype
         self.widths = [-(-p.numel() // rows) for p in params]
@@ -124,23 +161,25 @@ class BucketArming:
 class HookedBuckets(BucketArming):
     """Buckets over parameters and the post-accumulate-grad hooks that fill them (a subclass says how: ``_bucket``,
     ``_ready``): parameters in the reverse of model order (the order backward produces their gradients), a new
-    bucket at ``bucket_bytes`` of buffer, at a change of dtype or device, and between ``apart`` parameters and the
-    others; tied parameters once."""
+    bucket at ``bucket_bytes`` of buffer, at a change of dtype, device or replica group, and between ``apart``
+    parameters and the others; tied parameters once. ``rows``: buffer rows per bucket (its group's size, or 1)."""
 
-    data: ParallelGroup
+    replicas: Replicas
     buckets: list
 
-    def _form(self, params: Iterable[nn.Parameter], data: ParallelGroup, overlap: bool, bucket_bytes: int,
-              rows: int = 1, apart: frozenset[int] = frozenset()) -> None:
-        self.data, self.overlap = data, overlap
+    def _form(self, params: Iterable[nn.Parameter], replicas: Replicas, overlap: bool, bucket_bytes: int,
+              sharded: bool = False, apart: frozenset[int] = frozenset()) -> None:
+        self.replicas, self.overlap = replicas, overlap
         self.buckets, self._where = [], {}
         unique = list({id(p): p for p in params if p.requires_grad}.values())
         group: list[nn.Parameter] = []
         size = 0
         for p in reversed(unique):
+            over = replicas.group_of(p)
+            rows = over.size if sharded else 1
             nbytes = -(-p.numel() // rows) * rows * max(4, p.element_size())
             if group and (size + nbytes > bucket_bytes or p.dtype != group[0].dtype or p.device != group[0].device
-                          or (id(p) in apart) != (id(group[0]) in apart)):
+                          or over is not replicas.group_of(group[0]) or (id(p) in apart) != (id(group[0]) in apart)):
                 self._add(group)
                 group, size = [], 0
             group.append(p)
@@ -156,14 +195,14 @@ class HookedBuckets(BucketArming):
 
         self._hooks = [p.register_post_accumulate_grad_hook(ready) for p in unique]
 
-    def _bucket(self, params: list[nn.Parameter]) -> _Bucket:
+    def _bucket(self, params: list[nn.Parameter], group: ParallelGroup) -> _Bucket:
         raise NotImplementedError
 
     def _ready(self, param: nn.Parameter) -> None:
         raise NotImplementedError
 
     def _add(self, params: list[nn.Parameter]) -> None:
-        bucket = self._bucket(params)
+        bucket = self._bucket(params, self.replicas.group_of(params[0]))
         self.buckets.append(bucket)
         for index, p in enumerate(params):
             self._where[id(p)] = (bucket, index)
@@ -191,22 +230,22 @@ class HookedBuckets(BucketArming):
 
 
 class GradientBuckets(HookedBuckets):
-    """Overlapped, bucketed data-parallel gradient averaging for ``params`` over ``data`` (see the module).
+    """Overlapped, bucketed data-parallel gradient averaging for ``params`` over their replicas (see the module).
 
     Args:
         params: the model's parameters, in the model's order (those without ``requires_grad`` are left out).
-        data: the data-parallel group.
+        data: where each parameter's replicas are (:class:`Replicas`), or one group for all of them.
         overlap: start each bucket during the backward of the optimizer step's closure (``False`` under a pipeline
             schedule, whose last backward :meth:`arm_in_schedule` arms instead).
         bucket_bytes: largest bucket, in bytes of its buffer (a larger parameter gets a bucket of its own).
     """
 
-    def __init__(self, params: Iterable[nn.Parameter], data: ParallelGroup, overlap: bool = True,
+    def __init__(self, params: Iterable[nn.Parameter], data: Union[ParallelGroup, Replicas], overlap: bool = True,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
-        self._form(params, data, overlap, bucket_bytes)
+        self._form(params, as_replicas(data), overlap, bucket_bytes)
 
-    def _bucket(self, params: list[nn.Parameter]) -> _Bucket:
-        return _Bucket(params)
+    def _bucket(self, params: list[nn.Parameter], group: ParallelGroup) -> _Bucket:
+        return _Bucket(params, group)
 
     def _ready(self, param: nn.Parameter) -> None:
         if not self._acts_on(param):
@@ -219,7 +258,7 @@ class GradientBuckets(HookedBuckets):
                                f"use_reentrant=False, and one backward per micro-batch.")
         self._fill(bucket, index, param, self._value(param))
         if len(bucket.ready) == len(bucket.params):
-            bucket.pending = self.data.all_reduce_start(bucket.buffer.view(-1))
+            bucket.pending = bucket.group.all_reduce_start(bucket.buffer.view(-1))
 
     @staticmethod
     def _fill(bucket: _Bucket, index: int, param: nn.Parameter, grad: Tensor) -> None:
@@ -241,7 +280,7 @@ class GradientBuckets(HookedBuckets):
                 for index, p in enumerate(bucket.params):
                     if index not in bucket.ready:
                         self._fill(bucket, index, p, p.grad)
-                bucket.pending = self.data.all_reduce_start(bucket.buffer.view(-1))
+                bucket.pending = bucket.group.all_reduce_start(bucket.buffer.view(-1))
             else:  # reduced by finalize_gradients with the parameters that have no gradient: taken values go back
                 for index in bucket.ready:
                     p = bucket.params[index]
@@ -249,7 +288,7 @@ class GradientBuckets(HookedBuckets):
         for bucket in self.buckets:
             if bucket.pending is None:
                 continue
-            bucket.pending.wait().div_(self.data.size)
+            bucket.pending.wait().div_(self.replicas.divisor)
             bucket.pending = None
             for index, p in enumerate(bucket.params):
                 # The slice itself where the dtypes agree; Lightning's zero_grad may have dropped .grad since the hook
@@ -285,16 +324,17 @@ class NoBuckets(BucketArming):
 Buckets = Union[GradientBuckets, NoBuckets]
 
 
-def gradient_buckets(module: nn.Module, data: ParallelGroup, pipelined: bool) -> Buckets:
-    """The buckets for ``module``'s parameters (started during backward, or during the schedule's last backward if
-    ``pipelined``), or :class:`NoBuckets` for one data-parallel rank. Under a
+def gradient_buckets(module: nn.Module, mesh: ParallelMesh, pipelined: bool) -> Buckets:
+    """The buckets for ``module``'s parameters, each over its replicas of ``mesh`` (started during backward, or during
+    the schedule's last backward if ``pipelined``), or :class:`NoBuckets` for one data replica. Under a
     pipeline, the parameters every stage holds a copy of are left to
     :func:`~lightning_seqpar.optim.finalize_gradients` (a stage that does not use one has no gradient for it, which
     would hold its bucket back; they are small: position embeddings, final norms)."""
-    if data.size == 1:
-        return NoBuckets()
     params = list(module.parameters())
+    replicas = Replicas.of_mesh(mesh)
+    if replicas.trivial(params):
+        return NoBuckets()
     if pipelined:
         shared = set(map(id, shared_over_stages(params)))
         params = [p for p in params if id(p) not in shared]
-    return GradientBuckets(params, data, overlap=not pipelined)
+    return GradientBuckets(params, replicas, overlap=not pipelined)

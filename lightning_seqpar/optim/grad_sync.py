@@ -28,7 +28,7 @@ import torch.nn as nn
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_seqpar.optim.distributed_optimizer import DistributedOptimizer, distribute_optimizers
+from lightning_seqpar.optim.distributed_optimizer import distribute_optimizers
 from lightning_seqpar.optim.grad_buckets import BucketArming, Buckets, NoBuckets, gradient_buckets
 from lightning_seqpar.optim.gradients import finalize_gradients
 from lightning_seqpar.parallel.mesh import ParallelMesh
@@ -86,7 +86,7 @@ class GradientSync:
         module: the rewritten model (its parameters, in model order).
         optimizers: the optimizers Lightning configured.
         lr_scheduler_configs: their schedulers (re-pointed at the distributed optimizers with ``zero=1``).
-        mesh: the process groups; gradients are reduced over ``mesh.data``.
+        mesh: the process groups; each gradient is reduced over the groups its placement names.
         zero: ``1``: :class:`DistributedOptimizer` for each optimizer (they reduce-scatter their own buckets);
             ``0``: the optimizers as they are, with all-reduce buckets over ``module``.
         pipelined: a pipeline schedule runs the backward passes (buckets armed per model chunk, not overlapped with
@@ -109,42 +109,44 @@ class GradientSync:
                 warnings.warn("fp32_main_params=True has no effect: the parameters are not 16-bit (precision="
                               "'bf16-mixed' keeps float32 parameters already). Use precision='bf16-true' for 16-bit "
                               "parameters with float32 main params.", stacklevel=2)
-            self.optimizers: list[Optimizer] = list(
-                distribute_optimizers(optimizers, lr_scheduler_configs, mesh, pipelined, main_params))
-            self.buckets: Buckets = NoBuckets()
+            distributed = distribute_optimizers(optimizers, lr_scheduler_configs, mesh, pipelined, main_params)
+            self.optimizers: list[Optimizer] = list(distributed)
+            self._replicated = _ReplicatedGradients(module, mesh, NoBuckets())
+            self._owners: dict[int, Any] = {id(o): o for o in distributed}
         else:
             self.optimizers = list(optimizers)
-            self.buckets = gradient_buckets(module, mesh.data, pipelined)
+            self._replicated = _ReplicatedGradients(module, mesh, gradient_buckets(module, mesh, pipelined))
+            self._owners = {id(o): self._replicated for o in self.optimizers}
+
+    @property
+    def buckets(self) -> Buckets:
+        """The all-reduce buckets over the module (``zero=0``; :class:`NoBuckets` with ``zero=1``)."""
+        return self._replicated.buckets
 
     def replace_buckets(self, buckets: Buckets) -> None:
         """Reduce through ``buckets`` from now on (``zero=0``), the current ones released."""
-        self.buckets.remove()
-        self.buckets = buckets
+        self._replicated.buckets.remove()
+        self._replicated.buckets = buckets
 
     def remove(self) -> None:
         """Release the buckets' hooks (a later fit builds its own :class:`GradientSync`)."""
-        self.buckets.remove()
-
-    def _buckets_of(self, optimizer: Optimizer) -> Any:
-        return optimizer.buckets if isinstance(optimizer, DistributedOptimizer) else self.buckets
+        self._replicated.buckets.remove()
 
     @contextmanager
     def final_backward(self, optimizer: Optimizer) -> Iterator[None]:
         """Around the closure of ``optimizer``'s step (it runs the window's last backward): the buckets reduce
         during that backward (or the schedule inside it); on leaving, the gradients are those of the unparallelized
-        model. A :class:`DistributedOptimizer` keeps its owned ranges (:meth:`~DistributedOptimizer.finish_gradients`);
-        otherwise the buckets are finished and :func:`~lightning_seqpar.optim.finalize_gradients` reduces the rest."""
-        buckets = self._buckets_of(optimizer)
-        with buckets.reducing():
-            self._window = buckets
+        model. The owner of ``optimizer``'s gradients finishes them: a distributed optimizer keeps its owned ranges
+        (:meth:`~lightning_seqpar.optim.DistributedOptimizer.finish_gradients`); otherwise the buckets are finished and
+        :func:`~lightning_seqpar.optim.finalize_gradients` reduces the rest."""
+        owner = self._owners.get(id(optimizer), self._replicated)
+        with owner.buckets.reducing():
+            self._window = owner.buckets
             try:
                 yield
             finally:
                 self._window = None
-        if isinstance(optimizer, DistributedOptimizer):
-            optimizer.finish_gradients()
-        else:
-            finalize_gradients(self.module.parameters(), self.mesh, buckets.finish())
+        owner.finish_gradients()
 
     def schedule(self, params: Sequence[nn.Parameter], batch_idx: int, accumulate: int,
                  device_scaled: bool) -> ScheduleGradients:
@@ -153,3 +155,15 @@ class GradientSync:
         (``device_scaled``: its factor lives on the device, so the buckets reduce after backward instead)."""
         arming = None if self._window is None or device_scaled else self._window
         return ScheduleGradients(params, arming, 1.0 / accumulate, batch_idx % accumulate != 0)
+
+
+class _ReplicatedGradients:
+    """The owner of the gradients of optimizers that update whole parameters (``zero=0``): all-reduce buckets over
+    the module, then :func:`~lightning_seqpar.optim.finalize_gradients` for what they did not reduce. The same
+    two members as a distributed optimizer (``buckets``, ``finish_gradients``), which owns its own."""
+
+    def __init__(self, module: nn.Module, mesh: ParallelMesh, buckets: Buckets) -> None:
+        self.module, self.mesh, self.buckets = module, mesh, buckets
+
+    def finish_gradients(self) -> None:
+        finalize_gradients(self.module.parameters(), self.mesh, self.buckets.finish())

@@ -1,4 +1,9 @@
-"""Gradient reductions that tensor, sequence and data parallelism add before the optimizer step."""
+"""Gradient reductions that tensor, sequence, pipeline and data parallelism add before the optimizer step.
+
+Which groups a parameter's gradient is reduced over is its placement's to say
+(:class:`~lightning_seqpar.parallel.placement.Placement`); everything here iterates by group name, in the fixed order
+of :data:`~lightning_seqpar.parallel.dims.GROUPS`, so every rank issues the same collectives in the same order.
+"""
 
 from __future__ import annotations
 
@@ -9,10 +14,9 @@ import torch
 from torch import Tensor
 
 from lightning_seqpar.parallel.collectives import ParallelGroup
+from lightning_seqpar.parallel.dims import GROUPS
 from lightning_seqpar.parallel.mesh import ParallelMesh
-from lightning_seqpar.tensor_parallel.sharding import (
-    counted_on_stage, is_pipeline_tied, is_sequence_parallel, is_stage_local, shard_spec,
-)
+from lightning_seqpar.parallel.placement import is_pipeline_tied, is_stage_local, placement_of
 
 
 def _all_reduce_coalesced(tensors: list[Tensor], group: ParallelGroup, scale: float = 1.0) -> None:
@@ -66,30 +70,44 @@ def shared_over_stages(params: Iterable[torch.nn.Parameter]) -> list[torch.nn.Pa
     return [p for p in params if not is_stage_local(p) and not is_pipeline_tied(p)]
 
 
+def by_group(params: Iterable[torch.nn.Parameter], field: str) -> list[tuple[str, list[torch.nn.Parameter]]]:
+    """``params`` grouped by the group their placement names in ``field`` (``"replicated_over"``, ``"partial_over"``:
+    a parameter under each name it lists), in :data:`~lightning_seqpar.parallel.dims.GROUPS` order."""
+    chosen: dict[str, list[torch.nn.Parameter]] = {}
+    for p in params:
+        value = getattr(placement_of(p), field)
+        for name in (value if isinstance(value, tuple) else (value,)):
+            chosen.setdefault(name, []).append(p)
+    return [(name, chosen[name]) for name in GROUPS if name in chosen]
+
+
 def finalize_gradients(parameters: Iterable[torch.nn.Parameter], mesh: ParallelMesh,
                        averaged: frozenset[int] = frozenset()) -> None:
-    """Make every rank's gradients those of the unparallelized model, in place.
+    """Make every rank's gradients those of the unparallelized model, in place, as each parameter's placement says.
 
-    1. Sequence-parallel parameters (norms and row-parallel biases in the SP region, the position
-       embedding) saw s/t tokens per rank: **sum** their gradients over the tensor-parallel group
-       (Megatron-LM ``_allreduce_layernorm_grads``).
+    1. Partial gradients (``partial_over``: sequence-parallel norms and row-parallel biases in the SP region, the
+       position embedding, saw s/t tokens per rank): **sum** over each named group (Megatron-LM
+       ``_allreduce_layernorm_grads``).
     2. Parameters outside the pipelined layer stack that live on every pipeline stage: each stage
        computed part of their gradient: **sum** them over the pipeline group. A tied embedding and LM head
        placed on the first and the last stage only (pipeline-tied): **sum** between those two stages
        (Megatron-LM ``_allreduce_embedding_grads`` over its embedding group).
-    3. **Average** all gradients over the data-parallel group.
+    3. **Sum** over the data replicas (``replicated_over``: ``dp_cp``, or ``edp`` for experts) and divide by the
+       number of data replicas d·c.
 
     Call once per optimizer step, after the last backward of the accumulation window. ``averaged``: the ``id`` of
-    parameters whose gradients were averaged over the data-parallel group already, during backward
+    parameters reduced over their replicas already, during backward
     (:class:`~lightning_seqpar.optim.grad_buckets.GradientBuckets`; the sums of steps 1-2 commute with that mean).
     """
     params = list(parameters)
     with_grad = [p for p in params if p.grad is not None]
-    _all_reduce_coalesced([p.grad for p in with_grad if is_sequence_parallel(p)], mesh.tensor)
+    for name, chosen in by_group(with_grad, "partial_over"):
+        _all_reduce_coalesced([p.grad for p in chosen], mesh.group(name))
     _sum_over_stages(shared_over_stages(params), mesh.pipeline, mesh.host("pipeline"))
     _sum_over_stages([p for p in params if is_pipeline_tied(p)], mesh.embedding, mesh.host("embedding"))
-    _all_reduce_coalesced([p.grad for p in params if p.grad is not None and id(p) not in averaged], mesh.data,
-                          scale=1.0 / mesh.data.size)
+    pending = [p for p in params if p.grad is not None and id(p) not in averaged]
+    for name, chosen in by_group(pending, "replicated_over"):
+        _all_reduce_coalesced([p.grad for p in chosen], mesh.group(name), scale=1.0 / mesh.data.size)
 
 
 def _upcast(grad: Tensor) -> Tensor:
@@ -120,9 +138,13 @@ def grad_norm(parameters: Iterable[torch.nn.Parameter], mesh: ParallelMesh, norm
 
 def norm_of_gradients(gradients: list[tuple[torch.nn.Parameter, Tensor]], mesh: ParallelMesh, norm_type: float,
                       device: torch.device, data_parallel_parts: bool = False) -> Tensor:
-    """:func:`grad_norm` of ``(parameter, gradient)`` pairs, each gradient counted as its parameter's tags say.
-    ``data_parallel_parts``: each data-parallel rank holds a disjoint part of every gradient (the distributed
-    optimizer's element ranges), so the parts are also reduced over the data-parallel group.
+    """:func:`grad_norm` of ``(parameter, gradient)`` pairs, each gradient counted as its parameter's placement says
+    (:meth:`~lightning_seqpar.parallel.placement.Placement.norm_groups`). ``data_parallel_parts``: each replica holds
+    a disjoint part of every gradient (the distributed optimizer's element ranges), so the parts are also reduced
+    over each parameter's replicas.
+
+    The partial sums are kept per set of groups to reduce over (every set of the mesh's distinct groups of more than
+    one rank, the same on every rank); each group then reduces, in one collective, the sums whose set holds it.
 
     Raises:
         ValueError: a norm type other than 2.0 or ``inf``.
@@ -132,28 +154,50 @@ def norm_of_gradients(gradients: list[tuple[torch.nn.Parameter, Tensor]], mesh: 
     dtype = torch.float64 if any(g.dtype == torch.float64 for _, g in gradients) else torch.float32
     inf = norm_type == math.inf
     op = torch.distributed.ReduceOp.MAX if inf else torch.distributed.ReduceOp.SUM
-
+    names = _distinct_groups(mesh)
+    keys = [tuple(n for i, n in enumerate(names) if mask >> i & 1) for mask in range(2 ** len(names))]
+    index = {key: i for i, key in enumerate(keys)}
+    chosen: list[list[Tensor]] = [[] for _ in keys]
     pipeline_rank = mesh.pipeline.rank
-    # A pipeline-tied parameter's gradient is identical on the first and the last stage: counted on the first.
-    gradients = [(p, g) for p, g in gradients if not is_pipeline_tied(p) or pipeline_rank == 0]
+    for p, g in gradients:
+        placement = placement_of(p)
+        if not placement.counted_on(pipeline_rank):
+            continue  # a pipeline-tied gradient is identical on the first and the last stage: counted on the first
+        over = {_canonical(mesh, n, names) for n in placement.norm_groups(pipeline_rank, data_parallel_parts)}
+        chosen[index[tuple(n for n in names if n in over)]].append(_upcast(g))
 
-    def part(sharded: bool, local: bool) -> Tensor:
-        chosen = [_upcast(g) for p, g in gradients
-                  if (shard_spec(p) is not None) == sharded and counted_on_stage(p, pipeline_rank) == local]
+    def part(grads: list[Tensor]) -> Tensor:
         if inf:
-            return torch.stack([g.abs().max().to(dtype) for g in chosen if g.numel()]
+            return torch.stack([g.abs().max().to(dtype) for g in grads if g.numel()]
                                or [torch.zeros((), device=device, dtype=dtype)]).max()
-        return sum((g.pow(2).sum().to(dtype) for g in chosen), torch.zeros((), device=device, dtype=dtype))
+        return sum((g.pow(2).sum().to(dtype) for g in grads), torch.zeros((), device=device, dtype=dtype))
 
-    combine = torch.maximum if inf else torch.add
-    parts = torch.stack([part(True, True), part(True, False), part(False, True), part(False, False)])
-    if data_parallel_parts:
-        mesh.data.all_reduce(parts, op=op)
-    sharded = parts[:2].clone()
-    mesh.tensor.all_reduce(sharded, op=op)
-    stage_local = mesh.pipeline.all_reduce(combine(sharded[0], parts[2]).reshape(1), op=op)[0]
-    total = combine(combine(stage_local, sharded[1]), parts[3])
+    parts = torch.stack([part(grads) for grads in chosen])
+    for i, name in enumerate(names):
+        holding = [k for k, key in enumerate(keys) if name in key]
+        reduced = mesh.group(name).all_reduce(parts[holding].clone(), op=op)
+        parts[holding] = reduced
+    total = parts.max() if inf else parts.sum()
     return total if inf else total.sqrt()
+
+
+def _distinct_groups(mesh: ParallelMesh) -> list[str]:
+    """The names of the mesh's groups of more than one rank, one name per distinct set of ranks, in
+    :data:`~lightning_seqpar.parallel.dims.GROUPS` order."""
+    out: list[str] = []
+    for name in GROUPS:
+        if mesh.size(name) > 1 and not any(mesh.same_group(name, kept) for kept in out):
+            out.append(name)
+    return out
+
+
+def _canonical(mesh: ParallelMesh, name: str, names: list[str]) -> str:
+    """``name``'s representative in ``names`` (the first with the same ranks); a group of one rank maps to nothing
+    to reduce (a name outside ``names``, dropped by the caller's filter)."""
+    for kept in names:
+        if kept == name or mesh.same_group(name, kept):
+            return kept
+    return name
 
 
 def clip_grad_norm_(

@@ -17,12 +17,12 @@ are filled and started by :meth:`ShardedGradientBuckets.finish`. Gradients are r
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch.nn as nn
 from torch import Tensor
 
-from lightning_seqpar.optim.grad_buckets import DEFAULT_BUCKET_BYTES, HookedBuckets, _Bucket
+from lightning_seqpar.optim.grad_buckets import DEFAULT_BUCKET_BYTES, HookedBuckets, Replicas, _Bucket, as_replicas
 from lightning_seqpar.parallel.collectives import ParallelGroup
 
 
@@ -50,9 +50,9 @@ def out_of_rows(region: Tensor, flat: Tensor) -> None:
 
 
 class _ShardedBucket(_Bucket):
-    def __init__(self, params: list[nn.Parameter], data: ParallelGroup) -> None:
-        super().__init__(params, rows=data.size)
-        self.d = data.size
+    def __init__(self, params: list[nn.Parameter], group: ParallelGroup) -> None:
+        super().__init__(params, group, rows=group.size)
+        self.d = group.size
         self.reduced: Optional[Tensor] = None  # [S]: this rank's ranges, summed (averaged by finish)
 
     def region(self, index: int, matrix: Optional[Tensor] = None) -> Tensor:
@@ -75,23 +75,24 @@ class _ShardedBucket(_Bucket):
 
 
 class ShardedGradientBuckets(HookedBuckets):
-    """Bucketed reduce-scatter of ``params``' gradients over ``data`` (see the module).
+    """Bucketed reduce-scatter of ``params``' gradients over their replicas (see the module): a parameter's element
+    ranges are split over the group its placement replicates it over (``dp_cp``; ``edp`` for experts).
 
     Args:
         params: the parameters of one optimizer, in the model's order (``requires_grad`` ones).
-        data: the data-parallel group.
+        data: where each parameter's replicas are (:class:`~.grad_buckets.Replicas`), or one group for all.
         overlap: start each bucket during the armed backward (not under a pipeline schedule).
         apart: parameters kept out of the others' buckets (those every pipeline stage holds, which a stage that does
             not use them gets no gradient for: they would hold a bucket back until :meth:`finish`).
         bucket_bytes: largest bucket, in bytes of its ``[d, S]`` buffer.
     """
 
-    def __init__(self, params: list[nn.Parameter], data: ParallelGroup, overlap: bool = True,
+    def __init__(self, params: list[nn.Parameter], data: Union[ParallelGroup, Replicas], overlap: bool = True,
                  apart: frozenset[int] = frozenset(), bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
-        self._form(params, data, overlap, bucket_bytes, rows=data.size, apart=apart)
+        self._form(params, as_replicas(data), overlap, bucket_bytes, sharded=True, apart=apart)
 
-    def _bucket(self, params: list[nn.Parameter]) -> _ShardedBucket:
-        return _ShardedBucket(params, self.data)
+    def _bucket(self, params: list[nn.Parameter], group: ParallelGroup) -> _ShardedBucket:
+        return _ShardedBucket(params, group)
 
     def _ready(self, param: nn.Parameter) -> None:
         if not self._acts_on(param):
@@ -106,7 +107,7 @@ class ShardedGradientBuckets(HookedBuckets):
         param.grad = None  # the bucket holds it now
         bucket.ready.add(index)
         if len(bucket.ready) == len(bucket.params):
-            bucket.pending = self.data.reduce_scatter_start(bucket.buffer.view(-1))
+            bucket.pending = bucket.group.reduce_scatter_start(bucket.buffer.view(-1))
 
     def finish(self) -> list[bool]:
         """Fill and start the buckets backward did not, wait for all, average over the group. Returns, per
@@ -119,14 +120,18 @@ class ShardedGradientBuckets(HookedBuckets):
                     bucket.put(index, p.grad)
                     p.grad = None
             if bucket.pending is None:
-                bucket.pending = self.data.reduce_scatter_start(bucket.buffer.view(-1))
+                bucket.pending = bucket.group.reduce_scatter_start(bucket.buffer.view(-1))
         for bucket in self.buckets:
             assert bucket.pending is not None
-            bucket.reduced = bucket.pending.wait().div_(self.data.size)
+            bucket.reduced = bucket.pending.wait().div_(self.replicas.divisor)
             bucket.pending = None
         return [used[id(p)] for p in self.params]
 
     def owned_gradient(self, param: nn.Parameter) -> Tensor:
         """The averaged gradient of this rank's range of ``param`` (after :meth:`finish`), in the reduce dtype."""
         bucket, index = self._where[id(param)]
-        return bucket.owned(index, self.data.rank)
+        return bucket.owned(index, bucket.group.rank)
+
+    def group_of(self, param: nn.Parameter) -> ParallelGroup:
+        """The group ``param``'s element ranges are split over."""
+        return self._where[id(param)][0].group

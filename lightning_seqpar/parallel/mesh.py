@@ -1,74 +1,96 @@
-"""The ``(pipeline, data, context, tensor)`` process mesh, tensor-parallel ranks fastest, then context-parallel.
+"""One rank's process groups, one per name of :data:`~lightning_seqpar.parallel.dims.GROUPS`, built from a
+:class:`~lightning_seqpar.parallel.dims.ParallelDims`.
 
-Megatron-LM orders ranks so that a tensor-parallel group is made of neighbouring devices (the
-fastest links), context-parallel ranks next: ``rank = tp_rank + t · (cp_rank + c · (dp_rank + d · pp_rank))``.
-Parameters are replicated over context-parallel ranks as over data-parallel ones, and their gradients are reduced
-over both together: the ``data`` group of the mesh is that ``d · c`` group (Megatron-LM's data-parallel group
-"with context parallel"), so the gradient buckets and the distributed optimizer need no second reduction.
+The dense grid orders ranks as Megatron-LM does, tensor-parallel ranks fastest, context-parallel next:
+``rank = tp_rank + t · (cp_rank + c · (dp_rank + d · pp_rank))``; the expert grid ``(etp, ep, edp, pp)`` folds over
+the same ranks. Parameters are replicated over context-parallel ranks as over data-parallel ones, and their gradients
+are reduced over both together (the ``dp_cp`` group, Megatron-LM's data-parallel group "with context parallel").
+Which group reduces a parameter's gradient is the parameter's placement's to say
+(:mod:`~lightning_seqpar.parallel.placement`); the mesh only holds the groups by name.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Mapping, Optional
+from typing import Any, Mapping, Optional
 
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 
-from lightning_seqpar._compat import set_process_group_timeout
 from lightning_seqpar.parallel.collectives import ParallelGroup
+from lightning_seqpar.parallel.dims import GROUPS, ParallelDims
+from lightning_seqpar.parallel.placement import placement_of
 
 
-def validate_layout(world_size: int, tp: int, pp: int, cp: int = 1) -> int:
-    """Check a parallel layout and return the size of the gradient-reduction group ``d · c = world_size // (tp · pp)``
-    (the data-parallel size d times the context-parallel size c).
+def validate_layout(world_size: int, tp: int, pp: int, cp: int = 1) -> ParallelDims:
+    """The :class:`~lightning_seqpar.parallel.dims.ParallelDims` of ``world_size`` processes split ``tp·cp·pp``
+    ways (``dims.dp``: the data-parallel size d).
 
     Raises:
         ValueError: if ``tp``, ``pp`` or ``cp`` is not a positive integer, or ``world_size`` is not
             divisible by ``tp · cp · pp``. Called before any collective, so no process hangs.
     """
-    for name, value in (("tp", tp), ("pp", pp), ("cp", cp)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
-    unit = tp * cp * pp
-    if world_size % unit:
-        names = "tp·pp" if cp == 1 else "tp·cp·pp"
-        values = f"{tp}·{pp}" if cp == 1 else f"{tp}·{cp}·{pp}"
-        raise ValueError(
-            f"The world size ({world_size} processes) is not divisible by {names} = {values} = {unit}. "
-            f"Launch a multiple of {unit} processes (devices × nodes) or change `tp`/`pp`{'/`cp`' if cp > 1 else ''}."
-        )
-    return world_size // (tp * pp)
+    return ParallelDims(world_size, tp=tp, pp=pp, cp=cp)
 
 
 @dataclass(frozen=True)
 class ParallelMesh:
-    """Process groups of one rank in a ``(pp, dp, cp, tp)`` layout: the one source of its ranks and sizes.
+    """Process groups of one rank, by name (``"tp"``, ``"cp"``, ``"dp"``, ``"pp"``, ``"dp_cp"``, ``"etp"``, ``"ep"``,
+    ``"edp"``; :data:`~lightning_seqpar.parallel.dims.GROUPS`): the one source of its ranks and sizes.
 
     Attributes:
-        tensor: the tensor-parallel group of this rank (size t).
-        data: the group over which parameters are replicated and gradients reduced: the data-parallel ranks and,
-            under context parallelism, their context-parallel ranks (size ``d · c``; rank ``dp_rank · c + cp_rank``).
-        pipeline: the pipeline-parallel group of this rank (size p).
-        device_mesh: the underlying ``torch.distributed.DeviceMesh`` (``None`` for a single process).
+        groups: this rank's group of each name; a name left out is a group of one rank.
+        dims: the layout the groups were cut from (``None`` for a mesh of given groups: one process, planning).
         first_and_last: for ``p > 2``, the group of the first and the last pipeline stage of this rank's
             ``(data, tensor)`` coordinate when this rank is one of them (:attr:`embedding`).
-        host_groups: gloo twins of the data, pipeline and first-and-last groups, ``{"data": ..., ...}``, when the
-            default backend is not gloo (NCCL): flags the host already knows (which parameters got a gradient) are
-            exchanged on them in host memory, with no device synchronization (Megatron-LM's
-            ``get_data_parallel_group_gloo``). Empty under gloo, whose groups serve as they are.
-        context: the context-parallel group of this rank (size c): ranks holding other tokens of the same
-            sequences, inside ``data``.
+        host_groups: gloo twins of every group, ``{"dp_cp": ..., "embedding": ...}``, when the default backend is not
+            gloo (NCCL): flags the host already knows (which parameters got a gradient) are exchanged on them in host
+            memory, with no device synchronization (Megatron-LM's ``get_data_parallel_group_gloo``). Empty under
+            gloo, whose groups serve as they are.
     """
 
-    tensor: ParallelGroup
-    data: ParallelGroup
-    pipeline: ParallelGroup
-    device_mesh: Optional[object] = None
+    groups: Mapping[str, ParallelGroup] = field(default_factory=dict)
+    dims: Optional[ParallelDims] = None
     first_and_last: Optional[ParallelGroup] = None
     host_groups: Mapping[str, ParallelGroup] = field(default_factory=dict)
-    context: ParallelGroup = field(default_factory=ParallelGroup)
+    _device_meshes: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def group(self, name: str) -> ParallelGroup:
+        """This rank's group ``name`` (``"embedding"``: :attr:`embedding`).
+
+        Raises:
+            KeyError: a name that is not a group of the mesh.
+        """
+        if name == "embedding":
+            return self.embedding
+        if name not in GROUPS:
+            raise KeyError(f"No parallel group named {name!r}; the groups are {sorted(GROUPS)} and 'embedding'.")
+        if name in self.groups:
+            return self.groups[name]
+        if name == "dp_cp" and "dp" in self.groups and self.context.size == 1:
+            return self.groups["dp"]
+        return _ONE
+
+    @property
+    def tensor(self) -> ParallelGroup:
+        """The tensor-parallel group (size t)."""
+        return self.group("tp")
+
+    @property
+    def data(self) -> ParallelGroup:
+        """The group over which dense parameters are replicated: the data-parallel ranks and, under context
+        parallelism, their context-parallel ranks (size ``d · c``; rank ``dp_rank · c + cp_rank``)."""
+        return self.group("dp_cp")
+
+    @property
+    def pipeline(self) -> ParallelGroup:
+        """The pipeline-parallel group (size p)."""
+        return self.group("pp")
+
+    @property
+    def context(self) -> ParallelGroup:
+        """The context-parallel group (size c): ranks holding other tokens of the same sequences, inside ``data``."""
+        return self.group("cp")
 
     @property
     def embedding(self) -> ParallelGroup:
@@ -80,11 +102,55 @@ class ParallelMesh:
         return self.first_and_last if self.first_and_last is not None else ParallelGroup(None)
 
     def host(self, name: str) -> ParallelGroup:
-        """The group ``name`` (``"data"``, ``"pipeline"`` or ``"embedding"``) for exchanging host-side values: CPU
-        tensors, reduced without touching the device (:attr:`host_groups`)."""
+        """The group ``name`` (any of :meth:`group`'s names; ``"data"`` and ``"pipeline"`` are ``"dp_cp"`` and
+        ``"pp"``) for exchanging host-side values: CPU tensors, reduced without touching the device
+        (:attr:`host_groups`)."""
+        name = {"data": "dp_cp", "pipeline": "pp"}.get(name, name)
         if name in self.host_groups:
             return self.host_groups[name]
-        return {"data": self.data, "pipeline": self.pipeline, "embedding": self.embedding}[name]
+        return self.group(name)
+
+    def size(self, name: str) -> int:
+        """The number of ranks of group ``name``."""
+        return self.group(name).size
+
+    def same_group(self, a: str, b: str) -> bool:
+        """Whether groups ``a`` and ``b`` hold the same ranks (one collective over either serves both)."""
+        if self.dims is not None and a in GROUPS and b in GROUPS:
+            return self.dims.all_groups(a) == self.dims.all_groups(b)
+        return self.group(a) is self.group(b) or self.group(a).size == self.group(b).size == 1
+
+    def ranks_of(self, rows: str, columns: str) -> tuple[tuple[int, ...], ...]:
+        """Global ranks ``[i][j]`` at rank ``i`` of group ``rows`` and rank ``j`` of group ``columns``, this rank's other
+        coordinates fixed (the two groups must be cut from the same grid).
+
+        Raises:
+            ValueError: a mesh without :attr:`dims` (given groups), where no rank table exists.
+        """
+        if self.dims is None:
+            raise ValueError("A mesh of given groups has no rank table; build it with ParallelMesh.build.")
+        if self.dims.grid(rows) is not self.dims.grid(columns):
+            raise ValueError(f"Groups {rows!r} and {columns!r} are cut from different grids.")
+        return tuple(tuple(self.dims.group_of(columns, r)) for r in self.dims.group_of(rows, dist.get_rank()))
+
+    def device_mesh(self, name: str) -> Optional[Any]:
+        """A one-dimensional ``torch.distributed.DeviceMesh`` over group ``name`` (for DTensor views of shards in
+        checkpoints); ``None`` for a group of one rank."""
+        group = self.group(name)
+        if group.size == 1 or group.group is None:
+            return None
+        if name not in self._device_meshes:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            device_type = "cuda" if dist.get_backend(group.group) == "nccl" else "cpu"
+            self._device_meshes[name] = DeviceMesh.from_group(group.group, device_type, mesh_dim_names=(name,))
+        return self._device_meshes[name]
+
+    def shard_device_mesh(self, param: Any) -> Optional[Any]:
+        """:meth:`device_mesh` of the group ``param``'s shard is split over (its placement's ``shard_over``); ``None``
+        for a parameter that is not split."""
+        placement = placement_of(param)
+        return None if placement.shard is None else self.device_mesh(placement.shard_over)
 
     @property
     def tp(self) -> int:
@@ -114,67 +180,70 @@ class ParallelMesh:
     @classmethod
     def single(cls) -> "ParallelMesh":
         """The mesh of an unparallelized run: every group has one rank."""
-        return cls(ParallelGroup(None), ParallelGroup(None), ParallelGroup(None))
+        return cls()
 
     @classmethod
-    def build(cls, tp: int, pp: int, device_type: str, host_groups: Optional[bool] = None,
-              timeout: Optional[timedelta] = None, cp: int = 1) -> "ParallelMesh":
-        """Build the mesh over the initialized default process group.
+    def build(cls, tp: int = 1, pp: int = 1, device_type: str = "cpu", host_groups: Optional[bool] = None,
+              timeout: Optional[timedelta] = None, cp: int = 1, dims: Optional[ParallelDims] = None
+              ) -> "ParallelMesh":
+        """Build every group of :data:`~lightning_seqpar.parallel.dims.GROUPS` over the initialized default process
+        group: every rank creates every group, in the same order (``torch.distributed.new_group``'s rule); groups of
+        two names with the same ranks are one process group.
 
-        The ``torch.distributed`` device mesh is ``(pipeline, data, tensor)`` with ``data`` of size ``d · c``: with
-        context-parallel ranks next to tensor-parallel ones, that flattening is the same rank order. ``cp``: c, whose
-        groups are cut out of ``data``.
-
+        ``dims``: the validated layout (default: ``tp``, ``pp``, ``cp`` over the world, validated here).
         ``host_groups``: create the gloo twins of :attr:`host_groups` (default: when the backend is not gloo).
-        ``timeout``: how long every group's collectives wait for a peer (default: torch's 30 minutes); the same for
+        ``timeout``: how long every group's collectives wait for a peer (default: torch's); the same for
         all of them, so a stalled peer ends the job after the strategy's timeout whichever group it stalls.
+        ``device_type``: kept for callers; groups take the default backend.
 
         Raises:
-            ValueError: from :func:`validate_layout`.
+            ValueError: from :class:`~lightning_seqpar.parallel.dims.ParallelDims`.
             RuntimeError: if ``torch.distributed`` is not initialized.
         """
         if not dist.is_initialized():
             raise RuntimeError("ParallelMesh.build needs an initialized torch.distributed process group.")
-        dp = validate_layout(dist.get_world_size(), tp, pp, cp)  # d · c
-        device_mesh = init_device_mesh(device_type, (pp, dp, tp), mesh_dim_names=("pipeline", "data", "tensor"))
-        if timeout is not None:
-            for name in ("pipeline", "data", "tensor"):
-                set_process_group_timeout(timeout, device_mesh.get_group(name))
-
-        def group(name: str) -> ParallelGroup:
-            return ParallelGroup(device_mesh.get_group(name))
-
-        first_and_last = _new_groups([[c, c + (pp - 1) * dp * tp] for c in range(dp * tp)], None, timeout,
-                                     "first_and_last_stage") if pp > 2 else None
+        if dims is None:
+            dims = validate_layout(dist.get_world_size(), tp, pp, cp)
+        elif dims.world_size != dist.get_world_size():
+            raise ValueError(f"The layout {dims.describe()} is for {dims.world_size} processes; this world has "
+                             f"{dist.get_world_size()}.")
+        factory = _GroupFactory(timeout)
+        groups = {name: factory.mine(dims.all_groups(name), None, f"mesh_{name}") for name in GROUPS}
+        world = dims.world_size
+        stages = [[c, c + (dims.pp - 1) * (world // dims.pp)] for c in range(world // dims.pp)]
+        first_and_last = factory.mine(stages, None, "first_and_last_stage") if dims.pp > 2 else None
         if host_groups is None:
             host_groups = dist.get_backend() != "gloo"
         host: dict[str, ParallelGroup] = {}
         if host_groups:
-            ranks = lambda p_, d_, t_: t_ + tp * (d_ + dp * p_)  # noqa: E731  (the mesh's rank order)
-            host["data"] = _new_groups([[ranks(p_, d_, t_) for d_ in range(dp)] for p_ in range(pp) for t_ in range(tp)],
-                                       "gloo", timeout, "host_data")
-            host["pipeline"] = _new_groups([[ranks(p_, d_, t_) for p_ in range(pp)] for d_ in range(dp)
-                                            for t_ in range(tp)], "gloo", timeout, "host_pipeline")
-            if pp > 2:
-                embedding = _new_groups([[c, c + (pp - 1) * dp * tp] for c in range(dp * tp)], "gloo", timeout,
-                                        "host_first_and_last_stage")
-                host["embedding"] = embedding if embedding is not None else ParallelGroup(None)
-            elif pp == 2:
-                host["embedding"] = host["pipeline"]
-        context = _new_groups([[t_ + tp * (d_ + dp * p_) for d_ in range(g * cp, (g + 1) * cp)]
-                               for p_ in range(pp) for g in range(dp // cp) for t_ in range(tp)],
-                              None, timeout, "context") if cp > 1 else None
-        return cls(group("tensor"), group("data"), group("pipeline"), device_mesh, first_and_last, host,
-                   context or ParallelGroup(None))
+            host = {name: factory.mine(dims.all_groups(name), "gloo", f"host_{name}") for name in GROUPS}
+            if dims.pp > 2:
+                host["embedding"] = factory.mine(stages, "gloo", "host_first_and_last_stage") or ParallelGroup(None)
+            elif dims.pp == 2:
+                host["embedding"] = host["pp"]
+        return cls({k: v for k, v in groups.items() if v is not None}, dims, first_and_last,
+                   {k: v for k, v in host.items() if v is not None})
 
 
-def _new_groups(all_ranks: list[list[int]], backend: Optional[str] = None, timeout: Optional[timedelta] = None,
-                description: Optional[str] = None) -> Optional[ParallelGroup]:
-    """Create one process group per rank list (every rank creates every group, in the same order:
-    ``torch.distributed.new_group``'s rule) and return the one holding this rank, if any."""
-    rank, mine = dist.get_rank(), None
-    for ranks in all_ranks:
-        created = dist.new_group(ranks, backend=backend, timeout=timeout, group_desc=description)
-        if rank in ranks:
-            mine = ParallelGroup(created)
-    return mine
+_ONE = ParallelGroup(None)
+
+
+class _GroupFactory:
+    """Creates process groups, once per distinct ``(ranks, backend)``: every rank sees the same calls in the same
+    order, so each group is created by all ranks together."""
+
+    def __init__(self, timeout: Optional[timedelta]) -> None:
+        self.timeout = timeout
+        self._made: dict[tuple[tuple[int, ...], Optional[str]], Any] = {}
+
+    def mine(self, all_ranks: list[list[int]], backend: Optional[str], description: str) -> Optional[ParallelGroup]:
+        """This rank's group among ``all_ranks`` (creating those not made yet), or ``None`` if it is in none. Each
+        name gets its own :class:`ParallelGroup` (its own communication log) over the shared process group."""
+        rank, mine = dist.get_rank(), None
+        for ranks in all_ranks:
+            key = (tuple(ranks), backend)
+            if key not in self._made:
+                self._made[key] = dist.new_group(ranks, backend=backend, timeout=self.timeout, group_desc=description)
+            if rank in ranks:
+                mine = ParallelGroup(self._made[key])
+        return mine

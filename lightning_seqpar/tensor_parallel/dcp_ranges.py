@@ -58,12 +58,13 @@ def range_boxes(shape: Sequence[int], start: int, stop: int) -> list[Box]:
 
 @dataclass(frozen=True)
 class RangeLayout:
-    """Where a parameter's element ranges live: this rank's tensor- and data-parallel coordinates and the global rank
-    of every ``(data, tensor)`` coordinate of its pipeline stage.
+    """Where a parameter's element ranges live: this rank's coordinates in the group its shards are split over
+    (``tp`` for the parallel layers) and in the group of its replicas (``dp_cp``, ``edp`` for experts), and the
+    global rank of every ``(replica, shard)`` coordinate of its pipeline stage.
 
     Attributes:
-        tp_rank, dp_rank: this rank's coordinates.
-        ranks: ``ranks[j][i]``: the global rank at data-parallel rank j, tensor-parallel rank i.
+        tp_rank, dp_rank: this rank's rank among the shards and among the replicas.
+        ranks: ``ranks[j][i]``: the global rank at replica j, shard i.
     """
 
     tp_rank: int
@@ -170,11 +171,13 @@ def _volume(sizes: Sequence[int]) -> int:
     return volume
 
 
-def range_layout(device_mesh: Optional[Any], tp_rank: int, dp_rank: int, pp_rank: int) -> Optional[RangeLayout]:
-    """The :class:`RangeLayout` of this rank from the ``(pipeline, data, tensor)`` device mesh (``None``: one
-    process)."""
-    if device_mesh is None:
-        return None
-    ranks = device_mesh.mesh[pp_rank].tolist()  # [dp][tp] global ranks of this stage
-    return RangeLayout(tp_rank, dp_rank, tuple(tuple(row) for row in ranks))
+def range_layout(mesh: Any, replicas: str, shard_over: Optional[str]) -> RangeLayout:
+    """The :class:`RangeLayout` of this rank for a parameter whose element ranges are split over group ``replicas``
+    of ``mesh`` (a :class:`~lightning_seqpar.parallel.mesh.ParallelMesh`) and whose shards over group ``shard_over``
+    (``None``: not sharded; one column, this rank's own)."""
+    import torch.distributed as dist
 
+    if shard_over is None:
+        ranks = tuple((r,) for r in mesh.dims.group_of(replicas, dist.get_rank()))
+        return RangeLayout(0, mesh.group(replicas).rank, ranks)
+    return RangeLayout(mesh.group(shard_over).rank, mesh.group(replicas).rank, mesh.ranks_of(replicas, shard_over))

@@ -1,23 +1,8 @@
-"""How a parameter is split over the tensor-parallel group, and the inverse.
+"""How a parameter is split over a group, and the inverse: slicing, gathering, and views for checkpoints.
 
-One :class:`ShardSpec` per sharded parameter drives every conversion between the single-device
-tensor and a rank's shard: slicing when a model is rewritten, gathering for a checkpoint or a
-gradient comparison, and slicing again when a checkpoint is loaded. The spec is stored on the
-parameter, Megatron's ``param.partition_dim`` done as one object.
-
-Parameter roles: one record per parameter (:class:`ParameterRoles`, Megatron-LM's ``param.partition_dim``,
-``param.sequence_parallel`` and its embedding group as one object), written and read through the functions below only;
-a parameter made from another (leaving the meta device, :func:`parameter_like`) takes the record with it:
-
-* sharded (:func:`shard_spec`): split over the tensor-parallel group as its ``ShardSpec`` says.
-  Checkpoints gather it, the gradient norm counts every shard once.
-* sequence-parallel (:func:`is_sequence_parallel`): replicated over the tensor-parallel group, but
-  each rank saw s/t tokens, so gradients are summed over the group (Korthikanti et al. 2022 §4.2.2).
-* stage-local (:func:`is_stage_local`): held by one pipeline stage only.
-* pipeline-tied (:func:`is_pipeline_tied`): one tensor held by the first and the last pipeline stage only (a
-  tied embedding and LM head split apart by the pipeline): gradients summed between those two stages
-  (Megatron-LM's embedding group), counted once (on the first stage) by norms and summaries.
-  Every other parameter is kept on every stage and its gradient summed over the pipeline group.
+:class:`ShardSpec` (a split of one dimension) and the parameter's :class:`~lightning_seqpar.parallel.placement.Placement`
+(which group splits it, which groups finish its gradient) live with the mesh in
+:mod:`lightning_seqpar.parallel.placement`; they are re-exported here with the readers the parallel layers use.
 
 How a shard is described to ``torch.distributed.checkpoint`` (DCP): global shape and offset
 (:func:`dcp_view`, :func:`saved_shape`).
@@ -45,8 +30,7 @@ Two layouts of :class:`ShardSpec` need care:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -56,187 +40,20 @@ from torch.distributed.tensor import DTensor, Shard
 
 from lightning_seqpar._compat import sharded_tensor
 from lightning_seqpar.parallel.collectives import ParallelGroup
+from lightning_seqpar.parallel.placement import (  # noqa: F401  (re-exported: the layers' vocabulary)
+    Placement, ShardSpec, counted_on_stage, is_pipeline_tied, is_sequence_parallel, is_stage_local, parameter_like,
+    place, placement_of, set_pipeline_tied, set_sequence_parallel, set_shard_spec, set_stage_local, shard_spec,
+)
 
 
-@dataclass(frozen=True)
-class ShardSpec:
-    """A split of one dimension over t ranks.
-
-    Attributes:
-        dim: the split dimension (0 for column-parallel weights and embeddings, 1 for row-parallel).
-        full_size: the single-device size of ``dim``.
-        padded_size: ``full_size`` rounded up to a multiple of t (vocabulary padding); the padding
-            rows are zeros.
-        chunks: number of stacked blocks in ``dim`` that are each split separately, e.g. 3 for a fused
-            ``[q; k; v]`` projection, so that rank r holds ``[q_r; k_r; v_r]``.
-        chunk_sizes: the blocks' single-device sizes when they differ (``(a·d, a_kv·d, a_kv·d)`` for a fused
-            projection under grouped-query attention); empty: ``chunks`` equal blocks.
-    """
-
-    dim: int
-    full_size: int
-    padded_size: int
-    chunks: int = 1
-    chunk_sizes: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.chunk_sizes and (len(self.chunk_sizes) != self.chunks or sum(self.chunk_sizes) != self.full_size
-                                 or self.padded_size != self.full_size):
-            raise ValueError(f"{self}: chunk_sizes must be `chunks` sizes summing to full_size, without padding.")
-
-    @property
-    def uneven(self) -> bool:
-        """Whether the fused blocks differ in size (described to DCP by pieces, not by a reshape)."""
-        return len(set(self.chunk_sizes)) > 1
-
-    def blocks(self) -> tuple[int, ...]:
-        """The padded single-device size of each stacked block, in order."""
-        return self.chunk_sizes or (self.padded_size // self.chunks,) * self.chunks
-
-    def shard(self, full: Tensor, group: ParallelGroup) -> Tensor:
-        """Single-device tensor → this rank's shard (a new contiguous tensor)."""
-        if full.shape[self.dim] != self.full_size:
-            raise ValueError(f"Expected size {self.full_size} in dim {self.dim}, got shape {tuple(full.shape)}.")
-        padded = self._pad(full)
-        pieces = padded.split(list(self.blocks()), dim=self.dim)
-        local = [p.chunk(group.size, dim=self.dim)[group.rank] for p in pieces]
-        return torch.cat(local, dim=self.dim).contiguous()
-
-    def unshard(self, shards: list[Tensor]) -> Tensor:
-        """Every rank's shard, in rank order → the single-device tensor."""
-        local_blocks = [size // len(shards) for size in self.blocks()]
-        per_rank = [s.split(local_blocks, dim=self.dim) for s in shards]
-        blocks = [torch.cat([pieces[c] for pieces in per_rank], dim=self.dim) for c in range(self.chunks)]
-        return torch.cat(blocks, dim=self.dim).narrow(self.dim, 0, self.full_size)
-
-    def gather(self, local: Tensor, group: ParallelGroup) -> Tensor:
-        """All-gather the shards of ``local`` over ``group`` and return the single-device tensor."""
-        if group.size == 1:
-            return self.unshard([local])
-        gathered = group.all_gather(local.detach().movedim(self.dim, 0), dim=0).movedim(0, self.dim)
-        return self.unshard(list(gathered.chunk(group.size, dim=self.dim)))
-
-    def local_ranges(self, group: ParallelGroup) -> list[tuple[int, int]]:
-        """The ``[start, stop)`` ranges of dim :attr:`dim` of the single-device tensor that make up this rank's
-        shard, one per chunk, in order (rows of vocabulary padding lie past ``full_size`` and are left out)."""
-        return self.rank_ranges(group.rank, group.size)
-
-    def rank_ranges(self, rank: int, t: int) -> list[tuple[int, int]]:
-        """:meth:`local_ranges` of tensor-parallel rank ``rank`` of ``t``."""
-        padded = self.blocks()
-        full = self.chunk_sizes or (self.full_size // self.chunks,) * self.chunks
-        ranges, offset = [], 0
-        for chunk_full, chunk_padded in zip(full, padded):
-            per_rank = chunk_padded // t
-            start = min(rank * per_rank, chunk_full)
-            stop = max(min(rank * per_rank + per_rank, chunk_full), start)
-            ranges.append((offset + start, offset + stop))
-            offset += chunk_full
-        return ranges
-
-    def read_shard(self, read_rows, group: ParallelGroup) -> Tensor:
-        """This rank's shard from ``read_rows(start, stop)``, which returns rows ``[start, stop)`` of dim
-        :attr:`dim` of the single-device tensor (e.g. a safetensors slice), so that only this rank's bytes
-        are read; padding rows are zeros."""
-        pieces = [read_rows(start, stop) for start, stop in self.local_ranges(group)]
-        local = torch.cat(pieces, dim=self.dim) if len(pieces) > 1 else pieces[0]
-        want = self.padded_size // group.size
-        if local.shape[self.dim] < want:  # the last ranks' padding rows of the vocabulary
-            pad = [0, 0] * (local.dim() - 1 - self.dim) + [0, want - local.shape[self.dim]]
-            local = F.pad(local, pad)
-        return local
-
-    def _pad(self, full: Tensor) -> Tensor:
-        extra = self.padded_size - self.full_size
-        if extra == 0:
-            return full
-        pad = [0, 0] * (full.dim() - 1 - self.dim) + [0, extra]
-        return F.pad(full, pad)
+ShardMeshes = Callable[[Tensor], Optional[DeviceMesh]]
+"""A parameter → the one-dimensional device mesh of the group its shard is split over (``None``: not split there);
+:meth:`~lightning_seqpar.parallel.mesh.ParallelMesh.shard_device_mesh` for a built mesh."""
 
 
-@dataclass(frozen=True)
-class ParameterRoles:
-    """What the parallel runtime must know about one parameter (see the module docstring).
-
-    Attributes:
-        shard: how it is split over the tensor-parallel group; ``None``: replicated.
-        sequence_parallel: replicated, its gradient summed over the tensor-parallel group.
-        stage_local: held by one pipeline stage only.
-        pipeline_tied: held by the first and the last pipeline stage only.
-    """
-
-    shard: Optional[ShardSpec] = None
-    sequence_parallel: bool = False
-    stage_local: bool = False
-    pipeline_tied: bool = False
-
-
-_NO_ROLES = ParameterRoles()
-_ROLES_ATTRIBUTE = "parallel_roles"
-
-
-def roles_of(param: Tensor) -> ParameterRoles:
-    """``param``'s :class:`ParameterRoles` (none set: a replicated parameter of every stage)."""
-    return getattr(param, _ROLES_ATTRIBUTE, _NO_ROLES)
-
-
-def _update_roles(param: Tensor, **changes: object) -> None:
-    setattr(param, _ROLES_ATTRIBUTE, replace(roles_of(param), **changes))
-
-
-def parameter_like(old: Tensor, data: Tensor) -> torch.nn.Parameter:
-    """A new ``nn.Parameter`` of ``data`` standing for ``old`` (e.g. ``old`` materialized off the meta device): same
-    ``requires_grad``, same :class:`ParameterRoles`."""
-    new = torch.nn.Parameter(data, requires_grad=old.requires_grad)
-    if roles_of(old) is not _NO_ROLES:
-        setattr(new, _ROLES_ATTRIBUTE, roles_of(old))
-    return new
-
-
-def shard_spec(param: Tensor) -> Optional[ShardSpec]:
-    """The ``ShardSpec`` of a sharded parameter, ``None`` for a replicated one."""
-    return roles_of(param).shard
-
-
-def set_shard_spec(param: Tensor, spec: ShardSpec) -> None:
-    """Tag ``param`` as this rank's shard of a parameter split as ``spec`` says."""
-    _update_roles(param, shard=spec)
-
-
-def is_sequence_parallel(param: Tensor) -> bool:
-    """Whether ``param``'s gradient must be summed over the tensor-parallel group (each rank saw s/t tokens)."""
-    return roles_of(param).sequence_parallel
-
-
-def set_sequence_parallel(param: Tensor) -> None:
-    """Tag ``param`` as sequence-parallel."""
-    _update_roles(param, sequence_parallel=True)
-
-
-def is_stage_local(param: Tensor) -> bool:
-    """Whether ``param`` belongs to one pipeline stage's layers (not shared by every stage)."""
-    return roles_of(param).stage_local
-
-
-def set_stage_local(param: Tensor) -> None:
-    """Tag ``param`` as held by one pipeline stage only."""
-    _update_roles(param, stage_local=True)
-
-
-def is_pipeline_tied(param: Tensor) -> bool:
-    """Whether ``param`` is held by the first and the last pipeline stage only (see the module docstring)."""
-    return roles_of(param).pipeline_tied
-
-
-def set_pipeline_tied(param: Tensor) -> None:
-    """Tag ``param`` as held by the first and the last pipeline stage only."""
-    _update_roles(param, pipeline_tied=True)
-
-
-def counted_on_stage(param: Tensor, pipeline_rank: int) -> bool:
-    """Whether this stage counts ``param`` among the parameters summed over the pipeline group (gradient norms,
-    parameter counts): a stage-local one on its stage, a pipeline-tied one on the first stage."""
-    return is_stage_local(param) or (is_pipeline_tied(param) and pipeline_rank == 0)
+def no_meshes(param: Tensor) -> None:
+    """:data:`ShardMeshes` of one process: nothing is split."""
+    return None
 
 
 def padded_size(size: int, multiple: int) -> int:

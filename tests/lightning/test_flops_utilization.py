@@ -26,7 +26,7 @@ def _module():
 def _trainer(tp, dp):
     """A trainer whose strategy has a (tp, dp) mesh, as after setup (no processes needed)."""
     strategy = SeqParallelStrategy(tp=tp)
-    strategy._mesh = ParallelMesh(ParallelGroup.virtual(tp), ParallelGroup.virtual(dp), ParallelGroup.virtual(1))
+    strategy._mesh = ParallelMesh({"tp": ParallelGroup.virtual(tp), "dp_cp": ParallelGroup.virtual(dp)})
     return SimpleNamespace(strategy=strategy, world_size=tp * dp)
 
 

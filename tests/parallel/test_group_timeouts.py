@@ -67,6 +67,6 @@ def test_a_peer_that_skips_a_collective_on_a_subgroup_is_given_up_after_the_time
     ranks = run_distributed(_skipped_collective, 4)
     for timeouts, _ in ranks:
         assert set(timeouts.values()) == {TIMEOUT.total_seconds()}, timeouts
-        assert {"tensor", "pipeline", "host data", "host pipeline"} <= set(timeouts)
+        assert {"tensor", "pipeline", "host dp_cp", "host pp", "host tp"} <= set(timeouts)
     waited = ranks[0][1]
     assert waited is not None and TIMEOUT.total_seconds() - 0.5 <= waited <= TIMEOUT.total_seconds() + 3, waited
