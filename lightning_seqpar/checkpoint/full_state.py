@@ -6,24 +6,35 @@ full shapes, no vocabulary padding), so it loads into any tensor-parallel layout
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, Union
 
 import torch
 import torch.nn as nn
 from torch import Tensor
 
 from lightning_seqpar.parallel.collectives import ParallelGroup
+from lightning_seqpar.parallel.mesh import ParallelMesh
+from lightning_seqpar.parallel.placement import placement_of
 from lightning_seqpar.tensor_parallel.sharding import load_from_full, shard_spec
+
+Shards = Union[ParallelMesh, ParallelGroup]
+"""Where shards are split: a mesh (each parameter over the group its placement names) or one group for all."""
+
+
+def _over(param: Tensor, shards: Shards) -> ParallelGroup:
+    """The group ``param``'s shards are split over."""
+    return shards.group(placement_of(param).shard_over) if isinstance(shards, ParallelMesh) else shards
 
 
 def _params_by_name(module: nn.Module) -> dict[str, nn.Parameter]:
     return dict(module.named_parameters(remove_duplicate=False))
 
 
-def full_state_dict(module: nn.Module, group: ParallelGroup) -> dict[str, Tensor]:
-    """The single-device state dict of ``module``, assembled from every tensor-parallel rank's shards.
+def full_state_dict(module: nn.Module, group: Shards) -> dict[str, Tensor]:
+    """The single-device state dict of ``module``, assembled from every rank's shards (over each parameter's
+    shard group of a mesh, or over ``group``).
 
-    Collective: every rank of ``group`` must call it. Returns CPU tensors on every rank.
+    Collective: every rank of those groups must call it. Returns CPU tensors on every rank.
     """
     params = _params_by_name(module)
     gathered: dict[int, Tensor] = {}
@@ -35,12 +46,12 @@ def full_state_dict(module: nn.Module, group: ParallelGroup) -> dict[str, Tensor
             out[name] = value.detach().cpu().clone() if isinstance(value, Tensor) else value
             continue
         if id(param) not in gathered:  # tied weights are gathered once
-            gathered[id(param)] = spec.gather(param.detach(), group).cpu()
+            gathered[id(param)] = spec.gather(param.detach(), _over(param, group)).cpu()
         out[name] = gathered[id(param)]
     return out
 
 
-def full_gradients(module: nn.Module, group: ParallelGroup) -> dict[str, Tensor]:
+def full_gradients(module: nn.Module, group: Shards) -> dict[str, Tensor]:
     """Gradients of ``module``'s parameters as the unparallelized model would hold them (collective)."""
     out = {}
     for name, param in module.named_parameters():
@@ -48,11 +59,11 @@ def full_gradients(module: nn.Module, group: ParallelGroup) -> dict[str, Tensor]
             continue
         spec = shard_spec(param)
         # A copy: on CPU .cpu() would return the live gradient, which clipping then scales in place.
-        out[name] = (spec.gather(param.grad, group) if spec is not None else param.grad.detach()).cpu().clone()
+        out[name] = (spec.gather(param.grad, _over(param, group)) if spec is not None else param.grad.detach()).cpu().clone()
     return out
 
 
-def load_full_state_dict(module: nn.Module, state_dict: Mapping[str, Tensor], group: ParallelGroup, strict: bool = True) -> None:
+def load_full_state_dict(module: nn.Module, state_dict: Mapping[str, Tensor], group: Shards, strict: bool = True) -> None:
     """Copy a single-device state dict into ``module``, keeping this rank's shard of sharded parameters.
 
     Raises:
@@ -68,14 +79,14 @@ def load_full_state_dict(module: nn.Module, state_dict: Mapping[str, Tensor], gr
             raise KeyError(f"State dict mismatch. Missing: {sorted(missing)}; unexpected: {sorted(unexpected)}.")
     for name, target in own.items():  # keep_vars: parameters carry their shard spec
         if name in state_dict:
-            load_from_full(target, state_dict[name], group)
+            load_from_full(target, state_dict[name], _over(target, group))
 
 
 def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
-def full_optimizer_state(optimizer: torch.optim.Optimizer, group: ParallelGroup) -> dict[str, Any]:
+def full_optimizer_state(optimizer: torch.optim.Optimizer, group: Shards) -> dict[str, Any]:
     """``optimizer.state_dict()`` with every per-parameter tensor of a sharded parameter gathered (collective)."""
     state = optimizer.state_dict()
     # state_dict() shares the per-parameter dicts with the live optimizer: never write into them.
@@ -87,11 +98,11 @@ def full_optimizer_state(optimizer: torch.optim.Optimizer, group: ParallelGroup)
             continue
         for key, value in entry.items():
             if isinstance(value, Tensor) and value.shape == params[index].shape:
-                entry[key] = spec.gather(value, group).cpu()
+                entry[key] = spec.gather(value, _over(params[index], group)).cpu()
     return state
 
 
-def load_full_optimizer_state(optimizer: torch.optim.Optimizer, state: Mapping[str, Any], group: ParallelGroup) -> None:
+def load_full_optimizer_state(optimizer: torch.optim.Optimizer, state: Mapping[str, Any], group: Shards) -> None:
     """Inverse of :func:`full_optimizer_state`: keep this rank's shard of each per-parameter tensor."""
     state = {"state": {k: dict(v) for k, v in state["state"].items()}, "param_groups": state["param_groups"]}
     params = _optimizer_params(optimizer)
@@ -101,5 +112,5 @@ def load_full_optimizer_state(optimizer: torch.optim.Optimizer, state: Mapping[s
             continue
         for key, value in entry.items():
             if isinstance(value, Tensor) and value.dim() > spec.dim and value.shape[spec.dim] == spec.full_size:
-                entry[key] = spec.shard(value, group)
+                entry[key] = spec.shard(value, _over(params[int(index)], group))
     optimizer.load_state_dict(state)

@@ -15,13 +15,12 @@ follows from the choice (``world / (tp·pp)``), so the global batch is ``batch_s
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional, Union
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_seqpar.parallel import validate_layout
 
 
 @dataclass(frozen=True)
@@ -55,14 +54,12 @@ def auto_layout_of(layout: Union[None, str, AutoLayout, dict], tp: Any, pp: int,
     Raises:
         ValueError: ``layout="auto"`` or ``tp="auto"`` without the run's shapes (the fix:
             ``layout=AutoLayout(seq_len=..., batch_size=...)``: Lightning sets up the data after the process groups),
-            an unknown ``layout``, ``tp``/``pp`` given with it, or ``tp``/``pp`` that are not positive integers.
+            an unknown ``layout``, ``tp``/``pp`` given with it.
     """
     if layout is None and tp == "auto":
         layout = "auto"  # the same request, spelled on tp
         tp = 1
-    if layout is None:
-        ints = all(isinstance(v, int) for v in (tp, pp, cp))
-        validate_layout(tp * pp * cp if ints else 1, tp, pp, cp)
+    if layout is None:  # the sizes are ParallelConfig's to check
         return None
     if layout == "auto":
         raise ValueError("layout='auto' (or tp='auto') plans for the run's shapes, which Lightning sets up only after the "
@@ -81,13 +78,13 @@ def auto_layout_of(layout: Union[None, str, AutoLayout, dict], tp: Any, pp: int,
 
 
 def check_world(strategy: Any, world: int) -> None:
-    """A world of ``world`` processes splits into the strategy's ``tp · pp`` (nothing to check under ``layout``).
+    """A world of ``world`` processes splits into the strategy's layout (nothing to check under ``layout``).
 
     Raises:
-        ValueError: from :func:`~lightning_seqpar.parallel.validate_layout`.
+        ValueError: from :meth:`~lightning_seqpar.lightning.config.ParallelConfig.dims`.
     """
     if strategy.auto is None:
-        validate_layout(world, strategy.tp, strategy.pp, strategy.cp)
+        strategy.parallel.dims(world)
 
 
 def hf_model_in(module: torch.nn.Module) -> Optional[torch.nn.Module]:
@@ -147,10 +144,9 @@ def choose_layout(strategy: Any, module: Any = None, trainer: Any = None) -> Any
     best = ranked[0]
     runner_up = ranked[1] if len(ranked) > 1 else None
     rank_zero_info(f"layout=auto chose {_describe(best)}; runner-up: {_describe(runner_up) if runner_up else 'none'}")
-    strategy.tp = best.tp
-    strategy.pipeline_config = PipelineConfig.build(
+    strategy.parallel = replace(strategy.parallel, tp=best.tp, pipeline=PipelineConfig.build(
         best.pp, best.num_microbatches if best.pp > 1 else None, "interleaved_1F1B" if best.vpp > 1 else "1F1B",
-        best.vpp, None)
+        best.vpp, None))
     if not existing and best.recompute != "none":
         trainer.callbacks.append(SelectiveRecompute(granularity=best.recompute))
     strategy.chosen_layout = best

@@ -81,6 +81,7 @@ class Checkpointer:
         self.remote_keys: list[str] = []  # state-dict keys of other pipeline stages (set when the model is split)
         self.initial_weights: Optional[Mapping[str, Any]] = None  # read into the shards as they are made
         self.frozen_base: Optional[FrozenBase] = None  # where frozen weights were read from: not checkpointed again
+        self.rewritten: Optional[Any] = None  # the module the strategy rewrote (set by it): its shards exist
 
     def start(self, timeout: Any) -> None:
         """Make the writer, once the process group exists."""
@@ -136,7 +137,7 @@ class Checkpointer:
         on every rank, e.g. after ``trainer.fit``. Collective: every rank must call it. ``module.state_dict()``
         returns this rank's shards instead."""
         assert self.module is not None
-        return merge_over_stages(full_state_dict(self.module, self.mesh.tensor), self.mesh.pipeline)
+        return merge_over_stages(full_state_dict(self.module, self.mesh), self.mesh.pipeline)
 
     def load_single_device_state_dict(self, source: Union[str, Path, Mapping[str, Tensor]], strict: bool = True,
                                       prefix: str = "", adapter: Union[str, Path, None] = None) -> None:
@@ -185,7 +186,7 @@ class Checkpointer:
         if prefix:
             source = {prefix + k: v for k, v in source.items()}
         module = self.module
-        if module is not None and module is not self.strategy._parallelized and has_meta_tensors(module):
+        if module is not None and module is not self.rewritten and has_meta_tensors(module):
             check_initial_weights(module, source, strict, frozenset(adapter_keys(module)))  # the same on every rank
             self.initial_weights = source  # read into the shards by setup's materialization
             return
@@ -253,7 +254,7 @@ class Checkpointer:
             optimizer = optimizer.optimizer
         if self.config.format == "sharded":
             return optimizer_checkpoint_state(optimizer, self.module, self._shard_meshes)
-        state = full_optimizer_state(optimizer, self.mesh.tensor)
+        state = full_optimizer_state(optimizer, self.mesh)
         if self.mesh.pp == 1:
             return state
         # Each stage optimizes different layers: keep every stage's state, in pipeline-rank order.
@@ -277,7 +278,7 @@ class Checkpointer:
         path = Path(self.strategy.broadcast(str(filepath)))  # every rank writes into rank 0's directory
         shapes = merge_over_stages(single_device_shapes(self.module), self.mesh.pipeline)
         layout = {"tp": self.mesh.tp, "pp": self.mesh.pp, "dp": self.mesh.dp, "cp": self.mesh.cp,
-                  "zero": self.strategy.data_parallel.zero, "sequence_parallel": self.strategy.sequence_parallel}
+                  "zero": self.strategy.data_parallel.zero, "sequence_parallel": self.strategy.parallel.sequence_parallel}
         frozen = self._frozen_record()
         if frozen is not None:  # every stage's frozen keys: the manifest says what a resume reads from the base
             keys = merge_over_stages({k: True for k in frozen.keys}, self.mesh.pipeline)
@@ -335,7 +336,7 @@ class Checkpointer:
             check_state_dict_shapes(self.module, state)
 
         on_every_rank(check)
-        load_full_state_dict(self.module, state, self.mesh.tensor, strict=strict)
+        load_full_state_dict(self.module, state, self.mesh, strict=strict)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Lightning's ``load_optimizer_state_dict``: a full checkpoint's optimizer state (zero=0)."""
@@ -360,4 +361,4 @@ class Checkpointer:
                 f"configure_model() or on_fit_start() and train without ckpt_path (the optimizer starts afresh)."
             ) from None
         for optimizer, state in zip(self.strategy.optimizers, states):
-            load_full_optimizer_state(optimizer, state, self.mesh.tensor)
+            load_full_optimizer_state(optimizer, state, self.mesh)

@@ -1,15 +1,90 @@
 """The strategy's settings, grouped by the part that owns them, each group validated once, in its constructor.
 
-``SeqParallelStrategy`` takes these objects (``checkpointing=CheckpointConfig(...)``, ``data_parallel=...``,
-``precision_config=PrecisionConfig(...)``) or the flat keywords they replace (``checkpoint_format=``, ``zero=`` ...),
-which stay as shorthands. The pipeline's are
-:class:`~lightning_seqpar.pipeline_parallel.config.PipelineConfig`.
+``SeqParallelStrategy`` takes these objects (``parallel=ParallelConfig(...)``, ``checkpointing=CheckpointConfig(...)``,
+``data_parallel=...``, ``precision_config=PrecisionConfig(...)``) or the flat keywords they replace (``tp=``,
+``checkpoint_format=``, ``zero=`` ...), which stay as shorthands. The pipeline's are
+:class:`~lightning_seqpar.pipeline_parallel.config.PipelineConfig`, held by :class:`ParallelConfig`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from lightning_seqpar.context_parallel import ContextParallel
+from lightning_seqpar.parallel.dims import ParallelDims, check_sizes
+from lightning_seqpar.pipeline_parallel import PipelineConfig
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the model is split over the ranks: the layout's sizes and what each parallelism is run with.
+
+    Raises:
+        ValueError: a size that is not a positive integer, an unknown ``cp_comm``, a ``loss_chunk`` that is not a
+            positive integer or ``None``. The world-dependent checks are :meth:`dims`'.
+    """
+
+    tp: int = 1
+    """t: tensor-parallel size (ranks sharing each layer)."""
+    cp: int = 1
+    """c: context-parallel size (ranks sharing each sequence, attention included; a Hugging Face causal LM)."""
+    cp_comm: Literal["ring", "all_to_all"] = "ring"
+    """context-parallel attention (:mod:`lightning_seqpar.context_parallel`)."""
+    ep: int = 1
+    """expert-parallel size: ranks holding different experts, folded over the dense ranks (the expert grid)."""
+    expert_tp: Optional[int] = None
+    """tensor-parallel size of each expert (``None``: ``tp``, Megatron-Core's default)."""
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig.build)
+    """p, micro-batches, schedule, virtual stages and stage split."""
+    sequence_parallel: bool = True
+    """shard LayerNorm/dropout/residual activations along the sequence (Korthikanti et al. 2022 §4.2.2); ignored when
+    ``tp == 1``."""
+    loss_parallel: bool = True
+    """compute the reference GPT's loss on vocabulary-sharded logits."""
+    loss_chunk: Optional[int] = 4096
+    """a Hugging Face model's LM head and loss run over this many positions at a time (``None``: all)."""
+
+    def __post_init__(self) -> None:
+        check_sizes(tp=self.tp, pp=self.pipeline.pp, cp=self.cp, ep=self.ep,
+                    **({} if self.expert_tp is None else {"expert_tp": self.expert_tp}))
+        ContextParallel.check_comm(self.cp_comm)
+        chunk = self.loss_chunk
+        if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1):
+            raise ValueError(f"loss_chunk={chunk!r}: a positive number of sequence positions, or None (no chunks).")
+
+    @property
+    def pp(self) -> int:
+        """p, the pipeline-parallel size."""
+        return self.pipeline.pp
+
+    def dims(self, world_size: int) -> ParallelDims:
+        """The layout over ``world_size`` ranks, validated (the one check of the sizes together).
+
+        Raises:
+            ValueError: from :class:`~lightning_seqpar.parallel.dims.ParallelDims`.
+        """
+        return ParallelDims(world_size, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep, etp=self.expert_tp)
+
+
+def parallel_config_of(parallel: Optional[ParallelConfig], **shorthands: object) -> ParallelConfig:
+    """``parallel``, or the :class:`ParallelConfig` of the strategy's flat keywords ``shorthands``.
+
+    Raises:
+        ValueError: ``parallel`` given together with a flat keyword set away from its default; from
+            :class:`ParallelConfig`.
+    """
+    flat = ParallelConfig(**shorthands)  # type: ignore[arg-type]
+    if parallel is None:
+        return flat
+    if not isinstance(parallel, ParallelConfig):
+        raise ValueError(f"parallel={parallel!r}: a ParallelConfig(tp=..., cp=..., pipeline=PipelineConfig.build(...)).")
+    default = ParallelConfig()
+    both = [name for name in shorthands if getattr(flat, name) != getattr(default, name)]
+    if both:
+        raise ValueError(f"parallel=ParallelConfig(...) was given with the keyword(s) {', '.join(both)} too: give each "
+                         f"setting once, inside ParallelConfig.")
+    return parallel
 
 
 @dataclass(frozen=True)

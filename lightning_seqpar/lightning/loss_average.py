@@ -21,8 +21,8 @@ def pipeline_microbatches(trainer: Any) -> int:
 def data_parallel_replicas(trainer: Any) -> int:
     """d: the replicas that see different batches (SeqParallelStrategy's data-parallel size; under another strategy,
     its processes)."""
-    mesh = getattr(trainer.strategy, "_mesh", None)  # SeqParallelStrategy's, once its process groups exist
-    return mesh.dp if mesh is not None else trainer.world_size
+    parallel = getattr(trainer.strategy, "parallel", None)  # SeqParallelStrategy's ParallelConfig
+    return parallel.dims(trainer.world_size).dp if parallel is not None else trainer.world_size
 
 
 def loss_replicas(trainer: Any) -> int:

@@ -13,9 +13,10 @@ from lightning_seqpar.context_parallel import ContextParallel
 from lightning_seqpar.hf.init import hf_initializers
 from lightning_seqpar.transformer.lora import lora_initializers
 from lightning_seqpar.lightning.pipelined_steps import PipelinedSteps
+from lightning_seqpar.lightning.config import ParallelConfig
 from lightning_seqpar.parallel.mesh import ParallelMesh
 from lightning_seqpar.parallel.random import RNGTracker
-from lightning_seqpar.pipeline_parallel.config import PipelineConfig
+from lightning_seqpar.parallel.placement import placement_of
 from lightning_seqpar.policies import pipeline_placement, rewrite
 from lightning_seqpar.rewriting import Policy, RewriteContext, RewritePlan
 from lightning_seqpar.transformer.materialize import Materializer
@@ -65,19 +66,17 @@ def seed_streams(seed: int, mesh: ParallelMesh, device: torch.device) -> RNGTrac
     return RNGTracker.for_tensor_parallel(base, tp_rank, device)
 
 
-def parallelize(model: torch.nn.Module, mesh: ParallelMesh, device: torch.device, *, seed: Optional[int],
-                broadcast: Callable[[int], int], sequence_parallel: bool, loss_parallel: bool,
-                policies: Iterable[Policy], verify: bool, pipeline: PipelineConfig,
-                source: Optional[Mapping[str, Any]] = None, cp_comm: str = "ring",
-                loss_chunk: Optional[int] = None) -> ParallelModel:
+def parallelize(model: torch.nn.Module, mesh: ParallelMesh, device: torch.device, parallel: ParallelConfig, *,
+                seed: Optional[int], broadcast: Callable[[int], int], policies: Iterable[Policy], verify: bool,
+                source: Optional[Mapping[str, Any]] = None) -> ParallelModel:
     """Rewrite ``model`` (a LightningModule, in place) into this rank's tensor (+ sequence) and pipeline parallel
-    part. ``seed``: base seed of the dropout streams and of meta-device materialization; ``None`` takes rank 0's
+    part, as ``parallel`` says (sequence and loss parallelism, the pipeline, the context-parallel attention when the
+    mesh has ``cp > 1``, the loss's chunk of positions: :class:`~lightning_seqpar.rewriting.RewriteContext`).
+    ``seed``: base seed of the dropout streams and of meta-device materialization; ``None`` takes rank 0's
     ``torch.initial_seed()`` through ``broadcast``. ``verify``: run the policies' self-checks (every rank runs
     the same, without communicating, so a refusal reaches every rank). ``source``: single-device weights read
     straight into the shards of a model built on the meta device (checked already); what it lacks is drawn with
-    the owning model's initializer (Hugging Face's, found in the model) or the policy's. ``cp_comm``: the
-    context-parallel attention (``"ring"`` or ``"all_to_all"``) when the mesh has ``cp > 1``. ``loss_chunk``: positions
-    whose logits a Hugging Face model's loss computes at once (:class:`~lightning_seqpar.rewriting.RewriteContext`).
+    the owning model's initializer (Hugging Face's, found in the model) or the policy's.
 
     Raises:
         ValueError: from the rewrite (nothing recognized, shapes that do not split) or the pipeline split, before
@@ -91,14 +90,16 @@ def parallelize(model: torch.nn.Module, mesh: ParallelMesh, device: torch.device
     # this rank keeps are allocated and filled from single-device submodules materialized one at a time from a
     # seed shared by every rank. Other stages' layers are never materialized.
     materializer = Materializer(seed, initializers=hf_initializers(model) + lora_initializers(model), source=source)
-    context = ContextParallel(mesh.context, cp_comm)  # one cp rank too: packed documents
-    ctx = RewriteContext(mesh.tensor, sequence_parallel, rng_tracker, loss_parallel, materializer, context=context,
-                         loss_chunk=loss_chunk)
+    context = ContextParallel(mesh.context, parallel.cp_comm)  # one cp rank too: packed documents
+    ctx = RewriteContext(mesh.tensor, parallel.sequence_parallel, rng_tracker, parallel.loss_parallel, materializer,
+                         context=context, loss_chunk=parallel.loss_chunk)
+    pipeline = parallel.pipeline
     policies = list(policies)
     # Read off the single-device model: the policies recognize a model by its parts, which the rewrite replaces
     # (a vocabulary-parallel embedding is no nn.Embedding); the paths stay the same.
     placement = pipeline_placement(model, policies) if pipeline.enabled else {}
     plan = rewrite(model, ctx, policies, verify)
+    check_experts(model, mesh)
     steps, remote_keys = None, []
     if pipeline.enabled:  # embeddings on the first stage, final norm and head on the last, where a policy says so
         steps, remote_keys = PipelinedSteps.build(model, pipeline, mesh.pipeline, device, placement)
@@ -131,23 +132,26 @@ def check_before_start(strategy: Any, module: Any, trainer: Any = None) -> None:
     if not isinstance(module, torch.nn.Module) or any(
             is_overridden(hook, module) for hook in ("configure_model", "setup")):
         return
-    group = ParallelGroup.virtual(strategy.tp)
-    plan_rewrite(module, RewriteContext(group, strategy.sequence_parallel, None, strategy.loss_parallel),
+    parallel = strategy.parallel
+    group = ParallelGroup.virtual(parallel.tp)
+    plan_rewrite(module, RewriteContext(group, parallel.sequence_parallel, None, parallel.loss_parallel),
                  strategy.policies, verify=False)
-    if strategy.pipeline_config.enabled:  # the stage split of the layer stack (pipeline_split's sum, p·v ≤ L)
+    if parallel.pipeline.enabled:  # the stage split of the layer stack (pipeline_split's sum, p·v ≤ L)
         stacks = [m for m in module.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 1
                   and len({type(layer) for layer in m}) == 1]
         if stacks:  # the largest list of alike modules: the layers (the ranks check the rewritten stack itself)
             layers = max(stacks, key=lambda m: sum(p.numel() for p in m.parameters()))
-            strategy.pipeline_config.layout(len(layers))
+            parallel.pipeline.layout(len(layers))
 
 
-def check_loss_chunk(loss_chunk: Optional[int]) -> Optional[int]:
-    """``loss_chunk`` if it is ``None`` or a positive number of positions.
+def check_experts(model: torch.nn.Module, mesh: ParallelMesh) -> None:
+    """A layout that splits experts (``ep > 1``) has a model with experts: a parameter placed over ``ep``.
 
     Raises:
-        ValueError: naming the value.
+        ValueError: ``ep > 1`` and no expert parameter after the rewrite (every rank decides alike: no hang).
     """
-    if loss_chunk is not None and (not isinstance(loss_chunk, int) or isinstance(loss_chunk, bool) or loss_chunk < 1):
-        raise ValueError(f"loss_chunk={loss_chunk!r}: a positive number of sequence positions, or None (no chunks).")
-    return loss_chunk
+    if mesh.dims is None or mesh.dims.ep == 1:
+        return
+    if not any(placement_of(p).shard_over == "ep" and placement_of(p).shard is not None for p in model.parameters()):
+        raise ValueError(f"ep={mesh.dims.ep} splits experts over ranks, and this model has none after the rewrite (no "
+                         f"mixture-of-experts layer was recognized): leave ep=1.")

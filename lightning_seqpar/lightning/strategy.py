@@ -22,16 +22,17 @@ from lightning_seqpar.lightning._compat import SubprocessScriptLauncher, optimiz
 from lightning_seqpar.lightning.auto_layout import AutoLayout, auto_layout_of, check_world, choose_layout
 from lightning_seqpar.lightning.checkpoint_io import AtomicCheckpointIO
 from lightning_seqpar.lightning.checkpointer import Checkpointer
-from lightning_seqpar.lightning.config import CheckpointConfig, DataParallelConfig, PrecisionConfig, check_together
+from lightning_seqpar.lightning.config import (
+    CheckpointConfig, DataParallelConfig, ParallelConfig, PrecisionConfig, check_together, parallel_config_of,
+)
 from lightning_seqpar.lightning.launcher import check_start_method, configure_launcher
-from lightning_seqpar.lightning.parallelize import check_before_start, check_loss_chunk, parallelize
+from lightning_seqpar.lightning.parallelize import check_before_start, parallelize
 from lightning_seqpar.lightning.pipelined_steps import PipelinedSteps, check_pipelined_module, refuse_predict
 from lightning_seqpar.lightning.precision import ShardAwareClipping, low_precision_residual, shard_aware
 from lightning_seqpar.lightning.preemption import add_preemption
 from lightning_seqpar.lightning.process_group import as_timedelta, report_failed_collective, start_process_group
 from lightning_seqpar.optim.grad_sync import GradientSync
-from lightning_seqpar.parallel import ParallelMesh, RNGTracker, validate_layout
-from lightning_seqpar.context_parallel import ContextParallel
+from lightning_seqpar.parallel import ParallelMesh, RNGTracker
 from lightning_seqpar.pipeline_parallel import PipelineConfig
 from lightning_seqpar.rewriting import Policy, RewritePlan
 
@@ -39,33 +40,26 @@ from lightning_seqpar.rewriting import Policy, RewritePlan
 class SeqParallelStrategy(ParallelStrategy):
     """Tensor (+ sequence) and pipeline parallel training of an ordinary LightningModule.
 
-    ``setup_environment``: the process group and the ``(pp, dp, cp, tp)`` mesh, tensor-parallel ranks fastest. ``setup``:
+    ``setup_environment``: the process groups (:class:`~lightning_seqpar.parallel.ParallelMesh`). ``setup``:
     rank 0's weights on every rank → the recognized blocks rewritten (:func:`lightning_seqpar.explain` shows which) →
     the layer stack split into pipeline stages → this rank's shards materialized (:mod:`.parallelize`) → precision →
     optimizers (sharded over data-parallel ranks with ``zero=1``). Each step runs the module's own steps, through the
-    pipeline schedule when ``pp > 1`` (:mod:`.pipelined_steps`; docs/pipeline.md states the contract); gradients are
-    then finalized over the mesh (:mod:`lightning_seqpar.optim`) and clipped by the norm of the whole unsharded
-    gradient. Checkpoints hold the single-device state dict (:mod:`.checkpointer`).
+    pipeline schedule when ``pp > 1`` (:mod:`.pipelined_steps`); gradients are finalized over the mesh
+    (:mod:`lightning_seqpar.optim`) and clipped by the whole model's norm. Checkpoints: :mod:`.checkpointer`.
 
     Parts it holds (each owns its state; the Lightning hooks below call them): :attr:`checkpointer`
     (:class:`~.checkpointer.Checkpointer`), :attr:`pipeline` (:class:`~.pipelined_steps.PipelinedSteps`, ``pp > 1``),
-    :attr:`grad_sync` (:class:`~lightning_seqpar.optim.grad_sync.GradientSync`, while fitting). Settings grouped by
-    part: ``pipeline_config`` (:class:`~lightning_seqpar.pipeline_parallel.PipelineConfig`), ``checkpointing``
-    (:class:`~.config.CheckpointConfig`), ``data_parallel`` (:class:`~.config.DataParallelConfig`),
-    ``precision_config`` (:class:`~.config.PrecisionConfig`); the flat keywords are shorthands for their fields.
+    :attr:`grad_sync` (:class:`~lightning_seqpar.optim.grad_sync.GradientSync`, while fitting). Settings by part
+    (:mod:`.config`): ``parallel``, ``checkpointing``, ``data_parallel``, ``precision_config``; the flat keywords
+    are shorthands for their fields.
 
     Args:
-        tp: tensor-parallel size t (ranks sharing each layer).
-        pp: pipeline-parallel size p (stages of the layer stack). The data-parallel size is ``world // (tp·cp·pp)``.
-        cp, cp_comm: context-parallel size c (ranks sharing each sequence, attention included; a Hugging Face causal
-            LM) and its attention, ``"ring"`` or ``"all_to_all"`` (:mod:`lightning_seqpar.context_parallel`).
-        loss_chunk: a Hugging Face model's LM head and loss run over this many positions at a time (``None``: all).
-        num_microbatches, schedule, virtual_stages, pipeline_split: shorthands for
-            :class:`~lightning_seqpar.pipeline_parallel.PipelineConfig`'s ``num_microbatches`` (m, default ``pp``),
-            ``schedule`` (``"1F1B"``, ``"gpipe"``, ``"interleaved_1F1B"``), ``virtual_stages`` (v), ``split``.
-        sequence_parallel: shard LayerNorm/dropout/residual activations along the sequence (Korthikanti et al. 2022
-            §4.2.2). Ignored when ``tp == 1``.
-        loss_parallel: compute the reference GPT's loss on vocabulary-sharded logits.
+        tp, pp, cp, cp_comm, loss_chunk, sequence_parallel, loss_parallel: shorthands for the fields of ``parallel``
+            (:class:`~.config.ParallelConfig`: t, p, c and the other settings documented there). The data-parallel
+            size is ``world // (tp·cp·pp)``.
+        num_microbatches, schedule, virtual_stages, pipeline_split: shorthands for its ``pipeline``
+            (:class:`~lightning_seqpar.pipeline_parallel.PipelineConfig`: m, default ``pp``; ``"1F1B"``, ``"gpipe"`` or
+            ``"interleaved_1F1B"``; v; the layers of each stage).
         policies: extra :class:`~lightning_seqpar.Policy` objects for the user's own block classes.
         verify_rewrite: check the rewrite before training, without communication: a Hugging Face causal LM whole (a
             small copy on emulated tp ranks), other declared blocks once per class and configuration.
@@ -79,6 +73,9 @@ class SeqParallelStrategy(ParallelStrategy):
             ``precision_config`` (:mod:`.config`'s classes), which may be given instead.
         layout: :class:`~.auto_layout.AutoLayout` (then no ``tp``/``pp``): the planner's best layout for the model,
             the world and the device memory, chosen before the process groups are built (:mod:`.auto_layout`).
+        parallel: :class:`~.config.ParallelConfig` (also ``ep``, ``expert_tp``), instead of the keywords ``tp``,
+            ``pp``, ``cp``, ``cp_comm``, ``loss_chunk``, ``sequence_parallel``, ``loss_parallel`` and the pipeline's,
+            which are its shorthands.
 
     Raises:
         ValueError: settings each config refuses, or that refuse each other (:func:`~.config.check_together`);
@@ -118,18 +115,20 @@ class SeqParallelStrategy(ParallelStrategy):
         precision_config: Optional[PrecisionConfig] = None,
         layout: Optional[AutoLayout] = None,
         cp: int = 1, cp_comm: Literal["ring", "all_to_all"] = "ring", loss_chunk: Optional[int] = 4096,
+        parallel: Optional[ParallelConfig] = None,
     ) -> None:
         self.auto, self.chosen_layout = auto_layout_of(layout, tp, pp, cp), None
-        self.cp, self.cp_comm, self.loss_chunk = cp, ContextParallel.check_comm(cp_comm), check_loss_chunk(loss_chunk)
+        self.parallel = parallel_config_of(parallel, tp=1 if tp == "auto" else tp, cp=cp, cp_comm=cp_comm,
+                                           sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
+                                           loss_chunk=loss_chunk, pipeline=PipelineConfig.build(
+                                               pp, num_microbatches, schedule, virtual_stages, pipeline_split))
         self.checkpointer = Checkpointer(checkpointing or CheckpointConfig(
             checkpoint_format, async_save, allow_non_finite_checkpoint, allow_unverified_checkpoint), self)
         self.data_parallel = data_parallel or DataParallelConfig(zero, fp32_main_params)
         check_together(self.checkpointer.config, self.data_parallel)
-        self.pipeline_config = PipelineConfig.build(pp, num_microbatches, schedule, virtual_stages, pipeline_split)
         check_start_method(start_method)
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
                          checkpoint_io=checkpoint_io or AtomicCheckpointIO(), precision_plugin=precision_plugin)
-        self.tp, self.sequence_parallel, self.loss_parallel = tp, sequence_parallel, loss_parallel
         self.policies, self.verify_rewrite = list(policies or ()), verify_rewrite
         self._seed, self._start_method, self.process_group_backend = seed, start_method, process_group_backend
         self._timeout, self.precision_config = as_timedelta(timeout), precision_config or PrecisionConfig(low_precision_residual)
@@ -142,9 +141,19 @@ class SeqParallelStrategy(ParallelStrategy):
         self.num_nodes = 1
 
     @property
+    def tp(self) -> int:
+        """t, the tensor-parallel size (``parallel.tp``)."""
+        return self.parallel.tp
+
+    @property
     def pp(self) -> int:
-        """p, the pipeline-parallel size asked for (``pipeline_config.pp``)."""
-        return self.pipeline_config.pp
+        """p, the pipeline-parallel size (``parallel.pp``)."""
+        return self.parallel.pp
+
+    @property
+    def cp(self) -> int:
+        """c, the context-parallel size (``parallel.cp``)."""
+        return self.parallel.cp
 
     @property
     def mesh(self) -> ParallelMesh:
@@ -191,7 +200,7 @@ class SeqParallelStrategy(ParallelStrategy):
         set_num_threads_if_needed(self.num_processes)
         self.set_world_ranks()
         choose_layout(self)  # layout=AutoLayout(...): from the model, world and device memory, before any allocation
-        dims = validate_layout(self.world_size, self.tp, self.pp, self.cp)  # before any collective
+        dims = self.parallel.dims(self.world_size)  # validated once, before any collective
         if self.process_group_backend is None:
             self.process_group_backend = "nccl" if self.root_device.type == "cuda" else "gloo"
         assert self.cluster_environment is not None
@@ -214,16 +223,14 @@ class SeqParallelStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         if self.model is not self._parallelized:  # fit() then validate() on one trainer: rewritten once
             parallel = parallelize(
-                self.model, self.mesh, self.root_device, seed=self._seed, broadcast=self.broadcast,
-                sequence_parallel=self.sequence_parallel, loss_parallel=self.loss_parallel, policies=self.policies,
-                verify=self.verify_rewrite, pipeline=self.pipeline_config, source=self.checkpointer.initial_weights,
-                cp_comm=self.cp_comm, loss_chunk=self.loss_chunk)
+                self.model, self.mesh, self.root_device, self.parallel, seed=self._seed, broadcast=self.broadcast,
+                policies=self.policies, verify=self.verify_rewrite, source=self.checkpointer.initial_weights)
             self.checkpointer.initial_weights = None
             if self.precision_config.low_precision_residual:
                 low_precision_residual(self.model, self.precision_plugin)
             self.rng_tracker, self.rewrite_plan = parallel.rng_tracker, parallel.rewrite_plan
             self.pipeline, self.checkpointer.remote_keys = parallel.pipeline, parallel.remote_keys
-            self._parallelized = self.model
+            self._parallelized = self.checkpointer.rewritten = self.model
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self.barrier()
@@ -245,9 +252,8 @@ class SeqParallelStrategy(ParallelStrategy):
     @contextmanager
     @override
     def model_sharded_context(self) -> Generator[None, None, None]:
-        """Where Lightning runs ``configure_model()``: on the meta device, so no rank ever holds the whole
-        model. The strategy materializes this rank's shards (and pipeline stage) during setup, each
-        single-device block initialized by its own initializer just before it is sliced."""
+        """``configure_model()`` runs on the meta device: no rank holds the whole model; setup materializes this
+        rank's shards (and stage), each single-device block initialized by its own initializer, then sliced."""
         with torch.device("meta"):
             yield
 
@@ -258,20 +264,14 @@ class SeqParallelStrategy(ParallelStrategy):
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        def closure_then_finalize() -> Any:
-            # The closure runs the window's last backward: buckets reduce during it, gradients are final before clipping.
-            assert self.grad_sync is not None
-            with self.grad_sync.final_backward(optimizer):
-                return closure()
-
-        return super().optimizer_step(optimizer, closure_then_finalize, model, **kwargs)
+        assert self.grad_sync is not None
+        return super().optimizer_step(optimizer, self.grad_sync.finalizing(optimizer, closure), model, **kwargs)
 
     # ---- Lightning's hooks, each handed to the part that owns it
     @property
     @override
     def precision_plugin(self) -> Precision:  # kept as its shard_aware subclass: clipping must see every shard and stage
-        if self._precision_plugin is None:
-            self._precision_plugin = shard_aware(None)
+        self._precision_plugin = self._precision_plugin or shard_aware(None)
         return self._precision_plugin
 
     @precision_plugin.setter

@@ -50,7 +50,7 @@ from lightning_seqpar.parallel.mesh import ParallelMesh
 from lightning_seqpar.tensor_parallel.dcp_ranges import MAIN_PARAM, RangeLayout, dcp_range_view, range_layout
 from lightning_seqpar.parallel.placement import placement_of
 from lightning_seqpar.tensor_parallel.sharding import (
-    ShardMeshes, dcp_view, full_shape, is_pipeline_tied, saved_shape, shard_spec,
+    ShardMeshes, dcp_view, full_shape, saved_shape, shard_spec,
 )
 
 
@@ -135,9 +135,9 @@ class DistributedOptimizer(Optimizer):
         owned = {id(p): self.buckets.owned_gradient(p) for p in params}
         for name, chosen in by_group(params, "partial_over"):
             _all_reduce_coalesced([owned[id(p)] for p in chosen], mesh.group(name))
-        for over, host, chosen in ((mesh.pipeline, mesh.host("pipeline"), shared_over_stages(params)),
-                                   (mesh.embedding, mesh.host("embedding"), [p for p in params if is_pipeline_tied(p)])):
-            if over.size > 1 and chosen:
+        for name, chosen in by_group(params, "stage_group"):
+            over, host = mesh.group(name), mesh.host(name)
+            if over.size > 1:
                 for p, u in zip(chosen, used_anywhere([used[id(p)] for p in chosen], host)):
                     used[id(p)] = u
                 _all_reduce_coalesced([owned[id(p)] for p in chosen], over)
@@ -373,7 +373,7 @@ def distribute_optimizers(optimizers: Sequence[Optimizer], lr_scheduler_configs:
     Raises:
         ValueError: from :class:`DistributedOptimizer`.
     """
-    if mesh.data.size == 1 and mesh.size("edp") == 1:
+    if all(mesh.size(name) == 1 for name in ("dp_cp", "edp")):
         warnings.warn("zero=1 shards the optimizer state over the data-parallel ranks, and this run has one (dp = 1): "
                       "nothing is saved. Use zero=0, or more devices than tp·pp.", stacklevel=2)
     sharded = [o if isinstance(o, DistributedOptimizer) else DistributedOptimizer(o, mesh, not pipelined, main_params)

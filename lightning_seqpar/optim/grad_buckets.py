@@ -54,7 +54,7 @@ class Replicas:
     @classmethod
     def of_mesh(cls, mesh: ParallelMesh) -> "Replicas":
         """Each parameter's ``replicated_over`` group of ``mesh``; divided by d·c."""
-        return cls(lambda p: mesh.group(placement_of(p).replicated_over), mesh.data.size)
+        return cls(lambda p: mesh.group(placement_of(p).replicated_over), mesh.replicas)
 
     @classmethod
     def over(cls, group: ParallelGroup) -> "Replicas":

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import warnings
 from contextlib import contextmanager
-from typing import Any, Iterable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch.nn as nn
 from torch import Tensor
@@ -147,6 +147,15 @@ class GradientSync:
             finally:
                 self._window = None
         owner.finish_gradients()
+
+    def finalizing(self, optimizer: Optimizer, closure: Callable[[], Any]) -> Callable[[], Any]:
+        """``closure`` (it runs the window's last backward) run inside :meth:`final_backward`: the buckets reduce
+        during its backward, and the gradients are final before clipping."""
+        def closure_then_finalize() -> Any:
+            with self.final_backward(optimizer):
+                return closure()
+
+        return closure_then_finalize
 
     def schedule(self, params: Sequence[nn.Parameter], batch_idx: int, accumulate: int,
                  device_scaled: bool) -> ScheduleGradients:

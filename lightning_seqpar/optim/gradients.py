@@ -71,14 +71,15 @@ def shared_over_stages(params: Iterable[torch.nn.Parameter]) -> list[torch.nn.Pa
 
 
 def by_group(params: Iterable[torch.nn.Parameter], field: str) -> list[tuple[str, list[torch.nn.Parameter]]]:
-    """``params`` grouped by the group their placement names in ``field`` (``"replicated_over"``, ``"partial_over"``:
-    a parameter under each name it lists), in :data:`~lightning_seqpar.parallel.dims.GROUPS` order."""
+    """``params`` grouped by the group their placement names in ``field`` (``"replicated_over"``, ``"stage_group"``,
+    ``"partial_over"``: a parameter under each name it lists; none: left out), in the fixed order of
+    :data:`~lightning_seqpar.parallel.dims.GROUPS` then ``"embedding"``."""
     chosen: dict[str, list[torch.nn.Parameter]] = {}
     for p in params:
         value = getattr(placement_of(p), field)
-        for name in (value if isinstance(value, tuple) else (value,)):
+        for name in (value if isinstance(value, tuple) else () if value is None else (value,)):
             chosen.setdefault(name, []).append(p)
-    return [(name, chosen[name]) for name in GROUPS if name in chosen]
+    return [(name, chosen[name]) for name in (*GROUPS, "embedding") if name in chosen]
 
 
 def finalize_gradients(parameters: Iterable[torch.nn.Parameter], mesh: ParallelMesh,
@@ -103,11 +104,11 @@ def finalize_gradients(parameters: Iterable[torch.nn.Parameter], mesh: ParallelM
     with_grad = [p for p in params if p.grad is not None]
     for name, chosen in by_group(with_grad, "partial_over"):
         _all_reduce_coalesced([p.grad for p in chosen], mesh.group(name))
-    _sum_over_stages(shared_over_stages(params), mesh.pipeline, mesh.host("pipeline"))
-    _sum_over_stages([p for p in params if is_pipeline_tied(p)], mesh.embedding, mesh.host("embedding"))
+    for name, chosen in by_group(params, "stage_group"):
+        _sum_over_stages(chosen, mesh.group(name), mesh.host(name))
     pending = [p for p in params if p.grad is not None and id(p) not in averaged]
     for name, chosen in by_group(pending, "replicated_over"):
-        _all_reduce_coalesced([p.grad for p in chosen], mesh.group(name), scale=1.0 / mesh.data.size)
+        _all_reduce_coalesced([p.grad for p in chosen], mesh.group(name), scale=1.0 / mesh.replicas)
 
 
 def _upcast(grad: Tensor) -> Tensor:

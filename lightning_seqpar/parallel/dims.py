@@ -54,10 +54,7 @@ class ParallelDims:
     etp: Optional[int] = None
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "cp", "ep") + (("etp",) if self.etp is not None else ()):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
+        check_sizes(tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep, **({} if self.etp is None else {"etp": self.etp}))
         unit = self.tp * self.cp * self.pp
         if self.world_size % unit:
             names = "tp·pp" if self.cp == 1 else "tp·cp·pp"
@@ -121,6 +118,17 @@ class ParallelDims:
         """``tp=2 cp=1 pp=1 dp=4 ep=1`` (and the expert sizes when experts are split)."""
         text = f"tp={self.tp} cp={self.cp} pp={self.pp} dp={self.dp} ep={self.ep}"
         return text + (f" etp={self.expert_tp} edp={self.edp}" if self.ep > 1 or self.etp is not None else "")
+
+
+def check_sizes(**sizes: object) -> None:
+    """Each of ``sizes`` (``tp=2, ...``) is a positive integer.
+
+    Raises:
+        ValueError: naming the first that is not.
+    """
+    for name, value in sizes.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
 
 
 @lru_cache(maxsize=256)

@@ -83,6 +83,11 @@ class ParallelMesh:
         return self.group("dp_cp")
 
     @property
+    def replicas(self) -> int:
+        """The number of data replicas (d·c) a summed gradient is divided by, whichever group summed it."""
+        return self.data.size
+
+    @property
     def pipeline(self) -> ParallelGroup:
         """The pipeline-parallel group (size p)."""
         return self.group("pp")

@@ -162,6 +162,12 @@ class Placement:
         if self.stage not in STAGES:
             raise ValueError(f"Placement stage {self.stage!r}: one of {STAGES}.")
 
+    @property
+    def stage_group(self) -> Optional[str]:
+        """The group over which pipeline stages' parts of the gradient are summed: ``"pp"`` for a parameter every
+        stage holds, ``"embedding"`` (the first and the last stage) for a tied one, ``None`` for a stage's own."""
+        return {"shared": "pp", "tied": "embedding", "local": None}[self.stage]
+
     def counted_on(self, pipeline_rank: int) -> bool:
         """Whether this pipeline stage counts the parameter in whole-model sums (norms, parameter counts): not a
         tied parameter's copy on the last stage."""

@@ -202,7 +202,7 @@ def test_the_recipe_strategy_group_builds_a_context_parallel_strategy():
     with initialize_config_dir(str(conf), version_base=None):
         cfg = compose("config", overrides=["model=llama_tiny", "strategy=tp2_cp2", "strategy.cp_comm=all_to_all"])
     strategy = SeqParallelStrategy(**OmegaConf.to_container(cfg.strategy, resolve=True))
-    assert (strategy.tp, strategy.cp, strategy.cp_comm) == (2, 2, "all_to_all")
+    assert (strategy.tp, strategy.cp, strategy.parallel.cp_comm) == (2, 2, "all_to_all")
     assert cfg.model.block_size % (2 * strategy.cp * strategy.tp) == 0  # the published block splits
 
 

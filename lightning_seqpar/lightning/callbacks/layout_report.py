@@ -62,7 +62,7 @@ def predicted_peak(trainer: pl.Trainer, module: pl.LightningModule, seq_len: int
     model = _planned_model(module)
     if model is None:
         return None, f"the planner does not know {type(module).__name__}'s model"
-    config = strategy.pipeline_config
+    config = strategy.parallel.pipeline
     dp = mesh.dp
     m = config.num_microbatches if mesh.pp > 1 else 1
     record = LayoutRecord(mesh.tp, 1, mesh.pp, config.virtual_stages, dp, strategy.data_parallel.zero,
