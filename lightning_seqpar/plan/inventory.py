@@ -133,9 +133,9 @@ def inventory_of_model(model: nn.Module, specs: dict[str, Any], placement: dict[
         layer, spec = model.get_submodule(path), specs[path]
         attention, mlp = spec.projections()
         column = [*attention, *mlp]
-        if spec.qk_norm_over_heads:
-            column += [p for p in (spec.q_norm, spec.k_norm) if p]
-        row = [spec.attention_out, spec.mlp_out]
+        if spec.attention.qk_norm_over_heads:
+            column += [p for p in (spec.attention.q_norm, spec.attention.k_norm) if p]
+        row = [spec.attention.attention_out, spec.mlp.mlp_out]
         for pname, param in layer.named_parameters():
             roles[id(param)] = (_split(pname, column, row), "layer", index)
     for param in embedding.parameters():
@@ -187,13 +187,14 @@ def _sizes(name: str, entries: list[ParameterEntry], layers: int, embedding: nn.
     from lightning_seqpar.transformer.block_spec import out_features, resolve, value_of
 
     hidden = embedding.weight.shape[1]
-    heads = int(value_of(sample, spec.num_heads))
-    kv_heads = int(value_of(sample, spec.num_kv_heads) or heads)
-    head_dim = int(value_of(sample, spec.head_dim) or hidden // heads)
+    heads = int(value_of(sample, spec.attention.num_heads))
+    kv_heads = int(value_of(sample, spec.attention.num_kv_heads) or heads)
+    head_dim = int(value_of(sample, spec.attention.head_dim) or hidden // heads)
     _, mlp = spec.projections()
-    ffn = out_features(resolve(sample, mlp[0])) // (2 if spec.gate_up else 1)
-    dropout = value_of(sample, spec.attention_dropout) if isinstance(spec.attention_dropout, (int, float)) else 0.0
-    attention = value_of(sample, spec.attention) if "." in spec.attention else spec.attention
+    ffn = out_features(resolve(sample, mlp[0])) // (2 if spec.mlp.gate_up else 1)
+    declared = spec.attention
+    dropout = value_of(sample, declared.attention_dropout) if isinstance(declared.attention_dropout, (int, float)) else 0.0
+    attention = value_of(sample, declared.implementation) if "." in declared.implementation else declared.implementation
     return ModelInventory(name, entries, layers, hidden, heads, kv_heads, head_dim, ffn, embedding.weight.shape[0],
-                          gated_mlp=len(mlp) == 2 or bool(spec.gate_up), attention_dropout=float(dropout or 0.0),
+                          gated_mlp=len(mlp) == 2 or bool(spec.mlp.gate_up), attention_dropout=float(dropout or 0.0),
                           eager_attention=attention == "eager")

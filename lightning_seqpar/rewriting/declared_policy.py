@@ -93,29 +93,29 @@ class DeclaredBlockPolicy(Policy):
     def check(self, module: nn.Module, ctx: RewriteContext, name: str) -> None:
         spec = self.spec_for(module)
         attention, mlp = spec.projections()
-        if bool(spec.qkv) == bool(spec.q or spec.k or spec.v) or (not spec.qkv and not (spec.q and spec.k and spec.v)):
+        if bool(spec.attention.qkv) == bool(spec.attention.q or spec.attention.k or spec.attention.v) or (not spec.attention.qkv and not (spec.attention.q and spec.attention.k and spec.attention.v)):
             raise ValueError(f"{name}: declare the attention input as qkv='...' (fused) or as q=, k=, v= (all three).")
-        kinds = [bool(spec.mlp_in), bool(spec.gate or spec.up), bool(spec.gate_up)]
-        if sum(kinds) != 1 or (kinds[1] and not (spec.gate and spec.up)):
+        kinds = [bool(spec.mlp.mlp_in), bool(spec.mlp.gate or spec.mlp.up), bool(spec.mlp.gate_up)]
+        if sum(kinds) != 1 or (kinds[1] and not (spec.mlp.gate and spec.mlp.up)):
             raise ValueError(f"{name}: declare the MLP input as mlp_in='...', as gate= and up= (both), or as gate_up= "
                              f"(fused).")
-        linears = {*attention, *mlp, spec.attention_out, spec.mlp_out}
+        linears = {*attention, *mlp, spec.attention.attention_out, spec.mlp.mlp_out}
         try:
             for role, path in spec.paths().items():
                 found = resolve(module, path)
                 if path in linears and lora_parts(found, f"{name}: the declared {role} '{path}'") is not None:
                     found = linear_of(found)  # a LoRA adapter the parallel block carries: the base is split
                 transposed_ok = spec.transposed and getattr(getattr(found, "weight", None), "dim", lambda: 0)() == 2
-                packed = path == spec.qkv and isinstance(found, nn.MultiheadAttention)
+                packed = path == spec.attention.qkv and isinstance(found, nn.MultiheadAttention)
                 if path in linears and not (isinstance(found, nn.Linear) or transposed_ok or packed):
                     raise ValueError(f"{name}: the declared {role} '{path}' is a {type(found).__name__}, not an "
                                      f"nn.Linear (a Conv1D-style [in, out] weight needs transposed=True).")
-            heads = value_of(module, spec.num_heads)
-            kv_heads = value_of(module, spec.num_kv_heads) or heads
-            if not spec.activation.startswith("F."):
-                resolve(module, spec.activation)
-            if spec.rotary and not callable(rotary_function(module, spec)):
-                raise ValueError(f"{name}: the declared rotary function '{spec.rotary}' is not in "
+            heads = value_of(module, spec.attention.num_heads)
+            kv_heads = value_of(module, spec.attention.num_kv_heads) or heads
+            if not spec.mlp.activation.startswith("F."):
+                resolve(module, spec.mlp.activation)
+            if spec.attention.rotary and not callable(rotary_function(module, spec)):
+                raise ValueError(f"{name}: the declared rotary function '{spec.attention.rotary}' is not in "
                                  f"{type(module).__module__}.")
         except AttributeError as error:
             raise ValueError(f"{name} ({type(module).__name__}): the block declaration names a part that does not "
@@ -131,9 +131,9 @@ class DeclaredBlockPolicy(Policy):
                 f"{name}: num_key_value_heads = {kv_heads} is not divisible by the tensor-parallel size tp = {ctx.tp} "
                 f"(grouped-query attention splits the key/value heads over tp ranks). Valid tp: {valid}."
             )
-        width = out_features(resolve(module, mlp[0])) // (2 if spec.gate_up else 1)
+        width = out_features(resolve(module, mlp[0])) // (2 if spec.mlp.gate_up else 1)
         require_divisible(name, "the MLP width", width, ctx.tp)
-        implementation = value_of(module, spec.attention) if "." in spec.attention else spec.attention
+        implementation = value_of(module, spec.attention.implementation) if "." in spec.attention.implementation else spec.attention.implementation
         if implementation not in ATTENTION_IMPLEMENTATIONS:
             raise ValueError(
                 f"{name}: attn_implementation={implementation!r} is not supported under tensor parallelism. Use "
@@ -172,20 +172,20 @@ class DeclaredBlockPolicy(Policy):
     def describe(self, module: nn.Module, ctx: RewriteContext) -> str:
         spec = self.spec_for(module)
         attention, mlp = spec.projections()
-        heads = value_of(module, spec.num_heads)
-        kv_heads = value_of(module, spec.num_kv_heads) or heads
-        implementation = value_of(module, spec.attention) if "." in spec.attention else spec.attention
+        heads = value_of(module, spec.attention.num_heads)
+        kv_heads = value_of(module, spec.attention.num_kv_heads) or heads
+        implementation = value_of(module, spec.attention.implementation) if "." in spec.attention.implementation else spec.attention.implementation
         heads_text = (f"{heads} query / {kv_heads} key-value heads → {heads // ctx.tp} / {kv_heads // ctx.tp}"
                       if kv_heads != heads else f"{heads} heads → {heads // ctx.tp}")
         return (
             f"{type(module).__name__}{self.layout_name()}: {heads_text} per rank "
-            f"({'/'.join(attention)} column-parallel, one gather; {spec.attention_out} row-parallel); "
-            f"{'/'.join(mlp)} column-parallel, {spec.mlp_out} row-parallel; "
-            f"{'/'.join(dict.fromkeys(p for p in (spec.attention_norm, spec.attention_post_norm, spec.mlp_norm, spec.mlp_post_norm) if p))} "
+            f"({'/'.join(attention)} column-parallel, one gather; {spec.attention.attention_out} row-parallel); "
+            f"{'/'.join(mlp)} column-parallel, {spec.mlp.mlp_out} row-parallel; "
+            f"{'/'.join(dict.fromkeys(p for p in (spec.attention.attention_norm, spec.attention.attention_post_norm, spec.mlp.mlp_norm, spec.mlp.mlp_post_norm) if p))} "
             f"{'sequence-parallel' if ctx.sp else 'replicated'}; "
             f"{'parallel residual; ' if spec.parallel_residual else ''}attention {implementation}"
-            + (f" soft-capped at {value_of(module, spec.attention_softcap)}"
-               if value_of(module, spec.attention_softcap) is not None and implementation != "sdpa" else "")
+            + (f" soft-capped at {value_of(module, spec.attention.attention_softcap)}"
+               if value_of(module, spec.attention.attention_softcap) is not None and implementation != "sdpa" else "")
             + (" (fused kernel: no s² tensor, selective recompute unnecessary)" if implementation == "sdpa" else "")
             + (self._context_text(module, spec, ctx) if ctx.cp > 1 else "")
             + self._lora_text(module, spec, ctx)
@@ -196,7 +196,7 @@ class DeclaredBlockPolicy(Policy):
         """The LoRA adapters a PEFT model put on the projections, and how they are split."""
         attention, mlp = spec.projections()
         adapted = {}
-        for path in (*attention, spec.attention_out, *mlp, spec.mlp_out):
+        for path in (*attention, spec.attention.attention_out, *mlp, spec.mlp.mlp_out):
             parts = lora_parts(resolve(module, path), path)
             if parts is not None:
                 adapted[path] = parts
@@ -204,14 +204,14 @@ class DeclaredBlockPolicy(Policy):
             return ""
         ranks = sorted({p.a.shape[0] for p in adapted.values()})
         frozen = sum(p.numel() for p in module.parameters() if not p.requires_grad)
-        rows = {spec.attention_out, spec.mlp_out}
+        rows = {spec.attention.attention_out, spec.mlp.mlp_out}
         return (f"; LoRA r={'/'.join(map(str, ranks))} on {'/'.join(adapted)} (column: A replicated, B split; row: "
                 f"A split, B replicated, added before the one reduction); {frozen:,} frozen parameters: no gradient, "
                 f"no optimizer state" + (f"; {sum(p not in rows for p in adapted)} r-sized all-gathers per layer"
                                           if ctx.sp and ctx.tp > 1 else ""))
 
     def _context_text(self, module: nn.Module, spec: BlockSpec, ctx: RewriteContext) -> str:
-        window = value_of(module, spec.sliding_window)
+        window = value_of(module, spec.attention.sliding_window)
         c = ctx.cp
         return (f"; context parallel over cp={c} ({ctx.context.comm}): each rank's s/{c} tokens in chunks r and "
                 f"{2 * c - 1}−r of {2 * c}, attention block by block (log-sum-exp merged; no s² tensor kept"

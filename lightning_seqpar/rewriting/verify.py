@@ -31,9 +31,9 @@ def _inputs(block: nn.Module, spec: BlockSpec, tp: int) -> tuple[Tensor, dict[st
     """A ``[b, s, h]`` float64 input (s a multiple of t, so that it splits under SP) and the keyword arguments
     the block takes: a causal additive ``attention_mask`` and, with a rotary function, ``position_embeddings``."""
     generator = torch.Generator().manual_seed(0)
-    hidden = out_features(resolve(block, spec.attention_out))
-    heads = value_of(block, spec.num_heads)
-    head_dim = value_of(block, spec.head_dim) or hidden // heads
+    hidden = out_features(resolve(block, spec.attention.attention_out))
+    heads = value_of(block, spec.attention.num_heads)
+    head_dim = value_of(block, spec.attention.head_dim) or hidden // heads
     s = 4 * tp
     x = torch.randn(BATCH, s, hidden, generator=generator, dtype=torch.float64)
     accepted = inspect.signature(block.forward).parameters
@@ -43,7 +43,7 @@ def _inputs(block: nn.Module, spec: BlockSpec, tp: int) -> tuple[Tensor, dict[st
         future = torch.ones(s, s, dtype=torch.bool).triu(1)
         kwargs["attention_mask"] = torch.zeros(BATCH, 1, s, s, dtype=torch.float64).masked_fill(
             future, torch.finfo(torch.float64).min)
-    if spec.rotary and ("position_embeddings" in accepted or takes_any):
+    if spec.attention.rotary and ("position_embeddings" in accepted or takes_any):
         angles = torch.rand(BATCH, s, head_dim, generator=generator, dtype=torch.float64) * 6.28
         kwargs["position_embeddings"] = (angles.cos(), angles.sin())
     return x, kwargs

@@ -1,211 +1,123 @@
-"""A declaration of a pre-norm transformer block: which of its submodules plays which part (:class:`BlockSpec`),
-and the checks that the declaration names every part the block has."""
+"""A declaration of a transformer block as parts (:class:`BlockSpec`: an attention part and an MLP part, and how
+they join the residual), and the checks that the declaration names every part the block has."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import sys
+from dataclasses import dataclass, fields, replace
 from typing import Any, Callable, Optional, Union
 
-import sys
-
-import torch
 import torch.nn as nn
 
-from lightning_seqpar.transformer.tuner_layers import linear_of
+from lightning_seqpar.transformer.attention_part import AttentionSpec
+from lightning_seqpar.transformer.mlp_part import DenseMLPSpec
+from lightning_seqpar.transformer.paths import maybe_resolve, out_features, resolve, value_of  # noqa: F401  (re-exported)
+
 
 ATTENTION_IMPLEMENTATIONS = ("eager", "sdpa")
+_ATTENTION_FIELDS = {f.name for f in fields(AttentionSpec)}
+_MLP_FIELDS = {f.name for f in fields(DenseMLPSpec)}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class BlockSpec:
-    """Which submodules of a pre-norm transformer block play which part (dotted paths inside the block).
+    """A transformer block as parts: which submodules of the user's block make its attention (:attr:`attention`, an
+    :class:`~lightning_seqpar.transformer.attention_part.AttentionSpec`) and its MLP (:attr:`mlp`, a
+    :class:`~lightning_seqpar.transformer.mlp_part.DenseMLPSpec`; the slot a mixture of experts fills next), and how
+    the block joins them to the residual stream (Megatron-Core's ``TransformerLayerSubmodules``).
+
+    Declared nested, ``BlockSpec(AttentionSpec(...), DenseMLPSpec(...), residual_dropouts=...)``, or flat, each field of
+    a part given by its name (``BlockSpec(attention_norm="ln_1", qkv="attn.c_attn", mlp_in="mlp.c_fc", ...)``;
+    ``attention="sdpa"`` is the attention part's ``implementation``), which every declaration so far uses; flat fields
+    given with a nested part change that part (``dataclasses.replace(spec, causal=True)``).
 
     Attributes:
-        attention_norm: the norm before attention (LayerNorm, RMSNorm, ...; joins the sequence-parallel region);
-            ``None``: none (OLMo 2 normalizes the branch outputs only, ``attention_post_norm``).
-        mlp_norm: the norm before the MLP (joins the sequence-parallel region); ``None``: none.
-        attention_out: the attention output projection (``nn.Linear``, row-parallel).
-        mlp_out: the MLP output projection (``nn.Linear``, row-parallel).
-        num_heads: the query head count: an ``int``, or the path of the attribute holding it (e.g.
-            ``"attn.n_head"``, ``"self_attn.config.num_attention_heads"``).
-        qkv: a fused ``[q; k; v]`` projection (``nn.Linear``, column-parallel, split per head block; or an
-            ``nn.MultiheadAttention``, whose packed ``in_proj_weight`` is that projection); or
-        q, k, v: three separate projections (column-parallel, one all-gather for the three).
-        qkv_per_head: the fused projection's rows are grouped by key/value head rather than ``[q; k; v]``: for each
-            key/value head g, its ``a/a_kv`` query heads, then ``k_g``, then ``v_g`` (Falcon's new architecture;
-            GPT-NeoX and Falcon without grouping, ``a_kv = a``: ``[q_h; k_h; v_h]`` per head); split over t ranks by
-            whole groups.
-        mlp_in: the MLP input projection (column-parallel); or
-        gate, up: a gated MLP, ``act(gate(x)) · up(x)`` (SwiGLU; column-parallel, one all-gather); or
-        gate_up: the two fused as one ``[gate; up]`` projection (Phi-3, GLM), split per rank as ``[gate_r; up_r]`` so
-            checkpoints and exports keep the fused layout.
-        activation: the path of the activation (a module or a function attribute, e.g. ``"mlp.gelu"``,
-            ``"mlp.act_fn"``), or a name of ``torch.nn.functional`` prefixed ``"F."`` (``"F.gelu"``).
-        num_kv_heads: key/value heads of grouped-query attention (int or attribute path); default ``num_heads``.
-        head_dim: per-head size (int or attribute path); default ``hidden_size // num_heads``.
-        attention_dropout: dropout on the attention probabilities: a float, or the path of an ``nn.Dropout``
-            or of a float attribute.
-        residual_dropouts: paths of the ``nn.Dropout`` after ``attention_out`` and after ``mlp_out`` (0 or 2).
-        rotary: a function ``(q, k, cos, sin) -> (q, k)`` (or its name in the block's own Python module), applied to
-            q and k when the caller passes ``position_embeddings=(cos, sin)`` (Hugging Face's ``apply_rotary_pos_emb``).
-        causal: mask future positions when no ``attention_mask`` is passed.
-        attention: ``"eager"`` (explicit core attention: selective recomputation applies) or ``"sdpa"`` (fused,
-            keeps no s² tensor); or the path of an attribute holding one of them.
-        softmax_dtype: dtype of the eager softmax (``torch.float32`` as Hugging Face computes it); default the
-            scores' dtype.
-        scaling: attention score scale: a float, or the path of a float attribute; default ``head_dim ** -0.5``.
-        transposed: the projections store their weights ``[in, out]`` (Hugging Face's ``Conv1D``, GPT-2);
-            shards keep that layout, so state-dict shapes stay the original's.
-        arguments: the names of the positional arguments the model passes after the hidden states, in order
-            (GPT-2's model calls ``block(hidden, cache, mask, encoder_hidden_states, ...)``: ``("cache",
-            "attention_mask", "encoder_hidden_states")``); default none, every other argument by keyword. Names and
-            what the parallel block does with each: :mod:`lightning_seqpar.transformer.block_arguments`; any other
-            argument that is not ``None`` is refused by name.
-        norm_first: pre-norm (``x + f(norm(x))``, the default) or post-norm (``norm(x + f(x))``, the original
-            Transformer's and torch's ``norm_first=False``): a bool, or the path of a bool attribute.
-        mlp_dropout: the path of an ``nn.Dropout`` between the activation and ``mlp_out`` (torch's encoder layer
-            ``dropout``); it sees ``[s, b, ffn/t]`` features, so each rank draws its own mask.
-        batch_first: the block's input and output are ``[b, s, h]`` (default) or ``[s, b, h]`` where the parallel
-            region starts or ends: a bool, or the path of a bool attribute (``"self_attn.batch_first"``).
-        parallel_residual: attention and MLP both read the block's input and both join the residual,
-            ``x + attn(norm1(x)) + mlp(norm2(x))`` (Cohere with one norm, ``mlp_norm`` = ``attention_norm``; GPT-NeoX
-            with two); pre-norm only.
-        attention_post_norm, mlp_post_norm: norms applied to the attention / MLP output before it joins the
-            residual (``x + post_norm(f(norm(x)))``: Gemma 2/3's ``post_attention_layernorm`` and
-            ``post_feedforward_layernorm``); on ``[s/t, b, h]`` shards under SP, their weights sequence-parallel.
-        attention_softcap: attention-logit soft-capping, ``cap · tanh(scores / cap)`` before the mask (Gemma 2's
-            ``attn_logit_softcapping``): a float, or the path of a float attribute; ``None``: none. Explicit
-            attention only (a fused kernel has no soft-cap).
-        residual_multiplier: each branch's output is scaled by it before joining the residual,
-            ``x + m · f(norm(x))`` (Granite's ``residual_multiplier``): a float, or the path of a float attribute;
-            ``None``: 1.
-        qk_norm_over_heads: ``q_norm`` / ``k_norm`` normalize the whole projection (all heads together, OLMo 2), an
-            RMSNorm over features split across tp: its weight is sharded and the mean of squares summed over tp
-            (:class:`~lightning_seqpar.tensor_parallel.norms.TensorParallelRMSNorm`).
-        q_norm, k_norm: norms applied to each query / key head (over ``head_dim``) after the projection and before
-            the rotary embedding (Qwen3, OLMo-2 style). Their weights are replicated; each rank normalizes a share
-            of the heads, so their gradients are summed over the tensor-parallel group. A norm with a weight of its
-            own per head (a ``[a, d]`` weight, Cohere's ``use_qk_norm``; or a ``ModuleList`` ``norms`` of one
-            ``nn.LayerNorm`` per head, StableLM's ``qk_layernorm``) applies this rank's heads' weights
-            (:class:`~lightning_seqpar.tensor_parallel.norms.LocalHeadsNorm`).
-
-        sliding_window: the layer's attention window w (a query sees the keys at most ``w − 1`` positions back): an
-            int, or the path of an attribute (``"self_attn.sliding_window"``, ``None`` on full-attention layers). Read
-            under context parallelism only, where the block masks each ring block itself; on one cp rank the
-            model's own masks carry the window.
+        attention: the attention part's declaration (its norms, projections, heads, rotary, masks, soft-cap, window).
+        mlp: the MLP part's declaration (its norms, projections, activation, inner dropout).
+        residual_dropouts: paths of the ``nn.Dropout`` after the attention and after the MLP output (0 or 2).
+        transposed: the projections store their weights ``[in, out]`` (Hugging Face's ``Conv1D``, GPT-2); shards keep
+            that layout, so state-dict shapes stay the original's.
+        arguments: the names of the positional arguments the model passes after the hidden states, in order (GPT-2:
+            ``("cache", "attention_mask", "encoder_hidden_states")``); default none, every other argument by keyword
+            (:mod:`lightning_seqpar.transformer.block_arguments`); any other argument that is not ``None`` is refused.
+        norm_first: pre-norm (``x + f(norm(x))``, the default) or post-norm (``norm(x + f(x))``, torch's
+            ``norm_first=False``): a bool, or the path of a bool attribute.
+        parallel_residual: attention and MLP both read the block's input, ``x + attn(norm1(x)) + mlp(norm2(x))``
+            (Cohere with one norm, GPT-NeoX with two); pre-norm only.
+        residual_multiplier: each branch's output scaled before joining the residual (Granite): a float or a float
+            attribute's path; ``None``: 1.
         returns_attention_weights: the block returns ``(hidden_states, attention_weights)`` and its model reads
             ``outputs[0]`` (Falcon): the parallel block returns ``(hidden_states, None)``.
+        batch_first: the block's input and output are ``[b, s, h]`` (default) or ``[s, b, h]`` where the parallel
+            region starts or ends: a bool, or the path of a bool attribute.
 
     Every parameter and buffer of the block must sit in a declared part: :func:`undeclared_parts` lists the
     others, and the policy refuses such a block.
+
+    Raises:
+        TypeError: a flat field no part has (named), or a part's required field missing.
     """
 
-    attention_norm: Optional[str]
-    mlp_norm: Optional[str]
-    attention_out: str
-    mlp_out: str
-    num_heads: Union[int, str]
-    activation: str
-    qkv: Optional[str] = None
-    q: Optional[str] = None
-    k: Optional[str] = None
-    v: Optional[str] = None
-    mlp_in: Optional[str] = None
-    gate: Optional[str] = None
-    up: Optional[str] = None
-    gate_up: Optional[str] = None
-    qkv_per_head: bool = False
-    qk_norm_over_heads: bool = False
-    num_kv_heads: Union[int, str, None] = None
-    head_dim: Union[int, str, None] = None
-    attention_dropout: Union[float, str] = 0.0
+    attention: AttentionSpec
+    mlp: DenseMLPSpec
     residual_dropouts: tuple[str, ...] = ()
-    rotary: Union[str, Callable[..., Any], None] = None
-    causal: bool = True
-    attention: str = "eager"
-    softmax_dtype: Optional[torch.dtype] = None
-    scaling: Union[float, str, None] = None
     transposed: bool = False
     arguments: tuple[str, ...] = ()
-    q_norm: Optional[str] = None
-    k_norm: Optional[str] = None
     norm_first: Union[bool, str] = True
     parallel_residual: bool = False
-    attention_post_norm: Optional[str] = None
-    mlp_post_norm: Optional[str] = None
-    attention_softcap: Union[float, str, None] = None
     residual_multiplier: Union[float, str, None] = None
     returns_attention_weights: bool = False
-    mlp_dropout: Optional[str] = None
     batch_first: Union[bool, str] = True
-    sliding_window: Union[int, str, None] = None
+
+    def __init__(self, attention: Union[AttentionSpec, str, None] = None, mlp: Optional[DenseMLPSpec] = None, *,
+                 residual_dropouts: tuple[str, ...] = (), transposed: bool = False, arguments: tuple[str, ...] = (),
+                 norm_first: Union[bool, str] = True, parallel_residual: bool = False,
+                 residual_multiplier: Union[float, str, None] = None, returns_attention_weights: bool = False,
+                 batch_first: Union[bool, str] = True, **parts: Any) -> None:
+        if isinstance(attention, str):  # the flat declaration's attention="sdpa"
+            parts["implementation"], attention = attention, None
+        unknown = sorted(set(parts) - _ATTENTION_FIELDS - _MLP_FIELDS)
+        if unknown:
+            raise TypeError(f"BlockSpec has no field {', '.join(unknown)}: a block declares its attention "
+                            f"({', '.join(sorted(_ATTENTION_FIELDS))}), its MLP ({', '.join(sorted(_MLP_FIELDS))}) and "
+                            f"how they join the residual (residual_dropouts, transposed, arguments, norm_first, "
+                            f"parallel_residual, residual_multiplier, returns_attention_weights, batch_first).")
+        of_attention = {k: v for k, v in parts.items() if k in _ATTENTION_FIELDS}
+        of_mlp = {k: v for k, v in parts.items() if k in _MLP_FIELDS}
+        attention = replace(attention, **of_attention) if attention is not None else AttentionSpec(**of_attention)
+        mlp = replace(mlp, **of_mlp) if mlp is not None else DenseMLPSpec(**of_mlp)
+        values = dict(attention=attention, mlp=mlp, residual_dropouts=tuple(residual_dropouts), transposed=transposed,
+                      arguments=tuple(arguments), norm_first=norm_first, parallel_residual=parallel_residual,
+                      residual_multiplier=residual_multiplier, returns_attention_weights=returns_attention_weights,
+                      batch_first=batch_first)
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
 
     def projections(self) -> tuple[list[str], list[str]]:
         """The column-parallel paths of the attention input and of the MLP input."""
-        attention = [self.qkv] if self.qkv else [p for p in (self.q, self.k, self.v) if p]
-        mlp = [self.mlp_in] if self.mlp_in else [self.gate_up] if self.gate_up else [p for p in (self.gate, self.up) if p]
-        return attention, mlp
+        return self.attention.inputs(), self.mlp.inputs()
 
     def paths(self) -> dict[str, str]:
         """Every submodule path the declaration names, by role."""
-        attention, mlp = self.projections()
-        named = {role: path for role, path in (("attention_norm", self.attention_norm), ("mlp_norm", self.mlp_norm),
-                                               ("attention_out", self.attention_out), ("mlp_out", self.mlp_out)) if path}
-        named.update({f"attention input {i}": p for i, p in enumerate(attention)})
-        named.update({f"mlp input {i}": p for i, p in enumerate(mlp)})
+        named = {**self.attention.paths(), **self.mlp.paths()}
         named.update({f"residual dropout {i}": p for i, p in enumerate(self.residual_dropouts)})
-        named.update({role: p for role, p in (("q_norm", self.q_norm), ("k_norm", self.k_norm),
-                                              ("mlp_dropout", self.mlp_dropout),
-                                              ("attention_post_norm", self.attention_post_norm),
-                                              ("mlp_post_norm", self.mlp_post_norm)) if p})
         return named
-
-
-def resolve(block: nn.Module, path: str) -> Any:
-    """The attribute at dotted ``path`` inside ``block``.
-
-    Raises:
-        AttributeError: naming the first missing part and what exists there.
-    """
-    value: Any = block
-    done = []
-    for part in path.split("."):
-        if not hasattr(value, part):
-            where = ".".join(done) or type(block).__name__
-            children = sorted(n for n, _ in value.named_children()) if isinstance(value, nn.Module) else []
-            raise AttributeError(f"'{path}': {where} has no '{part}' (its submodules: {children}).")
-        value = getattr(value, part)
-        done.append(part)
-    return value
-
-
-def value_of(block: nn.Module, spec_value: Union[int, float, str, None]) -> Any:
-    """An ``int``/``float`` as given; a string as the attribute it names."""
-    return resolve(block, spec_value) if isinstance(spec_value, str) else spec_value
 
 
 def rotary_function(block: nn.Module, spec: BlockSpec) -> Optional[Callable[..., Any]]:
     """The declared rotary function: as given, or found by name in ``block``'s own Python module (once, when the
     parallel block is built)."""
-    if spec.rotary is None or callable(spec.rotary):
-        return spec.rotary
-    return getattr(sys.modules.get(type(block).__module__), spec.rotary, None)
-
-
-def out_features(module: nn.Module) -> int:
-    """Output features of an ``nn.Linear``, of a ``Conv1D`` (weight ``[in, out]``) or of an ``nn.MultiheadAttention``'s
-    packed input projection (``3h``)."""
-    if isinstance(module, nn.MultiheadAttention):
-        return module.in_proj_weight.shape[0]
-    module = linear_of(module)  # a PEFT LoRA layer: the projection it wraps
-    return module.out_features if isinstance(module, nn.Linear) else module.weight.shape[1]
+    rotary = spec.attention.rotary
+    if rotary is None or callable(rotary):
+        return rotary
+    return getattr(sys.modules.get(type(block).__module__), rotary, None)
 
 
 def declared_modules(block: nn.Module, spec: BlockSpec) -> list[str]:
     """The paths of the submodules ``spec`` names in ``block`` (its projections, norms, activation and dropouts)."""
     paths = list(spec.paths().values())
-    for extra in (spec.activation, spec.attention_dropout):
-        if isinstance(extra, str) and not extra.startswith("F.") and isinstance(_maybe(block, extra), nn.Module):
+    for extra in (spec.mlp.activation, spec.attention.attention_dropout):
+        if isinstance(extra, str) and not extra.startswith("F.") and isinstance(maybe_resolve(block, extra), nn.Module):
             paths.append(extra)
     return paths
 
@@ -221,10 +133,3 @@ def undeclared_parts(block: nn.Module, spec: BlockSpec) -> list[str]:
     parameters = [f"{n} (parameter {tuple(p.shape)})" for n, p in block.named_parameters() if not held(n)]
     buffers = [f"{n} (buffer {tuple(b.shape)})" for n, b in block.named_buffers() if not held(n)]
     return parameters + buffers
-
-
-def _maybe(block: nn.Module, path: str) -> Any:
-    try:
-        return resolve(block, path)
-    except AttributeError:
-        return None

@@ -4,7 +4,9 @@ sequence parallelism one all-gather of it per layer, where a sequential block ne
 import torch
 import torch.nn as nn
 
+import lightning_seqpar.transformer.attention_part as attention_part
 import lightning_seqpar.transformer.declared_block as declared_block
+import lightning_seqpar.transformer.mlp_part as mlp_part
 from lightning_seqpar.parallel import ParallelGroup
 from lightning_seqpar.policies import rewrite
 from lightning_seqpar.rewriting import RewriteContext
@@ -21,8 +23,9 @@ def _projection_calls(family, monkeypatch):
     rewrite(holder, RewriteContext(ParallelGroup.virtual(1), True, None, True), verify=False)
     calls = []
     real = declared_block.column_parallel_linears
-    monkeypatch.setattr(declared_block, "column_parallel_linears", lambda x, layers, *a: calls.append(len(layers))
-                        or real(x, layers, *a))
+    for module in (declared_block, attention_part, mlp_part):  # the block projects shared inputs, each part its own
+        monkeypatch.setattr(module, "column_parallel_linears", lambda x, layers, *a: calls.append(len(layers))
+                            or real(x, layers, *a))
     with torch.no_grad():
         torch.testing.assert_close(holder.model(input_ids=x).logits, want, rtol=1e-12, atol=1e-12)
     return calls
