@@ -1,5 +1,6 @@
 """From the user's single-device model to this rank's part of the parallel one, in the order it must happen:
-same weights everywhere → dropout streams → rewrite → pipeline split → materialize the shards kept."""
+same weights everywhere → dropout streams → the rank built (:func:`lightning_seqpar.build.build_rank`: rewrite →
+pipeline split → materialize the shards kept) → the pipeline's steps."""
 
 from __future__ import annotations
 
@@ -16,8 +17,7 @@ from lightning_seqpar.lightning.pipelined_steps import PipelinedSteps
 from lightning_seqpar.lightning.config import ParallelConfig
 from lightning_seqpar.parallel.mesh import ParallelMesh
 from lightning_seqpar.parallel.random import RNGTracker
-from lightning_seqpar.parallel.placement import placement_of
-from lightning_seqpar.policies import pipeline_placement, rewrite
+from lightning_seqpar.build import build_rank
 from lightning_seqpar.rewriting import Policy, RewriteContext, RewritePlan
 from lightning_seqpar.transformer.materialize import Materializer
 
@@ -93,18 +93,10 @@ def parallelize(model: torch.nn.Module, mesh: ParallelMesh, device: torch.device
     context = ContextParallel(mesh.context, parallel.cp_comm)  # one cp rank too: packed documents
     ctx = RewriteContext(mesh.tensor, parallel.sequence_parallel, rng_tracker, parallel.loss_parallel, materializer,
                          context=context, loss_chunk=parallel.loss_chunk)
-    pipeline = parallel.pipeline
-    policies = list(policies)
-    # Read off the single-device model: the policies recognize a model by its parts, which the rewrite replaces
-    # (a vocabulary-parallel embedding is no nn.Embedding); the paths stay the same.
-    placement = pipeline_placement(model, policies) if pipeline.enabled else {}
-    plan = rewrite(model, ctx, policies, verify)
-    check_experts(model, mesh)
-    steps, remote_keys = None, []
-    if pipeline.enabled:  # embeddings on the first stage, final norm and head on the last, where a policy says so
-        steps, remote_keys = PipelinedSteps.build(model, pipeline, mesh.pipeline, device, placement)
-    materializer.fill(model, mesh.tensor)
-    return ParallelModel(rng_tracker, plan, steps, remote_keys)
+    rank = build_rank(model, ctx, policies, verify=verify, pipeline=parallel.pipeline, pipeline_rank=mesh.pipeline.rank,
+                      materializer=materializer, expert_parallel=mesh.dims.ep if mesh.dims is not None else 1)
+    steps = PipelinedSteps.of(rank.runtime, parallel.pipeline, mesh.pipeline, device) if rank.runtime is not None else None
+    return ParallelModel(rng_tracker, rank.plan, steps, rank.remote_keys)
 
 
 def check_before_start(strategy: Any, module: Any, trainer: Any = None) -> None:
@@ -142,16 +134,3 @@ def check_before_start(strategy: Any, module: Any, trainer: Any = None) -> None:
         if stacks:  # the largest list of alike modules: the layers (the ranks check the rewritten stack itself)
             layers = max(stacks, key=lambda m: sum(p.numel() for p in m.parameters()))
             parallel.pipeline.layout(len(layers))
-
-
-def check_experts(model: torch.nn.Module, mesh: ParallelMesh) -> None:
-    """A layout that splits experts (``ep > 1``) has a model with experts: a parameter placed over ``ep``.
-
-    Raises:
-        ValueError: ``ep > 1`` and no expert parameter after the rewrite (every rank decides alike: no hang).
-    """
-    if mesh.dims is None or mesh.dims.ep == 1:
-        return
-    if not any(placement_of(p).shard_over == "ep" and placement_of(p).shard is not None for p in model.parameters()):
-        raise ValueError(f"ep={mesh.dims.ep} splits experts over ranks, and this model has none after the rewrite (no "
-                         f"mixture-of-experts layer was recognized): leave ep=1.")

@@ -30,8 +30,7 @@ from lightning_seqpar.pipeline_parallel.config import PipelineConfig
 from lightning_seqpar.pipeline_parallel.executor import PipelineExecutor, StepResult, loss_of
 from lightning_seqpar.pipeline_parallel.layout import StageLayout
 from lightning_seqpar.pipeline_parallel.p2p import StageTransport, shapes_signature
-from lightning_seqpar.pipeline_parallel.placement import place_outside_stack
-from lightning_seqpar.pipeline_parallel.stage import split_stages
+from lightning_seqpar.pipeline_parallel.stage import StageRuntime
 
 
 def _batch_size(batch: Any) -> int:
@@ -114,27 +113,16 @@ class PipelinedSteps:
         self.logs = LogShare(self.pipeline, self.last_rank)
 
     @classmethod
-    def build(cls, model: pl.LightningModule, config: PipelineConfig, pipeline: ParallelGroup,
-              device: Any, placement: Optional[dict[str, str]] = None) -> tuple["PipelinedSteps", list[str]]:
-        """Split ``model`` (rewritten) into this rank's stages and set up the schedule.
+    def of(cls, runtime: StageRuntime, config: PipelineConfig, pipeline: ParallelGroup, device: Any) -> "PipelinedSteps":
+        """The steps of a model split into stages (:func:`lightning_seqpar.build.build_rank`).
 
         Args:
-            model: the rewritten LightningModule; changed in place (:func:`split_stages`).
+            runtime: the stages this rank runs.
             config: the pipeline configuration.
             pipeline: this rank's pipeline-parallel group (its rank is this rank's stage).
             device: where received activations and gradients are placed.
-            placement: parts outside the layer stack held by the first or the last stage only.
-
-        Returns:
-            The steps, and the state-dict keys held by other stages.
-
-        Raises:
-            ValueError: from :func:`split_stages` and :func:`place_outside_stack`.
         """
-        runtime, remote_keys = split_stages(model, config, pipeline.rank)
-        remote_keys += place_outside_stack(model, placement or {}, runtime, pipeline.rank)
-        transport = StageTransport(pipeline, device)
-        return cls(PipelineExecutor(runtime, transport, config)), remote_keys
+        return cls(PipelineExecutor(runtime, StageTransport(pipeline, device), config))
 
     @property
     def config(self) -> PipelineConfig:

@@ -1,8 +1,9 @@
 """One rank of a layout built at full size on the meta device, its parameters counted against the planner's.
 
-The model is built from its config on the meta device, rewritten by the strategy's own code for one tensor-parallel
-rank of t (an emulated group: nothing communicates, nothing is allocated; the materializer keeps every shard on the meta
-device), split into pipeline stages and its outside parts placed as the strategy does for ``pipeline_rank``. What the
+The model is built from its config on the meta device and its rank built by the strategy's own sequence
+(:func:`lightning_seqpar.build.build_rank`) for one tensor-parallel rank of t (an emulated group: nothing communicates,
+nothing is allocated; the materializer keeps every shard on the meta device): rewritten, split into pipeline stages,
+its outside parts placed for ``pipeline_rank``. What the
 rank then holds is counted by element and dtype, and set beside :func:`~lightning_seqpar.plan.state.state_bytes`: the
 same code paths as a run, at the real size, without a GPU.
 """
@@ -35,24 +36,19 @@ def dry_run(config: Union[dict, str], inventory: ModelInventory, tp: int, pp: in
     Raises:
         ValueError: what the rewrite or the stage split refuses for this layout.
     """
+    from lightning_seqpar.build import build_rank
     from lightning_seqpar.parallel.collectives import ParallelGroup
     from lightning_seqpar.pipeline_parallel.config import PipelineConfig
-    from lightning_seqpar.pipeline_parallel.placement import place_outside_stack
-    from lightning_seqpar.pipeline_parallel.stage import split_stages
     from lightning_seqpar.plan.models import load_model_config, meta_model
-    from lightning_seqpar.policies import pipeline_placement, rewrite
     from lightning_seqpar.transformer.context import RewriteContext
     from lightning_seqpar.transformer.materialize import Materializer
 
     model = meta_model(load_model_config(config))
-    placement = pipeline_placement(model)  # read before the rewrite, as the strategy reads it
     meta = Materializer(seed=0, device=torch.device("meta"))
-    rewrite(model, RewriteContext(ParallelGroup.virtual(tp, tensor_rank), True, None, True, meta), verify=False)
-    if pp > 1:
-        schedule = "interleaved_1F1B" if vpp > 1 else "1F1B"
-        pipeline = PipelineConfig.build(pp, pp, schedule, vpp)
-        runtime, _ = split_stages(model, pipeline, pipeline_rank)
-        place_outside_stack(model, placement, runtime, pipeline_rank)
+    schedule = "interleaved_1F1B" if vpp > 1 else "1F1B"
+    pipeline = PipelineConfig.build(pp, pp, schedule, vpp) if pp > 1 else PipelineConfig.build()
+    build_rank(model, RewriteContext(ParallelGroup.virtual(tp, tensor_rank), True, None, True, meta), None,
+               verify=False, pipeline=pipeline, pipeline_rank=pipeline_rank)  # the strategy's sequence, on meta
     unique = {id(p): p for p in model.parameters()}.values()
     measured = sum(p.numel() for p in unique) * PARAMETER_BYTES[precision]
     predicted = state_bytes(inventory, tp, pp, 1, pipeline_rank=pipeline_rank, vpp=vpp, precision=precision).parameters

@@ -9,9 +9,8 @@ import torch.nn as nn
 
 from lightning_seqpar import SeqParallelStrategy
 from lightning_seqpar.lightning.config import ParallelConfig
-from lightning_seqpar.lightning.parallelize import check_experts
+from lightning_seqpar.build import check_experts
 from lightning_seqpar.models import GPT, GPTConfig
-from lightning_seqpar.parallel import ParallelDims, ParallelMesh
 from lightning_seqpar.parallel.placement import ShardSpec, place
 from lightning_seqpar.pipeline_parallel import PipelineConfig
 
@@ -55,13 +54,11 @@ def test_an_expert_grid_the_world_cannot_fold_is_refused_before_any_rank_starts(
 
 
 def test_experts_split_over_a_model_without_experts_are_refused():
-    mesh = ParallelMesh(dims=ParallelDims(4, ep=2))  # the sizes only: the check communicates nothing
     model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=8, block_size=8, vocab_size=16))
     with pytest.raises(ValueError, match=r"ep=2 splits experts over ranks, and this model has none"):
-        check_experts(model, mesh)
+        check_experts(model, 2)
     experts = nn.Parameter(torch.zeros(2, 4))
     place(experts, shard=ShardSpec(0, 4, 4), shard_over="ep", replicated_over="edp")
     model.register_parameter("experts", experts)
-    check_experts(model, mesh)  # a parameter split over ep: accepted
-    check_experts(GPT(GPTConfig(n_layer=1, n_head=2, n_embd=8, block_size=8, vocab_size=16)),
-                  ParallelMesh(dims=ParallelDims(4)))  # ep = 1: nothing to check
+    check_experts(model, 2)  # a parameter split over ep: accepted
+    check_experts(GPT(GPTConfig(n_layer=1, n_head=2, n_embd=8, block_size=8, vocab_size=16)), 1)  # nothing to check

@@ -1,0 +1,83 @@
+"""One rank's part of the parallel model, built in the one order every user of it follows.
+
+1. read the pipeline placement off the single-device model (the policies recognize a model by its parts, which the
+   rewrite replaces: a vocabulary-parallel embedding is no ``nn.Embedding``; the paths stay the same);
+2. rewrite the recognized blocks (:func:`lightning_seqpar.policies.rewrite`), every parameter given its placement;
+3. refuse a layout that splits experts over a model without any (``ep > 1``);
+4. keep this rank's pipeline stage of the layer stack and the parts outside it the stage holds
+   (:func:`~lightning_seqpar.pipeline_parallel.stage.split_stages`,
+   :func:`~lightning_seqpar.pipeline_parallel.placement.place_outside_stack`);
+5. materialize the shards kept (meta-device blocks filled one at a time from a shared seed; on the meta device for a
+   dry run).
+
+The strategy builds its rank with :func:`build_rank` (``lightning/parallelize.py``), and so does the planner's dry run
+at full size on the meta device (``plan/dry_run.py``): one sequence, so they cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+import torch.nn as nn
+
+from lightning_seqpar.parallel.placement import placement_of
+from lightning_seqpar.pipeline_parallel.config import PipelineConfig
+from lightning_seqpar.pipeline_parallel.placement import place_outside_stack
+from lightning_seqpar.pipeline_parallel.stage import StageRuntime, split_stages
+from lightning_seqpar.policies import pipeline_placement, rewrite
+from lightning_seqpar.rewriting import Policy, RewriteContext, RewritePlan
+from lightning_seqpar.transformer.materialize import Materializer
+
+
+@dataclass
+class RankModel:
+    """What building a rank produced, besides the model changed in place.
+
+    Attributes:
+        plan: what the rewrite did.
+        runtime: the stages this rank runs (``pp > 1``), else ``None``.
+        remote_keys: state-dict keys other pipeline stages hold.
+    """
+
+    plan: RewritePlan
+    runtime: Optional[StageRuntime] = None
+    remote_keys: list[str] = field(default_factory=list)
+
+
+def build_rank(model: nn.Module, ctx: RewriteContext, policies: Optional[Iterable[Policy]], *, verify: bool,
+               pipeline: PipelineConfig, pipeline_rank: int, materializer: Optional[Materializer] = None,
+               expert_parallel: int = 1) -> RankModel:
+    """Build this rank's part of ``model`` in place (see the module docstring): the rank at ``ctx.group``'s
+    tensor-parallel rank and ``pipeline_rank`` of ``pipeline``. ``materializer``: fills the shards kept (``None``: the
+    caller's model has no meta blocks to fill, or keeps them on the meta device). ``expert_parallel``: the layout's
+    ``ep``.
+
+    Raises:
+        ValueError: from the rewrite (nothing recognized, shapes that do not split), :func:`check_experts`, the stage
+            split or the placement, before this rank has allocated any shard.
+    """
+    policies = list(policies) if policies is not None else None
+    placement = pipeline_placement(model, policies) if pipeline.enabled else {}
+    plan = rewrite(model, ctx, policies, verify)
+    check_experts(model, expert_parallel)
+    built = RankModel(plan)
+    if pipeline.enabled:  # embeddings on the first stage, final norm and head on the last, where a policy says so
+        built.runtime, built.remote_keys = split_stages(model, pipeline, pipeline_rank)
+        built.remote_keys += place_outside_stack(model, placement, built.runtime, pipeline_rank)
+    if materializer is not None:
+        materializer.fill(model, ctx.group)
+    return built
+
+
+def check_experts(model: nn.Module, expert_parallel: int) -> None:
+    """A layout that splits experts (``ep > 1``) has a model with experts: a parameter placed over ``ep``.
+
+    Raises:
+        ValueError: ``ep > 1`` and no expert parameter after the rewrite (every rank decides alike: no hang).
+    """
+    if expert_parallel == 1:
+        return
+    if not any(placement_of(p).shard_over == "ep" and placement_of(p).shard is not None for p in model.parameters()):
+        raise ValueError(f"ep={expert_parallel} splits experts over ranks, and this model has none after the rewrite "
+                         f"(no mixture-of-experts layer was recognized): leave ep=1.")
