@@ -77,7 +77,7 @@ def test_the_adapter_directory_loads_in_peft_as_trained(exported):
     reference.load_state_dict(ref.final_state)
     x = token_data(1, 1).tensors[0][:BATCH]
     got, want = _logits(loaded, x), _logits(reference.model, x)
-    # Trained in float64 where Hugging Face's norms and loss run in float32 (tests/peft/test_lora_parity.py): the
+    # Trained in float64 where Hugging Face's norms and loss run in float32 (tests/transformer/test_lora_parity.py): the
     # two trainings agree to float32 rounding, compounded over the steps (1.4e-6 with transformers 5.24 / peft 0.21.2,
     # where the bound was 1e-6); an adapter lost or mis-sliced changes the logits by orders more.
     assert ((got - want).norm() / want.norm()).item() < 1e-5
