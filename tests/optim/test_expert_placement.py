@@ -111,10 +111,16 @@ def _consumers(rank, world_size, directory):
     dims = LAYOUT
     mesh = ParallelMesh.build(dims=dims)
     groups = {name: dims.group_of(name, rank) for name in ("dp_cp", "ep", "edp")}
+    import torch.distributed as dist
+
+    from lightning_seqpar.parallel.dims import GROUPS
+
+    built = {name: (dist.get_process_group_ranks(mesh.group(name).group) if mesh.group(name).group is not None
+                    else [rank]) for name in GROUPS}
     reference = _reference(dims)
     ref = {"dense": reference.dense.grad, "experts": reference.experts.grad}
     ref_norm = math.sqrt(sum(float(g.pow(2).sum()) for g in ref.values()))
-    out = {"groups": groups}
+    out = {"groups": groups, "built": built, "expected": {name: dims.group_of(name, rank) for name in GROUPS}}
 
     def grads(model, of=lambda p: p.grad):
         return {n: _global(of(p), mesh, n == "experts").clone() for n, p in model.named_parameters()}
@@ -197,6 +203,11 @@ def _close(actual, expected):
     assert actual.keys() == expected.keys()
     for key in expected:
         torch.testing.assert_close(actual[key], expected[key], rtol=1e-12, atol=1e-12, msg=key)
+
+
+def test_the_mesh_builds_every_named_group_of_both_grids(ranks):
+    for r in ranks:
+        assert r["built"] == r["expected"]
 
 
 def test_the_layout_folds_expert_groups_apart_from_the_dense_ones(ranks):
