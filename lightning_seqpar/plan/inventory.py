@@ -1,19 +1,19 @@
 """Every parameter of a model and how the strategy splits it: the planner's exact count of model state.
 
-The model is built on the meta device from its Hugging Face config (no memory, nothing downloaded), and each
-parameter is classified the way the rewrite splits it, by the same declarations the rewrite uses
-(:class:`~lightning_seqpar.transformer.block_spec.BlockSpec` of each decoder layer, read by the built-in
-Hugging Face layouts):
+The split is read, not re-derived: a copy of the model on the meta device (no memory, nothing downloaded) is rewritten
+by the strategy's own rewrite at one virtual tensor-parallel rank, and each parameter's
+:class:`~lightning_seqpar.parallel.placement.Placement` says how it is split:
 
-- ``column``: a column-parallel projection's weight and bias (q/k/v, gate/up, fused or not), and a q/k norm over
-  all heads: ``numel / t`` per rank;
-- ``row``: a row-parallel projection's weight (o, down): ``numel / t``; its bias is replicated;
+- ``column``: split by a column-parallel projection (q/k/v, gate/up, fused or not; a LoRA ``lora_B`` on one), or a
+  q/k norm over all heads: ``numel / t`` per rank;
+- ``row``: split by a row-parallel projection (o, down; a LoRA ``lora_A`` on one): ``numel / t``;
 - ``vocab``: the embedding and LM head (and its bias), rows padded to a multiple of t: ``ceil(v / t)·h`` per rank;
-- ``replicated``: norms, per-head norms, learned positions, everything else: whole on every rank.
+- ``replicated``: no split (norms, per-head norms, row-parallel biases, learned positions): whole on every rank.
 
 Which pipeline stage holds what follows :class:`~lightning_seqpar.pipeline_parallel.layout.StageLayout` and the
-strategy's pipeline placement (:func:`lightning_seqpar.policies.pipeline_placement`): layers by stage; the embedding (and learned positions) on the first stage; the final norm and the
-head on the last; a tied embedding and head on both; any other parameter on every stage.
+strategy's pipeline placement (:func:`lightning_seqpar.policies.pipeline_placement`): layers by stage; the embedding (and
+learned positions) on the first stage; the final norm and the head on the last; a tied embedding and head on both; any
+other parameter on every stage.
 """
 
 from __future__ import annotations
@@ -127,31 +127,27 @@ def inventory_of_model(model: nn.Module, specs: dict[str, Any], placement: dict[
     if not isinstance(embedding, nn.Embedding) or not isinstance(head, nn.Linear):
         raise ValueError(f"{type(model).__name__}: the planner needs an nn.Embedding input and an nn.Linear LM head.")
     tied = head.weight is embedding.weight
+    vocab = {id(p) for p in (*embedding.parameters(), *head.parameters())}
+    splits = _splits(model)
     layer_paths = list(specs)
-    roles: dict[int, tuple[Split, Part, Optional[int]]] = {}
+    roles: dict[int, tuple[Part, Optional[int]]] = {}
     for index, path in enumerate(layer_paths):
-        layer, spec = model.get_submodule(path), specs[path]
-        attention, mlp = spec.projections()
-        column = [*attention, *mlp]
-        if spec.attention.qk_norm_over_heads:
-            column += [p for p in (spec.attention.q_norm, spec.attention.k_norm) if p]
-        row = [spec.attention.attention_out, spec.mlp.mlp_out]
-        for pname, param in layer.named_parameters():
-            roles[id(param)] = (_split(pname, column, row), "layer", index)
+        for param in model.get_submodule(path).parameters():
+            roles[id(param)] = ("layer", index)
     for param in embedding.parameters():
-        roles[id(param)] = ("vocab", "embedding", None)
+        roles[id(param)] = ("embedding", None)
     for param in head.parameters():
-        if id(param) not in roles:
-            roles[id(param)] = ("vocab", "head", None)
+        roles.setdefault(id(param), ("head", None))
     for path, where in placement.items():  # learned positions on the first stage, the final norm on the last
         for param in model.get_submodule(path).parameters():
-            roles.setdefault(id(param), ("replicated", "embedding" if where == "first" else "final", None))
+            roles.setdefault(id(param), ("embedding" if where == "first" else "final", None))
     entries, seen = [], set()
     for pname, param in model.named_parameters():  # a tied weight once, under its first name
         if id(param) in seen:
             continue
         seen.add(id(param))
-        split, part, layer_index = roles.get(id(param), ("replicated", "other", None))
+        part, layer_index = roles.get(id(param), ("other", None))
+        split: Split = "vocab" if id(param) in vocab else splits[pname]
         entries.append(ParameterEntry(pname, tuple(param.shape), split, part, layer_index,
                                       tied=tied and param is embedding.weight, trainable=param.requires_grad))
     first = specs[layer_paths[0]]
@@ -159,27 +155,46 @@ def inventory_of_model(model: nn.Module, specs: dict[str, Any], placement: dict[
     return _sizes(name or type(model).__name__, entries, len(layer_paths), embedding, first, sample)
 
 
-def _split(pname: str, column: list[str], row: list[str]) -> Split:
-    """How the rewrite splits the layer parameter ``pname``. A PEFT LoRA layer's base (``q_proj.base_layer.weight``)
-    is split as the projection; its adapter follows it (:mod:`lightning_seqpar.transformer.lora`): on a
-    column-parallel projection ``lora_A`` is replicated and ``lora_B`` split like the output, on a row-parallel one
-    ``lora_A`` is split like the input and ``lora_B`` replicated."""
-    owner, _, leaf = pname.rpartition(".")
-    parts = owner.split(".")
-    if len(parts) >= 2 and parts[-2] in ("lora_A", "lora_B"):
-        projection, matrix = ".".join(parts[:-2]), parts[-2]
-        if projection in column:
-            return "column" if matrix == "lora_B" else "replicated"
-        if projection in row:
-            return "row" if matrix == "lora_A" else "replicated"
-        return "replicated"
-    if parts[-1] == "base_layer":
-        owner = ".".join(parts[:-1])
-    if owner in column:
-        return "column"
-    if owner in row and leaf == "weight":
-        return "row"
-    return "replicated"
+def _splits(model: nn.Module) -> dict[str, Split]:
+    """``{parameter name: "column" | "row" | "replicated"}`` as the rewrite splits each parameter of ``model`` (see the
+    module docstring), read from the placements of a meta-device copy rewritten at one virtual rank."""
+    import torch
+
+    from lightning_seqpar.parallel.collectives import ParallelGroup
+    from lightning_seqpar.parallel.placement import placement_of
+    from lightning_seqpar.policies import rewrite
+    from lightning_seqpar.tensor_parallel.layers import RowParallelLinear
+    from lightning_seqpar.transformer.context import RewriteContext
+    from lightning_seqpar.transformer.lora import LoRARowParallelLinear
+    from lightning_seqpar.transformer.materialize import Materializer
+
+    holder = nn.Module()
+    holder.model = _meta_copy(model)
+    ctx = RewriteContext(ParallelGroup.virtual(1), True, None, True, Materializer(seed=0, device=torch.device("meta")))
+    rewrite(holder, ctx, verify=False)
+    rows = [name for name, m in holder.model.named_modules() if isinstance(m, (RowParallelLinear, LoRARowParallelLinear))]
+    out: dict[str, Split] = {}
+    for name, param in holder.model.named_parameters(remove_duplicate=False):
+        if placement_of(param).shard is None:
+            out[name] = "replicated"
+        else:  # under a row-parallel projection (its weight, a LoRA lora_A on it), or a column-parallel one
+            out[name] = "row" if any(name.startswith(row + ".") for row in rows) else "column"
+    return out
+
+
+def _meta_copy(model: nn.Module) -> nn.Module:
+    """``model``'s structure with every parameter and buffer on the meta device (``requires_grad`` and ties kept;
+    nothing of its memory copied)."""
+    import copy
+
+    import torch
+
+    memo: dict[int, object] = {}
+    for param in model.parameters():
+        memo[id(param)] = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
+    for buffer in model.buffers():
+        memo[id(buffer)] = torch.empty_like(buffer, device="meta")
+    return copy.deepcopy(model, memo)
 
 
 def _sizes(name: str, entries: list[ParameterEntry], layers: int, embedding: nn.Embedding, spec: Any,
