@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
@@ -54,6 +54,7 @@ from lightning_seqpar.checkpoint.writer import ShardedCheckpointWriter, coordina
 from lightning_seqpar.hf.checkpoint_keys import checkpoint_key_renamer
 from lightning_seqpar.hf.weights import SafetensorsStateDict
 from lightning_seqpar.transformer.materialize import has_meta_tensors
+import lightning_seqpar.lightning.process_group as process_group
 from lightning_seqpar.lightning.checkpoint_io import remove_stale_temporaries
 from lightning_seqpar.lightning.config import CheckpointConfig
 from lightning_seqpar.checkpoint.frozen_base import FrozenBase
@@ -67,29 +68,38 @@ FULL_FORMAT_MARK = "lightning_seqpar_full_format"
 
 class Checkpointer:
     """The strategy's checkpoint part: it owns the writer, the checkpoint settings, the keys other pipeline stages
-    hold and the single-device weights waiting for the shards; it reads the strategy's module, mesh, optimizers and
-    collectives (``strategy``), which it does not own. The strategy's Lightning hooks call it.
+    hold and the single-device weights waiting for the shards. It is given what it reads and does not own: the
+    module and the optimizers (accessors: Lightning sets them later), and at :meth:`start` the mesh, the device and the
+    layout settings a checkpoint records; its collectives are the process group's. The strategy's Lightning hooks call
+    it.
 
     Args:
         config: the checkpoint settings.
-        strategy: the strategy this part serves.
+        module: the LightningModule being trained (an accessor).
+        optimizers: the optimizers being stepped (an accessor).
+        rewritten: the module the strategy rewrote, whose shards exist (an accessor).
     """
 
-    def __init__(self, config: CheckpointConfig, strategy: Any) -> None:
-        self.config, self.strategy = config, strategy
+    def __init__(self, config: CheckpointConfig, module: Callable[[], Any], optimizers: Callable[[], Sequence[Any]],
+                 rewritten: Callable[[], Any]) -> None:
+        self.config, self._module, self._optimizers, self._rewritten = config, module, optimizers, rewritten
+        self._mesh: Optional[Any] = None
+        self._device: Optional[torch.device] = None
+        self._settings: dict[str, Any] = {}
         self.writer: Optional[ShardedCheckpointWriter] = None
         self.remote_keys: list[str] = []  # state-dict keys of other pipeline stages (set when the model is split)
         self.initial_weights: Optional[Mapping[str, Any]] = None  # read into the shards as they are made
         self.frozen_base: Optional[FrozenBase] = None  # where frozen weights were read from: not checkpointed again
-        self.rewritten: Optional[Any] = None  # the module the strategy rewrote (set by it): its shards exist
 
-    def start(self, timeout: Any) -> None:
-        """Make the writer, once the process group exists."""
+    def start(self, timeout: Any, mesh: Any, device: torch.device, data_parallel: Any, parallel: Any) -> None:
+        """Make the writer, once the process group exists; ``mesh`` and ``device`` are this rank's, ``data_parallel``
+        and ``parallel`` the strategy's settings (a checkpoint records ``zero`` and ``sequence_parallel``)."""
+        self._mesh, self._device = mesh, device
+        self._settings = {"zero": data_parallel.zero, "sequence_parallel": parallel.sequence_parallel}
         # Background checkpoint writes run collectives of their own: never on training's process group.
         group = (dist.new_group(backend="gloo", timeout=timeout, group_desc="async_save") if self.config.async_save
                  else None)
-        self.writer = ShardedCheckpointWriter(self.strategy.global_rank == 0, coordinator_pid(), group,
-                                              self.config.async_save)
+        self.writer = ShardedCheckpointWriter(dist.get_rank() == 0, coordinator_pid(), group, self.config.async_save)
 
     def close(self) -> None:
         """Finish and publish a checkpoint still being written."""
@@ -98,13 +108,19 @@ class Checkpointer:
 
     @property
     def module(self) -> Any:
-        """The strategy's LightningModule."""
-        return self.strategy.lightning_module
+        """The LightningModule being trained."""
+        return self._module()
 
     @property
     def mesh(self) -> Any:
-        """The strategy's process groups."""
-        return self.strategy.mesh
+        """This rank's process groups.
+
+        Raises:
+            RuntimeError: before :meth:`start`.
+        """
+        if self._mesh is None:
+            raise RuntimeError("The checkpointer was used before the strategy set up its process groups.")
+        return self._mesh
 
     @property
     def _shard_meshes(self) -> Any:
@@ -186,7 +202,7 @@ class Checkpointer:
         if prefix:
             source = {prefix + k: v for k, v in source.items()}
         module = self.module
-        if module is not None and module is not self.rewritten and has_meta_tensors(module):
+        if module is not None and module is not self._rewritten() and has_meta_tensors(module):
             check_initial_weights(module, source, strict, frozenset(adapter_keys(module)))  # the same on every rank
             self.initial_weights = source  # read into the shards by setup's materialization
             return
@@ -243,7 +259,7 @@ class Checkpointer:
         kept = [source, trainer.default_root_dir, getattr(trainer.logger, "log_dir", None),
                 *(getattr(c, "dirpath", None) for c in trainer.checkpoint_callbacks)]
         merged = MergedLoRA(self.module, prefix) if wrapped else None
-        return export_hf_pretrained(self.module, self.mesh, self.strategy.broadcast(str(out)), config, prefix=prefix,
+        return export_hf_pretrained(self.module, self.mesh, process_group.broadcast(str(out)), config, prefix=prefix,
                                     source=source, max_shard_size=max_shard_size, dtype=dtype, tokenizer=tokenizer,
                                     overwrite=overwrite, protected=kept, view=merged and merged.names,
                                     transform=merged)
@@ -275,10 +291,10 @@ class Checkpointer:
         if storage_options is not None:
             raise TypeError(f"The sharded checkpoint format takes no storage_options, got {storage_options!r}.")
         assert self.module is not None and self.writer is not None
-        path = Path(self.strategy.broadcast(str(filepath)))  # every rank writes into rank 0's directory
+        path = Path(process_group.broadcast(str(filepath)))  # every rank writes into rank 0's directory
         shapes = merge_over_stages(single_device_shapes(self.module), self.mesh.pipeline)
         layout = {"tp": self.mesh.tp, "pp": self.mesh.pp, "dp": self.mesh.dp, "cp": self.mesh.cp,
-                  "zero": self.strategy.data_parallel.zero, "sequence_parallel": self.strategy.parallel.sequence_parallel}
+                  **self._settings}
         frozen = self._frozen_record()
         if frozen is not None:  # every stage's frozen keys: the manifest says what a resume reads from the base
             keys = merge_over_stages({k: True for k in frozen.keys}, self.mesh.pipeline)
@@ -297,10 +313,10 @@ class Checkpointer:
         fitting) of the optimizers, whatever layout wrote it; a full checkpoint file is read whole on every rank.
         A checkpoint whose save was killed between its two renames is restored first."""
         assert self.module is not None
-        path = Path(self.strategy.broadcast(str(checkpoint_path)))
-        if self.strategy.is_global_zero and not path.exists() and path.parent.is_dir():
+        path = Path(process_group.broadcast(str(checkpoint_path)))
+        if dist.get_rank() == 0 and not path.exists() and path.parent.is_dir():
             remove_stale_temporaries(path.parent)
-        self.strategy.barrier("load_checkpoint")
+        process_group.barrier(self._device)
         if path.is_dir() and not is_sharded_checkpoint(path):
             raise ValueError(not_a_checkpoint(path))
         if path.is_file() and is_sharded_checkpoint(path.parent):
@@ -312,7 +328,7 @@ class Checkpointer:
             return read_file(path, weights_only=weights_only)
         self.wait()
         return load_trainer_checkpoint(
-            path, self.module, [getattr(o, "optimizer", o) for o in self.strategy.optimizers], self._shard_meshes,
+            path, self.module, [getattr(o, "optimizer", o) for o in self._optimizers()], self._shard_meshes,
             self.module.strict_loading, self.config.allow_non_finite, weights_only,
             self.config.allow_unverified, self.frozen_base,
         )
@@ -342,12 +358,12 @@ class Checkpointer:
         """Lightning's ``load_optimizer_state_dict``: a full checkpoint's optimizer state (zero=0)."""
         if FORMAT_KEY in checkpoint:  # a sharded checkpoint: read in place by load_checkpoint
             return
-        if self.strategy.data_parallel.zero:
+        if self._settings.get("zero"):
             raise ValueError("A full (single-file) checkpoint's optimizer state does not resume under zero=1; "
                              "resume with zero=0, or from a sharded checkpoint.")
         try:
             states = on_every_rank(lambda: optimizer_states_of_this_stage(
-                checkpoint["optimizer_states"], self.strategy.optimizers, self.mesh.pp, self.mesh.pipeline.rank,
+                checkpoint["optimizer_states"], self._optimizers(), self.mesh.pp, self.mesh.pipeline.rank,
                 self.config.allow_non_finite,
             ))
         except ValueError as error:
@@ -360,5 +376,5 @@ class Checkpointer:
                 f"not keep. Its weights load: call self.trainer.strategy.load_single_device_state_dict(PATH) in "
                 f"configure_model() or on_fit_start() and train without ckpt_path (the optimizer starts afresh)."
             ) from None
-        for optimizer, state in zip(self.strategy.optimizers, states):
+        for optimizer, state in zip(self._optimizers(), states):
             load_full_optimizer_state(optimizer, state, self.mesh)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+from functools import partial
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Callable, Generator, Iterable, Literal, Mapping, Optional, Sequence, Union
@@ -73,9 +74,7 @@ class SeqParallelStrategy(ParallelStrategy):
             ``precision_config`` (:mod:`.config`'s classes), which may be given instead.
         layout: :class:`~.auto_layout.AutoLayout` (then no ``tp``/``pp``): the planner's best layout for the model,
             the world and the device memory, chosen before the process groups are built (:mod:`.auto_layout`).
-        parallel: :class:`~.config.ParallelConfig` (also ``ep``, ``expert_tp``), instead of the keywords ``tp``,
-            ``pp``, ``cp``, ``cp_comm``, ``loss_chunk``, ``sequence_parallel``, ``loss_parallel`` and the pipeline's,
-            which are its shorthands.
+        parallel: :class:`~.config.ParallelConfig` (``ep``, ``expert_tp`` too), instead of its shorthands above.
 
     Raises:
         ValueError: settings each config refuses, or that refuse each other (:func:`~.config.check_together`);
@@ -122,8 +121,9 @@ class SeqParallelStrategy(ParallelStrategy):
                                            sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
                                            loss_chunk=loss_chunk, pipeline=PipelineConfig.build(
                                                pp, num_microbatches, schedule, virtual_stages, pipeline_split))
+        reads = [partial(getattr, self, name) for name in ("lightning_module", "optimizers", "_parallelized")]  # pickle
         self.checkpointer = Checkpointer(checkpointing or CheckpointConfig(
-            checkpoint_format, async_save, allow_non_finite_checkpoint, allow_unverified_checkpoint), self)
+            checkpoint_format, async_save, allow_non_finite_checkpoint, allow_unverified_checkpoint), *reads)
         self.data_parallel = data_parallel or DataParallelConfig(zero, fp32_main_params)
         check_together(self.checkpointer.config, self.data_parallel)
         check_start_method(start_method)
@@ -209,7 +209,7 @@ class SeqParallelStrategy(ParallelStrategy):
         plugin = self.precision_plugin
         assert isinstance(plugin, ShardAwareClipping)
         plugin.mesh = self._mesh
-        self.checkpointer.start(self._timeout)
+        self.checkpointer.start(self._timeout, self._mesh, self.root_device, self.data_parallel, self.parallel)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -230,7 +230,7 @@ class SeqParallelStrategy(ParallelStrategy):
                 low_precision_residual(self.model, self.precision_plugin)
             self.rng_tracker, self.rewrite_plan = parallel.rng_tracker, parallel.rewrite_plan
             self.pipeline, self.checkpointer.remote_keys = parallel.pipeline, parallel.remote_keys
-            self._parallelized = self.checkpointer.rewritten = self.model
+            self._parallelized = self.model
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self.barrier()
