@@ -1,7 +1,5 @@
 """Checkpoints resume the same loss curve and are written atomically; the main job runs end to end."""
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -11,11 +9,11 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_seqpar.lightning.checkpoint_io import AtomicCheckpointIO
 from tests.helpers.distributed import run_distributed
+from tests.helpers.jobs import ROOT, run_job
 from tests.helpers.parity import Case, fit
 
 pytestmark = pytest.mark.distributed  # starts processes: outside the fast lane
 
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _resume(rank, world_size, directory):
@@ -49,9 +47,7 @@ def test_main_job_runs_end_to_end(tmp_path):
     cmd = [sys.executable, str(ROOT / "recipes" / "pretrain_gpt.py"), "model=gpt_tiny", "trainer.max_steps=6",
            "trainer.val_check_interval=3", "trainer.log_every_n_steps=1", "trainer.limit_val_batches=2",
            "sample.max_new_tokens=16", f"hydra.run.dir={out}"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    result = run_job(cmd, tmp_path, timeout=300)
     assert "--- sample ---" in result.stdout and "val/loss" in result.stdout
     output = result.stdout + result.stderr
     assert "Epoch 0" in output and "/-2" not in output  # the progress bar of a step-based run
@@ -66,11 +62,8 @@ def _recipe(tmp_path, *overrides):
     cmd = [sys.executable, str(ROOT / "recipes" / "pretrain_gpt.py"), "trainer.max_steps=3", "trainer.val_check_interval=3",
            "trainer.limit_val_batches=1", "sample.max_new_tokens=4", "trainer.enable_progress_bar=false",
            f"hydra.run.dir={tmp_path / 'run'}", *overrides]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     tmp_path.mkdir(parents=True, exist_ok=True)
-    result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return result.stdout
+    return run_job(cmd, tmp_path, timeout=300).stdout
 
 
 def test_a_llama_shaped_model_trains_and_a_local_hugging_face_directory_fine_tunes(tmp_path):

@@ -1,13 +1,11 @@
 """The recipe runs end to end on every corpus it documents and at any data-parallel size."""
 
-import os
-import subprocess
 import sys
 
 import pytest
 import numpy as np
 
-from tests.helpers.jobs import ROOT
+from tests.helpers.jobs import ROOT, run_job
 
 pytestmark = pytest.mark.distributed  # starts processes: outside the fast lane
 
@@ -17,10 +15,7 @@ def _run(tmp_path, *overrides):
     cmd = [sys.executable, str(ROOT / "recipes" / "pretrain_gpt.py"), "model=gpt_tiny", "trainer.log_every_n_steps=1",
            "trainer.limit_val_batches=2", "trainer.enable_progress_bar=false", "sample.max_new_tokens=8",
            f"hydra.run.dir={out}", *overrides]
-    result = subprocess.run(cmd, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
-                            text=True, timeout=400)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return result.stdout, out
+    return run_job(cmd, tmp_path, timeout=400).stdout, out
 
 
 def test_a_uint16_token_corpus_trains_validates_and_samples_ids(tmp_path):

@@ -1,4 +1,9 @@
-"""Run the recipe as a user would (a separate job, popen launch) and watch its processes."""
+"""Run a recipe or a command as a user would (a separate job, popen launch), and watch its processes.
+
+Every job run through :func:`run_job` is also checked for a clean exit: no abort in interpreter teardown
+("terminate called ..."), whatever its exit code. With every recipe run of the suite checked so, the dedicated
+repetition of short jobs (``tests/lightning/test_clean_exit.py``) needs only a few runs of its own.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +15,25 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+ABORT = "terminate called"
+"""What a C++ abort in interpreter teardown prints (a gloo group destroyed twice, a thread still running)."""
+
+
+def run_job(args: list, cwd: Path, timeout: float = 400, check: bool = True, drop: tuple[str, ...] = (),
+            **env: str) -> subprocess.CompletedProcess:
+    """Run ``args`` in ``cwd`` with this checkout importable (``PYTHONPATH``), ``env`` added and the variables ``drop``
+    removed; the job must not abort in teardown, and with ``check`` must exit 0 (its output's tail is the failure
+    message)."""
+    environment = {k: v for k, v in os.environ.items() if k not in drop}
+    result = subprocess.run([str(a) for a in args], cwd=cwd, env={**environment, "PYTHONPATH": str(ROOT), **env},
+                            capture_output=True, text=True, timeout=timeout)
+    output = result.stdout + result.stderr
+    assert ABORT not in output, f"the job aborted in teardown:\n{output[-3000:]}"
+    if check:
+        assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    return result
 
 
 def start_recipe(tmp_path: Path, *overrides: str) -> tuple[subprocess.Popen, Path]:

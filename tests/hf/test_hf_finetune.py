@@ -5,7 +5,6 @@ tokenized by the model's own tokenizer (a vocabulary above 65 535: uint32 cache)
 from __future__ import annotations
 
 import json
-import os
 import re
 import shlex
 import subprocess
@@ -17,7 +16,7 @@ import torch
 
 from lightning_seqpar.checkpoint import consolidate
 from lightning_seqpar.data.token_file import open_tokens
-from tests.helpers.jobs import ROOT
+from tests.helpers.jobs import ROOT, run_job
 
 pytestmark = pytest.mark.distributed  # starts processes: outside the fast lane
 
@@ -34,10 +33,7 @@ def walkthrough_commands() -> list[str]:
 
 
 def _run(args: list[str], cwd) -> subprocess.CompletedProcess:
-    result = subprocess.run(args, cwd=cwd, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
-                            text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    return result
+    return run_job(args, cwd, timeout=600)
 
 
 def _recipe_args(command: str, replace: dict[str, str]) -> list[str]:
@@ -115,11 +111,9 @@ def test_a_folder_of_text_files_fine_tunes_at_tp_2_with_the_models_tokenizer(tmp
 def test_corpora_and_options_that_cannot_apply_are_refused_with_the_fix(tmp_path, hf_model_dir):
     model_dir, _ = hf_model_dir
     recipe = [sys.executable, str(ROOT / "recipes" / "pretrain_gpt.py"), f"hydra.run.dir={tmp_path / 'out'}"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HYDRA_FULL_ERROR": "1"}
 
     def refused(*overrides: str) -> str:
-        result = subprocess.run([*recipe, *overrides], cwd=tmp_path, env=env, capture_output=True, text=True,
-                                timeout=300)
+        result = run_job([*recipe, *overrides], tmp_path, timeout=300, check=False, HYDRA_FULL_ERROR="1")
         assert result.returncode != 0
         return result.stdout + result.stderr
 

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tests.helpers.jobs import ROOT
+from tests.helpers.jobs import ABORT, ROOT
 
 pytestmark = pytest.mark.distributed  # starts processes: outside the fast lane
 
@@ -34,6 +34,7 @@ def _two_nodes(tmp_path, *overrides):
     nodes = [node(1), node(0)]
     outputs = [n.communicate(timeout=300)[0] for n in nodes]
     assert [n.returncode for n in nodes] == [0, 0], outputs[1][-3000:] + outputs[0][-3000:]
+    assert not any(ABORT in out for out in outputs)  # no abort in any process's teardown
     return outputs[1]  # node 0's output
 
 

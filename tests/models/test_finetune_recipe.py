@@ -6,17 +6,15 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import shlex
-import subprocess
 import sys
 
 import pytest
 import torch
 
 from tests.helpers.chat_tokenizer import make_chat_dir
-from tests.helpers.jobs import ROOT
+from tests.helpers.jobs import ROOT, run_job
 
 pytestmark = pytest.mark.distributed  # starts processes: outside the fast lane
 
@@ -36,12 +34,7 @@ LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_S
 
 
 def _run(args, cwd, check=True):
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
-    result = subprocess.run(args, cwd=cwd, env={**env, "PYTHONPATH": str(ROOT), "HYDRA_FULL_ERROR": "1"},
-                            capture_output=True, text=True, timeout=600)
-    if check:
-        assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    return result
+    return run_job(args, cwd, timeout=600, check=check, drop=LAUNCH_VARIABLES, HYDRA_FULL_ERROR="1")
 
 
 @pytest.fixture(scope="module")

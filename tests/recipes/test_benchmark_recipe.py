@@ -1,24 +1,19 @@
 """``recipes/benchmark.py`` runs Table 4's configurations and torch-native TP+SP in one run and writes its table."""
 
 import csv
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.distributed  # starts processes: outside the fast lane
+from tests.helpers.jobs import ROOT, run_job
 
-ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.distributed  # starts processes: outside the fast lane
 
 
 def test_benchmark_recipe_writes_table_with_every_row(tmp_path):
     cmd = [sys.executable, str(ROOT / "recipes" / "benchmark.py"), "s=32", "h=32", "a=4", "b=2", "iters=1", "warmup=0",
            f"out={tmp_path}"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    run_job(cmd, tmp_path, timeout=300)
     with open(tmp_path / "benchmark.csv") as f:
         table = list(csv.DictReader(f))
     assert [(r["library"], r["configuration"]) for r in table] == [
@@ -38,9 +33,7 @@ def test_training_benchmark_recipe_writes_one_table_for_both_libraries(tmp_path)
     cmd = [sys.executable, str(ROOT / "recipes" / "benchmark_training.py"), "n_layer=1", "n_embd=32", "n_head=4",
            "s=32", "vocab_size=64", "global_batch=4", "iters=1", "warmup=0",
            'only=["tp 2 x dp 2 zero 1","tp 2 x dp 2 FSDP2"]', f"out={tmp_path}"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    run_job(cmd, tmp_path, timeout=400)
     with open(tmp_path / "benchmark_training.csv") as f:
         table = list(csv.DictReader(f))
     assert [(r["library"], r["layout"], r["processes"]) for r in table] == [
@@ -54,9 +47,7 @@ def test_context_parallel_benchmark_recipe_compares_tp_with_tp_times_cp(tmp_path
     cmd = [sys.executable, str(ROOT / "recipes" / "benchmark_context_parallel.py"), "vocab_size=64", "hidden=32",
            "heads=8", "kv_heads=4", "s=128", "iters=1", "warmup=0", "s_min=64", "s_max=512", "budget_mib=1",
            f"out={tmp_path}"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    run_job(cmd, tmp_path, timeout=400)
     with open(tmp_path / "benchmark_context_parallel.csv") as f:
         table = {r["layout"]: r for r in csv.DictReader(f)}
     assert list(table) == ["tp 4", "tp 2 x cp 2 ring", "tp 2 x cp 2 all_to_all"]
