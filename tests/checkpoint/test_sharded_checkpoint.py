@@ -9,55 +9,29 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
-from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_seqpar import SeqParallelStrategy
 from lightning_seqpar.checkpoint import consolidate, is_sharded_checkpoint, write_state_dict
 from lightning_seqpar.checkpoint.safe_reader import read_metadata
 from tests.helpers.distributed import run_distributed
-from tests.helpers.models import Recorder, build, token_data
+from tests.helpers.models import build
+from tests.helpers.resume import EPOCH_STEPS, epoch_loader, epoch_trainer, reference_epochs, train_epochs
 
 pytestmark = pytest.mark.distributed  # starts processes: outside the fast lane
 
 ROOT = Path(__file__).resolve().parents[2]
-GLOBAL_BATCH, EPOCH_STEPS = 4, 2
-DATA = token_data(EPOCH_STEPS, GLOBAL_BATCH // 2)  # EPOCH_STEPS · GLOBAL_BATCH samples
-
-
-def _loader(dp: int, dp_rank: int) -> DataLoader:
-    # The same global batch at every layout: the d ranks' batches together are the one process's batch.
-    sampler = DistributedSampler(DATA, num_replicas=dp, rank=dp_rank, shuffle=True, seed=0)
-    return DataLoader(DATA, batch_size=GLOBAL_BATCH // dp, sampler=sampler)
-
-
-def _trainer(strategy, devices: int, epochs: int, callbacks=()) -> pl.Trainer:
-    return pl.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, precision="64-true", max_epochs=epochs, logger=False,
-        enable_checkpointing=bool(callbacks), callbacks=[*callbacks], enable_progress_bar=False,
-        enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0, use_distributed_sampler=False,
-    )
 
 
 def _run(rank, world, tp, pp, zero, epochs, directory, resume, async_save=False):
     """Train the seeded tiny GPT under (tp, pp, dp = world/(tp·pp), zero); save last.ckpt; return logged losses."""
-    dp = world // (tp * pp)
-    recorder = Recorder()
-    callbacks = [recorder]
-    if directory:
-        callbacks.append(ModelCheckpoint(dirpath=directory, save_last=True, save_top_k=0))
-    trainer = _trainer(SeqParallelStrategy(tp=tp, pp=pp, zero=zero, async_save=async_save), world, epochs, callbacks)
-    trainer.fit(build("gpt"), _loader(dp, (rank // tp) % dp), ckpt_path=resume)
-    return recorder.logged
+    return train_epochs(rank, world, SeqParallelStrategy(tp=tp, pp=pp, zero=zero, async_save=async_save),
+                        build("gpt"), epochs, directory, resume)
 
 
 def _reference(epochs: int):
     """The uninterrupted one-process run, Lightning without our strategy: logged losses and final weights."""
-    recorder = Recorder()
-    trainer = _trainer("auto", 1, epochs, [recorder])
     module = build("gpt")
-    trainer.fit(module, _loader(1, 0))
-    return recorder.logged, {k: v.detach().clone() for k, v in module.state_dict().items()}
+    return reference_epochs(module, epochs), {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
 @pytest.fixture(scope="module")
@@ -136,15 +110,15 @@ def test_consolidated_checkpoint_loads_into_the_plain_model(saved, tmp_path):
         assert torch.equal(read[key], value), key
 
 
-def _validated_trainer(world, tp, pp, **strategy):
-    trainer = _trainer(SeqParallelStrategy(tp=tp, pp=pp, **strategy), world, 1)
+def _validatedepoch_trainer(world, tp, pp, **strategy):
+    trainer = epoch_trainer(SeqParallelStrategy(tp=tp, pp=pp, **strategy), world, 1)
     module = build("gpt")
-    trainer.validate(module, _loader(1, 0), verbose=False)  # sets up the parallel model
+    trainer.validate(module, epoch_loader(1, 0), verbose=False)  # sets up the parallel model
     return trainer, module
 
 
 def _start_from_single_device(rank, world, path):
-    trainer, _ = _validated_trainer(world, 2, 2)
+    trainer, _ = _validatedepoch_trainer(world, 2, 2)
     trainer.strategy.load_single_device_state_dict(path)
     return trainer.strategy.full_state_dict()
 
@@ -161,14 +135,14 @@ def test_a_single_device_state_dict_is_the_starting_point_of_any_layout(saved, t
 
 def _bad(rank, world, good, directory):
     errors = {}
-    trainer, module = _validated_trainer(world, 2, 1)
+    trainer, module = _validatedepoch_trainer(world, 2, 1)
     with torch.no_grad():
         module.gpt.transformer.h[0].mlp.c_fc.weight.view(-1)[1] = float("nan")  # a shard of rank 0 only
     trainer.save_checkpoint(f"{directory}/nan.ckpt")
     for name, model, checkpoint in (("nan", (), f"{directory}/nan.ckpt"), ("wider", (("n_embd", 32),), good)):
         try:
-            trainer = _trainer(SeqParallelStrategy(tp=2), world, 2)
-            trainer.fit(build("gpt", **dict(model)), _loader(1, 0), ckpt_path=checkpoint)
+            trainer = epoch_trainer(SeqParallelStrategy(tp=2), world, 2)
+            trainer.fit(build("gpt", **dict(model)), epoch_loader(1, 0), ckpt_path=checkpoint)
         except ValueError as error:
             errors[name] = str(error)
     return errors
@@ -212,7 +186,7 @@ def _async(rank, world, path):
     trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=SeqParallelStrategy(tp=2, async_save=True),
                          precision="64-true", max_steps=4, logger=False, enable_checkpointing=False, callbacks=[probe],
                          enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
-    trainer.fit(build("gpt"), _loader(1, 0))  # teardown waits for the save in flight
+    trainer.fit(build("gpt"), epoch_loader(1, 0))  # teardown waits for the save in flight
     return probe.published_while_training, probe.at_save, trainer.global_step
 
 

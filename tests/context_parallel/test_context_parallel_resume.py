@@ -4,48 +4,22 @@ float64, ``model(input_ids=x, labels=x)``)."""
 
 from __future__ import annotations
 
-import lightning.pytorch as pl
 import pytest
-from lightning.pytorch.callbacks import ModelCheckpoint
-from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_seqpar import SeqParallelStrategy
 from tests.helpers.distributed import run_distributed
-from tests.helpers.models import Recorder, build, token_data
+from tests.helpers.models import build
+from tests.helpers.resume import EPOCH_STEPS, reference_epochs, train_epochs
 
 pytestmark = pytest.mark.distributed  # starts processes: outside the fast lane
 
-GLOBAL_BATCH, EPOCH_STEPS = 4, 2
-DATA = token_data(EPOCH_STEPS, GLOBAL_BATCH // 2)
-
-
-def _loader(dp: int, dp_rank: int) -> DataLoader:
-    sampler = DistributedSampler(DATA, num_replicas=dp, rank=dp_rank, shuffle=True, seed=0)
-    return DataLoader(DATA, batch_size=GLOBAL_BATCH // dp, sampler=sampler)
-
-
-def _trainer(strategy, devices: int, epochs: int, callbacks) -> pl.Trainer:
-    return pl.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, precision="64-true", max_epochs=epochs, logger=False,
-        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks), callbacks=callbacks, enable_progress_bar=False, enable_model_summary=False,
-        limit_val_batches=0, num_sanity_val_steps=0, use_distributed_sampler=False,
-    )
-
-
 def _run(rank, world, tp, cp, pp, epochs, directory, resume):
-    dp = world // (tp * cp * pp)
-    recorder = Recorder()
-    callbacks = [recorder] + ([ModelCheckpoint(dirpath=directory, save_last=True, save_top_k=0)] if directory else [])
-    trainer = _trainer(SeqParallelStrategy(tp=tp, cp=cp, pp=pp), world, epochs, callbacks)
-    trainer.fit(build("hf", labels=True, kv_heads=4), _loader(dp, (rank // (tp * cp)) % dp), ckpt_path=resume)
-    return recorder.logged
+    return train_epochs(rank, world, SeqParallelStrategy(tp=tp, cp=cp, pp=pp), build("hf", labels=True, kv_heads=4),
+                        epochs, directory, resume)
 
 
 def _reference():
-    recorder = Recorder()
-    trainer = _trainer("auto", 1, 2, [recorder])
-    trainer.fit(build("hf", labels=True, kv_heads=4).double(), _loader(1, 0))
-    return recorder.logged
+    return reference_epochs(build("hf", labels=True, kv_heads=4).double(), 2)
 
 
 @pytest.fixture(scope="module")
