@@ -17,7 +17,12 @@ from typing import Any
 _EXPORTS = {
     "BlockSpec": "lightning_seqpar.transformer.block_spec",
     "ColumnParallelLinear": "lightning_seqpar.tensor_parallel",
+    "AttentionSpec": "lightning_seqpar.transformer.attention_part",
     "AutoLayout": "lightning_seqpar.lightning.auto_layout",
+    "DenseMLPSpec": "lightning_seqpar.transformer.mlp_part",
+    "ParallelConfig": "lightning_seqpar.lightning.config",
+    "ParallelDims": "lightning_seqpar.parallel.dims",
+    "Placement": "lightning_seqpar.parallel.placement",
     "CommunicationLog": "lightning_seqpar.parallel",
     "DeclaredBlockPolicy": "lightning_seqpar.rewriting.declared_policy",
     "ModelPolicy": "lightning_seqpar.rewriting",

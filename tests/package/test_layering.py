@@ -200,7 +200,8 @@ def test_the_public_names_import_from_the_package():
     names = ["SeqParallelStrategy", "SelectiveRecompute", "BlockSpec", "DeclaredBlockPolicy", "explain", "Policy",
              "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "ParallelGroup", "RNGTracker",
              "CommunicationLog", "FlopsUtilization", "ParallelMesh", "RewriteContext", "apply_recompute", "rewrite",
-             "validate_layout", "vocab_parallel_cross_entropy"]
+             "validate_layout", "vocab_parallel_cross_entropy", "ParallelConfig", "ParallelDims", "Placement",
+             "AttentionSpec", "DenseMLPSpec"]
     assert [n for n in names if not hasattr(lightning_seqpar, n)] == []
     assert set(names) <= set(lightning_seqpar.__all__)
 
