@@ -16,7 +16,9 @@ from torch import Tensor
 from lightning_seqpar.parallel.collectives import ParallelGroup
 from lightning_seqpar.parallel.dims import GROUPS
 from lightning_seqpar.parallel.mesh import ParallelMesh
-from lightning_seqpar.parallel.placement import is_pipeline_tied, is_stage_local, placement_of
+from lightning_seqpar.parallel.placement import (
+    REPLICA_GROUPS, SHARD_GROUPS, is_pipeline_tied, is_stage_local, placement_of,
+)
 
 
 def _all_reduce_coalesced(tensors: list[Tensor], group: ParallelGroup, scale: float = 1.0) -> None:
@@ -144,8 +146,8 @@ def norm_of_gradients(gradients: list[tuple[torch.nn.Parameter, Tensor]], mesh: 
     a disjoint part of every gradient (the distributed optimizer's element ranges), so the parts are also reduced
     over each parameter's replicas.
 
-    The partial sums are kept per set of groups to reduce over (every set of the mesh's distinct groups of more than
-    one rank, the same on every rank); each group then reduces, in one collective, the sums whose set holds it.
+    The partial sums are kept per set of groups to reduce over (every subset of :func:`_norm_groups`, the same on every
+    rank); each group then reduces, in one collective, the sums whose set holds it.
 
     Raises:
         ValueError: a norm type other than 2.0 or ``inf``.
@@ -155,7 +157,7 @@ def norm_of_gradients(gradients: list[tuple[torch.nn.Parameter, Tensor]], mesh: 
     dtype = torch.float64 if any(g.dtype == torch.float64 for _, g in gradients) else torch.float32
     inf = norm_type == math.inf
     op = torch.distributed.ReduceOp.MAX if inf else torch.distributed.ReduceOp.SUM
-    names = _distinct_groups(mesh)
+    names = _norm_groups(mesh, data_parallel_parts)
     keys = [tuple(n for i, n in enumerate(names) if mask >> i & 1) for mask in range(2 ** len(names))]
     index = {key: i for i, key in enumerate(keys)}
     chosen: list[list[Tensor]] = [[] for _ in keys]
@@ -164,7 +166,7 @@ def norm_of_gradients(gradients: list[tuple[torch.nn.Parameter, Tensor]], mesh: 
         placement = placement_of(p)
         if not placement.counted_on(pipeline_rank):
             continue  # a pipeline-tied gradient is identical on the first and the last stage: counted on the first
-        over = {_canonical(mesh, n, names) for n in placement.norm_groups(pipeline_rank, data_parallel_parts)}
+        over = {mesh.representative(n) for n in placement.norm_groups(pipeline_rank, data_parallel_parts)}
         chosen[index[tuple(n for n in names if n in over)]].append(_upcast(g))
 
     def part(grads: list[Tensor]) -> Tensor:
@@ -174,7 +176,7 @@ def norm_of_gradients(gradients: list[tuple[torch.nn.Parameter, Tensor]], mesh: 
         return sum((g.pow(2).sum().to(dtype) for g in grads), torch.zeros((), device=device, dtype=dtype))
 
     parts = torch.stack([part(grads) for grads in chosen])
-    for i, name in enumerate(names):
+    for name in names:
         holding = [k for k, key in enumerate(keys) if name in key]
         reduced = mesh.group(name).all_reduce(parts[holding].clone(), op=op)
         parts[holding] = reduced
@@ -182,23 +184,13 @@ def norm_of_gradients(gradients: list[tuple[torch.nn.Parameter, Tensor]], mesh: 
     return total if inf else total.sqrt()
 
 
-def _distinct_groups(mesh: ParallelMesh) -> list[str]:
-    """The names of the mesh's groups of more than one rank, one name per distinct set of ranks, in
-    :data:`~lightning_seqpar.parallel.dims.GROUPS` order."""
-    out: list[str] = []
-    for name in GROUPS:
-        if mesh.size(name) > 1 and not any(mesh.same_group(name, kept) for kept in out):
-            out.append(name)
-    return out
-
-
-def _canonical(mesh: ParallelMesh, name: str, names: list[str]) -> str:
-    """``name``'s representative in ``names`` (the first with the same ranks); a group of one rank maps to nothing
-    to reduce (a name outside ``names``, dropped by the caller's filter)."""
-    for kept in names:
-        if kept == name or mesh.same_group(name, kept):
-            return kept
-    return name
+def _norm_groups(mesh: ParallelMesh, data_parallel_parts: bool) -> list[str]:
+    """The groups a norm's partial sums are reduced over, one name per distinct set of ranks of more than one
+    (:meth:`~lightning_seqpar.parallel.mesh.ParallelMesh.representative`), the same on every rank: those a parameter
+    can be split over and ``pp``, and the replica groups when each replica holds a part of every gradient."""
+    candidates = (*SHARD_GROUPS, "pp", *(REPLICA_GROUPS if data_parallel_parts else ()))
+    chosen = {mesh.representative(name) for name in candidates} - {None}
+    return [name for name in GROUPS if name in chosen]
 
 
 def clip_grad_norm_(

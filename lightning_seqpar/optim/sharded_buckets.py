@@ -131,7 +131,3 @@ class ShardedGradientBuckets(HookedBuckets):
         """The averaged gradient of this rank's range of ``param`` (after :meth:`finish`), in the reduce dtype."""
         bucket, index = self._where[id(param)]
         return bucket.owned(index, bucket.group.rank)
-
-    def group_of(self, param: nn.Parameter) -> ParallelGroup:
-        """The group ``param``'s element ranges are split over."""
-        return self._where[id(param)][0].group

@@ -54,6 +54,7 @@ class ParallelMesh:
     first_and_last: Optional[ParallelGroup] = None
     host_groups: Mapping[str, ParallelGroup] = field(default_factory=dict)
     _device_meshes: dict = field(default_factory=dict, compare=False, repr=False)
+    _representatives: dict = field(default_factory=dict, compare=False, repr=False)
 
     def group(self, name: str) -> ParallelGroup:
         """This rank's group ``name`` (``"embedding"``: :attr:`embedding`).
@@ -65,11 +66,7 @@ class ParallelMesh:
             return self.embedding
         if name not in GROUPS:
             raise KeyError(f"No parallel group named {name!r}; the groups are {sorted(GROUPS)} and 'embedding'.")
-        if name in self.groups:
-            return self.groups[name]
-        if name == "dp_cp" and "dp" in self.groups and self.context.size == 1:
-            return self.groups["dp"]
-        return _ONE
+        return self.groups.get(name, _ONE)
 
     @property
     def tensor(self) -> ParallelGroup:
@@ -124,6 +121,22 @@ class ParallelMesh:
         if self.dims is not None and a in GROUPS and b in GROUPS:
             return self.dims.all_groups(a) == self.dims.all_groups(b)
         return self.group(a) is self.group(b) or self.group(a).size == self.group(b).size == 1
+
+    def representative(self, name: str) -> Optional[str]:
+        """The first name, in :data:`~lightning_seqpar.parallel.dims.GROUPS` order, of a group holding the same ranks
+        as group ``name`` (one collective over it serves every such name); ``None`` for a group of one rank, over
+        which nothing is reduced. Worked out once per mesh."""
+        if not self._representatives:
+            kept: list[str] = []
+            for candidate in GROUPS:
+                if self.size(candidate) == 1:
+                    self._representatives[candidate] = None
+                    continue
+                same = next((k for k in kept if self.same_group(candidate, k)), None)
+                if same is None:
+                    kept.append(candidate)
+                self._representatives[candidate] = same or candidate
+        return self._representatives[name]
 
     def ranks_of(self, rows: str, columns: str) -> tuple[tuple[int, ...], ...]:
         """Global ranks ``[i][j]`` at rank ``i`` of group ``rows`` and rank ``j`` of group ``columns``, this rank's other

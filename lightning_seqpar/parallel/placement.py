@@ -35,6 +35,10 @@ from lightning_seqpar.parallel.collectives import ParallelGroup
 from lightning_seqpar.parallel.dims import GROUPS
 
 STAGES = ("shared", "local", "tied")
+SHARD_GROUPS = ("tp", "etp", "ep")
+"""The groups a parameter can be split over (splitting over data replicas is the distributed optimizer's)."""
+REPLICA_GROUPS = ("dp_cp", "edp")
+"""The groups of data replicas: dense weights', experts'."""
 
 
 @dataclass(frozen=True)
@@ -146,7 +150,8 @@ class Placement:
         stage: ``"shared"``, ``"local"`` or ``"tied"`` (pipeline stages).
 
     Raises:
-        ValueError: a group name not in :data:`~lightning_seqpar.parallel.dims.GROUPS`, or an unknown stage.
+        ValueError: ``shard_over`` not in :data:`SHARD_GROUPS`, ``replicated_over`` not in :data:`REPLICA_GROUPS`, a
+            ``partial_over`` name not in :data:`~lightning_seqpar.parallel.dims.GROUPS`, or an unknown stage.
     """
 
     shard: Optional[ShardSpec] = None
@@ -156,9 +161,10 @@ class Placement:
     stage: str = "shared"
 
     def __post_init__(self) -> None:
-        for name in (self.shard_over, self.replicated_over, *self.partial_over):
-            if name not in GROUPS:
-                raise ValueError(f"Placement names group {name!r}; the groups are {sorted(GROUPS)}.")
+        for name, allowed in ((self.shard_over, SHARD_GROUPS), (self.replicated_over, REPLICA_GROUPS),
+                              *((name, tuple(GROUPS)) for name in self.partial_over)):
+            if name not in allowed:
+                raise ValueError(f"Placement names group {name!r} where one of {list(allowed)} belongs.")
         if self.stage not in STAGES:
             raise ValueError(f"Placement stage {self.stage!r}: one of {STAGES}.")
 

@@ -51,11 +51,6 @@ ShardMeshes = Callable[[Tensor], Optional[DeviceMesh]]
 :meth:`~lightning_seqpar.parallel.mesh.ParallelMesh.shard_device_mesh` for a built mesh."""
 
 
-def no_meshes(param: Tensor) -> None:
-    """:data:`ShardMeshes` of one process: nothing is split."""
-    return None
-
-
 def padded_size(size: int, multiple: int) -> int:
     """``size`` rounded up to a multiple of ``multiple``."""
     return -(-size // multiple) * multiple

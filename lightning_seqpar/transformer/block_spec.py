@@ -3,7 +3,6 @@ they join the residual), and the checks that the declaration names every part th
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, fields, replace
 from typing import Any, Callable, Optional, Union
 
@@ -11,7 +10,9 @@ import torch.nn as nn
 
 from lightning_seqpar.transformer.attention_part import AttentionSpec
 from lightning_seqpar.transformer.mlp_part import DenseMLPSpec
-from lightning_seqpar.transformer.paths import maybe_resolve, out_features, resolve, value_of  # noqa: F401  (re-exported)
+from lightning_seqpar.transformer.paths import (  # noqa: F401  (resolve, value_of, out_features: re-exported)
+    maybe_resolve, out_features, resolve, rotary_of, value_of,
+)
 
 
 ATTENTION_IMPLEMENTATIONS = ("eager", "sdpa")
@@ -107,10 +108,7 @@ class BlockSpec:
 def rotary_function(block: nn.Module, spec: BlockSpec) -> Optional[Callable[..., Any]]:
     """The declared rotary function: as given, or found by name in ``block``'s own Python module (once, when the
     parallel block is built)."""
-    rotary = spec.attention.rotary
-    if rotary is None or callable(rotary):
-        return rotary
-    return getattr(sys.modules.get(type(block).__module__), rotary, None)
+    return rotary_of(block, spec.attention.rotary)
 
 
 def declared_modules(block: nn.Module, spec: BlockSpec) -> list[str]:

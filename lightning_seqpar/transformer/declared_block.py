@@ -108,16 +108,6 @@ class ParallelBlock(ParallelLayer):
         self._dims = LayerDims(attention.hidden, attention.num_heads, self._mlp.ffn_hidden_size, ctx.tp, ctx.sp,
                                attention.num_kv_heads, spec.mlp.gated)
 
-    @property
-    def attention_part(self) -> AttentionPart:
-        """The attention part."""
-        return self._attention
-
-    @property
-    def mlp_part(self) -> Any:
-        """The part in the MLP slot."""
-        return self._mlp
-
     def layer_dims(self) -> LayerDims:
         return self._dims
 

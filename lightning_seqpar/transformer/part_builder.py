@@ -13,14 +13,13 @@ full-format checkpoint records optimizer state by parameter position).
 
 from __future__ import annotations
 
-import sys
 from typing import Any, Callable, Optional, Union
 
 import torch.nn as nn
 
 from lightning_seqpar.tensor_parallel.layers import ColumnParallelInProjection, ColumnParallelLinear, RowParallelLinear
 from lightning_seqpar.tensor_parallel.sharding import mark_sequence_parallel
-from lightning_seqpar.transformer.paths import out_features, resolve, value_of
+from lightning_seqpar.transformer.paths import out_features, resolve, rotary_of, value_of
 from lightning_seqpar.transformer.context import RewriteContext
 from lightning_seqpar.transformer.lora import column_with_lora, row_with_lora
 from lightning_seqpar.transformer.tuner_layers import linear_of
@@ -109,9 +108,7 @@ class PartBuilder:
 
     def rotary(self, rotary: Union[str, Callable[..., Any], None]) -> Optional[Callable[..., Any]]:
         """The declared rotary function: as given, or found by name in the block's own Python module."""
-        if rotary is None or callable(rotary):
-            return rotary
-        return getattr(sys.modules.get(type(self.block).__module__), rotary, None)
+        return rotary_of(self.block, rotary)
 
     def activation(self, path: str) -> Callable[..., Any]:
         """The declared activation: ``"F.<name>"`` from ``torch.nn.functional``, else the block's attribute (a module

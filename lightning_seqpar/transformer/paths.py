@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Union
+import sys
+from typing import Any, Callable, Optional, Union
 
 import torch.nn as nn
 
@@ -38,6 +39,13 @@ def maybe_resolve(block: nn.Module, path: str) -> Any:
         return resolve(block, path)
     except AttributeError:
         return None
+
+
+def rotary_of(block: nn.Module, rotary: Union[str, Callable[..., Any], None]) -> Optional[Callable[..., Any]]:
+    """A declared rotary function: as given, or found by name in ``block``'s own Python module."""
+    if rotary is None or callable(rotary):
+        return rotary
+    return getattr(sys.modules.get(type(block).__module__), rotary, None)
 
 
 def out_features(module: nn.Module) -> int:

@@ -120,7 +120,8 @@ def _consumers(rank, world_size, directory):
     reference = _reference(dims)
     ref = {"dense": reference.dense.grad, "experts": reference.experts.grad}
     ref_norm = math.sqrt(sum(float(g.pow(2).sum()) for g in ref.values()))
-    out = {"groups": groups, "built": built, "expected": {name: dims.group_of(name, rank) for name in GROUPS}}
+    out = {"groups": groups, "built": built, "expected": {name: dims.group_of(name, rank) for name in GROUPS},
+           "representatives": {name: mesh.representative(name) for name in GROUPS}}
 
     def grads(model, of=lambda p: p.grad):
         return {n: _global(of(p), mesh, n == "experts").clone() for n, p in model.named_parameters()}
@@ -208,6 +209,9 @@ def _close(actual, expected):
 def test_the_mesh_builds_every_named_group_of_both_grids(ranks):
     for r in ranks:
         assert r["built"] == r["expected"]
+        # one collective serves names of the same ranks (dp_cp is dp at c = 1); groups of one rank reduce nothing
+        assert r["representatives"] == {"tp": None, "cp": None, "dp": "dp", "pp": None, "dp_cp": "dp", "etp": None,
+                                        "ep": "ep", "edp": "edp"}
 
 
 def test_the_layout_folds_expert_groups_apart_from_the_dense_ones(ranks):
