@@ -77,14 +77,15 @@ def auto_layout_of(layout: Union[None, str, AutoLayout, dict], tp: Any, pp: int,
     return layout
 
 
-def check_world(strategy: Any, world: int) -> None:
-    """A world of ``world`` processes splits into the strategy's layout (nothing to check under ``layout``).
+def check_world(auto: Optional[AutoLayout], parallel: Any, world: int) -> None:
+    """A world of ``world`` processes splits into ``parallel`` (nothing to check under ``layout=AutoLayout``, which
+    chooses the layout for the world).
 
     Raises:
         ValueError: from :meth:`~lightning_seqpar.lightning.config.ParallelConfig.dims`.
     """
-    if strategy.auto is None:
-        strategy.parallel.dims(world)
+    if auto is None:
+        parallel.dims(world)
 
 
 def hf_model_in(module: torch.nn.Module) -> Optional[torch.nn.Module]:
@@ -104,11 +105,17 @@ def _memory(auto: AutoLayout, device: torch.device) -> float:
                      f"memory_budget=BYTES per device.")
 
 
-def choose_layout(strategy: Any, module: Any = None, trainer: Any = None) -> Any:
-    """Choose ``strategy``'s layout (see the module docstring) and set its ``tp``, ``pipeline_config`` and
-    recomputation, once; returns the chosen :class:`~lightning_seqpar.plan.LayoutRecord` (``None`` without
-    ``layout``). ``module`` and ``trainer``: where they are not connected to the strategy yet (the launching process
-    chooses before it starts any rank).
+def choose_layout(auto: AutoLayout, module: Any, trainer: Any, parallel: Any, *, world: int, gpus_per_node: int,
+                  device: torch.device, zero: int, sharded_context: Any) -> tuple[Any, Any]:
+    """Choose a layout (see the module docstring) for ``module`` trained by ``trainer`` on ``world`` processes: the
+    planner's :class:`~lightning_seqpar.plan.LayoutRecord` and ``parallel`` (the strategy's
+    :class:`~lightning_seqpar.lightning.config.ParallelConfig`) with its ``tp`` and pipeline, for the caller to apply.
+    The recomputation it needs is added to ``trainer``'s callbacks (:class:`~lightning_seqpar.SelectiveRecompute`),
+    unless the run has one.
+
+    Args:
+        sharded_context: the strategy's ``model_sharded_context`` (a module whose model is built in
+            ``configure_model`` is built under it, on the meta device).
 
     Raises:
         ValueError: a model that is not a Hugging Face causal LM, a device memory to read that cannot be read, or
@@ -118,39 +125,31 @@ def choose_layout(strategy: Any, module: Any = None, trainer: Any = None) -> Any
     from lightning_seqpar.pipeline_parallel import PipelineConfig
     from lightning_seqpar.plan import inventory_of_hf_model
 
-    auto: Optional[AutoLayout] = strategy.auto
-    if auto is None or strategy.chosen_layout is not None:
-        return strategy.chosen_layout
-    module = module if module is not None else strategy.lightning_module
     model = hf_model_in(module)
     if model is None and callable(getattr(module, "configure_model", None)):
-        with strategy.model_sharded_context():  # Lightning's contract: configure_model is idempotent
+        with sharded_context():  # Lightning's contract: configure_model is idempotent
             module.configure_model()
         model = hf_model_in(module)
     if model is None:
         raise ValueError(f"layout=AutoLayout(...) plans Hugging Face causal LMs; {type(module).__name__} holds none. "
                          f"Give tp and pp (python -m lightning_seqpar.plan helps choose them).")
-    trainer = trainer if trainer is not None else module.trainer
     existing = [c for c in trainer.callbacks if isinstance(c, SelectiveRecompute)]
     kinds = frozenset({c.granularity for c in existing} & {"none", "selective", "full"})
-    world = strategy.num_nodes * strategy.num_processes
-    memory = _memory(auto, strategy.root_device)
+    memory = _memory(auto, device)
     inventory = inventory_of_hf_model(model)
-    options = dict(precision=str(trainer.precision), zero=strategy.data_parallel.zero, recompute=kinds,
-                   gpus_per_node=strategy.num_processes, fits={})
+    options = dict(precision=str(trainer.precision), zero=zero, recompute=kinds, gpus_per_node=gpus_per_node, fits={})
     ranked = rank_layouts(inventory, world, auto.seq_len, auto, memory, **options)
     if not ranked:
         raise ValueError(_nothing_fits(inventory, world, auto, memory, options))
     best = ranked[0]
     runner_up = ranked[1] if len(ranked) > 1 else None
     rank_zero_info(f"layout=auto chose {_describe(best)}; runner-up: {_describe(runner_up) if runner_up else 'none'}")
-    strategy.parallel = replace(strategy.parallel, tp=best.tp, pipeline=PipelineConfig.build(
+    chosen = replace(parallel, tp=best.tp, pipeline=PipelineConfig.build(
         best.pp, best.num_microbatches if best.pp > 1 else None, "interleaved_1F1B" if best.vpp > 1 else "1F1B",
         best.vpp, None))
     if not existing and best.recompute != "none":
         trainer.callbacks.append(SelectiveRecompute(granularity=best.recompute))
-    strategy.chosen_layout = best
-    return best
+    return best, chosen
 
 
 def _describe(record: Any) -> str:

@@ -108,6 +108,13 @@ def end_with_launcher() -> None:
         os._exit(1)
 
 
+def stop_started_ranks(launcher: Any, local_rank: int) -> None:
+    """After a failed collective in the popen launcher's process (rank 0): kill the ranks it started, which would
+    otherwise wait for it until their own timeout, or stay stopped."""
+    if isinstance(launcher, SubprocessScriptLauncher) and local_rank == 0:
+        launcher.kill(signal.SIGKILL)
+
+
 def configure_launcher(strategy: Any, environment: ClusterEnvironment, start_method: str,
                        check: Optional[Callable[[Any, Any, Any], None]] = None) -> Optional[Any]:
     """The launcher of ``strategy``: none when the cluster starts the processes (torchrun, SLURM, or this is a rank

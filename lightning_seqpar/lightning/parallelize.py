@@ -117,10 +117,8 @@ def check_before_start(strategy: Any, module: Any, trainer: Any = None) -> None:
     from lightning_seqpar.parallel.collectives import ParallelGroup
     from lightning_seqpar.policies import plan_rewrite
 
-    if trainer is not None and getattr(strategy, "auto", None) is not None:  # layout=AutoLayout: chosen here, once
-        from lightning_seqpar.lightning.auto_layout import choose_layout
-
-        choose_layout(strategy, module, trainer)
+    if trainer is not None:  # layout=AutoLayout: chosen here, once
+        strategy.choose_layout(module, trainer)
     if not isinstance(module, torch.nn.Module) or any(
             is_overridden(hook, module) for hook in ("configure_model", "setup")):
         return

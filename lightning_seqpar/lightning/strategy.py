@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import signal
 from functools import partial
 from contextlib import contextmanager
 from datetime import timedelta
@@ -19,14 +18,14 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 import lightning_seqpar.lightning.process_group as process_group
-from lightning_seqpar.lightning._compat import SubprocessScriptLauncher, optimizers_to_device, set_num_threads_if_needed
+from lightning_seqpar.lightning._compat import optimizers_to_device, set_num_threads_if_needed
 from lightning_seqpar.lightning.auto_layout import AutoLayout, auto_layout_of, check_world, choose_layout
 from lightning_seqpar.lightning.checkpoint_io import AtomicCheckpointIO
 from lightning_seqpar.lightning.checkpointer import Checkpointer
 from lightning_seqpar.lightning.config import (
     CheckpointConfig, DataParallelConfig, ParallelConfig, PrecisionConfig, check_together, parallel_config_of,
 )
-from lightning_seqpar.lightning.launcher import check_start_method, configure_launcher
+from lightning_seqpar.lightning.launcher import check_start_method, configure_launcher, stop_started_ranks
 from lightning_seqpar.lightning.parallelize import check_before_start, parallelize
 from lightning_seqpar.lightning.pipelined_steps import PipelinedSteps, check_pipelined_module, refuse_predict
 from lightning_seqpar.lightning.precision import ShardAwareClipping, low_precision_residual, shard_aware
@@ -140,20 +139,9 @@ class SeqParallelStrategy(ParallelStrategy):
         self.grad_sync: Optional[GradientSync] = None  # the fit's data-parallel reduction (one owner)
         self.num_nodes = 1
 
-    @property
-    def tp(self) -> int:
-        """t, the tensor-parallel size (``parallel.tp``)."""
-        return self.parallel.tp
-
-    @property
-    def pp(self) -> int:
-        """p, the pipeline-parallel size (``parallel.pp``)."""
-        return self.parallel.pp
-
-    @property
-    def cp(self) -> int:
-        """c, the context-parallel size (``parallel.cp``)."""
-        return self.parallel.cp
+    tp = property(lambda self: self.parallel.tp, doc="t, the tensor-parallel size (``parallel.tp``).")
+    pp = property(lambda self: self.parallel.pp, doc="p, the pipeline-parallel size (``parallel.pp``).")
+    cp = property(lambda self: self.parallel.cp, doc="c, the context-parallel size (``parallel.cp``).")
 
     @property
     def mesh(self) -> ParallelMesh:
@@ -189,7 +177,7 @@ class SeqParallelStrategy(ParallelStrategy):
 
     @override
     def _configure_launcher(self) -> None:  # in Trainer(): a world that does not split fails there, before any rank
-        check_world(self, self.num_nodes * self.num_processes)
+        check_world(self.auto, self.parallel, self.num_nodes * self.num_processes)
         self._launcher = configure_launcher(self, self.cluster_environment, self._start_method, check_before_start)
 
     @override
@@ -199,7 +187,7 @@ class SeqParallelStrategy(ParallelStrategy):
         # cpu_count intra-op threads, and on CPU 4 processes on 2 cores ran 4.4x slower than with one each.
         set_num_threads_if_needed(self.num_processes)
         self.set_world_ranks()
-        choose_layout(self)  # layout=AutoLayout(...): from the model, world and device memory, before any allocation
+        self.choose_layout()  # layout=AutoLayout(...): from the model, world and device memory, before any allocation
         dims = self.parallel.dims(self.world_size)  # validated once, before any collective
         if self.process_group_backend is None:
             self.process_group_backend = "nccl" if self.root_device.type == "cuda" else "gloo"
@@ -210,6 +198,14 @@ class SeqParallelStrategy(ParallelStrategy):
         assert isinstance(plugin, ShardAwareClipping)
         plugin.mesh = self._mesh
         self.checkpointer.start(self._timeout, self._mesh, self.root_device, self.data_parallel, self.parallel)
+
+    def choose_layout(self, module: Any = None, trainer: Any = None) -> None:
+        """``layout=AutoLayout(...)``: the planner's choice (:func:`.auto_layout.choose_layout`) becomes ``parallel``."""
+        if self.auto is not None and self.chosen_layout is None:  # once; before connecting, the module and trainer given
+            module = module or self.lightning_module
+            self.chosen_layout, self.parallel = choose_layout(self.auto, module, trainer or module.trainer, self.parallel,
+                world=self.num_nodes * self.num_processes, gpus_per_node=self.num_processes, device=self.root_device,
+                zero=self.data_parallel.zero, sharded_context=self.model_sharded_context)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -239,11 +235,8 @@ class SeqParallelStrategy(ParallelStrategy):
             if self.pipeline is not None:
                 check_pipelined_module(self.lightning_module)
             self.setup_optimizers(trainer)
-            if self.grad_sync is not None:
-                self.grad_sync.remove()  # a second fit: the previous buckets' hooks go
-            self.grad_sync = GradientSync(self.model, self.optimizers, self.lr_scheduler_configs, self.mesh,
-                                          self.data_parallel.zero, self.pipeline is not None,
-                                          self.data_parallel.fp32_main_params)
+            self.grad_sync = GradientSync.for_fit(self.grad_sync, self.model, self.optimizers, self.lr_scheduler_configs,
+                                                  self.mesh, self.data_parallel, self.pipeline is not None)
             self.optimizers = self.grad_sync.optimizers
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -358,10 +351,8 @@ class SeqParallelStrategy(ParallelStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        failed = report_failed_collective(exception, self.global_rank, self._timeout, getattr(self, "_failure_watch", None))
-        if failed and isinstance(self.launcher, SubprocessScriptLauncher) and self.local_rank == 0:
-            # The ranks this process started would wait for it until their own timeout, or stay stopped.
-            self.launcher.kill(signal.SIGKILL)
+        if report_failed_collective(exception, self.global_rank, self._timeout, getattr(self, "_failure_watch", None)):
+            stop_started_ranks(self.launcher, self.local_rank)
 
     @override
     def teardown(self) -> None:

@@ -132,6 +132,17 @@ class GradientSync:
         """Release the buckets' hooks (a later fit builds its own :class:`GradientSync`)."""
         self._replicated.buckets.remove()
 
+    @classmethod
+    def for_fit(cls, previous: Optional["GradientSync"], module: nn.Module, optimizers: Sequence[Optimizer],
+                lr_scheduler_configs: Sequence[Any], mesh: ParallelMesh, data_parallel: Any,
+                pipelined: bool) -> "GradientSync":
+        """A fit's :class:`GradientSync` from its ``data_parallel`` settings (``zero``, ``fp32_main_params``);
+        ``previous`` (a fit before it on the same trainer) releases its hooks first."""
+        if previous is not None:
+            previous.remove()
+        return cls(module, optimizers, lr_scheduler_configs, mesh, data_parallel.zero, pipelined,
+                   data_parallel.fp32_main_params)
+
     @contextmanager
     def final_backward(self, optimizer: Optimizer) -> Iterator[None]:
         """Around the closure of ``optimizer``'s step (it runs the window's last backward): the buckets reduce
