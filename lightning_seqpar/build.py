@@ -3,6 +3,7 @@
 1. read the pipeline placement off the single-device model (the policies recognize a model by its parts, which the
    rewrite replaces: a vocabulary-parallel embedding is no ``nn.Embedding``; the paths stay the same);
 2. rewrite the recognized blocks (:func:`lightning_seqpar.policies.rewrite`), every parameter given its placement;
+   their self-checks run on one rank, whose verdict every rank raises (:class:`OneRankChecks`);
 3. refuse a layout that splits experts over a model without any (``ep > 1``);
 4. keep this rank's pipeline stage of the layer stack and the parts outside it the stage holds
    (:func:`~lightning_seqpar.pipeline_parallel.stage.split_stages`,
@@ -17,7 +18,7 @@ at full size on the meta device (``plan/dry_run.py``): one sequence, so they can
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch.nn as nn
 
@@ -25,7 +26,7 @@ from lightning_seqpar.parallel.placement import placement_of
 from lightning_seqpar.pipeline_parallel.config import PipelineConfig
 from lightning_seqpar.pipeline_parallel.placement import place_outside_stack
 from lightning_seqpar.pipeline_parallel.stage import StageRuntime, split_stages
-from lightning_seqpar.policies import pipeline_placement, rewrite
+from lightning_seqpar.policies import pipeline_placement, plan_rewrite, rewrite
 from lightning_seqpar.rewriting import Policy, RewriteContext, RewritePlan
 from lightning_seqpar.transformer.materialize import Materializer
 
@@ -45,20 +46,57 @@ class RankModel:
     remote_keys: list[str] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class OneRankChecks:
+    """The rewrite's self-checks, run by one rank of the job, their verdict raised on every rank.
+
+    The checks are deterministic and identical on every rank (a small float64 copy of the model, or one block, on
+    emulated tensor-parallel ranks, from the same model and layout), so one rank's verdict is every rank's: the others
+    spend no CPU on it (on one node's shared cores, every rank checking made each wait for all).
+
+    Attributes:
+        checks: whether this rank runs the checks (rank 0).
+        broadcast: the strategy's ``broadcast`` of a picklable object from rank 0 (one host round trip, at setup).
+    """
+
+    checks: bool
+    broadcast: Callable[[Any], Any]
+
+    def run(self, check: Callable[[], Any]) -> None:
+        """Run ``check`` on the checking rank; every rank then raises the exception it raised, if any.
+
+        Raises:
+            Exception: what ``check`` raised on the checking rank (its type and message; the traceback stays there).
+        """
+        error: Optional[BaseException] = None
+        if self.checks:
+            try:
+                check()
+            except Exception as exc:  # noqa: BLE001 - every rank raises it below
+                error = exc
+        error = self.broadcast(error)
+        if error is not None:
+            raise error
+
+
 def build_rank(model: nn.Module, ctx: RewriteContext, policies: Optional[Iterable[Policy]], *, verify: bool,
                pipeline: PipelineConfig, pipeline_rank: int, materializer: Optional[Materializer] = None,
-               expert_parallel: int = 1) -> RankModel:
+               expert_parallel: int = 1, one_rank_checks: Optional[OneRankChecks] = None) -> RankModel:
     """Build this rank's part of ``model`` in place (see the module docstring): the rank at ``ctx.group``'s
     tensor-parallel rank and ``pipeline_rank`` of ``pipeline``. ``materializer``: fills the shards kept (``None``: the
     caller's model has no meta blocks to fill, or keeps them on the meta device). ``expert_parallel``: the layout's
-    ``ep``.
+    ``ep``. ``verify`` with ``one_rank_checks``: the self-checks run on one rank, their verdict raised on all
+    (without: on this rank, which every rank then does alike).
 
     Raises:
-        ValueError: from the rewrite (nothing recognized, shapes that do not split), :func:`check_experts`, the stage
-            split or the placement, before this rank has allocated any shard.
+        ValueError: from the rewrite (nothing recognized, shapes that do not split, a self-check's refusal),
+            :func:`check_experts`, the stage split or the placement, before this rank has allocated any shard.
     """
     policies = list(policies) if policies is not None else None
     placement = pipeline_placement(model, policies) if pipeline.enabled else {}
+    if verify and one_rank_checks is not None:
+        one_rank_checks.run(lambda: plan_rewrite(model, ctx, policies, verify=True))
+        verify = False  # checked; the rewrite below repeats only the static checks, alike on every rank
     plan = rewrite(model, ctx, policies, verify)
     check_experts(model, expert_parallel)
     built = RankModel(plan)

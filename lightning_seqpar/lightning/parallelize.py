@@ -17,7 +17,7 @@ from lightning_seqpar.lightning.pipelined_steps import PipelinedSteps
 from lightning_seqpar.lightning.config import ParallelConfig
 from lightning_seqpar.parallel.mesh import ParallelMesh
 from lightning_seqpar.parallel.random import RNGTracker
-from lightning_seqpar.build import build_rank
+from lightning_seqpar.build import OneRankChecks, build_rank
 from lightning_seqpar.rewriting import Policy, RewriteContext, RewritePlan
 from lightning_seqpar.transformer.materialize import Materializer
 
@@ -67,14 +67,14 @@ def seed_streams(seed: int, mesh: ParallelMesh, device: torch.device) -> RNGTrac
 
 
 def parallelize(model: torch.nn.Module, mesh: ParallelMesh, device: torch.device, parallel: ParallelConfig, *,
-                seed: Optional[int], broadcast: Callable[[int], int], policies: Iterable[Policy], verify: bool,
+                seed: Optional[int], broadcast: Callable[[Any], Any], policies: Iterable[Policy], verify: bool,
                 source: Optional[Mapping[str, Any]] = None) -> ParallelModel:
     """Rewrite ``model`` (a LightningModule, in place) into this rank's tensor (+ sequence) and pipeline parallel
     part, as ``parallel`` says (sequence and loss parallelism, the pipeline, the context-parallel attention when the
     mesh has ``cp > 1``, the loss's chunk of positions: :class:`~lightning_seqpar.rewriting.RewriteContext`).
     ``seed``: base seed of the dropout streams and of meta-device materialization; ``None`` takes rank 0's
-    ``torch.initial_seed()`` through ``broadcast``. ``verify``: run the policies' self-checks (every rank runs
-    the same, without communicating, so a refusal reaches every rank). ``source``: single-device weights read
+    ``torch.initial_seed()`` through ``broadcast``. ``verify``: run the policies' self-checks (on rank 0;
+    every rank raises its verdict: :class:`~lightning_seqpar.build.OneRankChecks`). ``source``: single-device weights read
     straight into the shards of a model built on the meta device (checked already); what it lacks is drawn with
     the owning model's initializer (Hugging Face's, found in the model) or the policy's.
 
@@ -94,7 +94,8 @@ def parallelize(model: torch.nn.Module, mesh: ParallelMesh, device: torch.device
     ctx = RewriteContext(mesh.tensor, parallel.sequence_parallel, rng_tracker, parallel.loss_parallel, materializer,
                          context=context, loss_chunk=parallel.loss_chunk)
     rank = build_rank(model, ctx, policies, verify=verify, pipeline=parallel.pipeline, pipeline_rank=mesh.pipeline.rank,
-                      materializer=materializer, expert_parallel=mesh.dims.ep if mesh.dims is not None else 1)
+                      materializer=materializer, expert_parallel=mesh.dims.ep if mesh.dims is not None else 1,
+                      one_rank_checks=OneRankChecks(dist.get_rank() == 0, broadcast))
     steps = PipelinedSteps.of(rank.runtime, parallel.pipeline, mesh.pipeline, device) if rank.runtime is not None else None
     return ParallelModel(rng_tracker, rank.plan, steps, rank.remote_keys)
 
