@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch.nn as nn
 
+from lightning_seqpar.parallel.one_rank import decided_by_one_rank
 from lightning_seqpar.parallel.placement import placement_of
 from lightning_seqpar.pipeline_parallel.config import PipelineConfig
 from lightning_seqpar.pipeline_parallel.placement import place_outside_stack
@@ -66,17 +67,9 @@ class OneRankChecks:
         """Run ``check`` on the checking rank; every rank then raises the exception it raised, if any.
 
         Raises:
-            Exception: what ``check`` raised on the checking rank (its type and message; the traceback stays there).
+            Exception: what ``check`` raised on the checking rank (:func:`~lightning_seqpar.parallel.one_rank.decided_by_one_rank`).
         """
-        error: Optional[BaseException] = None
-        if self.checks:
-            try:
-                check()
-            except Exception as exc:  # noqa: BLE001 - every rank raises it below
-                error = exc
-        error = self.broadcast(error)
-        if error is not None:
-            raise error
+        decided_by_one_rank(lambda: check() and None, self.checks, self.broadcast)
 
 
 def build_rank(model: nn.Module, ctx: RewriteContext, policies: Optional[Iterable[Policy]], *, verify: bool,

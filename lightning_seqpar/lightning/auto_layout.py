@@ -105,13 +105,34 @@ def _memory(auto: AutoLayout, device: torch.device) -> float:
                      f"memory_budget=BYTES per device.")
 
 
+@dataclass(frozen=True)
+class LayoutChoice:
+    """What ``layout=AutoLayout(...)`` chose, made once (rank 0, or the launching process) and sent to every rank.
+
+    Attributes:
+        record: the planner's :class:`~lightning_seqpar.plan.LayoutRecord`.
+        parallel: the strategy's :class:`~lightning_seqpar.lightning.config.ParallelConfig` with its ``tp`` and pipeline.
+        recompute: the recomputation granularity the run must add, or ``None`` (it has its own, or needs none).
+    """
+
+    record: Any
+    parallel: Any
+    recompute: Optional[str]
+
+    def add_recompute(self, trainer: Any) -> None:
+        """Add the chosen recomputation to ``trainer``'s callbacks, unless a
+        :class:`~lightning_seqpar.SelectiveRecompute` is there already (added by an earlier call, or the run's)."""
+        from lightning_seqpar.lightning.callbacks.selective_recompute import SelectiveRecompute
+
+        if self.recompute is not None and not any(isinstance(c, SelectiveRecompute) for c in trainer.callbacks):
+            trainer.callbacks.append(SelectiveRecompute(granularity=self.recompute))
+
+
 def choose_layout(auto: AutoLayout, module: Any, trainer: Any, parallel: Any, *, world: int, gpus_per_node: int,
-                  device: torch.device, zero: int, sharded_context: Any) -> tuple[Any, Any]:
-    """Choose a layout (see the module docstring) for ``module`` trained by ``trainer`` on ``world`` processes: the
-    planner's :class:`~lightning_seqpar.plan.LayoutRecord` and ``parallel`` (the strategy's
-    :class:`~lightning_seqpar.lightning.config.ParallelConfig`) with its ``tp`` and pipeline, for the caller to apply.
-    The recomputation it needs is added to ``trainer``'s callbacks (:class:`~lightning_seqpar.SelectiveRecompute`),
-    unless the run has one.
+                  device: torch.device, zero: int, sharded_context: Any) -> LayoutChoice:
+    """Choose a layout (see the module docstring) for ``module`` trained by ``trainer`` on ``world`` processes, from
+    ``parallel`` (the strategy's :class:`~lightning_seqpar.lightning.config.ParallelConfig`), for the caller to
+    apply. The planner probes layers on emulated ranks (CPU seconds): one process chooses, the others receive it.
 
     Args:
         sharded_context: the strategy's ``model_sharded_context`` (a module whose model is built in
@@ -147,9 +168,7 @@ def choose_layout(auto: AutoLayout, module: Any, trainer: Any, parallel: Any, *,
     chosen = replace(parallel, tp=best.tp, pipeline=PipelineConfig.build(
         best.pp, best.num_microbatches if best.pp > 1 else None, "interleaved_1F1B" if best.vpp > 1 else "1F1B",
         best.vpp, None))
-    if not existing and best.recompute != "none":
-        trainer.callbacks.append(SelectiveRecompute(granularity=best.recompute))
-    return best, chosen
+    return LayoutChoice(best, chosen, best.recompute if not existing and best.recompute != "none" else None)
 
 
 def _describe(record: Any) -> str:

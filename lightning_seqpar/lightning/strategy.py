@@ -33,6 +33,7 @@ from lightning_seqpar.lightning.preemption import add_preemption
 from lightning_seqpar.lightning.process_group import as_timedelta, report_failed_collective, start_process_group
 from lightning_seqpar.optim.grad_sync import GradientSync
 from lightning_seqpar.parallel import ParallelMesh, RNGTracker
+from lightning_seqpar.parallel.one_rank import decided_by_one_rank
 from lightning_seqpar.pipeline_parallel import PipelineConfig
 from lightning_seqpar.rewriting import Policy, RewritePlan
 
@@ -115,7 +116,7 @@ class SeqParallelStrategy(ParallelStrategy):
         cp: int = 1, cp_comm: Literal["ring", "all_to_all"] = "ring", loss_chunk: Optional[int] = 4096,
         parallel: Optional[ParallelConfig] = None,
     ) -> None:
-        self.auto, self.chosen_layout = auto_layout_of(layout, tp, pp, cp), None
+        self.auto, self.chosen_layout, self._layout_choice = auto_layout_of(layout, tp, pp, cp), None, None
         self.parallel = parallel_config_of(parallel, tp=1 if tp == "auto" else tp, cp=cp, cp_comm=cp_comm,
                                            sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
                                            loss_chunk=loss_chunk, pipeline=PipelineConfig.build(
@@ -187,12 +188,12 @@ class SeqParallelStrategy(ParallelStrategy):
         # cpu_count intra-op threads, and on CPU 4 processes on 2 cores ran 4.4x slower than with one each.
         set_num_threads_if_needed(self.num_processes)
         self.set_world_ranks()
-        self.choose_layout()  # layout=AutoLayout(...): from the model, world and device memory, before any allocation
-        dims = self.parallel.dims(self.world_size)  # validated once, before any collective
         if self.process_group_backend is None:
             self.process_group_backend = "nccl" if self.root_device.type == "cuda" else "gloo"
         assert self.cluster_environment is not None
         self._failure_watch = start_process_group(self.cluster_environment, self.process_group_backend, self._timeout)
+        self.choose_layout()  # layout=AutoLayout(...): from the model, world and device memory, before any allocation
+        dims = self.parallel.dims(self.world_size)  # validated once, before any collective but the choice's
         self._mesh = ParallelMesh.build(device_type=self.root_device.type, timeout=self._timeout, dims=dims)
         plugin = self.precision_plugin
         assert isinstance(plugin, ShardAwareClipping)
@@ -200,12 +201,19 @@ class SeqParallelStrategy(ParallelStrategy):
         self.checkpointer.start(self._timeout, self._mesh, self.root_device, self.data_parallel, self.parallel)
 
     def choose_layout(self, module: Any = None, trainer: Any = None) -> None:
-        """``layout=AutoLayout(...)``: the planner's choice (:func:`.auto_layout.choose_layout`) becomes ``parallel``."""
-        if self.auto is not None and self.chosen_layout is None:  # once; before connecting, the module and trainer given
-            module = module or self.lightning_module
-            self.chosen_layout, self.parallel = choose_layout(self.auto, module, trainer or module.trainer, self.parallel,
-                world=self.num_nodes * self.num_processes, gpus_per_node=self.num_processes, device=self.root_device,
-                zero=self.data_parallel.zero, sharded_context=self.model_sharded_context)
+        """``layout=AutoLayout(...)``: the planner's :class:`.auto_layout.LayoutChoice` becomes ``parallel``; made once
+        (the launching process, given ``module`` and ``trainer``, or rank 0) and sent to every rank."""
+        if self.auto is None:
+            return
+        module = module or self.lightning_module
+        choose = partial(choose_layout, self.auto, module, trainer or module.trainer, self.parallel,
+                         world=self.num_nodes * self.num_processes, gpus_per_node=self.num_processes,
+                         device=self.root_device, zero=self.data_parallel.zero, sharded_context=self.model_sharded_context)
+        # The launching process chooses before any rank starts; on the ranks, rank 0's choice is sent to every rank.
+        self._layout_choice = (self._layout_choice or choose()) if trainer is not None else decided_by_one_rank(
+            lambda: self._layout_choice or choose(), self.global_rank == 0, self.broadcast)
+        self.parallel, self.chosen_layout = self._layout_choice.parallel, self._layout_choice.record
+        self._layout_choice.add_recompute(trainer or module.trainer)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:

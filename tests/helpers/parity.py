@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import lightning.pytorch as pl
+import pytest
 import torch
 from torch import Tensor
 
@@ -66,6 +67,21 @@ def _fit_all(rank: int, world_size: int, cases: list[Case]) -> dict[Case, Record
 def run_cases(cases: dict[int, list[Case]], world_size: int) -> list[dict[Case, Recorder]]:
     """Every case of ``world_size``, trained in one group of spawned processes: each rank's records by case."""
     return run_distributed(_fit_all, world_size, cases[world_size])
+
+
+def world_runs(cases: dict[int, list[Case]]) -> Callable:
+    """A module-scoped fixture for a parity module: ``runs(world_size)`` trains that world's cases in one group of
+    processes (:func:`run_cases`) the first time it is asked, and returns each rank's records by case."""
+    @pytest.fixture(scope="module")
+    def runs() -> Callable[[int], list[dict[Case, Recorder]]]:
+        done: dict[int, list[dict[Case, Recorder]]] = {}
+
+        def of(world_size: int) -> list[dict[Case, Recorder]]:
+            if world_size not in done:
+                done[world_size] = run_cases(cases, world_size)
+            return done[world_size]
+        return of
+    return runs
 
 
 def all_cases(cases: dict[int, list[Case]]) -> list[tuple[int, Case]]:

@@ -15,7 +15,7 @@ import torch
 from lightning_seqpar import explain
 from tests.helpers.distributed import run_distributed
 from tests.helpers.models import build, token_data
-from tests.helpers.parity import Case, all_cases, assert_matches_single_process, case_id, relative_error_below, run_cases
+from tests.helpers.parity import Case, all_cases, assert_matches_single_process, case_id, relative_error_below, world_runs
 
 pytestmark = pytest.mark.distributed  # starts processes: outside the fast lane
 
@@ -102,20 +102,13 @@ CASES = {
 LOSS_RTOL, GRAD_BOUND = 1e-6, 1e-4
 
 
-@pytest.fixture(scope="module")
-def runs2():
-    return run_cases(CASES, 2)
-
-
-@pytest.fixture(scope="module")
-def runs4():
-    return run_cases(CASES, 4)
+runs = world_runs(CASES)
 
 
 @pytest.mark.parametrize("world_case", all_cases(CASES), ids=case_id)
-def test_llama_layout_matches_single_process(request, world_case):
+def test_llama_layout_matches_single_process(runs, world_case):
     world_size, case = world_case
-    per_rank = request.getfixturevalue(f"runs{world_size}")
+    per_rank = runs(world_size)
     assert_matches_single_process(per_rank, case, world_size, LOSS_RTOL, 0, relative_error_below(GRAD_BOUND))
 
 

@@ -29,6 +29,11 @@ def _ranked(world, budget):
 
 
 def _fit(rank, world, budgets):
+    import lightning_seqpar.lightning.auto_layout as auto_layout
+
+    planned = []
+    plan = auto_layout.rank_layouts
+    auto_layout.rank_layouts = lambda *args, **kwargs: planned.append(rank) or plan(*args, **kwargs)
     out = []
     for budget in budgets:
         strategy = SeqParallelStrategy(layout=AutoLayout(seq_len=SEQ, batch_size=BATCH, memory_budget=budget))
@@ -43,7 +48,7 @@ def _fit(rank, world, budgets):
         chosen = strategy.chosen_layout
         out.append(((chosen.tp, chosen.pp, chosen.vpp, chosen.micro_batch, chosen.recompute),
                     trainer.callback_metrics["train/loss"].item()))
-    return out
+    return out, bool(planned)
 
 
 def strategy_dp(strategy, world):
@@ -59,8 +64,9 @@ def test_a_budget_chooses_the_best_layout_that_fits_and_it_trains():
     too_small = small / 0.8 * 1.001  # 8 devices fit, 4 do not
     assert not _ranked(WORLD, too_small)
     results = run_distributed(_fit, WORLD, [budget, too_small])
+    assert [planned for _, planned in results] == [True, False, False, False]  # rank 0 chose, for every rank
     best = fitting[0]
-    for (layout, loss), refusal in results:
+    for ((layout, loss), refusal), _ in results:
         assert layout == (best.tp, best.pp, best.vpp, best.micro_batch, best.recompute)
         assert math.isfinite(loss)
         assert "no layout of this model fits 0.8 ×" in refusal and "The smallest that would fit: 8 devices" in refusal

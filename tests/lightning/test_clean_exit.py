@@ -13,7 +13,7 @@ from tests.helpers.jobs import ABORT, ROOT
 
 pytestmark = pytest.mark.distributed  # starts processes: outside the fast lane
 
-RUNS = 6
+RUNS = 4
 
 
 def _run(_):

@@ -8,7 +8,7 @@ any gradient) fails.
 import pytest
 import torch
 
-from tests.helpers.parity import Case, all_cases, assert_matches_single_process, case_id, close, run_cases
+from tests.helpers.parity import Case, all_cases, assert_matches_single_process, case_id, close, world_runs
 
 pytestmark = pytest.mark.distributed  # starts processes: outside the fast lane
 
@@ -31,26 +31,19 @@ CASES[4].append(Case("gpt", 2, True, None, (), CLIP_ACCUMULATE, ZERO1))
 RTOL, ATOL = 1e-9, 1e-11
 
 
-@pytest.fixture(scope="module")
-def runs2():
-    return run_cases(CASES, 2)
-
-
-@pytest.fixture(scope="module")
-def runs4():
-    return run_cases(CASES, 4)
+runs = world_runs(CASES)
 
 
 @pytest.mark.parametrize("world_case", all_cases(CASES), ids=case_id)
-def test_loss_and_gradients_match_single_process(request, world_case):
+def test_loss_and_gradients_match_single_process(runs, world_case):
     world_size, case = world_case
-    per_rank = request.getfixturevalue(f"runs{world_size}")
+    per_rank = runs(world_size)
     assert_matches_single_process(per_rank, case, world_size, RTOL, ATOL, close(RTOL, ATOL))
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_replicated_parameters_hold_identical_gradients_on_every_tp_rank(request, world_size):
-    per_rank = request.getfixturevalue(f"runs{world_size}")
+def test_replicated_parameters_hold_identical_gradients_on_every_tp_rank(runs, world_size):
+    per_rank = runs(world_size)
     for case in CASES[world_size]:
         for start in range(0, world_size, case.tp):
             first = per_rank[start][case].replicated

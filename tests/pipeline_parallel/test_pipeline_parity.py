@@ -8,7 +8,7 @@ nn.TransformerEncoder(Layer)s; selective and full recomputation; clipping and ac
 import pytest
 
 from tests.helpers.models import BATCH, SEQ
-from tests.helpers.parity import STEPS, Case, all_cases, assert_matches_single_process, case_id, close, run_cases
+from tests.helpers.parity import STEPS, Case, all_cases, assert_matches_single_process, case_id, close, world_runs
 from tests.lightning.test_parity import CLIP_ACCUMULATE, ENCODER_A, ENCODER_B
 
 pytestmark = pytest.mark.distributed  # starts processes: outside the fast lane
@@ -45,29 +45,18 @@ CASES = {
 RTOL, ATOL = 1e-9, 1e-11
 
 
-@pytest.fixture(scope="module")
-def runs2():
-    return run_cases(CASES, 2)
-
-
-@pytest.fixture(scope="module")
-def runs4():
-    return run_cases(CASES, 4)
-
-
-@pytest.fixture(scope="module")
-def runs8():
-    return run_cases(CASES, 8)
+runs = world_runs(CASES)
 
 
 @pytest.mark.parametrize("world_case", all_cases(CASES), ids=case_id)
-def test_pipelined_training_matches_single_process(request, world_case):
+def test_pipelined_training_matches_single_process(runs, world_case):
     world_size, case = world_case
-    per_rank = request.getfixturevalue(f"runs{world_size}")
+    per_rank = runs(world_size)
     assert_matches_single_process(per_rank, case, world_size, RTOL, ATOL, close(RTOL, ATOL))
 
 
-def test_sequence_parallel_sends_one_tp_th_of_the_bytes_across_stages(runs4):
+def test_sequence_parallel_sends_one_tp_th_of_the_bytes_across_stages(runs):
+    runs4 = runs(4)
     with_sp, without_sp = CASES[4][0], CASES[4][1]
     h, t, m = 16, 2, 2  # gpt_module: n_embd 16; micro-batches = pp
     for rank in range(4):

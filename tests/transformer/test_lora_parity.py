@@ -11,7 +11,7 @@ cp 2 × dp 2 all-to-all with packed documents).
 
 import pytest
 
-from tests.helpers.parity import Case, all_cases, assert_matches_single_process, case_id, relative_error_below, run_cases
+from tests.helpers.parity import Case, all_cases, assert_matches_single_process, case_id, relative_error_below, world_runs
 
 pytestmark = pytest.mark.distributed  # starts processes: outside the fast lane
 
@@ -44,30 +44,24 @@ CASES = {
 LOSS_RTOL, GRAD_BOUND = 1e-6, 1e-4
 
 
-@pytest.fixture(scope="module")
-def runs2():
-    return run_cases(CASES, 2)
-
-
-@pytest.fixture(scope="module")
-def runs4():
-    return run_cases(CASES, 4)
+runs = world_runs(CASES)
 
 
 @pytest.mark.parametrize("world_case", all_cases(CASES), ids=case_id)
-def test_lora_matches_one_process_running_peft(request, world_case):
+def test_lora_matches_one_process_running_peft(runs, world_case):
     world_size, case = world_case
-    per_rank = request.getfixturevalue(f"runs{world_size}")
+    per_rank = runs(world_size)
     assert_matches_single_process(per_rank, case, world_size, LOSS_RTOL, 0, relative_error_below(GRAD_BOUND))
     grads = per_rank[0][case].grads[0]
     assert grads and all(".lora_A." in name or ".lora_B." in name for name in grads), sorted(grads)
     assert len(grads) == 2 * 7 * 2  # A and B of seven projections in two layers, nothing of the frozen base
 
 
-def test_adapters_trained_at_tp_1_2_and_4_are_the_same(runs2, runs4):
+def test_adapters_trained_at_tp_1_2_and_4_are_the_same(runs):
     """The adapters are the one-device draw sliced, so training does not depend on t: the third step's gradients,
     taken at the adapters after two updates, agree across tp 1, 2 and 4: the same model and the same global batches
     (8 sequences: tp 1 × dp 4 with 2 each, tp 2 and tp 4 with all 8)."""
+    runs2, runs4 = runs(2), runs(4)
     tp1 = runs4[0][CASES[4][5]].grads[-1]
     for records, case in ((runs2, CASES[2][6]), (runs4, CASES[4][0])):
         got = records[0][case].grads[-1]
