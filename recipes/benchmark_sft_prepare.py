@@ -8,8 +8,9 @@ rendered with a ChatML template (no ``{% generation %}`` markers, like most mode
 tokenizer trained offline on a sample of it. Each measurement runs in a fresh process pinned to one core (the Rust
 tokenizer limited to one thread): ``FineTuneDataModule.prepare_cache`` preparing the cache from scratch (the
 streaming, batched path), and, on the first ``--sample-mb`` MB, the record-at-a-time rendering the preparation used
-before (one ``apply_chat_template`` per prefix and per record, everything held in memory). Prints MB/s and the peak
-resident memory of each process (``ru_maxrss``: the interpreter and libraries included).
+before (one ``apply_chat_template`` per prefix and per record, everything held in memory), and the ceiling of any
+preparation with this tokenizer: the Rust tokenizer alone encoding the same texts, rendered by hand. Prints MB/s and
+the peak resident memory of each process (``ru_maxrss``: the interpreter and libraries included).
 """
 
 from __future__ import annotations
@@ -125,6 +126,27 @@ def _record_at_a_time(data: str, tokenizer: str, megabytes: float, queue: mp.Que
                resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, read))
 
 
+def _tokenizer_alone(data: str, tokenizer: str, megabytes: float, queue: mp.Queue) -> None:
+    """The ceiling: the Rust tokenizer alone encoding the rendered texts of the first ``megabytes`` MB (with the
+    character offsets the assistant mask is read from), nothing else timed."""
+    _one_core()
+    from tokenizers import Tokenizer
+
+    backend = Tokenizer.from_file(str(Path(tokenizer) / "tokenizer.json"))
+    texts, read = [], 0
+    with open(data, "rb") as lines:
+        for line in lines:
+            read += len(line)
+            texts.append("".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n"
+                                 for m in json.loads(line)["messages"]))  # CHATML, rendered by hand
+            if read >= megabytes * 1e6:
+                break
+    start = time.perf_counter()
+    tokens = sum(len(e.ids) for e in backend.encode_batch(texts, add_special_tokens=False))
+    seconds = time.perf_counter() - start
+    queue.put((seconds, len(texts), tokens, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, read))
+
+
 def _run(target, *args):
     ctx = mp.get_context("spawn")  # a fresh process: its peak memory is this measurement's alone
     queue = ctx.Queue()
@@ -151,6 +173,7 @@ def main() -> None:
         seconds, records, tokens, peak = _run(_streaming, str(data), str(root / "tokenizer"), cache_dir)
     old_seconds, old_records, old_tokens, old_peak, old_read = _run(_record_at_a_time, str(data),
                                                                     str(root / "tokenizer"), args.sample_mb)
+    ceiling = _run(_tokenizer_alone, str(data), str(root / "tokenizer"), args.sample_mb)
     table = Table(title=f"Preparing {data.name} on one core (ChatML template, byte-level BPE of 8 192 ids)")
     for column in ("path", "MB read", "records", "tokens", "seconds", "MB/s", "peak RSS MB"):
         table.add_column(column, justify="right")
@@ -158,6 +181,9 @@ def main() -> None:
                   f"{size / 1e6 / seconds:.2f}", f"{peak / 1e6:.0f}")
     table.add_row("record at a time (before)", f"{old_read / 1e6:.0f}", f"{old_records:,}", f"{old_tokens:,}",
                   f"{old_seconds:.1f}", f"{old_read / 1e6 / old_seconds:.2f}", f"{old_peak / 1e6:.0f}")
+    c_seconds, c_records, c_tokens, c_peak, c_read = ceiling
+    table.add_row("tokenizer alone (the ceiling)", f"{c_read / 1e6:.0f}", f"{c_records:,}", f"{c_tokens:,}",
+                  f"{c_seconds:.1f}", f"{c_read / 1e6 / c_seconds:.2f}", f"{c_peak / 1e6:.0f}")
     Console().print(table)
 
 
