@@ -8,6 +8,7 @@ holds the group it was built with.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -22,8 +23,9 @@ class CollectiveRecord:
 
     Attributes:
         kind: ``"all_reduce"``, ``"all_gather"``, ``"reduce_scatter"``, ``"all_to_all"`` (``full_bytes``: the local
-            tensor, of which ``(t−1)/t`` leaves the rank) or ``"ring_send"`` (one message to the next rank of a ring;
-            ``full_bytes``: the message).
+            tensor, of which ``(t−1)/t`` leaves the rank), ``"all_to_all_v"`` (splits of any sizes; ``full_bytes``: the
+            rows that leave the rank, its own split excluded) or ``"ring_send"`` (one message to the next rank of a
+            ring; ``full_bytes``: the message).
         full_bytes: size of the *global* (unsharded) tensor in bytes, ``numel · element_size``.
         group_size: number of ranks t taking part.
     """
@@ -39,7 +41,7 @@ class CollectiveRecord:
         All-gather and reduce-scatter each move ``(t-1)/t · N``; an all-reduce is a reduce-scatter
         followed by an all-gather, ``2 (t-1)/t · N`` (Korthikanti et al. 2022, §4.2.2).
         """
-        if self.kind == "ring_send":  # point-to-point: the message itself
+        if self.kind in ("ring_send", "all_to_all_v"):  # what leaves the rank, counted as such
             return self.full_bytes
         factor = 2 if self.kind == "all_reduce" else 1
         return factor * (self.group_size - 1) * self.full_bytes // self.group_size
@@ -236,6 +238,30 @@ class ParallelGroup:
         self._record("all_to_all", tensor)
         out = torch.empty_like(tensor)
         dist.all_to_all_single(out, tensor, group=self.group)
+        return out
+
+    def all_to_all_v(self, tensor: Tensor, send_splits: list[int], recv_splits: list[int]) -> Tensor:
+        """Rows of ``tensor`` (``[sum(send_splits), ...]``, grouped by destination rank in rank order) sent to their
+        ranks; returns ``[sum(recv_splits), ...]``, grouped by source rank (``all_to_all_single`` with split sizes).
+        The split sizes are host integers, exchanged beforehand (a host read: NCCL needs them to size the buffers).
+
+        Raises:
+            ValueError: split lists that are not one per rank, or that do not add up to ``tensor``'s rows.
+        """
+        if len(send_splits) != self.size or len(recv_splits) != self.size or sum(send_splits) != tensor.shape[0]:
+            raise ValueError(f"all_to_all_v over {self.size} ranks needs one split per rank adding up to the rows: "
+                             f"send {send_splits} for {tensor.shape[0]} rows, receive {recv_splits}.")
+        if self.size == 1:
+            return tensor
+        tensor = tensor.contiguous()
+        if self.group is None:
+            raise RuntimeError(f"A virtual ParallelGroup of size {self.size} cannot run all_to_all_v.")
+        if self.log is not None:
+            row = math.prod(tensor.shape[1:]) * tensor.element_size()
+            leaving = sum(n for rank, n in enumerate(send_splits) if rank != self.rank)
+            self.log.records.append(CollectiveRecord("all_to_all_v", leaving * row, self.size))
+        out = tensor.new_empty((sum(recv_splits), *tensor.shape[1:]))
+        dist.all_to_all_single(out, tensor, recv_splits, send_splits, group=self.group)
         return out
 
     def _all_gather_single(self, tensor: Tensor, async_op: bool) -> tuple[Tensor, Any]:

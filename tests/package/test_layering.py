@@ -12,7 +12,8 @@ PACKAGE = Path(__file__).resolve().parents[2] / "lightning_seqpar"
 LAYERS = [
     ("foundation: process groups and the mesh, RNG streams, the memory/FLOPs model, torch's private names",
      {"_compat", "parallel", "memory"}),
-    ("tensor-parallel layers, operators and sharding; context-parallel attention", {"tensor_parallel", "context_parallel"}),
+    ("tensor-parallel layers, operators and sharding; context-parallel attention; expert dispatch and experts",
+     {"tensor_parallel", "context_parallel", "moe"}),
     ("the parallel transformer layer, its declaration, masks and roles", {"transformer"}),
     ("rewriting: the policy contract, declared policies, self-checks and the engine", {"rewriting"}),
     ("Hugging Face layouts, weights and models (the [hf] extra)", {"hf"}),
