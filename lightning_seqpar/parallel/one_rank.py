@@ -7,6 +7,7 @@ refusal reaches every rank at once and none waits for a collective that will not
 
 from __future__ import annotations
 
+import pickle
 from typing import Any, Callable, TypeVar
 
 T = TypeVar("T")
@@ -30,8 +31,18 @@ def decided_by_one_rank(decide: Callable[[], T], is_source: bool, broadcast: Cal
         try:
             value = decide()
         except Exception as exc:  # noqa: BLE001 - every rank raises it below
-            error = exc
+            error = _sendable(exc)
     value, error = broadcast((value, error))
     if error is not None:
         raise error
     return value
+
+
+def _sendable(error: Exception) -> Exception:
+    """``error`` if it pickles and unpickles (the broadcast must not fail on the deciding rank alone, leaving the
+    others waiting), else a ``RuntimeError`` carrying its type and message."""
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:  # noqa: BLE001 - any failure to travel: send its text instead
+        return RuntimeError(f"{type(error).__name__}: {error}")
