@@ -109,13 +109,21 @@ def test_a_folder_of_text_files_fine_tunes_at_tp_2_with_the_models_tokenizer(tmp
 
 
 def test_corpora_and_options_that_cannot_apply_are_refused_with_the_fix(tmp_path, hf_model_dir):
+    """What the recipe's launching process checks before any rank starts (its options, then the corpus against the
+    tokenizer), run as the recipe runs it on the composed config: each refusal names the fix."""
+    from hydra import compose, initialize_config_dir
+
+    from recipes.pretrain_gpt import CONF_DIR, check_options, data_module
+
     model_dir, _ = hf_model_dir
-    recipe = [sys.executable, str(ROOT / "recipes" / "pretrain_gpt.py"), f"hydra.run.dir={tmp_path / 'out'}"]
 
     def refused(*overrides: str) -> str:
-        result = run_job([*recipe, *overrides], tmp_path, timeout=300, check=False, HYDRA_FULL_ERROR="1")
-        assert result.returncode != 0
-        return result.stdout + result.stderr
+        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+            cfg = compose("config", overrides=list(overrides))
+        with pytest.raises((ValueError, FileExistsError)) as error:
+            check_options(cfg, tmp_path / "out")
+            data_module(cfg)
+        return str(error.value)
 
     assert "empty_init=true has no effect with a Hugging Face model" in refused("model=llama_tiny", "empty_init=true")
     assert "export_hf=out needs a Hugging Face model" in refused("model=gpt_tiny", "export_hf=out")

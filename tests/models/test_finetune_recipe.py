@@ -76,8 +76,14 @@ def test_the_walkthrough_trains_lora_on_chat_data_and_exports_what_peft_and_tran
 def test_full_fine_tuning_exports_the_whole_model_and_bad_options_are_refused_first(chat_dir, tmp_path):
     recipe = [sys.executable, str(ROOT / "recipes" / "finetune.py"), f"model.pretrained={chat_dir / 'model'}",
               f"data.path={chat_dir / 'chat.jsonl'}", f"hydra.run.dir={tmp_path / 'out'}"]
-    refused = _run([*recipe, "export_hf_merged=m"], tmp_path, check=False)
-    assert refused.returncode != 0 and "export_hf_merged needs peft=lora" in refused.stderr
+    from hydra import compose, initialize_config_dir
+
+    from recipes.finetune import CONF_DIR, check_options
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):  # checked before any rank starts
+        cfg = compose("finetune", overrides=[*recipe[2:-1], "export_hf_merged=m"])
+    with pytest.raises(ValueError, match="export_hf_merged needs peft=lora"):
+        check_options(cfg, tmp_path / "out")
     refused = _run([*recipe, "data.block_size=8"], tmp_path, check=False)
     assert refused.returncode != 0 and "longer than the block of 8" in refused.stderr + refused.stdout
     shown = dict(TINY, **{"trainer.enable_progress_bar": "true"})
