@@ -174,17 +174,19 @@ class AttentionPart:
         if comm == "all_to_all":
             check_all_to_all_heads(self.heads_local, self.kv_heads_local, cp, self.name)
 
-    def forward(self, x: Tensor, position_embeddings: Optional[tuple[Tensor, Tensor]], mask: Any,
+    def forward(self, x: Tensor, position_embeddings: Optional[tuple[Tensor, Tensor]], mask: Optional[Tensor],
                 causal: Optional[bool] = None, outputs: Optional[Sequence[Tensor]] = None,
-                training: bool = False) -> Tensor:
+                training: bool = False, layout: Optional[ContextParallelBatch] = None) -> Tensor:
         """Attention of the normed ``x`` (its input projections ``outputs`` when computed already: one all-gather with
-        the MLP's), through the output projection (``[s/t, b, h]`` under SP; the post-norm, if any, applied)."""
+        the MLP's), through the output projection (``[s/t, b, h]`` under SP; the post-norm, if any, applied).
+        ``layout``: the forward's context-parallel layout (or packed documents), which then masks instead of
+        ``mask``/``causal``."""
         if outputs is None:
             outputs = column_parallel_linears(x, list(self.inputs), self.group, self.sp)  # each [s, b, ·/t]
         q, k, v = self._heads(outputs)
         q, k = self.rotate(q, k, position_embeddings)
-        if isinstance(mask, ContextParallelBatch):  # the sequence split over cp ranks: ring or all-to-all attention
-            context = context_parallel_attention(q, k, v, mask, self.score_factor * self.head_dim**-0.5, self.softcap,
+        if layout is not None:  # the sequence split over cp ranks (ring or all-to-all attention), or documents
+            context = context_parallel_attention(q, k, v, layout, self.score_factor * self.head_dim**-0.5, self.softcap,
                                                  fused=self.fused)
         else:
             context = self._attend(q, k, v, mask, causal, training)

@@ -29,6 +29,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+from lightning_seqpar.context_parallel import ContextParallelBatch
 from lightning_seqpar.parallel.random import recomputed
 from lightning_seqpar.tensor_parallel.layers import column_parallel_linears
 from lightning_seqpar.transformer.attention_part import AttentionPart
@@ -116,18 +117,19 @@ class ParallelBlock(ParallelLayer):
         refuse_used_cache(self, call.cache)
         x = enter_parallel_region(hidden_states, self.group, self.sp, self.batch_first) if self.enter_region \
             else hidden_states
+        # Read once, here: a recomputed body or a micro-batch's backward gets this forward's layout as an argument.
         layout = self.context.layout(self._name) if self.context is not None else None
         if layout is not None:  # the model's masks are of its local tokens: the layout says what each sees
             if self._attention.dropout_p > 0 and self.training:  # one cp rank, packed documents (cp > 1: refused)
                 raise ValueError(f"{self._name}: attention dropout p={self._attention.dropout_p} with packed "
                                  f"documents (position_ids) is not supported: set the model's attention dropout to 0.")
-            mask, causal = layout.with_window(self._attention.window), None
+            layout, mask, causal = layout.with_window(self._attention.window), None, None
         else:
             mask, causal = self._mask(call, x)
         if self.recompute_layer and torch.is_grad_enabled():
-            x = recomputed(self._body, x, call.position_embeddings, mask, causal, rng_tracker=self.rng_tracker)
+            x = recomputed(self._body, x, call.position_embeddings, mask, causal, layout, rng_tracker=self.rng_tracker)
         else:
-            x = self._body(x, call.position_embeddings, mask, causal)
+            x = self._body(x, call.position_embeddings, mask, causal, layout)
         return exit_parallel_region(x, self.group, self.sp, self.batch_first) if self.exit_region else x
 
     def _mask(self, call: Any, x: Tensor) -> tuple[Optional[Tensor], Optional[bool]]:
@@ -147,11 +149,11 @@ class ParallelBlock(ParallelLayer):
         return self.mask_cache.get((src_mask, padding), (is_causal, s, x.shape[1], x.dtype, x.device), lambda: (
             torch_attention_bias(src_mask, padding, is_causal, s, x.shape[1], heads, self.group, x.dtype, x.device)))
 
-    def _body(self, x: Tensor, position_embeddings: Optional[tuple[Tensor, Tensor]], mask: Any,
-              causal: Optional[bool] = None) -> Tensor:
+    def _body(self, x: Tensor, position_embeddings: Optional[tuple[Tensor, Tensor]], mask: Optional[Tensor],
+              causal: Optional[bool] = None, layout: Optional[ContextParallelBatch] = None) -> Tensor:
         attention, mlp = self._attention, self._mlp
         if not self.norm_first:  # post-norm: norm(x + f(x))
-            attended = attention.forward(x, position_embeddings, mask, causal, training=self.training)
+            attended = attention.forward(x, position_embeddings, mask, causal, training=self.training, layout=layout)
             x = attention.norm(x + self.attention_residual_dropout(attended))
             return mlp.norm(x + self.mlp_residual_dropout(mlp.forward(x)))
         normed = x if attention.norm is None else attention.norm(x)
@@ -161,7 +163,8 @@ class ParallelBlock(ParallelLayer):
             if shared else None
         split = len(attention.inputs)
         attended = self._scaled(attention.forward(normed, position_embeddings, mask, causal,
-                                                  projected and projected[:split], training=self.training))
+                                                  projected and projected[:split], training=self.training,
+                                                  layout=layout))
         if self.spec.parallel_residual:  # both parts read the block's input
             out = mlp.forward(normed, projected[split:]) if shared else mlp.forward(
                 x if mlp.norm is None else mlp.norm(x))
