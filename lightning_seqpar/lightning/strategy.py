@@ -205,7 +205,7 @@ class SeqParallelStrategy(ParallelStrategy):
         (the launching process, given ``module`` and ``trainer``, or rank 0) and sent to every rank."""
         if self.auto is None:
             return
-        module = module or self.lightning_module
+        module = module if module is not None else self.lightning_module
         choose = partial(choose_layout, self.auto, module, trainer or module.trainer, self.parallel,
                          world=self.num_nodes * self.num_processes, gpus_per_node=self.num_processes,
                          device=self.root_device, zero=self.data_parallel.zero, sharded_context=self.model_sharded_context)
