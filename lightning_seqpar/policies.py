@@ -57,13 +57,15 @@ def rewrite(model: nn.Module, ctx: RewriteContext, policies: Optional[Iterable[P
 
 
 def explain(model: nn.Module, tp: int, sequence_parallel: bool = True, policies: Optional[Iterable[Policy]] = None,
-            loss_parallel: bool = True, verify: bool = True, cp: int = 1, cp_comm: str = "ring") -> RewritePlan:
-    """Print and return what ``SeqParallelStrategy(tp=tp, cp=cp, cp_comm=cp_comm)`` would rewrite in ``model``;
-    change nothing.
+            loss_parallel: bool = True, verify: bool = True, cp: int = 1, cp_comm: str = "ring", ep: int = 1
+            ) -> RewritePlan:
+    """Print and return what ``SeqParallelStrategy(tp=tp, cp=cp, cp_comm=cp_comm, ep=ep)`` would rewrite in
+    ``model``; change nothing.
 
     Needs no process group. Raises the same ``ValueError`` as the real rewrite would.
     """
-    return rewriter.explain(model, tp, _with_defaults(policies), sequence_parallel, loss_parallel, verify, cp, cp_comm)
+    return rewriter.explain(model, tp, _with_defaults(policies), sequence_parallel, loss_parallel, verify, cp, cp_comm,
+                            ep)
 
 
 def pipeline_placement(model: nn.Module, policies: Optional[Iterable[Policy]] = None) -> dict[str, str]:

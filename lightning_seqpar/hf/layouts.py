@@ -25,7 +25,10 @@ import torch.nn as nn
 
 from lightning_seqpar._compat import hf_attention_implementation
 from lightning_seqpar.hf.falcon import falcon_block_spec, is_falcon_layout
+from lightning_seqpar.hf.model_check import eager_experts
 from lightning_seqpar.transformer.block_spec import BlockSpec
+from lightning_seqpar.transformer.mlp_part import DenseMLPSpec
+from lightning_seqpar.transformer.moe_part import MoESpec
 from lightning_seqpar.rewriting.declared_policy import DeclaredBlockPolicy
 from lightning_seqpar.transformer.tuner_layers import linear_of
 
@@ -50,6 +53,42 @@ def mlp_parts(mlp: Optional[nn.Module]) -> Optional[tuple[Optional[str], str, st
                 gate is not None or not hasattr(mlp, "gate_proj")):
             return gate, up, down, act
     return None
+
+
+def moe_parts(mlp: Optional[nn.Module]) -> Optional[dict[str, Optional[str]]]:
+    """The names of a transformers 5.x mixture of experts (Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, GLM-4.5): ``gate`` (the
+    router, ``weight`` ``[E, h]``), ``experts`` (packed ``gate_up_proj``/``down_proj`` and ``act_fn``) and, where the
+    family has one, a shared expert (``shared_expert`` or ``shared_experts``, a Llama-family MLP) and its gate
+    (``shared_expert_gate``); ``None`` when ``mlp`` is not one."""
+    router, experts = getattr(mlp, "gate", None), getattr(mlp, "experts", None)
+    weight = getattr(router, "weight", None)
+    if not isinstance(router, nn.Module) or isinstance(router, nn.Linear) or not isinstance(experts, nn.Module):
+        return None
+    packed = {n: getattr(experts, n, None) for n in ("gate_up_proj", "down_proj")}
+    if weight is None or weight.dim() != 2 or not all(isinstance(w, nn.Parameter) and w.dim() == 3
+                                                       for w in packed.values()) or not hasattr(experts, "act_fn"):
+        return None
+    shared = next((n for n in ("shared_expert", "shared_experts") if isinstance(getattr(mlp, n, None), nn.Module)), None)
+    if shared is not None and mlp_parts(getattr(mlp, shared)) is None:
+        return None
+    gate = "shared_expert_gate" if isinstance(linear_of(getattr(mlp, "shared_expert_gate", None)), nn.Linear) else None
+    return {"router": "gate", "experts": "experts", "shared": shared, "shared_gate": gate}
+
+
+def _moe_spec(mlp: nn.Module, mlp_norm: Optional[str], mlp_post_norm: Optional[str]) -> MoESpec:
+    names = moe_parts(mlp)
+    shared = None
+    if names["shared"]:
+        gate, up, down, act = mlp_parts(getattr(mlp, names["shared"]))
+        prefix = f"mlp.{names['shared']}"
+        shared = DenseMLPSpec(mlp_norm=None, mlp_out=f"{prefix}.{down}", activation=f"{prefix}.{act}",
+                              gate=f"{prefix}.{gate}" if gate and up else None,
+                              up=f"{prefix}.{up}" if gate and up else None,
+                              gate_up=f"{prefix}.{gate}" if gate and not up else None,
+                              mlp_in=None if gate else f"{prefix}.{up}")
+    return MoESpec(mlp_norm=mlp_norm, router="mlp.gate", experts="mlp.experts", activation="mlp.experts.act_fn",
+                   shared=shared, shared_gate=f"mlp.{names['shared_gate']}" if names["shared_gate"] else None,
+                   mlp_post_norm=mlp_post_norm)
 
 
 def _fused_qkv(attention: nn.Module) -> bool:
@@ -79,7 +118,7 @@ def is_llama_layout(module: nn.Module) -> bool:
         return False
     if not (all(isinstance(linear_of(getattr(attention, n, None)), nn.Linear) for n in _ATTENTION[:3]) or _fused_qkv(attention)):
         return False
-    if attention_output(attention) is None or mlp_parts(mlp) is None:
+    if attention_output(attention) is None or (mlp_parts(mlp) is None and moe_parts(mlp) is None):
         return False
     if not (isinstance(getattr(module, "input_layernorm", None), nn.Module) or _post_norms_only(module)):
         return False
@@ -116,8 +155,12 @@ def llama_layout_mismatch(module: nn.Module) -> list[str]:
     if (not fused or _fused_qkv(attention)) and attention_output(attention) is None:
         reasons.append(f"attention output not o_proj/dense (attention has {_children(attention)})")
     mlp = next((getattr(module, n) for n in ("mlp", "feed_forward", "block_sparse_moe") if hasattr(module, n)), None)
-    if any(n in _children(mlp) for n in ("experts", "router")) or hasattr(module, "block_sparse_moe"):
-        reasons.append("mixture of experts (an MLP of experts and a router)")
+    if moe_parts(mlp) is not None:
+        if float(getattr(mlp, "jitter_noise", 0.0) or 0.0) > 0:
+            reasons.append(f"router jitter noise (router_jitter_noise={mlp.jitter_noise}; train with 0)")
+    elif any(n in _children(mlp) for n in ("experts", "router")) or hasattr(module, "block_sparse_moe"):
+        reasons.append(f"mixture of experts of {_children(mlp)} (not a router `gate` and packed `experts` of "
+                       f"gate_up_proj/down_proj without biases)")
     elif mlp is not None and mlp_parts(mlp) is None:
         reasons.append(f"MLP of {_children(mlp)} (not gate_proj/up_proj/down_proj, up_proj/down_proj, c_fc/c_proj or "
                        f"fc1/fc2)")
@@ -196,15 +239,23 @@ def llama_block_spec(module: nn.Module) -> BlockSpec:
     config = module.self_attn.config
     heads = config.num_attention_heads
     sandwich, post_only = _sandwich(module), _post_norms_only(module)
-    gate, up, down, act = mlp_parts(module.mlp)
+    moe = moe_parts(module.mlp) is not None
+    gate, up, down, act = (None, None, None, None) if moe else mlp_parts(module.mlp)
     fused_qkv = _fused_qkv(module.self_attn) and not isinstance(linear_of(getattr(module.self_attn, "q_proj", None)), nn.Linear)
     parallel = not isinstance(getattr(module, "post_attention_layernorm", None), nn.Module)  # Cohere: one norm
+    mlp_norm = (None if post_only else "input_layernorm" if parallel else "pre_feedforward_layernorm" if sandwich
+                else "post_attention_layernorm")
+    mlp_post_norm = "post_feedforward_layernorm" if sandwich or post_only else None
+    if moe:
+        mlp = {"mlp": _moe_spec(module.mlp, mlp_norm, mlp_post_norm)}
+    else:
+        mlp = dict(mlp_norm=mlp_norm, mlp_post_norm=mlp_post_norm,
+                   gate=f"mlp.{gate}" if gate and up else None, up=f"mlp.{up}" if gate and up else None,
+                   gate_up=f"mlp.{gate}" if gate and not up else None, mlp_in=None if gate else f"mlp.{up}",
+                   mlp_out=f"mlp.{down}", activation=f"mlp.{act}")
     return BlockSpec(
         attention_norm=None if post_only else "input_layernorm", parallel_residual=parallel,
-        mlp_norm=(None if post_only else "input_layernorm" if parallel else "pre_feedforward_layernorm" if sandwich
-                  else "post_attention_layernorm"),
-        attention_post_norm="post_attention_layernorm" if sandwich or post_only else None,
-        mlp_post_norm="post_feedforward_layernorm" if sandwich or post_only else None,
+        attention_post_norm="post_attention_layernorm" if sandwich or post_only else None, **mlp,
         qk_norm_over_heads=_qk_norm_over_heads(module),
         attention_softcap=getattr(module.self_attn, "attn_logit_softcapping", None),
         residual_multiplier="residual_multiplier" if _number(getattr(module, "residual_multiplier", None))
@@ -212,9 +263,6 @@ def llama_block_spec(module: nn.Module) -> BlockSpec:
         q=None if fused_qkv else "self_attn.q_proj", k=None if fused_qkv else "self_attn.k_proj",
         v=None if fused_qkv else "self_attn.v_proj", qkv="self_attn.qkv_proj" if fused_qkv else None,
         attention_out=f"self_attn.{attention_output(module.self_attn)}",
-        gate=f"mlp.{gate}" if gate and up else None, up=f"mlp.{up}" if gate and up else None,
-        gate_up=f"mlp.{gate}" if gate and not up else None, mlp_in=None if gate else f"mlp.{up}",
-        mlp_out=f"mlp.{down}", activation=f"mlp.{act}",
         num_heads=heads, num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
         head_dim=getattr(module.self_attn, "head_dim", None) or config.hidden_size // heads,
         attention_dropout=float(getattr(config, "attention_dropout", 0.0) or 0.0), rotary="apply_rotary_pos_emb" if _uses_rope(module) else None,
@@ -304,11 +352,12 @@ class HFLayoutPolicy(DeclaredBlockPolicy):
         """A small block of ``module``'s class built from a copy of its config with 8 values per head (the head
         counts, and so the split over tp, unchanged), so that the self-check costs little whatever the model's
         size, and works for a model on the meta device."""
-        config = copy.deepcopy(_config(module))
+        config = eager_experts(copy.deepcopy(_config(module)))  # the self-check runs in float64
         heads = getattr(config, "num_attention_heads", None) or config.n_head
         hidden = heads * _SAMPLE_HEAD_DIM
         for key, value in (("hidden_size", hidden), ("head_dim", _SAMPLE_HEAD_DIM), ("intermediate_size", 4 * hidden),
-                           ("n_embd", hidden), ("n_inner", None)):
+                           ("n_embd", hidden), ("n_inner", None), ("moe_intermediate_size", 8),
+                           ("shared_expert_intermediate_size", 8)):
             if hasattr(config, key):
                 setattr(config, key, value)
         attention = getattr(module, "self_attn", None) or getattr(module, "attn", None)

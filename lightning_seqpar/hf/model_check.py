@@ -27,7 +27,8 @@ _BATCH = 2
 _SIZES = {"hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
           "head_dim", "vocab_size", "max_position_embeddings", "n_embd", "n_layer", "n_head", "n_inner",
           "n_positions", "pad_token_id", "bos_token_id", "eos_token_id", "torch_dtype", "dtype",
-          "tie_word_embeddings", "architectures", "transformers_version", "model_type", "use_cache"}
+          "tie_word_embeddings", "architectures", "transformers_version", "model_type", "use_cache",
+          "moe_intermediate_size", "shared_expert_intermediate_size"}
 """Config keys the check sets itself or that do not decide the function (not blamed)."""
 _MAX_BLAMED_TRIES = 40
 
@@ -86,7 +87,8 @@ def small_config(config: Any, tp: int, overrides: Optional[dict[str, Any]] = Non
     hidden = heads * head_dim
     vocab = _HEAD_DIM * tp + 1  # not a multiple of t: the padding of the vocabulary is checked too
     for key, value in (("hidden_size", hidden), ("head_dim", head_dim), ("intermediate_size", _HEAD_DIM * tp),
-                       ("n_embd", hidden), ("n_inner", _HEAD_DIM * tp), ("vocab_size", vocab)):
+                       ("n_embd", hidden), ("n_inner", _HEAD_DIM * tp), ("vocab_size", vocab),
+                       ("moe_intermediate_size", _HEAD_DIM), ("shared_expert_intermediate_size", _HEAD_DIM * tp)):
         if _settable(small, key):
             setattr(small, key, value)
     for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
@@ -96,7 +98,15 @@ def small_config(config: Any, tp: int, overrides: Optional[dict[str, Any]] = Non
     for key, value in (overrides or {}).items():
         if _settable(small, key) or not hasattr(small, key):
             setattr(small, key, value)
-    return small
+    return eager_experts(small)
+
+
+def eager_experts(config: Any) -> Any:
+    """``config`` with its experts (if any) computed one by one: the checks run in float64, which transformers'
+    default ``grouped_mm`` experts do not take (the same function, another kernel)."""
+    if getattr(config, "_experts_implementation", None) not in (None, "eager"):
+        config._experts_implementation = "eager"
+    return config
 
 
 def _settable(config: Any, key: str) -> bool:

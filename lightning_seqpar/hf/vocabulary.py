@@ -148,7 +148,8 @@ class HFVocabularyPolicy(ModelPolicy):
         """
 
         def build(small: nn.Module, group: ParallelGroup) -> nn.Module:
-            return rewrite_small(small, RewriteContext(group, ctx.sequence_parallel, None, ctx.loss_parallel))
+            return rewrite_small(small, RewriteContext(  # experts split over the emulated tp ranks too
+                group, ctx.sequence_parallel, None, ctx.loss_parallel, expert_group=group if ctx.ep > 1 else None))
 
         check_causal_lm(module, ctx.tp, build, name)
 

@@ -33,8 +33,9 @@ class ParallelConfig:
     """context-parallel attention (:mod:`lightning_seqpar.context_parallel`)."""
     ep: int = 1
     """expert-parallel size: ranks holding different experts, folded over the dense ranks (the expert grid)."""
-    expert_tp: Optional[int] = None
-    """tensor-parallel size of each expert (``None``: ``tp``, Megatron-Core's default)."""
+    expert_tp: int = 1
+    """tensor-parallel size of each expert: 1, whole experts on each rank of the expert-parallel group (the experts'
+    own tensor parallelism is not implemented: refused above 1)."""
     pipeline: PipelineConfig = field(default_factory=PipelineConfig.build)
     """p, micro-batches, schedule, virtual stages and stage split."""
     sequence_parallel: bool = True
@@ -46,8 +47,11 @@ class ParallelConfig:
     """a Hugging Face model's LM head and loss run over this many positions at a time (``None``: all)."""
 
     def __post_init__(self) -> None:
-        check_sizes(tp=self.tp, pp=self.pipeline.pp, cp=self.cp, ep=self.ep,
-                    **({} if self.expert_tp is None else {"expert_tp": self.expert_tp}))
+        check_sizes(tp=self.tp, pp=self.pipeline.pp, cp=self.cp, ep=self.ep, expert_tp=self.expert_tp)
+        if self.expert_tp != 1:
+            raise ValueError(f"expert_tp={self.expert_tp}: experts split over tensor-parallel ranks are not implemented; "
+                             f"each rank holds whole experts (expert_tp=1). Split the experts over more ranks with "
+                             f"`ep` instead.")
         ContextParallel.check_comm(self.cp_comm)
         chunk = self.loss_chunk
         if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1):

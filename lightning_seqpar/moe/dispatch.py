@@ -128,4 +128,6 @@ class TokenDispatcher:
         arrived = outputs.index_select(0, torch.argsort(routing.by_expert))  # back to source-rank order
         returned = all_to_all_v(arrived, self.group, routing.recv, routing.send)  # [n·k, h], sorted by expert
         pairs = returned.index_select(0, torch.argsort(routing.order))  # token-major
-        return (pairs.view(n, k, -1) * scores.unsqueeze(-1).to(pairs.dtype)).sum(1)
+        # The product in the wider of the two dtypes (a float32 router's scores times bfloat16 outputs), as
+        # transformers' experts weight each output before adding it.
+        return (pairs.view(n, k, -1) * scores.unsqueeze(-1)).sum(1).to(pairs.dtype)

@@ -115,9 +115,9 @@ class ParallelDims:
         return self.grid(name).group_of(_entry(name)[1], rank)
 
     def describe(self) -> str:
-        """``tp=2 cp=1 pp=1 dp=4 ep=1`` (and the expert sizes when experts are split)."""
+        """``tp=2 cp=1 pp=1 dp=4 ep=1`` (and the expert grid's other sizes when experts are split over ranks)."""
         text = f"tp={self.tp} cp={self.cp} pp={self.pp} dp={self.dp} ep={self.ep}"
-        return text + (f" etp={self.expert_tp} edp={self.edp}" if self.ep > 1 or self.etp is not None else "")
+        return text + (f" etp={self.expert_tp} edp={self.edp}" if self.ep > 1 else "")
 
 
 def check_sizes(**sizes: object) -> None:

@@ -34,7 +34,7 @@ class _Exchange:
 class EmulatedGroup(ParallelGroup):
     """Rank ``rank`` of an emulated group of ``size`` ranks (one thread each; see :func:`run_emulated`).
 
-    all-reduce (sum, max, min), all-gather, reduce-scatter and broadcast give what they give on a real group; the sum
+    all-reduce (sum, max, min), all-gather, reduce-scatter, broadcast and the all-to-alls give what they give on a real group; the sum
     is taken in rank order on every rank, so every rank holds bitwise the same result.
     """
 
@@ -69,6 +69,19 @@ class EmulatedGroup(ParallelGroup):
     def broadcast(self, tensor: Tensor, src_rank: int = 0) -> Tensor:
         tensor.copy_(self._exchange.gather(self.rank, tensor.clone())[src_rank])
         return tensor
+
+    def all_to_all(self, tensor: Tensor) -> Tensor:
+        every = self._exchange.gather(self.rank, tensor.clone())
+        return torch.stack([sent[self.rank] for sent in every])
+
+    def all_to_all_v(self, tensor: Tensor, send_splits: list[int], recv_splits: list[int]) -> Tensor:
+        every = self._exchange.gather(self.rank, tensor.clone())
+        splits = self._exchange.gather(self.rank, torch.tensor(send_splits))
+        pieces = [sent.split(sizes.tolist())[self.rank] for sent, sizes in zip(every, splits)]
+        if [len(p) for p in pieces] != list(recv_splits):
+            raise ValueError(f"all_to_all_v: rank {self.rank} expects {recv_splits} rows, the others send "
+                             f"{[len(p) for p in pieces]}.")
+        return torch.cat(pieces)
 
 
 def run_emulated(size: int, function: Callable[[ParallelGroup], Any]) -> list[Any]:

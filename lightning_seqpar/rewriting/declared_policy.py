@@ -11,6 +11,8 @@ The built-in Hugging Face policy is one of these, its spec read off each model's
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import copy
 import inspect
 from typing import Optional
@@ -92,14 +94,11 @@ class DeclaredBlockPolicy(Policy):
 
     def check(self, module: nn.Module, ctx: RewriteContext, name: str) -> None:
         spec = self.spec_for(module)
-        attention, mlp = spec.projections()
+        attention, _ = spec.projections()
         if bool(spec.attention.qkv) == bool(spec.attention.q or spec.attention.k or spec.attention.v) or (not spec.attention.qkv and not (spec.attention.q and spec.attention.k and spec.attention.v)):
             raise ValueError(f"{name}: declare the attention input as qkv='...' (fused) or as q=, k=, v= (all three).")
-        kinds = [bool(spec.mlp.mlp_in), bool(spec.mlp.gate or spec.mlp.up), bool(spec.mlp.gate_up)]
-        if sum(kinds) != 1 or (kinds[1] and not (spec.mlp.gate and spec.mlp.up)):
-            raise ValueError(f"{name}: declare the MLP input as mlp_in='...', as gate= and up= (both), or as gate_up= "
-                             f"(fused).")
-        linears = {*attention, *mlp, spec.attention.attention_out, spec.mlp.mlp_out}
+        spec.mlp.check_declaration(name)
+        linears = {*attention, spec.attention.attention_out, *spec.mlp.linears()}
         try:
             for role, path in spec.paths().items():
                 found = resolve(module, path)
@@ -131,8 +130,7 @@ class DeclaredBlockPolicy(Policy):
                 f"{name}: num_key_value_heads = {kv_heads} is not divisible by the tensor-parallel size tp = {ctx.tp} "
                 f"(grouped-query attention splits the key/value heads over tp ranks). Valid tp: {valid}."
             )
-        width = out_features(resolve(module, mlp[0])) // (2 if spec.mlp.gate_up else 1)
-        require_divisible(name, "the MLP width", width, ctx.tp)
+        spec.mlp.check_split(module, ctx, name)
         implementation = value_of(module, spec.attention.implementation) if "." in spec.attention.implementation else spec.attention.implementation
         if implementation not in ATTENTION_IMPLEMENTATIONS:
             raise ValueError(
@@ -167,11 +165,13 @@ class DeclaredBlockPolicy(Policy):
         input (:func:`~lightning_seqpar.rewriting.verify.verify_parallel_block`); once per block class."""
         sample = self.sample_block(module)
         spec = self.spec_for(sample)
-        verify_parallel_block(sample, spec, ctx.tp, ctx.sp, name, lambda block, c: ParallelBlock(block, spec, c))
+        # Experts split over ranks are checked split over the emulated tp ranks: the dispatch runs too.
+        verify_parallel_block(sample, spec, ctx.tp, ctx.sp, name, lambda block, c: ParallelBlock(
+            block, spec, replace(c, expert_group=c.group) if ctx.ep > 1 else c))
 
     def describe(self, module: nn.Module, ctx: RewriteContext) -> str:
         spec = self.spec_for(module)
-        attention, mlp = spec.projections()
+        attention, _ = spec.projections()
         heads = value_of(module, spec.attention.num_heads)
         kv_heads = value_of(module, spec.attention.num_kv_heads) or heads
         implementation = value_of(module, spec.attention.implementation) if "." in spec.attention.implementation else spec.attention.implementation
@@ -180,7 +180,7 @@ class DeclaredBlockPolicy(Policy):
         return (
             f"{type(module).__name__}{self.layout_name()}: {heads_text} per rank "
             f"({'/'.join(attention)} column-parallel, one gather; {spec.attention.attention_out} row-parallel); "
-            f"{'/'.join(mlp)} column-parallel, {spec.mlp.mlp_out} row-parallel; "
+            f"{spec.mlp.describe(module, ctx)}; "
             f"{'/'.join(dict.fromkeys(p for p in (spec.attention.attention_norm, spec.attention.attention_post_norm, spec.mlp.mlp_norm, spec.mlp.mlp_post_norm) if p))} "
             f"{'sequence-parallel' if ctx.sp else 'replicated'}; "
             f"{'parallel residual; ' if spec.parallel_residual else ''}attention {implementation}"
@@ -194,9 +194,9 @@ class DeclaredBlockPolicy(Policy):
     @staticmethod
     def _lora_text(module: nn.Module, spec: BlockSpec, ctx: RewriteContext) -> str:
         """The LoRA adapters a PEFT model put on the projections, and how they are split."""
-        attention, mlp = spec.projections()
+        attention, _ = spec.projections()
         adapted = {}
-        for path in (*attention, spec.attention.attention_out, *mlp, spec.mlp.mlp_out):
+        for path in (*attention, spec.attention.attention_out, *spec.mlp.linears()):
             parts = lora_parts(resolve(module, path), path)
             if parts is not None:
                 adapted[path] = parts

@@ -16,6 +16,7 @@ from typing import Callable, ClassVar, Protocol, runtime_checkable
 import torch.nn as nn
 
 from lightning_seqpar.transformer.context import RewriteContext
+from lightning_seqpar.transformer.roles import require_divisible  # noqa: F401  (re-exported)
 
 
 class Policy:
@@ -151,12 +152,3 @@ class DeclaresPolicy(Protocol):
 
     @classmethod
     def parallel_policy(cls) -> Policy: ...
-
-
-def require_divisible(name: str, what: str, value: int, tp: int) -> None:
-    """Raise ``ValueError`` unless ``value`` is divisible by ``tp``."""
-    if value % tp:
-        raise ValueError(
-            f"{name}: {what} = {value} is not divisible by the tensor-parallel size tp = {tp}. "
-            f"Choose tp among the divisors of {value}, or change the model's {what}."
-        )

@@ -256,14 +256,16 @@ def rewrite(model: nn.Module, ctx: RewriteContext, policies: Iterable[Policy], v
 
 
 def explain(model: nn.Module, tp: int, policies: Iterable[Policy], sequence_parallel: bool = True,
-            loss_parallel: bool = True, verify: bool = True, cp: int = 1, cp_comm: str = "ring") -> RewritePlan:
-    """Print and return what a rewrite with ``policies`` at ``tp`` (and context-parallel size ``cp``) would do to
-    ``model``; change nothing.
+            loss_parallel: bool = True, verify: bool = True, cp: int = 1, cp_comm: str = "ring", ep: int = 1
+            ) -> RewritePlan:
+    """Print and return what a rewrite with ``policies`` at ``tp`` (and context-parallel size ``cp``, experts split
+    over ``ep`` ranks) would do to ``model``; change nothing.
 
     Needs no process group. Raises the same ``ValueError`` as the real rewrite would.
     """
     context = ContextParallel(ParallelGroup.virtual(cp), cp_comm) if cp > 1 else None
-    ctx = RewriteContext(ParallelGroup.virtual(tp), sequence_parallel, None, loss_parallel, context=context)
+    ctx = RewriteContext(ParallelGroup.virtual(tp), sequence_parallel, None, loss_parallel, context=context,
+                         expert_group=ParallelGroup.virtual(ep) if ep > 1 else None)
     plan = plan_rewrite(model, ctx, policies, verify)
     print(plan)
     return plan

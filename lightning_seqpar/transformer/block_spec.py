@@ -10,6 +10,7 @@ import torch.nn as nn
 
 from lightning_seqpar.transformer.attention_part import AttentionSpec
 from lightning_seqpar.transformer.mlp_part import DenseMLPSpec
+from lightning_seqpar.transformer.moe_part import MoESpec
 from lightning_seqpar.transformer.paths import (  # noqa: F401  (resolve, value_of, out_features: re-exported)
     maybe_resolve, out_features, resolve, rotary_of, value_of,
 )
@@ -24,7 +25,8 @@ _MLP_FIELDS = {f.name for f in fields(DenseMLPSpec)}
 class BlockSpec:
     """A transformer block as parts: which submodules of the user's block make its attention (:attr:`attention`, an
     :class:`~lightning_seqpar.transformer.attention_part.AttentionSpec`) and its MLP (:attr:`mlp`, a
-    :class:`~lightning_seqpar.transformer.mlp_part.DenseMLPSpec`; the slot a mixture of experts fills next), and how
+    :class:`~lightning_seqpar.transformer.mlp_part.DenseMLPSpec`, or a mixture of experts,
+    :class:`~lightning_seqpar.transformer.moe_part.MoESpec`), and how
     the block joins them to the residual stream (Megatron-Core's ``TransformerLayerSubmodules``).
 
     Declared nested, ``BlockSpec(AttentionSpec(...), DenseMLPSpec(...), residual_dropouts=...)``, or flat, each field of
@@ -34,7 +36,8 @@ class BlockSpec:
 
     Attributes:
         attention: the attention part's declaration (its norms, projections, heads, rotary, masks, soft-cap, window).
-        mlp: the MLP part's declaration (its norms, projections, activation, inner dropout).
+        mlp: the MLP part's declaration (its norms, projections, activation, inner dropout; or its router and
+            experts).
         residual_dropouts: paths of the ``nn.Dropout`` after the attention and after the MLP output (0 or 2).
         transposed: the projections store their weights ``[in, out]`` (Hugging Face's ``Conv1D``, GPT-2); shards keep
             that layout, so state-dict shapes stay the original's.
@@ -60,7 +63,7 @@ class BlockSpec:
     """
 
     attention: AttentionSpec
-    mlp: DenseMLPSpec
+    mlp: Union[DenseMLPSpec, MoESpec]
     residual_dropouts: tuple[str, ...] = ()
     transposed: bool = False
     arguments: tuple[str, ...] = ()
@@ -70,7 +73,8 @@ class BlockSpec:
     returns_attention_weights: bool = False
     batch_first: Union[bool, str] = True
 
-    def __init__(self, attention: Union[AttentionSpec, str, None] = None, mlp: Optional[DenseMLPSpec] = None, *,
+    def __init__(self, attention: Union[AttentionSpec, str, None] = None,
+                 mlp: Union[DenseMLPSpec, MoESpec, None] = None, *,
                  residual_dropouts: tuple[str, ...] = (), transposed: bool = False, arguments: tuple[str, ...] = (),
                  norm_first: Union[bool, str] = True, parallel_residual: bool = False,
                  residual_multiplier: Union[float, str, None] = None, returns_attention_weights: bool = False,

@@ -30,6 +30,8 @@ class RewriteContext:
         loss_chunk: positions of the sequence whose logits a Hugging Face model's vocabulary-parallel loss computes at
             once (:meth:`~lightning_seqpar.tensor_parallel.vocab_logits.VocabShardedLogits.over_chunks`); ``None``:
             all of them.
+        expert_group: the expert-parallel group (size e: ranks holding different experts of each mixture-of-experts
+            layer; :mod:`lightning_seqpar.moe`); ``None``: one rank, every expert here.
     """
 
     group: ParallelGroup
@@ -40,6 +42,7 @@ class RewriteContext:
     masks: MaskCache = field(default_factory=MaskCache)
     context: Optional[ContextParallel] = None
     loss_chunk: Optional[int] = None
+    expert_group: Optional[ParallelGroup] = None
 
     def prepare(self, module: nn.Module, name: str, init: Optional[Initializer] = None) -> None:
         """Materialize ``module`` if it was built on the meta device (see :class:`Materializer`).
@@ -80,6 +83,11 @@ class RewriteContext:
     def cp(self) -> int:
         """c (1 without context parallelism)."""
         return 1 if self.context is None else self.context.c
+
+    @property
+    def ep(self) -> int:
+        """e, the expert-parallel size (1: every expert on this rank)."""
+        return 1 if self.expert_group is None else self.expert_group.size
 
     @property
     def sp(self) -> bool:

@@ -2,7 +2,7 @@
 what it builds (:class:`DenseMLPPart`): norm → column-parallel input projection(s) → activation → row-parallel output.
 
 Megatron-Core's ``MLPSubmodules`` (``linear_fc1``, ``linear_fc2``). The slot is whatever ``BlockSpec.mlp`` builds
-(``spec.build(builder)``): a dense MLP now; a mixture of experts declares its own spec and part.
+(``spec.build(builder)``): a dense MLP here; a mixture of experts in :mod:`.moe_part`.
 """
 
 from __future__ import annotations
@@ -10,11 +10,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+import torch.nn as nn
 from torch import Tensor
 
 from lightning_seqpar.tensor_parallel.layers import column_parallel_linears
+from lightning_seqpar.transformer.context import RewriteContext
 from lightning_seqpar.transformer.dropout import ParallelDropout
 from lightning_seqpar.transformer.part_builder import PartBuilder
+from lightning_seqpar.transformer.paths import out_features, resolve
+from lightning_seqpar.transformer.roles import require_divisible
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,27 @@ class DenseMLPSpec:
         named.update({role: p for role, p in (("mlp_dropout", self.mlp_dropout), ("mlp_post_norm", self.mlp_post_norm))
                       if p})
         return named
+
+    def linears(self) -> list[str]:
+        """The paths that must be ``nn.Linear`` (or ``[in, out]`` Conv1D weights in a transposed block)."""
+        return [*self.inputs(), self.mlp_out]
+
+    def check_declaration(self, name: str) -> None:
+        """Raises ``ValueError`` unless exactly one kind of input is declared (``mlp_in``, ``gate`` and ``up``, or
+        ``gate_up``)."""
+        kinds = [bool(self.mlp_in), bool(self.gate or self.up), bool(self.gate_up)]
+        if sum(kinds) != 1 or (kinds[1] and not (self.gate and self.up)):
+            raise ValueError(f"{name}: declare the MLP input as mlp_in='...', as gate= and up= (both), or as gate_up= "
+                             f"(fused).")
+
+    def check_split(self, block: nn.Module, ctx: RewriteContext, name: str) -> None:
+        """Raises ``ValueError`` when the MLP width does not split over tp."""
+        width = out_features(resolve(block, self.inputs()[0])) // (2 if self.gate_up else 1)
+        require_divisible(name, "the MLP width", width, ctx.tp)
+
+    def describe(self, block: nn.Module, ctx: RewriteContext) -> str:
+        """What :func:`~lightning_seqpar.explain` says of the MLP."""
+        return f"{'/'.join(self.inputs())} column-parallel, {self.mlp_out} row-parallel"
 
     def build(self, builder: PartBuilder) -> "DenseMLPPart":
         return DenseMLPPart(self, builder)

@@ -26,7 +26,7 @@ from lightning_seqpar.transformer.tuner_layers import linear_of
 
 ORDER = ("attention input", "mlp input", "attention out", "mlp out", "attention norm", "mlp norm", "attention post norm",
          "mlp post norm", "q norm", "k norm", "activation", "core attention", "attention residual dropout", "mlp residual dropout",
-         "mlp inner dropout")
+         "mlp inner dropout", "router", "experts", "shared expert gate")
 """The roles of a block's modules in the order they are registered on it."""
 
 

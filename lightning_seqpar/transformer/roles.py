@@ -133,3 +133,12 @@ class LayerStack(nn.Module):
     def stack_layers(self) -> nn.ModuleList:
         """The layers this module runs, in order (an ``nn.ModuleList`` the pipeline may split)."""
         raise NotImplementedError(f"{type(self).__name__} must implement stack_layers().")
+
+
+def require_divisible(name: str, what: str, value: int, tp: int) -> None:
+    """Raise ``ValueError`` unless ``value`` is divisible by ``tp``."""
+    if value % tp:
+        raise ValueError(
+            f"{name}: {what} = {value} is not divisible by the tensor-parallel size tp = {tp}. "
+            f"Choose tp among the divisors of {value}, or change the model's {what}."
+        )

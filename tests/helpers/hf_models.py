@@ -19,6 +19,36 @@ LORA = {"all": (SEVEN, False),  # B drawn too (PEFT's init_lora_weights=False): 
 """``lora=`` of :class:`HFCausalLM`: (target_modules, init_lora_weights) of a LoraConfig(r=2, lora_alpha=4)."""
 
 
+MOE = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe")
+"""The mixture-of-experts families: 8 experts of width 8, top-2."""
+
+
+def moe_config(family: str, common: dict):
+    """A tiny config of a mixture-of-experts ``family`` (:data:`MOE`): every layer a mixture of 8 experts, top-2;
+    Qwen2-MoE with its gated shared expert, GLM-4.5 with its shared expert, sigmoid group-limited routing and a first
+    dense layer."""
+    import transformers
+
+    moe = dict(common, intermediate_size=32)
+    if family == "qwen3_moe":  # softmax top-k, normalized
+        return transformers.Qwen3MoeConfig(**moe, moe_intermediate_size=8, num_experts=8, num_experts_per_tok=2,
+                                           norm_topk_prob=True)
+    if family == "qwen2_moe":  # + a shared expert scaled by sigmoid(shared_expert_gate(x)); top-k not normalized
+        return transformers.Qwen2MoeConfig(**moe, moe_intermediate_size=8, shared_expert_intermediate_size=12,
+                                           num_experts=8, num_experts_per_tok=2, use_sliding_window=False)
+    if family == "mixtral":  # softmax in float32, top-k normalized
+        return transformers.MixtralConfig(**dict(moe, intermediate_size=8), num_local_experts=8, num_experts_per_tok=2,
+                                          sliding_window=None)
+    if family == "olmoe":  # q/k norms over all heads, top-k not normalized
+        return transformers.OlmoeConfig(**dict(moe, intermediate_size=8), num_experts=8, num_experts_per_tok=2,
+                                        pad_token_id=None, bos_token_id=None, eos_token_id=None)
+    # glm4_moe: sigmoid scores, correction bias, 2 groups of which 1 is chosen, a routed scaling factor, a shared expert
+    return transformers.Glm4MoeConfig(**moe, moe_intermediate_size=8, n_routed_experts=8, num_experts_per_tok=2,
+                                      n_group=2, topk_group=1, first_k_dense_replace=1, n_shared_experts=1,
+                                      routed_scaling_factor=2.5, pad_token_id=None, bos_token_id=None,
+                                      eos_token_id=None)
+
+
 class HFCausalLM(pl.LightningModule):
     """A user's module around ``AutoModelForCausalLM.from_config``: the loss from ``labels=`` (Hugging Face shifts
     the labels inside the model) or a hand-written cross entropy on the returned logits."""
@@ -97,9 +127,14 @@ class HFCausalLM(pl.LightningModule):
             config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=2 * SEQ, n_embd=16, n_layer=layers, n_head=4,
                                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
                                 attn_implementation=attn_implementation)
+        elif family in MOE:
+            config = moe_config(family, common)
         else:
             config = transformers.Qwen2Config(**common)
-        self.model = transformers.AutoModelForCausalLM.from_config(config)
+        # The one-process reference runs in float64: transformers' default grouped_mm experts take float32 or bfloat16
+        # only, so the experts of the reference run one by one (what "eager" computes is the same function).
+        self.model = transformers.AutoModelForCausalLM.from_config(
+            config, **({"experts_implementation": "eager"} if family in MOE else {}))
         if lora:
             from peft import LoraConfig, get_peft_model
 

@@ -143,7 +143,7 @@ class Recorder(pl.Callback):
             for p in pl_module.parameters():
                 g = optimizer.gathered_gradient(p)  # float32 under fp32 main params
                 p.grad = None if g is None else g.to(p.dtype)
-        self.grads.append(merge_over_stages(full_gradients(pl_module, mesh.tensor), mesh.pipeline) if mesh else
+        self.grads.append(merge_over_stages(full_gradients(pl_module, mesh), mesh.pipeline) if mesh else
                           {n: p.grad.detach().clone() for n, p in pl_module.named_parameters() if p.grad is not None})
         self.replicated.append({n: p.grad.detach().clone() for n, p in pl_module.named_parameters()
                                 if p.grad is not None and shard_spec(p) is None})

@@ -38,6 +38,7 @@ def test_a_setting_is_given_once(kwargs, match):
 @pytest.mark.parametrize("kwargs,match", [
     (dict(ep=0), "`ep` must be a positive integer, got 0"),
     (dict(expert_tp=1.5), "`expert_tp` must be a positive integer, got 1.5"),
+    (dict(expert_tp=2), r"expert_tp=2: experts split over tensor-parallel ranks are not implemented"),
     (dict(cp_comm="ulysses"), "cp_comm='ulysses'"),
     (dict(loss_chunk=0), "loss_chunk=0: a positive number"),
 ])
@@ -48,7 +49,7 @@ def test_bad_settings_are_refused_by_name(kwargs, match):
 
 def test_an_expert_grid_the_world_cannot_fold_is_refused_before_any_rank_starts(tmp_path):
     strategy = SeqParallelStrategy(parallel=ParallelConfig(tp=2, ep=3))
-    with pytest.raises(ValueError, match=r"ep·etp = 3·2 = 6 must divide tp·cp·dp = 4"):
+    with pytest.raises(ValueError, match=r"ep·etp = 3·1 = 3 must divide tp·cp·dp = 4"):
         pl.Trainer(accelerator="cpu", devices=4, strategy=strategy, logger=False, default_root_dir=tmp_path)
     assert not torch.distributed.is_initialized()
 

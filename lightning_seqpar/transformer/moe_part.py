@@ -1,0 +1,197 @@
+"""The MLP slot filled by a mixture of experts: its declaration (:class:`MoESpec`) and what it builds
+(:class:`MoEPart`): norm → router → dispatch over the expert-parallel group → this rank's experts → combine, plus an
+optional shared expert (a dense MLP on every token, optionally gated).
+
+Where each piece runs (Megatron-Core's ``MoELayer`` with its all-to-all dispatcher; Korthikanti et al. 2022 §4.2.2 for
+the sequence-parallel region):
+
+- the **router** runs in the sequence-parallel region, on this rank's ``[s/t·b, h]`` tokens (``s/(c·t)`` under
+  context parallelism): it is the user's router module, called as the user's block calls it (its scoring, top-k,
+  normalization, bias and scaling are the family's own), its weights summed over tp like a sequence-parallel norm's;
+- the **experts** are split over the expert-parallel group (``[E/e, …]`` per rank,
+  :class:`~lightning_seqpar.moe.experts.GroupedExperts`); each (token, expert) pair travels to its expert's rank and
+  back (:class:`~lightning_seqpar.moe.dispatch.TokenDispatcher`: one host read of the split sizes per layer call);
+- the **shared expert** is a dense MLP part (column- then row-parallel, its own g and ḡ), its gate a linear map of the
+  sequence-parallel tokens.
+
+Under tensor parallelism without sequence parallelism every tp rank would hold every token and route it again, so the
+expert's gradient would count each token t times: refused (Megatron-Core requires SP with TP for MoE as well).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+from lightning_seqpar.moe.dispatch import TokenDispatcher
+from lightning_seqpar.moe.experts import GroupedExperts
+from lightning_seqpar.parallel.collectives import ParallelGroup
+from lightning_seqpar.tensor_parallel.sharding import mark_sequence_parallel
+from lightning_seqpar.transformer.mlp_part import DenseMLPPart, DenseMLPSpec
+from lightning_seqpar.transformer.context import RewriteContext
+from lightning_seqpar.transformer.part_builder import PartBuilder
+from lightning_seqpar.transformer.paths import resolve
+
+
+_NEEDS_SP = ("{name}: a mixture of experts under tp={tp} needs sequence parallelism (each rank routes its own s/t "
+             "tokens; without it every tp rank would route every token again): set sequence_parallel=True.")
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """Which submodules of a block make its mixture of experts (dotted paths inside the block).
+
+    Attributes:
+        mlp_norm: the norm before the MLP (sequence-parallel region); ``None``: none.
+        router: the router module: ``router(tokens [n, h]) → (logits [n, E], scores [n, k], experts [n, k])``, as every
+            transformers 5.x router returns them, with its ``weight`` ``[E, h]``.
+        experts: the experts module holding packed ``gate_up_proj`` ``[E, 2f, h]`` and ``down_proj`` ``[E, h, f]``.
+        activation: the path of the experts' activation (``act(gate) · up``).
+        shared: a dense MLP every token also goes through (Qwen2-MoE's ``shared_expert``, GLM-4.5's
+            ``shared_experts``), declared without a norm of its own; ``None``: none.
+        shared_gate: a ``Linear(h, 1)`` whose sigmoid scales the shared MLP's output per token (Qwen2-MoE).
+        mlp_post_norm: a norm on the MLP output before the residual.
+    """
+
+    mlp_norm: Optional[str]
+    router: str
+    experts: str
+    activation: str
+    shared: Optional[DenseMLPSpec] = None
+    shared_gate: Optional[str] = None
+    mlp_post_norm: Optional[str] = None
+
+    gated = True  # the experts are gated MLPs (the memory model's 3 matrices of width f)
+
+    def inputs(self) -> list[str]:
+        """No column-parallel input projection shares the attention's all-gather: the router reads local tokens."""
+        return []
+
+    def paths(self) -> dict[str, str]:
+        """Every submodule path the part names, by role."""
+        named = {role: p for role, p in (("mlp_norm", self.mlp_norm), ("router", self.router),
+                                         ("experts", self.experts), ("shared_gate", self.shared_gate),
+                                         ("mlp_post_norm", self.mlp_post_norm)) if p}
+        if self.shared is not None:
+            named.update({f"shared {role}": p for role, p in self.shared.paths().items()})
+        return named
+
+    def linears(self) -> list[str]:
+        """The paths that must be ``nn.Linear``: the shared MLP's projections and its gate."""
+        return [*(self.shared.linears() if self.shared is not None else []), *filter(None, [self.shared_gate])]
+
+    def check_declaration(self, name: str) -> None:
+        """Raises ``ValueError`` on a shared MLP declared with a norm of its own (it reads the part's normed input)
+        or declared wrongly (:meth:`DenseMLPSpec.check_declaration`)."""
+        if self.shared is not None:
+            if self.shared.mlp_norm or self.shared.mlp_post_norm:
+                raise ValueError(f"{name}: the shared expert reads the mixture's normed input; declare its norms on "
+                                 f"the MoESpec, not on the shared DenseMLPSpec.")
+            self.shared.check_declaration(name)
+
+    def check_split(self, block: nn.Module, ctx: RewriteContext, name: str) -> None:
+        """Raises ``ValueError``: experts that ``ep`` does not divide, tp > 1 without sequence parallelism, a shared
+        MLP whose width tp does not divide."""
+        experts = resolve(block, self.experts)
+        count = getattr(experts, "num_experts", None) or getattr(getattr(experts, "down_proj", None), "shape", [0])[0]
+        if count % ctx.ep:
+            raise ValueError(f"{name}: {count} experts do not split over ep={ctx.ep} ranks: choose ep among the divisors "
+                             f"of {count}.")
+        if ctx.tp > 1 and not ctx.sp:
+            raise ValueError(_NEEDS_SP.format(name=name, tp=ctx.tp))
+        if self.shared is not None:
+            self.shared.check_split(block, ctx, name)
+
+    def describe(self, block: nn.Module, ctx: RewriteContext) -> str:
+        """What :func:`~lightning_seqpar.explain` says of the mixture: experts per rank, the groups, the dispatch."""
+        count = resolve(block, self.experts).down_proj.shape[0]
+        router = resolve(block, self.router)
+        k = getattr(router, "top_k", None)
+        return (f"{count} experts ({self.experts}) → {count // ctx.ep} per rank over ep={ctx.ep}, whole on each rank, "
+                f"gradients averaged over expert data parallel; router {self.router}"
+                f"{f' (top-{k})' if k else ''} on each rank's {'s/t·b' if ctx.sp else 's·b'} tokens "
+                f"{'(sequence-parallel, weight summed over tp)' if ctx.sp else ''}; dispatch and combine by all-to-all "
+                f"over ep (one host read of the split sizes per layer call)"
+                + (f"; shared expert {self.shared.describe(block, ctx)}" if self.shared is not None else "")
+                + (f", gated by {self.shared_gate}" if self.shared_gate else ""))
+
+    def build(self, builder: PartBuilder) -> "MoEPart":
+        return MoEPart(self, builder)
+
+
+class MoEPart:
+    """The mixture of experts of one parallel block, built from a :class:`MoESpec` (see the module docstring); its
+    modules are registered on the block under the user's paths.
+
+    Shapes: ``forward(x)`` ``[s/t, b, h]`` (SP) or ``[s, b, h]`` (t = 1) in and out; tokens ``[n, h]`` with
+    ``n = s/t·b`` local to this rank; rows for the local experts ``[R, h]``, R the (token, expert) pairs routed here.
+
+    Raises:
+        ValueError: tensor parallelism without sequence parallelism; experts whose count the expert-parallel size does
+            not divide; an experts module that is not two packed 3-D weights; experts on the meta device.
+    """
+
+    def __init__(self, spec: MoESpec, builder: PartBuilder) -> None:
+        ctx = builder.ctx
+        self.spec, self.name = spec, builder.name
+        if ctx.tp > 1 and not ctx.sp:
+            raise ValueError(_NEEDS_SP.format(name=builder.name, tp=ctx.tp))
+        self.norm = builder.norm(spec.mlp_norm, "mlp norm")
+        self.post_norm = builder.norm(spec.mlp_post_norm, "mlp post norm")
+        self.inputs: tuple[nn.Module, ...] = ()
+        self.router = builder.resolve(spec.router)
+        if ctx.sp:  # each tp rank routes its own tokens: the router's gradient is partial over tp
+            mark_sequence_parallel(self.router)
+        builder.place(spec.router, self.router, "router")
+        group = ctx.expert_group if ctx.expert_group is not None else ParallelGroup()
+        self.experts = builder.place(spec.experts, _local_experts(builder, spec, group), "experts")
+        self.dispatcher = TokenDispatcher(group, self.experts.num_experts)
+        self.ffn_hidden_size = self.experts.down_proj.shape[-1]
+        self.shared: Optional[DenseMLPPart] = spec.shared.build(builder) if spec.shared is not None else None
+        self.shared_gate = None
+        if spec.shared_gate:
+            self.shared_gate = builder.resolve(spec.shared_gate)
+            if ctx.sp:
+                mark_sequence_parallel(self.shared_gate)
+            builder.place(spec.shared_gate, self.shared_gate, "shared expert gate")
+
+    def forward(self, x: Tensor, outputs: Optional[Sequence[Tensor]] = None) -> Tensor:
+        """The mixture of the normed ``x`` ``[s/t, b, h]``: each token's k experts' outputs weighted by the router's
+        scores, plus the shared MLP's, then the post-norm, if any."""
+        tokens = x.reshape(-1, x.shape[-1])  # [n, h], this rank's tokens
+        _, scores, chosen = self.router(tokens)
+        rows, routing = self.dispatcher.dispatch(tokens, chosen)
+        out = self.dispatcher.combine(self.experts(rows, routing.tokens_per_expert), routing, scores).view(x.shape)
+        if self.shared is not None:
+            shared = self.shared.forward(x)
+            if self.shared_gate is not None:
+                shared = torch.sigmoid(self.shared_gate(x)) * shared
+            out = out + shared
+        return out if self.post_norm is None else self.post_norm(out)
+
+
+def _local_experts(builder: PartBuilder, spec: MoESpec, group: ParallelGroup) -> GroupedExperts:
+    """This rank's ``E/e`` experts, sliced from the user's packed weights."""
+    experts = builder.resolve(spec.experts)
+    weights = dict(experts.named_parameters(recurse=False))
+    if set(weights) != {"gate_up_proj", "down_proj"} or any(w.dim() != 3 for w in weights.values()):
+        raise ValueError(f"{builder.name}: the experts at {spec.experts} ({type(experts).__name__}) hold "
+                         f"{ {n: tuple(w.shape) for n, w in weights.items()} }; the parallel experts take exactly the "
+                         f"packed gate_up_proj [E, 2f, h] and down_proj [E, h, f] of transformers 5.x (no expert "
+                         f"biases, not transposed). Write a Policy for this block.")
+    gate_up, down = weights["gate_up_proj"], weights["down_proj"]
+    if gate_up.is_meta:
+        raise ValueError(f"{builder.name}: experts built on the meta device are not yet materialized shard by shard; "
+                         f"build the model on the CPU (not in configure_model) to train its experts.")
+    num_experts, hidden, width = down.shape
+    local = GroupedExperts(num_experts, hidden, width, group.size, builder.resolve(spec.activation))
+    per_rank = num_experts // group.size
+    with torch.no_grad():
+        for mine, full in ((local.gate_up_proj, gate_up), (local.down_proj, down)):
+            mine.data = full.detach().narrow(0, group.rank * per_rank, per_rank).clone()
+            mine.requires_grad_(full.requires_grad)
+    return local

@@ -1,0 +1,47 @@
+"""Mixtures of experts train like one process under expert parallelism, composed with tensor, sequence, data,
+pipeline and context parallelism: Hugging Face Qwen3-MoE, Qwen2-MoE (gated shared expert), Mixtral, OLMoE and GLM-4.5
+(sigmoid, group-limited routing, a shared expert), built from tiny configs and called as users call them
+(``model(input_ids=x, labels=x)``); float64, the loss and every gradient (router, experts, shared experts) before each
+of 3 AdamW steps."""
+
+import pytest
+
+from tests.helpers.parity import Case, all_cases, assert_matches_single_process, case_id, relative_error_below, world_runs
+
+pytestmark = pytest.mark.distributed
+
+
+def moe(family, tp, ep, recompute=None, pp=1, cp=1, zero=0, **model):
+    strategy = (("ep", ep),) + ((("zero", 1),) if zero else ())
+    return Case("hf", tp, True, recompute, (("family", family), ("labels", True), *model.items()), (), strategy,
+                pp=pp, cp=cp)
+
+
+CASES = {
+    2: [
+        moe("qwen3_moe", 2, 2),                     # experts over the tp ranks, router on each rank's s/t tokens
+        moe("qwen3_moe", 1, 2),                     # experts over the data-parallel ranks
+        moe("qwen3_moe", 2, 1, "selective"),        # every expert on each rank: expert gradients summed over tp
+        moe("qwen2_moe", 2, 2),                     # + a shared expert, gated
+        moe("mixtral", 2, 2, "full"),               # whole layers recomputed: the dispatch runs again
+        moe("olmoe", 2, 2),
+        moe("glm4_moe", 2, 2),                      # sigmoid scores, groups, scaling, a shared expert, a dense layer
+    ],
+    4: [
+        moe("qwen3_moe", 2, 4),                     # four ranks' experts: over tp and dp
+        moe("qwen3_moe", 2, 2, zero=1),             # ep 2 × dp 2, the distributed optimizer's ranges over edp
+        moe("qwen3_moe", 1, 2, pp=2),               # pp 2 × ep 2 (1F1B)
+        moe("qwen3_moe", 2, 2, cp=2, attn_implementation="sdpa"),  # tp 2 × cp 2 × ep 2
+    ],
+}
+# As the dense families (tests/hf/test_hf_models.py): RMSNorm and the loss compute in float32 inside transformers;
+# GLM-4.5's router computes in float32 too.
+LOSS_RTOL, GRAD_BOUND = 1e-6, 1e-4
+
+runs = world_runs(CASES)
+
+
+@pytest.mark.parametrize("world_case", all_cases(CASES), ids=case_id)
+def test_mixture_of_experts_matches_single_process(runs, world_case):
+    world_size, case = world_case
+    assert_matches_single_process(runs(world_size), case, world_size, LOSS_RTOL, 0, relative_error_below(GRAD_BOUND))
