@@ -1,0 +1,35 @@
+"""A mixture of experts' sharded checkpoint reshards across expert-parallel sizes: saved at tp 2 × ep 2, resumed into
+one rank's whole experts (ep 1, into a pipeline of 2 stages), then split four ways (ep 4), on the loss curve of the
+uninterrupted one-process run; the export reloads in transformers with the final weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_seqpar import SeqParallelStrategy
+from tests.helpers.distributed import run_distributed
+from tests.helpers.models import build
+from tests.helpers.resume import EPOCH_STEPS, reference_epochs, train_epochs
+
+pytestmark = pytest.mark.distributed  # starts processes: outside the fast lane
+
+MODEL = dict(family="qwen3_moe", labels=True)
+LAYOUTS = (dict(tp=2, ep=2), dict(tp=1, pp=2, ep=1), dict(tp=1, ep=4))  # each an epoch, resumed from the one before
+
+
+def _lives(rank, world, root):
+    losses = []
+    for epoch, layout in enumerate(LAYOUTS):
+        losses += train_epochs(rank, world, SeqParallelStrategy(**layout), build("hf", **MODEL), epoch + 1,
+                               f"{root}/epoch{epoch}", f"{root}/epoch{epoch - 1}/last.ckpt" if epoch else None)
+    return losses
+
+
+def test_experts_reshard_from_ep2_to_ep1_into_pp_and_to_ep4_on_the_one_process_curve(tmp_path):
+    torch.manual_seed(0)
+    want = reference_epochs(build("hf", **MODEL).double(), len(LAYOUTS))
+    got = run_distributed(_lives, 4, str(tmp_path))[0]
+    assert len(got) == len(want) == EPOCH_STEPS * len(LAYOUTS)
+    for g, w in zip(got, want):
+        assert abs(g - w) <= 1e-6 * abs(w), (got, want)
