@@ -97,7 +97,7 @@ def build_rank(model: nn.Module, ctx: RewriteContext, policies: Optional[Iterabl
         built.runtime, built.remote_keys = split_stages(model, pipeline, pipeline_rank)
         built.remote_keys += place_outside_stack(model, placement, built.runtime, pipeline_rank)
     if materializer is not None:
-        materializer.fill(model, ctx.group)
+        materializer.fill(model, ctx.shard_group)
     return built
 
 

@@ -28,7 +28,9 @@ from lightning_seqpar.checkpoint.sharded import _unique_tensors
 from lightning_seqpar.hf.streaming import (
     SafetensorsStreamWriter, TensorEntry, check_storable, file_names, finish_directory, split_into_files,
 )
+from lightning_seqpar.hf.checkpoint_keys import ExpertPiece
 from lightning_seqpar.parallel.mesh import ParallelMesh
+from lightning_seqpar.parallel.placement import placement_of
 from lightning_seqpar.tensor_parallel.sharding import ShardSpec, full_shape, shard_spec
 from lightning_seqpar.transformer.materialize import release_freed_memory
 
@@ -79,7 +81,20 @@ def _plan(module: nn.Module, mesh: ParallelMesh, prefix: str, dtype: Optional[to
     if view is not None:  # e.g. a PEFT model's keys as the base model's (checkpoint.peft_export.MergedLoRA)
         unique = view(unique)
     mine = {name[len(prefix):]: value for name, value in unique.items() if name.startswith(prefix)}
-    entries = [TensorEntry(name, dtype or value.dtype, full_shape(value)) for name, value in mine.items()]
+    hub_names = _expert_names(module, prefix)
+    entries = []
+    for name, value in list(mine.items()):
+        shape = full_shape(value)
+        pieces = hub_names(name, shape[0]) if hub_names is not None and _over_experts(value) else None
+        if pieces is None:
+            entries.append(TensorEntry(name, dtype or value.dtype, shape))
+            continue
+        # Packed experts [E, rows, ...] written as the hub's per-expert tensors, each expert's parts along its rows.
+        piece_shape = (shape[1] // len(pieces[0]), *shape[2:])
+        for e, names in enumerate(pieces):
+            for p, stored in enumerate(names):
+                entries.append(TensorEntry(stored, dtype or value.dtype, piece_shape))
+                mine[stored] = ExpertPiece(name, e, p, len(names))  # type: ignore[assignment]
     coordinates = (mesh.pipeline.rank, mesh.data.rank, mesh.tensor.rank)
     everyone: list[Any] = [(coordinates, entries)]
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -103,6 +118,22 @@ def _plan(module: nn.Module, mesh: ParallelMesh, prefix: str, dtype: Optional[to
         files += cut
         writers += [stage] * len(cut)
     return mine, files, writers
+
+
+def _over_experts(value: Tensor) -> bool:
+    """Whether ``value`` is split over the expert-parallel group (every rank of a stage holds some experts)."""
+    return isinstance(value, Tensor) and placement_of(value).shard_over == "ep" and shard_spec(value) is not None
+
+
+def _expert_names(module: nn.Module, prefix: str) -> Optional[Callable[[str, int], Optional[list[list[str]]]]]:
+    """The hub's per-expert names of the Hugging Face model under ``prefix`` (``None``: it packs no experts)."""
+    from lightning_seqpar.hf.checkpoint_keys import expert_piece_names
+
+    try:
+        model = module.get_submodule(prefix.rstrip(".")) if prefix.rstrip(".") else module
+        return expert_piece_names(model)
+    except (AttributeError, TypeError, ValueError):  # no Hugging Face model there: keys as they are
+        return None
 
 
 def export_hf_pretrained(module: nn.Module, mesh: ParallelMesh, out: os.PathLike | str, config: Any, *,
@@ -147,7 +178,9 @@ def export_hf_pretrained(module: nn.Module, mesh: ParallelMesh, out: os.PathLike
         dist.barrier()
     try:
         names = file_names(len(files))
-        if mesh.data.rank == 0:
+        # Experts are split over ranks of every data-parallel replica: all ranks of a stage go through its files.
+        experts = any(_over_experts(value) for value in mine.values())
+        if mesh.data.rank == 0 or experts:
             for name, file, stage in zip(names, files, writers):
                 if stage == mesh.pipeline.rank:
                     _write_file(tmp_dir / name, file, mine, mesh, transform)
@@ -167,11 +200,32 @@ def export_hf_pretrained(module: nn.Module, mesh: ParallelMesh, out: os.PathLike
 
 def _write_file(path: Path, entries: list[TensorEntry], mine: dict[str, Tensor], mesh: ParallelMesh,
                 transform: Optional[Callable[[str, Tensor], Tensor]] = None) -> None:
-    """One file of this stage: the tensor-parallel ranks gather each sharded tensor on their rank 0, which writes."""
-    writer = SafetensorsStreamWriter(path, entries) if mesh.tensor.rank == 0 else None
+    """One file of this stage: the tensor-parallel ranks gather each sharded tensor on their rank 0, which writes; the
+    expert-parallel ranks (every rank of the stage) gather each expert tensor, and the same rank writes it, as the
+    hub's per-expert tensors where the family stores them so (:class:`ExpertPiece` entries)."""
+    writes = mesh.data.rank == 0 and mesh.tensor.rank == 0
+    writer = SafetensorsStreamWriter(path, entries) if writes else None
+    gathered: Optional[tuple[str, Tensor]] = None  # the packed expert tensor whose pieces are being written
     try:
         for entry in entries:
+            piece = mine[entry.name]
+            if isinstance(piece, ExpertPiece):
+                if gathered is None or gathered[0] != piece.target:
+                    gathered = None  # released before the next is gathered
+                    value = mine[piece.target].detach()
+                    gathered = (piece.target, shard_spec(mine[piece.target]).gather(value, mesh.group("ep")))
+                rows = gathered[1].shape[1] // piece.parts
+                if writer is not None:
+                    writer.write(entry.name, gathered[1][piece.expert].narrow(0, piece.part * rows, rows))
+                continue
             value = mine[entry.name].detach()
+            if _over_experts(mine[entry.name]):  # packed experts of a model without hub names: written packed
+                full = shard_spec(mine[entry.name]).gather(value, mesh.group("ep"))
+                if writer is not None:
+                    writer.write(entry.name, full)
+                continue
+            if mesh.data.rank != 0:
+                continue
             if transform is not None:
                 with torch.no_grad():
                     value = transform(entry.name, value)

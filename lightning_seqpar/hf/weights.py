@@ -44,10 +44,46 @@ class LazyTensor:
             return f.get_tensor(self.name)
 
 
+class PackedExperts:
+    """A packed expert weight ``[E, Σ parts' rows, …]`` of a checkpoint that stores one tensor per expert and part
+    (:class:`~lightning_seqpar.hf.checkpoint_keys.ExpertPiece`), read lazily like :class:`LazyTensor`: :meth:`rows` of
+    dim 0 reads only those experts' tensors (a rank's ``E/e`` experts).
+
+    Raises:
+        ValueError: at construction, an expert or part missing, or parts whose shapes do not join, naming the key.
+    """
+
+    def __init__(self, key: str, pieces: Mapping[tuple[int, int], LazyTensor], parts: int) -> None:
+        experts = 1 + max(expert for expert, _ in pieces)
+        missing = [f"expert {e} part {p}" for e in range(experts) for p in range(parts) if (e, p) not in pieces]
+        if missing:
+            raise ValueError(f"The checkpoint stores {key} one tensor per expert, and lacks {', '.join(missing[:6])}"
+                             f"{' ...' if len(missing) > 6 else ''}: it is incomplete.")
+        shapes = [pieces[(0, p)].shape for p in range(parts)]
+        if any(pieces[(e, p)].shape != shapes[p] for e in range(experts) for p in range(parts)) or any(
+                shape[1:] != shapes[0][1:] for shape in shapes):
+            raise ValueError(f"The checkpoint's per-expert tensors of {key} differ in shape: they do not pack into "
+                             f"one [experts, rows, ...] weight.")
+        self.pieces, self.parts = pieces, parts
+        self.shape = torch.Size((experts, sum(shape[0] for shape in shapes), *shapes[0][1:]))
+
+    def rows(self, dim: int, start: int, stop: int) -> Tensor:
+        """Rows ``[start, stop)`` of dim ``dim``; along dim 0 (experts) only those experts' tensors are read."""
+        if dim != 0:
+            return self.read().narrow(dim, start, stop - start)
+        return torch.stack([torch.cat([self.pieces[(e, p)].read() for p in range(self.parts)])
+                            for e in range(start, stop)])
+
+    def read(self) -> Tensor:
+        """The whole packed tensor."""
+        return self.rows(0, 0, self.shape[0])
+
+
 class SafetensorsStateDict(Mapping[str, LazyTensor]):
     """The state dict stored in a Hugging Face checkpoint directory, keys prefixed by ``prefix`` (the attribute
     path of the Hugging Face model inside your LightningModule, e.g. ``"model."``), each stored name first passed
-    through ``rename`` when given (the model's own renamings: :mod:`lightning_seqpar.hf.checkpoint_keys`).
+    through ``rename`` when given (the model's own renamings: :mod:`lightning_seqpar.hf.checkpoint_keys`; per-expert
+    tensors become one :class:`PackedExperts` under the model's packed key).
 
     Raises:
         FileNotFoundError: no ``*.safetensors`` in ``directory``.
@@ -68,11 +104,18 @@ class SafetensorsStateDict(Mapping[str, LazyTensor]):
         if not files or not all(f.is_file() for f in files):
             raise FileNotFoundError(f"No .safetensors weights found in {directory}.")
         self._tensors: dict[str, LazyTensor] = {}
+        packed: dict[str, tuple[dict[tuple[int, int], LazyTensor], int]] = {}
         for file in files:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():
-                    key = prefix + (rename(name) if rename is not None else name)
-                    self._tensors[key] = LazyTensor(file, name, tuple(f.get_slice(name).get_shape()))
+                    key = rename(name) if rename is not None else name
+                    tensor = LazyTensor(file, name, tuple(f.get_slice(name).get_shape()))
+                    if isinstance(key, str):
+                        self._tensors[prefix + key] = tensor
+                    else:  # one expert's part of a packed weight
+                        packed.setdefault(prefix + key.target, ({}, key.parts))[0][(key.expert, key.part)] = tensor
+        for key, (pieces, parts) in packed.items():
+            self._tensors[key] = PackedExperts(key, pieces, parts)  # type: ignore[assignment]
 
     def __getitem__(self, key: str) -> LazyTensor:
         return self._tensors[key]

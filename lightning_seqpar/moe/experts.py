@@ -9,7 +9,7 @@ gives the same values on every device).
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -28,6 +28,7 @@ class GroupedExperts(nn.Module):
         intermediate_size: f, each expert's MLP width.
         expert_parallel: e, ranks the experts are split over (``E % e == 0``).
         activation: the gate's activation (SiLU: SwiGLU).
+        dtype: the weights' dtype (default: torch's default dtype).
 
     Attributes:
         gate_up_proj: ``[E/e, 2f, h]``.
@@ -38,15 +39,15 @@ class GroupedExperts(nn.Module):
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, expert_parallel: int = 1,
-                 activation: Callable[[Tensor], Tensor] = F.silu) -> None:
+                 activation: Callable[[Tensor], Tensor] = F.silu, dtype: Optional[torch.dtype] = None) -> None:
         super().__init__()
         if num_experts % expert_parallel:
             raise ValueError(f"{num_experts} experts do not split over ep={expert_parallel} ranks: choose ep dividing "
                              f"the expert count.")
         local = num_experts // expert_parallel
         self.num_experts, self.activation = num_experts, activation
-        self.gate_up_proj = nn.Parameter(torch.empty(local, 2 * intermediate_size, hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(local, hidden_size, intermediate_size))
+        self.gate_up_proj = nn.Parameter(torch.empty(local, 2 * intermediate_size, hidden_size, dtype=dtype))
+        self.down_proj = nn.Parameter(torch.empty(local, hidden_size, intermediate_size, dtype=dtype))
         split = ShardSpec(dim=0, full_size=num_experts, padded_size=num_experts)
         for weight in (self.gate_up_proj, self.down_proj):
             place(weight, shard=split, shard_over="ep", replicated_over="edp")

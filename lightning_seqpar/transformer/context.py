@@ -5,10 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+import torch
 import torch.nn as nn
 
 from lightning_seqpar.context_parallel.runtime import ContextParallel
 from lightning_seqpar.parallel.collectives import ParallelGroup
+from lightning_seqpar.parallel.placement import placement_of
 from lightning_seqpar.parallel.random import RNGTracker
 from lightning_seqpar.transformer.masks import MaskCache
 from lightning_seqpar.transformer.materialize import Initializer, Materializer, has_meta_tensors
@@ -83,6 +85,11 @@ class RewriteContext:
     def cp(self) -> int:
         """c (1 without context parallelism)."""
         return 1 if self.context is None else self.context.c
+
+    def shard_group(self, tensor: torch.Tensor) -> ParallelGroup:
+        """The group ``tensor``'s shards are split over: the expert-parallel group for experts, else tensor parallel."""
+        expert = placement_of(tensor).shard_over == "ep" and self.expert_group is not None
+        return self.expert_group if expert else self.group  # type: ignore[return-value]
 
     @property
     def ep(self) -> int:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import ctypes
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -29,6 +29,13 @@ from lightning_seqpar.parallel.collectives import ParallelGroup
 from lightning_seqpar.tensor_parallel.sharding import load_from_full, parameter_like
 
 Initializer = Callable[[nn.Module, str], None]
+ShardGroups = Union[ParallelGroup, Callable[[torch.Tensor], ParallelGroup]]
+"""The group a tensor's shards are split over: one group for all (tensor parallel), or a tensor → its group (experts
+over the expert-parallel group: :meth:`~lightning_seqpar.transformer.context.RewriteContext.shard_group`)."""
+
+
+def _group_of(groups: ShardGroups, target: torch.Tensor) -> ParallelGroup:
+    return groups if isinstance(groups, ParallelGroup) else groups(target)
 
 
 def _load_malloc_trim() -> Optional[Callable[[int], int]]:
@@ -151,7 +158,7 @@ class Materializer:
         found = {key: self.source.get(f"{name}.{key}" if name else key) for key in keys}
         return found if all(v is not None for v in found.values()) else None
 
-    def into(self, parallel: nn.Module, original: nn.Module, name: str, group: ParallelGroup,
+    def into(self, parallel: nn.Module, original: nn.Module, name: str, group: ShardGroups,
              init: Optional[Initializer] = None) -> None:
         """Fill ``parallel``'s tensors (same state-dict keys as ``original``) from ``original`` on the meta device:
         each submodule of ``original`` is materialized, sliced into ``parallel`` and released in turn, so at most
@@ -168,22 +175,23 @@ class Materializer:
                 stored = self._from_source(sub, qualified)
                 if stored is not None and id(sub) not in shared:  # straight from the source into the shards
                     for key, value in stored.items():
-                        load_from_full(targets[f"{sub_name}.{key}" if sub_name else key], value, group)
+                        target = targets[f"{sub_name}.{key}" if sub_name else key]
+                        load_from_full(target, value, _group_of(group, target))
                     continue
                 to_empty(sub, self.device, recurse=False)
                 if stored is None or _unstored_buffers(sub):  # computed buffers (Gemma's embed_scale) need init
                     self._initialize(sub, qualified, init)
                 if stored is not None:
-                    self._copy_from(sub, stored, group)
+                    self._copy_from(sub, stored, None)  # the single-device submodule: whole tensors
                 if id(sub) in shared:
                     continue  # the parallel block holds this very module
                 for key, value in [*sub.named_parameters(recurse=False), *sub.named_buffers(recurse=False)]:
                     target = targets.get(f"{sub_name}.{key}" if sub_name else key)
                     if target is not None:  # a non-persistent buffer of the original the parallel module computes
-                        load_from_full(target, value, group)
+                        load_from_full(target, value, _group_of(group, target))
                 to_empty(sub, torch.device("meta"), recurse=False)  # released
 
-    def fill(self, model: nn.Module, group: ParallelGroup) -> None:
+    def fill(self, model: nn.Module, group: ShardGroups) -> None:
         """Allocate the shards of every pending block still in ``model`` (the stage split dropped the others),
         then fill them block by block (:meth:`into`); last, materialize the modules no policy rewrote. All
         shards first: the transient single-device submodules then reuse one region of memory instead of

@@ -132,7 +132,7 @@ class MoEPart:
 
     Raises:
         ValueError: tensor parallelism without sequence parallelism; experts whose count the expert-parallel size does
-            not divide; an experts module that is not two packed 3-D weights; experts on the meta device.
+            not divide; an experts module that is not two packed 3-D weights.
     """
 
     def __init__(self, spec: MoESpec, builder: PartBuilder) -> None:
@@ -184,11 +184,11 @@ def _local_experts(builder: PartBuilder, spec: MoESpec, group: ParallelGroup) ->
                          f"packed gate_up_proj [E, 2f, h] and down_proj [E, h, f] of transformers 5.x (no expert "
                          f"biases, not transposed). Write a Policy for this block.")
     gate_up, down = weights["gate_up_proj"], weights["down_proj"]
-    if gate_up.is_meta:
-        raise ValueError(f"{builder.name}: experts built on the meta device are not yet materialized shard by shard; "
-                         f"build the model on the CPU (not in configure_model) to train its experts.")
     num_experts, hidden, width = down.shape
-    local = GroupedExperts(num_experts, hidden, width, group.size, builder.resolve(spec.activation))
+    with gate_up.device:  # the meta device: a skeleton
+        local = GroupedExperts(num_experts, hidden, width, group.size, builder.resolve(spec.activation), gate_up.dtype)
+    if gate_up.is_meta:  # a skeleton: this rank's experts are allocated and read later (Materializer.fill)
+        return local
     per_rank = num_experts // group.size
     with torch.no_grad():
         for mine, full in ((local.gate_up_proj, gate_up), (local.down_proj, down)):
