@@ -206,6 +206,9 @@ def _sizes(name: str, entries: list[ParameterEntry], layers: int, embedding: nn.
     kv_heads = int(value_of(sample, spec.attention.num_kv_heads) or heads)
     head_dim = int(value_of(sample, spec.attention.head_dim) or hidden // heads)
     _, mlp = spec.projections()
+    if not mlp:  # a mixture of experts: its experts, dispatch buffers and top-k activations are not priced yet
+        raise ValueError(f"{name}: the planner does not price mixture-of-experts layers yet; choose the layout "
+                         f"yourself (tp, pp, cp, ep) instead of layout=AutoLayout(...).")
     ffn = out_features(resolve(sample, mlp[0])) // (2 if spec.mlp.gate_up else 1)
     declared = spec.attention
     dropout = value_of(sample, declared.attention_dropout) if isinstance(declared.attention_dropout, (int, float)) else 0.0

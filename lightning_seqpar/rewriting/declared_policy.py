@@ -204,7 +204,7 @@ class DeclaredBlockPolicy(Policy):
             return ""
         ranks = sorted({p.a.shape[0] for p in adapted.values()})
         frozen = sum(p.numel() for p in module.parameters() if not p.requires_grad)
-        rows = {spec.attention.attention_out, spec.mlp.mlp_out}
+        rows = {spec.attention.attention_out, *spec.mlp.row_linears()}
         return (f"; LoRA r={'/'.join(map(str, ranks))} on {'/'.join(adapted)} (column: A replicated, B split; row: "
                 f"A split, B replicated, added before the one reduction); {frozen:,} frozen parameters: no gradient, "
                 f"no optimizer state" + (f"; {sum(p not in rows for p in adapted)} r-sized all-gathers per layer"

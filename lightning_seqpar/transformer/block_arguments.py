@@ -27,8 +27,9 @@ NO_EFFECT = {
     "ignore_index": "a loss argument: the layers do not read it",
     "encoder_hidden_states": "refused when given (cross-attention is not a declared part)",
     "encoder_attention_mask": "refused when given (cross-attention is not a declared part)",
-    "output_router_logits": "refused when true (a load-balancing loss from router logits of this rank's tokens "
-                            "alone would not be the model's)",
+    "output_router_logits": "refused when true: the load-balancing loss is not computed across ranks, and from the "
+                            "router logits of this rank's tokens alone it would not be the model's (set the config's "
+                            "output_router_logits=False)",
     "alibi": "refused when given (ALiBi position biases are not a declared part; Falcon passes None with rotary "
              "embeddings)",
 }

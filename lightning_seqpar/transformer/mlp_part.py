@@ -70,6 +70,10 @@ class DenseMLPSpec:
         """The paths that must be ``nn.Linear`` (or ``[in, out]`` Conv1D weights in a transposed block)."""
         return [*self.inputs(), self.mlp_out]
 
+    def row_linears(self) -> list[str]:
+        """The row-parallel projections' paths."""
+        return [self.mlp_out]
+
     def check_declaration(self, name: str) -> None:
         """Raises ``ValueError`` unless exactly one kind of input is declared (``mlp_in``, ``gate`` and ``up``, or
         ``gate_up``)."""

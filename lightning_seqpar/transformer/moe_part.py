@@ -84,6 +84,10 @@ class MoESpec:
         """The paths that must be ``nn.Linear``: the shared MLP's projections and its gate."""
         return [*(self.shared.linears() if self.shared is not None else []), *filter(None, [self.shared_gate])]
 
+    def row_linears(self) -> list[str]:
+        """The row-parallel projections' paths: the shared MLP's output."""
+        return self.shared.row_linears() if self.shared is not None else []
+
     def check_declaration(self, name: str) -> None:
         """Raises ``ValueError`` on a shared MLP declared with a norm of its own (it reads the part's normed input)
         or declared wrongly (:meth:`DenseMLPSpec.check_declaration`)."""

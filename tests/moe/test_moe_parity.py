@@ -5,6 +5,7 @@ pipeline and context parallelism: Hugging Face Qwen3-MoE, Qwen2-MoE (gated share
 of 3 AdamW steps."""
 
 import pytest
+import torch
 
 from tests.helpers.parity import Case, all_cases, assert_matches_single_process, case_id, relative_error_below, world_runs
 
@@ -26,6 +27,7 @@ CASES = {
         moe("mixtral", 2, 2, "full"),               # whole layers recomputed: the dispatch runs again
         moe("olmoe", 2, 2),
         moe("glm4_moe", 2, 2),                      # sigmoid scores, groups, scaling, a shared expert, a dense layer
+        moe("qwen3_moe", 2, 2, lora="attention"),   # LoRA on q/v: experts and router frozen, tokens' gradients flow
     ],
     4: [
         moe("qwen3_moe", 2, 4),                     # four ranks' experts: over tp and dp
@@ -45,3 +47,14 @@ runs = world_runs(CASES)
 def test_mixture_of_experts_matches_single_process(runs, world_case):
     world_size, case = world_case
     assert_matches_single_process(runs(world_size), case, world_size, LOSS_RTOL, 0, relative_error_below(GRAD_BOUND))
+
+
+def test_router_and_other_replicated_gradients_are_bitwise_equal_on_every_tensor_parallel_rank(runs):
+    # Each rank routes its own tokens; the router's gradient is their sum, the same bits on every rank (NCCL's
+    # all-reduce, as gloo's, gives every rank one result), so the replicas never drift apart.
+    case = CASES[2][0]
+    first, second = (runs(2)[rank][case] for rank in (0, 1))
+    for step in range(len(first.replicated)):
+        assert any(name.endswith("mlp.gate.weight") for name in first.replicated[step])
+        for name, grad in first.replicated[step].items():
+            assert torch.equal(grad, second.replicated[step][name]), (step, name)

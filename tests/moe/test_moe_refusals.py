@@ -1,0 +1,76 @@
+"""What a mixture of experts cannot be trained with is refused before training, naming the part and the fix: the
+load-balancing loss of Hugging Face's output_router_logits, router jitter noise, LoRA on the experts' parameters,
+gpt-oss's experts (biases, a router bias), experts that ep does not divide, tp without sequence parallelism; and
+explain() shows the experts per rank, the groups and the dispatch."""
+
+import pytest
+
+from lightning_seqpar import explain
+from tests.helpers.models import build
+
+
+def test_explain_shows_the_experts_per_rank_the_groups_and_the_dispatch(capsys):
+    text = str(explain(build("hf", family="qwen2_moe", labels=True), tp=2, ep=2))
+    assert ("8 experts (mlp.experts) → 4 per rank over ep=2, whole on each rank, gradients averaged over expert data "
+            "parallel; router mlp.gate (top-2) on each rank's s/t·b tokens (sequence-parallel, weight summed over tp); "
+            "dispatch and combine by all-to-all over ep (one host read of the split sizes per layer call); shared "
+            "expert mlp.shared_expert.gate_proj/mlp.shared_expert.up_proj column-parallel, "
+            "mlp.shared_expert.down_proj row-parallel, gated by mlp.shared_expert_gate") in text
+
+
+def test_the_load_balancing_loss_of_output_router_logits_is_refused_by_name():
+    module = build("hf", family="qwen3_moe", labels=True)
+    module.model.config.output_router_logits = True
+    with pytest.raises(ValueError, match=r"output_router_logits=bool True: refused when true: the load-balancing loss "
+                                         r"is not computed across ranks.*set the config's output_router_logits=False"):
+        explain(module, tp=2, ep=2)
+
+
+def test_router_jitter_noise_is_refused_by_name():
+    module = build("hf", family="mixtral", labels=True)
+    for layer in module.model.model.layers:
+        layer.mlp.jitter_noise = 0.1
+    with pytest.raises(ValueError, match=r"does not implement router jitter noise \(router_jitter_noise=0.1; train "
+                                         r"with 0\)"):
+        explain(module, tp=2, ep=2)
+
+
+def test_lora_on_the_experts_parameters_is_refused_by_name():
+    from peft import LoraConfig, get_peft_model
+
+    module = build("hf", family="qwen3_moe", labels=True)
+    module.model = get_peft_model(module.model, LoraConfig(r=2, target_modules=["q_proj"],
+                                                           target_parameters=["mlp.experts.gate_up_proj"]))
+    with pytest.raises(ValueError, match=r"Qwen3MoeDecoderLayer: LoRA on the experts' parameters \(PEFT "
+                                         r"target_parameters='gate_up_proj'\): not supported"):
+        explain(module, tp=2, ep=2)
+
+
+def test_gpt_oss_experts_are_refused_for_what_they_have():
+    import transformers
+
+    config = transformers.GptOssConfig(vocab_size=13, hidden_size=16, intermediate_size=8, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, num_local_experts=4)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ValueError, match=r"GptOssDecoderLayer: mixture of experts of \['router', 'experts'\] \(not a "
+                                         r"router `gate` and packed `experts` of gate_up_proj/down_proj without biases\)"):
+        explain(model, tp=2, ep=2)
+
+
+@pytest.mark.parametrize("layout, match", [
+    (dict(tp=2, ep=3), r"model\.model\.layers\.0: 8 experts do not split over ep=3 ranks: choose ep among the divisors "
+                       r"of 8"),
+    (dict(tp=2, ep=2, sequence_parallel=False), r"a mixture of experts under tp=2 needs sequence parallelism .* set "
+                                                r"sequence_parallel=True"),
+])
+def test_a_split_the_experts_do_not_admit_is_refused_with_the_numbers(layout, match):
+    with pytest.raises(ValueError, match=match):
+        explain(build("hf", family="qwen3_moe", labels=True), **layout)
+
+
+def test_the_planner_refuses_to_price_experts_by_name():
+    from lightning_seqpar.plan.models import inventory_of_hf_model
+
+    with pytest.raises(ValueError, match=r"the planner does not price mixture-of-experts layers yet; choose the layout "
+                                         r"yourself \(tp, pp, cp, ep\)"):
+        inventory_of_hf_model(build("hf", family="qwen3_moe").model)
