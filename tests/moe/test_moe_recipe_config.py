@@ -1,0 +1,29 @@
+"""The recipes' expert-parallel strategy group and tiny mixture-of-experts model, as published: the composed
+config builds SeqParallelStrategy(tp=2, ep=2) and a Qwen3-MoE whose experts it splits (the recipe's own module
+builder, on the built-in corpus's vocabulary)."""
+
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from lightning_seqpar import SeqParallelStrategy, explain
+
+CONF = Path(__file__).resolve().parents[2] / "conf"
+
+
+def test_the_recipe_strategy_group_splits_the_tiny_mixture_s_experts(capsys):
+    from recipes.pretrain_gpt import build_module
+
+    with initialize_config_dir(str(CONF), version_base=None):
+        cfg = compose("config", overrides=["model=qwen3_moe_tiny", "strategy=tp2_ep2"])
+    strategy = SeqParallelStrategy(**OmegaConf.to_container(cfg.strategy, resolve=True))
+    assert (strategy.tp, strategy.parallel.ep, strategy.parallel.expert_tp) == (2, 2, 1)
+
+    class Corpus:  # what build_module reads of the data module
+        vocab_size = 256
+
+    module = build_module(cfg, Corpus(), decay_steps=10, optim={})
+    module.configure_model()
+    plan = str(explain(module, tp=strategy.tp, ep=strategy.parallel.ep))
+    assert "8 experts (mlp.experts) → 4 per rank over ep=2" in plan
