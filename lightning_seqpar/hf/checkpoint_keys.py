@@ -64,7 +64,9 @@ def checkpoint_key_renamer(model: Any) -> Optional[Callable[[str], Renamed]]:
 
         def through_peft(key: str) -> Renamed:
             renamed = base(key) if base is not None else key
-            return renamed if isinstance(renamed, ExpertPiece) else peft.get(renamed, key)
+            if isinstance(renamed, ExpertPiece):  # the packed weight's key as PEFT names it
+                return renamed._replace(target=peft.get(renamed.target, renamed.target))
+            return peft.get(renamed, key)
 
         return through_peft
     if getattr(model, "config", None) is None or not hasattr(model, "base_model_prefix"):

@@ -191,11 +191,10 @@ def _local_experts(builder: PartBuilder, spec: MoESpec, group: ParallelGroup) ->
     num_experts, hidden, width = down.shape
     with gate_up.device:  # the meta device: a skeleton
         local = GroupedExperts(num_experts, hidden, width, group.size, builder.resolve(spec.activation), gate_up.dtype)
-    if gate_up.is_meta:  # a skeleton: this rank's experts are allocated and read later (Materializer.fill)
-        return local
     per_rank = num_experts // group.size
-    with torch.no_grad():
-        for mine, full in ((local.gate_up_proj, gate_up), (local.down_proj, down)):
-            mine.data = full.detach().narrow(0, group.rank * per_rank, per_rank).clone()
-            mine.requires_grad_(full.requires_grad)
+    for mine, full in ((local.gate_up_proj, gate_up), (local.down_proj, down)):
+        mine.requires_grad_(full.requires_grad)  # frozen experts (LoRA elsewhere, a frozen base) stay frozen
+        if not full.is_meta:  # on the meta device: a skeleton, allocated and read later (Materializer.fill)
+            with torch.no_grad():
+                mine.data = full.detach().narrow(0, group.rank * per_rank, per_rank).clone()
     return local

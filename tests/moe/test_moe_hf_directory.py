@@ -1,7 +1,8 @@
 """A Hugging Face mixture-of-experts directory as transformers writes it (one tensor per expert and part:
 ``mlp.experts.3.gate_proj.weight``; Mixtral's ``block_sparse_moe.experts.3.w1.weight``) is read straight into each
 rank's experts (only its own experts' tensors), gives the one-device logits, and is exported back under the hub's
-per-expert names; ``from_pretrained`` reloads the export with the same weights. Layouts: tp 2 × ep 2 (the experts over
+per-expert names; ``from_pretrained`` reloads the export with the same weights. Experts frozen in the user's model
+stay frozen in the shards. Layouts: tp 2 × ep 2 (the experts over
 the tensor-parallel ranks) and ep 2 over two data-parallel replicas."""
 
 from __future__ import annotations
@@ -35,12 +36,22 @@ def _stored_keys(directory):
     return keys
 
 
+class FrozenExperts(HFCausalLMModule):
+    """The experts frozen, as a fine-tuning run that adapts other parts leaves them."""
+
+    def configure_model(self):
+        super().configure_model()
+        for name, param in self.named_parameters():
+            if ".experts." in name:
+                param.requires_grad_(False)
+
+
 def _read_and_export(rank, world, root):
     out = {}
     x = token_data(1, 1, seed=3).tensors[0]
     for family in FAMILIES:
         for name, layout in LAYOUTS.items():
-            module = HFCausalLMModule(pretrained=f"{root}/{family}")
+            module = FrozenExperts(pretrained=f"{root}/{family}")
             trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=SeqParallelStrategy(**layout),
                                  precision="64-true", logger=False, enable_checkpointing=False,
                                  enable_progress_bar=False, enable_model_summary=False)
@@ -48,6 +59,8 @@ def _read_and_export(rank, world, root):
             module.eval()
             with torch.no_grad():
                 out[family, name] = module.model(input_ids=x).logits
+            out[family, name, "trainable experts"] = [n for n, p in module.named_parameters()
+                                                      if ".experts." in n and p.requires_grad]
             trainer.strategy.save_hf_pretrained(f"{root}/{family}-{name}-export")
     return out
 
@@ -78,6 +91,7 @@ def test_a_per_expert_directory_reads_into_the_shards_and_exports_back_under_the
         want = source(input_ids=x).logits
     for rank_out in per_rank:  # RMSNorm and the router's softmax compute in float32 (a wrong expert: O(1) apart)
         torch.testing.assert_close(rank_out[family, layout], want, rtol=1e-6, atol=1e-6)
+        assert rank_out[family, layout, "trainable experts"] == []  # frozen before the rewrite, frozen after it
     export = root / f"{family}-{layout}-export"
     assert _stored_keys(export) == _stored_keys(root / family) or family == "mixtral"
     if family == "mixtral":  # the experts under their hub names; the layer's other keys as the model names them

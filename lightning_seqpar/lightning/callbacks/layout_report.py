@@ -84,7 +84,7 @@ def measured_peak(device: torch.device) -> tuple[int, str]:
 
 
 class LayoutReport(pl.Callback):
-    """Logs (rank 0) ``layout: tp=… cp=… pp=… dp=… ep=1 …; predicted peak per rank X GB`` when fitting starts and
+    """Logs (rank 0) ``layout: tp=… cp=… pp=… dp=… ep=… …; predicted peak per rank X GB`` when fitting starts and
     ``peak memory: measured X GB (how) vs predicted Y GB`` when it ends.
 
     Args:
@@ -102,7 +102,8 @@ class LayoutReport(pl.Callback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         mesh = getattr(trainer.strategy, "mesh", None)
-        layout = (f"tp={mesh.tp} cp={mesh.cp} pp={mesh.pp} dp={mesh.dp} ep=1" if mesh is not None
+        ep = mesh.dims.ep if mesh is not None and mesh.dims is not None else 1
+        layout = (f"tp={mesh.tp} cp={mesh.cp} pp={mesh.pp} dp={mesh.dp} ep={ep}" if mesh is not None
                   else f"{trainer.world_size} process(es), no model parallelism")
         try:
             self.predicted, how = predicted_peak(trainer, pl_module, self.seq_len, self.batch_size)
