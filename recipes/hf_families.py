@@ -19,7 +19,7 @@ import time
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "smollm3", "olmo", "granite", "helium", "glm", "ministral",
             "seed_oss", "ernie4_5", "arcee", "gpt2", "gemma2", "gemma3_text", "olmo2", "olmo3", "phi", "phi3",
             "gpt_neox", "falcon", "cohere", "cohere2", "starcoder2", "stablelm", "mixtral", "qwen2_moe", "qwen3_moe",
-            "granitemoe", "nemotron", "persimmon", "gptj", "codegen", "bloom", "opt", "gpt_bigcode"]
+            "granitemoe", "olmoe", "glm4_moe", "gpt_oss", "nemotron", "persimmon", "gptj", "codegen", "bloom", "opt", "gpt_bigcode"]
 VARIANTS = {  # a family's other published layouts, as "model_type:variant": the config settings that make it
     "phi3:no-gqa": dict(num_key_value_heads=4),  # Phi-3-mini: q, k and v of equal sizes
     "falcon:new-arch": dict(new_decoder_architecture=True, num_kv_heads=2),  # Falcon-40B/180B
