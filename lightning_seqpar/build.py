@@ -4,7 +4,8 @@
    rewrite replaces: a vocabulary-parallel embedding is no ``nn.Embedding``; the paths stay the same);
 2. rewrite the recognized blocks (:func:`lightning_seqpar.policies.rewrite`), every parameter given its placement;
    their self-checks run on one rank, whose verdict every rank raises (:class:`OneRankChecks`);
-3. refuse a layout that splits experts over a model without any (``ep > 1``);
+3. refuse a layout that splits experts over a model without any (``ep > 1``), and a load-balancing loss over every
+   layer's router logits split into pipeline stages;
 4. keep this rank's pipeline stage of the layer stack and the parts outside it the stage holds
    (:func:`~lightning_seqpar.pipeline_parallel.stage.split_stages`,
    :func:`~lightning_seqpar.pipeline_parallel.placement.place_outside_stack`);
@@ -92,6 +93,8 @@ def build_rank(model: nn.Module, ctx: RewriteContext, policies: Optional[Iterabl
         verify = False  # checked; the rewrite below repeats only the static checks, alike on every rank
     plan = rewrite(model, ctx, policies, verify)
     check_experts(model, expert_parallel)
+    if pipeline.enabled:
+        check_router_losses(model)
     built = RankModel(plan)
     if pipeline.enabled:  # embeddings on the first stage, final norm and head on the last, where a policy says so
         built.runtime, built.remote_keys = split_stages(model, pipeline, pipeline_rank)
@@ -112,3 +115,17 @@ def check_experts(model: nn.Module, expert_parallel: int) -> None:
     if not any(placement_of(p).shard_over == "ep" and placement_of(p).shard is not None for p in model.parameters()):
         raise ValueError(f"ep={expert_parallel} splits experts over ranks, and this model has none after the rewrite "
                          f"(no mixture-of-experts layer was recognized): leave ep=1.")
+
+
+def check_router_losses(model: nn.Module) -> None:
+    """Under pipeline parallelism, no load-balancing loss pooled over every layer's router logits (transformers'
+    ``output_router_logits=True``): the last stage would record its own layers' logits only.
+
+    Raises:
+        ValueError: naming the setting and the fix (every rank decides alike: no hang).
+    """
+    configs = {id(c): c for c in (getattr(m, "config", None) for m in model.modules()) if c is not None}
+    if any(getattr(c, "output_router_logits", False) is True for c in configs.values()):
+        raise ValueError("output_router_logits=True under pipeline parallelism: the load-balancing loss pools the "
+                         "router logits of every layer, and each pipeline stage holds only its own layers. Train it "
+                         "with pp=1 (tensor, expert, data or context parallelism), or set output_router_logits=False.")

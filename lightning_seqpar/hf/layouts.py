@@ -26,6 +26,7 @@ import torch.nn as nn
 from lightning_seqpar._compat import hf_attention_implementation
 from lightning_seqpar.hf.falcon import falcon_block_spec, is_falcon_layout
 from lightning_seqpar.hf.model_check import eager_experts
+from lightning_seqpar.hf.moe_loss import install_parallel_load_balancing
 from lightning_seqpar.transformer.block_spec import BlockSpec
 from lightning_seqpar.transformer.mlp_part import DenseMLPSpec
 from lightning_seqpar.transformer.moe_part import MoESpec
@@ -334,6 +335,11 @@ class HFLayoutPolicy(DeclaredBlockPolicy):
                              f"implement {'; '.join(unsupported)}. Train with the default setting, or write a Policy "
                              f"for this block.")
         super().check(module, ctx, name)
+
+    def rewrite(self, module: nn.Module, ctx: Any, *, enter_region: bool, exit_region: bool) -> nn.Module:
+        if moe_parts(getattr(module, "mlp", None)) is not None:  # its model's load-balancing loss over every rank
+            install_parallel_load_balancing(module)
+        return super().rewrite(module, ctx, enter_region=enter_region, exit_region=exit_region)
 
     def mismatch(self, module: nn.Module) -> list[str]:
         return self.why_not(module) if self.why_not is not None else []

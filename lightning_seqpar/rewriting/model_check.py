@@ -52,11 +52,17 @@ def _as_plain(value: Any) -> Any:
     return gathered().detach().clone() if callable(gathered) else value
 
 
+PER_RANK_OUTPUTS = frozenset({"router_logits"})
+"""Outputs that hold each rank's own tokens by design, not compared: a mixture of experts' router logits are those of
+the rank's ``s/t·b`` rows (the load-balancing loss pools them over the ranks, and ``aux_loss`` is compared)."""
+
+
 def _outputs(result: Any) -> dict[str, Tensor]:
     """The tensors a model returns, by name (``loss``, ``logits`` of a Hugging Face output; or the tensor; a dict of
-    such results, by its keys)."""
+    such results, by its keys, :data:`PER_RANK_OUTPUTS` left out)."""
     if isinstance(result, dict):
-        return {f"{key} {name}".strip(): v for key, value in result.items() for name, v in _outputs(value).items()}
+        return {f"{key} {name}".strip(): v for key, value in result.items() if key not in PER_RANK_OUTPUTS
+                for name, v in _outputs(value).items()}
     if isinstance(result, Tensor):
         return {"output": _as_plain(result)}
     if isinstance(result, (tuple, list)):

@@ -27,16 +27,15 @@ NO_EFFECT = {
     "ignore_index": "a loss argument: the layers do not read it",
     "encoder_hidden_states": "refused when given (cross-attention is not a declared part)",
     "encoder_attention_mask": "refused when given (cross-attention is not a declared part)",
-    "output_router_logits": "refused when true: the load-balancing loss is not computed across ranks, and from the "
-                            "router logits of this rank's tokens alone it would not be the model's (set the config's "
-                            "output_router_logits=False)",
+    "output_router_logits": "the router logits are recorded by transformers' hooks on the router module, which the "
+                            "parallel block calls; their load-balancing loss pools every rank's tokens "
+                            "(lightning_seqpar.moe.balancing)",
     "alibi": "refused when given (ALiBi position biases are not a declared part; Falcon passes None with rotary "
              "embeddings)",
 }
 """Arguments a caller may pass that do not change what the block computes, with the reason."""
 
-_REFUSED_WHEN_SET = ("output_attentions", "encoder_hidden_states", "encoder_attention_mask", "alibi",
-                     "output_router_logits")
+_REFUSED_WHEN_SET = ("output_attentions", "encoder_hidden_states", "encoder_attention_mask", "alibi")
 TORCH_MASKS = ("src_mask", "src_key_padding_mask", "is_causal")
 """torch's ``nn.TransformerEncoderLayer`` mask arguments (bool ``True`` = masked; see
 :func:`~lightning_seqpar.transformer.masks.torch_attention_bias`)."""

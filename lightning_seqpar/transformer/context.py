@@ -34,6 +34,8 @@ class RewriteContext:
             all of them.
         expert_group: the expert-parallel group (size e: ranks holding different experts of each mixture-of-experts
             layer; :mod:`lightning_seqpar.moe`); ``None``: one rank, every expert here.
+        data_group: the data-parallel and context-parallel replicas (``dp_cp``, size d·c: other tokens of the same
+            step), which a loss over every token of the step (a mixture's load-balancing loss) sums over; ``None``: one.
     """
 
     group: ParallelGroup
@@ -45,6 +47,7 @@ class RewriteContext:
     context: Optional[ContextParallel] = None
     loss_chunk: Optional[int] = None
     expert_group: Optional[ParallelGroup] = None
+    data_group: Optional[ParallelGroup] = None
 
     def prepare(self, module: nn.Module, name: str, init: Optional[Initializer] = None) -> None:
         """Materialize ``module`` if it was built on the meta device (see :class:`Materializer`).

@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+from lightning_seqpar.moe.balancing import MARK, RouterTokens, SequenceParallelRows, UnmaskableRows
 from lightning_seqpar.moe.dispatch import TokenDispatcher
 from lightning_seqpar.moe.experts import GroupedExperts
 from lightning_seqpar.parallel.collectives import ParallelGroup
@@ -154,6 +155,7 @@ class MoEPart:
         group = ctx.expert_group if ctx.expert_group is not None else ParallelGroup()
         self.experts = builder.place(spec.experts, _local_experts(builder, spec, group), "experts")
         self.dispatcher = TokenDispatcher(group, self.experts.num_experts)
+        self.tokens = _router_tokens(ctx)
         self.ffn_hidden_size = self.experts.down_proj.shape[-1]
         self.shared: Optional[DenseMLPPart] = spec.shared.build(builder) if spec.shared is not None else None
         self.shared_gate = None
@@ -167,7 +169,8 @@ class MoEPart:
         """The mixture of the normed ``x`` ``[s/t, b, h]``: each token's k experts' outputs weighted by the router's
         scores, plus the shared MLP's, then the post-norm, if any."""
         tokens = x.reshape(-1, x.shape[-1])  # [n, h], this rank's tokens
-        _, scores, chosen = self.router(tokens)
+        logits, scores, chosen = self.router(tokens)
+        setattr(logits, MARK, self.tokens)  # a load-balancing loss over these logits pools every rank's tokens
         rows, routing = self.dispatcher.dispatch(tokens, chosen)
         out = self.dispatcher.combine(self.experts(rows, routing.tokens_per_expert), routing, scores).view(x.shape)
         if self.shared is not None:
@@ -176,6 +179,16 @@ class MoEPart:
                 shared = torch.sigmoid(self.shared_gate(x)) * shared
             out = out + shared
         return out if self.post_norm is None else self.post_norm(out)
+
+
+def _router_tokens(ctx: RewriteContext) -> RouterTokens:
+    """Where this rank's router rows come from: the ranks holding the step's other tokens, and how its rows read a
+    ``[b, s]`` attention mask."""
+    split = (ctx.group,) if ctx.sp else ()
+    data = ctx.data_group if ctx.data_group is not None and ctx.data_group.size > 1 else None
+    rows_of = SequenceParallelRows(ctx.group, ctx.sp) if ctx.cp == 1 else UnmaskableRows()
+    replicas = data.size if data is not None else 1
+    return RouterTokens(split + ((data,) if data is not None else ()), replicas // ctx.cp, ctx.cp, rows_of)
 
 
 def _local_experts(builder: PartBuilder, spec: MoESpec, group: ParallelGroup) -> GroupedExperts:

@@ -23,13 +23,16 @@ MOE = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe")
 """The mixture-of-experts families: 8 experts of width 8, top-2."""
 
 
-def moe_config(family: str, common: dict):
+def moe_config(family: str, common: dict, aux: float = 0.0):
     """A tiny config of a mixture-of-experts ``family`` (:data:`MOE`): every layer a mixture of 8 experts, top-2;
     Qwen2-MoE with its gated shared expert, GLM-4.5 with its shared expert, sigmoid group-limited routing and a first
-    dense layer."""
+    dense layer. ``aux > 0``: ``output_router_logits=True`` with ``router_aux_loss_coef=aux`` (the load-balancing loss
+    in ``.loss``)."""
     import transformers
 
     moe = dict(common, intermediate_size=32)
+    if aux:
+        moe.update(output_router_logits=True, router_aux_loss_coef=aux)
     if family == "qwen3_moe":  # softmax top-k, normalized
         return transformers.Qwen3MoeConfig(**moe, moe_intermediate_size=8, num_experts=8, num_experts_per_tok=2,
                                            norm_topk_prob=True)
@@ -56,7 +59,7 @@ class HFCausalLM(pl.LightningModule):
     def __init__(self, family: str = "llama", attn_implementation: str = "eager", labels: bool = False,
                  kv_heads: int = 2, bias: bool = False, tie: bool = False, layers: int = 2, padding: bool = False,
                  position_offset: int = 0, parallel_residual: bool = True, qk_norm: bool = False,
-                 ignored_labels: str = "", documents: bool = False, lora: str = "") -> None:
+                 ignored_labels: str = "", documents: bool = False, lora: str = "", aux: float = 0.0) -> None:
         super().__init__()
         import transformers
 
@@ -127,8 +130,8 @@ class HFCausalLM(pl.LightningModule):
             config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=2 * SEQ, n_embd=16, n_layer=layers, n_head=4,
                                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
                                 attn_implementation=attn_implementation)
-        elif family in MOE:
-            config = moe_config(family, common)
+        elif family in MOE:  # aux: the load-balancing loss's coefficient (0: the config's default, not computed)
+            config = moe_config(family, common, aux)
         else:
             config = transformers.Qwen2Config(**common)
         # The one-process reference runs in float64: transformers' default grouped_mm experts take float32 or bfloat16

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -61,7 +62,9 @@ def fit(case: Case, world_size: int, steps: int = STEPS, callbacks=(), epoch_ste
 
 
 def _fit_all(rank: int, world_size: int, cases: list[Case]) -> dict[Case, Recorder]:
-    return {case: fit(case, world_size) for case in cases}
+    # The records alone go back to the test (Lightning binds the module's log methods onto callbacks, and a model with
+    # transformers' output-capturing hooks does not pickle).
+    return {case: dataclasses.replace(fit(case, world_size)) for case in cases}
 
 
 def run_cases(cases: dict[int, list[Case]], world_size: int) -> list[dict[Case, Recorder]]:

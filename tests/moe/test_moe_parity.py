@@ -1,5 +1,6 @@
 """Mixtures of experts train like one process under expert parallelism, composed with tensor, sequence, data,
-pipeline and context parallelism: Hugging Face Qwen3-MoE, Qwen2-MoE (gated shared expert), Mixtral, OLMoE and GLM-4.5
+pipeline and context parallelism, with transformers' load-balancing loss (output_router_logits) pooled over every
+rank's tokens: Hugging Face Qwen3-MoE, Qwen2-MoE (gated shared expert), Mixtral, OLMoE and GLM-4.5
 (sigmoid, group-limited routing, a shared expert), built from tiny configs and called as users call them
 (``model(input_ids=x, labels=x)``); float64, the loss and every gradient (router, experts, shared experts) before each
 of 3 AdamW steps."""
@@ -12,9 +13,10 @@ from tests.helpers.parity import Case, all_cases, assert_matches_single_process,
 pytestmark = pytest.mark.distributed
 
 
-def moe(family, tp, ep, recompute=None, pp=1, cp=1, zero=0, **model):
+def moe(family, tp, ep, recompute=None, pp=1, cp=1, zero=0, accumulate=1, **model):
     strategy = (("ep", ep),) + ((("zero", 1),) if zero else ())
-    return Case("hf", tp, True, recompute, (("family", family), ("labels", True), *model.items()), (), strategy,
+    trainer = (("accumulate_grad_batches", accumulate),) if accumulate > 1 else ()
+    return Case("hf", tp, True, recompute, (("family", family), ("labels", True), *model.items()), trainer, strategy,
                 pp=pp, cp=cp)
 
 
@@ -28,12 +30,19 @@ CASES = {
         moe("olmoe", 2, 2),
         moe("glm4_moe", 2, 2),                      # sigmoid scores, groups, scaling, a shared expert, a dense layer
         moe("qwen3_moe", 2, 2, lora="attention"),   # LoRA on q/v: experts and router frozen, tokens' gradients flow
+        moe("qwen3_moe", 2, 2, aux=0.5),            # the load-balancing loss pooled over the tp ranks' tokens
+        moe("qwen3_moe", 1, 2, aux=0.5),            # ... over the data-parallel replicas'
+        moe("qwen3_moe", 2, 2, aux=0.5, padding=True),  # padding left out of the counts
+        moe("mixtral", 2, 1, "selective", aux=0.5, padding=True),
+        moe("qwen3_moe", 2, 2, aux=0.5, accumulate=2),  # per micro-batch, scaled as the loss: not 2x
     ],
     4: [
         moe("qwen3_moe", 2, 4),                     # four ranks' experts: over tp and dp
         moe("qwen3_moe", 2, 2, zero=1),             # ep 2 × dp 2, the distributed optimizer's ranges over edp
         moe("qwen3_moe", 1, 2, pp=2),               # pp 2 × ep 2 (1F1B)
         moe("qwen3_moe", 2, 2, cp=2, attn_implementation="sdpa"),  # tp 2 × cp 2 × ep 2
+        moe("qwen3_moe", 2, 2, aux=0.5),            # tp 2 × dp 2: the loss over both groups' tokens
+        moe("qwen3_moe", 2, 2, cp=2, aux=0.5, attn_implementation="sdpa"),  # and over the cp ranks'
     ],
 }
 # As the dense families (tests/hf/test_hf_models.py): RMSNorm and the loss compute in float32 inside transformers;

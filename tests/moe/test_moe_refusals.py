@@ -1,5 +1,5 @@
 """What a mixture of experts cannot be trained with is refused before training, naming the part and the fix: the
-load-balancing loss of Hugging Face's output_router_logits, router jitter noise, LoRA on the experts' parameters,
+load-balancing loss of Hugging Face's output_router_logits split into pipeline stages, router jitter noise, LoRA on the experts' parameters,
 gpt-oss's experts (biases, a router bias), experts that ep does not divide, tp without sequence parallelism; and
 explain() shows the experts per rank, the groups and the dispatch."""
 
@@ -18,12 +18,14 @@ def test_explain_shows_the_experts_per_rank_the_groups_and_the_dispatch(capsys):
             "mlp.shared_expert.down_proj row-parallel, gated by mlp.shared_expert_gate") in text
 
 
-def test_the_load_balancing_loss_of_output_router_logits_is_refused_by_name():
-    module = build("hf", family="qwen3_moe", labels=True)
-    module.model.config.output_router_logits = True
-    with pytest.raises(ValueError, match=r"output_router_logits=bool True: refused when true: the load-balancing loss "
-                                         r"is not computed across ranks.*set the config's output_router_logits=False"):
-        explain(module, tp=2, ep=2)
+def test_the_load_balancing_loss_split_into_pipeline_stages_is_refused_by_name():
+    from lightning_seqpar.build import check_router_losses
+
+    module = build("hf", family="qwen3_moe", labels=True, aux=0.5)
+    with pytest.raises(ValueError, match=r"output_router_logits=True under pipeline parallelism: the load-balancing "
+                                         r"loss pools the router logits of every layer.*pp=1"):
+        check_router_losses(module)
+    check_router_losses(build("hf", family="qwen3_moe", labels=True))  # no such loss: accepted
 
 
 def test_router_jitter_noise_is_refused_by_name():

@@ -1,0 +1,126 @@
+"""The load-balancing loss of a mixture of experts whose tokens are split over ranks, as transformers computes it
+(``output_router_logits=True``): the same value and gradient as one process.
+
+transformers' causal LM adds ``router_aux_loss_coef × load_balancing_loss_func(router_logits, E, k, attention_mask)``
+to its loss: the Switch Transformer's ``E · Σ_e T_e · P_e`` over the tokens of all layers pooled, with ``T_e`` the
+fraction of (token, top-k) choices given to expert e and ``P_e`` the mean router probability of e (Fedus et al. 2021,
+Eq. 4-6; ``modeling_qwen3_moe.load_balancing_loss_func``). Its router logits are recorded by transformers' hooks on
+the router module, which the parallel block calls on this rank's tokens: each rank records only its own rows, in the
+sequence-parallel order ``[s/t, b]``. So the parallel block marks the logits it produced (:class:`RouterTokens`) and
+the model module's ``load_balancing_loss_func`` is wrapped (:mod:`lightning_seqpar.hf.moe_loss`; unmarked logits go to
+the original), which calls :func:`parallel_load_balancing_loss`: the counts, probability sums and rows of this rank's tokens (masked as the model's ``attention_mask``
+says, each row's own mask entry) are summed over the ranks that split the tokens (tp under sequence parallelism, and
+the data-parallel and context-parallel replicas), so every rank holds the one-process value.
+
+Gradient: the probability sums are summed over ranks with an identity backward, so each rank's gradient is its own
+tokens' share of the one-process gradient; every gradient is then summed over the replicas and divided by d·c, so the
+share is multiplied by d here and by c in the backward of the sum over context-parallel ranks, as each replica's own
+loss is (a replica's mean loss is d times its share of the global mean); each cp rank's value is 1/c of the loss,
+which that sum restores. Accumulated or pipelined micro-batches scale it as they scale the loss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from lightning_seqpar.parallel.collectives import ParallelGroup
+
+MARK = "lightning_seqpar_router_tokens"
+"""The attribute on a router-logits tensor the parallel block produced: its :class:`RouterTokens`."""
+
+
+@dataclass(frozen=True)
+class RouterTokens:
+    """Where the rows of one rank's router logits come from.
+
+    Attributes:
+        groups: the groups whose ranks hold other tokens of the same batch (tp under sequence parallelism; the
+            data-parallel and context-parallel replicas, ``dp_cp``).
+        data_parallel: d, the data-parallel replicas (each its own loss; every gradient is divided by d·c).
+        context_parallel: c, the context-parallel ranks, whose losses are summed after the forward
+            (:func:`~lightning_seqpar.context_parallel.loss.sum_over_context`, its backward times c).
+        rows_of: the model's ``attention_mask`` ``[b, s]`` → this rank's rows' entries ``[n]``, in the logits' order.
+    """
+
+    groups: tuple[ParallelGroup, ...]
+    data_parallel: int
+    context_parallel: int
+    rows_of: Callable[[Tensor], Tensor]
+
+
+@dataclass(frozen=True)
+class SequenceParallelRows:
+    """``[b, s]`` → this rank's ``[s/t·b]`` rows (``[s, b]`` order inside the parallel region; ``s/t`` of them under
+    sequence parallelism). A value, not a closure: a model holding it pickles."""
+
+    group: ParallelGroup
+    sequence_parallel: bool
+
+    def __call__(self, mask: Tensor) -> Tensor:
+        by_position = mask.t()
+        if self.sequence_parallel and self.group.size > 1:
+            by_position = by_position.chunk(self.group.size)[self.group.rank]
+        return by_position.reshape(-1)
+
+
+@dataclass(frozen=True)
+class UnmaskableRows:
+    """Rows that a ``[b, s]`` mask cannot be read for (context parallelism's chunks): refused when a mask is given.
+
+    Raises:
+        NotImplementedError: when called, naming the fix.
+    """
+
+    def __call__(self, mask: Tensor) -> Tensor:
+        raise NotImplementedError("A load-balancing loss over an attention mask under context parallelism is not "
+                                  "implemented (each rank's rows are chunks of the sequence): train without the mask "
+                                  "(packed documents), or with cp=1.")
+
+
+class _SumOverRanks(torch.autograd.Function):
+    """Forward: the sum over ``groups``; backward: the identity (each rank's share of the gradient is its own)."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: Tensor, groups: Sequence[ParallelGroup]) -> Tensor:
+        total = tensor.clone()
+        for group in groups:
+            total = group.all_reduce(total)
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return grad, None
+
+
+def parallel_load_balancing_loss(gate_logits: tuple[Tensor, ...], num_experts: int, top_k: int,
+                                 attention_mask: Optional[Tensor], tokens: RouterTokens) -> Tensor:
+    """transformers' ``load_balancing_loss_func`` over every rank's tokens (see the module docstring): a scalar whose
+    value is the one-process loss and whose gradient on this rank's logits is d·c times their share.
+
+    No host synchronisation: the counts are scatter-adds, the row count stays a tensor.
+    """
+    device = gate_logits[0].device
+    counts = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    probabilities = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    rows = torch.zeros((), dtype=torch.float32, device=device)
+    weights = None if attention_mask is None else tokens.rows_of(attention_mask).to(device, torch.float32)
+    for logits in gate_logits:
+        routing = torch.softmax(logits, dim=-1)
+        _, chosen = torch.topk(routing, top_k, dim=-1)
+        each = torch.ones(chosen.numel(), dtype=torch.float32, device=device) if weights is None \
+            else weights.repeat_interleave(top_k)
+        counts = counts.index_add(0, chosen.reshape(-1), each)
+        probabilities = probabilities + (routing.float() if weights is None else routing.float() * weights[:, None]).sum(0)
+        rows = rows + (float(routing.shape[0]) if weights is None else weights.sum())
+    with torch.no_grad():
+        for group in tokens.groups:
+            counts, rows = group.all_reduce(counts), group.all_reduce(rows)
+    probabilities = _SumOverRanks.apply(probabilities, tokens.groups)
+    loss = torch.sum((counts / rows) * (probabilities / rows)) * num_experts
+    # The value: 1/c of the loss on each cp rank, whose losses are summed. The gradient: d times this rank's share
+    # (times c again by the sum over cp's backward), undone by the division by d·c of every gradient.
+    return loss.detach() / tokens.context_parallel + tokens.data_parallel * (loss - loss.detach())
