@@ -1,0 +1,125 @@
+"""A Hugging Face Qwen3-MoE on 4 processes under expert parallelism: experts whole on every rank (ep 1) against the
+experts split over 2 and 4 ranks, with tensor parallelism 2 (and at tp 1).
+
+Each layout runs in processes of its own (gloo on CPU; NCCL when there are as many GPUs) on the same model (random
+init, float32) and token batches, called as users call it (``model(input_ids=x, labels=x)``). Per layout, on rank 0:
+
+- tokens per second over the timed steps (forward, backward, AdamW; every data-parallel replica its own batch of
+  ``b × s`` tokens; the gradient reduction over replicas is not part of the step here);
+- the bytes rank 0 sent per step by the expert dispatch (``all_to_all_v``, the (token, expert) pairs leaving it × h ×
+  4 bytes, forward and backward) and its split-size exchanges (``all_to_all``), and by tensor parallelism;
+- the expert parameters each rank holds.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from recipes.benchmarking.processes import run_on_processes, worker_device
+
+WORLD = 4
+KINDS = ("all_to_all_v", "all_to_all", "all_gather", "reduce_scatter")
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int
+    ep: int
+
+    @property
+    def name(self) -> str:
+        return f"tp {self.tp} x ep {self.ep} (dp {WORLD // self.tp})"
+
+
+LAYOUTS = (Layout(2, 1), Layout(2, 2), Layout(2, 4), Layout(1, 4))
+
+
+@dataclass
+class MoEResult:
+    layout: str
+    tokens_per_s: float
+    sent_kib: dict
+    expert_params_per_rank: int
+
+
+def _model(cfg: dict[str, Any], device: torch.device) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden"], intermediate_size=4 * cfg["hidden"],
+                            moe_intermediate_size=cfg["expert_width"], num_experts=cfg["experts"],
+                            num_experts_per_tok=cfg["top_k"], num_hidden_layers=cfg["layers"],
+                            num_attention_heads=cfg["heads"], num_key_value_heads=cfg["kv_heads"],
+                            max_position_embeddings=cfg["s"], attn_implementation="sdpa")
+    holder = torch.nn.Module()
+    holder.model = AutoModelForCausalLM.from_config(config).to(device)
+    return holder
+
+
+def _run(layout: Layout, cfg: dict[str, Any], device: torch.device, out_dir: str) -> None:
+    from lightning_seqpar.parallel import CommunicationLog, ParallelMesh, RNGTracker
+    from lightning_seqpar.parallel.dims import ParallelDims
+    from lightning_seqpar.policies import rewrite
+    from lightning_seqpar.rewriting import RewriteContext
+
+    mesh = ParallelMesh.build(dims=ParallelDims(WORLD, tp=layout.tp, ep=layout.ep, etp=1))
+    holder = _model(cfg, device)
+    rng = RNGTracker.for_tensor_parallel(0, mesh.tensor.rank, device)
+    rewrite(holder, RewriteContext(mesh.tensor, True, rng, True, expert_group=mesh.group("ep"), data_group=mesh.data))
+    optimizer = torch.optim.AdamW(holder.parameters(), lr=1e-4)
+    g = torch.Generator().manual_seed(mesh.batch_rank)  # every replica its own tokens
+    batches = [torch.randint(0, cfg["vocab_size"], (cfg["b"], cfg["s"]), generator=g).to(device)
+               for _ in range(cfg["warmup"] + cfg["iters"] + 1)]
+    times = []
+    for step, x in enumerate(batches[:-1]):
+        start = time.perf_counter()
+        holder.model(input_ids=x, labels=x).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if step >= cfg["warmup"]:
+            times.append(time.perf_counter() - start)
+    groups = (mesh.tensor, mesh.group("ep"))
+    for group in groups:
+        group.log = CommunicationLog()
+    holder.model(input_ids=batches[-1], labels=batches[-1]).loss.backward()
+    sent = {kind: sum(group.log.bytes_moved(kind) for group in groups if group.size > 1) / 1024 for kind in KINDS}
+    experts = sum(p.numel() for n, p in holder.named_parameters() if ".experts." in n)
+    if dist.get_rank() == 0:
+        replicas = WORLD // layout.tp
+        result = MoEResult(layout.name, replicas * cfg["b"] * cfg["s"] / statistics.median(times), sent, experts)
+        (Path(out_dir) / "result.pkl").write_bytes(pickle.dumps(asdict(result)))
+
+
+def _worker(local_rank: int, layout: Layout, port: int, cfg: dict[str, Any], out_dir: str) -> None:
+    device = worker_device(local_rank, WORLD, port)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=local_rank, world_size=WORLD)
+    try:
+        _run(layout, cfg, device, out_dir)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    os._exit(0)  # done: gloo's threads abort a finished process now and then in interpreter teardown
+
+
+def run_moe_benchmark(cfg: dict[str, Any], layouts: tuple[Layout, ...] = LAYOUTS) -> list[MoEResult]:
+    """Every layout in 4 fresh processes; rank 0's results in order. ``cfg``: vocab_size, hidden, layers, heads,
+    kv_heads, experts, expert_width, top_k, b, s, warmup, iters.
+
+    Raises:
+        ValueError: ``experts`` not divisible by a layout's ep, or ``s`` by its tp.
+    """
+    for layout in layouts:
+        if cfg["experts"] % layout.ep or cfg["s"] % layout.tp:
+            raise ValueError(f"experts={cfg['experts']} must divide by ep and s={cfg['s']} by tp ({layout.name}).")
+    return [MoEResult(**run_on_processes(_worker, WORLD, layout, cfg)) for layout in layouts]
