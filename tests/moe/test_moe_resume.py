@@ -1,6 +1,6 @@
-"""A mixture of experts' sharded checkpoint reshards across expert-parallel sizes: saved at tp 2 × ep 2, resumed into
-one rank's whole experts (ep 1, into a pipeline of 2 stages), then split four ways (ep 4), on the loss curve of the
-uninterrupted one-process run; the export reloads in transformers with the final weights."""
+"""A mixture of experts' checkpoints reshard across expert-parallel sizes: saved sharded at tp 2 × ep 2, resumed into
+every rank holding every expert (ep 1, 4 data-parallel replicas) and saved as one full-format file, then split four
+ways (ep 4), then into a pipeline of 2 stages at ep 2: on the loss curve of the uninterrupted one-process run."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from tests.helpers.resume import EPOCH_STEPS, reference_epochs, train_epochs
 pytestmark = pytest.mark.distributed  # starts processes: outside the fast lane
 
 MODEL = dict(family="qwen3_moe", labels=True)
-LAYOUTS = (dict(tp=2, ep=2), dict(tp=1, pp=2, ep=1), dict(tp=1, ep=4))  # each an epoch, resumed from the one before
+# Each an epoch, resumed from the one before; the second saves one full-format file (experts gathered over ep).
+LAYOUTS = (dict(tp=2, ep=2), dict(tp=1, ep=1, checkpoint_format="full"), dict(tp=1, ep=4), dict(tp=1, pp=2, ep=2))
 
 
 def _lives(rank, world, root):
@@ -26,7 +27,7 @@ def _lives(rank, world, root):
     return losses
 
 
-def test_experts_reshard_from_ep2_to_ep1_into_pp_and_to_ep4_on_the_one_process_curve(tmp_path):
+def test_experts_reshard_from_ep2_to_ep1_full_to_ep4_and_into_pp_on_the_one_process_curve(tmp_path):
     torch.manual_seed(0)
     want = reference_epochs(build("hf", **MODEL).double(), len(LAYOUTS))
     got = run_distributed(_lives, 4, str(tmp_path))[0]
