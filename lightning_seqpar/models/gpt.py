@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_seqpar.models.sampling import Sampling
+from lightning_seqpar.moe.balancing import load_balancing_loss
 from lightning_seqpar.transformer.core_attention import CoreAttention
 
 if TYPE_CHECKING:
@@ -47,6 +48,19 @@ class GPTConfig:
     """Share the token embedding with the LM head (as in the paper)."""
     label_smoothing: float = 0.0
     """ε of the training loss."""
+    n_experts: int = 0
+    """E: each layer's MLP a mixture of E experts (0: a dense MLP)."""
+    experts_per_token: int = 2
+    """k: the experts each token is routed to (softmax top-k, renormalized)."""
+    expert_ffn_hidden_size: Optional[int] = None
+    """f: each expert's width; ``None`` means 4h / k (the dense MLP's FLOPs per token)."""
+    aux_loss_coef: float = 0.0
+    """the Switch load-balancing loss's coefficient, added to the training loss (pooled over every layer's tokens)."""
+
+    @property
+    def output_router_logits(self) -> bool:
+        """Whether the loss pools every layer's router logits (transformers' name for it)."""
+        return self.n_experts > 0 and self.aux_loss_coef > 0
 
 
 class CausalSelfAttention(nn.Module):
@@ -84,6 +98,59 @@ class MLP(nn.Module):
         return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
 
 
+class TopKRouter(nn.Module):
+    """Scores ``[n, h]`` tokens against E experts: ``(logits [n, E], scores [n, k], experts [n, k])``, the softmax
+    (float32) of the top k renormalized (Mixtral's router); the logits kept as :attr:`last_logits` for the
+    load-balancing loss."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.top_k = config.experts_per_token
+        self.weight = nn.Parameter(torch.empty(config.n_experts, config.n_embd))
+        self.last_logits: Optional[Tensor] = None
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        logits = F.linear(x, self.weight)
+        top, chosen = torch.topk(torch.softmax(logits.float(), dim=-1), self.top_k, dim=-1)
+        self.last_logits = logits
+        return logits, (top / top.sum(-1, keepdim=True)).to(x.dtype), chosen
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts as packed weights (``gate_up_proj`` ``[E, 2f, h]``, ``down_proj`` ``[E, h, f]``), computed
+    densely: every expert on every token, weighted by the router's scores (zero where a token is not routed). Plain
+    single-device code: the rewrite sends each token to its k experts only."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        width = config.expert_ffn_hidden_size or 4 * config.n_embd // config.experts_per_token
+        self.gate_up_proj = nn.Parameter(torch.empty(config.n_experts, 2 * width, config.n_embd))
+        self.down_proj = nn.Parameter(torch.empty(config.n_experts, config.n_embd, width))
+        self.act_fn = nn.SiLU()
+
+    def forward(self, x: Tensor, chosen: Tensor, scores: Tensor) -> Tensor:
+        weights = torch.zeros(x.shape[0], self.down_proj.shape[0], dtype=scores.dtype, device=x.device)
+        weights = weights.scatter(1, chosen, scores)  # [n, E]
+        gate, up = torch.einsum("nh,efh->enf", x, self.gate_up_proj).chunk(2, dim=-1)
+        out = torch.einsum("enf,ehf->enh", self.act_fn(gate) * up, self.down_proj)
+        return torch.einsum("enh,ne->nh", out, weights)
+
+
+class MoEMLP(nn.Module):
+    """A mixture of experts in the MLP's place: ``[b, s, h]`` → ``[b, s, h]``."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.gate = TopKRouter(config)
+        self.experts = Experts(config)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        tokens = x.reshape(-1, x.shape[-1])
+        _, scores, chosen = self.gate(tokens)
+        return self.dropout(self.experts(tokens, chosen, scores).view(x.shape))
+
+
 class Block(nn.Module):
     """Pre-LN transformer layer. ``[b, s, h]`` → ``[b, s, h]``."""
 
@@ -92,7 +159,7 @@ class Block(nn.Module):
         self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.attn = CausalSelfAttention(config)
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.mlp = MLP(config)
+        self.mlp = MoEMLP(config) if config.n_experts else MLP(config)
 
     def forward(self, x: Tensor) -> Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -149,11 +216,17 @@ class GPT(Sampling, nn.Module):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
         elif isinstance(module, nn.LayerNorm):
             module.reset_parameters()
+        elif isinstance(module, (TopKRouter, Experts)):
+            for param in module.parameters(recurse=False):
+                nn.init.normal_(param, mean=0.0, std=0.02)
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, (TopKRouter, Experts)):
+            for param in module.parameters(recurse=False):
+                nn.init.normal_(param, mean=0.0, std=0.02)
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
@@ -170,9 +243,17 @@ class GPT(Sampling, nn.Module):
             return logits
         if logits.dtype in (torch.float16, torch.bfloat16):
             logits = logits.float()  # the softmax of 16-bit logits loses the loss's precision
-        return F.cross_entropy(
+        loss = F.cross_entropy(
             logits.view(-1, logits.size(-1)),
             targets.reshape(-1),
             ignore_index=-1,
             label_smoothing=self.config.label_smoothing,
         )
+        return loss + self.load_balancing_loss() if self.config.output_router_logits else loss
+
+    def load_balancing_loss(self) -> Tensor:
+        """``aux_loss_coef ×`` the Switch load-balancing loss of this forward's router logits, every layer's tokens
+        pooled (transformers' ``load_balancing_loss_func``; over every rank's tokens once rewritten)."""
+        logits = tuple(m.last_logits for m in self.modules() if isinstance(m, TopKRouter))
+        c = self.config
+        return c.aux_loss_coef * load_balancing_loss(logits, c.n_experts, c.experts_per_token)

@@ -7,6 +7,7 @@ reduce-scatter to the LM head's all-gather (Korthikanti et al. 2022 Fig. 5, §4.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Optional
 
@@ -16,7 +17,9 @@ from torch import Tensor
 
 from lightning_seqpar.context_parallel import ContextParallelBatch, check_context_length, local_indices
 from lightning_seqpar.context_parallel.loss import sum_over_context
+from lightning_seqpar.models.gpt import MoEMLP, TopKRouter
 from lightning_seqpar.models.sampling import Sampling
+from lightning_seqpar.moe.balancing import load_balancing_loss
 from lightning_seqpar.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from lightning_seqpar.tensor_parallel.embedding import VocabParallelEmbedding
 from lightning_seqpar.tensor_parallel.mappings import gather_from_tensor_parallel_region
@@ -24,6 +27,7 @@ from lightning_seqpar.tensor_parallel.sharding import mark_sequence_parallel
 from lightning_seqpar.transformer.block_spec import BlockSpec
 from lightning_seqpar.transformer.context import RewriteContext
 from lightning_seqpar.transformer.declared_block import ParallelBlock
+from lightning_seqpar.transformer.moe_part import MoESpec
 from lightning_seqpar.transformer.dropout import ParallelDropout
 from lightning_seqpar.transformer.region import check_sequence_length
 from lightning_seqpar.transformer.roles import LayerStack
@@ -40,10 +44,17 @@ GPT_BLOCK = BlockSpec(
 declared :class:`~lightning_seqpar.transformer.declared_block.ParallelBlock` (causal core attention, fused q/k/v)."""
 
 
+GPT_MOE_BLOCK = dataclasses.replace(GPT_BLOCK, mlp=MoESpec(mlp_norm="ln_2", router="mlp.gate", experts="mlp.experts",
+                                                           activation="mlp.experts.act_fn"))
+"""A block whose MLP is a mixture of experts (:class:`~lightning_seqpar.models.gpt.MoEMLP`): the router on each
+rank's sequence-parallel tokens, the experts split over ep (:mod:`lightning_seqpar.transformer.moe_part`)."""
+
+
 def parallel_gpt_block(block: nn.Module, ctx: RewriteContext) -> ParallelBlock:
     """The tensor (+sequence) parallel version of one GPT block: ``[s/t, b, h]`` (SP) or ``[s, b, h]`` in and out
     (the region is the model's, from the embedding's reduce-scatter to the LM head's all-gather)."""
-    return ParallelBlock(block, GPT_BLOCK, ctx, enter_region=False, exit_region=False)
+    spec = GPT_MOE_BLOCK if isinstance(block.mlp, MoEMLP) else GPT_BLOCK
+    return ParallelBlock(block, spec, ctx, enter_region=False, exit_region=False)
 
 
 class ParallelGPT(Sampling, LayerStack):
@@ -126,7 +137,7 @@ class ParallelGPT(Sampling, LayerStack):
             return vocab_parallel_cross_entropy(
                 logits, targets.t(), self.group, self.config.vocab_size,
                 label_smoothing=self.config.label_smoothing, ignore_index=-1,
-            )
+            ) + self._balancing()
         logits = gather_from_tensor_parallel_region(logits, self.group)[..., : self.config.vocab_size]
         logits = logits.transpose(0, 1)[:, :s]  # [b, s, v]
         if targets is None:
@@ -136,7 +147,16 @@ class ParallelGPT(Sampling, LayerStack):
         return nn.functional.cross_entropy(
             logits.reshape(-1, logits.size(-1)), targets.reshape(-1),
             ignore_index=-1, label_smoothing=self.config.label_smoothing,
-        )
+        ) + self._balancing()
+
+    def _balancing(self) -> Tensor | float:
+        """The mixture's load-balancing loss over every rank's tokens (:meth:`GPT.load_balancing_loss`'s value and
+        gradient: 1/c of it on each cp rank, whose losses are summed); 0 without it."""
+        c = self.config
+        if not c.output_router_logits:
+            return 0.0
+        logits = tuple(m.last_logits for m in self.transformer.h.modules() if isinstance(m, TopKRouter))
+        return c.aux_loss_coef * load_balancing_loss(logits, c.n_experts, c.experts_per_token)
 
     def _context_parallel_loss(self, idx: Tensor, targets: Optional[Tensor]) -> Tensor:
         """Under context parallelism: this cp rank's tokens (chunks r and 2c−1−r) from the embedding to the loss, at
@@ -180,4 +200,4 @@ class ParallelGPT(Sampling, LayerStack):
             summed = nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), local.t().reshape(-1),
                                                  ignore_index=-1, label_smoothing=self.config.label_smoothing,
                                                  reduction="sum")
-        return sum_over_context(summed / count, self.context.group)
+        return sum_over_context(summed / count + self._balancing(), self.context.group)

@@ -124,3 +124,20 @@ def parallel_load_balancing_loss(gate_logits: tuple[Tensor, ...], num_experts: i
     # The value: 1/c of the loss on each cp rank, whose losses are summed. The gradient: d times this rank's share
     # (times c again by the sum over cp's backward), undone by the division by d·c of every gradient.
     return loss.detach() / tokens.context_parallel + tokens.data_parallel * (loss - loss.detach())
+
+
+def load_balancing_loss(gate_logits: tuple[Tensor, ...], num_experts: int, top_k: int,
+                        attention_mask: Optional[Tensor] = None) -> Tensor:
+    """The load-balancing loss of ``gate_logits`` (one ``[n, E]`` tensor per layer): over every rank's tokens when a
+    parallel block produced them (:data:`MARK`), else over these rows alone (one process, rows in ``[b, s]`` order).
+    Used by the reference GPT's mixture of experts, on one device and rewritten alike."""
+    tokens = getattr(gate_logits[0], MARK, None) or RouterTokens((), 1, 1, _BatchRows())
+    return parallel_load_balancing_loss(gate_logits, num_experts, top_k, attention_mask, tokens)
+
+
+@dataclass(frozen=True)
+class _BatchRows:
+    """One process's rows: ``[b, s]`` flattened, as the model's own layers order them."""
+
+    def __call__(self, mask: Tensor) -> Tensor:
+        return mask.reshape(-1)

@@ -20,6 +20,13 @@ def moe(family, tp, ep, recompute=None, pp=1, cp=1, zero=0, accumulate=1, **mode
                 pp=pp, cp=cp)
 
 
+def gpt(tp, ep, recompute=None, pp=1, cp=1, aux=0.5, accumulate=1):
+    """The reference GPT with 8 experts per layer (``model=gpt_moe_tiny``), its load-balancing loss at ``aux``."""
+    trainer = (("accumulate_grad_batches", accumulate),) if accumulate > 1 else ()
+    return Case("gpt", tp, True, recompute, (("n_experts", 8), ("aux_loss_coef", aux)), trainer, (("ep", ep),),
+                pp=pp, cp=cp)
+
+
 CASES = {
     2: [
         moe("qwen3_moe", 2, 2),                     # experts over the tp ranks, router on each rank's s/t tokens
@@ -35,6 +42,10 @@ CASES = {
         moe("qwen3_moe", 2, 2, aux=0.5, padding=True),  # padding left out of the counts
         moe("mixtral", 2, 1, "selective", aux=0.5, padding=True),
         moe("qwen3_moe", 2, 2, aux=0.5, accumulate=2),  # per micro-batch, scaled as the loss: not 2x
+        gpt(2, 2),                                  # the reference GPT's experts and load-balancing loss
+        gpt(1, 2, "full"),                          # experts over dp, whole layers recomputed
+        gpt(2, 2, "selective", accumulate=2),
+        gpt(1, 2, cp=2),                            # the loss 1/c per cp rank, summed over cp
     ],
     4: [
         moe("qwen3_moe", 2, 4),                     # four ranks' experts: over tp and dp
@@ -43,6 +54,8 @@ CASES = {
         moe("qwen3_moe", 2, 2, cp=2, attn_implementation="sdpa"),  # tp 2 × cp 2 × ep 2
         moe("qwen3_moe", 2, 2, aux=0.5),            # tp 2 × dp 2: the loss over both groups' tokens
         moe("qwen3_moe", 2, 2, cp=2, aux=0.5, attn_implementation="sdpa"),  # and over the cp ranks'
+        gpt(2, 4),                                  # ep over tp and dp
+        gpt(1, 2, pp=2, aux=0.0),                   # pp 2 × ep 2, 1F1B (the pooled loss is refused under pp)
     ],
 }
 # As the dense families (tests/hf/test_hf_models.py): RMSNorm and the loss compute in float32 inside transformers;

@@ -27,3 +27,18 @@ def test_the_recipe_strategy_group_splits_the_tiny_mixture_s_experts(capsys):
     module.configure_model()
     plan = str(explain(module, tp=strategy.tp, ep=strategy.parallel.ep))
     assert "8 experts (mlp.experts) → 4 per rank over ep=2" in plan
+
+
+def test_the_reference_gpt_s_mixture_as_published_splits_its_experts(capsys):
+    from recipes.pretrain_gpt import build_module
+
+    with initialize_config_dir(str(CONF), version_base=None):
+        cfg = compose("config", overrides=["model=gpt_moe_tiny", "strategy=tp2_ep2"])
+
+    class Corpus:
+        vocab_size = 256
+
+    module = build_module(cfg, Corpus(), decay_steps=10, optim={})
+    assert module.gpt.config.output_router_logits  # the load-balancing loss is in the training loss
+    plan = str(explain(module, tp=2, ep=2))
+    assert "MLPs: 8 experts (mlp.experts) → 4 per rank over ep=2" in plan
