@@ -76,3 +76,11 @@ def test_the_planner_refuses_to_price_experts_by_name():
     with pytest.raises(ValueError, match=r"the planner does not price mixture-of-experts layers yet; choose the layout "
                                          r"yourself \(tp, pp, cp, ep\)"):
         inventory_of_hf_model(build("hf", family="qwen3_moe").model)
+
+
+def test_the_reference_gpt_s_load_balancing_loss_split_into_pipeline_stages_is_refused_by_name():
+    from lightning_seqpar.build import check_router_losses
+
+    with pytest.raises(ValueError, match=r"output_router_logits=True under pipeline parallelism"):
+        check_router_losses(build("gpt", n_experts=8, aux_loss_coef=0.5))
+    check_router_losses(build("gpt", n_experts=8))  # experts without that loss: pipelined (tests/moe/test_moe_parity.py)
