@@ -156,8 +156,13 @@ class MoEPart:
         self.experts = builder.place(spec.experts, _local_experts(builder, spec, group), "experts")
         self.dispatcher = TokenDispatcher(group, self.experts.num_experts)
         self.tokens = _router_tokens(ctx)
-        self.ffn_hidden_size = self.experts.down_proj.shape[-1]
+        # The MLP width a token goes through, for FLOPs (FlopsUtilization) and the memory model: k experts of width f
+        # (the router's top_k, where it names it), plus the shared MLP's.
+        top_k = int(getattr(self.router, "top_k", 1) or 1)
+        self.ffn_hidden_size = top_k * self.experts.down_proj.shape[-1]
         self.shared: Optional[DenseMLPPart] = spec.shared.build(builder) if spec.shared is not None else None
+        if self.shared is not None:
+            self.ffn_hidden_size += self.shared.ffn_hidden_size
         self.shared_gate = None
         if spec.shared_gate:
             self.shared_gate = builder.resolve(spec.shared_gate)
