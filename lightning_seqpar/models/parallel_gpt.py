@@ -17,7 +17,7 @@ from torch import Tensor
 
 from lightning_seqpar.context_parallel import ContextParallelBatch, check_context_length, local_indices
 from lightning_seqpar.context_parallel.loss import sum_over_context
-from lightning_seqpar.models.gpt import MoEMLP, TopKRouter
+from lightning_seqpar.models.gpt_moe import MoEMLP, TopKRouter
 from lightning_seqpar.models.sampling import Sampling
 from lightning_seqpar.moe.balancing import load_balancing_loss
 from lightning_seqpar.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
