@@ -220,3 +220,22 @@ def fused_attention_backward(d_out: torch.Tensor, q: torch.Tensor, k: torch.Tens
         d_out, q, k, v, _efficient_bias(allowed, q, k.shape[2]), out, lse, no_rng, no_rng, 0.0,
         [True, True, True, False], is_causal, scale=scale)
     return d_q, d_k, d_v
+
+
+def inside_backward() -> bool:
+    """Whether autograd's engine is running a backward on this thread: a forward that activation checkpointing
+    recomputes runs inside one (``torch._C._current_graph_task_id()``, -1 outside any; private)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def experts_implementation(config: Any) -> Optional[str]:
+    """The experts kernel a transformers config selects (``config._experts_implementation``: ``"eager"``,
+    ``"grouped_mm"``, ...; private, set by ``from_pretrained(experts_implementation=...)``; no public getter in
+    transformers 5.24)."""
+    return getattr(config, "_experts_implementation", None)
+
+
+def use_eager_experts(config: Any) -> None:
+    """Make a transformers config's experts run one by one (the ``"eager"`` kernel), the public
+    ``experts_implementation=`` argument being available at model construction only."""
+    config._experts_implementation = "eager"

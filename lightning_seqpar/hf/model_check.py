@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn as nn
 
+from lightning_seqpar._compat import experts_implementation, use_eager_experts
 from lightning_seqpar.parallel.collectives import ParallelGroup
 from lightning_seqpar.rewriting.model_check import ModelCheckError, check_whole_model
 
@@ -104,8 +105,8 @@ def small_config(config: Any, tp: int, overrides: Optional[dict[str, Any]] = Non
 def eager_experts(config: Any) -> Any:
     """``config`` with its experts (if any) computed one by one: the checks run in float64, which transformers'
     default ``grouped_mm`` experts do not take (the same function, another kernel)."""
-    if getattr(config, "_experts_implementation", None) not in (None, "eager"):
-        config._experts_implementation = "eager"
+    if experts_implementation(config) not in (None, "eager"):
+        use_eager_experts(config)
     return config
 
 
