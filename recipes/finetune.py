@@ -66,7 +66,7 @@ def build(cfg: DictConfig, output_dir: Path) -> tuple[FineTuneModule, FineTuneDa
         adapter = cfg.peft.get("adapter")
     optim = OmegaConf.to_container(cfg.optim, resolve=True)
     module = FineTuneModule(cfg.model.pretrained, lora, cfg.model.attn_implementation, adapter,
-                            max_steps=cfg.trainer.max_steps, **optim)
+                            freeze_router=cfg.model.freeze_router, max_steps=cfg.trainer.max_steps, **optim)
     callbacks: list[pl.Callback] = [
         ModelCheckpoint(dirpath=output_dir / cfg.checkpoint_dir, filename="step{step:06d}",
                         auto_insert_metric_name=False, save_last=True, every_n_train_steps=cfg.trainer.val_check_interval),

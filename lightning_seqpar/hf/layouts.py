@@ -76,6 +76,18 @@ def moe_parts(mlp: Optional[nn.Module]) -> Optional[dict[str, Optional[str]]]:
     return {"router": "gate", "experts": "experts", "shared": shared, "shared_gate": gate}
 
 
+def freeze_routers(model: nn.Module) -> list[str]:
+    """Freeze the router of every mixture of experts in ``model`` (``requires_grad=False``: no gradient, no optimizer
+    state; the experts still learn from the routing it gives); the routers' paths."""
+    frozen = []
+    for name, module in model.named_modules():
+        mlp = getattr(module, "mlp", None)
+        if moe_parts(mlp) is not None:
+            mlp.gate.requires_grad_(False)
+            frozen.append(f"{name}.mlp.gate" if name else "mlp.gate")
+    return frozen
+
+
 def _moe_spec(mlp: nn.Module, mlp_norm: Optional[str], mlp_post_norm: Optional[str]) -> MoESpec:
     names = moe_parts(mlp)
     shared = None

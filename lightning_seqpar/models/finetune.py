@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from lightning_seqpar.checkpoint.peft_adapter import check_adapter_directory, check_lora_targets
+from lightning_seqpar.hf.layouts import freeze_routers
 from lightning_seqpar.hf.models import build_causal_lm, pretrained_state_dict
 from lightning_seqpar.lightning.loss_average import data_parallel_replicas, loss_replicas, pipeline_microbatches
 from lightning_seqpar.models.hf_module import HFCausalLMModule
@@ -40,6 +41,8 @@ class FineTuneModule(HFCausalLMModule):
         attn_implementation: ``"eager"`` or ``"sdpa"``.
         adapter: a PEFT adapter directory to start from (its ``adapter_config.json`` sets r, α, dropout and the
             targets; ``lora`` is then ignored).
+        freeze_router: a mixture of experts' routers are not trained (their weights as pretrained; the experts learn
+            under the routing they give).
         **optimization: :class:`~lightning_seqpar.models.module.CausalLMModule`'s arguments.
 
     Raises:
@@ -50,9 +53,9 @@ class FineTuneModule(HFCausalLMModule):
     """
 
     def __init__(self, pretrained: str, lora: Optional[dict] = None, attn_implementation: str = "eager",
-                 adapter: Optional[str] = None, **optimization: Any) -> None:
+                 adapter: Optional[str] = None, freeze_router: bool = False, **optimization: Any) -> None:
         super().__init__(None, pretrained, attn_implementation, **optimization)
-        self.adapter = adapter
+        self.adapter, self.freeze_router = adapter, freeze_router
         if adapter is not None or lora is not None:  # refused here, before any process starts, naming the fix
             with torch.device("meta"):
                 base = build_causal_lm(self.hf_config)
@@ -63,12 +66,14 @@ class FineTuneModule(HFCausalLMModule):
         self.lora = None if lora is None else {**LORA_DEFAULTS, **lora}
         if self.lora is not None and adapter is None:
             check_lora_targets(self.lora["target_modules"], base)
-        self.save_hyperparameters({"lora": self.lora, "adapter": adapter})
+        self.save_hyperparameters({"lora": self.lora, "adapter": adapter, "freeze_router": freeze_router})
 
     def configure_model(self) -> None:
         if hasattr(self, "model"):
             return
         model = build_causal_lm(self.hf_config)
+        if self.freeze_router:
+            freeze_routers(model)
         strategy = self.trainer.strategy
         into_shards = hasattr(strategy, "load_single_device_state_dict")
         resumed = self.trainer.ckpt_path is not None

@@ -59,7 +59,8 @@ class HFCausalLM(pl.LightningModule):
     def __init__(self, family: str = "llama", attn_implementation: str = "eager", labels: bool = False,
                  kv_heads: int = 2, bias: bool = False, tie: bool = False, layers: int = 2, padding: bool = False,
                  position_offset: int = 0, parallel_residual: bool = True, qk_norm: bool = False,
-                 ignored_labels: str = "", documents: bool = False, lora: str = "", aux: float = 0.0) -> None:
+                 ignored_labels: str = "", documents: bool = False, lora: str = "", aux: float = 0.0,
+                 freeze_router: bool = False) -> None:
         super().__init__()
         import transformers
 
@@ -138,6 +139,10 @@ class HFCausalLM(pl.LightningModule):
         # only, so the experts of the reference run one by one (what "eager" computes is the same function).
         self.model = transformers.AutoModelForCausalLM.from_config(
             config, **({"experts_implementation": "eager"} if family in MOE else {}))
+        if freeze_router:  # a mixture's routers kept as they are (FineTuneModule(freeze_router=True))
+            from lightning_seqpar.hf.layouts import freeze_routers
+
+            assert freeze_routers(self.model)
         if lora:
             from peft import LoraConfig, get_peft_model
 

@@ -42,6 +42,7 @@ CASES = {
         moe("qwen3_moe", 2, 2, aux=0.5, padding=True),  # padding left out of the counts
         moe("mixtral", 2, 1, "selective", aux=0.5, padding=True),
         moe("qwen3_moe", 2, 2, aux=0.5, accumulate=2),  # per micro-batch, scaled as the loss: not 2x
+        moe("olmoe", 2, 2, freeze_router=True),     # routers frozen: no gradient there, the experts train
         gpt(2, 2),                                  # the reference GPT's experts and load-balancing loss
         gpt(1, 2, "full"),                          # experts over dp, whole layers recomputed
         gpt(2, 2, "selective", accumulate=2),
