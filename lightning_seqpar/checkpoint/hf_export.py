@@ -30,7 +30,7 @@ from lightning_seqpar.hf.streaming import (
 )
 from lightning_seqpar.hf.checkpoint_keys import ExpertPiece
 from lightning_seqpar.parallel.mesh import ParallelMesh
-from lightning_seqpar.parallel.placement import placement_of
+from lightning_seqpar.parallel.placement import REPLICA_GROUPS, SHARD_GROUPS, placement_of
 from lightning_seqpar.tensor_parallel.sharding import ShardSpec, full_shape, shard_spec
 from lightning_seqpar.transformer.materialize import release_freed_memory
 
@@ -95,15 +95,15 @@ def _plan(module: nn.Module, mesh: ParallelMesh, prefix: str, dtype: Optional[to
             for p, stored in enumerate(names):
                 entries.append(TensorEntry(stored, dtype or value.dtype, piece_shape))
                 mine[stored] = ExpertPiece(name, e, p, len(names))  # type: ignore[assignment]
-    coordinates = (mesh.pipeline.rank, mesh.data.rank, mesh.tensor.rank)
+    coordinates = (mesh.pipeline.rank, not _stage_writer(mesh))
     everyone: list[Any] = [(coordinates, entries)]
     if dist.is_initialized() and dist.get_world_size() > 1:
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, (coordinates, entries))
     per_stage: dict[int, list[TensorEntry]] = {}
     seen: set[str] = set()
-    for (stage, data_rank, tensor_rank), stated in sorted(everyone, key=lambda item: item[0]):
-        if data_rank or tensor_rank:
+    for (stage, not_writer), stated in sorted(everyone, key=lambda item: item[0]):
+        if not_writer:
             continue
         per_stage[stage] = [e for e in stated if e.name not in seen]  # shared parts: the first stage writes them
         seen.update(e.name for e in stated)
@@ -178,12 +178,9 @@ def export_hf_pretrained(module: nn.Module, mesh: ParallelMesh, out: os.PathLike
         dist.barrier()
     try:
         names = file_names(len(files))
-        # Experts are split over ranks of every data-parallel replica: all ranks of a stage go through its files.
-        experts = any(_over_experts(value) for value in mine.values())
-        if mesh.data.rank == 0 or experts:
-            for name, file, stage in zip(names, files, writers):
-                if stage == mesh.pipeline.rank:
-                    _write_file(tmp_dir / name, file, mine, mesh, transform)
+        for name, file, stage in zip(names, files, writers):  # each rank takes part in the tensors it gathers
+            if stage == mesh.pipeline.rank:
+                _write_file(tmp_dir / name, file, mine, mesh, transform)
         if distributed:
             dist.barrier()
         if not distributed or dist.get_rank() == 0:
@@ -198,43 +195,41 @@ def export_hf_pretrained(module: nn.Module, mesh: ParallelMesh, out: os.PathLike
     return out
 
 
+def _stage_writer(mesh: ParallelMesh) -> bool:
+    """Whether this rank writes its pipeline stage's files: the stage's first rank, rank 0 of every group a parameter
+    can be split or replicated over, so every tensor's gather ends on it."""
+    return all(mesh.group(name).rank == 0 for name in (*SHARD_GROUPS, *REPLICA_GROUPS))
+
+
 def _write_file(path: Path, entries: list[TensorEntry], mine: dict[str, Tensor], mesh: ParallelMesh,
                 transform: Optional[Callable[[str, Tensor], Tensor]] = None) -> None:
-    """One file of this stage: the tensor-parallel ranks gather each sharded tensor on their rank 0, which writes; the
-    expert-parallel ranks (every rank of the stage) gather each expert tensor, and the same rank writes it, as the
-    hub's per-expert tensors where the family stores them so (:class:`ExpertPiece` entries)."""
-    writes = mesh.data.rank == 0 and mesh.tensor.rank == 0
-    writer = SafetensorsStreamWriter(path, entries) if writes else None
-    gathered: Optional[tuple[str, Tensor]] = None  # the packed expert tensor whose pieces are being written
+    """One file of this stage. Each sharded tensor is gathered over the group its placement splits it over (tp; ep for
+    experts) by the ranks of its first replica (rank 0 of the group it is replicated over), onto the stage's writer;
+    packed experts are written as the hub's per-expert tensors where the family stores them so (:class:`ExpertPiece`
+    entries), each piece straight from its rank's shard."""
+    writer = SafetensorsStreamWriter(path, entries) if _stage_writer(mesh) else None
+    gathered: Optional[tuple[str, Optional[Tensor]]] = None  # the packed expert tensor whose pieces are being written
     try:
         for entry in entries:
             piece = mine[entry.name]
             if isinstance(piece, ExpertPiece):
                 if gathered is None or gathered[0] != piece.target:
                     gathered = None  # released before the next is gathered
-                    value = mine[piece.target].detach()
-                    gathered = (piece.target, shard_spec(mine[piece.target]).gather(value, mesh.group("ep")))
-                rows = gathered[1].shape[1] // piece.parts
+                    gathered = (piece.target, _shards(mine[piece.target], mesh))
+                shards = gathered[1]
                 if writer is not None:
-                    writer.write(entry.name, gathered[1][piece.expert].narrow(0, piece.part * rows, rows))
+                    local, rows = shards.shape[1], shards.shape[2] // piece.parts
+                    expert = shards[piece.expert // local][piece.expert % local]
+                    writer.write(entry.name, expert.narrow(0, piece.part * rows, rows))
                 continue
-            value = mine[entry.name].detach()
-            if _over_experts(mine[entry.name]):  # packed experts of a model without hub names: written packed
-                full = shard_spec(mine[entry.name]).gather(value, mesh.group("ep"))
-                if writer is not None:
-                    writer.write(entry.name, full)
-                continue
-            if mesh.data.rank != 0:
-                continue
-            if transform is not None:
-                with torch.no_grad():
-                    value = transform(entry.name, value)
-            spec = shard_spec(mine[entry.name])
+            param = mine[entry.name]
+            spec = shard_spec(param)
             if spec is None:
                 if writer is not None:
-                    writer.write(entry.name, value)
+                    value = param.detach()
+                    writer.write(entry.name, value if transform is None else _transformed(transform, entry.name, value))
                 continue
-            shards = mesh.tensor.gather(value)
+            shards = _shards(param, mesh, transform, entry.name)
             if writer is not None:
                 writer.write_pieces(entry.name, unsharded_pieces(list(shards.unbind(0)), spec))
             del shards
@@ -245,3 +240,22 @@ def _write_file(path: Path, entries: list[TensorEntry], mine: dict[str, Tensor],
         raise
     if writer is not None:
         writer.close()
+
+
+def _transformed(transform: Callable[[str, Tensor], Tensor], name: str, value: Tensor) -> Tensor:
+    with torch.no_grad():
+        return transform(name, value)
+
+
+def _shards(param: Tensor, mesh: ParallelMesh, transform: Optional[Callable[[str, Tensor], Tensor]] = None,
+            name: str = "") -> Optional[Tensor]:
+    """Every rank's shard of ``param`` stacked on the writer (``[n, *shard]``), gathered over its placement's split
+    group by the ranks of its first replica; ``None`` on every other rank (the others of the group, and every rank of
+    the other replicas, which take no part)."""
+    placement = placement_of(param)
+    if mesh.group(placement.replicated_over).rank != 0:
+        return None
+    value = param.detach()
+    if transform is not None:
+        value = _transformed(transform, name, value)
+    return mesh.group(placement.shard_over).gather(value)

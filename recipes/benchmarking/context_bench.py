@@ -13,10 +13,8 @@ Per layout, on rank 0:
 
 from __future__ import annotations
 
-import os
 import pickle
 import statistics
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from recipes.benchmarking.processes import run_on_processes, worker_device
+from recipes.benchmarking.processes import run_in_process_group, run_on_processes, timed_steps
 
 
 @dataclass(frozen=True)
@@ -89,18 +87,10 @@ def _run(layout: Layout, cfg: dict[str, Any], device: torch.device, out_dir: str
     rewrite(holder, RewriteContext(mesh.tensor, True, rng, True, context=ContextParallel(mesh.context, layout.comm)))
     optimizer = torch.optim.AdamW(holder.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(0)
-    times = []
-    for step in range(cfg["warmup"] + cfg["iters"]):
-        x = torch.randint(0, cfg["vocab_size"], (cfg["b"], cfg["s"]), generator=g).to(device)
-        start = time.perf_counter()
-        holder.model(input_ids=x, labels=x).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        if step >= cfg["warmup"]:
-            times.append(time.perf_counter() - start)
-    x = torch.randint(0, cfg["vocab_size"], (cfg["b"], cfg["s"]), generator=g).to(device)
+    batches = [torch.randint(0, cfg["vocab_size"], (cfg["b"], cfg["s"]), generator=g).to(device)
+               for _ in range(cfg["warmup"] + cfg["iters"] + 1)]
+    times = timed_steps(holder.model, optimizer, batches[:-1], cfg["warmup"], device)
+    x = batches[-1]
     for group in (mesh.tensor, mesh.context):
         group.log = CommunicationLog()
     kept = _kept_bytes(holder, x)
@@ -125,14 +115,7 @@ def _run(layout: Layout, cfg: dict[str, Any], device: torch.device, out_dir: str
 
 
 def _worker(local_rank: int, layout: Layout, port: int, cfg: dict[str, Any], out_dir: str) -> None:
-    device = worker_device(local_rank, layout.world, port)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=local_rank, world_size=layout.world)
-    try:
-        _run(layout, cfg, device, out_dir)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    os._exit(0)  # done: gloo's threads abort a finished process now and then in interpreter teardown
+    run_in_process_group(local_rank, layout.world, port, lambda device: _run(layout, cfg, device, out_dir))
 
 
 def run_context_benchmark(cfg: dict[str, Any], layouts: tuple[Layout, ...] = LAYOUTS) -> list[ContextResult]:

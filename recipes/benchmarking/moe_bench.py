@@ -13,10 +13,8 @@ init, float32) and token batches, called as users call it (``model(input_ids=x, 
 
 from __future__ import annotations
 
-import os
 import pickle
 import statistics
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from recipes.benchmarking.processes import run_on_processes, worker_device
+from recipes.benchmarking.processes import run_in_process_group, run_on_processes, timed_steps
 
 WORLD = 4
 KINDS = ("all_to_all_v", "all_to_all", "all_gather", "reduce_scatter")
@@ -79,16 +77,7 @@ def _run(layout: Layout, cfg: dict[str, Any], device: torch.device, out_dir: str
     g = torch.Generator().manual_seed(mesh.batch_rank)  # every replica its own tokens
     batches = [torch.randint(0, cfg["vocab_size"], (cfg["b"], cfg["s"]), generator=g).to(device)
                for _ in range(cfg["warmup"] + cfg["iters"] + 1)]
-    times = []
-    for step, x in enumerate(batches[:-1]):
-        start = time.perf_counter()
-        holder.model(input_ids=x, labels=x).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        if step >= cfg["warmup"]:
-            times.append(time.perf_counter() - start)
+    times = timed_steps(holder.model, optimizer, batches[:-1], cfg["warmup"], device)
     groups = (mesh.tensor, mesh.group("ep"))
     for group in groups:
         group.log = CommunicationLog()
@@ -102,14 +91,7 @@ def _run(layout: Layout, cfg: dict[str, Any], device: torch.device, out_dir: str
 
 
 def _worker(local_rank: int, layout: Layout, port: int, cfg: dict[str, Any], out_dir: str) -> None:
-    device = worker_device(local_rank, WORLD, port)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=local_rank, world_size=WORLD)
-    try:
-        _run(layout, cfg, device, out_dir)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    os._exit(0)  # done: gloo's threads abort a finished process now and then in interpreter teardown
+    run_in_process_group(local_rank, WORLD, port, lambda device: _run(layout, cfg, device, out_dir))
 
 
 def run_moe_benchmark(cfg: dict[str, Any], layouts: tuple[Layout, ...] = LAYOUTS) -> list[MoEResult]:

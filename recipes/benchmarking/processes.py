@@ -6,10 +6,12 @@ import os
 import pickle
 import socket
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
@@ -36,3 +38,34 @@ def worker_device(local_rank: int, world: int, port: int) -> torch.device:
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     return device
+
+
+def run_in_process_group(local_rank: int, world: int, port: int, body: Callable[[torch.device], None]) -> None:
+    """In a worker: ``body(device)`` inside a process group of ``world`` ranks (NCCL on GPUs, else gloo), then a
+    barrier and the group's end; the process exits at once (gloo's threads abort a finished process now and then in
+    interpreter teardown)."""
+    device = worker_device(local_rank, world, port)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=local_rank, world_size=world)
+    try:
+        body(device)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    os._exit(0)
+
+
+def timed_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: list[torch.Tensor], warmup: int,
+                device: torch.device) -> list[float]:
+    """Seconds of each training step (``model(input_ids=x, labels=x)``, backward, ``optimizer.step``) on ``batches``
+    after the first ``warmup`` (the device synchronized at each step's end)."""
+    times = []
+    for step, x in enumerate(batches):
+        start = time.perf_counter()
+        model(input_ids=x, labels=x).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if step >= warmup:
+            times.append(time.perf_counter() - start)
+    return times
