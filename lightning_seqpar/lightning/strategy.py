@@ -55,9 +55,9 @@ class SeqParallelStrategy(ParallelStrategy):
     are shorthands for their fields.
 
     Args:
-        tp, pp, cp, ep, expert_tp, cp_comm, loss_chunk, sequence_parallel, loss_parallel: shorthands for the fields of
-            ``parallel`` (:class:`~.config.ParallelConfig`: t, p, c, the experts' split and the other settings
-            documented there). The data-parallel size is ``world // (tp·cp·pp)``.
+        tp, pp, cp, ep, cp_comm, loss_chunk, sequence_parallel, loss_parallel: shorthands for the fields of
+            ``parallel`` (:class:`~.config.ParallelConfig`: t, p, c, e and the other settings documented there, such
+            as ``expert_tp``). The data-parallel size is ``world // (tp·cp·pp)``.
         num_microbatches, schedule, virtual_stages, pipeline_split: shorthands for its ``pipeline``
             (:class:`~lightning_seqpar.pipeline_parallel.PipelineConfig`: m, default ``pp``; ``"1F1B"``, ``"gpipe"`` or
             ``"interleaved_1F1B"``; v; the layers of each stage).
@@ -114,11 +114,11 @@ class SeqParallelStrategy(ParallelStrategy):
         precision_config: Optional[PrecisionConfig] = None,
         layout: Optional[AutoLayout] = None,
         cp: int = 1, cp_comm: Literal["ring", "all_to_all"] = "ring", loss_chunk: Optional[int] = 4096,
-        ep: int = 1, expert_tp: int = 1, parallel: Optional[ParallelConfig] = None,
+        ep: int = 1, parallel: Optional[ParallelConfig] = None,
     ) -> None:
         self.auto, self.chosen_layout, self._layout_choice = auto_layout_of(layout, tp, pp, cp), None, None
         self.parallel = parallel_config_of(parallel, tp=1 if tp == "auto" else tp, cp=cp, cp_comm=cp_comm, ep=ep,
-                                           expert_tp=expert_tp, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
+                                           sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
                                            loss_chunk=loss_chunk, pipeline=PipelineConfig.build(
                                                pp, num_microbatches, schedule, virtual_stages, pipeline_split))
         reads = [partial(getattr, self, name) for name in ("lightning_module", "optimizers", "_parallelized")]  # pickle
