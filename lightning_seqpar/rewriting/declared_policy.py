@@ -11,10 +11,9 @@ The built-in Hugging Face policy is one of these, its spec read off each model's
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import copy
 import inspect
+from dataclasses import replace
 from typing import Optional
 
 import torch
@@ -25,7 +24,6 @@ from lightning_seqpar.transformer.context import RewriteContext
 from lightning_seqpar.transformer.block_spec import (
     ATTENTION_IMPLEMENTATIONS,
     BlockSpec,
-    out_features,
     resolve,
     rotary_function,
     undeclared_parts,
