@@ -81,18 +81,21 @@ def _plan(module: nn.Module, mesh: ParallelMesh, prefix: str, dtype: Optional[to
     if view is not None:  # e.g. a PEFT model's keys as the base model's (checkpoint.peft_export.MergedLoRA)
         unique = view(unique)
     mine = {name[len(prefix):]: value for name, value in unique.items() if name.startswith(prefix)}
-    hub_names = _expert_names(module, prefix)
+    hub_names, hub_key = _hub_naming(module, prefix)
     entries = []
     for name, value in list(mine.items()):
         shape = full_shape(value)
         pieces = hub_names(name, shape[0]) if hub_names is not None and _over_experts(value) else None
         if pieces is None:
-            entries.append(TensorEntry(name, dtype or value.dtype, shape))
+            stored = hub_key(name)
+            entries.append(TensorEntry(stored, dtype or value.dtype, shape))
+            mine[stored] = value
             continue
         # Packed experts [E, rows, ...] written as the hub's per-expert tensors, each expert's parts along its rows.
         piece_shape = (shape[1] // len(pieces[0]), *shape[2:])
         for e, names in enumerate(pieces):
-            for p, stored in enumerate(names):
+            for p, piece in enumerate(names):
+                stored = hub_key(piece)
                 entries.append(TensorEntry(stored, dtype or value.dtype, piece_shape))
                 mine[stored] = ExpertPiece(name, e, p, len(names))  # type: ignore[assignment]
     coordinates = (mesh.pipeline.rank, not _stage_writer(mesh))
@@ -125,15 +128,22 @@ def _over_experts(value: Tensor) -> bool:
     return isinstance(value, Tensor) and placement_of(value).shard_over == "ep" and shard_spec(value) is not None
 
 
-def _expert_names(module: nn.Module, prefix: str) -> Optional[Callable[[str, int], Optional[list[list[str]]]]]:
-    """The hub's per-expert names of the Hugging Face model under ``prefix`` (``None``: it packs no experts)."""
-    from lightning_seqpar.hf.checkpoint_keys import expert_piece_names
+def _hub_naming(module: nn.Module, prefix: str) -> tuple[Optional[Callable[[str, int], Optional[list[list[str]]]]],
+                                                        Callable[[str], str]]:
+    """The names ``save_pretrained`` gives the Hugging Face model under ``prefix``: its packed experts' per-expert
+    pieces (``None``: it packs none), and each key with the family's renamings reversed (the identity: none)."""
+    from lightning_seqpar.hf.checkpoint_keys import expert_piece_names, hub_key_namer
 
     try:
         model = module.get_submodule(prefix.rstrip(".")) if prefix.rstrip(".") else module
-        return expert_piece_names(model)
+        pieces, renamed = expert_piece_names(model), hub_key_namer(model)
     except (AttributeError, TypeError, ValueError):  # no Hugging Face model there: keys as they are
-        return None
+        return None, _same
+    return pieces, renamed or _same
+
+
+def _same(key: str) -> str:
+    return key
 
 
 def export_hf_pretrained(module: nn.Module, mesh: ParallelMesh, out: os.PathLike | str, config: Any, *,

@@ -43,7 +43,7 @@ class _BlockwiseAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, layout: ContextParallelBatch, q_chunks: tuple[int, ...],
-                ring: bool, scale: float, softcap: Optional[float], fused: bool) -> Tensor:
+                ring: bool, scale: float, softcap: Optional[float], fused: bool, sinks: Optional[Tensor]) -> Tensor:
         n, group = layout.chunk, layout.group
         out, lse = _initial(q, len(q_chunks), n)
         steps = group.size if ring else 1
@@ -55,8 +55,12 @@ class _BlockwiseAttention(torch.autograd.Function):
             attend(q, q_chunks, key, value, source_chunks, layout, scale, softcap, out, lse, fused)
             if pending is not None:
                 kv = pending.wait()
-        result = torch.cat(out, dim=2).to(q.dtype)
-        ctx.save_for_backward(q, k, v, result, torch.cat(lse, dim=2))
+        merged, normalizer = torch.cat(out, dim=2), torch.cat(lse, dim=2)
+        if sinks is not None:  # each head's sink logit joins every row's normalizer (and takes its share of the mass)
+            normalizer = torch.logaddexp(normalizer, sinks.to(normalizer.dtype).view(1, -1, 1))
+            merged = merged * torch.exp(torch.cat(lse, dim=2) - normalizer).unsqueeze(-1)
+        result = merged.to(q.dtype)
+        ctx.save_for_backward(q, k, v, result, normalizer, sinks)
         ctx.layout, ctx.q_chunks, ctx.ring, ctx.scale, ctx.softcap = layout, q_chunks, ring, scale, softcap
         ctx.fused = fused
         return result
@@ -68,19 +72,22 @@ class _BlockwiseAttention(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx: Any, d_out: Tensor) -> tuple[Optional[Tensor], ...]:
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         layout, group = ctx.layout, ctx.layout.group
         acc = accumulation_dtype(q.dtype)
         native = (out, d_out.to(q.dtype).contiguous()) if ctx.fused else None
         d_out = d_out.to(acc)
         delta = (d_out * out.to(acc)).sum(-1)
+        # The sink's column has no value: its score's gradient is p_sink · (0 − delta), summed over rows.
+        d_sinks = None if sinks is None else (-(torch.exp(sinks.to(acc).view(1, -1, 1) - lse) * delta)).sum((0, 2)).to(
+            sinks.dtype)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         steps = group.size if ctx.ring else 1
         if steps == 1:  # one local source: no ring, nothing stacked
             d_k, d_v = (torch.zeros(x.shape, dtype=acc, device=x.device) for x in (k, v))
             attend_backward(q, ctx.q_chunks, k, v, ctx.q_chunks, layout, ctx.scale, ctx.softcap, d_out, lse, delta,
                             dq, d_k, d_v, native)
-            return dq.to(q.dtype), d_k.to(k.dtype), d_v.to(v.dtype), None, None, None, None, None, None
+            return dq.to(q.dtype), d_k.to(k.dtype), d_v.to(v.dtype), None, None, None, None, None, None, d_sinks
         kv = torch.stack([k, v])
         # The gradient of the source held now travels with it in k's dtype (16-bit traffic under mixed precision, as
         # Transformer Engine sends it); each step's own contributions are summed in the accumulation dtype first.
@@ -96,7 +103,7 @@ class _BlockwiseAttention(torch.autograd.Function):
                 d_kv = group.ring_exchange_start(d_kv).wait()
             if pending is not None:
                 kv = pending.wait()
-        return dq.to(q.dtype), d_kv[0], d_kv[1], None, None, None, None, None, None
+        return dq.to(q.dtype), d_kv[0], d_kv[1], None, None, None, None, None, None, d_sinks
 
 
 class _AllToAll(torch.autograd.Function):
@@ -152,9 +159,14 @@ def check_all_to_all_heads(heads: int, kv_heads: int, c: int, where: str) -> Non
 
 
 def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, layout: ContextParallelBatch, scale: float,
-                               softcap: Optional[float] = None, fused: bool = False) -> Tensor:
+                               softcap: Optional[float] = None, fused: bool = False,
+                               sinks: Optional[Tensor] = None) -> Tensor:
     """``softmax(softcap(q kᵀ · scale) + mask) · v`` for this rank's queries over the whole sequence (see the module
     docstring); the mask is causal, per document, without padding keys and within the window, as ``layout`` says.
+
+    ``sinks``: a learned logit per head ``[a/t]`` in every row's softmax (gpt-oss), merged after the blocks: the
+    normalizer becomes ``logaddexp(lse, sink)`` and the output is scaled by ``exp(lse − normalizer)``; under all-to-all
+    each rank applies its head group's.
 
     Shapes: q ``[b, a/t, s/c, d]``, k/v ``[b, a_kv/t, s/c, d]``; returns ``[b, a/t, s/c, d]``. Under autocast, q, k
     and v are cast to its dtype first (the dtype its matmuls would use), so the ring and the all-to-all move 16-bit
@@ -173,17 +185,19 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, layout: ContextP
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     fused = fused and softcap is None and fused_attention_supported(q)  # the fused kernels have no soft-cap
     with torch.autocast(device, enabled=False):  # the blocks accumulate in float32 (blocks.accumulation_dtype)
-        return _attention(q, k, v, layout, scale, softcap, fused)
+        return _attention(q, k, v, layout, scale, softcap, fused, sinks)
 
 
 def _attention(q: Tensor, k: Tensor, v: Tensor, layout: ContextParallelBatch, scale: float,
-               softcap: Optional[float], fused: bool) -> Tensor:
+               softcap: Optional[float], fused: bool, sinks: Optional[Tensor]) -> Tensor:
     if layout.comm == "ring" or layout.c == 1:
-        return _BlockwiseAttention.apply(q, k, v, layout, layout.chunks(), True, scale, softcap, fused)
+        return _BlockwiseAttention.apply(q, k, v, layout, layout.chunks(), True, scale, softcap, fused, sinks)
     check_all_to_all_heads(q.shape[1], k.shape[1], layout.c, "Context-parallel attention")
     q, k, v = (_AllToAll.apply(x, layout, False) for x in (q, k, v))
     every = tuple(range(2 * layout.c))
-    out = _BlockwiseAttention.apply(q, k, v, layout, every, False, scale, softcap, fused)
+    if sinks is not None:  # heads scattered: this rank's head group (rank r holds group r)
+        sinks = sinks.view(layout.c, -1)[layout.group.rank]
+    out = _BlockwiseAttention.apply(q, k, v, layout, every, False, scale, softcap, fused, sinks)
     return _AllToAll.apply(out, layout, True)
 
 

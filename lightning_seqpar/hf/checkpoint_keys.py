@@ -127,3 +127,31 @@ def expert_piece_names(model: Any) -> Optional[Callable[[str, int], Optional[lis
         return None
 
     return pieces
+
+
+def hub_key_namer(model: Any) -> Optional[Callable[[str], str]]:
+    """The inverse of the renamings :func:`checkpoint_key_renamer` reads: ``model``'s state-dict key → the key
+    ``save_pretrained`` stores it under (GraniteMoE's ``block_sparse_moe.experts.gate_up_proj`` →
+    ``block_sparse_moe.input_linear.weight``; Mixtral's ``mlp.`` → ``block_sparse_moe.``), as transformers'
+    ``revert_weight_conversion`` renames: the model's mapping without legacy names or prefix changes, each renaming
+    reversed, last first. ``None`` for a model whose family renames nothing.
+    """
+    if getattr(model, "config", None) is None or not hasattr(model, "base_model_prefix"):
+        return None
+    try:
+        from transformers import core_model_loading
+        from transformers.conversion_mapping import get_model_conversion_mapping
+    except ImportError:
+        return None
+    prefix_change = getattr(core_model_loading, "PrefixChange", ())
+    transforms = [t for t in get_model_conversion_mapping(model, add_legacy=False) if not isinstance(t, prefix_change)]
+    renamings = [t.reverse_transform() for t in transforms[::-1] if isinstance(t, core_model_loading.WeightRenaming)]
+    if not renamings:
+        return None
+
+    def name(key: str) -> str:
+        for renaming in renamings:
+            key, _ = renaming.rename_source_key(key)
+        return key
+
+    return name

@@ -56,24 +56,44 @@ def mlp_parts(mlp: Optional[nn.Module]) -> Optional[tuple[Optional[str], str, st
     return None
 
 
-def moe_parts(mlp: Optional[nn.Module]) -> Optional[dict[str, Optional[str]]]:
-    """The names of a transformers 5.x mixture of experts (Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, GLM-4.5): ``gate`` (the
-    router, ``weight`` ``[E, h]``), ``experts`` (packed ``gate_up_proj``/``down_proj`` and ``act_fn``) and, where the
-    family has one, a shared expert (``shared_expert`` or ``shared_experts``, a Llama-family MLP) and its gate
-    (``shared_expert_gate``); ``None`` when ``mlp`` is not one."""
-    router, experts = getattr(mlp, "gate", None), getattr(mlp, "experts", None)
+def moe_parts(mlp: Optional[nn.Module]) -> Optional[dict[str, Any]]:
+    """The names of a transformers 5.x mixture of experts (Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, GLM-4.5, gpt-oss):
+    ``router`` (``gate``, or gpt-oss's ``router``; ``weight`` ``[E, h]``), ``experts`` (packed ``gate_up_proj`` /
+    ``down_proj``, optionally with both biases, and ``act_fn`` or a gating function ``_apply_gate`` of their own),
+    ``transposed`` (the experts' ``is_transposed``) and, where the family has one, a shared expert (``shared_expert``
+    or ``shared_experts``, a Llama-family MLP) and its gate (``shared_expert_gate``); ``None`` when ``mlp`` is not one.
+    """
+    name = next((n for n in ("gate", "router") if isinstance(getattr(mlp, n, None), nn.Module)), None)
+    router, experts = getattr(mlp, name, None) if name else None, getattr(mlp, "experts", None)
     weight = getattr(router, "weight", None)
     if not isinstance(router, nn.Module) or isinstance(router, nn.Linear) or not isinstance(experts, nn.Module):
         return None
     packed = {n: getattr(experts, n, None) for n in ("gate_up_proj", "down_proj")}
     if weight is None or weight.dim() != 2 or not all(isinstance(w, nn.Parameter) and w.dim() == 3
-                                                       for w in packed.values()) or not hasattr(experts, "act_fn"):
+                                                       for w in packed.values()):
+        return None
+    glu = _own_gate(experts)
+    if glu is None and not hasattr(experts, "act_fn"):
         return None
     shared = next((n for n in ("shared_expert", "shared_experts") if isinstance(getattr(mlp, n, None), nn.Module)), None)
     if shared is not None and mlp_parts(getattr(mlp, shared)) is None:
         return None
     gate = "shared_expert_gate" if isinstance(linear_of(getattr(mlp, "shared_expert_gate", None)), nn.Linear) else None
-    return {"router": "gate", "experts": "experts", "shared": shared, "shared_gate": gate}
+    return {"router": name, "experts": "experts", "shared": shared, "shared_gate": gate, "glu": glu,
+            "transposed": bool(getattr(experts, "is_transposed", False))}
+
+
+def _own_gate(experts: nn.Module) -> Optional[str]:
+    """``"_apply_gate"`` where the experts' class gates with a function of its own (gpt-oss: interleaved, clamped),
+    not transformers' default ``act_fn(gate) · up`` over the two halves."""
+    function = getattr(type(experts), "_apply_gate", None)
+    return "_apply_gate" if function is not None and function.__name__ != "_default_apply_gate" else None
+
+
+def mlp_name(module: nn.Module) -> str:
+    """The decoder layer's MLP attribute: ``mlp``, or ``block_sparse_moe`` (GraniteMoE)."""
+    return "block_sparse_moe" if isinstance(getattr(module, "block_sparse_moe", None), nn.Module) and not hasattr(
+        module, "mlp") else "mlp"
 
 
 def freeze_routers(model: nn.Module) -> list[str]:
@@ -81,26 +101,30 @@ def freeze_routers(model: nn.Module) -> list[str]:
     state; the experts still learn from the routing it gives); the routers' paths."""
     frozen = []
     for name, module in model.named_modules():
-        mlp = getattr(module, "mlp", None)
-        if moe_parts(mlp) is not None:
-            mlp.gate.requires_grad_(False)
-            frozen.append(f"{name}.mlp.gate" if name else "mlp.gate")
+        mlp = getattr(module, mlp_name(module), None)
+        parts = moe_parts(mlp)
+        if parts is not None:
+            getattr(mlp, parts["router"]).requires_grad_(False)
+            path = f"{mlp_name(module)}.{parts['router']}"
+            frozen.append(f"{name}.{path}" if name else path)
     return frozen
 
 
-def _moe_spec(mlp: nn.Module, mlp_norm: Optional[str], mlp_post_norm: Optional[str]) -> MoESpec:
+def _moe_spec(mlp: nn.Module, name: str, mlp_norm: Optional[str], mlp_post_norm: Optional[str]) -> MoESpec:
     names = moe_parts(mlp)
     shared = None
     if names["shared"]:
         gate, up, down, act = mlp_parts(getattr(mlp, names["shared"]))
-        prefix = f"mlp.{names['shared']}"
+        prefix = f"{name}.{names['shared']}"
         shared = DenseMLPSpec(mlp_norm=None, mlp_out=f"{prefix}.{down}", activation=f"{prefix}.{act}",
                               gate=f"{prefix}.{gate}" if gate and up else None,
                               up=f"{prefix}.{up}" if gate and up else None,
                               gate_up=f"{prefix}.{gate}" if gate and not up else None,
                               mlp_in=None if gate else f"{prefix}.{up}")
-    return MoESpec(mlp_norm=mlp_norm, router="mlp.gate", experts="mlp.experts", activation="mlp.experts.act_fn",
-                   shared=shared, shared_gate=f"mlp.{names['shared_gate']}" if names["shared_gate"] else None,
+    glu = f"{name}.experts.{names['glu']}" if names["glu"] else None
+    return MoESpec(mlp_norm=mlp_norm, router=f"{name}.{names['router']}", experts=f"{name}.experts",
+                   activation=None if glu else f"{name}.experts.act_fn", glu=glu, transposed=names["transposed"],
+                   shared=shared, shared_gate=f"{name}.{names['shared_gate']}" if names["shared_gate"] else None,
                    mlp_post_norm=mlp_post_norm)
 
 
@@ -126,7 +150,7 @@ def _config(module: nn.Module) -> Optional[Any]:
 
 def is_llama_layout(module: nn.Module) -> bool:
     """Whether ``module`` is a decoder layer of the Llama layout (see the module docstring)."""
-    attention, mlp = getattr(module, "self_attn", None), getattr(module, "mlp", None)
+    attention, mlp = getattr(module, "self_attn", None), getattr(module, mlp_name(module), None)
     if attention is None or mlp is None or getattr(attention, "config", None) is None:
         return False
     if not (all(isinstance(linear_of(getattr(attention, n, None)), nn.Linear) for n in _ATTENTION[:3]) or _fused_qkv(attention)):
@@ -177,8 +201,9 @@ def llama_layout_mismatch(module: nn.Module) -> list[str]:
         if float(getattr(mlp, "jitter_noise", 0.0) or 0.0) > 0:
             reasons.append(f"router jitter noise (router_jitter_noise={mlp.jitter_noise}; train with 0)")
     elif any(n in _children(mlp) for n in ("experts", "router")) or hasattr(module, "block_sparse_moe"):
-        reasons.append(f"mixture of experts of {_children(mlp)} (not a router `gate` and packed `experts` of "
-                       f"gate_up_proj/down_proj without biases)")
+        reasons.append(f"mixture of experts of {_children(mlp)} (not a router module `gate` or `router` with packed "
+                       f"`experts` gate_up_proj/down_proj as transformers 5.x builds them; a router that is an "
+                       f"nn.Linear, as PhiMoE's sampling router, is not one)")
     elif mlp is not None and mlp_parts(mlp) is None:
         reasons.append(f"MLP of {_children(mlp)} (not gate_proj/up_proj/down_proj, up_proj/down_proj, c_fc/c_proj or "
                        f"fc1/fc2)")
@@ -191,6 +216,12 @@ def llama_layout_mismatch(module: nn.Module) -> list[str]:
         reasons.append("extra norms around the MLP (pre/post_feedforward_layernorm)")
     return reasons
 
+
+_HALF_WIDTH_ROTARY = frozenset({"gpt_oss"})
+"""Families whose rotary embedding gives cos/sin of ``d/2`` columns and turns the whole head (not partial rotary)."""
+
+_SOFTMAX_IN_INPUT_DTYPE = frozenset({"gpt_oss"})
+"""Families whose eager attention computes the softmax in the scores' dtype (with its sink column), not float32."""
 
 _ROTARY_ON_SLIDING_LAYERS_ONLY = frozenset({"cohere2"})
 """Families whose attention applies rotary embeddings on its sliding-window layers only (global layers are NoPE)."""
@@ -257,7 +288,8 @@ def llama_block_spec(module: nn.Module) -> BlockSpec:
     config = module.self_attn.config
     heads = config.num_attention_heads
     sandwich, post_only = _sandwich(module), _post_norms_only(module)
-    moe = moe_parts(module.mlp) is not None
+    name = mlp_name(module)
+    moe = moe_parts(getattr(module, name)) is not None
     gate, up, down, act = (None, None, None, None) if moe else mlp_parts(module.mlp)
     fused_qkv = _fused_qkv(module.self_attn) and not isinstance(linear_of(getattr(module.self_attn, "q_proj", None)), nn.Linear)
     parallel = not isinstance(getattr(module, "post_attention_layernorm", None), nn.Module)  # Cohere: one norm
@@ -265,7 +297,7 @@ def llama_block_spec(module: nn.Module) -> BlockSpec:
                 else "post_attention_layernorm")
     mlp_post_norm = "post_feedforward_layernorm" if sandwich or post_only else None
     if moe:
-        mlp = {"mlp": _moe_spec(module.mlp, mlp_norm, mlp_post_norm)}
+        mlp = {"mlp": _moe_spec(getattr(module, name), name, mlp_norm, mlp_post_norm)}
     else:
         mlp = dict(mlp_norm=mlp_norm, mlp_post_norm=mlp_post_norm,
                    gate=f"mlp.{gate}" if gate and up else None, up=f"mlp.{up}" if gate and up else None,
@@ -284,10 +316,14 @@ def llama_block_spec(module: nn.Module) -> BlockSpec:
         num_heads=heads, num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
         head_dim=getattr(module.self_attn, "head_dim", None) or config.hidden_size // heads,
         attention_dropout=float(getattr(config, "attention_dropout", 0.0) or 0.0), rotary="apply_rotary_pos_emb" if _uses_rope(module) else None,
-        attention=hf_attention_implementation(config), softmax_dtype=torch.float32,
+        attention=hf_attention_implementation(config),
+        softmax_dtype=None if getattr(config, "model_type", None) in _SOFTMAX_IN_INPUT_DTYPE else torch.float32,
         scaling=getattr(module.self_attn, "scaling", None),
         q_norm=_head_norm(module.self_attn, "q"), k_norm=_head_norm(module.self_attn, "k"),
         sliding_window=_sliding_window(module.self_attn, config),
+        rotary_dims=(getattr(module.self_attn, "head_dim", None) or config.hidden_size // heads)
+        if getattr(config, "model_type", None) in _HALF_WIDTH_ROTARY else None,
+        sinks="self_attn.sinks" if isinstance(getattr(module.self_attn, "sinks", None), nn.Parameter) else None,
     )
 
 
@@ -349,7 +385,7 @@ class HFLayoutPolicy(DeclaredBlockPolicy):
         super().check(module, ctx, name)
 
     def rewrite(self, module: nn.Module, ctx: Any, *, enter_region: bool, exit_region: bool) -> nn.Module:
-        if moe_parts(getattr(module, "mlp", None)) is not None:  # its model's load-balancing loss over every rank
+        if moe_parts(getattr(module, mlp_name(module), None)) is not None:  # its load-balancing loss over every rank
             install_parallel_load_balancing(module)
         return super().rewrite(module, ctx, enter_region=enter_region, exit_region=exit_region)
 

@@ -57,6 +57,7 @@ class Dispatched:
         by_expert: the received rows' order grouped by local expert, ``[R]``.
         send, recv: the all-to-all's split sizes per rank (rows).
         tokens_per_expert: rows each local expert received (host integers).
+        expert_counts: the same, ``[E/e]`` on the device (the grouped GEMM's offsets, without a host copy).
         shape: ``(n, k)``.
     """
 
@@ -65,6 +66,7 @@ class Dispatched:
     send: list[int]
     recv: list[int]
     tokens_per_expert: list[int]
+    expert_counts: Tensor
     shape: tuple[int, int]
 
 
@@ -115,7 +117,7 @@ class TokenDispatcher:
         expert_of = torch.repeat_interleave(torch.arange(local, device=tokens.device).repeat(e),
                                             received.reshape(-1).to(tokens.device), output_size=sum(recv))  # no read
         by_expert = torch.argsort(expert_of, stable=True)
-        routing = Dispatched(order, by_expert, send, recv, tokens_per_expert, (n, k))
+        routing = Dispatched(order, by_expert, send, recv, tokens_per_expert, received.sum(0).to(tokens.device), (n, k))
         return arrived.index_select(0, by_expert), routing
 
     def combine(self, outputs: Tensor, routing: Dispatched, scores: Tensor) -> Tensor:

@@ -1,10 +1,20 @@
 """This rank's experts: ``E/e`` gated MLPs held as packed 3-D weights, computed over rows grouped by expert.
 
-The weights are laid out as transformers 5.x packs them (``gate_up_proj`` ``[E, 2f, h]``: gate rows then up rows;
-``down_proj`` ``[E, h, f]``), split along dim 0 over the expert-parallel ranks, each rank holding ``[E/e, …]``
-(placed ``shard_over="ep"``, replicated over expert data parallel ``edp``). The expert MLPs run one after another,
-each on its contiguous rows (a grouped GEMM as a loop: ``torch._grouped_mm`` covers CUDA bfloat16 only, and the loop
-gives the same values on every device).
+The weights keep the layout of the model they come from, so state-dict shapes stay the user's:
+
+- transformers 5.x's default (Qwen3-MoE, Mixtral, OLMoE, GLM-4.5): ``gate_up_proj`` ``[E, 2f, h]`` (gate rows, then
+  up rows), ``down_proj`` ``[E, h, f]``, no biases;
+- ``transposed`` (gpt-oss): ``gate_up_proj`` ``[E, h, 2f]``, ``down_proj`` ``[E, f, h]``; with ``bias``,
+  ``gate_up_proj_bias`` ``[E, 2f]`` and ``down_proj_bias`` ``[E, h]``; how the ``2f`` outputs make the ``f`` gated
+  ones (gpt-oss interleaves gate and up and clamps them) is the model's ``glu``.
+
+Each is split along dim 0 over the expert-parallel ranks, each rank holding ``[E/e, …]`` (placed ``shard_over="ep"``,
+replicated over expert data parallel ``edp``).
+
+The expert MLPs are grouped GEMMs: ``torch.nn.functional.grouped_mm`` where torch has a kernel for the operands (CUDA
+and CPU, float32 and 16-bit, strides of 16-byte multiples; under autocast, in its dtype), and otherwise a loop over
+the experts, one ``F.linear`` each (float64, unaligned widths). Both compute each expert's rows with its own weights;
+an expert given no rows gets a zero gradient, not ``None``, either way.
 """
 
 from __future__ import annotations
@@ -18,45 +28,115 @@ from torch import Tensor
 
 from lightning_seqpar.parallel.placement import ShardSpec, place
 
+_GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
 
 class GroupedExperts(nn.Module):
-    """``E/e`` gated MLPs, ``down(act(gate(x)) · up(x))`` per expert.
+    """``E/e`` gated MLPs, ``down(glu(gate_up(x)))`` per expert; ``glu`` defaults to ``act(gate) · up`` over the two
+    halves of the ``2f`` outputs (SwiGLU with SiLU).
 
     Args:
         num_experts: E, experts of the whole layer.
         hidden_size: h.
         intermediate_size: f, each expert's MLP width.
         expert_parallel: e, ranks the experts are split over (``E % e == 0``).
-        activation: the gate's activation (SiLU: SwiGLU).
+        activation: the gate's activation in the default ``glu``.
         dtype: the weights' dtype (default: torch's default dtype).
+        transposed: weights stored ``[E, in, out]`` (gpt-oss) rather than ``[E, out, in]``.
+        bias: a bias per expert and projection.
+        glu: ``[R, 2f] → [R, f]``, replacing ``act(gate) · up`` (gpt-oss: interleaved, clamped, ``(up + 1)``).
+        grouped_mm: use ``grouped_mm`` where it applies (``False``: always the loop).
 
     Attributes:
-        gate_up_proj: ``[E/e, 2f, h]``.
-        down_proj: ``[E/e, h, f]``.
+        gate_up_proj: ``[E/e, 2f, h]`` (``[E/e, h, 2f]`` transposed).
+        down_proj: ``[E/e, h, f]`` (``[E/e, f, h]`` transposed).
+        gate_up_proj_bias, down_proj_bias: ``[E/e, 2f]`` and ``[E/e, h]`` with ``bias``.
 
     Raises:
         ValueError: ``E`` not divisible by ``e``.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, expert_parallel: int = 1,
-                 activation: Callable[[Tensor], Tensor] = F.silu, dtype: Optional[torch.dtype] = None) -> None:
+                 activation: Optional[Callable[[Tensor], Tensor]] = F.silu, dtype: Optional[torch.dtype] = None, *,
+                 transposed: bool = False, bias: bool = False,
+                 glu: Optional[Callable[[Tensor], Tensor]] = None, grouped_mm: bool = True) -> None:
         super().__init__()
         if num_experts % expert_parallel:
             raise ValueError(f"{num_experts} experts do not split over ep={expert_parallel} ranks: choose ep dividing "
                              f"the expert count.")
         local = num_experts // expert_parallel
-        self.num_experts, self.activation = num_experts, activation
-        self.gate_up_proj = nn.Parameter(torch.empty(local, 2 * intermediate_size, hidden_size, dtype=dtype))
-        self.down_proj = nn.Parameter(torch.empty(local, hidden_size, intermediate_size, dtype=dtype))
+        self.num_experts, self.activation, self.transposed, self.glu = num_experts, activation, transposed, glu
+        self.grouped_mm, self.intermediate_size = grouped_mm, intermediate_size
+        h, f2, f = hidden_size, 2 * intermediate_size, intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(local, *((h, f2) if transposed else (f2, h)), dtype=dtype))
+        self.down_proj = nn.Parameter(torch.empty(local, *((f, h) if transposed else (h, f)), dtype=dtype))
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(local, f2, dtype=dtype)) if bias else None
+        self.down_proj_bias = nn.Parameter(torch.empty(local, h, dtype=dtype)) if bias else None
         split = ShardSpec(dim=0, full_size=num_experts, padded_size=num_experts)
-        for weight in (self.gate_up_proj, self.down_proj):
+        for weight in self.parameters():
             place(weight, shard=split, shard_over="ep", replicated_over="edp")
 
-    def forward(self, rows: Tensor, tokens_per_expert: Sequence[int]) -> Tensor:
+    def forward(self, rows: Tensor, tokens_per_expert: Sequence[int], counts: Optional[Tensor] = None) -> Tensor:
         """``rows`` ``[R, h]`` grouped by local expert (``tokens_per_expert[i]`` rows for expert i, in order) →
-        ``[R, h]``. An expert given no rows still takes part, so its weights get a zero gradient, not ``None``."""
+        ``[R, h]``. ``counts``: the same sizes as a device tensor ``[E/e]`` (the grouped GEMM's offsets come from it
+        without a host-to-device copy)."""
+        if self._grouped(rows):
+            if counts is None:
+                counts = torch.tensor(list(tokens_per_expert), device=rows.device)
+            return self._grouped_forward(rows, counts, sum(tokens_per_expert))
         outputs = []
         for i, chunk in enumerate(rows.split(list(tokens_per_expert))):
-            gate, up = F.linear(chunk, self.gate_up_proj[i]).chunk(2, dim=-1)
-            outputs.append(F.linear(self.activation(gate) * up, self.down_proj[i]))
+            hidden = self._gate(_linear(chunk, self.gate_up_proj[i], _at(self.gate_up_proj_bias, i), self.transposed))
+            outputs.append(_linear(hidden, self.down_proj[i], _at(self.down_proj_bias, i), self.transposed))
         return torch.cat(outputs) if outputs else rows
+
+    def _gate(self, gate_up: Tensor) -> Tensor:
+        if self.glu is not None:
+            return self.glu(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        assert self.activation is not None, "the experts have neither an activation nor a glu"
+        return self.activation(gate) * up
+
+    def _grouped(self, rows: Tensor) -> bool:
+        """Whether ``grouped_mm`` has a kernel for these operands (its dtypes; every stride a 16-byte multiple)."""
+        if not self.grouped_mm or not hasattr(F, "grouped_mm") or rows.shape[0] == 0:
+            return False
+        dtype = _compute_dtype(rows)
+        size = torch.empty((), dtype=dtype).element_size()
+        widths = (*self.gate_up_proj.shape[1:], *self.down_proj.shape[1:])
+        return dtype in _GROUPED_DTYPES and self.gate_up_proj.dtype in _GROUPED_DTYPES and all(
+            (w * size) % 16 == 0 for w in widths)
+
+    def _grouped_forward(self, rows: Tensor, counts: Tensor, total: int) -> Tensor:
+        dtype = _compute_dtype(rows)  # grouped_mm takes no part in autocast: cast as F.linear would under it
+        offsets = torch.cumsum(counts, 0).to(torch.int32)
+        with torch.autocast(rows.device.type, enabled=False):
+            gate_up = _grouped_linear(rows.to(dtype), self.gate_up_proj.to(dtype), offsets, self.transposed)
+            if self.gate_up_proj_bias is not None:
+                gate_up = gate_up + self.gate_up_proj_bias.to(dtype).repeat_interleave(counts, 0, output_size=total)
+            hidden = self._gate(gate_up).contiguous()
+            out = _grouped_linear(hidden, self.down_proj.to(dtype), offsets, self.transposed)
+            if self.down_proj_bias is not None:
+                out = out + self.down_proj_bias.to(dtype).repeat_interleave(counts, 0, output_size=total)
+        return out
+
+
+def _compute_dtype(x: Tensor) -> torch.dtype:
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+
+def _at(bias: Optional[Tensor], i: int) -> Optional[Tensor]:
+    return None if bias is None else bias[i]
+
+
+def _linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], transposed: bool) -> Tensor:
+    """One expert's projection: ``x @ W (+ b)`` for ``[in, out]`` weights, ``F.linear`` for ``[out, in]``."""
+    if transposed:
+        return x @ weight if bias is None else torch.addmm(bias, x, weight)
+    return F.linear(x, weight, bias)
+
+
+def _grouped_linear(rows: Tensor, weight: Tensor, offsets: Tensor, transposed: bool) -> Tensor:
+    """Every expert's projection of its rows in one grouped GEMM: ``grouped_mm`` takes ``[E, in, out]``."""
+    return F.grouped_mm(rows, weight if transposed else weight.transpose(-2, -1), offs=offsets)

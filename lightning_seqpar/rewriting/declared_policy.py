@@ -109,8 +109,9 @@ class DeclaredBlockPolicy(Policy):
                                      f"nn.Linear (a Conv1D-style [in, out] weight needs transposed=True).")
             heads = value_of(module, spec.attention.num_heads)
             kv_heads = value_of(module, spec.attention.num_kv_heads) or heads
-            if not spec.mlp.activation.startswith("F."):
-                resolve(module, spec.mlp.activation)
+            for function in (spec.mlp.activation, getattr(spec.mlp, "glu", None)):  # a MoE's glu is a method
+                if function and not function.startswith("F."):
+                    resolve(module, function)
             if spec.attention.rotary and not callable(rotary_function(module, spec)):
                 raise ValueError(f"{name}: the declared rotary function '{spec.attention.rotary}' is not in "
                                  f"{type(module).__module__}.")

@@ -20,9 +20,10 @@ from torch import Tensor
 from lightning_seqpar.context_parallel import ContextParallelBatch, check_all_to_all_heads, context_parallel_attention
 from lightning_seqpar.tensor_parallel.layers import column_parallel_linears
 from lightning_seqpar.tensor_parallel.norms import LocalHeadsNorm, TensorParallelRMSNorm, per_head_weights
-from lightning_seqpar.tensor_parallel.sharding import mark_sequence_parallel
+from lightning_seqpar.tensor_parallel.sharding import mark_sequence_parallel, set_sequence_parallel
 from lightning_seqpar.transformer.core_attention import CoreAttention, merge_heads
 from lightning_seqpar.transformer.part_builder import PartBuilder
+from lightning_seqpar.transformer.paths import resolve
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,8 @@ class AttentionSpec:
             a float attribute.
         rotary: a function ``(q, k, cos, sin) -> (q, k)`` (or its name in the block's own Python module), applied
             when the caller passes ``position_embeddings=(cos, sin)``.
+        rotary_dims: the leading dims of each head the rotary function turns, the rest passing through (partial
+            rotary); default: as many as ``cos`` has columns. gpt-oss's cos/sin have ``d/2`` columns and turn all d.
         causal: mask future positions when no mask is passed.
         implementation: ``"eager"`` (explicit core attention: selective recomputation applies) or ``"sdpa"``
             (fused); or the path of an attribute holding one of them (the flat declaration's ``attention=``).
@@ -57,6 +60,9 @@ class AttentionSpec:
         attention_post_norm: a norm on the attention output before the residual (Gemma 2/3); sequence-parallel.
         attention_softcap: ``cap · tanh(scores / cap)`` before the mask (Gemma 2); explicit attention only.
         sliding_window: the attention window w, read under context parallelism only (the ring masks it itself).
+        sinks: the path of a learned sink logit per query head, ``[a]`` (gpt-oss): one more softmax column per row,
+            dropped before ``· V``. The parameter stays whole on every rank, each using its ``a/t`` heads' entries,
+            its gradient summed over tp; explicit attention only (the fused kernel has no sinks).
     """
 
     attention_norm: Optional[str]
@@ -72,6 +78,7 @@ class AttentionSpec:
     head_dim: Union[int, str, None] = None
     attention_dropout: Union[float, str] = 0.0
     rotary: Union[str, Callable[..., Any], None] = None
+    rotary_dims: Union[int, str, None] = None
     causal: bool = True
     implementation: str = "eager"
     softmax_dtype: Optional[torch.dtype] = None
@@ -81,18 +88,20 @@ class AttentionSpec:
     attention_post_norm: Optional[str] = None
     attention_softcap: Union[float, str, None] = None
     sliding_window: Union[int, str, None] = None
+    sinks: Optional[str] = None
 
     def inputs(self) -> list[str]:
         """The column-parallel input projections' paths (one all-gather for all)."""
         return [self.qkv] if self.qkv else [p for p in (self.q, self.k, self.v) if p]
 
     def paths(self) -> dict[str, str]:
-        """Every submodule path the part names, by role."""
+        """Every submodule (or parameter: the sinks) path the part names, by role."""
         named = {role: p for role, p in (("attention_norm", self.attention_norm), ("attention_out", self.attention_out))
                  if p}
         named.update({f"attention input {i}": p for i, p in enumerate(self.inputs())})
         named.update({role: p for role, p in (("q_norm", self.q_norm), ("k_norm", self.k_norm),
-                                              ("attention_post_norm", self.attention_post_norm)) if p})
+                                              ("attention_post_norm", self.attention_post_norm),
+                                              ("sinks", self.sinks)) if p})
         return named
 
     def build(self, builder: PartBuilder) -> "AttentionPart":
@@ -132,7 +141,8 @@ class AttentionPart:
         self.k_norm = self._head_norm(builder, spec.k_norm, self.num_kv_heads, self.kv_heads_local, "k norm")
         self.dropout_p = _dropout_p(builder.value(spec.attention_dropout))
         self.implementation = builder.value(spec.implementation) if "." in spec.implementation else spec.implementation
-        self.fused = self.implementation == "sdpa"
+        self.fused = self.implementation == "sdpa" and not spec.sinks
+        self.sinks = self._sinks(builder, spec.sinks)
         softcap = builder.value(spec.attention_softcap)
         self.softcap = None if softcap is None else float(softcap)
         # Only the explicit path has a CoreAttention for selective recomputation to checkpoint.
@@ -140,9 +150,28 @@ class AttentionPart:
             self.dropout_p, causal=spec.causal, rng_tracker=ctx.rng_tracker, sharded_heads=ctx.tp > 1,
             softmax_dtype=spec.softmax_dtype, softcap=self.softcap), "core attention")
         self.rotary = builder.rotary(spec.rotary)
+        self.rotary_dims = builder.value(spec.rotary_dims)
         self.window = builder.value(spec.sliding_window)
         if ctx.cp > 1:
             self.check_context_parallel(ctx.cp, ctx.context.comm)
+
+    def _sinks(self, builder: PartBuilder, path: Optional[str]) -> Optional[slice]:
+        """The user's sink logits, kept whole under their path (summed over tp: each rank's gradient is of its heads);
+        this rank's heads' entries."""
+        if not path:
+            return None
+        sinks = builder.resolve(path)
+        if not isinstance(sinks, nn.Parameter) or sinks.shape != (self.num_heads,):
+            raise ValueError(f"{self.name}: the attention sinks at {path} must be a parameter of one logit per query "
+                             f"head, [{self.num_heads}]; found {type(sinks).__name__} "
+                             f"{tuple(getattr(sinks, 'shape', ()))}.")
+        set_sequence_parallel(sinks)
+        builder.place_parameter(path, sinks, "attention sinks")
+        # Looked up on the block at each call: materialization (and to_empty) replaces the parameter object.
+        host = builder.host
+        self.sink_logits: Callable[[], Tensor] = lambda: resolve(host, path)
+        first = builder.ctx.group.rank * self.heads_local
+        return slice(first, first + self.heads_local)
 
     def _head_norm(self, builder: PartBuilder, path: Optional[str], heads: int, local: int, role: str) -> Any:
         norm = builder.resolve(path) if path else None
@@ -187,7 +216,7 @@ class AttentionPart:
         q, k = self.rotate(q, k, position_embeddings)
         if layout is not None:  # the sequence split over cp ranks (ring or all-to-all attention), or documents
             context = context_parallel_attention(q, k, v, layout, self.score_factor * self.head_dim**-0.5, self.softcap,
-                                                 fused=self.fused)
+                                                 fused=self.fused, sinks=self._local_sinks())
         else:
             context = self._attend(q, k, v, mask, causal, training)
         out = self.out(merge_heads(context))  # [s/t, b, h] under SP
@@ -224,7 +253,7 @@ class AttentionPart:
         if self.rotary is None or position_embeddings is None:
             return q, k
         cos, sin = position_embeddings
-        rotated = cos.shape[-1]
+        rotated = self.rotary_dims or cos.shape[-1]
         if rotated < self.head_dim:
             q_turned, k_turned = self.rotary(q[..., :rotated], k[..., :rotated], cos, sin)
             return torch.cat([q_turned, q[..., rotated:]], -1), torch.cat([k_turned, k[..., rotated:]], -1)
@@ -241,7 +270,12 @@ class AttentionPart:
         if groups > 1:
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # [b, a/t, s, d]
         assert self.core_attention is not None
-        return self.core_attention(q * self.score_factor if self.score_factor != 1.0 else q, k, v, mask, causal)
+        return self.core_attention(q * self.score_factor if self.score_factor != 1.0 else q, k, v, mask, causal,
+                                   self._local_sinks())
+
+    def _local_sinks(self) -> Optional[Tensor]:
+        """This rank's heads' sink logits ``[a/t]`` (a view: the gradient reaches the whole parameter's entries)."""
+        return None if self.sinks is None else self.sink_logits()[self.sinks]
 
 
 def _dropout_p(value: Any) -> float:

@@ -129,8 +129,8 @@ def undeclared_parts(block: nn.Module, spec: BlockSpec) -> list[str]:
     without them (a different function, silently) and they would leave the state dict."""
     declared = declared_modules(block, spec)
 
-    def held(name: str) -> bool:
-        return any(name.startswith(path + ".") for path in declared)
+    def held(name: str) -> bool:  # inside a declared module, or a declared parameter itself (attention sinks)
+        return any(name == path or name.startswith(path + ".") for path in declared)
 
     parameters = [f"{n} (parameter {tuple(p.shape)})" for n, p in block.named_parameters() if not held(n)]
     buffers = [f"{n} (buffer {tuple(b.shape)})" for n, b in block.named_buffers() if not held(n)]

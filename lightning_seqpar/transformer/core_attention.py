@@ -39,7 +39,12 @@ class CoreAttention(nn.Module):
             checkpointed: only q, k, v are kept for backward.
 
     Shapes: q, k, v ``[b, a_local, s, d]``; ``attn_mask`` broadcastable to ``[b, a_local, s, s]``, bool (``True`` =
-    attend) or additive float (:func:`~lightning_seqpar.transformer.masks.apply_mask`); output ``[b, a_local, s, d]``.
+    attend) or additive float (:func:`~lightning_seqpar.transformer.masks.apply_mask`); ``sinks`` ``[a_local]``;
+    output ``[b, a_local, s, d]``.
+
+    Attention sinks (gpt-oss; Xiao et al., *Efficient Streaming Language Models with Attention Sinks*, 2023): a
+    learned logit per head joins each row's softmax as one more column, taking its share of the probability mass,
+    and is dropped before ``· V`` (transformers' gpt-oss ``eager_attention_forward``).
     """
 
     def __init__(
@@ -58,16 +63,17 @@ class CoreAttention(nn.Module):
         self.future_mask = FutureMask()
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None,
-                causal: Optional[bool] = None) -> Tensor:
+                causal: Optional[bool] = None, sinks: Optional[Tensor] = None) -> Tensor:
         """``causal``: mask future positions (the cached mask) on top of ``attn_mask``; default: :attr:`causal` when
-        no ``attn_mask`` is given."""
+        no ``attn_mask`` is given. ``sinks``: this rank's heads' sink logits, or ``None``."""
         if causal is None:
             causal = self.causal and attn_mask is None
         if self.recompute and torch.is_grad_enabled():
-            return recomputed(self._attend, q, k, v, attn_mask, causal, rng_tracker=self.rng_tracker)
-        return self._attend(q, k, v, attn_mask, causal)
+            return recomputed(self._attend, q, k, v, attn_mask, causal, sinks, rng_tracker=self.rng_tracker)
+        return self._attend(q, k, v, attn_mask, causal, sinks)
 
-    def _attend(self, q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], causal: bool) -> Tensor:
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], causal: bool,
+                sinks: Optional[Tensor] = None) -> Tensor:
         s = q.shape[-2]
         scores = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))  # [b, a, s, s]
         if self.softcap is not None:
@@ -76,12 +82,17 @@ class CoreAttention(nn.Module):
             scores = apply_mask(scores, attn_mask)
         if causal:
             scores = scores.masked_fill(self.future_mask(s, q.device), float("-inf"))
+        if sinks is not None:  # one more column per row: the head's sink logit
+            b, a, rows = scores.shape[:3]
+            scores = torch.cat([scores, sinks.to(scores.dtype).view(1, a, 1, 1).expand(b, a, rows, 1)], dim=-1)
         # Under CUDA autocast a 16-bit softmax runs in float32 and would keep its float32 output: keep the scores
         # instead. Not when the whole core attention is recomputed: its tensors live only during its backward.
         if self.softmax_dtype is None and not self.recompute:
             probs = keeping_16_bit_input(self._softmax, scores)
         else:
             probs = self._softmax(scores)
+        if sinks is not None:
+            probs = probs[..., :-1]
         if self.training and self.dropout > 0:
             with maybe_fork(self.rng_tracker, self.sharded_heads):
                 probs = dropout(probs, self.dropout)

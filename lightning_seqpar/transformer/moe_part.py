@@ -21,7 +21,8 @@ expert's gradient would count each token t times: refused (Megatron-Core require
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+import types
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -50,8 +51,14 @@ class MoESpec:
         mlp_norm: the norm before the MLP (sequence-parallel region); ``None``: none.
         router: the router module: ``router(tokens [n, h]) → (logits [n, E], scores [n, k], experts [n, k])``, as every
             transformers 5.x router returns them, with its ``weight`` ``[E, h]``.
-        experts: the experts module holding packed ``gate_up_proj`` ``[E, 2f, h]`` and ``down_proj`` ``[E, h, f]``.
-        activation: the path of the experts' activation (``act(gate) · up``).
+        experts: the experts module holding packed ``gate_up_proj`` ``[E, 2f, h]`` and ``down_proj`` ``[E, h, f]``
+            (``[E, h, 2f]`` and ``[E, f, h]`` when ``transposed``), and optionally ``gate_up_proj_bias`` ``[E, 2f]``
+            and ``down_proj_bias`` ``[E, h]``.
+        activation: the path of the experts' activation (``act(gate) · up`` over the two halves); unused with ``glu``.
+        glu: the path of the experts' gating function ``[R, 2f] → [R, f]`` where it is not ``act(gate) · up``
+            (gpt-oss's ``_apply_gate``: interleaved gate/up, clamped, ``(up + 1) · gate · σ(α·gate)``); it is called
+            with the experts module's plain attributes (``alpha``, ``limit``), never its weights.
+        transposed: the packed weights are stored ``[E, in, out]`` (gpt-oss).
         shared: a dense MLP every token also goes through (Qwen2-MoE's ``shared_expert``, GLM-4.5's
             ``shared_experts``), declared without a norm of its own; ``None``: none.
         shared_gate: a ``Linear(h, 1)`` whose sigmoid scales the shared MLP's output per token (Qwen2-MoE).
@@ -61,10 +68,12 @@ class MoESpec:
     mlp_norm: Optional[str]
     router: str
     experts: str
-    activation: str
+    activation: Optional[str]
     shared: Optional[DenseMLPSpec] = None
     shared_gate: Optional[str] = None
     mlp_post_norm: Optional[str] = None
+    glu: Optional[str] = None
+    transposed: bool = False
 
     gated = True  # the experts are gated MLPs (the memory model's 3 matrices of width f)
 
@@ -159,7 +168,7 @@ class MoEPart:
         # The MLP width a token goes through, for FLOPs (FlopsUtilization) and the memory model: k experts of width f
         # (the router's top_k, where it names it), plus the shared MLP's.
         top_k = int(getattr(self.router, "top_k", 1) or 1)
-        self.ffn_hidden_size = top_k * self.experts.down_proj.shape[-1]
+        self.ffn_hidden_size = top_k * self.experts.intermediate_size
         self.shared: Optional[DenseMLPPart] = spec.shared.build(builder) if spec.shared is not None else None
         if self.shared is not None:
             self.ffn_hidden_size += self.shared.ffn_hidden_size
@@ -177,7 +186,7 @@ class MoEPart:
         logits, scores, chosen = self.router(tokens)
         setattr(logits, MARK, self.tokens)  # a load-balancing loss over these logits pools every rank's tokens
         rows, routing = self.dispatcher.dispatch(tokens, chosen)
-        out = self.dispatcher.combine(self.experts(rows, routing.tokens_per_expert), routing, scores).view(x.shape)
+        out = self.dispatcher.combine(self.experts(rows, routing.tokens_per_expert, routing.expert_counts), routing, scores).view(x.shape)
         if self.shared is not None:
             shared = self.shared.forward(x)
             if self.shared_gate is not None:
@@ -197,22 +206,40 @@ def _router_tokens(ctx: RewriteContext) -> RouterTokens:
 
 
 def _local_experts(builder: PartBuilder, spec: MoESpec, group: ParallelGroup) -> GroupedExperts:
-    """This rank's ``E/e`` experts, sliced from the user's packed weights."""
+    """This rank's ``E/e`` experts, sliced from the user's packed weights (and biases)."""
     experts = builder.resolve(spec.experts)
     weights = dict(experts.named_parameters(recurse=False))
-    if set(weights) != {"gate_up_proj", "down_proj"} or any(w.dim() != 3 for w in weights.values()):
+    biases = {"gate_up_proj_bias", "down_proj_bias"} & set(weights)
+    if set(weights) - biases != {"gate_up_proj", "down_proj"} or len(biases) == 1 or any(
+            weights[n].dim() != 3 for n in ("gate_up_proj", "down_proj") if n in weights):
         raise ValueError(f"{builder.name}: the experts at {spec.experts} ({type(experts).__name__}) hold "
-                         f"{ {n: tuple(w.shape) for n, w in weights.items()} }; the parallel experts take exactly the "
-                         f"packed gate_up_proj [E, 2f, h] and down_proj [E, h, f] of transformers 5.x (no expert "
-                         f"biases, not transposed). Write a Policy for this block.")
+                         f"{ {n: tuple(w.shape) for n, w in weights.items()} }; the parallel experts take the packed "
+                         f"gate_up_proj and down_proj of transformers 5.x ([E, 2f, h] and [E, h, f], or transposed), "
+                         f"with both biases or none. Write a Policy for this block.")
     gate_up, down = weights["gate_up_proj"], weights["down_proj"]
-    num_experts, hidden, width = down.shape
+    num_experts, width, hidden = (down.shape[0], *down.shape[1:]) if spec.transposed else (
+        down.shape[0], down.shape[2], down.shape[1])
+    activation = builder.resolve(spec.activation) if spec.activation else None
     with gate_up.device:  # the meta device: a skeleton
-        local = GroupedExperts(num_experts, hidden, width, group.size, builder.resolve(spec.activation), gate_up.dtype)
+        local = GroupedExperts(num_experts, hidden, width, group.size, activation, gate_up.dtype,
+                               transposed=spec.transposed, bias=bool(biases),
+                               glu=_detached(builder.resolve(spec.glu)) if spec.glu else None)
     per_rank = num_experts // group.size
-    for mine, full in ((local.gate_up_proj, gate_up), (local.down_proj, down)):
+    for name, mine in local.named_parameters():
+        full = weights[name]
         mine.requires_grad_(full.requires_grad)  # frozen experts (LoRA elsewhere, a frozen base) stay frozen
         if not full.is_meta:  # on the meta device: a skeleton, allocated and read later (Materializer.fill)
             with torch.no_grad():
                 mine.data = full.detach().narrow(0, group.rank * per_rank, per_rank).clone()
     return local
+
+
+def _detached(function: Callable[..., Any]) -> Callable[..., Any]:
+    """A method of the user's experts module bound instead to its plain attributes and weightless submodules (the
+    activation), so the parallel experts do not keep the whole ``[E, …]`` weights alive through it."""
+    owner = getattr(function, "__self__", None)
+    if not isinstance(owner, nn.Module):
+        return function
+    state = {k: v for k, v in vars(owner).items() if not k.startswith("_") and not isinstance(v, (Tensor, nn.Module))}
+    state.update({k: m for k, m in owner.named_children() if next(m.parameters(), None) is None})
+    return types.MethodType(function.__func__, types.SimpleNamespace(**state))

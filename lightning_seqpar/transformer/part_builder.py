@@ -26,7 +26,7 @@ from lightning_seqpar.transformer.tuner_layers import linear_of
 
 ORDER = ("attention input", "mlp input", "attention out", "mlp out", "attention norm", "mlp norm", "attention post norm",
          "mlp post norm", "q norm", "k norm", "activation", "core attention", "attention residual dropout", "mlp residual dropout",
-         "mlp inner dropout", "router", "experts", "shared expert gate")
+         "mlp inner dropout", "router", "experts", "shared expert gate", "attention sinks")
 """The roles of a block's modules in the order they are registered on it."""
 
 
@@ -43,7 +43,7 @@ class PartBuilder:
 
     def __init__(self, block: nn.Module, host: nn.Module, ctx: RewriteContext, name: str, transposed: bool) -> None:
         self.block, self.host, self.ctx, self.name = block, host, ctx, name
-        self._pending: list[tuple[int, str, nn.Module, bool]] = []
+        self._pending: list[tuple[int, str, Union[nn.Module, nn.Parameter], bool]] = []
         self._column = ColumnParallelLinear.from_conv1d if transposed else ColumnParallelLinear.from_linear
         self._row = RowParallelLinear.from_conv1d if transposed else RowParallelLinear.from_linear
 
@@ -65,6 +65,11 @@ class PartBuilder:
         self._pending.append((ORDER.index(role), path, module, True))
         return module
 
+    def place_parameter(self, path: str, parameter: nn.Parameter, role: str) -> nn.Parameter:
+        """A parameter of the user's block (gpt-oss's attention sinks) goes on the parallel block at ``path``."""
+        self._pending.append((ORDER.index(role), path, parameter, True))
+        return parameter
+
     def host_module(self, name: str, module: nn.Module, role: str) -> nn.Module:
         """A module the parallel block adds (core attention, dropouts) goes on it under ``name``, in ``role``'s turn."""
         self._pending.append((ORDER.index(role), name, module, False))
@@ -79,7 +84,10 @@ class PartBuilder:
                 if not hasattr(target, part):
                     target.add_module(part, nn.Module())
                 target = getattr(target, part)
-            target.add_module(name, module)
+            if isinstance(module, nn.Parameter):
+                target.register_parameter(name, module)
+            else:
+                target.add_module(name, module)
         self._pending.clear()
 
     def column(self, path: str, role: str, chunks: Any = 1) -> nn.Module:

@@ -79,6 +79,36 @@ def test_blockwise_attention_equals_dense_attention_in_values_and_gradients(wind
     assert torch.autograd.gradcheck(lambda *x: context_parallel_attention(*x, layout, 0.7, softcap, fused), (q, k, v))
 
 
+def _dense_with_sinks(q, k, v, scale, documents, padding, sinks):
+    """gpt-oss's eager attention: a sink logit per head as one more column of each row's softmax, then dropped."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    scores = q @ k.transpose(-1, -2) * scale
+    i = torch.arange(q.shape[2])
+    allowed = ((i[:, None] >= i[None, :])[None] & (documents[:, :, None] == documents[:, None, :])
+               & ~padding[:, None, :])[:, None]
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    b, a, s = scores.shape[:3]
+    combined = torch.cat([scores, sinks.view(1, a, 1, 1).expand(b, a, s, 1)], -1)
+    return torch.softmax(combined, -1)[..., :-1] @ v
+
+
+@pytest.mark.parametrize("comm,fused", [("ring", False), ("all_to_all", False), ("ring", True)])
+def test_blockwise_attention_with_sinks_equals_dense_in_values_and_gradients(comm, fused):
+    torch.manual_seed(0)
+    b, a, a_kv, s, d = 2, 4, 2, 8, 3
+    q, k, v = (torch.randn(b, h, s, d, dtype=torch.float64, requires_grad=True) for h in (a, a_kv, a_kv))
+    sinks = torch.randn(a, dtype=torch.float64, requires_grad=True)
+    documents = documents_from_positions(torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4], list(range(8))]))
+    padding = torch.zeros(b, s, dtype=torch.bool)
+    padding[1, :2] = True  # left padding: two queries see no key, only their sink
+    layout = ContextParallelBatch(ParallelGroup(None), comm, s, documents, padding)
+    got = context_parallel_attention(q, k, v, layout, 0.7, fused=fused, sinks=sinks)
+    torch.testing.assert_close(got, _dense_with_sinks(q, k, v, 0.7, documents, padding, sinks), rtol=1e-12, atol=1e-12)
+    assert torch.autograd.gradcheck(
+        lambda *x: context_parallel_attention(*x[:3], layout, 0.7, fused=fused, sinks=x[3]), (q, k, v, sinks))
+
+
 @pytest.mark.parametrize("fused", [False, True])
 def test_a_query_with_no_key_to_see_gives_zeros_not_nan(fused):
     q, k, v = (torch.randn(1, 1, 4, 2, dtype=torch.float64, requires_grad=True) for _ in range(3))

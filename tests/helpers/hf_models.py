@@ -19,7 +19,7 @@ LORA = {"all": (SEVEN, False),  # B drawn too (PEFT's init_lora_weights=False): 
 """``lora=`` of :class:`HFCausalLM`: (target_modules, init_lora_weights) of a LoraConfig(r=2, lora_alpha=4)."""
 
 
-MOE = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe")
+MOE = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "gpt_oss", "granitemoe")
 """The mixture-of-experts families: 8 experts of width 8, top-2."""
 
 
@@ -45,6 +45,18 @@ def moe_config(family: str, common: dict, aux: float = 0.0):
     if family == "olmoe":  # q/k norms over all heads, top-k not normalized
         return transformers.OlmoeConfig(**dict(moe, intermediate_size=8), num_experts=8, num_experts_per_tok=2,
                                         pad_token_id=None, bos_token_id=None, eos_token_id=None)
+    if family == "gpt_oss":  # router bias; experts [E, h, 2f] with biases, gate/up interleaved and clamped (a limit
+        # small enough to clamp); attention sinks and biases; sliding-window and full layers alternating
+        layers = moe["num_hidden_layers"]
+        return transformers.GptOssConfig(**dict(moe, intermediate_size=8), head_dim=4, num_local_experts=8,
+                                         num_experts_per_tok=2, swiglu_limit=0.05, sliding_window=WINDOW,
+                                         rope_parameters=dict(rope_type="yarn", factor=2.0, beta_fast=32.0, beta_slow=1.0,
+                                                              truncate=False, original_max_position_embeddings=SEQ),
+                                         layer_types=["sliding_attention", "full_attention"] * (layers // 2))
+    if family == "granitemoe":  # the mixture at block_sparse_moe; Granite's multipliers
+        return transformers.GraniteMoeConfig(**dict(moe, intermediate_size=8), num_local_experts=8, num_experts_per_tok=2,
+                                             residual_multiplier=0.5, embedding_multiplier=3.0, attention_multiplier=0.3,
+                                             logits_scaling=2.0)
     # glm4_moe: sigmoid scores, correction bias, 2 groups of which 1 is chosen, a routed scaling factor, a shared expert
     return transformers.Glm4MoeConfig(**moe, moe_intermediate_size=8, n_routed_experts=8, num_experts_per_tok=2,
                                       n_group=2, topk_group=1, first_k_dense_replace=1, n_shared_experts=1,

@@ -1,7 +1,9 @@
 """A Hugging Face mixture-of-experts directory as transformers writes it (one tensor per expert and part:
 ``mlp.experts.3.gate_proj.weight``; Mixtral's ``block_sparse_moe.experts.3.w1.weight``) is read straight into each
 rank's experts (only its own experts' tensors), gives the one-device logits, and is exported back under the hub's
-per-expert names; ``from_pretrained`` reloads the export with the same weights. Experts frozen in the user's model
+per-expert names (and the family's renamings reversed: Mixtral's ``block_sparse_moe``, GraniteMoE's ``input_linear``),
+the names ``save_pretrained`` gives; gpt-oss's packed experts (gate and up interleaved, with biases) and attention sinks
+as they are; ``from_pretrained`` reloads the export with the same weights. Experts frozen in the user's model
 stay frozen in the shards. Layouts: tp 2 × ep 2 (the experts over
 the tensor-parallel ranks) and ep 2 over two data-parallel replicas."""
 
@@ -22,7 +24,11 @@ from tests.helpers.models import token_data
 
 pytestmark = pytest.mark.distributed
 
-FAMILIES = ("qwen3_moe", "mixtral")
+FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss", "granitemoe")
+PACKED = {"gpt_oss": "model.layers.0.mlp.experts.gate_up_proj_bias",
+          "granitemoe": "model.layers.0.block_sparse_moe.input_linear.weight"}
+"""Families whose hub checkpoints keep the experts packed, and a key they store: gpt-oss ``[E, h, 2f]`` (gate and up
+interleaved) with biases; GraniteMoE ``[E, 2f, h]`` under its own names (``input_linear``, ``router.layer``)."""
 LAYOUTS = {"tp2-ep2": dict(tp=2, ep=2), "dp2-ep2": dict(tp=1, ep=2)}
 
 
@@ -84,7 +90,11 @@ def test_a_per_expert_directory_reads_into_the_shards_and_exports_back_under_the
     from transformers import AutoModelForCausalLM
 
     root, per_rank = exported
-    assert any(".experts.3." in key for key in _stored_keys(root / family))  # the hub's layout: one tensor per expert
+    stored = _stored_keys(root / family)
+    if family in PACKED:
+        assert PACKED[family] in stored
+    else:  # the hub's layout: one tensor per expert
+        assert any(".experts.3." in key for key in stored)
     source = AutoModelForCausalLM.from_pretrained(root / family, dtype=torch.float64, experts_implementation="eager")
     x = token_data(1, 1, seed=3).tensors[0]
     with torch.no_grad():
@@ -93,10 +103,7 @@ def test_a_per_expert_directory_reads_into_the_shards_and_exports_back_under_the
         torch.testing.assert_close(rank_out[family, layout], want, rtol=1e-6, atol=1e-6)
         assert rank_out[family, layout, "trainable experts"] == []  # frozen before the rewrite, frozen after it
     export = root / f"{family}-{layout}-export"
-    assert _stored_keys(export) == _stored_keys(root / family) or family == "mixtral"
-    if family == "mixtral":  # the experts under their hub names; the layer's other keys as the model names them
-        assert {k for k in _stored_keys(export) if ".experts." in k} == {
-            k.replace(".block_sparse_moe.", ".mlp.") for k in _stored_keys(root / family) if ".experts." in k}
+    assert _stored_keys(export) == stored  # the names save_pretrained gives: per expert, renamed as the hub's
     reloaded = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float64, experts_implementation="eager")
     for key, value in source.state_dict().items():
         torch.testing.assert_close(reloaded.state_dict()[key], value, rtol=0, atol=0, msg=key)

@@ -1,7 +1,7 @@
 """Mixtures of experts train like one process under expert parallelism, composed with tensor, sequence, data,
 pipeline and context parallelism, with transformers' load-balancing loss (output_router_logits) pooled over every
-rank's tokens: Hugging Face Qwen3-MoE, Qwen2-MoE (gated shared expert), Mixtral, OLMoE and GLM-4.5
-(sigmoid, group-limited routing, a shared expert), built from tiny configs and called as users call them
+rank's tokens: Hugging Face Qwen3-MoE, Qwen2-MoE (gated shared expert), Mixtral, OLMoE, GLM-4.5
+(sigmoid, group-limited routing, a shared expert) and GraniteMoE (gpt-oss: test_gpt_oss_parity.py), built from tiny configs and called as users call them
 (``model(input_ids=x, labels=x)``); float64, the loss and every gradient (router, experts, shared experts) before each
 of 3 AdamW steps."""
 
@@ -36,6 +36,7 @@ CASES = {
         moe("mixtral", 2, 2, "full"),               # whole layers recomputed: the dispatch runs again
         moe("olmoe", 2, 2),
         moe("glm4_moe", 2, 2),                      # sigmoid scores, groups, scaling, a shared expert, a dense layer
+        moe("granitemoe", 2, 2, aux=0.5),           # the mixture at block_sparse_moe, Granite's multipliers
         moe("qwen3_moe", 2, 2, lora="attention"),   # LoRA on q/v: experts and router frozen, tokens' gradients flow
         moe("qwen3_moe", 2, 2, aux=0.5),            # the load-balancing loss pooled over the tp ranks' tokens
         moe("qwen3_moe", 1, 2, aux=0.5),            # ... over the data-parallel replicas'

@@ -52,8 +52,8 @@ def _tiny(config_class, **extra):
 @pytest.mark.parametrize("family, reasons", [
     ("BloomConfig", r"BloomBlock: fused query_key_value \(q, k and v in one projection\); MLP of "
                     r"\['dense_h_to_4h', 'gelu_impl', 'dense_4h_to_h'\]"),
-    ("GptOssConfig", r"GptOssDecoderLayer: mixture of experts of \['router', 'experts'\] \(not a router `gate` and "
-                     r"packed `experts`"),
+    ("PhimoeConfig", r"PhimoeDecoderLayer: mixture of experts of \['router', 'experts'\] \(not a router module "
+                     r"`gate` or `router` with packed `experts`"),
     ("OPTConfig", r"OPTDecoderLayer: attention output not o_proj/dense \(attention has \['k_proj', 'v_proj', 'q_proj', "
                   r"'out_proj'\]\)"),
     ("GPTBigCodeConfig", r"GPTBigCodeBlock: fused c_attn \(q, k and v in one projection\)"),
@@ -116,7 +116,7 @@ def test_a_one_norm_layer_of_no_known_layout_is_refused_for_what_it_lacks_not_fo
     for layer in model.model.layers:
         layer.mlp = Experts()
     with pytest.raises(ValueError, match=r"why none is known: CohereDecoderLayer: mixture of experts of \['router', "
-                                         r"'experts'\] \(not a router `gate`.*\); Linear") as error:
+                                         r"'experts'\] \(not a router module `gate` or `router`.*\); Linear") as error:
         explain(model, tp=2)
     assert "parallel residual" not in str(error.value)
 
