@@ -20,6 +20,7 @@ _EXPORTS = {
     "AttentionSpec": "lightning_seqpar.transformer.attention_part",
     "AutoLayout": "lightning_seqpar.lightning.auto_layout",
     "DenseMLPSpec": "lightning_seqpar.transformer.mlp_part",
+    "DispatchConfig": "lightning_seqpar.moe.capacity",
     "ParallelConfig": "lightning_seqpar.lightning.config",
     "ParallelDims": "lightning_seqpar.parallel.dims",
     "Placement": "lightning_seqpar.parallel.placement",

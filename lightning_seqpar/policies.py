@@ -13,6 +13,7 @@ import torch.nn as nn
 
 from lightning_seqpar.hf.layouts import hf_policies
 from lightning_seqpar.hf.vocabulary import HFVocabularyPolicy
+from lightning_seqpar.moe.capacity import DispatchConfig
 from lightning_seqpar.rewriting import rewriter
 from lightning_seqpar.rewriting.encoder_policy import TransformerEncoderLayerPolicy, TransformerEncoderPolicy
 from lightning_seqpar.rewriting.policy import Policy
@@ -57,15 +58,15 @@ def rewrite(model: nn.Module, ctx: RewriteContext, policies: Optional[Iterable[P
 
 
 def explain(model: nn.Module, tp: int, sequence_parallel: bool = True, policies: Optional[Iterable[Policy]] = None,
-            loss_parallel: bool = True, verify: bool = True, cp: int = 1, cp_comm: str = "ring", ep: int = 1
-            ) -> RewritePlan:
-    """Print and return what ``SeqParallelStrategy(tp=tp, cp=cp, cp_comm=cp_comm, ep=ep)`` would rewrite in
+            loss_parallel: bool = True, verify: bool = True, cp: int = 1, cp_comm: str = "ring", ep: int = 1,
+            moe: Optional[DispatchConfig] = None) -> RewritePlan:
+    """Print and return what ``SeqParallelStrategy(tp=tp, cp=cp, cp_comm=cp_comm, ep=ep, moe=moe)`` would rewrite in
     ``model``; change nothing.
 
     Needs no process group. Raises the same ``ValueError`` as the real rewrite would.
     """
     return rewriter.explain(model, tp, _with_defaults(policies), sequence_parallel, loss_parallel, verify, cp, cp_comm,
-                            ep)
+                            ep, moe)
 
 
 def pipeline_placement(model: nn.Module, policies: Optional[Iterable[Policy]] = None) -> dict[str, str]:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 from lightning_seqpar.context_parallel import ContextParallel
+from lightning_seqpar.moe.capacity import DispatchConfig
 from lightning_seqpar.parallel.dims import ParallelDims, check_sizes
 from lightning_seqpar.pipeline_parallel import PipelineConfig
 
@@ -36,6 +37,8 @@ class ParallelConfig:
     expert_tp: int = 1
     """tensor-parallel size of each expert: 1, whole experts on each rank of the expert-parallel group (the experts'
     own tensor parallelism is not implemented: refused above 1)."""
+    moe: Optional[DispatchConfig] = field(default_factory=DispatchConfig)
+    """how a mixture of experts dispatches: dropless (default), or with a capacity factor and drop policy."""
     pipeline: PipelineConfig = field(default_factory=PipelineConfig.build)
     """p, micro-batches, schedule, virtual stages and stage split."""
     sequence_parallel: bool = True
@@ -52,6 +55,17 @@ class ParallelConfig:
             raise ValueError(f"expert_tp={self.expert_tp}: experts split over tensor-parallel ranks are not implemented; "
                              f"each rank holds whole experts (expert_tp=1). Split the experts over more ranks with "
                              f"`ep` instead.")
+        if self.moe is None:
+            object.__setattr__(self, "moe", DispatchConfig())
+        if isinstance(self.moe, dict):  # a recipe's strategy.moe mapping
+            unknown = set(self.moe) - {"capacity_factor", "drop_policy"}
+            if unknown:
+                raise ValueError(f"moe={self.moe!r}: unknown key(s) {sorted(unknown)}; the keys are capacity_factor and "
+                                 f"drop_policy.")
+            object.__setattr__(self, "moe", DispatchConfig(**self.moe))
+        if not isinstance(self.moe, DispatchConfig):
+            raise ValueError(f"moe={self.moe!r}: a DispatchConfig(capacity_factor=..., drop_policy=...) or a mapping "
+                             f"of those keys.")
         ContextParallel.check_comm(self.cp_comm)
         chunk = self.loss_chunk
         if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1):

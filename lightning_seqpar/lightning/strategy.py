@@ -23,7 +23,8 @@ from lightning_seqpar.lightning.auto_layout import AutoLayout, auto_layout_of, c
 from lightning_seqpar.lightning.checkpoint_io import AtomicCheckpointIO
 from lightning_seqpar.lightning.checkpointer import Checkpointer
 from lightning_seqpar.lightning.config import (
-    CheckpointConfig, DataParallelConfig, ParallelConfig, PrecisionConfig, check_together, parallel_config_of,
+    CheckpointConfig, DataParallelConfig, DispatchConfig, ParallelConfig, PrecisionConfig, check_together,
+    parallel_config_of,
 )
 from lightning_seqpar.lightning.launcher import check_start_method, configure_launcher, stop_started_ranks
 from lightning_seqpar.lightning.parallelize import check_before_start, parallelize
@@ -55,9 +56,9 @@ class SeqParallelStrategy(ParallelStrategy):
     are shorthands for their fields.
 
     Args:
-        tp, pp, cp, ep, cp_comm, loss_chunk, sequence_parallel, loss_parallel: shorthands for the fields of
-            ``parallel`` (:class:`~.config.ParallelConfig`: t, p, c, e and the other settings documented there, such
-            as ``expert_tp``). The data-parallel size is ``world // (tp·cp·pp)``.
+        tp, pp, cp, ep, moe, cp_comm, loss_chunk, sequence_parallel, loss_parallel: shorthands for the fields of
+            ``parallel`` (:class:`~.config.ParallelConfig`: t, p, c, e, the experts' :class:`~.DispatchConfig` or its
+            mapping, and the others documented there, as ``expert_tp``). The data-parallel size is ``world // (tp·cp·pp)``.
         num_microbatches, schedule, virtual_stages, pipeline_split: shorthands for its ``pipeline``
             (:class:`~lightning_seqpar.pipeline_parallel.PipelineConfig`: m, default ``pp``; ``"1F1B"``, ``"gpipe"`` or
             ``"interleaved_1F1B"``; v; the layers of each stage).
@@ -114,10 +115,10 @@ class SeqParallelStrategy(ParallelStrategy):
         precision_config: Optional[PrecisionConfig] = None,
         layout: Optional[AutoLayout] = None,
         cp: int = 1, cp_comm: Literal["ring", "all_to_all"] = "ring", loss_chunk: Optional[int] = 4096,
-        ep: int = 1, parallel: Optional[ParallelConfig] = None,
+        ep: int = 1, moe: Union[DispatchConfig, dict, None] = None, parallel: Optional[ParallelConfig] = None,
     ) -> None:
         self.auto, self.chosen_layout, self._layout_choice = auto_layout_of(layout, tp, pp, cp), None, None
-        self.parallel = parallel_config_of(parallel, tp=1 if tp == "auto" else tp, cp=cp, cp_comm=cp_comm, ep=ep,
+        self.parallel = parallel_config_of(parallel, tp=1 if tp == "auto" else tp, cp=cp, cp_comm=cp_comm, ep=ep, moe=moe,
                                            sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
                                            loss_chunk=loss_chunk, pipeline=PipelineConfig.build(
                                                pp, num_microbatches, schedule, virtual_stages, pipeline_split))

@@ -22,7 +22,7 @@ sends per all-to-all: the pairs routed to another rank's experts × ``h`` × the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -88,13 +88,15 @@ class TokenDispatcher:
         self.group, self.num_experts = group, num_experts
         self.num_local = num_experts // group.size
 
-    def dispatch(self, tokens: Tensor, experts: Tensor) -> tuple[Tensor, Dispatched]:
+    def dispatch(self, tokens: Tensor, experts: Tensor, scores: Optional[Tensor] = None) -> tuple[Tensor, Dispatched]:
         """The rows this rank's experts compute, grouped by local expert.
 
         Args:
             tokens: ``[n, h]``, this rank's tokens.
             experts: ``[n, k]`` int64, the experts each token is routed to: global ids in ``[0, E)``, as a router's
                 top-k gives them (not checked: a check would read them on the host, a second synchronisation).
+            scores: unused (every pair is computed); taken as :class:`~lightning_seqpar.moe.capacity.CapacityDispatcher`
+                takes them.
 
         Returns:
             ``[R, h]`` rows for the local experts (``R = sum(tokens_per_expert)``), and the routing for

@@ -13,6 +13,7 @@ from typing import Iterable, Optional
 import torch.nn as nn
 
 from lightning_seqpar.context_parallel import ContextParallel
+from lightning_seqpar.moe.capacity import DispatchConfig
 from lightning_seqpar.parallel.collectives import ParallelGroup
 from lightning_seqpar.rewriting.policy import DeclaresPolicy, Policy
 from lightning_seqpar.transformer.context import RewriteContext
@@ -256,7 +257,8 @@ def rewrite(model: nn.Module, ctx: RewriteContext, policies: Iterable[Policy], v
 
 
 def explain(model: nn.Module, tp: int, policies: Iterable[Policy], sequence_parallel: bool = True,
-            loss_parallel: bool = True, verify: bool = True, cp: int = 1, cp_comm: str = "ring", ep: int = 1
+            loss_parallel: bool = True, verify: bool = True, cp: int = 1, cp_comm: str = "ring", ep: int = 1,
+            moe: Optional[DispatchConfig] = None
             ) -> RewritePlan:
     """Print and return what a rewrite with ``policies`` at ``tp`` (and context-parallel size ``cp``, experts split
     over ``ep`` ranks) would do to ``model``; change nothing.
@@ -265,7 +267,7 @@ def explain(model: nn.Module, tp: int, policies: Iterable[Policy], sequence_para
     """
     context = ContextParallel(ParallelGroup.virtual(cp), cp_comm) if cp > 1 else None
     ctx = RewriteContext(ParallelGroup.virtual(tp), sequence_parallel, None, loss_parallel, context=context,
-                         expert_group=ParallelGroup.virtual(ep) if ep > 1 else None)
+                         expert_group=ParallelGroup.virtual(ep) if ep > 1 else None, dispatch=moe or DispatchConfig())
     plan = plan_rewrite(model, ctx, policies, verify)
     print(plan)
     return plan

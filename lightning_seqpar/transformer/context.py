@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 
 from lightning_seqpar.context_parallel.runtime import ContextParallel
+from lightning_seqpar.moe.capacity import DispatchConfig
 from lightning_seqpar.parallel.collectives import ParallelGroup
 from lightning_seqpar.parallel.placement import placement_of
 from lightning_seqpar.parallel.random import RNGTracker
@@ -36,6 +37,7 @@ class RewriteContext:
             layer; :mod:`lightning_seqpar.moe`); ``None``: one rank, every expert here.
         data_group: the data-parallel and context-parallel replicas (``dp_cp``, size d·c: other tokens of the same
             step), which a loss over every token of the step (a mixture's load-balancing loss) sums over; ``None``: one.
+        dispatch: how a mixture of experts sends its tokens (dropless, or with a capacity).
     """
 
     group: ParallelGroup
@@ -48,6 +50,7 @@ class RewriteContext:
     loss_chunk: Optional[int] = None
     expert_group: Optional[ParallelGroup] = None
     data_group: Optional[ParallelGroup] = None
+    dispatch: DispatchConfig = field(default_factory=DispatchConfig)
 
     def prepare(self, module: nn.Module, name: str, init: Optional[Initializer] = None) -> None:
         """Materialize ``module`` if it was built on the meta device (see :class:`Materializer`).

@@ -29,6 +29,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from lightning_seqpar.moe.balancing import MARK, RouterTokens, SequenceParallelRows, UnmaskableRows
+from lightning_seqpar.moe.capacity import CapacityDispatcher
 from lightning_seqpar.moe.dispatch import TokenDispatcher
 from lightning_seqpar.moe.experts import GroupedExperts
 from lightning_seqpar.parallel.collectives import ParallelGroup
@@ -129,7 +130,7 @@ class MoESpec:
                 f"gradients averaged over expert data parallel; router {self.router}"
                 f"{f' (top-{k})' if k else ''} on each rank's {'s/t·b' if ctx.sp else 's·b'} tokens "
                 f"{'(sequence-parallel, weight summed over tp)' if ctx.sp else ''}; dispatch and combine by all-to-all "
-                f"over ep (one host read of the split sizes per layer call)"
+                f"over ep ({_dispatch_text(ctx)})"
                 + (f"; shared expert {self.shared.describe(block, ctx)}" if self.shared is not None else "")
                 + (f", gated by {self.shared_gate}" if self.shared_gate else ""))
 
@@ -163,7 +164,8 @@ class MoEPart:
         builder.place(spec.router, self.router, "router")
         group = ctx.expert_group if ctx.expert_group is not None else ParallelGroup()
         self.experts = builder.place(spec.experts, _local_experts(builder, spec, group), "experts")
-        self.dispatcher = TokenDispatcher(group, self.experts.num_experts)
+        self.dispatcher = TokenDispatcher(group, self.experts.num_experts) if ctx.dispatch.capacity_factor is None \
+            else CapacityDispatcher(group, self.experts.num_experts, ctx.dispatch)
         self.tokens = _router_tokens(ctx)
         # The MLP width a token goes through, for FLOPs (FlopsUtilization) and the memory model: k experts of width f
         # (the router's top_k, where it names it), plus the shared MLP's.
@@ -185,7 +187,7 @@ class MoEPart:
         tokens = x.reshape(-1, x.shape[-1])  # [n, h], this rank's tokens
         logits, scores, chosen = self.router(tokens)
         setattr(logits, MARK, self.tokens)  # a load-balancing loss over these logits pools every rank's tokens
-        rows, routing = self.dispatcher.dispatch(tokens, chosen)
+        rows, routing = self.dispatcher.dispatch(tokens, chosen, scores)
         out = self.dispatcher.combine(self.experts(rows, routing.tokens_per_expert, routing.expert_counts), routing, scores).view(x.shape)
         if self.shared is not None:
             shared = self.shared.forward(x)
@@ -193,6 +195,14 @@ class MoEPart:
                 shared = torch.sigmoid(self.shared_gate(x)) * shared
             out = out + shared
         return out if self.post_norm is None else self.post_norm(out)
+
+
+def _dispatch_text(ctx: RewriteContext) -> str:
+    factor = ctx.dispatch.capacity_factor
+    if factor is None:
+        return "dropless: one host read of the split sizes per layer call"
+    return (f"capacity ⌈{factor}·n·k/E⌉ pairs per expert from each rank, the rest dropped by "
+            f"{ctx.dispatch.drop_policy}, no host read")
 
 
 def _router_tokens(ctx: RewriteContext) -> RouterTokens:

@@ -1,9 +1,10 @@
 """The host reads of a mixture-of-experts training step are the documented ones only: one ``.tolist()`` of the split
-sizes per MoE layer call (each layer's forward; again in a recomputed forward), nothing else (counted as
-tests/lightning/test_host_syncs.py counts them, every step after the first)."""
+sizes per MoE layer call (each layer's forward; again in a recomputed forward), none with an expert capacity, nothing
+else (counted as tests/lightning/test_host_syncs.py counts them, every step after the first)."""
 
 import pytest
 
+from lightning_seqpar import DispatchConfig
 from tests.helpers.distributed import run_distributed
 from tests.helpers.parity import Case, fit
 from tests.lightning.test_host_syncs import _CountSyncs
@@ -14,6 +15,8 @@ LAYERS = 2  # every layer of the tiny Qwen3-MoE is a mixture
 CASES = [  # (case, host reads per step)
     (Case("hf", 2, True, None, (("family", "qwen3_moe"), ("labels", True)), (), (("ep", 2),)), LAYERS),
     (Case("hf", 2, True, "full", (("family", "qwen3_moe"), ("labels", True)), (), (("ep", 2),)), 2 * LAYERS),
+    (Case("hf", 2, True, None, (("family", "qwen3_moe"), ("labels", True)), (),
+          (("ep", 2), ("moe", DispatchConfig(1.0)))), 0),  # with a capacity: fixed sizes, nothing read
 ]
 
 

@@ -8,6 +8,8 @@ of 3 AdamW steps."""
 import pytest
 import torch
 
+from lightning_seqpar import DispatchConfig
+
 from tests.helpers.parity import Case, all_cases, assert_matches_single_process, case_id, relative_error_below, world_runs
 
 pytestmark = pytest.mark.distributed
@@ -48,6 +50,8 @@ CASES = {
         gpt(1, 2, "full"),                          # experts over dp, whole layers recomputed
         gpt(2, 2, "selective", accumulate=2),
         gpt(1, 2, cp=2),                            # the loss 1/c per cp rank, summed over cp
+        Case("gpt", 2, True, None, (("n_experts", 8), ("aux_loss_coef", 0.5)), (),
+             (("ep", 2), ("moe", DispatchConfig(8.0)))),  # a capacity that drops nothing: fixed buffers, the same step
     ],
     4: [
         moe("qwen3_moe", 2, 4),                     # four ranks' experts: over tp and dp

@@ -13,9 +13,17 @@ def test_explain_shows_the_experts_per_rank_the_groups_and_the_dispatch(capsys):
     text = str(explain(build("hf", family="qwen2_moe", labels=True), tp=2, ep=2))
     assert ("8 experts (mlp.experts) → 4 per rank over ep=2, whole on each rank, gradients averaged over expert data "
             "parallel; router mlp.gate (top-2) on each rank's s/t·b tokens (sequence-parallel, weight summed over tp); "
-            "dispatch and combine by all-to-all over ep (one host read of the split sizes per layer call); shared "
+            "dispatch and combine by all-to-all over ep (dropless: one host read of the split sizes per layer call); shared "
             "expert mlp.shared_expert.gate_proj/mlp.shared_expert.up_proj column-parallel, "
             "mlp.shared_expert.down_proj row-parallel, gated by mlp.shared_expert_gate") in text
+
+
+def test_explain_states_the_capacity_and_its_drop_policy():
+    from lightning_seqpar import DispatchConfig
+
+    text = str(explain(build("hf", family="qwen3_moe", labels=True), tp=2, ep=2, moe=DispatchConfig(1.25, "position")))
+    assert ("dispatch and combine by all-to-all over ep (capacity ⌈1.25·n·k/E⌉ pairs per expert from each rank, the "
+            "rest dropped by position, no host read)") in text
 
 
 def test_the_load_balancing_loss_split_into_pipeline_stages_is_refused_by_name():
