@@ -16,9 +16,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_seqpar.models.gpt_moe import Experts, MoEMLP, TopKRouter
+from lightning_seqpar.models.gpt_moe import Experts, MoEMLP, TopKRouter, router_losses
 from lightning_seqpar.models.sampling import Sampling
-from lightning_seqpar.moe.balancing import load_balancing_loss
 from lightning_seqpar.transformer.core_attention import CoreAttention
 
 if TYPE_CHECKING:
@@ -56,12 +55,22 @@ class GPTConfig:
     expert_ffn_hidden_size: Optional[int] = None
     """f: each expert's width; ``None`` means 4h / k (the dense MLP's FLOPs per token)."""
     aux_loss_coef: float = 0.0
-    """the Switch load-balancing loss's coefficient, added to the training loss (pooled over every layer's tokens)."""
+    """the Switch load-balancing loss's coefficient, added to the training loss."""
+    aux_loss_type: str = "pooled"
+    """``"pooled"``: one loss of every layer's counts and probabilities (transformers'); ``"per_layer"``: each layer's
+    loss, summed (Megatron-Core's, Switch Transformer's)."""
+    z_loss_coef: float = 0.0
+    """the router z-loss's coefficient (ST-MoE), each layer's mean ``logsumexp(logits)²`` summed over the layers."""
+
+    def __post_init__(self) -> None:
+        if self.aux_loss_type not in ("pooled", "per_layer"):
+            raise ValueError(f"aux_loss_type={self.aux_loss_type!r}: 'pooled' (transformers') or 'per_layer' "
+                             f"(Megatron-Core's).")
 
     @property
     def output_router_logits(self) -> bool:
-        """Whether the loss pools every layer's router logits (transformers' name for it)."""
-        return self.n_experts > 0 and self.aux_loss_coef > 0
+        """Whether the loss reads every layer's router logits (transformers' name for it): a load-balancing or z-loss."""
+        return self.n_experts > 0 and (self.aux_loss_coef > 0 or self.z_loss_coef > 0)
 
 
 class CausalSelfAttention(nn.Module):
@@ -200,8 +209,6 @@ class GPT(Sampling, nn.Module):
         return loss + self.load_balancing_loss() if self.config.output_router_logits else loss
 
     def load_balancing_loss(self) -> Tensor:
-        """``aux_loss_coef ×`` the Switch load-balancing loss of this forward's router logits, every layer's tokens
-        pooled (transformers' ``load_balancing_loss_func``; over every rank's tokens once rewritten)."""
-        logits = tuple(m.last_logits for m in self.modules() if isinstance(m, TopKRouter))
-        c = self.config
-        return c.aux_loss_coef * load_balancing_loss(logits, c.n_experts, c.experts_per_token)
+        """The router losses of this forward's router logits (:func:`~.gpt_moe.router_losses`: the load-balancing
+        loss and the z-loss, over every rank's tokens once rewritten)."""
+        return router_losses(self.config, tuple(m.last_logits for m in self.modules() if isinstance(m, TopKRouter)))

@@ -12,6 +12,21 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from lightning_seqpar.moe.balancing import load_balancing_loss, router_z_loss
+
+
+def router_losses(config: Any, logits: tuple[Tensor, ...]) -> Tensor:
+    """``aux_loss_coef ×`` the load-balancing loss (pooled over the layers, or each layer's summed:
+    ``config.aux_loss_type``) ``+ z_loss_coef ×`` the router z-loss of one forward's router logits ``[n, E]`` per layer,
+    over every rank's tokens when a parallel block produced them (:mod:`lightning_seqpar.moe.balancing`)."""
+    loss = torch.zeros((), dtype=torch.float32, device=logits[0].device)
+    if config.aux_loss_coef > 0:
+        loss = loss + config.aux_loss_coef * load_balancing_loss(
+            logits, config.n_experts, config.experts_per_token, per_layer=config.aux_loss_type == "per_layer")
+    if config.z_loss_coef > 0:
+        loss = loss + config.z_loss_coef * router_z_loss(logits)
+    return loss
+
 class TopKRouter(nn.Module):
     """Scores ``[n, h]`` tokens against E experts: ``(logits [n, E], scores [n, k], experts [n, k])``, the softmax
     (float32) of the top k renormalized (Mixtral's router); the logits kept as :attr:`last_logits` for the

@@ -17,9 +17,8 @@ from torch import Tensor
 
 from lightning_seqpar.context_parallel import ContextParallelBatch, check_context_length, local_indices
 from lightning_seqpar.context_parallel.loss import sum_over_context
-from lightning_seqpar.models.gpt_moe import MoEMLP, TopKRouter
+from lightning_seqpar.models.gpt_moe import MoEMLP, TopKRouter, router_losses
 from lightning_seqpar.models.sampling import Sampling
-from lightning_seqpar.moe.balancing import load_balancing_loss
 from lightning_seqpar.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from lightning_seqpar.tensor_parallel.embedding import VocabParallelEmbedding
 from lightning_seqpar.tensor_parallel.mappings import gather_from_tensor_parallel_region
@@ -152,11 +151,10 @@ class ParallelGPT(Sampling, LayerStack):
     def _balancing(self) -> Tensor | float:
         """The mixture's load-balancing loss over every rank's tokens (:meth:`GPT.load_balancing_loss`'s value and
         gradient: 1/c of it on each cp rank, whose losses are summed); 0 without it."""
-        c = self.config
-        if not c.output_router_logits:
+        if not self.config.output_router_logits:
             return 0.0
-        logits = tuple(m.last_logits for m in self.transformer.h.modules() if isinstance(m, TopKRouter))
-        return c.aux_loss_coef * load_balancing_loss(logits, c.n_experts, c.experts_per_token)
+        return router_losses(self.config, tuple(m.last_logits for m in self.transformer.h.modules()
+                                                if isinstance(m, TopKRouter)))
 
     def _context_parallel_loss(self, idx: Tensor, targets: Optional[Tensor]) -> Tensor:
         """Under context parallelism: this cp rank's tokens (chunks r and 2c−1−r) from the embedding to the loss, at

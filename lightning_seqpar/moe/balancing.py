@@ -97,42 +97,88 @@ class _SumOverRanks(torch.autograd.Function):
 
 
 def parallel_load_balancing_loss(gate_logits: tuple[Tensor, ...], num_experts: int, top_k: int,
-                                 attention_mask: Optional[Tensor], tokens: RouterTokens) -> Tensor:
+                                 attention_mask: Optional[Tensor], tokens: RouterTokens,
+                                 per_layer: bool = False) -> Tensor:
     """transformers' ``load_balancing_loss_func`` over every rank's tokens (see the module docstring): a scalar whose
     value is the one-process loss and whose gradient on this rank's logits is d·c times their share.
+
+    ``per_layer``: the Switch Transformer's loss of each layer summed over the layers, ``Σ_l E · Σ_e T_e^l · P_e^l``
+    (Megatron-Core's ``switch_load_balancing_loss_func`` per layer, over every rank's tokens of the step), instead of
+    one loss of the counts and probabilities pooled over the layers.
 
     No host synchronisation: the counts are scatter-adds, the row count stays a tensor.
     """
     device = gate_logits[0].device
-    counts = torch.zeros(num_experts, dtype=torch.float32, device=device)
-    probabilities = torch.zeros(num_experts, dtype=torch.float32, device=device)
-    rows = torch.zeros((), dtype=torch.float32, device=device)
-    weights = None if attention_mask is None else tokens.rows_of(attention_mask).to(device, torch.float32)
+    weights = _row_weights(attention_mask, tokens, device)
+    per: dict[str, list[Tensor]] = {"counts": [], "probabilities": [], "rows": []}  # each layer's: [E], [E], []
     for logits in gate_logits:
         routing = torch.softmax(logits, dim=-1)
         _, chosen = torch.topk(routing, top_k, dim=-1)
         each = torch.ones(chosen.numel(), dtype=torch.float32, device=device) if weights is None \
             else weights.repeat_interleave(top_k)
-        counts = counts.index_add(0, chosen.reshape(-1), each)
-        probabilities = probabilities + (routing.float() if weights is None else routing.float() * weights[:, None]).sum(0)
-        rows = rows + (float(routing.shape[0]) if weights is None else weights.sum())
+        per["counts"].append(torch.zeros(num_experts, dtype=torch.float32, device=device).index_add(
+            0, chosen.reshape(-1), each))
+        per["probabilities"].append((routing.float() if weights is None else routing.float() * weights[:, None]).sum(0))
+        per["rows"].append(torch.full((), float(routing.shape[0]), device=device) if weights is None else weights.sum())
+    counts, probabilities, rows = (torch.stack(per[key]) for key in ("counts", "probabilities", "rows"))
+    if not per_layer:  # transformers': one loss of the counts and probabilities pooled over the layers
+        counts, probabilities, rows = (x.sum(0, keepdim=True) for x in (counts, probabilities, rows))
+    rows = rows[:, None]
     with torch.no_grad():
         for group in tokens.groups:
             counts, rows = group.all_reduce(counts), group.all_reduce(rows)
     probabilities = _SumOverRanks.apply(probabilities, tokens.groups)
-    loss = torch.sum((counts / rows) * (probabilities / rows)) * num_experts
-    # The value: 1/c of the loss on each cp rank, whose losses are summed. The gradient: d times this rank's share
-    # (times c again by the sum over cp's backward), undone by the division by d·c of every gradient.
+    return _as_replica_loss(torch.sum((counts / rows) * (probabilities / rows)) * num_experts, tokens)
+
+
+def parallel_router_z_loss(gate_logits: tuple[Tensor, ...], attention_mask: Optional[Tensor],
+                           tokens: RouterTokens) -> Tensor:
+    """The router z-loss over every rank's tokens, summed over the layers: ``Σ_l mean_i (log Σ_e exp x_ie)²`` (Zoph
+    et al., *ST-MoE*, 2022, Eq. 5; Megatron-Core's ``z_loss_func`` per layer), the mean over the step's tokens (padding
+    left out where ``attention_mask`` says), in float32; value and gradient as :func:`parallel_load_balancing_loss`'s.
+    """
+    device = gate_logits[0].device
+    weights = _row_weights(attention_mask, tokens, device)
+    squares = torch.zeros((), dtype=torch.float32, device=device)
+    rows = torch.zeros((), dtype=torch.float32, device=device)
+    for logits in gate_logits:
+        z = torch.logsumexp(logits.float(), dim=-1).square()
+        squares = squares + (z.sum() if weights is None else (z * weights).sum())
+        rows = rows + (float(z.shape[0]) if weights is None else weights.sum())
+    with torch.no_grad():
+        for group in tokens.groups:
+            rows = group.all_reduce(rows)
+    squares = _SumOverRanks.apply(squares, tokens.groups)
+    return _as_replica_loss(squares / rows * len(gate_logits), tokens)  # rows counted once per layer
+
+
+def _row_weights(attention_mask: Optional[Tensor], tokens: RouterTokens, device: torch.device) -> Optional[Tensor]:
+    return None if attention_mask is None else tokens.rows_of(attention_mask).to(device, torch.float32)
+
+
+def _as_replica_loss(loss: Tensor, tokens: RouterTokens) -> Tensor:
+    """The value: 1/c of the loss on each cp rank, whose losses are summed. The gradient: d times this rank's share
+    (times c again by the sum over cp's backward), undone by the division by d·c of every gradient."""
     return loss.detach() / tokens.context_parallel + tokens.data_parallel * (loss - loss.detach())
 
 
 def load_balancing_loss(gate_logits: tuple[Tensor, ...], num_experts: int, top_k: int,
-                        attention_mask: Optional[Tensor] = None) -> Tensor:
+                        attention_mask: Optional[Tensor] = None, per_layer: bool = False) -> Tensor:
     """The load-balancing loss of ``gate_logits`` (one ``[n, E]`` tensor per layer): over every rank's tokens when a
     parallel block produced them (:data:`MARK`), else over these rows alone (one process, rows in ``[b, s]`` order).
     Used by the reference GPT's mixture of experts, on one device and rewritten alike."""
-    tokens = getattr(gate_logits[0], MARK, None) or RouterTokens((), 1, 1, _BatchRows())
-    return parallel_load_balancing_loss(gate_logits, num_experts, top_k, attention_mask, tokens)
+    return parallel_load_balancing_loss(gate_logits, num_experts, top_k, attention_mask, _tokens_of(gate_logits),
+                                        per_layer)
+
+
+def router_z_loss(gate_logits: tuple[Tensor, ...], attention_mask: Optional[Tensor] = None) -> Tensor:
+    """The router z-loss of ``gate_logits`` (:func:`parallel_router_z_loss`), over every rank's tokens when a parallel
+    block produced them, else over these rows alone."""
+    return parallel_router_z_loss(gate_logits, attention_mask, _tokens_of(gate_logits))
+
+
+def _tokens_of(gate_logits: tuple[Tensor, ...]) -> RouterTokens:
+    return getattr(gate_logits[0], MARK, None) or RouterTokens((), 1, 1, _BatchRows())
 
 
 @dataclass(frozen=True)

@@ -22,11 +22,12 @@ def moe(family, tp, ep, recompute=None, pp=1, cp=1, zero=0, accumulate=1, **mode
                 pp=pp, cp=cp)
 
 
-def gpt(tp, ep, recompute=None, pp=1, cp=1, aux=0.5, accumulate=1):
-    """The reference GPT with 8 experts per layer (``model=gpt_moe_tiny``), its load-balancing loss at ``aux``."""
+def gpt(tp, ep, recompute=None, pp=1, cp=1, aux=0.5, accumulate=1, **losses):
+    """The reference GPT with 8 experts per layer (``model=gpt_moe_tiny``), its load-balancing loss at ``aux``
+    (``losses``: ``aux_loss_type="per_layer"``, ``z_loss_coef``)."""
     trainer = (("accumulate_grad_batches", accumulate),) if accumulate > 1 else ()
-    return Case("gpt", tp, True, recompute, (("n_experts", 8), ("aux_loss_coef", aux)), trainer, (("ep", ep),),
-                pp=pp, cp=cp)
+    return Case("gpt", tp, True, recompute, (("n_experts", 8), ("aux_loss_coef", aux), *losses.items()), trainer,
+                (("ep", ep),), pp=pp, cp=cp)
 
 
 CASES = {
@@ -50,6 +51,8 @@ CASES = {
         gpt(1, 2, "full"),                          # experts over dp, whole layers recomputed
         gpt(2, 2, "selective", accumulate=2),
         gpt(1, 2, cp=2),                            # the loss 1/c per cp rank, summed over cp
+        gpt(2, 2, aux_loss_type="per_layer", z_loss_coef=0.1),  # Megatron's per-layer loss and the z-loss
+        gpt(1, 2, cp=2, accumulate=2, aux_loss_type="per_layer", z_loss_coef=0.1),
         Case("gpt", 2, True, None, (("n_experts", 8), ("aux_loss_coef", 0.5)), (),
              (("ep", 2), ("moe", DispatchConfig(8.0)))),  # a capacity that drops nothing: fixed buffers, the same step
     ],
@@ -61,6 +64,7 @@ CASES = {
         moe("qwen3_moe", 2, 2, aux=0.5),            # tp 2 × dp 2: the loss over both groups' tokens
         moe("qwen3_moe", 2, 2, cp=2, aux=0.5, attn_implementation="sdpa"),  # and over the cp ranks'
         gpt(2, 4),                                  # ep over tp and dp
+        gpt(2, 2, "selective", aux_loss_type="per_layer", z_loss_coef=0.1),  # tp 2 × dp 2
         gpt(1, 2, pp=2, aux=0.0),                   # pp 2 × ep 2, 1F1B (the pooled loss is refused under pp)
     ],
 }
