@@ -5,16 +5,20 @@ ring's blocks under cp), attention biases, sliding-window and full layers altern
 gradient (sinks, router weight and bias, expert weights and biases) before each of 3 AdamW steps, the load-balancing
 loss of ``output_router_logits`` included where named."""
 
+import dataclasses
+
 import pytest
 
+from lightning_seqpar import DispatchConfig
 from tests.helpers.parity import Case, all_cases, assert_matches_single_process, case_id, relative_error_below, world_runs
 from tests.moe.test_moe_parity import GRAD_BOUND, LOSS_RTOL, moe
 
 pytestmark = pytest.mark.distributed
 
 
-def oss(tp, ep, recompute=None, **kw):
-    return moe("gpt_oss", tp, ep, recompute, **kw)
+def oss(tp, ep, recompute=None, capacity=False, **kw):
+    case = moe("gpt_oss", tp, ep, recompute, **kw)
+    return dataclasses.replace(case, strategy=case.strategy + (("moe", DispatchConfig(8.0)),)) if capacity else case
 
 
 CASES = {
@@ -28,6 +32,8 @@ CASES = {
     4: [
         oss(1, 4),
         oss(2, 4, aux=0.5),
+        oss(1, 2, pp=2),                   # pp 2 × ep 2 (1F1B): sinks and expert biases on each stage's layers
+        oss(2, 2, capacity=True),          # a capacity that drops nothing: biases on the padded rows left out
         oss(2, 2, cp=2),                   # tp 2 × cp 2 × ep 2
         Case("hf", 1, True, None, (("family", "gpt_oss"), ("labels", True)), (), (("ep", 2), ("cp_comm", "all_to_all")),
              cp=2),                        # all-to-all attention: each cp rank applies its head group's sinks
