@@ -1,5 +1,5 @@
 """Expert-parallel benchmark: a Qwen3-MoE on 4 processes with its experts whole on each rank (ep 1) and split over 2
-and 4 ranks, in one run.
+and 4 ranks, and transformers' own expert parallelism on the same model and data, in one run.
 
     python recipes/benchmark_moe.py                 # on CPU (gloo), or on 4 GPUs (NCCL)
     python recipes/benchmark_moe.py s=1024 experts=16
@@ -27,7 +27,7 @@ COLUMNS = ["layout", "tokens/s"] + [f"{k} KiB" for k in KINDS] + ["expert params
 
 
 def rows(results: list[MoEResult]) -> list[list[str]]:
-    return [[r.layout, f"{r.tokens_per_s:.0f}"] + [f"{r.sent_kib.get(k, 0):.0f}" for k in KINDS]
+    return [[r.layout, f"{r.tokens_per_s:.0f}"] + [f"{r.sent_kib[k]:.0f}" if k in r.sent_kib else "-" for k in KINDS]
             + [f"{r.expert_params_per_rank:,}"] for r in results]
 
 

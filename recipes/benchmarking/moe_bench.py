@@ -9,6 +9,11 @@ init, float32) and token batches, called as users call it (``model(input_ids=x, 
 - the bytes rank 0 sent per step by the expert dispatch (``all_to_all_v``, the (token, expert) pairs leaving it × h ×
   4 bytes, forward and backward) and its split-size exchanges (``all_to_all``), and by tensor parallelism;
 - the expert parameters each rank holds.
+
+And one row of transformers' own expert parallelism on the same model and token batches
+(``from_pretrained(..., distributed_config=DistributedConfig(ep_size=2, fsdp_size=4, ep_implementation="all_to_all"))``:
+experts split over 2 ranks, everything FSDP-sharded over the 4, every rank its own batch; transformers 5.24 has no
+tensor-parallel plan for Qwen3-MoE, so this is its nearest layout to tp 2 × ep 2); its bytes are not counted here.
 """
 
 from __future__ import annotations
@@ -32,13 +37,16 @@ KINDS = ("all_to_all_v", "all_to_all", "all_gather", "reduce_scatter")
 class Layout:
     tp: int
     ep: int
+    transformers: bool = False  # transformers' own expert parallelism (fsdp WORLD × ep), not the strategy's
 
     @property
     def name(self) -> str:
+        if self.transformers:
+            return f"transformers: fsdp {WORLD} x ep {self.ep} (all_to_all)"
         return f"tp {self.tp} x ep {self.ep} (dp {WORLD // self.tp})"
 
 
-LAYOUTS = (Layout(2, 1), Layout(2, 2), Layout(2, 4), Layout(1, 4))
+LAYOUTS = (Layout(2, 1), Layout(2, 2), Layout(2, 4), Layout(1, 4), Layout(1, 2, transformers=True))
 
 
 @dataclass
@@ -90,8 +98,33 @@ def _run(layout: Layout, cfg: dict[str, Any], device: torch.device, out_dir: str
         (Path(out_dir) / "result.pkl").write_bytes(pickle.dumps(asdict(result)))
 
 
+def _run_transformers(layout: Layout, cfg: dict[str, Any], device: torch.device, out_dir: str) -> None:
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed.configuration_utils import DistributedConfig
+
+    directory = Path(out_dir) / "model"
+    if dist.get_rank() == 0:  # the same weights as the strategy's rows, through a directory as from_pretrained reads
+        _model(cfg, torch.device("cpu")).model.save_pretrained(directory)
+    dist.barrier()
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, attn_implementation="sdpa",
+                                                 distributed_config=DistributedConfig(
+                                                     ep_size=layout.ep, fsdp_size=WORLD, tp_size=1,
+                                                     ep_implementation="all_to_all"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    g = torch.Generator().manual_seed(dist.get_rank())  # every rank its own tokens (fsdp is data parallel)
+    batches = [torch.randint(0, cfg["vocab_size"], (cfg["b"], cfg["s"]), generator=g).to(device)
+               for _ in range(cfg["warmup"] + cfg["iters"])]
+    times = timed_steps(model, optimizer, batches, cfg["warmup"], device)
+    experts = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+                  for n, p in model.named_parameters() if ".experts." in n)
+    if dist.get_rank() == 0:
+        result = MoEResult(layout.name, WORLD * cfg["b"] * cfg["s"] / statistics.median(times), {}, experts)
+        (Path(out_dir) / "result.pkl").write_bytes(pickle.dumps(asdict(result)))
+
+
 def _worker(local_rank: int, layout: Layout, port: int, cfg: dict[str, Any], out_dir: str) -> None:
-    run_in_process_group(local_rank, WORLD, port, lambda device: _run(layout, cfg, device, out_dir))
+    run = _run_transformers if layout.transformers else _run
+    run_in_process_group(local_rank, WORLD, port, lambda device: run(layout, cfg, device, out_dir))
 
 
 def run_moe_benchmark(cfg: dict[str, Any], layouts: tuple[Layout, ...] = LAYOUTS) -> list[MoEResult]:
