@@ -27,6 +27,7 @@ CASES = {
         oss(1, 2, aux=0.5),                # experts over the data-parallel ranks, the pooled load-balancing loss
         oss(2, 1, "selective"),            # sinks split with the heads, core attention recomputed
         oss(2, 2, "full"),
+        oss(2, 2, lora="attention"),       # LoRA on q/v (biased projections): experts, router and sinks frozen
         oss(1, 1, cp=2),                   # the sinks merged after the ring's blocks
     ],
     4: [
