@@ -167,9 +167,9 @@ class AttentionPart:
                              f"{tuple(getattr(sinks, 'shape', ()))}.")
         set_sequence_parallel(sinks)
         builder.place_parameter(path, sinks, "attention sinks")
-        # Looked up on the block at each call: materialization (and to_empty) replaces the parameter object.
-        host = builder.host
-        self.sink_logits: Callable[[], Tensor] = lambda: resolve(host, path)
+        # Looked up on the block at each call (materialization replaces the parameter object); the block itself, not a
+        # closure, so that a copy of the block (deepcopy, pickle) reads its own.
+        self.sink_host, self.sink_path = builder.host, path
         first = builder.ctx.group.rank * self.heads_local
         return slice(first, first + self.heads_local)
 
@@ -275,7 +275,7 @@ class AttentionPart:
 
     def _local_sinks(self) -> Optional[Tensor]:
         """This rank's heads' sink logits ``[a/t]`` (a view: the gradient reaches the whole parameter's entries)."""
-        return None if self.sinks is None else self.sink_logits()[self.sinks]
+        return None if self.sinks is None else resolve(self.sink_host, self.sink_path)[self.sinks]
 
 
 def _dropout_p(value: Any) -> float:

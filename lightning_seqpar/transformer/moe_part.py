@@ -252,4 +252,16 @@ def _detached(function: Callable[..., Any]) -> Callable[..., Any]:
         return function
     state = {k: v for k, v in vars(owner).items() if not k.startswith("_") and not isinstance(v, (Tensor, nn.Module))}
     state.update({k: m for k, m in owner.named_children() if next(m.parameters(), None) is None})
-    return types.MethodType(function.__func__, types.SimpleNamespace(**state))
+    return _BoundToState(function.__func__, types.SimpleNamespace(**state))
+
+
+@dataclass(frozen=True)
+class _BoundToState:
+    """``function(state, x)``: a method called on a namespace of its module's attributes (a value: it pickles and
+    copies with the model)."""
+
+    function: Callable[..., Any]
+    state: types.SimpleNamespace
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return self.function(self.state, x)
