@@ -128,4 +128,5 @@ def check_router_losses(model: nn.Module) -> None:
     if any(getattr(c, "output_router_logits", False) is True for c in configs.values()):
         raise ValueError("output_router_logits=True under pipeline parallelism: the load-balancing loss pools the "
                          "router logits of every layer, and each pipeline stage holds only its own layers. Train it "
-                         "with pp=1 (tensor, expert, data or context parallelism), or set output_router_logits=False.")
+                         "with pp=1 (tensor, expert, data or context parallelism), or set output_router_logits=False "
+                         "(the reference GPT: aux_loss_coef=0 and z_loss_coef=0).")
