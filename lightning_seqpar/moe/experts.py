@@ -118,7 +118,20 @@ class GroupedExperts(nn.Module):
             out = _grouped_linear(hidden, self.down_proj.to(dtype), offsets, self.transposed)
             if self.down_proj_bias is not None:
                 out = out + self.down_proj_bias.to(dtype).repeat_interleave(counts, 0, output_size=total)
-        return out
+        return _ContiguousGradient.apply(out)
+
+
+class _ContiguousGradient(torch.autograd.Function):
+    """The identity, whose backward hands on a contiguous gradient: grouped_mm's backward refuses an expanded one (a
+    ``.sum()`` straight after the experts gives strides of 0)."""
+
+    @staticmethod
+    def forward(ctx: object, x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: object, grad: Tensor) -> Tensor:
+        return grad.contiguous()
 
 
 def _compute_dtype(x: Tensor) -> torch.dtype:

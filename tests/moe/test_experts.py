@@ -94,6 +94,12 @@ def test_transposed_experts_with_biases_compute_gpt_oss_s_experts_token_by_token
     torch.testing.assert_close(got, torch.stack(want), rtol=1e-12, atol=1e-12)
 
 
+def test_the_grouped_gemm_takes_an_expanded_gradient():
+    experts = _filled(GroupedExperts(4, 16, 8, dtype=torch.float32))
+    experts(torch.randn(6, 16, requires_grad=True), [2, 0, 3, 1]).sum().backward()  # the gradient: strides of 0
+    assert experts.down_proj.grad is not None and torch.count_nonzero(experts.down_proj.grad[1]) == 0
+
+
 def test_float64_and_unaligned_widths_take_the_loop():
     assert not GroupedExperts(4, 16, 8, dtype=torch.float64)._grouped(torch.zeros(3, 16, dtype=torch.float64))
     assert not GroupedExperts(4, 6, 3, dtype=torch.float32)._grouped(torch.zeros(3, 6))  # 24-byte rows
