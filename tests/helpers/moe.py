@@ -1,7 +1,12 @@
 """A small mixture-of-experts layer's data and its one-process reference, computed token by token."""
 
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
+
+from lightning_seqpar.moe import GroupedExperts
+from tests.helpers.op_counter import HOST_READ, OpCounter
 
 E, H, F_, K, N = 8, 6, 4, 2, 5  # experts, hidden, expert width, experts per token, tokens per rank
 EMPTY = 5  # no token is routed to this expert
@@ -26,16 +31,20 @@ def data(rank):
     return x, ids, scores, upstream
 
 
-def reference(ranks):
-    """One process, every expert, token by token: outputs and gradients of ``ranks``' data."""
+def reference(ranks, keep=None):
+    """One process, every expert, token by token: outputs and gradients of ``ranks``' data. ``keep(ids, scores)``: the
+    (token, slot) pairs each rank's capacity keeps (``None``: every pair, dropless)."""
     gate_up, down = (w.clone().requires_grad_() for w in weights())
     inputs = [(x.clone().requires_grad_(), ids, s.clone().requires_grad_(), u) for x, ids, s, u in map(data, ranks)]
     loss, outs = 0.0, []
     for x, ids, scores, upstream in inputs:
+        kept = keep(ids, scores) if keep is not None else None
         rows = []
         for i in range(N):
-            row = 0.0
+            row = torch.zeros(H, dtype=torch.float64)
             for j in range(K):
+                if kept is not None and (i, j) not in kept:
+                    continue
                 e = int(ids[i, j])
                 gate, up = (gate_up[e] @ x[i]).chunk(2)
                 row = row + scores[i, j] * (down[e] @ (F.silu(gate) * up))
@@ -45,3 +54,40 @@ def reference(ranks):
         loss = loss + (out * upstream).sum()
     loss.backward()
     return outs, [(x.grad, s.grad) for x, _, s, _ in inputs], gate_up.grad, down.grad
+
+
+def local_experts(ep, ep_rank):
+    """Expert-parallel rank ``ep_rank``'s ``E/ep`` experts of :func:`weights`, float64."""
+    experts = GroupedExperts(E, H, F_, expert_parallel=ep).double()
+    local = E // ep
+    with torch.no_grad():
+        for mine, full in zip((experts.gate_up_proj, experts.down_proj), weights()):
+            mine.copy_(full[ep_rank * local:(ep_rank + 1) * local])
+    return experts
+
+
+@contextmanager
+def host_reads():
+    """Counts what the block reads on the host: ``counts["read"]`` (``.item()``, ``int()``, a kernel's own read) and
+    ``lists``, the sizes of the tensors ``.tolist()`` read (it bypasses torch's dispatch, so it is counted apart)."""
+    lists, tolist = [], torch.Tensor.tolist
+    torch.Tensor.tolist = lambda self: lists.append(self.numel()) or tolist(self)
+    try:
+        with OpCounter({HOST_READ: "read"}) as reads:
+            yield reads.counts, lists
+    finally:
+        torch.Tensor.tolist = tolist
+
+
+def one_layer_call(dispatcher, experts, rank):
+    """Rank ``rank``'s tokens through ``dispatcher`` and ``experts`` and back, then backward with its upstream gradient:
+    the outputs, the gradients of tokens, scores and the local experts, and the host reads made."""
+    x, ids, scores, upstream = data(rank)
+    x.requires_grad_()
+    scores.requires_grad_()
+    with host_reads() as (counts, lists):
+        rows, routing = dispatcher.dispatch(x, ids, scores)
+        out = dispatcher.combine(experts(rows, routing.tokens_per_expert, routing.expert_counts), routing, scores)
+        (out * upstream).sum().backward()
+    return dict(out=out.detach(), x=x.grad, scores=scores.grad, gate_up=experts.gate_up_proj.grad,
+                down=experts.down_proj.grad, host_reads=(counts["read"], lists), routing=routing)

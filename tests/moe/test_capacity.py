@@ -9,67 +9,39 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from lightning_seqpar.moe import CapacityDispatcher, DispatchConfig, GroupedExperts, TokenDispatcher, expert_capacity
+from lightning_seqpar.moe import CapacityDispatcher, DispatchConfig, TokenDispatcher, expert_capacity
 from lightning_seqpar.parallel import ParallelGroup
-from tests.helpers.moe import E, F_, H, K, N, data, weights
-from tests.helpers.op_counter import HOST_READ, OpCounter
+from tests.helpers.moe import E, K, N, data, local_experts, one_layer_call, reference
 
 
-def capacity_reference(ranks, capacity, policy):
-    """One process, every expert, token by token, each rank's pairs capped per expert as the rule says."""
-    gate_up, down = (w.clone().requires_grad_() for w in weights())
-    inputs = [(x.clone().requires_grad_(), ids, s.clone().requires_grad_(), u) for x, ids, s, u in map(data, ranks)]
-    loss, outs, dropped = 0.0, [], []
-    for x, ids, scores, upstream in inputs:
+def capacity_rule(capacity, policy):
+    """The pairs a rank's experts keep: each expert's first ``capacity`` in token order, or by score (a stable sort: a
+    tie keeps the earlier pair first)."""
+    def keep(ids, scores):
         kept = set()
         for e in range(E):
             pairs = [(i, j) for i in range(N) for j in range(K) if int(ids[i, j]) == e]  # token order
             if policy == "probs":
-                pairs.sort(key=lambda p: -float(scores[p]))  # stable: a tie keeps the earlier pair first
+                pairs.sort(key=lambda p: -float(scores[p]))
             kept.update(pairs[:capacity])
-        rows = []
-        for i in range(N):
-            row = torch.zeros(H, dtype=torch.float64)
-            for j in range(K):
-                if (i, j) in kept:
-                    e = int(ids[i, j])
-                    gate, up = (gate_up[e] @ x[i]).chunk(2)
-                    row = row + scores[i, j] * (down[e] @ (F.silu(gate) * up))
-            rows.append(row)
-        out = torch.stack(rows)
-        outs.append(out.detach())
-        dropped.append(N * K - len(kept))
-        loss = loss + (out * upstream).sum()
-    loss.backward()
-    return outs, [(x.grad, s.grad) for x, _, s, _ in inputs], gate_up.grad, down.grad, dropped
+        return kept
+    return keep
+
+
+def capacity_reference(ranks, capacity, policy):
+    """One process, every expert, token by token, each rank's pairs capped per expert as the rule says; and the pairs
+    each rank drops."""
+    keep = capacity_rule(capacity, policy)
+    dropped = [N * K - len(keep(ids, scores)) for _, ids, scores, _ in map(data, ranks)]
+    return (*reference(ranks, keep), dropped)
 
 
 def _run(group, rank, ep, config, dispatcher_class=CapacityDispatcher):
-    experts = GroupedExperts(E, H, F_, expert_parallel=ep).double()
-    local = E // ep
-    gate_up, down = weights()
-    with torch.no_grad():
-        experts.gate_up_proj.copy_(gate_up[group.rank * local:(group.rank + 1) * local])
-        experts.down_proj.copy_(down[group.rank * local:(group.rank + 1) * local])
-    x, ids, scores, upstream = data(rank)
-    x.requires_grad_()
-    scores.requires_grad_()
     dispatcher = dispatcher_class(group, E, config) if dispatcher_class is CapacityDispatcher else \
         dispatcher_class(group, E)
-    lists, tolist = [], torch.Tensor.tolist
-    torch.Tensor.tolist = lambda self: lists.append(self.numel()) or tolist(self)  # .tolist() bypasses dispatch
-    try:
-        with OpCounter({HOST_READ: "read"}) as reads:
-            rows, routing = dispatcher.dispatch(x, ids, scores)
-            out = dispatcher.combine(experts(rows, routing.tokens_per_expert, routing.expert_counts), routing, scores)
-            (out * upstream).sum().backward()
-    finally:
-        torch.Tensor.tolist = tolist
-    return dict(out=out.detach(), x=x.grad, scores=scores.grad, gate_up=experts.gate_up_proj.grad,
-                down=experts.down_proj.grad, host_reads=(reads.counts["read"], lists), ep_rank=group.rank,
-                slot=getattr(routing, "slot", None))
+    result = one_layer_call(dispatcher, local_experts(ep, group.rank), rank)
+    return dict(result, ep_rank=group.rank, slot=getattr(result.pop("routing"), "slot", None))
 
 
 def _assert_equal(got, want_out, want_grads, gate_up, down, mine):

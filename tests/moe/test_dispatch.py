@@ -6,13 +6,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_seqpar.moe import GroupedExperts, TokenDispatcher
+from lightning_seqpar.moe import TokenDispatcher
 from lightning_seqpar.parallel import ParallelGroup
 from lightning_seqpar.parallel.collectives import CommunicationLog
 from lightning_seqpar.parallel.placement import placement_of
 from tests.helpers.distributed import run_distributed
-from tests.helpers.moe import E, EMPTY, F_, H, data, reference, weights
-from tests.helpers.op_counter import HOST_READ, OpCounter
+from tests.helpers.moe import E, EMPTY, H, data, local_experts, one_layer_call, reference
 
 pytestmark = pytest.mark.distributed  # starts processes: outside the fast lane
 
@@ -21,30 +20,13 @@ def _parallel(rank, world_size, ep):
     groups = [dist.new_group(list(range(start, start + ep))) for start in range(0, world_size, ep)]
     group = ParallelGroup(groups[rank // ep])
     group.log = CommunicationLog()
-    experts = GroupedExperts(E, H, F_, expert_parallel=ep).double()
-    local = E // ep
-    gate_up, down = weights()
-    with torch.no_grad():
-        experts.gate_up_proj.copy_(gate_up[group.rank * local:(group.rank + 1) * local])
-        experts.down_proj.copy_(down[group.rank * local:(group.rank + 1) * local])
-    x, ids, scores, upstream = data(rank)
-    x.requires_grad_()
-    scores.requires_grad_()
-    dispatcher = TokenDispatcher(group, E)
-    lists, tolist = [], torch.Tensor.tolist
-    torch.Tensor.tolist = lambda self: lists.append(self.numel()) or tolist(self)  # .tolist() bypasses dispatch
-    try:
-        with OpCounter({HOST_READ: "read"}) as reads:  # .item(), int(), a kernel's own read of a value
-            rows, routing = dispatcher.dispatch(x, ids)
-            out = dispatcher.combine(experts(rows, routing.tokens_per_expert), routing, scores)
-            (out * upstream).sum().backward()
-    finally:
-        torch.Tensor.tolist = tolist
-    moved = [r.bytes_moved for r in group.log.records if r.kind == "all_to_all_v"]
-    leaving = int((ids // local != group.rank).sum())  # pairs of this rank's tokens whose expert is elsewhere
-    return dict(out=out.detach(), x=x.grad, scores=scores.grad, gate_up=experts.gate_up_proj.grad,
-                down=experts.down_proj.grad, moved=moved, host_reads=(reads.counts["read"], lists), leaving=leaving, ep_rank=group.rank,
-                placement=placement_of(experts.gate_up_proj))
+    experts = local_experts(ep, group.rank)
+    result = one_layer_call(TokenDispatcher(group, E), experts, rank)
+    ids = data(rank)[1]
+    result.pop("routing")
+    return dict(result, moved=[r.bytes_moved for r in group.log.records if r.kind == "all_to_all_v"],
+                leaving=int((ids // (E // ep) != group.rank).sum()),  # pairs whose expert is on another rank
+                ep_rank=group.rank, placement=placement_of(experts.gate_up_proj))
 
 
 @pytest.mark.parametrize("world_size,ep", [(2, 2), (4, 4), (4, 2)], ids=["ep2", "ep4", "ep2-x2"])
