@@ -123,10 +123,11 @@ def parallel_load_balancing_loss(gate_logits: tuple[Tensor, ...], num_experts: i
     counts, probabilities, rows = (torch.stack(per[key]) for key in ("counts", "probabilities", "rows"))
     if not per_layer:  # transformers': one loss of the counts and probabilities pooled over the layers
         counts, probabilities, rows = (x.sum(0, keepdim=True) for x in (counts, probabilities, rows))
-    rows = rows[:, None]
-    with torch.no_grad():
+    with torch.no_grad():  # the counts and the rows in one reduction per group
+        totals = torch.cat([counts, rows[:, None]], dim=1)
         for group in tokens.groups:
-            counts, rows = group.all_reduce(counts), group.all_reduce(rows)
+            totals = group.all_reduce(totals)
+        counts, rows = totals[:, :-1], totals[:, -1:]
     probabilities = _SumOverRanks.apply(probabilities, tokens.groups)
     return _as_replica_loss(torch.sum((counts / rows) * (probabilities / rows)) * num_experts, tokens)
 

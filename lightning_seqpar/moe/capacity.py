@@ -30,7 +30,7 @@ from typing import Literal, Optional
 import torch
 from torch import Tensor
 
-from lightning_seqpar.moe.dispatch import all_to_all_v
+from lightning_seqpar.moe.dispatch import all_to_all_v, check_expert_split, pairs_per_expert
 from lightning_seqpar.parallel.collectives import ParallelGroup
 
 DROP_POLICIES = ("probs", "position")
@@ -102,9 +102,7 @@ class CapacityDispatcher:
     """
 
     def __init__(self, group: ParallelGroup, num_experts: int, config: DispatchConfig) -> None:
-        if num_experts % group.size:
-            raise ValueError(f"{num_experts} experts do not split over ep={group.size} ranks: choose ep dividing the "
-                             f"expert count.")
+        check_expert_split(num_experts, group.size)
         if config.capacity_factor is None:
             raise ValueError("CapacityDispatcher needs a capacity_factor (dropless: TokenDispatcher).")
         self.group, self.num_experts, self.config = group, num_experts, config
@@ -127,7 +125,7 @@ class CapacityDispatcher:
         within = pairs if self.config.drop_policy == "position" else torch.argsort(
             scores.detach().reshape(-1).float(), descending=True, stable=True)  # ties: the earlier pair first
         order = within[torch.argsort(flat[within], stable=True)]  # by expert, then by the policy's rank
-        counts = torch.zeros(total, dtype=torch.int64, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
+        counts = pairs_per_expert(flat, total)
         by_expert = flat[order]
         rank = pairs - (torch.cumsum(counts, 0) - counts)[by_expert]  # position among the expert's pairs
         sorted_slot = torch.where(rank < capacity, by_expert * capacity + rank, total * capacity)

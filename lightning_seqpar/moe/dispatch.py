@@ -30,6 +30,19 @@ from torch import Tensor
 from lightning_seqpar.parallel.collectives import ParallelGroup
 
 
+def check_expert_split(num_experts: int, ep: int) -> None:
+    """Raises ``ValueError`` when ``ep`` ranks cannot hold ``E/e`` experts each, naming the fix."""
+    if num_experts % ep:
+        raise ValueError(f"{num_experts} experts do not split over ep={ep} ranks: choose ep dividing the expert count.")
+
+
+def pairs_per_expert(experts: Tensor, num_experts: int) -> Tensor:
+    """``[E]`` int64: how many of the (token, expert) pairs ``experts`` (global ids, any shape) go to each expert. A
+    scatter-add, not ``bincount``: CUDA's bincount reads its input's maximum on the host."""
+    flat = experts.reshape(-1)
+    return torch.zeros(num_experts, dtype=torch.int64, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
+
+
 class _AllToAllV(torch.autograd.Function):
     """Rows to their ranks; the backward sends the gradients back the way they came."""
 
@@ -82,9 +95,7 @@ class TokenDispatcher:
     """
 
     def __init__(self, group: ParallelGroup, num_experts: int) -> None:
-        if num_experts % group.size:
-            raise ValueError(f"{num_experts} experts do not split over ep={group.size} ranks: choose ep dividing the "
-                             f"expert count.")
+        check_expert_split(num_experts, group.size)
         self.group, self.num_experts = group, num_experts
         self.num_local = num_experts // group.size
 
@@ -107,9 +118,7 @@ class TokenDispatcher:
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)
         rows = tokens.index_select(0, order // k)  # pair p belongs to token p // k
-        # A scatter-add, not bincount: CUDA's bincount reads its input's maximum on the host.
-        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=flat.device).index_add_(
-            0, flat, torch.ones_like(flat)).view(e, local)  # [destination rank, local expert]
+        counts = pairs_per_expert(flat, self.num_experts).view(e, local)  # [destination rank, local expert]
         received = self.group.all_to_all(counts) if e > 1 else counts  # [source rank, local expert]
         sizes = torch.cat([counts.sum(1), received.reshape(-1)]).tolist()  # the layer's one host read
         send, per_source = sizes[:e], [sizes[e + j * local: e + (j + 1) * local] for j in range(e)]

@@ -26,6 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from lightning_seqpar.moe.dispatch import check_expert_split
 from lightning_seqpar.parallel.placement import ShardSpec, place
 
 _GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -61,9 +62,7 @@ class GroupedExperts(nn.Module):
                  transposed: bool = False, bias: bool = False,
                  glu: Optional[Callable[[Tensor], Tensor]] = None, grouped_mm: bool = True) -> None:
         super().__init__()
-        if num_experts % expert_parallel:
-            raise ValueError(f"{num_experts} experts do not split over ep={expert_parallel} ranks: choose ep dividing "
-                             f"the expert count.")
+        check_expert_split(num_experts, expert_parallel)
         local = num_experts // expert_parallel
         self.num_experts, self.activation, self.transposed, self.glu = num_experts, activation, transposed, glu
         self.grouped_mm, self.intermediate_size = grouped_mm, intermediate_size
