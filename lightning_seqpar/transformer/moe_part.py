@@ -188,7 +188,8 @@ class MoEPart:
         logits, scores, chosen = self.router(tokens)
         setattr(logits, MARK, self.tokens)  # a load-balancing loss over these logits pools every rank's tokens
         rows, routing = self.dispatcher.dispatch(tokens, chosen, scores)
-        out = self.dispatcher.combine(self.experts(rows, routing.tokens_per_expert, routing.expert_counts), routing, scores).view(x.shape)
+        computed = self.experts(rows, routing.tokens_per_expert, routing.expert_counts)
+        out = self.dispatcher.combine(computed, routing, scores).view(x.shape)
         if self.shared is not None:
             shared = self.shared.forward(x)
             if self.shared_gate is not None:
@@ -227,8 +228,8 @@ def _local_experts(builder: PartBuilder, spec: MoESpec, group: ParallelGroup) ->
                          f"gate_up_proj and down_proj of transformers 5.x ([E, 2f, h] and [E, h, f], or transposed), "
                          f"with both biases or none. Write a Policy for this block.")
     gate_up, down = weights["gate_up_proj"], weights["down_proj"]
-    num_experts, width, hidden = (down.shape[0], *down.shape[1:]) if spec.transposed else (
-        down.shape[0], down.shape[2], down.shape[1])
+    num_experts = down.shape[0]
+    width, hidden = (down.shape[1], down.shape[2]) if spec.transposed else (down.shape[2], down.shape[1])
     activation = builder.resolve(spec.activation) if spec.activation else None
     with gate_up.device:  # the meta device: a skeleton
         local = GroupedExperts(num_experts, hidden, width, group.size, activation, gate_up.dtype,
