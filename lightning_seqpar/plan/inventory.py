@@ -8,7 +8,10 @@ by the strategy's own rewrite at one virtual tensor-parallel rank, and each para
   q/k norm over all heads: ``numel / t`` per rank;
 - ``row``: split by a row-parallel projection (o, down; a LoRA ``lora_A`` on one): ``numel / t``;
 - ``vocab``: the embedding and LM head (and its bias), rows padded to a multiple of t: ``ceil(v / t)·h`` per rank;
-- ``replicated``: no split (norms, per-head norms, row-parallel biases, learned positions): whole on every rank.
+- ``replicated``: no split (norms, per-head norms, row-parallel biases, learned positions): whole on every rank;
+- ``expert``: a mixture of experts' packed weights (and biases) ``[E, …]``, split over the expert-parallel ranks and
+  whole on each (expert_tp = 1): ``numel / e`` per rank, whatever t is. Their data replicas are the expert
+  data-parallel group, ``edp = t·c·d / e`` ranks, not the dense ``d·c`` (:mod:`.state`).
 
 Which pipeline stage holds what follows :class:`~lightning_seqpar.pipeline_parallel.layout.StageLayout` and the
 strategy's pipeline placement (:func:`lightning_seqpar.policies.pipeline_placement`): layers by stage; the embedding (and
@@ -25,7 +28,7 @@ import torch.nn as nn
 
 from lightning_seqpar.tensor_parallel.sharding import padded_size
 
-Split = Literal["column", "row", "vocab", "replicated"]
+Split = Literal["column", "row", "vocab", "replicated", "expert"]
 Part = Literal["layer", "embedding", "head", "final", "other"]
 
 
@@ -59,14 +62,33 @@ class ParameterEntry:
             n *= size
         return n
 
-    def local_numel(self, t: int) -> int:
-        """Elements on one tensor-parallel rank of ``t`` (every rank holds the same number: vocabulary padding rows
-        are stored)."""
+    def local_numel(self, t: int, ep: int = 1) -> int:
+        """Elements on one rank of ``t`` tensor-parallel and ``ep`` expert-parallel ranks (every rank holds the same
+        number: vocabulary padding rows are stored; an expert weight is split over ``ep`` only)."""
+        if self.split == "expert":
+            return self.numel // ep
         if self.split == "vocab":
             return padded_size(self.shape[0], t) // t * (self.numel // self.shape[0])
         if self.split in ("column", "row"):
             return self.numel // t
         return self.numel
+
+
+@dataclass(frozen=True)
+class ExpertShape:
+    """The mixture of experts of each layer (the same in every layer the planner accepts).
+
+    Attributes:
+        num_experts: E, routed experts per layer.
+        top_k: k, experts each token is routed to.
+        expert_ffn: f_e, each expert's MLP width.
+        shared_ffn: the width of the dense MLP every token also goes through (Qwen2-MoE, GLM-4.5); 0: none.
+    """
+
+    num_experts: int
+    top_k: int
+    expert_ffn: int
+    shared_ffn: int = 0
 
 
 @dataclass
@@ -76,7 +98,9 @@ class ModelInventory:
     Attributes:
         name: the model's class or preset name.
         entries: every unique parameter, in the model's order.
-        num_layers, hidden_size, num_heads, num_kv_heads, head_dim, ffn_hidden_size, vocab_size: L, h, a, g, d, f, v.
+        num_layers, hidden_size, num_heads, num_kv_heads, head_dim, ffn_hidden_size, vocab_size: L, h, a, g, d, f, v;
+            under a mixture of experts ``f = k·f_e + f_shared``, the MLP width each token goes through (its FLOPs and
+            the rows it keeps for backward).
         gated_mlp: three ``h × f`` matrices (SwiGLU) instead of two.
         attention_dropout: the attention-probability dropout (a mask is kept only when > 0).
         eager_attention: the explicit core attention (keeps ``a·s²`` probabilities unless recomputed) or a fused kernel.
@@ -96,6 +120,8 @@ class ModelInventory:
     eager_attention: bool = True
     config: Any = None
     """the Hugging Face config the model was built from (what the activation probes copy)"""
+    experts: Optional[ExpertShape] = None
+    """each layer's mixture of experts; ``None``: dense MLPs"""
 
     @property
     def num_parameters(self) -> int:
@@ -150,8 +176,11 @@ def inventory_of_model(model: nn.Module, specs: dict[str, Any], placement: dict[
         split: Split = "vocab" if id(param) in vocab else splits[pname]
         entries.append(ParameterEntry(pname, tuple(param.shape), split, part, layer_index,
                                       tied=tied and param is embedding.weight, trainable=param.requires_grad))
-    first = specs[layer_paths[0]]
-    sample = model.get_submodule(layer_paths[0])
+    # The layer the shapes are read from: the first mixture of experts where dense and MoE layers mix (GLM-4.5's
+    # first dense layers), as most layers are.
+    path = next((p for p in layer_paths if not specs[p].projections()[1]), layer_paths[0])
+    first = specs[path]
+    sample = model.get_submodule(path)
     return _sizes(name or type(model).__name__, entries, len(layer_paths), embedding, first, sample)
 
 
@@ -175,8 +204,11 @@ def _splits(model: nn.Module) -> dict[str, Split]:
     rows = [name for name, m in holder.model.named_modules() if isinstance(m, (RowParallelLinear, LoRARowParallelLinear))]
     out: dict[str, Split] = {}
     for name, param in holder.model.named_parameters(remove_duplicate=False):
-        if placement_of(param).shard is None:
+        placement = placement_of(param)
+        if placement.shard is None:
             out[name] = "replicated"
+        elif placement.shard_over == "ep":
+            out[name] = "expert"
         else:  # under a row-parallel projection (its weight, a LoRA lora_A on it), or a column-parallel one
             out[name] = "row" if any(name.startswith(row + ".") for row in rows) else "column"
     return out
@@ -206,13 +238,36 @@ def _sizes(name: str, entries: list[ParameterEntry], layers: int, embedding: nn.
     kv_heads = int(value_of(sample, spec.attention.num_kv_heads) or heads)
     head_dim = int(value_of(sample, spec.attention.head_dim) or hidden // heads)
     _, mlp = spec.projections()
-    if not mlp:  # a mixture of experts: its experts, dispatch buffers and top-k activations are not priced yet
-        raise ValueError(f"{name}: the planner does not price mixture-of-experts layers yet; choose the layout "
-                         f"yourself (tp, pp, cp, ep) instead of layout=AutoLayout(...).")
-    ffn = out_features(resolve(sample, mlp[0])) // (2 if spec.mlp.gate_up else 1)
+    experts = None
+    if not mlp:  # a mixture of experts
+        experts = _expert_shape(name, sample, spec.mlp)
+        ffn = experts.top_k * experts.expert_ffn + experts.shared_ffn
+    else:
+        ffn = out_features(resolve(sample, mlp[0])) // (2 if spec.mlp.gate_up else 1)
     declared = spec.attention
     dropout = value_of(sample, declared.attention_dropout) if isinstance(declared.attention_dropout, (int, float)) else 0.0
     attention = value_of(sample, declared.implementation) if "." in declared.implementation else declared.implementation
     return ModelInventory(name, entries, layers, hidden, heads, kv_heads, head_dim, ffn, embedding.weight.shape[0],
-                          gated_mlp=len(mlp) == 2 or bool(spec.mlp.gate_up), attention_dropout=float(dropout or 0.0),
-                          eager_attention=attention == "eager")
+                          gated_mlp=experts is not None or len(mlp) == 2 or bool(spec.mlp.gate_up),
+                          attention_dropout=float(dropout or 0.0), eager_attention=attention == "eager",
+                          experts=experts)
+
+
+def _expert_shape(name: str, sample: nn.Module, spec: Any) -> ExpertShape:
+    """E, k, f_e and the shared MLP's width of a :class:`~lightning_seqpar.transformer.moe_part.MoESpec`'s block.
+
+    Raises:
+        ValueError: a router that does not say its ``top_k`` (the planner cannot count the rows per token).
+    """
+    from lightning_seqpar.transformer.block_spec import out_features, resolve
+
+    down = resolve(sample, spec.experts).down_proj  # [E, h, f], or [E, f, h] transposed
+    top_k = getattr(resolve(sample, spec.router), "top_k", None)
+    if not isinstance(top_k, int):
+        raise ValueError(f"{name}: the router at {spec.router} has no integer `top_k`; the planner cannot count the "
+                         f"experts each token goes through. Choose the layout yourself (tp, pp, ep).")
+    shared = 0
+    if spec.shared is not None:
+        first = spec.shared.inputs()[0]
+        shared = out_features(resolve(sample, first)) // (2 if spec.shared.gate_up else 1)
+    return ExpertShape(down.shape[0], top_k, down.shape[1] if spec.transposed else down.shape[2], shared)

@@ -22,6 +22,12 @@ parameter, ``ceil(n / d)`` elements (the last ranges shorter). Gradients are red
 - ``zero=1``: the reduce-scatter buckets, ``d·ceil(n / d)·r`` per parameter, and the reduced range kept for the
   update, ``ceil(n / d)·r`` (with ``d = 1`` the bucket itself, counted once); no ``.grad`` after the step.
 
+Under expert parallelism (``ep = e``, experts whole on each rank: expert_tp = 1) an expert weight is held ``numel / e``
+per rank whatever t is, and its data replicas are the expert data-parallel group of ``edp = t·d / e`` ranks (Megatron's
+"MoE parallel folding"): under ``zero=1`` its ranges are ``ceil(n / edp)``, owned by the rank's expert data-parallel
+index, so tensor-parallel peers hold different amounts; under ``zero=0`` gradient buckets exist as soon as ``d > 1`` or
+``edp > 1`` (every trainable parameter then has one, a dense one over its group of one rank when ``d = 1``).
+
 Frozen parameters (``requires_grad=False``: LoRA's base) count as parameters only: no gradient, no bucket, no main
 param, no optimizer state (a frozen bf16 parameter costs its 2 bytes).
 
@@ -92,12 +98,16 @@ def held_entries(inventory: ModelInventory, layout: StageLayout, pipeline_rank: 
 def state_bytes(inventory: ModelInventory, tp: int, pp: int = 1, dp: int = 1, *, pipeline_rank: int = 0,
                 data_rank: int = 0, vpp: int = 1, zero: int = 0, precision: str = "bf16-mixed",
                 main_params: bool = False, pipeline_split: Optional[Sequence[int]] = None,
-                optimizer: str = "adamw") -> StateBytes:
-    """Model-state bytes of the rank at ``(pipeline_rank, data_rank)`` (every tensor-parallel rank holds as much).
+                optimizer: str = "adamw", ep: int = 1, expert_data_rank: int = 0) -> StateBytes:
+    """Model-state bytes of the rank at ``(pipeline_rank, data_rank)``, and ``expert_data_rank`` in its expert
+    data-parallel group of ``t·d / ep`` ranks (without experts every tensor-parallel rank holds as much).
 
     Raises:
-        ValueError: an unknown precision or optimizer, or a pipeline split the strategy refuses.
+        ValueError: an unknown precision or optimizer, a pipeline split the strategy refuses, or ``ep`` not dividing
+            ``t·d`` (the expert grid must fold over the dense one).
     """
+    if (tp * dp) % ep:
+        raise ValueError(f"ep={ep} does not divide tp·dp = {tp}·{dp}: the expert grid folds over the dense one.")
     if precision not in PARAMETER_BYTES:
         raise ValueError(f"precision={precision!r}: one of {sorted(PARAMETER_BYTES)}.")
     if optimizer not in OPTIMIZER_STATES:
@@ -106,17 +116,22 @@ def state_bytes(inventory: ModelInventory, tp: int, pp: int = 1, dp: int = 1, *,
     element = PARAMETER_BYTES[precision]
     reduced = max(4, element)
     held = held_entries(inventory, stage_layout(inventory, pp, vpp, pipeline_split), pipeline_rank)
-    parameters = sum(e.local_numel(tp) for e in held) * element
-    local = [e.local_numel(tp) for e in held if e.trainable]  # a frozen parameter: no gradient, no state
-    total = sum(local)
+    parameters = sum(e.local_numel(tp, ep) for e in held) * element
+    edp = tp * dp // ep
+    # (elements on this rank, its replica group's size, this rank's index in it) of each trainable parameter: a
+    # frozen one has no gradient and no state
+    local = [(e.local_numel(tp, ep), *((edp, expert_data_rank) if e.split == "expert" else (dp, data_rank)))
+             for e in held if e.trainable]
+    total = sum(n for n, _, _ in local)
     steps = STEP_BYTES * len(local) if adam else 0
     if zero == 0:
-        gradients = total * element if dp == 1 else total * reduced + (total * element if element < reduced else 0)
+        bucketed = dp > 1 or (edp > 1 and any(e.split == "expert" for e in held))
+        gradients = total * reduced + (total * element if element < reduced else 0) if bucketed else total * element
         return StateBytes(parameters, gradients, 0, states * total * element + steps, steps,
                           total * element if adam else 0)
-    widths = [-(-n // dp) for n in local]
-    owned = sum(stop - start for start, stop in (owned_range(n, dp, data_rank) for n in local))
+    owned = sum(stop - start for start, stop in (owned_range(n, d, r) for n, d, r in local))
     main = 4 if main_params and element < 4 else 0
-    gradients = (dp + 1 if dp > 1 else 1) * sum(widths) * reduced  # d = 1: the reduced range is the bucket itself
+    # d = 1: the reduced range is the bucket itself
+    gradients = sum((d + 1 if d > 1 else 1) * -(-n // d) for n, d, _ in local) * reduced
     return StateBytes(parameters, gradients, owned * main, states * owned * (main or element) + steps, steps,
                       owned * (main or element) if adam else 0)

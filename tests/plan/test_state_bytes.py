@@ -1,7 +1,8 @@
 """The planner's model-state bytes equal what each rank of the strategy holds after a training step: parameters,
 gradients (with their reduction buckets), main params and optimizer state, per pipeline and data-parallel rank, over
 layouts with vocabulary padding, tied and untied embeddings, uneven and interleaved pipeline stages, zero 0 and 1,
-every precision, and the Llama, GPT-2 and Phi-3 (fused, unequal q/k/v) layouts."""
+every precision, the Llama, GPT-2 and Phi-3 (fused, unequal q/k/v) layouts, and mixtures of experts (Qwen3-MoE,
+gpt-oss, Qwen2-MoE, GLM-4.5) at ep 1, 2 and 4, where expert parallelism and tensor parallelism differ."""
 
 from __future__ import annotations
 
@@ -34,6 +35,14 @@ LAYOUTS = [
     (dict(lora="all"), 2, 1, 0, "bf16-true", False, {}),                  # LoRA: a frozen base costs its 2 bytes only
     (dict(lora="all", tie=True), 2, 2, 1, "32-true", False, {}),          # adapters' ranges, frozen embedding on 2 stages
     (dict(lora="attention"), 1, 2, 1, "bf16-true", True, {}),             # main params of the adapters only
+    # Mixtures of experts (experts whole on each rank, split over ep; their replicas edp = t·d / e)
+    (dict(family="qwen3_moe"), 2, 1, 0, "32-true", False, dict(ep=2)),    # edp 2: all-reduce buckets
+    (dict(family="qwen3_moe"), 2, 1, 1, "32-true", False, dict(ep=1)),    # edp 4: expert ranges over tp peers too
+    (dict(family="qwen3_moe"), 2, 2, 0, "bf16-true", False, dict(ep=1)),  # d 1 but edp 2: buckets all the same
+    (dict(family="qwen3_moe"), 1, 1, 1, "bf16-true", True, dict(ep=4)),   # edp 1: whole expert ranges
+    (dict(family="gpt_oss"), 2, 1, 1, "bf16-mixed", False, dict(ep=2)),   # expert biases, router bias, sinks
+    (dict(family="qwen2_moe"), 2, 1, 0, "bf16-true", False, dict(ep=2)),  # a column/row-parallel shared expert
+    (dict(family="glm4_moe"), 1, 2, 1, "32-true", False, dict(ep=2)),  # a dense first layer
 ]
 
 
@@ -51,7 +60,7 @@ class _Held(pl.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         mesh = trainer.strategy.mesh
         held = {kind: _bytes(tensors) for kind, tensors in model_state(trainer, pl_module).items()}
-        self.held = dict(coordinates=(mesh.pipeline.rank, mesh.data.rank), **held)
+        self.held = dict(coordinates=(mesh.pipeline.rank, mesh.data.rank, mesh.group("edp").rank), **held)
 
 
 def _measure(rank, world):
@@ -79,10 +88,11 @@ def test_predicted_model_state_bytes_equal_what_each_rank_holds(held, index):
     inventory = inventory_of_hf_model(build("hf", **options).model)
     for rank in held:
         got = rank[index]
-        pipeline_rank, data_rank = got["coordinates"]
+        pipeline_rank, data_rank, expert_data_rank = got["coordinates"]
         want = state_bytes(inventory, tp, pp, 4 // (tp * pp), pipeline_rank=pipeline_rank, data_rank=data_rank,
                            vpp=extra.get("virtual_stages", 1), zero=zero, precision=precision, main_params=main,
-                           pipeline_split=extra.get("pipeline_split"))
+                           pipeline_split=extra.get("pipeline_split"), ep=extra.get("ep", 1),
+                           expert_data_rank=expert_data_rank)
         assert {k: got[k] for k in ("parameters", "gradients", "main_params", "optimizer")} == {
             "parameters": want.parameters, "gradients": want.gradients, "main_params": want.main_params,
             "optimizer": want.optimizer}, (pipeline_rank, data_rank)
