@@ -5,7 +5,8 @@ and each device's memory (CUDA's total, or ``memory_budget``), :func:`choose_lay
 :func:`lightning_seqpar.plan.plan` for every layout of tensor, pipeline (with virtual stages) and data parallelism,
 micro-batch and recomputation whose most loaded rank fits in ``headroom`` of that memory, and gives the strategy the
 best ranked one before anything is allocated on a device: ``tp``, ``pp``, the schedule's micro-batches and virtual
-stages, and the recomputation (a :class:`~lightning_seqpar.SelectiveRecompute` callback, unless the run has one: its
+stages, the expert-parallel size of a mixture of experts (the one given, ``ep=e``, or the planner's choice when left
+at 1), and the recomputation (a :class:`~lightning_seqpar.SelectiveRecompute` callback, unless the run has one: its
 granularity then bounds the search). The choice and the runner-up are logged with their predicted bytes. When
 nothing fits it refuses, naming the smallest world size and the longest sequence (halved until it fits) that would.
 
@@ -158,21 +159,23 @@ def choose_layout(auto: AutoLayout, module: Any, trainer: Any, parallel: Any, *,
     kinds = frozenset({c.granularity for c in existing} & {"none", "selective", "full"})
     memory = _memory(auto, device)
     inventory = inventory_of_hf_model(model)
-    options = dict(precision=str(trainer.precision), zero=zero, recompute=kinds, gpus_per_node=gpus_per_node, fits={})
+    options = dict(precision=str(trainer.precision), zero=zero, recompute=kinds, gpus_per_node=gpus_per_node, fits={},
+                   ep=parallel.ep if parallel.ep > 1 else None)
     ranked = rank_layouts(inventory, world, auto.seq_len, auto, memory, **options)
     if not ranked:
         raise ValueError(_nothing_fits(inventory, world, auto, memory, options))
     best = ranked[0]
     runner_up = ranked[1] if len(ranked) > 1 else None
     rank_zero_info(f"layout=auto chose {_describe(best)}; runner-up: {_describe(runner_up) if runner_up else 'none'}")
-    chosen = replace(parallel, tp=best.tp, pipeline=PipelineConfig.build(
+    chosen = replace(parallel, tp=best.tp, ep=best.ep, pipeline=PipelineConfig.build(
         best.pp, best.num_microbatches if best.pp > 1 else None, "interleaved_1F1B" if best.vpp > 1 else "1F1B",
         best.vpp, None))
     return LayoutChoice(best, chosen, best.recompute if not existing and best.recompute != "none" else None)
 
 
 def _describe(record: Any) -> str:
-    return (f"tp={record.tp} pp={record.pp} vpp={record.vpp} dp={record.dp} micro_batch={record.micro_batch} "
+    return (f"tp={record.tp} pp={record.pp} vpp={record.vpp} dp={record.dp}"
+            f"{f' ep={record.ep}' if record.ep > 1 else ''} micro_batch={record.micro_batch} "
             f"m={record.num_microbatches} recompute={record.recompute}: {_size(record.bytes['total'])} on stage "
             f"{record.stage} ({', '.join(f'{k} {_size(v)}' for k, v in record.bytes.items() if k != 'total')})")
 
@@ -184,18 +187,18 @@ def _size(n: float) -> str:
 
 def rank_layouts(inventory: Any, world: int, seq_len: int, auto: AutoLayout, memory: float, *, precision: str,
                  zero: int = 0, recompute: frozenset = frozenset(), gpus_per_node: int = 8,
-                 fits: Optional[dict] = None) -> list[Any]:
+                 fits: Optional[dict] = None, ep: Optional[int] = None) -> list[Any]:
     """The feasible layouts ``layout=auto`` chooses from, best first (:func:`lightning_seqpar.plan.plan`'s records):
     the loader's ``auto.batch_size`` per data-parallel rank (a global batch of ``batch_size × dp``), micro-batches
     splitting it under a pipeline (the whole batch without one), ``zero`` as given, the recomputation among
-    ``recompute`` (any when empty)."""
+    ``recompute`` (any when empty), the expert-parallel size ``ep`` (any when ``None``)."""
     from lightning_seqpar.plan import Hardware, plan
 
     records = plan(inventory, world, seq_len, auto.batch_size, hardware=Hardware(memory=memory,
                    gpus_per_node=gpus_per_node), precision=precision, headroom=auto.headroom,
                    micro_batches=auto.micro_batches, fits=fits, per_rank_batch=True)
     return [r for r in records if r.feasible and r.zero == zero and (not recompute or r.recompute in recompute)
-            and (r.pp > 1 or r.micro_batch == auto.batch_size)]  # no pipeline: the loader's whole batch
+            and (ep is None or r.ep == ep) and (r.pp > 1 or r.micro_batch == auto.batch_size)]  # no pipeline: the loader's whole batch
 
 
 def _nothing_fits(inventory: Any, world: int, auto: AutoLayout, memory: float, options: dict) -> str:

@@ -45,7 +45,8 @@ def _count(flag: str, most: int) -> Callable[[str], int]:
 
 
 def _layout(r: LayoutRecord) -> str:
-    return (f"tp{r.tp} pp{r.pp}{f'×v{r.vpp}' if r.vpp > 1 else ''} dp{r.dp}{' zero1' if r.zero else ''} "
+    return (f"tp{r.tp} pp{r.pp}{f'×v{r.vpp}' if r.vpp > 1 else ''} dp{r.dp}{f' ep{r.ep}' if r.ep > 1 else ''}"
+            f"{' zero1' if r.zero else ''} "
             f"mbs{r.micro_batch} {r.recompute}")
 
 
@@ -59,13 +60,15 @@ def table(records: list[LayoutRecord], hardware: Hardware, top: int, verbose: bo
     and MFU), then the rejected layouts: one line per rule with its count and an example, and the layouts too large
     for the GPU in one line with the smallest; ``verbose``: every rejected layout with its reason."""
     feasible = [r for r in records if r.feasible][:top]
-    head = ("| rank | tp | pp | vpp | dp | zero | mbs | m | recompute | params | grads | main | optim | act | other | "
-            "total GB | left GB | step s | bubble | MFU |")
-    lines = [head, "|" + "---|" * 20]
+    experts = any(r.ep > 1 for r in records)  # a mixture of experts: its expert-parallel size, a column of its own
+    head = (f"| rank | tp | pp | vpp | dp |{' ep |' if experts else ''} zero | mbs | m | recompute | params | grads | "
+            f"main | optim | act | other | total GB | left GB | step s | bubble | MFU |")
+    lines = [head, "|" + "---|" * (20 + experts)]
     for i, r in enumerate(feasible, 1):
         b = r.bytes
         mfu = r.flops["model"] / (r.step_time["total"] * r.tp * r.pp * r.dp) / hardware.peak_flops
-        lines.append(f"| {i} | {r.tp} | {r.pp} | {r.vpp} | {r.dp} | {r.zero} | {r.micro_batch} | {r.num_microbatches} | "
+        lines.append(f"| {i} | {r.tp} | {r.pp} | {r.vpp} | {r.dp} |{f' {r.ep} |' if experts else ''} {r.zero} | "
+                     f"{r.micro_batch} | {r.num_microbatches} | "
                      f"{r.recompute} | " + " | ".join(f"{b[k] / GB:.1f}" for k in (
                          "parameters", "gradients", "main_params", "optimizer", "activations", "other", "total"))
                      + f" | {(hardware.memory - b['total']) / GB:.1f} | {r.step_time['total']:.2f} | {r.bubble:.2f} | "
@@ -191,10 +194,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.dry_run and best is not None:
         from lightning_seqpar.plan.dry_run import dry_run
 
-        print(f"\nDry run of rank 1's layout (tp {best.tp}, pp {best.pp}, vpp {best.vpp}), built on the meta device:")
+        print(f"\nDry run of rank 1's layout (tp {best.tp}, pp {best.pp}, vpp {best.vpp}"
+              f"{f', ep {best.ep}' if best.ep > 1 else ''}), built on the meta device:")
         for rank in range(best.pp):
             built = dry_run(load_model_config(args.model, args.seq_len), inventory, best.tp, best.pp, best.vpp, rank,
-                            args.precision)
+                            args.precision, ep=best.ep)
             print(f"  pipeline rank {rank}: parameters {built.measured:,} bytes built, {built.predicted:,} predicted"
                   f"{'' if built.measured == built.predicted else '  DIFFERENT'}")
     return 0

@@ -11,7 +11,13 @@ overlapped (an upper bound for a run that overlaps its gradient reduction):
 - data parallel: the gradients' all-reduce, ``2·(d − 1)/d`` of the float32 gradient bytes (zero 1: reduce-scatter
   of them and all-gather of the parameters, the same volume), over the inter-node bandwidth when d spans nodes;
 - pipeline: ``2·e·sbh / split`` bytes per micro-batch and stage boundary each way, over the inter-node bandwidth;
-  the bubble adds ``(p − 1)/(v·m)`` of the compute time.
+  the bubble adds ``(p − 1)/(v·m)`` of the compute time;
+- expert parallel (a mixture of experts): per MoE layer and micro-batch, four all-to-alls (dispatch and combine, forward
+  and backward; six under full recomputation) of the ``(e − 1)/e`` of the rank's ``s·b/t·k`` (token, expert) pairs
+  bound for other ranks under balanced routing, ``h`` elements each, over the intra-node bandwidth while ``t·e`` ranks
+  fit a node; the experts' gradients are all-reduced over their ``t·d/e`` expert data-parallel replicas with the data
+  term. The routed experts take no tensor-parallel collective (each is whole on its rank); a shared expert takes the
+  MLP's g and ḡ.
 
 Source: Korthikanti et al. 2022 (Eq. 7, 8, §4.2.2 volumes), Narayanan et al. 2021 (bubble).
 """

@@ -12,6 +12,7 @@ default: Fujii et al. found no run under 80 % of device memory that ran out).
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
@@ -21,7 +22,14 @@ from lightning_seqpar.pipeline_parallel.schedules import build_schedule, resolve
 from lightning_seqpar.plan.activations import layer_bytes, outside_layers_bytes
 from lightning_seqpar.plan.cost import Hardware, ring_bytes
 from lightning_seqpar.plan.inventory import ModelInventory
-from lightning_seqpar.plan.state import OPTIMIZER_STATES, PARAMETER_BYTES, StateBytes, stage_layout, state_bytes
+from lightning_seqpar.plan.state import (
+    OPTIMIZER_STATES,
+    PARAMETER_BYTES,
+    StateBytes,
+    held_entries,
+    stage_layout,
+    state_bytes,
+)
 from lightning_seqpar.plan.transients import (
     accumulation_bytes,
     backward_transient_bytes,
@@ -38,6 +46,7 @@ class LayoutRecord:
 
     Attributes:
         tp, cp, pp, vpp, dp, zero, micro_batch, num_microbatches, recompute, main_params: the layout.
+        ep: the expert-parallel size of a mixture of experts (experts whole on each rank; 1 for a dense model).
         feasible: it passes every rule and fits in memory.
         reason: why not (``None`` when feasible).
         bytes: the most loaded rank's predicted bytes at its step's peak: ``parameters``, ``gradients`` (none of
@@ -47,7 +56,8 @@ class LayoutRecord:
             ``total``.
         stage: the most loaded pipeline rank.
         flops: model and hardware FLOPs per step (Eq. 7, Eq. 8).
-        collective_bytes: bytes each rank sends per step, by kind (``tensor``, ``data``, ``pipeline``).
+        collective_bytes: bytes each rank sends per step, by kind (``tensor``, ``data``, ``pipeline``, and ``expert``:
+            the dispatch and combine all-to-alls of a mixture of experts).
         bubble: the pipeline bubble's fraction of the compute time.
         step_time: predicted seconds per step and its terms.
         other: what ``bytes["other"]`` is made of at the peak: ``backward`` (a backward's transients),
@@ -65,6 +75,7 @@ class LayoutRecord:
     num_microbatches: int
     recompute: str
     main_params: bool
+    ep: int = 1
     feasible: bool = False
     reason: Optional[str] = None
     bytes: dict[str, int] = field(default_factory=dict)
@@ -114,16 +125,15 @@ def plan(inventory: ModelInventory, gpus: int, seq_len: int, global_batch: int, 
     for tp in _divisors(gpus):
         for pp in _divisors(gpus // tp):
             dp = gpus // (tp * pp)
-            for vpp in (VIRTUAL_STAGES if pp > 1 else (1,)):
-                for zero in ([0, 1] if dp > 1 else [0]):
-                    for mbs in micro_batches:
-                        for recompute in RECOMPUTE:
-                            record = LayoutRecord(tp, 1, pp, vpp, dp, zero, mbs, 0, recompute,
-                                                  main_params=zero == 1 and precision == "bf16-true")
-                            _evaluate(record, inventory, seq_len, global_batch * dp if per_rank_batch else global_batch,
-                                      hardware, precision, headroom, schedule, attention_dropout,
-                                      fits if calibrate else None, optimizer)
-                            records.append(record)
+            for vpp, zero, mbs, recompute, ep in itertools.product(
+                    VIRTUAL_STAGES if pp > 1 else (1,), [0, 1] if dp > 1 else [0], micro_batches, RECOMPUTE,
+                    expert_parallel_sizes(inventory, tp * dp)):
+                record = LayoutRecord(tp, 1, pp, vpp, dp, zero, mbs, 0, recompute,
+                                      main_params=zero == 1 and precision == "bf16-true", ep=ep)
+                _evaluate(record, inventory, seq_len, global_batch * dp if per_rank_batch else global_batch,
+                          hardware, precision, headroom, schedule, attention_dropout, fits if calibrate else None,
+                          optimizer)
+                records.append(record)
     feasible = sorted((r for r in records if r.feasible), key=lambda r: r.step_time["total"])
     return feasible + [r for r in records if not r.feasible]
 
@@ -145,6 +155,14 @@ def predict(inventory: ModelInventory, record: LayoutRecord, seq_len: int, globa
     return record
 
 
+def expert_parallel_sizes(inventory: ModelInventory, ranks: int) -> list[int]:
+    """The expert-parallel sizes a layout of ``ranks = t·d`` ranks per pipeline stage can take: divisors of ``ranks``
+    that divide the expert count (the expert grid folds over the dense one); ``[1]`` for a dense model."""
+    if inventory.experts is None:
+        return [1]
+    return [e for e in _divisors(ranks) if inventory.experts.num_experts % e == 0]
+
+
 def _check(precision: str, optimizer: str) -> None:
     if precision not in PARAMETER_BYTES:
         raise ValueError(f"precision={precision!r}: one of {sorted(PARAMETER_BYTES)}.")
@@ -161,8 +179,19 @@ def _rule(record: LayoutRecord, inventory: ModelInventory, s: int, global_batch:
         return f"heads={inventory.num_heads} not divisible by tp={tp}"
     if inventory.num_kv_heads % tp:
         return f"kv_heads={inventory.num_kv_heads} not divisible by tp={tp}"
-    if inventory.ffn_hidden_size % tp:
-        return f"ffn={inventory.ffn_hidden_size} not divisible by tp={tp}"
+    experts = inventory.experts
+    ffn = inventory.ffn_hidden_size if experts is None else experts.shared_ffn  # experts are whole on each rank
+    if ffn % tp:
+        return f"{'shared expert ' if experts else ''}ffn={ffn} not divisible by tp={tp}"
+    if experts is None and record.ep != 1:
+        return f"ep={record.ep} without experts"
+    if experts is not None and experts.num_experts % record.ep:
+        return f"experts={experts.num_experts} not divisible by ep={record.ep}"
+    if (tp * dp) % record.ep:
+        return f"ep={record.ep} does not divide tp·dp={tp * dp} (the expert grid folds over the dense one)"
+    if experts is not None and pp > 1 and getattr(inventory.config, "output_router_logits", False):
+        return ("output_router_logits=True under pp: the load-balancing loss pools every layer's router logits, which "
+                "no pipeline stage holds")
     if s % tp:
         return f"seq_len={s} not divisible by tp={tp} (sequence parallelism splits the sequence)"
     if record.recompute == "selective" and not inventory.eager_attention:
@@ -192,8 +221,19 @@ def _layer_bytes(record: LayoutRecord, inventory: ModelInventory, s: int, precis
     if key not in fits:
         from lightning_seqpar.plan.probe import fit_layer
 
-        fits[key] = fit_layer(inventory.config, record.tp, True, record.recompute, precision)
-    return fits[key].bytes(s, record.micro_batch, inventory.head_dim, inventory.ffn_hidden_size)
+        fits[key] = fit_layer(inventory.config, record.tp, True, record.recompute, precision, inventory.experts)
+    measured = fits[key].bytes(s, record.micro_batch, inventory.head_dim, inventory.ffn_hidden_size)
+    if precision == "bf16-mixed" and record.recompute != "full":
+        # The probe's rank holds every expert (ep 1), and autocast's 16-bit copy of each is kept for backward; a rank
+        # of ep e casts its E/e experts only.
+        measured -= 2 * expert_layer_elements(inventory) * (1 - 1 / record.ep)
+    return measured
+
+
+def expert_layer_elements(inventory: ModelInventory) -> int:
+    """Elements of one layer's experts, all E of them (their packed weights and biases); 0 for a dense model."""
+    layer = next((e.layer for e in inventory.entries if e.split == "expert"), None)
+    return sum(e.numel for e in inventory.entries if e.split == "expert" and e.layer == layer)
 
 
 def _outside_bytes(record: LayoutRecord, inventory: ModelInventory, s: int, precision: str, element: int,
@@ -230,6 +270,21 @@ def _backward_moments(schedule: str, m: int, pp: int, vpp: int, rank: int) -> tu
     return tuple(moments)
 
 
+def all_to_all_bytes(inventory: ModelInventory, record: LayoutRecord, s: int, element: int,
+                     held: list) -> float:
+    """Bytes one rank sends per micro-batch in its mixtures' all-to-alls: each of its ``n = s·b/t`` tokens'
+    ``k`` (token, expert) pairs travels to the expert's rank unless it is this one, ``(e − 1)/e`` of them under
+    balanced routing, ``h`` elements each; per MoE layer the forward's dispatch and combine and the backward's two
+    (three and three under full recomputation, which dispatches again)."""
+    experts = inventory.experts
+    if experts is None or record.ep == 1:
+        return 0.0
+    layers = len({e.layer for e in held if e.split == "expert"})
+    pairs = s * record.micro_batch / record.tp * experts.top_k * (record.ep - 1) / record.ep
+    passes = 6 if record.recompute == "full" else 4
+    return layers * passes * pairs * inventory.hidden_size * element
+
+
 def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_batch: int, hardware: Hardware,
               precision: str, headroom: float, schedule: str, dropout: bool,
               fits: Optional[dict[tuple, Any]] = None, optimizer: str = "adamw") -> None:
@@ -242,7 +297,7 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
     per_layer = _layer_bytes(record, inventory, s, precision, dropout, fits)
     recomputed = 0.0  # what a layer's backward makes again: its kept bytes without recomputation, less with it
     if record.recompute != "none":
-        whole = LayoutRecord(tp, 1, pp, vpp, dp, record.zero, b, m, "none", record.main_params)
+        whole = LayoutRecord(tp, 1, pp, vpp, dp, record.zero, b, m, "none", record.main_params, ep=record.ep)
         recomputed = max(0.0, _layer_bytes(whole, inventory, s, precision, dropout, fits) - per_layer)
     worst: tuple[float, int, dict[str, int], dict[str, int]] = (-1.0, 0, {}, {})
     parameter = PARAMETER_BYTES[precision]
@@ -255,10 +310,11 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
     around, after = (0.0, outside) if pp == 1 else (stage_input + prologue, epilogue)
     gradient = parameter + (2 if precision == "bf16-mixed" else 0)  # autocast's 16-bit weight gradient + its fp32 copy
     name = resolve_schedule(schedule, vpp) if pp > 1 else "1F1B"
-    largest = largest_layer_weight(inventory, tp)
+    largest = largest_layer_weight(inventory, tp, record.ep)
     for rank in range(pp):
         state: StateBytes = state_bytes(inventory, tp, pp, dp, pipeline_rank=rank, vpp=vpp, zero=record.zero,
-                                        precision=precision, main_params=record.main_params, optimizer=optimizer)
+                                        precision=precision, main_params=record.main_params, optimizer=optimizer,
+                                        ep=record.ep)
         stages = layout.stages_of(rank)
         accumulated = accumulation_bytes(state.parameters, m, dp > 1 or record.zero == 1,
                                          record.zero == 0 and parameter < 4)
@@ -296,13 +352,19 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
     record.flops = {"model": model, "hardware": executed}
     sbh = element * s * b * inventory.hidden_size
     layers_per_rank = inventory.num_layers // pp
-    collectives = 8 + (4 if record.recompute == "full" else 0)
-    gradient_bytes = state_bytes(inventory, tp, pp, 1, pipeline_rank=record.stage, vpp=vpp,
-                                 precision="32-true").parameters  # reduced in float32
+    # g/ḡ pairs per layer: the attention's, and the MLP's (a mixture's shared expert; its routed experts use none)
+    pairs = 1 + (inventory.experts is None or inventory.experts.shared_ffn > 0)
+    collectives = 4 * pairs + (2 * pairs if record.recompute == "full" else 0)
+    held = held_entries(inventory, layout, record.stage)
+    expert_gradients = 4 * sum(e.local_numel(tp, record.ep) for e in held if e.split == "expert" and e.trainable)
+    gradient_bytes = 4 * sum(e.local_numel(tp, record.ep) for e in held if e.trainable) - expert_gradients
     record.collective_bytes = {
         "tensor": layers_per_rank * m * collectives * ring_bytes("all_gather", sbh, tp),
-        "data": ring_bytes("all_reduce", gradient_bytes, dp),
+        # reduced in float32: dense gradients over d, the experts' over their edp = t·d/e replicas
+        "data": ring_bytes("all_reduce", gradient_bytes, dp) + ring_bytes("all_reduce", expert_gradients,
+                                                                         tp * dp // record.ep),
         "pipeline": (2 * m * vpp * sbh / tp) if pp > 1 else 0.0,
+        "expert": m * all_to_all_bytes(inventory, record, s, element, held),
     }
     compute = executed / (tp * pp * dp) / (hardware.efficiency * hardware.peak_flops)
     record.bubble = (pp - 1) / (vpp * m) if pp > 1 else 0.0
@@ -312,6 +374,8 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
         "tensor": record.collective_bytes["tensor"] / hardware.intra_node_bandwidth,
         "data": record.collective_bytes["data"] / (hardware.inter_node_bandwidth if inter else hardware.intra_node_bandwidth),
         "pipeline": record.collective_bytes["pipeline"] / hardware.inter_node_bandwidth,
+        "expert": record.collective_bytes["expert"] / (hardware.inter_node_bandwidth if tp * record.ep > hardware.gpus_per_node
+                                                       else hardware.intra_node_bandwidth),
         "bubble": record.bubble * compute,
     }
     times["total"] = sum(times.values())

@@ -106,16 +106,23 @@ def measure(config: Any, tp: int, sequence_parallel: bool, recompute: str, preci
 
 
 def _small_overrides(config: Any, overrides: Optional[dict]) -> dict:
-    """Three layers (the middle one is measured; the last gathers its output under SP), per-layer lists cut to
-    match, and ``overrides``."""
+    """Three layers (the middle one is measured; the last gathers its output under SP), per-layer lists cut (or, for
+    a model of fewer layers, repeated) to match, and ``overrides``."""
     layers = getattr(config, "num_hidden_layers", None) or config.n_layer
-    per_layer = {k: v[:3] for k, v in vars(config).items() if isinstance(v, list) and len(v) == layers}
+    per_layer = {k: (v * 3)[:3] for k, v in vars(config).items() if isinstance(v, list) and len(v) == layers}
     return dict(num_hidden_layers=3, n_layer=3, **per_layer, **(overrides or {}))
 
 
 def fit_layer(config: Any, tp: int, sequence_parallel: bool = True, recompute: str = "selective",
-              precision: str = "bf16-mixed") -> LayerFit:
+              precision: str = "bf16-mixed", experts: Any = None) -> LayerFit:
     """The coefficients of :class:`LayerFit` for ``config``'s layer under the layout, from the probes.
+
+    ``experts``: the model's :class:`~lightning_seqpar.plan.inventory.ExpertShape` (a mixture of experts). Its probes
+    keep the layer's widths in proportion: for a probe width ``f`` (the MLP width a token goes through,
+    ``k·f_e + f_shared``) each expert is ``f·f_e / (k·f_e + f_shared)`` wide and the shared MLP the rest, the expert
+    count and k the model's. The experts are whole on the probe's ranks (ep = 1): each rank computes its own
+    ``s/t·b`` tokens' ``k`` rows, as a rank of any ep does on average (balanced routing); the planner removes the
+    autocast copies of the ``E − E/e`` experts a rank of ep ``e`` does not hold.
 
     Raises:
         ValueError: an unknown precision or recomputation (from the rewrite: a layout the model refuses).
@@ -131,9 +138,20 @@ def fit_layer(config: Any, tp: int, sequence_parallel: bool = True, recompute: s
         s, d, f = s * tp, d // 4 * base, f * tp
         overrides = dict(head_dim=d, hidden_size=heads * d, n_embd=heads * d, intermediate_size=f, n_inner=f,
                          ffn_hidden_size=f)
+        if experts is not None:
+            overrides.update(_expert_widths(experts, f))
         rows.append(_terms(b, s, d, f))
         kept.append(float(measure_layer(config, tp, sequence_parallel, recompute, precision, s, b, overrides)))
     return LayerFit(*_least_squares(rows, kept))
+
+
+def _expert_widths(experts: Any, f: int) -> dict[str, int]:
+    """The config keys of each expert's width (``moe_intermediate_size``; ``intermediate_size`` where the family has no
+    other, Mixtral, gpt-oss, OLMoE) and of the shared MLP's, in the model's proportions for a probe width ``f``."""
+    total = experts.top_k * experts.expert_ffn + experts.shared_ffn
+    width = max(1, round(f * experts.expert_ffn / total))
+    shared = max(1, round(f * experts.shared_ffn / total)) if experts.shared_ffn else 0
+    return dict(moe_intermediate_size=width, intermediate_size=width, shared_expert_intermediate_size=shared)
 
 
 def _least_squares(rows: list[list[float]], kept: list[float]) -> tuple[tuple[float, ...], float]:

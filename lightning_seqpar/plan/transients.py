@@ -32,9 +32,9 @@ from lightning_seqpar.plan.inventory import ModelInventory
 from lightning_seqpar.tensor_parallel.sharding import padded_size
 
 
-def largest_layer_weight(inventory: ModelInventory, t: int) -> int:
-    """Elements of a layer's largest parameter on one tensor-parallel rank of ``t``."""
-    return max((e.local_numel(t) for e in inventory.entries if e.part == "layer"), default=0)
+def largest_layer_weight(inventory: ModelInventory, t: int, ep: int = 1) -> int:
+    """Elements of a layer's largest parameter on one rank of ``t`` tensor-parallel and ``ep`` expert-parallel ranks."""
+    return max((e.local_numel(t, ep) for e in inventory.entries if e.part == "layer"), default=0)
 
 
 def backward_transient_bytes(inventory: ModelInventory, s: int, b: int, t: int, element: int, parameter: int,

@@ -110,7 +110,8 @@ def test_layouts_are_ranked_feasible_first_and_memory_rejections_name_the_bytes(
     assert any(r.tp == 1 and r.pp == 1 for r in too_big)  # 70B unsplit on 80 GB cannot fit
     best = feasible[0]
     assert best.bytes["total"] == sum(v for k, v in best.bytes.items() if k != "total")
-    assert set(best.step_time) == {"compute", "tensor", "data", "pipeline", "bubble", "total"}
+    assert set(best.step_time) == {"compute", "tensor", "data", "pipeline", "expert", "bubble", "total"}
+    assert best.step_time["expert"] == best.collective_bytes["expert"] == 0.0  # no experts
 
 
 def test_the_command_line_prints_the_table_and_the_json_records(tmp_path, capsys):
