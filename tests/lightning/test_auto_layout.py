@@ -1,6 +1,7 @@
 """``SeqParallelStrategy(layout=AutoLayout(...))`` on 4 CPU processes: under a memory budget the planner's best
-layout that fits is chosen before the process groups exist, and it trains; a budget too small for any layout is
-refused before training, naming the smallest world that would fit."""
+layout that fits is chosen before the process groups exist, and it trains (a mixture of experts with its
+expert-parallel size chosen too); a budget too small for any layout is refused before training, naming the smallest
+world that would fit."""
 
 from __future__ import annotations
 
@@ -70,6 +71,36 @@ def test_a_budget_chooses_the_best_layout_that_fits_and_it_trains():
         assert layout == (best.tp, best.pp, best.vpp, best.micro_batch, best.recompute)
         assert math.isfinite(loss)
         assert "no layout of this model fits 0.8 ×" in refusal and "The smallest that would fit: 8 devices" in refusal
+
+
+MOE = dict(family="qwen3_moe", labels=True)
+
+
+def _moe_ranked(budget):
+    inventory = inventory_of_hf_model(build("hf", **MOE).model)
+    return rank_layouts(inventory, WORLD, SEQ, AutoLayout(SEQ, BATCH, budget), budget, precision="32-true",
+                        gpus_per_node=WORLD, fits=FITS)
+
+
+def _fit_moe(rank, world, budget):
+    strategy = SeqParallelStrategy(layout=AutoLayout(seq_len=SEQ, batch_size=BATCH, memory_budget=budget))
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, precision="32-true", max_steps=2,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0)
+    trainer.fit(build("hf", **MOE), loader(token_data(2, strategy_dp(strategy, world), batch=BATCH), BATCH))
+    chosen = strategy.chosen_layout
+    return ((chosen.tp, chosen.pp, chosen.ep, chosen.micro_batch, chosen.recompute), strategy.mesh.group("ep").size,
+            trainer.callback_metrics["train/loss"].item())
+
+
+def test_a_mixture_of_experts_gets_an_expert_parallel_size_chosen_and_trains():
+    # The tightest budget whose best layout still splits the experts: the planner's choice, not a default.
+    unbounded = _moe_ranked(1e12)
+    budget = next(b for b in sorted({r.bytes["total"] / 0.8 * 1.0001 for r in unbounded}) if _moe_ranked(b)[0].ep > 1)
+    best = _moe_ranked(budget)[0]
+    for layout, ep_group, loss in run_distributed(_fit_moe, WORLD, budget):
+        assert layout == (best.tp, best.pp, best.ep, best.micro_batch, best.recompute) and ep_group == best.ep > 1
+        assert math.isfinite(loss)
 
 
 def test_layout_auto_names_what_it_needs():
