@@ -42,7 +42,8 @@ def _planned_model(module: pl.LightningModule) -> Optional[torch.nn.Module]:
                 rebuilt = module.with_adapters(rebuilt)  # LoRA: the frozen base costs its parameters only
         return rebuilt
     gpt = getattr(getattr(module, "gpt", None), "config", None)
-    if gpt is not None and hasattr(gpt, "n_embd"):  # the reference GPT: the GPT-2 layout of its sizes
+    if gpt is not None and hasattr(gpt, "n_embd") and not getattr(gpt, "n_experts", 0):
+        # the reference GPT: the GPT-2 layout of its sizes (its mixture of experts has no Hugging Face twin)
         return meta_model(dict(model_type="gpt2", vocab_size=gpt.vocab_size, n_positions=gpt.block_size,
                                n_embd=gpt.n_embd, n_head=gpt.n_head, n_layer=gpt.n_layer, tie_word_embeddings=True))
     return None
@@ -67,7 +68,8 @@ def predicted_peak(trainer: pl.Trainer, module: pl.LightningModule, seq_len: int
     m = config.num_microbatches if mesh.pp > 1 else 1
     record = LayoutRecord(mesh.tp, 1, mesh.pp, config.virtual_stages, dp, strategy.data_parallel.zero,
                           max(1, batch_size // m), m, _recompute(trainer),
-                          main_params=bool(getattr(strategy.data_parallel, "fp32_main_params", False)))
+                          main_params=bool(getattr(strategy.data_parallel, "fp32_main_params", False)),
+                          ep=mesh.dims.ep if mesh.dims is not None else 1)
     precision = str(trainer.precision)
     predict(inventory_of_hf_model(model), record, seq_len, batch_size * dp * trainer.accumulate_grad_batches,
             hardware=Hardware(memory=1e15), precision=precision if precision != "64-true" else "32-true",
