@@ -10,7 +10,8 @@ A rank's step peaks either in a backward, when the most micro-batches are in fli
 - **backward through a layer**: the input gathered again over the sequence for a weight gradient (§4.2.2, ``e·s·b·h``
   under sequence parallelism) or, accumulating, the largest weight gradient of the layer before it is added
   (``r · h·f/t`` for an MLP matrix; gate and up together, ``2·r · h·f/t``, in a gated MLP, whose input gradient
-  they share; under ``bf16-mixed`` autocast's 16-bit gradient and its float32 copy, ``r = 2 + 4``); the incoming
+  they share; a mixture's packed gate and up projections of its ``E/e`` experts, ``r · E/e · 2f·h``, once; under
+  ``bf16-mixed`` autocast's 16-bit gradient and its float32 copy, ``r = 2 + 4``); the incoming
   and outgoing gradient of the layer's output ``2·e·s·b·h / t``; under recomputation, what the layer's backward makes
   again beside them (one layer's kept bytes without recomputation, less those with it, for one micro-batch);
 - **gradients accumulated beside the buckets**: with m > 1 micro-batches (a pipeline schedule's or gradient
@@ -33,8 +34,13 @@ from lightning_seqpar.tensor_parallel.sharding import padded_size
 
 
 def largest_layer_weight(inventory: ModelInventory, t: int, ep: int = 1) -> int:
-    """Elements of a layer's largest parameter on one rank of ``t`` tensor-parallel and ``ep`` expert-parallel ranks."""
-    return max((e.local_numel(t, ep) for e in inventory.entries if e.part == "layer"), default=0)
+    """Elements of the largest weight gradient a layer's backward makes at once, on one rank of ``t``
+    tensor-parallel and ``ep`` expert-parallel ranks: a dense parameter's, twice over in a gated MLP (gate and up
+    share their input's gradient); a mixture's packed ``gate_up_proj`` ``[E/e, 2f, h]`` once (one grouped GEMM's
+    gradient holds both)."""
+    factor = 2 if inventory.gated_mlp else 1
+    return max((e.local_numel(t, ep) * (1 if e.split == "expert" else factor)
+                for e in inventory.entries if e.part == "layer"), default=0)
 
 
 def backward_transient_bytes(inventory: ModelInventory, s: int, b: int, t: int, element: int, parameter: int,
@@ -49,7 +55,7 @@ def backward_transient_bytes(inventory: ModelInventory, s: int, b: int, t: int, 
     h = inventory.hidden_size
     sbh = s * b * h
     largest = largest_layer_weight(inventory, t) if largest is None else largest
-    weight_gradients = (2 if inventory.gated_mlp else 1) * largest * parameter if accumulating else 0
+    weight_gradients = largest * parameter if accumulating else 0
     gathered = element * sbh if sequence_parallel and t > 1 else 0
     layer = max(gathered, weight_gradients) + recomputed + 2 * element * sbh / t
     if not last:
