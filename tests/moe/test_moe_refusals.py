@@ -78,12 +78,17 @@ def test_a_split_the_experts_do_not_admit_is_refused_with_the_numbers(layout, ma
         explain(build("hf", family="qwen3_moe", labels=True), **layout)
 
 
-def test_the_planner_refuses_to_price_experts_by_name():
+def test_the_planner_refuses_a_router_that_does_not_say_its_top_k_by_name():
     from lightning_seqpar.plan.models import inventory_of_hf_model
 
-    with pytest.raises(ValueError, match=r"the planner does not price mixture-of-experts layers yet; choose the layout "
-                                         r"yourself \(tp, pp, cp, ep\)"):
-        inventory_of_hf_model(build("hf", family="qwen3_moe").model)
+    model = build("hf", family="qwen3_moe").model
+    assert inventory_of_hf_model(model).experts.top_k == 2  # priced (tests/plan/test_planner_experts.py)
+    for module in model.modules():
+        if hasattr(module, "top_k"):
+            module.top_k = None
+    with pytest.raises(ValueError, match=r"the router at mlp\.gate has no integer `top_k`; the planner cannot count "
+                                         r"the experts each token goes through\. Choose the layout yourself"):
+        inventory_of_hf_model(model)
 
 
 def test_the_reference_gpt_s_load_balancing_loss_split_into_pipeline_stages_is_refused_by_name():
