@@ -21,6 +21,8 @@ other parameter on every stage.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
@@ -122,6 +124,14 @@ class ModelInventory:
     """the Hugging Face config the model was built from (what the activation probes copy)"""
     experts: Optional[ExpertShape] = None
     """each layer's mixture of experts; ``None``: dense MLPs"""
+
+    @functools.cached_property
+    def probe_key(self) -> str:
+        """What identifies the model to a cache of activation probes (its config and attention): two models never
+        share a fit."""
+        config = self.config
+        text = config.to_json_string(use_diff=False) if hasattr(config, "to_json_string") else repr(config)
+        return hashlib.sha256(f"{self.name}|{self.eager_attention}|{text}".encode()).hexdigest()
 
     @property
     def num_parameters(self) -> int:

@@ -109,7 +109,8 @@ def plan(inventory: ModelInventory, gpus: int, seq_len: int, global_batch: int, 
         calibrate: a layer's activation bytes measured on small copies of the model and scaled
             (:mod:`~lightning_seqpar.plan.probe`; a Hugging Face model), else the analytic model
             (:mod:`~lightning_seqpar.plan.activations`).
-        fits: the probes' cache, shared between calls (its own when not given).
+        fits: the probes' cache, shared between calls (its own when not given), for any models: a fit is keyed by
+            the model's config (:attr:`~.inventory.ModelInventory.probe_key`) and the layout.
         optimizer: ``adamw`` (the default), ``adam`` or ``sgd`` (with momentum): its state per parameter element.
         per_rank_batch: ``global_batch`` is per data-parallel rank (a Lightning loader's batch): each layout's global
             batch is ``global_batch × dp``.
@@ -217,7 +218,7 @@ def _layer_bytes(record: LayoutRecord, inventory: ModelInventory, s: int, precis
     if fits is None or inventory.config is None:
         element = 2 if precision.startswith("bf16") else PARAMETER_BYTES[precision]
         return layer_bytes(inventory, s, record.micro_batch, record.tp, True, record.recompute, element, dropout)
-    key = (record.tp, record.recompute, precision)
+    key = (inventory.probe_key, record.tp, record.recompute, precision)
     if key not in fits:
         from lightning_seqpar.plan.probe import fit_layer
 
@@ -243,7 +244,7 @@ def _outside_bytes(record: LayoutRecord, inventory: ModelInventory, s: int, prec
     and scaled where the model can be probed (the analytic model has no prologue)."""
     if fits is None or inventory.config is None:
         return outside_layers_bytes(inventory, s, record.micro_batch, record.tp, True, True, element), 0.0
-    key = ("outside", record.tp, precision)
+    key = (inventory.probe_key, "outside", record.tp, precision)
     if key not in fits:
         from lightning_seqpar.plan.probe import fit_outside
 

@@ -74,13 +74,12 @@ def test_a_budget_chooses_the_best_layout_that_fits_and_it_trains():
 
 
 MOE = dict(family="qwen3_moe", labels=True)
-MOE_FITS: dict = {}  # the probes of this model (a cache of fits is one model's)
 
 
 def _moe_ranked(budget):
     inventory = inventory_of_hf_model(build("hf", **MOE).model)
     return rank_layouts(inventory, WORLD, SEQ, AutoLayout(SEQ, BATCH, budget), budget, precision="32-true",
-                        gpus_per_node=WORLD, fits=MOE_FITS)
+                        gpus_per_node=WORLD, fits=FITS)  # shared with the dense model's: fits are keyed by model
 
 
 def _fit_moe(rank, world, budget):

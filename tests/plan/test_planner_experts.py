@@ -118,7 +118,7 @@ def test_a_mixture_s_layer_is_measured_and_a_rank_of_ep_keeps_its_own_experts_au
     fits: dict = {}
     one = _layer_bytes(_record(tp=2, dp=2), inventory, 256, "bf16-mixed", False, fits)
     four = _layer_bytes(_record(tp=2, dp=2, ep=4), inventory, 256, "bf16-mixed", False, fits)
-    fit = fits[(2, "selective", "bf16-mixed")]
+    fit = fits[(inventory.probe_key, 2, "selective", "bf16-mixed")]
     assert fit.check_error < 0.01  # the fit predicts a probe it was not fitted on
     # The probe's d·f term is the 16-bit copies of all E experts autocast keeps for backward (E·3·h·f_e elements,
     # h = a·d and f_e = f·f_e/(k·f_e)), measured; a rank of ep 4 keeps a quarter of them.
@@ -126,3 +126,19 @@ def test_a_mixture_s_layer_is_measured_and_a_rank_of_ep_keeps_its_own_experts_au
     assert one - four == 2 * expert_layer_elements(inventory) * 3 / 4
     full = fit_layer(inventory.config, 2, True, "full", "32-true", inventory.experts)
     assert full.check_error < 0.01
+
+
+def test_one_cache_of_probes_serves_two_models_without_mixing_their_fits():
+    from lightning_seqpar.plan import predict
+
+    dense = model_inventory(dict(QWEN3_30B_A3B, model_type="qwen3", vocab_size=512, hidden_size=64,
+                                 intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, head_dim=16))
+    moe = model_inventory(dict(QWEN3_30B_A3B, vocab_size=512, hidden_size=64, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+                               num_experts_per_tok=2, moe_intermediate_size=32))
+    shared: dict = {}
+    for inventory in (dense, moe):
+        alone = predict(inventory, _record(tp=2), 128, 4, fits={}).bytes
+        assert predict(inventory, _record(tp=2), 128, 4, fits=shared).bytes == alone
+    assert len({key[0] for key in shared}) == 2
