@@ -317,10 +317,9 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
                                         precision=precision, main_params=record.main_params, optimizer=optimizer,
                                         ep=record.ep)
         stages = layout.stages_of(rank)
-        accumulated = accumulation_bytes(state.parameters, m, dp > 1 or record.zero == 1,
-                                         record.zero == 0 and parameter < 4)
+        accumulated = accumulation_bytes(state.parameters, m, state.bucketed, record.zero == 0 and parameter < 4)
         # `.grad` a step's first backward has not made yet (where the buckets are not the gradients).
-        unmade = state.gradients if dp == 1 and record.zero == 0 else (
+        unmade = state.gradients if not state.bucketed else (
             state.parameters if record.zero == 0 and parameter < 4 else 0)
         # The step peaks at one of this rank's backwards (what its schedule holds in flight then, and what that
         # backward makes) or in the optimizer's step, once the activations are gone.
