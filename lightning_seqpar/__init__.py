@@ -25,6 +25,7 @@ _EXPORTS = {
     "ParallelDims": "lightning_seqpar.parallel.dims",
     "Placement": "lightning_seqpar.parallel.placement",
     "CommunicationLog": "lightning_seqpar.parallel",
+    "CompileConfig": "lightning_seqpar.transformer.compiling",
     "DeclaredBlockPolicy": "lightning_seqpar.rewriting.declared_policy",
     "ModelPolicy": "lightning_seqpar.rewriting",
     "StackPolicy": "lightning_seqpar.rewriting",

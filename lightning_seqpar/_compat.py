@@ -239,3 +239,11 @@ def use_eager_experts(config: Any) -> None:
     """Make a transformers config's experts run one by one (the ``"eager"`` kernel), the public
     ``experts_implementation=`` argument being available at model construction only."""
     config._experts_implementation = "eager"
+
+
+def compile_errors() -> tuple[type[BaseException], ...]:
+    """What ``torch.compile(fullgraph=True)`` raises where it cannot trace one graph (a graph break): dynamo's
+    ``Unsupported`` (``torch._dynamo.exc``; torch has no public name for it)."""
+    from torch._dynamo.exc import Unsupported
+
+    return (Unsupported,)

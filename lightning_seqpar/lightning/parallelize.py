@@ -19,6 +19,7 @@ from lightning_seqpar.parallel.mesh import ParallelMesh
 from lightning_seqpar.parallel.random import RNGTracker
 from lightning_seqpar.build import OneRankChecks, build_rank
 from lightning_seqpar.rewriting import Policy, RewriteContext, RewritePlan
+from lightning_seqpar.transformer.compiling import CompileConfig, compile_blocks
 from lightning_seqpar.transformer.materialize import Materializer
 
 
@@ -68,7 +69,7 @@ def seed_streams(seed: int, mesh: ParallelMesh, device: torch.device) -> RNGTrac
 
 def parallelize(model: torch.nn.Module, mesh: ParallelMesh, device: torch.device, parallel: ParallelConfig, *,
                 seed: Optional[int], broadcast: Callable[[Any], Any], policies: Iterable[Policy], verify: bool,
-                source: Optional[Mapping[str, Any]] = None) -> ParallelModel:
+                source: Optional[Mapping[str, Any]] = None, compiled: Optional[CompileConfig] = None) -> ParallelModel:
     """Rewrite ``model`` (a LightningModule, in place) into this rank's tensor (+ sequence) and pipeline parallel
     part, as ``parallel`` says (sequence and loss parallelism, the pipeline, the context-parallel attention when the
     mesh has ``cp > 1``, the loss's chunk of positions: :class:`~lightning_seqpar.rewriting.RewriteContext`).
@@ -76,11 +77,12 @@ def parallelize(model: torch.nn.Module, mesh: ParallelMesh, device: torch.device
     ``torch.initial_seed()`` through ``broadcast``. ``verify``: run the policies' self-checks (on rank 0;
     every rank raises its verdict: :class:`~lightning_seqpar.build.OneRankChecks`). ``source``: single-device weights read
     straight into the shards of a model built on the meta device (checked already); what it lacks is drawn with
-    the owning model's initializer (Hugging Face's, found in the model) or the policy's.
+    the owning model's initializer (Hugging Face's, found in the model) or the policy's. ``compiled``: every rewritten
+    block's body runs through ``torch.compile`` so (:func:`~lightning_seqpar.transformer.compiling.compile_blocks`).
 
     Raises:
         ValueError: from the rewrite (nothing recognized, shapes that do not split) or the pipeline split, before
-            any rank has changed its model.
+            any rank has changed its model; a block ``compiled`` cannot take (every rank refuses alike).
     """
     # The single-device model stays where it was built; only its shards move to the device afterwards.
     broadcast_module(model, device)
@@ -97,6 +99,8 @@ def parallelize(model: torch.nn.Module, mesh: ParallelMesh, device: torch.device
     rank = build_rank(model, ctx, policies, verify=verify, pipeline=parallel.pipeline, pipeline_rank=mesh.pipeline.rank,
                       materializer=materializer, expert_parallel=mesh.dims.ep if mesh.dims is not None else 1,
                       one_rank_checks=OneRankChecks(dist.get_rank() == 0, broadcast))
+    if compiled is not None:  # each block compiles at its first call, after the recomputation callbacks apply
+        compile_blocks(model, compiled)
     steps = PipelinedSteps.of(rank.runtime, parallel.pipeline, mesh.pipeline, device) if rank.runtime is not None else None
     return ParallelModel(rng_tracker, rank.plan, steps, rank.remote_keys)
 

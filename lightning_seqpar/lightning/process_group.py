@@ -11,6 +11,7 @@ from typing import Any, Optional, Union
 
 import torch.distributed as dist
 from lightning.fabric.plugins import ClusterEnvironment
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 from torch.distributed.constants import default_pg_timeout
 
@@ -51,6 +52,15 @@ def _destroy_process_group() -> None:
 # Processes start at their own pace (imports, a cold file cache, a busy node): waiting for all of them to join is
 # not a collective stalled on a peer, and gets at least this long.
 START_TIMEOUT = timedelta(minutes=5)
+
+
+def set_world_ranks(environment: Optional[ClusterEnvironment], global_rank: int, world_size: int) -> None:
+    """Tell the cluster environment (and Lightning's rank-zero utilities) this process's rank and the world size, as
+    Lightning's DDP strategy does before the process group starts."""
+    if environment is not None:
+        environment.set_global_rank(global_rank)
+        environment.set_world_size(world_size)
+    rank_zero_only.rank = global_rank
 
 
 def start_process_group(environment: ClusterEnvironment, backend: str, timeout: timedelta) -> FailureWatch:

@@ -13,7 +13,6 @@ from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -37,6 +36,7 @@ from lightning_seqpar.parallel import ParallelMesh, RNGTracker
 from lightning_seqpar.parallel.one_rank import decided_by_one_rank
 from lightning_seqpar.pipeline_parallel import PipelineConfig
 from lightning_seqpar.rewriting import Policy, RewritePlan
+from lightning_seqpar.transformer.compiling import CompileConfig, compile_config_of
 
 
 class SeqParallelStrategy(ParallelStrategy):
@@ -76,6 +76,7 @@ class SeqParallelStrategy(ParallelStrategy):
         layout: :class:`~.auto_layout.AutoLayout` (then no ``tp``/``pp``): the planner's best layout for the model,
             the world and the device memory, chosen before the process groups are built (:mod:`.auto_layout`).
         parallel: :class:`~.config.ParallelConfig`, instead of its shorthands above.
+        compile: blocks through ``torch.compile(fullgraph=True)``: ``True`` or a :class:`~lightning_seqpar.CompileConfig`.
 
     Raises:
         ValueError: settings each config refuses, or that refuse each other (:func:`~.config.check_together`);
@@ -94,7 +95,7 @@ class SeqParallelStrategy(ParallelStrategy):
         pipeline_split: Optional[Sequence[int]] = None,
         sequence_parallel: bool = True, loss_parallel: bool = True,
         policies: Optional[Iterable[Policy]] = None,
-        verify_rewrite: bool = True,
+        verify_rewrite: bool = True, compile: Union[bool, CompileConfig, Mapping[str, Any], None] = False,
         seed: Optional[int] = None,
         start_method: Literal["popen", "spawn", "fork"] = "popen",
         accelerator: Optional[Accelerator] = None, parallel_devices: Optional[list[torch.device]] = None,
@@ -130,7 +131,7 @@ class SeqParallelStrategy(ParallelStrategy):
         check_start_method(start_method)
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
                          checkpoint_io=checkpoint_io or AtomicCheckpointIO(), precision_plugin=precision_plugin)
-        self.policies, self.verify_rewrite = list(policies or ()), verify_rewrite
+        self.policies, self.verify_rewrite, self.compile_config = list(policies or ()), verify_rewrite, compile_config_of(compile)
         self._seed, self._start_method, self.process_group_backend = seed, start_method, process_group_backend
         self._timeout, self.precision_config = as_timedelta(timeout), precision_config or PrecisionConfig(low_precision_residual)
         self._mesh: Optional[ParallelMesh] = None
@@ -188,7 +189,8 @@ class SeqParallelStrategy(ParallelStrategy):
         # Lightning's Fabric launchers do this; the Trainer's do not. Without it every process runs
         # cpu_count intra-op threads, and on CPU 4 processes on 2 cores ran 4.4x slower than with one each.
         set_num_threads_if_needed(self.num_processes)
-        self.set_world_ranks()
+        process_group.set_world_ranks(self.cluster_environment, self.node_rank * self.num_processes + self.local_rank,
+                                      self.num_nodes * self.num_processes)
         if self.process_group_backend is None:
             self.process_group_backend = "nccl" if self.root_device.type == "cuda" else "gloo"
         assert self.cluster_environment is not None
@@ -216,12 +218,6 @@ class SeqParallelStrategy(ParallelStrategy):
         self.parallel, self.chosen_layout = self._layout_choice.parallel, self._layout_choice.record
         self._layout_choice.add_recompute(trainer or module.trainer)
 
-    def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = self.global_rank
-
     @override
     def setup(self, trainer: Any) -> None:
         assert self.model is not None and self.accelerator is not None
@@ -229,7 +225,8 @@ class SeqParallelStrategy(ParallelStrategy):
         if self.model is not self._parallelized:  # fit() then validate() on one trainer: rewritten once
             parallel = parallelize(
                 self.model, self.mesh, self.root_device, self.parallel, seed=self._seed, broadcast=self.broadcast,
-                policies=self.policies, verify=self.verify_rewrite, source=self.checkpointer.initial_weights)
+                policies=self.policies, verify=self.verify_rewrite, source=self.checkpointer.initial_weights,
+                compiled=self.compile_config)
             self.checkpointer.initial_weights = None
             if self.precision_config.low_precision_residual:
                 low_precision_residual(self.model, self.precision_plugin)

@@ -194,6 +194,8 @@ class ParallelGroup:
         """:meth:`all_reduce` (sum, in place), started and returned in flight (:class:`Pending`)."""
         if self.size == 1:
             return Pending(tensor)
+        if not self._eager():
+            return Pending(self.all_reduce(tensor))
         self._record("all_reduce", tensor)
         return self._pending("all_reduce", tensor, dist.all_reduce(tensor, group=self.group, async_op=True))
 
@@ -201,13 +203,21 @@ class ParallelGroup:
         """:meth:`all_gather` along dim 0, started and returned in flight (:class:`Pending`)."""
         if self.size == 1:
             return Pending(tensor)
-        return self._pending("all_gather", *self._all_gather_single(tensor, async_op=True))
+        return self._pending("all_gather", *self._all_gather_single(tensor, async_op=self._eager()))
 
     def reduce_scatter_start(self, tensor: Tensor) -> Pending:
         """:meth:`reduce_scatter`, started and returned in flight (:class:`Pending`)."""
         if self.size == 1:
             return Pending(tensor)
-        return self._pending("reduce_scatter", *self._reduce_scatter_single(tensor, async_op=True))
+        return self._pending("reduce_scatter", *self._reduce_scatter_single(tensor, async_op=self._eager()))
+
+    @staticmethod
+    def _eager() -> bool:
+        """Whether a ``*_start`` collective runs in flight. Under ``torch.compile`` it is issued synchronously
+        (``Pending`` holds the result): dynamo traces collectives into functional ones only with ``async_op=False``,
+        and the compiler then places their waits itself (inductor's comm/compute reordering), which is what the
+        eager overlap does by hand."""
+        return not torch.compiler.is_compiling()
 
     def ring_exchange_start(self, tensor: Tensor) -> Pending:
         """Send ``tensor`` to the next rank of the group's ring (``rank + 1 mod size``) and receive the previous
@@ -281,6 +291,8 @@ class ParallelGroup:
         return out, dist.reduce_scatter_single(out, tensor, group=self.group, async_op=async_op)
 
     def _pending(self, kind: str, result: Tensor, work: Any) -> Pending:
+        if work is None:  # run synchronously (_eager)
+            return Pending(result)
         if self.log is not None:
             self.log.event(f"{kind} start")
         description = "default_pg" if self.group is None else getattr(self.group, "group_desc", None)

@@ -23,12 +23,14 @@ Face passes them.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from functools import partial
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn as nn
 from torch import Tensor
 
+from lightning_seqpar._compat import compile_errors
 from lightning_seqpar.context_parallel import ContextParallelBatch
 from lightning_seqpar.parallel.random import recomputed
 from lightning_seqpar.tensor_parallel.layers import column_parallel_linears
@@ -38,6 +40,7 @@ from lightning_seqpar.transformer.block_spec import BlockSpec
 from lightning_seqpar.transformer.context import RewriteContext
 from lightning_seqpar.transformer.dropout import ParallelDropout
 from lightning_seqpar.transformer.masks import torch_attention_bias
+from lightning_seqpar.transformer.moe_part import MoEPart
 from lightning_seqpar.transformer.part_builder import PartBuilder
 from lightning_seqpar.transformer.region import enter_parallel_region, exit_parallel_region
 from lightning_seqpar.transformer.roles import LayerDims, ParallelLayer
@@ -108,6 +111,7 @@ class ParallelBlock(ParallelLayer):
         attention = self._attention
         self._dims = LayerDims(attention.hidden, attention.num_heads, self._mlp.ffn_hidden_size, ctx.tp, ctx.sp,
                                attention.num_kv_heads, spec.mlp.gated)
+        self._compiled_body: Optional[Callable] = None  # built at the first call; not copied or pickled
 
     def layer_dims(self) -> LayerDims:
         return self._dims
@@ -126,11 +130,51 @@ class ParallelBlock(ParallelLayer):
             layout, mask, causal = layout.with_window(self._attention.window), None, None
         else:
             mask, causal = self._mask(call, x)
+        body = self._body if self.compile_config is None else partial(self._compiled(), self)
         if self.recompute_layer and torch.is_grad_enabled():
-            x = recomputed(self._body, x, call.position_embeddings, mask, causal, layout, rng_tracker=self.rng_tracker)
+            x = recomputed(body, x, call.position_embeddings, mask, causal, layout, rng_tracker=self.rng_tracker)
         else:
-            x = self._body(x, call.position_embeddings, mask, causal, layout)
+            x = body(x, call.position_embeddings, mask, causal, layout)
         return exit_parallel_region(x, self.group, self.sp, self.batch_first) if self.exit_region else x
+
+    def not_compilable(self) -> str:
+        """Why this block's body cannot be compiled whole, and the fix (``""``: it can; :mod:`~.compiling`)."""
+        if self.context is not None and self.context.group.size > 1:
+            return (f"attends across {self.context.group.size} context-parallel ranks, which is not compiled yet (the "
+                    f"ring's point-to-point transfers and the per-forward layout are not traceable): train with "
+                    f"compile=False, or cp=1")
+        if isinstance(self._mlp, MoEPart):
+            return ("holds a mixture of experts, which is not compiled yet (its dispatch reads the split sizes on the "
+                    "host: a graph break): train with compile=False")
+        forked = [m.p for m in self.modules() if isinstance(m, ParallelDropout) and m.p > 0 and m.sharded]
+        if self._attention.dropout_p > 0 or forked:
+            return (f"has dropout (attention p={self._attention.dropout_p}, sharded residual p={forked or 0}) drawn "
+                    f"from the tensor-parallel random stream, whose generator swap is not traceable: set the "
+                    f"model's dropout to 0 (as fine-tuning usually does), or train with compile=False")
+        return ""
+
+    def _compiled(self) -> Callable:
+        """The body compiled as :attr:`compile_config` says, built once. The unbound function is compiled (called with
+        the block as its first argument), so a copy of the block never runs the original's body."""
+        if self._compiled_body is None:
+            assert self.compile_config is not None
+            compiled = self.compile_config.compile(type(self)._body)
+            name = self._name
+
+            def run(block: "ParallelBlock", *args: Any) -> Tensor:
+                try:
+                    return compiled(block, *args)
+                except compile_errors() as error:  # a graph break under fullgraph=True: name the block and the fix
+                    raise RuntimeError(f"{name} could not be compiled as one graph (compile=True, fullgraph): "
+                                       f"{str(error).splitlines()[0]}. Train with compile=False, or report the "
+                                       f"block's family.") from error
+            self._compiled_body = run
+        return self._compiled_body
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_compiled_body"] = None  # a compiled function is rebuilt at the next call, never shared by a copy
+        return state
 
     def _mask(self, call: Any, x: Tensor) -> tuple[Optional[Tensor], Optional[bool]]:
         """The mask in Hugging Face's convention and the causal flag (``None``: causal when no mask is given and the

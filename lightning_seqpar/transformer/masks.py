@@ -35,6 +35,8 @@ class FutureMask:
         self._mask: Optional[Tensor] = None
 
     def __call__(self, s: int, device: torch.device) -> Tensor:
+        if torch.compiler.is_compiling():  # built inside the graph, where the compiler keeps or rebuilds it: no cache
+            return torch.ones(s, s, dtype=torch.bool, device=device).triu(1)
         mask = self._mask
         if mask is None or mask.shape[0] != s or mask.device != device:
             mask = self._mask = torch.ones(s, s, dtype=torch.bool, device=device).triu(1)

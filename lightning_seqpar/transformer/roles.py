@@ -82,6 +82,7 @@ class ParallelLayer(nn.Module):
     """
 
     recompute_layer: bool = False
+    compile_config: Any = None  # a CompileConfig: the body runs through torch.compile (set by compile_blocks)
     returns_tuple: bool = False
     fused_attention: bool = False
     pipeline_stage: Optional[int] = None
@@ -90,6 +91,11 @@ class ParallelLayer(nn.Module):
     def layer_dims(self) -> LayerDims:
         """The single-device sizes and layout of this layer."""
         raise NotImplementedError(f"{type(self).__name__} must implement layer_dims().")
+
+    def not_compilable(self) -> str:
+        """Why this layer cannot run its body compiled whole, and the fix; ``""`` when it can (then it honours
+        :attr:`compile_config`: :mod:`~lightning_seqpar.transformer.compiling`)."""
+        return f"({type(self).__name__}) does not run a compiled body: train with compile=False"
 
     def attach_pipeline_stage(self, stage: int, router: LayerRouter) -> None:
         """Hold this layer on virtual pipeline stage ``stage``; every call then goes through ``router``.

@@ -1,0 +1,106 @@
+"""Compiled transformer blocks: each rewritten block's body run through ``torch.compile(fullgraph=True)``.
+
+What is compiled is :meth:`ParallelBlock._body <lightning_seqpar.transformer.declared_block.ParallelBlock._body>`:
+norms, the g all-gathers, column- and row-parallel projections, core attention (checkpointed inside the graph under
+selective recomputation), the MLP, the ḡ reduce-scatters, dropouts and residual adds — every kernel of the layer.
+The block's argument checks (names refused, a key/value cache holding tokens, the mask conventions) stay in Python
+around it: they raise errors by name, and they read objects the graph should not guard on.
+
+One graph per block, never a graph break (``fullgraph=True``: a break is an error naming the block), as torchtitan
+compiles its blocks. Collectives are traced as functional collectives: the custom backwards of the g/ḡ operators
+are traced with them, so no gradient is reduced twice, and the in-flight overlap the eager backward does by hand is
+left to the compiler (:meth:`ParallelGroup._eager <lightning_seqpar.parallel.collectives.ParallelGroup>`).
+
+Not compiled yet, refused before training (:func:`compile_blocks`): context-parallel attention (the ring's
+point-to-point transfers have no traceable form), mixtures of experts (the dispatch reads its split sizes on the
+host) and dropout drawn from the tensor-parallel random stream (attention dropout; residual dropout under sequence
+parallelism): swapping the generator's state in and out is not traceable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional, Union
+
+import torch
+import torch.nn as nn
+
+from lightning_seqpar.transformer.roles import ParallelLayer
+
+MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+@dataclass(frozen=True)
+class CompileConfig:
+    """How the strategy compiles each rewritten block (``SeqParallelStrategy(compile=...)``).
+
+    Attributes:
+        backend: a ``torch.compile`` backend: ``"inductor"`` (fused kernels; the default) or a debugging one
+            (``"aot_eager"``: the same autograd graphs run op by op, bit-equal to eager).
+        mode: ``torch.compile``'s mode (``None``, ``"default"``, ``"reduce-overhead"``, ``"max-autotune"``,
+            ``"max-autotune-no-cudagraphs"``).
+        dynamic: ``torch.compile``'s ``dynamic``: ``False`` (the default) specializes on shapes, as training with
+            fixed-length blocks of tokens wants; ``None`` lets torch mark changing sizes dynamic after a recompile.
+
+    Raises:
+        ValueError: a backend torch does not list, a mode not above, a ``dynamic`` that is not ``True``, ``False`` or
+            ``None``.
+    """
+
+    backend: str = "inductor"
+    mode: Optional[str] = None
+    dynamic: Optional[bool] = False
+
+    def __post_init__(self) -> None:
+        known = torch.compiler.list_backends(exclude_tags=())
+        if not isinstance(self.backend, str) or self.backend not in known:
+            raise ValueError(f"compile backend={self.backend!r}: not a torch.compile backend; one of {sorted(known)}.")
+        if self.mode not in MODES:
+            raise ValueError(f"compile mode={self.mode!r}: one of {list(MODES)}.")
+        if self.dynamic not in (True, False, None):
+            raise ValueError(f"compile dynamic={self.dynamic!r}: True, False or None.")
+
+    def compile(self, function: Callable) -> Callable:
+        """``torch.compile(function, fullgraph=True, ...)`` with these settings."""
+        return torch.compile(function, fullgraph=True, backend=self.backend, mode=self.mode, dynamic=self.dynamic)
+
+
+def compile_config_of(value: Union[bool, CompileConfig, Mapping[str, Any], None]) -> Optional[CompileConfig]:
+    """The strategy's ``compile=`` argument as a :class:`CompileConfig`, or ``None`` (eager).
+
+    ``True``: the defaults (inductor); a mapping (a recipe's ``strategy.compile: {backend: aot_eager}``): its keys.
+
+    Raises:
+        ValueError: anything else, or a mapping with keys :class:`CompileConfig` does not have.
+    """
+    if value is None or value is False:
+        return None
+    if value is True:
+        return CompileConfig()
+    if isinstance(value, CompileConfig):
+        return value
+    if isinstance(value, Mapping):
+        unknown = set(value) - {"backend", "mode", "dynamic"}
+        if unknown:
+            raise ValueError(f"compile={dict(value)!r}: unknown key(s) {sorted(unknown)}; the keys are backend, mode "
+                             f"and dynamic.")
+        return CompileConfig(**value)
+    raise ValueError(f"compile={value!r}: True, False, a CompileConfig or a mapping of backend / mode / dynamic.")
+
+
+def compile_blocks(model: nn.Module, config: CompileConfig) -> int:
+    """Have every rewritten block of ``model`` run its body compiled with ``config`` (at its first call, after the
+    recomputation a callback applies; a later change of recomputation recompiles). Returns the number of blocks.
+
+    Raises:
+        ValueError: a block under context parallelism, with a mixture of experts or with tensor-parallel-stream
+            dropout (not compiled yet), naming it and the fix; before any block is changed.
+    """
+    blocks = [(name, m) for name, m in model.named_modules() if isinstance(m, ParallelLayer)]
+    for name, block in blocks:
+        refusal = block.not_compilable()
+        if refusal:
+            raise ValueError(f"compile=True: the block {name!r} {refusal}.")
+    for _, block in blocks:
+        block.compile_config = config
+    return len(blocks)
