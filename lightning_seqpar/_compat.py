@@ -38,10 +38,12 @@ def reset_multihead_attention(module: torch.nn.MultiheadAttention) -> None:
 
 def default_store() -> Any:
     """The key-value store of the default process group (``torch.distributed.distributed_c10d._get_default_store``),
-    or ``None`` when no process group exists."""
+    or ``None`` when no process group exists or it is torch's ``fake`` backend (no peers: nothing to coordinate)."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
+        return None
+    if dist.get_backend() == "fake":  # one rank of a simulated world (recipes/gpu_check.py): its store serves nothing
         return None
     from torch.distributed.distributed_c10d import _get_default_store
 
@@ -247,3 +249,12 @@ def compile_errors() -> tuple[type[BaseException], ...]:
     from torch._dynamo.exc import Unsupported
 
     return (Unsupported,)
+
+
+def fake_process_group_store() -> Any:
+    """The store of torch's ``fake`` process-group backend (one rank of a large world, collectives that return at
+    once: ``recipes/gpu_check.py``'s memory rows). torch keeps it in ``torch.testing._internal.distributed.fake_pg``
+    (no public module, torch 2.13)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore()

@@ -231,7 +231,8 @@ class ParallelMesh:
         stages = [[c, c + (dims.pp - 1) * (world // dims.pp)] for c in range(world // dims.pp)]
         first_and_last = factory.mine(stages, None, "first_and_last_stage") if dims.pp > 2 else None
         if host_groups is None:
-            host_groups = dist.get_backend() != "gloo"
+            # torch's fake backend (one rank of a large world, no communication: the memory check) has no gloo
+            host_groups = dist.get_backend() not in ("gloo", "fake")
         host: dict[str, ParallelGroup] = {}
         if host_groups:
             host = {name: factory.mine(dims.all_groups(name), "gloo", f"host_{name}") for name in GROUPS}

@@ -1,0 +1,352 @@
+"""What only a GPU can show, in one command (about 8 minutes on one H100): memory against the planner, the CUDA
+kernels against their op-by-op references, host syncs in a training step, and speed with and without compiled blocks
+against plain Lightning + transformers. Prints one table; exits 1 when a check fails.
+
+    python recipes/gpu_check.py           # on a CUDA device
+    python recipes/gpu_check.py --cpu     # the dry parts on CPU: the same code at a small size (what CI runs)
+
+Rows (each in its own process, so every memory peak and process group is its own):
+
+- ``memory``: one rank of a large world on torch's ``fake`` process-group backend (collectives return at once; the
+  rank allocates what it would in the real job) at full size: Llama-3-8B at tp 8, s 8192, bf16-mixed, selective
+  recomputation; and tp 4 × cp 2. ``torch.cuda.max_memory_allocated`` against the planner's prediction for that rank
+  (:class:`~lightning_seqpar.lightning.callbacks.layout_report.LayoutReport`), within 5 %. Context parallelism is
+  not priced by the planner yet: that row reports the measurement only. On CPU: a tiny Llama, and no device peak.
+- ``kernels``: the fused attention kernel with log-sum-exp that context parallelism merges blocks by
+  (``_compat.fused_attention_with_lse``), in bf16, against the explicit softmax attention in float32; our first
+  training loss (vocabulary-parallel head, the loss over chunks of positions, bf16-mixed) against the same model's
+  loss under plain Lightning.
+- ``host syncs``: reads of device values (``aten._local_scalar_dense``) inside the strategy's training step and
+  backward, steps after the first, counted with a dispatch mode (0 expected: ``docs/gpus.md``).
+- ``speed``: a Llama of about 1B parameters (tp 1, bf16-mixed, selective): tokens/s and MFU (Eq. 7 FLOPs over the
+  device's peak) under ``SeqParallelStrategy`` eager, with ``compile=True``, and plain Lightning + transformers on
+  the same model and batches. On CPU: a tiny Llama, ``compile={"backend": "aot_eager"}``, no MFU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: the package from this checkout
+
+LLAMA3_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                 num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0, max_position_embeddings=8192)
+LLAMA_1B = dict(model_type="llama", vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
+                num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=4096)
+TINY = dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256)
+MEMORY_TOLERANCE = 0.05
+
+
+@dataclass
+class Row:
+    check: str
+    case: str
+    measured: str
+    expected: str
+    ok: Optional[bool]  # None: reported, not judged (a dry run on CPU, or nothing to compare with)
+
+
+def _size(cpu: bool) -> dict:
+    """The sizes of every row: full on a GPU, tiny on CPU."""
+    if cpu:
+        return dict(memory=[(TINY, 4, 1, 64), (TINY, 2, 2, 64)], speed=(TINY, 64, 2, 4),
+                    compile={"backend": "aot_eager"}, precision="bf16-mixed", device="cpu")
+    return dict(memory=[(LLAMA3_8B, 8, 1, 8192), (LLAMA3_8B, 4, 2, 8192)], speed=(LLAMA_1B, 2048, 4, 10),
+                compile=True, precision="bf16-mixed", device="cuda")
+
+
+def _trainer(size: dict, steps: int, strategy: Any, callbacks: list, num_nodes: int = 1) -> Any:
+    import lightning.pytorch as pl
+
+    return pl.Trainer(accelerator="gpu" if size["device"] == "cuda" else "cpu", devices=1, num_nodes=num_nodes,
+                      precision=size["precision"], max_steps=steps, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, strategy=strategy, callbacks=callbacks)
+
+
+def _tokens(vocab: int, s: int, batch: int, steps: int) -> Any:
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, vocab, (batch * steps, s), generator=g)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x), batch_size=batch)
+
+
+def memory_row(size: dict, index: int) -> Row:
+    """One rank of a ``tp · cp``-rank world on the fake backend, two steps; its peak against the planner's."""
+    import torch
+    import torch.distributed as dist
+
+    from lightning_seqpar import SelectiveRecompute, SeqParallelStrategy
+    from lightning_seqpar._compat import fake_process_group_store
+    from lightning_seqpar.lightning.callbacks.layout_report import LayoutReport
+    from lightning_seqpar.models.hf_module import HFCausalLMModule
+
+    config, tp, cp, s = size["memory"][index]
+    world = tp * cp
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29500", RANK="0", WORLD_SIZE=str(world), LOCAL_RANK="0",
+                      NODE_RANK="0")
+    dist.init_process_group("fake", store=fake_process_group_store(), rank=0, world_size=world)
+    report = LayoutReport(seq_len=s, batch_size=1)
+    trainer = _trainer(size, 2, SeqParallelStrategy(tp=tp, cp=cp, process_group_backend="fake"),
+                       [SelectiveRecompute(), report], num_nodes=world)
+    trainer.fit(HFCausalLMModule(config=dict(config)), _tokens(config["vocab_size"], s, 1, 2))
+    case = f"Llama h={config['hidden_size']} L={config['num_hidden_layers']} tp {tp} cp {cp}, s {s}, rank 0 of {world}"
+    if size["device"] != "cuda":
+        return Row("memory", case, "trained 2 steps (fake backend)", _gb(report.predicted), None)
+    measured = torch.cuda.max_memory_allocated()
+    if report.predicted is None:
+        return Row("memory", case, _gb(measured), "not priced (context parallelism)", None)
+    error = measured / report.predicted - 1
+    return Row("memory", case, f"{_gb(measured)} ({error:+.1%})", _gb(report.predicted),
+               abs(error) <= MEMORY_TOLERANCE)
+
+
+def _gb(value: Optional[int]) -> str:
+    if value is None:
+        return "-"
+    return f"{value / 1e9:.2f} GB" if value >= 1e8 else f"{value / 1e6:.2f} MB"
+
+
+def kernel_rows(size: dict) -> list[Row]:
+    """The fused attention with log-sum-exp (bf16) against explicit float32 attention, causal and masked."""
+    import torch
+
+    from lightning_seqpar._compat import fused_attention_with_lse
+
+    device = torch.device(size["device"])
+    g = torch.Generator(device="cpu").manual_seed(0)
+    rows = []
+    for name, causal in (("causal", True), ("masked block", False)):
+        q, k, v = (torch.randn(2, 8, 256, 64, generator=g).to(device, torch.bfloat16) for _ in range(3))
+        allowed = None if causal else (torch.rand(2, 256, 256, generator=g) > 0.3).to(device)
+        out, lse = fused_attention_with_lse(q, k, v, causal, allowed, 64 ** -0.5)
+        scores = (q.float() @ k.float().transpose(-2, -1)) * 64 ** -0.5
+        mask = torch.ones(256, 256, dtype=torch.bool, device=device).tril() if causal else allowed[:, None]
+        scores = scores.masked_fill(~mask, float("-inf"))
+        want_lse = torch.logsumexp(scores, -1)
+        want = torch.softmax(scores, -1) @ v.float()
+        out_error = ((out.float() - want).abs().max() / want.abs().max()).item()
+        lse_error = (lse.float() - want_lse).abs().max().item()
+        rows.append(Row("kernels", f"fused attention + lse, bf16, {name}", f"out {out_error:.1e}, lse {lse_error:.1e}",
+                        "out ≤ 2e-2 rel, lse ≤ 2e-2", out_error <= 2e-2 and lse_error <= 2e-2))
+    return rows
+
+
+class _Timer:
+    """Step times after the warm-up steps (CUDA synchronized at each end: the timer's own, outside the step)."""
+
+    def __init__(self, warmup: int) -> None:
+        self.warmup, self.times, self.losses, self._start = warmup, [], [], 0.0
+
+    def callback(self) -> Any:
+        import lightning.pytorch as pl
+        import torch
+
+        timer = self
+
+        class Timing(pl.Callback):
+            def on_train_batch_start(self, trainer, module, batch, index):
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                timer._start = time.perf_counter()
+
+            def on_train_batch_end(self, trainer, module, outputs, batch, index):
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                if index >= timer.warmup:
+                    timer.times.append(time.perf_counter() - timer._start)
+                timer.losses.append(float(outputs["loss"]))
+        return Timing()
+
+
+def _speed_module(config: dict) -> Any:
+    """A user's module around ``AutoModelForCausalLM.from_config`` (built at once, seeded: the same weights under
+    every library), its loss from ``labels=``."""
+    import lightning.pytorch as pl
+    import torch
+
+    from lightning_seqpar.hf.models import build_causal_lm, causal_lm_config
+
+    class SpeedLM(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.model = build_causal_lm(causal_lm_config(dict(config), attn_implementation="sdpa"))
+
+        def training_step(self, batch: Any, index: int) -> Any:
+            return self.model(input_ids=batch[0], labels=batch[1]).loss
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+    return SpeedLM()
+
+
+def speed_row(size: dict, library: str) -> Row:
+    """Tokens/s and MFU of ``library``: ``ours`` (eager), ``ours compiled`` or ``plain`` Lightning + transformers;
+    the first loss is reported for the loss row (the same seeded weights in all three)."""
+    import torch
+
+    from lightning_seqpar import SelectiveRecompute, SeqParallelStrategy
+    from lightning_seqpar.lightning.callbacks.flops_utilization import peak_flops_of
+    from lightning_seqpar.memory.activations import TransformerShape
+    from lightning_seqpar.memory.flops import model_flops_per_iteration
+
+    config, s, batch, steps = size["speed"]
+    module = _speed_module(config)
+    timer = _Timer(warmup=2)
+    if library == "plain":
+        strategy, callbacks = "auto", [timer.callback()]
+    else:
+        strategy = SeqParallelStrategy(tp=1, compile=size["compile"] if library == "ours compiled" else False)
+        callbacks = [timer.callback(), SelectiveRecompute()]
+    _trainer(size, steps, strategy, callbacks).fit(module, _tokens(config["vocab_size"], s, batch, steps))
+    step = sorted(timer.times)[len(timer.times) // 2]
+    shape = TransformerShape(s=s, b=batch, h=config["hidden_size"], a=config["num_attention_heads"],
+                             L=config["num_hidden_layers"], v=config["vocab_size"],
+                             ffn_hidden_size=config["intermediate_size"], num_kv_heads=config["num_key_value_heads"],
+                             gated_mlp=True)
+    peak = peak_flops_of(torch.device(size["device"]))
+    mfu = f", MFU {model_flops_per_iteration(shape, batch) / step / peak:.1%}" if peak else ""
+    return Row("speed", f"{library}: Llama h={config['hidden_size']} L={config['num_hidden_layers']}, {batch}x{s}",
+               f"{batch * s / step:,.0f} tokens/s{mfu}", f"first loss {timer.losses[0]:.4f}", None)
+
+
+def host_sync_row(size: dict) -> Row:
+    """Device reads inside the strategy's training step and backward, per step after the first."""
+    import lightning.pytorch as pl
+    import torch
+
+    from lightning_seqpar import SelectiveRecompute, SeqParallelStrategy
+    from lightning_seqpar._compat import TorchDispatchMode
+    from lightning_seqpar.models.hf_module import HFCausalLMModule
+
+    scalar = torch.ops.aten._local_scalar_dense.default
+    counts: list[int] = []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            counts[-1] += func is scalar
+            return func(*args, **(kwargs or {}))
+
+    class Counted(pl.Callback):
+        def setup(self, trainer, module, stage):
+            strategy = trainer.strategy
+            for name in ("training_step", "backward"):
+                original = getattr(strategy, name)
+
+                def counted(*args, _original=original, _first=name == "training_step", **kwargs):
+                    if _first:
+                        counts.append(0)
+                    cuda = torch.cuda.is_available() and len(counts) > 1
+                    if cuda:  # CUDA's own detector: a synchronizing call raises (after the first step)
+                        torch.cuda.set_sync_debug_mode("error")
+                    try:
+                        with Count():
+                            return _original(*args, **kwargs)
+                    finally:
+                        if cuda:
+                            torch.cuda.set_sync_debug_mode(0)
+                setattr(strategy, name, counted)
+
+    config, s, batch, _ = size["speed"]
+    tiny = dict(config, num_hidden_layers=2)
+    _trainer(size, 4, SeqParallelStrategy(tp=1), [Counted(), SelectiveRecompute()]).fit(
+        HFCausalLMModule(config=tiny), _tokens(config["vocab_size"], s, batch, 4))
+    after_first = counts[1:]
+    return Row("host syncs", "training step + backward, steps 2-4 (CUDA: sync debug mode 'error')",
+               f"{after_first} device reads", "0 per step",
+               all(c == 0 for c in after_first))
+
+
+ROWS: dict[str, Callable[[dict], list[Row]]] = {
+    "memory 0": lambda size: [memory_row(size, 0)],
+    "memory 1": lambda size: [memory_row(size, 1)],
+    "kernels": kernel_rows,
+    "host syncs": lambda size: [host_sync_row(size)],
+    "speed ours": lambda size: [speed_row(size, "ours")],
+    "speed ours compiled": lambda size: [speed_row(size, "ours compiled")],
+    "speed plain": lambda size: [speed_row(size, "plain")],
+}
+
+
+def _run_row(name: str, cpu: bool, timeout: float) -> list[Row]:
+    """``ROWS[name]`` in a fresh process; a crash or timeout is a failed row with the error's last line."""
+    command = [sys.executable, __file__, "--row", name] + (["--cpu"] if cpu else [])
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return [Row(name, "-", f"timed out after {timeout:.0f} s", "-", False)]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("ROW ")]
+    if done.returncode != 0 or not lines:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return [Row(name, "-", f"failed: {last[:160]}", "-", False)]
+    return [Row(**json.loads(line[4:])) for line in lines]
+
+
+def _loss_rows(rows: list[Row]) -> list[Row]:
+    """Our first loss (vocabulary-parallel head, loss over chunks of positions, bf16-mixed) against plain Lightning's
+    on the same weights and batch."""
+    first = {row.case.split(":")[0]: float(row.expected.split()[-1]) for row in rows
+             if row.check == "speed" and row.expected.startswith("first loss")}
+    if "ours" not in first or "plain" not in first:
+        return []
+    out = []
+    for library in ("ours", "ours compiled"):
+        if library in first:
+            error = abs(first[library] / first["plain"] - 1)
+            out.append(Row("kernels", f"first loss, {library} vs plain (chunked vocabulary-parallel loss, bf16)",
+                           f"{first[library]:.4f} ({error:.1e} rel)", f"{first['plain']:.4f} ± 5e-3 rel",
+                           error <= 5e-3))
+    return out
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cpu", action="store_true", help="the dry parts on CPU, at a small size")
+    parser.add_argument("--row", help=argparse.SUPPRESS)  # one row, in this process (what the table runs)
+    parser.add_argument("--only", nargs="*", default=None, choices=list(ROWS), help="rows to run (default: all)")
+    parser.add_argument("--json", type=Path, help="also write the rows to this file")
+    args = parser.parse_args(argv)
+    size = _size(args.cpu)
+    if args.row is not None:
+        for row in ROWS[args.row](size):
+            print("ROW " + json.dumps(asdict(row)), flush=True)
+        return 0
+    if not args.cpu:
+        import torch
+
+        if not torch.cuda.is_available():
+            print("No CUDA device: run with --cpu for the dry parts.", file=sys.stderr)
+            return 2
+    rows = [row for name in (args.only or ROWS) for row in _run_row(name, args.cpu, timeout=300)]
+    rows += _loss_rows(rows)
+    _print(rows, args.cpu)
+    if args.json is not None:
+        args.json.write_text(json.dumps([asdict(row) for row in rows], indent=1))
+    return 1 if any(row.ok is False for row in rows) else 0
+
+
+def _print(rows: list[Row], cpu: bool) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="lightning_seqpar GPU check" + (" (dry run on CPU)" if cpu else ""))
+    for column in ("check", "case", "measured", "expected", "ok"):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(row.check, row.case, row.measured, row.expected,
+                      {True: "yes", False: "NO", None: "-"}[row.ok])
+    Console(width=200).print(table)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

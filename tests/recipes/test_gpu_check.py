@@ -1,0 +1,35 @@
+"""``recipes/gpu_check.py --cpu``: the GPU check's dry parts run on CPU, so the script is ready whenever a GPU is."""
+
+import json
+import sys
+
+import pytest
+
+from tests.helpers.jobs import ROOT, run_job
+
+pytestmark = pytest.mark.distributed  # starts processes: outside the fast lane
+
+
+def test_the_gpu_check_runs_its_dry_parts_on_cpu(tmp_path):
+    out = tmp_path / "rows.json"
+    run_job([sys.executable, str(ROOT / "recipes" / "gpu_check.py"), "--cpu", "--json", str(out)], tmp_path,
+            timeout=600)
+    rows = json.loads(out.read_text())
+    assert [r["check"] for r in rows] == ["memory"] * 2 + ["kernels"] * 2 + ["host syncs"] + ["speed"] * 3 + \
+        ["kernels"] * 2
+    assert [r for r in rows if r["ok"] is False] == []
+    memory = rows[:2]  # one rank of a 4-rank world on the fake backend trained, tp 4 priced, tp 2 x cp 2 not yet
+    assert all(r["measured"].startswith("trained 2 steps") for r in memory)
+    assert memory[0]["expected"].endswith("MB") and memory[1]["expected"] == "-"
+    assert all(r["ok"] is True for r in rows if r["check"] in ("kernels", "host syncs"))
+    assert [r["case"].split(":")[0] for r in rows if r["check"] == "speed"] == ["ours", "ours compiled", "plain"]
+
+
+def test_a_failed_comparison_fails_the_check():
+    from recipes import gpu_check
+
+    speed = [gpu_check.Row("speed", f"{lib}: Llama", "1 tokens/s", f"first loss {loss}", None)
+             for lib, loss in (("ours", 5.0), ("ours compiled", 5.001), ("plain", 5.2))]
+    ours, compiled = gpu_check._loss_rows(speed)
+    assert ours.ok is False and compiled.ok is False  # 4e-2 relative: a wrong loss, not bf16 rounding
+    assert gpu_check._loss_rows(speed[:2]) == []  # no plain run: nothing to compare
