@@ -91,11 +91,19 @@ def all_cases(cases: dict[int, list[Case]]) -> list[tuple[int, Case]]:
     return [(w, c) for w in cases for c in cases[w]]
 
 
+def _stable(value: object) -> str:
+    """``value`` as text that is the same in every process (no object addresses): a test id must be, for pytest's
+    workers to agree on the collection."""
+    if isinstance(value, (tuple, list)):
+        return "(" + ",".join(_stable(v) for v in value) + ")"
+    return type(value).__name__ if type(value).__repr__ is object.__repr__ else str(value)
+
+
 def case_id(world_case: tuple[int, Case]) -> str:
     """A readable test id: model, layout, SP, recomputation, then what the case adds."""
     w, c = world_case
-    model = "".join(f"-{k}={v}" for k, v in c.model)
-    strategy = "".join(f"-{k}={v}" for k, v in c.strategy)
+    model = "".join(f"-{k}={_stable(v)}" for k, v in c.model)
+    strategy = "".join(f"-{k}={_stable(v)}" for k, v in c.strategy)
     return (f"{c.kind}-pp{c.pp}{f'cp{c.cp}' if c.cp > 1 else ''}tp{c.tp}dp{c.dp(w)}-{'sp' if c.sequence_parallel else 'nosp'}-{c.recompute}"
             f"{model}{strategy}{'-clip-accumulate' if c.trainer else ''}{f'-batch{c.batch}' if c.batch != BATCH else ''}")
 
