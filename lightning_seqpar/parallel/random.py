@@ -108,8 +108,8 @@ def recomputed(function: Callable, *args: Any, rng_tracker: Optional[RNGTracker]
     to calling ``function`` directly.
     """
     if torch.compiler.is_compiling():
-        # Traced, the checkpoint is a region of the graph: the partitioner recomputes its ops in the backward graph
-        # and keeps random ones' outputs rather than drawing again (no Python reruns, so no streams to swap back).
+        # Traced, the checkpoint is a region of the graph whose ops the partitioner recomputes in the backward graph:
+        # no Python reruns, so no streams to swap back (dropout from a tracker's stream is refused under compile).
         return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)
     snapshot = rng_tracker.get_states() if rng_tracker is not None else None
     calls = 0

@@ -36,6 +36,9 @@ PARITY = [  # each trained eager and compiled, compared bit for bit
     Case("hf", 2, model=(("labels", True), ("lora", "all"))),           # LoRA adapters on the parallel linears
     Case("hf", 2, sequence_parallel=False, model=(("family", "gpt2"),)),  # tensor parallel without SP
     Case("encoder", 2, recompute="selective"),                          # torch's encoder layer
+    Case("gpt", 1, strategy=(("zero", 1),)),                            # dp 2: buckets and sharded optimizer
+    Case("hf", 2, model=(("labels", True),), trainer=(("precision", "bf16-mixed"),),
+         strategy=(("low_precision_residual", True),)),                 # autocast traced; norms' forwards replaced
 ]
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "mistral_window", "qwen2_window", "gemma", "gemma2", "gemma3",
             "cohere", "cohere2", "stablelm", "phi", "phi3", "starcoder2", "glm", "gpt_neox", "olmo2", "smollm3",
@@ -115,7 +118,8 @@ def world():
     return run_distributed(_world, 2)
 
 
-@pytest.mark.parametrize("case", PARITY, ids=lambda c: f"{c.kind}-pp{c.pp}tp{c.tp}-{c.recompute}-{dict(c.model)}")
+@pytest.mark.parametrize("case", PARITY, ids=lambda c: f"{c.kind}-pp{c.pp}tp{c.tp}-{c.recompute}-{dict(c.model)}"
+                                                      f"-{dict(c.strategy)}-{dict(c.trainer)}")
 def test_compiled_blocks_train_bit_equal_to_eager_with_aot_eager(world, case):
     for rank, results in enumerate(world):
         eager, (compiled, breaks, graphs) = results[case]
