@@ -366,6 +366,9 @@ class SeqParallelStrategy(ParallelStrategy):
         if getattr(self, "_failure_watch", None) is not None:
             self._failure_watch.stop()  # a later run in this process (another Trainer) makes its own
         self.cluster_environment.teardown()  # type: ignore[union-attr]
+        module = self.lightning_module  # still on the meta device after a refused rewrite: its .cpu() would hide the error
+        if module is not None and any(p.is_meta for p in module.parameters()):
+            self.connect(None)  # type: ignore[arg-type]  # nothing to move back
         super().teardown()
 
     @classmethod

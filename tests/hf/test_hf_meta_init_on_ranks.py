@@ -157,3 +157,19 @@ def test_no_rank_holds_the_whole_pretrained_model(big_directory, tmp_path, tp, p
     reloaded = transformers.AutoConfig.from_pretrained(tmp_path / "out")
     assert reloaded.num_hidden_layers == BIG["num_hidden_layers"]
     assert sum(f.stat().st_size for f in (tmp_path / "out").glob("*.safetensors")) >= model_bytes - largest
+
+
+def _refused(rank, world_size):
+    try:
+        _fit(rank, world_size, 4, 1, CONFIG, None)
+    except Exception as error:  # noqa: BLE001 - the test compares what each rank raised
+        return type(error).__name__, str(error)
+    return None
+
+
+def test_a_rewrite_refused_on_the_ranks_ends_with_its_own_error_not_the_teardown_s():
+    """A model built on the meta device that the rewrite refuses (2 key/value heads at tp 4) stays on the meta device;
+    Lightning's teardown would move it to the CPU and raise over the refusal."""
+    for raised in run_distributed(_refused, 4):
+        assert raised is not None and raised[0] == "ValueError", raised
+        assert "num_key_value_heads = 2 is not divisible by the tensor-parallel size tp = 4" in raised[1]
