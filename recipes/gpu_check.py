@@ -44,6 +44,8 @@ LLAMA_1B = dict(model_type="llama", vocab_size=32000, hidden_size=2048, intermed
 TINY = dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256)
 MEMORY_TOLERANCE = 0.05
+RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE",
+              "GROUP_RANK")
 
 
 @dataclass
@@ -281,8 +283,11 @@ ROWS: dict[str, Callable[[dict], list[Row]]] = {
 def _run_row(name: str, cpu: bool, timeout: float) -> list[Row]:
     """``ROWS[name]`` in a fresh process; a crash or timeout is a failed row with the error's last line."""
     command = [sys.executable, __file__, "--row", name] + (["--cpu"] if cpu else [])
+    # Each row is a job of its own: a rendezvous inherited from the caller (a port its own process group holds) is
+    # not the row's, and Lightning picks a free port when none is set.
+    env = {k: v for k, v in os.environ.items() if k not in RENDEZVOUS}
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
         return [Row(name, "-", f"timed out after {timeout:.0f} s", "-", False)]
     lines = [line for line in done.stdout.splitlines() if line.startswith("ROW ")]

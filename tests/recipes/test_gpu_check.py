@@ -1,6 +1,7 @@
 """``recipes/gpu_check.py --cpu``: the GPU check's dry parts run on CPU, so the script is ready whenever a GPU is."""
 
 import json
+import socket
 import sys
 
 import pytest
@@ -12,8 +13,11 @@ pytestmark = pytest.mark.distributed  # starts processes: outside the fast lane
 
 def test_the_gpu_check_runs_its_dry_parts_on_cpu(tmp_path):
     out = tmp_path / "rows.json"
-    run_job([sys.executable, str(ROOT / "recipes" / "gpu_check.py"), "--cpu", "--json", str(out)], tmp_path,
-            timeout=600)
+    with socket.socket() as held:  # a rendezvous port the caller's own process group holds: not the rows'
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        run_job([sys.executable, str(ROOT / "recipes" / "gpu_check.py"), "--cpu", "--json", str(out)], tmp_path,
+                timeout=600, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(held.getsockname()[1]))
     rows = json.loads(out.read_text())
     assert [r["check"] for r in rows] == ["memory"] * 2 + ["kernels"] * 2 + ["host syncs"] + ["speed"] * 3 + \
         ["kernels"] * 2
