@@ -194,10 +194,8 @@ class ParallelGroup:
         """:meth:`all_reduce` (sum, in place), started and returned in flight (:class:`Pending`)."""
         if self.size == 1:
             return Pending(tensor)
-        if not self._eager():
-            return Pending(self.all_reduce(tensor))
         self._record("all_reduce", tensor)
-        return self._pending("all_reduce", tensor, dist.all_reduce(tensor, group=self.group, async_op=True))
+        return self._pending("all_reduce", tensor, dist.all_reduce(tensor, group=self.group, async_op=self._eager()))
 
     def all_gather_start(self, tensor: Tensor) -> Pending:
         """:meth:`all_gather` along dim 0, started and returned in flight (:class:`Pending`)."""
