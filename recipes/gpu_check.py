@@ -28,9 +28,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
+import multiprocessing
 import sys
+import tempfile
 import time
+import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -44,6 +46,7 @@ LLAMA_1B = dict(model_type="llama", vocab_size=32000, hidden_size=2048, intermed
 TINY = dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256)
 MEMORY_TOLERANCE = 0.05
+PRELOAD = ["torch", "torch.distributed", "lightning.pytorch", "lightning_seqpar", "transformers"]
 RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE",
               "GROUP_RANK")
 
@@ -280,21 +283,43 @@ ROWS: dict[str, Callable[[dict], list[Row]]] = {
 }
 
 
-def _run_row(name: str, cpu: bool, timeout: float) -> list[Row]:
-    """``ROWS[name]`` in a fresh process; a crash or timeout is a failed row with the error's last line."""
-    command = [sys.executable, __file__, "--row", name] + (["--cpu"] if cpu else [])
+def _row_process(name: str, cpu: bool, out: str) -> None:
+    """In a row's process: ``ROWS[name]``, its rows written to ``out`` as JSON (a failure's traceback beside it)."""
     # Each row is a job of its own: a rendezvous inherited from the caller (a port its own process group holds) is
     # not the row's, and Lightning picks a free port when none is set.
-    env = {k: v for k, v in os.environ.items() if k not in RENDEZVOUS}
+    for key in RENDEZVOUS:
+        os.environ.pop(key, None)
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired:
-        return [Row(name, "-", f"timed out after {timeout:.0f} s", "-", False)]
-    lines = [line for line in done.stdout.splitlines() if line.startswith("ROW ")]
-    if done.returncode != 0 or not lines:
-        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        return [Row(name, "-", f"failed: {last[:160]}", "-", False)]
-    return [Row(**json.loads(line[4:])) for line in lines]
+        rows = ROWS[name](_size(cpu))
+    except BaseException:
+        Path(out + ".err").write_text(traceback.format_exc())
+        raise
+    Path(out).write_text(json.dumps([asdict(row) for row in rows]))
+
+
+def _run_row(name: str, cpu: bool, timeout: float) -> list[Row]:
+    """``ROWS[name]`` in a fresh process; a crash or timeout is a failed row with the error's last line.
+
+    The process is forked from a server that imported torch, Lightning and transformers once (multiprocessing's
+    forkserver with a preload): a new interpreter per row spent about 9 s of CPU on those imports. The server never
+    touches CUDA, so each row initializes its own device and its peak memory is its own.
+    """
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(PRELOAD)  # read when the server starts (the first row)
+    with tempfile.TemporaryDirectory() as folder:
+        out = str(Path(folder) / "rows.json")
+        process = context.Process(target=_row_process, args=(name, cpu, out))
+        process.start()
+        process.join(timeout)
+        if process.is_alive():
+            process.kill()
+            process.join()
+            return [Row(name, "-", f"timed out after {timeout:.0f} s", "-", False)]
+        if process.exitcode != 0 or not Path(out).exists():
+            error = Path(out + ".err")
+            last = error.read_text().strip().splitlines()[-1] if error.exists() else f"exit code {process.exitcode}"
+            return [Row(name, "-", f"failed: {last[:160]}", "-", False)]
+        return [Row(**row) for row in json.loads(Path(out).read_text())]
 
 
 def _loss_rows(rows: list[Row]) -> list[Row]:
@@ -317,15 +342,9 @@ def _loss_rows(rows: list[Row]) -> list[Row]:
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cpu", action="store_true", help="the dry parts on CPU, at a small size")
-    parser.add_argument("--row", help=argparse.SUPPRESS)  # one row, in this process (what the table runs)
     parser.add_argument("--only", nargs="*", default=None, choices=list(ROWS), help="rows to run (default: all)")
     parser.add_argument("--json", type=Path, help="also write the rows to this file")
     args = parser.parse_args(argv)
-    size = _size(args.cpu)
-    if args.row is not None:
-        for row in ROWS[args.row](size):
-            print("ROW " + json.dumps(asdict(row)), flush=True)
-        return 0
     if not args.cpu:
         import torch
 

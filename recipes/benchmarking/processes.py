@@ -1,4 +1,11 @@
-"""Run one benchmark row in fresh processes and read back what rank 0 wrote."""
+"""Run one benchmark row in fresh processes and read back what rank 0 wrote.
+
+The processes are forked from a server that imported torch, torch.distributed, Lightning and this library once
+(multiprocessing's forkserver with a preload): spawning each rank re-imported them, about 9 s of CPU per process on 2
+cores, which was most of a small row's time. Each row still gets fresh processes (the server is a new interpreter,
+not a fork of the caller), and the server never touches CUDA, so every rank initializes its own device as under
+spawn (torch: "either the spawn or forkserver start method are required to use CUDA in subprocesses").
+"""
 
 from __future__ import annotations
 
@@ -14,16 +21,20 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+PRELOAD = ["torch", "torch.distributed", "lightning.pytorch", "lightning_seqpar"]
+"""What the forkserver imports once for every row's processes."""
+
 
 def run_on_processes(worker: Callable[..., None], world: int, what: Any, cfg: dict[str, Any],
                      result: str = "result.pkl") -> Any:
-    """``worker(local_rank, what, port, cfg, out_dir)`` on ``world`` spawned processes (a free local port for their
+    """``worker(local_rank, what, port, cfg, out_dir)`` on ``world`` new processes (a free local port for their
     rendezvous); returns the object rank 0 pickled into ``out_dir/result``."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
+    mp.get_context("forkserver").set_forkserver_preload(PRELOAD)  # read when the server starts (the first row)
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(worker, args=(what, port, cfg, out_dir), nprocs=world, start_method="spawn")
+        mp.start_processes(worker, args=(what, port, cfg, out_dir), nprocs=world, start_method="forkserver")
         return pickle.loads((Path(out_dir) / result).read_bytes())
 
 
