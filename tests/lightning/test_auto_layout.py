@@ -29,12 +29,19 @@ def _ranked(world, budget):
                         gpus_per_node=WORLD, fits=FITS)
 
 
-def _fit(rank, world, budgets):
+def _planning_with(fits, rank, planned):
+    """Patch the auto layout's planner on this rank: record that it ran, and give it the probes the test made (the
+    same model, the same deterministic small copies: each probe set costs ~20 CPU-seconds; the probes themselves are
+    checked in ``tests/plan/``)."""
     import lightning_seqpar.lightning.auto_layout as auto_layout
 
-    planned = []
     plan = auto_layout.rank_layouts
-    auto_layout.rank_layouts = lambda *args, **kwargs: planned.append(rank) or plan(*args, **kwargs)
+    auto_layout.rank_layouts = lambda *args, **kwargs: planned.append(rank) or plan(*args, **{**kwargs, "fits": fits})
+
+
+def _fit(rank, world, budgets, fits):
+    planned = []
+    _planning_with(fits, rank, planned)
     out = []
     for budget in budgets:
         strategy = SeqParallelStrategy(layout=AutoLayout(seq_len=SEQ, batch_size=BATCH, memory_budget=budget))
@@ -64,7 +71,7 @@ def test_a_budget_chooses_the_best_layout_that_fits_and_it_trains():
     small = min(r.bytes["total"] for r in _ranked(2 * WORLD, 1e12))
     too_small = small / 0.8 * 1.001  # 8 devices fit, 4 do not
     assert not _ranked(WORLD, too_small)
-    results = run_distributed(_fit, WORLD, [budget, too_small])
+    results = run_distributed(_fit, WORLD, [budget, too_small], FITS)
     assert [planned for _, planned in results] == [True, False, False, False]  # rank 0 chose, for every rank
     best = fitting[0]
     for ((layout, loss), refusal), _ in results:
@@ -82,7 +89,8 @@ def _moe_ranked(budget):
                         gpus_per_node=WORLD, fits=FITS)  # shared with the dense model's: fits are keyed by model
 
 
-def _fit_moe(rank, world, budget):
+def _fit_moe(rank, world, budget, fits):
+    _planning_with(fits, rank, [])
     strategy = SeqParallelStrategy(layout=AutoLayout(seq_len=SEQ, batch_size=BATCH, memory_budget=budget))
     trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, precision="32-true", max_steps=2,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -98,7 +106,7 @@ def test_a_mixture_of_experts_gets_an_expert_parallel_size_chosen_and_trains():
     unbounded = _moe_ranked(1e12)
     budget = next(b for b in sorted({r.bytes["total"] / 0.8 * 1.0001 for r in unbounded}) if _moe_ranked(b)[0].ep > 1)
     best = _moe_ranked(budget)[0]
-    for layout, ep_group, loss in run_distributed(_fit_moe, WORLD, budget):
+    for layout, ep_group, loss in run_distributed(_fit_moe, WORLD, budget, FITS):
         assert layout == (best.tp, best.pp, best.ep, best.micro_batch, best.recompute) and ep_group == best.ep > 1
         assert math.isfinite(loss)
 
