@@ -30,6 +30,7 @@ _EXPORTS = {
     "ModelPolicy": "lightning_seqpar.rewriting",
     "StackPolicy": "lightning_seqpar.rewriting",
     "FlopsUtilization": "lightning_seqpar.lightning.callbacks",
+    "HostSyncCounter": "lightning_seqpar.lightning.callbacks",
     "ParallelGroup": "lightning_seqpar.parallel",
     "ParallelMesh": "lightning_seqpar.parallel.mesh",
     "Policy": "lightning_seqpar.rewriting",

@@ -19,6 +19,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401
 from torch.utils._pytree import tree_flatten  # noqa: F401
 
+# What .item(), float(), int() and bool() of a tensor, and a kernel's own read of a device value, all reach: the one
+# operation behind a host read (HostSyncCounter). aten's operator names carry no public alias.
+SCALAR_READ = torch.ops.aten._local_scalar_dense.default
+
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor whose storage holds ``tensor``'s memory: a DTensor's local shard, else itself.
@@ -69,6 +73,7 @@ def storage_key(storage: torch.UntypedStorage) -> int:
 
 
 __all__: list[Any] = [
+    "SCALAR_READ",
     "TorchDispatchMode",
     "hf_attention_implementation",
     "hf_init_weights",

@@ -227,46 +227,15 @@ def speed_row(size: dict, library: str) -> Row:
 
 def host_sync_row(size: dict) -> Row:
     """Device reads inside the strategy's training step and backward, per step after the first."""
-    import lightning.pytorch as pl
-    import torch
-
-    from lightning_seqpar import SelectiveRecompute, SeqParallelStrategy
-    from lightning_seqpar._compat import TorchDispatchMode
+    from lightning_seqpar import HostSyncCounter, SelectiveRecompute, SeqParallelStrategy
     from lightning_seqpar.models.hf_module import HFCausalLMModule
 
-    scalar = torch.ops.aten._local_scalar_dense.default
-    counts: list[int] = []
-
-    class Count(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            counts[-1] += func is scalar
-            return func(*args, **(kwargs or {}))
-
-    class Counted(pl.Callback):
-        def setup(self, trainer, module, stage):
-            strategy = trainer.strategy
-            for name in ("training_step", "backward"):
-                original = getattr(strategy, name)
-
-                def counted(*args, _original=original, _first=name == "training_step", **kwargs):
-                    if _first:
-                        counts.append(0)
-                    cuda = torch.cuda.is_available() and len(counts) > 1
-                    if cuda:  # CUDA's own detector: a synchronizing call raises (after the first step)
-                        torch.cuda.set_sync_debug_mode("error")
-                    try:
-                        with Count():
-                            return _original(*args, **kwargs)
-                    finally:
-                        if cuda:
-                            torch.cuda.set_sync_debug_mode(0)
-                setattr(strategy, name, counted)
-
+    counter = HostSyncCounter(cuda_sync_debug="error")  # CUDA's own detector too: a synchronizing call raises
     config, s, batch, _ = size["speed"]
     tiny = dict(config, num_hidden_layers=2)
-    _trainer(size, 4, SeqParallelStrategy(tp=1), [Counted(), SelectiveRecompute()]).fit(
+    _trainer(size, 4, SeqParallelStrategy(tp=1), [counter, SelectiveRecompute()]).fit(
         HFCausalLMModule(config=tiny), _tokens(config["vocab_size"], s, batch, 4))
-    after_first = counts[1:]
+    after_first = counter.per_step[1:]
     return Row("host syncs", "training step + backward, steps 2-4 (CUDA: sync debug mode 'error')",
                f"{after_first} device reads", "0 per step",
                all(c == 0 for c in after_first))

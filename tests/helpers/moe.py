@@ -1,12 +1,10 @@
 """A small mixture-of-experts layer's data and its one-process reference, computed token by token."""
 
-from contextlib import contextmanager
-
 import torch
 import torch.nn.functional as F
 
+from lightning_seqpar.lightning.callbacks import counting_host_reads
 from lightning_seqpar.moe import GroupedExperts
-from tests.helpers.op_counter import HOST_READ, OpCounter
 
 E, H, F_, K, N = 8, 6, 4, 2, 5  # experts, hidden, expert width, experts per token, tokens per rank
 EMPTY = 5  # no token is routed to this expert
@@ -66,28 +64,15 @@ def local_experts(ep, ep_rank):
     return experts
 
 
-@contextmanager
-def host_reads():
-    """Counts what the block reads on the host: ``counts["read"]`` (``.item()``, ``int()``, a kernel's own read) and
-    ``lists``, the sizes of the tensors ``.tolist()`` read (it bypasses torch's dispatch, so it is counted apart)."""
-    lists, tolist = [], torch.Tensor.tolist
-    torch.Tensor.tolist = lambda self: lists.append(self.numel()) or tolist(self)
-    try:
-        with OpCounter({HOST_READ: "read"}) as reads:
-            yield reads.counts, lists
-    finally:
-        torch.Tensor.tolist = tolist
-
-
 def one_layer_call(dispatcher, experts, rank):
     """Rank ``rank``'s tokens through ``dispatcher`` and ``experts`` and back, then backward with its upstream gradient:
     the outputs, the gradients of tokens, scores and the local experts, and the host reads made."""
     x, ids, scores, upstream = data(rank)
     x.requires_grad_()
     scores.requires_grad_()
-    with host_reads() as (counts, lists):
+    with counting_host_reads() as reads:
         rows, routing = dispatcher.dispatch(x, ids, scores)
         out = dispatcher.combine(experts(rows, routing.tokens_per_expert, routing.expert_counts), routing, scores)
         (out * upstream).sum().backward()
     return dict(out=out.detach(), x=x.grad, scores=scores.grad, gate_up=experts.gate_up_proj.grad,
-                down=experts.down_proj.grad, host_reads=(counts["read"], lists), routing=routing)
+                down=experts.down_proj.grad, host_reads=(reads.scalars, reads.lists), routing=routing)

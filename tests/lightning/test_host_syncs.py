@@ -1,19 +1,16 @@
-"""No host syncs in the training step: ``aten._local_scalar_dense`` (behind ``.item()``, ``float()`` of a tensor) is
-counted with a dispatch mode, and ``Tensor.tolist`` (which on CPU reaches no dispatch mode) by a wrapper, around the
-strategy's training step and backward, every step after the first (which exchanges the pipeline's activation shapes
+"""No host syncs in the training step: ``HostSyncCounter`` counts ``aten._local_scalar_dense`` (behind ``.item()``,
+``float()`` of a tensor) with a dispatch mode, and ``Tensor.tolist`` (which on CPU reaches no dispatch mode) by a wrapper,
+around the strategy's training step and backward, every step after the first (which exchanges the pipeline's activation shapes
 once), for tp 2, pp 2 x tp 2, the interleaved schedule and context parallelism."""
 
 import pytest
-import lightning.pytorch as pl
-import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from lightning_seqpar import HostSyncCounter
 from tests.helpers.distributed import run_distributed
 from tests.helpers.parity import Case, fit
 
 pytestmark = pytest.mark.distributed  # starts processes: outside the fast lane
 
-SCALAR = torch.ops.aten._local_scalar_dense.default
 CASES = {
     2: [Case("gpt", 2, True, "selective"),
         Case("gpt", 1, True, None, (("n_layer", 4),), (), (("virtual_stages", 2), ("num_microbatches", 4)), 2, batch=4),
@@ -25,47 +22,10 @@ CASES = {
 }
 
 
-class _Count(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += func is SCALAR
-        return func(*args, **(kwargs or {}))
-
-
-class _CountSyncs(pl.Callback):
-    """Wraps the strategy's training_step and backward; one count per optimizer step."""
-
-    def __init__(self):
-        self.per_step = []
-
-    def setup(self, trainer, pl_module, stage):
-        strategy = trainer.strategy
-        for name in ("training_step", "backward"):
-            original = getattr(strategy, name)
-
-            def counted(*args, _original=original, _first=name == "training_step", **kwargs):
-                if _first:
-                    self.per_step.append(0)
-                lists, tolist = [], torch.Tensor.tolist
-                torch.Tensor.tolist = lambda t: lists.append(1) or tolist(t)  # a CPU .tolist() bypasses the mode
-                try:
-                    with _Count() as mode:
-                        out = _original(*args, **kwargs)
-                finally:
-                    torch.Tensor.tolist = tolist
-                self.per_step[-1] += mode.count + len(lists)
-                return out
-
-            setattr(strategy, name, counted)
-
-
 def _counts(rank, world_size):
     out = []
     for case in CASES[world_size]:
-        syncs = _CountSyncs()
+        syncs = HostSyncCounter()
         fit(case, world_size, callbacks=[syncs])
         out.append(syncs.per_step)
     return out

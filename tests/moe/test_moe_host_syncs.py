@@ -1,13 +1,12 @@
 """The host reads of a mixture-of-experts training step are the documented ones only: one ``.tolist()`` of the split
 sizes per MoE layer call (each layer's forward; again in a recomputed forward), none with an expert capacity, nothing
-else (counted as tests/lightning/test_host_syncs.py counts them, every step after the first)."""
+else (counted by ``HostSyncCounter``, every step after the first)."""
 
 import pytest
 
-from lightning_seqpar import DispatchConfig
+from lightning_seqpar import DispatchConfig, HostSyncCounter
 from tests.helpers.distributed import run_distributed
 from tests.helpers.parity import Case, fit
-from tests.lightning.test_host_syncs import _CountSyncs
 
 pytestmark = pytest.mark.distributed
 
@@ -23,7 +22,7 @@ CASES = [  # (case, host reads per step)
 def _counts(rank, world_size):
     out = []
     for case, _ in CASES:
-        syncs = _CountSyncs()
+        syncs = HostSyncCounter()
         fit(case, world_size, callbacks=[syncs])
         out.append(syncs.per_step)
     return out

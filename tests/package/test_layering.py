@@ -202,7 +202,7 @@ def test_the_public_names_import_from_the_package():
              "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "ParallelGroup", "RNGTracker",
              "CommunicationLog", "FlopsUtilization", "ParallelMesh", "RewriteContext", "apply_recompute", "rewrite",
              "validate_layout", "vocab_parallel_cross_entropy", "ParallelConfig", "ParallelDims", "Placement",
-             "AttentionSpec", "DenseMLPSpec"]
+             "AttentionSpec", "DenseMLPSpec", "HostSyncCounter"]
     assert [n for n in names if not hasattr(lightning_seqpar, n)] == []
     assert set(names) <= set(lightning_seqpar.__all__)
 
