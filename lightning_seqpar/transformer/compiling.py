@@ -11,10 +11,13 @@ compiles its blocks. Collectives are traced as functional collectives: the custo
 are traced with them, so no gradient is reduced twice, and the in-flight overlap the eager backward does by hand is
 left to the compiler (:meth:`ParallelGroup._eager <lightning_seqpar.parallel.collectives.ParallelGroup>`).
 
-Not compiled yet, refused before training (:func:`compile_blocks`): context-parallel attention (the ring's
-point-to-point transfers have no traceable form), mixtures of experts (the dispatch reads its split sizes on the
-host) and dropout drawn from the tensor-parallel random stream (attention dropout; residual dropout under sequence
-parallelism): swapping the generator's state in and out is not traceable.
+A mixture of experts with a capacity (``moe=DispatchConfig(capacity_factor=...)``) compiles: its all-to-all sizes are
+host integers fixed by the shapes, and its routing (sorts, cumulative sums, scatters into capacity slots) has static
+shapes. Not compiled yet, refused before training (:func:`compile_blocks`): context-parallel attention (the ring's
+point-to-point transfers have no traceable form), dropless mixtures of experts (the dispatch reads its split sizes on
+the host), a Hugging Face mixture recording its router logits (transformers' hooks on the router) and dropout drawn
+from the tensor-parallel random stream (attention dropout; residual dropout under sequence parallelism): swapping the
+generator's state in and out is not traceable.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Any, Callable, Mapping, Optional, Union
 import torch
 import torch.nn as nn
 
+from lightning_seqpar.moe import GroupedExperts
 from lightning_seqpar.transformer.roles import ParallelLayer
 
 MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -88,19 +92,41 @@ def compile_config_of(value: Union[bool, CompileConfig, Mapping[str, Any], None]
     raise ValueError(f"compile={value!r}: True, False, a CompileConfig or a mapping of backend / mode / dynamic.")
 
 
+def _recorded_router_logits(model: nn.Module) -> str:
+    """The class of a transformers config in ``model`` with ``output_router_logits=True``, or ``""``. (The reference
+    GPT computes its load-balancing loss in its own blocks, which compiles.)"""
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "output_router_logits", False) is True and type(config).__module__.startswith("transformers."):
+            return type(config).__name__
+    return ""
+
+
 def compile_blocks(model: nn.Module, config: CompileConfig) -> int:
     """Have every rewritten block of ``model`` run its body compiled with ``config`` (at its first call, after the
     recomputation a callback applies; a later change of recomputation recompiles). Returns the number of blocks.
 
     Raises:
-        ValueError: a block under context parallelism, with a mixture of experts or with tensor-parallel-stream
-            dropout (not compiled yet), naming it and the fix; before any block is changed.
+        ValueError: a block under context parallelism, with a dropless mixture of experts or with
+            tensor-parallel-stream dropout (not compiled yet); a Hugging Face mixture of experts whose config records
+            its router logits (``output_router_logits=True``: transformers' recording hooks on the router break the
+            graph); naming the block and the fix, before any block is changed.
     """
     blocks = [(name, m) for name, m in model.named_modules() if isinstance(m, ParallelLayer)]
     for name, block in blocks:
         refusal = block.not_compilable()
         if refusal:
             raise ValueError(f"compile=True: the block {name!r} {refusal}.")
+    recorded = _recorded_router_logits(model)
+    if recorded:
+        experts = next((name for name, block in blocks if any(isinstance(m, GroupedExperts) for m in block.modules())),
+                       None)
+        if experts is not None:
+            raise ValueError(
+                f"compile=True: the block {experts!r} holds a mixture of experts whose router logits {recorded} "
+                f"records with output_router_logits=True for its load-balancing loss; transformers records them "
+                f"with hooks on the router that a compiled graph cannot run. Set output_router_logits=False, or "
+                f"train with compile=False.")
     for _, block in blocks:
         block.compile_config = config
     return len(blocks)

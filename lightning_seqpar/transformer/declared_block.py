@@ -32,6 +32,7 @@ from torch import Tensor
 
 from lightning_seqpar._compat import compile_errors
 from lightning_seqpar.context_parallel import ContextParallelBatch
+from lightning_seqpar.moe.capacity import CapacityDispatcher
 from lightning_seqpar.parallel.random import recomputed
 from lightning_seqpar.tensor_parallel.layers import column_parallel_linears
 from lightning_seqpar.transformer.attention_part import AttentionPart
@@ -138,14 +139,16 @@ class ParallelBlock(ParallelLayer):
         return exit_parallel_region(x, self.group, self.sp, self.batch_first) if self.exit_region else x
 
     def not_compilable(self) -> str:
-        """Why this block's body cannot be compiled whole, and the fix (``""``: it can; :mod:`~.compiling`)."""
+        """Why this block's body cannot be compiled whole, and the fix (``""``: it can; :mod:`~.compiling`). A mixture
+        of experts with a capacity compiles: its all-to-all sizes are host integers fixed by the shapes."""
         if self.context is not None and self.context.group.size > 1:
             return (f"attends across {self.context.group.size} context-parallel ranks, which is not compiled yet (the "
                     f"ring's point-to-point transfers and the per-forward layout are not traceable): train with "
                     f"compile=False, or cp=1")
-        if isinstance(self._mlp, MoEPart):
-            return ("holds a mixture of experts, which is not compiled yet (its dispatch reads the split sizes on the "
-                    "host: a graph break): train with compile=False")
+        if isinstance(self._mlp, MoEPart) and not isinstance(self._mlp.dispatcher, CapacityDispatcher):
+            return ("holds a dropless mixture of experts, which is not compiled (its dispatch reads the split sizes on "
+                    "the host: a graph break): give the experts a capacity (moe=DispatchConfig(capacity_factor=...): "
+                    "fixed sizes, no host read), or train with compile=False")
         forked = [m.p for m in self.modules() if isinstance(m, ParallelDropout) and m.p > 0 and m.sharded]
         if self._attention.dropout_p > 0 or forked:
             return (f"has dropout (attention p={self._attention.dropout_p}, sharded residual p={forked or 0}) drawn "

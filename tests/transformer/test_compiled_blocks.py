@@ -7,8 +7,10 @@
 - Under sequence parallelism the compiled blocks save no more bytes for backward than eager ones (no all-gathered
   ``[s, b, h]`` input kept: pytorch #146693).
 - inductor on CPU: within 1e-6 of eager.
-- Context parallelism, mixtures of experts and dropout from the tensor-parallel stream are refused by name
-  before training.
+- A mixture of experts with a capacity (Qwen3-MoE at tp 2 x ep 2; the reference GPT's with its load-balancing and
+  z-losses under full recomputation) trains bit-equal to eager too.
+- Context parallelism, dropless mixtures of experts, a Hugging Face mixture recording its router logits and dropout
+  from the tensor-parallel stream are refused by name before training.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import dataclasses
 import pytest
 import torch
 
+from lightning_seqpar import DispatchConfig
 from lightning_seqpar.transformer.compiling import CompileConfig, compile_config_of
 from tests.helpers.distributed import run_distributed
 from tests.helpers.models import SEQ, build, token_data
@@ -39,6 +42,10 @@ PARITY = [  # each trained eager and compiled, compared bit for bit
     Case("gpt", 1, strategy=(("zero", 1),)),                            # dp 2: buckets and sharded optimizer
     Case("hf", 2, model=(("labels", True),), trainer=(("precision", "bf16-mixed"),),
          strategy=(("low_precision_residual", True),)),                 # autocast traced; norms' forwards replaced
+    Case("hf", 2, model=(("family", "qwen3_moe"), ("labels", True)),
+         strategy=(("ep", 2), ("moe", DispatchConfig(1.0)))),           # Qwen3-MoE, tp 2 x ep 2, expert capacity
+    Case("gpt", 1, recompute="full", model=(("n_experts", 8), ("aux_loss_coef", 0.5), ("z_loss_coef", 0.01)),
+         strategy=(("ep", 2), ("moe", DispatchConfig(1.0, drop_policy="probs")))),  # + load-balancing and z-losses
 ]
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "mistral_window", "qwen2_window", "gemma", "gemma2", "gemma3",
             "cohere", "cohere2", "stablelm", "phi", "phi3", "starcoder2", "glm", "gpt_neox", "olmo2", "smollm3",
@@ -103,6 +110,8 @@ def _world(rank: int, world: int) -> dict:
     refused = {}
     for name, case in {"cp": Case("hf", 1, cp=2, model=(("labels", True),), strategy=AOT),
                        "moe": Case("hf", 2, model=(("family", "qwen3_moe"), ("labels", True)), strategy=AOT),
+                       "router logits": Case("hf", 2, model=(("family", "qwen3_moe"), ("labels", True), ("aux", 0.5)),
+                                             strategy=(("moe", DispatchConfig(1.0)), *AOT)),
                        "dropout": Case("gpt", 2, model=(("dropout", 0.1),), strategy=AOT)}.items():
         try:
             fit(case, world, steps=1)
@@ -153,7 +162,8 @@ def test_compiled_blocks_save_no_more_for_backward_than_eager_under_sequence_par
 def test_context_parallel_experts_and_stream_dropout_are_refused_by_name_before_training(world):
     refused = world[0]["refused"]
     assert "context-parallel ranks" in refused["cp"] and "compile=False, or cp=1" in refused["cp"]
-    assert "mixture of experts" in refused["moe"] and "compile=False" in refused["moe"]
+    assert "dropless mixture of experts" in refused["moe"] and "moe=DispatchConfig(capacity_factor=...)" in refused["moe"]
+    assert "output_router_logits=True" in refused["router logits"] and "Qwen3MoeConfig" in refused["router logits"]
     assert "dropout (attention p=0.1" in refused["dropout"] and "set the model's dropout to 0" in refused["dropout"]
 
 
