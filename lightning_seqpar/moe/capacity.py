@@ -101,6 +101,9 @@ class CapacityDispatcher:
         ValueError: ``E`` not divisible by ``e``; a config without a capacity factor.
     """
 
+    reads_sizes_on_host = False
+    """Every size is a host integer fixed by the shapes: no host read, and a block that compiles as one graph."""
+
     def __init__(self, group: ParallelGroup, num_experts: int, config: DispatchConfig) -> None:
         check_expert_split(num_experts, group.size)
         if config.capacity_factor is None:

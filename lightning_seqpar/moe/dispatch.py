@@ -94,6 +94,9 @@ class TokenDispatcher:
         ValueError: ``E`` not divisible by ``e``.
     """
 
+    reads_sizes_on_host = True
+    """The split sizes are read once per call (``.tolist()``): a host sync, and a graph break when compiled."""
+
     def __init__(self, group: ParallelGroup, num_experts: int) -> None:
         check_expert_split(num_experts, group.size)
         self.group, self.num_experts = group, num_experts

@@ -32,7 +32,6 @@ from torch import Tensor
 
 from lightning_seqpar._compat import compile_errors
 from lightning_seqpar.context_parallel import ContextParallelBatch
-from lightning_seqpar.moe.capacity import CapacityDispatcher
 from lightning_seqpar.parallel.random import recomputed
 from lightning_seqpar.tensor_parallel.layers import column_parallel_linears
 from lightning_seqpar.transformer.attention_part import AttentionPart
@@ -145,7 +144,7 @@ class ParallelBlock(ParallelLayer):
             return (f"attends across {self.context.group.size} context-parallel ranks, which is not compiled yet (the "
                     f"ring's point-to-point transfers and the per-forward layout are not traceable): train with "
                     f"compile=False, or cp=1")
-        if isinstance(self._mlp, MoEPart) and not isinstance(self._mlp.dispatcher, CapacityDispatcher):
+        if isinstance(self._mlp, MoEPart) and self._mlp.dispatcher.reads_sizes_on_host:
             return ("holds a dropless mixture of experts, which is not compiled (its dispatch reads the split sizes on "
                     "the host: a graph break): give the experts a capacity (moe=DispatchConfig(capacity_factor=...): "
                     "fixed sizes, no host read), or train with compile=False")

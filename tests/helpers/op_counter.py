@@ -1,10 +1,11 @@
 """Count calls of chosen aten operations with a dispatch mode (what runs, not how long)."""
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from lightning_seqpar._compat import SCALAR_READ as HOST_READ  # noqa: F401 - behind .item(), float() of a tensor
+from lightning_seqpar._compat import TorchDispatchMode
 
 CAT = torch.ops.aten.cat.default
-HOST_READ = torch.ops.aten._local_scalar_dense.default  # behind .item(), float(), .tolist() of a tensor
 
 
 class OpCounter(TorchDispatchMode):

@@ -47,6 +47,9 @@ def test_the_block_counts_scalars_and_lists_and_unpatches_on_error():
             raise RuntimeError("inside")
     assert (reads.scalars, reads.lists, reads.total) == (2, [5], 3)
     assert torch.Tensor.tolist is tolist
+    with counting_host_reads(into=reads) as again:  # a later block adds to the same record
+        torch.ones(2).tolist()
+    assert again is reads and (reads.scalars, reads.lists) == (2, [5, 2])
 
 
 def test_an_unknown_debug_mode_is_refused():

@@ -51,9 +51,10 @@ class _ScalarReads(TorchDispatchMode):
 
 
 @contextmanager
-def counting_host_reads() -> Iterator[HostReads]:
-    """Count the host reads made inside the block (of this thread's operations; ``.tolist()`` of any thread)."""
-    reads = HostReads()
+def counting_host_reads(into: Optional[HostReads] = None) -> Iterator[HostReads]:
+    """Count the host reads made inside the block (of this thread's operations; ``.tolist()`` of any thread), added
+    to ``into`` (a new :class:`HostReads` when ``None``), which the block receives."""
+    reads = HostReads() if into is None else into
     tolist = torch.Tensor.tolist
 
     def counted_tolist(tensor: torch.Tensor) -> Any:
@@ -118,12 +119,10 @@ class HostSyncCounter(pl.Callback):
             debug = self.cuda_sync_debug is not None and torch.cuda.is_available() and len(self.reads) > 1
             if debug:
                 torch.cuda.set_sync_debug_mode(self.cuda_sync_debug)
-            with counting_host_reads() as reads:
-                try:
+            try:
+                with counting_host_reads(into=self.reads[-1]):
                     return original(*args, **kwargs)
-                finally:
-                    if debug:
-                        torch.cuda.set_sync_debug_mode(0)
-                    self.reads[-1].scalars += reads.scalars
-                    self.reads[-1].lists += reads.lists
+            finally:
+                if debug:
+                    torch.cuda.set_sync_debug_mode(0)
         return counted
