@@ -71,6 +71,10 @@ class Preemption(pl.Callback):
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         step, store = trainer.global_step, default_store()
+        if 0 < trainer.max_steps <= step:
+            # The run ends after this batch on every rank: nothing to agree on, and the store's host (rank 0) may
+            # already be gone, so a read here could fail with "Connection reset by peer" on a slower rank.
+            return
         if self.signalled is not None and not self._proposed:
             self._proposed = True
             if store is None:
