@@ -74,28 +74,48 @@ class CausalLMLoss:
     ``context_parallel``: the model runs on one cp rank's tokens, whose labels only the model's entry can shift (over
     the whole row); a call without ``shift_labels`` (a model that does not pass its keyword arguments on to its loss)
     would shift them within the rank's chunks, and is refused.
+
+    ``sum_per_row=True`` (passed to the model's forward, which hands its keyword arguments to its loss): the loss is
+    ``[b]``, each row's cross entropy summed over its supervised tokens (``−Σ log p``; what DPO reads), in float32 or
+    float64, from sharded or whole logits; ``num_items_in_batch`` is not applied. Under context parallelism the entry
+    sums it over the cp ranks like any loss.
     """
 
     def __init__(self, original: Callable[..., Tensor], context_parallel: bool = False) -> None:
+        if isinstance(original, CausalLMLoss):  # installed before the rewrite (DPO): wrap what it wrapped
+            original = original.original
         self.original, self.context_parallel = original, context_parallel
 
     def __call__(self, logits: Tensor, labels: Tensor, vocab_size: int, num_items_in_batch: Optional[Tensor] = None,
-                 ignore_index: int = -100, shift_labels: Optional[Tensor] = None, **kwargs: Any) -> Tensor:
+                 ignore_index: int = -100, shift_labels: Optional[Tensor] = None, sum_per_row: bool = False,
+                 **kwargs: Any) -> Tensor:
         if self.context_parallel and shift_labels is None:
             raise ValueError("Under context parallelism the model's loss was called without shift_labels=: its forward "
                              "does not pass its keyword arguments on to loss_function, so the labels of this rank's "
                              "chunks would be shifted within them. Train this model without cp.")
-        if not isinstance(logits, VocabShardedLogits):
+        if not isinstance(logits, VocabShardedLogits) and not sum_per_row:
             return self.original(logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
                                  ignore_index=ignore_index, shift_labels=shift_labels, **kwargs)
         if shift_labels is None:  # tokens < n predict n
             shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        if not isinstance(logits, VocabShardedLogits):  # whole logits [b, s, v], one row sum each
+            upcast = logits.to(torch.promote_types(logits.dtype, torch.float32))
+            per_token = F.cross_entropy(upcast.flatten(0, -2), shift_labels.flatten().to(logits.device),
+                                        ignore_index=ignore_index, reduction="none")
+            return per_token.view(shift_labels.shape).sum(-1)
 
         def summed(local: Tensor, rows: slice) -> Tensor:  # [b, rows, v'/t], upcast as transformers does
-            return vocab_parallel_cross_entropy(local.float(), shift_labels[:, rows].to(local.device), logits.group,
-                                                logits.vocab_size, ignore_index=ignore_index, reduction="sum")
+            target = shift_labels[:, rows].to(local.device)
+            if sum_per_row:
+                upcast = local.to(torch.promote_types(local.dtype, torch.float32))
+                return vocab_parallel_cross_entropy(upcast, target, logits.group, logits.vocab_size,
+                                                    ignore_index=ignore_index, reduction="none").sum(-1)
+            return vocab_parallel_cross_entropy(local.float(), target, logits.group, logits.vocab_size,
+                                                ignore_index=ignore_index, reduction="sum")
 
         value = logits.over_chunks(summed)  # chunk by chunk when the head left the logits pending (loss_chunk)
+        if sum_per_row:
+            return value
         if num_items_in_batch is None:  # the mean over supervised tokens
             return value / (shift_labels != ignore_index).sum().clamp(min=1).to(value.device)
         return value / (num_items_in_batch.to(value.device) if torch.is_tensor(num_items_in_batch)

@@ -13,16 +13,20 @@ from torch import Tensor
 
 from lightning_seqpar.checkpoint.peft_adapter import check_adapter_directory, check_lora_targets
 from lightning_seqpar.hf.layouts import freeze_routers
+from lightning_seqpar.hf.vocabulary import CausalLMLoss
 from lightning_seqpar.hf.models import build_causal_lm, pretrained_state_dict
 from lightning_seqpar.lightning.loss_average import data_parallel_replicas, loss_replicas, pipeline_microbatches
+from lightning_seqpar.models.dpo import PreferenceLoss, refuse_unsupported
 from lightning_seqpar.models.hf_module import HFCausalLMModule
 
+OBJECTIVES = ("sft", "dpo")
 LORA_DEFAULTS = {"r": 16, "alpha": 32, "dropout": 0.0,
                  "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
 
 
 class FineTuneModule(HFCausalLMModule):
-    """Supervised fine-tuning of ``AutoModelForCausalLM`` from a pretrained directory.
+    """Supervised fine-tuning (``objective="sft"``) or preference tuning (``objective="dpo"``) of
+    ``AutoModelForCausalLM`` from a pretrained directory.
 
     Batches are dicts (:class:`~lightning_seqpar.data.finetune_datamodule.FineTuneDataModule`): ``input_ids`` and
     ``labels`` ``[b, s]`` (``-100`` off the supervised tokens), ``position_ids`` (packed examples) or
@@ -32,6 +36,14 @@ class FineTuneModule(HFCausalLMModule):
     mean over the step's supervised tokens, however they fall across rows, ranks and micro-batches. Validation logs
     the mean over the supervised tokens of the validation batches run (``val/loss``; all of the split unless
     ``limit_val_batches`` stops it earlier); the recipe reports its exponential (``val/ppl``).
+
+    With ``objective="dpo"`` batches are preference pairs
+    (:class:`~lightning_seqpar.data.preference_datamodule.PreferenceDataModule`: rows ``2i`` chosen, ``2i+1``
+    rejected, ``num_items_in_step`` the step's pairs) and the loss is :mod:`~lightning_seqpar.models.dpo`'s, one
+    process's mean over the step's pairs; ``train/loss`` and TRL's ``rewards/*`` and ``logps/*`` are logged in training,
+    ``val/loss`` and ``val/rewards/*`` in validation (means over the pairs of the batches run). While
+    ``reference_collector`` is set (a reference pass, :mod:`~lightning_seqpar.models.dpo_reference`), validation
+    collects the reference's log-probabilities instead.
 
     Args:
         pretrained: a local Hugging Face checkpoint directory (``config.json`` + ``*.safetensors``).
@@ -43,19 +55,27 @@ class FineTuneModule(HFCausalLMModule):
             targets; ``lora`` is then ignored).
         freeze_router: a mixture of experts' routers are not trained (their weights as pretrained; the experts learn
             under the routing they give).
+        objective: ``"sft"`` or ``"dpo"``.
+        dpo_beta: β of the DPO loss.
+        dpo_loss: ``"sigmoid"`` (DPO) or ``"ipo"``.
         **optimization: :class:`~lightning_seqpar.models.module.CausalLMModule`'s arguments.
 
     Raises:
         ImportError: ``lora`` without PEFT installed, with the install command.
         FileNotFoundError: a missing model directory or weight file, or an adapter directory without its files.
         ValueError: LoRA target names that match no module (listing the model's linear names); an adapter made for
-            another base, damaged, or differing from its export's digests (naming it and its base).
+            another base, damaged, or differing from its export's digests (naming it and its base); an unknown
+            objective or DPO loss, β ≤ 0, a mixture of experts adding its router loss under DPO.
     """
 
     def __init__(self, pretrained: str, lora: Optional[dict] = None, attn_implementation: str = "eager",
-                 adapter: Optional[str] = None, freeze_router: bool = False, **optimization: Any) -> None:
+                 adapter: Optional[str] = None, freeze_router: bool = False, objective: str = "sft",
+                 dpo_beta: float = 0.1, dpo_loss: str = "sigmoid", **optimization: Any) -> None:
         super().__init__(None, pretrained, attn_implementation, **optimization)
-        self.adapter, self.freeze_router = adapter, freeze_router
+        if objective not in OBJECTIVES:
+            raise ValueError(f"objective={objective!r}: one of {OBJECTIVES}.")
+        refuse_unsupported(self.hf_config, objective)
+        self.adapter, self.freeze_router, self.objective = adapter, freeze_router, objective
         if adapter is not None or lora is not None:  # refused here, before any process starts, naming the fix
             with torch.device("meta"):
                 base = build_causal_lm(self.hf_config)
@@ -66,7 +86,10 @@ class FineTuneModule(HFCausalLMModule):
         self.lora = None if lora is None else {**LORA_DEFAULTS, **lora}
         if self.lora is not None and adapter is None:
             check_lora_targets(self.lora["target_modules"], base)
-        self.save_hyperparameters({"lora": self.lora, "adapter": adapter, "freeze_router": freeze_router})
+        self.preference = PreferenceLoss(dpo_beta, dpo_loss, self.lora is not None) if objective == "dpo" else None
+        self.reference_collector = None  # set during a reference pass (lightning_seqpar.models.dpo_reference)
+        self.save_hyperparameters({"lora": self.lora, "adapter": adapter, "freeze_router": freeze_router,
+                                   "objective": objective, "dpo_beta": dpo_beta, "dpo_loss": dpo_loss})
 
     def configure_model(self) -> None:
         if hasattr(self, "model"):
@@ -85,6 +108,9 @@ class FineTuneModule(HFCausalLMModule):
             model = PeftModel.from_pretrained(model, self.adapter, is_trainable=True)
         elif self.lora is not None:
             model = self.with_adapters(model)
+        if self.preference is not None:  # per-row sums (sum_per_row=True) from whole logits too, at tp = cp = 1
+            causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+            causal_lm.loss_function = CausalLMLoss(causal_lm.loss_function)
         self.model = model
         # Read into the shards when they are made; adapters by LoRA's own rule, or from the adapter directory.
         # Resuming LoRA, the frozen base is read again too: the sharded checkpoint holds the adapters only.
@@ -108,7 +134,28 @@ class FineTuneModule(HFCausalLMModule):
     def _model_inputs(self, batch: dict) -> dict:
         return {k: v for k, v in batch.items() if k != "num_items_in_step"}
 
+    def _preference_step(self, batch: dict, prefix: str) -> Tensor:
+        """The micro-batch's DPO loss, scaled so the step's gradient is one process's mean over its pairs (training),
+        or the mean over the micro-batch's pairs (validation), with TRL's metrics logged (``val/`` in validation)."""
+        pipelined = getattr(self.trainer.strategy, "pipeline", None) is not None
+        terms, policy = self.preference.terms(self.model, batch, pipelined)
+        pairs = terms.losses.shape[0]
+        training = prefix == "train/"
+        if training:
+            in_step = batch["num_items_in_step"][0].to(torch.float64)
+            loss = terms.losses.sum() / (in_step / loss_replicas(self.trainer))
+            self.log("train/loss", terms.losses.mean(), prog_bar=True, sync_dist=True, batch_size=pairs)
+        else:
+            loss = terms.losses.mean()
+            self.log("val/loss", loss, prog_bar=True, sync_dist=True, on_step=False, on_epoch=True, batch_size=pairs)
+        metrics = self.preference.metrics(terms, policy)
+        self.log_dict({("" if training else prefix) + k: v for k, v in metrics.items()}, sync_dist=True,
+                      on_step=training, on_epoch=not training, batch_size=pairs)
+        return loss
+
     def training_step(self, batch: dict, batch_idx: int) -> Tensor:
+        if self.preference is not None:
+            return self._preference_step(batch, "train/")
         count = batch["num_items_in_step"][0].clamp_min(1).to(torch.float64)
         divisor = count / loss_replicas(self.trainer)
         loss = self.model(**self._model_inputs(batch), num_items_in_batch=divisor).loss
@@ -116,6 +163,8 @@ class FineTuneModule(HFCausalLMModule):
         return loss
 
     def on_validation_epoch_start(self) -> None:
+        if self.preference is not None or self.reference_collector is not None:
+            return  # means over pairs: the same count in every batch
         # The denominator: the supervised tokens of the validation batches that will run (every data-parallel rank's),
         # not of the whole split: limit_val_batches (or the sanity check) may run fewer. Read from the loader's own
         # steps (the same on every rank, pipeline stages included), so no rank communicates for it.
@@ -127,7 +176,14 @@ class FineTuneModule(HFCausalLMModule):
         """Logs ``val/loss``: this micro-batch's share of the mean over the supervised tokens of the validation batches
         run (:meth:`on_validation_epoch_start`), summed over batches and ranks; ranks holding the same replica
         (tensor-, context-, pipeline-parallel) each log ``1/k`` of it, and a pipeline's average over its m
-        micro-batches is undone by ``m``. The recipe reports ``exp(val/loss)`` as the perplexity."""
+        micro-batches is undone by ``m``. The recipe reports ``exp(val/loss)`` as the perplexity. Under DPO: the
+        mean DPO loss and rewards over the pairs of the batches run."""
+        if self.reference_collector is not None:  # a reference pass (lightning_seqpar.models.dpo_reference)
+            self.reference_collector.add(batch["pair_index"], self.preference.base_logps(self.model, batch))
+            return
+        if self.preference is not None:
+            self._preference_step(batch, "val/")
+            return
         token_sum = self.model(**self._model_inputs(batch), num_items_in_batch=1).loss
         same_replica = self.trainer.world_size // data_parallel_replicas(self.trainer)
         share = token_sum * pipeline_microbatches(self.trainer) / (self._val_tokens * same_replica)

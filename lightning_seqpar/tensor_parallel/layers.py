@@ -159,7 +159,8 @@ def column_parallel_linears(x: Tensor, layers: "list[ColumnParallelLinear]", gro
         x: ``[s/t, b, in]`` under SP, else ``[s, b, in]``.
         layers: the :class:`ColumnParallelLinear` modules (their local ``[out_i/t, in]`` weights and biases). A layer
             with an ``adapter`` (LoRA: :mod:`lightning_seqpar.transformer.lora`) adds ``adapter(x)`` ``[s, b, out_i/t]``
-            to its output; the adapter takes ``x`` as given (sequence-local under SP) and does its own communication.
+            to its output unless its ``adapter_enabled`` is false; the adapter takes ``x`` as given (sequence-local
+            under SP) and does its own communication.
 
     Returns:
         One ``[s, b, out_i/t]`` per layer.
@@ -169,7 +170,8 @@ def column_parallel_linears(x: Tensor, layers: "list[ColumnParallelLinear]", gro
         outputs = tuple(F.linear(x, w, b) for w, b in zip(params[0::2], params[1::2]))
     else:
         outputs = _ColumnParallelLinearsFunction.apply(x, group, sequence_parallel, *params)
-    adapters = [getattr(layer, "adapter", None) for layer in layers]
+    adapters = [getattr(layer, "adapter", None) if getattr(layer, "adapter_enabled", True) else None
+                for layer in layers]
     if not any(adapters):
         return tuple(outputs)
     return tuple(out if adapter is None else out + adapter(x) for out, adapter in zip(outputs, adapters))

@@ -31,8 +31,9 @@ not rewrite as a block projection (:func:`refuse_unsupported_peft`), and PEFT me
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch.nn as nn
 import torch.nn.functional as F
@@ -127,7 +128,7 @@ class LoRAColumnParallelLinear(nn.Module):
             set_sequence_parallel(a)
         b = shard_parameter(parts.b, base.spec, ctx.group)  # the base's output rows, block by block
         _adapter_dicts(self, parts, a, b)
-        self.adapter_name = parts.name
+        self.adapter_name, self.adapter_enabled = parts.name, True
         self.lora_dropout = ParallelDropout(parts.dropout, ctx.rng_tracker, sharded=base.sequence_parallel)
 
     @property
@@ -150,6 +151,8 @@ class LoRAColumnParallelLinear(nn.Module):
         return F.linear(a, self.lora_B[self.adapter_name].weight) * self.scaling
 
     def forward(self, x: Tensor) -> Tensor:
+        if not self.adapter_enabled:
+            return self.base_layer(x)
         return self.base_layer(x) + self.adapter(x)
 
 
@@ -164,6 +167,7 @@ class LoRARowParallelLinear(nn.Module):
     def __init__(self, base: RowParallelLinear, parts: LoRAParts, ctx: RewriteContext) -> None:
         super().__init__()
         self.base_layer, self.scaling, self.adapter_name = base, parts.scaling, parts.name
+        self.adapter_enabled = True
         a = shard_parameter(parts.a, base.spec, ctx.group)  # the base's input columns
         b = nn.Parameter(parts.b.detach().clone(), requires_grad=parts.b.requires_grad)
         if ctx.group.size > 1:  # its input is this rank's partial sum: the gradient is partial too
@@ -172,9 +176,29 @@ class LoRARowParallelLinear(nn.Module):
         self.lora_dropout = ParallelDropout(parts.dropout, ctx.rng_tracker, sharded=ctx.group.size > 1)
 
     def forward(self, x: Tensor) -> Tensor:
+        if not self.adapter_enabled:
+            return self.base_layer(x)
         a = F.linear(self.lora_dropout(x), self.lora_A[self.adapter_name].weight)  # [s, b, r], partial over ranks
         adapter = F.linear(a, self.lora_B[self.adapter_name].weight) * self.scaling
         return self.base_layer.reduce(self.base_layer.partial(x) + adapter)
+
+
+@contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """``model`` computes its frozen base for the duration (DPO's reference model: no second copy): PEFT's own LoRA
+    layers through ``PeftModel.disable_adapter()``, the rewritten parallel ones (:class:`LoRAColumnParallelLinear`,
+    :class:`LoRARowParallelLinear`) by their ``adapter_enabled`` flag, which no other code sets. Adapter dropout does
+    not run, so no random number is drawn."""
+    ours = [m for m in model.modules() if isinstance(m, (LoRAColumnParallelLinear, LoRARowParallelLinear))]
+    peft_layers = any(is_peft_tuner_layer(m) for m in model.modules())  # PEFT's disable_adapter refuses none left
+    with model.disable_adapter() if peft_layers else nullcontext():
+        for module in ours:
+            module.adapter_enabled = False
+        try:
+            yield
+        finally:
+            for module in ours:
+                module.adapter_enabled = True
 
 
 def column_with_lora(base: ColumnParallelLinear, found: Any, ctx: RewriteContext, where: str) -> nn.Module:

@@ -1,0 +1,170 @@
+"""Direct preference optimization (Rafailov et al., *Direct Preference Optimization*, 2023) on a causal LM split over
+tensor-, context-, pipeline- and data-parallel ranks.
+
+For a pair (prompt x, chosen y_w, rejected y_l), with ``log π(y|x)`` the sum of the reply tokens' log-probabilities
+under the policy π and ``log π_ref(y|x)`` under the reference model:
+
+    z = [log π(y_w|x) − log π_ref(y_w|x)] − [log π(y_l|x) − log π_ref(y_l|x)]
+    sigmoid (DPO, eq. 7):   ℓ = −log σ(β·z)
+    ipo (Azar et al. 2023): ℓ = (z − 1/(2β))², with each log-probability the mean over the reply's tokens (as TRL)
+
+The rewards TRL logs are ``β·(log π − log π_ref)`` of each reply; ``rewards/accuracies`` the share of pairs whose
+chosen reward is the larger, ``rewards/margins`` chosen minus rejected. The step's loss is one process's mean of ℓ
+over the step's pairs (every data-parallel rank, accumulated and pipeline micro-batch).
+
+The log-probabilities come from the model's own loss path with ``sum_per_row=True``
+(:class:`~lightning_seqpar.hf.vocabulary.CausalLMLoss`): vocabulary-parallel cross entropy over the tp shards, in
+chunks of the sequence when ``loss_chunk`` is set (no rank holds a whole sequence's ``[s, v]`` logits), summed over
+the cp ranks, on the last pipeline stage, in float32 (float64 models: float64).
+
+The reference: with LoRA, the same weights with the adapters switched off, in the same step under ``no_grad``
+(:func:`~lightning_seqpar.transformer.lora.adapters_disabled`: no second copy); or, for full fine-tuning and under
+pipeline parallelism, the ``reference_logps`` a batch carries (:class:`~lightning_seqpar.data.preference_datamodule.PreferenceDataModule`'s ``reference``).
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+DPO_LOSSES = ("sigmoid", "ipo")
+"""The preference losses (TRL's ``loss_type`` names)."""
+
+
+class PreferenceTerms(NamedTuple):
+    """Per pair ``[n]``: the loss ℓ, the chosen and rejected rewards (detached)."""
+
+    losses: Tensor
+    chosen_rewards: Tensor
+    rejected_rewards: Tensor
+
+
+def dpo_terms(policy_chosen: Tensor, policy_rejected: Tensor, reference_chosen: Tensor, reference_rejected: Tensor,
+              beta: float, loss: str = "sigmoid") -> PreferenceTerms:
+    """ℓ and the rewards of ``n`` pairs from their log-probabilities ``[n]`` (see the module docstring).
+
+    Raises:
+        ValueError: ``loss`` not one of :data:`DPO_LOSSES`, or ``beta`` not positive.
+    """
+    if loss not in DPO_LOSSES:
+        raise ValueError(f"dpo.loss={loss!r}: one of {DPO_LOSSES}.")
+    if not beta > 0:
+        raise ValueError(f"dpo.beta={beta}: β must be positive (TRL's default is 0.1).")
+    chosen = policy_chosen - reference_chosen
+    rejected = policy_rejected - reference_rejected
+    z = chosen - rejected
+    losses = -F.logsigmoid(beta * z) if loss == "sigmoid" else (z - 1 / (2 * beta)) ** 2
+    return PreferenceTerms(losses, beta * chosen.detach(), beta * rejected.detach())
+
+
+def reply_tokens(labels: Tensor, ignore_index: int = -100) -> Tensor:
+    """Supervised tokens of each row after transformers' shift ``[rows]`` (the labels of the whole row)."""
+    return (labels[:, 1:] != ignore_index).sum(-1)
+
+
+class PreferenceLoss:
+    """The DPO step of a Hugging Face causal LM (see the module docstring).
+
+    Args:
+        beta: β.
+        loss: ``"sigmoid"`` or ``"ipo"``.
+        has_adapters: the model is LoRA-wrapped (its frozen base is the reference when batches carry none).
+
+    Raises:
+        ValueError: an unknown ``loss`` or a non-positive ``beta``.
+    """
+
+    def __init__(self, beta: float, loss: str, has_adapters: bool) -> None:
+        dpo_terms(torch.zeros(1), torch.zeros(1), torch.zeros(1), torch.zeros(1), beta, loss)  # checks the settings
+        self.beta, self.loss, self.has_adapters = beta, loss, has_adapters
+
+    def row_logps(self, model: nn.Module, batch: dict) -> Tensor:
+        """``[2b]`` Σ log p of each row's reply tokens under ``model`` (see the module docstring).
+
+        Raises:
+            ValueError: the model's loss did not come back per row (its forward does not pass keyword arguments on to
+                its loss function), naming it.
+        """
+        inputs = {k: batch[k] for k in ("input_ids", "labels", "attention_mask") if k in batch}
+        per_row = model(**inputs, sum_per_row=True).loss
+        rows = batch["input_ids"].shape[0]
+        if per_row is None or tuple(per_row.shape) != (rows,):
+            raise ValueError(f"{type(model).__name__} returned a loss of shape "
+                             f"{None if per_row is None else tuple(per_row.shape)} for sum_per_row=True, not one per "
+                             f"row ({rows}): its forward does not pass its keyword arguments on to its loss function "
+                             f"(or adds a term to it, such as a router's auxiliary loss). DPO needs the per-row sums.")
+        return -per_row
+
+    def base_logps(self, model: nn.Module, batch: dict) -> Tensor:
+        """``[2b]`` Σ log p under the model as the reference: adapters off (LoRA), else the weights as they are (a
+        reference pass before training, :mod:`~lightning_seqpar.models.dpo_reference`); without gradients."""
+        from lightning_seqpar.transformer.lora import adapters_disabled
+
+        with torch.no_grad(), adapters_disabled(model) if self.has_adapters else nullcontext():
+            return self.row_logps(model, batch)
+
+    def reference_logps(self, model: nn.Module, batch: dict, pipelined: bool) -> Tensor:
+        """``[2b]`` the reference's Σ log p: the batch's ``reference_logps``, or the frozen base (LoRA, adapters off).
+
+        Raises:
+            ValueError: no reference in the batch and no adapters (full fine-tuning), or under pipeline parallelism
+                (one forward per micro-batch), naming the fix.
+        """
+        if "reference_logps" in batch:
+            return batch["reference_logps"]
+        if not self.has_adapters or pipelined:
+            why = ("full fine-tuning has no frozen copy of the starting model" if not self.has_adapters else
+                   "under pipeline parallelism each micro-batch runs one forward through the stages")
+            raise ValueError(f"DPO needs the reference model's log-probabilities, and {why}. Compute them first "
+                             f"(lightning_seqpar.models.dpo_reference.reference_logps) and give them to "
+                             f"PreferenceDataModule(reference=...), as recipes/finetune.py objective=dpo does.")
+        return self.base_logps(model, batch)
+
+    def terms(self, model: nn.Module, batch: dict, pipelined: bool) -> tuple[PreferenceTerms, Tensor]:
+        """The pairs' :class:`PreferenceTerms` and the policy's per-row log-probabilities ``[2b]``.
+
+        Raises:
+            ValueError: an odd number of rows (a pair cut by the micro-batches), or from :meth:`reference_logps` and
+                :meth:`row_logps`.
+        """
+        rows = batch["input_ids"].shape[0]
+        if rows % 2:
+            raise ValueError(f"A DPO micro-batch of {rows} rows cuts a preference pair in two: under pipeline "
+                             f"parallelism use a data.batch_size (pairs) divisible by num_microbatches.")
+        reference = self.reference_logps(model, batch, pipelined)
+        policy = self.row_logps(model, batch)
+        reference = reference.to(policy.dtype)
+        if self.loss == "ipo":  # TRL: the mean over the reply's tokens
+            tokens = reply_tokens(batch["labels"]).clamp_min(1).to(policy.dtype)
+            policy, reference = policy / tokens, reference / tokens
+        return dpo_terms(policy[0::2], policy[1::2], reference[0::2], reference[1::2], self.beta, self.loss), policy
+
+    @staticmethod
+    def metrics(terms: PreferenceTerms, policy: Tensor) -> dict[str, Tensor]:
+        """TRL's names: ``rewards/chosen``, ``rewards/rejected``, ``rewards/accuracies``, ``rewards/margins``,
+        ``logps/chosen``, ``logps/rejected`` (means over the micro-batch's pairs)."""
+        chosen, rejected = terms.chosen_rewards, terms.rejected_rewards
+        policy = policy.detach()
+        return {"rewards/chosen": chosen.mean(), "rewards/rejected": rejected.mean(),
+                "rewards/accuracies": (chosen > rejected).to(chosen.dtype).mean(),
+                "rewards/margins": (chosen - rejected).mean(),
+                "logps/chosen": policy[0::2].mean(), "logps/rejected": policy[1::2].mean()}
+
+
+def refuse_unsupported(config: Any, objective: str) -> None:
+    """Refuse, before training, a model whose loss DPO cannot read per row.
+
+    Raises:
+        ValueError: a mixture of experts recording its router logits (transformers adds the load-balancing loss to
+            the loss, which is per row here), naming the fix.
+    """
+    if objective == "dpo" and getattr(config, "output_router_logits", False):
+        raise ValueError(f"{getattr(config, 'model_type', 'the model')} records its router logits "
+                         f"(output_router_logits=True), and transformers adds their load-balancing loss to the loss, "
+                         f"which DPO reads per row. Set output_router_logits=False in its config for DPO.")
+

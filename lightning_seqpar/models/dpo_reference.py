@@ -1,0 +1,155 @@
+"""The reference model's log-probabilities of every preference pair, computed once before DPO training, and their
+cache file.
+
+Full fine-tuning keeps no frozen copy of the starting model, and under pipeline parallelism a micro-batch runs one
+forward through the stages; both read the reference from the batch instead (``reference_logps``,
+:class:`~lightning_seqpar.data.preference_datamodule.PreferenceDataModule`). :func:`compute_reference_logps` runs
+the model as it stands before the first step (LoRA: adapters off) forward-only over both splits, through the same
+strategy, layout and loss path as training (``trainer.validate`` with the module collecting instead of logging),
+every pair once, and gathers the values on every rank.
+
+The cache (:func:`write_reference`, :func:`read_reference`) is one JSON file, published atomically: ``version``, the
+``identity`` it was made for (the model directory's config and weight files by size and modification time, the data
+file likewise, the tokenizer, chat template, ``block_size``, ``overflow`` and ``val_fraction``), the values per split
+(``[pairs, 2]``: chosen, rejected; float64 written by ``repr``, read back bit for bit) and the SHA-256 of the values.
+A cache made for another identity, or whose digest does not match, is refused by name (the recipe then computes
+the values again); it never feeds training silently.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from lightning_seqpar.checkpoint.atomic import publish, temporary_path
+
+REFERENCE_VERSION = 1
+SPLITS = ("training", "validation")
+
+
+class ReferenceCollector:
+    """Per-row log-probabilities by pair index, filled by the module's ``validation_step`` during a reference pass
+    (on the last pipeline stage: the only one that computes them)."""
+
+    def __init__(self) -> None:
+        self.values: dict[int, tuple[float, float]] = {}
+
+    def add(self, pair_index: torch.Tensor, logps: torch.Tensor) -> None:
+        """``pair_index``, ``logps`` ``[2b]`` (rows ``2i`` chosen, ``2i+1`` rejected)."""
+        index, values = pair_index[0::2].tolist(), logps.detach().to(torch.float64).view(-1, 2).tolist()
+        for i, (chosen, rejected) in zip(index, values):
+            self.values[int(i)] = (chosen, rejected)
+
+
+def _gather(values: dict[int, tuple[float, float]], pairs: int, split: str) -> np.ndarray:
+    """Every rank's collected values as ``[pairs, 2]`` on every rank (ranks of one replica hold the same values).
+
+    Raises:
+        RuntimeError: a pair no rank computed.
+    """
+    parts = [values]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, values)
+    out = np.full((pairs, 2), np.nan, dtype=np.float64)
+    for part in parts:
+        for i, pair in part.items():
+            out[i] = pair
+    missing = np.flatnonzero(np.isnan(out).any(1))
+    if len(missing):
+        raise RuntimeError(f"The reference pass over the {split} split computed no value for pairs "
+                           f"{missing[:8].tolist()}: its loader did not cover the split.")
+    return out
+
+
+def compute_reference_logps(trainer: Any, module: Any, data: Any) -> dict[str, np.ndarray]:
+    """The reference log-probabilities ``{split: [pairs, 2]}`` of ``data``'s pairs under ``module``'s current weights
+    (LoRA: adapters off), on every rank; collective (every rank calls it, before ``trainer.fit``).
+
+    Args:
+        trainer: the run's trainer (its strategy and layout compute the values).
+        module: a :class:`~lightning_seqpar.models.finetune.FineTuneModule` with ``objective="dpo"``.
+        data: the run's :class:`~lightning_seqpar.data.preference_datamodule.PreferenceDataModule` (set up here).
+
+    Raises:
+        RuntimeError: a pair left uncomputed.
+    """
+    out = {}
+    for split in SPLITS:
+        module.reference_collector, data.reference_split = ReferenceCollector(), split
+        try:
+            trainer.validate(module, datamodule=data, verbose=False)
+            collected = module.reference_collector.values
+        finally:
+            module.reference_collector, data.reference_split = None, None
+        rows = data.train_rows if split == "training" else data.val_rows
+        out[split] = _gather(collected, len(rows), split)
+    return out
+
+
+def _file_identity(path: Path) -> dict:
+    stat = path.stat()
+    return {"path": str(path.resolve()), "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+def reference_identity(pretrained: str, data: Any) -> dict:
+    """What the values depend on (see the module docstring): a cache made for another identity is not read."""
+    model = Path(pretrained)
+    files = sorted(p for p in model.iterdir() if p.name == "config.json" or p.suffix == ".safetensors")
+    from lightning_seqpar.data.supervised import template_identity
+
+    return {"model": [_file_identity(p) for p in files], "data": _file_identity(data.path),
+            "tokenizer": data.tokenizer.identity, "chat_template": template_identity(data.tokenizer),
+            "block_size": data.block_size, "overflow": data.overflow, "val_fraction": data.val_fraction}
+
+
+def _digest(values: dict[str, list]) -> str:
+    return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()
+
+
+def write_reference(path: Path, values: dict[str, np.ndarray], identity: dict) -> None:
+    """Publish the cache at ``path`` atomically (see the module docstring)."""
+    path = Path(path)
+    lists = {split: values[split].tolist() for split in SPLITS}
+    body = {"version": REFERENCE_VERSION, "identity": identity, "values": lists, "sha256": _digest(lists)}
+    tmp = temporary_path(path)
+    tmp.write_text(json.dumps(body))
+    publish(tmp, path)
+
+
+def read_reference(path: Path, identity: Optional[dict]) -> dict[str, np.ndarray]:
+    """The cached values ``{split: [pairs, 2]}``, checked (see the module docstring).
+
+    Args:
+        identity: what the values must have been made for (``None``: not compared).
+
+    Raises:
+        FileNotFoundError: no file at ``path``.
+        ValueError: not a reference cache, another version, damaged (its digest differs from its values), or made
+            for another model, data or settings (naming what differs).
+    """
+    path = Path(path)
+    try:
+        body = json.loads(path.read_text())
+        values, digest = body["values"], body["sha256"]
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as error:
+        raise ValueError(f"{path} is not a DPO reference cache, or is damaged ({type(error).__name__}: {error}). "
+                         f"Delete it: the recipe computes the reference log-probabilities again.") from None
+    if body.get("version") != REFERENCE_VERSION:
+        raise ValueError(f"{path} is a reference cache of version {body.get('version')}; this version reads "
+                         f"{REFERENCE_VERSION}. Delete it to compute it again.")
+    if _digest(values) != digest:
+        raise ValueError(f"{path} is damaged: its values do not match their SHA-256. Delete it to compute the "
+                         f"reference log-probabilities again.")
+    if identity is not None and body.get("identity") != identity:
+        made = body.get("identity") or {}
+        differ = sorted(k for k in set(made) | set(identity) if made.get(k) != identity.get(k))
+        raise ValueError(f"{path} was computed for another {', '.join(differ)} than this run's: its values are not "
+                         f"this run's reference. Delete it (or point dpo.reference elsewhere) to compute them again.")
+    return {split: np.asarray(values[split], dtype=np.float64).reshape(-1, 2) for split in SPLITS}

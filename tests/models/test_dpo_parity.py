@@ -1,0 +1,183 @@
+"""DPO trains like one process computing the same formula with plain transformers (float64, 3 steps): every trainable
+gradient of each step equals one process's gradient of the mean DPO loss over the step's pairs, under
+
+- LoRA at tp 2 (sequence parallel) × dp 2 with 2 accumulated micro-batches, the reference the frozen base with the
+  adapters switched off in the same step;
+- LoRA at tp 2 × cp 2;
+- full fine-tuning at pp 2 × tp 2 with 2 micro-batches, the reference computed first by a reference pass through the
+  same layout (its values equal one process's log-probabilities of the starting model).
+
+At LoRA's first step (B = 0) the policy is the reference: every pair's loss is ln 2 and its rewards 0, exactly."""
+
+import json
+import math
+import random
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lightning_seqpar import SeqParallelStrategy
+from lightning_seqpar.checkpoint.full_state import full_gradients
+from lightning_seqpar.data.preference_datamodule import PairBatches, PreferenceDataModule
+from lightning_seqpar.models.dpo_reference import compute_reference_logps
+from lightning_seqpar.models.finetune import FineTuneModule
+from tests.helpers.chat_tokenizer import WORDS, make_chat_model_dir
+from tests.helpers.distributed import run_distributed
+from tests.helpers.models import merge_over_stages
+
+pytestmark = pytest.mark.distributed  # starts processes: outside the fast lane
+
+STEPS, BATCH, BLOCK, BETA, LR = 3, 2, 32, 0.5, 1e-2
+LORA = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"]}
+LAYOUTS = {  # name: (strategy, accumulate, lora)
+    "lora tp2 x dp2, accumulate 2": ({"tp": 2}, 2, True),
+    "lora tp2 x cp2": ({"tp": 2, "cp": 2}, 1, True),
+    "full pp2 x tp2": ({"tp": 2, "pp": 2, "num_microbatches": 2}, 1, False),
+}
+
+
+def preference_records(n: int, seed: int = 0) -> list[dict]:
+    """``n`` pairs over the chat tokenizer's words, half as texts and half as conversations (a shared prompt)."""
+    rng = random.Random(seed)
+    records = []
+    for i in range(n):
+        prompt = " ".join(rng.choices(WORDS, k=rng.randint(2, 5)))
+        chosen = " ".join(rng.choices(WORDS, k=rng.randint(1, 4)))
+        rejected = " ".join(rng.choices(WORDS, k=rng.randint(1, 4)))
+        if chosen == rejected:
+            rejected += " no"
+        if i % 2:
+            records.append({"prompt": prompt, "chosen": chosen, "rejected": rejected})
+        else:
+            user = {"role": "user", "content": prompt}
+            records.append({"chosen": [user, {"role": "assistant", "content": chosen}],
+                            "rejected": [user, {"role": "assistant", "content": rejected}]})
+    return records
+
+
+@pytest.fixture(scope="module")
+def directory(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dpo")
+    make_chat_model_dir(root / "model")
+    (root / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in preference_records(40)))
+    return root
+
+
+def _data(directory):
+    return PreferenceDataModule(str(directory / "pairs.jsonl"), str(directory / "model"), BLOCK, BATCH,
+                                val_fraction=0.2)
+
+
+class _Record(pl.Callback):
+    def __init__(self, lora):
+        self.lora, self.grads, self.first = lora, [], None
+
+    def on_train_start(self, trainer, pl_module):
+        self.initial = trainer.strategy.full_state_dict()  # collective; the run's LoRA initialization
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self.lora and self.first is None:  # the first micro-batch's terms, unsynchronized, before any step
+            with torch.no_grad():
+                self.first = pl_module.preference.terms(pl_module.model, batch, False)[0]
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        mesh = trainer.strategy.mesh
+        self.grads.append(merge_over_stages(full_gradients(pl_module, mesh), mesh.pipeline))
+
+
+def _fit(rank, world_size, directory, layout):
+    strategy, accumulate, lora = LAYOUTS[layout]
+    record = _Record(lora)
+    trainer = pl.Trainer(accelerator="cpu", devices=world_size, precision="64-true", max_steps=STEPS, logger=False,
+                         strategy=SeqParallelStrategy(**strategy), accumulate_grad_batches=accumulate,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         num_sanity_val_steps=0, check_val_every_n_epoch=None, val_check_interval=1000,
+                         callbacks=[record])
+    module = FineTuneModule(str(directory / "model"), LORA if lora else None, objective="dpo", dpo_beta=BETA,
+                            learning_rate=LR, warmup_steps=0, weight_decay=0.0)
+    data = _data(directory)
+    reference = None
+    if not lora:
+        reference = data.reference = compute_reference_logps(trainer, module, data)
+    trainer.fit(module, datamodule=data)
+    return record.initial, record.grads, record.first, reference
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def run(request, directory):
+    return request.param, run_distributed(_fit, 4, directory, request.param)[0]
+
+
+def _policy(directory, state, lora):
+    from peft import LoraConfig, get_peft_model
+    from lightning_seqpar.hf.models import build_causal_lm, causal_lm_config, pretrained_state_dict
+
+    model = build_causal_lm(causal_lm_config(None, str(directory / "model"), "eager"))
+    model.load_state_dict(pretrained_state_dict(str(directory / "model")))
+    if lora:
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=LORA["target_modules"]))
+    model = model.double()
+    model.load_state_dict({k[len("model."):]: v for k, v in state.items()})
+    return model
+
+
+def _logps(model, batch):
+    """Σ log p of each row's reply tokens, from the whole logits (what one process computes)."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    shifted = F.pad(batch["labels"], (0, 1), value=-100)[:, 1:]
+    tokens = logits.log_softmax(-1).gather(-1, shifted.clamp_min(0)[..., None])[..., 0]
+    return (tokens * (shifted != -100)).sum(-1)
+
+
+def _dpo(policy, reference):
+    z = (policy[0::2] - reference[0::2]) - (policy[1::2] - reference[1::2])
+    return -F.logsigmoid(BETA * z)
+
+
+def _relative(got, want):
+    return ((got - want).norm() / want.norm().clamp_min(1e-300)).item()
+
+
+def test_every_gradient_is_one_process_mean_dpo_loss_over_each_steps_pairs(directory, run):
+    layout, (initial, grads, first, reference) = run
+    strategy, accumulate, lora = LAYOUTS[layout]
+    dp = 4 // (strategy.get("tp", 1) * strategy.get("cp", 1) * strategy.get("pp", 1))
+    data = _data(directory)
+    data.setup()
+    model = _policy(directory, initial, lora)
+    if not lora:  # the reference pass through the layout: one process's log-probabilities of the starting model
+        with torch.no_grad():
+            rows = data.train_rows
+            everything = {k: torch.from_numpy(getattr(rows, k).reshape(2 * len(rows), -1))
+                          for k in ("input_ids", "labels", "attention_mask")}
+            want = _logps(model, everything).view(-1, 2).numpy()
+        assert reference["training"].shape == want.shape and abs(reference["training"] - want).max() < 1e-9
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, betas=(0.9, 0.95),
+                                  weight_decay=0.0)
+    ranks = [PairBatches(data.train_rows, BATCH, dp, q, accumulate, seed=0,
+                         reference=None if lora else reference["training"]) for q in range(dp)]
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        batches = [ranks[q][(0, step * accumulate + m)] for q in range(dp) for m in range(accumulate)]
+        pairs = int(batches[0]["num_items_in_step"][0])
+        assert pairs == dp * accumulate * BATCH
+        for batch in batches:  # the mean over the whole step's pairs, as one process computes it
+            if lora:
+                with torch.no_grad(), model.disable_adapter():
+                    ref = _logps(model, batch)
+            else:
+                ref = batch["reference_logps"]
+            (_dpo(_logps(model, batch), ref).sum() / pairs).backward()
+        want = {"model." + n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        got = grads[step]
+        assert got.keys() == want.keys() and len(want) == (2 * 5 * 2 if lora else len(list(model.parameters())))
+        wrong = {n: e for n in want if (e := _relative(got[n], want[n])) > 1e-6 and want[n].norm() > 0}
+        assert wrong == {}, (layout, step, wrong)
+        assert all(torch.equal(got[n], want[n]) for n in want if want[n].norm() == 0)  # B = 0 at first: A's grad 0
+        optimizer.step()
+    if lora:  # B = 0: policy and reference are the same function of the same weights
+        assert torch.equal(first.losses, torch.full_like(first.losses, math.log(2)))
+        assert torch.equal(first.chosen_rewards, torch.zeros_like(first.chosen_rewards))
+        assert torch.equal(first.rejected_rewards, torch.zeros_like(first.rejected_rewards))
