@@ -5,6 +5,8 @@ pipeline parallelism.
     python recipes/finetune.py model.pretrained=DIR data.path=chat.jsonl peft=lora peft.r=16 peft.alpha=32 \\
         export_hf=adapter export_hf_merged=merged                                          # LoRA, PEFT + merged export
     python recipes/finetune.py ... strategy=pp2_tp2 trainer.devices=4                      # pipeline 2 × tensor 2
+    python recipes/finetune.py model.pretrained=DIR data.path=pairs.jsonl objective=dpo peft=lora dpo.beta=0.1
+                                                                                           # preference tuning (DPO)
 
 The data is JSON Lines: ``{"messages": [...]}`` (rendered with the tokenizer's chat template; loss on the assistant's
 tokens), ``{"prompt", "completion"}`` (loss on the completion) or ``{"text"}``; examples are packed into rows of
@@ -12,6 +14,14 @@ tokens), ``{"prompt", "completion"}`` (loss on the completion) or ``{"text"}``; 
 the mean over the supervised tokens of each optimizer step, as one process would compute it. At the end: validation
 loss and perplexity on the held-out examples' supervised tokens, a reply decoded from ``sample.prompt`` and the
 exports asked for. Every field of ``conf/finetune.yaml`` can be overridden on the command line (Hydra).
+
+``objective=dpo``: the data is preference pairs (``{"prompt", "chosen", "rejected"}`` texts, or ``chosen`` and
+``rejected`` conversations; :mod:`lightning_seqpar.data.preference`), ``data.batch_size`` pairs per micro-batch, and
+the loss is DPO's (``dpo.loss=sigmoid``) or IPO's (``dpo.loss=ipo``) with ``dpo.beta``. The reference model is the
+frozen base with LoRA's adapters off, in the same step; for full fine-tuning or under pipeline parallelism, its
+log-probabilities are computed first through the same layout and cached (``dpo.reference``, default beside the
+data; a cache made for another model, data or settings is computed again, a damaged one is refused by name when
+given explicitly). At the end: validation loss and TRL's reward metrics.
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ import logging
 import math
 import sys
 from pathlib import Path
+from typing import Any
 
 import hydra
 import lightning.pytorch as pl
@@ -34,7 +45,9 @@ from lightning_seqpar import SelectiveRecompute, SeqParallelStrategy  # noqa: E4
 from lightning_seqpar.checkpoint.destination import refuse_export_destination  # noqa: E402
 from lightning_seqpar.checkpoint.peft_export import export_peft_adapter  # noqa: E402
 from lightning_seqpar.data.finetune_datamodule import FineTuneDataModule  # noqa: E402
+from lightning_seqpar.data.preference_datamodule import PreferenceDataModule  # noqa: E402
 from lightning_seqpar.lightning.callbacks import LayoutReport, ParallelModelSummary  # noqa: E402
+from lightning_seqpar.models.dpo_reference import reference_for_run  # noqa: E402
 from lightning_seqpar.models.finetune import FineTuneModule  # noqa: E402
 from recipes.pretrain_gpt import CONF_DIR, route_logs_to_hydra  # noqa: E402
 
@@ -45,9 +58,11 @@ def check_options(cfg: DictConfig, output_dir: Path) -> None:
     """Refuse, before any process starts, exports that cannot apply or would overwrite what must stay.
 
     Raises:
-        ValueError: ``export_hf_merged`` without LoRA.
+        ValueError: ``export_hf_merged`` without LoRA; an unknown ``objective``.
         FileExistsError: an export destination that must not be written (:mod:`lightning_seqpar.checkpoint.destination`).
     """
+    if cfg.objective not in ("sft", "dpo"):
+        raise ValueError(f"objective={cfg.objective!r}: sft (supervised fine-tuning) or dpo (preference pairs).")
     if cfg.export_hf_merged and cfg.peft.kind != "lora":
         raise ValueError("export_hf_merged needs peft=lora (full fine-tuning has no adapters to merge): use export_hf.")
     for out in (cfg.export_hf, cfg.export_hf_merged):
@@ -56,22 +71,30 @@ def check_options(cfg: DictConfig, output_dir: Path) -> None:
                                       protected=(output_dir, cfg.model.pretrained))
 
 
-def build(cfg: DictConfig, output_dir: Path) -> tuple[FineTuneModule, FineTuneDataModule, pl.Trainer]:
-    data = FineTuneDataModule(cfg.data.path, cfg.data.tokenizer or cfg.model.pretrained, cfg.data.block_size,
-                              cfg.data.batch_size, cfg.data.packing, cfg.data.overflow, cfg.data.val_fraction,
-                              cfg.seed, cfg.data.cache_dir, cfg.data.stall_timeout)
+def build(cfg: DictConfig, output_dir: Path) -> tuple[FineTuneModule, Any, pl.Trainer]:
+    dpo = cfg.objective == "dpo"
+    tokenizer = cfg.data.tokenizer or cfg.model.pretrained
+    if dpo:  # one reply per row, padded: data.packing does not apply
+        data = PreferenceDataModule(cfg.data.path, tokenizer, cfg.data.block_size, cfg.data.batch_size,
+                                    cfg.data.overflow, cfg.data.val_fraction, cfg.seed)
+    else:
+        data = FineTuneDataModule(cfg.data.path, tokenizer, cfg.data.block_size, cfg.data.batch_size, cfg.data.packing,
+                                  cfg.data.overflow, cfg.data.val_fraction, cfg.seed, cfg.data.cache_dir,
+                                  cfg.data.stall_timeout)
     lora, adapter = None, None
     if cfg.peft.kind == "lora":
         lora = {k: v for k, v in OmegaConf.to_container(cfg.peft, resolve=True).items() if k not in ("kind", "adapter")}
         adapter = cfg.peft.get("adapter")
     optim = OmegaConf.to_container(cfg.optim, resolve=True)
     module = FineTuneModule(cfg.model.pretrained, lora, cfg.model.attn_implementation, adapter,
-                            freeze_router=cfg.model.freeze_router, max_steps=cfg.trainer.max_steps, **optim)
+                            freeze_router=cfg.model.freeze_router, max_steps=cfg.trainer.max_steps,
+                            objective=cfg.objective, dpo_beta=cfg.dpo.beta, dpo_loss=cfg.dpo.loss, **optim)
     callbacks: list[pl.Callback] = [
         ModelCheckpoint(dirpath=output_dir / cfg.checkpoint_dir, filename="step{step:06d}",
                         auto_insert_metric_name=False, save_last=True, every_n_train_steps=cfg.trainer.val_check_interval),
         ParallelModelSummary(),  # with a frozen base: PEFT's "trainable params: … || all params: …" line
-        LayoutReport(cfg.data.block_size, cfg.data.batch_size),  # tp/cp/pp/dp and the predicted, then measured, peak
+        # tp/cp/pp/dp and the predicted, then measured, peak (DPO: two rows per pair)
+        LayoutReport(cfg.data.block_size, cfg.data.batch_size * (2 if dpo else 1)),
     ]
     if cfg.trainer.get("enable_progress_bar", True):
         callbacks.append(TQDMProgressBar())  # Lightning's rich bar prints "Epoch 4/-2" for step-based runs
@@ -83,7 +106,7 @@ def build(cfg: DictConfig, output_dir: Path) -> tuple[FineTuneModule, FineTuneDa
     return module, data, trainer
 
 
-def reply(module: FineTuneModule, trainer: pl.Trainer, data: FineTuneDataModule, prompt: str, tokens: int) -> str:
+def reply(module: FineTuneModule, trainer: pl.Trainer, data: Any, prompt: str, tokens: int) -> str:
     """A greedy reply to ``prompt`` (one user turn, rendered with the chat template when there is one), from a
     single-device copy of the fine-tuned model (collective: every rank calls it)."""
     from transformers import AutoModelForCausalLM
@@ -114,11 +137,14 @@ def main(cfg: DictConfig) -> dict:
     check_options(cfg, output_dir)
     pl.seed_everything(cfg.seed, workers=True)
     module, data, trainer = build(cfg, output_dir)
+    if cfg.objective == "dpo":  # full fine-tuning or pp > 1: the reference's log-probabilities first (collective)
+        data.reference = reference_for_run(trainer, module, data, cfg.dpo.reference)
     trainer.fit(module, datamodule=data, ckpt_path=cfg.ckpt_path)
     if trainer.global_step % cfg.trainer.val_check_interval or "val/loss" not in trainer.callback_metrics:
         trainer.validate(module, datamodule=data, verbose=False)  # the last step was not validated yet
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-    metrics["val/ppl"] = math.exp(metrics["val/loss"])
+    if cfg.objective == "sft":
+        metrics["val/ppl"] = math.exp(metrics["val/loss"])
     strategy = trainer.strategy
     if cfg.export_hf and module.lora is not None:  # collective
         export_peft_adapter(module, strategy.mesh, Path(cfg.export_hf).absolute(), overwrite=cfg.export_hf_overwrite)

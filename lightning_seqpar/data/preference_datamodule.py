@@ -80,7 +80,8 @@ class PreferenceDataModule(pl.LightningDataModule):
         FileNotFoundError: no file at ``path``.
         ValueError: ``overflow`` or ``val_fraction`` out of range; in ``setup``: a line that is not UTF-8 or JSON, a
             record that is not a preference pair, a reply too long or with no supervised token, an id outside the
-            model's vocabulary, reference log-probabilities of another length; each naming the file, line and fix.
+            model's vocabulary, reference log-probabilities of another length, a batch size (pairs) that the
+            pipeline's micro-batches would cut; each naming the file, line and fix.
     """
 
     def __init__(self, path: str, tokenizer: Union[str, Tokenizer], block_size: int = 512, batch_size: int = 2,
@@ -118,6 +119,11 @@ class PreferenceDataModule(pl.LightningDataModule):
         Raises:
             ValueError: see the class docstring.
         """
+        pipeline = getattr(self.trainer.strategy, "pipeline", None) if self.trainer is not None else None
+        m = pipeline.config.num_microbatches if pipeline is not None else 1
+        if self.batch_size % m:  # micro-batches are cut along rows: a pair's two rows must stay together
+            raise ValueError(f"data.batch_size={self.batch_size} pairs cannot be cut into num_microbatches={m} "
+                             f"micro-batches of whole pairs. Use a data.batch_size divisible by {m}.")
         if self.pairs is None:
             self.pairs = self.load_pairs()
         module = self.trainer.lightning_module if self.trainer is not None else None

@@ -4,7 +4,8 @@ The user's ``self.log`` calls run where the loss is computed, on the last stage;
 names (``sync_dist`` collectives line up across ranks). The values stay tensors on the device: no ``float()`` /
 ``.item()`` reads them back to the host inside the step (Lightning reads them when it reports). What is logged
 (names, dtypes, ``self.log`` arguments) is a Python structure, sent from the last stage once per kind of step
-(training, evaluation); afterwards each step broadcasts one float64 tensor of the values over the pipeline group.
+(training; evaluation: once per validation or test loop, since loops may log differently); afterwards each step
+broadcasts one float64 tensor of the values over the pipeline group.
 """
 
 from __future__ import annotations
@@ -74,6 +75,10 @@ class LogShare:
     def dtypes(self, kind: str) -> dict[str, Optional[torch.dtype]]:
         """Each logged name's dtype (``None`` for a Python number) in steps of ``kind``."""
         return {name: dtype for name, dtype, _ in self._structures[kind][1]}
+
+    def forget(self, kind: str) -> None:
+        """The next step of ``kind`` teaches its layout again (every rank calls it at the same point: a loop's start)."""
+        self._structures.pop(kind, None)
 
     def share(self, kind: str, loss: Optional[Tensor], recorder: Optional[LogRecorder],
               device: torch.device) -> tuple[Optional[Tensor], list[tuple[str, Tensor, dict]]]:

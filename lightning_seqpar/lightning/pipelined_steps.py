@@ -209,6 +209,11 @@ class PipelinedSteps:
         anchor = torch.zeros((), device=module.device, requires_grad=True)
         return _PipelinedLoss.apply(anchor, value.to(self.logs.loss_dtype("training")), fresh)
 
+    def begin_evaluation(self) -> None:
+        """A validation or test loop starts: its steps' logged names are learnt from its first step (another loop may
+        log others, e.g. a DPO reference pass, which logs nothing)."""
+        self.logs.forget("evaluation")
+
     def evaluation_step(self, module: pl.LightningModule, step: Callable[..., Any], batch: Any, batch_idx: int) -> None:
         """Forward-only pipeline of ``step`` (``validation_step`` / ``test_step``); returns ``None``."""
         _, recorder = self._run(module, step, batch, batch_idx, forward_only=True)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from pathlib import Path
 from typing import Any, Optional
 
@@ -28,6 +29,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_seqpar.checkpoint.atomic import publish, temporary_path
+
+log = logging.getLogger(__name__)
 
 REFERENCE_VERSION = 1
 SPLITS = ("training", "validation")
@@ -153,3 +156,40 @@ def read_reference(path: Path, identity: Optional[dict]) -> dict[str, np.ndarray
         raise ValueError(f"{path} was computed for another {', '.join(differ)} than this run's: its values are not "
                          f"this run's reference. Delete it (or point dpo.reference elsewhere) to compute them again.")
     return {split: np.asarray(values[split], dtype=np.float64).reshape(-1, 2) for split in SPLITS}
+
+
+def default_reference_path(data: Any, identity: dict) -> Path:
+    """``FILE.dpo-reference-<key>.json`` beside the data, keyed by the identity's hash."""
+    key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+    return data.path.resolve().with_name(f"{data.path.name}.dpo-reference-{key}.json")
+
+
+def reference_for_run(trainer: Any, module: Any, data: Any, path: Optional[str] = None
+                      ) -> Optional[dict[str, np.ndarray]]:
+    """The reference log-probabilities a DPO run reads from its batches, or ``None`` when the module computes them in
+    each step (LoRA without pipeline parallelism). Collective (every rank calls it, before ``trainer.fit``).
+
+    Read from the cache at ``path`` (default :func:`default_reference_path`) when it was made for this run's identity;
+    otherwise computed (:func:`compute_reference_logps`) and written there by global rank 0.
+
+    Raises:
+        ValueError: ``path`` given explicitly and holding a cache that is damaged or made for another identity (a
+            default-path cache that does not match is computed again instead, since its name is this identity's).
+    """
+    if module.lora is not None and trainer.strategy.pp == 1:
+        return None
+    identity = reference_identity(module.pretrained, data)
+    target = Path(path).resolve() if path else default_reference_path(data, identity)
+    if target.exists():
+        try:
+            return read_reference(target, identity)
+        except ValueError:
+            if path:
+                raise
+            log.warning("The DPO reference cache %s is damaged: computed again.", target)
+    values = compute_reference_logps(trainer, module, data)
+    if trainer.global_rank == 0:
+        write_reference(target, values, identity)
+        log.info("DPO reference log-probabilities of %d + %d pairs written to %s", len(values["training"]),
+                 len(values["validation"]), target)
+    return values

@@ -3,15 +3,13 @@ gradient of each step equals one process's gradient of the mean DPO loss over th
 
 - LoRA at tp 2 (sequence parallel) × dp 2 with 2 accumulated micro-batches, the reference the frozen base with the
   adapters switched off in the same step;
-- LoRA at tp 2 × cp 2;
+- LoRA at tp 2 × cp 2, the LM head and loss over chunks of 4 positions;
 - full fine-tuning at pp 2 × tp 2 with 2 micro-batches, the reference computed first by a reference pass through the
   same layout (its values equal one process's log-probabilities of the starting model).
 
 At LoRA's first step (B = 0) the policy is the reference: every pair's loss is ln 2 and its rewards 0, exactly."""
 
-import json
 import math
-import random
 
 import lightning.pytorch as pl
 import pytest
@@ -23,9 +21,10 @@ from lightning_seqpar.checkpoint.full_state import full_gradients
 from lightning_seqpar.data.preference_datamodule import PairBatches, PreferenceDataModule
 from lightning_seqpar.models.dpo_reference import compute_reference_logps
 from lightning_seqpar.models.finetune import FineTuneModule
-from tests.helpers.chat_tokenizer import WORDS, make_chat_model_dir
+from tests.helpers.chat_tokenizer import make_chat_model_dir
 from tests.helpers.distributed import run_distributed
 from tests.helpers.models import merge_over_stages
+from tests.helpers.preference import write_preferences
 
 pytestmark = pytest.mark.distributed  # starts processes: outside the fast lane
 
@@ -33,35 +32,16 @@ STEPS, BATCH, BLOCK, BETA, LR = 3, 2, 32, 0.5, 1e-2
 LORA = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"]}
 LAYOUTS = {  # name: (strategy, accumulate, lora)
     "lora tp2 x dp2, accumulate 2": ({"tp": 2}, 2, True),
-    "lora tp2 x cp2": ({"tp": 2, "cp": 2}, 1, True),
+    "lora tp2 x cp2, loss chunks of 4": ({"tp": 2, "cp": 2, "loss_chunk": 4}, 1, True),
     "full pp2 x tp2": ({"tp": 2, "pp": 2, "num_microbatches": 2}, 1, False),
 }
-
-
-def preference_records(n: int, seed: int = 0) -> list[dict]:
-    """``n`` pairs over the chat tokenizer's words, half as texts and half as conversations (a shared prompt)."""
-    rng = random.Random(seed)
-    records = []
-    for i in range(n):
-        prompt = " ".join(rng.choices(WORDS, k=rng.randint(2, 5)))
-        chosen = " ".join(rng.choices(WORDS, k=rng.randint(1, 4)))
-        rejected = " ".join(rng.choices(WORDS, k=rng.randint(1, 4)))
-        if chosen == rejected:
-            rejected += " no"
-        if i % 2:
-            records.append({"prompt": prompt, "chosen": chosen, "rejected": rejected})
-        else:
-            user = {"role": "user", "content": prompt}
-            records.append({"chosen": [user, {"role": "assistant", "content": chosen}],
-                            "rejected": [user, {"role": "assistant", "content": rejected}]})
-    return records
 
 
 @pytest.fixture(scope="module")
 def directory(tmp_path_factory):
     root = tmp_path_factory.mktemp("dpo")
     make_chat_model_dir(root / "model")
-    (root / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in preference_records(40)))
+    write_preferences(root / "pairs.jsonl", 40)
     return root
 
 
@@ -173,7 +153,12 @@ def test_every_gradient_is_one_process_mean_dpo_loss_over_each_steps_pairs(direc
         want = {"model." + n: p.grad for n, p in model.named_parameters() if p.grad is not None}
         got = grads[step]
         assert got.keys() == want.keys() and len(want) == (2 * 5 * 2 if lora else len(list(model.parameters())))
-        wrong = {n: e for n in want if (e := _relative(got[n], want[n])) > 1e-6 and want[n].norm() > 0}
+        # The first step within 1e-12, or 1e-6 under cp: transformers' eager attention (the reference) takes its
+        # softmax in float32 even in a float64 model, as the rewritten core attention does, while the context-parallel
+        # blocks accumulate in float64 (the log-probabilities differ by ~1e-9 relative). Later steps 1e-4, as the
+        # supervised parity test: Adam's normalized updates amplify such differences in gradients that start near 0.
+        bound = (1e-6 if strategy.get("cp", 1) > 1 else 1e-12) if step == 0 else 1e-4
+        wrong = {n: e for n in want if (e := _relative(got[n], want[n])) > bound and want[n].norm() > 0}
         assert wrong == {}, (layout, step, wrong)
         assert all(torch.equal(got[n], want[n]) for n in want if want[n].norm() == 0)  # B = 0 at first: A's grad 0
         optimizer.step()
