@@ -209,13 +209,12 @@ class PipelinedSteps:
         anchor = torch.zeros((), device=module.device, requires_grad=True)
         return _PipelinedLoss.apply(anchor, value.to(self.logs.loss_dtype("training")), fresh)
 
-    def begin_evaluation(self) -> None:
-        """A validation or test loop starts: its steps' logged names are learnt from its first step (another loop may
-        log others, e.g. a DPO reference pass, which logs nothing)."""
-        self.logs.forget("evaluation")
-
     def evaluation_step(self, module: pl.LightningModule, step: Callable[..., Any], batch: Any, batch_idx: int) -> None:
-        """Forward-only pipeline of ``step`` (``validation_step`` / ``test_step``); returns ``None``."""
+        """Forward-only pipeline of ``step`` (``validation_step`` / ``test_step``); returns ``None``. What it logs is
+        learnt anew from each loop's first step (``batch_idx`` 0, the same on every rank): loops may log differently
+        (a DPO reference pass logs nothing)."""
+        if batch_idx == 0:
+            self.logs.forget("evaluation")
         _, recorder = self._run(module, step, batch, batch_idx, forward_only=True)
         _, logged = self.logs.share("evaluation", None, recorder if self.is_last else None, module.device)
         self._replay(module, logged, self.logs.dtypes("evaluation"))

@@ -285,18 +285,6 @@ class SeqParallelStrategy(ParallelStrategy):
         return self.pipeline.run_training_step(self.lightning_module, self.precision_plugin, self.grad_sync, args, kwargs)
 
     @override
-    def on_validation_start(self) -> None:
-        super().on_validation_start()
-        if self.pipeline is not None:
-            self.pipeline.begin_evaluation()
-
-    @override
-    def on_test_start(self) -> None:
-        super().on_test_start()
-        if self.pipeline is not None:
-            self.pipeline.begin_evaluation()
-
-    @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         if self.pipeline is None:
             return super().validation_step(*args, **kwargs)

@@ -120,9 +120,10 @@ class PreferenceLoss:
         if not self.has_adapters or pipelined:
             why = ("full fine-tuning has no frozen copy of the starting model" if not self.has_adapters else
                    "under pipeline parallelism each micro-batch runs one forward through the stages")
-            raise ValueError(f"DPO needs the reference model's log-probabilities, and {why}. Compute them first "
-                             f"(lightning_seqpar.models.dpo_reference.reference_logps) and give them to "
-                             f"PreferenceDataModule(reference=...), as recipes/finetune.py objective=dpo does.")
+            raise ValueError(f"DPO needs the reference model's log-probabilities, and {why}. Compute them before "
+                             f"trainer.fit and give them to the data: data.reference = lightning_seqpar.models."
+                             f"dpo_reference.reference_for_run(trainer, module, data), as recipes/finetune.py "
+                             f"objective=dpo does.")
         return self.base_logps(model, batch)
 
     def terms(self, model: nn.Module, batch: dict, pipelined: bool) -> tuple[PreferenceTerms, Tensor]:

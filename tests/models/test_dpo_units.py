@@ -184,3 +184,38 @@ def test_the_reference_cache_reads_back_bit_for_bit_and_refuses_damage_and_other
     path.write_text(path.read_text()[:-20])
     with pytest.raises(ValueError, match="is not a DPO reference cache, or is damaged"):
         read_reference(path, identity)
+
+
+def test_the_run_reads_its_cache_recomputes_a_damaged_default_and_refuses_a_foreign_one(tmp_path, tokenizer,
+                                                                                          monkeypatch):
+    from lightning_seqpar.models import dpo_reference
+    from tests.helpers.chat_tokenizer import make_chat_model_dir
+
+    model = make_chat_model_dir(tmp_path / "model")
+    data = PreferenceDataModule(str(write_preferences(tmp_path / "pairs.jsonl", 10)), tokenizer, 32, 2)
+    computed = {"training": np.full((9, 2), -3.0), "validation": np.full((1, 2), -4.0)}
+    calls = []
+    monkeypatch.setattr(dpo_reference, "compute_reference_logps", lambda *a: calls.append(a) or computed)
+    trainer = SimpleNamespace(strategy=SimpleNamespace(pp=1), global_rank=0)
+    full, lora = SimpleNamespace(lora=None, pretrained=str(model)), SimpleNamespace(lora={"r": 4}, pretrained=str(model))
+    assert dpo_reference.reference_for_run(trainer, lora, data) is None and calls == []  # the base, in the step
+    first = dpo_reference.reference_for_run(trainer, full, data)
+    cache = next(tmp_path.glob("pairs.jsonl.dpo-reference-*.json"))
+    assert first is computed and len(calls) == 1
+    again = dpo_reference.reference_for_run(trainer, full, data)  # read back: nothing computed
+    assert len(calls) == 1 and all(np.array_equal(again[k], computed[k]) for k in computed)
+    cache.write_text(cache.read_text().replace("-3.0", "-3.5", 1))
+    dpo_reference.reference_for_run(trainer, full, data)  # damaged at its default place: computed again
+    assert len(calls) == 2 and dpo_reference.read_reference(cache, None)["training"][0, 0] == -3.0
+    data.block_size = 64  # another identity, given explicitly: refused by name
+    with pytest.raises(ValueError, match="computed for another block_size than this run's"):
+        dpo_reference.reference_for_run(trainer, full, data, str(cache))
+    assert len(calls) == 2
+
+
+@pytest.mark.parametrize("has_adapters, pipelined, why", [
+    (False, False, "full fine-tuning has no frozen copy"), (True, True, "under pipeline parallelism each micro-batch")])
+def test_no_reference_in_the_batch_is_refused_where_the_step_cannot_compute_it(has_adapters, pipelined, why):
+    batch = {"input_ids": torch.zeros(2, 4, dtype=torch.long), "labels": torch.zeros(2, 4, dtype=torch.long)}
+    with pytest.raises(ValueError, match=f"{why}.*data.reference = lightning_seqpar.models.dpo_reference"):
+        PreferenceLoss(0.1, "sigmoid", has_adapters).reference_logps(torch.nn.Identity(), batch, pipelined)
