@@ -6,7 +6,9 @@ over the step's pairs), under
   adapters switched off in the same step;
 - LoRA at tp 2 × cp 2, the LM head and loss over chunks of 4 positions;
 - full fine-tuning at pp 2 × tp 2 with 2 micro-batches, the reference computed first by a reference pass through the
-  same layout (its values equal one process's log-probabilities of the starting model).
+  same layout (its values equal one process's log-probabilities of the starting model);
+- full fine-tuning of a mixture of experts (Qwen3-MoE, 8 experts, top 2) at tp 2 × ep 2, dense weights over 2
+  data-parallel replicas.
 
 At LoRA's first step (B = 0) the policy is the reference: every pair's loss is ln 2 and its rewards 0, exactly. The
 reference pass gives the same values at tp 1, tp 2, pp 2 and cp 2 (to rounding; see its test)."""
@@ -24,7 +26,8 @@ from lightning_seqpar.checkpoint.full_state import full_gradients
 from lightning_seqpar.data.preference_datamodule import PairBatches, PreferenceDataModule
 from lightning_seqpar.models.dpo_reference import compute_reference_logps
 from lightning_seqpar.models.finetune import FineTuneModule
-from tests.helpers.chat_tokenizer import make_chat_model_dir
+from tests.helpers.chat_tokenizer import chat_tokenizer, make_chat_model_dir
+from tests.helpers.hf_models import moe_config
 from tests.helpers.distributed import run_distributed
 from tests.helpers.models import merge_over_stages
 from tests.helpers.preference import write_preferences
@@ -33,10 +36,11 @@ pytestmark = pytest.mark.distributed  # starts processes: outside the fast lane
 
 STEPS, BATCH, BLOCK, BETA, LR = 3, 2, 32, 0.5, 1e-2
 LORA = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"]}
-LAYOUTS = {  # name: (strategy, accumulate, lora)
-    "lora tp2 x dp2, accumulate 2": ({"tp": 2}, 2, True),
-    "lora tp2 x cp2, loss chunks of 4": ({"tp": 2, "cp": 2, "loss_chunk": 4}, 1, True),
-    "full pp2 x tp2": ({"tp": 2, "pp": 2, "num_microbatches": 2}, 1, False),
+LAYOUTS = {  # name: (strategy, accumulate, lora, model directory)
+    "lora tp2 x dp2, accumulate 2": ({"tp": 2}, 2, True, "model"),
+    "lora tp2 x cp2, loss chunks of 4": ({"tp": 2, "cp": 2, "loss_chunk": 4}, 1, True, "model"),
+    "full pp2 x tp2": ({"tp": 2, "pp": 2, "num_microbatches": 2}, 1, False, "model"),
+    "full qwen3-moe tp2 x ep2 (dp 2)": ({"tp": 2, "ep": 2}, 1, False, "moe"),
 }
 
 
@@ -44,8 +48,23 @@ LAYOUTS = {  # name: (strategy, accumulate, lora)
 def directory(tmp_path_factory):
     root = tmp_path_factory.mktemp("dpo")
     make_chat_model_dir(root / "model")
+    _make_moe_dir(root / "moe")
     write_preferences(root / "pairs.jsonl", 40)
     return root
+
+
+def _make_moe_dir(directory):
+    """A tiny Qwen3-MoE (8 experts, top 2, every layer a mixture) with the chat tokenizer: a mixture's directory."""
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = chat_tokenizer()
+    config = moe_config("qwen3_moe", dict(vocab_size=len(tokenizer), hidden_size=16, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                                          bos_token_id=None))
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
 
 
 def _data(directory):
@@ -74,14 +93,14 @@ class _Record(pl.Callback):
 
 
 def _fit(rank, world_size, directory, layout):
-    strategy, accumulate, lora = LAYOUTS[layout]
+    strategy, accumulate, lora, model = LAYOUTS[layout]
     record = _Record(lora)
     trainer = pl.Trainer(accelerator="cpu", devices=world_size, precision="64-true", max_steps=STEPS, logger=False,
                          strategy=SeqParallelStrategy(**strategy), accumulate_grad_batches=accumulate,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          num_sanity_val_steps=0, check_val_every_n_epoch=None, val_check_interval=1000,
                          callbacks=[record])
-    module = FineTuneModule(str(directory / "model"), LORA if lora else None, objective="dpo", dpo_beta=BETA,
+    module = FineTuneModule(str(directory / model), LORA if lora else None, objective="dpo", dpo_beta=BETA,
                             learning_rate=LR, warmup_steps=0, weight_decay=0.0)
     data = _data(directory)
     reference = None
@@ -98,10 +117,13 @@ def run(request, directory):
 
 def _policy(directory, state, lora):
     from peft import LoraConfig, get_peft_model
+    from lightning_seqpar._compat import use_eager_experts
     from lightning_seqpar.hf.models import build_causal_lm, causal_lm_config, pretrained_state_dict
 
-    model = build_causal_lm(causal_lm_config(None, str(directory / "model"), "eager"))
-    model.load_state_dict(pretrained_state_dict(str(directory / "model")))
+    config = causal_lm_config(None, str(directory), "eager")
+    use_eager_experts(config)  # expert by expert: transformers' grouped kernel does not take float64
+    model = build_causal_lm(config)
+    model.load_state_dict(pretrained_state_dict(str(directory)))
     if lora:
         model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=LORA["target_modules"]))
     model = model.double()
@@ -128,11 +150,11 @@ def _relative(got, want):
 
 def test_every_gradient_is_one_process_mean_dpo_loss_over_each_steps_pairs(directory, run):
     layout, (initial, grads, first, reference, logged) = run
-    strategy, accumulate, lora = LAYOUTS[layout]
+    strategy, accumulate, lora, model_dir = LAYOUTS[layout]
     dp = 4 // (strategy.get("tp", 1) * strategy.get("cp", 1) * strategy.get("pp", 1))
     data = _data(directory)
     data.setup()
-    model = _policy(directory, initial, lora)
+    model = _policy(directory / model_dir, initial, lora)
     if not lora:  # the reference pass through the layout: one process's log-probabilities of the starting model
         with torch.no_grad():
             rows = data.train_rows
