@@ -219,3 +219,30 @@ def test_no_reference_in_the_batch_is_refused_where_the_step_cannot_compute_it(h
     batch = {"input_ids": torch.zeros(2, 4, dtype=torch.long), "labels": torch.zeros(2, 4, dtype=torch.long)}
     with pytest.raises(ValueError, match=f"{why}.*data.reference = lightning_seqpar.models.dpo_reference"):
         PreferenceLoss(0.1, "sigmoid", has_adapters).reference_logps(torch.nn.Identity(), batch, pipelined)
+
+
+@pytest.mark.parametrize("loss, first", [("sigmoid", math.log(2)), ("ipo", (1 / (2 * 0.25)) ** 2)])
+def test_a_users_script_on_one_device_trains_lora_dpo_from_the_base(tmp_path, tokenizer, loss, first):
+    """FineTuneModule(objective="dpo") under Lightning's own single-device strategy: at the first step (B = 0) the
+    policy is the reference, so every pair's loss is ln 2 (sigmoid) or (1/(2β))² (IPO); then it learns the rule."""
+    import lightning.pytorch as pl
+
+    from lightning_seqpar.models.finetune import FineTuneModule
+    from tests.helpers.chat_tokenizer import make_chat_model_dir
+
+    model = make_chat_model_dir(tmp_path / "model")
+    data = PreferenceDataModule(str(write_preferences(tmp_path / "pairs.jsonl", 24)), tokenizer, 32, 4,
+                                val_fraction=0.2)
+    module = FineTuneModule(str(model), {"r": 4, "alpha": 8}, objective="dpo", dpo_beta=0.25, dpo_loss=loss,
+                            learning_rate=5e-2, warmup_steps=0)
+    losses = []
+
+    class Losses(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            losses.append(trainer.callback_metrics["train/loss"].item())
+
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=10, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                         callbacks=[Losses()])
+    trainer.fit(module, datamodule=data)
+    assert losses[0] == pytest.approx(first, rel=1e-6) and losses[-1] < 0.95 * losses[0]
