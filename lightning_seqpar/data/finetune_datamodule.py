@@ -13,7 +13,7 @@ import numpy as np
 from torch.utils.data import DataLoader
 
 from lightning_seqpar.data.packing import OVERFLOW, Rows, pack_examples
-from lightning_seqpar.data.step_batches import StepBatches
+from lightning_seqpar.data.step_batches import StepBatches, loader_place
 from lightning_seqpar.data.supervised import SupervisedExample, template_identity
 from lightning_seqpar.data.supervised_cache import CACHE_VERSION, damage, is_cache, open_cache, wait_for_cache, write_cache
 from lightning_seqpar.data.tokenizer import Tokenizer, load_tokenizer
@@ -172,18 +172,11 @@ class FineTuneDataModule(pl.LightningDataModule):
                                  f"every assistant turn or completion in it is empty (or truncated away). Give those "
                                  f"records content to learn, or fix the data's format.")
 
-    def _place(self) -> tuple[int, int, int]:
-        trainer = self.trainer
-        kwargs = trainer.distributed_sampler_kwargs if trainer is not None else None
-        replicas, rank = (kwargs["num_replicas"], kwargs["rank"]) if kwargs else (1, 0)
-        accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
-        return replicas, rank, accumulate
-
     def train_dataloader(self) -> DataLoader:
         """This rank's micro-batches (a ``StatefulDataLoader``: resuming mid-epoch continues with the next one)."""
         from torchdata.stateful_dataloader import StatefulDataLoader
 
-        replicas, rank, accumulate = self._place()
+        replicas, rank, accumulate = loader_place(self.trainer)
         seed = self.seed + int(os.environ.get("PL_GLOBAL_SEED", 0))
         batches = StepBatches(self.train_rows, self.batch_size, replicas, rank, accumulate, seed)
         return StatefulDataLoader(batches, batch_size=None, sampler=batches.sampler())
@@ -192,7 +185,7 @@ class FineTuneDataModule(pl.LightningDataModule):
         """The held-out rows in order, one micro-batch per validation step (``num_items_in_step``: that step's
         supervised tokens on every data-parallel rank); the loader's :meth:`StepBatches.supervised_in` gives the
         tokens of the batches a (possibly limited) validation runs."""
-        replicas, rank, _ = self._place()
+        replicas, rank, _ = loader_place(self.trainer)
         batch = min(self.batch_size, max(1, len(self.val_rows) // replicas))
         batches = StepBatches(self.val_rows, batch, replicas, rank, 1, self.seed, shuffle=False, split="validation")
         return DataLoader(batches, batch_size=None, sampler=batches.sampler())

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 
 from lightning_seqpar.data.packing import OVERFLOW
 from lightning_seqpar.data.preference import PairRows, PreferencePair, pair_rows, render_pairs
-from lightning_seqpar.data.step_batches import StepBatches
+from lightning_seqpar.data.step_batches import StepBatches, loader_place
 from lightning_seqpar.data.supervised_cache import read_records
 from lightning_seqpar.data.tokenizer import Tokenizer, load_tokenizer
 
@@ -39,17 +39,12 @@ class PairBatches(StepBatches):
         self.reference = reference
 
     def __getitem__(self, index: tuple[int, int]) -> dict[str, torch.Tensor]:
-        epoch, k = index
-        order = self._order(epoch)
-        step, micro = divmod(k, self.a)
-        per_step = self.d * self.a * self.b
-        start = step * per_step + (micro * self.d + self.rank) * self.b
-        mine = order[np.arange(start, start + self.b) % len(order)]
+        in_step, mine = self.placed(index)
         rows: PairRows = self.rows
         s = rows.input_ids.shape[-1]
         batch = {name: torch.from_numpy(getattr(rows, name)[mine].reshape(2 * self.b, s))
                  for name in ("input_ids", "labels", "attention_mask")}
-        batch["num_items_in_step"] = torch.full((2 * self.b,), per_step, dtype=torch.long)
+        batch["num_items_in_step"] = torch.full((2 * self.b,), len(in_step), dtype=torch.long)
         batch["pair_index"] = torch.from_numpy(np.repeat(mine, 2).astype(np.int64))
         if self.reference is not None:
             batch["reference_logps"] = torch.from_numpy(self.reference[mine].reshape(2 * self.b))
@@ -144,13 +139,6 @@ class PreferenceDataModule(pl.LightningDataModule):
                                  f"but {self.path} gives {len(rows)} pairs there: they were computed for other data "
                                  f"or another val_fraction. Compute them again for this data.")
 
-    def _place(self) -> tuple[int, int, int]:
-        trainer = self.trainer
-        kwargs = trainer.distributed_sampler_kwargs if trainer is not None else None
-        replicas, rank = (kwargs["num_replicas"], kwargs["rank"]) if kwargs else (1, 0)
-        accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
-        return replicas, rank, accumulate
-
     def _reference(self, split: str) -> Optional[np.ndarray]:
         return None if self.reference is None else self.reference.get(split)
 
@@ -158,7 +146,7 @@ class PreferenceDataModule(pl.LightningDataModule):
         """This rank's micro-batches (a ``StatefulDataLoader``: resuming mid-epoch continues with the next one)."""
         from torchdata.stateful_dataloader import StatefulDataLoader
 
-        replicas, rank, accumulate = self._place()
+        replicas, rank, accumulate = loader_place(self.trainer)
         seed = self.seed + int(os.environ.get("PL_GLOBAL_SEED", 0))
         batches = PairBatches(self.train_rows, self.batch_size, replicas, rank, accumulate, seed,
                               reference=self._reference("training"))
@@ -167,7 +155,7 @@ class PreferenceDataModule(pl.LightningDataModule):
     def val_dataloader(self) -> DataLoader:
         """The held-out pairs in order, one micro-batch per validation step (an incomplete last step is dropped);
         during a reference pass (``reference_split`` set), every pair of that split in order instead."""
-        replicas, rank, _ = self._place()
+        replicas, rank, _ = loader_place(self.trainer)
         if self.reference_split is not None:
             rows = self.train_rows if self.reference_split == "training" else self.val_rows
             batches = PairBatches(rows, self.batch_size, replicas, rank, 1, self.seed, shuffle=False, cover=True)

@@ -16,13 +16,21 @@ last step is dropped.
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Any, Iterator
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset, DistributedSampler
 
 from lightning_seqpar.data.packing import Rows
+
+
+def loader_place(trainer: Any) -> tuple[int, int, int]:
+    """``(d, this rank's data-parallel index, a)`` of a data module's trainer (``(1, 0, 1)`` without one)."""
+    kwargs = trainer.distributed_sampler_kwargs if trainer is not None else None
+    replicas, rank = (kwargs["num_replicas"], kwargs["rank"]) if kwargs else (1, 0)
+    accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
+    return replicas, rank, accumulate
 
 
 class StepSampler(DistributedSampler):
@@ -91,14 +99,20 @@ class StepBatches(Dataset):
         generator = torch.Generator().manual_seed(self.seed + epoch)
         return torch.randperm(len(self.rows), generator=generator).numpy()
 
-    def __getitem__(self, index: tuple[int, int]) -> dict[str, torch.Tensor]:
+    def placed(self, index: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+        """``(rows of micro-batch index's step, this rank's b rows of it)`` for ``index = (epoch, k)`` (a step that runs
+        past the end wraps around to the epoch's first rows)."""
         epoch, k = index
         order = self._order(epoch)
         step, micro = divmod(k, self.a)
         per_step = self.d * self.a * self.b
         start = step * per_step + (micro * self.d + self.rank) * self.b
-        mine = order[start:start + self.b]
-        total = int(self.counts[order[step * per_step:(step + 1) * per_step]].sum())
+        whole = np.arange(step * per_step, (step + 1) * per_step) % len(order)
+        return order[whole], order[np.arange(start, start + self.b) % len(order)]
+
+    def __getitem__(self, index: tuple[int, int]) -> dict[str, torch.Tensor]:
+        in_step, mine = self.placed(index)
+        total = int(self.counts[in_step].sum())
         batch = {"input_ids": torch.from_numpy(self.rows.input_ids[mine]),
                  "labels": torch.from_numpy(self.rows.labels[mine]),
                  "position_ids" if self.rows.packed else "attention_mask": torch.from_numpy(self.rows.second[mine])}
