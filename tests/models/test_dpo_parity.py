@@ -1,6 +1,6 @@
 """DPO trains like one process computing the same formula with plain transformers (float64, 3 steps): the logged loss
 of every micro-batch and every trainable gradient of each step equal one process's (the gradient of the mean DPO loss
-over the step's pairs), under
+over the step's pairs), with no host sync in the steps after the first, under
 
 - LoRA at tp 2 (sequence parallel) × dp 2 with 2 accumulated micro-batches, the reference the frozen base with the
   adapters switched off in the same step;
@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_seqpar import SeqParallelStrategy
+from lightning_seqpar import HostSyncCounter, SeqParallelStrategy
 from lightning_seqpar.checkpoint.full_state import full_gradients
 from lightning_seqpar.data.preference_datamodule import PairBatches, PreferenceDataModule
 from lightning_seqpar.models.dpo_reference import compute_reference_logps
@@ -94,12 +94,12 @@ class _Record(pl.Callback):
 
 def _fit(rank, world_size, directory, layout):
     strategy, accumulate, lora, model = LAYOUTS[layout]
-    record = _Record(lora)
+    record, syncs = _Record(lora), HostSyncCounter()
     trainer = pl.Trainer(accelerator="cpu", devices=world_size, precision="64-true", max_steps=STEPS, logger=False,
                          strategy=SeqParallelStrategy(**strategy), accumulate_grad_batches=accumulate,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          num_sanity_val_steps=0, check_val_every_n_epoch=None, val_check_interval=1000,
-                         callbacks=[record])
+                         callbacks=[record, syncs])
     module = FineTuneModule(str(directory / model), LORA if lora else None, objective="dpo", dpo_beta=BETA,
                             learning_rate=LR, warmup_steps=0, weight_decay=0.0)
     data = _data(directory)
@@ -107,7 +107,7 @@ def _fit(rank, world_size, directory, layout):
     if not lora:
         reference = data.reference = compute_reference_logps(trainer, module, data)
     trainer.fit(module, datamodule=data)
-    return record.initial, record.grads, record.first, reference, record.logged
+    return record.initial, record.grads, record.first, reference, record.logged, syncs.per_step
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
@@ -149,8 +149,12 @@ def _relative(got, want):
 
 
 def test_every_gradient_is_one_process_mean_dpo_loss_over_each_steps_pairs(directory, run):
-    layout, (initial, grads, first, reference, logged) = run
+    layout, (initial, grads, first, reference, logged, host_syncs) = run
     strategy, accumulate, lora, model_dir = LAYOUTS[layout]
+    # The DPO step reads nothing back (the first exchanges the pipeline's shapes), but for a dropless mixture's one
+    # read of its split sizes per layer (2 layers), as every dropless mixture's step.
+    expected = 2 if model_dir == "moe" else 0
+    assert len(host_syncs) == STEPS * accumulate and host_syncs[1:] == [expected] * (len(host_syncs) - 1), layout
     dp = 4 // (strategy.get("tp", 1) * strategy.get("cp", 1) * strategy.get("pp", 1))
     data = _data(directory)
     data.setup()
