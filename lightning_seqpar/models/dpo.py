@@ -87,11 +87,19 @@ class PreferenceLoss:
         """``[2b]`` Σ log p of each row's reply tokens under ``model`` (see the module docstring).
 
         Raises:
-            ValueError: the model's loss did not come back per row (its forward does not pass keyword arguments on to
-                its loss function), naming it.
+            ValueError: the model's forward does not take ``sum_per_row=``, or its loss did not come back per row (its
+                forward does not pass keyword arguments on to its loss function), naming it.
         """
         inputs = {k: batch[k] for k in ("input_ids", "labels", "attention_mask") if k in batch}
-        per_row = model(**inputs, sum_per_row=True).loss
+        try:
+            per_row = model(**inputs, sum_per_row=True).loss
+        except TypeError as error:
+            if "sum_per_row" not in str(error):
+                raise
+            raise ValueError(f"{type(model).__name__}'s forward takes no keyword arguments beyond its own ({error}), "
+                             f"so it cannot hand sum_per_row=True to its loss function: DPO needs the per-row sums. "
+                             f"Use a model whose forward passes **kwargs on to loss_function (transformers' causal "
+                             f"LMs do).") from None
         rows = batch["input_ids"].shape[0]
         if per_row is None or tuple(per_row.shape) != (rows,):
             raise ValueError(f"{type(model).__name__} returned a loss of shape "

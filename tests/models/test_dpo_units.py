@@ -246,3 +246,19 @@ def test_a_users_script_on_one_device_trains_lora_dpo_from_the_base(tmp_path, to
                          callbacks=[Losses()])
     trainer.fit(module, datamodule=data)
     assert losses[0] == pytest.approx(first, rel=1e-6) and losses[-1] < 0.95 * losses[0]
+
+
+def test_a_model_whose_forward_takes_no_keyword_arguments_is_refused_by_name():
+    class Closed(torch.nn.Module):
+        def forward(self, input_ids, labels=None, attention_mask=None):
+            return SimpleNamespace(loss=torch.zeros(()))
+
+    class Scalar(Closed):
+        def forward(self, input_ids, labels=None, attention_mask=None, **kwargs):
+            return SimpleNamespace(loss=torch.zeros(()))  # drops sum_per_row: one number, not one per row
+
+    batch = {"input_ids": torch.zeros(4, 3, dtype=torch.long), "labels": torch.zeros(4, 3, dtype=torch.long)}
+    with pytest.raises(ValueError, match="Closed's forward takes no keyword arguments beyond its own"):
+        PreferenceLoss(0.1, "sigmoid", True).row_logps(Closed(), batch)
+    with pytest.raises(ValueError, match=r"Scalar returned a loss of shape \(\) for sum_per_row=True, not one per row"):
+        PreferenceLoss(0.1, "sigmoid", True).row_logps(Scalar(), batch)
