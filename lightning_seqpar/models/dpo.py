@@ -44,6 +44,14 @@ class PreferenceTerms(NamedTuple):
     rejected_rewards: Tensor
 
 
+def check_settings(beta: float, loss: str) -> None:
+    """Raises ``ValueError`` for ``loss`` not one of :data:`DPO_LOSSES`, or ``beta`` not positive."""
+    if loss not in DPO_LOSSES:
+        raise ValueError(f"dpo.loss={loss!r}: one of {DPO_LOSSES}.")
+    if not beta > 0:
+        raise ValueError(f"dpo.beta={beta}: β must be positive (TRL's default is 0.1).")
+
+
 def dpo_terms(policy_chosen: Tensor, policy_rejected: Tensor, reference_chosen: Tensor, reference_rejected: Tensor,
               beta: float, loss: str = "sigmoid") -> PreferenceTerms:
     """ℓ and the rewards of ``n`` pairs from their log-probabilities ``[n]`` (see the module docstring).
@@ -51,10 +59,7 @@ def dpo_terms(policy_chosen: Tensor, policy_rejected: Tensor, reference_chosen: 
     Raises:
         ValueError: ``loss`` not one of :data:`DPO_LOSSES`, or ``beta`` not positive.
     """
-    if loss not in DPO_LOSSES:
-        raise ValueError(f"dpo.loss={loss!r}: one of {DPO_LOSSES}.")
-    if not beta > 0:
-        raise ValueError(f"dpo.beta={beta}: β must be positive (TRL's default is 0.1).")
+    check_settings(beta, loss)
     chosen = policy_chosen - reference_chosen
     rejected = policy_rejected - reference_rejected
     z = chosen - rejected
@@ -80,7 +85,7 @@ class PreferenceLoss:
     """
 
     def __init__(self, beta: float, loss: str, has_adapters: bool) -> None:
-        dpo_terms(torch.zeros(1), torch.zeros(1), torch.zeros(1), torch.zeros(1), beta, loss)  # checks the settings
+        check_settings(beta, loss)
         self.beta, self.loss, self.has_adapters = beta, loss, has_adapters
 
     def row_logps(self, model: nn.Module, batch: dict) -> Tensor:

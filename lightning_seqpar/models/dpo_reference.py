@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_seqpar.checkpoint.atomic import publish, temporary_path
+from lightning_seqpar.data.supervised import template_identity
 
 log = logging.getLogger(__name__)
 
@@ -105,8 +106,6 @@ def reference_identity(pretrained: str, data: Any) -> dict:
     """What the values depend on (see the module docstring): a cache made for another identity is not read."""
     model = Path(pretrained)
     files = sorted(p for p in model.iterdir() if p.name == "config.json" or p.suffix == ".safetensors")
-    from lightning_seqpar.data.supervised import template_identity
-
     return {"model": [_file_identity(p) for p in files], "data": _file_identity(data.path),
             "tokenizer": data.tokenizer.identity, "chat_template": template_identity(data.tokenizer),
             "block_size": data.block_size, "overflow": data.overflow, "val_fraction": data.val_fraction}

@@ -134,13 +134,12 @@ class FineTuneModule(HFCausalLMModule):
     def _model_inputs(self, batch: dict) -> dict:
         return {k: v for k, v in batch.items() if k != "num_items_in_step"}
 
-    def _preference_step(self, batch: dict, prefix: str) -> Tensor:
+    def _preference_step(self, batch: dict, training: bool) -> Tensor:
         """The micro-batch's DPO loss, scaled so the step's gradient is one process's mean over its pairs (training),
         or the mean over the micro-batch's pairs (validation), with TRL's metrics logged (``val/`` in validation)."""
         pipelined = getattr(self.trainer.strategy, "pipeline", None) is not None
         terms, policy = self.preference.terms(self.model, batch, pipelined)
         pairs = terms.losses.shape[0]
-        training = prefix == "train/"
         if training:
             in_step = batch["num_items_in_step"][0].to(torch.float64)
             loss = terms.losses.sum() / (in_step / loss_replicas(self.trainer))
@@ -149,13 +148,13 @@ class FineTuneModule(HFCausalLMModule):
             loss = terms.losses.mean()
             self.log("val/loss", loss, prog_bar=True, sync_dist=True, on_step=False, on_epoch=True, batch_size=pairs)
         metrics = self.preference.metrics(terms, policy)
-        self.log_dict({("" if training else prefix) + k: v for k, v in metrics.items()}, sync_dist=True,
+        self.log_dict({("" if training else "val/") + k: v for k, v in metrics.items()}, sync_dist=True,
                       on_step=training, on_epoch=not training, batch_size=pairs)
         return loss
 
     def training_step(self, batch: dict, batch_idx: int) -> Tensor:
         if self.preference is not None:
-            return self._preference_step(batch, "train/")
+            return self._preference_step(batch, training=True)
         count = batch["num_items_in_step"][0].clamp_min(1).to(torch.float64)
         divisor = count / loss_replicas(self.trainer)
         loss = self.model(**self._model_inputs(batch), num_items_in_batch=divisor).loss
@@ -182,7 +181,7 @@ class FineTuneModule(HFCausalLMModule):
             self.reference_collector.add(batch["pair_index"], self.preference.base_logps(self.model, batch))
             return
         if self.preference is not None:
-            self._preference_step(batch, "val/")
+            self._preference_step(batch, training=False)
             return
         token_sum = self.model(**self._model_inputs(batch), num_items_in_batch=1).loss
         same_replica = self.trainer.world_size // data_parallel_replicas(self.trainer)
