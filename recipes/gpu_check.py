@@ -286,6 +286,8 @@ def _run_row(name: str, cpu: bool, timeout: float) -> list[Row]:
             return [Row(name, "-", f"timed out after {timeout:.0f} s", "-", False)]
         if process.exitcode != 0 or not Path(out).exists():
             error = Path(out + ".err")
+            if error.exists():
+                print(f"{name} failed:\n{error.read_text()}", file=sys.stderr, flush=True)  # the table keeps 1 line
             last = error.read_text().strip().splitlines()[-1] if error.exists() else f"exit code {process.exitcode}"
             return [Row(name, "-", f"failed: {last[:160]}", "-", False)]
         return [Row(**row) for row in json.loads(Path(out).read_text())]
@@ -313,6 +315,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--cpu", action="store_true", help="the dry parts on CPU, at a small size")
     parser.add_argument("--only", nargs="*", default=None, choices=list(ROWS), help="rows to run (default: all)")
     parser.add_argument("--json", type=Path, help="also write the rows to this file")
+    parser.add_argument("--timeout", type=float, default=300.0,
+                        help="seconds each row may run before it counts as failed (default: 300)")
     args = parser.parse_args(argv)
     if not args.cpu:
         import torch
@@ -320,7 +324,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         if not torch.cuda.is_available():
             print("No CUDA device: run with --cpu for the dry parts.", file=sys.stderr)
             return 2
-    rows = [row for name in (args.only or ROWS) for row in _run_row(name, args.cpu, timeout=300)]
+    rows = []
+    for name in args.only or ROWS:
+        for row in _run_row(name, args.cpu, timeout=args.timeout):
+            rows.append(row)  # printed as it ends too: a run cut short still shows what it measured
+            print(f"{row.check} | {row.case} | {row.measured} | {row.expected} | {row.ok}", flush=True)
     rows += _loss_rows(rows)
     _print(rows, args.cpu)
     if args.json is not None:
