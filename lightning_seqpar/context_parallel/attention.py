@@ -19,6 +19,8 @@ output ``[b, a/t, s/c, d]``.
 
 from __future__ import annotations
 
+import contextlib
+
 from typing import Any, Optional
 
 import torch
@@ -67,7 +69,7 @@ class _BlockwiseAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, d_out: Tensor) -> tuple[Optional[Tensor], ...]:
-        with torch.autocast(d_out.device.type, enabled=False):  # float32 blocks, whatever encloses the backward
+        with _without_autocast(d_out.device.type):  # float32 blocks, whatever encloses the backward
             return _BlockwiseAttention._backward(ctx, d_out)
 
     @staticmethod
@@ -180,11 +182,12 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, layout: ContextP
         ValueError: all-to-all with head counts that do not divide by c (:func:`check_all_to_all_heads`).
     """
     device = q.device.type
-    if torch.is_autocast_enabled(device):  # what the attention's matmuls would take: 16-bit over the wire, not float32
+    autocasts = torch.amp.is_autocast_available(device)  # not the meta device (shape checks, the planner)
+    if autocasts and torch.is_autocast_enabled(device):  # what the matmuls would take: 16-bit over the wire
         dtype = torch.get_autocast_dtype(device)
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     fused = fused and softcap is None and fused_attention_supported(q)  # the fused kernels have no soft-cap
-    with torch.autocast(device, enabled=False):  # the blocks accumulate in float32 (blocks.accumulation_dtype)
+    with _without_autocast(device):  # the blocks accumulate in float32 (blocks.accumulation_dtype)
         return _attention(q, k, v, layout, scale, softcap, fused, sinks)
 
 
@@ -219,3 +222,8 @@ def bytes_per_layer(comm: str, b: int, s: int, heads: int, kv_heads: int, head_d
         return {"forward": {"ring_send": (c - 1) * 2 * local_kv}, "backward": {"ring_send": (2 * c - 1) * 2 * local_kv}}
     one_way = 2 * ((c - 1) * local_q // c) + 2 * ((c - 1) * local_kv // c)
     return {"forward": {"all_to_all": one_way}, "backward": {"all_to_all": one_way}}
+
+
+def _without_autocast(device: str) -> Any:
+    """Autocast off for ``device`` (a device type without autocast, such as meta, has nothing to turn off)."""
+    return torch.autocast(device, enabled=False) if torch.amp.is_autocast_available(device) else contextlib.nullcontext()

@@ -79,7 +79,7 @@ def attend(q: Tensor, q_chunks: Sequence[int], k: Tensor, v: Tensor, k_chunks: S
     for i, qc in enumerate(q_chunks):
         q_blk = q[:, :, i * n:(i + 1) * n]
         for j, kc in enumerate(k_chunks):
-            kind, allowed = layout.block_mask(qc, kc)
+            kind, allowed = layout.block_mask(qc, kc, q.device)
             if kind == "skip":
                 continue
             k_blk = _expand(k[:, :, j * n:(j + 1) * n], heads)
@@ -114,7 +114,7 @@ def attend_backward(q: Tensor, q_chunks: Sequence[int], k: Tensor, v: Tensor, k_
         q_blk, do_blk = q[:, :, rows].to(acc), d_out[:, :, rows]
         lse_blk, delta_blk = _finite(lse[:, :, rows])[..., None], delta[:, :, rows][..., None]
         for j, kc in enumerate(k_chunks):
-            kind, allowed = layout.block_mask(qc, kc)
+            kind, allowed = layout.block_mask(qc, kc, q.device)
             if kind == "skip":
                 continue
             cols = slice(j * n, (j + 1) * n)

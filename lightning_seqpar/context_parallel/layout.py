@@ -98,11 +98,13 @@ class ContextParallelBatch:
             return self
         return ContextParallelBatch(self.group, self.comm, self.seq_len, self.documents, self.padding, window)
 
-    def block_mask(self, q_chunk: int, k_chunk: int) -> tuple[str, Optional[Tensor]]:
+    def block_mask(self, q_chunk: int, k_chunk: int, device: Optional[torch.device] = None
+                   ) -> tuple[str, Optional[Tensor]]:
         """What queries of chunk ``q_chunk`` see of keys of chunk ``k_chunk``: ``("skip", None)`` (nothing, the
         block is not computed), ``("full", None)`` (every key) or ``("mask", allowed)`` with ``allowed``
-        ``[b, n, n]`` bool (``True`` = attend; causality, documents, padding and the window). Decided from chunk
-        ids alone where the batch's data cannot change the answer: no host synchronization."""
+        ``[b, n, n]`` bool (``True`` = attend; causality, documents, padding and the window) on ``device`` (the
+        queries' device; ``None``: the batch's documents or padding, else the CPU). Decided from chunk ids alone
+        where the batch's data cannot change the answer: no host synchronization."""
         n = self.chunk
         if k_chunk > q_chunk:
             return "skip", None
@@ -111,11 +113,14 @@ class ContextParallelBatch:
         window_covers = self.window is None or (q_chunk + 1) * n - 1 - k_chunk * n < self.window
         if k_chunk < q_chunk and window_covers and self.documents is None and self.padding is None:
             return "full", None
-        q_pos = torch.arange(q_chunk * n, (q_chunk + 1) * n)
-        k_pos = torch.arange(k_chunk * n, (k_chunk + 1) * n)
-        device = self.documents.device if self.documents is not None else (
-            self.padding.device if self.padding is not None else None)
-        distance = (q_pos[:, None] - k_pos[None, :]).to(device)  # [n, n]
+        if device is None:
+            device = self.documents.device if self.documents is not None else (
+                self.padding.device if self.padding is not None else None)
+        # Made where the scores are: a plain causal batch carries no tensor to take a device from, and a CPU mask
+        # against CUDA scores fails (masked_fill) or copies host to device every block.
+        q_pos = torch.arange(q_chunk * n, (q_chunk + 1) * n, device=device)
+        k_pos = torch.arange(k_chunk * n, (k_chunk + 1) * n, device=device)
+        distance = q_pos[:, None] - k_pos[None, :]  # [n, n]
         allowed = distance >= 0
         if self.window is not None:
             allowed = allowed & (distance < self.window)

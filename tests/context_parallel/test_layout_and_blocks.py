@@ -243,3 +243,20 @@ def test_a_loss_called_without_the_labels_shifted_over_the_whole_row_is_refused_
     with pytest.raises(ValueError, match="called without shift_labels="):
         loss(logits, labels, 13)
     assert torch.isfinite(loss(logits, labels, 13, shift_labels=labels))  # as the model's entry calls it
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("window", [None, 3])
+def test_block_masks_are_made_on_the_queries_device_when_the_batch_carries_no_tensor(fused, window):
+    """A plain causal batch (no documents, no padding) has no tensor to take a device from: its diagonal blocks'
+    masks must still be made where the scores are. Run on meta tensors (a device that is not the CPU, as CUDA is):
+    a mask left on the CPU fails there as it does on a GPU."""
+    b, a, s, d = 1, 2, 8, 8
+    q, k, v = (torch.empty(b, a, s, d, device="meta", requires_grad=True) for _ in range(3))
+    layout = ContextParallelBatch(ParallelGroup(None), "all_to_all", s, window=window)
+    kind, allowed = layout.block_mask(1, 1, torch.device("meta"))
+    assert kind == "mask" and allowed.device.type == "meta"
+    out = context_parallel_attention(q, k, v, layout, 0.5, fused=fused)
+    assert out.shape == (b, a, s, d) and out.device.type == "meta"
+    out.sum().backward()
+    assert all(x.grad.device.type == "meta" for x in (q, k, v))
