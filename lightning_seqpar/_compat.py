@@ -22,6 +22,7 @@ from torch.utils._pytree import tree_flatten  # noqa: F401
 # What .item(), float(), int() and bool() of a tensor, and a kernel's own read of a device value, all reach: the one
 # operation behind a host read (HostSyncCounter). aten's operator names carry no public alias.
 SCALAR_READ = torch.ops.aten._local_scalar_dense.default
+BARRIER = torch.ops.c10d.barrier.default  # what dist.barrier dispatches (no public name for the op)
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -73,6 +74,7 @@ def storage_key(storage: torch.UntypedStorage) -> int:
 
 
 __all__: list[Any] = [
+    "BARRIER",
     "SCALAR_READ",
     "TorchDispatchMode",
     "hf_attention_implementation",

@@ -20,10 +20,6 @@ from lightning.fabric.utilities.distributed import _init_dist_connection as init
 # copy of Lightning's suggestion, which would drift from Fabric's rule.
 from lightning.fabric.utilities.distributed import _set_num_threads_if_needed as set_num_threads_if_needed  # noqa: F401
 
-# Strategy.reduce for self.log(sync_dist=True): Lightning's own reduction (mean/sum, group, non-float
-# dtypes) as DDP uses it. No public equivalent in lightning.pytorch.
-from lightning.fabric.utilities.distributed import _sync_ddp_if_available as sync_ddp_if_available  # noqa: F401
-
 # Moves optimizer state to the device after setup, as every Lightning strategy does. No public equivalent.
 from lightning.fabric.utilities.optimizer import _optimizers_to_device as optimizers_to_device  # noqa: F401
 
@@ -51,5 +47,4 @@ __all__ = [
     "init_dist_connection",
     "optimizers_to_device",
     "set_num_threads_if_needed",
-    "sync_ddp_if_available",
 ]

@@ -17,7 +17,7 @@ from torch.distributed.constants import default_pg_timeout
 
 from lightning_seqpar._compat import set_process_group_timeout
 from lightning_seqpar.lightning.failure import FailureWatch, report_failure
-from lightning_seqpar.lightning._compat import init_dist_connection, sync_ddp_if_available
+from lightning_seqpar.lightning._compat import init_dist_connection
 from lightning_seqpar.parallel.faults import failed_collective
 
 log = logging.getLogger(__name__)
@@ -118,7 +118,27 @@ def broadcast(obj: Any, src: int = 0) -> Any:
 
 
 def reduce(tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
-    """The strategy's ``reduce`` (for ``self.log(..., sync_dist=True)``), as Lightning's DDP strategy does it."""
-    if isinstance(tensor, Tensor):
-        return sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-    return tensor
+    """The strategy's ``reduce`` (for ``self.log(..., sync_dist=True)``): ``tensor`` all-reduced in place over
+    ``group`` (``None``: every rank) and returned; ``reduce_op`` ``"mean"``/``"avg"`` (a sum divided by the group's
+    size, integer tensors rounded toward zero as Lightning does), ``"sum"``/``"max"``/``"min"`` or a ``dist.ReduceOp``. A
+    value that is not a tensor, or a run without a process group, is returned as it is.
+
+    Lightning's own ``_sync_ddp`` calls ``dist.barrier`` before the all-reduce. The all-reduce orders the ranks by
+    itself, and on NCCL a barrier blocks the host until the device has run it: one host sync per logged value per
+    step, measured on an H100 (``docs/gpus.md``). So this is the reduction without the barrier."""
+    if not isinstance(tensor, Tensor) or not (dist.is_available() and dist.is_initialized()):
+        return tensor
+    mean = isinstance(reduce_op, str) and reduce_op.lower() in ("mean", "avg")
+    if mean or reduce_op is None:
+        op = dist.ReduceOp.SUM
+    elif isinstance(reduce_op, str):
+        op = getattr(dist.ReduceOp, reduce_op.upper(), None)
+        if op is None:
+            raise ValueError(f"reduce_op={reduce_op!r}: use 'mean', 'sum', 'max', 'min' or a torch.distributed.ReduceOp.")
+    else:
+        op = reduce_op
+    dist.all_reduce(tensor, op=op, group=group)
+    if not mean:
+        return tensor
+    size = dist.get_world_size(group)
+    return tensor.div_(size) if tensor.is_floating_point() else tensor.copy_(tensor.div(size, rounding_mode="trunc"))

@@ -55,3 +55,26 @@ def test_the_block_counts_scalars_and_lists_and_unpatches_on_error():
 def test_an_unknown_debug_mode_is_refused():
     with pytest.raises(ValueError, match="cuda_sync_debug='raise': 'warn', 'error' or None"):
         HostSyncCounter(cuda_sync_debug="raise")
+
+
+def test_a_barrier_counts_as_a_host_sync_and_the_strategy_s_reduce_makes_none(tmp_path):
+    """NCCL's barrier blocks the host until the device has run it; Lightning's ``_sync_ddp`` puts one before every
+    ``self.log(..., sync_dist=True)`` (seen on an H100 under CUDA's sync debug mode). The strategy's reduce is the
+    all-reduce alone."""
+    import torch.distributed as dist
+
+    from lightning_seqpar.lightning.process_group import reduce
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with counting_host_reads() as reads:
+            dist.barrier()
+        assert (reads.barriers, reads.total) == (1, 1)
+        with counting_host_reads() as reads:
+            mean = reduce(torch.tensor([3.0, 5.0]), reduce_op="mean")
+            total = reduce(torch.tensor([7]), reduce_op="sum")
+        assert reads.total == 0 and mean.tolist() == [3.0, 5.0] and total.tolist() == [7]
+        with pytest.raises(ValueError, match="reduce_op='median'"):
+            reduce(torch.ones(1), reduce_op="median")
+    finally:
+        dist.destroy_process_group()

@@ -8,7 +8,10 @@ CPU runs the kernels itself. So the reads are counted where they are made, which
 * ``aten._local_scalar_dense`` (what ``.item()``, ``float()``, ``int()`` and ``bool()`` of a tensor, and a kernel's
   own read, reach) is counted by a dispatch mode;
 * ``Tensor.tolist`` reaches no dispatch mode on CPU, so it is counted by wrapping the method for the duration of the
-  block (and only then: see ``docs/architecture.md``, interpositions).
+  block (and only then: see ``docs/architecture.md``, interpositions);
+* ``dist.barrier`` (``c10d.barrier``), counted by the same dispatch mode: NCCL's barrier blocks the host until the
+  device has run it on every rank, while gloo's costs next to nothing. Lightning's ``_sync_ddp`` puts one before
+  every ``self.log(..., sync_dist=True)``, which is why the strategy's ``reduce`` does not call it.
 
 On CUDA, :class:`HostSyncCounter` can also run the steps under ``torch.cuda.set_sync_debug_mode``, which sees every
 synchronizing call the driver makes (device-to-host copies included), with ``"error"`` raising at the call.
@@ -23,21 +26,23 @@ from typing import Any, Callable, Iterator, Optional
 import lightning.pytorch as pl
 import torch
 
-from lightning_seqpar._compat import SCALAR_READ, TorchDispatchMode
+from lightning_seqpar._compat import BARRIER, SCALAR_READ, TorchDispatchMode
 
 
 @dataclass
 class HostReads:
     """What a block read on the host: ``scalars``, the reads of one value (``.item()``, ``float()``, a kernel's own);
-    ``lists``, the element count of each ``.tolist()``."""
+    ``lists``, the element count of each ``.tolist()``; ``barriers``, the ``dist.barrier`` calls (a host wait on
+    NCCL)."""
 
     scalars: int = 0
     lists: list[int] = field(default_factory=list)
+    barriers: int = 0
 
     @property
     def total(self) -> int:
-        """Every read, each ``.tolist()`` counted once."""
-        return self.scalars + len(self.lists)
+        """Every read and barrier, each ``.tolist()`` counted once."""
+        return self.scalars + len(self.lists) + self.barriers
 
 
 class _ScalarReads(TorchDispatchMode):
@@ -47,6 +52,7 @@ class _ScalarReads(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.reads.scalars += func is SCALAR_READ
+        self.reads.barriers += func is BARRIER
         return func(*args, **(kwargs or {}))
 
 
