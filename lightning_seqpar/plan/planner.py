@@ -32,7 +32,9 @@ from lightning_seqpar.plan.state import (
 )
 from lightning_seqpar.plan.transients import (
     accumulation_bytes,
+    attention_backward_bytes,
     backward_transient_bytes,
+    forward_transient_bytes,
     largest_layer_weight,
 )
 
@@ -50,7 +52,7 @@ class LayoutRecord:
         feasible: it passes every rule and fits in memory.
         reason: why not (``None`` when feasible).
         bytes: the most loaded rank's predicted bytes at its step's peak: ``parameters``, ``gradients`` (none of
-            a step's first backward's ``.grad`` when it peaks there), ``main_params``, ``optimizer``,
+            a step's first backward's ``.grad`` when it peaks there; the last step's when it peaks in the forward), ``main_params``, ``optimizer``,
             ``activations`` (kept by the micro-batches in flight), ``other`` (what exists only at that moment: a
             backward's transients, pipeline buffers, or the optimizer's temporaries: :mod:`.transients`),
             ``total``.
@@ -60,7 +62,9 @@ class LayoutRecord:
             the dispatch and combine all-to-alls of a mixture of experts).
         bubble: the pipeline bubble's fraction of the compute time.
         step_time: predicted seconds per step and its terms.
-        other: what ``bytes["other"]`` is made of at the peak: ``backward`` (a backward's transients),
+        other: what ``bytes["other"]`` is made of at the peak: ``forward`` (the last layer's core attention
+            temporaries at the end of a forward, the last step's gradients still alive), ``backward`` (a backward's
+            transients),
             ``accumulated_gradients`` (``.grad`` beside the data-parallel buckets) or ``optimizer`` (its step's
             temporary).
     """
@@ -312,6 +316,8 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
     gradient = parameter + (2 if precision == "bf16-mixed" else 0)  # autocast's 16-bit weight gradient + its fp32 copy
     name = resolve_schedule(schedule, vpp) if pp > 1 else "1F1B"
     largest = largest_layer_weight(inventory, tp, record.ep)
+    attention_backward = attention_backward_bytes(inventory, s, b, tp, precision, record.recompute)
+    forward = forward_transient_bytes(inventory, s, b, tp, precision, record.recompute)
     for rank in range(pp):
         state: StateBytes = state_bytes(inventory, tp, pp, dp, pipeline_rank=rank, vpp=vpp, zero=record.zero,
                                         precision=precision, main_params=record.main_params, optimizer=optimizer,
@@ -329,13 +335,33 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
             kept = sum(n * (layout.sizes[stages[c]] * per_layer + around
                             + (after if stages[c] == layout.num_stages - 1 else 0.0)) for c, n in enumerate(counts))
             last = stages[chunk] == layout.num_stages - 1
-            moment = {"backward": backward_transient_bytes(inventory, s, b, tp, element, gradient, last, accumulating,
-                                                           recomputed, largest=largest, freed=epilogue),
+            # The explicit core attention's backward comes after the head's backward freed the epilogue and, when
+            # it is recomputed, after its layer's MLP backward freed that half of the layer's kept bytes (kept
+            # probabilities are the attention's own, and stay until it runs): its temporaries count beyond that.
+            # Not under a pipeline: there the tracker measures a stage's peak above even the whole layer (pp 2,
+            # s 1024 in the calibration), so nothing is counted as freed.
+            halved = record.recompute != "none" and pp == 1
+            spent = (per_layer / 2 if halved else 0.0) + (epilogue if last else 0.0)
+            moment = {"backward": max(backward_transient_bytes(inventory, s, b, tp, element, gradient, last,
+                                                               accumulating, recomputed, largest=largest,
+                                                               freed=epilogue), attention_backward - spent),
                       "accumulated_gradients": accumulated if accumulating else 0.0}
             gradients = state.gradients - (0 if accumulating else unmade)
             total = state.total - state.gradients + gradients + kept + sum(moment.values())
             if total > peak[0]:
                 peak = (total, gradients, kept, moment)
+            # The forward that filled this moment, its last layer's core attention at work: half that layer's own
+            # kept bytes made (its attention's inputs, not its MLP's).
+            ahead = {"forward": forward, "accumulated_gradients": moment["accumulated_gradients"]}
+            filling = kept - per_layer / 2
+            if pp > 1 and state.total - state.gradients + gradients + filling + sum(ahead.values()) > peak[0]:
+                peak = (state.total - state.gradients + gradients + filling + sum(ahead.values()), gradients,
+                        filling, ahead)
+        if pp == 1:  # Lightning zeroes .grad after training_step: the last step's live through the forward
+            # The head and loss not run yet; half the last layer's own kept bytes made, as above.
+            kept = (layout.sizes[stages[0]] - 0.5) * per_layer + outside - epilogue
+            if state.total + kept + forward > peak[0]:
+                peak = (state.total + kept + forward, state.gradients, kept, {"forward": forward})
         _, gradients, activations, other = peak
         parts = {k: int(v) for k, v in other.items() if v}
         split = dict(parameters=state.parameters, gradients=gradients, main_params=state.main_params,

@@ -13,11 +13,20 @@ A rank's step peaks either in a backward, when the most micro-batches are in fli
   they share; a mixture's packed gate and up projections of its ``E/e`` experts, ``r · E/e · 2f·h``, once; under
   ``bf16-mixed`` autocast's 16-bit gradient and its float32 copy, ``r = 2 + 4``); the incoming
   and outgoing gradient of the layer's output ``2·e·s·b·h / t``; under recomputation, what the layer's backward makes
-  again beside them (one layer's kept bytes without recomputation, less those with it, for one micro-batch);
+  again beside them (one layer's kept bytes without recomputation, less those with it, for one micro-batch); or,
+  larger at long sequences, the explicit core attention's backward over its ``b·(a/t)·s²`` scores
+  (:func:`attention_backward_bytes`);
 - **gradients accumulated beside the buckets**: with m > 1 micro-batches (a pipeline schedule's or gradient
   accumulation's) the ``.grad`` of the earlier ones is kept apart from the data-parallel buckets until the last
   backward fills them (one gradient per parameter, ``r`` bytes each, where the buckets are not already the
   ``.grad`` of a 16-bit parameter);
+- **the end of a forward** (without a pipeline): Lightning's automatic optimization calls ``zero_grad`` after
+  ``training_step``, so the last step's ``.grad`` is still alive while the forward keeps every layer's activations,
+  and the explicit core attention of the last layer makes its ``b·(a/t)·s²`` temporaries beside them: the scores and
+  their scaled copy, then the softmax's input, its float32 upcast under ``bf16-mixed`` (CUDA autocast's rule) and
+  its output (:func:`forward_transient_bytes`). Measured on an H100 (Llama-3-8B, tp 8, s 8192, bf16-mixed,
+  selective): this moment is the step's peak, 27.73 GB against 25.68 GB in the backward and 20.15 GB in the
+  optimizer's step;
 - **the optimizer**: AdamW's multi-tensor step (torch's default on CUDA) makes one temporary the size of its
   second-moment state (``exp_avg_sq.sqrt()``) before the update (:attr:`~.state.StateBytes.temporary`).
 
@@ -72,3 +81,46 @@ def accumulation_bytes(parameter_bytes: int, num_microbatches: int, buckets: boo
     if num_microbatches == 1 or not buckets or grad_beside_buckets:
         return 0.0
     return float(parameter_bytes)
+
+
+SCORE_TEMPORARIES = {  # precision: (forward, backward) bytes per score element, recomputed | kept
+    "bf16-mixed": ((11.0, 13.0), (5.0, 6.0)),
+    "bf16-true": ((10.5, 12.5), (4.5, 6.0)),
+    "32-true": ((9.0, 13.0), (5.0, 8.0)),
+}
+"""The explicit core attention's temporaries, in bytes per element of its ``b·(a/t)·s²`` scores beyond what the
+layer keeps, at the forward's moment and at the backward's, when the attention is recomputed (selective or full)
+and when it keeps its probabilities (no recomputation: part of what would be temporary is kept instead).
+
+The forward makes the scores and their scaled copy, the masked scores, then the softmax's float32 upcast and
+output (float32 as CUDA autocast and Hugging Face's eager attention compute it) before the 16-bit probabilities;
+the backward recomputes them where recomputed and adds the probabilities' gradient, its float32 upcast and the
+scores' gradient. Measured with a live-tensor tracker over whole training steps with CUDA autocast's float32
+softmax in force, where the ``s²`` terms dominate (s 1024; ``tests/plan/test_step_calibration.py``), rounded up."""
+
+
+def _score_elements(inventory: ModelInventory, s: int, b: int, t: int) -> float:
+    return float(b * (inventory.num_heads // t) * s * s)
+
+
+def _score_bytes(precision: str, recomputed: bool, backward: bool) -> float:
+    table = SCORE_TEMPORARIES.get(precision) or SCORE_TEMPORARIES["bf16-mixed" if "16" in precision else "32-true"]
+    return table[0 if recomputed else 1][1 if backward else 0]
+
+
+def forward_transient_bytes(inventory: ModelInventory, s: int, b: int, t: int, precision: str,
+                            recompute: str = "selective") -> float:
+    """The explicit core attention's temporaries in one layer's forward on one of ``t`` tensor-parallel ranks
+    (bytes): :data:`SCORE_TEMPORARIES` per score element. ``0`` for a fused kernel (sdpa keeps no ``s²`` tensor)."""
+    if not inventory.eager_attention:
+        return 0.0
+    return _score_bytes(precision, recompute != "none", False) * _score_elements(inventory, s, b, t)
+
+
+def attention_backward_bytes(inventory: ModelInventory, s: int, b: int, t: int, precision: str,
+                             recompute: str = "selective") -> float:
+    """The explicit core attention's temporaries in one layer's backward (bytes), as
+    :func:`forward_transient_bytes`; ``0`` for a fused kernel."""
+    if not inventory.eager_attention:
+        return 0.0
+    return _score_bytes(precision, recompute != "none", True) * _score_elements(inventory, s, b, t)

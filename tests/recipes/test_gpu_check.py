@@ -16,8 +16,11 @@ def test_the_gpu_check_runs_its_dry_parts_on_cpu(tmp_path):
     with socket.socket() as held:  # a rendezvous port the caller's own process group holds: not the rows'
         held.bind(("127.0.0.1", 0))
         held.listen()
-        run_job([sys.executable, str(ROOT / "recipes" / "gpu_check.py"), "--cpu", "--json", str(out)], tmp_path,
-                timeout=600, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(held.getsockname()[1]))
+        result = run_job([sys.executable, str(ROOT / "recipes" / "gpu_check.py"), "--cpu", "--json", str(out)],
+                         tmp_path, timeout=600, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(held.getsockname()[1]))
+    # the memory row's prediction prices activations with the planner's probes, not Table 2's formula alone
+    assert "predicted peak per rank" in result.stderr + result.stdout
+    assert "(activations measured on small copies)" in result.stderr + result.stdout
     rows = json.loads(out.read_text())
     assert [r["check"] for r in rows] == ["memory"] * 2 + ["kernels"] * 2 + ["host syncs"] + ["speed"] * 3 + \
         ["kernels"] * 2
