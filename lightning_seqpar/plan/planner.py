@@ -52,10 +52,10 @@ class LayoutRecord:
         feasible: it passes every rule and fits in memory.
         reason: why not (``None`` when feasible).
         bytes: the most loaded rank's predicted bytes at its step's peak: ``parameters``, ``gradients`` (none of
-            a step's first backward's ``.grad`` when it peaks there; the last step's when it peaks in the forward), ``main_params``, ``optimizer``,
-            ``activations`` (kept by the micro-batches in flight), ``other`` (what exists only at that moment: a
-            backward's transients, pipeline buffers, or the optimizer's temporaries: :mod:`.transients`),
-            ``total``.
+            a step's first backward's ``.grad`` when it peaks there; the last step's when it peaks in a forward),
+            ``main_params``, ``optimizer``, ``activations`` (kept by the micro-batches in flight), ``other`` (what
+            exists only at that moment: a forward's or a backward's transients, pipeline buffers, or the optimizer's
+            temporaries: :mod:`.transients`), ``total``.
         stage: the most loaded pipeline rank.
         flops: model and hardware FLOPs per step (Eq. 7, Eq. 8).
         collective_bytes: bytes each rank sends per step, by kind (``tensor``, ``data``, ``pipeline``, and ``expert``:
