@@ -371,11 +371,23 @@ def main(argv: Optional[list[str]] = None) -> int:
     return 1 if any(row.ok is False for row in rows) else 0
 
 
+def _environment(cpu: bool) -> str:
+    """The device and the library versions the figures were measured with (a table is only as good as its caption)."""
+    import lightning
+    import torch
+    import transformers
+
+    device = "CPU" if cpu else torch.cuda.get_device_name()
+    return (f"{device}; torch {torch.__version__}, transformers {transformers.__version__}, "
+            f"lightning {lightning.__version__}")
+
+
 def _print(rows: list[Row], cpu: bool) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="lightning_seqpar GPU check" + (" (dry run on CPU)" if cpu else ""))
+    table = Table(title="lightning_seqpar GPU check" + (" (dry run on CPU)" if cpu else ""),
+                  caption=_environment(cpu))
     for column in ("check", "case", "measured", "expected", "ok"):
         table.add_column(column)
     for row in rows:

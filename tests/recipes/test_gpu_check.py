@@ -21,6 +21,7 @@ def test_the_gpu_check_runs_its_dry_parts_on_cpu(tmp_path):
     # the memory row's prediction prices activations with the planner's probes, not Table 2's formula alone
     assert "predicted peak per rank" in result.stderr + result.stdout
     assert "(activations measured on small copies)" in result.stderr + result.stdout
+    assert "CPU; torch 2.13" in result.stdout  # the caption: what the figures were measured on
     rows = json.loads(out.read_text())
     assert [r["check"] for r in rows] == ["memory"] * 2 + ["kernels"] * 2 + ["host syncs"] + ["speed"] * 3 + \
         ["kernels"] * 2
