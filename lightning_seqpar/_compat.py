@@ -22,7 +22,10 @@ from torch.utils._pytree import tree_flatten  # noqa: F401
 # What .item(), float(), int() and bool() of a tensor, and a kernel's own read of a device value, all reach: the one
 # operation behind a host read (HostSyncCounter). aten's operator names carry no public alias.
 SCALAR_READ = torch.ops.aten._local_scalar_dense.default
-BARRIER = torch.ops.c10d.barrier.default  # what dist.barrier dispatches (no public name for the op)
+try:  # what dist.barrier dispatches (no public name for the op)
+    BARRIER: Any = torch.ops.c10d.barrier.default
+except (AttributeError, RuntimeError):  # a torch built without distributed: no barrier to count
+    BARRIER = None
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
