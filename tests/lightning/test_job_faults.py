@@ -115,7 +115,9 @@ def test_sigterm_saves_a_checkpoint_and_ends_every_rank_cleanly(tmp_path, during
     job, log = start_recipe(tmp_path, "model=gpt_tiny", "strategy.timeout=60", "trainer.max_steps=100000",
                             "trainer.enable_progress_bar=false", *saves)
     try:
-        wait_for(log, "All distributed processes registered", job)
+        # The layout line ends the fit's start (the planner's probes price the memory): preemption is handled from
+        # the first training step on, and a signal before it ends the job like any signal before training.
+        wait_for(log, "layout: ", job)
         time.sleep(8)  # well into training
         signalled = time.time()
         os.kill(job.pid, signal.SIGTERM)
