@@ -354,9 +354,9 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
             # kept bytes made (its attention's inputs, not its MLP's).
             ahead = {"forward": forward, "accumulated_gradients": moment["accumulated_gradients"]}
             filling = kept - per_layer / 2
-            if pp > 1 and state.total - state.gradients + gradients + filling + sum(ahead.values()) > peak[0]:
-                peak = (state.total - state.gradients + gradients + filling + sum(ahead.values()), gradients,
-                        filling, ahead)
+            total = state.total - state.gradients + gradients + filling + sum(ahead.values())
+            if pp > 1 and total > peak[0]:
+                peak = (total, gradients, filling, ahead)
         if pp == 1:  # Lightning zeroes .grad after training_step: the last step's live through the forward
             # The head and loss not run yet; half the last layer's own kept bytes made, as above.
             kept = (layout.sizes[stages[0]] - 0.5) * per_layer + outside - epilogue
