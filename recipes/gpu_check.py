@@ -11,8 +11,8 @@ Rows (each in its own process, so every memory peak and process group is its own
   rank allocates what it would in the real job) at full size: Llama-3-8B at tp 8, s 8192, bf16-mixed, selective
   recomputation; and tp 4 × cp 2. ``torch.cuda.max_memory_allocated`` against the planner's prediction for that rank
   (:class:`~lightning_seqpar.lightning.callbacks.layout_report.LayoutReport`), within 5 %, with the second step's
-  peak in its forward, backward and optimizer step beside it. Context parallelism is not priced by the planner yet:
-  that row reports the measurement only. On CPU: a tiny Llama, and no device peak.
+  peak in its forward, backward and optimizer step beside it (under cp the selective recomputation callback leaves the
+  blockwise attention as it is, and the planner prices it so). On CPU: a tiny Llama, and no device peak.
 - ``kernels``: the fused attention kernel with log-sum-exp that context parallelism merges blocks by
   (``_compat.fused_attention_with_lse``), in bf16, against the explicit softmax attention in float32; our first
   training loss (vocabulary-parallel head, the loss over chunks of positions, bf16-mixed) against the same model's
@@ -144,7 +144,7 @@ def memory_row(size: dict, index: int) -> Row:
     measured = max(phases.peaks.values())
     where = ", ".join(f"{name} {_gb(peak)}" for name, peak in phases.peaks.items())
     if report.predicted is None:
-        return Row("memory", case, f"{_gb(measured)} ({where})", "not priced (context parallelism)", None)
+        return Row("memory", case, f"{_gb(measured)} ({where})", "not priced", None)
     error = measured / report.predicted - 1
     return Row("memory", case, f"{_gb(measured)} ({error:+.1%}; {where})", _gb(report.predicted),
                abs(error) <= MEMORY_TOLERANCE)

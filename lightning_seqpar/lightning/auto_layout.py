@@ -196,7 +196,8 @@ def rank_layouts(inventory: Any, world: int, seq_len: int, auto: AutoLayout, mem
 
     records = plan(inventory, world, seq_len, auto.batch_size, hardware=Hardware(memory=memory,
                    gpus_per_node=gpus_per_node), precision=precision, headroom=auto.headroom,
-                   micro_batches=auto.micro_batches, fits=fits, per_rank_batch=True)
+                   micro_batches=auto.micro_batches, fits=fits, per_rank_batch=True,
+                   context_parallel=(1,))  # AutoLayout refuses cp (above): its data-parallel size is world / (tp·pp)
     return [r for r in records if r.feasible and r.zero == zero and (not recompute or r.recompute in recompute)
             and (ep is None or r.ep == ep) and (r.pp > 1 or r.micro_batch == auto.batch_size)]  # no pipeline: the loader's whole batch
 

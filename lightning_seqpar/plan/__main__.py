@@ -1,5 +1,6 @@
 """``python -m lightning_seqpar.plan MODEL --gpus N --gpu-memory 80GB --seq-len S --global-batch B``: the layouts of
-MODEL on N GPUs, ranked (see :mod:`lightning_seqpar.plan.planner`).
+MODEL on N GPUs, ranked (see :mod:`lightning_seqpar.plan.planner`), over tensor, context (``--cp`` to restrict), pipeline and data
+parallel sizes.
 
 MODEL is a Hugging Face ``config.json``, a directory holding one, or a GPT size of the paper (``gpt-22b``, ``gpt-175b``,
 ``gpt-530b``, ``gpt-1t``). Prints the top feasible layouts with the most loaded rank's bytes by kind, the headroom left,
@@ -45,7 +46,8 @@ def _count(flag: str, most: int) -> Callable[[str], int]:
 
 
 def _layout(r: LayoutRecord) -> str:
-    return (f"tp{r.tp} pp{r.pp}{f'×v{r.vpp}' if r.vpp > 1 else ''} dp{r.dp}{f' ep{r.ep}' if r.ep > 1 else ''}"
+    return (f"tp{r.tp}{f' cp{r.cp}' if r.cp > 1 else ''} pp{r.pp}{f'×v{r.vpp}' if r.vpp > 1 else ''} dp{r.dp}"
+            f"{f' ep{r.ep}' if r.ep > 1 else ''}"
             f"{' zero1' if r.zero else ''} "
             f"mbs{r.micro_batch} {r.recompute}")
 
@@ -61,13 +63,13 @@ def table(records: list[LayoutRecord], hardware: Hardware, top: int, verbose: bo
     for the GPU in one line with the smallest; ``verbose``: every rejected layout with its reason."""
     feasible = [r for r in records if r.feasible][:top]
     experts = any(r.ep > 1 for r in records)  # a mixture of experts: its expert-parallel size, a column of its own
-    head = (f"| rank | tp | pp | vpp | dp |{' ep |' if experts else ''} zero | mbs | m | recompute | params | grads | "
+    head = (f"| rank | tp | cp | pp | vpp | dp |{' ep |' if experts else ''} zero | mbs | m | recompute | params | grads | "
             f"main | optim | act | other | total GB | left GB | step s | bubble | MFU |")
-    lines = [head, "|" + "---|" * (20 + experts)]
+    lines = [head, "|" + "---|" * (21 + experts)]
     for i, r in enumerate(feasible, 1):
         b = r.bytes
-        mfu = r.flops["model"] / (r.step_time["total"] * r.tp * r.pp * r.dp) / hardware.peak_flops
-        lines.append(f"| {i} | {r.tp} | {r.pp} | {r.vpp} | {r.dp} |{f' {r.ep} |' if experts else ''} {r.zero} | "
+        mfu = r.flops["model"] / (r.step_time["total"] * r.tp * r.cp * r.pp * r.dp) / hardware.peak_flops
+        lines.append(f"| {i} | {r.tp} | {r.cp} | {r.pp} | {r.vpp} | {r.dp} |{f' {r.ep} |' if experts else ''} {r.zero} | "
                      f"{r.micro_batch} | {r.num_microbatches} | "
                      f"{r.recompute} | " + " | ".join(f"{b[k] / GB:.1f}" for k in (
                          "parameters", "gradients", "main_params", "optimizer", "activations", "other", "total"))
@@ -117,7 +119,8 @@ def what_would_fit(records: list[LayoutRecord], inventory: Any, args: argparse.N
     for flag, option in options.items():
         again = plan(model_inventory(args.model, option["seq_len"], option["attention"]), args.gpus, option["seq_len"],
                      args.global_batch, hardware=hardware, precision=args.precision, headroom=args.headroom,
-                     calibrate=not args.analytic, optimizer=args.optimizer)
+                     calibrate=not args.analytic, optimizer=args.optimizer, context_parallel=args.cp,
+                     cp_comm=args.cp_comm)
         best = next((r for r in again if r.feasible), None)
         if best is not None:
             lines.append(f"- {flag}: {_layout(best)} fits ({best.bytes['total'] / GB:.1f} GB)")
@@ -153,6 +156,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="the attention kernel the run uses (HFCausalLMModule's attn_implementation)")
     parser.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd"],
                         help="its state per parameter element (sgd: with momentum)")
+    parser.add_argument("--cp", type=_count("--cp", MAX_GPUS), nargs="+", default=None,
+                        help="the context-parallel sizes to consider (default: every divisor of --gpus)")
+    parser.add_argument("--cp-comm", default="ring", choices=["ring", "all_to_all"],
+                        help="the context-parallel attention's communication")
     parser.add_argument("--headroom", type=float, default=0.8)
     parser.add_argument("--efficiency", type=float, default=0.5, help="fraction of peak FLOP/s reached")
     parser.add_argument("--top", type=_count("--top", 1 << 20), default=10)
@@ -164,6 +171,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--analytic", action="store_true",
                         help="activations from Table 2's model instead of probes of the model's layer (faster)")
     args = parser.parse_args(argv)
+    args.cp = tuple(args.cp) if args.cp else None
     if not 0 < args.headroom <= 1 or not 0 < args.efficiency <= 1:
         parser.error(f"--headroom {args.headroom:g} and --efficiency {args.efficiency:g} are fractions in (0, 1].")
     memory = float(parse_size(args.gpu_memory)) if args.gpu_memory else None
@@ -175,7 +183,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     inventory = model_inventory(args.model, args.seq_len, args.attention)
     records = plan(inventory, args.gpus, args.seq_len, args.global_batch, hardware=hardware,
                    precision=args.precision, headroom=args.headroom, calibrate=not args.analytic,
-                   optimizer=args.optimizer)
+                   optimizer=args.optimizer, context_parallel=tuple(args.cp) if args.cp else None,
+                   cp_comm=args.cp_comm)
     if args.json:
         json.dump([r.as_dict() for r in records], sys.stdout, indent=1)
         print()

@@ -34,6 +34,8 @@ from lightning_seqpar.plan.transients import (
     accumulation_bytes,
     attention_backward_bytes,
     backward_transient_bytes,
+    context_attention_kept,
+    context_transient_bytes,
     forward_transient_bytes,
     largest_layer_weight,
 )
@@ -49,6 +51,9 @@ class LayoutRecord:
     Attributes:
         tp, cp, pp, vpp, dp, zero, micro_batch, num_microbatches, recompute, main_params: the layout.
         ep: the expert-parallel size of a mixture of experts (experts whole on each rank; 1 for a dense model).
+        cp_comm: the context-parallel attention's communication, ``ring`` or ``all_to_all`` (with ``cp > 1``). A
+            rank of ``cp = c`` holds ``s/c`` tokens (``dp`` counts replicas reading different batches, context-parallel
+            peers excluded: the data group that reduces gradients and shards ZeRO has ``d·c`` ranks).
         feasible: it passes every rule and fits in memory.
         reason: why not (``None`` when feasible).
         bytes: the most loaded rank's predicted bytes at its step's peak: ``parameters``, ``gradients`` (none of
@@ -58,8 +63,9 @@ class LayoutRecord:
             temporaries: :mod:`.transients`), ``total``.
         stage: the most loaded pipeline rank.
         flops: model and hardware FLOPs per step (Eq. 7, Eq. 8).
-        collective_bytes: bytes each rank sends per step, by kind (``tensor``, ``data``, ``pipeline``, and ``expert``:
-            the dispatch and combine all-to-alls of a mixture of experts).
+        collective_bytes: bytes each rank sends per step, by kind (``tensor``, ``data``, ``pipeline``, ``expert``:
+            the dispatch and combine all-to-alls of a mixture of experts, and ``context``: the context-parallel
+            attention's ring or all-to-all transfers).
         bubble: the pipeline bubble's fraction of the compute time.
         step_time: predicted seconds per step and its terms.
         other: what ``bytes["other"]`` is made of at the peak: ``forward`` (the last layer's core attention
@@ -80,6 +86,7 @@ class LayoutRecord:
     recompute: str
     main_params: bool
     ep: int = 1
+    cp_comm: str = "ring"
     feasible: bool = False
     reason: Optional[str] = None
     bytes: dict[str, int] = field(default_factory=dict)
@@ -103,7 +110,8 @@ def plan(inventory: ModelInventory, gpus: int, seq_len: int, global_batch: int, 
          precision: str = "bf16-mixed", headroom: float = 0.8, schedule: str = "1F1B",
          micro_batches: tuple[int, ...] = (1, 2, 4), attention_dropout: bool = False,
          calibrate: bool = True, fits: Optional[dict[tuple, Any]] = None,
-         optimizer: str = "adamw", per_rank_batch: bool = False) -> list[LayoutRecord]:
+         optimizer: str = "adamw", per_rank_batch: bool = False,
+         context_parallel: Optional[tuple[int, ...]] = None, cp_comm: str = "ring") -> list[LayoutRecord]:
     """Every layout of ``inventory`` on ``gpus`` GPUs, feasible ones first by predicted step time, then the rejected.
 
     Args:
@@ -118,6 +126,8 @@ def plan(inventory: ModelInventory, gpus: int, seq_len: int, global_batch: int, 
         optimizer: ``adamw`` (the default), ``adam`` or ``sgd`` (with momentum): its state per parameter element.
         per_rank_batch: ``global_batch`` is per data-parallel rank (a Lightning loader's batch): each layout's global
             batch is ``global_batch × dp``.
+        context_parallel: the context-parallel sizes c to consider (``None``: every divisor of the GPUs), with
+            ``cp_comm`` (``ring`` or ``all_to_all``).
 
     Raises:
         ValueError: ``gpus``, ``seq_len`` or ``global_batch`` below 1, or an unknown precision or optimizer.
@@ -127,14 +137,17 @@ def plan(inventory: ModelInventory, gpus: int, seq_len: int, global_batch: int, 
     _check(precision, optimizer)
     records = []
     fits = {} if fits is None else fits
-    for tp in _divisors(gpus):
-        for pp in _divisors(gpus // tp):
-            dp = gpus // (tp * pp)
+    for tp, cp in itertools.product(_divisors(gpus), context_parallel or _divisors(gpus)):
+        if gpus % (tp * cp):
+            continue
+        for pp in _divisors(gpus // (tp * cp)):
+            dp = gpus // (tp * cp * pp)
             for vpp, zero, mbs, recompute, ep in itertools.product(
-                    VIRTUAL_STAGES if pp > 1 else (1,), [0, 1] if dp > 1 else [0], micro_batches, RECOMPUTE,
-                    expert_parallel_sizes(inventory, tp * dp)):
-                record = LayoutRecord(tp, 1, pp, vpp, dp, zero, mbs, 0, recompute,
-                                      main_params=zero == 1 and precision == "bf16-true", ep=ep)
+                    VIRTUAL_STAGES if pp > 1 else (1,), [0, 1] if dp * cp > 1 else [0], micro_batches, RECOMPUTE,
+                    expert_parallel_sizes(inventory, tp * cp * dp)):
+                record = LayoutRecord(tp, cp, pp, vpp, dp, zero, mbs, 0, recompute,
+                                      main_params=zero == 1 and precision == "bf16-true", ep=ep,
+                                      cp_comm=cp_comm if cp > 1 else "ring")
                 _evaluate(record, inventory, seq_len, global_batch * dp if per_rank_batch else global_batch,
                           hardware, precision, headroom, schedule, attention_dropout, fits if calibrate else None,
                           optimizer)
@@ -161,7 +174,7 @@ def predict(inventory: ModelInventory, record: LayoutRecord, seq_len: int, globa
 
 
 def expert_parallel_sizes(inventory: ModelInventory, ranks: int) -> list[int]:
-    """The expert-parallel sizes a layout of ``ranks = t·d`` ranks per pipeline stage can take: divisors of ``ranks``
+    """The expert-parallel sizes a layout of ``ranks = t·c·d`` ranks per pipeline stage can take: divisors of ``ranks``
     that divide the expert count (the expert grid folds over the dense one); ``[1]`` for a dense model."""
     if inventory.experts is None:
         return [1]
@@ -192,14 +205,24 @@ def _rule(record: LayoutRecord, inventory: ModelInventory, s: int, global_batch:
         return f"ep={record.ep} without experts"
     if experts is not None and experts.num_experts % record.ep:
         return f"experts={experts.num_experts} not divisible by ep={record.ep}"
-    if (tp * dp) % record.ep:
-        return f"ep={record.ep} does not divide tp·dp={tp * dp} (the expert grid folds over the dense one)"
+    cp = record.cp
+    if (tp * cp * dp) % record.ep:
+        return (f"ep={record.ep} does not divide tp·cp·dp={tp * cp * dp} (the expert grid folds over the dense "
+                f"one)")
     if experts is not None and pp > 1 and getattr(inventory.config, "output_router_logits", False):
         return ("output_router_logits=True under pp: the load-balancing loss pools every layer's router logits, which "
                 "no pipeline stage holds")
+    if cp > 1 and s % (2 * cp * tp):
+        return (f"seq_len={s} not divisible by 2·cp·tp={2 * cp * tp} (context parallelism cuts the sequence into 2·cp "
+                f"chunks for load balance, each split over tp)")
+    if cp > 1 and record.cp_comm == "all_to_all" and (inventory.num_heads // tp % cp or inventory.num_kv_heads // tp % cp):
+        return (f"heads={inventory.num_heads}/kv_heads={inventory.num_kv_heads} per tensor-parallel rank not divisible "
+                f"by cp={cp} (all-to-all context parallelism scatters heads)")
     if s % tp:
         return f"seq_len={s} not divisible by tp={tp} (sequence parallelism splits the sequence)"
-    if record.recompute == "selective" and not inventory.eager_attention:
+    if record.recompute == "selective" and (not inventory.eager_attention or cp > 1):
+        if cp > 1:
+            return "selective recomputation has nothing to recompute under cp (blockwise attention keeps no s² tensor)"
         return "selective recomputation has nothing to recompute in fused attention (sdpa keeps no s² tensor)"
     if inventory.num_layers % (pp * vpp):
         return f"layers={inventory.num_layers} not divisible by pp·vpp={pp * vpp}"
@@ -219,16 +242,26 @@ def _layer_bytes(record: LayoutRecord, inventory: ModelInventory, s: int, precis
     """One layer's activation bytes per micro-batch in flight (autocast's 16-bit weight copies included: the parallel
     layers cast inside their autograd functions, where autocast's cache does not apply, so every micro-batch's
     forward keeps its own); measured and scaled where the model can be probed."""
+    element = 2 if precision.startswith("bf16") else PARAMETER_BYTES[precision]
+    cp, local, recompute = record.cp, s // record.cp, record.recompute
+    extra = 0.0
+    if cp > 1 and recompute != "full":
+        # Under context parallelism a rank's layer is the same layer over its s/c tokens but for its core attention,
+        # blockwise: it keeps q, k and v (as a checkpointed explicit core attention keeps them; a fused kernel
+        # keeps them too, with its output and log-sum-exp), its output and log-sum-exp, and no s² tensor.
+        recompute = "selective" if inventory.eager_attention else "none"
+        if inventory.eager_attention:
+            extra = context_attention_kept(inventory, s, record.micro_batch, record.tp, cp, element)
     if fits is None or inventory.config is None:
-        element = 2 if precision.startswith("bf16") else PARAMETER_BYTES[precision]
-        return layer_bytes(inventory, s, record.micro_batch, record.tp, True, record.recompute, element, dropout)
-    key = (inventory.probe_key, record.tp, record.recompute, precision)
+        return extra + layer_bytes(inventory, local, record.micro_batch, record.tp, True, recompute, element, dropout)
+    key = (inventory.probe_key, record.tp, recompute, precision)
     if key not in fits:
         from lightning_seqpar.plan.probe import fit_layer
 
-        fits[key] = fit_layer(inventory.config, record.tp, True, record.recompute, precision, inventory.experts)
-    measured = fits[key].bytes(s, record.micro_batch, inventory.head_dim, inventory.ffn_hidden_size)
-    if precision == "bf16-mixed" and record.recompute != "full":
+        fits[key] = fit_layer(inventory.config, record.tp, True, recompute, precision, inventory.experts)
+    measured = extra + fits[key].bytes(local, record.micro_batch, inventory.head_dim, inventory.ffn_hidden_size,
+                                       quadratic=cp == 1)
+    if precision == "bf16-mixed" and recompute != "full":
         # The probe's rank holds every expert (ep 1), and autocast's 16-bit copy of each is kept for backward; a rank
         # of ep e casts its E/e experts only.
         measured -= 2 * expert_layer_elements(inventory) * (1 - 1 / record.ep)
@@ -247,13 +280,13 @@ def _outside_bytes(record: LayoutRecord, inventory: ModelInventory, s: int, prec
     the prologue every pipeline stage's forward makes again (attention mask, rotary tables, position ids): measured
     and scaled where the model can be probed (the analytic model has no prologue)."""
     if fits is None or inventory.config is None:
-        return outside_layers_bytes(inventory, s, record.micro_batch, record.tp, True, True, element), 0.0
+        return outside_layers_bytes(inventory, s // record.cp, record.micro_batch, record.tp, True, True, element), 0.0
     key = (inventory.probe_key, "outside", record.tp, precision)
     if key not in fits:
         from lightning_seqpar.plan.probe import fit_outside
 
         fits[key] = fit_outside(inventory.config, record.tp, True, precision)
-    sizes = (s, record.micro_batch, inventory.head_dim, inventory.vocab_size)
+    sizes = (s // record.cp, record.micro_batch, inventory.head_dim, inventory.vocab_size)
     return fits[key].bytes(*sizes), fits[key].prologue_bytes(*sizes)
 
 
@@ -290,6 +323,20 @@ def all_to_all_bytes(inventory: ModelInventory, record: LayoutRecord, s: int, el
     return layers * passes * pairs * inventory.hidden_size * element
 
 
+def _context_bytes(inventory: ModelInventory, record: LayoutRecord, s: int, element: int) -> float:
+    """Bytes one rank sends per layer and micro-batch in its context-parallel attention, forward and backward (the
+    ring's key/value blocks and their gradients, or the all-to-alls: ``context_parallel.attention.bytes_per_layer``;
+    a full recomputation's forward again); 0 without context parallelism."""
+    if record.cp == 1:
+        return 0.0
+    from lightning_seqpar.context_parallel.attention import bytes_per_layer
+
+    sent = bytes_per_layer(record.cp_comm, record.micro_batch, s, inventory.num_heads, inventory.num_kv_heads,
+                           inventory.head_dim, record.tp, record.cp, element)
+    forward, backward = (sum(sent[k].values()) for k in ("forward", "backward"))
+    return forward * (2 if record.recompute == "full" else 1) + backward
+
+
 def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_batch: int, hardware: Hardware,
               precision: str, headroom: float, schedule: str, dropout: bool,
               fits: Optional[dict[tuple, Any]] = None, optimizer: str = "adamw") -> None:
@@ -297,12 +344,13 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
     if record.reason is not None:
         return
     tp, pp, vpp, dp, b, m = record.tp, record.pp, record.vpp, record.dp, record.micro_batch, record.num_microbatches
+    cp, local = record.cp, s // record.cp  # a context-parallel rank's layers see s/c tokens
     element = 2 if precision.startswith("bf16") else PARAMETER_BYTES[precision]
     layout = stage_layout(inventory, pp, vpp)
     per_layer = _layer_bytes(record, inventory, s, precision, dropout, fits)
     recomputed = 0.0  # what a layer's backward makes again: its kept bytes without recomputation, less with it
     if record.recompute != "none":
-        whole = LayoutRecord(tp, 1, pp, vpp, dp, record.zero, b, m, "none", record.main_params, ep=record.ep)
+        whole = LayoutRecord(tp, cp, pp, vpp, dp, record.zero, b, m, "none", record.main_params, ep=record.ep)
         recomputed = max(0.0, _layer_bytes(whole, inventory, s, precision, dropout, fits) - per_layer)
     worst: tuple[float, int, dict[str, int], dict[str, int]] = (-1.0, 0, {}, {})
     parameter = PARAMETER_BYTES[precision]
@@ -310,16 +358,21 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
     # Outside the layers, a forward keeps the stage input ([s/t, b, h]: the embedding's output, or what a pipeline
     # stage received), the prologue (mask, rotary tables, position ids) and the epilogue (final norm, head, loss).
     # Under a pipeline every chunk-forward keeps an input and a prologue of its own; only the last chunk an epilogue.
-    stage_input = element * s * b * inventory.hidden_size / tp
+    stage_input = element * local * b * inventory.hidden_size / tp
     epilogue = max(0.0, outside - prologue - stage_input)
     around, after = (0.0, outside) if pp == 1 else (stage_input + prologue, epilogue)
     gradient = parameter + (2 if precision == "bf16-mixed" else 0)  # autocast's 16-bit weight gradient + its fp32 copy
     name = resolve_schedule(schedule, vpp) if pp > 1 else "1F1B"
     largest = largest_layer_weight(inventory, tp, record.ep)
-    attention_backward = attention_backward_bytes(inventory, s, b, tp, precision, record.recompute)
-    forward = forward_transient_bytes(inventory, s, b, tp, precision, record.recompute)
+    if cp == 1:
+        attention_backward = attention_backward_bytes(inventory, s, b, tp, precision, record.recompute)
+        forward = forward_transient_bytes(inventory, s, b, tp, precision, record.recompute)
+    else:
+        attention_backward = context_transient_bytes(inventory, s, b, tp, cp, precision, True, record.cp_comm)
+        forward = context_transient_bytes(inventory, s, b, tp, cp, precision, False, record.cp_comm)
     for rank in range(pp):
-        state: StateBytes = state_bytes(inventory, tp, pp, dp, pipeline_rank=rank, vpp=vpp, zero=record.zero,
+        # the gradients are reduced, and ZeRO shards, over the d·c ranks of the data group
+        state: StateBytes = state_bytes(inventory, tp, pp, dp * cp, pipeline_rank=rank, vpp=vpp, zero=record.zero,
                                         precision=precision, main_params=record.main_params, optimizer=optimizer,
                                         ep=record.ep)
         stages = layout.stages_of(rank)
@@ -342,7 +395,7 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
             # s 1024 in the calibration), so nothing is counted as freed.
             halved = record.recompute != "none" and pp == 1
             spent = (per_layer / 2 if halved else 0.0) + (epilogue if last else 0.0)
-            moment = {"backward": max(backward_transient_bytes(inventory, s, b, tp, element, gradient, last,
+            moment = {"backward": max(backward_transient_bytes(inventory, local, b, tp, element, gradient, last,
                                                                accumulating, recomputed, largest=largest,
                                                                freed=epilogue), attention_backward - spent),
                       "accumulated_gradients": accumulated if accumulating else 0.0}
@@ -376,7 +429,7 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
     model = model_flops_per_iteration(shape, global_batch)
     executed = hardware_flops_per_iteration(shape, global_batch, record.recompute)
     record.flops = {"model": model, "hardware": executed}
-    sbh = element * s * b * inventory.hidden_size
+    sbh = element * local * b * inventory.hidden_size
     layers_per_rank = inventory.num_layers // pp
     # g/ḡ pairs per layer: the attention's, and the MLP's (a mixture's shared expert; its routed experts use none)
     pairs = 1 + (inventory.experts is None or inventory.experts.shared_ffn > 0)
@@ -387,14 +440,15 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
     record.collective_bytes = {
         "tensor": layers_per_rank * m * collectives * ring_bytes("all_gather", sbh, tp),
         # reduced in float32: dense gradients over d, the experts' over their edp = t·d/e replicas
-        "data": ring_bytes("all_reduce", gradient_bytes, dp) + ring_bytes("all_reduce", expert_gradients,
-                                                                         tp * dp // record.ep),
+        "data": ring_bytes("all_reduce", gradient_bytes, dp * cp) + ring_bytes("all_reduce", expert_gradients,
+                                                                              tp * dp * cp // record.ep),
         "pipeline": (2 * m * vpp * sbh / tp) if pp > 1 else 0.0,
-        "expert": m * all_to_all_bytes(inventory, record, s, element, held),
+        "expert": m * all_to_all_bytes(inventory, record, local, element, held),
+        "context": layers_per_rank * m * _context_bytes(inventory, record, s, element),
     }
-    compute = executed / (tp * pp * dp) / (hardware.efficiency * hardware.peak_flops)
+    compute = executed / (tp * cp * pp * dp) / (hardware.efficiency * hardware.peak_flops)
     record.bubble = (pp - 1) / (vpp * m) if pp > 1 else 0.0
-    inter = dp * tp * pp > hardware.gpus_per_node
+    inter = dp * cp * tp * pp > hardware.gpus_per_node
     times = {
         "compute": compute,
         "tensor": record.collective_bytes["tensor"] / hardware.intra_node_bandwidth,
@@ -402,6 +456,8 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
         "pipeline": record.collective_bytes["pipeline"] / hardware.inter_node_bandwidth,
         "expert": record.collective_bytes["expert"] / (hardware.inter_node_bandwidth if tp * record.ep > hardware.gpus_per_node
                                                        else hardware.intra_node_bandwidth),
+        "context": record.collective_bytes["context"] / (hardware.inter_node_bandwidth if tp * cp > hardware.gpus_per_node
+                                                         else hardware.intra_node_bandwidth),
         "bubble": record.bubble * compute,
     }
     times["total"] = sum(times.values())

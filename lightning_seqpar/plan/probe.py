@@ -45,9 +45,12 @@ class LayerFit:
     coefficients: tuple[float, ...]
     check_error: float
 
-    def bytes(self, s: int, b: int, head_dim: int, ffn: int) -> float:
-        """All the layer keeps for one micro-batch."""
-        return sum(c * term for c, term in zip(self.coefficients, _terms(b, s, head_dim, ffn)))
+    def bytes(self, s: int, b: int, head_dim: int, ffn: int, quadratic: bool = True) -> float:
+        """All the layer keeps for one micro-batch; without ``quadratic``, less the ``s²`` terms (what the explicit
+        core attention keeps: a context-parallel layer's blockwise attention keeps none)."""
+        terms = _terms(b, s, head_dim, ffn)
+        return sum(c * term for k, (c, term) in enumerate(zip(self.coefficients, terms))
+                   if quadratic or TERMS[k] not in ("bss", "ss"))
 
 
 def measure_layer(config: Any, tp: int, sequence_parallel: bool, recompute: str, precision: str, s: int, b: int,

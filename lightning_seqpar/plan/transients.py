@@ -124,3 +124,48 @@ def attention_backward_bytes(inventory: ModelInventory, s: int, b: int, t: int, 
     if not inventory.eager_attention:
         return 0.0
     return _score_bytes(precision, recompute != "none", True) * _score_elements(inventory, s, b, t)
+
+
+CONTEXT_BLOCK_TEMPORARIES = {  # (cp_comm, precision): (forward, backward) bytes per element of one block's scores
+    ("ring", "bf16-mixed"): (12.0, 18.5),
+    ("ring", "bf16-true"): (12.0, 18.5),
+    ("ring", "32-true"): (12.0, 13.0),
+    ("all_to_all", "bf16-mixed"): (12.0, 13.5),
+    ("all_to_all", "bf16-true"): (12.0, 13.5),
+    ("all_to_all", "32-true"): (12.0, 11.5),
+}
+"""A context-parallel layer's core attention, computed block by block (:mod:`lightning_seqpar.context_parallel.blocks`):
+bytes per element of one explicit block's ``b·(a/t)·n²`` scores (``n = s/(2c)``, a chunk) at the forward's moment
+and at the backward's: the float32 scores, their masked copy and the block's probabilities; in backward the
+recomputed probabilities, their gradient and the scores' gradient (more under 16-bit inputs, whose blocks are cast to
+float32 first; more on the ring, whose backward holds the blocks of two sources at once). A fused kernel makes none. Measured with a live-tensor tracker over whole training steps at s 1024
+(``tests/plan/test_step_calibration.py``), rounded up."""
+
+
+def context_attention_kept(inventory: ModelInventory, s: int, b: int, t: int, c: int, element: int) -> float:
+    """What a context-parallel layer's blockwise core attention keeps for backward beyond what its layer keeps at
+    ``s/c`` tokens without the ``s²`` terms (bytes): its merged output ``[b, a/t, s/c, d]`` in the activations' dtype
+    and the log-sum-exp ``[b, a/t, s/c]`` in float32 (:class:`~lightning_seqpar.context_parallel.attention`'s saved
+    tensors)."""
+    rows = b * (inventory.num_heads // t) * (s // c)
+    return rows * inventory.head_dim * element + 4 * rows
+
+
+def context_transient_bytes(inventory: ModelInventory, s: int, b: int, t: int, c: int, precision: str,
+                            backward: bool, comm: str = "ring") -> float:
+    """A context-parallel layer's core-attention temporaries at the forward's or the backward's moment (bytes): the
+    float32 accumulators of the output and log-sum-exp over the rank's ``s/c`` queries (and in backward the
+    gradients of q, k and v in float32, the key/value heads expanded), the key/value block in flight on the ring,
+    and one block's :data:`CONTEXT_BLOCK_TEMPORARIES` when the blocks are explicit. ``comm="all_to_all"``: the
+    rank attends ``a/(t·c)`` heads over the whole sequence, its blocks ``c`` times fewer heads."""
+    heads, kv, d = inventory.num_heads // t, inventory.num_kv_heads // t, inventory.head_dim
+    rows = b * heads * (s // c)
+    accumulators = 4 * rows * (d + 1) + (4 * rows * d * 3 if backward else 0)
+    element = 2 if "16" in precision else 4
+    in_flight = 2 * b * kv * (s // c) * d * element * (2 if backward else 1)
+    n = s // (2 * c)
+    table = (CONTEXT_BLOCK_TEMPORARIES.get((comm, precision))
+             or CONTEXT_BLOCK_TEMPORARIES[(comm, "bf16-mixed" if "16" in precision else "32-true")])
+    block_heads = heads // c if comm == "all_to_all" else heads
+    blocks = table[backward] * b * block_heads * n * n if inventory.eager_attention else 0.0
+    return accumulators + in_flight + blocks

@@ -1,6 +1,6 @@
 """Every layout the planner marks feasible for a toy model on 4 GPUs constructs under the strategy and takes a
-training step (one of each tensor/pipeline/virtual-stage/data/ZeRO combination, with its micro-batches and
-recomputation), and its most loaded rank's model-state bytes are what that rank holds."""
+training step (one of each tensor/pipeline/virtual-stage/data/ZeRO combination, and three with context parallelism,
+with its micro-batches and recomputation), and its most loaded rank's model-state bytes are what that rank holds."""
 
 from __future__ import annotations
 
@@ -23,13 +23,18 @@ GLOBAL_BATCH = 8
 inventory = inventory_of_hf_model(build("hf", **MODEL).model)
 
 
+# Of the context-parallel kinds (tp, cp, pp, vpp, dp, zero), three: the rest repeat what these and the others check
+CONTEXT_KINDS = {(2, 2, 1, 1, 1, 1), (1, 2, 2, 2, 1, 0), (1, 4, 1, 1, 1, 0)}
+
+
 def _layouts():
     records = plan(inventory, 4, SEQ, GLOBAL_BATCH, precision="32-true", hardware=Hardware(memory=1e12),
                    micro_batches=(1, 2))
     kinds: dict[tuple, list] = {}
     for r in records:
-        if r.feasible:
-            kinds.setdefault((r.tp, r.pp, r.vpp, r.dp, r.zero), []).append(r)
+        kind = (r.tp, r.cp, r.pp, r.vpp, r.dp, r.zero)
+        if r.feasible and (r.cp == 1 or kind in CONTEXT_KINDS):
+            kinds.setdefault(kind, []).append(r)
     chosen = []  # one per kind, the recomputation and micro-batch size taking turns
     for i, candidates in enumerate(kinds.values()):
         want = (("selective", "full", "none")[i % 3], (1, 2)[i % 2])
@@ -43,7 +48,8 @@ def _steps(rank, world, layouts):
         held = _Held()
         pipeline = dict(num_microbatches=r.num_microbatches, virtual_stages=r.vpp,
                         schedule="interleaved_1F1B" if r.vpp > 1 else "1F1B") if r.pp > 1 else {}
-        strategy = SeqParallelStrategy(tp=r.tp, pp=r.pp, data_parallel=DataParallelConfig(zero=r.zero), **pipeline)
+        strategy = SeqParallelStrategy(tp=r.tp, cp=r.cp, pp=r.pp, data_parallel=DataParallelConfig(zero=r.zero),
+                                       **pipeline)
         callbacks = [held, *([SelectiveRecompute(granularity=r.recompute)] if r.recompute != "none" else [])]
         # Micro-batches: the pipeline schedule's under pp, gradient accumulation otherwise; either way one step.
         batch, accumulate = (GLOBAL_BATCH // r.dp, 1) if r.pp > 1 else (r.micro_batch, r.num_microbatches)
@@ -59,8 +65,9 @@ def _steps(rank, world, layouts):
 
 def test_every_feasible_kind_of_layout_trains_and_holds_the_predicted_state():
     layouts, records = _layouts()
-    kinds = {(r.tp, r.pp, r.vpp, r.dp, r.zero) for r in layouts}
-    assert {(2, 2, 1, 1, 0), (1, 2, 2, 2, 1), (4, 1, 1, 1, 0)} - kinds == set()  # tp 4: vocabulary padded 13 -> 16
+    kinds = {(r.tp, r.cp, r.pp, r.vpp, r.dp, r.zero) for r in layouts}
+    # tp 4: vocabulary padded 13 -> 16; cp: the data group of d·c ranks reduces the gradients and shards ZeRO
+    assert ({(2, 1, 2, 1, 1, 0), (1, 1, 2, 2, 2, 1), (4, 1, 1, 1, 1, 0)} | CONTEXT_KINDS) - kinds == set()
     assert any(not r.feasible for r in records)  # e.g. pp 4 x vpp 2 needs 8 layers
     results = run_distributed(_steps, 4, layouts)
     for index, r in enumerate(layouts):
@@ -68,7 +75,7 @@ def test_every_feasible_kind_of_layout_trains_and_holds_the_predicted_state():
             loss, held = rank[index]
             assert math.isfinite(loss), r
             if held["coordinates"][0] == r.stage and held["coordinates"][1] == 0:  # the most loaded stage
-                state = state_bytes(inventory, r.tp, r.pp, r.dp, pipeline_rank=r.stage, vpp=r.vpp, zero=r.zero,
+                state = state_bytes(inventory, r.tp, r.pp, r.dp * r.cp, pipeline_rank=r.stage, vpp=r.vpp, zero=r.zero,
                                     precision="32-true", main_params=r.main_params)
                 predicted = {k: getattr(state, k) for k in ("parameters", "gradients", "main_params", "optimizer")}
                 assert {k: held[k] for k in predicted} == predicted, r

@@ -84,6 +84,42 @@ def test_each_rule_rejects_with_its_reason(inventories, layout, seq_len, batch, 
     assert (found is None) if reason is None else (found is not None and found.startswith(reason)), found
 
 
+@pytest.mark.parametrize("layout, seq_len, reason", [
+    (dict(tp=4, cp=2, recompute="none"), 8192, None),
+    (dict(tp=4, cp=2, recompute="none"), 8200, "seq_len=8200 not divisible by 2·cp·tp=16"),
+    (dict(tp=4, cp=2), 8192, "selective recomputation has nothing to recompute under cp"),
+    (dict(tp=8, cp=2, recompute="none", cp_comm="all_to_all"), 8192, None),  # 8 heads, 1 kv head per tp rank
+    (dict(tp=8, cp=2, recompute="none", cp_comm="all_to_all"), 8192, "heads=64/kv_heads=8 per tensor-parallel rank"),
+])
+def test_context_parallel_rules_reject_with_their_reason(inventories, layout, seq_len, reason):
+    inventory = inventories["llama3-8b" if reason is None and layout.get("cp_comm") else "llama3-70b"]
+    if layout.get("cp_comm") and reason is None:  # Llama-3-8B: 32 heads, 8 kv heads: 4 and 1 per rank of tp 8
+        reason = "heads=32/kv_heads=8 per tensor-parallel rank"
+    found = _rule(_record(**layout), inventory, seq_len, 512, Hardware())
+    assert (found is None) if reason is None else (found is not None and found.startswith(reason)), found
+
+
+def test_the_search_covers_context_parallel_sizes_and_a_context_parallel_rank_holds_its_share(inventories):
+    inventory = inventories["llama3-8b"]
+    records = plan(inventory, 8, 32768, 8, calibrate=False, micro_batches=(1,))
+    assert {r.cp for r in records} == {1, 2, 4, 8}
+    assert {r.cp for r in plan(inventory, 8, 32768, 8, calibrate=False, micro_batches=(1,),
+                               context_parallel=(1,))} == {1}
+    by_layout = {(r.tp, r.cp, r.pp, r.dp, r.zero, r.recompute): r for r in records}
+    # At s 32768 on 80 GB only layouts with cp fit: the explicit core attention's b·(a/t)·s² temporaries sink the rest
+    fits = [r for r in records if r.feasible]
+    assert fits and all(r.cp > 1 for r in fits), [(r.tp, r.cp) for r in fits]
+    ring, plain = by_layout[(4, 2, 1, 1, 0, "none")], by_layout[(4, 1, 1, 2, 0, "none")]
+    assert ring.collective_bytes["context"] > 0 == plain.collective_bytes["context"]
+    # ZeRO shards the optimizer over the d·c ranks of the data group: a cp 2 rank holds what a dp 2 rank holds
+    sharded = by_layout[(4, 2, 1, 1, 1, "none")]
+    assert sharded.bytes["optimizer"] == by_layout[(4, 1, 1, 2, 1, "none")].bytes["optimizer"]
+    assert sharded.bytes["optimizer"] < by_layout[(4, 2, 1, 1, 0, "none")].bytes["optimizer"]
+    # A cp 2 rank's activations are those of its s/2 tokens: less than tp 4's at the whole sequence, more than tp 8's
+    assert by_layout[(8, 1, 1, 1, 0, "full")].bytes["activations"] < ring.bytes["activations"] \
+        < by_layout[(4, 1, 1, 2, 0, "none")].bytes["activations"]
+
+
 def test_selective_recomputation_is_not_offered_with_fused_attention():
     fused = model_inventory(LLAMA3_8B, attention="sdpa")
     assert _rule(_record(tp=8), fused, 8192, 512, Hardware()) == (
@@ -110,7 +146,7 @@ def test_layouts_are_ranked_feasible_first_and_memory_rejections_name_the_bytes(
     assert any(r.tp == 1 and r.pp == 1 for r in too_big)  # 70B unsplit on 80 GB cannot fit
     best = feasible[0]
     assert best.bytes["total"] == sum(v for k, v in best.bytes.items() if k != "total")
-    assert set(best.step_time) == {"compute", "tensor", "data", "pipeline", "expert", "bubble", "total"}
+    assert set(best.step_time) == {"compute", "tensor", "data", "pipeline", "expert", "context", "bubble", "total"}
     assert best.step_time["expert"] == best.collective_bytes["expert"] == 0.0  # no experts
 
 
@@ -132,6 +168,12 @@ def test_the_command_line_prints_the_table_and_the_json_records(tmp_path, capsys
     assert all((r["reason"] is None) == r["feasible"] for r in records)
     parts = {"parameters", "gradients", "main_params", "optimizer", "activations", "other", "total"}
     assert all(set(r["bytes"]) == parts for r in records if r["feasible"])
+    assert {r["cp"] for r in records} == {1, 2, 4, 8} and {r["cp_comm"] for r in records} == {"ring"}
+    assert main([str(tmp_path), "--gpus", "8", "--seq-len", "4096", "--global-batch", "32", "--json", "--analytic",
+                 "--cp", "1", "2", "--cp-comm", "all_to_all"]) == 0
+    records = json.loads(capsys.readouterr().out)
+    assert {r["cp"] for r in records} == {1, 2}
+    assert {r["cp_comm"] for r in records if r["cp"] == 2} == {"all_to_all"}
     with pytest.raises(FileNotFoundError, match="neither a config.json"):
         main([str(tmp_path / "missing"), "--gpus", "8", "--seq-len", "4096", "--global-batch", "32"])
 

@@ -70,7 +70,7 @@ def test_a_full_size_rank_built_on_the_meta_device_holds_the_predicted_parameter
 @pytest.mark.parametrize("layout, reason", [
     (dict(tp=2, dp=4, ep=8), None),
     (dict(tp=1, dp=6, ep=3), "experts=128 not divisible by ep=3"),
-    (dict(tp=2, dp=4, ep=16), "ep=16 does not divide tp·dp=8"),
+    (dict(tp=2, dp=4, ep=16), "ep=16 does not divide tp·cp·dp=8"),
     (dict(tp=4, dp=2, pp=2, ep=8), None),
 ])
 def test_expert_parallel_rules_reject_with_their_reason(qwen3_moe, layout, reason):

@@ -99,7 +99,9 @@ def _measure(rank, world, layouts=LAYOUTS, moe=False, s=S):
     out = []
     for tp, pp, vpp, zero, mbs, recompute, precision, *schedule in layouts:
         ep = schedule[1] if len(schedule) > 1 else 1
-        dp = world // (tp * pp)
+        cp = schedule[2] if len(schedule) > 2 else 1
+        comm = schedule[3] if len(schedule) > 3 else "ring"
+        dp = world // (tp * cp * pp)
         m = GLOBAL_BATCH // (dp * mbs)
         name = schedule[0] if schedule else "interleaved_1F1B" if vpp > 1 else "1F1B"
         pipeline = dict(num_microbatches=m, virtual_stages=vpp, schedule=name) if pp > 1 else {}
@@ -109,7 +111,8 @@ def _measure(rank, world, layouts=LAYOUTS, moe=False, s=S):
         # Micro-batches: the pipeline schedule's under pp, gradient accumulation otherwise.
         batch, accumulate = (GLOBAL_BATCH // dp, 1) if pp > 1 else (mbs, m)
         trainer = pl.Trainer(accelerator="cpu", devices=world, precision=precision, max_steps=2,
-                             strategy=SeqParallelStrategy(tp=tp, pp=pp, ep=ep, data_parallel=parallel, **pipeline),
+                             strategy=SeqParallelStrategy(tp=tp, pp=pp, ep=ep, cp=cp, cp_comm=comm, data_parallel=parallel,
+                                                          **pipeline),
                              accumulate_grad_batches=accumulate, logger=False, enable_checkpointing=False,
                              enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                              num_sanity_val_steps=0, callbacks=callbacks, use_distributed_sampler=False)
@@ -130,9 +133,11 @@ def _errors(layouts, moe, s=S):
     fits: dict = {}
     rows = []
     for index, (tp, pp, vpp, zero, mbs, recompute, precision, *schedule) in enumerate(layouts):
-        record = LayoutRecord(tp, 1, pp, vpp, WORLD // (tp * pp), zero, mbs, 0, recompute,
+        cp = schedule[2] if len(schedule) > 2 else 1
+        record = LayoutRecord(tp, cp, pp, vpp, WORLD // (tp * cp * pp), zero, mbs, 0, recompute,
                               main_params=zero == 1 and precision == "bf16-true",
-                              ep=schedule[1] if len(schedule) > 1 else 1)
+                              ep=schedule[1] if len(schedule) > 1 else 1,
+                              cp_comm=schedule[3] if len(schedule) > 3 else "ring")
         predict(inventory, record, s, GLOBAL_BATCH, hardware=Hardware(memory=1e12), precision=precision, fits=fits,
                 schedule=(schedule or ["1F1B"])[0])
         assert record.feasible, record.reason
@@ -142,7 +147,8 @@ def _errors(layouts, moe, s=S):
           "measured peak (stage) | signed error |\n|---|---|---|---|---|---|---|---|---|---|---|")
     for layout, predicted_stage, predicted, stage, peak in rows:
         columns = (*layout[:7], (layout[7] if len(layout) > 7 else "" if layout[1] == 1 else
-                   "interleaved 1F1B" if layout[2] > 1 else "1F1B") + (f", ep {layout[8]}" if len(layout) > 8 else ""))
+                   "interleaved 1F1B" if layout[2] > 1 else "1F1B") + (f", ep {layout[8]}" if len(layout) > 8 else "")
+                   + (f", cp {layout[9]}" if len(layout) > 9 else "") + (f" {layout[10]}" if len(layout) > 10 else ""))
         print("| " + " | ".join(map(str, columns)) + f" | {predicted} ({predicted_stage}) | {peak} ({stage}) | "
               f"{(predicted - peak) / peak:+.2%} |")
     return rows
@@ -161,6 +167,20 @@ def moe_errors():
 # s 1024: the scores of a layer's core attention (b·(a/t)·s² elements) outweigh everything else a rank holds
 LONG, LONG_LAYOUTS = 1024, [(2, 1, 1, 0, 1, "selective", "bf16-mixed"), (4, 1, 1, 0, 2, "none", "32-true"),
                             (2, 1, 1, 0, 1, "full", "bf16-true"), (2, 2, 1, 0, 1, "selective", "32-true")]
+
+
+# Context parallelism: (…, schedule, ep, cp[, cp_comm]); a rank holds s/c tokens and attends block by block
+CP_LAYOUTS = [(2, 1, 1, 0, 1, "none", "bf16-mixed", "1F1B", 1, 2), (1, 1, 1, 1, 2, "none", "32-true", "1F1B", 1, 2),
+              (1, 1, 1, 0, 1, "full", "bf16-mixed", "1F1B", 1, 4), (1, 2, 1, 0, 1, "none", "32-true", "1F1B", 1, 2),
+              (1, 1, 1, 0, 2, "none", "bf16-mixed", "1F1B", 1, 2, "all_to_all")]
+CP_LONG = [(2, 1, 1, 0, 1, "none", "bf16-mixed", "1F1B", 1, 2), (1, 1, 1, 0, 1, "none", "32-true", "1F1B", 1, 4),
+           (1, 1, 1, 0, 1, "none", "bf16-mixed", "1F1B", 1, 2, "all_to_all")]
+
+
+def test_context_parallel_step_peaks_are_predicted_within_the_bound():
+    rows = _errors(CP_LAYOUTS, False) + _errors(CP_LONG, False, LONG)
+    worst = max(abs(predicted - peak) / peak for *_, predicted, _, peak in rows)
+    assert worst <= BOUND, rows
 
 
 def test_long_sequences_where_the_core_attention_s_temporaries_make_the_peak():

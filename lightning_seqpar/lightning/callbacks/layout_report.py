@@ -9,7 +9,7 @@ what an implementation keeps beyond it, such as autocast's 16-bit weight copies;
 where Llama-3-8B at tp 8, s 8192 peaked at 27.73 GB). The measured peak is
 the device's (``torch.cuda.max_memory_allocated``: bytes of tensors, comparable with the prediction) on CUDA, and the
 process's resident peak (``ru_maxrss``: the interpreter, libraries and data included, an upper bound) on CPU.
-Context parallelism is not priced by the planner yet: the line says so instead of a figure.
+Under context parallelism the layout is priced as the planner prices it (a rank's s/c tokens, blockwise attention).
 """
 
 from __future__ import annotations
@@ -61,18 +61,19 @@ def predicted_peak(trainer: pl.Trainer, module: pl.LightningModule, seq_len: int
     mesh = getattr(strategy, "mesh", None)
     if mesh is None:
         return None, "not under SeqParallelStrategy"
-    if mesh.cp > 1:
-        return None, "the planner does not price context parallelism yet"
     model = _planned_model(module)
     if model is None:
         return None, f"the planner does not know {type(module).__name__}'s model"
     config = strategy.parallel.pipeline
     dp = mesh.dp
     m = config.num_microbatches if mesh.pp > 1 else 1
-    record = LayoutRecord(mesh.tp, 1, mesh.pp, config.virtual_stages, dp, strategy.data_parallel.zero,
-                          max(1, batch_size // m), m, _recompute(trainer),
+    recompute = _recompute(trainer)
+    if mesh.cp > 1 and recompute == "selective":  # blockwise attention under cp: the callback leaves it as it is
+        recompute = "none"
+    record = LayoutRecord(mesh.tp, mesh.cp, mesh.pp, config.virtual_stages, dp, strategy.data_parallel.zero,
+                          max(1, batch_size // m), m, recompute,
                           main_params=bool(getattr(strategy.data_parallel, "fp32_main_params", False)),
-                          ep=mesh.dims.ep if mesh.dims is not None else 1)
+                          ep=mesh.dims.ep if mesh.dims is not None else 1, cp_comm=strategy.parallel.cp_comm)
     precision = str(trainer.precision)
     inventory, batch = inventory_of_hf_model(model), batch_size * dp * trainer.accumulate_grad_batches
     options = dict(hardware=Hardware(memory=1e15), precision=precision if precision != "64-true" else "32-true")
@@ -127,6 +128,7 @@ class LayoutReport(pl.Callback):
                        f"b={self.batch_size} per data-parallel rank); {said}")
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.measured, what = measured_peak(pl_module.device)
+        # the strategy's device: by fit's end the teardown has moved the module back to the CPU
+        self.measured, what = measured_peak(trainer.strategy.root_device)
         versus = f" vs predicted {self.predicted / GB:.3f} GB" if self.predicted is not None else ""
         rank_zero_info(f"peak memory of rank 0: measured {self.measured / GB:.3f} GB ({what}){versus}")
