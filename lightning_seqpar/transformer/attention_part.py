@@ -210,16 +210,32 @@ class AttentionPart:
         the MLP's), through the output projection (``[s/t, b, h]`` under SP; the post-norm, if any, applied).
         ``layout``: the forward's context-parallel layout (or packed documents), which then masks instead of
         ``mask``/``causal``."""
+        q, k, v = self.qkv(x, position_embeddings, outputs)
+        return self.output(self.attend(q, k, v, mask, causal, training, layout))
+
+    def qkv(self, x: Tensor, position_embeddings: Optional[tuple[Tensor, Tensor]],
+            outputs: Optional[Sequence[Tensor]] = None) -> tuple[Tensor, Tensor, Tensor]:
+        """q ``[b, a/t, s, d]``, k and v ``[b, a_kv/t, s, d]`` of the normed ``x`` (``[s/t, b, h]`` under SP; or its
+        projections ``outputs``), normed per head and rotated."""
         if outputs is None:
             outputs = column_parallel_linears(x, list(self.inputs), self.group, self.sp)  # each [s, b, ·/t]
         q, k, v = self._heads(outputs)
         q, k = self.rotate(q, k, position_embeddings)
-        if layout is not None:  # the sequence split over cp ranks (ring or all-to-all attention), or documents
-            context = context_parallel_attention(q, k, v, layout, self.score_factor * self.head_dim**-0.5, self.softcap,
-                                                 fused=self.fused, sinks=self._local_sinks())
-        else:
-            context = self._attend(q, k, v, mask, causal, training)
-        out = self.out(merge_heads(context))  # [s/t, b, h] under SP
+        return q, k, v
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], causal: Optional[bool],
+               training: bool, layout: Optional[ContextParallelBatch]) -> Tensor:
+        """The core attention ``[b, a/t, s, d]``: across the cp ranks (ring or all-to-all) or within packed documents
+        when ``layout`` is given, else masked by ``mask``/``causal``."""
+        if layout is not None:
+            return context_parallel_attention(q, k, v, layout, self.score_factor * self.head_dim**-0.5, self.softcap,
+                                              fused=self.fused, sinks=self._local_sinks())
+        return self._attend(q, k, v, mask, causal, training)
+
+    def output(self, context: Tensor) -> Tensor:
+        """The output projection of the core attention's ``context`` (``[s/t, b, h]`` under SP; the post-norm, if
+        any, applied)."""
+        out = self.out(merge_heads(context))
         return out if self.post_norm is None else self.post_norm(out)
 
     def _heads(self, outputs: Sequence[Tensor]) -> tuple[Tensor, Tensor, Tensor]:

@@ -13,11 +13,18 @@ left to the compiler (:meth:`ParallelGroup._eager <lightning_seqpar.parallel.col
 
 A mixture of experts with a capacity (``moe=DispatchConfig(capacity_factor=...)``) compiles: its all-to-all sizes are
 host integers fixed by the shapes, and its routing (sorts, cumulative sums, scatters into capacity slots) has static
-shapes. Not compiled yet, refused before training (:func:`compile_blocks`): context-parallel attention (the ring's
-point-to-point transfers have no traceable form), dropless mixtures of experts (the dispatch reads its split sizes on
-the host), a Hugging Face mixture recording its router logits (transformers' hooks on the router) and dropout drawn
-from the tensor-parallel random stream (attention dropout; residual dropout under sequence parallelism): swapping the
-generator's state in and out is not traceable.
+shapes.
+
+Under context parallelism (and packed documents) a pre-norm block compiles in two halves, each one graph, around its
+attention across the cp ranks, which runs eagerly: the ring's point-to-point transfers and the per-forward layout
+have no traceable form (:meth:`ParallelBlock._around_context_attention
+<lightning_seqpar.transformer.declared_block.ParallelBlock>`). The halves pass on only what the other half reads, so
+the gradients' sums are eager's, bit for bit under ``aot_eager``.
+
+Not compiled, refused before training (:func:`compile_blocks`): a post-norm block under context parallelism,
+dropless mixtures of experts (the dispatch reads its split sizes on the host), a Hugging Face mixture recording its
+router logits (transformers' hooks on the router) and dropout drawn from the tensor-parallel random stream (attention
+dropout; residual dropout under sequence parallelism): swapping the generator's state in and out is not traceable.
 """
 
 from __future__ import annotations
@@ -107,7 +114,7 @@ def compile_blocks(model: nn.Module, config: CompileConfig) -> int:
     recomputation a callback applies; a later change of recomputation recompiles). Returns the number of blocks.
 
     Raises:
-        ValueError: a block under context parallelism, with a dropless mixture of experts or with
+        ValueError: a post-norm block under context parallelism, with a dropless mixture of experts or with
             tensor-parallel-stream dropout (not compiled yet); a Hugging Face mixture of experts whose config records
             its router logits (``output_router_logits=True``: transformers' recording hooks on the router break the
             graph); naming the block and the fix, before any block is changed.

@@ -111,7 +111,7 @@ class ParallelBlock(ParallelLayer):
         attention = self._attention
         self._dims = LayerDims(attention.hidden, attention.num_heads, self._mlp.ffn_hidden_size, ctx.tp, ctx.sp,
                                attention.num_kv_heads, spec.mlp.gated)
-        self._compiled_body: Optional[Callable] = None  # built at the first call; not copied or pickled
+        self._compiled_body: dict[str, Callable] = {}  # built at the first call; not copied or pickled
 
     def layer_dims(self) -> LayerDims:
         return self._dims
@@ -130,7 +130,13 @@ class ParallelBlock(ParallelLayer):
             layout, mask, causal = layout.with_window(self._attention.window), None, None
         else:
             mask, causal = self._mask(call, x)
-        body = self._body if self.compile_config is None else partial(self._compiled(), self)
+        if self.compile_config is None:
+            body = self._body
+        elif layout is not None and self.norm_first:  # the attention across ranks between two compiled halves
+            body = partial(self._around_context_attention, self._compiled("_before_attention"),
+                           self._compiled("_after_attention"))
+        else:
+            body = partial(self._compiled("_body"), self)
         if self.recompute_layer and torch.is_grad_enabled():
             x = recomputed(body, x, call.position_embeddings, mask, causal, layout, rng_tracker=self.rng_tracker)
         else:
@@ -140,10 +146,10 @@ class ParallelBlock(ParallelLayer):
     def not_compilable(self) -> str:
         """Why this block's body cannot be compiled whole, and the fix (``""``: it can; :mod:`~.compiling`). A mixture
         of experts with a capacity compiles: its all-to-all sizes are host integers fixed by the shapes."""
-        if self.context is not None and self.context.group.size > 1:
-            return (f"attends across {self.context.group.size} context-parallel ranks, which is not compiled yet (the "
-                    f"ring's point-to-point transfers and the per-forward layout are not traceable): train with "
-                    f"compile=False, or cp=1")
+        if self.context is not None and self.context.group.size > 1 and not self.norm_first:
+            return (f"is a post-norm block attending across {self.context.group.size} context-parallel ranks, which is "
+                    f"not compiled (its halves around the ring's attention are compiled for pre-norm blocks only): "
+                    f"train with compile=False, or cp=1")
         if isinstance(self._mlp, MoEPart) and self._mlp.dispatcher.reads_sizes_on_host:
             return ("holds a dropless mixture of experts, which is not compiled (its dispatch reads the split sizes on "
                     "the host: a graph break): give the experts a capacity (moe=DispatchConfig(capacity_factor=...): "
@@ -155,27 +161,28 @@ class ParallelBlock(ParallelLayer):
                     f"model's dropout to 0 (as fine-tuning usually does), or train with compile=False")
         return ""
 
-    def _compiled(self) -> Callable:
-        """The body compiled as :attr:`compile_config` says, built once. The unbound function is compiled (called with
-        the block as its first argument), so a copy of the block never runs the original's body."""
-        if self._compiled_body is None:
+    def _compiled(self, method: str) -> Callable:
+        """The method ``method`` (``_body``, or a half around the context-parallel attention) compiled as
+        :attr:`compile_config` says, built once. The unbound function is compiled (called with the block as its
+        first argument), so a copy of the block never runs the original's body."""
+        if method not in self._compiled_body:
             assert self.compile_config is not None
-            compiled = self.compile_config.compile(type(self)._body)
+            compiled = self.compile_config.compile(getattr(type(self), method))
             name = self._name
 
-            def run(block: "ParallelBlock", *args: Any) -> Tensor:
+            def run(block: "ParallelBlock", *args: Any) -> Any:
                 try:
                     return compiled(block, *args)
                 except compile_errors() as error:  # a graph break under fullgraph=True: name the block and the fix
                     raise RuntimeError(f"{name} could not be compiled as one graph (compile=True, fullgraph): "
                                        f"{str(error).splitlines()[0]}. Train with compile=False, or report the "
                                        f"block's family.") from error
-            self._compiled_body = run
-        return self._compiled_body
+            self._compiled_body[method] = run
+        return self._compiled_body[method]
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        state["_compiled_body"] = None  # a compiled function is rebuilt at the next call, never shared by a copy
+        state["_compiled_body"] = {}  # a compiled function is rebuilt at the next call, never shared by a copy
         return state
 
     def _mask(self, call: Any, x: Tensor) -> tuple[Optional[Tensor], Optional[bool]]:
@@ -202,17 +209,46 @@ class ParallelBlock(ParallelLayer):
             attended = attention.forward(x, position_embeddings, mask, causal, training=self.training, layout=layout)
             x = attention.norm(x + self.attention_residual_dropout(attended))
             return mlp.norm(x + self.mlp_residual_dropout(mlp.forward(x)))
+        q, k, v, parallel = self._before_attention(x, position_embeddings)
+        return self._after_attention(x, attention.attend(q, k, v, mask, causal, self.training, layout), parallel)
+
+    def _around_context_attention(self, before: Callable, after: Callable, x: Tensor,
+                                  position_embeddings: Optional[tuple[Tensor, Tensor]], mask: Optional[Tensor],
+                                  causal: Optional[bool], layout: ContextParallelBatch) -> Tensor:
+        """A pre-norm body under ``compile=True`` with a context-parallel layout: ``before`` and ``after``
+        (:meth:`_before_attention`, :meth:`_after_attention` compiled, each one graph) around the attention across
+        the cp ranks, which runs eagerly: its point-to-point ring and per-forward layout have no traceable form. The
+        same operations as :meth:`_body`, in its order."""
+        q, k, v, parallel = before(self, x, position_embeddings)
+        context = self._attention.attend(q, k, v, None, None, self.training, layout)
+        return after(self, x, context, parallel)
+
+    def _before_attention(self, x: Tensor, position_embeddings: Optional[tuple[Tensor, Tensor]]
+                          ) -> tuple[Tensor, Tensor, Tensor, Optional[tuple[Tensor, Optional[list[Tensor]]]]]:
+        """A pre-norm body up to its core attention: q, k, v (:meth:`AttentionPart.qkv`) and, for a parallel residual,
+        what its MLP reads: the normed ``x`` and, when one norm feeds both parts, the MLP's input projections (made
+        under the same all-gather). (Nothing else leaves: an unused output would change the sums of gradients a
+        compiled half makes.)"""
+        attention, mlp = self._attention, self._mlp
         normed = x if attention.norm is None else attention.norm(x)
         # One norm feeding both parts (Cohere, Phi): every input projection under one all-gather of it.
         shared = self.spec.parallel_residual and mlp.norm is attention.norm
         projected = column_parallel_linears(normed, [*attention.inputs, *mlp.inputs], self.group, self.sp) \
             if shared else None
         split = len(attention.inputs)
-        attended = self._scaled(attention.forward(normed, position_embeddings, mask, causal,
-                                                  projected and projected[:split], training=self.training,
-                                                  layout=layout))
-        if self.spec.parallel_residual:  # both parts read the block's input
-            out = mlp.forward(normed, projected[split:]) if shared else mlp.forward(
+        q, k, v = attention.qkv(normed, position_embeddings, projected and projected[:split])
+        parallel = (normed, projected[split:] if shared else None) if self.spec.parallel_residual else None
+        return q, k, v, parallel
+
+    def _after_attention(self, x: Tensor, context: Tensor,
+                         parallel: Optional[tuple[Tensor, Optional[list[Tensor]]]]) -> Tensor:
+        """A pre-norm body from its core attention's ``context`` on: the output projection, residuals and MLP
+        (``parallel``: what :meth:`_before_attention` made for a parallel residual's MLP)."""
+        attention, mlp = self._attention, self._mlp
+        attended = self._scaled(attention.output(context))
+        if parallel is not None:  # both parts read the block's input
+            normed, mlp_inputs = parallel
+            out = mlp.forward(normed, mlp_inputs) if mlp_inputs is not None else mlp.forward(
                 x if mlp.norm is None else mlp.norm(x))
             return x + self.attention_residual_dropout(attended) + self.mlp_residual_dropout(self._scaled(out))
         x = x + self.attention_residual_dropout(attended)

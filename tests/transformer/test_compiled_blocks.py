@@ -9,8 +9,10 @@
 - inductor on CPU: within 1e-6 of eager.
 - A mixture of experts with a capacity (Qwen3-MoE at tp 2 x ep 2; the reference GPT's with its load-balancing and
   z-losses under full recomputation) trains bit-equal to eager too.
-- Context parallelism, dropless mixtures of experts, a Hugging Face mixture recording its router logits and dropout
-  from the tensor-parallel stream are refused by name before training.
+- Under context parallelism (ring and all-to-all; a Llama and the reference GPT) the halves of each pre-norm block
+  around the attention across ranks are compiled, each one graph, bit-equal to eager too.
+- A post-norm block under context parallelism, dropless mixtures of experts, a Hugging Face mixture recording its
+  router logits and dropout from the tensor-parallel stream are refused by name before training.
 """
 
 from __future__ import annotations
@@ -46,6 +48,10 @@ PARITY = [  # each trained eager and compiled, compared bit for bit
          strategy=(("ep", 2), ("moe", DispatchConfig(1.0)))),           # Qwen3-MoE, tp 2 x ep 2, expert capacity
     Case("gpt", 1, recompute="full", model=(("n_experts", 8), ("aux_loss_coef", 0.5), ("z_loss_coef", 0.01)),
          strategy=(("ep", 2), ("moe", DispatchConfig(1.0, drop_policy="probs")))),  # + load-balancing and z-losses
+    Case("hf", 1, cp=2, model=(("labels", True),)),                     # Llama, cp 2 ring: halves around the ring
+    Case("hf", 1, cp=2, recompute="full", model=(("labels", True),),
+         strategy=(("cp_comm", "all_to_all"),)),                        # all-to-all, inside full recomputation
+    Case("gpt", 1, cp=2),                                               # the reference GPT under cp 2
 ]
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "mistral_window", "qwen2_window", "gemma", "gemma2", "gemma3",
             "cohere", "cohere2", "stablelm", "phi", "phi3", "starcoder2", "glm", "gpt_neox", "olmo2", "smollm3",
@@ -108,7 +114,7 @@ def _world(rank: int, world: int) -> dict:
         results["families"][family] = (breaks, graphs, record.losses)
     results["saved"] = {compiled: _saved_bytes(rank, world, compiled) for compiled in (False, True)}
     refused = {}
-    for name, case in {"cp": Case("hf", 1, cp=2, model=(("labels", True),), strategy=AOT),
+    for name, case in {"cp": Case("encoder", 1, cp=2, model=(("norm_first", False),), strategy=AOT),
                        "moe": Case("hf", 2, model=(("family", "qwen3_moe"), ("labels", True)), strategy=AOT),
                        "router logits": Case("hf", 2, model=(("family", "qwen3_moe"), ("labels", True), ("aux", 0.5)),
                                              strategy=(("moe", DispatchConfig(1.0)), *AOT)),
@@ -159,9 +165,10 @@ def test_compiled_blocks_save_no_more_for_backward_than_eager_under_sequence_par
         assert compiled_shapes.count(gathered) <= eager_shapes.count(gathered), (compiled_shapes, eager_shapes)
 
 
-def test_context_parallel_experts_and_stream_dropout_are_refused_by_name_before_training(world):
+def test_post_norm_context_parallel_experts_and_stream_dropout_are_refused_by_name_before_training(world):
     refused = world[0]["refused"]
-    assert "context-parallel ranks" in refused["cp"] and "compile=False, or cp=1" in refused["cp"]
+    assert "post-norm block attending across 2 context-parallel ranks" in refused["cp"], refused["cp"]
+    assert "compile=False, or cp=1" in refused["cp"]
     assert "dropless mixture of experts" in refused["moe"] and "moe=DispatchConfig(capacity_factor=...)" in refused["moe"]
     assert "output_router_logits=True" in refused["router logits"] and "Qwen3MoeConfig" in refused["router logits"]
     assert "dropout (attention p=0.1" in refused["dropout"] and "set the model's dropout to 0" in refused["dropout"]
