@@ -142,8 +142,10 @@ def plan(inventory: ModelInventory, gpus: int, seq_len: int, global_batch: int, 
             continue
         for pp in _divisors(gpus // (tp * cp)):
             dp = gpus // (tp * cp * pp)
+            # (under cp, selective is none: blockwise attention keeps no s² tensor; its rule says so to predict())
+            kinds = RECOMPUTE if cp == 1 else tuple(k for k in RECOMPUTE if k != "selective")
             for vpp, zero, mbs, recompute, ep in itertools.product(
-                    VIRTUAL_STAGES if pp > 1 else (1,), [0, 1] if dp * cp > 1 else [0], micro_batches, RECOMPUTE,
+                    VIRTUAL_STAGES if pp > 1 else (1,), [0, 1] if dp * cp > 1 else [0], micro_batches, kinds,
                     expert_parallel_sizes(inventory, tp * cp * dp)):
                 record = LayoutRecord(tp, cp, pp, vpp, dp, zero, mbs, 0, recompute,
                                       main_params=zero == 1 and precision == "bf16-true", ep=ep,
