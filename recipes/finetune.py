@@ -98,8 +98,10 @@ def build(cfg: DictConfig, output_dir: Path) -> tuple[FineTuneModule, Any, pl.Tr
     ]
     if cfg.trainer.get("enable_progress_bar", True):
         callbacks.append(TQDMProgressBar())  # Lightning's rich bar prints "Epoch 4/-2" for step-based runs
-    if cfg.recompute.granularity != "none":
-        callbacks.append(SelectiveRecompute(cfg.recompute.granularity))
+    modules = cfg.recompute.get("modules")
+    if cfg.recompute.granularity != "none" or modules:
+        callbacks.append(SelectiveRecompute("selective" if cfg.recompute.granularity == "none" else
+                                            cfg.recompute.granularity, modules=modules))
     trainer = pl.Trainer(strategy=SeqParallelStrategy(**OmegaConf.to_container(cfg.strategy, resolve=True)),
                          callbacks=callbacks, logger=CSVLogger(output_dir, name="logs"),
                          **OmegaConf.to_container(cfg.trainer, resolve=True))

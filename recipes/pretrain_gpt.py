@@ -115,9 +115,11 @@ def build_trainer(cfg: DictConfig, output_dir: Path) -> pl.Trainer:
     ]
     if cfg.trainer.enable_progress_bar:
         callbacks.append(TQDMProgressBar())  # Lightning's rich bar prints "Epoch 0/-2" for step-based runs
-    if cfg.recompute.granularity != "none":
-        callbacks.append(SelectiveRecompute(cfg.recompute.granularity, cfg.recompute.method, cfg.recompute.num_layers,
-                                            memory_budget=cfg.recompute.memory_budget))
+    modules = cfg.recompute.get("modules")
+    if cfg.recompute.granularity != "none" or modules:
+        granularity = "selective" if modules and cfg.recompute.granularity == "none" else cfg.recompute.granularity
+        callbacks.append(SelectiveRecompute(granularity, cfg.recompute.method, cfg.recompute.num_layers,
+                                            memory_budget=cfg.recompute.memory_budget, modules=modules))
     strategy = SeqParallelStrategy(**OmegaConf.to_container(cfg.strategy, resolve=True))
     return pl.Trainer(strategy=strategy, callbacks=callbacks, logger=CSVLogger(output_dir, name="logs"),
                       **OmegaConf.to_container(cfg.trainer, resolve=True))

@@ -68,6 +68,8 @@ def apply_recompute(
         stack.recompute_chunks = []
     for layer in layers:
         layer.recompute_layer = False
+    for layer in rewritten_layers(model):
+        layer.recompute_mlp = False  # module recomputation (apply_recompute_modules) undone too
     if granularity == "none":
         return 0
     if granularity == "selective":
@@ -154,3 +156,70 @@ def apply_recompute_plan(model: nn.Module, plan: RecomputePlan) -> None:
             _selective_outside_full(model)
     else:
         apply_recompute(model, plan.granularity)
+
+
+RECOMPUTE_MODULES = ("core_attn", "mlp", "full")
+"""The modules :func:`apply_recompute_modules` recomputes (Megatron-Core's ``recompute_modules`` names): the core
+attention (QKᵀ, softmax, dropout, ·V: the paper's selective recomputation), a dense MLP (its inner ``[s, b, f/t]``
+activations: the all-gathered input, the fc1 outputs, the activation), whole layers."""
+
+NOT_YET = ("layernorm", "moe_act", "moe", "shared_experts")
+
+
+def check_recompute_modules(modules: Any) -> list[str]:
+    """``modules`` (a name or names) as a list, checked: names of :data:`RECOMPUTE_MODULES`.
+
+    Raises:
+        ValueError: no module named, or a name not in :data:`RECOMPUTE_MODULES` (those Megatron-Core has that this
+            does not yet, named as such).
+    """
+    names = [modules] if isinstance(modules, str) else list(modules or [])
+    if not names:
+        raise ValueError(f"modules={modules!r}: name at least one of {list(RECOMPUTE_MODULES)}.")
+    later = [n for n in names if n in NOT_YET]
+    unknown = [n for n in names if n not in RECOMPUTE_MODULES and n not in NOT_YET]
+    if later or unknown:
+        raise ValueError(f"modules={names!r}: " + (f"{later} are not recomputed by module yet; " if later else "")
+                         + (f"{unknown} are not modules; " if unknown else "")
+                         + f"the modules are {list(RECOMPUTE_MODULES)}.")
+    return names
+
+
+def apply_recompute_modules(model: nn.Module, modules: Any, method: Literal["uniform", "block"] = "uniform",
+                            num_layers: Optional[int] = None) -> int:
+    """Recompute the named modules of every rewritten layer of ``model`` (any combination of
+    :data:`RECOMPUTE_MODULES`); with ``"full"``, the layers :func:`apply_recompute` checkpoints whole (``method``,
+    ``num_layers``) and the named modules in the others. Returns how many places it set. Exact: the dropout masks are
+    drawn again from the streams they were drawn from.
+
+    Raises:
+        ValueError: no module named, a name not in :data:`RECOMPUTE_MODULES` (those Megatron-Core has that this does
+            not yet, named as such), ``"mlp"`` on a layer whose MLP is a mixture of experts, or a model with nothing
+            to recompute (see :func:`apply_recompute`).
+    """
+    names = check_recompute_modules(modules)
+    from lightning_seqpar.transformer.mlp_part import DenseMLPPart
+
+    layers = rewritten_layers(model)
+    if "mlp" in names:
+        other = [layer for layer in layers if not isinstance(getattr(layer, "_mlp", None), DenseMLPPart)]
+        if other:
+            raise ValueError(f"modules=['mlp'] recomputes a dense MLP; {getattr(other[0], '_name', type(other[0]))} "
+                             f"has {type(getattr(other[0], '_mlp', None)).__name__}: recompute it whole "
+                             f"(modules=['full']) or leave 'mlp' out.")
+    count = apply_recompute(model, "full" if "full" in names else "none", method, num_layers)
+    stacks, bare = _layer_stacks(model)
+    whole = {id(layer) for stack in stacks for lo, hi in stack.recompute_chunks
+             for layer in stack.stack_layers()[lo:hi]} | {id(layer) for layer in bare if layer.recompute_layer}
+    for layer in layers:
+        inside = id(layer) in whole  # its modules are recomputed with it already
+        layer.recompute_mlp = "mlp" in names and not inside
+        count += layer.recompute_mlp
+        for m in layer.modules():
+            if isinstance(m, CoreAttention):
+                m.recompute = "core_attn" in names and not inside
+                count += m.recompute
+    if count == 0:
+        raise ValueError(f"modules={names!r} found nothing to recompute: is the model rewritten? (Layers with a fused "
+                         f"attention kernel keep no s² tensor for core_attn to drop.)")
+    return count

@@ -208,7 +208,7 @@ class ParallelBlock(ParallelLayer):
         if not self.norm_first:  # post-norm: norm(x + f(x))
             attended = attention.forward(x, position_embeddings, mask, causal, training=self.training, layout=layout)
             x = attention.norm(x + self.attention_residual_dropout(attended))
-            return mlp.norm(x + self.mlp_residual_dropout(mlp.forward(x)))
+            return mlp.norm(x + self.mlp_residual_dropout(self._mlp_forward(x)))
         q, k, v, parallel = self._before_attention(x, position_embeddings)
         return self._after_attention(x, attention.attend(q, k, v, mask, causal, self.training, layout), parallel)
 
@@ -248,12 +248,20 @@ class ParallelBlock(ParallelLayer):
         attended = self._scaled(attention.output(context))
         if parallel is not None:  # both parts read the block's input
             normed, mlp_inputs = parallel
-            out = mlp.forward(normed, mlp_inputs) if mlp_inputs is not None else mlp.forward(
+            out = self._mlp_forward(normed, mlp_inputs) if mlp_inputs is not None else self._mlp_forward(
                 x if mlp.norm is None else mlp.norm(x))
             return x + self.attention_residual_dropout(attended) + self.mlp_residual_dropout(self._scaled(out))
         x = x + self.attention_residual_dropout(attended)
-        out = mlp.forward(x if mlp.norm is None else mlp.norm(x))
+        out = self._mlp_forward(x if mlp.norm is None else mlp.norm(x))
         return x + self.mlp_residual_dropout(self._scaled(out))  # [s/t, b, h]
+
+    def _mlp_forward(self, x: Tensor, outputs: Optional[list[Tensor]] = None) -> Tensor:
+        """The MLP part's forward; under module recomputation (:attr:`recompute_mlp`) keeping only its input (and
+        the input projections made with the attention's), its inner activations made again in backward with the
+        dropout masks they drew."""
+        if self.recompute_mlp and torch.is_grad_enabled():
+            return recomputed(self._mlp.forward, x, outputs, rng_tracker=self.rng_tracker)
+        return self._mlp.forward(x, outputs)
 
     def _scaled(self, branch: Tensor) -> Tensor:
         """A part's output as it joins the residual: times the residual multiplier, if any."""

@@ -82,6 +82,7 @@ class ParallelLayer(nn.Module):
     """
 
     recompute_layer: bool = False
+    recompute_mlp: bool = False  # module recomputation of a dense MLP (SelectiveRecompute(modules=["mlp"]))
     compile_config: Any = None  # a CompileConfig: the body runs through torch.compile (set by compile_blocks)
     returns_tuple: bool = False
     fused_attention: bool = False

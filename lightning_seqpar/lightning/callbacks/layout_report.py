@@ -28,7 +28,7 @@ def _recompute(trainer: pl.Trainer) -> str:
     from lightning_seqpar.lightning.callbacks.selective_recompute import SelectiveRecompute
 
     kinds = [c.granularity for c in trainer.callbacks if isinstance(c, SelectiveRecompute)]
-    return kinds[0] if kinds and kinds[0] in ("selective", "full") else "none"
+    return kinds[0] if kinds and kinds[0] in ("selective", "full", "modules") else "none"
 
 
 def _planned_model(module: pl.LightningModule) -> Optional[torch.nn.Module]:
@@ -68,6 +68,8 @@ def predicted_peak(trainer: pl.Trainer, module: pl.LightningModule, seq_len: int
     dp = mesh.dp
     m = config.num_microbatches if mesh.pp > 1 else 1
     recompute = _recompute(trainer)
+    if recompute == "modules":
+        return None, "the planner does not price recomputation by module (mlp) yet"
     if mesh.cp > 1 and recompute == "selective":  # blockwise attention under cp: the callback leaves it as it is
         recompute = "none"
     record = LayoutRecord(mesh.tp, mesh.cp, mesh.pp, config.virtual_stages, dp, strategy.data_parallel.zero,

@@ -10,6 +10,8 @@ import torch.nn as nn
 
 from lightning_seqpar.recompute import (
     apply_recompute,
+    apply_recompute_modules,
+    check_recompute_modules,
     apply_recompute_plan,
     fused_attention_layers,
     micro_batch_shape,
@@ -30,14 +32,18 @@ class SelectiveRecompute(pl.Callback):
         num_layers: for ``"full"``, layers per uniform chunk or layers checkpointed by ``"block"``.
         memory_budget: for ``"auto"``: bytes of layer activations allowed per rank and micro-batch.
         bytes_per_element: for ``"auto"``: activation bytes (default: the parameters' element size).
+        modules: recompute by module instead (Megatron-Core's ``recompute_modules``): any combination of
+            ``"core_attn"`` (the same as ``"selective"``), ``"mlp"`` (a dense MLP's inner activations: its input is
+            kept, its all-gather, fc1 and activation run again in backward) and ``"full"`` (with ``method`` and
+            ``num_layers``; the other modules recomputed in the layers it leaves); :func:`apply_recompute_modules`.
 
     Applied when fitting starts, after the strategy has rewritten the model (``"auto"``: at the first
     training batch, whose first tensor, token ids ``[b, s]``, gives s and b). Training is numerically identical to no recomputation
     (dropout masks are replayed). ``plan`` holds the ``"auto"`` choice.
 
     Raises:
-        ValueError: see :func:`apply_recompute`; ``"auto"`` without a positive ``memory_budget``, or a
-            budget that nothing fits.
+        ValueError: see :func:`apply_recompute` and :func:`apply_recompute_modules`; ``"auto"`` without a positive
+            ``memory_budget``, or with ``modules``; a budget that nothing fits.
     """
 
     def __init__(
@@ -47,18 +53,30 @@ class SelectiveRecompute(pl.Callback):
         num_layers: Optional[int] = None,
         memory_budget: Optional[float] = None,
         bytes_per_element: Optional[int] = None,
+        modules: Optional[list[str]] = None,
     ) -> None:
-        if granularity not in ("selective", "full", "auto"):
+        if granularity not in ("selective", "full", "auto") and modules is None:
             raise ValueError(f"granularity must be 'selective', 'full' or 'auto', got {granularity!r}.")
+        if modules is not None and granularity == "auto":
+            raise ValueError(f"granularity='auto' plans the recomputation itself; modules={modules!r} names it. Give "
+                             f"one of them.")
         if granularity == "auto" and (memory_budget is None or memory_budget <= 0):
             raise ValueError(f"granularity='auto' needs memory_budget > 0 (bytes), got {memory_budget!r}.")
         apply_recompute(nn.Module(), "none", method, num_layers)  # validates method and num_layers
+        self.modules = None if modules is None else ([modules] if isinstance(modules, str) else list(modules))
+        if self.modules is not None:
+            check_recompute_modules(self.modules)
+            # what the memory report and the planner read: the paper's granularity these modules amount to
+            granularity = "full" if "full" in self.modules else "selective" if self.modules == ["core_attn"] else (
+                "modules")
         self.granularity, self.method, self.num_layers = granularity, method, num_layers
         self.memory_budget, self.bytes_per_element = memory_budget, bytes_per_element
         self.plan: Optional[RecomputePlan] = None
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.granularity != "auto":
+        if self.modules is not None:
+            apply_recompute_modules(pl_module, self.modules, self.method, self.num_layers)
+        elif self.granularity != "auto":
             apply_recompute(pl_module, self.granularity, self.method, self.num_layers)
         fused = fused_attention_layers(pl_module)
         if fused and self.granularity in ("selective", "auto"):
