@@ -47,9 +47,17 @@ def hardware_flops_per_iteration(shape: TransformerShape, batch: int, recompute:
     return model_flops_per_iteration(shape, batch) + recompute_flops(shape, batch, selective, full)
 
 
-def recompute_flops(shape: TransformerShape, batch: int, selective_layers: int = 0, full_layers: int = 0) -> float:
-    """FLOPs recomputation adds: ``12Bs²h`` per selective layer (Eq. 8 as printed), one forward per full layer."""
-    return selective_layers * 12 * batch * shape.s ** 2 * shape.h + full_layers * layer_forward_flops(shape, batch)
+def mlp_forward_flops(shape: TransformerShape, batch: int) -> float:
+    """Forward FLOPs of one layer's MLP for ``batch`` sequences: ``2Bshf`` per matrix (2, or 3 gated)."""
+    return 2 * batch * shape.s * shape.h * shape.f * (3 if shape.gated_mlp else 2)
+
+
+def recompute_flops(shape: TransformerShape, batch: int, selective_layers: int = 0, full_layers: int = 0,
+                    mlp_layers: int = 0) -> float:
+    """FLOPs recomputation adds: ``12Bs²h`` per selective layer (Eq. 8 as printed), one forward per full layer, one
+    MLP forward per layer whose MLP is recomputed by module (:func:`mlp_forward_flops`)."""
+    return (selective_layers * 12 * batch * shape.s ** 2 * shape.h + full_layers * layer_forward_flops(shape, batch)
+            + mlp_layers * mlp_forward_flops(shape, batch))
 
 
 def recompute_flops_overhead(shape: TransformerShape, recompute: Recompute = "selective") -> float:

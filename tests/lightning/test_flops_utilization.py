@@ -114,3 +114,17 @@ def test_llama_flops_count_grouped_query_attention_the_gated_mlp_and_the_vocabul
     expected = 3 * (L * per_layer + 2 * b * s * h * v)
     figures = FlopsUtilization().measure(_trainer(tp=tp, dp=1), module, torch.zeros(b, s, dtype=torch.long), seconds=1.0)
     assert figures["perf/model_tflops"] * 1e12 * tp == pytest.approx(expected, rel=1e-12)
+
+
+def test_an_mlp_recomputed_by_module_adds_one_mlp_forward_per_layer():
+    from lightning_seqpar.recompute import apply_recompute_modules
+
+    module = _module()
+    apply_recompute_modules(module, ["core_attn", "mlp"])
+    batch = (torch.zeros(B, S, dtype=torch.long), torch.zeros(B, S, dtype=torch.long))
+    figures = FlopsUtilization(peak_flops=1e12).measure(_trainer(tp=2, dp=2), module, batch, seconds=0.5)
+    model = model_flops_per_iteration(TransformerShape(s=S, b=B, h=H, a=A, L=L, v=V), 2 * B)
+    core_attention = 12 * 2 * B * S * S * H  # Eq. 8 as printed, per layer
+    mlp = 2 * 2 * B * S * H * 4 * H * 2  # fc1 and fc2 of f = 4h, once more
+    assert figures["perf/hardware_tflops"] == pytest.approx((model + L * (core_attention + mlp)) / 0.5 / 4 / 1e12,
+                                                            rel=1e-12)

@@ -12,7 +12,7 @@ import torch
 
 from lightning_seqpar.lightning.strategy import SeqParallelStrategy
 from lightning_seqpar.memory.flops import model_flops_per_iteration, recompute_flops
-from lightning_seqpar.recompute import micro_batch_shape, model_shape, recompute_counts
+from lightning_seqpar.recompute import micro_batch_shape, model_shape, recompute_counts, rewritten_layers
 from lightning_seqpar.tensor_parallel.embedding import VocabParallelEmbedding
 
 # Dense 16-bit peak FLOP/s by device name (vendor data sheets; SXM parts).
@@ -108,12 +108,13 @@ class FlopsUtilization(pl.Callback):
         world = trainer.world_size
         global_batch = b * dp
         selective, full = recompute_counts(pl_module)
+        mlp = sum(1 for layer in rewritten_layers(pl_module) if layer.recompute_mlp)  # recomputed by module
         if ours and strategy.pipeline is not None:  # this stage holds L/p of the layers; the others alike
             total = strategy.pipeline.layout.num_layers
-            selective, full = selective * total // shape.L, full * total // shape.L
+            selective, full, mlp = (n * total // shape.L for n in (selective, full, mlp))
             shape = replace(shape, L=total)
         model = model_flops_per_iteration(shape, global_batch)
-        hardware = model + recompute_flops(shape, global_batch, selective, full)
+        hardware = model + recompute_flops(shape, global_batch, selective, full, mlp)
         out = {
             "perf/tokens_per_s": global_batch * s / seconds,
             "perf/model_tflops": model / seconds / world / 1e12,
