@@ -222,9 +222,9 @@ def _rule(record: LayoutRecord, inventory: ModelInventory, s: int, global_batch:
                 f"by cp={cp} (all-to-all context parallelism scatters heads)")
     if s % tp:
         return f"seq_len={s} not divisible by tp={tp} (sequence parallelism splits the sequence)"
-    if record.recompute == "selective" and (not inventory.eager_attention or cp > 1):
-        if cp > 1:
-            return "selective recomputation has nothing to recompute under cp (blockwise attention keeps no s² tensor)"
+    if record.recompute == "selective" and cp > 1:
+        return "selective recomputation has nothing to recompute under cp (blockwise attention keeps no s² tensor)"
+    if record.recompute == "selective" and not inventory.eager_attention:
         return "selective recomputation has nothing to recompute in fused attention (sdpa keeps no s² tensor)"
     if inventory.num_layers % (pp * vpp):
         return f"layers={inventory.num_layers} not divisible by pp·vpp={pp * vpp}"

@@ -99,13 +99,17 @@ def apply_recompute(
     return count + len(chosen)
 
 
-def _selective_outside_full(model: nn.Module) -> None:
-    """Turn on selective recomputation in every layer that is not checkpointed whole."""
+def _outside_full(model: nn.Module) -> list[ParallelLayer]:
+    """The rewritten layers that are not checkpointed whole (in no stack's recompute chunk, not recompute_layer)."""
     stacks, layers = _layer_stacks(model)
     outside = [layer for stack in stacks for i, layer in enumerate(stack.stack_layers())
                if not any(lo <= i < hi for lo, hi in stack.recompute_chunks)]
-    outside += [layer for layer in layers if not layer.recompute_layer]
-    for layer in outside:
+    return outside + [layer for layer in layers if not layer.recompute_layer]
+
+
+def _selective_outside_full(model: nn.Module) -> None:
+    """Turn on selective recomputation in every layer that is not checkpointed whole."""
+    for layer in _outside_full(model):
         for m in layer.modules():
             if isinstance(m, CoreAttention):
                 m.recompute = True
@@ -208,11 +212,9 @@ def apply_recompute_modules(model: nn.Module, modules: Any, method: Literal["uni
                              f"has {type(getattr(other[0], '_mlp', None)).__name__}: recompute it whole "
                              f"(modules=['full']) or leave 'mlp' out.")
     count = apply_recompute(model, "full" if "full" in names else "none", method, num_layers)
-    stacks, bare = _layer_stacks(model)
-    whole = {id(layer) for stack in stacks for lo, hi in stack.recompute_chunks
-             for layer in stack.stack_layers()[lo:hi]} | {id(layer) for layer in bare if layer.recompute_layer}
+    outside = {id(layer) for layer in _outside_full(model)}
     for layer in layers:
-        inside = id(layer) in whole  # its modules are recomputed with it already
+        inside = id(layer) not in outside  # checkpointed whole: its modules are recomputed with it already
         layer.recompute_mlp = "mlp" in names and not inside
         count += layer.recompute_mlp
         for m in layer.modules():

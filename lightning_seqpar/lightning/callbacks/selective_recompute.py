@@ -63,9 +63,8 @@ class SelectiveRecompute(pl.Callback):
         if granularity == "auto" and (memory_budget is None or memory_budget <= 0):
             raise ValueError(f"granularity='auto' needs memory_budget > 0 (bytes), got {memory_budget!r}.")
         apply_recompute(nn.Module(), "none", method, num_layers)  # validates method and num_layers
-        self.modules = None if modules is None else ([modules] if isinstance(modules, str) else list(modules))
+        self.modules = None if modules is None else check_recompute_modules(modules)
         if self.modules is not None:
-            check_recompute_modules(self.modules)
             # what the memory report and the planner read: the paper's granularity these modules amount to
             granularity = "full" if "full" in self.modules else "selective" if self.modules == ["core_attn"] else (
                 "modules")
