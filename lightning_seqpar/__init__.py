@@ -15,6 +15,7 @@ import sys
 from typing import Any
 
 _EXPORTS = {
+    "ActivationOffload": "lightning_seqpar.lightning.callbacks",
     "BlockSpec": "lightning_seqpar.transformer.block_spec",
     "ColumnParallelLinear": "lightning_seqpar.tensor_parallel",
     "AttentionSpec": "lightning_seqpar.transformer.attention_part",

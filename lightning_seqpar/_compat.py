@@ -19,6 +19,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401
 from torch.utils._pytree import tree_flatten  # noqa: F401
 
+# Activation offload on CPU copies saved tensors to a host pool that is not device memory: the memory trackers (dispatch
+# modes) must not count those copies. torch has no public way to step outside the active dispatch modes for a moment;
+# torch's own FakeTensor and checkpointing code use this one.
+from torch.utils._python_dispatch import _disable_current_modes as outside_dispatch_modes  # noqa: F401
+
 # What .item(), float(), int() and bool() of a tensor, and a kernel's own read of a device value, all reach: the one
 # operation behind a host read (HostSyncCounter). aten's operator names carry no public alias.
 SCALAR_READ = torch.ops.aten._local_scalar_dense.default

@@ -8,7 +8,7 @@ Every figure is in **bytes** and counts what the forward pass keeps for the back
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Literal, Optional, Sequence
 
 Recompute = Literal["none", "selective", "full"]
 
@@ -57,8 +57,11 @@ def layer_activation_terms(
     bytes_per_element: int = 2,
     mask_bytes: int = 1,
     c: int = 1,
+    modules: Sequence[str] = (),
+    offload: Sequence[str] = (),
+    norm_statistics_bytes: int = 0,
 ) -> dict[str, float]:
-    """Bytes one transformer layer keeps for backward on one tensor-parallel rank, term by term.
+    """Bytes one transformer layer keeps for backward on one tensor-parallel rank (on the device), term by term.
 
     The terms are §4.1's (A1–A7 attention, M1–M4 MLP, the two LayerNorm inputs), generalised to an MLP
     of width f (the 4h→h terms scale with f/4h, as in Megatron-Core's ``theoretical_memory_usage``).
@@ -93,14 +96,77 @@ def layer_activation_terms(
         recompute: ``"none"``, ``"selective"`` (core attention, §5) or ``"full"``.
         bytes_per_element: activation bytes (2 for 16-bit).
         mask_bytes: dropout-mask bytes per element (1).
+        modules: recomputation by module beyond ``recompute`` (:data:`~lightning_seqpar.recompute.RECOMPUTE_MODULES`):
+            ``"mlp"`` keeps the MLP's input and drops its inner terms (``"core_attn"`` is ``recompute="selective"``).
+        offload: modules whose saved tensors wait in host memory (:data:`~lightning_seqpar.offload.OFFLOAD_MODULES`):
+            their terms (:data:`OFFLOAD_TERMS`) leave the device; :func:`offloaded_activation_terms` lists them.
+        norm_statistics_bytes: bytes per element of the two statistics each LayerNorm saves (mean, rstd ``[s, b]``:
+            the element size of the activations on CPU, 4 on CUDA); 0 leaves them out, as the paper does.
 
     Raises:
-        ValueError: ``t < 1`` or an unknown ``recompute``.
+        ValueError: ``t < 1``, an unknown ``recompute``, module or offloaded module, or a module both recomputed and
+            offloaded (``core_attn`` under selective recomputation, ``mlp`` recomputed by module).
     """
+    terms = _layer_terms(shape, t, sequence_parallel, recompute, bytes_per_element, mask_bytes, c, modules,
+                         norm_statistics_bytes)
+    moved = _offloaded(terms, recompute, modules, offload, c)
+    return {name: value for name, value in terms.items() if name not in moved}
+
+
+OFFLOAD_TERMS = {
+    "attn_norm": ("LN1 input", "LN1 statistics"),
+    "qkv_linear": ("QKV input (LN1 output)",),
+    "core_attn": ("Q, K", "V", "softmax output", "softmax dropout mask", "softmax dropout output",
+                  "attention output (blockwise kernel)", "log-sum-exp (float32)"),
+    "attn_proj": ("projection input",),
+    "mlp_norm": ("LN2 input", "LN2 statistics"),
+    "mlp": ("fc1 input (LN2 output)", "GeLU input", "fc2 input (GeLU output)"),
+}
+"""The terms of :func:`layer_activation_terms` each offloaded module moves to host memory: what autograd saves while
+it runs (:mod:`lightning_seqpar.offload`)."""
+
+
+def offloaded_activation_terms(shape: TransformerShape, t: int = 1, sequence_parallel: bool = False,
+                               recompute: Recompute = "none", bytes_per_element: int = 2, mask_bytes: int = 1,
+                               c: int = 1, modules: Sequence[str] = (), offload: Sequence[str] = (),
+                               norm_statistics_bytes: int = 0) -> dict[str, float]:
+    """Bytes one layer's ``offload`` modules copy to host memory per micro-batch on one rank, term by term (and
+    copy back in backward: the same bytes). Under full recomputation a layer keeps only its input: nothing moves.
+    The arguments and errors are :func:`layer_activation_terms`'."""
+    terms = _layer_terms(shape, t, sequence_parallel, recompute, bytes_per_element, mask_bytes, c, modules,
+                         norm_statistics_bytes)
+    moved = _offloaded(terms, recompute, modules, offload, c)
+    return {name: value for name, value in terms.items() if name in moved}
+
+
+def _offloaded(terms: dict[str, float], recompute: str, modules: Sequence[str], offload: Sequence[str],
+               c: int) -> set[str]:
+    unknown = [m for m in offload if m not in OFFLOAD_TERMS]
+    if unknown:
+        raise ValueError(f"offload={list(offload)!r}: {unknown} are not offloaded modules; they are "
+                         f"{list(OFFLOAD_TERMS)}.")
+    if recompute == "full":
+        return set()
+    if "core_attn" in offload and recompute == "selective" and c == 1:
+        raise ValueError("offload=['core_attn'] with selective recomputation: recomputed core attention keeps only "
+                         "q, k, v for its checkpoint; offload 'qkv_linear' or 'attn_proj' instead.")
+    if "mlp" in offload and "mlp" in modules:
+        raise ValueError("offload=['mlp'] with the MLP recomputed by module: offload 'mlp_norm' instead.")
+    return {name for m in offload for name in OFFLOAD_TERMS[m] if name in terms}
+
+
+def _layer_terms(shape: TransformerShape, t: int, sequence_parallel: bool, recompute: str, bytes_per_element: int,
+                 mask_bytes: int, c: int, modules: Sequence[str], norm_statistics_bytes: int) -> dict[str, float]:
     if t < 1 or c < 1:
         raise ValueError(f"t and c must be >= 1, got t={t}, c={c}.")
     if recompute not in ("none", "selective", "full"):
         raise ValueError(f"recompute must be 'none', 'selective' or 'full', got {recompute!r}.")
+    if any(m not in ("core_attn", "mlp", "full") for m in modules):
+        raise ValueError(f"modules={list(modules)!r}: the modules recomputed are 'core_attn', 'mlp' and 'full'.")
+    if "full" in modules:
+        recompute = "full"
+    elif "core_attn" in modules:
+        recompute = "selective"
     s, b, h, a, f = shape.s, shape.b, shape.h, shape.a, shape.f
     e, m = bytes_per_element, mask_bytes
     sbh = s * b * h
@@ -129,6 +195,11 @@ def layer_activation_terms(
     if recompute == "selective" or c > 1:
         for name in CORE_ATTENTION_TERMS:
             del terms[name]
+    if "mlp" in modules:  # the recomputed MLP keeps its input; its inner activations are made again in backward
+        del terms["GeLU input"], terms["fc2 input (GeLU output)"]
+    if norm_statistics_bytes:
+        for norm in ("LN1", "LN2"):
+            terms[f"{norm} statistics"] = 2 * norm_statistics_bytes * s * b / split
     if c > 1:  # the rank's s/c tokens; the blockwise kernel's own output and log-sum-exp
         terms = {name: value / c for name, value in terms.items()}
         terms["attention output (blockwise kernel)"] = e * sbh / (t * c)

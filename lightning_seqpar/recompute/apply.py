@@ -70,6 +70,7 @@ def apply_recompute(
         layer.recompute_layer = False
     for layer in rewritten_layers(model):
         layer.recompute_mlp = False  # module recomputation (apply_recompute_modules) undone too
+        layer.checkpointed_whole = False
     if granularity == "none":
         return 0
     if granularity == "selective":
@@ -87,6 +88,9 @@ def apply_recompute(
         else:
             stack.recompute_chunks = [(i, i + 1) for i in range(min(num_layers or n, n))]
         count += len(stack.recompute_chunks)
+        for lo, hi in stack.recompute_chunks:
+            for layer in stack.stack_layers()[lo:hi]:
+                layer.checkpointed_whole = True
     if layers and method == "uniform" and (num_layers or 1) > 1:
         raise ValueError(
             f"Uniform chunks of {num_layers} layers need the layers inside a stack (nn.TransformerEncoder or the "
@@ -95,7 +99,7 @@ def apply_recompute(
         )
     chosen = layers if method == "uniform" else layers[: num_layers or len(layers)]
     for layer in chosen:
-        layer.recompute_layer = True
+        layer.recompute_layer = layer.checkpointed_whole = True
     return count + len(chosen)
 
 

@@ -206,11 +206,25 @@ class ParallelBlock(ParallelLayer):
               causal: Optional[bool] = None, layout: Optional[ContextParallelBatch] = None) -> Tensor:
         attention, mlp = self._attention, self._mlp
         if not self.norm_first:  # post-norm: norm(x + f(x))
-            attended = attention.forward(x, position_embeddings, mask, causal, training=self.training, layout=layout)
-            x = attention.norm(x + self.attention_residual_dropout(attended))
-            return mlp.norm(x + self.mlp_residual_dropout(self._mlp_forward(x)))
+            with self.offloading("qkv_linear", *(position_embeddings or ())):
+                q, k, v = attention.qkv(x, position_embeddings)
+            attended = self._attention_output(self._attend(q, k, v, mask, causal, layout))
+            with self.offloading("attn_norm"):
+                x = attention.norm(x + self.attention_residual_dropout(attended))
+            out = self.mlp_residual_dropout(self._mlp_forward(x))
+            with self.offloading("mlp_norm"):
+                return mlp.norm(x + out)
         q, k, v, parallel = self._before_attention(x, position_embeddings)
-        return self._after_attention(x, attention.attend(q, k, v, mask, causal, self.training, layout), parallel)
+        return self._after_attention(x, self._attend(q, k, v, mask, causal, layout), parallel)
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], causal: Optional[bool],
+                layout: Optional[ContextParallelBatch]) -> Tensor:
+        with self.offloading("core_attn", mask):
+            return self._attention.attend(q, k, v, mask, causal, self.training, layout)
+
+    def _attention_output(self, context: Tensor) -> Tensor:
+        with self.offloading("attn_proj"):
+            return self._attention.output(context)
 
     def _around_context_attention(self, before: Callable, after: Callable, x: Tensor,
                                   position_embeddings: Optional[tuple[Tensor, Tensor]], mask: Optional[Tensor],
@@ -220,7 +234,7 @@ class ParallelBlock(ParallelLayer):
         the cp ranks, which runs eagerly: its point-to-point ring and per-forward layout have no traceable form. The
         same operations as :meth:`_body`, in its order."""
         q, k, v, parallel = before(self, x, position_embeddings)
-        context = self._attention.attend(q, k, v, None, None, self.training, layout)
+        context = self._attend(q, k, v, None, None, layout)
         return after(self, x, context, parallel)
 
     def _before_attention(self, x: Tensor, position_embeddings: Optional[tuple[Tensor, Tensor]]
@@ -230,13 +244,15 @@ class ParallelBlock(ParallelLayer):
         under the same all-gather). (Nothing else leaves: an unused output would change the sums of gradients a
         compiled half makes.)"""
         attention, mlp = self._attention, self._mlp
-        normed = x if attention.norm is None else attention.norm(x)
+        with self.offloading("attn_norm"):
+            normed = x if attention.norm is None else attention.norm(x)
         # One norm feeding both parts (Cohere, Phi): every input projection under one all-gather of it.
         shared = self.spec.parallel_residual and mlp.norm is attention.norm
-        projected = column_parallel_linears(normed, [*attention.inputs, *mlp.inputs], self.group, self.sp) \
-            if shared else None
-        split = len(attention.inputs)
-        q, k, v = attention.qkv(normed, position_embeddings, projected and projected[:split])
+        with self.offloading("qkv_linear", *(position_embeddings or ())):
+            projected = column_parallel_linears(normed, [*attention.inputs, *mlp.inputs], self.group, self.sp) \
+                if shared else None
+            split = len(attention.inputs)
+            q, k, v = attention.qkv(normed, position_embeddings, projected and projected[:split])
         parallel = (normed, projected[split:] if shared else None) if self.spec.parallel_residual else None
         return q, k, v, parallel
 
@@ -244,16 +260,19 @@ class ParallelBlock(ParallelLayer):
                          parallel: Optional[tuple[Tensor, Optional[list[Tensor]]]]) -> Tensor:
         """A pre-norm body from its core attention's ``context`` on: the output projection, residuals and MLP
         (``parallel``: what :meth:`_before_attention` made for a parallel residual's MLP)."""
-        attention, mlp = self._attention, self._mlp
-        attended = self._scaled(attention.output(context))
+        attended = self._scaled(self._attention_output(context))
         if parallel is not None:  # both parts read the block's input
             normed, mlp_inputs = parallel
             out = self._mlp_forward(normed, mlp_inputs) if mlp_inputs is not None else self._mlp_forward(
-                x if mlp.norm is None else mlp.norm(x))
+                self._mlp_norm(x))
             return x + self.attention_residual_dropout(attended) + self.mlp_residual_dropout(self._scaled(out))
         x = x + self.attention_residual_dropout(attended)
-        out = self._mlp_forward(x if mlp.norm is None else mlp.norm(x))
+        out = self._mlp_forward(self._mlp_norm(x))
         return x + self.mlp_residual_dropout(self._scaled(out))  # [s/t, b, h]
+
+    def _mlp_norm(self, x: Tensor) -> Tensor:
+        with self.offloading("mlp_norm"):
+            return x if self._mlp.norm is None else self._mlp.norm(x)
 
     def _mlp_forward(self, x: Tensor, outputs: Optional[list[Tensor]] = None) -> Tensor:
         """The MLP part's forward; under module recomputation (:attr:`recompute_mlp`) keeping only its input (and
@@ -261,7 +280,8 @@ class ParallelBlock(ParallelLayer):
         dropout masks they drew."""
         if self.recompute_mlp and torch.is_grad_enabled():
             return recomputed(self._mlp.forward, x, outputs, rng_tracker=self.rng_tracker)
-        return self._mlp.forward(x, outputs)
+        with self.offloading("mlp"):
+            return self._mlp.forward(x, outputs)
 
     def _scaled(self, branch: Tensor) -> Tensor:
         """A part's output as it joins the residual: times the residual multiplier, if any."""

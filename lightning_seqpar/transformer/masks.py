@@ -42,6 +42,10 @@ class FutureMask:
             mask = self._mask = torch.ones(s, s, dtype=torch.bool, device=device).triu(1)
         return mask
 
+    def cached(self) -> Optional[Tensor]:
+        """The mask kept now (``None``: none yet): shared by every call, never an activation of one."""
+        return self._mask
+
     def __getstate__(self) -> dict:  # a cache: not part of a copied or pickled model
         return {"_mask": None}
 

@@ -18,8 +18,10 @@ Parameter roles (sharded, sequence-parallel, stage-local) are tags stated beside
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, NamedTuple, Optional, Protocol, Sequence
 
+import torch
 import torch.nn as nn
 from torch import Tensor
 
@@ -83,11 +85,21 @@ class ParallelLayer(nn.Module):
 
     recompute_layer: bool = False
     recompute_mlp: bool = False  # module recomputation of a dense MLP (SelectiveRecompute(modules=["mlp"]))
+    checkpointed_whole: bool = False  # inside full recomputation, alone or in a stack's chunk (set by apply_recompute)
+    offload: Any = None  # a LayerOffload: the modules whose saved tensors go to host memory (ActivationOffload)
     compile_config: Any = None  # a CompileConfig: the body runs through torch.compile (set by compile_blocks)
     returns_tuple: bool = False
     fused_attention: bool = False
     pipeline_stage: Optional[int] = None
     _router: Optional[LayerRouter] = None
+
+    def offloading(self, module: str, *shared: Optional[Tensor]) -> Any:
+        """A context within which the tensors autograd saves are offloaded to host memory when :attr:`offload` names
+        ``module`` (:mod:`lightning_seqpar.offload`), except ``shared`` ones (masks, rotary cos/sin: every layer's);
+        otherwise, or inside full recomputation (which keeps nothing but the layer's input), one that does nothing."""
+        if self.offload is None or self.checkpointed_whole or not torch.is_grad_enabled():
+            return contextlib.nullcontext()
+        return self.offload.saving(self, module, shared)
 
     def layer_dims(self) -> LayerDims:
         """The single-device sizes and layout of this layer."""

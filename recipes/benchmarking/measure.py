@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.nn as nn
 
 from lightning_seqpar.context_parallel import ContextParallel
-from lightning_seqpar.memory.activations import Recompute, TransformerShape, layer_activation_terms
+from lightning_seqpar.memory.activations import (Recompute, TransformerShape, layer_activation_terms,
+                                                 offloaded_activation_terms)
 from lightning_seqpar.memory.tracker import LiveActivationTracker, StorageRecord
 from lightning_seqpar.models.gpt import GPT, GPTConfig
 from lightning_seqpar.parallel.collectives import ParallelGroup
 from lightning_seqpar.parallel.random import RNGTracker
-from lightning_seqpar.recompute import apply_recompute, rewritten_layers
+from lightning_seqpar.offload import HostPool, apply_offload
+from lightning_seqpar.recompute import apply_recompute, apply_recompute_modules, rewritten_layers
 from lightning_seqpar.policies import rewrite
 from lightning_seqpar.transformer.context import RewriteContext
 from lightning_seqpar.transformer.residual import cast_residual_stream
@@ -39,6 +41,10 @@ class LayerMeasurement:
     measured_bytes: int
     model_terms: dict[str, float]
     records: list[StorageRecord]
+    offloaded_bytes: float = 0.0
+    """bytes the layers' offloaded modules copied to host memory in the measured forward, per layer"""
+    model_offloaded: float = 0.0
+    """the model's figure for it (:func:`~lightning_seqpar.memory.activations.offloaded_activation_terms`)"""
 
     @property
     def model_bytes(self) -> float:
@@ -80,6 +86,9 @@ def measure_gpt_layer(
     autocast: bool = False,
     context: Optional[ParallelGroup] = None,
     comm: str = "ring",
+    modules: Sequence[str] = (),
+    offload: Sequence[str] = (),
+    norm_statistics_bytes: int = 0,
 ) -> LayerMeasurement:
     """Build the reference GPT, rewrite it for ``group``, and measure a middle layer's activations.
 
@@ -92,6 +101,9 @@ def measure_gpt_layer(
     (:func:`~lightning_seqpar.transformer.residual.cast_residual_stream`). ``context``: a context-parallel group
     (collective over it too; ``comm`` its attention): the layer keeps the rank's ``s/c`` tokens, and attention
     probabilities are not dropped (context-parallel attention refuses it; the residual dropouts stay).
+    ``modules``: recomputation by module (``"mlp"``) beside ``recompute``; ``offload``: modules whose saved tensors go
+    to a host pool (the device bytes left and the bytes moved are both measured); ``norm_statistics_bytes``: count the
+    LayerNorm statistics in the model (the element size they are saved in; 0: the paper's terms).
     """
     torch.manual_seed(seed)
     config = GPTConfig(vocab_size=256, block_size=shape.s, n_layer=layers, n_head=shape.a, n_embd=shape.h,
@@ -107,16 +119,27 @@ def measure_gpt_layer(
     if autocast:
         cast_residual_stream(rewritten_layers(model))
     apply_recompute(model, recompute)
+    if modules:
+        apply_recompute_modules(model, [*modules, *(["core_attn"] if recompute == "selective" else []),
+                                        *(["full"] if recompute == "full" else [])])
+    pool = HostPool("cpu")
+    if offload:
+        apply_offload(model, offload, pool)
     idx = torch.randint(0, config.vocab_size, (shape.b, shape.s))
     with torch.autocast("cpu", dtype, enabled=autocast):
         model(idx, idx).backward()  # warm-up: one-time buffers (the causal mask) are not activations
+        moved = pool.bytes_out
         with LiveActivationTracker(model) as tracker:
             loss = model(idx, idx)
+        moved = pool.bytes_out - moved
     prefix = f"transformer.h.{layers // 2}"
     records = tracker.live(prefix)
     measured = sum(r.nbytes for r in records)
     del loss
-    terms = layer_activation_terms(shape, group.size, sequence_parallel and group.size > 1, recompute,
-                                   bytes_per_element=torch.finfo(dtype).bits // 8,
-                                   c=context.size if context is not None else 1)
-    return LayerMeasurement(group.size, sequence_parallel and group.size > 1, recompute, measured, terms, records)
+    arguments = dict(t=group.size, sequence_parallel=sequence_parallel and group.size > 1, recompute=recompute,
+                     bytes_per_element=torch.finfo(dtype).bits // 8, c=context.size if context is not None else 1,
+                     modules=modules, offload=offload, norm_statistics_bytes=norm_statistics_bytes)
+    terms = layer_activation_terms(shape, **arguments)
+    model_moved = sum(offloaded_activation_terms(shape, **arguments).values())
+    return LayerMeasurement(group.size, sequence_parallel and group.size > 1, recompute, measured, terms, records,
+                            moved / layers, model_moved)

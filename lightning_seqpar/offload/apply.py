@@ -1,0 +1,124 @@
+"""Which modules of the rewritten layers offload what they save for backward (Megatron-Core's ``--offload-modules``).
+
+A module offloads *the tensors autograd saves while it runs*: for a norm, its input (and statistics); for a linear,
+its input; for core attention, q, k, v and what softmax and dropout keep. Parameters and buffers stay where they are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Optional
+
+import torch.nn as nn
+from torch import Tensor
+
+from lightning_seqpar.offload.host_pool import HostPool
+from lightning_seqpar.transformer.masks import FutureMask
+
+OFFLOAD_MODULES = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "mlp")
+"""The modules whose saved tensors :func:`apply_offload` moves, in a layer's order, with Megatron-Core's names where it
+has one: ``attn_norm`` (the layer's input, ``[s/t, b, h]`` under SP), ``qkv_linear`` (the attention norm's output),
+``core_attn`` (q, k, v and, for the explicit core attention, the softmax output, dropout mask and dropped
+probabilities, ``[b, a/t, s, s]``), ``attn_proj`` (the core attention's output ``[s, b, h/t]``), ``mlp_norm`` (the
+residual after attention), ``mlp`` (a dense MLP's input, its fc1 output and the activation's, ``[s, b, f/t]``)."""
+
+NOT_YET = ("expert_fc1", "moe_act")
+
+
+def check_offload_modules(modules: Any) -> list[str]:
+    """``modules`` (a name or names) as a list, checked: names of :data:`OFFLOAD_MODULES`.
+
+    Raises:
+        ValueError: no module named, or a name not in :data:`OFFLOAD_MODULES` (those Megatron-Core has that this does
+            not yet, named as such).
+    """
+    names = [modules] if isinstance(modules, str) else list(modules or [])
+    if not names:
+        raise ValueError(f"modules={modules!r}: name at least one of {list(OFFLOAD_MODULES)}.")
+    later = [n for n in names if n in NOT_YET]
+    unknown = [n for n in names if n not in OFFLOAD_MODULES and n not in NOT_YET]
+    if later or unknown:
+        raise ValueError(f"modules={names!r}: " + (f"{later} are not offloaded yet (a mixture of experts' modules); "
+                                                   if later else "")
+                         + (f"{unknown} are not modules; " if unknown else "")
+                         + f"the modules are {list(OFFLOAD_MODULES)}.")
+    return names
+
+
+class LayerOffload:
+    """What one rewritten layer offloads, and to which pool (a :class:`HostPool` shared by the rank's layers)."""
+
+    def __init__(self, names: list[str], pool: HostPool) -> None:
+        self.names, self.pool = frozenset(names), pool
+
+    def saving(self, layer: nn.Module, module: str, shared: tuple[Optional[Tensor], ...] = ()) -> Any:
+        """The offloading context for ``module`` of ``layer`` (one that does nothing when it is not named). What is not
+        one forward's activation stays: parameters, buffers, the cached causal masks and ``shared`` (tensors every
+        layer reads: the model's attention mask, its rotary cos/sin), which would otherwise be copied once per layer
+        and freed by none."""
+        if module not in self.names:
+            return contextlib.nullcontext()
+        held = [*layer.parameters(), *layer.buffers(), *shared]
+        held += [m.future_mask.cached() for m in layer.modules() if isinstance(getattr(m, "future_mask", None),
+                                                                              FutureMask)]
+        return self.pool.saving({t.untyped_storage().data_ptr() for t in held if t is not None})
+
+
+def apply_offload(model: nn.Module, modules: Any, pool: HostPool) -> int:
+    """Offload the named modules' saved tensors in every rewritten layer of ``model`` to ``pool``; return the number of
+    layers set. ``modules=None`` undoes it. Layers checkpointed whole (full recomputation) keep only their input and
+    offload nothing.
+
+    Raises:
+        ValueError: see :func:`check_offload_modules`; a rewritten layer that is not a
+            :class:`~lightning_seqpar.transformer.declared_block.ParallelBlock`, or one whose MLP is a mixture of
+            experts when ``"mlp"`` is named (by name, with the fix); no rewritten layer.
+    """
+    from lightning_seqpar.recompute.apply import rewritten_layers
+    from lightning_seqpar.transformer.declared_block import ParallelBlock
+    from lightning_seqpar.transformer.mlp_part import DenseMLPPart
+
+    layers = rewritten_layers(model)
+    if modules is None:
+        for layer in layers:
+            layer.offload = None
+        return 0
+    names = check_offload_modules(modules)
+    if not layers:
+        raise ValueError("Activation offload found no rewritten transformer layer in the model: is it rewritten?")
+    for layer in layers:
+        label = getattr(layer, "_name", type(layer).__name__)
+        if not isinstance(layer, ParallelBlock):
+            raise ValueError(f"Activation offload runs in the parallel blocks built from a BlockSpec; {label} is a "
+                             f"{type(layer).__name__}: leave ActivationOffload out for this model.")
+        if "mlp" in names and not isinstance(layer._mlp, DenseMLPPart):
+            raise ValueError(f"modules=['mlp'] offloads a dense MLP; {label} has {type(layer._mlp).__name__}: offload "
+                             f"its input instead (modules=['mlp_norm']) or leave 'mlp' out.")
+    shared = LayerOffload(names, pool)
+    for layer in layers:
+        layer.offload = shared
+    return len(layers)
+
+
+def check_offload_with_recompute(model: nn.Module) -> None:
+    """Refuse a module both offloaded and recomputed (recomputation keeps nothing of it to offload).
+
+    Raises:
+        ValueError: ``core_attn`` offloaded where core attention is recomputed, or ``mlp`` where the MLP is; naming
+            the layer and the fix.
+    """
+    from lightning_seqpar.recompute.apply import rewritten_layers
+    from lightning_seqpar.transformer.core_attention import CoreAttention
+
+    for layer in rewritten_layers(model):
+        offload = layer.offload
+        if offload is None or layer.checkpointed_whole:
+            continue
+        label = getattr(layer, "_name", type(layer).__name__)
+        if "core_attn" in offload.names and any(isinstance(m, CoreAttention) and m.recompute for m in layer.modules()):
+            raise ValueError(f"{label}: core attention is both recomputed (selective) and offloaded; recomputation "
+                             f"keeps only q, k, v, so there is nothing of it to offload. Offload 'qkv_linear' or "
+                             f"'attn_proj' instead, or recompute without 'core_attn'.")
+        if "mlp" in offload.names and layer.recompute_mlp:
+            raise ValueError(f"{label}: the MLP is both recomputed and offloaded; recomputation keeps only its input. "
+                             f"Offload 'mlp_norm' instead, or recompute without 'mlp'.")

@@ -1,0 +1,148 @@
+"""Where offloaded activations wait for their backward: host memory, with every byte moved counted.
+
+A tensor autograd saves inside an offloaded module is *packed* into a :class:`HostCopy` (a copy in host memory) and
+*unpacked* (copied back to the device) when its backward asks for it; the device memory is freed when nothing else
+holds it. On CUDA the copy out is made into pinned memory on a side stream that waits for the compute stream, the
+device tensor is kept by the allocator until that copy is done (``record_stream``), and the copy back waits for it
+(an event), so no host synchronization is made in either direction. On CPU the device *is* the host: the same path
+makes its copies with the dispatch modes of this process set aside (:func:`~lightning_seqpar._compat.
+outside_dispatch_modes`), so the memory trackers (:mod:`lightning_seqpar.memory.tracker`, :mod:`~.memory.peak`)
+count what the offload frees and what it brings back, exactly as a GPU's allocator would see them.
+
+The pool is one rank's; whoever offloads owns it and passes it to the layers (no global state). Megatron-Core's
+fine-grained activation offloading (``--offload-modules``) and torchtune's ``OffloadActivations`` move the same
+tensors through the same ``torch.autograd.graph.saved_tensors_hooks``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Any, Iterator, Optional
+
+import torch
+from torch import Tensor
+
+from lightning_seqpar._compat import outside_dispatch_modes
+
+
+class HostCopy:
+    """One saved tensor waiting in host memory: its copy, the device it came from, the copy's bytes.
+
+    ``host`` keeps the tensor's strides when it is dense (as ``torch.empty_like`` does), so the backward that reads it
+    runs the kernels it would have run on the original.
+    """
+
+    __slots__ = ("host", "device", "nbytes", "ready", "back", "__weakref__")
+
+    def __init__(self, host: Tensor, device: torch.device, nbytes: int, ready: Any) -> None:
+        self.host, self.device, self.nbytes, self.ready = host, device, nbytes, ready
+        self.back: Optional[weakref.ref] = None  # the tensor brought back, while something holds it
+
+
+class HostPool:
+    """Copies of saved tensors in host memory, with the bytes moved each way counted (bytes of tensor elements).
+
+    Args:
+        device: the device whose tensors are offloaded (``cuda``: pinned memory and a side stream; ``cpu``: the
+            counted pool described in the module docstring).
+
+    Attributes:
+        bytes_out: bytes copied to the host since the pool was made.
+        bytes_in: bytes copied back to the device.
+        held: bytes held in host memory now (a copy is released when autograd frees what it saved).
+        peak_held: the largest ``held``.
+        copies_out / copies_in: how many tensors went each way.
+    """
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.bytes_out = self.bytes_in = self.held = self.peak_held = 0
+        self.copies_out = self.copies_in = 0
+        self._stream: Optional[Any] = None
+
+    def counts(self) -> dict[str, int]:
+        """The counters as plain integers (what a test or a report reads)."""
+        return {"bytes_out": self.bytes_out, "bytes_in": self.bytes_in, "held": self.held,
+                "peak_held": self.peak_held, "copies_out": self.copies_out, "copies_in": self.copies_in}
+
+    def offload(self, t: Tensor) -> HostCopy:
+        """Copy ``t`` to host memory (asynchronously on CUDA); the device tensor may be freed as soon as its other
+        holders let go."""
+        nbytes = t.numel() * t.element_size()
+        if self.cuda:
+            stream = self._side_stream()
+            stream.wait_stream(torch.cuda.current_stream(t.device))  # t is written on the compute stream
+            with torch.cuda.stream(stream):
+                host = torch.empty_like(t, device="cpu", pin_memory=True)
+                host.copy_(t, non_blocking=True)
+                ready = torch.cuda.Event()
+                ready.record(stream)
+            t.record_stream(stream)  # the allocator keeps t's memory until the copy has read it
+        else:
+            with outside_dispatch_modes():  # the host copy is not device memory: the trackers must not see it
+                host = torch.empty_like(t)
+                host.copy_(t)
+            ready = None
+        copy = HostCopy(host, t.device, nbytes, ready)
+        self.bytes_out += nbytes
+        self.copies_out += 1
+        self.held += nbytes
+        self.peak_held = max(self.peak_held, self.held)
+        weakref.finalize(copy, self._release, nbytes)
+        return copy
+
+    def reload(self, copy: HostCopy) -> Tensor:
+        """The tensor ``copy`` holds, on its device again (the same tensor while something holds it: a tensor saved
+        by two backward nodes comes back once)."""
+        back = copy.back() if copy.back is not None else None
+        if back is not None:
+            return back
+        if self.cuda:
+            torch.cuda.current_stream(copy.device).wait_event(copy.ready)  # the copy out has finished
+            back = copy.host.to(copy.device, non_blocking=True)  # ordered before the backward kernels that read it
+        else:
+            back = torch.empty_like(copy.host)  # made under the dispatch modes: it is device memory again
+            back.copy_(copy.host)
+        copy.back = weakref.ref(back)
+        self.bytes_in += copy.nbytes
+        self.copies_in += 1
+        return back
+
+    def _release(self, nbytes: int) -> None:
+        self.held -= nbytes
+
+    def _side_stream(self) -> Any:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        return self._stream
+
+    @contextlib.contextmanager
+    def saving(self, keep: set[int]) -> Iterator[None]:
+        """Within: every tensor autograd saves is offloaded to this pool, except those whose storage's address is in
+        ``keep`` (parameters: they stay where they are) and those not on the pool's device. A tensor saved twice
+        within one ``saving`` is copied once."""
+        # (tensor, its copy) by identity of what it views: the tensor is held until the scope ends, so no other
+        # tensor can take its address (and key) meanwhile
+        seen: dict[tuple, tuple[Tensor, HostCopy]] = {}
+
+        def pack(t: Tensor) -> Any:
+            if t.device != self.device:  # a host tensor on a GPU rank: nothing to move
+                return t
+            storage = t.untyped_storage()
+            if storage.data_ptr() in keep or t.numel() == 0:
+                return t
+            key = (storage.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t._version)
+            if key not in seen:
+                seen[key] = (t, self.offload(t))
+            return seen[key][1]
+
+        def unpack(packed: Any) -> Tensor:
+            return self.reload(packed) if isinstance(packed, HostCopy) else packed
+
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+                yield
+        finally:
+            seen.clear()  # autograd keeps the pack hook (and so this dict) as long as what it saved
