@@ -33,11 +33,12 @@ class HostCopy:
     runs the kernels it would have run on the original.
     """
 
-    __slots__ = ("host", "device", "nbytes", "ready", "back", "__weakref__")
+    __slots__ = ("host", "device", "nbytes", "ready", "back", "readers", "__weakref__")
 
     def __init__(self, host: Tensor, device: torch.device, nbytes: int, ready: Any) -> None:
         self.host, self.device, self.nbytes, self.ready = host, device, nbytes, ready
-        self.back: Optional[weakref.ref] = None  # the tensor brought back, while something holds it
+        self.back: Optional[Tensor] = None  # the tensor brought back, until its last reader has it
+        self.readers = 0  # backward nodes that saved it and have not read it back yet
 
 
 class HostPool:
@@ -94,10 +95,13 @@ class HostPool:
         return copy
 
     def reload(self, copy: HostCopy) -> Tensor:
-        """The tensor ``copy`` holds, on its device again (the same tensor while something holds it: a tensor saved
-        by two backward nodes comes back once)."""
-        back = copy.back() if copy.back is not None else None
+        """The tensor ``copy`` holds, on its device again. A tensor saved by several backward nodes comes back once:
+        the copy holds it until the last of them has read it."""
+        copy.readers -= 1
+        back = copy.back
         if back is not None:
+            if copy.readers <= 0:
+                copy.back = None
             return back
         if self.cuda:
             torch.cuda.current_stream(copy.device).wait_event(copy.ready)  # the copy out has finished
@@ -105,7 +109,8 @@ class HostPool:
         else:
             back = torch.empty_like(copy.host)  # made under the dispatch modes: it is device memory again
             back.copy_(copy.host)
-        copy.back = weakref.ref(back)
+        if copy.readers > 0:
+            copy.back = back
         self.bytes_in += copy.nbytes
         self.copies_in += 1
         return back
@@ -136,7 +141,9 @@ class HostPool:
             key = (storage.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t._version)
             if key not in seen:
                 seen[key] = (t, self.offload(t))
-            return seen[key][1]
+            copy = seen[key][1]
+            copy.readers += 1
+            return copy
 
         def unpack(packed: Any) -> Tensor:
             return self.reload(packed) if isinstance(packed, HostCopy) else packed

@@ -1,0 +1,153 @@
+"""Activation offload on one process: every module and every pair of modules trains bit-identically to no offload; the
+bytes left on the device and the bytes moved to the host are the memory model's, to the byte; the step's peak falls
+in the order the choices promise; what cannot be offloaded is refused by name."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from lightning_seqpar.memory import TransformerShape
+from lightning_seqpar.memory.activations import layer_activation_terms, offloaded_activation_terms
+from lightning_seqpar.memory.peak import PeakMemoryTracker
+from lightning_seqpar.models.gpt import GPT, GPTConfig
+from lightning_seqpar.offload import OFFLOAD_MODULES, HostPool, apply_offload, check_offload_modules
+from lightning_seqpar.offload.apply import check_offload_with_recompute
+from lightning_seqpar.parallel import ParallelGroup
+from lightning_seqpar.parallel.random import RNGTracker
+from lightning_seqpar.policies import rewrite
+from lightning_seqpar.recompute import apply_recompute, apply_recompute_modules
+from lightning_seqpar.transformer.context import RewriteContext
+from recipes.benchmarking.measure import measure_gpt_layer
+
+CHOICES = [(m,) for m in OFFLOAD_MODULES] + list(itertools.combinations(OFFLOAD_MODULES, 2))
+SHAPE = TransformerShape(s=64, b=2, h=64, a=4)
+
+
+class _Root(torch.nn.Module):
+    def __init__(self, gpt: GPT) -> None:
+        super().__init__()
+        self.gpt = gpt
+
+
+def _gpt(dropout: float = 0.1, layers: int = 3) -> GPT:
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=64, block_size=32, n_layer=layers, n_head=4, n_embd=32, dropout=dropout)
+    root = _Root(GPT(config))
+    rewrite(root, RewriteContext(ParallelGroup.virtual(1), False, RNGTracker.for_tensor_parallel(0, 0),
+                                 loss_parallel=True))
+    return root.gpt.double().train()
+
+
+def _step(model: GPT, pool: HostPool | None = None) -> tuple[float, dict[str, torch.Tensor], dict]:
+    idx = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(2)  # the dropout masks
+    loss = model(idx, idx)
+    out = pool.counts() if pool is not None else {}
+    loss.backward()
+    return loss.item(), {n: p.grad for n, p in model.named_parameters()}, out
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return _step(_gpt())
+
+
+@pytest.mark.parametrize("modules", CHOICES, ids="+".join)
+def test_offloading_trains_bit_identically_and_every_byte_comes_back(plain, modules):
+    model = _gpt()
+    pool = HostPool("cpu")
+    assert apply_offload(model, list(modules), pool) == 3
+    loss, grads, after_forward = _step(model, pool)
+    assert loss == plain[0]
+    assert [n for n in grads if not torch.equal(grads[n], plain[1][n])] == []
+    assert after_forward["bytes_out"] > 0 and after_forward["held"] == after_forward["bytes_out"]
+    # every byte came back once, and the host copies were released with the graph
+    assert pool.bytes_in == pool.bytes_out and pool.held == 0 and pool.peak_held == after_forward["bytes_out"]
+
+
+@pytest.mark.parametrize("recompute, modules, offload", [
+    ("none", (), ()),
+    *[("none", (), c) for c in CHOICES],
+    ("none", ("mlp",), ()),
+    ("none", ("mlp",), ("core_attn", "attn_norm")),
+    ("none", ("mlp",), ("mlp_norm", "attn_proj")),
+    ("selective", (), ("attn_norm", "mlp")),
+    ("selective", ("mlp",), ("qkv_linear", "attn_proj")),
+    ("full", (), ("attn_norm",)),
+], ids=lambda v: "+".join(v) if isinstance(v, tuple) else v)
+def test_device_and_host_bytes_equal_the_model(recompute, modules, offload):
+    """A middle layer of the reference GPT (bf16, dropout 0.1): the storages it leaves alive on the device, and the bytes
+    its offloaded modules copied out, each equal to the model (LayerNorm statistics counted in the activations' dtype,
+    as CPU kernels save them)."""
+    m = measure_gpt_layer(SHAPE, ParallelGroup.virtual(1), False, recompute, modules=modules, offload=offload,
+                          norm_statistics_bytes=2)
+    rng_snapshots = m.remainder().get("RNG state snapshot", 0)
+    assert m.measured_bytes - rng_snapshots == m.model_bytes, m.breakdown()
+    assert m.offloaded_bytes == m.model_offloaded
+    if offload and recompute != "full":
+        assert m.model_offloaded > 0
+
+
+def test_the_model_moves_exactly_what_it_removes_and_nothing_under_full_recomputation():
+    for t, sp in ((1, False), (4, False), (4, True)):
+        base = layer_activation_terms(SHAPE, t, sp, norm_statistics_bytes=4)
+        for offload in CHOICES:
+            left = layer_activation_terms(SHAPE, t, sp, offload=offload, norm_statistics_bytes=4)
+            moved = offloaded_activation_terms(SHAPE, t, sp, offload=offload, norm_statistics_bytes=4)
+            assert set(left) | set(moved) == set(base) and not set(left) & set(moved)
+            assert sum(left.values()) + sum(moved.values()) == sum(base.values())
+    assert offloaded_activation_terms(SHAPE, 2, True, "full", offload=OFFLOAD_MODULES) == {}
+    with pytest.raises(ValueError, match="recomputed core attention keeps only"):
+        layer_activation_terms(SHAPE, recompute="selective", offload=["core_attn"])
+    with pytest.raises(ValueError, match="offload 'mlp_norm' instead"):
+        layer_activation_terms(SHAPE, modules=["mlp"], offload=["mlp"])
+
+
+def _peak(configure) -> int:
+    model = _gpt(layers=4)
+    configure(model)
+    idx = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(1))
+    model(idx, idx).backward()  # warm-up: cached masks are not the step's
+    with PeakMemoryTracker() as tracker:
+        tracker.hold(model.parameters(), [p.grad for p in model.parameters()])
+        model(idx, idx).backward()
+    return tracker.peak
+
+
+def test_the_step_peak_falls_from_none_to_recompute_to_offload():
+    none = _peak(lambda model: None)
+    recompute = _peak(lambda model: apply_recompute_modules(model, ["core_attn", "mlp"]))
+    offload = _peak(lambda model: apply_offload(model, list(OFFLOAD_MODULES), HostPool("cpu")))
+    print(f"\n| choice | step peak (bytes) |\n|---|---|\n| none | {none:,} |\n| recompute core_attn+mlp | "
+          f"{recompute:,} |\n| offload all | {offload:,} |")
+    assert offload < recompute < none
+
+
+@pytest.mark.parametrize("modules, message", [
+    (["expert_fc1"], r"\['expert_fc1'\] are not offloaded yet"),
+    (["attention"], r"\['attention'\] are not modules"),
+    ([], "name at least one of"),
+])
+def test_names_it_does_not_offload_are_refused(modules, message):
+    from lightning_seqpar import ActivationOffload
+
+    with pytest.raises(ValueError, match=message):
+        check_offload_modules(modules)
+    with pytest.raises(ValueError, match=message):
+        ActivationOffload(modules=modules)
+
+
+def test_a_module_both_recomputed_and_offloaded_is_refused_by_name():
+    model = _gpt()
+    apply_offload(model, ["core_attn", "mlp"], HostPool("cpu"))
+    apply_recompute(model, "selective")
+    with pytest.raises(ValueError, match="core attention is both recomputed"):
+        check_offload_with_recompute(model)
+    apply_recompute_modules(model, ["mlp"])
+    with pytest.raises(ValueError, match="the MLP is both recomputed and offloaded"):
+        check_offload_with_recompute(model)
+    apply_recompute(model, "full")  # whole layers keep only their input: nothing left to offload, nothing refused
+    check_offload_with_recompute(model)
