@@ -41,7 +41,7 @@ from omegaconf import DictConfig, OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: helpers of the recipes package
 
-from lightning_seqpar import SelectiveRecompute, SeqParallelStrategy  # noqa: E402
+from lightning_seqpar import SeqParallelStrategy  # noqa: E402
 from lightning_seqpar.checkpoint.destination import refuse_export_destination  # noqa: E402
 from lightning_seqpar.checkpoint.peft_export import export_peft_adapter  # noqa: E402
 from lightning_seqpar.data.finetune_datamodule import FineTuneDataModule  # noqa: E402
@@ -49,7 +49,7 @@ from lightning_seqpar.data.preference_datamodule import PreferenceDataModule  # 
 from lightning_seqpar.lightning.callbacks import LayoutReport, ParallelModelSummary  # noqa: E402
 from lightning_seqpar.models.dpo_reference import reference_for_run  # noqa: E402
 from lightning_seqpar.models.finetune import FineTuneModule  # noqa: E402
-from recipes.pretrain_gpt import CONF_DIR, route_logs_to_hydra  # noqa: E402
+from recipes.pretrain_gpt import CONF_DIR, memory_callbacks, route_logs_to_hydra  # noqa: E402
 
 log = logging.getLogger("finetune")
 
@@ -98,10 +98,7 @@ def build(cfg: DictConfig, output_dir: Path) -> tuple[FineTuneModule, Any, pl.Tr
     ]
     if cfg.trainer.get("enable_progress_bar", True):
         callbacks.append(TQDMProgressBar())  # Lightning's rich bar prints "Epoch 4/-2" for step-based runs
-    modules = cfg.recompute.get("modules")
-    if cfg.recompute.granularity != "none" or modules:
-        callbacks.append(SelectiveRecompute("selective" if cfg.recompute.granularity == "none" else
-                                            cfg.recompute.granularity, modules=modules))
+    callbacks += memory_callbacks(cfg)
     trainer = pl.Trainer(strategy=SeqParallelStrategy(**OmegaConf.to_container(cfg.strategy, resolve=True)),
                          callbacks=callbacks, logger=CSVLogger(output_dir, name="logs"),
                          **OmegaConf.to_container(cfg.trainer, resolve=True))

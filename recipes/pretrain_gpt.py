@@ -31,7 +31,7 @@ from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, TQ
 from lightning.pytorch.loggers import CSVLogger
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_seqpar import FlopsUtilization, Preemption, SelectiveRecompute, SeqParallelStrategy
+from lightning_seqpar import ActivationOffload, FlopsUtilization, Preemption, SelectiveRecompute, SeqParallelStrategy
 from lightning_seqpar.data import TextDataModule
 from lightning_seqpar.checkpoint.destination import refuse_export_destination
 from lightning_seqpar.data.tokenizer import has_tokenizer
@@ -115,14 +115,25 @@ def build_trainer(cfg: DictConfig, output_dir: Path) -> pl.Trainer:
     ]
     if cfg.trainer.enable_progress_bar:
         callbacks.append(TQDMProgressBar())  # Lightning's rich bar prints "Epoch 0/-2" for step-based runs
-    modules = cfg.recompute.get("modules")
-    if cfg.recompute.granularity != "none" or modules:
-        granularity = "selective" if modules and cfg.recompute.granularity == "none" else cfg.recompute.granularity
-        callbacks.append(SelectiveRecompute(granularity, cfg.recompute.method, cfg.recompute.num_layers,
-                                            memory_budget=cfg.recompute.memory_budget, modules=modules))
+    callbacks += memory_callbacks(cfg)
     strategy = SeqParallelStrategy(**OmegaConf.to_container(cfg.strategy, resolve=True))
     return pl.Trainer(strategy=strategy, callbacks=callbacks, logger=CSVLogger(output_dir, name="logs"),
                       **OmegaConf.to_container(cfg.trainer, resolve=True))
+
+
+def memory_callbacks(cfg: DictConfig) -> list[pl.Callback]:
+    """The recomputation (``recompute:``) and activation offload (``offload:``) a config asks for, as callbacks."""
+    callbacks: list[pl.Callback] = []
+    recompute, modules = cfg.recompute, cfg.recompute.get("modules")
+    if recompute.granularity != "none" or modules:
+        granularity = "selective" if modules and recompute.granularity == "none" else recompute.granularity
+        callbacks.append(SelectiveRecompute(granularity, recompute.get("method", "uniform"),
+                                            recompute.get("num_layers"), memory_budget=recompute.get("memory_budget"),
+                                            modules=modules))
+    offloaded = cfg.get("offload", {}).get("modules")
+    if offloaded:
+        callbacks.append(ActivationOffload(modules=list(offloaded)))
+    return callbacks
 
 
 def build_module(cfg: DictConfig, data: TextDataModule, decay_steps: int, optim: dict) -> CausalLMModule:

@@ -151,3 +151,21 @@ def test_a_module_both_recomputed_and_offloaded_is_refused_by_name():
         check_offload_with_recompute(model)
     apply_recompute(model, "full")  # whole layers keep only their input: nothing left to offload, nothing refused
     check_offload_with_recompute(model)
+
+
+@pytest.mark.parametrize("config", ["config", "finetune"])
+def test_the_recipes_pass_offload_modules_to_the_callback(config):
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from lightning_seqpar import ActivationOffload, SelectiveRecompute
+    from recipes.pretrain_gpt import memory_callbacks
+    from tests.moe.test_moe_recipe_config import CONF
+
+    with initialize_config_dir(str(CONF), version_base=None):
+        cfg = compose(config, overrides=["offload.modules=[attn_norm,mlp]", "recompute.modules=[core_attn]"])
+    made = memory_callbacks(cfg)
+    assert [c.modules for c in made if isinstance(c, ActivationOffload)] == [["attn_norm", "mlp"]]
+    assert [c.modules for c in made if isinstance(c, SelectiveRecompute)] == [["core_attn"]]
+    cfg = OmegaConf.merge(cfg, {"offload": {"modules": None}})
+    assert not any(isinstance(c, ActivationOffload) for c in memory_callbacks(cfg))
