@@ -49,6 +49,14 @@ def _world(rank: int, world: int) -> dict:
         out["parity"].append((fit(case, world, steps=STEPS, callbacks=before),
                               fit(case, world, steps=STEPS, callbacks=[*before, offload]),
                               offload.pool.counts()))
+    if world == 4:  # a budget the last stage (one micro-batch in flight) fits and the first (two) does not
+        from lightning_seqpar.memory.activations import layer_activation_bytes
+        from tests.helpers.models import SEQ
+
+        per_layer = layer_activation_bytes(TransformerShape(s=SEQ, b=1, h=16, a=4), 2, True, bytes_per_element=8)
+        case = Case("gpt", 2, pp=2)
+        offload = ActivationOffload(memory_budget=1.5 * per_layer)
+        out["budget"] = (fit(case, world, steps=STEPS, callbacks=[offload]), offload.plan, offload.pool.counts())
     if world == 2:
         group = ParallelGroup(torch.distributed.group.WORLD)
         for modules in BYTES:
@@ -90,3 +98,17 @@ def test_bytes_left_and_moved_equal_the_model_at_tp2_with_sequence_parallelism(w
         device_error, moved, model_moved = results["bytes"][index]
         assert device_error == 0, rank
         assert moved == model_moved > 0, rank
+
+
+def test_a_budget_offloads_on_the_stage_with_more_micro_batches_in_flight_and_the_same_on_every_rank_of_it(worlds):
+    runs = worlds(4)
+    plans = [results["budget"][1] for results in runs]
+    assert plans[0] == plans[1] and plans[2] == plans[3]  # rank = tp_rank + 2·pp_rank: a stage decides once
+    assert plans[0].in_flight == 2 and plans[2].in_flight == 1
+    assert plans[0].modules and plans[2].modules == (), plans
+    assert [results["budget"][2]["bytes_out"] > 0 for results in runs] == [True, True, False, False]
+    for rank, results in enumerate(runs):
+        recorded = results["budget"][0]  # against pp 2 × tp 2 without offload
+        assert recorded.losses == results["parity"][0][0].losses, rank
+        for got, want in zip(recorded.grads, results["parity"][0][0].grads):
+            assert [n for n in want if not torch.equal(got[n], want[n])] == [], rank

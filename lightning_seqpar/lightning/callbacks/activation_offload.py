@@ -5,9 +5,13 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import lightning.pytorch as pl
+import torch.nn as nn
 
+from lightning_seqpar.memory.activations import layer_activation_bytes
 from lightning_seqpar.offload import HostPool, apply_offload, check_offload_modules, check_offload_with_recompute
-from lightning_seqpar.recompute import rewritten_layers
+from lightning_seqpar.offload.plan import OffloadPlan, plan_offload
+from lightning_seqpar.recompute import micro_batch_shape, model_shape, rewritten_layers
+from lightning_seqpar.transformer.core_attention import CoreAttention
 
 
 class ActivationOffload(pl.Callback):
@@ -16,7 +20,12 @@ class ActivationOffload(pl.Callback):
 
     Args:
         modules: any combination of :data:`~lightning_seqpar.offload.OFFLOAD_MODULES`: ``"attn_norm"``,
-            ``"qkv_linear"``, ``"core_attn"``, ``"attn_proj"``, ``"mlp_norm"``, ``"mlp"``.
+            ``"qkv_linear"``, ``"core_attn"``, ``"attn_proj"``, ``"mlp_norm"``, ``"mlp"``; or
+        memory_budget: bytes of layer activations allowed on each rank at its pipeline peak: the modules are then
+            :func:`~lightning_seqpar.offload.plan.plan_offload`'s choice for this rank (its layers, its schedule's
+            micro-batches in flight, the recomputation in force, s and b of the first training batch), made at that
+            batch; ``plan`` holds it. Ranks with fewer micro-batches in flight offload less.
+        bytes_per_element: for ``memory_budget``: activation bytes (default: the parameters' element size).
 
     On CUDA the copies go to pinned memory on a side stream and come back on the compute stream after an event (no
     host synchronization); on CPU to a counted pool the memory trackers see as freed
@@ -27,15 +36,22 @@ class ActivationOffload(pl.Callback):
     offload nothing: they keep only their input), every pipeline schedule, tensor, sequence and context parallelism.
 
     Raises:
-        ValueError: a name not in ``OFFLOAD_MODULES`` (at construction); when fitting starts, what
+        ValueError: a name not in ``OFFLOAD_MODULES``, or not exactly one of ``modules`` and a positive
+            ``memory_budget`` (at construction); a budget nothing fits (at the first batch); when fitting starts, what
             :func:`~lightning_seqpar.offload.apply_offload` and
             :func:`~lightning_seqpar.offload.check_offload_with_recompute` refuse, and compiled blocks (``compile=True``:
             the saved-tensor hooks run in Python, outside a graph).
     """
 
-    def __init__(self, modules: list[str]) -> None:
-        self.modules = check_offload_modules(modules)
+    def __init__(self, modules: Optional[list[str]] = None, memory_budget: Optional[float] = None,
+                 bytes_per_element: Optional[int] = None) -> None:
+        if (modules is None) == (memory_budget is None) or (memory_budget is not None and memory_budget <= 0):
+            raise ValueError(f"ActivationOffload takes modules=[...] or a memory_budget > 0 (bytes), one of them; got "
+                             f"modules={modules!r}, memory_budget={memory_budget!r}.")
+        self.modules = None if modules is None else check_offload_modules(modules)
+        self.memory_budget, self.bytes_per_element = memory_budget, bytes_per_element
         self.pool: Optional[HostPool] = None
+        self.plan: Optional[OffloadPlan] = None
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         compiled = [layer for layer in rewritten_layers(pl_module) if layer.compile_config is not None]
@@ -44,7 +60,8 @@ class ActivationOffload(pl.Callback):
                              f"offload's saved-tensor hooks run in Python, outside the compiled graph. Train with "
                              f"compile=False, or recompute instead (SelectiveRecompute(modules=...)).")
         self.pool = HostPool(trainer.strategy.root_device)
-        apply_offload(pl_module, self.modules, self.pool)
+        if self.modules is not None:
+            apply_offload(pl_module, self.modules, self.pool)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # every callback's on_fit_start has run: a recomputation configured there is known now
@@ -52,8 +69,37 @@ class ActivationOffload(pl.Callback):
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
+        if self.memory_budget is not None and self.plan is None:
+            self.plan = self.choose(trainer, pl_module, *micro_batch_shape(batch))
+            apply_offload(pl_module, list(self.plan.modules) or None, self.pool)  # type: ignore[arg-type]
         if batch_idx == 0:  # SelectiveRecompute("auto") plans at the first batch: check after it, whatever the order
             check_offload_with_recompute(pl_module)
+
+    def choose(self, trainer: pl.Trainer, model: nn.Module, s: int, b: int) -> OffloadPlan:
+        """This rank's plan for batches of ``b`` sequences of ``s`` tokens (split into the pipeline's micro-batches)."""
+        from lightning_seqpar.pipeline_parallel.schedules import simulate
+
+        assert self.memory_budget is not None
+        strategy = trainer.strategy
+        mesh, config = getattr(strategy, "mesh", None), getattr(getattr(strategy, "parallel", None), "pipeline", None)
+        p, c = (mesh.pp, mesh.cp) if mesh is not None else (1, 1)
+        m, v = (config.num_microbatches, config.virtual_stages) if p > 1 and config is not None else (1, 1)
+        rank = mesh.pipeline.rank if p > 1 else 0
+        layers = [layer for layer in rewritten_layers(model)
+                  if layer.pipeline_stage is None or layer.pipeline_stage % p == rank]
+        shape, t, sp = model_shape(model, s, max(1, b // m))  # the whole sequence: the terms divide by c
+        in_flight = simulate(config.schedule, m, p, v)[rank] if p > 1 else 1
+        selective = any(isinstance(x, CoreAttention) and x.recompute for layer in layers for x in layer.modules())
+        whole = sum(layer.checkpointed_whole for layer in layers)
+        element = self.bytes_per_element or next(model.parameters()).element_size()
+        budget = self.memory_budget - in_flight * (whole / v) * layer_activation_bytes(
+            shape, t, sp, "full", element, c=c)
+        if whole == len(layers):  # every layer keeps only its input: nothing to offload
+            return plan_offload(shape, t, sp, self.memory_budget, max(1, whole // v), in_flight, "full",
+                                bytes_per_element=element, c=c)
+        return plan_offload(shape, t, sp, budget, max(1, (len(layers) - whole) // v), in_flight,
+                            "selective" if selective else "none",
+                            ["mlp"] if any(layer.recompute_mlp for layer in layers) else [], element, c=c)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         apply_offload(pl_module, None, self.pool)  # type: ignore[arg-type]

@@ -1,0 +1,84 @@
+"""Which modules to offload for a byte budget: a pure function of the configuration, no warm-up iteration.
+
+Offloading frees on the device exactly the bytes it moves (:func:`~lightning_seqpar.memory.activations.
+offloaded_activation_terms`), so every choice that fits trades the same thing, host-link traffic, for memory: the plan
+is the set of modules that fits with the fewest bytes moved. Under the pipeline a rank holds its layers' activations
+for as many micro-batches as its schedule keeps in flight (:func:`~lightning_seqpar.pipeline_parallel.schedules.
+simulate`: p − r for rank r under 1F1B), so ranks with fewer in flight offload less, each deciding from its own
+count — every rank of a stage decides the same.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Sequence
+
+from lightning_seqpar.memory.activations import (Recompute, TransformerShape, layer_activation_terms,
+                                                 offloaded_activation_terms)
+from lightning_seqpar.offload.apply import OFFLOAD_MODULES
+
+
+@dataclass(frozen=True)
+class OffloadPlan:
+    """The modules to offload and what that leaves (bytes, one rank, at its pipeline peak)."""
+
+    modules: tuple[str, ...]
+    """the chosen modules, in :data:`~lightning_seqpar.offload.OFFLOAD_MODULES`' order (empty: none needed)"""
+    device_bytes: float
+    """layer activations left on the device with ``in_flight`` micro-batches of ``layers`` layers held"""
+    host_bytes: float
+    """what waits in host memory then"""
+    moved_per_micro_batch: float
+    """bytes copied to the host by one micro-batch's forward through the rank's layers (and back in its backward)"""
+    in_flight: int
+    layers: int
+
+
+def plan_offload(shape: TransformerShape, t: int, sequence_parallel: bool, budget: float, layers: int,
+                 in_flight: int = 1, recompute: Recompute = "none", modules: Sequence[str] = (),
+                 bytes_per_element: int = 2, mask_bytes: int = 1, c: int = 1,
+                 norm_statistics_bytes: int = 0) -> OffloadPlan:
+    """The subset of :data:`~lightning_seqpar.offload.OFFLOAD_MODULES` whose layer activations fit ``budget`` bytes
+    with the fewest bytes moved (ties: fewer modules, then the earlier modules); none when nothing needs to move.
+
+    Args:
+        shape: s, b (the micro-batch), h, a, f.
+        t, sequence_parallel, c, recompute, modules, bytes_per_element, mask_bytes, norm_statistics_bytes: as
+            :func:`~lightning_seqpar.memory.activations.layer_activation_terms` (``modules``: recomputation by module;
+            a module recomputed is not offloaded).
+        budget: bytes of layer activations allowed on the device (all ``in_flight`` micro-batches).
+        layers: transformer layers this rank holds (per model chunk times chunks).
+        in_flight: micro-batches whose activations the rank holds at once (its schedule's peak; 1 without a pipeline).
+
+    Raises:
+        ValueError: ``budget`` not positive, ``layers`` or ``in_flight`` below 1, or no choice fits (naming the least
+            it can leave and the fixes).
+    """
+    if budget <= 0 or layers < 1 or in_flight < 1:
+        raise ValueError(f"budget must be > 0 bytes and layers, in_flight >= 1; got budget={budget}, layers={layers}, "
+                         f"in_flight={in_flight}.")
+    options = dict(t=t, sequence_parallel=sequence_parallel, recompute=recompute, bytes_per_element=bytes_per_element,
+                   mask_bytes=mask_bytes, c=c, modules=modules, norm_statistics_bytes=norm_statistics_bytes)
+    allowed = [m for m in OFFLOAD_MODULES if not _conflicts(m, recompute, modules, c)]
+    held = in_flight * layers
+    best = None
+    for size in range(len(allowed) + 1):
+        for chosen in itertools.combinations(allowed, size):
+            left = held * sum(layer_activation_terms(shape, offload=chosen, **options).values())
+            moved = layers * sum(offloaded_activation_terms(shape, offload=chosen, **options).values())
+            if left <= budget and (best is None or moved < best.moved_per_micro_batch):
+                best = OffloadPlan(chosen, left, in_flight * moved, moved, in_flight, layers)
+    if best is None:
+        least = held * sum(layer_activation_terms(shape, offload=allowed, **options).values())
+        raise ValueError(f"No activation offload fits budget={budget:,.0f} bytes: offloading every module "
+                         f"({allowed}) still leaves {least:,.0f} bytes for {in_flight} micro-batch(es) in flight of "
+                         f"{layers} layer(s). Raise the budget, recompute whole layers (SelectiveRecompute('full')), or "
+                         f"split the activations further (a larger tp or cp, or a smaller micro-batch).")
+    return best
+
+
+def _conflicts(module: str, recompute: str, modules: Sequence[str], c: int) -> bool:
+    """Whether ``module`` is recomputed (and so has nothing to offload)."""
+    return (module == "core_attn" and (recompute == "selective" or "core_attn" in modules) and c == 1) or (
+        module == "mlp" and "mlp" in modules)
