@@ -27,28 +27,50 @@ from lightning_seqpar.tensor_parallel.sharding import padded_size
 
 
 def layer_bytes(inventory: ModelInventory, s: int, b: int, t: int, sequence_parallel: bool = True,
-                recompute: str = "selective", element: int = 2, dropout: bool = False) -> float:
-    """Bytes one layer keeps for backward per micro-batch on one tensor-parallel rank (see the module docstring).
+                recompute: str = "selective", element: int = 2, dropout: bool = False,
+                modules: tuple[str, ...] = (), offload: tuple[str, ...] = ()) -> float:
+    """Bytes one layer keeps for backward per micro-batch on one tensor-parallel rank, on the device (see the module
+    docstring). ``modules``: recomputation by module beyond ``recompute`` (``"mlp"``: the MLP keeps its input only);
+    ``offload``: modules whose saved tensors wait in host memory (:func:`offloaded_layer_bytes`).
 
     Raises:
         ValueError: an unknown ``recompute``.
     """
+    terms = _layer_terms(inventory, s, b, t, sequence_parallel, recompute, element, dropout, modules)
+    return sum(v for k, v in terms.items() if k not in offload)
+
+
+def offloaded_layer_bytes(inventory: ModelInventory, s: int, b: int, t: int, sequence_parallel: bool = True,
+                          recompute: str = "selective", element: int = 2, dropout: bool = False,
+                          modules: tuple[str, ...] = (), offload: tuple[str, ...] = ()) -> float:
+    """Bytes ``offload``'s modules copy to the host per layer and micro-batch (and back in backward): the terms of
+    :func:`layer_bytes` they name (the norms' inputs, the projections' inputs, q/k/v and core attention, the MLP's
+    inner activations); nothing under full recomputation."""
+    terms = _layer_terms(inventory, s, b, t, sequence_parallel, recompute, element, dropout, modules)
+    return sum(v for k, v in terms.items() if k in offload)
+
+
+def _layer_terms(inventory: ModelInventory, s: int, b: int, t: int, sequence_parallel: bool, recompute: str,
+                 element: int, dropout: bool, modules: tuple[str, ...]) -> dict[str, float]:
+    """The layer's bytes by the module that saves them (:data:`~lightning_seqpar.offload.OFFLOAD_MODULES` names;
+    ``kept``: what no module offloads, the residual dropouts' masks, or the layer input under full recomputation)."""
     if recompute not in ("none", "selective", "full"):
         raise ValueError(f"recompute must be 'none', 'selective' or 'full', got {recompute!r}.")
     split = t if sequence_parallel and t > 1 else 1
     h, a, g, d, f = (inventory.hidden_size, inventory.num_heads, inventory.num_kv_heads, inventory.head_dim,
                      inventory.ffn_hidden_size)
-    if recompute == "full":
-        return element * s * b * h / split
-    whole = 4 * element * s * b * h / split + (2 * s * b * h / split if dropout else 0)
-    heads = (2 * a * d + 2 * g * d) * element * s * b / t
-    mlp = (3 if inventory.gated_mlp else 2) * element * s * b * f / t
+    sbh = element * s * b * h / split
+    if recompute == "full" or "full" in modules:
+        return {"kept": sbh}
     core = 0.0
-    if recompute == "none" and inventory.eager_attention:
+    if recompute == "none" and "core_attn" not in modules and inventory.eager_attention:
         core = element * a * s * s * b / t
         if inventory.attention_dropout > 0:
             core += (1 + element) * a * s * s * b / t
-    return whole + heads + mlp + core
+    inner = 0.0 if "mlp" in modules else (3 if inventory.gated_mlp else 2) * element * s * b * f / t
+    return {"attn_norm": sbh, "qkv_linear": sbh, "core_attn": (a * d + 2 * g * d) * element * s * b / t + core,
+            "attn_proj": a * d * element * s * b / t, "mlp_norm": sbh, "mlp": sbh + inner,
+            "kept": 2 * s * b * h / split if dropout else 0.0}
 
 
 def outside_layers_bytes(inventory: ModelInventory, s: int, b: int, t: int, last: bool,

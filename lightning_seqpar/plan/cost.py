@@ -44,6 +44,8 @@ class Hardware:
         intra_node_bandwidth, inter_node_bandwidth: bytes/s per GPU, one direction (NVLink; the network).
         gpus_per_node: GPUs sharing the intra-node bandwidth.
         efficiency: the fraction of peak FLOP/s a GEMM-bound step reaches (0.5 by default).
+        host_bandwidth: bytes/s per GPU, one direction, between the GPU and pinned host memory (activation offload;
+            25e9: PCIe 4.0 x16 as measured, about half a PCIe 5.0 link's).
     """
 
     peak_flops: float = 989e12
@@ -52,6 +54,7 @@ class Hardware:
     inter_node_bandwidth: float = 50e9
     gpus_per_node: int = 8
     efficiency: float = 0.5
+    host_bandwidth: float = 25e9
 
     @classmethod
     def named(cls, name: str, **overrides: float) -> "Hardware":

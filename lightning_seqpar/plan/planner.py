@@ -13,15 +13,16 @@ from __future__ import annotations
 
 import functools
 import itertools
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Optional
 
 from lightning_seqpar.memory.activations import TransformerShape
-from lightning_seqpar.memory.flops import hardware_flops_per_iteration, model_flops_per_iteration
+from lightning_seqpar.memory.flops import hardware_flops_per_iteration, mlp_forward_flops, model_flops_per_iteration
 from lightning_seqpar.pipeline_parallel.schedules import build_schedule, resolve_schedule
 from lightning_seqpar.plan.activations import layer_bytes, outside_layers_bytes
 from lightning_seqpar.plan.cost import Hardware, ring_bytes
 from lightning_seqpar.plan.inventory import ModelInventory
+from lightning_seqpar.plan.memory_choices import host_traffic, largest_offloaded_share, memory_choice_rule
 from lightning_seqpar.plan.state import (
     OPTIMIZER_STATES,
     PARAMETER_BYTES,
@@ -51,6 +52,8 @@ class LayoutRecord:
     Attributes:
         tp, cp, pp, vpp, dp, zero, micro_batch, num_microbatches, recompute, main_params: the layout.
         ep: the expert-parallel size of a mixture of experts (experts whole on each rank; 1 for a dense model).
+        modules: recomputation by module beside ``recompute`` (``("mlp",)``: the MLP keeps its input only).
+        offload: modules whose saved tensors wait in host memory (:data:`~lightning_seqpar.offload.OFFLOAD_MODULES`).
         cp_comm: the context-parallel attention's communication, ``ring`` or ``all_to_all`` (with ``cp > 1``). A
             rank of ``cp = c`` holds ``s/c`` tokens (``dp`` counts replicas reading different batches, context-parallel
             peers excluded: the data group that reduces gradients and shards ZeRO has ``d·c`` ranks).
@@ -68,6 +71,8 @@ class LayoutRecord:
             attention's ring or all-to-all transfers).
         bubble: the pipeline bubble's fraction of the compute time.
         step_time: predicted seconds per step and its terms.
+        host: with ``offload``: ``moved_per_step`` (bytes one rank copies to the host per step, and back) and ``held``
+            (bytes waiting there at its peak): :mod:`.memory_choices`.
         other: what ``bytes["other"]`` is made of at the peak: ``forward`` (the last layer's core attention
             temporaries at the end of a forward, the last step's gradients still alive), ``backward`` (a backward's
             transients),
@@ -87,6 +92,8 @@ class LayoutRecord:
     main_params: bool
     ep: int = 1
     cp_comm: str = "ring"
+    modules: tuple[str, ...] = ()
+    offload: tuple[str, ...] = ()
     feasible: bool = False
     reason: Optional[str] = None
     bytes: dict[str, int] = field(default_factory=dict)
@@ -96,6 +103,7 @@ class LayoutRecord:
     bubble: float = 0.0
     step_time: dict[str, float] = field(default_factory=dict)
     other: dict[str, int] = field(default_factory=dict)
+    host: dict[str, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -226,6 +234,9 @@ def _rule(record: LayoutRecord, inventory: ModelInventory, s: int, global_batch:
         return "selective recomputation has nothing to recompute under cp (blockwise attention keeps no s² tensor)"
     if record.recompute == "selective" and not inventory.eager_attention:
         return "selective recomputation has nothing to recompute in fused attention (sdpa keeps no s² tensor)"
+    choice = memory_choice_rule(record.recompute, record.modules, record.offload, cp, inventory.eager_attention)
+    if choice is not None:
+        return choice
     if inventory.num_layers % (pp * vpp):
         return f"layers={inventory.num_layers} not divisible by pp·vpp={pp * vpp}"
     if global_batch % (dp * mbs):
@@ -254,13 +265,16 @@ def _layer_bytes(record: LayoutRecord, inventory: ModelInventory, s: int, precis
         recompute = "selective" if inventory.eager_attention else "none"
         if inventory.eager_attention:
             extra = context_attention_kept(inventory, s, record.micro_batch, record.tp, cp, element)
+    choices = dict(modules=record.modules, offload=record.offload)
     if fits is None or inventory.config is None:
-        return extra + layer_bytes(inventory, local, record.micro_batch, record.tp, True, recompute, element, dropout)
-    key = (inventory.probe_key, record.tp, recompute, precision)
+        return extra + layer_bytes(inventory, local, record.micro_batch, record.tp, True, recompute, element, dropout,
+                                   **choices)
+    key = (inventory.probe_key, record.tp, recompute, precision) + ((record.modules, record.offload)
+                                                                    if record.modules or record.offload else ())
     if key not in fits:
         from lightning_seqpar.plan.probe import fit_layer
 
-        fits[key] = fit_layer(inventory.config, record.tp, True, recompute, precision, inventory.experts)
+        fits[key] = fit_layer(inventory.config, record.tp, True, recompute, precision, inventory.experts, **choices)
     measured = extra + fits[key].bytes(local, record.micro_batch, inventory.head_dim, inventory.ffn_hidden_size,
                                        quadratic=cp == 1)
     if precision == "bf16-mixed" and recompute != "full":
@@ -350,10 +364,18 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
     element = 2 if precision.startswith("bf16") else PARAMETER_BYTES[precision]
     layout = stage_layout(inventory, pp, vpp)
     per_layer = _layer_bytes(record, inventory, s, precision, dropout, fits)
-    recomputed = 0.0  # what a layer's backward makes again: its kept bytes without recomputation, less with it
-    if record.recompute != "none":
-        whole = LayoutRecord(tp, cp, pp, vpp, dp, record.zero, b, m, "none", record.main_params, ep=record.ep)
+    # What a layer's backward makes again or brings back: its kept bytes without recomputation and offload, less
+    # with them. Of it, what the offload moves (the same layer's bytes with and without it).
+    moved = recomputed = 0.0
+    if record.recompute != "none" or record.modules:
+        whole = LayoutRecord(tp, cp, pp, vpp, dp, record.zero, b, m, "none", record.main_params, ep=record.ep,
+                             offload=record.offload)
         recomputed = max(0.0, _layer_bytes(whole, inventory, s, precision, dropout, fits) - per_layer)
+    if record.offload:
+        moved = max(0.0, _layer_bytes(replace(record, offload=()), inventory, s, precision, dropout, fits) - per_layer)
+        # Brought back module by module as the backward reaches each, and freed once its nodes have run: the largest
+        # module's share at once (the shares of the analytic terms).
+        recomputed += moved * largest_offloaded_share(inventory, local, b, tp, record, element, dropout)
     worst: tuple[float, int, dict[str, int], dict[str, int]] = (-1.0, 0, {}, {})
     parameter = PARAMETER_BYTES[precision]
     outside, prologue = _outside_bytes(record, inventory, s, precision, element, fits)
@@ -395,7 +417,7 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
             # probabilities are the attention's own, and stay until it runs): its temporaries count beyond that.
             # Not under a pipeline: there the tracker measures a stage's peak above even the whole layer (pp 2,
             # s 1024 in the calibration), so nothing is counted as freed.
-            halved = record.recompute != "none" and pp == 1
+            halved = (record.recompute != "none" or bool(record.modules or record.offload)) and pp == 1
             spent = (per_layer / 2 if halved else 0.0) + (epilogue if last else 0.0)
             moment = {"backward": max(backward_transient_bytes(inventory, local, b, tp, element, gradient, last,
                                                                accumulating, recomputed, largest=largest,
@@ -430,6 +452,8 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
                              num_kv_heads=inventory.num_kv_heads, gated_mlp=inventory.gated_mlp)
     model = model_flops_per_iteration(shape, global_batch)
     executed = hardware_flops_per_iteration(shape, global_batch, record.recompute)
+    if "mlp" in record.modules:  # one more MLP forward per layer
+        executed += inventory.num_layers * mlp_forward_flops(shape, global_batch)
     record.flops = {"model": model, "hardware": executed}
     sbh = element * local * b * inventory.hidden_size
     layers_per_rank = inventory.num_layers // pp
@@ -462,6 +486,11 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
                                                          else hardware.intra_node_bandwidth),
         "bubble": record.bubble * compute,
     }
+    if record.offload:  # the host holds, at most, what the rank with the most layer-micro-batches in flight offloaded
+        held = max(sum(n * layout.sizes[layout.stages_of(rank)[c]] for c, n in enumerate(counts))
+                   for rank in range(pp) for counts, _, _ in _backward_moments(name, m, pp, vpp, rank))
+        record.host, times["offload"] = host_traffic(moved, layers_per_rank, m, held, compute,
+                                                     hardware.host_bandwidth)
     times["total"] = sum(times.values())
     record.step_time = times
     budget = headroom * hardware.memory

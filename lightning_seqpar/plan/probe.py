@@ -54,15 +54,20 @@ class LayerFit:
 
 
 def measure_layer(config: Any, tp: int, sequence_parallel: bool, recompute: str, precision: str, s: int, b: int,
-                  overrides: Optional[dict] = None, whole: bool = False) -> int:
+                  overrides: Optional[dict] = None, whole: bool = False, modules: tuple[str, ...] = (),
+                  offload: tuple[str, ...] = ()) -> int:
     """Bytes the middle decoder layer of a small copy of the model of ``config`` keeps for backward on rank 0 of
-    ``tp`` emulated ranks (see the module docstring); ``whole``: what the whole forward keeps."""
-    layer, everything, _ = measure(config, tp, sequence_parallel, recompute, precision, s, b, overrides)
+    ``tp`` emulated ranks (see the module docstring); ``whole``: what the whole forward keeps. ``modules``:
+    recomputation by module beside ``recompute``; ``offload``: modules whose saved tensors go to a host pool (the
+    device bytes are what is measured)."""
+    layer, everything, _ = measure(config, tp, sequence_parallel, recompute, precision, s, b, overrides, modules,
+                                   offload)
     return everything if whole else layer
 
 
 def measure(config: Any, tp: int, sequence_parallel: bool, recompute: str, precision: str, s: int, b: int,
-            overrides: Optional[dict] = None) -> tuple[int, int, int]:
+            overrides: Optional[dict] = None, modules: tuple[str, ...] = (),
+            offload: tuple[str, ...] = ()) -> tuple[int, int, int]:
     """``(middle layer, whole forward, prologue)``: the bytes each keeps for backward (see :func:`measure_layer`);
     the prologue is what the base model makes before its layers besides the embedding (the attention mask, the
     rotary tables, the position ids), which every pipeline stage's forward makes again."""
@@ -72,7 +77,8 @@ def measure(config: Any, tp: int, sequence_parallel: bool, recompute: str, preci
     from lightning_seqpar.memory.tracker import LiveActivationTracker
     from lightning_seqpar.parallel.emulated import run_emulated
     from lightning_seqpar.policies import rewrite
-    from lightning_seqpar.recompute import apply_recompute
+    from lightning_seqpar.offload import HostPool, apply_offload
+    from lightning_seqpar.recompute import apply_recompute, apply_recompute_modules
     from lightning_seqpar.transformer.context import RewriteContext
 
     small = small_config(config, tp, _small_overrides(config, overrides))
@@ -85,6 +91,11 @@ def measure(config: Any, tp: int, sequence_parallel: bool, recompute: str, preci
         rewrite(model, RewriteContext(group, sequence_parallel, None, True), verify=False)
         if recompute != "none":
             apply_recompute(model, recompute)
+        if modules:  # by module: the modules with what recompute already recomputes
+            apply_recompute_modules(model, [*modules, *({"selective": ["core_attn"], "full": ["full"]}.get(
+                recompute, []))])
+        if offload:
+            apply_offload(model, list(offload), HostPool("cpu"))
         autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed")
         # (the CUDA rule for norms and softmax is in force around the emulated ranks: measure())
         if group.rank != 0:
@@ -117,8 +128,10 @@ def _small_overrides(config: Any, overrides: Optional[dict]) -> dict:
 
 
 def fit_layer(config: Any, tp: int, sequence_parallel: bool = True, recompute: str = "selective",
-              precision: str = "bf16-mixed", experts: Any = None) -> LayerFit:
-    """The coefficients of :class:`LayerFit` for ``config``'s layer under the layout, from the probes.
+              precision: str = "bf16-mixed", experts: Any = None, modules: tuple[str, ...] = (),
+              offload: tuple[str, ...] = ()) -> LayerFit:
+    """The coefficients of :class:`LayerFit` for ``config``'s layer under the layout, from the probes (``modules``,
+    ``offload``: recomputation by module and activation offload, applied to the probes as to the run).
 
     ``experts``: the model's :class:`~lightning_seqpar.plan.inventory.ExpertShape` (a mixture of experts). Its probes
     keep the layer's widths in proportion: for a probe width ``f`` (the MLP width a token goes through,
@@ -144,7 +157,8 @@ def fit_layer(config: Any, tp: int, sequence_parallel: bool = True, recompute: s
         if experts is not None:
             overrides.update(_expert_widths(experts, f))
         rows.append(_terms(b, s, d, f))
-        kept.append(float(measure_layer(config, tp, sequence_parallel, recompute, precision, s, b, overrides)))
+        kept.append(float(measure_layer(config, tp, sequence_parallel, recompute, precision, s, b, overrides,
+                                        modules=modules, offload=offload)))
     return LayerFit(*_least_squares(rows, kept))
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_seqpar import SelectiveRecompute, SeqParallelStrategy
+from lightning_seqpar import ActivationOffload, SelectiveRecompute, SeqParallelStrategy
 from lightning_seqpar.lightning.config import DataParallelConfig
 from lightning_seqpar.memory.peak import PeakMemoryTracker
 from lightning_seqpar.plan import Hardware, LayoutRecord, inventory_of_hf_model, predict
@@ -49,6 +49,32 @@ MOE_LAYOUTS = [
     (2, 1, 1, 1, 2, "full", "32-true", "1F1B", 1), (1, 1, 1, 0, 2, "none", "32-true", "1F1B", 4),
     (2, 2, 1, 0, 1, "none", "32-true", "1F1B", 1),  # d = 1 but edp = 2: the gradients live in buckets
 ]
+
+
+# Recomputation by module and activation offload: the recompute column is (granularity, by module, offloaded)
+MEMORY_LAYOUTS = [
+    (2, 1, 1, 0, 2, ("selective", ("mlp",), ()), "32-true"),
+    (2, 1, 1, 0, 2, ("none", (), ("attn_norm", "qkv_linear", "mlp")), "32-true"),
+    (1, 2, 1, 0, 1, ("selective", (), ("attn_proj", "mlp_norm", "mlp")), "bf16-mixed"),
+    (2, 2, 1, 0, 1, ("none", ("mlp",), ("core_attn",)), "32-true"),
+    (1, 1, 1, 0, 2, ("none", (), tuple(["attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "mlp"])),
+     "bf16-mixed"),
+]
+
+
+def _choices(recompute) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
+    return recompute if isinstance(recompute, tuple) else (recompute, (), ())
+
+
+def _memory_callbacks(recompute) -> list:
+    granularity, modules, offload = _choices(recompute)
+    out = []
+    if modules:
+        out.append(SelectiveRecompute(modules=[*modules, *({"selective": ["core_attn"], "full": ["full"]}.get(
+            granularity, []))]))
+    elif granularity != "none":
+        out.append(SelectiveRecompute(granularity=granularity))
+    return out + ([ActivationOffload(modules=list(offload))] if offload else [])
 
 
 def _config(moe: bool = False, s: int = S):
@@ -107,7 +133,7 @@ def _measure(rank, world, layouts=LAYOUTS, moe=False, s=S):
         pipeline = dict(num_microbatches=m, virtual_stages=vpp, schedule=name) if pp > 1 else {}
         parallel = DataParallelConfig(zero=zero, fp32_main_params=zero == 1 and precision == "bf16-true")
         peak = _StepPeak()
-        callbacks = [peak, *([SelectiveRecompute(granularity=recompute)] if recompute != "none" else [])]
+        callbacks = [peak, *_memory_callbacks(recompute)]
         # Micro-batches: the pipeline schedule's under pp, gradient accumulation otherwise.
         batch, accumulate = (GLOBAL_BATCH // dp, 1) if pp > 1 else (mbs, m)
         trainer = pl.Trainer(accelerator="cpu", devices=world, precision=precision, max_steps=2,
@@ -134,10 +160,11 @@ def _errors(layouts, moe, s=S):
     rows = []
     for index, (tp, pp, vpp, zero, mbs, recompute, precision, *schedule) in enumerate(layouts):
         cp = schedule[2] if len(schedule) > 2 else 1
-        record = LayoutRecord(tp, cp, pp, vpp, WORLD // (tp * cp * pp), zero, mbs, 0, recompute,
+        granularity, modules, offload = _choices(recompute)
+        record = LayoutRecord(tp, cp, pp, vpp, WORLD // (tp * cp * pp), zero, mbs, 0, granularity,
                               main_params=zero == 1 and precision == "bf16-true",
                               ep=schedule[1] if len(schedule) > 1 else 1,
-                              cp_comm=schedule[3] if len(schedule) > 3 else "ring")
+                              cp_comm=schedule[3] if len(schedule) > 3 else "ring", modules=modules, offload=offload)
         predict(inventory, record, s, GLOBAL_BATCH, hardware=Hardware(memory=1e12), precision=precision, fits=fits,
                 schedule=(schedule or ["1F1B"])[0])
         assert record.feasible, record.reason
@@ -175,6 +202,11 @@ CP_LAYOUTS = [(2, 1, 1, 0, 1, "none", "bf16-mixed", "1F1B", 1, 2), (1, 1, 1, 1, 
               (1, 1, 1, 0, 2, "none", "bf16-mixed", "1F1B", 1, 2, "all_to_all")]
 CP_LONG = [(2, 1, 1, 0, 1, "none", "bf16-mixed", "1F1B", 1, 2), (1, 1, 1, 0, 1, "none", "32-true", "1F1B", 1, 4),
            (1, 1, 1, 0, 1, "none", "bf16-mixed", "1F1B", 1, 2, "all_to_all")]
+
+
+def test_module_recomputation_and_offload_step_peaks_are_predicted_within_the_bound():
+    rows = _errors(MEMORY_LAYOUTS, False)
+    assert all(abs(predicted - peak) / peak <= BOUND for _, _, predicted, _, peak in rows), rows
 
 
 def test_context_parallel_step_peaks_are_predicted_within_the_bound():

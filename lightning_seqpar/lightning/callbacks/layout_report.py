@@ -24,11 +24,24 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 GB = 1e9
 
 
-def _recompute(trainer: pl.Trainer) -> str:
+def _memory_choices(trainer: pl.Trainer) -> tuple[str, tuple[str, ...], Optional[tuple[str, ...]]]:
+    """``(recompute, modules, offload)`` of the run's callbacks as the planner reads them: the paper's granularity,
+    the modules recomputed by module beside it (``("mlp",)``), the modules offloaded (``None``: an offload planned from
+    a budget at the first batch, not known yet)."""
+    from lightning_seqpar.lightning.callbacks.activation_offload import ActivationOffload
     from lightning_seqpar.lightning.callbacks.selective_recompute import SelectiveRecompute
 
-    kinds = [c.granularity for c in trainer.callbacks if isinstance(c, SelectiveRecompute)]
-    return kinds[0] if kinds and kinds[0] in ("selective", "full", "modules") else "none"
+    recompute, modules = "none", ()
+    chosen = [c for c in trainer.callbacks if isinstance(c, SelectiveRecompute)]
+    if chosen and chosen[0].modules is not None:
+        names = chosen[0].modules
+        recompute = "full" if "full" in names else "selective" if "core_attn" in names else "none"
+        modules = ("mlp",) if "mlp" in names else ()
+    elif chosen and chosen[0].granularity in ("selective", "full"):
+        recompute = chosen[0].granularity
+    offloads = [c for c in trainer.callbacks if isinstance(c, ActivationOffload)]
+    offload = () if not offloads else None if offloads[0].modules is None else tuple(offloads[0].modules)
+    return recompute, modules, offload
 
 
 def _planned_model(module: pl.LightningModule) -> Optional[torch.nn.Module]:
@@ -67,15 +80,16 @@ def predicted_peak(trainer: pl.Trainer, module: pl.LightningModule, seq_len: int
     config = strategy.parallel.pipeline
     dp = mesh.dp
     m = config.num_microbatches if mesh.pp > 1 else 1
-    recompute = _recompute(trainer)
-    if recompute == "modules":
-        return None, "the planner does not price recomputation by module (mlp) yet"
+    recompute, modules, offload = _memory_choices(trainer)
+    if offload is None:
+        return None, "the offload is planned from its budget at the first batch, after this prediction"
     if mesh.cp > 1 and recompute == "selective":  # blockwise attention under cp: the callback leaves it as it is
         recompute = "none"
     record = LayoutRecord(mesh.tp, mesh.cp, mesh.pp, config.virtual_stages, dp, strategy.data_parallel.zero,
                           max(1, batch_size // m), m, recompute,
                           main_params=bool(getattr(strategy.data_parallel, "fp32_main_params", False)),
-                          ep=mesh.dims.ep if mesh.dims is not None else 1, cp_comm=strategy.parallel.cp_comm)
+                          ep=mesh.dims.ep if mesh.dims is not None else 1, cp_comm=strategy.parallel.cp_comm,
+                          modules=modules, offload=offload)
     precision = str(trainer.precision)
     inventory, batch = inventory_of_hf_model(model), batch_size * dp * trainer.accumulate_grad_batches
     options = dict(hardware=Hardware(memory=1e15), precision=precision if precision != "64-true" else "32-true")
@@ -88,6 +102,10 @@ def predicted_peak(trainer: pl.Trainer, module: pl.LightningModule, seq_len: int
             predict(inventory, record, seq_len, batch, calibrate=False, **options)
             how = f"Table 2's activations: the probes failed ({type(error).__name__}: {error})"
     how += ", float32 bytes for float64" if precision == "64-true" else ""
+    if record.reason is not None and not record.bytes:
+        return None, f"the planner refuses the layout: {record.reason}"
+    if record.host:
+        how += f"; {record.host['held'] / GB:.3f} GB offloaded to host memory at the peak"
     return record.bytes.get("total"), how
 
 

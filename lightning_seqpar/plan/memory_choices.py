@@ -1,0 +1,61 @@
+"""What the planner says of recomputation by module and activation offload: their rules, the host memory and
+host-link traffic of an offload, and the time that traffic adds to a step.
+
+Offloaded tensors go out on a side stream while the forward computes and come back while the backward computes
+(:mod:`lightning_seqpar.offload`), so a step waits on the host link only for what the compute does not cover: with
+``T = bytes each way / host_bandwidth``, the forward (a third of the compute, Eq. 7's ``2 : 4`` split of forward and
+backward FLOPs) hides ``T`` up to its length and the backward (two thirds) the same for the copies back:
+``max(0, T − compute/3) + max(0, T − 2·compute/3)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from lightning_seqpar.offload.apply import OFFLOAD_MODULES
+
+
+def memory_choice_rule(recompute: str, modules: tuple[str, ...], offload: tuple[str, ...], cp: int,
+                       eager_attention: bool) -> Optional[str]:
+    """Why ``modules`` (recomputation by module beside ``recompute``) and ``offload`` cannot go together with the
+    layout, in the field's words; ``None``: they can."""
+    unknown = [m for m in modules if m not in ("mlp", "core_attn")] + [m for m in offload if m not in OFFLOAD_MODULES]
+    if unknown:
+        return f"{unknown}: not a module recomputed by module (mlp, core_attn) or offloaded ({list(OFFLOAD_MODULES)})"
+    if offload and recompute == "full":
+        return "offload under full recomputation: a layer checkpointed whole keeps only its input, nothing to offload"
+    recomputed_attention = (recompute == "selective" or "core_attn" in modules) and cp == 1 and eager_attention
+    if "core_attn" in offload and recomputed_attention:
+        return "core_attn both recomputed and offloaded: recomputation keeps only q, k, v"
+    if "mlp" in offload and "mlp" in modules:
+        return "mlp both recomputed and offloaded: recomputation keeps only its input"
+    return None
+
+
+def host_traffic(moved_per_layer: float, layers_per_rank: int, num_microbatches: int, held_layers: float,
+                 compute: float, host_bandwidth: float) -> tuple[dict[str, float], float]:
+    """``({"moved_per_step", "held"}, seconds)``: the bytes one rank copies to the host per step (and back), the bytes
+    waiting there at its peak (``held_layers``: the layer-micro-batches in flight then), and the step time the
+    copies add (the module docstring's rule; ``compute``: the step's compute seconds)."""
+    moved = moved_per_layer * layers_per_rank * num_microbatches
+    transfer = moved / host_bandwidth if moved else 0.0
+    exposed = max(0.0, transfer - compute / 3) + max(0.0, transfer - 2 * compute / 3)
+    return {"moved_per_step": moved, "held": moved_per_layer * held_layers}, exposed
+
+
+def largest_offloaded_share(inventory: Any, s: int, b: int, t: int, record: Any, element: int, dropout: bool) -> float:
+    """The largest of the offloaded modules' bytes over their sum (analytic terms, :func:`~.activations.layer_bytes`):
+    a backward brings the offload back module by module and frees each module's share once its nodes have run."""
+    from lightning_seqpar.plan.activations import offloaded_layer_bytes
+
+    options = dict(sequence_parallel=True, recompute=record.recompute, element=element, dropout=dropout,
+                   modules=record.modules)
+    shares = [offloaded_layer_bytes(inventory, s, b, t, offload=(m,), **options) for m in record.offload]
+    return max(shares) / sum(shares) if sum(shares) else 0.0
+
+
+def describe(record: Any) -> str:
+    """The memory choices of a layout record, as the planner's table prints them: ``selective``, ``none+mlp``,
+    ``selective|offload attn_norm,mlp``."""
+    text = record.recompute + "".join(f"+{m}" for m in record.modules)
+    return text + (f"|offload {','.join(record.offload)}" if record.offload else "")
