@@ -23,7 +23,7 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import Tensor
 
-from lightning_seqpar._compat import outside_dispatch_modes
+from lightning_seqpar._compat import outside_dispatch_modes, tensor_version
 
 
 class HostCopy:
@@ -138,7 +138,7 @@ class HostPool:
             storage = t.untyped_storage()
             if storage.data_ptr() in keep or t.numel() == 0:
                 return t
-            key = (storage.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t._version)
+            key = (storage.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, tensor_version(t))
             if key not in seen:
                 seen[key] = (t, self.offload(t))
             copy = seen[key][1]

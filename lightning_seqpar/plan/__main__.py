@@ -1,6 +1,7 @@
 """``python -m lightning_seqpar.plan MODEL --gpus N --gpu-memory 80GB --seq-len S --global-batch B``: the layouts of
 MODEL on N GPUs, ranked (see :mod:`lightning_seqpar.plan.planner`), over tensor, context (``--cp`` to restrict), pipeline and data
-parallel sizes.
+parallel sizes; ``--memory-choices``: layouts too large for the GPU tried again with the MLP recomputed and activations
+offloaded to host memory.
 
 MODEL is a Hugging Face ``config.json``, a directory holding one, or a GPT size of the paper (``gpt-22b``, ``gpt-175b``,
 ``gpt-530b``, ``gpt-1t``). Prints the top feasible layouts with the most loaded rank's bytes by kind, the headroom left,
@@ -21,6 +22,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from lightning_seqpar.checkpoint.hf_export import parse_size
 from lightning_seqpar.plan.cost import Hardware
+from lightning_seqpar.plan.memory_choices import describe
 from lightning_seqpar.plan.models import load_model_config, model_inventory
 from lightning_seqpar.plan.planner import LayoutRecord, plan
 
@@ -49,7 +51,7 @@ def _layout(r: LayoutRecord) -> str:
     return (f"tp{r.tp}{f' cp{r.cp}' if r.cp > 1 else ''} pp{r.pp}{f'×v{r.vpp}' if r.vpp > 1 else ''} dp{r.dp}"
             f"{f' ep{r.ep}' if r.ep > 1 else ''}"
             f"{' zero1' if r.zero else ''} "
-            f"mbs{r.micro_batch} {r.recompute}")
+            f"mbs{r.micro_batch} {describe(r)}")
 
 
 def _rule_of(reason: str) -> str:
@@ -71,10 +73,13 @@ def table(records: list[LayoutRecord], hardware: Hardware, top: int, verbose: bo
         mfu = r.flops["model"] / (r.step_time["total"] * r.tp * r.cp * r.pp * r.dp) / hardware.peak_flops
         lines.append(f"| {i} | {r.tp} | {r.cp} | {r.pp} | {r.vpp} | {r.dp} |{f' {r.ep} |' if experts else ''} {r.zero} | "
                      f"{r.micro_batch} | {r.num_microbatches} | "
-                     f"{r.recompute} | " + " | ".join(f"{b[k] / GB:.1f}" for k in (
+                     f"{describe(r)} | " + " | ".join(f"{b[k] / GB:.1f}" for k in (
                          "parameters", "gradients", "main_params", "optimizer", "activations", "other", "total"))
                      + f" | {(hardware.memory - b['total']) / GB:.1f} | {r.step_time['total']:.2f} | {r.bubble:.2f} | "
                      f"{mfu:.2f} |")
+    traded = [f"- {i}: {r.why}" for i, r in enumerate(feasible, 1) if r.why]
+    if traded:
+        lines.append("\nTraded for memory (recomputation by module, activation offload):\n" + "\n".join(traded))
     if not feasible:
         lines.append("| (no layout fits) |")
     elif feasible[0].other:
@@ -168,6 +173,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--dry-run", action="store_true",
                         help="build each pipeline rank of the top layout at full size on the meta device and print its "
                              "parameter bytes against the prediction")
+    parser.add_argument("--memory-choices", action="store_true",
+                        help="try a layout too large for the GPU again with the MLP recomputed and activations "
+                             "offloaded to host memory (more probes: slower)")
     parser.add_argument("--analytic", action="store_true",
                         help="activations from Table 2's model instead of probes of the model's layer (faster)")
     args = parser.parse_args(argv)
@@ -184,7 +192,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     records = plan(inventory, args.gpus, args.seq_len, args.global_batch, hardware=hardware,
                    precision=args.precision, headroom=args.headroom, calibrate=not args.analytic,
                    optimizer=args.optimizer, context_parallel=tuple(args.cp) if args.cp else None,
-                   cp_comm=args.cp_comm)
+                   cp_comm=args.cp_comm, memory_choices=args.memory_choices)
     if args.json:
         json.dump([r.as_dict() for r in records], sys.stdout, indent=1)
         print()

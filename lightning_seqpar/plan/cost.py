@@ -46,6 +46,7 @@ class Hardware:
         efficiency: the fraction of peak FLOP/s a GEMM-bound step reaches (0.5 by default).
         host_bandwidth: bytes/s per GPU, one direction, between the GPU and pinned host memory (activation offload;
             25e9: PCIe 4.0 x16 as measured, about half a PCIe 5.0 link's).
+        host_memory: bytes of host memory per GPU an offload may fill (250e9: a DGX H100's 2 TB over 8 GPUs).
     """
 
     peak_flops: float = 989e12
@@ -55,6 +56,7 @@ class Hardware:
     gpus_per_node: int = 8
     efficiency: float = 0.5
     host_bandwidth: float = 25e9
+    host_memory: float = 250e9
 
     @classmethod
     def named(cls, name: str, **overrides: float) -> "Hardware":

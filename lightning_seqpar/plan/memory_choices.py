@@ -15,6 +15,18 @@ from typing import Any, Optional
 from lightning_seqpar.offload.apply import OFFLOAD_MODULES
 
 
+TRADES = (
+    (("mlp",), ()),
+    ((), ("attn_norm", "mlp_norm")),
+    ((), ("mlp",)),
+    ((), ("attn_norm", "qkv_linear", "attn_proj", "mlp_norm", "mlp")),
+    ((), OFFLOAD_MODULES),
+)
+"""What the planner tries on a layout too large for the GPU (``memory_choices=True``), as ``(recomputed by module,
+offloaded)``: the MLP recomputed; the norms' inputs offloaded (the residual stream); the MLP's activations; every
+module but core attention; every module."""
+
+
 def memory_choice_rule(recompute: str, modules: tuple[str, ...], offload: tuple[str, ...], cp: int,
                        eager_attention: bool) -> Optional[str]:
     """Why ``modules`` (recomputation by module beside ``recompute``) and ``offload`` cannot go together with the

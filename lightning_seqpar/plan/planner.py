@@ -22,7 +22,9 @@ from lightning_seqpar.pipeline_parallel.schedules import build_schedule, resolve
 from lightning_seqpar.plan.activations import layer_bytes, outside_layers_bytes
 from lightning_seqpar.plan.cost import Hardware, ring_bytes
 from lightning_seqpar.plan.inventory import ModelInventory
-from lightning_seqpar.plan.memory_choices import host_traffic, largest_offloaded_share, memory_choice_rule
+from lightning_seqpar.plan.memory_choices import (TRADES, describe, host_traffic, largest_offloaded_share,
+                                                  memory_choice_rule)
+from lightning_seqpar.plan.rules import layout_rule
 from lightning_seqpar.plan.state import (
     OPTIMIZER_STATES,
     PARAMETER_BYTES,
@@ -71,6 +73,8 @@ class LayoutRecord:
             attention's ring or all-to-all transfers).
         bubble: the pipeline bubble's fraction of the compute time.
         step_time: predicted seconds per step and its terms.
+        why: for a layout :func:`plan` made by trading (``memory_choices=True``): why it recomputes by module or
+            offloads (what the same layout needs without).
         host: with ``offload``: ``moved_per_step`` (bytes one rank copies to the host per step, and back) and ``held``
             (bytes waiting there at its peak): :mod:`.memory_choices`.
         other: what ``bytes["other"]`` is made of at the peak: ``forward`` (the last layer's core attention
@@ -104,6 +108,7 @@ class LayoutRecord:
     step_time: dict[str, float] = field(default_factory=dict)
     other: dict[str, int] = field(default_factory=dict)
     host: dict[str, float] = field(default_factory=dict)
+    why: Optional[str] = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -119,7 +124,8 @@ def plan(inventory: ModelInventory, gpus: int, seq_len: int, global_batch: int, 
          micro_batches: tuple[int, ...] = (1, 2, 4), attention_dropout: bool = False,
          calibrate: bool = True, fits: Optional[dict[tuple, Any]] = None,
          optimizer: str = "adamw", per_rank_batch: bool = False,
-         context_parallel: Optional[tuple[int, ...]] = None, cp_comm: str = "ring") -> list[LayoutRecord]:
+         context_parallel: Optional[tuple[int, ...]] = None, cp_comm: str = "ring",
+         memory_choices: bool = False) -> list[LayoutRecord]:
     """Every layout of ``inventory`` on ``gpus`` GPUs, feasible ones first by predicted step time, then the rejected.
 
     Args:
@@ -136,6 +142,9 @@ def plan(inventory: ModelInventory, gpus: int, seq_len: int, global_batch: int, 
             batch is ``global_batch × dp``.
         context_parallel: the context-parallel sizes c to consider (``None``: every divisor of the GPUs), with
             ``cp_comm`` (``ring`` or ``all_to_all``).
+        memory_choices: a layout too large for the GPU is tried again with recomputation by module and activation
+            offload (:data:`~.memory_choices.TRADES`); those that fit compete with the rest by step time (the offload's
+            host-link time and the MLP's recomputed FLOPs counted), their ``why`` saying what they replaced.
 
     Raises:
         ValueError: ``gpus``, ``seq_len`` or ``global_batch`` below 1, or an unknown precision or optimizer.
@@ -158,12 +167,35 @@ def plan(inventory: ModelInventory, gpus: int, seq_len: int, global_batch: int, 
                 record = LayoutRecord(tp, cp, pp, vpp, dp, zero, mbs, 0, recompute,
                                       main_params=zero == 1 and precision == "bf16-true", ep=ep,
                                       cp_comm=cp_comm if cp > 1 else "ring")
-                _evaluate(record, inventory, seq_len, global_batch * dp if per_rank_batch else global_batch,
-                          hardware, precision, headroom, schedule, attention_dropout, fits if calibrate else None,
-                          optimizer)
+                batch = global_batch * dp if per_rank_batch else global_batch
+                options = (inventory, seq_len, batch, hardware, precision, headroom, schedule, attention_dropout,
+                           fits if calibrate else None, optimizer)
+                _evaluate(record, *options)
                 records.append(record)
+                if memory_choices and record.bytes and not record.feasible:
+                    records += traded(record, options)
     feasible = sorted((r for r in records if r.feasible), key=lambda r: r.step_time["total"])
     return feasible + [r for r in records if not r.feasible]
+
+
+def traded(record: LayoutRecord, options: tuple) -> list[LayoutRecord]:
+    """``record`` (a layout too large for the GPU) with each of :data:`~.memory_choices.TRADES` that its rules allow,
+    evaluated with ``options`` (:func:`_evaluate`'s arguments after the record); each says why in ``why``."""
+    out = []
+    for modules, offload in TRADES:
+        if memory_choice_rule(record.recompute, modules, offload, record.cp, options[0].eager_attention) is not None:
+            continue
+        other = replace(record, modules=modules, offload=offload, feasible=False, reason=None, bytes={}, other={},
+                        host={}, flops={}, collective_bytes={}, step_time={})
+        _evaluate(other, *options)
+        if other.feasible:
+            cost = other.step_time.get("offload", 0.0)
+            other.why = (f"{describe(other)}: {other.bytes['total'] / 1e9:.1f} GB where {record.recompute} alone needs "
+                         f"{record.bytes['total'] / 1e9:.1f} GB" + (
+                             "" if not offload else f", {other.host['moved_per_step'] / 1e9:.1f} GB each way per step"
+                             + (f" adding {cost:.3f} s of host-link time" if cost else " hidden under the compute")))
+        out.append(other)
+    return out
 
 
 def predict(inventory: ModelInventory, record: LayoutRecord, seq_len: int, global_batch: int, *,
@@ -196,58 +228,6 @@ def _check(precision: str, optimizer: str) -> None:
         raise ValueError(f"precision={precision!r}: one of {sorted(PARAMETER_BYTES)}.")
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"optimizer={optimizer!r}: one of {sorted(OPTIMIZER_STATES)} (sgd: with momentum).")
-
-
-def _rule(record: LayoutRecord, inventory: ModelInventory, s: int, global_batch: int, hardware: Hardware) -> Optional[str]:
-    """The first rule ``record`` breaks, in the field's words; ``None``: none."""
-    tp, pp, vpp, dp, mbs = record.tp, record.pp, record.vpp, record.dp, record.micro_batch
-    if tp > hardware.gpus_per_node:
-        return f"tp={tp} spans nodes ({hardware.gpus_per_node} GPUs per node): its collectives need the intra-node links"
-    if inventory.num_heads % tp:
-        return f"heads={inventory.num_heads} not divisible by tp={tp}"
-    if inventory.num_kv_heads % tp:
-        return f"kv_heads={inventory.num_kv_heads} not divisible by tp={tp}"
-    experts = inventory.experts
-    ffn = inventory.ffn_hidden_size if experts is None else experts.shared_ffn  # experts are whole on each rank
-    if ffn % tp:
-        return f"{'shared expert ' if experts else ''}ffn={ffn} not divisible by tp={tp}"
-    if experts is None and record.ep != 1:
-        return f"ep={record.ep} without experts"
-    if experts is not None and experts.num_experts % record.ep:
-        return f"experts={experts.num_experts} not divisible by ep={record.ep}"
-    cp = record.cp
-    if (tp * cp * dp) % record.ep:
-        return (f"ep={record.ep} does not divide tp·cp·dp={tp * cp * dp} (the expert grid folds over the dense "
-                f"one)")
-    if experts is not None and pp > 1 and getattr(inventory.config, "output_router_logits", False):
-        return ("output_router_logits=True under pp: the load-balancing loss pools every layer's router logits, which "
-                "no pipeline stage holds")
-    if cp > 1 and s % (2 * cp * tp):
-        return (f"seq_len={s} not divisible by 2·cp·tp={2 * cp * tp} (context parallelism cuts the sequence into 2·cp "
-                f"chunks for load balance, each split over tp)")
-    if cp > 1 and record.cp_comm == "all_to_all" and (inventory.num_heads // tp % cp or inventory.num_kv_heads // tp % cp):
-        return (f"heads={inventory.num_heads}/kv_heads={inventory.num_kv_heads} per tensor-parallel rank not divisible "
-                f"by cp={cp} (all-to-all context parallelism scatters heads)")
-    if s % tp:
-        return f"seq_len={s} not divisible by tp={tp} (sequence parallelism splits the sequence)"
-    if record.recompute == "selective" and cp > 1:
-        return "selective recomputation has nothing to recompute under cp (blockwise attention keeps no s² tensor)"
-    if record.recompute == "selective" and not inventory.eager_attention:
-        return "selective recomputation has nothing to recompute in fused attention (sdpa keeps no s² tensor)"
-    choice = memory_choice_rule(record.recompute, record.modules, record.offload, cp, inventory.eager_attention)
-    if choice is not None:
-        return choice
-    if inventory.num_layers % (pp * vpp):
-        return f"layers={inventory.num_layers} not divisible by pp·vpp={pp * vpp}"
-    if global_batch % (dp * mbs):
-        return f"global_batch={global_batch} not divisible by dp·micro_batch={dp * mbs}"
-    m = global_batch // (dp * mbs)
-    record.num_microbatches = m
-    if pp > 1 and m < pp:
-        return f"micro-batches={m} < pp={pp}: stages would idle"
-    if vpp > 1 and m % pp:
-        return f"micro-batches={m} not divisible by pp={pp} (the interleaved schedule)"
-    return None
 
 
 def _layer_bytes(record: LayoutRecord, inventory: ModelInventory, s: int, precision: str, dropout: bool,
@@ -356,7 +336,7 @@ def _context_bytes(inventory: ModelInventory, record: LayoutRecord, s: int, elem
 def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_batch: int, hardware: Hardware,
               precision: str, headroom: float, schedule: str, dropout: bool,
               fits: Optional[dict[tuple, Any]] = None, optimizer: str = "adamw") -> None:
-    record.reason = _rule(record, inventory, s, global_batch, hardware)
+    record.reason = layout_rule(record, inventory, s, global_batch, hardware)
     if record.reason is not None:
         return
     tp, pp, vpp, dp, b, m = record.tp, record.pp, record.vpp, record.dp, record.micro_batch, record.num_microbatches
@@ -494,6 +474,10 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
     times["total"] = sum(times.values())
     record.step_time = times
     budget = headroom * hardware.memory
+    if record.host and record.host["held"] > hardware.host_memory:
+        record.reason = (f"offloads {record.host['held'] / 1e9:.1f} GB > {hardware.host_memory / 1e9:g} GB of host memory "
+                         f"per GPU")
+        return
     if record.bytes["total"] > budget:
         record.reason = (f"needs {record.bytes['total'] / 1e9:.1f} GB > {headroom:g} × {hardware.memory / 1e9:g} GB on "
                          f"stage {record.stage}")

@@ -18,8 +18,8 @@ LAYERS = [
     ("rewriting: the policy contract, declared policies, self-checks and the engine", {"rewriting"}),
     ("Hugging Face layouts, weights and models (the [hf] extra)", {"hf"}),
     ("the built-in policies: where the rewriting engine and the Hugging Face layouts meet", {"policies"}),
-    ("runtime: recomputation, pipeline, gradients and optimizer, checkpoint files, the one build sequence of a rank",
-     {"recompute", "pipeline_parallel", "optim", "checkpoint", "build"}),
+    ("runtime: recomputation, activation offload, pipeline, gradients and optimizer, checkpoint files, the one build "
+     "sequence of a rank", {"recompute", "offload", "pipeline_parallel", "optim", "checkpoint", "build"}),
     ("planning: layouts, their bytes per rank and step time", {"plan"}),
     ("Lightning integration", {"lightning"}),
     ("reference models and data (ordinary users of the library)", {"models", "data"}),

@@ -11,7 +11,7 @@ import torch
 
 from lightning_seqpar.plan import Hardware, LayoutRecord, model_inventory, plan, state_bytes
 from lightning_seqpar.plan.__main__ import main
-from lightning_seqpar.plan.planner import _rule
+from lightning_seqpar.plan.rules import layout_rule as _rule
 from lightning_seqpar.plan.state import held_entries, stage_layout
 
 # Published configs, written here (nothing is downloaded).

@@ -9,7 +9,8 @@ import pytest
 
 from lightning_seqpar.plan import Hardware, LayoutRecord, model_inventory, plan, state_bytes
 from lightning_seqpar.plan.inventory import ExpertShape
-from lightning_seqpar.plan.planner import _layer_bytes, _rule, expert_layer_elements
+from lightning_seqpar.plan.planner import _layer_bytes, expert_layer_elements
+from lightning_seqpar.plan.rules import layout_rule as _rule
 from lightning_seqpar.plan.probe import TERMS, fit_layer
 from lightning_seqpar.plan.state import held_entries, stage_layout
 

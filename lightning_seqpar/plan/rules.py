@@ -1,0 +1,64 @@
+"""The strategy's rules a layout must pass before it is priced (:func:`layout_rule`), each refusal in the field's
+words: divisibility of heads, widths, layers, sequence and batch; experts over the grid; the pipeline's micro-batches;
+recomputation that has nothing to recompute; the memory choices that cannot go together (:mod:`.memory_choices`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from lightning_seqpar.plan.cost import Hardware
+from lightning_seqpar.plan.inventory import ModelInventory
+from lightning_seqpar.plan.memory_choices import memory_choice_rule
+
+
+def layout_rule(record: Any, inventory: ModelInventory, s: int, global_batch: int, hardware: Hardware) -> Optional[str]:
+    """The first rule ``record`` breaks, in the field's words; ``None``: none."""
+    tp, pp, vpp, dp, mbs = record.tp, record.pp, record.vpp, record.dp, record.micro_batch
+    if tp > hardware.gpus_per_node:
+        return f"tp={tp} spans nodes ({hardware.gpus_per_node} GPUs per node): its collectives need the intra-node links"
+    if inventory.num_heads % tp:
+        return f"heads={inventory.num_heads} not divisible by tp={tp}"
+    if inventory.num_kv_heads % tp:
+        return f"kv_heads={inventory.num_kv_heads} not divisible by tp={tp}"
+    experts = inventory.experts
+    ffn = inventory.ffn_hidden_size if experts is None else experts.shared_ffn  # experts are whole on each rank
+    if ffn % tp:
+        return f"{'shared expert ' if experts else ''}ffn={ffn} not divisible by tp={tp}"
+    if experts is None and record.ep != 1:
+        return f"ep={record.ep} without experts"
+    if experts is not None and experts.num_experts % record.ep:
+        return f"experts={experts.num_experts} not divisible by ep={record.ep}"
+    cp = record.cp
+    if (tp * cp * dp) % record.ep:
+        return (f"ep={record.ep} does not divide tp·cp·dp={tp * cp * dp} (the expert grid folds over the dense "
+                f"one)")
+    if experts is not None and pp > 1 and getattr(inventory.config, "output_router_logits", False):
+        return ("output_router_logits=True under pp: the load-balancing loss pools every layer's router logits, which "
+                "no pipeline stage holds")
+    if cp > 1 and s % (2 * cp * tp):
+        return (f"seq_len={s} not divisible by 2·cp·tp={2 * cp * tp} (context parallelism cuts the sequence into 2·cp "
+                f"chunks for load balance, each split over tp)")
+    if cp > 1 and record.cp_comm == "all_to_all" and (inventory.num_heads // tp % cp or inventory.num_kv_heads // tp % cp):
+        return (f"heads={inventory.num_heads}/kv_heads={inventory.num_kv_heads} per tensor-parallel rank not divisible "
+                f"by cp={cp} (all-to-all context parallelism scatters heads)")
+    if s % tp:
+        return f"seq_len={s} not divisible by tp={tp} (sequence parallelism splits the sequence)"
+    if record.recompute == "selective" and cp > 1:
+        return "selective recomputation has nothing to recompute under cp (blockwise attention keeps no s² tensor)"
+    if record.recompute == "selective" and not inventory.eager_attention:
+        return "selective recomputation has nothing to recompute in fused attention (sdpa keeps no s² tensor)"
+    choice = memory_choice_rule(record.recompute, record.modules, record.offload, cp, inventory.eager_attention)
+    if choice is not None:
+        return choice
+    if inventory.num_layers % (pp * vpp):
+        return f"layers={inventory.num_layers} not divisible by pp·vpp={pp * vpp}"
+    if global_batch % (dp * mbs):
+        return f"global_batch={global_batch} not divisible by dp·micro_batch={dp * mbs}"
+    m = global_batch // (dp * mbs)
+    record.num_microbatches = m
+    if pp > 1 and m < pp:
+        return f"micro-batches={m} < pp={pp}: stages would idle"
+    if vpp > 1 and m % pp:
+        return f"micro-batches={m} not divisible by pp={pp} (the interleaved schedule)"
+    return None
