@@ -31,9 +31,11 @@ def memory_choice_rule(recompute: str, modules: tuple[str, ...], offload: tuple[
                        eager_attention: bool) -> Optional[str]:
     """Why ``modules`` (recomputation by module beside ``recompute``) and ``offload`` cannot go together with the
     layout, in the field's words; ``None``: they can."""
-    unknown = [m for m in modules if m not in ("mlp", "core_attn")] + [m for m in offload if m not in OFFLOAD_MODULES]
+    unknown = [m for m in modules if m not in ("mlp", "moe", "core_attn")] + [
+        m for m in offload if m not in OFFLOAD_MODULES]
     if unknown:
-        return f"{unknown}: not a module recomputed by module (mlp, core_attn) or offloaded ({list(OFFLOAD_MODULES)})"
+        return (f"{unknown}: not a module recomputed by module (mlp, moe, core_attn) or offloaded "
+                f"({list(OFFLOAD_MODULES)})")
     if offload and recompute == "full":
         return "offload under full recomputation: a layer checkpointed whole keeps only its input, nothing to offload"
     recomputed_attention = (recompute == "selective" or "core_attn" in modules) and cp == 1 and eager_attention

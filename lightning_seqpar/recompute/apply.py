@@ -166,12 +166,13 @@ def apply_recompute_plan(model: nn.Module, plan: RecomputePlan) -> None:
         apply_recompute(model, plan.granularity)
 
 
-RECOMPUTE_MODULES = ("core_attn", "mlp", "full")
+RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "full")
 """The modules :func:`apply_recompute_modules` recomputes (Megatron-Core's ``recompute_modules`` names): the core
 attention (QKᵀ, softmax, dropout, ·V: the paper's selective recomputation), a dense MLP (its inner ``[s, b, f/t]``
-activations: the all-gathered input, the fc1 outputs, the activation), whole layers."""
+activations: the all-gathered input, the fc1 outputs, the activation), a mixture of experts (router, dispatch, experts,
+combine and shared expert run again in backward, their all-to-alls included; only its input is kept), whole layers."""
 
-NOT_YET = ("layernorm", "moe_act", "moe", "shared_experts")
+NOT_YET = ("layernorm", "moe_act", "shared_experts")
 
 
 def check_recompute_modules(modules: Any) -> list[str]:
@@ -202,24 +203,29 @@ def apply_recompute_modules(model: nn.Module, modules: Any, method: Literal["uni
 
     Raises:
         ValueError: no module named, a name not in :data:`RECOMPUTE_MODULES` (those Megatron-Core has that this does
-            not yet, named as such), ``"mlp"`` on a layer whose MLP is a mixture of experts, or a model with nothing
-            to recompute (see :func:`apply_recompute`).
+            not yet, named as such), ``"mlp"`` on a model without a dense MLP or ``"moe"`` on one without a mixture of
+            experts (naming a layer and the module it has), or a model with nothing to recompute (see
+            :func:`apply_recompute`).
     """
     names = check_recompute_modules(modules)
     from lightning_seqpar.transformer.mlp_part import DenseMLPPart
+    from lightning_seqpar.transformer.moe_part import MoEPart
 
     layers = rewritten_layers(model)
-    if "mlp" in names:
-        other = [layer for layer in layers if not isinstance(getattr(layer, "_mlp", None), DenseMLPPart)]
-        if other:
-            raise ValueError(f"modules=['mlp'] recomputes a dense MLP; {getattr(other[0], '_name', type(other[0]))} "
-                             f"has {type(getattr(other[0], '_mlp', None)).__name__}: recompute it whole "
-                             f"(modules=['full']) or leave 'mlp' out.")
+    kinds = {"mlp": (DenseMLPPart, "a dense MLP", "moe"), "moe": (MoEPart, "a mixture of experts", "mlp")}
+    recomputed_parts = tuple(kinds[n][0] for n in names if n in kinds)
+    for name in (n for n in names if n in kinds):
+        part, what, other_name = kinds[name]
+        if layers and not any(isinstance(getattr(layer, "_mlp", None), part) for layer in layers):
+            label = getattr(layers[0], "_name", type(layers[0]).__name__)
+            raise ValueError(f"modules=['{name}'] recomputes {what}; {label} has "
+                             f"{type(getattr(layers[0], '_mlp', None)).__name__}: recompute it with "
+                             f"modules=['{other_name}'] or whole (modules=['full']), or leave '{name}' out.")
     count = apply_recompute(model, "full" if "full" in names else "none", method, num_layers)
     outside = {id(layer) for layer in _outside_full(model)}
     for layer in layers:
         inside = id(layer) not in outside  # checkpointed whole: its modules are recomputed with it already
-        layer.recompute_mlp = "mlp" in names and not inside
+        layer.recompute_mlp = isinstance(getattr(layer, "_mlp", None), recomputed_parts) and not inside
         count += layer.recompute_mlp
         for m in layer.modules():
             if isinstance(m, CoreAttention):

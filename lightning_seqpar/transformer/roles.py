@@ -84,7 +84,7 @@ class ParallelLayer(nn.Module):
     """
 
     recompute_layer: bool = False
-    recompute_mlp: bool = False  # module recomputation of a dense MLP (SelectiveRecompute(modules=["mlp"]))
+    recompute_mlp: bool = False  # the MLP slot recomputed by module (SelectiveRecompute(modules=["mlp"] / ["moe"]))
     checkpointed_whole: bool = False  # inside full recomputation, alone or in a stack's chunk (set by apply_recompute)
     offload: Any = None  # a LayerOffload: the modules whose saved tensors go to host memory (ActivationOffload)
     compile_config: Any = None  # a CompileConfig: the body runs through torch.compile (set by compile_blocks)

@@ -12,6 +12,7 @@ from lightning_seqpar.offload import HostPool, apply_offload, check_offload_modu
 from lightning_seqpar.offload.plan import OffloadPlan, plan_offload
 from lightning_seqpar.recompute import micro_batch_shape, model_shape, rewritten_layers
 from lightning_seqpar.transformer.core_attention import CoreAttention
+from lightning_seqpar.transformer.mlp_part import DenseMLPPart
 
 
 class ActivationOffload(pl.Callback):
@@ -37,7 +38,8 @@ class ActivationOffload(pl.Callback):
 
     Raises:
         ValueError: a name not in ``OFFLOAD_MODULES``, or not exactly one of ``modules`` and a positive
-            ``memory_budget`` (at construction); a budget nothing fits (at the first batch); when fitting starts, what
+            ``memory_budget`` (at construction); a budget nothing fits, or one for a mixture of experts (at the first
+            batch); when fitting starts, what
             :func:`~lightning_seqpar.offload.apply_offload` and
             :func:`~lightning_seqpar.offload.check_offload_with_recompute` refuse, and compiled blocks (``compile=True``:
             the saved-tensor hooks run in Python, outside a graph).
@@ -89,6 +91,12 @@ class ActivationOffload(pl.Callback):
                   if layer.pipeline_stage is None or layer.pipeline_stage % p == rank]
         shape, t, sp = model_shape(model, s, max(1, b // m))  # the whole sequence: the terms divide by c
         in_flight = simulate(config.schedule, m, p, v)[rank] if p > 1 else 1
+        mixtures = [layer for layer in layers if not isinstance(getattr(layer, "_mlp", None), DenseMLPPart)]
+        if mixtures:
+            raise ValueError(f"ActivationOffload(memory_budget=...) plans by the bytes of mixtures layers; "
+                             f"{getattr(mixtures[0], '_name', type(mixtures[0]).__name__)} has "
+                             f"{type(getattr(mixtures[0], '_mlp', None)).__name__}: name the modules to offload instead "
+                             f"(modules=[...]).")
         selective = any(isinstance(x, CoreAttention) and x.recompute for layer in layers for x in layer.modules())
         whole = sum(layer.checkpointed_whole for layer in layers)
         element = self.bytes_per_element or next(model.parameters()).element_size()

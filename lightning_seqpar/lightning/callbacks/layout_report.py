@@ -26,7 +26,7 @@ GB = 1e9
 
 def _memory_choices(trainer: pl.Trainer) -> tuple[str, tuple[str, ...], Optional[tuple[str, ...]]]:
     """``(recompute, modules, offload)`` of the run's callbacks as the planner reads them: the paper's granularity,
-    the modules recomputed by module beside it (``("mlp",)``), the modules offloaded (``None``: an offload planned from
+    the modules recomputed by module beside it (``("mlp",)``, ``("moe",)``), the modules offloaded (``None``: an offload planned from
     a budget at the first batch, not known yet)."""
     from lightning_seqpar.lightning.callbacks.activation_offload import ActivationOffload
     from lightning_seqpar.lightning.callbacks.selective_recompute import SelectiveRecompute
@@ -36,7 +36,7 @@ def _memory_choices(trainer: pl.Trainer) -> tuple[str, tuple[str, ...], Optional
     if chosen and chosen[0].modules is not None:
         names = chosen[0].modules
         recompute = "full" if "full" in names else "selective" if "core_attn" in names else "none"
-        modules = ("mlp",) if "mlp" in names else ()
+        modules = tuple(n for n in names if n in ("mlp", "moe"))
     elif chosen and chosen[0].granularity in ("selective", "full"):
         recompute = chosen[0].granularity
     offloads = [c for c in trainer.callbacks if isinstance(c, ActivationOffload)]
