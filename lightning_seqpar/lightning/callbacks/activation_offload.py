@@ -93,7 +93,7 @@ class ActivationOffload(pl.Callback):
         in_flight = simulate(config.schedule, m, p, v)[rank] if p > 1 else 1
         mixtures = [layer for layer in layers if not isinstance(getattr(layer, "_mlp", None), DenseMLPPart)]
         if mixtures:
-            raise ValueError(f"ActivationOffload(memory_budget=...) plans by the bytes of mixtures layers; "
+            raise ValueError(f"ActivationOffload(memory_budget=...) plans by the bytes of dense layers; "
                              f"{getattr(mixtures[0], '_name', type(mixtures[0]).__name__)} has "
                              f"{type(getattr(mixtures[0], '_mlp', None)).__name__}: name the modules to offload instead "
                              f"(modules=[...]).")
