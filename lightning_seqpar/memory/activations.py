@@ -97,7 +97,8 @@ def layer_activation_terms(
         bytes_per_element: activation bytes (2 for 16-bit).
         mask_bytes: dropout-mask bytes per element (1).
         modules: recomputation by module beyond ``recompute`` (:data:`~lightning_seqpar.recompute.RECOMPUTE_MODULES`):
-            ``"mlp"`` keeps the MLP's input and drops its inner terms (``"core_attn"`` is ``recompute="selective"``).
+            ``"mlp"`` keeps the MLP's input and drops its inner terms, ``"layernorm"`` drops the norms' outputs (the
+            projections' inputs; ``"core_attn"`` is ``recompute="selective"``).
         offload: modules whose saved tensors wait in host memory (:data:`~lightning_seqpar.offload.OFFLOAD_MODULES`):
             their terms (:data:`OFFLOAD_TERMS`) leave the device; :func:`offloaded_activation_terms` lists them.
         norm_statistics_bytes: bytes per element of the two statistics each LayerNorm saves (mean, rstd ``[s, b]``:
@@ -152,6 +153,9 @@ def _offloaded(terms: dict[str, float], recompute: str, modules: Sequence[str], 
                          "q, k, v for its checkpoint; offload 'qkv_linear' or 'attn_proj' instead.")
     if "mlp" in offload and "mlp" in modules:
         raise ValueError("offload=['mlp'] with the MLP recomputed by module: offload 'mlp_norm' instead.")
+    if "layernorm" in modules and {"attn_norm", "mlp_norm"} & set(offload):
+        raise ValueError("offload=['attn_norm'/'mlp_norm'] with the norms' outputs rebuilt (modules=['layernorm']): the "
+                         "rebuild keeps the norms' inputs on the device; offload 'qkv_linear' or 'mlp' instead.")
     return {name for m in offload for name in OFFLOAD_TERMS[m] if name in terms}
 
 
@@ -161,8 +165,9 @@ def _layer_terms(shape: TransformerShape, t: int, sequence_parallel: bool, recom
         raise ValueError(f"t and c must be >= 1, got t={t}, c={c}.")
     if recompute not in ("none", "selective", "full"):
         raise ValueError(f"recompute must be 'none', 'selective' or 'full', got {recompute!r}.")
-    if any(m not in ("core_attn", "mlp", "full") for m in modules):
-        raise ValueError(f"modules={list(modules)!r}: the modules recomputed are 'core_attn', 'mlp' and 'full'.")
+    if any(m not in ("core_attn", "layernorm", "mlp", "full") for m in modules):
+        raise ValueError(f"modules={list(modules)!r}: the modules recomputed are 'core_attn', 'layernorm', 'mlp' and "
+                         f"'full'.")
     if "full" in modules:
         recompute = "full"
     elif "core_attn" in modules:
@@ -197,6 +202,10 @@ def _layer_terms(shape: TransformerShape, t: int, sequence_parallel: bool, recom
             del terms[name]
     if "mlp" in modules:  # the recomputed MLP keeps its input; its inner activations are made again in backward
         del terms["GeLU input"], terms["fc2 input (GeLU output)"]
+    if "layernorm" in modules:  # the norms' outputs made again from their inputs (a recomputed MLP keeps its input)
+        del terms["QKV input (LN1 output)"]
+        if "mlp" not in modules:
+            del terms["fc1 input (LN2 output)"]
     if norm_statistics_bytes:
         for norm in ("LN1", "LN2"):
             terms[f"{norm} statistics"] = 2 * norm_statistics_bytes * s * b / split

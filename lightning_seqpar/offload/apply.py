@@ -6,7 +6,6 @@ its input; for core attention, q, k, v and what softmax and dropout keep. Parame
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Optional
 
 import torch.nn as nn
@@ -14,6 +13,7 @@ from torch import Tensor
 
 from lightning_seqpar.offload.host_pool import HostPool
 from lightning_seqpar.transformer.masks import FutureMask
+from lightning_seqpar.transformer.saved_tensors import Packer
 
 OFFLOAD_MODULES = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "mlp")
 """The modules whose saved tensors :func:`apply_offload` moves, in a layer's order, with Megatron-Core's names where it
@@ -51,17 +51,17 @@ class LayerOffload:
     def __init__(self, names: list[str], pool: HostPool) -> None:
         self.names, self.pool = frozenset(names), pool
 
-    def saving(self, layer: nn.Module, module: str, shared: tuple[Optional[Tensor], ...] = ()) -> Any:
-        """The offloading context for ``module`` of ``layer`` (one that does nothing when it is not named). What is not
-        one forward's activation stays: parameters, buffers, the cached causal masks and ``shared`` (tensors every
-        layer reads: the model's attention mask, its rotary cos/sin), which would otherwise be copied once per layer
-        and freed by none."""
+    def packer(self, layer: nn.Module, module: str, shared: tuple[Optional[Tensor], ...] = ()) -> Optional[Packer]:
+        """The offloading packer for ``module`` of ``layer`` (``None`` when it is not named). What is not one forward's
+        activation stays: parameters, buffers, the cached causal masks and ``shared`` (tensors every layer reads: the
+        model's attention mask, its rotary cos/sin), which would otherwise be copied once per layer and freed by
+        none."""
         if module not in self.names:
-            return contextlib.nullcontext()
+            return None
         held = [*layer.parameters(), *layer.buffers(), *shared]
         held += [m.future_mask.cached() for m in layer.modules() if isinstance(getattr(m, "future_mask", None),
                                                                               FutureMask)]
-        return self.pool.saving({t.untyped_storage().data_ptr() for t in held if t is not None})
+        return self.pool.packer({t.untyped_storage().data_ptr() for t in held if t is not None})
 
 
 def apply_offload(model: nn.Module, modules: Any, pool: HostPool) -> int:
@@ -104,8 +104,8 @@ def check_offload_with_recompute(model: nn.Module) -> None:
     """Refuse a module both offloaded and recomputed (recomputation keeps nothing of it to offload).
 
     Raises:
-        ValueError: ``core_attn`` offloaded where core attention is recomputed, or ``mlp`` where the MLP is; naming
-            the layer and the fix.
+        ValueError: ``core_attn`` offloaded where core attention is recomputed, ``mlp`` where the MLP is, or a norm's
+            input where the norm's output is rebuilt from it; naming the layer and the fix.
     """
     from lightning_seqpar.recompute.apply import rewritten_layers
     from lightning_seqpar.transformer.core_attention import CoreAttention
@@ -122,3 +122,7 @@ def check_offload_with_recompute(model: nn.Module) -> None:
         if "mlp" in offload.names and layer.recompute_mlp:
             raise ValueError(f"{label}: the MLP is both recomputed and offloaded; recomputation keeps only its input. "
                              f"Offload 'mlp_norm' instead, or recompute without 'mlp'.")
+        if {"attn_norm", "mlp_norm"} & offload.names and layer.recompute_norms:
+            raise ValueError(f"{label}: the norms' outputs are rebuilt from their inputs (recompute 'layernorm'), "
+                             f"which keeps those inputs on the device: offloading 'attn_norm'/'mlp_norm' moves them for "
+                             f"nothing. Offload 'qkv_linear' or 'mlp' instead, or recompute without 'layernorm'.")

@@ -16,14 +16,14 @@ tensors through the same ``torch.autograd.graph.saved_tensors_hooks``.
 
 from __future__ import annotations
 
-import contextlib
 import weakref
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
 
 from lightning_seqpar._compat import outside_dispatch_modes, tensor_version
+from lightning_seqpar.transformer.saved_tensors import Packer, saved_tensor_policy
 
 
 class HostCopy:
@@ -123,12 +123,11 @@ class HostPool:
             self._stream = torch.cuda.Stream(self.device)
         return self._stream
 
-    @contextlib.contextmanager
-    def saving(self, keep: set[int]) -> Iterator[None]:
-        """Within: every tensor autograd saves is offloaded to this pool, except those whose storage's address is in
-        ``keep`` (parameters: they stay where they are) and those not on the pool's device. A tensor saved twice
-        within one ``saving`` is copied once."""
-        # (tensor, its copy) by identity of what it views: the tensor is held until the scope ends, so no other
+    def packer(self, keep: set[int]) -> Packer:
+        """A saved-tensor packer (:class:`~lightning_seqpar.transformer.saved_tensors.Packer`) that offloads every tensor
+        to this pool, except those whose storage's address is in ``keep`` (parameters: they stay where they are) and
+        those not on the pool's device. A tensor saved twice within one region is copied once."""
+        # (tensor, its copy) by identity of what it views: the tensor is held until the region ends, so no other
         # tensor can take its address (and key) meanwhile
         seen: dict[tuple, tuple[Tensor, HostCopy]] = {}
 
@@ -148,8 +147,9 @@ class HostPool:
         def unpack(packed: Any) -> Tensor:
             return self.reload(packed) if isinstance(packed, HostCopy) else packed
 
-        try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-                yield
-        finally:
-            seen.clear()  # autograd keeps the pack hook (and so this dict) as long as what it saved
+        # autograd keeps the pack hook (and so this dict) as long as what it saved: emptied when the region ends
+        return Packer(pack, unpack, seen.clear)
+
+    def saving(self, keep: set[int]) -> Any:
+        """A context within which every tensor autograd saves is offloaded to this pool (:meth:`packer`)."""
+        return saved_tensor_policy(None, self.packer(keep))

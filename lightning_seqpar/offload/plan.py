@@ -79,6 +79,6 @@ def plan_offload(shape: TransformerShape, t: int, sequence_parallel: bool, budge
 
 
 def _conflicts(module: str, recompute: str, modules: Sequence[str], c: int) -> bool:
-    """Whether ``module`` is recomputed (and so has nothing to offload)."""
+    """Whether ``module`` is recomputed (and so has nothing to offload), or keeps its input for a rebuild."""
     return (module == "core_attn" and (recompute == "selective" or "core_attn" in modules) and c == 1) or (
-        module == "mlp" and "mlp" in modules)
+        module == "mlp" and "mlp" in modules) or (module in ("attn_norm", "mlp_norm") and "layernorm" in modules)

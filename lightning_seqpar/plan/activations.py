@@ -31,7 +31,7 @@ def layer_bytes(inventory: ModelInventory, s: int, b: int, t: int, sequence_para
                 modules: tuple[str, ...] = (), offload: tuple[str, ...] = ()) -> float:
     """Bytes one layer keeps for backward per micro-batch on one tensor-parallel rank, on the device (see the module
     docstring). ``modules``: recomputation by module beyond ``recompute`` (``"mlp"``, ``"moe"``: the MLP keeps its
-    input only);
+    input only; ``"layernorm"``: the norms' outputs are not kept);
     ``offload``: modules whose saved tensors wait in host memory (:func:`offloaded_layer_bytes`).
 
     Raises:
@@ -69,8 +69,12 @@ def _layer_terms(inventory: ModelInventory, s: int, b: int, t: int, sequence_par
         if inventory.attention_dropout > 0:
             core += (1 + element) * a * s * s * b / t
     inner = 0.0 if "mlp" in modules or "moe" in modules else (3 if inventory.gated_mlp else 2) * element * s * b * f / t
-    return {"attn_norm": sbh, "qkv_linear": sbh, "core_attn": (a * d + 2 * g * d) * element * s * b / t + core,
-            "attn_proj": a * d * element * s * b / t, "mlp_norm": sbh, "mlp": sbh + inner,
+    rebuilt = "layernorm" in modules  # the norms' outputs (the projections' inputs) made again in backward
+    kept_input = "mlp" in modules or "moe" in modules  # a recomputed MLP keeps its input itself
+    return {"attn_norm": sbh, "qkv_linear": 0.0 if rebuilt else sbh,
+            "core_attn": (a * d + 2 * g * d) * element * s * b / t + core,
+            "attn_proj": a * d * element * s * b / t, "mlp_norm": sbh,
+            "mlp": (0.0 if rebuilt and not kept_input else sbh) + inner,
             "kept": 2 * s * b * h / split if dropout else 0.0}
 
 

@@ -16,6 +16,8 @@ from lightning_seqpar.offload.apply import OFFLOAD_MODULES
 
 
 TRADES = (
+    (("layernorm",), ()),
+    (("layernorm", "mlp"), ()),
     (("mlp",), ()),
     ((), ("attn_norm", "mlp_norm")),
     ((), ("mlp",)),
@@ -23,7 +25,8 @@ TRADES = (
     ((), OFFLOAD_MODULES),
 )
 """What the planner tries on a layout too large for the GPU (``memory_choices=True``), as ``(recomputed by module,
-offloaded)``: the MLP recomputed; the norms' inputs offloaded (the residual stream); the MLP's activations; every
+offloaded)``: the norms' outputs rebuilt (a norm's cost); with the MLP recomputed; the MLP recomputed; the norms' inputs
+offloaded (the residual stream); the MLP's activations; every
 module but core attention; every module."""
 
 
@@ -31,10 +34,10 @@ def memory_choice_rule(recompute: str, modules: tuple[str, ...], offload: tuple[
                        eager_attention: bool) -> Optional[str]:
     """Why ``modules`` (recomputation by module beside ``recompute``) and ``offload`` cannot go together with the
     layout, in the field's words; ``None``: they can."""
-    unknown = [m for m in modules if m not in ("mlp", "moe", "core_attn")] + [
+    unknown = [m for m in modules if m not in ("layernorm", "mlp", "moe", "core_attn")] + [
         m for m in offload if m not in OFFLOAD_MODULES]
     if unknown:
-        return (f"{unknown}: not a module recomputed by module (mlp, moe, core_attn) or offloaded "
+        return (f"{unknown}: not a module recomputed by module (layernorm, mlp, moe, core_attn) or offloaded "
                 f"({list(OFFLOAD_MODULES)})")
     if offload and recompute == "full":
         return "offload under full recomputation: a layer checkpointed whole keeps only its input, nothing to offload"
@@ -43,6 +46,8 @@ def memory_choice_rule(recompute: str, modules: tuple[str, ...], offload: tuple[
         return "core_attn both recomputed and offloaded: recomputation keeps only q, k, v"
     if "mlp" in offload and "mlp" in modules:
         return "mlp both recomputed and offloaded: recomputation keeps only its input"
+    if "layernorm" in modules and {"attn_norm", "mlp_norm"} & set(offload):
+        return "a norm's input offloaded where its output is rebuilt from it (layernorm recomputed)"
     return None
 
 

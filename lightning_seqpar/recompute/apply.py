@@ -69,7 +69,7 @@ def apply_recompute(
     for layer in layers:
         layer.recompute_layer = False
     for layer in rewritten_layers(model):
-        layer.recompute_mlp = False  # module recomputation (apply_recompute_modules) undone too
+        layer.recompute_mlp = layer.recompute_norms = False  # module recomputation (apply_recompute_modules) undone too
         layer.checkpointed_whole = False
     if granularity == "none":
         return 0
@@ -166,13 +166,15 @@ def apply_recompute_plan(model: nn.Module, plan: RecomputePlan) -> None:
         apply_recompute(model, plan.granularity)
 
 
-RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "full")
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp", "moe", "full")
 """The modules :func:`apply_recompute_modules` recomputes (Megatron-Core's ``recompute_modules`` names): the core
-attention (QKᵀ, softmax, dropout, ·V: the paper's selective recomputation), a dense MLP (its inner ``[s, b, f/t]``
+attention (QKᵀ, softmax, dropout, ·V: the paper's selective recomputation), the norms before attention and MLP (their
+outputs, ``[s/t, b, h]`` each, made again from their kept inputs when the input projections' backward reads them;
+pre-norm blocks), a dense MLP (its inner ``[s, b, f/t]``
 activations: the all-gathered input, the fc1 outputs, the activation), a mixture of experts (router, dispatch, experts,
 combine and shared expert run again in backward, their all-to-alls included; only its input is kept), whole layers."""
 
-NOT_YET = ("layernorm", "moe_act", "shared_experts")
+NOT_YET = ("moe_act", "shared_experts")
 
 
 def check_recompute_modules(modules: Any) -> list[str]:
@@ -192,6 +194,22 @@ def check_recompute_modules(modules: Any) -> list[str]:
                          + (f"{unknown} are not modules; " if unknown else "")
                          + f"the modules are {list(RECOMPUTE_MODULES)}.")
     return names
+
+
+def _check_norm_recomputation(layers: list[ParallelLayer]) -> None:
+    """Raises ``ValueError`` for a layer whose norms' outputs cannot be rebuilt: not a pre-norm parallel block (a
+    post-norm block's norm output is the residual stream itself), or a compiled one (the rebuild's saved-tensor hooks
+    run in Python)."""
+    for layer in layers:
+        label = getattr(layer, "_name", type(layer).__name__)
+        if not getattr(layer, "norm_first", False):
+            raise ValueError(f"modules=['layernorm'] rebuilds the outputs of the norms before attention and MLP; {label} "
+                             f"normalizes after the residual (post-norm), where the norm's output is the residual "
+                             f"stream: leave 'layernorm' out.")
+        if layer.compile_config is not None:
+            raise ValueError(f"modules=['layernorm'] with compiled blocks (compile=True): the rebuild's saved-tensor "
+                             f"hooks run in Python, outside the graph. Train with compile=False, or leave 'layernorm' "
+                             f"out.")
 
 
 def apply_recompute_modules(model: nn.Module, modules: Any, method: Literal["uniform", "block"] = "uniform",
@@ -221,12 +239,15 @@ def apply_recompute_modules(model: nn.Module, modules: Any, method: Literal["uni
             raise ValueError(f"modules=['{name}'] recomputes {what}; {label} has "
                              f"{type(getattr(layers[0], '_mlp', None)).__name__}: recompute it with "
                              f"modules=['{other_name}'] or whole (modules=['full']), or leave '{name}' out.")
+    if "layernorm" in names:
+        _check_norm_recomputation(layers)
     count = apply_recompute(model, "full" if "full" in names else "none", method, num_layers)
     outside = {id(layer) for layer in _outside_full(model)}
     for layer in layers:
         inside = id(layer) not in outside  # checkpointed whole: its modules are recomputed with it already
         layer.recompute_mlp = isinstance(getattr(layer, "_mlp", None), recomputed_parts) and not inside
-        count += layer.recompute_mlp
+        layer.recompute_norms = "layernorm" in names and not inside
+        count += layer.recompute_mlp + layer.recompute_norms
         for m in layer.modules():
             if isinstance(m, CoreAttention):
                 m.recompute = "core_attn" in names and not inside

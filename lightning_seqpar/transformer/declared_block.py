@@ -33,7 +33,7 @@ from torch import Tensor
 from lightning_seqpar._compat import compile_errors
 from lightning_seqpar.context_parallel import ContextParallelBatch
 from lightning_seqpar.parallel.random import recomputed
-from lightning_seqpar.tensor_parallel.layers import column_parallel_linears
+from lightning_seqpar.tensor_parallel.layers import autocast_input, column_parallel_linears
 from lightning_seqpar.transformer.attention_part import AttentionPart
 from lightning_seqpar.transformer.block_arguments import parse_block_arguments
 from lightning_seqpar.transformer.block_spec import BlockSpec
@@ -44,6 +44,7 @@ from lightning_seqpar.transformer.moe_part import MoEPart
 from lightning_seqpar.transformer.part_builder import PartBuilder
 from lightning_seqpar.transformer.region import enter_parallel_region, exit_parallel_region
 from lightning_seqpar.transformer.roles import LayerDims, ParallelLayer
+from lightning_seqpar.transformer.saved_tensors import Rebuild
 
 
 class ParallelBlock(ParallelLayer):
@@ -245,10 +246,11 @@ class ParallelBlock(ParallelLayer):
         compiled half makes.)"""
         attention, mlp = self._attention, self._mlp
         with self.offloading("attn_norm"):
-            normed = x if attention.norm is None else attention.norm(x)
+            normed = x if attention.norm is None else self._norm(attention.norm, x)
         # One norm feeding both parts (Cohere, Phi): every input projection under one all-gather of it.
         shared = self.spec.parallel_residual and mlp.norm is attention.norm
-        with self.offloading("qkv_linear", *(position_embeddings or ())):
+        with self.offloading("qkv_linear", *(position_embeddings or ()),
+                             rebuild=self._rebuild(normed, attention.norm, x)):
             projected = column_parallel_linears(normed, [*attention.inputs, *mlp.inputs], self.group, self.sp) \
                 if shared else None
             split = len(attention.inputs)
@@ -263,29 +265,49 @@ class ParallelBlock(ParallelLayer):
         attended = self._scaled(self._attention_output(context))
         if parallel is not None:  # both parts read the block's input
             normed, mlp_inputs = parallel
-            out = self._mlp_forward(normed, mlp_inputs) if mlp_inputs is not None else self._mlp_forward(
-                self._mlp_norm(x))
+            out = self._mlp_forward(normed, mlp_inputs) if mlp_inputs is not None else self._normed_mlp(x)
             return x + self.attention_residual_dropout(attended) + self.mlp_residual_dropout(self._scaled(out))
         x = x + self.attention_residual_dropout(attended)
-        out = self._mlp_forward(self._mlp_norm(x))
+        out = self._normed_mlp(x)
         return x + self.mlp_residual_dropout(self._scaled(out))  # [s/t, b, h]
+
+    def _normed_mlp(self, x: Tensor) -> Tensor:
+        """The MLP of the MLP norm of ``x`` (the norm's output rebuilt in backward under :attr:`recompute_norms`)."""
+        normed = self._mlp_norm(x)
+        return self._mlp_forward(normed, rebuild=self._rebuild(normed, self._mlp.norm, x))
+
+    def _norm(self, norm: nn.Module, x: Tensor) -> Tensor:
+        """``norm(x)`` as the input projections read it: under :attr:`recompute_norms`, cast to autocast's dtype here
+        (the projections would cast it and keep the cast: the cast is what a rebuild must make)."""
+        return projected_norm(norm, x) if self.recompute_norms else norm(x)
+
+    def _rebuild(self, normed: Tensor, norm: Optional[nn.Module], x: Tensor) -> Optional[Rebuild]:
+        """The norm output ``normed`` (:meth:`_norm` of ``x``) to make again in backward, under
+        :attr:`recompute_norms`."""
+        return Rebuild(normed, partial(projected_norm, norm), x) if self.recompute_norms and norm is not None else None
 
     def _mlp_norm(self, x: Tensor) -> Tensor:
         with self.offloading("mlp_norm"):
-            return x if self._mlp.norm is None else self._mlp.norm(x)
+            return x if self._mlp.norm is None else self._norm(self._mlp.norm, x)
 
-    def _mlp_forward(self, x: Tensor, outputs: Optional[list[Tensor]] = None) -> Tensor:
+    def _mlp_forward(self, x: Tensor, outputs: Optional[list[Tensor]] = None,
+                     rebuild: Optional[Rebuild] = None) -> Tensor:
         """The MLP part's forward; under module recomputation (:attr:`recompute_mlp`) keeping only its input (and
         the input projections made with the attention's), its inner activations made again in backward with the
-        dropout masks they drew."""
+        dropout masks they drew (the input kept: ``rebuild`` then has nothing to drop)."""
         if self.recompute_mlp and torch.is_grad_enabled():
             return recomputed(self._mlp.forward, x, outputs, rng_tracker=self.rng_tracker)
-        with self.offloading("mlp"):
+        with self.offloading("mlp", rebuild=rebuild):
             return self._mlp.forward(x, outputs)
 
     def _scaled(self, branch: Tensor) -> Tensor:
         """A part's output as it joins the residual: times the residual multiplier, if any."""
         return branch if self.residual_multiplier is None else branch * self.residual_multiplier
+
+
+def projected_norm(norm: nn.Module, x: Tensor) -> Tensor:
+    """A norm's output in the dtype the input projections multiply in (autocast's, for a float32 output)."""
+    return autocast_input(norm(x))
 
 
 CACHE_MARK = "tensor_parallel_layers_seen"

@@ -25,6 +25,8 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+from lightning_seqpar.transformer.saved_tensors import Rebuild, saved_tensor_policy
+
 
 class LayerDims(NamedTuple):
     """Single-device sizes of a transformer layer and its parallel layout, for the memory model."""
@@ -85,6 +87,7 @@ class ParallelLayer(nn.Module):
 
     recompute_layer: bool = False
     recompute_mlp: bool = False  # the MLP slot recomputed by module (SelectiveRecompute(modules=["mlp"] / ["moe"]))
+    recompute_norms: bool = False  # the norms' outputs rebuilt in backward (SelectiveRecompute(modules=["layernorm"]))
     checkpointed_whole: bool = False  # inside full recomputation, alone or in a stack's chunk (set by apply_recompute)
     offload: Any = None  # a LayerOffload: the modules whose saved tensors go to host memory (ActivationOffload)
     compile_config: Any = None  # a CompileConfig: the body runs through torch.compile (set by compile_blocks)
@@ -93,13 +96,19 @@ class ParallelLayer(nn.Module):
     pipeline_stage: Optional[int] = None
     _router: Optional[LayerRouter] = None
 
-    def offloading(self, module: str, *shared: Optional[Tensor]) -> Any:
-        """A context within which the tensors autograd saves are offloaded to host memory when :attr:`offload` names
-        ``module`` (:mod:`lightning_seqpar.offload`), except ``shared`` ones (masks, rotary cos/sin: every layer's);
-        otherwise, or inside full recomputation (which keeps nothing but the layer's input), one that does nothing."""
-        if self.offload is None or self.checkpointed_whole or not torch.is_grad_enabled():
+    def offloading(self, module: str, *shared: Optional[Tensor], rebuild: Optional[Rebuild] = None) -> Any:
+        """A context for the region of ``module``: the tensors autograd saves there are offloaded to host memory when
+        :attr:`offload` names ``module`` (:mod:`lightning_seqpar.offload`), except ``shared`` ones (masks, rotary
+        cos/sin: every layer's); with :attr:`recompute_norms`, ``rebuild``'s norm output is made again in backward
+        instead of kept (:mod:`.saved_tensors`). Inside full recomputation (which keeps nothing but the layer's
+        input), or with neither, one that does nothing."""
+        if self.checkpointed_whole or not torch.is_grad_enabled():
             return contextlib.nullcontext()
-        return self.offload.saving(self, module, shared)
+        packer = self.offload.packer(self, module, shared) if self.offload is not None else None
+        rebuild = rebuild if self.recompute_norms else None
+        if packer is None and rebuild is None:
+            return contextlib.nullcontext()
+        return saved_tensor_policy(rebuild, packer)
 
     def layer_dims(self) -> LayerDims:
         """The single-device sizes and layout of this layer."""

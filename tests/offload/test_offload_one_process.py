@@ -77,6 +77,11 @@ def test_offloading_trains_bit_identically_and_every_byte_comes_back(plain, modu
     ("selective", (), ("attn_norm", "mlp")),
     ("selective", ("mlp",), ("qkv_linear", "attn_proj")),
     ("full", (), ("attn_norm",)),
+    ("none", ("layernorm",), ()),
+    ("none", ("layernorm", "mlp"), ()),
+    ("selective", ("layernorm",), ()),
+    ("selective", ("layernorm",), ("qkv_linear", "mlp")),
+    ("none", ("layernorm",), ("core_attn", "attn_proj")),
 ], ids=lambda v: "+".join(v) if isinstance(v, tuple) else v)
 def test_device_and_host_bytes_equal_the_model(recompute, modules, offload):
     """A middle layer of the reference GPT (bf16, dropout 0.1): the storages it leaves alive on the device, and the bytes

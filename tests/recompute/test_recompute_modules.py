@@ -23,6 +23,11 @@ CASES = [  # (case, modules): each trained without recomputation and with these 
     (Case("hf", 2, model=(("labels", True), ("family", "phi"))), ["core_attn", "mlp"]),  # parallel residual
     (Case("gpt", 1, pp=2), ["mlp"]),                                        # two pipeline stages
     (Case("gpt", 2, model=(("n_layer", 4),)), ["full", "mlp"]),            # whole layers, and mlp in none left
+    # the norms' outputs rebuilt from their inputs when the projections' backward reads them
+    (Case("gpt", 2, model=(("dropout", 0.1),)), ["layernorm"]),
+    (Case("hf", 2, model=(("labels", True),)), ["layernorm", "mlp"]),     # RMSNorm; the MLP keeps its input
+    (Case("hf", 2, model=(("labels", True), ("family", "phi"))), ["layernorm", "core_attn"]),  # one norm, both parts
+    (Case("gpt", 1, pp=2), ["layernorm"]),
     # mixtures of experts at ep 2: router, dispatch all-to-alls, experts and combine run again in backward
     (Case("hf", 2, model=(("family", "qwen3_moe"), ("labels", True), ("aux", 0.5)), strategy=(("ep", 2),)), ["moe"]),
     (Case("hf", 2, model=(("family", "qwen2_moe"), ("labels", True)), strategy=(("ep", 2),)), ["core_attn", "moe"]),

@@ -107,7 +107,8 @@ class ActivationOffload(pl.Callback):
                                 bytes_per_element=element, c=c)
         return plan_offload(shape, t, sp, budget, max(1, (len(layers) - whole) // v), in_flight,
                             "selective" if selective else "none",
-                            ["mlp"] if any(layer.recompute_mlp for layer in layers) else [], element, c=c)
+                            ["mlp"] * any(layer.recompute_mlp for layer in layers)
+                            + ["layernorm"] * any(layer.recompute_norms for layer in layers), element, c=c)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         apply_offload(pl_module, None, self.pool)  # type: ignore[arg-type]
