@@ -285,7 +285,7 @@ def offload_row(size: dict) -> Row:
     import torch
 
     from lightning_seqpar import ActivationOffload, HostSyncCounter, SeqParallelStrategy
-    from lightning_seqpar.offload import OFFLOAD_MODULES
+    from lightning_seqpar.offload import DENSE_OFFLOAD_MODULES
 
     config, s, batch, _ = size["speed"]
     config, steps = dict(config, num_hidden_layers=4), 3
@@ -294,7 +294,7 @@ def offload_row(size: dict) -> Row:
         timer, phases = _Timer(warmup=0), _phase_peaks()
         callbacks = [timer.callback(), phases]
         if name == "offload":
-            offload = ActivationOffload(modules=list(OFFLOAD_MODULES))
+            offload = ActivationOffload(modules=list(DENSE_OFFLOAD_MODULES))
             counter = HostSyncCounter(cuda_sync_debug="error" if size["device"] == "cuda" else None)
             callbacks += [offload, counter]
         if torch.cuda.is_available():

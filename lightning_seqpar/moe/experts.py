@@ -19,14 +19,18 @@ an expert given no rows gets a zero gradient, not ``None``, either way.
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+import contextlib
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from lightning_seqpar.memory.saved_tensors import Rebuild, saved_tensor_policy
 from lightning_seqpar.moe.dispatch import check_expert_split
+from lightning_seqpar.parallel.random import recomputed
+from lightning_seqpar.tensor_parallel.layers import autocast_input
 from lightning_seqpar.parallel.placement import ShardSpec, place
 
 _GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -49,6 +53,14 @@ class GroupedExperts(nn.Module):
         grouped_mm: use ``grouped_mm`` where it applies (``False``: always the loop).
 
     Attributes:
+        recompute_activation: keep only the gate/up projection's output ``[R, 2f]`` for backward: the activation is
+            recomputed in its backward, and its output ``[R, f]`` (the down projection's input) made again when the down
+            projection's backward reads it (recomputation by module, ``"moe_act"``; Megatron-Core's
+            ``recompute_modules``, its ``CheckpointWithoutOutput``).
+        offloading: ``offloading(module)``, a context for the region of ``"expert_fc1"`` (the gate/up projection: its
+            input rows ``[R, h]``) or ``"moe_act"`` (the activation: the gate and up halves and the gate's activation)
+            in which what autograd saves goes to host memory (set by :func:`lightning_seqpar.offload.apply_offload`);
+            ``None``: nothing offloaded.
         gate_up_proj: ``[E/e, 2f, h]`` (``[E/e, h, 2f]`` transposed).
         down_proj: ``[E/e, h, f]`` (``[E/e, f, h]`` transposed).
         gate_up_proj_bias, down_proj_bias: ``[E/e, 2f]`` and ``[E/e, h]`` with ``bias``.
@@ -56,6 +68,9 @@ class GroupedExperts(nn.Module):
     Raises:
         ValueError: ``E`` not divisible by ``e``.
     """
+
+    recompute_activation: bool = False
+    offloading: Optional[Callable[[str], Any]] = None
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, expert_parallel: int = 1,
                  activation: Optional[Callable[[Tensor], Tensor]] = F.silu, dtype: Optional[torch.dtype] = None, *,
@@ -85,9 +100,27 @@ class GroupedExperts(nn.Module):
             return self._grouped_forward(rows, counts, sum(tokens_per_expert))
         outputs = []
         for i, chunk in enumerate(rows.split(list(tokens_per_expert))):
-            hidden = self._gate(_linear(chunk, self.gate_up_proj[i], _at(self.gate_up_proj_bias, i), self.transposed))
-            outputs.append(_linear(hidden, self.down_proj[i], _at(self.down_proj_bias, i), self.transposed))
+            with self._region("expert_fc1"):
+                gate_up = _linear(chunk, self.gate_up_proj[i], _at(self.gate_up_proj_bias, i), self.transposed)
+            hidden, rebuild = self._activated(gate_up)
+            with saved_tensor_policy(rebuild, None) if rebuild is not None else contextlib.nullcontext():
+                outputs.append(_linear(hidden, self.down_proj[i], _at(self.down_proj_bias, i), self.transposed))
         return torch.cat(outputs) if outputs else rows
+
+    def _activated(self, gate_up: Tensor) -> tuple[Tensor, Optional[Rebuild]]:
+        """The activation of ``gate_up`` and, under :attr:`recompute_activation`, how to make it again (the output
+        cast as the down projection reads it: the cast is what it keeps)."""
+        if not (self.recompute_activation and torch.is_grad_enabled()):
+            with self._region("moe_act"):
+                return self._gate(gate_up).contiguous(), None
+        hidden = recomputed(self._projected_gate, gate_up)  # the activation keeps only its input
+        return hidden, Rebuild(hidden, self._projected_gate, gate_up)
+
+    def _region(self, module: str) -> Any:
+        return self.offloading(module) if self.offloading is not None else contextlib.nullcontext()
+
+    def _projected_gate(self, gate_up: Tensor) -> Tensor:
+        return autocast_input(self._gate(gate_up)).contiguous()
 
     def _gate(self, gate_up: Tensor) -> Tensor:
         if self.glu is not None:
@@ -110,11 +143,14 @@ class GroupedExperts(nn.Module):
         dtype = _compute_dtype(rows)  # grouped_mm takes no part in autocast: cast as F.linear would under it
         offsets = torch.cumsum(counts, 0).to(torch.int32)
         with torch.autocast(rows.device.type, enabled=False):
-            gate_up = _grouped_linear(rows.to(dtype), self.gate_up_proj.to(dtype), offsets, self.transposed)
-            if self.gate_up_proj_bias is not None:
-                gate_up = gate_up + self.gate_up_proj_bias.to(dtype).repeat_interleave(counts, 0, output_size=total)
-            hidden = self._gate(gate_up).contiguous()
-            out = _grouped_linear(hidden, self.down_proj.to(dtype), offsets, self.transposed)
+            with self._region("expert_fc1"):
+                gate_up = _grouped_linear(rows.to(dtype), self.gate_up_proj.to(dtype), offsets, self.transposed)
+                if self.gate_up_proj_bias is not None:
+                    gate_up = gate_up + self.gate_up_proj_bias.to(dtype).repeat_interleave(counts, 0,
+                                                                                           output_size=total)
+            hidden, rebuild = self._activated(gate_up)
+            with saved_tensor_policy(rebuild, None) if rebuild is not None else contextlib.nullcontext():
+                out = _grouped_linear(hidden, self.down_proj.to(dtype), offsets, self.transposed)
             if self.down_proj_bias is not None:
                 out = out + self.down_proj_bias.to(dtype).repeat_interleave(counts, 0, output_size=total)
         return _ContiguousGradient.apply(out)

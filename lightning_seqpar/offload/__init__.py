@@ -4,6 +4,7 @@
 offloaded_activation_terms`."""
 
 from lightning_seqpar.offload.apply import (
+    DENSE_OFFLOAD_MODULES,
     OFFLOAD_MODULES,
     LayerOffload,
     apply_offload,
@@ -12,5 +13,5 @@ from lightning_seqpar.offload.apply import (
 )
 from lightning_seqpar.offload.host_pool import HostCopy, HostPool
 
-__all__ = ["OFFLOAD_MODULES", "HostCopy", "HostPool", "LayerOffload", "apply_offload", "check_offload_modules",
+__all__ = ["DENSE_OFFLOAD_MODULES", "OFFLOAD_MODULES", "HostCopy", "HostPool", "LayerOffload", "apply_offload", "check_offload_modules",
            "check_offload_with_recompute"]

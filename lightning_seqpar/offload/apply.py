@@ -13,16 +13,21 @@ from torch import Tensor
 
 from lightning_seqpar.offload.host_pool import HostPool
 from lightning_seqpar.transformer.masks import FutureMask
-from lightning_seqpar.transformer.saved_tensors import Packer
+from lightning_seqpar.memory.saved_tensors import Packer
 
-OFFLOAD_MODULES = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "mlp")
+OFFLOAD_MODULES = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "mlp", "expert_fc1", "moe_act")
 """The modules whose saved tensors :func:`apply_offload` moves, in a layer's order, with Megatron-Core's names where it
 has one: ``attn_norm`` (the layer's input, ``[s/t, b, h]`` under SP), ``qkv_linear`` (the attention norm's output),
 ``core_attn`` (q, k, v and, for the explicit core attention, the softmax output, dropout mask and dropped
 probabilities, ``[b, a/t, s, s]``), ``attn_proj`` (the core attention's output ``[s, b, h/t]``), ``mlp_norm`` (the
-residual after attention), ``mlp`` (a dense MLP's input, its fc1 output and the activation's, ``[s, b, f/t]``)."""
+residual after attention), ``mlp`` (a dense MLP's input, its fc1 output and the activation's, ``[s, b, f/t]``), ``expert_fc1`` (the rows a
+rank's experts receive, ``[R, h]``), ``moe_act`` (the experts' gate and up halves and the gate's activation,
+``[R, f]`` each)."""
 
-NOT_YET = ("expert_fc1", "moe_act")
+EXPERT_MODULES = ("expert_fc1", "moe_act")
+DENSE_OFFLOAD_MODULES = tuple(m for m in OFFLOAD_MODULES if m not in EXPERT_MODULES)
+"""The modules of a dense layer (what the memory model and the offload plan price)."""
+NOT_YET: tuple[str, ...] = ()
 
 
 def check_offload_modules(modules: Any) -> list[str]:
@@ -82,6 +87,8 @@ def apply_offload(model: nn.Module, modules: Any, pool: HostPool) -> int:
     if modules is None:
         for layer in layers:
             layer.offload = None
+            if getattr(getattr(layer, "_mlp", None), "experts", None) is not None:
+                layer._mlp.experts.offloading = None
         return 0
     names = check_offload_modules(modules)
     if not layers:
@@ -93,10 +100,19 @@ def apply_offload(model: nn.Module, modules: Any, pool: HostPool) -> int:
                              f"{type(layer).__name__}: leave ActivationOffload out for this model.")
         if "mlp" in names and not isinstance(layer._mlp, DenseMLPPart):
             raise ValueError(f"modules=['mlp'] offloads a dense MLP; {label} has {type(layer._mlp).__name__}: offload "
-                             f"its input instead (modules=['mlp_norm']) or leave 'mlp' out.")
+                             f"its input instead (modules=['mlp_norm']) or the experts' (modules=['expert_fc1', "
+                             f"'moe_act']), or leave 'mlp' out.")
+    experts = {id(layer): getattr(layer._mlp, "experts", None) for layer in layers}
+    named = [n for n in names if n in EXPERT_MODULES]
+    if named and not any(e is not None for e in experts.values()):
+        raise ValueError(f"modules={named} offloads the experts of a mixture; "
+                         f"{getattr(layers[0], '_name', type(layers[0]).__name__)} has "
+                         f"{type(layers[0]._mlp).__name__}: leave {named} out.")
     shared = LayerOffload(names, pool)
     for layer in layers:
         layer.offload = shared
+        if experts[id(layer)] is not None:  # the experts' regions are the layer's: the same rules apply
+            experts[id(layer)].offloading = layer.offloading if named else None
     return len(layers)
 
 
@@ -122,6 +138,15 @@ def check_offload_with_recompute(model: nn.Module) -> None:
         if "mlp" in offload.names and layer.recompute_mlp:
             raise ValueError(f"{label}: the MLP is both recomputed and offloaded; recomputation keeps only its input. "
                              f"Offload 'mlp_norm' instead, or recompute without 'mlp'.")
+        if {"expert_fc1", "moe_act"} & offload.names and layer.recompute_mlp:
+            raise ValueError(f"{label}: the mixture of experts is both recomputed (modules=['moe']) and offloaded "
+                             f"(expert_fc1/moe_act); recomputation keeps only its input. Offload 'mlp_norm' instead, or "
+                             f"recompute without 'moe'.")
+        experts = getattr(getattr(layer, "_mlp", None), "experts", None)
+        if "moe_act" in offload.names and getattr(experts, "recompute_activation", False):
+            raise ValueError(f"{label}: the experts' activation is both recomputed (modules=['moe_act']) and "
+                             f"offloaded; recomputation keeps only the gate/up output. Offload 'expert_fc1' instead, or "
+                             f"recompute without 'moe_act'.")
         if {"attn_norm", "mlp_norm"} & offload.names and layer.recompute_norms:
             raise ValueError(f"{label}: the norms' outputs are rebuilt from their inputs (recompute 'layernorm'), "
                              f"which keeps those inputs on the device: offloading 'attn_norm'/'mlp_norm' moves them for "

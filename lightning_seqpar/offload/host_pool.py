@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from lightning_seqpar._compat import outside_dispatch_modes, tensor_version
-from lightning_seqpar.transformer.saved_tensors import Packer, saved_tensor_policy
+from lightning_seqpar.memory.saved_tensors import Packer, saved_tensor_policy
 
 
 class HostCopy:
@@ -124,7 +124,7 @@ class HostPool:
         return self._stream
 
     def packer(self, keep: set[int]) -> Packer:
-        """A saved-tensor packer (:class:`~lightning_seqpar.transformer.saved_tensors.Packer`) that offloads every tensor
+        """A saved-tensor packer (:class:`~lightning_seqpar.memory.saved_tensors.Packer`) that offloads every tensor
         to this pool, except those whose storage's address is in ``keep`` (parameters: they stay where they are) and
         those not on the pool's device. A tensor saved twice within one region is copied once."""
         # (tensor, its copy) by identity of what it views: the tensor is held until the region ends, so no other

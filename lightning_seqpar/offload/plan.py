@@ -16,7 +16,7 @@ from typing import Sequence
 
 from lightning_seqpar.memory.activations import (Recompute, TransformerShape, layer_activation_terms,
                                                  offloaded_activation_terms)
-from lightning_seqpar.offload.apply import OFFLOAD_MODULES
+from lightning_seqpar.offload.apply import DENSE_OFFLOAD_MODULES
 
 
 @dataclass(frozen=True)
@@ -24,7 +24,7 @@ class OffloadPlan:
     """The modules to offload and what that leaves (bytes, one rank, at its pipeline peak)."""
 
     modules: tuple[str, ...]
-    """the chosen modules, in :data:`~lightning_seqpar.offload.OFFLOAD_MODULES`' order (empty: none needed)"""
+    """the chosen modules, in :data:`~lightning_seqpar.offload.DENSE_OFFLOAD_MODULES`' order (empty: none needed)"""
     device_bytes: float
     """layer activations left on the device with ``in_flight`` micro-batches of ``layers`` layers held"""
     host_bytes: float
@@ -39,7 +39,7 @@ def plan_offload(shape: TransformerShape, t: int, sequence_parallel: bool, budge
                  in_flight: int = 1, recompute: Recompute = "none", modules: Sequence[str] = (),
                  bytes_per_element: int = 2, mask_bytes: int = 1, c: int = 1,
                  norm_statistics_bytes: int = 0) -> OffloadPlan:
-    """The subset of :data:`~lightning_seqpar.offload.OFFLOAD_MODULES` whose layer activations fit ``budget`` bytes
+    """The subset of :data:`~lightning_seqpar.offload.DENSE_OFFLOAD_MODULES` whose layer activations fit ``budget`` bytes
     with the fewest bytes moved (ties: fewer modules, then the earlier modules); none when nothing needs to move.
 
     Args:
@@ -60,7 +60,7 @@ def plan_offload(shape: TransformerShape, t: int, sequence_parallel: bool, budge
                          f"in_flight={in_flight}.")
     options = dict(t=t, sequence_parallel=sequence_parallel, recompute=recompute, bytes_per_element=bytes_per_element,
                    mask_bytes=mask_bytes, c=c, modules=modules, norm_statistics_bytes=norm_statistics_bytes)
-    allowed = [m for m in OFFLOAD_MODULES if not _conflicts(m, recompute, modules, c)]
+    allowed = [m for m in DENSE_OFFLOAD_MODULES if not _conflicts(m, recompute, modules, c)]
     held = in_flight * layers
     best = None
     for size in range(len(allowed) + 1):

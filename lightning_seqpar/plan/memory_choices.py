@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from lightning_seqpar.offload.apply import OFFLOAD_MODULES
+from lightning_seqpar.offload.apply import DENSE_OFFLOAD_MODULES, OFFLOAD_MODULES
 
 
 TRADES = (
@@ -22,7 +22,7 @@ TRADES = (
     ((), ("attn_norm", "mlp_norm")),
     ((), ("mlp",)),
     ((), ("attn_norm", "qkv_linear", "attn_proj", "mlp_norm", "mlp")),
-    ((), OFFLOAD_MODULES),
+    ((), DENSE_OFFLOAD_MODULES),
 )
 """What the planner tries on a layout too large for the GPU (``memory_choices=True``), as ``(recomputed by module,
 offloaded)``: the norms' outputs rebuilt (a norm's cost); with the MLP recomputed; the MLP recomputed; the norms' inputs
@@ -34,10 +34,10 @@ def memory_choice_rule(recompute: str, modules: tuple[str, ...], offload: tuple[
                        eager_attention: bool) -> Optional[str]:
     """Why ``modules`` (recomputation by module beside ``recompute``) and ``offload`` cannot go together with the
     layout, in the field's words; ``None``: they can."""
-    unknown = [m for m in modules if m not in ("layernorm", "mlp", "moe", "core_attn")] + [
+    unknown = [m for m in modules if m not in ("layernorm", "mlp", "moe_act", "moe", "core_attn")] + [
         m for m in offload if m not in OFFLOAD_MODULES]
     if unknown:
-        return (f"{unknown}: not a module recomputed by module (layernorm, mlp, moe, core_attn) or offloaded "
+        return (f"{unknown}: not a module recomputed by module (layernorm, mlp, moe_act, moe, core_attn) or offloaded "
                 f"({list(OFFLOAD_MODULES)})")
     if offload and recompute == "full":
         return "offload under full recomputation: a layer checkpointed whole keeps only its input, nothing to offload"

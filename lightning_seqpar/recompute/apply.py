@@ -70,6 +70,9 @@ def apply_recompute(
         layer.recompute_layer = False
     for layer in rewritten_layers(model):
         layer.recompute_mlp = layer.recompute_norms = False  # module recomputation (apply_recompute_modules) undone too
+        experts = getattr(getattr(layer, "_mlp", None), "experts", None)
+        if experts is not None:
+            experts.recompute_activation = False
         layer.checkpointed_whole = False
     if granularity == "none":
         return 0
@@ -166,15 +169,16 @@ def apply_recompute_plan(model: nn.Module, plan: RecomputePlan) -> None:
         apply_recompute(model, plan.granularity)
 
 
-RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp", "moe", "full")
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp", "moe_act", "moe", "full")
 """The modules :func:`apply_recompute_modules` recomputes (Megatron-Core's ``recompute_modules`` names): the core
 attention (QKᵀ, softmax, dropout, ·V: the paper's selective recomputation), the norms before attention and MLP (their
 outputs, ``[s/t, b, h]`` each, made again from their kept inputs when the input projections' backward reads them;
 pre-norm blocks), a dense MLP (its inner ``[s, b, f/t]``
-activations: the all-gathered input, the fc1 outputs, the activation), a mixture of experts (router, dispatch, experts,
+activations: the all-gathered input, the fc1 outputs, the activation), the experts' activation (only the gate/up projection's
+output kept: the activation and its output made again in backward), a mixture of experts (router, dispatch, experts,
 combine and shared expert run again in backward, their all-to-alls included; only its input is kept), whole layers."""
 
-NOT_YET = ("moe_act", "shared_experts")
+NOT_YET = ("shared_experts",)
 
 
 def check_recompute_modules(modules: Any) -> list[str]:
@@ -196,20 +200,19 @@ def check_recompute_modules(modules: Any) -> list[str]:
     return names
 
 
-def _check_norm_recomputation(layers: list[ParallelLayer]) -> None:
-    """Raises ``ValueError`` for a layer whose norms' outputs cannot be rebuilt: not a pre-norm parallel block (a
-    post-norm block's norm output is the residual stream itself), or a compiled one (the rebuild's saved-tensor hooks
-    run in Python)."""
+def _check_rebuilds(layers: list[ParallelLayer], names: list[str]) -> None:
+    """Raises ``ValueError`` for a layer whose outputs ``names`` cannot rebuild: norms' outputs outside a pre-norm
+    parallel block (a post-norm block's norm output is the residual stream itself), or a compiled block (the rebuild's
+    saved-tensor hooks run in Python)."""
     for layer in layers:
         label = getattr(layer, "_name", type(layer).__name__)
-        if not getattr(layer, "norm_first", False):
+        if "layernorm" in names and not getattr(layer, "norm_first", False):
             raise ValueError(f"modules=['layernorm'] rebuilds the outputs of the norms before attention and MLP; {label} "
                              f"normalizes after the residual (post-norm), where the norm's output is the residual "
                              f"stream: leave 'layernorm' out.")
         if layer.compile_config is not None:
-            raise ValueError(f"modules=['layernorm'] with compiled blocks (compile=True): the rebuild's saved-tensor "
-                             f"hooks run in Python, outside the graph. Train with compile=False, or leave 'layernorm' "
-                             f"out.")
+            raise ValueError(f"modules={names} with compiled blocks (compile=True): the rebuild's saved-tensor hooks run "
+                             f"in Python, outside the graph. Train with compile=False, or leave {names} out.")
 
 
 def apply_recompute_modules(model: nn.Module, modules: Any, method: Literal["uniform", "block"] = "uniform",
@@ -230,8 +233,9 @@ def apply_recompute_modules(model: nn.Module, modules: Any, method: Literal["uni
     from lightning_seqpar.transformer.moe_part import MoEPart
 
     layers = rewritten_layers(model)
-    kinds = {"mlp": (DenseMLPPart, "a dense MLP", "moe"), "moe": (MoEPart, "a mixture of experts", "mlp")}
-    recomputed_parts = tuple(kinds[n][0] for n in names if n in kinds)
+    kinds = {"mlp": (DenseMLPPart, "a dense MLP", "moe"), "moe": (MoEPart, "a mixture of experts", "mlp"),
+             "moe_act": (MoEPart, "the experts' activation", "mlp")}
+    recomputed_parts = tuple(kinds[n][0] for n in names if n in ("mlp", "moe"))
     for name in (n for n in names if n in kinds):
         part, what, other_name = kinds[name]
         if layers and not any(isinstance(getattr(layer, "_mlp", None), part) for layer in layers):
@@ -239,14 +243,18 @@ def apply_recompute_modules(model: nn.Module, modules: Any, method: Literal["uni
             raise ValueError(f"modules=['{name}'] recomputes {what}; {label} has "
                              f"{type(getattr(layers[0], '_mlp', None)).__name__}: recompute it with "
                              f"modules=['{other_name}'] or whole (modules=['full']), or leave '{name}' out.")
-    if "layernorm" in names:
-        _check_norm_recomputation(layers)
+    if "layernorm" in names or "moe_act" in names:
+        _check_rebuilds(layers, [n for n in names if n in ("layernorm", "moe_act")])
     count = apply_recompute(model, "full" if "full" in names else "none", method, num_layers)
     outside = {id(layer) for layer in _outside_full(model)}
     for layer in layers:
         inside = id(layer) not in outside  # checkpointed whole: its modules are recomputed with it already
         layer.recompute_mlp = isinstance(getattr(layer, "_mlp", None), recomputed_parts) and not inside
         layer.recompute_norms = "layernorm" in names and not inside
+        experts = getattr(getattr(layer, "_mlp", None), "experts", None)
+        if experts is not None:  # a recomputed mixture recomputes its activation already
+            experts.recompute_activation = "moe_act" in names and not inside and not layer.recompute_mlp
+            count += experts.recompute_activation
         count += layer.recompute_mlp + layer.recompute_norms
         for m in layer.modules():
             if isinstance(m, CoreAttention):

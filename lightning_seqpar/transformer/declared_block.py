@@ -44,7 +44,7 @@ from lightning_seqpar.transformer.moe_part import MoEPart
 from lightning_seqpar.transformer.part_builder import PartBuilder
 from lightning_seqpar.transformer.region import enter_parallel_region, exit_parallel_region
 from lightning_seqpar.transformer.roles import LayerDims, ParallelLayer
-from lightning_seqpar.transformer.saved_tensors import Rebuild
+from lightning_seqpar.memory.saved_tensors import Rebuild
 
 
 class ParallelBlock(ParallelLayer):

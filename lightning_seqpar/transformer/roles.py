@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from lightning_seqpar.transformer.saved_tensors import Rebuild, saved_tensor_policy
+from lightning_seqpar.memory.saved_tensors import Rebuild, saved_tensor_policy
 
 
 class LayerDims(NamedTuple):
@@ -66,6 +66,9 @@ class StagePosition(Protocol):
         ...
 
 
+_MLP_REGIONS = ("mlp", "expert_fc1", "moe_act")  # regions inside the MLP slot: recomputed with it by module
+
+
 class ParallelLayer(nn.Module):
     """Role: one rewritten transformer layer.
 
@@ -100,10 +103,10 @@ class ParallelLayer(nn.Module):
         """A context for the region of ``module``: the tensors autograd saves there are offloaded to host memory when
         :attr:`offload` names ``module`` (:mod:`lightning_seqpar.offload`), except ``shared`` ones (masks, rotary
         cos/sin: every layer's); with :attr:`recompute_norms`, ``rebuild``'s norm output is made again in backward
-        instead of kept (:mod:`.saved_tensors`). Inside full recomputation (which keeps nothing but the layer's
+        instead of kept (:mod:`lightning_seqpar.memory.saved_tensors`). Inside full recomputation (which keeps nothing but the layer's
         input), or with neither, one that does nothing."""
-        if self.checkpointed_whole or not torch.is_grad_enabled():
-            return contextlib.nullcontext()
+        if self.checkpointed_whole or not torch.is_grad_enabled() or (module in _MLP_REGIONS and self.recompute_mlp):
+            return contextlib.nullcontext()  # (hooks inside a checkpointed region would take its saved tensors)
         packer = self.offload.packer(self, module, shared) if self.offload is not None else None
         rebuild = rebuild if self.recompute_norms else None
         if packer is None and rebuild is None:

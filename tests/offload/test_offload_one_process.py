@@ -13,7 +13,7 @@ from lightning_seqpar.memory import TransformerShape
 from lightning_seqpar.memory.activations import layer_activation_terms, offloaded_activation_terms
 from lightning_seqpar.memory.peak import PeakMemoryTracker
 from lightning_seqpar.models.gpt import GPT, GPTConfig
-from lightning_seqpar.offload import OFFLOAD_MODULES, HostPool, apply_offload, check_offload_modules
+from lightning_seqpar.offload import DENSE_OFFLOAD_MODULES, HostPool, apply_offload, check_offload_modules
 from lightning_seqpar.offload.apply import check_offload_with_recompute
 from lightning_seqpar.parallel import ParallelGroup
 from lightning_seqpar.parallel.random import RNGTracker
@@ -22,7 +22,7 @@ from lightning_seqpar.recompute import apply_recompute, apply_recompute_modules
 from lightning_seqpar.transformer.context import RewriteContext
 from recipes.benchmarking.measure import measure_gpt_layer
 
-CHOICES = [(m,) for m in OFFLOAD_MODULES] + list(itertools.combinations(OFFLOAD_MODULES, 2))
+CHOICES = [(m,) for m in DENSE_OFFLOAD_MODULES] + list(itertools.combinations(DENSE_OFFLOAD_MODULES, 2))
 SHAPE = TransformerShape(s=64, b=2, h=64, a=4)
 
 
@@ -104,7 +104,7 @@ def test_the_model_moves_exactly_what_it_removes_and_nothing_under_full_recomput
             moved = offloaded_activation_terms(SHAPE, t, sp, offload=offload, norm_statistics_bytes=4)
             assert set(left) | set(moved) == set(base) and not set(left) & set(moved)
             assert sum(left.values()) + sum(moved.values()) == sum(base.values())
-    assert offloaded_activation_terms(SHAPE, 2, True, "full", offload=OFFLOAD_MODULES) == {}
+    assert offloaded_activation_terms(SHAPE, 2, True, "full", offload=DENSE_OFFLOAD_MODULES) == {}
     with pytest.raises(ValueError, match="recomputed core attention keeps only"):
         layer_activation_terms(SHAPE, recompute="selective", offload=["core_attn"])
     with pytest.raises(ValueError, match="offload 'mlp_norm' instead"):
@@ -125,14 +125,13 @@ def _peak(configure) -> int:
 def test_the_step_peak_falls_from_none_to_recompute_to_offload():
     none = _peak(lambda model: None)
     recompute = _peak(lambda model: apply_recompute_modules(model, ["core_attn", "mlp"]))
-    offload = _peak(lambda model: apply_offload(model, list(OFFLOAD_MODULES), HostPool("cpu")))
+    offload = _peak(lambda model: apply_offload(model, list(DENSE_OFFLOAD_MODULES), HostPool("cpu")))
     print(f"\n| choice | step peak (bytes) |\n|---|---|\n| none | {none:,} |\n| recompute core_attn+mlp | "
           f"{recompute:,} |\n| offload all | {offload:,} |")
     assert offload < recompute < none
 
 
 @pytest.mark.parametrize("modules, message", [
-    (["expert_fc1"], r"\['expert_fc1'\] are not offloaded yet"),
     (["attention"], r"\['attention'\] are not modules"),
     ([], "name at least one of"),
 ])
@@ -174,3 +173,38 @@ def test_the_recipes_pass_offload_modules_to_the_callback(config):
     assert [c.modules for c in made if isinstance(c, SelectiveRecompute)] == [["core_attn"]]
     cfg = OmegaConf.merge(cfg, {"offload": {"modules": None}})
     assert not any(isinstance(c, ActivationOffload) for c in memory_callbacks(cfg))
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["loop", "grouped_mm"])
+def test_the_experts_offload_their_rows_and_activation_inputs_and_train_bit_identically(grouped):
+    import contextlib
+
+    from lightning_seqpar.memory.saved_tensors import saved_tensor_policy
+    from lightning_seqpar.moe.experts import GroupedExperts
+
+    dtype = torch.bfloat16 if grouped else torch.float64  # grouped_mm's kernels take 16-bit operands
+    rows_per_expert = [3, 5, 0, 4]
+
+    def run(offload: tuple[str, ...]) -> tuple[dict[str, torch.Tensor], torch.Tensor, dict[str, int]]:
+        torch.manual_seed(0)
+        experts = GroupedExperts(4, 16, 32, dtype=dtype, grouped_mm=grouped)
+        for weight in experts.parameters():
+            torch.nn.init.normal_(weight, std=0.1)
+        pool = HostPool("cpu")
+        keep = {p.untyped_storage().data_ptr() for p in experts.parameters()}
+        experts.offloading = lambda module: (saved_tensor_policy(None, pool.packer(keep)) if module in offload
+                                             else contextlib.nullcontext())
+        rows = torch.randn(12, 16, dtype=dtype, requires_grad=True)
+        out = experts(rows, rows_per_expert, torch.tensor(rows_per_expert))
+        moved = pool.counts()
+        out.square().sum().backward()
+        return {n: p.grad for n, p in experts.named_parameters()}, rows.grad, moved
+
+    plain = run(())
+    element = torch.empty((), dtype=dtype).element_size()
+    offsets = 4 * 4 if grouped else 0  # the grouped GEMM keeps its int32 offsets [E/e] too
+    for offload, expected in ((("expert_fc1",), 12 * 16 * element + offsets), (("moe_act",), 3 * 12 * 32 * element)):
+        grads, rows_grad, moved = run(offload)
+        assert [n for n in grads if not torch.equal(grads[n], plain[0][n])] == [] and torch.equal(rows_grad, plain[1])
+        # expert_fc1: the rows [R, h]; moe_act: the gate and up halves and the gate's activation, [R, f] each
+        assert moved["bytes_out"] == expected, (offload, moved)

@@ -11,14 +11,14 @@ import pytest
 import torch
 
 from lightning_seqpar import ActivationOffload, SelectiveRecompute
-from lightning_seqpar.offload import OFFLOAD_MODULES
+from lightning_seqpar.offload import DENSE_OFFLOAD_MODULES
 from tests.helpers.distributed import run_distributed
 from tests.helpers.parity import Case, fit
 
 pytestmark = pytest.mark.distributed
 
 STEPS = 3
-ALL = list(OFFLOAD_MODULES)
+ALL = list(DENSE_OFFLOAD_MODULES)
 LABELS = ("labels", True)
 CASES = {  # world size: (case, offloaded modules, recomputation callbacks' arguments or None)
     2: [
@@ -31,6 +31,11 @@ CASES = {  # world size: (case, offloaded modules, recomputation callbacks' argu
         (Case("gpt", 2, model=(("n_layer", 4),)), ALL, dict(modules=["full"], method="block", num_layers=2)),
         (Case("gpt", 1, pp=2), ALL, None),                                           # two pipeline stages
         (Case("hf", 1, model=(LABELS,), cp=2), ALL, None),                           # context parallel (ring)
+        # a mixture of experts at ep 2: the rows its experts receive, their activation's inputs
+        (Case("hf", 2, model=(LABELS, ("family", "qwen3_moe"), ("aux", 0.5)), strategy=(("ep", 2),)),
+         ["attn_norm", "core_attn", "expert_fc1", "moe_act"], None),
+        (Case("hf", 2, model=(LABELS, ("family", "qwen3_moe")), strategy=(("ep", 2),)), ["expert_fc1", "qkv_linear"],
+         dict(modules=["moe_act", "layernorm"])),
     ],
     4: [
         (Case("gpt", 2, pp=2), ALL, None),                                           # pp 2 × tp 2

@@ -9,7 +9,7 @@ import pytest
 
 from lightning_seqpar.memory import TransformerShape
 from lightning_seqpar.memory.activations import layer_activation_bytes, offloaded_activation_terms
-from lightning_seqpar.offload import OFFLOAD_MODULES
+from lightning_seqpar.offload import DENSE_OFFLOAD_MODULES
 from lightning_seqpar.offload.plan import plan_offload
 from lightning_seqpar.pipeline_parallel.schedules import simulate
 
@@ -29,8 +29,8 @@ def test_the_plan_fits_and_no_other_choice_that_fits_moves_fewer_bytes(fraction)
     assert plan.device_bytes <= budget
     assert plan.device_bytes + plan.host_bytes == pytest.approx(NONE)
     assert plan.moved_per_micro_batch == _moved(plan.modules)
-    for size in range(len(OFFLOAD_MODULES) + 1):
-        for other in itertools.combinations(OFFLOAD_MODULES, size):
+    for size in range(len(DENSE_OFFLOAD_MODULES) + 1):
+        for other in itertools.combinations(DENSE_OFFLOAD_MODULES, size):
             if NONE - _moved(other) <= budget:
                 assert _moved(other) >= plan.moved_per_micro_batch, other
     assert plan == plan_offload(SHAPE, T, SP, budget, LAYERS)  # the same every time it is asked

@@ -8,7 +8,7 @@ import pytest
 
 from lightning_seqpar.memory.activations import TransformerShape
 from lightning_seqpar.memory.flops import mlp_forward_flops
-from lightning_seqpar.offload import OFFLOAD_MODULES
+from lightning_seqpar.offload import DENSE_OFFLOAD_MODULES
 from lightning_seqpar.plan import Hardware, LayoutRecord, model_inventory, plan, predict
 from lightning_seqpar.plan.activations import layer_bytes, offloaded_layer_bytes
 from lightning_seqpar.plan.memory_choices import host_traffic
@@ -67,7 +67,7 @@ def test_what_cannot_go_together_is_refused_by_rule(inventory, recompute, module
 
 
 def test_an_offload_beyond_the_host_memory_is_refused(inventory):
-    record = _predict(inventory, "none", (), OFFLOAD_MODULES, host_memory=1e9)
+    record = _predict(inventory, "none", (), DENSE_OFFLOAD_MODULES, host_memory=1e9)
     assert not record.feasible and "GB of host memory per GPU" in record.reason
 
 

@@ -32,6 +32,9 @@ CASES = [  # (case, modules): each trained without recomputation and with these 
     (Case("hf", 2, model=(("family", "qwen3_moe"), ("labels", True), ("aux", 0.5)), strategy=(("ep", 2),)), ["moe"]),
     (Case("hf", 2, model=(("family", "qwen2_moe"), ("labels", True)), strategy=(("ep", 2),)), ["core_attn", "moe"]),
     (Case("gpt", 2, model=(("n_experts", 8), ("aux_loss_coef", 0.5)), strategy=(("ep", 2),)), ["moe"]),
+    (Case("hf", 2, model=(("family", "qwen3_moe"), ("labels", True)), strategy=(("ep", 2),)), ["moe_act", "core_attn"]),
+    (Case("hf", 2, model=(("family", "gpt_oss"), ("labels", True)), strategy=(("ep", 2),)), ["moe_act"]),  # its glu
+    (Case("gpt", 2, model=(("n_experts", 8),)), ["moe_act", "layernorm"]),
 ]
 
 
@@ -118,7 +121,7 @@ def test_mlp_recomputation_of_a_mixture_of_experts_and_moe_of_a_dense_mlp_are_re
 
 
 @pytest.mark.parametrize("modules, message", [
-    (["moe_act"], "['moe_act'] are not recomputed by module yet"),
+    (["shared_experts"], "['shared_experts'] are not recomputed by module yet"),
     (["attention"], "['attention'] are not modules"),
     ([], "name at least one of"),
 ])

@@ -1,6 +1,7 @@
-"""Recomputation of the norms (``modules=["layernorm"]``) on one process: bit-identical under CPU autocast (the rebuild
-runs under the autocast state of the forward), the norms' outputs not kept, and the layers that cannot rebuild them
-refused by name."""
+"""Outputs rebuilt in backward instead of kept, on one process: the norms' (``modules=["layernorm"]``: bit-identical
+under CPU autocast, the rebuild running under the forward's autocast state; the layers that cannot rebuild them refused
+by name) and the experts' activation (``modules=["moe_act"]``: bit-identical, its two ``[R, f]`` tensors not kept, on
+the loop and the grouped GEMM)."""
 
 from __future__ import annotations
 
@@ -76,3 +77,29 @@ def test_a_norm_input_offloaded_where_its_output_is_rebuilt_is_refused():
     apply_offload(model, ["attn_norm"], HostPool("cpu"))
     with pytest.raises(ValueError, match="rebuilt from their inputs"):
         check_offload_with_recompute(model)
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["loop", "grouped_mm"])
+def test_the_experts_activation_recomputed_keeps_only_the_gate_up_output(grouped):
+    from lightning_seqpar.moe.experts import GroupedExperts
+
+    dtype = torch.bfloat16 if grouped else torch.float64  # grouped_mm's kernels take 16-bit operands
+
+    def run(recompute: bool) -> tuple[dict[str, torch.Tensor], torch.Tensor, int]:
+        torch.manual_seed(0)
+        experts = GroupedExperts(4, 16, 32, dtype=dtype, grouped_mm=grouped)
+        for weight in experts.parameters():
+            torch.nn.init.normal_(weight, std=0.1)
+        experts.recompute_activation = recompute
+        rows = torch.randn(12, 16, dtype=dtype, requires_grad=True)
+        with LiveActivationTracker() as tracker:
+            out = experts(rows, [3, 5, 0, 4], torch.tensor([3, 5, 0, 4]))
+        kept = tracker.live_bytes()
+        out.square().sum().backward()
+        return {n: p.grad for n, p in experts.named_parameters()}, rows.grad, kept
+
+    plain, rebuilt = run(False), run(True)
+    assert [n for n in plain[0] if not torch.equal(plain[0][n], rebuilt[0][n])] == []
+    assert torch.equal(plain[1], rebuilt[1])
+    # the activation's output and the gate's activation [R, f] each, R = 12 rows, f = 32: no longer kept
+    assert plain[2] - rebuilt[2] == 2 * 12 * 32 * torch.empty((), dtype=dtype).element_size(), (plain[2], rebuilt[2])
