@@ -27,26 +27,19 @@ rank's experts receive, ``[R, h]``), ``moe_act`` (the experts' gate and up halve
 EXPERT_MODULES = ("expert_fc1", "moe_act")
 DENSE_OFFLOAD_MODULES = tuple(m for m in OFFLOAD_MODULES if m not in EXPERT_MODULES)
 """The modules of a dense layer (what the memory model and the offload plan price)."""
-NOT_YET: tuple[str, ...] = ()
 
 
 def check_offload_modules(modules: Any) -> list[str]:
     """``modules`` (a name or names) as a list, checked: names of :data:`OFFLOAD_MODULES`.
 
     Raises:
-        ValueError: no module named, or a name not in :data:`OFFLOAD_MODULES` (those Megatron-Core has that this does
-            not yet, named as such).
+        ValueError: no module named, or a name not in :data:`OFFLOAD_MODULES`.
     """
     names = [modules] if isinstance(modules, str) else list(modules or [])
-    if not names:
-        raise ValueError(f"modules={modules!r}: name at least one of {list(OFFLOAD_MODULES)}.")
-    later = [n for n in names if n in NOT_YET]
-    unknown = [n for n in names if n not in OFFLOAD_MODULES and n not in NOT_YET]
-    if later or unknown:
-        raise ValueError(f"modules={names!r}: " + (f"{later} are not offloaded yet (a mixture of experts' modules); "
-                                                   if later else "")
-                         + (f"{unknown} are not modules; " if unknown else "")
-                         + f"the modules are {list(OFFLOAD_MODULES)}.")
+    unknown = [n for n in names if n not in OFFLOAD_MODULES]
+    if not names or unknown:
+        raise ValueError(f"modules={modules!r}: " + (f"{unknown} are not modules; " if unknown else "")
+                         + f"name at least one of {list(OFFLOAD_MODULES)}.")
     return names
 
 
