@@ -12,7 +12,7 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: the tools are the recipes package's
 
 from recipes.benchmarking.memory_tables import (  # noqa: E402
-    GiB, context_rows, extra_fraction, flops_rows, memory_rows, write_figure7,
+    GiB, choice_rows, context_rows, extra_fraction, flops_rows, memory_rows, write_figure7,
 )
 from recipes.benchmarking.paper import PAPER_RUNS  # noqa: E402
 
@@ -51,6 +51,13 @@ def main(argv=None) -> None:
         base.setdefault(r.model, r.layer_bytes)
         table.add_row(r.model, str(r.c), f"{r.layer_bytes / GiB:.3f}", f"{base[r.model] / r.layer_bytes:.2f}",
                       f"{r.ring_bytes / GiB:.3f}")
+    console.print(table)
+    table = Table(title="Recomputation by module and activation offload (per layer and micro-batch, one rank, t of "
+                        "Table 3 with SP, 16-bit)")
+    for col in ("model", "choice", "on the device (GiB)", "to the host and back (GiB)"):
+        table.add_column(col, justify="left" if col in ("model", "choice") else "right")
+    for r in choice_rows():
+        table.add_row(r.model, r.choice, f"{r.device_bytes / GiB:.3f}", f"{r.host_bytes / GiB:.3f}")
     console.print(table)
     if args.png:
         console.print(f"wrote {write_figure7(rows, args.png)}")

@@ -12,6 +12,8 @@ from lightning_seqpar.memory.activations import (
     extra_activation_bytes,
     first_stage_activation_bytes,
     layer_activation_bytes,
+    layer_activation_terms,
+    offloaded_activation_terms,
 )
 from lightning_seqpar.memory.flops import (
     flops_utilization,
@@ -55,6 +57,44 @@ def memory_rows(runs: dict[str, PaperRun] = PAPER_RUNS) -> list[MemoryRow]:
             per_layer = layer_activation_bytes(run.shape, run.t, sp, recompute)
             total = first_stage_activation_bytes(run.shape, run.t, run.p, run.m, sp, recompute)
             rows.append(MemoryRow(run.name, technique, per_layer, 100 * per_layer / baseline, total))
+    return rows
+
+
+CHOICES: dict[str, tuple[Recompute, tuple[str, ...], tuple[str, ...]]] = {  # (recompute, by module, offloaded)
+    "selective": ("selective", (), ()),
+    "selective + layernorm": ("selective", ("layernorm",), ()),
+    "selective + mlp": ("selective", ("mlp",), ()),
+    "selective + layernorm + mlp": ("selective", ("layernorm", "mlp"), ()),
+    "selective | offload attn_norm, mlp_norm": ("selective", (), ("attn_norm", "mlp_norm")),
+    "selective | offload all but core_attn": ("selective", (), ("attn_norm", "qkv_linear", "attn_proj", "mlp_norm",
+                                                               "mlp")),
+    "none | offload all": ("none", (), ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "mlp")),
+    "full": ("full", (), ()),
+}
+
+
+@dataclass(frozen=True)
+class ChoiceRow:
+    """One memory choice for one of the paper's runs at its t with SP: bytes per layer and micro-batch, one rank."""
+
+    model: str
+    choice: str
+    device_bytes: float
+    """kept on the device for backward (:func:`~lightning_seqpar.memory.activations.layer_activation_terms`)"""
+    host_bytes: float
+    """copied to host memory and back (:func:`~lightning_seqpar.memory.activations.offloaded_activation_terms`)"""
+
+
+def choice_rows(runs: dict[str, PaperRun] = PAPER_RUNS) -> list[ChoiceRow]:
+    """Every memory choice of :data:`CHOICES` for every run, with SP at its t."""
+    rows = []
+    for run in runs.values():
+        for choice, (recompute, modules, offload) in CHOICES.items():
+            options = dict(modules=modules, offload=offload)
+            rows.append(ChoiceRow(run.name, choice,
+                                  sum(layer_activation_terms(run.shape, run.t, True, recompute, **options).values()),
+                                  sum(offloaded_activation_terms(run.shape, run.t, True, recompute,
+                                                                 **options).values())))
     return rows
 
 

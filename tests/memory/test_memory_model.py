@@ -142,3 +142,24 @@ def test_the_report_shows_context_parallelism_dividing_each_layer():
         assert 7.5 < one.layer_bytes / eight.layer_bytes < 8
         assert rows[(model, 2)].layer_bytes == 4 * eight.layer_bytes
         assert one.ring_bytes == 0 and rows[(model, 2)].ring_bytes == 4 * eight.ring_bytes > 0
+
+
+def test_the_report_shows_each_memory_choice_leaving_the_device_or_moving_to_the_host(capsys):
+    from recipes.benchmarking.memory_tables import choice_rows
+
+    from recipes.benchmarking.paper import PAPER_RUNS
+
+    for run in PAPER_RUNS.values():
+        model, sbt = run.name, run.shape.s * run.shape.b / run.t
+        rows = {r.choice: r for r in choice_rows() if r.model == model}
+        selective, full = rows["selective"], rows["full"]
+        # an offload moves exactly what it removes; recomputation moves nothing
+        for name in ("selective | offload attn_norm, mlp_norm", "selective | offload all but core_attn"):
+            assert rows[name].device_bytes + rows[name].host_bytes == selective.device_bytes
+        assert all(r.host_bytes == 0 for n, r in rows.items() if "offload" not in n)
+        # the norms' two 16-bit outputs 2·2sbh/t; the MLP's fc2 and GeLU inputs 2·2sbf/t
+        assert selective.device_bytes - rows["selective + layernorm"].device_bytes == 4 * sbt * run.shape.h
+        assert selective.device_bytes - rows["selective + mlp"].device_bytes == 4 * sbt * run.shape.f
+        assert full.device_bytes < rows["selective + layernorm + mlp"].device_bytes < rows["selective + mlp"].device_bytes
+    main([])
+    assert "Recomputation by module and activation offload" in capsys.readouterr().out

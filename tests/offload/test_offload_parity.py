@@ -1,11 +1,12 @@
 """``ActivationOffload`` in the Trainer: bit-identical training to no offload (float64, loss and every gradient, three
-AdamW steps) under tensor + sequence parallelism, the pipeline, context parallelism and recomputation, on the reference
-GPT, a post-norm encoder and Hugging Face Llama and Qwen3; at tp 2 with SP the bytes a layer leaves on the device and
-moves to the host are the model's, to the byte."""
+AdamW steps) under tensor + sequence parallelism, the pipeline (1F1B, interleaved, GPipe), context parallelism and
+recomputation, on the reference GPT, a post-norm encoder, Hugging Face Llama, Qwen3 and Qwen3-MoE; at tp 2 with SP the
+bytes a layer leaves on the device and moves to the host are the model's, to the byte, for every module and pair."""
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 import torch
@@ -30,6 +31,9 @@ CASES = {  # world size: (case, offloaded modules, recomputation callbacks' argu
         (Case("gpt", 2), ["attn_norm", "qkv_linear", "attn_proj", "mlp"], dict(granularity="selective")),
         (Case("gpt", 2, model=(("n_layer", 4),)), ALL, dict(modules=["full"], method="block", num_layers=2)),
         (Case("gpt", 1, pp=2), ALL, None),                                           # two pipeline stages
+        (Case("gpt", 1, model=(("n_layer", 4),), pp=2, strategy=(("virtual_stages", 2), ("num_microbatches", 4)),
+              batch=4), ALL, None),                                          # interleaved 1F1B
+        (Case("gpt", 1, pp=2, strategy=(("schedule", "gpipe"),)), ["attn_norm", "core_attn", "mlp"], None),
         (Case("hf", 1, model=(LABELS,), cp=2), ALL, None),                           # context parallel (ring)
         # a mixture of experts at ep 2: the rows its experts receive, their activation's inputs
         (Case("hf", 2, model=(LABELS, ("family", "qwen3_moe"), ("aux", 0.5)), strategy=(("ep", 2),)),
@@ -41,7 +45,7 @@ CASES = {  # world size: (case, offloaded modules, recomputation callbacks' argu
         (Case("gpt", 2, pp=2), ALL, None),                                           # pp 2 × tp 2
     ],
 }
-BYTES = [("attn_norm",), ("core_attn",), ("mlp",), ("qkv_linear", "attn_proj"), ("mlp_norm", "mlp")]
+BYTES = [(m,) for m in DENSE_OFFLOAD_MODULES] + list(itertools.combinations(DENSE_OFFLOAD_MODULES, 2))
 
 
 def _world(rank: int, world: int) -> dict:
