@@ -38,7 +38,7 @@ class OffloadPlan:
 def plan_offload(shape: TransformerShape, t: int, sequence_parallel: bool, budget: float, layers: int,
                  in_flight: int = 1, recompute: Recompute = "none", modules: Sequence[str] = (),
                  bytes_per_element: int = 2, mask_bytes: int = 1, c: int = 1,
-                 norm_statistics_bytes: int = 0) -> OffloadPlan:
+                 norm_statistics_bytes: int = 0, keeps_output: bool = False) -> OffloadPlan:
     """The subset of :data:`~lightning_seqpar.offload.DENSE_OFFLOAD_MODULES` whose layer activations fit ``budget`` bytes
     with the fewest bytes moved (ties: fewer modules, then the earlier modules); none when nothing needs to move.
 
@@ -50,6 +50,9 @@ def plan_offload(shape: TransformerShape, t: int, sequence_parallel: bool, budge
         budget: bytes of layer activations allowed on the device (all ``in_flight`` micro-batches).
         layers: transformer layers this rank holds (per model chunk times chunks).
         in_flight: micro-batches whose activations the rank holds at once (its schedule's peak; 1 without a pipeline).
+        keeps_output: the rank sends its output to a later pipeline stage and keeps it for that micro-batch's backward;
+            with ``attn_norm`` offloaded it is not a layer's offloaded input here: ``e·sbh/(t·c)`` (SP) per micro-batch
+            in flight stays on the device.
 
     Raises:
         ValueError: ``budget`` not positive, ``layers`` or ``in_flight`` below 1, or no choice fits (naming the least
@@ -62,10 +65,13 @@ def plan_offload(shape: TransformerShape, t: int, sequence_parallel: bool, budge
                    mask_bytes=mask_bytes, c=c, modules=modules, norm_statistics_bytes=norm_statistics_bytes)
     allowed = [m for m in DENSE_OFFLOAD_MODULES if not _conflicts(m, recompute, modules, c)]
     held = in_flight * layers
+    output = bytes_per_element * shape.s * shape.b * shape.h / ((t if sequence_parallel else 1) * c)
     best = None
     for size in range(len(allowed) + 1):
         for chosen in itertools.combinations(allowed, size):
             left = held * sum(layer_activation_terms(shape, offload=chosen, **options).values())
+            if keeps_output and "attn_norm" in chosen and recompute != "full":
+                left += in_flight * output
             moved = layers * sum(offloaded_activation_terms(shape, offload=chosen, **options).values())
             if left <= budget and (best is None or moved < best.moved_per_micro_batch):
                 best = OffloadPlan(chosen, left, in_flight * moved, moved, in_flight, layers)

@@ -108,7 +108,8 @@ class ActivationOffload(pl.Callback):
         return plan_offload(shape, t, sp, budget, max(1, (len(layers) - whole) // v), in_flight,
                             "selective" if selective else "none",
                             ["mlp"] * any(layer.recompute_mlp for layer in layers)
-                            + ["layernorm"] * any(layer.recompute_norms for layer in layers), element, c=c)
+                            + ["layernorm"] * any(layer.recompute_norms for layer in layers), element, c=c,
+                            keeps_output=p > 1 and not (rank == p - 1 and v == 1))
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         apply_offload(pl_module, None, self.pool)  # type: ignore[arg-type]
