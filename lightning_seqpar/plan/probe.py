@@ -81,6 +81,10 @@ def measure(config: Any, tp: int, sequence_parallel: bool, recompute: str, preci
     from lightning_seqpar.recompute import apply_recompute, apply_recompute_modules
     from lightning_seqpar.transformer.context import RewriteContext
 
+    if getattr(config, "n_positions", None) is not None and config.n_positions < s:
+        # learned positions (GPT-2) as long as the probe's sequence: a probe longer than the model's own is still the
+        # same layer's bytes, scaled by s
+        overrides = dict(overrides or {}, n_positions=s)
     small = small_config(config, tp, _small_overrides(config, overrides))
     dtype = _DTYPES[precision]
     x = torch.randint(0, small.vocab_size, (b, s), generator=torch.Generator().manual_seed(0))

@@ -208,3 +208,19 @@ def test_the_experts_offload_their_rows_and_activation_inputs_and_train_bit_iden
         assert [n for n in grads if not torch.equal(grads[n], plain[0][n])] == [] and torch.equal(rows_grad, plain[1])
         # expert_fc1: the rows [R, h]; moe_act: the gate and up halves and the gate's activation, [R, f] each
         assert moved["bytes_out"] == expected, (offload, moved)
+
+
+def test_a_module_offloaded_and_recomputed_is_refused_before_any_step(tmp_path):
+    import lightning.pytorch as pl
+
+    from lightning_seqpar import ActivationOffload, SelectiveRecompute
+    from tests.helpers.models import build, loader, token_data
+
+    for recompute, offload, clash in ((dict(modules=["layernorm"]), ["attn_norm"], "['attn_norm']"),
+                                      (dict(granularity="selective"), ["core_attn", "mlp"], "['core_attn']")):
+        trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+                             callbacks=[ActivationOffload(modules=offload), SelectiveRecompute(**recompute)])
+        with pytest.raises(ValueError, match=f"offloads {clash.replace('[', '.').replace(']', '.')}, which "):
+            trainer.fit(build("gpt"), loader(token_data(1, 1), 2))
+        assert trainer.global_step == 0

@@ -56,6 +56,7 @@ class ActivationOffload(pl.Callback):
         self.plan: Optional[OffloadPlan] = None
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._refuse_recomputed(trainer)
         compiled = [layer for layer in rewritten_layers(pl_module) if layer.compile_config is not None]
         if compiled:
             raise ValueError(f"ActivationOffload(modules={self.modules}) with compiled blocks (compile=True): the "
@@ -64,6 +65,25 @@ class ActivationOffload(pl.Callback):
         self.pool = HostPool(trainer.strategy.root_device)
         if self.modules is not None:
             apply_offload(pl_module, self.modules, self.pool)
+
+    def _refuse_recomputed(self, trainer: pl.Trainer) -> None:
+        """Refuse, from the callbacks' arguments and before any step, a module both offloaded here and recomputed by a
+        ``SelectiveRecompute`` (the layers are checked again once every callback has applied its choice)."""
+        from lightning_seqpar.lightning.callbacks.selective_recompute import SelectiveRecompute
+
+        if self.modules is None:
+            return
+        for callback in trainer.callbacks:
+            if not isinstance(callback, SelectiveRecompute) or "full" in (callback.modules or []):
+                continue
+            recomputed = set(callback.modules or ([] if callback.granularity != "selective" else ["core_attn"]))
+            clashes = {"core_attn": {"core_attn"}, "mlp": {"mlp"}, "layernorm": {"attn_norm", "mlp_norm"},
+                       "moe": {"expert_fc1", "moe_act"}, "moe_act": {"moe_act"}}
+            both = sorted({m for name in recomputed for m in clashes.get(name, ()) if m in self.modules})
+            if both:
+                raise ValueError(f"ActivationOffload(modules={self.modules}) offloads {both}, which "
+                                 f"SelectiveRecompute(modules={sorted(recomputed)}) recomputes or rebuilds from what it "
+                                 f"keeps: nothing of them is left to offload. Drop {both} from one of the two.")
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # every callback's on_fit_start has run: a recomputation configured there is known now
