@@ -34,7 +34,7 @@ def memory_choice_rule(recompute: str, modules: tuple[str, ...], offload: tuple[
                        eager_attention: bool) -> Optional[str]:
     """Why ``modules`` (recomputation by module beside ``recompute``) and ``offload`` cannot go together with the
     layout, in the field's words; ``None``: they can."""
-    unknown = [m for m in modules if m not in ("layernorm", "mlp", "moe_act", "moe", "core_attn")] + [
+    unknown = [m for m in modules if m not in ("layernorm", "mlp", "moe_act", "shared_experts", "moe", "core_attn")] + [
         m for m in offload if m not in OFFLOAD_MODULES]
     if unknown:
         return (f"{unknown}: not a module recomputed by module (layernorm, mlp, moe_act, moe, core_attn) or offloaded "

@@ -72,7 +72,7 @@ def apply_recompute(
         layer.recompute_mlp = layer.recompute_norms = False  # module recomputation (apply_recompute_modules) undone too
         experts = getattr(getattr(layer, "_mlp", None), "experts", None)
         if experts is not None:
-            experts.recompute_activation = False
+            experts.recompute_activation = layer._mlp.recompute_shared = False
         layer.checkpointed_whole = False
     if granularity == "none":
         return 0
@@ -169,34 +169,27 @@ def apply_recompute_plan(model: nn.Module, plan: RecomputePlan) -> None:
         apply_recompute(model, plan.granularity)
 
 
-RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp", "moe_act", "moe", "full")
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp", "moe_act", "shared_experts", "moe", "full")
 """The modules :func:`apply_recompute_modules` recomputes (Megatron-Core's ``recompute_modules`` names): the core
 attention (QKᵀ, softmax, dropout, ·V: the paper's selective recomputation), the norms before attention and MLP (their
 outputs, ``[s/t, b, h]`` each, made again from their kept inputs when the input projections' backward reads them;
 pre-norm blocks), a dense MLP (its inner ``[s, b, f/t]``
 activations: the all-gathered input, the fc1 outputs, the activation), the experts' activation (only the gate/up projection's
-output kept: the activation and its output made again in backward), a mixture of experts (router, dispatch, experts,
+output kept: the activation and its output made again in backward), a mixture's shared expert (a dense MLP on every
+token: its input kept), a mixture of experts (router, dispatch, experts,
 combine and shared expert run again in backward, their all-to-alls included; only its input is kept), whole layers."""
-
-NOT_YET = ("shared_experts",)
-
 
 def check_recompute_modules(modules: Any) -> list[str]:
     """``modules`` (a name or names) as a list, checked: names of :data:`RECOMPUTE_MODULES`.
 
     Raises:
-        ValueError: no module named, or a name not in :data:`RECOMPUTE_MODULES` (those Megatron-Core has that this
-            does not yet, named as such).
+        ValueError: no module named, or a name not in :data:`RECOMPUTE_MODULES`.
     """
     names = [modules] if isinstance(modules, str) else list(modules or [])
-    if not names:
-        raise ValueError(f"modules={modules!r}: name at least one of {list(RECOMPUTE_MODULES)}.")
-    later = [n for n in names if n in NOT_YET]
-    unknown = [n for n in names if n not in RECOMPUTE_MODULES and n not in NOT_YET]
-    if later or unknown:
-        raise ValueError(f"modules={names!r}: " + (f"{later} are not recomputed by module yet; " if later else "")
-                         + (f"{unknown} are not modules; " if unknown else "")
-                         + f"the modules are {list(RECOMPUTE_MODULES)}.")
+    unknown = [n for n in names if n not in RECOMPUTE_MODULES]
+    if not names or unknown:
+        raise ValueError(f"modules={modules!r}: " + (f"{unknown} are not modules; " if unknown else "")
+                         + f"name at least one of {list(RECOMPUTE_MODULES)}.")
     return names
 
 
@@ -234,7 +227,8 @@ def apply_recompute_modules(model: nn.Module, modules: Any, method: Literal["uni
 
     layers = rewritten_layers(model)
     kinds = {"mlp": (DenseMLPPart, "a dense MLP", "moe"), "moe": (MoEPart, "a mixture of experts", "mlp"),
-             "moe_act": (MoEPart, "the experts' activation", "mlp")}
+             "moe_act": (MoEPart, "the experts' activation", "mlp"),
+             "shared_experts": (MoEPart, "a mixture's shared expert", "mlp")}
     recomputed_parts = tuple(kinds[n][0] for n in names if n in ("mlp", "moe"))
     for name in (n for n in names if n in kinds):
         part, what, other_name = kinds[name]
@@ -243,6 +237,11 @@ def apply_recompute_modules(model: nn.Module, modules: Any, method: Literal["uni
             raise ValueError(f"modules=['{name}'] recomputes {what}; {label} has "
                              f"{type(getattr(layers[0], '_mlp', None)).__name__}: recompute it with "
                              f"modules=['{other_name}'] or whole (modules=['full']), or leave '{name}' out.")
+    if "shared_experts" in names and not any(getattr(getattr(layer, "_mlp", None), "shared", None) is not None
+                                             for layer in layers):
+        raise ValueError(f"modules=['shared_experts'] recomputes a mixture's shared expert; "
+                         f"{getattr(layers[0], '_name', type(layers[0]).__name__)} has none: leave 'shared_experts' "
+                         f"out.")
     if "layernorm" in names or "moe_act" in names:
         _check_rebuilds(layers, [n for n in names if n in ("layernorm", "moe_act")])
     count = apply_recompute(model, "full" if "full" in names else "none", method, num_layers)
@@ -251,10 +250,13 @@ def apply_recompute_modules(model: nn.Module, modules: Any, method: Literal["uni
         inside = id(layer) not in outside  # checkpointed whole: its modules are recomputed with it already
         layer.recompute_mlp = isinstance(getattr(layer, "_mlp", None), recomputed_parts) and not inside
         layer.recompute_norms = "layernorm" in names and not inside
-        experts = getattr(getattr(layer, "_mlp", None), "experts", None)
-        if experts is not None:  # a recomputed mixture recomputes its activation already
+        mixture = getattr(layer, "_mlp", None)
+        experts = getattr(mixture, "experts", None)
+        if experts is not None:  # a recomputed mixture recomputes its activation and shared expert already
             experts.recompute_activation = "moe_act" in names and not inside and not layer.recompute_mlp
-            count += experts.recompute_activation
+            mixture.recompute_shared = ("shared_experts" in names and mixture.shared is not None and not inside
+                                        and not layer.recompute_mlp)
+            count += experts.recompute_activation + mixture.recompute_shared
         count += layer.recompute_mlp + layer.recompute_norms
         for m in layer.modules():
             if isinstance(m, CoreAttention):

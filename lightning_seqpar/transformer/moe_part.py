@@ -33,6 +33,7 @@ from lightning_seqpar.moe.capacity import CapacityDispatcher
 from lightning_seqpar.moe.dispatch import TokenDispatcher
 from lightning_seqpar.moe.experts import GroupedExperts
 from lightning_seqpar.parallel.collectives import ParallelGroup
+from lightning_seqpar.parallel.random import recomputed
 from lightning_seqpar.tensor_parallel.sharding import mark_sequence_parallel
 from lightning_seqpar.transformer.mlp_part import DenseMLPPart, DenseMLPSpec
 from lightning_seqpar.transformer.context import RewriteContext
@@ -158,6 +159,8 @@ class MoEPart:
         self.norm = builder.norm(spec.mlp_norm, "mlp norm")
         self.post_norm = builder.norm(spec.mlp_post_norm, "mlp post norm")
         self.inputs: tuple[nn.Module, ...] = ()
+        self.rng_tracker = ctx.rng_tracker
+        self.recompute_shared = False  # the shared expert recomputed by module (modules=["shared_experts"])
         self.router = builder.resolve(spec.router)
         if ctx.sp:  # each tp rank routes its own tokens: the router's gradient is partial over tp
             mark_sequence_parallel(self.router)
@@ -191,7 +194,10 @@ class MoEPart:
         computed = self.experts(rows, routing.tokens_per_expert, routing.expert_counts)
         out = self.dispatcher.combine(computed, routing, scores).view(x.shape)
         if self.shared is not None:
-            shared = self.shared.forward(x)
+            if self.recompute_shared and torch.is_grad_enabled():  # its input kept, its inner activations made again
+                shared = recomputed(self.shared.forward, x, rng_tracker=self.rng_tracker)
+            else:
+                shared = self.shared.forward(x)
             if self.shared_gate is not None:
                 shared = torch.sigmoid(self.shared_gate(x)) * shared
             out = out + shared

@@ -28,6 +28,7 @@ CASES = {  # world size: (case, offloaded modules, recomputation callbacks' argu
         (Case("encoder", 2, model=(("norm_first", False),)), ALL, None),             # post-norm
         (Case("hf", 2, model=(LABELS,)), ALL, None),                                 # Llama: rotary, gated MLP
         (Case("hf", 2, model=(LABELS, ("family", "qwen3"))), ALL, None),             # per-head q/k norms
+        (Case("hf", 2, model=(LABELS, ("lora", "attention"))), ALL, None),           # LoRA: frozen bases stay
         (Case("gpt", 2), ["attn_norm", "qkv_linear", "attn_proj", "mlp"], dict(granularity="selective")),
         (Case("gpt", 2, model=(("n_layer", 4),)), ALL, dict(modules=["full"], method="block", num_layers=2)),
         (Case("gpt", 1, pp=2), ALL, None),                                           # two pipeline stages

@@ -35,6 +35,8 @@ CASES = [  # (case, modules): each trained without recomputation and with these 
     (Case("hf", 2, model=(("family", "qwen3_moe"), ("labels", True)), strategy=(("ep", 2),)), ["moe_act", "core_attn"]),
     (Case("hf", 2, model=(("family", "gpt_oss"), ("labels", True)), strategy=(("ep", 2),)), ["moe_act"]),  # its glu
     (Case("gpt", 2, model=(("n_experts", 8),)), ["moe_act", "layernorm"]),
+    (Case("hf", 2, model=(("family", "qwen2_moe"), ("labels", True)), strategy=(("ep", 2),)),
+     ["shared_experts", "moe_act"]),                                       # the gated shared expert
 ]
 
 
@@ -121,7 +123,6 @@ def test_mlp_recomputation_of_a_mixture_of_experts_and_moe_of_a_dense_mlp_are_re
 
 
 @pytest.mark.parametrize("modules, message", [
-    (["shared_experts"], "['shared_experts'] are not recomputed by module yet"),
     (["attention"], "['attention'] are not modules"),
     ([], "name at least one of"),
 ])

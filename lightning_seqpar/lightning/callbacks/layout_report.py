@@ -36,7 +36,7 @@ def _memory_choices(trainer: pl.Trainer) -> tuple[str, tuple[str, ...], Optional
     if chosen and chosen[0].modules is not None:
         names = chosen[0].modules
         recompute = "full" if "full" in names else "selective" if "core_attn" in names else "none"
-        modules = tuple(n for n in names if n in ("layernorm", "mlp", "moe_act", "moe"))
+        modules = tuple(n for n in names if n in ("layernorm", "mlp", "moe_act", "shared_experts", "moe"))
     elif chosen and chosen[0].granularity in ("selective", "full"):
         recompute = chosen[0].granularity
     offloads = [c for c in trainer.callbacks if isinstance(c, ActivationOffload)]

@@ -33,9 +33,12 @@ class SelectiveRecompute(pl.Callback):
         memory_budget: for ``"auto"``: bytes of layer activations allowed per rank and micro-batch.
         bytes_per_element: for ``"auto"``: activation bytes (default: the parameters' element size).
         modules: recompute by module instead (Megatron-Core's ``recompute_modules``): any combination of
-            ``"core_attn"`` (the same as ``"selective"``), ``"mlp"`` (a dense MLP's inner activations: its input is
-            kept, its all-gather, fc1 and activation run again in backward) and ``"full"`` (with ``method`` and
-            ``num_layers``; the other modules recomputed in the layers it leaves); :func:`apply_recompute_modules`.
+            ``"core_attn"`` (the same as ``"selective"``), ``"layernorm"`` (the norms' outputs rebuilt from their
+            inputs when the projections' backward reads them), ``"mlp"`` (a dense MLP's inner activations: its input is
+            kept, its all-gather, fc1 and activation run again in backward), ``"moe_act"`` (the experts' activation),
+            ``"shared_experts"`` (a mixture's shared expert), ``"moe"`` (a whole mixture of experts) and ``"full"``
+            (with ``method`` and ``num_layers``; the other modules recomputed in the layers it leaves);
+            :func:`apply_recompute_modules`, :data:`~lightning_seqpar.recompute.RECOMPUTE_MODULES`.
 
     Applied when fitting starts, after the strategy has rewritten the model (``"auto"``: at the first
     training batch, whose first tensor, token ids ``[b, s]``, gives s and b). Training is numerically identical to no recomputation
