@@ -12,6 +12,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from lightning_seqpar.offload.host_pool import HostPool
+from lightning_seqpar.recompute.apply import module_names
 from lightning_seqpar.transformer.masks import FutureMask
 from lightning_seqpar.memory.saved_tensors import Packer
 
@@ -30,17 +31,9 @@ DENSE_OFFLOAD_MODULES = tuple(m for m in OFFLOAD_MODULES if m not in EXPERT_MODU
 
 
 def check_offload_modules(modules: Any) -> list[str]:
-    """``modules`` (a name or names) as a list, checked: names of :data:`OFFLOAD_MODULES`.
-
-    Raises:
-        ValueError: no module named, or a name not in :data:`OFFLOAD_MODULES`.
-    """
-    names = [modules] if isinstance(modules, str) else list(modules or [])
-    unknown = [n for n in names if n not in OFFLOAD_MODULES]
-    if not names or unknown:
-        raise ValueError(f"modules={modules!r}: " + (f"{unknown} are not modules; " if unknown else "")
-                         + f"name at least one of {list(OFFLOAD_MODULES)}.")
-    return names
+    """``modules`` (a name or names) as a list, checked: names of :data:`OFFLOAD_MODULES`
+    (:func:`~lightning_seqpar.recompute.apply.module_names`; raises its ``ValueError``)."""
+    return module_names(modules, OFFLOAD_MODULES)
 
 
 class LayerOffload:

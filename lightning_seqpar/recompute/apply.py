@@ -4,7 +4,7 @@ layers) or a plan chosen from a memory budget. The Lightning callback is
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Sequence
 
 import torch.nn as nn
 
@@ -179,18 +179,24 @@ output kept: the activation and its output made again in backward), a mixture's 
 token: its input kept), a mixture of experts (router, dispatch, experts,
 combine and shared expert run again in backward, their all-to-alls included; only its input is kept), whole layers."""
 
-def check_recompute_modules(modules: Any) -> list[str]:
-    """``modules`` (a name or names) as a list, checked: names of :data:`RECOMPUTE_MODULES`.
+
+def module_names(modules: Any, known: Sequence[str]) -> list[str]:
+    """``modules`` (a name or names) as a list, checked against ``known``.
 
     Raises:
-        ValueError: no module named, or a name not in :data:`RECOMPUTE_MODULES`.
+        ValueError: no module named, or a name not in ``known``.
     """
     names = [modules] if isinstance(modules, str) else list(modules or [])
-    unknown = [n for n in names if n not in RECOMPUTE_MODULES]
+    unknown = [n for n in names if n not in known]
     if not names or unknown:
         raise ValueError(f"modules={modules!r}: " + (f"{unknown} are not modules; " if unknown else "")
-                         + f"name at least one of {list(RECOMPUTE_MODULES)}.")
+                         + f"name at least one of {list(known)}.")
     return names
+
+
+def check_recompute_modules(modules: Any) -> list[str]:
+    """``modules`` (a name or names) as a list, checked: names of :data:`RECOMPUTE_MODULES` (:func:`module_names`)."""
+    return module_names(modules, RECOMPUTE_MODULES)
 
 
 def _check_rebuilds(layers: list[ParallelLayer], names: list[str]) -> None:
