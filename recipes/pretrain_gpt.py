@@ -132,7 +132,7 @@ def memory_callbacks(cfg: DictConfig) -> list[pl.Callback]:
                                             modules=modules))
     offloaded = cfg.get("offload", {}).get("modules")
     if offloaded:
-        callbacks.append(ActivationOffload(modules=list(offloaded)))
+        callbacks.append(ActivationOffload(modules=list(offloaded), prefetch=bool(cfg.offload.get("prefetch", True))))
     return callbacks
 
 

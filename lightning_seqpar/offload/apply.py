@@ -39,8 +39,9 @@ def check_offload_modules(modules: Any) -> list[str]:
 class LayerOffload:
     """What one rewritten layer offloads, and to which pool (a :class:`HostPool` shared by the rank's layers)."""
 
-    def __init__(self, names: list[str], pool: HostPool) -> None:
+    def __init__(self, names: list[str], pool: HostPool, order: Optional[dict[int, int]] = None) -> None:
         self.names, self.pool = frozenset(names), pool
+        self.order = order or {}  # id(layer) -> its place among the model's layers (what links prefetches)
 
     def packer(self, layer: nn.Module, module: str, shared: tuple[Optional[Tensor], ...] = ()) -> Optional[Packer]:
         """The offloading packer for ``module`` of ``layer`` (``None`` when it is not named). What is not one forward's
@@ -52,7 +53,9 @@ class LayerOffload:
         held = [*layer.parameters(), *layer.buffers(), *shared]
         held += [m.future_mask.cached() for m in layer.modules() if isinstance(getattr(m, "future_mask", None),
                                                                               FutureMask)]
-        return self.pool.packer({t.untyped_storage().data_ptr() for t in held if t is not None})
+        index = self.order.get(id(layer))
+        forward = self.pool.layer_forward(index, module) if index is not None else None
+        return self.pool.packer({t.untyped_storage().data_ptr() for t in held if t is not None}, forward)
 
 
 def apply_offload(model: nn.Module, modules: Any, pool: HostPool) -> int:
@@ -94,7 +97,7 @@ def apply_offload(model: nn.Module, modules: Any, pool: HostPool) -> int:
         raise ValueError(f"modules={named} offloads the experts of a mixture; "
                          f"{getattr(layers[0], '_name', type(layers[0]).__name__)} has "
                          f"{type(layers[0]._mlp).__name__}: leave {named} out.")
-    shared = LayerOffload(names, pool)
+    shared = LayerOffload(names, pool, {id(layer): i for i, layer in enumerate(layers)})
     for layer in layers:
         layer.offload = shared
         if experts[id(layer)] is not None:  # the experts' regions are the layer's: the same rules apply

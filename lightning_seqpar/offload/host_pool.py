@@ -9,6 +9,13 @@ makes its copies with the dispatch modes of this process set aside (:func:`~ligh
 outside_dispatch_modes`), so the memory trackers (:mod:`lightning_seqpar.memory.tracker`, :mod:`~.memory.peak`)
 count what the offload frees and what it brings back, exactly as a GPU's allocator would see them.
 
+**Prefetch, one layer ahead.** The copies a layer's forward makes are one :class:`LayerForward`, linked to the one
+the layer before it made in the same forward. When the backward first reads a copy of layer i, every copy of layer
+i − 1 still to be read is brought back at once (on CUDA on the side stream, which the reading waits for with an
+event), so its copies back overlap layer i's backward instead of stalling layer i − 1's. The cost is one layer's
+offloaded bytes on the device ahead of their backward (:attr:`HostPool.prefetched`; the planner counts it). Copies of
+different micro-batches, or of a pipeline stage's chunks that are not adjacent layers, are never linked.
+
 The pool is one rank's; whoever offloads owns it and passes it to the layers (no global state). Megatron-Core's
 fine-grained activation offloading (``--offload-modules``) and torchtune's ``OffloadActivations`` move the same
 tensors through the same ``torch.autograd.graph.saved_tensors_hooks``.
@@ -33,12 +40,26 @@ class HostCopy:
     runs the kernels it would have run on the original.
     """
 
-    __slots__ = ("host", "device", "nbytes", "ready", "back", "readers", "__weakref__")
+    __slots__ = ("host", "device", "nbytes", "ready", "back", "back_ready", "readers", "forward", "__weakref__")
 
     def __init__(self, host: Tensor, device: torch.device, nbytes: int, ready: Any) -> None:
         self.host, self.device, self.nbytes, self.ready = host, device, nbytes, ready
         self.back: Optional[Tensor] = None  # the tensor brought back, until its last reader has it
+        self.back_ready: Any = None  # CUDA: the event after a prefetch's copy back (made on the side stream)
         self.readers = 0  # backward nodes that saved it and have not read it back yet
+        self.forward: Optional[LayerForward] = None  # the layer forward that made it (prefetch)
+
+
+class LayerForward:
+    """The copies one layer's forward made (weakly: autograd owns them), and the forward of the layer before it in the
+    same model forward (``previous``), whose copies are brought back when the backward first reads one of these."""
+
+    __slots__ = ("index", "modules", "copies", "previous", "read", "__weakref__")
+
+    def __init__(self, index: int, module: str, previous: Optional["LayerForward"]) -> None:
+        self.index, self.modules, self.previous = index, {module}, previous
+        self.copies: list[weakref.ref] = []
+        self.read = False
 
 
 class HostPool:
@@ -54,19 +75,41 @@ class HostPool:
         held: bytes held in host memory now (a copy is released when autograd frees what it saved).
         peak_held: the largest ``held``.
         copies_out / copies_in: how many tensors went each way.
+        prefetched: of ``copies_in``, those brought back ahead of their reader (one layer ahead, module docstring).
+
+    Args (continued):
+        prefetch: bring a layer's copies back when the backward reaches the layer after it (default); ``False``:
+            each copy comes back when its backward node reads it, on the compute stream.
     """
 
-    def __init__(self, device: torch.device | str) -> None:
+    def __init__(self, device: torch.device | str, prefetch: bool = True) -> None:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
+        self.prefetch = prefetch
         self.bytes_out = self.bytes_in = self.held = self.peak_held = 0
-        self.copies_out = self.copies_in = 0
+        self.copies_out = self.copies_in = self.prefetched = 0
         self._stream: Optional[Any] = None
+        self._last: Optional[LayerForward] = None  # the layer forward that offloaded last
 
     def counts(self) -> dict[str, int]:
         """The counters as plain integers (what a test or a report reads)."""
         return {"bytes_out": self.bytes_out, "bytes_in": self.bytes_in, "held": self.held,
-                "peak_held": self.peak_held, "copies_out": self.copies_out, "copies_in": self.copies_in}
+                "peak_held": self.peak_held, "copies_out": self.copies_out, "copies_in": self.copies_in,
+                "prefetched": self.prefetched}
+
+    def layer_forward(self, index: int, module: str) -> Optional[LayerForward]:
+        """The :class:`LayerForward` a region of ``module`` in layer ``index`` (its place in the model's layers)
+        offloads into: the last one while the same layer's forward goes on (a module not seen in it yet), else a new
+        one, linked to the last when that was the layer just before (``index − 1``) in the same forward. ``None``
+        without prefetch."""
+        if not self.prefetch:
+            return None
+        last = self._last
+        if last is not None and last.index == index and module not in last.modules:
+            last.modules.add(module)
+            return last
+        self._last = LayerForward(index, module, last if last is not None and last.index == index - 1 else None)
+        return self._last
 
     def offload(self, t: Tensor) -> HostCopy:
         """Copy ``t`` to host memory (asynchronously on CUDA); the device tensor may be freed as soon as its other
@@ -98,8 +141,18 @@ class HostPool:
         """The tensor ``copy`` holds, on its device again. A tensor saved by several backward nodes comes back once:
         the copy holds it until the last of them has read it."""
         copy.readers -= 1
+        if copy.forward is not None and not copy.forward.read:  # the backward reached this layer: fetch the next
+            copy.forward.read = True
+            if copy.forward.previous is not None:
+                self._prefetch(copy.forward.previous)
         back = copy.back
         if back is not None:
+            if self.cuda:
+                stream = torch.cuda.current_stream(copy.device)
+                if copy.back_ready is not None:
+                    stream.wait_event(copy.back_ready)  # the prefetch's copy back has finished
+                    copy.back_ready = None
+                back.record_stream(stream)  # made on the side stream, read on this one
             if copy.readers <= 0:
                 copy.back = None
             return back
@@ -115,6 +168,25 @@ class HostPool:
         self.copies_in += 1
         return back
 
+    def _prefetch(self, forward: LayerForward) -> None:
+        """Bring back every copy of ``forward`` that a backward node is still to read (counted as it comes)."""
+        for ref in forward.copies:
+            copy = ref()
+            if copy is None or copy.back is not None or copy.readers <= 0:
+                continue
+            if self.cuda:
+                stream = self._side_stream()  # after this copy's way out, made on the same stream
+                with torch.cuda.stream(stream):
+                    copy.back = copy.host.to(copy.device, non_blocking=True)
+                    copy.back_ready = torch.cuda.Event()
+                    copy.back_ready.record(stream)
+            else:
+                copy.back = torch.empty_like(copy.host)  # device memory again, as the trackers see it
+                copy.back.copy_(copy.host)
+            self.bytes_in += copy.nbytes
+            self.copies_in += 1
+            self.prefetched += 1
+
     def _release(self, nbytes: int) -> None:
         self.held -= nbytes
 
@@ -123,10 +195,11 @@ class HostPool:
             self._stream = torch.cuda.Stream(self.device)
         return self._stream
 
-    def packer(self, keep: set[int]) -> Packer:
+    def packer(self, keep: set[int], forward: Optional[LayerForward] = None) -> Packer:
         """A saved-tensor packer (:class:`~lightning_seqpar.memory.saved_tensors.Packer`) that offloads every tensor
         to this pool, except those whose storage's address is in ``keep`` (parameters: they stay where they are) and
-        those not on the pool's device. A tensor saved twice within one region is copied once."""
+        those not on the pool's device. A tensor saved twice within one region is copied once. ``forward``: the
+        layer forward the copies belong to (:meth:`layer_forward`; ``None``: never prefetched)."""
         # (tensor, its copy) by identity of what it views: the tensor is held until the region ends, so no other
         # tensor can take its address (and key) meanwhile
         seen: dict[tuple, tuple[Tensor, HostCopy]] = {}
@@ -140,6 +213,9 @@ class HostPool:
             key = (storage.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, tensor_version(t))
             if key not in seen:
                 seen[key] = (t, self.offload(t))
+                if forward is not None:
+                    seen[key][1].forward = forward
+                    forward.copies.append(weakref.ref(seen[key][1]))
             copy = seen[key][1]
             copy.readers += 1
             return copy
@@ -151,5 +227,6 @@ class HostPool:
         return Packer(pack, unpack, seen.clear)
 
     def saving(self, keep: set[int]) -> Any:
-        """A context within which every tensor autograd saves is offloaded to this pool (:meth:`packer`)."""
+        """A context within which every tensor autograd saves is offloaded to this pool (:meth:`packer`; no
+        prefetch)."""
         return saved_tensor_policy(None, self.packer(keep))

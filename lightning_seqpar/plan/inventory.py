@@ -205,10 +205,10 @@ def _splits(model: nn.Module) -> dict[str, Split]:
     from lightning_seqpar.tensor_parallel.layers import RowParallelLinear
     from lightning_seqpar.transformer.context import RewriteContext
     from lightning_seqpar.transformer.lora import LoRARowParallelLinear
-    from lightning_seqpar.transformer.materialize import Materializer
+    from lightning_seqpar.transformer.materialize import Materializer, meta_copy
 
     holder = nn.Module()
-    holder.model = _meta_copy(model)
+    holder.model = meta_copy(model)
     ctx = RewriteContext(ParallelGroup.virtual(1), True, None, True, Materializer(seed=0, device=torch.device("meta")))
     rewrite(holder, ctx, verify=False)
     rows = [name for name, m in holder.model.named_modules() if isinstance(m, (RowParallelLinear, LoRARowParallelLinear))]
@@ -222,21 +222,6 @@ def _splits(model: nn.Module) -> dict[str, Split]:
         else:  # under a row-parallel projection (its weight, a LoRA lora_A on it), or a column-parallel one
             out[name] = "row" if any(name.startswith(row + ".") for row in rows) else "column"
     return out
-
-
-def _meta_copy(model: nn.Module) -> nn.Module:
-    """``model``'s structure with every parameter and buffer on the meta device (``requires_grad`` and ties kept;
-    nothing of its memory copied)."""
-    import copy
-
-    import torch
-
-    memo: dict[int, object] = {}
-    for param in model.parameters():
-        memo[id(param)] = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
-    for buffer in model.buffers():
-        memo[id(buffer)] = torch.empty_like(buffer, device="meta")
-    return copy.deepcopy(model, memo)
 
 
 def _sizes(name: str, entries: list[ParameterEntry], layers: int, embedding: nn.Embedding, spec: Any,

@@ -73,6 +73,21 @@ def largest_offloaded_share(inventory: Any, s: int, b: int, t: int, record: Any,
     return max(shares) / sum(shares) if sum(shares) else 0.0
 
 
+def offload_backward_bytes(moved: float, kept: float, layers: int, share: float) -> float:
+    """Bytes of offloaded activations on the device at the worst moment of a chunk's backward, beyond what the chunk
+    keeps there (:mod:`lightning_seqpar.offload.host_pool`'s prefetch, one layer ahead).
+
+    ``moved``: one layer's offloaded bytes; ``kept``: one layer's bytes left on the device; ``layers``: layers in the
+    chunk; ``share``: the largest module's part of ``moved``. The chunk's top layer brings its copies back module by
+    module (``share·moved`` at once) and, at its first read, the layer below whole (``moved``). Every lower layer is
+    whole on the device at its first read, which fetches the next one: ``2·moved``, once the top layer's own ``kept``
+    bytes are freed. A chunk of one layer prefetches nothing.
+    """
+    if layers <= 1:
+        return share * moved
+    return max((1 + share) * moved, 2 * moved - kept if layers > 2 else 0.0)
+
+
 def describe(record: Any) -> str:
     """The memory choices of a layout record, as the planner's table prints them: ``selective``, ``none+mlp``,
     ``selective|offload attn_norm,mlp``."""

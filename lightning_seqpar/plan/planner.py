@@ -23,7 +23,7 @@ from lightning_seqpar.plan.activations import layer_bytes, outside_layers_bytes
 from lightning_seqpar.plan.cost import Hardware, ring_bytes
 from lightning_seqpar.plan.inventory import ModelInventory
 from lightning_seqpar.plan.memory_choices import (TRADES, describe, host_traffic, largest_offloaded_share,
-                                                  memory_choice_rule)
+                                                  memory_choice_rule, offload_backward_bytes)
 from lightning_seqpar.plan.rules import layout_rule
 from lightning_seqpar.plan.state import (
     OPTIMIZER_STATES,
@@ -346,16 +346,16 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
     per_layer = _layer_bytes(record, inventory, s, precision, dropout, fits)
     # What a layer's backward makes again or brings back: its kept bytes without recomputation and offload, less
     # with them. Of it, what the offload moves (the same layer's bytes with and without it).
-    moved = recomputed = 0.0
+    moved = recomputed = prefetched = 0.0
     if record.recompute != "none" or record.modules:
         whole = LayoutRecord(tp, cp, pp, vpp, dp, record.zero, b, m, "none", record.main_params, ep=record.ep,
                              offload=record.offload)
         recomputed = max(0.0, _layer_bytes(whole, inventory, s, precision, dropout, fits) - per_layer)
     if record.offload:
         moved = max(0.0, _layer_bytes(replace(record, offload=()), inventory, s, precision, dropout, fits) - per_layer)
-        # Brought back module by module as the backward reaches each, and freed once its nodes have run: the largest
-        # module's share at once (the shares of the analytic terms).
-        recomputed += moved * largest_offloaded_share(inventory, local, b, tp, record, element, dropout)
+        recomputed += offload_backward_bytes(moved, per_layer, inventory.num_layers // (pp * vpp),
+                                             largest_offloaded_share(inventory, local, b, tp, record, element, dropout))
+        prefetched = moved * (inventory.num_layers // (pp * vpp) > 1)
     worst: tuple[float, int, dict[str, int], dict[str, int]] = (-1.0, 0, {}, {})
     parameter = PARAMETER_BYTES[precision]
     outside, prologue = _outside_bytes(record, inventory, s, precision, element, fits)
@@ -401,7 +401,8 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
             spent = (per_layer / 2 if halved else 0.0) + (epilogue if last else 0.0)
             moment = {"backward": max(backward_transient_bytes(inventory, local, b, tp, element, gradient, last,
                                                                accumulating, recomputed, largest=largest,
-                                                               freed=epilogue), attention_backward - spent),
+                                                               freed=epilogue),
+                                     attention_backward - spent + prefetched),
                       "accumulated_gradients": accumulated if accumulating else 0.0}
             gradients = state.gradients - (0 if accumulating else unmade)
             total = state.total - state.gradients + gradients + kept + sum(moment.values())

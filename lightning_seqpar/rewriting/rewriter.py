@@ -8,7 +8,7 @@ The engine takes the whole, ordered list of policies (the user's, then the built
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
+from typing import Any, Iterable, Optional
 
 import torch.nn as nn
 
@@ -44,6 +44,8 @@ class RewritePlan:
     (:meth:`ModelPolicy.install_entry`): ``(qualified name, policy)``"""
     cp: int = 1
     cp_comm: str = "ring"
+    memory: Optional[Any] = None
+    """:func:`explain`'s table of memory choices per layer (a :class:`~.memory_choices.LayerMemory`), when asked"""
 
     def __str__(self) -> str:
         mode = ("TP+SP" if self.sequence_parallel else "TP") + (f"+CP ({self.cp_comm})" if self.cp > 1 else "")
@@ -52,6 +54,8 @@ class RewritePlan:
         for e in self.entries:
             region = "".join(["  [enters region]" if e.enter_region else "", "  [leaves region]" if e.exit_region else ""])
             lines.append(f"  {e.name or '<root>'} ({e.block}){region}\n      {e.detail}")
+        if self.memory is not None:
+            lines.append(str(self.memory))
         return "\n".join(lines)
 
 
@@ -258,17 +262,31 @@ def rewrite(model: nn.Module, ctx: RewriteContext, policies: Iterable[Policy], v
 
 def explain(model: nn.Module, tp: int, policies: Iterable[Policy], sequence_parallel: bool = True,
             loss_parallel: bool = True, verify: bool = True, cp: int = 1, cp_comm: str = "ring", ep: int = 1,
-            moe: Optional[DispatchConfig] = None
-            ) -> RewritePlan:
+            moe: Optional[DispatchConfig] = None, seq_len: Optional[int] = None, micro_batch_size: int = 1,
+            bytes_per_element: int = 2) -> RewritePlan:
     """Print and return what a rewrite with ``policies`` at ``tp`` (and context-parallel size ``cp``, experts split
-    over ``ep`` ranks) would do to ``model``; change nothing.
+    over ``ep`` ranks) would do to ``model``; change nothing. With ``seq_len`` (tokens of a sequence, the whole one
+    under cp) also the activation bytes one layer keeps on a rank per micro-batch of ``micro_batch_size`` sequences
+    under each recomputation and offload choice, and the bytes an offload moves (``bytes_per_element``: 2 for 16-bit
+    activations; :mod:`.memory_choices`, read from a meta-device copy rewritten the same way).
 
-    Needs no process group. Raises the same ``ValueError`` as the real rewrite would.
+    Needs no process group. Raises the same ``ValueError`` as the real rewrite would, and for ``seq_len`` or
+    ``micro_batch_size`` below 1.
     """
+    if seq_len is not None and (seq_len < 1 or micro_batch_size < 1):
+        raise ValueError(f"explain(seq_len={seq_len}, micro_batch_size={micro_batch_size}): both must be at least 1 "
+                         f"(tokens per sequence, sequences per micro-batch).")
     context = ContextParallel(ParallelGroup.virtual(cp), cp_comm) if cp > 1 else None
     ctx = RewriteContext(ParallelGroup.virtual(tp), sequence_parallel, None, loss_parallel, context=context,
                          expert_group=ParallelGroup.virtual(ep) if ep > 1 else None, dispatch=moe or DispatchConfig())
+    policies = list(policies)
     plan = plan_rewrite(model, ctx, policies, verify)
+    if seq_len is not None:
+        from lightning_seqpar.rewriting.memory_choices import layer_memory, meta_rewrite
+
+        copy, on_meta = meta_rewrite(model, ctx)
+        rewrite(copy, on_meta, policies, verify=False)
+        plan.memory = layer_memory(copy, ctx, seq_len, micro_batch_size, bytes_per_element)
     print(plan)
     return plan
 

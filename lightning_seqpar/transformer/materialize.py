@@ -102,6 +102,19 @@ def reset_own_parameters(module: nn.Module, name: str) -> None:
         )
 
 
+def meta_copy(model: nn.Module) -> nn.Module:
+    """``model``'s structure with every parameter and buffer on the meta device (``requires_grad`` and ties kept;
+    nothing of its memory copied): what a plan rewrites to read the parallel layers' sizes without building them."""
+    import copy
+
+    memo: dict[int, object] = {}
+    for param in model.parameters():
+        memo[id(param)] = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
+    for buffer in model.buffers():
+        memo[id(buffer)] = torch.empty_like(buffer, device="meta")
+    return copy.deepcopy(model, memo)
+
+
 @dataclass
 class Materializer:
     """Materializes meta-device modules on ``device``, seeded per module name so every rank agrees.

@@ -12,9 +12,8 @@ from lightning_seqpar.memory.activations import (
     extra_activation_bytes,
     first_stage_activation_bytes,
     layer_activation_bytes,
-    layer_activation_terms,
-    offloaded_activation_terms,
 )
+from lightning_seqpar.memory.choices import choice_bytes
 from lightning_seqpar.memory.flops import (
     flops_utilization,
     hardware_flops_per_iteration,
@@ -60,19 +59,6 @@ def memory_rows(runs: dict[str, PaperRun] = PAPER_RUNS) -> list[MemoryRow]:
     return rows
 
 
-CHOICES: dict[str, tuple[Recompute, tuple[str, ...], tuple[str, ...]]] = {  # (recompute, by module, offloaded)
-    "selective": ("selective", (), ()),
-    "selective + layernorm": ("selective", ("layernorm",), ()),
-    "selective + mlp": ("selective", ("mlp",), ()),
-    "selective + layernorm + mlp": ("selective", ("layernorm", "mlp"), ()),
-    "selective | offload attn_norm, mlp_norm": ("selective", (), ("attn_norm", "mlp_norm")),
-    "selective | offload all but core_attn": ("selective", (), ("attn_norm", "qkv_linear", "attn_proj", "mlp_norm",
-                                                               "mlp")),
-    "none | offload all": ("none", (), ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "mlp")),
-    "full": ("full", (), ()),
-}
-
-
 @dataclass(frozen=True)
 class ChoiceRow:
     """One memory choice for one of the paper's runs at its t with SP: bytes per layer and micro-batch, one rank."""
@@ -86,16 +72,10 @@ class ChoiceRow:
 
 
 def choice_rows(runs: dict[str, PaperRun] = PAPER_RUNS) -> list[ChoiceRow]:
-    """Every memory choice of :data:`CHOICES` for every run, with SP at its t."""
-    rows = []
-    for run in runs.values():
-        for choice, (recompute, modules, offload) in CHOICES.items():
-            options = dict(modules=modules, offload=offload)
-            rows.append(ChoiceRow(run.name, choice,
-                                  sum(layer_activation_terms(run.shape, run.t, True, recompute, **options).values()),
-                                  sum(offloaded_activation_terms(run.shape, run.t, True, recompute,
-                                                                 **options).values())))
-    return rows
+    """Every memory choice of :data:`~lightning_seqpar.memory.choices.MEMORY_CHOICES` for every run, with SP at its
+    t (:func:`~lightning_seqpar.memory.choices.choice_bytes`)."""
+    return [ChoiceRow(run.name, row.choice, row.device_bytes, row.host_bytes)
+            for run in runs.values() for row in choice_bytes(run.shape, run.t, True)]
 
 
 def extra_fraction(run: PaperRun) -> float:

@@ -111,8 +111,8 @@ def test_the_model_moves_exactly_what_it_removes_and_nothing_under_full_recomput
         layer_activation_terms(SHAPE, modules=["mlp"], offload=["mlp"])
 
 
-def _peak(configure) -> int:
-    model = _gpt(layers=4)
+def _peak(configure, layers: int = 4) -> int:
+    model = _gpt(layers=layers)
     configure(model)
     idx = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(1))
     model(idx, idx).backward()  # warm-up: cached masks are not the step's
@@ -122,12 +122,15 @@ def _peak(configure) -> int:
     return tracker.peak
 
 
-def test_the_step_peak_falls_from_none_to_recompute_to_offload():
-    none = _peak(lambda model: None)
-    recompute = _peak(lambda model: apply_recompute_modules(model, ["core_attn", "mlp"]))
-    offload = _peak(lambda model: apply_offload(model, list(DENSE_OFFLOAD_MODULES), HostPool("cpu")))
-    print(f"\n| choice | step peak (bytes) |\n|---|---|\n| none | {none:,} |\n| recompute core_attn+mlp | "
-          f"{recompute:,} |\n| offload all | {offload:,} |")
+@pytest.mark.parametrize("layers, prefetch", [(4, False), (8, True)])
+def test_the_step_peak_falls_from_none_to_recompute_to_offload(layers, prefetch):
+    """The prefetch holds up to two layers' offloaded bytes in the backward (one read, one ahead): at 4 layers that
+    outweighs what recomputation keeps, from 8 layers on it does not; without it, offload is the lowest at any depth."""
+    none = _peak(lambda model: None, layers)
+    recompute = _peak(lambda model: apply_recompute_modules(model, ["core_attn", "mlp"]), layers)
+    offload = _peak(lambda model: apply_offload(model, list(DENSE_OFFLOAD_MODULES), HostPool("cpu", prefetch)), layers)
+    print(f"\n| choice ({layers} layers, prefetch {prefetch}) | step peak (bytes) |\n|---|---|\n| none | {none:,} |\n"
+          f"| recompute core_attn+mlp | {recompute:,} |\n| offload all | {offload:,} |")
     assert offload < recompute < none
 
 
@@ -169,7 +172,9 @@ def test_the_recipes_pass_offload_modules_to_the_callback(config):
     with initialize_config_dir(str(CONF), version_base=None):
         cfg = compose(config, overrides=["offload.modules=[attn_norm,mlp]", "recompute.modules=[core_attn]"])
     made = memory_callbacks(cfg)
-    assert [c.modules for c in made if isinstance(c, ActivationOffload)] == [["attn_norm", "mlp"]]
+    assert [(c.modules, c.prefetch) for c in made if isinstance(c, ActivationOffload)] == [(["attn_norm", "mlp"], True)]
+    assert [c.prefetch for c in memory_callbacks(OmegaConf.merge(cfg, {"offload": {"prefetch": False}}))
+            if isinstance(c, ActivationOffload)] == [False]
     assert [c.modules for c in made if isinstance(c, SelectiveRecompute)] == [["core_attn"]]
     cfg = OmegaConf.merge(cfg, {"offload": {"modules": None}})
     assert not any(isinstance(c, ActivationOffload) for c in memory_callbacks(cfg))

@@ -27,6 +27,11 @@ class ActivationOffload(pl.Callback):
             micro-batches in flight, the recomputation in force, s and b of the first training batch), made at that
             batch; ``plan`` holds it. Ranks with fewer micro-batches in flight offload less.
         bytes_per_element: for ``memory_budget``: activation bytes (default: the parameters' element size).
+        prefetch: bring a layer's offloaded tensors back when the backward reaches the layer after it, so the copies
+            back overlap that layer's backward (default); the cost is up to one more layer's offloaded bytes on the
+            device during the backward (:func:`~lightning_seqpar.plan.memory_choices.offload_backward_bytes`, which
+            the planner counts; ``memory_budget`` is the activations held at the peak, before any comes back).
+            ``False``: each tensor comes back when its backward node reads it.
 
     On CUDA the copies go to pinned memory on a side stream and come back on the compute stream after an event (no
     host synchronization); on CPU to a counted pool the memory trackers see as freed
@@ -46,12 +51,12 @@ class ActivationOffload(pl.Callback):
     """
 
     def __init__(self, modules: Optional[list[str]] = None, memory_budget: Optional[float] = None,
-                 bytes_per_element: Optional[int] = None) -> None:
+                 bytes_per_element: Optional[int] = None, prefetch: bool = True) -> None:
         if (modules is None) == (memory_budget is None) or (memory_budget is not None and memory_budget <= 0):
             raise ValueError(f"ActivationOffload takes modules=[...] or a memory_budget > 0 (bytes), one of them; got "
                              f"modules={modules!r}, memory_budget={memory_budget!r}.")
         self.modules = None if modules is None else check_offload_modules(modules)
-        self.memory_budget, self.bytes_per_element = memory_budget, bytes_per_element
+        self.memory_budget, self.bytes_per_element, self.prefetch = memory_budget, bytes_per_element, prefetch
         self.pool: Optional[HostPool] = None
         self.plan: Optional[OffloadPlan] = None
 
@@ -62,7 +67,7 @@ class ActivationOffload(pl.Callback):
             raise ValueError(f"ActivationOffload(modules={self.modules}) with compiled blocks (compile=True): the "
                              f"offload's saved-tensor hooks run in Python, outside the compiled graph. Train with "
                              f"compile=False, or recompute instead (SelectiveRecompute(modules=...)).")
-        self.pool = HostPool(trainer.strategy.root_device)
+        self.pool = HostPool(trainer.strategy.root_device, prefetch=self.prefetch)
         if self.modules is not None:
             apply_offload(pl_module, self.modules, self.pool)
 
