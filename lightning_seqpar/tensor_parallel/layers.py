@@ -9,7 +9,7 @@ sequence-sharded input) and ḡ (reduce-scatter of the partial outputs).
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
@@ -22,6 +22,7 @@ from lightning_seqpar.tensor_parallel.mappings import (
     reduce_from_tensor_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
+from lightning_seqpar.tensor_parallel.weight_gradients import WeightGradientStore, accumulate
 from lightning_seqpar.tensor_parallel.sharding import (
     ShardSpec, init_shard, set_sequence_parallel, set_shard_spec, shard_parameter,
 )
@@ -48,8 +49,10 @@ class _ColumnParallelLinearFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias: Optional[Tensor], group: ParallelGroup, sequence_parallel: bool):
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Optional[Tensor], group: ParallelGroup, sequence_parallel: bool,
+                store: Optional[WeightGradientStore] = None):
         ctx.group, ctx.sequence_parallel, ctx.has_bias, ctx.input_dtype = group, sequence_parallel, bias is not None, x.dtype
+        ctx.store, ctx.params = store, (weight, bias)  # (the tensors W hands its gradients to, when split)
         x = autocast_input(x)  # the matmul would cast it: gather and keep it in 16 bits
         total = group.all_gather(x, dim=0) if sequence_parallel else x  # [s, b, h]
         ctx.save_for_backward(x, weight)  # x is the local [s/t, b, h] shard under SP
@@ -63,6 +66,12 @@ class _ColumnParallelLinearFunction(torch.autograd.Function):
         compute = grad_output.dtype
         grad_weight = grad_bias = None
         weights_need = ctx.needs_input_grad[1]
+        if ctx.store is not None and ctx.store.is_deferring and (weights_need or ctx.needs_input_grad[2]):
+            reducing = _input_gradient(ctx, group, [grad_output], [weight], compute)  # B
+            ctx.store.defer(_column_weight_gradient(x, [grad_output], ctx.params, group, ctx.sequence_parallel,
+                                                    ctx.needs_input_grad[1:3]))
+            grad_input = reducing.wait().to(ctx.input_dtype) if reducing is not None else None
+            return grad_input, None, None, None, None, None
         # Megatron's overlap: the input's re-gather runs during the input-gradient GEMM, and the input gradient's
         # reduce-scatter during the weight-gradient GEMM.
         gathering = group.all_gather_start(x) if weights_need and ctx.sequence_parallel else None
@@ -74,7 +83,27 @@ class _ColumnParallelLinearFunction(torch.autograd.Function):
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(0)
         grad_input = reducing.wait().to(ctx.input_dtype) if reducing is not None else None
-        return grad_input, grad_weight, grad_bias, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None
+
+
+def _column_weight_gradient(x: Tensor, grad_outputs: list[Tensor], params: Sequence[Optional[Tensor]],
+                            group: ParallelGroup, sequence_parallel: bool, needs: Sequence[bool]) -> Callable[[], None]:
+    """W of column-parallel projections of one input ``x`` (the local shard under SP): the input re-gathered once
+    (the all-gather the unsplit backward makes for these GEMMs), then per projection ``dYᵀ·X`` ``[out/t, in]`` and the
+    bias's ``Σ dY``, handed to autograd for ``params`` (weight, bias, weight, bias, …) where ``needs`` says."""
+
+    def weight_gradient() -> None:
+        total = group.all_gather(x, dim=0) if sequence_parallel else x  # [s, b, h]
+        total2d = total.reshape(-1, total.shape[-1]).to(grad_outputs[0].dtype) if any(needs[0::2]) else None
+        gradients: list[Optional[Tensor]] = []
+        for i, g in enumerate(grad_outputs):
+            g2d = g.reshape(-1, g.shape[-1])
+            weight, bias = params[2 * i], params[2 * i + 1]
+            gradients.append(g2d.t().matmul(total2d).to(weight.dtype) if needs[2 * i] else None)
+            gradients.append(g2d.sum(0) if bias is not None and needs[2 * i + 1] else None)
+        accumulate(params, gradients)
+
+    return weight_gradient
 
 
 def _input_gradient(ctx, group: ParallelGroup, grad_outputs: list[Tensor], weights: list[Tensor],
@@ -93,20 +122,23 @@ def _input_gradient(ctx, group: ParallelGroup, grad_outputs: list[Tensor], weigh
 
 
 def column_parallel_linear(
-    x: Tensor, weight: Tensor, bias: Optional[Tensor], group: ParallelGroup, sequence_parallel: bool
+    x: Tensor, weight: Tensor, bias: Optional[Tensor], group: ParallelGroup, sequence_parallel: bool,
+    store: Optional[WeightGradientStore] = None,
 ) -> Tensor:
     """Functional column-parallel linear.
 
     Args:
         x: ``[s/t, b, in]`` under SP, else ``[s, b, in]`` (replicated).
         weight: local ``[out/t, in]``; bias: local ``[out/t]`` or ``None``.
+        store: where the backward leaves its weight gradient while the store is deferring (the B/W split:
+            :mod:`lightning_seqpar.tensor_parallel.weight_gradients`); ``None``: never split.
 
     Returns:
         ``[s, b, out/t]``: this rank's output features for the whole sequence.
     """
-    if group.size == 1:
+    if group.size == 1 and store is None:
         return F.linear(x, weight, bias)
-    return _ColumnParallelLinearFunction.apply(x, weight, bias, group, sequence_parallel)
+    return _ColumnParallelLinearFunction.apply(x, weight, bias, group, sequence_parallel, store)
 
 
 class _ColumnParallelLinearsFunction(torch.autograd.Function):
@@ -119,8 +151,10 @@ class _ColumnParallelLinearsFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: Tensor, group: ParallelGroup, sequence_parallel: bool, *params: Optional[Tensor]):
+    def forward(ctx, x: Tensor, group: ParallelGroup, sequence_parallel: bool,
+                store: Optional[WeightGradientStore], *params: Optional[Tensor]):
         ctx.group, ctx.sequence_parallel, ctx.input_dtype = group, sequence_parallel, x.dtype
+        ctx.store, ctx.params = store, params
         weights, biases = params[0::2], params[1::2]
         ctx.has_bias = [b is not None for b in biases]
         x = autocast_input(x)  # the matmuls would cast it: gather and keep it in 16 bits
@@ -134,20 +168,27 @@ class _ColumnParallelLinearsFunction(torch.autograd.Function):
         group = ctx.group
         compute = grad_outputs[0].dtype
         grads: list[Optional[Tensor]] = [None] * (2 * len(weights))
-        weights_need = any(ctx.needs_input_grad[3::2])
+        needs = ctx.needs_input_grad[4:]
+        weights_need = any(needs[0::2])
+        if ctx.store is not None and ctx.store.is_deferring and any(needs):
+            reducing = _input_gradient(ctx, group, list(grad_outputs), list(weights), compute)  # B
+            ctx.store.defer(_column_weight_gradient(x, list(grad_outputs), ctx.params, group, ctx.sequence_parallel,
+                                                    needs))
+            grad_input = reducing.wait().to(ctx.input_dtype) if reducing is not None else None
+            return (grad_input, None, None, None, *grads)
         gathering = group.all_gather_start(x) if weights_need and ctx.sequence_parallel else None  # see above
         reducing = _input_gradient(ctx, group, list(grad_outputs), list(weights), compute)
-        if weights_need or any(ctx.needs_input_grad[4::2]):
+        if weights_need or any(needs[1::2]):
             total = gathering.wait() if gathering is not None else x  # [s, b, h]
             total2d = total.reshape(-1, total.shape[-1]).to(compute) if weights_need else None
             for i, (g, w) in enumerate(zip(grad_outputs, weights)):
                 g2d = g.reshape(-1, g.shape[-1])
-                if ctx.needs_input_grad[3 + 2 * i]:
+                if needs[2 * i]:
                     grads[2 * i] = g2d.t().matmul(total2d).to(w.dtype)
-                if ctx.has_bias[i] and ctx.needs_input_grad[4 + 2 * i]:
+                if ctx.has_bias[i] and needs[2 * i + 1]:
                     grads[2 * i + 1] = g2d.sum(0)
         grad_input = reducing.wait().to(ctx.input_dtype) if reducing is not None else None
-        return (grad_input, None, None, *grads)
+        return (grad_input, None, None, None, *grads)
 
 
 def column_parallel_linears(x: Tensor, layers: "list[ColumnParallelLinear]", group: ParallelGroup,
@@ -166,10 +207,11 @@ def column_parallel_linears(x: Tensor, layers: "list[ColumnParallelLinear]", gro
         One ``[s, b, out_i/t]`` per layer.
     """
     params = [p for layer in layers for p in (layer.linear_weight, layer.bias)]
-    if group.size == 1:
+    store = getattr(layers[0], "weight_gradients", None)  # (set on every layer of a model at once)
+    if group.size == 1 and store is None:
         outputs = tuple(F.linear(x, w, b) for w, b in zip(params[0::2], params[1::2]))
     else:
-        outputs = _ColumnParallelLinearsFunction.apply(x, group, sequence_parallel, *params)
+        outputs = _ColumnParallelLinearsFunction.apply(x, group, sequence_parallel, store, *params)
     adapters = [getattr(layer, "adapter", None) if getattr(layer, "adapter_enabled", True) else None
                 for layer in layers]
     if not any(adapters):
@@ -262,8 +304,11 @@ class ColumnParallelLinear(nn.Module):
             self.bias = shard_parameter(bias, self.bias_spec, self.group)
         return self
 
+    weight_gradients: Optional[WeightGradientStore] = None  # the B/W split's store (split_weight_gradients)
+
     def forward(self, x: Tensor) -> Tensor:
-        out = column_parallel_linear(x, self.linear_weight, self.bias, self.group, self.sequence_parallel)
+        out = column_parallel_linear(x, self.linear_weight, self.bias, self.group, self.sequence_parallel,
+                                     self.weight_gradients)
         if self.gather_output:
             out = gather_from_tensor_parallel_region(out, self.group)  # [s, b, out]
         return out
@@ -273,6 +318,37 @@ class ColumnParallelLinear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features} (local {self.linear_weight.shape[0]}), "
             f"sequence_parallel={self.sequence_parallel}, tp={self.group.size}"
         )
+
+
+class _RowParallelProductFunction(torch.autograd.Function):
+    """``X Aᵀ`` of a row-parallel projection (its local ``[s, b, in/t]`` input and ``[out, in/t]`` weight, partial
+    over ranks), with a backward that splits into B (``dY·A``) and W (``dYᵀ·X``) while its store is deferring; used
+    only where a store is set (the plain product otherwise). Autocast is mirrored as in the column-parallel one."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, store: WeightGradientStore):
+        ctx.store, ctx.weight, ctx.input_dtype = store, weight, x.dtype
+        x = autocast_input(x)  # the matmul would cast it: keep the cast, as it would
+        ctx.save_for_backward(x, weight)
+        return F.linear(x, weight)
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor):
+        x, weight = ctx.saved_tensors
+        compute = grad_output.dtype
+        grad_input = grad_output.matmul(weight.to(compute)).to(ctx.input_dtype) if ctx.needs_input_grad[0] else None
+        if not ctx.needs_input_grad[1]:
+            return grad_input, None, None
+
+        def weight_gradient() -> Optional[Tensor]:
+            g2d = grad_output.reshape(-1, grad_output.shape[-1])
+            return g2d.t().matmul(x.reshape(-1, x.shape[-1]).to(compute)).to(weight.dtype)
+
+        if ctx.store.is_deferring:
+            held = ctx.weight
+            ctx.store.defer(lambda: accumulate([held], [weight_gradient()]))
+            return grad_input, None, None
+        return grad_input, weight_gradient(), None
 
 
 class RowParallelLinear(nn.Module):
@@ -345,9 +421,14 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         return self.reduce(self.partial(x))
 
+    weight_gradients: Optional[WeightGradientStore] = None  # the B/W split's store (split_weight_gradients)
+
     def partial(self, x: Tensor) -> Tensor:
         """This rank's product ``[s, b, out]``, partial over ranks (before ḡ / f̄; no bias)."""
-        return F.linear(x, self.weight.t() if self.transposed else self.weight)
+        weight = self.weight.t() if self.transposed else self.weight
+        if self.weight_gradients is not None:
+            return _RowParallelProductFunction.apply(x, weight, self.weight_gradients)
+        return F.linear(x, weight)
 
     def reduce(self, partial: Tensor) -> Tensor:
         """The partial products summed over ranks (ḡ: ``[s/t, b, out]``; f̄: ``[s, b, out]``), plus the bias: other

@@ -1,0 +1,198 @@
+"""The B/W split of the parallel linears (:mod:`lightning_seqpar.tensor_parallel.weight_gradients`): B then W give the
+unsplit backward's gradients bit for bit (float64); W's FLOPs are the weight GEMM's only and B's the input GEMM's; the
+collectives of B + W are the unsplit backward's, the all-gather moved into W; accumulation hooks fire at W; frozen
+weights have no W; a whole rewritten model's step is unchanged. Tensor-parallel ranks are emulated by threads."""
+
+from __future__ import annotations
+
+import collections
+import copy
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from lightning_seqpar.models.gpt import GPT, GPTConfig
+from lightning_seqpar.parallel import ParallelGroup
+from lightning_seqpar.parallel.emulated import run_emulated
+from lightning_seqpar.parallel.random import RNGTracker
+from lightning_seqpar.policies import rewrite
+from lightning_seqpar.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, column_parallel_linears
+from lightning_seqpar.tensor_parallel.weight_gradients import WeightGradientStore, split_weight_gradients
+from lightning_seqpar.transformer.context import RewriteContext
+
+S, B, H, OUT = 8, 2, 12, 16
+LAYOUTS = [(1, False), (2, False), (2, True)]  # (t, sequence parallel)
+KINDS = ["column", "columns", "row"]
+COLLECTIVES = ("all_gather", "all_gather_start", "reduce_scatter", "reduce_scatter_start", "all_reduce")
+
+
+def _counting(group: ParallelGroup) -> collections.Counter:
+    """Count ``group``'s collectives as its callers make them (instance attributes over its methods; a collective
+    made of others, an all-gather started and waited for, counts once)."""
+    counts: collections.Counter = collections.Counter()
+    depth = [0]
+    for name in COLLECTIVES:
+        method = getattr(group, name)
+
+        def counted(*args, _name=name, _method=method, **kwargs):
+            if depth[0] == 0:
+                counts[_name] += 1
+            depth[0] += 1
+            try:
+                return _method(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+        setattr(group, name, counted)
+    return counts
+
+
+def _full(kind: str) -> tuple[list[torch.nn.Linear], torch.Tensor, int]:
+    """The single-device linears, the global input and the seed of the output weights, made once in the main thread
+    (the emulated ranks are threads of one process: one global generator)."""
+    torch.manual_seed(0)
+    if kind == "row":
+        return [torch.nn.Linear(OUT, H).double()], torch.randn(S, B, OUT, dtype=torch.float64), 2
+    count = 1 if kind == "column" else 2
+    return [torch.nn.Linear(H, OUT).double() for _ in range(count)], torch.randn(S, B, H, dtype=torch.float64), 2
+
+
+def _layers(kind: str, fulls: list, group: ParallelGroup, sp: bool) -> list[torch.nn.Module]:
+    if kind == "row":
+        return [RowParallelLinear.from_linear(fulls[0], group, sequence_parallel=sp)]
+    return [ColumnParallelLinear.from_linear(f, group, sequence_parallel=sp) for f in fulls]
+
+
+def _input(kind: str, x: torch.Tensor, group: ParallelGroup, sp: bool) -> torch.Tensor:
+    if kind == "row":  # [s, b, out/t]: this rank's features
+        x = x.chunk(group.size, dim=-1)[group.rank]
+    elif sp:  # [s/t, b, h]
+        x = x.chunk(group.size, dim=0)[group.rank]
+    return x.clone().requires_grad_(True)
+
+
+def _forward(kind: str, layers: list, x: torch.Tensor, group: ParallelGroup, sp: bool, seed: int) -> torch.Tensor:
+    outs = column_parallel_linears(x, layers, group, sp) if kind == "columns" else (layers[0](x),)
+    generator = torch.Generator().manual_seed(seed)
+    return sum((o * torch.randn(o.shape, generator=generator, dtype=o.dtype)).sum() for o in outs)
+
+
+def _run(kind: str, t: int, sp: bool, split: bool, frozen: bool = False):
+    fulls, full_x, seed = _full(kind)
+
+    def rank(group: ParallelGroup):
+        layers = _layers(kind, fulls, group, sp)
+        params = [p for layer in layers for p in layer.parameters()]
+        if frozen:
+            for p in params:
+                p.requires_grad_(False)
+        store = WeightGradientStore() if split else None
+        for layer in layers:
+            layer.weight_gradients = store
+        hooked = []
+        for p in params:
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(lambda p: hooked.append(p.grad is not None))
+        x = _input(kind, full_x, group, sp)
+        loss = _forward(kind, layers, x, group, sp, seed + group.rank)
+        counts = _counting(group)
+        phases = {}
+        with FlopCounterMode(display=False) as flops:
+            if split:
+                with store.deferring():
+                    loss.backward()
+            else:
+                loss.backward()
+        phases["B"] = (flops.get_total_flops(), dict(counts), [p.grad for p in params], sum(hooked))
+        if split:
+            counts.clear()
+            with FlopCounterMode(display=False) as flops:
+                ran = store.run()
+            phases["W"] = (flops.get_total_flops(), dict(counts), ran, sum(hooked))
+        return x.grad, [p.grad for p in params], phases
+
+    return run_emulated(t, rank)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("t, sp", LAYOUTS, ids=lambda v: str(v))
+def test_b_then_w_equals_the_unsplit_backward_bit_for_bit(kind, t, sp):
+    plain, split = _run(kind, t, sp, False), _run(kind, t, sp, True)
+    for (x_grad, grads, _), (x_grad_split, grads_split, phases) in zip(plain, split):
+        assert torch.equal(x_grad, x_grad_split)  # B alone gives the input gradient
+        # no weight gradient in B (torch still calls the accumulation hooks there, with .grad unchanged: None); a
+        # row-parallel bias, added after the reduction outside the split product, gets its gradient (a sum) in B
+        in_b = phases["B"][2]
+        assert all(g is None for g in in_b[0::2]) and phases["B"][3] == sum(g is not None for g in in_b)
+        assert all(g is None for g in in_b[1::2]) == (kind != "row")
+        assert all(torch.equal(a, b) for a, b in zip(grads, grads_split)) and len(grads) == len(grads_split)
+        assert phases["W"][3] == len(grads)  # every parameter's accumulation hook fired with its gradient, by W
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("t, sp", LAYOUTS, ids=lambda v: str(v))
+def test_w_is_the_weight_gemm_and_the_collectives_only_move(kind, t, sp):
+    plain, split = _run(kind, t, sp, False), _run(kind, t, sp, True)
+    local_out = OUT // t
+    m = S * B
+    projections = 2 if kind == "columns" else 1
+    if kind == "row":  # dY [m, h] · A [h, out/t] and dYᵀ · X [out/t]
+        gemm = 2 * m * H * local_out
+    else:  # dY [m, out/t] · A [out/t, h], per projection
+        gemm = 2 * m * local_out * H * projections
+    for (_, _, unsplit), (_, _, phases) in zip(plain, split):
+        (b_flops, b_counts, _, _), (w_flops, w_counts, _, _) = phases["B"], phases["W"]
+        assert (b_flops, w_flops, unsplit["B"][0]) == (gemm, gemm, 2 * gemm)
+        # W re-gathers at once (nothing runs beside it to overlap): the unsplit backward's started all-gather
+        expected = collections.Counter({("all_gather" if k == "all_gather_start" else k): v
+                                        for k, v in unsplit["B"][1].items() if v})
+        if t > 1:  # (at t = 1 the split runs the layers' functions, whose collectives are no-ops; F.linear has none)
+            assert collections.Counter(b_counts) + collections.Counter(w_counts) == expected
+        if kind != "row" and sp and t > 1:
+            assert b_counts == {"reduce_scatter_start": 1} and w_counts == {"all_gather": 1}
+
+
+def test_frozen_weights_have_no_w():
+    for kind in KINDS:
+        (x_grad, grads, phases), = _run(kind, 1, False, True, frozen=True)
+        assert x_grad is not None and grads == [None] * len(grads) and phases["W"][2] == 0
+
+
+def test_the_store_refuses_a_w_without_its_b_and_nested_bs():
+    store = WeightGradientStore()
+    with pytest.raises(RuntimeError, match="no weight gradient is pending"):
+        store.run()
+    with store.deferring(), pytest.raises(RuntimeError, match="entered twice"):
+        with store.deferring():
+            pass
+    assert store.pending == 1 and store.run() == 0
+
+
+def _gpt_grads(gpt: GPT, group: ParallelGroup, split: bool) -> tuple[float, dict[str, torch.Tensor], int]:
+    holder = torch.nn.Module()
+    holder.gpt = copy.deepcopy(gpt)
+    rewrite(holder, RewriteContext(group, group.size > 1, RNGTracker.for_tensor_parallel(0, group.rank),
+                                   loss_parallel=True))
+    model = holder.gpt
+    store = WeightGradientStore()
+    layers = split_weight_gradients(model, store if split else None)
+    idx = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    loss = model(idx, idx)
+    if split:
+        with store.deferring():
+            loss.backward()
+        store.run()
+    else:
+        loss.backward()
+    return loss.item(), {n: p.grad for n, p in model.named_parameters()}, layers
+
+
+@pytest.mark.parametrize("t", [1, 2])
+def test_a_rewritten_model_s_step_is_unchanged_by_the_split(t):
+    torch.manual_seed(0)
+    gpt = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32, dropout=0.0)).double()
+    plain = run_emulated(t, lambda group: _gpt_grads(gpt, group, False))
+    split = run_emulated(t, lambda group: _gpt_grads(gpt, group, True))
+    for (loss, grads, _), (loss_split, grads_split, layers) in zip(plain, split):
+        assert layers == 2 * 4 + 1 and loss == loss_split  # qkv, proj, fc1, fc2 per block; the LM head
+        assert [n for n in grads if not torch.equal(grads[n], grads_split[n])] == []
