@@ -101,7 +101,8 @@ def parallelize(model: torch.nn.Module, mesh: ParallelMesh, device: torch.device
                       one_rank_checks=OneRankChecks(dist.get_rank() == 0, broadcast))
     if compiled is not None:  # each block compiles at its first call, after the recomputation callbacks apply
         compile_blocks(model, compiled)
-    steps = PipelinedSteps.of(rank.runtime, parallel.pipeline, mesh.pipeline, device) if rank.runtime is not None else None
+    steps = PipelinedSteps.of(rank.runtime, parallel.pipeline, mesh.pipeline, device, model) \
+        if rank.runtime is not None else None
     return ParallelModel(rng_tracker, rank.plan, steps, rank.remote_keys)
 
 

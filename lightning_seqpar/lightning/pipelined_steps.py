@@ -20,6 +20,7 @@ from typing import Any, Callable, Optional
 
 import lightning.pytorch as pl
 import torch
+import torch.nn as nn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
@@ -30,7 +31,9 @@ from lightning_seqpar.pipeline_parallel.config import PipelineConfig
 from lightning_seqpar.pipeline_parallel.executor import PipelineExecutor, StepResult, loss_of
 from lightning_seqpar.pipeline_parallel.layout import StageLayout
 from lightning_seqpar.pipeline_parallel.p2p import StageTransport, shapes_signature
+from lightning_seqpar.pipeline_parallel.schedules import SPLIT_BACKWARD
 from lightning_seqpar.pipeline_parallel.stage import StageRuntime
+from lightning_seqpar.tensor_parallel.weight_gradients import WeightGradientStore, split_weight_gradients
 
 
 def _batch_size(batch: Any) -> int:
@@ -113,7 +116,8 @@ class PipelinedSteps:
         self.logs = LogShare(self.pipeline, self.last_rank)
 
     @classmethod
-    def of(cls, runtime: StageRuntime, config: PipelineConfig, pipeline: ParallelGroup, device: Any) -> "PipelinedSteps":
+    def of(cls, runtime: StageRuntime, config: PipelineConfig, pipeline: ParallelGroup, device: Any,
+           model: Optional[nn.Module] = None) -> "PipelinedSteps":
         """The steps of a model split into stages (:func:`lightning_seqpar.build.build_rank`).
 
         Args:
@@ -121,8 +125,15 @@ class PipelinedSteps:
             config: the pipeline configuration.
             pipeline: this rank's pipeline-parallel group (its rank is this rank's stage).
             device: where received activations and gradients are placed.
+            model: this rank's part of the model; under a schedule with W actions (ZB-H1) its column- and
+                row-parallel linears split their backward into one store (:func:`~lightning_seqpar.tensor_parallel.
+                weight_gradients.split_weight_gradients`).
         """
-        return cls(PipelineExecutor(runtime, StageTransport(pipeline, device), config))
+        store = None
+        if config.schedule in SPLIT_BACKWARD and model is not None:
+            store = WeightGradientStore()
+            split_weight_gradients(model, store)
+        return cls(PipelineExecutor(runtime, StageTransport(pipeline, device), config, store))
 
     @property
     def config(self) -> PipelineConfig:
@@ -194,10 +205,15 @@ class PipelinedSteps:
         if gradients.reduces:
             executor = self.executor
 
-            def arm(chunk: int, final: bool) -> None:
+            def arm(chunk: int, final: bool, deferred: Optional[bool]) -> None:
                 # A chunk's layers are final after its last backward; the rest (embedding, head) after the rank's last.
                 stage = self.layout.stage(executor.rank, chunk)
-                gradients.arm(None if final else executor.runtime.stage_parameters.get(stage, []))
+                params = None if final else executor.runtime.stage_parameters.get(stage, [])
+                if deferred is not None:  # split backward: W's parameters at the last W, the others' at the last B
+                    split = executor.weight_gradients.deferred  # type: ignore[union-attr]
+                    params = [p for p in (gradients.params if params is None else params)
+                              if (id(p) in split) == deferred]
+                gradients.arm(params)
         result, recorder = self._run(module, module.training_step, batch, batch_idx, False, arm)
         fresh = gradients.fresh()
         mean = None

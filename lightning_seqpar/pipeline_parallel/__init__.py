@@ -4,7 +4,7 @@ A stage here is a slice of the user's own ``training_step`` (see :mod:`.stage`),
 micro-batch (masks, targets) on every stage. ``torch.distributed.pipelining`` calls a stage module
 with the received tensors only and infers shapes by running stages on meta tensors, where our
 tensor-parallel collectives cannot run; so the schedules (GPipe, 1F1B, interleaved 1F1B, as in
-Megatron-LM) are per-rank action lists run by our executor over ``torch.distributed`` sends and receives.
+Megatron-LM, and ZB-H1, whose W actions run the weight gradients our layers deferred) are per-rank action lists run by our executor over ``torch.distributed`` sends and receives.
 Nothing here imports Lightning: :mod:`lightning_seqpar.lightning.pipelined_steps` runs a LightningModule's steps
 through it.
 """
@@ -17,7 +17,9 @@ from lightning_seqpar.pipeline_parallel.nccl_model import check_programs
 from lightning_seqpar.pipeline_parallel.p2p import StageTransport, TransferLog
 from lightning_seqpar.pipeline_parallel.schedules import (
     SCHEDULES,
+    SPLIT_BACKWARD,
     Action,
+    bubble_fraction,
     build_schedule,
     check_microbatches,
     resolve_schedule,
@@ -27,6 +29,7 @@ from lightning_seqpar.pipeline_parallel.stage import RemoteLayer, StageOutput, S
 
 __all__ = [
     "SCHEDULES",
+    "SPLIT_BACKWARD",
     "Action",
     "Batch",
     "PipelineConfig",
@@ -39,6 +42,7 @@ __all__ = [
     "StepResult",
     "Transfer",
     "TransferLog",
+    "bubble_fraction",
     "build_program",
     "build_schedule",
     "check_programs",

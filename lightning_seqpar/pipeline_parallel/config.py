@@ -22,7 +22,7 @@ class PipelineConfig:
     num_microbatches: int
     """m: micro-batches per (per-rank) batch."""
     schedule: ScheduleName
-    """canonical schedule name (``"1F1B"``, ``"gpipe"``, ``"interleaved_1F1B"``)."""
+    """canonical schedule name (``"1F1B"``, ``"gpipe"``, ``"interleaved_1F1B"``, ``"ZB-H1"``)."""
     virtual_stages: int = 1
     """v: model chunks per pipeline rank."""
     split: Optional[tuple[int, ...]] = None

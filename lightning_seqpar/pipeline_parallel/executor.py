@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Optional
 
@@ -12,8 +13,9 @@ from lightning_seqpar.pipeline_parallel.config import PipelineConfig
 from lightning_seqpar.pipeline_parallel.layout import StageLayout
 from lightning_seqpar.pipeline_parallel.comm_plan import ACTIVATION, GRADIENT, Batch, Step, build_program, with_headers
 from lightning_seqpar.pipeline_parallel.p2p import Message, StageTransport
-from lightning_seqpar.pipeline_parallel.schedules import Action
+from lightning_seqpar.pipeline_parallel.schedules import SPLIT_BACKWARD, Action
 from lightning_seqpar.pipeline_parallel.stage import StageRuntime
+from lightning_seqpar.tensor_parallel.weight_gradients import WeightGradientStore
 
 
 @dataclass
@@ -64,13 +66,25 @@ class PipelineExecutor:
         runtime: the :class:`StageRuntime` of the split model.
         transport: point-to-point sends and receives in the pipeline group (its rank is this rank's stage).
         config: schedule and m.
+        weight_gradients: for a schedule with W actions (ZB-H1), the store the rank's split layers leave their weight
+            gradients in (:func:`~lightning_seqpar.tensor_parallel.weight_gradients.split_weight_gradients`): each B runs
+            deferring into it under ``(chunk, micro-batch)``, each W runs that group.
 
     Attributes:
-        observers: callables run after each action with ``(action, in_flight)``, for measurements.
+        observers: callables run after each action with ``(action, in_flight)``, for measurements (in flight: the
+            micro-batches whose forward ran and whose last backward action, W where there is one, has not).
+
+    Raises:
+        ValueError: a schedule with W actions without ``weight_gradients``.
     """
 
-    def __init__(self, runtime: StageRuntime, transport: StageTransport, config: PipelineConfig) -> None:
+    def __init__(self, runtime: StageRuntime, transport: StageTransport, config: PipelineConfig,
+                 weight_gradients: Optional[WeightGradientStore] = None) -> None:
+        if config.schedule in SPLIT_BACKWARD and weight_gradients is None:
+            raise ValueError(f"The {config.schedule} schedule runs W actions: give the executor the store its layers "
+                             f"defer their weight gradients to (split_weight_gradients).")
         self.runtime, self.transport, self.config = runtime, transport, config
+        self.weight_gradients = weight_gradients
         self.observers: list[Callable[[Action, int], None]] = []
         self._programs: dict[tuple[bool, bool], list[Step]] = {}  # (forward-only, with headers) -> program
 
@@ -78,6 +92,10 @@ class PipelineExecutor:
     def layout(self) -> StageLayout:
         """The stage layout of the split model."""
         return self.runtime.layout
+
+    @property
+    def _splits(self) -> bool:
+        return self.config.schedule in SPLIT_BACKWARD
 
     @property
     def rank(self) -> int:
@@ -91,9 +109,11 @@ class PipelineExecutor:
         In training, the last stage's loss of each micro-batch is back-propagated scaled by ``1/m``, so
         the parameters' ``.grad`` hold the gradient of the mean micro-batch loss. ``signature``: what the shapes
         sent between stages depend on (:func:`~lightning_seqpar.pipeline_parallel.p2p.shapes_signature`); they are
-        exchanged in the first step of each signature only. ``before_last_backward(chunk, final)`` is called just
-        before the last backward pass of each of this rank's model chunks (after it, that chunk's layers' gradients are
-        final); ``final`` marks this rank's last backward of the step.
+        exchanged in the first step of each signature only. ``before_last_backward(chunk, final, deferred)`` is called
+        just before the last backward pass of each of this rank's model chunks (after it, that chunk's layers' gradients
+        are final); ``final`` marks this rank's last backward of the step; ``deferred`` is ``None`` for an unsplit
+        backward, else which parameters become final: those whose gradient W hands over (``True``, before the chunk's
+        last W) or the others (``False``, before its last B).
         """
         layout, m = self.layout, self.config.num_microbatches
         last = layout.num_stages - 1
@@ -103,22 +123,29 @@ class PipelineExecutor:
             plain = build_program(self.config.schedule, m, layout, self.rank, forward_only)
             self._programs[program] = with_headers(plain) if headers else plain
         program_steps = self._programs[program]
-        last_of_chunk = {a.chunk: i for i, a in enumerate(program_steps) if not isinstance(a, Batch) and a.kind != "F"}
-        last_backward = {i: chunk for chunk, i in last_of_chunk.items()}  # action index -> chunk it finishes
-        final = max(last_backward, default=-1)
+        # Before each chunk's last backward: (chunk, this rank's last?, which parameters). Under a split backward the
+        # parameters outside the split layers get their last gradient in the chunk's last B (False), the split ones in
+        # its last W (True), which may come after later B's; unsplit, every one in the last B (None).
+        arming: dict[int, tuple[int, bool, Optional[bool]]] = {}
+        for kind, which in (("B", False if self._splits else None), ("W", True)):
+            latest = {a.chunk: i for i, a in enumerate(program_steps) if not isinstance(a, Batch) and a.kind == kind}
+            arming.update({i: (chunk, i == max(latest.values()), which) for chunk, i in latest.items()})
         result = StepResult()
         saved: dict[tuple[int, int], tuple[Optional[Tensor], Tensor]] = {}
         outgoing: dict[Message, Tensor] = {}
         received: dict[Message, Tensor] = {}
         for index, action in enumerate(program_steps):
-            if index in last_backward and before_last_backward is not None:
-                before_last_backward(last_backward[index], index == final)
+            if index in arming and before_last_backward is not None:
+                before_last_backward(*arming[index])
             if isinstance(action, Batch):
                 received.update(self.transport.exchange(action, outgoing))
                 continue
             stage = layout.stage(self.rank, action.chunk)
             key = (action.chunk, action.microbatch)
-            if action.kind == "F":
+            if action.kind == "W":
+                assert self.weight_gradients is not None
+                self.weight_gradients.run(key)
+            elif action.kind == "F":
                 incoming = None
                 if stage > 0:
                     incoming = received.pop((ACTIVATION, stage, action.microbatch))
@@ -136,20 +163,24 @@ class PipelineExecutor:
                     saved[key] = (incoming, out)
             else:
                 incoming, out = saved.pop(key)
+                deferring = self.weight_gradients.deferring(key) if self._splits else contextlib.nullcontext()
+                with deferring:
+                    if stage == last:
+                        torch.autograd.backward(out / m)
+                    else:
+                        torch.autograd.backward(out, received.pop((GRADIENT, stage, action.microbatch)))
                 if stage == last:
-                    torch.autograd.backward(out / m)
                     # Kept for the step's result, the output would keep its graph's nodes, and through them the
                     # stage input and its gradient, alive until the step ends: two [s/t, b, h] per micro-batch.
                     result.outputs[action.microbatch] = _detached(result.outputs[action.microbatch])
-                else:
-                    torch.autograd.backward(out, received.pop((GRADIENT, stage, action.microbatch)))
                 if stage > 0:
                     assert incoming is not None
                     grad_in = incoming.grad if incoming.grad is not None else torch.zeros_like(incoming)
                     outgoing[(GRADIENT, stage - 1, action.microbatch)] = grad_in
                 del incoming, out
-            result.peak_in_flight = max(result.peak_in_flight, len(saved))
+            in_flight = len(saved) + (self.weight_gradients.pending if self._splits else 0)
+            result.peak_in_flight = max(result.peak_in_flight, in_flight)
             for observe in self.observers:
-                observe(action, len(saved))
+                observe(action, in_flight)
         assert not outgoing and not received, (outgoing.keys(), received.keys())
         return result

@@ -1,12 +1,15 @@
-"""Pipeline schedules as per-rank action lists: GPipe, 1F1B and interleaved 1F1B.
+"""Pipeline schedules as per-rank action lists: GPipe, 1F1B, interleaved 1F1B and ZB-H1.
 
-An action is a forward or a backward of one model chunk on one micro-batch. The executor runs a
+An action is a forward (F) or a backward of one model chunk on one micro-batch; zero-bubble schedules split the
+backward into B (the input gradient, which the previous stage waits for) and W (the weight gradient, which nothing
+waits for: :mod:`lightning_seqpar.tensor_parallel.weight_gradients`). The executor runs a
 rank's list in order; its data dependencies must never form a cycle across ranks (checked by
 :func:`simulate`, which also counts the micro-batches in flight), and the transfers between the
 actions must not deadlock under NCCL's rules (:mod:`.comm_plan`, checked by :mod:`.nccl_model`).
 
 Sources: GPipe (Huang et al. 2019); 1F1B / PipeDream-Flush and interleaved 1F1B (Narayanan et al.
-2021 §2.2, Megatron-LM ``schedules.py``), the schedules of Korthikanti et al. 2022 §6.
+2021 §2.2, Megatron-LM ``schedules.py``), the schedules of Korthikanti et al. 2022 §6; ZB-H1 (Qi et al., *Zero Bubble
+Pipeline Parallelism*, ICLR 2024, §3.1).
 """
 
 from __future__ import annotations
@@ -14,13 +17,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-SCHEDULES = ("1F1B", "gpipe", "interleaved_1F1B")
-ScheduleName = Literal["1F1B", "gpipe", "interleaved_1F1B"]
+SCHEDULES = ("1F1B", "gpipe", "interleaved_1F1B", "ZB-H1")
+ScheduleName = Literal["1F1B", "gpipe", "interleaved_1F1B", "ZB-H1"]
+SPLIT_BACKWARD = ("ZB-H1",)
+"""The schedules whose backward is B then W (the parallel linears' weight gradients deferred to W)."""
 
 
 @dataclass(frozen=True)
 class Action:
-    """``kind`` ``"F"`` or ``"B"`` of model chunk ``chunk`` on micro-batch ``microbatch``."""
+    """``kind`` ``"F"``, ``"B"`` or ``"W"`` of model chunk ``chunk`` on micro-batch ``microbatch`` (``"B"``: the whole
+    backward, or its input-gradient half where the schedule has W actions)."""
 
     kind: str
     chunk: int
@@ -37,7 +43,7 @@ def resolve_schedule(schedule: str, virtual_stages: int) -> ScheduleName:
         ValueError: unknown name, ``virtual_stages < 1``, GPipe with several chunks, or the interleaved
             schedule with one chunk.
     """
-    names = {s.lower(): s for s in SCHEDULES} | {"interleaved": "interleaved_1F1B"}
+    names = {s.lower(): s for s in SCHEDULES} | {"interleaved": "interleaved_1F1B", "zbh1": "ZB-H1"}
     if not isinstance(schedule, str) or schedule.lower() not in names:
         raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}.")
     if not isinstance(virtual_stages, int) or virtual_stages < 1:
@@ -45,6 +51,9 @@ def resolve_schedule(schedule: str, virtual_stages: int) -> ScheduleName:
     name = names[schedule.lower()]
     if name == "1F1B" and virtual_stages > 1:
         name = "interleaved_1F1B"
+    if name in SPLIT_BACKWARD and virtual_stages > 1:
+        raise ValueError(f"{name} runs one model chunk per rank; got virtual_stages={virtual_stages}. Use "
+                         f"virtual_stages=1.")
     if name == "gpipe" and virtual_stages > 1:
         raise ValueError(f"GPipe runs one model chunk per rank; got virtual_stages={virtual_stages}. "
                          f"Use schedule='1F1B' for the interleaved schedule.")
@@ -119,10 +128,35 @@ def interleaved_one_f_one_b(m: int, p: int, v: int, rank: int) -> list[Action]:
     return actions + [backward(k) for k in range(total - warmup, total)]
 
 
+def zb_h1(m: int, p: int, rank: int) -> list[Action]:
+    """ZB-H1 (Qi et al. 2024 §2.1): 1F1B's forwards and input-gradient backwards B, with rank r's weight-gradient halves
+    W delayed by r micro-batches, so that every rank holds p micro-batches (from F to W) in the steady state, as 1F1B's
+    first rank does (``p − r`` whole, r waiting for their W only): the peak stays 1F1B's, and the W's fill the tail's
+    bubble. With F = B = W the bubble is ``(p − 1)/(3m + p − 1)`` against 1F1B's ``(p − 1)/(m + p − 1)``."""
+    warmup = min(p - rank - 1, m)
+    actions = [Action("F", 0, i) for i in range(warmup)]
+    pending: list[int] = []
+
+    def backward(i: int) -> None:
+        actions.append(Action("B", 0, i))
+        pending.append(i)
+        if len(pending) > rank:
+            actions.append(Action("W", 0, pending.pop(0)))
+
+    for i in range(m - warmup):
+        actions.append(Action("F", 0, warmup + i))
+        backward(i)
+    for i in range(m - warmup, m):
+        backward(i)
+    return actions + [Action("W", 0, i) for i in pending]
+
+
 def build_schedule(schedule: ScheduleName, m: int, p: int, v: int, rank: int, forward_only: bool = False) -> list[Action]:
     """The ordered actions of pipeline rank ``rank``; ``forward_only`` keeps the forwards (evaluation)."""
     if schedule == "gpipe":
         actions = gpipe(m, p, rank)
+    elif schedule == "ZB-H1":
+        actions = zb_h1(m, p, rank)
     elif schedule == "1F1B":
         actions = one_f_one_b(m, p, rank)
     else:
@@ -134,7 +168,7 @@ def simulate(schedule: ScheduleName, m: int, p: int, v: int = 1) -> list[int]:
     """Run every rank's list against the data dependencies; return each rank's peak in-flight micro-batches.
 
     A forward of virtual stage k needs the forward of stage k-1; a backward of stage k needs the
-    backward of stage k+1 (or, on the last stage, its own forward).
+    backward of stage k+1 (or, on the last stage, its own forward); a W needs its own B.
 
     Raises:
         RuntimeError: if the lists deadlock.
@@ -152,15 +186,61 @@ def simulate(schedule: ScheduleName, m: int, p: int, v: int = 1) -> list[int]:
                 stage = a.chunk * p + r
                 if a.kind == "F":
                     ready = stage == 0 or ("F", stage - 1, a.microbatch) in done
+                elif a.kind == "W":
+                    ready = ("B", stage, a.microbatch) in done
                 else:
                     ready = ("B", stage + 1, a.microbatch) in done if stage < stages - 1 else ("F", stage, a.microbatch) in done
                 if not ready:
                     break
                 done.add((a.kind, stage, a.microbatch))
-                inflight[r] += 1 if a.kind == "F" else -1
+                # a micro-batch is held from its forward to its last backward action (W where there is one)
+                inflight[r] += 1 if a.kind == "F" else -1 if a.kind == ("W" if schedule in SPLIT_BACKWARD else "B") else 0
                 peak[r] = max(peak[r], inflight[r])
                 position[r] += 1
                 progressed = True
     if any(position[r] < len(lists[r]) for r in range(p)):
         raise RuntimeError(f"{schedule} with m={m}, p={p}, v={v} deadlocks at {[lists[r][position[r]:][:1] for r in range(p)]}.")
     return peak
+
+
+def bubble_fraction(schedule: ScheduleName, m: int, p: int, v: int = 1,
+                    costs: tuple[float, float, float] = (1.0, 1.0, 1.0)) -> float:
+    """The idle fraction of ``p`` ranks running ``schedule``'s lists under a fixed cost model: an action starts once
+    its rank is free and what it needs is done (:func:`simulate`'s dependencies), and lasts ``costs`` = (F, B, W) of
+    one chunk (a backward that is not split lasts B + W); transfers take no time. ``1 − busy / (p · makespan)``.
+
+    For 1F1B this is ``(p − 1)/(m + p − 1)`` with any costs (Narayanan et al. 2021); for ZB-H1 with F = B = W,
+    ``(p − 1)/(3m + p − 1)`` (Qi et al. 2024 §2.1).
+
+    Raises:
+        RuntimeError: if the lists deadlock.
+    """
+    split = schedule in SPLIT_BACKWARD
+    duration = {"F": costs[0], "B": costs[1] if split else costs[1] + costs[2], "W": costs[2]}
+    stages = p * v
+    lists = [build_schedule(schedule, m, p, v, r) for r in range(p)]
+    finished: dict[tuple[str, int, int], float] = {}
+    position, clock = [0] * p, [0.0] * p
+    progressed = True
+    while progressed:
+        progressed = False
+        for r in range(p):
+            while position[r] < len(lists[r]):
+                a = lists[r][position[r]]
+                stage = a.chunk * p + r
+                if a.kind == "F":
+                    needs = None if stage == 0 else ("F", stage - 1, a.microbatch)
+                elif a.kind == "W":
+                    needs = ("B", stage, a.microbatch)
+                else:
+                    needs = ("F", stage, a.microbatch) if stage == stages - 1 else ("B", stage + 1, a.microbatch)
+                if needs is not None and needs not in finished:
+                    break
+                clock[r] = max(clock[r], finished[needs] if needs is not None else 0.0) + duration[a.kind]
+                finished[(a.kind, stage, a.microbatch)] = clock[r]
+                position[r] += 1
+                progressed = True
+    if any(position[r] < len(lists[r]) for r in range(p)):
+        raise RuntimeError(f"{schedule} with m={m}, p={p}, v={v} deadlocks.")
+    busy = sum(duration[a.kind] for a in lists[0]) * p
+    return 1 - busy / (p * max(clock))

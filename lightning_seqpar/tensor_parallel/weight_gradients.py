@@ -13,13 +13,15 @@ backward makes for the same GEMM moves there: the count of collectives is unchan
 (``torch.autograd.backward`` on the weight tensor), so it accumulates into ``.grad`` exactly as the unsplit backward
 does and every hook that watches accumulation (gradient buckets, their overlapped data-parallel reduction) fires at W.
 A frozen weight has no W.
+
+torch calls a parameter's post-accumulate-grad hooks in B as well, with ``.grad`` unchanged (the function returned no
+gradient for it): a hook that takes gradients (the data-parallel buckets) skips a call whose ``.grad`` is ``None``.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections import deque
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Callable, Hashable, Iterator, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -27,16 +29,19 @@ from torch import Tensor
 
 
 class WeightGradientStore:
-    """The W halves of deferred backwards, one group per B (a stage's backward of one micro-batch), run oldest first.
+    """The W halves of deferred backwards, one group per B (a stage's backward of one micro-batch), each run once: by
+    its key, or oldest first.
 
-    One store per pipeline stage; the layers that split their backward hold it (:func:`split_weight_gradients`), and
+    One store per pipeline rank; the layers that split their backward hold it (:func:`split_weight_gradients`), and
     whoever runs the schedule opens :meth:`deferring` around each B and calls :meth:`run` for each W. No global state:
     outside :meth:`deferring` the layers' backward is the unsplit one.
     """
 
     def __init__(self) -> None:
-        self._queue: deque[list[Callable[[], None]]] = deque()
+        self.deferred: set[int] = set()  # id() of the parameters whose gradient W hands over (split_weight_gradients)
+        self._groups: dict[Hashable, list[Callable[[], None]]] = {}  # in the order their B's ran
         self._open: Optional[list[Callable[[], None]]] = None
+        self._count = 0
 
     @property
     def is_deferring(self) -> bool:
@@ -44,21 +49,25 @@ class WeightGradientStore:
         return self._open is not None
 
     @contextlib.contextmanager
-    def deferring(self) -> Iterator[None]:
-        """Within this context the split layers' backwards compute B only; their W halves form one group, queued
-        when the context ends (also when the backward raised: nothing of a group is lost or run twice).
+    def deferring(self, key: Hashable = None) -> Iterator[None]:
+        """Within this context the split layers' backwards compute B only; their W halves form one group under
+        ``key`` (default: a number of its own), stored when the context ends (also when the backward raised: nothing
+        of a group is lost or run twice).
 
         Raises:
-            RuntimeError: when already deferring (one B at a time per stage).
+            RuntimeError: when already deferring (one B at a time per rank), or ``key`` is pending already.
         """
         if self._open is not None:
-            raise RuntimeError("WeightGradientStore.deferring() entered twice: one B at a time per pipeline stage.")
+            raise RuntimeError("WeightGradientStore.deferring() entered twice: one B at a time per pipeline rank.")
+        if key is None:
+            key, self._count = ("B", self._count), self._count + 1
+        if key in self._groups:
+            raise RuntimeError(f"WeightGradientStore: the W of {key!r} is still pending; run it before its next B.")
         self._open = []
         try:
             yield
         finally:
-            group, self._open = self._open, None
-            self._queue.append(group)
+            self._groups[key], self._open = self._open, None
 
     def defer(self, weight_gradient: Callable[[], None]) -> None:
         """Leave ``weight_gradient`` (a W half) in the group of the B now running."""
@@ -68,19 +77,24 @@ class WeightGradientStore:
     @property
     def pending(self) -> int:
         """The B's whose W has not run yet."""
-        return len(self._queue)
+        return len(self._groups)
 
-    def run(self) -> int:
-        """Run the W of the oldest pending B (its halves in the order its backward left them); return how many.
+    def run(self, key: Hashable = None) -> int:
+        """Run the W of the B stored under ``key`` (default: the oldest pending), its halves in the order its backward
+        left them; return how many.
 
         Raises:
-            RuntimeError: no W pending (a schedule with more W than B).
+            RuntimeError: no such W pending (a schedule with a W before its B, or two W's of one B).
         """
-        if not self._queue:
-            raise RuntimeError("WeightGradientStore.run(): no weight gradient is pending (a W without its B).")
-        group = self._queue.popleft()
-        for weight_gradient in group:
-            weight_gradient()
+        if key is None:
+            key = next(iter(self._groups), None)
+        if key not in self._groups:
+            raise RuntimeError(f"WeightGradientStore.run({key!r}): no weight gradient is pending for it (a W without "
+                               f"its B).")
+        group = self._groups.pop(key)
+        with torch.no_grad():  # as inside the backward it was split from (a collective writes into its output)
+            for weight_gradient in group:
+                weight_gradient()
         return len(group)
 
 
@@ -94,7 +108,8 @@ def accumulate(tensors: Sequence[Optional[Tensor]], gradients: Sequence[Optional
 
 def split_weight_gradients(model: nn.Module, store: Optional[WeightGradientStore]) -> int:
     """Make every column- and row-parallel linear of ``model`` split its backward into B and W through ``store``
-    (``None``: unsplit again); return how many layers were set."""
+    (``None``: unsplit again); return how many layers were set. ``store.deferred`` then holds the parameters whose
+    gradient arrives in W (what gradient reduction arms before the last W rather than the last B)."""
     from lightning_seqpar.tensor_parallel.layers import (ColumnParallelInProjection, ColumnParallelLinear,
                                                          RowParallelLinear)
 
@@ -102,4 +117,7 @@ def split_weight_gradients(model: nn.Module, store: Optional[WeightGradientStore
               if isinstance(m, (ColumnParallelLinear, RowParallelLinear, ColumnParallelInProjection))]
     for layer in layers:
         layer.weight_gradients = store
+        if store is not None:  # a row-parallel bias is added after the reduction, outside the split product: in B
+            held = [layer.weight] if isinstance(layer, RowParallelLinear) else list(layer.parameters(recurse=False))
+            store.deferred |= {id(p) for p in held if p is not None and p.requires_grad}
     return len(layers)

@@ -1,4 +1,5 @@
-"""1F1B bounds the activations a stage holds; GPipe holds every micro-batch's (measured live bytes).
+"""1F1B bounds the activations a stage holds; GPipe holds every micro-batch's; ZB-H1 holds no more than 1F1B's peak
+(measured live bytes).
 
 Stage 0 of a pp=2 GPT runs m=8 micro-batches; a storage tracker records, after every action of the
 schedule, the bytes still alive that the stage's transformer layers created in forward.
@@ -38,7 +39,7 @@ class _Measure(pl.Callback):
 
 def _measure(rank, world_size):
     out = {}
-    for schedule in ("1F1B", "gpipe"):
+    for schedule in ("1F1B", "gpipe", "ZB-H1"):
         measure = _Measure()
         trainer = pl.Trainer(
             strategy=SeqParallelStrategy(pp=P, num_microbatches=M, schedule=schedule), accelerator="cpu",
@@ -80,3 +81,28 @@ def test_the_last_stage_keeps_no_micro_batch_s_input_after_its_backward(samples)
     assert len(after_backward) == M
     growth = [later - earlier for earlier, later in zip(after_backward, after_backward[1:])]
     assert all(0 <= g <= 16 for g in growth), growth  # two float64 scalars: the loss kept for the result, and one more
+
+
+def test_zb_h1_holds_at_most_1f1b_s_peak_on_every_stage(samples):
+    """ZB-H1 delays stage r's W's by r micro-batches: every stage holds p micro-batches from F to W, the last one
+    waiting for its W only (what B freed is gone), so no stage's peak passes 1F1B's first stage's, which it equals."""
+    peak_1f1b = max(live for _, _, live, _ in samples[0]["1F1B"])
+    for rank in range(P):
+        zb = samples[rank]["ZB-H1"]
+        assert len(zb) == 3 * M and max(n for _, n, _, _ in zb) == P  # F, B and W of each micro-batch
+        assert max(live for _, _, live, _ in zb) <= peak_1f1b
+    assert max(live for _, _, live, _ in samples[0]["ZB-H1"]) == peak_1f1b
+    # every sample is whole micro-batches (F done, B not) and micro-batches waiting for their W only, which keep
+    # what W reads (the split linears' inputs and output gradients): about 2/5 of what the forward made, here
+    for rank in range(P):
+        zb, cached = samples[rank]["ZB-H1"], samples[rank]["1F1B"][-1][2]
+        whole = zb[0][2] - cached
+        counts = {"F": 0, "B": 0, "W": 0}
+        kept = None
+        for action, _, live, _ in zb:
+            counts[action[0]] += 1
+            waiting = counts["B"] - counts["W"]
+            if waiting and kept is None:
+                kept = (live - cached - whole * (counts["F"] - counts["B"])) // waiting
+            assert live == cached + whole * (counts["F"] - counts["B"]) + (kept or 0) * waiting, (rank, action)
+        assert kept is not None and 0 < kept < whole / 2, (kept, whole)

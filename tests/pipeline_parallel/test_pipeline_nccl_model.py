@@ -6,7 +6,7 @@ import pytest
 from lightning_seqpar.pipeline_parallel.comm_plan import Batch, Transfer, build_program, rank_program, with_headers
 from lightning_seqpar.pipeline_parallel.layout import StageLayout
 from lightning_seqpar.pipeline_parallel.nccl_model import check_programs
-from lightning_seqpar.pipeline_parallel.schedules import build_schedule
+from lightning_seqpar.pipeline_parallel.schedules import Action, build_schedule
 
 
 def _configurations():
@@ -21,6 +21,7 @@ def _configurations():
 
 
 CONFIGURATIONS = list(_configurations())
+ZERO_BUBBLE = [(p, m, forward_only) for p in range(2, 9) for m in range(p, 33) for forward_only in (False, True)]
 
 
 def test_every_schedule_is_deadlock_free_and_matched_under_nccl_rules():
@@ -30,6 +31,22 @@ def test_every_schedule_is_deadlock_free_and_matched_under_nccl_rules():
         programs = [build_program(schedule, m, layout, rank, forward_only) for rank in range(p)]
         check_programs(programs)
         check_programs([with_headers(program) for program in programs])  # a step whose shapes are new
+
+
+def test_zb_h1_is_deadlock_free_and_matched_under_nccl_rules():
+    """Its W's post nothing: the gradient a B produces is sent before the W that may follow (the batch after the B),
+    so the previous stage is not kept waiting behind the weight gradient."""
+    assert len(ZERO_BUBBLE) == 2 * sum(33 - p for p in range(2, 9))  # p 2..8, m p..32
+    for p, m, forward_only in ZERO_BUBBLE:
+        layout = StageLayout(p, 1, (1,) * p)
+        programs = [build_program("ZB-H1", m, layout, rank, forward_only) for rank in range(p)]
+        check_programs(programs)
+        check_programs([with_headers(program) for program in programs])
+        for rank, program in enumerate(programs[1:], start=1):  # the batch right after each B sends its gradient
+            for before, after in zip(program, program[1:]):
+                if isinstance(before, Action) and before.kind == "B":
+                    assert isinstance(after, Batch) and any(
+                        t.send and t.kind == "gradient" and t.microbatch == before.microbatch for t in after.transfers)
 
 
 def test_the_model_finds_the_deadlock_of_unpaired_interleaved_transfers():

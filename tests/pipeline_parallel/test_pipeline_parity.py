@@ -1,6 +1,6 @@
 """Pipeline layouts train exactly like one process: loss, logged loss and every parameter gradient, 3 steps.
 
-Layouts: pp 2 (1F1B, GPipe, interleaved with 2 chunks per rank), pp 2 × tp 2 with and without SP,
+Layouts: pp 2 (1F1B, GPipe, interleaved with 2 chunks per rank, ZB-H1), pp 4 (ZB-H1), pp 2 × tp 2 with and without SP,
 pp 2 × dp 2 (zero 0 interleaved, zero 1), pp 2 × tp 2 × dp 2 on 8 processes; the reference GPT and a user's own module around
 nn.TransformerEncoder(Layer)s; selective and full recomputation; clipping and accumulation.
 """
@@ -17,6 +17,7 @@ GPT4 = (("n_layer", 4),)
 INTERLEAVED = (("virtual_stages", 2),)
 GPIPE = (("schedule", "gpipe"),)
 UNTIED = (("tie_weights", False),)
+ZB_H1 = (("schedule", "ZB-H1"),)  # B/W split: the weight gradients in W actions
 
 CASES = {
     2: [
@@ -28,6 +29,9 @@ CASES = {
         Case("encoder", 1, True, None, ENCODER_A, (), (), 2),
         Case("encoder", 1, True, "selective", ENCODER_B, (), (), 2),
         Case("gpt", 1, True, None, UNTIED, CLIP_ACCUMULATE, (), 2),
+        Case("gpt", 1, True, None, GPT4, (), ZB_H1 + (("num_microbatches", 4),), 2, batch=4),  # W's delayed
+        Case("gpt", 1, True, "selective", (), CLIP_ACCUMULATE, ZB_H1, 2),
+        Case("encoder", 1, True, "full", ENCODER_A, (), ZB_H1, 2),
     ],
     4: [
         Case("gpt", 2, True, "selective", (), (), (), 2),
@@ -37,6 +41,9 @@ CASES = {
         Case("encoder", 2, True, "full", ENCODER_B, (), GPIPE, 2),
         Case("gpt", 1, True, None, UNTIED, CLIP_ACCUMULATE, (("zero", 1),), 2),  # pp 2 x dp 2, ZeRO-1
         Case("gpt", 1, True, None, GPT4, CLIP_ACCUMULATE, INTERLEAVED, 2),  # pp 2 x dp 2, reduced during the schedule
+        Case("gpt", 2, True, "selective", GPT4, (), ZB_H1 + (("num_microbatches", 4),), 2, batch=4),  # + tp 2 SP
+        Case("gpt", 1, True, None, UNTIED, CLIP_ACCUMULATE, ZB_H1 + (("zero", 1),), 2),  # + dp 2: buckets take W's
+        Case("gpt", 1, True, None, GPT4, (), ZB_H1 + (("num_microbatches", 8),), 4, batch=8),  # pp 4
     ],
     8: [
         Case("gpt", 2, True, "selective", (), (), (), 2),

@@ -13,6 +13,7 @@ from lightning_seqpar.pipeline_parallel import (
     PipelineConfig,
     RemoteLayer,
     StageLayout,
+    bubble_fraction,
     build_schedule,
     check_microbatches,
     resolve_schedule,
@@ -26,18 +27,24 @@ from tests.helpers.models import build
 
 LAYOUTS = [("1F1B", m, p, 1) for m in (2, 4, 8) for p in (2, 4) if m >= p] + \
           [("gpipe", 8, 2, 1), ("gpipe", 4, 4, 1)] + \
-          [("interleaved_1F1B", m, p, v) for m, p, v in ((2, 2, 2), (4, 2, 2), (8, 2, 3), (8, 4, 2), (4, 4, 4))]
+          [("interleaved_1F1B", m, p, v) for m, p, v in ((2, 2, 2), (4, 2, 2), (8, 2, 3), (8, 4, 2), (4, 4, 4))] + \
+          [("ZB-H1", m, p, 1) for m, p in ((2, 2), (4, 2), (8, 4), (4, 4), (32, 8))]
 
 
 @pytest.mark.parametrize("schedule, m, p, v", LAYOUTS)
 def test_every_rank_runs_each_forward_and_backward_once_backward_after_forward(schedule, m, p, v):
     for rank in range(p):
         actions = build_schedule(schedule, m, p, v, rank)
-        expected = {Action(k, c, i) for k in "FB" for c in range(v) for i in range(m)}
+        kinds = "FBW" if schedule == "ZB-H1" else "FB"
+        expected = {Action(k, c, i) for k in kinds for c in range(v) for i in range(m)}
         assert len(actions) == len(expected) and set(actions) == expected
         for c in range(v):
             for i in range(m):
                 assert actions.index(Action("F", c, i)) < actions.index(Action("B", c, i))
+                if schedule == "ZB-H1":  # W after its B, in the order of the B's
+                    assert actions.index(Action("B", c, i)) < actions.index(Action("W", c, i))
+        ws = [a.microbatch for a in actions if a.kind == "W"]
+        assert ws == sorted(ws)
         assert build_schedule(schedule, m, p, v, rank, forward_only=True) == [a for a in actions if a.kind == "F"]
 
 
@@ -48,6 +55,8 @@ def test_schedules_never_deadlock_and_bound_in_flight_micro_batches(schedule, m,
         assert peaks == [m] * p
     elif schedule == "1F1B":
         assert peaks == [min(p - r, m) for r in range(p)]  # PipeDream-Flush: stage r holds p - r
+    elif schedule == "ZB-H1":  # every stage holds p from F to W: 1F1B's first stage's count (Qi et al. §2.1)
+        assert peaks == [p] * p
     elif m == p:  # one group of p micro-batches: every forward first, as Megatron runs it
         assert peaks == [m * v] * p
     else:  # Megatron's warm-up: 2(p - r - 1) + (v - 1)p forwards, then one more before the first backward
@@ -87,6 +96,7 @@ def test_layers_that_do_not_split_as_asked(layers, pp, v, split, match):
     (dict(pp=2, schedule="zero_bubble"), "schedule must be one of"),
     (dict(pp=2, schedule="gpipe", virtual_stages=2), "GPipe runs one model chunk per rank"),
     (dict(pp=2, schedule="interleaved_1F1B"), "needs virtual_stages >= 2"),
+    (dict(pp=2, schedule="ZB-H1", virtual_stages=2), "ZB-H1 runs one model chunk per rank"),
     (dict(pp=2, virtual_stages=0), "virtual_stages must be a positive integer"),
 ])
 def test_strategy_rejects_pipeline_settings_before_launching(kwargs, match):
@@ -96,6 +106,7 @@ def test_strategy_rejects_pipeline_settings_before_launching(kwargs, match):
 
 def test_schedule_names():
     assert resolve_schedule("1f1b", 2) == "interleaved_1F1B" and resolve_schedule("GPipe", 1) == "gpipe"
+    assert resolve_schedule("zb-h1", 1) == resolve_schedule("ZBH1", 1) == "ZB-H1"
     check_microbatches(4, 2, "interleaved_1F1B")
 
 
@@ -143,3 +154,27 @@ def test_a_model_without_a_splittable_stack_says_why():
     plain = torch.nn.Sequential(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="found no rewritten transformer layer"):
         split_stages(plain, PipelineConfig.build(pp=2), 0)
+
+
+@pytest.mark.parametrize("p", range(2, 9))
+def test_bubbles_under_the_cost_model_are_the_papers(p):
+    """Unit costs (F = B = W): 1F1B idles (p − 1)/(m + p − 1) of the step, ZB-H1 a third of that bubble,
+    (p − 1)/(3m + p − 1) (Qi et al. 2024 §2.1); with the paper's unequal costs ZB-H1 still idles less."""
+    for m in range(p, 33):
+        assert bubble_fraction("1F1B", m, p) == pytest.approx((p - 1) / (m + p - 1), abs=1e-12)
+        assert bubble_fraction("ZB-H1", m, p) == pytest.approx((p - 1) / (3 * m + p - 1), abs=1e-12)
+        assert bubble_fraction("ZB-H1", m, p, costs=(1.0, 1.2, 0.8)) < bubble_fraction("1F1B", m, p, costs=(1.0, 1.2, 0.8))
+    if p == 4:
+        assert (round(bubble_fraction("1F1B", 8, 4), 3), round(bubble_fraction("ZB-H1", 8, 4), 3)) == (0.273, 0.111)
+    if p == 8:
+        assert (round(bubble_fraction("1F1B", 32, 8), 3), round(bubble_fraction("ZB-H1", 32, 8), 3)) == (0.179, 0.068)
+
+
+def test_an_executor_of_a_split_schedule_needs_the_weight_gradient_store():
+    from lightning_seqpar.pipeline_parallel.executor import PipelineExecutor
+    from lightning_seqpar.pipeline_parallel.config import PipelineConfig
+
+    config = PipelineConfig.build(pp=2, num_microbatches=2, schedule="zb-h1")
+    assert config.schedule == "ZB-H1"
+    with pytest.raises(ValueError, match="runs W actions"):
+        PipelineExecutor(None, None, config)  # type: ignore[arg-type]
