@@ -33,7 +33,8 @@ from lightning_seqpar.pipeline_parallel.layout import StageLayout
 from lightning_seqpar.pipeline_parallel.p2p import StageTransport, shapes_signature
 from lightning_seqpar.pipeline_parallel.schedules import SPLIT_BACKWARD
 from lightning_seqpar.pipeline_parallel.stage import StageRuntime
-from lightning_seqpar.tensor_parallel.weight_gradients import WeightGradientStore, split_weight_gradients
+from lightning_seqpar.tensor_parallel.split_backward import split_weight_gradients
+from lightning_seqpar.tensor_parallel.weight_gradients import WeightGradientStore
 
 
 def _batch_size(batch: Any) -> int:
@@ -127,7 +128,7 @@ class PipelinedSteps:
             device: where received activations and gradients are placed.
             model: this rank's part of the model; under a schedule with W actions (ZB-H1) its column- and
                 row-parallel linears split their backward into one store (:func:`~lightning_seqpar.tensor_parallel.
-                weight_gradients.split_weight_gradients`).
+                split_backward.split_weight_gradients`).
         """
         store = None
         if config.schedule in SPLIT_BACKWARD and model is not None:

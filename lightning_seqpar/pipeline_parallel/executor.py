@@ -67,7 +67,7 @@ class PipelineExecutor:
         transport: point-to-point sends and receives in the pipeline group (its rank is this rank's stage).
         config: schedule and m.
         weight_gradients: for a schedule with W actions (ZB-H1), the store the rank's split layers leave their weight
-            gradients in (:func:`~lightning_seqpar.tensor_parallel.weight_gradients.split_weight_gradients`): each B runs
+            gradients in (:func:`~lightning_seqpar.tensor_parallel.split_backward.split_weight_gradients`): each B runs
             deferring into it under ``(chunk, micro-batch)``, each W runs that group.
 
     Attributes:

@@ -41,6 +41,21 @@ def layer_bytes(inventory: ModelInventory, s: int, b: int, t: int, sequence_para
     return sum(v for k, v in terms.items() if k not in offload)
 
 
+def weight_gradient_bytes(inventory: ModelInventory, s: int, b: int, t: int, sequence_parallel: bool = True,
+                          element: int = 2) -> float:
+    """Bytes one layer keeps per micro-batch between its B and its W under a split backward (ZB-H1,
+    :mod:`lightning_seqpar.tensor_parallel.weight_gradients`): what W reads of its split linears. Their inputs, made
+    in the forward: the two column-parallel inputs (the norms' outputs, ``[s/t, b, h]`` shards under SP: W gathers
+    them again), the row-parallel ones (``[s, b, a·d/t]`` and ``[s, b, f/t]``); and their output gradients, made in B:
+    ``[s, b, (a + 2g)·d/t]``, ``[s, b, h]`` twice (a row-parallel output's, gathered), ``[s, b, f/t]`` (twice gated)."""
+    split = t if sequence_parallel and t > 1 else 1
+    h, a, g, d, f = (inventory.hidden_size, inventory.num_heads, inventory.num_kv_heads, inventory.head_dim,
+                     inventory.ffn_hidden_size)
+    inputs = 2 * h / split + a * d / t + f / t
+    gradients = (a + 2 * g) * d / t + 2 * h + (2 if inventory.gated_mlp else 1) * f / t
+    return element * s * b * (inputs + gradients)
+
+
 def offloaded_layer_bytes(inventory: ModelInventory, s: int, b: int, t: int, sequence_parallel: bool = True,
                           recompute: str = "selective", element: int = 2, dropout: bool = False,
                           modules: tuple[str, ...] = (), offload: tuple[str, ...] = ()) -> float:

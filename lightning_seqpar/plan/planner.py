@@ -18,8 +18,9 @@ from typing import Any, Optional
 
 from lightning_seqpar.memory.activations import TransformerShape
 from lightning_seqpar.memory.flops import hardware_flops_per_iteration, mlp_forward_flops, model_flops_per_iteration
-from lightning_seqpar.pipeline_parallel.schedules import build_schedule, resolve_schedule
-from lightning_seqpar.plan.activations import layer_bytes, outside_layers_bytes
+from lightning_seqpar.pipeline_parallel.schedules import (SPLIT_BACKWARD, bubble_fraction, build_schedule,
+                                                       resolve_schedule)
+from lightning_seqpar.plan.activations import layer_bytes, outside_layers_bytes, weight_gradient_bytes
 from lightning_seqpar.plan.cost import Hardware, ring_bytes
 from lightning_seqpar.plan.inventory import ModelInventory
 from lightning_seqpar.plan.memory_choices import (TRADES, describe, host_traffic, largest_offloaded_share,
@@ -287,20 +288,24 @@ def _outside_bytes(record: LayoutRecord, inventory: ModelInventory, s: int, prec
 
 
 @functools.lru_cache(maxsize=4096)
-def _backward_moments(schedule: str, m: int, pp: int, vpp: int, rank: int) -> tuple[tuple[tuple[int, ...], int, bool], ...]:
-    """The distinct moments at which pipeline rank ``rank`` starts a backward in ``schedule``: the forwards in
+def _backward_moments(schedule: str, m: int, pp: int, vpp: int, rank: int
+                      ) -> tuple[tuple[tuple[int, ...], int, bool, tuple[int, ...]], ...]:
+    """The distinct moments at which pipeline rank ``rank`` starts a backward (a B) in ``schedule``: the forwards in
     flight then, counted per model chunk; the backward's chunk; whether gradients have accumulated already (an
-    earlier backward ran)."""
-    moments: dict[tuple[tuple[int, ...], int, bool], None] = {}
-    counts = [0] * vpp
+    earlier backward ran); the micro-batches past their B and waiting for their W, per chunk (a split backward)."""
+    moments: dict[tuple[tuple[int, ...], int, bool, tuple[int, ...]], None] = {}
+    counts, waiting = [0] * vpp, [0] * vpp
     done = False
     for action in build_schedule(schedule, m, pp, vpp, rank):
         if action.kind == "F":
             counts[action.chunk] += 1
-            continue
-        moments[(tuple(counts), action.chunk, done)] = None
-        counts[action.chunk] -= 1
-        done = True
+        elif action.kind == "B":
+            moments[(tuple(counts), action.chunk, done, tuple(waiting))] = None
+            done = True
+            counts[action.chunk] -= 1
+            waiting[action.chunk] += schedule in SPLIT_BACKWARD
+        else:
+            waiting[action.chunk] -= 1
     return tuple(moments)
 
 
@@ -337,6 +342,8 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
               precision: str, headroom: float, schedule: str, dropout: bool,
               fits: Optional[dict[tuple, Any]] = None, optimizer: str = "adamw") -> None:
     record.reason = layout_rule(record, inventory, s, global_batch, hardware)
+    if record.reason is None and record.pp > 1 and record.vpp > 1 and resolve_schedule(schedule, 1) in SPLIT_BACKWARD:
+        record.reason = f"{resolve_schedule(schedule, 1)} runs one model chunk per rank (vpp={record.vpp})"
     if record.reason is not None:
         return
     tp, pp, vpp, dp, b, m = record.tp, record.pp, record.vpp, record.dp, record.micro_batch, record.num_microbatches
@@ -388,9 +395,12 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
         # backward makes) or in the optimizer's step, once the activations are gone.
         opt = state.temporary  # the optimizer's step, after the backwards
         peak = (state.total + opt, state.gradients, 0.0, {"optimizer": opt})  # (total, gradients, activations, other)
-        for counts, chunk, accumulating in _backward_moments(name, m, pp, vpp, rank):
+        for counts, chunk, accumulating, waiting in _backward_moments(name, m, pp, vpp, rank):
             kept = sum(n * (layout.sizes[stages[c]] * per_layer + around
                             + (after if stages[c] == layout.num_stages - 1 else 0.0)) for c, n in enumerate(counts))
+            # past their B: what their W reads (the split linears' inputs and output gradients)
+            kept += sum(n * layout.sizes[stages[c]] * weight_gradient_bytes(inventory, local, b, tp, True, element)
+                        for c, n in enumerate(waiting) if n)
             last = stages[chunk] == layout.num_stages - 1
             # The explicit core attention's backward comes after the head's backward freed the epilogue and, when
             # it is recomputed, after its layer's MLP backward freed that half of the layer's kept bytes (kept
@@ -455,6 +465,9 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
     }
     compute = executed / (tp * cp * pp * dp) / (hardware.efficiency * hardware.peak_flops)
     record.bubble = (pp - 1) / (vpp * m) if pp > 1 else 0.0
+    if pp > 1 and name in SPLIT_BACKWARD:  # idle over compute, F = B = W (Eq. 7's 2 : 4 split of the FLOPs, halved)
+        idle = bubble_fraction(name, m, pp)
+        record.bubble = idle / (1 - idle)
     inter = dp * cp * tp * pp > hardware.gpus_per_node
     times = {
         "compute": compute,
@@ -469,7 +482,7 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
     }
     if record.offload:  # the host holds, at most, what the rank with the most layer-micro-batches in flight offloaded
         held = max(sum(n * layout.sizes[layout.stages_of(rank)[c]] for c, n in enumerate(counts))
-                   for rank in range(pp) for counts, _, _ in _backward_moments(name, m, pp, vpp, rank))
+                   for rank in range(pp) for counts, _, _, _ in _backward_moments(name, m, pp, vpp, rank))
         record.host, times["offload"] = host_traffic(moved, layers_per_rank, m, held, compute,
                                                      hardware.host_bandwidth)
     times["total"] = sum(times.values())

@@ -24,7 +24,6 @@ import contextlib
 from typing import Callable, Hashable, Iterator, Optional, Sequence
 
 import torch
-import torch.nn as nn
 from torch import Tensor
 
 
@@ -32,7 +31,7 @@ class WeightGradientStore:
     """The W halves of deferred backwards, one group per B (a stage's backward of one micro-batch), each run once: by
     its key, or oldest first.
 
-    One store per pipeline rank; the layers that split their backward hold it (:func:`split_weight_gradients`), and
+    One store per pipeline rank; the layers that split their backward hold it (:func:`~lightning_seqpar.tensor_parallel.split_backward.split_weight_gradients`), and
     whoever runs the schedule opens :meth:`deferring` around each B and calls :meth:`run` for each W. No global state:
     outside :meth:`deferring` the layers' backward is the unsplit one.
     """
@@ -104,20 +103,3 @@ def accumulate(tensors: Sequence[Optional[Tensor]], gradients: Sequence[Optional
     pairs = [(t, g) for t, g in zip(tensors, gradients) if t is not None and g is not None]
     if pairs:
         torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
-
-
-def split_weight_gradients(model: nn.Module, store: Optional[WeightGradientStore]) -> int:
-    """Make every column- and row-parallel linear of ``model`` split its backward into B and W through ``store``
-    (``None``: unsplit again); return how many layers were set. ``store.deferred`` then holds the parameters whose
-    gradient arrives in W (what gradient reduction arms before the last W rather than the last B)."""
-    from lightning_seqpar.tensor_parallel.layers import (ColumnParallelInProjection, ColumnParallelLinear,
-                                                         RowParallelLinear)
-
-    layers = [m for m in model.modules()
-              if isinstance(m, (ColumnParallelLinear, RowParallelLinear, ColumnParallelInProjection))]
-    for layer in layers:
-        layer.weight_gradients = store
-        if store is not None:  # a row-parallel bias is added after the reduction, outside the split product: in B
-            held = [layer.weight] if isinstance(layer, RowParallelLinear) else list(layer.parameters(recurse=False))
-            store.deferred |= {id(p) for p in held if p is not None and p.requires_grad}
-    return len(layers)

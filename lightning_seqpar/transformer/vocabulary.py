@@ -39,6 +39,8 @@ class VocabParallelHead(ColumnParallelLinear):
     Shapes: input ``[s/t, b, h]`` (SP) or ``[..., h]`` replicated; output ``[..., v'/t]``; weight ``[v'/t, h]``.
     """
 
+    splits_weight_gradient = False  # its W would keep the logits' gradient [s, b, v/t] per waiting micro-batch
+
     def __init__(self, in_features: int, vocab_size: int, group: ParallelGroup, *, sequence_parallel: bool = False,
                  wrap_logits: bool = False, bias: bool = False, loss_chunk: Optional[int] = None) -> None:
         padded = padded_size(vocab_size, group.size)

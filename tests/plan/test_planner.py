@@ -312,3 +312,34 @@ def test_the_default_output_is_short_and_says_what_would_fit_when_nothing_does(t
     assert main(base + ["--verbose"]) == 0
     verbose = capsys.readouterr().out
     assert "(e.g." not in verbose and len(verbose.splitlines()) > len(out.splitlines())
+
+
+def test_zb_h1_layouts_take_a_third_of_the_bubble_and_the_first_rank_s_peak(inventories):
+    """ZB-H1 (B/W split): the bubble over compute is (p − 1)/(3m) where 1F1B's is (p − 1)/m; the first stage's peak
+    is 1F1B's; interleaved layouts are refused for it by name."""
+    options = dict(hardware=Hardware(memory=1e12), calibrate=False)
+    def key(r):
+        return r.tp, r.cp, r.pp, r.vpp, r.dp, r.zero, r.micro_batch, r.recompute, r.modules, r.offload
+
+    one_f_one_b = {key(r): r for r in plan(inventories["llama3-8b"], 16, 4096, 64, **options)
+                   if r.feasible and r.pp > 1}
+    zb = plan(inventories["llama3-8b"], 16, 4096, 64, schedule="ZB-H1", **options)
+    checked = 0
+    assert any(r.reason == f"ZB-H1 runs one model chunk per rank (vpp={r.vpp})" for r in zb)
+    for r in zb:
+        if r.pp > 1 and r.vpp > 1:
+            assert not r.feasible
+            continue
+        base = one_f_one_b.get(key(r))
+        if base is None or not r.feasible:
+            continue
+        m = r.num_microbatches
+        assert r.bubble == pytest.approx((r.pp - 1) / (3 * m)) and base.bubble == pytest.approx((r.pp - 1) / m)
+        # every stage holds p micro-batches from F to W, those past their B only what W reads (its linears' inputs
+        # and output gradients): the first stage's peak is 1F1B's; a later one's may pass it
+        assert r.bytes["total"] >= base.bytes["total"]
+        if r.stage == base.stage == 0:
+            assert r.bytes["total"] == base.bytes["total"]
+        assert r.step_time["total"] < base.step_time["total"]
+        checked += 1
+    assert checked >= 3

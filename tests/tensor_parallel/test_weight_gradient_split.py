@@ -18,7 +18,8 @@ from lightning_seqpar.parallel.emulated import run_emulated
 from lightning_seqpar.parallel.random import RNGTracker
 from lightning_seqpar.policies import rewrite
 from lightning_seqpar.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, column_parallel_linears
-from lightning_seqpar.tensor_parallel.weight_gradients import WeightGradientStore, split_weight_gradients
+from lightning_seqpar.tensor_parallel.split_backward import split_weight_gradients
+from lightning_seqpar.tensor_parallel.weight_gradients import WeightGradientStore
 from lightning_seqpar.transformer.context import RewriteContext
 
 S, B, H, OUT = 8, 2, 12, 16
@@ -194,5 +195,5 @@ def test_a_rewritten_model_s_step_is_unchanged_by_the_split(t):
     plain = run_emulated(t, lambda group: _gpt_grads(gpt, group, False))
     split = run_emulated(t, lambda group: _gpt_grads(gpt, group, True))
     for (loss, grads, _), (loss_split, grads_split, layers) in zip(plain, split):
-        assert layers == 2 * 4 + 1 and loss == loss_split  # qkv, proj, fc1, fc2 per block; the LM head
+        assert layers == 2 * 4 and loss == loss_split  # qkv, proj, fc1, fc2 per block (not the LM head)
         assert [n for n in grads if not torch.equal(grads[n], grads_split[n])] == []
