@@ -24,6 +24,7 @@ from lightning_seqpar.pipeline_parallel.schedules import (
     check_microbatches,
     resolve_schedule,
     simulate,
+    trace_bubble_fraction,
 )
 from lightning_seqpar.pipeline_parallel.stage import RemoteLayer, StageOutput, StageRuntime, split_stages
 
@@ -50,4 +51,5 @@ __all__ = [
     "resolve_schedule",
     "simulate",
     "split_stages",
+    "trace_bubble_fraction",
 ]

@@ -205,9 +205,8 @@ def simulate(schedule: ScheduleName, m: int, p: int, v: int = 1) -> list[int]:
 
 def bubble_fraction(schedule: ScheduleName, m: int, p: int, v: int = 1,
                     costs: tuple[float, float, float] = (1.0, 1.0, 1.0)) -> float:
-    """The idle fraction of ``p`` ranks running ``schedule``'s lists under a fixed cost model: an action starts once
-    its rank is free and what it needs is done (:func:`simulate`'s dependencies), and lasts ``costs`` = (F, B, W) of
-    one chunk (a backward that is not split lasts B + W); transfers take no time. ``1 − busy / (p · makespan)``.
+    """The idle fraction of ``p`` ranks running ``schedule``'s lists under a fixed cost model
+    (:func:`trace_bubble_fraction` of the lists :func:`build_schedule` makes).
 
     For 1F1B this is ``(p − 1)/(m + p − 1)`` with any costs (Narayanan et al. 2021); for ZB-H1 with F = B = W,
     ``(p − 1)/(3m + p − 1)`` (Qi et al. 2024 §2.1).
@@ -215,18 +214,31 @@ def bubble_fraction(schedule: ScheduleName, m: int, p: int, v: int = 1,
     Raises:
         RuntimeError: if the lists deadlock.
     """
-    split = schedule in SPLIT_BACKWARD
+    lists = [build_schedule(schedule, m, p, v, r) for r in range(p)]
+    return trace_bubble_fraction(lists, v, schedule in SPLIT_BACKWARD, costs)
+
+
+def trace_bubble_fraction(traces: list[list[Action]], v: int = 1, split: bool = False,
+                          costs: tuple[float, float, float] = (1.0, 1.0, 1.0)) -> float:
+    """The idle fraction of the ranks whose actions, in the order each ran them, are ``traces`` (one list per
+    pipeline rank, v chunks each), under a fixed cost model: an action starts once its rank is free and what it needs
+    is done (:func:`simulate`'s dependencies), and lasts ``costs`` = (F, B, W) of one chunk (``split``: the backward is
+    B then W; else a B lasts B + W); transfers take no time. ``1 − busy / (p · makespan)``.
+
+    Raises:
+        RuntimeError: if the traces deadlock.
+    """
+    p = len(traces)
     duration = {"F": costs[0], "B": costs[1] if split else costs[1] + costs[2], "W": costs[2]}
     stages = p * v
-    lists = [build_schedule(schedule, m, p, v, r) for r in range(p)]
     finished: dict[tuple[str, int, int], float] = {}
     position, clock = [0] * p, [0.0] * p
     progressed = True
     while progressed:
         progressed = False
         for r in range(p):
-            while position[r] < len(lists[r]):
-                a = lists[r][position[r]]
+            while position[r] < len(traces[r]):
+                a = traces[r][position[r]]
                 stage = a.chunk * p + r
                 if a.kind == "F":
                     needs = None if stage == 0 else ("F", stage - 1, a.microbatch)
@@ -240,7 +252,7 @@ def bubble_fraction(schedule: ScheduleName, m: int, p: int, v: int = 1,
                 finished[(a.kind, stage, a.microbatch)] = clock[r]
                 position[r] += 1
                 progressed = True
-    if any(position[r] < len(lists[r]) for r in range(p)):
-        raise RuntimeError(f"{schedule} with m={m}, p={p}, v={v} deadlocks.")
-    busy = sum(duration[a.kind] for a in lists[0]) * p
+    if any(position[r] < len(traces[r]) for r in range(p)):
+        raise RuntimeError(f"The traces deadlock at {[traces[r][position[r]:][:1] for r in range(p)]}.")
+    busy = sum(sum(duration[a.kind] for a in trace) for trace in traces)
     return 1 - busy / (p * max(clock))

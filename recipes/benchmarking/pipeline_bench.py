@@ -1,0 +1,163 @@
+"""Pipeline schedules side by side on one GPT: each schedule's executed trace turned into a bubble by a fixed cost
+model, the peak activation bytes each pipeline rank held, the transfers and tensor-parallel collectives per step,
+and tokens/s (gloo on CPU, NCCL on GPUs).
+
+The bubble is the trace's (the actions each rank ran, in their order, recorded by the executor), priced with
+``F = B = W`` and with Qi et al.'s measured ratios; the bytes are the layer stack's live forward storages after each
+action (:class:`~lightning_seqpar.memory.tracker.LiveActivationTracker`); the collectives are counted on the groups.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, TensorDataset
+
+from recipes.benchmarking.processes import run_on_processes, worker_device
+
+PAPER_COSTS = (1.0, 1.0, 0.8)
+"""F : B : W per chunk from Qi et al. 2024 Table 3 (their 1.5B model's measured times, normalized to F)."""
+
+
+@dataclass(frozen=True)
+class PipelineRow:
+    """One schedule at one pipeline size."""
+
+    schedule: str
+    pp: int
+    tp: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.tp
+
+
+@dataclass
+class PipelineResult:
+    """What one row measured (its step: median over the timed steps; the trace and bytes: the first step)."""
+
+    schedule: str
+    pp: int
+    tp: int
+    bubble_equal: float
+    """idle fraction of the trace with F = B = W"""
+    bubble_paper: float
+    """idle fraction of the trace with :data:`PAPER_COSTS`"""
+    peak_bytes: list[int] = field(default_factory=list)
+    """per pipeline rank: the most bytes of the layer stack's forward storages alive after an action"""
+    transfers: int = 0
+    """point-to-point sends per step, all ranks"""
+    tensor_collectives: int = 0
+    """tensor-parallel collectives per step on pipeline rank 0's first tp rank"""
+    tokens_per_s: float = 0.0
+    step_ms: float = 0.0
+
+
+def _fit(row: PipelineRow, cfg: dict[str, Any], device: torch.device, out_dir: str) -> None:
+    import lightning.pytorch as pl
+
+    from lightning_seqpar.lightning.strategy import SeqParallelStrategy
+    from lightning_seqpar.memory.tracker import LiveActivationTracker
+    from lightning_seqpar.models.gpt import GPTConfig
+    from lightning_seqpar.models.module import GPTLightningModule
+    from lightning_seqpar.pipeline_parallel.schedules import SPLIT_BACKWARD, trace_bubble_fraction
+
+    record: dict[str, Any] = {"trace": [], "peak": 0, "times": [], "sends": 0, "collectives": 0}
+
+    class Measure(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            executor = trainer.strategy.pipeline.executor
+            if batch_idx == 0:  # the trace and the bytes of the first step
+                self.tracker = LiveActivationTracker(pl_module).__enter__()
+                executor.observers.append(self.observe)
+                transport = executor.transport
+                self.send = transport.send_count() if hasattr(transport, "send_count") else None
+                group = trainer.strategy.mesh.tensor
+                self.counted = _count_collectives(group) if group.size > 1 else None
+            self.start = time.perf_counter()
+
+        def observe(self, action, in_flight):
+            record["trace"].append(action)
+            record["peak"] = max(record["peak"], self.tracker.live_bytes(cfg["layers"]))
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            record["times"].append(time.perf_counter() - self.start)
+            if batch_idx == 0:
+                self.tracker.__exit__(None, None, None)
+                trainer.strategy.pipeline.executor.observers.clear()
+                record["collectives"] = sum(self.counted.values()) if self.counted is not None else 0
+                program = trainer.strategy.pipeline.executor._programs
+                record["sends"] = sum(1 for steps in program.values() for step in steps
+                                      for t in getattr(step, "transfers", ()) if t.send and not t.header)
+
+    strategy = SeqParallelStrategy(tp=row.tp, pp=row.pp, num_microbatches=cfg["num_microbatches"],
+                                   schedule=row.schedule)
+    steps = cfg["warmup"] + cfg["iters"] + 1
+    trainer = pl.Trainer(accelerator=device.type, devices=row.world, strategy=strategy, max_steps=steps,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0, callbacks=[Measure()],
+                         precision=cfg["precision"])
+    config = GPTConfig(block_size=cfg["s"], vocab_size=cfg["vocab_size"], n_layer=cfg["n_layer"],
+                       n_head=cfg["n_head"], n_embd=cfg["n_embd"], dropout=0.0, bias=True)
+    torch.manual_seed(0)
+    module = GPTLightningModule(config, learning_rate=1e-4)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, cfg["vocab_size"], (steps * cfg["global_batch"], cfg["s"]), generator=g)
+    trainer.fit(module, DataLoader(TensorDataset(tokens, tokens), batch_size=cfg["global_batch"]))
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, record)
+    if trainer.global_rank != 0:
+        return
+    pipeline_ranks = [gathered[r * row.tp] for r in range(row.pp)]  # the first tp rank of each stage
+    traces = [rank["trace"] for rank in pipeline_ranks]
+    split = strategy.parallel.pipeline.schedule in SPLIT_BACKWARD
+    step = statistics.median(record["times"][cfg["warmup"] + 1:])
+    result = PipelineResult(
+        row.schedule, row.pp, row.tp, trace_bubble_fraction(traces, 1, split),
+        trace_bubble_fraction(traces, 1, split, PAPER_COSTS), [rank["peak"] for rank in pipeline_ranks],
+        sum(rank["sends"] for rank in pipeline_ranks), record["collectives"],
+        cfg["global_batch"] * cfg["s"] / step, 1000 * step)
+    (Path(out_dir) / "result.pkl").write_bytes(pickle.dumps(asdict(result)))
+
+
+def _count_collectives(group: Any) -> dict[str, int]:
+    """Count ``group``'s collectives (instance attributes over its methods; one made of others counts once)."""
+    counts: dict[str, int] = {}
+    depth = [0]
+    for name in ("all_gather", "all_gather_start", "reduce_scatter", "reduce_scatter_start", "all_reduce"):
+        method = getattr(group, name)
+
+        def counted(*args, _name=name, _method=method, **kwargs):
+            if depth[0] == 0:
+                counts[_name] = counts.get(_name, 0) + 1
+            depth[0] += 1
+            try:
+                return _method(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+        setattr(group, name, counted)
+    return counts
+
+
+def _worker(local_rank: int, row: PipelineRow, port: int, cfg: dict[str, Any], out_dir: str) -> None:
+    device = worker_device(local_rank, row.world, port)
+    os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(row.world),
+                      LOCAL_WORLD_SIZE=str(row.world))
+    _fit(row, cfg, device, out_dir)
+    os._exit(0)  # done: gloo's threads abort a finished process now and then in interpreter teardown (SIGABRT)
+
+
+def run_pipeline_benchmark(cfg: dict[str, Any], rows: list[PipelineRow]) -> list[PipelineResult]:
+    """Each row in fresh processes; rank 0's results, in order. ``cfg``: vocab_size, s, n_layer, n_head, n_embd,
+    global_batch, num_microbatches, precision, warmup, iters, layers (the layer stack's module path)."""
+    return [PipelineResult(**run_on_processes(_worker, row.world, row, cfg)) for row in rows]
