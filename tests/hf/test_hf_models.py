@@ -67,6 +67,9 @@ CASES = {
         Case("hf", 2, True, "selective"),                                   # tp 2 x dp 2
         Case("hf", 2, True, None, (("labels", True), ("tie", True)), pp=2),  # pp 2 x tp 2, tied embedding
         Case("hf", 2, True, None, (("labels", True),), pp=2),               # pp 2 x tp 2, untied
+        Case("hf", 2, True, None, (("labels", True),), strategy=(("schedule", "ZB-H1"),), pp=2),  # B/W split
+        Case("hf", 1, True, None, (("labels", True), ("family", "qwen3_moe")), strategy=(("schedule", "ZB-H1"),),
+             pp=2, cp=2),                                                   # experts (grads in B), ring, ZB-H1
         Case("hf", 2, True, None, (("family", "qwen2_window"), ("labels", True)), pp=2),  # windows over the stages
         Case("hf", 2, True, None, (("family", "gemma2"), ("labels", True)), pp=2),  # final soft-cap on the last stage
         Case("hf", 2, True, None, (("family", "cohere"), ("labels", True)), pp=2),  # parallel residual over stages
