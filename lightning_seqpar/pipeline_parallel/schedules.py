@@ -15,7 +15,7 @@ Pipeline Parallelism*, ICLR 2024, §3.1).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Optional
 
 SCHEDULES = ("1F1B", "gpipe", "interleaved_1F1B", "ZB-H1")
 ScheduleName = Literal["1F1B", "gpipe", "interleaved_1F1B", "ZB-H1"]
@@ -164,6 +164,16 @@ def build_schedule(schedule: ScheduleName, m: int, p: int, v: int, rank: int, fo
     return [a for a in actions if a.kind == "F"] if forward_only else actions
 
 
+def _needs(action: Action, stage: int, stages: int) -> Optional[tuple[str, int, int]]:
+    """What ``action`` of virtual stage ``stage`` waits for, as ``(kind, stage, micro-batch)``: a forward, the previous
+    stage's forward; a backward (B), the next stage's B (the last stage: its own forward); a W, its own B."""
+    if action.kind == "F":
+        return None if stage == 0 else ("F", stage - 1, action.microbatch)
+    if action.kind == "W":
+        return ("B", stage, action.microbatch)
+    return ("F", stage, action.microbatch) if stage == stages - 1 else ("B", stage + 1, action.microbatch)
+
+
 def simulate(schedule: ScheduleName, m: int, p: int, v: int = 1) -> list[int]:
     """Run every rank's list against the data dependencies; return each rank's peak in-flight micro-batches.
 
@@ -184,13 +194,8 @@ def simulate(schedule: ScheduleName, m: int, p: int, v: int = 1) -> list[int]:
             while position[r] < len(lists[r]):
                 a = lists[r][position[r]]
                 stage = a.chunk * p + r
-                if a.kind == "F":
-                    ready = stage == 0 or ("F", stage - 1, a.microbatch) in done
-                elif a.kind == "W":
-                    ready = ("B", stage, a.microbatch) in done
-                else:
-                    ready = ("B", stage + 1, a.microbatch) in done if stage < stages - 1 else ("F", stage, a.microbatch) in done
-                if not ready:
+                needs = _needs(a, stage, stages)
+                if needs is not None and needs not in done:
                     break
                 done.add((a.kind, stage, a.microbatch))
                 # a micro-batch is held from its forward to its last backward action (W where there is one)
@@ -240,12 +245,7 @@ def trace_bubble_fraction(traces: list[list[Action]], v: int = 1, split: bool = 
             while position[r] < len(traces[r]):
                 a = traces[r][position[r]]
                 stage = a.chunk * p + r
-                if a.kind == "F":
-                    needs = None if stage == 0 else ("F", stage - 1, a.microbatch)
-                elif a.kind == "W":
-                    needs = ("B", stage, a.microbatch)
-                else:
-                    needs = ("F", stage, a.microbatch) if stage == stages - 1 else ("B", stage + 1, a.microbatch)
+                needs = _needs(a, stage, stages)
                 if needs is not None and needs not in finished:
                     break
                 clock[r] = max(clock[r], finished[needs] if needs is not None else 0.0) + duration[a.kind]

@@ -68,6 +68,7 @@ def _fit(row: PipelineRow, cfg: dict[str, Any], device: torch.device, out_dir: s
     from lightning_seqpar.memory.tracker import LiveActivationTracker
     from lightning_seqpar.models.gpt import GPTConfig
     from lightning_seqpar.models.module import GPTLightningModule
+    from lightning_seqpar.parallel.collectives import CommunicationLog
     from lightning_seqpar.pipeline_parallel.schedules import SPLIT_BACKWARD, trace_bubble_fraction
 
     record: dict[str, Any] = {"trace": [], "peak": 0, "times": [], "sends": 0, "collectives": 0}
@@ -78,10 +79,8 @@ def _fit(row: PipelineRow, cfg: dict[str, Any], device: torch.device, out_dir: s
             if batch_idx == 0:  # the trace and the bytes of the first step
                 self.tracker = LiveActivationTracker(pl_module).__enter__()
                 executor.observers.append(self.observe)
-                transport = executor.transport
-                self.send = transport.send_count() if hasattr(transport, "send_count") else None
-                group = trainer.strategy.mesh.tensor
-                self.counted = _count_collectives(group) if group.size > 1 else None
+                self.group = trainer.strategy.mesh.tensor
+                self.group.log = CommunicationLog()  # the group records each collective it runs
             self.start = time.perf_counter()
 
         def observe(self, action, in_flight):
@@ -95,7 +94,8 @@ def _fit(row: PipelineRow, cfg: dict[str, Any], device: torch.device, out_dir: s
             if batch_idx == 0:
                 self.tracker.__exit__(None, None, None)
                 trainer.strategy.pipeline.executor.observers.clear()
-                record["collectives"] = sum(self.counted.values()) if self.counted is not None else 0
+                record["collectives"] = len(self.group.log.records) if self.group.size > 1 else 0
+                self.group.log = None
                 program = trainer.strategy.pipeline.executor._programs
                 record["sends"] = sum(1 for steps in program.values() for step in steps
                                       for t in getattr(step, "transfers", ()) if t.send and not t.header)
@@ -128,25 +128,6 @@ def _fit(row: PipelineRow, cfg: dict[str, Any], device: torch.device, out_dir: s
         sum(rank["sends"] for rank in pipeline_ranks), record["collectives"],
         cfg["global_batch"] * cfg["s"] / step, 1000 * step)
     (Path(out_dir) / "result.pkl").write_bytes(pickle.dumps(asdict(result)))
-
-
-def _count_collectives(group: Any) -> dict[str, int]:
-    """Count ``group``'s collectives (instance attributes over its methods; one made of others counts once)."""
-    counts: dict[str, int] = {}
-    depth = [0]
-    for name in ("all_gather", "all_gather_start", "reduce_scatter", "reduce_scatter_start", "all_reduce"):
-        method = getattr(group, name)
-
-        def counted(*args, _name=name, _method=method, **kwargs):
-            if depth[0] == 0:
-                counts[_name] = counts.get(_name, 0) + 1
-            depth[0] += 1
-            try:
-                return _method(*args, **kwargs)
-            finally:
-                depth[0] -= 1
-        setattr(group, name, counted)
-    return counts
 
 
 def _worker(local_rank: int, row: PipelineRow, port: int, cfg: dict[str, Any], out_dir: str) -> None:
