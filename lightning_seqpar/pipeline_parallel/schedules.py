@@ -15,7 +15,7 @@ Pipeline Parallelism*, ICLR 2024, §3.1).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Iterator, Literal, Optional
 
 SCHEDULES = ("1F1B", "gpipe", "interleaved_1F1B", "ZB-H1")
 ScheduleName = Literal["1F1B", "gpipe", "interleaved_1F1B", "ZB-H1"]
@@ -174,6 +174,35 @@ def _needs(action: Action, stage: int, stages: int) -> Optional[tuple[str, int, 
     return ("F", stage, action.microbatch) if stage == stages - 1 else ("B", stage + 1, action.microbatch)
 
 
+def _replay(lists: list[list[Action]], v: int, what: str
+            ) -> Iterator[tuple[int, Action, int, Optional[tuple[str, int, int]]]]:
+    """Every rank's actions of ``lists`` (one list per pipeline rank, v chunks each) in an order the data
+    dependencies allow (:func:`_needs`), each as ``(rank, action, virtual stage, what it needed)``.
+
+    Raises:
+        RuntimeError: if the lists deadlock (``what`` names them).
+    """
+    p = len(lists)
+    done: set[tuple[str, int, int]] = set()
+    position = [0] * p
+    progressed = True
+    while progressed:
+        progressed = False
+        for r in range(p):
+            while position[r] < len(lists[r]):
+                a = lists[r][position[r]]
+                stage = a.chunk * p + r
+                needs = _needs(a, stage, p * v)
+                if needs is not None and needs not in done:
+                    break
+                done.add((a.kind, stage, a.microbatch))
+                position[r] += 1
+                progressed = True
+                yield r, a, stage, needs
+    if any(position[r] < len(lists[r]) for r in range(p)):
+        raise RuntimeError(f"{what} deadlocks at {[lists[r][position[r]:][:1] for r in range(p)]}.")
+
+
 def simulate(schedule: ScheduleName, m: int, p: int, v: int = 1) -> list[int]:
     """Run every rank's list against the data dependencies; return each rank's peak in-flight micro-batches.
 
@@ -183,28 +212,13 @@ def simulate(schedule: ScheduleName, m: int, p: int, v: int = 1) -> list[int]:
     Raises:
         RuntimeError: if the lists deadlock.
     """
-    stages = p * v
     lists = [build_schedule(schedule, m, p, v, r) for r in range(p)]
-    done: set[tuple[str, int, int]] = set()
-    position, inflight, peak = [0] * p, [0] * p, [0] * p
-    progressed = True
-    while progressed:
-        progressed = False
-        for r in range(p):
-            while position[r] < len(lists[r]):
-                a = lists[r][position[r]]
-                stage = a.chunk * p + r
-                needs = _needs(a, stage, stages)
-                if needs is not None and needs not in done:
-                    break
-                done.add((a.kind, stage, a.microbatch))
-                # a micro-batch is held from its forward to its last backward action (W where there is one)
-                inflight[r] += 1 if a.kind == "F" else -1 if a.kind == ("W" if schedule in SPLIT_BACKWARD else "B") else 0
-                peak[r] = max(peak[r], inflight[r])
-                position[r] += 1
-                progressed = True
-    if any(position[r] < len(lists[r]) for r in range(p)):
-        raise RuntimeError(f"{schedule} with m={m}, p={p}, v={v} deadlocks at {[lists[r][position[r]:][:1] for r in range(p)]}.")
+    inflight, peak = [0] * p, [0] * p
+    release = "W" if schedule in SPLIT_BACKWARD else "B"
+    for r, a, _, _ in _replay(lists, v, f"{schedule} with m={m}, p={p}, v={v}"):
+        # a micro-batch is held from its forward to its last backward action (W where there is one)
+        inflight[r] += 1 if a.kind == "F" else -1 if a.kind == release else 0
+        peak[r] = max(peak[r], inflight[r])
     return peak
 
 
@@ -235,24 +249,10 @@ def trace_bubble_fraction(traces: list[list[Action]], v: int = 1, split: bool = 
     """
     p = len(traces)
     duration = {"F": costs[0], "B": costs[1] if split else costs[1] + costs[2], "W": costs[2]}
-    stages = p * v
     finished: dict[tuple[str, int, int], float] = {}
-    position, clock = [0] * p, [0.0] * p
-    progressed = True
-    while progressed:
-        progressed = False
-        for r in range(p):
-            while position[r] < len(traces[r]):
-                a = traces[r][position[r]]
-                stage = a.chunk * p + r
-                needs = _needs(a, stage, stages)
-                if needs is not None and needs not in finished:
-                    break
-                clock[r] = max(clock[r], finished[needs] if needs is not None else 0.0) + duration[a.kind]
-                finished[(a.kind, stage, a.microbatch)] = clock[r]
-                position[r] += 1
-                progressed = True
-    if any(position[r] < len(traces[r]) for r in range(p)):
-        raise RuntimeError(f"The traces deadlock at {[traces[r][position[r]:][:1] for r in range(p)]}.")
+    clock = [0.0] * p
+    for r, a, stage, needs in _replay(traces, v, "The traces"):
+        clock[r] = max(clock[r], finished[needs] if needs is not None else 0.0) + duration[a.kind]
+        finished[(a.kind, stage, a.microbatch)] = clock[r]
     busy = sum(sum(duration[a.kind] for a in trace) for trace in traces)
     return 1 - busy / (p * max(clock))
