@@ -35,6 +35,7 @@ CASES = {  # world size: (case, offloaded modules, recomputation callbacks' argu
         (Case("gpt", 1, model=(("n_layer", 4),), pp=2, strategy=(("virtual_stages", 2), ("num_microbatches", 4)),
               batch=4), ALL, None),                                          # interleaved 1F1B
         (Case("gpt", 1, pp=2, strategy=(("schedule", "gpipe"),)), ["attn_norm", "core_attn", "mlp"], None),
+        (Case("gpt", 1, pp=2, strategy=(("schedule", "ZB-H1"),)), ALL, None),       # W reads what B brought back
         (Case("hf", 1, model=(LABELS,), cp=2), ALL, None),                           # context parallel (ring)
         # a mixture of experts at ep 2: the rows its experts receive, their activation's inputs
         (Case("hf", 2, model=(LABELS, ("family", "qwen3_moe"), ("aux", 0.5)), strategy=(("ep", 2),)),

@@ -97,6 +97,7 @@ def test_layers_that_do_not_split_as_asked(layers, pp, v, split, match):
     (dict(pp=2, schedule="gpipe", virtual_stages=2), "GPipe runs one model chunk per rank"),
     (dict(pp=2, schedule="interleaved_1F1B"), "needs virtual_stages >= 2"),
     (dict(pp=2, schedule="ZB-H1", virtual_stages=2), "ZB-H1 runs one model chunk per rank"),
+    (dict(pp=2, schedule="ZB-H1", compile=True), "cannot be split from it into W actions"),
     (dict(pp=2, virtual_stages=0), "virtual_stages must be a positive integer"),
 ])
 def test_strategy_rejects_pipeline_settings_before_launching(kwargs, match):
