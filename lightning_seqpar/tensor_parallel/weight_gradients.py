@@ -15,7 +15,9 @@ does and every hook that watches accumulation (gradient buckets, their overlappe
 A frozen weight has no W.
 
 torch calls a parameter's post-accumulate-grad hooks in B as well, with ``.grad`` unchanged (the function returned no
-gradient for it): a hook that takes gradients (the data-parallel buckets) skips a call whose ``.grad`` is ``None``.
+gradient for it): ``None``, or what earlier W's accumulated. A hook that takes gradients must not act on that call: the
+data-parallel buckets skip a ``None`` and are armed for these parameters only before a chunk's last W
+(:mod:`lightning_seqpar.lightning.pipelined_steps`), after its last B.
 """
 
 from __future__ import annotations
@@ -31,9 +33,10 @@ class WeightGradientStore:
     """The W halves of deferred backwards, one group per B (a stage's backward of one micro-batch), each run once: by
     its key, or oldest first.
 
-    One store per pipeline rank; the layers that split their backward hold it (:func:`~lightning_seqpar.tensor_parallel.split_backward.split_weight_gradients`), and
-    whoever runs the schedule opens :meth:`deferring` around each B and calls :meth:`run` for each W. No global state:
-    outside :meth:`deferring` the layers' backward is the unsplit one.
+    One store per pipeline rank; the layers that split their backward hold it
+    (:func:`~lightning_seqpar.tensor_parallel.split_backward.split_weight_gradients`), and whoever runs the schedule
+    opens :meth:`deferring` around each B and calls :meth:`run` for each W. No global state: outside :meth:`deferring`
+    the layers' backward is the unsplit one.
     """
 
     def __init__(self) -> None:
