@@ -54,7 +54,8 @@ class LayerOffload:
         held += [m.future_mask.cached() for m in layer.modules() if isinstance(getattr(m, "future_mask", None),
                                                                               FutureMask)]
         index = self.order.get(id(layer))
-        forward = self.pool.layer_forward(index, module) if index is not None else None
+        # (the experts' regions are entered once per expert in the loop over experts: one layer forward still)
+        forward = self.pool.layer_forward(index, module, module in EXPERT_MODULES) if index is not None else None
         return self.pool.packer({t.untyped_storage().data_ptr() for t in held if t is not None}, forward)
 
 

@@ -97,15 +97,15 @@ class HostPool:
                 "peak_held": self.peak_held, "copies_out": self.copies_out, "copies_in": self.copies_in,
                 "prefetched": self.prefetched}
 
-    def layer_forward(self, index: int, module: str) -> Optional[LayerForward]:
+    def layer_forward(self, index: int, module: str, repeats: bool = False) -> Optional[LayerForward]:
         """The :class:`LayerForward` a region of ``module`` in layer ``index`` (its place in the model's layers)
-        offloads into: the last one while the same layer's forward goes on (a module not seen in it yet), else a new
-        one, linked to the last when that was the layer just before (``index − 1``) in the same forward. ``None``
-        without prefetch."""
+        offloads into: the last one while the same layer's forward goes on (a module not seen in it yet, or one whose
+        region ``repeats`` within a forward: the experts' regions, once per expert), else a new one, linked to the
+        last when that was the layer just before (``index − 1``) in the same forward. ``None`` without prefetch."""
         if not self.prefetch:
             return None
         last = self._last
-        if last is not None and last.index == index and module not in last.modules:
+        if last is not None and last.index == index and (repeats or module not in last.modules):
             last.modules.add(module)
             return last
         self._last = LayerForward(index, module, last if last is not None and last.index == index - 1 else None)

@@ -104,3 +104,27 @@ def test_the_planner_counts_the_prefetched_layer(layers, expected):
 
     assert offload_backward_bytes(1.0, 0.5, layers, 0.25) == expected
     assert offload_backward_bytes(1.0, 1.5, 3, 0.25) == 1.25  # the top layer's moment when it keeps more
+
+
+def test_a_mixture_s_layers_each_come_back_one_layer_ahead_though_their_experts_regions_repeat():
+    """The loop over experts enters the experts' regions once per expert: still one layer forward, so each layer's
+    copies, the experts' included, come back when the backward reaches the layer after it."""
+    from lightning_seqpar.models.gpt import GPT, GPTConfig
+    from lightning_seqpar.parallel import ParallelGroup
+    from lightning_seqpar.parallel.random import RNGTracker
+    from lightning_seqpar.policies import rewrite
+    from lightning_seqpar.transformer.context import RewriteContext
+    from tests.offload.test_offload_one_process import _Root
+
+    torch.manual_seed(0)
+    root = _Root(GPT(GPTConfig(vocab_size=64, block_size=32, n_layer=LAYERS, n_head=4, n_embd=32, dropout=0.0,
+                               n_experts=4)))
+    rewrite(root, RewriteContext(ParallelGroup.virtual(1), False, RNGTracker.for_tensor_parallel(0, 0),
+                                 loss_parallel=True))
+    model, pool = root.gpt.double().train(), _Watched()
+    apply_offload(model, ["attn_norm", "expert_fc1", "moe_act"], pool)
+    _step(model, pool)
+    per_layer = pool.copies_out // LAYERS
+    assert pool.copies_out == LAYERS * per_layer and per_layer > 3  # the layer input, and each expert's regions
+    assert pool.prefetched == (LAYERS - 1) * per_layer and pool.bytes_in == pool.bytes_out
+    assert all(back <= {layer, layer - 1} for layer, back in pool.reads)
