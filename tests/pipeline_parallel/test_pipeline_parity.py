@@ -6,6 +6,7 @@ nn.TransformerEncoder(Layer)s; selective and full recomputation; clipping and ac
 """
 
 import pytest
+import torch
 
 from tests.helpers.models import BATCH, SEQ
 from tests.helpers.parity import STEPS, Case, all_cases, assert_matches_single_process, case_id, close, world_runs
@@ -30,6 +31,7 @@ CASES = {
         Case("encoder", 1, True, "selective", ENCODER_B, (), (), 2),
         Case("gpt", 1, True, None, UNTIED, CLIP_ACCUMULATE, (), 2),
         Case("gpt", 1, True, None, GPT4, (), ZB_H1 + (("num_microbatches", 4),), 2, batch=4),  # W's delayed
+        Case("gpt", 1, True, None, GPT4, (), (("num_microbatches", 4),), 2, batch=4),  # its 1F1B twin
         Case("gpt", 1, True, "selective", (), CLIP_ACCUMULATE, ZB_H1, 2),
         Case("encoder", 1, True, "full", ENCODER_A, (), ZB_H1, 2),
     ],
@@ -75,3 +77,17 @@ def test_sequence_parallel_sends_one_tp_th_of_the_bytes_across_stages(runs):
         assert no_sp[kind] == STEPS * m * SEQ * (BATCH // m) * h * 8
         assert sp[kind] * t == no_sp[kind]
         assert sp["activation" if not first_stage else "gradient"] == 0
+
+
+def test_zb_h1_trains_bit_identically_to_1f1b(runs):
+    """The same layout, 1F1B against ZB-H1: the W's accumulate each weight's gradient in the order the B's ran, so
+    every rank's loss and every gradient of every step are equal bit for bit (float64)."""
+    runs2 = runs(2)
+    zb, one_f_one_b = CASES[2][8], CASES[2][9]
+    assert dict(zb.strategy)["schedule"] == "ZB-H1" and "schedule" not in dict(one_f_one_b.strategy)
+    for rank in range(2):
+        a, b = runs2[rank][zb], runs2[rank][one_f_one_b]
+        assert a.losses == b.losses and a.logged == b.logged
+        for step_a, step_b in zip(a.grads, b.grads, strict=True):
+            assert step_a.keys() == step_b.keys()
+            assert [n for n in step_a if not torch.equal(step_a[n], step_b[n])] == []
