@@ -125,7 +125,7 @@ def what_would_fit(records: list[LayoutRecord], inventory: Any, args: argparse.N
         again = plan(model_inventory(args.model, option["seq_len"], option["attention"]), args.gpus, option["seq_len"],
                      args.global_batch, hardware=hardware, precision=args.precision, headroom=args.headroom,
                      calibrate=not args.analytic, optimizer=args.optimizer, context_parallel=args.cp,
-                     cp_comm=args.cp_comm)
+                     cp_comm=args.cp_comm, schedule=args.schedule)
         best = next((r for r in again if r.feasible), None)
         if best is not None:
             lines.append(f"- {flag}: {_layout(best)} fits ({best.bytes['total'] / GB:.1f} GB)")
@@ -165,6 +165,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="the context-parallel sizes to consider (default: every divisor of --gpus)")
     parser.add_argument("--cp-comm", default="ring", choices=["ring", "all_to_all"],
                         help="the context-parallel attention's communication")
+    parser.add_argument("--schedule", default="1F1B", choices=["1F1B", "ZB-H1"],
+                        help="the pipeline schedule of layouts with pp > 1 (1F1B: interleaved where vpp > 1; ZB-H1: "
+                             "the backward split into B and W, vpp 1)")
     parser.add_argument("--headroom", type=float, default=0.8)
     parser.add_argument("--efficiency", type=float, default=0.5, help="fraction of peak FLOP/s reached")
     parser.add_argument("--top", type=_count("--top", 1 << 20), default=10)
@@ -192,7 +195,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     records = plan(inventory, args.gpus, args.seq_len, args.global_batch, hardware=hardware,
                    precision=args.precision, headroom=args.headroom, calibrate=not args.analytic,
                    optimizer=args.optimizer, context_parallel=tuple(args.cp) if args.cp else None,
-                   cp_comm=args.cp_comm, memory_choices=args.memory_choices)
+                   cp_comm=args.cp_comm, memory_choices=args.memory_choices, schedule=args.schedule)
     if args.json:
         json.dump([r.as_dict() for r in records], sys.stdout, indent=1)
         print()
@@ -202,8 +205,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"{args.gpus} × {gpu} ({hardware.memory / GB:g} GB, {args.headroom:g} usable), s={args.seq_len}, "
           f"global batch {args.global_batch} sequences, {args.precision}, {args.optimizer}, {args.attention} attention. Model-state bytes exact; a layer's "
           f"activations {'from Table 2' if args.analytic else 'measured on small copies of it and scaled'}, times "
-          f"the micro-batches in flight; step time: compute at {args.efficiency:g} of peak + collectives + bubble, "
-          f"nothing overlapped.")
+          f"the micro-batches in flight; step time: compute at {args.efficiency:g} of peak + collectives + bubble "
+          f"({args.schedule} where pp > 1), nothing overlapped.")
     print(table(records, hardware, args.top, args.verbose))
     best = next((r for r in records if r.feasible), None)
     if best is None:

@@ -174,6 +174,11 @@ def test_the_command_line_prints_the_table_and_the_json_records(tmp_path, capsys
     records = json.loads(capsys.readouterr().out)
     assert {r["cp"] for r in records} == {1, 2}
     assert {r["cp_comm"] for r in records if r["cp"] == 2} == {"all_to_all"}
+    assert main([str(tmp_path), "--gpus", "8", "--seq-len", "4096", "--global-batch", "32", "--json", "--analytic",
+                 "--cp", "1", "--schedule", "ZB-H1"]) == 0
+    piped = [r for r in json.loads(capsys.readouterr().out) if r["feasible"] and r["pp"] > 1]
+    assert piped and all(r["vpp"] == 1 and r["bubble"] == pytest.approx((r["pp"] - 1) / (3 * r["num_microbatches"]))
+                         for r in piped)
     with pytest.raises(FileNotFoundError, match="neither a config.json"):
         main([str(tmp_path / "missing"), "--gpus", "8", "--seq-len", "4096", "--global-batch", "32"])
 
