@@ -9,12 +9,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 from lightning_seqpar.context_parallel import ContextParallel
 from lightning_seqpar.moe.capacity import DispatchConfig
 from lightning_seqpar.parallel.dims import ParallelDims, check_sizes
 from lightning_seqpar.pipeline_parallel import PipelineConfig
+from lightning_seqpar.pipeline_parallel.schedules import SPLIT_BACKWARD
 
 
 @dataclass(frozen=True)
@@ -170,12 +171,18 @@ class PrecisionConfig:
     kept) in 16 bits, as Megatron does: Table 2's bytes, 16-bit residual additions."""
 
 
-def check_together(checkpointing: CheckpointConfig, data_parallel: DataParallelConfig) -> None:
+def check_together(checkpointing: CheckpointConfig, data_parallel: DataParallelConfig,
+                   pipeline: Optional[PipelineConfig] = None, compiled: Optional[Any] = None) -> None:
     """What one group cannot check alone.
 
     Raises:
-        ValueError: ``zero=1`` with the full checkpoint format.
+        ValueError: ``zero=1`` with the full checkpoint format; a schedule with W actions (ZB-H1) with compiled
+            blocks (``compiled``: a compile configuration): a compiled block's backward is one graph.
     """
     if checkpointing.format == "full" and data_parallel.zero:
         raise ValueError("checkpoint_format='full' gathers the whole optimizer onto every rank and writes from rank 0; "
                          "zero=1 needs checkpoint_format='sharded'.")
+    if compiled is not None and pipeline is not None and pipeline.schedule in SPLIT_BACKWARD:
+        raise ValueError(f"schedule={pipeline.schedule!r} with compile=True: a compiled block's backward runs as one "
+                         f"graph, so its weight gradients cannot be split from it into W actions. Train with "
+                         f"compile=False, or with schedule='1F1B'.")

@@ -36,7 +36,6 @@ from lightning_seqpar.parallel import ParallelMesh, RNGTracker
 from lightning_seqpar.parallel.one_rank import decided_by_one_rank
 from lightning_seqpar.pipeline_parallel import PipelineConfig
 from lightning_seqpar.rewriting import Policy, RewritePlan
-from lightning_seqpar.pipeline_parallel.schedules import SPLIT_BACKWARD
 from lightning_seqpar.transformer.compiling import CompileConfig, compile_config_of
 
 
@@ -128,15 +127,11 @@ class SeqParallelStrategy(ParallelStrategy):
         self.checkpointer = Checkpointer(checkpointing or CheckpointConfig(
             checkpoint_format, async_save, allow_non_finite_checkpoint, allow_unverified_checkpoint), *reads)
         self.data_parallel = data_parallel or DataParallelConfig(zero, fp32_main_params)
-        check_together(self.checkpointer.config, self.data_parallel)
+        check_together(self.checkpointer.config, self.data_parallel, self.parallel.pipeline, compile_config_of(compile))
         check_start_method(start_method)
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
                          checkpoint_io=checkpoint_io or AtomicCheckpointIO(), precision_plugin=precision_plugin)
         self.policies, self.verify_rewrite, self.compile_config = list(policies or ()), verify_rewrite, compile_config_of(compile)
-        if self.compile_config is not None and self.parallel.pipeline.schedule in SPLIT_BACKWARD:
-            raise ValueError(f"schedule={self.parallel.pipeline.schedule!r} with compile=True: a compiled block's backward "
-                             f"runs as one graph, so its weight gradients cannot be split from it into W actions. Train "
-                             f"with compile=False, or with schedule='1F1B'.")
         self._seed, self._start_method, self.process_group_backend = seed, start_method, process_group_backend
         self._timeout, self.precision_config = as_timedelta(timeout), precision_config or PrecisionConfig(low_precision_residual)
         self._mesh: Optional[ParallelMesh] = None
