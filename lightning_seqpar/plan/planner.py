@@ -381,6 +381,8 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
     else:
         attention_backward = context_transient_bytes(inventory, s, b, tp, cp, precision, True, record.cp_comm)
         forward = context_transient_bytes(inventory, s, b, tp, cp, precision, False, record.cp_comm)
+    # a micro-batch past its B (a split backward): what its W reads, the split linears' inputs and output gradients
+    w_held = weight_gradient_bytes(inventory, local, b, tp, True, element) if name in SPLIT_BACKWARD else 0.0
     for rank in range(pp):
         # the gradients are reduced, and ZeRO shards, over the d·c ranks of the data group
         state: StateBytes = state_bytes(inventory, tp, pp, dp * cp, pipeline_rank=rank, vpp=vpp, zero=record.zero,
@@ -398,9 +400,7 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
         for counts, chunk, accumulating, waiting in _backward_moments(name, m, pp, vpp, rank):
             kept = sum(n * (layout.sizes[stages[c]] * per_layer + around
                             + (after if stages[c] == layout.num_stages - 1 else 0.0)) for c, n in enumerate(counts))
-            # past their B: what their W reads (the split linears' inputs and output gradients)
-            kept += sum(n * layout.sizes[stages[c]] * weight_gradient_bytes(inventory, local, b, tp, True, element)
-                        for c, n in enumerate(waiting) if n)
+            kept += sum(n * layout.sizes[stages[c]] * w_held for c, n in enumerate(waiting))
             last = stages[chunk] == layout.num_stages - 1
             # The explicit core attention's backward comes after the head's backward freed the epilogue and, when
             # it is recomputed, after its layer's MLP backward freed that half of the layer's kept bytes (kept

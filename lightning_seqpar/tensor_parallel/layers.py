@@ -327,14 +327,14 @@ class _RowParallelProductFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, store: WeightGradientStore):
-        ctx.store, ctx.weight, ctx.input_dtype = store, weight, x.dtype
+        ctx.store, ctx.weight, ctx.input_dtype = store, weight, x.dtype  # the weight: what W hands its gradient to
         x = autocast_input(x)  # the matmul would cast it: keep the cast, as it would
-        ctx.save_for_backward(x, weight)
+        ctx.save_for_backward(x)
         return F.linear(x, weight)
 
     @staticmethod
     def backward(ctx, grad_output: Tensor):
-        x, weight = ctx.saved_tensors
+        (x,), weight = ctx.saved_tensors, ctx.weight
         compute = grad_output.dtype
         grad_input = grad_output.matmul(weight.to(compute)).to(ctx.input_dtype) if ctx.needs_input_grad[0] else None
         if not ctx.needs_input_grad[1]:
@@ -345,8 +345,7 @@ class _RowParallelProductFunction(torch.autograd.Function):
             return g2d.t().matmul(x.reshape(-1, x.shape[-1]).to(compute)).to(weight.dtype)
 
         if ctx.store.is_deferring:
-            held = ctx.weight
-            ctx.store.defer(lambda: accumulate([held], [weight_gradient()]))
+            ctx.store.defer(lambda: accumulate([weight], [weight_gradient()]))
             return grad_input, None, None
         return grad_input, weight_gradient(), None
 
