@@ -34,6 +34,11 @@ class AutoLayout:
         memory_budget: bytes of one device's memory; ``None``: the CUDA device's total (required on CPU).
         headroom: the fraction of ``memory_budget`` a layout's most loaded rank may fill (Fujii et al.: 0.8).
         micro_batches: micro-batch sizes the pipeline may use (each must divide ``batch_size``).
+        calibration: a file ``python -m lightning_seqpar.plan calibrate --out FILE`` wrote on this kind of machine:
+            layouts are ranked by a step time from its measured rates (``None``: nominal rates, a rough estimate).
+
+    Raises:
+        ValueError: a size below 1, a headroom outside (0, 1], or a calibration file that is missing or damaged.
     """
 
     seq_len: int
@@ -41,12 +46,21 @@ class AutoLayout:
     memory_budget: Optional[float] = None
     headroom: float = 0.8
     micro_batches: tuple[int, ...] = (1, 2, 4)
+    calibration: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.seq_len < 1 or self.batch_size < 1:
             raise ValueError(f"AutoLayout needs seq_len >= 1 and batch_size >= 1, got {self.seq_len}, {self.batch_size}.")
         if not 0 < self.headroom <= 1:
             raise ValueError(f"AutoLayout.headroom={self.headroom}: a fraction of the device memory in (0, 1].")
+        if self.calibration is not None:  # refused here, in the user's script, before any rank starts
+            self.rates()
+
+    def rates(self) -> Any:
+        """The :class:`~lightning_seqpar.plan.StepCalibration` read from ``calibration``, or ``None``."""
+        from lightning_seqpar.plan.calibration import StepCalibration
+
+        return StepCalibration.load(self.calibration) if self.calibration is not None else None
 
 
 def auto_layout_of(layout: Union[None, str, AutoLayout, dict], tp: Any, pp: int, cp: int = 1) -> Optional[AutoLayout]:
@@ -177,7 +191,8 @@ def _describe(record: Any) -> str:
     return (f"tp={record.tp} pp={record.pp} vpp={record.vpp} dp={record.dp}"
             f"{f' ep={record.ep}' if record.ep > 1 else ''} micro_batch={record.micro_batch} "
             f"m={record.num_microbatches} recompute={record.recompute}: {_size(record.bytes['total'])} on stage "
-            f"{record.stage} ({', '.join(f'{k} {_size(v)}' for k, v in record.bytes.items() if k != 'total')})")
+            f"{record.stage} ({', '.join(f'{k} {_size(v)}' for k, v in record.bytes.items() if k != 'total')}), "
+            f"step {record.step_time['total']:.3g} s ({record.timing})")
 
 
 def _size(n: float) -> str:
@@ -195,7 +210,7 @@ def rank_layouts(inventory: Any, world: int, seq_len: int, auto: AutoLayout, mem
     from lightning_seqpar.plan import Hardware, plan
 
     records = plan(inventory, world, seq_len, auto.batch_size, hardware=Hardware(memory=memory,
-                   gpus_per_node=gpus_per_node), precision=precision, headroom=auto.headroom,
+                   gpus_per_node=gpus_per_node, calibration=auto.rates()), precision=precision, headroom=auto.headroom,
                    micro_batches=auto.micro_batches, fits=fits, per_rank_batch=True,
                    context_parallel=(1,))  # AutoLayout refuses cp (above): its data-parallel size is world / (tp·pp)
     return [r for r in records if r.feasible and r.zero == zero and (not recompute or r.recompute in recompute)

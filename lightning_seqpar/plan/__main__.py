@@ -3,6 +3,9 @@ MODEL on N GPUs, ranked (see :mod:`lightning_seqpar.plan.planner`), over tensor,
 parallel sizes; ``--memory-choices``: layouts too large for the GPU tried again with the MLP recomputed and activations
 offloaded to host memory.
 
+``python -m lightning_seqpar.plan calibrate --out FILE`` measures this machine's GEMM, attention and collective rates
+(:mod:`.calibrate`); ``--calibration FILE`` then prices the step time with them instead of nominal rates.
+
 MODEL is a Hugging Face ``config.json``, a directory holding one, or a GPT size of the paper (``gpt-22b``, ``gpt-175b``,
 ``gpt-530b``, ``gpt-1t``). Prints the top feasible layouts with the most loaded rank's bytes by kind, the headroom left,
 FLOPs, bytes per collective kind, the bubble and the predicted step time, then one line per rejection rule with its
@@ -21,6 +24,7 @@ from collections import defaultdict
 from typing import Any, Callable, Optional, Sequence
 
 from lightning_seqpar.checkpoint.hf_export import parse_size
+from lightning_seqpar.plan.calibration import StepCalibration
 from lightning_seqpar.plan.cost import Hardware
 from lightning_seqpar.plan.memory_choices import describe
 from lightning_seqpar.plan.models import load_model_config, model_inventory
@@ -147,6 +151,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         FileNotFoundError: MODEL is no config.json, directory holding one, or GPT size.
         ValueError: a GPU, size or precision it does not know, or a model no built-in layout recognizes.
     """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["calibrate"]:  # the subcommand measuring this machine's rates (:mod:`.calibrate`)
+        from lightning_seqpar.plan.calibrate import main as calibrate
+
+        return calibrate(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m lightning_seqpar.plan", description=__doc__.split("\n\n")[0])
     parser.add_argument("model")
     parser.add_argument("--gpus", type=_count("--gpus", MAX_GPUS), required=True)
@@ -170,6 +179,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                              "the backward split into B and W, vpp 1)")
     parser.add_argument("--headroom", type=float, default=0.8)
     parser.add_argument("--efficiency", type=float, default=0.5, help="fraction of peak FLOP/s reached")
+    parser.add_argument("--calibration", default=None,
+                        help="a file `python -m lightning_seqpar.plan calibrate --out FILE` wrote: the step time from "
+                             "the rates measured there (else a rough estimate from --efficiency and nominal links)")
     parser.add_argument("--top", type=_count("--top", 1 << 20), default=10)
     parser.add_argument("--json", action="store_true", help="every layout considered, as JSON records")
     parser.add_argument("--verbose", action="store_true", help="every rejected layout with its reason")
@@ -188,8 +200,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     memory = float(parse_size(args.gpu_memory)) if args.gpu_memory else None
     if memory is not None and memory <= 0:
         parser.error(f"--gpu-memory {args.gpu_memory}: a positive size, e.g. 80GB.")
+    try:
+        calibration = StepCalibration.load(args.calibration) if args.calibration else None
+    except ValueError as error:
+        parser.error(str(error))
     hardware = Hardware.named(args.gpu or "h100", memory=memory, gpus_per_node=args.gpus_per_node,
-                              efficiency=args.efficiency)
+                              efficiency=args.efficiency, calibration=calibration)
     gpu = args.gpu or ("h100" if memory is None else "GPU (h100's rates: --gpu to set them)")
     inventory = model_inventory(args.model, args.seq_len, args.attention)
     records = plan(inventory, args.gpus, args.seq_len, args.global_batch, hardware=hardware,
@@ -200,13 +216,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         json.dump([r.as_dict() for r in records], sys.stdout, indent=1)
         print()
         return 0
+    timing = (f"compute and collectives at the rates measured in {args.calibration} ({calibration.describe()})"
+              if calibration else f"a rough estimate (compute at {args.efficiency:g} of peak, collectives at nominal "
+                                  f"link rates; measure them: `python -m lightning_seqpar.plan calibrate --out FILE`, "
+                                  f"then --calibration FILE)")
     print(f"{inventory.name}: {inventory.num_parameters / 1e9:.2f} B parameters, L={inventory.num_layers}, "
           f"h={inventory.hidden_size}, a={inventory.num_heads}, kv heads={inventory.num_kv_heads}, v={inventory.vocab_size}; "
           f"{args.gpus} × {gpu} ({hardware.memory / GB:g} GB, {args.headroom:g} usable), s={args.seq_len}, "
           f"global batch {args.global_batch} sequences, {args.precision}, {args.optimizer}, {args.attention} attention. Model-state bytes exact; a layer's "
           f"activations {'from Table 2' if args.analytic else 'measured on small copies of it and scaled'}, times "
-          f"the micro-batches in flight; step time: compute at {args.efficiency:g} of peak + collectives + bubble "
-          f"({args.schedule} where pp > 1), nothing overlapped.")
+          f"the micro-batches in flight; step time: {timing} + bubble ({args.schedule} where pp > 1), nothing "
+          f"overlapped.")
     print(table(records, hardware, args.top, args.verbose))
     best = next((r for r in records if r.feasible), None)
     if best is None:

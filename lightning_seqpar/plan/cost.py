@@ -25,6 +25,9 @@ Source: Korthikanti et al. 2022 (Eq. 7, 8, §4.2.2 volumes), Narayanan et al. 20
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
+
+from lightning_seqpar.plan.calibration import StepCalibration
 
 GPUS = {  # peak dense bf16 FLOP/s, memory (bytes), NVLink per GPU and network per GPU (bytes/s, one direction)
     "h100": (989e12, 80e9, 450e9, 50e9),
@@ -47,6 +50,8 @@ class Hardware:
         host_bandwidth: bytes/s per GPU, one direction, between the GPU and pinned host memory (activation offload;
             25e9: PCIe 4.0 x16 as measured, about half a PCIe 5.0 link's).
         host_memory: bytes of host memory per GPU an offload may fill (250e9: a DGX H100's 2 TB over 8 GPUs).
+        calibration: rates measured on the machine (:mod:`.calibration`) that replace ``efficiency``, ``peak_flops`` and
+            the intra-node bandwidth in :func:`step_times`; ``None``: the step time is a rough estimate.
     """
 
     peak_flops: float = 989e12
@@ -57,6 +62,7 @@ class Hardware:
     efficiency: float = 0.5
     host_bandwidth: float = 25e9
     host_memory: float = 250e9
+    calibration: Optional[StepCalibration] = None
 
     @classmethod
     def named(cls, name: str, **overrides: float) -> "Hardware":
@@ -80,3 +86,55 @@ def ring_bytes(kind: str, payload: float, n: int) -> float:
         return 0.0
     factor = 2 if kind == "all_reduce" else 1
     return factor * (n - 1) / n * payload
+
+
+def attention_flops(shape, batch: int, recompute: str) -> float:
+    """The core attention's share of :func:`~lightning_seqpar.memory.flops.hardware_flops_per_iteration`: QKᵀ and
+    ·V, ``4·B·s²·h`` per layer forward, three times for forward and backward, Eq. 8's ``12·B·s²·h`` more per layer under
+    selective recomputation (as printed), one forward more under full recomputation."""
+    forward = 4 * batch * shape.s ** 2 * shape.h
+    extra = {"selective": 3 * forward, "full": forward}.get(recompute, 0)
+    return shape.L * (3 * forward + extra)
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """One kind of a step's communication on one rank: ``sent`` bytes in ``count`` collectives of ``collective``
+    (:data:`~.calibration.COLLECTIVES`) among ``group`` ranks, across nodes or not."""
+
+    sent: float
+    count: float
+    collective: str
+    group: int
+    inter_node: bool
+
+
+def step_times(hardware: Hardware, flops: float, attention_flops: float, gemm: tuple[float, float, float],
+               local_seq: float, traffic: dict[str, Traffic], bubble: float) -> dict[str, float]:
+    """Seconds per step of one rank, by term (``compute``, one per ``traffic`` kind, ``bubble``), nothing overlapped.
+
+    Without a calibration (``hardware.calibration`` None) the rates are nominal, a rough estimate: compute at
+    ``efficiency × peak_flops``, each transfer at the intra- or inter-node bandwidth. With one (:mod:`.calibration`):
+    the GEMMs (``flops − attention_flops``) at the measured rate of their class (``gemm``: the layer's ``[m, k] × [k,
+    n]`` on this rank), core attention at the measured rate for ``local_seq`` tokens, each kind of traffic as
+    ``count × latency + sent / bandwidth`` of its collective at its group size; traffic across nodes, which one machine
+    cannot measure, keeps the nominal inter-node bandwidth.
+
+    Args:
+        flops, attention_flops: FLOPs this rank executes per step, and the core attention's share of them.
+        bubble: the pipeline's idle time as a fraction of the compute time.
+    """
+    calibration = hardware.calibration
+    if calibration is None:
+        compute = flops / (hardware.efficiency * hardware.peak_flops)
+    else:
+        compute = ((flops - attention_flops) / calibration.gemm_rate(*gemm)
+                   + attention_flops / calibration.attention_rate(local_seq))
+    times = {"compute": compute}
+    for kind, t in traffic.items():
+        if t.inter_node or calibration is None:
+            times[kind] = t.sent / (hardware.inter_node_bandwidth if t.inter_node else hardware.intra_node_bandwidth)
+        else:
+            times[kind] = calibration.link(t.collective, max(t.group, 2)).seconds(t.sent, t.count)
+    times["bubble"] = bubble * compute
+    return times

@@ -21,7 +21,7 @@ from lightning_seqpar.memory.flops import hardware_flops_per_iteration, mlp_forw
 from lightning_seqpar.pipeline_parallel.schedules import (SPLIT_BACKWARD, bubble_fraction, build_schedule,
                                                        resolve_schedule)
 from lightning_seqpar.plan.activations import layer_bytes, outside_layers_bytes, weight_gradient_bytes
-from lightning_seqpar.plan.cost import Hardware, ring_bytes
+from lightning_seqpar.plan.cost import Hardware, Traffic, attention_flops, ring_bytes, step_times
 from lightning_seqpar.plan.inventory import ModelInventory
 from lightning_seqpar.plan.memory_choices import (TRADES, describe, host_traffic, largest_offloaded_share,
                                                   memory_choice_rule, offload_backward_bytes)
@@ -74,6 +74,8 @@ class LayoutRecord:
             attention's ring or all-to-all transfers).
         bubble: the pipeline bubble's fraction of the compute time.
         step_time: predicted seconds per step and its terms.
+        timing: ``measured rates`` when the step time read a calibration (:mod:`.calibration`), else ``rough
+            estimate`` (nominal rates: an assumed fraction of peak FLOP/s and link bandwidths).
         why: for a layout :func:`plan` made by trading (``memory_choices=True``): why it recomputes by module or
             offloads (what the same layout needs without).
         host: with ``offload``: ``moved_per_step`` (bytes one rank copies to the host per step, and back) and ``held``
@@ -110,6 +112,7 @@ class LayoutRecord:
     other: dict[str, int] = field(default_factory=dict)
     host: dict[str, float] = field(default_factory=dict)
     why: Optional[str] = None
+    timing: str = "rough estimate"
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -324,6 +327,18 @@ def all_to_all_bytes(inventory: ModelInventory, record: LayoutRecord, s: int, el
     return layers * passes * pairs * inventory.hidden_size * element
 
 
+def _spans_nodes(gpus_per_node: int, ranks: int) -> bool:
+    return ranks > gpus_per_node
+
+
+def _context_messages(record: LayoutRecord) -> int:
+    """Messages one rank sends per layer and micro-batch in its context-parallel attention: the ring's key/value
+    block to the next rank c − 1 times forward and, backward, the blocks and their gradients; all-to-all: q, k, v and
+    the output forward, their gradients backward. A full recomputation's forward again."""
+    forward, backward = (record.cp - 1, 2 * (record.cp - 1)) if record.cp_comm == "ring" else (4, 4)
+    return forward * (2 if record.recompute == "full" else 1) + backward
+
+
 def _context_bytes(inventory: ModelInventory, record: LayoutRecord, s: int, element: int) -> float:
     """Bytes one rank sends per layer and micro-batch in its context-parallel attention, forward and backward (the
     ring's key/value blocks and their gradients, or the all-to-alls: ``context_parallel.attention.bytes_per_layer``;
@@ -463,23 +478,30 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
         "expert": m * all_to_all_bytes(inventory, record, local, element, held),
         "context": layers_per_rank * m * _context_bytes(inventory, record, s, element),
     }
-    compute = executed / (tp * cp * pp * dp) / (hardware.efficiency * hardware.peak_flops)
     record.bubble = (pp - 1) / (vpp * m) if pp > 1 else 0.0
     if pp > 1 and name in SPLIT_BACKWARD:  # idle over compute, F = B = W (Eq. 7's 2 : 4 split of the FLOPs, halved)
         idle = bubble_fraction(name, m, pp)
         record.bubble = idle / (1 - idle)
-    inter = dp * cp * tp * pp > hardware.gpus_per_node
-    times = {
-        "compute": compute,
-        "tensor": record.collective_bytes["tensor"] / hardware.intra_node_bandwidth,
-        "data": record.collective_bytes["data"] / (hardware.inter_node_bandwidth if inter else hardware.intra_node_bandwidth),
-        "pipeline": record.collective_bytes["pipeline"] / hardware.inter_node_bandwidth,
-        "expert": record.collective_bytes["expert"] / (hardware.inter_node_bandwidth if tp * record.ep > hardware.gpus_per_node
-                                                       else hardware.intra_node_bandwidth),
-        "context": record.collective_bytes["context"] / (hardware.inter_node_bandwidth if tp * cp > hardware.gpus_per_node
-                                                         else hardware.intra_node_bandwidth),
-        "bubble": record.bubble * compute,
+    ranks = tp * cp * pp * dp
+    moe_layers = layers_per_rank if inventory.experts is not None else 0
+    spans = functools.partial(_spans_nodes, hardware.gpus_per_node)
+    collectives_of = {
+        "tensor": (layers_per_rank * m * collectives, "all_gather", tp, False),
+        "data": (1 + (expert_gradients > 0), "all_reduce", dp * cp, spans(ranks)),
+        # (the nominal model prices every stage boundary at the network's rate)
+        "pipeline": (2 * m * vpp, "send_recv", 2, hardware.calibration is None or spans(ranks)),
+        "expert": (moe_layers * m * (6 if record.recompute == "full" else 4), "all_to_all", record.ep, spans(tp * record.ep)),
+        "context": (layers_per_rank * m * _context_messages(record), "all_to_all" if record.cp_comm == "all_to_all"
+                    else "send_recv", cp, spans(tp * cp)),
     }
+    traffic = {kind: Traffic(record.collective_bytes[kind], count if record.collective_bytes[kind] else 0, collective,
+                             group, inter) for kind, (count, collective, group, inter) in collectives_of.items()}
+    attention = attention_flops(shape, global_batch, record.recompute)
+    ffn = inventory.ffn_hidden_size
+    times = step_times(hardware, executed / ranks, attention / ranks,
+                       (local * b, inventory.hidden_size, max(1, ffn // tp)), local, traffic, record.bubble)
+    compute = times["compute"]
+    record.timing = "measured rates" if hardware.calibration is not None else "rough estimate"
     if record.offload:  # the host holds, at most, what the rank with the most layer-micro-batches in flight offloaded
         held = max(sum(n * layout.sizes[layout.stages_of(rank)[c]] for c, n in enumerate(counts))
                    for rank in range(pp) for counts, _, _, _ in _backward_moments(name, m, pp, vpp, rank))

@@ -1,0 +1,189 @@
+"""``python -m lightning_seqpar.plan calibrate --out FILE``: measure this machine's rates for the step-time model and
+write them (:class:`~.calibration.StepCalibration`); ``python -m lightning_seqpar.plan ... --calibration FILE`` reads
+them.
+
+Run it where the training runs: on a GPU node ``torchrun --nproc-per-node 8 -m lightning_seqpar.plan calibrate --out
+FILE`` (NCCL, bfloat16 GEMMs), or on its own, which starts ``--processes`` local processes (default: the GPUs, else 2;
+gloo on CPU, float32). Every rank measures the same things in the same order (NCCL matches collectives by order):
+
+- GEMMs ``[n, n] × [n, n]`` and core attention (``scaled_dot_product_attention``, causal, forward and backward, 8
+  heads of 64) on rank 0, timed after a warm-up (on CUDA with events; no other rank runs meanwhile);
+- each collective (:data:`~.calibration.COLLECTIVES`) over the group of the first n ranks for n = 2, 4, … ≤ world, at
+  three message sizes, through the library's own :class:`~lightning_seqpar.parallel.collectives.ParallelGroup` (the
+  g/ḡ, gradient and dispatch paths the layers run); a message's time is the slowest rank's, and ``time = α + sent/β``
+  is fitted by least squares over the sizes (α ≥ 0).
+
+Raises (CLI): ``--processes`` below 2 or above the GPUs: collectives need two ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from lightning_seqpar.plan.calibration import COLLECTIVES, Link, StepCalibration
+
+SIZES = {  # (GEMM n, attention s, message bytes) per device kind
+    "cpu": ((64, 128, 256), (64, 128, 256), (1 << 12, 1 << 16, 1 << 20)),
+    "cuda": ((1024, 4096, 8192), (1024, 4096, 16384), (1 << 16, 1 << 22, 1 << 26)),
+}
+HEADS, HEAD_DIM = 8, 64
+
+
+def _timer(device: torch.device) -> Callable[[Callable[[], object], int], float]:
+    """``measure(fn, repeats)``: seconds per call of ``fn``, after one warm-up call (CUDA: events, synchronized)."""
+
+    def measure(fn: Callable[[], object], repeats: int) -> float:
+        fn()
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(repeats):
+                fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3 / repeats
+        begin = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        return (time.perf_counter() - begin) / repeats
+
+    return measure
+
+
+def _compute_rates(device: torch.device, dtype: torch.dtype, repeats: int) -> tuple[list, list]:
+    measure = _timer(device)
+    gemm_sizes, attention_sizes, _ = SIZES[device.type]
+    gemm = []
+    for n in gemm_sizes:
+        a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+        gemm.append((n, 2 * n ** 3 / measure(lambda: a @ b, repeats)))
+    attention = []
+    for s in attention_sizes:
+        q, k, v = (torch.randn(1, HEADS, s, HEAD_DIM, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+        grad = torch.randn(1, HEADS, s, HEAD_DIM, device=device, dtype=dtype)
+
+        def step() -> None:
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            out.backward(grad)
+
+        attention.append((s, 12 * s * s * HEADS * HEAD_DIM / measure(step, repeats)))
+    return gemm, attention
+
+
+def _fit(points: list[tuple[float, float]]) -> Link:
+    """Least squares ``time = α + sent/β`` over ``(sent, seconds)``; α clipped at 0 (then β from the slope through
+    the origin)."""
+    n = len(points)
+    mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
+    slope = sum((x - mx) * (y - my) for x, y in points) / max(sum((x - mx) ** 2 for x, _ in points), 1e-30)
+    alpha = my - slope * mx
+    if alpha < 0 or slope <= 0:
+        alpha, slope = 0.0, sum(x * y for x, y in points) / sum(x * x for x, _ in points)
+    return Link(alpha, 1 / max(slope, 1e-30))
+
+
+def _sent(kind: str, payload: int, n: int) -> float:
+    """Bytes each rank sends: ``payload`` is the gathered / reduced / exchanged tensor (ring convention)."""
+    return {"all_reduce": 2 * (n - 1) / n, "send_recv": 1.0}.get(kind, (n - 1) / n) * payload
+
+
+def measure_rates(rank: int, world: int, repeats: int = 3) -> Optional[StepCalibration]:
+    """Measure on every rank of the default process group (already initialized); rank 0 returns the calibration,
+    the others ``None``. Every rank makes the same collective calls in the same order."""
+    from lightning_seqpar.parallel.collectives import ParallelGroup
+
+    cuda = dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    element = torch.finfo(dtype).bits // 8
+    gemm, attention = _compute_rates(device, dtype, repeats) if rank == 0 else ([], [])
+    dist.barrier()
+    measure = _timer(device)
+    links = []
+    sizes = [n for n in (2 ** i for i in range(1, world.bit_length())) if n <= world]
+    for n in sizes:
+        handle = dist.new_group(list(range(n)))  # every rank creates every group, in the same order
+        group = ParallelGroup(handle) if rank < n else None
+        for kind in COLLECTIVES:
+            if kind == "send_recv" and n != 2:
+                continue
+            points = []
+            for payload in SIZES[device.type][2]:
+                seconds = torch.zeros((), device=device, dtype=torch.float64)
+                if group is not None:
+                    numel = payload // element // n * n
+                    x = torch.randn(numel, device=device, dtype=dtype)
+                    call = {"all_gather": lambda: group.all_gather(x[: numel // n]),
+                            "reduce_scatter": lambda: group.reduce_scatter(x),
+                            "all_reduce": lambda: group.all_reduce(x.clone()),
+                            "all_to_all": lambda: group.all_to_all(x),
+                            "send_recv": lambda: (dist.send(x, 1, group=handle) if rank == 0
+                                                  else dist.recv(x, 0, group=handle))}[kind]
+                    dist.barrier(group=handle)
+                    seconds += measure(call, repeats)
+                dist.all_reduce(seconds, op=dist.ReduceOp.MAX)  # the slowest rank's time
+                points.append((_sent(kind, payload, n), float(seconds)))
+            links.append((kind, n, _fit(points)))
+        dist.barrier()
+    if rank != 0:
+        return None
+    name = torch.cuda.get_device_name(device) if cuda else "cpu"
+    return StepCalibration(name, dist.get_backend(), world, tuple(gemm), tuple(attention), tuple(links))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _local_rank(rank: int, world: int, port: int, out: str, repeats: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    _run(rank, world, out, repeats)
+
+
+def _run(rank: int, world: int, out: str, repeats: int) -> None:
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
+    try:
+        calibration = measure_rates(rank, world, repeats)
+        if calibration is not None:
+            calibration.save(out)
+            print(f"calibrated {calibration.describe()}: wrote {out}")
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m lightning_seqpar.plan calibrate",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True, help="the calibration file to write (JSON)")
+    parser.add_argument("--processes", type=int, default=None,
+                        help="local processes to start when not launched by torchrun (default: the GPUs, else 2)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed calls per measurement, after a warm-up")
+    args = parser.parse_args(argv)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    if "WORLD_SIZE" in os.environ:  # torchrun: this process is one rank
+        _run(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args.out, args.repeats)
+        return 0
+    gpus = torch.cuda.device_count()
+    processes = args.processes or (gpus if gpus else 2)
+    if processes < 2 or (gpus and processes > gpus) or args.repeats < 1:
+        parser.error(f"--processes {processes} (and --repeats {args.repeats}): collectives need 2 or more processes"
+                     f"{f', at most the {gpus} GPUs' if gpus else ''}, and at least one repeat.")
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_local_rank, args=(processes, _free_port(), args.out, args.repeats), nprocs=processes,
+                       start_method="spawn")
+    return 0

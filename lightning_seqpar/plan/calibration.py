@@ -1,0 +1,142 @@
+"""Measured rates of one machine, which the step-time model (:func:`~.cost.step_times`) reads in place of nominal
+ones: ``python -m lightning_seqpar.plan calibrate --out FILE`` writes them (:mod:`.calibrate`), ``--calibration FILE``
+reads them.
+
+- GEMM throughput by shape class: FLOP/s of an ``n × n`` by ``n × n`` product (``2n³`` FLOPs) at several n; a layout's
+  GEMMs are classed by the geometric mean of their three sizes (``s·b/c`` tokens, ``h``, ``f/t``) and the rate
+  interpolated log-linearly between the two nearest classes (the end classes beyond).
+- Core attention: FLOP/s of one forward and backward of causal attention (``12·b·s²·h`` FLOPs, Eq. 7's attention
+  share) at several local sequence lengths s.
+- Each collective by group size: latency α (s) and bandwidth β (bytes/s) fitted to ``time = α + sent/β``, ``sent``
+  the bytes each rank sends (:func:`~.cost.ring_bytes`' convention), over messages of several sizes.
+
+A file is JSON (``format`` 1); a damaged or edited one is refused naming the file and the field.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Union
+
+FORMAT = 1
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send_recv")
+"""The collectives measured: the tensor-parallel g/ḡ pair, data-parallel gradient reduction, expert dispatch and
+all-to-all context parallelism, pipeline and ring-attention transfers."""
+
+
+@dataclass(frozen=True)
+class Link:
+    """One collective at one group size: ``time = latency + sent / bandwidth`` (seconds; bytes/s, ``sent`` the bytes
+    each rank sends)."""
+
+    latency: float
+    bandwidth: float
+
+    def seconds(self, sent: float, count: float) -> float:
+        """Seconds of ``count`` collectives sending ``sent`` bytes per rank in all."""
+        return count * self.latency + sent / self.bandwidth if count else 0.0
+
+
+@dataclass(frozen=True)
+class StepCalibration:
+    """The rates measured on one machine.
+
+    Attributes:
+        device: what measured them (e.g. ``cpu``, ``NVIDIA H100 80GB HBM3``). backend: ``gloo`` or ``nccl``.
+        world: the processes that took part (the largest group size measured).
+        gemm: ``(n, FLOP/s)`` per GEMM class, ascending n.
+        attention: ``(s, FLOP/s)`` per local sequence length, ascending s.
+        collectives: ``(kind, group size, Link)``, kind one of :data:`COLLECTIVES`.
+    """
+
+    device: str
+    backend: str
+    world: int
+    gemm: tuple[tuple[int, float], ...]
+    attention: tuple[tuple[int, float], ...]
+    collectives: tuple[tuple[str, int, Link], ...]
+
+    def gemm_rate(self, m: float, k: float, n: float) -> float:
+        """FLOP/s of an ``[m, k] × [k, n]`` GEMM (its class: ``(m·k·n)^(1/3)``)."""
+        return _interpolate(self.gemm, (m * k * n) ** (1 / 3))
+
+    def attention_rate(self, s: float) -> float:
+        """FLOP/s of core attention over a local sequence of ``s`` tokens."""
+        return _interpolate(self.attention, s)
+
+    def link(self, kind: str, n: int) -> Link:
+        """The rates of ``kind`` among ``n`` ranks: those measured at ``n``, else at the nearest measured size (below
+        ``n`` when larger groups were not measured: a ring's per-rank bandwidth barely changes with its size)."""
+        sizes = sorted(size for k, size, _ in self.collectives if k == kind)
+        near = min(sizes, key=lambda size: (abs(math.log(size / n)), -size))
+        return next(link for k, size, link in self.collectives if k == kind and size == near)
+
+    def describe(self) -> str:
+        return f"{self.device}, {self.backend}, {self.world} processes"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": FORMAT, "device": self.device, "backend": self.backend, "world": self.world,
+                "gemm": [list(r) for r in self.gemm], "attention": [list(r) for r in self.attention],
+                "collectives": [[k, n, link.latency, link.bandwidth] for k, n, link in self.collectives]}
+
+    def save(self, path: Union[str, Path]) -> None:
+        """Write the file (whole or not at all: a temporary file renamed over it)."""
+        path = Path(path)
+        partial = path.with_name(f".{path.name}.partial")
+        partial.write_text(json.dumps(self.to_json(), indent=1))
+        partial.replace(path)
+
+    @classmethod
+    def load(cls, path: Union[str, Path]) -> "StepCalibration":
+        """Read a file :meth:`save` wrote.
+
+        Raises:
+            ValueError: not JSON, another format, or a field missing, non-positive or of another kind; the message
+                names the file and the field, and says to run ``calibrate`` again.
+        """
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as error:
+            raise ValueError(f"{path}: not a calibration file ({error}). Write one with `python -m "
+                             f"lightning_seqpar.plan calibrate --out {path}`.") from None
+        try:
+            return cls._parse(data)
+        except (KeyError, TypeError, ValueError) as error:
+            raise ValueError(f"{path}: a damaged or edited calibration file ({error}). Write it again with `python -m "
+                             f"lightning_seqpar.plan calibrate --out {path}`.") from None
+
+    @classmethod
+    def _parse(cls, data: dict) -> "StepCalibration":
+        if data["format"] != FORMAT:
+            raise ValueError(f"format {data['format']!r}, this version reads {FORMAT}")
+        rates = {}
+        for field in ("gemm", "attention"):
+            rows = tuple((int(size), float(rate)) for size, rate in data[field])
+            if not rows or any(size < 1 or not rate > 0 for size, rate in rows):
+                raise ValueError(f"{field!r} needs (size >= 1, FLOP/s > 0) rows, got {data[field]!r}")
+            rates[field] = tuple(sorted(rows))
+        links = []
+        for kind, n, latency, bandwidth in data["collectives"]:
+            if kind not in COLLECTIVES or int(n) < 2 or float(latency) < 0 or not float(bandwidth) > 0:
+                raise ValueError(f"'collectives' row {[kind, n, latency, bandwidth]!r}: a kind of {COLLECTIVES}, "
+                                 f"n >= 2, latency >= 0, bandwidth > 0")
+            links.append((kind, int(n), Link(float(latency), float(bandwidth))))
+        missing = [kind for kind in COLLECTIVES if not any(k == kind for k, _, _ in links)]
+        if missing:
+            raise ValueError(f"'collectives' has no rows for {missing}")
+        return cls(str(data["device"]), str(data["backend"]), int(data["world"]), rates["gemm"], rates["attention"],
+                   tuple(links))
+
+
+def _interpolate(rows: tuple[tuple[int, float], ...], x: float) -> float:
+    """``rows``' rate at ``x``, log-linear between the neighbouring sizes, the end rates beyond them."""
+    if x <= rows[0][0]:
+        return rows[0][1]
+    for (x0, r0), (x1, r1) in zip(rows, rows[1:]):
+        if x <= x1:
+            w = math.log(x / x0) / math.log(x1 / x0)
+            return math.exp((1 - w) * math.log(r0) + w * math.log(r1))
+    return rows[-1][1]

@@ -1,0 +1,135 @@
+"""The step-time model reads measured rates (``--calibration FILE``): the file round-trips and a damaged one is
+refused by name; each term is priced exactly as documented; a deliberately wrong calibration changes the ranking (the
+time model is used, not decorative); without one the planner says its time is a rough estimate."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from lightning_seqpar.memory.activations import TransformerShape
+from lightning_seqpar.memory.flops import hardware_flops_per_iteration
+from lightning_seqpar.plan import Hardware, plan
+from lightning_seqpar.plan.__main__ import main
+from lightning_seqpar.plan.calibrate import _fit
+from lightning_seqpar.plan.calibration import COLLECTIVES, Link, StepCalibration
+from lightning_seqpar.plan.cost import Traffic, attention_flops, step_times
+from lightning_seqpar.plan.models import model_inventory
+
+S = 2048
+
+
+def calibration(slow_tensor: float = 1.0, **changes) -> StepCalibration:
+    """A synthetic H100-like node: GEMMs 400 → 700 TFLOP/s, attention 300 TFLOP/s, links 10 µs and 200 GB/s;
+    ``slow_tensor`` divides the tensor-parallel all-gather's bandwidth."""
+    links = tuple((kind, n, Link(1e-5, 2e11 / (slow_tensor if kind == "all_gather" else 1)))
+                  for kind in COLLECTIVES for n in ((2,) if kind == "send_recv" else (2, 4, 8)))
+    values = dict(device="synthetic", backend="nccl", world=8, gemm=((1024, 4e14), (8192, 7e14)),
+                  attention=((1024, 3e14), (16384, 3e14)), collectives=links)
+    return StepCalibration(**{**values, **changes})
+
+
+def test_a_calibration_file_round_trips_and_a_damaged_one_is_refused_naming_the_file(tmp_path):
+    path = tmp_path / "rates.json"
+    calibration().save(path)
+    assert StepCalibration.load(path) == calibration()
+    good = json.loads(path.read_text())
+    damaged = {
+        "not json": "{",
+        "a kind missing": json.dumps({**good, "collectives": [r for r in good["collectives"] if r[0] != "all_to_all"]}),
+        "a negative bandwidth": json.dumps({**good, "collectives": [["all_gather", 2, 1e-5, -1.0]]
+                                            + good["collectives"]}),
+        "another format": json.dumps({**good, "format": 2}),
+        "no GEMM rates": json.dumps({**good, "gemm": []}),
+        "a field missing": json.dumps({k: v for k, v in good.items() if k != "attention"}),
+    }
+    for what, text in damaged.items():
+        path.write_text(text)
+        with pytest.raises(ValueError) as error:
+            StepCalibration.load(path)
+        assert str(path) in str(error.value) and "lightning_seqpar.plan calibrate --out" in str(error.value), what
+
+
+def test_rates_are_interpolated_log_linearly_between_classes_and_held_beyond_them():
+    c = calibration()
+    assert c.gemm_rate(1024, 1024, 1024) == pytest.approx(4e14)
+    assert c.gemm_rate(64, 64, 64) == 4e14 and c.gemm_rate(1 << 16, 1 << 16, 1 << 16) == 7e14
+    middle = math.sqrt(1024 * 8192)  # halfway in log(n): the geometric mean of the rates
+    assert c.gemm_rate(middle, middle, middle) == pytest.approx(math.sqrt(4e14 * 7e14))
+    assert c.link("all_reduce", 8) == Link(1e-5, 2e11)
+    assert c.link("send_recv", 8) == Link(1e-5, 2e11)  # the nearest size measured (2)
+
+
+def test_a_link_fit_recovers_latency_and_bandwidth():
+    points = [(x, 3e-5 + x / 5e9) for x in (4096, 65536, 1 << 20)]
+    link = _fit(points)
+    assert link.latency == pytest.approx(3e-5) and link.bandwidth == pytest.approx(5e9)
+    assert _fit([(x, x / 1e9 - 1e-6) for x in (1e3, 1e6)]).latency == 0.0  # a negative intercept: through the origin
+
+
+def test_each_term_is_priced_as_documented():
+    hardware = Hardware(calibration=calibration())
+    traffic = {"tensor": Traffic(1e9, 100, "all_gather", 4, False), "data": Traffic(2e9, 1, "all_reduce", 16, True)}
+    times = step_times(hardware, 1e15, 2e14, (4096, 4096, 4096), 4096, traffic, bubble=0.25)
+    compute = 8e14 / calibration().gemm_rate(4096, 4096, 4096) + 2e14 / 3e14
+    assert times["compute"] == pytest.approx(compute)
+    assert times["tensor"] == pytest.approx(100 * 1e-5 + 1e9 / 2e11)
+    assert times["data"] == pytest.approx(2e9 / hardware.inter_node_bandwidth)  # across nodes: not measurable here
+    assert times["bubble"] == pytest.approx(0.25 * compute)
+    rough = step_times(Hardware(), 1e15, 2e14, (4096, 4096, 4096), 4096, traffic, bubble=0.0)
+    assert rough["compute"] == pytest.approx(1e15 / (0.5 * 989e12))
+    assert rough["tensor"] == pytest.approx(1e9 / 450e9)
+
+
+def test_attention_flops_are_the_core_attention_share_of_eq_8():
+    shape = TransformerShape(s=4096, b=1, h=4096, a=32, L=2, v=32000)
+    # Eq. 8 as printed: selective adds exactly the 12·B·L·s²·h the attention term names
+    extra = (hardware_flops_per_iteration(shape, 2, "selective") - hardware_flops_per_iteration(shape, 2, "none"))
+    assert attention_flops(shape, 2, "selective") - attention_flops(shape, 2, "none") == extra
+    assert attention_flops(shape, 2, "none") == 2 * 12 * 2 * 4096 ** 2 * 4096
+    assert attention_flops(shape, 2, "full") == attention_flops(shape, 2, "none") * 4 / 3  # one more forward
+
+
+def test_a_wrong_calibration_changes_the_ranking_and_the_rough_estimate_says_so():
+    inventory = model_inventory("gpt-22b", S, "eager")
+    kwargs = dict(calibrate=False, context_parallel=(1,), micro_batches=(1,))
+    rough = plan(inventory, 16, S, 16, **kwargs)
+    measured = plan(inventory, 16, S, 16, hardware=Hardware(calibration=calibration()), **kwargs)
+    slow = plan(inventory, 16, S, 16, hardware=Hardware(calibration=calibration(slow_tensor=1000)), **kwargs)
+    assert rough[0].timing == "rough estimate" and measured[0].timing == slow[0].timing == "measured rates"
+    assert measured[0].tp > 1  # fast links: tensor parallelism pays
+    assert slow[0].tp < measured[0].tp, (slow[0].tp, measured[0].tp)  # a 1000× slower g/ḡ moves the best layout
+    same = next(r for r in slow if (r.tp, r.pp, r.vpp, r.dp, r.zero, r.recompute) ==
+                (measured[0].tp, measured[0].pp, measured[0].vpp, measured[0].dp, measured[0].zero,
+                 measured[0].recompute))
+    assert same.step_time["tensor"] > 100 * measured[0].step_time["tensor"]
+    assert same.step_time["compute"] == measured[0].step_time["compute"]
+
+
+def test_the_command_line_reads_a_calibration_or_says_its_time_is_rough(tmp_path, capsys):
+    path = tmp_path / "rates.json"
+    calibration().save(path)
+    args = ["gpt-22b", "--gpus", "16", "--seq-len", str(S), "--global-batch", "16", "--analytic", "--cp", "1",
+            "--top", "1"]
+    main([*args, "--calibration", str(path)])
+    assert f"at the rates measured in {path} (synthetic, nccl, 8 processes)" in capsys.readouterr().out
+    main(args)
+    assert "a rough estimate (compute at 0.5 of peak" in capsys.readouterr().out
+    path.write_text("{}")
+    with pytest.raises(SystemExit):
+        main([*args, "--calibration", str(path)])
+    assert "a damaged or edited calibration file" in capsys.readouterr().err
+
+
+def test_auto_layout_reads_a_calibration_and_refuses_a_damaged_one_when_constructed(tmp_path):
+    from lightning_seqpar.lightning.auto_layout import AutoLayout
+
+    path = tmp_path / "rates.json"
+    calibration(slow_tensor=1000).save(path)
+    assert AutoLayout(S, 1, calibration=str(path)).rates() == calibration(slow_tensor=1000)
+    assert AutoLayout(S, 1).rates() is None
+    path.write_text("[")
+    with pytest.raises(ValueError, match="not a calibration file"):
+        AutoLayout(S, 1, calibration=str(path))
