@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Optional
 
 from lightning_seqpar.memory.activations import TransformerShape
 from lightning_seqpar.memory.flops import hardware_flops_per_iteration, mlp_forward_flops, model_flops_per_iteration
+from lightning_seqpar.optim.grad_buckets import DEFAULT_BUCKET_BYTES
 from lightning_seqpar.pipeline_parallel.schedules import (SPLIT_BACKWARD, bubble_fraction, build_schedule,
                                                        resolve_schedule)
 from lightning_seqpar.plan.activations import layer_bytes, outside_layers_bytes, weight_gradient_bytes
@@ -487,7 +489,9 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
     spans = functools.partial(_spans_nodes, hardware.gpus_per_node)
     collectives_of = {
         "tensor": (layers_per_rank * m * collectives, "all_gather", tp, False),
-        "data": (1 + (expert_gradients > 0), "all_reduce", dp * cp, spans(ranks)),
+        # one all-reduce per gradient bucket (dense and expert buckets apart)
+        "data": (math.ceil(gradient_bytes / DEFAULT_BUCKET_BYTES) + math.ceil(expert_gradients / DEFAULT_BUCKET_BYTES),
+                 "all_reduce", dp * cp, spans(ranks)),
         # (the nominal model prices every stage boundary at the network's rate)
         "pipeline": (2 * m * vpp, "send_recv", 2, hardware.calibration is None or spans(ranks)),
         "expert": (moe_layers * m * (6 if record.recompute == "full" else 4), "all_to_all", record.ep, spans(tp * record.ep)),

@@ -133,3 +133,18 @@ def test_auto_layout_reads_a_calibration_and_refuses_a_damaged_one_when_construc
     path.write_text("[")
     with pytest.raises(ValueError, match="not a calibration file"):
         AutoLayout(S, 1, calibration=str(path))
+
+
+def test_the_gradient_reduction_pays_one_latency_per_bucket():
+    from lightning_seqpar.optim.grad_buckets import DEFAULT_BUCKET_BYTES
+
+    inventory = model_inventory("gpt-22b", S, "eager")
+    hardware = Hardware(calibration=calibration(), gpus_per_node=16)  # one node: the measured all-reduce applies
+    records = plan(inventory, 16, S, 16, hardware=hardware, calibrate=False, context_parallel=(1,),
+                   micro_batches=(1,))
+    record = next(r for r in records if r.feasible and r.dp > 1)
+    d = record.dp
+    gradients = record.collective_bytes["data"] * d / (2 * (d - 1))  # the float32 gradients each rank reduces
+    buckets = math.ceil(gradients / DEFAULT_BUCKET_BYTES)
+    assert buckets > 1
+    assert record.step_time["data"] == pytest.approx(buckets * 1e-5 + record.collective_bytes["data"] / 2e11)
