@@ -6,7 +6,7 @@ Run it where the training runs: on a GPU node ``torchrun --nproc-per-node 8 -m l
 FILE`` (NCCL, bfloat16 GEMMs), or on its own, which starts ``--processes`` local processes (default: the GPUs, else 2;
 gloo on CPU, float32). Every rank measures the same things in the same order (NCCL matches collectives by order):
 
-- GEMMs ``[n, n] × [n, n]`` and core attention (``scaled_dot_product_attention``, causal, forward and backward, 8
+- GEMMs ``[n, n] × [n, n]``, an AdamW step (multi-tensor, float32) and core attention (``scaled_dot_product_attention``, causal, forward and backward, 8
   heads of 64) on rank 0, timed after a warm-up (on CUDA with events; no other rank runs meanwhile);
 - each collective (:data:`~.calibration.COLLECTIVES`) over the group of the first n ranks for n = 2, 4, … ≤ world, at
   three message sizes, through the library's own :class:`~lightning_seqpar.parallel.collectives.ParallelGroup` (the
@@ -30,9 +30,9 @@ import torch.distributed as dist
 
 from lightning_seqpar.plan.calibration import COLLECTIVES, Link, StepCalibration
 
-SIZES = {  # (GEMM n, attention s, message bytes) per device kind
-    "cpu": ((64, 128, 256), (64, 128, 256), (1 << 12, 1 << 16, 1 << 20)),
-    "cuda": ((1024, 4096, 8192), (1024, 4096, 16384), (1 << 16, 1 << 22, 1 << 26)),
+SIZES = {  # (GEMM n, attention s, message bytes, optimizer elements) per device kind
+    "cpu": ((64, 128, 256), (64, 128, 256), (1 << 12, 1 << 16, 1 << 20), 1 << 20),
+    "cuda": ((1024, 4096, 8192), (1024, 4096, 16384), (1 << 16, 1 << 22, 1 << 26), 1 << 26),
 }
 HEADS, HEAD_DIM = 8, 64
 
@@ -58,9 +58,19 @@ def _timer(device: torch.device) -> Callable[[Callable[[], object], int], float]
     return measure
 
 
+def _optimizer_rate(device: torch.device, repeats: int) -> float:
+    """Elements per second of ``torch.optim.AdamW(foreach=True)`` over 8 float32 tensors."""
+    elements = SIZES[device.type][3]
+    params = [torch.zeros(elements // 8, device=device, requires_grad=True) for _ in range(8)]
+    for param in params:
+        param.grad = torch.randn_like(param)
+    optimizer = torch.optim.AdamW(params, lr=1e-3, foreach=True)
+    return elements / _timer(device)(optimizer.step, repeats)
+
+
 def _compute_rates(device: torch.device, dtype: torch.dtype, repeats: int) -> tuple[list, list]:
     measure = _timer(device)
-    gemm_sizes, attention_sizes, _ = SIZES[device.type]
+    gemm_sizes, attention_sizes = SIZES[device.type][:2]
     gemm = []
     for n in gemm_sizes:
         a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
@@ -105,6 +115,7 @@ def measure_rates(rank: int, world: int, repeats: int = 3) -> Optional[StepCalib
     dtype = torch.bfloat16 if cuda else torch.float32
     element = torch.finfo(dtype).bits // 8
     gemm, attention = _compute_rates(device, dtype, repeats) if rank == 0 else ([], [])
+    optimizer = _optimizer_rate(device, repeats) if rank == 0 else 0.0
     dist.barrier()
     measure = _timer(device)
     links = []
@@ -136,7 +147,7 @@ def measure_rates(rank: int, world: int, repeats: int = 3) -> Optional[StepCalib
     if rank != 0:
         return None
     name = torch.cuda.get_device_name(device) if cuda else "cpu"
-    return StepCalibration(name, dist.get_backend(), world, tuple(gemm), tuple(attention), tuple(links))
+    return StepCalibration(name, dist.get_backend(), world, tuple(gemm), tuple(attention), tuple(links), optimizer)
 
 
 def _free_port() -> int:

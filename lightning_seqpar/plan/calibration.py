@@ -7,6 +7,8 @@ reads them.
   interpolated log-linearly between the two nearest classes (the end classes beyond).
 - Core attention: FLOP/s of one forward and backward of causal attention (``12·b·s²·h`` FLOPs, Eq. 7's attention
   share) at several local sequence lengths s.
+- The optimizer step: parameter elements per second of a multi-tensor AdamW step (float32 state, as the strategy's
+  optimizers keep it).
 - Each collective by group size: latency α (s) and bandwidth β (bytes/s) fitted to ``time = α + sent/β``, ``sent``
   the bytes each rank sends (:func:`~.cost.ring_bytes`' convention), over messages of several sizes.
 
@@ -50,6 +52,7 @@ class StepCalibration:
         gemm: ``(n, FLOP/s)`` per GEMM class, ascending n.
         attention: ``(s, FLOP/s)`` per local sequence length, ascending s.
         collectives: ``(kind, group size, Link)``, kind one of :data:`COLLECTIVES`.
+        optimizer: parameter elements per second one rank's AdamW step updates.
     """
 
     device: str
@@ -58,6 +61,7 @@ class StepCalibration:
     gemm: tuple[tuple[int, float], ...]
     attention: tuple[tuple[int, float], ...]
     collectives: tuple[tuple[str, int, Link], ...]
+    optimizer: float
 
     def gemm_rate(self, m: float, k: float, n: float) -> float:
         """FLOP/s of an ``[m, k] × [k, n]`` GEMM (its class: ``(m·k·n)^(1/3)``)."""
@@ -80,7 +84,8 @@ class StepCalibration:
     def to_json(self) -> dict[str, Any]:
         return {"format": FORMAT, "device": self.device, "backend": self.backend, "world": self.world,
                 "gemm": [list(r) for r in self.gemm], "attention": [list(r) for r in self.attention],
-                "collectives": [[k, n, link.latency, link.bandwidth] for k, n, link in self.collectives]}
+                "collectives": [[k, n, link.latency, link.bandwidth] for k, n, link in self.collectives],
+                "optimizer": self.optimizer}
 
     def save(self, path: Union[str, Path]) -> None:
         """Write the file (whole or not at all: a temporary file renamed over it)."""
@@ -127,8 +132,11 @@ class StepCalibration:
         missing = [kind for kind in COLLECTIVES if not any(k == kind for k, _, _ in links)]
         if missing:
             raise ValueError(f"'collectives' has no rows for {missing}")
+        optimizer = float(data["optimizer"])
+        if not optimizer > 0:
+            raise ValueError(f"'optimizer' needs elements/s > 0, got {data['optimizer']!r}")
         return cls(str(data["device"]), str(data["backend"]), int(data["world"]), rates["gemm"], rates["attention"],
-                   tuple(links))
+                   tuple(links), optimizer)
 
 
 def _interpolate(rows: tuple[tuple[int, float], ...], x: float) -> float:

@@ -110,7 +110,8 @@ class Traffic:
 
 
 def step_times(hardware: Hardware, flops: float, attention_flops: float, gemm: tuple[float, float, float],
-               local_seq: float, traffic: dict[str, Traffic], bubble: float) -> dict[str, float]:
+               local_seq: float, traffic: dict[str, Traffic], bubble: float,
+               optimizer_elements: float = 0.0) -> dict[str, float]:
     """Seconds per step of one rank, by term (``compute``, one per ``traffic`` kind, ``bubble``), nothing overlapped.
 
     Without a calibration (``hardware.calibration`` None) the rates are nominal, a rough estimate: compute at
@@ -118,7 +119,9 @@ def step_times(hardware: Hardware, flops: float, attention_flops: float, gemm: t
     the GEMMs (``flops − attention_flops``) at the measured rate of their class (``gemm``: the layer's ``[m, k] × [k,
     n]`` on this rank), core attention at the measured rate for ``local_seq`` tokens, each kind of traffic as
     ``count × latency + sent / bandwidth`` of its collective at its group size; traffic across nodes, which one machine
-    cannot measure, keeps the nominal inter-node bandwidth.
+    cannot measure, keeps the nominal inter-node bandwidth; and ``optimizer``: the optimizer step over
+    ``optimizer_elements`` (the parameter elements this rank updates) at the measured rate (the nominal model has no
+    such term).
 
     Args:
         flops, attention_flops: FLOPs this rank executes per step, and the core attention's share of them.
@@ -137,4 +140,6 @@ def step_times(hardware: Hardware, flops: float, attention_flops: float, gemm: t
         else:
             times[kind] = calibration.link(t.collective, max(t.group, 2)).seconds(t.sent, t.count)
     times["bubble"] = bubble * compute
+    if calibration is not None:
+        times["optimizer"] = optimizer_elements / calibration.optimizer
     return times

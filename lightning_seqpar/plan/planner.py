@@ -502,8 +502,14 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
                              group, inter) for kind, (count, collective, group, inter) in collectives_of.items()}
     attention = attention_flops(shape, global_batch, record.recompute)
     ffn = inventory.ffn_hidden_size
+    # the elements this rank's optimizer updates: its trainable shards, a 1/(d·c) range of them under zero 1
+    dense, experts = ((sum(e.local_numel(tp, record.ep) for e in held if e.trainable and (e.split == "expert") == x)
+                      for x in (False, True)))
+    if record.zero:
+        dense, experts = dense / (dp * cp), experts / max(1, tp * dp * cp // record.ep)
     times = step_times(hardware, executed / ranks, attention / ranks,
-                       (local * b, inventory.hidden_size, max(1, ffn // tp)), local, traffic, record.bubble)
+                       (local * b, inventory.hidden_size, max(1, ffn // tp)), local, traffic, record.bubble,
+                       optimizer_elements=dense + experts)
     compute = times["compute"]
     record.timing = "measured rates" if hardware.calibration is not None else "rough estimate"
     if record.offload:  # the host holds, at most, what the rank with the most layer-micro-batches in flight offloaded

@@ -17,13 +17,14 @@ def test_calibrate_writes_measured_rates_the_planner_reads(tmp_path, capsys):
     rates = StepCalibration.load(path)
     assert (rates.device, rates.backend, rates.world) == ("cpu", "gloo", 4)
     assert [n for n, _ in rates.gemm] == [64, 128, 256] and all(rate > 0 for _, rate in rates.gemm + rates.attention)
+    assert rates.optimizer > 0
     measured = {(kind, n) for kind, n, _ in rates.collectives}
     assert measured == {(kind, n) for kind in COLLECTIVES for n in ((2,) if kind == "send_recv" else (2, 4))}
     assert all(link.bandwidth > 0 and link.latency >= 0 for _, _, link in rates.collectives)
     inventory = model_inventory("gpt-22b", 2048, "eager")
     best = plan(inventory, 8, 2048, 8, hardware=Hardware(calibration=rates), calibrate=False,
                 context_parallel=(1,), micro_batches=(1,))[0]
-    assert best.timing == "measured rates" and best.step_time["total"] > 0
+    assert best.timing == "measured rates" and best.step_time["total"] > best.step_time["optimizer"] > 0
     assert main(["gpt-22b", "--gpus", "8", "--seq-len", "2048", "--global-batch", "8", "--analytic", "--cp", "1",
                  "--top", "1", "--calibration", str(path)]) == 0
     assert "(cpu, gloo, 4 processes)" in capsys.readouterr().out

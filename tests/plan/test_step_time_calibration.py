@@ -17,17 +17,19 @@ from lightning_seqpar.plan.calibrate import _fit
 from lightning_seqpar.plan.calibration import COLLECTIVES, Link, StepCalibration
 from lightning_seqpar.plan.cost import Traffic, attention_flops, step_times
 from lightning_seqpar.plan.models import model_inventory
+from lightning_seqpar.plan.state import PARAMETER_BYTES
 
 S = 2048
 
 
 def calibration(slow_tensor: float = 1.0, **changes) -> StepCalibration:
-    """A synthetic H100-like node: GEMMs 400 → 700 TFLOP/s, attention 300 TFLOP/s, links 10 µs and 200 GB/s;
+    """A synthetic H100-like node: GEMMs 400 → 700 TFLOP/s, attention 300 TFLOP/s, links 10 µs and 200 GB/s, an
+    AdamW step over 10¹⁰ elements/s;
     ``slow_tensor`` divides the tensor-parallel all-gather's bandwidth."""
     links = tuple((kind, n, Link(1e-5, 2e11 / (slow_tensor if kind == "all_gather" else 1)))
                   for kind in COLLECTIVES for n in ((2,) if kind == "send_recv" else (2, 4, 8)))
     values = dict(device="synthetic", backend="nccl", world=8, gemm=((1024, 4e14), (8192, 7e14)),
-                  attention=((1024, 3e14), (16384, 3e14)), collectives=links)
+                  attention=((1024, 3e14), (16384, 3e14)), collectives=links, optimizer=1e10)
     return StepCalibration(**{**values, **changes})
 
 
@@ -44,6 +46,8 @@ def test_a_calibration_file_round_trips_and_a_damaged_one_is_refused_naming_the_
         "another format": json.dumps({**good, "format": 2}),
         "no GEMM rates": json.dumps({**good, "gemm": []}),
         "a field missing": json.dumps({k: v for k, v in good.items() if k != "attention"}),
+        "no optimizer rate": json.dumps({k: v for k, v in good.items() if k != "optimizer"}),
+        "a zero optimizer rate": json.dumps({**good, "optimizer": 0}),
     }
     for what, text in damaged.items():
         path.write_text(text)
@@ -72,7 +76,8 @@ def test_a_link_fit_recovers_latency_and_bandwidth():
 def test_each_term_is_priced_as_documented():
     hardware = Hardware(calibration=calibration())
     traffic = {"tensor": Traffic(1e9, 100, "all_gather", 4, False), "data": Traffic(2e9, 1, "all_reduce", 16, True)}
-    times = step_times(hardware, 1e15, 2e14, (4096, 4096, 4096), 4096, traffic, bubble=0.25)
+    times = step_times(hardware, 1e15, 2e14, (4096, 4096, 4096), 4096, traffic, bubble=0.25, optimizer_elements=3e9)
+    assert times["optimizer"] == pytest.approx(3e9 / 1e10)
     compute = 8e14 / calibration().gemm_rate(4096, 4096, 4096) + 2e14 / 3e14
     assert times["compute"] == pytest.approx(compute)
     assert times["tensor"] == pytest.approx(100 * 1e-5 + 1e9 / 2e11)
@@ -80,7 +85,7 @@ def test_each_term_is_priced_as_documented():
     assert times["bubble"] == pytest.approx(0.25 * compute)
     rough = step_times(Hardware(), 1e15, 2e14, (4096, 4096, 4096), 4096, traffic, bubble=0.0)
     assert rough["compute"] == pytest.approx(1e15 / (0.5 * 989e12))
-    assert rough["tensor"] == pytest.approx(1e9 / 450e9)
+    assert rough["tensor"] == pytest.approx(1e9 / 450e9) and "optimizer" not in rough
 
 
 def test_attention_flops_are_the_core_attention_share_of_eq_8():
@@ -148,3 +153,15 @@ def test_the_gradient_reduction_pays_one_latency_per_bucket():
     buckets = math.ceil(gradients / DEFAULT_BUCKET_BYTES)
     assert buckets > 1
     assert record.step_time["data"] == pytest.approx(buckets * 1e-5 + record.collective_bytes["data"] / 2e11)
+
+
+def test_the_optimizer_step_is_priced_over_the_elements_each_rank_updates():
+    inventory = model_inventory("gpt-22b", S, "eager")
+    hardware = Hardware(calibration=calibration(), gpus_per_node=16)
+    records = plan(inventory, 16, S, 16, hardware=hardware, calibrate=False, context_parallel=(1,),
+                   micro_batches=(1,))
+    for zero in (0, 1):
+        record = next(r for r in records if r.feasible and r.dp > 1 and r.zero == zero and r.pp == 1)
+        elements = record.bytes["parameters"] / PARAMETER_BYTES["bf16-mixed"]  # the parameter elements held
+        updated = elements / (record.dp if zero else 1)
+        assert record.step_time["optimizer"] == pytest.approx(updated / 1e10), zero
