@@ -99,12 +99,13 @@ def attention_flops(shape, batch: int, recompute: str) -> float:
 
 @dataclass(frozen=True)
 class Traffic:
-    """One kind of a step's communication on one rank: ``sent`` bytes in ``count`` collectives of ``collective``
-    (:data:`~.calibration.COLLECTIVES`) among ``group`` ranks, across nodes or not."""
+    """One kind of a step's communication on one rank: ``sent`` bytes in ``count`` collectives among ``group`` ranks,
+    across nodes or not, shared equally between the ``collectives`` named (:data:`~.calibration.COLLECTIVES`; the
+    tensor-parallel g/ḡ: as many all-gathers as reduce-scatters)."""
 
     sent: float
     count: float
-    collective: str
+    collectives: tuple[str, ...]
     group: int
     inter_node: bool
 
@@ -138,7 +139,9 @@ def step_times(hardware: Hardware, flops: float, attention_flops: float, gemm: t
         if t.inter_node or calibration is None:
             times[kind] = t.sent / (hardware.inter_node_bandwidth if t.inter_node else hardware.intra_node_bandwidth)
         else:
-            times[kind] = calibration.link(t.collective, max(t.group, 2)).seconds(t.sent, t.count)
+            share = len(t.collectives)
+            times[kind] = sum(calibration.link(name, max(t.group, 2)).seconds(t.sent / share, t.count / share)
+                              for name in t.collectives)
     times["bubble"] = bubble * compute
     if calibration is not None:
         times["optimizer"] = optimizer_elements / calibration.optimizer

@@ -488,15 +488,15 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
     moe_layers = layers_per_rank if inventory.experts is not None else 0
     spans = functools.partial(_spans_nodes, hardware.gpus_per_node)
     collectives_of = {
-        "tensor": (layers_per_rank * m * collectives, "all_gather", tp, False),
+        "tensor": (layers_per_rank * m * collectives, ("all_gather", "reduce_scatter"), tp, False),
         # one all-reduce per gradient bucket (dense and expert buckets apart)
         "data": (math.ceil(gradient_bytes / DEFAULT_BUCKET_BYTES) + math.ceil(expert_gradients / DEFAULT_BUCKET_BYTES),
-                 "all_reduce", dp * cp, spans(ranks)),
+                 ("all_reduce",), dp * cp, spans(ranks)),
         # (the nominal model prices every stage boundary at the network's rate)
-        "pipeline": (2 * m * vpp, "send_recv", 2, hardware.calibration is None or spans(ranks)),
-        "expert": (moe_layers * m * (6 if record.recompute == "full" else 4), "all_to_all", record.ep, spans(tp * record.ep)),
-        "context": (layers_per_rank * m * _context_messages(record), "all_to_all" if record.cp_comm == "all_to_all"
-                    else "send_recv", cp, spans(tp * cp)),
+        "pipeline": (2 * m * vpp, ("send_recv",), 2, hardware.calibration is None or spans(ranks)),
+        "expert": (moe_layers * m * (6 if record.recompute == "full" else 4), ("all_to_all",), record.ep, spans(tp * record.ep)),
+        "context": (layers_per_rank * m * _context_messages(record), ("all_to_all",) if record.cp_comm == "all_to_all"
+                    else ("send_recv",), cp, spans(tp * cp)),
     }
     traffic = {kind: Traffic(record.collective_bytes[kind], count if record.collective_bytes[kind] else 0, collective,
                              group, inter) for kind, (count, collective, group, inter) in collectives_of.items()}

@@ -74,13 +74,15 @@ def test_a_link_fit_recovers_latency_and_bandwidth():
 
 
 def test_each_term_is_priced_as_documented():
-    hardware = Hardware(calibration=calibration())
-    traffic = {"tensor": Traffic(1e9, 100, "all_gather", 4, False), "data": Traffic(2e9, 1, "all_reduce", 16, True)}
+    slow_gather = calibration(slow_tensor=2)  # all-gathers at 100 GB/s, reduce-scatters at 200 GB/s
+    hardware = Hardware(calibration=slow_gather)
+    traffic = {"tensor": Traffic(1e9, 100, ("all_gather", "reduce_scatter"), 4, False),
+               "data": Traffic(2e9, 1, ("all_reduce",), 16, True)}
     times = step_times(hardware, 1e15, 2e14, (4096, 4096, 4096), 4096, traffic, bubble=0.25, optimizer_elements=3e9)
     assert times["optimizer"] == pytest.approx(3e9 / 1e10)
     compute = 8e14 / calibration().gemm_rate(4096, 4096, 4096) + 2e14 / 3e14
     assert times["compute"] == pytest.approx(compute)
-    assert times["tensor"] == pytest.approx(100 * 1e-5 + 1e9 / 2e11)
+    assert times["tensor"] == pytest.approx(100 * 1e-5 + 0.5e9 / 1e11 + 0.5e9 / 2e11)  # half the bytes each way
     assert times["data"] == pytest.approx(2e9 / hardware.inter_node_bandwidth)  # across nodes: not measurable here
     assert times["bubble"] == pytest.approx(0.25 * compute)
     rough = step_times(Hardware(), 1e15, 2e14, (4096, 4096, 4096), 4096, traffic, bubble=0.0)
