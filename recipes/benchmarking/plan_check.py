@@ -1,0 +1,161 @@
+"""The planner's step time against measurement, on the machine at hand.
+
+One group of processes:
+1. measures this machine's rates (:func:`lightning_seqpar.plan.calibrate.measure_rates`);
+2. on rank 0, ranks every layout of a small Llama on those processes with that calibration
+   (:func:`lightning_seqpar.plan.plan`). It keeps the layouts the Trainer below can run (no context or expert
+   parallelism) and takes the ``top`` best and ``lower`` more, evenly spaced down the ranking;
+3. trains each one with ``SeqParallelStrategy`` for ``steps`` optimizer steps. Its measured time is the median over the
+   steps after ``warmup``, slowest rank.
+
+Each row has the layout, its planned rank, the predicted and measured seconds per step, and their ratio.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from recipes.benchmarking.processes import run_in_process_group, run_on_processes
+
+
+@dataclass(frozen=True)
+class CheckRow:
+    """One layout: the planner's rank (1 = best) among the runnable layouts, predicted and measured s per step."""
+
+    layout: str
+    planned_rank: int
+    predicted_s: float
+    measured_s: float
+    timing: str
+
+
+def _llama(cfg: dict[str, Any]):
+    import transformers
+
+    return transformers.LlamaConfig(
+        attn_implementation="eager", vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden"],
+        intermediate_size=cfg["ffn"], num_hidden_layers=cfg["layers"], num_attention_heads=cfg["heads"],
+        num_key_value_heads=cfg["heads"], max_position_embeddings=cfg["s"], pad_token_id=None, bos_token_id=None,
+        eos_token_id=None)
+
+
+def _chosen(cfg: dict[str, Any], world: int, calibration: Any) -> list[tuple[int, Any]]:
+    """``(planned rank, record)`` of the layouts to run: the top ones and ``lower`` more spread down the ranking."""
+    import transformers
+
+    from lightning_seqpar.plan import Hardware, inventory_of_hf_model, plan
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(_llama(cfg))
+    records = plan(inventory_of_hf_model(model), world, cfg["s"], cfg["global_batch"],
+                   hardware=Hardware(memory=1e12, calibration=calibration), precision=cfg["precision"],
+                   calibrate=False, context_parallel=(1,), micro_batches=tuple(cfg["micro_batches"]))
+    runnable = [r for r in records if r.feasible and r.ep == 1 and r.vpp == 1 and r.zero == 0]
+    top, lower = cfg["top"], cfg["lower"]
+    rest = runnable[top:]
+    picks = list(range(min(top, len(runnable))))
+    if rest and lower:
+        step = max(1, len(rest) // lower)
+        picks += [top + i for i in range(step - 1, len(rest), step)][:lower]
+    return [(i + 1, runnable[i]) for i in picks]
+
+
+def _describe(r: Any) -> str:
+    return (f"tp {r.tp} pp {r.pp} dp {r.dp} mbs {r.micro_batch}"
+            f"{f' m {r.num_microbatches}' if r.pp > 1 else ''} {r.recompute}")
+
+
+def _measure(record: Any, cfg: dict[str, Any], world: int, device: torch.device) -> float:
+    import lightning.pytorch as pl
+    import transformers
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_seqpar import SelectiveRecompute, SeqParallelStrategy
+
+    class LM(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.model = transformers.AutoModelForCausalLM.from_config(_llama(cfg))
+
+        def training_step(self, batch, batch_idx):
+            return self.model(input_ids=batch[0], labels=batch[0]).loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-4, foreach=True)
+
+    class Clock(pl.Callback):
+        def __init__(self) -> None:
+            self.starts: list[float] = []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            self.starts.append(time.perf_counter())
+
+    dp = record.dp
+    per_rank = cfg["global_batch"] // dp
+    pipelined = record.pp > 1
+    accumulate = 1 if pipelined else per_rank // record.micro_batch
+    clock = Clock()
+    callbacks: list = [clock]
+    if record.recompute != "none":
+        callbacks.append(SelectiveRecompute(granularity=record.recompute))
+    steps = cfg["warmup"] + cfg["steps"] + 1  # one more: the last step's start ends the one before
+    strategy = SeqParallelStrategy(tp=record.tp, pp=record.pp,
+                                   **(dict(num_microbatches=record.num_microbatches) if pipelined else {}))
+    trainer = pl.Trainer(accelerator=device.type, devices=world, precision=cfg["precision"], max_steps=steps,
+                         strategy=strategy, accumulate_grad_batches=accumulate, callbacks=callbacks, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         limit_val_batches=0, num_sanity_val_steps=0, use_distributed_sampler=False)
+    tokens = torch.randint(0, cfg["vocab_size"], (steps * per_rank, cfg["s"]),
+                           generator=torch.Generator().manual_seed(dist.get_rank()))
+    trainer.fit(LM(), DataLoader(TensorDataset(tokens), batch_size=per_rank if pipelined else record.micro_batch))
+    starts = clock.starts[::accumulate]  # one start per optimizer step
+    seconds = [b - a for a, b in zip(starts, starts[1:])][cfg["warmup"]:]
+    slowest = torch.tensor(statistics.median(seconds), dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return float(slowest)
+
+
+def check(rank: int, world: int, cfg: dict[str, Any], device: torch.device) -> list[CheckRow]:
+    """Steps 1–3 on this rank of an initialized process group; every rank returns the rows."""
+    from lightning_seqpar.plan.calibrate import measure_rates
+
+    shared = [measure_rates(rank, world, cfg["repeats"])]
+    dist.broadcast_object_list(shared, src=0)
+    chosen = [_chosen(cfg, world, shared[0]) if rank == 0 else None]
+    dist.broadcast_object_list(chosen, src=0)
+    rows = []
+    for planned, record in chosen[0]:
+        measured = _measure(record, cfg, world, device)
+        rows.append(CheckRow(_describe(record), planned, record.step_time["total"], measured, record.timing))
+    return rows
+
+
+def _worker(local_rank: int, what: int, port: int, cfg: dict[str, Any], out_dir: str) -> None:
+    import os
+    import pickle
+    from pathlib import Path
+
+    # Lightning reads the launch from the environment; without it the Trainer would launch processes of its own
+    os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(what),
+                      LOCAL_WORLD_SIZE=str(what))
+
+    def body(device: torch.device) -> None:
+        rows = check(local_rank, what, cfg, device)
+        if local_rank == 0:
+            (Path(out_dir) / "result.pkl").write_bytes(pickle.dumps(rows))
+
+    run_in_process_group(local_rank, what, port, body)
+
+
+def run_plan_check(cfg: dict[str, Any]) -> list[CheckRow]:
+    """The rows of ``cfg["processes"]`` new processes (gloo on CPU; NCCL where there is a GPU per process)."""
+    return run_on_processes(_worker, cfg["processes"], cfg["processes"], cfg)

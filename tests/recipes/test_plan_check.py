@@ -1,0 +1,33 @@
+"""``recipes/plan_check.py``: after measuring the machine's rates, the planner's best layouts and a lower-ranked one
+of a small Llama train on 2 gloo processes, each with its predicted (calibrated) and measured seconds per step."""
+
+import pytest
+import torch
+
+from recipes.benchmarking.plan_check import CheckRow, check
+from tests.helpers.distributed import run_distributed
+
+pytestmark = pytest.mark.distributed  # starts processes: outside the fast lane
+
+CFG = dict(vocab_size=64, hidden=32, ffn=64, heads=4, layers=2, s=32, global_batch=4, micro_batches=[1, 2],
+           precision="32-true", top=2, lower=1, warmup=1, steps=2, repeats=1)
+
+
+def test_the_best_and_a_lower_ranked_layout_are_predicted_from_measured_rates_and_timed():
+    ranks = run_distributed(check, 2, CFG, torch.device("cpu"))
+    assert ranks[0] == ranks[1]  # every rank returns the same rows (the slowest rank's time)
+    rows = ranks[0]
+    assert [r.planned_rank for r in rows][:2] == [1, 2] and len(rows) == 3 and rows[2].planned_rank > 2
+    assert len({r.layout for r in rows}) == 3
+    for row in rows:
+        assert row.timing == "measured rates"
+        assert row.predicted_s > 0 and row.measured_s > 0
+    predicted = [r.predicted_s for r in rows]
+    assert predicted == sorted(predicted)  # the planner's order
+
+
+def test_the_table_ranks_the_measured_times():
+    from recipes.plan_check import rows
+
+    body = rows([CheckRow("a", 1, 1.0, 2.0, "measured rates"), CheckRow("b", 2, 1.5, 1.0, "measured rates")])
+    assert [(r[0], r[4], r[5]) for r in body] == [("a", "0.50", "2"), ("b", "1.50", "1")]
