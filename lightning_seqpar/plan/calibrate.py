@@ -177,6 +177,14 @@ def _run(rank: int, world: int, out: str, repeats: int) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python -m lightning_seqpar.plan calibrate --out FILE [--processes N] [--repeats K]``: measure (see the module
+    docstring) on this process's torchrun group, or on N local processes it starts, and write FILE (JSON,
+    :class:`~.calibration.StepCalibration`); returns 0.
+
+    Raises:
+        SystemExit: (argparse) ``--processes`` below 2 or above the GPUs, or ``--repeats`` below 1, before any process
+            starts.
+    """
     parser = argparse.ArgumentParser(prog="python -m lightning_seqpar.plan calibrate",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="the calibration file to write (JSON)")
