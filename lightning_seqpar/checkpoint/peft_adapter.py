@@ -20,6 +20,10 @@ import torch.nn as nn
 from lightning_seqpar.checkpoint.atomic import file_digest
 from lightning_seqpar.checkpoint.destination import EXPORT_MARKER
 from lightning_seqpar.checkpoint.peft_export import ADAPTER_FILE, CONFIG_FILE
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The projections LoRA adapts unless told otherwise: every projection of a Llama-layout block (QLoRA's choice, Dettmers
+et al. 2023; the fine-tuning module's and the planner's default)."""
+
 _LORA_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<part>[AB])(?:\.[^.]+)?\.weight$")
 
 

@@ -1,17 +1,19 @@
 """``SeqParallelStrategy(layout=AutoLayout(...))``: the planner's best layout, chosen before the process groups exist.
 
-From the model (built on the meta device where it is not built yet, through its ``configure_model``), the world size
+From the model (built on the meta device where it is not built yet, through its ``configure_model``; a Hugging Face
+causal LM, or a model whose ``config`` declares ``planned_config()``, as the reference GPT does), the world size
 and each device's memory (CUDA's total, or ``memory_budget``), :func:`choose_layout` asks
-:func:`lightning_seqpar.plan.plan` for every layout of tensor, pipeline (with virtual stages) and data parallelism,
-micro-batch and recomputation whose most loaded rank fits in ``headroom`` of that memory, and gives the strategy the
-best ranked one before anything is allocated on a device: ``tp``, ``pp``, the schedule's micro-batches and virtual
-stages, the expert-parallel size of a mixture of experts (the one given, ``ep=e``, or the planner's choice when left
-at 1), and the recomputation (a :class:`~lightning_seqpar.SelectiveRecompute` callback, unless the run has one: its
+:func:`lightning_seqpar.plan.plan` for every layout of tensor, context (ring or all-to-all, ``cp_comm``), pipeline
+(with virtual stages) and data parallelism, micro-batch and recomputation whose most loaded rank fits in ``headroom``
+of that memory, and gives the strategy the best ranked one before anything is allocated on a device: ``tp``, ``cp``,
+``pp``, the schedule's micro-batches and virtual stages, the expert-parallel size of a mixture of experts (the one
+given, ``ep=e``, or the planner's choice when left at 1), and the recomputation (a :class:`~lightning_seqpar.SelectiveRecompute` callback, unless the run has one: its
 granularity then bounds the search). The choice and the runner-up are logged with their predicted bytes. When
 nothing fits it refuses, naming the smallest world size and the longest sequence (halved until it fits) that would.
 
-The loader's batch is per data-parallel rank (Lightning's convention): ``batch_size`` here. The data-parallel size
-follows from the choice (``world / (tp·pp)``), so the global batch is ``batch_size × dp``.
+The loader's batch is per data-parallel rank (Lightning's convention; context-parallel peers read the same batch):
+``batch_size`` here. The data-parallel size follows from the choice (``world / (tp·cp·pp)``), so the global batch is
+``batch_size × dp``.
 """
 
 from __future__ import annotations
@@ -36,9 +38,15 @@ class AutoLayout:
         micro_batches: micro-batch sizes the pipeline may use (each must divide ``batch_size``).
         calibration: a file ``python -m lightning_seqpar.plan calibrate --out FILE`` wrote on this kind of machine:
             layouts are ranked by a step time from its measured rates (``None``: nominal rates, a rough estimate).
+        context_parallel: the context-parallel sizes c to consider (``None``: every divisor of the world; ``(1,)``:
+            none). Each rank of ``cp = c`` holds ``s/c`` tokens; ``s`` must be a multiple of ``2·c·t`` (the planner
+            rejects the others, naming the rule).
+        cp_comm: the context-parallel attention's communication, ``"ring"`` or ``"all_to_all"`` (heads divided by
+            ``c·t``).
 
     Raises:
-        ValueError: a size below 1, a headroom outside (0, 1], or a calibration file that is missing or damaged.
+        ValueError: a size below 1, a headroom outside (0, 1], a context-parallel size below 1, an unknown
+            ``cp_comm``, or a calibration file that is missing or damaged.
     """
 
     seq_len: int
@@ -47,12 +55,20 @@ class AutoLayout:
     headroom: float = 0.8
     micro_batches: tuple[int, ...] = (1, 2, 4)
     calibration: Optional[str] = None
+    context_parallel: Optional[tuple[int, ...]] = None
+    cp_comm: str = "ring"
 
     def __post_init__(self) -> None:
         if self.seq_len < 1 or self.batch_size < 1:
             raise ValueError(f"AutoLayout needs seq_len >= 1 and batch_size >= 1, got {self.seq_len}, {self.batch_size}.")
         if not 0 < self.headroom <= 1:
             raise ValueError(f"AutoLayout.headroom={self.headroom}: a fraction of the device memory in (0, 1].")
+        if self.context_parallel is not None and (not self.context_parallel or any(
+                isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in self.context_parallel)):
+            raise ValueError(f"AutoLayout.context_parallel={self.context_parallel!r}: positive sizes, e.g. (1, 2, 4), "
+                             f"or None for every divisor of the world.")
+        if self.cp_comm not in ("ring", "all_to_all"):
+            raise ValueError(f"AutoLayout.cp_comm={self.cp_comm!r}: 'ring' or 'all_to_all'.")
         if self.calibration is not None:  # refused here, in the user's script, before any rank starts
             self.rates()
 
@@ -81,14 +97,15 @@ def auto_layout_of(layout: Union[None, str, AutoLayout, dict], tp: Any, pp: int,
                          "process groups exist: pass layout=AutoLayout(seq_len=S, batch_size=B) (B: the train loader's "
                          "batch size, per data-parallel rank); recipe: strategy=auto.")
     if isinstance(layout, dict):
-        layout = AutoLayout(**{k: tuple(v) if k == "micro_batches" else v for k, v in layout.items()})
+        layout = AutoLayout(**{k: tuple(v) if k in ("micro_batches", "context_parallel") and v is not None else v
+                               for k, v in layout.items()})
     if not isinstance(layout, AutoLayout):
         raise ValueError(f"layout={layout!r}: None (tp and pp as given) or AutoLayout(seq_len=..., batch_size=...).")
     if tp != 1 or pp != 1:
         raise ValueError(f"layout=AutoLayout(...) chooses tp and pp; got tp={tp}, pp={pp} as well: leave them out.")
     if cp != 1:
-        raise ValueError(f"layout=AutoLayout(...) plans without context parallelism; got cp={cp}. Give tp, pp and cp "
-                         f"yourself (python -m lightning_seqpar.plan helps), or leave cp out.")
+        raise ValueError(f"layout=AutoLayout(...) chooses cp; got cp={cp} as well: leave it out, or bound the search "
+                         f"with AutoLayout(..., context_parallel=({cp},)).")
     return layout
 
 
@@ -109,6 +126,37 @@ def hf_model_in(module: torch.nn.Module) -> Optional[torch.nn.Module]:
         if hasattr(getattr(candidate, "config", None), "model_type") and hasattr(candidate, "get_input_embeddings"):
             return candidate
     return None
+
+
+def declared_plan_config(module: torch.nn.Module) -> Optional[dict]:
+    """The Hugging Face config dict a model inside ``module`` declares it is planned as: its ``config``'s
+    ``planned_config()`` (the reference GPT's: GPT-2 of its sizes, :meth:`~lightning_seqpar.models.GPTConfig.planned_config`),
+    or ``None``.
+
+    Raises:
+        ValueError: from ``planned_config()``, a model that cannot be planned as declared (naming why).
+    """
+    for candidate in module.modules():
+        declare = getattr(getattr(candidate, "config", None), "planned_config", None)
+        if callable(declare):
+            return declare()
+    return None
+
+
+def planned_model(module: torch.nn.Module) -> Optional[torch.nn.Module]:
+    """The model the planner prices for ``module``: its Hugging Face causal LM, else the one its model declares
+    (:func:`declared_plan_config`) built on the meta device; ``None``: neither.
+
+    Raises:
+        ValueError: as :func:`declared_plan_config`.
+    """
+    from lightning_seqpar.plan.models import meta_model
+
+    model = hf_model_in(module)
+    if model is not None:
+        return model
+    config = declared_plan_config(module)
+    return meta_model(config) if config is not None else None
 
 
 def _memory(auto: AutoLayout, device: torch.device) -> float:
@@ -154,21 +202,23 @@ def choose_layout(auto: AutoLayout, module: Any, trainer: Any, parallel: Any, *,
             ``configure_model`` is built under it, on the meta device).
 
     Raises:
-        ValueError: a model that is not a Hugging Face causal LM, a device memory to read that cannot be read, or
+        ValueError: a model the planner does not know (neither a Hugging Face causal LM nor one declaring
+            ``planned_config()``) or refuses, a device memory to read that cannot be read, or
             no layout that fits (naming the smallest world and the longest sequence that would).
     """
     from lightning_seqpar.lightning.callbacks.selective_recompute import SelectiveRecompute
     from lightning_seqpar.pipeline_parallel import PipelineConfig
     from lightning_seqpar.plan import inventory_of_hf_model
 
-    model = hf_model_in(module)
+    model = planned_model(module)
     if model is None and callable(getattr(module, "configure_model", None)):
         with sharded_context():  # Lightning's contract: configure_model is idempotent
             module.configure_model()
-        model = hf_model_in(module)
+        model = planned_model(module)
     if model is None:
-        raise ValueError(f"layout=AutoLayout(...) plans Hugging Face causal LMs; {type(module).__name__} holds none. "
-                         f"Give tp and pp (python -m lightning_seqpar.plan helps choose them).")
+        raise ValueError(f"layout=AutoLayout(...) plans Hugging Face causal LMs and models whose config declares "
+                         f"planned_config() (the reference GPT); {type(module).__name__} holds neither. Give tp and pp "
+                         f"(python -m lightning_seqpar.plan helps choose them).")
     existing = [c for c in trainer.callbacks if isinstance(c, SelectiveRecompute)]
     kinds = frozenset({c.granularity for c in existing} & {"none", "selective", "full"})
     memory = _memory(auto, device)
@@ -180,15 +230,18 @@ def choose_layout(auto: AutoLayout, module: Any, trainer: Any, parallel: Any, *,
         raise ValueError(_nothing_fits(inventory, world, auto, memory, options))
     best = ranked[0]
     runner_up = ranked[1] if len(ranked) > 1 else None
-    rank_zero_info(f"layout=auto chose {_describe(best)}; runner-up: {_describe(runner_up) if runner_up else 'none'}")
-    chosen = replace(parallel, tp=best.tp, ep=best.ep, pipeline=PipelineConfig.build(
+    rank_zero_info(f"layout=auto chose {_describe(best)}: the fastest predicted step of the {len(ranked)} layouts that "
+                   f"fit {auto.headroom:g} × {_size(memory)} per device; runner-up: "
+                   f"{_describe(runner_up) if runner_up else 'none'}")
+    chosen = replace(parallel, tp=best.tp, cp=best.cp, cp_comm=best.cp_comm, ep=best.ep, pipeline=PipelineConfig.build(
         best.pp, best.num_microbatches if best.pp > 1 else None, "interleaved_1F1B" if best.vpp > 1 else "1F1B",
         best.vpp, None))
     return LayoutChoice(best, chosen, best.recompute if not existing and best.recompute != "none" else None)
 
 
 def _describe(record: Any) -> str:
-    return (f"tp={record.tp} pp={record.pp} vpp={record.vpp} dp={record.dp}"
+    return (f"tp={record.tp}{f' cp={record.cp} ({record.cp_comm})' if record.cp > 1 else ''} pp={record.pp} "
+            f"vpp={record.vpp} dp={record.dp}"
             f"{f' ep={record.ep}' if record.ep > 1 else ''} micro_batch={record.micro_batch} "
             f"m={record.num_microbatches} recompute={record.recompute}: {_size(record.bytes['total'])} on stage "
             f"{record.stage} ({', '.join(f'{k} {_size(v)}' for k, v in record.bytes.items() if k != 'total')}), "
@@ -204,7 +257,8 @@ def rank_layouts(inventory: Any, world: int, seq_len: int, auto: AutoLayout, mem
                  zero: int = 0, recompute: frozenset = frozenset(), gpus_per_node: int = 8,
                  fits: Optional[dict] = None, ep: Optional[int] = None) -> list[Any]:
     """The feasible layouts ``layout=auto`` chooses from, best first (:func:`lightning_seqpar.plan.plan`'s records):
-    the loader's ``auto.batch_size`` per data-parallel rank (a global batch of ``batch_size × dp``), micro-batches
+    the context-parallel sizes and communication of ``auto``, the loader's ``auto.batch_size`` per data-parallel rank
+    (a global batch of ``batch_size × dp``), micro-batches
     splitting it under a pipeline (the whole batch without one), ``zero`` as given, the recomputation among
     ``recompute`` (any when empty), the expert-parallel size ``ep`` (any when ``None``)."""
     from lightning_seqpar.plan import Hardware, plan
@@ -212,7 +266,7 @@ def rank_layouts(inventory: Any, world: int, seq_len: int, auto: AutoLayout, mem
     records = plan(inventory, world, seq_len, auto.batch_size, hardware=Hardware(memory=memory,
                    gpus_per_node=gpus_per_node, calibration=auto.rates()), precision=precision, headroom=auto.headroom,
                    micro_batches=auto.micro_batches, fits=fits, per_rank_batch=True,
-                   context_parallel=(1,))  # AutoLayout refuses cp (above): its data-parallel size is world / (tp·pp)
+                   context_parallel=auto.context_parallel, cp_comm=auto.cp_comm)
     return [r for r in records if r.feasible and r.zero == zero and (not recompute or r.recompute in recompute)
             and (ep is None or r.ep == ep) and (r.pp > 1 or r.micro_batch == auto.batch_size)]  # no pipeline: the loader's whole batch
 

@@ -11,7 +11,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from lightning_seqpar.checkpoint.peft_adapter import check_adapter_directory, check_lora_targets
+from lightning_seqpar.checkpoint.peft_adapter import LORA_TARGETS, check_adapter_directory, check_lora_targets
 from lightning_seqpar.hf.layouts import freeze_routers
 from lightning_seqpar.hf.vocabulary import CausalLMLoss
 from lightning_seqpar.hf.models import build_causal_lm, pretrained_state_dict
@@ -20,8 +20,7 @@ from lightning_seqpar.models.dpo import PreferenceLoss, refuse_unsupported
 from lightning_seqpar.models.hf_module import HFCausalLMModule
 
 OBJECTIVES = ("sft", "dpo")
-LORA_DEFAULTS = {"r": 16, "alpha": 32, "dropout": 0.0,
-                 "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
+LORA_DEFAULTS = {"r": 16, "alpha": 32, "dropout": 0.0, "target_modules": list(LORA_TARGETS)}
 
 
 class FineTuneModule(HFCausalLMModule):

@@ -67,6 +67,30 @@ class GPTConfig:
             raise ValueError(f"aux_loss_type={self.aux_loss_type!r}: 'pooled' (transformers') or 'per_layer' "
                              f"(Megatron-Core's).")
 
+    def planned_config(self) -> dict:
+        """The Hugging Face config dict the planner prices this model as (``layout=AutoLayout(...)``,
+        :class:`~lightning_seqpar.lightning.callbacks.LayoutReport`): GPT-2 of these sizes. Its parameters are these
+        one for one (GPT-2's ``Conv1D`` weights are these ``Linear`` weights transposed), so model-state bytes are
+        exact; its eager attention, exact GELU and dropout keep the tensors this model's layers keep.
+
+        Raises:
+            ValueError: a mixture of experts (``n_experts > 0``: GPT-2 has no mixture to price it as) or
+                ``bias=False`` (GPT-2's layers always have biases), naming the fix: give ``tp``/``pp``/``ep``.
+        """
+        from lightning_seqpar.plan.models import gpt2_config
+
+        unlike = ("n_experts > 0 (GPT-2 has no mixture of experts)" if self.n_experts else
+                  "bias=False (GPT-2's layers always have biases)" if not self.bias else None)
+        if unlike is not None:
+            raise ValueError(f"The planner prices the reference GPT as the GPT-2 of its sizes; this one has {unlike}. "
+                             f"Give SeqParallelStrategy tp, pp (and ep) yourself; python -m lightning_seqpar.plan "
+                             f"prices a Hugging Face config.")
+        return gpt2_config(vocab_size=self.vocab_size, n_positions=self.block_size, n_embd=self.n_embd,
+                           n_head=self.n_head, n_layer=self.n_layer, n_inner=self.ffn_hidden_size,
+                           tie_word_embeddings=self.tie_weights, activation_function="gelu", attn_pdrop=self.dropout,
+                           resid_pdrop=self.dropout, embd_pdrop=self.dropout,
+                           bos_token_id=None, eos_token_id=None)  # GPT-2's 50256 lies outside a smaller vocabulary
+
     @property
     def output_router_logits(self) -> bool:
         """Whether the loss reads every layer's router logits (transformers' name for it): a load-balancing or z-loss."""

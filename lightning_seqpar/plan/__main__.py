@@ -27,6 +27,7 @@ from lightning_seqpar.checkpoint.hf_export import parse_size
 from lightning_seqpar.plan.calibration import StepCalibration
 from lightning_seqpar.plan.cost import Hardware
 from lightning_seqpar.plan.memory_choices import describe
+from lightning_seqpar.checkpoint.peft_adapter import LORA_TARGETS
 from lightning_seqpar.plan.models import load_model_config, model_inventory
 from lightning_seqpar.plan.planner import LayoutRecord, plan
 
@@ -126,7 +127,8 @@ def what_would_fit(records: list[LayoutRecord], inventory: Any, args: argparse.N
         if shorter >= 1:
             options[f"--seq-len {shorter}"] = dict(attention=args.attention, seq_len=shorter)
     for flag, option in options.items():
-        again = plan(model_inventory(args.model, option["seq_len"], option["attention"]), args.gpus, option["seq_len"],
+        again = plan(model_inventory(args.model, option["seq_len"], option["attention"], args.lora, args.lora_targets,
+                                     args.frozen), args.gpus, option["seq_len"],
                      args.global_batch, hardware=hardware, precision=args.precision, headroom=args.headroom,
                      calibrate=not args.analytic, optimizer=args.optimizer, context_parallel=args.cp,
                      cp_comm=args.cp_comm, schedule=args.schedule)
@@ -138,9 +140,10 @@ def what_would_fit(records: list[LayoutRecord], inventory: Any, args: argparse.N
         else:
             lines.append(f"- {flag}: does not fit either")
     state = least.bytes["gradients"] + least.bytes["main_params"] + least.bytes["optimizer"]
-    lines.append(f"- LoRA (the base frozen: no gradients, main params or optimizer state for it): about "
-                 f"{(least.bytes['total'] - state) / GB:.1f} GB for {_layout(least)} (an estimate: the adapters' own "
-                 f"state not counted)")
+    if args.lora is None:
+        lines.append(f"- LoRA (the base frozen: no gradients, main params or optimizer state for it): about "
+                     f"{(least.bytes['total'] - state) / GB:.1f} GB for {_layout(least)} (the adapters' own state not "
+                     f"counted: --lora R prices it)")
     return "\n".join(lines)
 
 
@@ -177,6 +180,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--schedule", default="1F1B", choices=["1F1B", "ZB-H1"],
                         help="the pipeline schedule of layouts with pp > 1 (1F1B: interleaved where vpp > 1; ZB-H1: "
                              "the backward split into B and W, vpp 1)")
+    parser.add_argument("--lora", type=_count("--lora", 1 << 16), default=None, metavar="R",
+                        help="LoRA of rank R (PEFT's, the base frozen: no gradients, main params or optimizer state "
+                             "for it); default: full fine-tuning")
+    parser.add_argument("--lora-targets", nargs="+", default=list(LORA_TARGETS),
+                        help=f"the modules LoRA adapts (default: {' '.join(LORA_TARGETS)})")
+    parser.add_argument("--frozen", nargs="+", default=(), metavar="NAME",
+                        help="full fine-tuning with the parameters whose names contain NAME frozen (embed_tokens, "
+                             "lm_head, router, ...)")
     parser.add_argument("--headroom", type=float, default=0.8)
     parser.add_argument("--efficiency", type=float, default=0.5, help="fraction of peak FLOP/s reached")
     parser.add_argument("--calibration", default=None,
@@ -207,7 +218,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     hardware = Hardware.named(args.gpu or "h100", memory=memory, gpus_per_node=args.gpus_per_node,
                               efficiency=args.efficiency, calibration=calibration)
     gpu = args.gpu or ("h100" if memory is None else "GPU (h100's rates: --gpu to set them)")
-    inventory = model_inventory(args.model, args.seq_len, args.attention)
+    if args.lora is not None and args.frozen:
+        parser.error("--frozen with --lora: LoRA trains the adapters only, the base is frozen already.")
+    try:
+        inventory = model_inventory(args.model, args.seq_len, args.attention, args.lora, args.lora_targets,
+                                    args.frozen)
+    except ValueError as error:  # a target or frozen name that matches nothing: the user's argument, named
+        if args.lora is None and not args.frozen:
+            raise
+        parser.error(str(error))
     records = plan(inventory, args.gpus, args.seq_len, args.global_batch, hardware=hardware,
                    precision=args.precision, headroom=args.headroom, calibrate=not args.analytic,
                    optimizer=args.optimizer, context_parallel=tuple(args.cp) if args.cp else None,
@@ -220,7 +239,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               if calibration else f"a rough estimate (compute at {args.efficiency:g} of peak, collectives at nominal "
                                   f"link rates; measure them: `python -m lightning_seqpar.plan calibrate --out FILE`, "
                                   f"then --calibration FILE)")
-    print(f"{inventory.name}: {inventory.num_parameters / 1e9:.2f} B parameters, L={inventory.num_layers}, "
+    trainable = sum(e.numel for e in inventory.entries if e.trainable)
+    print(f"{inventory.name}: {inventory.num_parameters / 1e9:.2f} B parameters"
+          f"{f' ({trainable / 1e6:,.1f} M trainable)' if trainable < inventory.num_parameters else ''}, "
+          f"L={inventory.num_layers}, "
           f"h={inventory.hidden_size}, a={inventory.num_heads}, kv heads={inventory.num_kv_heads}, v={inventory.vocab_size}; "
           f"{args.gpus} × {gpu} ({hardware.memory / GB:g} GB, {args.headroom:g} usable), s={args.seq_len}, "
           f"global batch {args.global_batch} sequences, {args.precision}, {args.optimizer}, {args.attention} attention. Model-state bytes exact; a layer's "

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 
+from lightning_seqpar.checkpoint.peft_adapter import LORA_TARGETS, check_lora_targets
 from lightning_seqpar.plan.inventory import ModelInventory, inventory_of_model
 
 GPT_SIZES = {  # Korthikanti et al. 2022, Table 3: the GPT models of the paper (vocabulary 51 200, learned positions)
@@ -31,8 +32,7 @@ def load_model_config(model: Union[str, Path, dict], seq_len: int = 2048) -> dic
     if isinstance(model, dict):
         return check_sizes(dict(model), "the config")
     if str(model).lower() in GPT_SIZES:
-        return dict(model_type="gpt2", vocab_size=51200, n_positions=seq_len, tie_word_embeddings=True,
-                    **GPT_SIZES[str(model).lower()])
+        return gpt2_config(vocab_size=51200, n_positions=seq_len, **GPT_SIZES[str(model).lower()])
     path = Path(model)
     if path.is_dir():
         path = path / "config.json"
@@ -40,6 +40,14 @@ def load_model_config(model: Union[str, Path, dict], seq_len: int = 2048) -> dic
         raise FileNotFoundError(f"{model}: neither a config.json, a directory holding one, nor a GPT size "
                                 f"({', '.join(GPT_SIZES)}).")
     return check_sizes(json.loads(path.read_text()), str(path))
+
+
+def gpt2_config(*, vocab_size: int, n_positions: int, n_embd: int, n_head: int, n_layer: int, **options: Any) -> dict:
+    """The Hugging Face GPT-2 config dict of these sizes: how the paper's GPTs (:data:`GPT_SIZES`, with GPT-2's own
+    dropout 0.1 and tanh GELU) and the reference GPT (:meth:`lightning_seqpar.models.GPTConfig.planned_config`) are
+    planned. ``options``: more of ``GPT2Config``'s fields (``n_inner``, ``activation_function``, ``attn_pdrop``, ...)."""
+    return dict(model_type="gpt2", vocab_size=vocab_size, n_positions=n_positions, n_embd=n_embd, n_head=n_head,
+                n_layer=n_layer, tie_word_embeddings=options.pop("tie_word_embeddings", True), **options)
 
 
 REQUIRED_SIZES = ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size")
@@ -78,18 +86,72 @@ def check_sizes(options: dict, where: str) -> dict:
     return options
 
 
-def model_inventory(model: Union[str, Path, dict], seq_len: int = 2048, attention: str = "eager") -> ModelInventory:
+def model_inventory(model: Union[str, Path, dict], seq_len: int = 2048, attention: str = "eager",
+                    lora: Optional[int] = None, lora_targets: Sequence[str] = LORA_TARGETS,
+                    frozen: Sequence[str] = ()) -> ModelInventory:
     """Build ``model`` (see :func:`load_model_config`) on the meta device and classify its parameters as the rewrite
     splits them. ``attention``: the kernel the run will use, ``"eager"`` (the explicit core attention, whose ``s²``
-    probabilities selective recomputation drops) or ``"sdpa"`` (fused: no ``s²`` tensor).
+    probabilities selective recomputation drops) or ``"sdpa"`` (fused: no ``s²`` tensor). ``lora``: LoRA of this rank
+    on ``lora_targets`` (:func:`with_lora`); ``frozen``: parameters held but not trained (:func:`freeze`).
 
     Raises:
         ValueError: a model whose layers no built-in layout recognizes (the reasons of
-            :func:`lightning_seqpar.explain`).
+            :func:`lightning_seqpar.explain`); from :func:`with_lora` and :func:`freeze`.
+        ImportError: ``lora`` without PEFT.
     """
     options = load_model_config(model, seq_len)
     built = meta_model(options, attention)
-    return inventory_of_hf_model(built, name=str(options.get("_name_or_path") or type(built).__name__))
+    name = str(options.get("_name_or_path") or type(built).__name__)
+    if lora is not None and frozen:
+        raise ValueError(f"frozen={list(frozen)} with LoRA: LoRA trains the adapters only, the base is frozen already; "
+                         f"give one of them.")
+    if lora is not None:
+        built, name = with_lora(built, lora, lora_targets), f"{name} + LoRA r={lora}"
+    elif frozen:
+        name = f"{name}, {freeze(built, frozen):,} parameters frozen"
+    return inventory_of_hf_model(built, name=name)
+
+
+def with_lora(model: Any, rank: int, targets: Sequence[str] = LORA_TARGETS) -> Any:
+    """``model`` (on the meta device) wrapped with PEFT's LoRA of rank ``rank`` on ``targets``, as
+    :class:`~lightning_seqpar.models.FineTuneModule` wraps it: the base frozen (its parameters held, without gradients,
+    main params or optimizer state), the adapters trained.
+
+    Raises:
+        ValueError: a rank below 1, or targets that match no module (naming the model's linear layers).
+        ImportError: PEFT not installed, with the install command.
+    """
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"LoRA rank {rank!r}: a positive integer (8, 16, 64, ...).")
+    check_lora_targets(list(targets), model)
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as error:
+        raise ImportError("Planning LoRA needs PEFT: pip install 'lightning_seqpar[peft]'.") from error
+    with torch.device("meta"):
+        return get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(targets)))
+
+
+def freeze(model: Any, patterns: Sequence[str]) -> int:
+    """Freeze (``requires_grad=False``) every parameter of ``model`` whose name contains one of ``patterns``
+    (``embed_tokens``, ``lm_head``, ``router``, ...): held, but without gradients, main params or optimizer state.
+    Returns the elements frozen.
+
+    Raises:
+        ValueError: a pattern no parameter name contains, listing the parameters of the first layer.
+    """
+    named = dict(model.named_parameters())
+    for pattern in patterns:
+        if not any(pattern in name for name in named):
+            first = sorted({n.rpartition(".")[0] for n in named if ".0." in n})
+            raise ValueError(f"frozen {pattern!r} names no parameter of {type(model).__name__}; the names look like "
+                             f"{', '.join(first[:8])}, embed_tokens, lm_head.")
+    count = 0
+    for name, param in named.items():
+        if any(pattern in name for pattern in patterns):
+            param.requires_grad_(False)
+            count += param.numel()
+    return count
 
 
 def meta_model(options: dict, attention: str = "eager") -> Any:

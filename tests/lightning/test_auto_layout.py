@@ -1,6 +1,6 @@
 """``SeqParallelStrategy(layout=AutoLayout(...))`` on 4 CPU processes: under a memory budget the planner's best
 layout that fits is chosen before the process groups exist, and it trains (a mixture of experts with its
-expert-parallel size chosen too); a budget too small for any layout is refused before training, naming the smallest
+expert-parallel size chosen too; the reference GPT with a context-parallel size); a budget too small for any layout is refused before training, naming the smallest
 world that would fit."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import lightning.pytorch as pl
 import pytest
 
 from lightning_seqpar import SeqParallelStrategy
-from lightning_seqpar.lightning.auto_layout import AutoLayout, auto_layout_of, rank_layouts
+from lightning_seqpar.lightning.auto_layout import AutoLayout, auto_layout_of, planned_model, rank_layouts
 from lightning_seqpar.plan import inventory_of_hf_model
 from tests.helpers.distributed import run_distributed
 from tests.helpers.models import SEQ, build, loader, token_data
@@ -121,3 +121,32 @@ def test_layout_auto_names_what_it_needs():
     with pytest.raises(ValueError, match="headroom"):
         AutoLayout(8, 4, headroom=1.5)
     assert auto_layout_of(dict(seq_len=8, batch_size=4, micro_batches=[1, 2]), 1, 1).micro_batches == (1, 2)
+
+
+def _fit_gpt(rank, world, dp, fits):
+    """The reference GPT under ``AutoLayout(context_parallel=(2,))``, then under the layout it chose given by hand:
+    the same losses show the choice (cp and its communication included) is what trained."""
+    _planning_with(fits, rank, [])
+    out = []
+    for auto in (True, False):
+        strategy = (SeqParallelStrategy(layout=AutoLayout(seq_len=SEQ, batch_size=BATCH, memory_budget=1e12,
+                                                          context_parallel=(2,), cp_comm="all_to_all"))
+                    if auto else SeqParallelStrategy(tp=out[0][0][0], cp=2, cp_comm="all_to_all"))
+        trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, precision="32-true", max_steps=2,
+                             logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                             enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0)
+        trainer.fit(build("gpt"), loader(token_data(2, dp, batch=BATCH), BATCH))  # the same batches
+        chosen = strategy.chosen_layout
+        out.append(((strategy.tp, chosen.pp if chosen else 1, chosen.cp_comm if chosen else None),
+                    strategy.mesh.cp, trainer.callback_metrics["train/loss"].item()))
+    return out
+
+
+def test_the_reference_gpt_gets_a_context_parallel_layout_chosen_and_trains_as_given_by_hand():
+    inventory = inventory_of_hf_model(planned_model(build("gpt")))
+    auto = AutoLayout(SEQ, BATCH, 1e12, context_parallel=(2,), cp_comm="all_to_all")
+    best = rank_layouts(inventory, WORLD, SEQ, auto, 1e12, precision="32-true", gpus_per_node=WORLD, fits=FITS)[0]
+    assert best.cp == 2
+    for (chosen, cp, loss), (_, cp_by_hand, loss_by_hand) in run_distributed(_fit_gpt, WORLD, best.dp, FITS):
+        assert chosen == (best.tp, best.pp, "all_to_all") and cp == cp_by_hand == 2
+        assert math.isfinite(loss) and loss == loss_by_hand

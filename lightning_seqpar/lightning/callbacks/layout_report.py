@@ -45,8 +45,13 @@ def _memory_choices(trainer: pl.Trainer) -> tuple[str, tuple[str, ...], Optional
 
 
 def _planned_model(module: pl.LightningModule) -> Optional[torch.nn.Module]:
-    """The module's model rebuilt on the meta device as the planner reads it (``None``: not one it knows)."""
-    from lightning_seqpar.lightning.auto_layout import hf_model_in
+    """The module's model rebuilt on the meta device as the planner reads it (``None``: not one it knows).
+
+    Raises:
+        ValueError: a model that declares a plan config it cannot be planned as
+            (:func:`~lightning_seqpar.lightning.auto_layout.declared_plan_config`).
+    """
+    from lightning_seqpar.lightning.auto_layout import declared_plan_config, hf_model_in
     from lightning_seqpar.plan.models import meta_model
 
     model = hf_model_in(module)
@@ -57,12 +62,8 @@ def _planned_model(module: pl.LightningModule) -> Optional[torch.nn.Module]:
             with torch.device("meta"):
                 rebuilt = module.with_adapters(rebuilt)  # LoRA: the frozen base costs its parameters only
         return rebuilt
-    gpt = getattr(getattr(module, "gpt", None), "config", None)
-    if gpt is not None and hasattr(gpt, "n_embd") and not getattr(gpt, "n_experts", 0):
-        # the reference GPT: the GPT-2 layout of its sizes (its mixture of experts has no Hugging Face twin)
-        return meta_model(dict(model_type="gpt2", vocab_size=gpt.vocab_size, n_positions=gpt.block_size,
-                               n_embd=gpt.n_embd, n_head=gpt.n_head, n_layer=gpt.n_layer, tie_word_embeddings=True))
-    return None
+    declared = declared_plan_config(module)  # the reference GPT: the GPT-2 of its sizes
+    return meta_model(declared) if declared is not None else None
 
 
 def predicted_peak(trainer: pl.Trainer, module: pl.LightningModule, seq_len: int, batch_size: int) -> tuple[
@@ -74,7 +75,10 @@ def predicted_peak(trainer: pl.Trainer, module: pl.LightningModule, seq_len: int
     mesh = getattr(strategy, "mesh", None)
     if mesh is None:
         return None, "not under SeqParallelStrategy"
-    model = _planned_model(module)
+    try:
+        model = _planned_model(module)
+    except ValueError as refusal:  # a report, not a reason to stop the run
+        return None, str(refusal)
     if model is None:
         return None, f"the planner does not know {type(module).__name__}'s model"
     config = strategy.parallel.pipeline

@@ -1,0 +1,72 @@
+"""What ``layout=AutoLayout(...)`` plans, on one process: the reference GPT is priced as the GPT-2 of its sizes
+(parameter for parameter), and a sequence too long for any layout without context parallelism gets one with it,
+which the strategy's configuration takes (cp and its communication)."""
+
+from __future__ import annotations
+
+import contextlib
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from lightning_seqpar.lightning.auto_layout import AutoLayout, auto_layout_of, choose_layout, planned_model, rank_layouts
+from lightning_seqpar.lightning.config import ParallelConfig
+from lightning_seqpar.models import GPTConfig, GPTLightningModule
+from lightning_seqpar.plan import inventory_of_hf_model
+
+LONG, WORLD = 4096, 4  # s at which the eager attention's s² probabilities, not the weights, fill a rank
+
+
+def _shapes(model):
+    return sorted(tuple(sorted(p.shape)) for p in model.parameters())  # GPT-2's Conv1D holds the Linear's transpose
+
+
+@pytest.mark.parametrize("options", [dict(), dict(tie_weights=False, ffn_hidden_size=200, vocab_size=13,
+                                                  block_size=8, n_embd=16, n_layer=3)])
+def test_the_reference_gpt_is_planned_as_gpt2_with_its_parameters_one_for_one(options):
+    module = GPTLightningModule(GPTConfig(**options))
+    planned = planned_model(module)
+    assert type(planned).__name__ == "GPT2LMHeadModel" and planned.device.type == "meta"
+    assert _shapes(planned) == _shapes(module.gpt)
+    assert inventory_of_hf_model(planned).num_layers == module.gpt.config.n_layer
+
+
+@pytest.mark.parametrize("options, part", [(dict(bias=False), "bias=False"), (dict(n_experts=4), "n_experts > 0")])
+def test_a_reference_gpt_gpt2_cannot_price_is_refused_naming_the_part(options, part):
+    with pytest.raises(ValueError, match=f"this one has {part}.*Give SeqParallelStrategy tp, pp"):
+        planned_model(GPTLightningModule(GPTConfig(**options)))
+
+
+def test_a_long_sequence_gets_context_parallelism_and_the_strategy_takes_it():
+    module = GPTLightningModule(GPTConfig(vocab_size=13, block_size=LONG, n_layer=2, n_head=4, n_embd=16))
+    inventory, fits = inventory_of_hf_model(planned_model(module)), {}
+    ranked = lambda auto, budget: rank_layouts(inventory, WORLD, LONG, auto, budget,  # noqa: E731
+                                               precision="32-true", gpus_per_node=WORLD, fits=fits)
+    without = ranked(AutoLayout(LONG, 1, 1e12, context_parallel=(1,)), 1e12)
+    budget = min(r.bytes["total"] for r in without) / 0.8 * 0.999  # no layout without cp fits
+    assert not ranked(AutoLayout(LONG, 1, budget, context_parallel=(1,)), budget)
+    best = ranked(AutoLayout(LONG, 1, budget), budget)[0]
+    assert best.cp > 1 and best.bytes["total"] <= 0.8 * budget
+    trainer = SimpleNamespace(callbacks=[], precision="32-true")
+    import lightning_seqpar.lightning.auto_layout as auto_layout
+
+    plan, auto_layout.rank_layouts = auto_layout.rank_layouts, lambda *a, **k: plan(*a, **{**k, "fits": fits})
+    try:
+        choice = choose_layout(AutoLayout(LONG, 1, budget, cp_comm="ring"), module, trainer, ParallelConfig(),
+                               world=WORLD, gpus_per_node=WORLD, device=torch.device("cpu"), zero=0,
+                               sharded_context=contextlib.nullcontext)
+    finally:
+        auto_layout.rank_layouts = plan
+    assert (choice.parallel.tp, choice.parallel.cp, choice.parallel.cp_comm) == (best.tp, best.cp, "ring")
+    assert choice.parallel.dims(WORLD).dp == WORLD // (best.tp * best.cp * best.pp)
+
+
+def test_context_parallel_options_are_checked_when_given():
+    with pytest.raises(ValueError, match=r"context_parallel=\(0,\): positive sizes"):
+        AutoLayout(8, 4, context_parallel=(0,))
+    with pytest.raises(ValueError, match="cp_comm='allgather': 'ring' or 'all_to_all'"):
+        AutoLayout(8, 4, cp_comm="allgather")
+    with pytest.raises(ValueError, match=r"chooses cp; got cp=2 .*context_parallel=\(2,\)"):
+        auto_layout_of(AutoLayout(8, 4), 1, 1, cp=2)
+    assert auto_layout_of(dict(seq_len=8, batch_size=4, context_parallel=[1, 2]), 1, 1).context_parallel == (1, 2)
