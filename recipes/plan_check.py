@@ -1,11 +1,11 @@
-"""The planner's step time against measurement: its best layouts of a small Llama and a few lower-ranked ones, on
+"""The planner's step time and peak bytes against measurement: its best layouts of a small Llama and a few lower-ranked ones, on
 this machine, after measuring its rates.
 
     python recipes/plan_check.py                  # 2 gloo processes on CPU, or one per GPU with NCCL
     python recipes/plan_check.py processes=4 hidden=512
 
 Prints one table (layout, the planner's rank, predicted and measured seconds per step, their ratio, the measured
-rank) and writes it as markdown and CSV (``out=...``). See :mod:`recipes.benchmarking.plan_check`.
+rank, predicted and measured peak bytes of the most loaded rank and their error) and writes it as markdown and CSV (``out=...``). See :mod:`recipes.benchmarking.plan_check`.
 """
 
 from __future__ import annotations
@@ -23,14 +23,17 @@ from recipes.benchmarking.plan_check import CheckRow, run_plan_check  # noqa: E4
 from recipes.benchmarking.report import print_table, write_table  # noqa: E402
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
-COLUMNS = ["layout", "planned rank", "predicted s", "measured s", "predicted / measured", "measured rank", "timing"]
+COLUMNS = ["layout", "planned rank", "predicted s", "measured s", "predicted / measured", "measured rank",
+           "predicted peak MB", "measured peak MB", "peak error", "timing"]
 
 
 def rows(results: list[CheckRow]) -> list[list[str]]:
     order = sorted(range(len(results)), key=lambda i: results[i].measured_s)
     measured_rank = {i: n + 1 for n, i in enumerate(order)}
     return [[r.layout, str(r.planned_rank), f"{r.predicted_s:.3f}", f"{r.measured_s:.3f}",
-             f"{r.predicted_s / r.measured_s:.2f}", str(measured_rank[i]), r.timing] for i, r in enumerate(results)]
+             f"{r.predicted_s / r.measured_s:.2f}", str(measured_rank[i]), f"{r.predicted_peak / 1e6:.2f}",
+             f"{r.measured_peak / 1e6:.2f}", f"{r.predicted_peak / r.measured_peak - 1:+.1%}", r.timing]
+            for i, r in enumerate(results)]
 
 
 @hydra.main(config_path=CONF_DIR, config_name="plan_check", version_base="1.3")
@@ -39,7 +42,7 @@ def main(cfg: DictConfig) -> None:
     settings.pop("hydra", None)
     out = Path(settings.pop("out"))
     results = run_plan_check(settings)
-    title = (f"Planned against measured step time: Llama L={cfg.layers} h={cfg.hidden} f={cfg.ffn} a={cfg.heads} "
+    title = (f"Planned against measured step time and peak bytes: Llama L={cfg.layers} h={cfg.hidden} f={cfg.ffn} a={cfg.heads} "
              f"v={cfg.vocab_size}, {cfg.global_batch} x {cfg.s} tokens per step, {cfg.precision}, {cfg.processes} "
              f"processes (median of {cfg.steps} steps after {cfg.warmup}; rates measured first)")
     body = rows(results)

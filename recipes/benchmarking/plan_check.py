@@ -1,18 +1,23 @@
-"""The planner's step time against measurement, on the machine at hand.
+"""The planner's step time and peak bytes against measurement, on the machine at hand.
 
 One group of processes:
 1. measures this machine's rates (:func:`lightning_seqpar.plan.calibrate.measure_rates`);
 2. on rank 0, ranks every layout of a small Llama on those processes with that calibration
-   (:func:`lightning_seqpar.plan.plan`). It keeps the layouts the Trainer below can run (no context or expert
-   parallelism) and takes the ``top`` best and ``lower`` more, evenly spaced down the ranking;
+   (:func:`lightning_seqpar.plan.plan`, a layer's activations probed on small copies as the planner's CLI does). It
+   keeps the layouts the Trainer below can run (no context or expert parallelism) and takes the ``top`` best and
+   ``lower`` more, evenly spaced down the ranking;
 3. trains each one with ``SeqParallelStrategy`` for ``steps`` optimizer steps. Its measured time is the median over the
-   steps after ``warmup``, slowest rank.
+   steps after ``warmup``, slowest rank. Its measured peak is the largest rank's peak of live tensor bytes over the
+   second step (a warm-up step, so the measuring does not slow a timed one;
+   :class:`~lightning_seqpar.lightning.callbacks.StepPeak`, CUDA's autocast rules applied on CPU under
+   ``bf16-mixed``), against the planner's most loaded rank.
 
-Each row has the layout, its planned rank, the predicted and measured seconds per step, and their ratio.
+Each row has the layout, its planned rank, the predicted and measured seconds per step and peak bytes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from dataclasses import dataclass
@@ -33,6 +38,10 @@ class CheckRow:
     predicted_s: float
     measured_s: float
     timing: str
+    predicted_peak: float = 0.0
+    """bytes, the planner's most loaded rank"""
+    measured_peak: float = 0.0
+    """bytes, the largest rank's"""
 
 
 def _llama(cfg: dict[str, Any]):
@@ -55,7 +64,7 @@ def _chosen(cfg: dict[str, Any], world: int, calibration: Any) -> list[tuple[int
         model = transformers.AutoModelForCausalLM.from_config(_llama(cfg))
     records = plan(inventory_of_hf_model(model), world, cfg["s"], cfg["global_batch"],
                    hardware=Hardware(memory=1e12, calibration=calibration), precision=cfg["precision"],
-                   calibrate=False, context_parallel=(1,), micro_batches=tuple(cfg["micro_batches"]))
+                   context_parallel=(1,), micro_batches=tuple(cfg["micro_batches"]))
     runnable = [r for r in records if r.feasible and r.ep == 1 and r.vpp == 1 and r.zero == 0]
     top, lower = cfg["top"], cfg["lower"]
     rest = runnable[top:]
@@ -71,12 +80,15 @@ def _describe(r: Any) -> str:
             f"{f' m {r.num_microbatches}' if r.pp > 1 else ''} {r.recompute}")
 
 
-def _measure(record: Any, cfg: dict[str, Any], world: int, device: torch.device) -> float:
+def _measure(record: Any, cfg: dict[str, Any], world: int, device: torch.device) -> tuple[float, float]:
+    """``(seconds per step, peak bytes)``, each the slowest or largest rank's."""
     import lightning.pytorch as pl
     import transformers
     from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_seqpar import SelectiveRecompute, SeqParallelStrategy
+    from lightning_seqpar.lightning.callbacks import StepPeak
+    from lightning_seqpar.memory.cuda_autocast import cuda_autocast_rules
 
     class LM(pl.LightningModule):
         def __init__(self) -> None:
@@ -103,10 +115,12 @@ def _measure(record: Any, cfg: dict[str, Any], world: int, device: torch.device)
     per_rank = cfg["global_batch"] // dp
     pipelined = record.pp > 1
     accumulate = 1 if pipelined else per_rank // record.micro_batch
-    clock = Clock()
-    callbacks: list = [clock]
+    clock, peak = Clock(), StepPeak(step=1)
+    callbacks: list = [clock, peak]
     if record.recompute != "none":
         callbacks.append(SelectiveRecompute(granularity=record.recompute))
+    if cfg["warmup"] < 2:
+        raise ValueError(f"warmup={cfg['warmup']}: at least 2 (the second step's peak is measured, outside the timing).")
     steps = cfg["warmup"] + cfg["steps"] + 1  # one more: the last step's start ends the one before
     strategy = SeqParallelStrategy(tp=record.tp, pp=record.pp,
                                    **(dict(num_microbatches=record.num_microbatches) if pipelined else {}))
@@ -116,12 +130,14 @@ def _measure(record: Any, cfg: dict[str, Any], world: int, device: torch.device)
                          limit_val_batches=0, num_sanity_val_steps=0, use_distributed_sampler=False)
     tokens = torch.randint(0, cfg["vocab_size"], (steps * per_rank, cfg["s"]),
                            generator=torch.Generator().manual_seed(dist.get_rank()))
-    trainer.fit(LM(), DataLoader(TensorDataset(tokens), batch_size=per_rank if pipelined else record.micro_batch))
+    autocast_rules = cuda_autocast_rules() if device.type == "cpu" else contextlib.nullcontext()
+    with autocast_rules:  # on CPU, what a GPU computes in float32 under bf16-mixed (softmax, norms), as predicted
+        trainer.fit(LM(), DataLoader(TensorDataset(tokens), batch_size=per_rank if pipelined else record.micro_batch))
     starts = clock.starts[::accumulate]  # one start per optimizer step
     seconds = [b - a for a, b in zip(starts, starts[1:])][cfg["warmup"]:]
-    slowest = torch.tensor(statistics.median(seconds), dtype=torch.float64)
+    slowest = torch.tensor([statistics.median(seconds), float(peak.peak)], dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return float(slowest)
+    return float(slowest[0]), float(slowest[1])
 
 
 def check(rank: int, world: int, cfg: dict[str, Any], device: torch.device) -> list[CheckRow]:
@@ -134,8 +150,9 @@ def check(rank: int, world: int, cfg: dict[str, Any], device: torch.device) -> l
     dist.broadcast_object_list(chosen, src=0)
     rows = []
     for planned, record in chosen[0]:
-        measured = _measure(record, cfg, world, device)
-        rows.append(CheckRow(_describe(record), planned, record.step_time["total"], measured, record.timing))
+        seconds, peak = _measure(record, cfg, world, device)
+        rows.append(CheckRow(_describe(record), planned, record.step_time["total"], seconds, record.timing,
+                             record.bytes["total"], peak))
     return rows
 
 

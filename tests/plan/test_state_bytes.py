@@ -14,7 +14,7 @@ from lightning_seqpar.lightning.config import DataParallelConfig
 from lightning_seqpar.plan.models import inventory_of_hf_model
 from lightning_seqpar.plan.state import state_bytes
 from tests.helpers.distributed import run_distributed
-from tests.helpers.model_state import model_state
+from lightning_seqpar.lightning.callbacks import model_state
 from tests.helpers.models import build, loader, token_data
 
 pytestmark = pytest.mark.distributed  # starts processes: outside the fast lane

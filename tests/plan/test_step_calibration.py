@@ -8,7 +8,6 @@ last, model state included. The signed errors are printed as a table."""
 
 from __future__ import annotations
 
-import gc
 
 import lightning.pytorch as pl
 import pytest
@@ -20,7 +19,7 @@ from lightning_seqpar.lightning.config import DataParallelConfig
 from lightning_seqpar.memory.peak import PeakMemoryTracker
 from lightning_seqpar.plan import Hardware, LayoutRecord, inventory_of_hf_model, predict
 from tests.helpers.distributed import run_distributed
-from tests.helpers.model_state import model_state
+from lightning_seqpar.lightning.callbacks import StepPeak
 
 pytestmark = pytest.mark.distributed  # starts processes: outside the fast lane
 
@@ -100,25 +99,6 @@ class _LM(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3, foreach=True)  # the multi-tensor step CUDA runs
 
 
-class _StepPeak(pl.Callback):
-    """The peak of live bytes over the second optimizer step, its model state held from the start."""
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if batch_idx != trainer.accumulate_grad_batches:
-            return
-        state = model_state(trainer, pl_module)
-        gc.collect()
-        gc.disable()  # a collection at a moment of its own choosing would move the peak from run to run
-        self.tracker = PeakMemoryTracker().__enter__()
-        self.tracker.hold(*state.values())
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if batch_idx == 2 * trainer.accumulate_grad_batches - 1:
-            self.tracker.__exit__(None, None, None)
-            gc.enable()
-            self.peak = (trainer.strategy.mesh.pipeline.rank, self.tracker.peak)
-
-
 def _measure(rank, world, layouts=LAYOUTS, moe=False, s=S):
     from lightning_seqpar.memory.cuda_autocast import cuda_autocast_rules
 
@@ -132,7 +112,7 @@ def _measure(rank, world, layouts=LAYOUTS, moe=False, s=S):
         name = schedule[0] if schedule else "interleaved_1F1B" if vpp > 1 else "1F1B"
         pipeline = dict(num_microbatches=m, virtual_stages=vpp, schedule=name) if pp > 1 else {}
         parallel = DataParallelConfig(zero=zero, fp32_main_params=zero == 1 and precision == "bf16-true")
-        peak = _StepPeak()
+        peak = StepPeak()
         callbacks = [peak, *_memory_callbacks(recompute)]
         # Micro-batches: the pipeline schedule's under pp, gradient accumulation otherwise.
         batch, accumulate = (GLOBAL_BATCH // dp, 1) if pp > 1 else (mbs, m)
@@ -146,7 +126,7 @@ def _measure(rank, world, layouts=LAYOUTS, moe=False, s=S):
                                generator=torch.Generator().manual_seed(rank))
         with cuda_autocast_rules():  # what a GPU computes in float32 (softmax, norms) under bf16-mixed
             trainer.fit(_LM(moe, s), DataLoader(TensorDataset(tokens), batch_size=batch))
-        out.append(peak.peak)
+        out.append((peak.pipeline_rank, peak.peak))
     return out
 
 

@@ -1,5 +1,6 @@
 """``recipes/plan_check.py``: after measuring the machine's rates, the planner's best layouts and a lower-ranked one
-of a small Llama train on 2 gloo processes, each with its predicted (calibrated) and measured seconds per step."""
+of a small Llama train on 2 gloo processes, each with its predicted (calibrated) and measured seconds per step, and
+its predicted and measured peak bytes (within 5 %)."""
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ from tests.helpers.distributed import run_distributed
 pytestmark = pytest.mark.distributed  # starts processes: outside the fast lane
 
 CFG = dict(vocab_size=64, hidden=32, ffn=64, heads=4, layers=2, s=32, global_batch=4, micro_batches=[1, 2],
-           precision="32-true", top=2, lower=1, warmup=1, steps=2, repeats=1)
+           precision="32-true", top=2, lower=1, warmup=2, steps=2, repeats=1)
 
 
 def test_the_best_and_a_lower_ranked_layout_are_predicted_from_measured_rates_and_timed():
@@ -22,6 +23,7 @@ def test_the_best_and_a_lower_ranked_layout_are_predicted_from_measured_rates_an
     for row in rows:
         assert row.timing == "measured rates"
         assert row.predicted_s > 0 and row.measured_s > 0
+        assert row.measured_peak > 0 and abs(row.predicted_peak / row.measured_peak - 1) < 0.05, row
     predicted = [r.predicted_s for r in rows]
     assert predicted == sorted(predicted)  # the planner's order
 
@@ -29,5 +31,7 @@ def test_the_best_and_a_lower_ranked_layout_are_predicted_from_measured_rates_an
 def test_the_table_ranks_the_measured_times():
     from recipes.plan_check import rows
 
-    body = rows([CheckRow("a", 1, 1.0, 2.0, "measured rates"), CheckRow("b", 2, 1.5, 1.0, "measured rates")])
-    assert [(r[0], r[4], r[5]) for r in body] == [("a", "0.50", "2"), ("b", "1.50", "1")]
+    body = rows([CheckRow("a", 1, 1.0, 2.0, "measured rates", 2.1e6, 2e6),
+                 CheckRow("b", 2, 1.5, 1.0, "measured rates", 1e6, 1e6)])
+    assert [(r[0], r[4], r[5], r[6], r[7], r[8]) for r in body] == [("a", "0.50", "2", "2.10", "2.00", "+5.0%"),
+                                                                   ("b", "1.50", "1", "1.00", "1.00", "+0.0%")]
