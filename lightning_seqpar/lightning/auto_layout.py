@@ -24,6 +24,8 @@ from typing import Any, Optional, Union
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightning_seqpar.pipeline_parallel.schedules import SPLIT_BACKWARD
+
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,8 @@ class AutoLayout:
             rejects the others, naming the rule).
         cp_comm: the context-parallel attention's communication, ``"ring"`` or ``"all_to_all"`` (heads divided by
             ``c·t``).
+        schedules: the pipeline schedules to search (``1F1B``, interleaved where vpp > 1, and ``ZB-H1``; a run with
+            ``compile=True`` searches 1F1B only: a compiled block's backward cannot be split into B and W).
 
     Raises:
         ValueError: a size below 1, a headroom outside (0, 1], a context-parallel size below 1, an unknown
@@ -57,6 +61,7 @@ class AutoLayout:
     calibration: Optional[str] = None
     context_parallel: Optional[tuple[int, ...]] = None
     cp_comm: str = "ring"
+    schedules: tuple[str, ...] = ("1F1B", "ZB-H1")
 
     def __post_init__(self) -> None:
         if self.seq_len < 1 or self.batch_size < 1:
@@ -67,6 +72,8 @@ class AutoLayout:
                 isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in self.context_parallel)):
             raise ValueError(f"AutoLayout.context_parallel={self.context_parallel!r}: positive sizes, e.g. (1, 2, 4), "
                              f"or None for every divisor of the world.")
+        if not self.schedules or any(s not in ("1F1B", "ZB-H1") for s in self.schedules):
+            raise ValueError(f"AutoLayout.schedules={self.schedules!r}: some of '1F1B' and 'ZB-H1'.")
         if self.cp_comm not in ("ring", "all_to_all"):
             raise ValueError(f"AutoLayout.cp_comm={self.cp_comm!r}: 'ring' or 'all_to_all'.")
         if self.calibration is not None:  # refused here, in the user's script, before any rank starts
@@ -97,7 +104,7 @@ def auto_layout_of(layout: Union[None, str, AutoLayout, dict], tp: Any, pp: int,
                          "process groups exist: pass layout=AutoLayout(seq_len=S, batch_size=B) (B: the train loader's "
                          "batch size, per data-parallel rank); recipe: strategy=auto.")
     if isinstance(layout, dict):
-        layout = AutoLayout(**{k: tuple(v) if k in ("micro_batches", "context_parallel") and v is not None else v
+        layout = AutoLayout(**{k: tuple(v) if k in ("micro_batches", "context_parallel", "schedules") and v is not None else v
                                for k, v in layout.items()})
     if not isinstance(layout, AutoLayout):
         raise ValueError(f"layout={layout!r}: None (tp and pp as given) or AutoLayout(seq_len=..., batch_size=...).")
@@ -192,7 +199,7 @@ class LayoutChoice:
 
 
 def choose_layout(auto: AutoLayout, module: Any, trainer: Any, parallel: Any, *, world: int, gpus_per_node: int,
-                  device: torch.device, zero: int, sharded_context: Any) -> LayoutChoice:
+                  device: torch.device, zero: int, sharded_context: Any, compiled: bool = False) -> LayoutChoice:
     """Choose a layout (see the module docstring) for ``module`` trained by ``trainer`` on ``world`` processes, from
     ``parallel`` (the strategy's :class:`~lightning_seqpar.lightning.config.ParallelConfig`), for the caller to
     apply. The planner probes layers on emulated ranks (CPU seconds): one process chooses, the others receive it.
@@ -200,6 +207,7 @@ def choose_layout(auto: AutoLayout, module: Any, trainer: Any, parallel: Any, *,
     Args:
         sharded_context: the strategy's ``model_sharded_context`` (a module whose model is built in
             ``configure_model`` is built under it, on the meta device).
+        compiled: the run compiles its blocks (``compile=True``): schedules that split the backward are not searched.
 
     Raises:
         ValueError: a model the planner does not know (neither a Hugging Face causal LM nor one declaring
@@ -223,8 +231,9 @@ def choose_layout(auto: AutoLayout, module: Any, trainer: Any, parallel: Any, *,
     kinds = frozenset({c.granularity for c in existing} & {"none", "selective", "full"})
     memory = _memory(auto, device)
     inventory = inventory_of_hf_model(model)
+    schedules = tuple(s for s in auto.schedules if not (compiled and s in SPLIT_BACKWARD)) or ("1F1B",)
     options = dict(precision=str(trainer.precision), zero=zero, recompute=kinds, gpus_per_node=gpus_per_node, fits={},
-                   ep=parallel.ep if parallel.ep > 1 else None)
+                   ep=parallel.ep if parallel.ep > 1 else None, schedules=schedules)
     ranked = rank_layouts(inventory, world, auto.seq_len, auto, memory, **options)
     if not ranked:
         raise ValueError(_nothing_fits(inventory, world, auto, memory, options))
@@ -234,14 +243,13 @@ def choose_layout(auto: AutoLayout, module: Any, trainer: Any, parallel: Any, *,
                    f"fit {auto.headroom:g} × {_size(memory)} per device; runner-up: "
                    f"{_describe(runner_up) if runner_up else 'none'}")
     chosen = replace(parallel, tp=best.tp, cp=best.cp, cp_comm=best.cp_comm, ep=best.ep, pipeline=PipelineConfig.build(
-        best.pp, best.num_microbatches if best.pp > 1 else None, "interleaved_1F1B" if best.vpp > 1 else "1F1B",
-        best.vpp, None))
+        best.pp, best.num_microbatches if best.pp > 1 else None, best.schedule if best.pp > 1 else "1F1B", best.vpp, None))
     return LayoutChoice(best, chosen, best.recompute if not existing and best.recompute != "none" else None)
 
 
 def _describe(record: Any) -> str:
     return (f"tp={record.tp}{f' cp={record.cp} ({record.cp_comm})' if record.cp > 1 else ''} pp={record.pp} "
-            f"vpp={record.vpp} dp={record.dp}"
+            f"vpp={record.vpp}{f' {record.schedule}' if record.pp > 1 else ''} dp={record.dp}"
             f"{f' ep={record.ep}' if record.ep > 1 else ''} micro_batch={record.micro_batch} "
             f"m={record.num_microbatches} recompute={record.recompute}: {_size(record.bytes['total'])} on stage "
             f"{record.stage} ({', '.join(f'{k} {_size(v)}' for k, v in record.bytes.items() if k != 'total')}), "
@@ -255,18 +263,19 @@ def _size(n: float) -> str:
 
 def rank_layouts(inventory: Any, world: int, seq_len: int, auto: AutoLayout, memory: float, *, precision: str,
                  zero: int = 0, recompute: frozenset = frozenset(), gpus_per_node: int = 8,
-                 fits: Optional[dict] = None, ep: Optional[int] = None) -> list[Any]:
+                 fits: Optional[dict] = None, ep: Optional[int] = None,
+                 schedules: Optional[tuple[str, ...]] = None) -> list[Any]:
     """The feasible layouts ``layout=auto`` chooses from, best first (:func:`lightning_seqpar.plan.plan`'s records):
     the context-parallel sizes and communication of ``auto``, the loader's ``auto.batch_size`` per data-parallel rank
     (a global batch of ``batch_size × dp``), micro-batches
     splitting it under a pipeline (the whole batch without one), ``zero`` as given, the recomputation among
-    ``recompute`` (any when empty), the expert-parallel size ``ep`` (any when ``None``)."""
+    ``recompute`` (any when empty), the expert-parallel size ``ep`` (any when ``None``), the pipeline ``schedules`` (``None``: ``auto.schedules``)."""
     from lightning_seqpar.plan import Hardware, plan
 
     records = plan(inventory, world, seq_len, auto.batch_size, hardware=Hardware(memory=memory,
                    gpus_per_node=gpus_per_node, calibration=auto.rates()), precision=precision, headroom=auto.headroom,
                    micro_batches=auto.micro_batches, fits=fits, per_rank_batch=True,
-                   context_parallel=auto.context_parallel, cp_comm=auto.cp_comm)
+                   context_parallel=auto.context_parallel, cp_comm=auto.cp_comm, schedule=schedules or auto.schedules)
     return [r for r in records if r.feasible and r.zero == zero and (not recompute or r.recompute in recompute)
             and (ep is None or r.ep == ep) and (r.pp > 1 or r.micro_batch == auto.batch_size)]  # no pipeline: the loader's whole batch
 

@@ -209,9 +209,9 @@ class SeqParallelStrategy(ParallelStrategy):
         if self.auto is None:
             return
         module = module if module is not None else self.lightning_module
-        choose = partial(choose_layout, self.auto, module, trainer or module.trainer, self.parallel,
-                         world=self.num_nodes * self.num_processes, gpus_per_node=self.num_processes,
-                         device=self.root_device, zero=self.data_parallel.zero, sharded_context=self.model_sharded_context)
+        choose = partial(choose_layout, self.auto, module, trainer or module.trainer, self.parallel, device=self.root_device,
+                         world=self.num_nodes * self.num_processes, gpus_per_node=self.num_processes, zero=self.data_parallel.zero,
+                         sharded_context=self.model_sharded_context, compiled=self.compile_config is not None)
         # The launching process chooses before any rank starts; on the ranks, rank 0's choice is sent to every rank.
         self._layout_choice = (self._layout_choice or choose()) if trainer is not None else decided_by_one_rank(
             lambda: self._layout_choice or choose(), self.global_rank == 0, self.broadcast)

@@ -29,7 +29,7 @@ from lightning_seqpar.plan.cost import Hardware
 from lightning_seqpar.plan.memory_choices import describe
 from lightning_seqpar.checkpoint.peft_adapter import LORA_TARGETS
 from lightning_seqpar.plan.models import load_model_config, model_inventory
-from lightning_seqpar.plan.planner import LayoutRecord, plan
+from lightning_seqpar.plan.planner import SEARCHED_SCHEDULES, LayoutRecord, plan
 
 GB = 1e9
 MAX_GPUS = 1 << 20
@@ -53,7 +53,8 @@ def _count(flag: str, most: int) -> Callable[[str], int]:
 
 
 def _layout(r: LayoutRecord) -> str:
-    return (f"tp{r.tp}{f' cp{r.cp}' if r.cp > 1 else ''} pp{r.pp}{f'×v{r.vpp}' if r.vpp > 1 else ''} dp{r.dp}"
+    return (f"tp{r.tp}{f' cp{r.cp}' if r.cp > 1 else ''} pp{r.pp}{f'×v{r.vpp}' if r.vpp > 1 else ''}"
+            f"{f' {r.schedule}' if r.pp > 1 and r.schedule == 'ZB-H1' else ''} dp{r.dp}"
             f"{f' ep{r.ep}' if r.ep > 1 else ''}"
             f"{' zero1' if r.zero else ''} "
             f"mbs{r.micro_batch} {describe(r)}")
@@ -70,13 +71,17 @@ def table(records: list[LayoutRecord], hardware: Hardware, top: int, verbose: bo
     for the GPU in one line with the smallest; ``verbose``: every rejected layout with its reason."""
     feasible = [r for r in records if r.feasible][:top]
     experts = any(r.ep > 1 for r in records)  # a mixture of experts: its expert-parallel size, a column of its own
-    head = (f"| rank | tp | cp | pp | vpp | dp |{' ep |' if experts else ''} zero | mbs | m | recompute | params | grads | "
-            f"main | optim | act | other | total GB | left GB | step s | bubble | MFU |")
-    lines = [head, "|" + "---|" * (21 + experts)]
+    # several pipeline schedules searched: the one each layout was priced with, a column of its own
+    schedules = len({r.schedule.replace("interleaved_", "") for r in records if r.pp > 1 and r.feasible}) > 1
+    head = (f"| rank | tp | cp | pp | vpp |{' schedule |' if schedules else ''} dp |{' ep |' if experts else ''} zero | "
+            f"mbs | m | recompute | params | grads | main | optim | act | other | total GB | left GB | step s | bubble | "
+            f"MFU |")
+    lines = [head, "|" + "---|" * (21 + experts + schedules)]
     for i, r in enumerate(feasible, 1):
         b = r.bytes
         mfu = r.flops["model"] / (r.step_time["total"] * r.tp * r.cp * r.pp * r.dp) / hardware.peak_flops
-        lines.append(f"| {i} | {r.tp} | {r.cp} | {r.pp} | {r.vpp} | {r.dp} |{f' {r.ep} |' if experts else ''} {r.zero} | "
+        lines.append(f"| {i} | {r.tp} | {r.cp} | {r.pp} | {r.vpp} |{f' {r.schedule} |' if schedules else ''} {r.dp} |"
+                     f"{f' {r.ep} |' if experts else ''} {r.zero} | "
                      f"{r.micro_batch} | {r.num_microbatches} | "
                      f"{describe(r)} | " + " | ".join(f"{b[k] / GB:.1f}" for k in (
                          "parameters", "gradients", "main_params", "optimizer", "activations", "other", "total"))
@@ -131,7 +136,7 @@ def what_would_fit(records: list[LayoutRecord], inventory: Any, args: argparse.N
                                      args.frozen), args.gpus, option["seq_len"],
                      args.global_batch, hardware=hardware, precision=args.precision, headroom=args.headroom,
                      calibrate=not args.analytic, optimizer=args.optimizer, context_parallel=args.cp,
-                     cp_comm=args.cp_comm, schedule=args.schedule)
+                     cp_comm=args.cp_comm, schedule=tuple(args.schedule))
         best = next((r for r in again if r.feasible), None)
         if best is not None:
             lines.append(f"- {flag}: {_layout(best)} fits ({best.bytes['total'] / GB:.1f} GB)")
@@ -177,9 +182,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="the context-parallel sizes to consider (default: every divisor of --gpus)")
     parser.add_argument("--cp-comm", default="ring", choices=["ring", "all_to_all"],
                         help="the context-parallel attention's communication")
-    parser.add_argument("--schedule", default="1F1B", choices=["1F1B", "ZB-H1"],
-                        help="the pipeline schedule of layouts with pp > 1 (1F1B: interleaved where vpp > 1; ZB-H1: "
-                             "the backward split into B and W, vpp 1)")
+    parser.add_argument("--schedule", nargs="+", default=list(SEARCHED_SCHEDULES), choices=list(SEARCHED_SCHEDULES),
+                        help="the pipeline schedules searched for layouts with pp > 1 (default: both; 1F1B: "
+                             "interleaved where vpp > 1; ZB-H1: the backward split into B and W, vpp 1)")
     parser.add_argument("--lora", type=_count("--lora", 1 << 16), default=None, metavar="R",
                         help="LoRA of rank R (PEFT's, the base frozen: no gradients, main params or optimizer state "
                              "for it); default: full fine-tuning")
@@ -230,7 +235,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     records = plan(inventory, args.gpus, args.seq_len, args.global_batch, hardware=hardware,
                    precision=args.precision, headroom=args.headroom, calibrate=not args.analytic,
                    optimizer=args.optimizer, context_parallel=tuple(args.cp) if args.cp else None,
-                   cp_comm=args.cp_comm, memory_choices=args.memory_choices, schedule=args.schedule)
+                   cp_comm=args.cp_comm, memory_choices=args.memory_choices, schedule=tuple(args.schedule))
     if args.json:
         json.dump([r.as_dict() for r in records], sys.stdout, indent=1)
         print()
@@ -247,7 +252,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"{args.gpus} × {gpu} ({hardware.memory / GB:g} GB, {args.headroom:g} usable), s={args.seq_len}, "
           f"global batch {args.global_batch} sequences, {args.precision}, {args.optimizer}, {args.attention} attention. Model-state bytes exact; a layer's "
           f"activations {'from Table 2' if args.analytic else 'measured on small copies of it and scaled'}, times "
-          f"the micro-batches in flight; step time: {timing} + bubble ({args.schedule} where pp > 1), nothing "
+          f"the micro-batches in flight; step time: {timing} + bubble ({' or '.join(args.schedule)} where pp > 1), nothing "
           f"overlapped.")
     print(table(records, hardware, args.top, args.verbose))
     best = next((r for r in records if r.feasible), None)

@@ -15,7 +15,7 @@ import functools
 import itertools
 import math
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from lightning_seqpar.memory.activations import TransformerShape
 from lightning_seqpar.memory.flops import hardware_flops_per_iteration, mlp_forward_flops, model_flops_per_iteration
@@ -48,6 +48,9 @@ from lightning_seqpar.plan.transients import (
 
 RECOMPUTE = ("selective", "none", "full")
 VIRTUAL_STAGES = (1, 2, 4, 5)
+SEARCHED_SCHEDULES = ("1F1B", "ZB-H1")
+"""The pipeline schedules a search may price: 1F1B (interleaved where vpp > 1) and ZB-H1 (Qi et al. 2024: the backward
+split into B and W, one chunk per rank). ZB-V and DualPipeV are not built yet, so they are not searched."""
 
 
 @dataclass
@@ -101,6 +104,7 @@ class LayoutRecord:
     main_params: bool
     ep: int = 1
     cp_comm: str = "ring"
+    schedule: str = "1F1B"
     modules: tuple[str, ...] = ()
     offload: tuple[str, ...] = ()
     feasible: bool = False
@@ -126,7 +130,7 @@ def _divisors(n: int) -> list[int]:
 
 
 def plan(inventory: ModelInventory, gpus: int, seq_len: int, global_batch: int, *, hardware: Hardware = Hardware(),
-         precision: str = "bf16-mixed", headroom: float = 0.8, schedule: str = "1F1B",
+         precision: str = "bf16-mixed", headroom: float = 0.8, schedule: Union[str, tuple[str, ...]] = "1F1B",
          micro_batches: tuple[int, ...] = (1, 2, 4), attention_dropout: bool = False,
          calibrate: bool = True, fits: Optional[dict[tuple, Any]] = None,
          optimizer: str = "adamw", per_rank_batch: bool = False,
@@ -138,6 +142,9 @@ def plan(inventory: ModelInventory, gpus: int, seq_len: int, global_batch: int, 
         seq_len: s, tokens per sequence. global_batch: sequences per optimizer step.
         precision: ``bf16-mixed``, ``bf16-true`` (with float32 main params under zero 1), ``32-true``.
         headroom: the fraction of ``hardware.memory`` a feasible layout may fill.
+        schedule: the pipeline schedule of layouts with ``pp > 1``, or several to search (``("1F1B", "ZB-H1")``):
+            ``1F1B`` is the interleaved one where ``vpp > 1``; ``ZB-H1`` runs one chunk per rank. A record's
+            ``schedule`` is the one it was priced with (``1F1B`` without a pipeline).
         calibrate: a layer's activation bytes measured on small copies of the model and scaled
             (:mod:`~lightning_seqpar.plan.probe`; a Hugging Face model), else the analytic model
             (:mod:`~lightning_seqpar.plan.activations`).
@@ -160,6 +167,7 @@ def plan(inventory: ModelInventory, gpus: int, seq_len: int, global_batch: int, 
     _check(precision, optimizer)
     records = []
     fits = {} if fits is None else fits
+    schedules = (schedule,) if isinstance(schedule, str) else tuple(dict.fromkeys(schedule))
     for tp, cp in itertools.product(_divisors(gpus), context_parallel or _divisors(gpus)):
         if gpus % (tp * cp):
             continue
@@ -167,14 +175,16 @@ def plan(inventory: ModelInventory, gpus: int, seq_len: int, global_batch: int, 
             dp = gpus // (tp * cp * pp)
             # (under cp, selective is none: blockwise attention keeps no s² tensor; its rule says so to predict())
             kinds = RECOMPUTE if cp == 1 else tuple(k for k in RECOMPUTE if k != "selective")
-            for vpp, zero, mbs, recompute, ep in itertools.product(
+            for vpp, zero, mbs, recompute, ep, name in itertools.product(
                     VIRTUAL_STAGES if pp > 1 else (1,), [0, 1] if dp * cp > 1 else [0], micro_batches, kinds,
-                    expert_parallel_sizes(inventory, tp * cp * dp)):
+                    expert_parallel_sizes(inventory, tp * cp * dp), schedules if pp > 1 else schedules[:1]):
+                if vpp > 1 and name in SPLIT_BACKWARD and len(schedules) > 1:
+                    continue  # searched beside 1F1B: the split schedules run one chunk per rank (asked alone: refused)
                 record = LayoutRecord(tp, cp, pp, vpp, dp, zero, mbs, 0, recompute,
                                       main_params=zero == 1 and precision == "bf16-true", ep=ep,
-                                      cp_comm=cp_comm if cp > 1 else "ring")
+                                      cp_comm=cp_comm if cp > 1 else "ring", schedule=name if pp > 1 else "1F1B")
                 batch = global_batch * dp if per_rank_batch else global_batch
-                options = (inventory, seq_len, batch, hardware, precision, headroom, schedule, attention_dropout,
+                options = (inventory, seq_len, batch, hardware, precision, headroom, name, attention_dropout,
                            fits if calibrate else None, optimizer)
                 _evaluate(record, *options)
                 records.append(record)
@@ -391,6 +401,7 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
     around, after = (0.0, outside) if pp == 1 else (stage_input + prologue, epilogue)
     gradient = parameter + (2 if precision == "bf16-mixed" else 0)  # autocast's 16-bit weight gradient + its fp32 copy
     name = resolve_schedule(schedule, vpp) if pp > 1 else "1F1B"
+    record.schedule = name
     largest = largest_layer_weight(inventory, tp, record.ep)
     if cp == 1:
         attention_backward = attention_backward_bytes(inventory, s, b, tp, precision, record.recompute)

@@ -123,30 +123,43 @@ def test_layout_auto_names_what_it_needs():
     assert auto_layout_of(dict(seq_len=8, batch_size=4, micro_batches=[1, 2]), 1, 1).micro_batches == (1, 2)
 
 
-def _fit_gpt(rank, world, dp, fits):
-    """The reference GPT under ``AutoLayout(context_parallel=(2,))``, then under the layout it chose given by hand:
-    the same losses show the choice (cp and its communication included) is what trained."""
+def _fit_gpt(rank, world, cases, fits):
+    """The reference GPT under each case's ``AutoLayout``, then under the layout it chose given by hand: the same
+    losses show the choice (cp and its communication, the pipeline schedule) is what trained."""
     _planning_with(fits, rank, [])
     out = []
-    for auto in (True, False):
-        strategy = (SeqParallelStrategy(layout=AutoLayout(seq_len=SEQ, batch_size=BATCH, memory_budget=1e12,
-                                                          context_parallel=(2,), cp_comm="all_to_all"))
-                    if auto else SeqParallelStrategy(tp=out[0][0][0], cp=2, cp_comm="all_to_all"))
-        trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, precision="32-true", max_steps=2,
-                             logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                             enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0)
-        trainer.fit(build("gpt"), loader(token_data(2, dp, batch=BATCH), BATCH))  # the same batches
-        chosen = strategy.chosen_layout
-        out.append(((strategy.tp, chosen.pp if chosen else 1, chosen.cp_comm if chosen else None),
-                    strategy.mesh.cp, trainer.callback_metrics["train/loss"].item()))
+    for auto, by_hand, dp in cases:
+        runs = []
+        for strategy in (SeqParallelStrategy(layout=AutoLayout(**auto)), SeqParallelStrategy(**by_hand)):
+            trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, precision="32-true", max_steps=2,
+                                 logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                                 enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0)
+            trainer.fit(build("gpt"), loader(token_data(2, dp, batch=BATCH), BATCH))  # the same batches
+            pipeline = strategy.parallel.pipeline
+            runs.append(((strategy.tp, strategy.mesh.cp, strategy.parallel.cp_comm, strategy.mesh.pp,
+                          pipeline.schedule if strategy.mesh.pp > 1 else None),
+                         trainer.callback_metrics["train/loss"].item()))
+        out.append(runs)
     return out
 
 
-def test_the_reference_gpt_gets_a_context_parallel_layout_chosen_and_trains_as_given_by_hand():
+def test_the_reference_gpt_gets_context_parallelism_or_a_zero_bubble_schedule_chosen_and_trains_as_given_by_hand():
     inventory = inventory_of_hf_model(planned_model(build("gpt")))
-    auto = AutoLayout(SEQ, BATCH, 1e12, context_parallel=(2,), cp_comm="all_to_all")
-    best = rank_layouts(inventory, WORLD, SEQ, auto, 1e12, precision="32-true", gpus_per_node=WORLD, fits=FITS)[0]
-    assert best.cp == 2
-    for (chosen, cp, loss), (_, cp_by_hand, loss_by_hand) in run_distributed(_fit_gpt, WORLD, best.dp, FITS):
-        assert chosen == (best.tp, best.pp, "all_to_all") and cp == cp_by_hand == 2
-        assert math.isfinite(loss) and loss == loss_by_hand
+    ranked = lambda auto: rank_layouts(inventory, WORLD, SEQ, auto, auto.memory_budget, precision="32-true",  # noqa: E731
+                                       gpus_per_node=WORLD, fits=FITS, schedules=auto.schedules)
+    context = dict(seq_len=SEQ, batch_size=BATCH, memory_budget=1e12, context_parallel=(2,), cp_comm="all_to_all")
+    best_cp = ranked(AutoLayout(**context))[0]
+    # The tightest budget without cp whose best layout is pipelined with ZB-H1.
+    plain = dict(seq_len=SEQ, batch_size=BATCH, context_parallel=(1,))
+    budgets = sorted({r.bytes["total"] / 0.8 * 1.0001 for r in ranked(AutoLayout(**plain, memory_budget=1e12))})
+    budget = next(b for b in budgets if ranked(AutoLayout(**plain, memory_budget=b))[0].schedule == "ZB-H1")
+    best_zb = ranked(AutoLayout(**plain, memory_budget=budget))[0]
+    assert best_cp.cp == 2 and best_zb.pp > 1
+    cases = [(context, dict(tp=best_cp.tp, cp=2, cp_comm="all_to_all"), best_cp.dp),
+             (dict(plain, memory_budget=budget), dict(tp=best_zb.tp, pp=best_zb.pp, schedule="ZB-H1",
+                                                       num_microbatches=best_zb.num_microbatches), best_zb.dp)]
+    expected = [(best_cp.tp, 2, "all_to_all", best_cp.pp, None), (best_zb.tp, 1, "ring", best_zb.pp, "ZB-H1")]
+    for rank_runs in run_distributed(_fit_gpt, WORLD, cases, FITS):
+        for ((chosen, loss), (by_hand, loss_by_hand)), layout in zip(rank_runs, expected):
+            assert chosen == by_hand == layout
+            assert math.isfinite(loss) and loss == loss_by_hand

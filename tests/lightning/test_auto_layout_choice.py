@@ -70,3 +70,31 @@ def test_context_parallel_options_are_checked_when_given():
     with pytest.raises(ValueError, match=r"chooses cp; got cp=2 .*context_parallel=\(2,\)"):
         auto_layout_of(AutoLayout(8, 4), 1, 1, cp=2)
     assert auto_layout_of(dict(seq_len=8, batch_size=4, context_parallel=[1, 2]), 1, 1).context_parallel == (1, 2)
+
+
+def _choose(module, auto, fits, compiled):
+    import lightning_seqpar.lightning.auto_layout as auto_layout
+
+    plan, auto_layout.rank_layouts = auto_layout.rank_layouts, lambda *a, **k: plan(*a, **{**k, "fits": fits})
+    try:
+        return choose_layout(auto, module, SimpleNamespace(callbacks=[], precision="32-true"), ParallelConfig(),
+                             world=WORLD, gpus_per_node=WORLD, device=torch.device("cpu"), zero=0,
+                             sharded_context=contextlib.nullcontext, compiled=compiled)
+    finally:
+        auto_layout.rank_layouts = plan
+
+
+def test_a_zero_bubble_schedule_is_chosen_where_it_is_best_but_not_for_compiled_blocks():
+    module = GPTLightningModule(GPTConfig(vocab_size=13, block_size=8, n_layer=2, n_head=4, n_embd=16))
+    inventory, fits = inventory_of_hf_model(planned_model(module)), {}
+    ranked = lambda budget: rank_layouts(inventory, WORLD, 8, AutoLayout(8, 4, budget, context_parallel=(1,)),  # noqa: E731
+                                         budget, precision="32-true", gpus_per_node=WORLD, fits=fits)
+    budget = next(b for b in sorted({r.bytes["total"] / 0.8 * 1.0001 for r in ranked(1e12)})
+                  if ranked(b)[0].schedule == "ZB-H1")
+    auto = AutoLayout(8, 4, budget, context_parallel=(1,))
+    chosen = _choose(module, auto, fits, compiled=False)
+    assert chosen.record.schedule == chosen.parallel.pipeline.schedule == "ZB-H1" and chosen.parallel.pipeline.pp > 1
+    compiled = _choose(module, auto, fits, compiled=True)  # a compiled block's backward is one graph: no W to split
+    assert compiled.parallel.pipeline.schedule != "ZB-H1" and compiled.record.schedule != "ZB-H1"
+    with pytest.raises(ValueError, match="schedules=\\('ZB-V',\\): some of '1F1B' and 'ZB-H1'"):
+        AutoLayout(8, 4, schedules=("ZB-V",))
