@@ -3,9 +3,9 @@
 One group of processes:
 1. measures this machine's rates (:func:`lightning_seqpar.plan.calibrate.measure_rates`);
 2. on rank 0, ranks every layout of a small Llama on those processes with that calibration
-   (:func:`lightning_seqpar.plan.plan`, a layer's activations probed on small copies as the planner's CLI does). It
-   keeps the layouts the Trainer below can run (no context or expert parallelism) and takes the ``top`` best and
-   ``lower`` more, evenly spaced down the ranking;
+   (:func:`lightning_seqpar.plan.plan`, a layer's activations probed on small copies as the planner's CLI does):
+   tensor, context (ring), pipeline (1F1B, interleaved, ZB-H1) and data parallelism, ZeRO, micro-batches and
+   recomputation. It takes the ``top`` best and ``lower`` more, evenly spaced down the ranking;
 3. trains each one with ``SeqParallelStrategy`` for ``steps`` optimizer steps. Its measured time is the median over the
    steps after ``warmup``, slowest rank. Its measured peak is the largest rank's peak of live tensor bytes over the
    second step (a warm-up step, so the measuring does not slow a timed one;
@@ -59,13 +59,14 @@ def _chosen(cfg: dict[str, Any], world: int, calibration: Any) -> list[tuple[int
     import transformers
 
     from lightning_seqpar.plan import Hardware, inventory_of_hf_model, plan
+    from lightning_seqpar.plan.planner import SEARCHED_SCHEDULES
 
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(_llama(cfg))
     records = plan(inventory_of_hf_model(model), world, cfg["s"], cfg["global_batch"],
                    hardware=Hardware(memory=1e12, calibration=calibration), precision=cfg["precision"],
-                   context_parallel=(1,), micro_batches=tuple(cfg["micro_batches"]))
-    runnable = [r for r in records if r.feasible and r.ep == 1 and r.vpp == 1 and r.zero == 0]
+                   micro_batches=tuple(cfg["micro_batches"]), schedule=SEARCHED_SCHEDULES)
+    runnable = [r for r in records if r.feasible]  # a dense model: ep 1
     top, lower = cfg["top"], cfg["lower"]
     rest = runnable[top:]
     picks = list(range(min(top, len(runnable))))
@@ -76,8 +77,10 @@ def _chosen(cfg: dict[str, Any], world: int, calibration: Any) -> list[tuple[int
 
 
 def _describe(r: Any) -> str:
-    return (f"tp {r.tp} pp {r.pp} dp {r.dp} mbs {r.micro_batch}"
-            f"{f' m {r.num_microbatches}' if r.pp > 1 else ''} {r.recompute}")
+    pipeline = f" v {r.vpp}" if r.vpp > 1 else f" {r.schedule}" if r.pp > 1 and r.schedule == "ZB-H1" else ""
+    return (f"tp {r.tp}{f' cp {r.cp}' if r.cp > 1 else ''} pp {r.pp}{pipeline} dp {r.dp}"
+            f"{' zero 1' if r.zero else ''} mbs {r.micro_batch}{f' m {r.num_microbatches}' if r.pp > 1 else ''} "
+            f"{r.recompute}")
 
 
 def _measure(record: Any, cfg: dict[str, Any], world: int, device: torch.device) -> tuple[float, float]:
@@ -87,6 +90,7 @@ def _measure(record: Any, cfg: dict[str, Any], world: int, device: torch.device)
     from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_seqpar import SelectiveRecompute, SeqParallelStrategy
+    from lightning_seqpar.lightning.config import DataParallelConfig
     from lightning_seqpar.lightning.callbacks import StepPeak
     from lightning_seqpar.memory.cuda_autocast import cuda_autocast_rules
 
@@ -122,14 +126,20 @@ def _measure(record: Any, cfg: dict[str, Any], world: int, device: torch.device)
     if cfg["warmup"] < 2:
         raise ValueError(f"warmup={cfg['warmup']}: at least 2 (the second step's peak is measured, outside the timing).")
     steps = cfg["warmup"] + cfg["steps"] + 1  # one more: the last step's start ends the one before
-    strategy = SeqParallelStrategy(tp=record.tp, pp=record.pp,
-                                   **(dict(num_microbatches=record.num_microbatches) if pipelined else {}))
+    pipeline = dict(num_microbatches=record.num_microbatches, schedule=record.schedule,
+                    virtual_stages=record.vpp) if pipelined else {}
+    strategy = SeqParallelStrategy(tp=record.tp, pp=record.pp, cp=record.cp, cp_comm=record.cp_comm,
+                                   data_parallel=DataParallelConfig(zero=record.zero,
+                                                                    fp32_main_params=record.main_params), **pipeline)
     trainer = pl.Trainer(accelerator=device.type, devices=world, precision=cfg["precision"], max_steps=steps,
                          strategy=strategy, accumulate_grad_batches=accumulate, callbacks=callbacks, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          limit_val_batches=0, num_sanity_val_steps=0, use_distributed_sampler=False)
+    # tensor- and context-parallel peers read the same batch: seeded by the data-parallel rank (the mesh's order,
+    # tp fastest, then cp, then dp)
+    data_rank = dist.get_rank() // (record.tp * record.cp) % record.dp
     tokens = torch.randint(0, cfg["vocab_size"], (steps * per_rank, cfg["s"]),
-                           generator=torch.Generator().manual_seed(dist.get_rank()))
+                           generator=torch.Generator().manual_seed(data_rank))
     autocast_rules = cuda_autocast_rules() if device.type == "cpu" else contextlib.nullcontext()
     with autocast_rules:  # on CPU, what a GPU computes in float32 under bf16-mixed (softmax, norms), as predicted
         trainer.fit(LM(), DataLoader(TensorDataset(tokens), batch_size=per_rank if pipelined else record.micro_batch))
