@@ -98,3 +98,22 @@ def test_a_zero_bubble_schedule_is_chosen_where_it_is_best_but_not_for_compiled_
     assert compiled.parallel.pipeline.schedule != "ZB-H1" and compiled.record.schedule != "ZB-H1"
     with pytest.raises(ValueError, match="schedules=\\('ZB-V',\\): some of '1F1B' and 'ZB-H1'"):
         AutoLayout(8, 4, schedules=("ZB-V",))
+
+
+def test_a_lora_model_is_planned_with_its_adapters_trained_and_its_base_frozen():
+    from peft import LoraConfig, get_peft_model
+
+    from tests.helpers.models import build
+
+    module = build("hf", layers=4, kv_heads=4, labels=True)
+    module.model = get_peft_model(module.model, LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+    inventory, fits = inventory_of_hf_model(planned_model(module)), {}
+    trained = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    assert sum(e.numel for e in inventory.entries if e.trainable) == trained
+    assert sum(e.numel for e in inventory.entries) == sum(p.numel() for p in module.parameters())
+    auto = AutoLayout(8, 4, 1e12, context_parallel=(1,))
+    choice = _choose(module, auto, fits, compiled=False)
+    ranked = rank_layouts(inventory, WORLD, 8, auto, 1e12, precision="32-true", gpus_per_node=WORLD, fits=fits)
+    assert choice.record.bytes == ranked[0].bytes and (choice.record.tp, choice.record.pp) == (ranked[0].tp, ranked[0].pp)
+    whole = next(r for r in ranked if (r.tp, r.pp, r.zero) == (1, 1, 0))  # every adapter whole on the rank
+    assert whole.bytes["gradients"] == 4 * trained  # float32 gradients of the adapters only
