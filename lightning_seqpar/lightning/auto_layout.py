@@ -45,6 +45,10 @@ class AutoLayout:
             rejects the others, naming the rule).
         cp_comm: the context-parallel attention's communication, ``"ring"`` or ``"all_to_all"`` (heads divided by
             ``c·t``).
+        memory_choices: a layout too large for the memory is tried again with recomputation by module and
+            activation offload (the planner's ``memory_choices``, :data:`~lightning_seqpar.plan.memory_choices.TRADES`);
+            one that fits competes by step time, and when chosen the run gets the ``SelectiveRecompute(modules=...)``
+            and ``ActivationOffload(modules=...)`` callbacks it was priced with (not beside callbacks of the run's own).
         schedules: the pipeline schedules to search (``1F1B``, interleaved where vpp > 1, and ``ZB-H1``; a run with
             ``compile=True`` searches 1F1B only: a compiled block's backward cannot be split into B and W).
 
@@ -62,6 +66,7 @@ class AutoLayout:
     context_parallel: Optional[tuple[int, ...]] = None
     cp_comm: str = "ring"
     schedules: tuple[str, ...] = ("1F1B", "ZB-H1")
+    memory_choices: bool = False
 
     def __post_init__(self) -> None:
         if self.seq_len < 1 or self.batch_size < 1:
@@ -189,13 +194,22 @@ class LayoutChoice:
     parallel: Any
     recompute: Optional[str]
 
-    def add_recompute(self, trainer: Any) -> None:
-        """Add the chosen recomputation to ``trainer``'s callbacks, unless a
-        :class:`~lightning_seqpar.SelectiveRecompute` is there already (added by an earlier call, or the run's)."""
+    def add_callbacks(self, trainer: Any) -> None:
+        """Add the chosen recomputation (with the modules recomputed by module, when the choice traded for memory) and
+        activation offload to ``trainer``'s callbacks, unless a :class:`~lightning_seqpar.SelectiveRecompute` (an
+        :class:`~lightning_seqpar.ActivationOffload`) is there already (added by an earlier call, or the run's)."""
+        from lightning_seqpar.lightning.callbacks.activation_offload import ActivationOffload
         from lightning_seqpar.lightning.callbacks.selective_recompute import SelectiveRecompute
 
-        if self.recompute is not None and not any(isinstance(c, SelectiveRecompute) for c in trainer.callbacks):
-            trainer.callbacks.append(SelectiveRecompute(granularity=self.recompute))
+        modules = self.record.modules
+        if (self.recompute is not None or modules) and not any(isinstance(c, SelectiveRecompute)
+                                                                 for c in trainer.callbacks):
+            granularity = self.recompute or "none"
+            base = {"selective": ["core_attn"], "full": ["full"], "none": []}[granularity]
+            trainer.callbacks.append(SelectiveRecompute(modules=[*base, *modules]) if modules
+                                     else SelectiveRecompute(granularity=granularity))
+        if self.record.offload and not any(isinstance(c, ActivationOffload) for c in trainer.callbacks):
+            trainer.callbacks.append(ActivationOffload(modules=list(self.record.offload)))
 
 
 def choose_layout(auto: AutoLayout, module: Any, trainer: Any, parallel: Any, *, world: int, gpus_per_node: int,
@@ -214,6 +228,7 @@ def choose_layout(auto: AutoLayout, module: Any, trainer: Any, parallel: Any, *,
             ``planned_config()``) or refuses, a device memory to read that cannot be read, or
             no layout that fits (naming the smallest world and the longest sequence that would).
     """
+    from lightning_seqpar.lightning.callbacks.activation_offload import ActivationOffload
     from lightning_seqpar.lightning.callbacks.selective_recompute import SelectiveRecompute
     from lightning_seqpar.pipeline_parallel import PipelineConfig
     from lightning_seqpar.plan import inventory_of_hf_model
@@ -228,12 +243,14 @@ def choose_layout(auto: AutoLayout, module: Any, trainer: Any, parallel: Any, *,
                          f"planned_config() (the reference GPT); {type(module).__name__} holds neither. Give tp and pp "
                          f"(python -m lightning_seqpar.plan helps choose them).")
     existing = [c for c in trainer.callbacks if isinstance(c, SelectiveRecompute)]
+    offloading = any(isinstance(c, ActivationOffload) for c in trainer.callbacks)
     kinds = frozenset({c.granularity for c in existing} & {"none", "selective", "full"})
     memory = _memory(auto, device)
     inventory = inventory_of_hf_model(model)
     schedules = tuple(s for s in auto.schedules if not (compiled and s in SPLIT_BACKWARD)) or ("1F1B",)
     options = dict(precision=str(trainer.precision), zero=zero, recompute=kinds, gpus_per_node=gpus_per_node, fits={},
-                   ep=parallel.ep if parallel.ep > 1 else None, schedules=schedules)
+                   ep=parallel.ep if parallel.ep > 1 else None, schedules=schedules,
+                   memory_choices=auto.memory_choices and not existing and not offloading)
     ranked = rank_layouts(inventory, world, auto.seq_len, auto, memory, **options)
     if not ranked:
         raise ValueError(_nothing_fits(inventory, world, auto, memory, options))
@@ -247,11 +264,16 @@ def choose_layout(auto: AutoLayout, module: Any, trainer: Any, parallel: Any, *,
     return LayoutChoice(best, chosen, best.recompute if not existing and best.recompute != "none" else None)
 
 
+def _traded(record: Any) -> str:
+    return (f" + {'+'.join(record.modules)} recomputed" if record.modules else "") + (
+        f" + {','.join(record.offload)} offloaded" if record.offload else "")
+
+
 def _describe(record: Any) -> str:
     return (f"tp={record.tp}{f' cp={record.cp} ({record.cp_comm})' if record.cp > 1 else ''} pp={record.pp} "
             f"vpp={record.vpp}{f' {record.schedule}' if record.pp > 1 else ''} dp={record.dp}"
             f"{f' ep={record.ep}' if record.ep > 1 else ''} micro_batch={record.micro_batch} "
-            f"m={record.num_microbatches} recompute={record.recompute}: {_size(record.bytes['total'])} on stage "
+            f"m={record.num_microbatches} recompute={record.recompute}{_traded(record)}: {_size(record.bytes['total'])} on stage "
             f"{record.stage} ({', '.join(f'{k} {_size(v)}' for k, v in record.bytes.items() if k != 'total')}), "
             f"step {record.step_time['total']:.3g} s ({record.timing})")
 
@@ -264,18 +286,20 @@ def _size(n: float) -> str:
 def rank_layouts(inventory: Any, world: int, seq_len: int, auto: AutoLayout, memory: float, *, precision: str,
                  zero: int = 0, recompute: frozenset = frozenset(), gpus_per_node: int = 8,
                  fits: Optional[dict] = None, ep: Optional[int] = None,
-                 schedules: Optional[tuple[str, ...]] = None) -> list[Any]:
+                 schedules: Optional[tuple[str, ...]] = None, memory_choices: bool = False) -> list[Any]:
     """The feasible layouts ``layout=auto`` chooses from, best first (:func:`lightning_seqpar.plan.plan`'s records):
     the context-parallel sizes and communication of ``auto``, the loader's ``auto.batch_size`` per data-parallel rank
     (a global batch of ``batch_size × dp``), micro-batches
     splitting it under a pipeline (the whole batch without one), ``zero`` as given, the recomputation among
-    ``recompute`` (any when empty), the expert-parallel size ``ep`` (any when ``None``), the pipeline ``schedules`` (``None``: ``auto.schedules``)."""
+    ``recompute`` (any when empty), the expert-parallel size ``ep`` (any when ``None``), the pipeline ``schedules`` (``None``: ``auto.schedules``); with ``memory_choices``, layouts that trade recomputation by
+    module or activation offload for memory too."""
     from lightning_seqpar.plan import Hardware, plan
 
     records = plan(inventory, world, seq_len, auto.batch_size, hardware=Hardware(memory=memory,
                    gpus_per_node=gpus_per_node, calibration=auto.rates()), precision=precision, headroom=auto.headroom,
                    micro_batches=auto.micro_batches, fits=fits, per_rank_batch=True,
-                   context_parallel=auto.context_parallel, cp_comm=auto.cp_comm, schedule=schedules or auto.schedules)
+                   context_parallel=auto.context_parallel, cp_comm=auto.cp_comm, schedule=schedules or auto.schedules,
+                   memory_choices=memory_choices)
     return [r for r in records if r.feasible and r.zero == zero and (not recompute or r.recompute in recompute)
             and (ep is None or r.ep == ep) and (r.pp > 1 or r.micro_batch == auto.batch_size)]  # no pipeline: the loader's whole batch
 

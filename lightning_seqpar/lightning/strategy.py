@@ -216,7 +216,7 @@ class SeqParallelStrategy(ParallelStrategy):
         self._layout_choice = (self._layout_choice or choose()) if trainer is not None else decided_by_one_rank(
             lambda: self._layout_choice or choose(), self.global_rank == 0, self.broadcast)
         self.parallel, self.chosen_layout = self._layout_choice.parallel, self._layout_choice.record
-        self._layout_choice.add_recompute(trainer or module.trainer)
+        self._layout_choice.add_callbacks(trainer or module.trainer)
 
     @override
     def setup(self, trainer: Any) -> None:

@@ -72,13 +72,13 @@ def test_context_parallel_options_are_checked_when_given():
     assert auto_layout_of(dict(seq_len=8, batch_size=4, context_parallel=[1, 2]), 1, 1).context_parallel == (1, 2)
 
 
-def _choose(module, auto, fits, compiled):
+def _choose(module, auto, fits, compiled, world=WORLD):
     import lightning_seqpar.lightning.auto_layout as auto_layout
 
     plan, auto_layout.rank_layouts = auto_layout.rank_layouts, lambda *a, **k: plan(*a, **{**k, "fits": fits})
     try:
         return choose_layout(auto, module, SimpleNamespace(callbacks=[], precision="32-true"), ParallelConfig(),
-                             world=WORLD, gpus_per_node=WORLD, device=torch.device("cpu"), zero=0,
+                             world=world, gpus_per_node=world, device=torch.device("cpu"), zero=0,
                              sharded_context=contextlib.nullcontext, compiled=compiled)
     finally:
         auto_layout.rank_layouts = plan
@@ -117,3 +117,29 @@ def test_a_lora_model_is_planned_with_its_adapters_trained_and_its_base_frozen()
     assert choice.record.bytes == ranked[0].bytes and (choice.record.tp, choice.record.pp) == (ranked[0].tp, ranked[0].pp)
     whole = next(r for r in ranked if (r.tp, r.pp, r.zero) == (1, 1, 0))  # every adapter whole on the rank
     assert whole.bytes["gradients"] == 4 * trained  # float32 gradients of the adapters only
+
+
+def test_memory_choices_let_a_layout_fit_by_offload_and_the_run_gets_the_callbacks_it_was_priced_with():
+    from lightning_seqpar import ActivationOffload, SelectiveRecompute
+    from tests.helpers.models import build
+
+    module, s, world = build("hf", layers=4, kv_heads=4, labels=True), 64, 2  # 2 ranks: fewer layouts to trade
+    inventory, fits = inventory_of_hf_model(planned_model(module)), {}
+    ranked = lambda budget, trades: rank_layouts(  # noqa: E731
+        inventory, world, s, AutoLayout(s, 4, budget, context_parallel=(1,)), budget, precision="32-true",
+        gpus_per_node=world, fits=fits, memory_choices=trades)
+    budget = min(r.bytes["total"] for r in ranked(1e12, False)) / 0.8 * 0.999  # nothing fits as it is
+    assert not ranked(budget, False)
+    best = ranked(budget, True)[0]
+    assert best.offload or best.modules
+    auto = AutoLayout(s, 4, budget, context_parallel=(1,), memory_choices=True)
+    choice = _choose(module, auto, fits, compiled=False, world=world)
+    assert (choice.record.modules, choice.record.offload) == (best.modules, best.offload)
+    trainer = SimpleNamespace(callbacks=[])
+    choice.add_callbacks(trainer)
+    offloads = [c for c in trainer.callbacks if isinstance(c, ActivationOffload)]
+    recomputes = [c for c in trainer.callbacks if isinstance(c, SelectiveRecompute)]
+    assert [c.modules for c in offloads] == ([list(best.offload)] if best.offload else [])
+    assert bool(recomputes) == bool(best.modules or best.recompute != "none")
+    choice.add_callbacks(trainer)  # called again (the launching process, then a rank): nothing added twice
+    assert len(trainer.callbacks) == len(offloads) + len(recomputes)
