@@ -7,8 +7,10 @@ and each device's memory (CUDA's total, or ``memory_budget``), :func:`choose_lay
 (with virtual stages) and data parallelism, micro-batch and recomputation whose most loaded rank fits in ``headroom``
 of that memory, and gives the strategy the best ranked one before anything is allocated on a device: ``tp``, ``cp``,
 ``pp``, the schedule's micro-batches and virtual stages, the expert-parallel size of a mixture of experts (the one
-given, ``ep=e``, or the planner's choice when left at 1), and the recomputation (a :class:`~lightning_seqpar.SelectiveRecompute` callback, unless the run has one: its
-granularity then bounds the search). The choice and the runner-up are logged with their predicted bytes. When
+given, ``ep=e``, or the planner's choice when left at 1), the pipeline schedule, and the recomputation (a
+:class:`~lightning_seqpar.SelectiveRecompute` callback, unless the run has one: its granularity then bounds the
+search; with ``memory_choices``, recomputation by module and activation offload too). The choice, why, and the
+runner-up are logged once with their predicted bytes. When
 nothing fits it refuses, naming the smallest world size and the longest sequence (halved until it fits) that would.
 
 The loader's batch is per data-parallel rank (Lightning's convention; context-parallel peers read the same batch):
@@ -25,7 +27,6 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_seqpar.pipeline_parallel.schedules import SPLIT_BACKWARD
-
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,7 @@ class AutoLayout:
 
     Raises:
         ValueError: a size below 1, a headroom outside (0, 1], a context-parallel size below 1, an unknown
-            ``cp_comm``, or a calibration file that is missing or damaged.
+            ``cp_comm`` or schedule, or a calibration file that is missing or damaged.
     """
 
     seq_len: int
