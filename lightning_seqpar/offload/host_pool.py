@@ -33,11 +33,22 @@ from lightning_seqpar._compat import outside_dispatch_modes, tensor_version
 from lightning_seqpar.memory.saved_tensors import Packer, saved_tensor_policy
 
 
+def same_layout(t: Tensor, device: torch.device, pin_memory: bool = False) -> Tensor:
+    """An empty tensor on ``device`` with ``t``'s sizes and strides. ``torch.empty_like`` (and ``Tensor.to``) keep the
+    strides of a dense tensor only: a view with gaps (a chunk of a fused gate/up projection's output, ``[n, f]`` of
+    rows ``2f`` apart) would come back contiguous, and the backward reading it would run other kernels, in another
+    summation order, than on the original. Its storage spans the view's extent (a little more than its elements)."""
+    dense = torch.empty_like(t, device="meta")
+    if dense.stride() == t.stride() or any(st == 0 for st, n in zip(t.stride(), t.shape) if n > 1):
+        return torch.empty_like(t, device=device, pin_memory=pin_memory)  # dense, or broadcast (overlapping)
+    return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=device, pin_memory=pin_memory)
+
+
 class HostCopy:
     """One saved tensor waiting in host memory: its copy, the device it came from, the copy's bytes.
 
-    ``host`` keeps the tensor's strides when it is dense (as ``torch.empty_like`` does), so the backward that reads it
-    runs the kernels it would have run on the original.
+    ``host`` keeps the tensor's strides (:func:`same_layout`), so the backward that reads it runs the kernels it would
+    have run on the original.
     """
 
     __slots__ = ("host", "device", "nbytes", "ready", "back", "back_ready", "readers", "forward", "__weakref__")
@@ -119,14 +130,14 @@ class HostPool:
             stream = self._side_stream()
             stream.wait_stream(torch.cuda.current_stream(t.device))  # t is written on the compute stream
             with torch.cuda.stream(stream):
-                host = torch.empty_like(t, device="cpu", pin_memory=True)
+                host = same_layout(t, torch.device("cpu"), pin_memory=True)
                 host.copy_(t, non_blocking=True)
                 ready = torch.cuda.Event()
                 ready.record(stream)
             t.record_stream(stream)  # the allocator keeps t's memory until the copy has read it
         else:
             with outside_dispatch_modes():  # the host copy is not device memory: the trackers must not see it
-                host = torch.empty_like(t)
+                host = same_layout(t, t.device)
                 host.copy_(t)
             ready = None
         copy = HostCopy(host, t.device, nbytes, ready)
@@ -158,9 +169,10 @@ class HostPool:
             return back
         if self.cuda:
             torch.cuda.current_stream(copy.device).wait_event(copy.ready)  # the copy out has finished
-            back = copy.host.to(copy.device, non_blocking=True)  # ordered before the backward kernels that read it
+            back = same_layout(copy.host, copy.device)
+            back.copy_(copy.host, non_blocking=True)  # ordered before the backward kernels that read it
         else:
-            back = torch.empty_like(copy.host)  # made under the dispatch modes: it is device memory again
+            back = same_layout(copy.host, copy.device)  # made under the dispatch modes: it is device memory again
             back.copy_(copy.host)
         if copy.readers > 0:
             copy.back = back
@@ -177,11 +189,12 @@ class HostPool:
             if self.cuda:
                 stream = self._side_stream()  # after this copy's way out, made on the same stream
                 with torch.cuda.stream(stream):
-                    copy.back = copy.host.to(copy.device, non_blocking=True)
+                    copy.back = same_layout(copy.host, copy.device)
+                    copy.back.copy_(copy.host, non_blocking=True)
                     copy.back_ready = torch.cuda.Event()
                     copy.back_ready.record(stream)
             else:
-                copy.back = torch.empty_like(copy.host)  # device memory again, as the trackers see it
+                copy.back = same_layout(copy.host, copy.device)  # device memory again, as the trackers see it
                 copy.back.copy_(copy.host)
             self.bytes_in += copy.nbytes
             self.copies_in += 1
