@@ -26,7 +26,7 @@ from typing import Any, Optional, Union
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_seqpar.pipeline_parallel.schedules import SPLIT_BACKWARD
+from lightning_seqpar.pipeline_parallel.schedules import SEARCHED_SCHEDULES, SPLIT_BACKWARD
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ class AutoLayout:
     calibration: Optional[str] = None
     context_parallel: Optional[tuple[int, ...]] = None
     cp_comm: str = "ring"
-    schedules: tuple[str, ...] = ("1F1B", "ZB-H1")
+    schedules: tuple[str, ...] = SEARCHED_SCHEDULES
     memory_choices: bool = False
 
     def __post_init__(self) -> None:
@@ -78,8 +78,9 @@ class AutoLayout:
                 isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in self.context_parallel)):
             raise ValueError(f"AutoLayout.context_parallel={self.context_parallel!r}: positive sizes, e.g. (1, 2, 4), "
                              f"or None for every divisor of the world.")
-        if not self.schedules or any(s not in ("1F1B", "ZB-H1") for s in self.schedules):
-            raise ValueError(f"AutoLayout.schedules={self.schedules!r}: some of '1F1B' and 'ZB-H1'.")
+        if not self.schedules or any(s not in SEARCHED_SCHEDULES for s in self.schedules):
+            raise ValueError(f"AutoLayout.schedules={self.schedules!r}: some of "
+                             f"{' and '.join(map(repr, SEARCHED_SCHEDULES))}.")
         if self.cp_comm not in ("ring", "all_to_all"):
             raise ValueError(f"AutoLayout.cp_comm={self.cp_comm!r}: 'ring' or 'all_to_all'.")
         if self.calibration is not None:  # refused here, in the user's script, before any rank starts

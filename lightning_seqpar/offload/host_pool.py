@@ -38,8 +38,7 @@ def same_layout(t: Tensor, device: torch.device, pin_memory: bool = False) -> Te
     strides of a dense tensor only: a view with gaps (a chunk of a fused gate/up projection's output, ``[n, f]`` of
     rows ``2f`` apart) would come back contiguous, and the backward reading it would run other kernels, in another
     summation order, than on the original. Its storage spans the view's extent (a little more than its elements)."""
-    dense = torch.empty_like(t, device="meta")
-    if dense.stride() == t.stride() or any(st == 0 for st, n in zip(t.stride(), t.shape) if n > 1):
+    if t.is_contiguous() or torch.empty_like(t, device="meta").stride() == t.stride() or any(st == 0 for st, n in zip(t.stride(), t.shape) if n > 1):
         return torch.empty_like(t, device=device, pin_memory=pin_memory)  # dense, or broadcast (overlapping)
     return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=device, pin_memory=pin_memory)
 

@@ -20,6 +20,9 @@ from typing import Iterator, Literal, Optional
 SCHEDULES = ("1F1B", "gpipe", "interleaved_1F1B", "ZB-H1")
 ScheduleName = Literal["1F1B", "gpipe", "interleaved_1F1B", "ZB-H1"]
 SPLIT_BACKWARD = ("ZB-H1",)
+SEARCHED_SCHEDULES = ("1F1B", "ZB-H1")
+"""The schedules a layout search prices (the planner, ``AutoLayout``): 1F1B (interleaved where vpp > 1) and ZB-H1
+(Qi et al. 2024: the backward split into B and W, one chunk per rank). ZB-V and DualPipeV are not built yet."""
 """The schedules whose backward is B then W (the parallel linears' weight gradients deferred to W)."""
 
 

@@ -24,12 +24,13 @@ from collections import defaultdict
 from typing import Any, Callable, Optional, Sequence
 
 from lightning_seqpar.checkpoint.hf_export import parse_size
+from lightning_seqpar.checkpoint.peft_adapter import LORA_TARGETS
+from lightning_seqpar.pipeline_parallel.schedules import SEARCHED_SCHEDULES
 from lightning_seqpar.plan.calibration import StepCalibration
 from lightning_seqpar.plan.cost import Hardware
 from lightning_seqpar.plan.memory_choices import describe
-from lightning_seqpar.checkpoint.peft_adapter import LORA_TARGETS
 from lightning_seqpar.plan.models import load_model_config, model_inventory
-from lightning_seqpar.plan.planner import SEARCHED_SCHEDULES, LayoutRecord, plan
+from lightning_seqpar.plan.planner import LayoutRecord, plan
 
 GB = 1e9
 MAX_GPUS = 1 << 20
@@ -223,8 +224,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     hardware = Hardware.named(args.gpu or "h100", memory=memory, gpus_per_node=args.gpus_per_node,
                               efficiency=args.efficiency, calibration=calibration)
     gpu = args.gpu or ("h100" if memory is None else "GPU (h100's rates: --gpu to set them)")
-    if args.lora is not None and args.frozen:
-        parser.error("--frozen with --lora: LoRA trains the adapters only, the base is frozen already.")
     try:
         inventory = model_inventory(args.model, args.seq_len, args.attention, args.lora, args.lora_targets,
                                     args.frozen)
@@ -244,7 +243,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               if calibration else f"a rough estimate (compute at {args.efficiency:g} of peak, collectives at nominal "
                                   f"link rates; measure them: `python -m lightning_seqpar.plan calibrate --out FILE`, "
                                   f"then --calibration FILE)")
-    trainable = sum(e.numel for e in inventory.entries if e.trainable)
+    trainable = inventory.num_trainable
     print(f"{inventory.name}: {inventory.num_parameters / 1e9:.2f} B parameters"
           f"{f' ({trainable / 1e6:,.1f} M trainable)' if trainable < inventory.num_parameters else ''}, "
           f"L={inventory.num_layers}, "

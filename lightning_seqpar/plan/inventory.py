@@ -134,6 +134,12 @@ class ModelInventory:
         return hashlib.sha256(f"{self.name}|{self.eager_attention}|{text}".encode()).hexdigest()
 
     @property
+    def num_trainable(self) -> int:
+        """Single-device count of the parameters trained (``requires_grad``; LoRA's adapters, a partly frozen model's
+        rest): those with gradients, main params and optimizer state."""
+        return sum(e.numel for e in self.entries if e.trainable)
+
+    @property
     def num_parameters(self) -> int:
         """Single-device parameter count (a tied weight once)."""
         return sum(e.numel for e in self.entries)

@@ -48,9 +48,6 @@ from lightning_seqpar.plan.transients import (
 
 RECOMPUTE = ("selective", "none", "full")
 VIRTUAL_STAGES = (1, 2, 4, 5)
-SEARCHED_SCHEDULES = ("1F1B", "ZB-H1")
-"""The pipeline schedules a search may price: 1F1B (interleaved where vpp > 1) and ZB-H1 (Qi et al. 2024: the backward
-split into B and W, one chunk per rank). ZB-V and DualPipeV are not built yet, so they are not searched."""
 
 
 @dataclass

@@ -59,7 +59,7 @@ def _chosen(cfg: dict[str, Any], world: int, calibration: Any) -> list[tuple[int
     import transformers
 
     from lightning_seqpar.plan import Hardware, inventory_of_hf_model, plan
-    from lightning_seqpar.plan.planner import SEARCHED_SCHEDULES
+    from lightning_seqpar.pipeline_parallel.schedules import SEARCHED_SCHEDULES
 
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(_llama(cfg))

@@ -18,16 +18,12 @@ LORA_16 = 32 * 16 * (2 * (4096 + 4096) + 2 * (4096 + 1024) + 3 * (4096 + 14336))
 EMBEDDINGS = 2 * 128256 * 4096  # embed_tokens and the untied lm_head
 
 
-def _trainable(inventory):
-    return sum(e.numel for e in inventory.entries if e.trainable)
-
-
 def test_lora_and_frozen_parts_are_counted_as_peft_and_torch_count_them():
     lora = model_inventory(LLAMA3_8B, lora=16)
-    assert _trainable(lora) == LORA_16 == 41_943_040  # what PEFT prints for Llama-3-8B at r 16 on every projection
+    assert lora.num_trainable == LORA_16 == 41_943_040  # what PEFT prints for Llama-3-8B at r 16 on every projection
     assert lora.num_parameters == BASE + LORA_16
     frozen = model_inventory(LLAMA3_8B, frozen=("embed_tokens", "lm_head"))
-    assert frozen.num_parameters == BASE and _trainable(frozen) == BASE - EMBEDDINGS
+    assert frozen.num_parameters == BASE and frozen.num_trainable == BASE - EMBEDDINGS
 
 
 def _records(tmp_path, capsys, *flags):
@@ -60,7 +56,7 @@ def test_the_header_says_what_is_trained(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (("--lora", "16", "--frozen", "lm_head"), "--frozen with --lora: LoRA trains the adapters only"),
+    (("--lora", "16", "--frozen", "lm_head"), r"frozen=\['lm_head'\] with LoRA: LoRA trains the adapters only"),
     (("--lora", "16", "--lora-targets", "c_attn"), r"LoRA target_modules \['c_attn'\] match no module.*q_proj"),
     (("--frozen", "router"), "frozen 'router' names no parameter"),
     (("--lora", "0"), "--lora"),

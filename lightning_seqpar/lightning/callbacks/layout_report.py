@@ -49,9 +49,9 @@ def _planned_model(module: pl.LightningModule) -> Optional[torch.nn.Module]:
 
     Raises:
         ValueError: a model that declares a plan config it cannot be planned as
-            (:func:`~lightning_seqpar.lightning.auto_layout.declared_plan_config`).
+            (:func:`~lightning_seqpar.lightning.auto_layout.planned_model`).
     """
-    from lightning_seqpar.lightning.auto_layout import declared_plan_config, hf_model_in
+    from lightning_seqpar.lightning.auto_layout import hf_model_in, planned_model
     from lightning_seqpar.plan.models import meta_model
 
     model = hf_model_in(module)
@@ -62,8 +62,7 @@ def _planned_model(module: pl.LightningModule) -> Optional[torch.nn.Module]:
             with torch.device("meta"):
                 rebuilt = module.with_adapters(rebuilt)  # LoRA: the frozen base costs its parameters only
         return rebuilt
-    declared = declared_plan_config(module)  # the reference GPT: the GPT-2 of its sizes
-    return meta_model(declared) if declared is not None else None
+    return planned_model(module)  # the reference GPT: the GPT-2 of its sizes
 
 
 def predicted_peak(trainer: pl.Trainer, module: pl.LightningModule, seq_len: int, batch_size: int) -> tuple[
