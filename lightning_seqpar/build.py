@@ -4,11 +4,11 @@
    rewrite replaces: a vocabulary-parallel embedding is no ``nn.Embedding``; the paths stay the same);
 2. rewrite the recognized blocks (:func:`lightning_seqpar.policies.rewrite`), every parameter given its placement;
    their self-checks run on one rank, whose verdict every rank raises (:class:`OneRankChecks`);
-3. refuse a layout that splits experts over a model without any (``ep > 1``), and a load-balancing loss over every
-   layer's router logits split into pipeline stages;
+3. refuse a layout that splits experts over a model without any (``ep > 1``);
 4. keep this rank's pipeline stage of the layer stack and the parts outside it the stage holds
    (:func:`~lightning_seqpar.pipeline_parallel.stage.split_stages`,
-   :func:`~lightning_seqpar.pipeline_parallel.placement.place_outside_stack`);
+   :func:`~lightning_seqpar.pipeline_parallel.placement.place_outside_stack`), and give a mixture's router losses
+   their carrier between stages (:func:`attach_router_losses`);
 5. materialize the shards kept (meta-device blocks filled one at a time from a shared seed; on the meta device for a
    dry run).
 
@@ -18,19 +18,23 @@ at full size on the meta device (``plan/dry_run.py``): one sequence, so they can
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional
 
 import torch.nn as nn
 
+from lightning_seqpar.moe.pipeline_losses import RouterLossTerms, StageRouterLosses
 from lightning_seqpar.parallel.one_rank import decided_by_one_rank
 from lightning_seqpar.parallel.placement import placement_of
 from lightning_seqpar.pipeline_parallel.config import PipelineConfig
 from lightning_seqpar.pipeline_parallel.placement import place_outside_stack
-from lightning_seqpar.pipeline_parallel.stage import StageRuntime, split_stages
+from lightning_seqpar.pipeline_parallel.stage import StageRuntime, find_layer_stack, split_stages
 from lightning_seqpar.policies import pipeline_placement, plan_rewrite, rewrite
 from lightning_seqpar.rewriting import Policy, RewriteContext, RewritePlan
 from lightning_seqpar.transformer.materialize import Materializer
+from lightning_seqpar.transformer.moe_part import MoEPart
+from lightning_seqpar.transformer.roles import ParallelLayer
 
 
 @dataclass
@@ -93,11 +97,11 @@ def build_rank(model: nn.Module, ctx: RewriteContext, policies: Optional[Iterabl
         verify = False  # checked; the rewrite below repeats only the static checks, alike on every rank
     plan = rewrite(model, ctx, policies, verify)
     check_experts(model, expert_parallel)
-    if pipeline.enabled:
-        check_router_losses(model)
     built = RankModel(plan)
     if pipeline.enabled:  # embeddings on the first stage, final norm and head on the last, where a policy says so
+        moe_layers = moe_layer_indices(model)
         built.runtime, built.remote_keys = split_stages(model, pipeline, pipeline_rank)
+        built.runtime.router_losses = attach_router_losses(model, built.runtime, moe_layers)
         built.remote_keys += place_outside_stack(model, placement, built.runtime, pipeline_rank)
     if materializer is not None:
         materializer.fill(model, ctx.shard_group)
@@ -117,16 +121,48 @@ def check_experts(model: nn.Module, expert_parallel: int) -> None:
                          f"(no mixture-of-experts layer was recognized): leave ep=1.")
 
 
-def check_router_losses(model: nn.Module) -> None:
-    """Under pipeline parallelism, no load-balancing loss pooled over every layer's router logits (transformers'
-    ``output_router_logits=True``): the last stage would record its own layers' logits only.
+def attach_router_losses(model: nn.Module, runtime: StageRuntime, moe_layers: set[int]) -> Optional[StageRouterLosses]:
+    """Under pipeline parallelism, give this rank's mixture-of-experts parts a
+    :class:`~lightning_seqpar.moe.pipeline_losses.StageRouterLosses` when the model adds router losses to its loss
+    (``output_router_logits``), and the module holding that config a forward pre-hook reading its
+    ``attention_mask``; ``None`` (nothing attached) otherwise.
+
+    Args:
+        model: this rank's split model (:func:`~lightning_seqpar.pipeline_parallel.split_stages`).
+        runtime: its :class:`~lightning_seqpar.pipeline_parallel.StageRuntime`.
+        moe_layers: the indices in the layer stack of every layer with a mixture of experts (before the split).
 
     Raises:
-        ValueError: naming the setting and the fix (every rank decides alike: no hang).
+        ValueError: the last stage holds no mixture-of-experts layer (its loss would not read the router statistics),
+            naming the fix; every rank decides alike.
     """
-    configs = {id(c): c for c in (getattr(m, "config", None) for m in model.modules()) if c is not None}
-    if any(getattr(c, "output_router_logits", False) is True for c in configs.values()):
-        raise ValueError("output_router_logits=True under pipeline parallelism: the load-balancing loss pools the "
-                         "router logits of every layer, and each pipeline stage holds only its own layers. Train it "
-                         "with pp=1 (tensor, expert, data or context parallelism), or set output_router_logits=False "
-                         "(the reference GPT: aux_loss_coef=0 and z_loss_coef=0).")
+    owner = next((m for m in model.modules() if RouterLossTerms.of(getattr(m, "config", None)) is not None), None)
+    if owner is None or not moe_layers:
+        return None
+    terms = RouterLossTerms.of(owner.config)
+    assert terms is not None
+    last = runtime.layout.num_stages - 1
+    start, end = runtime.layout.bounds(last)
+    if not moe_layers & set(range(start, end)):
+        raise ValueError(f"The last pipeline stage holds layers {start}..{end - 1}, none with a mixture of experts, and "
+                         f"the model adds its router losses (output_router_logits=True) in the loss there. Place at "
+                         f"least one mixture-of-experts layer on the last stage (pipeline.layers_per_stage), or set "
+                         f"output_router_logits=False.")
+    parts: dict[int, list[Any]] = {}
+    for layer in (m for m in model.modules() if isinstance(m, ParallelLayer)):
+        stage = getattr(layer, "pipeline_stage", None)
+        found = [p for p in (getattr(m, "mlp_part", None) for m in layer.modules()) if isinstance(p, MoEPart)]
+        if stage is not None and found:
+            parts.setdefault(stage, []).extend(found)
+    carrier = StageRouterLosses(terms, parts, last)
+    for part in (p for found in parts.values() for p in found):
+        part.tokens = dataclasses.replace(part.tokens, stages=carrier)
+    owner.register_forward_pre_hook(carrier.capture, with_kwargs=True)
+    return carrier
+
+
+def moe_layer_indices(model: nn.Module) -> set[int]:
+    """The indices in the layer stack of the rewritten layers whose MLP is a mixture of experts."""
+    container, indices = find_layer_stack(model)
+    return {i for i in indices if any(isinstance(getattr(m, "mlp_part", None), MoEPart)
+                                      for m in container[i].modules())}

@@ -134,7 +134,8 @@ class PipelinedSteps:
         if config.schedule in SPLIT_BACKWARD and model is not None:
             store = WeightGradientStore()
             split_weight_gradients(model, store)
-        return cls(PipelineExecutor(runtime, StageTransport(pipeline, device), config, store))
+        parts = 1 if runtime.router_losses is None else 2  # a mixture's router statistics beside each activation
+        return cls(PipelineExecutor(runtime, StageTransport(pipeline, device, parts), config, store))
 
     @property
     def config(self) -> PipelineConfig:

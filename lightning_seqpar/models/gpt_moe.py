@@ -15,10 +15,13 @@ from torch import Tensor
 from lightning_seqpar.moe.balancing import load_balancing_loss, router_z_loss
 
 
-def router_losses(config: Any, logits: tuple[Tensor, ...]) -> Tensor:
+def router_losses(config: Any, logits: tuple[Optional[Tensor], ...]) -> Tensor:
     """``aux_loss_coef ×`` the load-balancing loss (pooled over the layers, or each layer's summed:
     ``config.aux_loss_type``) ``+ z_loss_coef ×`` the router z-loss of one forward's router logits ``[n, E]`` per layer,
     over every rank's tokens when a parallel block produced them (:mod:`lightning_seqpar.moe.balancing`)."""
+    logits = tuple(x for x in logits if x is not None)  # under pipeline parallelism: the layers that ran here
+    if not logits:
+        return torch.zeros((), dtype=torch.float32)
     loss = torch.zeros((), dtype=torch.float32, device=logits[0].device)
     if config.aux_loss_coef > 0:
         loss = loss + config.aux_loss_coef * load_balancing_loss(

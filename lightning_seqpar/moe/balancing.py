@@ -22,7 +22,7 @@ which that sum restores. Accumulated or pipelined micro-batches scale it as they
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 from torch import Tensor
@@ -31,6 +31,16 @@ from lightning_seqpar.parallel.collectives import ParallelGroup
 
 MARK = "lightning_seqpar_router_tokens"
 """The attribute on a router-logits tensor the parallel block produced: its :class:`RouterTokens`."""
+
+
+class StageCarrier(Protocol):
+    """What the last pipeline stage's router losses read from the carrier of the earlier stages' statistics
+    (:class:`~lightning_seqpar.moe.pipeline_losses.StageRouterLosses`)."""
+
+    upstream: Any  # the RouterStatistics received for the running forward, or None
+
+    def consumed(self, totals: Any, pooled: bool = False) -> None:
+        """Record the statistics the loss used (sent back to the earlier stages)."""
 
 
 @dataclass(frozen=True)
@@ -44,12 +54,15 @@ class RouterTokens:
         context_parallel: c, the context-parallel ranks, whose losses are summed after the forward
             (:func:`~lightning_seqpar.context_parallel.loss.sum_over_context`, its backward times c).
         rows_of: the model's ``attention_mask`` ``[b, s]`` → this rank's rows' entries ``[n]``, in the logits' order.
+        stages: under pipeline parallelism, the carrier of the earlier stages' router statistics
+            (:class:`~lightning_seqpar.moe.pipeline_losses.StageRouterLosses`); ``None`` without.
     """
 
     groups: tuple[ParallelGroup, ...]
     data_parallel: int
     context_parallel: int
     rows_of: Callable[[Tensor], Tensor]
+    stages: Optional["StageCarrier"] = None
 
 
 @dataclass(frozen=True)
@@ -106,8 +119,57 @@ def parallel_load_balancing_loss(gate_logits: tuple[Tensor, ...], num_experts: i
     (Megatron-Core's ``switch_load_balancing_loss_func`` per layer, over every rank's tokens of the step), instead of
     one loss of the counts and probabilities pooled over the layers.
 
+    On the last pipeline stage (``tokens.stages``, :mod:`~lightning_seqpar.moe.pipeline_losses`) the statistics of the
+    earlier stages' layers, received with the activation, join this stage's: the value is the one-process loss of
+    every layer, and the gradient on this stage's logits is theirs in it.
+
     No host synchronisation: the counts are scatter-adds, the row count stays a tensor.
     """
+    upstream = tokens.stages.upstream if tokens.stages is not None else None
+    if per_layer:
+        loss = per_layer_balancing(gate_logits, num_experts, top_k, attention_mask, tokens)
+        if upstream is not None:
+            loss = loss + upstream.per_layer
+            tokens.stages.consumed(upstream)
+        return _as_replica_loss(loss, tokens)
+    counts, probabilities, rows = router_statistics(gate_logits, num_experts, top_k, attention_mask, tokens)
+    if upstream is None:
+        return _as_replica_loss(pooled_balancing(counts, probabilities, rows, num_experts), tokens)
+    totals = upstream.joined(counts, probabilities.detach(), rows)
+    tokens.stages.consumed(totals, pooled=True)
+    own = pooled_balancing(totals.counts, probabilities, totals.rows, num_experts)  # its gradient: this stage's share
+    value = pooled_balancing(totals.counts, totals.probabilities, totals.rows, num_experts)
+    return _as_replica_loss(value + (own - own.detach()), tokens)
+
+
+def router_statistics(gate_logits: Sequence[Tensor], num_experts: int, top_k: int, attention_mask: Optional[Tensor],
+                      tokens: RouterTokens) -> tuple[Tensor, Tensor, Tensor]:
+    """The pooled statistics of ``gate_logits`` (one ``[n, E]`` per layer) over every rank's tokens: the (token,
+    top-k) choices per expert ``[E]`` and the rows ``[]`` (summed over ``tokens.groups``, no gradient), and the
+    router probabilities summed per expert ``[E]`` (summed over the groups with an identity backward: this rank's
+    share of the gradient). float32."""
+    counts, probabilities, rows = _layer_statistics(gate_logits, num_experts, top_k, attention_mask, tokens)
+    return _reduced(counts.sum(0), probabilities.sum(0), rows.sum(0), tokens)
+
+
+def pooled_balancing(counts: Tensor, probabilities: Tensor, rows: Tensor, num_experts: int) -> Tensor:
+    """``E · Σ_e (counts_e / rows) · (probabilities_e / rows)``: the Switch Transformer's loss of pooled statistics
+    (Fedus et al. 2021, Eq. 4-6; transformers' ``load_balancing_loss_func``)."""
+    return torch.sum((counts / rows) * (probabilities / rows)) * num_experts
+
+
+def per_layer_balancing(gate_logits: Sequence[Tensor], num_experts: int, top_k: int,
+                        attention_mask: Optional[Tensor], tokens: RouterTokens) -> Tensor:
+    """``Σ_l`` :func:`pooled_balancing` of layer l's statistics over every rank's tokens: the global value; the
+    gradient on this rank's logits is its share."""
+    counts, probabilities, rows = _layer_statistics(gate_logits, num_experts, top_k, attention_mask, tokens)
+    counts, probabilities, rows = _reduced(counts, probabilities, rows, tokens)
+    return torch.sum((counts / rows[:, None]) * (probabilities / rows[:, None])) * num_experts
+
+
+def _layer_statistics(gate_logits: Sequence[Tensor], num_experts: int, top_k: int, attention_mask: Optional[Tensor],
+                      tokens: RouterTokens) -> tuple[Tensor, Tensor, Tensor]:
+    """Each layer's counts ``[L, E]``, probability sums ``[L, E]`` and rows ``[L]`` of this rank's tokens."""
     device = gate_logits[0].device
     weights = _row_weights(attention_mask, tokens, device)
     per: dict[str, list[Tensor]] = {"counts": [], "probabilities": [], "rows": []}  # each layer's: [E], [E], []
@@ -120,24 +182,37 @@ def parallel_load_balancing_loss(gate_logits: tuple[Tensor, ...], num_experts: i
             0, chosen.reshape(-1), each))
         per["probabilities"].append((routing.float() if weights is None else routing.float() * weights[:, None]).sum(0))
         per["rows"].append(torch.full((), float(routing.shape[0]), device=device) if weights is None else weights.sum())
-    counts, probabilities, rows = (torch.stack(per[key]) for key in ("counts", "probabilities", "rows"))
-    if not per_layer:  # transformers': one loss of the counts and probabilities pooled over the layers
-        counts, probabilities, rows = (x.sum(0, keepdim=True) for x in (counts, probabilities, rows))
+    return tuple(torch.stack(per[key]) for key in ("counts", "probabilities", "rows"))  # type: ignore[return-value]
+
+
+def _reduced(counts: Tensor, probabilities: Tensor, rows: Tensor, tokens: RouterTokens
+             ) -> tuple[Tensor, Tensor, Tensor]:
     with torch.no_grad():  # the counts and the rows in one reduction per group
-        totals = torch.cat([counts, rows[:, None]], dim=1)
+        totals = torch.cat([counts, rows.unsqueeze(-1)], dim=-1)
         for group in tokens.groups:
             totals = group.all_reduce(totals)
-        counts, rows = totals[:, :-1], totals[:, -1:]
-    probabilities = _SumOverRanks.apply(probabilities, tokens.groups)
-    return _as_replica_loss(torch.sum((counts / rows) * (probabilities / rows)) * num_experts, tokens)
+        counts, rows = totals[..., :-1], totals[..., -1]
+    return counts, _SumOverRanks.apply(probabilities, tokens.groups), rows
 
 
 def parallel_router_z_loss(gate_logits: tuple[Tensor, ...], attention_mask: Optional[Tensor],
                            tokens: RouterTokens) -> Tensor:
     """The router z-loss over every rank's tokens, summed over the layers: ``Σ_l mean_i (log Σ_e exp x_ie)²`` (Zoph
     et al., *ST-MoE*, 2022, Eq. 5; Megatron-Core's ``z_loss_func`` per layer), the mean over the step's tokens (padding
-    left out where ``attention_mask`` says), in float32; value and gradient as :func:`parallel_load_balancing_loss`'s.
+    left out where ``attention_mask`` says), in float32; value and gradient as :func:`parallel_load_balancing_loss`'s,
+    the earlier pipeline stages' layers included on the last one.
     """
+    loss = router_z(gate_logits, attention_mask, tokens)
+    upstream = tokens.stages.upstream if tokens.stages is not None else None
+    if upstream is not None:
+        loss = loss + upstream.z
+        tokens.stages.consumed(upstream)
+    return _as_replica_loss(loss, tokens)
+
+
+def router_z(gate_logits: Sequence[Tensor], attention_mask: Optional[Tensor], tokens: RouterTokens) -> Tensor:
+    """``Σ_l mean_i (log Σ_e exp x_ie)²`` of ``gate_logits`` over every rank's tokens: the global value; the gradient
+    on this rank's logits is its share."""
     device = gate_logits[0].device
     weights = _row_weights(attention_mask, tokens, device)
     squares = torch.zeros((), dtype=torch.float32, device=device)
@@ -150,7 +225,7 @@ def parallel_router_z_loss(gate_logits: tuple[Tensor, ...], attention_mask: Opti
         for group in tokens.groups:
             rows = group.all_reduce(rows)
     squares = _SumOverRanks.apply(squares, tokens.groups)
-    return _as_replica_loss(squares / rows * len(gate_logits), tokens)  # rows counted once per layer
+    return squares / rows * len(gate_logits)  # rows counted once per layer
 
 
 def _row_weights(attention_mask: Optional[Tensor], tokens: RouterTokens, device: torch.device) -> Optional[Tensor]:

@@ -75,7 +75,8 @@ class PipelineExecutor:
             micro-batches whose forward ran and whose last backward action, W where there is one, has not).
 
     Raises:
-        ValueError: a schedule with W actions without ``weight_gradients``.
+        ValueError: a schedule with W actions without ``weight_gradients``; a transport whose tensors per message
+            are not the model's (two where the runtime carries router statistics).
     """
 
     def __init__(self, runtime: StageRuntime, transport: StageTransport, config: PipelineConfig,
@@ -83,6 +84,10 @@ class PipelineExecutor:
         if config.schedule in SPLIT_BACKWARD and weight_gradients is None:
             raise ValueError(f"The {config.schedule} schedule runs W actions: give the executor the store its layers "
                              f"defer their weight gradients to (split_weight_gradients).")
+        if transport.parts != (1 if runtime.router_losses is None else 2):
+            raise ValueError(f"A transport of {transport.parts} tensors per message for a model that carries "
+                             f"{'nothing' if runtime.router_losses is None else 'router statistics'} beside its "
+                             f"activations: build it with parts={1 if runtime.router_losses is None else 2}.")
         self.runtime, self.transport, self.config = runtime, transport, config
         self.weight_gradients = weight_gradients
         self.observers: list[Callable[[Action, int], None]] = []
@@ -131,6 +136,9 @@ class PipelineExecutor:
             latest = {a.chunk: i for i, a in enumerate(program_steps) if not isinstance(a, Batch) and a.kind == kind}
             arming.update({i: (chunk, i == max(latest.values()), which) for chunk, i in latest.items()})
         result = StepResult()
+        carried = self.runtime.router_losses
+        if carried is not None:
+            carried.forget()  # what a step that raised may have left
         saved: dict[tuple[int, int], tuple[Optional[Tensor], Tensor]] = {}
         outgoing: dict[Message, Tensor] = {}
         received: dict[Message, Tensor] = {}
@@ -146,17 +154,24 @@ class PipelineExecutor:
                 assert self.weight_gradients is not None
                 self.weight_gradients.run(key)
             elif action.kind == "F":
-                incoming = None
+                incoming, beside = None, None
                 if stage > 0:
                     incoming = received.pop((ACTIVATION, stage, action.microbatch))
+                    if carried is not None:
+                        incoming, beside = incoming
                     if not forward_only and incoming.is_floating_point():
                         incoming.requires_grad_()
+                if carried is not None:
+                    carried.begin(stage, action.microbatch, beside, self.transport.device)
                 sent, out = self.runtime.run(stage, incoming, lambda i=action.microbatch: step(i))
                 if stage < last:
                     if not sent:
                         raise RuntimeError(f"Stage {stage} finished the step without reaching its last layer.")
-                    outgoing[(ACTIVATION, stage + 1, action.microbatch)] = out
+                    outgoing[(ACTIVATION, stage + 1, action.microbatch)] = out if carried is None else \
+                        (out, carried.finish(stage, action.microbatch, training=not forward_only))
                 else:
+                    if carried is not None:
+                        carried.end()
                     result.outputs[action.microbatch] = out
                     out = loss_of(out) if not forward_only else out
                 if not forward_only:
@@ -167,8 +182,17 @@ class PipelineExecutor:
                 with deferring:
                     if stage == last:
                         torch.autograd.backward(out / m)
+                        beside = None if carried is None else carried.totals(action.microbatch, self.transport.device)
                     else:
-                        torch.autograd.backward(out, received.pop((GRADIENT, stage, action.microbatch)))
+                        grad = received.pop((GRADIENT, stage, action.microbatch))
+                        if carried is None:
+                            torch.autograd.backward(out, grad)
+                        else:
+                            grad, beside = grad
+                            share = carried.surrogate(stage, action.microbatch, beside)
+                            # this stage's layers' part of the router losses, scaled as the last stage's loss
+                            roots, grads = ([out], [grad]) if share is None else ([out, share / m], [grad, None])
+                            torch.autograd.backward(roots, grads)
                 if stage == last:
                     # Kept for the step's result, the output would keep its graph's nodes, and through them the
                     # stage input and its gradient, alive until the step ends: two [s/t, b, h] per micro-batch.
@@ -176,7 +200,8 @@ class PipelineExecutor:
                 if stage > 0:
                     assert incoming is not None
                     grad_in = incoming.grad if incoming.grad is not None else torch.zeros_like(incoming)
-                    outgoing[(GRADIENT, stage - 1, action.microbatch)] = grad_in
+                    outgoing[(GRADIENT, stage - 1, action.microbatch)] = grad_in if carried is None else \
+                        (grad_in, beside)
                 del incoming, out
             in_flight = len(saved) + (self.weight_gradients.pending if self._splits else 0)
             result.peak_in_flight = max(result.peak_in_flight, in_flight)

@@ -21,7 +21,7 @@ et al. 2022 §4.2.2): the pipeline group contains exactly those ranks.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Hashable, Mapping
+from typing import Hashable, Mapping, Union
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,7 @@ from lightning_seqpar.pipeline_parallel.comm_plan import ACTIVATION, Batch, Tran
 _DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.bool]
 _HEADER = 10  # dtype code, ndim, up to 8 sizes
 Message = tuple[str, int, int]
+MessageValue = Union[Tensor, tuple[Tensor, ...]]
 
 
 @dataclass
@@ -67,16 +68,19 @@ class StageTransport:
     Args:
         group: the pipeline-parallel group (ranks holding the same tensor/data-parallel shard).
         device: where received tensors are placed.
+        parts: tensors per message: 1, or 2 where the model carries a vector beside each activation and gradient
+            (every rank of the pipeline builds its transport alike).
 
     The first batch of point-to-point operations in an NCCL group must involve every rank of it, unless the
     group's communicator exists: a one-element all-reduce at construction creates it.
     """
 
-    def __init__(self, group: ParallelGroup, device: torch.device) -> None:
+    def __init__(self, group: ParallelGroup, device: torch.device, parts: int = 1) -> None:
         self.group, self.device = group, torch.device(device)
+        self.parts = parts
         self.log = TransferLog()
-        # (signature, receiving stage) -> shape and dtype of the activation sent to that stage
-        self._shapes: dict[tuple[Hashable, int], tuple[tuple[int, ...], torch.dtype]] = {}
+        # (signature, receiving stage) -> shape and dtype of each tensor of the activation sent to that stage
+        self._shapes: dict[tuple[Hashable, int], tuple[tuple[tuple[int, ...], torch.dtype], ...]] = {}
         self._signatures: set[Hashable] = set()
         self._signature: Hashable = None
         if group.size > 1:
@@ -94,13 +98,23 @@ class StageTransport:
     def _peer(self, pipeline_rank: int) -> int:
         return dist.get_global_rank(self.group.group, pipeline_rank)
 
-    def _shape(self, t: Transfer) -> tuple[tuple[int, ...], torch.dtype]:
+    def _shape(self, t: Transfer) -> tuple[tuple[tuple[int, ...], torch.dtype], ...]:
         # A gradient has the shape of the activation its receiver sent to the next stage.
         return self._shapes[(self._signature, t.stage if t.kind == ACTIVATION else t.stage + 1)]
 
-    def exchange(self, batch: Batch, outgoing: dict[Message, Tensor]) -> dict[Message, Tensor]:
+    def _tensors(self, message: MessageValue) -> tuple[Tensor, ...]:
+        tensors = (message,) if isinstance(message, Tensor) else tuple(message)
+        if len(tensors) != self.parts:
+            raise RuntimeError(f"A pipeline message of {len(tensors)} tensors, where this transport sends {self.parts}.")
+        return tensors
+
+    def exchange(self, batch: Batch, outgoing: dict[Message, MessageValue]) -> dict[Message, MessageValue]:
         """Post ``batch`` as one ``batch_isend_irecv``, in its order, and wait for it: send the tensors its sends
         name (taken from ``outgoing`` once their payload goes), and return what it received, by message.
+
+        A message is one tensor, or a tuple of :attr:`parts` tensors (the activation or its gradient, then what the
+        model carries beside it: :mod:`~lightning_seqpar.moe.pipeline_losses`), posted one after another in that
+        order on both sides.
 
         Raises:
             ValueError: a header for a tensor of more than 8 dimensions or of a dtype the header cannot name.
@@ -108,44 +122,51 @@ class StageTransport:
                 signature's first step (its peer then waits until the process group's timeout).
         """
         ops: list[dist.P2POp] = []
-        received: dict[Message, Tensor] = {}
-        headers: list[tuple[Transfer, Tensor]] = []
+        received: dict[Message, list[Tensor]] = {}
+        headers: list[tuple[Transfer, list[Tensor]]] = []
         for t in batch.transfers:
             peer = self._peer(t.peer)
             if t.send and t.header:
-                tensor = outgoing[t.message]
-                header = self._header(tensor)
-                self._shapes[(self._signature, t.stage)] = (tuple(tensor.shape), tensor.dtype)
-                ops.append(dist.P2POp(dist.isend, header, peer, self.group.group))
-                self.log.header_bytes += header.numel() * header.element_size()
+                tensors = self._tensors(outgoing[t.message])
+                self._shapes[(self._signature, t.stage)] = tuple((tuple(x.shape), x.dtype) for x in tensors)
+                for tensor in tensors:
+                    header = self._header(tensor)
+                    ops.append(dist.P2POp(dist.isend, header, peer, self.group.group))
+                    self.log.header_bytes += header.numel() * header.element_size()
             elif t.send:
-                tensor = outgoing.pop(t.message).detach().contiguous()
-                shape, dtype = self._shape(t)
-                if (tuple(tensor.shape), tensor.dtype) != (shape, dtype):
+                tensors = tuple(x.detach().contiguous() for x in self._tensors(outgoing.pop(t.message)))
+                specs = self._shape(t)
+                if tuple((tuple(x.shape), x.dtype) for x in tensors) != specs:
                     raise RuntimeError(
                         f"Pipeline stage {t.stage - 1 if t.kind == 'activation' else t.stage + 1} sends a {t.kind} of "
-                        f"shape {tuple(tensor.shape)} ({tensor.dtype}) for micro-batch {t.microbatch}, where micro-"
-                        f"batches of the same shapes sent {shape} ({dtype}). What a stage sends must depend only on "
+                        f"shapes {[(tuple(x.shape), x.dtype) for x in tensors]} for micro-batch {t.microbatch}, where "
+                        f"micro-batches of the same shapes sent {list(specs)}. What a stage sends must depend only on "
                         f"the micro-batch's shapes."
                     )
-                ops.append(dist.P2POp(dist.isend, tensor, peer, self.group.group))
-                self.log.payload.append((t.kind, tensor.numel() * tensor.element_size()))
+                for tensor in tensors:
+                    ops.append(dist.P2POp(dist.isend, tensor, peer, self.group.group))
+                    self.log.payload.append((t.kind, tensor.numel() * tensor.element_size()))
             elif t.header:
-                header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
-                ops.append(dist.P2POp(dist.irecv, header, peer, self.group.group))
-                headers.append((t, header))
-                self.log.header_bytes += header.numel() * header.element_size()
+                parts = [torch.empty(_HEADER, dtype=torch.int64, device=self.device) for _ in range(self.parts)]
+                for header in parts:
+                    ops.append(dist.P2POp(dist.irecv, header, peer, self.group.group))
+                    self.log.header_bytes += header.numel() * header.element_size()
+                headers.append((t, parts))
             else:
-                shape, dtype = self._shape(t)
-                received[t.message] = torch.empty(shape, dtype=dtype, device=self.device)
-                ops.append(dist.P2POp(dist.irecv, received[t.message], peer, self.group.group))
+                received[t.message] = [torch.empty(shape, dtype=dtype, device=self.device)
+                                       for shape, dtype in self._shape(t)]
+                for tensor in received[t.message]:
+                    ops.append(dist.P2POp(dist.irecv, tensor, peer, self.group.group))
         self.log.batches += 1
         for work in dist.batch_isend_irecv(ops):
             work.wait()
-        for t, header in headers:  # the transport's only reads to the host: in a signature's first step
-            code, ndim, *sizes = header.tolist()
-            self._shapes[(self._signature, t.stage)] = (tuple(sizes[:ndim]), _DTYPES[code])
-        return received
+        for t, parts in headers:  # the transport's only reads to the host: in a signature's first step
+            specs = []
+            for header in parts:
+                code, ndim, *sizes = header.tolist()
+                specs.append((tuple(sizes[:ndim]), _DTYPES[code]))
+            self._shapes[(self._signature, t.stage)] = tuple(specs)
+        return {m: tensors[0] if self.parts == 1 else tuple(tensors) for m, tensors in received.items()}
 
     def _header(self, tensor: Tensor) -> Tensor:
         if tensor.dim() > _HEADER - 2 or tensor.dtype not in _DTYPES:

@@ -28,6 +28,7 @@ from typing import Any, Callable, Optional
 import torch.nn as nn
 from torch import Tensor
 
+from lightning_seqpar.moe.pipeline_losses import StageRouterLosses
 from lightning_seqpar.pipeline_parallel.config import PipelineConfig
 from lightning_seqpar.pipeline_parallel.layout import StageLayout
 from lightning_seqpar.tensor_parallel.sharding import set_stage_local
@@ -55,6 +56,8 @@ class StageRuntime:
         stage_parameters: the parameters of the layers of each virtual stage this rank holds.
         active: virtual stage being run, ``None`` outside a pipeline step.
         incoming: activation received from the previous stage (``None`` on the first stage).
+        router_losses: the carrier of a mixture's router statistics between stages
+            (:mod:`~lightning_seqpar.moe.pipeline_losses`), where the model adds router losses; else ``None``.
     """
 
     def __init__(self, layout: StageLayout) -> None:
@@ -62,6 +65,7 @@ class StageRuntime:
         self.stage_parameters: dict[int, list[nn.Parameter]] = {}  # this rank's stages: their layers' parameters
         self.active: Optional[int] = None
         self.incoming: Optional[Tensor] = None
+        self.router_losses: Optional[StageRouterLosses] = None  # a mixture's router losses, carried between stages
         self._handed_on = False
         self._entered = False  # whether a layer of the stack ran in this step
 

@@ -33,9 +33,6 @@ def layout_rule(record: Any, inventory: ModelInventory, s: int, global_batch: in
     if (tp * cp * dp) % record.ep:
         return (f"ep={record.ep} does not divide tp·cp·dp={tp * cp * dp} (the expert grid folds over the dense "
                 f"one)")
-    if experts is not None and pp > 1 and getattr(inventory.config, "output_router_logits", False):
-        return ("output_router_logits=True under pp: the load-balancing loss pools every layer's router logits, which "
-                "no pipeline stage holds")
     if cp > 1 and s % (2 * cp * tp):
         return (f"seq_len={s} not divisible by 2·cp·tp={2 * cp * tp} (context parallelism cuts the sequence into 2·cp "
                 f"chunks for load balance, each split over tp)")

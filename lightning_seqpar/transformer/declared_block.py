@@ -117,6 +117,11 @@ class ParallelBlock(ParallelLayer):
     def layer_dims(self) -> LayerDims:
         return self._dims
 
+    @property
+    def mlp_part(self) -> Any:
+        """What fills the MLP slot: a ``DenseMLPPart`` or a ``MoEPart``."""
+        return self._mlp
+
     def forward(self, hidden_states: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         call = parse_block_arguments(self._name, self.spec.arguments, args, kwargs)
         refuse_used_cache(self, call.cache)

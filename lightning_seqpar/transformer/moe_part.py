@@ -170,6 +170,7 @@ class MoEPart:
         self.dispatcher = TokenDispatcher(group, self.experts.num_experts) if ctx.dispatch.capacity_factor is None \
             else CapacityDispatcher(group, self.experts.num_experts, ctx.dispatch)
         self.tokens = _router_tokens(ctx)
+        self.last_logits: Optional[Tensor] = None  # kept for the pipeline's carrier only (tokens.stages)
         # The MLP width a token goes through, for FLOPs (FlopsUtilization) and the memory model: k experts of width f
         # (the router's top_k, where it names it), plus the shared MLP's.
         top_k = int(getattr(self.router, "top_k", 1) or 1)
@@ -190,6 +191,8 @@ class MoEPart:
         tokens = x.reshape(-1, x.shape[-1])  # [n, h], this rank's tokens
         logits, scores, chosen = self.router(tokens)
         setattr(logits, MARK, self.tokens)  # a load-balancing loss over these logits pools every rank's tokens
+        if self.tokens.stages is not None and self.tokens.stages.collecting:  # read after the stage's forward
+            self.last_logits = logits
         rows, routing = self.dispatcher.dispatch(tokens, chosen, scores)
         computed = self.experts(rows, routing.tokens_per_expert, routing.expert_counts)
         out = self.dispatcher.combine(computed, routing, scores).view(x.shape)

@@ -30,6 +30,9 @@ class Case:
     pp: int = 1
     batch: int = BATCH  # samples per data-parallel rank and step (pp > 2 needs micro-batches >= pp)
     cp: int = 1
+    # The reference runs each step's batch as this many accumulated micro-steps, as the pipeline's micro-batches: for a
+    # loss that is not linear in the batch (a mixture's router losses, over each micro-batch's tokens).
+    microbatches: int = 1
 
     def dp(self, world_size: int) -> int:
         return world_size // (self.tp * self.pp * self.cp)
@@ -122,9 +125,10 @@ def assert_matches_single_process(per_rank: list[dict[Case, Recorder]], case: Ca
     dp = case.dp(world_size)
     options = dict(case.trainer)
     accumulate = options.get("accumulate_grad_batches", 1)
+    m = case.microbatches
     ref = reference_run(build(case.kind, **dict(case.model)), token_data(STEPS * accumulate, dp, batch=case.batch), STEPS,
-                        dp, accumulate=accumulate, clip=options.get("gradient_clip_val"), batch=case.batch)
-    want_losses = torch.tensor(ref.losses, dtype=torch.float64)
+                        dp, accumulate=accumulate * m, clip=options.get("gradient_clip_val"), batch=case.batch // m)
+    want_losses = torch.tensor(ref.losses, dtype=torch.float64).view(-1, m).mean(1)
     for rank in range(world_size):
         record = per_rank[rank][case]
         logged = torch.tensor(record.logged, dtype=torch.float64)

@@ -65,7 +65,7 @@ CASES = {
         moe("qwen3_moe", 2, 2, cp=2, aux=0.5, attn_implementation="sdpa"),  # and over the cp ranks'
         gpt(2, 4),                                  # ep over tp and dp
         gpt(2, 2, "selective", aux_loss_type="per_layer", z_loss_coef=0.1),  # tp 2 × dp 2
-        gpt(1, 2, pp=2, aux=0.0),                   # pp 2 × ep 2, 1F1B (the pooled loss is refused under pp)
+        gpt(1, 2, pp=2, aux=0.0),                   # pp 2 × ep 2, 1F1B (router losses: test_router_losses_pipelined.py)
     ],
 }
 # As the dense families (tests/hf/test_hf_models.py): RMSNorm and the loss compute in float32 inside transformers;

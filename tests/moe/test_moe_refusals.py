@@ -1,5 +1,5 @@
 """What a mixture of experts cannot be trained with is refused before training, naming the part and the fix: the
-load-balancing loss of Hugging Face's output_router_logits split into pipeline stages, router jitter noise, LoRA on the experts' parameters,
+router losses over a last pipeline stage without experts, router jitter noise, LoRA on the experts' parameters,
 a mixture of another shape (PhiMoE's sampling router), experts that ep does not divide, tp without sequence parallelism; and
 explain() shows the experts per rank, the groups and the dispatch."""
 
@@ -26,14 +26,18 @@ def test_explain_states_the_capacity_and_its_drop_policy():
             "rest dropped by position, no host read)") in text
 
 
-def test_the_load_balancing_loss_split_into_pipeline_stages_is_refused_by_name():
-    from lightning_seqpar.build import check_router_losses
+def test_router_losses_over_a_last_pipeline_stage_without_experts_are_refused_by_name():
+    # The last stage's loss reads the statistics the earlier stages sent; without a mixture there it never would.
+    from types import SimpleNamespace
 
-    module = build("hf", family="qwen3_moe", labels=True, aux=0.5)
-    with pytest.raises(ValueError, match=r"output_router_logits=True under pipeline parallelism: the load-balancing "
-                                         r"loss pools the router logits of every layer.*pp=1"):
-        check_router_losses(module)
-    check_router_losses(build("hf", family="qwen3_moe", labels=True))  # no such loss: accepted
+    from lightning_seqpar.build import attach_router_losses
+    from lightning_seqpar.pipeline_parallel.layout import StageLayout
+
+    runtime = SimpleNamespace(layout=StageLayout(2, 1, (1, 1)))
+    with pytest.raises(ValueError, match=r"The last pipeline stage holds layers 1\.\.1, none with a mixture of experts.*"
+                                         r"output_router_logits=False"):
+        attach_router_losses(build("hf", family="qwen3_moe", labels=True, aux=0.5), runtime, {0})
+    assert attach_router_losses(build("hf", family="qwen3_moe", labels=True), runtime, {0}) is None  # no such loss
 
 
 def test_router_jitter_noise_is_refused_by_name():
@@ -91,9 +95,3 @@ def test_the_planner_refuses_a_router_that_does_not_say_its_top_k_by_name():
         inventory_of_hf_model(model)
 
 
-def test_the_reference_gpt_s_load_balancing_loss_split_into_pipeline_stages_is_refused_by_name():
-    from lightning_seqpar.build import check_router_losses
-
-    with pytest.raises(ValueError, match=r"output_router_logits=True under pipeline parallelism"):
-        check_router_losses(build("gpt", n_experts=8, aux_loss_coef=0.5))
-    check_router_losses(build("gpt", n_experts=8))  # experts without that loss: pipelined (tests/moe/test_moe_parity.py)

@@ -4,6 +4,7 @@ posts are those of the program the NCCL model checks (tests/pipeline_parallel/te
 
 import pytest
 import lightning.pytorch as pl
+import torch
 import torch.distributed as dist
 
 from lightning_seqpar.pipeline_parallel.comm_plan import Batch, build_program
@@ -57,3 +58,33 @@ def test_transfers_are_batched_untagged_and_shapes_are_sent_once():
             schedule = "interleaved_1F1B" if v > 1 else "1F1B"
             plain = sum(isinstance(s, Batch) for s in build_program(schedule, m, StageLayout(2, v, (1,) * (2 * v)), rank))
             assert [b - a for a, b in zip(batches, batches[1:])] == [plain] * (len(batches) - 1)
+
+
+def _posted_by_pair(rank, world_size):
+    # Every p2p operation this rank posts, in order: (send?, peer, elements, dtype). NCCL matches a pair's sends and
+    # receives by this order alone.
+    posted = []
+    original = dist.batch_isend_irecv
+
+    def recording(ops):
+        posted.extend((op.op is dist.isend, op.peer, op.tensor.numel(), op.tensor.dtype, op.tag) for op in ops)
+        return original(ops)
+
+    dist.batch_isend_irecv = recording
+    fit(Case("gpt", 1, True, None, (("n_experts", 8), ("aux_loss_coef", 0.5), ("z_loss_coef", 0.1)), (),
+             (("num_microbatches", 2),), 2, microbatches=2), world_size)
+    return posted
+
+
+def test_router_statistics_ride_beside_each_message_in_the_order_nccl_matches():
+    # A mixture's router statistics ([2E+4] float32) go beside every activation and gradient: two operations per
+    # message, and each rank's sends to its peer are, one for one in order, the peer's receives from it.
+    ops = run_distributed(_posted_by_pair, 2)
+    for rank, peer in ((0, 1), (1, 0)):
+        sends = [(n, dtype) for send, to, n, dtype, _ in ops[rank] if send and to == peer]
+        receives = [(n, dtype) for send, frm, n, dtype, _ in ops[peer] if not send and frm == rank]
+        assert sends and sends == receives
+    assert all(tag == 0 for posted in ops for *_, tag in posted)
+    carried = [op for posted in ops for op in posted if op[2] == 2 * 8 + 4 and op[3] == torch.float32]
+    activations = [op for posted in ops for op in posted if op[2] > 2 * 8 + 4 and op[3] != torch.int64]
+    assert carried and len(carried) == len(activations)
