@@ -29,9 +29,11 @@ from torch import Tensor
 
 from lightning_seqpar.memory.saved_tensors import Rebuild, saved_tensor_policy
 from lightning_seqpar.moe.dispatch import check_expert_split
+from lightning_seqpar.moe.expert_product import expert_product
 from lightning_seqpar.parallel.random import recomputed
 from lightning_seqpar.tensor_parallel.layers import autocast_input
 from lightning_seqpar.parallel.placement import ShardSpec, place
+from lightning_seqpar.tensor_parallel.weight_gradients import WeightGradientStore
 
 _GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -64,6 +66,8 @@ class GroupedExperts(nn.Module):
         gate_up_proj: ``[E/e, 2f, h]`` (``[E/e, h, 2f]`` transposed).
         down_proj: ``[E/e, h, f]`` (``[E/e, f, h]`` transposed).
         gate_up_proj_bias, down_proj_bias: ``[E/e, 2f]`` and ``[E/e, h]`` with ``bias``.
+        weight_gradients: under a schedule with W actions (ZB-H1), the store the two projections leave their weight
+            gradients in while it is deferring (:mod:`~lightning_seqpar.moe.expert_product`); ``None``: unsplit.
 
     Raises:
         ValueError: ``E`` not divisible by ``e``.
@@ -71,6 +75,7 @@ class GroupedExperts(nn.Module):
 
     recompute_activation: bool = False
     offloading: Optional[Callable[[str], Any]] = None
+    weight_gradients: Optional[WeightGradientStore] = None  # the B/W split's store (split_weight_gradients)
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, expert_parallel: int = 1,
                  activation: Optional[Callable[[Tensor], Tensor]] = F.silu, dtype: Optional[torch.dtype] = None, *,
@@ -90,6 +95,11 @@ class GroupedExperts(nn.Module):
         for weight in self.parameters():
             place(weight, shard=split, shard_over="ep", replicated_over="edp")
 
+    def weight_gradient_parameters(self) -> list[nn.Parameter]:
+        """The weights whose gradient a split backward leaves to W (``split_weight_gradients``): the two projections';
+        the biases' stay in B."""
+        return [self.gate_up_proj, self.down_proj]
+
     def forward(self, rows: Tensor, tokens_per_expert: Sequence[int], counts: Optional[Tensor] = None) -> Tensor:
         """``rows`` ``[R, h]`` grouped by local expert (``tokens_per_expert[i]`` rows for expert i, in order) →
         ``[R, h]``. ``counts``: the same sizes as a device tensor ``[E/e]`` (the grouped GEMM's offsets come from it
@@ -98,6 +108,8 @@ class GroupedExperts(nn.Module):
             if counts is None:
                 counts = torch.tensor(list(tokens_per_expert), device=rows.device)
             return self._grouped_forward(rows, counts, sum(tokens_per_expert))
+        if self.weight_gradients is not None:
+            return self._split_loop_forward(rows, list(tokens_per_expert))
         outputs = []
         for i, chunk in enumerate(rows.split(list(tokens_per_expert))):
             with self._region("expert_fc1"):
@@ -106,6 +118,18 @@ class GroupedExperts(nn.Module):
             with saved_tensor_policy(rebuild, None) if rebuild is not None else contextlib.nullcontext():
                 outputs.append(_linear(hidden, self.down_proj[i], _at(self.down_proj_bias, i), self.transposed))
         return torch.cat(outputs) if outputs else rows
+
+    def _split_loop_forward(self, rows: Tensor, sizes: list[int]) -> Tensor:
+        """The loop's computation with each projection's weight gradient left to W (:mod:`.expert_product`); the
+        biases' gradients in B."""
+        store = self.weight_gradients
+        with self._region("expert_fc1"):
+            gate_up = expert_product(rows, self.gate_up_proj, self.transposed, store, sizes=sizes,
+                                     bias=self.gate_up_proj_bias)
+        hidden, rebuild = self._activated(gate_up)
+        with saved_tensor_policy(rebuild, None) if rebuild is not None else contextlib.nullcontext():
+            return expert_product(hidden, self.down_proj, self.transposed, store, sizes=sizes,
+                                  bias=self.down_proj_bias)
 
     def _activated(self, gate_up: Tensor) -> tuple[Tensor, Optional[Rebuild]]:
         """The activation of ``gate_up`` and, under :attr:`recompute_activation`, how to make it again (the output
@@ -144,16 +168,22 @@ class GroupedExperts(nn.Module):
         offsets = torch.cumsum(counts, 0).to(torch.int32)
         with torch.autocast(rows.device.type, enabled=False):
             with self._region("expert_fc1"):
-                gate_up = _grouped_linear(rows.to(dtype), self.gate_up_proj.to(dtype), offsets, self.transposed)
+                gate_up = self._grouped_linear(rows.to(dtype), self.gate_up_proj, offsets, dtype)
                 if self.gate_up_proj_bias is not None:
                     gate_up = gate_up + self.gate_up_proj_bias.to(dtype).repeat_interleave(counts, 0,
                                                                                            output_size=total)
             hidden, rebuild = self._activated(gate_up)
             with saved_tensor_policy(rebuild, None) if rebuild is not None else contextlib.nullcontext():
-                out = _grouped_linear(hidden, self.down_proj.to(dtype), offsets, self.transposed)
+                out = self._grouped_linear(hidden, self.down_proj, offsets, dtype)
             if self.down_proj_bias is not None:
                 out = out + self.down_proj_bias.to(dtype).repeat_interleave(counts, 0, output_size=total)
         return _ContiguousGradient.apply(out)
+
+
+    def _grouped_linear(self, rows: Tensor, weight: Tensor, offsets: Tensor, dtype: torch.dtype) -> Tensor:
+        if self.weight_gradients is not None:  # the weight gradient left to W
+            return expert_product(rows, weight, self.transposed, self.weight_gradients, offsets=offsets, dtype=dtype)
+        return _grouped_linear(rows, weight.to(dtype), offsets, self.transposed)
 
 
 class _ContiguousGradient(torch.autograd.Function):

@@ -47,12 +47,25 @@ def weight_gradient_bytes(inventory: ModelInventory, s: int, b: int, t: int, seq
     :mod:`lightning_seqpar.tensor_parallel.weight_gradients`): what W reads of its split linears. Their inputs, made
     in the forward: the two column-parallel inputs (the norms' outputs, ``[s/t, b, h]`` shards under SP: W gathers
     them again), the row-parallel ones (``[s, b, a·d/t]`` and ``[s, b, f/t]``); and their output gradients, made in B:
-    ``[s, b, (a + 2g)·d/t]``, ``[s, b, h]`` twice (a row-parallel output's, gathered), ``[s, b, f/t]`` (twice gated)."""
+    ``[s, b, (a + 2g)·d/t]``, ``[s, b, h]`` twice (a row-parallel output's, gathered), ``[s, b, f/t]`` (twice gated).
+
+    A mixture of experts (:mod:`lightning_seqpar.moe.expert_product`) keeps instead of the dense MLP's terms its
+    experts' rows: on average ``s·b·k/t`` per rank (its tokens' k choices; what a rank receives varies with the
+    routing), each with its input ``h`` and inner ``f_e`` and their gradients ``2f_e`` and ``h``; a shared expert
+    keeps a dense MLP's terms of its width."""
     split = t if sequence_parallel and t > 1 else 1
     h, a, g, d, f = (inventory.hidden_size, inventory.num_heads, inventory.num_kv_heads, inventory.head_dim,
                      inventory.ffn_hidden_size)
-    inputs = 2 * h / split + a * d / t + f / t
-    gradients = (a + 2 * g) * d / t + 2 * h + (2 if inventory.gated_mlp else 1) * f / t
+    experts = inventory.experts
+    inputs, gradients = h / split + a * d / t, (a + 2 * g) * d / t + h  # attention's
+    dense = f if experts is None else experts.shared_ffn
+    if dense:
+        inputs += h / split + dense / t
+        gradients += h + (2 if inventory.gated_mlp else 1) * dense / t
+    if experts is not None:
+        k, width = experts.top_k, experts.expert_ffn
+        inputs += k * (h + width) / t
+        gradients += k * (2 * width + h) / t
     return element * s * b * (inputs + gradients)
 
 

@@ -37,16 +37,16 @@ class _Measure(pl.Callback):
         trainer.strategy.pipeline.executor.observers.clear()
 
 
-def _measure(rank, world_size):
+def _measure(rank, world_size, model=(), schedules=("1F1B", "gpipe", "ZB-H1")):
     out = {}
-    for schedule in ("1F1B", "gpipe", "ZB-H1"):
+    for schedule in schedules:
         measure = _Measure()
         trainer = pl.Trainer(
             strategy=SeqParallelStrategy(pp=P, num_microbatches=M, schedule=schedule), accelerator="cpu",
             devices=world_size, precision="64-true", max_steps=1, logger=False, enable_checkpointing=False,
             enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, callbacks=[measure],
         )
-        trainer.fit(build("gpt"), DataLoader(token_data(M // 2, 1), batch_size=M))
+        trainer.fit(build("gpt", **dict(model)), DataLoader(token_data(M // 2, 1), batch_size=M))
         out[schedule] = measure.samples
     return out
 
@@ -54,6 +54,23 @@ def _measure(rank, world_size):
 @pytest.fixture(scope="module")
 def samples():
     return run_distributed(_measure, P)
+
+
+def _kept_for_w(samples, rank: int) -> int:
+    """Bytes one micro-batch keeps between its B and its W on ``rank`` under ZB-H1, checked at every action: the
+    live bytes are whole micro-batches (F done, B not) plus that much per micro-batch waiting for its W."""
+    zb, cached = samples[rank]["ZB-H1"], samples[rank]["1F1B"][-1][2]
+    whole = zb[0][2] - cached
+    counts = {"F": 0, "B": 0, "W": 0}
+    kept = None
+    for action, _, live, _ in zb:
+        counts[action[0]] += 1
+        waiting = counts["B"] - counts["W"]
+        if waiting and kept is None:
+            kept = (live - cached - whole * (counts["F"] - counts["B"])) // waiting
+        assert live == cached + whole * (counts["F"] - counts["B"]) + (kept or 0) * waiting, (rank, action)
+    assert kept is not None and kept < whole / 2, (kept, whole)
+    return kept
 
 
 @pytest.mark.parametrize("schedule, bound", [("1F1B", P), ("gpipe", M)])
@@ -95,16 +112,25 @@ def test_zb_h1_holds_at_most_1f1b_s_peak_on_every_stage(samples):
     # every sample is whole micro-batches (F done, B not) and micro-batches waiting for their W only, which keep of
     # what the forward made what W reads: the split linears' inputs (their output gradients are B's, not counted here)
     for rank in range(P):
-        zb, cached = samples[rank]["ZB-H1"], samples[rank]["1F1B"][-1][2]
-        whole = zb[0][2] - cached
-        counts = {"F": 0, "B": 0, "W": 0}
-        kept = None
-        for action, _, live, _ in zb:
-            counts[action[0]] += 1
-            waiting = counts["B"] - counts["W"]
-            if waiting and kept is None:
-                kept = (live - cached - whole * (counts["F"] - counts["B"])) // waiting
-            assert live == cached + whole * (counts["F"] - counts["B"]) + (kept or 0) * waiting, (rank, action)
         # the inputs of the four split linears per layer: two norm outputs [s, b, h], the context [s, b, h] and the
         # activation [s, b, 4h] (float64, one layer per stage, micro-batches of one sequence)
-        assert kept == 8 * SEQ * (2 * 16 + 16 + 64) and kept < whole / 2, (kept, whole)
+        assert _kept_for_w(samples, rank) == 8 * SEQ * (2 * 16 + 16 + 64)
+
+
+def test_zb_h1_keeps_a_mixture_s_expert_rows_for_w_as_the_planner_prices_them():
+    # At ep 1 every (token, expert) pair is computed here: s·k rows of h into the experts and of f_e between their
+    # projections (k = 2, f_e = 4h/k = 32), beside the attention's split inputs (norm output, context). The router's
+    # weight gradient stays in B: its input is not kept for W.
+    from lightning_seqpar.plan.activations import weight_gradient_bytes
+    from lightning_seqpar.plan.inventory import ExpertShape
+    from lightning_seqpar.plan.models import gpt2_config, model_inventory
+
+    moe = run_distributed(_measure, P, (("n_experts", 8),), ("1F1B", "ZB-H1"))
+    for rank in range(P):
+        assert _kept_for_w(moe, rank) == 8 * SEQ * (16 + 16 + 2 * (16 + 32))
+    inventory = model_inventory(gpt2_config(vocab_size=13, n_positions=SEQ, n_embd=16, n_head=4, n_layer=2))
+    inventory.experts = ExpertShape(8, 2, 32)
+    # what was measured, plus the output gradients B makes for W: q/k/v's 3h, o_proj's h, and per expert row the
+    # gate/up projection's 2f_e and the down projection's h
+    assert weight_gradient_bytes(inventory, SEQ, 1, 1, element=8) == 8 * SEQ * (16 + 16 + 2 * (16 + 32) +
+                                                                                 3 * 16 + 16 + 2 * (2 * 32 + 16))
