@@ -36,10 +36,12 @@ from lightning_seqpar.plan.state import (
     stage_layout,
     state_bytes,
 )
+from lightning_seqpar.tensor_parallel.sharding import padded_size
 from lightning_seqpar.plan.transients import (
     accumulation_bytes,
     attention_backward_bytes,
     backward_transient_bytes,
+    loss_bytes,
     context_attention_kept,
     context_transient_bytes,
     forward_transient_bytes,
@@ -59,6 +61,9 @@ class LayoutRecord:
         ep: the expert-parallel size of a mixture of experts (experts whole on each rank; 1 for a dense model).
         modules: recomputation by module beside ``recompute`` (``("mlp",)``: the MLP keeps its input only).
         offload: modules whose saved tensors wait in host memory (:data:`~lightning_seqpar.offload.OFFLOAD_MODULES`).
+        loss_chunk: positions of the loss's logits computed at a time (the strategy's ``loss_chunk``; ``None``: all at
+            once). A Hugging Face model split over tp or cp ranks whose ``s/c`` exceeds it keeps no logits or softmax
+            for backward: each chunk's are made again there, one chunk at a time.
         cp_comm: the context-parallel attention's communication, ``ring`` or ``all_to_all`` (with ``cp > 1``). A
             rank of ``cp = c`` holds ``s/c`` tokens (``dp`` counts replicas reading different batches, context-parallel
             peers excluded: the data group that reduces gradients and shards ZeRO has ``d·c`` ranks).
@@ -104,6 +109,7 @@ class LayoutRecord:
     schedule: str = "1F1B"
     modules: tuple[str, ...] = ()
     offload: tuple[str, ...] = ()
+    loss_chunk: Optional[int] = 4096
     feasible: bool = False
     reason: Optional[str] = None
     bytes: dict[str, int] = field(default_factory=dict)
@@ -283,6 +289,17 @@ def expert_layer_elements(inventory: ModelInventory) -> int:
     return sum(e.numel for e in inventory.entries if e.split == "expert" and e.layer == layer)
 
 
+def _loss_chunk(record: LayoutRecord, inventory: ModelInventory, local: int) -> Optional[int]:
+    """The positions per chunk of the loss's logits where they are computed in chunks: a Hugging Face model (a
+    config the planner probes) whose head is split over tp or cp ranks (its head and loss rewritten, the
+    vocabulary-parallel loss), and more than ``loss_chunk`` positions per rank
+    (:meth:`~lightning_seqpar.tensor_parallel.vocab_logits.VocabShardedLogits.over_chunks`); else ``None``."""
+    chunk = record.loss_chunk
+    if chunk is None or local <= chunk or inventory.config is None or (record.tp == 1 and record.cp == 1):
+        return None
+    return chunk
+
+
 def _outside_bytes(record: LayoutRecord, inventory: ModelInventory, s: int, precision: str, element: int,
                    fits: Optional[dict[tuple, Any]]) -> tuple[float, float]:
     """What a micro-batch's forward keeps outside the layers (embedding, prologue, final norm, head, loss), and of it
@@ -395,8 +412,23 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
     # Under a pipeline every chunk-forward keeps an input and a prologue of its own; only the last chunk an epilogue.
     stage_input = element * local * b * inventory.hidden_size / tp
     epilogue = max(0.0, outside - prologue - stage_input)
-    around, after = (0.0, outside) if pp == 1 else (stage_input + prologue, epilogue)
+    # The head's logits live from the head to the end of the loss's forward: a micro-batch keeps the rest. In chunks
+    # (loss_chunk), it keeps neither them nor the softmax, and the loss's forward and backward make one chunk's.
+    chunk, vocab_parallel = _loss_chunk(record, inventory, local), tp > 1 or cp > 1
+    logits, loss_forward, loss_backward = loss_bytes(inventory, local, b, tp, element, vocab_parallel)
+    kept_logits = logits if chunk is None else logits + 4 * logits / element  # the logits, and the softmax kept
+    kept_logits = min(kept_logits, epilogue)
+    epilogue -= kept_logits
+    around, after = (0.0, outside - kept_logits) if pp == 1 else (stage_input + prologue, epilogue)
     gradient = parameter + (2 if precision == "bf16-mixed" else 0)  # autocast's 16-bit weight gradient + its fp32 copy
+    if chunk is not None:  # a chunk's logits, their float32 copy and softmax, then (made again) its gradient
+        logits, loss_forward, loss_backward = loss_bytes(inventory, chunk, b, tp, element, vocab_parallel)
+        loss_forward += 4 * logits / element
+        # Each chunk's head weight gradient is added to the sum of the later chunks' (autograd's buffer): the sum,
+        # the new one and their total at once, in the parameters' dtype, beside the chunk's logits' gradient.
+        head = 3 * parameter * (padded_size(inventory.vocab_size, tp) // tp) * inventory.hidden_size
+        loss_backward = max(logits + loss_forward, 4 * logits / element + loss_backward,
+                            head + 4 * logits / element)
     name = resolve_schedule(schedule, vpp) if pp > 1 else "1F1B"
     record.schedule = name
     largest = largest_layer_weight(inventory, tp, record.ep)
@@ -436,13 +468,19 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
             spent = (per_layer / 2 if halved else 0.0) + (epilogue if last else 0.0)
             moment = {"backward": max(backward_transient_bytes(inventory, local, b, tp, element, gradient, last,
                                                                accumulating, recomputed, largest=largest,
-                                                               freed=epilogue),
+                                                               freed=epilogue, loss=loss_backward),
                                      attention_backward - spent + prefetched),
                       "accumulated_gradients": accumulated if accumulating else 0.0}
             gradients = state.gradients - (0 if accumulating else unmade)
             total = state.total - state.gradients + gradients + kept + sum(moment.values())
             if total > peak[0]:
                 peak = (total, gradients, kept, moment)
+            if last:  # just before: the loss's forward, its logits (and their float32 copy) beside the softmax
+                ahead = {"loss_forward": logits + loss_forward,
+                         "accumulated_gradients": moment["accumulated_gradients"]}
+                total = state.total - state.gradients + gradients + kept + sum(ahead.values())
+                if total > peak[0]:
+                    peak = (total, gradients, kept, ahead)
             # The forward that filled this moment, its last layer's core attention at work: half that layer's own
             # kept bytes made (its attention's inputs, not its MLP's).
             ahead = {"forward": forward, "accumulated_gradients": moment["accumulated_gradients"]}

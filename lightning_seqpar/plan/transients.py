@@ -2,10 +2,13 @@
 
 A rank's step peaks either in a backward, when the most micro-batches are in flight, or in the optimizer's step:
 
-- **backward through the loss** (the last pipeline rank): the float32 gradients of the vocabulary-parallel logits
-  and of their log-softmax, ``2 · 4 · b·s·v/t``, then beside them the gradient of the head's input ``e·b·s·h`` or,
-  when the gradients accumulate (every micro-batch of a step but the first), the head's weight gradient before it is
-  added to ``.grad``, ``r · v/t · h``; then the final norm's backward over the gathered sequence, four float32
+- **the loss's forward** (the last pipeline rank): the head's logits beside every kept activation, with their float32
+  copy when 16-bit, and the softmax the loss keeps (:func:`loss_bytes`);
+- **backward through the loss** (the last pipeline rank): the float32 gradient of the logits beside the kept
+  softmax, ``4 · b·s·v/t`` (two of them at t = 1, torch's ``nll_loss`` and ``log_softmax`` backward); then, the
+  softmax freed and the logits' gradient in its place, the gradient of the head's input ``e·b·s·h`` or, when the
+  gradients accumulate (every micro-batch of a step but the first), the head's weight gradient before it is added
+  to ``.grad``, ``r · v/t · h``; then the final norm's backward over the gathered sequence, four float32
   ``[s, b, h]`` temporaries beside the gradient of its output;
 - **backward through a layer**: the input gathered again over the sequence for a weight gradient (§4.2.2, ``e·s·b·h``
   under sequence parallelism) or, accumulating, the largest weight gradient of the layer before it is added
@@ -55,12 +58,13 @@ def largest_layer_weight(inventory: ModelInventory, t: int, ep: int = 1) -> int:
 def backward_transient_bytes(inventory: ModelInventory, s: int, b: int, t: int, element: int, parameter: int,
                              last: bool, accumulating: bool, recomputed: float = 0.0,
                              sequence_parallel: bool = True, largest: Optional[int] = None,
-                             freed: float = 0.0) -> float:
+                             freed: float = 0.0, loss: Optional[float] = None) -> float:
     """The larger of a backward's moments through the loss (``last`` rank only) and through a layer (see the module
     docstring), for a micro-batch of ``b`` sequences of ``s`` tokens on one tensor-parallel rank of ``t``;
     ``recomputed``: the bytes a layer's backward makes again (recomputation); ``largest``:
     :func:`largest_layer_weight` (computed when not given); ``freed``: on the last rank, what the micro-batch kept
-    after its layers (final norm, head, loss), gone once its backward reaches them."""
+    after its layers (final norm, head, loss), gone once its backward reaches them; ``loss``: what the loss's
+    backward makes (default: :func:`loss_bytes`' at t, the vocabulary-parallel loss where t > 1)."""
     h = inventory.hidden_size
     sbh = s * b * h
     largest = largest_layer_weight(inventory, t) if largest is None else largest
@@ -72,7 +76,25 @@ def backward_transient_bytes(inventory: ModelInventory, s: int, b: int, t: int, 
     v = padded_size(inventory.vocab_size, t) // t
     head = parameter * v * h if accumulating else element * sbh
     final_norm = 4 * 4 * sbh  # its backward's float32 temporaries over the gathered sequence
-    return max(layer - freed, 2 * 4 * s * b * v + head, final_norm + element * sbh)
+    # The loss's backward makes the logits' gradient beside the softmax it keeps; the head's backward then makes
+    # its gradients once the loss freed the softmax, the logits' gradient taking the softmax's place.
+    loss = loss_bytes(inventory, s, b, t, element, t > 1)[2] if loss is None else loss
+    return max(layer - freed, loss, head, final_norm + element * sbh)
+
+
+def loss_bytes(inventory: ModelInventory, s: int, b: int, t: int, element: int,
+               vocab_parallel: bool = True) -> tuple[float, float, float]:
+    """The loss's logits on the last rank, for a micro-batch (bytes): ``(logits, forward, backward)``.
+
+    - ``logits``: the head's output ``[b·s, v/t]`` in the activations' dtype, alive from the head to the end of the
+      loss's forward only (nothing saves it: the loss keeps its float32 softmax);
+    - ``forward``: what the loss's forward makes beside the logits and the softmax it keeps: their float32 copy
+      when the logits are 16-bit;
+    - ``backward``: the float32 gradient of the logits beside the kept softmax: one ``[b·s, v/t]`` for the
+      ``vocab_parallel`` loss (:mod:`lightning_seqpar.tensor_parallel.cross_entropy`: its softmax's copy), two for
+      torch's (``nll_loss`` and ``log_softmax`` backward, each its own: a model not split over tp or cp)."""
+    rows = s * b * (padded_size(inventory.vocab_size, t) // t)
+    return element * rows, (4 * rows if element < 4 else 0.0), (4 if vocab_parallel else 8) * rows
 
 
 def accumulation_bytes(parameter_bytes: int, num_microbatches: int, buckets: bool, grad_beside_buckets: bool) -> float:

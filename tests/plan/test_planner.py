@@ -197,7 +197,9 @@ def test_calibrated_activations_come_from_the_model_s_own_layer():
     per_layer = fit.bytes(512, 1, inventory.head_dim, inventory.ffn_hidden_size)
     outside = fit_outside(inventory.config, 2, True, "bf16-mixed").bytes(512, 1, inventory.head_dim, 1000)
     assert outside > 4 * 512 * 1000 / 2  # at least a float32 copy of the logits shard
-    assert record.bytes["activations"] == int(4 * per_layer + outside)  # pp 1: one micro-batch in flight
+    # pp 1: one micro-batch in flight, less its logits ([s·b, v/t], 16-bit), which live from the head to the end of the
+    # loss's forward only (the loss keeps its float32 softmax)
+    assert record.bytes["activations"] == int(4 * per_layer + outside - 2 * 512 * 1000 / 2)
 
 
 def test_the_command_line_probes_the_model_by_default(tmp_path, capsys):
@@ -269,7 +271,7 @@ def test_other_bytes_name_what_they_are(inventories):
     # bf16-mixed keeps float32 parameters: the earlier micro-batches' .grad beside the buckets is one of each
     assert accumulating.other["accumulated_gradients"] == accumulating.bytes["parameters"]
     named = set().union(*(r.other for r in records))
-    assert {"forward", "backward", "accumulated_gradients", "optimizer"} >= named
+    assert {"forward", "loss_forward", "backward", "accumulated_gradients", "optimizer"} >= named
     assert "forward" in named  # s 4096, tp ≤ 8: the end of a forward peaks in some layout (eager core attention)
 
 

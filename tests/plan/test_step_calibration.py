@@ -1,8 +1,9 @@
 """The planner's peak bytes of a whole training step against the peak a live-tensor tracker measures on the most
 loaded rank, over 23 small layouts of tensor (with sequence), pipeline (1F1B, interleaved and GPipe) and data parallelism,
 ZeRO 0 and 1, fp32 main params, recomputation kinds, precisions, gradient accumulation and the vocabulary-parallel
-loss, seven layouts of a mixture of experts (Qwen3-MoE, ep 1, 2, 4, routing as its random weights give it), and four
-layouts at s 1024, where the core attention's ``s²`` temporaries make the peak (with CUDA autocast's float32 softmax
+loss, seven layouts of a mixture of experts (Qwen3-MoE, ep 1, 2, 4, routing as its random weights give it), five at a
+vocabulary of 4096, where the loss's logits make the peak (four more with the loss in chunks), and four layouts at s 1024, where the core attention's
+``s²`` temporaries make the peak (with CUDA autocast's float32 softmax
 in force, as on a GPU): every one within 5 %. The second step is measured (the optimizer state exists), from its first batch to its
 last, model state included. The signed errors are printed as a table."""
 
@@ -76,21 +77,22 @@ def _memory_callbacks(recompute) -> list:
     return out + ([ActivationOffload(modules=list(offload))] if offload else [])
 
 
-def _config(moe: bool = False, s: int = S):
+def _config(moe: bool = False, s: int = S, vocab: int = CONFIG["vocab_size"]):
     import transformers
 
     if moe:
         return transformers.Qwen3MoeConfig(attn_implementation="eager", **MOE)
-    return transformers.LlamaConfig(attn_implementation="eager", **dict(CONFIG, max_position_embeddings=max(s, 64)))
+    return transformers.LlamaConfig(attn_implementation="eager", **dict(CONFIG, max_position_embeddings=max(s, 64),
+                                                                        vocab_size=vocab))
 
 
 class _LM(pl.LightningModule):
-    def __init__(self, moe: bool = False, s: int = S) -> None:
+    def __init__(self, moe: bool = False, s: int = S, vocab: int = CONFIG["vocab_size"]) -> None:
         super().__init__()
         from transformers import AutoModelForCausalLM
 
         torch.manual_seed(0)
-        self.model = AutoModelForCausalLM.from_config(_config(moe, s))
+        self.model = AutoModelForCausalLM.from_config(_config(moe, s, vocab))
 
     def training_step(self, batch, batch_idx):
         return self.model(input_ids=batch[0], labels=batch[0]).loss
@@ -99,7 +101,7 @@ class _LM(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3, foreach=True)  # the multi-tensor step CUDA runs
 
 
-def _measure(rank, world, layouts=LAYOUTS, moe=False, s=S):
+def _measure(rank, world, layouts=LAYOUTS, moe=False, s=S, vocab=CONFIG["vocab_size"], loss_chunk=4096):
     from lightning_seqpar.memory.cuda_autocast import cuda_autocast_rules
 
     out = []
@@ -118,23 +120,22 @@ def _measure(rank, world, layouts=LAYOUTS, moe=False, s=S):
         batch, accumulate = (GLOBAL_BATCH // dp, 1) if pp > 1 else (mbs, m)
         trainer = pl.Trainer(accelerator="cpu", devices=world, precision=precision, max_steps=2,
                              strategy=SeqParallelStrategy(tp=tp, pp=pp, ep=ep, cp=cp, cp_comm=comm, data_parallel=parallel,
-                                                          **pipeline),
+                                                          loss_chunk=loss_chunk, **pipeline),
                              accumulate_grad_batches=accumulate, logger=False, enable_checkpointing=False,
                              enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                              num_sanity_val_steps=0, callbacks=callbacks, use_distributed_sampler=False)
-        tokens = torch.randint(0, CONFIG["vocab_size"], (2 * GLOBAL_BATCH // dp, s),
-                               generator=torch.Generator().manual_seed(rank))
+        tokens = torch.randint(0, vocab, (2 * GLOBAL_BATCH // dp, s), generator=torch.Generator().manual_seed(rank))
         with cuda_autocast_rules():  # what a GPU computes in float32 (softmax, norms) under bf16-mixed
-            trainer.fit(_LM(moe, s), DataLoader(TensorDataset(tokens), batch_size=batch))
+            trainer.fit(_LM(moe, s, vocab), DataLoader(TensorDataset(tokens), batch_size=batch))
         out.append((peak.pipeline_rank, peak.peak))
     return out
 
 
-def _errors(layouts, moe, s=S):
+def _errors(layouts, moe, s=S, vocab=CONFIG["vocab_size"], loss_chunk=4096):
     from lightning_seqpar.plan.models import meta_model
 
-    measured = run_distributed(_measure, WORLD, layouts, moe, s)
-    options = dict(MOE, model_type="qwen3_moe") if moe else dict(CONFIG, model_type="llama")
+    measured = run_distributed(_measure, WORLD, layouts, moe, s, vocab, loss_chunk)
+    options = dict(MOE, model_type="qwen3_moe") if moe else dict(CONFIG, model_type="llama", vocab_size=vocab)
     inventory = inventory_of_hf_model(meta_model(dict(options, max_position_embeddings=max(s, 64))))
     fits: dict = {}
     rows = []
@@ -144,7 +145,8 @@ def _errors(layouts, moe, s=S):
         record = LayoutRecord(tp, cp, pp, vpp, WORLD // (tp * cp * pp), zero, mbs, 0, granularity,
                               main_params=zero == 1 and precision == "bf16-true",
                               ep=schedule[1] if len(schedule) > 1 else 1,
-                              cp_comm=schedule[3] if len(schedule) > 3 else "ring", modules=modules, offload=offload)
+                              cp_comm=schedule[3] if len(schedule) > 3 else "ring", modules=modules, offload=offload,
+                              loss_chunk=loss_chunk)
         predict(inventory, record, s, GLOBAL_BATCH, hardware=Hardware(memory=1e12), precision=precision, fits=fits,
                 schedule=(schedule or ["1F1B"])[0])
         assert record.feasible, record.reason
@@ -191,6 +193,26 @@ def test_module_recomputation_and_offload_step_peaks_are_predicted_within_the_bo
 
 def test_context_parallel_step_peaks_are_predicted_within_the_bound():
     rows = _errors(CP_LAYOUTS, False) + _errors(CP_LONG, False, LONG)
+    worst = max(abs(predicted - peak) / peak for *_, predicted, _, peak in rows)
+    assert worst <= BOUND, rows
+
+
+# A vocabulary of 4096 at h 64, s 64: the loss's logits ([b·s, v/t]) outweigh a layer, as at full size (Llama-3:
+# v 128256, h 8192): the loss's forward (logits beside the kept softmax) or backward (the logits' gradient) makes the
+# peak, t = 1 (torch's loss) and t > 1 (the vocabulary-parallel one).
+VOCAB, VOCAB_LAYOUTS = 4096, [(2, 1, 1, 0, 2, "none", "32-true"), (1, 2, 1, 0, 1, "selective", "32-true"),
+                              (1, 1, 1, 0, 2, "selective", "bf16-mixed"), (2, 2, 1, 0, 1, "none", "bf16-mixed"),
+                              (1, 2, 2, 0, 1, "none", "32-true")]
+
+
+# The loss in chunks of 16 positions (the strategy's loss_chunk; 4096 by default): no logits kept, one chunk's made
+# at a time, and the head's weight gradient summed over the chunks (tp 2, cp 2: the head and loss rewritten).
+CHUNKED_LAYOUTS = [(2, 1, 1, 0, 2, "none", "32-true"), (2, 2, 1, 0, 1, "none", "bf16-mixed"),
+                   (2, 1, 1, 1, 2, "selective", "bf16-true"), (1, 1, 1, 0, 1, "none", "32-true", "1F1B", 1, 2)]
+
+
+def test_a_large_vocabulary_s_logits_make_the_peak_where_the_planner_says():
+    rows = _errors(VOCAB_LAYOUTS, False, 64, VOCAB) + _errors(CHUNKED_LAYOUTS, False, 64, VOCAB, loss_chunk=16)
     worst = max(abs(predicted - peak) / peak for *_, predicted, _, peak in rows)
     assert worst <= BOUND, rows
 
