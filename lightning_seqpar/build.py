@@ -121,7 +121,8 @@ def check_experts(model: nn.Module, expert_parallel: int) -> None:
                          f"(no mixture-of-experts layer was recognized): leave ep=1.")
 
 
-def attach_router_losses(model: nn.Module, runtime: StageRuntime, moe_layers: set[int]) -> Optional[StageRouterLosses]:
+def attach_router_losses(model: nn.Module, runtime: StageRuntime,
+                         moe_layers: set[int]) -> Optional[StageRouterLosses]:
     """Under pipeline parallelism, give this rank's mixture-of-experts parts a
     :class:`~lightning_seqpar.moe.pipeline_losses.StageRouterLosses` when the model adds router losses to its loss
     (``output_router_logits``), and the module holding that config a forward pre-hook reading its

@@ -157,6 +157,17 @@ def declared_plan_config(module: torch.nn.Module) -> Optional[dict]:
     return None
 
 
+def planned_loss_chunk(module: torch.nn.Module, parallel: Any) -> Optional[int]:
+    """The ``loss_chunk`` the planner prices ``module``'s run with: the strategy's (``parallel.loss_chunk``, a Hugging
+    Face model's head and loss rewritten to compute the logits that many positions at a time), ``None`` for a model
+    priced by declaration (the reference GPT), whose own loss computes its logits whole.
+
+    Raises:
+        ValueError: as :func:`declared_plan_config`.
+    """
+    return None if declared_plan_config(module) is not None else parallel.loss_chunk
+
+
 def planned_model(module: torch.nn.Module) -> Optional[torch.nn.Module]:
     """The model the planner prices for ``module``: its Hugging Face causal LM, else the one its model declares
     (:func:`declared_plan_config`) built on the meta device; ``None``: neither.
@@ -250,9 +261,10 @@ def choose_layout(auto: AutoLayout, module: Any, trainer: Any, parallel: Any, *,
     memory = _memory(auto, device)
     inventory = inventory_of_hf_model(model)
     schedules = tuple(s for s in auto.schedules if not (compiled and s in SPLIT_BACKWARD)) or ("1F1B",)
+    loss_chunk = planned_loss_chunk(module, parallel)
     options = dict(precision=str(trainer.precision), zero=zero, recompute=kinds, gpus_per_node=gpus_per_node, fits={},
                    ep=parallel.ep if parallel.ep > 1 else None, schedules=schedules,
-                   memory_choices=auto.memory_choices and not existing and not offloading)
+                   memory_choices=auto.memory_choices and not existing and not offloading, loss_chunk=loss_chunk)
     ranked = rank_layouts(inventory, world, auto.seq_len, auto, memory, **options)
     if not ranked:
         raise ValueError(_nothing_fits(inventory, world, auto, memory, options))
@@ -288,20 +300,22 @@ def _size(n: float) -> str:
 def rank_layouts(inventory: Any, world: int, seq_len: int, auto: AutoLayout, memory: float, *, precision: str,
                  zero: int = 0, recompute: frozenset = frozenset(), gpus_per_node: int = 8,
                  fits: Optional[dict] = None, ep: Optional[int] = None,
-                 schedules: Optional[tuple[str, ...]] = None, memory_choices: bool = False) -> list[Any]:
+                 schedules: Optional[tuple[str, ...]] = None, memory_choices: bool = False,
+                 loss_chunk: Optional[int] = 4096) -> list[Any]:
     """The feasible layouts ``layout=auto`` chooses from, best first (:func:`lightning_seqpar.plan.plan`'s records):
     the context-parallel sizes and communication of ``auto``, the loader's ``auto.batch_size`` per data-parallel rank
     (a global batch of ``batch_size × dp``), micro-batches
     splitting it under a pipeline (the whole batch without one), ``zero`` as given, the recomputation among
     ``recompute`` (any when empty), the expert-parallel size ``ep`` (any when ``None``), the pipeline ``schedules`` (``None``: ``auto.schedules``); with ``memory_choices``, layouts that trade recomputation by
-    module or activation offload for memory too."""
+    module or activation offload for memory too; ``loss_chunk``: the run's (the strategy's ``loss_chunk``, ``None``
+    where the model's own loss computes its logits whole)."""
     from lightning_seqpar.plan import Hardware, plan
 
     records = plan(inventory, world, seq_len, auto.batch_size, hardware=Hardware(memory=memory,
                    gpus_per_node=gpus_per_node, calibration=auto.rates()), precision=precision, headroom=auto.headroom,
                    micro_batches=auto.micro_batches, fits=fits, per_rank_batch=True,
                    context_parallel=auto.context_parallel, cp_comm=auto.cp_comm, schedule=schedules or auto.schedules,
-                   memory_choices=memory_choices)
+                   memory_choices=memory_choices, loss_chunk=loss_chunk)
     return [r for r in records if r.feasible and r.zero == zero and (not recompute or r.recompute in recompute)
             and (ep is None or r.ep == ep) and (r.pp > 1 or r.micro_batch == auto.batch_size)]  # no pipeline: the loader's whole batch
 

@@ -37,6 +37,13 @@ MAX_GPUS = 1 << 20
 """The largest GPU count planned (a million: beyond any cluster); more is refused rather than searched for hours."""
 
 
+def _chunk(text: str) -> Optional[int]:
+    """``--loss-chunk``: a positive number of positions, or ``none``."""
+    if text.lower() == "none":
+        return None
+    return _count("--loss-chunk", 1 << 30)(text)
+
+
 def _count(flag: str, most: int) -> Callable[[str], int]:
     """An argparse type: an integer in ``[1, most]``, else an error naming ``flag`` and the value."""
 
@@ -137,7 +144,7 @@ def what_would_fit(records: list[LayoutRecord], inventory: Any, args: argparse.N
                                      args.frozen), args.gpus, option["seq_len"],
                      args.global_batch, hardware=hardware, precision=args.precision, headroom=args.headroom,
                      calibrate=not args.analytic, optimizer=args.optimizer, context_parallel=args.cp,
-                     cp_comm=args.cp_comm, schedule=tuple(args.schedule))
+                     cp_comm=args.cp_comm, schedule=tuple(args.schedule), loss_chunk=args.loss_chunk)
         best = next((r for r in again if r.feasible), None)
         if best is not None:
             lines.append(f"- {flag}: {_layout(best)} fits ({best.bytes['total'] / GB:.1f} GB)")
@@ -194,6 +201,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--frozen", nargs="+", default=(), metavar="NAME",
                         help="full fine-tuning with the parameters whose names contain NAME frozen (embed_tokens, "
                              "lm_head, router, ...)")
+    parser.add_argument("--loss-chunk", type=_chunk, default=4096, metavar="N|none",
+                        help="the strategy's loss_chunk: positions of the loss's logits computed at a time, past which "
+                             "a rank keeps none of them for backward (default 4096, the strategy's; none: whole)")
     parser.add_argument("--headroom", type=float, default=0.8)
     parser.add_argument("--efficiency", type=float, default=0.5, help="fraction of peak FLOP/s reached")
     parser.add_argument("--calibration", default=None,
@@ -234,7 +244,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     records = plan(inventory, args.gpus, args.seq_len, args.global_batch, hardware=hardware,
                    precision=args.precision, headroom=args.headroom, calibrate=not args.analytic,
                    optimizer=args.optimizer, context_parallel=tuple(args.cp) if args.cp else None,
-                   cp_comm=args.cp_comm, memory_choices=args.memory_choices, schedule=tuple(args.schedule))
+                   cp_comm=args.cp_comm, memory_choices=args.memory_choices, schedule=tuple(args.schedule),
+                   loss_chunk=args.loss_chunk)
     if args.json:
         json.dump([r.as_dict() for r in records], sys.stdout, indent=1)
         print()

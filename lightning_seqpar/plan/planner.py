@@ -138,7 +138,7 @@ def plan(inventory: ModelInventory, gpus: int, seq_len: int, global_batch: int, 
          calibrate: bool = True, fits: Optional[dict[tuple, Any]] = None,
          optimizer: str = "adamw", per_rank_batch: bool = False,
          context_parallel: Optional[tuple[int, ...]] = None, cp_comm: str = "ring",
-         memory_choices: bool = False) -> list[LayoutRecord]:
+         memory_choices: bool = False, loss_chunk: Optional[int] = 4096) -> list[LayoutRecord]:
     """Every layout of ``inventory`` on ``gpus`` GPUs, feasible ones first by predicted step time, then the rejected.
 
     Args:
@@ -161,6 +161,8 @@ def plan(inventory: ModelInventory, gpus: int, seq_len: int, global_batch: int, 
         memory_choices: a layout too large for the GPU is tried again with recomputation by module and activation
             offload (:data:`~.memory_choices.TRADES`); those that fit compete with the rest by step time (the offload's
             host-link time and the MLP's recomputed FLOPs counted), their ``why`` saying what they replaced.
+        loss_chunk: the strategy's ``loss_chunk`` (positions of the loss's logits at a time; ``None``: whole), each
+            record's (:attr:`LayoutRecord.loss_chunk`).
 
     Raises:
         ValueError: ``gpus``, ``seq_len`` or ``global_batch`` below 1, or an unknown precision or optimizer.
@@ -185,7 +187,8 @@ def plan(inventory: ModelInventory, gpus: int, seq_len: int, global_batch: int, 
                     continue  # searched beside 1F1B: the split schedules run one chunk per rank (asked alone: refused)
                 record = LayoutRecord(tp, cp, pp, vpp, dp, zero, mbs, 0, recompute,
                                       main_params=zero == 1 and precision == "bf16-true", ep=ep,
-                                      cp_comm=cp_comm if cp > 1 else "ring", schedule=name if pp > 1 else "1F1B")
+                                      cp_comm=cp_comm if cp > 1 else "ring", schedule=name if pp > 1 else "1F1B",
+                                      loss_chunk=loss_chunk)
                 batch = global_batch * dp if per_rank_batch else global_batch
                 options = (inventory, seq_len, batch, hardware, precision, headroom, name, attention_dropout,
                            fits if calibrate else None, optimizer)
@@ -397,6 +400,7 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
     moved = recomputed = prefetched = 0.0
     if record.recompute != "none" or record.modules:
         whole = LayoutRecord(tp, cp, pp, vpp, dp, record.zero, b, m, "none", record.main_params, ep=record.ep,
+                             loss_chunk=record.loss_chunk,
                              offload=record.offload)
         recomputed = max(0.0, _layer_bytes(whole, inventory, s, precision, dropout, fits) - per_layer)
     if record.offload:

@@ -143,3 +143,14 @@ def test_memory_choices_let_a_layout_fit_by_offload_and_the_run_gets_the_callbac
     assert bool(recomputes) == bool(best.modules or best.recompute != "none")
     choice.add_callbacks(trainer)  # called again (the launching process, then a rank): nothing added twice
     assert len(trainer.callbacks) == len(offloads) + len(recomputes)
+
+
+def test_the_run_s_loss_chunk_is_priced_and_the_reference_gpt_s_loss_is_whole():
+    # A Hugging Face model's head and loss are rewritten, and compute the logits loss_chunk positions at a time; the
+    # reference GPT's own loss computes them whole, whatever the strategy's loss_chunk says.
+    from lightning_seqpar.lightning.auto_layout import planned_loss_chunk
+    from tests.helpers.models import build
+
+    parallel = ParallelConfig(loss_chunk=1024)
+    assert planned_loss_chunk(build("hf"), parallel) == 1024
+    assert planned_loss_chunk(build("gpt"), parallel) is None

@@ -350,3 +350,25 @@ def test_zb_h1_layouts_take_a_third_of_the_bubble_and_the_first_rank_s_peak(inve
         assert r.step_time["total"] < base.step_time["total"]
         checked += 1
     assert checked >= 3
+
+
+def test_the_loss_in_chunks_keeps_no_logits_and_the_command_line_sets_it(tmp_path, capsys):
+    # Llama-3-8B at s 16384, tp 8: 16384 positions a rank, past the strategy's default chunk of 4096. Whole, a
+    # micro-batch keeps the softmax [s·b, v/t] in float32 until its backward; in chunks, nothing of the logits.
+    # (fused attention: no s² scores to make the peak elsewhere)
+    inventory = model_inventory(LLAMA3_8B, 16384, "sdpa")
+    options = dict(hardware=Hardware(memory=1e15), calibrate=False, context_parallel=(1,), schedule="1F1B")
+    chunked, whole = ({(r.tp, r.pp, r.vpp, r.micro_batch, r.recompute, r.zero): r
+                       for r in plan(inventory, 8, 16384, 8, loss_chunk=chunk, **options)}
+                      for chunk in (4096, None))
+    key = (8, 1, 1, 1, "none", 0)
+    assert chunked[key].loss_chunk == 4096 and whole[key].loss_chunk is None
+    softmax = 4 * 16384 * 128256 / 8
+    assert whole[key].bytes["total"] - chunked[key].bytes["total"] > softmax
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA3_8B))
+    for value, expected in (("none", None), ("2048", 2048)):
+        assert main([str(tmp_path), "--gpus", "8", "--seq-len", "8192", "--global-batch", "8", "--analytic", "--json",
+                     "--loss-chunk", value, "--cp", "1"]) == 0
+        assert {r["loss_chunk"] for r in json.loads(capsys.readouterr().out)} == {expected}
+    with pytest.raises(SystemExit):
+        main([str(tmp_path), "--gpus", "8", "--seq-len", "8192", "--global-batch", "8", "--loss-chunk", "0"])

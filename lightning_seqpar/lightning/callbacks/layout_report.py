@@ -68,6 +68,7 @@ def _planned_model(module: pl.LightningModule) -> Optional[torch.nn.Module]:
 def predicted_peak(trainer: pl.Trainer, module: pl.LightningModule, seq_len: int, batch_size: int) -> tuple[
         Optional[int], str]:
     """``(bytes, how)``: the planner's predicted peak of the most loaded rank for this run, or ``(None, why not)``."""
+    from lightning_seqpar.lightning.auto_layout import planned_loss_chunk
     from lightning_seqpar.plan import Hardware, LayoutRecord, inventory_of_hf_model, predict
 
     strategy = trainer.strategy
@@ -92,7 +93,8 @@ def predicted_peak(trainer: pl.Trainer, module: pl.LightningModule, seq_len: int
                           max(1, batch_size // m), m, recompute,
                           main_params=bool(getattr(strategy.data_parallel, "fp32_main_params", False)),
                           ep=mesh.dims.ep if mesh.dims is not None else 1, cp_comm=strategy.parallel.cp_comm,
-                          modules=modules, offload=offload)
+                          modules=modules, offload=offload,
+                          loss_chunk=planned_loss_chunk(module, strategy.parallel))
     precision = str(trainer.precision)
     inventory, batch = inventory_of_hf_model(model), batch_size * dp * trainer.accumulate_grad_batches
     options = dict(hardware=Hardware(memory=1e15), precision=precision if precision != "64-true" else "32-true")
