@@ -418,15 +418,15 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
     epilogue = max(0.0, outside - prologue - stage_input)
     # The head's logits live from the head to the end of the loss's forward: a micro-batch keeps the rest. In chunks
     # (loss_chunk), it keeps neither them nor the softmax, and the loss's forward and backward make one chunk's.
-    chunk, vocab_parallel = _loss_chunk(record, inventory, local), tp > 1 or cp > 1
+    positions, vocab_parallel = _loss_chunk(record, inventory, local), tp > 1 or cp > 1
     logits, loss_forward, loss_backward = loss_bytes(inventory, local, b, tp, element, vocab_parallel)
-    kept_logits = logits if chunk is None else logits + 4 * logits / element  # the logits, and the softmax kept
+    kept_logits = logits if positions is None else logits + 4 * logits / element  # the logits, and the softmax kept
     kept_logits = min(kept_logits, epilogue)
     epilogue -= kept_logits
     around, after = (0.0, outside - kept_logits) if pp == 1 else (stage_input + prologue, epilogue)
     gradient = parameter + (2 if precision == "bf16-mixed" else 0)  # autocast's 16-bit weight gradient + its fp32 copy
-    if chunk is not None:  # a chunk's logits, their float32 copy and softmax, then (made again) its gradient
-        logits, loss_forward, loss_backward = loss_bytes(inventory, chunk, b, tp, element, vocab_parallel)
+    if positions is not None:  # a chunk's logits, their float32 copy and softmax, then (made again) its gradient
+        logits, loss_forward, loss_backward = loss_bytes(inventory, positions, b, tp, element, vocab_parallel)
         loss_forward += 4 * logits / element
         # Each chunk's head weight gradient is added to the sum of the later chunks' (autograd's buffer): the sum,
         # the new one and their total at once, in the parameters' dtype, beside the chunk's logits' gradient.
@@ -512,6 +512,8 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
     executed = hardware_flops_per_iteration(shape, global_batch, record.recompute)
     if "mlp" in record.modules:  # one more MLP forward per layer
         executed += inventory.num_layers * mlp_forward_flops(shape, global_batch)
+    if positions is not None:  # the loss in chunks: each chunk's logits made again in backward, the head's GEMM again
+        executed += 2 * global_batch * s * inventory.hidden_size * inventory.vocab_size
     record.flops = {"model": model, "hardware": executed}
     sbh = element * local * b * inventory.hidden_size
     layers_per_rank = inventory.num_layers // pp

@@ -365,6 +365,8 @@ def test_the_loss_in_chunks_keeps_no_logits_and_the_command_line_sets_it(tmp_pat
     assert chunked[key].loss_chunk == 4096 and whole[key].loss_chunk is None
     softmax = 4 * 16384 * 128256 / 8
     assert whole[key].bytes["total"] - chunked[key].bytes["total"] > softmax
+    # and pays for it with the head's GEMM made again in backward: 2·B·s·h·v FLOPs a step
+    assert chunked[key].flops["hardware"] - whole[key].flops["hardware"] == 2 * 8 * 16384 * 4096 * 128256
     (tmp_path / "config.json").write_text(json.dumps(LLAMA3_8B))
     for value, expected in (("none", None), ("2048", 2048)):
         assert main([str(tmp_path), "--gpus", "8", "--seq-len", "8192", "--global-batch", "8", "--analytic", "--json",
