@@ -81,17 +81,19 @@ def table(records: list[LayoutRecord], hardware: Hardware, top: int, verbose: bo
     experts = any(r.ep > 1 for r in records)  # a mixture of experts: its expert-parallel size, a column of its own
     # several pipeline schedules searched: the one each layout was priced with, a column of its own
     schedules = len({r.schedule.replace("interleaved_", "") for r in records if r.pp > 1 and r.feasible}) > 1
+    chunks = len({r.loss_chunk for r in records if r.feasible}) > 1  # several loss_chunk searched: a column
     head = (f"| rank | tp | cp | pp | vpp |{' schedule |' if schedules else ''} dp |{' ep |' if experts else ''} zero | "
-            f"mbs | m | recompute | params | grads | main | optim | act | other | total GB | left GB | step s | bubble | "
-            f"MFU |")
-    lines = [head, "|" + "---|" * (21 + experts + schedules)]
+            f"mbs | m | recompute |{' loss chunk |' if chunks else ''} params | grads | main | optim | act | other | "
+            f"total GB | left GB | step s | bubble | MFU |")
+    lines = [head, "|" + "---|" * (21 + experts + schedules + chunks)]
     for i, r in enumerate(feasible, 1):
         b = r.bytes
         mfu = r.flops["model"] / (r.step_time["total"] * r.tp * r.cp * r.pp * r.dp) / hardware.peak_flops
         lines.append(f"| {i} | {r.tp} | {r.cp} | {r.pp} | {r.vpp} |{f' {r.schedule} |' if schedules else ''} {r.dp} |"
                      f"{f' {r.ep} |' if experts else ''} {r.zero} | "
                      f"{r.micro_batch} | {r.num_microbatches} | "
-                     f"{describe(r)} | " + " | ".join(f"{b[k] / GB:.1f}" for k in (
+                     f"{describe(r)} | " + (f"{r.loss_chunk or 'whole'} | " if chunks else "")
+                     + " | ".join(f"{b[k] / GB:.1f}" for k in (
                          "parameters", "gradients", "main_params", "optimizer", "activations", "other", "total"))
                      + f" | {(hardware.memory - b['total']) / GB:.1f} | {r.step_time['total']:.2f} | {r.bubble:.2f} | "
                      f"{mfu:.2f} |")
@@ -144,7 +146,7 @@ def what_would_fit(records: list[LayoutRecord], inventory: Any, args: argparse.N
                                      args.frozen), args.gpus, option["seq_len"],
                      args.global_batch, hardware=hardware, precision=args.precision, headroom=args.headroom,
                      calibrate=not args.analytic, optimizer=args.optimizer, context_parallel=args.cp,
-                     cp_comm=args.cp_comm, schedule=tuple(args.schedule), loss_chunk=args.loss_chunk)
+                     cp_comm=args.cp_comm, schedule=tuple(args.schedule), loss_chunk=tuple(args.loss_chunk))
         best = next((r for r in again if r.feasible), None)
         if best is not None:
             lines.append(f"- {flag}: {_layout(best)} fits ({best.bytes['total'] / GB:.1f} GB)")
@@ -201,9 +203,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--frozen", nargs="+", default=(), metavar="NAME",
                         help="full fine-tuning with the parameters whose names contain NAME frozen (embed_tokens, "
                              "lm_head, router, ...)")
-    parser.add_argument("--loss-chunk", type=_chunk, default=4096, metavar="N|none",
+    parser.add_argument("--loss-chunk", type=_chunk, nargs="+", default=[4096], metavar="N|none",
                         help="the strategy's loss_chunk: positions of the loss's logits computed at a time, past which "
-                             "a rank keeps none of them for backward (default 4096, the strategy's; none: whole)")
+                             "a rank keeps none of them for backward (default 4096, the strategy's; none: whole); "
+                             "several to search them (4096 none: the chunked loss's memory against the head's GEMM "
+                             "made again)")
     parser.add_argument("--headroom", type=float, default=0.8)
     parser.add_argument("--efficiency", type=float, default=0.5, help="fraction of peak FLOP/s reached")
     parser.add_argument("--calibration", default=None,
@@ -245,7 +249,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    precision=args.precision, headroom=args.headroom, calibrate=not args.analytic,
                    optimizer=args.optimizer, context_parallel=tuple(args.cp) if args.cp else None,
                    cp_comm=args.cp_comm, memory_choices=args.memory_choices, schedule=tuple(args.schedule),
-                   loss_chunk=args.loss_chunk)
+                   loss_chunk=tuple(args.loss_chunk))
     if args.json:
         json.dump([r.as_dict() for r in records], sys.stdout, indent=1)
         print()

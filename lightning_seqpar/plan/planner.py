@@ -138,7 +138,8 @@ def plan(inventory: ModelInventory, gpus: int, seq_len: int, global_batch: int, 
          calibrate: bool = True, fits: Optional[dict[tuple, Any]] = None,
          optimizer: str = "adamw", per_rank_batch: bool = False,
          context_parallel: Optional[tuple[int, ...]] = None, cp_comm: str = "ring",
-         memory_choices: bool = False, loss_chunk: Optional[int] = 4096) -> list[LayoutRecord]:
+         memory_choices: bool = False,
+         loss_chunk: Union[Optional[int], tuple[Optional[int], ...]] = 4096) -> list[LayoutRecord]:
     """Every layout of ``inventory`` on ``gpus`` GPUs, feasible ones first by predicted step time, then the rejected.
 
     Args:
@@ -162,7 +163,8 @@ def plan(inventory: ModelInventory, gpus: int, seq_len: int, global_batch: int, 
             offload (:data:`~.memory_choices.TRADES`); those that fit compete with the rest by step time (the offload's
             host-link time and the MLP's recomputed FLOPs counted), their ``why`` saying what they replaced.
         loss_chunk: the strategy's ``loss_chunk`` (positions of the loss's logits at a time; ``None``: whole), each
-            record's (:attr:`LayoutRecord.loss_chunk`).
+            record's (:attr:`LayoutRecord.loss_chunk`); or several to search (``(4096, None)``): a layout is priced
+            once per value that computes its loss differently (none of them past its positions per rank: once).
 
     Raises:
         ValueError: ``gpus``, ``seq_len`` or ``global_batch`` below 1, or an unknown precision or optimizer.
@@ -173,6 +175,7 @@ def plan(inventory: ModelInventory, gpus: int, seq_len: int, global_batch: int, 
     records = []
     fits = {} if fits is None else fits
     schedules = (schedule,) if isinstance(schedule, str) else tuple(dict.fromkeys(schedule))
+    chunk_sizes = tuple(dict.fromkeys(loss_chunk)) if isinstance(loss_chunk, tuple) else (loss_chunk,)
     for tp, cp in itertools.product(_divisors(gpus), context_parallel or _divisors(gpus)):
         if gpus % (tp * cp):
             continue
@@ -185,17 +188,23 @@ def plan(inventory: ModelInventory, gpus: int, seq_len: int, global_batch: int, 
                     expert_parallel_sizes(inventory, tp * cp * dp), schedules if pp > 1 else schedules[:1]):
                 if vpp > 1 and name in SPLIT_BACKWARD and len(schedules) > 1:
                     continue  # searched beside 1F1B: the split schedules run one chunk per rank (asked alone: refused)
-                record = LayoutRecord(tp, cp, pp, vpp, dp, zero, mbs, 0, recompute,
-                                      main_params=zero == 1 and precision == "bf16-true", ep=ep,
-                                      cp_comm=cp_comm if cp > 1 else "ring", schedule=name if pp > 1 else "1F1B",
-                                      loss_chunk=loss_chunk)
-                batch = global_batch * dp if per_rank_batch else global_batch
-                options = (inventory, seq_len, batch, hardware, precision, headroom, name, attention_dropout,
-                           fits if calibrate else None, optimizer)
-                _evaluate(record, *options)
-                records.append(record)
-                if memory_choices and record.bytes and not record.feasible:
-                    records += traded(record, options)
+                priced: set[Optional[int]] = set()  # the chunk sizes this layout's loss runs with, priced once each
+                for chunk_size in chunk_sizes:
+                    record = LayoutRecord(tp, cp, pp, vpp, dp, zero, mbs, 0, recompute,
+                                          main_params=zero == 1 and precision == "bf16-true", ep=ep,
+                                          cp_comm=cp_comm if cp > 1 else "ring", schedule=name if pp > 1 else "1F1B",
+                                          loss_chunk=chunk_size)
+                    effective = _loss_chunk(record, inventory, seq_len // cp)
+                    if effective in priced:
+                        continue
+                    priced.add(effective)
+                    batch = global_batch * dp if per_rank_batch else global_batch
+                    options = (inventory, seq_len, batch, hardware, precision, headroom, name, attention_dropout,
+                               fits if calibrate else None, optimizer)
+                    _evaluate(record, *options)
+                    records.append(record)
+                    if memory_choices and record.bytes and not record.feasible:
+                        records += traded(record, options)
     feasible = sorted((r for r in records if r.feasible), key=lambda r: r.step_time["total"])
     return feasible + [r for r in records if not r.feasible]
 

@@ -3,6 +3,7 @@ share), every feasibility rule triggered, the records and the command line."""
 
 from __future__ import annotations
 
+import collections
 import json
 import re
 
@@ -368,9 +369,18 @@ def test_the_loss_in_chunks_keeps_no_logits_and_the_command_line_sets_it(tmp_pat
     # and pays for it with the head's GEMM made again in backward: 2·B·s·h·v FLOPs a step
     assert chunked[key].flops["hardware"] - whole[key].flops["hardware"] == 2 * 8 * 16384 * 4096 * 128256
     (tmp_path / "config.json").write_text(json.dumps(LLAMA3_8B))
-    for value, expected in (("none", None), ("2048", 2048)):
+    for values, expected in ((["none"], {None}), (["2048"], {2048}), (["2048", "none"], {2048, None})):
         assert main([str(tmp_path), "--gpus", "8", "--seq-len", "8192", "--global-batch", "8", "--analytic", "--json",
-                     "--loss-chunk", value, "--cp", "1"]) == 0
-        assert {r["loss_chunk"] for r in json.loads(capsys.readouterr().out)} == {expected}
+                     "--loss-chunk", *values, "--cp", "1"]) == 0
+        records = json.loads(capsys.readouterr().out)
+        assert {r["loss_chunk"] for r in records} == expected
+    # searched: a layout split over tp (its loss rewritten; 8192 positions a rank, past 2048) is priced twice; one
+    # that is not (transformers' own loss, whole either way) once
+    priced = collections.Counter((r["tp"], r["pp"], r["vpp"], r["micro_batch"], r["recompute"], r["zero"],
+                                  r["schedule"]) for r in records)
+    assert priced[(8, 1, 1, 1, "none", 0, "1F1B")] == 2 and priced[(1, 8, 1, 1, "none", 0, "1F1B")] == 1
+    assert main([str(tmp_path), "--gpus", "8", "--seq-len", "8192", "--global-batch", "8", "--analytic",
+                 "--loss-chunk", "2048", "none", "--cp", "1"]) == 0
+    assert "| loss chunk |" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main([str(tmp_path), "--gpus", "8", "--seq-len", "8192", "--global-batch", "8", "--loss-chunk", "0"])
