@@ -131,15 +131,15 @@ def parallel_load_balancing_loss(gate_logits: tuple[Tensor, ...], num_experts: i
         if upstream is not None:
             loss = loss + upstream.per_layer
             tokens.stages.consumed(upstream)
-        return _as_replica_loss(loss, tokens)
+        return as_replica_loss(loss, tokens)
     counts, probabilities, rows = router_statistics(gate_logits, num_experts, top_k, attention_mask, tokens)
     if upstream is None:
-        return _as_replica_loss(pooled_balancing(counts, probabilities, rows, num_experts), tokens)
+        return as_replica_loss(pooled_balancing(counts, probabilities, rows, num_experts), tokens)
     totals = upstream.joined(counts, probabilities.detach(), rows)
     tokens.stages.consumed(totals, pooled=True)
     own = pooled_balancing(totals.counts, probabilities, totals.rows, num_experts)  # its gradient: this stage's share
     value = pooled_balancing(totals.counts, totals.probabilities, totals.rows, num_experts)
-    return _as_replica_loss(value + (own - own.detach()), tokens)
+    return as_replica_loss(value + (own - own.detach()), tokens)
 
 
 def router_statistics(gate_logits: Sequence[Tensor], num_experts: int, top_k: int, attention_mask: Optional[Tensor],
@@ -207,7 +207,7 @@ def parallel_router_z_loss(gate_logits: tuple[Tensor, ...], attention_mask: Opti
     if upstream is not None:
         loss = loss + upstream.z
         tokens.stages.consumed(upstream)
-    return _as_replica_loss(loss, tokens)
+    return as_replica_loss(loss, tokens)
 
 
 def router_z(gate_logits: Sequence[Tensor], attention_mask: Optional[Tensor], tokens: RouterTokens) -> Tensor:
@@ -232,9 +232,11 @@ def _row_weights(attention_mask: Optional[Tensor], tokens: RouterTokens, device:
     return None if attention_mask is None else tokens.rows_of(attention_mask).to(device, torch.float32)
 
 
-def _as_replica_loss(loss: Tensor, tokens: RouterTokens) -> Tensor:
-    """The value: 1/c of the loss on each cp rank, whose losses are summed. The gradient: d times this rank's share
-    (times c again by the sum over cp's backward), undone by the division by d·c of every gradient."""
+def as_replica_loss(loss: Tensor, tokens: RouterTokens) -> Tensor:
+    """A router loss over every rank's tokens (``loss``: the global value, its gradient this rank's share) as this
+    replica's term of the loss. The value: 1/c of the loss on each cp rank, whose losses are summed. The gradient: d
+    times this rank's share (times c again by the sum over cp's backward), undone by the division by d·c of every
+    gradient."""
     return loss.detach() / tokens.context_parallel + tokens.data_parallel * (loss - loss.detach())
 
 

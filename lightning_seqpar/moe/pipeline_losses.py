@@ -35,7 +35,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from lightning_seqpar.moe.balancing import (
-    MARK, RouterTokens, _as_replica_loss, per_layer_balancing, pooled_balancing, router_statistics, router_z,
+    MARK, RouterTokens, as_replica_loss, per_layer_balancing, pooled_balancing, router_statistics, router_z,
 )
 
 
@@ -154,6 +154,7 @@ class StageRouterLosses:
         self._totals: dict[int, Tensor] = {}
         self._running: Optional[int] = None
         self.collecting = False  # between a stage forward's begin and end: the parts keep their logits
+        self._mask_position: Optional[int] = None  # attention_mask's place among the forward's arguments (-1: none)
 
     @property
     def width(self) -> int:
@@ -162,11 +163,13 @@ class StageRouterLosses:
 
     def capture(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """Forward pre-hook of the module holding the config: keep its call's ``attention_mask`` (or ``None``)."""
-        try:
-            bound = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments
-        except TypeError:
-            bound = kwargs
-        mask = bound.get("attention_mask")
+        mask = kwargs.get("attention_mask")
+        if mask is None and args:  # given by position: where the forward's signature puts it
+            if self._mask_position is None:
+                names = list(inspect.signature(module.forward).parameters)
+                self._mask_position = names.index("attention_mask") if "attention_mask" in names else -1
+            if 0 <= self._mask_position < len(args):
+                mask = args[self._mask_position]
         self.attention_mask = mask if isinstance(mask, Tensor) and mask.dim() == 2 else None
 
     def begin(self, stage: int, microbatch: int, received: Optional[Tensor], device: torch.device) -> None:
@@ -196,13 +199,12 @@ class StageRouterLosses:
         logits = [p.last_logits for p in self.parts.get(stage, []) if p.last_logits is not None]
         own = RouterStatistics.zeros(self.terms.num_experts, self.upstream.counts.device)
         kept = _Kept(None, None, None)
-        if logits:
-            tokens = self._tokens(logits)
-            counts, probabilities, rows = router_statistics(logits, self.terms.num_experts, self.terms.top_k,
-                                                            self._mask(), tokens)
-            per_layer = per_layer_balancing(logits, self.terms.num_experts, self.terms.top_k, self._mask(), tokens) \
-                if self.terms.per_layer else torch.zeros_like(rows)
-            z = router_z(logits, self._mask(), tokens) if self.terms.z else torch.zeros_like(rows)
+        if logits:  # only the terms the model adds: each is a softmax over the logits and a reduction per group
+            tokens, mask, e, k = self._tokens(logits), self.attention_mask, self.terms.num_experts, self.terms.top_k
+            counts, probabilities, rows = router_statistics(logits, e, k, mask, tokens) if self.terms.pooled else \
+                (own.counts, own.probabilities, own.rows)
+            per_layer = per_layer_balancing(logits, e, k, mask, tokens) if self.terms.per_layer else own.per_layer
+            z = router_z(logits, mask, tokens) if self.terms.z else own.z
             own = RouterStatistics(counts, rows, probabilities.detach(), per_layer.detach(), z.detach(), own.used)
             if training:
                 kept = _Kept(probabilities if self.terms.pooled else None,
@@ -250,10 +252,7 @@ class StageRouterLosses:
             return None
         tokens = self._tokens(None)
         # The last stage's loss passes the sum over context-parallel ranks, whose backward multiplies by c.
-        return total.used * tokens.context_parallel * _as_replica_loss(torch.stack(parts).sum(), tokens)
-
-    def _mask(self) -> Optional[Tensor]:
-        return self.attention_mask
+        return total.used * tokens.context_parallel * as_replica_loss(torch.stack(parts).sum(), tokens)
 
     def _tokens(self, logits: Optional[list[Tensor]]) -> RouterTokens:
         part = next(p for parts in self.parts.values() for p in parts)

@@ -42,3 +42,24 @@ def test_the_z_loss_sums_each_layer_s_mean_squared_log_partition_function():
 def test_an_unknown_aux_loss_type_is_refused_by_name():
     with pytest.raises(ValueError, match=r"aux_loss_type='global': 'pooled' \(transformers'\) or 'per_layer'"):
         GPTConfig(n_experts=8, aux_loss_coef=0.1, aux_loss_type="global")
+
+
+def test_the_pipeline_carrier_reads_the_mask_by_keyword_or_by_position():
+    # Every stage reads the 2-D attention_mask from the model's own call, however the caller passed it.
+    import torch.nn as nn
+
+    from lightning_seqpar.moe.pipeline_losses import RouterLossTerms, StageRouterLosses
+
+    class Model(nn.Module):
+        def forward(self, input_ids, attention_mask=None):
+            return input_ids
+
+    model, mask = Model(), torch.ones(2, 4)
+    carrier = StageRouterLosses(RouterLossTerms(4, 2, pooled=0.5), {}, 1)
+    model.register_forward_pre_hook(carrier.capture, with_kwargs=True)
+    model(torch.zeros(2, 4), attention_mask=mask)
+    assert carrier.attention_mask is mask
+    model(torch.zeros(2, 4), mask)
+    assert carrier.attention_mask is mask
+    model(torch.zeros(2, 4))
+    assert carrier.attention_mask is None
