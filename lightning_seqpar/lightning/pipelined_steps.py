@@ -126,7 +126,7 @@ class PipelinedSteps:
             config: the pipeline configuration.
             pipeline: this rank's pipeline-parallel group (its rank is this rank's stage).
             device: where received activations and gradients are placed.
-            model: this rank's part of the model; under a schedule with W actions (ZB-H1) its column- and
+            model: this rank's part of the model; under a schedule with W actions (ZB-H1, ZB-V) its column- and
                 row-parallel linears split their backward into one store (:func:`~lightning_seqpar.tensor_parallel.
                 split_backward.split_weight_gradients`).
         """
@@ -135,7 +135,8 @@ class PipelinedSteps:
             store = WeightGradientStore()
             split_weight_gradients(model, store)
         parts = 1 if runtime.router_losses is None else 2  # a mixture's router statistics beside each activation
-        return cls(PipelineExecutor(runtime, StageTransport(pipeline, device, parts), config, store))
+        one_shape = runtime.layout.placement == "V"  # headers on the first boundaries only (comm_plan.carries_header)
+        return cls(PipelineExecutor(runtime, StageTransport(pipeline, device, parts, one_shape), config, store))
 
     @property
     def config(self) -> PipelineConfig:

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from lightning_seqpar.pipeline_parallel.layout import StageLayout
-from lightning_seqpar.pipeline_parallel.schedules import ScheduleName, check_microbatches, resolve_schedule
+from lightning_seqpar.pipeline_parallel.schedules import (ScheduleName, check_microbatches, chunks_per_rank, placement_of,
+                                                          resolve_schedule)
 
 
 @dataclass(frozen=True)
@@ -22,16 +23,16 @@ class PipelineConfig:
     num_microbatches: int
     """m: micro-batches per (per-rank) batch."""
     schedule: ScheduleName
-    """canonical schedule name (``"1F1B"``, ``"gpipe"``, ``"interleaved_1F1B"``, ``"ZB-H1"``)."""
+    """canonical schedule name (``"1F1B"``, ``"gpipe"``, ``"interleaved_1F1B"``, ``"ZB-H1"``, ``"ZB-V"``)."""
     virtual_stages: int = 1
-    """v: model chunks per pipeline rank."""
+    """v: model chunks per pipeline rank (2 for ZB-V, whatever was asked)."""
     split: Optional[tuple[int, ...]] = None
     """layers of each of the ``p·v`` virtual stages, in model order (``None``: equal)."""
 
     @classmethod
     def build(cls, pp: int = 1, num_microbatches: Optional[int] = None, schedule: str = "1F1B",
               virtual_stages: int = 1, split: Optional[Sequence[int]] = None) -> "PipelineConfig":
-        """Validate and canonicalize; ``num_microbatches`` defaults to ``pp``.
+        """Validate and canonicalize; ``num_microbatches`` defaults to ``pp``; ZB-V's ``virtual_stages`` becomes 2.
 
         Raises:
             ValueError: from :func:`~.schedules.resolve_schedule` and, when ``pp > 1``,
@@ -39,6 +40,7 @@ class PipelineConfig:
                 is checked against the model's layers when they are known: :meth:`layout`).
         """
         name = resolve_schedule(schedule, virtual_stages)
+        virtual_stages = chunks_per_rank(name, virtual_stages)
         m = num_microbatches if num_microbatches is not None else pp
         if pp > 1:
             check_microbatches(m, pp, name)
@@ -58,4 +60,4 @@ class PipelineConfig:
         Raises:
             ValueError: from :meth:`StageLayout.build`.
         """
-        return StageLayout.build(num_layers, self.pp, self.virtual_stages, self.split)
+        return StageLayout.build(num_layers, self.pp, self.virtual_stages, self.split, placement_of(self.schedule))

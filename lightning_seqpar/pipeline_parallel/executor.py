@@ -12,7 +12,7 @@ from torch import Tensor
 from lightning_seqpar.pipeline_parallel.config import PipelineConfig
 from lightning_seqpar.pipeline_parallel.layout import StageLayout
 from lightning_seqpar.pipeline_parallel.comm_plan import ACTIVATION, GRADIENT, Batch, Step, build_program, with_headers
-from lightning_seqpar.pipeline_parallel.p2p import Message, StageTransport
+from lightning_seqpar.pipeline_parallel.p2p import Message, MessageValue, StageTransport
 from lightning_seqpar.pipeline_parallel.schedules import SPLIT_BACKWARD, Action
 from lightning_seqpar.pipeline_parallel.stage import StageRuntime
 from lightning_seqpar.tensor_parallel.weight_gradients import WeightGradientStore
@@ -76,7 +76,8 @@ class PipelineExecutor:
 
     Raises:
         ValueError: a schedule with W actions without ``weight_gradients``; a transport whose tensors per message
-            are not the model's (two where the runtime carries router statistics).
+            are not the model's (two where the runtime carries router statistics), or whose ``one_shape`` is not the
+            V placement's.
     """
 
     def __init__(self, runtime: StageRuntime, transport: StageTransport, config: PipelineConfig,
@@ -88,6 +89,10 @@ class PipelineExecutor:
             raise ValueError(f"A transport of {transport.parts} tensors per message for a model that carries "
                              f"{'nothing' if runtime.router_losses is None else 'router statistics'} beside its "
                              f"activations: build it with parts={1 if runtime.router_losses is None else 2}.")
+        if transport.one_shape != (runtime.layout.placement == "V"):
+            raise ValueError(f"A transport {'with' if transport.one_shape else 'without'} one shape for every stage "
+                             f"boundary for a model in the {runtime.layout.placement} placement: build it with "
+                             f"one_shape={runtime.layout.placement == 'V'}.")
         self.runtime, self.transport, self.config = runtime, transport, config
         self.weight_gradients = weight_gradients
         self.observers: list[Callable[[Action, int], None]] = []
@@ -126,7 +131,7 @@ class PipelineExecutor:
         program = (forward_only, headers)
         if program not in self._programs:
             plain = build_program(self.config.schedule, m, layout, self.rank, forward_only)
-            self._programs[program] = with_headers(plain) if headers else plain
+            self._programs[program] = with_headers(plain, layout) if headers else plain
         program_steps = self._programs[program]
         # Before each chunk's last backward: (chunk, this rank's last?, which parameters). Under a split backward the
         # parameters outside the split layers get their last gradient in the chunk's last B (False), the split ones in
@@ -167,8 +172,9 @@ class PipelineExecutor:
                 if stage < last:
                     if not sent:
                         raise RuntimeError(f"Stage {stage} finished the step without reaching its last layer.")
-                    outgoing[(ACTIVATION, stage + 1, action.microbatch)] = out if carried is None else \
+                    message = out if carried is None else \
                         (out, carried.finish(stage, action.microbatch, training=not forward_only))
+                    self._hand_on((ACTIVATION, stage + 1, action.microbatch), message, outgoing, received)
                 else:
                     if carried is not None:
                         carried.end()
@@ -200,8 +206,8 @@ class PipelineExecutor:
                 if stage > 0:
                     assert incoming is not None
                     grad_in = incoming.grad if incoming.grad is not None else torch.zeros_like(incoming)
-                    outgoing[(GRADIENT, stage - 1, action.microbatch)] = grad_in if carried is None else \
-                        (grad_in, beside)
+                    message = grad_in if carried is None else (grad_in, beside)
+                    self._hand_on((GRADIENT, stage - 1, action.microbatch), message, outgoing, received)
                 del incoming, out
             in_flight = len(saved) + (self.weight_gradients.pending if self._splits else 0)
             result.peak_in_flight = max(result.peak_in_flight, in_flight)
@@ -209,3 +215,16 @@ class PipelineExecutor:
                 observe(action, in_flight)
         assert not outgoing and not received, (outgoing.keys(), received.keys())
         return result
+
+    def _hand_on(self, message: Message, value: MessageValue, outgoing: dict[Message, MessageValue],
+                 received: dict[Message, MessageValue]) -> None:
+        """Queue ``value`` for the stage ``message`` goes to: a send, or, where that stage is on this rank (the V
+        placement's turn), straight into what this rank received, cut from the graph that made it as a transfer
+        would (each stage back-propagates its own part, in its own action)."""
+        kind, stage, _ = message
+        if self.layout.rank_of(stage) != self.rank:
+            outgoing[message] = value
+        elif isinstance(value, Tensor):
+            received[message] = value.detach()
+        else:
+            received[message] = tuple(v.detach() for v in value)

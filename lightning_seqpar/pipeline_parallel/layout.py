@@ -1,14 +1,20 @@
 """Which transformer layers each pipeline stage holds.
 
-With p pipeline ranks and v model chunks per rank there are ``p·v`` *virtual stages*; virtual stage
-``k`` runs on pipeline rank ``k mod p`` as its chunk ``k // p`` (Narayanan et al. 2021 §2.2, the
-interleaved layout of Megatron-LM). With ``v = 1`` this is the plain contiguous split.
+With p pipeline ranks and v model chunks per rank there are ``p·v`` *virtual stages*. In the ``"loop"`` placement
+virtual stage ``k`` runs on pipeline rank ``k mod p`` as its chunk ``k // p`` (Narayanan et al. 2021 §2.2, the
+interleaved layout of Megatron-LM); with ``v = 1`` this is the plain contiguous split. In the ``"V"`` placement
+(``v = 2``: ZB-V, Qi et al. 2024 §4) rank r holds stages r and ``2p − 1 − r``: the activations go down the ranks and
+come back up, so stage ``p − 1`` hands its output to stage p on the same rank, and the first and the last stage
+(the embedding and the loss) share rank 0.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Literal, Optional, Sequence
+
+Placement = Literal["loop", "V"]
+PLACEMENTS = ("loop", "V")
 
 
 @dataclass(frozen=True)
@@ -19,20 +25,33 @@ class StageLayout:
         pp: pipeline-parallel size p.
         virtual_stages: model chunks per pipeline rank v.
         sizes: number of layers of each virtual stage, in model order (length ``p·v``).
+        placement: which rank runs which virtual stage: ``"loop"`` (round robin) or ``"V"`` (two chunks per rank,
+            the second in reverse order).
     """
 
     pp: int
     virtual_stages: int
     sizes: tuple[int, ...]
+    placement: Placement = "loop"
+
+    def __post_init__(self) -> None:
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"A stage placement is one of {PLACEMENTS}, got {self.placement!r}.")
+        if self.placement == "V" and self.virtual_stages != 2:
+            raise ValueError(f"The V placement holds two model chunks per rank; got virtual_stages="
+                             f"{self.virtual_stages}. Use virtual_stages=2.")
 
     @classmethod
-    def build(cls, num_layers: int, pp: int, virtual_stages: int = 1, split: Optional[Sequence[int]] = None) -> "StageLayout":
-        """A balanced split of ``num_layers`` (L) layers, or the explicit ``split`` (layers per virtual stage).
+    def build(cls, num_layers: int, pp: int, virtual_stages: int = 1, split: Optional[Sequence[int]] = None,
+              placement: Placement = "loop") -> "StageLayout":
+        """A balanced split of ``num_layers`` (L) layers, or the explicit ``split`` (layers per virtual stage), placed
+        on the ranks as ``placement`` says.
 
         Raises:
             ValueError: ``p·v`` exceeds L (interleaving needs at least one layer per virtual stage);
                 L not divisible by ``p·v`` without an explicit split; an explicit split of the wrong
-                length, with an empty stage, or not summing to L.
+                length, with an empty stage, or not summing to L; an unknown placement, or ``"V"`` with
+                ``virtual_stages != 2``.
         """
         stages = pp * virtual_stages
         if split is not None:
@@ -42,7 +61,7 @@ class StageLayout:
                     f"pipeline_split={list(split)} must give {stages} positive layer counts (pp={pp} × "
                     f"virtual_stages={virtual_stages}) that sum to the model's {num_layers} layers."
                 )
-            return cls(pp, virtual_stages, split)
+            return cls(pp, virtual_stages, split, placement)
         if stages > num_layers:
             raise ValueError(
                 f"pp={pp} × virtual_stages={virtual_stages} = {stages} pipeline stages need at least {stages} "
@@ -54,7 +73,7 @@ class StageLayout:
                 f"(pp={pp} × virtual_stages={virtual_stages}). Choose pp·virtual_stages among the divisors of "
                 f"{num_layers}, or pass pipeline_split=[...] with the layers of each stage."
             )
-        return cls(pp, virtual_stages, (num_layers // stages,) * stages)
+        return cls(pp, virtual_stages, (num_layers // stages,) * stages, placement)
 
     @property
     def num_stages(self) -> int:
@@ -82,12 +101,26 @@ class StageLayout:
 
     def rank_of(self, stage: int) -> int:
         """Pipeline rank running virtual stage ``stage``."""
-        return stage % self.pp
+        return rank_of_stage(stage, self.pp, self.placement)
 
     def stage(self, rank: int, chunk: int) -> int:
         """Virtual stage of model chunk ``chunk`` on pipeline rank ``rank``."""
-        return chunk * self.pp + rank
+        return stage_of_chunk(rank, chunk, self.pp, self.placement)
 
     def stages_of(self, rank: int) -> list[int]:
         """Virtual stages held by pipeline rank ``rank``, chunk by chunk."""
         return [self.stage(rank, c) for c in range(self.virtual_stages)]
+
+
+def stage_of_chunk(rank: int, chunk: int, pp: int, placement: Placement = "loop") -> int:
+    """Virtual stage of model chunk ``chunk`` on pipeline rank ``rank`` of ``pp`` under ``placement``."""
+    if placement == "V" and chunk == 1:
+        return 2 * pp - 1 - rank
+    return chunk * pp + rank
+
+
+def rank_of_stage(stage: int, pp: int, placement: Placement = "loop") -> int:
+    """Pipeline rank of ``pp`` running virtual stage ``stage`` under ``placement``."""
+    if placement == "V" and stage >= pp:
+        return 2 * pp - 1 - stage
+    return stage % pp

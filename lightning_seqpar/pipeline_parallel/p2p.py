@@ -70,14 +70,17 @@ class StageTransport:
         device: where received tensors are placed.
         parts: tensors per message: 1, or 2 where the model carries a vector beside each activation and gradient
             (every rank of the pipeline builds its transport alike).
+        one_shape: every stage boundary carries the shapes of the first stage's output (the V placement, whose
+            steps exchange headers on the first boundaries only:
+            :func:`~lightning_seqpar.pipeline_parallel.comm_plan.carries_header`); a tensor of other shapes raises.
 
     The first batch of point-to-point operations in an NCCL group must involve every rank of it, unless the
     group's communicator exists: a one-element all-reduce at construction creates it.
     """
 
-    def __init__(self, group: ParallelGroup, device: torch.device, parts: int = 1) -> None:
+    def __init__(self, group: ParallelGroup, device: torch.device, parts: int = 1, one_shape: bool = False) -> None:
         self.group, self.device = group, torch.device(device)
-        self.parts = parts
+        self.parts, self.one_shape = parts, one_shape
         self.log = TransferLog()
         # (signature, receiving stage) -> shape and dtype of each tensor of the activation sent to that stage
         self._shapes: dict[tuple[Hashable, int], tuple[tuple[tuple[int, ...], torch.dtype], ...]] = {}
@@ -98,9 +101,12 @@ class StageTransport:
     def _peer(self, pipeline_rank: int) -> int:
         return dist.get_global_rank(self.group.group, pipeline_rank)
 
+    def _key(self, stage: int) -> tuple[Hashable, int]:
+        return self._signature, 0 if self.one_shape else stage
+
     def _shape(self, t: Transfer) -> tuple[tuple[tuple[int, ...], torch.dtype], ...]:
         # A gradient has the shape of the activation its receiver sent to the next stage.
-        return self._shapes[(self._signature, t.stage if t.kind == ACTIVATION else t.stage + 1)]
+        return self._shapes[self._key(t.stage if t.kind == ACTIVATION else t.stage + 1)]
 
     def _tensors(self, message: MessageValue) -> tuple[Tensor, ...]:
         tensors = (message,) if isinstance(message, Tensor) else tuple(message)
@@ -128,7 +134,7 @@ class StageTransport:
             peer = self._peer(t.peer)
             if t.send and t.header:
                 tensors = self._tensors(outgoing[t.message])
-                self._shapes[(self._signature, t.stage)] = tuple((tuple(x.shape), x.dtype) for x in tensors)
+                self._shapes[self._key(t.stage)] = tuple((tuple(x.shape), x.dtype) for x in tensors)
                 for tensor in tensors:
                     header = self._header(tensor)
                     ops.append(dist.P2POp(dist.isend, header, peer, self.group.group))
@@ -141,7 +147,7 @@ class StageTransport:
                         f"Pipeline stage {t.stage - 1 if t.kind == 'activation' else t.stage + 1} sends a {t.kind} of "
                         f"shapes {[(tuple(x.shape), x.dtype) for x in tensors]} for micro-batch {t.microbatch}, where "
                         f"micro-batches of the same shapes sent {list(specs)}. What a stage sends must depend only on "
-                        f"the micro-batch's shapes."
+                        f"the micro-batch's shapes{', and be the same at every stage boundary in the V placement' if self.one_shape else ''}."
                     )
                 for tensor in tensors:
                     ops.append(dist.P2POp(dist.isend, tensor, peer, self.group.group))
@@ -165,7 +171,7 @@ class StageTransport:
             for header in parts:
                 code, ndim, *sizes = header.tolist()
                 specs.append((tuple(sizes[:ndim]), _DTYPES[code]))
-            self._shapes[(self._signature, t.stage)] = tuple(specs)
+            self._shapes[self._key(t.stage)] = tuple(specs)
         return {m: tensors[0] if self.parts == 1 else tuple(tensors) for m, tensors in received.items()}
 
     def _header(self, tensor: Tensor) -> Tensor:

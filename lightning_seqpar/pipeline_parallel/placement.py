@@ -109,7 +109,7 @@ def place_outside_stack(model: nn.Module, placement: Mapping[str, str], runtime:
         The state-dict keys now held by other ranks (a tied tensor under its first key only).
 
     Parameters of the parts kept become stage-local, except a tensor shared by a first-stage and a last-stage
-    part (a tied embedding), which is pipeline-tied on both stages.
+    part (a tied embedding), which is pipeline-tied on both stages where they are on two ranks.
 
     Raises:
         ValueError: a ``"first"`` part that is not an embedding (no ``embedding_dim``), a placement other than
@@ -126,7 +126,9 @@ def place_outside_stack(model: nn.Module, placement: Mapping[str, str], runtime:
                              f"needs an embedding (an embedding_dim): place only embeddings there.")
     on = {where: {id(p) for path, m in parts.items() if placement[path] == where for p in m.parameters()}
           for where in holds}
-    tied = on[FIRST] & on[LAST]
+    # A tensor of both ends is summed between the first and the last stage's ranks, unless one rank holds both (the V
+    # placement): there its gradient already holds both uses.
+    tied = on[FIRST] & on[LAST] if layout.rank_of(0) != layout.rank_of(layout.num_stages - 1) else set()
     first_keys = _first_keys(model)
     remote: list[str] = []
     for path, module in parts.items():

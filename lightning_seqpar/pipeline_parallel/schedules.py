@@ -1,4 +1,4 @@
-"""Pipeline schedules as per-rank action lists: GPipe, 1F1B, interleaved 1F1B and ZB-H1.
+"""Pipeline schedules as per-rank action lists: GPipe, 1F1B, interleaved 1F1B, ZB-H1 and ZB-V.
 
 An action is a forward (F) or a backward of one model chunk on one micro-batch; zero-bubble schedules split the
 backward into B (the input gradient, which the previous stage waits for) and W (the weight gradient, which nothing
@@ -9,7 +9,8 @@ actions must not deadlock under NCCL's rules (:mod:`.comm_plan`, checked by :mod
 
 Sources: GPipe (Huang et al. 2019); 1F1B / PipeDream-Flush and interleaved 1F1B (Narayanan et al.
 2021 §2.2, Megatron-LM ``schedules.py``), the schedules of Korthikanti et al. 2022 §6; ZB-H1 (Qi et al., *Zero Bubble
-Pipeline Parallelism*, ICLR 2024, §3.1).
+Pipeline Parallelism*, ICLR 2024, §3.1) and ZB-V (§4, on the V placement of
+:mod:`~lightning_seqpar.pipeline_parallel.layout`).
 """
 
 from __future__ import annotations
@@ -17,13 +18,28 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator, Literal, Optional
 
-SCHEDULES = ("1F1B", "gpipe", "interleaved_1F1B", "ZB-H1")
-ScheduleName = Literal["1F1B", "gpipe", "interleaved_1F1B", "ZB-H1"]
-SPLIT_BACKWARD = ("ZB-H1",)
+from lightning_seqpar.pipeline_parallel.layout import Placement, stage_of_chunk
+
+SCHEDULES = ("1F1B", "gpipe", "interleaved_1F1B", "ZB-H1", "ZB-V")
+ScheduleName = Literal["1F1B", "gpipe", "interleaved_1F1B", "ZB-H1", "ZB-V"]
+SPLIT_BACKWARD = ("ZB-H1", "ZB-V")
+"""The schedules whose backward is B then W (the parallel linears' weight gradients deferred to W)."""
+V_SHAPED = ("ZB-V",)
+"""The schedules that run two model chunks per rank in the V placement (rank r: stages r and 2p − 1 − r)."""
 SEARCHED_SCHEDULES = ("1F1B", "ZB-H1")
 """The schedules a layout search prices (the planner, ``AutoLayout``): 1F1B (interleaved where vpp > 1) and ZB-H1
-(Qi et al. 2024: the backward split into B and W, one chunk per rank). ZB-V and DualPipeV are not built yet."""
-"""The schedules whose backward is B then W (the parallel linears' weight gradients deferred to W)."""
+(Qi et al. 2024: the backward split into B and W, one chunk per rank)."""
+
+
+def placement_of(schedule: str) -> Placement:
+    """The stage placement ``schedule`` runs on: ``"V"`` for ZB-V, else ``"loop"``."""
+    return "V" if schedule in V_SHAPED else "loop"
+
+
+def chunks_per_rank(schedule: str, virtual_stages: int) -> int:
+    """v as the layout builds it: 2 for a V-shaped schedule (whose ``virtual_stages`` may be left at 1), else
+    ``virtual_stages``."""
+    return 2 if schedule in V_SHAPED else virtual_stages
 
 
 @dataclass(frozen=True)
@@ -43,10 +59,10 @@ def resolve_schedule(schedule: str, virtual_stages: int) -> ScheduleName:
     """Canonical schedule name; ``"1F1B"`` with ``virtual_stages > 1`` is the interleaved schedule.
 
     Raises:
-        ValueError: unknown name, ``virtual_stages < 1``, GPipe with several chunks, or the interleaved
-            schedule with one chunk.
+        ValueError: unknown name, ``virtual_stages < 1``, GPipe or ZB-H1 with several chunks, the interleaved
+            schedule with one chunk, or ZB-V with other than two (1, the default, stands for its two).
     """
-    names = {s.lower(): s for s in SCHEDULES} | {"interleaved": "interleaved_1F1B", "zbh1": "ZB-H1"}
+    names = {s.lower(): s for s in SCHEDULES} | {"interleaved": "interleaved_1F1B", "zbh1": "ZB-H1", "zbv": "ZB-V"}
     if not isinstance(schedule, str) or schedule.lower() not in names:
         raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}.")
     if not isinstance(virtual_stages, int) or virtual_stages < 1:
@@ -54,7 +70,10 @@ def resolve_schedule(schedule: str, virtual_stages: int) -> ScheduleName:
     name = names[schedule.lower()]
     if name == "1F1B" and virtual_stages > 1:
         name = "interleaved_1F1B"
-    if name in SPLIT_BACKWARD and virtual_stages > 1:
+    if name in V_SHAPED and virtual_stages > 2:
+        raise ValueError(f"{name} places two model chunks per rank in a V; got virtual_stages={virtual_stages}. Leave "
+                         f"virtual_stages at 1 or set it to 2.")
+    if name in SPLIT_BACKWARD and name not in V_SHAPED and virtual_stages > 1:
         raise ValueError(f"{name} runs one model chunk per rank; got virtual_stages={virtual_stages}. Use "
                          f"virtual_stages=1.")
     if name == "gpipe" and virtual_stages > 1:
@@ -154,12 +173,57 @@ def zb_h1(m: int, p: int, rank: int) -> list[Action]:
     return actions + [Action("W", 0, i) for i in pending]
 
 
+def zb_v(m: int, p: int, rank: int) -> list[Action]:
+    """ZB-V (Qi et al. 2024 §4): two chunks per rank in the V placement, chunk 0 = stage r, chunk 1 = stage 2p − 1 − r,
+    the backward split into B and W.
+
+    A micro-batch's chunk-1 forward reaches rank r ``2(p − r) − 1`` forward times after its chunk-0 forward left it,
+    and its chunk-1 input gradient ``2r`` times after that; the lists fill exactly those gaps. Warm-up: ``2(p − r) − 1``
+    chunk-0 forwards, then r pairs (chunk-1 forward, chunk-0 forward), then ``p − r`` chunk-1 forward-B-W triples.
+    Steady state: F, B and W of chunk 0, then of chunk 1. Cool-down: the B's left (chunk-1 W's wait), then every W.
+    Each rank holds at most 2p chunk micro-batches from F to W: p whole-model-slice micro-batches, 1F1B's first
+    stage's peak. With F = B = W and ``m >= 2p − 2`` the only idle time is rank r's r units before its first forward
+    and ``p − 1 − r`` after its last W: a bubble of ``(p − 1)/(6m + p − 1)``, the least any schedule of p ranks
+    reaches (the last rank cannot start earlier and holds 6m units of work). Any ``m >= p`` runs (the warm-up
+    shortens when fewer micro-batches exist, and the bubble grows)."""
+    actions: list[Action] = []
+    done = {kind: [0, 0] for kind in "FBW"}
+    ready = {"F": lambda c: m, "B": lambda c: done["F"][c], "W": lambda c: done["B"][c]}
+
+    def run(*steps: str) -> None:
+        for kind, chunk in steps:  # each as "F0", "B1"...: skipped once its chunk has none left
+            c = int(chunk)
+            if done[kind][c] < ready[kind](c):
+                actions.append(Action(kind, c, done[kind][c]))
+                done[kind][c] += 1
+
+    for _ in range(2 * (p - rank) - 1):
+        run("F0")
+    for _ in range(rank):
+        run("F1", "F0")
+    for _ in range(p - rank):
+        run("F1", "B1", "W1")
+    while done["F"][0] < m or done["F"][1] < m:
+        run("F0", "B0", "W0", "F1", "B1", "W1")
+    while done["B"][1] < m:
+        run("B0", "B1")
+    while done["B"][0] < m:
+        run("B0", "W0")
+    while done["W"][1] < m:
+        run("W1")
+    while done["W"][0] < m:
+        run("W0")
+    return actions
+
+
 def build_schedule(schedule: ScheduleName, m: int, p: int, v: int, rank: int, forward_only: bool = False) -> list[Action]:
     """The ordered actions of pipeline rank ``rank``; ``forward_only`` keeps the forwards (evaluation)."""
     if schedule == "gpipe":
         actions = gpipe(m, p, rank)
     elif schedule == "ZB-H1":
         actions = zb_h1(m, p, rank)
+    elif schedule == "ZB-V":
+        actions = zb_v(m, p, rank)
     elif schedule == "1F1B":
         actions = one_f_one_b(m, p, rank)
     else:
@@ -177,10 +241,10 @@ def _needs(action: Action, stage: int, stages: int) -> Optional[tuple[str, int, 
     return ("F", stage, action.microbatch) if stage == stages - 1 else ("B", stage + 1, action.microbatch)
 
 
-def _replay(lists: list[list[Action]], v: int, what: str
+def _replay(lists: list[list[Action]], v: int, what: str, placement: Placement = "loop"
             ) -> Iterator[tuple[int, Action, int, Optional[tuple[str, int, int]]]]:
-    """Every rank's actions of ``lists`` (one list per pipeline rank, v chunks each) in an order the data
-    dependencies allow (:func:`_needs`), each as ``(rank, action, virtual stage, what it needed)``.
+    """Every rank's actions of ``lists`` (one list per pipeline rank, v chunks each, placed as ``placement`` says) in
+    an order the data dependencies allow (:func:`_needs`), each as ``(rank, action, virtual stage, what it needed)``.
 
     Raises:
         RuntimeError: if the lists deadlock (``what`` names them).
@@ -194,7 +258,7 @@ def _replay(lists: list[list[Action]], v: int, what: str
         for r in range(p):
             while position[r] < len(lists[r]):
                 a = lists[r][position[r]]
-                stage = a.chunk * p + r
+                stage = stage_of_chunk(r, a.chunk, p, placement)
                 needs = _needs(a, stage, p * v)
                 if needs is not None and needs not in done:
                     break
@@ -207,7 +271,8 @@ def _replay(lists: list[list[Action]], v: int, what: str
 
 
 def simulate(schedule: ScheduleName, m: int, p: int, v: int = 1) -> list[int]:
-    """Run every rank's list against the data dependencies; return each rank's peak in-flight micro-batches.
+    """Run every rank's list against the data dependencies; return each rank's peak in-flight micro-batches (counted
+    per model chunk: with v chunks a rank's count is of micro-batch slices of about L/(p·v) layers each).
 
     A forward of virtual stage k needs the forward of stage k-1; a backward of stage k needs the
     backward of stage k+1 (or, on the last stage, its own forward); a W needs its own B.
@@ -215,10 +280,11 @@ def simulate(schedule: ScheduleName, m: int, p: int, v: int = 1) -> list[int]:
     Raises:
         RuntimeError: if the lists deadlock.
     """
+    v = chunks_per_rank(schedule, v)
     lists = [build_schedule(schedule, m, p, v, r) for r in range(p)]
     inflight, peak = [0] * p, [0] * p
     release = "W" if schedule in SPLIT_BACKWARD else "B"
-    for r, a, _, _ in _replay(lists, v, f"{schedule} with m={m}, p={p}, v={v}"):
+    for r, a, _, _ in _replay(lists, v, f"{schedule} with m={m}, p={p}, v={v}", placement_of(schedule)):
         # a micro-batch is held from its forward to its last backward action (W where there is one)
         inflight[r] += 1 if a.kind == "F" else -1 if a.kind == release else 0
         peak[r] = max(peak[r], inflight[r])
@@ -231,19 +297,22 @@ def bubble_fraction(schedule: ScheduleName, m: int, p: int, v: int = 1,
     (:func:`trace_bubble_fraction` of the lists :func:`build_schedule` makes).
 
     For 1F1B this is ``(p − 1)/(m + p − 1)`` with any costs (Narayanan et al. 2021); for ZB-H1 with F = B = W,
-    ``(p − 1)/(3m + p − 1)`` (Qi et al. 2024 §2.1).
+    ``(p − 1)/(3m + p − 1)`` (Qi et al. 2024 §2.1); for ZB-V, whose chunks cost half a stage each,
+    ``(p − 1)/(6m + p − 1)`` (:func:`zb_v`).
 
     Raises:
         RuntimeError: if the lists deadlock.
     """
+    v = chunks_per_rank(schedule, v)
     lists = [build_schedule(schedule, m, p, v, r) for r in range(p)]
-    return trace_bubble_fraction(lists, v, schedule in SPLIT_BACKWARD, costs)
+    return trace_bubble_fraction(lists, v, schedule in SPLIT_BACKWARD, costs, placement_of(schedule))
 
 
 def trace_bubble_fraction(traces: list[list[Action]], v: int = 1, split: bool = False,
-                          costs: tuple[float, float, float] = (1.0, 1.0, 1.0)) -> float:
+                          costs: tuple[float, float, float] = (1.0, 1.0, 1.0), placement: Placement = "loop") -> float:
     """The idle fraction of the ranks whose actions, in the order each ran them, are ``traces`` (one list per
-    pipeline rank, v chunks each), under a fixed cost model: an action starts once its rank is free and what it needs
+    pipeline rank, v chunks each, placed as ``placement`` says), under a fixed cost model: an action starts once its
+    rank is free and what it needs
     is done (:func:`simulate`'s dependencies), and lasts ``costs`` = (F, B, W) of one chunk (``split``: the backward is
     B then W; else a B lasts B + W); transfers take no time. ``1 − busy / (p · makespan)``.
 
@@ -252,10 +321,27 @@ def trace_bubble_fraction(traces: list[list[Action]], v: int = 1, split: bool = 
     """
     p = len(traces)
     duration = {"F": costs[0], "B": costs[1] if split else costs[1] + costs[2], "W": costs[2]}
-    finished: dict[tuple[str, int, int], float] = {}
-    clock = [0.0] * p
-    for r, a, stage, needs in _replay(traces, v, "The traces"):
-        clock[r] = max(clock[r], finished[needs] if needs is not None else 0.0) + duration[a.kind]
-        finished[(a.kind, stage, a.microbatch)] = clock[r]
+    times = action_times(traces, v, placement, duration)
     busy = sum(sum(duration[a.kind] for a in trace) for trace in traces)
-    return 1 - busy / (p * max(clock))
+    return 1 - busy / (p * max(end for rank in times for _, end in rank))
+
+
+def action_times(lists: list[list[Action]], v: int = 1, placement: Placement = "loop",
+                 duration: Optional[dict[str, float]] = None) -> list[list[tuple[float, float]]]:
+    """``(start, end)`` of every action of ``lists`` (one list per pipeline rank, v chunks each, placed as
+    ``placement`` says), each rank running its list in order, an action starting once its rank is free and what it
+    needs (:func:`_needs`) has ended, lasting ``duration[kind]`` (default 1 each); transfers take no time.
+
+    Raises:
+        RuntimeError: if the lists deadlock.
+    """
+    duration = duration or {"F": 1.0, "B": 1.0, "W": 1.0}
+    finished: dict[tuple[str, int, int], float] = {}
+    clock = [0.0] * len(lists)
+    times: list[list[tuple[float, float]]] = [[] for _ in lists]
+    for r, a, stage, needs in _replay(lists, v, "The action lists", placement):
+        start = max(clock[r], finished[needs] if needs is not None else 0.0)
+        clock[r] = start + duration[a.kind]
+        finished[(a.kind, stage, a.microbatch)] = clock[r]
+        times[r].append((start, clock[r]))
+    return times

@@ -95,6 +95,10 @@ CASES = {
         Case("hf", 1, True, None, (("labels", True), ("tie", True), ("layers", 4)), pp=4, batch=4),  # embedding group of 2 of 4
         Case("hf", 1, True, None, (("labels", True), ("tie", True)), (("gradient_clip_val", 0.05),), (("zero", 1),),
              pp=2),  # pp 2 x dp 2, distributed optimizer: a tied embedding's ranges summed between the two stages
+        Case("hf", 2, True, None, (("labels", True), ("tie", True), ("layers", 4)), strategy=(("schedule", "ZB-V"),),
+             pp=2),                                                         # ZB-V: embedding and tied head on rank 0
+        Case("hf", 1, True, "selective", (("labels", True), ("layers", 4)), strategy=(("schedule", "ZB-V"),), pp=2,
+             cp=2),                                                         # ZB-V × cp 2 (ring)
     ],
 }
 # Hugging Face's RMSNorm and its causal-LM loss compute in float32 whatever the input's dtype, so float64 runs agree

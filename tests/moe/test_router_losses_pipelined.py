@@ -1,6 +1,6 @@
 """Router losses split into pipeline stages train like one process: transformers' load-balancing loss pooled over
 every layer (the earlier stages' statistics travel with the activation, the totals come back with its gradient),
-the reference GPT's pooled and per-layer losses and its z-loss, under 1F1B, interleaved and ZB-H1, with padding left
+the reference GPT's pooled and per-layer losses and its z-loss, under 1F1B, interleaved, ZB-H1 and ZB-V, with padding left
 out of the counts; float64, the loss and every gradient before each of 3 AdamW steps (router, experts, attention).
 Under ZB-H1 the experts' weight gradients come in W (moe/expert_product.py) as the linears' do."""
 
@@ -13,6 +13,7 @@ pytestmark = pytest.mark.distributed
 
 INTERLEAVED = (("virtual_stages", 2),)
 ZB_H1 = (("schedule", "ZB-H1"),)
+ZB_V = (("schedule", "ZB-V"),)
 
 
 def gpt(tp, ep, pipeline=(), layers=2, accumulate=1, recompute=None, cp=1, **losses):
@@ -40,6 +41,7 @@ CASES = {
         gpt(1, 2, recompute="full", aux_loss_coef=0.5, z_loss_coef=0.1),  # a layer's forward again in backward
         gpt(1, 2, cp=2, aux_loss_coef=0.5, z_loss_coef=0.1),          # cp 2: each stage's share times c, as the loss
         hf(2, 2, ZB_H1),                                              # the experts' weight gradients in W too
+        gpt(1, 2, ZB_V, layers=4, aux_loss_coef=0.5, z_loss_coef=0.1),  # V: the last stage on rank 0, a turn in memory
     ],
 }
 LOSS_RTOL, GRAD_BOUND = 1e-6, 1e-4

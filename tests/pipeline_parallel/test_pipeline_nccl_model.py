@@ -3,7 +3,8 @@ rendezvous sends): no deadlock, and every receive gets the message it expects, w
 
 import pytest
 
-from lightning_seqpar.pipeline_parallel.comm_plan import Batch, Transfer, build_program, rank_program, with_headers
+from lightning_seqpar.pipeline_parallel.comm_plan import (Batch, Transfer, build_program, carries_header, rank_program,
+                                                          with_headers)
 from lightning_seqpar.pipeline_parallel.layout import StageLayout
 from lightning_seqpar.pipeline_parallel.nccl_model import check_programs
 from lightning_seqpar.pipeline_parallel.schedules import Action, build_schedule
@@ -47,6 +48,33 @@ def test_zb_h1_is_deadlock_free_and_matched_under_nccl_rules():
                 if isinstance(before, Action) and before.kind == "B":
                     assert isinstance(after, Batch) and any(
                         t.send and t.kind == "gradient" and t.microbatch == before.microbatch for t in after.transfers)
+
+
+def test_zb_v_is_deadlock_free_and_matched_under_nccl_rules():
+    """The V placement: rounds of the unit-cost replay (comm_plan.timed_program), each message sent and received in
+    the round its action ends; headers on the first boundaries only, the first message of each pair of ranks."""
+    for p, m, forward_only in ZERO_BUBBLE:
+        layout = StageLayout(p, 2, (1,) * (2 * p), "V")
+        programs = [build_program("ZB-V", m, layout, rank, forward_only) for rank in range(p)]
+        check_programs(programs)
+        check_programs([with_headers(program, layout) for program in programs])
+        for rank, program in enumerate(programs):
+            steps = [s for s in program if isinstance(s, Action)]
+            assert steps == build_schedule("ZB-V", m, p, 2, rank, forward_only)
+            transfers = [t for s in program if isinstance(s, Batch) for t in s.transfers]
+            assert all(t.peer != rank for t in transfers)  # the turn (stage p − 1 to p) is handed over in memory
+            headers = [t for t in transfers if carries_header(t, layout)]
+            assert [(t.send, t.stage, t.microbatch) for t in headers] == \
+                [(False, rank, 0)] * (rank > 0) + [(True, rank + 1, 0)] * (rank < p - 1)
+
+
+def test_the_model_finds_the_deadlock_of_the_v_placement_s_transfers_posted_around_each_action():
+    """1F1B's pattern (send after the action, receive before the next) on ZB-V's lists: neighbours each post a lone
+    gradient send to the other (and a pair's messages arrive out of the order they are needed)."""
+    layout = StageLayout(2, 2, (1,) * 4, "V")
+    programs = [rank_program(build_schedule("ZB-V", 4, 2, 2, rank), layout, rank) for rank in range(2)]
+    with pytest.raises(RuntimeError, match="deadlock under NCCL's rules|matched by order"):
+        check_programs(programs)
 
 
 def test_the_model_finds_the_deadlock_of_unpaired_interleaved_transfers():

@@ -1,6 +1,7 @@
 """Pipeline layouts train exactly like one process: loss, logged loss and every parameter gradient, 3 steps.
 
-Layouts: pp 2 (1F1B, GPipe, interleaved with 2 chunks per rank, ZB-H1), pp 4 (ZB-H1), pp 2 × tp 2 with and without SP,
+Layouts: pp 2 (1F1B, GPipe, interleaved with 2 chunks per rank, ZB-H1, ZB-V), pp 4 (ZB-H1, ZB-V), pp 2 × tp 2 with and
+without SP (and ZB-V with SP),
 pp 2 × dp 2 (zero 0 interleaved, zero 1), pp 2 × tp 2 × dp 2 on 8 processes; the reference GPT and a user's own module around
 nn.TransformerEncoder(Layer)s; selective and full recomputation; clipping and accumulation.
 """
@@ -19,6 +20,7 @@ INTERLEAVED = (("virtual_stages", 2),)
 GPIPE = (("schedule", "gpipe"),)
 UNTIED = (("tie_weights", False),)
 ZB_H1 = (("schedule", "ZB-H1"),)  # B/W split: the weight gradients in W actions
+ZB_V = (("schedule", "ZB-V"),)  # two chunks per rank in a V, B/W split
 
 CASES = {
     2: [
@@ -34,6 +36,9 @@ CASES = {
         Case("gpt", 1, True, None, GPT4, (), (("num_microbatches", 4),), 2, batch=4),  # its 1F1B twin
         Case("gpt", 1, True, "selective", (), CLIP_ACCUMULATE, ZB_H1, 2),
         Case("encoder", 1, True, "full", ENCODER_A, (), ZB_H1, 2),
+        Case("gpt", 1, True, None, GPT4, (), ZB_V + (("num_microbatches", 4),), 2, batch=4),  # tied on rank 0
+        Case("gpt", 1, True, "selective", GPT4, CLIP_ACCUMULATE, ZB_V, 2),  # m = p
+        Case("gpt", 1, True, "full", GPT4 + UNTIED, (), ZB_V + (("num_microbatches", 3),), 2, batch=3),
     ],
     4: [
         Case("gpt", 2, True, "selective", (), (), (), 2),
@@ -46,6 +51,9 @@ CASES = {
         Case("gpt", 2, True, "selective", GPT4, (), ZB_H1 + (("num_microbatches", 4),), 2, batch=4),  # + tp 2 SP
         Case("gpt", 1, True, None, UNTIED, CLIP_ACCUMULATE, ZB_H1 + (("zero", 1),), 2),  # + dp 2: buckets take W's
         Case("gpt", 1, True, None, GPT4, (), ZB_H1 + (("num_microbatches", 8),), 4, batch=8),  # pp 4
+        Case("gpt", 2, True, "selective", GPT4, (), ZB_V + (("num_microbatches", 4),), 2, batch=4),  # + tp 2 SP
+        Case("gpt", 1, True, None, GPT4, CLIP_ACCUMULATE, ZB_V + (("zero", 1),), 2),  # + dp 2, ZeRO-1
+        Case("gpt", 1, True, None, (("n_layer", 8),), (), ZB_V + (("num_microbatches", 8),), 4, batch=8),  # pp 4
     ],
     8: [
         Case("gpt", 2, True, "selective", (), (), (), 2),
