@@ -1,4 +1,4 @@
-"""Pipeline-schedule benchmark: 1F1B against ZB-H1 (and any other schedule) on one GPT, in one run.
+"""Pipeline-schedule benchmark: 1F1B against ZB-H1 and ZB-V (and any other schedule) on one GPT, in one run.
 
     python recipes/benchmark_pipeline.py                      # on CPU (gloo), or on GPUs (NCCL) when there are enough
     python recipes/benchmark_pipeline.py pp=[4] num_microbatches=16

@@ -50,8 +50,8 @@ class AutoLayout:
             activation offload (the planner's ``memory_choices``, :data:`~lightning_seqpar.plan.memory_choices.TRADES`);
             one that fits competes by step time, and when chosen the run gets the ``SelectiveRecompute(modules=...)``
             and ``ActivationOffload(modules=...)`` callbacks it was priced with (not beside callbacks of the run's own).
-        schedules: the pipeline schedules to search (``1F1B``, interleaved where vpp > 1, and ``ZB-H1``; a run with
-            ``compile=True`` searches 1F1B only: a compiled block's backward cannot be split into B and W).
+        schedules: the pipeline schedules to search (``1F1B``, interleaved where vpp > 1, ``ZB-H1`` and ``ZB-V``; a
+            run with ``compile=True`` searches 1F1B only: a compiled block's backward cannot be split into B and W).
 
     Raises:
         ValueError: a size below 1, a headroom outside (0, 1], a context-parallel size below 1, an unknown
@@ -80,7 +80,7 @@ class AutoLayout:
                              f"or None for every divisor of the world.")
         if not self.schedules or any(s not in SEARCHED_SCHEDULES for s in self.schedules):
             raise ValueError(f"AutoLayout.schedules={self.schedules!r}: some of "
-                             f"{' and '.join(map(repr, SEARCHED_SCHEDULES))}.")
+                             f"{', '.join(map(repr, SEARCHED_SCHEDULES))}.")
         if self.cp_comm not in ("ring", "all_to_all"):
             raise ValueError(f"AutoLayout.cp_comm={self.cp_comm!r}: 'ring' or 'all_to_all'.")
         if self.calibration is not None:  # refused here, in the user's script, before any rank starts

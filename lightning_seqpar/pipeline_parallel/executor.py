@@ -172,9 +172,10 @@ class PipelineExecutor:
                 if stage < last:
                     if not sent:
                         raise RuntimeError(f"Stage {stage} finished the step without reaching its last layer.")
-                    message = out if carried is None else \
-                        (out, carried.finish(stage, action.microbatch, training=not forward_only))
-                    self._hand_on((ACTIVATION, stage + 1, action.microbatch), message, outgoing, received)
+                    # (passed on, not held in a local: the frame would keep the last output alive to the step's end)
+                    self._hand_on((ACTIVATION, stage + 1, action.microbatch), out if carried is None else
+                                  (out, carried.finish(stage, action.microbatch, training=not forward_only)),
+                                  outgoing, received)
                 else:
                     if carried is not None:
                         carried.end()
@@ -206,8 +207,8 @@ class PipelineExecutor:
                 if stage > 0:
                     assert incoming is not None
                     grad_in = incoming.grad if incoming.grad is not None else torch.zeros_like(incoming)
-                    message = grad_in if carried is None else (grad_in, beside)
-                    self._hand_on((GRADIENT, stage - 1, action.microbatch), message, outgoing, received)
+                    self._hand_on((GRADIENT, stage - 1, action.microbatch),
+                                  grad_in if carried is None else (grad_in, beside), outgoing, received)
                 del incoming, out
             in_flight = len(saved) + (self.weight_gradients.pending if self._splits else 0)
             result.peak_in_flight = max(result.peak_in_flight, in_flight)

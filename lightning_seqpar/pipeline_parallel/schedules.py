@@ -26,14 +26,23 @@ SPLIT_BACKWARD = ("ZB-H1", "ZB-V")
 """The schedules whose backward is B then W (the parallel linears' weight gradients deferred to W)."""
 V_SHAPED = ("ZB-V",)
 """The schedules that run two model chunks per rank in the V placement (rank r: stages r and 2p − 1 − r)."""
-SEARCHED_SCHEDULES = ("1F1B", "ZB-H1")
-"""The schedules a layout search prices (the planner, ``AutoLayout``): 1F1B (interleaved where vpp > 1) and ZB-H1
-(Qi et al. 2024: the backward split into B and W, one chunk per rank)."""
+SEARCHED_SCHEDULES = ("1F1B", "ZB-H1", "ZB-V")
+"""The schedules a layout search prices (the planner, ``AutoLayout``): 1F1B (interleaved where vpp > 1), ZB-H1
+(Qi et al. 2024: the backward split into B and W, one chunk per rank) and ZB-V (two chunks per rank in a V, at
+vpp 2 only)."""
 
 
 def placement_of(schedule: str) -> Placement:
     """The stage placement ``schedule`` runs on: ``"V"`` for ZB-V, else ``"loop"``."""
     return "V" if schedule in V_SHAPED else "loop"
+
+
+def runs_at(schedule: str, virtual_stages: int) -> bool:
+    """Whether the split schedules run with ``virtual_stages`` chunks per rank: ZB-H1 with one, ZB-V with two (the
+    others: any their :func:`resolve_schedule` accepts)."""
+    if schedule in V_SHAPED:
+        return virtual_stages == 2
+    return virtual_stages == 1 if schedule in SPLIT_BACKWARD else True
 
 
 def chunks_per_rank(schedule: str, virtual_stages: int) -> int:

@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from lightning_seqpar.checkpoint.hf_export import parse_size
 from lightning_seqpar.checkpoint.peft_adapter import LORA_TARGETS
-from lightning_seqpar.pipeline_parallel.schedules import SEARCHED_SCHEDULES
+from lightning_seqpar.pipeline_parallel.schedules import SEARCHED_SCHEDULES, SPLIT_BACKWARD
 from lightning_seqpar.plan.calibration import StepCalibration
 from lightning_seqpar.plan.cost import Hardware
 from lightning_seqpar.plan.memory_choices import describe
@@ -62,7 +62,7 @@ def _count(flag: str, most: int) -> Callable[[str], int]:
 
 def _layout(r: LayoutRecord) -> str:
     return (f"tp{r.tp}{f' cp{r.cp}' if r.cp > 1 else ''} pp{r.pp}{f'×v{r.vpp}' if r.vpp > 1 else ''}"
-            f"{f' {r.schedule}' if r.pp > 1 and r.schedule == 'ZB-H1' else ''} dp{r.dp}"
+            f"{f' {r.schedule}' if r.pp > 1 and r.schedule in SPLIT_BACKWARD else ''} dp{r.dp}"
             f"{f' ep{r.ep}' if r.ep > 1 else ''}"
             f"{' zero1' if r.zero else ''} "
             f"mbs{r.micro_batch} {describe(r)}")
@@ -193,8 +193,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--cp-comm", default="ring", choices=["ring", "all_to_all"],
                         help="the context-parallel attention's communication")
     parser.add_argument("--schedule", nargs="+", default=list(SEARCHED_SCHEDULES), choices=list(SEARCHED_SCHEDULES),
-                        help="the pipeline schedules searched for layouts with pp > 1 (default: both; 1F1B: "
-                             "interleaved where vpp > 1; ZB-H1: the backward split into B and W, vpp 1)")
+                        help="the pipeline schedules searched for layouts with pp > 1 (default: all three; 1F1B: "
+                             "interleaved where vpp > 1; ZB-H1: the backward split into B and W, vpp 1; ZB-V: split, "
+                             "two chunks per rank in a V, vpp 2)")
     parser.add_argument("--lora", type=_count("--lora", 1 << 16), default=None, metavar="R",
                         help="LoRA of rank R (PEFT's, the base frozen: no gradients, main params or optimizer state "
                              "for it); default: full fine-tuning")

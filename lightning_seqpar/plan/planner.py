@@ -20,8 +20,8 @@ from typing import Any, Optional, Union
 from lightning_seqpar.memory.activations import TransformerShape
 from lightning_seqpar.memory.flops import hardware_flops_per_iteration, mlp_forward_flops, model_flops_per_iteration
 from lightning_seqpar.optim.grad_buckets import DEFAULT_BUCKET_BYTES
-from lightning_seqpar.pipeline_parallel.schedules import (SPLIT_BACKWARD, bubble_fraction, build_schedule,
-                                                       resolve_schedule)
+from lightning_seqpar.pipeline_parallel.schedules import (SPLIT_BACKWARD, V_SHAPED, bubble_fraction, build_schedule,
+                                                       placement_of, resolve_schedule, runs_at)
 from lightning_seqpar.plan.activations import layer_bytes, outside_layers_bytes, weight_gradient_bytes
 from lightning_seqpar.plan.cost import Hardware, Traffic, attention_flops, ring_bytes, step_times
 from lightning_seqpar.plan.inventory import ModelInventory
@@ -146,9 +146,10 @@ def plan(inventory: ModelInventory, gpus: int, seq_len: int, global_batch: int, 
         seq_len: s, tokens per sequence. global_batch: sequences per optimizer step.
         precision: ``bf16-mixed``, ``bf16-true`` (with float32 main params under zero 1), ``32-true``.
         headroom: the fraction of ``hardware.memory`` a feasible layout may fill.
-        schedule: the pipeline schedule of layouts with ``pp > 1``, or several to search (``("1F1B", "ZB-H1")``):
-            ``1F1B`` is the interleaved one where ``vpp > 1``; ``ZB-H1`` runs one chunk per rank. A record's
-            ``schedule`` is the one it was priced with (``1F1B`` without a pipeline).
+        schedule: the pipeline schedule of layouts with ``pp > 1``, or several to search (``("1F1B", "ZB-H1",
+            "ZB-V")``): ``1F1B`` is the interleaved one where ``vpp > 1``; ``ZB-H1`` runs one chunk per rank, ``ZB-V``
+            two in a V (vpp 2; its bubble ``(p − 1)/(6m + p − 1)``, its rank 0 the embedding's and the loss's). A
+            record's ``schedule`` is the one it was priced with (``1F1B`` without a pipeline).
         calibrate: a layer's activation bytes measured on small copies of the model and scaled
             (:mod:`~lightning_seqpar.plan.probe`; a Hugging Face model), else the analytic model
             (:mod:`~lightning_seqpar.plan.activations`).
@@ -186,8 +187,8 @@ def plan(inventory: ModelInventory, gpus: int, seq_len: int, global_batch: int, 
             for vpp, zero, mbs, recompute, ep, name in itertools.product(
                     VIRTUAL_STAGES if pp > 1 else (1,), [0, 1] if dp * cp > 1 else [0], micro_batches, kinds,
                     expert_parallel_sizes(inventory, tp * cp * dp), schedules if pp > 1 else schedules[:1]):
-                if vpp > 1 and name in SPLIT_BACKWARD and len(schedules) > 1:
-                    continue  # searched beside 1F1B: the split schedules run one chunk per rank (asked alone: refused)
+                if not runs_at(name, vpp) and len(schedules) > 1:
+                    continue  # searched beside 1F1B: ZB-H1 at vpp 1 only, ZB-V at 2 (asked alone: refused)
                 priced: set[Optional[int]] = set()  # the chunk sizes this layout's loss runs with, priced once each
                 for chunk_size in chunk_sizes:
                     record = LayoutRecord(tp, cp, pp, vpp, dp, zero, mbs, 0, recompute,
@@ -395,14 +396,17 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
               precision: str, headroom: float, schedule: str, dropout: bool,
               fits: Optional[dict[tuple, Any]] = None, optimizer: str = "adamw") -> None:
     record.reason = layout_rule(record, inventory, s, global_batch, hardware)
-    if record.reason is None and record.pp > 1 and record.vpp > 1 and resolve_schedule(schedule, 1) in SPLIT_BACKWARD:
-        record.reason = f"{resolve_schedule(schedule, 1)} runs one model chunk per rank (vpp={record.vpp})"
+    if record.reason is None and record.pp > 1 and not runs_at(resolve_schedule(schedule, 1), record.vpp):
+        name = resolve_schedule(schedule, 1)
+        record.reason = (f"{name} runs two model chunks per rank in a V (vpp={record.vpp})" if name in V_SHAPED
+                         else f"{name} runs one model chunk per rank (vpp={record.vpp})")
     if record.reason is not None:
         return
     tp, pp, vpp, dp, b, m = record.tp, record.pp, record.vpp, record.dp, record.micro_batch, record.num_microbatches
     cp, local = record.cp, s // record.cp  # a context-parallel rank's layers see s/c tokens
     element = 2 if precision.startswith("bf16") else PARAMETER_BYTES[precision]
-    layout = stage_layout(inventory, pp, vpp)
+    name = resolve_schedule(schedule, vpp) if pp > 1 else "1F1B"
+    layout = stage_layout(inventory, pp, vpp, placement=placement_of(name))
     per_layer = _layer_bytes(record, inventory, s, precision, dropout, fits)
     # What a layer's backward makes again or brings back: its kept bytes without recomputation and offload, less
     # with them. Of it, what the offload moves (the same layer's bytes with and without it).
@@ -442,7 +446,6 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
         head = 3 * parameter * (padded_size(inventory.vocab_size, tp) // tp) * inventory.hidden_size
         loss_backward = max(logits + loss_forward, 4 * logits / element + loss_backward,
                             head + 4 * logits / element)
-    name = resolve_schedule(schedule, vpp) if pp > 1 else "1F1B"
     record.schedule = name
     largest = largest_layer_weight(inventory, tp, record.ep)
     if cp == 1:
@@ -457,7 +460,7 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
         # the gradients are reduced, and ZeRO shards, over the d·c ranks of the data group
         state: StateBytes = state_bytes(inventory, tp, pp, dp * cp, pipeline_rank=rank, vpp=vpp, zero=record.zero,
                                         precision=precision, main_params=record.main_params, optimizer=optimizer,
-                                        ep=record.ep)
+                                        ep=record.ep, placement=layout.placement)
         stages = layout.stages_of(rank)
         accumulated = accumulation_bytes(state.parameters, m, state.bucketed, record.zero == 0 and parameter < 4)
         # `.grad` a step's first backward has not made yet (where the buckets are not the gradients).

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from lightning_seqpar.optim.sharded_buckets import owned_range
-from lightning_seqpar.pipeline_parallel.layout import StageLayout
+from lightning_seqpar.pipeline_parallel.layout import Placement, StageLayout
 from lightning_seqpar.plan.inventory import ModelInventory, ParameterEntry
 
 PARAMETER_BYTES = {"32-true": 4, "bf16-mixed": 4, "bf16-true": 2, "64-true": 8}
@@ -74,9 +74,10 @@ class StateBytes:
 
 
 def stage_layout(inventory: ModelInventory, pp: int, vpp: int = 1,
-                 pipeline_split: Optional[Sequence[int]] = None) -> StageLayout:
-    """The strategy's layers per virtual stage (:meth:`StageLayout.build`; raises its ``ValueError``)."""
-    return StageLayout.build(inventory.num_layers, pp, vpp, pipeline_split)
+                 pipeline_split: Optional[Sequence[int]] = None, placement: Placement = "loop") -> StageLayout:
+    """The strategy's layers per virtual stage, placed on the ranks as ``placement`` says (:meth:`StageLayout.build`;
+    raises its ``ValueError``)."""
+    return StageLayout.build(inventory.num_layers, pp, vpp, pipeline_split, placement)
 
 
 def held_entries(inventory: ModelInventory, layout: StageLayout, pipeline_rank: int) -> list[ParameterEntry]:
@@ -101,9 +102,11 @@ def held_entries(inventory: ModelInventory, layout: StageLayout, pipeline_rank: 
 def state_bytes(inventory: ModelInventory, tp: int, pp: int = 1, dp: int = 1, *, pipeline_rank: int = 0,
                 data_rank: int = 0, vpp: int = 1, zero: int = 0, precision: str = "bf16-mixed",
                 main_params: bool = False, pipeline_split: Optional[Sequence[int]] = None,
-                optimizer: str = "adamw", ep: int = 1, expert_data_rank: int = 0) -> StateBytes:
+                optimizer: str = "adamw", ep: int = 1, expert_data_rank: int = 0,
+                placement: Placement = "loop") -> StateBytes:
     """Model-state bytes of the rank at ``(pipeline_rank, data_rank)``, and ``expert_data_rank`` in its expert
-    data-parallel group of ``t·d / ep`` ranks (without experts every tensor-parallel rank holds as much).
+    data-parallel group of ``t·d / ep`` ranks (without experts every tensor-parallel rank holds as much); the stages
+    placed as ``placement`` says (``"V"``: ZB-V's, the embedding and the head both on rank 0).
 
     Raises:
         ValueError: an unknown precision or optimizer, a pipeline split the strategy refuses, or ``ep`` not dividing
@@ -118,7 +121,7 @@ def state_bytes(inventory: ModelInventory, tp: int, pp: int = 1, dp: int = 1, *,
     states, adam = OPTIMIZER_STATES[optimizer], optimizer.startswith("adam")
     element = PARAMETER_BYTES[precision]
     reduced = max(4, element)
-    held = held_entries(inventory, stage_layout(inventory, pp, vpp, pipeline_split), pipeline_rank)
+    held = held_entries(inventory, stage_layout(inventory, pp, vpp, pipeline_split, placement), pipeline_rank)
     parameters = sum(e.local_numel(tp, ep) for e in held) * element
     edp = tp * dp // ep
     # (elements on this rank, its replica group's size, this rank's index in it) of each trainable parameter: a

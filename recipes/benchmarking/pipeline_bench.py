@@ -57,7 +57,8 @@ class PipelineResult:
     transfers: int = 0
     """point-to-point sends per step, all ranks"""
     tensor_collectives: int = 0
-    """tensor-parallel collectives per step on pipeline rank 0's first tp rank"""
+    """tensor-parallel collectives per step, summed over the first tp rank of every stage (ZB-V puts other layers on
+    a rank than 1F1B: per rank they differ, the sum is the model's)"""
     tokens_per_s: float = 0.0
     step_ms: float = 0.0
 
@@ -70,7 +71,7 @@ def _fit(row: PipelineRow, cfg: dict[str, Any], device: torch.device, out_dir: s
     from lightning_seqpar.models.gpt import GPTConfig
     from lightning_seqpar.models.module import GPTLightningModule
     from lightning_seqpar.parallel.collectives import CommunicationLog
-    from lightning_seqpar.pipeline_parallel.schedules import SPLIT_BACKWARD, trace_bubble_fraction
+    from lightning_seqpar.pipeline_parallel.schedules import SPLIT_BACKWARD, placement_of, trace_bubble_fraction
 
     record: dict[str, Any] = {"trace": [], "peak": 0, "times": [], "sends": 0, "collectives": 0}
 
@@ -121,12 +122,15 @@ def _fit(row: PipelineRow, cfg: dict[str, Any], device: torch.device, out_dir: s
         return
     pipeline_ranks = [gathered[r * row.tp] for r in range(row.pp)]  # the first tp rank of each stage
     traces = [rank["trace"] for rank in pipeline_ranks]
-    split = strategy.parallel.pipeline.schedule in SPLIT_BACKWARD
+    pipeline = strategy.parallel.pipeline
+    split = pipeline.schedule in SPLIT_BACKWARD
+    # (ZB-V: two chunks per rank in a V, each action half a stage's work: the same costs per chunk)
+    placed = dict(v=pipeline.virtual_stages, split=split, placement=placement_of(pipeline.schedule))
     step = statistics.median(record["times"][cfg["warmup"] + 1:])
     result = PipelineResult(
-        row.schedule, row.pp, row.tp, trace_bubble_fraction(traces, 1, split),
-        trace_bubble_fraction(traces, 1, split, B_HEAVY_COSTS), [rank["peak"] for rank in pipeline_ranks],
-        sum(rank["sends"] for rank in pipeline_ranks), record["collectives"],
+        row.schedule, row.pp, row.tp, trace_bubble_fraction(traces, **placed),
+        trace_bubble_fraction(traces, costs=B_HEAVY_COSTS, **placed), [rank["peak"] for rank in pipeline_ranks],
+        sum(rank["sends"] for rank in pipeline_ranks), sum(rank["collectives"] for rank in pipeline_ranks),
         cfg["global_batch"] * cfg["s"] / step, 1000 * step)
     (Path(out_dir) / "result.pkl").write_bytes(pickle.dumps(asdict(result)))
 
