@@ -176,7 +176,7 @@ def check_together(checkpointing: CheckpointConfig, data_parallel: DataParallelC
     """What one group cannot check alone.
 
     Raises:
-        ValueError: ``zero=1`` with the full checkpoint format; a schedule with W actions (ZB-H1) with compiled
+        ValueError: ``zero=1`` with the full checkpoint format; a schedule with W actions (ZB-H1, ZB-V) with compiled
             blocks (``compiled``: a compile configuration): a compiled block's backward is one graph.
     """
     if checkpointing.format == "full" and data_parallel.zero:

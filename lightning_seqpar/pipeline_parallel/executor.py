@@ -66,8 +66,8 @@ class PipelineExecutor:
         runtime: the :class:`StageRuntime` of the split model.
         transport: point-to-point sends and receives in the pipeline group (its rank is this rank's stage).
         config: schedule and m.
-        weight_gradients: for a schedule with W actions (ZB-H1), the store the rank's split layers leave their weight
-            gradients in (:func:`~lightning_seqpar.tensor_parallel.split_backward.split_weight_gradients`): each B runs
+        weight_gradients: for a schedule with W actions (ZB-H1, ZB-V), the store the rank's split layers leave their
+            weight gradients in (:func:`~lightning_seqpar.tensor_parallel.split_backward.split_weight_gradients`): each B runs
             deferring into it under ``(chunk, micro-batch)``, each W runs that group.
 
     Attributes:
@@ -222,7 +222,7 @@ class PipelineExecutor:
         """Queue ``value`` for the stage ``message`` goes to: a send, or, where that stage is on this rank (the V
         placement's turn), straight into what this rank received, cut from the graph that made it as a transfer
         would (each stage back-propagates its own part, in its own action)."""
-        kind, stage, _ = message
+        _, stage, _ = message
         if self.layout.rank_of(stage) != self.rank:
             outgoing[message] = value
         elif isinstance(value, Tensor):
