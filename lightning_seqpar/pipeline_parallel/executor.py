@@ -67,8 +67,8 @@ class PipelineExecutor:
         transport: point-to-point sends and receives in the pipeline group (its rank is this rank's stage).
         config: schedule and m.
         weight_gradients: for a schedule with W actions (ZB-H1, ZB-V), the store the rank's split layers leave their
-            weight gradients in (:func:`~lightning_seqpar.tensor_parallel.split_backward.split_weight_gradients`): each B runs
-            deferring into it under ``(chunk, micro-batch)``, each W runs that group.
+            weight gradients in (:func:`~lightning_seqpar.tensor_parallel.split_backward.split_weight_gradients`): each
+            B runs deferring into it under ``(chunk, micro-batch)``, each W runs that group.
 
     Attributes:
         observers: callables run after each action with ``(action, in_flight)``, for measurements (in flight: the
