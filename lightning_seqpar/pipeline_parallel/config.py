@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from lightning_seqpar.pipeline_parallel.layout import StageLayout
-from lightning_seqpar.pipeline_parallel.schedules import (ScheduleName, check_microbatches, chunks_per_rank, placement_of,
-                                                          resolve_schedule)
+from lightning_seqpar.pipeline_parallel.schedules import (ScheduleName, check_microbatches, chunks_per_rank,
+                                                          placement_of, resolve_schedule)
 
 
 @dataclass(frozen=True)

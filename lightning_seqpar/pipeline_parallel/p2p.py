@@ -147,7 +147,8 @@ class StageTransport:
                         f"Pipeline stage {t.stage - 1 if t.kind == 'activation' else t.stage + 1} sends a {t.kind} of "
                         f"shapes {[(tuple(x.shape), x.dtype) for x in tensors]} for micro-batch {t.microbatch}, where "
                         f"micro-batches of the same shapes sent {list(specs)}. What a stage sends must depend only on "
-                        f"the micro-batch's shapes{', and be the same at every stage boundary in the V placement' if self.one_shape else ''}."
+                        f"the micro-batch's shapes"
+                        f"{', and be the same at every stage boundary in the V placement' if self.one_shape else ''}."
                     )
                 for tensor in tensors:
                     ops.append(dist.P2POp(dist.isend, tensor, peer, self.group.group))

@@ -1,7 +1,7 @@
 """Router losses split into pipeline stages train like one process: transformers' load-balancing loss pooled over
 every layer (the earlier stages' statistics travel with the activation, the totals come back with its gradient),
-the reference GPT's pooled and per-layer losses and its z-loss, under 1F1B, interleaved, ZB-H1 and ZB-V, with padding left
-out of the counts; float64, the loss and every gradient before each of 3 AdamW steps (router, experts, attention).
+the reference GPT's pooled and per-layer losses and its z-loss, under 1F1B, interleaved, ZB-H1 and ZB-V, with padding
+left out of the counts; float64, the loss and every gradient before each of 3 AdamW steps (router, experts, attention).
 Under ZB-H1 the experts' weight gradients come in W (moe/expert_product.py) as the linears' do."""
 
 import pytest

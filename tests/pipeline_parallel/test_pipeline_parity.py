@@ -1,9 +1,9 @@
 """Pipeline layouts train exactly like one process: loss, logged loss and every parameter gradient, 3 steps.
 
 Layouts: pp 2 (1F1B, GPipe, interleaved with 2 chunks per rank, ZB-H1, ZB-V), pp 4 (ZB-H1, ZB-V), pp 2 × tp 2 with and
-without SP (and ZB-V with SP),
-pp 2 × dp 2 (zero 0 interleaved, zero 1), pp 2 × tp 2 × dp 2 on 8 processes; the reference GPT and a user's own module around
-nn.TransformerEncoder(Layer)s; selective and full recomputation; clipping and accumulation.
+without SP (and ZB-V with SP), pp 2 × dp 2 (zero 0 interleaved, zero 1; ZB-V with zero 1), pp 2 × tp 2 × dp 2 on 8
+processes; the reference GPT and a user's own module around nn.TransformerEncoder(Layer)s; selective and full
+recomputation; clipping and accumulation.
 """
 
 import pytest

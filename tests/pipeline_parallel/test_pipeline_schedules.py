@@ -191,7 +191,8 @@ def test_bubbles_under_the_cost_model_are_the_papers(p):
         # ramp: (p − 1)/(6m + p − 1), the least any schedule reaches (the last rank starts p − 1 chunk-F's late)
         zb_v = bubble_fraction("ZB-V", m, p)
         assert zb_v == pytest.approx((p - 1) / (6 * m + p - 1), abs=1e-12) if m >= 2 * p - 2 else zb_v < 0.25
-        assert bubble_fraction("ZB-V", m, p, costs=(1.0, 1.2, 0.8)) < bubble_fraction("ZB-H1", m, p, costs=(1.0, 1.2, 0.8))
+        heavy = (1.0, 1.2, 0.8)
+        assert bubble_fraction("ZB-V", m, p, costs=heavy) < bubble_fraction("ZB-H1", m, p, costs=heavy)
     if p == 4:
         assert (round(bubble_fraction("1F1B", 8, 4), 3), round(bubble_fraction("ZB-H1", 8, 4), 3),
                 round(bubble_fraction("ZB-V", 8, 4), 3)) == (0.273, 0.111, 0.059)  # the goal: <= 6 %
