@@ -126,6 +126,27 @@ def check_optimizer_state(optimizer: torch.optim.Optimizer, state: Mapping[str, 
                 )
 
 
+def check_stage_placement(saved: Any, stages: Mapping[str, Any]) -> None:
+    """A full checkpoint's record of which layers each pipeline rank held (``saved``: the strategy's mark, a mapping
+    with ``"stages"``; ``True`` in checkpoints written before the record) against this run's ``stages``
+    (``virtual_stages``, ``placement``, ``split``). A full checkpoint keeps each rank's optimizer state in its layers'
+    order, so another placement of the same layers (1F1B's contiguous stages, the interleaved loop, ZB-V's V) would
+    hand one layer's Adam moments to another of the same shape.
+
+    Raises:
+        ValueError: the record differs from ``stages``, naming both and the ways to resume.
+    """
+    if not isinstance(saved, Mapping) or saved.get("stages") is None or dict(saved["stages"]) == dict(stages):
+        return
+    raise ValueError(
+        f"The checkpoint's optimizer state was saved with the pipeline's layers placed as {dict(saved['stages'])}; this "
+        f"run places them as {dict(stages)}. A full checkpoint keeps each rank's optimizer state in the order of the "
+        f"layers it held, so it resumes only into the same schedule's placement, virtual_stages and pipeline_split. "
+        f"Resume with those, write sharded checkpoints (checkpoint_format='sharded': any layout resumes them), or start "
+        f"from the weights alone (load the checkpoint's 'state_dict' and fit without ckpt_path)."
+    )
+
+
 def optimizer_states_of_this_stage(saved: Sequence[Mapping[str, Any]], optimizers: Sequence[torch.optim.Optimizer],
                                    pp: int, pipeline_rank: int, allow_non_finite: bool) -> list[Mapping[str, Any]]:
     """Each optimizer's single-device state for this pipeline stage, from a checkpoint's ``optimizer_states``

@@ -23,6 +23,7 @@ from torch.optim import Optimizer
 from lightning_seqpar.checkpoint.checks import (
     check_finite,
     check_initial_weights,
+    check_stage_placement,
     check_state_dict_shapes,
     on_every_rank,
     optimizer_states_of_this_stage,
@@ -60,10 +61,12 @@ from lightning_seqpar.lightning.config import CheckpointConfig
 from lightning_seqpar.checkpoint.frozen_base import FrozenBase
 from lightning_seqpar.checkpoint.peft_export import MergedLoRA, adapter_state_dict
 from lightning_seqpar.transformer.lora import adapter_keys
+from lightning_seqpar.pipeline_parallel.schedules import placement_of
 
 
 FULL_FORMAT_MARK = "lightning_seqpar_full_format"
-"""Key of a full-format checkpoint written by the strategy (its optimizer state is in the parallel model's order)."""
+"""Key of a full-format checkpoint written by the strategy (its optimizer state is in the parallel model's order): its
+value records which layers each pipeline rank held (``{"stages": ...}``; ``True`` before the record)."""
 
 
 class Checkpointer:
@@ -86,6 +89,7 @@ class Checkpointer:
         self._mesh: Optional[Any] = None
         self._device: Optional[torch.device] = None
         self._settings: dict[str, Any] = {}
+        self._stages: dict[str, Any] = {}  # the pipeline's placement of layers on ranks (a full checkpoint records it)
         self.writer: Optional[ShardedCheckpointWriter] = None
         self.remote_keys: list[str] = []  # state-dict keys of other pipeline stages (set when the model is split)
         self.initial_weights: Optional[Mapping[str, Any]] = None  # read into the shards as they are made
@@ -96,6 +100,9 @@ class Checkpointer:
         and ``parallel`` the strategy's settings (a checkpoint records ``zero`` and ``sequence_parallel``)."""
         self._mesh, self._device = mesh, device
         self._settings = {"zero": data_parallel.zero, "sequence_parallel": parallel.sequence_parallel}
+        pipeline = parallel.pipeline  # which layers each rank holds: a full checkpoint's optimizer state follows it
+        self._stages = {"virtual_stages": pipeline.virtual_stages, "placement": placement_of(pipeline.schedule),
+                        "split": list(pipeline.split) if pipeline.split is not None else None}
         # Background checkpoint writes run collectives of their own: never on training's process group.
         group = (dist.new_group(backend="gloo", timeout=timeout, group_desc="async_save") if self.config.async_save
                  else None)
@@ -287,7 +294,7 @@ class Checkpointer:
             TypeError: ``storage_options`` given with the sharded format.
         """
         if self.config.format == "full":  # marked: a plain Lightning file's optimizer state is told apart on load
-            return write_file({**checkpoint, FULL_FORMAT_MARK: True}, filepath, storage_options)
+            return write_file({**checkpoint, FULL_FORMAT_MARK: {"stages": self._stages}}, filepath, storage_options)
         if storage_options is not None:
             raise TypeError(f"The sharded checkpoint format takes no storage_options, got {storage_options!r}.")
         assert self.module is not None and self.writer is not None
@@ -361,6 +368,8 @@ class Checkpointer:
         if self._settings.get("zero"):
             raise ValueError("A full (single-file) checkpoint's optimizer state does not resume under zero=1; "
                              "resume with zero=0, or from a sharded checkpoint.")
+        if self.mesh.pp > 1:  # (every rank reads the same file and settings: all raise alike)
+            check_stage_placement(checkpoint.get(FULL_FORMAT_MARK), self._stages)
         try:
             states = on_every_rank(lambda: optimizer_states_of_this_stage(
                 checkpoint["optimizer_states"], self._optimizers(), self.mesh.pp, self.mesh.pipeline.rank,

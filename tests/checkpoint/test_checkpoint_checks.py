@@ -66,3 +66,19 @@ def test_without_processes_a_failed_check_is_raised_with_the_rank():
 
     with pytest.raises(ValueError, match="bad \\(found on rank 0\\)"):
         on_every_rank(fail)
+
+
+def test_a_full_checkpoint_resumes_only_into_the_placement_of_layers_that_wrote_it():
+    """Its optimizer state is each rank's, in the order of the layers it held: 1F1B's contiguous stages, the interleaved
+    loop and ZB-V's V hand the same layers to other ranks, so another placement is refused by name (an older mark,
+    ``True``, carries no record)."""
+    from lightning_seqpar.checkpoint.checks import check_stage_placement
+
+    one_f_one_b = {"virtual_stages": 1, "placement": "loop", "split": None}
+    zb_v = {"virtual_stages": 2, "placement": "V", "split": None}
+    check_stage_placement({"stages": dict(one_f_one_b)}, one_f_one_b)
+    check_stage_placement(True, zb_v)
+    for saved, run in ((one_f_one_b, zb_v), (zb_v, {**zb_v, "placement": "loop"}), (one_f_one_b, {**one_f_one_b,
+                                                                                                    "split": [3, 1]})):
+        with pytest.raises(ValueError, match="placed as .* this run places them as .*checkpoint_format='sharded'"):
+            check_stage_placement({"stages": saved}, run)

@@ -92,9 +92,15 @@ def _bad_checkpoints(world_size, directory):
         torch.save(checkpoint, directory / "corrupt.ckpt")
     torch.distributed.barrier()
     wide = Case("gpt", 2, True, None, model=(("n_embd", 32),), pp=2)
+    # 4 layers under 1F1B (rank 0: layers 0, 1), resumed under ZB-V (rank 0: layers 0, 3): same shapes, other layers
+    four = Case("gpt", 2, True, None, (("n_layer", 4),), (), FULL, 2)
+    fit(four, world_size, steps=-1, epoch_steps=3, max_epochs=1, enable_checkpointing=True,
+        callbacks=[ModelCheckpoint(dirpath=directory / "four", save_last=True)])
+    v_shaped = Case("gpt", 2, True, None, (("n_layer", 4),), (), FULL + (("schedule", "ZB-V"),), 2)
     return dict(pp1_to_pp2=_resume_error(CASE, world_size, str(directory / "pp1" / "last.ckpt")),
                 corrupt=_resume_error(CASE, world_size, str(directory / "corrupt.ckpt")),
-                wider=_resume_error(wide, world_size, str(directory / "last.ckpt")))
+                wider=_resume_error(wide, world_size, str(directory / "last.ckpt")),
+                other_placement=_resume_error(v_shaped, world_size, str(directory / "four" / "last.ckpt")))
 
 
 def _run(rank, world_size, directory):
@@ -180,6 +186,9 @@ def test_checkpoints_that_cannot_resume_are_refused_on_every_rank_with_the_reaso
         # Stage 1 (ranks 2 and 3) holds the NaN; every rank refuses, so none is left waiting in a collective.
         assert "optimizer state 0 (pipeline stage 1) '" in bad["corrupt"] and "found on rank 2" in bad["corrupt"]
         assert "holds 1 non-finite value(s)" in bad["corrupt"]
+        # a full checkpoint's optimizer state follows the layers each rank held: another placement is refused
+        assert "'placement': 'loop'" in bad["other_placement"] and "this run places them as {'virtual_stages': 2, " \
+            "'placement': 'V'" in bad["other_placement"]
 
 
 def _validate_gpt(rank, world, pp):
