@@ -392,14 +392,28 @@ def _context_bytes(inventory: ModelInventory, record: LayoutRecord, s: int, elem
     return forward * (2 if record.recompute == "full" else 1) + backward
 
 
+def _chunks_rule(schedule: str, vpp: int) -> Optional[str]:
+    """Why ``schedule`` cannot run ``vpp`` model chunks per rank (ZB-H1 runs one, ZB-V two), or ``None``."""
+    try:
+        name = resolve_schedule(schedule, 1)
+    except ValueError:  # the interleaved schedule by name: from two chunks on
+        try:
+            resolve_schedule(schedule, vpp)
+        except ValueError as error:
+            return str(error)
+        return None
+    if runs_at(name, vpp):
+        return None
+    return (f"{name} runs two model chunks per rank in a V (vpp={vpp})" if name in V_SHAPED
+            else f"{name} runs one model chunk per rank (vpp={vpp})")
+
+
 def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_batch: int, hardware: Hardware,
               precision: str, headroom: float, schedule: str, dropout: bool,
               fits: Optional[dict[tuple, Any]] = None, optimizer: str = "adamw") -> None:
     record.reason = layout_rule(record, inventory, s, global_batch, hardware)
-    if record.reason is None and record.pp > 1 and not runs_at(resolve_schedule(schedule, 1), record.vpp):
-        name = resolve_schedule(schedule, 1)
-        record.reason = (f"{name} runs two model chunks per rank in a V (vpp={record.vpp})" if name in V_SHAPED
-                         else f"{name} runs one model chunk per rank (vpp={record.vpp})")
+    if record.reason is None and record.pp > 1:
+        record.reason = _chunks_rule(schedule, record.vpp)
     if record.reason is not None:
         return
     tp, pp, vpp, dp, b, m = record.tp, record.pp, record.vpp, record.dp, record.micro_batch, record.num_microbatches
