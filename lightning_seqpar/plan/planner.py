@@ -331,23 +331,25 @@ def _outside_bytes(record: LayoutRecord, inventory: ModelInventory, s: int, prec
 
 @functools.lru_cache(maxsize=4096)
 def _backward_moments(schedule: str, m: int, pp: int, vpp: int, rank: int
-                      ) -> tuple[tuple[tuple[int, ...], int, bool, tuple[int, ...]], ...]:
+                      ) -> tuple[tuple[tuple[int, ...], int, tuple[bool, ...], tuple[int, ...]], ...]:
     """The distinct moments at which pipeline rank ``rank`` starts a backward (a B) in ``schedule``: the forwards in
-    flight then, counted per model chunk; the backward's chunk; whether gradients have accumulated already (an
-    earlier backward ran); the micro-batches past their B and waiting for their W, per chunk (a split backward)."""
-    moments: dict[tuple[tuple[int, ...], int, bool, tuple[int, ...]], None] = {}
-    counts, waiting = [0] * vpp, [0] * vpp
-    done = False
+    flight then, counted per model chunk; the backward's chunk; per chunk, whether its weights' gradients exist (an
+    earlier backward ran, any chunk's; under a split backward that chunk's W: a B makes no weight gradient); the
+    micro-batches past their B and waiting for their W, per chunk (a split backward)."""
+    moments: dict[tuple[tuple[int, ...], int, tuple[bool, ...], tuple[int, ...]], None] = {}
+    counts, waiting, made = [0] * vpp, [0] * vpp, [False] * vpp
+    split = schedule in SPLIT_BACKWARD
     for action in build_schedule(schedule, m, pp, vpp, rank):
         if action.kind == "F":
             counts[action.chunk] += 1
         elif action.kind == "B":
-            moments[(tuple(counts), action.chunk, done, tuple(waiting))] = None
-            done = True
+            moments[(tuple(counts), action.chunk, tuple(made), tuple(waiting))] = None
+            made = made if split else [True] * vpp
             counts[action.chunk] -= 1
-            waiting[action.chunk] += schedule in SPLIT_BACKWARD
+            waiting[action.chunk] += split
         else:
             waiting[action.chunk] -= 1
+            made[action.chunk] = True
     return tuple(moments)
 
 
@@ -484,7 +486,10 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
         # backward makes) or in the optimizer's step, once the activations are gone.
         opt = state.temporary  # the optimizer's step, after the backwards
         peak = (state.total + opt, state.gradients, 0.0, {"optimizer": opt})  # (total, gradients, activations, other)
-        for counts, chunk, accumulating, waiting in _backward_moments(name, m, pp, vpp, rank):
+        for counts, chunk, made, waiting in _backward_moments(name, m, pp, vpp, rank):
+            # the share of this rank's gradients that exist (a split backward makes a chunk's in its first W)
+            share = sum(layout.sizes[stages[c]] for c, ok in enumerate(made) if ok) / sum(layout.sizes[k] for k in stages)
+            accumulating = share > 0
             kept = sum(n * (layout.sizes[stages[c]] * per_layer + around
                             + (after if stages[c] == layout.num_stages - 1 else 0.0)) for c, n in enumerate(counts))
             kept += sum(n * layout.sizes[stages[c]] * w_held for c, n in enumerate(waiting))
@@ -500,8 +505,10 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
                                                                accumulating, recomputed, largest=largest,
                                                                freed=epilogue, loss=loss_backward),
                                      attention_backward - spent + prefetched),
-                      "accumulated_gradients": accumulated if accumulating else 0.0}
-            gradients = state.gradients - (0 if accumulating else unmade)
+                      "accumulated_gradients": accumulated * share}
+            # before a split chunk's first W its weights have no `.grad` even where buckets are kept
+            gradients = state.gradients - (round((1 - share) * state.gradients) if name in SPLIT_BACKWARD
+                                           else 0 if accumulating else unmade)
             total = state.total - state.gradients + gradients + kept + sum(moment.values())
             if total > peak[0]:
                 peak = (total, gradients, kept, moment)

@@ -344,10 +344,11 @@ def test_zb_h1_layouts_take_a_third_of_the_bubble_and_the_first_rank_s_peak(inve
         m = r.num_microbatches
         assert r.bubble == pytest.approx((r.pp - 1) / (3 * m)) and base.bubble == pytest.approx((r.pp - 1) / m)
         # every stage holds p micro-batches from F to W, those past their B only what W reads (its linears' inputs
-        # and output gradients): the first stage's peak is 1F1B's; a later one's may pass it
-        assert r.bytes["total"] >= base.bytes["total"]
+        # and output gradients), and a B makes no weight gradient: until a stage's first W its weights have no .grad.
+        # So the first stage's peak is at most 1F1B's (less by at most the gradients), a later one's may pass it.
+        assert r.bytes["total"] >= base.bytes["total"] - base.bytes["gradients"]
         if r.stage == base.stage == 0:
-            assert r.bytes["total"] == base.bytes["total"]
+            assert r.bytes["total"] <= base.bytes["total"]
         assert r.step_time["total"] < base.step_time["total"]
         checked += 1
     assert checked >= 3
