@@ -486,9 +486,10 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
         # backward makes) or in the optimizer's step, once the activations are gone.
         opt = state.temporary  # the optimizer's step, after the backwards
         peak = (state.total + opt, state.gradients, 0.0, {"optimizer": opt})  # (total, gradients, activations, other)
+        held_layers = sum(layout.sizes[k] for k in stages)
         for counts, chunk, made, waiting in _backward_moments(name, m, pp, vpp, rank):
             # the share of this rank's gradients that exist (a split backward makes a chunk's in its first W)
-            share = sum(layout.sizes[stages[c]] for c, ok in enumerate(made) if ok) / sum(layout.sizes[k] for k in stages)
+            share = sum(layout.sizes[stages[c]] for c, ok in enumerate(made) if ok) / held_layers
             accumulating = share > 0
             kept = sum(n * (layout.sizes[stages[c]] * per_layer + around
                             + (after if stages[c] == layout.num_stages - 1 else 0.0)) for c, n in enumerate(counts))
