@@ -18,10 +18,10 @@ exports asked for. Every field of ``conf/finetune.yaml`` can be overridden on th
 ``objective=dpo``: the data is preference pairs (``{"prompt", "chosen", "rejected"}`` texts, or ``chosen`` and
 ``rejected`` conversations; :mod:`lightning_seqpar.data.preference`), ``data.batch_size`` pairs per micro-batch, and
 the loss is DPO's (``dpo.loss=sigmoid``) or IPO's (``dpo.loss=ipo``) with ``dpo.beta``. The reference model is the
-frozen base with LoRA's adapters off, in the same step; for full fine-tuning or under pipeline parallelism, its
-log-probabilities are computed first through the same layout and cached (``dpo.reference``, default beside the
-data; a cache made for another model, data or settings is computed again, a damaged one is refused by name when
-given explicitly). At the end: validation loss and TRL's reward metrics.
+frozen base with LoRA's adapters off, in the same step (under pipeline parallelism, a forward-only schedule before
+the step's); for full fine-tuning, its log-probabilities are computed first through the same layout and cached
+(``dpo.reference``, default beside the data; a cache made for another model, data or settings is computed again, a
+damaged one is refused by name when given explicitly). At the end: validation loss and TRL's reward metrics.
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ def main(cfg: DictConfig) -> dict:
     check_options(cfg, output_dir)
     pl.seed_everything(cfg.seed, workers=True)
     module, data, trainer = build(cfg, output_dir)
-    if cfg.objective == "dpo":  # full fine-tuning or pp > 1: the reference's log-probabilities first (collective)
+    if cfg.objective == "dpo":  # full fine-tuning: the reference's log-probabilities first (collective)
         data.reference = reference_for_run(trainer, module, data, cfg.dpo.reference)
     trainer.fit(module, datamodule=data, ckpt_path=cfg.ckpt_path)
     if trainer.global_step % cfg.trainer.val_check_interval or "val/loss" not in trainer.callback_metrics:

@@ -152,15 +152,51 @@ class PipelinedSteps:
              forward_only: bool, before_last_backward: Optional[Callable[[int, bool], Any]] = None
              ) -> tuple[StepResult, LogRecorder]:
         micro = split_microbatches(batch, self.config.num_microbatches)
+        signature = shapes_signature(micro[0], forward_only)  # before the reference joins: the same on every stage
+        micro = self._with_reference(module, micro, batch_idx)
         recorder = LogRecorder()
         module.log = recorder  # an instance attribute shadows LightningModule.log for the schedule only
         try:
             result = self.executor.run(lambda i: step(micro[i], batch_idx), forward_only=forward_only,
-                                       signature=shapes_signature(micro[0], forward_only),
-                                       before_last_backward=before_last_backward)
+                                       signature=signature, before_last_backward=before_last_backward)
         finally:
             del module.log
         return result, recorder
+
+    def _with_reference(self, module: pl.LightningModule, micro: list[Any], batch_idx: int) -> list[Any]:
+        """The micro-batches with what ``module.reference_step`` returned for each merged in (on the last stage: the
+        only one that computes it), after a forward-only schedule of it without gradients; unchanged when the module
+        has no ``reference_step`` (or it is ``None``). A step needing a second forward of the same micro-batch (DPO's
+        reference, the LoRA base with its adapters off) cannot make it inside its own step: each micro-batch runs
+        one forward through the stages.
+
+        Raises:
+            RuntimeError: ``reference_step`` calls ``self.log`` (raised in the step, as any error of the user's step).
+            TypeError: a micro-batch or what ``reference_step`` returned (raised in the step) is not a dict.
+        """
+        reference = getattr(module, "reference_step", None)
+        if reference is None:
+            return micro
+        if not isinstance(micro[0], dict):
+            raise TypeError(f"{type(module).__name__}.reference_step under pipeline parallelism merges what it returns "
+                            f"into the micro-batch, which must be a dict; got a {type(micro[0]).__name__}.")
+
+        def step(i: int) -> dict:
+            extra = reference(micro[i], batch_idx)
+            if not isinstance(extra, dict):  # only the last stage returns: raised there, as any error of the step
+                raise TypeError(f"{type(module).__name__}.reference_step returned a {type(extra).__name__}: under "
+                                f"pipeline parallelism it returns a dict, merged into the micro-batch.")
+            return extra
+
+        module.log = _refuse_reference_log(module)
+        try:
+            with torch.no_grad():
+                result = self.executor.run(step, forward_only=True, signature=shapes_signature(micro[0], True))
+        finally:
+            del module.log
+        if not self.is_last:
+            return micro
+        return [{**batch, **result.outputs[i]} for i, batch in enumerate(micro)]
 
     @staticmethod
     def _replay(module: pl.LightningModule, logged: list[tuple[str, Tensor, dict]], dtypes: dict) -> None:
@@ -237,6 +273,13 @@ class PipelinedSteps:
         _, recorder = self._run(module, step, batch, batch_idx, forward_only=True)
         _, logged = self.logs.share("evaluation", None, recorder if self.is_last else None, module.device)
         self._replay(module, logged, self.logs.dtypes("evaluation"))
+
+
+def _refuse_reference_log(module: pl.LightningModule) -> Callable[..., None]:
+    def log(name: str, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError(f"{type(module).__name__}.reference_step logged {name!r}: under pipeline parallelism it "
+                           f"runs in a schedule of its own before training_step's. Log in training_step.")
+    return log
 
 
 def step_args(args: tuple, kwargs: dict) -> tuple[Any, int]:

@@ -18,8 +18,10 @@ chunks of the sequence when ``loss_chunk`` is set (no rank holds a whole sequenc
 the cp ranks, on the last pipeline stage, in float32 (float64 models: float64).
 
 The reference: with LoRA, the same weights with the adapters switched off, in the same step under ``no_grad``
-(:func:`~lightning_seqpar.transformer.lora.adapters_disabled`: no second copy); or, for full fine-tuning and under
-pipeline parallelism, the ``reference_logps`` a batch carries (:class:`~lightning_seqpar.data.preference_datamodule.PreferenceDataModule`'s ``reference``).
+(:func:`~lightning_seqpar.transformer.lora.adapters_disabled`: no second copy; under pipeline parallelism, a
+forward-only schedule of its own before the step's, the module's ``reference_step``); or, for full fine-tuning, the
+``reference_logps`` a batch carries (:class:`~lightning_seqpar.data.preference_datamodule.PreferenceDataModule`'s
+``reference``).
 """
 
 from __future__ import annotations
@@ -126,17 +128,21 @@ class PreferenceLoss:
 
         Raises:
             ValueError: no reference in the batch and no adapters (full fine-tuning), or under pipeline parallelism
-                (one forward per micro-batch), naming the fix.
+                (one forward per micro-batch: the reference comes from the module's ``reference_step``), naming the
+                fix.
         """
         if "reference_logps" in batch:
             return batch["reference_logps"]
-        if not self.has_adapters or pipelined:
-            why = ("full fine-tuning has no frozen copy of the starting model" if not self.has_adapters else
-                   "under pipeline parallelism each micro-batch runs one forward through the stages")
-            raise ValueError(f"DPO needs the reference model's log-probabilities, and {why}. Compute them before "
-                             f"trainer.fit and give them to the data: data.reference = lightning_seqpar.models."
-                             f"dpo_reference.reference_for_run(trainer, module, data), as recipes/finetune.py "
-                             f"objective=dpo does.")
+        if not self.has_adapters:
+            raise ValueError("DPO needs the reference model's log-probabilities, and full fine-tuning has no frozen "
+                             "copy of the starting model. Compute them before trainer.fit and give them to the data: "
+                             "data.reference = lightning_seqpar.models.dpo_reference.reference_for_run(trainer, "
+                             "module, data), as recipes/finetune.py objective=dpo does.")
+        if pipelined:
+            raise ValueError("Under pipeline parallelism each micro-batch runs one forward through the stages, so the "
+                             "LoRA reference (adapters off) comes from the module's reference_step, which the "
+                             "strategy runs before the step (FineTuneModule's), or from the batch's reference_logps; "
+                             "this micro-batch has neither.")
         return self.base_logps(model, batch)
 
     def terms(self, model: nn.Module, batch: dict, pipelined: bool) -> tuple[PreferenceTerms, Tensor]:
@@ -150,8 +156,12 @@ class PreferenceLoss:
         if rows % 2:
             raise ValueError(f"A DPO micro-batch of {rows} rows cuts a preference pair in two: under pipeline "
                              f"parallelism use a data.batch_size (pairs) divisible by num_microbatches.")
-        reference = self.reference_logps(model, batch, pipelined)
-        policy = self.row_logps(model, batch)
+        if pipelined:  # the forward first: a stage before the last leaves the step in it, the reference on the last
+            policy = self.row_logps(model, batch)
+            reference = self.reference_logps(model, batch, pipelined)
+        else:  # the reference first, as one process's step (dropout draws in this order)
+            reference = self.reference_logps(model, batch, pipelined)
+            policy = self.row_logps(model, batch)
         reference = reference.to(policy.dtype)
         if self.loss == "ipo":  # TRL: the mean over the reply's tokens
             tokens = reply_tokens(batch["labels"]).clamp_min(1).to(policy.dtype)

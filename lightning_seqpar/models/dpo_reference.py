@@ -1,9 +1,9 @@
 """The reference model's log-probabilities of every preference pair, computed once before DPO training, and their
 cache file.
 
-Full fine-tuning keeps no frozen copy of the starting model, and under pipeline parallelism a micro-batch runs one
-forward through the stages; both read the reference from the batch instead (``reference_logps``,
-:class:`~lightning_seqpar.data.preference_datamodule.PreferenceDataModule`). :func:`compute_reference_logps` runs
+Full fine-tuning keeps no frozen copy of the starting model, so it reads the reference from the batch instead
+(``reference_logps``, :class:`~lightning_seqpar.data.preference_datamodule.PreferenceDataModule`); LoRA makes it in
+each step (its base with the adapters off). :func:`compute_reference_logps` runs
 the model as it stands before the first step (LoRA: adapters off) forward-only over both splits, through the same
 strategy, layout and loss path as training (``trainer.validate`` with the module collecting instead of logging),
 every pair once, and gathers the values on every rank.
@@ -166,7 +166,7 @@ def default_reference_path(data: Any, identity: dict) -> Path:
 def reference_for_run(trainer: Any, module: Any, data: Any, path: Optional[str] = None
                       ) -> Optional[dict[str, np.ndarray]]:
     """The reference log-probabilities a DPO run reads from its batches, or ``None`` when the module computes them in
-    each step (LoRA without pipeline parallelism). Collective (every rank calls it, before ``trainer.fit``).
+    each step (LoRA, under every layout). Collective (every rank calls it, before ``trainer.fit``).
 
     Read from the cache at ``path`` (default :func:`default_reference_path`) when it was made for this run's identity;
     otherwise computed (:func:`compute_reference_logps`) and written there by global rank 0.
@@ -175,7 +175,7 @@ def reference_for_run(trainer: Any, module: Any, data: Any, path: Optional[str] 
         ValueError: ``path`` given explicitly and holding a cache that is damaged or made for another identity (a
             default-path cache that does not match is computed again instead, since its name is this identity's).
     """
-    if module.lora is not None and trainer.strategy.pp == 1:
+    if module.lora is not None:  # the base with its adapters off, in each step (under pp, module.reference_step)
         return None
     identity = reference_identity(module.pretrained, data)
     target = Path(path).resolve() if path else default_reference_path(data, identity)

@@ -6,7 +6,7 @@ PEFT and transformers are imported when the module builds its model, never by ``
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
@@ -129,6 +129,23 @@ class FineTuneModule(HFCausalLMModule):
         lora = self.lora
         return get_peft_model(model, LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
                                                 target_modules=list(lora["target_modules"])))
+
+    @property
+    def reference_step(self) -> Optional[Callable[[dict, int], dict]]:
+        """DPO with LoRA under pipeline parallelism: the forward-only step the strategy runs through the stages before
+        each training and validation step, ``{"reference_logps": [2b]}`` (the frozen base's Σ log p per row, adapters
+        off), merged into the micro-batch on the last stage; ``None`` otherwise (the step makes its reference itself,
+        or reads it from the batch). See :meth:`~lightning_seqpar.lightning.pipelined_steps.PipelinedSteps`."""
+        try:
+            pipelined = getattr(self.trainer.strategy, "pipeline", None) is not None
+        except RuntimeError:  # not attached to a trainer
+            return None
+        if self.preference is None or self.lora is None or self.reference_collector is not None or not pipelined:
+            return None
+        return self._reference
+
+    def _reference(self, batch: dict, batch_idx: int) -> dict:
+        return {"reference_logps": self.preference.base_logps(self.model, batch)}
 
     def _model_inputs(self, batch: dict) -> dict:
         return {k: v for k, v in batch.items() if k != "num_items_in_step"}

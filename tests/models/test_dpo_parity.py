@@ -8,7 +8,9 @@ of every micro-batch and every trainable gradient of each step equal one process
 - full fine-tuning at pp 2 × tp 2 with 2 micro-batches, the reference computed first by a reference pass through the
   same layout (its values equal one process's log-probabilities of the starting model);
 - full fine-tuning of a mixture of experts (Qwen3-MoE, 8 experts, top 2) at tp 2 × ep 2, dense weights over 2
-  data-parallel replicas.
+  data-parallel replicas;
+- LoRA at pp 2 × tp 2 with 2 micro-batches, the reference the frozen base with the adapters off, made in each step by
+  a forward-only schedule before the step's (the module's ``reference_step``), no reference pass.
 
 At LoRA's first step (B = 0) the policy is the reference: every pair's loss is ln 2 and its rewards 0, exactly. The
 reference pass gives the same values at tp 1, tp 2, pp 2 and cp 2 (to rounding; see its test)."""
@@ -41,6 +43,7 @@ LAYOUTS = {  # name: (strategy, accumulate, lora, model directory)
     "lora tp2 x cp2, loss chunks of 4": ({"tp": 2, "cp": 2, "loss_chunk": 4}, 1, True, "model"),
     "full pp2 x tp2": ({"tp": 2, "pp": 2, "num_microbatches": 2}, 1, False, "model"),
     "full qwen3-moe tp2 x ep2 (dp 2)": ({"tp": 2, "ep": 2}, 1, False, "moe"),
+    "lora pp2 x tp2, reference in the step": ({"tp": 2, "pp": 2, "num_microbatches": 2}, 1, True, "model"),
 }
 
 
@@ -80,7 +83,8 @@ class _Record(pl.Callback):
         self.initial = trainer.strategy.full_state_dict()  # collective; the run's LoRA initialization
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if self.lora and self.first is None:  # the first micro-batch's terms, unsynchronized, before any step
+        # The first micro-batch's terms, unsynchronized, before any step (a split model runs only in its schedule).
+        if self.lora and self.first is None and trainer.strategy.pp == 1:
             with torch.no_grad():
                 self.first = pl_module.preference.terms(pl_module.model, batch, False)[0]
 
@@ -108,7 +112,11 @@ def _fit(rank, world_size, directory, layout):
     if not lora:
         reference = data.reference = compute_reference_logps(trainer, module, data)
     trainer.fit(module, datamodule=data)
-    return record.states, record.grads, record.first, reference, record.logged, syncs.per_step
+    validated = None
+    if lora and strategy.get("pp", 1) > 1:  # validation's reference too comes from its own schedule
+        trainer.validate(module, datamodule=data, verbose=False)
+        validated = trainer.callback_metrics["val/loss"].item(), trainer.strategy.full_state_dict()
+    return record.states, record.grads, record.first, reference, record.logged, syncs.per_step, validated
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
@@ -150,7 +158,7 @@ def _relative(got, want):
 
 
 def test_every_gradient_is_one_process_mean_dpo_loss_over_each_steps_pairs(directory, run):
-    layout, (states, grads, first, reference, logged, host_syncs) = run
+    layout, (states, grads, first, reference, logged, host_syncs, validated) = run
     strategy, accumulate, lora, model_dir = LAYOUTS[layout]
     # The DPO step reads nothing back (the first exchanges the pipeline's shapes), but for a dropless mixture's one
     # read of its split sizes per layer (2 layers), as every dropless mixture's step.
@@ -203,6 +211,10 @@ def test_every_gradient_is_one_process_mean_dpo_loss_over_each_steps_pairs(direc
         assert all(torch.equal(got[n], want[n]) for n in want if want[n].norm() == 0)  # B = 0 at first: A's grad 0
     assert not any(torch.equal(states[0][n], states[-1][n]) for n in want)  # every trainable weight moved
     if lora:  # B = 0: policy and reference are the same function of the same weights
+        assert logged[0] == math.log(2)
+    if validated is not None:  # pipelined LoRA: validation's reference in its own schedule as well
+        _check_validation(directory, validated)
+    if first is not None:
         assert torch.equal(first.losses, torch.full_like(first.losses, math.log(2)))
         assert torch.equal(first.chosen_rewards, torch.zeros_like(first.chosen_rewards))
         assert torch.equal(first.rejected_rewards, torch.zeros_like(first.rejected_rewards))
@@ -230,3 +242,20 @@ def test_the_reference_pass_gives_the_same_values_under_every_layout(directory):
         assert np.array_equal(values["pp2"][split], one)
         assert abs(values["tp2"][split] / one - 1).max() < 1e-13  # the vocabulary's log-sum-exp over two shards
         assert abs(values["cp2"][split] / one - 1).max() < 1e-8
+
+
+def _check_validation(directory, validated):
+    """val/loss of the run's final weights equals one process's mean DPO loss over the held-out pairs."""
+    val_loss, state = validated
+    data = _data(directory)
+    data.setup()
+    model = _policy(directory / "model", state, True)
+    rows = data.val_rows
+    everything = {k: torch.from_numpy(getattr(rows, k).reshape(2 * len(rows), -1))
+                  for k in ("input_ids", "labels", "attention_mask")}
+    with torch.no_grad():
+        with model.disable_adapter():
+            ref = _logps(model, everything)
+        losses = _dpo(_logps(model, everything), ref)
+    assert len(rows) == 8 and val_loss == pytest.approx(losses.mean().item(), rel=1e-10)
+    assert val_loss != pytest.approx(math.log(2), rel=1e-3)  # the adapters trained: policy and reference differ

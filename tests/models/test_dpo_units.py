@@ -199,6 +199,8 @@ def test_the_run_reads_its_cache_recomputes_a_damaged_default_and_refuses_a_fore
     trainer = SimpleNamespace(strategy=SimpleNamespace(pp=1), global_rank=0)
     full, lora = SimpleNamespace(lora=None, pretrained=str(model)), SimpleNamespace(lora={"r": 4}, pretrained=str(model))
     assert dpo_reference.reference_for_run(trainer, lora, data) is None and calls == []  # the base, in the step
+    pipelined = SimpleNamespace(strategy=SimpleNamespace(pp=2), global_rank=0)  # its own schedule (reference_step)
+    assert dpo_reference.reference_for_run(pipelined, lora, data) is None and calls == []
     first = dpo_reference.reference_for_run(trainer, full, data)
     cache = next(tmp_path.glob("pairs.jsonl.dpo-reference-*.json"))
     assert first is computed and len(calls) == 1
@@ -214,10 +216,11 @@ def test_the_run_reads_its_cache_recomputes_a_damaged_default_and_refuses_a_fore
 
 
 @pytest.mark.parametrize("has_adapters, pipelined, why", [
-    (False, False, "full fine-tuning has no frozen copy"), (True, True, "under pipeline parallelism each micro-batch")])
+    (False, False, "full fine-tuning has no frozen copy.*data.reference = lightning_seqpar.models.dpo_reference"),
+    (True, True, "each micro-batch runs one forward.*from the module's reference_step")])
 def test_no_reference_in_the_batch_is_refused_where_the_step_cannot_compute_it(has_adapters, pipelined, why):
     batch = {"input_ids": torch.zeros(2, 4, dtype=torch.long), "labels": torch.zeros(2, 4, dtype=torch.long)}
-    with pytest.raises(ValueError, match=f"{why}.*data.reference = lightning_seqpar.models.dpo_reference"):
+    with pytest.raises(ValueError, match=why):
         PreferenceLoss(0.1, "sigmoid", has_adapters).reference_logps(torch.nn.Identity(), batch, pipelined)
 
 
