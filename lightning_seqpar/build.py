@@ -104,7 +104,7 @@ def build_rank(model: nn.Module, ctx: RewriteContext, policies: Optional[Iterabl
         built.runtime.router_losses = attach_router_losses(model, built.runtime, moe_layers)
         built.remote_keys += place_outside_stack(model, placement, built.runtime, pipeline_rank)
     if materializer is not None:
-        materializer.fill(model, ctx.shard_group)
+        materializer.fill(model, ctx.shard_group, ctx.inner_shard_group)
     return built
 
 

@@ -60,8 +60,9 @@ def rewrite(model: nn.Module, ctx: RewriteContext, policies: Optional[Iterable[P
 def explain(model: nn.Module, tp: int, sequence_parallel: bool = True, policies: Optional[Iterable[Policy]] = None,
             loss_parallel: bool = True, verify: bool = True, cp: int = 1, cp_comm: str = "ring", ep: int = 1,
             moe: Optional[DispatchConfig] = None, seq_len: Optional[int] = None, micro_batch_size: int = 1,
-            bytes_per_element: int = 2) -> RewritePlan:
-    """Print and return what ``SeqParallelStrategy(tp=tp, cp=cp, cp_comm=cp_comm, ep=ep, moe=moe)`` would rewrite in
+            bytes_per_element: int = 2, expert_tp: int = 1) -> RewritePlan:
+    """Print and return what ``SeqParallelStrategy(tp=tp, cp=cp, cp_comm=cp_comm, ep=ep, expert_tp=expert_tp,
+    moe=moe)`` would rewrite in
     ``model``; change nothing. With ``seq_len``, also the bytes one layer keeps per micro-batch of
     ``micro_batch_size`` under each recomputation/offload choice (``plan.memory``;
     :func:`lightning_seqpar.rewriting.rewriter.explain`).
@@ -69,7 +70,7 @@ def explain(model: nn.Module, tp: int, sequence_parallel: bool = True, policies:
     Needs no process group. Raises the same ``ValueError`` as the real rewrite would.
     """
     return rewriter.explain(model, tp, _with_defaults(policies), sequence_parallel, loss_parallel, verify, cp, cp_comm,
-                            ep, moe, seq_len, micro_batch_size, bytes_per_element)
+                            ep, moe, seq_len, micro_batch_size, bytes_per_element, expert_tp)
 
 
 def pipeline_placement(model: nn.Module, policies: Optional[Iterable[Policy]] = None) -> dict[str, str]:

@@ -6,7 +6,7 @@ full shapes, no vocabulary padding), so it loads into any tensor-parallel layout
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Union
+from typing import Any, Mapping, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -15,7 +15,7 @@ from torch import Tensor
 from lightning_seqpar.parallel.collectives import ParallelGroup
 from lightning_seqpar.parallel.mesh import ParallelMesh
 from lightning_seqpar.parallel.placement import placement_of
-from lightning_seqpar.tensor_parallel.sharding import load_from_full, shard_spec
+from lightning_seqpar.tensor_parallel.sharding import gather_full, inner_spec, load_from_full, shard_spec
 
 Shards = Union[ParallelMesh, ParallelGroup]
 """Where shards are split: a mesh (each parameter over the group its placement names) or one group for all."""
@@ -24,6 +24,30 @@ Shards = Union[ParallelMesh, ParallelGroup]
 def _over(param: Tensor, shards: Shards) -> ParallelGroup:
     """The group ``param``'s shards are split over."""
     return shards.group(placement_of(param).shard_over) if isinstance(shards, ParallelMesh) else shards
+
+
+def _inner_over(param: Tensor, shards: Shards) -> Optional[ParallelGroup]:
+    """The group of ``param``'s second split (an expert's width over ``etp``); ``None``: split once or not. With one
+    group for all, a parameter split twice raises (only a mesh names both groups)."""
+    placement = placement_of(param)
+    if placement.inner is None:
+        return None
+    if not isinstance(shards, ParallelMesh):
+        raise ValueError(f"A parameter split over {placement.shard_over!r} and {placement.inner_over!r} is gathered "
+                         f"over a mesh's groups, not over one group.")
+    return shards.group(placement.inner_over)
+
+
+def _gather(param: Tensor, value: Tensor, shards: Shards) -> Tensor:
+    """The single-device tensor of ``value``, this rank's part of a tensor shaped like ``param``'s shard."""
+    return gather_full(value, shard_spec(param), _over(param, shards), inner_spec(param), _inner_over(param, shards))
+
+
+def _split(param: Tensor, full: Tensor, shards: Shards) -> Tensor:
+    """This rank's part of the single-device ``full``, shaped like ``param``'s shard."""
+    value = shard_spec(param).shard(full, _over(param, shards))
+    inner = inner_spec(param)
+    return value if inner is None else inner.shard(value, _inner_over(param, shards))
 
 
 def _params_by_name(module: nn.Module) -> dict[str, nn.Parameter]:
@@ -46,7 +70,7 @@ def full_state_dict(module: nn.Module, group: Shards) -> dict[str, Tensor]:
             out[name] = value.detach().cpu().clone() if isinstance(value, Tensor) else value
             continue
         if id(param) not in gathered:  # tied weights are gathered once
-            gathered[id(param)] = spec.gather(param.detach(), _over(param, group)).cpu()
+            gathered[id(param)] = _gather(param, param.detach(), group).cpu()
         out[name] = gathered[id(param)]
     return out
 
@@ -59,7 +83,7 @@ def full_gradients(module: nn.Module, group: Shards) -> dict[str, Tensor]:
             continue
         spec = shard_spec(param)
         # A copy: on CPU .cpu() would return the live gradient, which clipping then scales in place.
-        out[name] = (spec.gather(param.grad, _over(param, group)) if spec is not None else param.grad.detach()).cpu().clone()
+        out[name] = (_gather(param, param.grad, group) if spec is not None else param.grad.detach()).cpu().clone()
     return out
 
 
@@ -79,7 +103,7 @@ def load_full_state_dict(module: nn.Module, state_dict: Mapping[str, Tensor], gr
             raise KeyError(f"State dict mismatch. Missing: {sorted(missing)}; unexpected: {sorted(unexpected)}.")
     for name, target in own.items():  # keep_vars: parameters carry their shard spec
         if name in state_dict:
-            load_from_full(target, state_dict[name], _over(target, group))
+            load_from_full(target, state_dict[name], _over(target, group), _inner_over(target, group))
 
 
 def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
@@ -98,7 +122,7 @@ def full_optimizer_state(optimizer: torch.optim.Optimizer, group: Shards) -> dic
             continue
         for key, value in entry.items():
             if isinstance(value, Tensor) and value.shape == params[index].shape:
-                entry[key] = spec.gather(value, _over(params[index], group)).cpu()
+                entry[key] = _gather(params[index], value, group).cpu()
     return state
 
 
@@ -112,5 +136,5 @@ def load_full_optimizer_state(optimizer: torch.optim.Optimizer, state: Mapping[s
             continue
         for key, value in entry.items():
             if isinstance(value, Tensor) and value.dim() > spec.dim and value.shape[spec.dim] == spec.full_size:
-                entry[key] = spec.shard(value, _over(params[int(index)], group))
+                entry[key] = _split(params[int(index)], value, group)
     optimizer.load_state_dict(state)

@@ -260,7 +260,7 @@ def _transformed(transform: Callable[[str, Tensor], Tensor], name: str, value: T
 def _shards(param: Tensor, mesh: ParallelMesh, transform: Optional[Callable[[str, Tensor], Tensor]] = None,
             name: str = "") -> Optional[Tensor]:
     """Every rank's shard of ``param`` stacked on the writer (``[n, *shard]``), gathered over its placement's split
-    group by the ranks of its first replica; ``None`` on every other rank (the others of the group, and every rank of
+    group (its second split, if any, undone first) by the ranks of its first replica; ``None`` on every other rank (the others of the group, and every rank of
     the other replicas, which take no part)."""
     placement = placement_of(param)
     if mesh.group(placement.replicated_over).rank != 0:
@@ -268,4 +268,6 @@ def _shards(param: Tensor, mesh: ParallelMesh, transform: Optional[Callable[[str
     value = param.detach()
     if transform is not None:
         value = _transformed(transform, name, value)
+    if placement.inner is not None:  # an expert's width over etp: whole experts first, then stacked over ep
+        value = placement.inner.gather(value, mesh.group(placement.inner_over))
     return mesh.group(placement.shard_over).gather(value)

@@ -38,7 +38,8 @@ from torch.distributed.tensor import DTensor
 from lightning_seqpar.checkpoint.checks import check_finite, on_every_rank
 from lightning_seqpar.checkpoint.safe_reader import METADATA_FILE, SafeFileSystemReader
 from lightning_seqpar.tensor_parallel.dcp_ranges import MAIN_PARAM
-from lightning_seqpar.tensor_parallel.sharding import ShardMeshes, dcp_view, full_shape, saved_shape, shard_spec
+from lightning_seqpar.tensor_parallel.sharding import (ShardMeshes, dcp_view, full_shape, inner_spec, saved_shape,
+                                                       shard_spec)
 
 MODEL_PREFIX = "state_dict."
 OPTIMIZER_PREFIX = "optimizer_states."
@@ -108,7 +109,7 @@ def model_entries(module: nn.Module, meshes: ShardMeshes) -> dict[str, Tensor]:
         TypeError: a state-dict entry that is not a tensor (``get_extra_state``), which DCP would pickle.
     """
     unique, _ = _unique_tensors(module)
-    return {name: dcp_view(value, shard_spec(value), meshes(value)) for name, value in unique.items()}
+    return {name: dcp_view(value, shard_spec(value), meshes(value), inner_spec(value)) for name, value in unique.items()}
 
 
 def tied_aliases(module: nn.Module) -> dict[str, str]:
@@ -165,7 +166,8 @@ def load_model(module: nn.Module, path: Path, metadata: Metadata, meshes: ShardM
             )
 
     on_every_rank(check)
-    targets = {MODEL_PREFIX + k: dcp_view(v, shard_spec(v), meshes(v)) for k, v in own.items() if k in saved}
+    targets = {MODEL_PREFIX + k: dcp_view(v, shard_spec(v), meshes(v), inner_spec(v)) for k, v in own.items()
+               if k in saved}
     with torch.no_grad():
         read_shards(targets, path)
     if not allow_non_finite:
@@ -211,7 +213,8 @@ def optimizer_entries(optimizer: torch.optim.Optimizer, names: Mapping[int, str]
                 raise TypeError(f"Optimizer state '{key}' of '{names[id(param)]}' is a {type(value).__name__}: sharded "
                                 f"checkpoints hold tensors only. Use checkpoint_format='full'.")
             like_param = value.shape == param.shape and param.dim() > 0
-            entries[f"{names[id(param)]}.{key}"] = dcp_view(value, shard_spec(param) if like_param else None, meshes(param))
+            entries[f"{names[id(param)]}.{key}"] = dcp_view(value, shard_spec(param) if like_param else None,
+                                                            meshes(param), inner_spec(param) if like_param else None)
     return entries
 
 
@@ -261,7 +264,7 @@ def load_optimizer(index: int, optimizer: torch.optim.Optimizer, groups: Sequenc
                     continue
                 if param.dim() > 0 and tuple(meta.size) == saved_shape(shard_spec(param), full_shape(param)):
                     value = torch.zeros_like(param, dtype=meta.properties.dtype)
-                    targets[prefix + key] = dcp_view(value, shard_spec(param), meshes(param))
+                    targets[prefix + key] = dcp_view(value, shard_spec(param), meshes(param), inner_spec(param))
                 else:
                     value = torch.zeros(tuple(meta.size), dtype=meta.properties.dtype)
                     targets[prefix + key] = value

@@ -36,8 +36,8 @@ class ParallelConfig:
     ep: int = 1
     """expert-parallel size: ranks holding different experts, folded over the dense ranks (the expert grid)."""
     expert_tp: int = 1
-    """tensor-parallel size of each expert: 1, whole experts on each rank of the expert-parallel group (the experts'
-    own tensor parallelism is not implemented: refused above 1)."""
+    """etp, expert tensor-parallel size: ranks splitting each expert's width (1: whole experts on each rank of the
+    expert-parallel group); ``ep·expert_tp`` divides ``tp·cp·dp`` (the expert grid folds over the dense one)."""
     moe: Optional[DispatchConfig] = field(default_factory=DispatchConfig)
     """how a mixture of experts dispatches: dropless (default), or with a capacity factor and drop policy."""
     pipeline: PipelineConfig = field(default_factory=PipelineConfig.build)
@@ -52,10 +52,6 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         check_sizes(tp=self.tp, pp=self.pipeline.pp, cp=self.cp, ep=self.ep, expert_tp=self.expert_tp)
-        if self.expert_tp != 1:
-            raise ValueError(f"expert_tp={self.expert_tp}: experts split over tensor-parallel ranks are not implemented; "
-                             f"each rank holds whole experts (expert_tp=1). Split the experts over more ranks with "
-                             f"`ep` instead.")
         if self.moe is None:
             object.__setattr__(self, "moe", DispatchConfig())
         if isinstance(self.moe, dict):  # a recipe's strategy.moe mapping
@@ -172,16 +168,23 @@ class PrecisionConfig:
 
 
 def check_together(checkpointing: CheckpointConfig, data_parallel: DataParallelConfig,
-                   pipeline: Optional[PipelineConfig] = None, compiled: Optional[Any] = None) -> None:
+                   parallel: Optional[ParallelConfig] = None, compiled: Optional[Any] = None) -> None:
     """What one group cannot check alone.
 
     Raises:
-        ValueError: ``zero=1`` with the full checkpoint format; a schedule with W actions (ZB-H1, ZB-V) with compiled
-            blocks (``compiled``: a compile configuration): a compiled block's backward is one graph.
+        ValueError: ``zero=1`` with the full checkpoint format, or with experts split over ``expert_tp > 1`` (the
+            distributed optimizer's element ranges of a tensor split twice are not described to checkpoints); a
+            schedule with W actions (ZB-H1, ZB-V) with compiled blocks (``compiled``: a compile configuration): a
+            compiled block's backward is one graph.
     """
     if checkpointing.format == "full" and data_parallel.zero:
         raise ValueError("checkpoint_format='full' gathers the whole optimizer onto every rank and writes from rank 0; "
                          "zero=1 needs checkpoint_format='sharded'.")
+    if parallel is not None and parallel.expert_tp > 1 and data_parallel.zero:
+        raise ValueError(f"zero=1 with expert_tp={parallel.expert_tp}: the distributed optimizer's element ranges of "
+                         f"an expert split over both ep and expert_tp are not described to checkpoints. Use zero=0, "
+                         f"or expert_tp=1 (whole experts, split over more ranks with ep).")
+    pipeline = parallel.pipeline if parallel is not None else None
     if compiled is not None and pipeline is not None and pipeline.schedule in SPLIT_BACKWARD:
         raise ValueError(f"schedule={pipeline.schedule!r} with compile=True: a compiled block's backward runs as one "
                          f"graph, so its weight gradients cannot be split from it into W actions. Train with "

@@ -95,6 +95,7 @@ def parallelize(model: torch.nn.Module, mesh: ParallelMesh, device: torch.device
     context = ContextParallel(mesh.context, parallel.cp_comm)  # one cp rank too: packed documents
     ctx = RewriteContext(mesh.tensor, parallel.sequence_parallel, rng_tracker, parallel.loss_parallel, materializer,
                          context=context, loss_chunk=parallel.loss_chunk, expert_group=mesh.group("ep"),
+                         expert_tp_group=mesh.group("etp"), expert_dispatch_group=mesh.group("etp_ep"),
                          data_group=mesh.data, dispatch=parallel.moe)
     rank = build_rank(model, ctx, policies, verify=verify, pipeline=parallel.pipeline, pipeline_rank=mesh.pipeline.rank,
                       materializer=materializer, expert_parallel=mesh.dims.ep if mesh.dims is not None else 1,

@@ -56,9 +56,9 @@ class SeqParallelStrategy(ParallelStrategy):
     are shorthands for their fields.
 
     Args:
-        tp, pp, cp, ep, moe, cp_comm, loss_chunk, sequence_parallel, loss_parallel: shorthands for the fields of
-            ``parallel`` (:class:`~.config.ParallelConfig`: t, p, c, e, the experts' :class:`~.DispatchConfig` or its
-            mapping, and the others documented there, as ``expert_tp``). The data-parallel size is ``world // (tp·cp·pp)``.
+        tp, pp, cp, ep, expert_tp, moe, cp_comm, loss_chunk, sequence_parallel, loss_parallel: shorthands for the
+            fields of ``parallel`` (:class:`~.config.ParallelConfig`: t, p, c, e, etp, the experts' :class:`~.
+            DispatchConfig` or its mapping, the others documented there). Data-parallel size: ``world // (tp·cp·pp)``.
         num_microbatches, schedule, virtual_stages, pipeline_split: shorthands for its ``pipeline``
             (:class:`~lightning_seqpar.pipeline_parallel.PipelineConfig`: m, default ``pp``; ``"1F1B"``, ``"gpipe"`` or
             ``"interleaved_1F1B"``; v; the layers of each stage).
@@ -115,19 +115,19 @@ class SeqParallelStrategy(ParallelStrategy):
         data_parallel: Optional[DataParallelConfig] = None,
         precision_config: Optional[PrecisionConfig] = None,
         layout: Optional[AutoLayout] = None,
-        cp: int = 1, cp_comm: Literal["ring", "all_to_all"] = "ring", loss_chunk: Optional[int] = 4096,
-        ep: int = 1, moe: Union[DispatchConfig, dict, None] = None, parallel: Optional[ParallelConfig] = None,
+        cp: int = 1, cp_comm: Literal["ring", "all_to_all"] = "ring", loss_chunk: Optional[int] = 4096, ep: int = 1,
+        expert_tp: int = 1, moe: Union[DispatchConfig, dict, None] = None, parallel: Optional[ParallelConfig] = None,
     ) -> None:
         self.auto, self.chosen_layout, self._layout_choice = auto_layout_of(layout, tp, pp, cp), None, None
         self.parallel = parallel_config_of(parallel, tp=1 if tp == "auto" else tp, cp=cp, cp_comm=cp_comm, ep=ep, moe=moe,
-                                           sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
-                                           loss_chunk=loss_chunk, pipeline=PipelineConfig.build(
+                                           expert_tp=expert_tp, sequence_parallel=sequence_parallel,
+                                           loss_parallel=loss_parallel, loss_chunk=loss_chunk, pipeline=PipelineConfig.build(
                                                pp, num_microbatches, schedule, virtual_stages, pipeline_split))
         reads = [partial(getattr, self, name) for name in ("lightning_module", "optimizers", "_parallelized")]  # pickle
         self.checkpointer = Checkpointer(checkpointing or CheckpointConfig(
             checkpoint_format, async_save, allow_non_finite_checkpoint, allow_unverified_checkpoint), *reads)
         self.data_parallel = data_parallel or DataParallelConfig(zero, fp32_main_params)
-        check_together(self.checkpointer.config, self.data_parallel, self.parallel.pipeline, compile_config_of(compile))
+        check_together(self.checkpointer.config, self.data_parallel, self.parallel, compile_config_of(compile))
         check_start_method(start_method)
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
                          checkpoint_io=checkpoint_io or AtomicCheckpointIO(), precision_plugin=precision_plugin)

@@ -36,6 +36,31 @@ def check_expert_split(num_experts: int, ep: int) -> None:
         raise ValueError(f"{num_experts} experts do not split over ep={ep} ranks: choose ep dividing the expert count.")
 
 
+def check_width_split(intermediate_size: int, expert_tp: int) -> None:
+    """Raises ``ValueError`` when ``expert_tp`` ranks cannot hold ``f/etp`` of each expert's width, naming the fix."""
+    if intermediate_size % expert_tp:
+        raise ValueError(f"An expert width of {intermediate_size} does not split over expert_tp={expert_tp} ranks: "
+                         f"choose expert_tp dividing it.")
+
+
+def expert_tensor_parallel_pairs(experts: Tensor, scores: Tensor, num_experts: int, ep: int, etp: int
+                                 ) -> tuple[Tensor, Tensor]:
+    """Each (token, expert) pair made ``etp`` pairs, one per slice of the expert's width: ``[n, k]`` global expert
+    ids and scores → ``[n, k·etp]`` ids of the ``E·etp`` width slices and their scores (each slice's the expert's).
+
+    A slice of expert ``x`` held by etp rank ``j`` of the ep rank ``x // (E/e)`` is numbered so that the
+    :class:`TokenDispatcher` over the ``etp_ep`` group (``e·etp`` ranks, etp fastest) sends it to that rank as its
+    local expert ``x mod E/e``: ``(j + etp·(x // (E/e)))·(E/e) + x mod E/e``. The slices' outputs, weighted by the same
+    score, add up to the expert's output weighted by it (Megatron-Core's expert tensor parallelism, whose all-gather
+    over etp after the all-to-all this is, in one all-to-all).
+    """
+    local = num_experts // ep
+    owner, index = experts // local, experts % local
+    slices = torch.arange(etp, device=experts.device)
+    ids = ((slices + etp * owner.unsqueeze(-1)) * local + index.unsqueeze(-1)).flatten(1)  # [n, k·etp]
+    return ids, scores.repeat_interleave(etp, dim=1)
+
+
 def pairs_per_expert(experts: Tensor, num_experts: int) -> Tensor:
     """``[E]`` int64: how many of the (token, expert) pairs ``experts`` (global ids, any shape) go to each expert. A
     scatter-add, not ``bincount``: CUDA's bincount reads its input's maximum on the host."""

@@ -9,7 +9,12 @@ The weights keep the layout of the model they come from, so state-dict shapes st
   ones (gpt-oss interleaves gate and up and clamps them) is the model's ``glu``.
 
 Each is split along dim 0 over the expert-parallel ranks, each rank holding ``[E/e, …]`` (placed ``shard_over="ep"``,
-replicated over expert data parallel ``edp``).
+replicated over expert data parallel ``edp``). Under expert tensor parallelism (``expert_tp`` = etp > 1, Megatron-Core's
+``expert_tensor_parallel_size``) each expert's width f is split again over the ``etp`` ranks (``Placement.inner``):
+``gate_up_proj`` keeps ``2f/etp`` of its outputs (``f/etp`` of each half, or a contiguous ``2f/etp`` where gate and
+up interleave, gpt-oss), ``down_proj`` ``f/etp`` of its inputs; each rank computes every row of its experts on its
+slice, and the slices' outputs add up to the expert's (the combine sums them). ``down_proj_bias`` is added by etp
+rank 0 only, so the sum counts it once (its gradient summed over ``etp``: ``partial_over``).
 
 The expert MLPs are grouped GEMMs: ``torch.nn.functional.grouped_mm`` where torch has a kernel for the operands (CUDA
 and CPU, float32 and 16-bit, strides of 16-byte multiples; under autocast, in its dtype), and otherwise a loop over
@@ -28,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_seqpar.memory.saved_tensors import Rebuild, saved_tensor_policy
-from lightning_seqpar.moe.dispatch import check_expert_split
+from lightning_seqpar.moe.dispatch import check_expert_split, check_width_split
 from lightning_seqpar.moe.expert_product import expert_product
 from lightning_seqpar.parallel.random import recomputed
 from lightning_seqpar.tensor_parallel.layers import autocast_input
@@ -53,6 +58,10 @@ class GroupedExperts(nn.Module):
         bias: a bias per expert and projection.
         glu: ``[R, 2f] → [R, f]``, replacing ``act(gate) · up`` (gpt-oss: interleaved, clamped, ``(up + 1)``).
         grouped_mm: use ``grouped_mm`` where it applies (``False``: always the loop).
+        expert_tp: etp, ranks each expert's width is split over (``f % etp == 0``).
+        etp_rank: this rank's slice of the width.
+        interleaved: the ``2f`` outputs alternate gate and up (gpt-oss) rather than gate half, up half: an etp slice
+            is then ``2f/etp`` contiguous outputs.
 
     Attributes:
         recompute_activation: keep only the gate/up projection's output ``[R, 2f]`` for backward: the activation is
@@ -70,7 +79,7 @@ class GroupedExperts(nn.Module):
             weight gradients in while it is deferring (:mod:`~lightning_seqpar.moe.expert_product`); ``None``: unsplit.
 
     Raises:
-        ValueError: ``E`` not divisible by ``e``.
+        ValueError: ``E`` not divisible by ``e``, or ``f`` by ``etp``.
     """
 
     recompute_activation: bool = False
@@ -80,13 +89,16 @@ class GroupedExperts(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, expert_parallel: int = 1,
                  activation: Optional[Callable[[Tensor], Tensor]] = F.silu, dtype: Optional[torch.dtype] = None, *,
                  transposed: bool = False, bias: bool = False,
-                 glu: Optional[Callable[[Tensor], Tensor]] = None, grouped_mm: bool = True) -> None:
+                 glu: Optional[Callable[[Tensor], Tensor]] = None, grouped_mm: bool = True, expert_tp: int = 1,
+                 etp_rank: int = 0, interleaved: bool = False) -> None:
         super().__init__()
         check_expert_split(num_experts, expert_parallel)
+        check_width_split(intermediate_size, expert_tp)
         local = num_experts // expert_parallel
         self.num_experts, self.activation, self.transposed, self.glu = num_experts, activation, transposed, glu
         self.grouped_mm, self.intermediate_size = grouped_mm, intermediate_size
-        h, f2, f = hidden_size, 2 * intermediate_size, intermediate_size
+        self.expert_tp, self.etp_rank = expert_tp, etp_rank
+        h, f2, f = hidden_size, 2 * intermediate_size // expert_tp, intermediate_size // expert_tp
         self.gate_up_proj = nn.Parameter(torch.empty(local, *((h, f2) if transposed else (f2, h)), dtype=dtype))
         self.down_proj = nn.Parameter(torch.empty(local, *((f, h) if transposed else (h, f)), dtype=dtype))
         self.gate_up_proj_bias = nn.Parameter(torch.empty(local, f2, dtype=dtype)) if bias else None
@@ -94,6 +106,23 @@ class GroupedExperts(nn.Module):
         split = ShardSpec(dim=0, full_size=num_experts, padded_size=num_experts)
         for weight in self.parameters():
             place(weight, shard=split, shard_over="ep", replicated_over="edp")
+        if expert_tp > 1:  # each expert's width over etp: the gate/up outputs and the down projection's inputs
+            width, halves = 2 * intermediate_size, 1 if interleaved else 2
+            gate_up = ShardSpec(dim=2 if transposed else 1, full_size=width, padded_size=width, chunks=halves)
+            place(self.gate_up_proj, inner=gate_up)
+            place(self.down_proj, inner=ShardSpec(dim=1 if transposed else 2, full_size=intermediate_size,
+                                                  padded_size=intermediate_size))
+            if bias:
+                place(self.gate_up_proj_bias, inner=ShardSpec(dim=1, full_size=width, padded_size=width, chunks=halves))
+                place(self.down_proj_bias, partial_over=("etp",))
+
+    def _down_bias(self) -> Optional[Tensor]:
+        """``down_proj_bias``, or under expert tensor parallelism its share: all of it on etp rank 0, zeros elsewhere
+        (a product, so every etp rank has a gradient to sum: the bias counted once in the slices' sum)."""
+        bias = self.down_proj_bias
+        if bias is None or self.expert_tp == 1:
+            return bias
+        return bias * (1.0 if self.etp_rank == 0 else 0.0)
 
     def weight_gradient_parameters(self) -> list[nn.Parameter]:
         """The weights whose gradient a split backward leaves to W (``split_weight_gradients``): the two projections';
@@ -110,13 +139,13 @@ class GroupedExperts(nn.Module):
             return self._grouped_forward(rows, counts, sum(tokens_per_expert))
         if self.weight_gradients is not None:
             return self._split_loop_forward(rows, list(tokens_per_expert))
-        outputs = []
+        outputs, down_bias = [], self._down_bias()
         for i, chunk in enumerate(rows.split(list(tokens_per_expert))):
             with self._region("expert_fc1"):
                 gate_up = _linear(chunk, self.gate_up_proj[i], _at(self.gate_up_proj_bias, i), self.transposed)
             hidden, rebuild = self._activated(gate_up)
             with saved_tensor_policy(rebuild, None) if rebuild is not None else contextlib.nullcontext():
-                outputs.append(_linear(hidden, self.down_proj[i], _at(self.down_proj_bias, i), self.transposed))
+                outputs.append(_linear(hidden, self.down_proj[i], _at(down_bias, i), self.transposed))
         return torch.cat(outputs) if outputs else rows
 
     def _split_loop_forward(self, rows: Tensor, sizes: list[int]) -> Tensor:
@@ -129,7 +158,7 @@ class GroupedExperts(nn.Module):
         hidden, rebuild = self._activated(gate_up)
         with saved_tensor_policy(rebuild, None) if rebuild is not None else contextlib.nullcontext():
             return expert_product(hidden, self.down_proj, self.transposed, store, sizes=sizes,
-                                  bias=self.down_proj_bias)
+                                  bias=self._down_bias())
 
     def _activated(self, gate_up: Tensor) -> tuple[Tensor, Optional[Rebuild]]:
         """The activation of ``gate_up`` and, under :attr:`recompute_activation`, how to make it again (the output
@@ -176,7 +205,7 @@ class GroupedExperts(nn.Module):
             with saved_tensor_policy(rebuild, None) if rebuild is not None else contextlib.nullcontext():
                 out = self._grouped_linear(hidden, self.down_proj, offsets, dtype)
             if self.down_proj_bias is not None:
-                out = out + self.down_proj_bias.to(dtype).repeat_interleave(counts, 0, output_size=total)
+                out = out + self._down_bias().to(dtype).repeat_interleave(counts, 0, output_size=total)
         return _ContiguousGradient.apply(out)
 
 
@@ -184,6 +213,26 @@ class GroupedExperts(nn.Module):
         if self.weight_gradients is not None:  # the weight gradient left to W
             return expert_product(rows, weight, self.transposed, self.weight_gradients, offsets=offsets, dtype=dtype)
         return _grouped_linear(rows, weight.to(dtype), offsets, self.transposed)
+
+
+def glu_layout(glu: Callable[[Tensor], Tensor], width: int, expert_tp: int, name: str) -> str:
+    """How a model's own gating function reads its ``2f`` gate/up outputs, found by running it: ``"halves"`` (gate
+    then up, transformers' default) or ``"interleaved"`` (alternating, gpt-oss), whichever makes a slice of the
+    width from the matching slice of the outputs; what an expert's split over ``expert_tp`` ranks must keep together.
+
+    Raises:
+        ValueError: neither does (the gating mixes the width), naming the part and the fix.
+    """
+    part = width // expert_tp
+    with torch.no_grad():
+        x = torch.randn(3, 2 * width, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 3
+        whole = glu(x)[:, :part]
+        if torch.allclose(glu(torch.cat([x[:, :part], x[:, width:width + part]], dim=1)), whole):
+            return "halves"
+        if torch.allclose(glu(x[:, :2 * part]), whole):
+            return "interleaved"
+    raise ValueError(f"{name}: the experts' gating function makes each of the f outputs from more than its own gate "
+                     f"and up value, so the width cannot split over expert_tp={expert_tp} ranks. Use expert_tp=1.")
 
 
 class _ContiguousGradient(torch.autograd.Function):

@@ -28,6 +28,7 @@ GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
     "etp": ("expert", ("etp",)),       # expert tensor parallel
     "ep": ("expert", ("ep",)),         # expert parallel: ranks holding different experts
     "edp": ("expert", ("edp",)),       # expert data parallel: where an expert's weights are replicated
+    "etp_ep": ("expert", ("etp", "ep")),  # the ranks a mixture's tokens are dispatched over (Megatron's tp_ep group)
 }
 
 

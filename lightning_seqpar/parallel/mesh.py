@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from lightning_seqpar.parallel.collectives import ParallelGroup
 from lightning_seqpar.parallel.dims import GROUPS, ParallelDims
-from lightning_seqpar.parallel.placement import placement_of
+from lightning_seqpar.parallel.placement import ShardGrid, placement_of
 
 
 def validate_layout(world_size: int, tp: int, pp: int, cp: int = 1) -> ParallelDims:
@@ -166,9 +166,15 @@ class ParallelMesh:
 
     def shard_device_mesh(self, param: Any) -> Optional[Any]:
         """:meth:`device_mesh` of the group ``param``'s shard is split over (its placement's ``shard_over``); ``None``
-        for a parameter that is not split."""
+        for a parameter that is not split; for one split twice (``inner``), the
+        :class:`~lightning_seqpar.parallel.placement.ShardGrid` of both groups."""
         placement = placement_of(param)
-        return None if placement.shard is None else self.device_mesh(placement.shard_over)
+        if placement.shard is None:
+            return None
+        if placement.inner is not None:
+            return ShardGrid(self.ranks_of(placement.shard_over, placement.inner_over),
+                             self.group(placement.shard_over).rank, self.group(placement.inner_over).rank)
+        return self.device_mesh(placement.shard_over)
 
     @property
     def tp(self) -> int:

@@ -10,6 +10,9 @@ expert data parallel) needs a record, not a code path.
 * ``shard``/``shard_over``: the tensor is split along ``shard.dim`` over group ``shard_over`` (a
   :class:`ShardSpec`; tensor parallel for the parallel layers). Checkpoints gather it, the gradient norm counts every
   shard once.
+* ``inner``/``inner_over``: a second split, of the shard, along another dimension over another group (an expert's
+  width over expert tensor parallelism, ``etp``, inside its split over ``ep``: Megatron-Core's expert tensor
+  parallelism). Gathering undoes ``inner`` first, then ``shard``.
 * ``partial_over``: groups whose ranks each computed part of the gradient from their own tokens, summed over them
   (sequence-parallel weights over ``tp``: each rank saw s/t tokens, Korthikanti et al. 2022 §4.2.2).
 * ``replicated_over``: the group of data replicas holding the same values, over which the gradient is summed and then
@@ -139,19 +142,33 @@ class ShardSpec:
 
 
 @dataclass(frozen=True)
+class ShardGrid:
+    """Where the parts of a tensor split twice live (``Placement.inner``: an expert's width over ``etp`` inside its
+    split over ``ep``): ``ranks[a][b]``, the global rank at rank ``a`` of the outer group and ``b`` of the inner one;
+    this rank's ``(outer_rank, inner_rank)``."""
+
+    ranks: tuple[tuple[int, ...], ...]
+    outer_rank: int
+    inner_rank: int
+
+
+@dataclass(frozen=True)
 class Placement:
     """Where one parameter lives and which groups finish its gradient (see the module docstring).
 
     Attributes:
         shard: how it is split over ``shard_over``; ``None``: replicated there.
         shard_over: the group ``shard`` splits it over.
+        inner: how the shard is split again over ``inner_over`` (along another dimension); ``None``: not.
+        inner_over: the group ``inner`` splits it over.
         partial_over: groups over which its gradient is summed (each rank saw part of the tokens).
         replicated_over: the data replicas: gradient summed over them, divided by d·c.
         stage: ``"shared"``, ``"local"`` or ``"tied"`` (pipeline stages).
 
     Raises:
-        ValueError: ``shard_over`` not in :data:`SHARD_GROUPS`, ``replicated_over`` not in :data:`REPLICA_GROUPS`, a
-            ``partial_over`` name not in :data:`~lightning_seqpar.parallel.dims.GROUPS`, or an unknown stage.
+        ValueError: ``shard_over`` or ``inner_over`` not in :data:`SHARD_GROUPS`, ``replicated_over`` not in
+            :data:`REPLICA_GROUPS`, a ``partial_over`` name not in :data:`~lightning_seqpar.parallel.dims.GROUPS`, an
+            unknown stage, or an ``inner`` split without an outer one, along its dimension or over its group.
     """
 
     shard: Optional[ShardSpec] = None
@@ -159,9 +176,17 @@ class Placement:
     partial_over: tuple[str, ...] = ()
     replicated_over: str = "dp_cp"
     stage: str = "shared"
+    inner: Optional[ShardSpec] = None
+    inner_over: str = "etp"
 
     def __post_init__(self) -> None:
-        for name, allowed in ((self.shard_over, SHARD_GROUPS), (self.replicated_over, REPLICA_GROUPS),
+        if self.inner is not None and (self.shard is None or self.inner.dim == self.shard.dim
+                                       or self.inner_over == self.shard_over):
+            raise ValueError(f"Placement splits {self.inner} over {self.inner_over!r} inside {self.shard} over "
+                             f"{self.shard_over!r}: an inner split needs an outer one, along another dimension, over "
+                             f"another group.")
+        for name, allowed in ((self.shard_over, SHARD_GROUPS), (self.inner_over, SHARD_GROUPS),
+                              (self.replicated_over, REPLICA_GROUPS),
                               *((name, tuple(GROUPS)) for name in self.partial_over)):
             if name not in allowed:
                 raise ValueError(f"Placement names group {name!r} where one of {list(allowed)} belongs.")
@@ -187,6 +212,8 @@ class Placement:
         groups = set()
         if self.shard is not None:
             groups.add(self.shard_over)
+        if self.inner is not None:
+            groups.add(self.inner_over)
         if self.stage == "local" or (self.stage == "tied" and pipeline_rank == 0):
             groups.add("pp")
         if data_parallel_parts:
@@ -224,6 +251,11 @@ def parameter_like(old: Tensor, data: Tensor) -> torch.nn.Parameter:
 def shard_spec(param: Tensor) -> Optional[ShardSpec]:
     """The ``ShardSpec`` of a sharded parameter, ``None`` for a replicated one."""
     return placement_of(param).shard
+
+
+def inner_spec(param: Tensor) -> Optional[ShardSpec]:
+    """The ``ShardSpec`` of a shard's second split (``Placement.inner``), ``None`` for a parameter split once or not."""
+    return placement_of(param).inner
 
 
 def set_shard_spec(param: Tensor, spec: ShardSpec, over: str = "tp") -> None:

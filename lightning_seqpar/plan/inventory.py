@@ -9,9 +9,11 @@ by the strategy's own rewrite at one virtual tensor-parallel rank, and each para
 - ``row``: split by a row-parallel projection (o, down; a LoRA ``lora_A`` on one): ``numel / t``;
 - ``vocab``: the embedding and LM head (and its bias), rows padded to a multiple of t: ``ceil(v / t)·h`` per rank;
 - ``replicated``: no split (norms, per-head norms, row-parallel biases, learned positions): whole on every rank;
-- ``expert``: a mixture of experts' packed weights (and biases) ``[E, …]``, split over the expert-parallel ranks and
-  whole on each (expert_tp = 1): ``numel / e`` per rank, whatever t is. Their data replicas are the expert
-  data-parallel group, ``edp = t·c·d / e`` ranks, not the dense ``d·c`` (:mod:`.state`).
+- ``expert``: a mixture of experts' packed weights (and biases) ``[E, …]``, split over the expert-parallel ranks:
+  ``numel / e`` per rank, whatever t is; ``expert_width``: one also split along each expert's width under expert
+  tensor parallelism (gate/up, down and the gate/up bias; not the down projection's bias), ``numel / (e·etp)``. Their
+  data replicas are the expert data-parallel group, ``edp = t·c·d / (e·etp)`` ranks, not the dense ``d·c``
+  (:mod:`.state`).
 
 Which pipeline stage holds what follows :class:`~lightning_seqpar.pipeline_parallel.layout.StageLayout` and the
 strategy's pipeline placement (:func:`lightning_seqpar.policies.pipeline_placement`): layers by stage; the embedding (and
@@ -30,7 +32,7 @@ import torch.nn as nn
 
 from lightning_seqpar.tensor_parallel.sharding import padded_size
 
-Split = Literal["column", "row", "vocab", "replicated", "expert"]
+Split = Literal["column", "row", "vocab", "replicated", "expert", "expert_width"]
 Part = Literal["layer", "embedding", "head", "final", "other"]
 
 
@@ -64,11 +66,19 @@ class ParameterEntry:
             n *= size
         return n
 
-    def local_numel(self, t: int, ep: int = 1) -> int:
-        """Elements on one rank of ``t`` tensor-parallel and ``ep`` expert-parallel ranks (every rank holds the same
-        number: vocabulary padding rows are stored; an expert weight is split over ``ep`` only)."""
+    @property
+    def expert(self) -> bool:
+        """Whether it is an expert's (split over ``ep``, its replicas the expert data-parallel group)."""
+        return self.split in ("expert", "expert_width")
+
+    def local_numel(self, t: int, ep: int = 1, expert_tp: int = 1) -> int:
+        """Elements on one rank of ``t`` tensor-parallel, ``ep`` expert-parallel and ``expert_tp`` expert
+        tensor-parallel ranks (every rank holds the same number: vocabulary padding rows are stored; an expert weight
+        is split over ``ep``, and over ``expert_tp`` along its width)."""
         if self.split == "expert":
             return self.numel // ep
+        if self.split == "expert_width":
+            return self.numel // (ep * expert_tp)
         if self.split == "vocab":
             return padded_size(self.shape[0], t) // t * (self.numel // self.shape[0])
         if self.split in ("column", "row"):
@@ -213,10 +223,19 @@ def _splits(model: nn.Module) -> dict[str, Split]:
     from lightning_seqpar.transformer.lora import LoRARowParallelLinear
     from lightning_seqpar.transformer.materialize import Materializer, meta_copy
 
-    holder = nn.Module()
-    holder.model = meta_copy(model)
-    ctx = RewriteContext(ParallelGroup.virtual(1), True, None, True, Materializer(seed=0, device=torch.device("meta")))
-    rewrite(holder, ctx, verify=False)
+    def rewritten(expert_tp: int) -> nn.Module:
+        holder = nn.Module()
+        holder.model = meta_copy(model)
+        width = ParallelGroup.virtual(expert_tp) if expert_tp > 1 else None
+        ctx = RewriteContext(ParallelGroup.virtual(1), True, None, True, Materializer(seed=0, device=torch.device("meta")),
+                             expert_tp_group=width, expert_dispatch_group=width)
+        rewrite(holder, ctx, verify=False)
+        return holder
+
+    try:  # at two expert tensor-parallel ranks, so the placements say which expert tensors split along the width
+        holder = rewritten(2)
+    except ValueError:  # an expert width that does not split (or no split at all): whole experts
+        holder = rewritten(1)
     rows = [name for name, m in holder.model.named_modules() if isinstance(m, (RowParallelLinear, LoRARowParallelLinear))]
     out: dict[str, Split] = {}
     for name, param in holder.model.named_parameters(remove_duplicate=False):
@@ -224,7 +243,7 @@ def _splits(model: nn.Module) -> dict[str, Split]:
         if placement.shard is None:
             out[name] = "replicated"
         elif placement.shard_over == "ep":
-            out[name] = "expert"
+            out[name] = "expert_width" if placement.inner is not None else "expert"
         else:  # under a row-parallel projection (its weight, a LoRA lora_A on it), or a column-parallel one
             out[name] = "row" if any(name.startswith(row + ".") for row in rows) else "column"
     return out

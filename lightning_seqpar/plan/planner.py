@@ -298,8 +298,8 @@ def _layer_bytes(record: LayoutRecord, inventory: ModelInventory, s: int, precis
 
 def expert_layer_elements(inventory: ModelInventory) -> int:
     """Elements of one layer's experts, all E of them (their packed weights and biases); 0 for a dense model."""
-    layer = next((e.layer for e in inventory.entries if e.split == "expert"), None)
-    return sum(e.numel for e in inventory.entries if e.split == "expert" and e.layer == layer)
+    layer = next((e.layer for e in inventory.entries if e.expert), None)
+    return sum(e.numel for e in inventory.entries if e.expert and e.layer == layer)
 
 
 def _loss_chunk(record: LayoutRecord, inventory: ModelInventory, local: int) -> Optional[int]:
@@ -362,7 +362,7 @@ def all_to_all_bytes(inventory: ModelInventory, record: LayoutRecord, s: int, el
     experts = inventory.experts
     if experts is None or record.ep == 1:
         return 0.0
-    layers = len({e.layer for e in held if e.split == "expert"})
+    layers = len({e.layer for e in held if e.expert})
     pairs = s * record.micro_batch / record.tp * experts.top_k * (record.ep - 1) / record.ep
     passes = 6 if record.recompute == "full" else 4
     return layers * passes * pairs * inventory.hidden_size * element
@@ -555,7 +555,7 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
     pairs = 1 + (inventory.experts is None or inventory.experts.shared_ffn > 0)
     collectives = 4 * pairs + (2 * pairs if record.recompute == "full" else 0)
     held = held_entries(inventory, layout, record.stage)
-    expert_gradients = 4 * sum(e.local_numel(tp, record.ep) for e in held if e.split == "expert" and e.trainable)
+    expert_gradients = 4 * sum(e.local_numel(tp, record.ep) for e in held if e.expert and e.trainable)
     gradient_bytes = 4 * sum(e.local_numel(tp, record.ep) for e in held if e.trainable) - expert_gradients
     record.collective_bytes = {
         "tensor": layers_per_rank * m * collectives * ring_bytes("all_gather", sbh, tp),
@@ -589,7 +589,7 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
     attention = attention_flops(shape, global_batch, record.recompute)
     ffn = inventory.ffn_hidden_size
     # the elements this rank's optimizer updates: its trainable shards, a 1/(d·c) range of them under zero 1
-    dense, experts = ((sum(e.local_numel(tp, record.ep) for e in held if e.trainable and (e.split == "expert") == x)
+    dense, experts = ((sum(e.local_numel(tp, record.ep) for e in held if e.trainable and (e.expert) == x)
                       for x in (False, True)))
     if record.zero:
         dense, experts = dense / (dp * cp), experts / max(1, tp * dp * cp // record.ep)

@@ -22,9 +22,9 @@ parameter, ``ceil(n / d)`` elements (the last ranges shorter). Gradients are red
 - ``zero=1``: the reduce-scatter buckets, ``d·ceil(n / d)·r`` per parameter, and the reduced range kept for the
   update, ``ceil(n / d)·r`` (with ``d = 1`` the bucket itself, counted once); no ``.grad`` after the step.
 
-Under expert parallelism (``ep = e``, experts whole on each rank: expert_tp = 1) an expert weight is held ``numel / e``
-per rank whatever t is, and its data replicas are the expert data-parallel group of ``edp = t·d / e`` ranks (Megatron's
-"MoE parallel folding"): under ``zero=1`` its ranges are ``ceil(n / edp)``, owned by the rank's expert data-parallel
+Under expert parallelism (``ep = e``) an expert weight is held ``numel / e`` per rank whatever t is (``numel / (e·etp)``
+where expert tensor parallelism splits its width too, ``expert_tp = etp``), and its data replicas are the expert
+data-parallel group of ``edp = t·d / (e·etp)`` ranks (Megatron's "MoE parallel folding"): under ``zero=1`` its ranges are ``ceil(n / edp)``, owned by the rank's expert data-parallel
 index, so tensor-parallel peers hold different amounts; under ``zero=0`` gradient buckets exist as soon as ``d > 1`` or
 ``edp > 1`` (every trainable parameter then has one, a dense one over its group of one rank when ``d = 1``).
 
@@ -103,17 +103,18 @@ def state_bytes(inventory: ModelInventory, tp: int, pp: int = 1, dp: int = 1, *,
                 data_rank: int = 0, vpp: int = 1, zero: int = 0, precision: str = "bf16-mixed",
                 main_params: bool = False, pipeline_split: Optional[Sequence[int]] = None,
                 optimizer: str = "adamw", ep: int = 1, expert_data_rank: int = 0,
-                placement: Placement = "loop") -> StateBytes:
+                placement: Placement = "loop", expert_tp: int = 1) -> StateBytes:
     """Model-state bytes of the rank at ``(pipeline_rank, data_rank)``, and ``expert_data_rank`` in its expert
-    data-parallel group of ``t·d / ep`` ranks (without experts every tensor-parallel rank holds as much); the stages
-    placed as ``placement`` says (``"V"``: ZB-V's, the embedding and the head both on rank 0).
+    data-parallel group of ``t·d / (ep·expert_tp)`` ranks (without experts every tensor-parallel rank holds as much);
+    the stages placed as ``placement`` says (``"V"``: ZB-V's, the embedding and the head both on rank 0).
 
     Raises:
-        ValueError: an unknown precision or optimizer, a pipeline split the strategy refuses, or ``ep`` not dividing
-            ``t·d`` (the expert grid must fold over the dense one).
+        ValueError: an unknown precision or optimizer, a pipeline split the strategy refuses, or ``ep·expert_tp`` not
+            dividing ``t·d`` (the expert grid must fold over the dense one).
     """
-    if (tp * dp) % ep:
-        raise ValueError(f"ep={ep} does not divide tp·dp = {tp}·{dp}: the expert grid folds over the dense one.")
+    if (tp * dp) % (ep * expert_tp):
+        raise ValueError(f"ep·expert_tp = {ep}·{expert_tp} does not divide tp·dp = {tp}·{dp}: the expert grid folds "
+                         f"over the dense one.")
     if precision not in PARAMETER_BYTES:
         raise ValueError(f"precision={precision!r}: one of {sorted(PARAMETER_BYTES)}.")
     if optimizer not in OPTIMIZER_STATES:
@@ -122,16 +123,16 @@ def state_bytes(inventory: ModelInventory, tp: int, pp: int = 1, dp: int = 1, *,
     element = PARAMETER_BYTES[precision]
     reduced = max(4, element)
     held = held_entries(inventory, stage_layout(inventory, pp, vpp, pipeline_split, placement), pipeline_rank)
-    parameters = sum(e.local_numel(tp, ep) for e in held) * element
-    edp = tp * dp // ep
+    parameters = sum(e.local_numel(tp, ep, expert_tp) for e in held) * element
+    edp = tp * dp // (ep * expert_tp)
     # (elements on this rank, its replica group's size, this rank's index in it) of each trainable parameter: a
     # frozen one has no gradient and no state
-    local = [(e.local_numel(tp, ep), *((edp, expert_data_rank) if e.split == "expert" else (dp, data_rank)))
+    local = [(e.local_numel(tp, ep, expert_tp), *((edp, expert_data_rank) if e.expert else (dp, data_rank)))
              for e in held if e.trainable]
     total = sum(n for n, _, _ in local)
     steps = STEP_BYTES * len(local) if adam else 0
     if zero == 0:
-        bucketed = dp > 1 or (edp > 1 and any(e.split == "expert" for e in held))
+        bucketed = dp > 1 or (edp > 1 and any(e.expert for e in held))
         gradients = total * reduced + (total * element if element < reduced else 0) if bucketed else total * element
         return StateBytes(parameters, gradients, 0, states * total * element + steps, steps,
                           total * element if adam else 0, bucketed)

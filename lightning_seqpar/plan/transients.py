@@ -51,7 +51,7 @@ def largest_layer_weight(inventory: ModelInventory, t: int, ep: int = 1) -> int:
     share their input's gradient); a mixture's packed ``gate_up_proj`` ``[E/e, 2f, h]`` once (one grouped GEMM's
     gradient holds both)."""
     factor = 2 if inventory.gated_mlp else 1
-    return max((e.local_numel(t, ep) * (1 if e.split == "expert" else factor)
+    return max((e.local_numel(t, ep) * (1 if e.expert else factor)
                 for e in inventory.entries if e.part == "layer"), default=0)
 
 

@@ -263,9 +263,9 @@ def rewrite(model: nn.Module, ctx: RewriteContext, policies: Iterable[Policy], v
 def explain(model: nn.Module, tp: int, policies: Iterable[Policy], sequence_parallel: bool = True,
             loss_parallel: bool = True, verify: bool = True, cp: int = 1, cp_comm: str = "ring", ep: int = 1,
             moe: Optional[DispatchConfig] = None, seq_len: Optional[int] = None, micro_batch_size: int = 1,
-            bytes_per_element: int = 2) -> RewritePlan:
+            bytes_per_element: int = 2, expert_tp: int = 1) -> RewritePlan:
     """Print and return what a rewrite with ``policies`` at ``tp`` (and context-parallel size ``cp``, experts split
-    over ``ep`` ranks) would do to ``model``; change nothing. With ``seq_len`` (tokens of a sequence, the whole one
+    over ``ep`` ranks, each expert's width over ``expert_tp``) would do to ``model``; change nothing. With ``seq_len`` (tokens of a sequence, the whole one
     under cp) also the activation bytes one layer keeps on a rank per micro-batch of ``micro_batch_size`` sequences
     under each recomputation and offload choice, and the bytes an offload moves (``bytes_per_element``: 2 for 16-bit
     activations; :mod:`.memory_choices`, read from a meta-device copy rewritten the same way).
@@ -278,7 +278,9 @@ def explain(model: nn.Module, tp: int, policies: Iterable[Policy], sequence_para
                          f"(tokens per sequence, sequences per micro-batch).")
     context = ContextParallel(ParallelGroup.virtual(cp), cp_comm) if cp > 1 else None
     ctx = RewriteContext(ParallelGroup.virtual(tp), sequence_parallel, None, loss_parallel, context=context,
-                         expert_group=ParallelGroup.virtual(ep) if ep > 1 else None, dispatch=moe or DispatchConfig())
+                         expert_group=ParallelGroup.virtual(ep) if ep > 1 else None, dispatch=moe or DispatchConfig(),
+                         expert_tp_group=ParallelGroup.virtual(expert_tp) if expert_tp > 1 else None,
+                         expert_dispatch_group=ParallelGroup.virtual(ep * expert_tp) if expert_tp > 1 else None)
     policies = list(policies)
     plan = plan_rewrite(model, ctx, policies, verify)
     if seq_len is not None:

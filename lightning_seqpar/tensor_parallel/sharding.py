@@ -30,7 +30,7 @@ Two layouts of :class:`ShardSpec` need care:
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -41,14 +41,16 @@ from torch.distributed.tensor import DTensor, Shard
 from lightning_seqpar._compat import sharded_tensor
 from lightning_seqpar.parallel.collectives import ParallelGroup
 from lightning_seqpar.parallel.placement import (  # noqa: F401  (re-exported: the layers' vocabulary)
-    Placement, ShardSpec, counted_on_stage, is_pipeline_tied, is_sequence_parallel, is_stage_local, parameter_like,
-    place, placement_of, set_pipeline_tied, set_sequence_parallel, set_shard_spec, set_stage_local, shard_spec,
+    Placement, ShardGrid, ShardSpec, counted_on_stage, inner_spec, is_pipeline_tied, is_sequence_parallel, is_stage_local,
+    parameter_like, place, placement_of, set_pipeline_tied, set_sequence_parallel, set_shard_spec, set_stage_local,
+    shard_spec,
 )
 
 
-ShardMeshes = Callable[[Tensor], Optional[DeviceMesh]]
-"""A parameter → the one-dimensional device mesh of the group its shard is split over (``None``: not split there);
-:meth:`~lightning_seqpar.parallel.mesh.ParallelMesh.shard_device_mesh` for a built mesh."""
+ShardMeshes = Callable[[Tensor], Union[DeviceMesh, ShardGrid, None]]
+"""A parameter → the one-dimensional device mesh of the group its shard is split over (``None``: not split there), or
+the :class:`ShardGrid` of a parameter split twice; :meth:`~lightning_seqpar.parallel.mesh.ParallelMesh.
+shard_device_mesh` for a built mesh."""
 
 
 def padded_size(size: int, multiple: int) -> int:
@@ -88,30 +90,55 @@ def mark_sequence_parallel(module: torch.nn.Module) -> None:
 
 
 def full_shape(tensor: Tensor) -> tuple[int, ...]:
-    """The single-device shape of this rank's ``tensor``: a sharded parameter's full size in its split dim
+    """The single-device shape of this rank's ``tensor``: a sharded parameter's full size in its split dims
     (vocabulary padding excluded), any other tensor's own shape."""
-    spec = shard_spec(tensor)
     shape = list(tensor.shape)
-    if spec is not None:
-        shape[spec.dim] = spec.full_size
+    for spec in (shard_spec(tensor), inner_spec(tensor)):
+        if spec is not None:
+            shape[spec.dim] = spec.full_size
     return tuple(shape)
 
 
-def load_from_full(target: Tensor, full, group: ParallelGroup) -> None:
+def load_from_full(target: Tensor, full, group: ParallelGroup, inner_group: Optional[ParallelGroup] = None) -> None:
     """Copy the single-device ``full`` into this rank's ``target``, in place: its slice if ``target`` is a
-    sharded parameter, all of it otherwise (cast to ``target``'s device and dtype).
+    sharded parameter (over ``group``, then over ``inner_group`` where its placement splits it twice), all of it
+    otherwise (cast to ``target``'s device and dtype).
 
     ``full`` is a tensor, or a lazy reader of one (``.rows(dim, start, stop)`` and ``.read()``, e.g. a tensor of
-    a safetensors file), of which only this rank's rows are read.
+    a safetensors file), of which only this rank's rows (of the outer split) are read.
+
+    Raises:
+        ValueError: a parameter split twice and no ``inner_group``.
     """
-    spec = shard_spec(target)
+    spec, inner = shard_spec(target), inner_spec(target)
     if not isinstance(full, Tensor):
         value = (spec.read_shard(lambda start, stop: full.rows(spec.dim, start, stop), group) if spec is not None
                  else full.read())
     else:
         value = spec.shard(full, group) if spec is not None else full
+    if inner is not None:
+        if inner_group is None:
+            raise ValueError(f"A parameter split twice ({spec} then {inner}) needs the group of its second split.")
+        value = inner.shard(value, inner_group)
     with torch.no_grad():
         target.copy_(value.to(target.device, target.dtype))
+
+
+def gather_full(local: Tensor, spec: Optional[ShardSpec], group: ParallelGroup, inner: Optional[ShardSpec] = None,
+                inner_group: Optional[ParallelGroup] = None) -> Tensor:
+    """The single-device tensor of which ``local`` (a parameter's shard, or a tensor shaped like it) is this rank's
+    part: gathered over ``inner_group`` along ``inner`` first, then over ``group`` along ``spec`` (collective over
+    both). ``spec`` ``None``: ``local`` itself.
+
+    Raises:
+        ValueError: ``inner`` without ``inner_group``.
+    """
+    value = local.detach()
+    if inner is not None:
+        if inner_group is None:
+            raise ValueError(f"A tensor split twice ({spec} then {inner}) needs the group of its second split.")
+        value = inner.gather(value, inner_group)
+    return spec.gather(value, group) if spec is not None else value
 
 
 def saved_shape(spec: Optional[ShardSpec], single_device_shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -130,18 +157,25 @@ def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
-def dcp_view(local: Tensor, spec: Optional[ShardSpec], tp_mesh: Optional[DeviceMesh]) -> Tensor:
+def dcp_view(local: Tensor, spec: Optional[ShardSpec], tp_mesh: Union[DeviceMesh, ShardGrid, None],
+             inner: Optional[ShardSpec] = None) -> Tensor:
     """This rank's ``local`` tensor as DCP must see it: a plain tensor when it is replicated, otherwise a
     ``DTensor`` over ``tp_mesh`` whose global shape is :func:`saved_shape` and whose local part is a view of
-    ``local`` (``[full/t, ...]``-sized; vocabulary padding cut off).
+    ``local`` (``[full/t, ...]``-sized; vocabulary padding cut off). Split twice (``inner``, over the
+    :class:`ShardGrid` ``tp_mesh``): pieces of the single-device shape (:func:`_grid_view`).
 
     Raises:
         ValueError: a spec whose padding is not the ``ceil(full/t)`` rows per rank DTensor's split assumes,
-            or one both fused and padded.
+            or one both fused and padded; a tensor split twice without its grid, or padded.
     """
     data = local.detach()
     if spec is None:
         return data
+    if inner is not None:
+        if not isinstance(tp_mesh, ShardGrid):
+            raise ValueError(f"A tensor split twice ({spec} then {inner}) is described by its ShardGrid, not "
+                             f"{type(tp_mesh).__name__}.")
+        return _grid_view(data, spec, inner, tp_mesh)
     t = 1 if tp_mesh is None else tp_mesh.size()
     rank = 0 if tp_mesh is None else tp_mesh.get_local_rank()
     if spec.uneven:
@@ -188,3 +222,63 @@ def _pieces_view(data: Tensor, spec: ShardSpec, tp_mesh: Optional[DeviceMesh]) -
     placed = [([start, *rest], [stop - start, *data.shape[1:]], ranks[r]) for r in range(t)
               for start, stop in spec.rank_ranges(r, t)]
     return sharded_tensor(local, placed, size, data.dtype)
+
+
+def _grid_view(data: Tensor, spec: ShardSpec, inner: ShardSpec, grid: ShardGrid) -> Tensor:
+    """A tensor split along ``spec.dim`` over the grid's outer group and along ``inner.dim`` over its inner group as
+    DCP must see it: a ``ShardedTensor`` of the single-device shape (whatever either size, so a checkpoint reshards
+    across both and reads those written before the second split existed) whose pieces are views of ``data``, each
+    (outer block, inner block) cut into the runs of it that are contiguous in memory (``ShardedTensor`` takes
+    contiguous pieces only: one per expert for the gate/up halves of an expert's width, the whole shard otherwise).
+    Every rank's pieces follow from the specs: no communication."""
+    if spec.padded_size != spec.full_size or inner.padded_size != inner.full_size:
+        raise ValueError(f"Cannot describe a tensor split twice with padding ({spec}, {inner}) to "
+                         f"torch.distributed.checkpoint.")
+    data = data.contiguous()
+    outer_size, inner_size = len(grid.ranks), len(grid.ranks[0])
+    size = list(data.shape)
+    size[spec.dim], size[inner.dim] = spec.full_size, inner.full_size
+
+    def pieces(a: int, b: int) -> list[tuple[list[int], list[int], list[int]]]:
+        """(global offsets, sizes, offsets in the rank's own tensor) of every contiguous piece of rank (a, b)."""
+        out = []
+        at_outer = 0
+        for o_start, o_stop in spec.rank_ranges(a, outer_size):
+            at_inner = 0
+            for i_start, i_stop in inner.rank_ranges(b, inner_size):
+                offsets, sizes, local = [0] * len(size), list(data.shape), [0] * len(size)
+                offsets[spec.dim], sizes[spec.dim], local[spec.dim] = o_start, o_stop - o_start, at_outer
+                offsets[inner.dim], sizes[inner.dim], local[inner.dim] = i_start, i_stop - i_start, at_inner
+                out += _contiguous_runs(offsets, sizes, local, list(data.shape))
+                at_inner += i_stop - i_start
+            at_outer += o_stop - o_start
+        return out
+
+    local = []
+    for offsets, sizes, at in pieces(grid.outer_rank, grid.inner_rank):
+        view = data
+        for dim, (start, length) in enumerate(zip(at, sizes)):
+            view = view.narrow(dim, start, length)
+        local.append((view, offsets))
+    placed = [(offsets, sizes, grid.ranks[a][b]) for a in range(outer_size) for b in range(inner_size)
+              for offsets, sizes, _ in pieces(a, b)]
+    return sharded_tensor(local, placed, size, data.dtype)
+
+
+def _contiguous_runs(offsets: list[int], sizes: list[int], local: list[int], shape: list[int]
+                     ) -> list[tuple[list[int], list[int], list[int]]]:
+    """A box (global ``offsets``, ``sizes``, at ``local`` in a row-major tensor of ``shape``) as boxes contiguous in
+    that tensor: split along every dimension before the last one it does not span whole (one index each)."""
+    partial = [d for d in range(len(shape)) if sizes[d] != shape[d]]
+    if not partial:
+        return [(offsets, sizes, local)]
+    runs = [(list(offsets), list(sizes), list(local))]
+    for dim in range(partial[-1]):
+        split = []
+        for o, s, l in runs:
+            for i in range(s[dim]):
+                o2, s2, l2 = list(o), list(s), list(l)
+                o2[dim], s2[dim], l2[dim] = o[dim] + i, 1, l[dim] + i
+                split.append((o2, s2, l2))
+        runs = split
+    return runs

@@ -35,6 +35,9 @@ class RewriteContext:
             all of them.
         expert_group: the expert-parallel group (size e: ranks holding different experts of each mixture-of-experts
             layer; :mod:`lightning_seqpar.moe`); ``None``: one rank, every expert here.
+        expert_tp_group: the expert tensor-parallel group (size etp: ranks holding different slices of each expert's
+            width); ``None``: one rank, whole experts.
+        expert_dispatch_group: the ``etp_ep`` group a mixture's tokens are dispatched over when ``etp > 1``.
         data_group: the data-parallel and context-parallel replicas (``dp_cp``, size d·c: other tokens of the same
             step), which a loss over every token of the step (a mixture's load-balancing loss) sums over; ``None``: one.
         dispatch: how a mixture of experts sends its tokens (dropless, or with a capacity).
@@ -49,6 +52,8 @@ class RewriteContext:
     context: Optional[ContextParallel] = None
     loss_chunk: Optional[int] = None
     expert_group: Optional[ParallelGroup] = None
+    expert_tp_group: Optional[ParallelGroup] = None
+    expert_dispatch_group: Optional[ParallelGroup] = None
     data_group: Optional[ParallelGroup] = None
     dispatch: DispatchConfig = field(default_factory=DispatchConfig)
 
@@ -96,6 +101,16 @@ class RewriteContext:
         """The group ``tensor``'s shards are split over: the expert-parallel group for experts, else tensor parallel."""
         expert = placement_of(tensor).shard_over == "ep" and self.expert_group is not None
         return self.expert_group if expert else self.group  # type: ignore[return-value]
+
+    def inner_shard_group(self, tensor: torch.Tensor) -> Optional[ParallelGroup]:
+        """The group of ``tensor``'s second split (an expert's width over the expert tensor-parallel group); ``None``
+        for a tensor split once or not."""
+        return self.expert_tp_group if placement_of(tensor).inner is not None else None
+
+    @property
+    def expert_tp(self) -> int:
+        """etp, the expert tensor-parallel size (1: whole experts on each rank)."""
+        return 1 if self.expert_tp_group is None else self.expert_tp_group.size
 
     @property
     def ep(self) -> int:

@@ -34,8 +34,17 @@ ShardGroups = Union[ParallelGroup, Callable[[torch.Tensor], ParallelGroup]]
 over the expert-parallel group: :meth:`~lightning_seqpar.transformer.context.RewriteContext.shard_group`)."""
 
 
+InnerGroups = Optional[Callable[[torch.Tensor], Optional[ParallelGroup]]]
+"""A tensor → the group of its second split (an expert's width over expert tensor parallelism,
+:meth:`~lightning_seqpar.transformer.context.RewriteContext.inner_shard_group`); ``None``: nothing is split twice."""
+
+
 def _group_of(groups: ShardGroups, target: torch.Tensor) -> ParallelGroup:
     return groups if isinstance(groups, ParallelGroup) else groups(target)
+
+
+def _inner_group_of(groups: InnerGroups, target: torch.Tensor) -> Optional[ParallelGroup]:
+    return None if groups is None else groups(target)
 
 
 def _load_malloc_trim() -> Optional[Callable[[int], int]]:
@@ -172,7 +181,7 @@ class Materializer:
         return found if all(v is not None for v in found.values()) else None
 
     def into(self, parallel: nn.Module, original: nn.Module, name: str, group: ShardGroups,
-             init: Optional[Initializer] = None) -> None:
+             init: Optional[Initializer] = None, inner: InnerGroups = None) -> None:
         """Fill ``parallel``'s tensors (same state-dict keys as ``original``) from ``original`` on the meta device:
         each submodule of ``original`` is materialized, sliced into ``parallel`` and released in turn, so at most
         one single-device submodule (e.g. one Linear) exists at a time. Submodules ``parallel`` reuses as they
@@ -189,7 +198,7 @@ class Materializer:
                 if stored is not None and id(sub) not in shared:  # straight from the source into the shards
                     for key, value in stored.items():
                         target = targets[f"{sub_name}.{key}" if sub_name else key]
-                        load_from_full(target, value, _group_of(group, target))
+                        load_from_full(target, value, _group_of(group, target), _inner_group_of(inner, target))
                     continue
                 to_empty(sub, self.device, recurse=False)
                 if stored is None or _unstored_buffers(sub):  # computed buffers (Gemma's embed_scale) need init
@@ -201,10 +210,10 @@ class Materializer:
                 for key, value in [*sub.named_parameters(recurse=False), *sub.named_buffers(recurse=False)]:
                     target = targets.get(f"{sub_name}.{key}" if sub_name else key)
                     if target is not None:  # a non-persistent buffer of the original the parallel module computes
-                        load_from_full(target, value, _group_of(group, target))
+                        load_from_full(target, value, _group_of(group, target), _inner_group_of(inner, target))
                 to_empty(sub, torch.device("meta"), recurse=False)  # released
 
-    def fill(self, model: nn.Module, group: ShardGroups) -> None:
+    def fill(self, model: nn.Module, group: ShardGroups, inner: InnerGroups = None) -> None:
         """Allocate the shards of every pending block still in ``model`` (the stage split dropped the others),
         then fill them block by block (:meth:`into`); last, materialize the modules no policy rewrote. All
         shards first: the transient single-device submodules then reuse one region of memory instead of
@@ -226,7 +235,7 @@ class Materializer:
             materialized.update({id(p): getattr(parallel.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2])
                                  for n, p in before.items()})
         for parallel, original, name, init in kept:
-            self.into(parallel, original, name, group, init)
+            self.into(parallel, original, name, group, init, inner)
             release_freed_memory()
         self.pending.clear()
         self._remaining(model, materialized)

@@ -9,8 +9,11 @@ the sequence-parallel region):
   context parallelism): it is the user's router module, called as the user's block calls it (its scoring, top-k,
   normalization, bias and scaling are the family's own), its weights summed over tp like a sequence-parallel norm's;
 - the **experts** are split over the expert-parallel group (``[E/e, …]`` per rank,
-  :class:`~lightning_seqpar.moe.experts.GroupedExperts`); each (token, expert) pair travels to its expert's rank and
-  back (:class:`~lightning_seqpar.moe.dispatch.TokenDispatcher`: one host read of the split sizes per layer call);
+  :class:`~lightning_seqpar.moe.experts.GroupedExperts`), and each expert's width over the expert tensor-parallel
+  group (``f/etp``); each (token, expert) pair travels to its expert's rank (every etp rank of it:
+  :func:`~lightning_seqpar.moe.dispatch.expert_tensor_parallel_pairs`) and back
+  (:class:`~lightning_seqpar.moe.dispatch.TokenDispatcher` over the ``etp_ep`` group: one host read of the split sizes
+  per layer call);
 - the **shared expert** is a dense MLP part (column- then row-parallel, its own g and ḡ), its gate a linear map of the
   sequence-parallel tokens.
 
@@ -30,11 +33,11 @@ from torch import Tensor
 
 from lightning_seqpar.moe.balancing import MARK, RouterTokens, SequenceParallelRows, UnmaskableRows
 from lightning_seqpar.moe.capacity import CapacityDispatcher
-from lightning_seqpar.moe.dispatch import TokenDispatcher
-from lightning_seqpar.moe.experts import GroupedExperts
+from lightning_seqpar.moe.dispatch import TokenDispatcher, check_width_split, expert_tensor_parallel_pairs
+from lightning_seqpar.moe.experts import GroupedExperts, glu_layout
 from lightning_seqpar.parallel.collectives import ParallelGroup
 from lightning_seqpar.parallel.random import recomputed
-from lightning_seqpar.tensor_parallel.sharding import mark_sequence_parallel
+from lightning_seqpar.tensor_parallel.sharding import inner_spec, mark_sequence_parallel
 from lightning_seqpar.transformer.mlp_part import DenseMLPPart, DenseMLPSpec
 from lightning_seqpar.transformer.context import RewriteContext
 from lightning_seqpar.transformer.part_builder import PartBuilder
@@ -119,6 +122,12 @@ class MoESpec:
                              f"of {count}.")
         if ctx.tp > 1 and not ctx.sp:
             raise ValueError(_NEEDS_SP.format(name=name, tp=ctx.tp))
+        if ctx.expert_tp > 1:
+            down = experts.down_proj
+            try:
+                check_width_split(down.shape[1] if self.transposed else down.shape[2], ctx.expert_tp)
+            except ValueError as error:
+                raise ValueError(f"{name}: {error}") from None
         if self.shared is not None:
             self.shared.check_split(block, ctx, name)
 
@@ -127,11 +136,13 @@ class MoESpec:
         count = resolve(block, self.experts).down_proj.shape[0]
         router = resolve(block, self.router)
         k = getattr(router, "top_k", None)
-        return (f"{count} experts ({self.experts}) → {count // ctx.ep} per rank over ep={ctx.ep}, whole on each rank, "
+        width = "whole on each rank" if ctx.expert_tp == 1 else \
+            f"each expert's width split over expert_tp={ctx.expert_tp} (tokens sent to every slice, outputs summed)"
+        return (f"{count} experts ({self.experts}) → {count // ctx.ep} per rank over ep={ctx.ep}, {width}, "
                 f"gradients averaged over expert data parallel; router {self.router}"
                 f"{f' (top-{k})' if k else ''} on each rank's {'s/t·b' if ctx.sp else 's·b'} tokens "
                 f"{'(sequence-parallel, weight summed over tp)' if ctx.sp else ''}; dispatch and combine by all-to-all "
-                f"over ep ({_dispatch_text(ctx)})"
+                f"over {'ep' if ctx.expert_tp == 1 else 'etp·ep'} ({_dispatch_text(ctx)})"
                 + (f"; shared expert {self.shared.describe(block, ctx)}" if self.shared is not None else "")
                 + (f", gated by {self.shared_gate}" if self.shared_gate else ""))
 
@@ -166,9 +177,14 @@ class MoEPart:
             mark_sequence_parallel(self.router)
         builder.place(spec.router, self.router, "router")
         group = ctx.expert_group if ctx.expert_group is not None else ParallelGroup()
-        self.experts = builder.place(spec.experts, _local_experts(builder, spec, group), "experts")
-        self.dispatcher = TokenDispatcher(group, self.experts.num_experts) if ctx.dispatch.capacity_factor is None \
-            else CapacityDispatcher(group, self.experts.num_experts, ctx.dispatch)
+        width = ctx.expert_tp_group if ctx.expert_tp_group is not None else ParallelGroup()
+        self.experts = builder.place(spec.experts, _local_experts(builder, spec, group, width), "experts")
+        self.ep, self.expert_tp = group.size, width.size
+        # Each (token, expert) pair goes to every slice of the expert's width: E·etp slices over the etp·ep ranks.
+        over = ctx.expert_dispatch_group if width.size > 1 else group
+        slices = self.experts.num_experts * width.size
+        self.dispatcher = TokenDispatcher(over, slices) if ctx.dispatch.capacity_factor is None \
+            else CapacityDispatcher(over, slices, ctx.dispatch)
         self.tokens = _router_tokens(ctx)
         self.last_logits: Optional[Tensor] = None  # kept for the pipeline's carrier only (tokens.stages)
         # The MLP width a token goes through, for FLOPs (FlopsUtilization) and the memory model: k experts of width f
@@ -193,6 +209,9 @@ class MoEPart:
         setattr(logits, MARK, self.tokens)  # a load-balancing loss over these logits pools every rank's tokens
         if self.tokens.stages is not None and self.tokens.stages.collecting:  # read after the stage's forward
             self.last_logits = logits
+        if self.expert_tp > 1:
+            chosen, scores = expert_tensor_parallel_pairs(chosen, scores, self.experts.num_experts, self.ep,
+                                                          self.expert_tp)
         rows, routing = self.dispatcher.dispatch(tokens, chosen, scores)
         computed = self.experts(rows, routing.tokens_per_expert, routing.expert_counts)
         out = self.dispatcher.combine(computed, routing, scores).view(x.shape)
@@ -225,8 +244,9 @@ def _router_tokens(ctx: RewriteContext) -> RouterTokens:
     return RouterTokens(split + ((data,) if data is not None else ()), replicas // ctx.cp, ctx.cp, rows_of)
 
 
-def _local_experts(builder: PartBuilder, spec: MoESpec, group: ParallelGroup) -> GroupedExperts:
-    """This rank's ``E/e`` experts, sliced from the user's packed weights (and biases)."""
+def _local_experts(builder: PartBuilder, spec: MoESpec, group: ParallelGroup, split: ParallelGroup) -> GroupedExperts:
+    """This rank's ``E/e`` experts, sliced from the user's packed weights (and biases), each its ``f/etp`` slice of
+    the width over ``split`` (the expert tensor-parallel group)."""
     experts = builder.resolve(spec.experts)
     weights = dict(experts.named_parameters(recurse=False))
     biases = {"gate_up_proj_bias", "down_proj_bias"} & set(weights)
@@ -240,17 +260,21 @@ def _local_experts(builder: PartBuilder, spec: MoESpec, group: ParallelGroup) ->
     num_experts = down.shape[0]
     width, hidden = (down.shape[1], down.shape[2]) if spec.transposed else (down.shape[2], down.shape[1])
     activation = builder.resolve(spec.activation) if spec.activation else None
+    glu = _detached(builder.resolve(spec.glu)) if spec.glu else None
+    interleaved = glu is not None and split.size > 1 and glu_layout(glu, width, split.size, builder.name) == "interleaved"
     with gate_up.device:  # the meta device: a skeleton
         local = GroupedExperts(num_experts, hidden, width, group.size, activation, gate_up.dtype,
-                               transposed=spec.transposed, bias=bool(biases),
-                               glu=_detached(builder.resolve(spec.glu)) if spec.glu else None)
+                               transposed=spec.transposed, bias=bool(biases), glu=glu, expert_tp=split.size,
+                               etp_rank=split.rank, interleaved=interleaved)
     per_rank = num_experts // group.size
     for name, mine in local.named_parameters():
         full = weights[name]
         mine.requires_grad_(full.requires_grad)  # frozen experts (LoRA elsewhere, a frozen base) stay frozen
         if not full.is_meta:  # on the meta device: a skeleton, allocated and read later (Materializer.fill)
             with torch.no_grad():
-                mine.data = full.detach().narrow(0, group.rank * per_rank, per_rank).clone()
+                value = full.detach().narrow(0, group.rank * per_rank, per_rank)
+                inner = inner_spec(mine)
+                mine.data = (inner.shard(value, split) if inner is not None else value).clone()
     return local
 
 

@@ -1,4 +1,4 @@
-"""gpt-oss trains like one process under tensor, sequence, expert, data and context parallelism: its router with a
+"""gpt-oss trains like one process under tensor, sequence, expert (and expert tensor), data and context parallelism: its router with a
 bias, experts stored ``[E, h, 2f]`` with biases and gate/up interleaved and clamped (a limit small enough to clamp
 here), attention sinks (a learned logit per head in every softmax row, split with the heads over tp, merged after the
 ring's blocks under cp), attention biases, sliding-window and full layers alternating; float64, the loss and every
@@ -29,6 +29,7 @@ CASES = {
         oss(2, 2, "full"),
         oss(2, 2, lora="attention"),       # LoRA on q/v (biased projections): experts, router and sinks frozen
         oss(1, 1, cp=2),                   # the sinks merged after the ring's blocks
+        oss(1, 1, aux=0.5, expert_tp=2),   # each expert's width over the data-parallel ranks: gate/up interleaved
     ],
     4: [
         oss(1, 4),
@@ -38,6 +39,7 @@ CASES = {
         oss(2, 2, cp=2),                   # tp 2 × cp 2 × ep 2
         Case("hf", 1, True, None, (("family", "gpt_oss"), ("labels", True)), (), (("ep", 2), ("cp_comm", "all_to_all")),
              cp=2),                        # all-to-all attention: each cp rank applies its head group's sinks
+        oss(2, 2, capacity=True, expert_tp=2),  # ep 2 × expert_tp 2 with a capacity: the down bias counted once
     ],
 }
 

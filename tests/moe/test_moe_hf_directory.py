@@ -5,7 +5,8 @@ per-expert names (and the family's renamings reversed: Mixtral's ``block_sparse_
 the names ``save_pretrained`` gives; gpt-oss's packed experts (gate and up interleaved, with biases) and attention sinks
 as they are; ``from_pretrained`` reloads the export with the same weights. Experts frozen in the user's model
 stay frozen in the shards. Layouts: tp 2 × ep 2 (the experts over
-the tensor-parallel ranks) and ep 2 over two data-parallel replicas."""
+the tensor-parallel ranks), ep 2 over two data-parallel replicas, and each expert's width split over expert_tp 2 (every
+rank holding every expert's half: read, gathered for the export, the halves of gate/up or gpt-oss's interleave kept)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ PACKED = {"gpt_oss": "model.layers.0.mlp.experts.gate_up_proj_bias",
           "granitemoe": "model.layers.0.block_sparse_moe.input_linear.weight"}
 """Families whose hub checkpoints keep the experts packed, and a key they store: gpt-oss ``[E, h, 2f]`` (gate and up
 interleaved) with biases; GraniteMoE ``[E, 2f, h]`` under its own names (``input_linear``, ``router.layer``)."""
-LAYOUTS = {"tp2-ep2": dict(tp=2, ep=2), "dp2-ep2": dict(tp=1, ep=2)}
+LAYOUTS = {"tp2-ep2": dict(tp=2, ep=2), "dp2-ep2": dict(tp=1, ep=2), "tp2-etp2": dict(tp=2, expert_tp=2)}
 
 
 def _stored_keys(directory):

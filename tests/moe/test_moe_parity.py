@@ -1,5 +1,5 @@
-"""Mixtures of experts train like one process under expert parallelism, composed with tensor, sequence, data,
-pipeline and context parallelism, with transformers' load-balancing loss (output_router_logits) pooled over every
+"""Mixtures of experts train like one process under expert parallelism (and expert tensor parallelism: each expert's
+width split over expert_tp ranks), composed with tensor, sequence, data, pipeline and context parallelism, with transformers' load-balancing loss (output_router_logits) pooled over every
 rank's tokens: Hugging Face Qwen3-MoE, Qwen2-MoE (gated shared expert), Mixtral, OLMoE, GLM-4.5
 (sigmoid, group-limited routing, a shared expert) and GraniteMoE (gpt-oss: test_gpt_oss_parity.py), built from tiny configs and called as users call them
 (``model(input_ids=x, labels=x)``); float64, the loss and every gradient (router, experts, shared experts) before each
@@ -15,8 +15,8 @@ from tests.helpers.parity import Case, all_cases, assert_matches_single_process,
 pytestmark = pytest.mark.distributed
 
 
-def moe(family, tp, ep, recompute=None, pp=1, cp=1, zero=0, accumulate=1, **model):
-    strategy = (("ep", ep),) + ((("zero", 1),) if zero else ())
+def moe(family, tp, ep, recompute=None, pp=1, cp=1, zero=0, accumulate=1, expert_tp=1, **model):
+    strategy = (("ep", ep),) + ((("zero", 1),) if zero else ()) + ((("expert_tp", expert_tp),) if expert_tp > 1 else ())
     trainer = (("accumulate_grad_batches", accumulate),) if accumulate > 1 else ()
     return Case("hf", tp, True, recompute, (("family", family), ("labels", True), *model.items()), trainer, strategy,
                 pp=pp, cp=cp)
@@ -55,6 +55,7 @@ CASES = {
         gpt(1, 2, cp=2, accumulate=2, aux_loss_type="per_layer", z_loss_coef=0.1),
         Case("gpt", 2, True, None, (("n_experts", 8), ("aux_loss_coef", 0.5)), (),
              (("ep", 2), ("moe", DispatchConfig(8.0)))),  # a capacity that drops nothing: fixed buffers, the same step
+        moe("qwen3_moe", 2, 1, expert_tp=2),        # each expert's width over the tp ranks: every rank every expert
     ],
     4: [
         moe("qwen3_moe", 2, 4),                     # four ranks' experts: over tp and dp
@@ -66,6 +67,9 @@ CASES = {
         gpt(2, 4),                                  # ep over tp and dp
         gpt(2, 2, "selective", aux_loss_type="per_layer", z_loss_coef=0.1),  # tp 2 × dp 2
         gpt(1, 2, pp=2, aux=0.0),                   # pp 2 × ep 2, 1F1B (router losses: test_router_losses_pipelined.py)
+        moe("qwen3_moe", 2, 2, aux=0.5, expert_tp=2),  # ep 2 × expert_tp 2: the experts and their widths over 4 ranks
+        moe("mixtral", 2, 2, "full", expert_tp=2),  # whole layers recomputed: the slices' dispatch runs again
+        moe("qwen3_moe", 1, 1, pp=2, expert_tp=2),  # pp 2 × expert_tp 2 over the data-parallel ranks
     ],
 }
 # As the dense families (tests/hf/test_hf_models.py): RMSNorm and the loss compute in float32 inside transformers;

@@ -1,7 +1,8 @@
 """What a mixture of experts cannot be trained with is refused before training, naming the part and the fix: the
 router losses over a last pipeline stage without experts, router jitter noise, LoRA on the experts' parameters,
-a mixture of another shape (PhiMoE's sampling router), experts that ep does not divide, tp without sequence parallelism; and
-explain() shows the experts per rank, the groups and the dispatch."""
+a mixture of another shape (PhiMoE's sampling router), experts that ep does not divide, an expert width that expert_tp
+does not divide, tp without sequence parallelism; and explain() shows the experts per rank, the groups and the
+dispatch."""
 
 import pytest
 
@@ -16,6 +17,13 @@ def test_explain_shows_the_experts_per_rank_the_groups_and_the_dispatch(capsys):
             "dispatch and combine by all-to-all over ep (dropless: one host read of the split sizes per layer call); shared "
             "expert mlp.shared_expert.gate_proj/mlp.shared_expert.up_proj column-parallel, "
             "mlp.shared_expert.down_proj row-parallel, gated by mlp.shared_expert_gate") in text
+
+
+def test_explain_shows_each_experts_width_split_over_expert_tp():
+    text = str(explain(build("hf", family="qwen3_moe", labels=True), tp=2, ep=2, expert_tp=2))
+    assert ("8 experts (mlp.experts) → 4 per rank over ep=2, each expert's width split over expert_tp=2 (tokens sent "
+            "to every slice, outputs summed), gradients averaged over expert data parallel") in text
+    assert "dispatch and combine by all-to-all over etp·ep (dropless" in text
 
 
 def test_explain_states_the_capacity_and_its_drop_policy():
@@ -76,6 +84,8 @@ def test_a_mixture_of_another_shape_is_refused_for_what_it_has():
                        r"of 8"),
     (dict(tp=2, ep=2, sequence_parallel=False), r"a mixture of experts under tp=2 needs sequence parallelism .* set "
                                                 r"sequence_parallel=True"),
+    (dict(tp=2, expert_tp=3), r"model\.model\.layers\.0: An expert width of 8 does not split over expert_tp=3 ranks: "
+                              r"choose expert_tp dividing it"),
 ])
 def test_a_split_the_experts_do_not_admit_is_refused_with_the_numbers(layout, match):
     with pytest.raises(ValueError, match=match):

@@ -1,6 +1,7 @@
-"""A mixture of experts' checkpoints reshard across expert-parallel sizes: saved sharded at tp 2 × ep 2, resumed into
-every rank holding every expert (ep 1, 4 data-parallel replicas) and saved as one full-format file, then split four
-ways (ep 4), then into a pipeline of 2 stages at ep 2: on the loss curve of the uninterrupted one-process run."""
+"""A mixture of experts' checkpoints reshard across expert-parallel and expert tensor-parallel sizes: saved sharded at
+tp 2 × ep 2, resumed with each expert's width split too (expert_tp 2), then into every rank holding half of every
+expert (ep 1 × expert_tp 2) and saved as one full-format file, then split four ways (ep 4), then into a pipeline of 2
+stages at ep 2, then into one at expert_tp 2: on the loss curve of the uninterrupted one-process run."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ from tests.helpers.resume import EPOCH_STEPS, reference_epochs, train_epochs
 pytestmark = pytest.mark.distributed  # starts processes: outside the fast lane
 
 MODEL = dict(family="qwen3_moe", labels=True)
-# Each an epoch, resumed from the one before; the second saves one full-format file (experts gathered over ep).
-LAYOUTS = (dict(tp=2, ep=2), dict(tp=1, ep=1, checkpoint_format="full"), dict(tp=1, ep=4), dict(tp=1, pp=2, ep=2))
+# Each an epoch, resumed from the one before; the third saves one full-format file (gathered over etp, then ep).
+LAYOUTS = (dict(tp=2, ep=2), dict(tp=2, ep=2, expert_tp=2), dict(tp=2, ep=1, expert_tp=2, checkpoint_format="full"),
+           dict(tp=1, ep=4), dict(tp=1, pp=2, ep=2), dict(tp=2, pp=2, expert_tp=2))
 
 
 def _lives(rank, world, root):
@@ -27,7 +29,7 @@ def _lives(rank, world, root):
     return losses
 
 
-def test_experts_reshard_from_ep2_to_ep1_full_to_ep4_and_into_pp_on_the_one_process_curve(tmp_path):
+def test_experts_reshard_across_ep_and_expert_tp_full_and_into_pp_on_the_one_process_curve(tmp_path):
     torch.manual_seed(0)
     want = reference_epochs(build("hf", **MODEL).double(), len(LAYOUTS))
     got = run_distributed(_lives, 4, str(tmp_path))[0]

@@ -32,6 +32,7 @@ CASES = {
         "etp": [[0, 1], [2, 3], [4, 5], [6, 7]],
         "ep": [[0, 2], [1, 3], [4, 6], [5, 7]],
         "edp": [[0, 4], [1, 5], [2, 6], [3, 7]],
+        "etp_ep": [[0, 1, 2, 3], [4, 5, 6, 7]],  # Megatron's tp_ep group: where a mixture's tokens are dispatched
     }),
     "dp4 pp2, ep2": (dict(world_size=8, pp=2, ep=2), {
         "dp": [[0, 1, 2, 3], [4, 5, 6, 7]],

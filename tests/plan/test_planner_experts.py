@@ -38,12 +38,16 @@ def test_the_experts_are_counted_exactly_and_split_over_ep_only(qwen3_moe):
     assert qwen3_moe.num_parameters == 30_532_122_624
     assert qwen3_moe.experts == ExpertShape(num_experts=128, top_k=8, expert_ffn=768)
     assert qwen3_moe.ffn_hidden_size == 8 * 768  # what each token goes through
-    experts = [e for e in qwen3_moe.entries if e.split == "expert"]
+    experts = [e for e in qwen3_moe.entries if e.expert]
+    assert {e.split for e in experts} == {"expert_width"}  # gate/up and down: split along the width under etp
     assert sum(e.numel for e in experts) == 48 * EXPERTS_PER_LAYER == expert_layer_elements(qwen3_moe) * 48
-    dense = sum(e.local_numel(4) for e in qwen3_moe.entries if e.split != "expert")
+    dense = sum(e.local_numel(4) for e in qwen3_moe.entries if not e.expert)
     for ep in (1, 2, 4, 8, 16):  # tp 4: the experts are not split by t
         got = state_bytes(qwen3_moe, 4, 1, 4, ep=ep, precision="bf16-true").parameters
         assert got == 2 * (dense + 48 * EXPERTS_PER_LAYER // ep), ep
+    for ep, etp in ((2, 2), (1, 4), (4, 4)):  # and by expert tensor parallelism, along each expert's width
+        got = state_bytes(qwen3_moe, 4, 1, 4, ep=ep, expert_tp=etp, precision="bf16-true").parameters
+        assert got == 2 * (dense + 48 * EXPERTS_PER_LAYER // (ep * etp)), (ep, etp)
 
 
 def test_zero_1_ranges_of_experts_are_over_expert_data_parallel(qwen3_moe):
@@ -51,11 +55,11 @@ def test_zero_1_ranges_of_experts_are_over_expert_data_parallel(qwen3_moe):
     # weights' d = 2: the optimizer state holds 1/4 of the rank's experts and 1/2 of its dense shards.
     layout = stage_layout(qwen3_moe, 1)
     held = held_entries(qwen3_moe, layout, 0)
-    experts = sum(e.local_numel(4, 2) for e in held if e.split == "expert")
-    dense = sum(e.local_numel(4) for e in held if e.split != "expert")
+    experts = sum(e.local_numel(4, 2) for e in held if e.expert)
+    dense = sum(e.local_numel(4) for e in held if not e.expert)
     got = state_bytes(qwen3_moe, 4, 1, 2, zero=1, precision="32-true", ep=2)
     assert got.optimizer - got.steps == 2 * 4 * (experts // 4 + sum(-(-e.local_numel(4) // 2) for e in held
-                                                                    if e.split != "expert"))
+                                                                    if not e.expert))
     assert dense % 2 == 0 and experts % 4 == 0
 
 

@@ -2,7 +2,8 @@
 gradients (with their reduction buckets), main params and optimizer state, per pipeline and data-parallel rank, over
 layouts with vocabulary padding, tied and untied embeddings, uneven and interleaved pipeline stages, zero 0 and 1,
 every precision, the Llama, GPT-2 and Phi-3 (fused, unequal q/k/v) layouts, and mixtures of experts (Qwen3-MoE,
-gpt-oss, Qwen2-MoE, GLM-4.5) at ep 1, 2 and 4, where expert parallelism and tensor parallelism differ."""
+gpt-oss, Qwen2-MoE, GLM-4.5) at ep 1, 2 and 4, where expert parallelism and tensor parallelism differ, and with each
+expert's width split over expert_tp 2."""
 
 from __future__ import annotations
 
@@ -43,6 +44,9 @@ LAYOUTS = [
     (dict(family="gpt_oss"), 2, 1, 1, "bf16-mixed", False, dict(ep=2)),   # expert biases, router bias, sinks
     (dict(family="qwen2_moe"), 2, 1, 0, "bf16-true", False, dict(ep=2)),  # a column/row-parallel shared expert
     (dict(family="glm4_moe"), 1, 2, 1, "32-true", False, dict(ep=2)),  # a dense first layer
+    # Expert tensor parallelism: each expert's width split too, numel / (e·etp); edp = t·d / (e·etp)
+    (dict(family="qwen3_moe"), 2, 1, 0, "32-true", False, dict(ep=2, expert_tp=2)),   # edp 1: no expert buckets
+    (dict(family="gpt_oss"), 2, 1, 0, "bf16-true", False, dict(expert_tp=2)),  # the down bias whole, edp 2
 ]
 
 
@@ -92,7 +96,7 @@ def test_predicted_model_state_bytes_equal_what_each_rank_holds(held, index):
         want = state_bytes(inventory, tp, pp, 4 // (tp * pp), pipeline_rank=pipeline_rank, data_rank=data_rank,
                            vpp=extra.get("virtual_stages", 1), zero=zero, precision=precision, main_params=main,
                            pipeline_split=extra.get("pipeline_split"), ep=extra.get("ep", 1),
-                           expert_data_rank=expert_data_rank)
+                           expert_data_rank=expert_data_rank, expert_tp=extra.get("expert_tp", 1))
         assert {k: got[k] for k in ("parameters", "gradients", "main_params", "optimizer")} == {
             "parameters": want.parameters, "gradients": want.gradients, "main_params": want.main_params,
             "optimizer": want.optimizer}, (pipeline_rank, data_rank)
