@@ -96,7 +96,7 @@ def build_rank(model: nn.Module, ctx: RewriteContext, policies: Optional[Iterabl
         one_rank_checks.run(lambda: plan_rewrite(model, ctx, policies, verify=True))
         verify = False  # checked; the rewrite below repeats only the static checks, alike on every rank
     plan = rewrite(model, ctx, policies, verify)
-    check_experts(model, expert_parallel)
+    check_experts(model, expert_parallel, ctx.expert_tp)
     built = RankModel(plan)
     if pipeline.enabled:  # embeddings on the first stage, final norm and head on the last, where a policy says so
         moe_layers = moe_layer_indices(model)
@@ -108,17 +108,20 @@ def build_rank(model: nn.Module, ctx: RewriteContext, policies: Optional[Iterabl
     return built
 
 
-def check_experts(model: nn.Module, expert_parallel: int) -> None:
-    """A layout that splits experts (``ep > 1``) has a model with experts: a parameter placed over ``ep``.
+def check_experts(model: nn.Module, expert_parallel: int, expert_tp: int = 1) -> None:
+    """A layout that splits experts (``ep > 1``, or their widths: ``expert_tp > 1``) has a model with experts: a
+    parameter placed over ``ep``.
 
     Raises:
-        ValueError: ``ep > 1`` and no expert parameter after the rewrite (every rank decides alike: no hang).
+        ValueError: ``ep > 1`` or ``expert_tp > 1`` and no expert parameter after the rewrite (every rank decides
+            alike: no hang).
     """
-    if expert_parallel == 1:
+    if expert_parallel == 1 and expert_tp == 1:
         return
     if not any(placement_of(p).shard_over == "ep" and placement_of(p).shard is not None for p in model.parameters()):
-        raise ValueError(f"ep={expert_parallel} splits experts over ranks, and this model has none after the rewrite "
-                         f"(no mixture-of-experts layer was recognized): leave ep=1.")
+        split = f"ep={expert_parallel}" if expert_parallel > 1 else f"expert_tp={expert_tp}"
+        raise ValueError(f"{split} splits experts over ranks, and this model has none after the rewrite "
+                         f"(no mixture-of-experts layer was recognized): leave ep=1 and expert_tp=1.")
 
 
 def attach_router_losses(model: nn.Module, runtime: StageRuntime,

@@ -1,5 +1,6 @@
 """A Hugging Face Qwen3-MoE on 4 processes under expert parallelism: experts whole on every rank (ep 1) against the
-experts split over 2 and 4 ranks, with tensor parallelism 2 (and at tp 1).
+experts split over 2 and 4 ranks, with tensor parallelism 2 (and at tp 1), and over 2 ranks with each expert's width
+over 2 more (ep 2 × expert_tp 2: every pair sent to both halves of its expert).
 
 Each layout runs in processes of its own (gloo on CPU; NCCL when there are as many GPUs) on the same model (random
 init, float32) and token batches, called as users call it (``model(input_ids=x, labels=x)``). Per layout, on rank 0:
@@ -38,15 +39,18 @@ class Layout:
     tp: int
     ep: int
     transformers: bool = False  # transformers' own expert parallelism (fsdp WORLD × ep), not the strategy's
+    etp: int = 1  # expert tensor parallelism: each expert's width over etp ranks
 
     @property
     def name(self) -> str:
         if self.transformers:
             return f"transformers: fsdp {WORLD} x ep {self.ep} (all_to_all)"
-        return f"tp {self.tp} x ep {self.ep} (dp {WORLD // self.tp})"
+        width = f" x expert_tp {self.etp}" if self.etp > 1 else ""
+        return f"tp {self.tp} x ep {self.ep}{width} (dp {WORLD // self.tp})"
 
 
-LAYOUTS = (Layout(2, 1), Layout(2, 2), Layout(2, 4), Layout(1, 4), Layout(1, 2, transformers=True))
+LAYOUTS = (Layout(2, 1), Layout(2, 2), Layout(2, 2, etp=2), Layout(2, 4), Layout(1, 4),
+           Layout(1, 2, transformers=True))
 
 
 @dataclass
@@ -77,16 +81,18 @@ def _run(layout: Layout, cfg: dict[str, Any], device: torch.device, out_dir: str
     from lightning_seqpar.policies import rewrite
     from lightning_seqpar.rewriting import RewriteContext
 
-    mesh = ParallelMesh.build(dims=ParallelDims(WORLD, tp=layout.tp, ep=layout.ep, etp=1))
+    mesh = ParallelMesh.build(dims=ParallelDims(WORLD, tp=layout.tp, ep=layout.ep, etp=layout.etp))
     holder = _model(cfg, device)
     rng = RNGTracker.for_tensor_parallel(0, mesh.tensor.rank, device)
-    rewrite(holder, RewriteContext(mesh.tensor, True, rng, True, expert_group=mesh.group("ep"), data_group=mesh.data))
+    width = mesh.group("etp") if layout.etp > 1 else None
+    rewrite(holder, RewriteContext(mesh.tensor, True, rng, True, expert_group=mesh.group("ep"), data_group=mesh.data,
+                                   expert_tp_group=width, expert_dispatch_group=mesh.group("etp_ep") if width else None))
     optimizer = torch.optim.AdamW(holder.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(mesh.batch_rank)  # every replica its own tokens
     batches = [torch.randint(0, cfg["vocab_size"], (cfg["b"], cfg["s"]), generator=g).to(device)
                for _ in range(cfg["warmup"] + cfg["iters"] + 1)]
     times = timed_steps(holder.model, optimizer, batches[:-1], cfg["warmup"], device)
-    groups = (mesh.tensor, mesh.group("ep"))
+    groups = (mesh.tensor, mesh.group("etp_ep" if layout.etp > 1 else "ep"))
     for group in groups:
         group.log = CommunicationLog()
     holder.model(input_ids=batches[-1], labels=batches[-1]).loss.backward()

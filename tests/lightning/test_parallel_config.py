@@ -38,7 +38,6 @@ def test_a_setting_is_given_once(kwargs, match):
 @pytest.mark.parametrize("kwargs,match", [
     (dict(ep=0), "`ep` must be a positive integer, got 0"),
     (dict(expert_tp=1.5), "`expert_tp` must be a positive integer, got 1.5"),
-    (dict(expert_tp=2), r"expert_tp=2: experts split over tensor-parallel ranks are not implemented"),
     (dict(cp_comm="ulysses"), "cp_comm='ulysses'"),
     (dict(loss_chunk=0), "loss_chunk=0: a positive number"),
 ])
@@ -58,8 +57,19 @@ def test_experts_split_over_a_model_without_experts_are_refused():
     model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=8, block_size=8, vocab_size=16))
     with pytest.raises(ValueError, match=r"ep=2 splits experts over ranks, and this model has none"):
         check_experts(model, 2)
+    with pytest.raises(ValueError, match=r"expert_tp=2 splits experts over ranks, and this model has none.*leave ep=1 "
+                                         r"and expert_tp=1"):
+        check_experts(model, 1, 2)
     experts = nn.Parameter(torch.zeros(2, 4))
     place(experts, shard=ShardSpec(0, 4, 4), shard_over="ep", replicated_over="edp")
     model.register_parameter("experts", experts)
     check_experts(model, 2)  # a parameter split over ep: accepted
     check_experts(GPT(GPTConfig(n_layer=1, n_head=2, n_embd=8, block_size=8, vocab_size=16)), 1)  # nothing to check
+
+
+def test_expert_tp_is_a_shorthand_and_must_fold_with_ep_over_the_dense_ranks(tmp_path):
+    assert SeqParallelStrategy(tp=2, ep=2, expert_tp=2).parallel == ParallelConfig(tp=2, ep=2, expert_tp=2)
+    strategy = SeqParallelStrategy(tp=2, ep=2, expert_tp=2)
+    with pytest.raises(ValueError, match=r"ep·etp = 2·2 = 4 must divide tp·cp·dp = 2"):
+        pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False, default_root_dir=tmp_path)
+    assert not torch.distributed.is_initialized()

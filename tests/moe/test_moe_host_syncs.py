@@ -1,6 +1,6 @@
 """The host reads of a mixture-of-experts training step are the documented ones only: one ``.tolist()`` of the split
-sizes per MoE layer call (each layer's forward; again in a recomputed forward), none with an expert capacity, nothing
-else (counted by ``HostSyncCounter``, every step after the first)."""
+sizes per MoE layer call (each layer's forward; again in a recomputed forward; under expert tensor parallelism too),
+none with an expert capacity, nothing else (counted by ``HostSyncCounter``, every step after the first)."""
 
 import pytest
 
@@ -16,6 +16,8 @@ CASES = [  # (case, host reads per step)
     (Case("hf", 2, True, "full", (("family", "qwen3_moe"), ("labels", True)), (), (("ep", 2),)), 2 * LAYERS),
     (Case("hf", 2, True, None, (("family", "qwen3_moe"), ("labels", True)), (),
           (("ep", 2), ("moe", DispatchConfig(1.0)))), 0),  # with a capacity: fixed sizes, nothing read
+    (Case("hf", 2, True, None, (("family", "qwen3_moe"), ("labels", True)), (), (("expert_tp", 2),)),
+     LAYERS),  # each expert's width over 2 ranks: the width slices go in the same one all-to-all
 ]
 
 

@@ -211,7 +211,7 @@ def test_the_mesh_builds_every_named_group_of_both_grids(ranks):
         assert r["built"] == r["expected"]
         # one collective serves names of the same ranks (dp_cp is dp at c = 1); groups of one rank reduce nothing
         assert r["representatives"] == {"tp": None, "cp": None, "dp": "dp", "pp": None, "dp_cp": "dp", "etp": None,
-                                        "ep": "ep", "edp": "edp"}
+                                        "ep": "ep", "edp": "edp", "etp_ep": "ep"}
 
 
 def test_the_layout_folds_expert_groups_apart_from_the_dense_ones(ranks):

@@ -10,15 +10,16 @@ import torch.nn as nn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_seqpar.lightning.strategy import SeqParallelStrategy
-from lightning_seqpar.tensor_parallel.sharding import counted_on_stage, is_pipeline_tied, shard_spec
+from lightning_seqpar.tensor_parallel.sharding import counted_on_stage, full_shape, is_pipeline_tied
 
 
 def whole_numel(param: nn.Parameter) -> int:
-    """Elements of the single-device parameter this rank holds a shard (or a copy) of (vocabulary padding excluded)."""
-    spec = shard_spec(param)
-    if spec is None:
-        return param.numel()
-    return param.numel() // param.shape[spec.dim] * spec.full_size
+    """Elements of the single-device parameter this rank holds a shard (or a copy) of (vocabulary padding excluded;
+    an expert split along its width too counted whole)."""
+    numel = 1
+    for size in full_shape(param):
+        numel *= size
+    return numel
 
 
 def parameter_counts(module: nn.Module, strategy: Any, trainable: bool = False) -> dict[str, tuple[int, int]]:
