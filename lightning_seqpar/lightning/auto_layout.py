@@ -263,7 +263,8 @@ def choose_layout(auto: AutoLayout, module: Any, trainer: Any, parallel: Any, *,
     schedules = tuple(s for s in auto.schedules if not (compiled and s in SPLIT_BACKWARD)) or ("1F1B",)
     loss_chunk = planned_loss_chunk(module, parallel)
     options = dict(precision=str(trainer.precision), zero=zero, recompute=kinds, gpus_per_node=gpus_per_node, fits={},
-                   ep=parallel.ep if parallel.ep > 1 else None, schedules=schedules,
+                   ep=parallel.ep if parallel.ep > 1 else None,
+                   expert_tp=parallel.expert_tp if parallel.expert_tp > 1 else None, schedules=schedules,
                    memory_choices=auto.memory_choices and not existing and not offloading, loss_chunk=loss_chunk)
     ranked = rank_layouts(inventory, world, auto.seq_len, auto, memory, **options)
     if not ranked:
@@ -273,7 +274,8 @@ def choose_layout(auto: AutoLayout, module: Any, trainer: Any, parallel: Any, *,
     rank_zero_info(f"layout=auto chose {_describe(best)}: the fastest predicted step of the {len(ranked)} layouts that "
                    f"fit {auto.headroom:g} × {_size(memory)} per device; runner-up: "
                    f"{_describe(runner_up) if runner_up else 'none'}")
-    chosen = replace(parallel, tp=best.tp, cp=best.cp, cp_comm=best.cp_comm, ep=best.ep, pipeline=PipelineConfig.build(
+    chosen = replace(parallel, tp=best.tp, cp=best.cp, cp_comm=best.cp_comm, ep=best.ep, expert_tp=best.expert_tp,
+                     pipeline=PipelineConfig.build(
         best.pp, best.num_microbatches if best.pp > 1 else None, best.schedule if best.pp > 1 else "1F1B", best.vpp, None))
     return LayoutChoice(best, chosen, best.recompute if not existing and best.recompute != "none" else None)
 
@@ -286,7 +288,8 @@ def _traded(record: Any) -> str:
 def _describe(record: Any) -> str:
     return (f"tp={record.tp}{f' cp={record.cp} ({record.cp_comm})' if record.cp > 1 else ''} pp={record.pp} "
             f"vpp={record.vpp}{f' {record.schedule}' if record.pp > 1 else ''} dp={record.dp}"
-            f"{f' ep={record.ep}' if record.ep > 1 else ''} micro_batch={record.micro_batch} "
+            f"{f' ep={record.ep}' if record.ep > 1 else ''}"
+            f"{f' expert_tp={record.expert_tp}' if record.expert_tp > 1 else ''} micro_batch={record.micro_batch} "
             f"m={record.num_microbatches} recompute={record.recompute}{_traded(record)}: {_size(record.bytes['total'])} on stage "
             f"{record.stage} ({', '.join(f'{k} {_size(v)}' for k, v in record.bytes.items() if k != 'total')}), "
             f"step {record.step_time['total']:.3g} s ({record.timing})")
@@ -299,14 +302,15 @@ def _size(n: float) -> str:
 
 def rank_layouts(inventory: Any, world: int, seq_len: int, auto: AutoLayout, memory: float, *, precision: str,
                  zero: int = 0, recompute: frozenset = frozenset(), gpus_per_node: int = 8,
-                 fits: Optional[dict] = None, ep: Optional[int] = None,
+                 fits: Optional[dict] = None, ep: Optional[int] = None, expert_tp: Optional[int] = None,
                  schedules: Optional[tuple[str, ...]] = None, memory_choices: bool = False,
                  loss_chunk: Optional[int] = 4096) -> list[Any]:
     """The feasible layouts ``layout=auto`` chooses from, best first (:func:`lightning_seqpar.plan.plan`'s records):
     the context-parallel sizes and communication of ``auto``, the loader's ``auto.batch_size`` per data-parallel rank
     (a global batch of ``batch_size × dp``), micro-batches
     splitting it under a pipeline (the whole batch without one), ``zero`` as given, the recomputation among
-    ``recompute`` (any when empty), the expert-parallel size ``ep`` (any when ``None``), the pipeline ``schedules`` (``None``: ``auto.schedules``); with ``memory_choices``, layouts that trade recomputation by
+    ``recompute`` (any when empty), the expert-parallel size ``ep`` and expert tensor-parallel size ``expert_tp``
+    (any when ``None``), the pipeline ``schedules`` (``None``: ``auto.schedules``); with ``memory_choices``, layouts that trade recomputation by
     module or activation offload for memory too; ``loss_chunk``: the run's (the strategy's ``loss_chunk``, ``None``
     where the model's own loss computes its logits whole)."""
     from lightning_seqpar.plan import Hardware, plan
@@ -317,7 +321,8 @@ def rank_layouts(inventory: Any, world: int, seq_len: int, auto: AutoLayout, mem
                    context_parallel=auto.context_parallel, cp_comm=auto.cp_comm, schedule=schedules or auto.schedules,
                    memory_choices=memory_choices, loss_chunk=loss_chunk)
     return [r for r in records if r.feasible and r.zero == zero and (not recompute or r.recompute in recompute)
-            and (ep is None or r.ep == ep) and (r.pp > 1 or r.micro_batch == auto.batch_size)]  # no pipeline: the loader's whole batch
+            and (ep is None or r.ep == ep) and (expert_tp is None or r.expert_tp == expert_tp)
+            and (r.pp > 1 or r.micro_batch == auto.batch_size)]  # no pipeline: the loader's whole batch
 
 
 def _nothing_fits(inventory: Any, world: int, auto: AutoLayout, memory: float, options: dict) -> str:

@@ -63,9 +63,14 @@ def _count(flag: str, most: int) -> Callable[[str], int]:
 def _layout(r: LayoutRecord) -> str:
     return (f"tp{r.tp}{f' cp{r.cp}' if r.cp > 1 else ''} pp{r.pp}{f'×v{r.vpp}' if r.vpp > 1 else ''}"
             f"{f' {r.schedule}' if r.pp > 1 and r.schedule in SPLIT_BACKWARD else ''} dp{r.dp}"
-            f"{f' ep{r.ep}' if r.ep > 1 else ''}"
+            f"{f' ep{r.ep}' if r.ep > 1 else ''}{f' etp{r.expert_tp}' if r.expert_tp > 1 else ''}"
             f"{' zero1' if r.zero else ''} "
             f"mbs{r.micro_batch} {describe(r)}")
+
+
+def _experts_cell(r: LayoutRecord) -> str:
+    """The ep column: ``e``, or ``e×etp`` where each expert's width is split over etp ranks too."""
+    return f"{r.ep}×{r.expert_tp}" if r.expert_tp > 1 else str(r.ep)
 
 
 def _rule_of(reason: str) -> str:
@@ -78,7 +83,8 @@ def table(records: list[LayoutRecord], hardware: Hardware, top: int, verbose: bo
     and MFU), then the rejected layouts: one line per rule with its count and an example, and the layouts too large
     for the GPU in one line with the smallest; ``verbose``: every rejected layout with its reason."""
     feasible = [r for r in records if r.feasible][:top]
-    experts = any(r.ep > 1 for r in records)  # a mixture of experts: its expert-parallel size, a column of its own
+    # a mixture of experts: its expert-parallel size (× expert_tp where it splits the widths), a column of its own
+    experts = any(r.ep > 1 or r.expert_tp > 1 for r in records)
     # several pipeline schedules searched: the one each layout was priced with, a column of its own
     schedules = len({r.schedule.replace("interleaved_", "") for r in records if r.pp > 1 and r.feasible}) > 1
     chunks = len({r.loss_chunk for r in records if r.feasible}) > 1  # several loss_chunk searched: a column
@@ -90,7 +96,7 @@ def table(records: list[LayoutRecord], hardware: Hardware, top: int, verbose: bo
         b = r.bytes
         mfu = r.flops["model"] / (r.step_time["total"] * r.tp * r.cp * r.pp * r.dp) / hardware.peak_flops
         lines.append(f"| {i} | {r.tp} | {r.cp} | {r.pp} | {r.vpp} |{f' {r.schedule} |' if schedules else ''} {r.dp} |"
-                     f"{f' {r.ep} |' if experts else ''} {r.zero} | "
+                     f"{f' {_experts_cell(r)} |' if experts else ''} {r.zero} | "
                      f"{r.micro_batch} | {r.num_microbatches} | "
                      f"{describe(r)} | " + (f"{r.loss_chunk or 'whole'} | " if chunks else "")
                      + " | ".join(f"{b[k] / GB:.1f}" for k in (
@@ -277,10 +283,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from lightning_seqpar.plan.dry_run import dry_run
 
         print(f"\nDry run of rank 1's layout (tp {best.tp}, pp {best.pp}, vpp {best.vpp}"
-              f"{f', ep {best.ep}' if best.ep > 1 else ''}), built on the meta device:")
+              f"{f', ep {best.ep}' if best.ep > 1 else ''}{f', expert_tp {best.expert_tp}' if best.expert_tp > 1 else ''}), "
+              f"built on the meta device:")
         for rank in range(best.pp):
             built = dry_run(load_model_config(args.model, args.seq_len), inventory, best.tp, best.pp, best.vpp, rank,
-                            args.precision, ep=best.ep)
+                            args.precision, ep=best.ep, expert_tp=best.expert_tp)
             print(f"  pipeline rank {rank}: parameters {built.measured:,} bytes built, {built.predicted:,} predicted"
                   f"{'' if built.measured == built.predicted else '  DIFFERENT'}")
     return 0

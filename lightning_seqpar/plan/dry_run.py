@@ -30,10 +30,11 @@ class DryRun:
 
 def dry_run(config: Union[dict, str], inventory: ModelInventory, tp: int, pp: int = 1, vpp: int = 1,
             pipeline_rank: int = 0, precision: str = "bf16-mixed", tensor_rank: int = 0, ep: int = 1,
-            expert_rank: int = 0) -> DryRun:
+            expert_rank: int = 0, expert_tp: int = 1) -> DryRun:
     """Build the rank at ``(pipeline_rank, tensor_rank)`` of the layout (``tp``, ``pp``, ``vpp``) of the model of
     ``config`` on the meta device and count its parameter bytes (see the module docstring). A mixture of experts is
-    split over ``ep`` emulated expert-parallel ranks, this one ``expert_rank``.
+    split over ``ep`` emulated expert-parallel ranks, this one ``expert_rank``, and each expert's width over
+    ``expert_tp`` more.
 
     Raises:
         ValueError: what the rewrite or the stage split refuses for this layout.
@@ -49,12 +50,14 @@ def dry_run(config: Union[dict, str], inventory: ModelInventory, tp: int, pp: in
     meta = Materializer(seed=0, device=torch.device("meta"))
     schedule = "interleaved_1F1B" if vpp > 1 else "1F1B"
     pipeline = PipelineConfig.build(pp, pp, schedule, vpp) if pp > 1 else PipelineConfig.build()
+    width = ParallelGroup.virtual(expert_tp) if expert_tp > 1 else None
     ctx = RewriteContext(ParallelGroup.virtual(tp, tensor_rank), True, None, True, meta,
-                         expert_group=ParallelGroup.virtual(ep, expert_rank) if ep > 1 else None)
+                         expert_group=ParallelGroup.virtual(ep, expert_rank) if ep > 1 else None,
+                         expert_tp_group=width, expert_dispatch_group=ParallelGroup.virtual(ep * expert_tp) if width else None)
     build_rank(model, ctx, None, verify=False, pipeline=pipeline, pipeline_rank=pipeline_rank,
                expert_parallel=ep)  # the strategy's sequence, on meta
     unique = {id(p): p for p in model.parameters()}.values()
     measured = sum(p.numel() for p in unique) * PARAMETER_BYTES[precision]
-    predicted = state_bytes(inventory, tp, pp, max(1, ep // tp), pipeline_rank=pipeline_rank, vpp=vpp,
-                            precision=precision, ep=ep).parameters
+    predicted = state_bytes(inventory, tp, pp, max(1, ep * expert_tp // tp), pipeline_rank=pipeline_rank, vpp=vpp,
+                            precision=precision, ep=ep, expert_tp=expert_tp).parameters
     return DryRun(pipeline_rank, measured, predicted)

@@ -58,7 +58,8 @@ class LayoutRecord:
 
     Attributes:
         tp, cp, pp, vpp, dp, zero, micro_batch, num_microbatches, recompute, main_params: the layout.
-        ep: the expert-parallel size of a mixture of experts (experts whole on each rank; 1 for a dense model).
+        ep: the expert-parallel size of a mixture of experts (1 for a dense model).
+        expert_tp: the expert tensor-parallel size (each expert's width split over it; 1: whole experts).
         modules: recomputation by module beside ``recompute`` (``("mlp",)``: the MLP keeps its input only).
         offload: modules whose saved tensors wait in host memory (:data:`~lightning_seqpar.offload.OFFLOAD_MODULES`).
         loss_chunk: positions of the loss's logits computed at a time (the strategy's ``loss_chunk``; ``None``: all at
@@ -105,6 +106,7 @@ class LayoutRecord:
     recompute: str
     main_params: bool
     ep: int = 1
+    expert_tp: int = 1
     cp_comm: str = "ring"
     schedule: str = "1F1B"
     modules: tuple[str, ...] = ()
@@ -184,15 +186,17 @@ def plan(inventory: ModelInventory, gpus: int, seq_len: int, global_batch: int, 
             dp = gpus // (tp * cp * pp)
             # (under cp, selective is none: blockwise attention keeps no s² tensor; its rule says so to predict())
             kinds = RECOMPUTE if cp == 1 else tuple(k for k in RECOMPUTE if k != "selective")
-            for vpp, zero, mbs, recompute, ep, name in itertools.product(
+            for vpp, zero, mbs, recompute, (ep, etp), name in itertools.product(
                     VIRTUAL_STAGES if pp > 1 else (1,), [0, 1] if dp * cp > 1 else [0], micro_batches, kinds,
-                    expert_parallel_sizes(inventory, tp * cp * dp), schedules if pp > 1 else schedules[:1]):
+                    expert_grids(inventory, tp * cp * dp), schedules if pp > 1 else schedules[:1]):
                 if not runs_at(name, vpp) and len(schedules) > 1:
                     continue  # searched beside 1F1B: ZB-H1 at vpp 1 only, ZB-V at 2 (asked alone: refused)
+                if zero and etp > 1:
+                    continue  # the strategy refuses zero=1 with expert_tp > 1
                 priced: set[Optional[int]] = set()  # the chunk sizes this layout's loss runs with, priced once each
                 for chunk_size in chunk_sizes:
                     record = LayoutRecord(tp, cp, pp, vpp, dp, zero, mbs, 0, recompute,
-                                          main_params=zero == 1 and precision == "bf16-true", ep=ep,
+                                          main_params=zero == 1 and precision == "bf16-true", ep=ep, expert_tp=etp,
                                           cp_comm=cp_comm if cp > 1 else "ring", schedule=name if pp > 1 else "1F1B",
                                           loss_chunk=chunk_size)
                     effective = _loss_chunk(record, inventory, seq_len // cp)
@@ -255,6 +259,16 @@ def expert_parallel_sizes(inventory: ModelInventory, ranks: int) -> list[int]:
     return [e for e in _divisors(ranks) if inventory.experts.num_experts % e == 0]
 
 
+def expert_grids(inventory: ModelInventory, ranks: int) -> list[tuple[int, int]]:
+    """The ``(ep, expert_tp)`` pairs a layout of ``ranks = t·c·d`` ranks per pipeline stage can take: each
+    :func:`expert_parallel_sizes` ``e`` with every divisor of ``ranks / e`` that divides the expert width (each
+    expert's width split over ``expert_tp`` ranks); ``[(1, 1)]`` for a dense model."""
+    if inventory.experts is None:
+        return [(1, 1)]
+    return [(e, w) for e in expert_parallel_sizes(inventory, ranks) for w in _divisors(ranks // e)
+            if inventory.experts.expert_ffn % w == 0]
+
+
 def _check(precision: str, optimizer: str) -> None:
     if precision not in PARAMETER_BYTES:
         raise ValueError(f"precision={precision!r}: one of {sorted(PARAMETER_BYTES)}.")
@@ -279,6 +293,7 @@ def _layer_bytes(record: LayoutRecord, inventory: ModelInventory, s: int, precis
             extra = context_attention_kept(inventory, s, record.micro_batch, record.tp, cp, element)
     choices = dict(modules=record.modules, offload=record.offload)
     if fits is None or inventory.config is None:
+        extra += expert_tensor_parallel_bytes(inventory, record, local, element)
         return extra + layer_bytes(inventory, local, record.micro_batch, record.tp, True, recompute, element, dropout,
                                    **choices)
     key = (inventory.probe_key, record.tp, recompute, precision) + ((record.modules, record.offload)
@@ -291,9 +306,23 @@ def _layer_bytes(record: LayoutRecord, inventory: ModelInventory, s: int, precis
                                        quadratic=cp == 1)
     if precision == "bf16-mixed" and recompute != "full":
         # The probe's rank holds every expert (ep 1), and autocast's 16-bit copy of each is kept for backward; a rank
-        # of ep e casts its E/e experts only.
-        measured -= 2 * expert_layer_elements(inventory) * (1 - 1 / record.ep)
-    return measured
+        # of ep e casts its E/e experts only, each 1/etp of its width under expert tensor parallelism.
+        measured -= 2 * expert_layer_elements(inventory) * (1 - 1 / (record.ep * record.expert_tp))
+    return measured + expert_tensor_parallel_bytes(inventory, record, local, element)
+
+
+def expert_tensor_parallel_bytes(inventory: ModelInventory, record: LayoutRecord, s: int, element: int) -> float:
+    """What expert tensor parallelism adds to a layer's activations per micro-batch (bytes), over the probe's whole
+    experts: each of a rank's ``n·k`` pairs (``n = s·b/t`` tokens) becomes ``etp`` width slices, so the rows its
+    experts keep the input of (``[R, h]``, the first projection's) and the rows the combine keeps (``[n·k, h]``, each
+    pair's output, weighted by its score) are ``etp`` times as many; each slice's inner activations are ``1/etp`` as
+    wide, so those stay (:mod:`lightning_seqpar.moe.dispatch`, ``expert_tensor_parallel_pairs``); nothing under full
+    recomputation."""
+    experts = inventory.experts
+    if experts is None or record.expert_tp == 1 or record.recompute == "full" or "moe" in record.modules:
+        return 0.0
+    pairs = s * record.micro_batch / record.tp * experts.top_k
+    return 2 * (record.expert_tp - 1) * pairs * inventory.hidden_size * element
 
 
 def expert_layer_elements(inventory: ModelInventory) -> int:
@@ -356,14 +385,15 @@ def _backward_moments(schedule: str, m: int, pp: int, vpp: int, rank: int
 def all_to_all_bytes(inventory: ModelInventory, record: LayoutRecord, s: int, element: int,
                      held: list) -> float:
     """Bytes one rank sends per micro-batch in its mixtures' all-to-alls: each of its ``n = s·b/t`` tokens'
-    ``k`` (token, expert) pairs travels to the expert's rank unless it is this one, ``(e − 1)/e`` of them under
-    balanced routing, ``h`` elements each; per MoE layer the forward's dispatch and combine and the backward's two
+    ``k`` (token, expert) pairs travels, as ``etp`` width slices, to the ranks holding them unless one is this one,
+    ``(e·etp − 1)/(e·etp)`` of them under balanced routing, ``h`` elements each; per MoE layer the forward's dispatch and combine and the backward's two
     (three and three under full recomputation, which dispatches again)."""
     experts = inventory.experts
-    if experts is None or record.ep == 1:
+    width = record.ep * record.expert_tp  # the etp_ep group a pair's etp width slices are sent over
+    if experts is None or width == 1:
         return 0.0
     layers = len({e.layer for e in held if e.expert})
-    pairs = s * record.micro_batch / record.tp * experts.top_k * (record.ep - 1) / record.ep
+    pairs = s * record.micro_batch / record.tp * experts.top_k * record.expert_tp * (width - 1) / width
     passes = 6 if record.recompute == "full" else 4
     return layers * passes * pairs * inventory.hidden_size * element
 
@@ -463,7 +493,7 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
         loss_backward = max(logits + loss_forward, 4 * logits / element + loss_backward,
                             head + 4 * logits / element)
     record.schedule = name
-    largest = largest_layer_weight(inventory, tp, record.ep)
+    largest = largest_layer_weight(inventory, tp, record.ep, record.expert_tp)
     if cp == 1:
         attention_backward = attention_backward_bytes(inventory, s, b, tp, precision, record.recompute)
         forward = forward_transient_bytes(inventory, s, b, tp, precision, record.recompute)
@@ -476,7 +506,7 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
         # the gradients are reduced, and ZeRO shards, over the d·c ranks of the data group
         state: StateBytes = state_bytes(inventory, tp, pp, dp * cp, pipeline_rank=rank, vpp=vpp, zero=record.zero,
                                         precision=precision, main_params=record.main_params, optimizer=optimizer,
-                                        ep=record.ep, placement=layout.placement)
+                                        ep=record.ep, placement=layout.placement, expert_tp=record.expert_tp)
         stages = layout.stages_of(rank)
         accumulated = accumulation_bytes(state.parameters, m, state.bucketed, record.zero == 0 and parameter < 4)
         # `.grad` a step's first backward has not made yet (where the buckets are not the gradients).
@@ -555,13 +585,15 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
     pairs = 1 + (inventory.experts is None or inventory.experts.shared_ffn > 0)
     collectives = 4 * pairs + (2 * pairs if record.recompute == "full" else 0)
     held = held_entries(inventory, layout, record.stage)
-    expert_gradients = 4 * sum(e.local_numel(tp, record.ep) for e in held if e.expert and e.trainable)
-    gradient_bytes = 4 * sum(e.local_numel(tp, record.ep) for e in held if e.trainable) - expert_gradients
+    width = record.ep * record.expert_tp  # ranks splitting each expert tensor
+    expert_gradients = 4 * sum(e.local_numel(tp, record.ep, record.expert_tp) for e in held if e.expert and e.trainable)
+    gradient_bytes = 4 * sum(e.local_numel(tp, record.ep, record.expert_tp) for e in held
+                             if e.trainable) - expert_gradients
     record.collective_bytes = {
         "tensor": layers_per_rank * m * collectives * ring_bytes("all_gather", sbh, tp),
-        # reduced in float32: dense gradients over d, the experts' over their edp = t·d/e replicas
+        # reduced in float32: dense gradients over d, the experts' over their edp = t·d/(e·etp) replicas
         "data": ring_bytes("all_reduce", gradient_bytes, dp * cp) + ring_bytes("all_reduce", expert_gradients,
-                                                                              tp * dp * cp // record.ep),
+                                                                              tp * dp * cp // width),
         "pipeline": (2 * m * vpp * sbh / tp) if pp > 1 else 0.0,
         "expert": m * all_to_all_bytes(inventory, record, local, element, held),
         "context": layers_per_rank * m * _context_bytes(inventory, record, s, element),
@@ -580,7 +612,7 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
                  ("all_reduce",), dp * cp, spans(ranks)),
         # (the nominal model prices every stage boundary at the network's rate)
         "pipeline": (2 * m * vpp, ("send_recv",), 2, hardware.calibration is None or spans(ranks)),
-        "expert": (moe_layers * m * (6 if record.recompute == "full" else 4), ("all_to_all",), record.ep, spans(tp * record.ep)),
+        "expert": (moe_layers * m * (6 if record.recompute == "full" else 4), ("all_to_all",), width, spans(tp * width)),
         "context": (layers_per_rank * m * _context_messages(record), ("all_to_all",) if record.cp_comm == "all_to_all"
                     else ("send_recv",), cp, spans(tp * cp)),
     }
@@ -589,10 +621,10 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
     attention = attention_flops(shape, global_batch, record.recompute)
     ffn = inventory.ffn_hidden_size
     # the elements this rank's optimizer updates: its trainable shards, a 1/(d·c) range of them under zero 1
-    dense, experts = ((sum(e.local_numel(tp, record.ep) for e in held if e.trainable and (e.expert) == x)
+    dense, experts = ((sum(e.local_numel(tp, record.ep, record.expert_tp) for e in held if e.trainable and e.expert == x)
                       for x in (False, True)))
     if record.zero:
-        dense, experts = dense / (dp * cp), experts / max(1, tp * dp * cp // record.ep)
+        dense, experts = dense / (dp * cp), experts / max(1, tp * dp * cp // width)
     times = step_times(hardware, executed / ranks, attention / ranks,
                        (local * b, inventory.hidden_size, max(1, ffn // tp)), local, traffic, record.bubble,
                        optimizer_elements=dense + experts)

@@ -33,6 +33,17 @@ def layout_rule(record: Any, inventory: ModelInventory, s: int, global_batch: in
     if (tp * cp * dp) % record.ep:
         return (f"ep={record.ep} does not divide tp·cp·dp={tp * cp * dp} (the expert grid folds over the dense "
                 f"one)")
+    etp = getattr(record, "expert_tp", 1)
+    if etp > 1:
+        if experts is None:
+            return f"expert_tp={etp} without experts"
+        if experts.expert_ffn % etp:
+            return f"expert width={experts.expert_ffn} not divisible by expert_tp={etp}"
+        if (tp * cp * dp) % (record.ep * etp):
+            return (f"ep·expert_tp={record.ep}·{etp} does not divide tp·cp·dp={tp * cp * dp} (the expert grid folds "
+                    f"over the dense one)")
+        if record.zero:
+            return f"zero=1 with expert_tp={etp} (the strategy refuses it: ranges of a tensor split twice)"
     if cp > 1 and s % (2 * cp * tp):
         return (f"seq_len={s} not divisible by 2·cp·tp={2 * cp * tp} (context parallelism cuts the sequence into 2·cp "
                 f"chunks for load balance, each split over tp)")

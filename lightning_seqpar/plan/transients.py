@@ -45,13 +45,13 @@ from lightning_seqpar.plan.inventory import ModelInventory
 from lightning_seqpar.tensor_parallel.sharding import padded_size
 
 
-def largest_layer_weight(inventory: ModelInventory, t: int, ep: int = 1) -> int:
+def largest_layer_weight(inventory: ModelInventory, t: int, ep: int = 1, expert_tp: int = 1) -> int:
     """Elements of the largest weight gradient a layer's backward makes at once, on one rank of ``t``
-    tensor-parallel and ``ep`` expert-parallel ranks: a dense parameter's, twice over in a gated MLP (gate and up
-    share their input's gradient); a mixture's packed ``gate_up_proj`` ``[E/e, 2f, h]`` once (one grouped GEMM's
-    gradient holds both)."""
+    tensor-parallel, ``ep`` expert-parallel and ``expert_tp`` expert tensor-parallel ranks: a dense parameter's, twice
+    over in a gated MLP (gate and up share their input's gradient); a mixture's packed ``gate_up_proj``
+    ``[E/e, 2f/etp, h]`` once (one grouped GEMM's gradient holds both)."""
     factor = 2 if inventory.gated_mlp else 1
-    return max((e.local_numel(t, ep) * (1 if e.expert else factor)
+    return max((e.local_numel(t, ep, expert_tp) * (1 if e.expert else factor)
                 for e in inventory.entries if e.part == "layer"), default=0)
 
 

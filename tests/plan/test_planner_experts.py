@@ -97,14 +97,15 @@ def test_a_shared_expert_is_split_over_tp_and_a_pooled_router_loss_is_planned_un
 def test_the_planner_searches_ep_and_prices_its_all_to_all(qwen3_moe):
     records = plan(qwen3_moe, 16, 4096, 64, hardware=Hardware(), calibrate=False, micro_batches=(1,))
     feasible = [r for r in records if r.feasible]
-    assert {r.ep for r in records} == {1, 2, 4, 8, 16}
-    assert feasible and feasible[0].ep > 1  # whole experts on every rank do not fit 0.8 × 80 GB
-    assert all(r.ep > 1 or r.pp >= 4 for r in feasible)
+    assert {r.ep for r in records} == {1, 2, 4, 8, 16} and {r.expert_tp for r in records} == {1, 2, 4, 8, 16}
+    assert feasible and feasible[0].ep * feasible[0].expert_tp > 1  # whole experts on every rank do not fit 80 GB
+    assert all(r.ep * r.expert_tp > 1 or r.pp >= 4 for r in feasible)
+    assert not any(r.zero and r.expert_tp > 1 for r in records)  # the strategy refuses them together
     # Per micro-batch and MoE layer: n = s·b/t tokens, k pairs each, (e − 1)/e of them to other ranks, h elements
     # of 2 bytes, in the forward's dispatch and combine and the backward's two.
     unbounded = plan(qwen3_moe, 16, 4096, 64, hardware=Hardware(memory=1e15), calibrate=False, micro_batches=(1,))
-    same = {r.ep: r for r in unbounded if r.feasible and (r.tp, r.pp, r.vpp, r.zero, r.recompute) == (
-        2, 2, 1, 0, "selective")}
+    same = {r.ep: r for r in unbounded if r.feasible and (r.tp, r.pp, r.vpp, r.zero, r.recompute, r.expert_tp) == (
+        2, 2, 1, 0, "selective", 1)}
     assert sorted(same) == [1, 2, 4, 8]  # ep divides t·d = 8
     for ep, record in same.items():
         pairs = 4096 // 2 * 8 * (ep - 1) / ep
@@ -113,6 +114,19 @@ def test_the_planner_searches_ep_and_prices_its_all_to_all(qwen3_moe):
     assert [same[ep].bytes["parameters"] for ep in (1, 2, 4, 8)] == sorted(
         (same[ep].bytes["parameters"] for ep in (1, 2, 4, 8)), reverse=True)
     assert same[8].step_time["expert"] > same[2].step_time["expert"] > 0
+    # Under expert tensor parallelism each pair is etp width slices, (e·etp − 1)/(e·etp) of them to other ranks; the
+    # rank's experts are 1/etp as wide, so its parameters shrink with e·etp alike.
+    width = {(r.ep, r.expert_tp): r for r in unbounded if r.feasible and (r.tp, r.pp, r.vpp, r.zero, r.recompute) == (
+        2, 2, 1, 0, "selective")}
+    for (ep, etp), record in width.items():
+        pairs = 4096 // 2 * 8 * etp * (ep * etp - 1) / (ep * etp)
+        assert record.collective_bytes["expert"] == record.num_microbatches * 24 * 4 * pairs * 2048 * 2, (ep, etp)
+    assert width[2, 2].bytes["parameters"] == width[4, 1].bytes["parameters"] < width[2, 1].bytes["parameters"]
+    # Its activations keep etp times the rows of width h (the experts' input, the combine's pairs): 2·(etp − 1)·
+    # s/t·b·k·h·2 bytes more per layer and micro-batch in flight than the same layout's whole experts at the same
+    # e·etp (24 layers on the first of 2 stages, 2 micro-batches in flight under 1F1B).
+    extra = width[2, 2].bytes["activations"] - width[4, 1].bytes["activations"]
+    assert extra == 24 * 2 * 2 * (2 - 1) * (4096 // 2 * 1 * 8) * 2048 * 2
 
 
 def test_a_mixture_s_layer_is_measured_and_a_rank_of_ep_keeps_its_own_experts_autocast_copies():

@@ -48,6 +48,9 @@ MOE_LAYOUTS = [
     (2, 2, 1, 0, 1, "selective", "32-true", "1F1B", 2), (1, 2, 1, 0, 1, "none", "bf16-mixed", "1F1B", 2),
     (2, 1, 1, 1, 2, "full", "32-true", "1F1B", 1), (1, 1, 1, 0, 2, "none", "32-true", "1F1B", 4),
     (2, 2, 1, 0, 1, "none", "32-true", "1F1B", 1),  # d = 1 but edp = 2: the gradients live in buckets
+    # each expert's width over expert_tp 2 (…, ep, cp, cp_comm, expert_tp): every pair sent to both halves
+    (2, 1, 1, 0, 2, "none", "32-true", "1F1B", 2, 1, "ring", 2), (1, 2, 1, 0, 1, "none", "bf16-mixed", "1F1B", 1, 1,
+                                                                   "ring", 2),
 ]
 
 
@@ -109,6 +112,7 @@ def _measure(rank, world, layouts=LAYOUTS, moe=False, s=S, vocab=CONFIG["vocab_s
         ep = schedule[1] if len(schedule) > 1 else 1
         cp = schedule[2] if len(schedule) > 2 else 1
         comm = schedule[3] if len(schedule) > 3 else "ring"
+        expert_tp = schedule[4] if len(schedule) > 4 else 1
         dp = world // (tp * cp * pp)
         m = GLOBAL_BATCH // (dp * mbs)
         name = schedule[0] if schedule else "interleaved_1F1B" if vpp > 1 else "1F1B"
@@ -120,7 +124,7 @@ def _measure(rank, world, layouts=LAYOUTS, moe=False, s=S, vocab=CONFIG["vocab_s
         batch, accumulate = (GLOBAL_BATCH // dp, 1) if pp > 1 else (mbs, m)
         trainer = pl.Trainer(accelerator="cpu", devices=world, precision=precision, max_steps=2,
                              strategy=SeqParallelStrategy(tp=tp, pp=pp, ep=ep, cp=cp, cp_comm=comm, data_parallel=parallel,
-                                                          loss_chunk=loss_chunk, **pipeline),
+                                                          loss_chunk=loss_chunk, expert_tp=expert_tp, **pipeline),
                              accumulate_grad_batches=accumulate, logger=False, enable_checkpointing=False,
                              enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                              num_sanity_val_steps=0, callbacks=callbacks, use_distributed_sampler=False)
@@ -146,7 +150,7 @@ def _errors(layouts, moe, s=S, vocab=CONFIG["vocab_size"], loss_chunk=4096):
                               main_params=zero == 1 and precision == "bf16-true",
                               ep=schedule[1] if len(schedule) > 1 else 1,
                               cp_comm=schedule[3] if len(schedule) > 3 else "ring", modules=modules, offload=offload,
-                              loss_chunk=loss_chunk)
+                              loss_chunk=loss_chunk, expert_tp=schedule[4] if len(schedule) > 4 else 1)
         predict(inventory, record, s, GLOBAL_BATCH, hardware=Hardware(memory=1e12), precision=precision, fits=fits,
                 schedule=(schedule or ["1F1B"])[0])
         assert record.feasible, record.reason
@@ -157,7 +161,8 @@ def _errors(layouts, moe, s=S, vocab=CONFIG["vocab_size"], loss_chunk=4096):
     for layout, predicted_stage, predicted, stage, peak in rows:
         columns = (*layout[:7], (layout[7] if len(layout) > 7 else "" if layout[1] == 1 else
                    "interleaved 1F1B" if layout[2] > 1 else "1F1B") + (f", ep {layout[8]}" if len(layout) > 8 else "")
-                   + (f", cp {layout[9]}" if len(layout) > 9 else "") + (f" {layout[10]}" if len(layout) > 10 else ""))
+                   + (f", cp {layout[9]}" if len(layout) > 9 else "") + (f" {layout[10]}" if len(layout) > 10 else "")
+                   + (f", expert_tp {layout[11]}" if len(layout) > 11 else ""))
         print("| " + " | ".join(map(str, columns)) + f" | {predicted} ({predicted_stage}) | {peak} ({stage}) | "
               f"{(predicted - peak) / peak:+.2%} |")
     return rows
