@@ -24,10 +24,13 @@ from lightning_seqpar.pipeline_parallel.schedules import (SPLIT_BACKWARD, V_SHAP
                                                        placement_of, resolve_schedule, runs_at)
 from lightning_seqpar.plan.activations import layer_bytes, outside_layers_bytes, weight_gradient_bytes
 from lightning_seqpar.plan.cost import Hardware, Traffic, attention_flops, ring_bytes, step_times
+from lightning_seqpar.plan.experts import (  # noqa: F401  (expert_parallel_sizes: the planner's, re-exported)
+    all_to_all_bytes, expert_grids, expert_layer_elements, expert_parallel_sizes, expert_tensor_parallel_bytes,
+)
 from lightning_seqpar.plan.inventory import ModelInventory
 from lightning_seqpar.plan.memory_choices import (TRADES, describe, host_traffic, largest_offloaded_share,
                                                   memory_choice_rule, offload_backward_bytes)
-from lightning_seqpar.plan.rules import layout_rule
+from lightning_seqpar.plan.rules import divisors, layout_rule
 from lightning_seqpar.plan.state import (
     OPTIMIZER_STATES,
     PARAMETER_BYTES,
@@ -129,11 +132,6 @@ class LayoutRecord:
         return asdict(self)
 
 
-def _divisors(n: int) -> list[int]:
-    small = [k for k in range(1, int(n ** 0.5) + 1) if n % k == 0]
-    return sorted(set(small + [n // k for k in small]))
-
-
 def plan(inventory: ModelInventory, gpus: int, seq_len: int, global_batch: int, *, hardware: Hardware = Hardware(),
          precision: str = "bf16-mixed", headroom: float = 0.8, schedule: Union[str, tuple[str, ...]] = "1F1B",
          micro_batches: tuple[int, ...] = (1, 2, 4), attention_dropout: bool = False,
@@ -179,10 +177,10 @@ def plan(inventory: ModelInventory, gpus: int, seq_len: int, global_batch: int, 
     fits = {} if fits is None else fits
     schedules = (schedule,) if isinstance(schedule, str) else tuple(dict.fromkeys(schedule))
     chunk_sizes = tuple(dict.fromkeys(loss_chunk)) if isinstance(loss_chunk, tuple) else (loss_chunk,)
-    for tp, cp in itertools.product(_divisors(gpus), context_parallel or _divisors(gpus)):
+    for tp, cp in itertools.product(divisors(gpus), context_parallel or divisors(gpus)):
         if gpus % (tp * cp):
             continue
-        for pp in _divisors(gpus // (tp * cp)):
+        for pp in divisors(gpus // (tp * cp)):
             dp = gpus // (tp * cp * pp)
             # (under cp, selective is none: blockwise attention keeps no s² tensor; its rule says so to predict())
             kinds = RECOMPUTE if cp == 1 else tuple(k for k in RECOMPUTE if k != "selective")
@@ -251,24 +249,6 @@ def predict(inventory: ModelInventory, record: LayoutRecord, seq_len: int, globa
     return record
 
 
-def expert_parallel_sizes(inventory: ModelInventory, ranks: int) -> list[int]:
-    """The expert-parallel sizes a layout of ``ranks = t·c·d`` ranks per pipeline stage can take: divisors of ``ranks``
-    that divide the expert count (the expert grid folds over the dense one); ``[1]`` for a dense model."""
-    if inventory.experts is None:
-        return [1]
-    return [e for e in _divisors(ranks) if inventory.experts.num_experts % e == 0]
-
-
-def expert_grids(inventory: ModelInventory, ranks: int) -> list[tuple[int, int]]:
-    """The ``(ep, expert_tp)`` pairs a layout of ``ranks = t·c·d`` ranks per pipeline stage can take: each
-    :func:`expert_parallel_sizes` ``e`` with every divisor of ``ranks / e`` that divides the expert width (each
-    expert's width split over ``expert_tp`` ranks); ``[(1, 1)]`` for a dense model."""
-    if inventory.experts is None:
-        return [(1, 1)]
-    return [(e, w) for e in expert_parallel_sizes(inventory, ranks) for w in _divisors(ranks // e)
-            if inventory.experts.expert_ffn % w == 0]
-
-
 def _check(precision: str, optimizer: str) -> None:
     if precision not in PARAMETER_BYTES:
         raise ValueError(f"precision={precision!r}: one of {sorted(PARAMETER_BYTES)}.")
@@ -309,26 +289,6 @@ def _layer_bytes(record: LayoutRecord, inventory: ModelInventory, s: int, precis
         # of ep e casts its E/e experts only, each 1/etp of its width under expert tensor parallelism.
         measured -= 2 * expert_layer_elements(inventory) * (1 - 1 / (record.ep * record.expert_tp))
     return measured + expert_tensor_parallel_bytes(inventory, record, local, element)
-
-
-def expert_tensor_parallel_bytes(inventory: ModelInventory, record: LayoutRecord, s: int, element: int) -> float:
-    """What expert tensor parallelism adds to a layer's activations per micro-batch (bytes), over the probe's whole
-    experts: each of a rank's ``n·k`` pairs (``n = s·b/t`` tokens) becomes ``etp`` width slices, so the rows its
-    experts keep the input of (``[R, h]``, the first projection's) and the rows the combine keeps (``[n·k, h]``, each
-    pair's output, weighted by its score) are ``etp`` times as many; each slice's inner activations are ``1/etp`` as
-    wide, so those stay (:mod:`lightning_seqpar.moe.dispatch`, ``expert_tensor_parallel_pairs``); nothing under full
-    recomputation."""
-    experts = inventory.experts
-    if experts is None or record.expert_tp == 1 or record.recompute == "full" or "moe" in record.modules:
-        return 0.0
-    pairs = s * record.micro_batch / record.tp * experts.top_k
-    return 2 * (record.expert_tp - 1) * pairs * inventory.hidden_size * element
-
-
-def expert_layer_elements(inventory: ModelInventory) -> int:
-    """Elements of one layer's experts, all E of them (their packed weights and biases); 0 for a dense model."""
-    layer = next((e.layer for e in inventory.entries if e.expert), None)
-    return sum(e.numel for e in inventory.entries if e.expert and e.layer == layer)
 
 
 def _loss_chunk(record: LayoutRecord, inventory: ModelInventory, local: int) -> Optional[int]:
@@ -380,22 +340,6 @@ def _backward_moments(schedule: str, m: int, pp: int, vpp: int, rank: int
             waiting[action.chunk] -= 1
             made[action.chunk] = True
     return tuple(moments)
-
-
-def all_to_all_bytes(inventory: ModelInventory, record: LayoutRecord, s: int, element: int,
-                     held: list) -> float:
-    """Bytes one rank sends per micro-batch in its mixtures' all-to-alls: each of its ``n = s·b/t`` tokens'
-    ``k`` (token, expert) pairs travels, as ``etp`` width slices, to the ranks holding them unless one is this one,
-    ``(e·etp − 1)/(e·etp)`` of them under balanced routing, ``h`` elements each; per MoE layer the forward's dispatch and combine and the backward's two
-    (three and three under full recomputation, which dispatches again)."""
-    experts = inventory.experts
-    width = record.ep * record.expert_tp  # the etp_ep group a pair's etp width slices are sent over
-    if experts is None or width == 1:
-        return 0.0
-    layers = len({e.layer for e in held if e.expert})
-    pairs = s * record.micro_batch / record.tp * experts.top_k * record.expert_tp * (width - 1) / width
-    passes = 6 if record.recompute == "full" else 4
-    return layers * passes * pairs * inventory.hidden_size * element
 
 
 def _spans_nodes(gpus_per_node: int, ranks: int) -> bool:

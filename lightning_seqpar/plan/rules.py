@@ -12,6 +12,12 @@ from lightning_seqpar.plan.inventory import ModelInventory
 from lightning_seqpar.plan.memory_choices import memory_choice_rule
 
 
+def divisors(n: int) -> list[int]:
+    """The divisors of ``n``, ascending: the sizes a dimension of ``n`` ranks can be split into."""
+    small = [k for k in range(1, int(n ** 0.5) + 1) if n % k == 0]
+    return sorted(set(small + [n // k for k in small]))
+
+
 def layout_rule(record: Any, inventory: ModelInventory, s: int, global_batch: int, hardware: Hardware) -> Optional[str]:
     """The first rule ``record`` breaks, in the field's words; ``None``: none."""
     tp, pp, vpp, dp, mbs = record.tp, record.pp, record.vpp, record.dp, record.micro_batch
