@@ -52,6 +52,9 @@ class AutoLayout:
             and ``ActivationOffload(modules=...)`` callbacks it was priced with (not beside callbacks of the run's own).
         schedules: the pipeline schedules to search (``1F1B``, interleaved where vpp > 1, ``ZB-H1`` and ``ZB-V``; a
             run with ``compile=True`` searches 1F1B only: a compiled block's backward cannot be split into B and W).
+        loss_chunks: the ``loss_chunk`` values to search (positions of a Hugging Face model's logits computed at a
+            time; ``None`` in it: all of them); the strategy takes the chosen one. ``None``: the strategy's own
+            ``loss_chunk`` only. The reference GPT's loss computes its logits whole whatever it says.
 
     Raises:
         ValueError: a size below 1, a headroom outside (0, 1], a context-parallel size below 1, an unknown
@@ -68,6 +71,7 @@ class AutoLayout:
     cp_comm: str = "ring"
     schedules: tuple[str, ...] = SEARCHED_SCHEDULES
     memory_choices: bool = False
+    loss_chunks: Optional[tuple[Optional[int], ...]] = None
 
     def __post_init__(self) -> None:
         if self.seq_len < 1 or self.batch_size < 1:
@@ -83,6 +87,10 @@ class AutoLayout:
                              f"{', '.join(map(repr, SEARCHED_SCHEDULES))}.")
         if self.cp_comm not in ("ring", "all_to_all"):
             raise ValueError(f"AutoLayout.cp_comm={self.cp_comm!r}: 'ring' or 'all_to_all'.")
+        if self.loss_chunks is not None and (not self.loss_chunks or any(
+                c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 1) for c in self.loss_chunks)):
+            raise ValueError(f"AutoLayout.loss_chunks={self.loss_chunks!r}: positive numbers of positions (or None: "
+                             f"the whole sequence), e.g. (4096, 1024, None); None for the strategy's loss_chunk only.")
         if self.calibration is not None:  # refused here, in the user's script, before any rank starts
             self.rates()
 
@@ -111,7 +119,8 @@ def auto_layout_of(layout: Union[None, str, AutoLayout, dict], tp: Any, pp: int,
                          "process groups exist: pass layout=AutoLayout(seq_len=S, batch_size=B) (B: the train loader's "
                          "batch size, per data-parallel rank); recipe: strategy=auto.")
     if isinstance(layout, dict):
-        layout = AutoLayout(**{k: tuple(v) if k in ("micro_batches", "context_parallel", "schedules") and v is not None else v
+        layout = AutoLayout(**{k: tuple(v) if k in ("micro_batches", "context_parallel", "schedules", "loss_chunks")
+                                  and v is not None else v
                                for k, v in layout.items()})
     if not isinstance(layout, AutoLayout):
         raise ValueError(f"layout={layout!r}: None (tp and pp as given) or AutoLayout(seq_len=..., batch_size=...).")
@@ -262,6 +271,8 @@ def choose_layout(auto: AutoLayout, module: Any, trainer: Any, parallel: Any, *,
     inventory = inventory_of_hf_model(model)
     schedules = tuple(s for s in auto.schedules if not (compiled and s in SPLIT_BACKWARD)) or ("1F1B",)
     loss_chunk = planned_loss_chunk(module, parallel)
+    if loss_chunk is not None and auto.loss_chunks is not None:  # a Hugging Face model's: searched
+        loss_chunk = tuple(dict.fromkeys(auto.loss_chunks))
     options = dict(precision=str(trainer.precision), zero=zero, recompute=kinds, gpus_per_node=gpus_per_node, fits={},
                    ep=parallel.ep if parallel.ep > 1 else None,
                    expert_tp=parallel.expert_tp if parallel.expert_tp > 1 else None, schedules=schedules,
@@ -274,8 +285,9 @@ def choose_layout(auto: AutoLayout, module: Any, trainer: Any, parallel: Any, *,
     rank_zero_info(f"layout=auto chose {_describe(best)}: the fastest predicted step of the {len(ranked)} layouts that "
                    f"fit {auto.headroom:g} × {_size(memory)} per device; runner-up: "
                    f"{_describe(runner_up) if runner_up else 'none'}")
+    chunk = best.loss_chunk if isinstance(loss_chunk, tuple) else parallel.loss_chunk  # searched: the chosen one
     chosen = replace(parallel, tp=best.tp, cp=best.cp, cp_comm=best.cp_comm, ep=best.ep, expert_tp=best.expert_tp,
-                     pipeline=PipelineConfig.build(
+                     loss_chunk=chunk, pipeline=PipelineConfig.build(
         best.pp, best.num_microbatches if best.pp > 1 else None, best.schedule if best.pp > 1 else "1F1B", best.vpp, None))
     return LayoutChoice(best, chosen, best.recompute if not existing and best.recompute != "none" else None)
 
@@ -290,7 +302,8 @@ def _describe(record: Any) -> str:
             f"vpp={record.vpp}{f' {record.schedule}' if record.pp > 1 else ''} dp={record.dp}"
             f"{f' ep={record.ep}' if record.ep > 1 else ''}"
             f"{f' expert_tp={record.expert_tp}' if record.expert_tp > 1 else ''} micro_batch={record.micro_batch} "
-            f"m={record.num_microbatches} recompute={record.recompute}{_traded(record)}: {_size(record.bytes['total'])} on stage "
+            f"m={record.num_microbatches} recompute={record.recompute}{_traded(record)} "
+            f"loss_chunk={record.loss_chunk or 'whole'}: {_size(record.bytes['total'])} on stage "
             f"{record.stage} ({', '.join(f'{k} {_size(v)}' for k, v in record.bytes.items() if k != 'total')}), "
             f"step {record.step_time['total']:.3g} s ({record.timing})")
 
@@ -304,7 +317,7 @@ def rank_layouts(inventory: Any, world: int, seq_len: int, auto: AutoLayout, mem
                  zero: int = 0, recompute: frozenset = frozenset(), gpus_per_node: int = 8,
                  fits: Optional[dict] = None, ep: Optional[int] = None, expert_tp: Optional[int] = None,
                  schedules: Optional[tuple[str, ...]] = None, memory_choices: bool = False,
-                 loss_chunk: Optional[int] = 4096) -> list[Any]:
+                 loss_chunk: Union[Optional[int], tuple[Optional[int], ...]] = 4096) -> list[Any]:
     """The feasible layouts ``layout=auto`` chooses from, best first (:func:`lightning_seqpar.plan.plan`'s records):
     the context-parallel sizes and communication of ``auto``, the loader's ``auto.batch_size`` per data-parallel rank
     (a global batch of ``batch_size × dp``), micro-batches
@@ -312,7 +325,7 @@ def rank_layouts(inventory: Any, world: int, seq_len: int, auto: AutoLayout, mem
     ``recompute`` (any when empty), the expert-parallel size ``ep`` and expert tensor-parallel size ``expert_tp``
     (any when ``None``), the pipeline ``schedules`` (``None``: ``auto.schedules``); with ``memory_choices``, layouts that trade recomputation by
     module or activation offload for memory too; ``loss_chunk``: the run's (the strategy's ``loss_chunk``, ``None``
-    where the model's own loss computes its logits whole)."""
+    where the model's own loss computes its logits whole), or a tuple of them to search."""
     from lightning_seqpar.plan import Hardware, plan
 
     records = plan(inventory, world, seq_len, auto.batch_size, hardware=Hardware(memory=memory,

@@ -154,3 +154,28 @@ def test_the_run_s_loss_chunk_is_priced_and_the_reference_gpt_s_loss_is_whole():
     parallel = ParallelConfig(loss_chunk=1024)
     assert planned_loss_chunk(build("hf"), parallel) == 1024
     assert planned_loss_chunk(build("gpt"), parallel) is None
+
+
+def test_loss_chunks_are_searched_when_asked_and_the_strategy_takes_the_chosen_one():
+    # A large vocabulary over short sequences: the loss's [s, v] logits make the peak, so a memory between what the
+    # whole logits and what chunks of 8 positions need is met only by the chunked loss.
+    import lightning.pytorch as pl
+    import transformers
+
+    module = pl.LightningModule()
+    module.model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(
+        vocab_size=4096, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64))
+    inventory, fits = inventory_of_hf_model(planned_model(module)), {}
+    ranked = lambda auto, chunk, budget: rank_layouts(  # noqa: E731
+        inventory, WORLD, 64, auto, budget, precision="32-true", gpus_per_node=WORLD, fits=fits, loss_chunk=chunk)
+    whole = min(r.bytes["total"] for r in ranked(AutoLayout(64, 4, 1e12), None, 1e12))
+    chunked = min(r.bytes["total"] for r in ranked(AutoLayout(64, 4, 1e12), 8, 1e12))
+    assert chunked < whole
+    budget = (chunked + whole) / 2 / 0.8
+    assert not ranked(AutoLayout(64, 4, budget), None, budget)  # nothing fits with the whole logits
+    auto = AutoLayout(64, 4, budget, loss_chunks=(None, 8))
+    choice = _choose(module, auto, fits, compiled=False)
+    assert choice.record.loss_chunk == choice.parallel.loss_chunk == 8
+    with pytest.raises(ValueError, match=r"AutoLayout.loss_chunks=\(0,\): positive numbers of positions"):
+        AutoLayout(64, 4, loss_chunks=(0,))
