@@ -7,8 +7,8 @@
 - Under sequence parallelism the compiled blocks save no more bytes for backward than eager ones (no all-gathered
   ``[s, b, h]`` input kept: pytorch #146693).
 - inductor on CPU: within 1e-6 of eager.
-- A mixture of experts with a capacity (Qwen3-MoE at tp 2 x ep 2; the reference GPT's with its load-balancing and
-  z-losses under full recomputation) trains bit-equal to eager too.
+- A mixture of experts with a capacity (Qwen3-MoE at tp 2 x ep 2, and with each expert's width over expert_tp 2; the
+  reference GPT's with its load-balancing and z-losses under full recomputation) trains bit-equal to eager too.
 - Under context parallelism (ring and all-to-all; a Llama and the reference GPT) the halves of each pre-norm block
   around the attention across ranks are compiled, each one graph, bit-equal to eager too.
 - A post-norm block under context parallelism, dropless mixtures of experts, a Hugging Face mixture recording its
@@ -52,6 +52,8 @@ PARITY = [  # each trained eager and compiled, compared bit for bit
     Case("hf", 1, cp=2, recompute="full", model=(("labels", True),),
          strategy=(("cp_comm", "all_to_all"),)),                        # all-to-all, inside full recomputation
     Case("gpt", 1, cp=2),                                               # the reference GPT under cp 2
+    Case("hf", 2, model=(("family", "qwen3_moe"), ("labels", True)),
+         strategy=(("expert_tp", 2), ("moe", DispatchConfig(1.0)))),    # each expert's width over 2 ranks, a capacity
 ]
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "mistral_window", "qwen2_window", "gemma", "gemma2", "gemma3",
             "cohere", "cohere2", "stablelm", "phi", "phi3", "starcoder2", "glm", "gpt_neox", "olmo2", "smollm3",
