@@ -403,7 +403,7 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
     moved = recomputed = prefetched = 0.0
     if record.recompute != "none" or record.modules:
         whole = LayoutRecord(tp, cp, pp, vpp, dp, record.zero, b, m, "none", record.main_params, ep=record.ep,
-                             loss_chunk=record.loss_chunk,
+                             expert_tp=record.expert_tp, loss_chunk=record.loss_chunk,
                              offload=record.offload)
         recomputed = max(0.0, _layer_bytes(whole, inventory, s, precision, dropout, fits) - per_layer)
     if record.offload:

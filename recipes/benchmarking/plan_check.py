@@ -2,10 +2,12 @@
 
 One group of processes:
 1. measures this machine's rates (:func:`lightning_seqpar.plan.calibrate.measure_rates`);
-2. on rank 0, ranks every layout of a small Llama on those processes with that calibration
-   (:func:`lightning_seqpar.plan.plan`, a layer's activations probed on small copies as the planner's CLI does):
-   tensor, context (ring), pipeline (1F1B, interleaved, ZB-H1) and data parallelism, ZeRO, micro-batches and
-   recomputation. It takes the ``top`` best and ``lower`` more, evenly spaced down the ranking;
+2. on rank 0, ranks every layout of a small Llama (``model: llama``) or Qwen3-MoE (``model: qwen3_moe``: its
+   expert-parallel and expert tensor-parallel sizes searched too), in full or with LoRA adapters on q and v
+   (``lora_r > 0``: the base frozen), on those processes with that calibration (:func:`lightning_seqpar.plan.plan`,
+   a layer's activations probed on small copies as the planner's CLI does): tensor, context (ring), pipeline (1F1B,
+   interleaved, ZB-H1, ZB-V) and data parallelism, ZeRO, micro-batches and recomputation. It takes the ``top`` best
+   and ``lower`` more, evenly spaced down the ranking;
 3. trains each one with ``SeqParallelStrategy`` for ``steps`` optimizer steps. Its measured time is the median over the
    steps after ``warmup``, slowest rank. Its measured peak is the largest rank's peak of live tensor bytes over the
    second step (a warm-up step, so the measuring does not slow a timed one;
@@ -45,28 +47,47 @@ class CheckRow:
 
 
 def _llama(cfg: dict[str, Any]):
+    """The model's config: a Llama, or a Qwen3-MoE (``model: qwen3_moe``, every layer ``experts`` experts of width
+    ``expert_width``, top ``top_k``)."""
     import transformers
 
-    return transformers.LlamaConfig(
-        attn_implementation="eager", vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden"],
-        intermediate_size=cfg["ffn"], num_hidden_layers=cfg["layers"], num_attention_heads=cfg["heads"],
-        num_key_value_heads=cfg["heads"], max_position_embeddings=cfg["s"], pad_token_id=None, bos_token_id=None,
-        eos_token_id=None)
+    common = dict(attn_implementation="eager", vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden"],
+                  intermediate_size=cfg["ffn"], num_hidden_layers=cfg["layers"], num_attention_heads=cfg["heads"],
+                  num_key_value_heads=cfg["heads"], max_position_embeddings=cfg["s"], pad_token_id=None,
+                  bos_token_id=None, eos_token_id=None)
+    if cfg.get("model", "llama") == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(**common, moe_intermediate_size=cfg["expert_width"],
+                                           num_experts=cfg["experts"], num_experts_per_tok=cfg["top_k"],
+                                           norm_topk_prob=True, head_dim=cfg["hidden"] // cfg["heads"])
+    if cfg.get("model", "llama") != "llama":
+        raise ValueError(f"model={cfg['model']!r}: llama or qwen3_moe.")
+    return transformers.LlamaConfig(**common)
+
+
+def _built(cfg: dict[str, Any]):
+    """The model the run trains and the planner prices: with ``lora_r > 0``, LoRA adapters on q and v (PEFT)."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_config(_llama(cfg))
+    if cfg.get("lora_r", 0):
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=cfg["lora_r"], lora_alpha=2 * cfg["lora_r"],
+                                                 target_modules=["q_proj", "v_proj"]))
+    return model
 
 
 def _chosen(cfg: dict[str, Any], world: int, calibration: Any) -> list[tuple[int, Any]]:
     """``(planned rank, record)`` of the layouts to run: the top ones and ``lower`` more spread down the ranking."""
-    import transformers
-
     from lightning_seqpar.plan import Hardware, inventory_of_hf_model, plan
     from lightning_seqpar.pipeline_parallel.schedules import SEARCHED_SCHEDULES
 
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(_llama(cfg))
+        model = _built(cfg)
     records = plan(inventory_of_hf_model(model), world, cfg["s"], cfg["global_batch"],
                    hardware=Hardware(memory=1e12, calibration=calibration), precision=cfg["precision"],
                    micro_batches=tuple(cfg["micro_batches"]), schedule=SEARCHED_SCHEDULES)
-    runnable = [r for r in records if r.feasible]  # a dense model: ep 1
+    runnable = [r for r in records if r.feasible]
     top, lower = cfg["top"], cfg["lower"]
     rest = runnable[top:]
     picks = list(range(min(top, len(runnable))))
@@ -77,8 +98,11 @@ def _chosen(cfg: dict[str, Any], world: int, calibration: Any) -> list[tuple[int
 
 
 def _describe(r: Any) -> str:
-    pipeline = f" v {r.vpp}" if r.vpp > 1 else f" {r.schedule}" if r.pp > 1 and r.schedule == "ZB-H1" else ""
-    return (f"tp {r.tp}{f' cp {r.cp}' if r.cp > 1 else ''} pp {r.pp}{pipeline} dp {r.dp}"
+    pipeline = f" v {r.vpp}" if r.vpp > 1 and r.schedule != "ZB-V" else \
+        f" {r.schedule}" if r.pp > 1 and r.schedule in ("ZB-H1", "ZB-V") else ""
+    experts = f" ep {r.ep}" if r.ep > 1 else ""
+    experts += f" etp {r.expert_tp}" if r.expert_tp > 1 else ""
+    return (f"tp {r.tp}{f' cp {r.cp}' if r.cp > 1 else ''} pp {r.pp}{pipeline} dp {r.dp}{experts}"
             f"{' zero 1' if r.zero else ''} mbs {r.micro_batch}{f' m {r.num_microbatches}' if r.pp > 1 else ''} "
             f"{r.recompute}")
 
@@ -86,7 +110,6 @@ def _describe(r: Any) -> str:
 def _measure(record: Any, cfg: dict[str, Any], world: int, device: torch.device) -> tuple[float, float]:
     """``(seconds per step, peak bytes)``, each the slowest or largest rank's."""
     import lightning.pytorch as pl
-    import transformers
     from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_seqpar import SelectiveRecompute, SeqParallelStrategy
@@ -98,7 +121,7 @@ def _measure(record: Any, cfg: dict[str, Any], world: int, device: torch.device)
         def __init__(self) -> None:
             super().__init__()
             torch.manual_seed(0)
-            self.model = transformers.AutoModelForCausalLM.from_config(_llama(cfg))
+            self.model = _built(cfg)
 
         def training_step(self, batch, batch_idx):
             return self.model(input_ids=batch[0], labels=batch[0]).loss
@@ -128,8 +151,8 @@ def _measure(record: Any, cfg: dict[str, Any], world: int, device: torch.device)
     steps = cfg["warmup"] + cfg["steps"] + 1  # one more: the last step's start ends the one before
     pipeline = dict(num_microbatches=record.num_microbatches, schedule=record.schedule,
                     virtual_stages=record.vpp) if pipelined else {}
-    strategy = SeqParallelStrategy(tp=record.tp, pp=record.pp, cp=record.cp, cp_comm=record.cp_comm,
-                                   data_parallel=DataParallelConfig(zero=record.zero,
+    strategy = SeqParallelStrategy(tp=record.tp, pp=record.pp, cp=record.cp, cp_comm=record.cp_comm, ep=record.ep,
+                                   expert_tp=record.expert_tp, data_parallel=DataParallelConfig(zero=record.zero,
                                                                     fp32_main_params=record.main_params), **pipeline)
     trainer = pl.Trainer(accelerator=device.type, devices=world, precision=cfg["precision"], max_steps=steps,
                          strategy=strategy, accumulate_grad_batches=accumulate, callbacks=callbacks, logger=False,

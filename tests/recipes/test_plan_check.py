@@ -1,6 +1,7 @@
 """``recipes/plan_check.py``: after measuring the machine's rates, the planner's best layouts and a lower-ranked one
 of a small Llama train on 2 gloo processes, each with its predicted (calibrated) and measured seconds per step, and
-its predicted and measured peak bytes (within 5 %; 15 % for ZB-H1, a known gap)."""
+its predicted and measured peak bytes (within 5 %; 15 % for ZB-H1, a known gap); so do a small Qwen3-MoE's two best,
+its expert grid searched (within 8 %)."""
 
 import pytest
 import torch
@@ -29,6 +30,18 @@ def test_the_best_and_a_lower_ranked_layout_are_predicted_from_measured_rates_an
         assert row.measured_peak > 0 and abs(row.predicted_peak / row.measured_peak - 1) < bound, row
     predicted = [r.predicted_s for r in rows]
     assert predicted == sorted(predicted)  # the planner's order
+
+
+MOE = dict(CFG, model="qwen3_moe", experts=4, expert_width=16, top_k=2, top=2, lower=0)
+
+
+def test_a_mixture_of_experts_is_planned_with_its_expert_grid_and_measured():
+    # Qwen3-MoE (4 experts, top 2): the planner searches ep and expert_tp too; its two best layouts' peaks within 8 %
+    # (a rank's routed rows vary with the routing, which the planner prices balanced).
+    rows = run_distributed(check, 2, MOE, torch.device("cpu"))[0]
+    assert [r.planned_rank for r in rows] == [1, 2]
+    for row in rows:
+        assert row.measured_s > 0 and abs(row.predicted_peak / row.measured_peak - 1) < 0.08, row
 
 
 def test_the_table_ranks_the_measured_times():
