@@ -49,6 +49,9 @@ class ParameterEntry:
         layer: the decoder layer's index, for ``part == "layer"``.
         tied: the embedding and head share it (held by the first and the last stage).
         trainable: ``requires_grad``; a frozen parameter (LoRA's base) has no gradient and no optimizer state.
+        deferred: its gradient is one a split backward (ZB-H1, ZB-V) leaves to W: a trained weight of a column- or
+            row-parallel linear or of the experts (:func:`~lightning_seqpar.tensor_parallel.split_backward.
+            split_weight_gradients`); not a LoRA adapter's, nor a frozen one's.
     """
 
     name: str
@@ -58,6 +61,7 @@ class ParameterEntry:
     layer: Optional[int] = None
     tied: bool = False
     trainable: bool = True
+    deferred: bool = False
 
     @property
     def numel(self) -> int:
@@ -180,7 +184,7 @@ def inventory_of_model(model: nn.Module, specs: dict[str, Any], placement: dict[
         raise ValueError(f"{type(model).__name__}: the planner needs an nn.Embedding input and an nn.Linear LM head.")
     tied = head.weight is embedding.weight
     vocab = {id(p) for p in (*embedding.parameters(), *head.parameters())}
-    splits = _splits(model)
+    splits, deferred = _splits(model)
     layer_paths = list(specs)
     roles: dict[int, tuple[Part, Optional[int]]] = {}
     for index, path in enumerate(layer_paths):
@@ -201,7 +205,8 @@ def inventory_of_model(model: nn.Module, specs: dict[str, Any], placement: dict[
         part, layer_index = roles.get(id(param), ("other", None))
         split: Split = "vocab" if id(param) in vocab else splits[pname]
         entries.append(ParameterEntry(pname, tuple(param.shape), split, part, layer_index,
-                                      tied=tied and param is embedding.weight, trainable=param.requires_grad))
+                                      tied=tied and param is embedding.weight, trainable=param.requires_grad,
+                                      deferred=pname in deferred))
     # The layer the shapes are read from: the first mixture of experts where dense and MoE layers mix (GLM-4.5's
     # first dense layers), as most layers are.
     path = next((p for p in layer_paths if not specs[p].projections()[1]), layer_paths[0])
@@ -210,9 +215,10 @@ def inventory_of_model(model: nn.Module, specs: dict[str, Any], placement: dict[
     return _sizes(name or type(model).__name__, entries, len(layer_paths), embedding, first, sample)
 
 
-def _splits(model: nn.Module) -> dict[str, Split]:
-    """``{parameter name: "column" | "row" | "replicated"}`` as the rewrite splits each parameter of ``model`` (see the
-    module docstring), read from the placements of a meta-device copy rewritten at one virtual rank."""
+def _splits(model: nn.Module) -> tuple[dict[str, Split], set[str]]:
+    """``{parameter name: "column" | "row" | "replicated" | ...}`` as the rewrite splits each parameter of ``model``
+    (see the module docstring), read from the placements of a meta-device copy rewritten at one virtual rank; and the
+    names of the parameters whose gradient a split backward defers to W (the same copy's layers, told to split)."""
     import torch
 
     from lightning_seqpar.parallel.collectives import ParallelGroup
@@ -237,6 +243,13 @@ def _splits(model: nn.Module) -> dict[str, Split]:
     except ValueError:  # an expert width that does not split (or no split at all): whole experts
         holder = rewritten(1)
     rows = [name for name, m in holder.model.named_modules() if isinstance(m, (RowParallelLinear, LoRARowParallelLinear))]
+    from lightning_seqpar.tensor_parallel.split_backward import split_weight_gradients
+    from lightning_seqpar.tensor_parallel.weight_gradients import WeightGradientStore
+
+    store = WeightGradientStore()
+    split_weight_gradients(holder.model, store)
+    deferred = {name for name, param in holder.model.named_parameters(remove_duplicate=False)
+                if id(param) in store.deferred}
     out: dict[str, Split] = {}
     for name, param in holder.model.named_parameters(remove_duplicate=False):
         placement = placement_of(param)
@@ -246,7 +259,7 @@ def _splits(model: nn.Module) -> dict[str, Split]:
             out[name] = "expert_width" if placement.inner is not None else "expert"
         else:  # under a row-parallel projection (its weight, a LoRA lora_A on it), or a column-parallel one
             out[name] = "row" if any(name.startswith(row + ".") for row in rows) else "column"
-    return out
+    return out, deferred
 
 
 def _sizes(name: str, entries: list[ParameterEntry], layers: int, embedding: nn.Embedding, spec: Any,

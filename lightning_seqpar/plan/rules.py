@@ -62,6 +62,9 @@ def layout_rule(record: Any, inventory: ModelInventory, s: int, global_batch: in
         return "selective recomputation has nothing to recompute under cp (blockwise attention keeps no s² tensor)"
     if record.recompute == "selective" and not inventory.eager_attention:
         return "selective recomputation has nothing to recompute in fused attention (sdpa keeps no s² tensor)"
+    if pp > 1 and record.schedule in ("ZB-H1", "ZB-V") and not any(e.deferred for e in inventory.entries):
+        return (f"schedule={record.schedule} with no trained weight to defer to W (the split layers' weights are "
+                f"frozen: LoRA's base), so W fills no bubble")
     choice = memory_choice_rule(record.recompute, record.modules, record.offload, cp, inventory.eager_attention)
     if choice is not None:
         return choice

@@ -1,6 +1,7 @@
 """The planner prices LoRA and partly frozen full fine-tuning (``--lora R``, ``--frozen NAME``): the frozen base
 holds its parameters only, the trained elements carry gradients and optimizer state. Checked against PEFT's own
-count for Llama-3-8B at r 16 and against the byte formulas on the command line's records."""
+count for Llama-3-8B at r 16 and against the byte formulas on the command line's records. The zero-bubble schedules are
+not searched under LoRA: its frozen base leaves no weight gradient for W."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import json
 
 import pytest
 
-from lightning_seqpar.plan import model_inventory
+from lightning_seqpar.plan import Hardware, model_inventory, plan
 from lightning_seqpar.plan.__main__ import main
 from tests.plan.test_planner import LLAMA3_8B, PUBLISHED
 
@@ -69,3 +70,17 @@ def test_bad_fine_tuning_flags_are_refused_naming_the_value(tmp_path, capsys, fl
     import re
 
     assert re.search(message, capsys.readouterr().err, re.S)
+
+
+def test_zero_bubble_schedules_are_not_searched_where_lora_leaves_no_weight_gradient_to_defer():
+    # The split backward defers the parallel linears' own weight gradients to W; LoRA freezes those weights (its
+    # adapters' gradients stay in B), so W would fill no bubble and ZB-H1/ZB-V would be priced a bubble they lack.
+    small = dict(LLAMA3_8B, num_hidden_layers=4)
+    full, lora = model_inventory(small), model_inventory(small, lora=16)
+    assert sum(e.deferred for e in full.entries) == 4 * 7 and not any(e.deferred for e in lora.entries)
+    options = dict(hardware=Hardware(memory=1e12), calibrate=False, schedule=("1F1B", "ZB-H1", "ZB-V"))
+    assert {"ZB-H1", "ZB-V"} <= {r.schedule for r in plan(full, 8, 2048, 16, **options) if r.feasible}
+    records = plan(lora, 8, 2048, 16, **options)
+    assert not {"ZB-H1", "ZB-V"} & {r.schedule for r in records if r.feasible}
+    assert any(r.reason == f"schedule={s} with no trained weight to defer to W (the split layers' weights are frozen: "
+                           f"LoRA's base), so W fills no bubble" for r in records for s in ("ZB-H1", "ZB-V"))
