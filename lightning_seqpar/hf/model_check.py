@@ -35,7 +35,9 @@ _MAX_BLAMED_TRIES = 40
 
 
 def _layer_stack(model: nn.Module) -> Optional[str]:
-    base = getattr(model, "base_model", model)
+    # a PEFT wrapper's base_model is its LoRA model: the transformers model it wraps holds the layers
+    inner = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    base = getattr(inner, "base_model", inner)
     prefix = next((n for n, m in model.named_modules() if m is base), "")
     for child_name, child in base.named_children():
         if isinstance(child, nn.ModuleList):

@@ -138,14 +138,18 @@ class ModelInventory:
     """the Hugging Face config the model was built from (what the activation probes copy)"""
     experts: Optional[ExpertShape] = None
     """each layer's mixture of experts; ``None``: dense MLPs"""
+    training: Any = None
+    """which parameters are trained (:class:`~lightning_seqpar.plan.trained.TrainedParts`: LoRA, frozen names), as
+    the activation probes copy it; ``None``: every parameter"""
 
     @functools.cached_property
     def probe_key(self) -> str:
-        """What identifies the model to a cache of activation probes (its config and attention): two models never
-        share a fit."""
+        """What identifies the model to a cache of activation probes (its config, attention and which parameters are
+        trained): two models never share a fit."""
         config = self.config
         text = config.to_json_string(use_diff=False) if hasattr(config, "to_json_string") else repr(config)
-        return hashlib.sha256(f"{self.name}|{self.eager_attention}|{text}".encode()).hexdigest()
+        trained = "" if self.training is None else f"|{self.training.key}"
+        return hashlib.sha256(f"{self.name}|{self.eager_attention}|{text}{trained}".encode()).hexdigest()
 
     @property
     def num_trainable(self) -> int:

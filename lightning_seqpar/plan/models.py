@@ -184,5 +184,8 @@ def inventory_of_hf_model(model: Any, name: Optional[str] = None) -> ModelInvent
     from lightning_seqpar.policies import pipeline_placement
 
     inventory = inventory_of_model(model, specs, pipeline_placement(model), name=name)
+    from lightning_seqpar.plan.trained import trained_parts_of
+
     inventory.config = getattr(model, "config", None)
+    inventory.training = trained_parts_of(model)
     return inventory

@@ -281,7 +281,8 @@ def _layer_bytes(record: LayoutRecord, inventory: ModelInventory, s: int, precis
     if key not in fits:
         from lightning_seqpar.plan.probe import fit_layer
 
-        fits[key] = fit_layer(inventory.config, record.tp, True, recompute, precision, inventory.experts, **choices)
+        fits[key] = fit_layer(inventory.config, record.tp, True, recompute, precision, inventory.experts, **choices,
+                              training=inventory.training)
     measured = extra + fits[key].bytes(local, record.micro_batch, inventory.head_dim, inventory.ffn_hidden_size,
                                        quadratic=cp == 1)
     if precision == "bf16-mixed" and recompute != "full":
@@ -313,7 +314,7 @@ def _outside_bytes(record: LayoutRecord, inventory: ModelInventory, s: int, prec
     if key not in fits:
         from lightning_seqpar.plan.probe import fit_outside
 
-        fits[key] = fit_outside(inventory.config, record.tp, True, precision)
+        fits[key] = fit_outside(inventory.config, record.tp, True, precision, inventory.training)
     sizes = (s // record.cp, record.micro_batch, inventory.head_dim, inventory.vocab_size)
     return fits[key].bytes(*sizes), fits[key].prologue_bytes(*sizes)
 
@@ -452,10 +453,11 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
                                         precision=precision, main_params=record.main_params, optimizer=optimizer,
                                         ep=record.ep, placement=layout.placement, expert_tp=record.expert_tp)
         stages = layout.stages_of(rank)
-        accumulated = accumulation_bytes(state.parameters, m, state.bucketed, record.zero == 0 and parameter < 4)
+        # (`.grad` exists for trained parameters only: LoRA's frozen base makes none)
+        accumulated = accumulation_bytes(state.trained, m, state.bucketed, record.zero == 0 and parameter < 4)
         # `.grad` a step's first backward has not made yet (where the buckets are not the gradients).
         unmade = state.gradients if not state.bucketed else (
-            state.parameters if record.zero == 0 and parameter < 4 else 0)
+            state.trained if record.zero == 0 and parameter < 4 else 0)
         # The step peaks at one of this rank's backwards (what its schedule holds in flight then, and what that
         # backward makes) or in the optimizer's step, once the activations are gone.
         opt = state.temporary  # the optimizer's step, after the backwards

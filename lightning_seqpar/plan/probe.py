@@ -55,19 +55,20 @@ class LayerFit:
 
 def measure_layer(config: Any, tp: int, sequence_parallel: bool, recompute: str, precision: str, s: int, b: int,
                   overrides: Optional[dict] = None, whole: bool = False, modules: tuple[str, ...] = (),
-                  offload: tuple[str, ...] = ()) -> int:
+                  offload: tuple[str, ...] = (), training: Any = None) -> int:
     """Bytes the middle decoder layer of a small copy of the model of ``config`` keeps for backward on rank 0 of
     ``tp`` emulated ranks (see the module docstring); ``whole``: what the whole forward keeps. ``modules``:
     recomputation by module beside ``recompute``; ``offload``: modules whose saved tensors go to a host pool (the
-    device bytes are what is measured)."""
+    device bytes are what is measured); ``training``: the run's LoRA and frozen parameters
+    (:class:`~lightning_seqpar.plan.trained.TrainedParts`), copied onto the small model before its rewrite."""
     layer, everything, _ = measure(config, tp, sequence_parallel, recompute, precision, s, b, overrides, modules,
-                                   offload)
+                                   offload, training)
     return everything if whole else layer
 
 
 def measure(config: Any, tp: int, sequence_parallel: bool, recompute: str, precision: str, s: int, b: int,
             overrides: Optional[dict] = None, modules: tuple[str, ...] = (),
-            offload: tuple[str, ...] = ()) -> tuple[int, int, int]:
+            offload: tuple[str, ...] = (), training: Any = None) -> tuple[int, int, int]:
     """``(middle layer, whole forward, prologue)``: the bytes each keeps for backward (see :func:`measure_layer`);
     the prologue is what the base model makes before its layers besides the embedding (the attention mask, the
     rotary tables, the position ids), which every pipeline stage's forward makes again."""
@@ -78,6 +79,7 @@ def measure(config: Any, tp: int, sequence_parallel: bool, recompute: str, preci
     from lightning_seqpar.parallel.emulated import run_emulated
     from lightning_seqpar.policies import rewrite
     from lightning_seqpar.offload import HostPool, apply_offload
+    from lightning_seqpar.plan.trained import apply_trained_parts
     from lightning_seqpar.recompute import apply_recompute, apply_recompute_modules
     from lightning_seqpar.transformer.context import RewriteContext
 
@@ -91,7 +93,8 @@ def measure(config: Any, tp: int, sequence_parallel: bool, recompute: str, preci
 
     def one_rank(group: Any) -> Optional[tuple[int, int]]:
         torch.manual_seed(0)
-        model = build_causal_lm(small).to(dtype).train()
+        # trained as the run is (LoRA, frozen names) before the dtype, as the run's precision casts its wrapped model
+        model = apply_trained_parts(build_causal_lm(small), training).to(dtype).train()
         rewrite(model, RewriteContext(group, sequence_parallel, None, True), verify=False)
         if recompute != "none":
             apply_recompute(model, recompute)
@@ -133,9 +136,10 @@ def _small_overrides(config: Any, overrides: Optional[dict]) -> dict:
 
 def fit_layer(config: Any, tp: int, sequence_parallel: bool = True, recompute: str = "selective",
               precision: str = "bf16-mixed", experts: Any = None, modules: tuple[str, ...] = (),
-              offload: tuple[str, ...] = ()) -> LayerFit:
+              offload: tuple[str, ...] = (), training: Any = None) -> LayerFit:
     """The coefficients of :class:`LayerFit` for ``config``'s layer under the layout, from the probes (``modules``,
-    ``offload``: recomputation by module and activation offload, applied to the probes as to the run).
+    ``offload``: recomputation by module and activation offload; ``training``: the run's LoRA and frozen parameters,
+    :class:`~lightning_seqpar.plan.trained.TrainedParts`; each applied to the probes as to the run).
 
     ``experts``: the model's :class:`~lightning_seqpar.plan.inventory.ExpertShape` (a mixture of experts). Its probes
     keep the layer's widths in proportion: for a probe width ``f`` (the MLP width a token goes through,
@@ -162,7 +166,7 @@ def fit_layer(config: Any, tp: int, sequence_parallel: bool = True, recompute: s
             overrides.update(_expert_widths(experts, f))
         rows.append(_terms(b, s, d, f))
         kept.append(float(measure_layer(config, tp, sequence_parallel, recompute, precision, s, b, overrides,
-                                        modules=modules, offload=offload)))
+                                        modules=modules, offload=offload, training=training)))
     return LayerFit(*_least_squares(rows, kept))
 
 
@@ -213,9 +217,11 @@ class OutsideFit:
         return sum(c * term for c, term in zip(self.prologue, _outside_terms(b, s, head_dim, vocab)))
 
 
-def fit_outside(config: Any, tp: int, sequence_parallel: bool = True, precision: str = "bf16-mixed") -> OutsideFit:
+def fit_outside(config: Any, tp: int, sequence_parallel: bool = True, precision: str = "bf16-mixed",
+                training: Any = None) -> OutsideFit:
     """:class:`OutsideFit` for ``config`` at ``tp``: the whole forward's bytes less three times the middle layer's,
-    on probes of different ``(b, s, d, v)``."""
+    on probes of different ``(b, s, d, v)`` (``training``: as :func:`fit_layer`'s; a frozen head keeps no input for
+    its weight gradient)."""
     from lightning_seqpar.hf.model_check import probe_head_dim
 
     heads = getattr(config, "num_attention_heads", None) or config.n_head
@@ -225,7 +231,8 @@ def fit_outside(config: Any, tp: int, sequence_parallel: bool = True, precision:
         s, d, v = s * tp, d // 4 * base, v * tp
         overrides = dict(head_dim=d, hidden_size=heads * d, n_embd=heads * d, intermediate_size=16 * tp,
                          n_inner=16 * tp, ffn_hidden_size=16 * tp, vocab_size=v)
-        layer, everything, prologue = measure(config, tp, sequence_parallel, "none", precision, s, b, overrides)
+        layer, everything, prologue = measure(config, tp, sequence_parallel, "none", precision, s, b, overrides,
+                                              training=training)
         rows.append(_outside_terms(b, s, d, v))
         kept.append(float(everything - 3 * layer))
         prologues.append(float(prologue))

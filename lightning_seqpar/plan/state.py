@@ -67,6 +67,8 @@ class StateBytes:
     bucketed: bool = False
     """the gradients live in reduction buckets (``d > 1``, ``edp > 1`` with experts held, or ``zero=1``), not in
     ``.grad`` alone"""
+    trained: int = 0
+    """of ``parameters``: the trainable ones' (those that get a ``.grad``; LoRA's adapters, not its frozen base)"""
 
     @property
     def total(self) -> int:
@@ -135,10 +137,10 @@ def state_bytes(inventory: ModelInventory, tp: int, pp: int = 1, dp: int = 1, *,
         bucketed = dp > 1 or (edp > 1 and any(e.expert for e in held))
         gradients = total * reduced + (total * element if element < reduced else 0) if bucketed else total * element
         return StateBytes(parameters, gradients, 0, states * total * element + steps, steps,
-                          total * element if adam else 0, bucketed)
+                          total * element if adam else 0, bucketed, total * element)
     owned = sum(stop - start for start, stop in (owned_range(n, d, r) for n, d, r in local))
     main = 4 if main_params and element < 4 else 0
     # d = 1: the reduced range is the bucket itself
     gradients = sum((d + 1 if d > 1 else 1) * -(-n // d) for n, d, _ in local) * reduced
     return StateBytes(parameters, gradients, owned * main, states * owned * (main or element) + steps, steps,
-                      owned * (main or element) if adam else 0, True)
+                      owned * (main or element) if adam else 0, True, total * element)

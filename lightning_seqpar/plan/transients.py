@@ -46,13 +46,14 @@ from lightning_seqpar.tensor_parallel.sharding import padded_size
 
 
 def largest_layer_weight(inventory: ModelInventory, t: int, ep: int = 1, expert_tp: int = 1) -> int:
-    """Elements of the largest weight gradient a layer's backward makes at once, on one rank of ``t``
+    """Elements of the largest weight gradient a layer's backward makes at once (of a trained parameter: a frozen
+    one makes none), on one rank of ``t``
     tensor-parallel, ``ep`` expert-parallel and ``expert_tp`` expert tensor-parallel ranks: a dense parameter's, twice
     over in a gated MLP (gate and up share their input's gradient); a mixture's packed ``gate_up_proj``
     ``[E/e, 2f/etp, h]`` once (one grouped GEMM's gradient holds both)."""
     factor = 2 if inventory.gated_mlp else 1
     return max((e.local_numel(t, ep, expert_tp) * (1 if e.expert else factor)
-                for e in inventory.entries if e.part == "layer"), default=0)
+                for e in inventory.entries if e.part == "layer" and e.trainable), default=0)
 
 
 def backward_transient_bytes(inventory: ModelInventory, s: int, b: int, t: int, element: int, parameter: int,
@@ -74,7 +75,8 @@ def backward_transient_bytes(inventory: ModelInventory, s: int, b: int, t: int, 
     if not last:
         return layer
     v = padded_size(inventory.vocab_size, t) // t
-    head = parameter * v * h if accumulating else element * sbh
+    head_trained = any(e.trainable for e in inventory.entries if e.part == "head" or e.tied)
+    head = parameter * v * h if accumulating and head_trained else element * sbh
     final_norm = 4 * 4 * sbh  # its backward's float32 temporaries over the gathered sequence
     # The loss's backward makes the logits' gradient beside the softmax it keeps; the head's backward then makes
     # its gradients once the loss freed the softmax, the logits' gradient taking the softmax's place.

@@ -84,3 +84,66 @@ def test_zero_bubble_schedules_are_not_searched_where_lora_leaves_no_weight_grad
     assert not {"ZB-H1", "ZB-V"} & {r.schedule for r in records if r.feasible}
     assert any(r.reason == f"schedule={s} with no trained weight to defer to W (the split layers' weights are frozen: "
                            f"LoRA's base), so W fills no bubble" for r in records for s in ("ZB-H1", "ZB-V"))
+
+
+TINY = dict(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+
+
+def test_the_probes_train_the_model_as_the_run_does():
+    # The run's LoRA settings and frozen names are copied onto the probes' small model: the same parameters train.
+    import transformers
+
+    from lightning_seqpar.hf.models import build_causal_lm
+    from lightning_seqpar.plan.models import freeze, meta_model, with_lora
+    from lightning_seqpar.plan.trained import apply_trained_parts, generic_name
+
+    assert generic_name("base_model.model.model.layers.11.mlp.experts.3.w1") == \
+        "base_model.model.model.layers.#.mlp.experts.#.w1"
+    assert model_inventory(TINY).training is None  # every parameter trained: the probes' default (their old key)
+    lora = model_inventory(TINY, lora=4, lora_targets=["q_proj", "v_proj"])
+    frozen = model_inventory(TINY, frozen=("embed_tokens", "mlp"))
+    assert lora.training.lora.r == 4 and lora.training.lora.target_modules == {"q_proj", "v_proj"}
+    assert frozen.training.lora is None and "model.layers.#.mlp.down_proj.weight" in frozen.training.frozen
+    assert len({model_inventory(TINY).probe_key, lora.probe_key, frozen.probe_key}) == 3  # no fit shared
+    runs = {id(lora): with_lora(meta_model(TINY), 4, ["q_proj", "v_proj"]), id(frozen): meta_model(TINY)}
+    freeze(runs[id(frozen)], ("embed_tokens", "mlp"))
+    small = transformers.LlamaConfig(**{**TINY, "num_hidden_layers": 3, "hidden_size": 16})
+    for inventory in (lora, frozen):
+        probe = apply_trained_parts(build_causal_lm(small), inventory.training)
+        trained = {generic_name(n) for n, p in probe.named_parameters() if p.requires_grad}
+        expected = {generic_name(n) for n, p in runs[id(inventory)].named_parameters() if p.requires_grad}
+        assert trained == expected != set()
+
+
+def test_a_frozen_base_keeps_less_and_its_fit_stays_exact():
+    # A frozen projection keeps no input for a weight gradient: the LoRA layer keeps less than the trained one, and
+    # an adapter's [b, s, r] rows (r fixed) are a b·s term, so the fit still predicts a size no probe used.
+    from lightning_seqpar.plan.probe import fit_layer, measure_layer
+
+    lora = model_inventory(TINY, lora=4, lora_targets=["q_proj", "v_proj"])
+    config, parts = lora.config, lora.training
+    s, b, d = 48, 2, 24
+    overrides = dict(head_dim=d, hidden_size=4 * d, intermediate_size=80)
+    trained = measure_layer(config, 2, True, "none", "32-true", s, b, overrides)
+    measured = measure_layer(config, 2, True, "none", "32-true", s, b, overrides, training=parts)
+    assert measured < 0.9 * trained
+    predicted = fit_layer(config, 2, True, "none", "32-true", training=parts).bytes(s, b, d, 80)
+    assert abs(predicted - measured) <= 0.01 * measured, (predicted, measured)
+
+
+def test_only_trained_parameters_accumulate_a_grad():
+    # With gradient accumulation the `.grad` beside the buckets is the trained parameters' (the adapters'), and the
+    # largest weight gradient a backward makes is a trained one's: LoRA's frozen base makes neither.
+    from lightning_seqpar.plan.state import state_bytes
+    from lightning_seqpar.plan.transients import largest_layer_weight
+
+    lora = model_inventory(TINY, lora=4, lora_targets=["q_proj", "v_proj"])
+    state = state_bytes(lora, 1, dp=2, precision="32-true")
+    assert state.trained == 4 * lora.num_trainable < state.parameters
+    adapter = max(e.numel for e in lora.entries if e.trainable and e.part == "layer")
+    assert largest_layer_weight(lora, 1) == 2 * adapter  # (gated MLP's factor 2)
+    options = dict(hardware=Hardware(memory=1e12), calibrate=False, micro_batches=(1,), context_parallel=(1,),
+                   precision="32-true")
+    record = next(r for r in plan(lora, 2, 32, 4, **options) if r.feasible and (r.tp, r.dp, r.zero) == (1, 2, 0))
+    assert record.other["accumulated_gradients"] == state.trained
