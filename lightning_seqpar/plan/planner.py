@@ -271,25 +271,42 @@ def _layer_bytes(record: LayoutRecord, inventory: ModelInventory, s: int, precis
         recompute = "selective" if inventory.eager_attention else "none"
         if inventory.eager_attention:
             extra = context_attention_kept(inventory, s, record.micro_batch, record.tp, cp, element)
-    choices = dict(modules=record.modules, offload=record.offload)
     if fits is None or inventory.config is None:
         extra += expert_tensor_parallel_bytes(inventory, record, local, element)
         return extra + layer_bytes(inventory, local, record.micro_batch, record.tp, True, recompute, element, dropout,
-                                   **choices)
-    key = (inventory.probe_key, record.tp, recompute, precision) + ((record.modules, record.offload)
-                                                                    if record.modules or record.offload else ())
-    if key not in fits:
-        from lightning_seqpar.plan.probe import fit_layer
-
-        fits[key] = fit_layer(inventory.config, record.tp, True, recompute, precision, inventory.experts, **choices,
-                              training=inventory.training)
-    measured = extra + fits[key].bytes(local, record.micro_batch, inventory.head_dim, inventory.ffn_hidden_size,
-                                       quadratic=cp == 1)
+                                   modules=record.modules, offload=record.offload)
+    measured = extra + _layer_fit(record, inventory, recompute, precision, fits).bytes(
+        local, record.micro_batch, inventory.head_dim, inventory.ffn_hidden_size, quadratic=cp == 1)
     if precision == "bf16-mixed" and recompute != "full":
         # The probe's rank holds every expert (ep 1), and autocast's 16-bit copy of each is kept for backward; a rank
         # of ep e casts its E/e experts only, each 1/etp of its width under expert tensor parallelism.
         measured -= 2 * expert_layer_elements(inventory) * (1 - 1 / (record.ep * record.expert_tp))
     return measured + expert_tensor_parallel_bytes(inventory, record, local, element)
+
+
+def _layer_fit(record: LayoutRecord, inventory: ModelInventory, recompute: str, precision: str,
+               fits: dict[tuple, Any]) -> Any:
+    """The probes' :class:`~lightning_seqpar.plan.probe.LayerFit` of a layer under ``record`` with ``recompute``,
+    fitted once per model and layout into ``fits``."""
+    key = (inventory.probe_key, record.tp, recompute, precision) + ((record.modules, record.offload)
+                                                                    if record.modules or record.offload else ())
+    if key not in fits:
+        from lightning_seqpar.plan.probe import fit_layer
+
+        fits[key] = fit_layer(inventory.config, record.tp, True, recompute, precision, inventory.experts,
+                              modules=record.modules, offload=record.offload, training=inventory.training)
+    return fits[key]
+
+
+def _first_layer_saving(record: LayoutRecord, inventory: ModelInventory, s: int, precision: str,
+                        fits: Optional[dict[tuple, Any]]) -> float:
+    """Bytes the model's first layer keeps less than the others per micro-batch, where parameters are frozen (LoRA:
+    its input, the frozen embedding's output, needs no gradient); 0 without a probed fit or a frozen parameter.
+    Context-parallel layers are priced as their cp 1 twin's (:func:`_layer_bytes`)."""
+    if fits is None or inventory.config is None or inventory.training is None or record.cp > 1:
+        return 0.0
+    fit = _layer_fit(record, inventory, record.recompute, precision, fits)
+    return fit.first_layer_saving(s, record.micro_batch, inventory.head_dim, inventory.ffn_hidden_size)
 
 
 def _loss_chunk(record: LayoutRecord, inventory: ModelInventory, local: int) -> Optional[int]:
@@ -412,6 +429,7 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
         recomputed += offload_backward_bytes(moved, per_layer, inventory.num_layers // (pp * vpp),
                                              largest_offloaded_share(inventory, local, b, tp, record, element, dropout))
         prefetched = moved * (inventory.num_layers // (pp * vpp) > 1)
+    first_saving = _first_layer_saving(record, inventory, local, precision, fits)  # kept less by stage 0's first layer
     worst: tuple[float, int, dict[str, int], dict[str, int]] = (-1.0, 0, {}, {})
     parameter = PARAMETER_BYTES[precision]
     outside, prologue = _outside_bytes(record, inventory, s, precision, element, fits)
@@ -467,7 +485,7 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
             # the share of this rank's gradients that exist (a split backward makes a chunk's in its first W)
             share = sum(layout.sizes[stages[c]] for c, ok in enumerate(made) if ok) / held_layers
             accumulating = share > 0
-            kept = sum(n * (layout.sizes[stages[c]] * per_layer + around
+            kept = sum(n * (layout.sizes[stages[c]] * per_layer + around - (first_saving if stages[c] == 0 else 0.0)
                             + (after if stages[c] == layout.num_stages - 1 else 0.0)) for c, n in enumerate(counts))
             kept += sum(n * layout.sizes[stages[c]] * w_held for c, n in enumerate(waiting))
             last = stages[chunk] == layout.num_stages - 1
@@ -504,7 +522,7 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
                 peak = (total, gradients, filling, ahead)
         if pp == 1:  # Lightning zeroes .grad after training_step: the last step's live through the forward
             # The head and loss not run yet; half the last layer's own kept bytes made, as above.
-            kept = (layout.sizes[stages[0]] - 0.5) * per_layer + outside - epilogue
+            kept = (layout.sizes[stages[0]] - 0.5) * per_layer - first_saving + outside - epilogue
             if state.total + kept + forward > peak[0]:
                 peak = (state.total + kept + forward, state.gradients, kept, {"forward": forward})
         _, gradients, activations, other = peak

@@ -21,7 +21,7 @@ fitted the same way over ``(b, s, d, v)``: :func:`fit_outside`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 
@@ -44,13 +44,26 @@ class LayerFit:
 
     coefficients: tuple[float, ...]
     check_error: float
+    first: Optional[tuple[float, ...]] = None
+    """the same for the first layer, where it differs: its input (the embedding's output) needs no gradient when the
+    embedding is frozen (LoRA), so it keeps less; ``None``: as the others"""
 
     def bytes(self, s: int, b: int, head_dim: int, ffn: int, quadratic: bool = True) -> float:
         """All the layer keeps for one micro-batch; without ``quadratic``, less the ``s²`` terms (what the explicit
         core attention keeps: a context-parallel layer's blockwise attention keeps none)."""
+        return _fitted(self.coefficients, _terms(b, s, head_dim, ffn), quadratic)
+
+    def first_layer_saving(self, s: int, b: int, head_dim: int, ffn: int, quadratic: bool = True) -> float:
+        """What the first layer keeps less than the others for one micro-batch (0 where :attr:`first` is ``None``)."""
+        if self.first is None:
+            return 0.0
         terms = _terms(b, s, head_dim, ffn)
-        return sum(c * term for k, (c, term) in enumerate(zip(self.coefficients, terms))
-                   if quadratic or TERMS[k] not in ("bss", "ss"))
+        return max(0.0, _fitted(self.coefficients, terms, quadratic) - _fitted(self.first, terms, quadratic))
+
+
+def _fitted(coefficients: tuple[float, ...], terms: list[float], quadratic: bool) -> float:
+    return sum(c * term for k, (c, term) in enumerate(zip(coefficients, terms))
+               if quadratic or TERMS[k] not in ("bss", "ss"))
 
 
 def measure_layer(config: Any, tp: int, sequence_parallel: bool, recompute: str, precision: str, s: int, b: int,
@@ -61,17 +74,29 @@ def measure_layer(config: Any, tp: int, sequence_parallel: bool, recompute: str,
     recomputation by module beside ``recompute``; ``offload``: modules whose saved tensors go to a host pool (the
     device bytes are what is measured); ``training``: the run's LoRA and frozen parameters
     (:class:`~lightning_seqpar.plan.trained.TrainedParts`), copied onto the small model before its rewrite."""
-    layer, everything, _ = measure(config, tp, sequence_parallel, recompute, precision, s, b, overrides, modules,
-                                   offload, training)
-    return everything if whole else layer
+    kept = measure(config, tp, sequence_parallel, recompute, precision, s, b, overrides, modules, offload, training)
+    return kept.everything if whole else kept.layer
+
+
+class Measured(NamedTuple):
+    """What one probe's forward keeps for backward on rank 0, in bytes (see :func:`measure`)."""
+
+    layer: int
+    """the middle layer's"""
+    everything: int
+    """the whole forward's"""
+    prologue: int
+    """what the base model makes before its layers besides the embedding (the attention mask, the rotary tables, the
+    position ids), which every pipeline stage's forward makes again"""
+    first: int
+    """the first layer's (less than the middle one's where the embedding is frozen)"""
 
 
 def measure(config: Any, tp: int, sequence_parallel: bool, recompute: str, precision: str, s: int, b: int,
             overrides: Optional[dict] = None, modules: tuple[str, ...] = (),
-            offload: tuple[str, ...] = (), training: Any = None) -> tuple[int, int, int]:
-    """``(middle layer, whole forward, prologue)``: the bytes each keeps for backward (see :func:`measure_layer`);
-    the prologue is what the base model makes before its layers besides the embedding (the attention mask, the
-    rotary tables, the position ids), which every pipeline stage's forward makes again."""
+            offload: tuple[str, ...] = (), training: Any = None) -> Measured:
+    """The bytes the probe's middle layer, whole forward, prologue and first layer keep for backward
+    (:class:`Measured`; see :func:`measure_layer`)."""
     from lightning_seqpar.hf.model_check import parts_in_order, small_config
     from lightning_seqpar.hf.models import build_causal_lm
     from lightning_seqpar.memory.cuda_autocast import cuda_autocast_rules
@@ -116,7 +141,7 @@ def measure(config: Any, tp: int, sequence_parallel: bool, recompute: str, preci
         base = stack.rpartition(".")[0]
         prologue = (tracker.live_bytes(base) - tracker.live_bytes(stack) - tracker.live_bytes(parts[0])
                     - sum(tracker.live_bytes(part) for part in parts[4:])) if base else 0
-        kept = tracker.live_bytes(parts[2]), tracker.live_bytes(), prologue
+        kept = Measured(tracker.live_bytes(parts[2]), tracker.live_bytes(), prologue, tracker.live_bytes(parts[1]))
         del out
         return kept
 
@@ -157,7 +182,7 @@ def fit_layer(config: Any, tp: int, sequence_parallel: bool = True, recompute: s
 
     heads = getattr(config, "num_attention_heads", None) or config.n_head
     base = probe_head_dim(config)  # the smallest d the model's partial rotary allows
-    rows, kept = [], []
+    rows, kept, first = [], [], []
     for b, s, d, f in _PROBES:
         s, d, f = s * tp, d // 4 * base, f * tp
         overrides = dict(head_dim=d, hidden_size=heads * d, n_embd=heads * d, intermediate_size=f, n_inner=f,
@@ -165,9 +190,12 @@ def fit_layer(config: Any, tp: int, sequence_parallel: bool = True, recompute: s
         if experts is not None:
             overrides.update(_expert_widths(experts, f))
         rows.append(_terms(b, s, d, f))
-        kept.append(float(measure_layer(config, tp, sequence_parallel, recompute, precision, s, b, overrides,
-                                        modules=modules, offload=offload, training=training)))
-    return LayerFit(*_least_squares(rows, kept))
+        measured = measure(config, tp, sequence_parallel, recompute, precision, s, b, overrides, modules, offload,
+                           training)
+        kept.append(float(measured.layer))
+        first.append(float(measured.first))
+    # the first layer is fitted apart only where it can differ: parameters frozen (its input may need no gradient)
+    return LayerFit(*_least_squares(rows, kept), _least_squares(rows, first)[0] if training is not None else None)
 
 
 def _expert_widths(experts: Any, f: int) -> dict[str, int]:
@@ -231,8 +259,8 @@ def fit_outside(config: Any, tp: int, sequence_parallel: bool = True, precision:
         s, d, v = s * tp, d // 4 * base, v * tp
         overrides = dict(head_dim=d, hidden_size=heads * d, n_embd=heads * d, intermediate_size=16 * tp,
                          n_inner=16 * tp, ffn_hidden_size=16 * tp, vocab_size=v)
-        layer, everything, prologue = measure(config, tp, sequence_parallel, "none", precision, s, b, overrides,
-                                              training=training)
+        layer, everything, prologue, _ = measure(config, tp, sequence_parallel, "none", precision, s, b, overrides,
+                                                 training=training)
         rows.append(_outside_terms(b, s, d, v))
         kept.append(float(everything - 3 * layer))
         prologues.append(float(prologue))

@@ -88,7 +88,7 @@ def test_a_whole_forward_is_its_layers_and_what_lies_outside_them(family, precis
     s, b, d, f, v = 24 * tp, 2, 3 * base, 40 * tp, 1000
     overrides = dict(head_dim=d, hidden_size=heads * d, n_embd=heads * d, intermediate_size=f, n_inner=f,
                      ffn_hidden_size=f, vocab_size=v)
-    _, measured, _ = measure(config, tp, True, "none", precision, s, b, overrides)
+    _, measured, _, _ = measure(config, tp, True, "none", precision, s, b, overrides)
     predicted = 3 * layer.bytes(s, b, d, f) + outside.bytes(s, b, d, v)
     print(f"\n{family} {precision}: whole forward measured {measured}, predicted {predicted:.0f}, "
           f"{(predicted - measured) / measured:+.2%}")

@@ -119,17 +119,22 @@ def test_the_probes_train_the_model_as_the_run_does():
 def test_a_frozen_base_keeps_less_and_its_fit_stays_exact():
     # A frozen projection keeps no input for a weight gradient: the LoRA layer keeps less than the trained one, and
     # an adapter's [b, s, r] rows (r fixed) are a b·s term, so the fit still predicts a size no probe used.
-    from lightning_seqpar.plan.probe import fit_layer, measure_layer
+    # The first layer, whose input (the frozen embedding's output) needs no gradient, keeps less again: fitted apart.
+    from lightning_seqpar.plan.probe import fit_layer, measure, measure_layer
 
     lora = model_inventory(TINY, lora=4, lora_targets=["q_proj", "v_proj"])
     config, parts = lora.config, lora.training
     s, b, d = 48, 2, 24
     overrides = dict(head_dim=d, hidden_size=4 * d, intermediate_size=80)
     trained = measure_layer(config, 2, True, "none", "32-true", s, b, overrides)
-    measured = measure_layer(config, 2, True, "none", "32-true", s, b, overrides, training=parts)
-    assert measured < 0.9 * trained
-    predicted = fit_layer(config, 2, True, "none", "32-true", training=parts).bytes(s, b, d, 80)
-    assert abs(predicted - measured) <= 0.01 * measured, (predicted, measured)
+    measured = measure(config, 2, True, "none", "32-true", s, b, overrides, training=parts)
+    assert measured.layer < 0.9 * trained and measured.first < measured.layer
+    fit = fit_layer(config, 2, True, "none", "32-true", training=parts)
+    predicted = fit.bytes(s, b, d, 80)
+    assert abs(predicted - measured.layer) <= 0.01 * measured.layer, (predicted, measured)
+    saving = fit.first_layer_saving(s, b, d, 80)
+    assert abs(saving - (measured.layer - measured.first)) <= 0.01 * measured.layer, (saving, measured)
+    assert fit_layer(config, 2, True, "none", "32-true").first is None  # all trained: one fit serves every layer
 
 
 def test_only_trained_parameters_accumulate_a_grad():
