@@ -157,6 +157,12 @@ class ModelInventory:
         rest): those with gradients, main params and optimizer state."""
         return sum(e.numel for e in self.entries if e.trainable)
 
+    @functools.cached_property
+    def head_trained(self) -> bool:
+        """Whether the LM head's weight is trained (its own, or the embedding tied to it): a frozen head (LoRA's)
+        makes no weight gradient in backward."""
+        return any(e.trainable for e in self.entries if e.part == "head" or e.tied)
+
     @property
     def num_parameters(self) -> int:
         """Single-device parameter count (a tied weight once)."""

@@ -301,9 +301,9 @@ def _layer_fit(record: LayoutRecord, inventory: ModelInventory, recompute: str, 
 def _first_layer_saving(record: LayoutRecord, inventory: ModelInventory, s: int, precision: str,
                         fits: Optional[dict[tuple, Any]]) -> float:
     """Bytes the model's first layer keeps less than the others per micro-batch, where parameters are frozen (LoRA:
-    its input, the frozen embedding's output, needs no gradient); 0 without a probed fit or a frozen parameter.
+    its input, the frozen embedding's output, needs no gradient: the fit's ``first``); 0 without a probed fit.
     Context-parallel layers are priced as their cp 1 twin's (:func:`_layer_bytes`)."""
-    if fits is None or inventory.config is None or inventory.training is None or record.cp > 1:
+    if fits is None or inventory.config is None or record.cp > 1:
         return 0.0
     fit = _layer_fit(record, inventory, record.recompute, precision, fits)
     return fit.first_layer_saving(s, record.micro_batch, inventory.head_dim, inventory.ffn_hidden_size)

@@ -75,8 +75,7 @@ def backward_transient_bytes(inventory: ModelInventory, s: int, b: int, t: int, 
     if not last:
         return layer
     v = padded_size(inventory.vocab_size, t) // t
-    head_trained = any(e.trainable for e in inventory.entries if e.part == "head" or e.tied)
-    head = parameter * v * h if accumulating and head_trained else element * sbh
+    head = parameter * v * h if accumulating and inventory.head_trained else element * sbh
     final_norm = 4 * 4 * sbh  # its backward's float32 temporaries over the gathered sequence
     # The loss's backward makes the logits' gradient beside the softmax it keeps; the head's backward then makes
     # its gradients once the loss freed the softmax, the logits' gradient taking the softmax's place.

@@ -106,13 +106,13 @@ def test_the_probes_train_the_model_as_the_run_does():
     assert lora.training.lora.r == 4 and lora.training.lora.target_modules == {"q_proj", "v_proj"}
     assert frozen.training.lora is None and "model.layers.#.mlp.down_proj.weight" in frozen.training.frozen
     assert len({model_inventory(TINY).probe_key, lora.probe_key, frozen.probe_key}) == 3  # no fit shared
-    runs = {id(lora): with_lora(meta_model(TINY), 4, ["q_proj", "v_proj"]), id(frozen): meta_model(TINY)}
-    freeze(runs[id(frozen)], ("embed_tokens", "mlp"))
+    partly_frozen = meta_model(TINY)
+    freeze(partly_frozen, ("embed_tokens", "mlp"))
     small = transformers.LlamaConfig(**{**TINY, "num_hidden_layers": 3, "hidden_size": 16})
-    for inventory in (lora, frozen):
+    for inventory, run in ((lora, with_lora(meta_model(TINY), 4, ["q_proj", "v_proj"])), (frozen, partly_frozen)):
         probe = apply_trained_parts(build_causal_lm(small), inventory.training)
         trained = {generic_name(n) for n, p in probe.named_parameters() if p.requires_grad}
-        expected = {generic_name(n) for n, p in runs[id(inventory)].named_parameters() if p.requires_grad}
+        expected = {generic_name(n) for n, p in run.named_parameters() if p.requires_grad}
         assert trained == expected != set()
 
 
