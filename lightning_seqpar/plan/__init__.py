@@ -17,7 +17,8 @@ from lightning_seqpar.plan.calibration import StepCalibration
 from lightning_seqpar.plan.cost import Hardware
 from lightning_seqpar.plan.inventory import ModelInventory, ParameterEntry
 from lightning_seqpar.plan.models import inventory_of_hf_model, model_inventory
-from lightning_seqpar.plan.planner import LayoutRecord, plan, predict
+from lightning_seqpar.plan.layout_record import LayoutRecord
+from lightning_seqpar.plan.planner import plan, predict
 from lightning_seqpar.plan.state import StateBytes, state_bytes
 
 __all__ = ["Hardware", "LayoutRecord", "ModelInventory", "ParameterEntry", "StateBytes", "StepCalibration",

@@ -14,122 +14,41 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import replace
 from typing import Any, Optional, Union
 
 from lightning_seqpar.memory.activations import TransformerShape
 from lightning_seqpar.memory.flops import hardware_flops_per_iteration, mlp_forward_flops, model_flops_per_iteration
 from lightning_seqpar.optim.grad_buckets import DEFAULT_BUCKET_BYTES
-from lightning_seqpar.pipeline_parallel.schedules import (SPLIT_BACKWARD, V_SHAPED, bubble_fraction, build_schedule,
-                                                       placement_of, resolve_schedule, runs_at)
-from lightning_seqpar.plan.activations import layer_bytes, outside_layers_bytes, weight_gradient_bytes
+from lightning_seqpar.pipeline_parallel.schedules import (SPLIT_BACKWARD, bubble_fraction, placement_of, resolve_schedule,
+                                                       runs_at)
+from lightning_seqpar.plan.activations import weight_gradient_bytes
 from lightning_seqpar.plan.cost import Hardware, Traffic, attention_flops, ring_bytes, step_times
 from lightning_seqpar.plan.experts import (  # noqa: F401  (expert_parallel_sizes: the planner's, re-exported)
-    all_to_all_bytes, expert_grids, expert_layer_elements, expert_parallel_sizes, expert_tensor_parallel_bytes,
+    all_to_all_bytes, expert_grids, expert_parallel_sizes,
 )
 from lightning_seqpar.plan.inventory import ModelInventory
+from lightning_seqpar.plan.layout_record import LayoutRecord
 from lightning_seqpar.plan.memory_choices import (TRADES, describe, host_traffic, largest_offloaded_share,
                                                   memory_choice_rule, offload_backward_bytes)
+from lightning_seqpar.plan.moments import backward_moments, chunks_rule
+from lightning_seqpar.plan.pricing import (first_layer_saving, layer_activation_bytes, loss_chunk_positions,
+                                           outside_bytes)
 from lightning_seqpar.plan.rules import divisors, layout_rule
-from lightning_seqpar.plan.state import (
-    OPTIMIZER_STATES,
-    PARAMETER_BYTES,
-    StateBytes,
-    held_entries,
-    stage_layout,
-    state_bytes,
-)
-from lightning_seqpar.tensor_parallel.sharding import padded_size
+from lightning_seqpar.plan.state import OPTIMIZER_STATES, PARAMETER_BYTES, StateBytes, held_entries, stage_layout, state_bytes
 from lightning_seqpar.plan.transients import (
     accumulation_bytes,
     attention_backward_bytes,
     backward_transient_bytes,
-    loss_bytes,
-    context_attention_kept,
     context_transient_bytes,
     forward_transient_bytes,
     largest_layer_weight,
+    loss_bytes,
 )
+from lightning_seqpar.tensor_parallel.sharding import padded_size
 
 RECOMPUTE = ("selective", "none", "full")
 VIRTUAL_STAGES = (1, 2, 4, 5)
-
-
-@dataclass
-class LayoutRecord:
-    """One layout the planner considered (``--json`` prints these).
-
-    Attributes:
-        tp, cp, pp, vpp, dp, zero, micro_batch, num_microbatches, recompute, main_params: the layout.
-        ep: the expert-parallel size of a mixture of experts (1 for a dense model).
-        expert_tp: the expert tensor-parallel size (each expert's width split over it; 1: whole experts).
-        modules: recomputation by module beside ``recompute`` (``("mlp",)``: the MLP keeps its input only).
-        offload: modules whose saved tensors wait in host memory (:data:`~lightning_seqpar.offload.OFFLOAD_MODULES`).
-        loss_chunk: positions of the loss's logits computed at a time (the strategy's ``loss_chunk``; ``None``: all at
-            once). A Hugging Face model split over tp or cp ranks whose ``s/c`` exceeds it keeps no logits or softmax
-            for backward: each chunk's are made again there, one chunk at a time.
-        cp_comm: the context-parallel attention's communication, ``ring`` or ``all_to_all`` (with ``cp > 1``). A
-            rank of ``cp = c`` holds ``s/c`` tokens (``dp`` counts replicas reading different batches, context-parallel
-            peers excluded: the data group that reduces gradients and shards ZeRO has ``d·c`` ranks).
-        feasible: it passes every rule and fits in memory.
-        reason: why not (``None`` when feasible).
-        bytes: the most loaded rank's predicted bytes at its step's peak: ``parameters``, ``gradients`` (none of
-            a step's first backward's ``.grad`` when it peaks there; the last step's when it peaks in a forward),
-            ``main_params``, ``optimizer``, ``activations`` (kept by the micro-batches in flight), ``other`` (what
-            exists only at that moment: a forward's or a backward's transients, pipeline buffers, or the optimizer's
-            temporaries: :mod:`.transients`), ``total``.
-        stage: the most loaded pipeline rank.
-        flops: model and hardware FLOPs per step (Eq. 7, Eq. 8).
-        collective_bytes: bytes each rank sends per step, by kind (``tensor``, ``data``, ``pipeline``, ``expert``:
-            the dispatch and combine all-to-alls of a mixture of experts, and ``context``: the context-parallel
-            attention's ring or all-to-all transfers).
-        bubble: the pipeline bubble's fraction of the compute time.
-        step_time: predicted seconds per step and its terms.
-        timing: ``measured rates`` when the step time read a calibration (:mod:`.calibration`), else ``rough
-            estimate`` (nominal rates: an assumed fraction of peak FLOP/s and link bandwidths).
-        why: for a layout :func:`plan` made by trading (``memory_choices=True``): why it recomputes by module or
-            offloads (what the same layout needs without).
-        host: with ``offload``: ``moved_per_step`` (bytes one rank copies to the host per step, and back) and ``held``
-            (bytes waiting there at its peak): :mod:`.memory_choices`.
-        other: what ``bytes["other"]`` is made of at the peak: ``forward`` (the last layer's core attention
-            temporaries at the end of a forward, the last step's gradients still alive), ``backward`` (a backward's
-            transients),
-            ``accumulated_gradients`` (``.grad`` beside the data-parallel buckets) or ``optimizer`` (its step's
-            temporary).
-    """
-
-    tp: int
-    cp: int
-    pp: int
-    vpp: int
-    dp: int
-    zero: int
-    micro_batch: int
-    num_microbatches: int
-    recompute: str
-    main_params: bool
-    ep: int = 1
-    expert_tp: int = 1
-    cp_comm: str = "ring"
-    schedule: str = "1F1B"
-    modules: tuple[str, ...] = ()
-    offload: tuple[str, ...] = ()
-    loss_chunk: Optional[int] = 4096
-    feasible: bool = False
-    reason: Optional[str] = None
-    bytes: dict[str, int] = field(default_factory=dict)
-    stage: int = 0
-    flops: dict[str, float] = field(default_factory=dict)
-    collective_bytes: dict[str, float] = field(default_factory=dict)
-    bubble: float = 0.0
-    step_time: dict[str, float] = field(default_factory=dict)
-    other: dict[str, int] = field(default_factory=dict)
-    host: dict[str, float] = field(default_factory=dict)
-    why: Optional[str] = None
-    timing: str = "rough estimate"
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def plan(inventory: ModelInventory, gpus: int, seq_len: int, global_batch: int, *, hardware: Hardware = Hardware(),
@@ -197,7 +116,7 @@ def plan(inventory: ModelInventory, gpus: int, seq_len: int, global_batch: int, 
                                           main_params=zero == 1 and precision == "bf16-true", ep=ep, expert_tp=etp,
                                           cp_comm=cp_comm if cp > 1 else "ring", schedule=name if pp > 1 else "1F1B",
                                           loss_chunk=chunk_size)
-                    effective = _loss_chunk(record, inventory, seq_len // cp)
+                    effective = loss_chunk_positions(record, inventory, seq_len // cp)
                     if effective in priced:
                         continue
                     priced.add(effective)
@@ -256,110 +175,6 @@ def _check(precision: str, optimizer: str) -> None:
         raise ValueError(f"optimizer={optimizer!r}: one of {sorted(OPTIMIZER_STATES)} (sgd: with momentum).")
 
 
-def _layer_bytes(record: LayoutRecord, inventory: ModelInventory, s: int, precision: str, dropout: bool,
-                 fits: Optional[dict[tuple, Any]]) -> float:
-    """One layer's activation bytes per micro-batch in flight (autocast's 16-bit weight copies included: the parallel
-    layers cast inside their autograd functions, where autocast's cache does not apply, so every micro-batch's
-    forward keeps its own); measured and scaled where the model can be probed."""
-    element = 2 if precision.startswith("bf16") else PARAMETER_BYTES[precision]
-    cp, local, recompute = record.cp, s // record.cp, record.recompute
-    extra = 0.0
-    if cp > 1 and recompute != "full":
-        # Under context parallelism a rank's layer is the same layer over its s/c tokens but for its core attention,
-        # blockwise: it keeps q, k and v (as a checkpointed explicit core attention keeps them; a fused kernel
-        # keeps them too, with its output and log-sum-exp), its output and log-sum-exp, and no s² tensor.
-        recompute = "selective" if inventory.eager_attention else "none"
-        if inventory.eager_attention:
-            extra = context_attention_kept(inventory, s, record.micro_batch, record.tp, cp, element)
-    if fits is None or inventory.config is None:
-        extra += expert_tensor_parallel_bytes(inventory, record, local, element)
-        return extra + layer_bytes(inventory, local, record.micro_batch, record.tp, True, recompute, element, dropout,
-                                   modules=record.modules, offload=record.offload)
-    measured = extra + _layer_fit(record, inventory, recompute, precision, fits).bytes(
-        local, record.micro_batch, inventory.head_dim, inventory.ffn_hidden_size, quadratic=cp == 1)
-    if precision == "bf16-mixed" and recompute != "full":
-        # The probe's rank holds every expert (ep 1), and autocast's 16-bit copy of each is kept for backward; a rank
-        # of ep e casts its E/e experts only, each 1/etp of its width under expert tensor parallelism.
-        measured -= 2 * expert_layer_elements(inventory) * (1 - 1 / (record.ep * record.expert_tp))
-    return measured + expert_tensor_parallel_bytes(inventory, record, local, element)
-
-
-def _layer_fit(record: LayoutRecord, inventory: ModelInventory, recompute: str, precision: str,
-               fits: dict[tuple, Any]) -> Any:
-    """The probes' :class:`~lightning_seqpar.plan.probe.LayerFit` of a layer under ``record`` with ``recompute``,
-    fitted once per model and layout into ``fits``."""
-    key = (inventory.probe_key, record.tp, recompute, precision) + ((record.modules, record.offload)
-                                                                    if record.modules or record.offload else ())
-    if key not in fits:
-        from lightning_seqpar.plan.probe import fit_layer
-
-        fits[key] = fit_layer(inventory.config, record.tp, True, recompute, precision, inventory.experts,
-                              modules=record.modules, offload=record.offload, training=inventory.training)
-    return fits[key]
-
-
-def _first_layer_saving(record: LayoutRecord, inventory: ModelInventory, s: int, precision: str,
-                        fits: Optional[dict[tuple, Any]]) -> float:
-    """Bytes the model's first layer keeps less than the others per micro-batch, where parameters are frozen (LoRA:
-    its input, the frozen embedding's output, needs no gradient: the fit's ``first``); 0 without a probed fit.
-    Context-parallel layers are priced as their cp 1 twin's (:func:`_layer_bytes`)."""
-    if fits is None or inventory.config is None or record.cp > 1:
-        return 0.0
-    fit = _layer_fit(record, inventory, record.recompute, precision, fits)
-    return fit.first_layer_saving(s, record.micro_batch, inventory.head_dim, inventory.ffn_hidden_size)
-
-
-def _loss_chunk(record: LayoutRecord, inventory: ModelInventory, local: int) -> Optional[int]:
-    """The positions per chunk of the loss's logits where they are computed in chunks: a Hugging Face model (a
-    config the planner probes) whose head is split over tp or cp ranks (its head and loss rewritten, the
-    vocabulary-parallel loss), and more than ``loss_chunk`` positions per rank
-    (:meth:`~lightning_seqpar.tensor_parallel.vocab_logits.VocabShardedLogits.over_chunks`); else ``None``."""
-    chunk = record.loss_chunk
-    if chunk is None or local <= chunk or inventory.config is None or (record.tp == 1 and record.cp == 1):
-        return None
-    return chunk
-
-
-def _outside_bytes(record: LayoutRecord, inventory: ModelInventory, s: int, precision: str, element: int,
-                   fits: Optional[dict[tuple, Any]]) -> tuple[float, float]:
-    """What a micro-batch's forward keeps outside the layers (embedding, prologue, final norm, head, loss), and of it
-    the prologue every pipeline stage's forward makes again (attention mask, rotary tables, position ids): measured
-    and scaled where the model can be probed (the analytic model has no prologue)."""
-    if fits is None or inventory.config is None:
-        return outside_layers_bytes(inventory, s // record.cp, record.micro_batch, record.tp, True, True, element), 0.0
-    key = (inventory.probe_key, "outside", record.tp, precision)
-    if key not in fits:
-        from lightning_seqpar.plan.probe import fit_outside
-
-        fits[key] = fit_outside(inventory.config, record.tp, True, precision, inventory.training)
-    sizes = (s // record.cp, record.micro_batch, inventory.head_dim, inventory.vocab_size)
-    return fits[key].bytes(*sizes), fits[key].prologue_bytes(*sizes)
-
-
-@functools.lru_cache(maxsize=4096)
-def _backward_moments(schedule: str, m: int, pp: int, vpp: int, rank: int
-                      ) -> tuple[tuple[tuple[int, ...], int, tuple[bool, ...], tuple[int, ...]], ...]:
-    """The distinct moments at which pipeline rank ``rank`` starts a backward (a B) in ``schedule``: the forwards in
-    flight then, counted per model chunk; the backward's chunk; per chunk, whether its weights' gradients exist (an
-    earlier backward ran, any chunk's; under a split backward that chunk's W: a B makes no weight gradient); the
-    micro-batches past their B and waiting for their W, per chunk (a split backward)."""
-    moments: dict[tuple[tuple[int, ...], int, tuple[bool, ...], tuple[int, ...]], None] = {}
-    counts, waiting, made = [0] * vpp, [0] * vpp, [False] * vpp
-    split = schedule in SPLIT_BACKWARD
-    for action in build_schedule(schedule, m, pp, vpp, rank):
-        if action.kind == "F":
-            counts[action.chunk] += 1
-        elif action.kind == "B":
-            moments[(tuple(counts), action.chunk, tuple(made), tuple(waiting))] = None
-            made = made if split else [True] * vpp
-            counts[action.chunk] -= 1
-            waiting[action.chunk] += split
-        else:
-            waiting[action.chunk] -= 1
-            made[action.chunk] = True
-    return tuple(moments)
-
-
 def _spans_nodes(gpus_per_node: int, ranks: int) -> bool:
     return ranks > gpus_per_node
 
@@ -386,28 +201,12 @@ def _context_bytes(inventory: ModelInventory, record: LayoutRecord, s: int, elem
     return forward * (2 if record.recompute == "full" else 1) + backward
 
 
-def _chunks_rule(schedule: str, vpp: int) -> Optional[str]:
-    """Why ``schedule`` cannot run ``vpp`` model chunks per rank (ZB-H1 runs one, ZB-V two), or ``None``."""
-    try:
-        name = resolve_schedule(schedule, 1)
-    except ValueError:  # the interleaved schedule by name: from two chunks on
-        try:
-            resolve_schedule(schedule, vpp)
-        except ValueError as error:
-            return str(error)
-        return None
-    if runs_at(name, vpp):
-        return None
-    return (f"{name} runs two model chunks per rank in a V (vpp={vpp})" if name in V_SHAPED
-            else f"{name} runs one model chunk per rank (vpp={vpp})")
-
-
 def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_batch: int, hardware: Hardware,
               precision: str, headroom: float, schedule: str, dropout: bool,
               fits: Optional[dict[tuple, Any]] = None, optimizer: str = "adamw") -> None:
     record.reason = layout_rule(record, inventory, s, global_batch, hardware)
     if record.reason is None and record.pp > 1:
-        record.reason = _chunks_rule(schedule, record.vpp)
+        record.reason = chunks_rule(schedule, record.vpp)
     if record.reason is not None:
         return
     tp, pp, vpp, dp, b, m = record.tp, record.pp, record.vpp, record.dp, record.micro_batch, record.num_microbatches
@@ -415,7 +214,7 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
     element = 2 if precision.startswith("bf16") else PARAMETER_BYTES[precision]
     name = resolve_schedule(schedule, vpp) if pp > 1 else "1F1B"
     layout = stage_layout(inventory, pp, vpp, placement=placement_of(name))
-    per_layer = _layer_bytes(record, inventory, s, precision, dropout, fits)
+    per_layer = layer_activation_bytes(record, inventory, s, precision, dropout, fits)
     # What a layer's backward makes again or brings back: its kept bytes without recomputation and offload, less
     # with them. Of it, what the offload moves (the same layer's bytes with and without it).
     moved = recomputed = prefetched = 0.0
@@ -423,16 +222,16 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
         whole = LayoutRecord(tp, cp, pp, vpp, dp, record.zero, b, m, "none", record.main_params, ep=record.ep,
                              expert_tp=record.expert_tp, loss_chunk=record.loss_chunk,
                              offload=record.offload)
-        recomputed = max(0.0, _layer_bytes(whole, inventory, s, precision, dropout, fits) - per_layer)
+        recomputed = max(0.0, layer_activation_bytes(whole, inventory, s, precision, dropout, fits) - per_layer)
     if record.offload:
-        moved = max(0.0, _layer_bytes(replace(record, offload=()), inventory, s, precision, dropout, fits) - per_layer)
+        moved = max(0.0, layer_activation_bytes(replace(record, offload=()), inventory, s, precision, dropout, fits) - per_layer)
         recomputed += offload_backward_bytes(moved, per_layer, inventory.num_layers // (pp * vpp),
                                              largest_offloaded_share(inventory, local, b, tp, record, element, dropout))
         prefetched = moved * (inventory.num_layers // (pp * vpp) > 1)
-    first_saving = _first_layer_saving(record, inventory, local, precision, fits)  # kept less by stage 0's first layer
+    first_saving = first_layer_saving(record, inventory, local, precision, fits)  # kept less by stage 0's first layer
     worst: tuple[float, int, dict[str, int], dict[str, int]] = (-1.0, 0, {}, {})
     parameter = PARAMETER_BYTES[precision]
-    outside, prologue = _outside_bytes(record, inventory, s, precision, element, fits)
+    outside, prologue = outside_bytes(record, inventory, s, precision, element, fits)
     # Outside the layers, a forward keeps the stage input ([s/t, b, h]: the embedding's output, or what a pipeline
     # stage received), the prologue (mask, rotary tables, position ids) and the epilogue (final norm, head, loss).
     # Under a pipeline every chunk-forward keeps an input and a prologue of its own; only the last chunk an epilogue.
@@ -440,7 +239,7 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
     epilogue = max(0.0, outside - prologue - stage_input)
     # The head's logits live from the head to the end of the loss's forward: a micro-batch keeps the rest. In chunks
     # (loss_chunk), it keeps neither them nor the softmax, and the loss's forward and backward make one chunk's.
-    positions, vocab_parallel = _loss_chunk(record, inventory, local), tp > 1 or cp > 1
+    positions, vocab_parallel = loss_chunk_positions(record, inventory, local), tp > 1 or cp > 1
     logits, loss_forward, loss_backward = loss_bytes(inventory, local, b, tp, element, vocab_parallel)
     kept_logits = logits if positions is None else logits + 4 * logits / element  # the logits, and the softmax kept
     kept_logits = min(kept_logits, epilogue)
@@ -481,7 +280,7 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
         opt = state.temporary  # the optimizer's step, after the backwards
         peak = (state.total + opt, state.gradients, 0.0, {"optimizer": opt})  # (total, gradients, activations, other)
         held_layers = sum(layout.sizes[k] for k in stages)
-        for counts, chunk, made, waiting in _backward_moments(name, m, pp, vpp, rank):
+        for counts, chunk, made, waiting in backward_moments(name, m, pp, vpp, rank):
             # the share of this rank's gradients that exist (a split backward makes a chunk's in its first W)
             share = sum(layout.sizes[stages[c]] for c, ok in enumerate(made) if ok) / held_layers
             accumulating = share > 0
@@ -596,7 +395,7 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
     record.timing = "measured rates" if hardware.calibration is not None else "rough estimate"
     if record.offload:  # the host holds, at most, what the rank with the most layer-micro-batches in flight offloaded
         held = max(sum(n * layout.sizes[layout.stages_of(rank)[c]] for c, n in enumerate(counts))
-                   for rank in range(pp) for counts, _, _, _ in _backward_moments(name, m, pp, vpp, rank))
+                   for rank in range(pp) for counts, _, _, _ in backward_moments(name, m, pp, vpp, rank))
         record.host, times["offload"] = host_traffic(moved, layers_per_rank, m, held, compute,
                                                      hardware.host_bandwidth)
     times["total"] = sum(times.values())

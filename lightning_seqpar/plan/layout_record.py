@@ -1,0 +1,85 @@
+"""One layout the planner considers, and what it predicts for it: the record :func:`~.planner.plan` returns and
+``python -m lightning_seqpar.plan --json`` prints. Its own module so the parts that price a layout
+(:mod:`.pricing`, :mod:`.rules`) read it without importing the planner back."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+
+@dataclass
+class LayoutRecord:
+    """One layout the planner considered (``--json`` prints these).
+
+    Attributes:
+        tp, cp, pp, vpp, dp, zero, micro_batch, num_microbatches, recompute, main_params: the layout.
+        ep: the expert-parallel size of a mixture of experts (1 for a dense model).
+        expert_tp: the expert tensor-parallel size (each expert's width split over it; 1: whole experts).
+        modules: recomputation by module beside ``recompute`` (``("mlp",)``: the MLP keeps its input only).
+        offload: modules whose saved tensors wait in host memory (:data:`~lightning_seqpar.offload.OFFLOAD_MODULES`).
+        loss_chunk: positions of the loss's logits computed at a time (the strategy's ``loss_chunk``; ``None``: all at
+            once). A Hugging Face model split over tp or cp ranks whose ``s/c`` exceeds it keeps no logits or softmax
+            for backward: each chunk's are made again there, one chunk at a time.
+        cp_comm: the context-parallel attention's communication, ``ring`` or ``all_to_all`` (with ``cp > 1``). A
+            rank of ``cp = c`` holds ``s/c`` tokens (``dp`` counts replicas reading different batches, context-parallel
+            peers excluded: the data group that reduces gradients and shards ZeRO has ``d·c`` ranks).
+        feasible: it passes every rule and fits in memory.
+        reason: why not (``None`` when feasible).
+        bytes: the most loaded rank's predicted bytes at its step's peak: ``parameters``, ``gradients`` (none of
+            a step's first backward's ``.grad`` when it peaks there; the last step's when it peaks in a forward),
+            ``main_params``, ``optimizer``, ``activations`` (kept by the micro-batches in flight), ``other`` (what
+            exists only at that moment: a forward's or a backward's transients, pipeline buffers, or the optimizer's
+            temporaries: :mod:`.transients`), ``total``.
+        stage: the most loaded pipeline rank.
+        flops: model and hardware FLOPs per step (Eq. 7, Eq. 8).
+        collective_bytes: bytes each rank sends per step, by kind (``tensor``, ``data``, ``pipeline``, ``expert``:
+            the dispatch and combine all-to-alls of a mixture of experts, and ``context``: the context-parallel
+            attention's ring or all-to-all transfers).
+        bubble: the pipeline bubble's fraction of the compute time.
+        step_time: predicted seconds per step and its terms.
+        timing: ``measured rates`` when the step time read a calibration (:mod:`.calibration`), else ``rough
+            estimate`` (nominal rates: an assumed fraction of peak FLOP/s and link bandwidths).
+        why: for a layout :func:`plan` made by trading (``memory_choices=True``): why it recomputes by module or
+            offloads (what the same layout needs without).
+        host: with ``offload``: ``moved_per_step`` (bytes one rank copies to the host per step, and back) and ``held``
+            (bytes waiting there at its peak): :mod:`.memory_choices`.
+        other: what ``bytes["other"]`` is made of at the peak: ``forward`` (the last layer's core attention
+            temporaries at the end of a forward, the last step's gradients still alive), ``backward`` (a backward's
+            transients),
+            ``accumulated_gradients`` (``.grad`` beside the data-parallel buckets) or ``optimizer`` (its step's
+            temporary).
+    """
+
+    tp: int
+    cp: int
+    pp: int
+    vpp: int
+    dp: int
+    zero: int
+    micro_batch: int
+    num_microbatches: int
+    recompute: str
+    main_params: bool
+    ep: int = 1
+    expert_tp: int = 1
+    cp_comm: str = "ring"
+    schedule: str = "1F1B"
+    modules: tuple[str, ...] = ()
+    offload: tuple[str, ...] = ()
+    loss_chunk: Optional[int] = 4096
+    feasible: bool = False
+    reason: Optional[str] = None
+    bytes: dict[str, int] = field(default_factory=dict)
+    stage: int = 0
+    flops: dict[str, float] = field(default_factory=dict)
+    collective_bytes: dict[str, float] = field(default_factory=dict)
+    bubble: float = 0.0
+    step_time: dict[str, float] = field(default_factory=dict)
+    other: dict[str, int] = field(default_factory=dict)
+    host: dict[str, float] = field(default_factory=dict)
+    why: Optional[str] = None
+    timing: str = "rough estimate"
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)

@@ -1,0 +1,98 @@
+"""What one micro-batch of a layout keeps for backward, in bytes: a layer's activations, the first layer's saving
+where parameters are frozen, and what the forward keeps outside the layers. Measured on small copies of the model and
+scaled (:mod:`.probe`, fitted once per model and layout into the caller's ``fits``) where the model can be probed;
+Table 2's model (:mod:`.activations`) where it cannot (``fits`` or the inventory's config ``None``).
+
+Shapes: ``s`` is the global sequence length; a context-parallel rank's layers see ``s/c`` tokens (``local``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from lightning_seqpar.plan.activations import layer_bytes, outside_layers_bytes
+from lightning_seqpar.plan.experts import expert_layer_elements, expert_tensor_parallel_bytes
+from lightning_seqpar.plan.inventory import ModelInventory
+from lightning_seqpar.plan.layout_record import LayoutRecord
+from lightning_seqpar.plan.state import PARAMETER_BYTES
+from lightning_seqpar.plan.transients import context_attention_kept
+
+
+def layer_activation_bytes(record: LayoutRecord, inventory: ModelInventory, s: int, precision: str, dropout: bool,
+                 fits: Optional[dict[tuple, Any]]) -> float:
+    """One layer's activation bytes per micro-batch in flight (autocast's 16-bit weight copies included: the parallel
+    layers cast inside their autograd functions, where autocast's cache does not apply, so every micro-batch's
+    forward keeps its own); measured and scaled where the model can be probed."""
+    element = 2 if precision.startswith("bf16") else PARAMETER_BYTES[precision]
+    cp, local, recompute = record.cp, s // record.cp, record.recompute
+    extra = 0.0
+    if cp > 1 and recompute != "full":
+        # Under context parallelism a rank's layer is the same layer over its s/c tokens but for its core attention,
+        # blockwise: it keeps q, k and v (as a checkpointed explicit core attention keeps them; a fused kernel
+        # keeps them too, with its output and log-sum-exp), its output and log-sum-exp, and no s² tensor.
+        recompute = "selective" if inventory.eager_attention else "none"
+        if inventory.eager_attention:
+            extra = context_attention_kept(inventory, s, record.micro_batch, record.tp, cp, element)
+    if fits is None or inventory.config is None:
+        extra += expert_tensor_parallel_bytes(inventory, record, local, element)
+        return extra + layer_bytes(inventory, local, record.micro_batch, record.tp, True, recompute, element, dropout,
+                                   modules=record.modules, offload=record.offload)
+    measured = extra + layer_fit(record, inventory, recompute, precision, fits).bytes(
+        local, record.micro_batch, inventory.head_dim, inventory.ffn_hidden_size, quadratic=cp == 1)
+    if precision == "bf16-mixed" and recompute != "full":
+        # The probe's rank holds every expert (ep 1), and autocast's 16-bit copy of each is kept for backward; a rank
+        # of ep e casts its E/e experts only, each 1/etp of its width under expert tensor parallelism.
+        measured -= 2 * expert_layer_elements(inventory) * (1 - 1 / (record.ep * record.expert_tp))
+    return measured + expert_tensor_parallel_bytes(inventory, record, local, element)
+
+
+def layer_fit(record: LayoutRecord, inventory: ModelInventory, recompute: str, precision: str,
+               fits: dict[tuple, Any]) -> Any:
+    """The probes' :class:`~lightning_seqpar.plan.probe.LayerFit` of a layer under ``record`` with ``recompute``,
+    fitted once per model and layout into ``fits``."""
+    key = (inventory.probe_key, record.tp, recompute, precision) + ((record.modules, record.offload)
+                                                                    if record.modules or record.offload else ())
+    if key not in fits:
+        from lightning_seqpar.plan.probe import fit_layer
+
+        fits[key] = fit_layer(inventory.config, record.tp, True, recompute, precision, inventory.experts,
+                              modules=record.modules, offload=record.offload, training=inventory.training)
+    return fits[key]
+
+
+def first_layer_saving(record: LayoutRecord, inventory: ModelInventory, s: int, precision: str,
+                        fits: Optional[dict[tuple, Any]]) -> float:
+    """Bytes the model's first layer keeps less than the others per micro-batch, where parameters are frozen (LoRA:
+    its input, the frozen embedding's output, needs no gradient: the fit's ``first``); 0 without a probed fit.
+    Context-parallel layers are priced as their cp 1 twin's (:func:`layer_activation_bytes`)."""
+    if fits is None or inventory.config is None or record.cp > 1:
+        return 0.0
+    fit = layer_fit(record, inventory, record.recompute, precision, fits)
+    return fit.first_layer_saving(s, record.micro_batch, inventory.head_dim, inventory.ffn_hidden_size)
+
+
+def loss_chunk_positions(record: LayoutRecord, inventory: ModelInventory, local: int) -> Optional[int]:
+    """The positions per chunk of the loss's logits where they are computed in chunks: a Hugging Face model (a
+    config the planner probes) whose head is split over tp or cp ranks (its head and loss rewritten, the
+    vocabulary-parallel loss), and more than ``loss_chunk`` positions per rank
+    (:meth:`~lightning_seqpar.tensor_parallel.vocab_logits.VocabShardedLogits.over_chunks`); else ``None``."""
+    chunk = record.loss_chunk
+    if chunk is None or local <= chunk or inventory.config is None or (record.tp == 1 and record.cp == 1):
+        return None
+    return chunk
+
+
+def outside_bytes(record: LayoutRecord, inventory: ModelInventory, s: int, precision: str, element: int,
+                   fits: Optional[dict[tuple, Any]]) -> tuple[float, float]:
+    """What a micro-batch's forward keeps outside the layers (embedding, prologue, final norm, head, loss), and of it
+    the prologue every pipeline stage's forward makes again (attention mask, rotary tables, position ids): measured
+    and scaled where the model can be probed (the analytic model has no prologue)."""
+    if fits is None or inventory.config is None:
+        return outside_layers_bytes(inventory, s // record.cp, record.micro_batch, record.tp, True, True, element), 0.0
+    key = (inventory.probe_key, "outside", record.tp, precision)
+    if key not in fits:
+        from lightning_seqpar.plan.probe import fit_outside
+
+        fits[key] = fit_outside(inventory.config, record.tp, True, precision, inventory.training)
+    sizes = (s // record.cp, record.micro_batch, inventory.head_dim, inventory.vocab_size)
+    return fits[key].bytes(*sizes), fits[key].prologue_bytes(*sizes)
