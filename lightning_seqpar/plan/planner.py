@@ -204,16 +204,66 @@ def _context_bytes(inventory: ModelInventory, record: LayoutRecord, s: int, elem
 def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_batch: int, hardware: Hardware,
               precision: str, headroom: float, schedule: str, dropout: bool,
               fits: Optional[dict[tuple, Any]] = None, optimizer: str = "adamw") -> None:
+    """Fill ``record``: the rules' verdict, then its peak bytes, FLOPs, traffic and step time, and whether it fits."""
     record.reason = layout_rule(record, inventory, s, global_batch, hardware)
     if record.reason is None and record.pp > 1:
         record.reason = chunks_rule(schedule, record.vpp)
     if record.reason is not None:
         return
+    name = resolve_schedule(schedule, record.vpp) if record.pp > 1 else "1F1B"
+    record.schedule = name
+    layout = stage_layout(inventory, record.pp, record.vpp, placement=placement_of(name))
+    moved = _peak_bytes(record, inventory, s, precision, dropout, fits, optimizer, layout)
+    shape, executed = _flops(record, inventory, s, global_batch)
+    traffic, held = _traffic(record, inventory, s, precision, hardware, layout)
+    tp, pp, vpp, dp, b, m = record.tp, record.pp, record.vpp, record.dp, record.micro_batch, record.num_microbatches
+    cp, local = record.cp, s // record.cp
+    layers_per_rank, width, ranks = inventory.num_layers // pp, record.ep * record.expert_tp, tp * cp * pp * dp
+    record.bubble = (pp - 1) / (vpp * m) if pp > 1 else 0.0
+    if pp > 1 and name in SPLIT_BACKWARD:  # idle over compute, F = B = W (Eq. 7's 2 : 4 split of the FLOPs, halved)
+        idle = bubble_fraction(name, m, pp)
+        record.bubble = idle / (1 - idle)
+    attention = attention_flops(shape, global_batch, record.recompute)
+    ffn = inventory.ffn_hidden_size
+    # the elements this rank's optimizer updates: its trainable shards, a 1/(d·c) range of them under zero 1
+    dense, experts = ((sum(e.local_numel(tp, record.ep, record.expert_tp) for e in held if e.trainable and e.expert == x)
+                      for x in (False, True)))
+    if record.zero:
+        dense, experts = dense / (dp * cp), experts / max(1, tp * dp * cp // width)
+    times = step_times(hardware, executed / ranks, attention / ranks,
+                       (local * b, inventory.hidden_size, max(1, ffn // tp)), local, traffic, record.bubble,
+                       optimizer_elements=dense + experts)
+    compute = times["compute"]
+    record.timing = "measured rates" if hardware.calibration is not None else "rough estimate"
+    if record.offload:  # the host holds, at most, what the rank with the most layer-micro-batches in flight offloaded
+        in_flight = max(sum(n * layout.sizes[layout.stages_of(rank)[c]] for c, n in enumerate(counts))
+                        for rank in range(pp) for counts, _, _, _ in backward_moments(name, m, pp, vpp, rank))
+        record.host, times["offload"] = host_traffic(moved, layers_per_rank, m, in_flight, compute,
+                                                     hardware.host_bandwidth)
+    times["total"] = sum(times.values())
+    record.step_time = times
+    budget = headroom * hardware.memory
+    if record.host and record.host["held"] > hardware.host_memory:
+        record.reason = (f"offloads {record.host['held'] / 1e9:.1f} GB > {hardware.host_memory / 1e9:g} GB of host memory "
+                         f"per GPU")
+        return
+    if record.bytes["total"] > budget:
+        record.reason = (f"needs {record.bytes['total'] / 1e9:.1f} GB > {headroom:g} × {hardware.memory / 1e9:g} GB on "
+                         f"stage {record.stage}")
+        return
+    record.feasible = True
+
+
+def _peak_bytes(record: LayoutRecord, inventory: ModelInventory, s: int, precision: str, dropout: bool,
+                fits: Optional[dict[tuple, Any]], optimizer: str, layout: Any) -> float:
+    """The most loaded pipeline rank's bytes at its step's peak into ``record`` (``stage``, ``bytes``, ``other``):
+    each rank's model state and, at each moment one of its backwards starts (and in the optimizer's step), what its
+    schedule holds in flight and what that moment makes. Returns the bytes one layer's offload moves per micro-batch
+    (0 without offload)."""
+    name = record.schedule
     tp, pp, vpp, dp, b, m = record.tp, record.pp, record.vpp, record.dp, record.micro_batch, record.num_microbatches
     cp, local = record.cp, s // record.cp  # a context-parallel rank's layers see s/c tokens
     element = 2 if precision.startswith("bf16") else PARAMETER_BYTES[precision]
-    name = resolve_schedule(schedule, vpp) if pp > 1 else "1F1B"
-    layout = stage_layout(inventory, pp, vpp, placement=placement_of(name))
     per_layer = layer_activation_bytes(record, inventory, s, precision, dropout, fits)
     # What a layer's backward makes again or brings back: its kept bytes without recomputation and offload, less
     # with them. Of it, what the offload moves (the same layer's bytes with and without it).
@@ -254,7 +304,6 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
         head = 3 * parameter * (padded_size(inventory.vocab_size, tp) // tp) * inventory.hidden_size
         loss_backward = max(logits + loss_forward, 4 * logits / element + loss_backward,
                             head + 4 * logits / element)
-    record.schedule = name
     largest = largest_layer_weight(inventory, tp, record.ep, record.expert_tp)
     if cp == 1:
         attention_backward = attention_backward_bytes(inventory, s, b, tp, precision, record.recompute)
@@ -332,6 +381,13 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
         if split["total"] > worst[0]:
             worst = (split["total"], rank, split, parts)
     _, record.stage, record.bytes, record.other = worst
+    return moved
+
+
+def _flops(record: LayoutRecord, inventory: ModelInventory, s: int, global_batch: int) -> tuple[TransformerShape, float]:
+    """Model and hardware FLOPs per step into ``record.flops`` (Eq. 7, Eq. 8, with recomputation by module and the
+    loss's chunks made again); returns the shape they were counted on and the hardware FLOPs."""
+    positions = loss_chunk_positions(record, inventory, s // record.cp)
     shape = TransformerShape(s=s, b=1, h=inventory.hidden_size, a=inventory.num_heads, L=inventory.num_layers,
                              v=inventory.vocab_size, ffn_hidden_size=inventory.ffn_hidden_size,
                              num_kv_heads=inventory.num_kv_heads, gated_mlp=inventory.gated_mlp)
@@ -342,6 +398,17 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
     if positions is not None:  # the loss in chunks: each chunk's logits made again in backward, the head's GEMM again
         executed += 2 * global_batch * s * inventory.hidden_size * inventory.vocab_size
     record.flops = {"model": model, "hardware": executed}
+    return shape, executed
+
+
+def _traffic(record: LayoutRecord, inventory: ModelInventory, s: int, precision: str, hardware: Hardware,
+             layout: Any) -> tuple[dict[str, Traffic], list]:
+    """Bytes each rank sends per step by kind into ``record.collective_bytes``, and each kind's :class:`Traffic` (how
+    many collectives, of which kind, over how many ranks, across nodes or not); also the entries the most loaded
+    rank holds (:func:`~.state.held_entries`)."""
+    tp, pp, vpp, dp, b, m = record.tp, record.pp, record.vpp, record.dp, record.micro_batch, record.num_microbatches
+    cp, local = record.cp, s // record.cp
+    element = 2 if precision.startswith("bf16") else PARAMETER_BYTES[precision]
     sbh = element * local * b * inventory.hidden_size
     layers_per_rank = inventory.num_layers // pp
     # g/ḡ pairs per layer: the attention's, and the MLP's (a mixture's shared expert; its routed experts use none)
@@ -361,10 +428,6 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
         "expert": m * all_to_all_bytes(inventory, record, local, element, held),
         "context": layers_per_rank * m * _context_bytes(inventory, record, s, element),
     }
-    record.bubble = (pp - 1) / (vpp * m) if pp > 1 else 0.0
-    if pp > 1 and name in SPLIT_BACKWARD:  # idle over compute, F = B = W (Eq. 7's 2 : 4 split of the FLOPs, halved)
-        idle = bubble_fraction(name, m, pp)
-        record.bubble = idle / (1 - idle)
     ranks = tp * cp * pp * dp
     moe_layers = layers_per_rank if inventory.experts is not None else 0
     spans = functools.partial(_spans_nodes, hardware.gpus_per_node)
@@ -381,32 +444,4 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
     }
     traffic = {kind: Traffic(record.collective_bytes[kind], count if record.collective_bytes[kind] else 0, collective,
                              group, inter) for kind, (count, collective, group, inter) in collectives_of.items()}
-    attention = attention_flops(shape, global_batch, record.recompute)
-    ffn = inventory.ffn_hidden_size
-    # the elements this rank's optimizer updates: its trainable shards, a 1/(d·c) range of them under zero 1
-    dense, experts = ((sum(e.local_numel(tp, record.ep, record.expert_tp) for e in held if e.trainable and e.expert == x)
-                      for x in (False, True)))
-    if record.zero:
-        dense, experts = dense / (dp * cp), experts / max(1, tp * dp * cp // width)
-    times = step_times(hardware, executed / ranks, attention / ranks,
-                       (local * b, inventory.hidden_size, max(1, ffn // tp)), local, traffic, record.bubble,
-                       optimizer_elements=dense + experts)
-    compute = times["compute"]
-    record.timing = "measured rates" if hardware.calibration is not None else "rough estimate"
-    if record.offload:  # the host holds, at most, what the rank with the most layer-micro-batches in flight offloaded
-        held = max(sum(n * layout.sizes[layout.stages_of(rank)[c]] for c, n in enumerate(counts))
-                   for rank in range(pp) for counts, _, _, _ in backward_moments(name, m, pp, vpp, rank))
-        record.host, times["offload"] = host_traffic(moved, layers_per_rank, m, held, compute,
-                                                     hardware.host_bandwidth)
-    times["total"] = sum(times.values())
-    record.step_time = times
-    budget = headroom * hardware.memory
-    if record.host and record.host["held"] > hardware.host_memory:
-        record.reason = (f"offloads {record.host['held'] / 1e9:.1f} GB > {hardware.host_memory / 1e9:g} GB of host memory "
-                         f"per GPU")
-        return
-    if record.bytes["total"] > budget:
-        record.reason = (f"needs {record.bytes['total'] / 1e9:.1f} GB > {headroom:g} × {hardware.memory / 1e9:g} GB on "
-                         f"stage {record.stage}")
-        return
-    record.feasible = True
+    return traffic, held
