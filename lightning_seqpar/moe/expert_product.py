@@ -88,7 +88,7 @@ class _ExpertProduct(torch.autograd.Function):
         ctx.weight, ctx.rows_dtype = weight, rows.dtype  # the parameter: what W hands its gradient to
         ctx.bias_shape = None if bias is None else bias.shape
         rows = rows.to(dtype)
-        ctx.save_for_backward(rows)
+        ctx.save_for_backward(rows if ctx.needs_input_grad[1] else None)  # for the weight gradient only (frozen: none)
         return _forward(rows, weight.to(dtype), None if bias is None else bias.to(dtype), transposed, offsets, sizes)
 
     @staticmethod

@@ -55,7 +55,9 @@ class _ColumnParallelLinearFunction(torch.autograd.Function):
         ctx.store, ctx.params = store, (weight, bias)  # (the tensors W hands its gradients to, when split)
         x = autocast_input(x)  # the matmul would cast it: gather and keep it in 16 bits
         total = group.all_gather(x, dim=0) if sequence_parallel else x  # [s, b, h]
-        ctx.save_for_backward(x, weight)  # x is the local [s/t, b, h] shard under SP
+        # x is the local [s/t, b, h] shard under SP, kept for the weight gradient only: a frozen weight (LoRA's base)
+        # keeps none, as torch's own linear keeps none
+        ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weight)
         return F.linear(total, weight, bias)  # [s, b, out/t]
 
     @staticmethod
@@ -93,8 +95,10 @@ def _column_weight_gradient(x: Tensor, grad_outputs: list[Tensor], params: Seque
     bias's ``Σ dY``, handed to autograd for ``params`` (weight, bias, weight, bias, …) where ``needs`` says."""
 
     def weight_gradient() -> None:
-        total = group.all_gather(x, dim=0) if sequence_parallel else x  # [s, b, h]
-        total2d = total.reshape(-1, total.shape[-1]).to(grad_outputs[0].dtype) if any(needs[0::2]) else None
+        total2d = None
+        if any(needs[0::2]):  # (x is kept only then)
+            total = group.all_gather(x, dim=0) if sequence_parallel else x  # [s, b, h]
+            total2d = total.reshape(-1, total.shape[-1]).to(grad_outputs[0].dtype)
         gradients: list[Optional[Tensor]] = []
         for i, g in enumerate(grad_outputs):
             g2d = g.reshape(-1, g.shape[-1])
@@ -159,7 +163,9 @@ class _ColumnParallelLinearsFunction(torch.autograd.Function):
         ctx.has_bias = [b is not None for b in biases]
         x = autocast_input(x)  # the matmuls would cast it: gather and keep it in 16 bits
         total = group.all_gather(x, dim=0) if sequence_parallel else x  # [s, b, h]
-        ctx.save_for_backward(x, *weights)  # x is the local [s/t, b, h] shard under SP
+        # x (the local [s/t, b, h] shard under SP) only where a weight is trained, as above
+        trained = any(ctx.needs_input_grad[4::2])
+        ctx.save_for_backward(x if trained else None, *weights)
         return tuple(F.linear(total, w, b) for w, b in zip(weights, biases))  # each [s, b, out_i/t]
 
     @staticmethod
@@ -329,7 +335,7 @@ class _RowParallelProductFunction(torch.autograd.Function):
     def forward(ctx, x: Tensor, weight: Tensor, store: WeightGradientStore):
         ctx.store, ctx.weight, ctx.input_dtype = store, weight, x.dtype  # the weight: what W hands its gradient to
         x = autocast_input(x)  # the matmul would cast it: keep the cast, as it would
-        ctx.save_for_backward(x)
+        ctx.save_for_backward(x if ctx.needs_input_grad[1] else None)  # for the weight gradient only
         return F.linear(x, weight)
 
     @staticmethod

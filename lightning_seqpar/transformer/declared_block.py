@@ -221,7 +221,14 @@ class ParallelBlock(ParallelLayer):
             with self.offloading("mlp_norm"):
                 return mlp.norm(x + out)
         q, k, v, parallel = self._before_attention(x, position_embeddings)
-        return self._after_attention(x, self._attend(q, k, v, mask, causal, layout), parallel)
+        if parallel is not None:
+            return self._after_attention(x, self._attend(q, k, v, mask, causal, layout), parallel)
+        # In this order, and no name for the context or the projection's output: each is freed (where nothing saved
+        # it for backward) before the MLP runs, and so are q, k and v (GQA's unexpanded k and v, q before its scaling),
+        # instead of living through the MLP in this frame. A recomputed layer's forward runs here again in backward.
+        x = self._attention_residual(x, self._attend(q, k, v, mask, causal, layout))
+        del q, k, v
+        return self._mlp_residual(x)
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], causal: Optional[bool],
                 layout: Optional[ContextParallelBatch]) -> Tensor:
@@ -267,12 +274,19 @@ class ParallelBlock(ParallelLayer):
                          parallel: Optional[tuple[Tensor, Optional[list[Tensor]]]]) -> Tensor:
         """A pre-norm body from its core attention's ``context`` on: the output projection, residuals and MLP
         (``parallel``: what :meth:`_before_attention` made for a parallel residual's MLP)."""
-        attended = self._scaled(self._attention_output(context))
-        if parallel is not None:  # both parts read the block's input
-            normed, mlp_inputs = parallel
-            out = self._mlp_forward(normed, mlp_inputs) if mlp_inputs is not None else self._normed_mlp(x)
-            return x + self.attention_residual_dropout(attended) + self.mlp_residual_dropout(self._scaled(out))
-        x = x + self.attention_residual_dropout(attended)
+        if parallel is None:
+            return self._mlp_residual(self._attention_residual(x, context))
+        attended = self._scaled(self._attention_output(context))  # both parts read the block's input
+        normed, mlp_inputs = parallel
+        out = self._mlp_forward(normed, mlp_inputs) if mlp_inputs is not None else self._normed_mlp(x)
+        return x + self.attention_residual_dropout(attended) + self.mlp_residual_dropout(self._scaled(out))
+
+    def _attention_residual(self, x: Tensor, context: Tensor) -> Tensor:
+        """``x`` plus the output projection of the core attention's ``context`` (a pre-norm, sequential body)."""
+        return x + self.attention_residual_dropout(self._scaled(self._attention_output(context)))
+
+    def _mlp_residual(self, x: Tensor) -> Tensor:
+        """``x`` plus the MLP of its MLP norm (a pre-norm, sequential body): ``[s/t, b, h]``."""
         out = self._normed_mlp(x)
         return x + self.mlp_residual_dropout(self._scaled(out))  # [s/t, b, h]
 

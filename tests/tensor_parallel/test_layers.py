@@ -59,6 +59,31 @@ def _mlp_case(rank, world_size, sequence_parallel):
     }
 
 
+def _frozen_case(rank, world_size):
+    """What a column-parallel projection (alone, and two sharing one input) keeps for backward with its weights
+    trained and frozen (LoRA's base), under SP; and the input and bias gradients of both, which must agree."""
+    from lightning_seqpar.tensor_parallel.layers import column_parallel_linears
+
+    torch.set_default_dtype(torch.float64)
+    torch.manual_seed(0)
+    s, b, h, f = 8, 3, 6, 16
+    group = ParallelGroup(torch.distributed.group.WORLD)
+    x_full = torch.randn(s, b, h)
+    out = {}
+    for frozen in (False, True):
+        torch.manual_seed(1)
+        layers = [ColumnParallelLinear.from_linear(nn.Linear(h, f), group, sequence_parallel=True) for _ in range(2)]
+        for layer in layers:
+            layer.weight.requires_grad_(not frozen)
+        x = x_full.chunk(world_size)[rank].clone().requires_grad_(True)
+        kept: list = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(tuple(t.shape)) or t, lambda t: t):
+            y = layers[0](x) + sum(column_parallel_linears(x, layers, group, True))
+        y.pow(2).sum().backward()
+        out[frozen] = {"kept": kept, "x_grad": x.grad, "bias_grad": [layer.bias.grad for layer in layers]}
+    return out
+
+
 EMBEDDING_CASES = {2: [(10, 0.0, True), (7, 0.1, False)], 4: [(10, 0.1, True), (11, 0.2, False)]}
 
 
@@ -66,6 +91,7 @@ def _all_cases(rank, world_size):
     return {
         "mlp": {sp: _mlp_case(rank, world_size, sp) for sp in (True, False)},
         "operators": _operators_case(rank, world_size),
+        "frozen": _frozen_case(rank, world_size),
         "embedding": {case: _embedding_and_loss_case(rank, world_size, *case) for case in EMBEDDING_CASES[world_size]},
     }
 
@@ -155,3 +181,17 @@ def test_vocab_parallel_embedding_and_cross_entropy_match_torch(results):
         for (vocab, _, _), r in rank_results["embedding"].items():
             assert r["padded"] % world_size == 0 and r["padded"] >= vocab
             assert r["loss"] < 1e-12 and r["emb_grad"] < 1e-12 and r["head_grad"] < 1e-12, r
+
+
+def test_a_frozen_column_parallel_weight_keeps_no_input_for_backward(results):
+    """The input (its [s/t, b, h] shard under SP) is kept for the weight gradient only, as torch's own linear keeps it:
+    a frozen base (LoRA's, or frozen layers) keeps its weights alone, and the input and bias gradients are unchanged."""
+    world_size, per_rank = results
+    s, b, h, f = 8, 3, 6, 16
+    for rank in per_rank:
+        trained, frozen = rank["frozen"][False], rank["frozen"][True]
+        assert trained["kept"].count((s // world_size, b, h)) == 2  # the single projection's, the fused pair's
+        assert (s // world_size, b, h) not in frozen["kept"]
+        assert set(frozen["kept"]) == {(f // world_size, h)}  # the weights, for the input gradient
+        assert torch.equal(frozen["x_grad"], trained["x_grad"])
+        assert all(torch.equal(a, c) for a, c in zip(frozen["bias_grad"], trained["bias_grad"]))
