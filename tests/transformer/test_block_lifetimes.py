@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import weakref
 
-import torch
-
 from lightning_seqpar.parallel import ParallelGroup
 from lightning_seqpar.policies import rewrite
 from lightning_seqpar.rewriting import RewriteContext
