@@ -1,7 +1,8 @@
 """What a rewritten block's forward lets go of before its MLP runs: the core attention's context and the output
 projection's result, which nothing saves for backward when the projection is frozen (LoRA's base), are freed once
 added to the residual, instead of living through the MLP. A recomputed layer runs this forward again in its backward,
-where the MLP's moment is often the step's peak (Hugging Face Llama at tp 1, float64, every weight frozen)."""
+where the MLP's moment is often the step's peak (Hugging Face Llama at tp 1, float64, every weight but the
+embedding frozen)."""
 
 from __future__ import annotations
 
