@@ -14,7 +14,10 @@ A rank's step peaks either in a backward, when the most micro-batches are in fli
   under sequence parallelism) or, accumulating, the largest weight gradient of the layer before it is added
   (``r · h·f/t`` for an MLP matrix; gate and up together, ``2·r · h·f/t``, in a gated MLP, whose input gradient
   they share; a mixture's packed gate and up projections of its ``E/e`` experts, ``r · E/e · 2f·h``, once; under
-  ``bf16-mixed`` autocast's 16-bit gradient and its float32 copy, ``r = 2 + 4``); the incoming
+  ``bf16-mixed`` autocast's 16-bit gradient and its float32 copy, ``r = 2 + 4``) or, inside a dense MLP's
+  backward, the gradients of its inner activations beyond the layer's own (``e·s·b·h/t + 3·e·s·b·f/t`` for a gated
+  MLP: its down projection's input, ``act`` and ``up``; ``2·e·s·b·f/t`` ungated; less ``2·e·s·b·h/t``), whichever is
+  largest: they make the peak where the MLP is frozen (LoRA) and no weight gradient stands in for them; the incoming
   and outgoing gradient of the layer's output ``2·e·s·b·h / t``; under recomputation, what the layer's backward makes
   again beside them (one layer's kept bytes without recomputation, less those with it, for one micro-batch); or,
   larger at long sequences, the explicit core attention's backward over its ``b·(a/t)·s²`` scores
@@ -71,7 +74,11 @@ def backward_transient_bytes(inventory: ModelInventory, s: int, b: int, t: int, 
     largest = largest_layer_weight(inventory, t) if largest is None else largest
     weight_gradients = largest * parameter if accumulating else 0
     gathered = element * sbh if sequence_parallel and t > 1 else 0
-    layer = max(gathered, weight_gradients) + recomputed + 2 * element * sbh / t
+    inner = 0.0  # a dense MLP's inner gradients beyond the layer output's two (the module docstring)
+    if inventory.experts is None:
+        inner = element * sbh / t + (3 if inventory.gated_mlp else 2) * element * s * b * inventory.ffn_hidden_size / t
+        inner -= 2 * element * sbh / t
+    layer = max(gathered, weight_gradients, inner) + recomputed + 2 * element * sbh / t
     if not last:
         return layer
     v = padded_size(inventory.vocab_size, t) // t

@@ -4,7 +4,8 @@ ZeRO 0 and 1, fp32 main params, recomputation kinds, precisions, gradient accumu
 loss, seven layouts of a mixture of experts (Qwen3-MoE, ep 1, 2, 4, routing as its random weights give it), five at a
 vocabulary of 4096, where the loss's logits make the peak (four more with the loss in chunks), and four layouts at s 1024, where the core attention's
 ``s²`` temporaries make the peak (with CUDA autocast's float32 softmax
-in force, as on a GPU): every one within 5 %. The second step is measured (the optimizer state exists), from its first batch to its
+in force, as on a GPU), and three of a LoRA model (q and v; its MLP frozen, with and without full recomputation):
+every one within 5 %. The second step is measured (the optimizer state exists), from its first batch to its
 last, model state included. The signed errors are printed as a table."""
 
 from __future__ import annotations
@@ -89,13 +90,25 @@ def _config(moe: bool = False, s: int = S, vocab: int = CONFIG["vocab_size"]):
                                                                         vocab_size=vocab))
 
 
+LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+"""LoRA's default targets: every MLP weight frozen, its backward making no weight gradient."""
+
+
+def _with_lora(model):
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(model, LoraConfig(**LORA))
+
+
 class _LM(pl.LightningModule):
-    def __init__(self, moe: bool = False, s: int = S, vocab: int = CONFIG["vocab_size"]) -> None:
+    def __init__(self, moe: bool = False, s: int = S, vocab: int = CONFIG["vocab_size"], lora: bool = False) -> None:
         super().__init__()
         from transformers import AutoModelForCausalLM
 
         torch.manual_seed(0)
         self.model = AutoModelForCausalLM.from_config(_config(moe, s, vocab))
+        if lora:
+            self.model = _with_lora(self.model)
 
     def training_step(self, batch, batch_idx):
         return self.model(input_ids=batch[0], labels=batch[0]).loss
@@ -104,7 +117,7 @@ class _LM(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3, foreach=True)  # the multi-tensor step CUDA runs
 
 
-def _measure(rank, world, layouts=LAYOUTS, moe=False, s=S, vocab=CONFIG["vocab_size"], loss_chunk=4096):
+def _measure(rank, world, layouts=LAYOUTS, moe=False, s=S, vocab=CONFIG["vocab_size"], loss_chunk=4096, lora=False):
     from lightning_seqpar.memory.cuda_autocast import cuda_autocast_rules
 
     out = []
@@ -130,17 +143,18 @@ def _measure(rank, world, layouts=LAYOUTS, moe=False, s=S, vocab=CONFIG["vocab_s
                              num_sanity_val_steps=0, callbacks=callbacks, use_distributed_sampler=False)
         tokens = torch.randint(0, vocab, (2 * GLOBAL_BATCH // dp, s), generator=torch.Generator().manual_seed(rank))
         with cuda_autocast_rules():  # what a GPU computes in float32 (softmax, norms) under bf16-mixed
-            trainer.fit(_LM(moe, s, vocab), DataLoader(TensorDataset(tokens), batch_size=batch))
+            trainer.fit(_LM(moe, s, vocab, lora), DataLoader(TensorDataset(tokens), batch_size=batch))
         out.append((peak.pipeline_rank, peak.peak))
     return out
 
 
-def _errors(layouts, moe, s=S, vocab=CONFIG["vocab_size"], loss_chunk=4096):
+def _errors(layouts, moe, s=S, vocab=CONFIG["vocab_size"], loss_chunk=4096, lora=False):
     from lightning_seqpar.plan.models import meta_model
 
-    measured = run_distributed(_measure, WORLD, layouts, moe, s, vocab, loss_chunk)
+    measured = run_distributed(_measure, WORLD, layouts, moe, s, vocab, loss_chunk, lora)
     options = dict(MOE, model_type="qwen3_moe") if moe else dict(CONFIG, model_type="llama", vocab_size=vocab)
-    inventory = inventory_of_hf_model(meta_model(dict(options, max_position_embeddings=max(s, 64))))
+    model = meta_model(dict(options, max_position_embeddings=max(s, 64)))
+    inventory = inventory_of_hf_model(_with_lora(model) if lora else model)
     fits: dict = {}
     rows = []
     for index, (tp, pp, vpp, zero, mbs, recompute, precision, *schedule) in enumerate(layouts):
@@ -266,3 +280,15 @@ def test_zero_bubble_step_peaks_are_predicted_within_the_bound():
     errors = [(predicted - peak) / peak for *_, predicted, _, peak in rows]
     assert max(abs(e) for e in errors[:len(ZERO_BUBBLE_LAYOUTS)]) <= BOUND, rows
     assert all(0 <= e <= 0.2 for e in errors[len(ZERO_BUBBLE_LAYOUTS):]), rows
+
+
+# LoRA on q and v: the MLP frozen, so inside its backward no weight gradient stands in for the gradients of its inner
+# activations, which the backward through a layer then prices (with full recomputation, beside the layer made again).
+LORA_LAYOUTS = [(2, 1, 1, 0, 2, "full", "32-true"), (1, 2, 1, 0, 1, "full", "32-true"),
+                (2, 1, 1, 0, 2, "none", "32-true")]
+
+
+def test_a_lora_model_s_step_peak_is_predicted_within_the_bound():
+    rows = _errors(LORA_LAYOUTS, False, lora=True)
+    worst = max(abs(predicted - peak) / peak for *_, predicted, _, peak in rows)
+    assert worst <= BOUND, rows
