@@ -32,8 +32,8 @@ from lightning_seqpar.plan.layout_record import LayoutRecord
 from lightning_seqpar.plan.memory_choices import (TRADES, describe, host_traffic, largest_offloaded_share,
                                                   memory_choice_rule, offload_backward_bytes)
 from lightning_seqpar.plan.moments import backward_moments, chunks_rule
-from lightning_seqpar.plan.pricing import (first_layer_saving, layer_activation_bytes, loss_chunk_positions,
-                                           outside_bytes)
+from lightning_seqpar.plan.pricing import (activation_element_bytes, first_layer_saving, layer_activation_bytes,
+                                           loss_chunk_positions, outside_bytes)
 from lightning_seqpar.plan.rules import divisors, layout_rule
 from lightning_seqpar.plan.state import OPTIMIZER_STATES, PARAMETER_BYTES, StateBytes, held_entries, stage_layout, state_bytes
 from lightning_seqpar.plan.transients import (
@@ -263,7 +263,7 @@ def _peak_bytes(record: LayoutRecord, inventory: ModelInventory, s: int, precisi
     name = record.schedule
     tp, pp, vpp, dp, b, m = record.tp, record.pp, record.vpp, record.dp, record.micro_batch, record.num_microbatches
     cp, local = record.cp, s // record.cp  # a context-parallel rank's layers see s/c tokens
-    element = 2 if precision.startswith("bf16") else PARAMETER_BYTES[precision]
+    element = activation_element_bytes(precision)
     per_layer = layer_activation_bytes(record, inventory, s, precision, dropout, fits)
     # What a layer's backward makes again or brings back: its kept bytes without recomputation and offload, less
     # with them. Of it, what the offload moves (the same layer's bytes with and without it).
@@ -408,7 +408,7 @@ def _traffic(record: LayoutRecord, inventory: ModelInventory, s: int, precision:
     rank holds (:func:`~.state.held_entries`)."""
     tp, pp, vpp, dp, b, m = record.tp, record.pp, record.vpp, record.dp, record.micro_batch, record.num_microbatches
     cp, local = record.cp, s // record.cp
-    element = 2 if precision.startswith("bf16") else PARAMETER_BYTES[precision]
+    element = activation_element_bytes(precision)
     sbh = element * local * b * inventory.hidden_size
     layers_per_rank = inventory.num_layers // pp
     # g/ḡ pairs per layer: the attention's, and the MLP's (a mixture's shared expert; its routed experts use none)

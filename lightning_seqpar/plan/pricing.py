@@ -18,12 +18,18 @@ from lightning_seqpar.plan.state import PARAMETER_BYTES
 from lightning_seqpar.plan.transients import context_attention_kept
 
 
+def activation_element_bytes(precision: str) -> int:
+    """Bytes of one activation element under Lightning's ``precision``: 2 for ``bf16-mixed`` and ``bf16-true``, else
+    the parameters' (``32-true``: 4, ``64-true``: 8)."""
+    return 2 if precision.startswith("bf16") else PARAMETER_BYTES[precision]
+
+
 def layer_activation_bytes(record: LayoutRecord, inventory: ModelInventory, s: int, precision: str, dropout: bool,
                  fits: Optional[dict[tuple, Any]]) -> float:
     """One layer's activation bytes per micro-batch in flight (autocast's 16-bit weight copies included: the parallel
     layers cast inside their autograd functions, where autocast's cache does not apply, so every micro-batch's
     forward keeps its own); measured and scaled where the model can be probed."""
-    element = 2 if precision.startswith("bf16") else PARAMETER_BYTES[precision]
+    element = activation_element_bytes(precision)
     cp, local, recompute = record.cp, s // record.cp, record.recompute
     extra = 0.0
     if cp > 1 and recompute != "full":
