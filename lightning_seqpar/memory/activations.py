@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Optional, Sequence
 
+from lightning_seqpar.memory.mixture import EXPERT_OFFLOAD_COPIES, EXPERT_OFFLOAD_TERMS, MixtureShape, mixture_terms
+
 Recompute = Literal["none", "selective", "full"]
 
 
@@ -60,6 +62,7 @@ def layer_activation_terms(
     modules: Sequence[str] = (),
     offload: Sequence[str] = (),
     norm_statistics_bytes: int = 0,
+    experts: Optional[MixtureShape] = None,
 ) -> dict[str, float]:
     """Bytes one transformer layer keeps for backward on one tensor-parallel rank (on the device), term by term.
 
@@ -103,14 +106,18 @@ def layer_activation_terms(
             their terms (:data:`OFFLOAD_TERMS`) leave the device; :func:`offloaded_activation_terms` lists them.
         norm_statistics_bytes: bytes per element of the two statistics each LayerNorm saves (mean, rstd ``[s, b]``:
             the element size of the activations on CPU, 4 on CUDA); 0 leaves them out, as the paper does.
+        experts: a mixture of experts in the MLP's place (:mod:`lightning_seqpar.memory.mixture`): its terms replace
+            the MLP's inner ones, the norm's output is the router's input, ``modules`` may name ``"moe_act"`` and
+            ``"moe"`` and ``offload`` ``"expert_fc1"`` and ``"moe_act"``.
 
     Raises:
         ValueError: ``t < 1``, an unknown ``recompute``, module or offloaded module, or a module both recomputed and
-            offloaded (``core_attn`` under selective recomputation, ``mlp`` recomputed by module).
+            offloaded (``core_attn`` under selective recomputation, ``mlp`` recomputed by module, the experts'
+            modules under ``"moe"``, ``moe_act`` under ``"moe_act"``).
     """
     terms = _layer_terms(shape, t, sequence_parallel, recompute, bytes_per_element, mask_bytes, c, modules,
-                         norm_statistics_bytes)
-    moved = _offloaded(terms, recompute, modules, offload, c)
+                         norm_statistics_bytes, experts)
+    moved = _offloaded(terms, recompute, modules, offload, c, experts)
     return {name: value for name, value in terms.items() if name not in moved}
 
 
@@ -130,22 +137,29 @@ it runs (:mod:`lightning_seqpar.offload`)."""
 def offloaded_activation_terms(shape: TransformerShape, t: int = 1, sequence_parallel: bool = False,
                                recompute: Recompute = "none", bytes_per_element: int = 2, mask_bytes: int = 1,
                                c: int = 1, modules: Sequence[str] = (), offload: Sequence[str] = (),
-                               norm_statistics_bytes: int = 0) -> dict[str, float]:
+                               norm_statistics_bytes: int = 0,
+                               experts: Optional[MixtureShape] = None) -> dict[str, float]:
     """Bytes one layer's ``offload`` modules copy to host memory per micro-batch on one rank, term by term (and
     copy back in backward: the same bytes). Under full recomputation a layer keeps only its input: nothing moves.
     The arguments and errors are :func:`layer_activation_terms`'."""
     terms = _layer_terms(shape, t, sequence_parallel, recompute, bytes_per_element, mask_bytes, c, modules,
-                         norm_statistics_bytes)
-    moved = _offloaded(terms, recompute, modules, offload, c)
+                         norm_statistics_bytes, experts)
+    moved = _offloaded(terms, recompute, modules, offload, c, experts)
+    if moved:
+        moved |= {name for m in offload for name in EXPERT_OFFLOAD_COPIES.get(m, ())}
     return {name: value for name, value in terms.items() if name in moved}
 
 
 def _offloaded(terms: dict[str, float], recompute: str, modules: Sequence[str], offload: Sequence[str],
-               c: int) -> set[str]:
-    unknown = [m for m in offload if m not in OFFLOAD_TERMS]
+               c: int, experts: Optional[MixtureShape]) -> set[str]:
+    known = dict(OFFLOAD_TERMS)
+    if experts is not None:  # a mixture has no dense MLP to offload, and its experts' modules instead
+        del known["mlp"]
+        known.update(EXPERT_OFFLOAD_TERMS)
+    unknown = [m for m in offload if m not in known]
     if unknown:
-        raise ValueError(f"offload={list(offload)!r}: {unknown} are not offloaded modules; they are "
-                         f"{list(OFFLOAD_TERMS)}.")
+        raise ValueError(f"offload={list(offload)!r}: {unknown} are not offloaded modules of this layer; they are "
+                         f"{list(known)}.")
     if recompute == "full":
         return set()
     if "core_attn" in offload and recompute == "selective" and c == 1:
@@ -156,18 +170,27 @@ def _offloaded(terms: dict[str, float], recompute: str, modules: Sequence[str], 
     if "layernorm" in modules and {"attn_norm", "mlp_norm"} & set(offload):
         raise ValueError("offload=['attn_norm'/'mlp_norm'] with the norms' outputs rebuilt (modules=['layernorm']): the "
                          "rebuild keeps the norms' inputs on the device; offload 'qkv_linear' or 'mlp' instead.")
-    return {name for m in offload for name in OFFLOAD_TERMS[m] if name in terms}
+    if "moe" in modules and set(EXPERT_OFFLOAD_TERMS) & set(offload):
+        raise ValueError("offload=['expert_fc1'/'moe_act'] with the mixture recomputed (modules=['moe']): it keeps only "
+                         "its input; offload 'mlp_norm' instead.")
+    if "moe_act" in modules and "moe_act" in offload:
+        raise ValueError("offload=['moe_act'] with the experts' activation recomputed (modules=['moe_act']): offload "
+                         "'expert_fc1' instead.")
+    return {name for m in offload for name in known[m] if name in terms}
 
 
 def _layer_terms(shape: TransformerShape, t: int, sequence_parallel: bool, recompute: str, bytes_per_element: int,
-                 mask_bytes: int, c: int, modules: Sequence[str], norm_statistics_bytes: int) -> dict[str, float]:
+                 mask_bytes: int, c: int, modules: Sequence[str], norm_statistics_bytes: int,
+                 experts: Optional[MixtureShape] = None) -> dict[str, float]:
     if t < 1 or c < 1:
         raise ValueError(f"t and c must be >= 1, got t={t}, c={c}.")
     if recompute not in ("none", "selective", "full"):
         raise ValueError(f"recompute must be 'none', 'selective' or 'full', got {recompute!r}.")
-    if any(m not in ("core_attn", "layernorm", "mlp", "full") for m in modules):
-        raise ValueError(f"modules={list(modules)!r}: the modules recomputed are 'core_attn', 'layernorm', 'mlp' and "
-                         f"'full'.")
+    known = ("core_attn", "layernorm", "mlp", "full") if experts is None else ("core_attn", "layernorm", "moe_act",
+                                                                             "moe", "full")
+    if any(m not in known for m in modules):
+        raise ValueError(f"modules={list(modules)!r}: the modules recomputed in this layer are {list(known)}"
+                         f"{' (a mixture of experts)' if experts is not None else ''}.")
     if "full" in modules:
         recompute = "full"
     elif "core_attn" in modules:
@@ -178,13 +201,14 @@ def _layer_terms(shape: TransformerShape, t: int, sequence_parallel: bool, recom
     split = t if sequence_parallel else 1  # SP divides the replicated region by t
     if recompute == "full":
         return {"layer input": e * sbh / (split * c)}
+    mlp_input = "fc1 input (LN2 output)" if experts is None else "router input (LN2 output)"
     terms = {
         # replicated under TP (Eq. 2's 10·sbh), split along s under SP
         "LN1 input": e * sbh / split,
         "QKV input (LN1 output)": e * sbh / split,
         "attention dropout mask": m * sbh / split,
         "LN2 input": e * sbh / split,
-        "fc1 input (LN2 output)": e * sbh / split,
+        mlp_input: e * sbh / split,
         "MLP dropout mask": m * sbh / split,
         # head- and feature-sharded (Eq. 2's 24·sbh/t for f = 4h)
         "Q, K": 2 * e * sbh / t,
@@ -200,12 +224,12 @@ def _layer_terms(shape: TransformerShape, t: int, sequence_parallel: bool, recom
     if recompute == "selective" or c > 1:
         for name in CORE_ATTENTION_TERMS:
             del terms[name]
-    if "mlp" in modules:  # the recomputed MLP keeps its input; its inner activations are made again in backward
+    if "mlp" in modules or experts is not None:  # a recomputed MLP keeps its input; a mixture has its own terms
         del terms["GeLU input"], terms["fc2 input (GeLU output)"]
     if "layernorm" in modules:  # the norms' outputs made again from their inputs (a recomputed MLP keeps its input)
         del terms["QKV input (LN1 output)"]
-        if "mlp" not in modules:
-            del terms["fc1 input (LN2 output)"]
+        if "mlp" not in modules and "moe" not in modules:
+            del terms[mlp_input]
     if norm_statistics_bytes:
         for norm in ("LN1", "LN2"):
             terms[f"{norm} statistics"] = 2 * norm_statistics_bytes * s * b / split
@@ -213,6 +237,8 @@ def _layer_terms(shape: TransformerShape, t: int, sequence_parallel: bool, recom
         terms = {name: value / c for name, value in terms.items()}
         terms["attention output (blockwise kernel)"] = e * sbh / (t * c)
         terms["log-sum-exp (float32)"] = 4 * a * s * b / (t * c)
+    if experts is not None:  # of the rank's s·b/(split·c) tokens
+        terms.update(mixture_terms(experts, s * b / (split * c), h, e, modules))
     return terms
 
 

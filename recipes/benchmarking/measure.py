@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -11,6 +12,7 @@ import torch.nn as nn
 from lightning_seqpar.context_parallel import ContextParallel
 from lightning_seqpar.memory.activations import (Recompute, TransformerShape, layer_activation_terms,
                                                  offloaded_activation_terms)
+from lightning_seqpar.memory.mixture import MixtureShape
 from lightning_seqpar.memory.tracker import LiveActivationTracker, StorageRecord
 from lightning_seqpar.models.gpt import GPT, GPTConfig
 from lightning_seqpar.parallel.collectives import ParallelGroup
@@ -89,6 +91,8 @@ def measure_gpt_layer(
     modules: Sequence[str] = (),
     offload: Sequence[str] = (),
     norm_statistics_bytes: int = 0,
+    experts: Optional[MixtureShape] = None,
+    expert_group: Optional[ParallelGroup] = None,
 ) -> LayerMeasurement:
     """Build the reference GPT, rewrite it for ``group``, and measure a middle layer's activations.
 
@@ -104,18 +108,32 @@ def measure_gpt_layer(
     ``modules``: recomputation by module (``"mlp"``) beside ``recompute``; ``offload``: modules whose saved tensors go
     to a host pool (the device bytes left and the bytes moved are both measured); ``norm_statistics_bytes``: count the
     LayerNorm statistics in the model (the element size they are saved in; 0: the paper's terms).
+    ``experts``: a mixture of experts in every layer's MLP place (its E, k, f, ep and expert_tp; ``rows`` is measured:
+    what the layer's experts received), ``expert_group`` the group its experts are split over (expert parallel, or
+    each expert's width when ``experts.expert_tp > 1``; collective over it).
     """
     torch.manual_seed(seed)
+    mixture = dict(n_experts=experts.num_experts, experts_per_token=experts.top_k,
+                   expert_ffn_hidden_size=experts.expert_ffn) if experts is not None else {}
     config = GPTConfig(vocab_size=256, block_size=shape.s, n_layer=layers, n_head=shape.a, n_embd=shape.h,
-                       dropout=dropout, ffn_hidden_size=shape.ffn_hidden_size)
+                       dropout=dropout, ffn_hidden_size=shape.ffn_hidden_size, **mixture)
     root = _Root(GPT(config))
     if context is not None:
         for block in root.gpt.transformer.h:
             block.attn.core_attention.dropout = 0.0
     tracker_rng = RNGTracker.for_tensor_parallel(seed, group.rank)
     cp = ContextParallel(context, comm) if context is not None else None
-    rewrite(root, RewriteContext(group, sequence_parallel, tracker_rng, loss_parallel=True, context=cp))
+    width = experts is not None and experts.expert_tp > 1
+    rewrite(root, RewriteContext(group, sequence_parallel, tracker_rng, loss_parallel=True, context=cp,
+                                 expert_group=None if width else expert_group,
+                                 expert_tp_group=expert_group if width else None,
+                                 expert_dispatch_group=expert_group if width else None))
     model = root.gpt.to(torch.float32 if autocast else dtype).train()
+    received: dict[int, int] = {}
+    if experts is not None:  # the rows each layer's experts receive: what the model's R is
+        for i, block in enumerate(root.gpt.transformer.h):
+            block.mlp.experts.register_forward_pre_hook(
+                lambda module, args, i=i: received.__setitem__(i, args[0].shape[0]))
     if autocast:
         cast_residual_stream(rewritten_layers(model))
     apply_recompute(model, recompute)
@@ -139,7 +157,9 @@ def measure_gpt_layer(
     arguments = dict(t=group.size, sequence_parallel=sequence_parallel and group.size > 1, recompute=recompute,
                      bytes_per_element=torch.finfo(dtype).bits // 8, c=context.size if context is not None else 1,
                      modules=modules, offload=offload, norm_statistics_bytes=norm_statistics_bytes)
-    terms = layer_activation_terms(shape, **arguments)
-    model_moved = sum(offloaded_activation_terms(shape, **arguments).values())
+    mixtures = [dataclasses.replace(experts, rows=received[i]) for i in range(layers)] if experts is not None else [None]
+    terms = layer_activation_terms(shape, **arguments, experts=mixtures[len(mixtures) // 2])
+    model_moved = sum(sum(offloaded_activation_terms(shape, **arguments, experts=mixture).values())
+                      for mixture in mixtures) / len(mixtures)
     return LayerMeasurement(group.size, sequence_parallel and group.size > 1, recompute, measured, terms, records,
                             moved / layers, model_moved)
