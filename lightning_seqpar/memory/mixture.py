@@ -15,11 +15,15 @@ router (:class:`~lightning_seqpar.models.gpt_moe.TopKRouter`, Mixtral's) and the
 - combine: the two orders (int64) ``[R]`` and ``[N]``, and every pair's output ``[N, h]`` (weighted in backward).
 
 Balanced routing receives what it sends (``R = N``); a step's R varies with the router (:attr:`MixtureShape.rows`
-takes a measured one). A family's own router keeps its own tensors (``[n, E]`` and ``[n, k]`` sized).
+takes a measured one). With an expert capacity (:class:`~lightning_seqpar.moe.capacity.CapacityDispatcher`) every
+buffer has a fixed size: ``R = E·etp·C`` rows, ``C = ⌈capacity_factor·n·k/E⌉``, padding included, whatever the routing;
+the dispatch keeps each pair's slot and slice (int64) ``[N]`` and its token's row ``[N, h]`` instead of the orders.
+A family's own router keeps its own tensors (``[n, E]`` and ``[n, k]`` sized).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -43,14 +47,22 @@ class MixtureShape:
     """R, the rows this rank's experts receive per micro-batch; ``None``: balanced routing (``N``)"""
     grouped: bool = True
     """the grouped GEMM (16- and 32-bit experts) keeps its int32 offsets; the loop over experts (float64) none"""
+    capacity_factor: Optional[float] = None
+    """``None``: dropless dispatch; else each expert's capacity per source rank (Megatron-Core's
+    ``moe_expert_capacity_factor``, padded to capacity)"""
 
     def pairs(self, n: float) -> float:
         """N, the (token, expert) pairs ``n`` tokens send: one per expert slice."""
         return n * self.top_k * self.expert_tp
 
     def received(self, n: float) -> float:
-        """R, the rows this rank's experts receive (:attr:`rows`, or ``N`` under balanced routing)."""
-        return self.rows if self.rows is not None else self.pairs(n)
+        """R, the rows this rank's experts receive: :attr:`rows`; ``E·etp·C`` under a capacity; else ``N`` (balanced
+        routing)."""
+        if self.rows is not None:
+            return self.rows
+        if self.capacity_factor is not None:
+            return self.num_experts * self.expert_tp * math.ceil(self.capacity_factor * n * self.top_k / self.num_experts)
+        return self.pairs(n)
 
 
 EXPERT_OFFLOAD_TERMS = {
@@ -84,14 +96,16 @@ def mixture_terms(mixture: MixtureShape, n: float, h: int, bytes_per_element: in
         "top-k score sums (float32)": 4 * n,
         "routing weights": e * n * k * etp,
         "pair slices (int64)": 8 * pairs,
-        "received order (int64)": 8 * rows,
         "expert rows": e * rows * h,
         "expert gate and up": 2 * e * rows * width,
         "expert activation output": e * rows * width,
         "expert fc2 input": e * rows * width,
-        "combine orders (int64)": 8 * (rows + pairs),
         "pair outputs": e * pairs * h,
     }
+    if mixture.capacity_factor is None:
+        terms.update({"received order (int64)": 8 * rows, "combine orders (int64)": 8 * (rows + pairs)})
+    else:
+        terms.update({"pair slots (int64)": 8 * pairs, "pair inputs": e * pairs * h})
     if mixture.grouped:
         terms["expert offsets (int32)"] = 4 * E / mixture.ep
     if "moe_act" in modules:

@@ -15,6 +15,7 @@ from lightning_seqpar.memory.activations import (Recompute, TransformerShape, la
 from lightning_seqpar.memory.mixture import MixtureShape
 from lightning_seqpar.memory.tracker import LiveActivationTracker, StorageRecord
 from lightning_seqpar.models.gpt import GPT, GPTConfig
+from lightning_seqpar.moe.capacity import DispatchConfig
 from lightning_seqpar.parallel.collectives import ParallelGroup
 from lightning_seqpar.parallel.random import RNGTracker
 from lightning_seqpar.offload import HostPool, apply_offload
@@ -109,7 +110,7 @@ def measure_gpt_layer(
     to a host pool (the device bytes left and the bytes moved are both measured); ``norm_statistics_bytes``: count the
     LayerNorm statistics in the model (the element size they are saved in; 0: the paper's terms).
     ``experts``: a mixture of experts in every layer's MLP place (its E, k, f, ep and expert_tp; ``rows`` is measured:
-    what the layer's experts received), ``expert_group`` the group its experts are split over (expert parallel, or
+    what the layer's experts received; ``capacity_factor`` the dispatch's), ``expert_group`` the group its experts are split over (expert parallel, or
     each expert's width when ``experts.expert_tp > 1``; collective over it).
     """
     torch.manual_seed(seed)
@@ -127,7 +128,8 @@ def measure_gpt_layer(
     rewrite(root, RewriteContext(group, sequence_parallel, tracker_rng, loss_parallel=True, context=cp,
                                  expert_group=None if width else expert_group,
                                  expert_tp_group=expert_group if width else None,
-                                 expert_dispatch_group=expert_group if width else None))
+                                 expert_dispatch_group=expert_group if width else None,
+                                 dispatch=DispatchConfig(experts.capacity_factor if experts is not None else None)))
     model = root.gpt.to(torch.float32 if autocast else dtype).train()
     received: dict[int, int] = {}
     if experts is not None:  # the rows each layer's experts receive: what the model's R is

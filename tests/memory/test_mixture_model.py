@@ -4,6 +4,8 @@ the real layers."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from lightning_seqpar.memory import TransformerShape, layer_activation_terms
@@ -15,13 +17,15 @@ CHOICES = [((), ()), (("moe_act",), ()), (("moe",), ()), (("layernorm",), ()), (
            ((), ("expert_fc1", "moe_act")), ((), ("mlp_norm", "expert_fc1")), ((), ("attn_norm", "moe_act")),
            (("moe_act",), ("expert_fc1",)), (("core_attn",), ("moe_act",)), (("moe",), ("mlp_norm",))]
 """(recomputed by module, offloaded) pairs the measured layers run"""
-GRIDS = {"ep2": MixtureShape(4, 2, 48, ep=2), "expert_tp2": MixtureShape(4, 2, 48, expert_tp=2)}
+GRIDS = {"ep2": MixtureShape(4, 2, 48, ep=2), "expert_tp2": MixtureShape(4, 2, 48, expert_tp=2),
+         "ep2-capacity": MixtureShape(4, 2, 48, ep=2, capacity_factor=1.5),
+         "expert_tp2-capacity": MixtureShape(4, 2, 48, expert_tp=2, capacity_factor=0.6)}
 SHAPE = TransformerShape(s=32, b=2, h=64, a=4)
 
 
 def test_balanced_routing_sends_and_receives_n_k_etp_rows_and_the_terms_scale_with_them():
     n = SHAPE.s * SHAPE.b / 2  # tp 2 with SP
-    for mixture in GRIDS.values():
+    for mixture in (m for m in GRIDS.values() if m.capacity_factor is None):
         terms = layer_activation_terms(SHAPE, 2, True, experts=mixture)
         pairs = n * mixture.top_k * mixture.expert_tp
         assert terms["expert rows"] == 2 * pairs * SHAPE.h == terms["pair outputs"]
@@ -30,6 +34,17 @@ def test_balanced_routing_sends_and_receives_n_k_etp_rows_and_the_terms_scale_wi
         doubled = layer_activation_terms(SHAPE, 2, True, experts=MixtureShape(4, 2, 48, mixture.ep, mixture.expert_tp,
                                                                                rows=2 * pairs))
         assert doubled["expert rows"] == 2 * terms["expert rows"] and doubled["pair outputs"] == terms["pair outputs"]
+
+
+def test_a_capacity_fixes_the_rows_whatever_the_routing():
+    n = SHAPE.s * SHAPE.b / 2
+    for name, capacity in (("ep2-capacity", 24), ("expert_tp2-capacity", 10)):  # ⌈1.5·32·2/4⌉, ⌈0.6·32·2/4⌉
+        mixture = GRIDS[name]
+        rows = 4 * mixture.expert_tp * capacity
+        assert mixture.received(n) == rows and dataclasses.replace(mixture, rows=1).received(n) == 1
+        terms = layer_activation_terms(SHAPE, 2, True, experts=mixture)
+        assert terms["expert rows"] == 2 * rows * SHAPE.h and "received order (int64)" not in terms
+        assert terms["pair inputs"] == terms["pair outputs"] == 2 * n * 2 * mixture.expert_tp * SHAPE.h
 
 
 def test_offloading_the_experts_moves_their_terms_and_copies_the_offsets_the_down_projection_also_keeps():
