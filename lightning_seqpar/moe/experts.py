@@ -183,10 +183,14 @@ class GroupedExperts(nn.Module):
         return self.activation(gate) * up
 
     def _grouped(self, rows: Tensor) -> bool:
-        """Whether ``grouped_mm`` has a kernel for these operands (its dtypes; every stride a 16-byte multiple)."""
-        if not self.grouped_mm or not hasattr(F, "grouped_mm") or rows.shape[0] == 0:
+        """Whether ``grouped_mm`` has a kernel for these operands (:meth:`uses_grouped_gemm`)."""
+        return rows.shape[0] > 0 and self.uses_grouped_gemm(_compute_dtype(rows))
+
+    def uses_grouped_gemm(self, dtype: torch.dtype) -> bool:
+        """Whether rows computed in ``dtype`` take the grouped GEMM (its dtypes, the weights' too; every stride a
+        16-byte multiple) rather than the loop over experts."""
+        if not self.grouped_mm or not hasattr(F, "grouped_mm"):
             return False
-        dtype = _compute_dtype(rows)
         size = torch.empty((), dtype=dtype).element_size()
         widths = (*self.gate_up_proj.shape[1:], *self.down_proj.shape[1:])
         return dtype in _GROUPED_DTYPES and self.gate_up_proj.dtype in _GROUPED_DTYPES and all(

@@ -49,6 +49,7 @@ def layer_memory(rewritten: nn.Module, ctx: RewriteContext, seq_len: int, micro_
     says, on the meta device: :func:`meta_rewrite`) for micro-batches of ``micro_batch`` sequences of
     ``seq_len`` tokens."""
     from lightning_seqpar.transformer.mlp_part import DenseMLPPart
+    from lightning_seqpar.transformer.moe_part import MoEPart
 
     layers = [m for m in rewritten.modules() if isinstance(m, ParallelLayer)]
     dims = layers[0].layer_dims()
@@ -57,6 +58,8 @@ def layer_memory(rewritten: nn.Module, ctx: RewriteContext, seq_len: int, micro_
                              gated_mlp=dims.gated_mlp)
     c = ctx.context.group.size if ctx.context is not None else 1
     layer = layers[0]
+    mlp = getattr(layer, "_mlp", None)
+    experts = mlp.mixture_shape(bytes_per_element) if isinstance(mlp, MoEPart) and mlp.shared is None else None
     notes = [f"{len(layers)} layers; LayerNorm statistics in float32 (CUDA)."]
     # The terms are the paper's layer's (Table 2, to the byte on the reference GPT): say where this one departs.
     departs = [what for what, yes in (
@@ -67,11 +70,15 @@ def layer_memory(rewritten: nn.Module, ctx: RewriteContext, seq_len: int, micro_
          getattr(layer, "fused_attention", False)),
         ("no dropout (the table counts the paper's 1-byte masks of the two residual dropouts)",
          getattr(getattr(layer, "attention_residual_dropout", None), "p", 0.1) == 0),
-        ("a mixture of experts (the experts' rows depend on the routing)",
-         not all(isinstance(getattr(x, "_mlp", None), DenseMLPPart) for x in layers))) if yes]
+        ("a mixture of experts priced with balanced routing (a step's expert rows vary with the router) and the "
+         "softmax top-k router's tensors", isinstance(mlp, MoEPart) and mlp.shared is None),
+        ("an MLP the table does not price (a shared expert, or layers unlike the first)",
+         (isinstance(mlp, MoEPart) and mlp.shared is not None)
+         or len({type(getattr(x, "_mlp", None)) for x in layers}) > 1
+         or not isinstance(mlp, (DenseMLPPart, MoEPart)))) if yes]
     if departs:
         notes.append("This layer has " + "; ".join(departs) + ". The planner measures the model's own layer "
                      "(python -m lightning_seqpar.plan MODEL --memory-choices).")
     return LayerMemory(shape, dims.tp, dims.sequence_parallel, c,
                        choice_bytes(shape, dims.tp, dims.sequence_parallel, bytes_per_element, c,
-                                    norm_statistics_bytes=4), " ".join(notes))
+                                    norm_statistics_bytes=4, experts=experts), " ".join(notes))

@@ -31,6 +31,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+from lightning_seqpar.memory.mixture import MixtureShape
 from lightning_seqpar.moe.balancing import MARK, RouterTokens, SequenceParallelRows, UnmaskableRows
 from lightning_seqpar.moe.capacity import CapacityDispatcher
 from lightning_seqpar.moe.dispatch import TokenDispatcher, check_width_split, expert_tensor_parallel_pairs
@@ -189,8 +190,8 @@ class MoEPart:
         self.last_logits: Optional[Tensor] = None  # kept for the pipeline's carrier only (tokens.stages)
         # The MLP width a token goes through, for FLOPs (FlopsUtilization) and the memory model: k experts of width f
         # (the router's top_k, where it names it), plus the shared MLP's.
-        top_k = int(getattr(self.router, "top_k", 1) or 1)
-        self.ffn_hidden_size = top_k * self.experts.intermediate_size
+        self.top_k = int(getattr(self.router, "top_k", 1) or 1)
+        self.ffn_hidden_size = self.top_k * self.experts.intermediate_size
         self.shared: Optional[DenseMLPPart] = spec.shared.build(builder) if spec.shared is not None else None
         if self.shared is not None:
             self.ffn_hidden_size += self.shared.ffn_hidden_size
@@ -200,6 +201,15 @@ class MoEPart:
             if ctx.sp:
                 mark_sequence_parallel(self.shared_gate)
             builder.place(spec.shared_gate, self.shared_gate, "shared expert gate")
+
+    def mixture_shape(self, bytes_per_element: int) -> MixtureShape:
+        """The memory model's sizes of this mixture (:class:`~lightning_seqpar.memory.mixture.MixtureShape`, balanced
+        routing) for activations of ``bytes_per_element`` bytes (2: 16-bit, 4: float32, 8: float64; the grouped GEMM
+        runs the first two)."""
+        factor = self.dispatcher.config.capacity_factor if isinstance(self.dispatcher, CapacityDispatcher) else None
+        dtype = {2: torch.bfloat16, 4: torch.float32}.get(bytes_per_element, torch.float64)
+        return MixtureShape(self.experts.num_experts, self.top_k, self.experts.intermediate_size, self.ep,
+                            self.expert_tp, grouped=self.experts.uses_grouped_gemm(dtype), capacity_factor=factor)
 
     def forward(self, x: Tensor, outputs: Optional[Sequence[Tensor]] = None) -> Tensor:
         """The mixture of the normed ``x`` ``[s/t, b, h]``: each token's k experts' outputs weighted by the router's

@@ -62,3 +62,42 @@ def test_a_layer_unlike_the_paper_s_is_named_with_where_to_measure_it():
                       "python -m lightning_seqpar.plan"):
         assert departure in note
     assert "dropout" not in explain(_gpt(), tp=2, seq_len=64).memory.note
+
+
+def _gpt_moe() -> GPT:
+    return GPT(GPTConfig(vocab_size=64, block_size=64, n_layer=2, n_head=4, n_embd=64, dropout=0.1, n_experts=4,
+                         expert_ffn_hidden_size=48))
+
+
+def test_explain_tables_a_mixture_s_choices_with_its_experts_split_as_the_layout_says():
+    from lightning_seqpar.memory.choices import MIXTURE_CHOICES
+    from lightning_seqpar.memory.mixture import MixtureShape
+
+    memory = explain(_gpt_moe(), tp=2, ep=2, expert_tp=1, seq_len=64, micro_batch_size=2).memory
+    experts = MixtureShape(4, 2, 48, ep=2)
+    assert memory.rows == choice_bytes(memory.shape, 2, True, norm_statistics_bytes=4, experts=experts)
+    assert [row.choice for row in memory.rows] == list(MIXTURE_CHOICES)
+    assert "balanced routing" in memory.note and "does not price" not in memory.note
+    rows = {row.choice: row for row in memory.rows}
+    assert rows["selective + moe"].device_bytes < rows["selective + moe_act"].device_bytes < rows[
+        "selective"].device_bytes
+    assert rows["selective | offload expert_fc1, moe_act"].host_bytes > 0
+    wider = explain(_gpt_moe(), tp=2, ep=1, expert_tp=2, seq_len=64, micro_batch_size=2).memory
+    assert wider.rows == choice_bytes(memory.shape, 2, True, norm_statistics_bytes=4,
+                                      experts=MixtureShape(4, 2, 48, expert_tp=2))
+
+
+@pytest.mark.parametrize("label", ["none", "selective + moe_act", "selective + layernorm + moe",
+                                   "selective | offload expert_fc1, moe_act", "none | offload all"])
+def test_each_mixture_row_is_what_the_tracker_measures_on_the_layer(label):
+    """On one rank every (token, expert) pair stays here, so balanced routing is the routing: the rows are exact."""
+    from lightning_seqpar.memory.choices import MIXTURE_CHOICES
+    from lightning_seqpar.memory.mixture import MixtureShape
+
+    recompute, modules, offload = MIXTURE_CHOICES[label]
+    experts = MixtureShape(4, 2, 48)
+    row = {r.choice: r for r in choice_bytes(SHAPE, 1, False, norm_statistics_bytes=2, experts=experts)}[label]
+    m = measure_gpt_layer(SHAPE, ParallelGroup.virtual(1), False, recompute, modules=modules, offload=offload,
+                          norm_statistics_bytes=2, experts=experts)
+    assert m.measured_bytes - m.remainder().get("RNG state snapshot", 0) == row.device_bytes
+    assert m.offloaded_bytes == row.host_bytes

@@ -12,8 +12,12 @@ import pytest
 import torch
 
 from lightning_seqpar import ActivationOffload, SelectiveRecompute
+from lightning_seqpar.memory import TransformerShape, layer_activation_terms
+from lightning_seqpar.memory.mixture import MixtureShape
 from lightning_seqpar.offload import DENSE_OFFLOAD_MODULES
+from lightning_seqpar.offload.plan import plan_offload
 from tests.helpers.distributed import run_distributed
+from tests.helpers.models import BATCH, SEQ
 from tests.helpers.parity import Case, fit
 
 pytestmark = pytest.mark.distributed
@@ -47,6 +51,12 @@ CASES = {  # world size: (case, offloaded modules, recomputation callbacks' argu
         (Case("gpt", 2, pp=2), ALL, None),                                           # pp 2 × tp 2
     ],
 }
+MIXTURE = MixtureShape(4, 2, 32, ep=2, grouped=False)  # the GPT's 4 experts of 4h/k, float64 (the loop over experts)
+MIXTURE_SHAPE = TransformerShape(s=SEQ, b=BATCH, h=16, a=4)
+DENSE_ONLY = [m for m in DENSE_OFFLOAD_MODULES if m != "mlp"]
+MIXTURE_BUDGET = (Case("gpt", 2, model=(("n_experts", 4),), strategy=(("ep", 2),)),
+                  2 * sum(layer_activation_terms(MIXTURE_SHAPE, 2, True, bytes_per_element=8, offload=DENSE_ONLY,
+                                                 experts=MIXTURE).values()) - 1)
 BYTES = [(m,) for m in DENSE_OFFLOAD_MODULES] + list(itertools.combinations(DENSE_OFFLOAD_MODULES, 2))
 
 
@@ -65,14 +75,18 @@ def _world(rank: int, world: int) -> dict:
                               offload.pool.counts()))
     if world == 4:  # a budget the last stage (one micro-batch in flight) fits and the first (two) does not
         from lightning_seqpar.memory.activations import layer_activation_bytes
-        from tests.helpers.models import SEQ
 
         per_layer = layer_activation_bytes(TransformerShape(s=SEQ, b=1, h=16, a=4), 2, True, bytes_per_element=8)
         case = Case("gpt", 2, pp=2)
         offload = ActivationOffload(memory_budget=1.5 * per_layer)
         out["budget"] = (dataclasses.replace(fit(case, world, steps=STEPS, callbacks=[offload])), offload.plan,
                          offload.pool.counts())
-    if world == 2:
+    if world == 2:  # a mixture of experts' budget: only a plan with the experts' modules fits
+        case, budget = MIXTURE_BUDGET
+        offload = ActivationOffload(memory_budget=budget)
+        out["mixture budget"] = (dataclasses.replace(fit(case, world, steps=STEPS)),
+                                 dataclasses.replace(fit(case, world, steps=STEPS, callbacks=[offload])), offload.plan,
+                                 offload.pool.counts())
         group = ParallelGroup(torch.distributed.group.WORLD)
         for modules in BYTES:
             m = measure_gpt_layer(TransformerShape(s=64, b=2, h=64, a=4), group, True, "none", offload=modules,
@@ -127,3 +141,16 @@ def test_a_budget_offloads_on_the_stage_with_more_micro_batches_in_flight_and_th
         assert recorded.losses == results["parity"][0][0].losses, rank
         for got, want in zip(recorded.grads, results["parity"][0][0].grads):
             assert [n for n in want if not torch.equal(got[n], want[n])] == [], rank
+
+
+def test_a_budget_for_a_mixture_of_experts_offloads_the_experts_modules_by_the_model_and_trains_identically(worlds):
+    case, budget = MIXTURE_BUDGET
+    want = plan_offload(MIXTURE_SHAPE, 2, True, budget, 2, bytes_per_element=8, experts=MIXTURE)
+    assert {"expert_fc1", "moe_act"} & set(want.modules) and want.device_bytes <= budget
+    for rank, results in enumerate(worlds(2)):
+        plain, offloaded, plan, counts = results["mixture budget"]
+        assert plan == want, rank  # balanced routing: a function of the configuration, the same on every rank
+        assert counts["bytes_out"] > 0 and counts["bytes_in"] == counts["bytes_out"], rank
+        assert offloaded.losses == plain.losses, rank
+        for got, expected in zip(offloaded.grads, plain.grads):
+            assert [n for n in expected if not torch.equal(got[n], expected[n])] == [], rank

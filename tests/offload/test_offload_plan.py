@@ -68,3 +68,27 @@ def test_a_budget_nothing_fits_is_refused_with_the_least_and_the_fixes():
         ActivationOffload(modules=["mlp"], memory_budget=1e9)
     with pytest.raises(ValueError, match="one of them"):
         ActivationOffload()
+
+
+def test_a_mixture_s_plan_weighs_the_experts_modules_and_prices_dense_and_mixture_layers_apart():
+    from lightning_seqpar.memory.activations import layer_activation_terms
+    from lightning_seqpar.memory.mixture import MixtureShape
+
+    experts = MixtureShape(64, 8, 512, ep=8)
+    every = layer_activation_terms(SHAPE, T, SP, experts=experts)
+    plans = [plan_offload(SHAPE, T, SP, fraction * LAYERS * sum(every.values()), LAYERS, experts=experts)
+             for fraction in (0.9, 0.6, 0.4)]
+    assert any({"expert_fc1", "moe_act"} & set(p.modules) for p in plans) and all("mlp" not in p.modules for p in plans)
+    for plan in plans:  # what the plan leaves is the model's, layer by layer
+        assert plan.device_bytes == LAYERS * sum(layer_activation_terms(SHAPE, T, SP, offload=plan.modules,
+                                                                        experts=experts).values())
+    # two of eight layers dense (DeepSeek's first layers): their MLP is priced dense, the experts' modules skip them
+    mixed = plan_offload(SHAPE, T, SP, 1e12, LAYERS, experts=experts, mixture_layers=6)
+    assert mixed.modules == () and mixed.device_bytes == 2 * layer_activation_bytes(SHAPE, T, SP) + 6 * sum(
+        every.values())
+    # the mixture recomputed whole keeps nothing the experts' modules could move
+    recomputed = plan_offload(SHAPE, T, SP, 0.5 * LAYERS * sum(every.values()), LAYERS, modules=["moe"],
+                              experts=experts)
+    assert not {"expert_fc1", "moe_act"} & set(recomputed.modules)
+    with pytest.raises(ValueError, match="mixture_layers within"):
+        plan_offload(SHAPE, T, SP, 1e12, LAYERS, experts=experts, mixture_layers=9)

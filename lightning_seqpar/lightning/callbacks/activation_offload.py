@@ -8,11 +8,13 @@ import lightning.pytorch as pl
 import torch.nn as nn
 
 from lightning_seqpar.memory.activations import layer_activation_bytes
+from lightning_seqpar.memory.mixture import MixtureShape
 from lightning_seqpar.offload import HostPool, apply_offload, check_offload_modules, check_offload_with_recompute
 from lightning_seqpar.offload.plan import OffloadPlan, plan_offload
 from lightning_seqpar.recompute import micro_batch_shape, model_shape, rewritten_layers
 from lightning_seqpar.transformer.core_attention import CoreAttention
 from lightning_seqpar.transformer.mlp_part import DenseMLPPart
+from lightning_seqpar.transformer.moe_part import MoEPart
 
 
 class ActivationOffload(pl.Callback):
@@ -24,8 +26,9 @@ class ActivationOffload(pl.Callback):
             ``"qkv_linear"``, ``"core_attn"``, ``"attn_proj"``, ``"mlp_norm"``, ``"mlp"``; or
         memory_budget: bytes of layer activations allowed on each rank at its pipeline peak: the modules are then
             :func:`~lightning_seqpar.offload.plan.plan_offload`'s choice for this rank (its layers, its schedule's
-            micro-batches in flight, the recomputation in force, s and b of the first training batch), made at that
-            batch; ``plan`` holds it. Ranks with fewer micro-batches in flight offload less.
+            micro-batches in flight, the recomputation in force, s and b of the first training batch; a mixture of
+            experts with balanced routing, :mod:`lightning_seqpar.memory.mixture`), made at that batch; ``plan`` holds
+            it. Ranks with fewer micro-batches in flight offload less.
         bytes_per_element: for ``memory_budget``: activation bytes (default: the parameters' element size).
         prefetch: bring a layer's offloaded tensors back when the backward reaches the layer after it, so the copies
             back overlap that layer's backward (default); the cost is up to one more layer's offloaded bytes on the
@@ -43,8 +46,9 @@ class ActivationOffload(pl.Callback):
 
     Raises:
         ValueError: a name not in ``OFFLOAD_MODULES``, or not exactly one of ``modules`` and a positive
-            ``memory_budget`` (at construction); a budget nothing fits, or one for a mixture of experts (at the first
-            batch); when fitting starts, what
+            ``memory_budget`` (at construction); a budget nothing fits, or one for a mixture the memory model does not
+            price (a shared expert; mixtures of different shapes on one rank) (at the first batch); when fitting
+            starts, what
             :func:`~lightning_seqpar.offload.apply_offload` and
             :func:`~lightning_seqpar.offload.check_offload_with_recompute` refuse, and compiled blocks (``compile=True``:
             the saved-tensor hooks run in Python, outside a graph).
@@ -116,25 +120,47 @@ class ActivationOffload(pl.Callback):
                   if layer.pipeline_stage is None or layer.pipeline_stage % p == rank]
         shape, t, sp = model_shape(model, s, max(1, b // m))  # the whole sequence: the terms divide by c
         in_flight = simulate(config.schedule, m, p, v)[rank] if p > 1 else 1
-        mixtures = [layer for layer in layers if not isinstance(getattr(layer, "_mlp", None), DenseMLPPart)]
-        if mixtures:
-            raise ValueError(f"ActivationOffload(memory_budget=...) plans by the bytes of dense layers; "
-                             f"{getattr(mixtures[0], '_name', type(mixtures[0]).__name__)} has "
-                             f"{type(getattr(mixtures[0], '_mlp', None)).__name__}: name the modules to offload instead "
-                             f"(modules=[...]).")
+        element = self.bytes_per_element or next(model.parameters()).element_size()
+        experts, mixtures = _mixtures(layers, element)
         selective = any(isinstance(x, CoreAttention) and x.recompute for layer in layers for x in layer.modules())
         whole = sum(layer.checkpointed_whole for layer in layers)
-        element = self.bytes_per_element or next(model.parameters()).element_size()
         budget = self.memory_budget - in_flight * (whole / v) * layer_activation_bytes(
             shape, t, sp, "full", element, c=c)
         if whole == len(layers):  # every layer keeps only its input: nothing to offload
             return plan_offload(shape, t, sp, self.memory_budget, max(1, whole // v), in_flight, "full",
                                 bytes_per_element=element, c=c)
-        return plan_offload(shape, t, sp, budget, max(1, (len(layers) - whole) // v), in_flight,
-                            "selective" if selective else "none",
-                            ["mlp"] * any(layer.recompute_mlp for layer in layers)
-                            + ["layernorm"] * any(layer.recompute_norms for layer in layers), element, c=c,
-                            keeps_output=p > 1 and not (rank == p - 1 and v == 1))
+        recomputed = [layer for layer in layers if not layer.checkpointed_whole]
+        modules = (["mlp"] * any(layer.recompute_mlp and layer not in mixtures for layer in recomputed)
+                   + ["moe"] * any(layer.recompute_mlp and layer in mixtures for layer in recomputed)
+                   + ["moe_act"] * any(getattr(layer._mlp.experts, "recompute_activation", False)
+                                       for layer in recomputed if layer in mixtures)
+                   + ["layernorm"] * any(layer.recompute_norms for layer in layers))
+        return plan_offload(shape, t, sp, budget, max(1, len(recomputed) // v), in_flight,
+                            "selective" if selective else "none", modules, element, c=c,
+                            keeps_output=p > 1 and not (rank == p - 1 and v == 1), experts=experts,
+                            mixture_layers=sum(layer in mixtures for layer in recomputed) // v if experts else None)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         apply_offload(pl_module, None, self.pool)  # type: ignore[arg-type]
+
+
+def _mixtures(layers: list[nn.Module], element: int) -> tuple[Optional[MixtureShape], list[nn.Module]]:
+    """The memory model's mixture of the layers that hold one (the same in all of them), and those layers.
+
+    Raises:
+        ValueError: mixtures of different shapes, or one with a shared expert (the memory model does not price it):
+            naming the layer and the fix.
+    """
+    mixtures = [layer for layer in layers if not isinstance(getattr(layer, "_mlp", None), DenseMLPPart)]
+    shapes = set()
+    for layer in mixtures:
+        part, label = getattr(layer, "_mlp", None), getattr(layer, "_name", type(layer).__name__)
+        if not isinstance(part, MoEPart) or part.shared is not None:
+            what = "a shared expert" if isinstance(part, MoEPart) else type(part).__name__
+            raise ValueError(f"ActivationOffload(memory_budget=...) plans by the memory model's bytes, which do not "
+                             f"price {what} ({label}): name the modules to offload instead (modules=[...]).")
+        shapes.add(part.mixture_shape(element))
+    if len(shapes) > 1:
+        raise ValueError(f"ActivationOffload(memory_budget=...) plans one mixture shape per rank; these layers hold "
+                         f"{sorted(map(str, shapes))}: name the modules to offload instead (modules=[...]).")
+    return (shapes.pop() if shapes else None), mixtures
