@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from lightning_seqpar.offload.apply import DENSE_OFFLOAD_MODULES, OFFLOAD_MODULES
+from lightning_seqpar.offload.apply import DENSE_OFFLOAD_MODULES, EXPERT_MODULES, OFFLOAD_MODULES
 
 
 TRADES = (
@@ -30,15 +30,49 @@ offloaded (the residual stream); the MLP's activations; every
 module but core attention; every module."""
 
 
+MIXTURE_TRADES = (
+    (("layernorm",), ()),
+    (("moe_act",), ()),
+    (("layernorm", "moe"), ()),
+    (("moe",), ()),
+    ((), ("attn_norm", "mlp_norm")),
+    ((), ("expert_fc1", "moe_act")),
+    ((), ("attn_norm", "qkv_linear", "attn_proj", "mlp_norm", "expert_fc1", "moe_act")),
+    ((), tuple(m for m in OFFLOAD_MODULES if m != "mlp")),
+)
+""":data:`TRADES` for a model whose MLPs are mixtures of experts: the experts' activation or the whole mixture
+recomputed instead of the dense MLP, the experts' inputs offloaded instead of its activations."""
+
+
+def trades(mixture: bool) -> tuple:
+    """What the planner tries on a layout too large for the GPU: :data:`MIXTURE_TRADES` for a model with mixtures of
+    experts, else :data:`TRADES`."""
+    return MIXTURE_TRADES if mixture else TRADES
+
+
 def memory_choice_rule(recompute: str, modules: tuple[str, ...], offload: tuple[str, ...], cp: int,
-                       eager_attention: bool) -> Optional[str]:
+                       eager_attention: bool, mixture: bool = False) -> Optional[str]:
     """Why ``modules`` (recomputation by module beside ``recompute``) and ``offload`` cannot go together with the
-    layout, in the field's words; ``None``: they can."""
+    layout (``mixture``: the model's MLPs are mixtures of experts), in the field's words; ``None``: they can."""
     unknown = [m for m in modules if m not in ("layernorm", "mlp", "moe_act", "shared_experts", "moe", "core_attn")] + [
         m for m in offload if m not in OFFLOAD_MODULES]
     if unknown:
         return (f"{unknown}: not a module recomputed by module (layernorm, mlp, moe_act, moe, core_attn) or offloaded "
                 f"({list(OFFLOAD_MODULES)})")
+    dense_only = [m for m in (*modules, *offload) if m == "mlp"]
+    experts_only = [m for m in (*modules, *offload) if m in ("moe", "moe_act", "shared_experts", *EXPERT_MODULES)]
+    if mixture and dense_only:
+        return "mlp names a dense MLP; this model's are mixtures of experts (recompute moe or moe_act, offload " \
+               "expert_fc1 or moe_act)"
+    if not mixture and experts_only:
+        return f"{experts_only}: this model has no mixture of experts"
+    if "moe" in modules and {"expert_fc1", "moe_act"} & set(offload):
+        return "the experts' modules both recomputed (moe) and offloaded: recomputation keeps only the mixture's input"
+    if "moe_act" in modules and "moe_act" in offload:
+        return "moe_act both recomputed and offloaded: recomputation keeps only the gate/up output"
+    if modules and recompute == "full":
+        return "modules recomputed under full recomputation: a layer checkpointed whole keeps only its input, so " \
+               "recomputing modules changes nothing"
     if offload and recompute == "full":
         return "offload under full recomputation: a layer checkpointed whole keeps only its input, nothing to offload"
     recomputed_attention = (recompute == "selective" or "core_attn" in modules) and cp == 1 and eager_attention

@@ -29,8 +29,8 @@ from lightning_seqpar.plan.experts import (  # noqa: F401  (expert_parallel_size
 )
 from lightning_seqpar.plan.inventory import ModelInventory
 from lightning_seqpar.plan.layout_record import LayoutRecord
-from lightning_seqpar.plan.memory_choices import (TRADES, describe, host_traffic, largest_offloaded_share,
-                                                  memory_choice_rule, offload_backward_bytes)
+from lightning_seqpar.plan.memory_choices import (describe, host_traffic, largest_offloaded_share, memory_choice_rule,
+                                                  offload_backward_bytes, trades)
 from lightning_seqpar.plan.moments import backward_moments, chunks_rule
 from lightning_seqpar.plan.pricing import (activation_element_bytes, first_layer_saving, layer_activation_bytes,
                                            loss_chunk_positions, outside_bytes)
@@ -80,7 +80,7 @@ def plan(inventory: ModelInventory, gpus: int, seq_len: int, global_batch: int, 
         context_parallel: the context-parallel sizes c to consider (``None``: every divisor of the GPUs), with
             ``cp_comm`` (``ring`` or ``all_to_all``).
         memory_choices: a layout too large for the GPU is tried again with recomputation by module and activation
-            offload (:data:`~.memory_choices.TRADES`); those that fit compete with the rest by step time (the offload's
+            offload (:func:`~.memory_choices.trades`); those that fit compete with the rest by step time (the offload's
             host-link time and the MLP's recomputed FLOPs counted), their ``why`` saying what they replaced.
         loss_chunk: the strategy's ``loss_chunk`` (positions of the loss's logits at a time; ``None``: whole), each
             record's (:attr:`LayoutRecord.loss_chunk`); or several to search (``(4096, None)``): a layout is priced
@@ -132,11 +132,13 @@ def plan(inventory: ModelInventory, gpus: int, seq_len: int, global_batch: int, 
 
 
 def traded(record: LayoutRecord, options: tuple) -> list[LayoutRecord]:
-    """``record`` (a layout too large for the GPU) with each of :data:`~.memory_choices.TRADES` that its rules allow,
+    """``record`` (a layout too large for the GPU) with each of :func:`~.memory_choices.trades` that its rules allow,
     evaluated with ``options`` (:func:`_evaluate`'s arguments after the record); each says why in ``why``."""
     out = []
-    for modules, offload in TRADES:
-        if memory_choice_rule(record.recompute, modules, offload, record.cp, options[0].eager_attention) is not None:
+    mixture = options[0].experts is not None
+    for modules, offload in trades(mixture):
+        if memory_choice_rule(record.recompute, modules, offload, record.cp, options[0].eager_attention,
+                              mixture) is not None:
             continue
         other = replace(record, modules=modules, offload=offload, feasible=False, reason=None, bytes={}, other={},
                         host={}, flops={}, collective_bytes={}, step_time={})

@@ -60,6 +60,9 @@ def test_the_mlp_recomputed_keeps_its_input_and_costs_one_mlp_forward_per_layer(
     ("selective", (), ("core_attn",), "core_attn both recomputed and offloaded"),
     ("none", ("mlp",), ("mlp",), "mlp both recomputed and offloaded"),
     ("none", (), ("attention",), "not a module"),
+    ("none", ("moe_act",), (), "this model has no mixture of experts"),
+    ("none", (), ("expert_fc1",), "this model has no mixture of experts"),
+    ("full", ("layernorm",), (), "recomputing modules changes nothing"),
 ])
 def test_what_cannot_go_together_is_refused_by_rule(inventory, recompute, modules, offload, reason):
     record = _predict(inventory, recompute, modules, offload)
@@ -95,3 +98,21 @@ def test_the_command_prints_what_it_traded(capsys):
           "--memory-choices", "--top", "3", "--schedule", "1F1B"])  # the layouts this test was written for
     out = capsys.readouterr().out
     assert "Traded for memory" in out and "selective|offload attn_norm,mlp_norm" in out, out
+
+
+def test_a_mixture_trades_its_experts_modules_and_a_dense_mlp_s_are_refused_by_rule():
+    from lightning_seqpar.plan.memory_choices import MIXTURE_TRADES
+    from tests.plan.test_planner_experts import QWEN3_30B_A3B
+
+    tiny = model_inventory(dict(QWEN3_30B_A3B, vocab_size=512, hidden_size=64, num_hidden_layers=4,
+                                num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+                                num_experts_per_tok=2, moe_intermediate_size=32))
+    records = plan(tiny, 2, 1024, 8, hardware=Hardware(memory=7e7), calibrate=False, micro_batches=(8,),
+                   memory_choices=True)
+    tried = {(r.modules, r.offload) for r in records if r.modules or r.offload}
+    assert tried == set(MIXTURE_TRADES)  # every trade is tried somewhere; none names the dense MLP
+    for modules, offload in ((("mlp",), ()), ((), ("mlp",)), (("moe",), ("expert_fc1",)), (("moe_act",), ("moe_act",))):
+        record = predict(tiny, LayoutRecord(tp=1, cp=1, pp=1, vpp=1, dp=2, zero=0, micro_batch=1, num_microbatches=0,
+                                            recompute="none", main_params=False, modules=modules, offload=offload),
+                         1024, 8, calibrate=False)
+        assert not record.feasible and ("mixtures of experts" in record.reason or "both recomputed" in record.reason)
