@@ -16,7 +16,8 @@ loss and perplexity on the held-out examples' supervised tokens, a reply decoded
 exports asked for. Every field of ``conf/finetune.yaml`` can be overridden on the command line (Hydra).
 
 ``objective=dpo``: the data is preference pairs (``{"prompt", "chosen", "rejected"}`` texts, or ``chosen`` and
-``rejected`` conversations; :mod:`lightning_seqpar.data.preference`), ``data.batch_size`` pairs per micro-batch, and
+``rejected`` conversations; :mod:`lightning_seqpar.data.preference`), ``data.batch_size`` pairs per micro-batch
+(``dpo.packing=true``: rows of ``data.block_size`` tokens holding whole pairs, each reply attending to itself), and
 the loss is DPO's (``dpo.loss=sigmoid``) or IPO's (``dpo.loss=ipo``) with ``dpo.beta``. The reference model is the
 frozen base with LoRA's adapters off, in the same step (under pipeline parallelism, a forward-only schedule before
 the step's); for full fine-tuning, its log-probabilities are computed first through the same layout and cached
@@ -74,9 +75,10 @@ def check_options(cfg: DictConfig, output_dir: Path) -> None:
 def build(cfg: DictConfig, output_dir: Path) -> tuple[FineTuneModule, Any, pl.Trainer]:
     dpo = cfg.objective == "dpo"
     tokenizer = cfg.data.tokenizer or cfg.model.pretrained
-    if dpo:  # one reply per row, padded: data.packing does not apply
+    if dpo:  # one reply per row, padded, unless dpo.packing (data.packing is the supervised examples')
         data = PreferenceDataModule(cfg.data.path, tokenizer, cfg.data.block_size, cfg.data.batch_size,
-                                    cfg.data.overflow, cfg.data.val_fraction, cfg.seed)
+                                    cfg.data.overflow, cfg.data.val_fraction, cfg.seed,
+                                    packing=cfg.dpo.get("packing", False))
     else:
         data = FineTuneDataModule(cfg.data.path, tokenizer, cfg.data.block_size, cfg.data.batch_size, cfg.data.packing,
                                   cfg.data.overflow, cfg.data.val_fraction, cfg.seed, cfg.data.cache_dir,

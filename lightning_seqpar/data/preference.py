@@ -17,6 +17,12 @@ pair i in row ``2i`` and its rejected reply in row ``2i+1``, so a pair never str
 is even. Labels are aligned with the inputs (transformers shifts them): ``labels[j] = ids[j]`` where token j is
 supervised, else ``-100``.
 
+Packed rows (:func:`packed_pair_rows`, TRL's ``padding_free``): pairs placed in order, each pair's chosen then rejected
+reply side by side in one row of ``s`` tokens, a new row started when the next pair does not fit. Position ids restart
+at 0 at each reply, so the strategy's document-aware attention keeps each reply to itself (as packed supervised
+examples, :mod:`~lightning_seqpar.data.packing`); each token's slot names its reply within the row (``2k`` and
+``2k+1`` for the row's k-th pair), and the tail after the last pair is padding of its own.
+
 Raises (:func:`render_pairs`, :func:`pair_rows`): ``ValueError`` naming the record (file and line) and the fix: not
 an object, missing or mistyped keys, a conversation without a template or without an assistant reply, chosen and
 rejected identical, a reply with no supervised token left (empty, or truncated away), a pair longer than the block
@@ -134,6 +140,11 @@ class PairRows:
         return np.ones(len(self), dtype=np.int64)
 
     @property
+    def pairs(self) -> int:
+        """The pairs in all rows."""
+        return len(self)
+
+    @property
     def reply_tokens(self) -> np.ndarray:
         """Supervised tokens of each reply after transformers' shift ``[pairs, 2]``."""
         return (self.labels[..., 1:] != IGNORE).sum(-1)
@@ -175,3 +186,99 @@ def pair_rows(pairs: Sequence[PreferencePair], s: int, pad_id: int, overflow: st
             labels[i, j, :n] = np.where(example.supervised, example.ids, IGNORE)
             mask[i, j, :n] = 1
     return PairRows(ids, labels, mask)
+
+
+@dataclass(frozen=True)
+class PackedPairRows:
+    """Preference pairs packed into rows of ``s`` tokens (see the module docstring): ``input_ids``, ``labels``,
+    ``position_ids`` ``[rows, s]`` int64; ``slots`` ``[rows, s]`` int64, the reply each token belongs to in its row
+    (``2k`` chosen and ``2k+1`` rejected of its k-th pair, ``-1`` the padding tail); ``pair_index`` ``[rows, K]`` int64,
+    the pairs each row holds in order (``-1`` past its last), K the most any row holds."""
+
+    input_ids: np.ndarray
+    labels: np.ndarray
+    position_ids: np.ndarray
+    slots: np.ndarray
+    pair_index: np.ndarray
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def supervised(self) -> np.ndarray:
+        """Pairs per row ``[rows]``: a step's sum of them is its number of pairs (what the DPO loss averages)."""
+        return (self.pair_index >= 0).sum(1)
+
+    @property
+    def pairs(self) -> int:
+        """The pairs in all rows."""
+        return int(self.supervised.sum())
+
+    def with_rows(self, rows: int, pad_id: int) -> "PackedPairRows":
+        """These rows followed by empty ones (padding only, no pair) up to ``rows``: a split smaller than one batch
+        of whole micro-batches still fills it (the empty rows weigh nothing in the loss)."""
+        extra = rows - len(self)
+        if extra <= 0:
+            return self
+        s = self.input_ids.shape[1]
+
+        def grown(values: np.ndarray, fill: Any) -> np.ndarray:
+            return np.concatenate([values, np.full((extra, *values.shape[1:]), fill, dtype=values.dtype)])
+
+        positions = np.concatenate([self.position_ids, np.tile(np.arange(s), (extra, 1))])
+        return PackedPairRows(grown(self.input_ids, pad_id), grown(self.labels, IGNORE), positions,
+                              grown(self.slots, -1), grown(self.pair_index, -1))
+
+
+def packed_pair_rows(pairs: Sequence[PreferencePair], s: int, pad_id: int, overflow: str = "refuse",
+                     names: Sequence[str] = ()) -> PackedPairRows:
+    """Rows of ``s`` tokens holding whole pairs, in order (see the module docstring). A pair's two replies share a row:
+    under ``overflow="truncate"`` a pair longer than ``s`` keeps the first ``s // 2`` tokens of each reply.
+
+    Raises:
+        ValueError: an unknown ``overflow``; a pair longer than ``s`` under ``overflow="refuse"``, or a reply with no
+            supervised token left; naming ``names[i]`` (or "pair i") and the fix.
+    """
+    if overflow not in OVERFLOW:
+        raise ValueError(f"overflow={overflow!r}: one of {OVERFLOW}.")
+    fitted = []
+    for i, pair in enumerate(pairs):
+        where = names[i] if i < len(names) else f"pair {i}"
+        replies = (pair.chosen, pair.rejected)
+        length = sum(map(len, replies))
+        if length > s and overflow != "truncate":
+            raise ValueError(f"{where}: its two replies take {length} tokens, more than the block of {s} they share "
+                             f"when pairs are packed. Raise data.block_size, set data.overflow=truncate (each reply "
+                             f"keeps its first {s // 2} tokens), or train without packing (dpo.packing=false).")
+        limit = s if length <= s else s // 2
+        fitted.append(tuple(_fit(reply, limit, overflow, f"{where} ({key})") for key, reply in zip(_KEYS, replies)))
+    groups: list[list[int]] = []
+    used = 0
+    for i, replies in enumerate(fitted):
+        length = sum(map(len, replies))
+        if groups and used + length <= s:
+            groups[-1].append(i)
+            used += length
+        else:
+            groups.append([i])
+            used = length
+    width = max(map(len, groups), default=0)
+    ids = np.full((len(groups), s), pad_id, dtype=np.int64)
+    labels = np.full((len(groups), s), IGNORE, dtype=np.int64)
+    positions = np.zeros((len(groups), s), dtype=np.int64)
+    slots = np.full((len(groups), s), -1, dtype=np.int64)
+    index = np.full((len(groups), width), -1, dtype=np.int64)
+    for row, group in enumerate(groups):
+        at = 0
+        for k, i in enumerate(group):
+            index[row, k] = i
+            for j, reply in enumerate(fitted[i]):
+                n = len(reply)
+                ids[row, at:at + n] = reply.ids
+                labels[row, at:at + n] = np.where(reply.supervised, reply.ids, IGNORE)
+                labels[row, at] = IGNORE  # the previous reply's last position never predicts this one
+                positions[row, at:at + n] = np.arange(n)
+                slots[row, at:at + n] = 2 * k + j
+                at += n
+        positions[row, at:] = np.arange(s - at)  # the tail: a padding document of its own
+    return PackedPairRows(ids, labels, positions, slots, index)

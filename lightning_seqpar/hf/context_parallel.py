@@ -17,8 +17,9 @@ batch (which every cp rank holds):
 - ``position_ids`` become the tokens' true global positions (given ones are kept: packed documents restart at 0,
   which also marks each document), so rotary embeddings and learned positions are those of one process;
 - labels are shifted over the whole sequence first (token ``i`` predicts ``i+1``, across a chunk boundary too),
-  then taken at the same positions (``shift_labels=``), and ``num_items_in_batch`` is the whole batch's count of
-  supervised tokens (unless the caller gave one): each rank's loss is its tokens' sum over that count;
+  then taken at the same positions (``shift_labels=``; a packed batch's ``sum_per_document`` likewise), and
+  ``num_items_in_batch`` is the whole batch's count of supervised tokens (unless the caller gave one): each rank's
+  loss is its tokens' sum over that count;
 - ``attention_mask`` (``[b, s]``, 0 = padding) becomes the layout's key padding; the model gets none, and the
   layers ignore the masks transformers builds from the local tokens, masking each block from the layout instead.
 
@@ -113,6 +114,9 @@ class ContextParallelEntry:
             if call.get("num_items_in_batch") is None:
                 call["num_items_in_batch"] = (shifted != -100).sum()
             call["labels"], call["shift_labels"] = labels[:, mine], shifted[:, mine]
+            per_document = call.get("sum_per_document")
+            if per_document is not None:  # [b, s, D] aligned with the labels: shifted as they are, then this rank's
+                call["sum_per_document"] = F.pad(per_document, (0, 0, 0, 1))[:, 1:][:, mine]
         self.context.open(ContextParallelBatch(self.context.group, self.context.comm, s, documents, padding))
         return (), call
 

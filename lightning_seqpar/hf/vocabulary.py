@@ -79,6 +79,11 @@ class CausalLMLoss:
     ``[b]``, each row's cross entropy summed over its supervised tokens (``−Σ log p``; what DPO reads), in float32 or
     float64, from sharded or whole logits; ``num_items_in_batch`` is not applied. Under context parallelism the entry
     sums it over the cp ranks like any loss.
+
+    ``sum_per_document=`` a ``[b, s, D]`` bool tensor (packed rows: token j of row i belongs to document d), aligned
+    with ``labels`` (with ``shift_labels`` when those are given): the loss is ``[b, D]``, each document's cross entropy
+    summed over its supervised tokens, the same way (a product with the documents' one-hot weights, so no shape
+    depends on the data and nothing is read on the host).
     """
 
     def __init__(self, original: Callable[..., Tensor], context_parallel: bool = False) -> None:
@@ -88,33 +93,43 @@ class CausalLMLoss:
 
     def __call__(self, logits: Tensor, labels: Tensor, vocab_size: int, num_items_in_batch: Optional[Tensor] = None,
                  ignore_index: int = -100, shift_labels: Optional[Tensor] = None, sum_per_row: bool = False,
-                 **kwargs: Any) -> Tensor:
+                 sum_per_document: Optional[Tensor] = None, **kwargs: Any) -> Tensor:
         if self.context_parallel and shift_labels is None:
             raise ValueError("Under context parallelism the model's loss was called without shift_labels=: its forward "
                              "does not pass its keyword arguments on to loss_function, so the labels of this rank's "
                              "chunks would be shifted within them. Train this model without cp.")
-        if not isinstance(logits, VocabShardedLogits) and not sum_per_row:
+        documents = sum_per_document
+        per_row = sum_per_row or documents is not None
+        if not isinstance(logits, VocabShardedLogits) and not per_row:
             return self.original(logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
                                  ignore_index=ignore_index, shift_labels=shift_labels, **kwargs)
         if shift_labels is None:  # tokens < n predict n
             shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+            if documents is not None:  # each target's document: the next token's
+                documents = F.pad(documents, (0, 0, 0, 1))[:, 1:]
+
+        def reduced(per_token: Tensor, rows: slice) -> Tensor:  # [b, rows] -> [b] or [b, D]
+            if documents is None:
+                return per_token.sum(-1)
+            return torch.einsum("bs,bsd->bd", per_token, documents[:, rows].to(per_token.device, per_token.dtype))
+
         if not isinstance(logits, VocabShardedLogits):  # whole logits [b, s, v], one row sum each
             upcast = logits.to(torch.promote_types(logits.dtype, torch.float32))
             per_token = F.cross_entropy(upcast.flatten(0, -2), shift_labels.flatten().to(logits.device),
                                         ignore_index=ignore_index, reduction="none")
-            return per_token.view(shift_labels.shape).sum(-1)
+            return reduced(per_token.view(shift_labels.shape), slice(None))
 
         def summed(local: Tensor, rows: slice) -> Tensor:  # [b, rows, v'/t], upcast as transformers does
             target = shift_labels[:, rows].to(local.device)
-            if sum_per_row:
+            if per_row:
                 upcast = local.to(torch.promote_types(local.dtype, torch.float32))
-                return vocab_parallel_cross_entropy(upcast, target, logits.group, logits.vocab_size,
-                                                    ignore_index=ignore_index, reduction="none").sum(-1)
+                return reduced(vocab_parallel_cross_entropy(upcast, target, logits.group, logits.vocab_size,
+                                                            ignore_index=ignore_index, reduction="none"), rows)
             return vocab_parallel_cross_entropy(local.float(), target, logits.group, logits.vocab_size,
                                                 ignore_index=ignore_index, reduction="sum")
 
         value = logits.over_chunks(summed)  # chunk by chunk when the head left the logits pending (loss_chunk)
-        if sum_per_row:
+        if per_row:
             return value
         if num_items_in_batch is None:  # the mean over supervised tokens
             return value / (shift_labels != ignore_index).sum().clamp(min=1).to(value.device)

@@ -27,7 +27,7 @@ forward-only schedule of its own before the step's, the module's ``reference_ste
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
 
 import torch
 import torch.nn as nn
@@ -39,11 +39,23 @@ DPO_LOSSES = ("sigmoid", "ipo")
 
 
 class PreferenceTerms(NamedTuple):
-    """Per pair ``[n]``: the loss ℓ, the chosen and rejected rewards (detached)."""
+    """Per pair ``[n]``: the loss ℓ, the chosen and rejected rewards (detached); ``valid`` ``[n]`` (packed rows: 1 for
+    a pair, 0 for an empty slot; ``None``: every entry is a pair)."""
 
     losses: Tensor
     chosen_rewards: Tensor
     rejected_rewards: Tensor
+    valid: Optional[Tensor] = None
+
+    def total(self, values: Tensor) -> Tensor:
+        """The sum of ``values`` ``[n]`` over the pairs."""
+        return values.sum() if self.valid is None else (values * self.valid).sum()
+
+    def mean(self, values: Tensor) -> Tensor:
+        """The mean of ``values`` ``[n]`` over the pairs (0 when there is none)."""
+        if self.valid is None:
+            return values.mean()
+        return self.total(values) / self.valid.sum().clamp_min(1)
 
 
 def check_settings(beta: float, loss: str) -> None:
@@ -74,6 +86,14 @@ def reply_tokens(labels: Tensor, ignore_index: int = -100) -> Tensor:
     return (labels[:, 1:] != ignore_index).sum(-1)
 
 
+def document_tokens(labels: Tensor, documents: Tensor, ignore_index: int = -100) -> Tensor:
+    """Supervised tokens of each document of packed rows after transformers' shift ``[rows, D]`` (``documents``
+    ``[rows, s, D]`` aligned with ``labels``: :class:`~lightning_seqpar.hf.vocabulary.CausalLMLoss`'s
+    ``sum_per_document``)."""
+    supervised = (labels[:, 1:] != ignore_index).to(torch.int64)
+    return torch.einsum("bs,bsd->bd", supervised, documents[:, 1:].to(torch.int64))
+
+
 class PreferenceLoss:
     """The DPO step of a Hugging Face causal LM (see the module docstring).
 
@@ -91,15 +111,19 @@ class PreferenceLoss:
         self.beta, self.loss, self.has_adapters = beta, loss, has_adapters
 
     def row_logps(self, model: nn.Module, batch: dict) -> Tensor:
-        """``[2b]`` Σ log p of each row's reply tokens under ``model`` (see the module docstring).
+        """``[2b]`` Σ log p of each row's reply tokens under ``model`` (see the module docstring); packed rows
+        (``sum_per_document`` in ``batch``): ``[b, 2K]``, each reply slot's.
 
         Raises:
             ValueError: the model's forward does not take ``sum_per_row=``, or its loss did not come back per row (its
                 forward does not pass keyword arguments on to its loss function), naming it.
         """
-        inputs = {k: batch[k] for k in ("input_ids", "labels", "attention_mask") if k in batch}
+        packed = "sum_per_document" in batch
+        names = ("input_ids", "labels", "position_ids", "sum_per_document") if packed else (
+            "input_ids", "labels", "attention_mask")
+        inputs = {k: batch[k] for k in names if k in batch}
         try:
-            per_row = model(**inputs, sum_per_row=True).loss
+            per_row = model(**inputs, **({} if packed else {"sum_per_row": True})).loss
         except TypeError as error:
             if "sum_per_row" not in str(error):
                 raise
@@ -108,11 +132,14 @@ class PreferenceLoss:
                              f"Use a model whose forward passes **kwargs on to loss_function (transformers' causal "
                              f"LMs do).") from None
         rows = batch["input_ids"].shape[0]
-        if per_row is None or tuple(per_row.shape) != (rows,):
+        want = (rows, batch["sum_per_document"].shape[-1]) if packed else (rows,)
+        if per_row is None or tuple(per_row.shape) != want:
             raise ValueError(f"{type(model).__name__} returned a loss of shape "
-                             f"{None if per_row is None else tuple(per_row.shape)} for sum_per_row=True, not one per "
-                             f"row ({rows}): its forward does not pass its keyword arguments on to its loss function "
-                             f"(or adds a term to it, such as a router's auxiliary loss). DPO needs the per-row sums.")
+                             f"{None if per_row is None else tuple(per_row.shape)} for "
+                             f"{'sum_per_document=' if packed else 'sum_per_row=True'}, not one per "
+                             f"{'reply slot' if packed else 'row'} {want}: its forward does "
+                             f"not pass its keyword arguments on to its loss function (or adds a term to it, such as a "
+                             f"router's auxiliary loss). DPO needs the sums per reply.")
         return -per_row
 
     def base_logps(self, model: nn.Module, batch: dict) -> Tensor:
@@ -153,7 +180,8 @@ class PreferenceLoss:
                 :meth:`row_logps`.
         """
         rows = batch["input_ids"].shape[0]
-        if rows % 2:
+        packed = "sum_per_document" in batch
+        if rows % 2 and not packed:
             raise ValueError(f"A DPO micro-batch of {rows} rows cuts a preference pair in two: under pipeline "
                              f"parallelism use a data.batch_size (pairs) divisible by num_microbatches.")
         if pipelined:  # the forward first: a stage before the last leaves the step in it, the reference on the last
@@ -164,8 +192,14 @@ class PreferenceLoss:
             policy = self.row_logps(model, batch)
         reference = reference.to(policy.dtype)
         if self.loss == "ipo":  # TRL: the mean over the reply's tokens
-            tokens = reply_tokens(batch["labels"]).clamp_min(1).to(policy.dtype)
+            tokens = (document_tokens(batch["labels"], batch["sum_per_document"]) if packed
+                      else reply_tokens(batch["labels"])).clamp_min(1).to(policy.dtype)
             policy, reference = policy / tokens, reference / tokens
+        if packed:  # [b, 2K] slots: chosen 2k, rejected 2k+1 of each row's k-th pair, empty slots weighed 0
+            valid = (batch["pair_index"] >= 0).reshape(-1).to(policy.dtype)
+            policy, reference = policy.reshape(-1), reference.reshape(-1)
+            terms = dpo_terms(policy[0::2], policy[1::2], reference[0::2], reference[1::2], self.beta, self.loss)
+            return terms._replace(valid=valid), policy
         return dpo_terms(policy[0::2], policy[1::2], reference[0::2], reference[1::2], self.beta, self.loss), policy
 
     @staticmethod
@@ -174,10 +208,10 @@ class PreferenceLoss:
         ``logps/chosen``, ``logps/rejected`` (means over the micro-batch's pairs)."""
         chosen, rejected = terms.chosen_rewards, terms.rejected_rewards
         policy = policy.detach()
-        return {"rewards/chosen": chosen.mean(), "rewards/rejected": rejected.mean(),
-                "rewards/accuracies": (chosen > rejected).to(chosen.dtype).mean(),
-                "rewards/margins": (chosen - rejected).mean(),
-                "logps/chosen": policy[0::2].mean(), "logps/rejected": policy[1::2].mean()}
+        return {"rewards/chosen": terms.mean(chosen), "rewards/rejected": terms.mean(rejected),
+                "rewards/accuracies": terms.mean((chosen > rejected).to(chosen.dtype)),
+                "rewards/margins": terms.mean(chosen - rejected),
+                "logps/chosen": terms.mean(policy[0::2]), "logps/rejected": terms.mean(policy[1::2])}
 
 
 def refuse_unsupported(config: Any, objective: str) -> None:

@@ -10,7 +10,8 @@ every pair once, and gathers the values on every rank.
 
 The cache (:func:`write_reference`, :func:`read_reference`) is one JSON file, published atomically: ``version``, the
 ``identity`` it was made for (the model directory's config and weight files by size and modification time, the data
-file likewise, the tokenizer, chat template, ``block_size``, ``overflow`` and ``val_fraction``), the values per split
+file likewise, the tokenizer, chat template, ``block_size``, ``overflow`` and ``val_fraction``; packed rows under
+``overflow="truncate"``, which cut a long pair otherwise), the values per split
 (``[pairs, 2]``: chosen, rejected; float64 written by ``repr``, read back bit for bit) and the SHA-256 of the values.
 A cache made for another identity, or whose digest does not match, is refused by name (the recipe then computes
 the values again); it never feeds training silently.
@@ -45,10 +46,13 @@ class ReferenceCollector:
         self.values: dict[int, tuple[float, float]] = {}
 
     def add(self, pair_index: torch.Tensor, logps: torch.Tensor) -> None:
-        """``pair_index``, ``logps`` ``[2b]`` (rows ``2i`` chosen, ``2i+1`` rejected)."""
-        index, values = pair_index[0::2].tolist(), logps.detach().to(torch.float64).view(-1, 2).tolist()
+        """``pair_index``, ``logps`` ``[2b]`` (rows ``2i`` chosen, ``2i+1`` rejected); packed rows: ``pair_index``
+        ``[b, K]`` (``-1`` an empty slot) and ``logps`` ``[b, 2K]`` (slots ``2k`` chosen, ``2k+1`` rejected)."""
+        index = (pair_index if pair_index.dim() == 2 else pair_index[0::2]).reshape(-1).tolist()
+        values = logps.detach().to(torch.float64).reshape(-1, 2).tolist()
         for i, (chosen, rejected) in zip(index, values):
-            self.values[int(i)] = (chosen, rejected)
+            if i >= 0:
+                self.values[int(i)] = (chosen, rejected)
 
 
 def _gather(values: dict[int, tuple[float, float]], pairs: int, split: str) -> np.ndarray:
@@ -93,7 +97,7 @@ def compute_reference_logps(trainer: Any, module: Any, data: Any) -> dict[str, n
         finally:
             module.reference_collector, data.reference_split = None, None
         rows = data.train_rows if split == "training" else data.val_rows
-        out[split] = _gather(collected, len(rows), split)
+        out[split] = _gather(collected, rows.pairs, split)
     return out
 
 
@@ -106,9 +110,12 @@ def reference_identity(pretrained: str, data: Any) -> dict:
     """What the values depend on (see the module docstring): a cache made for another identity is not read."""
     model = Path(pretrained)
     files = sorted(p for p in model.iterdir() if p.name == "config.json" or p.suffix == ".safetensors")
-    return {"model": [_file_identity(p) for p in files], "data": _file_identity(data.path),
-            "tokenizer": data.tokenizer.identity, "chat_template": template_identity(data.tokenizer),
-            "block_size": data.block_size, "overflow": data.overflow, "val_fraction": data.val_fraction}
+    identity = {"model": [_file_identity(p) for p in files], "data": _file_identity(data.path),
+                "tokenizer": data.tokenizer.identity, "chat_template": template_identity(data.tokenizer),
+                "block_size": data.block_size, "overflow": data.overflow, "val_fraction": data.val_fraction}
+    if getattr(data, "packing", False) and data.overflow == "truncate":  # a long pair is cut otherwise when packed
+        identity["packing"] = True
+    return identity
 
 
 def _digest(values: dict[str, list]) -> str:

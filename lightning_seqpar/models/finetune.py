@@ -155,13 +155,15 @@ class FineTuneModule(HFCausalLMModule):
         or the mean over the micro-batch's pairs (validation), with TRL's metrics logged (``val/`` in validation)."""
         pipelined = getattr(self.trainer.strategy, "pipeline", None) is not None
         terms, policy = self.preference.terms(self.model, batch, pipelined)
-        pairs = terms.losses.shape[0]
+        pairs = terms.losses.shape[0]  # packed rows: slots (their pairs counted on the host in validation only)
+        if not training and terms.valid is not None:  # an empty micro-batch (rows of padding) weighs nothing
+            pairs = int(terms.valid.sum())
         if training:
             in_step = batch["num_items_in_step"][0].to(torch.float64)
-            loss = terms.losses.sum() / (in_step / loss_replicas(self.trainer))
-            self.log("train/loss", terms.losses.mean(), prog_bar=True, sync_dist=True, batch_size=pairs)
+            loss = terms.total(terms.losses) / (in_step / loss_replicas(self.trainer))
+            self.log("train/loss", terms.mean(terms.losses), prog_bar=True, sync_dist=True, batch_size=pairs)
         else:
-            loss = terms.losses.mean()
+            loss = terms.mean(terms.losses)
             self.log("val/loss", loss, prog_bar=True, sync_dist=True, on_step=False, on_epoch=True, batch_size=pairs)
         metrics = self.preference.metrics(terms, policy)
         self.log_dict({("" if training else "val/") + k: v for k, v in metrics.items()}, sync_dist=True,

@@ -27,6 +27,8 @@ NO_EFFECT = {
     "ignore_index": "a loss argument: the layers do not read it",
     "sum_per_row": "a loss argument (per-row log-probabilities, lightning_seqpar.hf.vocabulary.CausalLMLoss): the "
                    "layers do not read it",
+    "sum_per_document": "a loss argument (per-document log-probabilities of packed rows, "
+                        "lightning_seqpar.hf.vocabulary.CausalLMLoss): the layers do not read it",
     "encoder_hidden_states": "refused when given (cross-attention is not a declared part)",
     "encoder_attention_mask": "refused when given (cross-attention is not a declared part)",
     "output_router_logits": "the router logits are recorded by transformers' hooks on the router module, which the "

@@ -55,10 +55,10 @@ def test_lora_dpo_learns_the_rule_within_the_default_steps_and_exports_its_adapt
     assert config["r"] == 16 and (tmp_path / "dpo_adapter" / "adapter_model.safetensors").is_file()
 
 
-def test_full_dpo_at_pp2_tp2_trains_from_a_reference_computed_first_and_cached(model, tmp_path):
+def test_full_dpo_at_pp2_tp2_trains_packed_pairs_from_a_reference_computed_first_and_cached(model, tmp_path):
     write_preferences(tmp_path / "pairs.jsonl", 40)
     _, full = walkthrough()
-    tiny = ["trainer.max_steps=4", "trainer.val_check_interval=2", "data.block_size=32",
+    tiny = ["trainer.max_steps=4", "trainer.val_check_interval=2", "data.block_size=64", "dpo.packing=true",
             "sample.max_new_tokens=4"]
     metrics, log = _run(full, tmp_path, model, tiny)
     assert re.search(r"layout: tp=2 cp=1 pp=2 dp=1", log)

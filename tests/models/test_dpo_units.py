@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_seqpar.data.packing import IGNORE
-from lightning_seqpar.data.preference import pair_rows, render_pairs
+from lightning_seqpar.data.preference import packed_pair_rows, pair_rows, render_pairs
 from lightning_seqpar.data.preference_datamodule import PairBatches, PreferenceDataModule
 from lightning_seqpar.hf.tokenizer import HFTokenizer
 from lightning_seqpar.hf.vocabulary import CausalLMLoss
@@ -140,6 +140,36 @@ def test_a_mixture_recording_its_router_loss_is_refused_for_dpo_only():
     refuse_unsupported(config, "sft")
 
 
+def test_packed_rows_hold_whole_pairs_side_by_side_with_positions_restarting_at_each_reply(tokenizer):
+    pairs = render_pairs([{"prompt": "hello", "chosen": "yes " * (i % 3 + 1), "rejected": "no"} for i in range(10)],
+                         tokenizer, [f"p:{i}" for i in range(10)])
+    padded = pair_rows(pairs, 8, 1)
+    rows = packed_pair_rows(pairs, 24, 1)
+    assert rows.pairs == 10 and rows.supervised.sum() == 10 and rows.pair_index.shape[1] >= 2
+    for row in range(len(rows)):
+        for k, i in enumerate(rows.pair_index[row]):
+            if i < 0:
+                assert not (rows.slots[row] >= 2 * k).any()  # an empty slot holds no token
+                continue
+            for j in (0, 1):  # each reply: its padded row's tokens, labels (but the first) and positions 0..n-1
+                where = rows.slots[row] == 2 * k + j
+                n = int(padded.attention_mask[i, j].sum())
+                assert where.sum() == n and np.array_equal(rows.input_ids[row][where], padded.input_ids[i, j, :n])
+                assert np.array_equal(rows.labels[row][where][1:], padded.labels[i, j, 1:n])
+                assert rows.labels[row][where][0] == IGNORE and np.array_equal(rows.position_ids[row][where],
+                                                                                np.arange(n))
+    batch = PairBatches(rows, 2, 1, 0, 1, seed=0, reference=np.arange(20, dtype=np.float64).reshape(10, 2))[(0, 0)]
+    index = batch["pair_index"]
+    assert batch["sum_per_document"].shape == (2, 24, 2 * index.shape[1])
+    assert batch["num_items_in_step"].tolist() == [int((index >= 0).sum())] * 2
+    want = torch.stack([index * 2, index * 2 + 1], -1).to(torch.float64).where(index[..., None] >= 0, 0.0)
+    assert torch.equal(batch["reference_logps"], want.reshape(2, -1))
+    with pytest.raises(ValueError, match=r"p:2: its two replies take 8 tokens, more than the block of 7"):
+        packed_pair_rows(pairs, 7, 1, names=[f"p:{i}" for i in range(10)])
+    cut = packed_pair_rows(pairs, 7, 1, "truncate")  # the 8-token pairs keep 3 tokens of each reply
+    assert (cut.slots >= 0).sum(1).max() <= 7 and cut.pairs == 10 and (cut.slots == 0).sum(1).min() == 3
+
+
 def _per_row_reference(logits, labels):
     shifted = F.pad(labels, (0, 1), value=-100)[:, 1:]
     logp = logits.log_softmax(-1).gather(-1, shifted.clamp_min(0)[..., None])[..., 0]
@@ -165,6 +195,32 @@ def test_per_row_sums_from_whole_and_from_sharded_chunked_logits_equal_one_proce
 
     for sharded in run_emulated(2, on_rank):
         assert sharded.shape == (b,) and torch.allclose(sharded, want, rtol=1e-13)
+
+
+def test_per_document_sums_of_packed_rows_equal_each_document_s_own_row():
+    """Two documents a row (positions 0–4 and 5–9, the second's first label ignored as packing makes it): each
+    document's sum equals its tokens' share of the row, from whole and from sharded chunked logits."""
+    torch.manual_seed(0)
+    b, s, h, v = 2, 10, 8, 13
+    x, head = torch.randn(b, s, h, dtype=torch.float64), torch.randn(v, h, dtype=torch.float64)
+    labels = torch.randint(0, v, (b, s))
+    labels[:, [0, 1, 5, 6]] = -100
+    documents = torch.zeros(b, s, 3, dtype=torch.bool)  # a third, empty slot
+    documents[:, :5, 0], documents[:, 5:, 1] = True, True
+    logits = x @ head.T
+    want = torch.stack([_per_row_reference(logits[:, :5], labels[:, :5]),
+                        _per_row_reference(logits[:, 5:], labels[:, 5:]), torch.zeros(b, dtype=torch.float64)], -1)
+    loss = CausalLMLoss(lambda *a, **k: pytest.fail("the original loss is not per document"))
+    got = loss(logits, labels, v, sum_per_document=documents)
+    assert got.shape == (b, 3) and torch.allclose(got, want, rtol=1e-13) and torch.equal(got[:, 2], want[:, 2])
+
+    def on_rank(group):
+        rows = torch.cat([head, torch.zeros(1, h, dtype=torch.float64)])[group.rank * 7:(group.rank + 1) * 7]
+        sharded = VocabShardedLogits.pending(lambda a: a @ rows.T, x, group, v, chunk=3)
+        return loss(sharded, labels, v, sum_per_document=documents)
+
+    for sharded in run_emulated(2, on_rank):
+        assert sharded.shape == (b, 3) and torch.allclose(sharded, want, rtol=1e-13)
 
 
 def test_the_reference_cache_reads_back_bit_for_bit_and_refuses_damage_and_other_runs(tmp_path):
