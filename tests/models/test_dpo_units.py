@@ -18,7 +18,7 @@ from lightning_seqpar.data.preference import packed_pair_rows, pair_rows, render
 from lightning_seqpar.data.preference_datamodule import PairBatches, PreferenceDataModule
 from lightning_seqpar.hf.tokenizer import HFTokenizer
 from lightning_seqpar.hf.vocabulary import CausalLMLoss
-from lightning_seqpar.models.dpo import PreferenceLoss, dpo_terms, refuse_unsupported
+from lightning_seqpar.models.dpo import PreferenceLoss, document_tokens, dpo_terms, refuse_unsupported
 from lightning_seqpar.models.dpo_reference import read_reference, write_reference
 from lightning_seqpar.parallel.emulated import run_emulated
 from lightning_seqpar.tensor_parallel.vocab_logits import VocabShardedLogits
@@ -164,6 +164,11 @@ def test_packed_rows_hold_whole_pairs_side_by_side_with_positions_restarting_at_
     assert batch["num_items_in_step"].tolist() == [int((index >= 0).sum())] * 2
     want = torch.stack([index * 2, index * 2 + 1], -1).to(torch.float64).where(index[..., None] >= 0, 0.0)
     assert torch.equal(batch["reference_logps"], want.reshape(2, -1))
+    # IPO's per-reply token counts: each slot's, equal to its padded row's (empty slots 0)
+    tokens = document_tokens(batch["labels"], batch["sum_per_document"])
+    want_tokens = torch.stack([torch.from_numpy(padded.reply_tokens[index.clamp_min(0).numpy()][..., j])
+                               for j in (0, 1)], -1).where(index[..., None] >= 0, 0)
+    assert torch.equal(tokens, want_tokens.reshape(2, -1))
     with pytest.raises(ValueError, match=r"p:2: its two replies take 8 tokens, more than the block of 7"):
         packed_pair_rows(pairs, 7, 1, names=[f"p:{i}" for i in range(10)])
     cut = packed_pair_rows(pairs, 7, 1, "truncate")  # the 8-token pairs keep 3 tokens of each reply
