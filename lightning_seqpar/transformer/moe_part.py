@@ -224,7 +224,11 @@ class MoEPart:
                                                           self.expert_tp)
         rows, routing = self.dispatcher.dispatch(tokens, chosen, scores)
         computed = self.experts(rows, routing.tokens_per_expert, routing.expert_counts)
+        # The experts saved what their backward reads (nothing of the rows when frozen), and the combine keeps only
+        # the pairs' outputs: neither [R, h] needs to live on through the combine and the shared expert.
+        del rows
         out = self.dispatcher.combine(computed, routing, scores).view(x.shape)
+        del computed
         if self.shared is not None:
             if self.recompute_shared and torch.is_grad_enabled():  # its input kept, its inner activations made again
                 shared = recomputed(self.shared.forward, x, rng_tracker=self.rng_tracker)
