@@ -42,9 +42,12 @@ def main(cfg: DictConfig) -> None:
     settings.pop("hydra", None)
     out = Path(settings.pop("out"))
     results = run_plan_check(settings)
-    title = (f"Planned against measured step time and peak bytes: Llama L={cfg.layers} h={cfg.hidden} f={cfg.ffn} a={cfg.heads} "
-             f"v={cfg.vocab_size}, {cfg.global_batch} x {cfg.s} tokens per step, {cfg.precision}, {cfg.processes} "
-             f"processes (median of {cfg.steps} steps after {cfg.warmup}; rates measured first)")
+    model = (f"Llama L={cfg.layers} h={cfg.hidden} f={cfg.ffn}" if cfg.family == "llama" else
+             f"Qwen3-MoE L={cfg.layers} h={cfg.hidden} {cfg.experts} experts of {cfg.expert_width}, top {cfg.top_k}")
+    lora = f" + LoRA r {cfg.lora_r} on q, v" if cfg.lora_r else ""
+    title = (f"Planned against measured step time and peak bytes: {model} a={cfg.heads} v={cfg.vocab_size}{lora}, "
+             f"{cfg.global_batch} x {cfg.s} tokens per step, {cfg.precision}, {cfg.processes} processes (median of "
+             f"{cfg.steps} steps after {cfg.warmup}; rates measured first)")
     body = rows(results)
     console = Console(width=180)
     print_table(title, COLUMNS, body, ("layout", "timing"), console)

@@ -2,7 +2,7 @@
 
 One group of processes:
 1. measures this machine's rates (:func:`lightning_seqpar.plan.calibrate.measure_rates`);
-2. on rank 0, ranks every layout of a small Llama (``model: llama``) or Qwen3-MoE (``model: qwen3_moe``: its
+2. on rank 0, ranks every layout of a small Llama (``family: llama``) or Qwen3-MoE (``family: qwen3_moe``: its
    expert-parallel and expert tensor-parallel sizes searched too), in full or with LoRA adapters on q and v
    (``lora_r > 0``: the base frozen), on those processes with that calibration (:func:`lightning_seqpar.plan.plan`,
    a layer's activations probed on small copies as the planner's CLI does): tensor, context (ring), pipeline (1F1B,
@@ -47,7 +47,7 @@ class CheckRow:
 
 
 def _llama(cfg: dict[str, Any]):
-    """The model's config: a Llama, or a Qwen3-MoE (``model: qwen3_moe``, every layer ``experts`` experts of width
+    """The model's config: a Llama, or a Qwen3-MoE (``family: qwen3_moe``, every layer ``experts`` experts of width
     ``expert_width``, top ``top_k``)."""
     import transformers
 
@@ -55,12 +55,12 @@ def _llama(cfg: dict[str, Any]):
                   intermediate_size=cfg["ffn"], num_hidden_layers=cfg["layers"], num_attention_heads=cfg["heads"],
                   num_key_value_heads=cfg["heads"], max_position_embeddings=cfg["s"], pad_token_id=None,
                   bos_token_id=None, eos_token_id=None)
-    if cfg.get("model", "llama") == "qwen3_moe":
+    if cfg.get("family", "llama") == "qwen3_moe":
         return transformers.Qwen3MoeConfig(**common, moe_intermediate_size=cfg["expert_width"],
                                            num_experts=cfg["experts"], num_experts_per_tok=cfg["top_k"],
                                            norm_topk_prob=True, head_dim=cfg["hidden"] // cfg["heads"])
-    if cfg.get("model", "llama") != "llama":
-        raise ValueError(f"model={cfg['model']!r}: llama or qwen3_moe.")
+    if cfg.get("family", "llama") != "llama":
+        raise ValueError(f"family={cfg['family']!r}: llama or qwen3_moe.")
     return transformers.LlamaConfig(**common)
 
 

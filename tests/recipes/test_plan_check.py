@@ -32,7 +32,7 @@ def test_the_best_and_a_lower_ranked_layout_are_predicted_from_measured_rates_an
     assert predicted == sorted(predicted)  # the planner's order
 
 
-MOE = dict(CFG, model="qwen3_moe", experts=4, expert_width=16, top_k=2, top=2, lower=0)
+MOE = dict(CFG, family="qwen3_moe", experts=4, expert_width=16, top_k=2, top=2, lower=0)
 
 
 def test_a_mixture_of_experts_is_planned_with_its_expert_grid_and_measured():
