@@ -348,7 +348,8 @@ def _peak_bytes(record: LayoutRecord, inventory: ModelInventory, s: int, precisi
             spent = (per_layer / 2 if halved else 0.0) + (epilogue if last else 0.0)
             moment = {"backward": max(backward_transient_bytes(inventory, local, b, tp, element, gradient, last,
                                                                accumulating, recomputed, largest=largest,
-                                                               freed=epilogue, loss=loss_backward),
+                                                               freed=epilogue, loss=loss_backward,
+                                                               expert_tp=record.expert_tp),
                                      attention_backward - spent + prefetched),
                       "accumulated_gradients": accumulated * share}
             # before a split chunk's first W its weights have no `.grad` even where buckets are kept

@@ -17,7 +17,10 @@ A rank's step peaks either in a backward, when the most micro-batches are in fli
   ``bf16-mixed`` autocast's 16-bit gradient and its float32 copy, ``r = 2 + 4``) or, inside a dense MLP's
   backward, the gradients of its inner activations beyond the layer's own (``e·s·b·h/t + 3·e·s·b·f/t`` for a gated
   MLP: its down projection's input, ``act`` and ``up``; ``2·e·s·b·f/t`` ungated; less ``2·e·s·b·h/t``), whichever is
-  largest: they make the peak where the MLP is frozen (LoRA) and no weight gradient stands in for them; the incoming
+  largest: they make the peak where the MLP is frozen (LoRA) and no weight gradient stands in for them; or, where a
+  recomputed mixture runs its forward again, its combine's moment: the experts' outputs ``[R, h]``, their copy in
+  the pairs' order and the pairs' outputs ``[N, h]`` twice (sent back, then gathered per token), ``2·e·(R + N)·h``
+  with ``N = R = s·b/t·k·etp`` (balanced routing); the incoming
   and outgoing gradient of the layer's output ``2·e·s·b·h / t``; under recomputation, what the layer's backward makes
   again beside them (one layer's kept bytes without recomputation, less those with it, for one micro-batch); or,
   larger at long sequences, the explicit core attention's backward over its ``b·(a/t)·s²`` scores
@@ -62,13 +65,14 @@ def largest_layer_weight(inventory: ModelInventory, t: int, ep: int = 1, expert_
 def backward_transient_bytes(inventory: ModelInventory, s: int, b: int, t: int, element: int, parameter: int,
                              last: bool, accumulating: bool, recomputed: float = 0.0,
                              sequence_parallel: bool = True, largest: Optional[int] = None,
-                             freed: float = 0.0, loss: Optional[float] = None) -> float:
+                             freed: float = 0.0, loss: Optional[float] = None, expert_tp: int = 1) -> float:
     """The larger of a backward's moments through the loss (``last`` rank only) and through a layer (see the module
     docstring), for a micro-batch of ``b`` sequences of ``s`` tokens on one tensor-parallel rank of ``t``;
     ``recomputed``: the bytes a layer's backward makes again (recomputation); ``largest``:
     :func:`largest_layer_weight` (computed when not given); ``freed``: on the last rank, what the micro-batch kept
     after its layers (final norm, head, loss), gone once its backward reaches them; ``loss``: what the loss's
-    backward makes (default: :func:`loss_bytes`' at t, the vocabulary-parallel loss where t > 1)."""
+    backward makes (default: :func:`loss_bytes`' at t, the vocabulary-parallel loss where t > 1); ``expert_tp``: the
+    mixture's expert tensor-parallel size (each pair sent to every slice of its expert)."""
     h = inventory.hidden_size
     sbh = s * b * h
     largest = largest_layer_weight(inventory, t) if largest is None else largest
@@ -78,6 +82,9 @@ def backward_transient_bytes(inventory: ModelInventory, s: int, b: int, t: int, 
     if inventory.experts is None:
         inner = element * sbh / t + (3 if inventory.gated_mlp else 2) * element * s * b * inventory.ffn_hidden_size / t
         inner -= 2 * element * sbh / t
+    elif recomputed:  # the recomputed mixture's combine (the module docstring)
+        pairs = s * b / t * inventory.experts.top_k * expert_tp
+        inner = 4 * element * pairs * h
     layer = max(gathered, weight_gradients, inner) + recomputed + 2 * element * sbh / t
     if not last:
         return layer
