@@ -13,7 +13,8 @@ of every micro-batch and every trainable gradient of each step equal one process
   a forward-only schedule before the step's (the module's ``reference_step``), no reference pass;
 - packed pairs (several whole pairs a row, attention kept to each reply, per-reply sums from the loss): LoRA at tp 2 ×
   dp 2 with 2 accumulated micro-batches, LoRA at tp 2 × cp 2 with the loss over chunks of 4 positions, full fine-tuning
-  at pp 2 × tp 2 with its reference pass — against one process computing each pair from its own padded rows.
+  at pp 2 × tp 2 with its reference pass, LoRA at pp 2 × tp 2 with the reference in its own schedule — against one
+  process computing each pair from its own padded rows.
 
 At LoRA's first step (B = 0) the policy is the reference: every pair's loss is ln 2 and its rewards 0, exactly. The
 reference pass gives the same values at tp 1, tp 2, pp 2 and cp 2 (to rounding; see its test)."""
@@ -51,6 +52,7 @@ LAYOUTS = {  # name: (strategy, accumulate, lora, model directory, packed)
     "packed lora tp2 x dp2, accumulate 2": ({"tp": 2}, 2, True, "model", True),
     "packed lora tp2 x cp2, loss chunks of 4": ({"tp": 2, "cp": 2, "loss_chunk": 4}, 1, True, "model", True),
     "packed full pp2 x tp2": ({"tp": 2, "pp": 2, "num_microbatches": 2}, 1, False, "model", True),
+    "packed lora pp2 x tp2, reference in the step": ({"tp": 2, "pp": 2, "num_microbatches": 2}, 1, True, "model", True),
 }
 
 
