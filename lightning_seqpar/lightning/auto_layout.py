@@ -220,18 +220,27 @@ class LayoutChoice:
         """Add the chosen recomputation (with the modules recomputed by module, when the choice traded for memory) and
         activation offload to ``trainer``'s callbacks, unless a :class:`~lightning_seqpar.SelectiveRecompute` (an
         :class:`~lightning_seqpar.ActivationOffload`) is there already (added by an earlier call, or the run's)."""
-        from lightning_seqpar.lightning.callbacks.activation_offload import ActivationOffload
-        from lightning_seqpar.lightning.callbacks.selective_recompute import SelectiveRecompute
+        trainer.callbacks.extend(c for c in memory_callbacks(self.record, self.recompute)
+                                 if not any(isinstance(existing, type(c)) for existing in trainer.callbacks))
 
-        modules = self.record.modules
-        if (self.recompute is not None or modules) and not any(isinstance(c, SelectiveRecompute)
-                                                                 for c in trainer.callbacks):
-            granularity = self.recompute or "none"
-            base = {"selective": ["core_attn"], "full": ["full"], "none": []}[granularity]
-            trainer.callbacks.append(SelectiveRecompute(modules=[*base, *modules]) if modules
-                                     else SelectiveRecompute(granularity=granularity))
-        if self.record.offload and not any(isinstance(c, ActivationOffload) for c in trainer.callbacks):
-            trainer.callbacks.append(ActivationOffload(modules=list(self.record.offload)))
+
+def memory_callbacks(record: Any, recompute: Optional[str]) -> list:
+    """The callbacks a run needs to train as the planner's ``record`` was priced: a
+    :class:`~lightning_seqpar.SelectiveRecompute` of ``recompute`` (``None``: none of its own) with the record's modules
+    recomputed by module, and an :class:`~lightning_seqpar.ActivationOffload` of its offloaded modules."""
+    from lightning_seqpar.lightning.callbacks.activation_offload import ActivationOffload
+    from lightning_seqpar.lightning.callbacks.selective_recompute import SelectiveRecompute
+
+    out: list = []
+    modules = record.modules
+    if recompute is not None or modules:
+        granularity = recompute or "none"
+        base = {"selective": ["core_attn"], "full": ["full"], "none": []}[granularity]
+        out.append(SelectiveRecompute(modules=[*base, *modules]) if modules
+                   else SelectiveRecompute(granularity=granularity))
+    if record.offload:
+        out.append(ActivationOffload(modules=list(record.offload)))
+    return out
 
 
 def choose_layout(auto: AutoLayout, module: Any, trainer: Any, parallel: Any, *, world: int, gpus_per_node: int,

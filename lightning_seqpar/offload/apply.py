@@ -98,12 +98,26 @@ def apply_offload(model: nn.Module, modules: Any, pool: HostPool) -> int:
         raise ValueError(f"modules={named} offloads the experts of a mixture; "
                          f"{getattr(layers[0], '_name', type(layers[0]).__name__)} has "
                          f"{type(layers[0]._mlp).__name__}: leave {named} out.")
-    shared = LayerOffload(names, pool, {id(layer): i for i, layer in enumerate(layers)})
+    shared = LayerOffload(names, pool, layer_order(model, layers))
     for layer in layers:
         layer.offload = shared
         if experts[id(layer)] is not None:  # the experts' regions are the layer's: the same rules apply
             experts[id(layer)].offloading = layer.offloading if named else None
     return len(layers)
+
+
+def layer_order(model: nn.Module, layers: list) -> dict[int, int]:
+    """``id(layer) → its place in the model's stack of layers``: its index in the one container that holds them, where
+    the layers other pipeline ranks hold keep their places (:func:`~lightning_seqpar.pipeline_parallel.stage.
+    split_stages` leaves placeholders), so the prefetch links only layers adjacent in the model. Counting a rank's
+    own layers instead made its interleaved chunks (layers 0 and 2 of 4 at pp 2, v 2) adjacent, and linked one
+    micro-batch's chunk to another's forward just before it, whose copies then came back long before their backward.
+    Layers in several containers, or not in one, are counted in order."""
+    named = {id(m): name for name, m in model.named_modules()}
+    places = [named.get(id(layer), "").rpartition(".") for layer in layers]
+    if len({parent for parent, _, _ in places}) == 1 and all(index.isdigit() for _, _, index in places):
+        return {id(layer): int(index) for layer, (_, _, index) in zip(layers, places)}
+    return {id(layer): i for i, layer in enumerate(layers)}
 
 
 def check_offload_with_recompute(model: nn.Module) -> None:

@@ -85,8 +85,9 @@ def _chosen(cfg: dict[str, Any], world: int, calibration: Any) -> list[tuple[int
     with torch.device("meta"):
         model = _built(cfg)
     records = plan(inventory_of_hf_model(model), world, cfg["s"], cfg["global_batch"],
-                   hardware=Hardware(memory=1e12, calibration=calibration), precision=cfg["precision"],
-                   micro_batches=tuple(cfg["micro_batches"]), schedule=SEARCHED_SCHEDULES)
+                   hardware=Hardware(memory=cfg.get("gpu_memory") or 1e12, calibration=calibration),
+                   precision=cfg["precision"], micro_batches=tuple(cfg["micro_batches"]), schedule=SEARCHED_SCHEDULES,
+                   memory_choices=bool(cfg.get("memory_choices", False)))
     runnable = [r for r in records if r.feasible]
     top, lower = cfg["top"], cfg["lower"]
     rest = runnable[top:]
@@ -102,9 +103,11 @@ def _describe(r: Any) -> str:
         f" {r.schedule}" if r.pp > 1 and r.schedule in ("ZB-H1", "ZB-V") else ""
     experts = f" ep {r.ep}" if r.ep > 1 else ""
     experts += f" etp {r.expert_tp}" if r.expert_tp > 1 else ""
+    from lightning_seqpar.plan.memory_choices import describe
+
     return (f"tp {r.tp}{f' cp {r.cp}' if r.cp > 1 else ''} pp {r.pp}{pipeline} dp {r.dp}{experts}"
             f"{' zero 1' if r.zero else ''} mbs {r.micro_batch}{f' m {r.num_microbatches}' if r.pp > 1 else ''} "
-            f"{r.recompute}")
+            f"{describe(r).replace('|offload ', ', offload ')}")  # (a markdown table's cell: no bar)
 
 
 def _measure(record: Any, cfg: dict[str, Any], world: int, device: torch.device) -> tuple[float, float]:
@@ -112,7 +115,8 @@ def _measure(record: Any, cfg: dict[str, Any], world: int, device: torch.device)
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader, TensorDataset
 
-    from lightning_seqpar import SelectiveRecompute, SeqParallelStrategy
+    from lightning_seqpar import SeqParallelStrategy
+    from lightning_seqpar.lightning.auto_layout import memory_callbacks
     from lightning_seqpar.lightning.config import DataParallelConfig
     from lightning_seqpar.lightning.callbacks import StepPeak
     from lightning_seqpar.memory.cuda_autocast import cuda_autocast_rules
@@ -143,9 +147,9 @@ def _measure(record: Any, cfg: dict[str, Any], world: int, device: torch.device)
     pipelined = record.pp > 1
     accumulate = 1 if pipelined else per_rank // record.micro_batch
     clock, peak = Clock(), StepPeak(step=1)
-    callbacks: list = [clock, peak]
-    if record.recompute != "none":
-        callbacks.append(SelectiveRecompute(granularity=record.recompute))
+    # the recomputation and offload the record was priced with (recomputation by module and offload: a traded layout)
+    recompute = None if record.recompute == "none" else record.recompute
+    callbacks: list = [clock, peak, *memory_callbacks(record, recompute)]
     if cfg["warmup"] < 2:
         raise ValueError(f"warmup={cfg['warmup']}: at least 2 (the second step's peak is measured, outside the timing).")
     steps = cfg["warmup"] + cfg["steps"] + 1  # one more: the last step's start ends the one before

@@ -63,6 +63,9 @@ MEMORY_LAYOUTS = [
     (2, 2, 1, 0, 1, ("none", ("mlp",), ("core_attn",)), "32-true"),
     (1, 1, 1, 0, 2, ("none", (), tuple(["attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "mlp"])),
      "bf16-mixed"),
+    # interleaved chunks (layers 0 and 2 on rank 0): -10.7 % while the prefetch linked a rank's chunks as adjacent
+    (1, 2, 2, 0, 1, ("none", (), tuple(["attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "mlp"])),
+     "32-true"),
 ]
 
 
