@@ -63,17 +63,16 @@ class PairBatches(StepBatches):
     def _packed(self, index: tuple[int, int]) -> dict[str, torch.Tensor]:
         in_step, mine = self.placed(index)
         rows: PackedPairRows = self.rows
-        slots = torch.from_numpy(rows.slots[mine])
-        pair_index = torch.from_numpy(rows.pair_index[mine])
-        width = 2 * pair_index.shape[1]
+        index = rows.pair_index[mine]
+        width = 2 * index.shape[1]
         batch = {"input_ids": torch.from_numpy(rows.input_ids[mine]), "labels": torch.from_numpy(rows.labels[mine]),
                  "position_ids": torch.from_numpy(rows.position_ids[mine]),
-                 "sum_per_document": slots[..., None] == torch.arange(width),
-                 "pair_index": pair_index,
+                 "sum_per_document": torch.from_numpy(rows.slots[mine])[..., None] == torch.arange(width),
+                 "pair_index": torch.from_numpy(index),
                  "num_items_in_step": torch.full((self.b,), int(self.counts[in_step].sum()), dtype=torch.long)}
         if self.reference is not None:
-            values = self.reference[np.maximum(rows.pair_index[mine], 0)]  # [b, K, 2]: chosen, rejected
-            values[rows.pair_index[mine] < 0] = 0.0
+            values = self.reference[np.maximum(index, 0)]  # [b, K, 2]: chosen, rejected
+            values[index < 0] = 0.0
             batch["reference_logps"] = torch.from_numpy(values.reshape(self.b, width))
         return batch
 

@@ -113,6 +113,7 @@ def layer_order(model: nn.Module, layers: list) -> dict[int, int]:
     own layers instead made its interleaved chunks (layers 0 and 2 of 4 at pp 2, v 2) adjacent, and linked one
     micro-batch's chunk to another's forward just before it, whose copies then came back long before their backward.
     Layers in several containers, or not in one, are counted in order."""
+    # (read from the names, not find_layer_stack: once split, a rank's container also holds other ranks' placeholders)
     named = {id(m): name for name, m in model.named_modules()}
     places = [named.get(id(layer), "").rpartition(".") for layer in layers]
     if len({parent for parent, _, _ in places}) == 1 and all(index.isdigit() for _, _, index in places):
