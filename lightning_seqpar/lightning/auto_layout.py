@@ -50,8 +50,9 @@ class AutoLayout:
             activation offload (the planner's ``memory_choices``, :data:`~lightning_seqpar.plan.memory_choices.TRADES`);
             one that fits competes by step time, and when chosen the run gets the ``SelectiveRecompute(modules=...)``
             and ``ActivationOffload(modules=...)`` callbacks it was priced with (not beside callbacks of the run's own).
-        schedules: the pipeline schedules to search (``1F1B``, interleaved where vpp > 1, ``ZB-H1`` and ``ZB-V``; a
-            run with ``compile=True`` searches 1F1B only: a compiled block's backward cannot be split into B and W).
+        schedules: the pipeline schedules to search (``1F1B``, interleaved where vpp > 1, ``ZB-H1``, ``ZB-V`` and
+            ``DualPipeV``; a run with ``compile=True`` searches 1F1B only: a compiled block's backward cannot be split
+            into B and W).
         loss_chunks: the ``loss_chunk`` values to search (positions of a Hugging Face model's logits computed at a
             time; ``None`` in it: all of them); the strategy takes the chosen one. ``None``: the strategy's own
             ``loss_chunk`` only. The reference GPT's loss computes its logits whole whatever it says.

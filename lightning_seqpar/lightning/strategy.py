@@ -60,8 +60,8 @@ class SeqParallelStrategy(ParallelStrategy):
             fields of ``parallel`` (:class:`~.config.ParallelConfig`: t, p, c, e, etp, the experts' :class:`~.
             DispatchConfig` or its mapping, the others documented there). Data-parallel size: ``world // (tp·cp·pp)``.
         num_microbatches, schedule, virtual_stages, pipeline_split: shorthands for its ``pipeline``
-            (:class:`~lightning_seqpar.pipeline_parallel.PipelineConfig`: m, default ``pp``; ``"1F1B"``, ``"gpipe"`` or
-            ``"interleaved_1F1B"``; v; the layers of each stage).
+            (:class:`~lightning_seqpar.pipeline_parallel.PipelineConfig`: m, default ``pp``, DualPipeV ``2·pp``; a
+            schedule of :data:`~lightning_seqpar.pipeline_parallel.SCHEDULES`; v; the layers of each stage).
         policies: extra :class:`~lightning_seqpar.Policy` objects for the user's own block classes.
         verify_rewrite: check the rewrite before training, without communication: a Hugging Face causal LM whole (a
             small copy on emulated tp ranks), other declared blocks once per class and configuration.

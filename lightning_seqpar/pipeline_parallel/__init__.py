@@ -4,8 +4,9 @@ A stage here is a slice of the user's own ``training_step`` (see :mod:`.stage`),
 micro-batch (masks, targets) on every stage. ``torch.distributed.pipelining`` calls a stage module
 with the received tensors only and infers shapes by running stages on meta tensors, where our
 tensor-parallel collectives cannot run; so the schedules (GPipe, 1F1B, interleaved 1F1B, as in
-Megatron-LM, and ZB-H1 and ZB-V, whose W actions run the weight gradients our layers deferred; ZB-V on two chunks
-per rank in a V) are per-rank action lists run by our executor over ``torch.distributed`` sends and receives.
+Megatron-LM, and ZB-H1, ZB-V and DualPipeV, whose W actions run the weight gradients our layers deferred; ZB-V and
+DualPipeV on two chunks per rank in a V) are per-rank action lists run by our executor over ``torch.distributed``
+sends and receives.
 Nothing here imports Lightning: :mod:`lightning_seqpar.lightning.pipelined_steps` runs a LightningModule's steps
 through it.
 """

@@ -7,7 +7,7 @@ from typing import Optional, Sequence
 
 from lightning_seqpar.pipeline_parallel.layout import StageLayout
 from lightning_seqpar.pipeline_parallel.schedules import (ScheduleName, check_microbatches, chunks_per_rank,
-                                                          placement_of, resolve_schedule)
+                                                          least_microbatches, placement_of, resolve_schedule)
 
 
 @dataclass(frozen=True)
@@ -23,16 +23,18 @@ class PipelineConfig:
     num_microbatches: int
     """m: micro-batches per (per-rank) batch."""
     schedule: ScheduleName
-    """canonical schedule name (``"1F1B"``, ``"gpipe"``, ``"interleaved_1F1B"``, ``"ZB-H1"``, ``"ZB-V"``)."""
+    """canonical schedule name (``"1F1B"``, ``"gpipe"``, ``"interleaved_1F1B"``, ``"ZB-H1"``, ``"ZB-V"``,
+    ``"DualPipeV"``)."""
     virtual_stages: int = 1
-    """v: model chunks per pipeline rank (2 for ZB-V, whatever was asked)."""
+    """v: model chunks per pipeline rank (2 for ZB-V and DualPipeV, whatever was asked)."""
     split: Optional[tuple[int, ...]] = None
     """layers of each of the ``p·v`` virtual stages, in model order (``None``: equal)."""
 
     @classmethod
     def build(cls, pp: int = 1, num_microbatches: Optional[int] = None, schedule: str = "1F1B",
               virtual_stages: int = 1, split: Optional[Sequence[int]] = None) -> "PipelineConfig":
-        """Validate and canonicalize; ``num_microbatches`` defaults to ``pp``; ZB-V's ``virtual_stages`` becomes 2.
+        """Validate and canonicalize; ``num_microbatches`` defaults to ``pp`` (DualPipeV: ``2·pp``, the least it runs);
+        a V-shaped schedule's ``virtual_stages`` becomes 2.
 
         Raises:
             ValueError: from :func:`~.schedules.resolve_schedule` and, when ``pp > 1``,
@@ -41,7 +43,7 @@ class PipelineConfig:
         """
         name = resolve_schedule(schedule, virtual_stages)
         virtual_stages = chunks_per_rank(name, virtual_stages)
-        m = num_microbatches if num_microbatches is not None else pp
+        m = num_microbatches if num_microbatches is not None else least_microbatches(name, pp)
         if pp > 1:
             check_microbatches(m, pp, name)
         if split is not None and (len(split) != pp * virtual_stages or any(int(n) < 1 for n in split)):

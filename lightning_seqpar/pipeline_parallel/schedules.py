@@ -1,4 +1,4 @@
-"""Pipeline schedules as per-rank action lists: GPipe, 1F1B, interleaved 1F1B, ZB-H1 and ZB-V.
+"""Pipeline schedules as per-rank action lists: GPipe, 1F1B, interleaved 1F1B, ZB-H1, ZB-V and DualPipeV.
 
 An action is a forward (F) or a backward of one model chunk on one micro-batch; zero-bubble schedules split the
 backward into B (the input gradient, which the previous stage waits for) and W (the weight gradient, which nothing
@@ -9,27 +9,34 @@ actions must not deadlock under NCCL's rules (:mod:`.comm_plan`, checked by :mod
 
 Sources: GPipe (Huang et al. 2019); 1F1B / PipeDream-Flush and interleaved 1F1B (Narayanan et al.
 2021 §2.2, Megatron-LM ``schedules.py``), the schedules of Korthikanti et al. 2022 §6; ZB-H1 (Qi et al., *Zero Bubble
-Pipeline Parallelism*, ICLR 2024, §3.1) and ZB-V (§4, on the V placement of
-:mod:`~lightning_seqpar.pipeline_parallel.layout`).
+Pipeline Parallelism*, ICLR 2024, §3.1), ZB-V (§4) and DualPipeV (DeepSeek-V3 §3.2.1), the last two on the V
+placement of :mod:`~lightning_seqpar.pipeline_parallel.layout`; the zero-bubble lists are built in
+:mod:`.zero_bubble`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Iterator, Literal, Optional
 
+from lightning_seqpar.pipeline_parallel.actions import Action
 from lightning_seqpar.pipeline_parallel.layout import Placement, stage_of_chunk
+from lightning_seqpar.pipeline_parallel.zero_bubble import dualpipe_v, zb_h1, zb_v
 
-SCHEDULES = ("1F1B", "gpipe", "interleaved_1F1B", "ZB-H1", "ZB-V")
-ScheduleName = Literal["1F1B", "gpipe", "interleaved_1F1B", "ZB-H1", "ZB-V"]
-SPLIT_BACKWARD = ("ZB-H1", "ZB-V")
+SCHEDULES = ("1F1B", "gpipe", "interleaved_1F1B", "ZB-H1", "ZB-V", "DualPipeV")
+ScheduleName = Literal["1F1B", "gpipe", "interleaved_1F1B", "ZB-H1", "ZB-V", "DualPipeV"]
+SPLIT_BACKWARD = ("ZB-H1", "ZB-V", "DualPipeV")
 """The schedules whose backward is B then W (the parallel linears' weight gradients deferred to W)."""
-V_SHAPED = ("ZB-V",)
+V_SHAPED = ("ZB-V", "DualPipeV")
 """The schedules that run two model chunks per rank in the V placement (rank r: stages r and 2p − 1 − r)."""
-SEARCHED_SCHEDULES = ("1F1B", "ZB-H1", "ZB-V")
+__all__ = ["Action", "SCHEDULES", "SPLIT_BACKWARD", "V_SHAPED", "SEARCHED_SCHEDULES", "ScheduleName", "action_times",
+           "bubble_fraction", "build_schedule", "chunks_per_rank", "check_microbatches", "dualpipe_v",
+           "interleaved_one_f_one_b", "interleaved_warmup", "gpipe", "least_microbatches", "one_f_one_b", "placement_of", "resolve_schedule",
+           "runs_at", "simulate", "trace_bubble_fraction", "zb_h1", "zb_v"]
+SEARCHED_SCHEDULES = ("1F1B", "ZB-H1", "ZB-V", "DualPipeV")
 """The schedules a layout search prices (the planner, ``AutoLayout``): 1F1B (interleaved where vpp > 1), ZB-H1
-(Qi et al. 2024: the backward split into B and W, one chunk per rank) and ZB-V (two chunks per rank in a V, at
-vpp 2 only)."""
+(Qi et al. 2024: the backward split into B and W, one chunk per rank), ZB-V (two chunks per rank in a V, at
+vpp 2 only) and DualPipeV (ZB-V's placement, from m = 2p; its pairs run one after the other here, so it idles as ZB-V
+does and holds one chunk micro-batch more: searched so that a plan says so)."""
 
 
 def placement_of(schedule: str) -> Placement:
@@ -51,19 +58,6 @@ def chunks_per_rank(schedule: str, virtual_stages: int) -> int:
     return 2 if schedule in V_SHAPED else virtual_stages
 
 
-@dataclass(frozen=True)
-class Action:
-    """``kind`` ``"F"``, ``"B"`` or ``"W"`` of model chunk ``chunk`` on micro-batch ``microbatch`` (``"B"``: the whole
-    backward, or its input-gradient half where the schedule has W actions)."""
-
-    kind: str
-    chunk: int
-    microbatch: int
-
-    def __repr__(self) -> str:
-        return f"{self.kind}{self.microbatch}" + (f".{self.chunk}" if self.chunk else "")
-
-
 def resolve_schedule(schedule: str, virtual_stages: int) -> ScheduleName:
     """Canonical schedule name; ``"1F1B"`` with ``virtual_stages > 1`` is the interleaved schedule.
 
@@ -71,7 +65,8 @@ def resolve_schedule(schedule: str, virtual_stages: int) -> ScheduleName:
         ValueError: unknown name, ``virtual_stages < 1``, GPipe or ZB-H1 with several chunks, the interleaved
             schedule with one chunk, or ZB-V with other than two (1, the default, stands for its two).
     """
-    names = {s.lower(): s for s in SCHEDULES} | {"interleaved": "interleaved_1F1B", "zbh1": "ZB-H1", "zbv": "ZB-V"}
+    names = {s.lower(): s for s in SCHEDULES} | {"interleaved": "interleaved_1F1B", "zbh1": "ZB-H1", "zbv": "ZB-V",
+                                                "dualpipe_v": "DualPipeV", "dualpipe-v": "DualPipeV"}
     if not isinstance(schedule, str) or schedule.lower() not in names:
         raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}.")
     if not isinstance(virtual_stages, int) or virtual_stages < 1:
@@ -93,19 +88,29 @@ def resolve_schedule(schedule: str, virtual_stages: int) -> ScheduleName:
     return name
 
 
+def least_microbatches(schedule: ScheduleName, pp: int) -> int:
+    """The fewest micro-batches ``schedule`` runs at ``pp`` ranks, the default m: ``2·pp`` for DualPipeV, else ``pp``."""
+    return 2 * pp if schedule == "DualPipeV" else pp
+
+
 def check_microbatches(num_microbatches: int, pp: int, schedule: ScheduleName) -> None:
     """Raise ``ValueError`` unless ``num_microbatches`` (m) suits the schedule.
 
     Every schedule needs ``m >= p`` (fewer micro-batches than stages leaves stages idle for the whole
     step); the interleaved schedule also needs ``m`` divisible by ``p``, since it moves through the
-    chunks in groups of ``p`` micro-batches (Megatron-LM's requirement).
+    chunks in groups of ``p`` micro-batches (Megatron-LM's requirement); DualPipeV needs ``m >= 2p`` (DeepSeek's).
     """
     if not isinstance(num_microbatches, int) or num_microbatches < 1:
         raise ValueError(f"num_microbatches must be a positive integer, got {num_microbatches!r}.")
-    if num_microbatches < pp:
+    if num_microbatches < pp and schedule != "DualPipeV":
         raise ValueError(
             f"num_microbatches={num_microbatches} is smaller than pp={pp}: the {schedule} schedule needs at least "
             f"one micro-batch per pipeline stage. Use num_microbatches >= {pp} (more shrinks the bubble)."
+        )
+    if schedule == "DualPipeV" and num_microbatches < 2 * pp:
+        raise ValueError(
+            f"num_microbatches={num_microbatches} is smaller than 2·pp={2 * pp}: DualPipeV's warm-up sends 2·pp "
+            f"micro-batches through the first chunk of rank 0. Use num_microbatches >= {2 * pp}."
         )
     if schedule == "interleaved_1F1B" and num_microbatches % pp:
         raise ValueError(
@@ -159,72 +164,6 @@ def interleaved_one_f_one_b(m: int, p: int, v: int, rank: int) -> list[Action]:
     return actions + [backward(k) for k in range(total - warmup, total)]
 
 
-def zb_h1(m: int, p: int, rank: int) -> list[Action]:
-    """ZB-H1 (Qi et al. 2024 §2.1): 1F1B's forwards and input-gradient backwards B, with rank r's weight-gradient halves
-    W delayed by r micro-batches, so that every rank holds p micro-batches (from F to W) in the steady state, as 1F1B's
-    first rank does (``p − r`` whole, r waiting for their W only): the peak stays 1F1B's, and the W's fill the tail's
-    bubble. With F = B = W the bubble is ``(p − 1)/(3m + p − 1)`` against 1F1B's ``(p − 1)/(m + p − 1)``."""
-    warmup = min(p - rank - 1, m)
-    actions = [Action("F", 0, i) for i in range(warmup)]
-    pending: list[int] = []
-
-    def backward(i: int) -> None:
-        actions.append(Action("B", 0, i))
-        pending.append(i)
-        if len(pending) > rank:
-            actions.append(Action("W", 0, pending.pop(0)))
-
-    for i in range(m - warmup):
-        actions.append(Action("F", 0, warmup + i))
-        backward(i)
-    for i in range(m - warmup, m):
-        backward(i)
-    return actions + [Action("W", 0, i) for i in pending]
-
-
-def zb_v(m: int, p: int, rank: int) -> list[Action]:
-    """ZB-V (Qi et al. 2024 §4): two chunks per rank in the V placement, chunk 0 = stage r, chunk 1 = stage 2p − 1 − r,
-    the backward split into B and W.
-
-    A micro-batch's chunk-1 forward reaches rank r ``2(p − r) − 1`` forward times after its chunk-0 forward left it,
-    and its chunk-1 input gradient ``2r`` times after that; the lists fill exactly those gaps. Warm-up: ``2(p − r) − 1``
-    chunk-0 forwards, then r pairs (chunk-1 forward, chunk-0 forward), then ``p − r`` chunk-1 forward-B-W triples.
-    Steady state: F, B and W of chunk 0, then of chunk 1. Cool-down: the B's left (chunk-1 W's wait), then every W.
-    Each rank holds at most 2p chunk micro-batches from F to W: p whole-model-slice micro-batches, 1F1B's first
-    stage's peak. With F = B = W and ``m >= 2p − 2`` the only idle time is rank r's r units before its first forward
-    and ``p − 1 − r`` after its last W: a bubble of ``(p − 1)/(6m + p − 1)``, the least any schedule of p ranks
-    reaches (the last rank cannot start earlier and holds 6m units of work). Any ``m >= p`` runs (the warm-up
-    shortens when fewer micro-batches exist, and the bubble grows)."""
-    actions: list[Action] = []
-    done = {kind: [0, 0] for kind in "FBW"}
-    ready = {"F": lambda c: m, "B": lambda c: done["F"][c], "W": lambda c: done["B"][c]}
-
-    def run(*steps: str) -> None:
-        for kind, chunk in steps:  # each as "F0", "B1"...: skipped once its chunk has none left
-            c = int(chunk)
-            if done[kind][c] < ready[kind](c):
-                actions.append(Action(kind, c, done[kind][c]))
-                done[kind][c] += 1
-
-    for _ in range(2 * (p - rank) - 1):
-        run("F0")
-    for _ in range(rank):
-        run("F1", "F0")
-    for _ in range(p - rank):
-        run("F1", "B1", "W1")
-    while done["F"][0] < m or done["F"][1] < m:
-        run("F0", "B0", "W0", "F1", "B1", "W1")
-    while done["B"][1] < m:
-        run("B0", "B1")
-    while done["B"][0] < m:
-        run("B0", "W0")
-    while done["W"][1] < m:
-        run("W1")
-    while done["W"][0] < m:
-        run("W0")
-    return actions
-
-
 def build_schedule(schedule: ScheduleName, m: int, p: int, v: int, rank: int, forward_only: bool = False) -> list[Action]:
     """The ordered actions of pipeline rank ``rank``; ``forward_only`` keeps the forwards (evaluation)."""
     if schedule == "gpipe":
@@ -233,6 +172,8 @@ def build_schedule(schedule: ScheduleName, m: int, p: int, v: int, rank: int, fo
         actions = zb_h1(m, p, rank)
     elif schedule == "ZB-V":
         actions = zb_v(m, p, rank)
+    elif schedule == "DualPipeV":
+        actions = dualpipe_v(m, p, rank)
     elif schedule == "1F1B":
         actions = one_f_one_b(m, p, rank)
     else:
@@ -307,7 +248,7 @@ def bubble_fraction(schedule: ScheduleName, m: int, p: int, v: int = 1,
 
     For 1F1B this is ``(p − 1)/(m + p − 1)`` with any costs (Narayanan et al. 2021); for ZB-H1 with F = B = W,
     ``(p − 1)/(3m + p − 1)`` (Qi et al. 2024 §2.1); for ZB-V, whose chunks cost half a stage each,
-    ``(p − 1)/(6m + p − 1)`` (:func:`zb_v`).
+    ``(p − 1)/(6m + p − 1)`` (:func:`zb_v`), and for DualPipeV's lists too (its pairs run one after the other).
 
     Raises:
         RuntimeError: if the lists deadlock.

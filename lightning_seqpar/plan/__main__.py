@@ -199,9 +199,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--cp-comm", default="ring", choices=["ring", "all_to_all"],
                         help="the context-parallel attention's communication")
     parser.add_argument("--schedule", nargs="+", default=list(SEARCHED_SCHEDULES), choices=list(SEARCHED_SCHEDULES),
-                        help="the pipeline schedules searched for layouts with pp > 1 (default: all three; 1F1B: "
+                        help="the pipeline schedules searched for layouts with pp > 1 (default: all four; 1F1B: "
                              "interleaved where vpp > 1; ZB-H1: the backward split into B and W, vpp 1; ZB-V: split, "
-                             "two chunks per rank in a V, vpp 2)")
+                             "two chunks per rank in a V, vpp 2; DualPipeV: ZB-V's V in forward-backward pairs, "
+                             "m >= 2·pp)")
     parser.add_argument("--lora", type=_count("--lora", 1 << 16), default=None, metavar="R",
                         help="LoRA of rank R (PEFT's, the base frozen: no gradients, main params or optimizer state "
                              "for it); default: full fine-tuning")

@@ -66,9 +66,10 @@ def plan(inventory: ModelInventory, gpus: int, seq_len: int, global_batch: int, 
         precision: ``bf16-mixed``, ``bf16-true`` (with float32 main params under zero 1), ``32-true``.
         headroom: the fraction of ``hardware.memory`` a feasible layout may fill.
         schedule: the pipeline schedule of layouts with ``pp > 1``, or several to search (``("1F1B", "ZB-H1",
-            "ZB-V")``): ``1F1B`` is the interleaved one where ``vpp > 1``; ``ZB-H1`` runs one chunk per rank, ``ZB-V``
-            two in a V (vpp 2; its bubble ``(p − 1)/(6m + p − 1)``, its rank 0 the embedding's and the loss's). A
-            record's ``schedule`` is the one it was priced with (``1F1B`` without a pipeline).
+            "ZB-V", "DualPipeV")``): ``1F1B`` is the interleaved one where ``vpp > 1``; ``ZB-H1`` runs one chunk per
+            rank, ``ZB-V`` two in a V (vpp 2; its bubble ``(p − 1)/(6m + p − 1)``, its rank 0 the embedding's and the
+            loss's), ``DualPipeV`` the same V from ``m >= 2p``, one chunk micro-batch more in flight. A record's
+            ``schedule`` is the one it was priced with (``1F1B`` without a pipeline).
         calibrate: a layer's activation bytes measured on small copies of the model and scaled
             (:mod:`~lightning_seqpar.plan.probe`; a Hugging Face model), else the analytic model
             (:mod:`~lightning_seqpar.plan.activations`).

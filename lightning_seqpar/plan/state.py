@@ -108,7 +108,7 @@ def state_bytes(inventory: ModelInventory, tp: int, pp: int = 1, dp: int = 1, *,
                 placement: Placement = "loop", expert_tp: int = 1) -> StateBytes:
     """Model-state bytes of the rank at ``(pipeline_rank, data_rank)``, and ``expert_data_rank`` in its expert
     data-parallel group of ``t·d / (ep·expert_tp)`` ranks (without experts every tensor-parallel rank holds as much);
-    the stages placed as ``placement`` says (``"V"``: ZB-V's, the embedding and the head both on rank 0).
+    the stages placed as ``placement`` says (``"V"``: ZB-V's and DualPipeV's, the embedding and the head both on rank 0).
 
     Raises:
         ValueError: an unknown precision or optimizer, a pipeline split the strategy refuses, or ``ep·expert_tp`` not

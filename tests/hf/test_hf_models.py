@@ -99,6 +99,10 @@ CASES = {
              pp=2),                                                         # ZB-V: embedding and tied head on rank 0
         Case("hf", 1, True, "selective", (("labels", True), ("layers", 4)), strategy=(("schedule", "ZB-V"),), pp=2,
              cp=2),                                                         # ZB-V × cp 2 (ring)
+        Case("hf", 2, True, None, (("labels", True), ("tie", True), ("layers", 4)),
+             strategy=(("schedule", "DualPipeV"),), pp=2, batch=4),          # DualPipeV, pp 2 × tp 2, m = 2p
+        Case("hf", 1, True, "selective", (("labels", True), ("layers", 4)), strategy=(("schedule", "DualPipeV"),),
+             pp=2, cp=2, batch=4),                                          # DualPipeV × cp 2 (ring)
     ],
 }
 # Hugging Face's RMSNorm and its causal-LM loss compute in float32 whatever the input's dtype, so float64 runs agree

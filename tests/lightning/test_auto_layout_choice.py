@@ -96,7 +96,7 @@ def test_a_zero_bubble_schedule_is_chosen_where_it_is_best_but_not_for_compiled_
     assert chosen.record.schedule == chosen.parallel.pipeline.schedule == "ZB-H1" and chosen.parallel.pipeline.pp > 1
     compiled = _choose(module, auto, fits, compiled=True)  # a compiled block's backward is one graph: no W to split
     assert compiled.parallel.pipeline.schedule != "ZB-H1" and compiled.record.schedule != "ZB-H1"
-    with pytest.raises(ValueError, match="schedules=\\('gpipe',\\): some of '1F1B', 'ZB-H1', 'ZB-V'"):
+    with pytest.raises(ValueError, match="schedules=\\('gpipe',\\): some of '1F1B', 'ZB-H1', 'ZB-V', 'DualPipeV'"):
         AutoLayout(8, 4, schedules=("gpipe",))
 
 

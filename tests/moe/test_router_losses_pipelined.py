@@ -1,6 +1,6 @@
 """Router losses split into pipeline stages train like one process: transformers' load-balancing loss pooled over
 every layer (the earlier stages' statistics travel with the activation, the totals come back with its gradient),
-the reference GPT's pooled and per-layer losses and its z-loss, under 1F1B, interleaved, ZB-H1 and ZB-V, with padding
+the reference GPT's pooled and per-layer losses and its z-loss, under 1F1B, interleaved, ZB-H1, ZB-V and DualPipeV, with padding
 left out of the counts; float64, the loss and every gradient before each of 3 AdamW steps (router, experts, attention).
 Under ZB-H1 the experts' weight gradients come in W (moe/expert_product.py) as the linears' do."""
 
@@ -42,6 +42,8 @@ CASES = {
         gpt(1, 2, cp=2, aux_loss_coef=0.5, z_loss_coef=0.1),          # cp 2: each stage's share times c, as the loss
         hf(2, 2, ZB_H1),                                              # the experts' weight gradients in W too
         gpt(1, 2, ZB_V, layers=4, aux_loss_coef=0.5, z_loss_coef=0.1),  # V: the last stage on rank 0, a turn in memory
+        Case("gpt", 1, True, None, (("n_experts", 8), ("n_layer", 4), ("aux_loss_coef", 0.5), ("z_loss_coef", 0.1)), (),
+             (("ep", 2), ("schedule", "DualPipeV")), pp=2, batch=4, microbatches=4),  # DualPipeV: default m = 2p
     ],
 }
 LOSS_RTOL, GRAD_BOUND = 1e-6, 1e-4

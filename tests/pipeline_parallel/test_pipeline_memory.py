@@ -1,5 +1,5 @@
 """1F1B bounds the activations a stage holds; GPipe holds every micro-batch's; ZB-H1 and ZB-V hold no more than 1F1B's
-peak (measured live bytes).
+peak, DualPipeV one chunk micro-batch more than ZB-V (measured live bytes).
 
 Stage 0 of a pp=2 GPT runs m=8 micro-batches; a storage tracker records, after every action of the
 schedule, the bytes still alive that the stage's transformer layers created in forward.
@@ -139,10 +139,16 @@ def test_zb_h1_keeps_a_mixture_s_expert_rows_for_w_as_the_planner_prices_them():
 def test_zb_v_holds_at_most_1f1b_s_peak_on_every_stage():
     """ZB-V (4 layers at pp 2: chunks of one layer in a V) holds at most 2p chunk micro-batches from F to W on every
     rank, of L/2p layers each: its layers' live bytes never pass 1F1B's first stage's (p micro-batches of L/p layers),
-    though rank 0 runs the first and the last stage."""
-    measured = run_distributed(_measure, P, (("n_layer", 4),), ("1F1B", "ZB-V"))
+    though rank 0 runs the first and the last stage. DualPipeV on the same V holds one chunk micro-batch more."""
+    measured = run_distributed(_measure, P, (("n_layer", 4),), ("1F1B", "ZB-V", "DualPipeV"))
     peak_1f1b = max(live for _, _, live, _ in measured[0]["1F1B"])
     for rank in range(P):
         v = measured[rank]["ZB-V"]
         assert len(v) == 2 * 3 * M and max(n for _, n, _, _ in v) == 2 * P  # F, B and W of each chunk's micro-batch
         assert max(live for _, _, live, _ in v) <= peak_1f1b
+        # DualPipeV: one chunk micro-batch more (DeepSeek's PP + 1), so one chunk's worth above ZB-V at most
+        dual = measured[rank]["DualPipeV"]
+        assert len(dual) == 2 * 3 * M and max(n for _, n, _, _ in dual) == 2 * P + 1
+        chunk = max(live for _, _, live, _ in v) / (2 * P)
+        assert max(live for _, _, live, _ in v) < max(live for _, _, live, _ in dual) <= \
+            max(live for _, _, live, _ in v) + chunk

@@ -50,17 +50,21 @@ def test_zb_h1_is_deadlock_free_and_matched_under_nccl_rules():
                         t.send and t.kind == "gradient" and t.microbatch == before.microbatch for t in after.transfers)
 
 
-def test_zb_v_is_deadlock_free_and_matched_under_nccl_rules():
+@pytest.mark.parametrize("schedule", ["ZB-V", "DualPipeV"])
+def test_v_schedules_are_deadlock_free_and_matched_under_nccl_rules(schedule):
     """The V placement: rounds of the unit-cost replay (comm_plan.timed_program), each message sent and received in
-    the round its action ends; headers on the first boundaries only, the first message of each pair of ranks."""
+    the round its action ends; headers on the first boundaries only, the first message of each pair of ranks.
+    (DualPipeV from m = 2p, its least.)"""
     for p, m, forward_only in ZERO_BUBBLE:
+        if schedule == "DualPipeV" and m < 2 * p:
+            continue
         layout = StageLayout(p, 2, (1,) * (2 * p), "V")
-        programs = [build_program("ZB-V", m, layout, rank, forward_only) for rank in range(p)]
+        programs = [build_program(schedule, m, layout, rank, forward_only) for rank in range(p)]
         check_programs(programs)
         check_programs([with_headers(program, layout) for program in programs])
         for rank, program in enumerate(programs):
             steps = [s for s in program if isinstance(s, Action)]
-            assert steps == build_schedule("ZB-V", m, p, 2, rank, forward_only)
+            assert steps == build_schedule(schedule, m, p, 2, rank, forward_only)
             transfers = [t for s in program if isinstance(s, Batch) for t in s.transfers]
             assert all(t.peer != rank for t in transfers)  # the turn (stage p − 1 to p) is handed over in memory
             headers = [t for t in transfers if carries_header(t, layout)]

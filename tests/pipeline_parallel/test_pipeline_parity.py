@@ -1,7 +1,7 @@
 """Pipeline layouts train exactly like one process: loss, logged loss and every parameter gradient, 3 steps.
 
-Layouts: pp 2 (1F1B, GPipe, interleaved with 2 chunks per rank, ZB-H1, ZB-V), pp 4 (ZB-H1, ZB-V), pp 2 × tp 2 with and
-without SP (and ZB-V with SP), pp 2 × dp 2 (zero 0 interleaved, zero 1; ZB-V with zero 1), pp 2 × tp 2 × dp 2 on 8
+Layouts: pp 2 (1F1B, GPipe, interleaved with 2 chunks per rank, ZB-H1, ZB-V, DualPipeV), pp 4 (ZB-H1, ZB-V, DualPipeV),
+pp 2 × tp 2 with and without SP (and ZB-V and DualPipeV with SP), pp 2 × dp 2 (zero 0 interleaved, zero 1; ZB-V with zero 1), pp 2 × tp 2 × dp 2 on 8
 processes; the reference GPT and a user's own module around nn.TransformerEncoder(Layer)s; selective and full
 recomputation; clipping and accumulation.
 """
@@ -21,6 +21,7 @@ GPIPE = (("schedule", "gpipe"),)
 UNTIED = (("tie_weights", False),)
 ZB_H1 = (("schedule", "ZB-H1"),)  # B/W split: the weight gradients in W actions
 ZB_V = (("schedule", "ZB-V"),)  # two chunks per rank in a V, B/W split
+DUALPIPE_V = (("schedule", "DualPipeV"),)  # ZB-V's V, steady state in forward-backward pairs; m >= 2p
 
 CASES = {
     2: [
@@ -39,6 +40,8 @@ CASES = {
         Case("gpt", 1, True, None, GPT4, (), ZB_V + (("num_microbatches", 4),), 2, batch=4),  # tied on rank 0
         Case("gpt", 1, True, "selective", GPT4, CLIP_ACCUMULATE, ZB_V, 2),  # m = p
         Case("gpt", 1, True, "full", GPT4 + UNTIED, (), ZB_V + (("num_microbatches", 3),), 2, batch=3),
+        Case("gpt", 1, True, None, GPT4, (), DUALPIPE_V + (("num_microbatches", 4),), 2, batch=4),  # ZB-V's twin
+        Case("gpt", 1, True, "selective", GPT4 + UNTIED, CLIP_ACCUMULATE, DUALPIPE_V, 2, batch=4),  # default m = 2p
     ],
     4: [
         Case("gpt", 2, True, "selective", (), (), (), 2),
@@ -54,6 +57,8 @@ CASES = {
         Case("gpt", 2, True, "selective", GPT4, (), ZB_V + (("num_microbatches", 4),), 2, batch=4),  # + tp 2 SP
         Case("gpt", 1, True, None, GPT4, CLIP_ACCUMULATE, ZB_V + (("zero", 1),), 2),  # + dp 2, ZeRO-1
         Case("gpt", 1, True, None, (("n_layer", 8),), (), ZB_V + (("num_microbatches", 8),), 4, batch=8),  # pp 4
+        Case("gpt", 2, True, "selective", GPT4, (), DUALPIPE_V + (("num_microbatches", 4),), 2, batch=4),  # + tp 2 SP
+        Case("gpt", 1, True, "full", (("n_layer", 8),), (), DUALPIPE_V + (("num_microbatches", 10),), 4, batch=10),
     ],
     8: [
         Case("gpt", 2, True, "selective", (), (), (), 2),
@@ -85,6 +90,20 @@ def test_sequence_parallel_sends_one_tp_th_of_the_bytes_across_stages(runs):
         assert no_sp[kind] == STEPS * m * SEQ * (BATCH // m) * h * 8
         assert sp[kind] * t == no_sp[kind]
         assert sp["activation" if not first_stage else "gradient"] == 0
+
+
+def test_dualpipe_v_trains_bit_identically_to_zb_v(runs):
+    """The same layout, ZB-V against DualPipeV: each weight's gradient accumulates over the micro-batches in the same
+    order under both (a chunk's W's run in the order of its B's), so losses and gradients are equal bit for bit."""
+    runs2 = runs(2)
+    zb_v, dualpipe_v = CASES[2][12], CASES[2][15]
+    assert dict(zb_v.strategy)["schedule"] == "ZB-V" and dict(dualpipe_v.strategy)["schedule"] == "DualPipeV"
+    for rank in range(2):
+        a, b = runs2[rank][zb_v], runs2[rank][dualpipe_v]
+        assert a.losses == b.losses and a.logged == b.logged
+        for step_a, step_b in zip(a.grads, b.grads, strict=True):
+            assert step_a.keys() == step_b.keys()
+            assert [n for n in step_a if not torch.equal(step_a[n], step_b[n])] == []
 
 
 def test_zb_h1_trains_bit_identically_to_1f1b(runs):

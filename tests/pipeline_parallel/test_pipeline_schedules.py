@@ -29,14 +29,15 @@ LAYOUTS = [("1F1B", m, p, 1) for m in (2, 4, 8) for p in (2, 4) if m >= p] + \
           [("gpipe", 8, 2, 1), ("gpipe", 4, 4, 1)] + \
           [("interleaved_1F1B", m, p, v) for m, p, v in ((2, 2, 2), (4, 2, 2), (8, 2, 3), (8, 4, 2), (4, 4, 4))] + \
           [("ZB-H1", m, p, 1) for m, p in ((2, 2), (4, 2), (8, 4), (4, 4), (32, 8))] + \
-          [("ZB-V", m, p, 2) for m, p in ((2, 2), (4, 2), (8, 4), (4, 4), (7, 4), (32, 8))]
+          [("ZB-V", m, p, 2) for m, p in ((2, 2), (4, 2), (8, 4), (4, 4), (7, 4), (32, 8))] + \
+          [("DualPipeV", m, p, 2) for m, p in ((4, 2), (5, 2), (8, 4), (11, 4), (16, 8), (32, 8))]
 
 
 @pytest.mark.parametrize("schedule, m, p, v", LAYOUTS)
 def test_every_rank_runs_each_forward_and_backward_once_backward_after_forward(schedule, m, p, v):
     for rank in range(p):
         actions = build_schedule(schedule, m, p, v, rank)
-        kinds = "FBW" if schedule in ("ZB-H1", "ZB-V") else "FB"
+        kinds = "FBW" if schedule in ("ZB-H1", "ZB-V", "DualPipeV") else "FB"
         expected = {Action(k, c, i) for k in kinds for c in range(v) for i in range(m)}
         assert len(actions) == len(expected) and set(actions) == expected
         for c in range(v):
@@ -60,6 +61,8 @@ def test_schedules_never_deadlock_and_bound_in_flight_micro_batches(schedule, m,
         assert peaks == [p] * p
     elif schedule == "ZB-V":  # 2p chunks of L/(2p) layers from F to W: 1F1B's first stage's L layers' worth (§4)
         assert peaks == [2 * p] * p if m >= 2 * p - 1 else all(n <= 2 * p for n in peaks)
+    elif schedule == "DualPipeV":  # one chunk more than ZB-V: DeepSeek's "PP + 1" (PP = 2p stages)
+        assert peaks == [2 * p + 1] * p
     elif m == p:  # one group of p micro-batches: every forward first, as Megatron runs it
         assert peaks == [m * v] * p
     else:  # Megatron's warm-up: 2(p - r - 1) + (v - 1)p forwards, then one more before the first backward
@@ -130,7 +133,13 @@ def test_schedule_names():
     assert resolve_schedule("1f1b", 2) == "interleaved_1F1B" and resolve_schedule("GPipe", 1) == "gpipe"
     assert resolve_schedule("zb-h1", 1) == resolve_schedule("ZBH1", 1) == "ZB-H1"
     assert resolve_schedule("zb-v", 1) == resolve_schedule("ZBV", 2) == "ZB-V"
+    assert resolve_schedule("dualpipev", 1) == resolve_schedule("DualPipe_V", 2) == "DualPipeV"
     check_microbatches(4, 2, "interleaved_1F1B")
+    check_microbatches(8, 4, "DualPipeV")
+    with pytest.raises(ValueError, match=r"num_microbatches=7 is smaller than 2·pp=8: DualPipeV"):
+        check_microbatches(7, 4, "DualPipeV")
+    with pytest.raises(ValueError, match="DualPipeV needs at least 2·pp micro-batches"):
+        build_schedule("DualPipeV", 3, 2, 2, 0)
 
 
 def test_micro_batches_cut_every_tensor_of_a_nested_batch():
@@ -193,6 +202,12 @@ def test_bubbles_under_the_cost_model_are_the_papers(p):
         assert zb_v == pytest.approx((p - 1) / (6 * m + p - 1), abs=1e-12) if m >= 2 * p - 2 else zb_v < 0.25
         heavy = (1.0, 1.2, 0.8)
         assert bubble_fraction("ZB-V", m, p, costs=heavy) < bubble_fraction("ZB-H1", m, p, costs=heavy)
+    for m in range(2 * p, 33):
+        # DualPipeV's lists, its pairs run one after the other, idle exactly as ZB-V's under unit costs; with
+        # W < F < B its whole backwards in the steady state leave a little more
+        assert bubble_fraction("DualPipeV", m, p) == pytest.approx(bubble_fraction("ZB-V", m, p), abs=1e-12)
+        assert bubble_fraction("ZB-V", m, p, costs=heavy) <= bubble_fraction("DualPipeV", m, p, costs=heavy) < \
+            bubble_fraction("ZB-H1", m, p, costs=heavy)
     if p == 4:
         assert (round(bubble_fraction("1F1B", 8, 4), 3), round(bubble_fraction("ZB-H1", 8, 4), 3),
                 round(bubble_fraction("ZB-V", 8, 4), 3)) == (0.273, 0.111, 0.059)  # the goal: <= 6 %

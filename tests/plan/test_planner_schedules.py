@@ -1,5 +1,5 @@
-"""The planner searches the pipeline schedules (1F1B, interleaved where vpp > 1, ZB-H1, ZB-V): each layout priced once
-per schedule, exactly as a search of that schedule alone prices it, and the command line says which one each row uses."""
+"""The planner searches the pipeline schedules (1F1B, interleaved where vpp > 1, ZB-H1, ZB-V, DualPipeV): each layout
+priced once per schedule, exactly as a search of that schedule alone prices it, and the command line says which one each row uses."""
 
 from __future__ import annotations
 
@@ -22,27 +22,34 @@ def searches():
     inventory = model_inventory("gpt-22b", S, "eager")
     run = lambda schedule: plan(inventory, GPUS, S, BATCH, hardware=Hardware(), calibrate=False,  # noqa: E731
                                 context_parallel=(1,), schedule=schedule)
-    return run(("1F1B", "ZB-H1", "ZB-V")), run("1F1B"), run("ZB-H1"), run("ZB-V")
+    return run(("1F1B", "ZB-H1", "ZB-V", "DualPipeV")), run("1F1B"), run("ZB-H1"), run("ZB-V"), run("DualPipeV")
 
 
 def test_each_layout_is_priced_per_schedule_as_a_search_of_that_schedule_alone(searches):
-    both, one_f_one_b, zero_bubble, v_shaped = searches
-    alone = {_key(r): r for r in [*one_f_one_b, *zero_bubble, *v_shaped] if r.feasible}
+    both, one_f_one_b, zero_bubble, v_shaped, dualpipe_v = searches
+    alone = {_key(r): r for r in [*one_f_one_b, *zero_bubble, *v_shaped, *dualpipe_v] if r.feasible}
     together = {_key(r): r for r in both if r.feasible}
     assert together.keys() == alone.keys()
     for key, record in together.items():
         assert record.bytes == alone[key].bytes and record.step_time == alone[key].step_time
     piped = [r for r in together.values() if r.pp > 1]
-    assert {r.schedule for r in piped} == {"1F1B", "interleaved_1F1B", "ZB-H1", "ZB-V"}
+    assert {r.schedule for r in piped} == {"1F1B", "interleaved_1F1B", "ZB-H1", "ZB-V", "DualPipeV"}
     for r in piped:  # each one's bubble is its own schedule's (Narayanan et al. 2021; Qi et al. 2024, ZB-H1, ZB-V)
         m, p, v = r.num_microbatches, r.pp, r.vpp
         expected = {"1F1B": (p - 1) / m, "interleaved_1F1B": (p - 1) / (v * m), "ZB-H1": (p - 1) / (3 * m),
-                    "ZB-V": (p - 1) / (6 * m)}  # idle over compute; ZB-V's from m = 2p − 2 (a longer ramp below)
+                    "ZB-V": (p - 1) / (6 * m), "DualPipeV": (p - 1) / (6 * m)}  # idle over compute; ZB-V's from
+        # m = 2p − 2 (a longer ramp below), DualPipeV's from its least m = 2p
         if r.schedule == "ZB-V" and m < 2 * p - 2:
             assert r.bubble > expected["ZB-V"] and r.vpp == 2
             continue
         assert r.bubble == pytest.approx(expected[r.schedule]) and (r.schedule != "ZB-H1" or r.vpp == 1)
-        assert r.schedule != "ZB-V" or r.vpp == 2
+        assert r.schedule not in ("ZB-V", "DualPipeV") or r.vpp == 2
+    # DualPipeV's pairs run one after the other: ZB-V's bubble. Its peak differs: one chunk micro-batch more in flight,
+    # but its steady state's whole backwards leave no W waiting (ZB-V's last rank holds many at its cool-down)
+    twins = [(r, together.get(_key(r)[:-1] + ("ZB-V",))) for r in piped if r.schedule == "DualPipeV"]
+    assert twins and all(r.bubble == twin.bubble for r, twin in twins if twin is not None)
+    assert any(r.reason == f"micro-batches={r.num_microbatches} < 2·pp={2 * r.pp}: DualPipeV's warm-up sends 2·pp "
+               f"through rank 0's first chunk" for r in dualpipe_v if r.pp <= r.num_microbatches < 2 * r.pp)
     assert all(r.schedule == "1F1B" for r in both if r.pp == 1)
     # beside 1F1B, ZB-H1 is not offered chunks it cannot run (asked alone, they are refused by name)
     assert not any(r.schedule == "ZB-H1" and r.vpp > 1 for r in both)
@@ -59,10 +66,10 @@ def test_the_command_line_searches_every_schedule_by_default_and_names_each_row_
     assert main(args + ["--top", "20"]) == 0
     out = capsys.readouterr().out
     assert "| vpp | schedule | dp |" in out and "| ZB-H1 |" in out and "| interleaved_1F1B |" in out
-    assert "| ZB-V |" in out and "bubble (1F1B or ZB-H1 or ZB-V where pp > 1)" in out
+    assert "| ZB-V |" in out and "bubble (1F1B or ZB-H1 or ZB-V or DualPipeV where pp > 1)" in out
     assert main(args + ["--json"]) == 0
     records = json.loads(capsys.readouterr().out)
     assert {r["schedule"] for r in records if r["feasible"] and r["pp"] > 1} == {"1F1B", "interleaved_1F1B", "ZB-H1",
-                                                                                "ZB-V"}
+                                                                                "ZB-V", "DualPipeV"}
     assert main(args + ["--schedule", "1F1B", "--top", "20"]) == 0
     assert "schedule" not in capsys.readouterr().out.split("\n")[1]  # one schedule: no column

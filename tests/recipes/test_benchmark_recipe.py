@@ -59,21 +59,25 @@ def test_context_parallel_benchmark_recipe_compares_tp_with_tp_times_cp(tmp_path
 
 
 def test_pipeline_benchmark_recipe_prices_each_schedule_s_trace(tmp_path):
-    """pp 2 × tp 2: the executed traces give 1F1B's, ZB-H1's and ZB-V's bubbles under the cost model, the split
-    schedules move the weight gradients without adding a tensor-parallel collective, and no rank of theirs holds more
-    than 1F1B's first."""
+    """pp 2 × tp 2: the executed traces give 1F1B's, ZB-H1's, ZB-V's and DualPipeV's bubbles under the cost model, the
+    split schedules move the weight gradients without adding a tensor-parallel collective, and no rank of ZB-H1's or
+    ZB-V's holds more than 1F1B's first (DualPipeV: one chunk micro-batch more than ZB-V, 2p + 1 of 2p)."""
     cmd = [sys.executable, str(ROOT / "recipes" / "benchmark_pipeline.py"), "pp=[2]", "tp=2", "n_layer=4",
            "n_embd=32", "n_head=4", "s=32", "vocab_size=64", "global_batch=4", "num_microbatches=4", "iters=1",
            "warmup=0", f"out={tmp_path}"]
     run_job(cmd, tmp_path, timeout=400)
     with open(tmp_path / "benchmark_pipeline.csv") as f:
         table = {r["schedule"]: r for r in csv.DictReader(f)}
-    assert set(table) == {"1F1B", "ZB-H1", "ZB-V"}
-    one, zb, v = table["1F1B"], table["ZB-H1"], table["ZB-V"]
-    # (p − 1)/(m + p − 1), /(3m + p − 1), /(6m + p − 1)
-    assert (one["bubble F=B=W"], zb["bubble F=B=W"], v["bubble F=B=W"]) == ("20.0%", "7.7%", "4.0%")
-    assert one["tp collectives"] == zb["tp collectives"] == v["tp collectives"] != "0"
+    assert set(table) == {"1F1B", "ZB-H1", "ZB-V", "DualPipeV"}
+    one, zb, v, dual = table["1F1B"], table["ZB-H1"], table["ZB-V"], table["DualPipeV"]
+    # (p − 1)/(m + p − 1), /(3m + p − 1), /(6m + p − 1) twice
+    assert (one["bubble F=B=W"], zb["bubble F=B=W"], v["bubble F=B=W"], dual["bubble F=B=W"]) == \
+        ("20.0%", "7.7%", "4.0%", "4.0%")
+    assert one["tp collectives"] == zb["tp collectives"] == v["tp collectives"] == dual["tp collectives"] != "0"
     assert one["sends/step"] == zb["sends/step"] and int(v["sends/step"]) == 2 * int(one["sends/step"])  # 2 cross ranks
+    assert dual["sends/step"] == v["sends/step"]
+    for v_peak, dual_peak in zip(v["peak KiB per rank"].split(" / "), dual["peak KiB per rank"].split(" / ")):
+        assert int(v_peak) < int(dual_peak) <= int(v_peak) * 5 / 4 + 1
     first = int(one["peak KiB per rank"].split(" / ")[0])
     for split in (zb, v):
         assert all(int(b) <= first for b in split["peak KiB per rank"].split(" / "))

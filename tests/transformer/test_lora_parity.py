@@ -29,6 +29,8 @@ CASES = {
         Case("hf", 2, True, None, LORA + (("kv_heads", 4),), batch=8),      # for the adapters across tp
         Case("hf", 1, True, None, LORA, strategy=(("schedule", "ZB-H1"),), pp=2),  # ZB-H1: frozen bases have no W
         Case("hf", 1, True, None, LORA + (("layers", 4),), strategy=(("schedule", "ZB-V"),), pp=2),  # and ZB-V
+        Case("hf", 1, True, None, LORA + (("layers", 4),), strategy=(("schedule", "DualPipeV"),), pp=2,
+             batch=4),                                                      # and DualPipeV (m = 2p)
     ],
     4: [
         Case("hf", 4, True, None, LORA + (("kv_heads", 4),), batch=8),      # tp 4
