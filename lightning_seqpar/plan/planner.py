@@ -32,8 +32,8 @@ from lightning_seqpar.plan.layout_record import LayoutRecord
 from lightning_seqpar.plan.memory_choices import (describe, host_traffic, largest_offloaded_share, memory_choice_rule,
                                                   offload_backward_bytes, trades)
 from lightning_seqpar.plan.moments import backward_moments, chunks_rule
-from lightning_seqpar.plan.pricing import (activation_element_bytes, first_layer_saving, layer_activation_bytes,
-                                           loss_chunk_positions, outside_bytes)
+from lightning_seqpar.plan.pricing import (activation_element_bytes, cached_copy_bytes, first_layer_saving,
+                                           layer_activation_bytes, loss_chunk_positions, outside_bytes)
 from lightning_seqpar.plan.rules import divisors, layout_rule
 from lightning_seqpar.plan.state import OPTIMIZER_STATES, PARAMETER_BYTES, StateBytes, held_entries, stage_layout, state_bytes
 from lightning_seqpar.plan.transients import (
@@ -274,7 +274,7 @@ def _peak_bytes(record: LayoutRecord, inventory: ModelInventory, s: int, precisi
     if record.recompute != "none" or record.modules:
         whole = LayoutRecord(tp, cp, pp, vpp, dp, record.zero, b, m, "none", record.main_params, ep=record.ep,
                              expert_tp=record.expert_tp, loss_chunk=record.loss_chunk,
-                             offload=record.offload)
+                             offload=record.offload, schedule=name)
         recomputed = max(0.0, layer_activation_bytes(whole, inventory, s, precision, dropout, fits) - per_layer)
     if record.offload:
         moved = max(0.0, layer_activation_bytes(replace(record, offload=()), inventory, s, precision, dropout, fits) - per_layer)
@@ -282,6 +282,9 @@ def _peak_bytes(record: LayoutRecord, inventory: ModelInventory, s: int, precisi
                                              largest_offloaded_share(inventory, local, b, tp, record, element, dropout))
         prefetched = moved * (inventory.num_layers // (pp * vpp) > 1)
     first_saving = first_layer_saving(record, inventory, local, precision, fits)  # kept less by stage 0's first layer
+    # Under a split backward no micro-batch keeps autocast's 16-bit weight copies (per_layer is without them), but a
+    # chunk's forward holds its layers' copies in autocast's cache until its region ends, the loss's forward included.
+    cached = cached_copy_bytes(inventory, record, precision) if fits is not None and inventory.config is not None else 0
     worst: tuple[float, int, dict[str, int], dict[str, int]] = (-1.0, 0, {}, {})
     parameter = PARAMETER_BYTES[precision]
     outside, prologue = outside_bytes(record, inventory, s, precision, element, fits)
@@ -353,21 +356,23 @@ def _peak_bytes(record: LayoutRecord, inventory: ModelInventory, s: int, precisi
                                                                expert_tp=record.expert_tp),
                                      attention_backward - spent + prefetched),
                       "accumulated_gradients": accumulated * share}
-            # before a split chunk's first W its weights have no `.grad` even where buckets are kept
-            gradients = state.gradients - (round((1 - share) * state.gradients) if name in SPLIT_BACKWARD
+            # before a split chunk's first W its weights have no `.grad`; the buckets, where they are the gradients,
+            # exist from the first step on
+            gradients = state.gradients - (round((1 - share) * unmade) if name in SPLIT_BACKWARD
                                            else 0 if accumulating else unmade)
             total = state.total - state.gradients + gradients + kept + sum(moment.values())
             if total > peak[0]:
                 peak = (total, gradients, kept, moment)
             if last:  # just before: the loss's forward, its logits (and their float32 copy) beside the softmax
-                ahead = {"loss_forward": logits + loss_forward,
+                ahead = {"loss_forward": logits + loss_forward + cached * layout.sizes[stages[chunk]],
                          "accumulated_gradients": moment["accumulated_gradients"]}
                 total = state.total - state.gradients + gradients + kept + sum(ahead.values())
                 if total > peak[0]:
                     peak = (total, gradients, kept, ahead)
             # The forward that filled this moment, its last layer's core attention at work: half that layer's own
             # kept bytes made (its attention's inputs, not its MLP's).
-            ahead = {"forward": forward, "accumulated_gradients": moment["accumulated_gradients"]}
+            ahead = {"forward": forward + cached * max(layout.sizes[k] for k in stages),
+                     "accumulated_gradients": moment["accumulated_gradients"]}
             filling = kept - per_layer / 2
             total = state.total - state.gradients + gradients + filling + sum(ahead.values())
             if pp > 1 and total > peak[0]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from lightning_seqpar.pipeline_parallel.schedules import SPLIT_BACKWARD
 from lightning_seqpar.plan.activations import layer_bytes, outside_layers_bytes
 from lightning_seqpar.plan.experts import expert_layer_elements, expert_tensor_parallel_bytes
 from lightning_seqpar.plan.inventory import ModelInventory
@@ -52,17 +53,37 @@ def layer_activation_bytes(record: LayoutRecord, inventory: ModelInventory, s: i
     return measured + expert_tensor_parallel_bytes(inventory, record, local, element)
 
 
+def splits_backward(record: LayoutRecord) -> bool:
+    """Whether ``record``'s layers run with their backward split into B and W (a pipeline under ZB-H1, ZB-V or
+    DualPipeV): their linears then keep other tensors (:func:`~lightning_seqpar.plan.probe.measure`'s ``split``)."""
+    return record.pp > 1 and record.schedule in SPLIT_BACKWARD
+
+
+def cached_copy_bytes(inventory: ModelInventory, record: LayoutRecord, precision: str) -> int:
+    """Bytes of one layer's autocast 16-bit weight copies that a split backward keeps for no micro-batch but that live
+    in autocast's cache while a forward's region lasts (``bf16-mixed``, else 0): its column- and row-parallel
+    weights' local shards (the split linears keep their float32 weights and cast them again in B)."""
+    if precision != "bf16-mixed" or not splits_backward(record) or record.recompute == "full":
+        return 0
+    layer = next((e.layer for e in inventory.entries if e.part == "layer"), None)
+    return 2 * sum(e.numel // record.tp for e in inventory.entries
+                   if e.part == "layer" and e.layer == layer and e.split in ("column", "row") and len(e.shape) == 2)
+
+
 def layer_fit(record: LayoutRecord, inventory: ModelInventory, recompute: str, precision: str,
                fits: dict[tuple, Any]) -> Any:
     """The probes' :class:`~lightning_seqpar.plan.probe.LayerFit` of a layer under ``record`` with ``recompute``,
     fitted once per model and layout into ``fits``."""
+    split = splits_backward(record)
     key = (inventory.probe_key, record.tp, recompute, precision) + ((record.modules, record.offload)
-                                                                    if record.modules or record.offload else ())
+                                                                    if record.modules or record.offload else ()) \
+        + (("split",) if split else ())
     if key not in fits:
         from lightning_seqpar.plan.probe import fit_layer
 
         fits[key] = fit_layer(inventory.config, record.tp, True, recompute, precision, inventory.experts,
-                              modules=record.modules, offload=record.offload, training=inventory.training)
+                              modules=record.modules, offload=record.offload, training=inventory.training,
+                              split=split)
     return fits[key]
 
 

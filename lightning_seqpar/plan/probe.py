@@ -94,9 +94,11 @@ class Measured(NamedTuple):
 
 def measure(config: Any, tp: int, sequence_parallel: bool, recompute: str, precision: str, s: int, b: int,
             overrides: Optional[dict] = None, modules: tuple[str, ...] = (),
-            offload: tuple[str, ...] = (), training: Any = None) -> Measured:
+            offload: tuple[str, ...] = (), training: Any = None, split: bool = False) -> Measured:
     """The bytes the probe's middle layer, whole forward, prologue and first layer keep for backward
-    (:class:`Measured`; see :func:`measure_layer`)."""
+    (:class:`Measured`; see :func:`measure_layer`). ``split``: the layers run as under a split backward (ZB-H1, ZB-V,
+    DualPipeV: :func:`~lightning_seqpar.tensor_parallel.split_backward.split_weight_gradients`), whose linears keep
+    their float32 weights and one 16-bit cast of a shared input where torch's own linear keeps autocast's copies."""
     from lightning_seqpar.hf.model_check import parts_in_order, small_config
     from lightning_seqpar.hf.models import build_causal_lm
     from lightning_seqpar.memory.cuda_autocast import cuda_autocast_rules
@@ -106,6 +108,8 @@ def measure(config: Any, tp: int, sequence_parallel: bool, recompute: str, preci
     from lightning_seqpar.offload import HostPool, apply_offload
     from lightning_seqpar.plan.trained import apply_trained_parts
     from lightning_seqpar.recompute import apply_recompute, apply_recompute_modules
+    from lightning_seqpar.tensor_parallel.split_backward import split_weight_gradients
+    from lightning_seqpar.tensor_parallel.weight_gradients import WeightGradientStore
     from lightning_seqpar.transformer.context import RewriteContext
 
     if getattr(config, "n_positions", None) is not None and config.n_positions < s:
@@ -128,6 +132,8 @@ def measure(config: Any, tp: int, sequence_parallel: bool, recompute: str, preci
                 recompute, []))])
         if offload:
             apply_offload(model, list(offload), HostPool("cpu"))
+        if split:  # (the forward only: nothing defers, so the store stays empty)
+            split_weight_gradients(model, WeightGradientStore())
         autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed")
         # (the CUDA rule for norms and softmax is in force around the emulated ranks: measure())
         if group.rank != 0:
@@ -161,7 +167,7 @@ def _small_overrides(config: Any, overrides: Optional[dict]) -> dict:
 
 def fit_layer(config: Any, tp: int, sequence_parallel: bool = True, recompute: str = "selective",
               precision: str = "bf16-mixed", experts: Any = None, modules: tuple[str, ...] = (),
-              offload: tuple[str, ...] = (), training: Any = None) -> LayerFit:
+              offload: tuple[str, ...] = (), training: Any = None, split: bool = False) -> LayerFit:
     """The coefficients of :class:`LayerFit` for ``config``'s layer under the layout, from the probes (``modules``,
     ``offload``: recomputation by module and activation offload; ``training``: the run's LoRA and frozen parameters,
     :class:`~lightning_seqpar.plan.trained.TrainedParts`; each applied to the probes as to the run).
@@ -191,7 +197,7 @@ def fit_layer(config: Any, tp: int, sequence_parallel: bool = True, recompute: s
             overrides.update(_expert_widths(experts, f))
         rows.append(_terms(b, s, d, f))
         measured = measure(config, tp, sequence_parallel, recompute, precision, s, b, overrides, modules, offload,
-                           training)
+                           training, split)
         kept.append(float(measured.layer))
         first.append(float(measured.first))
     # the first layer is fitted apart only where it can differ: parameters frozen (its input may need no gradient)

@@ -268,22 +268,23 @@ def test_the_tracker_counts_what_a_step_frees_and_what_it_keeps():
 
 
 # The split schedules (ZB-H1; ZB-V and DualPipeV on two chunks per rank in a V, rank 0 holding the embedding, a first
-# and a last chunk, and the loss): each micro-batch past its B keeps what its W reads, and a chunk's weights have no `.grad`
-# before its first W (a B makes none), as the planner prices them. The last ones are over-predicted by about the
-# parameters' bytes (+15 %: the accumulating `.grad` the planner adds at its peak moment are not alive there under
-# bf16-mixed; not found yet): priced high, never low.
+# and a last chunk, and the loss): each micro-batch past its B keeps what its W reads, and a chunk's weights have no
+# `.grad` before its first W (a B makes none) unless the data-parallel buckets are the gradients, as the planner
+# prices them. Their linears keep float32 weights and one 16-bit cast of a shared input, where the unsplit ones keep
+# autocast's weight copies per micro-batch: the probes run split (bf16-mixed ZB-V was +14.7 %, ZB-H1 with 2 of 2 -9.8 %
+# once its weights' copies were taken out and before the buckets were counted).
 ZERO_BUBBLE_LAYOUTS = [(1, 2, 1, 0, 1, "none", "32-true", "ZB-H1"), (1, 2, 2, 0, 1, "none", "32-true", "ZB-V"),
                        (2, 2, 2, 0, 1, "selective", "32-true", "ZB-V"), (1, 2, 1, 0, 2, "none", "bf16-mixed", "ZB-H1"),
                        (1, 2, 2, 0, 2, "none", "32-true", "ZB-V"), (1, 2, 2, 0, 1, "none", "32-true", "DualPipeV"),
-                       (2, 2, 2, 0, 1, "selective", "32-true", "DualPipeV")]
-ZERO_BUBBLE_OVER = [(1, 2, 2, 0, 1, "none", "bf16-mixed", "ZB-V"), (1, 2, 2, 0, 1, "none", "bf16-mixed", "DualPipeV")]
+                       (2, 2, 2, 0, 1, "selective", "32-true", "DualPipeV"), (1, 2, 2, 0, 1, "none", "bf16-mixed", "ZB-V"),
+                       (1, 2, 2, 0, 1, "none", "bf16-mixed", "DualPipeV"), (2, 2, 2, 0, 1, "selective", "bf16-mixed", "ZB-V"),
+                       (1, 2, 1, 0, 1, "none", "bf16-mixed", "ZB-H1")]
 
 
 def test_zero_bubble_step_peaks_are_predicted_within_the_bound():
-    rows = _errors(ZERO_BUBBLE_LAYOUTS + ZERO_BUBBLE_OVER, False)
-    errors = [(predicted - peak) / peak for *_, predicted, _, peak in rows]
-    assert max(abs(e) for e in errors[:len(ZERO_BUBBLE_LAYOUTS)]) <= BOUND, rows
-    assert all(0 <= e <= 0.2 for e in errors[len(ZERO_BUBBLE_LAYOUTS):]), rows
+    rows = _errors(ZERO_BUBBLE_LAYOUTS, False)
+    worst = max(abs(predicted - peak) / peak for *_, predicted, _, peak in rows)
+    assert worst <= BOUND, rows
 
 
 # LoRA on q and v: the MLP frozen, so inside its backward no weight gradient stands in for the gradients of its inner
