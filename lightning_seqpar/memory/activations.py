@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Optional, Sequence
 
+from lightning_seqpar.memory.conflicts import offload_conflict, recomputed_modules
 from lightning_seqpar.memory.mixture import EXPERT_OFFLOAD_COPIES, EXPERT_OFFLOAD_TERMS, MixtureShape, mixture_terms
 
 Recompute = Literal["none", "selective", "full"]
@@ -162,20 +163,9 @@ def _offloaded(terms: dict[str, float], recompute: str, modules: Sequence[str], 
                          f"{list(known)}.")
     if recompute == "full":
         return set()
-    if "core_attn" in offload and recompute == "selective" and c == 1:
-        raise ValueError("offload=['core_attn'] with selective recomputation: recomputed core attention keeps only "
-                         "q, k, v for its checkpoint; offload 'qkv_linear' or 'attn_proj' instead.")
-    if "mlp" in offload and "mlp" in modules:
-        raise ValueError("offload=['mlp'] with the MLP recomputed by module: offload 'mlp_norm' instead.")
-    if "layernorm" in modules and {"attn_norm", "mlp_norm"} & set(offload):
-        raise ValueError("offload=['attn_norm'/'mlp_norm'] with the norms' outputs rebuilt (modules=['layernorm']): the "
-                         "rebuild keeps the norms' inputs on the device; offload 'qkv_linear' or 'mlp' instead.")
-    if "moe" in modules and set(EXPERT_OFFLOAD_TERMS) & set(offload):
-        raise ValueError("offload=['expert_fc1'/'moe_act'] with the mixture recomputed (modules=['moe']): it keeps only "
-                         "its input; offload 'mlp_norm' instead.")
-    if "moe_act" in modules and "moe_act" in offload:
-        raise ValueError("offload=['moe_act'] with the experts' activation recomputed (modules=['moe_act']): offload "
-                         "'expert_fc1' instead.")
+    conflict = offload_conflict(offload, recomputed_modules(recompute, modules, c))
+    if conflict is not None:
+        raise ValueError(f"offload={list(offload)!r}, modules={list(modules)!r}: {conflict.message(offload)}")
     return {name for m in offload for name in known[m] if name in terms}
 
 

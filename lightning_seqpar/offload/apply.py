@@ -11,6 +11,7 @@ from typing import Any, Optional
 import torch.nn as nn
 from torch import Tensor
 
+from lightning_seqpar.memory.conflicts import offload_conflict
 from lightning_seqpar.offload.host_pool import HostPool
 from lightning_seqpar.recompute.apply import module_names
 from lightning_seqpar.transformer.masks import FutureMask
@@ -122,11 +123,13 @@ def layer_order(model: nn.Module, layers: list) -> dict[int, int]:
 
 
 def check_offload_with_recompute(model: nn.Module) -> None:
-    """Refuse a module both offloaded and recomputed (recomputation keeps nothing of it to offload).
+    """Refuse a module both offloaded and recomputed (recomputation keeps nothing of it to offload, or rebuilds from
+    what it would move: :data:`~lightning_seqpar.memory.conflicts.OFFLOAD_CONFLICTS`).
 
     Raises:
-        ValueError: ``core_attn`` offloaded where core attention is recomputed, ``mlp`` where the MLP is, or a norm's
-            input where the norm's output is rebuilt from it; naming the layer and the fix.
+        ValueError: ``core_attn`` offloaded where core attention is recomputed, ``mlp`` (``expert_fc1``, ``moe_act``)
+            where the MLP (the mixture) is, ``moe_act`` where the experts' activation is, or a norm's input where the
+            norm's output is rebuilt from it; naming the layer and the fix.
     """
     from lightning_seqpar.recompute.apply import rewritten_layers
     from lightning_seqpar.transformer.core_attention import CoreAttention
@@ -135,24 +138,13 @@ def check_offload_with_recompute(model: nn.Module) -> None:
         offload = layer.offload
         if offload is None or layer.checkpointed_whole:
             continue
-        label = getattr(layer, "_name", type(layer).__name__)
-        if "core_attn" in offload.names and any(isinstance(m, CoreAttention) and m.recompute for m in layer.modules()):
-            raise ValueError(f"{label}: core attention is both recomputed (selective) and offloaded; recomputation "
-                             f"keeps only q, k, v, so there is nothing of it to offload. Offload 'qkv_linear' or "
-                             f"'attn_proj' instead, or recompute without 'core_attn'.")
-        if "mlp" in offload.names and layer.recompute_mlp:
-            raise ValueError(f"{label}: the MLP is both recomputed and offloaded; recomputation keeps only its input. "
-                             f"Offload 'mlp_norm' instead, or recompute without 'mlp'.")
-        if {"expert_fc1", "moe_act"} & offload.names and layer.recompute_mlp:
-            raise ValueError(f"{label}: the mixture of experts is both recomputed (modules=['moe']) and offloaded "
-                             f"(expert_fc1/moe_act); recomputation keeps only its input. Offload 'mlp_norm' instead, or "
-                             f"recompute without 'moe'.")
         experts = getattr(getattr(layer, "_mlp", None), "experts", None)
-        if "moe_act" in offload.names and getattr(experts, "recompute_activation", False):
-            raise ValueError(f"{label}: the experts' activation is both recomputed (modules=['moe_act']) and "
-                             f"offloaded; recomputation keeps only the gate/up output. Offload 'expert_fc1' instead, or "
-                             f"recompute without 'moe_act'.")
-        if {"attn_norm", "mlp_norm"} & offload.names and layer.recompute_norms:
-            raise ValueError(f"{label}: the norms' outputs are rebuilt from their inputs (recompute 'layernorm'), "
-                             f"which keeps those inputs on the device: offloading 'attn_norm'/'mlp_norm' moves them for "
-                             f"nothing. Offload 'qkv_linear' or 'mlp' instead, or recompute without 'layernorm'.")
+        # what this layer recomputes, by the names SelectiveRecompute(modules=...) gives it
+        recomputed = {name for name, on in (
+            ("core_attn", any(isinstance(m, CoreAttention) and m.recompute for m in layer.modules())),
+            ("moe" if experts is not None else "mlp", layer.recompute_mlp),
+            ("moe_act", getattr(experts, "recompute_activation", False)),
+            ("layernorm", layer.recompute_norms)) if on}
+        conflict = offload_conflict(offload.names, recomputed)
+        if conflict is not None:
+            raise ValueError(f"{getattr(layer, '_name', type(layer).__name__)}: {conflict.message(offload.names)}")

@@ -17,6 +17,7 @@ from typing import Optional, Sequence
 
 from lightning_seqpar.memory.activations import (Recompute, TransformerShape, layer_activation_terms,
                                                  offloaded_activation_terms)
+from lightning_seqpar.memory.conflicts import offload_conflict, recomputed_modules
 from lightning_seqpar.memory.mixture import MixtureShape
 from lightning_seqpar.offload.apply import DENSE_OFFLOAD_MODULES, EXPERT_MODULES, OFFLOAD_MODULES
 
@@ -73,7 +74,8 @@ def plan_offload(shape: TransformerShape, t: int, sequence_parallel: bool, budge
                    mask_bytes=mask_bytes, c=c, norm_statistics_bytes=norm_statistics_bytes)
     kinds = [(count, kind) for count, kind in ((layers - mixtures, None), (mixtures, experts)) if count]
     names = DENSE_OFFLOAD_MODULES if not mixtures else tuple(m for m in OFFLOAD_MODULES if m != "mlp")
-    allowed = [m for m in names if not _conflicts(m, recompute, modules, c)]
+    again = recomputed_modules(recompute, modules, c)  # what they recompute has nothing to offload
+    allowed = [m for m in names if offload_conflict([m], again) is None]
 
     def of(terms, chosen: Sequence[str]) -> float:  # bytes over the rank's layers, each kind with what applies to it
         return sum(count * sum(terms(shape, offload=_applying(chosen, kind), modules=_applying(modules, kind),
@@ -103,10 +105,3 @@ def _applying(names: Sequence[str], experts: Optional[MixtureShape]) -> list[str
     MLP's to the one, the experts' to the other (:func:`~lightning_seqpar.recompute.apply_recompute_modules`)."""
     other = ("moe", "moe_act", "shared_experts", *EXPERT_MODULES) if experts is None else ("mlp",)
     return [m for m in names if m not in other]
-
-
-def _conflicts(module: str, recompute: str, modules: Sequence[str], c: int) -> bool:
-    """Whether ``module`` is recomputed (and so has nothing to offload), or keeps its input for a rebuild."""
-    return (module == "core_attn" and (recompute == "selective" or "core_attn" in modules) and c == 1) or (
-        module == "mlp" and "mlp" in modules) or (module in ("attn_norm", "mlp_norm") and "layernorm" in modules) or (
-        module in EXPERT_MODULES and "moe" in modules) or (module == "moe_act" and "moe_act" in modules)

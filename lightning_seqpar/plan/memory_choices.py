@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from lightning_seqpar.memory.conflicts import offload_conflict, recomputed_modules
 from lightning_seqpar.offload.apply import DENSE_OFFLOAD_MODULES, EXPERT_MODULES, OFFLOAD_MODULES
 
 
@@ -66,23 +67,13 @@ def memory_choice_rule(recompute: str, modules: tuple[str, ...], offload: tuple[
                "expert_fc1 or moe_act)"
     if not mixture and experts_only:
         return f"{experts_only}: this model has no mixture of experts"
-    if "moe" in modules and {"expert_fc1", "moe_act"} & set(offload):
-        return "the experts' modules both recomputed (moe) and offloaded: recomputation keeps only the mixture's input"
-    if "moe_act" in modules and "moe_act" in offload:
-        return "moe_act both recomputed and offloaded: recomputation keeps only the gate/up output"
     if modules and recompute == "full":
         return "modules recomputed under full recomputation: a layer checkpointed whole keeps only its input, so " \
                "recomputing modules changes nothing"
     if offload and recompute == "full":
         return "offload under full recomputation: a layer checkpointed whole keeps only its input, nothing to offload"
-    recomputed_attention = (recompute == "selective" or "core_attn" in modules) and cp == 1 and eager_attention
-    if "core_attn" in offload and recomputed_attention:
-        return "core_attn both recomputed and offloaded: recomputation keeps only q, k, v"
-    if "mlp" in offload and "mlp" in modules:
-        return "mlp both recomputed and offloaded: recomputation keeps only its input"
-    if "layernorm" in modules and {"attn_norm", "mlp_norm"} & set(offload):
-        return "a norm's input offloaded where its output is rebuilt from it (layernorm recomputed)"
-    return None
+    conflict = offload_conflict(offload, recomputed_modules(recompute, modules, cp, eager_attention))
+    return None if conflict is None else conflict.message(offload)
 
 
 def host_traffic(moved_per_layer: float, layers_per_rank: int, num_microbatches: int, held_layers: float,

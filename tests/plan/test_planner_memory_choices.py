@@ -57,8 +57,8 @@ def test_the_mlp_recomputed_keeps_its_input_and_costs_one_mlp_forward_per_layer(
 
 @pytest.mark.parametrize("recompute, modules, offload, reason", [
     ("full", (), ("mlp",), "nothing to offload"),
-    ("selective", (), ("core_attn",), "core_attn both recomputed and offloaded"),
-    ("none", ("mlp",), ("mlp",), "mlp both recomputed and offloaded"),
+    ("selective", (), ("core_attn",), "core_attn both recomputed (core_attn) and offloaded"),
+    ("none", ("mlp",), ("mlp",), "mlp both recomputed (mlp) and offloaded"),
     ("none", (), ("attention",), "not a module"),
     ("none", ("moe_act",), (), "this model has no mixture of experts"),
     ("none", (), ("expert_fc1",), "this model has no mixture of experts"),

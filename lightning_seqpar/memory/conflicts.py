@@ -1,0 +1,63 @@
+"""Which offloaded modules a recomputation leaves nothing to offload: one table, read wherever the two choices meet
+(the memory model, the offload's budget plan, the planner's rules and the check on a rewritten model).
+
+A module recomputed in backward keeps only what its recomputation starts from (a checkpoint's input); offloading the
+tensors it would have saved moves nothing, and offloading the input it rebuilds from moves what the device still needs.
+Each :class:`OffloadConflict` names the offloaded modules, the recomputed one, why, and what to offload instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Optional, Sequence
+
+
+@dataclass(frozen=True)
+class OffloadConflict:
+    """``offloaded`` (any of these offload modules) cannot go with ``recomputed`` (a module recomputed, by its
+    ``SelectiveRecompute(modules=...)`` name, or ``core_attn`` by selective recomputation)."""
+
+    offloaded: frozenset[str]
+    recomputed: str
+    why: str
+    instead: str
+
+    def message(self, offload: Iterable[str]) -> str:
+        """The refusal, in the field's words: which offloaded modules, the recomputed one, why, and the fix."""
+        named = sorted(set(offload) & self.offloaded)
+        return (f"{', '.join(named)} both recomputed ({self.recomputed}) and offloaded: {self.why}. Offload "
+                f"{self.instead} instead, or recompute without '{self.recomputed}'.")
+
+
+OFFLOAD_CONFLICTS = (
+    OffloadConflict(frozenset({"core_attn"}), "core_attn", "recomputed core attention keeps only q, k, v for its "
+                    "checkpoint", "'qkv_linear' or 'attn_proj'"),
+    OffloadConflict(frozenset({"mlp"}), "mlp", "recomputation keeps only the MLP's input", "'mlp_norm'"),
+    OffloadConflict(frozenset({"attn_norm", "mlp_norm"}), "layernorm", "the norms' outputs are rebuilt from their "
+                    "inputs, which stay on the device", "'qkv_linear' or 'mlp'"),
+    OffloadConflict(frozenset({"expert_fc1", "moe_act"}), "moe", "recomputation keeps only the mixture's input",
+                    "'mlp_norm'"),
+    OffloadConflict(frozenset({"moe_act"}), "moe_act", "recomputation keeps only the experts' gate/up output",
+                    "'expert_fc1'"),
+)
+"""Every conflict between an offloaded module and a recomputed one (recomputation under ``full`` keeps a layer's input
+only: the callers refuse any offload there before reading this)."""
+
+
+def recomputed_modules(recompute: str, modules: Sequence[str], cp: int = 1, eager_attention: bool = True) -> set[str]:
+    """The modules a layer recomputes: ``modules`` (by module), and ``core_attn`` under selective recomputation where
+    core attention is explicit (an eager attention, not under context parallelism, whose blockwise attention keeps no
+    ``s²`` tensor to recompute)."""
+    recomputed = set(modules)
+    if recompute == "selective":
+        recomputed.add("core_attn")
+    if cp > 1 or not eager_attention:
+        recomputed.discard("core_attn")
+    return recomputed
+
+
+def offload_conflict(offload: Iterable[str], recomputed: Iterable[str]) -> Optional[OffloadConflict]:
+    """The first of :data:`OFFLOAD_CONFLICTS` that ``offload`` (offloaded modules) and ``recomputed`` (from
+    :func:`recomputed_modules`, or read from a rewritten layer) meet, or ``None``."""
+    offloaded, again = set(offload), set(recomputed)
+    return next((c for c in OFFLOAD_CONFLICTS if c.recomputed in again and c.offloaded & offloaded), None)
