@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Optional
 
@@ -12,7 +13,7 @@ from torch import Tensor
 from lightning_seqpar.pipeline_parallel.config import PipelineConfig
 from lightning_seqpar.pipeline_parallel.layout import StageLayout
 from lightning_seqpar.pipeline_parallel.comm_plan import ACTIVATION, GRADIENT, Batch, Step, build_program, with_headers
-from lightning_seqpar.pipeline_parallel.p2p import Message, MessageValue, StageTransport
+from lightning_seqpar.pipeline_parallel.p2p import Message, MessageValue, PostedBatch, StageTransport
 from lightning_seqpar.pipeline_parallel.schedules import SPLIT_BACKWARD, Action
 from lightning_seqpar.pipeline_parallel.stage import StageRuntime
 from lightning_seqpar.tensor_parallel.weight_gradients import WeightGradientStore
@@ -45,6 +46,16 @@ def loss_of(output: Any) -> Tensor:
             f"got {type(output).__name__}. Skipping a batch by returning None is not supported."
         )
     return loss
+
+
+def _needed(action: Action, stage: int, last: int) -> Optional[Message]:
+    """The message ``action`` of virtual stage ``stage`` reads: a forward after the first stage, its activation; a B
+    before the last stage, its gradient (W reads none)."""
+    if action.kind == "F" and stage > 0:
+        return (ACTIVATION, stage, action.microbatch)
+    if action.kind == "B" and stage < last:
+        return (GRADIENT, stage, action.microbatch)
+    return None
 
 
 def _detached(output: Any) -> Any:
@@ -147,14 +158,24 @@ class PipelineExecutor:
         saved: dict[tuple[int, int], tuple[Optional[Tensor], Tensor]] = {}
         outgoing: dict[Message, Tensor] = {}
         received: dict[Message, Tensor] = {}
+        # Batches posted and not yet waited for, in program order: each is waited for when an action needs what it
+        # receives (or the step ends), so its transfers run under the actions between (Megatron-LM's overlapped p2p);
+        # one that receives shape headers at once, since the batches after it are built from the shapes it reads.
+        posted: deque[PostedBatch] = deque()
         for index, action in enumerate(program_steps):
             if index in arming and before_last_backward is not None:
                 before_last_backward(*arming[index])
             if isinstance(action, Batch):
-                received.update(self.transport.exchange(action, outgoing))
+                posted.append(self.transport.post(action, outgoing))
+                if any(t.header and not t.send for t in action.transfers):
+                    while posted:
+                        received.update(posted.popleft().wait())
                 continue
             stage = layout.stage(self.rank, action.chunk)
             key = (action.chunk, action.microbatch)
+            needed = _needed(action, stage, last)
+            while needed is not None and needed not in received and posted:
+                received.update(posted.popleft().wait())
             if action.kind == "W":
                 assert self.weight_gradients is not None
                 self.weight_gradients.run(key)
@@ -210,10 +231,12 @@ class PipelineExecutor:
                     self._hand_on((GRADIENT, stage - 1, action.microbatch),
                                   grad_in if carried is None else (grad_in, beside), outgoing, received)
                 del incoming, out
-            in_flight = len(saved) + (self.weight_gradients.pending if self._splits else 0)
-            result.peak_in_flight = max(result.peak_in_flight, in_flight)
+            held = len(saved) + (self.weight_gradients.pending if self._splits else 0)
+            result.peak_in_flight = max(result.peak_in_flight, held)
             for observe in self.observers:
-                observe(action, in_flight)
+                observe(action, held)
+        while posted:
+            received.update(posted.popleft().wait())
         assert not outgoing and not received, (outgoing.keys(), received.keys())
         return result
 

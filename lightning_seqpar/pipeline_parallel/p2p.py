@@ -1,7 +1,8 @@
 """Point-to-point transfers between pipeline stages, under NCCL's rules.
 
 A rank's transfers are posted in the batches of its program (:mod:`~lightning_seqpar.pipeline_parallel.comm_plan`),
-each as one ``torch.distributed.batch_isend_irecv`` that completes before the rank goes on. No tag is used:
+each as one ``torch.distributed.batch_isend_irecv``, in the program's order; the executor waits for a batch only when
+an action needs what it receives (or the step ends), so transfers run under the actions between. No tag is used:
 between two ranks, messages are matched by the order they were posted, on both sides the same
 (:mod:`~lightning_seqpar.pipeline_parallel.nccl_model` checks it for every schedule).
 
@@ -115,8 +116,13 @@ class StageTransport:
         return tensors
 
     def exchange(self, batch: Batch, outgoing: dict[Message, MessageValue]) -> dict[Message, MessageValue]:
-        """Post ``batch`` as one ``batch_isend_irecv``, in its order, and wait for it: send the tensors its sends
-        name (taken from ``outgoing`` once their payload goes), and return what it received, by message.
+        """:meth:`post` ``batch`` and wait for it: what it received, by message."""
+        return self.post(batch, outgoing).wait()
+
+    def post(self, batch: Batch, outgoing: dict[Message, MessageValue]) -> "PostedBatch":
+        """Post ``batch`` as one ``batch_isend_irecv``, in its order: send the tensors its sends name (taken from
+        ``outgoing`` once their payload goes) and receive its messages; the transfers run while the caller goes on,
+        until :meth:`PostedBatch.wait` (which a batch whose shape headers the next batches need must get at once).
 
         A message is one tensor, or a tuple of :attr:`parts` tensors (the activation or its gradient, then what the
         model carries beside it: :mod:`~lightning_seqpar.moe.pipeline_losses`), posted one after another in that
@@ -165,15 +171,17 @@ class StageTransport:
                 for tensor in received[t.message]:
                     ops.append(dist.P2POp(dist.irecv, tensor, peer, self.group.group))
         self.log.batches += 1
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-        for t, parts in headers:  # the transport's only reads to the host: in a signature's first step
+        return PostedBatch(self, dist.batch_isend_irecv(ops), ops, received, headers)
+
+    def _read_headers(self, headers: list[tuple[Transfer, list[Tensor]]]) -> None:
+        """Record the shapes the received ``headers`` name (the transport's only reads to the host: in a signature's
+        first step)."""
+        for t, parts in headers:
             specs = []
             for header in parts:
                 code, ndim, *sizes = header.tolist()
                 specs.append((tuple(sizes[:ndim]), _DTYPES[code]))
             self._shapes[self._key(t.stage)] = tuple(specs)
-        return {m: tensors[0] if self.parts == 1 else tuple(tensors) for m, tensors in received.items()}
 
     def _header(self, tensor: Tensor) -> Tensor:
         if tensor.dim() > _HEADER - 2 or tensor.dtype not in _DTYPES:
@@ -200,3 +208,25 @@ def shapes_signature(microbatch: object, forward_only: bool) -> Hashable:
 
     visit(microbatch)
     return forward_only, tuple(leaves)
+
+
+class PostedBatch:
+    """A batch of transfers in flight (:meth:`StageTransport.post`): its tensors, sent and to be received, are held
+    until :meth:`wait`, so none is freed or reused while the transfer may still read or write it."""
+
+    def __init__(self, transport: StageTransport, works: list, ops: list, received: dict[Message, list[Tensor]],
+                 headers: list[tuple[Transfer, list[Tensor]]]) -> None:
+        self._transport, self._works, self._ops = transport, works, ops
+        self._received, self._headers = received, headers
+        self.messages = frozenset(received)
+        """the messages it receives (``(kind, stage, micro-batch)``)"""
+
+    def wait(self) -> dict[Message, MessageValue]:
+        """Wait for every transfer of the batch; return what it received, by message."""
+        for work in self._works:
+            work.wait()
+        self._transport._read_headers(self._headers)
+        parts = self._transport.parts
+        received = {m: tensors[0] if parts == 1 else tuple(tensors) for m, tensors in self._received.items()}
+        self._works, self._ops, self._received, self._headers = [], [], {}, []
+        return received

@@ -88,3 +88,64 @@ def test_router_statistics_ride_beside_each_message_in_the_order_nccl_matches():
     carried = [op for posted in ops for op in posted if op[2] == 2 * 8 + 4 and op[3] == torch.float32]
     activations = [op for posted in ops for op in posted if op[2] > 2 * 8 + 4 and op[3] != torch.int64]
     assert carried and len(carried) == len(activations)
+
+
+class _Order(pl.Callback):
+    """The rank's events in order: each batch posted and waited for (by its index), and each action run."""
+
+    def __init__(self, events):
+        self.events = events
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.events.append(("step", batch_idx))
+        trainer.strategy.pipeline.executor.observers.append(lambda action, _: self.events.append(("run", action)))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        trainer.strategy.pipeline.executor.observers.clear()
+
+
+def _order(rank, world_size):
+    events, original = [], dist.batch_isend_irecv
+
+    class Logged:
+        def __init__(self, work, index):
+            self.work, self.index = work, index
+
+        def wait(self):
+            events.append(("wait", self.index))
+            return self.work.wait()
+
+    def recording(ops):
+        index = sum(kind == "post" for kind, _ in events)
+        events.append(("post", index))
+        return [Logged(work, index) for work in original(ops)]
+
+    dist.batch_isend_irecv = recording
+    fit(Case("gpt", 1, True, None, (), (), (("schedule", "ZB-H1"), ("num_microbatches", 4)), 2, batch=4), world_size,
+        callbacks=[_Order(events)])
+    return [(kind, repr(value) if kind == "run" else value) for kind, value in events]
+
+
+def test_a_batch_is_waited_for_only_when_an_action_needs_what_it_receives():
+    """Transfers run under the actions after them (Megatron-LM's overlapped p2p): a batch is waited for when an action
+    needs what it receives, or at the step's end; its sends meanwhile go on. Under ZB-H1 the last stage's B sends its
+    input gradient and the W after it runs while that send is in flight. In the first step, whose batches carry shape
+    headers, a batch that receives one is waited for at once (the next batches are built from the shapes it reads)."""
+    for rank, events in enumerate(run_distributed(_order, 2)):
+        second = events[events.index(("step", 1)):events.index(("step", 2))]
+        waits = [value for kind, value in second if kind == "wait"]
+        posts = [value for kind, value in second if kind == "post"]
+        assert sorted(set(waits)) == posts  # every batch posted is waited for
+        open_batches, overlapped = set(), []
+        for kind, value in second:
+            if kind == "post":
+                open_batches.add(value)
+            elif kind == "wait":
+                open_batches.discard(value)
+            elif kind == "run" and open_batches:
+                overlapped.append(value)
+        assert not open_batches  # every batch waited for by the step's end
+        if rank == 1:  # the last stage: every W but the last runs beside its B's gradient send
+            assert [a for a in overlapped if a.startswith("W")] == ["W0", "W1", "W2", "W3"], second
+        else:  # the first stage's forwards run while their activations go to stage 1
+            assert any(a.startswith("F") for a in overlapped), second
