@@ -55,7 +55,8 @@ class Transfer:
 
 @dataclass(frozen=True)
 class Batch:
-    """Transfers posted together (one ``batch_isend_irecv``); the rank goes on once all of them are done."""
+    """Transfers posted together (one ``batch_isend_irecv``), in the program's order; the rank waits for all of them
+    before the first action that needs one of its messages (the NCCL model, more strictly, at once)."""
 
     transfers: tuple[Transfer, ...]
 

@@ -11,6 +11,11 @@ The rules (NCCL's documentation on point-to-point communication and group calls)
 
 :func:`check_programs` runs every rank's program (:mod:`~lightning_seqpar.pipeline_parallel.comm_plan`) under
 these rules and raises if the ranks deadlock or a receive would get another message than the one it expects.
+
+The executor waits less than the model: it posts a batch and waits for it only when an action needs what it receives
+(:mod:`~lightning_seqpar.pipeline_parallel.executor`). Posting order is the program's either way, and a program the
+model runs to its end with a wait after every batch cannot deadlock with fewer waits: every wait left is one the
+model's rank also made, no earlier.
 """
 
 from __future__ import annotations
