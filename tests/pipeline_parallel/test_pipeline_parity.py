@@ -1,9 +1,10 @@
 """Pipeline layouts train exactly like one process: loss, logged loss and every parameter gradient, 3 steps.
 
 Layouts: pp 2 (1F1B, GPipe, interleaved with 2 chunks per rank, ZB-H1, ZB-V, DualPipeV), pp 4 (ZB-H1, ZB-V, DualPipeV),
-pp 2 × tp 2 with and without SP (and ZB-V and DualPipeV with SP), pp 2 × dp 2 (zero 0 interleaved, zero 1; ZB-V with zero 1), pp 2 × tp 2 × dp 2 on 8
-processes; the reference GPT and a user's own module around nn.TransformerEncoder(Layer)s; selective and full
-recomputation; clipping and accumulation.
+pp 2 × tp 2 with and without SP (and ZB-V and DualPipeV with SP), pp 4 × tp 2 with SP under ZB-H1, ZB-V and
+DualPipeV, pp 2 × dp 2 (zero 0 interleaved, zero 1; ZB-V with zero 1), pp 2 × tp 2 × dp 2 on 8 processes; the
+reference GPT and a user's own module around nn.TransformerEncoder(Layer)s; selective and full recomputation;
+clipping and accumulation.
 """
 
 import pytest
@@ -62,6 +63,10 @@ CASES = {
     ],
     8: [
         Case("gpt", 2, True, "selective", (), (), (), 2),
+        # pp 4 × tp 2 with SP under each split schedule (m 8)
+        Case("gpt", 2, True, "selective", GPT4, (), ZB_H1 + (("num_microbatches", 8),), 4, batch=8),
+        Case("gpt", 2, True, None, (("n_layer", 8),), (), ZB_V + (("num_microbatches", 8),), 4, batch=8),
+        Case("gpt", 2, True, "full", (("n_layer", 8),), (), DUALPIPE_V + (("num_microbatches", 8),), 4, batch=8),
     ],
 }
 RTOL, ATOL = 1e-9, 1e-11
