@@ -174,7 +174,7 @@ def check_together(checkpointing: CheckpointConfig, data_parallel: DataParallelC
     Raises:
         ValueError: ``zero=1`` with the full checkpoint format, or with experts split over ``expert_tp > 1`` (the
             distributed optimizer's element ranges of a tensor split twice are not described to checkpoints); a
-            schedule with W actions (ZB-H1, ZB-V, DualPipeV) with compiled blocks (``compiled``: a compile configuration): a
+            split schedule (ZB-H1, ZB-V, DualPipeV) with compiled blocks (``compiled``: a compile configuration): a
             compiled block's backward is one graph.
     """
     if checkpointing.format == "full" and data_parallel.zero:

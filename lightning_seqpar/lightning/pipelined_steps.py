@@ -126,7 +126,7 @@ class PipelinedSteps:
             config: the pipeline configuration.
             pipeline: this rank's pipeline-parallel group (its rank is this rank's stage).
             device: where received activations and gradients are placed.
-            model: this rank's part of the model; under a schedule with W actions (ZB-H1, ZB-V, DualPipeV) its column- and
+            model: this rank's part of the model; under a split schedule (ZB-H1, ZB-V, DualPipeV) its column- and
                 row-parallel linears split their backward into one store (:func:`~lightning_seqpar.tensor_parallel.
                 split_backward.split_weight_gradients`).
         """

@@ -75,7 +75,7 @@ class GroupedExperts(nn.Module):
         gate_up_proj: ``[E/e, 2f, h]`` (``[E/e, h, 2f]`` transposed).
         down_proj: ``[E/e, h, f]`` (``[E/e, f, h]`` transposed).
         gate_up_proj_bias, down_proj_bias: ``[E/e, 2f]`` and ``[E/e, h]`` with ``bias``.
-        weight_gradients: under a schedule with W actions (ZB-H1, ZB-V, DualPipeV), the store the two projections leave their
+        weight_gradients: under a split schedule (ZB-H1, ZB-V, DualPipeV), the store the two projections leave their
             weight gradients in while it is deferring (:mod:`~lightning_seqpar.moe.expert_product`); ``None``: unsplit.
 
     Raises:

@@ -77,7 +77,7 @@ class PipelineExecutor:
         runtime: the :class:`StageRuntime` of the split model.
         transport: point-to-point sends and receives in the pipeline group (its rank is this rank's stage).
         config: schedule and m.
-        weight_gradients: for a schedule with W actions (ZB-H1, ZB-V, DualPipeV), the store the rank's split layers leave their
+        weight_gradients: for a split schedule (ZB-H1, ZB-V, DualPipeV), the store the rank's split layers leave their
             weight gradients in (:func:`~lightning_seqpar.tensor_parallel.split_backward.split_weight_gradients`): each
             B runs deferring into it under ``(chunk, micro-batch)``, each W runs that group.
 

@@ -3,8 +3,8 @@
 With p pipeline ranks and v model chunks per rank there are ``p·v`` *virtual stages*. In the ``"loop"`` placement
 virtual stage ``k`` runs on pipeline rank ``k mod p`` as its chunk ``k // p`` (Narayanan et al. 2021 §2.2, the
 interleaved layout of Megatron-LM); with ``v = 1`` this is the plain contiguous split. In the ``"V"`` placement
-(``v = 2``: ZB-V, Qi et al. 2024 §4, and DualPipeV) rank r holds stages r and ``2p − 1 − r``: the activations go down the ranks and
-come back up, so stage ``p − 1`` hands its output to stage p on the same rank, and the first and the last stage
+(``v = 2``: ZB-V, Qi et al. 2024 §4; DualPipeV) rank r holds stages r and ``2p − 1 − r``: the activations go down
+the ranks and come back up, so stage ``p − 1`` hands its output to stage p on the same rank, and the first and the last stage
 (the embedding and the loss) share rank 0.
 """
 

@@ -22,25 +22,26 @@ from lightning_seqpar.pipeline_parallel.actions import Action
 from lightning_seqpar.pipeline_parallel.layout import Placement, stage_of_chunk
 from lightning_seqpar.pipeline_parallel.zero_bubble import dualpipe_v, zb_h1, zb_v
 
+__all__ = ["Action", "SCHEDULES", "SPLIT_BACKWARD", "V_SHAPED", "SEARCHED_SCHEDULES", "ScheduleName", "action_times",
+           "bubble_fraction", "build_schedule", "chunks_per_rank", "check_microbatches", "dualpipe_v",
+           "interleaved_one_f_one_b", "interleaved_warmup", "gpipe", "least_microbatches", "one_f_one_b",
+           "placement_of", "resolve_schedule", "runs_at", "simulate", "trace_bubble_fraction", "zb_h1", "zb_v"]
+
 SCHEDULES = ("1F1B", "gpipe", "interleaved_1F1B", "ZB-H1", "ZB-V", "DualPipeV")
 ScheduleName = Literal["1F1B", "gpipe", "interleaved_1F1B", "ZB-H1", "ZB-V", "DualPipeV"]
 SPLIT_BACKWARD = ("ZB-H1", "ZB-V", "DualPipeV")
 """The schedules whose backward is B then W (the parallel linears' weight gradients deferred to W)."""
 V_SHAPED = ("ZB-V", "DualPipeV")
 """The schedules that run two model chunks per rank in the V placement (rank r: stages r and 2p − 1 − r)."""
-__all__ = ["Action", "SCHEDULES", "SPLIT_BACKWARD", "V_SHAPED", "SEARCHED_SCHEDULES", "ScheduleName", "action_times",
-           "bubble_fraction", "build_schedule", "chunks_per_rank", "check_microbatches", "dualpipe_v",
-           "interleaved_one_f_one_b", "interleaved_warmup", "gpipe", "least_microbatches", "one_f_one_b", "placement_of", "resolve_schedule",
-           "runs_at", "simulate", "trace_bubble_fraction", "zb_h1", "zb_v"]
 SEARCHED_SCHEDULES = ("1F1B", "ZB-H1", "ZB-V", "DualPipeV")
 """The schedules a layout search prices (the planner, ``AutoLayout``): 1F1B (interleaved where vpp > 1), ZB-H1
 (Qi et al. 2024: the backward split into B and W, one chunk per rank), ZB-V (two chunks per rank in a V, at
 vpp 2 only) and DualPipeV (ZB-V's placement, from m = 2p; its pairs run one after the other here, so it idles as ZB-V
-does and holds one chunk micro-batch more: searched so that a plan says so)."""
+does; it holds one chunk micro-batch more but fewer waiting for their W, which can fit where ZB-V does not)."""
 
 
 def placement_of(schedule: str) -> Placement:
-    """The stage placement ``schedule`` runs on: ``"V"`` for ZB-V, else ``"loop"``."""
+    """The stage placement ``schedule`` runs on: ``"V"`` for ZB-V and DualPipeV, else ``"loop"``."""
     return "V" if schedule in V_SHAPED else "loop"
 
 

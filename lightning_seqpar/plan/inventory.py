@@ -49,8 +49,8 @@ class ParameterEntry:
         layer: the decoder layer's index, for ``part == "layer"``.
         tied: the embedding and head share it (held by the first and the last stage).
         trainable: ``requires_grad``; a frozen parameter (LoRA's base) has no gradient and no optimizer state.
-        deferred: its gradient is one a split backward (ZB-H1, ZB-V, DualPipeV) leaves to W: a trained weight of a column- or
-            row-parallel linear or of the experts (:func:`~lightning_seqpar.tensor_parallel.split_backward.
+        deferred: its gradient is one a split backward (ZB-H1, ZB-V, DualPipeV) leaves to W: a trained weight of a
+            column- or row-parallel linear or of the experts (:func:`~lightning_seqpar.tensor_parallel.split_backward.
             split_weight_gradients`); not a LoRA adapter's, nor a frozen one's.
     """
 
