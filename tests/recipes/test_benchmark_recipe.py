@@ -76,8 +76,11 @@ def test_pipeline_benchmark_recipe_prices_each_schedule_s_trace(tmp_path):
     assert one["tp collectives"] == zb["tp collectives"] == v["tp collectives"] == dual["tp collectives"] != "0"
     assert one["sends/step"] == zb["sends/step"] and int(v["sends/step"]) == 2 * int(one["sends/step"])  # 2 cross ranks
     assert dual["sends/step"] == v["sends/step"]
+    # DualPipeV: 2p + 1 chunk micro-batches of ZB-V's 2p, and a stage output it sent held until its batch is waited
+    # for (the transfers overlap the actions after them): one [s, b/m, h] float32 tensor, 4 KiB here
+    sent = 32 * 1 * 32 * 4 / 1024
     for v_peak, dual_peak in zip(v["peak KiB per rank"].split(" / "), dual["peak KiB per rank"].split(" / ")):
-        assert int(v_peak) < int(dual_peak) <= int(v_peak) * 5 / 4 + 1
+        assert int(v_peak) < int(dual_peak) <= int(v_peak) * 5 / 4 + sent + 1
     first = int(one["peak KiB per rank"].split(" / ")[0])
     for split in (zb, v):
         assert all(int(b) <= first for b in split["peak KiB per rank"].split(" / "))
