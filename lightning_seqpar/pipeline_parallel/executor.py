@@ -12,7 +12,8 @@ from torch import Tensor
 
 from lightning_seqpar.pipeline_parallel.config import PipelineConfig
 from lightning_seqpar.pipeline_parallel.layout import StageLayout
-from lightning_seqpar.pipeline_parallel.comm_plan import ACTIVATION, GRADIENT, Batch, Step, build_program, with_headers
+from lightning_seqpar.pipeline_parallel.comm_plan import (ACTIVATION, GRADIENT, Batch, Step, build_program, needs,
+                                                          with_headers)
 from lightning_seqpar.pipeline_parallel.p2p import Message, MessageValue, PostedBatch, StageTransport
 from lightning_seqpar.pipeline_parallel.schedules import SPLIT_BACKWARD, Action
 from lightning_seqpar.pipeline_parallel.stage import StageRuntime
@@ -46,16 +47,6 @@ def loss_of(output: Any) -> Tensor:
             f"got {type(output).__name__}. Skipping a batch by returning None is not supported."
         )
     return loss
-
-
-def _needed(action: Action, stage: int, last: int) -> Optional[Message]:
-    """The message ``action`` of virtual stage ``stage`` reads: a forward after the first stage, its activation; a B
-    before the last stage, its gradient (W reads none)."""
-    if action.kind == "F" and stage > 0:
-        return (ACTIVATION, stage, action.microbatch)
-    if action.kind == "B" and stage < last:
-        return (GRADIENT, stage, action.microbatch)
-    return None
 
 
 def _detached(output: Any) -> Any:
@@ -173,8 +164,8 @@ class PipelineExecutor:
                 continue
             stage = layout.stage(self.rank, action.chunk)
             key = (action.chunk, action.microbatch)
-            needed = _needed(action, stage, last)
-            while needed is not None and needed not in received and posted:
+            needed = needs(action, layout, self.rank)  # (a stage on this rank hands its message over in memory)
+            while needed is not None and needed.message not in received and posted:
                 received.update(posted.popleft().wait())
             if action.kind == "W":
                 assert self.weight_gradients is not None

@@ -218,8 +218,6 @@ class PostedBatch:
                  headers: list[tuple[Transfer, list[Tensor]]]) -> None:
         self._transport, self._works, self._ops = transport, works, ops
         self._received, self._headers = received, headers
-        self.messages = frozenset(received)
-        """the messages it receives (``(kind, stage, micro-batch)``)"""
 
     def wait(self) -> dict[Message, MessageValue]:
         """Wait for every transfer of the batch; return what it received, by message."""

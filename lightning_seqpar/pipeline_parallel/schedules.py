@@ -103,15 +103,15 @@ def check_microbatches(num_microbatches: int, pp: int, schedule: ScheduleName) -
     """
     if not isinstance(num_microbatches, int) or num_microbatches < 1:
         raise ValueError(f"num_microbatches must be a positive integer, got {num_microbatches!r}.")
-    if num_microbatches < pp and schedule != "DualPipeV":
-        raise ValueError(
-            f"num_microbatches={num_microbatches} is smaller than pp={pp}: the {schedule} schedule needs at least "
-            f"one micro-batch per pipeline stage. Use num_microbatches >= {pp} (more shrinks the bubble)."
-        )
     if schedule == "DualPipeV" and num_microbatches < 2 * pp:
         raise ValueError(
             f"num_microbatches={num_microbatches} is smaller than 2·pp={2 * pp}: DualPipeV's warm-up sends 2·pp "
             f"micro-batches through the first chunk of rank 0. Use num_microbatches >= {2 * pp}."
+        )
+    if num_microbatches < pp:
+        raise ValueError(
+            f"num_microbatches={num_microbatches} is smaller than pp={pp}: the {schedule} schedule needs at least "
+            f"one micro-batch per pipeline stage. Use num_microbatches >= {pp} (more shrinks the bubble)."
         )
     if schedule == "interleaved_1F1B" and num_microbatches % pp:
         raise ValueError(
