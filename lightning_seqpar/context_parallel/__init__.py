@@ -4,10 +4,10 @@ load balancing, packed documents, padding and sliding windows kept exact."""
 from lightning_seqpar.context_parallel.attention import check_all_to_all_heads, context_parallel_attention
 from lightning_seqpar.context_parallel.batch import RankBatch, context_parallel_batch
 from lightning_seqpar.context_parallel.layout import (
-    ContextParallelBatch, check_context_length, documents_from_positions, local_indices,
+    LAYOUT_ARGUMENT, ContextParallelBatch, check_context_length, documents_from_positions, local_indices,
 )
 from lightning_seqpar.context_parallel.runtime import COMMS, ContextParallel
 
-__all__ = ["COMMS", "ContextParallel", "ContextParallelBatch", "RankBatch", "check_all_to_all_heads",
+__all__ = ["COMMS", "LAYOUT_ARGUMENT", "ContextParallel", "ContextParallelBatch", "RankBatch", "check_all_to_all_heads",
            "check_context_length", "context_parallel_attention", "context_parallel_batch", "documents_from_positions",
            "local_indices"]

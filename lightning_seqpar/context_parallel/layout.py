@@ -9,17 +9,27 @@ A :class:`ContextParallelBatch` is one forward's layout: the chunk ids of every 
 sequence, its document (packed rows) and whether it is padding. They are ``[b, s]`` integers and flags, known to
 every rank from the batch it already holds (cp ranks share a batch), so the mask of any block of queries against
 keys is built locally, ``[b, n, n]`` at a time: no rank makes an ``s × s`` tensor.
+
+The layout reaches the layers as data with their call, under the keyword :data:`LAYOUT_ARGUMENT` (as transformers
+passes packed sequences' ``cu_seq_lens`` from the model's call to its layers, and Megatron-LM its
+``packed_seq_params``): a recomputed layer or a pipelined micro-batch's backward is called again with the same
+arguments, so it uses the layout of its own forward.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 from torch import Tensor
 
 from lightning_seqpar.parallel.collectives import ParallelGroup
+
+
+LAYOUT_ARGUMENT = "context_parallel_layout"
+"""The keyword under which a :class:`ContextParallelBatch` travels with a call, from the model's entry to its parallel
+layers (a Hugging Face model passes its call's keyword arguments on to its decoder layers)."""
 
 
 def chunks_of_rank(c: int, r: int) -> tuple[int, int]:
@@ -70,6 +80,9 @@ class ContextParallelBatch:
         documents: ``[b, s]`` document id per token (packed rows), or ``None``: one document per row.
         padding: ``[b, s]`` bool, ``True`` where the token is padding (keys never attended), or ``None``.
         window: sliding window w (a query sees keys at most ``w − 1`` positions back), or ``None``.
+        delivered: ``[True]`` once a parallel layer has received this layout (shared with its :meth:`with_window`
+            copies): the model's entry checks it after the forward, so a model that does not pass its call's keyword
+            arguments on to its layers is refused instead of attending across packed documents.
     """
 
     group: ParallelGroup
@@ -78,6 +91,7 @@ class ContextParallelBatch:
     documents: Optional[Tensor] = None
     padding: Optional[Tensor] = None
     window: Optional[int] = None
+    delivered: list[bool] = field(default_factory=lambda: [False], repr=False, compare=False)
 
     @property
     def c(self) -> int:
@@ -96,7 +110,8 @@ class ContextParallelBatch:
         """The same layout for a layer with sliding window ``window`` (``None``: full causal)."""
         if window == self.window:
             return self
-        return ContextParallelBatch(self.group, self.comm, self.seq_len, self.documents, self.padding, window)
+        return ContextParallelBatch(self.group, self.comm, self.seq_len, self.documents, self.padding, window,
+                                    self.delivered)
 
     def block_mask(self, q_chunk: int, k_chunk: int, device: Optional[torch.device] = None
                    ) -> tuple[str, Optional[Tensor]]:

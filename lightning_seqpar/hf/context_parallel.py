@@ -21,7 +21,10 @@ batch (which every cp rank holds):
   ``num_items_in_batch`` is the whole batch's count of supervised tokens (unless the caller gave one): each rank's
   loss is its tokens' sum over that count;
 - ``attention_mask`` (``[b, s]``, 0 = padding) becomes the layout's key padding; the model gets none, and the
-  layers ignore the masks transformers builds from the local tokens, masking each block from the layout instead.
+  layers ignore the masks transformers builds from the local tokens, masking each block from the layout instead;
+- the layout travels with the call as ``context_parallel_layout=`` (``LAYOUT_ARGUMENT``), which transformers'
+  models pass on to their decoder layers with the rest of their keyword arguments (as they pass packed sequences'
+  ``cu_seq_lens``); a model that drops them is refused after its first forward (its layers received none).
 
 After the forward, the loss is summed over the cp ranks (:func:`~lightning_seqpar.context_parallel.loss.sum_over_context`):
 every rank holds the single-process loss. ``.logits`` are this rank's positions, ``[b, s/c, v]`` in local order
@@ -38,7 +41,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lightning_seqpar.context_parallel import (
-    ContextParallel, ContextParallelBatch, check_context_length, documents_from_positions, local_indices,
+    LAYOUT_ARGUMENT, ContextParallel, ContextParallelBatch, check_context_length, documents_from_positions, local_indices,
 )
 from lightning_seqpar.context_parallel.loss import sum_over_context
 
@@ -117,15 +120,14 @@ class ContextParallelEntry:
             per_document = call.get("sum_per_document")
             if per_document is not None:  # [b, s, D] aligned with the labels: shifted as they are, then this rank's
                 call["sum_per_document"] = F.pad(per_document, (0, 0, 0, 1))[:, 1:][:, mine]
-        self.context.open(ContextParallelBatch(self.context.group, self.context.comm, s, documents, padding))
+        call[LAYOUT_ARGUMENT] = ContextParallelBatch(self.context.group, self.context.comm, s, documents, padding)
         return (), call
 
     def _documents_only(self, args: tuple, kwargs: dict, call: dict) -> tuple[tuple, dict]:
         """One cp rank: the call unchanged; with ``position_ids``, a layout whose documents start at their restarts
-        (and whose padding is the attention mask's), so attention stays inside each document."""
+        (and whose padding is the attention mask's) added to it, so attention stays inside each document."""
         positions = call.get("position_ids")
         if positions is None or positions.dim() != 2:
-            self.context.open(None)
             return args, kwargs
         s = positions.shape[1]
         check_context_length(s, 1, self.tp_unit, self.name)
@@ -134,9 +136,9 @@ class ContextParallelEntry:
         if mask is not None and mask.dim() != 2:
             raise TypeError(f"{self.name} was given position_ids and a {mask.dim()}-D attention_mask: packed documents "
                             f"are read from position_ids restarting at 0, with attention_mask as [b, s] padding.")
-        self.context.open(ContextParallelBatch(self.context.group, self.context.comm, s,
-                                               documents_from_positions(positions), padding))
-        return args, kwargs
+        layout = ContextParallelBatch(self.context.group, self.context.comm, s, documents_from_positions(positions),
+                                      padding)
+        return args, {**kwargs, LAYOUT_ARGUMENT: layout}
 
     def _padding(self, mask: Optional[torch.Tensor], b: int, s: int) -> Optional[torch.Tensor]:
         if mask is None:
@@ -148,8 +150,19 @@ class ContextParallelEntry:
         return mask == 0
 
     def after(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-        """Close the forward's layout; the loss summed over the cp ranks."""
-        self.context.close()
+        """The loss summed over the cp ranks.
+
+        Raises:
+            TypeError: the forward returned, but none of its layers received the layout: the model does not pass its
+                call's keyword arguments on to its decoder layers (transformers' models do, Falcon's does not).
+        """
+        layout = kwargs.get(LAYOUT_ARGUMENT)
+        # A pipeline stage that hands its output on ends its forward by an exception (output None): not checked.
+        if output is not None and layout is not None and not layout.delivered[0]:
+            raise TypeError(f"{self.name}'s forward does not pass its keyword arguments on to its decoder layers, so "
+                            f"the context-parallel layout of this forward ({LAYOUT_ARGUMENT}=) never reached them "
+                            f"and they would attend across ranks' chunks or packed documents. Train this model "
+                            f"with cp=1 and without packed position_ids.")
         loss = getattr(output, "loss", None)
         if loss is not None:
             output.loss = sum_over_context(loss, self.context.group)

@@ -231,7 +231,7 @@ class HFVocabularyPolicy(ModelPolicy):
 
     def install_entry(self, module: nn.Module, ctx: RewriteContext, name: str) -> None:
         """t = c = 1: the embedding and head stay whole, but a call with ``position_ids`` restarting at 0 still keeps
-        each packed document to itself in the rewritten layers (the entry opens the documents' layout)."""
+        each packed document to itself in the rewritten layers (the entry adds the documents' layout to the call)."""
         if ctx.context is not None:
             install_context_parallel(module, ctx.context, 1, name or type(module).__name__)
 

@@ -15,7 +15,9 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from lightning_seqpar.context_parallel import ContextParallelBatch, check_context_length, local_indices
+from lightning_seqpar.context_parallel import (
+    LAYOUT_ARGUMENT, ContextParallelBatch, check_context_length, local_indices,
+)
 from lightning_seqpar.context_parallel.loss import sum_over_context
 from lightning_seqpar.models.gpt_moe import MoEMLP, TopKRouter, router_losses
 from lightning_seqpar.models.sampling import Sampling
@@ -176,16 +178,15 @@ class ParallelGPT(Sampling, LayerStack):
             raise ValueError(f"Sequence length {s} exceeds block_size {self.config.block_size}.")
         mine = local_indices(s, c, self.context.group.rank, idx.device)
         layout = ContextParallelBatch(self.context.group, self.context.comm, s)
-        with self.context.forward_of(layout):
-            if self.stage_position is not None and not self.stage_position.feeds_pipeline:
-                x = idx.new_empty(0)  # a later pipeline stage: its first layer takes the received activation
-            else:
-                x = self.transformer.wte(idx[:, mine])  # [s/(c·t), b, h] (SP) or [s/c, b, h]
-                shard = x.shape[0]
-                first = self.group.rank * shard if self.sp else 0
-                pos = mine[first:first + shard]  # the tokens' true positions
-                x = self.transformer.drop(x + self.transformer.wpe(pos).unsqueeze(1))
-            x = run_layers(self.transformer.h, x, self.recompute_chunks, self.rng_tracker, self.context)
+        if self.stage_position is not None and not self.stage_position.feeds_pipeline:
+            x = idx.new_empty(0)  # a later pipeline stage: its first layer takes the received activation
+        else:
+            x = self.transformer.wte(idx[:, mine])  # [s/(c·t), b, h] (SP) or [s/c, b, h]
+            shard = x.shape[0]
+            first = self.group.rank * shard if self.sp else 0
+            pos = mine[first:first + shard]  # the tokens' true positions
+            x = self.transformer.drop(x + self.transformer.wpe(pos).unsqueeze(1))
+        x = run_layers(self.transformer.h, x, self.recompute_chunks, self.rng_tracker, **{LAYOUT_ARGUMENT: layout})
         logits = self.lm_head(self.transformer.ln_f(x))  # [s/c, b, v'/t]
         local = targets[:, mine]
         count = (targets != -1).sum().clamp(min=1)

@@ -13,6 +13,8 @@ from typing import Any, NamedTuple, Optional
 
 from torch import Tensor
 
+from lightning_seqpar.context_parallel.layout import LAYOUT_ARGUMENT
+
 CACHE_NAMES = ("cache", "past_key_values", "layer_past")
 """Names of the key/value cache argument (transformers ≥ 5.24 passes ``cache``; earlier ``past_key_values``)."""
 
@@ -43,18 +45,20 @@ _REFUSED_WHEN_SET = ("output_attentions", "encoder_hidden_states", "encoder_atte
 TORCH_MASKS = ("src_mask", "src_key_padding_mask", "is_causal")
 """torch's ``nn.TransformerEncoderLayer`` mask arguments (bool ``True`` = masked; see
 :func:`~lightning_seqpar.transformer.masks.torch_attention_bias`)."""
-USED = ("attention_mask", "position_embeddings") + CACHE_NAMES + TORCH_MASKS
+USED = ("attention_mask", "position_embeddings", LAYOUT_ARGUMENT) + CACHE_NAMES + TORCH_MASKS
 
 
 class BlockArguments(NamedTuple):
     """What a declared block uses of its call: the attention mask (``[b, 1, s, s]``, bool or additive), the rotary
-    ``(cos, sin)`` of the whole sequence (``[b, s, d]`` each), the key/value cache object, and torch's masks
-    (``src_mask``, ``src_key_padding_mask``, ``is_causal``) by name when given."""
+    ``(cos, sin)`` of the whole sequence (``[b, s, d]`` each), the key/value cache object, torch's masks
+    (``src_mask``, ``src_key_padding_mask``, ``is_causal``) by name when given, and the forward's context-parallel
+    layout (:data:`~lightning_seqpar.context_parallel.layout.LAYOUT_ARGUMENT`; packed documents on one cp rank)."""
 
     attention_mask: Optional[Tensor]
     position_embeddings: Optional[tuple[Tensor, Tensor]]
     cache: Any
     torch_masks: dict[str, Any]
+    layout: Any = None
 
 
 def _describe(value: Any) -> str:
@@ -104,4 +108,4 @@ def parse_block_arguments(block: str, positional_names: tuple[str, ...], args: t
     caches = [named[n] for n in CACHE_NAMES if named.get(n) is not None]
     torch_masks = {n: named[n] for n in TORCH_MASKS if named.get(n) is not None}
     return BlockArguments(named.get("attention_mask"), named.get("position_embeddings"), caches[0] if caches else None,
-                          torch_masks)
+                          torch_masks, named.get(LAYOUT_ARGUMENT))

@@ -127,8 +127,7 @@ class ParallelBlock(ParallelLayer):
         refuse_used_cache(self, call.cache)
         x = enter_parallel_region(hidden_states, self.group, self.sp, self.batch_first) if self.enter_region \
             else hidden_states
-        # Read once, here: a recomputed body or a micro-batch's backward gets this forward's layout as an argument.
-        layout = self.context.layout(self._name) if self.context is not None else None
+        layout = call.layout if self.context is None else self.context.layer_layout(call.layout, self._name)
         if layout is not None:  # the model's masks are of its local tokens: the layout says what each sees
             if self._attention.dropout_p > 0 and self.training:  # one cp rank, packed documents (cp > 1: refused)
                 raise ValueError(f"{self._name}: attention dropout p={self._attention.dropout_p} with packed "

@@ -25,7 +25,9 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from lightning_seqpar.context_parallel import ContextParallelBatch, check_context_length, local_indices
+from lightning_seqpar.context_parallel import (
+    LAYOUT_ARGUMENT, ContextParallelBatch, check_context_length, local_indices,
+)
 from lightning_seqpar.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
 from lightning_seqpar.tensor_parallel.sharding import mark_sequence_parallel
@@ -126,9 +128,8 @@ class ParallelTransformerEncoder(LayerStack):
         layout = ContextParallelBatch(self.context.group, self.context.comm, s, None,
                                       None if padding is None else padding.to(torch.bool))
         x = enter_parallel_region(src.index_select(seq_dim, mine), self.group, self.sp, self.batch_first)
-        with self.context.forward_of(layout):
-            x = run_layers(self.layers, x, self.recompute_chunks, self.rng_tracker, attention_mask=None,
-                           is_causal=None)
+        x = run_layers(self.layers, x, self.recompute_chunks, self.rng_tracker, attention_mask=None, is_causal=None,
+                       **{LAYOUT_ARGUMENT: layout})
         if self.norm is not None:
             x = self.norm(x)
         x = exit_parallel_region(x, self.group, self.sp, self.batch_first)  # [s/c, b, h] of this cp rank

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Optional, Sequence
 
 import torch
 import torch.nn as nn
 from torch import Tensor
 
-from lightning_seqpar.context_parallel import ContextParallel
 from lightning_seqpar.parallel.random import RNGTracker, recomputed
 
 
@@ -18,16 +16,14 @@ def run_layers(
     hidden: Tensor,
     recompute_chunks: Sequence[tuple[int, int]],
     rng_tracker: Optional[RNGTracker],
-    context: Optional[ContextParallel] = None,
     **kwargs: Any,
 ) -> Tensor:
     """Apply ``layers`` in order; each ``(start, end)`` in ``recompute_chunks`` is checkpointed as one unit.
 
     A checkpointed chunk keeps only its input ``hidden`` for backward and recomputes its layers there
-    (Megatron-LM ``--recompute-granularity full``). ``context``: under context parallelism, the layout open now is
-    opened again while a chunk is recomputed in backward (the forward that opened it has returned by then).
+    (Megatron-LM ``--recompute-granularity full``). ``kwargs`` go to every layer's call, in backward's recomputation
+    too (a context-parallel layout among them: the recomputed chunk attends as its forward did).
     """
-    layout = context.layout("A recomputed layer stack") if context is not None else None
     starts = dict(recompute_chunks) if torch.is_grad_enabled() else {}
     i = 0
     while i < len(layers):
@@ -38,9 +34,8 @@ def run_layers(
             continue
 
         def chunk(x: Tensor, lo: int = i, hi: int = end) -> Tensor:
-            with context.forward_of(layout) if layout is not None else contextlib.nullcontext():
-                for layer in layers[lo:hi]:
-                    x = layer(x, **kwargs)
+            for layer in layers[lo:hi]:
+                x = layer(x, **kwargs)
             return x
 
         hidden = recomputed(chunk, hidden, rng_tracker=rng_tracker)

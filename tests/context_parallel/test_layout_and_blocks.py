@@ -6,7 +6,7 @@ import torch
 
 from lightning_seqpar import SeqParallelStrategy
 from lightning_seqpar.context_parallel import (
-    ContextParallel, ContextParallelBatch, check_all_to_all_heads, check_context_length, context_parallel_attention,
+    LAYOUT_ARGUMENT, ContextParallel, ContextParallelBatch, check_all_to_all_heads, check_context_length, context_parallel_attention,
     documents_from_positions, local_indices,
 )
 from lightning_seqpar.context_parallel.attention import bytes_per_layer
@@ -183,7 +183,7 @@ def test_refusals_name_the_numbers_and_the_fix():
     with pytest.raises(ValueError, match=r"not divisible by tp·cp·pp = 2·2·1 = 4"):
         validate_layout(6, 2, 1, 2)
     with pytest.raises(RuntimeError, match="called outside a forward that split the sequence"):
-        ContextParallel(ParallelGroup.virtual(2)).layout("A layer")
+        ContextParallel(ParallelGroup.virtual(2)).layer_layout(None, "A layer")
 
 
 def _rewritten(comm="ring", c=2, **model):
@@ -194,6 +194,27 @@ def _rewritten(comm="ring", c=2, **model):
     module = build("hf", labels=True, **model)
     rewrite(module, RewriteContext(ParallelGroup(None), context=ContextParallel(ParallelGroup.virtual(c), comm)))
     return module
+
+
+def test_the_layout_travels_with_the_call_and_a_model_that_drops_it_is_refused():
+    """Packed documents on one cp rank: the entry passes the layout as the layers' keyword argument. Llama passes its
+    call's keyword arguments on to its decoder layers, and they receive it; Falcon's model drops them, so its layers
+    would attend across the documents, and the entry refuses it after the forward."""
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]] * 2)
+    x = torch.randint(0, 12, (2, 8))
+    received = []
+    llama = _rewritten(c=1, family="llama")
+    for layer in llama.model.model.layers:
+        layer.register_forward_pre_hook(lambda m, a, k: received.append(k.get(LAYOUT_ARGUMENT)), with_kwargs=True)
+    llama.model(input_ids=x, position_ids=positions)
+    assert len(received) == 2 and all(isinstance(r, ContextParallelBatch) and r.delivered[0] for r in received)
+    assert received[0].documents.tolist() == documents_from_positions(positions).tolist()
+    llama.model(input_ids=x)  # no position_ids: no layout, the model's own masks
+    assert received[2:] == [None, None]
+    falcon = _rewritten(c=1, family="falcon")
+    with pytest.raises(TypeError, match="does not pass its keyword arguments on to its decoder layers"):
+        falcon.model(input_ids=x, position_ids=positions)
+    falcon.model(input_ids=x)  # nothing to deliver: the model's masks serve
 
 
 def test_what_context_parallel_attention_cannot_compute_is_refused_at_the_rewrite():

@@ -82,22 +82,23 @@ class NanoLM(pl.LightningModule):
 
 
 class NanoLMContextParallel(NanoLM):
-    """The same model as a user writes it for context parallelism: its forward takes the tokens' positions, and its
-    step takes this cp rank's share of the batch (the same code runs on one device, where the share is the batch)."""
+    """The same model as a user writes it for context parallelism: its forward takes the tokens' positions and passes
+    the layer arguments on to its blocks, and its step takes this cp rank's share of the batch (the same code runs on
+    one device, where the share is the batch and there are no layer arguments)."""
 
-    def forward(self, idx, positions=None):
+    def forward(self, idx, positions=None, **layer_arguments):
         positions = torch.arange(idx.shape[1], device=idx.device) if positions is None else positions
         x = self.wte(idx) + self.wpe(positions)
         for block in self.h:
-            x = block(x)
+            x = block(x, **layer_arguments)
         return self.lm_head(self.ln_f(x))
 
     def compute_loss(self, x, y):
         from lightning_seqpar import context_parallel_batch
 
-        with context_parallel_batch(self, x, labels=y) as part:
-            logits = self(part.input_ids, part.position_ids)
-            return part.loss(F.cross_entropy(logits.reshape(-1, VOCAB), part.labels.reshape(-1), reduction="sum"))
+        part = context_parallel_batch(self, x, labels=y)
+        logits = self(part.input_ids, part.position_ids, **part.layer_arguments)
+        return part.loss(F.cross_entropy(logits.reshape(-1, VOCAB), part.labels.reshape(-1), reduction="sum"))
 
     def training_step(self, batch, batch_idx):
         loss = self.compute_loss(*batch)
