@@ -7,7 +7,7 @@ them before :func:`default_policies` (a user's policy for a class wins over a bu
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch.nn as nn
 
@@ -60,17 +60,20 @@ def rewrite(model: nn.Module, ctx: RewriteContext, policies: Optional[Iterable[P
 def explain(model: nn.Module, tp: int, sequence_parallel: bool = True, policies: Optional[Iterable[Policy]] = None,
             loss_parallel: bool = True, verify: bool = True, cp: int = 1, cp_comm: str = "ring", ep: int = 1,
             moe: Optional[DispatchConfig] = None, seq_len: Optional[int] = None, micro_batch_size: int = 1,
-            bytes_per_element: int = 2, expert_tp: int = 1) -> RewritePlan:
+            bytes_per_element: int = 2, expert_tp: int = 1,
+            pipeline: Optional[Callable[[nn.Module, Optional[Any]], Any]] = None) -> RewritePlan:
     """Print and return what ``SeqParallelStrategy(tp=tp, cp=cp, cp_comm=cp_comm, ep=ep, expert_tp=expert_tp,
     moe=moe)`` would rewrite in
     ``model``; change nothing. With ``seq_len``, also the bytes one layer keeps per micro-batch of
     ``micro_batch_size`` under each recomputation/offload choice (``plan.memory``;
     :func:`lightning_seqpar.rewriting.rewriter.explain`).
 
-    Needs no process group. Raises the same ``ValueError`` as the real rewrite would.
+    Needs no process group. Raises the same ``ValueError`` as the real rewrite would. The public
+    ``lightning_seqpar.explain`` (:func:`lightning_seqpar.plan.explain.explain`) adds the pipeline's schedule with
+    ``pp=``, through ``pipeline``.
     """
     return rewriter.explain(model, tp, _with_defaults(policies), sequence_parallel, loss_parallel, verify, cp, cp_comm,
-                            ep, moe, seq_len, micro_batch_size, bytes_per_element, expert_tp)
+                            ep, moe, seq_len, micro_batch_size, bytes_per_element, expert_tp, pipeline)
 
 
 def pipeline_placement(model: nn.Module, policies: Optional[Iterable[Policy]] = None) -> dict[str, str]:

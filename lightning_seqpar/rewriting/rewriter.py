@@ -8,7 +8,7 @@ The engine takes the whole, ordered list of policies (the user's, then the built
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch.nn as nn
 
@@ -46,6 +46,9 @@ class RewritePlan:
     cp_comm: str = "ring"
     memory: Optional[Any] = None
     """:func:`explain`'s table of memory choices per layer (a :class:`~.memory_choices.LayerMemory`), when asked"""
+    pipeline: Optional[Any] = None
+    """:func:`explain`'s pipeline schedule report (bubble, peak per rank), when asked with ``pp > 1``
+    (:class:`lightning_seqpar.pipeline_parallel.report.ScheduleReport`)"""
 
     def __str__(self) -> str:
         mode = ("TP+SP" if self.sequence_parallel else "TP") + (f"+CP ({self.cp_comm})" if self.cp > 1 else "")
@@ -54,8 +57,7 @@ class RewritePlan:
         for e in self.entries:
             region = "".join(["  [enters region]" if e.enter_region else "", "  [leaves region]" if e.exit_region else ""])
             lines.append(f"  {e.name or '<root>'} ({e.block}){region}\n      {e.detail}")
-        if self.memory is not None:
-            lines.append(str(self.memory))
+        lines += [str(part) for part in (self.memory, self.pipeline) if part is not None]
         return "\n".join(lines)
 
 
@@ -263,12 +265,15 @@ def rewrite(model: nn.Module, ctx: RewriteContext, policies: Iterable[Policy], v
 def explain(model: nn.Module, tp: int, policies: Iterable[Policy], sequence_parallel: bool = True,
             loss_parallel: bool = True, verify: bool = True, cp: int = 1, cp_comm: str = "ring", ep: int = 1,
             moe: Optional[DispatchConfig] = None, seq_len: Optional[int] = None, micro_batch_size: int = 1,
-            bytes_per_element: int = 2, expert_tp: int = 1) -> RewritePlan:
+            bytes_per_element: int = 2, expert_tp: int = 1,
+            pipeline: Optional[Callable[[nn.Module, Optional[Any]], Any]] = None) -> RewritePlan:
     """Print and return what a rewrite with ``policies`` at ``tp`` (and context-parallel size ``cp``, experts split
     over ``ep`` ranks, each expert's width over ``expert_tp``) would do to ``model``; change nothing. With ``seq_len`` (tokens of a sequence, the whole one
     under cp) also the activation bytes one layer keeps on a rank per micro-batch of ``micro_batch_size`` sequences
     under each recomputation and offload choice, and the bytes an offload moves (``bytes_per_element``: 2 for 16-bit
-    activations; :mod:`.memory_choices`, read from a meta-device copy rewritten the same way).
+    activations; :mod:`.memory_choices`, read from a meta-device copy rewritten the same way). ``pipeline``: called
+    with that copy and the memory table (or ``None``), its result kept as :attr:`RewritePlan.pipeline` (the pipeline
+    schedule's report, which this layer below the pipeline does not build itself).
 
     Needs no process group. Raises the same ``ValueError`` as the real rewrite would, and for ``seq_len`` or
     ``micro_batch_size`` below 1.
@@ -283,12 +288,15 @@ def explain(model: nn.Module, tp: int, policies: Iterable[Policy], sequence_para
                          expert_dispatch_group=ParallelGroup.virtual(ep * expert_tp) if expert_tp > 1 else None)
     policies = list(policies)
     plan = plan_rewrite(model, ctx, policies, verify)
-    if seq_len is not None:
+    if seq_len is not None or pipeline is not None:
         from lightning_seqpar.rewriting.memory_choices import layer_memory, meta_rewrite
 
         copy, on_meta = meta_rewrite(model, ctx)
         rewrite(copy, on_meta, policies, verify=False)
-        plan.memory = layer_memory(copy, ctx, seq_len, micro_batch_size, bytes_per_element)
+        if seq_len is not None:
+            plan.memory = layer_memory(copy, ctx, seq_len, micro_batch_size, bytes_per_element)
+        if pipeline is not None:
+            plan.pipeline = pipeline(copy, plan.memory)
     print(plan)
     return plan
 
