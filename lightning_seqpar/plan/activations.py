@@ -44,29 +44,43 @@ def layer_bytes(inventory: ModelInventory, s: int, b: int, t: int, sequence_para
 def weight_gradient_bytes(inventory: ModelInventory, s: int, b: int, t: int, sequence_parallel: bool = True,
                           element: int = 2) -> float:
     """Bytes one layer keeps per micro-batch between its B and its W under a split backward (ZB-H1,
-    :mod:`lightning_seqpar.tensor_parallel.weight_gradients`): what W reads of its split linears. Their inputs, made
-    in the forward: the two column-parallel inputs (the norms' outputs, ``[s/t, b, h]`` shards under SP: W gathers
-    them again), the row-parallel ones (``[s, b, a·d/t]`` and ``[s, b, f/t]``); and their output gradients, made in B:
-    ``[s, b, (a + 2g)·d/t]``, ``[s, b, h]`` twice (a row-parallel output's, gathered), ``[s, b, f/t]`` (twice gated).
+    :mod:`lightning_seqpar.tensor_parallel.weight_gradients`): what W reads of the projections whose weight gradient
+    it computes (:attr:`ModelInventory.split_projections`). Their inputs, made in the forward: a group's column-parallel
+    input once (the norm's output, an ``[s/t, b, h]`` shard under SP: W gathers it again), a row-parallel one's
+    ``[s, b, in/t]``; and their output gradients, made in B: a column-parallel one's ``[s, b, out/t]``, a row-parallel
+    one's ``[s, b, h]`` (gathered). Fully trained, these are ``[s, b, (a + 2g)·d/t]``, ``[s, b, h]`` twice and
+    ``[s, b, f/t]`` (twice gated) beside the inputs. A LoRA adapter (its base frozen: nothing of the base waits) holds
+    the same for its projection, plus its rank-r tensors: ``lora_A``'s output gradient (``[s/t, b, r]`` on a column
+    input under SP) and ``lora_B``'s input ``[s, b, r]``; with LoRA dropout each adapter's input is its own.
 
-    A mixture of experts (:mod:`lightning_seqpar.moe.expert_product`) keeps instead of the dense MLP's terms its
-    experts' rows: on average ``s·b·k/t`` per rank (its tokens' k choices; what a rank receives varies with the
-    routing), each with its input ``h`` and inner ``f_e`` and their gradients ``2f_e`` and ``h``; a shared expert
-    keeps a dense MLP's terms of its width."""
+    A mixture of experts (:mod:`lightning_seqpar.moe.expert_product`) whose experts train keeps its experts' rows: on
+    average ``s·b·k/t`` per rank (its tokens' k choices; what a rank receives varies with the routing), each with its
+    input ``h`` and inner ``f_e`` and their gradients ``2f_e`` and ``h``; a shared expert keeps a dense MLP's terms of
+    its width."""
     split = t if sequence_parallel and t > 1 else 1
-    h, a, g, d, f = (inventory.hidden_size, inventory.num_heads, inventory.num_kv_heads, inventory.head_dim,
-                     inventory.ffn_hidden_size)
+    h = inventory.hidden_size
+    training = inventory.training
+    own_inputs = training is not None and getattr(training.lora, "lora_dropout", 0.0)  # each adapter drops its own
+    terms = 0.0
+    for group in ("attention", "mlp"):
+        columns = [p for p in inventory.split_projections if p.group == group and p.kind == "column"]
+        if columns:
+            terms += h / split * ((sum(1 for p in columns if p.rank) or 1) if own_inputs else 1)
+        for p in inventory.split_projections:
+            if p.group != group:
+                continue
+            if p.kind == "column":
+                terms += p.width / t + (p.rank / split + p.rank if p.rank else 0)
+            else:
+                terms += p.width / t + h + 2 * p.rank
     experts = inventory.experts
-    inputs, gradients = h / split + a * d / t, (a + 2 * g) * d / t + h  # attention's
-    dense = f if experts is None else experts.shared_ffn
-    if dense:
-        inputs += h / split + dense / t
-        gradients += h + (2 if inventory.gated_mlp else 1) * dense / t
-    if experts is not None:
+    if experts is not None and any(e.deferred and e.expert for e in inventory.entries):
         k, width = experts.top_k, experts.expert_ffn
-        inputs += k * (h + width) / t
-        gradients += k * (2 * width + h) / t
-    return element * s * b * (inputs + gradients)
+        terms += k * (h + width) / t + k * (2 * width + h) / t
+        if experts.shared_ffn:
+            dense = experts.shared_ffn
+            terms += h / split + dense / t + h + (2 if inventory.gated_mlp else 1) * dense / t
+    return element * s * b * terms
 
 
 def offloaded_layer_bytes(inventory: ModelInventory, s: int, b: int, t: int, sequence_parallel: bool = True,

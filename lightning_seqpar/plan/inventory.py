@@ -107,6 +107,24 @@ class ExpertShape:
     shared_ffn: int = 0
 
 
+@dataclass(frozen=True)
+class SplitProjection:
+    """A projection of the sampled layer whose weight gradient a split backward defers to W (what W reads of it:
+    :func:`~lightning_seqpar.plan.activations.weight_gradient_bytes`).
+
+    Attributes:
+        kind: ``"column"`` (its output split over tp) or ``"row"`` (its input split).
+        group: ``"attention"`` or ``"mlp"``: the column-parallel projections of a group read one input.
+        width: single-device width of its split side, the output (column) or the input (row).
+        rank: r of the LoRA adapter trained on it (its base frozen); 0 where the weight itself is trained.
+    """
+
+    kind: str
+    group: str
+    width: int
+    rank: int = 0
+
+
 @dataclass
 class ModelInventory:
     """A model's parameters (:class:`ParameterEntry`) and the sizes the activation and FLOPs models read.
@@ -141,6 +159,10 @@ class ModelInventory:
     training: Any = None
     """which parameters are trained (:class:`~lightning_seqpar.plan.trained.TrainedParts`: LoRA, frozen names), as
     the activation probes copy it; ``None``: every parameter"""
+    sample_layer: int = 0
+    """the index of the layer the shapes are read from (the first mixture of experts where dense layers lead)"""
+    split_projections: tuple[SplitProjection, ...] = ()
+    """the sampled layer's dense projections whose weight gradient W computes (none where nothing is deferred)"""
 
     @functools.cached_property
     def probe_key(self) -> str:
@@ -162,6 +184,20 @@ class ModelInventory:
         """Whether the LM head's weight is trained (its own, or the embedding tied to it): a frozen head (LoRA's)
         makes no weight gradient in backward."""
         return any(e.trainable for e in self.entries if e.part == "head" or e.tied)
+
+    @functools.cached_property
+    def weight_gradient_share(self) -> float:
+        """W's share of a layer's weight-gradient FLOPs under a split backward (ZB-H1, ZB-V, DualPipeV): the deferred
+        weights' elements over all the layer's matrices (each GEMM's FLOPs are its weight's elements × the tokens
+        through it: an expert's weighted by k/E, the tokens it sees). 1 when every weight is trained; LoRA's
+        adapters over their frozen bases, ``r·(in + out) / (in·out)`` each, near 0; 0 with nothing deferred."""
+        def flops(e: ParameterEntry) -> float:
+            experts = self.experts
+            return e.numel * (experts.top_k / experts.num_experts if e.expert and experts is not None else 1.0)
+
+        layer = [e for e in self.entries if e.part == "layer" and e.layer == self.sample_layer and len(e.shape) >= 2]
+        total = sum(flops(e) for e in layer)
+        return sum(flops(e) for e in layer if e.deferred) / total if total else 0.0
 
     @property
     def num_parameters(self) -> int:
@@ -222,7 +258,29 @@ def inventory_of_model(model: nn.Module, specs: dict[str, Any], placement: dict[
     path = next((p for p in layer_paths if not specs[p].projections()[1]), layer_paths[0])
     first = specs[path]
     sample = model.get_submodule(path)
-    return _sizes(name or type(model).__name__, entries, len(layer_paths), embedding, first, sample)
+    inventory = _sizes(name or type(model).__name__, entries, len(layer_paths), embedding, first, sample)
+    inventory.sample_layer = layer_paths.index(path)
+    inventory.split_projections = _split_projections(entries, path, first, inventory.hidden_size)
+    return inventory
+
+
+def _split_projections(entries: list[ParameterEntry], path: str, spec: Any, hidden: int) -> tuple[SplitProjection, ...]:
+    """The dense projections of the layer at ``path`` (declared by ``spec``) with a deferred weight: the weight
+    itself, or a LoRA adapter's ``lora_A``/``lora_B`` on it (PEFT's names, kept by the rewrite)."""
+    mlp = spec.mlp if hasattr(spec.mlp, "mlp_out") else None  # a mixture's experts are priced by their own terms
+    declared = [("column", "attention", p) for p in spec.attention.inputs()] + [
+        ("row", "attention", spec.attention.attention_out)]
+    if mlp is not None:
+        declared += [("column", "mlp", p) for p in mlp.inputs()] + [("row", "mlp", mlp.mlp_out)]
+    out = []
+    for kind, group, projection in declared:
+        own = [e for e in entries if e.name.startswith(f"{path}.{projection}.")]
+        if not any(e.deferred for e in own):
+            continue
+        base = next(e for e in own if ".lora_" not in e.name and len(e.shape) == 2)
+        adapter = next((e for e in own if ".lora_A." in e.name and e.deferred), None)
+        out.append(SplitProjection(kind, group, base.numel // hidden, adapter.shape[0] if adapter else 0))
+    return tuple(out)
 
 
 def _splits(model: nn.Module) -> tuple[dict[str, Split], set[str]]:

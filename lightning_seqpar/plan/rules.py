@@ -65,7 +65,7 @@ def layout_rule(record: Any, inventory: ModelInventory, s: int, global_batch: in
         return "selective recomputation has nothing to recompute in fused attention (sdpa keeps no s² tensor)"
     if pp > 1 and record.schedule in SPLIT_BACKWARD and not any(e.deferred for e in inventory.entries):
         return (f"schedule={record.schedule} with no trained weight to defer to W (the split layers' weights are "
-                f"frozen: LoRA's base), so W fills no bubble")
+                f"frozen), so W fills no bubble")
     choice = memory_choice_rule(record.recompute, record.modules, record.offload, cp, inventory.eager_attention,
                                 inventory.experts is not None)
     if choice is not None:

@@ -326,10 +326,11 @@ class ColumnParallelLinear(nn.Module):
         )
 
 
-class _RowParallelProductFunction(torch.autograd.Function):
-    """``X Aᵀ`` of a row-parallel projection (its local ``[s, b, in/t]`` input and ``[out, in/t]`` weight, partial
-    over ranks), with a backward that splits into B (``dY·A``) and W (``dYᵀ·X``) while its store is deferring; used
-    only where a store is set (the plain product otherwise). Autocast is mirrored as in the column-parallel one."""
+class _SplitProductFunction(torch.autograd.Function):
+    """``X Aᵀ`` with no communication and no bias — a row-parallel projection's local product (``[s, b, in/t]`` input,
+    ``[out, in/t]`` weight, partial over ranks), a LoRA adapter's two products — with a backward that splits into B
+    (``dY·A``) and W (``dYᵀ·X``) while its store is deferring; used only where a store is set (the plain product
+    otherwise: :func:`split_product`). Autocast is mirrored as in the column-parallel one."""
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, store: WeightGradientStore):
@@ -354,6 +355,12 @@ class _RowParallelProductFunction(torch.autograd.Function):
             ctx.store.defer(lambda: accumulate([weight], [weight_gradient()]))
             return grad_input, None, None
         return grad_input, weight_gradient(), None
+
+
+def split_product(x: Tensor, weight: Tensor, store: Optional[WeightGradientStore]) -> Tensor:
+    """``x weightᵀ`` (``F.linear`` without bias), its backward split into B and W through ``store`` while it defers
+    (:mod:`.weight_gradients`); ``store`` ``None``: ``F.linear`` itself."""
+    return F.linear(x, weight) if store is None else _SplitProductFunction.apply(x, weight, store)
 
 
 class RowParallelLinear(nn.Module):
@@ -431,9 +438,7 @@ class RowParallelLinear(nn.Module):
     def partial(self, x: Tensor) -> Tensor:
         """This rank's product ``[s, b, out]``, partial over ranks (before ḡ / f̄; no bias)."""
         weight = self.weight.t() if self.transposed else self.weight
-        if self.weight_gradients is not None:
-            return _RowParallelProductFunction.apply(x, weight, self.weight_gradients)
-        return F.linear(x, weight)
+        return split_product(x, weight, self.weight_gradients)
 
     def reduce(self, partial: Tensor) -> Tensor:
         """The partial products summed over ranks (ḡ: ``[s/t, b, out]``; f̄: ``[s, b, out]``), plus the bias: other

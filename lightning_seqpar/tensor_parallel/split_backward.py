@@ -1,6 +1,7 @@
 """Which layers of a model split their backward into B and W (:mod:`.weight_gradients`): the column- and row-parallel
 linears, and any module that names its split weights by a ``weight_gradient_parameters()`` method (a mixture's
-experts, :mod:`lightning_seqpar.moe.expert_product`), told by one call."""
+experts, :mod:`lightning_seqpar.moe.expert_product`; a LoRA adapter's ``lora_A`` and ``lora_B``,
+:mod:`lightning_seqpar.transformer.lora`), told by one call."""
 
 from __future__ import annotations
 

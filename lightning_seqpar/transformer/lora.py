@@ -19,6 +19,10 @@ The values are the single-device adapter's, sliced (PEFT drew them on one device
 tp). Names stay PEFT's (``q_proj.base_layer.weight``, ``q_proj.lora_A.default.weight``,
 ``q_proj.lora_B.default.weight``), so gradients, checkpoints and exports are keyed as the PEFT model's.
 
+Under a split backward (ZB-H1, ZB-V, DualPipeV) the adapter's two products split like the row-parallel product
+(:func:`~lightning_seqpar.tensor_parallel.layers.split_product`): B computes their input gradients, W their weight
+gradients (``weight_gradient_parameters``); the frozen base has no W.
+
 LoRA dropout draws from the stream of the region its input lives in: the sequence-parallel stream for a
 column-parallel input under SP (tokens differ per rank), the default generator for a replicated one, the
 tensor-parallel stream for a row-parallel input (features differ per rank).
@@ -36,14 +40,14 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
 import torch.nn as nn
-import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_seqpar.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from lightning_seqpar.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, split_product
 from lightning_seqpar.tensor_parallel.mappings import (
     copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
 )
 from lightning_seqpar.tensor_parallel.sharding import set_sequence_parallel, shard_parameter
+from lightning_seqpar.tensor_parallel.weight_gradients import WeightGradientStore
 from lightning_seqpar.transformer.context import RewriteContext
 from lightning_seqpar.transformer.dropout import ParallelDropout
 from lightning_seqpar.transformer.tuner_layers import is_peft_tuner_layer
@@ -120,6 +124,14 @@ class LoRAColumnParallelLinear(nn.Module):
     projections of the same input (one all-gather) and adds :meth:`adapter`.
     """
 
+    weight_gradients: Optional[WeightGradientStore] = None
+    """The B/W split's store (:func:`~lightning_seqpar.tensor_parallel.split_backward.split_weight_gradients`): the
+    adapter's two products defer their weight gradients to W; the base splits its own."""
+
+    def weight_gradient_parameters(self) -> list[nn.Parameter]:
+        """``lora_A`` and ``lora_B``: the weights whose gradients W hands over under a split backward."""
+        return [self.lora_A[self.adapter_name].weight, self.lora_B[self.adapter_name].weight]
+
     def __init__(self, base: ColumnParallelLinear, parts: LoRAParts, ctx: RewriteContext) -> None:
         super().__init__()
         self.base_layer, self.scaling = base, parts.scaling
@@ -142,13 +154,13 @@ class LoRAColumnParallelLinear(nn.Module):
     def adapter(self, x: Tensor) -> Tensor:
         """``(α/r) · g(drop(x) Aᵀ) Bᵀ`` ``[s, b, out/t]`` from the input as the base takes it (``[s/t, b, in]``
         under SP)."""
-        base = self.base_layer
-        a = F.linear(self.lora_dropout(x), self.lora_A[self.adapter_name].weight)  # [s/t, b, r]
+        base, store = self.base_layer, self.weight_gradients
+        a = split_product(self.lora_dropout(x), self.lora_A[self.adapter_name].weight, store)  # [s/t, b, r]
         if base.sequence_parallel:
             a = gather_from_sequence_parallel_region(a, base.group)  # [s, b, r]; backward reduce-scatters
         else:
             a = copy_to_tensor_parallel_region(a, base.group)  # backward all-reduces: B is split by output
-        return F.linear(a, self.lora_B[self.adapter_name].weight) * self.scaling
+        return split_product(a, self.lora_B[self.adapter_name].weight, store) * self.scaling
 
     def forward(self, x: Tensor) -> Tensor:
         if not self.adapter_enabled:
@@ -164,6 +176,14 @@ class LoRARowParallelLinear(nn.Module):
     ``[s/t, b, out]`` (SP) or ``[s, b, out]``.
     """
 
+    weight_gradients: Optional[WeightGradientStore] = None
+    """The B/W split's store (:func:`~lightning_seqpar.tensor_parallel.split_backward.split_weight_gradients`): the
+    adapter's two products defer their weight gradients to W; the base splits its own."""
+
+    def weight_gradient_parameters(self) -> list[nn.Parameter]:
+        """``lora_A`` and ``lora_B``: the weights whose gradients W hands over under a split backward."""
+        return [self.lora_A[self.adapter_name].weight, self.lora_B[self.adapter_name].weight]
+
     def __init__(self, base: RowParallelLinear, parts: LoRAParts, ctx: RewriteContext) -> None:
         super().__init__()
         self.base_layer, self.scaling, self.adapter_name = base, parts.scaling, parts.name
@@ -178,8 +198,9 @@ class LoRARowParallelLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if not self.adapter_enabled:
             return self.base_layer(x)
-        a = F.linear(self.lora_dropout(x), self.lora_A[self.adapter_name].weight)  # [s, b, r], partial over ranks
-        adapter = F.linear(a, self.lora_B[self.adapter_name].weight) * self.scaling
+        store = self.weight_gradients
+        a = split_product(self.lora_dropout(x), self.lora_A[self.adapter_name].weight, store)  # [s, b, r], partial
+        adapter = split_product(a, self.lora_B[self.adapter_name].weight, store) * self.scaling
         return self.base_layer.reduce(self.base_layer.partial(x) + adapter)
 
 

@@ -122,14 +122,17 @@ def test_zb_h1_keeps_a_mixture_s_expert_rows_for_w_as_the_planner_prices_them():
     # projections (k = 2, f_e = 4h/k = 32), beside the attention's split inputs (norm output, context). The router's
     # weight gradient stays in B: its input is not kept for W.
     from lightning_seqpar.plan.activations import weight_gradient_bytes
-    from lightning_seqpar.plan.inventory import ExpertShape
+    from lightning_seqpar.plan.inventory import ExpertShape, ParameterEntry
     from lightning_seqpar.plan.models import gpt2_config, model_inventory
 
     moe = run_distributed(_measure, P, (("n_experts", 8),), ("1F1B", "ZB-H1"))
     for rank in range(P):
         assert _kept_for_w(moe, rank) == 8 * SEQ * (16 + 16 + 2 * (16 + 32))
     inventory = model_inventory(gpt2_config(vocab_size=13, n_positions=SEQ, n_embd=16, n_head=4, n_layer=2))
+    # the dense GPT's inventory made the mixture's: its MLP the trained experts', no dense MLP projection left
     inventory.experts = ExpertShape(8, 2, 32)
+    inventory.split_projections = tuple(p for p in inventory.split_projections if p.group == "attention")
+    inventory.entries.append(ParameterEntry("experts.gate_up_proj", (8, 16, 64), "expert", "layer", 0, deferred=True))
     # what was measured, plus the output gradients B makes for W: q/k/v's 3h, o_proj's h, and per expert row the
     # gate/up projection's 2f_e and the down projection's h
     assert weight_gradient_bytes(inventory, SEQ, 1, 1, element=8) == 8 * SEQ * (16 + 16 + 2 * (16 + 32) +

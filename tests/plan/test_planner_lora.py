@@ -72,18 +72,40 @@ def test_bad_fine_tuning_flags_are_refused_naming_the_value(tmp_path, capsys, fl
     assert re.search(message, capsys.readouterr().err, re.S)
 
 
-def test_zero_bubble_schedules_are_not_searched_where_lora_leaves_no_weight_gradient_to_defer():
-    # The split backward defers the parallel linears' own weight gradients to W; LoRA freezes those weights (its
-    # adapters' gradients stay in B), so W would fill no bubble and ZB-H1/ZB-V would be priced a bubble they lack.
+def test_lora_s_adapters_are_w_and_zero_bubble_schedules_are_priced_with_their_small_share():
+    # The split backward defers LoRA's adapters' weight gradients to W (its frozen base has none): W is r-sized, so
+    # ZB-V still gains from its V (a shorter warm-up) but far less than when every weight trains, and W holds the
+    # adapted projections' inputs and output gradients plus the adapters' rank-r tensors.
+    from lightning_seqpar.pipeline_parallel.schedules import bubble_fraction
+    from lightning_seqpar.plan.activations import weight_gradient_bytes
+
     small = dict(LLAMA3_8B, num_hidden_layers=4)
     full, lora = model_inventory(small), model_inventory(small, lora=16)
-    assert sum(e.deferred for e in full.entries) == 4 * 7 and not any(e.deferred for e in lora.entries)
+    nothing = model_inventory(small, frozen=["_proj"])  # every projection frozen: only norms train
+    assert sum(e.deferred for e in full.entries) == 4 * 7 and sum(e.deferred for e in lora.entries) == 4 * 7 * 2
+    assert full.weight_gradient_share == 1.0 and 0 < lora.weight_gradient_share < 0.01
+    assert not any(e.deferred for e in nothing.entries) and nothing.weight_gradient_share == 0.0
+    h, r = LLAMA3_8B["hidden_size"], 16
+    # the same projections' inputs and output gradients, and 2r per adapter (t = 1): A's output gradient, B's input
+    assert weight_gradient_bytes(lora, 2048, 1, 1) - weight_gradient_bytes(full, 2048, 1, 1) == 2 * 2048 * 7 * 2 * r
+    only_qv = model_inventory(small, lora=r, lora_targets=["q_proj", "v_proj"])
+    a, g, d = LLAMA3_8B["num_attention_heads"], LLAMA3_8B["num_key_value_heads"], h // LLAMA3_8B["num_attention_heads"]
+    assert weight_gradient_bytes(only_qv, 2048, 1, 2) == 2 * 2048 * (h / 2 + a * d / 2 + g * d / 2 + 2 * (r / 2 + r))
     options = dict(hardware=Hardware(memory=1e12), calibrate=False, schedule=("1F1B", "ZB-H1", "ZB-V"))
-    assert {"ZB-H1", "ZB-V"} <= {r.schedule for r in plan(full, 8, 2048, 16, **options) if r.feasible}
-    records = plan(lora, 8, 2048, 16, **options)
-    assert not {"ZB-H1", "ZB-V"} & {r.schedule for r in records if r.feasible}
-    assert any(r.reason == f"schedule={s} with no trained weight to defer to W (the split layers' weights are frozen: "
-                           f"LoRA's base), so W fills no bubble" for r in records for s in ("ZB-H1", "ZB-V"))
+    records = {(x.schedule, x.pp, x.tp, x.micro_batch): x for x in plan(lora, 8, 2048, 16, **options) if x.feasible}
+    zb_v = [x for key, x in records.items() if key[0] == "ZB-V"]
+    assert zb_v
+    for x in zb_v:
+        w = lora.weight_gradient_share
+        idle = bubble_fraction("ZB-V", x.num_microbatches, x.pp, costs=(1.0, 2.0 - w, w))
+        assert x.bubble == idle / (1 - idle)
+        equal = bubble_fraction("ZB-V", x.num_microbatches, x.pp)
+        one = records.get(("1F1B", x.pp, x.tp, x.micro_batch))
+        assert equal / (1 - equal) < x.bubble < (one.bubble if one is not None else 1.0)
+    refused = plan(nothing, 8, 2048, 16, **options)
+    assert not {"ZB-H1", "ZB-V"} & {x.schedule for x in refused if x.feasible}
+    assert any(x.reason == f"schedule={s} with no trained weight to defer to W (the split layers' weights are frozen), "
+                           f"so W fills no bubble" for x in refused for s in ("ZB-H1", "ZB-V"))
 
 
 TINY = dict(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

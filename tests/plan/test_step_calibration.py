@@ -289,8 +289,11 @@ def test_zero_bubble_step_peaks_are_predicted_within_the_bound():
 
 # LoRA on q and v: the MLP frozen, so inside its backward no weight gradient stands in for the gradients of its inner
 # activations, which the backward through a layer then prices (with full recomputation, beside the layer made again).
+# Under the split schedules the adapters' gradients wait for W with q's and v's inputs and output gradients.
 LORA_LAYOUTS = [(2, 1, 1, 0, 2, "full", "32-true"), (1, 2, 1, 0, 1, "full", "32-true"),
-                (2, 1, 1, 0, 2, "none", "32-true")]
+                (2, 1, 1, 0, 2, "none", "32-true"), (1, 2, 1, 0, 1, "none", "32-true", "ZB-H1"),
+                (1, 2, 2, 0, 1, "none", "32-true", "ZB-V"), (2, 2, 2, 0, 1, "none", "bf16-mixed", "DualPipeV"),
+                (1, 2, 2, 0, 1, "full", "32-true", "ZB-V")]
 
 
 def test_a_lora_model_s_step_peak_is_predicted_within_the_bound():

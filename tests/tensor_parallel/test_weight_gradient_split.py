@@ -6,6 +6,7 @@ weights have no W; a whole rewritten model's step is unchanged. Tensor-parallel 
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 
 import pytest
@@ -197,3 +198,60 @@ def test_a_rewritten_model_s_step_is_unchanged_by_the_split(t):
     for (loss, grads, _), (loss_split, grads_split, layers) in zip(plain, split):
         assert layers == 2 * 4 and loss == loss_split  # qkv, proj, fc1, fc2 per block (not the LM head)
         assert [n for n in grads if not torch.equal(grads[n], grads_split[n])] == []
+
+
+def _lora_run(t: int, mode: str):
+    """A tiny Llama with LoRA on all seven projections (PEFT's B drawn, so every adapter has a gradient), rewritten
+    at t ranks with SP, one backward: (loss, trained gradients by name, B's and W's FLOPs, the adapters' W FLOPs as
+    counted from their local shapes, gradients present after B). ``mode``: ``"plain"`` (no store: torch's linear),
+    ``"inline"`` (the split layers' functions, each weight gradient computed in the backward) or ``"split"`` (B, then
+    W)."""
+    from tests.helpers.hf_models import HFCausalLM
+
+    torch.manual_seed(0)
+    module = HFCausalLM("llama", lora="all").double()
+    s, b = 8, 2
+    idx = torch.randint(0, 12, (b, s), generator=torch.Generator().manual_seed(1))
+
+    def rank(group: ParallelGroup):
+        holder = copy.deepcopy(module)
+        rewrite(holder, RewriteContext(group, group.size > 1, RNGTracker.for_tensor_parallel(0, group.rank),
+                                       loss_parallel=True), verify=False)
+        store = WeightGradientStore()
+        split_weight_gradients(holder, None if mode == "plain" else store)
+        trained = {n: p for n, p in holder.named_parameters() if p.requires_grad}
+        loss = holder.model(input_ids=idx, labels=idx).loss
+        expected_w = 0
+        for name, m in holder.named_modules():
+            if hasattr(m, "weight_gradient_parameters") and "lora" not in name.rsplit(".", 1)[-1]:
+                a, b_ = m.weight_gradient_parameters()
+                sequence_local = isinstance(m.base_layer, ColumnParallelLinear) and group.size > 1
+                expected_w += 2 * (s * b // (group.size if sequence_local else 1)) * a.numel() + 2 * s * b * b_.numel()
+        with FlopCounterMode(display=False) as b_flops:
+            with store.deferring() if mode == "split" else contextlib.nullcontext():
+                loss.backward()
+        after_b = sorted(n for n, p in trained.items() if p.grad is not None)
+        with FlopCounterMode(display=False) as w_flops:
+            if mode == "split":
+                store.run()
+        return (loss.item(), {n: p.grad for n, p in trained.items()}, b_flops.get_total_flops(),
+                w_flops.get_total_flops(), expected_w, after_b)
+
+    return run_emulated(t, rank)
+
+
+@pytest.mark.parametrize("t", [1, 2])
+def test_lora_adapters_defer_their_weight_gradients_to_w(t):
+    """LoRA's A and B products split like the row-parallel product: B computes the input gradients (the frozen
+    base's too), W only the adapters' weight GEMMs. B then W equals the same functions' unsplit backward bit for bit
+    (float64), and torch's own linear within rounding: on the ``[s, b, h]`` views of a batch-first model torch
+    multiplies batch by batch and sums, where the split product makes one GEMM of the flattened tokens."""
+    runs = [_lora_run(t, mode) for mode in ("plain", "inline", "split")]
+    for plain, inline, (loss, grads, b_flops, w_flops, expected_w, after_b) in zip(*runs):
+        assert loss == inline[0] == plain[0] and len(grads) == 2 * 7 * 2  # A and B of 7 projections × 2 layers
+        assert [n for n in grads if not torch.equal(grads[n], inline[1][n])] == []
+        for name, g in grads.items():
+            torch.testing.assert_close(g, plain[1][name], rtol=1e-12, atol=1e-15)
+        assert after_b == []  # every trained weight is an adapter's: none has its gradient before W
+        assert inline[5] == sorted(grads)  # unsplit: all of them after the backward
+        assert w_flops == expected_w > 0 and b_flops + w_flops == inline[2] == plain[2]
