@@ -63,9 +63,9 @@ class ContextParallel:
                                f"forward that split the sequence over the cp ranks (no {LAYOUT_ARGUMENT}= came with "
                                f"its call). A Hugging Face causal LM or the reference GPT does it when called whole "
                                f"(model(input_ids=..., labels=...)), if its forward passes its keyword arguments on to "
-                               f"its layers (Falcon's does not: train it with cp=1); a model of your own blocks takes its tokens with "
-                               f"`part = lightning_seqpar.context_parallel_batch(self, input_ids, labels=...)` and "
-                               f"passes **part.layer_arguments to each block (see its docstring).")
+                               f"its layers (Falcon's does not: train it with cp=1); a model of your own blocks takes "
+                               f"its tokens with `part = lightning_seqpar.context_parallel_batch(self, input_ids, "
+                               f"labels=...)` and passes **part.layer_arguments to each block (see its docstring).")
         if layout is not None:
             layout.delivered[0] = True
         return layout

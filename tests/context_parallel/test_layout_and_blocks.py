@@ -6,8 +6,8 @@ import torch
 
 from lightning_seqpar import SeqParallelStrategy
 from lightning_seqpar.context_parallel import (
-    LAYOUT_ARGUMENT, ContextParallel, ContextParallelBatch, check_all_to_all_heads, check_context_length, context_parallel_attention,
-    documents_from_positions, local_indices,
+    LAYOUT_ARGUMENT, ContextParallel, ContextParallelBatch, check_all_to_all_heads, check_context_length,
+    context_parallel_attention, documents_from_positions, local_indices,
 )
 from lightning_seqpar.context_parallel.attention import bytes_per_layer
 from lightning_seqpar.parallel import ParallelGroup, validate_layout

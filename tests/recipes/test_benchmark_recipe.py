@@ -61,7 +61,8 @@ def test_context_parallel_benchmark_recipe_compares_tp_with_tp_times_cp(tmp_path
 def test_pipeline_benchmark_recipe_prices_each_schedule_s_trace(tmp_path):
     """pp 2 × tp 2: the executed traces give 1F1B's, ZB-H1's, ZB-V's and DualPipeV's bubbles under the cost model, the
     split schedules move the weight gradients without adding a tensor-parallel collective, and no rank of ZB-H1's or
-    ZB-V's holds more than 1F1B's first beyond one send in flight (DualPipeV: one chunk micro-batch more than ZB-V, 2p + 1 of 2p)."""
+    ZB-V's holds more than 1F1B's first beyond one send in flight (DualPipeV: one chunk micro-batch more than ZB-V,
+    2p + 1 of 2p)."""
     cmd = [sys.executable, str(ROOT / "recipes" / "benchmark_pipeline.py"), "pp=[2]", "tp=2", "n_layer=4",
            "n_embd=32", "n_head=4", "s=32", "vocab_size=64", "global_batch=4", "num_microbatches=4", "iters=1",
            "warmup=0", f"out={tmp_path}"]
