@@ -20,13 +20,18 @@ ROOT = Path(__file__).resolve().parents[2]
 ABORT = "terminate called"
 """What a C++ abort in interpreter teardown prints (a gloo group destroyed twice, a thread still running)."""
 
+LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK",
+                    "GROUP_RANK")
+"""Left in the test process's environment by a test that ran a launcher in it (Lightning's spawn launcher sets the
+rendezvous there): a job started after it must pick its own, so no job inherits them, whatever ran before."""
+
 
 def run_job(args: list, cwd: Path, timeout: float = 400, check: bool = True, drop: tuple[str, ...] = (),
             **env: str) -> subprocess.CompletedProcess:
     """Run ``args`` in ``cwd`` with this checkout importable (``PYTHONPATH``), ``env`` added and the variables ``drop``
-    removed; the job must not abort in teardown, and with ``check`` must exit 0 (its output's tail is the failure
-    message)."""
-    environment = {k: v for k, v in os.environ.items() if k not in drop}
+    and :data:`LAUNCH_VARIABLES` removed; the job must not abort in teardown, and with ``check`` must exit 0 (its
+    output's tail is the failure message)."""
+    environment = job_environment(drop)
     result = subprocess.run([str(a) for a in args], cwd=cwd, env={**environment, "PYTHONPATH": str(ROOT), **env},
                             capture_output=True, text=True, timeout=timeout)
     output = result.stdout + result.stderr
@@ -36,11 +41,16 @@ def run_job(args: list, cwd: Path, timeout: float = 400, check: bool = True, dro
     return result
 
 
+def job_environment(drop: tuple[str, ...] = ()) -> dict[str, str]:
+    """This process's environment for a new job: without ``drop`` and :data:`LAUNCH_VARIABLES`."""
+    return {k: v for k, v in os.environ.items() if k not in drop and k not in LAUNCH_VARIABLES}
+
+
 def start_recipe(tmp_path: Path, *overrides: str) -> tuple[subprocess.Popen, Path]:
     """Start ``recipes/pretrain_gpt.py`` in its own session; its output goes to ``tmp_path/job.log``."""
     log = tmp_path / "job.log"
     cmd = [sys.executable, str(ROOT / "recipes" / "pretrain_gpt.py"), f"hydra.run.dir={tmp_path / 'out'}", *overrides]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**job_environment(), "PYTHONPATH": str(ROOT)}
     with open(log, "w") as out:
         job = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     job.started = time.time()  # type: ignore[attr-defined]

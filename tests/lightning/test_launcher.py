@@ -31,3 +31,15 @@ def test_spawned_ranks_return_the_trained_unparallelized_model(start_method):
     # sync_dist-logged metrics travel back too.
     torch.testing.assert_close(trainer.callback_metrics["train/loss"].double(),
                                torch.tensor(ref.losses[-1], dtype=torch.float64), rtol=1e-6, atol=0)
+
+
+def test_a_job_started_after_a_launcher_ran_here_picks_its_own_rendezvous(monkeypatch):
+    # The spawn launcher leaves its rendezvous in this process's environment; a recipe started afterwards (the
+    # walkthroughs, the fault tests) would join it instead of making its own.
+    from tests.helpers.jobs import LAUNCH_VARIABLES, job_environment
+
+    for name in LAUNCH_VARIABLES:
+        monkeypatch.setenv(name, "1")
+    monkeypatch.setenv("KEPT", "yes")
+    environment = job_environment(drop=("KEPT_NOT",))
+    assert not set(LAUNCH_VARIABLES) & set(environment) and environment["KEPT"] == "yes"

@@ -1,13 +1,12 @@
 """A job started by torchrun on 2 (simulated) nodes × 2 processes trains, checkpoints and resumes."""
 
-import os
 import socket
 import subprocess
 import sys
 
 import pytest
 
-from tests.helpers.jobs import ABORT, ROOT
+from tests.helpers.jobs import ABORT, ROOT, job_environment
 
 pytestmark = pytest.mark.distributed  # starts processes: outside the fast lane
 
@@ -23,7 +22,7 @@ def _two_nodes(tmp_path, *overrides):
     args = ["model=gpt_tiny", "trainer.devices=2", "trainer.num_nodes=2", "strategy.tp=2", "trainer.val_check_interval=2",
             "trainer.limit_val_batches=2", "trainer.enable_progress_bar=false", "sample.max_new_tokens=8",
             f"hydra.run.dir={tmp_path / 'out'}", *overrides]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**job_environment(), "PYTHONPATH": str(ROOT)}
 
     def node(rank):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(rank),

@@ -20,9 +20,6 @@ from tests.helpers.preference import write_preferences
 
 pytestmark = pytest.mark.distributed  # starts processes: outside the fast lane
 
-LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK",
-                    "GROUP_RANK")
-
 
 def walkthrough() -> list[str]:
     text = (ROOT / "docs" / "finetuning.md").read_text()
@@ -33,7 +30,7 @@ def walkthrough() -> list[str]:
 def _run(command: str, cwd, model, extra=()) -> dict:
     args = shlex.split(command.replace("path/to/model", str(model)).replace("recipes/", f"{ROOT}/recipes/"))
     run_job([sys.executable, *args[1:], "trainer.enable_progress_bar=false", *extra], cwd, timeout=600,
-            drop=LAUNCH_VARIABLES, HYDRA_FULL_ERROR="1")
+            HYDRA_FULL_ERROR="1")
     directory = re.search(r"hydra\.run\.dir=(\S+)", command).group(1)
     log = (cwd / directory / "finetune.log").read_text()
     return json.loads(re.search(r"final metrics: (\{.*\})", log).group(1).replace("'", '"')), log

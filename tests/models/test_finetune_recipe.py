@@ -28,13 +28,9 @@ def walkthrough() -> list[str]:
     return [line for line in block.splitlines() if line.startswith("python ")]
 
 
-# Left in this process's environment by tests that ran a launcher in it: a new job must pick its own rendezvous.
-LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK",
-                    "GROUP_RANK")
-
 
 def _run(args, cwd, check=True):
-    return run_job(args, cwd, timeout=600, check=check, drop=LAUNCH_VARIABLES, HYDRA_FULL_ERROR="1")
+    return run_job(args, cwd, timeout=600, check=check, HYDRA_FULL_ERROR="1")
 
 
 @pytest.fixture(scope="module")
