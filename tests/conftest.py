@@ -4,6 +4,7 @@ structure and versions, ``recipes/`` for the recipes). A test module that starts
 a module that uses the multi-process helpers without the mark is refused at collection.
 """
 
+import os
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if unmarked:
         raise pytest.UsageError(f"{sorted(unmarked)} start processes but are not marked: add "
                                 f"`pytestmark = pytest.mark.distributed` (the fast lane must stay single-process).")
+
+
+@pytest.fixture(autouse=True)
+def _rendezvous_restored():
+    """A test that runs a launcher in this process (Lightning's spawn launcher, a single-process strategy) leaves its
+    rendezvous (``MASTER_PORT``, ...) in the environment; restored after every test, so no later test's job or launcher
+    joins a port that another job may hold by then."""
+    from tests.helpers.jobs import LAUNCH_VARIABLES
+
+    before = {name: os.environ.get(name) for name in LAUNCH_VARIABLES}
+    yield
+    for name, value in before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.helpers.jobs import ABORT, ROOT
+from tests.helpers.jobs import ABORT, ROOT, job_environment
 
 pytestmark = pytest.mark.distributed  # starts processes: outside the fast lane
 
@@ -18,7 +18,7 @@ RUNS = 4
 
 def _run(_):
     result = subprocess.run([sys.executable, str(ROOT / "tests" / "helpers" / "short_job.py")], capture_output=True,
-                            text=True, timeout=300, cwd=ROOT)
+                            text=True, timeout=300, cwd=ROOT, env=job_environment())
     return result.returncode, result.stdout + result.stderr
 
 

@@ -70,11 +70,11 @@ def test_an_error_on_one_rank_ends_every_rank_within_seconds_with_its_message(tm
     import subprocess
     import sys
 
-    from tests.helpers.jobs import ROOT
+    from tests.helpers.jobs import ROOT, job_environment
 
     start = time.time()
     job = subprocess.run([sys.executable, str(ROOT / "tests" / "helpers" / "failing_job.py"), str(failing_rank)],
-                         cwd=tmp_path, capture_output=True, text=True, timeout=110)
+                         cwd=tmp_path, capture_output=True, text=True, timeout=110, env=job_environment())
     ended = time.time() - start
     output = job.stdout + job.stderr
     print(f"rank {failing_rank} failed: the job ended after {ended:.1f} s, rc={job.returncode}")
