@@ -115,10 +115,6 @@ class StageTransport:
             raise RuntimeError(f"A pipeline message of {len(tensors)} tensors, where this transport sends {self.parts}.")
         return tensors
 
-    def exchange(self, batch: Batch, outgoing: dict[Message, MessageValue]) -> dict[Message, MessageValue]:
-        """:meth:`post` ``batch`` and wait for it: what it received, by message."""
-        return self.post(batch, outgoing).wait()
-
     def post(self, batch: Batch, outgoing: dict[Message, MessageValue]) -> "PostedBatch":
         """Post ``batch`` as one ``batch_isend_irecv``, in its order: send the tensors its sends name (taken from
         ``outgoing`` once their payload goes) and receive its messages; the transfers run while the caller goes on,

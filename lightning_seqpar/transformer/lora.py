@@ -116,21 +116,25 @@ def _adapter_dicts(module: nn.Module, parts: LoRAParts, a: nn.Parameter, b: nn.P
     module.lora_B = nn.ModuleDict({parts.name: _Weight(b)})
 
 
-class LoRAColumnParallelLinear(nn.Module):
+class _ParallelLoRA(nn.Module):
+    """What both parallel LoRA linears share: their adapter, and under a split backward its ``lora_A`` and ``lora_B``
+    products deferring their weight gradients to W through :attr:`weight_gradients` (the base splits its own)."""
+
+    weight_gradients: Optional[WeightGradientStore] = None
+    """The B/W split's store (:func:`~lightning_seqpar.tensor_parallel.split_backward.split_weight_gradients`)."""
+
+    def weight_gradient_parameters(self) -> list[nn.Parameter]:
+        """``lora_A`` and ``lora_B``: the weights whose gradients W hands over under a split backward."""
+        return [self.lora_A[self.adapter_name].weight, self.lora_B[self.adapter_name].weight]
+
+
+class LoRAColumnParallelLinear(_ParallelLoRA):
     """A :class:`ColumnParallelLinear` (``base_layer``) with a LoRA adapter; see the module docstring.
 
     Shapes: input ``[s/t, b, in]`` (SP) or ``[s, b, in]``; ``lora_A`` ``[r, in]`` replicated, ``lora_B``
     ``[out/t, r]``; output ``[s, b, out/t]``. :func:`column_parallel_linears` applies ``base_layer`` with the other
     projections of the same input (one all-gather) and adds :meth:`adapter`.
     """
-
-    weight_gradients: Optional[WeightGradientStore] = None
-    """The B/W split's store (:func:`~lightning_seqpar.tensor_parallel.split_backward.split_weight_gradients`): the
-    adapter's two products defer their weight gradients to W; the base splits its own."""
-
-    def weight_gradient_parameters(self) -> list[nn.Parameter]:
-        """``lora_A`` and ``lora_B``: the weights whose gradients W hands over under a split backward."""
-        return [self.lora_A[self.adapter_name].weight, self.lora_B[self.adapter_name].weight]
 
     def __init__(self, base: ColumnParallelLinear, parts: LoRAParts, ctx: RewriteContext) -> None:
         super().__init__()
@@ -168,21 +172,13 @@ class LoRAColumnParallelLinear(nn.Module):
         return self.base_layer(x) + self.adapter(x)
 
 
-class LoRARowParallelLinear(nn.Module):
+class LoRARowParallelLinear(_ParallelLoRA):
     """A :class:`RowParallelLinear` (``base_layer``) with a LoRA adapter whose partial product joins the base's
     before the one reduction; see the module docstring.
 
     Shapes: input ``[s, b, in/t]``; ``lora_A`` ``[r, in/t]``, ``lora_B`` ``[out, r]`` replicated; output
     ``[s/t, b, out]`` (SP) or ``[s, b, out]``.
     """
-
-    weight_gradients: Optional[WeightGradientStore] = None
-    """The B/W split's store (:func:`~lightning_seqpar.tensor_parallel.split_backward.split_weight_gradients`): the
-    adapter's two products defer their weight gradients to W; the base splits its own."""
-
-    def weight_gradient_parameters(self) -> list[nn.Parameter]:
-        """``lora_A`` and ``lora_B``: the weights whose gradients W hands over under a split backward."""
-        return [self.lora_A[self.adapter_name].weight, self.lora_B[self.adapter_name].weight]
 
     def __init__(self, base: RowParallelLinear, parts: LoRAParts, ctx: RewriteContext) -> None:
         super().__init__()
@@ -210,7 +206,7 @@ def adapters_disabled(model: nn.Module) -> Iterator[None]:
     layers through ``PeftModel.disable_adapter()``, the rewritten parallel ones (:class:`LoRAColumnParallelLinear`,
     :class:`LoRARowParallelLinear`) by their ``adapter_enabled`` flag, which no other code sets. Adapter dropout does
     not run, so no random number is drawn."""
-    ours = [m for m in model.modules() if isinstance(m, (LoRAColumnParallelLinear, LoRARowParallelLinear))]
+    ours = [m for m in model.modules() if isinstance(m, _ParallelLoRA)]
     peft_layers = any(is_peft_tuner_layer(m) for m in model.modules())  # PEFT's disable_adapter refuses none left
     with model.disable_adapter() if peft_layers else nullcontext():
         for module in ours:
