@@ -2,9 +2,15 @@
 structure and versions, ``recipes/`` for the recipes). A test module that starts processes (gloo on CPU) says so with
 ``pytestmark = pytest.mark.distributed``, so ``python -m pytest -m "not distributed"`` is the fast single-process lane;
 a module that uses the multi-process helpers without the mark is refused at collection.
+
+The suite runs on two test workers (pytest-xdist, ``-n 2`` in ``setup.cfg``; ``-n 0`` runs it in one process). A test
+whose assertion is a wall-clock bound (a job ends within seconds of a fault) says so with ``pytest.mark.exclusive``:
+it runs with no other test beside it, so its bound is the one measured on an idle machine.
 """
 
+import fcntl
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -23,6 +29,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if unmarked:
         raise pytest.UsageError(f"{sorted(unmarked)} start processes but are not marked: add "
                                 f"`pytestmark = pytest.mark.distributed` (the fast lane must stay single-process).")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """Across the test workers, a readers-writer lock: every test holds it shared from its setup to its teardown, an
+    ``exclusive`` one holds it alone. One file per run, named by the run's id that pytest-xdist gives its workers."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run is None:  # one process: nothing runs beside any test
+        return (yield)
+    exclusive = item.get_closest_marker("exclusive") is not None
+    with open(Path(tempfile.gettempdir()) / f"lightning_seqpar-tests-{run}.lock", "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        try:
+            return (yield)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 @pytest.fixture(autouse=True)

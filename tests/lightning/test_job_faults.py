@@ -8,7 +8,7 @@ import pytest
 
 from tests.helpers.jobs import alive, children, kill_session, start_recipe, wait_for
 
-pytestmark = pytest.mark.distributed  # starts processes: outside the fast lane
+pytestmark = [pytest.mark.distributed, pytest.mark.exclusive]  # bounds in seconds, measured alone
 
 TIMEOUT = 8  # strategy.timeout, seconds
 MARGIN = 20  # seconds allowed beyond it: the failing rank's teardown and Python's exit

@@ -11,7 +11,7 @@ import torch
 
 from tests.helpers.distributed import run_distributed
 
-pytestmark = pytest.mark.distributed  # starts processes: outside the fast lane
+pytestmark = [pytest.mark.distributed, pytest.mark.exclusive]  # bounds in seconds, measured alone
 
 TIMEOUT = timedelta(seconds=3)
 
