@@ -132,9 +132,7 @@ class ParallelTransformerEncoder(LayerStack):
                        **{LAYOUT_ARGUMENT: layout})
         if self.norm is not None:
             x = self.norm(x)
-        x = exit_parallel_region(x, self.group, self.sp, self.batch_first)  # [s/c, b, h] of this cp rank
-        if self.batch_first:
-            x = x.transpose(0, 1)
+        x = exit_parallel_region(x, self.group, self.sp, batch_first=False)  # [s/c, b, h] of this cp rank
         whole = gather_from_sequence_parallel_region(x.contiguous(), self.context.group)  # reduce-scatter backward
         order = torch.cat([local_indices(s, c, r, src.device) for r in range(c)]).argsort()
         whole = whole.index_select(0, order)  # the ranks' chunks back in sequence order

@@ -8,6 +8,7 @@ shard to each other with no communication between them.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from lightning_seqpar.parallel.collectives import ParallelGroup
@@ -34,7 +35,7 @@ def enter_parallel_region(x: Tensor, group: ParallelGroup, sequence_parallel: bo
         ValueError: under SP if s is not divisible by t.
     """
     if batch_first:
-        x = x.transpose(0, 1)
+        x = swap_batch_and_sequence(x)
     if sequence_parallel and group.size > 1:
         check_sequence_length(x.shape[0], group, "Entering the sequence-parallel region")
         x = scatter_to_sequence_parallel_region(x, group)
@@ -50,5 +51,30 @@ def exit_parallel_region(x: Tensor, group: ParallelGroup, sequence_parallel: boo
     if sequence_parallel and group.size > 1:
         x = gather_from_sequence_parallel_region(x, group, tensor_parallel_output_grad=False)
     if batch_first:
-        x = x.transpose(0, 1)
+        x = swap_batch_and_sequence(x)
     return x
+
+
+class _SwapBatchAndSequence(torch.autograd.Function):
+    """``[b, s, h]`` ↔ ``[s, b, h]``, contiguous both ways, its gradient too."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        return x.transpose(0, 1).contiguous()
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        return grad.transpose(0, 1).contiguous()
+
+
+def swap_batch_and_sequence(x: Tensor) -> Tensor:
+    """``[b, s, h]`` → ``[s, b, h]`` (or back) as a contiguous copy, and the gradient the same way back.
+
+    A transposed view would stay strided through every norm and residual add of the region, so each linear's
+    ``[s·b, h]`` flattening would copy its input again and keep that copy for its weight gradient: three ``[s, b, h]``
+    more per layer at b > 1 (at b = 1 the view is contiguous already). One copy at the entry and one at the exit
+    instead (Megatron's embedding hands its layers ``transpose(0, 1).contiguous()`` too). The gradient is made
+    contiguous the same way, so the region's backward sums (a bias's ``Σ dY``) run in one memory order whether its
+    blocks are compiled (AOTAutograd makes the incoming gradients contiguous) or eager.
+    """
+    return _SwapBatchAndSequence.apply(x)
