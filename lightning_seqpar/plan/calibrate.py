@@ -7,7 +7,8 @@ FILE`` (NCCL, bfloat16 GEMMs), or on its own, which starts ``--processes`` local
 gloo on CPU, float32). Every rank measures the same things in the same order (NCCL matches collectives by order):
 
 - GEMMs ``[n, n] × [n, n]``, an AdamW step (multi-tensor, float32) and core attention (``scaled_dot_product_attention``, causal, forward and backward, 8
-  heads of 64) on rank 0, timed after a warm-up (on CUDA with events; no other rank runs meanwhile);
+  heads of 64) on rank 0, timed after a warm-up as the median of three trials of at least 20 ms (on CUDA with
+  events; no other rank runs meanwhile);
 - each collective (:data:`~.calibration.COLLECTIVES`) over the group of the first n ranks for n = 2, 4, … ≤ world, at
   three message sizes, through the library's own :class:`~lightning_seqpar.parallel.collectives.ParallelGroup` (the
   g/ḡ, gradient and dispatch paths the layers run); a message's time is the slowest rank's, and ``time = α + sent/β``
@@ -19,8 +20,10 @@ Raises (CLI): ``--processes`` below 2 or above the GPUs: collectives need two ra
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import socket
+import statistics
 import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -58,6 +61,24 @@ def _timer(device: torch.device) -> Callable[[Callable[[], object], int], float]
     return measure
 
 
+TRIAL_SECONDS, TRIALS = 0.02, 3  # a rank-0 measurement: trials of at least 20 ms each, their median
+
+
+def _steady_timer(device: torch.device) -> Callable[[Callable[[], object], int], float]:
+    """``measure(fn, repeats)``: seconds per call of ``fn``, the median of :data:`TRIALS` trials of at least
+    ``repeats`` calls and :data:`TRIAL_SECONDS` each. A small CPU GEMM takes microseconds: a few calls timed once were
+    mostly the timer's and the scheduler's noise (the planned times of one layout moved by 10 % between calibrations).
+    For measurements on rank 0 alone: the number of calls is this rank's choice, which a collective's must not be."""
+    measure = _timer(device)
+
+    def steady(fn: Callable[[], object], repeats: int) -> float:
+        once = measure(fn, 1)
+        calls = max(repeats, math.ceil(TRIAL_SECONDS / max(once, 1e-9)))
+        return statistics.median(measure(fn, calls) for _ in range(TRIALS))
+
+    return steady
+
+
 def _optimizer_rate(device: torch.device, repeats: int) -> float:
     """Elements per second of ``torch.optim.AdamW(foreach=True)`` over 8 float32 tensors."""
     elements = SIZES[device.type][3]
@@ -65,11 +86,11 @@ def _optimizer_rate(device: torch.device, repeats: int) -> float:
     for param in params:
         param.grad = torch.randn_like(param)
     optimizer = torch.optim.AdamW(params, lr=1e-3, foreach=True)
-    return elements / _timer(device)(optimizer.step, repeats)
+    return elements / _steady_timer(device)(optimizer.step, repeats)
 
 
 def _compute_rates(device: torch.device, dtype: torch.dtype, repeats: int) -> tuple[list, list]:
-    measure = _timer(device)
+    measure = _steady_timer(device)
     gemm_sizes, attention_sizes = SIZES[device.type][:2]
     gemm = []
     for n in gemm_sizes:
