@@ -29,17 +29,18 @@ def check_sequence_length(s: int, group: ParallelGroup, where: str) -> None:
 
 
 def enter_parallel_region(x: Tensor, group: ParallelGroup, sequence_parallel: bool, batch_first: bool) -> Tensor:
-    """``[b, s, h]`` (batch-first) or ``[s, b, h]`` → ``[s/t, b, h]`` under SP, else ``[s, b, h]``.
+    """``[b, s, h]`` (batch-first) or ``[s, b, h]`` → ``[s/t, b, h]`` under SP, else ``[s, b, h]``; contiguous, and so
+    is its gradient (:func:`contiguous_both_ways`).
 
     Raises:
         ValueError: under SP if s is not divisible by t.
     """
     if batch_first:
-        x = swap_batch_and_sequence(x)
+        x = x.transpose(0, 1)
     if sequence_parallel and group.size > 1:
         check_sequence_length(x.shape[0], group, "Entering the sequence-parallel region")
-        x = scatter_to_sequence_parallel_region(x, group)
-    return x
+        x = scatter_to_sequence_parallel_region(x, group)  # a contiguous copy of this rank's slice
+    return contiguous_both_ways(x) if batch_first else x
 
 
 def exit_parallel_region(x: Tensor, group: ParallelGroup, sequence_parallel: bool, batch_first: bool) -> Tensor:
@@ -48,33 +49,36 @@ def exit_parallel_region(x: Tensor, group: ParallelGroup, sequence_parallel: boo
     What follows is replicated, so the backward of the gather keeps the local slice of the (identical)
     full gradients instead of reduce-scattering them.
     """
+    if batch_first:
+        x = contiguous_both_ways(x)  # (the gradient that enters the region, transposed back: contiguous)
     if sequence_parallel and group.size > 1:
         x = gather_from_sequence_parallel_region(x, group, tensor_parallel_output_grad=False)
     if batch_first:
-        x = swap_batch_and_sequence(x)
+        x = x.transpose(0, 1)
     return x
 
 
-class _SwapBatchAndSequence(torch.autograd.Function):
-    """``[b, s, h]`` ↔ ``[s, b, h]``, contiguous both ways, its gradient too."""
-
+class _ContiguousBothWays(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor) -> Tensor:
-        return x.transpose(0, 1).contiguous()
+        return x.contiguous()
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> Tensor:
-        return grad.transpose(0, 1).contiguous()
+        return grad.contiguous()
 
 
-def swap_batch_and_sequence(x: Tensor) -> Tensor:
-    """``[b, s, h]`` → ``[s, b, h]`` (or back) as a contiguous copy, and the gradient the same way back.
+def contiguous_both_ways(x: Tensor) -> Tensor:
+    """``x`` contiguous, and its gradient too (a copy only where either is strided).
 
-    A transposed view would stay strided through every norm and residual add of the region, so each linear's
-    ``[s·b, h]`` flattening would copy its input again and keep that copy for its weight gradient: three ``[s, b, h]``
-    more per layer at b > 1 (at b = 1 the view is contiguous already). One copy at the entry and one at the exit
-    instead (Megatron's embedding hands its layers ``transpose(0, 1).contiguous()`` too). The gradient is made
-    contiguous the same way, so the region's backward sums (a bias's ``Σ dY``) run in one memory order whether its
-    blocks are compiled (AOTAutograd makes the incoming gradients contiguous) or eager.
+    Inside the region activations and gradients are ``[s/t, b, h]`` in that memory order. A batch-first input's
+    transposed view would stay strided through every norm and residual add of the region, so each linear's ``[s·b,
+    h]`` flattening would copy its input again and keep that copy for its weight gradient: three ``[s, b, h]`` more
+    per layer at b > 1 where nothing copies the slice (t = 1, or no SP; at b = 1 the view is contiguous already).
+    Megatron's embedding hands its layers ``transpose(0, 1).contiguous()`` too. The gradient arriving at the exit
+    (a transposed view) is made contiguous the same way, so the region's backward sums (a bias's ``Σ dY``) run in one
+    memory order whether its blocks are compiled (AOTAutograd makes incoming gradients contiguous) or eager. Under SP
+    the scatter's and the gather's backward slices are copies already, of ``s/t`` rows: nothing more is copied, and no
+    slice keeps a whole ``[s, b, h]`` alive.
     """
-    return _SwapBatchAndSequence.apply(x)
+    return _ContiguousBothWays.apply(x)

@@ -1,14 +1,16 @@
 """The tensor-parallel region is sequence-first in contiguous memory, forward and backward: a rewritten Hugging Face
 layer keeps for backward exactly b times what it keeps for one sequence (a strided ``[s, b, h]`` view made every
-linear copy its input again and keep the copy, three ``[s, b, h]`` more per layer at b > 1), and the gradients inside
-the region arrive contiguous whether its blocks are compiled or not."""
+linear copy its input again and keep the copy, three ``[s, b, h]`` more per layer at b > 1), the gradients inside
+the region arrive contiguous whether its blocks are compiled or not, and under sequence parallelism no slice keeps a
+whole ``[s, b, h]`` alive."""
 
 import pytest
 import torch
 
 from lightning_seqpar.plan.models import meta_model
 from lightning_seqpar.plan.probe import measure
-from lightning_seqpar.transformer.region import swap_batch_and_sequence
+from lightning_seqpar.parallel.collectives import ParallelGroup
+from lightning_seqpar.transformer.region import enter_parallel_region, exit_parallel_region
 
 LLAMA = dict(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2)
@@ -24,13 +26,13 @@ def test_a_layer_keeps_b_times_what_it_keeps_for_one_sequence(tp, sequence_paral
     assert three == 3 * one, (one, three)
 
 
-def test_the_swap_is_contiguous_both_ways():
+def test_the_region_is_contiguous_both_ways():
     x = torch.randn(2, 6, 4, requires_grad=True)  # [b, s, h]
-    inside = swap_batch_and_sequence(x)  # [s, b, h]
+    inside = enter_parallel_region(x, ParallelGroup(), True, batch_first=True)  # [s, b, h]
     seen = []
     inside.register_hook(lambda grad: seen.append(grad.is_contiguous()))
-    out = swap_batch_and_sequence(inside * 2)
-    assert inside.shape == (6, 2, 4) and inside.is_contiguous() and out.is_contiguous()
+    out = exit_parallel_region(inside * 2, ParallelGroup(), True, batch_first=True)
+    assert inside.shape == (6, 2, 4) and inside.is_contiguous()
     weights = torch.randn(2, 6, 4)
     (out * weights).sum().backward()
     assert seen == [True]
