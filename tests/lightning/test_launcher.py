@@ -1,18 +1,22 @@
 """``Trainer.fit`` called from this (pytest) process spawns the ranks and gets the trained model back."""
 
+import subprocess
+import sys
+
 import lightning.pytorch as pl
 import pytest
 import torch
 
 from lightning_seqpar import SeqParallelStrategy
+from tests.helpers.jobs import ABORT, ROOT, job_environment
 from tests.helpers.models import build, loader, reference_run, token_data
 from tests.helpers.parity import STEPS
 
 pytestmark = pytest.mark.distributed  # starts processes: outside the fast lane
 
 
-@pytest.mark.parametrize("start_method", ["spawn", "fork"])
-def test_spawned_ranks_return_the_trained_unparallelized_model(start_method):
+def fit_and_compare(start_method: str) -> None:
+    """Fit from this process with ``start_method`` and check the model it gets back against one process."""
     module = build("gpt")
     initial = {k: v.clone() for k, v in module.state_dict().items()}
     trainer = pl.Trainer(
@@ -31,6 +35,20 @@ def test_spawned_ranks_return_the_trained_unparallelized_model(start_method):
     # sync_dist-logged metrics travel back too.
     torch.testing.assert_close(trainer.callback_metrics["train/loss"].double(),
                                torch.tensor(ref.losses[-1], dtype=torch.float64), rtol=1e-6, atol=0)
+
+
+def test_spawned_ranks_return_the_trained_unparallelized_model():
+    fit_and_compare("spawn")
+
+
+def test_forked_ranks_return_the_trained_unparallelized_model():
+    """Forked from a fresh interpreter, as a script or a notebook's first cell forks them: a test worker's process
+    runs threads of its own (its I/O with the test runner), and a fork copies whatever lock one of them holds."""
+    code = "from tests.lightning.test_launcher import fit_and_compare; fit_and_compare('fork'); print('fitted')"
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                            env=job_environment())
+    output = result.stdout + result.stderr
+    assert result.returncode == 0 and "fitted" in result.stdout and ABORT not in output, output[-3000:]
 
 
 def test_a_job_started_after_a_launcher_ran_here_picks_its_own_rendezvous(monkeypatch):
