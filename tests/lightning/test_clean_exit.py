@@ -11,7 +11,7 @@ import pytest
 
 from tests.helpers.jobs import ABORT, ROOT, job_environment
 
-pytestmark = [pytest.mark.distributed, pytest.mark.exclusive]  # 4 processes of its own
+pytestmark = pytest.mark.distributed  # starts processes: outside the fast lane
 
 RUNS = 4
 
