@@ -1,6 +1,5 @@
 """``Trainer.fit`` called from this (pytest) process spawns the ranks and gets the trained model back."""
 
-import subprocess
 import sys
 
 import lightning.pytorch as pl
@@ -8,7 +7,7 @@ import pytest
 import torch
 
 from lightning_seqpar import SeqParallelStrategy
-from tests.helpers.jobs import ABORT, ROOT, job_environment
+from tests.helpers.jobs import ROOT, run_job
 from tests.helpers.models import build, loader, reference_run, token_data
 from tests.helpers.parity import STEPS
 
@@ -45,10 +44,7 @@ def test_forked_ranks_return_the_trained_unparallelized_model():
     """Forked from a fresh interpreter, as a script or a notebook's first cell forks them: a test worker's process
     runs threads of its own (its I/O with the test runner), and a fork copies whatever lock one of them holds."""
     code = "from tests.lightning.test_launcher import fit_and_compare; fit_and_compare('fork'); print('fitted')"
-    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                            env=job_environment())
-    output = result.stdout + result.stderr
-    assert result.returncode == 0 and "fitted" in result.stdout and ABORT not in output, output[-3000:]
+    assert "fitted" in run_job([sys.executable, "-c", code], ROOT, timeout=300).stdout  # exit 0, no abort: run_job
 
 
 def test_a_job_started_after_a_launcher_ran_here_picks_its_own_rendezvous(monkeypatch):
