@@ -3,19 +3,29 @@ structure and versions, ``recipes/`` for the recipes). A test module that starts
 ``pytestmark = pytest.mark.distributed``, so ``python -m pytest -m "not distributed"`` is the fast single-process lane;
 a module that uses the multi-process helpers without the mark is refused at collection.
 
-The suite runs on two test workers (pytest-xdist, ``-n 2`` in ``setup.cfg``; ``-n 0`` runs it in one process). A test
-whose assertion is a wall-clock bound (a job ends within seconds of a fault) says so with ``pytest.mark.exclusive``:
-it runs with no other test beside it, so its bound is the one measured on an idle machine.
+The suite runs on two test workers (pytest-xdist, ``-n 2 --dist loadfile`` in ``setup.cfg``; ``-n 0`` runs it in one
+process): each file runs whole on one worker, so a module's shared worlds are built once. Files are handed out longest
+first, by the seconds each took in a recorded run (``tests/durations.json``; a file not in it goes last): a long file
+handed out late would run alone at the end. ``python -m pytest --store-durations`` records them again.
+
+A wall-clock bound in a test holds beside another test's job on 2 cores and stays far below what the fault it catches
+takes (a rank that waits out a default timeout of minutes): no test needs the machine to itself.
 """
 
-import fcntl
+import json
 import os
-import tempfile
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
 
 _STARTS_PROCESSES = ("run_distributed", "run_cases", "start_recipe")  # the multi-process helpers
+DURATIONS = Path(__file__).parent / "durations.json"  # seconds per test file, relative to the repository
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--store-durations", action="store_true",
+                     help=f"write the seconds each test file took (setup, call, teardown) to {DURATIONS}")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -29,22 +39,29 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if unmarked:
         raise pytest.UsageError(f"{sorted(unmarked)} start processes but are not marked: add "
                                 f"`pytestmark = pytest.mark.distributed` (the fast lane must stay single-process).")
+    seconds = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+    # Stable: a file's tests keep their order. Every worker collects the same order (xdist checks it) and hands out
+    # files in it (--no-loadscope-reorder).
+    items.sort(key=lambda item: -seconds.get(item.nodeid.split("::")[0], 0.0))
 
 
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
-    """Across the test workers, a readers-writer lock: every test holds it shared from its setup to its teardown, an
-    ``exclusive`` one holds it alone. One file per run, named by the run's id that pytest-xdist gives its workers."""
-    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    if run is None:  # one process: nothing runs beside any test
-        return (yield)
-    exclusive = item.get_closest_marker("exclusive") is not None
-    with open(Path(tempfile.gettempdir()) / f"lightning_seqpar-tests-{run}.lock", "a+") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
-        try:
-            return (yield)
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+class _FileDurations:
+    """Seconds per test file (setup, call and teardown of its tests), written to :data:`DURATIONS` at the end. On the
+    controller, which receives every worker's reports."""
+
+    def __init__(self) -> None:
+        self.took: dict[str, float] = defaultdict(float)
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        self.took[report.nodeid.split("::")[0]] += report.duration
+
+    def pytest_sessionfinish(self) -> None:
+        DURATIONS.write_text(json.dumps({f: round(t, 1) for f, t in sorted(self.took.items())}, indent=0) + "\n")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("store_durations") and not hasattr(config, "workerinput"):  # a worker has workerinput
+        config.pluginmanager.register(_FileDurations(), "file-durations")
 
 
 @pytest.fixture(autouse=True)

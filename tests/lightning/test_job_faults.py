@@ -8,10 +8,12 @@ import pytest
 
 from tests.helpers.jobs import alive, children, kill_session, start_recipe, wait_for
 
-pytestmark = [pytest.mark.distributed, pytest.mark.exclusive]  # bounds in seconds, measured alone
+pytestmark = pytest.mark.distributed
 
+# Each bound below is what a loaded machine (another test's job beside this one on 2 cores) stays under, and far below
+# what the fault it catches takes: a rank that waits out torch's default 30 minutes, or the recipe's 300 s stall timeout.
 TIMEOUT = 8  # strategy.timeout, seconds
-MARGIN = 20  # seconds allowed beyond it: the failing rank's teardown and Python's exit
+MARGIN = 40  # seconds allowed beyond it: the failing rank's teardown and Python's exit (about 15 s on an idle machine)
 
 
 ASYNC_SAVES = ("strategy.async_save=true", "trainer.val_check_interval=1")  # a background save every step
@@ -30,7 +32,7 @@ def test_a_stalled_or_killed_rank_ends_the_job_within_the_timeout(tmp_path, faul
         (rank1,) = children(job.pid)
         stopped = time.time()
         os.kill(rank1, getattr(signal, fault))
-        job.wait(timeout=TIMEOUT + MARGIN + 30)
+        job.wait(timeout=TIMEOUT + MARGIN + 60)
         ended = time.time() - stopped
         output = log.read_text()
         print(f"{fault}: the job ended {ended:.1f} s after rank 1 was signalled, rc={job.returncode}")
@@ -74,13 +76,13 @@ def test_an_error_on_one_rank_ends_every_rank_within_seconds_with_its_message(tm
 
     start = time.time()
     job = subprocess.run([sys.executable, str(ROOT / "tests" / "helpers" / "failing_job.py"), str(failing_rank)],
-                         cwd=tmp_path, capture_output=True, text=True, timeout=110, env=job_environment())
+                         cwd=tmp_path, capture_output=True, text=True, timeout=180, env=job_environment())
     ended = time.time() - start
     output = job.stdout + job.stderr
     print(f"rank {failing_rank} failed: the job ended after {ended:.1f} s, rc={job.returncode}")
     assert job.returncode != 0 and f"the data of rank {failing_rank} cannot be read" in output
     assert f"[rank {1 - failing_rank}] stopping: rank {failing_rank}: RuntimeError: the data of rank" in output, output
-    assert ended <= 40, output[-3000:]
+    assert ended <= 90, output[-3000:]  # about 20 s on an idle machine; 120 s where the other rank sleeps it out
 
 
 def test_an_empty_corpus_found_by_rank_0_ends_the_job_within_seconds(tmp_path):
@@ -91,13 +93,13 @@ def test_an_empty_corpus_found_by_rank_0_ends_the_job_within_seconds(tmp_path):
     job, log = start_recipe(tmp_path, "model=gpt_tiny", f"data.path={tmp_path / 'empty.txt'}",
                             "trainer.enable_progress_bar=false")
     try:
-        job.wait(timeout=120)
+        job.wait(timeout=180)
         ended = time.time() - start
         output = log.read_text()
         print(f"empty corpus: the job ended {ended:.1f} s after it started, rc={job.returncode}")
         assert job.returncode != 0 and "holds no text" in output
         assert "[rank 1] stopping: rank 0: ValueError: The corpus at" in output, output[-3000:]
-        assert "stalled or died" not in output and ended <= 60, output[-3000:]
+        assert "stalled or died" not in output and ended <= 120, output[-3000:]  # the stall timeout: 300 s
     finally:
         kill_session(job)
 
@@ -112,7 +114,8 @@ def test_sigterm_saves_a_checkpoint_and_ends_every_rank_cleanly(tmp_path, during
     from tests.helpers.jobs import ROOT
 
     saves = ["strategy.async_save=true", "trainer.val_check_interval=1"] if during == "a save" else []
-    job, log = start_recipe(tmp_path, "model=gpt_tiny", "strategy.timeout=60", "trainer.max_steps=100000",
+    # a rank left behind would wait out the strategy's 300 s timeout
+    job, log = start_recipe(tmp_path, "model=gpt_tiny", "strategy.timeout=300", "trainer.max_steps=100000",
                             "trainer.enable_progress_bar=false", *saves)
     try:
         # The layout line ends the fit's start (the planner's probes price the memory): preemption is handled from
@@ -121,12 +124,12 @@ def test_sigterm_saves_a_checkpoint_and_ends_every_rank_cleanly(tmp_path, during
         time.sleep(8)  # well into training
         signalled = time.time()
         os.kill(job.pid, signal.SIGTERM)
-        job.wait(timeout=120)
+        job.wait(timeout=180)
         ended = time.time() - signalled
         output = log.read_text()
         print(f"SIGTERM during {during}: the job ended {ended:.1f} s later, rc={job.returncode}")
         assert job.returncode == 0, output[-3000:]
-        assert ended <= 30, output[-3000:]
+        assert ended <= 90, output[-3000:]  # 15-20 s on an idle machine, 34 s beside another job
         assert "Preempted (signal 15): stopped after step" in output
         checkpoint = tmp_path / "out" / "checkpoints" / "last.ckpt"
         verify = subprocess.run([sys.executable, "-m", "lightning_seqpar.checkpoint", "verify", str(checkpoint)],

@@ -63,11 +63,11 @@ def _skipped_collective(rank, world_size):
     return timeouts, waited
 
 
-@pytest.mark.exclusive  # its bound is seconds after the timeout, measured alone
 def test_a_peer_that_skips_a_collective_on_a_subgroup_is_given_up_after_the_timeout():
     ranks = run_distributed(_skipped_collective, 4)
     for timeouts, _ in ranks:
         assert set(timeouts.values()) == {TIMEOUT.total_seconds()}, timeouts
         assert {"tensor", "pipeline", "host dp_cp", "host pp", "host tp"} <= set(timeouts)
     waited = ranks[0][1]
-    assert waited is not None and TIMEOUT.total_seconds() - 0.5 <= waited <= TIMEOUT.total_seconds() + 3, waited
+    # given up after this group's timeout, not torch's default 30 minutes (the margin: a loaded machine's)
+    assert waited is not None and TIMEOUT.total_seconds() - 0.5 <= waited <= TIMEOUT.total_seconds() + 15, waited
