@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 import torch
 
-# The live-activation tracker and the collective counter sit below autograd, where only a dispatch mode
+# The live-activation tracker, the collective counter and the planner's element-wise work counter sit below autograd, where only a dispatch mode
 # sees every op's outputs (saved_tensors_hooks miss checkpoint caches). torch documents TorchDispatchMode
 # but keeps it in a private module; tree_flatten has no public module in torch 2.13 (torch.utils.pytree
 # does not exist there).
@@ -31,6 +31,13 @@ try:  # what dist.barrier dispatches (no public name for the op)
     BARRIER: Any = torch.ops.c10d.barrier.default
 except (AttributeError, RuntimeError):  # a torch built without distributed: no barrier to count
     BARRIER = None
+
+
+def mutates_input(func: Any) -> bool:
+    """Whether an ATen operator (an ``OpOverload``) writes into a tensor it was given (in place, ``out=``): the
+    element-wise work counter (:mod:`lightning_seqpar.plan.work`) counts its bytes though its output aliases an input.
+    Only the operator's schema says so (``_schema.is_mutable``); ``torch.Tag`` marks views, not writes."""
+    return func._schema.is_mutable
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:

@@ -6,8 +6,9 @@ Run it where the training runs: on a GPU node ``torchrun --nproc-per-node 8 -m l
 FILE`` (NCCL, bfloat16 GEMMs), or on its own, which starts ``--processes`` local processes (default: the GPUs, else 2;
 gloo on CPU, float32). Every rank measures the same things in the same order (NCCL matches collectives by order):
 
-- GEMMs ``[n, n] × [n, n]``, an AdamW step (multi-tensor, float32) and core attention (``scaled_dot_product_attention``, causal, forward and backward, 8
-  heads of 64) on rank 0, timed after a warm-up as the median of three trials of at least 20 ms (on CUDA with
+- GEMMs ``[n, n] × [n, n]``, an AdamW step (multi-tensor, float32), core attention (``scaled_dot_product_attention``,
+  causal, forward and backward, 8 heads of 64) and element-wise work (an in-place add's bytes per second over large
+  tensors; a small operator's dispatch) on rank 0, timed after a warm-up as the median of three trials of at least 20 ms (on CUDA with
   events; no other rank runs meanwhile);
 - each collective (:data:`~.calibration.COLLECTIVES`) over the group of the first n ranks for n = 2, 4, … ≤ world, at
   three message sizes, through the library's own :class:`~lightning_seqpar.parallel.collectives.ParallelGroup` (the
@@ -33,9 +34,9 @@ import torch.distributed as dist
 
 from lightning_seqpar.plan.calibration import COLLECTIVES, Link, StepCalibration
 
-SIZES = {  # (GEMM n, attention s, message bytes, optimizer elements) per device kind
-    "cpu": ((64, 128, 256), (64, 128, 256), (1 << 12, 1 << 16, 1 << 20), 1 << 20),
-    "cuda": ((1024, 4096, 8192), (1024, 4096, 16384), (1 << 16, 1 << 22, 1 << 26), 1 << 26),
+SIZES = {  # (GEMM n, attention s, message bytes, optimizer elements, element-wise elements) per device kind
+    "cpu": ((64, 128, 256), (64, 128, 256), (1 << 12, 1 << 16, 1 << 20), 1 << 20, 1 << 22),
+    "cuda": ((1024, 4096, 8192), (1024, 4096, 16384), (1 << 16, 1 << 22, 1 << 26), 1 << 26, 1 << 27),
 }
 HEADS, HEAD_DIM = 8, 64
 
@@ -89,6 +90,39 @@ def _optimizer_rate(device: torch.device, repeats: int) -> float:
     return elements / _steady_timer(device)(optimizer.step, repeats)
 
 
+def _elementwise_rates(device: torch.device, dtype: torch.dtype, repeats: int) -> tuple[float, float]:
+    """``(memory, dispatch)``: bytes/s of an in-place add over two large tensors (read both, write one, as
+    :class:`~.work.OperatorCounter` counts it), and seconds per operator of four tiny pre-norm MLP blocks forward and
+    backward (the module code between operators included, as a model runs it), less their bytes' time, over the
+    operators the counter counts in them (their GEMMs, a few microseconds at this size, are not counted apart)."""
+    from lightning_seqpar.plan.work import OperatorCounter
+
+    measure = _steady_timer(device)
+    n = SIZES[device.type][4]
+    a, b = torch.zeros(n, device=device, dtype=dtype), torch.randn(n, device=device, dtype=dtype)
+    counter = OperatorCounter()
+    with counter:
+        a.add_(b)
+    memory = counter.bytes / measure(lambda: a.add_(b), repeats)
+    width = 16
+    block = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.LayerNorm(width), torch.nn.Linear(width, 4 * width),
+                                                    torch.nn.GELU(), torch.nn.Linear(4 * width, width))
+                                for _ in range(4)).to(device, dtype)
+    x = torch.randn(8, width, device=device, dtype=dtype, requires_grad=True)
+
+    def chain() -> None:  # module code between the operators, as a model's: pre-norm MLP blocks with residuals
+        y = x
+        for layer in block:
+            y = y + layer(y)
+        y.sum().backward()
+
+    counter = OperatorCounter()
+    with counter:
+        chain()
+    seconds = measure(chain, repeats) - counter.bytes / memory
+    return memory, max(seconds, 0.0) / counter.operators
+
+
 def _compute_rates(device: torch.device, dtype: torch.dtype, repeats: int) -> tuple[list, list]:
     measure = _steady_timer(device)
     gemm_sizes, attention_sizes = SIZES[device.type][:2]
@@ -137,6 +171,7 @@ def measure_rates(rank: int, world: int, repeats: int = 3) -> Optional[StepCalib
     element = torch.finfo(dtype).bits // 8
     gemm, attention = _compute_rates(device, dtype, repeats) if rank == 0 else ([], [])
     optimizer = _optimizer_rate(device, repeats) if rank == 0 else 0.0
+    memory, dispatch = _elementwise_rates(device, dtype, repeats) if rank == 0 else (0.0, 0.0)
     dist.barrier()
     measure = _timer(device)
     links = []
@@ -168,7 +203,8 @@ def measure_rates(rank: int, world: int, repeats: int = 3) -> Optional[StepCalib
     if rank != 0:
         return None
     name = torch.cuda.get_device_name(device) if cuda else "cpu"
-    return StepCalibration(name, dist.get_backend(), world, tuple(gemm), tuple(attention), tuple(links), optimizer)
+    return StepCalibration(name, dist.get_backend(), world, tuple(gemm), tuple(attention), tuple(links), optimizer,
+                           memory, dispatch)
 
 
 def _free_port() -> int:

@@ -9,10 +9,14 @@ reads them.
   share) at several local sequence lengths s.
 - The optimizer step: parameter elements per second of a multi-tensor AdamW step (float32 state, as the strategy's
   optimizers keep it).
+- Element-wise work (:mod:`.work`): the memory bandwidth of an in-place add over large tensors (bytes read and written
+  per second, as :class:`~.work.OperatorCounter` counts them) and the seconds one operator's dispatch takes (a chain
+  of small element-wise operators forward and backward, over the operators the counter counts in it).
 - Each collective by group size: latency α (s) and bandwidth β (bytes/s) fitted to ``time = α + sent/β``, ``sent``
   the bytes each rank sends (:func:`~.cost.ring_bytes`' convention), over messages of several sizes.
 
-A file is JSON (``format`` 1); a damaged or edited one is refused naming the file and the field.
+A file is JSON (``format`` 2; a format 1 file, without the element-wise rates, is refused: measure again); a damaged
+or edited one is refused naming the file and the field.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union
 
-FORMAT = 1
+FORMAT = 2
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send_recv")
 """The collectives measured: the tensor-parallel g/ḡ pair, data-parallel gradient reduction, expert dispatch and
 all-to-all context parallelism, pipeline and ring-attention transfers."""
@@ -53,6 +57,8 @@ class StepCalibration:
         attention: ``(s, FLOP/s)`` per local sequence length, ascending s.
         collectives: ``(kind, group size, Link)``, kind one of :data:`COLLECTIVES`.
         optimizer: parameter elements per second one rank's AdamW step updates.
+        memory: bytes per second an element-wise operator reads and writes.
+        dispatch: seconds per operator beside its bytes (Python, autograd, a kernel's launch).
     """
 
     device: str
@@ -62,6 +68,12 @@ class StepCalibration:
     attention: tuple[tuple[int, float], ...]
     collectives: tuple[tuple[str, int, Link], ...]
     optimizer: float
+    memory: float
+    dispatch: float
+
+    def elementwise_seconds(self, operators: float, moved: float) -> float:
+        """Seconds of ``operators`` element-wise operators reading and writing ``moved`` bytes in all."""
+        return operators * self.dispatch + moved / self.memory
 
     def gemm_rate(self, m: float, k: float, n: float) -> float:
         """FLOP/s of an ``[m, k] × [k, n]`` GEMM (its class: ``(m·k·n)^(1/3)``)."""
@@ -85,7 +97,7 @@ class StepCalibration:
         return {"format": FORMAT, "device": self.device, "backend": self.backend, "world": self.world,
                 "gemm": [list(r) for r in self.gemm], "attention": [list(r) for r in self.attention],
                 "collectives": [[k, n, link.latency, link.bandwidth] for k, n, link in self.collectives],
-                "optimizer": self.optimizer}
+                "optimizer": self.optimizer, "memory": self.memory, "dispatch": self.dispatch}
 
     def save(self, path: Union[str, Path]) -> None:
         """Write the file (whole or not at all: a temporary file renamed over it)."""
@@ -132,11 +144,12 @@ class StepCalibration:
         missing = [kind for kind in COLLECTIVES if not any(k == kind for k, _, _ in links)]
         if missing:
             raise ValueError(f"'collectives' has no rows for {missing}")
-        optimizer = float(data["optimizer"])
-        if not optimizer > 0:
-            raise ValueError(f"'optimizer' needs elements/s > 0, got {data['optimizer']!r}")
+        optimizer, memory, dispatch = (float(data[k]) for k in ("optimizer", "memory", "dispatch"))
+        if not optimizer > 0 or not memory > 0 or not dispatch >= 0:
+            raise ValueError(f"'optimizer' needs elements/s > 0, 'memory' bytes/s > 0, 'dispatch' seconds >= 0, got "
+                             f"{data['optimizer']!r}, {data['memory']!r}, {data['dispatch']!r}")
         return cls(str(data["device"]), str(data["backend"]), int(data["world"]), rates["gemm"], rates["attention"],
-                   tuple(links), optimizer)
+                   tuple(links), optimizer, memory, dispatch)
 
 
 def _interpolate(rows: tuple[tuple[int, float], ...], x: float) -> float:

@@ -112,7 +112,7 @@ class Traffic:
 
 def step_times(hardware: Hardware, flops: float, attention_flops: float, gemm: tuple[float, float, float],
                local_seq: float, traffic: dict[str, Traffic], bubble: float,
-               optimizer_elements: float = 0.0) -> dict[str, float]:
+               optimizer_elements: float = 0.0, elementwise: Optional[tuple[float, float]] = None) -> dict[str, float]:
     """Seconds per step of one rank, by term (``compute``, one per ``traffic`` kind, ``bubble``), nothing overlapped.
 
     Without a calibration (``hardware.calibration`` None) the rates are nominal, a rough estimate: compute at
@@ -121,8 +121,9 @@ def step_times(hardware: Hardware, flops: float, attention_flops: float, gemm: t
     n]`` on this rank), core attention at the measured rate for ``local_seq`` tokens, each kind of traffic as
     ``count × latency + sent / bandwidth`` of its collective at its group size; traffic across nodes, which one machine
     cannot measure, keeps the nominal inter-node bandwidth; and ``optimizer``: the optimizer step over
-    ``optimizer_elements`` (the parameter elements this rank updates) at the measured rate (the nominal model has no
-    such term).
+    ``optimizer_elements`` (the parameter elements this rank updates) at the measured rate, and ``elementwise``: the
+    ``(operators, bytes)`` of the rank's other operators (:mod:`.work`) at the measured dispatch time and memory
+    bandwidth (the nominal model has neither term). The bubble idles for the compute and the element-wise work.
 
     Args:
         flops, attention_flops: FLOPs this rank executes per step, and the core attention's share of them.
@@ -142,7 +143,11 @@ def step_times(hardware: Hardware, flops: float, attention_flops: float, gemm: t
             share = len(t.collectives)
             times[kind] = sum(calibration.link(name, max(t.group, 2)).seconds(t.sent / share, t.count / share)
                               for name in t.collectives)
-    times["bubble"] = bubble * compute
+    busy = compute
+    if calibration is not None and elementwise is not None:
+        times["elementwise"] = calibration.elementwise_seconds(*elementwise)
+        busy += times["elementwise"]
+    times["bubble"] = bubble * busy
     if calibration is not None:
         times["optimizer"] = optimizer_elements / calibration.optimizer
     return times

@@ -32,8 +32,9 @@ from lightning_seqpar.plan.layout_record import LayoutRecord
 from lightning_seqpar.plan.memory_choices import (describe, host_traffic, largest_offloaded_share, memory_choice_rule,
                                                   offload_backward_bytes, trades)
 from lightning_seqpar.plan.moments import backward_moments, chunks_rule
-from lightning_seqpar.plan.pricing import (activation_element_bytes, cached_copy_bytes, first_layer_saving,
-                                           layer_activation_bytes, loss_chunk_positions, outside_bytes)
+from lightning_seqpar.plan.pricing import (activation_element_bytes, cached_copy_bytes, elementwise_work,
+                                           first_layer_saving, layer_activation_bytes, loss_chunk_positions,
+                                           outside_bytes)
 from lightning_seqpar.plan.rules import divisors, layout_rule
 from lightning_seqpar.plan.state import OPTIMIZER_STATES, PARAMETER_BYTES, StateBytes, held_entries, stage_layout, state_bytes
 from lightning_seqpar.plan.transients import (
@@ -236,9 +237,10 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
                       for x in (False, True)))
     if record.zero:
         dense, experts = dense / (dp * cp), experts / max(1, tp * dp * cp // width)
+    work = elementwise_work(record, inventory, s, precision, fits) if hardware.calibration is not None else None
     times = step_times(hardware, executed / ranks, attention / ranks,
                        (local * b, inventory.hidden_size, max(1, ffn // tp)), local, traffic, record.bubble,
-                       optimizer_elements=dense + experts)
+                       optimizer_elements=dense + experts, elementwise=work)
     compute = times["compute"]
     record.timing = "measured rates" if hardware.calibration is not None else "rough estimate"
     if record.offload:  # the host holds, at most, what the rank with the most layer-micro-batches in flight offloaded

@@ -123,3 +123,27 @@ def outside_bytes(record: LayoutRecord, inventory: ModelInventory, s: int, preci
         fits[key] = fit_outside(inventory.config, record.tp, True, precision, inventory.training)
     sizes = (s // record.cp, record.micro_batch, inventory.head_dim, inventory.vocab_size)
     return fits[key].bytes(*sizes), fits[key].prologue_bytes(*sizes)
+
+
+def elementwise_work(record: LayoutRecord, inventory: ModelInventory, s: int, precision: str,
+                     fits: Optional[dict[tuple, Any]]) -> Optional[tuple[float, float]]:
+    """``(operators, bytes)`` of the element-wise work (:mod:`.work`) one rank of ``record`` runs per step: its
+    ``L/(p)`` layers' and a ``1/p`` share of what runs outside the layers, for each of its ``m`` micro-batches of ``s/c``
+    tokens (a context-parallel layer counted as its cp 1 twin's over those tokens, a rank of ep holding all the
+    experts' operators); ``None`` where the model cannot be probed (``fits`` or the inventory's config ``None``),
+    fitted once per model and layout into ``fits``."""
+    if fits is None or inventory.config is None:
+        return None
+    split = splits_backward(record)
+    key = (inventory.probe_key, "work", record.tp, record.recompute, precision, record.modules, record.offload, split)
+    if key not in fits:
+        from lightning_seqpar.plan.work import fit_work
+
+        fits[key] = fit_work(inventory.config, record.tp, True, record.recompute, precision, inventory.experts,
+                             modules=record.modules, offload=record.offload, training=inventory.training, split=split)
+    fit, local, b = fits[key], s // record.cp, record.micro_batch
+    layer_ops, layer_bytes = fit.layer(local, b, inventory.head_dim, inventory.ffn_hidden_size)
+    rest_ops, rest_bytes = fit.rest(local, b, inventory.head_dim, inventory.vocab_size)
+    layers = inventory.num_layers / record.pp
+    m = record.num_microbatches
+    return (m * (layers * layer_ops + rest_ops / record.pp), m * (layers * layer_bytes + rest_bytes / record.pp))

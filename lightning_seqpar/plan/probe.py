@@ -100,17 +100,9 @@ def measure(config: Any, tp: int, sequence_parallel: bool, recompute: str, preci
     DualPipeV: :func:`~lightning_seqpar.tensor_parallel.split_backward.split_weight_gradients`), whose linears keep
     their float32 weights and one 16-bit cast of a shared input where torch's own linear keeps autocast's copies."""
     from lightning_seqpar.hf.model_check import parts_in_order, small_config
-    from lightning_seqpar.hf.models import build_causal_lm
     from lightning_seqpar.memory.cuda_autocast import cuda_autocast_rules
     from lightning_seqpar.memory.tracker import LiveActivationTracker
     from lightning_seqpar.parallel.emulated import run_emulated
-    from lightning_seqpar.policies import rewrite
-    from lightning_seqpar.offload import HostPool, apply_offload
-    from lightning_seqpar.plan.trained import apply_trained_parts
-    from lightning_seqpar.recompute import apply_recompute, apply_recompute_modules
-    from lightning_seqpar.tensor_parallel.split_backward import split_weight_gradients
-    from lightning_seqpar.tensor_parallel.weight_gradients import WeightGradientStore
-    from lightning_seqpar.transformer.context import RewriteContext
 
     if getattr(config, "n_positions", None) is not None and config.n_positions < s:
         # learned positions (GPT-2) as long as the probe's sequence: a probe longer than the model's own is still the
@@ -121,19 +113,7 @@ def measure(config: Any, tp: int, sequence_parallel: bool, recompute: str, preci
     x = torch.randint(0, small.vocab_size, (b, s), generator=torch.Generator().manual_seed(0))
 
     def one_rank(group: Any) -> Optional[tuple[int, int]]:
-        torch.manual_seed(0)
-        # trained as the run is (LoRA, frozen names) before the dtype, as the run's precision casts its wrapped model
-        model = apply_trained_parts(build_causal_lm(small), training).to(dtype).train()
-        rewrite(model, RewriteContext(group, sequence_parallel, None, True), verify=False)
-        if recompute != "none":
-            apply_recompute(model, recompute)
-        if modules:  # by module: the modules with what recompute already recomputes
-            apply_recompute_modules(model, [*modules, *({"selective": ["core_attn"], "full": ["full"]}.get(
-                recompute, []))])
-        if offload:
-            apply_offload(model, list(offload), HostPool("cpu"))
-        if split:  # (the forward only: nothing defers, so the store stays empty)
-            split_weight_gradients(model, WeightGradientStore())
+        model = probe_model(small, dtype, group, sequence_parallel, recompute, modules, offload, training, split)
         autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed")
         # (the CUDA rule for norms and softmax is in force around the emulated ranks: measure())
         if group.rank != 0:
@@ -157,12 +137,43 @@ def measure(config: Any, tp: int, sequence_parallel: bool, recompute: str, preci
         return run_emulated(tp, one_rank)[0]
 
 
-def _small_overrides(config: Any, overrides: Optional[dict]) -> dict:
-    """Three layers (the middle one is measured; the last gathers its output under SP), per-layer lists cut (or, for
-    a model of fewer layers, repeated) to match, and ``overrides``."""
-    layers = getattr(config, "num_hidden_layers", None) or config.n_layer
-    per_layer = {k: (v * 3)[:3] for k, v in vars(config).items() if isinstance(v, list) and len(v) == layers}
-    return dict(num_hidden_layers=3, n_layer=3, **per_layer, **(overrides or {}))
+def probe_model(small: Any, dtype: torch.dtype, group: Any, sequence_parallel: bool, recompute: str,
+                modules: tuple[str, ...] = (), offload: tuple[str, ...] = (), training: Any = None,
+                split: bool = False) -> torch.nn.Module:
+    """The small model of ``small`` (a config) as the run builds it on ``group``'s rank: trained parts (LoRA,
+    frozen names) copied on, cast to ``dtype``, rewritten with ``sequence_parallel``, then recomputation
+    (``recompute`` and by ``modules``), ``offload`` and the split backward (``split``) applied; in training mode."""
+    from lightning_seqpar.hf.models import build_causal_lm
+    from lightning_seqpar.offload import HostPool, apply_offload
+    from lightning_seqpar.plan.trained import apply_trained_parts
+    from lightning_seqpar.policies import rewrite
+    from lightning_seqpar.recompute import apply_recompute, apply_recompute_modules
+    from lightning_seqpar.tensor_parallel.split_backward import split_weight_gradients
+    from lightning_seqpar.tensor_parallel.weight_gradients import WeightGradientStore
+    from lightning_seqpar.transformer.context import RewriteContext
+
+    torch.manual_seed(0)
+    # trained as the run is (LoRA, frozen names) before the dtype, as the run's precision casts its wrapped model
+    model = apply_trained_parts(build_causal_lm(small), training).to(dtype).train()
+    rewrite(model, RewriteContext(group, sequence_parallel, None, True), verify=False)
+    if recompute != "none":
+        apply_recompute(model, recompute)
+    if modules:  # by module: the modules with what recompute already recomputes
+        apply_recompute_modules(model, [*modules, *({"selective": ["core_attn"], "full": ["full"]}.get(
+            recompute, []))])
+    if offload:
+        apply_offload(model, list(offload), HostPool("cpu"))
+    if split:  # (a forward alone defers nothing, so the store stays empty)
+        split_weight_gradients(model, WeightGradientStore())
+    return model
+
+
+def _small_overrides(config: Any, overrides: Optional[dict], layers: int = 3) -> dict:
+    """Three layers (the middle one is measured; the last gathers its output under SP), or ``layers``, per-layer
+    lists cut (or, for a model of fewer layers, repeated) to match, and ``overrides``."""
+    total = getattr(config, "num_hidden_layers", None) or config.n_layer
+    per_layer = {k: (v * layers)[:layers] for k, v in vars(config).items() if isinstance(v, list) and len(v) == total}
+    return dict(num_hidden_layers=layers, n_layer=layers, **per_layer, **(overrides or {}))
 
 
 def fit_layer(config: Any, tp: int, sequence_parallel: bool = True, recompute: str = "selective",

@@ -1,5 +1,5 @@
 """``python -m lightning_seqpar.plan calibrate`` on this machine (4 gloo processes): it writes a file the planner
-reads, with GEMM and attention rates and every collective fitted at group sizes 2 and 4."""
+reads, with GEMM, attention, optimizer and element-wise rates and every collective fitted at group sizes 2 and 4."""
 
 import pytest
 
@@ -17,7 +17,7 @@ def test_calibrate_writes_measured_rates_the_planner_reads(tmp_path, capsys):
     rates = StepCalibration.load(path)
     assert (rates.device, rates.backend, rates.world) == ("cpu", "gloo", 4)
     assert [n for n, _ in rates.gemm] == [64, 128, 256] and all(rate > 0 for _, rate in rates.gemm + rates.attention)
-    assert rates.optimizer > 0
+    assert rates.optimizer > 0 and rates.memory > 0 and rates.dispatch > 0
     measured = {(kind, n) for kind, n, _ in rates.collectives}
     assert measured == {(kind, n) for kind in COLLECTIVES for n in ((2,) if kind == "send_recv" else (2, 4))}
     assert all(link.bandwidth > 0 and link.latency >= 0 for _, _, link in rates.collectives)

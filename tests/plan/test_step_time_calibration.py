@@ -24,12 +24,13 @@ S = 2048
 
 def calibration(slow_tensor: float = 1.0, **changes) -> StepCalibration:
     """A synthetic H100-like node: GEMMs 400 → 700 TFLOP/s, attention 300 TFLOP/s, links 10 µs and 200 GB/s, an
-    AdamW step over 10¹⁰ elements/s;
+    AdamW step over 10¹⁰ elements/s, element-wise work at 3 TB/s and 5 µs per operator;
     ``slow_tensor`` divides the tensor-parallel all-gather's bandwidth."""
     links = tuple((kind, n, Link(1e-5, 2e11 / (slow_tensor if kind == "all_gather" else 1)))
                   for kind in COLLECTIVES for n in ((2,) if kind == "send_recv" else (2, 4, 8)))
     values = dict(device="synthetic", backend="nccl", world=8, gemm=((1024, 4e14), (8192, 7e14)),
-                  attention=((1024, 3e14), (16384, 3e14)), collectives=links, optimizer=1e10)
+                  attention=((1024, 3e14), (16384, 3e14)), collectives=links, optimizer=1e10, memory=3e12,
+                  dispatch=5e-6)
     return StepCalibration(**{**values, **changes})
 
 
@@ -43,7 +44,11 @@ def test_a_calibration_file_round_trips_and_a_damaged_one_is_refused_naming_the_
         "a kind missing": json.dumps({**good, "collectives": [r for r in good["collectives"] if r[0] != "all_to_all"]}),
         "a negative bandwidth": json.dumps({**good, "collectives": [["all_gather", 2, 1e-5, -1.0]]
                                             + good["collectives"]}),
-        "another format": json.dumps({**good, "format": 2}),
+        "another format": json.dumps({**good, "format": 3}),
+        "the format before the element-wise rates": json.dumps(
+            {**{k: v for k, v in good.items() if k not in ("memory", "dispatch")}, "format": 1}),
+        "no memory rate": json.dumps({k: v for k, v in good.items() if k != "memory"}),
+        "a negative dispatch time": json.dumps({**good, "dispatch": -1e-6}),
         "no GEMM rates": json.dumps({**good, "gemm": []}),
         "a field missing": json.dumps({k: v for k, v in good.items() if k != "attention"}),
         "no optimizer rate": json.dumps({k: v for k, v in good.items() if k != "optimizer"}),
@@ -78,16 +83,18 @@ def test_each_term_is_priced_as_documented():
     hardware = Hardware(calibration=slow_gather)
     traffic = {"tensor": Traffic(1e9, 100, ("all_gather", "reduce_scatter"), 4, False),
                "data": Traffic(2e9, 1, ("all_reduce",), 16, True)}
-    times = step_times(hardware, 1e15, 2e14, (4096, 4096, 4096), 4096, traffic, bubble=0.25, optimizer_elements=3e9)
+    times = step_times(hardware, 1e15, 2e14, (4096, 4096, 4096), 4096, traffic, bubble=0.25, optimizer_elements=3e9,
+                       elementwise=(1e4, 6e12))
     assert times["optimizer"] == pytest.approx(3e9 / 1e10)
+    assert times["elementwise"] == pytest.approx(1e4 * 5e-6 + 6e12 / 3e12)
     compute = 8e14 / calibration().gemm_rate(4096, 4096, 4096) + 2e14 / 3e14
     assert times["compute"] == pytest.approx(compute)
     assert times["tensor"] == pytest.approx(100 * 1e-5 + 0.5e9 / 1e11 + 0.5e9 / 2e11)  # half the bytes each way
     assert times["data"] == pytest.approx(2e9 / hardware.inter_node_bandwidth)  # across nodes: not measurable here
-    assert times["bubble"] == pytest.approx(0.25 * compute)
-    rough = step_times(Hardware(), 1e15, 2e14, (4096, 4096, 4096), 4096, traffic, bubble=0.0)
+    assert times["bubble"] == pytest.approx(0.25 * (compute + times["elementwise"]))  # idle for both
+    rough = step_times(Hardware(), 1e15, 2e14, (4096, 4096, 4096), 4096, traffic, bubble=0.0, elementwise=(1e4, 6e12))
     assert rough["compute"] == pytest.approx(1e15 / (0.5 * 989e12))
-    assert rough["tensor"] == pytest.approx(1e9 / 450e9) and "optimizer" not in rough
+    assert rough["tensor"] == pytest.approx(1e9 / 450e9) and "optimizer" not in rough and "elementwise" not in rough
 
 
 def test_attention_flops_are_the_core_attention_share_of_eq_8():

@@ -1,0 +1,232 @@
+"""The work of a step that is neither a GEMM nor core attention, counted on small copies of the model: every other
+operator's dispatch and the bytes it reads and writes. The step-time model prices it beside the GEMMs and core
+attention (:func:`~.cost.step_times`, ``elementwise``): ``operators × dispatch + bytes / memory bandwidth``, both
+rates measured by ``calibrate``.
+
+A Hugging Face layer runs norms (in float32 under autocast), activations, residual adds, rotary embeddings, casts,
+gradient accumulation and the views between them; each is one or a few memory-bound passes over a ``[s, b, h]``,
+``[s, b, f]`` or ``[b, heads, s, s]`` tensor, and each operator costs a dispatch (Python, autograd, the kernel launch
+on a GPU). On a tiny model's CPU step they were 19 % of the operator time, unpriced (``docs/plan.md``).
+
+:class:`OperatorCounter` (a ``TorchDispatchMode``) sees every ATen operator below autograd, forward and backward
+(recomputed forwards included), and adds up, for each that is not a GEMM or an attention kernel (whose time, dispatch
+included, their own measured rates price), one dispatch and the bytes of its tensor inputs and outputs; an operator
+whose output is a view of its input (a view, an alias: no data moves) counts its dispatch only, an in-place one reads
+and writes its tensor. Collectives are left out (their traffic is priced apart), the emulated ranks' too.
+
+:func:`fit_work`: the probes of :mod:`.probe` (the layout's tp, sequence parallelism, recomputation, precision,
+trained parts) run forward and backward with 3 layers and with 2; one layer's work is the difference, the rest (the
+embedding, the final norm, the head and the loss) the 3-layer count less three layers. Operators per layer are a
+constant of the family and layout; bytes are fitted over the activation terms (:data:`WORK_TERMS`, as
+:data:`~.probe.TERMS`), the rest's over those outside the layers (:data:`REST_TERMS`, v the vocabulary: the embedding's
+and the head's weight gradients are ``d·v``), with coefficients ``≥ 0``, and scaled to the full size.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from lightning_seqpar._compat import TorchDispatchMode, mutates_input, tree_flatten
+
+PRICED_APART = ("mm", "addmm", "bmm", "baddbmm", "addbmm", "dot", "mv")
+"""GEMMs (:meth:`~.calibration.StepCalibration.gemm_rate`); attention kernels are matched by their prefixes"""
+_ATTENTION = ("_scaled_dot_product", "_flash_attention", "_efficient_attention", "_cudnn_attention")
+_COLLECTIVES = ("c10d", "_c10d_functional", "_dtensor")
+
+
+class OperatorCounter(TorchDispatchMode):
+    """Counts, while active (``with OperatorCounter() as counter``) in this thread, the operators priced as
+    element-wise work (see the module docstring): :attr:`operators` and :attr:`bytes` (read and written). Everything
+    run under :meth:`paused` is left out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.operators = 0
+        self.bytes = 0
+        self._paused = 0
+
+    def paused(self) -> "_Paused":
+        return _Paused(self)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if (self._paused or func.namespace in _COLLECTIVES or name in PRICED_APART
+                or name.startswith(_ATTENTION)):
+            return out
+        self.operators += 1
+        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        storages = {_storage(t) for t in inputs}
+        if mutates_input(func) or not any(_storage(t) in storages for t in outputs):
+            self.bytes += sum(t.numel() * t.element_size() for t in inputs + outputs)
+        return out
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # a tensor without storage (meta, a wrapper): never shared
+        return id(tensor)
+
+
+class _Paused:
+    def __init__(self, counter: OperatorCounter) -> None:
+        self.counter = counter
+
+    def __enter__(self) -> None:
+        self.counter._paused += 1
+
+    def __exit__(self, *exc: Any) -> None:
+        self.counter._paused -= 1
+
+
+_COLLECTIVE_METHODS = ("all_reduce", "all_gather", "reduce_scatter", "all_gather_start", "reduce_scatter_start",
+                       "broadcast", "all_to_all", "all_to_all_v")
+
+
+def _uncounted_collectives(group: Any, counter: OperatorCounter) -> None:
+    """``group``'s collectives (an emulated rank's: torch operators combining the threads' tensors, which a real
+    group's backend does) run with ``counter`` paused: set on this instance only."""
+    for name in _COLLECTIVE_METHODS:
+        method = getattr(group, name)
+
+        def paused(*args: Any, _method: Any = method, **kwargs: Any) -> Any:
+            with counter.paused():
+                return _method(*args, **kwargs)
+
+        setattr(group, name, paused)
+
+
+WORK_TERMS = ("bsd", "bsf", "bss", "bs", "ss", "sd", "dd", "df")  # as :data:`~.probe.TERMS`
+REST_TERMS = ("bsd", "bsv", "bs", "sd", "ss", "dv", "bss")  # as :data:`~.probe.OUTSIDE_TERMS`
+# (b, s, d, f, v) of the probes, s, f and v times t; the last checks the fit.
+_PROBES = ((1, 8, 8, 16, 64), (2, 8, 8, 16, 96), (1, 16, 8, 16, 128), (1, 8, 16, 16, 64), (1, 8, 8, 32, 96),
+           (2, 16, 8, 16, 64), (1, 16, 16, 16, 96), (1, 8, 16, 32, 128), (2, 8, 16, 32, 64), (2, 16, 16, 32, 128))
+
+
+def _layer_terms(b: int, s: int, d: int, f: int) -> list[float]:
+    return [b * s * d, b * s * f, b * s * s, b * s, s * s, s * d, d * d, d * f]
+
+
+def _rest_terms(b: int, s: int, d: int, v: int) -> list[float]:
+    return [b * s * d, b * s * v, b * s, s * d, s * s, d * v, b * s * s]
+
+
+@dataclass(frozen=True)
+class WorkFit:
+    """Element-wise work of one micro-batch's forward and backward on one rank: per layer ``layer_operators``
+    dispatches and ``Σ layer_bytes[k] · WORK_TERMS[k]`` bytes; outside the layers ``rest_operators`` and
+    ``Σ rest_bytes[k] · REST_TERMS[k]`` (d values per head, f the MLP width, v the vocabulary); the fits' relative
+    errors on the check probe."""
+
+    layer_operators: float
+    layer_bytes: tuple[float, ...]
+    rest_operators: float
+    rest_bytes: tuple[float, ...]
+    check_error: tuple[float, float]
+
+    def layer(self, s: int, b: int, head_dim: int, ffn: int) -> tuple[float, float]:
+        """``(operators, bytes)`` of one layer."""
+        terms = _layer_terms(b, s, head_dim, ffn)
+        return self.layer_operators, max(0.0, sum(c * x for c, x in zip(self.layer_bytes, terms)))
+
+    def rest(self, s: int, b: int, head_dim: int, vocab: int) -> tuple[float, float]:
+        """``(operators, bytes)`` outside the layers."""
+        terms = _rest_terms(b, s, head_dim, vocab)
+        return max(0.0, self.rest_operators), max(0.0, sum(c * x for c, x in zip(self.rest_bytes, terms)))
+
+
+def count_step(config: Any, tp: int, sequence_parallel: bool, recompute: str, precision: str, s: int, b: int,
+               overrides: Optional[dict] = None, layers: int = 3, modules: tuple[str, ...] = (),
+               offload: tuple[str, ...] = (), training: Any = None, split: bool = False) -> tuple[int, int]:
+    """``(operators, bytes)`` of one forward and backward (``model(input_ids=x, labels=x).loss.backward()``) of a
+    ``layers``-layer small copy of ``config`` (:func:`~.probe.probe_model`) on rank 0 of ``tp`` emulated ranks."""
+    from lightning_seqpar.hf.model_check import small_config
+    from lightning_seqpar.memory.cuda_autocast import cuda_autocast_rules
+    from lightning_seqpar.parallel.emulated import run_emulated
+    from lightning_seqpar.plan.probe import _DTYPES, _small_overrides, probe_model
+
+    if getattr(config, "n_positions", None) is not None and config.n_positions < s:
+        overrides = dict(overrides or {}, n_positions=s)
+    small = small_config(config, tp, _small_overrides(config, overrides, layers))
+    x = torch.randint(0, small.vocab_size, (b, s), generator=torch.Generator().manual_seed(0))
+
+    def one_rank(group: Any) -> Optional[tuple[int, int]]:
+        model = probe_model(small, _DTYPES[precision], group, sequence_parallel, recompute, modules, offload, training,
+                            split)
+        counter = OperatorCounter()
+        _uncounted_collectives(group, counter)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
+            if group.rank != 0:
+                model(input_ids=x, labels=x).loss.backward()
+                return None
+            with counter:
+                model(input_ids=x, labels=x).loss.backward()
+        return counter.operators, counter.bytes
+
+    if precision != "bf16-mixed":
+        return run_emulated(tp, one_rank)[0]
+    with cuda_autocast_rules():
+        return run_emulated(tp, one_rank)[0]
+
+
+def fit_work(config: Any, tp: int, sequence_parallel: bool = True, recompute: str = "selective",
+             precision: str = "bf16-mixed", experts: Any = None, modules: tuple[str, ...] = (),
+             offload: tuple[str, ...] = (), training: Any = None, split: bool = False) -> WorkFit:
+    """:class:`WorkFit` of ``config``'s model under the layout (the arguments as :func:`~.probe.fit_layer`'s).
+
+    Raises:
+        ValueError: an unknown precision, or a layout the model refuses (from the rewrite).
+    """
+    from lightning_seqpar.hf.model_check import probe_head_dim
+    from lightning_seqpar.plan.probe import _DTYPES, _expert_widths
+
+    if precision not in _DTYPES:
+        raise ValueError(f"precision={precision!r}: one of {sorted(_DTYPES)}.")
+    heads = getattr(config, "num_attention_heads", None) or config.n_head
+    base = probe_head_dim(config)
+    layer_rows, layer_bytes, rest_rows, rest_bytes, layer_ops, rest_ops = [], [], [], [], [], []
+    for b, s, d, f, v in _PROBES:
+        s, d, f, v = s * tp, d // 4 * base, f * tp, v * tp
+        overrides = dict(head_dim=d, hidden_size=heads * d, n_embd=heads * d, intermediate_size=f, n_inner=f,
+                         ffn_hidden_size=f, vocab_size=v)
+        if experts is not None:
+            overrides.update(_expert_widths(experts, f))
+        three, two = (count_step(config, tp, sequence_parallel, recompute, precision, s, b, overrides, n, modules,
+                                 offload, training, split) for n in (3, 2))
+        layer = (three[0] - two[0], three[1] - two[1])
+        layer_ops.append(layer[0])
+        rest_ops.append(three[0] - 3 * layer[0])
+        layer_rows.append(_layer_terms(b, s, d, f))
+        layer_bytes.append(float(layer[1]))
+        rest_rows.append(_rest_terms(b, s, d, v))
+        rest_bytes.append(float(three[1] - 3 * layer[1]))
+    layer_fit, layer_error = _nonnegative_fit(layer_rows, layer_bytes)
+    rest_fit, rest_error = _nonnegative_fit(rest_rows, rest_bytes)
+    return WorkFit(statistics.median(layer_ops), layer_fit, statistics.median(rest_ops), rest_fit,
+                   (layer_error, rest_error))
+
+
+def _nonnegative_fit(rows: list[list[float]], values: list[float]) -> tuple[tuple[float, ...], float]:
+    """Coefficients ``≥ 0`` that give ``values`` from the terms ``rows`` (all but the last probe; least squares, the
+    most negative term dropped until none is), and the relative error on the last probe. A negative coefficient fits
+    the probes' small sizes and turns the bytes negative at a long sequence (a ``b·s²`` term against ``b·s·d``)."""
+    a = torch.tensor(rows[:-1], dtype=torch.float64)
+    y = torch.tensor(values[:-1], dtype=torch.float64).unsqueeze(1)
+    active = list(range(a.shape[1]))
+    while True:
+        solution = torch.linalg.lstsq(a[:, active], y).solution.flatten().tolist()
+        worst = min(range(len(active)), key=lambda i: solution[i])
+        if solution[worst] >= 0 or len(active) == 1:
+            break
+        del active[worst]
+    coefficients = [0.0] * a.shape[1]
+    for i, c in zip(active, solution):
+        coefficients[i] = round(max(c, 0.0), 6)
+    predicted = sum(c * term for c, term in zip(coefficients, rows[-1]))
+    return tuple(coefficients), abs(predicted - values[-1]) / max(values[-1], 1.0)
