@@ -115,3 +115,14 @@ def test_the_planner_prices_the_work_and_a_slow_dispatch_prefers_fewer_micro_bat
     # each micro-batch dispatches every operator once: at 10 ms an operator, one micro-batch of 8 wins over the 8
     # of 1 the compute prefers
     assert best.micro_batch == 1 and slow[0].micro_batch == 8, (best.micro_batch, slow[0].micro_batch)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2", "phi3", "gpt2", "falcon"])
+def test_every_probed_family_s_layer_is_counted_at_two_depths(family):
+    """The families of the activation calibration (fused projections, four norms, learned positions, biases): a
+    2-layer small copy builds and runs as the 3-layer one does, and a layer adds operators and bytes."""
+    from tests.plan.test_activation_calibration import _config
+
+    config = _config(family)
+    three, two = (count_step(config, 2, True, "selective", "bf16-mixed", 16, 2, layers=n) for n in (3, 2))
+    assert three[0] > two[0] > three[0] - two[0] > 0 and three[1] > two[1] > 0, (three, two)
