@@ -34,8 +34,9 @@ class _Exchange:
 class EmulatedGroup(ParallelGroup):
     """Rank ``rank`` of an emulated group of ``size`` ranks (one thread each; see :func:`run_emulated`).
 
-    all-reduce (sum, max, min), all-gather, reduce-scatter, broadcast and the all-to-alls give what they give on a real group; the sum
-    is taken in rank order on every rank, so every rank holds bitwise the same result.
+    all-reduce (sum, max, min), all-gather, reduce-scatter, broadcast, the ring exchange and the all-to-alls give what
+    they give on a real group; the sum is taken in rank order on every rank, so every rank holds bitwise the same
+    result.
     """
 
     def __init__(self, size: int, rank: int, exchange: _Exchange) -> None:
@@ -65,6 +66,10 @@ class EmulatedGroup(ParallelGroup):
 
     def reduce_scatter_start(self, tensor: Tensor) -> Pending:
         return Pending(self.reduce_scatter(tensor))
+
+    def ring_exchange_start(self, tensor: Tensor) -> Pending:
+        every = self._exchange.gather(self.rank, tensor.clone())  # from the previous rank of the ring, at once
+        return Pending(every[(self.rank - 1) % self.size])
 
     def broadcast(self, tensor: Tensor, src_rank: int = 0) -> Tensor:
         tensor.copy_(self._exchange.gather(self.rank, tensor.clone())[src_rank])

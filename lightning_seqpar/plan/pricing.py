@@ -128,8 +128,9 @@ def outside_bytes(record: LayoutRecord, inventory: ModelInventory, s: int, preci
 def elementwise_work(record: LayoutRecord, inventory: ModelInventory, s: int, precision: str,
                      fits: Optional[dict[tuple, Any]]) -> Optional[tuple[float, float]]:
     """``(operators, bytes)`` of the element-wise work (:mod:`.work`) one rank of ``record`` runs per step: its
-    ``L/(p)`` layers' and a ``1/p`` share of what runs outside the layers, for each of its ``m`` micro-batches of ``s/c``
-    tokens (a context-parallel layer counted as its cp 1 twin's over those tokens, a rank of ep holding all the
+    ``L/p`` layers' and a ``1/p`` share of what runs outside the layers, for each of its ``m`` micro-batches of ``s/c``
+    tokens (a context-parallel layer counted as its cp 1 twin's over those tokens but for an explicit attention's
+    ``s²`` terms, plus its blockwise attention's work, :func:`~.work.fit_context_work`; a rank of ep holding all the
     experts' operators); ``None`` where the model cannot be probed (``fits`` or the inventory's config ``None``),
     fitted once per model and layout into ``fits``."""
     if fits is None or inventory.config is None:
@@ -142,7 +143,18 @@ def elementwise_work(record: LayoutRecord, inventory: ModelInventory, s: int, pr
         fits[key] = fit_work(inventory.config, record.tp, True, record.recompute, precision, inventory.experts,
                              modules=record.modules, offload=record.offload, training=inventory.training, split=split)
     fit, local, b = fits[key], s // record.cp, record.micro_batch
-    layer_ops, layer_bytes = fit.layer(local, b, inventory.head_dim, inventory.ffn_hidden_size)
+    layer_ops, layer_bytes = fit.layer(local, b, inventory.head_dim, inventory.ffn_hidden_size, quadratic=record.cp == 1)
+    if record.cp > 1:  # the blockwise attention's merges and accumulators (and, op by op, its blocks' softmax)
+        fused, tp = not inventory.eager_attention, record.tp
+        heads, kv_heads = inventory.num_heads // tp, max(1, inventory.num_kv_heads // tp)
+        context = ("context work", record.cp, record.cp_comm, heads, kv_heads, inventory.head_dim, precision, fused)
+        if context not in fits:
+            from lightning_seqpar.plan.work import fit_context_work
+
+            fits[context] = fit_context_work(record.cp, record.cp_comm, heads, kv_heads, inventory.head_dim,
+                                             precision, fused)
+        ops, moved = fits[context].layer(local, b, full=record.recompute == "full")
+        layer_ops, layer_bytes = layer_ops + ops, layer_bytes + moved
     rest_ops, rest_bytes = fit.rest(local, b, inventory.head_dim, inventory.vocab_size)
     layers = inventory.num_layers / record.pp
     m = record.num_microbatches

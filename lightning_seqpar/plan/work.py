@@ -20,6 +20,10 @@ embedding, the final norm, the head and the loss) the 3-layer count less three l
 constant of the family and layout; bytes are fitted over the activation terms (:data:`WORK_TERMS`, as
 :data:`~.probe.TERMS`), the rest's over those outside the layers (:data:`REST_TERMS`, v the vocabulary: the embedding's
 and the head's weight gradients are ``d·v``), with coefficients ``≥ 0``, and scaled to the full size.
+
+A context-parallel layer runs its core attention block by block (:mod:`lightning_seqpar.context_parallel.attention`):
+:func:`fit_context_work` counts that attention's own work on c emulated ranks (the ring exchange included), at the
+model's heads and head size and small sequences, in place of the twin's explicit attention's ``s²`` terms.
 """
 
 from __future__ import annotations
@@ -86,7 +90,7 @@ class _Paused:
 
 
 _COLLECTIVE_METHODS = ("all_reduce", "all_gather", "reduce_scatter", "all_gather_start", "reduce_scatter_start",
-                       "broadcast", "all_to_all", "all_to_all_v")
+                       "broadcast", "all_to_all", "all_to_all_v", "ring_exchange_start")
 
 
 def _uncounted_collectives(group: Any, counter: OperatorCounter) -> None:
@@ -130,10 +134,12 @@ class WorkFit:
     rest_bytes: tuple[float, ...]
     check_error: tuple[float, float]
 
-    def layer(self, s: int, b: int, head_dim: int, ffn: int) -> tuple[float, float]:
-        """``(operators, bytes)`` of one layer."""
+    def layer(self, s: int, b: int, head_dim: int, ffn: int, quadratic: bool = True) -> tuple[float, float]:
+        """``(operators, bytes)`` of one layer; without ``quadratic``, less the ``s²`` terms (an explicit core
+        attention's scores and softmax, which a context-parallel layer's blocks replace: :class:`ContextWork`)."""
         terms = _layer_terms(b, s, head_dim, ffn)
-        return self.layer_operators, max(0.0, sum(c * x for c, x in zip(self.layer_bytes, terms)))
+        return self.layer_operators, max(0.0, sum(c * x for c, x, name in zip(self.layer_bytes, terms, WORK_TERMS)
+                                                  if quadratic or name not in ("bss", "ss")))
 
     def rest(self, s: int, b: int, head_dim: int, vocab: int) -> tuple[float, float]:
         """``(operators, bytes)`` outside the layers."""
@@ -230,3 +236,87 @@ def _nonnegative_fit(rows: list[list[float]], values: list[float]) -> tuple[tupl
         coefficients[i] = round(max(c, 0.0), 6)
     predicted = sum(c * term for c, term in zip(coefficients, rows[-1]))
     return tuple(coefficients), abs(predicted - values[-1]) / max(values[-1], 1.0)
+
+
+_ELEMENT = {"32-true": torch.float32, "64-true": torch.float64, "bf16-true": torch.bfloat16,
+            "bf16-mixed": torch.bfloat16}  # what q, k and v are in context-parallel attention (cast under autocast)
+
+
+def count_context_attention(c: int, comm: str, heads: int, kv_heads: int, head_dim: int, b: int, s: int,
+                            precision: str, fused: bool) -> tuple[tuple[int, int], tuple[int, int]]:
+    """``((operators, bytes) forward, (operators, bytes) backward)`` of context-parallel core attention
+    (:func:`~lightning_seqpar.context_parallel.attention.context_parallel_attention`, causal) on rank 0 of ``c``
+    emulated ranks: q ``[b, heads, s/c, head_dim]`` (a tensor-parallel rank's heads), k and v with ``kv_heads``.
+    Its blocks' kernels (fused) or GEMMs are priced as attention FLOPs; what this counts is the rest: the
+    log-sum-exp merges, the accumulators, the masks and softmax of op-by-op blocks."""
+    from lightning_seqpar.context_parallel.attention import context_parallel_attention
+    from lightning_seqpar.context_parallel.layout import ContextParallelBatch
+    from lightning_seqpar.parallel.emulated import run_emulated
+
+    dtype, local = _ELEMENT[precision], s // c
+    generator = torch.Generator().manual_seed(0)
+    q, k, v, grad = (torch.randn(b, n, local, head_dim, generator=generator).to(dtype)
+                     for n in (heads, kv_heads, kv_heads, heads))
+
+    def one_rank(group: Any) -> tuple[tuple[int, int], tuple[int, int]]:
+        inputs = [x.clone().requires_grad_() for x in (q, k, v)]
+        layout = ContextParallelBatch(group, comm, s)
+        forward, backward = OperatorCounter(), OperatorCounter()
+        for counter in (forward, backward):
+            _uncounted_collectives(group, counter)
+        with forward:
+            out = context_parallel_attention(*inputs, layout, head_dim ** -0.5, fused=fused)
+        with backward:
+            out.backward(grad)
+        return (forward.operators, forward.bytes), (backward.operators, backward.bytes)
+
+    return run_emulated(c, one_rank)[0]
+
+
+@dataclass(frozen=True)
+class ContextWork:
+    """Element-wise work of one layer's context-parallel core attention for one micro-batch on one rank:
+    ``operators`` forward and backward (``forward_operators`` of them forward, counted again under full
+    recomputation), and ``Σ bytes[k] · (b·s/c, b·(s/c)²)[k]`` bytes (``forward_bytes`` likewise)."""
+
+    operators: float
+    forward_operators: float
+    bytes: tuple[float, float]
+    forward_bytes: tuple[float, float]
+
+    def layer(self, s_local: int, b: int, full: bool) -> tuple[float, float]:
+        """``(operators, bytes)`` over ``s_local = s/c`` tokens; ``full``: the forward runs again in backward."""
+        terms = (b * s_local, b * s_local * s_local)
+        moved = sum(x * t for x, t in zip(self.bytes, terms)) + full * sum(
+            x * t for x, t in zip(self.forward_bytes, terms))
+        return self.operators + full * self.forward_operators, moved
+
+
+_CONTEXT_PROBES = ((1, 16), (2, 16), (1, 32), (2, 32))  # (b, s/c)
+
+
+def fit_context_work(c: int, comm: str, heads: int, kv_heads: int, head_dim: int, precision: str,
+                     fused: bool) -> ContextWork:
+    """:class:`ContextWork` from :func:`count_context_attention` at the model's heads and head size and small
+    sequences (operators: a constant of c; bytes: ``b·s/c`` terms of the merges and accumulators and, op by op,
+    ``b·(s/c)²`` ones of the blocks' scores), with coefficients ``≥ 0``.
+
+    Raises:
+        ValueError: an unknown precision.
+    """
+    if precision not in _ELEMENT:
+        raise ValueError(f"precision={precision!r}: one of {sorted(_ELEMENT)}.")
+    rows, total, forward, operators, forward_operators = [], [], [], [], []
+    for b, n in _CONTEXT_PROBES:
+        s = n * c
+        (f_ops, f_bytes), (b_ops, b_bytes) = count_context_attention(c, comm, heads, kv_heads, head_dim, b, s,
+                                                                     precision, fused)
+        rows.append([b * n, b * n * n])
+        total.append(float(f_bytes + b_bytes))
+        forward.append(float(f_bytes))
+        operators.append(f_ops + b_ops)
+        forward_operators.append(f_ops)
+    coefficients, _ = _nonnegative_fit(rows, total)
+    forward_coefficients, _ = _nonnegative_fit(rows, forward)
+    return ContextWork(statistics.median(operators), statistics.median(forward_operators), coefficients,
+                       forward_coefficients)

@@ -126,3 +126,20 @@ def test_every_probed_family_s_layer_is_counted_at_two_depths(family):
     config = _config(family)
     three, two = (count_step(config, 2, True, "selective", "bf16-mixed", 16, 2, layers=n) for n in (3, 2))
     assert three[0] > two[0] > three[0] - two[0] > 0 and three[1] > two[1] > 0, (three, two)
+
+
+def test_context_parallel_attention_s_own_work_is_counted_on_emulated_ranks_and_scaled():
+    from lightning_seqpar.plan.work import count_context_attention, fit_context_work
+
+    # the emulated ring passes each rank's tensor to the next, as the real one does
+    received = run_emulated(3, lambda group: group.ring_exchange_start(torch.full((1,), float(group.rank))).wait())
+    assert [int(x) for x in received] == [2, 0, 1]
+    for fused in (True, False):  # SDPA's blocks (a Hugging Face model's default), or op by op (eager attention)
+        two, four = (fit_context_work(c, "ring", 4, 2, 16, "32-true", fused) for c in (2, 4))
+        assert four.operators > two.operators > two.forward_operators > 0  # c steps of merges and accumulators
+        forward, backward = count_context_attention(2, "ring", 4, 2, 16, 3, 2 * 48, "32-true", fused)
+        operators, moved = two.layer(48, 3, full=False)
+        assert operators == forward[0] + backward[0]
+        assert moved == pytest.approx(forward[1] + backward[1], rel=0.03)
+        again = two.layer(48, 3, full=True)  # full recomputation: the forward once more
+        assert again[0] == operators + forward[0] and again[1] == pytest.approx(moved + forward[1], rel=0.03)
