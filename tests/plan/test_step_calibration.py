@@ -151,6 +151,11 @@ def _measure(rank, world, layouts=LAYOUTS, moe=False, s=S, vocab=CONFIG["vocab_s
     return out
 
 
+_FITS: dict = {}
+"""The probes' fits, shared by every case of this module (keyed by the model's config and the layout, as the planner's
+cache is): the same layer under the same layout is probed once."""
+
+
 def _errors(layouts, moe, s=S, vocab=CONFIG["vocab_size"], loss_chunk=4096, lora=False):
     from lightning_seqpar.plan.models import meta_model
 
@@ -158,7 +163,7 @@ def _errors(layouts, moe, s=S, vocab=CONFIG["vocab_size"], loss_chunk=4096, lora
     options = dict(MOE, model_type="qwen3_moe") if moe else dict(CONFIG, model_type="llama", vocab_size=vocab)
     model = meta_model(dict(options, max_position_embeddings=max(s, 64)))
     inventory = inventory_of_hf_model(_with_lora(model) if lora else model)
-    fits: dict = {}
+    fits = _FITS
     rows = []
     for index, (tp, pp, vpp, zero, mbs, recompute, precision, *schedule) in enumerate(layouts):
         cp = schedule[2] if len(schedule) > 2 else 1
