@@ -25,6 +25,9 @@ Rows (each in its own process, so every memory peak and process group is its own
 - ``speed``: a Llama of about 1B parameters (tp 1, bf16-mixed, selective): tokens/s and MFU (Eq. 7 FLOPs over the
   device's peak) under ``SeqParallelStrategy`` eager, with ``compile=True``, and plain Lightning + transformers on
   the same model and batches. On CPU: a tiny Llama, ``compile={"backend": "aot_eager"}``, no MFU.
+- ``step time``: the planner's seconds per step for the eager speed row's layout, from this device's own rates
+  (GEMMs, attention, element-wise work, the optimizer step: ``plan.calibrate.measure_device_rates``), against the
+  measured median; within 20 % on a GPU, reported on CPU.
 """
 
 from __future__ import annotations
@@ -233,9 +236,10 @@ def _speed_module(config: dict) -> Any:
     return SpeedLM()
 
 
-def speed_row(size: dict, library: str) -> Row:
+def speed_rows(size: dict, library: str) -> list[Row]:
     """Tokens/s and MFU of ``library``: ``ours`` (eager), ``ours compiled`` or ``plain`` Lightning + transformers;
-    the first loss is reported for the loss row (the same seeded weights in all three)."""
+    the first loss is reported for the loss row (the same seeded weights in all three). ``ours`` is followed by the
+    planner's step time against its own (:func:`step_time_row`)."""
     import torch
 
     from lightning_seqpar import SelectiveRecompute, SeqParallelStrategy
@@ -259,8 +263,36 @@ def speed_row(size: dict, library: str) -> Row:
                              gated_mlp=True)
     peak = peak_flops_of(torch.device(size["device"]))
     mfu = f", MFU {model_flops_per_iteration(shape, batch) / step / peak:.1%}" if peak else ""
-    return Row("speed", f"{library}: Llama h={config['hidden_size']} L={config['num_hidden_layers']}, {batch}x{s}",
-               f"{batch * s / step:,.0f} tokens/s{mfu}", f"first loss {timer.losses[0]:.4f}", None)
+    row = Row("speed", f"{library}: Llama h={config['hidden_size']} L={config['num_hidden_layers']}, {batch}x{s}",
+              f"{batch * s / step:,.0f} tokens/s{mfu}", f"first loss {timer.losses[0]:.4f}", None)
+    return [row, step_time_row(size, step)] if library == "ours" else [row]
+
+
+def step_time_row(size: dict, measured: float) -> Row:
+    """The planner's step time for the speed row's layout (one device, tp 1, one micro-batch of the whole batch, no
+    recomputation: under SDPA the selective one has nothing to recompute) from this device's own rates (:func:`~lightning_seqpar.plan.calibrate.measure_device_rates`),
+    against ``measured`` (the eager run's median seconds per step); on a GPU within 20 % (issue goal), on CPU
+    reported."""
+    import torch
+
+    from lightning_seqpar.hf.models import build_causal_lm, causal_lm_config
+    from lightning_seqpar.plan import Hardware, inventory_of_hf_model, plan
+    from lightning_seqpar.plan.calibrate import measure_device_rates
+
+    config, s, batch, _ = size["speed"]
+    device = torch.device(size["device"])
+    calibration = measure_device_rates(device)
+    with torch.device("meta"):
+        model = build_causal_lm(causal_lm_config(dict(config), attn_implementation="sdpa"))
+    records = plan(inventory_of_hf_model(model), 1, s, batch, hardware=Hardware(memory=1e15, calibration=calibration),
+                   precision=size["precision"], micro_batches=(batch,), context_parallel=(1,))
+    # SDPA keeps no s² tensor: the run's SelectiveRecompute has nothing to recompute, and the planner prices it so
+    record = next(r for r in records if r.feasible and r.recompute == "none")
+    predicted = record.step_time["total"]
+    terms = ", ".join(f"{k} {v:.3f}" for k, v in record.step_time.items() if k != "total" and v > 0)
+    return Row("step time", f"planned with this device's rates ({calibration.describe()}): {terms}",
+               f"{measured:.3f} s measured", f"{predicted:.3f} s predicted ({predicted / measured:.2f} of measured)",
+               None if device.type == "cpu" else abs(predicted / measured - 1) <= 0.2)
 
 
 def host_sync_row(size: dict) -> Row:
@@ -325,9 +357,9 @@ ROWS: dict[str, Callable[[dict], list[Row]]] = {
     "kernels": kernel_rows,
     "host syncs": lambda size: [host_sync_row(size)],
     "offload": lambda size: [offload_row(size)],
-    "speed ours": lambda size: [speed_row(size, "ours")],
-    "speed ours compiled": lambda size: [speed_row(size, "ours compiled")],
-    "speed plain": lambda size: [speed_row(size, "plain")],
+    "speed ours": lambda size: speed_rows(size, "ours"),
+    "speed ours compiled": lambda size: speed_rows(size, "ours compiled"),
+    "speed plain": lambda size: speed_rows(size, "plain"),
 }
 
 

@@ -143,6 +143,18 @@ def _compute_rates(device: torch.device, dtype: torch.dtype, repeats: int) -> tu
     return gemm, attention
 
 
+def measure_device_rates(device: torch.device, repeats: int = 3) -> StepCalibration:
+    """The rates one process measures on ``device`` (GEMMs, core attention, the optimizer step, element-wise work:
+    bfloat16 on CUDA, float32 on CPU), without collectives (``world`` 1): what a one-device layout's step time reads.
+    No process group is needed."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    gemm, attention = _compute_rates(device, dtype, repeats)
+    memory, dispatch = _elementwise_rates(device, dtype, repeats)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return StepCalibration(name, "nccl" if device.type == "cuda" else "gloo", 1, tuple(gemm), tuple(attention), (),
+                           _optimizer_rate(device, repeats), memory, dispatch)
+
+
 def _fit(points: list[tuple[float, float]]) -> Link:
     """Least squares ``time = α + sent/β`` over ``(sent, seconds)``; α clipped at 0 (then β from the slope through
     the origin)."""

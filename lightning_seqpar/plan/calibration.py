@@ -55,7 +55,8 @@ class StepCalibration:
         world: the processes that took part (the largest group size measured).
         gemm: ``(n, FLOP/s)`` per GEMM class, ascending n.
         attention: ``(s, FLOP/s)`` per local sequence length, ascending s.
-        collectives: ``(kind, group size, Link)``, kind one of :data:`COLLECTIVES`.
+        collectives: ``(kind, group size, Link)``, kind one of :data:`COLLECTIVES`; none where one process measured
+            (``world`` 1: :func:`~.calibrate.measure_device_rates`, enough for a one-device layout).
         optimizer: parameter elements per second one rank's AdamW step updates.
         memory: bytes per second an element-wise operator reads and writes.
         dispatch: seconds per operator beside its bytes (Python, autograd, a kernel's launch).
@@ -85,8 +86,16 @@ class StepCalibration:
 
     def link(self, kind: str, n: int) -> Link:
         """The rates of ``kind`` among ``n`` ranks: those measured at ``n``, else at the nearest measured size (below
-        ``n`` when larger groups were not measured: a ring's per-rank bandwidth barely changes with its size)."""
+        ``n`` when larger groups were not measured: a ring's per-rank bandwidth barely changes with its size).
+
+        Raises:
+            ValueError: no rates of ``kind`` (a calibration of one process), naming the command that measures them.
+        """
         sizes = sorted(size for k, size, _ in self.collectives if k == kind)
+        if not sizes:
+            raise ValueError(f"The calibration ({self.describe()}) has no {kind} rates: a layout over several ranks "
+                             f"needs a calibration measured on 2 or more processes (`python -m "
+                             f"lightning_seqpar.plan calibrate --processes 2 ...`).")
         near = min(sizes, key=lambda size: (abs(math.log(size / n)), -size))
         return next(link for k, size, link in self.collectives if k == kind and size == near)
 
@@ -142,7 +151,7 @@ class StepCalibration:
                                  f"n >= 2, latency >= 0, bandwidth > 0")
             links.append((kind, int(n), Link(float(latency), float(bandwidth))))
         missing = [kind for kind in COLLECTIVES if not any(k == kind for k, _, _ in links)]
-        if missing:
+        if missing and int(data["world"]) > 1:  # one process measures no collective
             raise ValueError(f"'collectives' has no rows for {missing}")
         optimizer, memory, dispatch = (float(data[k]) for k in ("optimizer", "memory", "dispatch"))
         if not optimizer > 0 or not memory > 0 or not dispatch >= 0:

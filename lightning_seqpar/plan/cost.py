@@ -137,7 +137,9 @@ def step_times(hardware: Hardware, flops: float, attention_flops: float, gemm: t
                    + attention_flops / calibration.attention_rate(local_seq))
     times = {"compute": compute}
     for kind, t in traffic.items():
-        if t.inter_node or calibration is None:
+        if not t.sent and not t.count:  # nothing sent (a group of one): no rate needed
+            times[kind] = 0.0
+        elif t.inter_node or calibration is None:
             times[kind] = t.sent / (hardware.inter_node_bandwidth if t.inter_node else hardware.intra_node_bandwidth)
         else:
             share = len(t.collectives)

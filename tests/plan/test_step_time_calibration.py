@@ -174,3 +174,20 @@ def test_the_optimizer_step_is_priced_over_the_elements_each_rank_updates():
         elements = record.bytes["parameters"] / PARAMETER_BYTES["bf16-mixed"]  # the parameter elements held
         updated = elements / (record.dp if zero else 1)
         assert record.step_time["optimizer"] == pytest.approx(updated / 1e10), zero
+
+
+def test_one_process_s_rates_plan_one_device_and_a_layout_over_ranks_is_refused_naming_the_command(tmp_path):
+    # what recipes/gpu_check.py measures beside its speed row: no collectives, enough for a one-device layout
+    from lightning_seqpar.plan.models import model_inventory
+
+    alone = calibration(world=1, collectives=())
+    path = tmp_path / "one.json"
+    alone.save(path)
+    assert StepCalibration.load(path) == alone
+    inventory = model_inventory("gpt-22b", S, "eager")
+    kwargs = dict(calibrate=False, context_parallel=(1,), micro_batches=(1,), hardware=Hardware(memory=1e15,
+                                                                                              calibration=alone))
+    best = plan(inventory, 1, S, 4, **kwargs)[0]
+    assert best.timing == "measured rates" and best.step_time["tensor"] == 0 and best.step_time["compute"] > 0
+    with pytest.raises(ValueError, match="2 or more processes"):
+        plan(inventory, 8, S, 8, **kwargs)

@@ -24,13 +24,17 @@ def test_the_gpu_check_runs_its_dry_parts_on_cpu(tmp_path):
     assert "CPU; torch 2.13" in result.stdout  # the caption: what the figures were measured on
     rows = json.loads(out.read_text())
     assert [r["check"] for r in rows] == ["memory"] * 2 + ["kernels"] * 2 + ["host syncs", "offload"] + \
-        ["speed"] * 3 + ["kernels"] * 2
+        ["speed", "step time", "speed", "speed"] + ["kernels"] * 2
     assert [r for r in rows if r["ok"] is False] == []
     memory = rows[:2]  # one rank of a 4-rank world on the fake backend trained, tp 4 and tp 2 x cp 2 priced
     assert all(r["measured"].startswith("trained 2 steps") for r in memory)
     assert all(r["expected"].endswith("MB") for r in memory), memory
     assert all(r["ok"] is True for r in rows if r["check"] in ("kernels", "host syncs", "offload"))
     assert [r["case"].split(":")[0] for r in rows if r["check"] == "speed"] == ["ours", "ours compiled", "plain"]
+    # the planner's step time from this device's own rates beside the measured one (judged on a GPU only)
+    (step,) = [r for r in rows if r["check"] == "step time"]
+    assert "(cpu, gloo, 1 processes)" in step["case"] and "elementwise" in step["case"] and step["ok"] is None
+    assert step["measured"].endswith("s measured") and float(step["expected"].split(" s predicted")[0]) > 0
 
 
 def test_a_failed_comparison_fails_the_check():
