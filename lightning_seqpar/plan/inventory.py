@@ -186,6 +186,17 @@ class ModelInventory:
         return any(e.trainable for e in self.entries if e.part == "head" or e.tied)
 
     @functools.cached_property
+    def frozen_gemm_elements(self) -> float:
+        """Elements of the frozen weight matrices whose GEMMs run forward and backward but make no weight gradient
+        (LoRA's base, a partly frozen model's rest): the layers', the head's and a tied embedding's (it is the head's
+        weight), an expert's weighted by k/E (the tokens it sees). A step skips ``2 × tokens ×`` these FLOPs of Eq. 8's
+        count; 0 when every weight is trained."""
+        experts = self.experts
+        return sum(e.numel * (experts.top_k / experts.num_experts if e.expert and experts is not None else 1.0)
+                   for e in self.entries if not e.trainable and len(e.shape) >= 2
+                   and (e.part in ("layer", "head") or (e.part == "embedding" and e.tied)))
+
+    @functools.cached_property
     def weight_gradient_share(self) -> float:
         """W's share of a layer's weight-gradient FLOPs under a split backward (ZB-H1, ZB-V, DualPipeV): the deferred
         weights' elements over all the layer's matrices (each GEMM's FLOPs are its weight's elements × the tokens

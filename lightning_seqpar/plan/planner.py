@@ -405,7 +405,8 @@ def _peak_bytes(record: LayoutRecord, inventory: ModelInventory, s: int, precisi
 
 def _flops(record: LayoutRecord, inventory: ModelInventory, s: int, global_batch: int) -> tuple[TransformerShape, float]:
     """Model and hardware FLOPs per step into ``record.flops`` (Eq. 7, Eq. 8, with recomputation by module and the
-    loss's chunks made again); returns the shape they were counted on and the hardware FLOPs."""
+    loss's chunks made again, less the weight-gradient GEMMs of frozen weights); returns the shape they were counted
+    on and the hardware FLOPs."""
     positions = loss_chunk_positions(record, inventory, s // record.cp)
     shape = TransformerShape(s=s, b=1, h=inventory.hidden_size, a=inventory.num_heads, L=inventory.num_layers,
                              v=inventory.vocab_size, ffn_hidden_size=inventory.ffn_hidden_size,
@@ -416,6 +417,7 @@ def _flops(record: LayoutRecord, inventory: ModelInventory, s: int, global_batch
         executed += inventory.num_layers * mlp_forward_flops(shape, global_batch)
     if positions is not None:  # the loss in chunks: each chunk's logits made again in backward, the head's GEMM again
         executed += 2 * global_batch * s * inventory.hidden_size * inventory.vocab_size
+    executed -= 2 * global_batch * s * inventory.frozen_gemm_elements  # frozen weights: no weight-gradient GEMM
     record.flops = {"model": model, "hardware": executed}
     return shape, executed
 

@@ -174,3 +174,20 @@ def test_only_trained_parameters_accumulate_a_grad():
                    precision="32-true")
     record = next(r for r in plan(lora, 2, 32, 4, **options) if r.feasible and (r.tp, r.dp, r.zero) == (1, 2, 0))
     assert record.other["accumulated_gradients"] == state.trained
+
+
+def test_frozen_weights_make_no_weight_gradient_gemm_and_the_step_s_flops_say_so():
+    # Eq. 8 counts forward, input-gradient and weight-gradient GEMMs; a frozen matrix runs the first two only
+    layers = 32 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336)  # q, o; k, v; gate, up, down
+    head = 128256 * 4096  # the untied head (the embedding is a lookup: no GEMM)
+    tokens = 32 * 4096
+    kwargs = dict(calibrate=False, context_parallel=(1,), micro_batches=(1,), precision="32-true")
+    full = plan(model_inventory(LLAMA3_8B), 8, 4096, 32, **kwargs)
+    lora = plan(model_inventory(LLAMA3_8B, lora=16), 8, 4096, 32, **kwargs)
+    frozen = plan(model_inventory(LLAMA3_8B, frozen=("embed_tokens", "lm_head")), 8, 4096, 32, **kwargs)
+    for records, skipped in ((lora, layers + head), (frozen, head)):
+        for record in records[:3]:
+            same = next(r for r in full if (r.tp, r.pp, r.vpp, r.dp, r.recompute) ==
+                        (record.tp, record.pp, record.vpp, record.dp, record.recompute))
+            assert same.flops["hardware"] - record.flops["hardware"] == 2 * tokens * skipped
+            assert same.flops["model"] == record.flops["model"]
