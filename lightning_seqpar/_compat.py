@@ -12,10 +12,10 @@ from typing import Any, Optional
 
 import torch
 
-# The live-activation tracker, the collective counter and the planner's element-wise work counter sit below autograd, where only a dispatch mode
-# sees every op's outputs (saved_tensors_hooks miss checkpoint caches). torch documents TorchDispatchMode
-# but keeps it in a private module; tree_flatten has no public module in torch 2.13 (torch.utils.pytree
-# does not exist there).
+# The live-activation tracker, the collective counter and the planner's element-wise work counter sit below autograd,
+# where only a dispatch mode sees every op's outputs (saved_tensors_hooks miss checkpoint caches). torch documents
+# TorchDispatchMode but keeps it in a private module; tree_flatten has no public module in torch 2.13
+# (torch.utils.pytree does not exist there).
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401
 from torch.utils._pytree import tree_flatten  # noqa: F401
 

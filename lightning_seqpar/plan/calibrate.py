@@ -8,8 +8,8 @@ gloo on CPU, float32). Every rank measures the same things in the same order (NC
 
 - GEMMs ``[n, n] × [n, n]``, an AdamW step (multi-tensor, float32), core attention (``scaled_dot_product_attention``,
   causal, forward and backward, 8 heads of 64) and element-wise work (an in-place add's bytes per second over large
-  tensors; a small operator's dispatch) on rank 0, timed after a warm-up as the median of three trials of at least 20 ms (on CUDA with
-  events; no other rank runs meanwhile);
+  tensors; a small operator's dispatch) on rank 0, timed after a warm-up as the median of three trials of at least
+  20 ms (on CUDA with events; no other rank runs meanwhile);
 - each collective (:data:`~.calibration.COLLECTIVES`) over the group of the first n ranks for n = 2, 4, … ≤ world, at
   three message sizes, through the library's own :class:`~lightning_seqpar.parallel.collectives.ParallelGroup` (the
   g/ḡ, gradient and dispatch paths the layers run); a message's time is the slowest rank's, and ``time = α + sent/β``

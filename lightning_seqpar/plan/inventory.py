@@ -189,8 +189,8 @@ class ModelInventory:
     def frozen_gemm_elements(self) -> float:
         """Elements of the frozen weight matrices whose GEMMs run forward and backward but make no weight gradient
         (LoRA's base, a partly frozen model's rest): the layers', the head's and a tied embedding's (it is the head's
-        weight), an expert's weighted by k/E (the tokens it sees). A step skips ``2 × tokens ×`` these FLOPs of Eq. 8's
-        count; 0 when every weight is trained."""
+        weight), an expert's weighted by k/E (the tokens it sees). A step skips ``2 × tokens ×`` these FLOPs of
+        Eq. 8's count; 0 when every weight is trained."""
         experts = self.experts
         return sum(e.numel * (experts.top_k / experts.num_experts if e.expert and experts is not None else 1.0)
                    for e in self.entries if not e.trainable and len(e.shape) >= 2
