@@ -80,6 +80,20 @@ def _rendezvous_restored():
             os.environ[name] = value
 
 
+@pytest.fixture(autouse=True)
+def _process_group_restored():
+    """A Trainer run in this process on one device (the strategy's world of one) leaves torch's default process group
+    initialized, as Lightning's own strategies do (they destroy it at exit); destroyed after the test that made it, so
+    no later test in this process finds a group it did not make (which tests share a worker is the scheduler's
+    choice: a test asserting that a refused Trainer initialized nothing failed after such a run)."""
+    import torch.distributed as dist
+
+    before = dist.is_available() and dist.is_initialized()
+    yield
+    if not before and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 @pytest.fixture(scope="session")
 def hf_model_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     """A tiny pretrained Llama directory (3 safetensors files, a 66 000-token BPE tokenizer trained offline) and the
