@@ -21,6 +21,7 @@ Raises (CLI): ``--processes`` below 2 or above the GPUs: collectives need two ra
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import socket
@@ -181,9 +182,7 @@ def measure_rates(rank: int, world: int, repeats: int = 3) -> Optional[StepCalib
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
     element = torch.finfo(dtype).bits // 8
-    gemm, attention = _compute_rates(device, dtype, repeats) if rank == 0 else ([], [])
-    optimizer = _optimizer_rate(device, repeats) if rank == 0 else 0.0
-    memory, dispatch = _elementwise_rates(device, dtype, repeats) if rank == 0 else (0.0, 0.0)
+    local = measure_device_rates(device, repeats) if rank == 0 else None
     dist.barrier()
     measure = _timer(device)
     links = []
@@ -212,11 +211,9 @@ def measure_rates(rank: int, world: int, repeats: int = 3) -> Optional[StepCalib
                 points.append((_sent(kind, payload, n), float(seconds)))
             links.append((kind, n, _fit(points)))
         dist.barrier()
-    if rank != 0:
+    if local is None:
         return None
-    name = torch.cuda.get_device_name(device) if cuda else "cpu"
-    return StepCalibration(name, dist.get_backend(), world, tuple(gemm), tuple(attention), tuple(links), optimizer,
-                           memory, dispatch)
+    return dataclasses.replace(local, backend=dist.get_backend(), world=world, collectives=tuple(links))
 
 
 def _free_port() -> int:

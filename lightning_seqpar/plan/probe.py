@@ -99,18 +99,13 @@ def measure(config: Any, tp: int, sequence_parallel: bool, recompute: str, preci
     (:class:`Measured`; see :func:`measure_layer`). ``split``: the layers run as under a split backward (ZB-H1, ZB-V,
     DualPipeV: :func:`~lightning_seqpar.tensor_parallel.split_backward.split_weight_gradients`), whose linears keep
     their float32 weights and one 16-bit cast of a shared input where torch's own linear keeps autocast's copies."""
-    from lightning_seqpar.hf.model_check import parts_in_order, small_config
+    from lightning_seqpar.hf.model_check import parts_in_order
     from lightning_seqpar.memory.cuda_autocast import cuda_autocast_rules
     from lightning_seqpar.memory.tracker import LiveActivationTracker
     from lightning_seqpar.parallel.emulated import run_emulated
 
-    if getattr(config, "n_positions", None) is not None and config.n_positions < s:
-        # learned positions (GPT-2) as long as the probe's sequence: a probe longer than the model's own is still the
-        # same layer's bytes, scaled by s
-        overrides = dict(overrides or {}, n_positions=s)
-    small = small_config(config, tp, _small_overrides(config, overrides))
+    small, x = probe_input(config, tp, s, b, overrides)
     dtype = _DTYPES[precision]
-    x = torch.randint(0, small.vocab_size, (b, s), generator=torch.Generator().manual_seed(0))
 
     def one_rank(group: Any) -> Optional[tuple[int, int]]:
         model = probe_model(small, dtype, group, sequence_parallel, recompute, modules, offload, training, split)
@@ -135,6 +130,19 @@ def measure(config: Any, tp: int, sequence_parallel: bool, recompute: str, preci
         return run_emulated(tp, one_rank)[0]
     with cuda_autocast_rules():  # what a GPU keeps: CUDA autocast runs norms and softmax in float32
         return run_emulated(tp, one_rank)[0]
+
+
+def probe_input(config: Any, tp: int, s: int, b: int, overrides: Optional[dict] = None,
+                layers: int = 3) -> tuple[Any, torch.Tensor]:
+    """The small config of a probe (``layers`` layers, :func:`_small_overrides`) and its tokens ``[b, s]`` (seeded)."""
+    from lightning_seqpar.hf.model_check import small_config
+
+    if getattr(config, "n_positions", None) is not None and config.n_positions < s:
+        # learned positions (GPT-2) as long as the probe's sequence: a probe longer than the model's own is still the
+        # same layer's bytes, scaled by s
+        overrides = dict(overrides or {}, n_positions=s)
+    small = small_config(config, tp, _small_overrides(config, overrides, layers))
+    return small, torch.randint(0, small.vocab_size, (b, s), generator=torch.Generator().manual_seed(0))
 
 
 def probe_model(small: Any, dtype: torch.dtype, group: Any, sequence_parallel: bool, recompute: str,

@@ -152,15 +152,11 @@ def count_step(config: Any, tp: int, sequence_parallel: bool, recompute: str, pr
                offload: tuple[str, ...] = (), training: Any = None, split: bool = False) -> tuple[int, int]:
     """``(operators, bytes)`` of one forward and backward (``model(input_ids=x, labels=x).loss.backward()``) of a
     ``layers``-layer small copy of ``config`` (:func:`~.probe.probe_model`) on rank 0 of ``tp`` emulated ranks."""
-    from lightning_seqpar.hf.model_check import small_config
     from lightning_seqpar.memory.cuda_autocast import cuda_autocast_rules
     from lightning_seqpar.parallel.emulated import run_emulated
-    from lightning_seqpar.plan.probe import _DTYPES, _small_overrides, probe_model
+    from lightning_seqpar.plan.probe import _DTYPES, probe_input, probe_model
 
-    if getattr(config, "n_positions", None) is not None and config.n_positions < s:
-        overrides = dict(overrides or {}, n_positions=s)
-    small = small_config(config, tp, _small_overrides(config, overrides, layers))
-    x = torch.randint(0, small.vocab_size, (b, s), generator=torch.Generator().manual_seed(0))
+    small, x = probe_input(config, tp, s, b, overrides, layers)
 
     def one_rank(group: Any) -> Optional[tuple[int, int]]:
         model = probe_model(small, _DTYPES[precision], group, sequence_parallel, recompute, modules, offload, training,
@@ -219,23 +215,23 @@ def fit_work(config: Any, tp: int, sequence_parallel: bool = True, recompute: st
 
 
 def _nonnegative_fit(rows: list[list[float]], values: list[float]) -> tuple[tuple[float, ...], float]:
-    """Coefficients ``≥ 0`` that give ``values`` from the terms ``rows`` (all but the last probe; least squares, the
-    most negative term dropped until none is), and the relative error on the last probe. A negative coefficient fits
-    the probes' small sizes and turns the bytes negative at a long sequence (a ``b·s²`` term against ``b·s·d``)."""
-    a = torch.tensor(rows[:-1], dtype=torch.float64)
-    y = torch.tensor(values[:-1], dtype=torch.float64).unsqueeze(1)
-    active = list(range(a.shape[1]))
+    """Coefficients ``≥ 0`` that give ``values`` from the terms ``rows`` (:func:`~.probe._least_squares` on all but
+    the last probe, the most negative term dropped until none is), and the relative error on the last probe. A
+    negative coefficient fits the probes' small sizes and turns the bytes negative at a long sequence (a ``b·s²`` term
+    against ``b·s·d``)."""
+    from lightning_seqpar.plan.probe import _least_squares
+
+    active = list(range(len(rows[0])))
     while True:
-        solution = torch.linalg.lstsq(a[:, active], y).solution.flatten().tolist()
-        worst = min(range(len(active)), key=lambda i: solution[i])
-        if solution[worst] >= 0 or len(active) == 1:
+        fitted, error = _least_squares([[row[i] for i in active] for row in rows], values)
+        worst = min(range(len(active)), key=lambda i: fitted[i])
+        if fitted[worst] >= 0 or len(active) == 1:
             break
         del active[worst]
-    coefficients = [0.0] * a.shape[1]
-    for i, c in zip(active, solution):
-        coefficients[i] = round(max(c, 0.0), 6)
-    predicted = sum(c * term for c, term in zip(coefficients, rows[-1]))
-    return tuple(coefficients), abs(predicted - values[-1]) / max(values[-1], 1.0)
+    coefficients = [0.0] * len(rows[0])
+    for i, c in zip(active, fitted):
+        coefficients[i] = max(c, 0.0)
+    return tuple(coefficients), error
 
 
 _ELEMENT = {"32-true": torch.float32, "64-true": torch.float64, "bf16-true": torch.bfloat16,
