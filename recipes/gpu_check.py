@@ -1,9 +1,10 @@
-"""What only a GPU can show, in one command (about 8 minutes on one H100): memory against the planner, the CUDA
+"""What only a GPU can show, in one command (about 7 minutes on one H200): memory against the planner, the CUDA
 kernels against their op-by-op references, host syncs in a training step, and speed with and without compiled blocks
 against plain Lightning + transformers. Prints one table; exits 1 when a check fails.
 
     python recipes/gpu_check.py           # on a CUDA device
     python recipes/gpu_check.py --cpu     # the dry parts on CPU: the same code at a small size (what CI runs)
+    python recipes/gpu_check.py --calibration h200.json   # also keep the step-time row's measured device rates
 
 Rows (each in its own process, so every memory peak and process group is its own):
 
@@ -27,7 +28,10 @@ Rows (each in its own process, so every memory peak and process group is its own
   the same model and batches. On CPU: a tiny Llama, ``compile={"backend": "aot_eager"}``, no MFU.
 - ``step time``: the planner's seconds per step for the eager speed row's layout, from this device's own rates
   (GEMMs, attention, element-wise work, the optimizer step: ``plan.calibrate.measure_device_rates``), against the
-  measured median; within 20 % on a GPU, reported on CPU.
+  measured median; within 20 % on a GPU, reported on CPU. ``--calibration PATH`` writes those rates as a calibration
+  file (one process, no collectives: it plans one-device layouts, ``python -m lightning_seqpar.plan --calibration``).
+- ``step times``: the same against three more layouts trained and timed: full recomputation, a long sequence, and a
+  small model whose step is the host's dispatch (the time model's regimes).
 """
 
 from __future__ import annotations
@@ -52,6 +56,8 @@ LLAMA_1B = dict(model_type="llama", vocab_size=32000, hidden_size=2048, intermed
                 num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=4096)
 TINY = dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256)
+SMALL = dict(model_type="llama", vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
+             num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=4096)
 MEMORY_TOLERANCE = 0.05
 PRELOAD = ["torch", "torch.distributed", "lightning.pytorch", "lightning_seqpar", "transformers"]
 RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE",
@@ -67,13 +73,18 @@ class Row:
     ok: Optional[bool]  # None: reported, not judged (a dry run on CPU, or nothing to compare with)
 
 
-def _size(cpu: bool) -> dict:
-    """The sizes of every row: full on a GPU, tiny on CPU."""
+def _size(cpu: bool, calibration: Optional[str] = None) -> dict:
+    """The sizes of every row: full on a GPU, tiny on CPU; ``calibration``: where the step-time row writes the rates
+    it measured (None: nowhere)."""
     if cpu:
         return dict(memory=[(TINY, 4, 1, 64), (TINY, 2, 2, 64)], speed=(TINY, 64, 2, 4),
-                    compile={"backend": "aot_eager"}, precision="bf16-mixed", device="cpu")
+                    compile={"backend": "aot_eager"}, precision="bf16-mixed", device="cpu", calibration=calibration,
+                    step_times=[(TINY, 64, 2, "full"), (TINY, 128, 1, "none")])
+    # beside the speed row's layout: full recomputation, a long sequence (attention's share up), a small model (the
+    # host's dispatch outlasts the device's work)
     return dict(memory=[(LLAMA3_8B, 8, 1, 8192), (LLAMA3_8B, 4, 2, 8192)], speed=(LLAMA_1B, 2048, 4, 10),
-                compile=True, precision="bf16-mixed", device="cuda")
+                compile=True, precision="bf16-mixed", device="cuda", calibration=calibration,
+                step_times=[(LLAMA_1B, 2048, 4, "full"), (LLAMA_1B, 8192, 1, "none"), (SMALL, 512, 1, "none")])
 
 
 def _trainer(size: dict, steps: int, strategy: Any, callbacks: list, num_nodes: int = 1) -> Any:
@@ -126,7 +137,6 @@ def _phase_peaks() -> Any:
 
 def memory_row(size: dict, index: int) -> Row:
     """One rank of a ``tp · cp``-rank world on the fake backend, two steps; its peak against the planner's."""
-    import torch
     import torch.distributed as dist
 
     from lightning_seqpar import SelectiveRecompute, SeqParallelStrategy
@@ -268,31 +278,73 @@ def speed_rows(size: dict, library: str) -> list[Row]:
     return [row, step_time_row(size, step)] if library == "ours" else [row]
 
 
-def step_time_row(size: dict, measured: float) -> Row:
-    """The planner's step time for the speed row's layout (one device, tp 1, one micro-batch of the whole batch, no
-    recomputation: under SDPA the selective one has nothing to recompute) from this device's own rates (:func:`~lightning_seqpar.plan.calibrate.measure_device_rates`),
-    against ``measured`` (the eager run's median seconds per step); on a GPU within 20 % (issue goal), on CPU
-    reported."""
+def _planned_step(size: dict, calibration: Any, config: dict, s: int, batch: int, recompute: str) -> tuple[float, str]:
+    """The planner's seconds per step of a one-device layout (tp 1, one micro-batch of ``batch``, ``recompute``) from
+    ``calibration``, and its terms as text."""
     import torch
 
     from lightning_seqpar.hf.models import build_causal_lm, causal_lm_config
     from lightning_seqpar.plan import Hardware, inventory_of_hf_model, plan
-    from lightning_seqpar.plan.calibrate import measure_device_rates
 
-    config, s, batch, _ = size["speed"]
-    device = torch.device(size["device"])
-    calibration = measure_device_rates(device)
     with torch.device("meta"):
         model = build_causal_lm(causal_lm_config(dict(config), attn_implementation="sdpa"))
     records = plan(inventory_of_hf_model(model), 1, s, batch, hardware=Hardware(memory=1e15, calibration=calibration),
                    precision=size["precision"], micro_batches=(batch,), context_parallel=(1,))
-    # SDPA keeps no s² tensor: the run's SelectiveRecompute has nothing to recompute, and the planner prices it so
-    record = next(r for r in records if r.feasible and r.recompute == "none")
-    predicted = record.step_time["total"]
+    record = next(r for r in records if r.feasible and r.recompute == recompute and not r.modules and not r.offload)
     terms = ", ".join(f"{k} {v:.3f}" for k, v in record.step_time.items() if k != "total" and v > 0)
+    return record.step_time["total"], terms
+
+
+def _device_rates(size: dict) -> Any:
+    """This device's rates (:func:`~lightning_seqpar.plan.calibrate.measure_device_rates`), written to
+    ``size["calibration"]`` when the command names a file."""
+    import torch
+
+    from lightning_seqpar.plan.calibrate import measure_device_rates
+
+    calibration = measure_device_rates(torch.device(size["device"]))
+    if size["calibration"] is not None:
+        calibration.save(size["calibration"])
+    return calibration
+
+
+def _judged(size: dict, predicted: float, measured: float) -> Optional[bool]:
+    """Within 20 % on a GPU (issue goal); on CPU reported, not judged (a tiny step is mostly Python)."""
+    return None if size["device"] == "cpu" else abs(predicted / measured - 1) <= 0.2
+
+
+def step_time_row(size: dict, measured: float) -> Row:
+    """The planner's step time for the speed row's layout (one device, tp 1, one micro-batch of the whole batch, no
+    recomputation: under SDPA the selective one has nothing to recompute) from this device's own rates, against
+    ``measured`` (the eager run's median seconds per step)."""
+    config, s, batch, _ = size["speed"]
+    calibration = _device_rates(size)
+    predicted, terms = _planned_step(size, calibration, config, s, batch, "none")
     return Row("step time", f"planned with this device's rates ({calibration.describe()}): {terms}",
                f"{measured:.3f} s measured", f"{predicted:.3f} s predicted ({predicted / measured:.2f} of measured)",
-               None if device.type == "cpu" else abs(predicted / measured - 1) <= 0.2)
+               _judged(size, predicted, measured))
+
+
+def step_time_rows(size: dict) -> list[Row]:
+    """More one-device layouts than the speed row's, each trained and timed (median after 2 warm-up steps) and planned
+    from this device's rates: full recomputation, a long sequence, a model small enough that the host's dispatch
+    outlasts the device's work."""
+    from lightning_seqpar import SelectiveRecompute, SeqParallelStrategy
+
+    calibration = _device_rates(size)
+    rows = []
+    for config, s, batch, recompute in size["step_times"]:
+        timer, steps = _Timer(warmup=2), 8
+        callbacks = [timer.callback()] + ([SelectiveRecompute(granularity="full")] if recompute == "full" else [])
+        _trainer(size, steps, SeqParallelStrategy(tp=1), callbacks).fit(
+            _speed_module(config), _tokens(config["vocab_size"], s, batch, steps))
+        measured = sorted(timer.times)[len(timer.times) // 2]
+        predicted, terms = _planned_step(size, calibration, config, s, batch, recompute)
+        rows.append(Row("step time", f"Llama h={config['hidden_size']} L={config['num_hidden_layers']}, {batch}x{s}, "
+                        f"{recompute}: {terms}", f"{measured:.3f} s measured",
+                        f"{predicted:.3f} s predicted ({predicted / measured:.2f} of measured)",
+                        _judged(size, predicted, measured)))
+    return rows
 
 
 def host_sync_row(size: dict) -> Row:
@@ -360,24 +412,25 @@ ROWS: dict[str, Callable[[dict], list[Row]]] = {
     "speed ours": lambda size: speed_rows(size, "ours"),
     "speed ours compiled": lambda size: speed_rows(size, "ours compiled"),
     "speed plain": lambda size: speed_rows(size, "plain"),
+    "step times": step_time_rows,
 }
 
 
-def _row_process(name: str, cpu: bool, out: str) -> None:
+def _row_process(name: str, cpu: bool, out: str, calibration: Optional[str]) -> None:
     """In a row's process: ``ROWS[name]``, its rows written to ``out`` as JSON (a failure's traceback beside it)."""
     # Each row is a job of its own: a rendezvous inherited from the caller (a port its own process group holds) is
     # not the row's, and Lightning picks a free port when none is set.
     for key in RENDEZVOUS:
         os.environ.pop(key, None)
     try:
-        rows = ROWS[name](_size(cpu))
+        rows = ROWS[name](_size(cpu, calibration))
     except BaseException:
         Path(out + ".err").write_text(traceback.format_exc())
         raise
     Path(out).write_text(json.dumps([asdict(row) for row in rows]))
 
 
-def _run_row(name: str, cpu: bool, timeout: float) -> list[Row]:
+def _run_row(name: str, cpu: bool, timeout: float, calibration: Optional[str] = None) -> list[Row]:
     """``ROWS[name]`` in a fresh process; a crash or timeout is a failed row with the error's last line.
 
     The process is forked from a server that imported torch, Lightning and transformers once (multiprocessing's
@@ -388,7 +441,7 @@ def _run_row(name: str, cpu: bool, timeout: float) -> list[Row]:
     context.set_forkserver_preload(PRELOAD)  # read when the server starts (the first row)
     with tempfile.TemporaryDirectory() as folder:
         out = str(Path(folder) / "rows.json")
-        process = context.Process(target=_row_process, args=(name, cpu, out))
+        process = context.Process(target=_row_process, args=(name, cpu, out, calibration))
         process.start()
         process.join(timeout)
         if process.is_alive():
@@ -426,6 +479,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--cpu", action="store_true", help="the dry parts on CPU, at a small size")
     parser.add_argument("--only", nargs="*", default=None, choices=list(ROWS), help="rows to run (default: all)")
     parser.add_argument("--json", type=Path, help="also write the rows to this file")
+    parser.add_argument("--calibration", type=Path, help="write the step-time row's device rates to this file "
+                        "(a calibration the planner reads: one process, no collectives)")
     parser.add_argument("--timeout", type=float, default=300.0,
                         help="seconds each row may run before it counts as failed (default: 300)")
     args = parser.parse_args(argv)
@@ -435,9 +490,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         if not torch.cuda.is_available():
             print("No CUDA device: run with --cpu for the dry parts.", file=sys.stderr)
             return 2
+    calibration = None if args.calibration is None else str(args.calibration.resolve())
     rows = []
     for name in args.only or ROWS:
-        for row in _run_row(name, args.cpu, timeout=args.timeout):
+        for row in _run_row(name, args.cpu, timeout=args.timeout, calibration=calibration):
             rows.append(row)  # printed as it ends too: a run cut short still shows what it measured
             print(f"{row.check} | {row.case} | {row.measured} | {row.expected} | {row.ok}", flush=True)
     rows += _loss_rows(rows)

@@ -35,11 +35,12 @@ import torch.distributed as dist
 
 from lightning_seqpar.plan.calibration import COLLECTIVES, Link, StepCalibration
 
-SIZES = {  # (GEMM n, attention s, message bytes, optimizer elements, element-wise elements) per device kind
-    "cpu": ((64, 128, 256), (64, 128, 256), (1 << 12, 1 << 16, 1 << 20), 1 << 20, 1 << 22),
-    "cuda": ((1024, 4096, 8192), (1024, 4096, 16384), (1 << 16, 1 << 22, 1 << 26), 1 << 26, 1 << 27),
+SIZES = {  # (GEMM n, attention calls, message bytes, optimizer elements, element-wise elements) per device kind
+    # an attention call: (s, sequences × heads, head dim); from a launch-bound call to one of a long-context layer
+    "cpu": ((64, 128, 256), ((64, 8, 64), (128, 8, 64), (256, 8, 64)), (1 << 12, 1 << 16, 1 << 20), 1 << 20, 1 << 22),
+    "cuda": ((1024, 4096, 8192), ((1024, 8, 64), (1024, 32, 128), (2048, 64, 128), (8192, 32, 128)),
+             (1 << 16, 1 << 22, 1 << 26), 1 << 26, 1 << 27),
 }
-HEADS, HEAD_DIM = 8, 64
 
 
 def _timer(device: torch.device) -> Callable[[Callable[[], object], int], float]:
@@ -95,7 +96,8 @@ def _elementwise_rates(device: torch.device, dtype: torch.dtype, repeats: int) -
     """``(memory, dispatch)``: bytes/s of an in-place add over two large tensors (read both, write one, as
     :class:`~.work.OperatorCounter` counts it), and seconds per operator of four tiny pre-norm MLP blocks forward and
     backward (the module code between operators included, as a model runs it), less their bytes' time, over the
-    operators the counter counts in them (their GEMMs, a few microseconds at this size, are not counted apart)."""
+    operators the counter counts in them (their GEMMs included: a launch is a launch; their FLOPs take microseconds
+    at this size)."""
     from lightning_seqpar.plan.work import OperatorCounter
 
     measure = _steady_timer(device)
@@ -126,21 +128,22 @@ def _elementwise_rates(device: torch.device, dtype: torch.dtype, repeats: int) -
 
 def _compute_rates(device: torch.device, dtype: torch.dtype, repeats: int) -> tuple[list, list]:
     measure = _steady_timer(device)
-    gemm_sizes, attention_sizes = SIZES[device.type][:2]
+    gemm_sizes, attention_calls = SIZES[device.type][:2]
     gemm = []
     for n in gemm_sizes:
         a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
         gemm.append((n, 2 * n ** 3 / measure(lambda: a @ b, repeats)))
     attention = []
-    for s in attention_sizes:
-        q, k, v = (torch.randn(1, HEADS, s, HEAD_DIM, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
-        grad = torch.randn(1, HEADS, s, HEAD_DIM, device=device, dtype=dtype)
+    for s, heads, head_dim in attention_calls:
+        q, k, v = (torch.randn(1, heads, s, head_dim, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+        grad = torch.randn(1, heads, s, head_dim, device=device, dtype=dtype)
 
         def step() -> None:
             out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
             out.backward(grad)
 
-        attention.append((s, 12 * s * s * HEADS * HEAD_DIM / measure(step, repeats)))
+        flops = 12 * s * s * heads * head_dim
+        attention.append((flops, flops / measure(step, repeats)))
     return gemm, attention
 
 

@@ -6,16 +6,21 @@ reads them.
   GEMMs are classed by the geometric mean of their three sizes (``s·b/c`` tokens, ``h``, ``f/t``) and the rate
   interpolated log-linearly between the two nearest classes (the end classes beyond).
 - Core attention: FLOP/s of one forward and backward of causal attention (``12·b·s²·h`` FLOPs, Eq. 7's attention
-  share) at several local sequence lengths s.
+  share) by the FLOPs of one call, at several sizes: a call's rate depends on how much work it holds (on a GPU a
+  call of a few GFLOP is bound by its launch, one of a TFLOP by the tensor cores), so a layout's calls are priced at
+  their own size (``b`` micro-batch sequences, the rank's ``h/t`` query width, its local ``s``).
 - The optimizer step: parameter elements per second of a multi-tensor AdamW step (float32 state, as the strategy's
   optimizers keep it).
 - Element-wise work (:mod:`.work`): the memory bandwidth of an in-place add over large tensors (bytes read and written
   per second, as :class:`~.work.OperatorCounter` counts them) and the seconds one operator's dispatch takes (a chain
-  of small element-wise operators forward and backward, over the operators the counter counts in it).
+  of small element-wise operators forward and backward, over the operators the counter counts in it). On a device
+  that queues kernels (CUDA) the host's dispatch runs ahead while the device works: it shows only where it outlasts
+  the device's work (:meth:`StepCalibration.elementwise_seconds`).
 - Each collective by group size: latency α (s) and bandwidth β (bytes/s) fitted to ``time = α + sent/β``, ``sent``
   the bytes each rank sends (:func:`~.cost.ring_bytes`' convention), over messages of several sizes.
 
-A file is JSON (``format`` 2; a format 1 file, without the element-wise rates, is refused: measure again); a damaged
+A file is JSON (``format`` 3; an older one is refused, measure again: format 1 had no element-wise rates, format 2
+keyed attention by sequence length, which priced a launch-bound small call's rate for a model's large ones); a damaged
 or edited one is refused naming the file and the field.
 """
 
@@ -27,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union
 
-FORMAT = 2
+FORMAT = 3
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send_recv")
 """The collectives measured: the tensor-parallel g/ḡ pair, data-parallel gradient reduction, expert dispatch and
 all-to-all context parallelism, pipeline and ring-attention transfers."""
@@ -54,12 +59,12 @@ class StepCalibration:
         device: what measured them (e.g. ``cpu``, ``NVIDIA H100 80GB HBM3``). backend: ``gloo`` or ``nccl``.
         world: the processes that took part (the largest group size measured).
         gemm: ``(n, FLOP/s)`` per GEMM class, ascending n.
-        attention: ``(s, FLOP/s)`` per local sequence length, ascending s.
+        attention: ``(FLOPs of one call, FLOP/s)`` of core attention forward and backward, ascending FLOPs.
         collectives: ``(kind, group size, Link)``, kind one of :data:`COLLECTIVES`; none where one process measured
             (``world`` 1: :func:`~.calibrate.measure_device_rates`, enough for a one-device layout).
         optimizer: parameter elements per second one rank's AdamW step updates.
         memory: bytes per second an element-wise operator reads and writes.
-        dispatch: seconds per operator beside its bytes (Python, autograd, a kernel's launch).
+        dispatch: seconds per operator beside its bytes (Python, autograd, a kernel's launch): the host's time.
     """
 
     device: str
@@ -72,17 +77,33 @@ class StepCalibration:
     memory: float
     dispatch: float
 
-    def elementwise_seconds(self, operators: float, moved: float) -> float:
-        """Seconds of ``operators`` element-wise operators reading and writing ``moved`` bytes in all."""
-        return operators * self.dispatch + moved / self.memory
+    @property
+    def asynchronous(self) -> bool:
+        """Whether the device runs kernels the host queued (CUDA) rather than each operator in the caller (CPU)."""
+        return self.device != "cpu"
+
+    def elementwise_seconds(self, operators: float, moved: float, device_busy: float = 0.0) -> float:
+        """Seconds of ``operators`` element-wise operators reading and writing ``moved`` bytes in all, in a step whose
+        other device work (GEMMs, core attention) takes ``device_busy`` seconds.
+
+        On CPU each operator's dispatch and bytes take their turn: the sum. On an asynchronous device the host
+        queues kernels ahead of the device, so the dispatch is hidden behind the device's work (``device_busy`` and
+        the bytes' own time) and only what outlasts it shows: a 1B-parameter Llama step on an H200 dispatched its
+        3,594 element-wise operators in 0.09 s of host time beside 0.11 s of GEMMs and bytes.
+        """
+        moving = moved / self.memory
+        host = operators * self.dispatch
+        if not self.asynchronous:
+            return host + moving
+        return moving + max(0.0, host - device_busy - moving)
 
     def gemm_rate(self, m: float, k: float, n: float) -> float:
         """FLOP/s of an ``[m, k] × [k, n]`` GEMM (its class: ``(m·k·n)^(1/3)``)."""
         return _interpolate(self.gemm, (m * k * n) ** (1 / 3))
 
-    def attention_rate(self, s: float) -> float:
-        """FLOP/s of core attention over a local sequence of ``s`` tokens."""
-        return _interpolate(self.attention, s)
+    def attention_rate(self, flops: float) -> float:
+        """FLOP/s of core attention in calls of ``flops`` FLOPs each (forward and backward)."""
+        return _interpolate(self.attention, flops)
 
     def link(self, kind: str, n: int) -> Link:
         """The rates of ``kind`` among ``n`` ranks: those measured at ``n``, else at the nearest measured size (below

@@ -111,22 +111,25 @@ class Traffic:
 
 
 def step_times(hardware: Hardware, flops: float, attention_flops: float, gemm: tuple[float, float, float],
-               local_seq: float, traffic: dict[str, Traffic], bubble: float,
+               attention_call: float, traffic: dict[str, Traffic], bubble: float,
                optimizer_elements: float = 0.0, elementwise: Optional[tuple[float, float]] = None) -> dict[str, float]:
     """Seconds per step of one rank, by term (``compute``, one per ``traffic`` kind, ``bubble``), nothing overlapped.
 
     Without a calibration (``hardware.calibration`` None) the rates are nominal, a rough estimate: compute at
     ``efficiency × peak_flops``, each transfer at the intra- or inter-node bandwidth. With one (:mod:`.calibration`):
     the GEMMs (``flops − attention_flops``) at the measured rate of their class (``gemm``: the layer's ``[m, k] × [k,
-    n]`` on this rank), core attention at the measured rate for ``local_seq`` tokens, each kind of traffic as
-    ``count × latency + sent / bandwidth`` of its collective at its group size; traffic across nodes, which one machine
-    cannot measure, keeps the nominal inter-node bandwidth; and ``optimizer``: the optimizer step over
+    n]`` on this rank), core attention at the measured rate of calls of ``attention_call`` FLOPs, each kind of
+    traffic as ``count × latency + sent / bandwidth`` of its collective at its group size; traffic across nodes,
+    which one machine cannot measure, keeps the nominal inter-node bandwidth; and ``optimizer``: the optimizer step over
     ``optimizer_elements`` (the parameter elements this rank updates) at the measured rate, and ``elementwise``: the
     ``(operators, bytes)`` of the rank's other operators (:mod:`.work`) at the measured dispatch time and memory
-    bandwidth (the nominal model has neither term). The bubble idles for the compute and the element-wise work.
+    bandwidth, the dispatch hidden behind the device's work where the device queues kernels (the nominal model has
+    neither term). The bubble idles for the compute and the element-wise work.
 
     Args:
         flops, attention_flops: FLOPs this rank executes per step, and the core attention's share of them.
+        attention_call: FLOPs of one core-attention call on this rank, forward and backward (``12·b·s²·h/t`` for
+            ``b`` sequences of ``s`` local tokens: its size sets its measured rate).
         bubble: the pipeline's idle time as a fraction of the compute time.
     """
     calibration = hardware.calibration
@@ -134,7 +137,7 @@ def step_times(hardware: Hardware, flops: float, attention_flops: float, gemm: t
         compute = flops / (hardware.efficiency * hardware.peak_flops)
     else:
         compute = ((flops - attention_flops) / calibration.gemm_rate(*gemm)
-                   + attention_flops / calibration.attention_rate(local_seq))
+                   + attention_flops / calibration.attention_rate(attention_call))
     times = {"compute": compute}
     for kind, t in traffic.items():
         if not t.sent and not t.count:  # nothing sent (a group of one): no rate needed
@@ -147,7 +150,7 @@ def step_times(hardware: Hardware, flops: float, attention_flops: float, gemm: t
                               for name in t.collectives)
     busy = compute
     if calibration is not None and elementwise is not None:
-        times["elementwise"] = calibration.elementwise_seconds(*elementwise)
+        times["elementwise"] = calibration.elementwise_seconds(*elementwise, device_busy=compute)
         busy += times["elementwise"]
     times["bubble"] = bubble * busy
     if calibration is not None:

@@ -183,6 +183,16 @@ def _spans_nodes(gpus_per_node: int, ranks: int) -> bool:
     return ranks > gpus_per_node
 
 
+def _attention_call(record: LayoutRecord, shape: TransformerShape) -> float:
+    """FLOPs of one core-attention call on a rank, forward and backward (``12·b·s²·h``, Eq. 7's share, over the rank's
+    part): ``b`` sequences, ``h/t`` query width, ``s/c`` queries against ``s/c`` keys per block under the ring; the
+    whole sequence over ``h/(t·c)`` under all-to-all context parallelism."""
+    b, s, width = record.micro_batch, shape.s / record.cp, shape.h / record.tp
+    if record.cp > 1 and record.cp_comm == "all_to_all":
+        s, width = shape.s, width / record.cp
+    return 12 * b * s * s * width
+
+
 def _context_messages(record: LayoutRecord) -> int:
     """Messages one rank sends per layer and micro-batch in its context-parallel attention: the ring's key/value
     block to the next rank c − 1 times forward and, backward, the blocks and their gradients; all-to-all: q, k, v and
@@ -239,7 +249,8 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
         dense, experts = dense / (dp * cp), experts / max(1, tp * dp * cp // width)
     work = elementwise_work(record, inventory, s, precision, fits) if hardware.calibration is not None else None
     times = step_times(hardware, executed / ranks, attention / ranks,
-                       (local * b, inventory.hidden_size, max(1, ffn // tp)), local, traffic, record.bubble,
+                       (local * b, inventory.hidden_size, max(1, ffn // tp)), _attention_call(record, shape), traffic,
+                       record.bubble,
                        optimizer_elements=dense + experts, elementwise=work)
     compute = times["compute"]
     record.timing = "measured rates" if hardware.calibration is not None else "rough estimate"

@@ -23,13 +23,14 @@ S = 2048
 
 
 def calibration(slow_tensor: float = 1.0, **changes) -> StepCalibration:
-    """A synthetic H100-like node: GEMMs 400 → 700 TFLOP/s, attention 300 TFLOP/s, links 10 µs and 200 GB/s, an
-    AdamW step over 10¹⁰ elements/s, element-wise work at 3 TB/s and 5 µs per operator;
+    """A synthetic H100-like node (an asynchronous device): GEMMs 400 → 700 TFLOP/s, attention 100 → 300 TFLOP/s from
+    calls of 1 GFLOP to 1 TFLOP, links 10 µs and 200 GB/s, an AdamW step over 10¹⁰ elements/s, element-wise work at
+    3 TB/s and 5 µs per operator;
     ``slow_tensor`` divides the tensor-parallel all-gather's bandwidth."""
     links = tuple((kind, n, Link(1e-5, 2e11 / (slow_tensor if kind == "all_gather" else 1)))
                   for kind in COLLECTIVES for n in ((2,) if kind == "send_recv" else (2, 4, 8)))
     values = dict(device="synthetic", backend="nccl", world=8, gemm=((1024, 4e14), (8192, 7e14)),
-                  attention=((1024, 3e14), (16384, 3e14)), collectives=links, optimizer=1e10, memory=3e12,
+                  attention=((10 ** 9, 1e14), (10 ** 12, 3e14)), collectives=links, optimizer=1e10, memory=3e12,
                   dispatch=5e-6)
     return StepCalibration(**{**values, **changes})
 
@@ -44,7 +45,8 @@ def test_a_calibration_file_round_trips_and_a_damaged_one_is_refused_naming_the_
         "a kind missing": json.dumps({**good, "collectives": [r for r in good["collectives"] if r[0] != "all_to_all"]}),
         "a negative bandwidth": json.dumps({**good, "collectives": [["all_gather", 2, 1e-5, -1.0]]
                                             + good["collectives"]}),
-        "another format": json.dumps({**good, "format": 3}),
+        "another format": json.dumps({**good, "format": 4}),
+        "format 2: attention by sequence length": json.dumps({**good, "format": 2}),
         "the format before the element-wise rates": json.dumps(
             {**{k: v for k, v in good.items() if k not in ("memory", "dispatch")}, "format": 1}),
         "no memory rate": json.dumps({k: v for k, v in good.items() if k != "memory"}),
@@ -67,6 +69,8 @@ def test_rates_are_interpolated_log_linearly_between_classes_and_held_beyond_the
     assert c.gemm_rate(64, 64, 64) == 4e14 and c.gemm_rate(1 << 16, 1 << 16, 1 << 16) == 7e14
     middle = math.sqrt(1024 * 8192)  # halfway in log(n): the geometric mean of the rates
     assert c.gemm_rate(middle, middle, middle) == pytest.approx(math.sqrt(4e14 * 7e14))
+    assert c.attention_rate(10 ** 6) == 1e14 and c.attention_rate(10 ** 15) == 3e14  # by the FLOPs of one call
+    assert c.attention_rate(math.sqrt(1e9 * 1e12)) == pytest.approx(math.sqrt(1e14 * 3e14))
     assert c.link("all_reduce", 8) == Link(1e-5, 2e11)
     assert c.link("send_recv", 8) == Link(1e-5, 2e11)  # the nearest size measured (2)
 
@@ -83,16 +87,18 @@ def test_each_term_is_priced_as_documented():
     hardware = Hardware(calibration=slow_gather)
     traffic = {"tensor": Traffic(1e9, 100, ("all_gather", "reduce_scatter"), 4, False),
                "data": Traffic(2e9, 1, ("all_reduce",), 16, True)}
-    times = step_times(hardware, 1e15, 2e14, (4096, 4096, 4096), 4096, traffic, bubble=0.25, optimizer_elements=3e9,
+    times = step_times(hardware, 1e15, 2e14, (4096, 4096, 4096), 1e12, traffic, bubble=0.25, optimizer_elements=3e9,
                        elementwise=(1e4, 6e12))
     assert times["optimizer"] == pytest.approx(3e9 / 1e10)
-    assert times["elementwise"] == pytest.approx(1e4 * 5e-6 + 6e12 / 3e12)
+    assert times["elementwise"] == pytest.approx(6e12 / 3e12)  # 0.05 s of dispatch hidden behind the device's work
     compute = 8e14 / calibration().gemm_rate(4096, 4096, 4096) + 2e14 / 3e14
     assert times["compute"] == pytest.approx(compute)
     assert times["tensor"] == pytest.approx(100 * 1e-5 + 0.5e9 / 1e11 + 0.5e9 / 2e11)  # half the bytes each way
     assert times["data"] == pytest.approx(2e9 / hardware.inter_node_bandwidth)  # across nodes: not measurable here
     assert times["bubble"] == pytest.approx(0.25 * (compute + times["elementwise"]))  # idle for both
-    rough = step_times(Hardware(), 1e15, 2e14, (4096, 4096, 4096), 4096, traffic, bubble=0.0, elementwise=(1e4, 6e12))
+    small_calls = step_times(hardware, 1e15, 2e14, (4096, 4096, 4096), 1e9, traffic, bubble=0.0)
+    assert small_calls["compute"] == pytest.approx(compute - 2e14 / 3e14 + 2e14 / 1e14)  # launch-bound calls
+    rough = step_times(Hardware(), 1e15, 2e14, (4096, 4096, 4096), 1e12, traffic, bubble=0.0, elementwise=(1e4, 6e12))
     assert rough["compute"] == pytest.approx(1e15 / (0.5 * 989e12))
     assert rough["tensor"] == pytest.approx(1e9 / 450e9) and "optimizer" not in rough and "elementwise" not in rough
 
@@ -191,3 +197,35 @@ def test_one_process_s_rates_plan_one_device_and_a_layout_over_ranks_is_refused_
     assert best.timing == "measured rates" and best.step_time["tensor"] == 0 and best.step_time["compute"] > 0
     with pytest.raises(ValueError, match="2 or more processes"):
         plan(inventory, 8, S, 8, **kwargs)
+
+
+def test_dispatch_shows_where_it_outlasts_an_asynchronous_device_s_work_and_adds_up_on_cpu():
+    device_busy, operators, moved = 0.5, 2e5, 3e11  # 1 s of host dispatch at 5 µs, 0.1 s of bytes at 3 TB/s
+    queued = calibration()
+    assert queued.asynchronous
+    assert queued.elementwise_seconds(operators, moved, device_busy) == pytest.approx(0.1 + (1.0 - 0.5 - 0.1))
+    assert queued.elementwise_seconds(operators / 10, moved, device_busy) == pytest.approx(0.1)  # hidden
+    cpu = calibration(device="cpu", backend="gloo")
+    assert not cpu.asynchronous
+    assert cpu.elementwise_seconds(operators, moved, device_busy) == pytest.approx(1.0 + 0.1)  # each in its turn
+
+
+def test_a_core_attention_call_is_priced_at_its_own_size():
+    from lightning_seqpar.plan.planner import _attention_call
+
+    inventory = model_inventory("gpt-22b", S, "eager")
+    hardware = Hardware(memory=1e15, calibration=calibration())
+    records = plan(inventory, 8, S, 8, hardware=hardware, calibrate=False, context_parallel=(1, 2),
+                   micro_batches=(1, 2), cp_comm="ring")
+    records += plan(inventory, 8, S, 8, hardware=hardware, calibrate=False, context_parallel=(2,),
+                    micro_batches=(1,), cp_comm="all_to_all")
+    h = inventory.hidden_size
+    seen = set()
+    for record in records:
+        shape = TransformerShape(s=S, b=1, h=h, a=inventory.num_heads, L=inventory.num_layers)
+        b, t, c = record.micro_batch, record.tp, record.cp
+        expected = (12 * b * S * S * h / (t * c) if record.cp_comm == "all_to_all" and c > 1
+                    else 12 * b * (S / c) ** 2 * h / t)  # the ring's blocks: s/c queries against s/c keys
+        assert _attention_call(record, shape) == pytest.approx(expected)
+        seen.add((c, record.cp_comm, b))
+    assert {(1, "ring", 1), (2, "ring", 2), (2, "all_to_all", 1)} <= seen
