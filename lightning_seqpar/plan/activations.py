@@ -42,7 +42,7 @@ def layer_bytes(inventory: ModelInventory, s: int, b: int, t: int, sequence_para
 
 
 def weight_gradient_bytes(inventory: ModelInventory, s: int, b: int, t: int, sequence_parallel: bool = True,
-                          element: int = 2) -> float:
+                          element: int = 2, groups: tuple[str, ...] = ("attention", "mlp")) -> float:
     """Bytes one layer keeps per micro-batch between its B and its W under a split backward (ZB-H1,
     :mod:`lightning_seqpar.tensor_parallel.weight_gradients`): what W reads of the projections whose weight gradient
     it computes (:attr:`ModelInventory.split_projections`). Their inputs, made in the forward: a group's column-parallel
@@ -56,13 +56,13 @@ def weight_gradient_bytes(inventory: ModelInventory, s: int, b: int, t: int, seq
     A mixture of experts (:mod:`lightning_seqpar.moe.expert_product`) whose experts train keeps its experts' rows: on
     average ``s·b·k/t`` per rank (its tokens' k choices; what a rank receives varies with the routing), each with its
     input ``h`` and inner ``f_e`` and their gradients ``2f_e`` and ``h``; a shared expert keeps a dense MLP's terms of
-    its width."""
+    its width. ``groups``: the part's projections counted (``("mlp",)``: the MLP's and the experts' alone)."""
     split = t if sequence_parallel and t > 1 else 1
     h = inventory.hidden_size
     training = inventory.training
     own_inputs = training is not None and getattr(training.lora, "lora_dropout", 0.0)  # each adapter drops its own
     terms = 0.0
-    for group in ("attention", "mlp"):
+    for group in groups:
         columns = [p for p in inventory.split_projections if p.group == group and p.kind == "column"]
         if columns:
             terms += h / split * ((sum(1 for p in columns if p.rank) or 1) if own_inputs else 1)
@@ -74,7 +74,7 @@ def weight_gradient_bytes(inventory: ModelInventory, s: int, b: int, t: int, seq
             else:
                 terms += p.width / t + h + 2 * p.rank
     experts = inventory.experts
-    if experts is not None and any(e.deferred and e.expert for e in inventory.entries):
+    if "mlp" in groups and experts is not None and any(e.deferred and e.expert for e in inventory.entries):
         k, width = experts.top_k, experts.expert_ffn
         terms += k * (h + width) / t + k * (2 * width + h) / t
         if experts.shared_ffn:

@@ -248,10 +248,11 @@ def _run(rank: int, world: int, out: str, repeats: int) -> None:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python -m lightning_seqpar.plan calibrate --out FILE [--processes N] [--repeats K]``: measure (see the module
     docstring) on this process's torchrun group, or on N local processes it starts, and write FILE (JSON,
-    :class:`~.calibration.StepCalibration`); returns 0.
+    :class:`~.calibration.StepCalibration`); returns 0. ``--processes 1`` measures this process's device alone (no
+    process group, no collectives: :func:`measure_device_rates`), enough to plan one-device layouts.
 
     Raises:
-        SystemExit: (argparse) ``--processes`` below 2 or above the GPUs, or ``--repeats`` below 1, before any process
+        SystemExit: (argparse) ``--processes`` below 1 or above the GPUs, or ``--repeats`` below 1, before any process
             starts.
     """
     parser = argparse.ArgumentParser(prog="python -m lightning_seqpar.plan calibrate",
@@ -266,10 +267,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         _run(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args.out, args.repeats)
         return 0
     gpus = torch.cuda.device_count()
-    processes = args.processes or (gpus if gpus else 2)
-    if processes < 2 or (gpus and processes > gpus) or args.repeats < 1:
-        parser.error(f"--processes {processes} (and --repeats {args.repeats}): collectives need 2 or more processes"
-                     f"{f', at most the {gpus} GPUs' if gpus else ''}, and at least one repeat.")
+    processes = args.processes if args.processes is not None else (gpus if gpus else 2)
+    if processes < 1 or (gpus and processes > gpus) or args.repeats < 1:
+        parser.error(f"--processes {processes} (and --repeats {args.repeats}): 1 process (its device alone) or more "
+                     f"(collectives too){f', at most the {gpus} GPUs' if gpus else ''}, and at least one repeat.")
+    if processes == 1:
+        calibration = measure_device_rates(torch.device("cuda" if gpus else "cpu"), args.repeats)
+        calibration.save(args.out)
+        print(f"calibrated {calibration.describe()} (no collectives: one-device layouts): wrote {args.out}")
+        return 0
     import torch.multiprocessing as mp
 
     mp.start_processes(_local_rank, args=(processes, _free_port(), args.out, args.repeats), nprocs=processes,

@@ -116,11 +116,11 @@ def outside_bytes(record: LayoutRecord, inventory: ModelInventory, s: int, preci
     and scaled where the model can be probed (the analytic model has no prologue)."""
     if fits is None or inventory.config is None:
         return outside_layers_bytes(inventory, s // record.cp, record.micro_batch, record.tp, True, True, element), 0.0
-    key = (inventory.probe_key, "outside", record.tp, precision)
+    key = (inventory.probe_key, "outside", record.tp, precision, record.recompute)
     if key not in fits:
         from lightning_seqpar.plan.probe import fit_outside
 
-        fits[key] = fit_outside(inventory.config, record.tp, True, precision, inventory.training)
+        fits[key] = fit_outside(inventory.config, record.tp, True, precision, inventory.training, record.recompute)
     sizes = (s // record.cp, record.micro_batch, inventory.head_dim, inventory.vocab_size)
     return fits[key].bytes(*sizes), fits[key].prologue_bytes(*sizes)
 

@@ -271,10 +271,12 @@ class OutsideFit:
 
 
 def fit_outside(config: Any, tp: int, sequence_parallel: bool = True, precision: str = "bf16-mixed",
-                training: Any = None) -> OutsideFit:
+                training: Any = None, recompute: str = "none") -> OutsideFit:
     """:class:`OutsideFit` for ``config`` at ``tp``: the whole forward's bytes less three times the middle layer's,
     on probes of different ``(b, s, d, v)`` (``training``: as :func:`fit_layer`'s; a frozen head keeps no input for
-    its weight gradient)."""
+    its weight gradient). ``recompute``: the layers' recomputation, which decides whether the prologue's attention
+    mask is kept (a checkpointed attention saves its inputs, the mask among them: a ``[b, 1, s, s]`` tensor per
+    micro-batch in flight, which the explicit attention's add does not keep)."""
     from lightning_seqpar.hf.model_check import probe_head_dim
 
     heads = getattr(config, "num_attention_heads", None) or config.n_head
@@ -284,7 +286,7 @@ def fit_outside(config: Any, tp: int, sequence_parallel: bool = True, precision:
         s, d, v = s * tp, d // 4 * base, v * tp
         overrides = dict(head_dim=d, hidden_size=heads * d, n_embd=heads * d, intermediate_size=16 * tp,
                          n_inner=16 * tp, ffn_hidden_size=16 * tp, vocab_size=v)
-        layer, everything, prologue, _ = measure(config, tp, sequence_parallel, "none", precision, s, b, overrides,
+        layer, everything, prologue, _ = measure(config, tp, sequence_parallel, recompute, precision, s, b, overrides,
                                                  training=training)
         rows.append(_outside_terms(b, s, d, v))
         kept.append(float(everything - 3 * layer))

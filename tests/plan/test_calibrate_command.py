@@ -30,6 +30,11 @@ def test_calibrate_writes_measured_rates_the_planner_reads(tmp_path, capsys):
     assert "(cpu, gloo, 4 processes)" in capsys.readouterr().out
 
 
-def test_calibrate_refuses_a_single_process_before_starting_any():
+def test_one_process_calibrates_its_device_alone_and_none_is_refused_before_starting_any(tmp_path, capsys):
+    path = tmp_path / "alone.json"
+    assert main(["calibrate", "--out", str(path), "--processes", "1", "--repeats", "1"]) == 0
+    rates = StepCalibration.load(path)
+    assert (rates.device, rates.world, rates.collectives) == ("cpu", 1, ()) and not rates.asynchronous
+    assert "no collectives" in capsys.readouterr().out
     with pytest.raises(SystemExit):
-        main(["calibrate", "--out", "unused.json", "--processes", "1"])
+        main(["calibrate", "--out", "unused.json", "--processes", "0"])

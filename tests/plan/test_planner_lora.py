@@ -1,7 +1,8 @@
 """The planner prices LoRA and partly frozen full fine-tuning (``--lora R``, ``--frozen NAME``): the frozen base
 holds its parameters only, the trained elements carry gradients and optimizer state. Checked against PEFT's own
-count for Llama-3-8B at r 16 and against the byte formulas on the command line's records. The zero-bubble schedules are
-not searched under LoRA: its frozen base leaves no weight gradient for W."""
+count for Llama-3-8B at r 16 and against the byte formulas on the command line's records. Under LoRA the zero-bubble
+schedules defer the adapters' weight gradients to W, priced with their small share; with every split weight frozen
+they are refused: nothing is left for W."""
 
 from __future__ import annotations
 
