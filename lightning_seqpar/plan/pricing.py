@@ -116,11 +116,14 @@ def outside_bytes(record: LayoutRecord, inventory: ModelInventory, s: int, preci
     and scaled where the model can be probed (the analytic model has no prologue)."""
     if fits is None or inventory.config is None:
         return outside_layers_bytes(inventory, s // record.cp, record.micro_batch, record.tp, True, True, element), 0.0
-    key = (inventory.probe_key, "outside", record.tp, precision, record.recompute)
+    # Selective recomputation's attention checkpoint keeps the prologue's [b, 1, s, s] mask (transients.py
+    # SCORE_TEMPORARIES); context-parallel attention masks its blocks itself, from positions
+    recompute = "selective" if record.recompute == "selective" and record.cp == 1 else "none"
+    key = (inventory.probe_key, "outside", record.tp, precision, recompute)
     if key not in fits:
         from lightning_seqpar.plan.probe import fit_outside
 
-        fits[key] = fit_outside(inventory.config, record.tp, True, precision, inventory.training, record.recompute)
+        fits[key] = fit_outside(inventory.config, record.tp, True, precision, inventory.training, recompute)
     sizes = (s // record.cp, record.micro_batch, inventory.head_dim, inventory.vocab_size)
     return fits[key].bytes(*sizes), fits[key].prologue_bytes(*sizes)
 

@@ -120,13 +120,13 @@ def accumulation_bytes(parameter_bytes: int, num_microbatches: int, buckets: boo
     return float(parameter_bytes)
 
 
-SCORE_TEMPORARIES = {  # precision: (forward, backward) bytes per score element, recomputed | kept
-    "bf16-mixed": ((10.0, 12.0), (5.0, 6.0)),
-    "bf16-true": ((10.0, 12.0), (4.5, 6.0)),
-    "32-true": ((8.0, 12.0), (5.0, 8.0)),
+SCORE_TEMPORARIES = {  # precision: (forward, backward) bytes per score element, selective | full | kept
+    "bf16-mixed": ((10.0, 12.0), (11.0, 13.0), (5.0, 6.0)),
+    "bf16-true": ((10.0, 12.0), (10.5, 12.5), (4.5, 6.0)),
+    "32-true": ((8.0, 12.0), (9.0, 13.0), (5.0, 8.0)),
 }
 """The explicit core attention's temporaries, in bytes per element of its ``b·(a/t)·s²`` scores beyond what the
-layer keeps, at the forward's moment and at the backward's, when the attention is recomputed (selective or full)
+layer keeps, at the forward's moment and at the backward's, when the attention is recomputed (selective, full)
 and when it keeps its probabilities (no recomputation: part of what would be temporary is kept instead).
 
 The forward makes the scores and their scaled copy, the masked scores, then the softmax's float32 upcast and
@@ -134,19 +134,21 @@ output (float32 as CUDA autocast and Hugging Face's eager attention compute it) 
 the backward recomputes them where recomputed and adds the probabilities' gradient, its float32 upcast and the
 scores' gradient. Measured with a live-tensor tracker over whole training steps with CUDA autocast's float32
 softmax in force, where the ``s²`` terms dominate (s 1024; ``tests/plan/test_step_calibration.py``), rounded up.
-Where the attention is recomputed its checkpoint saves the prologue's ``[b, 1, s, s]`` mask, one per micro-batch in
-flight: priced with the prologue (:func:`~.probe.fit_outside` under the layout's recomputation), not here (its share,
-a byte per score element at 4 heads per rank, was in these figures while a pipeline stage's second micro-batch's
-mask went unpriced: -6.6 % at pp 2, s 1024)."""
+Under selective recomputation the attention's checkpoint saves the prologue's ``[b, 1, s, s]`` mask, one per
+micro-batch in flight: priced with the prologue (:func:`~.probe.fit_outside` under selective recomputation), not
+here (its share, a byte per score element at 4 heads per rank, was in these figures while a pipeline stage's second
+micro-batch's mask went unpriced: -6.6 % at pp 2, s 1024). The full recomputation's figures keep that share: a
+whole layer's checkpoint keeps the mask too, but moving it to the prologue there put a mixture with LoRA's step
+(s 32) over the bound (+5.7 %) without a measured case that needed it."""
 
 
 def _score_elements(inventory: ModelInventory, s: int, b: int, t: int) -> float:
     return float(b * (inventory.num_heads // t) * s * s)
 
 
-def _score_bytes(precision: str, recomputed: bool, backward: bool) -> float:
+def _score_bytes(precision: str, recompute: str, backward: bool) -> float:
     table = SCORE_TEMPORARIES.get(precision) or SCORE_TEMPORARIES["bf16-mixed" if "16" in precision else "32-true"]
-    return table[0 if recomputed else 1][1 if backward else 0]
+    return table[{"selective": 0, "full": 1}.get(recompute, 2)][1 if backward else 0]
 
 
 def forward_transient_bytes(inventory: ModelInventory, s: int, b: int, t: int, precision: str,
@@ -155,7 +157,7 @@ def forward_transient_bytes(inventory: ModelInventory, s: int, b: int, t: int, p
     (bytes): :data:`SCORE_TEMPORARIES` per score element. ``0`` for a fused kernel (sdpa keeps no ``s²`` tensor)."""
     if not inventory.eager_attention:
         return 0.0
-    return _score_bytes(precision, recompute != "none", False) * _score_elements(inventory, s, b, t)
+    return _score_bytes(precision, recompute, False) * _score_elements(inventory, s, b, t)
 
 
 def attention_backward_bytes(inventory: ModelInventory, s: int, b: int, t: int, precision: str,
@@ -164,7 +166,7 @@ def attention_backward_bytes(inventory: ModelInventory, s: int, b: int, t: int, 
     :func:`forward_transient_bytes`; ``0`` for a fused kernel."""
     if not inventory.eager_attention:
         return 0.0
-    return _score_bytes(precision, recompute != "none", True) * _score_elements(inventory, s, b, t)
+    return _score_bytes(precision, recompute, True) * _score_elements(inventory, s, b, t)
 
 
 CONTEXT_BLOCK_TEMPORARIES = {  # (cp_comm, precision): (forward, backward) bytes per element of one block's scores
