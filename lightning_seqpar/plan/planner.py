@@ -291,16 +291,15 @@ def _peak_bytes(record: LayoutRecord, inventory: ModelInventory, s: int, precisi
         whole = LayoutRecord(tp, cp, pp, vpp, dp, record.zero, b, m, "none", record.main_params, ep=record.ep,
                              expert_tp=record.expert_tp, loss_chunk=record.loss_chunk,
                              offload=record.offload, schedule=name)
-        recomputed = max(0.0, layer_activation_bytes(whole, inventory, s, precision, dropout, fits) - per_layer)
+        kept_whole = layer_activation_bytes(whole, inventory, s, precision, dropout, fits)
+        recomputed = max(0.0, kept_whole - per_layer)
         if record.recompute == "selective":
             # the core attention's part is remade in its own backward, after the layer's MLP backward: its moment
             # prices it (attention_backward), not the layer's (the MLP's inner gradients beside the s² probabilities
             # put a 1F1B pp 2 stage at +9.6 % at s 256)
             plain = replace(record, modules=(), offload=())
-            recomputed = max(0.0, recomputed - max(0.0, layer_activation_bytes(whole, inventory, s, precision,
-                                                                                 dropout, fits)
-                                                   - layer_activation_bytes(plain, inventory, s, precision, dropout,
-                                                                            fits)))
+            core = max(0.0, kept_whole - layer_activation_bytes(plain, inventory, s, precision, dropout, fits))
+            recomputed = max(0.0, recomputed - core)
     if record.offload:
         moved = max(0.0, layer_activation_bytes(replace(record, offload=()), inventory, s, precision, dropout, fits) - per_layer)
         recomputed += offload_backward_bytes(moved, per_layer, inventory.num_layers // (pp * vpp),
@@ -373,8 +372,8 @@ def _peak_bytes(record: LayoutRecord, inventory: ModelInventory, s: int, precisi
             # it is recomputed, after its layer's MLP backward freed that half of the layer's kept bytes (kept
             # probabilities are the attention's own, and stay until it runs): its temporaries count beyond that.
             # Under a split backward the MLP's B leaves what its W reads in that half's place (a frozen MLP's W
-            # reads nothing: LoRA frees the half). Measured at s 256, mbs 4: 1F1B pp 2 at +0.5 %, ZB-V at +1.0 %
-            # with LoRA (+9.6 % and +10.0 % when nothing was counted freed under a pipeline).
+            # reads nothing: LoRA frees the half). At s 256, mbs 4, pp 2: 1F1B at +1.9 %, ZB-V with LoRA at +3.0 %
+            # (+9.6 % and +10.0 % when nothing was counted freed under a pipeline).
             halved = record.recompute != "none" or bool(record.modules or record.offload)
             spent = (max(0.0, per_layer / 2 - mlp_w_held) if halved else 0.0) + (epilogue if last else 0.0)
             # Under a split backward, each of the chunk's layers through B holds what its W reads in place of what
