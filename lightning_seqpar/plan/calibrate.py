@@ -7,9 +7,12 @@ FILE`` (NCCL, bfloat16 GEMMs), or on its own, which starts ``--processes`` local
 gloo on CPU, float32). Every rank measures the same things in the same order (NCCL matches collectives by order):
 
 - GEMMs ``[n, n] × [n, n]``, an AdamW step (multi-tensor, float32), core attention (``scaled_dot_product_attention``,
-  causal, forward and backward, 8 heads of 64) and element-wise work (an in-place add's bytes per second over large
-  tensors; a small operator's dispatch) on rank 0, timed after a warm-up as the median of three trials of at least
-  20 ms (on CUDA with events; no other rank runs meanwhile);
+  causal, forward and backward, 8 heads of 64) and element-wise work (the bytes per second and dispatch of a Llama
+  decoder layer's element-wise operators, :mod:`.calibrate_layer`) on every rank at once, as training runs them, each timed after a warm-up as the
+  median of three trials of at least 20 ms (on CUDA with events) and kept as the slowest rank's time. Ranks share the
+  host (its cores' caches and memory bandwidth; on a GPU node, the CPU that dispatches): on 2 cores a float32 GEMM of
+  128 ran at 87 GFLOP/s alone and 51-59 beside its peer, and the rates of one rank measured alone had planned
+  every layout of ``recipes/plan_check.py`` 15-31 % fast;
 - each collective (:data:`~.calibration.COLLECTIVES`) over the group of the first n ranks for n = 2, 4, … ≤ world, at
   three message sizes, through the library's own :class:`~lightning_seqpar.parallel.collectives.ParallelGroup` (the
   g/ḡ, gradient and dispatch paths the layers run); a message's time is the slowest rank's, and ``time = α + sent/β``
@@ -33,13 +36,13 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from lightning_seqpar.plan.calibration import COLLECTIVES, Link, StepCalibration
+from lightning_seqpar.plan.calibration import COLLECTIVES, Link, StepCalibration, _interpolate
 
-SIZES = {  # (GEMM n, attention calls, message bytes, optimizer elements, element-wise elements) per device kind
+SIZES = {  # (GEMM n, attention calls, message bytes, optimizer elements) per device kind
     # an attention call: (s, sequences × heads, head dim); from a launch-bound call to one of a long-context layer
-    "cpu": ((64, 128, 256), ((64, 8, 64), (128, 8, 64), (256, 8, 64)), (1 << 12, 1 << 16, 1 << 20), 1 << 20, 1 << 22),
+    "cpu": ((64, 128, 256), ((64, 8, 64), (128, 8, 64), (256, 8, 64)), (1 << 12, 1 << 16, 1 << 20), 1 << 20),
     "cuda": ((1024, 4096, 8192), ((1024, 8, 64), (1024, 32, 128), (2048, 64, 128), (8192, 32, 128)),
-             (1 << 16, 1 << 22, 1 << 26), 1 << 26, 1 << 27),
+             (1 << 16, 1 << 22, 1 << 26), 1 << 26),
 }
 
 
@@ -67,67 +70,85 @@ def _timer(device: torch.device) -> Callable[[Callable[[], object], int], float]
 TRIAL_SECONDS, TRIALS = 0.02, 3  # a rank-0 measurement: trials of at least 20 ms each, their median
 
 
-def _steady_timer(device: torch.device) -> Callable[[Callable[[], object], int], float]:
+Slowest = Callable[[float], float]
+"""the slowest rank's value of a time every rank measured (one collective call per call: every rank calls it as
+often, in the same order)"""
+
+
+def _alone(seconds: float) -> float:
+    return seconds
+
+
+def _steady_timer(device: torch.device, slowest: Slowest = _alone) -> Callable[[Callable[[], object], int], float]:
     """``measure(fn, repeats)``: seconds per call of ``fn``, the median of :data:`TRIALS` trials of at least
-    ``repeats`` calls and :data:`TRIAL_SECONDS` each. A small CPU GEMM takes microseconds: a few calls timed once were
-    mostly the timer's and the scheduler's noise (the planned times of one layout moved by 10 % between calibrations).
-    For measurements on rank 0 alone: the number of calls is this rank's choice, which a collective's must not be."""
+    ``repeats`` calls and :data:`TRIAL_SECONDS` each, then ``slowest`` of it. A small CPU GEMM takes microseconds: a
+    few calls timed once were mostly the timer's and the scheduler's noise (the planned times of one layout moved by
+    10 % between calibrations). The number of calls is each rank's choice (no collective inside ``fn``); the ranks
+    start together because ``slowest`` waited for all of them at the end of the measurement before."""
     measure = _timer(device)
 
     def steady(fn: Callable[[], object], repeats: int) -> float:
         once = measure(fn, 1)
         calls = max(repeats, math.ceil(TRIAL_SECONDS / max(once, 1e-9)))
-        return statistics.median(measure(fn, calls) for _ in range(TRIALS))
+        return slowest(statistics.median(measure(fn, calls) for _ in range(TRIALS)))
 
     return steady
 
 
-def _optimizer_rate(device: torch.device, repeats: int) -> float:
+def slowest_rank(device: torch.device, group: Optional[dist.ProcessGroup] = None) -> Slowest:
+    """:data:`Slowest` over ``group`` (default: the world): an all-reduce (max) of one float64 on ``device``."""
+
+    def slowest(seconds: float) -> float:
+        value = torch.tensor(seconds, dtype=torch.float64, device=device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+        return float(value)
+
+    return slowest
+
+
+def _optimizer_rate(device: torch.device, repeats: int, slowest: Slowest) -> float:
     """Elements per second of ``torch.optim.AdamW(foreach=True)`` over 8 float32 tensors."""
     elements = SIZES[device.type][3]
     params = [torch.zeros(elements // 8, device=device, requires_grad=True) for _ in range(8)]
     for param in params:
         param.grad = torch.randn_like(param)
     optimizer = torch.optim.AdamW(params, lr=1e-3, foreach=True)
-    return elements / _steady_timer(device)(optimizer.step, repeats)
+    return elements / _steady_timer(device, slowest)(optimizer.step, repeats)
 
 
-def _elementwise_rates(device: torch.device, dtype: torch.dtype, repeats: int) -> tuple[float, float]:
-    """``(memory, dispatch)``: bytes/s of an in-place add over two large tensors (read both, write one, as
-    :class:`~.work.OperatorCounter` counts it), and seconds per operator of four tiny pre-norm MLP blocks forward and
-    backward (the module code between operators included, as a model runs it), less their bytes' time, over the
-    operators the counter counts in them (their GEMMs included: a launch is a launch; their FLOPs take microseconds
-    at this size)."""
+def _elementwise_rates(device: torch.device, dtype: torch.dtype, repeats: int, slowest: Slowest, gemm: list,
+                       attention: list) -> tuple[float, float]:
+    """``(memory, dispatch)``: bytes/s of element-wise work and seconds per operator's dispatch, from a Llama decoder
+    layer forward and backward at a tiny size and at a model's (:mod:`.calibrate_layer`), each time less its GEMMs and
+    core attention priced at the rates ``gemm`` and ``attention`` just measured. On CPU ``time = operators · dispatch +
+    bytes / memory`` at both sizes, solved for the two; on CUDA the tiny layer is the host's (dispatch) and the large
+    one the device's (bytes), the other hidden behind it. A rate the noise would make negative is clamped (dispatch
+    0, memory 10¹² bytes/s: free)."""
+    from lightning_seqpar.plan.calibrate_layer import LAYER_SIZES, layer_step
     from lightning_seqpar.plan.work import OperatorCounter
 
-    measure = _steady_timer(device)
-    n = SIZES[device.type][4]
-    a, b = torch.zeros(n, device=device, dtype=dtype), torch.randn(n, device=device, dtype=dtype)
-    counter = OperatorCounter()
-    with counter:
-        a.add_(b)
-    memory = counter.bytes / measure(lambda: a.add_(b), repeats)
-    width = 16
-    block = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.LayerNorm(width), torch.nn.Linear(width, 4 * width),
-                                                    torch.nn.GELU(), torch.nn.Linear(4 * width, width))
-                                for _ in range(4)).to(device, dtype)
-    x = torch.randn(8, width, device=device, dtype=dtype, requires_grad=True)
-
-    def chain() -> None:  # module code between the operators, as a model's: pre-norm MLP blocks with residuals
-        y = x
-        for layer in block:
-            y = y + layer(y)
-        y.sum().backward()
-
-    counter = OperatorCounter()
-    with counter:
-        chain()
-    seconds = measure(chain, repeats) - counter.bytes / memory
-    return memory, max(seconds, 0.0) / counter.operators
+    measure = _steady_timer(device, slowest)
+    rows = []
+    for b, s, h, heads, f in LAYER_SIZES[device.type]:
+        step, gemm_flops, attention_flops = layer_step((b, s, h, heads, f), device, dtype)
+        step()  # the gradients exist: the counted step accumulates into them, as the timed ones do
+        counter = OperatorCounter()
+        with counter:
+            step()
+        priced = (gemm_flops / _interpolate(tuple(gemm), (b * s * h * f) ** (1 / 3))
+                  + attention_flops / _interpolate(tuple(attention), attention_flops))
+        rows.append((counter.operators, counter.bytes, max(measure(step, repeats) - priced, 0.0)))
+    (ops_small, bytes_small, small), (ops_large, bytes_large, large) = rows
+    if device.type == "cuda":
+        return bytes_large / max(large, 1e-12), small / ops_small
+    determinant = ops_small * bytes_large - ops_large * bytes_small
+    dispatch = (small * bytes_large - large * bytes_small) / determinant
+    per_byte = (ops_small * large - ops_large * small) / determinant
+    return 1 / max(per_byte, 1e-12), max(dispatch, 0.0)
 
 
-def _compute_rates(device: torch.device, dtype: torch.dtype, repeats: int) -> tuple[list, list]:
-    measure = _steady_timer(device)
+def _compute_rates(device: torch.device, dtype: torch.dtype, repeats: int, slowest: Slowest) -> tuple[list, list]:
+    measure = _steady_timer(device, slowest)
     gemm_sizes, attention_calls = SIZES[device.type][:2]
     gemm = []
     for n in gemm_sizes:
@@ -147,16 +168,17 @@ def _compute_rates(device: torch.device, dtype: torch.dtype, repeats: int) -> tu
     return gemm, attention
 
 
-def measure_device_rates(device: torch.device, repeats: int = 3) -> StepCalibration:
+def measure_device_rates(device: torch.device, repeats: int = 3, slowest: Slowest = _alone) -> StepCalibration:
     """The rates one process measures on ``device`` (GEMMs, core attention, the optimizer step, element-wise work:
     bfloat16 on CUDA, float32 on CPU), without collectives (``world`` 1): what a one-device layout's step time reads.
-    No process group is needed."""
+    Alone no process group is needed; with ``slowest`` (:func:`slowest_rank`) every rank of its group measures at
+    once and each time is the slowest rank's."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    gemm, attention = _compute_rates(device, dtype, repeats)
-    memory, dispatch = _elementwise_rates(device, dtype, repeats)
+    gemm, attention = _compute_rates(device, dtype, repeats, slowest)
+    memory, dispatch = _elementwise_rates(device, dtype, repeats, slowest, gemm, attention)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return StepCalibration(name, "nccl" if device.type == "cuda" else "gloo", 1, tuple(gemm), tuple(attention), (),
-                           _optimizer_rate(device, repeats), memory, dispatch)
+                           _optimizer_rate(device, repeats, slowest), memory, dispatch)
 
 
 def _fit(points: list[tuple[float, float]]) -> Link:
@@ -185,8 +207,8 @@ def measure_rates(rank: int, world: int, repeats: int = 3) -> Optional[StepCalib
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
     element = torch.finfo(dtype).bits // 8
-    local = measure_device_rates(device, repeats) if rank == 0 else None
-    dist.barrier()
+    dist.barrier()  # the ranks start their first measurement together, as training runs them
+    local = measure_device_rates(device, repeats, slowest_rank(device))
     measure = _timer(device)
     links = []
     sizes = [n for n in (2 ** i for i in range(1, world.bit_length())) if n <= world]
@@ -214,7 +236,7 @@ def measure_rates(rank: int, world: int, repeats: int = 3) -> Optional[StepCalib
                 points.append((_sent(kind, payload, n), float(seconds)))
             links.append((kind, n, _fit(points)))
         dist.barrier()
-    if local is None:
+    if rank != 0:
         return None
     return dataclasses.replace(local, backend=dist.get_backend(), world=world, collectives=tuple(links))
 

@@ -11,17 +11,18 @@ reads them.
   their own size (``b`` micro-batch sequences, the rank's ``h/t`` query width, its local ``s``).
 - The optimizer step: parameter elements per second of a multi-tensor AdamW step (float32 state, as the strategy's
   optimizers keep it).
-- Element-wise work (:mod:`.work`): the memory bandwidth of an in-place add over large tensors (bytes read and written
-  per second, as :class:`~.work.OperatorCounter` counts them) and the seconds one operator's dispatch takes (a chain
-  of small element-wise operators forward and backward, over the operators the counter counts in it). On a device
-  that queues kernels (CUDA) the host's dispatch runs ahead while the device works: it shows only where it outlasts
-  the device's work (:meth:`StepCalibration.elementwise_seconds`).
+- Element-wise work (:mod:`.work`): the bytes per second a model's element-wise operators read and write (as
+  :class:`~.work.OperatorCounter` counts them) and the seconds one operator's dispatch takes, both from a Llama decoder
+  layer forward and backward at a tiny size and at a model's, less its GEMMs and attention at the rates above
+  (:mod:`.calibrate_layer`). On a device that queues kernels (CUDA) the host's dispatch runs ahead while the device
+  works: it shows only where it outlasts the device's work (:meth:`StepCalibration.elementwise_seconds`).
 - Each collective by group size: latency α (s) and bandwidth β (bytes/s) fitted to ``time = α + sent/β``, ``sent``
   the bytes each rank sends (:func:`~.cost.ring_bytes`' convention), over messages of several sizes.
 
-A file is JSON (``format`` 3; an older one is refused, measure again: format 1 had no element-wise rates, format 2
-keyed attention by sequence length, which priced a launch-bound small call's rate for a model's large ones); a damaged
-or edited one is refused naming the file and the field.
+A file is JSON (``format`` 4; an older one is refused, measure again: format 1 had no element-wise rates, format 2
+keyed attention by sequence length, which priced a launch-bound small call's rate for a model's large ones, format 3
+measured element-wise work on an in-place add, 4× a small Llama's rate on CPU, and rank 0 alone); a damaged or edited
+one is refused naming the file and the field.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union
 
-FORMAT = 3
+FORMAT = 4
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send_recv")
 """The collectives measured: the tensor-parallel g/ḡ pair, data-parallel gradient reduction, expert dispatch and
 all-to-all context parallelism, pipeline and ring-attention transfers."""
@@ -63,8 +64,10 @@ class StepCalibration:
         collectives: ``(kind, group size, Link)``, kind one of :data:`COLLECTIVES`; none where one process measured
             (``world`` 1: :func:`~.calibrate.measure_device_rates`, enough for a one-device layout).
         optimizer: parameter elements per second one rank's AdamW step updates.
-        memory: bytes per second an element-wise operator reads and writes.
-        dispatch: seconds per operator beside its bytes (Python, autograd, a kernel's launch): the host's time.
+        memory: bytes per second a model's element-wise operators read and write (allocation, broadcasting and
+            arithmetic-bound ones such as the softmax's included).
+        dispatch: seconds per operator beside its bytes (Python, autograd, a kernel's launch; views included,
+            which launch none): the host's time.
     """
 
     device: str

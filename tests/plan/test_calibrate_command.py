@@ -38,3 +38,4 @@ def test_one_process_calibrates_its_device_alone_and_none_is_refused_before_star
     assert "no collectives" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["calibrate", "--out", "unused.json", "--processes", "0"])
+

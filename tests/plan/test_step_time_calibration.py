@@ -45,7 +45,8 @@ def test_a_calibration_file_round_trips_and_a_damaged_one_is_refused_naming_the_
         "a kind missing": json.dumps({**good, "collectives": [r for r in good["collectives"] if r[0] != "all_to_all"]}),
         "a negative bandwidth": json.dumps({**good, "collectives": [["all_gather", 2, 1e-5, -1.0]]
                                             + good["collectives"]}),
-        "another format": json.dumps({**good, "format": 4}),
+        "another format": json.dumps({**good, "format": 5}),
+        "format 3: element-wise rates of an in-place add": json.dumps({**good, "format": 3}),
         "format 2: attention by sequence length": json.dumps({**good, "format": 2}),
         "the format before the element-wise rates": json.dumps(
             {**{k: v for k, v in good.items() if k not in ("memory", "dispatch")}, "format": 1}),

@@ -1,0 +1,89 @@
+"""The element-wise rates of the step-time model (``StepCalibration.memory`` and ``.dispatch``), measured on a decoder
+layer as Hugging Face writes a Llama's, not on a clean in-place add.
+
+A model's element-wise operators are not an add over large contiguous tensors: they broadcast (a norm's ``rsqrt`` over
+``[b, s, 1]``, rotary ``cos``/``sin`` over the batch), allocate their outputs (on CPU a fresh multi-megabyte tensor
+is page-faulted in), and some are bound by arithmetic (the softmax's ``exp``). On 2 CPU cores the add ran at
+64 GB/s while a small Llama's element-wise operators moved their counted bytes at about a quarter of that: the planner
+had priced them at 24 ms of a 0.49 s step where they took about 100 ms. Views (a transpose, a reshape) cost a
+dispatch and launch no kernel, and a layer has many: a chain without them charged a host-bound step on an H200 for
+1.27 × its measured time.
+
+So one fully written layer (:class:`ReferenceLayer`: RMSNorm in float32 operations, rotary embedding, explicit
+``softmax(QKᵀ·scale + mask)·V``, SwiGLU MLP, two residual adds) runs forward and backward at two sizes: a tiny one
+(its operators' dispatch is nearly all its time) and one of a model's size on this device (its bytes and FLOPs are).
+From each time the planner's own price of its GEMMs and core attention (the calibration's measured rates) is taken
+away; what is left is ``operators × dispatch + bytes / memory`` on CPU, where both take their turn, and on a device that
+queues kernels the host's dispatch at the tiny size and the bytes' time at the large one
+(:meth:`~.calibration.StepCalibration.elementwise_seconds`). Operators and bytes are
+:class:`~.work.OperatorCounter`'s, as the planner counts a model's.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+LAYER_SIZES = {  # (b, s, h, heads, f): the tiny layer, then one of a model's size on this kind of device
+    "cpu": ((1, 8, 16, 2, 32), (2, 256, 256, 8, 1024)),
+    "cuda": ((1, 8, 16, 2, 32), (1, 4096, 2048, 16, 8192)),
+}
+
+
+class ReferenceLayer(torch.nn.Module):
+    """A Llama decoder layer (Hugging Face's operators, in its order): ``x [b, s, h] → [b, s, h]``."""
+
+    def __init__(self, h: int, heads: int, f: int) -> None:
+        super().__init__()
+        self.heads, self.head_dim = heads, h // heads
+        self.qkvo = torch.nn.ModuleList(torch.nn.Linear(h, h, bias=False) for _ in range(4))
+        self.gate_up = torch.nn.ModuleList(torch.nn.Linear(h, f, bias=False) for _ in range(2))
+        self.down = torch.nn.Linear(f, h, bias=False)
+        self.norms = torch.nn.ParameterList(torch.nn.Parameter(torch.ones(h)) for _ in range(2))
+
+    @staticmethod
+    def _norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        hidden = x.to(torch.float32)
+        hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return weight * hidden.to(x.dtype)
+
+    @staticmethod
+    def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        y = self._norm(x, self.norms[0])
+        q, k, v = (proj(y).view(b, s, self.heads, self.head_dim).transpose(1, 2) for proj in self.qkvo[:3])
+        q, k = self._rotary(q, cos, sin), self._rotary(k, cos, sin)
+        scores = torch.matmul(q, k.transpose(2, 3)) * self.head_dim ** -0.5 + mask
+        probabilities = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        attended = torch.matmul(probabilities, v).transpose(1, 2).reshape(b, s, h)
+        x = x + self.qkvo[3](attended)
+        y = self._norm(x, self.norms[1])
+        return x + self.down(F.silu(self.gate_up[0](y)) * self.gate_up[1](y))
+
+
+def layer_step(size: tuple[int, int, int, int, int], device: torch.device,
+               dtype: torch.dtype) -> tuple[Callable[[], None], float, float]:
+    """``(step, GEMM FLOPs, core-attention FLOPs)`` of one forward and backward of a :class:`ReferenceLayer` of
+    ``size = (b, s, h, heads, f)``: GEMMs ``6·b·s·(4h² + 3hf)``, attention ``12·b·s²·h`` (as the planner counts
+    them: :func:`~.cost.attention_flops`)."""
+    b, s, h, heads, f = size
+    generator = torch.Generator().manual_seed(0)
+    layer = ReferenceLayer(h, heads, f).to(device, dtype)
+    x = torch.randn(b, s, h, generator=generator).to(device, dtype).requires_grad_()
+    angles = torch.arange(s, dtype=torch.float32)[:, None] * torch.ones(h // heads)[None, :] / 100
+    cos, sin = (fn(angles).to(device, dtype)[None, None] for fn in (torch.cos, torch.sin))
+    mask = torch.full((s, s), -math.inf, device=device, dtype=dtype).triu(1)[None, None]
+    grad = torch.randn(b, s, h, generator=generator).to(device, dtype)
+
+    def step() -> None:
+        layer(x, cos, sin, mask).backward(grad)
+
+    return step, 6.0 * b * s * (4 * h * h + 3 * h * f), 12.0 * b * s * s * h

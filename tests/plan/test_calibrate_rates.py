@@ -1,0 +1,86 @@
+"""What ``calibrate`` measures on one device (no processes started): every time is the slowest rank's, and the
+element-wise rates are solved from a Llama decoder layer at two sizes less its GEMMs' and attention's price."""
+
+import pytest
+import torch
+
+from lightning_seqpar.plan import calibrate
+from lightning_seqpar.plan.calibrate import SIZES, measure_device_rates
+from lightning_seqpar.plan.calibrate_layer import LAYER_SIZES, layer_step
+from lightning_seqpar.plan.work import OperatorCounter
+
+CPU = torch.device("cpu")
+
+
+def test_every_rate_is_the_slowest_rank_s_time():
+    """Ranks measure at once, as training runs them (peers share the host's caches and bandwidth), and each time is
+    the slowest rank's: every measurement passes through ``slowest`` once, and the rate is computed from what it
+    returned, not from this rank's own time."""
+    seen = []
+
+    def slowest(seconds: float) -> float:  # a peer 1000x slower than this rank
+        seen.append(seconds)
+        return 1000 * seconds
+
+    rates = measure_device_rates(CPU, 1, slowest)
+    gemm_sizes, calls = SIZES["cpu"][:2]
+    assert len(seen) == len(gemm_sizes) + len(calls) + 3  # GEMMs, attention calls, two layer sizes, optimizer
+    for (n, rate), seconds in zip(rates.gemm, seen):
+        assert rate == pytest.approx(2 * n ** 3 / (1000 * seconds))
+    assert rates.optimizer == pytest.approx(SIZES["cpu"][3] / (1000 * seen[-1]))
+
+
+def test_the_element_wise_rates_are_solved_from_a_decoder_layer_at_two_sizes(monkeypatch):
+    """A CPU whose layer times are ``operators × 7 µs + bytes / 30 GB/s`` plus GEMMs and attention at their rates:
+    the calibration recovers exactly those two rates."""
+    dispatch, memory, gemm_rate, attention_rate = 7e-6, 3e10, 5e10, 2e10
+    prices = {}
+    for size in LAYER_SIZES["cpu"]:
+        step, gemm_flops, attention_flops = layer_step(size, CPU, torch.float32)
+        step()
+        counter = OperatorCounter()
+        with counter:
+            step()
+        prices[size[:3]] = (counter.operators * dispatch + counter.bytes / memory + gemm_flops / gemm_rate
+                            + attention_flops / attention_rate)
+    assert len(prices) == 2
+
+    def timer(device, slowest=None):
+        def measure(fn, repeats):  # the layer's (b, s, h) from the step's closure
+            x = next(c.cell_contents for c in fn.__closure__ if isinstance(c.cell_contents, torch.Tensor)
+                     and c.cell_contents.dim() == 3)
+            return prices[tuple(x.shape)]
+        return measure
+
+    monkeypatch.setattr(calibrate, "_steady_timer", timer)
+    gemm, attention = [(1, gemm_rate), (10 ** 4, gemm_rate)], [(1, attention_rate), (10 ** 15, attention_rate)]
+    solved_memory, solved_dispatch = calibrate._elementwise_rates(CPU, torch.float32, 1, None, gemm, attention)
+    assert solved_dispatch == pytest.approx(dispatch, rel=1e-6) and solved_memory == pytest.approx(memory, rel=1e-6)
+
+
+def test_the_reference_layer_runs_a_hugging_face_llama_layer_s_operators():
+    """The calibration's layer stands for a model's: its operators forward and backward are within 5 % of a Hugging
+    Face Llama decoder layer's (the same norms, rotary, eager attention, SwiGLU), so its dispatch per operator is a
+    model's."""
+    import transformers
+
+    b, s, h, heads, f = LAYER_SIZES["cpu"][0]
+    config = transformers.LlamaConfig(hidden_size=h, intermediate_size=f, num_attention_heads=heads,
+                                      num_key_value_heads=heads, num_hidden_layers=1, vocab_size=32,
+                                      attn_implementation="eager")
+    model = transformers.LlamaForCausalLM(config)
+    x = torch.randint(0, 32, (b, s))
+
+    def counted(step) -> int:
+        step()
+        counter = OperatorCounter()
+        with counter:
+            step()
+        return counter.operators
+
+    whole = counted(lambda: model(input_ids=x, labels=x).loss.backward())
+    config.num_hidden_layers = 2
+    deeper = transformers.LlamaForCausalLM(config)
+    llama_layer = counted(lambda: deeper(input_ids=x, labels=x).loss.backward()) - whole
+    ours = counted(layer_step(LAYER_SIZES["cpu"][0], CPU, torch.float32)[0])
+    assert abs(ours / llama_layer - 1) < 0.05, (ours, llama_layer)
