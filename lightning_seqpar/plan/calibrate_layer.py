@@ -9,14 +9,21 @@ had priced them at 24 ms of a 0.49 s step where they took about 100 ms. Views (a
 dispatch and launch no kernel, and a layer has many: a chain without them charged a host-bound step on an H200 for
 1.27 × its measured time.
 
-So one fully written layer (:class:`ReferenceLayer`: RMSNorm in float32 operations, rotary embedding, explicit
-``softmax(QKᵀ·scale + mask)·V``, SwiGLU MLP, two residual adds) runs forward and backward at two sizes: a tiny one
+So one fully written layer (:class:`ReferenceLayer`: RMSNorm in float32 operations, rotary embedding, core
+attention, SwiGLU MLP, two residual adds) runs forward and backward at two sizes: a tiny one
 (its operators' dispatch is nearly all its time) and one of a model's size on this device (its bytes and FLOPs are).
 From each time the planner's own price of its GEMMs and core attention (the calibration's measured rates) is taken
 away; what is left is ``operators × dispatch + bytes / memory`` on CPU, where both take their turn, and on a device that
 queues kernels the host's dispatch at the tiny size and the bytes' time at the large one
 (:meth:`~.calibration.StepCalibration.elementwise_seconds`). Operators and bytes are
 :class:`~.work.OperatorCounter`'s, as the planner counts a model's.
+
+Its core attention is the device's usual one: on CUDA the fused kernel (``scaled_dot_product_attention``, the
+``sdpa`` Hugging Face loads by default), priced at the rate measured on that same kernel; on CPU the explicit
+``softmax(QKᵀ·scale + mask)·V`` (``attn_implementation="eager"``, what ``recipes/plan_check.py`` trains), its
+scores' operators part of the element-wise work. Explicit attention on an H200 left its batched GEMMs' time beyond
+the fused kernel's rate in the residual: 2.4 TB/s of element-wise work, and a 1B Llama under SDPA planned at
+1.17 × its measured step.
 """
 
 from __future__ import annotations
@@ -34,11 +41,12 @@ LAYER_SIZES = {  # (b, s, h, heads, f): the tiny layer, then one of a model's si
 
 
 class ReferenceLayer(torch.nn.Module):
-    """A Llama decoder layer (Hugging Face's operators, in its order): ``x [b, s, h] → [b, s, h]``."""
+    """A Llama decoder layer (Hugging Face's operators, in its order): ``x [b, s, h] → [b, s, h]``; ``fused``: core
+    attention by ``scaled_dot_product_attention`` (causal), else explicit with ``mask [1, 1, s, s]``."""
 
-    def __init__(self, h: int, heads: int, f: int) -> None:
+    def __init__(self, h: int, heads: int, f: int, fused: bool = False) -> None:
         super().__init__()
-        self.heads, self.head_dim = heads, h // heads
+        self.heads, self.head_dim, self.fused = heads, h // heads, fused
         self.qkvo = torch.nn.ModuleList(torch.nn.Linear(h, h, bias=False) for _ in range(4))
         self.gate_up = torch.nn.ModuleList(torch.nn.Linear(h, f, bias=False) for _ in range(2))
         self.down = torch.nn.Linear(f, h, bias=False)
@@ -61,9 +69,12 @@ class ReferenceLayer(torch.nn.Module):
         y = self._norm(x, self.norms[0])
         q, k, v = (proj(y).view(b, s, self.heads, self.head_dim).transpose(1, 2) for proj in self.qkvo[:3])
         q, k = self._rotary(q, cos, sin), self._rotary(k, cos, sin)
-        scores = torch.matmul(q, k.transpose(2, 3)) * self.head_dim ** -0.5 + mask
-        probabilities = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        attended = torch.matmul(probabilities, v).transpose(1, 2).reshape(b, s, h)
+        if self.fused:
+            attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            scores = torch.matmul(q, k.transpose(2, 3)) * self.head_dim ** -0.5 + mask
+            attended = torch.matmul(F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+        attended = attended.transpose(1, 2).reshape(b, s, h)
         x = x + self.qkvo[3](attended)
         y = self._norm(x, self.norms[1])
         return x + self.down(F.silu(self.gate_up[0](y)) * self.gate_up[1](y))
@@ -72,11 +83,11 @@ class ReferenceLayer(torch.nn.Module):
 def layer_step(size: tuple[int, int, int, int, int], device: torch.device,
                dtype: torch.dtype) -> tuple[Callable[[], None], float, float]:
     """``(step, GEMM FLOPs, core-attention FLOPs)`` of one forward and backward of a :class:`ReferenceLayer` of
-    ``size = (b, s, h, heads, f)``: GEMMs ``6·b·s·(4h² + 3hf)``, attention ``12·b·s²·h`` (as the planner counts
-    them: :func:`~.cost.attention_flops`)."""
+    ``size = (b, s, h, heads, f)`` on ``device`` (fused attention on CUDA): GEMMs ``6·b·s·(4h² + 3hf)``, attention
+    ``12·b·s²·h`` (as the planner counts them: :func:`~.cost.attention_flops`)."""
     b, s, h, heads, f = size
     generator = torch.Generator().manual_seed(0)
-    layer = ReferenceLayer(h, heads, f).to(device, dtype)
+    layer = ReferenceLayer(h, heads, f, fused=device.type == "cuda").to(device, dtype)
     x = torch.randn(b, s, h, generator=generator).to(device, dtype).requires_grad_()
     angles = torch.arange(s, dtype=torch.float32)[:, None] * torch.ones(h // heads)[None, :] / 100
     cos, sin = (fn(angles).to(device, dtype)[None, None] for fn in (torch.cos, torch.sin))
