@@ -29,7 +29,7 @@ the fused kernel's rate in the residual: 2.4 TB/s of element-wise work, and a 1B
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -80,14 +80,14 @@ class ReferenceLayer(torch.nn.Module):
         return x + self.down(F.silu(self.gate_up[0](y)) * self.gate_up[1](y))
 
 
-def layer_step(size: tuple[int, int, int, int, int], device: torch.device,
-               dtype: torch.dtype) -> tuple[Callable[[], None], float, float]:
+def layer_step(size: tuple[int, int, int, int, int], device: torch.device, dtype: torch.dtype,
+               fused: Optional[bool] = None) -> tuple[Callable[[], None], float, float]:
     """``(step, GEMM FLOPs, core-attention FLOPs)`` of one forward and backward of a :class:`ReferenceLayer` of
-    ``size = (b, s, h, heads, f)`` on ``device`` (fused attention on CUDA): GEMMs ``6·b·s·(4h² + 3hf)``, attention
+    ``size = (b, s, h, heads, f)`` on ``device`` (``fused`` attention; default: on CUDA): GEMMs ``6·b·s·(4h² + 3hf)``, attention
     ``12·b·s²·h`` (as the planner counts them: :func:`~.cost.attention_flops`)."""
     b, s, h, heads, f = size
     generator = torch.Generator().manual_seed(0)
-    layer = ReferenceLayer(h, heads, f, fused=device.type == "cuda").to(device, dtype)
+    layer = ReferenceLayer(h, heads, f, fused=device.type == "cuda" if fused is None else fused).to(device, dtype)
     x = torch.randn(b, s, h, generator=generator).to(device, dtype).requires_grad_()
     angles = torch.arange(s, dtype=torch.float32)[:, None] * torch.ones(h // heads)[None, :] / 100
     cos, sin = (fn(angles).to(device, dtype)[None, None] for fn in (torch.cos, torch.sin))
