@@ -15,7 +15,7 @@ def backward_moments(schedule: str, m: int, pp: int, vpp: int, rank: int
                       ) -> tuple[tuple[tuple[int, ...], int, tuple[bool, ...], tuple[int, ...]], ...]:
     """The distinct moments at which pipeline rank ``rank`` starts a backward (a B) in ``schedule``: the forwards in
     flight then, counted per model chunk; the backward's chunk; per chunk, whether its weights' gradients exist (an
-    earlier backward ran, any chunk's; under a split backward that chunk's W: a B makes no weight gradient); the
+    earlier backward of that chunk ran; under a split backward that chunk's W: a B makes no weight gradient); the
     micro-batches past their B and waiting for their W, per chunk (a split backward)."""
     moments: dict[tuple[tuple[int, ...], int, tuple[bool, ...], tuple[int, ...]], None] = {}
     counts, waiting, made = [0] * vpp, [0] * vpp, [False] * vpp
@@ -25,7 +25,7 @@ def backward_moments(schedule: str, m: int, pp: int, vpp: int, rank: int
             counts[action.chunk] += 1
         elif action.kind == "B":
             moments[(tuple(counts), action.chunk, tuple(made), tuple(waiting))] = None
-            made = made if split else [True] * vpp
+            made[action.chunk] = made[action.chunk] or not split
             counts[action.chunk] -= 1
             waiting[action.chunk] += split
         else:

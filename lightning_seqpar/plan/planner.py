@@ -387,10 +387,9 @@ def _peak_bytes(record: LayoutRecord, inventory: ModelInventory, s: int, precisi
                                                                          expert_tp=record.expert_tp),
                                                attention_backward - spent + prefetched),
                       "accumulated_gradients": accumulated * share}
-            # before a split chunk's first W its weights have no `.grad`; the buckets, where they are the gradients,
-            # exist from the first step on
-            gradients = state.gradients - (round((1 - share) * unmade) if name in SPLIT_BACKWARD
-                                           else 0 if accumulating else unmade)
+            # before a chunk's first backward (a split chunk's first W) its weights have no `.grad`; the buckets,
+            # where they are the gradients, exist from the first step on
+            gradients = state.gradients - round((1 - share) * unmade)
             total = state.total - state.gradients + gradients + kept + sum(moment.values())
             if total > peak[0]:
                 peak = (total, gradients, kept, moment)
