@@ -8,11 +8,10 @@ gloo on CPU, float32). Every rank measures the same things in the same order (NC
 
 - GEMMs ``[n, n] × [n, n]``, an AdamW step (multi-tensor, float32), core attention (``scaled_dot_product_attention``,
   causal, forward and backward, 8 heads of 64) and element-wise work (the bytes per second and dispatch of a Llama
-  decoder layer's element-wise operators, :mod:`.calibrate_layer`) on every rank at once, as training runs them, each timed after a warm-up as the
-  median of three trials of at least 20 ms (on CUDA with events) and kept as the slowest rank's time. Ranks share the
-  host (its cores' caches and memory bandwidth; on a GPU node, the CPU that dispatches): on 2 cores a float32 GEMM of
-  128 ran at 87 GFLOP/s alone and 51-59 beside its peer, and the rates of one rank measured alone had planned
-  every layout of ``recipes/plan_check.py`` 15-31 % fast;
+  decoder layer's element-wise operators, :mod:`.calibrate_layer`) on every rank at once, as training runs them: each
+  the median of five rounds that time every measurement once (trials of at least 20 ms after a warm-up; on CUDA with
+  events), kept as the slowest rank's time. Ranks share the host (its cores' caches and memory bandwidth; on a GPU
+  node, the CPU that dispatches): on 2 cores a float32 GEMM of 128 ran at 95 GFLOP/s alone and 74-79 beside its peer;
 - each collective (:data:`~.calibration.COLLECTIVES`) over the group of the first n ranks for n = 2, 4, … ≤ world, at
   three message sizes, through the library's own :class:`~lightning_seqpar.parallel.collectives.ParallelGroup` (the
   g/ḡ, gradient and dispatch paths the layers run); a message's time is the slowest rank's, and ``time = α + sent/β``
@@ -67,7 +66,7 @@ def _timer(device: torch.device) -> Callable[[Callable[[], object], int], float]
     return measure
 
 
-TRIAL_SECONDS, TRIALS = 0.02, 3  # a rank-0 measurement: trials of at least 20 ms each, their median
+TRIAL_SECONDS, ROUNDS = 0.02, 5  # a trial: at least 20 ms of calls; each measurement's median over 5 rounds
 
 
 Slowest = Callable[[float], float]
@@ -79,20 +78,21 @@ def _alone(seconds: float) -> float:
     return seconds
 
 
-def _steady_timer(device: torch.device, slowest: Slowest = _alone) -> Callable[[Callable[[], object], int], float]:
-    """``measure(fn, repeats)``: seconds per call of ``fn``, the median of :data:`TRIALS` trials of at least
-    ``repeats`` calls and :data:`TRIAL_SECONDS` each, then ``slowest`` of it. A small CPU GEMM takes microseconds: a
-    few calls timed once were mostly the timer's and the scheduler's noise (the planned times of one layout moved by
-    10 % between calibrations). The number of calls is each rank's choice (no collective inside ``fn``); the ranks
-    start together because ``slowest`` waited for all of them at the end of the measurement before."""
+def _timed_in_rounds(fns: Sequence[Callable[[], object]], device: torch.device, repeats: int,
+                     slowest: Slowest = _alone) -> list[float]:
+    """Seconds per call of each of ``fns``: each one's calls per trial fixed after a warm-up (at least ``repeats``
+    and :data:`TRIAL_SECONDS`), then :data:`ROUNDS` rounds that time every one of them once, in order, and each one's
+    median over the rounds, then ``slowest`` of it. A small CPU GEMM takes microseconds: a few calls timed once were
+    mostly the timer's and the scheduler's noise; and a spell of a busy host during one measurement alone had put a
+    layer's element-wise rate (its time less its GEMMs', measured before it) at half another run's. In rounds such a
+    spell slows every measurement alike. The number of calls is each rank's choice (no collective inside a ``fn``)."""
     measure = _timer(device)
-
-    def steady(fn: Callable[[], object], repeats: int) -> float:
-        once = measure(fn, 1)
-        calls = max(repeats, math.ceil(TRIAL_SECONDS / max(once, 1e-9)))
-        return slowest(statistics.median(measure(fn, calls) for _ in range(TRIALS)))
-
-    return steady
+    calls = [max(repeats, math.ceil(TRIAL_SECONDS / max(measure(fn, 1), 1e-9))) for fn in fns]
+    trials: list[list[float]] = [[] for _ in fns]
+    for _ in range(ROUNDS):
+        for fn, n, times in zip(fns, calls, trials):
+            times.append(measure(fn, n))
+    return [slowest(statistics.median(times)) for times in trials]
 
 
 def slowest_rank(device: torch.device, group: Optional[dist.ProcessGroup] = None) -> Slowest:
@@ -106,39 +106,38 @@ def slowest_rank(device: torch.device, group: Optional[dist.ProcessGroup] = None
     return slowest
 
 
-def _optimizer_rate(device: torch.device, repeats: int, slowest: Slowest) -> float:
-    """Elements per second of ``torch.optim.AdamW(foreach=True)`` over 8 float32 tensors."""
+def _optimizer_step(device: torch.device) -> tuple[Callable[[], object], int]:
+    """``(step, elements)``: ``torch.optim.AdamW(foreach=True)`` over 8 float32 tensors."""
     elements = SIZES[device.type][3]
     params = [torch.zeros(elements // 8, device=device, requires_grad=True) for _ in range(8)]
     for param in params:
         param.grad = torch.randn_like(param)
-    optimizer = torch.optim.AdamW(params, lr=1e-3, foreach=True)
-    return elements / _steady_timer(device, slowest)(optimizer.step, repeats)
+    return torch.optim.AdamW(params, lr=1e-3, foreach=True).step, elements
 
 
-def _elementwise_rates(device: torch.device, dtype: torch.dtype, repeats: int, slowest: Slowest, gemm: list,
-                       attention: list) -> tuple[float, float]:
-    """``(memory, dispatch)``: bytes/s of element-wise work and seconds per operator's dispatch, from a Llama decoder
-    layer forward and backward at a tiny size and at a model's (:mod:`.calibrate_layer`), each time less its GEMMs and
-    core attention priced at the rates ``gemm`` and ``attention`` just measured. On CPU ``time = operators · dispatch +
-    bytes / memory`` at both sizes, solved for the two; on CUDA the tiny layer is the host's (dispatch) and the large
-    one the device's (bytes), the other hidden behind it. A rate the noise would make negative is clamped (dispatch
-    0, memory 10¹² bytes/s: free)."""
-    from lightning_seqpar.plan.calibrate_layer import LAYER_SIZES, layer_step
-    from lightning_seqpar.plan.work import OperatorCounter
+def _gemm(n: int, device: torch.device, dtype: torch.dtype) -> Callable[[], object]:
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    return lambda: a @ b
 
-    measure = _steady_timer(device, slowest)
-    rows = []
-    for b, s, h, heads, f in LAYER_SIZES[device.type]:
-        step, gemm_flops, attention_flops = layer_step((b, s, h, heads, f), device, dtype)
-        step()  # the gradients exist: the counted step accumulates into them, as the timed ones do
-        counter = OperatorCounter()
-        with counter:
-            step()
-        priced = (gemm_flops / _interpolate(tuple(gemm), (b * s * h * f) ** (1 / 3))
-                  + attention_flops / _interpolate(tuple(attention), attention_flops))
-        rows.append((counter.operators, counter.bytes, max(measure(step, repeats) - priced, 0.0)))
-    (ops_small, bytes_small, small), (ops_large, bytes_large, large) = rows
+
+def _attention(s: int, heads: int, head_dim: int, device: torch.device, dtype: torch.dtype) -> Callable[[], None]:
+    q, k, v = (torch.randn(1, heads, s, head_dim, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    grad = torch.randn(1, heads, s, head_dim, device=device, dtype=dtype)
+
+    def step() -> None:
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
+
+    return step
+
+
+def _elementwise_rates(device: torch.device, layers: list[tuple[int, int, float]]) -> tuple[float, float]:
+    """``(memory, dispatch)``: bytes/s of element-wise work and seconds per operator's dispatch, from ``layers``:
+    ``(operators, bytes, seconds)`` of a Llama decoder layer forward and backward at a tiny size and at a model's
+    (:mod:`.calibrate_layer`), the seconds less its GEMMs and core attention at their measured rates. On CPU
+    ``time = operators · dispatch + bytes / memory`` at both sizes, solved for the two; on CUDA the tiny layer is the
+    host's (dispatch) and the large one the device's (bytes), the other hidden behind it. A rate the noise would
+    make negative is clamped (dispatch 0, memory 10¹² bytes/s: free)."""
+    (ops_small, bytes_small, small), (ops_large, bytes_large, large) = layers
     if device.type == "cuda":
         return bytes_large / max(large, 1e-12), small / ops_small
     determinant = ops_small * bytes_large - ops_large * bytes_small
@@ -147,38 +146,43 @@ def _elementwise_rates(device: torch.device, dtype: torch.dtype, repeats: int, s
     return 1 / max(per_byte, 1e-12), max(dispatch, 0.0)
 
 
-def _compute_rates(device: torch.device, dtype: torch.dtype, repeats: int, slowest: Slowest) -> tuple[list, list]:
-    measure = _steady_timer(device, slowest)
-    gemm_sizes, attention_calls = SIZES[device.type][:2]
-    gemm = []
-    for n in gemm_sizes:
-        a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
-        gemm.append((n, 2 * n ** 3 / measure(lambda: a @ b, repeats)))
-    attention = []
-    for s, heads, head_dim in attention_calls:
-        q, k, v = (torch.randn(1, heads, s, head_dim, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
-        grad = torch.randn(1, heads, s, head_dim, device=device, dtype=dtype)
-
-        def step() -> None:
-            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-            out.backward(grad)
-
-        flops = 12 * s * s * heads * head_dim
-        attention.append((flops, flops / measure(step, repeats)))
-    return gemm, attention
-
-
 def measure_device_rates(device: torch.device, repeats: int = 3, slowest: Slowest = _alone) -> StepCalibration:
     """The rates one process measures on ``device`` (GEMMs, core attention, the optimizer step, element-wise work:
     bfloat16 on CUDA, float32 on CPU), without collectives (``world`` 1): what a one-device layout's step time reads.
     Alone no process group is needed; with ``slowest`` (:func:`slowest_rank`) every rank of its group measures at
-    once and each time is the slowest rank's."""
+    once and each time is the slowest rank's. Every measurement is timed in the same rounds
+    (:func:`_timed_in_rounds`)."""
+    from lightning_seqpar.plan.calibrate_layer import LAYER_SIZES, layer_step
+    from lightning_seqpar.plan.work import OperatorCounter
+
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    gemm, attention = _compute_rates(device, dtype, repeats, slowest)
-    memory, dispatch = _elementwise_rates(device, dtype, repeats, slowest, gemm, attention)
+    gemm_sizes, attention_calls = SIZES[device.type][:2]
+    fns: list[Callable[[], object]] = [_gemm(n, device, dtype) for n in gemm_sizes]
+    fns += [_attention(s, heads, head_dim, device, dtype) for s, heads, head_dim in attention_calls]
+    layers = []
+    for size in LAYER_SIZES[device.type]:
+        step, gemm_flops, attention_flops = layer_step(size, device, dtype)
+        step()  # the gradients exist: the counted step accumulates into them, as the timed ones do
+        counter = OperatorCounter()
+        with counter:
+            step()
+        fns.append(step)
+        layers.append((size, counter.operators, counter.bytes, gemm_flops, attention_flops))
+    optimizer_step, elements = _optimizer_step(device)
+    seconds = _timed_in_rounds(fns + [optimizer_step], device, repeats, slowest)
+    gemm = tuple((n, 2 * n ** 3 / t) for n, t in zip(gemm_sizes, seconds))
+    flops = [12 * s * s * heads * head_dim for s, heads, head_dim in attention_calls]
+    attention = tuple((f, f / t) for f, t in zip(flops, seconds[len(gemm):]))
+    priced = []
+    for ((b, s, h, _, f), operators, moved, gemm_flops, attention_flops), t in zip(
+            layers, seconds[len(gemm) + len(attention):]):
+        compute = gemm_flops / _interpolate(gemm, (b * s * h * f) ** (1 / 3)) + attention_flops / _interpolate(
+            attention, attention_flops)
+        priced.append((operators, moved, max(t - compute, 0.0)))
+    memory, dispatch = _elementwise_rates(device, priced)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    return StepCalibration(name, "nccl" if device.type == "cuda" else "gloo", 1, tuple(gemm), tuple(attention), (),
-                           _optimizer_rate(device, repeats, slowest), memory, dispatch)
+    return StepCalibration(name, "nccl" if device.type == "cuda" else "gloo", 1, gemm, attention, (),
+                           elements / seconds[-1], memory, dispatch)
 
 
 def _fit(points: list[tuple[float, float]]) -> Link:

@@ -30,32 +30,21 @@ def test_every_rate_is_the_slowest_rank_s_time():
     assert rates.optimizer == pytest.approx(SIZES["cpu"][3] / (1000 * seen[-1]))
 
 
-def test_the_element_wise_rates_are_solved_from_a_decoder_layer_at_two_sizes(monkeypatch):
-    """A CPU whose layer times are ``operators × 7 µs + bytes / 30 GB/s`` plus GEMMs and attention at their rates:
-    the calibration recovers exactly those two rates."""
-    dispatch, memory, gemm_rate, attention_rate = 7e-6, 3e10, 5e10, 2e10
-    prices = {}
+def test_the_element_wise_rates_are_solved_from_a_decoder_layer_at_two_sizes():
+    """A CPU whose layer times, less their GEMMs and attention, are ``operators × 7 µs + bytes / 30 GB/s``: the
+    calibration recovers exactly those two rates from the layer's counted operators and bytes at its two sizes."""
+    dispatch, memory = 7e-6, 3e10
+    layers = []
     for size in LAYER_SIZES["cpu"]:
-        step, gemm_flops, attention_flops = layer_step(size, CPU, torch.float32)
+        step = layer_step(size, CPU, torch.float32)[0]
         step()
         counter = OperatorCounter()
         with counter:
             step()
-        prices[size[:3]] = (counter.operators * dispatch + counter.bytes / memory + gemm_flops / gemm_rate
-                            + attention_flops / attention_rate)
-    assert len(prices) == 2
-
-    def timer(device, slowest=None):
-        def measure(fn, repeats):  # the layer's (b, s, h) from the step's closure
-            x = next(c.cell_contents for c in fn.__closure__ if isinstance(c.cell_contents, torch.Tensor)
-                     and c.cell_contents.dim() == 3)
-            return prices[tuple(x.shape)]
-        return measure
-
-    monkeypatch.setattr(calibrate, "_steady_timer", timer)
-    gemm, attention = [(1, gemm_rate), (10 ** 4, gemm_rate)], [(1, attention_rate), (10 ** 15, attention_rate)]
-    solved_memory, solved_dispatch = calibrate._elementwise_rates(CPU, torch.float32, 1, None, gemm, attention)
-    assert solved_dispatch == pytest.approx(dispatch, rel=1e-6) and solved_memory == pytest.approx(memory, rel=1e-6)
+        layers.append((counter.operators, counter.bytes, counter.operators * dispatch + counter.bytes / memory))
+    assert layers[1][1] > 1000 * layers[0][1]  # the large layer's time is its bytes', the tiny one's its dispatch
+    solved_memory, solved_dispatch = calibrate._elementwise_rates(CPU, layers)
+    assert solved_dispatch == pytest.approx(dispatch, rel=1e-9) and solved_memory == pytest.approx(memory, rel=1e-9)
 
 
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])
