@@ -119,8 +119,9 @@ def outside_bytes(record: LayoutRecord, inventory: ModelInventory, s: int, preci
     # A recomputed attention's checkpoint (selective: the attention's, full: the layer's) keeps the prologue's
     # [b, 1, s, s] mask, one per micro-batch in flight (transients.py SCORE_TEMPORARIES); context-parallel attention
     # masks its blocks itself. Under full recomputation with one micro-batch in flight (pp 1) the full row of
-    # SCORE_TEMPORARIES holds that one mask's share, as measured; a pipeline's other micro-batches keep theirs
-    # (LoRA, interleaved pp 2, s 256: -8.4 % with the prologue probed without recomputation, +1.7 % with).
+    # SCORE_TEMPORARIES holds that one mask's share, as measured; on a pipeline every micro-batch in flight keeps
+    # one (that row's share then counts one of them twice: a byte per score element at 4 heads per rank), LoRA on
+    # interleaved pp 2 at s 256: -8.4 % with the prologue probed without recomputation, +1.7 % with.
     full = record.recompute == "full" and record.pp > 1
     recompute = record.recompute if (record.recompute == "selective" or full) and record.cp == 1 else "none"
     key = (inventory.probe_key, "outside", record.tp, precision, recompute)

@@ -138,8 +138,9 @@ Under selective recomputation the attention's checkpoint saves the prologue's ``
 micro-batch in flight: priced with the prologue (:func:`~.probe.fit_outside` under selective recomputation), not
 here (its share, a byte per score element at 4 heads per rank, was in these figures while a pipeline stage's second
 micro-batch's mask went unpriced: -6.6 % at pp 2, s 1024). The full recomputation's figures keep that share: a
-whole layer's checkpoint keeps the mask too, but moving it to the prologue there put a mixture with LoRA's step
-(s 32) over the bound (+5.7 %) without a measured case that needed it."""
+whole layer's checkpoint keeps the mask too, but moving it to the prologue put a mixture with LoRA's step (s 32,
+pp 1) over the bound (+5.7 %); on a pipeline, where several micro-batches keep theirs, the prologue is probed under
+full recomputation as well (:func:`~.pricing.outside_bytes`)."""
 
 
 def _score_elements(inventory: ModelInventory, s: int, b: int, t: int) -> float:
