@@ -236,9 +236,10 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
     record.bubble = (pp - 1) / (vpp * m) if pp > 1 else 0.0
     if pp > 1 and name in SPLIT_BACKWARD:
         # idle over compute; F : B : W = 1 : 2 − w : w, w the deferred weights' share of the backward's weight GEMMs
-        # (Eq. 7's 2 : 4 split of the FLOPs, halved: 1 : 1 : 1 when every weight trains; LoRA's W is its adapters')
-        w = inventory.weight_gradient_share
-        idle = bubble_fraction(name, m, pp, costs=(1.0, 2.0 - w, w))
+        # (Eq. 7's 2 : 4 split of the FLOPs, halved: 1 : 1 : 1 when every weight trains; LoRA's W is its adapters'),
+        # and under full recomputation B runs the layer's forward again first (Eq. 8): 1 : 3 − w : w
+        w, again = inventory.weight_gradient_share, 1.0 if record.recompute == "full" else 0.0
+        idle = bubble_fraction(name, m, pp, costs=(1.0, 2.0 - w + again, w))
         record.bubble = idle / (1 - idle)
     attention = attention_flops(shape, global_batch, record.recompute)
     ffn = inventory.ffn_hidden_size

@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from lightning_seqpar.pipeline_parallel.schedules import SPLIT_BACKWARD
 from lightning_seqpar.plan import Hardware, model_inventory, plan
 from lightning_seqpar.plan.__main__ import main
 
@@ -34,6 +35,7 @@ def test_each_layout_is_priced_per_schedule_as_a_search_of_that_schedule_alone(s
         assert record.bytes == alone[key].bytes and record.step_time == alone[key].step_time
     piped = [r for r in together.values() if r.pp > 1]
     assert {r.schedule for r in piped} == {"1F1B", "interleaved_1F1B", "ZB-H1", "ZB-V", "DualPipeV"}
+    heavier = []
     for r in piped:  # each one's bubble is its own schedule's (Narayanan et al. 2021; Qi et al. 2024, ZB-H1, ZB-V)
         m, p, v = r.num_microbatches, r.pp, r.vpp
         expected = {"1F1B": (p - 1) / m, "interleaved_1F1B": (p - 1) / (v * m), "ZB-H1": (p - 1) / (3 * m),
@@ -42,11 +44,18 @@ def test_each_layout_is_priced_per_schedule_as_a_search_of_that_schedule_alone(s
         if r.schedule == "ZB-V" and m < 2 * p - 2:
             assert r.bubble > expected["ZB-V"] and r.vpp == 2
             continue
+        if r.schedule in SPLIT_BACKWARD and r.recompute == "full":  # B makes the forward again: a heavier B idles more
+            heavier.append((r, together.get(_key(r)[:8] + ("none", r.schedule))))
+            continue
         assert r.bubble == pytest.approx(expected[r.schedule]) and (r.schedule != "ZB-H1" or r.vpp == 1)
         assert r.schedule not in ("ZB-V", "DualPipeV") or r.vpp == 2
+    pairs = [(r, twin) for r, twin in heavier if twin is not None]
+    assert pairs and all(r.bubble > twin.bubble > 0 for r, twin in pairs)
     # DualPipeV's pairs run one after the other: ZB-V's bubble. Its peak differs: one chunk micro-batch more in flight,
     # but its steady state's whole backwards leave no W waiting (ZB-V's last rank holds many at its cool-down)
-    twins = [(r, together.get(_key(r)[:-1] + ("ZB-V",))) for r in piped if r.schedule == "DualPipeV"]
+    twins = [(r, together.get(_key(r)[:-1] + ("ZB-V",))) for r in piped if r.schedule == "DualPipeV"
+             and r.recompute != "full"]  # with F = B = W (B heavier, full recomputation's: at p 4, m 8, DualPipeV
+    # idles 11.1 % of its time, ZB-V 8.6 %)
     assert twins and all(r.bubble == twin.bubble for r, twin in twins if twin is not None)
     assert any(r.reason == f"micro-batches={r.num_microbatches} < 2·pp={2 * r.pp}: DualPipeV's warm-up sends 2·pp "
                f"through rank 0's first chunk" for r in dualpipe_v if r.pp <= r.num_microbatches < 2 * r.pp)
