@@ -35,7 +35,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from lightning_seqpar.plan.calibration import COLLECTIVES, Link, StepCalibration, _interpolate
+from lightning_seqpar.plan.calibration import COLLECTIVES, Link, StepCalibration
 
 SIZES = {  # (GEMM n, attention calls, message bytes, optimizer elements) per device kind
     # an attention call: (s, sequences × heads, head dim); from a launch-bound call to one of a long-context layer
@@ -173,16 +173,16 @@ def measure_device_rates(device: torch.device, repeats: int = 3, slowest: Slowes
     gemm = tuple((n, 2 * n ** 3 / t) for n, t in zip(gemm_sizes, seconds))
     flops = [12 * s * s * heads * head_dim for s, heads, head_dim in attention_calls]
     attention = tuple((f, f / t) for f, t in zip(flops, seconds[len(gemm):]))
-    priced = []
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    rates = StepCalibration(name, "nccl" if device.type == "cuda" else "gloo", 1, gemm, attention, (),
+                            elements / seconds[-1], memory=1.0, dispatch=0.0)  # element-wise: from the layers below
+    priced = []  # each layer's time less its GEMMs and attention, as the planner prices them
     for ((b, s, h, _, f), operators, moved, gemm_flops, attention_flops), t in zip(
             layers, seconds[len(gemm) + len(attention):]):
-        compute = gemm_flops / _interpolate(gemm, (b * s * h * f) ** (1 / 3)) + attention_flops / _interpolate(
-            attention, attention_flops)
+        compute = gemm_flops / rates.gemm_rate(b * s, h, f) + attention_flops / rates.attention_rate(attention_flops)
         priced.append((operators, moved, max(t - compute, 0.0)))
     memory, dispatch = _elementwise_rates(device, priced)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    return StepCalibration(name, "nccl" if device.type == "cuda" else "gloo", 1, gemm, attention, (),
-                           elements / seconds[-1], memory, dispatch)
+    return dataclasses.replace(rates, memory=memory, dispatch=dispatch)
 
 
 def _fit(points: list[tuple[float, float]]) -> Link:

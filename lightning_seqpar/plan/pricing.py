@@ -122,8 +122,8 @@ def outside_bytes(record: LayoutRecord, inventory: ModelInventory, s: int, preci
     # SCORE_TEMPORARIES holds that one mask's share, as measured; on a pipeline every micro-batch in flight keeps
     # one (that row's share then counts one of them twice: a byte per score element at 4 heads per rank), LoRA on
     # interleaved pp 2 at s 256: -8.4 % with the prologue probed without recomputation, +1.7 % with.
-    full = record.recompute == "full" and record.pp > 1
-    recompute = record.recompute if (record.recompute == "selective" or full) and record.cp == 1 else "none"
+    kept_mask = record.cp == 1 and (record.recompute == "selective" or record.recompute == "full" and record.pp > 1)
+    recompute = record.recompute if kept_mask else "none"
     key = (inventory.probe_key, "outside", record.tp, precision, recompute)
     if key not in fits:
         from lightning_seqpar.plan.probe import fit_outside
