@@ -14,8 +14,11 @@ gloo on CPU, float32). Every rank measures the same things in the same order (NC
   node, the CPU that dispatches): on 2 cores a float32 GEMM of 128 ran at 95 GFLOP/s alone and 74-79 beside its peer;
 - each collective (:data:`~.calibration.COLLECTIVES`) over the group of the first n ranks for n = 2, 4, … ≤ world, at
   three message sizes, through the library's own :class:`~lightning_seqpar.parallel.collectives.ParallelGroup` (the
-  g/ḡ, gradient and dispatch paths the layers run); a message's time is the slowest rank's, and ``time = α + sent/β``
-  is fitted by least squares over the sizes (α ≥ 0).
+  g/ḡ, gradient and dispatch paths the layers run; ``send_recv`` is the ring exchange of context-parallel attention
+  and the pipeline's batches); a message's time is the slowest rank's, the median of five rounds. ``time = α + sent/β``
+  is fitted by least squares over the sizes (α ≥ 0), and α is then the smallest message's time after a burst of
+  compute on every rank (:func:`_after_compute`, :func:`_link`) where that is larger: a step calls its collectives
+  between GEMMs, not back to back.
 
 Raises (CLI): ``--processes`` below 2 or above the GPUs: collectives need two ranks.
 """
@@ -39,7 +42,7 @@ from lightning_seqpar.plan.calibration import COLLECTIVES, Link, StepCalibration
 
 SIZES = {  # (GEMM n, attention calls, message bytes, optimizer elements) per device kind
     # an attention call: (s, sequences × heads, head dim); from a launch-bound call to one of a long-context layer
-    "cpu": ((64, 128, 256), ((64, 8, 64), (128, 8, 64), (256, 8, 64)), (1 << 12, 1 << 16, 1 << 20), 1 << 20),
+    "cpu": ((64, 128, 256), ((64, 8, 64), (128, 8, 64), (256, 8, 64)), (1 << 12, 1 << 18, 1 << 22), 1 << 20),
     "cuda": ((1024, 4096, 8192), ((1024, 8, 64), (1024, 32, 128), (2048, 64, 128), (8192, 32, 128)),
              (1 << 16, 1 << 22, 1 << 26), 1 << 26),
 }
@@ -197,9 +200,59 @@ def _fit(points: list[tuple[float, float]]) -> Link:
     return Link(alpha, 1 / max(slope, 1e-30))
 
 
+def _link(timed: list[tuple[float, float, float]]) -> Link:
+    """The link of ``(sent bytes, seconds back to back, seconds after compute)`` per message size, the smallest
+    first: the bandwidth fitted back to back (:func:`_fit`), where a transfer's bytes show; the latency a step pays,
+    the smallest message's time after compute less its bytes, or the fitted one where that is larger."""
+    fit = _fit([(sent, seconds) for sent, seconds, _ in timed])
+    sent, _, after = timed[0]
+    return Link(max(fit.latency, after - sent / fit.bandwidth), fit.bandwidth)
+
+
 def _sent(kind: str, payload: int, n: int) -> float:
     """Bytes each rank sends: ``payload`` is the gathered / reduced / exchanged tensor (ring convention)."""
     return {"all_reduce": 2 * (n - 1) / n, "send_recv": 1.0}.get(kind, (n - 1) / n) * payload
+
+
+BURST_SECONDS, AFTER_COMPUTE_CALLS = 2e-3, 40
+"""a collective's latency is timed after this much compute on every rank, as a layer calls its collectives between
+GEMMs, over this many calls"""
+
+
+def _burst(device: torch.device, dtype: torch.dtype) -> Callable[[], None]:
+    """About :data:`BURST_SECONDS` of GEMMs (the middle class's, repeated) on ``device``."""
+    gemm = _gemm(SIZES[device.type][0][1], device, dtype)
+    calls = max(1, round(BURST_SECONDS / max(_timer(device)(gemm, 5), 1e-9)))
+
+    def burst() -> None:
+        for _ in range(calls):
+            gemm()
+
+    return burst
+
+
+def _after_compute(call: Callable[[], object], burst: Callable[[], None],
+                   measure: Callable[[Callable[[], object], int], float]) -> float:
+    """Mean seconds ``call`` adds after ``burst``: a step calls a collective after compute, when the ranks arrive
+    apart by their compute's jitter and a transport idle since its last message must wake. Back to back, gloo's
+    all-gather of 2 KB on 2 CPU processes took 0.1 ms; after 2 ms of GEMMs, 0.7-1.0 ms on the mean (a bimodal
+    0.2 or 2-3 ms: a woken thread waits for a core the other rank's compute holds), and tensor parallelism with 8
+    micro-batches of 1 (256 collectives a step) was priced at 0.60 of its measured step with the first, 0.87-0.93
+    with the second. The mean, not a median: every call of a step pays its draw."""
+    alone = measure(burst, AFTER_COMPUTE_CALLS)
+    return max(measure(lambda: (burst(), call()), AFTER_COMPUTE_CALLS) - alone, 0.0)
+
+
+def _collective(kind: str, group, numel: int, device: torch.device, dtype: torch.dtype) -> Callable[[], object]:
+    """One call of ``kind`` over ``group`` (a :class:`~lightning_seqpar.parallel.collectives.ParallelGroup`) on a
+    ``numel``-element message: the layers' own paths (``send_recv``: the ring exchange that context-parallel attention
+    and the pipeline's batches post, one send and one receive per rank)."""
+    x = torch.randn(numel, device=device, dtype=dtype)
+    return {"all_gather": lambda: group.all_gather(x[: numel // group.size]),
+            "reduce_scatter": lambda: group.reduce_scatter(x),
+            "all_reduce": lambda: group.all_reduce(x.clone()),
+            "all_to_all": lambda: group.all_to_all(x),
+            "send_recv": lambda: group.ring_exchange_start(x).wait()}[kind]
 
 
 def measure_rates(rank: int, world: int, repeats: int = 3) -> Optional[StepCalibration]:
@@ -216,29 +269,25 @@ def measure_rates(rank: int, world: int, repeats: int = 3) -> Optional[StepCalib
     measure = _timer(device)
     links = []
     sizes = [n for n in (2 ** i for i in range(1, world.bit_length())) if n <= world]
+    burst = _burst(device, dtype)
     for n in sizes:
         handle = dist.new_group(list(range(n)))  # every rank creates every group, in the same order
         group = ParallelGroup(handle) if rank < n else None
         for kind in COLLECTIVES:
             if kind == "send_recv" and n != 2:
                 continue
-            points = []
+            timed = []  # per message size back to back, then the smallest after compute
             for payload in SIZES[device.type][2]:
-                seconds = torch.zeros((), device=device, dtype=torch.float64)
+                seconds = torch.zeros(2, device=device, dtype=torch.float64)
                 if group is not None:
-                    numel = payload // element // n * n
-                    x = torch.randn(numel, device=device, dtype=dtype)
-                    call = {"all_gather": lambda: group.all_gather(x[: numel // n]),
-                            "reduce_scatter": lambda: group.reduce_scatter(x),
-                            "all_reduce": lambda: group.all_reduce(x.clone()),
-                            "all_to_all": lambda: group.all_to_all(x),
-                            "send_recv": lambda: (dist.send(x, 1, group=handle) if rank == 0
-                                                  else dist.recv(x, 0, group=handle))}[kind]
+                    call = _collective(kind, group, payload // element // n * n, device, dtype)
                     dist.barrier(group=handle)
-                    seconds += measure(call, repeats)
-                dist.all_reduce(seconds, op=dist.ReduceOp.MAX)  # the slowest rank's time
-                points.append((_sent(kind, payload, n), float(seconds)))
-            links.append((kind, n, _fit(points)))
+                    seconds[0] = statistics.median(measure(call, repeats) for _ in range(ROUNDS))
+                    if payload == SIZES[device.type][2][0]:
+                        seconds[1] = _after_compute(call, burst, measure)
+                dist.all_reduce(seconds, op=dist.ReduceOp.MAX)  # the slowest rank's times
+                timed.append((_sent(kind, payload, n), float(seconds[0]), float(seconds[1])))
+            links.append((kind, n, _link(timed)))
         dist.barrier()
     if rank != 0:
         return None

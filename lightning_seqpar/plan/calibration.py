@@ -17,12 +17,15 @@ reads them.
   (:mod:`.calibrate_layer`). On a device that queues kernels (CUDA) the host's dispatch runs ahead while the device
   works: it shows only where it outlasts the device's work (:meth:`StepCalibration.elementwise_seconds`).
 - Each collective by group size: latency α (s) and bandwidth β (bytes/s) fitted to ``time = α + sent/β``, ``sent``
-  the bytes each rank sends (:func:`~.cost.ring_bytes`' convention), over messages of several sizes.
+  the bytes each rank sends (:func:`~.cost.ring_bytes`' convention), over messages of several sizes back to back;
+  α is the time a small message takes after compute, as a step calls it, where that is larger
+  (:func:`~.calibrate._link`).
 
-A file is JSON (``format`` 4; an older one is refused, measure again: format 1 had no element-wise rates, format 2
+A file is JSON (``format`` 5; an older one is refused, measure again: format 1 had no element-wise rates, format 2
 keyed attention by sequence length, which priced a launch-bound small call's rate for a model's large ones, format 3
-measured element-wise work on an in-place add, 4× a small Llama's rate on CPU, and rank 0 alone); a damaged or edited
-one is refused naming the file and the field.
+measured element-wise work on an in-place add, 4× a small Llama's rate on CPU, and rank 0 alone, format 4 timed
+collectives back to back only, a tenth of their latency after compute on 2 CPU processes); a damaged or edited one is
+refused naming the file and the field.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union
 
-FORMAT = 4
+FORMAT = 5
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send_recv")
 """The collectives measured: the tensor-parallel g/ḡ pair, data-parallel gradient reduction, expert dispatch and
 all-to-all context parallelism, pipeline and ring-attention transfers."""

@@ -13,7 +13,7 @@ from lightning_seqpar.memory.activations import TransformerShape
 from lightning_seqpar.memory.flops import hardware_flops_per_iteration
 from lightning_seqpar.plan import Hardware, plan
 from lightning_seqpar.plan.__main__ import main
-from lightning_seqpar.plan.calibrate import _fit
+from lightning_seqpar.plan.calibrate import _after_compute, _fit, _link
 from lightning_seqpar.plan.calibration import COLLECTIVES, Link, StepCalibration
 from lightning_seqpar.plan.cost import Traffic, attention_flops, step_times
 from lightning_seqpar.plan.models import model_inventory
@@ -45,7 +45,8 @@ def test_a_calibration_file_round_trips_and_a_damaged_one_is_refused_naming_the_
         "a kind missing": json.dumps({**good, "collectives": [r for r in good["collectives"] if r[0] != "all_to_all"]}),
         "a negative bandwidth": json.dumps({**good, "collectives": [["all_gather", 2, 1e-5, -1.0]]
                                             + good["collectives"]}),
-        "another format": json.dumps({**good, "format": 5}),
+        "another format": json.dumps({**good, "format": 6}),
+        "format 4: collectives' latency back to back": json.dumps({**good, "format": 4}),
         "format 3: element-wise rates of an in-place add": json.dumps({**good, "format": 3}),
         "format 2: attention by sequence length": json.dumps({**good, "format": 2}),
         "the format before the element-wise rates": json.dumps(
@@ -81,6 +82,39 @@ def test_a_link_fit_recovers_latency_and_bandwidth():
     link = _fit(points)
     assert link.latency == pytest.approx(3e-5) and link.bandwidth == pytest.approx(5e9)
     assert _fit([(x, x / 1e9 - 1e-6) for x in (1e3, 1e6)]).latency == 0.0  # a negative intercept: through the origin
+
+
+def test_a_link_s_latency_is_what_a_message_takes_after_compute():
+    """Back to back a collective costs 30 µs; after compute, where a step calls it, its smallest message took 1.5 ms
+    (the ranks' jitter, a transport waking): the link keeps the bandwidth fitted back to back and that latency, less
+    the message's own bytes. Where the time after compute is the smaller, the fitted latency stays."""
+    back_to_back = [(x, 3e-5 + x / 5e9) for x in (4096, 1 << 18, 1 << 22)]
+    link = _link([(x, t, 1.5e-3 if x == 4096 else 0.0) for x, t in back_to_back])
+    assert link.bandwidth == pytest.approx(5e9) and link.latency == pytest.approx(1.5e-3 - 4096 / 5e9)
+    assert _link([(x, t, 1e-6) for x, t in back_to_back]).latency == pytest.approx(3e-5)
+
+
+def test_the_time_after_compute_is_the_call_s_share_of_burst_and_call():
+    """``_after_compute`` times the burst alone and the burst followed by the call, as many calls each, and returns
+    the difference: here a clock that a burst moves by 2 ms and a call by 1 ms after a burst (0.1 ms otherwise)."""
+    clock, last = [0.0], [""]
+
+    def burst():
+        clock[0] += 2e-3
+        last[0] = "burst"
+
+    def call():
+        clock[0] += 1e-3 if last[0] == "burst" else 1e-4
+        last[0] = "call"
+
+    def measure(fn, calls):
+        start = clock[0]
+        for _ in range(calls):
+            fn()
+        return (clock[0] - start) / calls
+
+    assert measure(call, 4) == pytest.approx(1e-4)  # back to back
+    assert _after_compute(call, burst, measure) == pytest.approx(1e-3)
 
 
 def test_each_term_is_priced_as_documented():
