@@ -9,7 +9,8 @@ overlapped (an upper bound for a run that overlaps its gradient reduction):
   ``e·sbh`` and the backward's four, ``8·(t − 1)/t·e·sbh`` bytes per rank (ring), four more per layer with full
   recomputation, over the intra-node bandwidth;
 - data parallel: the gradients' all-reduce, ``2·(d − 1)/d`` of the float32 gradient bytes (zero 1: reduce-scatter
-  of them and all-gather of the parameters, the same volume), over the inter-node bandwidth when d spans nodes;
+  of them and all-gather of the parameters, the same volume, half of it at each collective's calibrated rate), over
+  the inter-node bandwidth when d spans nodes;
 - pipeline: ``2·e·sbh / split`` bytes per micro-batch and stage boundary each way, over the inter-node bandwidth;
   the bubble adds ``(p − 1)/(v·m)`` of the compute time;
 - expert parallel (a mixture of experts): per MoE layer and micro-batch, four all-to-alls (dispatch and combine, forward

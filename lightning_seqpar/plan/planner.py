@@ -475,9 +475,12 @@ def _traffic(record: LayoutRecord, inventory: ModelInventory, s: int, precision:
     spans = functools.partial(_spans_nodes, hardware.gpus_per_node)
     collectives_of = {
         "tensor": (layers_per_rank * m * collectives, ("all_gather", "reduce_scatter"), tp, False),
-        # one all-reduce per gradient bucket (dense and expert buckets apart)
-        "data": (math.ceil(gradient_bytes / DEFAULT_BUCKET_BYTES) + math.ceil(expert_gradients / DEFAULT_BUCKET_BYTES),
-                 ("all_reduce",), dp * cp, spans(ranks)),
+        # one all-reduce per gradient bucket (dense and expert buckets apart); under zero 1 a reduce-scatter of the
+        # gradients and an all-gather of the parameters per bucket, each half the volume, each at its own rate (gloo
+        # on 2 CPU processes: a reduce-scatter at a third of the all-reduce's bandwidth)
+        "data": ((1 + (record.zero > 0)) * (math.ceil(gradient_bytes / DEFAULT_BUCKET_BYTES)
+                                           + math.ceil(expert_gradients / DEFAULT_BUCKET_BYTES)),
+                 ("reduce_scatter", "all_gather") if record.zero else ("all_reduce",), dp * cp, spans(ranks)),
         # (the nominal model prices every stage boundary at the network's rate)
         "pipeline": (2 * m * vpp, ("send_recv",), 2, hardware.calibration is None or spans(ranks)),
         "expert": (moe_layers * m * (6 if record.recompute == "full" else 4), ("all_to_all",), width, spans(tp * width)),

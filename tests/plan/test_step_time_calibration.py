@@ -191,18 +191,23 @@ def test_auto_layout_reads_a_calibration_and_refuses_a_damaged_one_when_construc
 
 
 def test_the_gradient_reduction_pays_one_latency_per_bucket():
+    """One all-reduce per bucket; under zero 1 a reduce-scatter of the gradients and an all-gather of the parameters
+    per bucket, half the volume each at its own rate (here the all-gather at a quarter of the others' bandwidth)."""
     from lightning_seqpar.optim.grad_buckets import DEFAULT_BUCKET_BYTES
 
     inventory = model_inventory("gpt-22b", S, "eager")
-    hardware = Hardware(calibration=calibration(), gpus_per_node=16)  # one node: the measured all-reduce applies
+    hardware = Hardware(calibration=calibration(slow_tensor=4), gpus_per_node=16)  # one node: measured rates apply
     records = plan(inventory, 16, S, 16, hardware=hardware, calibrate=False, context_parallel=(1,),
                    micro_batches=(1,))
-    record = next(r for r in records if r.feasible and r.dp > 1)
-    d = record.dp
-    gradients = record.collective_bytes["data"] * d / (2 * (d - 1))  # the float32 gradients each rank reduces
-    buckets = math.ceil(gradients / DEFAULT_BUCKET_BYTES)
-    assert buckets > 1
-    assert record.step_time["data"] == pytest.approx(buckets * 1e-5 + record.collective_bytes["data"] / 2e11)
+    for zero in (0, 1):
+        record = next(r for r in records if r.feasible and r.dp > 1 and r.zero == zero)
+        d, sent = record.dp, record.collective_bytes["data"]
+        gradients = sent * d / (2 * (d - 1))  # the float32 gradients each rank reduces
+        buckets = math.ceil(gradients / DEFAULT_BUCKET_BYTES)
+        assert buckets > 1
+        expected = (buckets * 1e-5 + sent / 2e11 if not zero else
+                    2 * buckets * 1e-5 + (sent / 2) / 2e11 + (sent / 2) / (2e11 / 4))
+        assert record.step_time["data"] == pytest.approx(expected), zero
 
 
 def test_the_optimizer_step_is_priced_over_the_elements_each_rank_updates():
