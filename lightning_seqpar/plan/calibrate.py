@@ -200,13 +200,13 @@ def _fit(points: list[tuple[float, float]]) -> Link:
     return Link(alpha, 1 / max(slope, 1e-30))
 
 
-def _link(timed: list[tuple[float, float, float]]) -> Link:
-    """The link of ``(sent bytes, seconds back to back, seconds after compute)`` per message size, the smallest
-    first: the bandwidth fitted back to back (:func:`_fit`), where a transfer's bytes show; the latency a step pays,
-    the smallest message's time after compute less its bytes, or the fitted one where that is larger."""
-    fit = _fit([(sent, seconds) for sent, seconds, _ in timed])
-    sent, _, after = timed[0]
-    return Link(max(fit.latency, after - sent / fit.bandwidth), fit.bandwidth)
+def _link(back_to_back: list[tuple[float, float]], after: float) -> Link:
+    """The link of ``(sent bytes, seconds)`` back to back per message size, the smallest first, and ``after`` seconds
+    of the smallest after compute (:func:`_after_compute`): the bandwidth fitted back to back (:func:`_fit`), where a
+    transfer's bytes show; the latency a step pays, the smallest message's time after compute less its bytes, or the
+    fitted one where that is larger."""
+    fit = _fit(back_to_back)
+    return Link(max(fit.latency, after - back_to_back[0][0] / fit.bandwidth), fit.bandwidth)
 
 
 def _sent(kind: str, payload: int, n: int) -> float:
@@ -214,7 +214,7 @@ def _sent(kind: str, payload: int, n: int) -> float:
     return {"all_reduce": 2 * (n - 1) / n, "send_recv": 1.0}.get(kind, (n - 1) / n) * payload
 
 
-BURST_SECONDS, AFTER_COMPUTE_CALLS = 2e-3, 40
+BURST_SECONDS, AFTER_COMPUTE_CALLS = 2e-3, 60
 """a collective's latency is timed after this much compute on every rank, as a layer calls its collectives between
 GEMMs, over this many calls"""
 
@@ -231,16 +231,24 @@ def _burst(device: torch.device, dtype: torch.dtype) -> Callable[[], None]:
     return burst
 
 
-def _after_compute(call: Callable[[], object], burst: Callable[[], None],
-                   measure: Callable[[Callable[[], object], int], float]) -> float:
-    """Mean seconds ``call`` adds after ``burst``: a step calls a collective after compute, when the ranks arrive
-    apart by their compute's jitter and a transport idle since its last message must wake. Back to back, gloo's
-    all-gather of 2 KB on 2 CPU processes took 0.1 ms; after 2 ms of GEMMs, 0.7-1.0 ms on the mean (a bimodal
+def _after_compute(calls: Sequence[Callable[[], object]], burst: Callable[[], None],
+                   measure: Callable[[Callable[[], object], int], float]) -> list[float]:
+    """Mean seconds each of ``calls`` adds after ``burst``: a step calls a collective after compute, when the ranks
+    arrive apart by their compute's jitter and a transport idle since its last message must wake. Back to back,
+    gloo's all-gather of 2 KB on 2 CPU processes took 0.1 ms; after 2 ms of GEMMs, 0.7-1.6 ms on the mean (a bimodal
     0.2 or 2-3 ms: a woken thread waits for a core the other rank's compute holds), and tensor parallelism with 8
-    micro-batches of 1 (256 collectives a step) was priced at 0.60 of its measured step with the first, 0.87-0.93
-    with the second. The mean, not a median: every call of a step pays its draw."""
-    alone = measure(burst, AFTER_COMPUTE_CALLS)
-    return max(measure(lambda: (burst(), call()), AFTER_COMPUTE_CALLS) - alone, 0.0)
+    micro-batches of 1 (256 collectives a step) was priced at 0.55-0.60 of its measured step with the first,
+    0.82-0.93 with the second. The mean, not a median: every call of a step pays its draw. Timed in :data:`ROUNDS`
+    rounds that each time the burst alone and every call after it, as :func:`_timed_in_rounds` does: a spell of a
+    busy host shifts every collective's latency alike, not one's."""
+    share = max(1, AFTER_COMPUTE_CALLS // ROUNDS)
+    alone, after = [], [[] for _ in calls]
+    for _ in range(ROUNDS):
+        alone.append(measure(burst, share))
+        for call, times in zip(calls, after):
+            times.append(measure(lambda: (burst(), call()), share))
+    base = statistics.mean(alone)
+    return [max(statistics.mean(times) - base, 0.0) for times in after]
 
 
 def _collective(kind: str, group, numel: int, device: torch.device, dtype: torch.dtype) -> Callable[[], object]:
@@ -273,21 +281,28 @@ def measure_rates(rank: int, world: int, repeats: int = 3) -> Optional[StepCalib
     for n in sizes:
         handle = dist.new_group(list(range(n)))  # every rank creates every group, in the same order
         group = ParallelGroup(handle) if rank < n else None
-        for kind in COLLECTIVES:
-            if kind == "send_recv" and n != 2:
-                continue
-            timed = []  # per message size back to back, then the smallest after compute
+        kinds = [kind for kind in COLLECTIVES if kind != "send_recv" or n == 2]
+        back_to_back: dict[str, list[tuple[float, float]]] = {kind: [] for kind in kinds}
+        for kind in kinds:
             for payload in SIZES[device.type][2]:
-                seconds = torch.zeros(2, device=device, dtype=torch.float64)
+                seconds = torch.zeros((), device=device, dtype=torch.float64)
                 if group is not None:
                     call = _collective(kind, group, payload // element // n * n, device, dtype)
                     dist.barrier(group=handle)
-                    seconds[0] = statistics.median(measure(call, repeats) for _ in range(ROUNDS))
-                    if payload == SIZES[device.type][2][0]:
-                        seconds[1] = _after_compute(call, burst, measure)
-                dist.all_reduce(seconds, op=dist.ReduceOp.MAX)  # the slowest rank's times
-                timed.append((_sent(kind, payload, n), float(seconds[0]), float(seconds[1])))
-            links.append((kind, n, _link(timed)))
+                    seconds += statistics.median(measure(call, repeats) for _ in range(ROUNDS))
+                dist.all_reduce(seconds, op=dist.ReduceOp.MAX)  # the slowest rank's time
+                back_to_back[kind].append((_sent(kind, payload, n), float(seconds)))
+        after = torch.zeros(len(kinds), device=device, dtype=torch.float64)
+        if group is not None:
+            smallest = SIZES[device.type][2][0] // element // n * n
+            after += torch.tensor(_after_compute([_collective(kind, group, smallest, device, dtype) for kind in kinds],
+                                                 burst, measure), dtype=torch.float64, device=device)
+        dist.all_reduce(after, op=dist.ReduceOp.MAX)
+        # what a call waits beyond its time back to back (the ranks' jitter, a transport waking) is the host's, not
+        # the collective's: pooled over the kinds, five times the draws
+        delay = statistics.mean(max(seconds - back_to_back[kind][0][1], 0.0)
+                                for kind, seconds in zip(kinds, after.tolist()))
+        links += [(kind, n, _link(back_to_back[kind], back_to_back[kind][0][1] + delay)) for kind in kinds]
         dist.barrier()
     if rank != 0:
         return None

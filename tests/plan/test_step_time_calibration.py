@@ -89,23 +89,26 @@ def test_a_link_s_latency_is_what_a_message_takes_after_compute():
     (the ranks' jitter, a transport waking): the link keeps the bandwidth fitted back to back and that latency, less
     the message's own bytes. Where the time after compute is the smaller, the fitted latency stays."""
     back_to_back = [(x, 3e-5 + x / 5e9) for x in (4096, 1 << 18, 1 << 22)]
-    link = _link([(x, t, 1.5e-3 if x == 4096 else 0.0) for x, t in back_to_back])
+    link = _link(back_to_back, 1.5e-3)
     assert link.bandwidth == pytest.approx(5e9) and link.latency == pytest.approx(1.5e-3 - 4096 / 5e9)
-    assert _link([(x, t, 1e-6) for x, t in back_to_back]).latency == pytest.approx(3e-5)
+    assert _link(back_to_back, 1e-6).latency == pytest.approx(3e-5)
 
 
 def test_the_time_after_compute_is_the_call_s_share_of_burst_and_call():
-    """``_after_compute`` times the burst alone and the burst followed by the call, as many calls each, and returns
-    the difference: here a clock that a burst moves by 2 ms and a call by 1 ms after a burst (0.1 ms otherwise)."""
+    """``_after_compute`` times the burst alone and the burst followed by each call, as many calls each, and returns
+    each call's difference: here a clock that a burst moves by 2 ms and a call by 1 ms (or 3 ms) after a burst,
+    0.1 ms otherwise."""
     clock, last = [0.0], [""]
 
     def burst():
         clock[0] += 2e-3
         last[0] = "burst"
 
-    def call():
-        clock[0] += 1e-3 if last[0] == "burst" else 1e-4
-        last[0] = "call"
+    def collective(after_burst):
+        def call():
+            clock[0] += after_burst if last[0] == "burst" else 1e-4
+            last[0] = "call"
+        return call
 
     def measure(fn, calls):
         start = clock[0]
@@ -113,8 +116,8 @@ def test_the_time_after_compute_is_the_call_s_share_of_burst_and_call():
             fn()
         return (clock[0] - start) / calls
 
-    assert measure(call, 4) == pytest.approx(1e-4)  # back to back
-    assert _after_compute(call, burst, measure) == pytest.approx(1e-3)
+    assert measure(collective(1e-3), 4) == pytest.approx(1e-4)  # back to back
+    assert _after_compute([collective(1e-3), collective(3e-3)], burst, measure) == pytest.approx([1e-3, 3e-3])
 
 
 def test_each_term_is_priced_as_documented():
