@@ -16,9 +16,9 @@ gloo on CPU, float32). Every rank measures the same things in the same order (NC
   three message sizes, through the library's own :class:`~lightning_seqpar.parallel.collectives.ParallelGroup` (the
   g/ḡ, gradient and dispatch paths the layers run; ``send_recv`` is the ring exchange of context-parallel attention
   and the pipeline's batches); a message's time is the slowest rank's, the median of five rounds. ``time = α + sent/β``
-  is fitted by least squares over the sizes (α ≥ 0), and α is then the smallest message's time after a burst of
-  compute on every rank (:func:`_after_compute`, :func:`_link`) where that is larger: a step calls its collectives
-  between GEMMs, not back to back.
+  is fitted by least squares over the sizes (α ≥ 0); then α is the smallest message's time as a step sees it, where
+  that is larger: its time back to back plus the mean wait a call adds after a burst of compute on every rank, pooled
+  over the kinds (:func:`_after_compute`, :func:`_link`): a step calls its collectives between GEMMs.
 
 Raises (CLI): ``--processes`` below 2 or above the GPUs: collectives need two ranks.
 """

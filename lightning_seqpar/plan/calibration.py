@@ -18,7 +18,7 @@ reads them.
   works: it shows only where it outlasts the device's work (:meth:`StepCalibration.elementwise_seconds`).
 - Each collective by group size: latency α (s) and bandwidth β (bytes/s) fitted to ``time = α + sent/β``, ``sent``
   the bytes each rank sends (:func:`~.cost.ring_bytes`' convention), over messages of several sizes back to back;
-  α is the time a small message takes after compute, as a step calls it, where that is larger
+  α is a small message's time as a step sees it, after compute on every rank, where that is larger
   (:func:`~.calibrate._link`).
 
 A file is JSON (``format`` 5; an older one is refused, measure again: format 1 had no element-wise rates, format 2
