@@ -299,7 +299,7 @@ def measure_rates(rank: int, world: int, repeats: int = 3) -> Optional[StepCalib
                                                  burst, measure), dtype=torch.float64, device=device)
         dist.all_reduce(after, op=dist.ReduceOp.MAX)
         # what a call waits beyond its time back to back (the ranks' jitter, a transport waking) is the host's, not
-        # the collective's: pooled over the kinds, five times the draws
+        # the collective's: pooled over the kinds, four or five times the draws
         delay = statistics.mean(max(seconds - back_to_back[kind][0][1], 0.0)
                                 for kind, seconds in zip(kinds, after.tolist()))
         links += [(kind, n, _link(back_to_back[kind], back_to_back[kind][0][1] + delay)) for kind in kinds]

@@ -13,10 +13,11 @@ overlapped (an upper bound for a run that overlaps its gradient reduction):
   the inter-node bandwidth when d spans nodes;
 - pipeline: ``2·e·sbh / split`` bytes per micro-batch and stage boundary each way, over the inter-node bandwidth;
   the bubble adds ``(p − 1)/(v·m)`` of the compute time;
-- expert parallel (a mixture of experts): per MoE layer and micro-batch, four all-to-alls (dispatch and combine, forward
-  and backward; six under full recomputation) of the ``(e − 1)/e`` of the rank's ``s·b/t·k`` (token, expert) pairs
-  bound for other ranks under balanced routing, ``h`` elements each, over the intra-node bandwidth while ``t·e`` ranks
-  fit a node; the experts' gradients are all-reduced over their ``t·d/e`` expert data-parallel replicas with the data
+- expert parallel (a mixture of experts): per MoE layer and micro-batch, the bytes of four all-to-alls (dispatch and
+  combine, forward and backward; six under full recomputation) of the ``(e − 1)/e`` of the rank's ``s·b/t·k`` (token,
+  expert) pairs bound for other ranks under balanced routing, ``h`` elements each, and the latency of five (eight):
+  the dispatch first exchanges its split counts; over the intra-node bandwidth while ``t·e`` ranks fit a node; the
+  experts' gradients are all-reduced over their ``t·d/e`` expert data-parallel replicas with the data
   term. The routed experts take no tensor-parallel collective (each is whole on its rank); a shared expert takes the
   MLP's g and ḡ.
 

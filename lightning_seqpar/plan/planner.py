@@ -483,7 +483,9 @@ def _traffic(record: LayoutRecord, inventory: ModelInventory, s: int, precision:
                  ("reduce_scatter", "all_gather") if record.zero else ("all_reduce",), dp * cp, spans(ranks)),
         # (the nominal model prices every stage boundary at the network's rate)
         "pipeline": (2 * m * vpp, ("send_recv",), 2, hardware.calibration is None or spans(ranks)),
-        "expert": (moe_layers * m * (6 if record.recompute == "full" else 4), ("all_to_all",), width, spans(tp * width)),
+        # the dropless dispatch's split counts, its rows and the combine's forward (again under full recomputation),
+        # the rows' and the combine's backward (moe/dispatch.py)
+        "expert": (moe_layers * m * (8 if record.recompute == "full" else 5), ("all_to_all",), width, spans(tp * width)),
         "context": (layers_per_rank * m * _context_messages(record), ("all_to_all",) if record.cp_comm == "all_to_all"
                     else ("send_recv",), cp, spans(tp * cp)),
     }

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from lightning_seqpar.plan import Hardware, LayoutRecord, model_inventory, plan, state_bytes
+from lightning_seqpar.plan.calibration import Link
 from lightning_seqpar.plan.inventory import ExpertShape
 from lightning_seqpar.plan.experts import expert_layer_elements
 from lightning_seqpar.plan.pricing import layer_activation_bytes
@@ -33,6 +34,23 @@ def _record(**layout) -> LayoutRecord:
                   main_params=False)
     values.update(layout)
     return LayoutRecord(**values)
+
+
+def test_the_dispatch_pays_a_latency_for_each_all_to_all_it_makes(qwen3_moe):
+    """The dropless dispatch exchanges its split counts before its rows (``moe/dispatch.py``): per MoE layer and
+    micro-batch five all-to-alls (counts, rows and combine forward, rows and combine backward), eight under full
+    recomputation (the forward's three again); their bytes are the four (six) that carry rows."""
+    from tests.plan.test_step_time_calibration import calibration
+
+    latency, bandwidth = 1e-3, 1e12
+    links = tuple((kind, n, Link(latency, bandwidth)) for kind, n, _ in calibration().collectives)
+    records = plan(qwen3_moe, 16, 4096, 64, calibrate=False, micro_batches=(1,),
+                   hardware=Hardware(memory=1e15, gpus_per_node=16, calibration=calibration(collectives=links)))
+    for recompute, count in (("selective", 5), ("none", 5), ("full", 8)):
+        record = next(r for r in records if r.feasible and r.ep > 1 and r.recompute == recompute)
+        layers = 48 // record.pp
+        assert record.step_time["expert"] == pytest.approx(
+            layers * record.num_microbatches * count * latency + record.collective_bytes["expert"] / bandwidth)
 
 
 def test_the_experts_are_counted_exactly_and_split_over_ep_only(qwen3_moe):
