@@ -5,7 +5,9 @@ this machine, after measuring its rates.
     python recipes/plan_check.py processes=4 hidden=512
 
 Prints one table (layout, the planner's rank, predicted and measured seconds per step, their ratio, the measured
-rank, predicted and measured peak bytes of the most loaded rank and their error) and writes it as markdown and CSV (``out=...``). See :mod:`recipes.benchmarking.plan_check`.
+rank, predicted and measured peak bytes of the most loaded rank and their error) and writes it as markdown and CSV
+(``out=...``), beside the rates it measured first (``calibration.json``, which ``python -m lightning_seqpar.plan
+--calibration`` reads). See :mod:`recipes.benchmarking.plan_check`.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ def main(cfg: DictConfig) -> None:
     settings = OmegaConf.to_container(cfg, resolve=True)
     settings.pop("hydra", None)
     out = Path(settings.pop("out"))
+    out.mkdir(parents=True, exist_ok=True)
+    settings["calibration_out"] = str(out / "calibration.json")  # the rates the predictions used
     results = run_plan_check(settings)
     model = (f"Llama L={cfg.layers} h={cfg.hidden} f={cfg.ffn}" if cfg.family == "llama" else
              f"Qwen3-MoE L={cfg.layers} h={cfg.hidden} {cfg.experts} experts of {cfg.expert_width}, top {cfg.top_k}")
@@ -52,7 +56,8 @@ def main(cfg: DictConfig) -> None:
     console = Console(width=180)
     print_table(title, COLUMNS, body, ("layout", "timing"), console)
     written = write_table(out, "plan_check", title, COLUMNS, body)
-    console.print(f"wrote {written[0]} and {written[1]}")
+    console.print(f"wrote {written[0]}, {written[1]} and the rates the predictions used, "
+                  f"{settings['calibration_out']} (python -m lightning_seqpar.plan ... --calibration FILE)")
 
 
 if __name__ == "__main__":

@@ -180,10 +180,13 @@ def _measure(record: Any, cfg: dict[str, Any], world: int, device: torch.device)
 
 
 def check(rank: int, world: int, cfg: dict[str, Any], device: torch.device) -> list[CheckRow]:
-    """Steps 1–3 on this rank of an initialized process group; every rank returns the rows."""
+    """Steps 1–3 on this rank of an initialized process group; every rank returns the rows. With
+    ``cfg["calibration_out"]`` rank 0 writes the measured rates there (``--calibration`` of the planner's CLI)."""
     from lightning_seqpar.plan.calibrate import measure_rates
 
     shared = [measure_rates(rank, world, cfg["repeats"])]
+    if rank == 0 and cfg.get("calibration_out"):  # the rates the predictions used, for the planner's CLI to read
+        shared[0].save(cfg["calibration_out"])
     dist.broadcast_object_list(shared, src=0)
     chosen = [_chosen(cfg, world, shared[0]) if rank == 0 else None]
     dist.broadcast_object_list(chosen, src=0)

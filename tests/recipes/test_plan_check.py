@@ -6,6 +6,7 @@ its expert grid searched (within 8 %), and a LoRA model's two best, its frozen b
 import pytest
 import torch
 
+from lightning_seqpar.plan.calibration import COLLECTIVES, StepCalibration
 from recipes.benchmarking.plan_check import CheckRow, check
 from tests.helpers.distributed import run_distributed
 
@@ -15,8 +16,9 @@ CFG = dict(vocab_size=64, hidden=32, ffn=64, heads=4, layers=2, s=32, global_bat
            precision="32-true", top=2, lower=1, warmup=2, steps=2, repeats=1)
 
 
-def test_the_best_and_a_lower_ranked_layout_are_predicted_from_measured_rates_and_timed():
-    ranks = run_distributed(check, 2, CFG, torch.device("cpu"))
+def test_the_best_and_a_lower_ranked_layout_are_predicted_from_measured_rates_and_timed(tmp_path):
+    rates = tmp_path / "calibration.json"
+    ranks = run_distributed(check, 2, dict(CFG, calibration_out=str(rates)), torch.device("cpu"))
     assert ranks[0] == ranks[1]  # every rank returns the same rows (the slowest rank's time)
     rows = ranks[0]
     assert [r.planned_rank for r in rows][:2] == [1, 2] and len(rows) == 3 and rows[2].planned_rank > 2
@@ -30,6 +32,8 @@ def test_the_best_and_a_lower_ranked_layout_are_predicted_from_measured_rates_an
         assert row.measured_peak > 0 and abs(row.predicted_peak / row.measured_peak - 1) < bound, row
     predicted = [r.predicted_s for r in rows]
     assert predicted == sorted(predicted)  # the planner's order
+    written = StepCalibration.load(rates)  # the rates the predictions used, as the planner's CLI reads them
+    assert written.world == 2 and {kind for kind, _, _ in written.collectives} == set(COLLECTIVES)
 
 
 MOE = dict(CFG, family="qwen3_moe", experts=4, expert_width=16, top_k=2, top=2, lower=0)
