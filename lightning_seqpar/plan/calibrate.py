@@ -200,13 +200,14 @@ def _fit(points: list[tuple[float, float]]) -> Link:
     return Link(alpha, 1 / max(slope, 1e-30))
 
 
-def _link(back_to_back: list[tuple[float, float]], after: float) -> Link:
-    """The link of ``(sent bytes, seconds)`` back to back per message size, the smallest first, and ``after`` seconds
-    of the smallest after compute (:func:`_after_compute`): the bandwidth fitted back to back (:func:`_fit`), where a
-    transfer's bytes show; the latency a step pays, the smallest message's time after compute less its bytes, or the
-    fitted one where that is larger."""
+def _link(back_to_back: list[tuple[float, float]], wait: float) -> Link:
+    """The link of ``(sent bytes, seconds)`` back to back per message size, the smallest first, and the ``wait`` a call
+    adds after compute (:func:`_after_compute`, pooled): the bandwidth fitted back to back (:func:`_fit`), where a
+    transfer's bytes show; the latency a step pays, the smallest message's time back to back plus ``wait`` less its
+    bytes, or the fitted one where that is larger."""
     fit = _fit(back_to_back)
-    return Link(max(fit.latency, after - back_to_back[0][0] / fit.bandwidth), fit.bandwidth)
+    sent, seconds = back_to_back[0]
+    return Link(max(fit.latency, seconds + wait - sent / fit.bandwidth), fit.bandwidth)
 
 
 def _sent(kind: str, payload: int, n: int) -> float:
@@ -302,7 +303,7 @@ def measure_rates(rank: int, world: int, repeats: int = 3) -> Optional[StepCalib
         # the collective's: pooled over the kinds, four or five times the draws
         delay = statistics.mean(max(seconds - back_to_back[kind][0][1], 0.0)
                                 for kind, seconds in zip(kinds, after.tolist()))
-        links += [(kind, n, _link(back_to_back[kind], back_to_back[kind][0][1] + delay)) for kind in kinds]
+        links += [(kind, n, _link(back_to_back[kind], delay)) for kind in kinds]
         dist.barrier()
     if rank != 0:
         return None

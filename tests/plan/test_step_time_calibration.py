@@ -85,13 +85,13 @@ def test_a_link_fit_recovers_latency_and_bandwidth():
 
 
 def test_a_link_s_latency_is_what_a_message_takes_after_compute():
-    """Back to back a collective costs 30 µs; after compute, where a step calls it, its smallest message took 1.5 ms
-    (the ranks' jitter, a transport waking): the link keeps the bandwidth fitted back to back and that latency, less
-    the message's own bytes. Where the time after compute is the smaller, the fitted latency stays."""
+    """Back to back a collective costs 30 µs; after compute, where a step calls it, a call waits 1.47 ms more (the
+    ranks' jitter, a transport waking): the link keeps the bandwidth fitted back to back and takes that wait into its
+    latency. With no wait the fitted latency stays."""
     back_to_back = [(x, 3e-5 + x / 5e9) for x in (4096, 1 << 18, 1 << 22)]
-    link = _link(back_to_back, 1.5e-3)
-    assert link.bandwidth == pytest.approx(5e9) and link.latency == pytest.approx(1.5e-3 - 4096 / 5e9)
-    assert _link(back_to_back, 1e-6).latency == pytest.approx(3e-5)
+    link = _link(back_to_back, 1.47e-3)
+    assert link.bandwidth == pytest.approx(5e9) and link.latency == pytest.approx(1.5e-3)
+    assert _link(back_to_back, 0.0).latency == pytest.approx(3e-5)
 
 
 def test_the_time_after_compute_is_the_call_s_share_of_burst_and_call():
