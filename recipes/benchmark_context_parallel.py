@@ -18,6 +18,7 @@ from rich.console import Console
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: the tools are the recipes package's
 
+from lightning_seqpar.extras import require_extra  # noqa: E402
 from recipes.benchmarking.context_bench import ContextResult, run_context_benchmark  # noqa: E402
 from recipes.benchmarking.report import print_table, write_table  # noqa: E402
 
@@ -33,6 +34,7 @@ def rows(results: list[ContextResult]) -> list[list[str]]:
 
 @hydra.main(config_path=CONF_DIR, config_name="benchmark_context_parallel", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    require_extra("hf", "recipes/benchmark_context_parallel.py (a Hugging Face Llama)")  # said before any process starts
     settings = OmegaConf.to_container(cfg, resolve=True)
     settings.pop("hydra", None)
     out = Path(settings.pop("out"))

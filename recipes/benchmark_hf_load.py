@@ -27,6 +27,7 @@ from rich.table import Table
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_seqpar import SeqParallelStrategy
+from lightning_seqpar.extras import require_extra
 from lightning_seqpar.models import HFCausalLMModule
 
 LLAMA_315M = dict(model_type="llama", vocab_size=8192, hidden_size=1024, intermediate_size=2816, num_hidden_layers=26,
@@ -66,6 +67,7 @@ def main() -> None:
     parser.add_argument("--mode", choices=("meta", "eager"), default="meta")
     parser.add_argument("--dir", default=None, help="a local Hugging Face model directory")
     args = parser.parse_args()
+    require_extra("hf", "recipes/benchmark_hf_load.py (a Hugging Face Llama)")  # said before any process starts
     directory = _directory(args.dir)
 
     before, start = _resident(), time.perf_counter()

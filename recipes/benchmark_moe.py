@@ -19,6 +19,7 @@ from rich.console import Console
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: the tools are the recipes package's
 
+from lightning_seqpar.extras import require_extra  # noqa: E402
 from recipes.benchmarking.moe_bench import KINDS, MoEResult, run_moe_benchmark  # noqa: E402
 from recipes.benchmarking.report import print_table, write_table  # noqa: E402
 
@@ -33,6 +34,7 @@ def rows(results: list[MoEResult]) -> list[list[str]]:
 
 @hydra.main(config_path=CONF_DIR, config_name="benchmark_moe", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    require_extra("hf", "recipes/benchmark_moe.py (a Hugging Face Qwen3-MoE)")  # said before any process starts
     settings = OmegaConf.to_container(cfg, resolve=True)
     settings.pop("hydra", None)
     out = Path(settings.pop("out"))

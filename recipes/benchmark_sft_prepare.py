@@ -163,6 +163,9 @@ def main() -> None:
     parser.add_argument("--sample-mb", type=float, default=4.0, help="MB rendered record at a time (the old path)")
     parser.add_argument("--dir", default=str(Path(tempfile.gettempdir()) / "lightning_seqpar_sft_bench"))
     args = parser.parse_args()
+    from lightning_seqpar.extras import require_extra
+
+    require_extra("hf", "recipes/benchmark_sft_prepare.py (a Hugging Face tokenizer)")  # said before any process starts
     root = Path(args.dir)
     root.mkdir(parents=True, exist_ok=True)
     data = root / f"chat-{args.mb:g}MB.jsonl"

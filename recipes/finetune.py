@@ -47,6 +47,7 @@ from lightning_seqpar.checkpoint.destination import refuse_export_destination  #
 from lightning_seqpar.checkpoint.peft_export import export_peft_adapter  # noqa: E402
 from lightning_seqpar.data.finetune_datamodule import FineTuneDataModule  # noqa: E402
 from lightning_seqpar.data.preference_datamodule import PreferenceDataModule  # noqa: E402
+from lightning_seqpar.extras import require_extra  # noqa: E402
 from lightning_seqpar.lightning.callbacks import LayoutReport, ParallelModelSummary  # noqa: E402
 from lightning_seqpar.models.dpo_reference import reference_for_run  # noqa: E402
 from lightning_seqpar.models.finetune import FineTuneModule  # noqa: E402
@@ -61,7 +62,12 @@ def check_options(cfg: DictConfig, output_dir: Path) -> None:
     Raises:
         ValueError: ``export_hf_merged`` without LoRA; an unknown ``objective``.
         FileExistsError: an export destination that must not be written (:mod:`lightning_seqpar.checkpoint.destination`).
+        ImportError: without the ``[hf]`` extra (every run here fine-tunes a Hugging Face model), or ``peft=lora``
+            without ``[peft]``.
     """
+    require_extra("hf", "recipes/finetune.py (a Hugging Face model)")
+    if cfg.peft.kind == "lora":
+        require_extra("peft", "peft=lora")
     if cfg.objective not in ("sft", "dpo"):
         raise ValueError(f"objective={cfg.objective!r}: sft (supervised fine-tuning) or dpo (preference pairs).")
     if cfg.export_hf_merged and cfg.peft.kind != "lora":

@@ -484,6 +484,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--timeout", type=float, default=300.0,
                         help="seconds each row may run before it counts as failed (default: 300)")
     args = parser.parse_args(argv)
+    from lightning_seqpar.extras import require_extra
+
+    require_extra("hf", "recipes/gpu_check.py (Hugging Face Llamas)")  # said before any process starts
     if not args.cpu:
         import torch
 

@@ -83,6 +83,9 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--families", nargs="*", default=FAMILIES + list(VARIANTS))
     args = parser.parse_args()
+    from lightning_seqpar.extras import require_extra
+
+    require_extra("hf", "recipes/hf_families.py (Hugging Face families)")  # said before any process starts
     import transformers
 
     print(f"transformers {transformers.__version__}, tp={args.tp}")

@@ -34,7 +34,8 @@ from omegaconf import DictConfig, OmegaConf
 from lightning_seqpar import ActivationOffload, FlopsUtilization, Preemption, SelectiveRecompute, SeqParallelStrategy
 from lightning_seqpar.data import TextDataModule
 from lightning_seqpar.checkpoint.destination import refuse_export_destination
-from lightning_seqpar.data.tokenizer import has_tokenizer
+from lightning_seqpar.data.tokenizer import BYTES, has_tokenizer
+from lightning_seqpar.extras import require_extra
 from lightning_seqpar.lightning.callbacks import LayoutReport, ParallelModelSummary
 from lightning_seqpar.models import CausalLMModule, GPTConfig, GPTLightningModule, HFCausalLMModule
 
@@ -78,7 +79,9 @@ def check_options(cfg: DictConfig, output_dir: Path) -> None:
         FileExistsError: an ``export_hf`` destination that holds anything but a previous export (or that, without
             ``export_hf_overwrite``), or that is or holds the run folder or the source model directory: refused
             before training, not after it.
+        ImportError: an option that needs an extra not installed (:func:`check_extras`).
     """
+    check_extras(cfg)
     kind = cfg.model.get("kind", "gpt")
     if cfg.empty_init and kind == "hf":
         raise ValueError("empty_init=true has no effect with a Hugging Face model: HFCausalLMModule always builds it "
@@ -91,6 +94,22 @@ def check_options(cfg: DictConfig, output_dir: Path) -> None:
     if cfg.export_hf:
         refuse_export_destination(cfg.export_hf, overwrite=cfg.export_hf_overwrite,
                                   protected=(output_dir, cfg.model.get("pretrained")))
+
+
+def check_extras(cfg: DictConfig) -> None:
+    """The default run (the reference GPT on UTF-8 bytes) needs no extra; a Hugging Face model, a Hugging Face
+    tokenizer and the planner (``strategy=auto``, which prices every model through transformers) need ``[hf]``.
+
+    Raises:
+        ImportError: naming the option, the extra and the install command.
+    """
+    if cfg.model.get("kind", "gpt") == "hf":
+        require_extra("hf", f"model={cfg.model.get('pretrained') or 'a Hugging Face config'} (a Hugging Face model)")
+    tokenizer = cfg.data.get("tokenizer")
+    if tokenizer is not None and tokenizer != BYTES:
+        require_extra("hf", f"data.tokenizer={tokenizer} (a Hugging Face tokenizer)")
+    if cfg.strategy.get("layout") is not None or cfg.strategy.get("tp") == "auto":
+        require_extra("hf", "strategy=auto (the planner)")
 
 
 def data_module(cfg: DictConfig) -> TextDataModule:

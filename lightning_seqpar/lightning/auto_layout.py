@@ -184,14 +184,21 @@ def planned_model(module: torch.nn.Module) -> Optional[torch.nn.Module]:
 
     Raises:
         ValueError: as :func:`declared_plan_config`.
+        ImportError: a declared model without the ``[hf]`` extra (the planner builds its declaration with
+            transformers), naming the extra.
     """
+    from lightning_seqpar.extras import require_extra
     from lightning_seqpar.plan.models import meta_model
 
     model = hf_model_in(module)
     if model is not None:
         return model
     config = declared_plan_config(module)
-    return meta_model(config) if config is not None else None
+    if config is None:
+        return None
+    require_extra("hf", f"Planning {type(module).__name__} (priced as the Hugging Face {config['model_type']} of its "
+                        f"sizes)")
+    return meta_model(config)
 
 
 def _memory(auto: AutoLayout, device: torch.device) -> float:

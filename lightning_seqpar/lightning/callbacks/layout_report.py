@@ -77,7 +77,7 @@ def predicted_peak(trainer: pl.Trainer, module: pl.LightningModule, seq_len: int
         return None, "not under SeqParallelStrategy"
     try:
         model = _planned_model(module)
-    except ValueError as refusal:  # a report, not a reason to stop the run
+    except (ValueError, ImportError) as refusal:  # a report, not a reason to stop the run
         return None, str(refusal)
     if model is None:
         return None, f"the planner does not know {type(module).__name__}'s model"
