@@ -10,11 +10,13 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset
 
 from lightning_seqpar.data.blocks import BlockDataset, TokenSource
 from lightning_seqpar.data.cache import cache_path, ensure_token_cache, tokenize_documents, wait_for_token_cache
 from lightning_seqpar.data.corpus import Piece, builtin_corpus
+from lightning_seqpar.data.global_order import GlobalOrderSampler
+from lightning_seqpar.data.step_batches import loader_place
 from lightning_seqpar.data.token_file import body_damage, first_at_or_above, largest_id, open_bin, read_header
 from lightning_seqpar.data.tokenizer import BYTES, Tokenizer, has_tokenizer, load_tokenizer
 
@@ -37,8 +39,8 @@ class TextDataModule(pl.LightningDataModule):
     Token files are memory-mapped: every rank reads the same page cache, none holds the corpus.
 
     The training loader is torchdata's ``StatefulDataLoader``: its position is part of Lightning's checkpoints, so
-    resuming mid-epoch continues with the exact next batch (with a ``DistributedSampler`` over the data-parallel
-    ranks).
+    resuming mid-epoch continues with the exact next batch, at any data-parallel size (its sampler's position is the
+    global sample index, :mod:`~lightning_seqpar.data.global_order`).
 
     Checked at ``setup``, before training, against the LightningModule's ``vocab_size`` (and ``tokenizer_path``,
     when it has them): ids at or above the model's vocabulary; a uint16 ``.bin`` for a vocabulary above 65 536;
@@ -231,18 +233,16 @@ class TextDataModule(pl.LightningDataModule):
         """Shuffled blocks; a ``StatefulDataLoader``, whose position Lightning saves in checkpoints, so a run
         resumed mid-epoch continues with the exact next batch.
 
-        Under a distributed strategy the ``DistributedSampler`` is made here, with the strategy's
-        data-parallel size and rank and Lightning's seed: were Lightning to inject it, the loader's
-        sampler would be a batch sampler, whose resumed position torchdata 0.11 counts in samples, not
-        batches (it would skip batch_size times too far).
+        The sampler is made here (:class:`~lightning_seqpar.data.global_order.GlobalOrderSampler`, with the
+        strategy's data-parallel size and rank and Lightning's seed): its saved position is the global sample
+        index, so a run resumed at another data-parallel size, batch size or accumulation continues at the same
+        sample (Lightning's injected ``DistributedSampler`` would restore rank 0's own count under any size, and as a
+        batch sampler torchdata 0.11 would count it in samples, not batches).
         """
-        sampler_kwargs = self.trainer.distributed_sampler_kwargs if self.trainer is not None else None
-        if sampler_kwargs:
-            seed = int(os.environ.get("PL_GLOBAL_SEED", 0))  # what Lightning's own sampler would use
-            sampler = DistributedSampler(self.train_set, shuffle=True, seed=seed, **sampler_kwargs)
-            return _stateful_loader(self.train_set, batch_size=self.batch_size, sampler=sampler, drop_last=True,
-                                    num_workers=self.num_workers)
-        return _stateful_loader(self.train_set, batch_size=self.batch_size, shuffle=True, drop_last=True,
+        replicas, rank, accumulate = loader_place(self.trainer)
+        seed = int(os.environ.get("PL_GLOBAL_SEED", 0))  # what Lightning's own sampler would use
+        sampler = GlobalOrderSampler(self.train_set, replicas, rank, seed, self.batch_size * replicas * accumulate)
+        return _stateful_loader(self.train_set, batch_size=self.batch_size, sampler=sampler, drop_last=True,
                                 num_workers=self.num_workers)
 
     def val_dataloader(self) -> DataLoader:

@@ -11,11 +11,13 @@ being the losses averaged into one step's gradient (:func:`~lightning_seqpar.lig
 Order: each epoch a permutation of the rows seeded by ``seed + epoch`` (the same on every rank; Lightning calls
 :meth:`StepSampler.set_epoch`); step j takes the next ``d · a · b`` rows (``d`` data-parallel ranks, ``a`` accumulated
 micro-batches of ``b`` rows), micro-batch ``m`` of rank ``q`` the ``b`` rows at ``((j·a + m)·d + q)·b``; an incomplete
-last step is dropped.
+last step is dropped. A resumed epoch counts its steps from the global row the checkpoint's run had reached
+(:class:`StepSampler`), whatever d, a and b were then.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Iterator
 
 import numpy as np
@@ -23,6 +25,8 @@ import torch
 from torch.utils.data import Dataset, DistributedSampler
 
 from lightning_seqpar.data.packing import Rows
+
+log = logging.getLogger(__name__)
 
 
 def loader_place(trainer: Any) -> tuple[int, int, int]:
@@ -34,16 +38,24 @@ def loader_place(trainer: Any) -> tuple[int, int, int]:
 
 
 class StepSampler(DistributedSampler):
-    """Yields ``(epoch, k)``: micro-batch ``k`` of this rank in ``epoch`` (see the module docstring).
+    """Yields ``(epoch, k, offset)``: micro-batch ``k`` of this rank in ``epoch``, counted from global row ``offset``
+    of the epoch's order (0, or where a resumed run continues; see the module docstring).
 
     A ``DistributedSampler`` by type only (none of its splitting is used): Lightning wraps any other sampler of a
     distributed run so that each rank takes every d-th of its indices, which would split this rank's own
-    micro-batches again.
+    micro-batches again. Its saved position (:meth:`state_dict`, kept by torchdata's ``StatefulDataLoader`` in the
+    checkpoint) is the global row of the epoch, so a resume at another data-parallel size, batch or accumulation
+    continues at the same row (:mod:`~lightning_seqpar.data.global_order` for the pretraining corpus).
     """
 
-    def __init__(self, micro_batches: int) -> None:
-        super().__init__(range(micro_batches), num_replicas=1, rank=0, shuffle=False)
-        self.micro_batches, self.epoch = micro_batches, 0
+    def __init__(self, batches: "StepBatches") -> None:
+        super().__init__(range(len(batches)), num_replicas=1, rank=0, shuffle=False)
+        self.micro_batches, self.epoch = len(batches), 0
+        self.rows, self.seed, self.rank = len(batches.rows), batches.seed, batches.rank
+        self.micro_rows = batches.d * batches.b  # global rows one micro-batch index covers on all ranks
+        self.global_batch = batches.d * batches.a * batches.b
+        self._resume_epoch, self._resume_at = -1, 0
+        self._epoch_started, self._started_at, self._yielded = 0, 0, 0
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -51,8 +63,35 @@ class StepSampler(DistributedSampler):
     def __len__(self) -> int:
         return self.micro_batches
 
-    def __iter__(self) -> Iterator[tuple[int, int]]:
-        return iter([(self.epoch, k) for k in range(self.micro_batches)])
+    def __iter__(self) -> Iterator[tuple[int, int, int]]:
+        offset = self._resume_at if self._resume_epoch == self.epoch else 0
+        steps = (self.rows - offset) // self.global_batch  # an incomplete last step is dropped
+        micro = steps * (self.global_batch // self.micro_rows)
+        self._epoch_started, self._started_at, self._yielded = self.epoch, offset, 0
+        for k in range(micro):
+            self._yielded += 1
+            yield self.epoch, k, offset
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"epoch", "global_row", "seed", "rows", "global_batch"}``: the rows of the epoch consumed by every rank."""
+        return {"epoch": self._epoch_started, "global_row": self._started_at + self._yielded * self.micro_rows,
+                "seed": self.seed, "rows": self.rows, "global_batch": self.global_batch}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue at ``state``'s global row when its epoch starts; another data set (rows or seed) starts that
+        epoch again, another global batch continues at the same row: each said in one line (rank 0)."""
+        same_data = state["rows"] == self.rows and state["seed"] == self.seed
+        self._resume_epoch, self._resume_at = (state["epoch"], state["global_row"]) if same_data else (-1, 0)
+        if self.rank != 0:
+            return
+        if not same_data:
+            log.warning(f"resume: the checkpoint's data position is of {state['rows']} rows with seed "
+                        f"{state['seed']}, this run has {self.rows} with seed {self.seed}: epoch {state['epoch']} "
+                        f"starts again from its first row.")
+        elif state["global_batch"] != self.global_batch:
+            log.warning(f"resume: continuing at global row {state['global_row']} of epoch {state['epoch']} with a "
+                        f"global batch of {self.global_batch} rows per optimizer step (the checkpoint's run took "
+                        f"{state['global_batch']}): the same rows follow, grouped into other steps.")
 
 
 class StepBatches(Dataset):
@@ -91,7 +130,7 @@ class StepBatches(Dataset):
         return int(self.counts[self._order(0)[:steps * self.d * self.b]].sum())
 
     def sampler(self) -> StepSampler:
-        return StepSampler(len(self))
+        return StepSampler(self)
 
     def _order(self, epoch: int) -> np.ndarray:
         if not self.shuffle:
@@ -99,15 +138,18 @@ class StepBatches(Dataset):
         generator = torch.Generator().manual_seed(self.seed + epoch)
         return torch.randperm(len(self.rows), generator=generator).numpy()
 
-    def placed(self, index: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
-        """``(rows of micro-batch index's step, this rank's b rows of it)`` for ``index = (epoch, k)`` (a step that runs
-        past the end wraps around to the epoch's first rows)."""
-        epoch, k = index
+    def placed(self, index: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+        """``(rows of micro-batch index's step, this rank's b rows of it)`` for ``index = (epoch, k)`` or
+        ``(epoch, k, offset)`` (steps counted from global row ``offset`` of the epoch's order; a step that runs past
+        the end wraps around to the epoch's first rows)."""
+        epoch, k = index[0], index[1]
+        offset = index[2] if len(index) > 2 else 0
         order = self._order(epoch)
         step, micro = divmod(k, self.a)
         per_step = self.d * self.a * self.b
-        start = step * per_step + (micro * self.d + self.rank) * self.b
-        whole = np.arange(step * per_step, (step + 1) * per_step) % len(order)
+        first = offset + step * per_step
+        start = first + (micro * self.d + self.rank) * self.b
+        whole = np.arange(first, first + per_step) % len(order)
         return order[whole], order[np.arange(start, start + self.b) % len(order)]
 
     def __getitem__(self, index: tuple[int, int]) -> dict[str, torch.Tensor]:

@@ -214,3 +214,44 @@ def test_batched_rendering_equals_one_record_at_a_time(tmp_path):
             alone = render_record(record, tokenizer, "here")
             assert example.ids.tolist() == alone.ids.tolist()
             assert example.supervised.tolist() == alone.supervised.tolist()
+
+
+def _step_rows(layout, rows, epoch, steps, state=None):
+    """The rows of each of ``steps`` optimizer steps under ``layout = (d, a, b)``, every rank's every micro-batch,
+    through the samplers the loaders use (restored from ``state`` when given); and rank 0's sampler state after."""
+    d, a, b = layout
+    ranks = [StepBatches(rows, b, d, q, a, seed=3) for q in range(d)]
+    samplers = [r.sampler() for r in ranks]
+    for sampler in samplers:
+        sampler.set_epoch(epoch)
+        if state is not None:
+            sampler.load_state_dict(state)
+    iterators = [iter(s) for s in samplers]
+    out = []
+    for _ in range(steps):
+        out.append(sorted(int(i) for q in range(d) for _ in range(a)
+                          for i in ranks[q][next(iterators[q])]["input_ids"][:, 0]))
+    return out, samplers[0].state_dict()
+
+
+@pytest.mark.parametrize("saved, resumed", [((2, 1, 2), (1, 1, 4)), ((1, 2, 2), (2, 1, 2)), ((2, 2, 1), (4, 1, 1))])
+def test_a_fine_tuning_position_resumes_at_another_data_parallel_size_and_accumulation_on_the_same_rows(saved, resumed):
+    n, s = 40, 4
+    rows = Rows(np.arange(n)[:, None].repeat(s, 1), np.full((n, s), 7), np.tile(np.arange(s), (n, 1)), True)
+    straight, _ = _step_rows((1, 1, 4), rows, 1, 6)
+    first, state = _step_rows(saved, rows, 1, 3)
+    assert first == straight[:3] and state["global_row"] == 12 and state["epoch"] == 1
+    after, _ = _step_rows(resumed, rows, 1, 3, state)
+    assert after == straight[3:]
+    fresh, _ = _step_rows(resumed, rows, 2, 2)
+    assert _step_rows(resumed, rows, 2, 2, state)[0] == fresh  # the position was epoch 1's only
+
+
+def test_a_fine_tuning_resume_under_another_global_batch_says_so(caplog):
+    n, s = 40, 4
+    rows = Rows(np.arange(n)[:, None].repeat(s, 1), np.full((n, s), 7), np.tile(np.arange(s), (n, 1)), True)
+    _, state = _step_rows((2, 1, 2), rows, 0, 2)
+    with caplog.at_level("WARNING", logger="lightning_seqpar.data.step_batches"):
+        after, _ = _step_rows((2, 1, 4), rows, 0, 1, state)
+    assert "continuing at global row 8 of epoch 0 with a global batch of 8 rows" in caplog.text
+    assert after == [sorted(int(i) for i in StepBatches(rows, 1, 1, 0, 1, seed=3)._order(0)[8:16])]
