@@ -2,7 +2,8 @@
 
 :func:`ensure_token_cache` returns a ``.tokens`` file (:mod:`.token_file`) holding the corpus tokenized by the
 given tokenizer, documents joined by its separator (the end-of-text token). It reuses the file when its header
-names the same tokenizer identity, the same source files (sizes and modification times) and the same JSON field;
+names the same tokenizer identity, the same source files (by size and content digest, never by modification time)
+and the same JSON field;
 otherwise it tokenizes again (saying why) and replaces the file atomically. The cache lies beside the corpus
 (``corpus.txt`` → ``corpus.txt.TOKENIZER.tokens``; a folder ``docs/`` → ``docs.TOKENIZER.tokens`` beside it), or
 in ``cache_dir``.

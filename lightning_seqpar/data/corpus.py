@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
 
+from lightning_seqpar.checkpoint.content import content_digest
+
 JSONL_SUFFIXES = (".jsonl",)
 TOKEN_SUFFIXES = (".bin", ".tokens")
 _PIECE_BYTES = 2**15
@@ -56,9 +58,9 @@ def corpus_files(path: Path) -> list[Path]:
 
 
 def fingerprint(files: list[Path]) -> list[list]:
-    """``[name, bytes, modification time in ns]`` of each file: a cache made from these files is valid while this
-    is unchanged."""
-    return [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in files]
+    """``[name, bytes, SHA-256 of the content]`` of each file: a cache made from these files is valid while this is
+    unchanged (:func:`~lightning_seqpar.checkpoint.content.content_digest`; never size and time alone)."""
+    return [[str(p.resolve()), p.stat().st_size, content_digest(p)] for p in files]
 
 
 def read_documents(files: list[Path], text_field: str = "text") -> Iterator[Piece]:

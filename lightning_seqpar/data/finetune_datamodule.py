@@ -12,6 +12,7 @@ import lightning.pytorch as pl
 import numpy as np
 from torch.utils.data import DataLoader
 
+from lightning_seqpar.checkpoint.content import content_digest
 from lightning_seqpar.data.packing import OVERFLOW, Rows, pack_examples
 from lightning_seqpar.data.step_batches import StepBatches, loader_place
 from lightning_seqpar.data.supervised import SupervisedExample, template_identity
@@ -83,9 +84,10 @@ class FineTuneDataModule(pl.LightningDataModule):
         return (self.cache_dir or self.path.parent) / f"{self.path.name}.sft-{key}"
 
     def _identity(self) -> dict:
-        stat = self.path.stat()
-        return {"source": str(self.path.resolve()), "source_bytes": stat.st_size, "source_mtime_ns": stat.st_mtime_ns,
-                "tokenizer": self.tokenizer.identity, "chat_template": template_identity(self.tokenizer)}
+        """What the cache depends on: the file by content (not size and time), the tokenizer and its template."""
+        return {"source": str(self.path.resolve()), "source_bytes": self.path.stat().st_size,
+                "source_sha256": content_digest(self.path), "tokenizer": self.tokenizer.identity,
+                "chat_template": template_identity(self.tokenizer)}
 
     def _matches(self, path: Path) -> bool:
         """Whether ``path`` holds a cache of this file, tokenizer and template (its content is checked apart)."""

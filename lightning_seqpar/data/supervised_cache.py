@@ -7,7 +7,7 @@ a batch, whatever the file's size. The cache is a directory ``FILE.sft-<key>/`` 
 
 - ``ids.bin`` (``int32`` ids, every example's tokens one after the other), ``supervised.bin`` (``uint8``: the loss is
   taken on token i's prediction), ``lengths.bin`` (``int64`` tokens per example);
-- ``meta.json``: the version, the source file (path, bytes, modification time), the tokenizer's identity, the chat
+- ``meta.json``: the version, the source file (path, bytes, SHA-256 of its content), the tokenizer's identity, the chat
   template's hash, the counts, and each section's byte size and SHA-256.
 
 Every rank verifies the digests before it reads (one read of about 5 bytes per token); a damaged cache is rebuilt with

@@ -3,7 +3,7 @@
 A ``.tokens`` file is ``LSPTOKS1``, an 8-byte little-endian header length, a JSON header padded to
 :data:`DATA_OFFSET` bytes, then the ids as little-endian ``uint8``, ``uint16`` or ``uint32`` (the narrowest that holds
 the vocabulary). The header records the dtype, the vocabulary size, the number of tokens, the largest id, the
-tokenizer (name and identity), the source files' sizes and modification times, and a CRC-32 of each 16 MiB block of
+tokenizer (name and identity), the source files' sizes and SHA-256 digests, and a CRC-32 of each 16 MiB block of
 the ids, so a file is never read with the wrong dtype, taken for the tokens of another tokenizer or corpus, or read
 with damaged ids (:func:`body_damage`). Files are opened memory-mapped: every rank
 maps the same pages of the page cache instead of holding its own copy. Written under a temporary name and renamed
@@ -58,8 +58,9 @@ class TokenFileHeader:
 
 
 def describe_source(fingerprint: list) -> dict:
-    """How a header records the corpus files' ``[name, bytes, mtime_ns]`` list: their number and a digest (any
-    number of files fits the header)."""
+    """How a header records the corpus files' ``[name, bytes, content SHA-256]`` list
+    (:func:`~lightning_seqpar.data.corpus.fingerprint`): their number and a digest (any number of files fits the
+    header)."""
     return {"files": len(fingerprint), "digest": hashlib.sha256(json.dumps(fingerprint).encode()).hexdigest()}
 
 

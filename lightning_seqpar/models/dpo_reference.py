@@ -9,8 +9,8 @@ strategy, layout and loss path as training (``trainer.validate`` with the module
 every pair once, and gathers the values on every rank.
 
 The cache (:func:`write_reference`, :func:`read_reference`) is one JSON file, published atomically: ``version``, the
-``identity`` it was made for (the model directory's config and weight files by size and modification time, the data
-file likewise, the tokenizer, chat template, ``block_size``, ``overflow`` and ``val_fraction``; packed rows under
+``identity`` it was made for (the model directory's config and weight files by size and content digest, SHA-256,
+never by modification time; the data file likewise; the tokenizer, chat template, ``block_size``, ``overflow`` and ``val_fraction``; packed rows under
 ``overflow="truncate"``, which cut a long pair otherwise), the values per split
 (``[pairs, 2]``: chosen, rejected; float64 written by ``repr``, read back bit for bit) and the SHA-256 of the values.
 A cache made for another identity, or whose digest does not match, is refused by name (the recipe then computes
@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_seqpar.checkpoint.atomic import publish, temporary_path
+from lightning_seqpar.checkpoint.content import content_digest
 from lightning_seqpar.data.supervised import template_identity
 
 log = logging.getLogger(__name__)
@@ -102,8 +103,8 @@ def compute_reference_logps(trainer: Any, module: Any, data: Any) -> dict[str, n
 
 
 def _file_identity(path: Path) -> dict:
-    stat = path.stat()
-    return {"path": str(path.resolve()), "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    """A file by content (a file rewritten with the same size and time is another input)."""
+    return {"path": str(path.resolve()), "bytes": path.stat().st_size, "sha256": content_digest(path)}
 
 
 def reference_identity(pretrained: str, data: Any) -> dict:
