@@ -19,10 +19,11 @@ from lightning_seqpar.lightning._compat import MultiProcessingLauncher, Subproce
 
 
 class _ChecksFirst:
-    """A launcher that runs ``check(strategy, module, trainer)`` in the launching process before it starts any rank (set by
-    :func:`configure_launcher`): a layout error is raised once, before the ranks exist."""
+    """A launcher that runs ``check(strategy, module, trainer, rank_zero)`` in the launching process before it starts any
+    rank (set by :func:`configure_launcher`; ``rank_zero``: the launching process goes on as rank 0): a layout error is
+    raised once, before the ranks exist."""
 
-    check: Optional[Callable[[Any, Any, Any], None]] = None
+    check: Optional[Callable[[Any, Any, Any, bool], None]] = None
     checked_strategy: Any = None
     launching_process_is_rank_0 = False
     """popen: the launching process goes on as rank 0, so what it builds for a check (a model on the meta device, to
@@ -30,7 +31,7 @@ class _ChecksFirst:
 
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         if self.check is not None and args:  # the module given to fit/validate/test/predict
-            self.check(self.checked_strategy, args[0], trainer if self.launching_process_is_rank_0 else None)
+            self.check(self.checked_strategy, args[0], trainer, self.launching_process_is_rank_0)
         return super().launch(function, *args, trainer=trainer, **kwargs)  # type: ignore[misc]
 
 
@@ -116,11 +117,11 @@ def stop_started_ranks(launcher: Any, local_rank: int) -> None:
 
 
 def configure_launcher(strategy: Any, environment: ClusterEnvironment, start_method: str,
-                       check: Optional[Callable[[Any, Any, Any], None]] = None) -> Optional[Any]:
+                       check: Optional[Callable[[Any, Any, Any, bool], None]] = None) -> Optional[Any]:
     """The launcher of ``strategy``: none when the cluster starts the processes (torchrun, SLURM, or this is a rank
     the popen launcher started: it then ends with its launcher), :class:`SeqParallelPopenLauncher` or
-    :class:`SeqParallelSpawnLauncher`, which run ``check(strategy, module, trainer)`` before starting any rank (``trainer``
-    given where the launching process goes on as rank 0)."""
+    :class:`SeqParallelSpawnLauncher`, which run ``check(strategy, module, trainer, rank_zero)`` before starting any rank
+    (``rank_zero``: the launching process goes on as rank 0)."""
     if environment.creates_processes_externally:
         end_with_launcher()
         return None

@@ -107,36 +107,84 @@ def parallelize(model: torch.nn.Module, mesh: ParallelMesh, device: torch.device
     return ParallelModel(rng_tracker, rank.plan, steps, rank.remote_keys)
 
 
-def check_before_start(strategy: Any, module: Any, trainer: Any = None) -> None:
-    """The rewrite's static checks of ``module`` at ``strategy``'s tp (heads, MLP width and vocabulary against tp; what
-    is recognized; the pipeline's stage split of its layers), run in the
-    launching process before any rank starts, so that a layout that cannot work fails once, at once, with exit 1.
-    Skipped for a module that builds its model later (``configure_model`` or ``setup``): the ranks check it then.
-    The self-check (a forward on emulated ranks) runs on the ranks only. With ``trainer`` (the launching process goes
-    on as rank 0) a ``layout=AutoLayout(...)`` is chosen here too, so a budget no layout fits is refused once, before
-    the other ranks start.
+def check_before_start(strategy: Any, module: Any, trainer: Any = None, rank_zero: bool = False) -> None:
+    """The layout's static checks of ``module`` at ``strategy``'s sizes, run in the launching process before any rank
+    starts, so that a layout that cannot work fails once, at once, with exit 1: the rewrite's (heads, MLP width and
+    vocabulary against tp; experts against ep and expert_tp; what is recognized), the pipeline's stage split of the
+    layers (``pipeline_split``, virtual stages, ZB-V's two chunks per rank), ``compile`` against a dropless mixture of
+    experts, and the recomputation and offload callbacks against each other. A module that builds its model in
+    ``configure_model`` is built for the check on the meta device, as every rank builds it (the launching process's
+    own module where it goes on as rank 0, ``rank_zero``; a copy otherwise, so the module the spawn launcher sends
+    and receives back is left as it was); one that builds it in ``setup`` is checked by the ranks. The self-check (a
+    forward on emulated ranks) runs on the ranks only. With ``rank_zero``, a ``layout=AutoLayout(...)`` is chosen
+    here too, so a budget no layout fits is refused once, before the other ranks start.
 
     Raises:
         ValueError: as :func:`~lightning_seqpar.policies.plan_rewrite`; a pipeline stage split the layers found do not
-            admit (:meth:`~lightning_seqpar.pipeline_parallel.config.PipelineConfig.layout`).
+            admit (:meth:`~lightning_seqpar.pipeline_parallel.config.PipelineConfig.layout`); ``compile`` with a
+            dropless mixture; a module both recomputed and offloaded by the callbacks.
     """
+    import copy
+
     from lightning.pytorch.utilities.model_helpers import is_overridden
 
     from lightning_seqpar.parallel.collectives import ParallelGroup
     from lightning_seqpar.policies import plan_rewrite
 
-    if trainer is not None:  # layout=AutoLayout: chosen here, once
+    if rank_zero and trainer is not None:  # layout=AutoLayout: chosen here, once
         strategy.choose_layout(module, trainer)
-    if not isinstance(module, torch.nn.Module) or any(
-            is_overridden(hook, module) for hook in ("configure_model", "setup")):
-        return
     parallel = strategy.parallel
+    if trainer is not None:
+        check_memory_callbacks(trainer.callbacks, parallel.cp)
+    if not isinstance(module, torch.nn.Module) or is_overridden("setup", module):
+        return
+    if is_overridden("configure_model", module):
+        module = module if rank_zero else copy.deepcopy(module)
+        with strategy.model_sharded_context():  # Lightning's contract: configure_model is idempotent
+            module.configure_model()
     group = ParallelGroup.virtual(parallel.tp)
-    plan_rewrite(module, RewriteContext(group, parallel.sequence_parallel, None, parallel.loss_parallel),
-                 strategy.policies, verify=False)
+    virtual = {name: ParallelGroup.virtual(size) for name, size in (("expert_group", parallel.ep),
+                                                                     ("expert_tp_group", parallel.expert_tp)) if size > 1}
+    plan_rewrite(module, RewriteContext(group, parallel.sequence_parallel, None, parallel.loss_parallel,
+                                        dispatch=parallel.moe, **virtual), strategy.policies, verify=False)
+    if strategy.compile_config is not None and parallel.moe.capacity_factor is None and _holds_mixture(module):
+        raise ValueError("compile=True: the model holds a dropless mixture of experts, which is not compiled (its "
+                         "dispatch reads the split sizes on the host: a graph break): give the experts a capacity "
+                         "(moe=DispatchConfig(capacity_factor=...): fixed sizes, no host read), or train with "
+                         "compile=False.")
     if parallel.pipeline.enabled:  # the stage split of the layer stack (pipeline_split's sum, p·v ≤ L)
         stacks = [m for m in module.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 1
                   and len({type(layer) for layer in m}) == 1]
         if stacks:  # the largest list of alike modules: the layers (the ranks check the rewritten stack itself)
             layers = max(stacks, key=lambda m: sum(p.numel() for p in m.parameters()))
             parallel.pipeline.layout(len(layers))
+
+
+def _holds_mixture(module: torch.nn.Module) -> bool:
+    """Whether ``module`` holds a mixture of experts' packed weights (``…experts.gate_up_proj`` ``[E, …]``: the
+    reference GPT's and transformers 5.x's layout)."""
+    return any(".experts." in name and param.dim() == 3 for name, param in module.named_parameters())
+
+
+def check_memory_callbacks(callbacks: Iterable[Any], cp: int) -> None:
+    """Refuse a module that a ``SelectiveRecompute(modules=...)`` recomputes and an ``ActivationOffload`` offloads, from
+    the callbacks' own lists (what each layer checks once rewritten, core attention included,
+    :func:`~lightning_seqpar.offload.apply.check_offload_with_recompute`), before any rank starts.
+
+    Raises:
+        ValueError: naming the modules and the fix (:class:`~lightning_seqpar.memory.conflicts.OffloadConflict`).
+    """
+    from lightning_seqpar.lightning.callbacks.activation_offload import ActivationOffload
+    from lightning_seqpar.lightning.callbacks.selective_recompute import SelectiveRecompute
+    from lightning_seqpar.memory.conflicts import offload_conflict, recomputed_modules
+
+    recompute = next((c for c in callbacks if isinstance(c, SelectiveRecompute)), None)
+    offload = next((c for c in callbacks if isinstance(c, ActivationOffload)), None)
+    if recompute is None or offload is None or offload.modules is None:
+        return
+    # Core attention is left to the layers: whether it is recomputed depends on the kernel (an eager attention has an
+    # s² tensor to recompute, a fused one none), which only the rewritten layer knows.
+    modules = [m for m in recompute.modules or [] if m != "core_attn"]
+    conflict = offload_conflict(offload.modules, recomputed_modules("none", modules, cp))
+    if conflict is not None:
+        raise ValueError(f"SelectiveRecompute and ActivationOffload: {conflict.message(offload.modules)}")

@@ -205,3 +205,43 @@ def test_a_budget_no_layout_fits_is_refused_once_before_any_rank_starts(tmp_path
                                          r"devices"):
         trainer.fit(build("hf", labels=True), loader(token_data(1, 1)))
     assert getattr(trainer.strategy.launcher, "procs", []) == [] and not torch.distributed.is_initialized()
+
+
+LAYOUT_ERRORS = [  # (strategy, model, callbacks, the one message): each checked before any rank starts
+    (dict(tp=1, pp=2, pipeline_split=[3, 1]), dict(n_layer=2), (),
+     r"pipeline_split=\[3, 1\] must give 2 positive layer counts .* that sum to the model's 2 layers"),
+    (dict(tp=2, ep=2), dict(n_experts=3), (), r"3 experts do not split over ep=2 ranks"),
+    (dict(tp=1, pp=2, schedule="ZB-V"), dict(n_layer=2), (), r"4 pipeline stages need at least 4 transformer layers"),
+    (dict(tp=2), {}, ("recompute mlp", "offload mlp"), r"mlp both recomputed \(mlp\) and offloaded"),
+    (dict(tp=2, ep=2, compile=True), dict(n_experts=4), (), r"compile=True: the model holds a dropless mixture"),
+]
+
+
+@pytest.mark.parametrize("strategy_options, model, callbacks, match", LAYOUT_ERRORS)
+def test_layout_errors_of_a_model_built_in_configure_model_come_before_any_rank_starts(
+        tmp_path, strategy_options, model, callbacks, match):
+    from lightning_seqpar import ActivationOffload
+    from lightning_seqpar.models import GPTLightningModule
+    from tests.helpers.models import loader, token_data
+
+    module = GPTLightningModule(GPTConfig(vocab_size=16, block_size=8, n_head=2, n_embd=8, **{"n_layer": 2, **model}),
+                                empty_init=True)  # built in configure_model, as every recipe's module
+    made = [SelectiveRecompute(modules=["mlp"]) if c == "recompute mlp" else ActivationOffload(modules=["mlp"])
+            for c in callbacks]
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=SeqParallelStrategy(**strategy_options), logger=False,
+                         default_root_dir=tmp_path, callbacks=made)
+    with pytest.raises(ValueError, match=match):
+        trainer.fit(module, loader(token_data(1, 1)))
+    assert getattr(trainer.strategy.launcher, "procs", []) == [] and not torch.distributed.is_initialized()
+
+
+def test_a_spawn_launch_checks_a_copy_of_a_module_built_in_configure_model(tmp_path):
+    from lightning_seqpar.models import GPTLightningModule
+    from tests.helpers.models import loader, token_data
+
+    module = GPTLightningModule(GPTConfig(vocab_size=16, block_size=8, n_layer=1, n_head=3, n_embd=12), empty_init=True)
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=SeqParallelStrategy(tp=2, start_method="spawn"),
+                         logger=False, default_root_dir=tmp_path)
+    with pytest.raises(ValueError, match=r"n_head = 3 is not divisible by the tensor-parallel size tp = 2"):
+        trainer.fit(module, loader(token_data(1, 1)))
+    assert not hasattr(module, "gpt")  # the module the spawn launcher sends is left unbuilt, as given
