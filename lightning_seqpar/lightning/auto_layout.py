@@ -272,11 +272,12 @@ def choose_layout(auto: AutoLayout, module: Any, trainer: Any, parallel: Any, *,
     from lightning_seqpar.pipeline_parallel import PipelineConfig
     from lightning_seqpar.plan import inventory_of_hf_model
 
+    from lightning_seqpar.lightning.declared_model import model_for_checks
+
     model = planned_model(module)
-    if model is None and callable(getattr(module, "configure_model", None)):
-        with sharded_context():  # Lightning's contract: configure_model is idempotent
-            module.configure_model()
-        model = planned_model(module)
+    if model is None:  # built in configure_model: as declared, on the meta device, the module left as it was
+        built = model_for_checks(module, sharded_context)
+        model = planned_model(built) if built is not None else None
     if model is None:
         raise ValueError(f"layout=AutoLayout(...) plans Hugging Face causal LMs and models whose config declares "
                          f"planned_config() (the reference GPT); {type(module).__name__} holds neither. Give tp and pp "

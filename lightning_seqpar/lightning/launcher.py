@@ -26,8 +26,8 @@ class _ChecksFirst:
     check: Optional[Callable[[Any, Any, Any, bool], None]] = None
     checked_strategy: Any = None
     launching_process_is_rank_0 = False
-    """popen: the launching process goes on as rank 0, so what it builds for a check (a model on the meta device, to
-    choose a layout) is its own; spawn: the ranks are new processes, and the check leaves the module as it was."""
+    """popen: the launching process goes on as rank 0, so a layout it chooses (``layout=AutoLayout``) is its own;
+    spawn: the ranks are new processes, which choose it themselves."""
 
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         if self.check is not None and args:  # the module given to fit/validate/test/predict

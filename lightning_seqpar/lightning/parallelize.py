@@ -113,9 +113,9 @@ def check_before_start(strategy: Any, module: Any, trainer: Any = None, rank_zer
     vocabulary against tp; experts against ep and expert_tp; what is recognized), the pipeline's stage split of the
     layers (``pipeline_split``, virtual stages, ZB-V's two chunks per rank), ``compile`` against a dropless mixture of
     experts, and the recomputation and offload callbacks against each other. A module that builds its model in
-    ``configure_model`` is built for the check on the meta device, as every rank builds it (the launching process's
-    own module where it goes on as rank 0, ``rank_zero``; a copy otherwise, so the module the spawn launcher sends
-    and receives back is left as it was); one that builds it in ``setup`` is checked by the ranks. The self-check (a
+    ``configure_model`` is checked on its model built on the meta device as every rank builds it, the module left as
+    it was (:func:`~lightning_seqpar.lightning.declared_model.model_for_checks`); one that builds it in ``setup`` is
+    checked by the ranks. The self-check (a
     forward on emulated ranks) runs on the ranks only. With ``rank_zero``, a ``layout=AutoLayout(...)`` is chosen
     here too, so a budget no layout fits is refused once, before the other ranks start.
 
@@ -124,10 +124,9 @@ def check_before_start(strategy: Any, module: Any, trainer: Any = None, rank_zer
             admit (:meth:`~lightning_seqpar.pipeline_parallel.config.PipelineConfig.layout`); ``compile`` with a
             dropless mixture; a module both recomputed and offloaded by the callbacks.
     """
-    import copy
-
     from lightning.pytorch.utilities.model_helpers import is_overridden
 
+    from lightning_seqpar.lightning.declared_model import model_for_checks
     from lightning_seqpar.parallel.collectives import ParallelGroup
     from lightning_seqpar.policies import plan_rewrite
 
@@ -138,10 +137,9 @@ def check_before_start(strategy: Any, module: Any, trainer: Any = None, rank_zer
         check_memory_callbacks(trainer.callbacks, parallel.cp)
     if not isinstance(module, torch.nn.Module) or is_overridden("setup", module):
         return
-    if is_overridden("configure_model", module):
-        module = module if rank_zero else copy.deepcopy(module)
-        with strategy.model_sharded_context():  # Lightning's contract: configure_model is idempotent
-            module.configure_model()
+    module = model_for_checks(module, strategy.model_sharded_context)
+    if module is None:  # its configure_model needs what only a rank has: the ranks check it
+        return
     group = ParallelGroup.virtual(parallel.tp)
     virtual = {name: ParallelGroup.virtual(size) for name, size in (("expert_group", parallel.ep),
                                                                      ("expert_tp_group", parallel.expert_tp)) if size > 1}

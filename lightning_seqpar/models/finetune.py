@@ -90,6 +90,14 @@ class FineTuneModule(HFCausalLMModule):
         self.save_hyperparameters({"lora": self.lora, "adapter": adapter, "freeze_router": freeze_router,
                                    "objective": objective, "dpo_beta": dpo_beta, "dpo_loss": dpo_loss})
 
+    def declared_model(self) -> Any:
+        """The model ``configure_model`` builds, its routers frozen and LoRA's adapters around it as configured, without
+        any weight read (:class:`~lightning_seqpar.lightning.declared_model.DeclaresModel`)."""
+        model = build_causal_lm(self.hf_config)
+        if self.freeze_router:
+            freeze_routers(model)
+        return self.with_adapters(model) if self.lora is not None else model  # as configure_model under the strategy
+
     def configure_model(self) -> None:
         if hasattr(self, "model"):
             return

@@ -41,6 +41,11 @@ class HFCausalLMModule(CausalLMModule):
         self.pretrained = pretrained
         self.save_hyperparameters({"config": self.hf_config.to_dict(), "pretrained": pretrained, **self.optimization})
 
+    def declared_model(self) -> Any:
+        """The causal LM ``configure_model`` builds, without its weights
+        (:class:`~lightning_seqpar.lightning.declared_model.DeclaresModel`)."""
+        return build_causal_lm(self.hf_config)
+
     def configure_model(self) -> None:
         if hasattr(self, "model"):
             return

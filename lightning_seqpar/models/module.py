@@ -134,6 +134,10 @@ class GPTLightningModule(CausalLMModule):
         if self.empty_init and not hasattr(self, "gpt"):
             self.gpt = GPT(self.config)
 
+    def declared_model(self) -> GPT:
+        """The GPT ``configure_model`` builds (:class:`~lightning_seqpar.lightning.declared_model.DeclaresModel`)."""
+        return GPT(self.config)
+
     @property
     def vocab_size(self) -> int:
         return self.config.vocab_size

@@ -179,3 +179,21 @@ def test_loss_chunks_are_searched_when_asked_and_the_strategy_takes_the_chosen_o
     assert choice.record.loss_chunk == choice.parallel.loss_chunk == 8
     with pytest.raises(ValueError, match=r"AutoLayout.loss_chunks=\(0,\): positive numbers of positions"):
         AutoLayout(64, 4, loss_chunks=(0,))
+
+
+def test_a_pretrained_module_built_in_configure_model_is_planned_before_it_has_a_trainer(tmp_path):
+    """What the launching process does for strategy=auto: the module's declared model (built on the meta device, no
+    weight read), not its configure_model, which needs the trainer (was: "... is not attached to a Trainer")."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from lightning_seqpar.models.finetune import FineTuneModule
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "model")
+    module = FineTuneModule(str(tmp_path / "model"), {"r": 2, "target_modules": ["q_proj", "v_proj"]})  # LoRA
+    trainer = SimpleNamespace(callbacks=[], precision="32-true")
+    choice = choose_layout(AutoLayout(32, 2, 1e9), module, trainer, ParallelConfig(), world=2, gpus_per_node=2,
+                           device=torch.device("cpu"), zero=0, sharded_context=lambda: torch.device("meta"))
+    assert choice.record.feasible and choice.parallel.tp * choice.parallel.pipeline.pp * choice.record.dp == 2
+    assert not hasattr(module, "model")  # the module is left as given: its ranks build it
