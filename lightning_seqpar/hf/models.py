@@ -93,6 +93,18 @@ def saved_tensor_shapes(config: Any) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def config_defaults(model_type: str) -> dict[str, Any]:
+    """The default values of the config class of ``model_type`` (``{}`` for a model type transformers does not
+    know, or whose config cannot be made with no arguments)."""
+    mapping = _transformers().CONFIG_MAPPING
+    if model_type not in mapping:
+        return {}
+    try:
+        return mapping[model_type]().to_dict()
+    except Exception:  # noqa: BLE001 - a composite config that needs its parts: no defaults to read
+        return {}
+
+
 def config_aliases(model_type: str) -> Optional[dict[str, str]]:
     """The ``attribute_map`` of the config class of ``model_type`` (``hidden_size`` → ``n_embd`` for GPT-2...), or
     ``None`` for a model type transformers does not know."""

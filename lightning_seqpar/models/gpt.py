@@ -26,7 +26,11 @@ if TYPE_CHECKING:
 
 @dataclass
 class GPTConfig:
-    """Shape and regularization of a :class:`GPT`."""
+    """Shape and regularization of a :class:`GPT`.
+
+    Raises:
+        ValueError: ``experts_per_token`` outside ``1..n_experts`` for a mixture; an unknown ``aux_loss_type``.
+    """
 
     vocab_size: int = 256
     """v: vocabulary size (256 for byte-level text)."""
@@ -63,6 +67,9 @@ class GPTConfig:
     """the router z-loss's coefficient (ST-MoE), each layer's mean ``logsumexp(logits)²`` summed over the layers."""
 
     def __post_init__(self) -> None:
+        if self.n_experts and not 1 <= self.experts_per_token <= self.n_experts:
+            raise ValueError(f"experts_per_token={self.experts_per_token} with n_experts={self.n_experts}: each token "
+                             f"is routed to 1..{self.n_experts} experts.")
         if self.aux_loss_type not in ("pooled", "per_layer"):
             raise ValueError(f"aux_loss_type={self.aux_loss_type!r}: 'pooled' (transformers') or 'per_layer' "
                              f"(Megatron-Core's).")

@@ -83,7 +83,38 @@ def check_sizes(options: dict, where: str) -> dict:
         if name == "num_hidden_layers" and value > MAX_LAYERS:
             raise ValueError(f"{where}: {key} = {value:,}; no model has more than a few hundred layers (at most "
                              f"{MAX_LAYERS:,} are planned). Check the config.")
+    check_expert_sizes(text, text.get("model_type", model_type), where)
     return options
+
+
+EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")
+"""The names families give the mixture's expert count (Qwen-MoE and OLMoE; Mixtral, gpt-oss and GraniteMoE; GLM-4.5)."""
+
+
+def check_expert_sizes(options: dict, model_type: str, where: str) -> None:
+    """A mixture-of-experts family's config must state its expert count (transformers would fill in its default, 128
+    for Qwen3-MoE, and plan a model nobody asked for), and route each token to 1..E of them.
+
+    Raises:
+        ValueError: the count missing or not a positive integer, or ``num_experts_per_tok`` outside ``1..E``, naming
+            the key.
+    """
+    from lightning_seqpar.hf.models import config_aliases, config_defaults
+
+    defaults = config_defaults(model_type)
+    key = next((k for k in EXPERT_COUNTS if k in defaults), None)
+    if key is None or defaults.get(key) in (None, 0):  # not a mixture (or one whose count defaults to none)
+        return
+    names = [key] + [alias for alias, target in (config_aliases(model_type) or {}).items() if target == key]
+    count = next((options[n] for n in names if n in options), None)  # under its name or an alias (num_experts)
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ValueError(f"{where}: a {model_type} mixture of experts needs its expert count "
+                         f"({' or '.join(map(repr, names))}; transformers would take {defaults[key]}). Give the model's "
+                         f"own config.json.")
+    k = options.get("num_experts_per_tok", defaults.get("num_experts_per_tok"))
+    if isinstance(k, int) and not 1 <= k <= count:
+        raise ValueError(f"{where}: num_experts_per_tok = {k} with {key} = {count}: each token is routed to 1..{count} "
+                         f"experts.")
 
 
 def model_inventory(model: Union[str, Path, dict], seq_len: int = 2048, attention: str = "eager",

@@ -114,13 +114,17 @@ class MoESpec:
             self.shared.check_declaration(name)
 
     def check_split(self, block: nn.Module, ctx: RewriteContext, name: str) -> None:
-        """Raises ``ValueError``: experts that ``ep`` does not divide, tp > 1 without sequence parallelism, a shared
-        MLP whose width tp does not divide."""
+        """Raises ``ValueError``: experts that ``ep`` does not divide, more experts per token than experts, tp > 1
+        without sequence parallelism, a shared MLP whose width tp does not divide."""
         experts = resolve(block, self.experts)
         count = getattr(experts, "num_experts", None) or getattr(getattr(experts, "down_proj", None), "shape", [0])[0]
         if count % ctx.ep:
             raise ValueError(f"{name}: {count} experts do not split over ep={ctx.ep} ranks: choose ep among the divisors "
                              f"of {count}.")
+        k = getattr(resolve(block, self.router), "top_k", None)
+        if isinstance(k, int) and not 1 <= k <= count:
+            raise ValueError(f"{name}: the router chooses {k} experts per token of {count}: experts per token "
+                             f"(num_experts_per_tok) must lie in 1..{count}.")
         if ctx.tp > 1 and not ctx.sp:
             raise ValueError(_NEEDS_SP.format(name=name, tp=ctx.tp))
         if ctx.expert_tp > 1:

@@ -105,3 +105,36 @@ def test_the_planner_refuses_a_router_that_does_not_say_its_top_k_by_name():
         inventory_of_hf_model(model)
 
 
+
+
+def test_more_experts_per_token_than_experts_is_refused_by_name_before_training():
+    model = build("hf", family="qwen3_moe", labels=True)
+    for module in model.modules():
+        if hasattr(module, "top_k"):
+            module.top_k = 9  # of 8 experts: torch.topk would fail on every rank with "selected index k out of range"
+    with pytest.raises(ValueError, match=r"model\.model\.layers\.0: the router chooses 9 experts per token of 8: "
+                                         r"experts per token \(num_experts_per_tok\) must lie in 1\.\.8"):
+        explain(model, tp=2)
+
+
+def test_the_reference_gpt_refuses_more_experts_per_token_than_experts():
+    from lightning_seqpar.models import GPTConfig
+
+    with pytest.raises(ValueError, match=r"experts_per_token=5 with n_experts=4: each token is routed to 1\.\.4"):
+        GPTConfig(n_experts=4, experts_per_token=5)
+    assert GPTConfig(n_experts=4, experts_per_token=4).experts_per_token == 4
+
+
+@pytest.mark.parametrize("extra, match", [
+    ({}, r"a qwen3_moe mixture of experts needs its expert count \('num_local_experts' or 'num_experts'; "
+         r"transformers would take 128\)"),
+    ({"num_experts": 8, "num_experts_per_tok": 9}, r"num_experts_per_tok = 9 with num_local_experts = 8: each token is "
+                                                   r"routed to 1\.\.8 experts"),
+])
+def test_the_planner_refuses_a_mixture_config_without_its_expert_count_or_with_too_many_per_token(extra, match):
+    from lightning_seqpar.plan.models import check_sizes
+
+    config = dict(model_type="qwen3_moe", num_hidden_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=100)
+    with pytest.raises(ValueError, match=match):
+        check_sizes({**config, **extra}, "config.json")
+    assert check_sizes({**config, "num_experts": 8, "num_experts_per_tok": 2}, "config.json")["num_experts"] == 8
