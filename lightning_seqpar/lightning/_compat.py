@@ -39,6 +39,14 @@ def hpc_save_path(trainer: Any) -> str:
     return trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)
 
 
+def record_last_checkpoint(callback: Any, path: str, step: int) -> None:
+    """Tell a ``ModelCheckpoint`` that ``path`` is its ``last.ckpt`` of ``step``, saved by someone else (the preemption
+    stop): it then skips its own save at that step (``_last_global_step_saved``) instead of writing ``last-v1.ckpt``
+    beside it, and keeps ``path`` as its ``last_model_path`` (what it replaces next, and what it restores)."""
+    callback.last_model_path = path
+    callback._last_global_step_saved = step
+
+
 __all__ = [
     "MultiProcessingLauncher",
     "SubprocessScriptLauncher",
@@ -46,5 +54,6 @@ __all__ = [
     "hpc_save_path",
     "init_dist_connection",
     "optimizers_to_device",
+    "record_last_checkpoint",
     "set_num_threads_if_needed",
 ]

@@ -24,9 +24,10 @@ from pathlib import Path
 from typing import Any, Optional
 
 import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_seqpar._compat import default_store
-from lightning_seqpar.lightning._compat import hpc_save_path
+from lightning_seqpar.lightning._compat import hpc_save_path, record_last_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -90,15 +91,18 @@ class Preemption(pl.Callback):
 
     def _save(self, trainer: "pl.Trainer") -> None:
         """The checkpoint of the stop, at the end of the step's batch (see the module docstring)."""
+        callback = trainer.checkpoint_callback
         if _requeue_signal(trainer) is not None:
             path: Optional[str] = hpc_save_path(trainer)
         else:
-            callback = trainer.checkpoint_callback
             dirpath = getattr(callback, "dirpath", None)
             path = str(Path(dirpath) / "last.ckpt") if dirpath else None
         if path is not None:
             trainer.save_checkpoint(path)  # collective: every rank is here, after the same step
             self.checkpoint = Path(path)
+        if isinstance(callback, ModelCheckpoint):  # one save of this step: not last-v1.ckpt again at the epoch's end
+            record_last_checkpoint(callback, path if path is not None and path.endswith("last.ckpt") else
+                                   callback.last_model_path, trainer.global_step)
 
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if self.preempted is None:

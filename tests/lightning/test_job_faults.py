@@ -138,6 +138,8 @@ def test_sigterm_saves_a_checkpoint_and_ends_every_rank_cleanly(tmp_path, during
         step = int(output.split("stopped after step ")[1].split(",")[0])
         assert f"step {step}" in output and not [p for p in (tmp_path / "out" / "checkpoints").iterdir()
                                                  if p.name.startswith(".")]  # nothing half-written left
+        # One save of the stop, inside the scheduler's grace period: not last.ckpt and then last-v1.ckpt again.
+        assert not [p.name for p in (tmp_path / "out" / "checkpoints").iterdir() if p.name.startswith("last-v")]
     finally:
         kill_session(job)
 
