@@ -318,10 +318,12 @@ class Checkpointer:
              read_file: Callable[..., dict[str, Any]]) -> dict[str, Any]:
         """A sharded checkpoint directory is read in place, each rank its own shards of the model and (when
         fitting) of the optimizers, whatever layout wrote it; a full checkpoint file is read whole on every rank.
-        A checkpoint whose save was killed between its two renames is restored first."""
+        What saves killed mid-write left in the checkpoint's folder is cleaned up first (a checkpoint whose save was
+        killed between its two renames put back): a resumed run writes into a folder of its own, so the next save
+        would never reach them."""
         assert self.module is not None
         path = Path(process_group.broadcast(str(checkpoint_path)))
-        if dist.get_rank() == 0 and not path.exists() and path.parent.is_dir():
+        if dist.get_rank() == 0 and path.parent.is_dir():
             remove_stale_temporaries(path.parent)
         process_group.barrier(self._device)
         if path.is_dir() and not is_sharded_checkpoint(path):

@@ -57,12 +57,27 @@ def _world_of_2(rank, world_size, directory):
     return straight, at_dp2
 
 
+def _dead_writers_temporary(folder):
+    """``.s6.ckpt.tmp-PID`` of a writer that no longer runs: what a save killed mid-write leaves."""
+    import subprocess
+
+    finished = subprocess.Popen(["true"])
+    finished.wait()
+    temporary = Path(folder) / f".s6.ckpt.tmp-{finished.pid}"
+    temporary.mkdir()
+    (temporary / "__0_0.distcp").write_bytes(b"half")
+    return temporary
+
+
 def _world_of_4(rank, world_size, directory):
-    """dp 2 (tp 2): the uninterrupted run, a checkpoint at step 5 resumed at dp 2; and at dp 4 (tp 1)."""
+    """dp 2 (tp 2): the uninterrupted run, a checkpoint at step 5 resumed at dp 2; and at dp 4 (tp 1). The resumes
+    write nowhere near the folder they read, whose leftovers of a killed save they clean up."""
     corpus = _corpus(rank, directory)
     straight = _fit(world_size, corpus, 8)
     first = _save_at_5(str(Path(directory) / "dp2"), world_size, tp=2)
+    leftover = _dead_writers_temporary(Path(directory) / "dp2") if rank == 0 else None
     same = _fit(world_size, corpus, 8, ckpt_path=str(Path(directory) / "dp2" / "s5.ckpt"))
+    assert leftover is None or not leftover.exists()
     at_dp4 = _fit(world_size, corpus, 8, ckpt_path=str(Path(directory) / "dp2" / "s5.ckpt"), tp=1)
     return straight, first, same, at_dp4
 
