@@ -90,6 +90,8 @@ def compute_reference_logps(trainer: Any, module: Any, data: Any) -> dict[str, n
         RuntimeError: a pair left uncomputed.
     """
     out = {}
+    # Every pair needs its value, whatever the run's trainer.limit_val_batches bounds its validation to.
+    limit, trainer.limit_val_batches = trainer.limit_val_batches, 1.0
     for split in SPLITS:
         module.reference_collector, data.reference_split = ReferenceCollector(), split
         try:
@@ -97,6 +99,7 @@ def compute_reference_logps(trainer: Any, module: Any, data: Any) -> dict[str, n
             collected = module.reference_collector.values
         finally:
             module.reference_collector, data.reference_split = None, None
+            trainer.limit_val_batches = limit
         rows = data.train_rows if split == "training" else data.val_rows
         out[split] = _gather(collected, rows.pairs, split)
     return out

@@ -326,3 +326,23 @@ def test_a_model_whose_forward_takes_no_keyword_arguments_is_refused_by_name():
         PreferenceLoss(0.1, "sigmoid", True).row_logps(Closed(), batch)
     with pytest.raises(ValueError, match=r"Scalar returned a loss of shape \(\) for sum_per_row=True, not one per row"):
         PreferenceLoss(0.1, "sigmoid", True).row_logps(Scalar(), batch)
+
+
+def test_the_reference_pass_covers_every_pair_whatever_the_runs_limit_val_batches():
+    """A run with trainer.limit_val_batches=1 validates one batch; its reference pass must still compute every pair
+    (was: "its loader did not cover the split"), and the run's own limit is back afterwards."""
+    from lightning_seqpar.models.dpo_reference import compute_reference_logps
+
+    pairs = {"training": 5, "validation": 3}
+    data = SimpleNamespace(reference_split=None, train_rows=SimpleNamespace(pairs=5), val_rows=SimpleNamespace(pairs=3))
+    module = SimpleNamespace(reference_collector=None)
+
+    def validate(module, datamodule, verbose):  # the batches a validation runs: as many as the limit allows
+        covered = pairs[datamodule.reference_split] if trainer.limit_val_batches == 1.0 else 1
+        for i in range(covered):
+            module.reference_collector.values[i] = (-float(i), -2.0 * i)
+
+    trainer = SimpleNamespace(limit_val_batches=1, validate=validate)
+    values = compute_reference_logps(trainer, module, data)
+    assert values["training"].shape == (5, 2) and values["validation"][2].tolist() == [-2.0, -4.0]
+    assert trainer.limit_val_batches == 1 and module.reference_collector is None
