@@ -168,10 +168,27 @@ def read_reference(path: Path, identity: Optional[dict]) -> dict[str, np.ndarray
     return {split: np.asarray(values[split], dtype=np.float64).reshape(-1, 2) for split in SPLITS}
 
 
+KEPT_REFERENCES = 4
+"""Default-path caches kept per data file: the newest, by when each was written or last read."""
+
+
 def default_reference_path(data: Any, identity: dict) -> Path:
-    """``FILE.dpo-reference-<key>.json`` beside the data, keyed by the identity's hash."""
+    """``FILE.dpo-reference/<key>.json``, one folder beside the data for every cache of it, each keyed by its identity's
+    hash (another model, tokenizer or setting: another file; :func:`prune_references` keeps the newest few)."""
     key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
-    return data.path.resolve().with_name(f"{data.path.name}.dpo-reference-{key}.json")
+    return data.path.resolve().with_name(f"{data.path.name}.dpo-reference") / f"{key}.json"
+
+
+def prune_references(folder: Path, keep: int = KEPT_REFERENCES) -> list[Path]:
+    """Delete all but the ``keep`` newest caches of the default folder ``folder`` (by modification time: a cache read
+    is touched), and the caches earlier releases wrote beside the data (``FILE.dpo-reference-<key>.json``). Returns
+    what was deleted."""
+    caches = sorted(folder.glob("*.json"), key=lambda p: p.stat().st_mtime_ns, reverse=True)
+    legacy = sorted(folder.parent.glob(f"{folder.name}-*.json"))
+    gone = caches[keep:] + legacy
+    for path in gone:
+        path.unlink(missing_ok=True)
+    return gone
 
 
 def reference_for_run(trainer: Any, module: Any, data: Any, path: Optional[str] = None
@@ -180,7 +197,9 @@ def reference_for_run(trainer: Any, module: Any, data: Any, path: Optional[str] 
     each step (LoRA, under every layout). Collective (every rank calls it, before ``trainer.fit``).
 
     Read from the cache at ``path`` (default :func:`default_reference_path`) when it was made for this run's identity;
-    otherwise computed (:func:`compute_reference_logps`) and written there by global rank 0.
+    otherwise computed (:func:`compute_reference_logps`) and written there by global rank 0, which then keeps the
+    :data:`KEPT_REFERENCES` newest caches of the default folder (:func:`prune_references`; a ``path`` given is never
+    pruned).
 
     Raises:
         ValueError: ``path`` given explicitly and holding a cache that is damaged or made for another identity (a
@@ -192,14 +211,22 @@ def reference_for_run(trainer: Any, module: Any, data: Any, path: Optional[str] 
     target = Path(path).resolve() if path else default_reference_path(data, identity)
     if target.exists():
         try:
-            return read_reference(target, identity)
+            values = read_reference(target, identity)
+            if not path and trainer.global_rank == 0:
+                target.touch()  # read: among the newest the default folder keeps
+            return values
         except ValueError:
             if path:
                 raise
             log.warning("The DPO reference cache %s is damaged: computed again.", target)
     values = compute_reference_logps(trainer, module, data)
     if trainer.global_rank == 0:
+        target.parent.mkdir(parents=True, exist_ok=True)
         write_reference(target, values, identity)
         log.info("DPO reference log-probabilities of %d + %d pairs written to %s", len(values["training"]),
                  len(values["validation"]), target)
+        if not path:
+            for gone in prune_references(target.parent):
+                log.info("DPO reference cache %s deleted (the %d newest of %s are kept)", gone, KEPT_REFERENCES,
+                         data.path.name)
     return values

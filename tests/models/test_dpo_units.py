@@ -263,7 +263,7 @@ def test_the_run_reads_its_cache_recomputes_a_damaged_default_and_refuses_a_fore
     pipelined = SimpleNamespace(strategy=SimpleNamespace(pp=2), global_rank=0)  # its own schedule (reference_step)
     assert dpo_reference.reference_for_run(pipelined, lora, data) is None and calls == []
     first = dpo_reference.reference_for_run(trainer, full, data)
-    cache = next(tmp_path.glob("pairs.jsonl.dpo-reference-*.json"))
+    cache = next((tmp_path / "pairs.jsonl.dpo-reference").glob("*.json"))
     assert first is computed and len(calls) == 1
     again = dpo_reference.reference_for_run(trainer, full, data)  # read back: nothing computed
     assert len(calls) == 1 and all(np.array_equal(again[k], computed[k]) for k in computed)
@@ -346,3 +346,28 @@ def test_the_reference_pass_covers_every_pair_whatever_the_runs_limit_val_batche
     values = compute_reference_logps(trainer, module, data)
     assert values["training"].shape == (5, 2) and values["validation"][2].tolist() == [-2.0, -4.0]
     assert trainer.limit_val_batches == 1 and module.reference_collector is None
+
+
+def test_default_reference_caches_live_in_one_folder_and_only_the_newest_are_kept(tmp_path):
+    import os
+
+    from lightning_seqpar.models.dpo_reference import KEPT_REFERENCES, default_reference_path, prune_references
+
+    data = SimpleNamespace(path=tmp_path / "pairs.jsonl")
+    folder = default_reference_path(data, {"model": "a"}).parent
+    assert folder == tmp_path / "pairs.jsonl.dpo-reference"
+    assert default_reference_path(data, {"model": "b"}) != default_reference_path(data, {"model": "a"})
+    folder.mkdir()
+    written = []
+    for i in range(KEPT_REFERENCES + 2):
+        path = default_reference_path(data, {"model": str(i)})
+        path.write_text("{}")
+        os.utime(path, ns=(i * 10**9, i * 10**9))  # written one after another
+        written.append(path)
+    legacy = tmp_path / "pairs.jsonl.dpo-reference-0123456789abcdef.json"  # where earlier releases wrote them
+    legacy.write_text("{}")
+    unrelated = tmp_path / "pairs.jsonl"
+    unrelated.write_text("data")
+    gone = prune_references(folder)
+    assert sorted(gone) == sorted(written[:2] + [legacy])
+    assert sorted(folder.iterdir()) == sorted(written[2:]) and unrelated.exists()
