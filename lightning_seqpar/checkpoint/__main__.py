@@ -7,7 +7,8 @@ model your module holds as ``self.model``. ``.safetensors`` is written one tenso
 tensor); ``.pt``/``.pth`` hold the whole model in memory once (``torch.save``).
 
 ``python -m lightning_seqpar.checkpoint export-hf CKPT_DIR OUT_DIR [--config MODEL_DIR]``: the Hugging Face model
-in a sharded checkpoint as a directory ``from_pretrained`` loads (one tensor in memory at a time)."""
+in a sharded checkpoint as a directory ``from_pretrained`` loads (one tensor in memory at a time); for a LoRA
+checkpoint, the PEFT adapter directory ``PeftModel.from_pretrained(base, OUT_DIR)`` loads."""
 
 from __future__ import annotations
 

@@ -7,7 +7,9 @@ checkpoint under the prefix of the Hugging Face model inside the LightningModule
 whatever layout wrote them, and streamed into safetensors files of at most ``max_shard_size``. Memory: the largest
 tensor. The config is the ``--config`` directory's or, by default, the one the checkpoint's hyperparameters record
 (``HFCausalLMModule`` saves it); tokenizer and generation files come from the ``--config`` directory or the
-recorded pretrained directory. Published atomically.
+recorded pretrained directory. Published atomically. A LoRA checkpoint (its adapters only) is exported as the PEFT
+adapter directory it trained (:mod:`.peft_from_checkpoint`), its base named by ``--config`` or the recorded pretrained
+directory.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from lightning_seqpar.checkpoint.atomic import publish, recover_stale, temporary
 from lightning_seqpar.checkpoint.consolidate import StoredModel
 from lightning_seqpar.checkpoint.destination import mark_export, refuse_export_destination
 from lightning_seqpar.checkpoint.hf_export import parse_size
+from lightning_seqpar.checkpoint.peft_from_checkpoint import adapter_keys, export_adapter
 from lightning_seqpar.hf.models import causal_lm_config, saved_tensor_shapes
 from lightning_seqpar.hf.streaming import (
     SafetensorsStreamWriter, TensorEntry, check_storable, file_names, finish_directory, split_into_files,
@@ -74,6 +77,8 @@ def _export(stored: StoredModel, out: Path, config_dir: Optional[Union[str, os.P
             max_shard_size: Union[int, str], dtype: Optional[torch.dtype], overwrite: bool) -> Path:
     checkpoint = stored.path
     hparams = stored.trainer_state.get("hyper_parameters") or {}
+    if adapter_keys(stored.shapes):  # LoRA: the adapters (the frozen base is the pretrained directory's)
+        return export_adapter(stored, out, None if config_dir is None else str(config_dir), overwrite)
     if config_dir is not None:
         config = causal_lm_config(pretrained=str(config_dir))
         source: Optional[Path] = Path(config_dir)

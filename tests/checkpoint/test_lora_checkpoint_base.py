@@ -152,3 +152,33 @@ def _export_after_steps(rank, world, root, out):
     data = FineTuneDataModule(str(root / "chat.jsonl"), str(root / "model"), 48, 2, val_fraction=0.1)
     trainer.fit(FineTuneModule(str(root / "model"), LORA, learning_rate=1e-2), datamodule=data)
     export_peft_adapter(trainer.lightning_module, trainer.strategy.mesh, out)
+
+
+def test_export_hf_of_a_lora_checkpoint_writes_the_adapter_directory_the_run_would_export(root, saved, tmp_path):
+    """`python -m lightning_seqpar.checkpoint export-hf` of a LoRA checkpoint (its adapters only; was: "pass --config",
+    and the same refusal with it): the PEFT adapter directory, equal to the one the run exports live after the same
+    steps, loaded by PEFT onto the base."""
+    import json
+
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from lightning_seqpar.checkpoint.__main__ import main
+
+    _, checkpoint = saved
+    assert main(["export-hf", str(checkpoint), str(tmp_path / "exported")]) == 0
+    assert main(["export-hf", str(checkpoint), str(tmp_path / "with_config"), "--config", str(root / "model")]) == 0
+    live = tmp_path / "live"
+    run_distributed(_export_after_steps, 2, root, live)
+    exported, expected = (load_file(str(d / "adapter_model.safetensors")) for d in (tmp_path / "exported", live))
+    assert sorted(exported) == sorted(expected) and all(torch.equal(exported[k], expected[k]) for k in expected)
+    config = json.loads((tmp_path / "exported" / "adapter_config.json").read_text())
+    reference = json.loads((live / "adapter_config.json").read_text())
+    assert {k: config[k] for k in ("r", "lora_alpha", "target_modules", "peft_type")} == {
+        k: reference[k] for k in ("r", "lora_alpha", "target_modules", "peft_type")}
+    assert config["base_model_name_or_path"] == str(root / "model")
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(root / "model"), tmp_path / "with_config")
+    key = next(k for k in expected if ".lora_B." in k)
+    module = loaded.get_submodule(key.removesuffix(".lora_B.weight")).lora_B["default"]
+    assert torch.equal(module.weight, expected[key].to(module.weight.dtype))  # PEFT casts to the base's float32
