@@ -9,14 +9,16 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
-import numpy as np
 from torch.utils.data import DataLoader
 
 from lightning_seqpar.checkpoint.content import content_digest
-from lightning_seqpar.data.packing import OVERFLOW, Rows, pack_examples
+from lightning_seqpar.data.cached_rows import CachedRows
+from lightning_seqpar.data.packing import OVERFLOW
 from lightning_seqpar.data.step_batches import StepBatches, loader_place
-from lightning_seqpar.data.supervised import SupervisedExample, template_identity
-from lightning_seqpar.data.supervised_cache import CACHE_VERSION, damage, is_cache, open_cache, wait_for_cache, write_cache
+from lightning_seqpar.data.supervised import template_identity
+from lightning_seqpar.data.supervised_cache import (
+    CACHE_VERSION, SupervisedCache, damage, is_cache, open_cache, wait_for_cache, write_cache,
+)
 from lightning_seqpar.data.tokenizer import Tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -73,7 +75,7 @@ class FineTuneDataModule(pl.LightningDataModule):
         self._checked: dict[tuple[int, int], Optional[str]] = {}  # a published cache's digest check, by its meta's stat
         self.cache_dir = None if cache_dir is None else Path(cache_dir)
         self.vocab_size = self.tokenizer.vocab_size
-        self.examples: Optional[list[SupervisedExample]] = None
+        self.cache: Optional[SupervisedCache] = None  # memory maps: a rank holds an index of rows, not the rows
 
     def cache_path(self) -> Path:
         """The cache directory of the data: the data path itself when it is one, else ``FILE.sft-<key>`` beside the
@@ -116,8 +118,8 @@ class FineTuneDataModule(pl.LightningDataModule):
             write_cache(self.path, self.tokenizer, path, self._identity(), self.progress)
         return path
 
-    def load_examples(self) -> list[SupervisedExample]:
-        """The rendered examples from the cache, made (local rank 0) or waited for (the others) first.
+    def load_cache(self) -> SupervisedCache:
+        """The rendered examples' cache (memory maps), made (local rank 0) or waited for (the others) first.
 
         Raises:
             ValueError: the data path is a cache directory that is damaged or was made with another tokenizer or
@@ -133,17 +135,17 @@ class FineTuneDataModule(pl.LightningDataModule):
                 raise ValueError(f"The fine-tuning cache {path} was made with tokenizer {made['tokenizer']} and chat "
                                  f"template {made['chat_template'] or 'none'}; this run's are {ours['tokenizer']} and "
                                  f"{ours['chat_template'] or 'none'}. Give the .jsonl file to prepare it again.")
-            return cache.examples()
+            return cache
         if self.trainer is None or self.trainer.local_rank == 0:
             self.prepare_cache()
         else:
             wait_for_cache(path, lambda p: self._matches(p) and self._damage(p) is None, self.stall_timeout)
-        return open_cache(path, verified=self._damage(path) is None).examples()  # digests read once per cache
+        return open_cache(path, verified=self._damage(path) is None)  # digests read once per cache
 
-    def _rows(self, examples: list[SupervisedExample], first: int) -> Rows:
-        names = [f"{self.path}: record {first + i + 1}" for i in range(len(examples))]
-        pad = int(self.tokenizer.separator[-1])
-        return pack_examples(examples, self.block_size, pad, self.packing, self.overflow, names)
+    def _rows(self, first: int, last: int) -> CachedRows:
+        assert self.cache is not None
+        return CachedRows(self.cache, first, last, self.block_size, int(self.tokenizer.separator[-1]), self.packing,
+                          self.overflow, lambda i: f"{self.path}: record {i + 1}")
 
     def setup(self, stage: Optional[str] = None) -> None:
         """Render (or read) the examples, check their ids against the model, and make the rows.
@@ -152,22 +154,22 @@ class FineTuneDataModule(pl.LightningDataModule):
             ValueError: an id at or above the model's vocabulary (another tokenizer's data), naming both; a split
                 with no supervised token (its mean loss would be 0), naming the file and the records.
         """
-        if self.examples is None:
-            self.examples = self.load_examples()
+        if self.cache is None:
+            self.cache = self.load_cache()
         module = self.trainer.lightning_module if self.trainer is not None else None
         vocab = getattr(module, "vocab_size", None)
-        largest = max(int(e.ids.max()) for e in self.examples)
+        records = len(self.cache.lengths)
+        largest = int(self.cache.ids.max()) if len(self.cache.ids) else -1  # one pass over the memory map
         if vocab is not None and largest >= vocab:
             raise ValueError(f"{self.path} rendered to token id {largest}, but the model's vocabulary has {vocab} ids: "
                              f"the tokenizer ({self.tokenizer.name}) is not the model's. Use the model's tokenizer "
                              f"(data.tokenizer=null reads the model directory's).")
-        held_out = max(1, int(len(self.examples) * self.val_fraction))
-        split = len(self.examples) - held_out
+        held_out = max(1, int(records * self.val_fraction))
+        split = records - held_out
         if split < 1:
-            raise ValueError(f"{self.path} holds {len(self.examples)} record(s): too few to hold out validation.")
-        self.train_rows = self._rows(self.examples[:split], 0)
-        self.val_rows = self._rows(self.examples[split:], split)
-        splits = (("training", self.train_rows, 1, split), ("validation", self.val_rows, split + 1, len(self.examples)))
+            raise ValueError(f"{self.path} holds {records} record(s): too few to hold out validation.")
+        self.train_rows, self.val_rows = self._rows(0, split), self._rows(split, records)
+        splits = (("training", self.train_rows, 1, split), ("validation", self.val_rows, split + 1, records))
         for name, rows, first, last in splits:
             if int(rows.supervised.sum()) == 0:  # a mean over no token: loss 0, perplexity 1, nothing learnt
                 raise ValueError(f"{self.path}: the {name} split (records {first}-{last}) has no supervised token: "

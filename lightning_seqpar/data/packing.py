@@ -49,14 +49,23 @@ class Rows:
         first label of a row is never predicted)."""
         return (self.labels[:, 1:] != IGNORE).sum(1)
 
+    def take(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(input_ids, labels, second)`` ``[len(rows), s]`` of the rows ``rows``."""
+        return self.input_ids[rows], self.labels[rows], self.second[rows]
+
+
+def example_too_long(where: str, n: int, s: int) -> str:
+    """The refusal of an example of ``n`` tokens, longer than the block of ``s``, naming both fixes."""
+    return (f"{where}: {n} tokens, longer than the block of {s}. Drop or split it, raise data.block_size, or set "
+            f"data.overflow=truncate to keep its first {s} tokens.")
+
 
 def _fit(example: SupervisedExample, s: int, overflow: str, where: str) -> SupervisedExample:
     if len(example) <= s:
         return example
     if overflow == "truncate":
         return SupervisedExample(example.ids[:s], example.supervised[:s])
-    raise ValueError(f"{where}: {len(example)} tokens, longer than the block of {s}. Drop or split it, raise "
-                     f"data.block_size, or set data.overflow=truncate to keep its first {s} tokens.")
+    raise ValueError(example_too_long(where, len(example), s))
 
 
 def pack_examples(examples: Sequence[SupervisedExample], s: int, pad_id: int, packing: bool = True,

@@ -155,8 +155,8 @@ class StepBatches(Dataset):
     def __getitem__(self, index: tuple[int, int]) -> dict[str, torch.Tensor]:
         in_step, mine = self.placed(index)
         total = int(self.counts[in_step].sum())
-        batch = {"input_ids": torch.from_numpy(self.rows.input_ids[mine]),
-                 "labels": torch.from_numpy(self.rows.labels[mine]),
-                 "position_ids" if self.rows.packed else "attention_mask": torch.from_numpy(self.rows.second[mine])}
+        input_ids, labels, second = self.rows.take(mine)  # read now: a rank holds no rows (data/cached_rows.py)
+        batch = {"input_ids": torch.from_numpy(input_ids), "labels": torch.from_numpy(labels),
+                 "position_ids" if self.rows.packed else "attention_mask": torch.from_numpy(second)}
         batch["num_items_in_step"] = torch.full((self.b,), total, dtype=torch.long)
         return batch

@@ -154,6 +154,7 @@ def test_a_damaged_cache_is_prepared_again_with_a_warning_and_refused_by_name_wh
     data = _chat_file(tmp_path)
     first = FineTuneDataModule(str(data), _tok(), block_size=32, batch_size=1, val_fraction=0.25, progress=False)
     first.setup()
+    rows = first.train_rows.materialize()  # rows are read from the cache when asked: these, before the damage
     cache = first.cache_path()
     ids = cache / "ids.bin"
     damaged = bytearray(ids.read_bytes())
@@ -167,10 +168,10 @@ def test_a_damaged_cache_is_prepared_again_with_a_warning_and_refused_by_name_wh
     with caplog.at_level("WARNING"):
         again.setup()
     assert "is damaged (ids.bin does not match its recorded SHA-256): prepared again from" in caplog.text
-    assert np.array_equal(again.train_rows.input_ids, first.train_rows.input_ids)
+    assert np.array_equal(again.train_rows.input_ids, rows.input_ids)
     whole = FineTuneDataModule(str(cache), _tok(), block_size=32, batch_size=1, val_fraction=0.25)
     whole.setup()  # the rebuilt cache, given directly, is read as it is
-    assert np.array_equal(whole.train_rows.labels, first.train_rows.labels)
+    assert np.array_equal(whole.train_rows.labels, rows.labels)
     (cache / "lengths.bin").write_bytes(b"")  # truncated: another size than recorded
     with pytest.raises(ValueError, match=r"lengths.bin is missing or of another size than recorded"):
         FineTuneDataModule(str(cache), _tok(), block_size=32, batch_size=1).setup()
