@@ -1,6 +1,7 @@
 """Tests by concept: ``tests/<folder>`` mirrors ``lightning_seqpar/<folder>`` (plus ``package/`` for the package's
 structure and versions, ``recipes/`` for the recipes). A test module that starts processes (gloo on CPU) says so with
-``pytestmark = pytest.mark.distributed``, so ``python -m pytest -m "not distributed"`` is the fast single-process lane;
+``pytestmark = pytest.mark.distributed``, and a single-process test of many seconds (the planner's probes) is marked
+``slow``, so ``python -m pytest -m "not distributed and not slow"`` is the fast single-process lane;
 a module that uses the multi-process helpers without the mark is refused at collection.
 
 The suite runs on two test workers (pytest-xdist, ``-n 2 --dist loadfile`` in ``setup.cfg``; ``-n 0`` runs it in one

@@ -4,8 +4,9 @@ The same rows as :func:`~lightning_seqpar.data.packing.pack_examples` makes (pac
 example does not fit, or one example per row padded; the same labels, position ids and attention masks), but what a
 rank holds is an index, not the rows: each row is a contiguous range of examples, so the index is the examples'
 token offsets (8 bytes per example), each row's first example and its supervised-token count (16 bytes per row). The
-ids and supervised flags stay in the cache's memory maps (the page cache every rank of a node shares); a micro-batch
-reads its ``b`` rows' tokens from them. Memory per rank is then bounded by the examples and rows counts, not by the
+ids and supervised flags stay in the cache's memory maps (the page cache every rank of a node shares), unread while
+the index is built (the cache records each example's supervised count); a micro-batch reads its ``b`` rows' tokens
+from them. Memory per rank is then bounded by the examples and rows counts, not by the
 tokens: a 1 GB chat file no longer puts its rows on every rank.
 
 Shapes: :meth:`CachedRows.take` returns ``input_ids``, ``labels``, ``second`` ``[k, s]`` int64 for ``k`` rows.
@@ -40,6 +41,7 @@ class CachedRows:
     def __init__(self, cache: SupervisedCache, first: int, last: int, s: int, pad_id: int, packing: bool,
                  overflow: str, name: Callable[[int], str]) -> None:
         self.ids, self.flags, self.s, self.pad_id, self.packed = cache.ids, cache.supervised, s, pad_id, packing
+        self.predicted = np.asarray(cache.predicted[first:last], dtype=np.int64)
         lengths = np.asarray(cache.lengths[first:last], dtype=np.int64)
         self.offsets = np.concatenate([[0], np.cumsum(lengths)]) + int(np.sum(cache.lengths[:first], dtype=np.int64))
         too_long = np.flatnonzero(lengths > s)
@@ -54,14 +56,10 @@ class CachedRows:
 
     def _supervised_per_row(self) -> np.ndarray:
         """``[rows]``: tokens whose label is not ``-100`` after Hugging Face's shift, as :attr:`Rows.supervised`: an
-        example's flags but its first token's (never predicted across a boundary), summed over the row's examples."""
+        example's flags but its first token's (never predicted across a boundary, the cache's ``predicted``), summed
+        over the row's examples; the flags are read only for the few examples truncated to ``s``."""
         starts, fitted = self.offsets[:-1], self.fitted
-        per_example = np.zeros(len(fitted), dtype=np.int64)
-        whole = fitted > 0
-        if whole.any():  # every example's flags, one streaming pass over the memory map (a segment per example)
-            per_example[whole] = np.add.reduceat(self.flags[self.offsets[0]:self.offsets[-1]],
-                                                 (starts - self.offsets[0])[whole], dtype=np.int64)
-            per_example[whole] -= self.flags[starts[whole]].astype(np.int64)
+        per_example = self.predicted.copy()
         for i in np.flatnonzero(fitted < self.offsets[1:] - starts):  # truncated: their first s tokens only
             begin = int(starts[i])
             per_example[i] = int(self.flags[begin + 1:begin + int(fitted[i])].sum(dtype=np.int64))

@@ -159,7 +159,7 @@ class FineTuneDataModule(pl.LightningDataModule):
         module = self.trainer.lightning_module if self.trainer is not None else None
         vocab = getattr(module, "vocab_size", None)
         records = len(self.cache.lengths)
-        largest = int(self.cache.ids.max()) if len(self.cache.ids) else -1  # one pass over the memory map
+        largest = int(self.cache.meta["max_id"])  # recorded when the cache was made: the ids are not read
         if vocab is not None and largest >= vocab:
             raise ValueError(f"{self.path} rendered to token id {largest}, but the model's vocabulary has {vocab} ids: "
                              f"the tokenizer ({self.tokenizer.name}) is not the model's. Use the model's tokenizer "

@@ -6,9 +6,12 @@ each batch's arrays appended to the cache's section files as it is made, so prep
 a batch, whatever the file's size. The cache is a directory ``FILE.sft-<key>/`` published atomically:
 
 - ``ids.bin`` (``int32`` ids, every example's tokens one after the other), ``supervised.bin`` (``uint8``: the loss is
-  taken on token i's prediction), ``lengths.bin`` (``int64`` tokens per example);
+  taken on token i's prediction), ``lengths.bin`` (``int64`` tokens per example), ``predicted.bin`` (``int64``
+  supervised tokens per example but its first, whose label is never predicted: what a row's count sums, so no rank
+  reads the flags to count);
 - ``meta.json``: the version, the source file (path, bytes, SHA-256 of its content), the tokenizer's identity, the chat
-  template's hash, the counts, and each section's byte size and SHA-256.
+  template's hash, the counts and the largest id (so no rank reads the ids to check them against the model), and each
+  section's byte size and SHA-256.
 
 Every rank verifies the digests before it reads (one read of about 5 bytes per token); a damaged cache is rebuilt with
 a warning when it was made from a source, and refused by name when it is the data path itself. A rank that waits
@@ -37,9 +40,9 @@ from lightning_seqpar.data.supervised import SupervisedExample, render_records
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 2
+CACHE_VERSION = 3  # 3: predicted.bin and max_id (rows counted and ids checked without reading the tokens)
 RECORDS_PER_BATCH = 256
-SECTIONS = {"ids": np.int32, "supervised": np.uint8, "lengths": np.int64}
+SECTIONS = {"ids": np.int32, "supervised": np.uint8, "lengths": np.int64, "predicted": np.int64}
 
 
 def read_records(path: Path) -> Iterator[tuple[int, int, Any]]:
@@ -76,6 +79,7 @@ class SupervisedCache:
     ids: np.ndarray
     supervised: np.ndarray
     lengths: np.ndarray
+    predicted: np.ndarray
 
     def examples(self) -> list[SupervisedExample]:
         """Every example, as views of the memory maps (``int32`` ids, ``bool`` flags): nothing is read until used."""
@@ -169,7 +173,7 @@ def write_cache(source: Path, tokenizer: Any, out: Path, identity: dict, progres
                               f"writable folder with space.") from None
     try:
         sections = _Sections(tmp)
-        counts = {"examples": 0, "tokens": 0, "supervised": 0}
+        counts = {"examples": 0, "tokens": 0, "supervised": 0, "max_id": -1}
         total = source.stat().st_size
         with ByteProgress(total, f"preparing {source.name}", progress) as advance:
             batch: list[tuple[int, Any]] = []
@@ -184,6 +188,8 @@ def write_cache(source: Path, tokenizer: Any, out: Path, identity: dict, progres
                 sections.append("ids", np.concatenate([e.ids for e in examples]))
                 sections.append("supervised", np.concatenate([e.supervised for e in examples]))
                 sections.append("lengths", np.asarray([len(e) for e in examples]))
+                sections.append("predicted", np.asarray([int(e.supervised[1:].sum()) for e in examples]))
+                counts["max_id"] = max([counts["max_id"], *(int(e.ids.max()) for e in examples if len(e))])
                 counts["examples"] += len(examples)
                 counts["tokens"] += sum(len(e) for e in examples)
                 counts["supervised"] += sum(int(e.supervised.sum()) for e in examples)

@@ -41,10 +41,12 @@ def hpc_save_path(trainer: Any) -> str:
 
 def record_last_checkpoint(callback: Any, path: str, step: int) -> None:
     """Tell a ``ModelCheckpoint`` that ``path`` is its ``last.ckpt`` of ``step``, saved by someone else (the preemption
-    stop): it then skips its own save at that step (``_last_global_step_saved``) instead of writing ``last-v1.ckpt``
-    beside it, and keeps ``path`` as its ``last_model_path`` (what it replaces next, and what it restores)."""
+    stop): it then skips its own saves at that step (``_last_global_step_saved``) and at the end of training
+    (``_last_checkpoint_saved``, whose save would come once Lightning counts the epoch as finished) instead of writing
+    ``last-v1.ckpt`` beside it, and keeps ``path`` as its ``last_model_path`` (what it replaces next)."""
     callback.last_model_path = path
     callback._last_global_step_saved = step
+    callback._last_checkpoint_saved = path
 
 
 __all__ = [

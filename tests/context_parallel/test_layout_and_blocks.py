@@ -93,6 +93,7 @@ def _dense_with_sinks(q, k, v, scale, documents, padding, sinks):
     return torch.softmax(combined, -1)[..., :-1] @ v
 
 
+@pytest.mark.slow  # many seconds of blockwise attention: outside the fast lane
 @pytest.mark.parametrize("comm,fused", [("ring", False), ("all_to_all", False), ("ring", True)])
 def test_blockwise_attention_with_sinks_equals_dense_in_values_and_gradients(comm, fused):
     torch.manual_seed(0)

@@ -18,8 +18,9 @@ def _cache(lengths, seed=0):
     total = int(sum(lengths))
     ids = rng.integers(3, 500, total).astype(np.int32)
     flags = (rng.random(total) < 0.5).astype(np.uint8)
-    cache = SupervisedCache(Path("cache"), {}, ids, flags, np.asarray(lengths, dtype=np.int64))
     bounds = np.concatenate([[0], np.cumsum(lengths)]).tolist()
+    predicted = np.asarray([int(flags[a + 1:b].sum()) for a, b in zip(bounds[:-1], bounds[1:])], dtype=np.int64)
+    cache = SupervisedCache(Path("cache"), {}, ids, flags, np.asarray(lengths, dtype=np.int64), predicted)
     examples = [SupervisedExample(ids[a:b], flags[a:b].view(bool)) for a, b in zip(bounds[:-1], bounds[1:])]
     return cache, examples
 

@@ -15,6 +15,8 @@ from lightning_seqpar.lightning.config import ParallelConfig
 from lightning_seqpar.models import GPTConfig, GPTLightningModule
 from lightning_seqpar.plan import inventory_of_hf_model
 
+pytestmark = pytest.mark.slow  # the planner's probes: the full suite runs it, the fast lane does not
+
 LONG, WORLD = 4096, 4  # s at which the eager attention's s² probabilities, not the weights, fill a rank
 
 

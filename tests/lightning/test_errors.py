@@ -164,6 +164,7 @@ def test_a_read_only_cache_folder_is_refused_with_the_cache_dir_advice(tmp_path,
         cache.ensure_token_cache(corpus, ByteTokenizer(), progress=False)
 
 
+@pytest.mark.slow  # the planner's probes: outside the fast lane
 def test_the_documented_auto_layout_example_has_a_layout_that_fits():
     """conf/strategy/auto.yaml's command line, as written: its budget admits a layout of its model on its devices
     (before: 2e6 bytes, which none fits)."""
@@ -193,6 +194,7 @@ def test_the_documented_auto_layout_example_has_a_layout_that_fits():
     assert ranked and re.search(r"memory_budget=\d", command)
 
 
+@pytest.mark.slow  # the planner's probes: outside the fast lane
 def test_a_budget_no_layout_fits_is_refused_once_before_any_rank_starts(tmp_path):
     from lightning_seqpar.lightning.auto_layout import AutoLayout
     from tests.helpers.models import SEQ, build, loader, token_data

@@ -50,6 +50,7 @@ def test_zb_h1_is_deadlock_free_and_matched_under_nccl_rules():
                         t.send and t.kind == "gradient" and t.microbatch == before.microbatch for t in after.transfers)
 
 
+@pytest.mark.slow  # whole V schedules simulated step by step: outside the fast lane
 @pytest.mark.parametrize("schedule", ["ZB-V", "DualPipeV"])
 def test_v_schedules_are_deadlock_free_and_matched_under_nccl_rules(schedule):
     """The V placement: rounds of the unit-cost replay (comm_plan.timed_program), each message sent and received in

@@ -9,6 +9,8 @@ import pytest
 from lightning_seqpar.hf.model_check import probe_head_dim
 from lightning_seqpar.plan.probe import fit_layer, measure_layer
 
+pytestmark = pytest.mark.slow  # the planner's probes: the full suite runs it, the fast lane does not
+
 BOUND = 0.05  # the bound; the fits are exact where the layer is linear in each size
 SIZES = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=4, max_position_embeddings=4096, pad_token_id=None, bos_token_id=None,

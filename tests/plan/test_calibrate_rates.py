@@ -12,6 +12,7 @@ from lightning_seqpar.plan.work import OperatorCounter
 CPU = torch.device("cpu")
 
 
+@pytest.mark.slow  # the planner's probes: outside the fast lane
 def test_every_rate_is_the_slowest_rank_s_time():
     """Ranks measure at once, as training runs them (peers share the host's caches and bandwidth), and each time is
     the slowest rank's: every measurement passes through ``slowest`` once, and the rate is computed from what it

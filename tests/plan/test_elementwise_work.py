@@ -72,6 +72,7 @@ def _work_fit(llama, fits, tp, recompute):
     return fits[key]
 
 
+@pytest.mark.slow  # the planner's probes: outside the fast lane
 def test_a_layer_s_work_is_the_difference_of_two_depths_and_the_fit_scales_it(llama, fits):
     config = llama.config
     fit = _work_fit(llama, fits, 1, "none")

@@ -135,6 +135,7 @@ def test_key_value_heads_and_the_mlp_width_are_checked_too(inventories):
         == "ffn=14340 not divisible by tp=8"
 
 
+@pytest.mark.slow  # the planner's probes: outside the fast lane
 def test_layouts_are_ranked_feasible_first_and_memory_rejections_name_the_bytes(inventories):
     records = plan(inventories["llama3-70b"], 64, 8192, 512, hardware=Hardware(memory=80e9), calibrate=False)
     feasible = [r for r in records if r.feasible]
@@ -151,6 +152,7 @@ def test_layouts_are_ranked_feasible_first_and_memory_rejections_name_the_bytes(
     assert best.step_time["expert"] == best.collective_bytes["expert"] == 0.0  # no experts
 
 
+@pytest.mark.slow  # the planner's probes: outside the fast lane
 def test_the_command_line_prints_the_table_and_the_json_records(tmp_path, capsys):
     config = tmp_path / "config.json"
     config.write_text(json.dumps(LLAMA3_8B))
@@ -186,6 +188,7 @@ def test_the_command_line_prints_the_table_and_the_json_records(tmp_path, capsys
         main([str(tmp_path / "missing"), "--gpus", "8", "--seq-len", "4096", "--global-batch", "32"])
 
 
+@pytest.mark.slow  # the planner's probes: outside the fast lane
 def test_calibrated_activations_come_from_the_model_s_own_layer():
     from lightning_seqpar.plan.planner import _evaluate
     from lightning_seqpar.plan.probe import fit_layer, fit_outside
@@ -207,6 +210,7 @@ def test_calibrated_activations_come_from_the_model_s_own_layer():
     assert record.bytes["activations"] == int(4 * per_layer + outside - 2 * 512 * 1000 / 2)
 
 
+@pytest.mark.slow  # the planner's probes: outside the fast lane
 def test_the_command_line_probes_the_model_by_default(tmp_path, capsys):
     tiny = dict(LLAMA3_8B, vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2)
@@ -233,6 +237,7 @@ def test_full_size_ranks_built_on_the_meta_device_hold_the_predicted_parameters(
         assert built.measured == built.predicted, pipeline_rank
 
 
+@pytest.mark.slow  # the planner's probes: outside the fast lane
 def test_the_command_line_dry_run_prints_every_pipeline_rank(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps(LLAMA3_8B))
     assert main([str(tmp_path), "--gpus", "32", "--seq-len", "8192", "--global-batch", "64", "--gpu-memory", "40GB",
@@ -305,6 +310,7 @@ def test_counts_out_of_range_are_refused_at_once_naming_the_flag(tmp_path, capsy
     assert exited.value.code == 2 and f"argument {flag}: " in capsys.readouterr().err
 
 
+@pytest.mark.slow  # the planner's probes: outside the fast lane
 def test_the_default_output_is_short_and_says_what_would_fit_when_nothing_does(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps(LLAMA3_8B))
     base = [str(tmp_path), "--gpus", "8", "--seq-len", "65536", "--global-batch", "8", "--analytic"]
@@ -362,6 +368,7 @@ def test_zb_h1_layouts_take_a_third_of_the_bubble_and_the_first_rank_s_peak(inve
     assert checked >= 3
 
 
+@pytest.mark.slow  # the planner's probes: outside the fast lane
 def test_the_loss_in_chunks_keeps_no_logits_and_the_command_line_sets_it(tmp_path, capsys):
     # Llama-3-8B at s 16384, tp 8: 16384 positions a rank, past the strategy's default chunk of 4096. Whole, a
     # micro-batch keeps the softmax [s·b, v/t] in float32 until its backward; in chunks, nothing of the logits.

@@ -36,6 +36,7 @@ def _record(**layout) -> LayoutRecord:
     return LayoutRecord(**values)
 
 
+@pytest.mark.slow  # the planner's probes: outside the fast lane
 def test_the_dispatch_pays_a_latency_for_each_all_to_all_it_makes(qwen3_moe):
     """The dropless dispatch exchanges its split counts before its rows (``moe/dispatch.py``): per MoE layer and
     micro-batch five all-to-alls (counts, rows and combine forward, rows and combine backward), eight under full
@@ -113,6 +114,7 @@ def test_a_shared_expert_is_split_over_tp_and_a_pooled_router_loss_is_planned_un
     assert _rule(_record(tp=2, dp=4, ep=2), dense, 4096, 64, Hardware()) == "ep=2 without experts"
 
 
+@pytest.mark.slow  # the planner's probes: outside the fast lane
 def test_the_planner_searches_ep_and_prices_its_all_to_all(qwen3_moe):
     records = plan(qwen3_moe, 16, 4096, 64, hardware=Hardware(), calibrate=False, micro_batches=(1,))
     feasible = [r for r in records if r.feasible]
@@ -165,6 +167,7 @@ def test_a_mixture_s_layer_is_measured_and_a_rank_of_ep_keeps_its_own_experts_au
     assert full.check_error < 0.01
 
 
+@pytest.mark.slow  # the planner's probes: outside the fast lane
 def test_one_cache_of_probes_serves_two_models_without_mixing_their_fits():
     from lightning_seqpar.plan import predict
 

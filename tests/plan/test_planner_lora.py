@@ -39,6 +39,7 @@ def _records(tmp_path, capsys, *flags):
 TENSORS = 32 * 9 + 3  # a layer's 7 projections and 2 norms; the embedding, the final norm, the head
 
 
+@pytest.mark.slow  # the planner's probes: outside the fast lane
 @pytest.mark.parametrize("flags, total, trained, tensors", [
     (("--lora", "16"), BASE + LORA_16, LORA_16, 32 * 7 * 2),  # an A and a B per adapted projection
     (("--frozen", "embed_tokens", "lm_head"), BASE, BASE - EMBEDDINGS, TENSORS - 2),
@@ -50,6 +51,7 @@ def test_the_command_line_prices_the_trained_elements_only(tmp_path, capsys, fla
     assert record["bytes"]["optimizer"] == 8 * trained + 4 * tensors
 
 
+@pytest.mark.slow  # the planner's probes: outside the fast lane
 def test_the_header_says_what_is_trained(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps(LLAMA3_8B))
     main([str(tmp_path), "--gpus", "8", "--seq-len", "4096", "--global-batch", "32", "--analytic", "--cp", "1",
@@ -140,6 +142,7 @@ def test_the_probes_train_the_model_as_the_run_does():
         assert trained == expected != set()
 
 
+@pytest.mark.slow  # the planner's probes: outside the fast lane
 def test_a_frozen_base_keeps_less_and_its_fit_stays_exact():
     # A frozen projection keeps no input for a weight gradient: the LoRA layer keeps less than the trained one, and
     # an adapter's [b, s, r] rows (r fixed) are a b·s term, so the fit still predicts a size no probe used.
