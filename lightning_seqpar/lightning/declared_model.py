@@ -34,17 +34,20 @@ def model_for_checks(module: Any, sharded_context: Callable[[], ContextManager[N
     (the strategy's meta-device context) from :meth:`DeclaresModel.declared_model`, or from ``configure_model`` on a
     copy of ``module``; ``None`` when that cannot run before the ranks start (the ranks check it). ``module`` is left
     as it was."""
+    from lightning.pytorch import LightningModule
     from lightning.pytorch.utilities.model_helpers import is_overridden
 
-    if not isinstance(module, nn.Module) or not is_overridden("configure_model", module):
-        return module if isinstance(module, nn.Module) else None
+    if not isinstance(module, nn.Module):
+        return None
+    if not isinstance(module, LightningModule) or not is_overridden("configure_model", module):
+        return module  # built in __init__
     if isinstance(module, DeclaresModel):
         with sharded_context():
             return module.declared_model()
-    candidate = copy.deepcopy(module)
     try:
+        candidate = copy.deepcopy(module)
         with sharded_context():
             candidate.configure_model()
-    except Exception:  # noqa: BLE001 - e.g. it reads self.trainer: the ranks build and check it, as before
+    except Exception:  # noqa: BLE001 - e.g. it reads self.trainer, or holds what cannot be copied: the ranks check it
         return None
     return candidate
