@@ -52,13 +52,16 @@ class GlobalOrderSampler(DistributedSampler):
         return torch.randperm(self.size, generator=generator).tolist()
 
     def __iter__(self) -> Iterator[int]:
-        start = self._resume_at if self._resume_epoch == self.epoch else 0
-        rest = self.order(self.epoch)[start:]
+        # The first pass after a resume continues the saved epoch's order from its sample, whatever epoch Lightning
+        # counts (a checkpoint written at the end of a max_steps run counts its epoch as finished); then fresh epochs.
+        epoch, start = (self._resume_epoch, self._resume_at) if self._resume_epoch >= 0 else (self.epoch, 0)
+        self._resume_epoch, self._resume_at = -1, 0
+        rest = self.order(epoch)[start:]
         if not rest:
             return
         padding = -len(rest) % self.num_replicas  # wrap around so every rank yields as many (DistributedSampler)
         rest += (rest * (padding // len(rest) + 1))[:padding]
-        self._epoch_started, self._started_at, self._yielded = self.epoch, start, 0
+        self._epoch_started, self._started_at, self._yielded = epoch, start, 0
         for index in rest[self.rank::self.num_replicas]:
             self._yielded += 1
             yield index

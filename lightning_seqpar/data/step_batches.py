@@ -64,13 +64,18 @@ class StepSampler(DistributedSampler):
         return self.micro_batches
 
     def __iter__(self) -> Iterator[tuple[int, int, int]]:
-        offset = self._resume_at if self._resume_epoch == self.epoch else 0
-        steps = (self.rows - offset) // self.global_batch  # an incomplete last step is dropped
-        micro = steps * (self.global_batch // self.micro_rows)
-        self._epoch_started, self._started_at, self._yielded = self.epoch, offset, 0
+        # The first pass after a resume continues the saved epoch's order from its row, whatever epoch Lightning
+        # counts (a checkpoint written at the end of a max_steps run counts its epoch as finished); then fresh epochs.
+        epoch, offset = (self._resume_epoch, self._resume_at) if self._resume_epoch >= 0 else (self.epoch, 0)
+        self._resume_epoch, self._resume_at = -1, 0
+        # From the start, the batches' own count (a loader that covers every row wraps its last step); a resumed
+        # pass: the whole steps left after the restored row (an incomplete last one is dropped).
+        micro = self.micro_batches if offset == 0 else (
+            (self.rows - offset) // self.global_batch * (self.global_batch // self.micro_rows))
+        self._epoch_started, self._started_at, self._yielded = epoch, offset, 0
         for k in range(micro):
             self._yielded += 1
-            yield self.epoch, k, offset
+            yield epoch, k, offset
 
     def state_dict(self) -> dict[str, Any]:
         """``{"epoch", "global_row", "seed", "rows", "global_batch"}``: the rows of the epoch consumed by every rank."""
