@@ -53,16 +53,6 @@ def _rank(data: str, tokenizer: str, rank: int, queue: mp.Queue) -> None:
                resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024))
 
 
-def _in_fresh_process(target, *args):
-    ctx = mp.get_context("spawn")  # a fresh process: its peak memory is this measurement's alone
-    queue = ctx.Queue()
-    process = ctx.Process(target=target, args=(*args, queue))
-    process.start()
-    result = queue.get()
-    process.join()
-    return result
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mb", type=float, nargs="*", default=[25.0, 100.0, 1000.0], help="chat file sizes, MB")
@@ -72,11 +62,12 @@ def main() -> None:
 
     require_extra("hf", "recipes/benchmark_sft_memory.py (a Hugging Face tokenizer)")  # said before any process starts
     from lightning_seqpar.data.finetune_datamodule import FineTuneDataModule
-    from recipes.benchmark_sft_prepare import make_chat_file, make_tokenizer
+    from recipes.benchmark_sft_prepare import in_fresh_process, make_chat_file, make_tokenizer
 
     root = Path(args.dir)
     root.mkdir(parents=True, exist_ok=True)
-    table = Table(title=f"Fine-tuning data per training rank ({RANKS} ranks, {BATCHES} micro-batches of 4 × 512 tokens)")
+    title = f"Fine-tuning data per training rank ({RANKS} ranks, {BATCHES} micro-batches of 4 × 512 tokens)"
+    table = Table(title=title)
     for column in ("file MB", "records", "rows", "rank", "peak anonymous MiB", "peak RSS MiB (mapped cache included)"):
         table.add_column(column, justify="right")
     tokenizer = root / "tokenizer"
@@ -86,7 +77,7 @@ def main() -> None:
         make_tokenizer(tokenizer, data)
         FineTuneDataModule(str(data), str(tokenizer), progress=False).prepare_cache()  # once, before the ranks
         for rank in range(RANKS):
-            records, rows, anonymous, resident = _in_fresh_process(_rank, str(data), str(tokenizer), rank)
+            records, rows, anonymous, resident = in_fresh_process(_rank, str(data), str(tokenizer), rank)
             table.add_row(f"{data.stat().st_size / 1e6:.0f}", f"{records:,}", f"{rows:,}", str(rank),
                           f"{anonymous:.0f}", f"{resident:.0f}")
     Console(width=140).print(table)

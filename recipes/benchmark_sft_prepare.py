@@ -147,7 +147,8 @@ def _tokenizer_alone(data: str, tokenizer: str, megabytes: float, queue: mp.Queu
     queue.put((seconds, len(texts), tokens, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, read))
 
 
-def _run(target, *args):
+def in_fresh_process(target, *args):
+    """``target(*args, queue)`` in a new (spawned) process: what it puts on the queue."""
     ctx = mp.get_context("spawn")  # a fresh process: its peak memory is this measurement's alone
     queue = ctx.Queue()
     process = ctx.Process(target=target, args=(*args, queue))
@@ -173,10 +174,10 @@ def main() -> None:
     make_tokenizer(root / "tokenizer", data)
     size = data.stat().st_size
     with tempfile.TemporaryDirectory() as cache_dir:
-        seconds, records, tokens, peak = _run(_streaming, str(data), str(root / "tokenizer"), cache_dir)
-    old_seconds, old_records, old_tokens, old_peak, old_read = _run(_record_at_a_time, str(data),
-                                                                    str(root / "tokenizer"), args.sample_mb)
-    ceiling = _run(_tokenizer_alone, str(data), str(root / "tokenizer"), args.sample_mb)
+        seconds, records, tokens, peak = in_fresh_process(_streaming, str(data), str(root / "tokenizer"), cache_dir)
+    old_seconds, old_records, old_tokens, old_peak, old_read = in_fresh_process(
+        _record_at_a_time, str(data), str(root / "tokenizer"), args.sample_mb)
+    ceiling = in_fresh_process(_tokenizer_alone, str(data), str(root / "tokenizer"), args.sample_mb)
     table = Table(title=f"Preparing {data.name} on one core (ChatML template, byte-level BPE of 8 192 ids)")
     for column in ("path", "MB read", "records", "tokens", "seconds", "MB/s", "peak RSS MB"):
         table.add_column(column, justify="right")

@@ -11,7 +11,8 @@ being the losses averaged into one step's gradient (:func:`~lightning_seqpar.lig
 Order: each epoch a permutation of the rows seeded by ``seed + epoch`` (the same on every rank; Lightning calls
 :meth:`StepSampler.set_epoch`); step j takes the next ``d · a · b`` rows (``d`` data-parallel ranks, ``a`` accumulated
 micro-batches of ``b`` rows), micro-batch ``m`` of rank ``q`` the ``b`` rows at ``((j·a + m)·d + q)·b``; an incomplete
-last step is dropped. A resumed epoch counts its steps from the global row the checkpoint's run had reached
+last step is dropped. A resumed epoch counts its steps from the global row the checkpoint's run had
+reached
 (:class:`StepSampler`), whatever d, a and b were then.
 """
 

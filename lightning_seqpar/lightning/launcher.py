@@ -19,9 +19,9 @@ from lightning_seqpar.lightning._compat import MultiProcessingLauncher, Subproce
 
 
 class _ChecksFirst:
-    """A launcher that runs ``check(strategy, module, trainer, rank_zero)`` in the launching process before it starts any
-    rank (set by :func:`configure_launcher`; ``rank_zero``: the launching process goes on as rank 0): a layout error is
-    raised once, before the ranks exist."""
+    """A launcher that runs ``check(strategy, module, trainer, rank_zero)`` in the launching process before it starts
+    any rank (set by :func:`configure_launcher`; ``rank_zero``: the launching process goes on as rank 0): a layout
+    error is raised once, before the ranks exist."""
 
     check: Optional[Callable[[Any, Any, Any, bool], None]] = None
     checked_strategy: Any = None
@@ -120,8 +120,8 @@ def configure_launcher(strategy: Any, environment: ClusterEnvironment, start_met
                        check: Optional[Callable[[Any, Any, Any, bool], None]] = None) -> Optional[Any]:
     """The launcher of ``strategy``: none when the cluster starts the processes (torchrun, SLURM, or this is a rank
     the popen launcher started: it then ends with its launcher), :class:`SeqParallelPopenLauncher` or
-    :class:`SeqParallelSpawnLauncher`, which run ``check(strategy, module, trainer, rank_zero)`` before starting any rank
-    (``rank_zero``: the launching process goes on as rank 0)."""
+    :class:`SeqParallelSpawnLauncher`, which run ``check(strategy, module, trainer, rank_zero)`` before starting any
+    rank (``rank_zero``: the launching process goes on as rank 0)."""
     if environment.creates_processes_externally:
         end_with_launcher()
         return None

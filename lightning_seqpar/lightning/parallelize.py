@@ -141,8 +141,8 @@ def check_before_start(strategy: Any, module: Any, trainer: Any = None, rank_zer
     if module is None:  # its configure_model needs what only a rank has: the ranks check it
         return
     group = ParallelGroup.virtual(parallel.tp)
-    virtual = {name: ParallelGroup.virtual(size) for name, size in (("expert_group", parallel.ep),
-                                                                     ("expert_tp_group", parallel.expert_tp)) if size > 1}
+    sizes = {"expert_group": parallel.ep, "expert_tp_group": parallel.expert_tp}
+    virtual = {name: ParallelGroup.virtual(size) for name, size in sizes.items() if size > 1}
     plan_rewrite(module, RewriteContext(group, parallel.sequence_parallel, None, parallel.loss_parallel,
                                         dispatch=parallel.moe, **virtual), strategy.policies, verify=False)
     if strategy.compile_config is not None and parallel.moe.capacity_factor is None and _holds_mixture(module):

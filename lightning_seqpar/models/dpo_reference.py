@@ -10,8 +10,8 @@ every pair once, and gathers the values on every rank.
 
 The cache (:func:`write_reference`, :func:`read_reference`) is one JSON file, published atomically: ``version``, the
 ``identity`` it was made for (the model directory's config and weight files by size and content digest, SHA-256,
-never by modification time; the data file likewise; the tokenizer, chat template, ``block_size``, ``overflow`` and ``val_fraction``; packed rows under
-``overflow="truncate"``, which cut a long pair otherwise), the values per split
+never by modification time; the data file likewise; the tokenizer, chat template, ``block_size``, ``overflow`` and
+``val_fraction``; packed rows under ``overflow="truncate"``, which cut a long pair otherwise), the values per split
 (``[pairs, 2]``: chosen, rejected; float64 written by ``repr``, read back bit for bit) and the SHA-256 of the values.
 A cache made for another identity, or whose digest does not match, is refused by name (the recipe then computes
 the values again); it never feeds training silently.
