@@ -4,9 +4,9 @@ refused when the directory or its files are not the same.
 
 The record (``FrozenBase``): the directory's absolute path, each weight file's name, size and modification time, the
 SHA-256 of each file's content, and the frozen state-dict keys. Size and time alone would accept other weights of the
-same shapes written with the old time (or one flipped byte), so a resume compares content: each rank hashes the
-base's weight files once when its first checkpoint is written and once when it resumes (one sequential read of the
-files, about 1 s per 2 GB on one core; the ranks of a node read them from the page cache the load filled). A record
+same shapes written with the old time (or one flipped byte), so a resume compares content: the base's weight files are
+hashed once per run, when the first checkpoint is written or when the run resumes, each file by one rank
+(:func:`~.content.spread_digests`: the files of an 8-file base on 8 ranks take one file's time). A record
 written before digests existed is compared by size and time. A resume whose model reads its frozen weights from the same files (the
 LightningModule calls ``load_single_device_state_dict(DIR)`` in ``configure_model`` whether resuming or not) loads the
 trainable tensors from the checkpoint and nothing else.
@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 import torch.nn as nn
 
-from lightning_seqpar.checkpoint.atomic import file_digest
+from lightning_seqpar.checkpoint.content import spread_digests
 
 @dataclass(frozen=True)
 class FrozenBase:
@@ -47,11 +47,14 @@ class FrozenBase:
         params = dict(module.named_parameters(remove_duplicate=False))
         return replace(self, keys=sorted(k for k in module.state_dict(keep_vars=True) if id(params.get(k)) in frozen))
 
-    def with_digests(self) -> "FrozenBase":
-        """This record with each file's content digest (computed here unless already held)."""
+    def with_digests(self, group: Optional[Any] = None) -> "FrozenBase":
+        """This record with each file's content digest, unless already held: collective over ``group`` (the default
+        group when ``None``), each file hashed by one of its ranks (:func:`~.content.spread_digests`)."""
         if self.digests:
             return self
-        return replace(self, digests={name: file_digest(Path(self.directory) / name) for name in sorted(self.files)})
+        names = sorted(self.files)
+        digests = spread_digests([Path(self.directory) / name for name in names], group)
+        return replace(self, digests={name: digests[str((Path(self.directory) / name).resolve())] for name in names})
 
     def as_record(self) -> dict[str, Any]:
         return asdict(self)

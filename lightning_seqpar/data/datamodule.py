@@ -12,9 +12,10 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_seqpar.checkpoint.content import spread_digests
 from lightning_seqpar.data.blocks import BlockDataset, TokenSource
 from lightning_seqpar.data.cache import cache_path, ensure_token_cache, tokenize_documents, wait_for_token_cache
-from lightning_seqpar.data.corpus import Piece, builtin_corpus
+from lightning_seqpar.data.corpus import Piece, builtin_corpus, corpus_files
 from lightning_seqpar.data.global_order import GlobalOrderSampler
 from lightning_seqpar.data.step_batches import loader_place
 from lightning_seqpar.data.token_file import body_damage, first_at_or_above, largest_id, open_bin, read_header
@@ -172,6 +173,8 @@ class TextDataModule(pl.LightningDataModule):
             self.max_id = int(ids.max())
             return TokenSource(kind="memory", array=ids.astype(np.int32))
         assert self.tokenizer is not None and self.path is not None
+        if self.trainer is not None:  # each file of the corpus hashed by one rank, for the cache's identity
+            spread_digests(corpus_files(self.path))
         if self.trainer is None or self.trainer.local_rank == 0:
             path = ensure_token_cache(self.path, self.tokenizer, self.cache_dir, self.text_field)
         else:  # not Lightning's prepare_data: its barrier never times out, so a stalled rank would hang the job

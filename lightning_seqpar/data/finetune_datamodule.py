@@ -11,7 +11,7 @@ from typing import Any, Optional, Union
 import lightning.pytorch as pl
 from torch.utils.data import DataLoader
 
-from lightning_seqpar.checkpoint.content import content_digest
+from lightning_seqpar.checkpoint.content import content_digest, spread_digests
 from lightning_seqpar.data.cached_rows import CachedRows
 from lightning_seqpar.data.packing import OVERFLOW
 from lightning_seqpar.data.step_batches import StepBatches, loader_place
@@ -136,6 +136,8 @@ class FineTuneDataModule(pl.LightningDataModule):
                                  f"template {made['chat_template'] or 'none'}; this run's are {ours['tokenizer']} and "
                                  f"{ours['chat_template'] or 'none'}. Give the .jsonl file to prepare it again.")
             return cache
+        if self.trainer is not None:  # hashed by one rank for the cache's identity, the digest sent to the others
+            spread_digests([self.path])
         if self.trainer is None or self.trainer.local_rank == 0:
             self.prepare_cache()
         else:

@@ -150,10 +150,20 @@ class Checkpointer:
         if self.frozen_base is None or self.module is None:
             return None
         record = self.frozen_base.with_keys(self.module)
-        if not record.keys:
-            return None
-        self.frozen_base = self.frozen_base.with_digests()  # hashed once per run, when the first checkpoint needs it
-        return replace(record, digests=self.frozen_base.digests)
+        if not self.frozen_base.digests and self._any_rank(bool(record.keys)):
+            # hashed once per run, when the first checkpoint needs it, by every rank together (a pipeline stage may
+            # hold no frozen weight and still takes its share of the files)
+            self.frozen_base = self.frozen_base.with_digests()
+        return replace(record, digests=self.frozen_base.digests) if record.keys else None
+
+    @staticmethod
+    def _any_rank(flag: bool) -> bool:
+        """Whether ``flag`` holds on any rank (collective when distributed)."""
+        if not dist.is_available() or not dist.is_initialized():
+            return flag
+        flags: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(flags, flag)
+        return any(flags)
 
     def full_state_dict(self) -> dict[str, Any]:
         """The single-device state dict of the trained model (same keys and shapes as before the rewrite),

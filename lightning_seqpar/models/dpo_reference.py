@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_seqpar.checkpoint.atomic import publish, temporary_path
-from lightning_seqpar.checkpoint.content import content_digest
+from lightning_seqpar.checkpoint.content import content_digest, spread_digests
 from lightning_seqpar.data.supervised import template_identity
 
 log = logging.getLogger(__name__)
@@ -114,6 +114,7 @@ def reference_identity(pretrained: str, data: Any) -> dict:
     """What the values depend on (see the module docstring): a cache made for another identity is not read."""
     model = Path(pretrained)
     files = sorted(p for p in model.iterdir() if p.name == "config.json" or p.suffix == ".safetensors")
+    spread_digests([*files, data.path])  # each file hashed by one rank once the ranks are connected (every rank calls)
     identity = {"model": [_file_identity(p) for p in files], "data": _file_identity(data.path),
                 "tokenizer": data.tokenizer.identity, "chat_template": template_identity(data.tokenizer),
                 "block_size": data.block_size, "overflow": data.overflow, "val_fraction": data.val_fraction}
