@@ -12,7 +12,6 @@ generation files, and publishes the directory atomically.
 from __future__ import annotations
 
 import os
-import re
 import shutil
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
@@ -32,25 +31,19 @@ from lightning_seqpar.hf.checkpoint_keys import ExpertPiece
 from lightning_seqpar.parallel.mesh import ParallelMesh
 from lightning_seqpar.parallel.placement import REPLICA_GROUPS, SHARD_GROUPS, placement_of
 from lightning_seqpar.tensor_parallel.sharding import ShardSpec, full_shape, shard_spec
+from lightning_seqpar.sizes import parse_bytes
 from lightning_seqpar.transformer.materialize import release_freed_memory
 
 _BLOCK_BYTES = 16 * 2**20
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20,
-          "GIB": 2**30, "TIB": 2**40}
 
 
 def parse_size(size: Union[int, str]) -> int:
-    """Bytes from ``5_000_000`` or ``"5GB"`` (powers of ten, as ``save_pretrained``'s ``max_shard_size``) / ``"4GiB"``.
+    """Bytes of ``max_shard_size`` (:func:`~lightning_seqpar.sizes.parse_bytes`: ``5_000_000``, ``"5GB"``, ``"4GiB"``).
 
     Raises:
         ValueError: anything else, naming the value.
     """
-    if isinstance(size, int) and size > 0:
-        return size
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*", str(size).upper())
-    if match is None or match.group(2) not in _UNITS or float(match.group(1)) <= 0:
-        raise ValueError(f"max_shard_size={size!r} is not a size: give bytes (an int) or e.g. '5GB', '500MB', '4GiB'.")
-    return int(float(match.group(1)) * _UNITS[match.group(2)])
+    return parse_bytes(size, "max_shard_size", unitless_from=1)  # documented in bytes
 
 
 def unsharded_pieces(shards: list[Tensor], spec: ShardSpec) -> Iterator[Tensor]:

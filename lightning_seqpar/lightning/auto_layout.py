@@ -27,6 +27,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_seqpar.pipeline_parallel.schedules import SEARCHED_SCHEDULES, SPLIT_BACKWARD
+from lightning_seqpar.sizes import parse_bytes
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,8 @@ class AutoLayout:
     Attributes:
         seq_len: s, tokens per sequence of the training batches.
         batch_size: sequences per data-parallel rank and optimizer step (the train loader's ``batch_size``).
-        memory_budget: bytes of one device's memory; ``None``: the CUDA device's total (required on CPU).
+        memory_budget: one device's memory: bytes, or a size as written (``"80GB"``, ``"24GiB"``,
+            :func:`~lightning_seqpar.sizes.parse_bytes`); ``None``: the CUDA device's total (required on CPU).
         headroom: the fraction of ``memory_budget`` a layout's most loaded rank may fill (Fujii et al.: 0.8).
         micro_batches: micro-batch sizes the pipeline may use (each must divide ``batch_size``).
         calibration: a file ``python -m lightning_seqpar.plan calibrate --out FILE`` wrote on this kind of machine:
@@ -58,13 +60,14 @@ class AutoLayout:
             ``loss_chunk`` only. The reference GPT's loss computes its logits whole whatever it says.
 
     Raises:
-        ValueError: a size below 1, a headroom outside (0, 1], a context-parallel size below 1, an unknown
-            ``cp_comm`` or schedule, or a calibration file that is missing or damaged.
+        ValueError: a size below 1, a ``memory_budget`` that is not a size (or a number without a unit below 1 MiB),
+            a headroom outside (0, 1], a context-parallel size below 1, an unknown ``cp_comm`` or schedule, or a
+            calibration file that is missing or damaged.
     """
 
     seq_len: int
     batch_size: int
-    memory_budget: Optional[float] = None
+    memory_budget: Union[float, str, None] = None
     headroom: float = 0.8
     micro_batches: tuple[int, ...] = (1, 2, 4)
     calibration: Optional[str] = None
@@ -75,6 +78,8 @@ class AutoLayout:
     loss_chunks: Optional[tuple[Optional[int], ...]] = None
 
     def __post_init__(self) -> None:
+        if self.memory_budget is not None:  # "80GB", "24GiB", 24e9 (a unitless number below 1 MiB is refused)
+            object.__setattr__(self, "memory_budget", float(parse_bytes(self.memory_budget, "memory_budget")))
         if self.seq_len < 1 or self.batch_size < 1:
             raise ValueError(f"AutoLayout needs seq_len >= 1 and batch_size >= 1, got {self.seq_len}, {self.batch_size}.")
         if not 0 < self.headroom <= 1:

@@ -23,7 +23,6 @@ import sys
 from collections import defaultdict
 from typing import Any, Callable, Optional, Sequence
 
-from lightning_seqpar.checkpoint.hf_export import parse_size
 from lightning_seqpar.checkpoint.peft_adapter import LORA_TARGETS
 from lightning_seqpar.pipeline_parallel.schedules import SEARCHED_SCHEDULES, SPLIT_BACKWARD
 from lightning_seqpar.plan.calibration import StepCalibration
@@ -31,6 +30,7 @@ from lightning_seqpar.plan.cost import Hardware
 from lightning_seqpar.plan.memory_choices import describe
 from lightning_seqpar.plan.models import load_model_config, model_inventory
 from lightning_seqpar.plan.planner import LayoutRecord, plan
+from lightning_seqpar.sizes import parse_bytes
 
 GB = 1e9
 MAX_GPUS = 1 << 20
@@ -236,9 +236,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args.cp = tuple(args.cp) if args.cp else None
     if not 0 < args.headroom <= 1 or not 0 < args.efficiency <= 1:
         parser.error(f"--headroom {args.headroom:g} and --efficiency {args.efficiency:g} are fractions in (0, 1].")
-    memory = float(parse_size(args.gpu_memory)) if args.gpu_memory else None
-    if memory is not None and memory <= 0:
-        parser.error(f"--gpu-memory {args.gpu_memory}: a positive size, e.g. 80GB.")
+    try:
+        memory = float(parse_bytes(args.gpu_memory, "--gpu-memory")) if args.gpu_memory else None
+    except ValueError as error:
+        parser.error(str(error))
     try:
         calibration = StepCalibration.load(args.calibration) if args.calibration else None
     except ValueError as error:

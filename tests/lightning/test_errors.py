@@ -199,7 +199,7 @@ def test_a_budget_no_layout_fits_is_refused_once_before_any_rank_starts(tmp_path
     from lightning_seqpar.lightning.auto_layout import AutoLayout
     from tests.helpers.models import SEQ, build, loader, token_data
 
-    strategy = SeqParallelStrategy(layout=AutoLayout(seq_len=SEQ, batch_size=2, memory_budget=1e3),
+    strategy = SeqParallelStrategy(layout=AutoLayout(seq_len=SEQ, batch_size=2, memory_budget="1KB"),
                                    start_method="popen")
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False, default_root_dir=tmp_path,
                          precision="32-true")
