@@ -42,3 +42,25 @@ def test_the_reference_gpt_s_mixture_as_published_splits_its_experts(capsys):
     assert module.gpt.config.output_router_logits  # the load-balancing loss is in the training loss
     plan = str(explain(module, tp=2, ep=2))
     assert "MLPs: 8 experts (mlp.experts) → 4 per rank over ep=2" in plan
+
+
+def test_strategy_auto_takes_every_layout_key_the_other_groups_take():
+    import pytest
+
+    from lightning_seqpar.lightning.auto_layout import AutoLayout
+
+    keys = lambda name: set(OmegaConf.load(CONF / "strategy" / f"{name}.yaml"))
+    chosen = {"num_microbatches", "schedule", "virtual_stages", "pipeline_split", "sequence_parallel", "loss_parallel",
+              "cp_comm"}  # the planner's, bounded under layout.* (schedules, micro_batches, cp_comm)
+    assert keys("pp2_tp2") - chosen <= keys("auto")
+    with initialize_config_dir(str(CONF), version_base=None):
+        cfg = compose("config", overrides=["model=qwen3_moe_tiny", "strategy=auto", "strategy.ep=2",
+                                           "strategy.expert_tp=1", "strategy.zero=1", "strategy.layout.memory_budget=2GB",
+                                           "strategy.layout.schedules=[ZB-V]"])
+        strategy = SeqParallelStrategy(**OmegaConf.to_container(cfg.strategy, resolve=True))
+        assert isinstance(strategy.auto, AutoLayout) and strategy.auto.memory_budget == 2e9
+        assert strategy.auto.schedules == ("ZB-V",) and strategy.auto.micro_batches == (1, 2, 4)
+        assert (strategy.parallel.ep, strategy.data_parallel.zero) == (2, 1)
+        cfg = compose("config", overrides=["strategy=auto", "strategy.tp=2"])
+    with pytest.raises(ValueError, match=r"chooses tp and pp; got tp=2, pp=1 as well: leave them out"):
+        SeqParallelStrategy(**OmegaConf.to_container(cfg.strategy, resolve=True))
