@@ -43,7 +43,7 @@ def parse_size(size: Union[int, str]) -> int:
     Raises:
         ValueError: anything else, naming the value.
     """
-    return parse_bytes(size, "max_shard_size", unitless_from=1)  # documented in bytes
+    return parse_bytes(size, "max_shard_size")
 
 
 def unsharded_pieces(shards: list[Tensor], spec: ShardSpec) -> Iterator[Tensor]:

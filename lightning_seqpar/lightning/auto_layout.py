@@ -60,7 +60,7 @@ class AutoLayout:
             ``loss_chunk`` only. The reference GPT's loss computes its logits whole whatever it says.
 
     Raises:
-        ValueError: a size below 1, a ``memory_budget`` that is not a size (or a number without a unit below 1 MiB),
+        ValueError: a size below 1, a ``memory_budget`` that is not a size (or text without a unit below 1 MiB),
             a headroom outside (0, 1], a context-parallel size below 1, an unknown ``cp_comm`` or schedule, or a
             calibration file that is missing or damaged.
     """
@@ -78,7 +78,7 @@ class AutoLayout:
     loss_chunks: Optional[tuple[Optional[int], ...]] = None
 
     def __post_init__(self) -> None:
-        if self.memory_budget is not None:  # "80GB", "24GiB", 24e9 (a unitless number below 1 MiB is refused)
+        if self.memory_budget is not None:  # "80GB", "24GiB", 24e9 (unitless text below 1 MiB is refused)
             object.__setattr__(self, "memory_budget", float(parse_bytes(self.memory_budget, "memory_budget")))
         if self.seq_len < 1 or self.batch_size < 1:
             raise ValueError(f"AutoLayout needs seq_len >= 1 and batch_size >= 1, got {self.seq_len}, {self.batch_size}.")

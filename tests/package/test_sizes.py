@@ -18,7 +18,7 @@ def test_sizes_as_users_write_them(value, expected):
 
 @pytest.mark.parametrize("value, message", [
     ("24", r"memory='24' has no unit and would be 24 bytes: give a unit, e.g. memory=24GB"),
-    (24, r"memory=24 has no unit and would be 24 bytes"),
+    ("1000", r"memory='1000' has no unit and would be 1000 bytes"),
     ("24 parsecs", r"unknown unit 'parsecs'"), ("lots", r"'lots' is not a size"), ("0GB", r"not a positive size"),
     (True, r"True is not a size")])
 def test_what_is_not_a_size_is_refused_naming_the_value_and_the_unit(value, message):
@@ -26,9 +26,10 @@ def test_what_is_not_a_size_is_refused_naming_the_value_and_the_unit(value, mess
         parse_bytes(value, "memory")
 
 
-def test_an_api_documented_in_bytes_takes_small_numbers():
+def test_a_python_number_is_bytes_as_the_apis_document():
     from lightning_seqpar.checkpoint.hf_export import parse_size
 
+    assert parse_bytes(24, "memory") == 24 and parse_bytes(52345.6, "memory") == 52346
     assert parse_size(1234) == 1234 and parse_size("5GB") == 5 * 10**9
 
 
@@ -37,8 +38,8 @@ def test_auto_layout_reads_a_size_and_refuses_a_bare_small_number():
 
     assert AutoLayout(seq_len=8, batch_size=1, memory_budget="24GiB").memory_budget == 24 * 2**30
     assert AutoLayout(seq_len=8, batch_size=1, memory_budget=2e7).memory_budget == 2e7
-    with pytest.raises(ValueError, match=r"memory_budget=24 has no unit"):
-        AutoLayout(seq_len=8, batch_size=1, memory_budget=24)
+    with pytest.raises(ValueError, match=r"memory_budget='24' has no unit"):
+        AutoLayout(seq_len=8, batch_size=1, memory_budget="24")
 
 
 @pytest.mark.parametrize("written", ["24G", "24e9", "24"])
