@@ -11,7 +11,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "lightning_seqpar"
 # Lowest first. A module may import from its own layer and the layers below, never from one above.
 LAYERS = [
     ("foundation: process groups and the mesh, RNG streams, the memory/FLOPs model, torch's private names, which "
-     "optional extras are installed", {"_compat", "parallel", "memory", "extras"}),
+     "optional extras are installed, sizes as users write them", {"_compat", "parallel", "memory", "extras", "sizes"}),
     ("tensor-parallel layers, operators and sharding; context-parallel attention; expert dispatch and experts",
      {"tensor_parallel", "context_parallel", "moe"}),
     ("the parallel transformer layer, its declaration, masks and roles", {"transformer"}),
