@@ -15,6 +15,8 @@ takes (a rank that waits out a default timeout of minutes): no test needs the ma
 
 import json
 import os
+import shutil
+import tempfile
 from collections import defaultdict
 from pathlib import Path
 
@@ -63,6 +65,10 @@ class _FileDurations:
 def pytest_configure(config: pytest.Config) -> None:
     if config.getoption("store_durations") and not hasattr(config, "workerinput"):  # a worker has workerinput
         config.pluginmanager.register(_FileDurations(), "file-durations")
+    # the planner's command line keeps its probes' fits on disk: in the run's own directory, not the user's cache
+    cache = tempfile.mkdtemp(prefix="lightning_seqpar_cache_")
+    os.environ["LIGHTNING_SEQPAR_CACHE"] = cache
+    config.add_cleanup(lambda: shutil.rmtree(cache, ignore_errors=True))
 
 
 @pytest.fixture(autouse=True)

@@ -20,13 +20,16 @@ import argparse
 import json
 import re
 import sys
+import time
 from collections import defaultdict
+from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from lightning_seqpar.checkpoint.peft_adapter import LORA_TARGETS
 from lightning_seqpar.pipeline_parallel.schedules import SEARCHED_SCHEDULES, SPLIT_BACKWARD
 from lightning_seqpar.plan.calibration import StepCalibration
 from lightning_seqpar.plan.cost import Hardware
+from lightning_seqpar.plan.fit_cache import FitCache, default_cache_directory
 from lightning_seqpar.plan.memory_choices import describe
 from lightning_seqpar.plan.models import load_model_config, model_inventory
 from lightning_seqpar.plan.planner import LayoutRecord, plan
@@ -130,41 +133,62 @@ def table(records: list[LayoutRecord], hardware: Hardware, top: int, verbose: bo
     return "\n".join(lines)
 
 
-def what_would_fit(records: list[LayoutRecord], inventory: Any, args: argparse.Namespace, hardware: Hardware) -> str:
-    """When no layout fits: the GPU memory the smallest layout needs, and the options that would fit (a shorter
-    sequence, the fused attention kernel), each planned; LoRA's saving as an estimate."""
-    lines = ["\nNo layout fits. What would:"]
+def what_would_fit(records: list[LayoutRecord], inventory: Any, args: argparse.Namespace, hardware: Hardware,
+                   fits: Any = None) -> str:
+    """When no layout fits: the GPU memory the smallest layout needs, then each change of the question that would
+    fit, planned again (its best layout and bytes): more GPUs, ``bf16-true`` (float32 main params under zero 1),
+    LoRA, recomputation by module and activation offload (``--memory-choices``), the fused attention kernel, a
+    shorter sequence. A change that does not fit says what its smallest layout needs. ``fits``: the probes' cache
+    the question used (each change probes only what it changes)."""
     memory = sorted((r for r in records if not r.feasible and r.bytes), key=lambda r: r.bytes["total"])
     if not memory:
         return "\nNo layout passes the rules above: change the GPU count, the batch or the sequence length they name."
     least = memory[0]
-    lines.append(f"- GPUs of at least {least.bytes['total'] / args.headroom / GB:.0f} GB (--gpu-memory; the smallest "
-                 f"layout, {_layout(least)}, needs {least.bytes['total'] / GB:.1f} GB at --headroom {args.headroom:g}), "
-                 f"or more GPUs: the model state divides over them")
-    options = {}
-    if args.attention == "eager":
-        options["--attention sdpa (no s² probabilities kept)"] = dict(attention="sdpa", seq_len=args.seq_len)
-    for shorter in (args.seq_len // 2, args.seq_len // 4, args.seq_len // 8):
-        if shorter >= 1:
-            options[f"--seq-len {shorter}"] = dict(attention=args.attention, seq_len=shorter)
-    for flag, option in options.items():
-        again = plan(model_inventory(args.model, option["seq_len"], option["attention"], args.lora, args.lora_targets,
-                                     args.frozen), args.gpus, option["seq_len"],
-                     args.global_batch, hardware=hardware, precision=args.precision, headroom=args.headroom,
+    lines = ["\nNo layout fits. What would:",
+             f"- GPUs of at least {least.bytes['total'] / args.headroom / GB:.0f} GB (--gpu-memory; the smallest "
+             f"layout, {_layout(least)}, needs {least.bytes['total'] / GB:.1f} GB at --headroom {args.headroom:g})"]
+    fits = {} if fits is None else fits
+    question = dict(gpus=args.gpus, seq_len=args.seq_len, precision=args.precision, lora=args.lora,
+                    memory_choices=args.memory_choices, attention=args.attention)
+
+    def answer(flag: str, **change: Any) -> tuple[bool, str]:
+        asked = dict(question, **change)
+        again = plan(model_inventory(args.model, asked["seq_len"], asked["attention"], asked["lora"],
+                                     args.lora_targets, args.frozen), asked["gpus"], asked["seq_len"],
+                     args.global_batch, hardware=hardware, precision=asked["precision"], headroom=args.headroom,
                      calibrate=not args.analytic, optimizer=args.optimizer, context_parallel=args.cp,
-                     cp_comm=args.cp_comm, schedule=tuple(args.schedule), loss_chunk=tuple(args.loss_chunk))
+                     cp_comm=args.cp_comm, schedule=tuple(args.schedule), loss_chunk=tuple(args.loss_chunk),
+                     memory_choices=asked["memory_choices"], fits=fits)
         best = next((r for r in again if r.feasible), None)
         if best is not None:
-            lines.append(f"- {flag}: {_layout(best)} fits ({best.bytes['total'] / GB:.1f} GB)")
-            if flag.startswith("--seq-len"):
+            return True, f"- {flag}: {_layout(best)} fits ({best.bytes['total'] / GB:.1f} GB)"
+        smallest = min((r for r in again if r.bytes), key=lambda r: r.bytes["total"], default=None)
+        return False, f"- {flag}: does not fit either" + (
+            f" (the smallest, {_layout(smallest)}, needs {smallest.bytes['total'] / GB:.1f} GB)" if smallest else "")
+
+    def first_that_fits(changes: list[tuple[str, dict[str, Any]]]) -> None:
+        """The first of ``changes`` (each larger than the one before) that fits, else the last one's answer."""
+        for flag, change in changes:
+            fits_now, line = answer(flag, **change)
+            if fits_now:
                 break
-        else:
-            lines.append(f"- {flag}: does not fit either")
-    state = least.bytes["gradients"] + least.bytes["main_params"] + least.bytes["optimizer"]
-    if args.lora is None:
-        lines.append(f"- LoRA (the base frozen: no gradients, main params or optimizer state for it): about "
-                     f"{(least.bytes['total'] - state) / GB:.1f} GB for {_layout(least)} (the adapters' own state not "
-                     f"counted: --lora R prices it)")
+        lines.append(line)
+
+    # more GPUs: the model state divides over them (the batch must divide over the data-parallel ones)
+    first_that_fits([(f"--gpus {args.gpus * more}", dict(gpus=args.gpus * more)) for more in (2, 4, 8)])
+    if args.precision != "bf16-true":
+        lines.append(answer("--precision bf16-true (16-bit parameters; float32 main params where zero 1 shards them)",
+                            precision="bf16-true")[1])
+    if args.lora is None and not args.frozen:
+        lines.append(answer("--lora 16 (the base frozen: no gradients, main params or optimizer state for it)",
+                            lora=16)[1])
+    if not args.memory_choices:
+        lines.append(answer("--memory-choices (the MLP recomputed, activations offloaded to host memory)",
+                            memory_choices=True)[1])
+    if args.attention == "eager":
+        lines.append(answer("--attention sdpa (no s² probabilities kept)", attention="sdpa")[1])
+    first_that_fits([(f"--seq-len {shorter}", dict(seq_len=shorter))
+                     for shorter in (args.seq_len // 2, args.seq_len // 4, args.seq_len // 8) if shorter >= 1])
     return "\n".join(lines)
 
 
@@ -232,6 +256,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                              "offloaded to host memory (more probes: slower)")
     parser.add_argument("--analytic", action="store_true",
                         help="activations from Table 2's model instead of probes of the model's layer (faster)")
+    parser.add_argument("--cache", default=None, metavar="DIR",
+                        help=f"where the probes' fits are kept between questions (default: {default_cache_directory()}"
+                             f"; a changed model, library or version probes again)")
+    parser.add_argument("--no-cache", action="store_true", help="probe again, keeping nothing on disk")
+    started = time.perf_counter()
     args = parser.parse_args(argv)
     args.cp = tuple(args.cp) if args.cp else None
     if not 0 < args.headroom <= 1 or not 0 < args.efficiency <= 1:
@@ -254,11 +283,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.lora is None and not args.frozen:
             raise
         parser.error(str(error))
+    fits: Any = {} if args.no_cache else FitCache(Path(args.cache) if args.cache else default_cache_directory())
     records = plan(inventory, args.gpus, args.seq_len, args.global_batch, hardware=hardware,
                    precision=args.precision, headroom=args.headroom, calibrate=not args.analytic,
                    optimizer=args.optimizer, context_parallel=tuple(args.cp) if args.cp else None,
                    cp_comm=args.cp_comm, memory_choices=args.memory_choices, schedule=tuple(args.schedule),
-                   loss_chunk=tuple(args.loss_chunk))
+                   loss_chunk=tuple(args.loss_chunk), fits=fits)
     if args.json:
         json.dump([r.as_dict() for r in records], sys.stdout, indent=1)
         print()
@@ -280,7 +310,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(table(records, hardware, args.top, args.verbose))
     best = next((r for r in records if r.feasible), None)
     if best is None:
-        print(what_would_fit(records, inventory, args, hardware))
+        print(what_would_fit(records, inventory, args, hardware, fits))
     if args.dry_run and best is not None:
         from lightning_seqpar.plan.dry_run import dry_run
 
@@ -292,7 +322,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                             args.precision, ep=best.ep, expert_tp=best.expert_tp)
             print(f"  pipeline rank {rank}: parameters {built.measured:,} bytes built, {built.predicted:,} predicted"
                   f"{'' if built.measured == built.predicted else '  DIFFERENT'}")
+    print(f"\nAnswered in {time.perf_counter() - started:.1f} s{_cache_line(fits)}.")
     return 0
+
+
+def _cache_line(fits: Any) -> str:
+    """How the answer used the probes' cache (nothing without one, or with ``--analytic``)."""
+    if not isinstance(fits, FitCache) or not fits.read + fits.written:
+        return ""
+    return f" ({fits.read} probe fits read from {fits.directory}, {fits.written} probed and kept there)"
 
 
 if __name__ == "__main__":

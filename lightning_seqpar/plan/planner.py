@@ -34,7 +34,7 @@ from lightning_seqpar.plan.memory_choices import (describe, host_traffic, larges
 from lightning_seqpar.plan.moments import backward_moments, chunks_rule
 from lightning_seqpar.plan.pricing import (activation_element_bytes, cached_copy_bytes, elementwise_work,
                                            first_layer_saving, layer_activation_bytes, loss_chunk_positions,
-                                           outside_bytes)
+                                           mlp_kept_bytes, never_negative, outside_bytes)
 from lightning_seqpar.plan.rules import divisors, layout_rule
 from lightning_seqpar.plan.state import OPTIMIZER_STATES, PARAMETER_BYTES, StateBytes, held_entries, stage_layout, state_bytes
 from lightning_seqpar.plan.transients import (
@@ -307,6 +307,7 @@ def _peak_bytes(record: LayoutRecord, inventory: ModelInventory, s: int, precisi
                                              largest_offloaded_share(inventory, local, b, tp, record, element, dropout))
         prefetched = moved * (inventory.num_layers // (pp * vpp) > 1)
     first_saving = first_layer_saving(record, inventory, local, precision, fits)  # kept less by stage 0's first layer
+    mlp_kept = mlp_kept_bytes(record, inventory, local, precision, fits)
     # Under a split backward no micro-batch keeps autocast's 16-bit weight copies (per_layer is without them), but a
     # chunk's forward holds its layers' copies in autocast's cache until its region ends, the loss's forward included.
     cached = cached_copy_bytes(inventory, record, precision) if fits is not None and inventory.config is not None else 0
@@ -376,7 +377,9 @@ def _peak_bytes(record: LayoutRecord, inventory: ModelInventory, s: int, precisi
             # reads nothing: LoRA frees the half). At s 256, mbs 4, pp 2: 1F1B at +1.9 %, ZB-V with LoRA at +3.0 %
             # (+9.6 % and +10.0 % when nothing was counted freed under a pipeline).
             halved = record.recompute != "none" or bool(record.modules or record.offload)
-            spent = (max(0.0, per_layer / 2 - mlp_w_held) if halved else 0.0) + (epilogue if last else 0.0)
+            # Kept whole, a layer's MLP frees what it kept before the attention's backward too (its probed share:
+            # LoRA under bf16-mixed at tp 1 mbs 4, +5.2 % when it was counted alive).
+            spent = max(0.0, (per_layer / 2 if halved else mlp_kept) - mlp_w_held) + (epilogue if last else 0.0)
             # Under a split backward, each of the chunk's layers through B holds what its W reads in place of what
             # it kept, more than that where it recomputes: by the chunk's first layer, all but one hold it (ZB-H1
             # under full recomputation, two layers a chunk: -12.2 % before).
@@ -416,7 +419,8 @@ def _peak_bytes(record: LayoutRecord, inventory: ModelInventory, s: int, precisi
         _, gradients, activations, other = peak
         parts = {k: int(v) for k, v in other.items() if v}
         split = dict(parameters=state.parameters, gradients=gradients, main_params=state.main_params,
-                     optimizer=state.optimizer, activations=int(activations), other=sum(parts.values()))
+                     optimizer=state.optimizer,
+                     activations=int(never_negative("the activations", activations, record)), other=sum(parts.values()))
         split["total"] = sum(split.values())
         if split["total"] > worst[0]:
             worst = (split["total"], rank, split, parts)

@@ -9,13 +9,15 @@ norms and softmax, :mod:`lightning_seqpar.memory.cuda_autocast`: what a GPU keep
 middle layer leaves alive for backward on rank 0 (what it made: its input is the layer before's) are read by :class:`~lightning_seqpar.memory.tracker.LiveActivationTracker`.
 
 Every tensor a layer keeps is ``b × s × (a width or a constant)``, ``b × heads × s²`` in core attention, or shared by
-the batch (a mask ``s²``, rotary tables ``s·d``, weights cast by autocast ``d²``, ``d·f``), so with the heads fixed the
-bytes are a sum of the eight terms :data:`TERMS` (d values per head, f the MLP width). Nine probes of different
-``(b, s, d, f)`` give their coefficients (least squares), a tenth checks the fit, and the full size follows exactly.
+the batch (a mask ``s²``, rotary tables ``s·d``, weights cast by autocast ``d²``, ``d·f``, and LoRA's adapters of a
+fixed rank ``d``, ``f``), so with the heads fixed the bytes are a sum of the ten terms :data:`TERMS` (d values per head,
+f the MLP width). Twelve probes of different ``(b, s, d, f)`` give their coefficients (least squares), a thirteenth
+checks the fit, and the full size follows exactly.
 Source: the mock-module estimators that measured within −1.3 %…+0.5 % where the closed forms were 7–15 % low.
 
 What a forward keeps outside its layers (embedding, the last layer's gathered output, final norm, LM head, loss) is
-fitted the same way over ``(b, s, d, v)``: :func:`fit_outside`.
+fitted the same way over ``(b, s, d, v)`` from the same probes (each measures the whole forward too, v varied
+beside the rest): :func:`fit_outside`.
 """
 
 from __future__ import annotations
@@ -25,16 +27,22 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
-TERMS = ("bsd", "bsf", "bss", "bs", "ss", "sd", "dd", "df")
-# (b, s, d, f) of the probes, s and f times t; the last checks the fit.
-_PROBES = ((1, 8, 8, 16), (2, 8, 8, 16), (1, 16, 8, 16), (1, 8, 16, 16), (1, 8, 8, 32), (2, 16, 8, 16),
-           (1, 16, 16, 16), (1, 8, 16, 32), (2, 8, 16, 32), (2, 16, 16, 32))
+TERMS = ("bsd", "bsf", "bss", "bs", "ss", "sd", "dd", "df", "d", "f")
+# (b, s, d, f, v) of the probes, s, f and v times t; the last checks the fits. The layer's and the outside's fits read
+# the same probes (each measures both). More probes than terms, three values of d and of f: a term the probes cannot
+# tell apart from another is spread over the others by the fit (LoRA's adapter weight copies under bf16-mixed, a "d"
+# term, put a layer at +9.7 % at s 256 with two values and no "d" term). Micro-batches of 2 and 4: at b = 1 the first
+# layer's [s, b, h] input is a view of the embedding's output, from b = 2 a copy of it (what the first layer and what
+# the outside keep are then linear in b; their sum is the same at b = 1).
+_PROBES = ((2, 8, 8, 16, 64), (4, 8, 8, 16, 64), (2, 16, 8, 16, 64), (2, 8, 16, 16, 64), (2, 8, 8, 32, 128),
+           (4, 16, 8, 16, 128), (2, 16, 16, 16, 128), (2, 8, 16, 32, 96), (4, 8, 16, 32, 64), (2, 8, 24, 16, 128),
+           (2, 24, 8, 48, 64), (4, 8, 8, 48, 96), (4, 16, 16, 32, 128))
 _DTYPES = {"32-true": torch.float32, "bf16-true": torch.bfloat16, "bf16-mixed": torch.float32,
            "64-true": torch.float64}
 
 
 def _terms(b: int, s: int, d: int, f: int) -> list[float]:
-    return [b * s * d, b * s * f, b * s * s, b * s, s * s, s * d, d * d, d * f]
+    return [b * s * d, b * s * f, b * s * s, b * s, s * s, s * d, d * d, d * f, d, f]
 
 
 @dataclass(frozen=True)
@@ -45,20 +53,31 @@ class LayerFit:
     coefficients: tuple[float, ...]
     check_error: float
     first: Optional[tuple[float, ...]] = None
-    """the same for the first layer, where it differs: its input (the embedding's output) needs no gradient when the
-    embedding is frozen (LoRA), so it keeps less; ``None``: as the others"""
+    """the same for the first layer, which differs: it makes the layers' ``[s, b, h]`` copy of the embedding's output
+    (kept where the first norm's backward or a checkpoint reads it), and its input needs no gradient when the embedding
+    is frozen (LoRA), so it keeps less there; ``None``: as the others"""
 
     def bytes(self, s: int, b: int, head_dim: int, ffn: int, quadratic: bool = True) -> float:
         """All the layer keeps for one micro-batch; without ``quadratic``, less the ``s²`` terms (what the explicit
         core attention keeps: a context-parallel layer's blockwise attention keeps none)."""
         return _fitted(self.coefficients, _terms(b, s, head_dim, ffn), quadratic)
 
+    def mlp_bytes(self, s: int, b: int, head_dim: int, ffn: int) -> float:
+        """What the MLP keeps of it for one micro-batch: the terms in its width ``f`` (its inner activations
+        ``b·s·f``, autocast's copies of its weights ``d·f``, its adapters' ``f``), which its backward frees before
+        the attention's backward runs."""
+        terms = _terms(b, s, head_dim, ffn)
+        return max(0.0, sum(c * term for name, c, term in zip(TERMS, self.coefficients, terms) if "f" in name))
+
     def first_layer_saving(self, s: int, b: int, head_dim: int, ffn: int, quadratic: bool = True) -> float:
-        """What the first layer keeps less than the others for one micro-batch (0 where :attr:`first` is ``None``)."""
+        """What the first layer keeps less than the others for one micro-batch (0 where :attr:`first` is ``None``):
+        below 0 where it keeps more (under full recomputation its checkpoint keeps its input as the layers lay it
+        out, ``[s, b, h]``: a copy the first layer makes of the embedding's ``[b, s, h]`` output where ``b > 1``,
+        beside its own output)."""
         if self.first is None:
             return 0.0
         terms = _terms(b, s, head_dim, ffn)
-        return max(0.0, _fitted(self.coefficients, terms, quadratic) - _fitted(self.first, terms, quadratic))
+        return _fitted(self.coefficients, terms, quadratic) - _fitted(self.first, terms, quadratic)
 
 
 def _fitted(coefficients: tuple[float, ...], terms: list[float], quadratic: bool) -> float:
@@ -186,10 +205,12 @@ def _small_overrides(config: Any, overrides: Optional[dict], layers: int = 3) ->
 
 def fit_layer(config: Any, tp: int, sequence_parallel: bool = True, recompute: str = "selective",
               precision: str = "bf16-mixed", experts: Any = None, modules: tuple[str, ...] = (),
-              offload: tuple[str, ...] = (), training: Any = None, split: bool = False) -> LayerFit:
+              offload: tuple[str, ...] = (), training: Any = None, split: bool = False,
+              measured: Optional[dict] = None) -> LayerFit:
     """The coefficients of :class:`LayerFit` for ``config``'s layer under the layout, from the probes (``modules``,
     ``offload``: recomputation by module and activation offload; ``training``: the run's LoRA and frozen parameters,
-    :class:`~lightning_seqpar.plan.trained.TrainedParts`; each applied to the probes as to the run).
+    :class:`~lightning_seqpar.plan.trained.TrainedParts`; each applied to the probes as to the run). ``measured``:
+    the probes already measured, shared with :func:`fit_outside` (each probe is measured once per layout).
 
     ``experts``: the model's :class:`~lightning_seqpar.plan.inventory.ExpertShape` (a mixture of experts). Its probes
     keep the layer's widths in proportion: for a probe width ``f`` (the MLP width a token goes through,
@@ -201,26 +222,46 @@ def fit_layer(config: Any, tp: int, sequence_parallel: bool = True, recompute: s
     Raises:
         ValueError: an unknown precision or recomputation (from the rewrite: a layout the model refuses).
     """
+    rows, kept, first = [], [], []
+    for point in _PROBES:
+        (b, s, d, f, _), probed = _probe(config, tp, sequence_parallel, recompute, precision, point, experts, modules,
+                                         offload, training, split, measured)
+        rows.append(_terms(b, s, d, f))
+        kept.append(float(probed.layer))
+        first.append(float(probed.first))
+    # the first layer is fitted apart: it makes the layers' [s, b, h] copy of its input, and where the embedding is
+    # frozen (LoRA) its input needs no gradient
+    return LayerFit(*_least_squares(rows, kept), _least_squares(rows, first)[0])
+
+
+def _probe(config: Any, tp: int, sequence_parallel: bool, recompute: str, precision: str,
+           point: tuple[int, int, int, int, int], experts: Any, modules: tuple[str, ...], offload: tuple[str, ...],
+           training: Any, split: bool, measured: Optional[dict]) -> tuple[tuple[int, int, int, int, int], Measured]:
+    """The sizes ``(b, s, d, f, v)`` of the probe at ``point`` on ``tp`` ranks (s, f and v times t, d a multiple of
+    the smallest head size the model allows) and what it keeps (:func:`measure`), from ``measured`` where there."""
     if precision not in _DTYPES:
         raise ValueError(f"precision={precision!r}: one of {sorted(_DTYPES)}.")
     from lightning_seqpar.hf.model_check import probe_head_dim
 
     heads = getattr(config, "num_attention_heads", None) or config.n_head
-    base = probe_head_dim(config)  # the smallest d the model's partial rotary allows
-    rows, kept, first = [], [], []
-    for b, s, d, f in _PROBES:
-        s, d, f = s * tp, d // 4 * base, f * tp
-        overrides = dict(head_dim=d, hidden_size=heads * d, n_embd=heads * d, intermediate_size=f, n_inner=f,
-                         ffn_hidden_size=f)
-        if experts is not None:
-            overrides.update(_expert_widths(experts, f))
-        rows.append(_terms(b, s, d, f))
-        measured = measure(config, tp, sequence_parallel, recompute, precision, s, b, overrides, modules, offload,
-                           training, split)
-        kept.append(float(measured.layer))
-        first.append(float(measured.first))
-    # the first layer is fitted apart only where it can differ: parameters frozen (its input may need no gradient)
-    return LayerFit(*_least_squares(rows, kept), _least_squares(rows, first)[0] if training is not None else None)
+    b, s, d, f, v = point
+    s, d, f, v = s * tp, d // 4 * probe_head_dim(config), f * tp, v * tp
+    overrides = dict(head_dim=d, hidden_size=heads * d, n_embd=heads * d, intermediate_size=f, n_inner=f,
+                     ffn_hidden_size=f, vocab_size=v)
+    if experts is not None:
+        overrides.update(_expert_widths(experts, f))
+    key = None
+    if measured is not None:
+        text = config.to_json_string(use_diff=False) if hasattr(config, "to_json_string") else repr(config)
+        key = ("probe", text, None if training is None else training.key, tp, sequence_parallel, recompute,
+               precision, b, s, tuple(sorted(overrides.items())), modules, offload, split)
+        if key in measured:
+            return (b, s, d, f, v), measured[key]
+    probed = measure(config, tp, sequence_parallel, recompute, precision, s, b, overrides, modules, offload, training,
+                     split)
+    if key is not None:
+        measured[key] = probed
+    return (b, s, d, f, v), probed
 
 
 def _expert_widths(experts: Any, f: int) -> dict[str, int]:
@@ -242,14 +283,11 @@ def _least_squares(rows: list[list[float]], kept: list[float]) -> tuple[tuple[fl
     return coefficients, abs(predicted - kept[-1]) / max(kept[-1], 1.0)
 
 
-OUTSIDE_TERMS = ("bsd", "bsv", "bs", "sd", "ss", "dv", "bss")
-# (b, s, d, v) of the outside probes, s and v times t; the last checks the fit.
-_OUTSIDE_PROBES = ((1, 8, 8, 64), (2, 8, 8, 64), (1, 16, 8, 64), (1, 8, 16, 64), (1, 8, 8, 128), (2, 16, 16, 64),
-                   (1, 16, 8, 128), (2, 24, 8, 64), (2, 8, 16, 128))
+OUTSIDE_TERMS = ("bsd", "bsv", "bs", "sd", "ss", "dv", "bss", "s", "v", "d")
 
 
 def _outside_terms(b: int, s: int, d: int, v: int) -> list[float]:
-    return [b * s * d, b * s * v, b * s, s * d, s * s, d * v, b * s * s]
+    return [b * s * d, b * s * v, b * s, s * d, s * s, d * v, b * s * s, s, v, d]
 
 
 @dataclass(frozen=True)
@@ -271,25 +309,21 @@ class OutsideFit:
 
 
 def fit_outside(config: Any, tp: int, sequence_parallel: bool = True, precision: str = "bf16-mixed",
-                training: Any = None, recompute: str = "none") -> OutsideFit:
-    """:class:`OutsideFit` for ``config`` at ``tp``: the whole forward's bytes less three times the middle layer's,
-    on probes of different ``(b, s, d, v)`` (``training``: as :func:`fit_layer`'s; a frozen head keeps no input for
-    its weight gradient). ``recompute``: the layers' recomputation, which decides whether the prologue's attention
-    mask is kept (a checkpointed attention saves its inputs, the mask among them: a ``[b, 1, s, s]`` tensor per
-    micro-batch in flight, which the explicit attention's add does not keep)."""
-    from lightning_seqpar.hf.model_check import probe_head_dim
-
-    heads = getattr(config, "num_attention_heads", None) or config.n_head
-    base = probe_head_dim(config)
+                training: Any = None, recompute: str = "none", experts: Any = None,
+                measured: Optional[dict] = None) -> OutsideFit:
+    """:class:`OutsideFit` for ``config`` at ``tp``: the whole forward's bytes less its three layers' (the first one's
+    own, twice the middle one's), on the probes :func:`fit_layer` reads (``training``, ``experts``, ``measured``: as
+    its; a frozen head keeps no input for its weight gradient). ``recompute``: the layers' recomputation, which
+    decides whether the prologue's attention mask is kept (a checkpointed attention saves its inputs, the mask among
+    them: a ``[b, 1, s, s]`` tensor per micro-batch in flight, which the explicit attention's add does not keep)."""
     rows, kept, prologues = [], [], []
-    for b, s, d, v in _OUTSIDE_PROBES:
-        s, d, v = s * tp, d // 4 * base, v * tp
-        overrides = dict(head_dim=d, hidden_size=heads * d, n_embd=heads * d, intermediate_size=16 * tp,
-                         n_inner=16 * tp, ffn_hidden_size=16 * tp, vocab_size=v)
-        layer, everything, prologue, _ = measure(config, tp, sequence_parallel, recompute, precision, s, b, overrides,
-                                                 training=training)
+    for point in _PROBES:
+        (b, s, d, _, v), probed = _probe(config, tp, sequence_parallel, recompute, precision, point, experts, (), (),
+                                         training, False, measured)
         rows.append(_outside_terms(b, s, d, v))
-        kept.append(float(everything - 3 * layer))
-        prologues.append(float(prologue))
+        # The first layer is its own: where the embedding is frozen (LoRA) it keeps less than the middle one (under
+        # bf16-mixed, its frozen projections keep no 16-bit weight copies), a saving the pricing takes off once.
+        kept.append(float(probed.everything - 2 * probed.layer - probed.first))
+        prologues.append(float(probed.prologue))
     coefficients, error = _least_squares(rows, kept)
     return OutsideFit(coefficients, error, _least_squares(rows, prologues)[0])

@@ -7,7 +7,7 @@ One group of processes:
    (``lora_r > 0``: the base frozen), on those processes with that calibration (:func:`lightning_seqpar.plan.plan`,
    a layer's activations probed on small copies as the planner's CLI does): tensor, context (ring), pipeline (1F1B,
    interleaved, ZB-H1, ZB-V) and data parallelism, ZeRO, micro-batches and recomputation. It takes the ``top`` best
-   and ``lower`` more, evenly spaced down the ranking;
+   and ``lower`` more, evenly spaced down the ranking, or the ``layouts`` named as the table prints them;
 3. trains each one with ``SeqParallelStrategy`` for ``steps`` optimizer steps. Its measured time is the median over the
    steps after ``warmup``, slowest rank. Its measured peak is the largest rank's peak of live tensor bytes over the
    second step (a warm-up step, so the measuring does not slow a timed one;
@@ -89,6 +89,13 @@ def _chosen(cfg: dict[str, Any], world: int, calibration: Any) -> list[tuple[int
                    precision=cfg["precision"], micro_batches=tuple(cfg["micro_batches"]), schedule=SEARCHED_SCHEDULES,
                    memory_choices=bool(cfg.get("memory_choices", False)))
     runnable = [r for r in records if r.feasible]
+    if cfg.get("layouts"):  # named as the table prints them: a row of an earlier table run again
+        named = {_describe(r): i for i, r in enumerate(runnable)}
+        unknown = [text for text in cfg["layouts"] if text not in named]
+        if unknown:
+            raise ValueError(f"layouts={unknown}: not among the planner's runnable layouts; name them as the table "
+                             f"prints them, e.g. {list(named)[:3]}.")
+        return [(named[text] + 1, runnable[named[text]]) for text in cfg["layouts"]]
     top, lower = cfg["top"], cfg["lower"]
     rest = runnable[top:]
     picks = list(range(min(top, len(runnable))))
