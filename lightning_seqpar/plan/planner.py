@@ -314,11 +314,14 @@ def _peak_bytes(record: LayoutRecord, inventory: ModelInventory, s: int, precisi
     worst: tuple[float, int, dict[str, int], dict[str, int]] = (-1.0, 0, {}, {})
     parameter = PARAMETER_BYTES[precision]
     outside, prologue = outside_bytes(record, inventory, s, precision, element, fits)
-    # Outside the layers, a forward keeps the stage input ([s/t, b, h]: the embedding's output, or what a pipeline
-    # stage received), the prologue (mask, rotary tables, position ids) and the epilogue (final norm, head, loss).
-    # Under a pipeline every chunk-forward keeps an input and a prologue of its own; only the last chunk an epilogue.
+    # Outside the layers, a forward keeps the stage input ([s/t, b, h]: what a pipeline stage received), the prologue
+    # (mask, rotary tables, position ids) and the epilogue (final norm, head, loss). Under a pipeline every
+    # chunk-forward keeps an input and a prologue of its own; only the last chunk an epilogue. Where the first layer
+    # is fitted apart (frozen parameters), it holds its own input (none, or the layers' [s, b, h] copy of the
+    # embedding's output that its checkpoint keeps), which the fitted outside leaves out.
     stage_input = element * local * b * inventory.hidden_size / tp
-    epilogue = max(0.0, outside - prologue - stage_input)
+    probed = fits is not None and inventory.config is not None and inventory.training is not None
+    epilogue = max(0.0, outside - prologue - (0.0 if probed else stage_input))
     # The head's logits live from the head to the end of the loss's forward: a micro-batch keeps the rest. In chunks
     # (loss_chunk), it keeps neither them nor the softmax, and the loss's forward and backward make one chunk's.
     positions, vocab_parallel = loss_chunk_positions(record, inventory, local), tp > 1 or cp > 1
@@ -327,6 +330,7 @@ def _peak_bytes(record: LayoutRecord, inventory: ModelInventory, s: int, precisi
     kept_logits = min(kept_logits, epilogue)
     epilogue -= kept_logits
     around, after = (0.0, outside - kept_logits) if pp == 1 else (stage_input + prologue, epilogue)
+    first_around = around - (stage_input if pp > 1 and probed else 0.0)  # (the first layer's input, where probed)
     gradient = parameter + (2 if precision == "bf16-mixed" else 0)  # autocast's 16-bit weight gradient + its fp32 copy
     if positions is not None:  # a chunk's logits, their float32 copy and softmax, then (made again) its gradient
         logits, loss_forward, loss_backward = loss_bytes(inventory, positions, b, tp, element, vocab_parallel)
@@ -366,7 +370,8 @@ def _peak_bytes(record: LayoutRecord, inventory: ModelInventory, s: int, precisi
             # the share of this rank's gradients that exist (a split backward makes a chunk's in its first W)
             share = sum(layout.sizes[stages[c]] for c, ok in enumerate(made) if ok) / held_layers
             accumulating = share > 0
-            kept = sum(n * (layout.sizes[stages[c]] * per_layer + around - (first_saving if stages[c] == 0 else 0.0)
+            kept = sum(n * (layout.sizes[stages[c]] * per_layer
+                            + (first_around - first_saving if stages[c] == 0 else around)
                             + (after if stages[c] == layout.num_stages - 1 else 0.0)) for c, n in enumerate(counts))
             kept += sum(n * layout.sizes[stages[c]] * w_held for c, n in enumerate(waiting))
             last = stages[chunk] == layout.num_stages - 1

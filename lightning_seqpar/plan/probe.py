@@ -53,9 +53,9 @@ class LayerFit:
     coefficients: tuple[float, ...]
     check_error: float
     first: Optional[tuple[float, ...]] = None
-    """the same for the first layer, which differs: it makes the layers' ``[s, b, h]`` copy of the embedding's output
-    (kept where the first norm's backward or a checkpoint reads it), and its input needs no gradient when the embedding
-    is frozen (LoRA), so it keeps less there; ``None``: as the others"""
+    """the same for the first layer, where parameters are frozen (LoRA): its input, the frozen embedding's output,
+    needs no gradient, so it keeps less (but, under full recomputation, the layers' ``[s, b, h]`` copy of that
+    input, which its checkpoint keeps); ``None``: as the others, its input's copy counted outside the layers"""
 
     def bytes(self, s: int, b: int, head_dim: int, ffn: int, quadratic: bool = True) -> float:
         """All the layer keeps for one micro-batch; without ``quadratic``, less the ``s²`` terms (what the explicit
@@ -229,9 +229,9 @@ def fit_layer(config: Any, tp: int, sequence_parallel: bool = True, recompute: s
         rows.append(_terms(b, s, d, f))
         kept.append(float(probed.layer))
         first.append(float(probed.first))
-    # the first layer is fitted apart: it makes the layers' [s, b, h] copy of its input, and where the embedding is
-    # frozen (LoRA) its input needs no gradient
-    return LayerFit(*_least_squares(rows, kept), _least_squares(rows, first)[0])
+    # the first layer is fitted apart where parameters are frozen (its input may need no gradient); else it keeps
+    # what the others keep and the layers' [s, b, h] copy of its input, which the outside's fit counts as its input
+    return LayerFit(*_least_squares(rows, kept), _least_squares(rows, first)[0] if training is not None else None)
 
 
 def _probe(config: Any, tp: int, sequence_parallel: bool, recompute: str, precision: str,
@@ -321,9 +321,11 @@ def fit_outside(config: Any, tp: int, sequence_parallel: bool = True, precision:
         (b, s, d, _, v), probed = _probe(config, tp, sequence_parallel, recompute, precision, point, experts, (), (),
                                          training, False, measured)
         rows.append(_outside_terms(b, s, d, v))
-        # The first layer is its own: where the embedding is frozen (LoRA) it keeps less than the middle one (under
-        # bf16-mixed, its frozen projections keep no 16-bit weight copies), a saving the pricing takes off once.
-        kept.append(float(probed.everything - 2 * probed.layer - probed.first))
+        # Where parameters are frozen (LoRA) the first layer is priced apart (:attr:`LayerFit.first`: under
+        # bf16-mixed its frozen projections keep no 16-bit weight copies), so it is taken off as it is; else as a
+        # middle one, the outside keeping the first layer's copy of its input (the stage input).
+        first = probed.first if training is not None else probed.layer
+        kept.append(float(probed.everything - 2 * probed.layer - first))
         prologues.append(float(probed.prologue))
     coefficients, error = _least_squares(rows, kept)
     return OutsideFit(coefficients, error, _least_squares(rows, prologues)[0])

@@ -325,7 +325,7 @@ def test_the_default_output_is_short_and_says_what_would_fit_when_nothing_does(t
     assert "No layout fits. What would:\n- GPUs of at least " in out
     # every change planned again, with the figure it gives: more GPUs (the s² scores divide over tp 16), a precision,
     # LoRA, memory choices, the fused kernel, a shorter sequence
-    assert re.search(r"- --gpus (16|32|64): tp\d+ pp\d+.* fits \([\d.]+ GB\)", out)
+    assert re.search(r"- --gpus (16|32|64): tp\d+ (cp\d+ )?pp\d+.* fits \([\d.]+ GB\)", out)
     for flag in ("--precision bf16-true (16-bit parameters", "--lora 16 (the base frozen", "--memory-choices (the MLP",
                  "--attention sdpa (no s² probabilities kept)"):
         assert re.search(rf"- {re.escape(flag)}.*: (tp\d+ pp\d+.* fits|does not fit either \(the smallest, .* needs)"
