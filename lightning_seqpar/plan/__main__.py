@@ -151,10 +151,14 @@ def what_would_fit(records: list[LayoutRecord], inventory: Any, args: argparse.N
     question = dict(gpus=args.gpus, seq_len=args.seq_len, precision=args.precision, lora=args.lora,
                     memory_choices=args.memory_choices, attention=args.attention)
 
+    inventories = {(args.seq_len, args.attention, args.lora): inventory}  # (each a meta model built and rewritten)
+
     def answer(flag: str, **change: Any) -> tuple[bool, str]:
         asked = dict(question, **change)
-        again = plan(model_inventory(args.model, asked["seq_len"], asked["attention"], asked["lora"],
-                                     args.lora_targets, args.frozen), asked["gpus"], asked["seq_len"],
+        model = (asked["seq_len"], asked["attention"], asked["lora"])
+        if model not in inventories:
+            inventories[model] = model_inventory(args.model, *model, args.lora_targets, args.frozen)
+        again = plan(inventories[model], asked["gpus"], asked["seq_len"],
                      args.global_batch, hardware=hardware, precision=asked["precision"], headroom=args.headroom,
                      calibrate=not args.analytic, optimizer=args.optimizer, context_parallel=args.cp,
                      cp_comm=args.cp_comm, schedule=tuple(args.schedule), loss_chunk=tuple(args.loss_chunk),
