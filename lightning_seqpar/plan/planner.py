@@ -35,6 +35,7 @@ from lightning_seqpar.plan.moments import backward_moments, chunks_rule
 from lightning_seqpar.plan.pricing import (activation_element_bytes, cached_copy_bytes, elementwise_work,
                                            first_layer_saving, layer_activation_bytes, loss_chunk_positions,
                                            mlp_kept_bytes, never_negative, outside_bytes)
+from lightning_seqpar.plan.probe import first_layer_apart
 from lightning_seqpar.plan.rules import divisors, layout_rule
 from lightning_seqpar.plan.state import OPTIMIZER_STATES, PARAMETER_BYTES, StateBytes, held_entries, stage_layout, state_bytes
 from lightning_seqpar.plan.transients import (
@@ -320,8 +321,8 @@ def _peak_bytes(record: LayoutRecord, inventory: ModelInventory, s: int, precisi
     # is fitted apart (frozen parameters), it holds its own input (none, or the layers' [s, b, h] copy of the
     # embedding's output that its checkpoint keeps), which the fitted outside leaves out.
     stage_input = element * local * b * inventory.hidden_size / tp
-    probed = fits is not None and inventory.config is not None and inventory.training is not None
-    epilogue = max(0.0, outside - prologue - (0.0 if probed else stage_input))
+    apart = fits is not None and inventory.config is not None and first_layer_apart(inventory.training)
+    epilogue = max(0.0, outside - prologue - (0.0 if apart else stage_input))
     # The head's logits live from the head to the end of the loss's forward: a micro-batch keeps the rest. In chunks
     # (loss_chunk), it keeps neither them nor the softmax, and the loss's forward and backward make one chunk's.
     positions, vocab_parallel = loss_chunk_positions(record, inventory, local), tp > 1 or cp > 1
@@ -330,7 +331,7 @@ def _peak_bytes(record: LayoutRecord, inventory: ModelInventory, s: int, precisi
     kept_logits = min(kept_logits, epilogue)
     epilogue -= kept_logits
     around, after = (0.0, outside - kept_logits) if pp == 1 else (stage_input + prologue, epilogue)
-    first_around = around - (stage_input if pp > 1 and probed else 0.0)  # (the first layer's input, where probed)
+    first_around = around - (stage_input if pp > 1 and apart else 0.0)  # (apart, the first layer holds its input)
     gradient = parameter + (2 if precision == "bf16-mixed" else 0)  # autocast's 16-bit weight gradient + its fp32 copy
     if positions is not None:  # a chunk's logits, their float32 copy and softmax, then (made again) its gradient
         logits, loss_forward, loss_backward = loss_bytes(inventory, positions, b, tp, element, vocab_parallel)

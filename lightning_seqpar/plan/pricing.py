@@ -107,7 +107,9 @@ def layer_fit(record: LayoutRecord, inventory: ModelInventory, recompute: str, p
 def first_layer_saving(record: LayoutRecord, inventory: ModelInventory, s: int, precision: str,
                         fits: Optional[dict[tuple, Any]]) -> float:
     """Bytes the model's first layer keeps less than the others per micro-batch, where parameters are frozen (LoRA:
-    its input, the frozen embedding's output, needs no gradient: the fit's ``first``); 0 without a probed fit.
+    its input, the frozen embedding's output, needs no gradient: the fit's ``first``); below 0 where it keeps more
+    (under full recomputation its checkpoint keeps the layers' ``[s, b, h]`` copy of its input); 0 without a probed
+    fit.
     Context-parallel layers are priced as their cp 1 twin's (:func:`layer_activation_bytes`)."""
     if fits is None or inventory.config is None or record.cp > 1:
         return 0.0

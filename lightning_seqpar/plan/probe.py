@@ -231,7 +231,16 @@ def fit_layer(config: Any, tp: int, sequence_parallel: bool = True, recompute: s
         first.append(float(probed.first))
     # the first layer is fitted apart where parameters are frozen (its input may need no gradient); else it keeps
     # what the others keep and the layers' [s, b, h] copy of its input, which the outside's fit counts as its input
-    return LayerFit(*_least_squares(rows, kept), _least_squares(rows, first)[0] if training is not None else None)
+    apart = _least_squares(rows, first)[0] if first_layer_apart(training) else None
+    return LayerFit(*_least_squares(rows, kept), apart)
+
+
+def first_layer_apart(training: Any) -> bool:
+    """Whether the first layer is fitted and priced apart from the others: where parameters are frozen
+    (``training``, :class:`~lightning_seqpar.plan.trained.TrainedParts`), its input may need no gradient. Apart, it
+    holds its own input (what its checkpoint keeps of it, else nothing) and the outside's fit leaves that out; else it
+    is priced as a middle layer and the outside counts its input's ``[s, b, h]`` copy as the stage input."""
+    return training is not None
 
 
 def _probe(config: Any, tp: int, sequence_parallel: bool, recompute: str, precision: str,
@@ -324,7 +333,7 @@ def fit_outside(config: Any, tp: int, sequence_parallel: bool = True, precision:
         # Where parameters are frozen (LoRA) the first layer is priced apart (:attr:`LayerFit.first`: under
         # bf16-mixed its frozen projections keep no 16-bit weight copies), so it is taken off as it is; else as a
         # middle one, the outside keeping the first layer's copy of its input (the stage input).
-        first = probed.first if training is not None else probed.layer
+        first = probed.first if first_layer_apart(training) else probed.layer
         kept.append(float(probed.everything - 2 * probed.layer - first))
         prologues.append(float(probed.prologue))
     coefficients, error = _least_squares(rows, kept)

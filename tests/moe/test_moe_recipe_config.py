@@ -54,8 +54,8 @@ def test_strategy_auto_takes_every_layout_key_the_other_groups_take():
               "cp_comm"}  # the planner's, bounded under layout.* (schedules, micro_batches, cp_comm)
     assert keys("pp2_tp2") - chosen <= keys("auto")
     with initialize_config_dir(str(CONF), version_base=None):
-        overrides = ["model=qwen3_moe_tiny", "strategy=auto", "strategy.ep=2", "strategy.expert_tp=1", "strategy.zero=1",
-                     "strategy.layout.memory_budget=2GB", "strategy.layout.schedules=[ZB-V]"]
+        overrides = ["model=qwen3_moe_tiny", "strategy=auto", "strategy.ep=2", "strategy.expert_tp=1",
+                     "strategy.zero=1", "strategy.layout.memory_budget=2GB", "strategy.layout.schedules=[ZB-V]"]
         cfg = compose("config", overrides=overrides)
         strategy = SeqParallelStrategy(**OmegaConf.to_container(cfg.strategy, resolve=True))
         assert isinstance(strategy.auto, AutoLayout) and strategy.auto.memory_budget == 2e9
