@@ -280,3 +280,19 @@ def fake_process_group_store() -> Any:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     return FakeStore()
+
+
+def muon_orthogonalise(matrix: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float
+                       ) -> torch.Tensor:
+    """``torch.optim.Muon``'s own Newton–Schulz orthogonalisation of a 2-D ``matrix`` (bfloat16 result): the sharded
+    Muon runs torch's function so that its numbers are one process's (torch keeps it private, ``_muon``)."""
+    from torch.optim._muon import _zeropower_via_newtonschulz
+
+    return _zeropower_via_newtonschulz(matrix, coefficients, steps, eps)
+
+
+def muon_adjusted_lr(lr: float, adjust_lr_fn: Optional[str], shape: torch.Size) -> float:
+    """``torch.optim.Muon``'s learning rate for a matrix of single-device ``shape`` (private in torch, ``_muon``)."""
+    from torch.optim._muon import _adjust_lr
+
+    return _adjust_lr(lr, adjust_lr_fn, shape)

@@ -83,6 +83,8 @@ class DistributedOptimizer(Optimizer):
         ValueError: an optimizer class not in :data:`ELEMENTWISE`, or one already holding state.
     """
 
+    elementwise = True  # (it wraps only optimizers of ELEMENTWISE)
+
     def __init__(self, optimizer: Optimizer, mesh: ParallelMesh, overlap: bool = True, main_params: bool = False
                  ) -> None:
         kind = type(optimizer)
@@ -378,12 +380,19 @@ def distribute_optimizers(optimizers: Sequence[Optimizer], lr_scheduler_configs:
                       "nothing is saved. Use zero=0, or more devices than tp·pp.", stacklevel=2)
     sharded = [o if isinstance(o, DistributedOptimizer) else DistributedOptimizer(o, mesh, not pipelined, main_params)
                for o in optimizers]
-    for config in lr_scheduler_configs:
-        for old, new in zip(optimizers, sharded):
-            if getattr(config.scheduler, "optimizer", None) is old:
-                config.scheduler.optimizer = new
-                track_step_for_schedulers(new)
+    repoint_schedulers(lr_scheduler_configs, optimizers, sharded)
     return sharded
+
+
+def repoint_schedulers(lr_scheduler_configs: Sequence[Any], old: Sequence[Optimizer], new: Sequence[Optimizer]
+                       ) -> None:
+    """Point each learning-rate scheduler of an optimizer of ``old`` at its replacement in ``new`` (a scheduler
+    writes ``lr`` into ``scheduler.optimizer.param_groups``)."""
+    for config in lr_scheduler_configs:
+        for before, after in zip(old, new):
+            if before is not after and getattr(config.scheduler, "optimizer", None) is before:
+                config.scheduler.optimizer = after
+                track_step_for_schedulers(after)
 
 
 def optimizer_state_bytes(optimizer: Optimizer) -> int:

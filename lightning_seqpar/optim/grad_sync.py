@@ -21,6 +21,7 @@ The strategy holds the one :class:`GradientSync` of a fit and hands the pipeline
 from __future__ import annotations
 
 import warnings
+import weakref
 from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
@@ -28,9 +29,11 @@ import torch.nn as nn
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_seqpar._compat import tensor_version
 from lightning_seqpar.optim.distributed_optimizer import distribute_optimizers
 from lightning_seqpar.optim.grad_buckets import BucketArming, Buckets, NoBuckets, gradient_buckets
 from lightning_seqpar.optim.gradients import finalize_gradients
+from lightning_seqpar.optim.whole_matrix import exact_or_refused
 from lightning_seqpar.parallel.mesh import ParallelMesh
 
 
@@ -97,13 +100,15 @@ class GradientSync:
         optimizers: the optimizers to step (distributed ones with ``zero=1``).
 
     Raises:
-        ValueError: from :class:`DistributedOptimizer`.
+        ValueError: from :class:`DistributedOptimizer`; an optimizer that is not element-wise over split parameters
+            (:func:`~lightning_seqpar.optim.whole_matrix.exact_or_refused`).
     """
 
     def __init__(self, module: nn.Module, optimizers: Sequence[Optimizer], lr_scheduler_configs: Sequence[Any],
                  mesh: ParallelMesh, zero: int, pipelined: bool, main_params: bool = False) -> None:
         self.module, self.mesh = module, mesh
         self._window: Optional[BucketArming] = None
+        optimizers = exact_or_refused(optimizers, lr_scheduler_configs, module, mesh)
         if zero:
             if main_params and not any(p.element_size() < 4 for p in module.parameters()):
                 warnings.warn("fp32_main_params=True has no effect: the parameters are not 16-bit (precision="
@@ -180,10 +185,24 @@ class GradientSync:
 class _ReplicatedGradients:
     """The owner of the gradients of optimizers that update whole parameters (``zero=0``): all-reduce buckets over
     the module, then :func:`~lightning_seqpar.optim.finalize_gradients` for what they did not reduce. The same
-    two members as a distributed optimizer (``buckets``, ``finish_gradients``), which owns its own."""
+    two members as a distributed optimizer (``buckets``, ``finish_gradients``), which owns its own.
+
+    Several optimizers stepped after one backward (manual optimization: Muon beside AdamW) share these gradients:
+    the first step finishes them, the next ones find them as they were left and finish nothing again (a second
+    sequence-parallel sum would double the norms' gradients). "As left" is the same gradient tensor with the same
+    in-place version; a backward, ``zero_grad`` or a loaded gradient changes one or the other."""
 
     def __init__(self, module: nn.Module, mesh: ParallelMesh, buckets: Buckets) -> None:
         self.module, self.mesh, self.buckets = module, mesh, buckets
+        self._left: Optional[list[Any]] = None  # per parameter: (weak reference to its gradient, version) or None
 
     def finish_gradients(self) -> None:
-        finalize_gradients(self.module.parameters(), self.mesh, self.buckets.finish())
+        params = list(self.module.parameters())
+        if self._left is not None and self._left == self._state(params):
+            return
+        finalize_gradients(params, self.mesh, self.buckets.finish())
+        self._left = self._state(params)
+
+    @staticmethod
+    def _state(params: Sequence[nn.Parameter]) -> list[Any]:
+        return [None if p.grad is None else (weakref.ref(p.grad), tensor_version(p.grad)) for p in params]

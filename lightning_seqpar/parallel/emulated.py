@@ -4,6 +4,7 @@ thread's tensor, exactly as ``torch.distributed`` would combine them."""
 
 from __future__ import annotations
 
+import math
 import threading
 from typing import Any, Callable, Optional
 
@@ -11,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_seqpar.parallel.collectives import ParallelGroup, Pending
+from lightning_seqpar.parallel.collectives import CollectiveRecord, ParallelGroup, Pending
 
 _WAIT_S = 60.0  # a thread that waits longer at a collective has lost a peer to an error
 
@@ -80,6 +81,10 @@ class EmulatedGroup(ParallelGroup):
         return torch.stack([sent[self.rank] for sent in every])
 
     def all_to_all_v(self, tensor: Tensor, send_splits: list[int], recv_splits: list[int]) -> Tensor:
+        if self.log is not None:  # what leaves the rank, as a real group records it
+            row = math.prod(tensor.shape[1:]) * tensor.element_size()
+            leaving = sum(n for rank, n in enumerate(send_splits) if rank != self.rank)
+            self.log.records.append(CollectiveRecord("all_to_all_v", leaving * row, self.size))
         every = self._exchange.gather(self.rank, tensor.clone())
         splits = self._exchange.gather(self.rank, torch.tensor(send_splits))
         pieces = [sent.split(sizes.tolist())[self.rank] for sent, sizes in zip(every, splits)]
