@@ -18,12 +18,10 @@ and sent whole to the others; both cases once per model replica. Newton–Schulz
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
-import torch.nn as nn
 from torch import Tensor
-from torch.optim import Optimizer
 
 from lightning_seqpar._compat import muon_adjusted_lr, muon_orthogonalise
 from lightning_seqpar.optim.matrix_owners import Matrix, process_whole
@@ -56,6 +54,42 @@ def matrix_split(param: Tensor, mesh: ParallelMesh) -> tuple[str, Optional[Shard
     return ("", None) if splits or outer is not None or inner is not None else ("tp", None)
 
 
+def orthogonalised(entries: Sequence[tuple[Tensor, Tensor, tuple]], splits: dict[int, tuple[str, Optional[ShardSpec]]],
+                   mesh: Optional[ParallelMesh], counted: Callable[[int], None]) -> list[Tensor]:
+    """The Newton–Schulz orthogonalisation of each single-device matrix of ``entries`` (``(parameter, this rank's
+    update, (coefficients, steps, eps))``), as this rank's piece (bfloat16, shaped like the update); a 3-D stack
+    (experts ``[E, n, m]``) per matrix. ``splits``: each parameter's :func:`matrix_split` (``mesh`` ``None``: every
+    matrix whole here). ``counted(n)``: told of the ``n`` runs this rank makes. Collective over the groups of the
+    splits, in their names' order (the same on every rank).
+
+    Source: ``torch.optim.Muon`` (``_zeropower_via_newtonschulz``, run by torch's own function).
+    """
+    work: dict[tuple, list[int]] = {}
+    for index, (p, _, settings) in enumerate(entries):
+        name = splits[id(p)][0] if mesh is not None else ""
+        work.setdefault((name, settings), []).append(index)
+    out: list[Optional[Tensor]] = [None] * len(entries)
+    for (name, (coefficients, steps, eps)), indices in sorted(work.items(), key=lambda kv: kv[0][0]):
+        def orthogonalise(matrix: Tensor) -> Tensor:
+            if matrix.dim() == 2:
+                counted(1)
+                return muon_orthogonalise(matrix, coefficients, steps, eps)
+            counted(matrix.shape[0])
+            return torch.stack([muon_orthogonalise(m, coefficients, steps, eps) for m in matrix])
+
+        group = mesh.group(name) if mesh is not None and name else _LOCAL
+        matrices = [Matrix(entries[i][1], splits[id(entries[i][0])][1] if mesh is not None else None)
+                    for i in indices]
+        for i, result in zip(indices, process_whole(matrices, group, orthogonalise, torch.bfloat16)):
+            out[i] = result
+    return out  # type: ignore[return-value]
+
+
+def adjusted_lr(lr: float, adjust_lr_fn: Optional[str], param: Tensor) -> float:
+    """Muon's learning rate for ``param``'s matrices, by their single-device shape (the last two dims of a stack)."""
+    return muon_adjusted_lr(lr, adjust_lr_fn, torch.Size(full_shape(param)[-2:]))
+
+
 class ShardedMuon(torch.optim.Muon):
     """``torch.optim.Muon`` whose parameters are this rank's shards (see the module): the same hyperparameters,
     state and ``state_dict``; each step orthogonalises every matrix whole.
@@ -77,6 +111,9 @@ class ShardedMuon(torch.optim.Muon):
         self.newton_schulz_runs = 0
         self._splits = {id(p): matrix_split(p, mesh) for g in self.param_groups for p in g["params"]}
 
+    def _count(self, runs: int) -> None:
+        self.newton_schulz_runs += runs
+
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         """``torch.optim.Muon.step`` with each update orthogonalised whole (collective over the tensor-parallel and
@@ -85,32 +122,34 @@ class ShardedMuon(torch.optim.Muon):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        work: dict[tuple, list[tuple[nn.Parameter, Tensor, dict]]] = {}
+        entries, groups = [], []
         for group in self.param_groups:
-            momentum = group["momentum"]
             settings = (tuple(group["ns_coefficients"]), group["ns_steps"], group["eps"])
             for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse or torch.is_complex(p):
-                    raise RuntimeError("Muon does not support sparse gradients or complex parameters")
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
-                buf = state["momentum_buffer"]
-                buf.lerp_(p.grad, 1 - momentum)
-                update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
-                work.setdefault((self._splits[id(p)][0], settings), []).append((p, update, group))
-        for (name, (coefficients, steps, eps)), entries in sorted(work.items(), key=lambda kv: kv[0][0]):
-            def orthogonalise(matrix: Tensor) -> Tensor:
-                self.newton_schulz_runs += 1
-                return muon_orthogonalise(matrix, coefficients, steps, eps)
-
-            group_of = self.mesh.group(name) if name else _LOCAL
-            matrices = [Matrix(update, self._splits[id(p)][1]) for p, update, _ in entries]
-            for (p, _, group), orthogonal in zip(entries, process_whole(matrices, group_of, orthogonalise,
-                                                                         torch.bfloat16)):
-                lr = float(group["lr"])
-                p.mul_(1 - lr * group["weight_decay"])
-                p.add_(orthogonal, alpha=-muon_adjusted_lr(lr, group["adjust_lr_fn"], torch.Size(full_shape(p))))
+                if p.grad is not None:
+                    entries.append((p, momentum_update(self.state[p], p, group["momentum"], group["nesterov"]),
+                                    settings))
+                    groups.append(group)
+        for (p, _, _), group, orthogonal in zip(entries, groups, orthogonalised(entries, self._splits, self.mesh,
+                                                                                 self._count)):
+            lr = float(group["lr"])
+            p.mul_(1 - lr * group["weight_decay"])
+            p.add_(orthogonal, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], p))
         return loss
+
+
+def momentum_update(state: dict, param: Tensor, momentum: float, nesterov: bool) -> Tensor:
+    """Muon's momentum step on ``param``'s gradient (element-wise: this rank's shard alone), in ``state``'s
+    ``momentum_buffer``; the update to orthogonalise (Nesterov's, or the buffer).
+
+    Raises:
+        RuntimeError: a sparse gradient or a complex parameter, as torch's Muon.
+    """
+    grad = param.grad
+    if grad.is_sparse or torch.is_complex(param):
+        raise RuntimeError("Muon does not support sparse gradients or complex parameters")
+    if "momentum_buffer" not in state:
+        state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
+    buf = state["momentum_buffer"]
+    buf.lerp_(grad, 1 - momentum)
+    return grad.lerp(buf, momentum) if nesterov else buf

@@ -6,7 +6,8 @@ reads more than an element it is silently another optimizer: Muon orthogonalises
 factors a matrix's second moment by rows and columns, LAMB and LARS scale by a tensor's norm, Shampoo and SOAP
 precondition by a matrix's statistics. So before the first step (:func:`exact_or_refused`, from
 :class:`~lightning_seqpar.optim.grad_sync.GradientSync`) each optimizer is kept, replaced by its exact sharded form
-(``torch.optim.Muon`` → :class:`~lightning_seqpar.optim.sharded_muon.ShardedMuon`), or refused by name with the fix.
+(``torch.optim.Muon`` → :class:`~lightning_seqpar.optim.sharded_muon.ShardedMuon`; the library's own
+:class:`~lightning_seqpar.optim.muon.Muon` placed on the mesh), or refused by name with the fix.
 Where no parameter is split over more than one rank (data-parallel replicas, pipeline stages alone) every optimizer
 sees whole parameters and is kept.
 
@@ -23,6 +24,7 @@ import torch.nn as nn
 from torch.optim import Optimizer
 
 from lightning_seqpar.optim.distributed_optimizer import ELEMENTWISE, repoint_schedulers
+from lightning_seqpar.optim.muon import Muon
 from lightning_seqpar.optim.sharded_muon import ShardedMuon
 from lightning_seqpar.parallel.mesh import ParallelMesh
 from lightning_seqpar.parallel.placement import placement_of
@@ -61,6 +63,10 @@ def exact_or_refused(optimizers: Sequence[Optimizer], lr_scheduler_configs: Sequ
     names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
     out: list[Optimizer] = []
     for optimizer in optimizers:
+        if isinstance(optimizer, Muon):  # the library's own: told where its matrices are split
+            optimizer.place(mesh)
+            out.append(optimizer)
+            continue
         split = [] if is_elementwise(optimizer) else split_parameters(optimizer, names, mesh)
         if not split or isinstance(optimizer, ShardedMuon):
             out.append(optimizer)
@@ -71,9 +77,9 @@ def exact_or_refused(optimizers: Sequence[Optimizer], lr_scheduler_configs: Sequ
             raise ValueError(
                 f"{type(optimizer).__name__} is not an element-wise optimizer, and it would update {shown} from this "
                 f"rank's shard as if it were the whole parameter: silently another optimizer. Element-wise optimizers "
-                f"({', '.join(c.__name__ for c in ELEMENTWISE)}) are exact on shards, and torch.optim.Muon is made "
-                f"exact; use one of those for the split parameters (another optimizer over the rest), or tp=1 and "
-                f"ep=1 so that no parameter is split. A class of your own that does update element by element: set "
-                f"the class attribute elementwise = True.")
+                f"({', '.join(c.__name__ for c in ELEMENTWISE)}) are exact on shards, and torch.optim.Muon and "
+                f"lightning_seqpar.optim.Muon are made exact; use one of those for the split parameters (another "
+                f"optimizer over the rest), or tp=1 and ep=1 so that no parameter is split. A class of your own that "
+                f"does update element by element: set the class attribute elementwise = True.")
     repoint_schedulers(lr_scheduler_configs, optimizers, out)
     return out

@@ -219,5 +219,5 @@ def test_an_optimizer_that_is_not_element_wise_is_refused_on_shards_and_kept_on_
         refused = ranks["adafactor tp2"]
         assert refused.startswith("Adafactor is not an element-wise optimizer"), refused
         assert "model.model.layers.0.self_attn.q_proj.weight (over tp: 2)" in refused, refused
-        assert "torch.optim.Muon is made exact" in refused and "elementwise = True" in refused, refused
+        assert "torch.optim.Muon and lightning_seqpar.optim.Muon are made exact" in refused and "elementwise = True" in refused, refused
         assert ranks["adafactor dp2"] == "trained 1 step(s)"  # data-parallel replicas hold whole parameters
