@@ -94,6 +94,7 @@ def build(cfg: DictConfig, output_dir: Path) -> tuple[FineTuneModule, Any, pl.Tr
         lora = {k: v for k, v in OmegaConf.to_container(cfg.peft, resolve=True).items() if k not in ("kind", "adapter")}
         adapter = cfg.peft.get("adapter")
     optim = OmegaConf.to_container(cfg.optim, resolve=True)
+    optim["optimizer"] = optim.pop("name", "adamw")
     module = FineTuneModule(cfg.model.pretrained, lora, cfg.model.attn_implementation, adapter,
                             freeze_router=cfg.model.freeze_router, max_steps=cfg.trainer.max_steps,
                             objective=cfg.objective, dpo_beta=cfg.dpo.beta, dpo_loss=cfg.dpo.loss, **optim)

@@ -207,6 +207,7 @@ def main(cfg: DictConfig) -> dict:
     pl.seed_everything(cfg.seed, workers=True)
     data = data_module(cfg)
     optim = OmegaConf.to_container(cfg.optim, resolve=True)
+    optim["optimizer"] = optim.pop("name", "adamw")
     # The cosine decay ends at optim.decay_steps (default: this run's trainer.max_steps). A resumed run with a
     # larger max_steps keeps the original curve only if decay_steps is set to the original horizon.
     decay_steps = optim.pop("decay_steps", None) or cfg.trainer.max_steps

@@ -12,6 +12,7 @@ from torch import Tensor
 from torchmetrics import MeanMetric
 
 from lightning_seqpar.models.gpt import GPT, GPTConfig
+from lightning_seqpar.optim.muon import Muon
 
 
 class ExpOfMean(MeanMetric):
@@ -35,13 +36,24 @@ class CausalLMModule(pl.LightningModule):
         warmup_steps: linear warmup steps.
         max_steps: total steps of the cosine decay (``None``: constant after warmup).
         min_lr_ratio: final learning rate as a fraction of the peak.
+        optimizer: ``"adamw"``, or ``"muon"``: :class:`~lightning_seqpar.optim.Muon` over the layers' matrices (its
+            learning rate adjusted to AdamW's update size, Moonlight's ``match_rms_adamw``, so that the same
+            ``learning_rate`` and ``weight_decay`` serve both) and AdamW over the rest.
+
+    Raises:
+        ValueError: an optimizer other than those two.
     """
 
+    OPTIMIZERS = ("adamw", "muon")
+
     def __init__(self, learning_rate: float = 1e-3, weight_decay: float = 0.1, warmup_steps: int = 0,
-                 max_steps: Optional[int] = None, min_lr_ratio: float = 0.1) -> None:
+                 max_steps: Optional[int] = None, min_lr_ratio: float = 0.1, optimizer: str = "adamw") -> None:
         super().__init__()
+        if optimizer not in self.OPTIMIZERS:
+            raise ValueError(f"optimizer={optimizer!r}: one of {list(self.OPTIMIZERS)} (optim.name in the recipes).")
         self.optimization = {"learning_rate": learning_rate, "weight_decay": weight_decay,
-                             "warmup_steps": warmup_steps, "max_steps": max_steps, "min_lr_ratio": min_lr_ratio}
+                             "warmup_steps": warmup_steps, "max_steps": max_steps, "min_lr_ratio": min_lr_ratio,
+                             "optimizer": optimizer}
         self.val_loss = MeanMetric()
         self.val_ppl = ExpOfMean()
 
@@ -84,10 +96,19 @@ class CausalLMModule(pl.LightningModule):
         trainable = [p for p in self.parameters() if p.requires_grad]  # frozen ones (LoRA's base) get no state
         decay = [p for p in trainable if p.dim() >= 2]
         no_decay = [p for p in trainable if p.dim() < 2]
-        optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": hp["weight_decay"]}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=hp["learning_rate"], betas=(0.9, 0.95),
-        )
+        if hp["optimizer"] == "muon":
+            chosen = {id(p) for p in Muon.matrices(self)}
+            optimizer: torch.optim.Optimizer = Muon(
+                [{"params": [p for p in decay if id(p) in chosen], "use_muon": True},
+                 {"params": [p for p in decay if id(p) not in chosen], "use_muon": False},
+                 {"params": no_decay, "use_muon": False, "weight_decay": 0.0}],
+                lr=hp["learning_rate"], weight_decay=hp["weight_decay"], adjust_lr_fn="match_rms_adamw",
+                adamw_betas=(0.9, 0.95))
+        else:
+            optimizer = torch.optim.AdamW(
+                [{"params": decay, "weight_decay": hp["weight_decay"]}, {"params": no_decay, "weight_decay": 0.0}],
+                lr=hp["learning_rate"], betas=(0.9, 0.95),
+            )
         warmup, total, floor = hp["warmup_steps"], hp["max_steps"], hp["min_lr_ratio"]
 
         def schedule(step: int) -> float:
@@ -120,8 +141,9 @@ class GPTLightningModule(CausalLMModule):
         max_steps: Optional[int] = None,
         min_lr_ratio: float = 0.1,
         empty_init: bool = False,
+        optimizer: str = "adamw",
     ) -> None:
-        super().__init__(learning_rate, weight_decay, warmup_steps, max_steps, min_lr_ratio)
+        super().__init__(learning_rate, weight_decay, warmup_steps, max_steps, min_lr_ratio, optimizer)
         config = model if isinstance(model, GPTConfig) else GPTConfig(**model)
         self.config, self.empty_init = config, empty_init
         self.save_hyperparameters({"model": asdict(config), **self.optimization})

@@ -71,18 +71,35 @@ class Muon(Optimizer):
         self._splits: dict[int, Any] = {}
 
     @staticmethod
+    def matrices(model: nn.Module) -> list[nn.Parameter]:
+        """The trainable parameters of ``model`` Muon is for: two dims or more, outside the embeddings and the output
+        head (``nn.Embedding`` modules, what a Hugging Face model's ``get_input_embeddings`` and
+        ``get_output_embeddings`` return, anywhere in ``model``, and parameters named ``lm_head``, ``wte``, ``wpe`` or
+        ``embed_*``, the vocabulary-parallel versions of those included); what Keller Jordan's recipe leaves to
+        AdamW."""
+        apart = set()
+        for module in model.modules():
+            if isinstance(module, nn.Embedding):
+                apart |= {id(p) for p in module.parameters()}
+            for getter in ("get_input_embeddings", "get_output_embeddings"):
+                found = getattr(module, getter, None)
+                found = found() if callable(found) else None
+                if isinstance(found, nn.Module):
+                    apart |= {id(p) for p in found.parameters()}
+        for name, p in model.named_parameters():
+            if any(part in ("lm_head", "wte", "wpe") or part.startswith("embed") for part in name.split(".")):
+                apart.add(id(p))
+        return [p for p in model.parameters() if p.requires_grad and p.dim() >= 2 and id(p) not in apart]
+
+    @staticmethod
     def groups(model: nn.Module) -> list[dict[str, Any]]:
-        """``model``'s parameters as Muon's groups: matrices (two dims or more) of every module but embeddings and
-        the output head (``use_muon=True``), everything else (``use_muon=False``)."""
-        apart = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
-        for getter in ("get_input_embeddings", "get_output_embeddings"):
-            found = getattr(model, getter, lambda: None)()
-            apart |= {id(p) for p in (found.parameters() if found is not None else ())}
-        params = [p for p in model.parameters() if p.requires_grad]
-        matrices = [p for p in params if p.dim() >= 2 and id(p) not in apart]
+        """``model``'s trainable parameters as Muon's groups: :meth:`matrices` (``use_muon=True``), everything else
+        (``use_muon=False``)."""
+        matrices = Muon.matrices(model)
         chosen = {id(p) for p in matrices}
         return [{"params": matrices, "use_muon": True},
-                {"params": [p for p in params if id(p) not in chosen], "use_muon": False}]
+                {"params": [p for p in model.parameters() if p.requires_grad and id(p) not in chosen],
+                 "use_muon": False}]
 
     def place(self, mesh: Any) -> None:
         """Orthogonalise each matrix whole over ``mesh``'s groups (a

@@ -78,11 +78,12 @@ def compute_loss(module: pl.LightningModule, x: torch.Tensor, y: torch.Tensor) -
 
 def gpt_module(dropout: float = 0.0, tie_weights: bool = True, label_smoothing: float = 0.1,
                n_layer: int = 2, n_embd: int = 16, n_experts: int = 0, aux_loss_coef: float = 0.0,
-               aux_loss_type: str = "pooled", z_loss_coef: float = 0.0) -> GPTLightningModule:
+               aux_loss_type: str = "pooled", z_loss_coef: float = 0.0, optimizer: str = "adamw"
+               ) -> GPTLightningModule:
     config = GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=n_layer, n_head=4, n_embd=n_embd, dropout=dropout,
                        tie_weights=tie_weights, label_smoothing=label_smoothing, n_experts=n_experts,
                        aux_loss_coef=aux_loss_coef, aux_loss_type=aux_loss_type, z_loss_coef=z_loss_coef)
-    return GPTLightningModule(config, learning_rate=1e-2)
+    return GPTLightningModule(config, learning_rate=1e-2, optimizer=optimizer)
 
 
 def build(kind: str, **kwargs) -> pl.LightningModule:

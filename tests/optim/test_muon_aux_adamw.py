@@ -52,3 +52,13 @@ def test_one_process_is_torch_muon_beside_torch_adamw_bit_for_bit():
 def test_a_vector_in_a_muon_group_is_refused_naming_the_fix():
     with pytest.raises(ValueError, match=r"shape \(4,\) is in a use_muon group\. Put it in a group with use_muon=False"):
         Muon([torch.nn.Parameter(torch.zeros(4))])
+
+
+def test_the_modules_take_muon_by_name_and_refuse_an_unknown_one():
+    from tests.helpers.models import gpt_module
+
+    groups = gpt_module(optimizer="muon").configure_optimizers()["optimizer"].param_groups
+    assert [(len(g["params"]), g["use_muon"], g["weight_decay"]) for g in groups] == [
+        (8, True, 0.1), (2, False, 0.1), (20, False, 0.0)]  # the layers' matrices; wte (tied head) and wpe; 1-D
+    with pytest.raises(ValueError, match=r"optimizer='lion': one of \['adamw', 'muon'\] \(optim.name in the recipes\)"):
+        gpt_module(optimizer="lion")

@@ -15,7 +15,7 @@ from lightning_seqpar import SeqParallelStrategy
 from lightning_seqpar.optim import Muon
 from tests.helpers.distributed import run_distributed
 from tests.helpers.hf_models import HFCausalLM
-from tests.helpers.models import BATCH, loader, token_data
+from tests.helpers.models import BATCH, build, loader, reference_run, token_data
 
 pytestmark = pytest.mark.distributed  # starts processes: outside the fast lane
 
@@ -60,9 +60,23 @@ def _fit(world_size: int, family: str, **strategy) -> dict:
             "split over": sorted({name for name, spec in optimizer._splits.values() if spec is not None})}
 
 
+def _gpt(world_size: int) -> dict:
+    """The reference GPT's module with ``optimizer="muon"`` (``optim.name=muon`` in the recipes) at tp 2."""
+    module = build("gpt", optimizer="muon")
+    reference = reference_run(build("gpt", optimizer="muon"), token_data(STEPS, 1), STEPS, 1)
+    trainer = pl.Trainer(strategy=SeqParallelStrategy(tp=world_size), accelerator="cpu", devices=world_size,
+                         precision="64-true", max_epochs=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    trainer.fit(module, loader(token_data(STEPS, 1)))
+    names = {id(p): n for n, p in module.named_parameters()}
+    muon = [names[id(p)] for g in trainer.strategy.optimizers[0].param_groups if g["use_muon"] for p in g["params"]]
+    return {"reference": (reference.final_state, None), "state": trainer.strategy.full_state_dict(), "muon": muon,
+            "placed": trainer.strategy.optimizers[0]._mesh is trainer.strategy.mesh}
+
+
 def _runs(rank, world_size):
     if world_size == 2:
-        return {"pp2": _fit(2, "llama", pp=2)}
+        return {"pp2": _fit(2, "llama", pp=2), "gpt": _gpt(2)}
     return {"tp2_pp2": _fit(4, "llama", tp=2, pp=2), "moe": _fit(4, "qwen3_moe", tp=2, ep=2, expert_tp=2)}
 
 
@@ -85,6 +99,15 @@ def test_one_optimizer_muon_trains_as_one_process_under_pipelines_and_experts(ru
                 # other way here (its gradient a bit away); AdamW's first steps amplify the reductions' last bits
                 tolerance = 1e-3 if ".layers." in key and value.dim() >= 2 else 1e-6
                 assert (got - value).norm() <= tolerance * value.norm(), (case, key)
+    for run in two:  # the reference GPT's module, optim.name=muon: the layers' matrices (c_attn: fused q, k, v)
+        run = run["gpt"]
+        assert run["placed"]
+        assert sorted(run["muon"]) == sorted(f"gpt.transformer.h.{i}.{m}.weight" for i in range(2)
+                                             for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"))
+        want, _ = run["reference"]
+        for key, value in want.items():
+            tolerance = 1e-3 if ".h." in key and value.dim() >= 2 else 1e-6
+            assert (run["state"][key] - value).norm() <= tolerance * value.norm(), key
     assert all(r["pp2"]["split over"] == [] for r in two)
     assert all(r["tp2_pp2"]["split over"] == ["tp"] for r in four)
     assert all(r["moe"]["split over"] == ["etp", "tp"] for r in four)  # the experts' width over expert_tp
