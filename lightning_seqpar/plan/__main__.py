@@ -220,8 +220,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--precision", default="bf16-mixed", choices=["bf16-mixed", "bf16-true", "32-true"])
     parser.add_argument("--attention", default="eager", choices=["eager", "sdpa"],
                         help="the attention kernel the run uses (HFCausalLMModule's attn_implementation)")
-    parser.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd"],
-                        help="its state per parameter element (sgd: with momentum)")
+    parser.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd", "muon"],
+                        help="its state per parameter element (sgd: with momentum; muon: optim.name=muon, momentum on "
+                             "the layers' matrices and AdamW on the rest, zero=0)")
     parser.add_argument("--cp", type=_count("--cp", MAX_GPUS), nargs="+", default=None,
                         help="the context-parallel sizes to consider (default: every divisor of --gpus)")
     parser.add_argument("--cp-comm", default="ring", choices=["ring", "all_to_all"],

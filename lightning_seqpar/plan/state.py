@@ -32,7 +32,8 @@ Frozen parameters (``requires_grad=False``: LoRA's base) count as parameters onl
 param, no optimizer state (a frozen bf16 parameter costs its 2 bytes).
 
 AdamW (and Adam) also keeps a float32 ``step`` per parameter (4 bytes); SGD with momentum keeps one state
-(``momentum_buffer``) and no step (:data:`OPTIMIZER_STATES`). Bytes, exact: equal to what each rank holds after a step
+(``momentum_buffer``) and no step (:data:`OPTIMIZER_STATES`); Muon (``lightning_seqpar.optim.Muon``) its momentum on
+the layers' matrices and AdamW's states on the rest, ``zero=0`` only. Bytes, exact: equal to what each rank holds after a step
 (``tests/plan/test_state_bytes.py``, AdamW; ``tests/plan/test_planner.py``, SGD).
 """
 
@@ -46,9 +47,20 @@ from lightning_seqpar.pipeline_parallel.layout import Placement, StageLayout
 from lightning_seqpar.plan.inventory import ModelInventory, ParameterEntry
 
 PARAMETER_BYTES = {"32-true": 4, "bf16-mixed": 4, "bf16-true": 2, "64-true": 8}
-OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1}
-"""state tensors per parameter element: ``exp_avg`` and ``exp_avg_sq``; SGD's ``momentum_buffer``"""
+OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1, "muon": 1}
+"""state tensors per parameter element: ``exp_avg`` and ``exp_avg_sq``; SGD's ``momentum_buffer``; Muon's
+``momentum_buffer`` on its matrices (:func:`is_muon_matrix`; AdamW's two, and a step, on the rest)"""
 STEP_BYTES = 4
+MUON_BUFFERS = 4
+"""bfloat16 copies of this rank's Muon matrix elements its orthogonalisation holds at once, an estimate: the pieces
+sent to the owners, the assembled matrices and their results on the owner, the pieces sent back
+(:func:`~lightning_seqpar.optim.matrix_owners.process_whole`; each rank owns about 1/t of the matrices)"""
+
+
+def is_muon_matrix(entry: ParameterEntry) -> bool:
+    """Whether ``lightning_seqpar.optim.Muon`` (``optim.name=muon``) orthogonalises ``entry``: a matrix (two dims or
+    more) of a decoder layer (the embeddings and the head are AdamW's, :meth:`~lightning_seqpar.optim.Muon.matrices`)."""
+    return entry.part == "layer" and len(entry.shape) >= 2
 
 
 @dataclass(frozen=True)
@@ -121,6 +133,8 @@ def state_bytes(inventory: ModelInventory, tp: int, pp: int = 1, dp: int = 1, *,
         raise ValueError(f"precision={precision!r}: one of {sorted(PARAMETER_BYTES)}.")
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"optimizer={optimizer!r}: one of {sorted(OPTIMIZER_STATES)} (sgd: with momentum).")
+    if optimizer == "muon" and zero:
+        raise ValueError("zero=1 splits parameters into element ranges; Muon orthogonalises whole matrices: zero=0.")
     states, adam = OPTIMIZER_STATES[optimizer], optimizer.startswith("adam")
     element = PARAMETER_BYTES[precision]
     reduced = max(4, element)
@@ -136,6 +150,14 @@ def state_bytes(inventory: ModelInventory, tp: int, pp: int = 1, dp: int = 1, *,
     if zero == 0:
         bucketed = dp > 1 or (edp > 1 and any(e.expert for e in held))
         gradients = total * reduced + (total * element if element < reduced else 0) if bucketed else total * element
+        if optimizer == "muon":  # momentum on the matrices; AdamW's two states and a step on the rest
+            orthogonalised = sum(e.local_numel(tp, ep, expert_tp) for e in held if e.trainable and is_muon_matrix(e))
+            aux = [e.local_numel(tp, ep, expert_tp) for e in held if e.trainable and not is_muon_matrix(e)]
+            steps = STEP_BYTES * len(aux)
+            # AdamW one tensor at a time (its largest sqrt), the orthogonalisation's bfloat16 buffers
+            temporary = max(aux, default=0) * element + MUON_BUFFERS * 2 * orthogonalised
+            return StateBytes(parameters, gradients, 0, (orthogonalised + 2 * sum(aux)) * element + steps, steps,
+                              temporary, bucketed, total * element)
         return StateBytes(parameters, gradients, 0, states * total * element + steps, steps,
                           total * element if adam else 0, bucketed, total * element)
     owned = sum(stop - start for start, stop in (owned_range(n, d, r) for n, d, r in local))

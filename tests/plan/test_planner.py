@@ -248,16 +248,23 @@ def test_the_command_line_dry_run_prints_every_pipeline_rank(tmp_path, capsys):
     assert "built on the meta device" in out
 
 
+def _muon(model):
+    from lightning_seqpar.optim import Muon
+
+    return Muon(Muon.groups(model), lr=0.1)
+
+
 @pytest.mark.parametrize("name, make", [
-    ("sgd", lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9)),
-    ("adamw", lambda params: torch.optim.AdamW(params, lr=0.1)),
+    ("sgd", lambda model: torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)),
+    ("adamw", lambda model: torch.optim.AdamW(model.parameters(), lr=0.1)),
+    ("muon", _muon),  # momentum on the layers' matrices; AdamW's two states and a step on the rest
 ])
 def test_the_optimizer_s_state_is_what_it_keeps_after_a_step(name, make):
     from lightning_seqpar.plan import inventory_of_hf_model
     from tests.helpers.models import SEQ, VOCAB, build
 
     module = build("hf", labels=True)
-    optimizer = make(module.parameters())
+    optimizer = make(module.model)
     x = torch.randint(0, VOCAB, (2, SEQ))
     module.model(input_ids=x, labels=x).loss.backward()
     optimizer.step()
@@ -265,7 +272,29 @@ def test_the_optimizer_s_state_is_what_it_keeps_after_a_step(name, make):
                if torch.is_tensor(v))
     predicted = state_bytes(inventory_of_hf_model(module.model), 1, precision="32-true", optimizer=name)
     assert predicted.optimizer == held
-    assert predicted.temporary == (predicted.parameters if name == "adamw" else 0)  # exp_avg_sq.sqrt(); SGD none
+    if name != "muon":
+        assert predicted.temporary == (predicted.parameters if name == "adamw" else 0)  # exp_avg_sq.sqrt(); SGD none
+
+
+def test_muon_is_planned_without_zero_1_and_with_its_orthogonalisation_in_the_step(inventories):
+    records = plan(inventories["llama3-8b"], 16, 4096, 64, hardware=Hardware(memory=1e15), calibrate=False,
+                   optimizer="muon")
+    sharded = [r for r in records if r.zero]
+    why = "zero=1 splits parameters into element ranges; Muon orthogonalises whole matrices"
+    assert sharded and not any(r.feasible for r in sharded)
+    def layout(r):
+        return (r.tp, r.cp, r.pp, r.vpp, r.dp, r.micro_batch, r.recompute, r.ep, r.expert_tp, r.loss_chunk,
+                r.cp_comm)
+
+    passing = {layout(r) for r in records if not r.zero and r.bytes}  # zero=0 layouts past the layout rules
+    priced = [r for r in sharded if layout(r) in passing and r.pp == 1]
+    assert priced and all(r.reason == why for r in priced)  # where zero=0 passes the layout rules, Muon's is why
+    feasible = [r for r in records if r.feasible]
+    assert feasible and all(r.step_time["newton_schulz"] > 0 for r in feasible)
+    # a rank runs 1/t of its matrices' orthogonalisations: the time falls with t at equal pp
+    by_tp = {r.tp: r.step_time["newton_schulz"] for r in feasible if r.pp == 1 and r.cp == 1}
+    assert len(by_tp) > 1 and all(by_tp[a] > by_tp[b] for a in by_tp for b in by_tp if a < b)
+    assert all((r.step_time["muon_exchange"] > 0) == (r.tp > 1) for r in feasible)
 
 
 def test_an_unknown_optimizer_is_refused_by_name(inventories):
