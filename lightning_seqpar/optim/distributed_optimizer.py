@@ -41,6 +41,7 @@ from torch.optim import Optimizer
 
 from lightning_seqpar._compat import tensor_version, track_step_for_schedulers
 from lightning_seqpar.optim.grad_buckets import Replicas
+from lightning_seqpar.optim.muon import Muon
 from lightning_seqpar.optim.gradients import (
     _all_reduce_coalesced, by_group, norm_of_gradients, shared_over_stages, used_anywhere,
 )
@@ -72,7 +73,9 @@ class DistributedOptimizer(Optimizer):
     and ``zero_grad`` work on them as on the original; each step copies the settings into the inner optimizer.
 
     Args:
-        optimizer: an optimizer of a class in :data:`ELEMENTWISE`, holding no state yet.
+        optimizer: an optimizer of a class in :data:`ELEMENTWISE`, or Muon (``torch.optim.Muon``,
+            :class:`~lightning_seqpar.optim.Muon`: run as :meth:`~lightning_seqpar.optim.Muon.of_ranges`), holding no
+            state yet.
         mesh: the process mesh (the data-parallel group shards; tensor and pipeline groups finish the gradients).
         overlap: reduce-scatter buckets during backward (not under a pipeline schedule).
         main_params: for 16-bit parameters, update a float32 copy of this rank's ranges (Megatron-LM's main params,
@@ -80,19 +83,21 @@ class DistributedOptimizer(Optimizer):
             gradients reach the update in float32 as reduced. Without it a 16-bit parameter is updated in its dtype.
 
     Raises:
-        ValueError: an optimizer class not in :data:`ELEMENTWISE`, or one already holding state.
+        ValueError: an optimizer class not in :data:`ELEMENTWISE` nor Muon, or one already holding state.
     """
 
-    elementwise = True  # (it wraps only optimizers of ELEMENTWISE)
+    elementwise = True  # (exact on shards: it wraps element-wise optimizers, or Muon over whole matrices)
 
     def __init__(self, optimizer: Optimizer, mesh: ParallelMesh, overlap: bool = True, main_params: bool = False
                  ) -> None:
         kind = type(optimizer)
-        if kind not in ELEMENTWISE:
+        muon = isinstance(optimizer, (torch.optim.Muon, Muon))
+        if kind not in ELEMENTWISE and not muon:
             raise ValueError(
                 f"zero=1 splits every parameter into element ranges, one per data-parallel rank, which is exact only "
-                f"for optimizers that update each element on its own ({', '.join(c.__name__ for c in ELEMENTWISE)}); "
-                f"{kind.__name__} is not one of them. Use zero=0, or one of those optimizers.")
+                f"for optimizers that update each element on its own ({', '.join(c.__name__ for c in ELEMENTWISE)}) "
+                f"and for Muon (its matrices gathered whole); {kind.__name__} is not one of them. Use zero=0, or one "
+                f"of those optimizers.")
         if optimizer.state:
             raise ValueError(f"zero=1 shards a fresh optimizer; this {kind.__name__} already holds state. "
                              f"Return a new optimizer from configure_optimizers.")
@@ -114,7 +119,12 @@ class DistributedOptimizer(Optimizer):
         inner_groups = [{**{k: v for k, v in g.items() if k != "params"},
                          "params": [self._pieces[id(p)] for p in g["params"] if id(p) in self._pieces]}
                         for g in self.param_groups]
-        self.inner = kind(inner_groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
+        if muon:  # element-wise momentum on the ranges; each matrix's ranges gathered whole to orthogonalise it
+            ranges = {id(self._pieces[id(p)]): (p, placement_of(p).replicated_over) for p in params}
+            self.inner = Muon.of_ranges([{**g, "use_muon": g.get("use_muon", True)} for g in inner_groups], ranges,
+                                        mesh)
+        else:
+            self.inner = kind(inner_groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
 
     def _group(self, param: nn.Parameter) -> Any:
         """The group ``param``'s element ranges are split over (its replicas)."""

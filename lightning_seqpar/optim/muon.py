@@ -18,9 +18,12 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 import torch.nn as nn
+from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim.adamw import adamw
 
+from lightning_seqpar.optim.matrix_owners import Matrix, owners
+from lightning_seqpar.optim.range_owners import gather_ranges, scatter_ranges
 from lightning_seqpar.optim.sharded_muon import adjusted_lr, matrix_split, momentum_update, orthogonalised
 
 _NS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's coefficients
@@ -69,6 +72,20 @@ class Muon(Optimizer):
         self.newton_schulz_runs = 0
         self._mesh: Any = None
         self._splits: dict[int, Any] = {}
+        self._ranges: dict[int, tuple[nn.Parameter, str]] = {}
+
+    @classmethod
+    def of_ranges(cls, groups: list[dict[str, Any]], ranges: dict[int, tuple[nn.Parameter, str]], mesh: Any) -> "Muon":
+        """The optimizer ``zero=1`` steps (:class:`~lightning_seqpar.optim.DistributedOptimizer`): ``groups`` (each
+        with every setting, ``use_muon`` included) over this rank's flat element ranges, ``ranges`` mapping each
+        range's ``id`` to its parameter and the data-parallel group its ranges are split over. A matrix's ranges are
+        brought to one owner of that group (:mod:`~lightning_seqpar.optim.range_owners`), orthogonalised whole over
+        its tensor-parallel split there, and the result's ranges sent back."""
+        optimizer = cls.__new__(cls)
+        Optimizer.__init__(optimizer, groups, {"use_muon": True})
+        optimizer.newton_schulz_runs, optimizer._mesh, optimizer._ranges = 0, mesh, dict(ranges)
+        optimizer._splits = {id(param): matrix_split(param, mesh) for param, _ in ranges.values()}
+        return optimizer
 
     @staticmethod
     def matrices(model: nn.Module) -> list[nn.Parameter]:
@@ -121,7 +138,7 @@ class Muon(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        entries, owners = [], []
+        entries, settings_of = [], []
         for group in self.param_groups:
             if not group["use_muon"]:
                 self._adamw(group)
@@ -131,14 +148,49 @@ class Muon(Optimizer):
                 if p.grad is not None:
                     entries.append((p, momentum_update(self.state[p], p, group["momentum"], group["nesterov"]),
                                     settings))
-                    owners.append(group)
-        splits = self._splits if self._mesh is not None else {}
-        for (p, _, _), group, orthogonal in zip(entries, owners, orthogonalised(entries, splits, self._mesh,
-                                                                                 self._count)):
+                    settings_of.append(group)
+        if self._ranges:
+            results = self._orthogonalised_ranges(entries)
+            params = [self._ranges[id(p)][0] for p, _, _ in entries]
+        else:
+            results = orthogonalised(entries, self._splits if self._mesh is not None else {}, self._mesh, self._count)
+            params = [p for p, _, _ in entries]
+        for (p, _, _), param, group, orthogonal in zip(entries, params, settings_of, results):
             lr = float(group["lr"])
             p.mul_(1 - lr * group["weight_decay"])
-            p.add_(orthogonal, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], p))
+            p.add_(orthogonal, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], param))
         return loss
+
+    def _orthogonalised_ranges(self, entries: list[tuple[Tensor, Tensor, tuple]]) -> list[Tensor]:
+        """The orthogonalised update of each range of ``entries`` (``(range, its update, settings)``): the ranges of
+        each matrix gathered to an owner of its data-parallel group (chosen from the shapes, the same on its
+        tensor-parallel peers, which own the same matrices), orthogonalised there over the matrix's tensor-parallel
+        split, the result's ranges sent back. Collective: every data-parallel group in its name's order, each way."""
+        by_group: dict[str, list[int]] = {}
+        for k, (piece, _, _) in enumerate(entries):
+            by_group.setdefault(self._ranges[id(piece)][1], []).append(k)
+        owned: dict[int, Tensor] = {}
+        plans = {}
+        for name in sorted(by_group):
+            ks, group = by_group[name], self._mesh.group(name)
+            params = [self._ranges[id(entries[k][0])][0] for k in ks]
+            owner = owners([Matrix(p.detach(), None) for p in params], group.size)
+            plans[name] = (ks, group, params, owner)
+            got = gather_ranges([entries[k][1] for k in ks], [p.numel() for p in params], group, owner,
+                                torch.bfloat16)
+            owned.update({ks[j]: whole.view(params[j].shape) for j, whole in got.items()})
+        mine = sorted(owned)
+        results = dict(zip(mine, orthogonalised(
+            [(self._ranges[id(entries[k][0])][0], owned[k], entries[k][2]) for k in mine], self._splits, self._mesh,
+            self._count)))
+        out: list[Tensor] = [torch.empty(0)] * len(entries)
+        for name in sorted(plans):
+            ks, group, params, owner = plans[name]
+            back = scatter_ranges({j: results[k] for j, k in enumerate(ks) if k in results},
+                                  [p.numel() for p in params], group, owner, torch.bfloat16, entries[0][0].device)
+            for k, piece in zip(ks, back):
+                out[k] = piece
+        return out
 
     def _adamw(self, group: dict[str, Any]) -> None:
         params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []

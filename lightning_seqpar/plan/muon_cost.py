@@ -25,8 +25,13 @@ def newton_schulz_flops(n: int, m: int, steps: int = NS_STEPS) -> float:
     return float(steps * (4 * k * k * l + 2 * k ** 3))
 
 
-def muon_step_cost(entries: Iterable[ParameterEntry], tp: int, ep: int = 1, expert_tp: int = 1) -> tuple[float, float]:
-    """``(FLOPs, bytes sent)`` of one rank's Muon step over ``entries`` (the parameters it holds; see the module)."""
+def muon_step_cost(entries: Iterable[ParameterEntry], tp: int, ep: int = 1, expert_tp: int = 1,
+                   data: int = 1) -> tuple[float, float]:
+    """``(FLOPs, bytes sent)`` of one rank's Muon step over ``entries`` (the parameters it holds; see the module).
+    ``data``: under ``zero=1``, the data-parallel ranks (``d·c``) whose element ranges of each matrix one of them
+    gathers first (:mod:`~lightning_seqpar.optim.range_owners`): a rank then runs ``1/(g·d)`` of the
+    orthogonalisations (an expert's, ``1/(etp·edp)``), and sends ``2·(d − 1)·n/d²`` bfloat16 elements of each
+    ``n``-element shard besides its ``1/d`` share of the tensor-parallel exchange."""
     flops = sent = 0.0
     for e in entries:
         if not (e.trainable and is_muon_matrix(e)):
@@ -38,9 +43,12 @@ def muon_step_cost(entries: Iterable[ParameterEntry], tp: int, ep: int = 1, expe
         if e.expert:
             group = expert_tp if e.split == "expert_width" else 1
             matrices, full = matrices // ep, full // ep
+            replicas = max(1, tp * data // (ep * expert_tp)) if data > 1 else 1
         else:
-            group = tp
-        flops += matrices * newton_schulz_flops(*e.shape[-2:]) / group
+            group, replicas = tp, data
+        flops += matrices * newton_schulz_flops(*e.shape[-2:]) / (group * replicas)
         split = e.split in ("column", "row", "expert_width")
-        sent += (2 * (group - 1) * full / group ** 2 if split else (group - 1) * full / group) * 2
+        sent += (2 * (group - 1) * full / group ** 2 if split else (group - 1) * full / group) * 2 / replicas
+        shard = full / group if split else full
+        sent += 2 * (replicas - 1) * shard / replicas ** 2 * 2
     return flops, sent

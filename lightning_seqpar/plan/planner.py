@@ -79,8 +79,8 @@ def plan(inventory: ModelInventory, gpus: int, seq_len: int, global_batch: int, 
         fits: the probes' cache, shared between calls (its own when not given), for any models: a fit is keyed by
             the model's config (:attr:`~.inventory.ModelInventory.probe_key`) and the layout.
         optimizer: ``adamw`` (the default), ``adam``, ``sgd`` (with momentum): its state per parameter element;
-            ``muon`` (``optim.name=muon``): momentum on the layers' matrices, AdamW on the rest, ``zero=0`` only,
-            its Newton–Schulz FLOPs and gather traffic in the step (:mod:`.muon_cost`).
+            ``muon`` (``optim.name=muon``): momentum on the layers' matrices, AdamW on the rest, its Newton–Schulz
+            FLOPs and gather traffic in the step (:mod:`.muon_cost`).
         per_rank_batch: ``global_batch`` is per data-parallel rank (a Lightning loader's batch): each layout's global
             batch is ``global_batch × dp``.
         context_parallel: the context-parallel sizes c to consider (``None``: every divisor of the GPUs), with
@@ -224,8 +224,6 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
               fits: Optional[dict[tuple, Any]] = None, optimizer: str = "adamw") -> None:
     """Fill ``record``: the rules' verdict, then its peak bytes, FLOPs, traffic and step time, and whether it fits."""
     record.reason = layout_rule(record, inventory, s, global_batch, hardware)
-    if record.reason is None and record.zero and optimizer == "muon":
-        record.reason = "zero=1 splits parameters into element ranges; Muon orthogonalises whole matrices"
     if record.reason is None and record.pp > 1:
         record.reason = chunks_rule(schedule, record.vpp)
     if record.reason is not None:
@@ -260,7 +258,7 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
                        record.bubble,
                        optimizer_elements=dense + experts, elementwise=work)
     if optimizer == "muon":  # Newton-Schulz on the owned matrices, nominal; their pieces within the tp group
-        ns, sent = muon_step_cost(held, tp, record.ep, record.expert_tp)
+        ns, sent = muon_step_cost(held, tp, record.ep, record.expert_tp, dp * cp if record.zero else 1)
         times["newton_schulz"] = ns / (hardware.efficiency * hardware.peak_flops)
         times["muon_exchange"] = sent / hardware.intra_node_bandwidth
     compute = times["compute"]

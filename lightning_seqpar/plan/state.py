@@ -33,7 +33,7 @@ param, no optimizer state (a frozen bf16 parameter costs its 2 bytes).
 
 AdamW (and Adam) also keeps a float32 ``step`` per parameter (4 bytes); SGD with momentum keeps one state
 (``momentum_buffer``) and no step (:data:`OPTIMIZER_STATES`); Muon (``lightning_seqpar.optim.Muon``) its momentum on
-the layers' matrices and AdamW's states on the rest, ``zero=0`` only. Bytes, exact: equal to what each rank holds after a step
+the layers' matrices and AdamW's states on the rest (under ``zero=1`` on the owned ranges too). Bytes, exact: equal to what each rank holds after a step
 (``tests/plan/test_state_bytes.py``, AdamW; ``tests/plan/test_planner.py``, SGD).
 """
 
@@ -133,8 +133,6 @@ def state_bytes(inventory: ModelInventory, tp: int, pp: int = 1, dp: int = 1, *,
         raise ValueError(f"precision={precision!r}: one of {sorted(PARAMETER_BYTES)}.")
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"optimizer={optimizer!r}: one of {sorted(OPTIMIZER_STATES)} (sgd: with momentum).")
-    if optimizer == "muon" and zero:
-        raise ValueError("zero=1 splits parameters into element ranges; Muon orthogonalises whole matrices: zero=0.")
     states, adam = OPTIMIZER_STATES[optimizer], optimizer.startswith("adam")
     element = PARAMETER_BYTES[precision]
     reduced = max(4, element)
@@ -160,9 +158,19 @@ def state_bytes(inventory: ModelInventory, tp: int, pp: int = 1, dp: int = 1, *,
                               temporary, bucketed, total * element)
         return StateBytes(parameters, gradients, 0, states * total * element + steps, steps,
                           total * element if adam else 0, bucketed, total * element)
-    owned = sum(stop - start for start, stop in (owned_range(n, d, r) for n, d, r in local))
+    ranges = [stop - start for start, stop in (owned_range(n, d, r) for n, d, r in local)]
+    owned = sum(ranges)
     main = 4 if main_params and element < 4 else 0
     # d = 1: the reduced range is the bucket itself
     gradients = sum((d + 1 if d > 1 else 1) * -(-n // d) for n, d, _ in local) * reduced
+    if optimizer == "muon":  # momentum on the matrices' ranges, AdamW's two states and a step on the others'
+        trainable = [e for e in held if e.trainable]
+        orthogonalised = sum(k for k, e in zip(ranges, trainable) if is_muon_matrix(e))
+        aux = [k for k, e in zip(ranges, trainable) if not is_muon_matrix(e)]
+        steps = STEP_BYTES * len(aux)
+        temporary = max(aux, default=0) * (main or element) + MUON_BUFFERS * 2 * sum(
+            e.local_numel(tp, ep, expert_tp) for e in trainable if is_muon_matrix(e)) // max(1, dp)
+        return StateBytes(parameters, gradients, owned * main, (orthogonalised + 2 * sum(aux)) * (main or element)
+                          + steps, steps, temporary, True, total * element)
     return StateBytes(parameters, gradients, owned * main, states * owned * (main or element) + steps, steps,
                       owned * (main or element) if adam else 0, True, total * element)

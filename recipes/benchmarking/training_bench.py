@@ -21,10 +21,11 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from lightning_seqpar.parallel.collectives import CommunicationLog
 from recipes.benchmarking.comm_counter import CollectiveCounter
 from recipes.benchmarking.processes import run_on_processes, worker_device
 
-KINDS = ("all_reduce", "reduce_scatter", "all_gather", "send")
+KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all_v", "send")
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,8 @@ class Row:
     pp: int = 1
     dp: int = 1
     zero: int = 0
+    optimizer: str = "adamw"
+    """``"muon"``: ``optim.name=muon`` (Muon over the layers' matrices, AdamW over the rest)"""
 
     @property
     def world(self) -> int:
@@ -47,11 +50,13 @@ class Row:
         parts.append(f"tp {self.tp}")
         if self.dp > 1:
             parts.append(f"dp {self.dp}" + (f" zero {self.zero}" if self.library == "lightning_seqpar" else " FSDP2"))
-        return " x ".join(parts)
+        return " x ".join(parts) + (f", {self.optimizer}" if self.optimizer != "adamw" else "")
 
 
 ROWS = (Row("lightning_seqpar", 2), Row("lightning_seqpar", 2, dp=2, zero=0), Row("lightning_seqpar", 2, dp=2, zero=1),
-        Row("lightning_seqpar", 2, pp=2), Row("torch-native", 2), Row("torch-native", 2, dp=2))
+        Row("lightning_seqpar", 2, pp=2), Row("lightning_seqpar", 2, optimizer="muon"),
+        Row("lightning_seqpar", 2, dp=2, optimizer="muon"), Row("lightning_seqpar", 2, pp=2, optimizer="muon"),
+        Row("torch-native", 2), Row("torch-native", 2, dp=2))
 
 
 @dataclass
@@ -87,6 +92,9 @@ class _Measure:
     def __init__(self, cfg: dict[str, Any], device: torch.device) -> None:
         self.cfg, self.device, self.times, self.counter = cfg, device, [], None
         self._start = 0.0
+        self.exchanges: Optional[CommunicationLog] = None
+        """the tensor-parallel group's own log over the counted step (Muon's all_to_all_v, which the dispatch-level
+        counter does not split by destination)"""
 
     def begin(self, step: int) -> None:
         if step == self.cfg["warmup"] + self.cfg["iters"]:
@@ -110,8 +118,9 @@ class _Measure:
         assert self.counter is not None
         step = statistics.median(self.times)
         log = self.counter.log
-        sent = {kind: log.bytes_moved(kind) for kind in KINDS if kind != "send"}
+        sent = {kind: log.bytes_moved(kind) for kind in KINDS if kind not in ("send", "all_to_all_v")}
         sent["send"] = self.counter.sent_bytes
+        sent["all_to_all_v"] = self.exchanges.bytes_moved("all_to_all_v") if self.exchanges is not None else 0
         return TrainingResult(row.library, row.layout, row.world, self.cfg["global_batch"] * self.cfg["s"] / step,
                               1e3 * step, 1e3 * self.counter.seconds, sent)
 
@@ -127,10 +136,13 @@ def _ours(row: Row, cfg: dict[str, Any], device: torch.device, out_dir: str) -> 
 
     class Callback(pl.Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx == cfg["warmup"] + cfg["iters"]:  # the counted step
+                measure.exchanges = trainer.strategy.mesh.group("tp").log = CommunicationLog()
             measure.begin(batch_idx)
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             measure.end(batch_idx)
+            trainer.strategy.mesh.group("tp").log = None
 
     steps = cfg["warmup"] + cfg["iters"] + 1
     strategy = SeqParallelStrategy(tp=row.tp, pp=row.pp, zero=row.zero)
@@ -141,7 +153,7 @@ def _ours(row: Row, cfg: dict[str, Any], device: torch.device, out_dir: str) -> 
     config = GPTConfig(block_size=cfg["s"], vocab_size=cfg["vocab_size"], n_layer=cfg["n_layer"],
                        n_head=cfg["n_head"], n_embd=cfg["n_embd"], dropout=0.0, bias=True)
     torch.manual_seed(0)
-    module = GPTLightningModule(config, learning_rate=1e-4)
+    module = GPTLightningModule(config, learning_rate=1e-4, optimizer=row.optimizer)
     trainer.fit(module, _Loader(cfg, row, steps))
     if trainer.global_rank == 0:
         (Path(out_dir) / "result.pkl").write_bytes(pickle.dumps(asdict(measure.result(row))))

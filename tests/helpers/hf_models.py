@@ -72,7 +72,7 @@ class HFCausalLM(pl.LightningModule):
                  kv_heads: int = 2, bias: bool = False, tie: bool = False, layers: int = 2, padding: bool = False,
                  position_offset: int = 0, parallel_residual: bool = True, qk_norm: bool = False,
                  ignored_labels: str = "", documents: bool = False, lora: str = "", aux: float = 0.0,
-                 freeze_router: bool = False) -> None:
+                 freeze_router: bool = False, optimizer: str = "adamw") -> None:
         super().__init__()
         import transformers
 
@@ -161,7 +161,7 @@ class HFCausalLM(pl.LightningModule):
             targets, init = LORA[lora]
             self.model = get_peft_model(self.model, LoraConfig(r=2, lora_alpha=4, target_modules=targets,
                                                                init_lora_weights=init))
-        self.labels = labels
+        self.labels, self.optimizer = labels, optimizer
         self.padding, self.position_offset = padding, position_offset
         self.ignored_labels, self.documents = ignored_labels, documents
 
@@ -221,4 +221,8 @@ class HFCausalLM(pl.LightningModule):
         self.log("val/loss", self.compute_loss(*batch), sync_dist=True)
 
     def configure_optimizers(self):
+        if self.optimizer == "muon":  # lightning_seqpar.optim.Muon: the layers' matrices, AdamW over the rest
+            from lightning_seqpar.optim import Muon
+
+            return Muon(Muon.groups(self.model), lr=1e-2)
         return torch.optim.AdamW(self.parameters(), lr=1e-2)

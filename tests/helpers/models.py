@@ -142,8 +142,10 @@ class Recorder(pl.Callback):
         strategy = trainer.strategy
         mesh = strategy.mesh if isinstance(strategy, SeqParallelStrategy) else None
         distributed = isinstance(getattr(optimizer, "optimizer", optimizer), DistributedOptimizer)
+        # (this optimizer's parameters: a module may step several)
+        own = [p for group in optimizer.param_groups for p in group["params"]]
         if distributed:  # zero=1: the gradients are the optimizer's element ranges; assembled for the comparison
-            for p in pl_module.parameters():
+            for p in own:
                 g = optimizer.gathered_gradient(p)  # float32 under fp32 main params
                 p.grad = None if g is None else g.to(p.dtype)
         self.grads.append(merge_over_stages(full_gradients(pl_module, mesh), mesh.pipeline) if mesh else
@@ -151,7 +153,7 @@ class Recorder(pl.Callback):
         self.replicated.append({n: p.grad.detach().clone() for n, p in pl_module.named_parameters()
                                 if p.grad is not None and shard_spec(p) is None})
         if distributed:
-            for p in pl_module.parameters():
+            for p in own:
                 p.grad = None
 
 

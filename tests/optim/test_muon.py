@@ -1,6 +1,6 @@
 """Optimizers that read whole matrices, under the strategy: ``torch.optim.Muon`` beside AdamW (torch's recommended
-split, manual optimization as users write it) trains under tp 2, tp 2 × dp 2 and a mixture's tp 2 × ep 2 exactly as
-one process does; each matrix is orthogonalised once per step, and the pieces moved are the formula's bytes.
+split, manual optimization as users write it) trains under tp 2, tp 2 × dp 2 (zero 0 and 1) and a mixture's
+tp 2 × ep 2 exactly as one process does; each matrix is orthogonalised once per step, and the pieces moved are the formula's bytes.
 Optimizers that are not element-wise are refused on split parameters and kept where every rank holds whole ones."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from torch.utils.data import DistributedSampler
 from lightning_seqpar import SeqParallelStrategy
 from lightning_seqpar.checkpoint.full_state import full_gradients
 from lightning_seqpar.optim.matrix_owners import Matrix, exchange_bytes
+from lightning_seqpar.optim import DistributedOptimizer, Muon
 from lightning_seqpar.optim.sharded_muon import ShardedMuon, matrix_split
 from lightning_seqpar.parallel import CommunicationLog
 from tests.helpers.distributed import run_distributed
@@ -30,8 +31,8 @@ class MuonLM(HFCausalLM):
     """A user's module: Muon over the layers' matrices, AdamW over the rest (embeddings, head, norms, experts' 3-D
     stacks), stepped by hand."""
 
-    def __init__(self, family: str = "llama", optimizer: str = "muon") -> None:
-        super().__init__(family=family, labels=True)
+    def __init__(self, family: str = "llama", optimizer: str = "muon", kv_heads: int = 2) -> None:
+        super().__init__(family=family, labels=True, kv_heads=kv_heads)
         self.automatic_optimization = False
         self.optimizer = optimizer
 
@@ -94,11 +95,21 @@ class _Watch(pl.Callback):
         self.shadow = torch.optim.Muon(self.params, **muon.defaults)
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        if isinstance(optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer, ShardedMuon):
-            grads = full_gradients(pl_module, trainer.strategy.mesh)
-            for name, p in zip(self.names, self.params):
-                p.grad = grads[name].clone()
-            self.shadow.step()
+        optimizer = optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer
+        if optimizer is not trainer.strategy.optimizers[0]:
+            return
+        distributed = isinstance(optimizer, DistributedOptimizer)
+        mine = optimizer.param_groups[0]["params"]
+        if distributed:  # zero=1: each data-parallel rank holds a range of the gradient; assembled for the shadow
+            for p in mine:
+                p.grad = optimizer.gathered_gradient(p)
+        grads = full_gradients(pl_module, trainer.strategy.mesh)
+        if distributed:
+            for p in mine:
+                p.grad = None
+        for name, p in zip(self.names, self.params):
+            p.grad = grads[name].clone()
+        self.shadow.step()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         full = trainer.strategy.full_state_dict()
@@ -120,6 +131,7 @@ def _fit(world_size: int, family: str, **strategy) -> dict:
                          callbacks=[watch])
     trainer.fit(module, loader(token_data(STEPS, dp)))
     muon = trainer.strategy.optimizers[0]
+    zero = isinstance(muon, DistributedOptimizer)
     mesh = trainer.strategy.mesh
     matrices: dict[str, list] = {}
     for p in muon.param_groups[0]["params"]:
@@ -128,7 +140,8 @@ def _fit(world_size: int, family: str, **strategy) -> dict:
     expected = {name: STEPS * exchange_bytes(found, mesh.group(name).size if name else 1, 2)
                 for name, found in matrices.items() if name}
     return {"losses": watch.losses, "apart": watch.apart, "reference": reference, "state": trainer.strategy.full_state_dict(),
-            "sharded": isinstance(muon, ShardedMuon), "runs": getattr(muon, "newton_schulz_runs", None),
+            "sharded": isinstance(muon.inner if zero else muon, (ShardedMuon, Muon)), "zero": int(zero),
+            "runs": (muon.inner if zero else muon).newton_schulz_runs,
             "matrices": len(muon.param_groups[0]["params"]), "tp": mesh.group("tp").size,
             "moved": {name: log.bytes_moved("all_to_all_v") for name, log in watch.logs.items()},
             "exchanges": {name: log.count("all_to_all_v") for name, log in watch.logs.items()},
@@ -150,7 +163,8 @@ def _adafactor(world_size: int, tp: int) -> str:
 def _runs(rank, world_size):
     if world_size == 2:
         return {"tp2": _fit(2, "llama", tp=2), "adafactor tp2": _adafactor(2, 2), "adafactor dp2": _adafactor(2, 1)}
-    return {"tp2_dp2": _fit(4, "llama", tp=2), "tp2_ep2": _fit(4, "qwen3_moe", tp=2, ep=2)}
+    return {"tp2_dp2": _fit(4, "llama", tp=2), "tp2_ep2": _fit(4, "qwen3_moe", tp=2, ep=2),
+            "tp2_dp2_zero1": _fit(4, "llama", tp=2, zero=1)}
 
 
 @pytest.fixture(scope="module")
@@ -166,6 +180,7 @@ def _cases(runs):
     for rank, ranks in enumerate(four):
         yield "tp2_dp2", rank, ranks["tp2_dp2"]
         yield "tp2_ep2", rank, ranks["tp2_ep2"]
+        yield "tp2_dp2_zero1", rank, ranks["tp2_dp2_zero1"]
 
 
 def test_muon_with_adamw_trains_as_one_process(runs):
@@ -191,26 +206,34 @@ def test_each_step_equals_torch_muon_on_the_gathered_matrices_bit_for_bit(runs):
         assert run["apart"] == [0.0] * STEPS, case
 
 
+def _replicas(run) -> int:
+    """How many times each matrix is orthogonalised per step: once per model replica (its tensor-parallel ranks
+    together), or once in all under zero=1, where the data-parallel ranks share the matrices out too."""
+    return 1 if run["zero"] else len(run["everyone"]) // run["tp"]
+
+
 def test_each_matrix_is_orthogonalised_once_per_step(runs):
     for case, rank, run in _cases(runs):
-        if rank >= run["tp"]:
-            continue  # one model replica: its tensor-parallel ranks together
-        replica = [r for c, k, r in _cases(runs) if c == case and k < run["tp"]]
-        assert sum(r["runs"] for r in replica) == STEPS * run["matrices"], case
-        assert all(r["runs"] < STEPS * run["matrices"] for r in replica), case  # spread over the ranks
+        if rank:
+            continue
+        every = [r for c, _, r in _cases(runs) if c == case]
+        run = dict(run, everyone=every)
+        assert sum(r["runs"] for r in every) == _replicas(run) * STEPS * run["matrices"], case
+        assert all(r["runs"] < STEPS * run["matrices"] for r in every), case  # spread over the ranks
 
 
 def test_the_pieces_moved_are_the_formula(runs):
-    for case, _, run in _cases(runs):
+    for case, rank, run in _cases(runs):
         assert run["expected"], case
         for name, expected in run["expected"].items():
-            # two all_to_all_v per step and group; the bytes leaving every rank of the group, in all, are the formula's
+            # two all_to_all_v per step and group (under zero=1 the data-parallel group's two more are its own)
             assert run["exchanges"][name] == 2 * STEPS, (case, name)
-        for name in run["expected"]:
-            group = [r for c, _, r in _cases(runs) if c == case]
-            tp = run["tp"]
-            total = sum(r["moved"][name] for r in group[:tp])  # one tensor-parallel group
-            assert total == run["expected"][name], (case, name)
+        if rank:
+            continue
+        every = [r for c, _, r in _cases(runs) if c == case]
+        run = dict(run, everyone=every)
+        for name in run["expected"]:  # the bytes leaving every rank of every group, in all, are the formula's
+            assert sum(r["moved"][name] for r in every) == _replicas(run) * run["expected"][name], (case, name)
 
 
 def test_an_optimizer_that_is_not_element_wise_is_refused_on_shards_and_kept_on_whole_parameters(runs):

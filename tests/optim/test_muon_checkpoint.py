@@ -1,6 +1,7 @@
 """Muon's momentum in a sharded checkpoint: saved at tp 2, resumed at tp 1 (one process, and two data-parallel
-replicas): the buffers come back as the single-device ones, bit for bit (shaped like the shards, they are resharded as
-AdamW's moments are), and the run continues the uninterrupted one-process curve."""
+replicas) and tp 4: the buffers come back as the single-device ones, bit for bit (shaped like the shards, they are
+resharded as AdamW's moments are); saved under zero=1 (element ranges), resumed at tp 1 and tp 4; every run continues
+the uninterrupted one-process curve."""
 
 from __future__ import annotations
 
@@ -39,31 +40,35 @@ class _Momentum(pl.Callback):
 
 class _Watched(MuonLM):
     def __init__(self) -> None:
-        super().__init__("llama")
+        super().__init__("llama", kv_heads=4)  # four key/value heads: tp 4 splits them
         self.watch = _Momentum()
 
     def configure_callbacks(self):
         return [self.watch]
 
 
-def _run(rank, world, tp, epochs, directory, resume):
+def _run(rank, world, tp, epochs, directory, resume, zero=0):
     torch.manual_seed(0)
     module = _Watched()
-    losses = train_epochs(rank, world, SeqParallelStrategy(tp=tp), module, epochs, directory, resume)
+    losses = train_epochs(rank, world, SeqParallelStrategy(tp=tp, zero=zero), module, epochs, directory, resume)
     return losses, module.watch.seen
 
 
 def test_muon_resumes_under_another_layout_with_its_momentum_on_the_one_process_curve(tmp_path):
     torch.manual_seed(0)
-    reference = reference_epochs(MuonLM("llama"), 2)
-    first, saved = run_distributed(_run, 2, 2, 1, str(tmp_path), None)[0]
+    reference = reference_epochs(MuonLM("llama", kv_heads=4), 2)
+    first, saved = run_distributed(_run, 2, 2, 1, str(tmp_path / "tp2"), None)[0]
+    first_zero1, _ = run_distributed(_run, 4, 2, 1, str(tmp_path / "zero1"), None, 1)[0]
     assert len(saved["end"]) == 14  # every matrix has its buffer
-    for world, tp in ((1, 1), (2, 1)):
-        resumed, loaded = run_distributed(_run, world, tp, 2, "", str(tmp_path / "last.ckpt"))[0]
+    for source, world, tp in (("tp2", 1, 1), ("tp2", 2, 1), ("tp2", 4, 4), ("zero1", 1, 1), ("zero1", 4, 4)):
+        resumed, loaded = run_distributed(_run, world, tp, 2, "", str(tmp_path / source / "last.ckpt"))[0]
         assert loaded["start"].keys() == saved["end"].keys()
         for name, buffer in saved["end"].items():
-            torch.testing.assert_close(loaded["start"][name], buffer, rtol=0, atol=0, msg=name)
-        got = first + resumed
+            if source == "tp2":  # written and read back: bit for bit
+                torch.testing.assert_close(loaded["start"][name], buffer, rtol=0, atol=0, msg=name)
+            else:  # another run's ranges (zero=1, tp 2 x dp 2) of the same curve
+                assert (loaded["start"][name] - buffer).norm() <= 1e-6 * buffer.norm(), name
+        got = (first if source == "tp2" else first_zero1) + resumed
         assert len(got) == len(reference) == 2 * EPOCH_STEPS
         for g, w in zip(got, reference):
-            assert abs(g - w) <= 1e-6 * abs(w), (world, tp, got, reference)
+            assert abs(g - w) <= 1e-6 * abs(w), (source, world, tp, got, reference)

@@ -1,5 +1,5 @@
 """``lightning_seqpar.optim.Muon`` (Muon with auxiliary AdamW, one optimizer, automatic optimization): the path to
-Muon under pipeline parallelism. Under pp 2, tp 2 × pp 2 and a mixture's tp 2 × ep 2 × expert_tp 2 (experts' 3-D weights orthogonalised expert by
+Muon under pipeline parallelism. Under pp 2, tp 2 × pp 2, tp 2 × dp 2 with zero=1 and a mixture's tp 2 × ep 2 × expert_tp 2 (experts' 3-D weights orthogonalised expert by
 expert, their width split over expert_tp) it trains as one process does, each matrix orthogonalised once per step."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import DistributedSampler
 
 from lightning_seqpar import SeqParallelStrategy
-from lightning_seqpar.optim import Muon
+from lightning_seqpar.optim import DistributedOptimizer, Muon
 from tests.helpers.distributed import run_distributed
 from tests.helpers.hf_models import HFCausalLM
 from tests.helpers.models import BATCH, build, loader, reference_run, token_data
@@ -55,6 +55,7 @@ def _fit(world_size: int, family: str, **strategy) -> dict:
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
     trainer.fit(module, loader(token_data(STEPS, dp)))
     optimizer = trainer.strategy.optimizers[0]
+    optimizer = optimizer.inner if isinstance(optimizer, DistributedOptimizer) else optimizer  # zero=1: its ranges'
     return {"reference": reference, "state": trainer.strategy.full_state_dict(), "runs": optimizer.newton_schulz_runs,
             "placed": optimizer._mesh is trainer.strategy.mesh,
             "split over": sorted({name for name, spec in optimizer._splits.values() if spec is not None})}
@@ -77,7 +78,8 @@ def _gpt(world_size: int) -> dict:
 def _runs(rank, world_size):
     if world_size == 2:
         return {"pp2": _fit(2, "llama", pp=2), "gpt": _gpt(2)}
-    return {"tp2_pp2": _fit(4, "llama", tp=2, pp=2), "moe": _fit(4, "qwen3_moe", tp=2, ep=2, expert_tp=2)}
+    return {"tp2_pp2": _fit(4, "llama", tp=2, pp=2), "moe": _fit(4, "qwen3_moe", tp=2, ep=2, expert_tp=2),
+            "zero1": _fit(4, "llama", tp=2, zero=1)}
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +89,7 @@ def runs():
 
 def test_one_optimizer_muon_trains_as_one_process_under_pipelines_and_experts(runs):
     two, four = runs
-    cases = [("pp2", two), ("tp2_pp2", four), ("moe", four)]
+    cases = [("pp2", two), ("tp2_pp2", four), ("moe", four), ("zero1", four)]
     for case, ranks in cases:
         for run in ranks:
             run = run[case]
@@ -112,6 +114,6 @@ def test_one_optimizer_muon_trains_as_one_process_under_pipelines_and_experts(ru
     assert all(r["tp2_pp2"]["split over"] == ["tp"] for r in four)
     assert all(r["moe"]["split over"] == ["etp", "tp"] for r in four)  # the experts' width over expert_tp
     # a dense model's replica (its pipeline stages and tensor-parallel ranks together) runs each matrix once a step
-    for case, ranks in cases[:2]:
+    for case, ranks in cases[:2] + cases[3:]:  # under zero=1 the data-parallel ranks share them out: once in all
         _, once = ranks[0][case]["reference"]
         assert sum(r[case]["runs"] for r in ranks) == once, case

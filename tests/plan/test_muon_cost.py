@@ -31,3 +31,13 @@ def test_a_rank_s_share_of_flops_and_bytes():
     dense = exchange_bytes([Matrix(torch.empty(4, 4), ShardSpec(0, 8, 8)), Matrix(torch.empty(6, 4), None)], t, 2)
     expert = exchange_bytes([Matrix(torch.empty(2, 4, 4), ShardSpec(1, 8, 8))], etp, 2)
     assert sent == dense / t + expert / etp
+
+
+def test_under_zero_1_a_rank_runs_its_share_of_its_data_parallel_group_s_orthogonalisations():
+    column = ParameterEntry("layers.0.q.weight", (8, 4), "column", "layer", 0)
+    t, d = 2, 4
+    flops, sent = muon_step_cost([column], t, data=d)
+    assert flops == newton_schulz_flops(8, 4) / (t * d)
+    shard = 8 * 4 // t  # this rank's tensor-parallel shard; its 1/d range to the owner and the result's back
+    tensor_parallel = exchange_bytes([Matrix(torch.empty(4, 4), ShardSpec(0, 8, 8))], t, 2) / t
+    assert sent == tensor_parallel / d + 2 * (d - 1) * shard / d ** 2 * 2

@@ -3,7 +3,7 @@ gradients (with their reduction buckets), main params and optimizer state, per p
 layouts with vocabulary padding, tied and untied embeddings, uneven and interleaved pipeline stages, zero 0 and 1,
 every precision, the Llama, GPT-2 and Phi-3 (fused, unequal q/k/v) layouts, and mixtures of experts (Qwen3-MoE,
 gpt-oss, Qwen2-MoE, GLM-4.5) at ep 1, 2 and 4, where expert parallelism and tensor parallelism differ, and with each
-expert's width split over expert_tp 2."""
+expert's width split over expert_tp 2; Muon under zero 0 and 1."""
 
 from __future__ import annotations
 
@@ -47,6 +47,10 @@ LAYOUTS = [
     # Expert tensor parallelism: each expert's width split too, numel / (e·etp); edp = t·d / (e·etp)
     (dict(family="qwen3_moe"), 2, 1, 0, "32-true", False, dict(ep=2, expert_tp=2)),   # edp 1: no expert buckets
     (dict(family="gpt_oss"), 2, 1, 0, "bf16-true", False, dict(expert_tp=2)),  # the down bias whole, edp 2
+    # Muon (optim.name=muon): momentum on the layers' matrices, AdamW's states and step on the rest
+    (dict(optimizer="muon"), 2, 1, 0, "32-true", False, {}),
+    (dict(optimizer="muon", tie=True), 1, 2, 1, "bf16-true", True, {}),   # its ranges' float32 state
+    (dict(family="qwen3_moe", optimizer="muon"), 2, 1, 1, "32-true", False, dict(ep=2)),  # experts' ranges over edp
 ]
 
 
@@ -89,14 +93,15 @@ def held():
 @pytest.mark.parametrize("index", range(len(LAYOUTS)), ids=lambda i: str(LAYOUTS[i][:6]))
 def test_predicted_model_state_bytes_equal_what_each_rank_holds(held, index):
     options, tp, pp, zero, precision, main, extra = LAYOUTS[index]
-    inventory = inventory_of_hf_model(build("hf", **options).model)
+    inventory = inventory_of_hf_model(build("hf", **{k: v for k, v in options.items() if k != "optimizer"}).model)
     for rank in held:
         got = rank[index]
         pipeline_rank, data_rank, expert_data_rank = got["coordinates"]
         want = state_bytes(inventory, tp, pp, 4 // (tp * pp), pipeline_rank=pipeline_rank, data_rank=data_rank,
                            vpp=extra.get("virtual_stages", 1), zero=zero, precision=precision, main_params=main,
                            pipeline_split=extra.get("pipeline_split"), ep=extra.get("ep", 1),
-                           expert_data_rank=expert_data_rank, expert_tp=extra.get("expert_tp", 1))
+                           expert_data_rank=expert_data_rank, expert_tp=extra.get("expert_tp", 1),
+                           optimizer=options.get("optimizer", "adamw"))
         assert {k: got[k] for k in ("parameters", "gradients", "main_params", "optimizer")} == {
             "parameters": want.parameters, "gradients": want.gradients, "main_params": want.main_params,
             "optimizer": want.optimizer}, (pipeline_rank, data_rank)

@@ -29,17 +29,22 @@ def test_benchmark_recipe_writes_table_with_every_row(tmp_path):
 
 
 def test_training_benchmark_recipe_writes_one_table_for_both_libraries(tmp_path):
-    # Two of the six rows (all six take about a minute on 2 cores): the distributed optimizer and FSDP2.
+    # Three of the nine rows (all nine take about two minutes on 2 cores): the distributed optimizer, Muon, FSDP2.
     cmd = [sys.executable, str(ROOT / "recipes" / "benchmark_training.py"), "n_layer=1", "n_embd=32", "n_head=4",
            "s=32", "vocab_size=64", "global_batch=4", "iters=1", "warmup=0",
-           'only=["tp 2 x dp 2 zero 1","tp 2 x dp 2 FSDP2"]', f"out={tmp_path}"]
+           'only=["tp 2 x dp 2 zero 1","tp 2, muon","tp 2 x dp 2 FSDP2"]', f"out={tmp_path}"]
     run_job(cmd, tmp_path, timeout=400)
     with open(tmp_path / "benchmark_training.csv") as f:
         table = list(csv.DictReader(f))
     assert [(r["library"], r["layout"], r["processes"]) for r in table] == [
-        ("lightning_seqpar", "tp 2 x dp 2 zero 1", "4"), ("torch-native", "tp 2 x dp 2 FSDP2", "4")]
+        ("lightning_seqpar", "tp 2 x dp 2 zero 1", "4"), ("lightning_seqpar", "tp 2, muon", "2"),
+        ("torch-native", "tp 2 x dp 2 FSDP2", "4")]
     for row in table:
-        assert float(row["tokens/s"]) > 0 and float(row["reduce_scatter KiB"]) > 0 and float(row["all_gather KiB"]) > 0
+        assert float(row["tokens/s"]) > 0 and float(row["all_gather KiB"]) > 0
+    zero1, muon, fsdp = table
+    assert float(zero1["reduce_scatter KiB"]) > 0 and float(fsdp["reduce_scatter KiB"]) > 0
+    # Muon's pieces to their owners and back (the tensor-parallel group's all_to_all_v); nothing of it without Muon
+    assert float(muon["all_to_all_v KiB"]) > 0 and float(zero1["all_to_all_v KiB"]) == 0
     assert "tp 2 x dp 2 FSDP2" in (tmp_path / "benchmark_training.md").read_text()
 
 
