@@ -55,7 +55,8 @@ class Row:
 
 ROWS = (Row("lightning_seqpar", 2), Row("lightning_seqpar", 2, dp=2, zero=0), Row("lightning_seqpar", 2, dp=2, zero=1),
         Row("lightning_seqpar", 2, pp=2), Row("lightning_seqpar", 2, optimizer="muon"),
-        Row("lightning_seqpar", 2, dp=2, optimizer="muon"), Row("lightning_seqpar", 2, pp=2, optimizer="muon"),
+        Row("lightning_seqpar", 2, dp=2, optimizer="muon"), Row("lightning_seqpar", 2, dp=2, zero=1, optimizer="muon"),
+        Row("lightning_seqpar", 2, pp=2, optimizer="muon"),
         Row("torch-native", 2), Row("torch-native", 2, dp=2))
 
 
@@ -93,8 +94,8 @@ class _Measure:
         self.cfg, self.device, self.times, self.counter = cfg, device, [], None
         self._start = 0.0
         self.exchanges: Optional[CommunicationLog] = None
-        """the tensor-parallel group's own log over the counted step (Muon's all_to_all_v, which the dispatch-level
-        counter does not split by destination)"""
+        """the tensor-parallel and data-parallel groups' own log over the counted step (Muon's all_to_all_v, which
+        the dispatch-level counter does not split by destination)"""
 
     def begin(self, step: int) -> None:
         if step == self.cfg["warmup"] + self.cfg["iters"]:
@@ -137,12 +138,15 @@ def _ours(row: Row, cfg: dict[str, Any], device: torch.device, out_dir: str) -> 
     class Callback(pl.Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             if batch_idx == cfg["warmup"] + cfg["iters"]:  # the counted step
-                measure.exchanges = trainer.strategy.mesh.group("tp").log = CommunicationLog()
+                measure.exchanges = CommunicationLog()
+                for group in (trainer.strategy.mesh.group("tp"), trainer.strategy.mesh.data):
+                    group.log = measure.exchanges
             measure.begin(batch_idx)
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             measure.end(batch_idx)
-            trainer.strategy.mesh.group("tp").log = None
+            for group in (trainer.strategy.mesh.group("tp"), trainer.strategy.mesh.data):
+                group.log = None
 
     steps = cfg["warmup"] + cfg["iters"] + 1
     strategy = SeqParallelStrategy(tp=row.tp, pp=row.pp, zero=row.zero)

@@ -29,7 +29,7 @@ def test_benchmark_recipe_writes_table_with_every_row(tmp_path):
 
 
 def test_training_benchmark_recipe_writes_one_table_for_both_libraries(tmp_path):
-    # Three of the nine rows (all nine take about two minutes on 2 cores): the distributed optimizer, Muon, FSDP2.
+    # Three of the ten rows (all ten take about two minutes on 2 cores): the distributed optimizer, Muon, FSDP2.
     cmd = [sys.executable, str(ROOT / "recipes" / "benchmark_training.py"), "n_layer=1", "n_embd=32", "n_head=4",
            "s=32", "vocab_size=64", "global_batch=4", "iters=1", "warmup=0",
            'only=["tp 2 x dp 2 zero 1","tp 2, muon","tp 2 x dp 2 FSDP2"]', f"out={tmp_path}"]
