@@ -21,7 +21,6 @@ The strategy holds the one :class:`GradientSync` of a fit and hands the pipeline
 from __future__ import annotations
 
 import warnings
-import weakref
 from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
@@ -29,7 +28,6 @@ import torch.nn as nn
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_seqpar._compat import tensor_version
 from lightning_seqpar.optim.distributed_optimizer import distribute_optimizers
 from lightning_seqpar.optim.grad_buckets import BucketArming, Buckets, NoBuckets, gradient_buckets
 from lightning_seqpar.optim.gradients import finalize_gradients
@@ -135,7 +133,7 @@ class GradientSync:
 
     def remove(self) -> None:
         """Release the buckets' hooks (a later fit builds its own :class:`GradientSync`)."""
-        self._replicated.buckets.remove()
+        self._replicated.remove()
 
     @classmethod
     def for_fit(cls, previous: Optional["GradientSync"], module: nn.Module, optimizers: Sequence[Optimizer],
@@ -188,21 +186,28 @@ class _ReplicatedGradients:
     two members as a distributed optimizer (``buckets``, ``finish_gradients``), which owns its own.
 
     Several optimizers stepped after one backward (manual optimization: Muon beside AdamW) share these gradients:
-    the first step finishes them, the next ones find them as they were left and finish nothing again (a second
-    sequence-parallel sum would double the norms' gradients). "As left" is the same gradient tensor with the same
-    in-place version; a backward, ``zero_grad`` or a loaded gradient changes one or the other."""
+    the first step finishes them, the next ones find no gradient written since and finish nothing again (a second
+    sequence-parallel sum would double the norms' gradients; clipping between the steps writes in place, which is no
+    new gradient). "Written" is told by a post-accumulate-grad hook on each trainable parameter: any backward that
+    reaches it."""
 
     def __init__(self, module: nn.Module, mesh: ParallelMesh, buckets: Buckets) -> None:
         self.module, self.mesh, self.buckets = module, mesh, buckets
-        self._left: Optional[list[Any]] = None  # per parameter: (weak reference to its gradient, version) or None
+        self._written = True
+        self._hooks = [p.register_post_accumulate_grad_hook(self._mark) for p in module.parameters()
+                       if p.requires_grad]
+
+    def _mark(self, _: nn.Parameter) -> None:
+        self._written = True
 
     def finish_gradients(self) -> None:
-        params = list(self.module.parameters())
-        if self._left is not None and self._left == self._state(params):
+        if not self._written:
             return
-        finalize_gradients(params, self.mesh, self.buckets.finish())
-        self._left = self._state(params)
+        finalize_gradients(self.module.parameters(), self.mesh, self.buckets.finish())
+        self._written = False
 
-    @staticmethod
-    def _state(params: Sequence[nn.Parameter]) -> list[Any]:
-        return [None if p.grad is None else (weakref.ref(p.grad), tensor_version(p.grad)) for p in params]
+    def remove(self) -> None:
+        """Release the buckets' hooks and the gradient marks."""
+        self.buckets.remove()
+        for hook in self._hooks:
+            hook.remove()
