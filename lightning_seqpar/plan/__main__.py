@@ -133,6 +133,11 @@ def table(records: list[LayoutRecord], hardware: Hardware, top: int, verbose: bo
     return "\n".join(lines)
 
 
+TRADED_LAYOUTS = 3
+"""the hint's memory choices are tried on this many of the smallest layouts too large for the GPU (each layout's
+choices are probed apart: on every layout they took half of a first answer's time)"""
+
+
 def what_would_fit(records: list[LayoutRecord], inventory: Any, args: argparse.Namespace, hardware: Hardware,
                    fits: Any = None) -> str:
     """When no layout fits: the GPU memory the smallest layout needs, then each change of the question that would
@@ -162,7 +167,8 @@ def what_would_fit(records: list[LayoutRecord], inventory: Any, args: argparse.N
                      args.global_batch, hardware=hardware, precision=asked["precision"], headroom=args.headroom,
                      calibrate=not args.analytic, optimizer=args.optimizer, context_parallel=args.cp,
                      cp_comm=args.cp_comm, schedule=tuple(args.schedule), loss_chunk=tuple(args.loss_chunk),
-                     memory_choices=asked["memory_choices"], fits=fits)
+                     memory_choices=asked["memory_choices"], fits=fits,
+                     memory_choices_on=TRADED_LAYOUTS if "memory_choices" in change else None)
         best = next((r for r in again if r.feasible), None)
         if best is not None:
             return True, f"- {flag}: {_layout(best)} fits ({best.bytes['total'] / GB:.1f} GB)"
@@ -187,8 +193,8 @@ def what_would_fit(records: list[LayoutRecord], inventory: Any, args: argparse.N
         lines.append(answer("--lora 16 (the base frozen: no gradients, main params or optimizer state for it)",
                             lora=16)[1])
     if not args.memory_choices:
-        lines.append(answer("--memory-choices (the MLP recomputed, activations offloaded to host memory)",
-                            memory_choices=True)[1])
+        lines.append(answer(f"--memory-choices (the MLP recomputed, activations offloaded to host memory; tried on the "
+                            f"{TRADED_LAYOUTS} smallest layouts)", memory_choices=True)[1])
     if args.attention == "eager":
         lines.append(answer("--attention sdpa (no s² probabilities kept)", attention="sdpa")[1])
     first_that_fits([(f"--seq-len {shorter}", dict(seq_len=shorter))

@@ -60,7 +60,7 @@ def plan(inventory: ModelInventory, gpus: int, seq_len: int, global_batch: int, 
          calibrate: bool = True, fits: Optional[dict[tuple, Any]] = None,
          optimizer: str = "adamw", per_rank_batch: bool = False,
          context_parallel: Optional[tuple[int, ...]] = None, cp_comm: str = "ring",
-         memory_choices: bool = False,
+         memory_choices: bool = False, memory_choices_on: Optional[int] = None,
          loss_chunk: Union[Optional[int], tuple[Optional[int], ...]] = 4096) -> list[LayoutRecord]:
     """Every layout of ``inventory`` on ``gpus`` GPUs, feasible ones first by predicted step time, then the rejected.
 
@@ -88,6 +88,9 @@ def plan(inventory: ModelInventory, gpus: int, seq_len: int, global_batch: int, 
         memory_choices: a layout too large for the GPU is tried again with recomputation by module and activation
             offload (:func:`~.memory_choices.trades`); those that fit compete with the rest by step time (the offload's
             host-link time and the MLP's recomputed FLOPs counted), their ``why`` saying what they replaced.
+        memory_choices_on: with ``memory_choices``, try them on the ``memory_choices_on`` smallest layouts too large
+            for the GPU that allow them (not under full recomputation) instead of on every one: whether memory
+            choices make anything fit, at the probes of a few layouts (the command line's hint when nothing fits).
         loss_chunk: the strategy's ``loss_chunk`` (positions of the loss's logits at a time; ``None``: whole), each
             record's (:attr:`LayoutRecord.loss_chunk`); or several to search (``(4096, None)``): a layout is priced
             once per value that computes its loss differently (none of them past its positions per rank: once).
@@ -99,6 +102,7 @@ def plan(inventory: ModelInventory, gpus: int, seq_len: int, global_batch: int, 
         raise ValueError(f"gpus, seq_len and global_batch must be >= 1; got {gpus}, {seq_len}, {global_batch}.")
     _check(precision, optimizer)
     records = []
+    candidates: list[tuple[LayoutRecord, tuple]] = []  # too large, to trade on after all are priced
     fits = {} if fits is None else fits
     schedules = (schedule,) if isinstance(schedule, str) else tuple(dict.fromkeys(schedule))
     chunk_sizes = tuple(dict.fromkeys(loss_chunk)) if isinstance(loss_chunk, tuple) else (loss_chunk,)
@@ -132,7 +136,12 @@ def plan(inventory: ModelInventory, gpus: int, seq_len: int, global_batch: int, 
                     _evaluate(record, *options)
                     records.append(record)
                     if memory_choices and record.bytes and not record.feasible:
-                        records += traded(record, options)
+                        if memory_choices_on is None:
+                            records += traded(record, options)
+                        elif record.recompute != "full":  # (nothing to trade under full recomputation)
+                            candidates.append((record, options))
+    for record, options in sorted(candidates, key=lambda c: c[0].bytes["total"])[:memory_choices_on or 0]:
+        records += traded(record, options)
     feasible = sorted((r for r in records if r.feasible), key=lambda r: r.step_time["total"])
     return feasible + [r for r in records if not r.feasible]
 

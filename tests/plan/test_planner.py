@@ -431,3 +431,21 @@ def test_the_loss_in_chunks_keeps_no_logits_and_the_command_line_sets_it(tmp_pat
     assert "| loss chunk |" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main([str(tmp_path), "--gpus", "8", "--seq-len", "8192", "--global-batch", "8", "--loss-chunk", "0"])
+
+
+def test_memory_choices_on_the_smallest_layouts_only(inventories):
+    # the command line's hint when nothing fits: memory choices tried on the few smallest layouts that allow them
+    options = dict(hardware=Hardware(memory=8e9), calibrate=False, memory_choices=True)
+    every = plan(inventories["llama3-8b"], 8, 8192, 8, **options)
+    few = plan(inventories["llama3-8b"], 8, 8192, 8, memory_choices_on=2, **options)
+
+    def layout(r):
+        return (r.tp, r.cp, r.pp, r.vpp, r.dp, r.zero, r.micro_batch, r.recompute, r.schedule, r.loss_chunk)
+
+    plain = [r for r in few if not (r.modules or r.offload)]
+    tried = {layout(r) for r in few if r.modules or r.offload}
+    smallest = sorted((r for r in plain if r.bytes and not r.feasible and r.recompute != "full"),
+                      key=lambda r: r.bytes["total"])[:2]
+    assert tried == {layout(r) for r in smallest}
+    assert len({layout(r) for r in every if r.modules or r.offload}) > len(tried)
+    assert [layout(r) for r in plain] == [layout(r) for r in every if not (r.modules or r.offload)]
