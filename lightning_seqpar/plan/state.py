@@ -33,8 +33,9 @@ param, no optimizer state (a frozen bf16 parameter costs its 2 bytes).
 
 AdamW (and Adam) also keeps a float32 ``step`` per parameter (4 bytes); SGD with momentum keeps one state
 (``momentum_buffer``) and no step (:data:`OPTIMIZER_STATES`); Muon (``lightning_seqpar.optim.Muon``) its momentum on
-the layers' matrices and AdamW's states on the rest (under ``zero=1`` on the owned ranges too). Bytes, exact: equal to what each rank holds after a step
-(``tests/plan/test_state_bytes.py``, AdamW; ``tests/plan/test_planner.py``, SGD).
+the layers' matrices and AdamW's states on the rest (under ``zero=1`` on the owned ranges too). Bytes, exact: equal to
+what each rank holds after a step (``tests/plan/test_state_bytes.py``, AdamW and Muon; ``tests/plan/test_planner.py``,
+SGD).
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ sent to the owners, the assembled matrices and their results on the owner, the p
 
 def is_muon_matrix(entry: ParameterEntry) -> bool:
     """Whether ``lightning_seqpar.optim.Muon`` (``optim.name=muon``) orthogonalises ``entry``: a matrix (two dims or
-    more) of a decoder layer (the embeddings and the head are AdamW's, :meth:`~lightning_seqpar.optim.Muon.matrices`)."""
+    more) of a decoder layer (the embeddings and the head are AdamW's:
+    :meth:`~lightning_seqpar.optim.Muon.matrices`)."""
     return entry.part == "layer" and len(entry.shape) >= 2
 
 

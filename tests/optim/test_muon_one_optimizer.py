@@ -1,6 +1,7 @@
 """``lightning_seqpar.optim.Muon`` (Muon with auxiliary AdamW, one optimizer, automatic optimization): the path to
-Muon under pipeline parallelism. Under pp 2, tp 2 × pp 2, tp 2 × dp 2 with zero=1 and a mixture's tp 2 × ep 2 × expert_tp 2 (experts' 3-D weights orthogonalised expert by
-expert, their width split over expert_tp) it trains as one process does, each matrix orthogonalised once per step."""
+Muon under pipeline parallelism. Under pp 2, tp 2 × pp 2, tp 2 × dp 2 with zero=1 and a mixture's tp 2 × ep 2 ×
+expert_tp 2 (experts' 3-D weights orthogonalised expert by expert, their width split over expert_tp) it trains as one
+process does, each matrix orthogonalised once per step."""
 
 from __future__ import annotations
 
