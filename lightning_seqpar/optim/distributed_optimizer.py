@@ -42,6 +42,7 @@ from torch.optim import Optimizer
 from lightning_seqpar._compat import tensor_version, track_step_for_schedulers
 from lightning_seqpar.optim.grad_buckets import Replicas
 from lightning_seqpar.optim.muon import Muon
+from lightning_seqpar.optim.range_muon import RangeMuon
 from lightning_seqpar.optim.gradients import (
     _all_reduce_coalesced, by_group, norm_of_gradients, shared_over_stages, used_anywhere,
 )
@@ -74,7 +75,7 @@ class DistributedOptimizer(Optimizer):
 
     Args:
         optimizer: an optimizer of a class in :data:`ELEMENTWISE`, or Muon (``torch.optim.Muon``,
-            :class:`~lightning_seqpar.optim.Muon`: run as :meth:`~lightning_seqpar.optim.Muon.of_ranges`), holding no
+            :class:`~lightning_seqpar.optim.Muon`: run as :class:`~lightning_seqpar.optim.range_muon.RangeMuon`), holding no
             state yet.
         mesh: the process mesh (the data-parallel group shards; tensor and pipeline groups finish the gradients).
         overlap: reduce-scatter buckets during backward (not under a pipeline schedule).
@@ -121,8 +122,7 @@ class DistributedOptimizer(Optimizer):
                         for g in self.param_groups]
         if muon:  # element-wise momentum on the ranges; each matrix's ranges gathered whole to orthogonalise it
             ranges = {id(self._pieces[id(p)]): (p, placement_of(p).replicated_over) for p in params}
-            self.inner = Muon.of_ranges([{**g, "use_muon": g.get("use_muon", True)} for g in inner_groups], ranges,
-                                        mesh)
+            self.inner = RangeMuon([{**g, "use_muon": g.get("use_muon", True)} for g in inner_groups], ranges, mesh)
         else:
             self.inner = kind(inner_groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
 

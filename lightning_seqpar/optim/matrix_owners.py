@@ -110,7 +110,7 @@ def process_whole(matrices: Sequence[Matrix], group: ParallelGroup, function: Ca
     # to the owners: each rank's piece of every split matrix
     send = [[matrices[i].local.to(dtype).reshape(-1) for i in split if owner[i] == dest] for dest in range(size)]
     per_source = sum(matrices[i].local.numel() for i in split if owner[i] == rank)
-    received = _exchange(send, [per_source] * size, group, dtype, matrices[0].local.device, bool(split))
+    received = exchange(send, [per_source] * size, group, dtype, matrices[0].local.device, bool(split))
     pieces = {i: [] for i in split if owner[i] == rank}
     for chunk in received:
         offset = 0
@@ -126,7 +126,7 @@ def process_whole(matrices: Sequence[Matrix], group: ParallelGroup, function: Ca
     send = [[_piece(results[i], matrices[i], _Rank(size, dest)).to(dtype).reshape(-1) for i in mine]
             for dest in range(size)]
     counts = [sum(matrices[i].local.numel() for i, o in enumerate(owner) if o == source) for source in range(size)]
-    received = _exchange(send, counts, group, dtype, matrices[0].local.device, bool(matrices))
+    received = exchange(send, counts, group, dtype, matrices[0].local.device, bool(matrices))
     out: list[Optional[Tensor]] = [None] * len(matrices)
     for source, chunk in enumerate(received):
         offset = 0
@@ -147,11 +147,11 @@ def _piece(result: Tensor, matrix: Matrix, rank: _Rank) -> Tensor:
     return result if matrix.spec is None else matrix.spec.shard(result, rank)  # type: ignore[arg-type]
 
 
-def _exchange(send: list[list[Tensor]], recv_counts: list[int], group: ParallelGroup, dtype: torch.dtype,
-              device: torch.device, needed: bool) -> list[Tensor]:
+def exchange(send: list[list[Tensor]], recv_counts: list[int], group: ParallelGroup, dtype: torch.dtype,
+             device: torch.device, needed: bool = True) -> list[Tensor]:
     """One ``all_to_all_v`` of flat pieces: ``send[dest]`` to rank ``dest``; ``recv_counts[source]`` elements from
     each rank, returned per source. ``needed``: whether any rank sends anything, which every rank must answer alike
-    (from the matrices' list, not from its own counts) for the collective to match."""
+    (from the tensors' list, not from its own counts) for the collective to match."""
     if not needed:
         return [torch.empty(0, dtype=dtype, device=device) for _ in range(group.size)]
     send_counts = [sum(t.numel() for t in pieces) for pieces in send]

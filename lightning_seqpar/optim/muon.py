@@ -9,7 +9,8 @@ pipeline parallelism (where manual optimization is refused) and under any strate
 Matrices of three dims (a mixture's experts, ``[E, n, m]`` as transformers packs them) are orthogonalised expert by
 expert. Under :class:`~lightning_seqpar.SeqParallelStrategy` every matrix is orthogonalised whole, once, on one owner
 rank (:func:`~lightning_seqpar.optim.sharded_muon.orthogonalised`): the strategy places the optimizer on its mesh
-before the first step (:meth:`Muon.place`). Without it (one process) every matrix is whole where it is.
+before the first step (:meth:`Muon.place`). Without it (one process) every matrix is whole where it is. Under
+``zero=1`` the distributed optimizer steps its ranges with :class:`~lightning_seqpar.optim.range_muon.RangeMuon`.
 """
 
 from __future__ import annotations
@@ -22,9 +23,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim.adamw import adamw
 
-from lightning_seqpar.optim.matrix_owners import Matrix, owners
-from lightning_seqpar.optim.range_owners import gather_ranges, scatter_ranges
-from lightning_seqpar.optim.sharded_muon import adjusted_lr, matrix_split, momentum_update, orthogonalised
+from lightning_seqpar.optim.sharded_muon import matrix_split, muon_step, orthogonalised
 
 _NS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's coefficients
 
@@ -65,27 +64,20 @@ class Muon(Optimizer):
                   for g in groups]
         super().__init__(filled, {"use_muon": True})
         for group in self.param_groups:
-            flat = [p for p in group["params"] if group["use_muon"] and p.dim() < 2]
+            flat = [p for p in group["params"] if group["use_muon"] and self._matrix_of(p).dim() < 2]
             if flat:
-                raise ValueError(f"Muon orthogonalises matrices; a parameter of shape {tuple(flat[0].shape)} is in a "
-                                 f"use_muon group. Put it in a group with use_muon=False (AdamW).")
+                raise ValueError(f"Muon orthogonalises matrices; a parameter of shape "
+                                 f"{tuple(self._matrix_of(flat[0]).shape)} is in a use_muon group. Put it in a group "
+                                 f"with use_muon=False (AdamW).")
         self.newton_schulz_runs = 0
-        self._mesh: Any = None
+        self.mesh: Any = None
+        """the :class:`~lightning_seqpar.parallel.mesh.ParallelMesh` whose groups split the matrices (:meth:`place`);
+        ``None``: every matrix whole here"""
         self._splits: dict[int, Any] = {}
-        self._ranges: dict[int, tuple[nn.Parameter, str]] = {}
 
-    @classmethod
-    def of_ranges(cls, groups: list[dict[str, Any]], ranges: dict[int, tuple[nn.Parameter, str]], mesh: Any) -> "Muon":
-        """The optimizer ``zero=1`` steps (:class:`~lightning_seqpar.optim.DistributedOptimizer`): ``groups`` (each
-        with every setting, ``use_muon`` included) over this rank's flat element ranges, ``ranges`` mapping each
-        range's ``id`` to its parameter and the data-parallel group its ranges are split over. A matrix's ranges are
-        brought to one owner of that group (:mod:`~lightning_seqpar.optim.range_owners`), orthogonalised whole over
-        its tensor-parallel split there, and the result's ranges sent back."""
-        optimizer = cls.__new__(cls)
-        Optimizer.__init__(optimizer, groups, {"use_muon": True})
-        optimizer.newton_schulz_runs, optimizer._mesh, optimizer._ranges = 0, mesh, dict(ranges)
-        optimizer._splits = {id(param): matrix_split(param, mesh) for param, _ in ranges.values()}
-        return optimizer
+    def _matrix_of(self, held: Tensor) -> Tensor:
+        """The parameter whose matrix ``held`` (what this optimizer updates) is: itself."""
+        return held
 
     @staticmethod
     def matrices(model: nn.Module) -> list[nn.Parameter]:
@@ -125,7 +117,7 @@ class Muon(Optimizer):
         Raises:
             ValueError: a matrix split along both of its dims.
         """
-        self._mesh = mesh
+        self.mesh = mesh
         self._splits = {id(p): matrix_split(p, mesh) for g in self.param_groups if g["use_muon"] for p in g["params"]}
 
     def _count(self, runs: int) -> None:
@@ -138,59 +130,15 @@ class Muon(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        entries, settings_of = [], []
         for group in self.param_groups:
             if not group["use_muon"]:
                 self._adamw(group)
-                continue
-            settings = (tuple(group["ns_coefficients"]), group["ns_steps"], group["eps"])
-            for p in group["params"]:
-                if p.grad is not None:
-                    entries.append((p, momentum_update(self.state[p], p, group["momentum"], group["nesterov"]),
-                                    settings))
-                    settings_of.append(group)
-        if self._ranges:
-            results = self._orthogonalised_ranges(entries)
-            params = [self._ranges[id(p)][0] for p, _, _ in entries]
-        else:
-            results = orthogonalised(entries, self._splits if self._mesh is not None else {}, self._mesh, self._count)
-            params = [p for p, _, _ in entries]
-        for (p, _, _), param, group, orthogonal in zip(entries, params, settings_of, results):
-            lr = float(group["lr"])
-            p.mul_(1 - lr * group["weight_decay"])
-            p.add_(orthogonal, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], param))
+        muon_step(self, [g for g in self.param_groups if g["use_muon"]], self._orthogonalised, self._matrix_of)
         return loss
 
-    def _orthogonalised_ranges(self, entries: list[tuple[Tensor, Tensor, tuple]]) -> list[Tensor]:
-        """The orthogonalised update of each range of ``entries`` (``(range, its update, settings)``): the ranges of
-        each matrix gathered to an owner of its data-parallel group (chosen from the shapes, the same on its
-        tensor-parallel peers, which own the same matrices), orthogonalised there over the matrix's tensor-parallel
-        split, the result's ranges sent back. Collective: every data-parallel group in its name's order, each way."""
-        by_group: dict[str, list[int]] = {}
-        for k, (piece, _, _) in enumerate(entries):
-            by_group.setdefault(self._ranges[id(piece)][1], []).append(k)
-        owned: dict[int, Tensor] = {}
-        plans = {}
-        for name in sorted(by_group):
-            ks, group = by_group[name], self._mesh.group(name)
-            params = [self._ranges[id(entries[k][0])][0] for k in ks]
-            owner = owners([Matrix(p.detach(), None) for p in params], group.size)
-            plans[name] = (ks, group, params, owner)
-            got = gather_ranges([entries[k][1] for k in ks], [p.numel() for p in params], group, owner,
-                                torch.bfloat16)
-            owned.update({ks[j]: whole.view(params[j].shape) for j, whole in got.items()})
-        mine = sorted(owned)
-        results = dict(zip(mine, orthogonalised(
-            [(self._ranges[id(entries[k][0])][0], owned[k], entries[k][2]) for k in mine], self._splits, self._mesh,
-            self._count)))
-        out: list[Tensor] = [torch.empty(0)] * len(entries)
-        for name in sorted(plans):
-            ks, group, params, owner = plans[name]
-            back = scatter_ranges({j: results[k] for j, k in enumerate(ks) if k in results},
-                                  [p.numel() for p in params], group, owner, torch.bfloat16, entries[0][0].device)
-            for k, piece in zip(ks, back):
-                out[k] = piece
-        return out
+    def _orthogonalised(self, entries: list[tuple[Tensor, Tensor, tuple]]) -> list[Tensor]:
+        """Each entry's update orthogonalised whole (:func:`~lightning_seqpar.optim.sharded_muon.orthogonalised`)."""
+        return orthogonalised(entries, self._splits, self.mesh, self._count)
 
     def _adamw(self, group: dict[str, Any]) -> None:
         params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []

@@ -15,6 +15,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from lightning_seqpar.optim.matrix_owners import exchange
 from lightning_seqpar.optim.sharded_buckets import owned_range
 from lightning_seqpar.parallel.collectives import ParallelGroup
 
@@ -37,7 +38,7 @@ def gather_ranges(ranges: Sequence[Tensor], numels: Sequence[int], group: Parall
     send = [[ranges[i].to(dtype).reshape(-1) for i in range(len(ranges)) if owner[i] == dest]
             for dest in range(group.size)]
     counts = [sum(_size(numels[i], group, source) for i in mine) for source in range(group.size)]
-    received = _exchange(send, counts, group, dtype, ranges[0].device)
+    received = exchange(send, counts, group, dtype, ranges[0].device)
     parts: dict[int, list[Tensor]] = {i: [] for i in mine}
     for source, chunk in enumerate(received):
         offset = 0
@@ -66,7 +67,7 @@ def scatter_ranges(wholes: dict[int, Tensor], numels: Sequence[int], group: Para
         send.append(pieces)
     counts = [sum(_size(numels[i], group, group.rank) for i in range(len(numels)) if owner[i] == source)
               for source in range(group.size)]
-    received = _exchange(send, counts, group, dtype, device)
+    received = exchange(send, counts, group, dtype, device)
     out: list[Tensor] = [torch.empty(0)] * len(numels)
     for source, chunk in enumerate(received):
         offset = 0
@@ -75,11 +76,3 @@ def scatter_ranges(wholes: dict[int, Tensor], numels: Sequence[int], group: Para
             out[i] = chunk[offset:offset + n]
             offset += n
     return out
-
-
-def _exchange(send: list[list[Tensor]], counts: list[int], group: ParallelGroup, dtype: torch.dtype,
-              device: torch.device) -> list[Tensor]:
-    every = [t for pieces in send for t in pieces]
-    flat = torch.cat(every) if every else torch.empty(0, dtype=dtype, device=device)
-    out = group.all_to_all_v(flat, [sum(t.numel() for t in pieces) for pieces in send], counts)
-    return list(out.split(counts))

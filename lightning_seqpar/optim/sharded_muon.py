@@ -22,6 +22,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
+from torch.optim import Optimizer
 
 from lightning_seqpar._compat import muon_adjusted_lr, muon_orthogonalise
 from lightning_seqpar.optim.matrix_owners import Matrix, process_whole
@@ -122,20 +123,30 @@ class ShardedMuon(torch.optim.Muon):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        entries, groups = [], []
-        for group in self.param_groups:
-            settings = (tuple(group["ns_coefficients"]), group["ns_steps"], group["eps"])
-            for p in group["params"]:
-                if p.grad is not None:
-                    entries.append((p, momentum_update(self.state[p], p, group["momentum"], group["nesterov"]),
-                                    settings))
-                    groups.append(group)
-        for (p, _, _), group, orthogonal in zip(entries, groups, orthogonalised(entries, self._splits, self.mesh,
-                                                                                 self._count)):
-            lr = float(group["lr"])
-            p.mul_(1 - lr * group["weight_decay"])
-            p.add_(orthogonal, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], p))
+        muon_step(self, self.param_groups, lambda entries: orthogonalised(entries, self._splits, self.mesh,
+                                                                           self._count))
         return loss
+
+
+def muon_step(optimizer: Optimizer, groups: Sequence[dict[str, Any]],
+              orthogonalise: Callable[[list[tuple[Tensor, Tensor, tuple]]], list[Tensor]],
+              param_of: Callable[[Tensor], Tensor] = lambda p: p) -> None:
+    """``torch.optim.Muon``'s update of ``groups``' parameters with a gradient: the momentum in ``optimizer``'s
+    state (element-wise, on what the rank holds), ``orthogonalise`` of the ``(held tensor, update, (coefficients,
+    steps, eps))`` entries (whole matrices, however it gathers them), decoupled weight decay, and the learning rate
+    adjusted by the single-device shape of ``param_of(held tensor)`` (the parameter a zero=1 range is of)."""
+    entries, owners = [], []
+    for group in groups:
+        settings = (tuple(group["ns_coefficients"]), group["ns_steps"], group["eps"])
+        for p in group["params"]:
+            if p.grad is not None:
+                entries.append((p, momentum_update(optimizer.state[p], p, group["momentum"], group["nesterov"]),
+                                settings))
+                owners.append(group)
+    for (p, _, _), group, orthogonal in zip(entries, owners, orthogonalise(entries)):
+        lr = float(group["lr"])
+        p.mul_(1 - lr * group["weight_decay"])
+        p.add_(orthogonal, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], param_of(p)))
 
 
 def momentum_update(state: dict, param: Tensor, momentum: float, nesterov: bool) -> Tensor:

@@ -115,6 +115,18 @@ def held_entries(inventory: ModelInventory, layout: StageLayout, pipeline_rank: 
     return [e for e in inventory.entries if held(e)]
 
 
+def _muon_state(trained: Sequence[ParameterEntry], counts: Sequence[int], width: int, matrices: int
+                ) -> tuple[int, int, int]:
+    """Muon's ``(state bytes, of them the steps, the step's transient)`` over ``counts`` elements of each of
+    ``trained`` of ``width`` bytes: momentum on its matrices, AdamW's two states and a step on the rest; AdamW one
+    tensor at a time (its largest sqrt) and the orthogonalisation's bfloat16 buffers over ``matrices`` elements."""
+    orthogonalised = sum(k for k, e in zip(counts, trained) if is_muon_matrix(e))
+    aux = [k for k, e in zip(counts, trained) if not is_muon_matrix(e)]
+    steps = STEP_BYTES * len(aux)
+    return ((orthogonalised + 2 * sum(aux)) * width + steps, steps,
+            max(aux, default=0) * width + MUON_BUFFERS * 2 * matrices)
+
+
 def state_bytes(inventory: ModelInventory, tp: int, pp: int = 1, dp: int = 1, *, pipeline_rank: int = 0,
                 data_rank: int = 0, vpp: int = 1, zero: int = 0, precision: str = "bf16-mixed",
                 main_params: bool = False, pipeline_split: Optional[Sequence[int]] = None,
@@ -146,18 +158,15 @@ def state_bytes(inventory: ModelInventory, tp: int, pp: int = 1, dp: int = 1, *,
     local = [(e.local_numel(tp, ep, expert_tp), *((edp, expert_data_rank) if e.expert else (dp, data_rank)))
              for e in held if e.trainable]
     total = sum(n for n, _, _ in local)
+    trained = [e for e in held if e.trainable]  # (in the order of local)
+    matrices = sum(n for (n, _, _), e in zip(local, trained) if is_muon_matrix(e))
     steps = STEP_BYTES * len(local) if adam else 0
     if zero == 0:
         bucketed = dp > 1 or (edp > 1 and any(e.expert for e in held))
         gradients = total * reduced + (total * element if element < reduced else 0) if bucketed else total * element
-        if optimizer == "muon":  # momentum on the matrices; AdamW's two states and a step on the rest
-            orthogonalised = sum(e.local_numel(tp, ep, expert_tp) for e in held if e.trainable and is_muon_matrix(e))
-            aux = [e.local_numel(tp, ep, expert_tp) for e in held if e.trainable and not is_muon_matrix(e)]
-            steps = STEP_BYTES * len(aux)
-            # AdamW one tensor at a time (its largest sqrt), the orthogonalisation's bfloat16 buffers
-            temporary = max(aux, default=0) * element + MUON_BUFFERS * 2 * orthogonalised
-            return StateBytes(parameters, gradients, 0, (orthogonalised + 2 * sum(aux)) * element + steps, steps,
-                              temporary, bucketed, total * element)
+        if optimizer == "muon":
+            state, steps, temporary = _muon_state(trained, [n for n, _, _ in local], element, matrices)
+            return StateBytes(parameters, gradients, 0, state, steps, temporary, bucketed, total * element)
         return StateBytes(parameters, gradients, 0, states * total * element + steps, steps,
                           total * element if adam else 0, bucketed, total * element)
     ranges = [stop - start for start, stop in (owned_range(n, d, r) for n, d, r in local)]
@@ -165,14 +174,8 @@ def state_bytes(inventory: ModelInventory, tp: int, pp: int = 1, dp: int = 1, *,
     main = 4 if main_params and element < 4 else 0
     # d = 1: the reduced range is the bucket itself
     gradients = sum((d + 1 if d > 1 else 1) * -(-n // d) for n, d, _ in local) * reduced
-    if optimizer == "muon":  # momentum on the matrices' ranges, AdamW's two states and a step on the others'
-        trainable = [e for e in held if e.trainable]
-        orthogonalised = sum(k for k, e in zip(ranges, trainable) if is_muon_matrix(e))
-        aux = [k for k, e in zip(ranges, trainable) if not is_muon_matrix(e)]
-        steps = STEP_BYTES * len(aux)
-        temporary = max(aux, default=0) * (main or element) + MUON_BUFFERS * 2 * sum(
-            e.local_numel(tp, ep, expert_tp) for e in trainable if is_muon_matrix(e)) // max(1, dp)
-        return StateBytes(parameters, gradients, owned * main, (orthogonalised + 2 * sum(aux)) * (main or element)
-                          + steps, steps, temporary, True, total * element)
+    if optimizer == "muon":  # on the owned ranges; each rank orthogonalises about 1/d of the matrices
+        state, steps, temporary = _muon_state(trained, ranges, main or element, matrices // max(1, dp))
+        return StateBytes(parameters, gradients, owned * main, state, steps, temporary, True, total * element)
     return StateBytes(parameters, gradients, owned * main, states * owned * (main or element) + steps, steps,
                       owned * (main or element) if adam else 0, True, total * element)

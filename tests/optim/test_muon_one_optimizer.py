@@ -58,7 +58,7 @@ def _fit(world_size: int, family: str, **strategy) -> dict:
     optimizer = trainer.strategy.optimizers[0]
     optimizer = optimizer.inner if isinstance(optimizer, DistributedOptimizer) else optimizer  # zero=1: its ranges'
     return {"reference": reference, "state": trainer.strategy.full_state_dict(), "runs": optimizer.newton_schulz_runs,
-            "placed": optimizer._mesh is trainer.strategy.mesh,
+            "placed": optimizer.mesh is trainer.strategy.mesh,
             "split over": sorted({name for name, spec in optimizer._splits.values() if spec is not None})}
 
 
@@ -73,7 +73,7 @@ def _gpt(world_size: int) -> dict:
     names = {id(p): n for n, p in module.named_parameters()}
     muon = [names[id(p)] for g in trainer.strategy.optimizers[0].param_groups if g["use_muon"] for p in g["params"]]
     return {"reference": (reference.final_state, None), "state": trainer.strategy.full_state_dict(), "muon": muon,
-            "placed": trainer.strategy.optimizers[0]._mesh is trainer.strategy.mesh}
+            "placed": trainer.strategy.optimizers[0].mesh is trainer.strategy.mesh}
 
 
 def _runs(rank, world_size):
