@@ -20,8 +20,8 @@ from typing import Any, Iterable, Optional
 
 import torch
 
-from lightning_seqpar._compat import TorchDispatchMode, local_tensor, tree_flatten
-from lightning_seqpar.memory.tracker import host_rng_state
+from lightning_seqpar._compat import TorchDispatchMode, local_tensor
+from lightning_seqpar.memory.tracker import host_rng_state, operator_tensors
 
 
 class PeakMemoryTracker(TorchDispatchMode):
@@ -76,8 +76,7 @@ class PeakMemoryTracker(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if getattr(func, "is_view", False):
             return out  # shares its input's storage (see the module docstring)
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                self._track(t)
+        for t in operator_tensors(out):
+            self._track(t)
         self.peak = max(self.peak, self.live)
         return out

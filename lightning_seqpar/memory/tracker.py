@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from lightning_seqpar._compat import TorchDispatchMode, local_tensor, storage_key, tree_flatten
+from lightning_seqpar._compat import TorchDispatchMode, local_tensor, storage_key
 
 
 def host_rng_state(t: torch.Tensor) -> bool:
@@ -84,9 +84,9 @@ class LiveActivationTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        inputs = {storage_key(local_tensor(t).untyped_storage()) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
-        for t in tree_flatten(out)[0]:
-            if not isinstance(t, torch.Tensor) or t.device.type == "meta" or host_rng_state(t):
+        inputs = {storage_key(local_tensor(t).untyped_storage()) for t in operator_tensors((args, kwargs))}
+        for t in operator_tensors(out):
+            if t.device.type == "meta" or host_rng_state(t):
                 continue
             t = local_tensor(t)  # a DTensor is a wrapper: the memory is its local shard's
             storage = t.untyped_storage()
@@ -108,6 +108,19 @@ class LiveActivationTracker(TorchDispatchMode):
 
     def live_bytes(self, prefix: Optional[str] = None) -> int:
         return sum(r.nbytes for r in self.live(prefix))
+
+
+def operator_tensors(tree: Any) -> list[torch.Tensor]:
+    """The tensors in an operator's arguments or result: nested tuples, lists and dicts of them (what ATen operators
+    take and return). Not ``tree_flatten``: it runs for every operator of a probe's forward, and the general pytree
+    walk (namedtuples, registered classes) was a quarter of the planner's probing time."""
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, (tuple, list)):
+        return [t for item in tree for t in operator_tensors(item)]
+    if isinstance(tree, dict):
+        return [t for item in tree.values() for t in operator_tensors(item)]
+    return []
 
 
 def _inside(name: str, prefix: str) -> bool:

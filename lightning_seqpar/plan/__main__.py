@@ -33,6 +33,7 @@ from lightning_seqpar.plan.fit_cache import FitCache, default_cache_directory
 from lightning_seqpar.plan.memory_choices import describe
 from lightning_seqpar.plan.models import load_model_config, model_inventory
 from lightning_seqpar.plan.planner import LayoutRecord, plan
+from lightning_seqpar.plan.probe_pool import default_workers, probe_pool
 from lightning_seqpar.sizes import parse_bytes
 
 GB = 1e9
@@ -271,6 +272,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help=f"where the probes' fits are kept between questions (default: {default_cache_directory()}"
                              f"; a changed model, library or version probes again)")
     parser.add_argument("--no-cache", action="store_true", help="probe again, keeping nothing on disk")
+    parser.add_argument("--probe-workers", type=_count("--probe-workers", 1 << 10), default=None, metavar="N",
+                        help=f"processes measuring the probes at once (default: this machine's cores, at most 13: "
+                             f"{default_workers()}; 1: in this process)")
     started = time.perf_counter()
     args = parser.parse_args(argv)
     args.cp = tuple(args.cp) if args.cp else None
@@ -295,6 +299,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise
         parser.error(str(error))
     fits: Any = {} if args.no_cache else FitCache(Path(args.cache) if args.cache else default_cache_directory())
+    with probe_pool(fits, args.probe_workers):  # (workers start at the first probe: none for a cached question)
+        if _answer(args, inventory, hardware, gpu, calibration, fits):
+            print(f"\nAnswered in {time.perf_counter() - started:.1f} s{_cache_line(fits)}.")
+    return 0
+
+
+def _answer(args: argparse.Namespace, inventory: Any, hardware: Hardware, gpu: str,
+            calibration: Optional[StepCalibration], fits: Any) -> bool:
+    """Plan the question of ``args`` and print the answer: the table, what would fit when nothing does, the dry run
+    (``True``); or the JSON records alone (``False``)."""
     records = plan(inventory, args.gpus, args.seq_len, args.global_batch, hardware=hardware,
                    precision=args.precision, headroom=args.headroom, calibrate=not args.analytic,
                    optimizer=args.optimizer, context_parallel=tuple(args.cp) if args.cp else None,
@@ -303,7 +317,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.json:
         json.dump([r.as_dict() for r in records], sys.stdout, indent=1)
         print()
-        return 0
+        return False
     timing = (f"compute and collectives at the rates measured in {args.calibration} ({calibration.describe()})"
               if calibration else f"a rough estimate (compute at {args.efficiency:g} of peak, collectives at nominal "
                                   f"link rates; measure them: `python -m lightning_seqpar.plan calibrate --out FILE`, "
@@ -333,8 +347,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                             args.precision, ep=best.ep, expert_tp=best.expert_tp)
             print(f"  pipeline rank {rank}: parameters {built.measured:,} bytes built, {built.predicted:,} predicted"
                   f"{'' if built.measured == built.predicted else '  DIFFERENT'}")
-    print(f"\nAnswered in {time.perf_counter() - started:.1f} s{_cache_line(fits)}.")
-    return 0
+    return True
 
 
 def _cache_line(fits: Any) -> str:

@@ -2,11 +2,14 @@
 
 Table 2 counts what Megatron's layer keeps; a Hugging Face layer keeps more (float32 copies of its norms' inputs,
 the float32 softmax beside its 16-bit copy, rotary and key/value-repeat copies), and each family differs. So the
-planner measures instead of assuming: a small copy of the model (:func:`~lightning_seqpar.hf.model_check.small_config`:
-its class and heads, three layers, small widths) is rewritten on t emulated ranks with the layout's sequence parallelism
-and recomputation, called as users call it (``model(input_ids=x, labels=x)``) in the run's dtype (``bf16-mixed`` under CUDA autocast's rule for
-norms and softmax, :mod:`lightning_seqpar.memory.cuda_autocast`: what a GPU keeps), and the bytes its
-middle layer leaves alive for backward on rank 0 (what it made: its input is the layer before's) are read by :class:`~lightning_seqpar.memory.tracker.LiveActivationTracker`.
+planner measures instead of assuming: a small copy of the model
+(:func:`~lightning_seqpar.hf.model_check.small_config`: its class and heads, three layers, small widths) is rewritten
+for rank 0 of t ranks, its peers mirrored (:class:`~lightning_seqpar.parallel.mirrored.MirroredGroup`: the shapes
+they would send, at the cost of one rank), with the layout's sequence parallelism and recomputation, called as users
+call it (``model(input_ids=x, labels=x)``) in the run's dtype (``bf16-mixed`` under CUDA autocast's rule for norms and
+softmax, :mod:`lightning_seqpar.memory.cuda_autocast`: what a GPU keeps), and the bytes its middle layer leaves alive
+for backward (what it made: its input is the layer before's) are read by
+:class:`~lightning_seqpar.memory.tracker.LiveActivationTracker`.
 
 Every tensor a layer keeps is ``b × s × (a width or a constant)``, ``b × heads × s²`` in core attention, or shared by
 the batch (a mask ``s²``, rotary tables ``s·d``, weights cast by autocast ``d²``, ``d·f``, and LoRA's adapters of a
@@ -22,10 +25,13 @@ beside the rest): :func:`fit_outside`.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional
 
 import torch
+
+from lightning_seqpar.plan.probe_models import ProbeModels, probe_models
 
 TERMS = ("bsd", "bsf", "bss", "bs", "ss", "sd", "dd", "df", "d", "f")
 # (b, s, d, f, v) of the probes, s, f and v times t; the last checks the fits. The layer's and the outside's fits read
@@ -89,7 +95,7 @@ def measure_layer(config: Any, tp: int, sequence_parallel: bool, recompute: str,
                   overrides: Optional[dict] = None, whole: bool = False, modules: tuple[str, ...] = (),
                   offload: tuple[str, ...] = (), training: Any = None) -> int:
     """Bytes the middle decoder layer of a small copy of the model of ``config`` keeps for backward on rank 0 of
-    ``tp`` emulated ranks (see the module docstring); ``whole``: what the whole forward keeps. ``modules``:
+    ``tp`` ranks (see the module docstring); ``whole``: what the whole forward keeps. ``modules``:
     recomputation by module beside ``recompute``; ``offload``: modules whose saved tensors go to a host pool (the
     device bytes are what is measured); ``training``: the run's LoRA and frozen parameters
     (:class:`~lightning_seqpar.plan.trained.TrainedParts`), copied onto the small model before its rewrite."""
@@ -113,42 +119,34 @@ class Measured(NamedTuple):
 
 def measure(config: Any, tp: int, sequence_parallel: bool, recompute: str, precision: str, s: int, b: int,
             overrides: Optional[dict] = None, modules: tuple[str, ...] = (),
-            offload: tuple[str, ...] = (), training: Any = None, split: bool = False) -> Measured:
+            offload: tuple[str, ...] = (), training: Any = None, split: bool = False,
+            models: Optional[ProbeModels] = None) -> Measured:
     """The bytes the probe's middle layer, whole forward, prologue and first layer keep for backward
     (:class:`Measured`; see :func:`measure_layer`). ``split``: the layers run as under a split backward (ZB-H1, ZB-V,
     DualPipeV: :func:`~lightning_seqpar.tensor_parallel.split_backward.split_weight_gradients`), whose linears keep
-    their float32 weights and one 16-bit cast of a shared input where torch's own linear keeps autocast's copies."""
+    their float32 weights and one 16-bit cast of a shared input where torch's own linear keeps autocast's copies.
+    ``models``: the small models built so far, copied instead of built again."""
     from lightning_seqpar.hf.model_check import parts_in_order
     from lightning_seqpar.memory.cuda_autocast import cuda_autocast_rules
     from lightning_seqpar.memory.tracker import LiveActivationTracker
-    from lightning_seqpar.parallel.emulated import run_emulated
+    from lightning_seqpar.parallel.mirrored import MirroredGroup
 
     small, x = probe_input(config, tp, s, b, overrides)
-    dtype = _DTYPES[precision]
-
-    def one_rank(group: Any) -> Optional[tuple[int, int]]:
-        model = probe_model(small, dtype, group, sequence_parallel, recompute, modules, offload, training, split)
-        autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed")
-        # (the CUDA rule for norms and softmax is in force around the emulated ranks: measure())
-        if group.rank != 0:
-            with autocast:
-                model(input_ids=x, labels=x)
-            return None
-        parts = parts_in_order(model)  # the embedding, the three layers, the parts after them
-        with autocast, LiveActivationTracker(model) as tracker:
-            out = model(input_ids=x, labels=x)
-        stack = parts[1].rpartition(".")[0]
-        base = stack.rpartition(".")[0]
-        prologue = (tracker.live_bytes(base) - tracker.live_bytes(stack) - tracker.live_bytes(parts[0])
-                    - sum(tracker.live_bytes(part) for part in parts[4:])) if base else 0
-        kept = Measured(tracker.live_bytes(parts[2]), tracker.live_bytes(), prologue, tracker.live_bytes(parts[1]))
-        del out
-        return kept
-
-    if precision != "bf16-mixed":
-        return run_emulated(tp, one_rank)[0]
-    with cuda_autocast_rules():  # what a GPU keeps: CUDA autocast runs norms and softmax in float32
-        return run_emulated(tp, one_rank)[0]
+    model = probe_model(small, _DTYPES[precision], MirroredGroup(tp), sequence_parallel, recompute, modules, offload,
+                        training, split, models)
+    parts = parts_in_order(model)  # the embedding, the three layers, the parts after them
+    # what a GPU keeps: CUDA autocast runs norms and softmax in float32
+    rules = cuda_autocast_rules() if precision == "bf16-mixed" else contextlib.nullcontext()
+    with rules, torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"), \
+            LiveActivationTracker(model) as tracker:
+        out = model(input_ids=x, labels=x)
+    stack = parts[1].rpartition(".")[0]
+    base = stack.rpartition(".")[0]
+    prologue = (tracker.live_bytes(base) - tracker.live_bytes(stack) - tracker.live_bytes(parts[0])
+                - sum(tracker.live_bytes(part) for part in parts[4:])) if base else 0
+    kept = Measured(tracker.live_bytes(parts[2]), tracker.live_bytes(), prologue, tracker.live_bytes(parts[1]))
+    del out
+    return kept
 
 
 def probe_input(config: Any, tp: int, s: int, b: int, overrides: Optional[dict] = None,
@@ -166,22 +164,20 @@ def probe_input(config: Any, tp: int, s: int, b: int, overrides: Optional[dict] 
 
 def probe_model(small: Any, dtype: torch.dtype, group: Any, sequence_parallel: bool, recompute: str,
                 modules: tuple[str, ...] = (), offload: tuple[str, ...] = (), training: Any = None,
-                split: bool = False) -> torch.nn.Module:
+                split: bool = False, models: Optional[ProbeModels] = None) -> torch.nn.Module:
     """The small model of ``small`` (a config) as the run builds it on ``group``'s rank: trained parts (LoRA,
     frozen names) copied on, cast to ``dtype``, rewritten with ``sequence_parallel``, then recomputation
-    (``recompute`` and by ``modules``), ``offload`` and the split backward (``split``) applied; in training mode."""
-    from lightning_seqpar.hf.models import build_causal_lm
+    (``recompute`` and by ``modules``), ``offload`` and the split backward (``split``) applied; in training mode.
+    ``models``: where the small model is copied from (built there once, :class:`~.probe_models.ProbeModels`)."""
     from lightning_seqpar.offload import HostPool, apply_offload
-    from lightning_seqpar.plan.trained import apply_trained_parts
     from lightning_seqpar.policies import rewrite
     from lightning_seqpar.recompute import apply_recompute, apply_recompute_modules
     from lightning_seqpar.tensor_parallel.split_backward import split_weight_gradients
     from lightning_seqpar.tensor_parallel.weight_gradients import WeightGradientStore
     from lightning_seqpar.transformer.context import RewriteContext
 
-    torch.manual_seed(0)
     # trained as the run is (LoRA, frozen names) before the dtype, as the run's precision casts its wrapped model
-    model = apply_trained_parts(build_causal_lm(small), training).to(dtype).train()
+    model = (models or ProbeModels(most=0)).build(small, training).to(dtype).train()
     rewrite(model, RewriteContext(group, sequence_parallel, None, True), verify=False)
     if recompute != "none":
         apply_recompute(model, recompute)
@@ -223,9 +219,8 @@ def fit_layer(config: Any, tp: int, sequence_parallel: bool = True, recompute: s
         ValueError: an unknown precision or recomputation (from the rewrite: a layout the model refuses).
     """
     rows, kept, first = [], [], []
-    for point in _PROBES:
-        (b, s, d, f, _), probed = _probe(config, tp, sequence_parallel, recompute, precision, point, experts, modules,
-                                         offload, training, split, measured)
+    for (b, s, d, f, _), probed in _probes(config, tp, sequence_parallel, recompute, precision, experts, modules,
+                                           offload, training, split, measured):
         rows.append(_terms(b, s, d, f))
         kept.append(float(probed.layer))
         first.append(float(probed.first))
@@ -243,34 +238,50 @@ def first_layer_apart(training: Any) -> bool:
     return training is not None
 
 
-def _probe(config: Any, tp: int, sequence_parallel: bool, recompute: str, precision: str,
-           point: tuple[int, int, int, int, int], experts: Any, modules: tuple[str, ...], offload: tuple[str, ...],
-           training: Any, split: bool, measured: Optional[dict]) -> tuple[tuple[int, int, int, int, int], Measured]:
-    """The sizes ``(b, s, d, f, v)`` of the probe at ``point`` on ``tp`` ranks (s, f and v times t, d a multiple of
-    the smallest head size the model allows) and what it keeps (:func:`measure`), from ``measured`` where there."""
+def _probes(config: Any, tp: int, sequence_parallel: bool, recompute: str, precision: str, experts: Any,
+            modules: tuple[str, ...], offload: tuple[str, ...], training: Any, split: bool,
+            measured: Optional[dict]) -> list[tuple[tuple[int, int, int, int, int], Measured]]:
+    """The sizes ``(b, s, d, f, v)`` of each probe of :data:`_PROBES` on ``tp`` ranks (s, f and v times t, d a multiple
+    of the smallest head size the model allows) and what it keeps (:func:`measure`), from ``measured`` where there;
+    the others measured at once, on the workers of a :func:`~.probe_pool.probe_pool` where ``measured`` holds one.
+
+    Raises:
+        ValueError: an unknown precision.
+    """
     if precision not in _DTYPES:
         raise ValueError(f"precision={precision!r}: one of {sorted(_DTYPES)}.")
     from lightning_seqpar.hf.model_check import probe_head_dim
+    from lightning_seqpar.plan.probe_pool import KEY
 
     heads = getattr(config, "num_attention_heads", None) or config.n_head
-    b, s, d, f, v = point
-    s, d, f, v = s * tp, d // 4 * probe_head_dim(config), f * tp, v * tp
-    overrides = dict(head_dim=d, hidden_size=heads * d, n_embd=heads * d, intermediate_size=f, n_inner=f,
-                     ffn_hidden_size=f, vocab_size=v)
-    if experts is not None:
-        overrides.update(_expert_widths(experts, f))
-    key = None
+    text = None
     if measured is not None:
         text = config.to_json_string(use_diff=False) if hasattr(config, "to_json_string") else repr(config)
-        key = ("probe", text, None if training is None else training.key, tp, sequence_parallel, recompute,
-               precision, b, s, tuple(sorted(overrides.items())), modules, offload, split)
-        if key in measured:
-            return (b, s, d, f, v), measured[key]
-    probed = measure(config, tp, sequence_parallel, recompute, precision, s, b, overrides, modules, offload, training,
-                     split)
-    if key is not None:
-        measured[key] = probed
-    return (b, s, d, f, v), probed
+    sizes, keys, calls = [], [], []
+    for index, (b, s, d, f, v) in enumerate(_PROBES):
+        s, d, f, v = s * tp, d // 4 * probe_head_dim(config), f * tp, v * tp
+        overrides = dict(head_dim=d, hidden_size=heads * d, n_embd=heads * d, intermediate_size=f, n_inner=f,
+                         ffn_hidden_size=f, vocab_size=v)
+        if experts is not None:
+            overrides.update(_expert_widths(experts, f))
+        sizes.append((b, s, d, f, v))
+        keys.append(None if measured is None else (
+            "probe", text, None if training is None else training.key, tp, sequence_parallel, recompute, precision, b,
+            s, tuple(sorted(overrides.items())), modules, offload, split))
+        if measured is None or keys[-1] not in measured:
+            calls.append((index, (config, tp, sequence_parallel, recompute, precision, s, b, overrides, modules,
+                                  offload, training, split)))
+    pool = None if measured is None else measured.get(KEY)
+    if pool is not None:
+        found = pool.measure(calls)
+    else:
+        models = probe_models(measured)
+        found = [measure(*arguments, models=models) for _, arguments in calls]
+    probed = dict(zip((index for index, _ in calls), found))
+    for index, value in probed.items():
+        if measured is not None:
+            measured[keys[index]] = value
+    return [(size, probed[i] if i in probed else measured[keys[i]]) for i, size in enumerate(sizes)]
 
 
 def _expert_widths(experts: Any, f: int) -> dict[str, int]:
@@ -326,9 +337,8 @@ def fit_outside(config: Any, tp: int, sequence_parallel: bool = True, precision:
     decides whether the prologue's attention mask is kept (a checkpointed attention saves its inputs, the mask among
     them: a ``[b, 1, s, s]`` tensor per micro-batch in flight, which the explicit attention's add does not keep)."""
     rows, kept, prologues = [], [], []
-    for point in _PROBES:
-        (b, s, d, _, v), probed = _probe(config, tp, sequence_parallel, recompute, precision, point, experts, (), (),
-                                         training, False, measured)
+    for (b, s, d, _, v), probed in _probes(config, tp, sequence_parallel, recompute, precision, experts, (), (),
+                                           training, False, measured):
         rows.append(_outside_terms(b, s, d, v))
         # Where parameters are frozen (LoRA) the first layer is priced apart (:attr:`LayerFit.first`: under
         # bf16-mixed its frozen projections keep no 16-bit weight copies), so it is taken off as it is; else as a

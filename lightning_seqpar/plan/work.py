@@ -16,7 +16,7 @@ whose output is a view of its input (a view, an alias: no data moves) counts its
 and writes its tensor. A GEMM's launch costs the host what an add's does: counting element-wise operators alone divided
 the calibration's measured chain (24 GEMMs in 132 operators) by 108 and charged a small Llama layer for 229 of its 256,
 and a host-bound step on an H200 was priced at 1.43 × its measured time (1.27 counted whole, ``docs/gpus.md``).
-Collectives are left out (their latency is priced apart), the emulated ranks' too.
+Collectives are left out (their latency is priced apart), the mirrored ranks' too.
 
 :func:`fit_work`: the probes of :mod:`.probe` (the layout's tp, sequence parallelism, recomputation, precision,
 trained parts) run forward and backward with 3 layers and with 2; one layer's work is the difference, the rest (the
@@ -26,19 +26,22 @@ constant of the family and layout; bytes are fitted over the activation terms (:
 and the head's weight gradients are ``d·v``), with coefficients ``≥ 0``, and scaled to the full size.
 
 A context-parallel layer runs its core attention block by block (:mod:`lightning_seqpar.context_parallel.attention`):
-:func:`fit_context_work` counts that attention's own work on c emulated ranks (the ring exchange included), at the
+:func:`fit_context_work` counts that attention's own work on one of c ranks, its peers mirrored (the ring exchange
+included), at the
 model's heads and head size and small sequences, in place of the twin's explicit attention's ``s²`` terms.
 """
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
-from lightning_seqpar._compat import TorchDispatchMode, mutates_input, tree_flatten
+from lightning_seqpar._compat import TorchDispatchMode, mutates_input
+from lightning_seqpar.memory.tracker import operator_tensors
 
 PRICED_APART = ("mm", "addmm", "bmm", "baddbmm", "addbmm", "dot", "mv")
 """GEMMs (:meth:`~.calibration.StepCalibration.gemm_rate`); attention kernels are matched by their prefixes"""
@@ -68,8 +71,8 @@ class OperatorCounter(TorchDispatchMode):
         self.operators += 1
         if name in PRICED_APART or name.startswith(_ATTENTION):  # its dispatch only: FLOPs price its device time
             return out
-        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        inputs = operator_tensors((args, kwargs))
+        outputs = operator_tensors(out)
         storages = {_storage(t) for t in inputs}
         if mutates_input(func) or not any(_storage(t) in storages for t in outputs):
             self.bytes += sum(t.numel() * t.element_size() for t in inputs + outputs)
@@ -99,7 +102,7 @@ _COLLECTIVE_METHODS = ("all_reduce", "all_gather", "reduce_scatter", "all_gather
 
 
 def _uncounted_collectives(group: Any, counter: OperatorCounter) -> None:
-    """``group``'s collectives (an emulated rank's: torch operators combining the threads' tensors, which a real
+    """``group``'s collectives (a mirrored rank's: torch operators standing in for its peers' tensors, which a real
     group's backend does) run with ``counter`` paused: set on this instance only."""
     for name in _COLLECTIVE_METHODS:
         method = getattr(group, name)
@@ -156,30 +159,22 @@ def count_step(config: Any, tp: int, sequence_parallel: bool, recompute: str, pr
                overrides: Optional[dict] = None, layers: int = 3, modules: tuple[str, ...] = (),
                offload: tuple[str, ...] = (), training: Any = None, split: bool = False) -> tuple[int, int]:
     """``(operators, bytes)`` of one forward and backward (``model(input_ids=x, labels=x).loss.backward()``) of a
-    ``layers``-layer small copy of ``config`` (:func:`~.probe.probe_model`) on rank 0 of ``tp`` emulated ranks."""
+    ``layers``-layer small copy of ``config`` (:func:`~.probe.probe_model`) on rank 0 of ``tp`` ranks, its peers
+    mirrored (:class:`~lightning_seqpar.parallel.mirrored.MirroredGroup`)."""
     from lightning_seqpar.memory.cuda_autocast import cuda_autocast_rules
-    from lightning_seqpar.parallel.emulated import run_emulated
+    from lightning_seqpar.parallel.mirrored import MirroredGroup
     from lightning_seqpar.plan.probe import _DTYPES, probe_input, probe_model
 
     small, x = probe_input(config, tp, s, b, overrides, layers)
-
-    def one_rank(group: Any) -> Optional[tuple[int, int]]:
-        model = probe_model(small, _DTYPES[precision], group, sequence_parallel, recompute, modules, offload, training,
-                            split)
-        counter = OperatorCounter()
-        _uncounted_collectives(group, counter)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
-            if group.rank != 0:
-                model(input_ids=x, labels=x).loss.backward()
-                return None
-            with counter:
-                model(input_ids=x, labels=x).loss.backward()
-        return counter.operators, counter.bytes
-
-    if precision != "bf16-mixed":
-        return run_emulated(tp, one_rank)[0]
-    with cuda_autocast_rules():
-        return run_emulated(tp, one_rank)[0]
+    group = MirroredGroup(tp)
+    model = probe_model(small, _DTYPES[precision], group, sequence_parallel, recompute, modules, offload, training,
+                        split)
+    counter = OperatorCounter()
+    _uncounted_collectives(group, counter)
+    rules = cuda_autocast_rules() if precision == "bf16-mixed" else contextlib.nullcontext()
+    with rules, torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"), counter:
+        model(input_ids=x, labels=x).loss.backward()
+    return counter.operators, counter.bytes
 
 
 def fit_work(config: Any, tp: int, sequence_parallel: bool = True, recompute: str = "selective",
@@ -247,31 +242,29 @@ def count_context_attention(c: int, comm: str, heads: int, kv_heads: int, head_d
                             precision: str, fused: bool) -> tuple[tuple[int, int], tuple[int, int]]:
     """``((operators, bytes) forward, (operators, bytes) backward)`` of context-parallel core attention
     (:func:`~lightning_seqpar.context_parallel.attention.context_parallel_attention`, causal) on rank 0 of ``c``
-    emulated ranks: q ``[b, heads, s/c, head_dim]`` (a tensor-parallel rank's heads), k and v with ``kv_heads``.
+    ranks, its peers mirrored: q ``[b, heads, s/c, head_dim]`` (a tensor-parallel rank's heads), k and v with ``kv_heads``.
     Its blocks' kernels (fused) or GEMMs are priced as attention FLOPs; what this counts is the rest: the
     log-sum-exp merges, the accumulators, the masks and softmax of op-by-op blocks."""
     from lightning_seqpar.context_parallel.attention import context_parallel_attention
     from lightning_seqpar.context_parallel.layout import ContextParallelBatch
-    from lightning_seqpar.parallel.emulated import run_emulated
+    from lightning_seqpar.parallel.mirrored import MirroredGroup
 
     dtype, local = _ELEMENT[precision], s // c
     generator = torch.Generator().manual_seed(0)
     q, k, v, grad = (torch.randn(b, n, local, head_dim, generator=generator).to(dtype)
                      for n in (heads, kv_heads, kv_heads, heads))
 
-    def one_rank(group: Any) -> tuple[tuple[int, int], tuple[int, int]]:
-        inputs = [x.clone().requires_grad_() for x in (q, k, v)]
-        layout = ContextParallelBatch(group, comm, s)
-        forward, backward = OperatorCounter(), OperatorCounter()
-        for counter in (forward, backward):
-            _uncounted_collectives(group, counter)
-        with forward:
-            out = context_parallel_attention(*inputs, layout, head_dim ** -0.5, fused=fused)
-        with backward:
-            out.backward(grad)
-        return (forward.operators, forward.bytes), (backward.operators, backward.bytes)
-
-    return run_emulated(c, one_rank)[0]
+    group = MirroredGroup(c)
+    inputs = [x.clone().requires_grad_() for x in (q, k, v)]
+    layout = ContextParallelBatch(group, comm, s)
+    forward, backward = OperatorCounter(), OperatorCounter()
+    for counter in (forward, backward):
+        _uncounted_collectives(group, counter)
+    with forward:
+        out = context_parallel_attention(*inputs, layout, head_dim ** -0.5, fused=fused)
+    with backward:
+        out.backward(grad)
+    return (forward.operators, forward.bytes), (backward.operators, backward.bytes)
 
 
 @dataclass(frozen=True)
