@@ -16,6 +16,7 @@ placement of :mod:`~lightning_seqpar.pipeline_parallel.layout`; the zero-bubble 
 
 from __future__ import annotations
 
+import functools
 from typing import Iterator, Literal, Optional
 
 from lightning_seqpar.pipeline_parallel.actions import Action
@@ -242,6 +243,7 @@ def simulate(schedule: ScheduleName, m: int, p: int, v: int = 1) -> list[int]:
     return peak
 
 
+@functools.lru_cache(maxsize=4096)  # (the planner asks for the same schedule's bubble once per layout sharing it)
 def bubble_fraction(schedule: ScheduleName, m: int, p: int, v: int = 1,
                     costs: tuple[float, float, float] = (1.0, 1.0, 1.0)) -> float:
     """The idle fraction of ``p`` ranks running ``schedule``'s lists under a fixed cost model

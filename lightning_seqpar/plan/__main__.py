@@ -157,25 +157,34 @@ def what_would_fit(records: list[LayoutRecord], inventory: Any, args: argparse.N
     question = dict(gpus=args.gpus, seq_len=args.seq_len, precision=args.precision, lora=args.lora,
                     memory_choices=args.memory_choices, attention=args.attention)
 
-    inventories = {(args.seq_len, args.attention, args.lora): inventory}  # (each a meta model built and rewritten)
+    # (each a meta model built and rewritten: by its config, which a sequence length changes for a GPT size only)
+    inventories = {(_config_text(args.model, args.seq_len), args.attention, args.lora): inventory}
 
     def answer(flag: str, **change: Any) -> tuple[bool, str]:
         asked = dict(question, **change)
-        model = (asked["seq_len"], asked["attention"], asked["lora"])
+        model = (_config_text(args.model, asked["seq_len"]), asked["attention"], asked["lora"])
         if model not in inventories:
-            inventories[model] = model_inventory(args.model, *model, args.lora_targets, args.frozen)
+            inventories[model] = model_inventory(args.model, asked["seq_len"], asked["attention"], asked["lora"],
+                                                 args.lora_targets, args.frozen)
+        # (a layout whose model state alone is too large is not priced further: no probes for it)
         again = plan(inventories[model], asked["gpus"], asked["seq_len"],
                      args.global_batch, hardware=hardware, precision=asked["precision"], headroom=args.headroom,
                      calibrate=not args.analytic, optimizer=args.optimizer, context_parallel=args.cp,
                      cp_comm=args.cp_comm, schedule=tuple(args.schedule), loss_chunk=tuple(args.loss_chunk),
-                     memory_choices=asked["memory_choices"], fits=fits,
+                     memory_choices=asked["memory_choices"], fits=fits, state_floor=True,
                      memory_choices_on=TRADED_LAYOUTS if "memory_choices" in change else None)
         best = next((r for r in again if r.feasible), None)
         if best is not None:
             return True, f"- {flag}: {_layout(best)} fits ({best.bytes['total'] / GB:.1f} GB)"
         smallest = min((r for r in again if r.bytes), key=lambda r: r.bytes["total"], default=None)
+        floored = any(r.state_floor for r in again)
+        if smallest is not None:
+            return False, (f"- {flag}: does not fit either (the smallest{' whose model state fits' if floored else ''}"
+                           f", {_layout(smallest)}, needs {smallest.bytes['total'] / GB:.1f} GB)")
+        least = min((r for r in again if r.state_floor), key=lambda r: r.state_floor, default=None)
         return False, f"- {flag}: does not fit either" + (
-            f" (the smallest, {_layout(smallest)}, needs {smallest.bytes['total'] / GB:.1f} GB)" if smallest else "")
+            f" (no layout's model state fits: the least, {_layout(least)}, needs {least.state_floor / GB:.1f} GB)"
+            if least else "")
 
     def first_that_fits(changes: list[tuple[str, dict[str, Any]]]) -> None:
         """The first of ``changes`` (each larger than the one before) that fits, else the last one's answer."""
@@ -348,6 +357,11 @@ def _answer(args: argparse.Namespace, inventory: Any, hardware: Hardware, gpu: s
             print(f"  pipeline rank {rank}: parameters {built.measured:,} bytes built, {built.predicted:,} predicted"
                   f"{'' if built.measured == built.predicted else '  DIFFERENT'}")
     return True
+
+
+def _config_text(model: str, seq_len: int) -> str:
+    """The config ``model`` is planned with at ``seq_len`` (:func:`~.models.load_model_config`), as text to key by."""
+    return json.dumps(load_model_config(model, seq_len), sort_keys=True, default=str)
 
 
 def _cache_line(fits: Any) -> str:

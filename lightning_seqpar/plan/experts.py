@@ -45,8 +45,11 @@ def expert_tensor_parallel_bytes(inventory: ModelInventory, record: Any, s: int,
 
 def expert_layer_elements(inventory: ModelInventory) -> int:
     """Elements of one layer's experts, all E of them (their packed weights and biases); 0 for a dense model."""
-    layer = next((e.layer for e in inventory.entries if e.expert), None)
-    return sum(e.numel for e in inventory.entries if e.expert and e.layer == layer)
+    def count() -> int:
+        layer = next((e.layer for e in inventory.entries if e.expert), None)
+        return sum(e.numel for e in inventory.entries if e.expert and e.layer == layer)
+
+    return inventory.derived(("expert layer elements",), count)
 
 
 def all_to_all_bytes(inventory: ModelInventory, record: Any, s: int, element: int,

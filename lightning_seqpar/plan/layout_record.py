@@ -44,6 +44,9 @@ class LayoutRecord:
             offloads (what the same layout needs without).
         host: with ``offload``: ``moved_per_step`` (bytes one rank copies to the host per step, and back) and ``held``
             (bytes waiting there at its peak): :mod:`.memory_choices`.
+        state_floor: with :func:`~.planner.plan`'s ``state_floor``, a layout whose model state alone (parameters,
+            gradients, main params, optimizer state and its step's temporary, on its most loaded rank) exceeds the
+            GPU: those bytes, a floor of its peak; its activations were not priced (``bytes`` empty). 0 otherwise.
         other: what ``bytes["other"]`` is made of at the peak: ``forward`` (the last layer's core attention
             temporaries at the end of a forward, the last step's gradients still alive), ``backward`` (a backward's
             transients),
@@ -80,6 +83,7 @@ class LayoutRecord:
     host: dict[str, float] = field(default_factory=dict)
     why: Optional[str] = None
     timing: str = "rough estimate"
+    state_floor: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

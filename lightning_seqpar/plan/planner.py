@@ -38,7 +38,8 @@ from lightning_seqpar.plan.pricing import (activation_element_bytes, cached_copy
 from lightning_seqpar.plan.probe import first_layer_apart
 from lightning_seqpar.plan.rules import divisors, layout_rule
 from lightning_seqpar.plan.muon_cost import muon_step_cost
-from lightning_seqpar.plan.state import OPTIMIZER_STATES, PARAMETER_BYTES, StateBytes, held_entries, stage_layout, state_bytes
+from lightning_seqpar.plan.state import (OPTIMIZER_STATES, PARAMETER_BYTES, StateBytes, held_entries, stage_layout,
+                                         state_bytes, trained_elements)
 from lightning_seqpar.plan.transients import (
     accumulation_bytes,
     attention_backward_bytes,
@@ -61,7 +62,8 @@ def plan(inventory: ModelInventory, gpus: int, seq_len: int, global_batch: int, 
          optimizer: str = "adamw", per_rank_batch: bool = False,
          context_parallel: Optional[tuple[int, ...]] = None, cp_comm: str = "ring",
          memory_choices: bool = False, memory_choices_on: Optional[int] = None,
-         loss_chunk: Union[Optional[int], tuple[Optional[int], ...]] = 4096) -> list[LayoutRecord]:
+         loss_chunk: Union[Optional[int], tuple[Optional[int], ...]] = 4096,
+         state_floor: bool = False) -> list[LayoutRecord]:
     """Every layout of ``inventory`` on ``gpus`` GPUs, feasible ones first by predicted step time, then the rejected.
 
     Args:
@@ -94,6 +96,9 @@ def plan(inventory: ModelInventory, gpus: int, seq_len: int, global_batch: int, 
         loss_chunk: the strategy's ``loss_chunk`` (positions of the loss's logits at a time; ``None``: whole), each
             record's (:attr:`LayoutRecord.loss_chunk`); or several to search (``(4096, None)``): a layout is priced
             once per value that computes its loss differently (none of them past its positions per rank: once).
+        state_floor: a layout whose model state alone exceeds ``headroom × hardware.memory`` is rejected without
+            pricing its activations (its record's :attr:`~.layout_record.LayoutRecord.state_floor`): whether anything
+            fits, and what fits, at the probes of those whose state leaves room (the command line's hints).
 
     Raises:
         ValueError: ``gpus``, ``seq_len`` or ``global_batch`` below 1, or an unknown precision or optimizer.
@@ -132,7 +137,7 @@ def plan(inventory: ModelInventory, gpus: int, seq_len: int, global_batch: int, 
                     priced.add(effective)
                     batch = global_batch * dp if per_rank_batch else global_batch
                     options = (inventory, seq_len, batch, hardware, precision, headroom, name, attention_dropout,
-                               fits if calibrate else None, optimizer)
+                               fits if calibrate else None, optimizer, state_floor)
                     _evaluate(record, *options)
                     records.append(record)
                     if memory_choices and record.bytes and not record.feasible:
@@ -230,8 +235,9 @@ def _context_bytes(inventory: ModelInventory, record: LayoutRecord, s: int, elem
 
 def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_batch: int, hardware: Hardware,
               precision: str, headroom: float, schedule: str, dropout: bool,
-              fits: Optional[dict[tuple, Any]] = None, optimizer: str = "adamw") -> None:
-    """Fill ``record``: the rules' verdict, then its peak bytes, FLOPs, traffic and step time, and whether it fits."""
+              fits: Optional[dict[tuple, Any]] = None, optimizer: str = "adamw", state_floor: bool = False) -> None:
+    """Fill ``record``: the rules' verdict, then its peak bytes, FLOPs, traffic and step time, and whether it fits;
+    ``state_floor``: not priced past its model state where that alone exceeds the GPU (:func:`plan`)."""
     record.reason = layout_rule(record, inventory, s, global_batch, hardware)
     if record.reason is None and record.pp > 1:
         record.reason = chunks_rule(schedule, record.vpp)
@@ -240,6 +246,14 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
     name = resolve_schedule(schedule, record.vpp) if record.pp > 1 else "1F1B"
     record.schedule = name
     layout = stage_layout(inventory, record.pp, record.vpp, placement=placement_of(name))
+    if state_floor:
+        floor, stage = max((_state(record, inventory, precision, optimizer, layout, rank).floor, rank)
+                           for rank in range(record.pp))
+        if floor > headroom * hardware.memory:
+            record.state_floor, record.stage = floor, stage
+            record.reason = (f"its model state alone needs {floor / 1e9:.1f} GB > {headroom:g} × "
+                             f"{hardware.memory / 1e9:g} GB on stage {stage}")
+            return
     moved = _peak_bytes(record, inventory, s, precision, dropout, fits, optimizer, layout)
     shape, executed = _flops(record, inventory, s, global_batch)
     traffic, held = _traffic(record, inventory, s, precision, hardware, layout)
@@ -257,8 +271,7 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
     attention = attention_flops(shape, global_batch, record.recompute)
     ffn = inventory.ffn_hidden_size
     # the elements this rank's optimizer updates: its trainable shards, a 1/(d·c) range of them under zero 1
-    dense, experts = ((sum(e.local_numel(tp, record.ep, record.expert_tp) for e in held if e.trainable and e.expert == x)
-                      for x in (False, True)))
+    dense, experts = trained_elements(inventory, layout, record.stage, tp, record.ep, record.expert_tp)
     if record.zero:
         dense, experts = dense / (dp * cp), experts / max(1, tp * dp * cp // width)
     work = elementwise_work(record, inventory, s, precision, fits) if hardware.calibration is not None else None
@@ -368,10 +381,7 @@ def _peak_bytes(record: LayoutRecord, inventory: ModelInventory, s: int, precisi
     w_held = weight_gradient_bytes(inventory, local, b, tp, True, element) if name in SPLIT_BACKWARD else 0.0
     mlp_w_held = weight_gradient_bytes(inventory, local, b, tp, True, element, ("mlp",)) if w_held else 0.0
     for rank in range(pp):
-        # the gradients are reduced, and ZeRO shards, over the d·c ranks of the data group
-        state: StateBytes = state_bytes(inventory, tp, pp, dp * cp, pipeline_rank=rank, vpp=vpp, zero=record.zero,
-                                        precision=precision, main_params=record.main_params, optimizer=optimizer,
-                                        ep=record.ep, placement=layout.placement, expert_tp=record.expert_tp)
+        state = _state(record, inventory, precision, optimizer, layout, rank)
         stages = layout.stages_of(rank)
         # (`.grad` exists for trained parameters only: LoRA's frozen base makes none)
         accumulated = accumulation_bytes(state.trained, m, state.bucketed, record.zero == 0 and parameter < 4)
@@ -450,6 +460,15 @@ def _peak_bytes(record: LayoutRecord, inventory: ModelInventory, s: int, precisi
     return moved
 
 
+def _state(record: LayoutRecord, inventory: ModelInventory, precision: str, optimizer: str, layout: Any,
+           rank: int) -> StateBytes:
+    """Pipeline rank ``rank``'s model-state bytes under ``record`` (gradients reduced, and ZeRO sharded, over the
+    ``d·c`` ranks of the data group)."""
+    return state_bytes(inventory, record.tp, record.pp, record.dp * record.cp, pipeline_rank=rank, vpp=record.vpp,
+                       zero=record.zero, precision=precision, main_params=record.main_params, optimizer=optimizer,
+                       ep=record.ep, placement=layout.placement, expert_tp=record.expert_tp)
+
+
 def _flops(record: LayoutRecord, inventory: ModelInventory, s: int, global_batch: int) -> tuple[TransformerShape, float]:
     """Model and hardware FLOPs per step into ``record.flops`` (Eq. 7, Eq. 8, with recomputation by module and the
     loss's chunks made again, less the weight-gradient GEMMs of frozen weights); returns the shape they were counted
@@ -484,9 +503,8 @@ def _traffic(record: LayoutRecord, inventory: ModelInventory, s: int, precision:
     collectives = 4 * pairs + (2 * pairs if record.recompute == "full" else 0)
     held = held_entries(inventory, layout, record.stage)
     width = record.ep * record.expert_tp  # ranks splitting each expert tensor
-    expert_gradients = 4 * sum(e.local_numel(tp, record.ep, record.expert_tp) for e in held if e.expert and e.trainable)
-    gradient_bytes = 4 * sum(e.local_numel(tp, record.ep, record.expert_tp) for e in held
-                             if e.trainable) - expert_gradients
+    dense, experts = trained_elements(inventory, layout, record.stage, tp, record.ep, record.expert_tp)
+    expert_gradients, gradient_bytes = 4 * experts, 4 * dense
     record.collective_bytes = {
         "tensor": layers_per_rank * m * collectives * ring_bytes("all_gather", sbh, tp),
         # reduced in float32: dense gradients over d, the experts' over their edp = t·d/(e·etp) replicas

@@ -88,6 +88,12 @@ class StateBytes:
     def total(self) -> int:
         return self.parameters + self.gradients + self.main_params + self.optimizer
 
+    @property
+    def floor(self) -> int:
+        """Bytes no step of this rank peaks below: all of the state and the optimizer's temporary, which its step
+        holds at once (the planner's peak is at least this)."""
+        return self.total + self.temporary
+
 
 def stage_layout(inventory: ModelInventory, pp: int, vpp: int = 1,
                  pipeline_split: Optional[Sequence[int]] = None, placement: Placement = "loop") -> StageLayout:
@@ -98,7 +104,25 @@ def stage_layout(inventory: ModelInventory, pp: int, vpp: int = 1,
 
 def held_entries(inventory: ModelInventory, layout: StageLayout, pipeline_rank: int) -> list[ParameterEntry]:
     """The parameters pipeline rank ``pipeline_rank`` holds: its stages' layers; the embedding on the first rank and
-    the final norm and head on the last (a tied embedding on both); any other parameter everywhere."""
+    the final norm and head on the last (a tied embedding on both); any other parameter everywhere. (Shared: not to
+    be changed.)"""
+    return inventory.derived(("held", layout, pipeline_rank), lambda: _held_entries(inventory, layout, pipeline_rank))
+
+
+def trained_elements(inventory: ModelInventory, layout: StageLayout, pipeline_rank: int, tp: int, ep: int = 1,
+                     expert_tp: int = 1) -> tuple[int, int]:
+    """``(dense, expert)``: elements of the trained parameters pipeline rank ``pipeline_rank`` holds on one rank of
+    ``tp`` tensor-parallel, ``ep`` expert-parallel and ``expert_tp`` expert tensor-parallel ranks (what its optimizer
+    updates and its gradients reduce, before ZeRO's ranges), the dense ones and the experts' apart."""
+    def count() -> tuple[int, int]:
+        held = [e for e in held_entries(inventory, layout, pipeline_rank) if e.trainable]
+        return (sum(e.local_numel(tp, ep, expert_tp) for e in held if not e.expert),
+                sum(e.local_numel(tp, ep, expert_tp) for e in held if e.expert))
+
+    return inventory.derived(("trained elements", layout, pipeline_rank, tp, ep, expert_tp), count)
+
+
+def _held_entries(inventory: ModelInventory, layout: StageLayout, pipeline_rank: int) -> list[ParameterEntry]:
     layers = {i for stage in layout.stages_of(pipeline_rank) for i in range(*layout.bounds(stage))}
     first = pipeline_rank == layout.rank_of(0)
     last = pipeline_rank == layout.rank_of(layout.num_stages - 1)
@@ -140,6 +164,17 @@ def state_bytes(inventory: ModelInventory, tp: int, pp: int = 1, dp: int = 1, *,
         ValueError: an unknown precision or optimizer, a pipeline split the strategy refuses, or ``ep·expert_tp`` not
             dividing ``t·d`` (the expert grid must fold over the dense one).
     """
+    split = tuple(pipeline_split) if pipeline_split is not None else None
+    return inventory.derived(
+        ("state", tp, pp, dp, pipeline_rank, data_rank, vpp, zero, precision, main_params, split, optimizer, ep,
+         expert_data_rank, placement, expert_tp),
+        lambda: _state_bytes(inventory, tp, pp, dp, pipeline_rank, data_rank, vpp, zero, precision, main_params, split,
+                             optimizer, ep, expert_data_rank, placement, expert_tp))
+
+
+def _state_bytes(inventory: ModelInventory, tp: int, pp: int, dp: int, pipeline_rank: int, data_rank: int, vpp: int,
+                 zero: int, precision: str, main_params: bool, pipeline_split: Optional[Sequence[int]],
+                 optimizer: str, ep: int, expert_data_rank: int, placement: Placement, expert_tp: int) -> StateBytes:
     if (tp * dp) % (ep * expert_tp):
         raise ValueError(f"ep·expert_tp = {ep}·{expert_tp} does not divide tp·dp = {tp}·{dp}: the expert grid folds "
                          f"over the dense one.")

@@ -58,8 +58,9 @@ def largest_layer_weight(inventory: ModelInventory, t: int, ep: int = 1, expert_
     over in a gated MLP (gate and up share their input's gradient); a mixture's packed ``gate_up_proj``
     ``[E/e, 2f/etp, h]`` once (one grouped GEMM's gradient holds both)."""
     factor = 2 if inventory.gated_mlp else 1
-    return max((e.local_numel(t, ep, expert_tp) * (1 if e.expert else factor)
-                for e in inventory.entries if e.part == "layer" and e.trainable), default=0)
+    return inventory.derived(("largest layer weight", t, ep, expert_tp), lambda: max(
+        (e.local_numel(t, ep, expert_tp) * (1 if e.expert else factor)
+         for e in inventory.entries if e.part == "layer" and e.trainable), default=0))
 
 
 def backward_transient_bytes(inventory: ModelInventory, s: int, b: int, t: int, element: int, parameter: int,

@@ -351,7 +351,8 @@ def test_the_default_output_is_short_and_says_what_would_fit_when_nothing_does(t
     assert re.search(r"- --gpus (16|32|64): tp\d+ (cp\d+ )?pp\d+.* fits \([\d.]+ GB\)", out)
     for flag in ("--precision bf16-true (16-bit parameters", "--lora 16 (the base frozen", "--memory-choices (the MLP",
                  "--attention sdpa (no s² probabilities kept)"):
-        assert re.search(rf"- {re.escape(flag)}.*: (tp\d+ pp\d+.* fits|does not fit either \(the smallest, .* needs)"
+        assert re.search(rf"- {re.escape(flag)}.*: (tp\d+ pp\d+.* fits|does not fit either \((the smallest"
+                         rf"( whose model state fits)?|no layout's model state fits: the least), .* needs)"
                          rf" ?\(?[\d.]+ GB\)", out), flag
     # The first shorter sequence that fits: 32768 does not (the eager core attention alone makes 11 to 13 bytes of
     # temporaries per score, b·a/t·s² = 4·32768² scores at tp 8), a quarter or an eighth of 65536 does.
