@@ -33,6 +33,7 @@ from lightning_seqpar.plan.fit_cache import FitCache, default_cache_directory
 from lightning_seqpar.plan.memory_choices import describe
 from lightning_seqpar.plan.models import load_model_config, model_inventory
 from lightning_seqpar.plan.planner import LayoutRecord, plan
+from lightning_seqpar.plan.probe import PROBES_PER_FIT
 from lightning_seqpar.plan.probe_pool import default_workers, probe_pool
 from lightning_seqpar.sizes import parse_bytes
 
@@ -282,8 +283,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                              f"; a changed model, library or version probes again)")
     parser.add_argument("--no-cache", action="store_true", help="probe again, keeping nothing on disk")
     parser.add_argument("--probe-workers", type=_count("--probe-workers", 1 << 10), default=None, metavar="N",
-                        help=f"processes measuring the probes at once (default: this machine's cores, at most 13: "
-                             f"{default_workers()}; 1: in this process)")
+                        help=f"processes measuring the probes at once (default: this machine's cores, at most "
+                             f"{PROBES_PER_FIT}: {default_workers(PROBES_PER_FIT)}; 1: in this process)")
     started = time.perf_counter()
     args = parser.parse_args(argv)
     args.cp = tuple(args.cp) if args.cp else None
@@ -308,7 +309,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise
         parser.error(str(error))
     fits: Any = {} if args.no_cache else FitCache(Path(args.cache) if args.cache else default_cache_directory())
-    with probe_pool(fits, args.probe_workers):  # (workers start at the first probe: none for a cached question)
+    # (the workers start at the first probe: none for a question the cache answers)
+    with probe_pool(fits, args.probe_workers, PROBES_PER_FIT):
         if _answer(args, inventory, hardware, gpu, calibration, fits):
             print(f"\nAnswered in {time.perf_counter() - started:.1f} s{_cache_line(fits)}.")
     return 0

@@ -235,7 +235,8 @@ def _context_bytes(inventory: ModelInventory, record: LayoutRecord, s: int, elem
 
 def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_batch: int, hardware: Hardware,
               precision: str, headroom: float, schedule: str, dropout: bool,
-              fits: Optional[dict[tuple, Any]] = None, optimizer: str = "adamw", state_floor: bool = False) -> None:
+              fits: Optional[dict[tuple, Any]] = None, optimizer: str = "adamw",
+              state_floor: bool = False) -> None:
     """Fill ``record``: the rules' verdict, then its peak bytes, FLOPs, traffic and step time, and whether it fits;
     ``state_floor``: not priced past its model state where that alone exceeds the GPU (:func:`plan`)."""
     record.reason = layout_rule(record, inventory, s, global_batch, hardware)

@@ -43,6 +43,8 @@ TERMS = ("bsd", "bsf", "bss", "bs", "ss", "sd", "dd", "df", "d", "f")
 _PROBES = ((2, 8, 8, 16, 64), (4, 8, 8, 16, 64), (2, 16, 8, 16, 64), (2, 8, 16, 16, 64), (2, 8, 8, 32, 128),
            (4, 16, 8, 16, 128), (2, 16, 16, 16, 128), (2, 8, 16, 32, 96), (4, 8, 16, 32, 64), (2, 8, 24, 16, 128),
            (2, 24, 8, 48, 64), (4, 8, 8, 48, 96), (4, 16, 16, 32, 128))
+PROBES_PER_FIT = len(_PROBES)
+"""The probes one fit measures (what more probe workers than this would wait for)."""
 _DTYPES = {"32-true": torch.float32, "bf16-true": torch.bfloat16, "bf16-mixed": torch.float32,
            "64-true": torch.float64}
 
@@ -271,11 +273,11 @@ def _probes(config: Any, tp: int, sequence_parallel: bool, recompute: str, preci
         if measured is None or keys[-1] not in measured:
             calls.append((index, (config, tp, sequence_parallel, recompute, precision, s, b, overrides, modules,
                                   offload, training, split)))
-    pool = None if measured is None else measured.get(KEY)
+    pool = None if measured is None or not calls else measured.get(KEY)
     if pool is not None:
-        found = pool.measure(calls)
+        found = pool.measure(measure, calls)
     else:
-        models = probe_models(measured)
+        models = probe_models(measured) if calls else None
         found = [measure(*arguments, models=models) for _, arguments in calls]
     probed = dict(zip((index for index, _ in calls), found))
     for index, value in probed.items():

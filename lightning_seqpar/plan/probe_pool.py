@@ -19,7 +19,7 @@ import contextlib
 import multiprocessing
 import os
 from concurrent.futures import Future, ProcessPoolExecutor
-from typing import Any, Iterator, MutableMapping, Optional
+from typing import Any, Callable, Iterator, MutableMapping, Optional
 
 KEY = ("probe pool",)
 """Where :func:`probe_pool` puts the pool in the probes' cache."""
@@ -37,10 +37,8 @@ def _start_worker() -> None:
     _models = ProbeModels()
 
 
-def _measure(arguments: tuple) -> Any:
-    from lightning_seqpar.plan.probe import measure
-
-    return measure(*arguments, models=_models)
+def _measure(function: Callable[..., Any], arguments: tuple) -> Any:
+    return function(*arguments, models=_models)
 
 
 class ProbePool:
@@ -66,14 +64,16 @@ class ProbePool:
                                                         initializer=_start_worker)
         return self._executors[slot]  # type: ignore[return-value]
 
-    def measure(self, calls: list[tuple[int, tuple]]) -> list[Any]:
-        """What each probe keeps (:class:`~.probe.Measured`), in the order of ``calls``: ``(probe index, measure's
-        positional arguments)`` each, the index choosing the worker.
+    def measure(self, function: Callable[..., Any], calls: list[tuple[int, tuple]]) -> list[Any]:
+        """``function(*arguments, models=...)`` for each ``(probe index, arguments)`` of ``calls`` (the index choosing
+        the worker; ``models``: the worker's :class:`~.probe_models.ProbeModels`), the results in the order of
+        ``calls``. ``function``: :func:`~.probe.measure` (sent by name: a module-level function).
 
         Raises:
-            what :func:`~.probe.measure` raised in a worker (the first, in the order of ``calls``).
+            what ``function`` raised in a worker (the first, in the order of ``calls``).
         """
-        futures: list[Future] = [self._executor(index).submit(_measure, arguments) for index, arguments in calls]
+        futures: list[Future] = [self._executor(index).submit(_measure, function, arguments)
+                                 for index, arguments in calls]
         return [future.result() for future in futures]
 
     def close(self) -> None:
@@ -84,20 +84,19 @@ class ProbePool:
         self._executors = [None] * self.workers
 
 
-def default_workers() -> int:
-    """The cores this process may run on, at most the probes of one fit (13): what :func:`probe_pool` starts."""
-    from lightning_seqpar.plan.probe import _PROBES
-
+def default_workers(most: int) -> int:
+    """The cores this process may run on, at most ``most`` (a fit's probes, :data:`~.probe.PROBES_PER_FIT`: more
+    workers would wait): what :func:`probe_pool` starts."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(cores, len(_PROBES)))
+    return max(1, min(cores, most))
 
 
 @contextlib.contextmanager
-def probe_pool(fits: MutableMapping, workers: Optional[int] = None) -> Iterator[Optional[ProbePool]]:
+def probe_pool(fits: MutableMapping, workers: Optional[int], most: int) -> Iterator[Optional[ProbePool]]:
     """Within the block, the fits of ``fits`` (the probes' cache handed to :func:`~.planner.plan`) measure their
-    missing probes on ``workers`` processes (default :func:`default_workers`); one worker, or none: in this process.
-    The workers stop when the block ends, and the pool leaves ``fits``."""
-    count = default_workers() if workers is None else workers
+    missing probes on ``workers`` processes (``None``: :func:`default_workers` of ``most``); one worker: in this
+    process. The workers stop when the block ends, and the pool leaves ``fits``."""
+    count = default_workers(most) if workers is None else workers
     if count <= 1:
         yield None
         return

@@ -15,7 +15,8 @@ from lightning_seqpar.memory.cuda_autocast import cuda_autocast_rules
 from lightning_seqpar.memory.tracker import LiveActivationTracker
 from lightning_seqpar.parallel.emulated import run_emulated
 from lightning_seqpar.plan import model_inventory
-from lightning_seqpar.plan.probe import _DTYPES, _PROBES, fit_layer, fit_outside, measure, probe_input, probe_model
+from lightning_seqpar.plan.probe import (_DTYPES, _PROBES, PROBES_PER_FIT, fit_layer, fit_outside, measure, probe_input,
+                                         probe_model)
 from lightning_seqpar.plan.probe_models import ProbeModels
 from lightning_seqpar.plan.probe_pool import KEY, ProbePool, probe_pool
 
@@ -109,7 +110,7 @@ def test_the_most_recently_used_models_are_kept_and_copies_are_handed_out():
 def test_probes_measured_by_worker_processes_give_this_process_s_fits():
     inventory = _inventory("qwen3-moe")
     measured: dict = {}
-    with probe_pool(measured, 2) as pool:
+    with probe_pool(measured, 2, PROBES_PER_FIT) as pool:
         assert isinstance(pool, ProbePool) and measured[KEY] is pool
         layer = fit_layer(inventory.config, 2, True, "selective", "bf16-mixed", inventory.experts, measured=measured)
         outside = fit_outside(inventory.config, 2, True, "bf16-mixed", recompute="selective",
@@ -120,5 +121,5 @@ def test_probes_measured_by_worker_processes_give_this_process_s_fits():
     assert layer == fit_layer(inventory.config, 2, True, "selective", "bf16-mixed", inventory.experts)
     assert outside == fit_outside(inventory.config, 2, True, "bf16-mixed", recompute="selective",
                                   experts=inventory.experts)
-    with probe_pool(measured, 1) as none:  # one worker: this process measures
+    with probe_pool(measured, 1, PROBES_PER_FIT) as none:  # one worker: this process measures
         assert none is None and KEY not in measured
