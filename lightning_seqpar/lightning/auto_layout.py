@@ -58,6 +58,10 @@ class AutoLayout:
         loss_chunks: the ``loss_chunk`` values to search (positions of a Hugging Face model's logits computed at a
             time; ``None`` in it: all of them); the strategy takes the chosen one. ``None``: the strategy's own
             ``loss_chunk`` only. The reference GPT's loss computes its logits whole whatever it says.
+        cache: where the planner's probe fits are kept between runs (``True``: the planner's own directory,
+            :func:`~lightning_seqpar.plan.fit_cache.default_cache_directory`, shared with ``python -m
+            lightning_seqpar.plan``; a path; ``False``: this run's memory only). A run launched again, on another
+            world size, batch or sequence length, probes nothing it probed before.
 
     Raises:
         ValueError: a size below 1, a ``memory_budget`` that is not a size (or text without a unit below 1 MiB),
@@ -76,6 +80,7 @@ class AutoLayout:
     schedules: tuple[str, ...] = SEARCHED_SCHEDULES
     memory_choices: bool = False
     loss_chunks: Optional[tuple[Optional[int], ...]] = None
+    cache: Union[bool, str] = True
 
     def __post_init__(self) -> None:
         if self.memory_budget is not None:  # "80GB", "24GiB", 24e9 (unitless text below 1 MiB is refused)
@@ -97,8 +102,22 @@ class AutoLayout:
                 c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 1) for c in self.loss_chunks)):
             raise ValueError(f"AutoLayout.loss_chunks={self.loss_chunks!r}: positive numbers of positions (or None: "
                              f"the whole sequence), e.g. (4096, 1024, None); None for the strategy's loss_chunk only.")
+        if not isinstance(self.cache, (bool, str)) or self.cache == "":
+            raise ValueError(f"AutoLayout.cache={self.cache!r}: True (the planner's cache directory), a directory, or "
+                             f"False (none).")
         if self.calibration is not None:  # refused here, in the user's script, before any rank starts
             self.rates()
+
+    def fits(self) -> Any:
+        """The probes' cache the planner fills (:class:`~lightning_seqpar.plan.fit_cache.FitCache` on ``cache``'s
+        directory, or a dict of this run's)."""
+        if self.cache is False:
+            return {}
+        from pathlib import Path
+
+        from lightning_seqpar.plan.fit_cache import FitCache, default_cache_directory
+
+        return FitCache(default_cache_directory() if self.cache is True else Path(self.cache))
 
     def rates(self) -> Any:
         """The :class:`~lightning_seqpar.plan.StepCalibration` read from ``calibration``, or ``None``."""
@@ -296,7 +315,8 @@ def choose_layout(auto: AutoLayout, module: Any, trainer: Any, parallel: Any, *,
     loss_chunk = planned_loss_chunk(module, parallel)
     if loss_chunk is not None and auto.loss_chunks is not None:  # a Hugging Face model's: searched
         loss_chunk = tuple(dict.fromkeys(auto.loss_chunks))
-    options = dict(precision=str(trainer.precision), zero=zero, recompute=kinds, gpus_per_node=gpus_per_node, fits={},
+    options = dict(precision=str(trainer.precision), zero=zero, recompute=kinds, gpus_per_node=gpus_per_node,
+                   fits=auto.fits(),
                    ep=parallel.ep if parallel.ep > 1 else None,
                    expert_tp=parallel.expert_tp if parallel.expert_tp > 1 else None, schedules=schedules,
                    memory_choices=auto.memory_choices and not existing and not offloading, loss_chunk=loss_chunk)

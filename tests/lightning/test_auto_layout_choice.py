@@ -199,3 +199,29 @@ def test_a_pretrained_module_built_in_configure_model_is_planned_before_it_has_a
                            device=torch.device("cpu"), zero=0, sharded_context=lambda: torch.device("meta"))
     assert choice.record.feasible and choice.parallel.tp * choice.parallel.pipeline.pp * choice.record.dp == 2
     assert not hasattr(module, "model")  # the module is left as given: its ranks build it
+
+
+def test_a_run_launched_again_reads_the_probes_its_first_launch_kept(tmp_path, monkeypatch):
+    import lightning_seqpar.plan.probe as probe
+
+    module = GPTLightningModule(GPTConfig(vocab_size=13, block_size=8, n_layer=2, n_head=4, n_embd=16))
+    auto = AutoLayout(8, 4, 1e12, context_parallel=(1,), schedules=("1F1B",), cache=str(tmp_path))
+
+    def choose():
+        return choose_layout(auto, module, SimpleNamespace(callbacks=[], precision="32-true"), ParallelConfig(),
+                             world=2, gpus_per_node=2, device=torch.device("cpu"), zero=0,
+                             sharded_context=contextlib.nullcontext)
+
+    first = choose()
+    kept = sorted(path.name for path in tmp_path.iterdir())
+    assert kept  # the first launch probed and kept its fits
+
+    def measured(*args, **kwargs):
+        raise AssertionError("a probe was measured again")
+
+    monkeypatch.setattr(probe, "measure", measured)
+    again = choose()
+    assert again.record == first.record and sorted(path.name for path in tmp_path.iterdir()) == kept
+    assert AutoLayout(8, 4, 1e12, cache=False).fits() == {}
+    with pytest.raises(ValueError, match="AutoLayout.cache=3"):
+        AutoLayout(8, 4, 1e12, cache=3)
