@@ -13,7 +13,7 @@ are what the group would compute if every rank held this one's tensor: a sum ``t
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -65,7 +65,7 @@ class MirroredGroup(ParallelGroup):
     def broadcast(self, tensor: Tensor, src_rank: int = 0) -> Tensor:
         return tensor
 
-    def gather(self, tensor: Tensor) -> Tensor:
+    def gather(self, tensor: Tensor) -> Optional[Tensor]:
         return torch.stack([tensor] * self.size) if self.rank == 0 else None
 
     def all_to_all(self, tensor: Tensor) -> Tensor:
