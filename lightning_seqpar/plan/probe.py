@@ -170,17 +170,14 @@ def probe_model(small: Any, dtype: torch.dtype, group: Any, sequence_parallel: b
     """The small model of ``small`` (a config) as the run builds it on ``group``'s rank: trained parts (LoRA,
     frozen names) copied on, cast to ``dtype``, rewritten with ``sequence_parallel``, then recomputation
     (``recompute`` and by ``modules``), ``offload`` and the split backward (``split``) applied; in training mode.
-    ``models``: where the small model is copied from (built there once, :class:`~.probe_models.ProbeModels`)."""
+    ``models``: where the rewritten small model is copied from (built there once,
+    :class:`~.probe_models.ProbeModels`)."""
     from lightning_seqpar.offload import HostPool, apply_offload
-    from lightning_seqpar.policies import rewrite
     from lightning_seqpar.recompute import apply_recompute, apply_recompute_modules
     from lightning_seqpar.tensor_parallel.split_backward import split_weight_gradients
     from lightning_seqpar.tensor_parallel.weight_gradients import WeightGradientStore
-    from lightning_seqpar.transformer.context import RewriteContext
 
-    # trained as the run is (LoRA, frozen names) before the dtype, as the run's precision casts its wrapped model
-    model = (models or ProbeModels(most=0)).build(small, training).to(dtype).train()
-    rewrite(model, RewriteContext(group, sequence_parallel, None, True), verify=False)
+    model = (models or ProbeModels(most=0)).rewritten(small, training, dtype, group, sequence_parallel)
     if recompute != "none":
         apply_recompute(model, recompute)
     if modules:  # by module: the modules with what recompute already recomputes
@@ -256,6 +253,7 @@ def _probes(config: Any, tp: int, sequence_parallel: bool, recompute: str, preci
     from lightning_seqpar.plan.probe_pool import KEY
 
     heads = getattr(config, "num_attention_heads", None) or config.n_head
+    split = split and split_changes_what_is_kept(precision, recompute)  # (else the unsplit probes serve both)
     text = None
     if measured is not None:
         text = config.to_json_string(use_diff=False) if hasattr(config, "to_json_string") else repr(config)
@@ -284,6 +282,16 @@ def _probes(config: Any, tp: int, sequence_parallel: bool, recompute: str, preci
         if measured is not None:
             measured[keys[index]] = value
     return [(size, probed[i] if i in probed else measured[keys[i]]) for i, size in enumerate(sizes)]
+
+
+def split_changes_what_is_kept(precision: str, recompute: str) -> bool:
+    """Whether a forward run as under a split backward keeps other bytes than one run whole, so that its probes are
+    measured apart: the split linears keep their weights and a 16-bit cast of a shared input where torch's linear
+    keeps autocast's 16-bit copies (``bf16-mixed``), which a layer recomputed whole (``full``) keeps none of; under
+    ``bf16-true`` there is no autocast. (Equal, byte for byte, for Llama with and without LoRA, Qwen3-MoE and GPT-2 at
+    tp 1 and 2: ``tests/plan/test_probe_measurement.py``; under ``32-true`` a mixture recomputed whole keeps 512
+    bytes more split, so ``32-true`` is measured apart.)"""
+    return precision != "bf16-true" and not (precision == "bf16-mixed" and recompute == "full")
 
 
 def _expert_widths(experts: Any, f: int) -> dict[str, int]:

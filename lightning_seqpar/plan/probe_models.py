@@ -1,10 +1,10 @@
 """The probes' small models, built once and copied for each probe that needs them.
 
 A question prices tens of layouts; each layout's fit probes the same thirteen small configs
-(:data:`~.probe._PROBES`) under its own recomputation, precision and split backward. Building one (transformers'
-constructor and weight init, then PEFT's LoRA injection) cost twice what copying it does, and every layout built all
-thirteen again. Here each is built once and handed out as a deep copy: the rewrite, the cast and recomputation then
-change the copy, never the one kept.
+(:data:`~.probe._PROBES`) under its own recomputation and split backward. Building one (transformers' constructor and
+weight init, PEFT's LoRA injection, the rewrite) cost several times what copying it does, and every layout built all
+thirteen again. Here each is built and rewritten once per precision and tp, never run, and handed out as a deep copy:
+recomputation, offload and the split backward then change the copy, never the one kept.
 """
 
 from __future__ import annotations
@@ -18,25 +18,30 @@ import torch.nn as nn
 
 
 class ProbeModels:
-    """Small models by config and trained parts, the ``most`` last used kept (a least-recently-used bound: a mixture's
+    """Rewritten small models by config, trained parts, dtype and rank, the ``most`` last used kept (a least-recently-used bound: a mixture's
     small copy holds all its experts).
 
     Args:
-        most: how many built models are kept.
+        most: how many models are kept (0: none, each built for its probe alone).
     """
 
     def __init__(self, most: int = 32) -> None:
         self.most = most
         self._held: OrderedDict[tuple, tuple[nn.Module, torch.Tensor]] = OrderedDict()
 
-    def build(self, small: Any, training: Any = None) -> nn.Module:
-        """A new copy of the model of ``small`` (a transformers config) with ``training``'s LoRA and frozen parts
-        (:func:`~.trained.apply_trained_parts`), its weights those of a build seeded 0. The global generator is
-        left where that build left it, so what the probe draws next is what it drew after a build of its own."""
+    def rewritten(self, small: Any, training: Any, dtype: torch.dtype, group: Any,
+                  sequence_parallel: bool) -> nn.Module:
+        """A new copy of the model of ``small`` (a transformers config) as a run builds it on ``group``'s rank, before
+        recomputation: ``training``'s LoRA and frozen parts (:func:`~.trained.apply_trained_parts`) on weights seeded
+        0, cast to ``dtype``, rewritten with ``sequence_parallel``; never run. The global generator is left where that
+        build left it, so what the probe draws next is what it drew after a build of its own."""
         from lightning_seqpar.hf.models import build_causal_lm
         from lightning_seqpar.plan.trained import apply_trained_parts
+        from lightning_seqpar.policies import rewrite
+        from lightning_seqpar.transformer.context import RewriteContext
 
-        key = (small.to_json_string(use_diff=False), None if training is None else training.key)
+        key = (small.to_json_string(use_diff=False), None if training is None else training.key, dtype, group.size,
+               group.rank, sequence_parallel)
         held = self._held.get(key)
         if held is not None:
             self._held.move_to_end(key)
@@ -44,7 +49,9 @@ class ProbeModels:
             torch.set_rng_state(state)
             return copy.deepcopy(model)
         torch.manual_seed(0)
-        model = apply_trained_parts(build_causal_lm(small), training)
+        # trained as the run is (LoRA, frozen names) before the dtype, as the run's precision casts its wrapped model
+        model = apply_trained_parts(build_causal_lm(small), training).to(dtype).train()
+        rewrite(model, RewriteContext(group, sequence_parallel, None, True), verify=False)
         if self.most:
             self._held[key] = (copy.deepcopy(model), torch.get_rng_state())
             while len(self._held) > self.most:

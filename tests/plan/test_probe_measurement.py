@@ -14,9 +14,10 @@ from lightning_seqpar.hf.model_check import parts_in_order
 from lightning_seqpar.memory.cuda_autocast import cuda_autocast_rules
 from lightning_seqpar.memory.tracker import LiveActivationTracker
 from lightning_seqpar.parallel.emulated import run_emulated
+from lightning_seqpar.parallel.mirrored import MirroredGroup
 from lightning_seqpar.plan import model_inventory
 from lightning_seqpar.plan.probe import (_DTYPES, _PROBES, PROBES_PER_FIT, fit_layer, fit_outside, measure, probe_input,
-                                         probe_model)
+                                         probe_model, split_changes_what_is_kept)
 from lightning_seqpar.plan.probe_models import ProbeModels
 from lightning_seqpar.plan.probe_pool import KEY, ProbePool, probe_pool
 
@@ -81,16 +82,35 @@ def test_one_rank_with_mirrored_peers_keeps_what_rank_0_of_emulated_ranks_keeps(
     assert 0 <= everything - probed.everything <= 4 * b * s * (tp - 1)
 
 
-def test_fits_from_copied_models_equal_fits_from_fresh_builds():
-    inventory = _inventory("llama + LoRA")
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_a_split_backward_keeps_what_the_whole_one_keeps_where_its_probes_are_shared(name):
+    inventory = _inventory(name)
+    shared = [(tp, recompute, precision) for tp in (1, 2) for recompute in ("none", "selective", "full")
+              for precision in ("bf16-true", "bf16-mixed", "32-true")
+              if not split_changes_what_is_kept(precision, recompute)]
+    assert len(shared) == 8  # bf16-true under each recomputation, bf16-mixed under full
+    for tp, recompute, precision in shared:
+        whole, split = (measure(inventory.config, tp, True, recompute, precision, 8 * tp, 2,
+                                training=inventory.training, split=split) for split in (False, True))
+        assert whole == split, (tp, recompute, precision)
+
+
+@pytest.mark.parametrize("name", ["llama + LoRA", "qwen3-moe"])
+def test_fits_from_copied_models_equal_fits_from_fresh_builds(name):
+    inventory = _inventory(name)
     measured: dict = {}
-    for recompute, precision in (("none", "bf16-mixed"), ("selective", "bf16-mixed"), ("none", "32-true")):
-        # (the second and third copy the small models the first built)
-        kept = fit_layer(inventory.config, 2, True, recompute, precision, training=inventory.training,
-                         measured=measured)
-        fresh = fit_layer(inventory.config, 2, True, recompute, precision, training=inventory.training)
-        assert kept == fresh, (recompute, precision)
-    # one model per width of the probes (d, f, v: a probe's b and s are its input's), built once
+    for recompute, precision, options in (("none", "bf16-mixed", {}), ("selective", "bf16-mixed", dict(split=True)),
+                                          ("none", "bf16-mixed", dict(modules=("mlp",) if name != "qwen3-moe" else
+                                                                      ("moe",), offload=("attn_norm",))),
+                                          ("full", "bf16-mixed", {}), ("none", "32-true", {})):
+        # (after the first, each copies the rewritten small models the first of its precision built)
+        kept = fit_layer(inventory.config, 2, True, recompute, precision, inventory.experts,
+                         training=inventory.training, measured=measured, **options)
+        fresh = fit_layer(inventory.config, 2, True, recompute, precision, inventory.experts,
+                          training=inventory.training, **options)
+        assert kept == fresh, (recompute, precision, options)
+    # one model per width of the probes (d, f, v: a probe's b and s are its input's), built once: bf16-mixed and
+    # 32-true both hold float32 weights
     assert len(measured[("probe models",)]._held) == len({(d, f, v) for _, _, d, f, v in _PROBES})
 
 
@@ -98,12 +118,16 @@ def test_the_most_recently_used_models_are_kept_and_copies_are_handed_out():
     inventory = _inventory("gpt2")
     models = ProbeModels(most=2)
     configs = [probe_input(inventory.config, 1, 8, 1, dict(vocab_size=v))[0] for v in (64, 96, 128)]
-    first = models.build(configs[0])
-    models.build(configs[1])
-    models.build(configs[0])  # used again: kept over configs[1] when a third arrives
-    models.build(configs[2])
+
+    def rewritten(config):
+        return models.rewritten(config, None, torch.float32, MirroredGroup(2), True)
+
+    first = rewritten(configs[0])
+    rewritten(configs[1])
+    rewritten(configs[0])  # used again: kept over configs[1] when a third arrives
+    rewritten(configs[2])
     assert [model.config.vocab_size for model, _ in models._held.values()] == [64, 128]
-    again = models.build(configs[0])
+    again = rewritten(configs[0])
     assert again is not first and all(torch.equal(a, b) for a, b in zip(again.parameters(), first.parameters()))
 
 
