@@ -29,6 +29,14 @@ class ProbeModels:
         self.most = most
         self._held: OrderedDict[tuple, tuple[nn.Module, torch.Tensor]] = OrderedDict()
 
+    def __getstate__(self) -> dict:
+        # A cache does not travel: the probes' cache sent to another process (spawned ranks given the fits) carries
+        # its fits, not hundreds of small models' tensors (each one a file descriptor under torch's sharing).
+        return {"most": self.most}
+
+    def __setstate__(self, state: dict) -> None:
+        self.most, self._held = state["most"], OrderedDict()
+
     def rewritten(self, small: Any, training: Any, dtype: torch.dtype, group: Any,
                   sequence_parallel: bool) -> nn.Module:
         """A new copy of the model of ``small`` (a transformers config) as a run builds it on ``group``'s rank, before

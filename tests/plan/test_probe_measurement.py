@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 import torch
 
@@ -129,6 +131,8 @@ def test_the_most_recently_used_models_are_kept_and_copies_are_handed_out():
     assert [model.config.vocab_size for model, _ in models._held.values()] == [64, 128]
     again = rewritten(configs[0])
     assert again is not first and all(torch.equal(a, b) for a, b in zip(again.parameters(), first.parameters()))
+    sent = pickle.loads(pickle.dumps(models))  # (a probes' cache sent to spawned ranks): the models stay here
+    assert sent.most == 2 and not sent._held and len(models._held) == 2
 
 
 def test_probes_measured_by_worker_processes_give_this_process_s_fits():
