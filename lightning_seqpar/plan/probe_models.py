@@ -18,7 +18,7 @@ import torch.nn as nn
 
 
 class ProbeModels:
-    """Rewritten small models by config, trained parts, dtype and rank, the ``most`` last used kept (a least-recently-used bound: a mixture's
+    """Rewritten small models by config, trained parts, dtype and rank; the ``most`` last used are kept (a mixture's
     small copy holds all its experts).
 
     Args:

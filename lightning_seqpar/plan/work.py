@@ -242,8 +242,8 @@ def count_context_attention(c: int, comm: str, heads: int, kv_heads: int, head_d
                             precision: str, fused: bool) -> tuple[tuple[int, int], tuple[int, int]]:
     """``((operators, bytes) forward, (operators, bytes) backward)`` of context-parallel core attention
     (:func:`~lightning_seqpar.context_parallel.attention.context_parallel_attention`, causal) on rank 0 of ``c``
-    ranks, its peers mirrored: q ``[b, heads, s/c, head_dim]`` (a tensor-parallel rank's heads), k and v with ``kv_heads``.
-    Its blocks' kernels (fused) or GEMMs are priced as attention FLOPs; what this counts is the rest: the
+    ranks, its peers mirrored: q ``[b, heads, s/c, head_dim]`` (a tensor-parallel rank's heads), k and v with
+    ``kv_heads``. Its blocks' kernels (fused) or GEMMs are priced as attention FLOPs; what this counts is the rest: the
     log-sum-exp merges, the accumulators, the masks and softmax of op-by-op blocks."""
     from lightning_seqpar.context_parallel.attention import context_parallel_attention
     from lightning_seqpar.context_parallel.layout import ContextParallelBatch
