@@ -31,7 +31,7 @@ from lightning_seqpar.plan.calibration import StepCalibration
 from lightning_seqpar.plan.cost import Hardware
 from lightning_seqpar.plan.fit_cache import FitCache, default_cache_directory
 from lightning_seqpar.plan.memory_choices import describe
-from lightning_seqpar.plan.models import load_model_config, model_inventory
+from lightning_seqpar.plan.models import load_model_config, model_inventory, with_attention
 from lightning_seqpar.plan.planner import LayoutRecord, plan
 from lightning_seqpar.plan.probe import PROBES_PER_FIT
 from lightning_seqpar.plan.probe_pool import default_workers, probe_pool
@@ -164,7 +164,11 @@ def what_would_fit(records: list[LayoutRecord], inventory: Any, args: argparse.N
     def answer(flag: str, **change: Any) -> tuple[bool, str]:
         asked = dict(question, **change)
         model = (_config_text(args.model, asked["seq_len"]), asked["attention"], asked["lora"])
-        if model not in inventories:
+        other = next((v for k, v in inventories.items() if k[0] == model[0] and k[2] == model[2]), None)
+        if model not in inventories and other is not None:  # another kernel's: the same parameters
+            inventories[model] = with_attention(other, load_model_config(args.model, asked["seq_len"]),
+                                                asked["attention"])
+        elif model not in inventories:
             inventories[model] = model_inventory(args.model, asked["seq_len"], asked["attention"], asked["lora"],
                                                  args.lora_targets, args.frozen)
         # (a layout whose model state alone is too large is not priced further: no probes for it)

@@ -234,7 +234,7 @@ class ModelInventory:
 
 
 def inventory_of_model(model: nn.Module, specs: dict[str, Any], placement: dict[str, str],
-                       name: Optional[str] = None) -> ModelInventory:
+                       name: Optional[str] = None, consume: bool = False) -> ModelInventory:
     """Classify every parameter of ``model`` (built on the meta device; a Hugging Face causal LM).
 
     Args:
@@ -242,6 +242,8 @@ def inventory_of_model(model: nn.Module, specs: dict[str, Any], placement: dict[
         specs: ``{decoder layer path: BlockSpec}`` of its transformer layers, in order.
         placement: ``{path: "first" | "last"}``, the parts outside the layers one pipeline stage holds, as the
             strategy places them (:func:`lightning_seqpar.policies.pipeline_placement`).
+        consume: ``model`` is not used again, so a dense one is rewritten in place rather than copied first (a
+            meta-device copy of a LoRA-wrapped 80-layer model costs as much as its rewrite).
 
     Raises:
         ValueError: no layer, or an embedding/head the vocabulary split does not recognize.
@@ -254,7 +256,6 @@ def inventory_of_model(model: nn.Module, specs: dict[str, Any], placement: dict[
         raise ValueError(f"{type(model).__name__}: the planner needs an nn.Embedding input and an nn.Linear LM head.")
     tied = head.weight is embedding.weight
     vocab = {id(p) for p in (*embedding.parameters(), *head.parameters())}
-    splits, deferred = _splits(model)
     layer_paths = list(specs)
     roles: dict[int, tuple[Part, Optional[int]]] = {}
     for index, path in enumerate(layer_paths):
@@ -267,24 +268,27 @@ def inventory_of_model(model: nn.Module, specs: dict[str, Any], placement: dict[
     for path, where in placement.items():  # learned positions on the first stage, the final norm on the last
         for param in model.get_submodule(path).parameters():
             roles.setdefault(id(param), ("embedding" if where == "first" else "final", None))
-    entries, seen = [], set()
+    unique, seen = [], set()
     for pname, param in model.named_parameters():  # a tied weight once, under its first name
-        if id(param) in seen:
-            continue
-        seen.add(id(param))
-        part, layer_index = roles.get(id(param), ("other", None))
-        split: Split = "vocab" if id(param) in vocab else splits[pname]
-        entries.append(ParameterEntry(pname, tuple(param.shape), split, part, layer_index,
-                                      tied=tied and param is embedding.weight, trainable=param.requires_grad,
-                                      deferred=pname in deferred))
+        if id(param) not in seen:
+            seen.add(id(param))
+            unique.append((pname, param))
     # The layer the shapes are read from: the first mixture of experts where dense and MoE layers mix (GLM-4.5's
     # first dense layers), as most layers are.
-    path = next((p for p in layer_paths if not specs[p].projections()[1]), layer_paths[0])
+    mixtures = [p for p in layer_paths if not specs[p].projections()[1]]
+    path = next(iter(mixtures), layer_paths[0])
     first = specs[path]
-    sample = model.get_submodule(path)
-    inventory = _sizes(name or type(model).__name__, entries, len(layer_paths), embedding, first, sample)
+    inventory = _sizes(name or type(model).__name__, [], len(layer_paths), embedding, first,
+                       model.get_submodule(path))
+    shapes = [(pname, tuple(param.shape), roles.get(id(param), ("other", None)), id(param) in vocab,
+               tied and param is embedding.weight, param.requires_grad) for pname, param in unique]
+    # (read before the split: under `consume` the rewrite replaces these modules and parameters)
+    splits, deferred = _splits(model, mixture=bool(mixtures), consume=consume)
+    inventory.entries = [ParameterEntry(pname, shape, "vocab" if in_vocab else splits[pname], part, layer_index,
+                                        tied=is_tied, trainable=trainable, deferred=pname in deferred)
+                         for pname, shape, (part, layer_index), in_vocab, is_tied, trainable in shapes]
     inventory.sample_layer = layer_paths.index(path)
-    inventory.split_projections = _split_projections(entries, path, first, inventory.hidden_size)
+    inventory.split_projections = _split_projections(inventory.entries, path, first, inventory.hidden_size)
     return inventory
 
 
@@ -307,10 +311,11 @@ def _split_projections(entries: list[ParameterEntry], path: str, spec: Any, hidd
     return tuple(out)
 
 
-def _splits(model: nn.Module) -> tuple[dict[str, Split], set[str]]:
+def _splits(model: nn.Module, mixture: bool, consume: bool) -> tuple[dict[str, Split], set[str]]:
     """``{parameter name: "column" | "row" | "replicated" | ...}`` as the rewrite splits each parameter of ``model``
     (see the module docstring), read from the placements of a meta-device copy rewritten at one virtual rank; and the
-    names of the parameters whose gradient a split backward defers to W (the same copy's layers, told to split)."""
+    names of the parameters whose gradient a split backward defers to W (the same copy's layers, told to split).
+    ``mixture``: some layer holds experts; ``consume``: ``model`` itself may be rewritten where no copy is needed."""
     import torch
 
     from lightning_seqpar.parallel.collectives import ParallelGroup
@@ -321,19 +326,23 @@ def _splits(model: nn.Module) -> tuple[dict[str, Split], set[str]]:
     from lightning_seqpar.transformer.lora import LoRARowParallelLinear
     from lightning_seqpar.transformer.materialize import Materializer, meta_copy
 
-    def rewritten(expert_tp: int) -> nn.Module:
+    def rewritten(expert_tp: int, source: nn.Module) -> nn.Module:
         holder = nn.Module()
-        holder.model = meta_copy(model)
+        holder.model = source
         width = ParallelGroup.virtual(expert_tp) if expert_tp > 1 else None
         ctx = RewriteContext(ParallelGroup.virtual(1), True, None, True, Materializer(seed=0, device=torch.device("meta")),
                              expert_tp_group=width, expert_dispatch_group=width)
         rewrite(holder, ctx, verify=False)
         return holder
 
-    try:  # at two expert tensor-parallel ranks, so the placements say which expert tensors split along the width
-        holder = rewritten(2)
-    except ValueError:  # an expert width that does not split (or no split at all): whole experts
-        holder = rewritten(1)
+    holder = None
+    if mixture:  # at two expert tensor-parallel ranks, so the placements say which expert tensors split along the width
+        try:
+            holder = rewritten(2, meta_copy(model))
+        except ValueError:  # an expert width that does not split (or no split at all): whole experts
+            pass
+    if holder is None:
+        holder = rewritten(1, model if consume else meta_copy(model))
     rows = [name for name, m in holder.model.named_modules() if isinstance(m, (RowParallelLinear, LoRARowParallelLinear))]
     from lightning_seqpar.tensor_parallel.split_backward import split_weight_gradients
     from lightning_seqpar.tensor_parallel.weight_gradients import WeightGradientStore

@@ -140,7 +140,20 @@ def model_inventory(model: Union[str, Path, dict], seq_len: int = 2048, attentio
         built, name = with_lora(built, lora, lora_targets), f"{name} + LoRA r={lora}"
     elif frozen:
         name = f"{name}, {freeze(built, frozen):,} parameters frozen"
-    return inventory_of_hf_model(built, name=name)
+    return inventory_of_hf_model(built, name=name, consume=True)
+
+
+def with_attention(inventory: ModelInventory, options: dict, attention: str) -> ModelInventory:
+    """``inventory``, of the model of the config dict ``options`` (:func:`load_model_config`), for a run with the
+    ``attention`` kernel (``"eager"``, ``"sdpa"``) instead: a kernel holds no parameter, so the entries and sizes are
+    the same; the config the probes build from, and what selective recomputation drops, follow the kernel. What
+    :func:`model_inventory` at ``attention`` gives, without building and rewriting the model again."""
+    from dataclasses import replace
+
+    from lightning_seqpar.hf.models import causal_lm_config
+
+    return replace(inventory, config=causal_lm_config(config=options, attn_implementation=attention),
+                   eager_attention=attention == "eager")
 
 
 def with_lora(model: Any, rank: int, targets: Sequence[str] = LORA_TARGETS) -> Any:
@@ -193,9 +206,10 @@ def meta_model(options: dict, attention: str = "eager") -> Any:
         return build_causal_lm(causal_lm_config(config=options, attn_implementation=attention))
 
 
-def inventory_of_hf_model(model: Any, name: Optional[str] = None) -> ModelInventory:
+def inventory_of_hf_model(model: Any, name: Optional[str] = None, consume: bool = False) -> ModelInventory:
     """:func:`~lightning_seqpar.plan.inventory.inventory_of_model` of a Hugging Face causal LM, its layers declared
-    by the built-in layouts (as the rewrite declares them).
+    by the built-in layouts (as the rewrite declares them). ``consume``: ``model`` is not used again (it may be
+    rewritten in place).
 
     Raises:
         ValueError: no layer of a built-in layout (the reasons of :func:`lightning_seqpar.explain`).
@@ -212,11 +226,10 @@ def inventory_of_hf_model(model: Any, name: Optional[str] = None) -> ModelInvent
         from lightning_seqpar.policies import explain
 
         explain(model, tp=1, verify=False)  # raises, naming each block class and why it is not known
+    from lightning_seqpar.plan.trained import trained_parts_of
     from lightning_seqpar.policies import pipeline_placement
 
-    inventory = inventory_of_model(model, specs, pipeline_placement(model), name=name)
-    from lightning_seqpar.plan.trained import trained_parts_of
-
-    inventory.config = getattr(model, "config", None)
-    inventory.training = trained_parts_of(model)
+    config, training = getattr(model, "config", None), trained_parts_of(model)
+    inventory = inventory_of_model(model, specs, pipeline_placement(model), name=name, consume=consume)
+    inventory.config, inventory.training = config, training
     return inventory

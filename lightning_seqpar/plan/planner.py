@@ -381,6 +381,7 @@ def _peak_bytes(record: LayoutRecord, inventory: ModelInventory, s: int, precisi
     # a micro-batch past its B (a split backward): what its W reads, the split linears' inputs and output gradients
     w_held = weight_gradient_bytes(inventory, local, b, tp, True, element) if name in SPLIT_BACKWARD else 0.0
     mlp_w_held = weight_gradient_bytes(inventory, local, b, tp, True, element, ("mlp",)) if w_held else 0.0
+    transients: dict[tuple[bool, bool], float] = {}
     for rank in range(pp):
         state = _state(record, inventory, precision, optimizer, layout, rank)
         stages = layout.stages_of(rank)
@@ -393,16 +394,18 @@ def _peak_bytes(record: LayoutRecord, inventory: ModelInventory, s: int, precisi
         # backward makes) or in the optimizer's step, once the activations are gone.
         opt = state.temporary  # the optimizer's step, after the backwards
         peak = (state.total + opt, state.gradients, 0.0, {"optimizer": opt})  # (total, gradients, activations, other)
-        held_layers = sum(layout.sizes[k] for k in stages)
+        sizes = [layout.sizes[k] for k in stages]
+        held_layers, final = sum(sizes), layout.num_stages - 1
+        # what a micro-batch in flight keeps on each of this rank's chunks (read at every moment of every layout)
+        chunk_kept = [sizes[c] * per_layer + (first_around - first_saving if stage == 0 else around)
+                      + (after if stage == final else 0.0) for c, stage in enumerate(stages)]
         for counts, chunk, made, waiting in backward_moments(name, m, pp, vpp, rank):
             # the share of this rank's gradients that exist (a split backward makes a chunk's in its first W)
-            share = sum(layout.sizes[stages[c]] for c, ok in enumerate(made) if ok) / held_layers
+            share = sum(size for size, ok in zip(sizes, made) if ok) / held_layers
             accumulating = share > 0
-            kept = sum(n * (layout.sizes[stages[c]] * per_layer
-                            + (first_around - first_saving if stages[c] == 0 else around)
-                            + (after if stages[c] == layout.num_stages - 1 else 0.0)) for c, n in enumerate(counts))
-            kept += sum(n * layout.sizes[stages[c]] * w_held for c, n in enumerate(waiting))
-            last = stages[chunk] == layout.num_stages - 1
+            kept = sum(n * held for n, held in zip(counts, chunk_kept))
+            kept += sum(n * size * w_held for n, size in zip(waiting, sizes))
+            last = stages[chunk] == final
             # The explicit core attention's backward comes after the head's backward freed the epilogue and, when
             # it is recomputed, after its layer's MLP backward freed that half of the layer's kept bytes (kept
             # probabilities are the attention's own, and stay until it runs): its temporaries count beyond that.
@@ -416,12 +419,12 @@ def _peak_bytes(record: LayoutRecord, inventory: ModelInventory, s: int, precisi
             # Under a split backward, each of the chunk's layers through B holds what its W reads in place of what
             # it kept, more than that where it recomputes: by the chunk's first layer, all but one hold it (ZB-H1
             # under full recomputation, two layers a chunk: -12.2 % before).
-            through = (layout.sizes[stages[chunk]] - 1) * max(0.0, w_held - per_layer)
-            moment = {"backward": through + max(backward_transient_bytes(inventory, local, b, tp, element, gradient,
-                                                                         last, accumulating, recomputed,
-                                                                         largest=largest, freed=epilogue,
-                                                                         loss=loss_backward,
-                                                                         expert_tp=record.expert_tp),
+            through = (sizes[chunk] - 1) * max(0.0, w_held - per_layer)
+            if (last, accumulating) not in transients:  # (the rest of its arguments are the layout's)
+                transients[last, accumulating] = backward_transient_bytes(
+                    inventory, local, b, tp, element, gradient, last, accumulating, recomputed, largest=largest,
+                    freed=epilogue, loss=loss_backward, expert_tp=record.expert_tp)
+            moment = {"backward": through + max(transients[last, accumulating],
                                                attention_backward - spent + prefetched),
                       "accumulated_gradients": accumulated * share}
             # before a chunk's first backward (a split chunk's first W) its weights have no `.grad`; the buckets,
@@ -431,14 +434,14 @@ def _peak_bytes(record: LayoutRecord, inventory: ModelInventory, s: int, precisi
             if total > peak[0]:
                 peak = (total, gradients, kept, moment)
             if last:  # just before: the loss's forward, its logits (and their float32 copy) beside the softmax
-                ahead = {"loss_forward": logits + loss_forward + cached * layout.sizes[stages[chunk]],
+                ahead = {"loss_forward": logits + loss_forward + cached * sizes[chunk],
                          "accumulated_gradients": moment["accumulated_gradients"]}
                 total = state.total - state.gradients + gradients + kept + sum(ahead.values())
                 if total > peak[0]:
                     peak = (total, gradients, kept, ahead)
             # The forward that filled this moment, its last layer's core attention at work: half that layer's own
             # kept bytes made (its attention's inputs, not its MLP's).
-            ahead = {"forward": forward + cached * max(layout.sizes[k] for k in stages),
+            ahead = {"forward": forward + cached * max(sizes),
                      "accumulated_gradients": moment["accumulated_gradients"]}
             filling = kept - per_layer / 2
             total = state.total - state.gradients + gradients + filling + sum(ahead.values())

@@ -1,0 +1,78 @@
+"""A model's inventory read without building more than it must: a model the planner built for itself is rewritten in
+place (no meta-device copy), and the fused-attention hint's inventory is the eager one's with the kernel changed. Each
+is checked equal, field by field and by its probes' key, to the inventory read the long way."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from lightning_seqpar.plan import model_inventory
+from lightning_seqpar.plan.__main__ import main
+from lightning_seqpar.plan.models import inventory_of_hf_model, load_model_config, meta_model, with_attention, with_lora
+
+LLAMA = dict(model_type="llama", vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+MOE = dict(model_type="qwen3_moe", vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
+           num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=64)
+ODD_MOE = dict(MOE, moe_intermediate_size=15)  # an expert width two ranks cannot split: whole experts
+
+
+def _fields(inventory) -> dict:
+    values = {f.name: getattr(inventory, f.name) for f in dataclasses.fields(inventory)
+              if f.name not in ("config", "training", "_derived")}
+    return dict(values, probe_key=inventory.probe_key)
+
+
+@pytest.mark.parametrize("config, lora", [(LLAMA, None), (LLAMA, 4), (MOE, None), (ODD_MOE, None)],
+                         ids=["llama", "llama-lora", "moe", "moe-whole-experts"])
+def test_a_consumed_model_gives_the_inventory_of_a_copied_one(config, lora):
+    def built():
+        model = meta_model(load_model_config(config))
+        return with_lora(model, lora, ["q_proj", "down_proj"]) if lora else model
+
+    kept = built()
+    layer = type(kept.get_decoder().layers[0] if lora is None else kept.base_model.model.model.layers[0])
+    copied = inventory_of_hf_model(kept)
+    assert type(kept.get_decoder().layers[0] if lora is None else kept.base_model.model.model.layers[0]) is layer
+    consumed = inventory_of_hf_model(built(), consume=True)
+    assert _fields(consumed) == _fields(copied)
+    assert consumed.training == copied.training and consumed.config.to_dict() == copied.config.to_dict()
+    splits = {e.split for e in copied.entries}
+    if config is MOE:
+        assert "expert_width" in splits
+    if config is ODD_MOE:
+        assert "expert" in splits and "expert_width" not in splits
+
+
+@pytest.mark.parametrize("config", [LLAMA, MOE, "gpt-22b"], ids=["llama", "moe", "gpt"])
+def test_another_kernel_s_inventory_is_the_one_built_with_it(config):
+    eager = model_inventory(config, 128)
+    built = model_inventory(config, 128, attention="sdpa")
+    derived = with_attention(eager, load_model_config(config, 128), "sdpa")
+    assert _fields(derived) == _fields(built) and not derived.eager_attention
+    assert derived.probe_key != eager.probe_key
+    assert derived.config.to_dict() == built.config.to_dict()
+    back = with_attention(derived, load_model_config(config, 128), "eager")
+    assert _fields(back) == _fields(eager)
+
+
+def test_the_fused_attention_hint_builds_no_model_of_its_own(tmp_path, capsys, monkeypatch):
+    import lightning_seqpar.plan.__main__ as cli
+
+    asked = []
+
+    def counted(*args, **kwargs):
+        asked.append(args[2] if len(args) > 2 else kwargs.get("attention", "eager"))
+        return model_inventory(*args, **kwargs)
+
+    monkeypatch.setattr(cli, "model_inventory", counted)
+    (tmp_path / "config.json").write_text(__import__("json").dumps(dict(LLAMA, hidden_size=4096,
+                                                                        num_hidden_layers=64)))
+    main([str(tmp_path), "--gpus", "2", "--gpu-memory", "8GB", "--seq-len", "4096", "--global-batch", "8",
+          "--analytic", "--no-cache", "--lora", "16"])
+    out = capsys.readouterr().out
+    assert "No layout fits" in out and "--attention sdpa" in out
+    assert asked == ["eager"]
