@@ -170,7 +170,7 @@ def what_would_fit(records: list[LayoutRecord], inventory: Any, args: argparse.N
                                                 asked["attention"])
         elif model not in inventories:
             inventories[model] = model_inventory(args.model, asked["seq_len"], asked["attention"], asked["lora"],
-                                                 args.lora_targets, args.frozen)
+                                                 args.lora_targets, args.frozen, cache=_kept(fits))
         # (a layout whose model state alone is too large is not priced further: no probes for it)
         again = plan(inventories[model], asked["gpus"], asked["seq_len"],
                      args.global_batch, hardware=hardware, precision=asked["precision"], headroom=args.headroom,
@@ -305,14 +305,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     hardware = Hardware.named(args.gpu or "h100", memory=memory, gpus_per_node=args.gpus_per_node,
                               efficiency=args.efficiency, calibration=calibration)
     gpu = args.gpu or ("h100" if memory is None else "GPU (h100's rates: --gpu to set them)")
+    fits: Any = {} if args.no_cache else FitCache(Path(args.cache) if args.cache else default_cache_directory())
     try:
         inventory = model_inventory(args.model, args.seq_len, args.attention, args.lora, args.lora_targets,
-                                    args.frozen)
+                                    args.frozen, cache=_kept(fits))
     except ValueError as error:  # a target or frozen name that matches nothing: the user's argument, named
         if args.lora is None and not args.frozen:
             raise
         parser.error(str(error))
-    fits: Any = {} if args.no_cache else FitCache(Path(args.cache) if args.cache else default_cache_directory())
     # (the workers start at the first probe: none for a question the cache answers)
     with probe_pool(fits, args.probe_workers, PROBES_PER_FIT):
         if _answer(args, inventory, hardware, gpu, calibration, fits):
@@ -370,11 +370,18 @@ def _config_text(model: str, seq_len: int) -> str:
     return json.dumps(load_model_config(model, seq_len), sort_keys=True, default=str)
 
 
+def _kept(fits: Any) -> Optional[FitCache]:
+    """The on-disk cache among the probes' ``fits`` (``None`` under ``--no-cache``): where inventories are kept too."""
+    return fits if isinstance(fits, FitCache) else None
+
+
 def _cache_line(fits: Any) -> str:
     """How the answer used the probes' cache (nothing without one, or with ``--analytic``)."""
-    if not isinstance(fits, FitCache) or not fits.read + fits.written:
+    if not isinstance(fits, FitCache) or not fits.read + fits.written + fits.inventories_read:
         return ""
-    return f" ({fits.read} probe fits read from {fits.directory}, {fits.written} probed and kept there)"
+    models = (f"; {fits.inventories_read} of {fits.inventories_read + fits.inventories_written} model inventories "
+              f"read from it" if fits.inventories_read + fits.inventories_written else "")
+    return f" ({fits.read} probe fits read from {fits.directory}, {fits.written} probed and kept there{models})"
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """The probes' fits kept on disk, so a question asked again (or differing only in GPU count, memory, batch or sequence
-length) is answered without probing small copies of the model again.
+length) is answered without probing small copies of the model again; and the models' inventories
+(:class:`~.inventory_record.InventoryRecord`, keyed by the config and what is trained), so it builds no model either.
 
 A fit is keyed by what it was measured from: the model's config, attention and trained parts
 (:attr:`~.inventory.ModelInventory.probe_key`), the layout's tensor-parallel size, recomputation, precision, and so
@@ -24,24 +25,26 @@ from typing import Any, Optional
 
 def _fit_types() -> dict[str, type]:
     """The fits a cache holds, by name: only these are read back (a file naming anything else is a miss)."""
+    from lightning_seqpar.plan.inventory_record import InventoryRecord
     from lightning_seqpar.plan.probe import LayerFit, OutsideFit
     from lightning_seqpar.plan.work import ContextWork, WorkFit
 
-    return {kind.__name__: kind for kind in (LayerFit, OutsideFit, WorkFit, ContextWork)}
+    return {kind.__name__: kind for kind in (LayerFit, OutsideFit, WorkFit, ContextWork, InventoryRecord)}
 
 
 def library_salt() -> str:
-    """What measured a fit: the versions of torch, transformers and PEFT (those installed) and the SHA-256 of this
-    package's Python source (every file, by path and content), as one hex digest."""
-    import torch
+    """What measured a fit: the versions of torch, transformers and PEFT (those installed, as their distributions say:
+    importing PEFT to ask would cost a repeated answer seconds) and the SHA-256 of this package's Python source (every
+    file, by path and content), as one hex digest."""
+    from importlib.metadata import PackageNotFoundError, version
 
     digest = hashlib.sha256()
     for name in ("torch", "transformers", "peft"):
         try:
-            version = torch.__version__ if name == "torch" else __import__(name).__version__
-        except ImportError:
-            version = "absent"
-        digest.update(f"{name}={version};".encode())
+            installed = version(name)
+        except PackageNotFoundError:
+            installed = "absent"
+        digest.update(f"{name}={installed};".encode())
     package = Path(__file__).resolve().parent.parent
     for path in sorted(package.rglob("*.py")):
         digest.update(str(path.relative_to(package)).encode())
@@ -67,6 +70,7 @@ class FitCache(MutableMapping):
 
     Attributes:
         read, written: how many fits came from disk and how many were measured and stored, for the answer to say.
+        inventories_read, inventories_written: the same of the models' inventories.
     """
 
     def __init__(self, directory: Path, salt: Optional[str] = None) -> None:
@@ -74,8 +78,7 @@ class FitCache(MutableMapping):
         self.salt = library_salt() if salt is None else salt
         self._held: dict[Any, Any] = {}
         self._types = _fit_types()
-        self.read = 0
-        self.written = 0
+        self.read = self.written = self.inventories_read = self.inventories_written = 0
 
     def _path(self, key: Any) -> Path:
         return self.directory / f"{hashlib.sha256(f'{self.salt}|{key!r}'.encode()).hexdigest()}.json"
@@ -98,7 +101,10 @@ class FitCache(MutableMapping):
             if fit is None:
                 raise KeyError(key)
             self._held[key] = fit
-            self.read += 1
+            if type(fit).__name__ == "InventoryRecord":
+                self.inventories_read += 1
+            else:
+                self.read += 1
         return self._held[key]
 
     def __contains__(self, key: object) -> bool:
@@ -123,7 +129,10 @@ class FitCache(MutableMapping):
         except BaseException:
             Path(temporary).unlink(missing_ok=True)
             raise
-        self.written += 1
+        if type(fit).__name__ == "InventoryRecord":
+            self.inventories_written += 1
+        else:
+            self.written += 1
 
     def __delitem__(self, key: Any) -> None:
         del self._held[key]

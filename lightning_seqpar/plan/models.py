@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from collections.abc import MutableMapping
 from typing import Any, Optional, Sequence, Union
 
 import torch
@@ -119,11 +120,13 @@ def check_expert_sizes(options: dict, model_type: str, where: str) -> None:
 
 def model_inventory(model: Union[str, Path, dict], seq_len: int = 2048, attention: str = "eager",
                     lora: Optional[int] = None, lora_targets: Sequence[str] = LORA_TARGETS,
-                    frozen: Sequence[str] = ()) -> ModelInventory:
+                    frozen: Sequence[str] = (), cache: Optional[MutableMapping] = None) -> ModelInventory:
     """Build ``model`` (see :func:`load_model_config`) on the meta device and classify its parameters as the rewrite
     splits them. ``attention``: the kernel the run will use, ``"eager"`` (the explicit core attention, whose ``s²``
     probabilities selective recomputation drops) or ``"sdpa"`` (fused: no ``s²`` tensor). ``lora``: LoRA of this rank
     on ``lora_targets`` (:func:`with_lora`); ``frozen``: parameters held but not trained (:func:`freeze`).
+    ``cache``: where inventories are kept (a :class:`~.fit_cache.FitCache`, keyed by the config and these arguments),
+    read instead of building the model when it holds this one.
 
     Raises:
         ValueError: a model whose layers no built-in layout recognizes (the reasons of
@@ -131,16 +134,27 @@ def model_inventory(model: Union[str, Path, dict], seq_len: int = 2048, attentio
         ImportError: ``lora`` without PEFT.
     """
     options = load_model_config(model, seq_len)
-    built = meta_model(options, attention)
-    name = str(options.get("_name_or_path") or type(built).__name__)
     if lora is not None and frozen:
         raise ValueError(f"frozen={list(frozen)} with LoRA: LoRA trains the adapters only, the base is frozen already; "
                          f"give one of them.")
+    key = ("inventory", json.dumps(options, sort_keys=True, default=str), attention, lora,
+           tuple(lora_targets) if lora is not None else (), tuple(frozen))
+    if cache is not None and key in cache:
+        from lightning_seqpar.hf.models import causal_lm_config
+
+        return cache[key].inventory(causal_lm_config(config=options, attn_implementation=attention))
+    built = meta_model(options, attention)
+    name = str(options.get("_name_or_path") or type(built).__name__)
     if lora is not None:
         built, name = with_lora(built, lora, lora_targets), f"{name} + LoRA r={lora}"
     elif frozen:
         name = f"{name}, {freeze(built, frozen):,} parameters frozen"
-    return inventory_of_hf_model(built, name=name, consume=True)
+    inventory = inventory_of_hf_model(built, name=name, consume=True)
+    if cache is not None:
+        from lightning_seqpar.plan.inventory_record import InventoryRecord
+
+        cache[key] = InventoryRecord.of(inventory)
+    return inventory
 
 
 def with_attention(inventory: ModelInventory, options: dict, attention: str) -> ModelInventory:

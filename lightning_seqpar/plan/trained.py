@@ -44,9 +44,29 @@ class TrainedParts:
     @property
     def key(self) -> str:
         """What identifies this to a cache of probes (the LoRA settings and the frozen names)."""
-        settings = None if self.lora is None else {k: sorted(v) if isinstance(v, (set, frozenset)) else v
-                                                   for k, v in self.lora.to_dict().items()}
-        return json.dumps([settings, sorted(self.frozen)], sort_keys=True, default=str)
+        return json.dumps([self.lora_settings(), sorted(self.frozen)], sort_keys=True, default=str)
+
+    def lora_settings(self) -> Optional[dict]:
+        """The LoRA configuration as JSON values (sets as sorted lists), what :func:`lora_from_settings` reads back;
+        ``None`` without LoRA."""
+        if self.lora is None:
+            return None
+        settings = {k: sorted(v) if isinstance(v, (set, frozenset)) else v for k, v in self.lora.to_dict().items()}
+        return json.loads(json.dumps(settings, sort_keys=True, default=str))
+
+
+def lora_from_settings(settings: dict) -> Any:
+    """PEFT's ``LoraConfig`` of :meth:`TrainedParts.lora_settings` (PEFT's own ``to_dict`` less the type it implies).
+
+    Raises:
+        ImportError: PEFT not installed, with the install command.
+        TypeError: a setting this PEFT does not take (settings of another version).
+    """
+    try:
+        from peft import LoraConfig
+    except ImportError as error:
+        raise ImportError("Planning LoRA needs PEFT: pip install 'lightning_seqpar[peft]'.") from error
+    return LoraConfig(**{k: v for k, v in settings.items() if k != "peft_type"})
 
 
 def trained_parts_of(model: nn.Module) -> Optional[TrainedParts]:

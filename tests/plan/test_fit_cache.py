@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from lightning_seqpar.plan import probe, work
+from lightning_seqpar.plan import models, probe, work
 from lightning_seqpar.plan.__main__ import main
 from lightning_seqpar.plan.fit_cache import FitCache, library_salt
 from lightning_seqpar.plan.probe import LayerFit, OutsideFit
@@ -67,19 +67,21 @@ def test_a_question_asked_again_or_changed_in_size_is_answered_without_probing(t
            "--top", "3", *cache]
     assert main(ask) == 0
     first = capsys.readouterr().out
-    assert "0 probe fits read from" in first and " probed and kept there)" in first
-    probed = len(list((tmp_path / "cache").glob("*.json")))
-    assert probed > 0
+    assert "0 probe fits read from" in first and " probed and kept there;" in first
+    kinds = [json.loads(path.read_text())["type"] for path in (tmp_path / "cache").glob("*.json")]
+    probed = len(kinds) - kinds.count("InventoryRecord")
+    assert probed > 0 and kinds.count("InventoryRecord") == 1 and "0 of 1 model inventories" in first
 
     def refuse(*args, **kwargs):
         raise AssertionError("probed although the fit is on disk")
 
-    for module, name in ((probe, "fit_layer"), (probe, "fit_outside"), (work, "fit_work")):
+    built = models.meta_model
+    for module, name in ((probe, "fit_layer"), (probe, "fit_outside"), (work, "fit_work"), (models, "meta_model")):
         monkeypatch.setattr(module, name, refuse)
     assert main(ask) == 0
     again = capsys.readouterr().out
     assert again.split("\nAnswered in")[0] == first.split("\nAnswered in")[0]  # the same answer, from the disk
-    assert f"({probed} probe fits read from" in again and "0 probed" in again
+    assert f"({probed} probe fits read from" in again and "0 probed" in again and "1 of 1 model inventories" in again
     for changed in (["--gpu-memory", "24GB"], ["--global-batch", "16"], ["--seq-len", "2048"], ["--gpus", "1"]):
         question = list(ask)
         flag = changed[0]
@@ -89,6 +91,7 @@ def test_a_question_asked_again_or_changed_in_size_is_answered_without_probing(t
             question += changed
         assert main(question) == 0, changed
         assert "0 probed" in capsys.readouterr().out, changed
-    (tmp_path / "config.json").write_text(json.dumps(dict(SMALL_LLAMA, intermediate_size=512)))  # another model
+    monkeypatch.setattr(models, "meta_model", built)  # another model is built, then probed
+    (tmp_path / "config.json").write_text(json.dumps(dict(SMALL_LLAMA, intermediate_size=512)))
     with pytest.raises(AssertionError, match="probed although"):
         main(ask)

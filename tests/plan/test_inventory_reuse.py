@@ -1,15 +1,18 @@
 """A model's inventory read without building more than it must: a model the planner built for itself is rewritten in
-place (no meta-device copy), and the fused-attention hint's inventory is the eager one's with the kernel changed. Each
-is checked equal, field by field and by its probes' key, to the inventory read the long way."""
+place (no meta-device copy), the fused-attention hint's inventory is the eager one's with the kernel changed, and an
+inventory kept on disk beside the probes' fits is read back instead of built (a damaged file is built again). Each is
+checked equal, field by field and by its probes' key, to the inventory read the long way."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
 from lightning_seqpar.plan import model_inventory
 from lightning_seqpar.plan.__main__ import main
+from lightning_seqpar.plan.fit_cache import FitCache
 from lightning_seqpar.plan.models import inventory_of_hf_model, load_model_config, meta_model, with_attention, with_lora
 
 LLAMA = dict(model_type="llama", vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
@@ -69,10 +72,59 @@ def test_the_fused_attention_hint_builds_no_model_of_its_own(tmp_path, capsys, m
         return model_inventory(*args, **kwargs)
 
     monkeypatch.setattr(cli, "model_inventory", counted)
-    (tmp_path / "config.json").write_text(__import__("json").dumps(dict(LLAMA, hidden_size=4096,
-                                                                        num_hidden_layers=64)))
+    (tmp_path / "config.json").write_text(json.dumps(dict(LLAMA, hidden_size=4096, num_hidden_layers=64)))
     main([str(tmp_path), "--gpus", "2", "--gpu-memory", "8GB", "--seq-len", "4096", "--global-batch", "8",
           "--analytic", "--no-cache", "--lora", "16"])
     out = capsys.readouterr().out
     assert "No layout fits" in out and "--attention sdpa" in out
     assert asked == ["eager"]
+
+
+@pytest.mark.parametrize("config, kwargs", [
+    (LLAMA, {}), (LLAMA, dict(lora=4, lora_targets=("q_proj", "down_proj"))), (LLAMA, dict(frozen=("embed_tokens",))),
+    (MOE, {}), (MOE, dict(lora=4, lora_targets=("q_proj", "k_proj", "v_proj", "o_proj"))), ("gpt-22b", {})],
+    ids=["llama", "llama-lora", "llama-frozen", "moe", "moe-lora", "gpt"])
+def test_an_inventory_kept_on_disk_reads_back_as_built(tmp_path, monkeypatch, config, kwargs):
+    from lightning_seqpar.plan import models
+
+    built = model_inventory(config, 128, cache=FitCache(tmp_path, salt="a"), **kwargs)
+    monkeypatch.setattr(models, "meta_model", None)  # read, not built
+    again = FitCache(tmp_path, salt="a")
+    read = model_inventory(config, 128, cache=again, **kwargs)
+    assert again.inventories_read == 1 and again.read == 0
+    assert _fields(read) == _fields(built)  # the probes' key too: the config and the trained parts as built
+    assert read.config.to_dict() == built.config.to_dict()
+    if kwargs:  # the same LoRA settings (as PEFT left them after wrapping) and frozen names
+        assert read.training.key == built.training.key and read.training.frozen == built.training.frozen
+    else:
+        assert read.training is built.training is None
+
+
+@pytest.mark.parametrize("damage", ["split", "size", "half"])
+def test_a_damaged_inventory_file_is_built_again(tmp_path, damage):
+    model_inventory(LLAMA, 128, cache=FitCache(tmp_path, salt="a"))
+    (path,) = tmp_path.glob("*.json")
+    stored = json.loads(path.read_text())
+    if damage == "split":
+        stored["fields"]["entries"][0][2] = "diagonal"
+    elif damage == "size":
+        stored["fields"]["sizes"][1] = -32
+    text = json.dumps(stored)
+    path.write_text(text[:len(text) // 2] if damage == "half" else text)
+    again = FitCache(tmp_path, salt="a")
+    rebuilt = model_inventory(LLAMA, 128, cache=again)
+    assert again.inventories_read == 0 and again.inventories_written == 1
+    assert _fields(rebuilt) == _fields(model_inventory(LLAMA, 128))
+
+
+@pytest.mark.slow  # the planner's probes: outside the fast lane
+def test_an_inventory_read_back_probes_as_the_built_one(tmp_path):
+    from lightning_seqpar.plan import plan
+
+    kwargs = dict(lora=4, lora_targets=("q_proj", "o_proj"))  # PEFT's settings as it left them, applied to the probes
+    built = model_inventory(MOE, 128, cache=FitCache(tmp_path, salt="a"), **kwargs)
+    read = model_inventory(MOE, 128, cache=FitCache(tmp_path, salt="a"), **kwargs)
+    ask = dict(precision="bf16-mixed", context_parallel=(1,), schedule=("1F1B",))
+    records = [plan(inventory, 2, 128, 4, fits={}, **ask) for inventory in (built, read)]
+    assert [r.bytes for r in records[0]] == [r.bytes for r in records[1]]
+    assert sum(bool(r.bytes) for r in records[0]) > 0
