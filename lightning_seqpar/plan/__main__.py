@@ -355,11 +355,12 @@ def _answer(args: argparse.Namespace, inventory: Any, hardware: Hardware, gpu: s
         from lightning_seqpar.plan.dry_run import dry_run
 
         print(f"\nDry run of rank 1's layout (tp {best.tp}, pp {best.pp}, vpp {best.vpp}"
+              f"{f', {best.schedule}' if best.pp > 1 else ''}"
               f"{f', ep {best.ep}' if best.ep > 1 else ''}{f', expert_tp {best.expert_tp}' if best.expert_tp > 1 else ''}), "
               f"built on the meta device:")
         for rank in range(best.pp):
             built = dry_run(load_model_config(args.model, args.seq_len), inventory, best.tp, best.pp, best.vpp, rank,
-                            args.precision, ep=best.ep, expert_tp=best.expert_tp)
+                            args.precision, ep=best.ep, expert_tp=best.expert_tp, schedule=best.schedule)
             print(f"  pipeline rank {rank}: parameters {built.measured:,} bytes built, {built.predicted:,} predicted"
                   f"{'' if built.measured == built.predicted else '  DIFFERENT'}")
     return True

@@ -237,6 +237,21 @@ def test_full_size_ranks_built_on_the_meta_device_hold_the_predicted_parameters(
         assert built.measured == built.predicted, pipeline_rank
 
 
+@pytest.mark.parametrize("schedule", ["ZB-V", "DualPipeV"])
+def test_the_dry_run_builds_the_v_placement_a_zero_bubble_layout_is_priced_at(inventories, schedule):
+    # Stages 0 and 7 on pipeline rank 0 of 4 (the embedding and the head), 3 and 4 on rank 3, against the loop's 0
+    # and 4, 3 and 7: the same layers, the head (and final norm) moved from the last rank to the first.
+    from lightning_seqpar.plan.dry_run import dry_run
+
+    config, inventory = PUBLISHED["llama3-8b"][0], inventories["llama3-8b"]
+    head = (128256 // 8 * 4096 + 4096) * 2  # bf16: a tensor rank's head rows and the final norm
+    built = {(name, rank): dry_run(config, inventory, 8, 4, 2, rank, "bf16-true", 7, schedule=name)
+             for name in (schedule, "1F1B") for rank in (0, 3)}
+    assert all(run.measured == run.predicted for run in built.values())
+    assert built[schedule, 0].measured - built["1F1B", 0].measured == head
+    assert built["1F1B", 3].measured - built[schedule, 3].measured == head
+
+
 @pytest.mark.slow  # the planner's probes: outside the fast lane
 def test_the_command_line_dry_run_prints_every_pipeline_rank(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps(LLAMA3_8B))
@@ -246,6 +261,17 @@ def test_the_command_line_dry_run_prints_every_pipeline_rank(tmp_path, capsys):
     lines = [line for line in out.splitlines() if line.startswith("  pipeline rank ")]
     assert lines and all("DIFFERENT" not in line for line in lines)
     assert "built on the meta device" in out
+
+
+@pytest.mark.slow  # the planner's probes: outside the fast lane
+def test_the_command_line_dry_run_builds_the_schedule_the_best_layout_runs(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA3_70B))
+    assert main([str(tmp_path), "--gpus", "32", "--seq-len", "4096", "--global-batch", "64", "--gpu-memory", "80GB",
+                 "--top", "1", "--analytic", "--schedule", "ZB-V", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "pp 4, vpp 2, ZB-V), built on the meta device" in out
+    lines = [line for line in out.splitlines() if line.startswith("  pipeline rank ")]
+    assert len(lines) == 4 and all("DIFFERENT" not in line for line in lines)
 
 
 def _muon(model):
