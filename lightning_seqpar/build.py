@@ -3,7 +3,8 @@
 1. read the pipeline placement off the single-device model (the policies recognize a model by its parts, which the
    rewrite replaces: a vocabulary-parallel embedding is no ``nn.Embedding``; the paths stay the same);
 2. rewrite the recognized blocks (:func:`lightning_seqpar.policies.rewrite`), every parameter given its placement;
-   their self-checks run on one rank, whose verdict every rank raises (:class:`OneRankChecks`);
+   their self-checks run on one rank, whose verdict every rank raises
+   (:func:`~lightning_seqpar.parallel.one_rank.decided_by_one_rank`);
 3. refuse a layout that splits experts over a model without any (``ep > 1``);
 4. keep this rank's pipeline stage of the layer stack and the parts outside it the stage holds
    (:func:`~lightning_seqpar.pipeline_parallel.stage.split_stages`,
@@ -52,39 +53,18 @@ class RankModel:
     remote_keys: list[str] = field(default_factory=list)
 
 
-@dataclass(frozen=True)
-class OneRankChecks:
-    """The rewrite's self-checks, run by one rank of the job, their verdict raised on every rank.
-
-    The checks are deterministic and identical on every rank (a small float64 copy of the model, or one block, on
-    emulated tensor-parallel ranks, from the same model and layout), so one rank's verdict is every rank's: the others
-    spend no CPU on it (on one node's shared cores, every rank checking made each wait for all).
-
-    Attributes:
-        checks: whether this rank runs the checks (rank 0).
-        broadcast: the strategy's ``broadcast`` of a picklable object from rank 0 (one host round trip, at setup).
-    """
-
-    checks: bool
-    broadcast: Callable[[Any], Any]
-
-    def run(self, check: Callable[[], Any]) -> None:
-        """Run ``check`` on the checking rank; every rank then raises the exception it raised, if any.
-
-        Raises:
-            Exception: what ``check`` raised on the checking rank (:func:`~lightning_seqpar.parallel.one_rank.decided_by_one_rank`).
-        """
-        decided_by_one_rank(lambda: check() and None, self.checks, self.broadcast)
-
-
 def build_rank(model: nn.Module, ctx: RewriteContext, policies: Optional[Iterable[Policy]], *, verify: bool,
                pipeline: PipelineConfig, pipeline_rank: int, materializer: Optional[Materializer] = None,
-               expert_parallel: int = 1, one_rank_checks: Optional[OneRankChecks] = None) -> RankModel:
+               expert_parallel: int = 1, checking_rank: bool = True,
+               broadcast: Optional[Callable[[Any], Any]] = None) -> RankModel:
     """Build this rank's part of ``model`` in place (see the module docstring): the rank at ``ctx.group``'s
     tensor-parallel rank and ``pipeline_rank`` of ``pipeline``. ``materializer``: fills the shards kept (``None``: the
     caller's model has no meta blocks to fill, or keeps them on the meta device). ``expert_parallel``: the layout's
-    ``ep``. ``verify`` with ``one_rank_checks``: the self-checks run on one rank, their verdict raised on all
-    (without: on this rank, which every rank then does alike).
+    ``ep``. ``verify`` with ``broadcast`` (the strategy's, of one picklable object from rank 0): the self-checks run
+    on the ``checking_rank`` (rank 0) alone, the others spending no CPU on them (on one node's shared cores, every rank
+    checking made each wait for all), their verdict raised on all; they are deterministic and alike on every rank
+    (a small float64 copy of the model, or one block, on emulated tensor-parallel ranks), so one rank's verdict is
+    every rank's. Without ``broadcast``: on this rank, which every rank then does alike.
 
     Raises:
         ValueError: from the rewrite (nothing recognized, shapes that do not split, a self-check's refusal),
@@ -92,8 +72,8 @@ def build_rank(model: nn.Module, ctx: RewriteContext, policies: Optional[Iterabl
     """
     policies = list(policies) if policies is not None else None
     placement = pipeline_placement(model, policies) if pipeline.enabled else {}
-    if verify and one_rank_checks is not None:
-        one_rank_checks.run(lambda: plan_rewrite(model, ctx, policies, verify=True))
+    if verify and broadcast is not None:
+        decided_by_one_rank(lambda: plan_rewrite(model, ctx, policies, verify=True) and None, checking_rank, broadcast)
         verify = False  # checked; the rewrite below repeats only the static checks, alike on every rank
     plan = rewrite(model, ctx, policies, verify)
     check_experts(model, expert_parallel, ctx.expert_tp)

@@ -14,8 +14,8 @@ from torch import Tensor
 
 from lightning_seqpar.parallel.collectives import ParallelGroup
 from lightning_seqpar.parallel.mesh import ParallelMesh
-from lightning_seqpar.parallel.placement import placement_of
-from lightning_seqpar.tensor_parallel.sharding import gather_full, inner_spec, load_from_full, shard_spec
+from lightning_seqpar.parallel.placement import inner_spec, placement_of, shard_spec
+from lightning_seqpar.tensor_parallel.sharding import gather_full, load_from_full
 
 Shards = Union[ParallelMesh, ParallelGroup]
 """Where shards are split: a mesh (each parameter over the group its placement names) or one group for all."""

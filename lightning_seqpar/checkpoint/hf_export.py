@@ -29,8 +29,8 @@ from lightning_seqpar.hf.streaming import (
 )
 from lightning_seqpar.hf.checkpoint_keys import ExpertPiece
 from lightning_seqpar.parallel.mesh import ParallelMesh
-from lightning_seqpar.parallel.placement import REPLICA_GROUPS, SHARD_GROUPS, placement_of
-from lightning_seqpar.tensor_parallel.sharding import ShardSpec, full_shape, shard_spec
+from lightning_seqpar.parallel.placement import REPLICA_GROUPS, SHARD_GROUPS, ShardSpec, placement_of, shard_spec
+from lightning_seqpar.tensor_parallel.sharding import full_shape
 from lightning_seqpar.sizes import parse_bytes
 from lightning_seqpar.transformer.materialize import release_freed_memory
 

@@ -31,7 +31,7 @@ from lightning_seqpar.checkpoint.destination import export_refusal, mark_export
 from lightning_seqpar.checkpoint.stages import merge_over_stages
 from lightning_seqpar.hf.streaming import SafetensorsStreamWriter, TensorEntry
 from lightning_seqpar.parallel.mesh import ParallelMesh
-from lightning_seqpar.tensor_parallel.sharding import shard_spec
+from lightning_seqpar.parallel.placement import shard_spec
 from lightning_seqpar.transformer.tuner_layers import is_peft_tuner_layer
 
 ADAPTER_FILE, CONFIG_FILE = "adapter_model.safetensors", "adapter_config.json"

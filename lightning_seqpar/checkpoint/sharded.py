@@ -38,8 +38,8 @@ from torch.distributed.tensor import DTensor
 from lightning_seqpar.checkpoint.checks import check_finite, on_every_rank
 from lightning_seqpar.checkpoint.safe_reader import METADATA_FILE, SafeFileSystemReader
 from lightning_seqpar.tensor_parallel.dcp_ranges import MAIN_PARAM
-from lightning_seqpar.tensor_parallel.sharding import (ShardMeshes, dcp_view, full_shape, inner_spec, saved_shape,
-                                                       shard_spec)
+from lightning_seqpar.tensor_parallel.sharding import ShardMeshes, dcp_view, full_shape, saved_shape
+from lightning_seqpar.parallel.placement import inner_spec, shard_spec
 
 MODEL_PREFIX = "state_dict."
 OPTIMIZER_PREFIX = "optimizer_states."

@@ -26,7 +26,7 @@ from typing import Any, Optional, Union
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_seqpar.pipeline_parallel.schedules import SEARCHED_SCHEDULES, SPLIT_BACKWARD
+from lightning_seqpar.pipeline_parallel.schedules import SEARCHED_SCHEDULES, splits_backward
 from lightning_seqpar.sizes import parse_bytes
 
 
@@ -311,7 +311,7 @@ def choose_layout(auto: AutoLayout, module: Any, trainer: Any, parallel: Any, *,
     kinds = frozenset({c.granularity for c in existing} & {"none", "selective", "full"})
     memory = _memory(auto, device)
     inventory = inventory_of_hf_model(model)
-    schedules = tuple(s for s in auto.schedules if not (compiled and s in SPLIT_BACKWARD)) or ("1F1B",)
+    schedules = tuple(s for s in auto.schedules if not (compiled and splits_backward(s))) or ("1F1B",)
     loss_chunk = planned_loss_chunk(module, parallel)
     if loss_chunk is not None and auto.loss_chunks is not None:  # a Hugging Face model's: searched
         loss_chunk = tuple(dict.fromkeys(auto.loss_chunks))

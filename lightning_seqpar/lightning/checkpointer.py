@@ -61,7 +61,7 @@ from lightning_seqpar.lightning.config import CheckpointConfig
 from lightning_seqpar.checkpoint.frozen_base import FrozenBase
 from lightning_seqpar.checkpoint.peft_export import MergedLoRA, adapter_state_dict
 from lightning_seqpar.transformer.lora import adapter_keys
-from lightning_seqpar.pipeline_parallel.schedules import placement_of
+from lightning_seqpar.pipeline_parallel.schedules import stage_placement_of
 
 
 FULL_FORMAT_MARK = "lightning_seqpar_full_format"
@@ -101,7 +101,7 @@ class Checkpointer:
         self._mesh, self._device = mesh, device
         self._settings = {"zero": data_parallel.zero, "sequence_parallel": parallel.sequence_parallel}
         pipeline = parallel.pipeline  # which layers each rank holds: a full checkpoint's optimizer state follows it
-        self._stages = {"virtual_stages": pipeline.virtual_stages, "placement": placement_of(pipeline.schedule),
+        self._stages = {"virtual_stages": pipeline.virtual_stages, "placement": stage_placement_of(pipeline.schedule),
                         "split": list(pipeline.split) if pipeline.split is not None else None}
         # Background checkpoint writes run collectives of their own: never on training's process group.
         group = (dist.new_group(backend="gloo", timeout=timeout, group_desc="async_save") if self.config.async_save

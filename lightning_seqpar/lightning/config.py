@@ -15,7 +15,7 @@ from lightning_seqpar.context_parallel import ContextParallel
 from lightning_seqpar.moe.capacity import DispatchConfig
 from lightning_seqpar.parallel.dims import ParallelDims, check_sizes
 from lightning_seqpar.pipeline_parallel import PipelineConfig
-from lightning_seqpar.pipeline_parallel.schedules import SPLIT_BACKWARD
+from lightning_seqpar.pipeline_parallel.schedules import splits_backward
 
 
 @dataclass(frozen=True)
@@ -185,7 +185,7 @@ def check_together(checkpointing: CheckpointConfig, data_parallel: DataParallelC
                          f"an expert split over both ep and expert_tp are not described to checkpoints. Use zero=0, "
                          f"or expert_tp=1 (whole experts, split over more ranks with ep).")
     pipeline = parallel.pipeline if parallel is not None else None
-    if compiled is not None and pipeline is not None and pipeline.schedule in SPLIT_BACKWARD:
+    if compiled is not None and pipeline is not None and splits_backward(pipeline.schedule):
         raise ValueError(f"schedule={pipeline.schedule!r} with compile=True: a compiled block's backward runs as one "
                          f"graph, so its weight gradients cannot be split from it into W actions. Train with "
                          f"compile=False, or with schedule='1F1B'.")

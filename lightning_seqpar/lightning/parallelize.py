@@ -17,7 +17,7 @@ from lightning_seqpar.lightning.pipelined_steps import PipelinedSteps
 from lightning_seqpar.lightning.config import ParallelConfig
 from lightning_seqpar.parallel.mesh import ParallelMesh
 from lightning_seqpar.parallel.random import RNGTracker
-from lightning_seqpar.build import OneRankChecks, build_rank
+from lightning_seqpar.build import build_rank
 from lightning_seqpar.rewriting import Policy, RewriteContext, RewritePlan
 from lightning_seqpar.transformer.compiling import CompileConfig, compile_blocks
 from lightning_seqpar.transformer.materialize import Materializer
@@ -75,7 +75,7 @@ def parallelize(model: torch.nn.Module, mesh: ParallelMesh, device: torch.device
     mesh has ``cp > 1``, the loss's chunk of positions: :class:`~lightning_seqpar.rewriting.RewriteContext`).
     ``seed``: base seed of the dropout streams and of meta-device materialization; ``None`` takes rank 0's
     ``torch.initial_seed()`` through ``broadcast``. ``verify``: run the policies' self-checks (on rank 0;
-    every rank raises its verdict: :class:`~lightning_seqpar.build.OneRankChecks`). ``source``: single-device weights read
+    every rank raises its verdict: :func:`~lightning_seqpar.build.build_rank`). ``source``: single-device weights read
     straight into the shards of a model built on the meta device (checked already); what it lacks is drawn with
     the owning model's initializer (Hugging Face's, found in the model) or the policy's. ``compiled``: every rewritten
     block's body runs through ``torch.compile`` so (:func:`~lightning_seqpar.transformer.compiling.compile_blocks`).
@@ -99,7 +99,7 @@ def parallelize(model: torch.nn.Module, mesh: ParallelMesh, device: torch.device
                          data_group=mesh.data, dispatch=parallel.moe)
     rank = build_rank(model, ctx, policies, verify=verify, pipeline=parallel.pipeline, pipeline_rank=mesh.pipeline.rank,
                       materializer=materializer, expert_parallel=mesh.dims.ep if mesh.dims is not None else 1,
-                      one_rank_checks=OneRankChecks(dist.get_rank() == 0, broadcast))
+                      checking_rank=dist.get_rank() == 0, broadcast=broadcast)
     if compiled is not None:  # each block compiles at its first call, after the recomputation callbacks apply
         compile_blocks(model, compiled)
     steps = PipelinedSteps.of(rank.runtime, parallel.pipeline, mesh.pipeline, device, model) \

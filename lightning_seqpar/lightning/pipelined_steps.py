@@ -31,7 +31,7 @@ from lightning_seqpar.pipeline_parallel.config import PipelineConfig
 from lightning_seqpar.pipeline_parallel.executor import PipelineExecutor, StepResult, loss_of
 from lightning_seqpar.pipeline_parallel.layout import StageLayout
 from lightning_seqpar.pipeline_parallel.p2p import StageTransport, shapes_signature
-from lightning_seqpar.pipeline_parallel.schedules import SPLIT_BACKWARD
+from lightning_seqpar.pipeline_parallel.schedules import splits_backward
 from lightning_seqpar.pipeline_parallel.stage import StageRuntime
 from lightning_seqpar.tensor_parallel.split_backward import split_weight_gradients
 from lightning_seqpar.tensor_parallel.weight_gradients import WeightGradientStore
@@ -131,7 +131,7 @@ class PipelinedSteps:
                 split_backward.split_weight_gradients`).
         """
         store = None
-        if config.schedule in SPLIT_BACKWARD and model is not None:
+        if splits_backward(config.schedule) and model is not None:
             store = WeightGradientStore()
             split_weight_gradients(model, store)
         parts = 1 if runtime.router_losses is None else 2  # a mixture's router statistics beside each activation

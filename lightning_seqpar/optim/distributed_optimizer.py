@@ -50,10 +50,8 @@ from lightning_seqpar.optim.sharded_buckets import ShardedGradientBuckets, _Shar
 from lightning_seqpar.parallel.collectives import Pending
 from lightning_seqpar.parallel.mesh import ParallelMesh
 from lightning_seqpar.tensor_parallel.dcp_ranges import MAIN_PARAM, RangeLayout, dcp_range_view, range_layout
-from lightning_seqpar.parallel.placement import placement_of
-from lightning_seqpar.tensor_parallel.sharding import (
-    ShardMeshes, dcp_view, full_shape, saved_shape, shard_spec,
-)
+from lightning_seqpar.parallel.placement import placement_of, shard_spec
+from lightning_seqpar.tensor_parallel.sharding import ShardMeshes, dcp_view, full_shape, saved_shape
 
 
 #: 0-dim state every optimizer of :data:`ELEMENTWISE` keeps whole (a 0-dim parameter's other state is 0-dim too).

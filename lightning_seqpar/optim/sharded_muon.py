@@ -28,8 +28,8 @@ from lightning_seqpar._compat import muon_adjusted_lr, muon_orthogonalise
 from lightning_seqpar.optim.matrix_owners import Matrix, process_whole
 from lightning_seqpar.parallel.collectives import ParallelGroup
 from lightning_seqpar.parallel.mesh import ParallelMesh
-from lightning_seqpar.parallel.placement import ShardSpec, placement_of
-from lightning_seqpar.tensor_parallel.sharding import full_shape, inner_spec, shard_spec
+from lightning_seqpar.parallel.placement import ShardSpec, inner_spec, placement_of, shard_spec
+from lightning_seqpar.tensor_parallel.sharding import full_shape
 
 _LOCAL = ParallelGroup(None)  # a group of one rank: matrices whole where they are
 

@@ -27,8 +27,7 @@ from lightning_seqpar.optim.distributed_optimizer import ELEMENTWISE, repoint_sc
 from lightning_seqpar.optim.muon import Muon
 from lightning_seqpar.optim.sharded_muon import ShardedMuon
 from lightning_seqpar.parallel.mesh import ParallelMesh
-from lightning_seqpar.parallel.placement import placement_of
-from lightning_seqpar.tensor_parallel.sharding import inner_spec, shard_spec
+from lightning_seqpar.parallel.placement import inner_spec, placement_of, shard_spec
 
 
 def is_elementwise(optimizer: Optimizer) -> bool:

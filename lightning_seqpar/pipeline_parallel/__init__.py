@@ -26,6 +26,7 @@ from lightning_seqpar.pipeline_parallel.schedules import (
     check_microbatches,
     resolve_schedule,
     simulate,
+    splits_backward,
     trace_bubble_fraction,
 )
 from lightning_seqpar.pipeline_parallel.stage import RemoteLayer, StageOutput, StageRuntime, split_stages
@@ -52,6 +53,7 @@ __all__ = [
     "check_microbatches",
     "resolve_schedule",
     "simulate",
+    "splits_backward",
     "split_stages",
     "trace_bubble_fraction",
 ]

@@ -7,7 +7,7 @@ from typing import Optional, Sequence
 
 from lightning_seqpar.pipeline_parallel.layout import StageLayout
 from lightning_seqpar.pipeline_parallel.schedules import (ScheduleName, check_microbatches, chunks_per_rank,
-                                                          least_microbatches, placement_of, resolve_schedule)
+                                                          least_microbatches, stage_placement_of, resolve_schedule)
 
 
 @dataclass(frozen=True)
@@ -62,4 +62,5 @@ class PipelineConfig:
         Raises:
             ValueError: from :meth:`StageLayout.build`.
         """
-        return StageLayout.build(num_layers, self.pp, self.virtual_stages, self.split, placement_of(self.schedule))
+        placement = stage_placement_of(self.schedule)
+        return StageLayout.build(num_layers, self.pp, self.virtual_stages, self.split, placement)

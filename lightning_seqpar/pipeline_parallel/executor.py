@@ -15,7 +15,7 @@ from lightning_seqpar.pipeline_parallel.layout import StageLayout
 from lightning_seqpar.pipeline_parallel.comm_plan import (ACTIVATION, GRADIENT, Batch, Step, build_program, needs,
                                                           with_headers)
 from lightning_seqpar.pipeline_parallel.p2p import Message, MessageValue, PostedBatch, StageTransport
-from lightning_seqpar.pipeline_parallel.schedules import SPLIT_BACKWARD, Action
+from lightning_seqpar.pipeline_parallel.schedules import Action, splits_backward
 from lightning_seqpar.pipeline_parallel.stage import StageRuntime
 from lightning_seqpar.tensor_parallel.weight_gradients import WeightGradientStore
 
@@ -84,7 +84,7 @@ class PipelineExecutor:
 
     def __init__(self, runtime: StageRuntime, transport: StageTransport, config: PipelineConfig,
                  weight_gradients: Optional[WeightGradientStore] = None) -> None:
-        if config.schedule in SPLIT_BACKWARD and weight_gradients is None:
+        if splits_backward(config.schedule) and weight_gradients is None:
             raise ValueError(f"The {config.schedule} schedule runs W actions: give the executor the store its layers "
                              f"defer their weight gradients to (split_weight_gradients).")
         if transport.parts != (1 if runtime.router_losses is None else 2):
@@ -107,7 +107,7 @@ class PipelineExecutor:
 
     @property
     def _splits(self) -> bool:
-        return self.config.schedule in SPLIT_BACKWARD
+        return splits_backward(self.config.schedule)
 
     @property
     def rank(self) -> int:

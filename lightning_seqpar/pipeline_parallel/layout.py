@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Optional, Sequence
 
-Placement = Literal["loop", "V"]
+StagePlacement = Literal["loop", "V"]
 PLACEMENTS = ("loop", "V")
 
 
@@ -32,7 +32,7 @@ class StageLayout:
     pp: int
     virtual_stages: int
     sizes: tuple[int, ...]
-    placement: Placement = "loop"
+    placement: StagePlacement = "loop"
 
     def __post_init__(self) -> None:
         if self.placement not in PLACEMENTS:
@@ -43,7 +43,7 @@ class StageLayout:
 
     @classmethod
     def build(cls, num_layers: int, pp: int, virtual_stages: int = 1, split: Optional[Sequence[int]] = None,
-              placement: Placement = "loop") -> "StageLayout":
+              placement: StagePlacement = "loop") -> "StageLayout":
         """A balanced split of ``num_layers`` (L) layers, or the explicit ``split`` (layers per virtual stage), placed
         on the ranks as ``placement`` says.
 
@@ -112,14 +112,14 @@ class StageLayout:
         return [self.stage(rank, c) for c in range(self.virtual_stages)]
 
 
-def stage_of_chunk(rank: int, chunk: int, pp: int, placement: Placement = "loop") -> int:
+def stage_of_chunk(rank: int, chunk: int, pp: int, placement: StagePlacement = "loop") -> int:
     """Virtual stage of model chunk ``chunk`` on pipeline rank ``rank`` of ``pp`` under ``placement``."""
     if placement == "V" and chunk == 1:
         return 2 * pp - 1 - rank
     return chunk * pp + rank
 
 
-def rank_of_stage(stage: int, pp: int, placement: Placement = "loop") -> int:
+def rank_of_stage(stage: int, pp: int, placement: StagePlacement = "loop") -> int:
     """Pipeline rank of ``pp`` running virtual stage ``stage`` under ``placement``."""
     if placement == "V" and stage >= pp:
         return 2 * pp - 1 - stage

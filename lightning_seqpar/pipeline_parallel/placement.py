@@ -25,7 +25,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from lightning_seqpar.pipeline_parallel.stage import StageRuntime
-from lightning_seqpar.tensor_parallel.sharding import set_pipeline_tied, set_stage_local
+from lightning_seqpar.parallel.placement import set_pipeline_tied, set_stage_local
 
 FIRST, LAST = "first", "last"
 

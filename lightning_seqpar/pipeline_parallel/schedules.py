@@ -20,13 +20,14 @@ import functools
 from typing import Iterator, Literal, Optional
 
 from lightning_seqpar.pipeline_parallel.actions import Action
-from lightning_seqpar.pipeline_parallel.layout import Placement, stage_of_chunk
+from lightning_seqpar.pipeline_parallel.layout import StagePlacement, stage_of_chunk
 from lightning_seqpar.pipeline_parallel.zero_bubble import dualpipe_v, zb_h1, zb_v
 
 __all__ = ["Action", "SCHEDULES", "SPLIT_BACKWARD", "V_SHAPED", "SEARCHED_SCHEDULES", "ScheduleName", "action_times",
            "bubble_fraction", "build_schedule", "chunks_per_rank", "check_microbatches", "dualpipe_v",
            "interleaved_one_f_one_b", "interleaved_warmup", "gpipe", "least_microbatches", "one_f_one_b",
-           "placement_of", "resolve_schedule", "runs_at", "simulate", "trace_bubble_fraction", "zb_h1", "zb_v"]
+           "stage_placement_of", "resolve_schedule", "runs_at", "simulate", "splits_backward", "trace_bubble_fraction",
+           "zb_h1", "zb_v"]
 
 SCHEDULES = ("1F1B", "gpipe", "interleaved_1F1B", "ZB-H1", "ZB-V", "DualPipeV")
 ScheduleName = Literal["1F1B", "gpipe", "interleaved_1F1B", "ZB-H1", "ZB-V", "DualPipeV"]
@@ -41,7 +42,13 @@ vpp 2 only) and DualPipeV (ZB-V's placement, from m = 2p; its pairs run one afte
 does; it holds one chunk micro-batch more but fewer waiting for their W, which can fit where ZB-V does not)."""
 
 
-def placement_of(schedule: str) -> Placement:
+def splits_backward(schedule: str) -> bool:
+    """Whether ``schedule`` runs each backward as B then W (the parallel linears' weight gradients deferred to W):
+    ZB-H1, ZB-V and DualPipeV (:data:`SPLIT_BACKWARD`)."""
+    return schedule in SPLIT_BACKWARD
+
+
+def stage_placement_of(schedule: str) -> StagePlacement:
     """The stage placement ``schedule`` runs on: ``"V"`` for ZB-V and DualPipeV, else ``"loop"``."""
     return "V" if schedule in V_SHAPED else "loop"
 
@@ -51,7 +58,7 @@ def runs_at(schedule: str, virtual_stages: int) -> bool:
     others: any their :func:`resolve_schedule` accepts)."""
     if schedule in V_SHAPED:
         return virtual_stages == 2
-    return virtual_stages == 1 if schedule in SPLIT_BACKWARD else True
+    return virtual_stages == 1 if splits_backward(schedule) else True
 
 
 def chunks_per_rank(schedule: str, virtual_stages: int) -> int:
@@ -79,7 +86,7 @@ def resolve_schedule(schedule: str, virtual_stages: int) -> ScheduleName:
     if name in V_SHAPED and virtual_stages > 2:
         raise ValueError(f"{name} places two model chunks per rank in a V; got virtual_stages={virtual_stages}. Leave "
                          f"virtual_stages at 1 or set it to 2.")
-    if name in SPLIT_BACKWARD and name not in V_SHAPED and virtual_stages > 1:
+    if splits_backward(name) and name not in V_SHAPED and virtual_stages > 1:
         raise ValueError(f"{name} runs one model chunk per rank; got virtual_stages={virtual_stages}. Use "
                          f"virtual_stages=1.")
     if name == "gpipe" and virtual_stages > 1:
@@ -193,7 +200,7 @@ def _needs(action: Action, stage: int, stages: int) -> Optional[tuple[str, int, 
     return ("F", stage, action.microbatch) if stage == stages - 1 else ("B", stage + 1, action.microbatch)
 
 
-def _replay(lists: list[list[Action]], v: int, what: str, placement: Placement = "loop"
+def _replay(lists: list[list[Action]], v: int, what: str, placement: StagePlacement = "loop"
             ) -> Iterator[tuple[int, Action, int, Optional[tuple[str, int, int]]]]:
     """Every rank's actions of ``lists`` (one list per pipeline rank, v chunks each, placed as ``placement`` says) in
     an order the data dependencies allow (:func:`_needs`), each as ``(rank, action, virtual stage, what it needed)``.
@@ -235,8 +242,8 @@ def simulate(schedule: ScheduleName, m: int, p: int, v: int = 1) -> list[int]:
     v = chunks_per_rank(schedule, v)
     lists = [build_schedule(schedule, m, p, v, r) for r in range(p)]
     inflight, peak = [0] * p, [0] * p
-    release = "W" if schedule in SPLIT_BACKWARD else "B"
-    for r, a, _, _ in _replay(lists, v, f"{schedule} with m={m}, p={p}, v={v}", placement_of(schedule)):
+    release = "W" if splits_backward(schedule) else "B"
+    for r, a, _, _ in _replay(lists, v, f"{schedule} with m={m}, p={p}, v={v}", stage_placement_of(schedule)):
         # a micro-batch is held from its forward to its last backward action (W where there is one)
         inflight[r] += 1 if a.kind == "F" else -1 if a.kind == release else 0
         peak[r] = max(peak[r], inflight[r])
@@ -258,11 +265,12 @@ def bubble_fraction(schedule: ScheduleName, m: int, p: int, v: int = 1,
     """
     v = chunks_per_rank(schedule, v)
     lists = [build_schedule(schedule, m, p, v, r) for r in range(p)]
-    return trace_bubble_fraction(lists, v, schedule in SPLIT_BACKWARD, costs, placement_of(schedule))
+    return trace_bubble_fraction(lists, v, splits_backward(schedule), costs, stage_placement_of(schedule))
 
 
 def trace_bubble_fraction(traces: list[list[Action]], v: int = 1, split: bool = False,
-                          costs: tuple[float, float, float] = (1.0, 1.0, 1.0), placement: Placement = "loop") -> float:
+                          costs: tuple[float, float, float] = (1.0, 1.0, 1.0),
+                          placement: StagePlacement = "loop") -> float:
     """The idle fraction of the ranks whose actions, in the order each ran them, are ``traces`` (one list per
     pipeline rank, v chunks each, placed as ``placement`` says), under a fixed cost model: an action starts once its
     rank is free and what it needs
@@ -279,7 +287,7 @@ def trace_bubble_fraction(traces: list[list[Action]], v: int = 1, split: bool = 
     return 1 - busy / (p * max(end for rank in times for _, end in rank))
 
 
-def action_times(lists: list[list[Action]], v: int = 1, placement: Placement = "loop",
+def action_times(lists: list[list[Action]], v: int = 1, placement: StagePlacement = "loop",
                  duration: Optional[dict[str, float]] = None) -> list[list[tuple[float, float]]]:
     """``(start, end)`` of every action of ``lists`` (one list per pipeline rank, v chunks each, placed as
     ``placement`` says), each rank running its list in order, an action starting once its rank is free and what it

@@ -31,7 +31,7 @@ from torch import Tensor
 from lightning_seqpar.moe.pipeline_losses import StageRouterLosses
 from lightning_seqpar.pipeline_parallel.config import PipelineConfig
 from lightning_seqpar.pipeline_parallel.layout import StageLayout
-from lightning_seqpar.tensor_parallel.sharding import set_stage_local
+from lightning_seqpar.parallel.placement import set_stage_local
 from lightning_seqpar.transformer.roles import LayerStack, ParallelLayer
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from lightning_seqpar.checkpoint.peft_adapter import LORA_TARGETS
-from lightning_seqpar.pipeline_parallel.schedules import SEARCHED_SCHEDULES, SPLIT_BACKWARD
+from lightning_seqpar.pipeline_parallel.schedules import SEARCHED_SCHEDULES, splits_backward
 from lightning_seqpar.plan.calibration import StepCalibration
 from lightning_seqpar.plan.cost import Hardware
 from lightning_seqpar.plan.fit_cache import FitCache, default_cache_directory
@@ -67,7 +67,7 @@ def _count(flag: str, most: int) -> Callable[[str], int]:
 
 def _layout(r: LayoutRecord) -> str:
     return (f"tp{r.tp}{f' cp{r.cp}' if r.cp > 1 else ''} pp{r.pp}{f'×v{r.vpp}' if r.vpp > 1 else ''}"
-            f"{f' {r.schedule}' if r.pp > 1 and r.schedule in SPLIT_BACKWARD else ''} dp{r.dp}"
+            f"{f' {r.schedule}' if r.pp > 1 and splits_backward(r.schedule) else ''} dp{r.dp}"
             f"{f' ep{r.ep}' if r.ep > 1 else ''}{f' etp{r.expert_tp}' if r.expert_tp > 1 else ''}"
             f"{' zero1' if r.zero else ''} "
             f"mbs{r.micro_batch} {describe(r)}")

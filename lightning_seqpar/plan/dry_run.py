@@ -44,7 +44,7 @@ def dry_run(config: Union[dict, str], inventory: ModelInventory, tp: int, pp: in
     from lightning_seqpar.build import build_rank
     from lightning_seqpar.parallel.collectives import ParallelGroup
     from lightning_seqpar.pipeline_parallel.config import PipelineConfig
-    from lightning_seqpar.pipeline_parallel.schedules import placement_of
+    from lightning_seqpar.pipeline_parallel.schedules import stage_placement_of
     from lightning_seqpar.plan.models import load_model_config, meta_model
     from lightning_seqpar.transformer.context import RewriteContext
     from lightning_seqpar.transformer.materialize import Materializer
@@ -62,5 +62,5 @@ def dry_run(config: Union[dict, str], inventory: ModelInventory, tp: int, pp: in
     measured = sum(p.numel() for p in unique) * PARAMETER_BYTES[precision]
     predicted = state_bytes(inventory, tp, pp, max(1, ep * expert_tp // tp), pipeline_rank=pipeline_rank,
                             vpp=pipeline.virtual_stages, precision=precision, ep=ep, expert_tp=expert_tp,
-                            placement=placement_of(pipeline.schedule)).parameters
+                            placement=stage_placement_of(pipeline.schedule)).parameters
     return DryRun(pipeline_rank, measured, predicted)

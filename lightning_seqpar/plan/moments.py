@@ -7,7 +7,9 @@ from __future__ import annotations
 import functools
 from typing import Optional
 
-from lightning_seqpar.pipeline_parallel.schedules import SPLIT_BACKWARD, V_SHAPED, build_schedule, resolve_schedule, runs_at
+from lightning_seqpar.pipeline_parallel.schedules import (
+    V_SHAPED, build_schedule, resolve_schedule, runs_at, splits_backward,
+)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -19,7 +21,7 @@ def backward_moments(schedule: str, m: int, pp: int, vpp: int, rank: int
     micro-batches past their B and waiting for their W, per chunk (a split backward)."""
     moments: dict[tuple[tuple[int, ...], int, tuple[bool, ...], tuple[int, ...]], None] = {}
     counts, waiting, made = [0] * vpp, [0] * vpp, [False] * vpp
-    split = schedule in SPLIT_BACKWARD
+    split = splits_backward(schedule)
     for action in build_schedule(schedule, m, pp, vpp, rank):
         if action.kind == "F":
             counts[action.chunk] += 1

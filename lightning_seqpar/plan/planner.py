@@ -20,8 +20,9 @@ from typing import Any, Optional, Union
 from lightning_seqpar.memory.activations import TransformerShape
 from lightning_seqpar.memory.flops import hardware_flops_per_iteration, mlp_forward_flops, model_flops_per_iteration
 from lightning_seqpar.optim.grad_buckets import DEFAULT_BUCKET_BYTES
-from lightning_seqpar.pipeline_parallel.schedules import (SPLIT_BACKWARD, bubble_fraction, placement_of, resolve_schedule,
-                                                       runs_at)
+from lightning_seqpar.pipeline_parallel.schedules import (
+    bubble_fraction, resolve_schedule, runs_at, splits_backward, stage_placement_of,
+)
 from lightning_seqpar.plan.activations import weight_gradient_bytes
 from lightning_seqpar.plan.cost import Hardware, Traffic, attention_flops, ring_bytes, step_times
 from lightning_seqpar.plan.experts import (  # noqa: F401  (expert_parallel_sizes: the planner's, re-exported)
@@ -246,7 +247,7 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
         return
     name = resolve_schedule(schedule, record.vpp) if record.pp > 1 else "1F1B"
     record.schedule = name
-    layout = stage_layout(inventory, record.pp, record.vpp, placement=placement_of(name))
+    layout = stage_layout(inventory, record.pp, record.vpp, placement=stage_placement_of(name))
     if state_floor:
         floor, stage = max((_state(record, inventory, precision, optimizer, layout, rank).floor, rank)
                            for rank in range(record.pp))
@@ -262,7 +263,7 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
     cp, local = record.cp, s // record.cp
     layers_per_rank, width, ranks = inventory.num_layers // pp, record.ep * record.expert_tp, tp * cp * pp * dp
     record.bubble = (pp - 1) / (vpp * m) if pp > 1 else 0.0
-    if pp > 1 and name in SPLIT_BACKWARD:
+    if pp > 1 and splits_backward(name):
         # idle over compute; F : B : W = 1 : 2 − w : w, w the deferred weights' share of the backward's weight GEMMs
         # (Eq. 7's 2 : 4 split of the FLOPs, halved: 1 : 1 : 1 when every weight trains; LoRA's W is its adapters'),
         # and under full recomputation B runs the layer's forward again first (Eq. 8): 1 : 3 − w : w
@@ -379,7 +380,7 @@ def _peak_bytes(record: LayoutRecord, inventory: ModelInventory, s: int, precisi
         attention_backward = context_transient_bytes(inventory, s, b, tp, cp, precision, True, record.cp_comm)
         forward = context_transient_bytes(inventory, s, b, tp, cp, precision, False, record.cp_comm)
     # a micro-batch past its B (a split backward): what its W reads, the split linears' inputs and output gradients
-    w_held = weight_gradient_bytes(inventory, local, b, tp, True, element) if name in SPLIT_BACKWARD else 0.0
+    w_held = weight_gradient_bytes(inventory, local, b, tp, True, element) if splits_backward(name) else 0.0
     mlp_w_held = weight_gradient_bytes(inventory, local, b, tp, True, element, ("mlp",)) if w_held else 0.0
     transients: dict[tuple[bool, bool], float] = {}
     for rank in range(pp):

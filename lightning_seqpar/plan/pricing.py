@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from lightning_seqpar.pipeline_parallel.schedules import SPLIT_BACKWARD
+from lightning_seqpar.pipeline_parallel.schedules import splits_backward
 from lightning_seqpar.plan.activations import layer_bytes, outside_layers_bytes
 from lightning_seqpar.plan.experts import expert_layer_elements, expert_tensor_parallel_bytes
 from lightning_seqpar.plan.inventory import ModelInventory
@@ -73,7 +73,7 @@ def layer_activation_bytes(record: LayoutRecord, inventory: ModelInventory, s: i
 def splits_backward(record: LayoutRecord) -> bool:
     """Whether ``record``'s layers run with their backward split into B and W (a pipeline under ZB-H1, ZB-V or
     DualPipeV): their linears then keep other tensors (:func:`~lightning_seqpar.plan.probe.measure`'s ``split``)."""
-    return record.pp > 1 and record.schedule in SPLIT_BACKWARD
+    return record.pp > 1 and splits_backward(record.schedule)
 
 
 def cached_copy_bytes(inventory: ModelInventory, record: LayoutRecord, precision: str) -> int:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from lightning_seqpar.pipeline_parallel.schedules import SPLIT_BACKWARD, V_SHAPED, least_microbatches
+from lightning_seqpar.pipeline_parallel.schedules import V_SHAPED, least_microbatches, splits_backward
 from lightning_seqpar.plan.cost import Hardware
 from lightning_seqpar.plan.inventory import ModelInventory
 from lightning_seqpar.plan.memory_choices import memory_choice_rule
@@ -63,7 +63,7 @@ def layout_rule(record: Any, inventory: ModelInventory, s: int, global_batch: in
         return "selective recomputation has nothing to recompute under cp (blockwise attention keeps no s² tensor)"
     if record.recompute == "selective" and not inventory.eager_attention:
         return "selective recomputation has nothing to recompute in fused attention (sdpa keeps no s² tensor)"
-    if pp > 1 and record.schedule in SPLIT_BACKWARD and not any(e.deferred for e in inventory.entries):
+    if pp > 1 and splits_backward(record.schedule) and not any(e.deferred for e in inventory.entries):
         return (f"schedule={record.schedule} with no trained weight to defer to W (the split layers' weights are "
                 f"frozen), so W fills no bubble")
     choice = memory_choice_rule(record.recompute, record.modules, record.offload, cp, inventory.eager_attention,

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from lightning_seqpar.optim.sharded_buckets import owned_range
-from lightning_seqpar.pipeline_parallel.layout import Placement, StageLayout
+from lightning_seqpar.pipeline_parallel.layout import StagePlacement, StageLayout
 from lightning_seqpar.plan.inventory import ModelInventory, ParameterEntry
 
 PARAMETER_BYTES = {"32-true": 4, "bf16-mixed": 4, "bf16-true": 2, "64-true": 8}
@@ -96,7 +96,7 @@ class StateBytes:
 
 
 def stage_layout(inventory: ModelInventory, pp: int, vpp: int = 1,
-                 pipeline_split: Optional[Sequence[int]] = None, placement: Placement = "loop") -> StageLayout:
+                 pipeline_split: Optional[Sequence[int]] = None, placement: StagePlacement = "loop") -> StageLayout:
     """The strategy's layers per virtual stage, placed on the ranks as ``placement`` says (:meth:`StageLayout.build`;
     raises its ``ValueError``)."""
     return StageLayout.build(inventory.num_layers, pp, vpp, pipeline_split, placement)
@@ -155,7 +155,7 @@ def state_bytes(inventory: ModelInventory, tp: int, pp: int = 1, dp: int = 1, *,
                 data_rank: int = 0, vpp: int = 1, zero: int = 0, precision: str = "bf16-mixed",
                 main_params: bool = False, pipeline_split: Optional[Sequence[int]] = None,
                 optimizer: str = "adamw", ep: int = 1, expert_data_rank: int = 0,
-                placement: Placement = "loop", expert_tp: int = 1) -> StateBytes:
+                placement: StagePlacement = "loop", expert_tp: int = 1) -> StateBytes:
     """Model-state bytes of the rank at ``(pipeline_rank, data_rank)``, and ``expert_data_rank`` in its expert
     data-parallel group of ``t·d / (ep·expert_tp)`` ranks (without experts every tensor-parallel rank holds as much);
     the stages placed as ``placement`` says (``"V"``: ZB-V's and DualPipeV's, the embedding and the head both on rank 0).
@@ -174,7 +174,8 @@ def state_bytes(inventory: ModelInventory, tp: int, pp: int = 1, dp: int = 1, *,
 
 def _state_bytes(inventory: ModelInventory, tp: int, pp: int, dp: int, pipeline_rank: int, data_rank: int, vpp: int,
                  zero: int, precision: str, main_params: bool, pipeline_split: Optional[Sequence[int]],
-                 optimizer: str, ep: int, expert_data_rank: int, placement: Placement, expert_tp: int) -> StateBytes:
+                 optimizer: str, ep: int, expert_data_rank: int, placement: StagePlacement,
+                 expert_tp: int) -> StateBytes:
     if (tp * dp) % (ep * expert_tp):
         raise ValueError(f"ep·expert_tp = {ep}·{expert_tp} does not divide tp·dp = {tp}·{dp}: the expert grid folds "
                          f"over the dense one.")

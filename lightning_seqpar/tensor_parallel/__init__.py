@@ -12,7 +12,7 @@ from lightning_seqpar.tensor_parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_sequence_parallel_region,
 )
-from lightning_seqpar.tensor_parallel.sharding import ShardSpec
+from lightning_seqpar.parallel.placement import ShardSpec
 
 __all__ = [
     "ColumnParallelLinear",

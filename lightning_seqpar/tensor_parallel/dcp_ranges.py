@@ -17,7 +17,8 @@ from typing import Any, Optional, Sequence
 from torch import Tensor
 
 from lightning_seqpar._compat import sharded_tensor
-from lightning_seqpar.tensor_parallel.sharding import full_shape, saved_shape, shard_spec
+from lightning_seqpar.tensor_parallel.sharding import full_shape, saved_shape
+from lightning_seqpar.parallel.placement import shard_spec
 
 MAIN_PARAM = "main_param"
 """The optimizer-state key of a parameter's float32 main copy (the distributed optimizer's main params); an optimizer

@@ -23,9 +23,8 @@ from lightning_seqpar.tensor_parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region,
 )
 from lightning_seqpar.tensor_parallel.weight_gradients import WeightGradientStore, accumulate
-from lightning_seqpar.tensor_parallel.sharding import (
-    ShardSpec, init_shard, set_sequence_parallel, set_shard_spec, shard_parameter,
-)
+from lightning_seqpar.tensor_parallel.sharding import init_shard, shard_parameter
+from lightning_seqpar.parallel.placement import ShardSpec, set_sequence_parallel, set_shard_spec
 
 
 def autocast_input(x: Tensor) -> Tensor:

@@ -22,7 +22,8 @@ from torch.func import functional_call
 
 from lightning_seqpar.parallel.collectives import ParallelGroup
 from lightning_seqpar.tensor_parallel.mappings import sum_over_tensor_parallel_region
-from lightning_seqpar.tensor_parallel.sharding import ShardSpec, shard_parameter
+from lightning_seqpar.tensor_parallel.sharding import shard_parameter
+from lightning_seqpar.parallel.placement import ShardSpec
 
 
 class TensorParallelRMSNorm(nn.Module):

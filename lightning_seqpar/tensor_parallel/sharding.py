@@ -1,8 +1,8 @@
 """How a parameter is split over a group, and the inverse: slicing, gathering, and views for checkpoints.
 
-:class:`ShardSpec` (a split of one dimension) and the parameter's :class:`~lightning_seqpar.parallel.placement.Placement`
-(which group splits it, which groups finish its gradient) live with the mesh in
-:mod:`lightning_seqpar.parallel.placement`; they are re-exported here with the readers the parallel layers use.
+A :class:`~lightning_seqpar.parallel.placement.ShardSpec` (a split of one dimension) and the parameter's
+:class:`~lightning_seqpar.parallel.placement.Placement` (which group splits it, which groups finish its gradient) live
+with the mesh in :mod:`lightning_seqpar.parallel.placement`, where the layers import them from.
 
 How a shard is described to ``torch.distributed.checkpoint`` (DCP): global shape and offset
 (:func:`dcp_view`, :func:`saved_shape`).
@@ -40,10 +40,8 @@ from torch.distributed.tensor import DTensor, Shard
 
 from lightning_seqpar._compat import sharded_tensor
 from lightning_seqpar.parallel.collectives import ParallelGroup
-from lightning_seqpar.parallel.placement import (  # noqa: F401  (re-exported: the layers' vocabulary)
-    Placement, ShardGrid, ShardSpec, counted_on_stage, inner_spec, is_pipeline_tied, is_sequence_parallel, is_stage_local,
-    parameter_like, place, placement_of, set_pipeline_tied, set_sequence_parallel, set_shard_spec, set_stage_local,
-    shard_spec,
+from lightning_seqpar.parallel.placement import (
+    Placement, ShardGrid, ShardSpec, inner_spec, place, set_sequence_parallel, set_shard_spec, shard_spec,
 )
 
 

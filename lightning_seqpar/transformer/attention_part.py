@@ -20,7 +20,8 @@ from torch import Tensor
 from lightning_seqpar.context_parallel import ContextParallelBatch, check_all_to_all_heads, context_parallel_attention
 from lightning_seqpar.tensor_parallel.layers import column_parallel_linears
 from lightning_seqpar.tensor_parallel.norms import LocalHeadsNorm, TensorParallelRMSNorm, per_head_weights
-from lightning_seqpar.tensor_parallel.sharding import mark_sequence_parallel, set_sequence_parallel
+from lightning_seqpar.tensor_parallel.sharding import mark_sequence_parallel
+from lightning_seqpar.parallel.placement import set_sequence_parallel
 from lightning_seqpar.transformer.core_attention import CoreAttention, merge_heads
 from lightning_seqpar.transformer.part_builder import PartBuilder
 from lightning_seqpar.transformer.paths import resolve

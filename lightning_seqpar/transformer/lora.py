@@ -46,7 +46,8 @@ from lightning_seqpar.tensor_parallel.layers import ColumnParallelLinear, RowPar
 from lightning_seqpar.tensor_parallel.mappings import (
     copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
 )
-from lightning_seqpar.tensor_parallel.sharding import set_sequence_parallel, shard_parameter
+from lightning_seqpar.tensor_parallel.sharding import shard_parameter
+from lightning_seqpar.parallel.placement import set_sequence_parallel
 from lightning_seqpar.tensor_parallel.weight_gradients import WeightGradientStore
 from lightning_seqpar.transformer.context import RewriteContext
 from lightning_seqpar.transformer.dropout import ParallelDropout

@@ -26,7 +26,8 @@ import torch.nn as nn
 
 from lightning_seqpar._compat import reset_multihead_attention
 from lightning_seqpar.parallel.collectives import ParallelGroup
-from lightning_seqpar.tensor_parallel.sharding import load_from_full, parameter_like
+from lightning_seqpar.tensor_parallel.sharding import load_from_full
+from lightning_seqpar.parallel.placement import parameter_like
 
 Initializer = Callable[[nn.Module, str], None]
 ShardGroups = Union[ParallelGroup, Callable[[torch.Tensor], ParallelGroup]]

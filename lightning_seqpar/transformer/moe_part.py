@@ -38,7 +38,8 @@ from lightning_seqpar.moe.dispatch import TokenDispatcher, check_width_split, ex
 from lightning_seqpar.moe.experts import GroupedExperts, glu_layout
 from lightning_seqpar.parallel.collectives import ParallelGroup
 from lightning_seqpar.parallel.random import recomputed
-from lightning_seqpar.tensor_parallel.sharding import inner_spec, mark_sequence_parallel
+from lightning_seqpar.tensor_parallel.sharding import mark_sequence_parallel
+from lightning_seqpar.parallel.placement import inner_spec
 from lightning_seqpar.transformer.mlp_part import DenseMLPPart, DenseMLPSpec
 from lightning_seqpar.transformer.context import RewriteContext
 from lightning_seqpar.transformer.part_builder import PartBuilder

@@ -71,7 +71,7 @@ def _fit(row: PipelineRow, cfg: dict[str, Any], device: torch.device, out_dir: s
     from lightning_seqpar.models.gpt import GPTConfig
     from lightning_seqpar.models.module import GPTLightningModule
     from lightning_seqpar.parallel.collectives import CommunicationLog
-    from lightning_seqpar.pipeline_parallel.schedules import SPLIT_BACKWARD, placement_of, trace_bubble_fraction
+    from lightning_seqpar.pipeline_parallel.schedules import splits_backward, stage_placement_of, trace_bubble_fraction
 
     record: dict[str, Any] = {"trace": [], "peak": 0, "times": [], "sends": 0, "collectives": 0}
 
@@ -123,9 +123,9 @@ def _fit(row: PipelineRow, cfg: dict[str, Any], device: torch.device, out_dir: s
     pipeline_ranks = [gathered[r * row.tp] for r in range(row.pp)]  # the first tp rank of each stage
     traces = [rank["trace"] for rank in pipeline_ranks]
     pipeline = strategy.parallel.pipeline
-    split = pipeline.schedule in SPLIT_BACKWARD
+    split = splits_backward(pipeline.schedule)
     # (ZB-V: two chunks per rank in a V, each action half a stage's work: the same costs per chunk)
-    placed = dict(v=pipeline.virtual_stages, split=split, placement=placement_of(pipeline.schedule))
+    placed = dict(v=pipeline.virtual_stages, split=split, placement=stage_placement_of(pipeline.schedule))
     step = statistics.median(record["times"][cfg["warmup"] + 1:])
     result = PipelineResult(
         row.schedule, row.pp, row.tp, trace_bubble_fraction(traces, **placed),

@@ -106,10 +106,10 @@ def _chosen(cfg: dict[str, Any], world: int, calibration: Any) -> list[tuple[int
 
 
 def _describe(r: Any) -> str:
-    from lightning_seqpar.pipeline_parallel.schedules import SPLIT_BACKWARD, V_SHAPED
+    from lightning_seqpar.pipeline_parallel.schedules import V_SHAPED, splits_backward
 
     pipeline = f" v {r.vpp}" if r.vpp > 1 and r.schedule not in V_SHAPED else \
-        f" {r.schedule}" if r.pp > 1 and r.schedule in SPLIT_BACKWARD else ""
+        f" {r.schedule}" if r.pp > 1 and splits_backward(r.schedule) else ""
     experts = f" ep {r.ep}" if r.ep > 1 else ""
     experts += f" etp {r.expert_tp}" if r.expert_tp > 1 else ""
     from lightning_seqpar.plan.memory_choices import describe

@@ -13,7 +13,8 @@ import torch.distributed.checkpoint as dcp
 
 from lightning_seqpar.checkpoint.atomic import publish, recover_stale, temporary_path
 from lightning_seqpar.checkpoint.safe_reader import SafeFileSystemReader, read_metadata
-from lightning_seqpar.tensor_parallel.sharding import ShardSpec, dcp_view, saved_shape
+from lightning_seqpar.tensor_parallel.sharding import dcp_view, saved_shape
+from lightning_seqpar.parallel.placement import ShardSpec
 
 
 def _dead_pid() -> int:

@@ -17,7 +17,7 @@ from lightning_seqpar.checkpoint.full_state import full_gradients
 from lightning_seqpar.checkpoint.stages import merge_over_stages
 from lightning_seqpar.optim import DistributedOptimizer
 from lightning_seqpar.models import GPTConfig, GPTLightningModule
-from lightning_seqpar.tensor_parallel.sharding import shard_spec
+from lightning_seqpar.parallel.placement import shard_spec
 
 VOCAB, SEQ, BATCH = 13, 8, 2  # a vocabulary no tp in {2, 4} divides: exercises padding
 

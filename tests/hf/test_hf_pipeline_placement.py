@@ -9,7 +9,7 @@ import torch.distributed as dist
 from lightning_seqpar import SeqParallelStrategy
 from lightning_seqpar.models import HFCausalLMModule
 from lightning_seqpar.pipeline_parallel.placement import LastStageOnly, SkippedEmbedding
-from lightning_seqpar.tensor_parallel.sharding import is_pipeline_tied, is_stage_local
+from lightning_seqpar.parallel.placement import is_pipeline_tied, is_stage_local
 from tests.hf.test_hf_meta_init_on_ranks import CONFIG
 from tests.helpers.distributed import run_distributed
 from tests.helpers.models import loader, token_data

@@ -12,7 +12,7 @@ from lightning_seqpar.hf.streaming import (
     SafetensorsStreamWriter, TensorEntry, file_names, split_into_files, write_index,
 )
 from lightning_seqpar.parallel import ParallelGroup
-from lightning_seqpar.tensor_parallel.sharding import ShardSpec
+from lightning_seqpar.parallel.placement import ShardSpec
 
 
 def test_a_streamed_file_reads_back_bit_for_bit(tmp_path):

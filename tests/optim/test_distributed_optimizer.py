@@ -14,7 +14,7 @@ from lightning_seqpar.optim import DistributedOptimizer
 from lightning_seqpar.optim.distributed_optimizer import optimizer_state_bytes
 from lightning_seqpar.optim.sharded_buckets import owned_range
 from lightning_seqpar.parallel import CommunicationLog
-from lightning_seqpar.tensor_parallel.sharding import is_sequence_parallel
+from lightning_seqpar.parallel.placement import is_sequence_parallel
 from tests.helpers.distributed import run_distributed
 from tests.helpers.models import build, loader, token_data
 

@@ -22,7 +22,7 @@ from lightning_seqpar.pipeline_parallel import (
 )
 from lightning_seqpar.policies import rewrite
 from lightning_seqpar.rewriting import RewriteContext
-from lightning_seqpar.tensor_parallel.sharding import is_stage_local
+from lightning_seqpar.parallel.placement import is_stage_local
 from tests.helpers.models import build
 
 LAYOUTS = [("1F1B", m, p, 1) for m in (2, 4, 8) for p in (2, 4) if m >= p] + \

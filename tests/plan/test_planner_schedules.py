@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from lightning_seqpar.pipeline_parallel.schedules import SPLIT_BACKWARD
+from lightning_seqpar.pipeline_parallel.schedules import splits_backward
 from lightning_seqpar.plan import Hardware, model_inventory, plan
 from lightning_seqpar.plan.__main__ import main
 
@@ -44,7 +44,7 @@ def test_each_layout_is_priced_per_schedule_as_a_search_of_that_schedule_alone(s
         if r.schedule == "ZB-V" and m < 2 * p - 2:
             assert r.bubble > expected["ZB-V"] and r.vpp == 2
             continue
-        if r.schedule in SPLIT_BACKWARD and r.recompute == "full":  # B makes the forward again: a heavier B idles more
+        if splits_backward(r.schedule) and r.recompute == "full":  # B makes the forward again: a heavier B idles more
             heavier.append((r, together.get(_key(r)[:8] + ("none", r.schedule))))
             continue
         assert r.bubble == pytest.approx(expected[r.schedule]) and (r.schedule != "ZB-H1" or r.vpp == 1)

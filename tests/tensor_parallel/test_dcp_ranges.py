@@ -8,7 +8,8 @@ import torch
 
 from lightning_seqpar.parallel.collectives import ParallelGroup
 from lightning_seqpar.tensor_parallel.dcp_ranges import _chunks, _owned, range_boxes
-from lightning_seqpar.tensor_parallel.sharding import ShardSpec, saved_shape, set_shard_spec
+from lightning_seqpar.tensor_parallel.sharding import saved_shape
+from lightning_seqpar.parallel.placement import ShardSpec, set_shard_spec
 
 
 @pytest.mark.parametrize("shape", [(7,), (3, 5), (4, 3, 5), (2, 3, 1, 4)])

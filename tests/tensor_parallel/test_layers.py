@@ -6,7 +6,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lightning_seqpar.parallel import ParallelGroup
-from lightning_seqpar.tensor_parallel.sharding import set_shard_spec
+from lightning_seqpar.parallel.placement import set_shard_spec
 from lightning_seqpar.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,

@@ -8,7 +8,7 @@ import torch
 from lightning_seqpar.parallel import ParallelGroup
 from lightning_seqpar.policies import explain, rewrite
 from lightning_seqpar.rewriting import RewriteContext
-from lightning_seqpar.tensor_parallel.sharding import is_sequence_parallel, shard_spec
+from lightning_seqpar.parallel.placement import is_sequence_parallel, shard_spec
 from lightning_seqpar.transformer.lora import LoRAColumnParallelLinear, LoRARowParallelLinear
 from tests.helpers.models import build
 

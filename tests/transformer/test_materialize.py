@@ -7,7 +7,7 @@ import torch.nn as nn
 from lightning_seqpar import RewriteContext, rewrite
 from lightning_seqpar.models.gpt import GPT, GPTConfig
 from lightning_seqpar.parallel import ParallelGroup
-from lightning_seqpar.tensor_parallel.sharding import shard_spec
+from lightning_seqpar.parallel.placement import shard_spec
 from lightning_seqpar.transformer.materialize import Materializer
 
 CONFIG = GPTConfig(vocab_size=13, block_size=8, n_layer=2, n_head=4, n_embd=16, tie_weights=False)

@@ -10,7 +10,8 @@ import torch.nn as nn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_seqpar.lightning.strategy import SeqParallelStrategy
-from lightning_seqpar.tensor_parallel.sharding import counted_on_stage, full_shape, is_pipeline_tied
+from lightning_seqpar.tensor_parallel.sharding import full_shape
+from lightning_seqpar.parallel.placement import counted_on_stage, is_pipeline_tied
 
 
 def whole_numel(param: nn.Parameter) -> int:

@@ -1,0 +1,46 @@
+"""Each thing has one door: a schedule's split backward is asked through one predicate, a parameter's placement is
+imported from where it lives (not through a module that re-exports it), and the package has one map, in
+docs/architecture.md, naming every folder and top-level module."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import lightning_seqpar.parallel.placement as placement
+
+ROOT = Path(__file__).resolve().parents[2]
+SOURCES = sorted(p for folder in ("lightning_seqpar", "tests", "recipes") for p in (ROOT / folder).rglob("*.py"))
+
+
+def test_a_split_backward_is_asked_through_one_predicate():
+    asked = [f"{path.relative_to(ROOT)}:{number}" for path in SOURCES
+             if path.name != "schedules.py" and path != Path(__file__).resolve()
+             for number, line in enumerate(path.read_text().splitlines(), 1)
+             if re.search(r"\bin SPLIT_BACKWARD\b", line)]
+    assert not asked, f"use pipeline_parallel.schedules.splits_backward(schedule) at {asked}"
+
+
+def test_placement_names_are_imported_from_where_they_live():
+    owned = {name for name in dir(placement) if not name.startswith("_")}
+    through = []
+    for path in SOURCES:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "lightning_seqpar.tensor_parallel.sharding":
+                through += [f"{path.relative_to(ROOT)}: {a.name}" for a in node.names
+                            if a.name in owned and a.name in vars(placement)
+                            and getattr(vars(placement)[a.name], "__module__", None) == placement.__name__]
+    assert not through, f"import these from lightning_seqpar.parallel.placement: {through}"
+
+
+def test_the_one_map_names_every_folder_and_module():
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    block = text.split("```", 2)[1]
+    mapped = set(re.findall(r"^  ([a-z_]+/|[a-z_]+\.py)", block, re.M))
+    package = ROOT / "lightning_seqpar"
+    present = {f"{p.name}/" for p in package.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    present |= {p.name for p in package.glob("*.py") if p.name != "__init__.py"}
+    assert present <= mapped, f"not in docs/architecture.md's map: {sorted(present - mapped)}"
+    readme = (ROOT / "README.md").read_text()
+    assert "lightning_seqpar/\n  parallel/" not in readme and "docs/architecture.md" in readme
