@@ -5,8 +5,8 @@ called."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from collections.abc import MutableMapping
+from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
 import torch
@@ -142,7 +142,10 @@ def model_inventory(model: Union[str, Path, dict], seq_len: int = 2048, attentio
     if cache is not None and key in cache:
         from lightning_seqpar.hf.models import causal_lm_config
 
-        return cache[key].inventory(causal_lm_config(config=options, attn_implementation=attention))
+        try:
+            return cache[key].inventory(causal_lm_config(config=options, attn_implementation=attention))
+        except (TypeError, ValueError):  # LoRA settings PEFT does not take (a damaged file): built again
+            pass
     built = meta_model(options, attention)
     name = str(options.get("_name_or_path") or type(built).__name__)
     if lora is not None:

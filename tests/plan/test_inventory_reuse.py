@@ -100,21 +100,24 @@ def test_an_inventory_kept_on_disk_reads_back_as_built(tmp_path, monkeypatch, co
         assert read.training is built.training is None
 
 
-@pytest.mark.parametrize("damage", ["split", "size", "half"])
+@pytest.mark.parametrize("damage", ["split", "size", "half", "lora"])
 def test_a_damaged_inventory_file_is_built_again(tmp_path, damage):
-    model_inventory(LLAMA, 128, cache=FitCache(tmp_path, salt="a"))
+    lora = dict(lora=4, lora_targets=("q_proj",)) if damage == "lora" else {}
+    model_inventory(LLAMA, 128, cache=FitCache(tmp_path, salt="a"), **lora)
     (path,) = tmp_path.glob("*.json")
     stored = json.loads(path.read_text())
     if damage == "split":
         stored["fields"]["entries"][0][2] = "diagonal"
     elif damage == "size":
         stored["fields"]["sizes"][1] = -32
+    elif damage == "lora":
+        stored["fields"]["lora"] = json.dumps({"r": 4, "no_such_setting": 1})
     text = json.dumps(stored)
     path.write_text(text[:len(text) // 2] if damage == "half" else text)
     again = FitCache(tmp_path, salt="a")
-    rebuilt = model_inventory(LLAMA, 128, cache=again)
-    assert again.inventories_read == 0 and again.inventories_written == 1
-    assert _fields(rebuilt) == _fields(model_inventory(LLAMA, 128))
+    rebuilt = model_inventory(LLAMA, 128, cache=again, **lora)
+    assert again.inventories_written == 1 and again.inventories_read == (damage == "lora")  # read, then refused
+    assert _fields(rebuilt) == _fields(model_inventory(LLAMA, 128, **lora))
 
 
 @pytest.mark.slow  # the planner's probes: outside the fast lane
