@@ -328,8 +328,8 @@ def _peak_bytes(record: LayoutRecord, inventory: ModelInventory, s: int, precisi
         recomputed = max(0.0, kept_whole - per_layer)
         if record.recompute == "selective":
             # the core attention's part is remade in its own backward, after the layer's MLP backward: its moment
-            # prices it (attention_backward), not the layer's (the MLP's inner gradients beside the s² probabilities
-            # put a 1F1B pp 2 stage at +9.6 % at s 256)
+            # prices it (attention_backward), not the layer's (not beside the MLP's inner gradients; docs/plan.md,
+            # "What the peak's terms were measured against")
             plain = replace(record, modules=(), offload=())
             core = max(0.0, kept_whole - layer_activation_bytes(plain, inventory, s, precision, dropout, fits))
             recomputed = max(0.0, recomputed - core)
@@ -411,15 +411,12 @@ def _peak_bytes(record: LayoutRecord, inventory: ModelInventory, s: int, precisi
             # it is recomputed, after its layer's MLP backward freed that half of the layer's kept bytes (kept
             # probabilities are the attention's own, and stay until it runs): its temporaries count beyond that.
             # Under a split backward the MLP's B leaves what its W reads in that half's place (a frozen MLP's W
-            # reads nothing: LoRA frees the half). At s 256, mbs 4, pp 2: 1F1B at +1.9 %, ZB-V with LoRA at +3.0 %
-            # (+9.6 % and +10.0 % when nothing was counted freed under a pipeline).
+            # reads nothing: LoRA frees the half).
             halved = record.recompute != "none" or bool(record.modules or record.offload)
-            # Kept whole, a layer's MLP frees what it kept before the attention's backward too (its probed share:
-            # LoRA under bf16-mixed at tp 1 mbs 4, +5.2 % when it was counted alive).
+            # Kept whole, a layer's MLP frees what it kept before the attention's backward too (its probed share).
             spent = max(0.0, (per_layer / 2 if halved else mlp_kept) - mlp_w_held) + (epilogue if last else 0.0)
             # Under a split backward, each of the chunk's layers through B holds what its W reads in place of what
-            # it kept, more than that where it recomputes: by the chunk's first layer, all but one hold it (ZB-H1
-            # under full recomputation, two layers a chunk: -12.2 % before).
+            # it kept, more than that where it recomputes: by the chunk's first layer, all but one hold it.
             through = (sizes[chunk] - 1) * max(0.0, w_held - per_layer)
             if (last, accumulating) not in transients:  # (the rest of its arguments are the layout's)
                 transients[last, accumulating] = backward_transient_bytes(

@@ -149,8 +149,8 @@ def outside_bytes(record: LayoutRecord, inventory: ModelInventory, s: int, preci
     # [b, 1, s, s] mask, one per micro-batch in flight (transients.py SCORE_TEMPORARIES); context-parallel attention
     # masks its blocks itself. Under full recomputation with one micro-batch in flight (pp 1) the full row of
     # SCORE_TEMPORARIES holds that one mask's share, as measured; on a pipeline every micro-batch in flight keeps
-    # one (that row's share then counts one of them twice: a byte per score element at 4 heads per rank), LoRA on
-    # interleaved pp 2 at s 256: -8.4 % with the prologue probed without recomputation, +1.7 % with.
+    # one (that row's share then counts one of them twice: a byte per score element at 4 heads per rank), so the
+    # prologue is probed with the recomputation that keeps it.
     kept_mask = record.cp == 1 and (record.recompute == "selective" or record.recompute == "full" and record.pp > 1)
     recompute = record.recompute if kept_mask else "none"
     key = (inventory.probe_key, "outside", record.tp, precision, recompute)

@@ -36,8 +36,8 @@ from lightning_seqpar.plan.probe_models import ProbeModels, probe_models
 TERMS = ("bsd", "bsf", "bss", "bs", "ss", "sd", "dd", "df", "d", "f")
 # (b, s, d, f, v) of the probes, s, f and v times t; the last checks the fits. The layer's and the outside's fits read
 # the same probes (each measures both). More probes than terms, three values of d and of f: a term the probes cannot
-# tell apart from another is spread over the others by the fit (LoRA's adapter weight copies under bf16-mixed, a "d"
-# term, put a layer at +9.7 % at s 256 with two values and no "d" term). Micro-batches of 2 and 4: at b = 1 the first
+# tell apart from another is spread over the others by the fit (LoRA's adapter weight copies under bf16-mixed are a
+# "d" term, which two values of d and no "d" term misplaced). Micro-batches of 2 and 4: at b = 1 the first
 # layer's [s, b, h] input is a view of the embedding's output, from b = 2 a copy of it (what the first layer and what
 # the outside keep are then linear in b; their sum is the same at b = 1).
 _PROBES = ((2, 8, 8, 16, 64), (4, 8, 8, 16, 64), (2, 16, 8, 16, 64), (2, 8, 16, 16, 64), (2, 8, 8, 32, 128),
