@@ -70,7 +70,7 @@ def layer_activation_bytes(record: LayoutRecord, inventory: ModelInventory, s: i
                                                                                              element), record)
 
 
-def splits_backward(record: LayoutRecord) -> bool:
+def layers_split_backward(record: LayoutRecord) -> bool:
     """Whether ``record``'s layers run with their backward split into B and W (a pipeline under ZB-H1, ZB-V or
     DualPipeV): their linears then keep other tensors (:func:`~lightning_seqpar.plan.probe.measure`'s ``split``)."""
     return record.pp > 1 and splits_backward(record.schedule)
@@ -80,7 +80,7 @@ def cached_copy_bytes(inventory: ModelInventory, record: LayoutRecord, precision
     """Bytes of one layer's autocast 16-bit weight copies that a split backward keeps for no micro-batch but that live
     in autocast's cache while a forward's region lasts (``bf16-mixed``, else 0): its column- and row-parallel
     weights' local shards (the split linears keep their float32 weights and cast them again in B)."""
-    if precision != "bf16-mixed" or not splits_backward(record) or record.recompute == "full":
+    if precision != "bf16-mixed" or not layers_split_backward(record) or record.recompute == "full":
         return 0
     layer = next((e.layer for e in inventory.entries if e.part == "layer"), None)
     return 2 * sum(e.numel // record.tp for e in inventory.entries
@@ -91,7 +91,7 @@ def layer_fit(record: LayoutRecord, inventory: ModelInventory, recompute: str, p
                fits: dict[tuple, Any]) -> Any:
     """The probes' :class:`~lightning_seqpar.plan.probe.LayerFit` of a layer under ``record`` with ``recompute``,
     fitted once per model and layout into ``fits``."""
-    split = splits_backward(record)
+    split = layers_split_backward(record)
     key = (inventory.probe_key, record.tp, recompute, precision) + ((record.modules, record.offload)
                                                                     if record.modules or record.offload else ()) \
         + (("split",) if split else ())
@@ -174,7 +174,7 @@ def elementwise_work(record: LayoutRecord, inventory: ModelInventory, s: int, pr
     fitted once per model and layout into ``fits``."""
     if fits is None or inventory.config is None:
         return None
-    split = splits_backward(record)
+    split = layers_split_backward(record)
     key = (inventory.probe_key, "work", record.tp, record.recompute, precision, record.modules, record.offload, split)
     if key not in fits:
         from lightning_seqpar.plan.work import fit_work
