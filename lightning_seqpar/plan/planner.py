@@ -23,34 +23,19 @@ from lightning_seqpar.optim.grad_buckets import DEFAULT_BUCKET_BYTES
 from lightning_seqpar.pipeline_parallel.schedules import (
     bubble_fraction, resolve_schedule, runs_at, splits_backward, stage_placement_of,
 )
-from lightning_seqpar.plan.activations import weight_gradient_bytes
 from lightning_seqpar.plan.cost import Hardware, Traffic, attention_flops, ring_bytes, step_times
 from lightning_seqpar.plan.experts import (  # noqa: F401  (expert_parallel_sizes: the planner's, re-exported)
     all_to_all_bytes, expert_grids, expert_parallel_sizes,
 )
 from lightning_seqpar.plan.inventory import ModelInventory
 from lightning_seqpar.plan.layout_record import LayoutRecord
-from lightning_seqpar.plan.memory_choices import (describe, host_traffic, largest_offloaded_share, memory_choice_rule,
-                                                  offload_backward_bytes, trades)
+from lightning_seqpar.plan.memory_choices import describe, host_traffic, memory_choice_rule, trades
 from lightning_seqpar.plan.moments import backward_moments, chunks_rule
-from lightning_seqpar.plan.pricing import (activation_element_bytes, cached_copy_bytes, elementwise_work,
-                                           first_layer_saving, layer_activation_bytes, loss_chunk_positions,
-                                           mlp_kept_bytes, never_negative, outside_bytes)
-from lightning_seqpar.plan.probe import first_layer_apart
+from lightning_seqpar.plan.peak import peak_bytes, rank_state
+from lightning_seqpar.plan.pricing import activation_element_bytes, elementwise_work, loss_chunk_positions
 from lightning_seqpar.plan.rules import divisors, layout_rule
 from lightning_seqpar.plan.muon_cost import muon_step_cost
-from lightning_seqpar.plan.state import (OPTIMIZER_STATES, PARAMETER_BYTES, StateBytes, held_entries, stage_layout,
-                                         state_bytes, trained_elements)
-from lightning_seqpar.plan.transients import (
-    accumulation_bytes,
-    attention_backward_bytes,
-    backward_transient_bytes,
-    context_transient_bytes,
-    forward_transient_bytes,
-    largest_layer_weight,
-    loss_bytes,
-)
-from lightning_seqpar.tensor_parallel.sharding import padded_size
+from lightning_seqpar.plan.state import OPTIMIZER_STATES, PARAMETER_BYTES, held_entries, stage_layout, trained_elements
 
 RECOMPUTE = ("selective", "none", "full")
 VIRTUAL_STAGES = (1, 2, 4, 5)
@@ -249,14 +234,14 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
     record.schedule = name
     layout = stage_layout(inventory, record.pp, record.vpp, placement=stage_placement_of(name))
     if state_floor:
-        floor, stage = max((_state(record, inventory, precision, optimizer, layout, rank).floor, rank)
+        floor, stage = max((rank_state(record, inventory, precision, optimizer, layout, rank).floor, rank)
                            for rank in range(record.pp))
         if floor > headroom * hardware.memory:
             record.state_floor, record.stage = floor, stage
             record.reason = (f"its model state alone needs {floor / 1e9:.1f} GB > {headroom:g} × "
                              f"{hardware.memory / 1e9:g} GB on stage {stage}")
             return
-    moved = _peak_bytes(record, inventory, s, precision, dropout, fits, optimizer, layout)
+    moved = peak_bytes(record, inventory, s, precision, dropout, fits, optimizer, layout)
     shape, executed = _flops(record, inventory, s, global_batch)
     traffic, held = _traffic(record, inventory, s, precision, hardware, layout)
     tp, pp, vpp, dp, b, m = record.tp, record.pp, record.vpp, record.dp, record.micro_batch, record.num_microbatches
@@ -304,171 +289,6 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
                          f"stage {record.stage}")
         return
     record.feasible = True
-
-
-def _peak_bytes(record: LayoutRecord, inventory: ModelInventory, s: int, precision: str, dropout: bool,
-                fits: Optional[dict[tuple, Any]], optimizer: str, layout: Any) -> float:
-    """The most loaded pipeline rank's bytes at its step's peak into ``record`` (``stage``, ``bytes``, ``other``):
-    each rank's model state and, at each moment one of its backwards starts (and in the optimizer's step), what its
-    schedule holds in flight and what that moment makes. Returns the bytes one layer's offload moves per micro-batch
-    (0 without offload)."""
-    name = record.schedule
-    tp, pp, vpp, dp, b, m = record.tp, record.pp, record.vpp, record.dp, record.micro_batch, record.num_microbatches
-    cp, local = record.cp, s // record.cp  # a context-parallel rank's layers see s/c tokens
-    element = activation_element_bytes(precision)
-    per_layer = layer_activation_bytes(record, inventory, s, precision, dropout, fits)
-    # What a layer's backward makes again or brings back: its kept bytes without recomputation and offload, less
-    # with them. Of it, what the offload moves (the same layer's bytes with and without it).
-    moved = recomputed = prefetched = 0.0
-    if record.recompute != "none" or record.modules:
-        whole = LayoutRecord(tp, cp, pp, vpp, dp, record.zero, b, m, "none", record.main_params, ep=record.ep,
-                             expert_tp=record.expert_tp, loss_chunk=record.loss_chunk,
-                             offload=record.offload, schedule=name)
-        kept_whole = layer_activation_bytes(whole, inventory, s, precision, dropout, fits)
-        recomputed = max(0.0, kept_whole - per_layer)
-        if record.recompute == "selective":
-            # the core attention's part is remade in its own backward, after the layer's MLP backward: its moment
-            # prices it (attention_backward), not the layer's (not beside the MLP's inner gradients; docs/plan.md,
-            # "What the peak's terms were measured against")
-            plain = replace(record, modules=(), offload=())
-            core = max(0.0, kept_whole - layer_activation_bytes(plain, inventory, s, precision, dropout, fits))
-            recomputed = max(0.0, recomputed - core)
-    if record.offload:
-        moved = max(0.0, layer_activation_bytes(replace(record, offload=()), inventory, s, precision, dropout, fits) - per_layer)
-        recomputed += offload_backward_bytes(moved, per_layer, inventory.num_layers // (pp * vpp),
-                                             largest_offloaded_share(inventory, local, b, tp, record, element, dropout))
-        prefetched = moved * (inventory.num_layers // (pp * vpp) > 1)
-    first_saving = first_layer_saving(record, inventory, local, precision, fits)  # kept less by stage 0's first layer
-    mlp_kept = mlp_kept_bytes(record, inventory, local, precision, fits)
-    # Under a split backward no micro-batch keeps autocast's 16-bit weight copies (per_layer is without them), but a
-    # chunk's forward holds its layers' copies in autocast's cache until its region ends, the loss's forward included.
-    cached = cached_copy_bytes(inventory, record, precision) if fits is not None and inventory.config is not None else 0
-    worst: tuple[float, int, dict[str, int], dict[str, int]] = (-1.0, 0, {}, {})
-    parameter = PARAMETER_BYTES[precision]
-    outside, prologue = outside_bytes(record, inventory, s, precision, element, fits)
-    # Outside the layers, a forward keeps the stage input ([s/t, b, h]: what a pipeline stage received), the prologue
-    # (mask, rotary tables, position ids) and the epilogue (final norm, head, loss). Under a pipeline every
-    # chunk-forward keeps an input and a prologue of its own; only the last chunk an epilogue. Where the first layer
-    # is fitted apart (frozen parameters), it holds its own input (none, or the layers' [s, b, h] copy of the
-    # embedding's output that its checkpoint keeps), which the fitted outside leaves out.
-    stage_input = element * local * b * inventory.hidden_size / tp
-    apart = fits is not None and inventory.config is not None and first_layer_apart(inventory.training)
-    epilogue = max(0.0, outside - prologue - (0.0 if apart else stage_input))
-    # The head's logits live from the head to the end of the loss's forward: a micro-batch keeps the rest. In chunks
-    # (loss_chunk), it keeps neither them nor the softmax, and the loss's forward and backward make one chunk's.
-    positions, vocab_parallel = loss_chunk_positions(record, inventory, local), tp > 1 or cp > 1
-    logits, loss_forward, loss_backward = loss_bytes(inventory, local, b, tp, element, vocab_parallel)
-    kept_logits = logits if positions is None else logits + 4 * logits / element  # the logits, and the softmax kept
-    kept_logits = min(kept_logits, epilogue)
-    epilogue -= kept_logits
-    around, after = (0.0, outside - kept_logits) if pp == 1 else (stage_input + prologue, epilogue)
-    first_around = around - (stage_input if pp > 1 and apart else 0.0)  # (apart, the first layer holds its input)
-    gradient = parameter + (2 if precision == "bf16-mixed" else 0)  # autocast's 16-bit weight gradient + its fp32 copy
-    if positions is not None:  # a chunk's logits, their float32 copy and softmax, then (made again) its gradient
-        logits, loss_forward, loss_backward = loss_bytes(inventory, positions, b, tp, element, vocab_parallel)
-        loss_forward += 4 * logits / element
-        # Each chunk's head weight gradient is added to the sum of the later chunks' (autograd's buffer): the sum,
-        # the new one and their total at once, in the parameters' dtype, beside the chunk's logits' gradient.
-        head = 3 * parameter * (padded_size(inventory.vocab_size, tp) // tp) * inventory.hidden_size
-        loss_backward = max(logits + loss_forward, 4 * logits / element + loss_backward,
-                            head + 4 * logits / element)
-    largest = largest_layer_weight(inventory, tp, record.ep, record.expert_tp)
-    if cp == 1:
-        attention_backward = attention_backward_bytes(inventory, s, b, tp, precision, record.recompute)
-        forward = forward_transient_bytes(inventory, s, b, tp, precision, record.recompute)
-    else:
-        attention_backward = context_transient_bytes(inventory, s, b, tp, cp, precision, True, record.cp_comm)
-        forward = context_transient_bytes(inventory, s, b, tp, cp, precision, False, record.cp_comm)
-    # a micro-batch past its B (a split backward): what its W reads, the split linears' inputs and output gradients
-    w_held = weight_gradient_bytes(inventory, local, b, tp, True, element) if splits_backward(name) else 0.0
-    mlp_w_held = weight_gradient_bytes(inventory, local, b, tp, True, element, ("mlp",)) if w_held else 0.0
-    transients: dict[tuple[bool, bool], float] = {}
-    for rank in range(pp):
-        state = _state(record, inventory, precision, optimizer, layout, rank)
-        stages = layout.stages_of(rank)
-        # (`.grad` exists for trained parameters only: LoRA's frozen base makes none)
-        accumulated = accumulation_bytes(state.trained, m, state.bucketed, record.zero == 0 and parameter < 4)
-        # `.grad` a step's first backward has not made yet (where the buckets are not the gradients).
-        unmade = state.gradients if not state.bucketed else (
-            state.trained if record.zero == 0 and parameter < 4 else 0)
-        # The step peaks at one of this rank's backwards (what its schedule holds in flight then, and what that
-        # backward makes) or in the optimizer's step, once the activations are gone.
-        opt = state.temporary  # the optimizer's step, after the backwards
-        peak = (state.total + opt, state.gradients, 0.0, {"optimizer": opt})  # (total, gradients, activations, other)
-        sizes = [layout.sizes[k] for k in stages]
-        held_layers, final = sum(sizes), layout.num_stages - 1
-        # what a micro-batch in flight keeps on each of this rank's chunks (read at every moment of every layout)
-        chunk_kept = [sizes[c] * per_layer + (first_around - first_saving if stage == 0 else around)
-                      + (after if stage == final else 0.0) for c, stage in enumerate(stages)]
-        for counts, chunk, made, waiting in backward_moments(name, m, pp, vpp, rank):
-            # the share of this rank's gradients that exist (a split backward makes a chunk's in its first W)
-            share = sum(size for size, ok in zip(sizes, made) if ok) / held_layers
-            accumulating = share > 0
-            kept = sum(n * held for n, held in zip(counts, chunk_kept))
-            kept += sum(n * size * w_held for n, size in zip(waiting, sizes))
-            last = stages[chunk] == final
-            # The explicit core attention's backward comes after the head's backward freed the epilogue and, when
-            # it is recomputed, after its layer's MLP backward freed that half of the layer's kept bytes (kept
-            # probabilities are the attention's own, and stay until it runs): its temporaries count beyond that.
-            # Under a split backward the MLP's B leaves what its W reads in that half's place (a frozen MLP's W
-            # reads nothing: LoRA frees the half).
-            halved = record.recompute != "none" or bool(record.modules or record.offload)
-            # Kept whole, a layer's MLP frees what it kept before the attention's backward too (its probed share).
-            spent = max(0.0, (per_layer / 2 if halved else mlp_kept) - mlp_w_held) + (epilogue if last else 0.0)
-            # Under a split backward, each of the chunk's layers through B holds what its W reads in place of what
-            # it kept, more than that where it recomputes: by the chunk's first layer, all but one hold it.
-            through = (sizes[chunk] - 1) * max(0.0, w_held - per_layer)
-            if (last, accumulating) not in transients:  # (the rest of its arguments are the layout's)
-                transients[last, accumulating] = backward_transient_bytes(
-                    inventory, local, b, tp, element, gradient, last, accumulating, recomputed, largest=largest,
-                    freed=epilogue, loss=loss_backward, expert_tp=record.expert_tp)
-            moment = {"backward": through + max(transients[last, accumulating],
-                                               attention_backward - spent + prefetched),
-                      "accumulated_gradients": accumulated * share}
-            # before a chunk's first backward (a split chunk's first W) its weights have no `.grad`; the buckets,
-            # where they are the gradients, exist from the first step on
-            gradients = state.gradients - round((1 - share) * unmade)
-            total = state.total - state.gradients + gradients + kept + sum(moment.values())
-            if total > peak[0]:
-                peak = (total, gradients, kept, moment)
-            if last:  # just before: the loss's forward, its logits (and their float32 copy) beside the softmax
-                ahead = {"loss_forward": logits + loss_forward + cached * sizes[chunk],
-                         "accumulated_gradients": moment["accumulated_gradients"]}
-                total = state.total - state.gradients + gradients + kept + sum(ahead.values())
-                if total > peak[0]:
-                    peak = (total, gradients, kept, ahead)
-            # The forward that filled this moment, its last layer's core attention at work: half that layer's own
-            # kept bytes made (its attention's inputs, not its MLP's).
-            ahead = {"forward": forward + cached * max(sizes),
-                     "accumulated_gradients": moment["accumulated_gradients"]}
-            filling = kept - per_layer / 2
-            total = state.total - state.gradients + gradients + filling + sum(ahead.values())
-            if pp > 1 and total > peak[0]:
-                peak = (total, gradients, filling, ahead)
-        if pp == 1:  # Lightning zeroes .grad after training_step: the last step's live through the forward
-            # The head and loss not run yet; half the last layer's own kept bytes made, as above.
-            kept = (layout.sizes[stages[0]] - 0.5) * per_layer - first_saving + outside - epilogue
-            if state.total + kept + forward > peak[0]:
-                peak = (state.total + kept + forward, state.gradients, kept, {"forward": forward})
-        _, gradients, activations, other = peak
-        parts = {k: int(v) for k, v in other.items() if v}
-        split = dict(parameters=state.parameters, gradients=gradients, main_params=state.main_params,
-                     optimizer=state.optimizer,
-                     activations=int(never_negative("the activations", activations, record)), other=sum(parts.values()))
-        split["total"] = sum(split.values())
-        if split["total"] > worst[0]:
-            worst = (split["total"], rank, split, parts)
-    _, record.stage, record.bytes, record.other = worst
-    return moved
-
-
-def _state(record: LayoutRecord, inventory: ModelInventory, precision: str, optimizer: str, layout: Any,
-           rank: int) -> StateBytes:
-    """Pipeline rank ``rank``'s model-state bytes under ``record`` (gradients reduced, and ZeRO sharded, over the
-    ``d·c`` ranks of the data group)."""
-    return state_bytes(inventory, record.tp, record.pp, record.dp * record.cp, pipeline_rank=rank, vpp=record.vpp,
-                       zero=record.zero, precision=precision, main_params=record.main_params, optimizer=optimizer,
-                       ep=record.ep, placement=layout.placement, expert_tp=record.expert_tp)
 
 
 def _flops(record: LayoutRecord, inventory: ModelInventory, s: int, global_batch: int) -> tuple[TransformerShape, float]:
