@@ -81,7 +81,9 @@ def build_rank(model: nn.Module, ctx: RewriteContext, policies: Optional[Iterabl
     if pipeline.enabled:  # embeddings on the first stage, final norm and head on the last, where a policy says so
         moe_layers = moe_layer_indices(model)
         built.runtime, built.remote_keys = split_stages(model, pipeline, pipeline_rank)
-        built.runtime.router_losses = attach_router_losses(model, built.runtime, moe_layers)
+        carrier = attach_router_losses(model, built.runtime, moe_layers)
+        if carrier is not None:
+            built.runtime.payload = carrier
         built.remote_keys += place_outside_stack(model, placement, built.runtime, pipeline_rank)
     if materializer is not None:
         materializer.fill(model, ctx.shard_group, ctx.inner_shard_group)

@@ -134,9 +134,9 @@ class PipelinedSteps:
         if splits_backward(config.schedule) and model is not None:
             store = WeightGradientStore()
             split_weight_gradients(model, store)
-        parts = 1 if runtime.router_losses is None else 2  # a mixture's router statistics beside each activation
         one_shape = runtime.layout.placement == "V"  # headers on the first boundaries only (comm_plan.carries_header)
-        return cls(PipelineExecutor(runtime, StageTransport(pipeline, device, parts, one_shape), config, store))
+        transport = StageTransport(pipeline, device, 1 + runtime.payload.parts, one_shape)
+        return cls(PipelineExecutor(runtime, transport, config, store))
 
     @property
     def config(self) -> PipelineConfig:

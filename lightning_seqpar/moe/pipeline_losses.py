@@ -132,28 +132,32 @@ class _Kept:
 
 
 class StageRouterLosses:
-    """Carries one rank's router statistics between pipeline stages (see the module docstring).
+    """Carries one rank's router statistics between pipeline stages (see the module docstring): the pipeline's
+    :class:`~lightning_seqpar.pipeline_parallel.payload.StagePayload` of a model adding router losses.
 
     Args:
         terms: the model's router losses.
-        parts: this rank's mixture-of-experts parts by virtual stage (``MoEPart``, in layer order).
+        moe_parts: this rank's mixture-of-experts parts by virtual stage (``MoEPart``, in layer order).
         last_stage: the index of the last virtual stage.
 
     Attributes:
+        parts: one vector beside each activation and gradient (the pipeline's
+            :class:`~lightning_seqpar.pipeline_parallel.payload.StagePayload`).
         upstream: the statistics received for the forward running on the last stage (read by its loss), else
             ``None``.
         collecting: whether a stage's forward is running (its mixture parts keep their router logits for it).
         attention_mask: the 2-D mask of the model's last call (:meth:`capture`), or ``None``.
     """
 
-    def __init__(self, terms: RouterLossTerms, parts: dict[int, list[nn.Module]], last_stage: int) -> None:
-        self.terms, self.parts, self.last_stage = terms, parts, last_stage
+    def __init__(self, terms: RouterLossTerms, moe_parts: dict[int, list[nn.Module]], last_stage: int) -> None:
+        self.terms, self.moe_parts, self.last_stage = terms, moe_parts, last_stage
         self.upstream: Optional[RouterStatistics] = None
         self.attention_mask: Optional[Tensor] = None
+        self.parts = 1
         self._kept: dict[tuple[int, int], _Kept] = {}
         self._totals: dict[int, Tensor] = {}
         self._running: Optional[int] = None
-        self.collecting = False  # between a stage forward's begin and end: the parts keep their logits
+        self.collecting = False  # while a stage's forward runs: the mixture parts keep their logits
         self._mask_position: Optional[int] = None  # attention_mask's place among the forward's arguments (-1: none)
 
     @property
@@ -172,14 +176,13 @@ class StageRouterLosses:
                 mask = args[self._mask_position]
         self.attention_mask = mask if isinstance(mask, Tensor) and mask.dim() == 2 else None
 
-    def begin(self, stage: int, microbatch: int, received: Optional[Tensor], device: torch.device) -> None:
-        """Before virtual stage ``stage``'s forward of ``microbatch``: what the earlier stages sent (``None`` on the
+    def forward_begins(self, stage: int, microbatch: int, received: tuple[Tensor, ...], device: torch.device) -> None:
+        """Before virtual stage ``stage``'s forward of ``microbatch``: what the earlier stages sent (``()`` on the
         first stage). Forgets every part's logits, so that only this forward's are read."""
         self._release()
         self.collecting = True
         e = self.terms.num_experts
-        self.upstream = RouterStatistics.zeros(e, device) if received is None else \
-            RouterStatistics.from_vector(received, e)
+        self.upstream = RouterStatistics.from_vector(received[0], e) if received else RouterStatistics.zeros(e, device)
         self._running = microbatch
         if stage == self.last_stage:
             self._totals.pop(microbatch, None)
@@ -192,11 +195,11 @@ class StageRouterLosses:
         if pooled or self._running not in self._totals:
             self._totals[self._running] = dataclasses.replace(totals, used=torch.ones_like(totals.used)).vector()
 
-    def finish(self, stage: int, microbatch: int, training: bool) -> Tensor:
+    def forward_sends(self, stage: int, microbatch: int, training: bool) -> tuple[Tensor]:
         """After a non-last stage's forward: its layers' statistics added to what it received, to send on ``[2E+4]``;
-        in training, its differentiable terms kept until :meth:`surrogate`."""
+        in training, its differentiable terms kept until :meth:`backward_share`."""
         assert self.upstream is not None
-        logits = [p.last_logits for p in self.parts.get(stage, []) if p.last_logits is not None]
+        logits = [p.last_logits for p in self.moe_parts.get(stage, []) if p.last_logits is not None]
         own = RouterStatistics.zeros(self.terms.num_experts, self.upstream.counts.device)
         kept = _Kept(None, None, None)
         if logits:  # only the terms the model adds: each is a softmax over the logits and a reduction per group
@@ -212,10 +215,10 @@ class StageRouterLosses:
         if training:
             self._kept[(stage, microbatch)] = kept
         out = self.upstream.plus(own).vector()
-        self.end()
-        return out
+        self.forward_ends()
+        return (out,)
 
-    def end(self) -> None:
+    def forward_ends(self) -> None:
         """After a forward: the logits and what was received are not read again (nor kept by a forward recomputed
         in backward)."""
         self.upstream = None
@@ -223,39 +226,39 @@ class StageRouterLosses:
         self._release()
 
     def _release(self) -> None:
-        for part in (p for parts in self.parts.values() for p in parts):
+        for part in (p for parts in self.moe_parts.values() for p in parts):
             part.last_logits = None
             if hasattr(part.router, "last_logits"):  # the reference GPT's router keeps them for its loss
                 part.router.last_logits = None
 
-    def totals(self, microbatch: int, device: torch.device) -> Tensor:
+    def backward_sends(self, microbatch: int, device: torch.device) -> tuple[Tensor]:
         """On the last stage, after its backward of ``microbatch``: the statistics its loss used ``[2E+4]`` (zeros,
         ``used = 0``, where its loss did not read them)."""
         vector = self._totals.pop(microbatch, None)
-        return vector if vector is not None else torch.zeros(self.width, device=device)
+        return (vector if vector is not None else torch.zeros(self.width, device=device),)
 
-    def surrogate(self, stage: int, microbatch: int, totals: Tensor) -> Optional[Tensor]:
-        """A non-last stage's share of the router losses of ``microbatch``, given the ``totals`` the last stage's loss
-        used: a scalar whose gradient is this stage's layers' one-process gradient (times d·c, as the loss's is),
-        ``None`` where nothing flows."""
+    def backward_share(self, stage: int, microbatch: int, received: tuple[Tensor, ...]) -> Optional[Tensor]:
+        """A non-last stage's share of the router losses of ``microbatch``, given the totals the last stage's loss
+        used (``received[0]``): a scalar whose gradient is this stage's layers' one-process gradient (times d·c, as the
+        loss's is), ``None`` where nothing flows."""
         kept = self._kept.pop((stage, microbatch))
-        total = RouterStatistics.from_vector(totals, self.terms.num_experts)
-        parts: list[Tensor] = []
+        total = RouterStatistics.from_vector(received[0], self.terms.num_experts)
+        shares: list[Tensor] = []
         if kept.probabilities is not None:
-            parts.append(self.terms.pooled * pooled_balancing(total.counts, kept.probabilities, total.rows,
+            shares.append(self.terms.pooled * pooled_balancing(total.counts, kept.probabilities, total.rows,
                                                               self.terms.num_experts))
         if kept.per_layer is not None:
-            parts.append(self.terms.per_layer * kept.per_layer)
+            shares.append(self.terms.per_layer * kept.per_layer)
         if kept.z is not None:
-            parts.append(self.terms.z * kept.z)
-        if not parts:
+            shares.append(self.terms.z * kept.z)
+        if not shares:
             return None
         tokens = self._tokens(None)
         # The last stage's loss passes the sum over context-parallel ranks, whose backward multiplies by c.
-        return total.used * tokens.context_parallel * as_replica_loss(torch.stack(parts).sum(), tokens)
+        return total.used * tokens.context_parallel * as_replica_loss(torch.stack(shares).sum(), tokens)
 
     def _tokens(self, logits: Optional[list[Tensor]]) -> RouterTokens:
-        part = next(p for parts in self.parts.values() for p in parts)
+        part = next(p for parts in self.moe_parts.values() for p in parts)
         return part.tokens if logits is None else getattr(logits[0], MARK, part.tokens)
 
     def forget(self) -> None:

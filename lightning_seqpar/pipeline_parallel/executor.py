@@ -1,4 +1,8 @@
-"""Run a pipeline schedule: forwards and backwards of micro-batches through this rank's stages."""
+"""Run a pipeline schedule: forwards and backwards of micro-batches through this rank's stages.
+
+What a model carries beside its activations is the runtime's payload's
+(:class:`~lightning_seqpar.pipeline_parallel.payload.StagePayload`); the executor only moves it.
+"""
 
 from __future__ import annotations
 
@@ -78,8 +82,8 @@ class PipelineExecutor:
 
     Raises:
         ValueError: a schedule with W actions without ``weight_gradients``; a transport whose tensors per message
-            are not the model's (two where the runtime carries router statistics), or whose ``one_shape`` is not the
-            V placement's.
+            are not the activation and the runtime's payload (:mod:`~lightning_seqpar.pipeline_parallel.payload`), or
+            whose ``one_shape`` is not the V placement's.
     """
 
     def __init__(self, runtime: StageRuntime, transport: StageTransport, config: PipelineConfig,
@@ -87,10 +91,10 @@ class PipelineExecutor:
         if splits_backward(config.schedule) and weight_gradients is None:
             raise ValueError(f"The {config.schedule} schedule runs W actions: give the executor the store its layers "
                              f"defer their weight gradients to (split_weight_gradients).")
-        if transport.parts != (1 if runtime.router_losses is None else 2):
+        if transport.parts != 1 + runtime.payload.parts:
             raise ValueError(f"A transport of {transport.parts} tensors per message for a model that carries "
-                             f"{'nothing' if runtime.router_losses is None else 'router statistics'} beside its "
-                             f"activations: build it with parts={1 if runtime.router_losses is None else 2}.")
+                             f"{runtime.payload.parts} beside each activation ({type(runtime.payload).__name__}): "
+                             f"build it with parts={1 + runtime.payload.parts}.")
         if transport.one_shape != (runtime.layout.placement == "V"):
             raise ValueError(f"A transport {'with' if transport.one_shape else 'without'} one shape for every stage "
                              f"boundary for a model in the {runtime.layout.placement} placement: build it with "
@@ -127,119 +131,135 @@ class PipelineExecutor:
         backward, else which parameters become final: those whose gradient W hands over (``True``, before the chunk's
         last W) or the others (``False``, before its last B).
         """
-        layout, m = self.layout, self.config.num_microbatches
-        last = layout.num_stages - 1
         headers = self.transport.begin_step((signature, forward_only))
-        program = (forward_only, headers)
-        if program not in self._programs:
-            plain = build_program(self.config.schedule, m, layout, self.rank, forward_only)
-            self._programs[program] = with_headers(plain, layout) if headers else plain
-        program_steps = self._programs[program]
-        # Before each chunk's last backward: (chunk, this rank's last?, which parameters). Under a split backward the
-        # parameters outside the split layers get their last gradient in the chunk's last B (False), the split ones in
-        # its last W (True), which may come after later B's; unsplit, every one in the last B (None).
-        arming: dict[int, tuple[int, bool, Optional[bool]]] = {}
-        for kind, which in (("B", False if self._splits else None), ("W", True)):
-            latest = {a.chunk: i for i, a in enumerate(program_steps) if not isinstance(a, Batch) and a.kind == kind}
-            arming.update({i: (chunk, i == max(latest.values()), which) for chunk, i in latest.items()})
-        result = StepResult()
-        carried = self.runtime.router_losses
-        if carried is not None:
-            carried.forget()  # what a step that raised may have left
-        saved: dict[tuple[int, int], tuple[Optional[Tensor], Tensor]] = {}
-        outgoing: dict[Message, Tensor] = {}
-        received: dict[Message, Tensor] = {}
-        # Batches posted and not yet waited for, in program order: each is waited for when an action needs what it
-        # receives (or the step ends), so its transfers run under the actions between (Megatron-LM's overlapped p2p);
-        # one that receives shape headers at once, since the batches after it are built from the shapes it reads.
-        posted: deque[PostedBatch] = deque()
-        for index, action in enumerate(program_steps):
+        program = self._program(forward_only, headers)
+        arming = self._arming(program)
+        self.runtime.payload.forget()  # what a step that raised may have left
+        run = _Step(step, forward_only, StepResult())
+        for index, action in enumerate(program):
             if index in arming and before_last_backward is not None:
                 before_last_backward(*arming[index])
             if isinstance(action, Batch):
-                posted.append(self.transport.post(action, outgoing))
+                run.posted.append(self.transport.post(action, run.outgoing))
                 if any(t.header and not t.send for t in action.transfers):
-                    while posted:
-                        received.update(posted.popleft().wait())
+                    run.wait_all()
                 continue
-            stage = layout.stage(self.rank, action.chunk)
-            key = (action.chunk, action.microbatch)
-            needed = needs(action, layout, self.rank)  # (a stage on this rank hands its message over in memory)
-            while needed is not None and needed.message not in received and posted:
-                received.update(posted.popleft().wait())
+            needed = needs(action, self.layout, self.rank)  # (a stage on this rank hands its message over in memory)
+            while needed is not None and needed.message not in run.received and run.posted:
+                run.wait_next()
             if action.kind == "W":
                 assert self.weight_gradients is not None
-                self.weight_gradients.run(key)
+                self.weight_gradients.run((action.chunk, action.microbatch))
             elif action.kind == "F":
-                incoming, beside = None, None
-                if stage > 0:
-                    incoming = received.pop((ACTIVATION, stage, action.microbatch))
-                    if carried is not None:
-                        incoming, beside = incoming
-                    if not forward_only and incoming.is_floating_point():
-                        incoming.requires_grad_()
-                if carried is not None:
-                    carried.begin(stage, action.microbatch, beside, self.transport.device)
-                sent, out = self.runtime.run(stage, incoming, lambda i=action.microbatch: step(i))
-                if stage < last:
-                    if not sent:
-                        raise RuntimeError(f"Stage {stage} finished the step without reaching its last layer.")
-                    # (passed on, not held in a local: the frame would keep the last output alive to the step's end)
-                    self._hand_on((ACTIVATION, stage + 1, action.microbatch), out if carried is None else
-                                  (out, carried.finish(stage, action.microbatch, training=not forward_only)),
-                                  outgoing, received)
-                else:
-                    if carried is not None:
-                        carried.end()
-                    result.outputs[action.microbatch] = out
-                    out = loss_of(out) if not forward_only else out
-                if not forward_only:
-                    saved[key] = (incoming, out)
+                self._forward(action, run)
             else:
-                incoming, out = saved.pop(key)
-                deferring = self.weight_gradients.deferring(key) if self._splits else contextlib.nullcontext()
-                with deferring:
-                    if stage == last:
-                        torch.autograd.backward(out / m)
-                        beside = None if carried is None else carried.totals(action.microbatch, self.transport.device)
-                    else:
-                        grad = received.pop((GRADIENT, stage, action.microbatch))
-                        if carried is None:
-                            torch.autograd.backward(out, grad)
-                        else:
-                            grad, beside = grad
-                            share = carried.surrogate(stage, action.microbatch, beside)
-                            # this stage's layers' part of the router losses, scaled as the last stage's loss
-                            roots, grads = ([out], [grad]) if share is None else ([out, share / m], [grad, None])
-                            torch.autograd.backward(roots, grads)
-                if stage == last:
-                    # Kept for the step's result, the output would keep its graph's nodes, and through them the
-                    # stage input and its gradient, alive until the step ends: two [s/t, b, h] per micro-batch.
-                    result.outputs[action.microbatch] = _detached(result.outputs[action.microbatch])
-                if stage > 0:
-                    assert incoming is not None
-                    grad_in = incoming.grad if incoming.grad is not None else torch.zeros_like(incoming)
-                    self._hand_on((GRADIENT, stage - 1, action.microbatch),
-                                  grad_in if carried is None else (grad_in, beside), outgoing, received)
-                del incoming, out
-            held = len(saved) + (self.weight_gradients.pending if self._splits else 0)
-            result.peak_in_flight = max(result.peak_in_flight, held)
+                self._backward(action, run)
+            held = len(run.saved) + (self.weight_gradients.pending if self._splits else 0)
+            run.result.peak_in_flight = max(run.result.peak_in_flight, held)
             for observe in self.observers:
                 observe(action, held)
-        while posted:
-            received.update(posted.popleft().wait())
-        assert not outgoing and not received, (outgoing.keys(), received.keys())
-        return result
+        run.wait_all()
+        assert not run.outgoing and not run.received, (run.outgoing.keys(), run.received.keys())
+        return run.result
 
-    def _hand_on(self, message: Message, value: MessageValue, outgoing: dict[Message, MessageValue],
-                 received: dict[Message, MessageValue]) -> None:
+    def _program(self, forward_only: bool, headers: bool) -> list[Step]:
+        key = (forward_only, headers)
+        if key not in self._programs:
+            plain = build_program(self.config.schedule, self.config.num_microbatches, self.layout, self.rank,
+                                  forward_only)
+            self._programs[key] = with_headers(plain, self.layout) if headers else plain
+        return self._programs[key]
+
+    def _arming(self, program: list[Step]) -> dict[int, tuple[int, bool, Optional[bool]]]:
+        """Before each chunk's last backward: (chunk, this rank's last?, which parameters). Under a split backward the
+        parameters outside the split layers get their last gradient in the chunk's last B (False), the split ones in
+        its last W (True), which may come after later B's; unsplit, every one in the last B (None)."""
+        arming: dict[int, tuple[int, bool, Optional[bool]]] = {}
+        for kind, which in (("B", False if self._splits else None), ("W", True)):
+            latest = {a.chunk: i for i, a in enumerate(program) if not isinstance(a, Batch) and a.kind == kind}
+            arming.update({i: (chunk, i == max(latest.values()), which) for chunk, i in latest.items()})
+        return arming
+
+    def _forward(self, action: Action, run: "_Step") -> None:
+        """F: run the user's step as this action's stage; send its output on, or keep the last stage's result."""
+        stage, payload = self.layout.stage(self.rank, action.chunk), self.runtime.payload
+        incoming, beside = None, ()
+        if stage > 0:
+            incoming, *rest = run.received.pop((ACTIVATION, stage, action.microbatch))
+            beside = tuple(rest)
+            if not run.forward_only and incoming.is_floating_point():
+                incoming.requires_grad_()
+        payload.forward_begins(stage, action.microbatch, beside, self.transport.device)
+        sent, out = self.runtime.run(stage, incoming, lambda i=action.microbatch: run.step(i))
+        if stage < self.layout.num_stages - 1:
+            if not sent:
+                raise RuntimeError(f"Stage {stage} finished the step without reaching its last layer.")
+            self._hand_on((ACTIVATION, stage + 1, action.microbatch),
+                          (out, *payload.forward_sends(stage, action.microbatch, training=not run.forward_only)), run)
+        else:
+            payload.forward_ends()
+            run.result.outputs[action.microbatch] = out
+            out = loss_of(out) if not run.forward_only else out
+        if not run.forward_only:
+            run.saved[(action.chunk, action.microbatch)] = (incoming, out)
+
+    def _backward(self, action: Action, run: "_Step") -> None:
+        """B: back-propagate the stage's output (the last stage's loss scaled by ``1/m``) and send the input's
+        gradient, with what the payload carries back, to the stage before."""
+        stage, payload = self.layout.stage(self.rank, action.chunk), self.runtime.payload
+        key, last, m = (action.chunk, action.microbatch), self.layout.num_stages - 1, self.config.num_microbatches
+        incoming, out = run.saved.pop(key)
+        deferring = self.weight_gradients.deferring(key) if self._splits else contextlib.nullcontext()
+        with deferring:
+            if stage == last:
+                torch.autograd.backward(out / m)
+                beside = payload.backward_sends(action.microbatch, self.transport.device)
+            else:
+                grad, *rest = run.received.pop((GRADIENT, stage, action.microbatch))
+                beside = tuple(rest)
+                share = payload.backward_share(stage, action.microbatch, beside)
+                roots, grads = ([out], [grad]) if share is None else ([out, share / m], [grad, None])
+                torch.autograd.backward(roots, grads)
+        if stage == last:
+            # Kept for the step's result, the output would keep its graph's nodes, and through them the
+            # stage input and its gradient, alive until the step ends: two [s/t, b, h] per micro-batch.
+            run.result.outputs[action.microbatch] = _detached(run.result.outputs[action.microbatch])
+        if stage > 0:
+            assert incoming is not None
+            grad_in = incoming.grad if incoming.grad is not None else torch.zeros_like(incoming)
+            self._hand_on((GRADIENT, stage - 1, action.microbatch), (grad_in, *beside), run)
+
+    def _hand_on(self, message: Message, value: MessageValue, run: "_Step") -> None:
         """Queue ``value`` for the stage ``message`` goes to: a send, or, where that stage is on this rank (the V
         placement's turn), straight into what this rank received, cut from the graph that made it as a transfer
         would (each stage back-propagates its own part, in its own action)."""
         _, stage, _ = message
         if self.layout.rank_of(stage) != self.rank:
-            outgoing[message] = value
-        elif isinstance(value, Tensor):
-            received[message] = value.detach()
+            run.outgoing[message] = value
         else:
-            received[message] = tuple(v.detach() for v in value)
+            run.received[message] = tuple(v.detach() for v in value)
+
+
+@dataclass
+class _Step:
+    """One :meth:`PipelineExecutor.run`'s state: the user's step, what is saved for backward, and the messages.
+
+    Batches posted and not yet waited for are kept in program order: each is waited for when an action needs what it
+    receives (or the step ends), so its transfers run under the actions between (Megatron-LM's overlapped p2p); one
+    that receives shape headers at once, since the batches after it are built from the shapes it reads.
+    """
+
+    step: Callable[[int], Any]
+    forward_only: bool
+    result: StepResult
+    saved: dict[tuple[int, int], tuple[Optional[Tensor], Tensor]] = field(default_factory=dict)
+    outgoing: dict[Message, MessageValue] = field(default_factory=dict)
+    received: dict[Message, MessageValue] = field(default_factory=dict)
+    posted: deque[PostedBatch] = field(default_factory=deque)
+
+    def wait_next(self) -> None:
+        self.received.update(self.posted.popleft().wait())
+
+    def wait_all(self) -> None:
+        while self.posted:
+            self.wait_next()

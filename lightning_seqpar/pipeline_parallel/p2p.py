@@ -22,7 +22,7 @@ et al. 2022 §4.2.2): the pipeline group contains exactly those ranks.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Hashable, Mapping, Union
+from typing import Hashable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -34,7 +34,7 @@ from lightning_seqpar.pipeline_parallel.comm_plan import ACTIVATION, Batch, Tran
 _DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.bool]
 _HEADER = 10  # dtype code, ndim, up to 8 sizes
 Message = tuple[str, int, int]
-MessageValue = Union[Tensor, tuple[Tensor, ...]]
+MessageValue = tuple[Tensor, ...]
 
 
 @dataclass
@@ -69,8 +69,9 @@ class StageTransport:
     Args:
         group: the pipeline-parallel group (ranks holding the same tensor/data-parallel shard).
         device: where received tensors are placed.
-        parts: tensors per message: 1, or 2 where the model carries a vector beside each activation and gradient
-            (every rank of the pipeline builds its transport alike).
+        parts: tensors per message: the activation or its gradient, then what the model carries beside it
+            (:class:`~lightning_seqpar.pipeline_parallel.payload.StagePayload`; every rank of the pipeline builds its
+            transport alike).
         one_shape: every stage boundary carries the shapes of the first stage's output (the V placement, whose
             steps exchange headers on the first boundaries only:
             :func:`~lightning_seqpar.pipeline_parallel.comm_plan.carries_header`); a tensor of other shapes raises.
@@ -110,7 +111,7 @@ class StageTransport:
         return self._shapes[self._key(t.stage if t.kind == ACTIVATION else t.stage + 1)]
 
     def _tensors(self, message: MessageValue) -> tuple[Tensor, ...]:
-        tensors = (message,) if isinstance(message, Tensor) else tuple(message)
+        tensors = tuple(message)
         if len(tensors) != self.parts:
             raise RuntimeError(f"A pipeline message of {len(tensors)} tensors, where this transport sends {self.parts}.")
         return tensors
@@ -120,9 +121,9 @@ class StageTransport:
         ``outgoing`` once their payload goes) and receive its messages; the transfers run while the caller goes on,
         until :meth:`PostedBatch.wait` (which a batch whose shape headers the next batches need must get at once).
 
-        A message is one tensor, or a tuple of :attr:`parts` tensors (the activation or its gradient, then what the
-        model carries beside it: :mod:`~lightning_seqpar.moe.pipeline_losses`), posted one after another in that
-        order on both sides.
+        A message is a tuple of :attr:`parts` tensors (the activation or its gradient, then what the model carries
+        beside it: :mod:`~lightning_seqpar.pipeline_parallel.payload`), posted one after another in that order on both
+        sides.
 
         Raises:
             ValueError: a header for a tensor of more than 8 dimensions or of a dtype the header cannot name.
@@ -220,7 +221,6 @@ class PostedBatch:
         for work in self._works:
             work.wait()
         self._transport._read_headers(self._headers)
-        parts = self._transport.parts
-        received = {m: tensors[0] if parts == 1 else tuple(tensors) for m, tensors in self._received.items()}
+        received = {m: tuple(tensors) for m, tensors in self._received.items()}
         self._works, self._ops, self._received, self._headers = [], [], {}, []
         return received

@@ -28,9 +28,9 @@ from typing import Any, Callable, Optional
 import torch.nn as nn
 from torch import Tensor
 
-from lightning_seqpar.moe.pipeline_losses import StageRouterLosses
 from lightning_seqpar.pipeline_parallel.config import PipelineConfig
 from lightning_seqpar.pipeline_parallel.layout import StageLayout
+from lightning_seqpar.pipeline_parallel.payload import NoPayload, StagePayload
 from lightning_seqpar.parallel.placement import set_stage_local
 from lightning_seqpar.transformer.roles import LayerStack, ParallelLayer
 
@@ -56,8 +56,8 @@ class StageRuntime:
         stage_parameters: the parameters of the layers of each virtual stage this rank holds.
         active: virtual stage being run, ``None`` outside a pipeline step.
         incoming: activation received from the previous stage (``None`` on the first stage).
-        router_losses: the carrier of a mixture's router statistics between stages
-            (:mod:`~lightning_seqpar.moe.pipeline_losses`), where the model adds router losses; else ``None``.
+        payload: what the model carries between stages beside the activations
+            (:class:`~lightning_seqpar.pipeline_parallel.payload.StagePayload`; :class:`NoPayload` by default).
     """
 
     def __init__(self, layout: StageLayout) -> None:
@@ -65,7 +65,7 @@ class StageRuntime:
         self.stage_parameters: dict[int, list[nn.Parameter]] = {}  # this rank's stages: their layers' parameters
         self.active: Optional[int] = None
         self.incoming: Optional[Tensor] = None
-        self.router_losses: Optional[StageRouterLosses] = None  # a mixture's router losses, carried between stages
+        self.payload: StagePayload = NoPayload()
         self._handed_on = False
         self._entered = False  # whether a layer of the stack ran in this step
 

@@ -1,6 +1,7 @@
 """Each thing has one door: a schedule's split backward is asked through one predicate, a parameter's placement is
 imported from where it lives (not through a module that re-exports it), and the package has one map, in
-docs/architecture.md, naming every folder and top-level module."""
+docs/architecture.md, naming every folder and top-level module; the pipeline moves a payload beside its activations
+without knowing what it is."""
 
 from __future__ import annotations
 
@@ -44,3 +45,16 @@ def test_the_one_map_names_every_folder_and_module():
     assert present <= mapped, f"not in docs/architecture.md's map: {sorted(present - mapped)}"
     readme = (ROOT / "README.md").read_text()
     assert "lightning_seqpar/\n  parallel/" not in readme and "docs/architecture.md" in readme
+
+
+def test_the_pipeline_knows_no_mixture_of_experts():
+    # What crosses stages beside the activations is a payload (pipeline_parallel/payload.py); the router losses are one.
+    folder = ROOT / "lightning_seqpar" / "pipeline_parallel"
+    found = []
+    for path in sorted(folder.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("lightning_seqpar.moe"):
+                found.append(f"{path.name}:{node.lineno} imports {node.module}")
+        found += [f"{path.name}:{n}" for n, line in enumerate(path.read_text().splitlines(), 1)
+                  if re.search(r"router|expert", line, re.I) and path.name == "executor.py"]
+    assert not found, f"the pipeline reaches into mixtures of experts at {found}"
