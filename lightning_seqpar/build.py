@@ -34,7 +34,6 @@ from lightning_seqpar.pipeline_parallel.stage import StageRuntime, find_layer_st
 from lightning_seqpar.policies import pipeline_placement, plan_rewrite, rewrite
 from lightning_seqpar.rewriting import Policy, RewriteContext, RewritePlan
 from lightning_seqpar.transformer.materialize import Materializer
-from lightning_seqpar.transformer.moe_part import MoEPart
 from lightning_seqpar.transformer.roles import ParallelLayer
 
 
@@ -136,10 +135,9 @@ def attach_router_losses(model: nn.Module, runtime: StageRuntime,
                          f"output_router_logits=False.")
     parts: dict[int, list[Any]] = {}
     for layer in (m for m in model.modules() if isinstance(m, ParallelLayer)):
-        stage = getattr(layer, "pipeline_stage", None)
-        found = [p for p in (getattr(m, "mlp_part", None) for m in layer.modules()) if isinstance(p, MoEPart)]
-        if stage is not None and found:
-            parts.setdefault(stage, []).extend(found)
+        slot = layer.mlp_slot
+        if layer.pipeline_stage is not None and slot is not None and slot.kind == "moe":
+            parts.setdefault(layer.pipeline_stage, []).append(slot)
     carrier = StageRouterLosses(terms, parts, last)
     for part in (p for found in parts.values() for p in found):
         part.tokens = dataclasses.replace(part.tokens, stages=carrier)
@@ -150,5 +148,4 @@ def attach_router_losses(model: nn.Module, runtime: StageRuntime,
 def moe_layer_indices(model: nn.Module) -> set[int]:
     """The indices in the layer stack of the rewritten layers whose MLP is a mixture of experts."""
     container, indices = find_layer_stack(model)
-    return {i for i in indices if any(isinstance(getattr(m, "mlp_part", None), MoEPart)
-                                      for m in container[i].modules())}
+    return {i for i in indices if container[i].mlp_slot is not None and container[i].mlp_slot.kind == "moe"}

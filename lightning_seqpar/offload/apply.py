@@ -72,14 +72,13 @@ def apply_offload(model: nn.Module, modules: Any, pool: HostPool) -> int:
     """
     from lightning_seqpar.recompute.apply import rewritten_layers
     from lightning_seqpar.transformer.declared_block import ParallelBlock
-    from lightning_seqpar.transformer.mlp_part import DenseMLPPart
 
     layers = rewritten_layers(model)
     if modules is None:
         for layer in layers:
             layer.offload = None
-            if getattr(getattr(layer, "_mlp", None), "experts", None) is not None:
-                layer._mlp.experts.offloading = None
+            if layer.mlp_slot is not None:
+                layer.mlp_slot.offload_within(None)
         return 0
     names = check_offload_modules(modules)
     if not layers:
@@ -89,21 +88,20 @@ def apply_offload(model: nn.Module, modules: Any, pool: HostPool) -> int:
         if not isinstance(layer, ParallelBlock):
             raise ValueError(f"Activation offload runs in the parallel blocks built from a BlockSpec; {label} is a "
                              f"{type(layer).__name__}: leave ActivationOffload out for this model.")
-        if "mlp" in names and not isinstance(layer._mlp, DenseMLPPart):
-            raise ValueError(f"modules=['mlp'] offloads a dense MLP; {label} has {type(layer._mlp).__name__}: offload "
-                             f"its input instead (modules=['mlp_norm']) or the experts' (modules=['expert_fc1', "
+        if "mlp" in names and "mlp" not in layer.mlp_slot.offload_modules:
+            raise ValueError(f"modules=['mlp'] offloads a dense MLP; {label} has {type(layer.mlp_slot).__name__}: "
+                             f"offload its input instead (modules=['mlp_norm']) or the experts' (modules=['expert_fc1', "
                              f"'moe_act']), or leave 'mlp' out.")
-    experts = {id(layer): getattr(layer._mlp, "experts", None) for layer in layers}
     named = [n for n in names if n in EXPERT_MODULES]
-    if named and not any(e is not None for e in experts.values()):
+    if named and not any(set(named) & set(layer.mlp_slot.offload_modules) for layer in layers):
         raise ValueError(f"modules={named} offloads the experts of a mixture; "
                          f"{getattr(layers[0], '_name', type(layers[0]).__name__)} has "
-                         f"{type(layers[0]._mlp).__name__}: leave {named} out.")
+                         f"{type(layers[0].mlp_slot).__name__}: leave {named} out.")
     shared = LayerOffload(names, pool, layer_order(model, layers))
     for layer in layers:
         layer.offload = shared
-        if experts[id(layer)] is not None:  # the experts' regions are the layer's: the same rules apply
-            experts[id(layer)].offloading = layer.offloading if named else None
+        # The slot's own regions (a mixture's experts) are the layer's: the same rules apply.
+        layer.mlp_slot.offload_within(layer.offloading if named else None)
     return len(layers)
 
 

@@ -70,9 +70,8 @@ def apply_recompute(
         layer.recompute_layer = False
     for layer in rewritten_layers(model):
         layer.recompute_mlp = layer.recompute_norms = False  # module recomputation (apply_recompute_modules) undone too
-        experts = getattr(getattr(layer, "_mlp", None), "experts", None)
-        if experts is not None:
-            experts.recompute_activation = layer._mlp.recompute_shared = False
+        if layer.mlp_slot is not None:
+            layer.mlp_slot.recompute_within(())
         layer.checkpointed_whole = False
     if granularity == "none":
         return 0
@@ -228,41 +227,30 @@ def apply_recompute_modules(model: nn.Module, modules: Any, method: Literal["uni
             :func:`apply_recompute`).
     """
     names = check_recompute_modules(modules)
-    from lightning_seqpar.transformer.mlp_part import DenseMLPPart
-    from lightning_seqpar.transformer.moe_part import MoEPart
-
     layers = rewritten_layers(model)
-    kinds = {"mlp": (DenseMLPPart, "a dense MLP", "moe"), "moe": (MoEPart, "a mixture of experts", "mlp"),
-             "moe_act": (MoEPart, "the experts' activation", "mlp"),
-             "shared_experts": (MoEPart, "a mixture's shared expert", "mlp")}
-    recomputed_parts = tuple(kinds[n][0] for n in names if n in ("mlp", "moe"))
-    for name in (n for n in names if n in kinds):
-        part, what, other_name = kinds[name]
-        if layers and not any(isinstance(getattr(layer, "_mlp", None), part) for layer in layers):
-            label = getattr(layers[0], "_name", type(layers[0]).__name__)
-            raise ValueError(f"modules=['{name}'] recomputes {what}; {label} has "
-                             f"{type(getattr(layers[0], '_mlp', None)).__name__}: recompute it with "
-                             f"modules=['{other_name}'] or whole (modules=['full']), or leave '{name}' out.")
-    if "shared_experts" in names and not any(getattr(getattr(layer, "_mlp", None), "shared", None) is not None
-                                             for layer in layers):
-        raise ValueError(f"modules=['shared_experts'] recomputes a mixture's shared expert; "
-                         f"{getattr(layers[0], '_name', type(layers[0]).__name__)} has none: leave 'shared_experts' "
-                         f"out.")
+    slots = [layer.mlp_slot for layer in layers]
+    what = {"mlp": "a dense MLP", "moe": "a mixture of experts", "moe_act": "the experts' activation",
+            "shared_experts": "a mixture's shared expert"}
+    for name in (n for n in names if n in what):
+        if layers and not any(slot is not None and name in slot.recompute_modules for slot in slots):
+            label, slot = getattr(layers[0], "_name", type(layers[0]).__name__), slots[0]
+            if name == "shared_experts" and any(slot is not None and slot.kind == "moe" for slot in slots):
+                raise ValueError(f"modules=['shared_experts'] recomputes {what[name]}; {label} has none: leave "
+                                 f"'shared_experts' out.")
+            other = "moe" if name == "mlp" else "mlp"
+            raise ValueError(f"modules=['{name}'] recomputes {what[name]}; {label} has {type(slot).__name__}: "
+                             f"recompute it with modules=['{other}'] or whole (modules=['full']), or leave '{name}' "
+                             f"out.")
     if "layernorm" in names or "moe_act" in names:
         _check_rebuilds(layers, [n for n in names if n in ("layernorm", "moe_act")])
     count = apply_recompute(model, "full" if "full" in names else "none", method, num_layers)
     outside = {id(layer) for layer in _outside_full(model)}
-    for layer in layers:
+    for layer, slot in zip(layers, slots):
         inside = id(layer) not in outside  # checkpointed whole: its modules are recomputed with it already
-        layer.recompute_mlp = isinstance(getattr(layer, "_mlp", None), recomputed_parts) and not inside
+        layer.recompute_mlp = slot is not None and slot.kind in names and not inside
         layer.recompute_norms = "layernorm" in names and not inside
-        mixture = getattr(layer, "_mlp", None)
-        experts = getattr(mixture, "experts", None)
-        if experts is not None:  # a recomputed mixture recomputes its activation and shared expert already
-            experts.recompute_activation = "moe_act" in names and not inside and not layer.recompute_mlp
-            mixture.recompute_shared = ("shared_experts" in names and mixture.shared is not None and not inside
-                                        and not layer.recompute_mlp)
-            count += experts.recompute_activation + mixture.recompute_shared
+        if slot is not None and not inside and not layer.recompute_mlp:  # recomputed whole: its parts are already
+            count += slot.recompute_within([n for n in names if n in slot.recompute_modules and n != slot.kind])
         count += layer.recompute_mlp + layer.recompute_norms
         for m in layer.modules():
             if isinstance(m, CoreAttention):

@@ -48,9 +48,6 @@ def layer_memory(rewritten: nn.Module, ctx: RewriteContext, seq_len: int, micro_
     """The memory choices of the first layer of ``rewritten`` (a copy of the explained model rewritten as ``ctx``
     says, on the meta device: :func:`meta_rewrite`) for micro-batches of ``micro_batch`` sequences of
     ``seq_len`` tokens."""
-    from lightning_seqpar.transformer.mlp_part import DenseMLPPart
-    from lightning_seqpar.transformer.moe_part import MoEPart
-
     layers = [m for m in rewritten.modules() if isinstance(m, ParallelLayer)]
     dims = layers[0].layer_dims()
     shape = TransformerShape(s=seq_len, b=micro_batch, h=dims.hidden_size, a=dims.num_heads, L=len(layers),
@@ -58,8 +55,9 @@ def layer_memory(rewritten: nn.Module, ctx: RewriteContext, seq_len: int, micro_
                              gated_mlp=dims.gated_mlp)
     c = ctx.context.group.size if ctx.context is not None else 1
     layer = layers[0]
-    mlp = getattr(layer, "_mlp", None)
-    experts = mlp.mixture_shape(bytes_per_element) if isinstance(mlp, MoEPart) and mlp.shared is None else None
+    mlp = layer.mlp_slot
+    priced = mlp is not None and not mlp.unpriced()
+    experts = mlp.mixture_shape(bytes_per_element) if priced else None
     notes = [f"{len(layers)} layers; LayerNorm statistics in float32 (CUDA)."]
     # The terms are the paper's layer's (Table 2, to the byte on the reference GPT): say where this one departs.
     departs = [what for what, yes in (
@@ -71,11 +69,10 @@ def layer_memory(rewritten: nn.Module, ctx: RewriteContext, seq_len: int, micro_
         ("no dropout (the table counts the paper's 1-byte masks of the two residual dropouts)",
          getattr(getattr(layer, "attention_residual_dropout", None), "p", 0.1) == 0),
         ("a mixture of experts priced with balanced routing (a step's expert rows vary with the router) and the "
-         "softmax top-k router's tensors", isinstance(mlp, MoEPart) and mlp.shared is None),
+         "softmax top-k router's tensors", experts is not None),
         ("an MLP the table does not price (a shared expert, or layers unlike the first)",
-         (isinstance(mlp, MoEPart) and mlp.shared is not None)
-         or len({type(getattr(x, "_mlp", None)) for x in layers}) > 1
-         or not isinstance(mlp, (DenseMLPPart, MoEPart)))) if yes]
+         not priced or len({None if x.mlp_slot is None else x.mlp_slot.mixture_shape(bytes_per_element)
+                            for x in layers}) > 1)) if yes]
     if departs:
         notes.append("This layer has " + "; ".join(departs) + ". The planner measures the model's own layer "
                      "(python -m lightning_seqpar.plan MODEL --memory-choices).")

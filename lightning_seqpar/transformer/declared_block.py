@@ -40,7 +40,7 @@ from lightning_seqpar.transformer.block_spec import BlockSpec
 from lightning_seqpar.transformer.context import RewriteContext
 from lightning_seqpar.transformer.dropout import ParallelDropout
 from lightning_seqpar.transformer.masks import torch_attention_bias
-from lightning_seqpar.transformer.moe_part import MoEPart
+from lightning_seqpar.transformer.mlp_slot import MLPSlot
 from lightning_seqpar.transformer.part_builder import PartBuilder
 from lightning_seqpar.transformer.region import enter_parallel_region, exit_parallel_region
 from lightning_seqpar.transformer.roles import LayerDims, ParallelLayer
@@ -100,7 +100,7 @@ class ParallelBlock(ParallelLayer):
         # The parts are plain objects, not submodules: their modules sit on the block under the user's paths, so the
         # state-dict keys and the order of the parameters are the single-device block's.
         self._attention: AttentionPart = spec.attention.build(builder)
-        self._mlp = spec.mlp.build(builder)
+        self._mlp: MLPSlot = spec.mlp.build(builder)
         self.fused_attention = self._attention.fused
         drops = [builder.resolve(p).p for p in spec.residual_dropouts] or [0.0, 0.0]
         for name, p in (("attention_residual_dropout", drops[0]), ("mlp_residual_dropout", drops[1])):
@@ -118,8 +118,7 @@ class ParallelBlock(ParallelLayer):
         return self._dims
 
     @property
-    def mlp_part(self) -> Any:
-        """What fills the MLP slot: a ``DenseMLPPart`` or a ``MoEPart``."""
+    def mlp_slot(self) -> MLPSlot:
         return self._mlp
 
     def forward(self, hidden_states: Tensor, *args: Any, **kwargs: Any) -> Tensor:
@@ -155,10 +154,8 @@ class ParallelBlock(ParallelLayer):
             return (f"is a post-norm block attending across {self.context.group.size} context-parallel ranks, which is "
                     f"not compiled (its halves around the ring's attention are compiled for pre-norm blocks only): "
                     f"train with compile=False, or cp=1")
-        if isinstance(self._mlp, MoEPart) and self._mlp.dispatcher.reads_sizes_on_host:
-            return ("holds a dropless mixture of experts, which is not compiled (its dispatch reads the split sizes on "
-                    "the host: a graph break): give the experts a capacity (moe=DispatchConfig(capacity_factor=...): "
-                    "fixed sizes, no host read), or train with compile=False")
+        if self._mlp.not_compilable():
+            return self._mlp.not_compilable()
         forked = [m.p for m in self.modules() if isinstance(m, ParallelDropout) and m.p > 0 and m.sharded]
         if self._attention.dropout_p > 0 or forked:
             return (f"has dropout (attention p={self._attention.dropout_p}, sharded residual p={forked or 0}) drawn "

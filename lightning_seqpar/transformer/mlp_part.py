@@ -8,7 +8,7 @@ Megatron-Core's ``MLPSubmodules`` (``linear_fc1``, ``linear_fc2``). The slot is 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch.nn as nn
 from torch import Tensor
@@ -97,10 +97,15 @@ class DenseMLPSpec:
 
 class DenseMLPPart:
     """The dense MLP of one parallel block, built from a :class:`DenseMLPSpec`; its modules are registered on the
-    block under the user's paths.
+    block under the user's paths. An :class:`~lightning_seqpar.transformer.mlp_slot.MLPSlot`: the block's
+    ``mlp_offload`` region and module recomputation (``"mlp"``) cover all of it.
 
     Shapes: ``forward(x)`` ``[s/t, b, h]`` (SP) or ``[s, b, h]`` in and out; ``[s, b, ffn/t]`` inside.
     """
+
+    kind = "mlp"
+    recompute_modules: tuple[str, ...] = ("mlp",)
+    offload_modules: tuple[str, ...] = ("mlp",)
 
     def __init__(self, spec: DenseMLPSpec, builder: PartBuilder) -> None:
         ctx = builder.ctx
@@ -113,6 +118,24 @@ class DenseMLPPart:
         self.inner_dropout = None if not spec.mlp_dropout else builder.host_module("mlp_inner_dropout", ParallelDropout(
             builder.resolve(spec.mlp_dropout).p, ctx.rng_tracker, sharded=ctx.tp > 1), "mlp inner dropout")
         self.ffn_hidden_size = builder.out_features(spec.inputs()[0]) // (2 if spec.gate_up else 1)
+
+    def mixture_shape(self, bytes_per_element: int) -> None:
+        return None
+
+    def unpriced(self) -> str:
+        return ""
+
+    def not_compilable(self) -> str:
+        return ""
+
+    def recompute_within(self, names: Sequence[str]) -> int:
+        return 0  # nothing inside a dense MLP is recomputed apart from it
+
+    def recomputes_within(self) -> tuple[str, ...]:
+        return ()
+
+    def offload_within(self, offloading: Optional[Callable[[str], Any]]) -> None:
+        pass  # its one region is the block's
 
     def forward(self, x: Tensor, outputs: Optional[Sequence[Tensor]] = None) -> Tensor:
         """The MLP of the normed ``x`` (its input projections ``outputs`` when computed already: one all-gather with

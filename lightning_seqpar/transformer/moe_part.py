@@ -163,10 +163,16 @@ class MoEPart:
     Shapes: ``forward(x)`` ``[s/t, b, h]`` (SP) or ``[s, b, h]`` (t = 1) in and out; tokens ``[n, h]`` with
     ``n = s/t·b`` local to this rank; rows for the local experts ``[R, h]``, R the (token, expert) pairs routed here.
 
+    An :class:`~lightning_seqpar.transformer.mlp_slot.MLPSlot`: recomputed whole (``"moe"``), or its experts'
+    activation (``"moe_act"``) and shared expert (``"shared_experts"``) alone; its experts' regions offloaded.
+
     Raises:
         ValueError: tensor parallelism without sequence parallelism; experts whose count the expert-parallel size does
             not divide; an experts module that is not two packed 3-D weights.
     """
+
+    kind = "moe"
+    offload_modules: tuple[str, ...] = ("expert_fc1", "moe_act")
 
     def __init__(self, spec: MoESpec, builder: PartBuilder) -> None:
         ctx = builder.ctx
@@ -215,6 +221,31 @@ class MoEPart:
         dtype = {2: torch.bfloat16, 4: torch.float32}.get(bytes_per_element, torch.float64)
         return MixtureShape(self.experts.num_experts, self.top_k, self.experts.intermediate_size, self.ep,
                             self.expert_tp, grouped=self.experts.uses_grouped_gemm(dtype), capacity_factor=factor)
+
+    @property
+    def recompute_modules(self) -> tuple[str, ...]:
+        return ("moe", "moe_act") + (("shared_experts",) if self.shared is not None else ())
+
+    def unpriced(self) -> str:
+        return "a shared expert" if self.shared is not None else ""
+
+    def not_compilable(self) -> str:
+        if not self.dispatcher.reads_sizes_on_host:
+            return ""
+        return ("holds a dropless mixture of experts, which is not compiled (its dispatch reads the split sizes on "
+                "the host: a graph break): give the experts a capacity (moe=DispatchConfig(capacity_factor=...): "
+                "fixed sizes, no host read), or train with compile=False")
+
+    def recompute_within(self, names: Sequence[str]) -> int:
+        self.experts.recompute_activation = "moe_act" in names
+        self.recompute_shared = "shared_experts" in names and self.shared is not None
+        return self.experts.recompute_activation + self.recompute_shared
+
+    def recomputes_within(self) -> tuple[str, ...]:
+        return ("moe_act",) * self.experts.recompute_activation + ("shared_experts",) * self.recompute_shared
+
+    def offload_within(self, offloading: Optional[Callable[[str], Any]]) -> None:
+        self.experts.offloading = offloading
 
     def forward(self, x: Tensor, outputs: Optional[Sequence[Tensor]] = None) -> Tensor:
         """The mixture of the normed ``x`` ``[s/t, b, h]``: each token's k experts' outputs weighted by the router's

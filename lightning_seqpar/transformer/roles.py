@@ -26,6 +26,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from lightning_seqpar.memory.saved_tensors import Rebuild, saved_tensor_policy
+from lightning_seqpar.transformer.mlp_slot import MLPSlot
 
 
 class LayerDims(NamedTuple):
@@ -112,6 +113,12 @@ class ParallelLayer(nn.Module):
         if packer is None and rebuild is None:
             return contextlib.nullcontext()
         return saved_tensor_policy(rebuild, packer)
+
+    @property
+    def mlp_slot(self) -> Optional[MLPSlot]:
+        """What fills this layer's MLP slot (a dense MLP or a mixture of experts), asked through
+        :class:`~lightning_seqpar.transformer.mlp_slot.MLPSlot`; ``None``: a layer without one the library built."""
+        return None
 
     def layer_dims(self) -> LayerDims:
         """The single-device sizes and layout of this layer."""

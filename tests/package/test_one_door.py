@@ -1,7 +1,7 @@
 """Each thing has one door: a schedule's split backward is asked through one predicate, a parameter's placement is
 imported from where it lives (not through a module that re-exports it), and the package has one map, in
 docs/architecture.md, naming every folder and top-level module; the pipeline moves a payload beside its activations
-without knowing what it is."""
+without knowing what it is; the MLP slot is asked through its protocol, never type-tested."""
 
 from __future__ import annotations
 
@@ -58,3 +58,14 @@ def test_the_pipeline_knows_no_mixture_of_experts():
         found += [f"{path.name}:{n}" for n, line in enumerate(path.read_text().splitlines(), 1)
                   if re.search(r"router|expert", line, re.I) and path.name == "executor.py"]
     assert not found, f"the pipeline reaches into mixtures of experts at {found}"
+
+
+def test_the_mlp_slot_is_asked_not_type_tested():
+    # Offload, recomputation, the memory explanation and the build ask the slot (transformer/mlp_slot.py): no type test
+    # of the part that fills it, and no read of the block's private attribute outside the block.
+    package = ROOT / "lightning_seqpar"
+    found = [f"{path.relative_to(ROOT)}:{n}" for path in sorted(package.rglob("*.py"))
+             for n, line in enumerate(path.read_text().splitlines(), 1)
+             if re.search(r"isinstance\([^)]*\b(MoEPart|DenseMLPPart)\b", line)
+             or (re.search(r"\._mlp\b", line) and path.name != "declared_block.py")]
+    assert not found, f"ask layer.mlp_slot (an MLPSlot) instead at {found}"

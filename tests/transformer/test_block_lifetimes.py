@@ -48,14 +48,12 @@ def test_a_mixture_frees_the_rows_and_its_experts_outputs_before_its_shared_expe
     """The rows its experts received and their outputs (``[R, h]`` each) are not alive once the combine has run (a
     frozen expert saves neither; nothing else reads them), so they do not live on through the shared expert (a
     Qwen2-MoE at tp 1, float64, every weight but the embedding frozen)."""
-    from lightning_seqpar.transformer.moe_part import MoEPart
-
     module = build("hf", labels=True, family="qwen2_moe").double()
     rewrite(module, RewriteContext(ParallelGroup.virtual(1), True))
     for p in module.parameters():
         p.requires_grad_(False)
     module.model.get_input_embeddings().weight.requires_grad_(True)
-    part = next(m._mlp for m in module.modules() if isinstance(m, ParallelBlock) and isinstance(m._mlp, MoEPart))
+    part = next(m.mlp_slot for m in module.modules() if isinstance(m, ParallelBlock) and m.mlp_slot.kind == "moe")
     assert part.shared is not None
     made: list[weakref.ref] = []
     alive_at_shared: list[list[bool]] = []

@@ -13,8 +13,6 @@ from lightning_seqpar.offload import HostPool, apply_offload, check_offload_modu
 from lightning_seqpar.offload.plan import OffloadPlan, plan_offload
 from lightning_seqpar.recompute import micro_batch_shape, model_shape, rewritten_layers
 from lightning_seqpar.transformer.core_attention import CoreAttention
-from lightning_seqpar.transformer.mlp_part import DenseMLPPart
-from lightning_seqpar.transformer.moe_part import MoEPart
 
 
 class ActivationOffload(pl.Callback):
@@ -132,7 +130,7 @@ class ActivationOffload(pl.Callback):
         recomputed = [layer for layer in layers if not layer.checkpointed_whole]
         modules = (["mlp"] * any(layer.recompute_mlp and layer not in mixtures for layer in recomputed)
                    + ["moe"] * any(layer.recompute_mlp and layer in mixtures for layer in recomputed)
-                   + ["moe_act"] * any(getattr(layer._mlp.experts, "recompute_activation", False)
+                   + ["moe_act"] * any("moe_act" in layer.mlp_slot.recomputes_within()
                                        for layer in recomputed if layer in mixtures)
                    + ["layernorm"] * any(layer.recompute_norms for layer in layers))
         return plan_offload(shape, t, sp, budget, max(1, len(recomputed) // v), in_flight,
@@ -151,15 +149,15 @@ def _mixtures(layers: list[nn.Module], element: int) -> tuple[Optional[MixtureSh
         ValueError: mixtures of different shapes, or one with a shared expert (the memory model does not price it):
             naming the layer and the fix.
     """
-    mixtures = [layer for layer in layers if not isinstance(getattr(layer, "_mlp", None), DenseMLPPart)]
+    mixtures = [layer for layer in layers if layer.mlp_slot is None or layer.mlp_slot.kind != "mlp"]
     shapes = set()
     for layer in mixtures:
-        part, label = getattr(layer, "_mlp", None), getattr(layer, "_name", type(layer).__name__)
-        if not isinstance(part, MoEPart) or part.shared is not None:
-            what = "a shared expert" if isinstance(part, MoEPart) else type(part).__name__
+        slot, label = layer.mlp_slot, getattr(layer, "_name", type(layer).__name__)
+        what = f"{type(layer).__name__}, which has no MLP slot" if slot is None else slot.unpriced()
+        if what:
             raise ValueError(f"ActivationOffload(memory_budget=...) plans by the memory model's bytes, which do not "
                              f"price {what} ({label}): name the modules to offload instead (modules=[...]).")
-        shapes.add(part.mixture_shape(element))
+        shapes.add(slot.mixture_shape(element))
     if len(shapes) > 1:
         raise ValueError(f"ActivationOffload(memory_budget=...) plans one mixture shape per rank; these layers hold "
                          f"{sorted(map(str, shapes))}: name the modules to offload instead (modules=[...]).")
