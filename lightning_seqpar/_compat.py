@@ -35,8 +35,8 @@ except (AttributeError, RuntimeError):  # a torch built without distributed: no 
 
 def mutates_input(func: Any) -> bool:
     """Whether an ATen operator (an ``OpOverload``) writes into a tensor it was given (in place, ``out=``): the
-    element-wise work counter (:mod:`lightning_seqpar.plan.work`) counts its bytes though its output aliases an input.
-    Only the operator's schema says so (``_schema.is_mutable``); ``torch.Tag`` marks views, not writes."""
+    element-wise work counter (:mod:`lightning_seqpar.plan.measuring.work`) counts its bytes though its output aliases
+    an input. Only the operator's schema says so (``_schema.is_mutable``); ``torch.Tag`` marks views, not writes."""
     return func._schema.is_mutable
 
 

@@ -14,7 +14,7 @@
    dry run).
 
 The strategy builds its rank with :func:`build_rank` (``lightning/parallelize.py``), and so does the planner's dry run
-at full size on the meta device (``plan/dry_run.py``): one sequence, so they cannot drift apart.
+at full size on the meta device (``plan/measuring/dry_run.py``): one sequence, so they cannot drift apart.
 """
 
 from __future__ import annotations

@@ -296,11 +296,11 @@ def _planned_step(size: dict, calibration: Any, config: dict, s: int, batch: int
 
 
 def _device_rates(size: dict) -> Any:
-    """This device's rates (:func:`~lightning_seqpar.plan.calibrate.measure_device_rates`), written to
+    """This device's rates (:func:`~lightning_seqpar.plan.measuring.calibrate.measure_device_rates`), written to
     ``size["calibration"]`` when the command names a file."""
     import torch
 
-    from lightning_seqpar.plan.calibrate import measure_device_rates
+    from lightning_seqpar.plan.measuring.calibrate import measure_device_rates
 
     calibration = measure_device_rates(torch.device(size["device"]))
     if size["calibration"] is not None:

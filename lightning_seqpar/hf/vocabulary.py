@@ -25,7 +25,7 @@ from lightning_seqpar.parallel.collectives import ParallelGroup
 from lightning_seqpar.rewriting.policy import ModelPolicy
 from lightning_seqpar.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from lightning_seqpar.tensor_parallel.embedding import VocabParallelEmbedding, embedding_scale
-from lightning_seqpar.tensor_parallel.sharding import padded_size
+from lightning_seqpar.parallel.split_sizes import padded_size
 from lightning_seqpar.tensor_parallel.vocab_logits import VocabShardedLogits
 from lightning_seqpar.transformer.context import RewriteContext
 from lightning_seqpar.transformer.vocabulary import parallel_lm_head

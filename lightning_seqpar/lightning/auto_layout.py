@@ -49,7 +49,8 @@ class AutoLayout:
         cp_comm: the context-parallel attention's communication, ``"ring"`` or ``"all_to_all"`` (heads divided by
             ``c·t``).
         memory_choices: a layout too large for the memory is tried again with recomputation by module and
-            activation offload (the planner's ``memory_choices``, :data:`~lightning_seqpar.plan.memory_choices.TRADES`);
+            activation offload (the planner's ``memory_choices``,
+            :data:`~lightning_seqpar.plan.pricing.memory_choices.TRADES`);
             one that fits competes by step time, and when chosen the run gets the ``SelectiveRecompute(modules=...)``
             and ``ActivationOffload(modules=...)`` callbacks it was priced with (not beside callbacks of the run's own).
         schedules: the pipeline schedules to search (``1F1B``, interleaved where vpp > 1, ``ZB-H1``, ``ZB-V`` and
@@ -59,7 +60,7 @@ class AutoLayout:
             time; ``None`` in it: all of them); the strategy takes the chosen one. ``None``: the strategy's own
             ``loss_chunk`` only. The reference GPT's loss computes its logits whole whatever it says.
         cache: where the planner's probe fits are kept between runs (``True``: the planner's own directory,
-            :func:`~lightning_seqpar.plan.fit_cache.default_cache_directory`, shared with ``python -m
+            :func:`~lightning_seqpar.plan.measuring.fit_cache.default_cache_directory`, shared with ``python -m
             lightning_seqpar.plan``; a path; ``False``: this run's memory only). A run launched again, on another
             world size, batch or sequence length, probes nothing it probed before.
 
@@ -109,19 +110,19 @@ class AutoLayout:
             self.rates()
 
     def fits(self) -> Any:
-        """The probes' cache the planner fills (:class:`~lightning_seqpar.plan.fit_cache.FitCache` on ``cache``'s
-        directory, or a dict of this run's)."""
+        """The probes' cache the planner fills (:class:`~lightning_seqpar.plan.measuring.fit_cache.FitCache` on
+        ``cache``'s directory, or a dict of this run's)."""
         if self.cache is False:
             return {}
         from pathlib import Path
 
-        from lightning_seqpar.plan.fit_cache import FitCache, default_cache_directory
+        from lightning_seqpar.plan.measuring.fit_cache import FitCache, default_cache_directory
 
         return FitCache(default_cache_directory() if self.cache is True else Path(self.cache))
 
     def rates(self) -> Any:
         """The :class:`~lightning_seqpar.plan.StepCalibration` read from ``calibration``, or ``None``."""
-        from lightning_seqpar.plan.calibration import StepCalibration
+        from lightning_seqpar.plan.measuring.calibration import StepCalibration
 
         return StepCalibration.load(self.calibration) if self.calibration is not None else None
 
@@ -212,7 +213,7 @@ def planned_model(module: torch.nn.Module) -> Optional[torch.nn.Module]:
             transformers), naming the extra.
     """
     from lightning_seqpar.extras import require_extra
-    from lightning_seqpar.plan.models import meta_model
+    from lightning_seqpar.plan.measuring.models import meta_model
 
     model = hf_model_in(module)
     if model is not None:

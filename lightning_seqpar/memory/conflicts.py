@@ -1,5 +1,6 @@
-"""Which offloaded modules a recomputation leaves nothing to offload: one table, read wherever the two choices meet
-(the memory model, the offload's budget plan, the planner's rules and the check on a rewritten model).
+"""The modules an activation offload names (:data:`OFFLOAD_MODULES`), and which of them a recomputation leaves nothing
+to offload: one table, read wherever the two choices meet (the memory model, the offload's budget plan, the planner's
+rules and the check on a rewritten model).
 
 A module recomputed in backward keeps only what its recomputation starts from (a checkpoint's input); offloading the
 tensors it would have saved moves nothing, and offloading the input it rebuilds from moves what the device still needs.
@@ -10,6 +11,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
+
+
+OFFLOAD_MODULES = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "mlp", "expert_fc1", "moe_act")
+"""The modules whose saved tensors :func:`~lightning_seqpar.offload.apply_offload` moves, in a layer's order, with
+Megatron-Core's names where it has one: ``attn_norm`` (the layer's input, ``[s/t, b, h]`` under SP), ``qkv_linear``
+(the attention norm's output), ``core_attn`` (q, k, v and, for the explicit core attention, the softmax output, dropout
+mask and dropped probabilities, ``[b, a/t, s, s]``), ``attn_proj`` (the core attention's output ``[s, b, h/t]``),
+``mlp_norm`` (the residual after attention), ``mlp`` (a dense MLP's input, its fc1 output and the activation's,
+``[s, b, f/t]``), ``expert_fc1`` (the rows a rank's experts receive, ``[R, h]``), ``moe_act`` (the experts' gate and up
+halves and the gate's activation, ``[R, f]`` each)."""
+
+EXPERT_MODULES = ("expert_fc1", "moe_act")
+DENSE_OFFLOAD_MODULES = tuple(m for m in OFFLOAD_MODULES if m not in EXPERT_MODULES)
+"""The modules of a dense layer (what the memory model and the offload plan price)."""
 
 
 @dataclass(frozen=True)

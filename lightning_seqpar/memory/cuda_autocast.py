@@ -3,9 +3,9 @@
 CUDA autocast runs ``layer_norm`` and ``softmax`` (without an explicit ``dtype``) in float32 whatever their
 input (the "CUDA ops that can autocast to float32" of torch's autocast op reference); CPU autocast leaves a
 16-bit input in 16 bits. Bytes kept for backward under ``bf16-mixed`` are measured on CPU with this rule in
-force (the planner's probes, :mod:`lightning_seqpar.plan.probe`, and the memory tests), so they are what a GPU keeps.
-The rule is registered as AutocastCPU kernels of ``aten::layer_norm`` and ``aten::softmax.int`` for the duration of
-the ``with`` block (process-wide: every thread, the emulated ranks included).
+force (the planner's probes, :mod:`lightning_seqpar.plan.measuring.probe`, and the memory tests), so they are what a GPU
+keeps. The rule is registered as AutocastCPU kernels of ``aten::layer_norm`` and ``aten::softmax.int`` for the duration
+of the ``with`` block (process-wide: every thread, the emulated ranks included).
 """
 
 from __future__ import annotations

@@ -84,7 +84,7 @@ class GPTConfig:
             ValueError: a mixture of experts (``n_experts > 0``: GPT-2 has no mixture to price it as) or
                 ``bias=False`` (GPT-2's layers always have biases), naming the fix: give ``tp``/``pp``/``ep``.
         """
-        from lightning_seqpar.plan.models import gpt2_config
+        from lightning_seqpar.plan.measuring.models import gpt2_config
 
         unlike = ("n_experts > 0 (GPT-2 has no mixture of experts)" if self.n_experts else
                   "bias=False (GPT-2's layers always have biases)" if not self.bias else None)

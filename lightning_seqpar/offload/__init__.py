@@ -3,9 +3,8 @@
 :class:`lightning_seqpar.ActivationOffload`; the bytes it moves are :func:`lightning_seqpar.memory.activations.
 offloaded_activation_terms`."""
 
+from lightning_seqpar.memory.conflicts import DENSE_OFFLOAD_MODULES, OFFLOAD_MODULES
 from lightning_seqpar.offload.apply import (
-    DENSE_OFFLOAD_MODULES,
-    OFFLOAD_MODULES,
     LayerOffload,
     apply_offload,
     check_offload_modules,

@@ -11,25 +11,11 @@ from typing import Any, Optional
 import torch.nn as nn
 from torch import Tensor
 
-from lightning_seqpar.memory.conflicts import offload_conflict
+from lightning_seqpar.memory.conflicts import EXPERT_MODULES, OFFLOAD_MODULES, offload_conflict
 from lightning_seqpar.offload.host_pool import HostPool
 from lightning_seqpar.recompute.apply import module_names
 from lightning_seqpar.transformer.masks import FutureMask
 from lightning_seqpar.memory.saved_tensors import Packer
-
-OFFLOAD_MODULES = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "mlp", "expert_fc1", "moe_act")
-"""The modules whose saved tensors :func:`apply_offload` moves, in a layer's order, with Megatron-Core's names where it
-has one: ``attn_norm`` (the layer's input, ``[s/t, b, h]`` under SP), ``qkv_linear`` (the attention norm's output),
-``core_attn`` (q, k, v and, for the explicit core attention, the softmax output, dropout mask and dropped
-probabilities, ``[b, a/t, s, s]``), ``attn_proj`` (the core attention's output ``[s, b, h/t]``), ``mlp_norm`` (the
-residual after attention), ``mlp`` (a dense MLP's input, its fc1 output and the activation's, ``[s, b, f/t]``), ``expert_fc1`` (the rows a
-rank's experts receive, ``[R, h]``), ``moe_act`` (the experts' gate and up halves and the gate's activation,
-``[R, f]`` each)."""
-
-EXPERT_MODULES = ("expert_fc1", "moe_act")
-DENSE_OFFLOAD_MODULES = tuple(m for m in OFFLOAD_MODULES if m not in EXPERT_MODULES)
-"""The modules of a dense layer (what the memory model and the offload plan price)."""
-
 
 def check_offload_modules(modules: Any) -> list[str]:
     """``modules`` (a name or names) as a list, checked: names of :data:`OFFLOAD_MODULES`

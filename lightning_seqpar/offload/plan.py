@@ -17,9 +17,10 @@ from typing import Optional, Sequence
 
 from lightning_seqpar.memory.activations import (Recompute, TransformerShape, layer_activation_terms,
                                                  offloaded_activation_terms)
-from lightning_seqpar.memory.conflicts import offload_conflict, recomputed_modules
+from lightning_seqpar.memory.conflicts import (
+    DENSE_OFFLOAD_MODULES, EXPERT_MODULES, OFFLOAD_MODULES, offload_conflict, recomputed_modules,
+)
 from lightning_seqpar.memory.mixture import MixtureShape
-from lightning_seqpar.offload.apply import DENSE_OFFLOAD_MODULES, EXPERT_MODULES, OFFLOAD_MODULES
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,8 @@ from lightning_seqpar.optim.range_muon import RangeMuon
 from lightning_seqpar.optim.gradients import (
     _all_reduce_coalesced, by_group, norm_of_gradients, shared_over_stages, used_anywhere,
 )
-from lightning_seqpar.optim.sharded_buckets import ShardedGradientBuckets, _ShardedBucket, out_of_rows, owned_range
+from lightning_seqpar.optim.sharded_buckets import ShardedGradientBuckets, _ShardedBucket, out_of_rows
+from lightning_seqpar.parallel.split_sizes import owned_range
 from lightning_seqpar.parallel.collectives import Pending
 from lightning_seqpar.parallel.mesh import ParallelMesh
 from lightning_seqpar.tensor_parallel.dcp_ranges import MAIN_PARAM, RangeLayout, dcp_range_view, range_layout

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from lightning_seqpar.optim.matrix_owners import exchange
-from lightning_seqpar.optim.sharded_buckets import owned_range
+from lightning_seqpar.parallel.split_sizes import owned_range
 from lightning_seqpar.parallel.collectives import ParallelGroup
 
 

@@ -24,13 +24,7 @@ from torch import Tensor
 
 from lightning_seqpar.optim.grad_buckets import DEFAULT_BUCKET_BYTES, HookedBuckets, Replicas, _Bucket, as_replicas
 from lightning_seqpar.parallel.collectives import ParallelGroup
-
-
-def owned_range(numel: int, d: int, rank: int) -> tuple[int, int]:
-    """Elements ``[start, stop)`` of a flattened tensor of ``numel`` elements that data-parallel ``rank`` of ``d``
-    owns (``ceil(numel / d)`` each, the last ranges shorter or empty)."""
-    k = -(-numel // d)
-    return min(rank * k, numel), min((rank + 1) * k, numel)
+from lightning_seqpar.parallel.split_sizes import owned_range
 
 
 def into_rows(flat: Tensor, region: Tensor) -> None:

@@ -1,9 +1,9 @@
 """One rank of a tensor-parallel group run alone, its peers taken to be its mirrors: the planner's probes.
 
-A probe reads the bytes one rank keeps for backward (:mod:`lightning_seqpar.plan.probe`); those depend on the shapes
-each collective delivers, never on the values. The probes' sizes divide evenly over the ranks, so every rank holds the
-shapes rank 0 holds, and what a collective delivers to rank 0 has the shape it would have if its peers sent what rank
-0 sends. So one rank, one thread, costs the same at any t: t emulated threads
+A probe reads the bytes one rank keeps for backward (:mod:`lightning_seqpar.plan.measuring.probe`); those depend on the
+shapes each collective delivers, never on the values. The probes' sizes divide evenly over the ranks, so every rank
+holds the shapes rank 0 holds, and what a collective delivers to rank 0 has the shape it would have if its peers sent
+what rank 0 sends. So one rank, one thread, costs the same at any t: t emulated threads
 (:mod:`lightning_seqpar.parallel.emulated`) each rebuilt and ran the model to hand rank 0 its peers' tensors, which
 made a probe at t 8 eight times one at t 1.
 

@@ -4,7 +4,7 @@ parallel sizes; ``--memory-choices``: layouts too large for the GPU tried again 
 offloaded to host memory.
 
 ``python -m lightning_seqpar.plan calibrate --out FILE`` measures this machine's GEMM, attention and collective rates
-(:mod:`.calibrate`); ``--calibration FILE`` then prices the step time with them instead of nominal rates.
+(:mod:`..measuring.calibrate`); ``--calibration FILE`` then prices the step time with them instead of nominal rates.
 
 MODEL is a Hugging Face ``config.json``, a directory holding one, or a GPT size of the paper (``gpt-22b``, ``gpt-175b``,
 ``gpt-530b``, ``gpt-1t``). Prints the top feasible layouts with the most loaded rank's bytes by kind, the headroom left,
@@ -27,14 +27,14 @@ from typing import Any, Callable, Optional, Sequence
 
 from lightning_seqpar.checkpoint.peft_adapter import LORA_TARGETS
 from lightning_seqpar.pipeline_parallel.schedules import SEARCHED_SCHEDULES, splits_backward
-from lightning_seqpar.plan.calibration import StepCalibration
-from lightning_seqpar.plan.cost import Hardware
-from lightning_seqpar.plan.fit_cache import FitCache, default_cache_directory
-from lightning_seqpar.plan.memory_choices import describe
-from lightning_seqpar.plan.models import load_model_config, model_inventory, with_attention
+from lightning_seqpar.plan.measuring.calibration import StepCalibration
+from lightning_seqpar.plan.pricing.cost import Hardware
+from lightning_seqpar.plan.measuring.fit_cache import FitCache, default_cache_directory
+from lightning_seqpar.plan.pricing.memory_choices import describe
+from lightning_seqpar.plan.measuring.models import load_model_config, model_inventory, with_attention
 from lightning_seqpar.plan.planner import LayoutRecord, plan
-from lightning_seqpar.plan.probe import PROBES_PER_FIT
-from lightning_seqpar.plan.probe_pool import default_workers, probe_pool
+from lightning_seqpar.plan.measuring.probe import PROBES_PER_FIT
+from lightning_seqpar.plan.measuring.probe_pool import default_workers, probe_pool
 from lightning_seqpar.sizes import parse_bytes
 
 GB = 1e9
@@ -225,8 +225,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         ValueError: a GPU, size or precision it does not know, or a model no built-in layout recognizes.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["calibrate"]:  # the subcommand measuring this machine's rates (:mod:`.calibrate`)
-        from lightning_seqpar.plan.calibrate import main as calibrate
+    if argv[:1] == ["calibrate"]:  # the subcommand measuring this machine's rates (:mod:`..measuring.calibrate`)
+        from lightning_seqpar.plan.measuring.calibrate import main as calibrate
 
         return calibrate(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m lightning_seqpar.plan", description=__doc__.split("\n\n")[0])
@@ -352,7 +352,7 @@ def _answer(args: argparse.Namespace, inventory: Any, hardware: Hardware, gpu: s
     if best is None:
         print(what_would_fit(records, inventory, args, hardware, fits))
     if args.dry_run and best is not None:
-        from lightning_seqpar.plan.dry_run import dry_run
+        from lightning_seqpar.plan.measuring.dry_run import dry_run
 
         print(f"\nDry run of rank 1's layout (tp {best.tp}, pp {best.pp}, vpp {best.vpp}"
               f"{f', {best.schedule}' if best.pp > 1 else ''}"
@@ -367,7 +367,8 @@ def _answer(args: argparse.Namespace, inventory: Any, hardware: Hardware, gpu: s
 
 
 def _config_text(model: str, seq_len: int) -> str:
-    """The config ``model`` is planned with at ``seq_len`` (:func:`~.models.load_model_config`), as text to key by."""
+    """The config ``model`` is planned with at ``seq_len`` (:func:`~..measuring.models.load_model_config`), as text to
+    key by."""
     return json.dumps(load_model_config(model, seq_len), sort_keys=True, default=str)
 
 

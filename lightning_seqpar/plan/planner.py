@@ -2,11 +2,12 @@
 
 :func:`plan` enumerates tensor, pipeline (with virtual stages) and data parallel sizes, ZeRO, micro-batch size and
 recomputation; checks each against the strategy's rules (the reason of each rejection in the field's words); for each
-feasible one predicts, per pipeline rank, the model-state bytes (exact: :mod:`.state`), the activations of the
-micro-batches in flight (a layer's bytes measured on small copies of the model and scaled, :mod:`.probe`; Table 2's
-model, :mod:`.activations`, where the model cannot be probed), the communication buffers, the FLOPs, the bytes per collective kind and
-the step time (:mod:`.cost`); a layout fits when its most loaded rank stays within ``headroom × memory`` (0.8 by
-default: Fujii et al. found no run under 80 % of device memory that ran out).
+feasible one predicts, per pipeline rank, the model-state bytes (exact: :mod:`.pricing.state`), the activations of
+the micro-batches in flight (a layer's bytes measured on small copies of the model and scaled,
+:mod:`.measuring.probe`; Table 2's model, :mod:`.pricing.activations`, where the model cannot be probed), the
+communication buffers, the FLOPs, the bytes per collective kind and the step time (:mod:`.pricing.cost`); a layout fits
+when its most loaded rank stays within ``headroom × memory`` (0.8 by default: Fujii et al. found no run under 80 % of
+device memory that ran out).
 """
 
 from __future__ import annotations
@@ -23,19 +24,21 @@ from lightning_seqpar.optim.grad_buckets import DEFAULT_BUCKET_BYTES
 from lightning_seqpar.pipeline_parallel.schedules import (
     bubble_fraction, resolve_schedule, runs_at, splits_backward, stage_placement_of,
 )
-from lightning_seqpar.plan.cost import Hardware, Traffic, attention_flops, ring_bytes, step_times
-from lightning_seqpar.plan.experts import (  # noqa: F401  (expert_parallel_sizes: the planner's, re-exported)
-    all_to_all_bytes, expert_grids, expert_parallel_sizes,
+from lightning_seqpar.plan.measuring.fits import ProbedMeasurements
+from lightning_seqpar.plan.pricing.cost import Hardware, Traffic, attention_flops, ring_bytes, step_times
+from lightning_seqpar.plan.pricing.experts import all_to_all_bytes, expert_grids
+from lightning_seqpar.plan.pricing.kept import activation_element_bytes, elementwise_work, loss_chunk_positions
+from lightning_seqpar.plan.pricing.layout_record import LayoutRecord
+from lightning_seqpar.plan.pricing.measurements import Measurements
+from lightning_seqpar.plan.pricing.memory_choices import describe, host_traffic, memory_choice_rule, trades
+from lightning_seqpar.plan.pricing.model_inventory import ModelInventory
+from lightning_seqpar.plan.pricing.moments import backward_moments, chunks_rule
+from lightning_seqpar.plan.pricing.muon_cost import muon_step_cost
+from lightning_seqpar.plan.pricing.peak import peak_bytes, rank_state
+from lightning_seqpar.plan.pricing.rules import divisors, layout_rule
+from lightning_seqpar.plan.pricing.state import (
+    OPTIMIZER_STATES, PARAMETER_BYTES, held_entries, stage_layout, trained_elements,
 )
-from lightning_seqpar.plan.inventory import ModelInventory
-from lightning_seqpar.plan.layout_record import LayoutRecord
-from lightning_seqpar.plan.memory_choices import describe, host_traffic, memory_choice_rule, trades
-from lightning_seqpar.plan.moments import backward_moments, chunks_rule
-from lightning_seqpar.plan.peak import peak_bytes, rank_state
-from lightning_seqpar.plan.pricing import activation_element_bytes, elementwise_work, loss_chunk_positions
-from lightning_seqpar.plan.rules import divisors, layout_rule
-from lightning_seqpar.plan.muon_cost import muon_step_cost
-from lightning_seqpar.plan.state import OPTIMIZER_STATES, PARAMETER_BYTES, held_entries, stage_layout, trained_elements
 
 RECOMPUTE = ("selective", "none", "full")
 VIRTUAL_STAGES = (1, 2, 4, 5)
@@ -62,20 +65,20 @@ def plan(inventory: ModelInventory, gpus: int, seq_len: int, global_batch: int, 
             loss's), ``DualPipeV`` the same V from ``m >= 2p``, one chunk micro-batch more in flight. A record's
             ``schedule`` is the one it was priced with (``1F1B`` without a pipeline).
         calibrate: a layer's activation bytes measured on small copies of the model and scaled
-            (:mod:`~lightning_seqpar.plan.probe`; a Hugging Face model), else the analytic model
-            (:mod:`~lightning_seqpar.plan.activations`).
+            (:mod:`~lightning_seqpar.plan.measuring.probe`; a Hugging Face model), else the analytic model
+            (:mod:`~lightning_seqpar.plan.pricing.activations`).
         fits: the probes' cache, shared between calls (its own when not given), for any models: a fit is keyed by
-            the model's config (:attr:`~.inventory.ModelInventory.probe_key`) and the layout.
+            the model's config (:attr:`~..measuring.inventory.ModelInventory.probe_key`) and the layout.
         optimizer: ``adamw`` (the default), ``adam``, ``sgd`` (with momentum): its state per parameter element;
             ``muon`` (``optim.name=muon``): momentum on the layers' matrices, AdamW on the rest, its Newton–Schulz
-            FLOPs and gather traffic in the step (:mod:`.muon_cost`).
+            FLOPs and gather traffic in the step (:mod:`..pricing.muon_cost`).
         per_rank_batch: ``global_batch`` is per data-parallel rank (a Lightning loader's batch): each layout's global
             batch is ``global_batch × dp``.
         context_parallel: the context-parallel sizes c to consider (``None``: every divisor of the GPUs), with
             ``cp_comm`` (``ring`` or ``all_to_all``).
         memory_choices: a layout too large for the GPU is tried again with recomputation by module and activation
-            offload (:func:`~.memory_choices.trades`); those that fit compete with the rest by step time (the offload's
-            host-link time and the MLP's recomputed FLOPs counted), their ``why`` saying what they replaced.
+            offload (:func:`~..pricing.memory_choices.trades`); those that fit compete with the rest by step time (the
+            offload's host-link time and the MLP's recomputed FLOPs counted), their ``why`` saying what they replaced.
         memory_choices_on: with ``memory_choices``, try them on the ``memory_choices_on`` smallest layouts too large
             for the GPU that allow them (not under full recomputation) instead of on every one: whether memory
             choices make anything fit, at the probes of a few layouts (the command line's hint when nothing fits).
@@ -83,8 +86,8 @@ def plan(inventory: ModelInventory, gpus: int, seq_len: int, global_batch: int, 
             record's (:attr:`LayoutRecord.loss_chunk`); or several to search (``(4096, None)``): a layout is priced
             once per value that computes its loss differently (none of them past its positions per rank: once).
         state_floor: a layout whose model state alone exceeds ``headroom × hardware.memory`` is rejected without
-            pricing its activations (its record's :attr:`~.layout_record.LayoutRecord.state_floor`): whether anything
-            fits, and what fits, at the probes of those whose state leaves room (the command line's hints).
+            pricing its activations (its record's :attr:`~..pricing.layout_record.LayoutRecord.state_floor`): whether
+            anything fits, and what fits, at the probes of those whose state leaves room (the command line's hints).
 
     Raises:
         ValueError: ``gpus``, ``seq_len`` or ``global_batch`` below 1, or an unknown precision or optimizer.
@@ -94,7 +97,7 @@ def plan(inventory: ModelInventory, gpus: int, seq_len: int, global_batch: int, 
     _check(precision, optimizer)
     records = []
     candidates: list[tuple[LayoutRecord, tuple]] = []  # too large, to trade on after all are priced
-    fits = {} if fits is None else fits
+    measured = ProbedMeasurements({} if fits is None else fits) if calibrate else None
     schedules = (schedule,) if isinstance(schedule, str) else tuple(dict.fromkeys(schedule))
     chunk_sizes = tuple(dict.fromkeys(loss_chunk)) if isinstance(loss_chunk, tuple) else (loss_chunk,)
     for tp, cp in itertools.product(divisors(gpus), context_parallel or divisors(gpus)):
@@ -123,7 +126,7 @@ def plan(inventory: ModelInventory, gpus: int, seq_len: int, global_batch: int, 
                     priced.add(effective)
                     batch = global_batch * dp if per_rank_batch else global_batch
                     options = (inventory, seq_len, batch, hardware, precision, headroom, name, attention_dropout,
-                               fits if calibrate else None, optimizer, state_floor)
+                               measured, optimizer, state_floor)
                     _evaluate(record, *options)
                     records.append(record)
                     if memory_choices and record.bytes and not record.feasible:
@@ -138,8 +141,8 @@ def plan(inventory: ModelInventory, gpus: int, seq_len: int, global_batch: int, 
 
 
 def traded(record: LayoutRecord, options: tuple) -> list[LayoutRecord]:
-    """``record`` (a layout too large for the GPU) with each of :func:`~.memory_choices.trades` that its rules allow,
-    evaluated with ``options`` (:func:`_evaluate`'s arguments after the record); each says why in ``why``."""
+    """``record`` (a layout too large for the GPU) with each of :func:`~..pricing.memory_choices.trades` that its rules
+    allow, evaluated with ``options`` (:func:`_evaluate`'s arguments after the record); each says why in ``why``."""
     out = []
     mixture = options[0].experts is not None
     for modules, offload in trades(mixture):
@@ -172,7 +175,7 @@ def predict(inventory: ModelInventory, record: LayoutRecord, seq_len: int, globa
     """
     _check(precision, optimizer)
     _evaluate(record, inventory, seq_len, global_batch, hardware, precision, headroom, schedule, attention_dropout,
-              (fits if fits is not None else {}) if calibrate else None, optimizer)
+              ProbedMeasurements({} if fits is None else fits) if calibrate else None, optimizer)
     return record
 
 
@@ -221,7 +224,7 @@ def _context_bytes(inventory: ModelInventory, record: LayoutRecord, s: int, elem
 
 def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_batch: int, hardware: Hardware,
               precision: str, headroom: float, schedule: str, dropout: bool,
-              fits: Optional[dict[tuple, Any]] = None, optimizer: str = "adamw",
+              measured: Optional[Measurements] = None, optimizer: str = "adamw",
               state_floor: bool = False) -> None:
     """Fill ``record``: the rules' verdict, then its peak bytes, FLOPs, traffic and step time, and whether it fits;
     ``state_floor``: not priced past its model state where that alone exceeds the GPU (:func:`plan`)."""
@@ -241,7 +244,7 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
             record.reason = (f"its model state alone needs {floor / 1e9:.1f} GB > {headroom:g} × "
                              f"{hardware.memory / 1e9:g} GB on stage {stage}")
             return
-    moved = peak_bytes(record, inventory, s, precision, dropout, fits, optimizer, layout)
+    moved = peak_bytes(record, inventory, s, precision, dropout, measured, optimizer, layout)
     shape, executed = _flops(record, inventory, s, global_batch)
     traffic, held = _traffic(record, inventory, s, precision, hardware, layout)
     tp, pp, vpp, dp, b, m = record.tp, record.pp, record.vpp, record.dp, record.micro_batch, record.num_microbatches
@@ -261,7 +264,7 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
     dense, experts = trained_elements(inventory, layout, record.stage, tp, record.ep, record.expert_tp)
     if record.zero:
         dense, experts = dense / (dp * cp), experts / max(1, tp * dp * cp // width)
-    work = elementwise_work(record, inventory, s, precision, fits) if hardware.calibration is not None else None
+    work = elementwise_work(record, inventory, s, precision, measured) if hardware.calibration is not None else None
     times = step_times(hardware, executed / ranks, attention / ranks,
                        (local * b, inventory.hidden_size, max(1, ffn // tp)), _attention_call(record, shape), traffic,
                        record.bubble,
@@ -314,7 +317,7 @@ def _traffic(record: LayoutRecord, inventory: ModelInventory, s: int, precision:
              layout: Any) -> tuple[dict[str, Traffic], list]:
     """Bytes each rank sends per step by kind into ``record.collective_bytes``, and each kind's :class:`Traffic` (how
     many collectives, of which kind, over how many ranks, across nodes or not); also the entries the most loaded
-    rank holds (:func:`~.state.held_entries`)."""
+    rank holds (:func:`~..pricing.state.held_entries`)."""
     tp, pp, vpp, dp, b, m = record.tp, record.pp, record.vpp, record.dp, record.micro_batch, record.num_microbatches
     cp, local = record.cp, s // record.cp
     element = activation_element_bytes(precision)

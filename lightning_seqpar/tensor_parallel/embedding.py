@@ -14,7 +14,8 @@ from lightning_seqpar.tensor_parallel.mappings import (
     reduce_from_tensor_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
-from lightning_seqpar.tensor_parallel.sharding import init_shard, padded_size, shard_parameter
+from lightning_seqpar.tensor_parallel.sharding import init_shard, shard_parameter
+from lightning_seqpar.parallel.split_sizes import padded_size
 from lightning_seqpar.parallel.placement import ShardSpec
 
 

@@ -51,11 +51,6 @@ the :class:`ShardGrid` of a parameter split twice; :meth:`~lightning_seqpar.para
 shard_device_mesh` for a built mesh."""
 
 
-def padded_size(size: int, multiple: int) -> int:
-    """``size`` rounded up to a multiple of ``multiple``."""
-    return -(-size // multiple) * multiple
-
-
 def shard_parameter(full: Tensor, spec: ShardSpec, group: ParallelGroup, *, sequence_parallel: bool = False):
     """A new ``nn.Parameter`` holding this rank's shard of ``full``, tagged with ``spec``."""
     param = torch.nn.Parameter(spec.shard(full.detach(), group), requires_grad=full.requires_grad)

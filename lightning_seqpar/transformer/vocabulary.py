@@ -18,7 +18,8 @@ from torch import Tensor
 from lightning_seqpar.parallel.collectives import ParallelGroup
 from lightning_seqpar.tensor_parallel.embedding import VocabParallelEmbedding
 from lightning_seqpar.tensor_parallel.layers import ColumnParallelLinear
-from lightning_seqpar.tensor_parallel.sharding import padded_size, shard_parameter
+from lightning_seqpar.tensor_parallel.sharding import shard_parameter
+from lightning_seqpar.parallel.split_sizes import padded_size
 from lightning_seqpar.parallel.placement import ShardSpec, set_shard_spec
 from lightning_seqpar.tensor_parallel.vocab_logits import VocabShardedLogits
 from lightning_seqpar.transformer.context import RewriteContext

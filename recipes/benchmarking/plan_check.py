@@ -1,7 +1,7 @@
 """The planner's step time and peak bytes against measurement, on the machine at hand.
 
 One group of processes:
-1. measures this machine's rates (:func:`lightning_seqpar.plan.calibrate.measure_rates`);
+1. measures this machine's rates (:func:`lightning_seqpar.plan.measuring.calibrate.measure_rates`);
 2. on rank 0, ranks every layout of a small Llama (``family: llama``) or Qwen3-MoE (``family: qwen3_moe``: its
    expert-parallel and expert tensor-parallel sizes searched too), in full or with LoRA adapters on q and v
    (``lora_r > 0``: the base frozen), on those processes with that calibration (:func:`lightning_seqpar.plan.plan`,
@@ -112,7 +112,7 @@ def _describe(r: Any) -> str:
         f" {r.schedule}" if r.pp > 1 and splits_backward(r.schedule) else ""
     experts = f" ep {r.ep}" if r.ep > 1 else ""
     experts += f" etp {r.expert_tp}" if r.expert_tp > 1 else ""
-    from lightning_seqpar.plan.memory_choices import describe
+    from lightning_seqpar.plan.pricing.memory_choices import describe
 
     return (f"tp {r.tp}{f' cp {r.cp}' if r.cp > 1 else ''} pp {r.pp}{pipeline} dp {r.dp}{experts}"
             f"{' zero 1' if r.zero else ''} mbs {r.micro_batch}{f' m {r.num_microbatches}' if r.pp > 1 else ''} "
@@ -189,7 +189,7 @@ def _measure(record: Any, cfg: dict[str, Any], world: int, device: torch.device)
 def check(rank: int, world: int, cfg: dict[str, Any], device: torch.device) -> list[CheckRow]:
     """Steps 1–3 on this rank of an initialized process group; every rank returns the rows. With
     ``cfg["calibration_out"]`` rank 0 writes the measured rates there (``--calibration`` of the planner's CLI)."""
-    from lightning_seqpar.plan.calibrate import measure_rates
+    from lightning_seqpar.plan.measuring.calibrate import measure_rates
 
     shared = [measure_rates(rank, world, cfg["repeats"])]
     if rank == 0 and cfg.get("calibration_out"):  # the rates the predictions used, for the planner's CLI to read

@@ -202,7 +202,7 @@ def test_a_pretrained_module_built_in_configure_model_is_planned_before_it_has_a
 
 
 def test_a_run_launched_again_reads_the_probes_its_first_launch_kept(tmp_path, monkeypatch):
-    import lightning_seqpar.plan.probe as probe
+    import lightning_seqpar.plan.measuring.probe as probe
 
     module = GPTLightningModule(GPTConfig(vocab_size=13, block_size=8, n_layer=2, n_head=4, n_embd=16))
     auto = AutoLayout(8, 4, 1e12, context_parallel=(1,), schedules=("1F1B",), cache=str(tmp_path))

@@ -176,7 +176,7 @@ def test_the_documented_auto_layout_example_has_a_layout_that_fits():
 
     from lightning_seqpar.lightning.auto_layout import AutoLayout, rank_layouts
     from lightning_seqpar.plan import inventory_of_hf_model
-    from lightning_seqpar.plan.models import meta_model
+    from lightning_seqpar.plan.measuring.models import meta_model
 
     root = Path(__file__).resolve().parents[2]
     command = next(line for line in (root / "conf" / "strategy" / "auto.yaml").read_text().splitlines()

@@ -6,9 +6,9 @@ import pytest
 from lightning_seqpar.memory.activations import TransformerShape, layer_activation_terms
 from lightning_seqpar.memory.conflicts import OFFLOAD_CONFLICTS, offload_conflict, recomputed_modules
 from lightning_seqpar.memory.mixture import MixtureShape
-from lightning_seqpar.offload.apply import OFFLOAD_MODULES
+from lightning_seqpar.memory.conflicts import OFFLOAD_MODULES
 from lightning_seqpar.offload.plan import plan_offload
-from lightning_seqpar.plan.memory_choices import memory_choice_rule
+from lightning_seqpar.plan.pricing.memory_choices import memory_choice_rule
 
 SHAPE = TransformerShape(s=16, b=2, h=32, a=4, L=2, v=64)
 EXPERTS = MixtureShape(num_experts=4, top_k=2, expert_ffn=16)

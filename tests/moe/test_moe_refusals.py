@@ -93,7 +93,7 @@ def test_a_split_the_experts_do_not_admit_is_refused_with_the_numbers(layout, ma
 
 
 def test_the_planner_refuses_a_router_that_does_not_say_its_top_k_by_name():
-    from lightning_seqpar.plan.models import inventory_of_hf_model
+    from lightning_seqpar.plan.measuring.models import inventory_of_hf_model
 
     model = build("hf", family="qwen3_moe").model
     assert inventory_of_hf_model(model).experts.top_k == 2  # priced (tests/plan/test_planner_experts.py)
@@ -132,7 +132,7 @@ def test_the_reference_gpt_refuses_more_experts_per_token_than_experts():
                                                    r"routed to 1\.\.8 experts"),
 ])
 def test_the_planner_refuses_a_mixture_config_without_its_expert_count_or_with_too_many_per_token(extra, match):
-    from lightning_seqpar.plan.models import check_sizes
+    from lightning_seqpar.plan.measuring.models import check_sizes
 
     config = dict(model_type="qwen3_moe", num_hidden_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=100)
     with pytest.raises(ValueError, match=match):

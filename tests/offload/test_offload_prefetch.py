@@ -100,7 +100,7 @@ def test_without_prefetch_each_copy_comes_back_at_its_read_and_the_peak_is_one_l
 def test_the_planner_counts_the_prefetched_layer(layers, expected):
     """One layer's offload moved = 1, kept = 0.5, largest module share 0.25: the top layer's share and, from two layers
     on, the layer below it whole; from three on, a lower layer whole and the next one, less the top layer's kept."""
-    from lightning_seqpar.plan.memory_choices import offload_backward_bytes
+    from lightning_seqpar.plan.pricing.memory_choices import offload_backward_bytes
 
     assert offload_backward_bytes(1.0, 0.5, layers, 0.25) == expected
     assert offload_backward_bytes(1.0, 1.5, 3, 0.25) == 1.25  # the top layer's moment when it keeps more

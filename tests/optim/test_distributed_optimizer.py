@@ -12,7 +12,7 @@ import torch
 from lightning_seqpar import SeqParallelStrategy
 from lightning_seqpar.optim import DistributedOptimizer
 from lightning_seqpar.optim.distributed_optimizer import optimizer_state_bytes
-from lightning_seqpar.optim.sharded_buckets import owned_range
+from lightning_seqpar.parallel.split_sizes import owned_range
 from lightning_seqpar.parallel import CommunicationLog
 from lightning_seqpar.parallel.placement import is_sequence_parallel
 from tests.helpers.distributed import run_distributed

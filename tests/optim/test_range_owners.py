@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lightning_seqpar.optim.range_owners import gather_ranges, scatter_ranges
-from lightning_seqpar.optim.sharded_buckets import owned_range
+from lightning_seqpar.parallel.split_sizes import owned_range
 from lightning_seqpar.parallel.emulated import run_emulated
 
 NUMELS = [10, 3, 16, 7]

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from lightning_seqpar.optim.gradients import used_anywhere
-from lightning_seqpar.optim.sharded_buckets import ShardedGradientBuckets, owned_range
+from lightning_seqpar.optim.sharded_buckets import ShardedGradientBuckets
+from lightning_seqpar.parallel.split_sizes import owned_range
 from lightning_seqpar.parallel import CommunicationLog, ParallelGroup
 from lightning_seqpar.parallel.mesh import ParallelMesh
 from tests.optim.test_gradient_buckets import _loss, _model

@@ -190,6 +190,60 @@ def test_hugging_face_libraries_are_imported_only_under_hf_and_only_when_used():
     assert outside == [] and eager == []
 
 
+PRICING_FORBIDS = ("torch", "transformers", "peft", "safetensors", "tokenizers", "lightning", "numpy")
+# The runtime reads the planner only where it chooses or reports a layout (and the reference GPT says which Hugging Face
+# config the planner prices it as, for those two).
+PLAN_READERS = {"lightning/auto_layout.py", "lightning/callbacks/layout_report.py", "models/gpt.py"}
+
+
+def _pricing_violations(start: list[Path]) -> list[str]:
+    """What the modules ``start`` reach, through the package modules they import (module-level and lazy, followed),
+    that the planner's pricing may not: torch and the libraries above it, or the planner's measuring and search."""
+    known = {_module_name(p): p for p in _modules()}
+    todo, seen, found = list(start), set(), []
+    while todo:
+        path = todo.pop()
+        if path in seen:
+            continue
+        seen.add(path)
+        for line, module, _ in _imports(path):
+            here = path.relative_to(PACKAGE.parent) if path.is_relative_to(PACKAGE.parent) else path.name
+            where = f"{here}:{line} imports {module}"
+            if module.split(".")[0] in PRICING_FORBIDS:
+                found.append(where)
+            if not module.startswith("lightning_seqpar"):
+                continue
+            while module not in known:
+                module = module.rpartition(".")[0]
+            if module.startswith("lightning_seqpar.plan") and not module.startswith("lightning_seqpar.plan.pricing"):
+                found.append(where)
+            todo.append(known[module])
+    return found
+
+
+def test_the_planner_s_pricing_imports_no_torch_and_nothing_that_measures():
+    # Its own imports and those of every package module it reaches (a package's __init__, which may load torch for
+    # its other modules, is not one of them: pricing's code depends on none of it).
+    assert _pricing_violations(sorted((PACKAGE / "plan" / "pricing").rglob("*.py"))) == []
+
+
+def test_the_pricing_check_catches_torch_reached_through_another_module(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("def f():\n    from lightning_seqpar.parallel.collectives import ParallelGroup\n")
+    assert any("imports torch" in v for v in _pricing_violations([bad]))
+    bad.write_text("from lightning_seqpar.plan.measuring.probe import fit_layer\n")
+    assert _pricing_violations([bad])[0].endswith("imports lightning_seqpar.plan.measuring.probe")
+
+
+def test_measuring_does_not_import_the_search_and_the_runtime_reads_the_planner_where_it_chooses_a_layout():
+    upward = [f"{p.relative_to(PACKAGE.parent)}:{line} imports {m}"
+              for p in sorted((PACKAGE / "plan" / "measuring").rglob("*.py")) for line, m, _ in _imports(p)
+              if m in ("lightning_seqpar.plan", "lightning_seqpar.plan.planner", "lightning_seqpar.plan.__main__")]
+    readers = {str(p.relative_to(PACKAGE)) for p in _modules() if _part(p) != "plan"
+               for _, m, _ in _imports(p) if m == "lightning_seqpar.plan" or m.startswith("lightning_seqpar.plan.")}
+    assert upward == [] and readers <= PLAN_READERS, (upward, readers - PLAN_READERS)
+
+
 def test_the_strategy_reads_in_one_sitting():
     lines = len((PACKAGE / "lightning" / "strategy.py").read_text().splitlines())
     assert lines <= STRATEGY_MAX_LINES, f"lightning/strategy.py has {lines} lines: move a step into the room owning it"

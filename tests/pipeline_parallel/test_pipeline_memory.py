@@ -121,9 +121,9 @@ def test_zb_h1_keeps_a_mixture_s_expert_rows_for_w_as_the_planner_prices_them():
     # At ep 1 every (token, expert) pair is computed here: s·k rows of h into the experts and of f_e between their
     # projections (k = 2, f_e = 4h/k = 32), beside the attention's split inputs (norm output, context). The router's
     # weight gradient stays in B: its input is not kept for W.
-    from lightning_seqpar.plan.activations import weight_gradient_bytes
-    from lightning_seqpar.plan.inventory import ExpertShape, ParameterEntry
-    from lightning_seqpar.plan.models import gpt2_config, model_inventory
+    from lightning_seqpar.plan.pricing.activations import weight_gradient_bytes
+    from lightning_seqpar.plan.pricing.model_inventory import ExpertShape, ParameterEntry
+    from lightning_seqpar.plan.measuring.models import gpt2_config, model_inventory
 
     moe = run_distributed(_measure, P, (("n_experts", 8),), ("1F1B", "ZB-H1"))
     for rank in range(P):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from lightning_seqpar.hf.model_check import probe_head_dim
-from lightning_seqpar.plan.probe import fit_layer, measure_layer
+from lightning_seqpar.plan.measuring.probe import fit_layer, measure_layer
 
 pytestmark = pytest.mark.slow  # the planner's probes: the full suite runs it, the fast lane does not
 
@@ -82,7 +82,7 @@ def test_the_probes_see_what_the_layouts_change():
 def test_a_whole_forward_is_its_layers_and_what_lies_outside_them(family, precision):
     # One micro-batch on one stage: what the planner adds up (the probed layer three times, and the probed rest:
     # embedding, final norm, head, loss) against everything the forward keeps, at a size no probe used.
-    from lightning_seqpar.plan.probe import fit_outside, measure
+    from lightning_seqpar.plan.measuring.probe import fit_outside, measure
 
     config, tp = _config(family), 2
     layer, outside = fit_layer(config, tp, True, "none", precision), fit_outside(config, tp, True, precision)

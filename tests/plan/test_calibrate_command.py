@@ -5,8 +5,8 @@ import pytest
 
 from lightning_seqpar.plan import Hardware, plan
 from lightning_seqpar.plan.__main__ import main
-from lightning_seqpar.plan.calibration import COLLECTIVES, StepCalibration
-from lightning_seqpar.plan.models import model_inventory
+from lightning_seqpar.plan.measuring.calibration import COLLECTIVES, StepCalibration
+from lightning_seqpar.plan.measuring.models import model_inventory
 
 pytestmark = pytest.mark.distributed  # starts processes: outside the fast lane
 

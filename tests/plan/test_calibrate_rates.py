@@ -4,10 +4,10 @@ element-wise rates are solved from a Llama decoder layer at two sizes less its G
 import pytest
 import torch
 
-from lightning_seqpar.plan import calibrate
-from lightning_seqpar.plan.calibrate import SIZES, measure_device_rates
-from lightning_seqpar.plan.calibrate_layer import LAYER_SIZES, layer_step
-from lightning_seqpar.plan.work import OperatorCounter
+from lightning_seqpar.plan.measuring import calibrate
+from lightning_seqpar.plan.measuring.calibrate import SIZES, measure_device_rates
+from lightning_seqpar.plan.measuring.calibrate_layer import LAYER_SIZES, layer_step
+from lightning_seqpar.plan.measuring.work import OperatorCounter
 
 CPU = torch.device("cpu")
 

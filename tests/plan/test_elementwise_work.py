@@ -1,5 +1,6 @@
-"""Element-wise work (``plan/work.py``): the counter counts exactly what it documents, the probes' fit scales what a
-model's layer runs, and the planner prices it with the calibrated rates (a wrong dispatch time changes the ranking)."""
+"""Element-wise work (``plan/measuring/work.py``): the counter counts exactly what it documents, the probes' fit scales
+what a model's layer runs, and the planner prices it with the calibrated rates (a wrong dispatch time changes the
+ranking)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ import pytest
 import torch
 
 from lightning_seqpar.plan import Hardware, model_inventory, plan
-from lightning_seqpar.plan.calibration import COLLECTIVES, Link, StepCalibration
-from lightning_seqpar.plan.work import OperatorCounter, count_step, fit_work
+from lightning_seqpar.plan.measuring.calibration import COLLECTIVES, Link, StepCalibration
+from lightning_seqpar.plan.measuring.work import OperatorCounter, count_step, fit_work
 from lightning_seqpar.parallel.emulated import run_emulated
 
 TINY_LLAMA = dict(model_type="llama", vocab_size=512, hidden_size=64, intermediate_size=256, num_hidden_layers=4,
@@ -42,7 +43,7 @@ def test_a_backward_s_operators_are_counted_and_emulated_collectives_are_not():
         (x * x).sum()
     assert counter.operators > forward_only.operators >= 2
 
-    from lightning_seqpar.plan.work import _uncounted_collectives
+    from lightning_seqpar.plan.measuring.work import _uncounted_collectives
 
     def one_rank(group):
         counter, x = OperatorCounter(), torch.ones(8)
@@ -130,7 +131,7 @@ def test_every_probed_family_s_layer_is_counted_at_two_depths(family):
 
 
 def test_context_parallel_attention_s_own_work_is_counted_on_emulated_ranks_and_scaled():
-    from lightning_seqpar.plan.work import count_context_attention, fit_context_work
+    from lightning_seqpar.plan.measuring.work import count_context_attention, fit_context_work
 
     # the emulated ring passes each rank's tensor to the next, as the real one does
     received = run_emulated(3, lambda group: group.ring_exchange_start(torch.full((1,), float(group.rank))).wait())

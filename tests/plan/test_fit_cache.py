@@ -1,5 +1,5 @@
-"""The probes' fits kept on disk (:mod:`lightning_seqpar.plan.fit_cache`): read back as measured, keyed by what
-measured them (a changed library or package source measures again), a damaged file measured again rather than
+"""The probes' fits kept on disk (:mod:`lightning_seqpar.plan.measuring.fit_cache`): read back as measured, keyed by
+what measured them (a changed library or package source measures again), a damaged file measured again rather than
 trusted; the command line answers a repeated question, and one differing only in memory, batch, sequence length or
 a GPU count whose tensor-parallel sizes were probed, without probing."""
 
@@ -9,11 +9,11 @@ import json
 
 import pytest
 
-from lightning_seqpar.plan import models, probe, work
+from lightning_seqpar.plan.measuring import fits, models
 from lightning_seqpar.plan.__main__ import main
-from lightning_seqpar.plan.fit_cache import FitCache, library_salt
-from lightning_seqpar.plan.probe import LayerFit, OutsideFit
-from lightning_seqpar.plan.work import ContextWork, WorkFit
+from lightning_seqpar.plan.measuring.fit_cache import FitCache, library_salt
+from lightning_seqpar.plan.measuring.probe import LayerFit, OutsideFit
+from lightning_seqpar.plan.measuring.work import ContextWork, WorkFit
 
 FITS = {("model", 2, "none", "bf16-mixed"): LayerFit((1.5, 2.0), 0.01, (1.0, 2.0)),
         ("model", 1, "full", "32-true", ("mlp",), ()): LayerFit((3.0,), 0.0),
@@ -76,7 +76,7 @@ def test_a_question_asked_again_or_changed_in_size_is_answered_without_probing(t
         raise AssertionError("probed although the fit is on disk")
 
     built = models.meta_model
-    for module, name in ((probe, "fit_layer"), (probe, "fit_outside"), (work, "fit_work"), (models, "meta_model")):
+    for module, name in ((fits, "fit_layer"), (fits, "fit_outside"), (fits, "fit_work"), (models, "meta_model")):
         monkeypatch.setattr(module, name, refuse)
     assert main(ask) == 0
     again = capsys.readouterr().out

@@ -12,8 +12,10 @@ import pytest
 
 from lightning_seqpar.plan import model_inventory
 from lightning_seqpar.plan.__main__ import main
-from lightning_seqpar.plan.fit_cache import FitCache
-from lightning_seqpar.plan.models import inventory_of_hf_model, load_model_config, meta_model, with_attention, with_lora
+from lightning_seqpar.plan.measuring.fit_cache import FitCache
+from lightning_seqpar.plan.measuring.models import (
+    inventory_of_hf_model, load_model_config, meta_model, with_attention, with_lora,
+)
 
 LLAMA = dict(model_type="llama", vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
@@ -85,7 +87,7 @@ def test_the_fused_attention_hint_builds_no_model_of_its_own(tmp_path, capsys, m
     (MOE, {}), (MOE, dict(lora=4, lora_targets=("q_proj", "k_proj", "v_proj", "o_proj"))), ("gpt-22b", {})],
     ids=["llama", "llama-lora", "llama-frozen", "moe", "moe-lora", "gpt"])
 def test_an_inventory_kept_on_disk_reads_back_as_built(tmp_path, monkeypatch, config, kwargs):
-    from lightning_seqpar.plan import models
+    from lightning_seqpar.plan.measuring import models
 
     built = model_inventory(config, 128, cache=FitCache(tmp_path, salt="a"), **kwargs)
     monkeypatch.setattr(models, "meta_model", None)  # read, not built

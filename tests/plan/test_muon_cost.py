@@ -1,4 +1,4 @@
-"""Muon's step in the planner (:mod:`lightning_seqpar.plan.muon_cost`): Newton–Schulz FLOPs and the bytes a rank
+"""Muon's step in the planner (:mod:`lightning_seqpar.plan.pricing.muon_cost`): Newton–Schulz FLOPs and the bytes a rank
 sends, against counts made by hand and the exchange's own formula."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import torch
 
 from lightning_seqpar.optim.matrix_owners import Matrix, exchange_bytes
 from lightning_seqpar.parallel.placement import ShardSpec
-from lightning_seqpar.plan.inventory import ParameterEntry
-from lightning_seqpar.plan.muon_cost import muon_step_cost, newton_schulz_flops
+from lightning_seqpar.plan.pricing.model_inventory import ParameterEntry
+from lightning_seqpar.plan.pricing.muon_cost import muon_step_cost, newton_schulz_flops
 
 
 def test_newton_schulz_flops_count_the_three_products_of_each_iteration():

@@ -12,8 +12,8 @@ import torch
 
 from lightning_seqpar.plan import Hardware, LayoutRecord, model_inventory, plan, state_bytes
 from lightning_seqpar.plan.__main__ import main
-from lightning_seqpar.plan.rules import layout_rule as _rule
-from lightning_seqpar.plan.state import held_entries, stage_layout
+from lightning_seqpar.plan.pricing.rules import layout_rule as _rule
+from lightning_seqpar.plan.pricing.state import held_entries, stage_layout
 
 # Published configs, written here (nothing is downloaded).
 LLAMA3_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
@@ -190,15 +190,16 @@ def test_the_command_line_prints_the_table_and_the_json_records(tmp_path, capsys
 
 @pytest.mark.slow  # the planner's probes: outside the fast lane
 def test_calibrated_activations_come_from_the_model_s_own_layer():
+    from lightning_seqpar.plan.measuring.fits import ProbedMeasurements
+    from lightning_seqpar.plan.measuring.probe import fit_layer, fit_outside
     from lightning_seqpar.plan.planner import _evaluate
-    from lightning_seqpar.plan.probe import fit_layer, fit_outside
 
     tiny = dict(LLAMA3_8B, vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                 num_attention_heads=4, num_key_value_heads=2)
     inventory = model_inventory(tiny)
     record = _record(tp=2, dp=1)
     _rule(record, inventory, 512, 8, Hardware())
-    _evaluate(record, inventory, 512, 8, Hardware(), "bf16-mixed", 0.8, "1F1B", False, fits={})
+    _evaluate(record, inventory, 512, 8, Hardware(), "bf16-mixed", 0.8, "1F1B", False, measured=ProbedMeasurements({}))
     fit = fit_layer(inventory.config, 2, True, "selective", "bf16-mixed")
     per_layer = fit.bytes(512, 1, inventory.head_dim, inventory.ffn_hidden_size)
     # under the record's recomputation: a checkpointed attention keeps the prologue's mask
@@ -229,7 +230,7 @@ def test_full_size_ranks_built_on_the_meta_device_hold_the_predicted_parameters(
     # The strategy's own rewrite, stage split and placement at the real size: the first, a middle and the last
     # pipeline rank, on the last tensor rank (which holds the vocabulary's padding rows; every tensor rank holds as
     # many elements).
-    from lightning_seqpar.plan.dry_run import dry_run
+    from lightning_seqpar.plan.measuring.dry_run import dry_run
 
     config = PUBLISHED[name][0]
     for pipeline_rank in sorted({0, pp // 2, pp - 1}):
@@ -241,7 +242,7 @@ def test_full_size_ranks_built_on_the_meta_device_hold_the_predicted_parameters(
 def test_the_dry_run_builds_the_v_placement_a_zero_bubble_layout_is_priced_at(inventories, schedule):
     # Stages 0 and 7 on pipeline rank 0 of 4 (the embedding and the head), 3 and 4 on rank 3, against the loop's 0
     # and 4, 3 and 7: the same layers, the head (and final norm) moved from the last rank to the first.
-    from lightning_seqpar.plan.dry_run import dry_run
+    from lightning_seqpar.plan.measuring.dry_run import dry_run
 
     config, inventory = PUBLISHED["llama3-8b"][0], inventories["llama3-8b"]
     head = (128256 // 8 * 4096 + 4096) * 2  # bf16: a tensor rank's head rows and the final norm

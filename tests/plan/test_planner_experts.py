@@ -8,13 +8,13 @@ from __future__ import annotations
 import pytest
 
 from lightning_seqpar.plan import Hardware, LayoutRecord, model_inventory, plan, state_bytes
-from lightning_seqpar.plan.calibration import Link
-from lightning_seqpar.plan.inventory import ExpertShape
-from lightning_seqpar.plan.experts import expert_layer_elements
-from lightning_seqpar.plan.pricing import layer_activation_bytes
-from lightning_seqpar.plan.rules import layout_rule as _rule
-from lightning_seqpar.plan.probe import TERMS, fit_layer
-from lightning_seqpar.plan.state import held_entries, stage_layout
+from lightning_seqpar.plan.measuring.calibration import Link
+from lightning_seqpar.plan.pricing.model_inventory import ExpertShape
+from lightning_seqpar.plan.pricing.experts import expert_layer_elements
+from lightning_seqpar.plan.pricing.kept import layer_activation_bytes
+from lightning_seqpar.plan.pricing.rules import layout_rule as _rule
+from lightning_seqpar.plan.measuring.probe import TERMS, fit_layer
+from lightning_seqpar.plan.pricing.state import held_entries, stage_layout
 
 # Published config, written here (nothing is downloaded); 30,532,122,624 parameters (its safetensors index).
 QWEN3_30B_A3B = dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
@@ -85,7 +85,7 @@ def test_zero_1_ranges_of_experts_are_over_expert_data_parallel(qwen3_moe):
 
 @pytest.mark.parametrize("tp, pp, ep, expert_rank", [(4, 2, 8, 3), (1, 4, 16, 15), (4, 1, 2, 1)])
 def test_a_full_size_rank_built_on_the_meta_device_holds_the_predicted_parameters(qwen3_moe, tp, pp, ep, expert_rank):
-    from lightning_seqpar.plan.dry_run import dry_run
+    from lightning_seqpar.plan.measuring.dry_run import dry_run
 
     for pipeline_rank in sorted({0, pp - 1}):
         built = dry_run(QWEN3_30B_A3B, qwen3_moe, tp, pp, 1, pipeline_rank, "bf16-true", tp - 1, ep, expert_rank)

@@ -80,7 +80,7 @@ def test_lora_s_adapters_are_w_and_zero_bubble_schedules_are_priced_with_their_s
     # ZB-V still gains from its V (a shorter warm-up) but far less than when every weight trains, and W holds the
     # adapted projections' inputs and output gradients plus the adapters' rank-r tensors.
     from lightning_seqpar.pipeline_parallel.schedules import bubble_fraction
-    from lightning_seqpar.plan.activations import weight_gradient_bytes
+    from lightning_seqpar.plan.pricing.activations import weight_gradient_bytes
 
     small = dict(LLAMA3_8B, num_hidden_layers=4)
     full, lora = model_inventory(small), model_inventory(small, lora=16)
@@ -121,8 +121,8 @@ def test_the_probes_train_the_model_as_the_run_does():
     import transformers
 
     from lightning_seqpar.hf.models import build_causal_lm
-    from lightning_seqpar.plan.models import freeze, meta_model, with_lora
-    from lightning_seqpar.plan.trained import apply_trained_parts, generic_name
+    from lightning_seqpar.plan.measuring.models import freeze, meta_model, with_lora
+    from lightning_seqpar.plan.measuring.trained import apply_trained_parts, generic_name
 
     assert generic_name("base_model.model.model.layers.11.mlp.experts.3.w1") == \
         "base_model.model.model.layers.#.mlp.experts.#.w1"
@@ -147,7 +147,7 @@ def test_a_frozen_base_keeps_less_and_its_fit_stays_exact():
     # A frozen projection keeps no input for a weight gradient: the LoRA layer keeps less than the trained one, and
     # an adapter's [b, s, r] rows (r fixed) are a b·s term, so the fit still predicts a size no probe used.
     # The first layer, whose input (the frozen embedding's output) needs no gradient, keeps less again: fitted apart.
-    from lightning_seqpar.plan.probe import fit_layer, measure, measure_layer
+    from lightning_seqpar.plan.measuring.probe import fit_layer, measure, measure_layer
 
     lora = model_inventory(TINY, lora=4, lora_targets=["q_proj", "v_proj"])
     config, parts = lora.config, lora.training
@@ -167,8 +167,8 @@ def test_a_frozen_base_keeps_less_and_its_fit_stays_exact():
 def test_only_trained_parameters_accumulate_a_grad():
     # With gradient accumulation the `.grad` beside the buckets is the trained parameters' (the adapters'), and the
     # largest weight gradient a backward makes is a trained one's: LoRA's frozen base makes neither.
-    from lightning_seqpar.plan.state import state_bytes
-    from lightning_seqpar.plan.transients import largest_layer_weight
+    from lightning_seqpar.plan.pricing.state import state_bytes
+    from lightning_seqpar.plan.pricing.transients import largest_layer_weight
 
     lora = model_inventory(TINY, lora=4, lora_targets=["q_proj", "v_proj"])
     state = state_bytes(lora, 1, dp=2, precision="32-true")

@@ -10,8 +10,8 @@ from lightning_seqpar.memory.activations import TransformerShape
 from lightning_seqpar.memory.flops import mlp_forward_flops
 from lightning_seqpar.offload import DENSE_OFFLOAD_MODULES
 from lightning_seqpar.plan import Hardware, LayoutRecord, model_inventory, plan, predict
-from lightning_seqpar.plan.activations import layer_bytes, offloaded_layer_bytes
-from lightning_seqpar.plan.memory_choices import host_traffic
+from lightning_seqpar.plan.pricing.activations import layer_bytes, offloaded_layer_bytes
+from lightning_seqpar.plan.pricing.memory_choices import host_traffic
 
 S, BATCH = 8192, 8
 
@@ -102,7 +102,7 @@ def test_the_command_prints_what_it_traded(capsys):
 
 
 def test_a_mixture_trades_its_experts_modules_and_a_dense_mlp_s_are_refused_by_rule():
-    from lightning_seqpar.plan.memory_choices import MIXTURE_TRADES
+    from lightning_seqpar.plan.pricing.memory_choices import MIXTURE_TRADES
     from tests.plan.test_planner_experts import QWEN3_30B_A3B
 
     tiny = model_inventory(dict(QWEN3_30B_A3B, vocab_size=512, hidden_size=64, num_hidden_layers=4,

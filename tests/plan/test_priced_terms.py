@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_seqpar.plan.layout_record import LayoutRecord
-from lightning_seqpar.plan.pricing import (activation_element_bytes, first_layer_saving, layer_activation_bytes,
+from lightning_seqpar.plan.pricing.layout_record import LayoutRecord
+from lightning_seqpar.plan.pricing.kept import (activation_element_bytes, first_layer_saving, layer_activation_bytes,
                                            outside_bytes)
-from lightning_seqpar.plan.probe import measure
+from lightning_seqpar.plan.measuring.probe import measure
 from recipes.benchmarking.plan_check import _built
 
 pytestmark = pytest.mark.slow  # the planner's probes: outside the fast lane

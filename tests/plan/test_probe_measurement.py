@@ -18,10 +18,12 @@ from lightning_seqpar.memory.tracker import LiveActivationTracker
 from lightning_seqpar.parallel.emulated import run_emulated
 from lightning_seqpar.parallel.mirrored import MirroredGroup
 from lightning_seqpar.plan import model_inventory
-from lightning_seqpar.plan.probe import (_DTYPES, _PROBES, PROBES_PER_FIT, fit_layer, fit_outside, measure, probe_input,
-                                         probe_model, split_changes_what_is_kept)
-from lightning_seqpar.plan.probe_models import ProbeModels
-from lightning_seqpar.plan.probe_pool import KEY, ProbePool, probe_pool
+from lightning_seqpar.plan.measuring.probe import (
+    _DTYPES, _PROBES, PROBES_PER_FIT, fit_layer, fit_outside, measure, probe_input, probe_model,
+    split_changes_what_is_kept,
+)
+from lightning_seqpar.plan.measuring.probe_models import ProbeModels
+from lightning_seqpar.plan.measuring.probe_pool import KEY, ProbePool, probe_pool
 
 pytestmark = pytest.mark.slow  # the planner's probes: the full suite runs it, the fast lane does not
 

@@ -1,8 +1,8 @@
 """The planner's probes of a model with learned positions shorter than a probe's sequence (the reference GPT at a
 small ``block_size``, planned as GPT-2) measure instead of failing on a position out of range."""
 
-from lightning_seqpar.plan.models import meta_model
-from lightning_seqpar.plan.probe import fit_outside, measure
+from lightning_seqpar.plan.measuring.models import meta_model
+from lightning_seqpar.plan.measuring.probe import fit_outside, measure
 
 
 def test_probes_longer_than_the_learned_positions_measure():

@@ -12,8 +12,8 @@ import pytest
 
 from lightning_seqpar import SeqParallelStrategy
 from lightning_seqpar.lightning.config import DataParallelConfig
-from lightning_seqpar.plan.models import inventory_of_hf_model
-from lightning_seqpar.plan.state import state_bytes
+from lightning_seqpar.plan.measuring.models import inventory_of_hf_model
+from lightning_seqpar.plan.pricing.state import state_bytes
 from tests.helpers.distributed import run_distributed
 from lightning_seqpar.lightning.callbacks import model_state
 from tests.helpers.models import build, loader, token_data

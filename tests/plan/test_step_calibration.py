@@ -163,7 +163,7 @@ cache is): the same layer under the same layout is probed once."""
 
 
 def _errors(layouts, moe, s=S, vocab=CONFIG["vocab_size"], loss_chunk=4096, lora=False, wide=False, world=WORLD):
-    from lightning_seqpar.plan.models import meta_model
+    from lightning_seqpar.plan.measuring.models import meta_model
 
     measured = run_distributed(_measure, world, layouts, moe, s, vocab, loss_chunk, lora, wide)
     options = dict(MOE, model_type="qwen3_moe") if moe else dict(CONFIG, model_type="llama", vocab_size=vocab,

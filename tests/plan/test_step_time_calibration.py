@@ -13,11 +13,11 @@ from lightning_seqpar.memory.activations import TransformerShape
 from lightning_seqpar.memory.flops import hardware_flops_per_iteration
 from lightning_seqpar.plan import Hardware, plan
 from lightning_seqpar.plan.__main__ import main
-from lightning_seqpar.plan.calibrate import _after_compute, _fit, _link
-from lightning_seqpar.plan.calibration import COLLECTIVES, Link, StepCalibration
-from lightning_seqpar.plan.cost import Traffic, attention_flops, step_times
-from lightning_seqpar.plan.models import model_inventory
-from lightning_seqpar.plan.state import PARAMETER_BYTES
+from lightning_seqpar.plan.measuring.calibrate import _after_compute, _fit, _link
+from lightning_seqpar.plan.measuring.calibration import COLLECTIVES, Link, StepCalibration
+from lightning_seqpar.plan.pricing.cost import Traffic, attention_flops, step_times
+from lightning_seqpar.plan.measuring.models import model_inventory
+from lightning_seqpar.plan.pricing.state import PARAMETER_BYTES
 
 S = 2048
 
@@ -227,7 +227,7 @@ def test_the_optimizer_step_is_priced_over_the_elements_each_rank_updates():
 
 def test_one_process_s_rates_plan_one_device_and_a_layout_over_ranks_is_refused_naming_the_command(tmp_path):
     # what recipes/gpu_check.py measures beside its speed row: no collectives, enough for a one-device layout
-    from lightning_seqpar.plan.models import model_inventory
+    from lightning_seqpar.plan.measuring.models import model_inventory
 
     alone = calibration(world=1, collectives=())
     path = tmp_path / "one.json"

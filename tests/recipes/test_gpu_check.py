@@ -40,7 +40,7 @@ def test_the_gpu_check_runs_its_dry_parts_on_cpu(tmp_path):
     more = [r for r in rows if r["check"] == "step time"][1:]
     assert [r["case"].split(":")[0].split(", ")[-1] for r in more] == ["full", "none"]
     assert all(r["ok"] is None and float(r["expected"].split(" s predicted")[0]) > 0 for r in more)
-    from lightning_seqpar.plan.calibration import StepCalibration
+    from lightning_seqpar.plan.measuring.calibration import StepCalibration
 
     rates = StepCalibration.load(tmp_path / "rates.json")
     assert (rates.device, rates.world, rates.collectives) == ("cpu", 1, ())

@@ -7,7 +7,7 @@ and its layouts once mis-priced under every precision (within 5 %)."""
 import pytest
 import torch
 
-from lightning_seqpar.plan.calibration import COLLECTIVES, StepCalibration
+from lightning_seqpar.plan.measuring.calibration import COLLECTIVES, StepCalibration
 from recipes.benchmarking.plan_check import CheckRow, check
 from tests.helpers.distributed import run_distributed
 

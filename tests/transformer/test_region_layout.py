@@ -7,8 +7,8 @@ whole ``[s, b, h]`` alive."""
 import pytest
 import torch
 
-from lightning_seqpar.plan.models import meta_model
-from lightning_seqpar.plan.probe import measure
+from lightning_seqpar.plan.measuring.models import meta_model
+from lightning_seqpar.plan.measuring.probe import measure
 from lightning_seqpar.parallel.collectives import ParallelGroup
 from lightning_seqpar.transformer.region import enter_parallel_region, exit_parallel_region
 

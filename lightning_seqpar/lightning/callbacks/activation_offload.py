@@ -30,8 +30,8 @@ class ActivationOffload(pl.Callback):
         bytes_per_element: for ``memory_budget``: activation bytes (default: the parameters' element size).
         prefetch: bring a layer's offloaded tensors back when the backward reaches the layer after it, so the copies
             back overlap that layer's backward (default); the cost is up to one more layer's offloaded bytes on the
-            device during the backward (:func:`~lightning_seqpar.plan.memory_choices.offload_backward_bytes`, which
-            the planner counts; ``memory_budget`` is the activations held at the peak, before any comes back).
+            device during the backward (:func:`~lightning_seqpar.plan.pricing.memory_choices.offload_backward_bytes`,
+            which the planner counts; ``memory_budget`` is the activations held at the peak, before any comes back).
             ``False``: each tensor comes back when its backward node reads it.
 
     On CUDA the copies go to pinned memory on a side stream and come back on the compute stream after an event (no

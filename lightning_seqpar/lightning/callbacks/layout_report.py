@@ -52,7 +52,7 @@ def _planned_model(module: pl.LightningModule) -> Optional[torch.nn.Module]:
             (:func:`~lightning_seqpar.lightning.auto_layout.planned_model`).
     """
     from lightning_seqpar.lightning.auto_layout import hf_model_in, planned_model
-    from lightning_seqpar.plan.models import meta_model
+    from lightning_seqpar.plan.measuring.models import meta_model
 
     model = hf_model_in(module)
     if model is not None:

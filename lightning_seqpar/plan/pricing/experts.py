@@ -1,14 +1,14 @@
 """What a mixture of experts adds to a layout's price: the expert grids a layout can take, the all-to-all bytes of
 its dispatch, and what expert tensor parallelism adds to a layer's activations over the probe's whole experts (the
-probe measures every expert on one rank: :mod:`.probe`). Model-state bytes of experts are :mod:`.state`'s.
+probe measures every expert on one rank: :mod:`..measuring.probe`). Model-state bytes of experts are :mod:`.state`'s.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from lightning_seqpar.plan.inventory import ModelInventory
-from lightning_seqpar.plan.rules import divisors
+from lightning_seqpar.plan.pricing.model_inventory import ModelInventory
+from lightning_seqpar.plan.pricing.rules import divisors
 
 
 def expert_parallel_sizes(inventory: ModelInventory, ranks: int) -> list[int]:

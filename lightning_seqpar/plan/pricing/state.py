@@ -43,9 +43,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from lightning_seqpar.optim.sharded_buckets import owned_range
+from lightning_seqpar.parallel.split_sizes import owned_range
 from lightning_seqpar.pipeline_parallel.layout import StagePlacement, StageLayout
-from lightning_seqpar.plan.inventory import ModelInventory, ParameterEntry
+from lightning_seqpar.plan.pricing.model_inventory import ModelInventory, ParameterEntry
 
 PARAMETER_BYTES = {"32-true": 4, "bf16-mixed": 4, "bf16-true": 2, "64-true": 8}
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1, "muon": 1}

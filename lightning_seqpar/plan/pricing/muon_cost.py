@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from lightning_seqpar.plan.inventory import ParameterEntry
-from lightning_seqpar.plan.state import is_muon_matrix
+from lightning_seqpar.plan.pricing.model_inventory import ParameterEntry
+from lightning_seqpar.plan.pricing.state import is_muon_matrix
 
 NS_STEPS = 5  # torch.optim.Muon's default
 

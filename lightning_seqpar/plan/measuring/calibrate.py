@@ -38,7 +38,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from lightning_seqpar.plan.calibration import COLLECTIVES, Link, StepCalibration
+from lightning_seqpar.plan.measuring.calibration import COLLECTIVES, Link, StepCalibration
 
 SIZES = {  # (GEMM n, attention calls, message bytes, optimizer elements) per device kind
     # an attention call: (s, sequences × heads, head dim); from a launch-bound call to one of a long-context layer
@@ -155,8 +155,8 @@ def measure_device_rates(device: torch.device, repeats: int = 3, slowest: Slowes
     Alone no process group is needed; with ``slowest`` (:func:`slowest_rank`) every rank of its group measures at
     once and each time is the slowest rank's. Every measurement is timed in the same rounds
     (:func:`_timed_in_rounds`)."""
-    from lightning_seqpar.plan.calibrate_layer import LAYER_SIZES, layer_step
-    from lightning_seqpar.plan.work import OperatorCounter
+    from lightning_seqpar.plan.measuring.calibrate_layer import LAYER_SIZES, layer_step
+    from lightning_seqpar.plan.measuring.work import OperatorCounter
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     gemm_sizes, attention_calls = SIZES[device.type][:2]

@@ -1,6 +1,7 @@
 """The work of a step beside its GEMMs' and core attention's FLOPs, counted on small copies of the model: every
 operator's dispatch (the host's time) and the bytes each element-wise operator reads and writes. The step-time model
-prices it beside the GEMMs and core attention (:func:`~.cost.step_times`, ``elementwise``): ``operators × dispatch``
+prices it beside the GEMMs and core attention (:func:`~..pricing.cost.step_times`, ``elementwise``): ``operators ×
+dispatch``
 and ``bytes / memory bandwidth``, both rates measured by ``calibrate``, the dispatch hidden behind the device's work
 on a device that queues kernels (:meth:`~.calibration.StepCalibration.elementwise_seconds`).
 
@@ -163,7 +164,7 @@ def count_step(config: Any, tp: int, sequence_parallel: bool, recompute: str, pr
     mirrored (:class:`~lightning_seqpar.parallel.mirrored.MirroredGroup`)."""
     from lightning_seqpar.memory.cuda_autocast import cuda_autocast_rules
     from lightning_seqpar.parallel.mirrored import MirroredGroup
-    from lightning_seqpar.plan.probe import _DTYPES, probe_input, probe_model
+    from lightning_seqpar.plan.measuring.probe import _DTYPES, probe_input, probe_model
 
     small, x = probe_input(config, tp, s, b, overrides, layers)
     group = MirroredGroup(tp)
@@ -186,7 +187,7 @@ def fit_work(config: Any, tp: int, sequence_parallel: bool = True, recompute: st
         ValueError: an unknown precision, or a layout the model refuses (from the rewrite).
     """
     from lightning_seqpar.hf.model_check import probe_head_dim
-    from lightning_seqpar.plan.probe import _DTYPES, _expert_widths
+    from lightning_seqpar.plan.measuring.probe import _DTYPES, _expert_widths
 
     if precision not in _DTYPES:
         raise ValueError(f"precision={precision!r}: one of {sorted(_DTYPES)}.")
@@ -219,7 +220,7 @@ def _nonnegative_fit(rows: list[list[float]], values: list[float]) -> tuple[tupl
     the last probe, the most negative term dropped until none is), and the relative error on the last probe. A
     negative coefficient fits the probes' small sizes and turns the bytes negative at a long sequence (a ``b·s²`` term
     against ``b·s·d``)."""
-    from lightning_seqpar.plan.probe import _least_squares
+    from lightning_seqpar.plan.measuring.probe import _least_squares
 
     active = list(range(len(rows[0])))
     while True:

@@ -1,4 +1,5 @@
-"""Measured rates of one machine, which the step-time model (:func:`~.cost.step_times`) reads in place of nominal
+"""Measured rates of one machine, which the step-time model (:func:`~..pricing.cost.step_times`) reads in place of
+nominal
 ones: ``python -m lightning_seqpar.plan calibrate --out FILE`` writes them (:mod:`.calibrate`), ``--calibration FILE``
 reads them.
 
@@ -17,8 +18,8 @@ reads them.
   (:mod:`.calibrate_layer`). On a device that queues kernels (CUDA) the host's dispatch runs ahead while the device
   works: it shows only where it outlasts the device's work (:meth:`StepCalibration.elementwise_seconds`).
 - Each collective by group size: latency α (s) and bandwidth β (bytes/s) fitted to ``time = α + sent/β``, ``sent``
-  the bytes each rank sends (:func:`~.cost.ring_bytes`' convention), over messages of several sizes back to back;
-  α is a small message's time as a step sees it, after compute on every rank, where that is larger
+  the bytes each rank sends (:func:`~..pricing.cost.ring_bytes`' convention), over messages of several sizes back to
+  back; α is a small message's time as a step sees it, after compute on every rank, where that is larger
   (:func:`~.calibrate._link`).
 
 A file is JSON (``format`` 5; an older one is refused, measure again: format 1 had no element-wise rates, format 2

@@ -4,8 +4,8 @@ The model is built from its config on the meta device and its rank built by the 
 (:func:`lightning_seqpar.build.build_rank`) for one tensor-parallel rank of t (an emulated group: nothing communicates,
 nothing is allocated; the materializer keeps every shard on the meta device): rewritten, split into pipeline stages,
 its outside parts placed for ``pipeline_rank``. What the
-rank then holds is counted by element and dtype, and set beside :func:`~lightning_seqpar.plan.state.state_bytes`: the
-same code paths as a run, at the real size, without a GPU.
+rank then holds is counted by element and dtype, and set beside
+:func:`~lightning_seqpar.plan.pricing.state.state_bytes`: the same code paths as a run, at the real size, without a GPU.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Union
 
 import torch
 
-from lightning_seqpar.plan.inventory import ModelInventory
-from lightning_seqpar.plan.state import PARAMETER_BYTES, state_bytes
+from lightning_seqpar.plan.pricing.model_inventory import ModelInventory
+from lightning_seqpar.plan.pricing.state import PARAMETER_BYTES, state_bytes
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ def dry_run(config: Union[dict, str], inventory: ModelInventory, tp: int, pp: in
     from lightning_seqpar.parallel.collectives import ParallelGroup
     from lightning_seqpar.pipeline_parallel.config import PipelineConfig
     from lightning_seqpar.pipeline_parallel.schedules import stage_placement_of
-    from lightning_seqpar.plan.models import load_model_config, meta_model
+    from lightning_seqpar.plan.measuring.models import load_model_config, meta_model
     from lightning_seqpar.transformer.context import RewriteContext
     from lightning_seqpar.transformer.materialize import Materializer
 

@@ -20,17 +20,17 @@ from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 from lightning_seqpar.pipeline_parallel.schedules import splits_backward
-from lightning_seqpar.plan.activations import weight_gradient_bytes
-from lightning_seqpar.plan.inventory import ModelInventory
-from lightning_seqpar.plan.layout_record import LayoutRecord
-from lightning_seqpar.plan.memory_choices import largest_offloaded_share, offload_backward_bytes
-from lightning_seqpar.plan.moments import backward_moments
-from lightning_seqpar.plan.pricing import (activation_element_bytes, cached_copy_bytes, first_layer_saving,
-                                           layer_activation_bytes, loss_chunk_positions, mlp_kept_bytes,
-                                           never_negative, outside_bytes)
-from lightning_seqpar.plan.probe import first_layer_apart
-from lightning_seqpar.plan.state import PARAMETER_BYTES, StateBytes, state_bytes
-from lightning_seqpar.plan.transients import (
+from lightning_seqpar.plan.pricing.activations import weight_gradient_bytes
+from lightning_seqpar.plan.pricing.model_inventory import ModelInventory
+from lightning_seqpar.plan.pricing.layout_record import LayoutRecord
+from lightning_seqpar.plan.pricing.measurements import Measurements
+from lightning_seqpar.plan.pricing.memory_choices import largest_offloaded_share, offload_backward_bytes
+from lightning_seqpar.plan.pricing.moments import backward_moments
+from lightning_seqpar.plan.pricing.kept import (activation_element_bytes, cached_copy_bytes, first_layer_apart,
+                                                first_layer_saving, layer_activation_bytes, loss_chunk_positions,
+                                                mlp_kept_bytes, never_negative, outside_bytes)
+from lightning_seqpar.plan.pricing.state import PARAMETER_BYTES, StateBytes, state_bytes
+from lightning_seqpar.plan.pricing.transients import (
     accumulation_bytes,
     attention_backward_bytes,
     backward_transient_bytes,
@@ -39,7 +39,7 @@ from lightning_seqpar.plan.transients import (
     largest_layer_weight,
     loss_bytes,
 )
-from lightning_seqpar.tensor_parallel.sharding import padded_size
+from lightning_seqpar.parallel.split_sizes import padded_size
 
 Moment = tuple[float, int, float, dict[str, float]]
 """``(total, gradients, activations, other by part)`` bytes of one rank at one moment of its step."""
@@ -97,10 +97,10 @@ def rank_state(record: LayoutRecord, inventory: ModelInventory, precision: str, 
 
 
 def peak_bytes(record: LayoutRecord, inventory: ModelInventory, s: int, precision: str, dropout: bool,
-               fits: Optional[dict[tuple, Any]], optimizer: str, layout: Any) -> float:
+               measured: Optional[Measurements], optimizer: str, layout: Any) -> float:
     """The most loaded pipeline rank's bytes at its step's peak into ``record`` (``stage``, ``bytes``, ``other``; see
     the module docstring). Returns the bytes one layer's offload moves per micro-batch (0 without offload)."""
-    terms = layout_bytes(record, inventory, s, precision, dropout, fits)
+    terms = layout_bytes(record, inventory, s, precision, dropout, measured)
     worst: tuple[float, int, dict[str, int], dict[str, int]] = (-1.0, 0, {}, {})
     for rank in range(record.pp):
         state = rank_state(record, inventory, precision, optimizer, layout, rank)
@@ -117,12 +117,12 @@ def peak_bytes(record: LayoutRecord, inventory: ModelInventory, s: int, precisio
 
 
 def layout_bytes(record: LayoutRecord, inventory: ModelInventory, s: int, precision: str, dropout: bool,
-                 fits: Optional[dict[tuple, Any]]) -> LayoutBytes:
+                 measured: Optional[Measurements]) -> LayoutBytes:
     """The :class:`LayoutBytes` of ``record`` at ``s`` tokens (a context-parallel rank's layers see ``s/c``)."""
     tp, pp, vpp, b, cp = record.tp, record.pp, record.vpp, record.micro_batch, record.cp
     local = s // cp
     element = activation_element_bytes(precision)
-    per_layer = layer_activation_bytes(record, inventory, s, precision, dropout, fits)
+    per_layer = layer_activation_bytes(record, inventory, s, precision, dropout, measured)
     # What a layer's backward makes again or brings back: its kept bytes without recomputation and offload, less
     # with them. Of it, what the offload moves (the same layer's bytes with and without it).
     moved = recomputed = prefetched = 0.0
@@ -130,26 +130,26 @@ def layout_bytes(record: LayoutRecord, inventory: ModelInventory, s: int, precis
         whole = LayoutRecord(tp, cp, pp, vpp, record.dp, record.zero, b, record.num_microbatches, "none",
                              record.main_params, ep=record.ep, expert_tp=record.expert_tp,
                              loss_chunk=record.loss_chunk, offload=record.offload, schedule=record.schedule)
-        kept_whole = layer_activation_bytes(whole, inventory, s, precision, dropout, fits)
+        kept_whole = layer_activation_bytes(whole, inventory, s, precision, dropout, measured)
         recomputed = max(0.0, kept_whole - per_layer)
         if record.recompute == "selective":
             # the core attention's part is remade in its own backward, after the layer's MLP backward: its moment
             # prices it (attention_backward), not the layer's (not beside the MLP's inner gradients)
             plain = replace(record, modules=(), offload=())
-            core = max(0.0, kept_whole - layer_activation_bytes(plain, inventory, s, precision, dropout, fits))
+            core = max(0.0, kept_whole - layer_activation_bytes(plain, inventory, s, precision, dropout, measured))
             recomputed = max(0.0, recomputed - core)
     if record.offload:
-        unloaded = layer_activation_bytes(replace(record, offload=()), inventory, s, precision, dropout, fits)
+        unloaded = layer_activation_bytes(replace(record, offload=()), inventory, s, precision, dropout, measured)
         moved = max(0.0, unloaded - per_layer)
         recomputed += offload_backward_bytes(moved, per_layer, inventory.num_layers // (pp * vpp),
                                              largest_offloaded_share(inventory, local, b, tp, record, element, dropout))
         prefetched = moved * (inventory.num_layers // (pp * vpp) > 1)
-    probed = fits is not None and inventory.config is not None
+    probed = measured is not None and inventory.config is not None
     # Under a split backward no micro-batch keeps autocast's 16-bit weight copies (per_layer is without them), but a
     # chunk's forward holds its layers' copies in autocast's cache until its region ends, the loss's forward included.
     cached = cached_copy_bytes(inventory, record, precision) if probed else 0
     parameter = PARAMETER_BYTES[precision]
-    outside, prologue = outside_bytes(record, inventory, s, precision, element, fits)
+    outside, prologue = outside_bytes(record, inventory, s, precision, element, measured)
     # Outside the layers, a forward keeps the stage input ([s/t, b, h]: what a pipeline stage received), the prologue
     # (mask, rotary tables, position ids) and the epilogue (final norm, head, loss). Under a pipeline every
     # chunk-forward keeps an input and a prologue of its own; only the last chunk an epilogue. Where the first layer
@@ -189,8 +189,9 @@ def layout_bytes(record: LayoutRecord, inventory: ModelInventory, s: int, precis
     backward = {(last, accumulating): backward_transient_bytes(
         inventory, local, b, tp, element, gradient, last, accumulating, recomputed, largest=largest, freed=epilogue,
         loss=loss_backward, expert_tp=record.expert_tp) for last in (False, True) for accumulating in (False, True)}
-    return LayoutBytes(per_layer, moved, prefetched, first_layer_saving(record, inventory, local, precision, fits),
-                       mlp_kept_bytes(record, inventory, local, precision, fits), cached, around, first_around, after,
+    first_saving = first_layer_saving(record, inventory, local, precision, measured)
+    mlp_kept = mlp_kept_bytes(record, inventory, local, precision, measured)
+    return LayoutBytes(per_layer, moved, prefetched, first_saving, mlp_kept, cached, around, first_around, after,
                        outside, epilogue, logits, loss_forward, attention_backward, forward, w_held, mlp_w_held,
                        backward)
 

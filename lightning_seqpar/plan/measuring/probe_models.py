@@ -44,7 +44,7 @@ class ProbeModels:
         0, cast to ``dtype``, rewritten with ``sequence_parallel``; never run. The global generator is left where that
         build left it, so what the probe draws next is what it drew after a build of its own."""
         from lightning_seqpar.hf.models import build_causal_lm
-        from lightning_seqpar.plan.trained import apply_trained_parts
+        from lightning_seqpar.plan.measuring.trained import apply_trained_parts
         from lightning_seqpar.policies import rewrite
         from lightning_seqpar.transformer.context import RewriteContext
 

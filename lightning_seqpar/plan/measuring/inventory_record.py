@@ -14,7 +14,9 @@ import json
 from dataclasses import dataclass
 from typing import Any, Optional, get_args
 
-from lightning_seqpar.plan.inventory import ExpertShape, ModelInventory, ParameterEntry, Part, Split, SplitProjection
+from lightning_seqpar.plan.pricing.model_inventory import (
+    ExpertShape, ModelInventory, ParameterEntry, Part, Split, SplitProjection,
+)
 
 
 @dataclass(frozen=True)
@@ -73,7 +75,7 @@ class InventoryRecord:
         Raises:
             ImportError: LoRA settings without PEFT installed.
         """
-        from lightning_seqpar.plan.trained import TrainedParts, generic_name, lora_from_settings
+        from lightning_seqpar.plan.measuring.trained import TrainedParts, generic_name, lora_from_settings
 
         entries, sizes, experts, projections = self._parts()
         frozen = frozenset(generic_name(e.name) for e in entries if not e.trainable)

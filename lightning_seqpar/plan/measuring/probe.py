@@ -31,7 +31,8 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
-from lightning_seqpar.plan.probe_models import ProbeModels, probe_models
+from lightning_seqpar.plan.measuring.probe_models import ProbeModels, probe_models
+from lightning_seqpar.plan.pricing.kept import first_layer_apart
 
 TERMS = ("bsd", "bsf", "bss", "bs", "ss", "sd", "dd", "df", "d", "f")
 # (b, s, d, f, v) of the probes, s, f and v times t; the last checks the fits. The layer's and the outside's fits read
@@ -100,7 +101,7 @@ def measure_layer(config: Any, tp: int, sequence_parallel: bool, recompute: str,
     ``tp`` ranks (see the module docstring); ``whole``: what the whole forward keeps. ``modules``:
     recomputation by module beside ``recompute``; ``offload``: modules whose saved tensors go to a host pool (the
     device bytes are what is measured); ``training``: the run's LoRA and frozen parameters
-    (:class:`~lightning_seqpar.plan.trained.TrainedParts`), copied onto the small model before its rewrite."""
+    (:class:`~lightning_seqpar.plan.measuring.trained.TrainedParts`), copied onto the small model before its rewrite."""
     kept = measure(config, tp, sequence_parallel, recompute, precision, s, b, overrides, modules, offload, training)
     return kept.everything if whole else kept.layer
 
@@ -204,11 +205,12 @@ def fit_layer(config: Any, tp: int, sequence_parallel: bool = True, recompute: s
               measured: Optional[dict] = None) -> LayerFit:
     """The coefficients of :class:`LayerFit` for ``config``'s layer under the layout, from the probes (``modules``,
     ``offload``: recomputation by module and activation offload; ``training``: the run's LoRA and frozen parameters,
-    :class:`~lightning_seqpar.plan.trained.TrainedParts`; each applied to the probes as to the run). ``measured``:
-    the probes already measured, shared with :func:`fit_outside` (each probe is measured once per layout).
+    :class:`~lightning_seqpar.plan.measuring.trained.TrainedParts`; each applied to the probes as to the run).
+    ``measured``: the probes already measured, shared with :func:`fit_outside` (each probe is measured once per layout).
 
-    ``experts``: the model's :class:`~lightning_seqpar.plan.inventory.ExpertShape` (a mixture of experts). Its probes
-    keep the layer's widths in proportion: for a probe width ``f`` (the MLP width a token goes through,
+    ``experts``: the model's :class:`~lightning_seqpar.plan.pricing.model_inventory.ExpertShape` (a mixture of
+    experts). Its probes keep the layer's widths in proportion: for a probe width ``f`` (the MLP width a token goes
+    through,
     ``k·f_e + f_shared``) each expert is ``f·f_e / (k·f_e + f_shared)`` wide and the shared MLP the rest, the expert
     count and k the model's. The experts are whole on the probe's ranks (ep = 1): each rank computes its own
     ``s/t·b`` tokens' ``k`` rows, as a rank of any ep does on average (balanced routing); the planner removes the
@@ -229,14 +231,6 @@ def fit_layer(config: Any, tp: int, sequence_parallel: bool = True, recompute: s
     return LayerFit(*_least_squares(rows, kept), apart)
 
 
-def first_layer_apart(training: Any) -> bool:
-    """Whether the first layer is fitted and priced apart from the others: where parameters are frozen
-    (``training``, :class:`~lightning_seqpar.plan.trained.TrainedParts`), its input may need no gradient. Apart, it
-    holds its own input (what its checkpoint keeps of it, else nothing) and the outside's fit leaves that out; else it
-    is priced as a middle layer and the outside counts its input's ``[s, b, h]`` copy as the stage input."""
-    return training is not None
-
-
 def _probes(config: Any, tp: int, sequence_parallel: bool, recompute: str, precision: str, experts: Any,
             modules: tuple[str, ...], offload: tuple[str, ...], training: Any, split: bool,
             measured: Optional[dict]) -> list[tuple[tuple[int, int, int, int, int], Measured]]:
@@ -250,7 +244,7 @@ def _probes(config: Any, tp: int, sequence_parallel: bool, recompute: str, preci
     if precision not in _DTYPES:
         raise ValueError(f"precision={precision!r}: one of {sorted(_DTYPES)}.")
     from lightning_seqpar.hf.model_check import probe_head_dim
-    from lightning_seqpar.plan.probe_pool import KEY
+    from lightning_seqpar.plan.measuring.probe_pool import KEY
 
     heads = getattr(config, "num_attention_heads", None) or config.n_head
     split = split and split_changes_what_is_kept(precision, recompute)  # (else the unsplit probes serve both)

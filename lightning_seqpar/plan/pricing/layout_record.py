@@ -1,6 +1,6 @@
-"""One layout the planner considers, and what it predicts for it: the record :func:`~.planner.plan` returns and
+"""One layout the planner considers, and what it predicts for it: the record :func:`~..planner.plan` returns and
 ``python -m lightning_seqpar.plan --json`` prints. Its own module so the parts that price a layout
-(:mod:`.pricing`, :mod:`.rules`) read it without importing the planner back."""
+(:mod:`.kept`, :mod:`.rules`) read it without importing the planner back."""
 
 from __future__ import annotations
 
@@ -38,13 +38,13 @@ class LayoutRecord:
             attention's ring or all-to-all transfers).
         bubble: the pipeline bubble's fraction of the compute time.
         step_time: predicted seconds per step and its terms.
-        timing: ``measured rates`` when the step time read a calibration (:mod:`.calibration`), else ``rough
+        timing: ``measured rates`` when the step time read a calibration (:mod:`..measuring.calibration`), else ``rough
             estimate`` (nominal rates: an assumed fraction of peak FLOP/s and link bandwidths).
         why: for a layout :func:`plan` made by trading (``memory_choices=True``): why it recomputes by module or
             offloads (what the same layout needs without).
         host: with ``offload``: ``moved_per_step`` (bytes one rank copies to the host per step, and back) and ``held``
             (bytes waiting there at its peak): :mod:`.memory_choices`.
-        state_floor: with :func:`~.planner.plan`'s ``state_floor``, a layout whose model state alone (parameters,
+        state_floor: with :func:`~..planner.plan`'s ``state_floor``, a layout whose model state alone (parameters,
             gradients, main params, optimizer state and its step's temporary, on its most loaded rank) exceeds the
             GPU: those bytes, a floor of its peak; its activations were not priced (``bytes`` empty). 0 otherwise.
         other: what ``bytes["other"]`` is made of at the peak: ``forward`` (the last layer's core attention

@@ -9,7 +9,7 @@ goes to worker ``i mod workers``, so each worker keeps the small models of its o
 layout instead of building them again. Each worker runs torch on one thread: the probes' tensors are tiny, and the
 processes, not the threads, use the cores.
 
-The pool is the caller's to open and close (:func:`probe_pool`), around every :func:`~.planner.plan` call of one
+The pool is the caller's to open and close (:func:`probe_pool`), around every :func:`~..planner.plan` call of one
 question; the probes' cache (``fits``) carries it to the fits, under :data:`KEY`.
 """
 
@@ -31,7 +31,7 @@ def _start_worker() -> None:
     global _models
     import torch
 
-    from lightning_seqpar.plan.probe_models import ProbeModels
+    from lightning_seqpar.plan.measuring.probe_models import ProbeModels
 
     torch.set_num_threads(1)
     _models = ProbeModels()
@@ -93,7 +93,7 @@ def default_workers(most: int) -> int:
 
 @contextlib.contextmanager
 def probe_pool(fits: MutableMapping, workers: Optional[int], most: int) -> Iterator[Optional[ProbePool]]:
-    """Within the block, the fits of ``fits`` (the probes' cache handed to :func:`~.planner.plan`) measure their
+    """Within the block, the fits of ``fits`` (the probes' cache handed to :func:`~..planner.plan`) measure their
     missing probes on ``workers`` processes (``None``: :func:`default_workers` of ``most``); one worker: in this
     process. The workers stop when the block ends, and the pool leaves ``fits``."""
     count = default_workers(most) if workers is None else workers

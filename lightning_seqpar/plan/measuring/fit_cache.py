@@ -25,9 +25,9 @@ from typing import Any, Optional
 
 def _fit_types() -> dict[str, type]:
     """The fits a cache holds, by name: only these are read back (a file naming anything else is a miss)."""
-    from lightning_seqpar.plan.inventory_record import InventoryRecord
-    from lightning_seqpar.plan.probe import LayerFit, OutsideFit
-    from lightning_seqpar.plan.work import ContextWork, WorkFit
+    from lightning_seqpar.plan.measuring.inventory_record import InventoryRecord
+    from lightning_seqpar.plan.measuring.probe import LayerFit, OutsideFit
+    from lightning_seqpar.plan.measuring.work import ContextWork, WorkFit
 
     return {kind.__name__: kind for kind in (LayerFit, OutsideFit, WorkFit, ContextWork, InventoryRecord)}
 
@@ -45,7 +45,7 @@ def library_salt() -> str:
         except PackageNotFoundError:
             installed = "absent"
         digest.update(f"{name}={installed};".encode())
-    package = Path(__file__).resolve().parent.parent
+    package = Path(__file__).resolve().parents[2]  # this file is lightning_seqpar/plan/measuring/fit_cache.py
     for path in sorted(package.rglob("*.py")):
         digest.update(str(path.relative_to(package)).encode())
         digest.update(hashlib.sha256(path.read_bytes()).digest())
@@ -62,7 +62,7 @@ def default_cache_directory() -> Path:
 
 
 class FitCache(MutableMapping):
-    """The planner's ``fits`` (:func:`~.planner.plan`) read from and written to ``directory``.
+    """The planner's ``fits`` (:func:`~..planner.plan`) read from and written to ``directory``.
 
     Args:
         directory: where the fits live (made when the first is written).

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from lightning_seqpar.memory.conflicts import offload_conflict, recomputed_modules
-from lightning_seqpar.offload.apply import DENSE_OFFLOAD_MODULES, EXPERT_MODULES, OFFLOAD_MODULES
+from lightning_seqpar.memory.conflicts import (
+    DENSE_OFFLOAD_MODULES, EXPERT_MODULES, OFFLOAD_MODULES, offload_conflict, recomputed_modules,
+)
 
 
 TRADES = (
@@ -90,7 +91,7 @@ def host_traffic(moved_per_layer: float, layers_per_rank: int, num_microbatches:
 def largest_offloaded_share(inventory: Any, s: int, b: int, t: int, record: Any, element: int, dropout: bool) -> float:
     """The largest of the offloaded modules' bytes over their sum (analytic terms, :func:`~.activations.layer_bytes`):
     a backward brings the offload back module by module and frees each module's share once its nodes have run."""
-    from lightning_seqpar.plan.activations import offloaded_layer_bytes
+    from lightning_seqpar.plan.pricing.activations import offloaded_layer_bytes
 
     options = dict(sequence_parallel=True, recompute=record.recompute, element=element, dropout=dropout,
                    modules=record.modules)

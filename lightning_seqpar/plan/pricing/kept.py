@@ -1,7 +1,7 @@
 """What one micro-batch of a layout keeps for backward, in bytes: a layer's activations, the first layer's saving
 where parameters are frozen, and what the forward keeps outside the layers. Measured on small copies of the model and
-scaled (:mod:`.probe`, fitted once per model and layout into the caller's ``fits``) where the model can be probed;
-Table 2's model (:mod:`.activations`) where it cannot (``fits`` or the inventory's config ``None``).
+scaled (the :class:`~.measurements.Measurements` handed in) where the model can be probed; Table 2's model
+(:mod:`.activations`) where it cannot (``measured`` or the inventory's config ``None``).
 
 Shapes: ``s`` is the global sequence length; a context-parallel rank's layers see ``s/c`` tokens (``local``).
 """
@@ -11,12 +11,13 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from lightning_seqpar.pipeline_parallel.schedules import splits_backward
-from lightning_seqpar.plan.activations import layer_bytes, outside_layers_bytes
-from lightning_seqpar.plan.experts import expert_layer_elements, expert_tensor_parallel_bytes
-from lightning_seqpar.plan.inventory import ModelInventory
-from lightning_seqpar.plan.layout_record import LayoutRecord
-from lightning_seqpar.plan.state import PARAMETER_BYTES
-from lightning_seqpar.plan.transients import context_attention_kept
+from lightning_seqpar.plan.pricing.activations import layer_bytes, outside_layers_bytes
+from lightning_seqpar.plan.pricing.experts import expert_layer_elements, expert_tensor_parallel_bytes
+from lightning_seqpar.plan.pricing.model_inventory import ModelInventory
+from lightning_seqpar.plan.pricing.layout_record import LayoutRecord
+from lightning_seqpar.plan.pricing.measurements import Measurements
+from lightning_seqpar.plan.pricing.state import PARAMETER_BYTES
+from lightning_seqpar.plan.pricing.transients import context_attention_kept
 
 
 def never_negative(term: str, value: float, record: LayoutRecord) -> float:
@@ -42,7 +43,7 @@ def activation_element_bytes(precision: str) -> int:
 
 
 def layer_activation_bytes(record: LayoutRecord, inventory: ModelInventory, s: int, precision: str, dropout: bool,
-                 fits: Optional[dict[tuple, Any]]) -> float:
+                 measured: Optional[Measurements]) -> float:
     """One layer's activation bytes per micro-batch in flight (autocast's 16-bit weight copies included: the parallel
     layers cast inside their autograd functions, where autocast's cache does not apply, so every micro-batch's
     forward keeps its own); measured and scaled where the model can be probed."""
@@ -56,23 +57,33 @@ def layer_activation_bytes(record: LayoutRecord, inventory: ModelInventory, s: i
         recompute = "selective" if inventory.eager_attention else "none"
         if inventory.eager_attention:
             extra = context_attention_kept(inventory, s, record.micro_batch, record.tp, cp, element)
-    if fits is None or inventory.config is None:
+    if measured is None or inventory.config is None:
         extra += expert_tensor_parallel_bytes(inventory, record, local, element)
         return extra + layer_bytes(inventory, local, record.micro_batch, record.tp, True, recompute, element, dropout,
                                    modules=record.modules, offload=record.offload)
-    measured = extra + layer_fit(record, inventory, recompute, precision, fits).bytes(
+    kept = extra + layer_fit(record, inventory, recompute, precision, measured).bytes(
         local, record.micro_batch, inventory.head_dim, inventory.ffn_hidden_size, quadratic=cp == 1)
     if precision == "bf16-mixed" and recompute != "full":
         # The probe's rank holds every expert (ep 1), and autocast's 16-bit copy of each is kept for backward; a rank
         # of ep e casts its E/e experts only, each 1/etp of its width under expert tensor parallelism.
-        measured -= 2 * expert_layer_elements(inventory) * (1 - 1 / (record.ep * record.expert_tp))
-    return never_negative("a layer's activations", measured + expert_tensor_parallel_bytes(inventory, record, local,
+        kept -= 2 * expert_layer_elements(inventory) * (1 - 1 / (record.ep * record.expert_tp))
+    return never_negative("a layer's activations", kept + expert_tensor_parallel_bytes(inventory, record, local,
                                                                                              element), record)
+
+
+def first_layer_apart(training: Any) -> bool:
+    """Whether the first layer is fitted and priced apart from the others: where parameters are frozen
+    (``training``, :class:`~lightning_seqpar.plan.measuring.trained.TrainedParts`), its input may need no gradient.
+    Apart, it
+    holds its own input (what its checkpoint keeps of it, else nothing) and the outside's fit leaves that out; else it
+    is priced as a middle layer and the outside counts its input's ``[s, b, h]`` copy as the stage input."""
+    return training is not None
 
 
 def layers_split_backward(record: LayoutRecord) -> bool:
     """Whether ``record``'s layers run with their backward split into B and W (a pipeline under ZB-H1, ZB-V or
-    DualPipeV): their linears then keep other tensors (:func:`~lightning_seqpar.plan.probe.measure`'s ``split``)."""
+    DualPipeV): their linears then keep other tensors (:func:`~lightning_seqpar.plan.measuring.probe.measure`'s
+    ``split``)."""
     return record.pp > 1 and splits_backward(record.schedule)
 
 
@@ -88,42 +99,33 @@ def cached_copy_bytes(inventory: ModelInventory, record: LayoutRecord, precision
 
 
 def layer_fit(record: LayoutRecord, inventory: ModelInventory, recompute: str, precision: str,
-               fits: dict[tuple, Any]) -> Any:
-    """The probes' :class:`~lightning_seqpar.plan.probe.LayerFit` of a layer under ``record`` with ``recompute``,
-    fitted once per model and layout into ``fits``."""
-    split = layers_split_backward(record)
-    key = (inventory.probe_key, record.tp, recompute, precision) + ((record.modules, record.offload)
-                                                                    if record.modules or record.offload else ()) \
-        + (("split",) if split else ())
-    if key not in fits:
-        from lightning_seqpar.plan.probe import fit_layer
-
-        fits[key] = fit_layer(inventory.config, record.tp, True, recompute, precision, inventory.experts,
-                              modules=record.modules, offload=record.offload, training=inventory.training,
-                              split=split, measured=fits)
-    return fits[key]
+              measured: Measurements) -> Any:
+    """The measured fit of a layer under ``record`` with ``recompute`` (:meth:`Measurements.layer`)."""
+    return measured.layer(inventory, record.tp, recompute, precision, record.modules, record.offload,
+                          layers_split_backward(record))
 
 
 def first_layer_saving(record: LayoutRecord, inventory: ModelInventory, s: int, precision: str,
-                        fits: Optional[dict[tuple, Any]]) -> float:
+                        measured: Optional[Measurements]) -> float:
     """Bytes the model's first layer keeps less than the others per micro-batch, where parameters are frozen (LoRA:
     its input, the frozen embedding's output, needs no gradient: the fit's ``first``); below 0 where it keeps more
     (under full recomputation its checkpoint keeps the layers' ``[s, b, h]`` copy of its input); 0 without a probed
     fit.
     Context-parallel layers are priced as their cp 1 twin's (:func:`layer_activation_bytes`)."""
-    if fits is None or inventory.config is None or record.cp > 1:
+    if measured is None or inventory.config is None or record.cp > 1:
         return 0.0
-    fit = layer_fit(record, inventory, record.recompute, precision, fits)
+    fit = layer_fit(record, inventory, record.recompute, precision, measured)
     return fit.first_layer_saving(s, record.micro_batch, inventory.head_dim, inventory.ffn_hidden_size)
 
 
 def mlp_kept_bytes(record: LayoutRecord, inventory: ModelInventory, s: int, precision: str,
-                   fits: Optional[dict[tuple, Any]]) -> float:
-    """Of a layer's bytes per micro-batch, its MLP's (:meth:`~lightning_seqpar.plan.probe.LayerFit.mlp_bytes`): gone
+                   measured: Optional[Measurements]) -> float:
+    """Of a layer's bytes per micro-batch, its MLP's
+    (:meth:`~lightning_seqpar.plan.measuring.probe.LayerFit.mlp_bytes`): gone
     when the layer's attention runs its backward; 0 without a probed fit. ``s``: the tokens a rank's layer sees."""
-    if fits is None or inventory.config is None or record.cp > 1:
+    if measured is None or inventory.config is None or record.cp > 1:
         return 0.0
-    fit = layer_fit(record, inventory, record.recompute, precision, fits)
+    fit = layer_fit(record, inventory, record.recompute, precision, measured)
     return fit.mlp_bytes(s, record.micro_batch, inventory.head_dim, inventory.ffn_hidden_size)
 
 
@@ -139,11 +141,11 @@ def loss_chunk_positions(record: LayoutRecord, inventory: ModelInventory, local:
 
 
 def outside_bytes(record: LayoutRecord, inventory: ModelInventory, s: int, precision: str, element: int,
-                   fits: Optional[dict[tuple, Any]]) -> tuple[float, float]:
+                   measured: Optional[Measurements]) -> tuple[float, float]:
     """What a micro-batch's forward keeps outside the layers (embedding, prologue, final norm, head, loss), and of it
     the prologue every pipeline stage's forward makes again (attention mask, rotary tables, position ids): measured
     and scaled where the model can be probed (the analytic model has no prologue)."""
-    if fits is None or inventory.config is None:
+    if measured is None or inventory.config is None:
         return outside_layers_bytes(inventory, s // record.cp, record.micro_batch, record.tp, True, True, element), 0.0
     # A recomputed attention's checkpoint (selective: the attention's, full: the layer's) keeps the prologue's
     # [b, 1, s, s] mask, one per micro-batch in flight (transients.py SCORE_TEMPORARIES); context-parallel attention
@@ -153,46 +155,32 @@ def outside_bytes(record: LayoutRecord, inventory: ModelInventory, s: int, preci
     # prologue is probed with the recomputation that keeps it.
     kept_mask = record.cp == 1 and (record.recompute == "selective" or record.recompute == "full" and record.pp > 1)
     recompute = record.recompute if kept_mask else "none"
-    key = (inventory.probe_key, "outside", record.tp, precision, recompute)
-    if key not in fits:
-        from lightning_seqpar.plan.probe import fit_outside
-
-        fits[key] = fit_outside(inventory.config, record.tp, True, precision, inventory.training, recompute,
-                                inventory.experts, measured=fits)
+    fit = measured.outside(inventory, record.tp, precision, recompute)
     sizes = (s // record.cp, record.micro_batch, inventory.head_dim, inventory.vocab_size)
-    outside = never_negative("what the forward keeps outside the layers", fits[key].bytes(*sizes), record)
-    return outside, min(outside, never_negative("the prologue", fits[key].prologue_bytes(*sizes), record))
+    outside = never_negative("what the forward keeps outside the layers", fit.bytes(*sizes), record)
+    return outside, min(outside, never_negative("the prologue", fit.prologue_bytes(*sizes), record))
 
 
 def elementwise_work(record: LayoutRecord, inventory: ModelInventory, s: int, precision: str,
-                     fits: Optional[dict[tuple, Any]]) -> Optional[tuple[float, float]]:
-    """``(operators, bytes)`` of the element-wise work (:mod:`.work`) one rank of ``record`` runs per step: its
+                     measured: Optional[Measurements]) -> Optional[tuple[float, float]]:
+    """``(operators, bytes)`` of the element-wise work (:mod:`..measuring.work`) one rank of ``record`` runs per step:
+    its
     ``L/p`` layers' and a ``1/p`` share of what runs outside the layers, for each of its ``m`` micro-batches of ``s/c``
     tokens (a context-parallel layer counted as its cp 1 twin's over those tokens but for an explicit attention's
-    ``s²`` terms, plus its blockwise attention's work, :func:`~.work.fit_context_work`; a rank of ep holding all the
-    experts' operators); ``None`` where the model cannot be probed (``fits`` or the inventory's config ``None``),
-    fitted once per model and layout into ``fits``."""
-    if fits is None or inventory.config is None:
+    ``s²`` terms, plus its blockwise attention's work, :func:`~..measuring.work.fit_context_work`; a rank of ep holding
+    all the experts' operators); ``None`` where the model cannot be probed (``measured`` or the inventory's config
+    ``None``)."""
+    if measured is None or inventory.config is None:
         return None
     split = layers_split_backward(record)
-    key = (inventory.probe_key, "work", record.tp, record.recompute, precision, record.modules, record.offload, split)
-    if key not in fits:
-        from lightning_seqpar.plan.work import fit_work
-
-        fits[key] = fit_work(inventory.config, record.tp, True, record.recompute, precision, inventory.experts,
-                             modules=record.modules, offload=record.offload, training=inventory.training, split=split)
-    fit, local, b = fits[key], s // record.cp, record.micro_batch
+    fit = measured.work(inventory, record.tp, record.recompute, precision, record.modules, record.offload, split)
+    local, b = s // record.cp, record.micro_batch
     layer_ops, layer_bytes = fit.layer(local, b, inventory.head_dim, inventory.ffn_hidden_size, quadratic=record.cp == 1)
     if record.cp > 1:  # the blockwise attention's merges and accumulators (and, op by op, its blocks' softmax)
         fused, tp = not inventory.eager_attention, record.tp
         heads, kv_heads = inventory.num_heads // tp, max(1, inventory.num_kv_heads // tp)
-        context = ("context work", record.cp, record.cp_comm, heads, kv_heads, inventory.head_dim, precision, fused)
-        if context not in fits:
-            from lightning_seqpar.plan.work import fit_context_work
-
-            fits[context] = fit_context_work(record.cp, record.cp_comm, heads, kv_heads, inventory.head_dim,
-                                             precision, fused)
-        ops, moved = fits[context].layer(local, b, full=record.recompute == "full")
+        ops, moved = measured.context_work(record.cp, record.cp_comm, heads, kv_heads, inventory.head_dim, precision,
+                                           fused).layer(local, b, full=record.recompute == "full")
         layer_ops, layer_bytes = layer_ops + ops, layer_bytes + moved
     rest_ops, rest_bytes = fit.rest(local, b, inventory.head_dim, inventory.vocab_size)
     layers = inventory.num_layers / record.pp

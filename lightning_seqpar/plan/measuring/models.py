@@ -12,7 +12,8 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 from lightning_seqpar.checkpoint.peft_adapter import LORA_TARGETS, check_lora_targets
-from lightning_seqpar.plan.inventory import ModelInventory, inventory_of_model
+from lightning_seqpar.plan.pricing.model_inventory import ModelInventory
+from lightning_seqpar.plan.measuring.inventory import inventory_of_model
 
 GPT_SIZES = {  # Korthikanti et al. 2022, Table 3: the GPT models of the paper (vocabulary 51 200, learned positions)
     "gpt-22b": dict(n_embd=6144, n_head=64, n_layer=48),
@@ -154,7 +155,7 @@ def model_inventory(model: Union[str, Path, dict], seq_len: int = 2048, attentio
         name = f"{name}, {freeze(built, frozen):,} parameters frozen"
     inventory = inventory_of_hf_model(built, name=name, consume=True)
     if cache is not None:
-        from lightning_seqpar.plan.inventory_record import InventoryRecord
+        from lightning_seqpar.plan.measuring.inventory_record import InventoryRecord
 
         cache[key] = InventoryRecord.of(inventory)
     return inventory
@@ -224,8 +225,8 @@ def meta_model(options: dict, attention: str = "eager") -> Any:
 
 
 def inventory_of_hf_model(model: Any, name: Optional[str] = None, consume: bool = False) -> ModelInventory:
-    """:func:`~lightning_seqpar.plan.inventory.inventory_of_model` of a Hugging Face causal LM, its layers declared
-    by the built-in layouts (as the rewrite declares them). ``consume``: ``model`` is not used again (it may be
+    """:func:`~lightning_seqpar.plan.measuring.inventory.inventory_of_model` of a Hugging Face causal LM, its layers
+    declared by the built-in layouts (as the rewrite declares them). ``consume``: ``model`` is not used again (it may be
     rewritten in place).
 
     Raises:
@@ -243,7 +244,7 @@ def inventory_of_hf_model(model: Any, name: Optional[str] = None, consume: bool 
         from lightning_seqpar.policies import explain
 
         explain(model, tp=1, verify=False)  # raises, naming each block class and why it is not known
-    from lightning_seqpar.plan.trained import trained_parts_of
+    from lightning_seqpar.plan.measuring.trained import trained_parts_of
     from lightning_seqpar.policies import pipeline_placement
 
     config, training = getattr(model, "config", None), trained_parts_of(model)

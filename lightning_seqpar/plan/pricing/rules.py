@@ -8,9 +8,9 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from lightning_seqpar.pipeline_parallel.schedules import V_SHAPED, least_microbatches, splits_backward
-from lightning_seqpar.plan.cost import Hardware
-from lightning_seqpar.plan.inventory import ModelInventory
-from lightning_seqpar.plan.memory_choices import memory_choice_rule
+from lightning_seqpar.plan.pricing.cost import Hardware
+from lightning_seqpar.plan.pricing.model_inventory import ModelInventory
+from lightning_seqpar.plan.pricing.memory_choices import memory_choice_rule
 
 
 def divisors(n: int) -> list[int]:

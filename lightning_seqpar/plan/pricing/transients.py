@@ -47,8 +47,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from lightning_seqpar.plan.inventory import ModelInventory
-from lightning_seqpar.tensor_parallel.sharding import padded_size
+from lightning_seqpar.plan.pricing.model_inventory import ModelInventory
+from lightning_seqpar.parallel.split_sizes import padded_size
 
 
 def largest_layer_weight(inventory: ModelInventory, t: int, ep: int = 1, expert_tp: int = 1) -> int:
@@ -136,12 +136,12 @@ the backward recomputes them where recomputed and adds the probabilities' gradie
 scores' gradient. Measured with a live-tensor tracker over whole training steps with CUDA autocast's float32
 softmax in force, where the ``s²`` terms dominate (s 1024; ``tests/plan/test_step_calibration.py``), rounded up.
 Under selective recomputation the attention's checkpoint saves the prologue's ``[b, 1, s, s]`` mask, one per
-micro-batch in flight: priced with the prologue (:func:`~.probe.fit_outside` under selective recomputation), not
-here (its share, a byte per score element at 4 heads per rank, was in these figures while a pipeline stage's second
+micro-batch in flight: priced with the prologue (:func:`~..measuring.probe.fit_outside` under selective recomputation),
+not here (its share, a byte per score element at 4 heads per rank, was in these figures while a pipeline stage's second
 micro-batch's mask went unpriced: -6.6 % at pp 2, s 1024). The full recomputation's figures keep that share: a
 whole layer's checkpoint keeps the mask too, but moving it to the prologue put a mixture with LoRA's step (s 32,
 pp 1) over the bound (+5.7 %); on a pipeline, where several micro-batches keep theirs, the prologue is probed under
-full recomputation as well (:func:`~.pricing.outside_bytes`)."""
+full recomputation as well (:func:`~.kept.outside_bytes`)."""
 
 
 def _score_elements(inventory: ModelInventory, s: int, b: int, t: int) -> float:

@@ -1,6 +1,6 @@
 """Activation bytes per layer and micro-batch from Table 2 of Korthikanti et al. 2022 for the model's own sizes, and
 what lives outside the layers (the planner's ``--analytic`` figures; the micro-batches in flight come from the rank's
-own schedule, :mod:`.planner`).
+own schedule, :mod:`..planner`).
 
 Per layer and micro-batch (bytes; e bytes per activation element, ``split = t`` under sequence parallelism else 1):
 
@@ -17,13 +17,13 @@ on the last rank the final norm's float32 copy and output of the gathered ``[b, 
 vocabulary-parallel loss's float32 logits and their softmax ``8·sbv / t``.
 
 The per-layer figure here is the analytic one (``--analytic``); by default the planner measures the model's own layer
-(:mod:`.probe`).
+(:mod:`..measuring.probe`).
 """
 
 from __future__ import annotations
 
-from lightning_seqpar.plan.inventory import ModelInventory
-from lightning_seqpar.tensor_parallel.sharding import padded_size
+from lightning_seqpar.plan.pricing.model_inventory import ModelInventory
+from lightning_seqpar.parallel.split_sizes import padded_size
 
 
 def layer_bytes(inventory: ModelInventory, s: int, b: int, t: int, sequence_parallel: bool = True,

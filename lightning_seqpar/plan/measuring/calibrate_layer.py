@@ -84,7 +84,8 @@ def layer_step(size: tuple[int, int, int, int, int], device: torch.device, dtype
                fused: Optional[bool] = None) -> tuple[Callable[[], None], float, float]:
     """``(step, GEMM FLOPs, core-attention FLOPs)`` of one forward and backward of a :class:`ReferenceLayer` of
     ``size = (b, s, h, heads, f)`` on ``device`` (``fused`` attention; default: on CUDA): GEMMs
-    ``6·b·s·(4h² + 3hf)``, attention ``12·b·s²·h`` (as the planner counts them: :func:`~.cost.attention_flops`)."""
+    ``6·b·s·(4h² + 3hf)``, attention ``12·b·s²·h`` (as the planner counts them:
+    :func:`~..pricing.cost.attention_flops`)."""
     b, s, h, heads, f = size
     generator = torch.Generator().manual_seed(0)
     layer = ReferenceLayer(h, heads, f, fused=device.type == "cuda" if fused is None else fused).to(device, dtype)

@@ -27,9 +27,7 @@ Source: Korthikanti et al. 2022 (Eq. 7, 8, §4.2.2 volumes), Narayanan et al. 20
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
-
-from lightning_seqpar.plan.calibration import StepCalibration
+from typing import Any, Optional, Protocol
 
 GPUS = {  # peak dense bf16 FLOP/s, memory (bytes), NVLink per GPU and network per GPU (bytes/s, one direction)
     "h100": (989e12, 80e9, 450e9, 50e9),
@@ -37,6 +35,30 @@ GPUS = {  # peak dense bf16 FLOP/s, memory (bytes), NVLink per GPU and network p
     "a100": (312e12, 80e9, 300e9, 25e9),
     "b200": (2250e12, 192e9, 900e9, 50e9),
 }
+
+
+class MeasuredRates(Protocol):
+    """Rates measured on one machine, as the step time reads them (the calibration's
+    :class:`~lightning_seqpar.plan.measuring.calibration.StepCalibration`, read from its file).
+
+    Attributes:
+        optimizer: parameter elements per second one rank's optimizer step updates.
+    """
+
+    optimizer: float
+
+    def gemm_rate(self, m: float, k: float, n: float) -> float:
+        """FLOP/s of an ``[m, k] × [k, n]`` GEMM."""
+
+    def attention_rate(self, flops: float) -> float:
+        """FLOP/s of a core attention call of ``flops``, forward and backward."""
+
+    def link(self, kind: str, n: int) -> Any:
+        """The collective ``kind`` over ``n`` ranks: its ``seconds(sent bytes, count)``."""
+
+    def elementwise_seconds(self, operators: float, moved: float, device_busy: float = 0.0) -> float:
+        """Seconds of ``operators`` element-wise operators moving ``moved`` bytes, beside ``device_busy`` seconds of
+        GEMMs."""
 
 
 @dataclass(frozen=True)
@@ -52,8 +74,8 @@ class Hardware:
         host_bandwidth: bytes/s per GPU, one direction, between the GPU and pinned host memory (activation offload;
             25e9: PCIe 4.0 x16 as measured, about half a PCIe 5.0 link's).
         host_memory: bytes of host memory per GPU an offload may fill (250e9: a DGX H100's 2 TB over 8 GPUs).
-        calibration: rates measured on the machine (:mod:`.calibration`) that replace ``efficiency``, ``peak_flops`` and
-            the intra-node bandwidth in :func:`step_times`; ``None``: the step time is a rough estimate.
+        calibration: rates measured on the machine (:class:`MeasuredRates`) that replace ``efficiency``, ``peak_flops``
+            and the intra-node bandwidth in :func:`step_times`; ``None``: the step time is a rough estimate.
     """
 
     peak_flops: float = 989e12
@@ -64,7 +86,7 @@ class Hardware:
     efficiency: float = 0.5
     host_bandwidth: float = 25e9
     host_memory: float = 250e9
-    calibration: Optional[StepCalibration] = None
+    calibration: Optional[MeasuredRates] = None
 
     @classmethod
     def named(cls, name: str, **overrides: float) -> "Hardware":
@@ -102,7 +124,7 @@ def attention_flops(shape, batch: int, recompute: str) -> float:
 @dataclass(frozen=True)
 class Traffic:
     """One kind of a step's communication on one rank: ``sent`` bytes in ``count`` collectives among ``group`` ranks,
-    across nodes or not, shared equally between the ``collectives`` named (:data:`~.calibration.COLLECTIVES`; the
+    across nodes or not, shared equally between the ``collectives`` named (the calibration's kinds; the
     tensor-parallel g/ḡ: as many all-gathers as reduce-scatters)."""
 
     sent: float
@@ -118,14 +140,14 @@ def step_times(hardware: Hardware, flops: float, attention_flops: float, gemm: t
     """Seconds per step of one rank, by term (``compute``, one per ``traffic`` kind, ``bubble``), nothing overlapped.
 
     Without a calibration (``hardware.calibration`` None) the rates are nominal, a rough estimate: compute at
-    ``efficiency × peak_flops``, each transfer at the intra- or inter-node bandwidth. With one (:mod:`.calibration`):
+    ``efficiency × peak_flops``, each transfer at the intra- or inter-node bandwidth. With one (:class:`MeasuredRates`):
     the GEMMs (``flops − attention_flops``) at the measured rate of their class (``gemm``: the layer's ``[m, k] × [k,
     n]`` on this rank), core attention at the measured rate of calls of ``attention_call`` FLOPs, each kind of
     traffic as ``count × latency + sent / bandwidth`` of its collective at its group size; traffic across nodes,
     which one machine cannot measure, keeps the nominal inter-node bandwidth; and ``optimizer``: the optimizer step over
     ``optimizer_elements`` (the parameter elements this rank updates) at the measured rate, and ``elementwise``: the
-    ``(operators, bytes)`` of the rank's other operators (:mod:`.work`) at the measured dispatch time and memory
-    bandwidth, the dispatch hidden behind the device's work where the device queues kernels (the nominal model has
+    ``(operators, bytes)`` of the rank's other operators (:mod:`..measuring.work`) at the measured dispatch time and
+    memory bandwidth, the dispatch hidden behind the device's work where the device queues kernels (the nominal model has
     neither term). The bubble idles for the compute and the element-wise work.
 
     Args:
