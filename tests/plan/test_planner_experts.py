@@ -11,6 +11,7 @@ from lightning_seqpar.plan import Hardware, LayoutRecord, model_inventory, plan,
 from lightning_seqpar.plan.measuring.calibration import Link
 from lightning_seqpar.plan.pricing.model_inventory import ExpertShape
 from lightning_seqpar.plan.pricing.experts import expert_layer_elements
+from lightning_seqpar.plan.measuring.fits import ProbedMeasurements
 from lightning_seqpar.plan.pricing.kept import layer_activation_bytes
 from lightning_seqpar.plan.pricing.rules import layout_rule as _rule
 from lightning_seqpar.plan.measuring.probe import TERMS, fit_layer
@@ -155,8 +156,9 @@ def test_a_mixture_s_layer_is_measured_and_a_rank_of_ep_keeps_its_own_experts_au
                 num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
     inventory = model_inventory(tiny)
     fits: dict = {}
-    one = layer_activation_bytes(_record(tp=2, dp=2), inventory, 256, "bf16-mixed", False, fits)
-    four = layer_activation_bytes(_record(tp=2, dp=2, ep=4), inventory, 256, "bf16-mixed", False, fits)
+    probed = ProbedMeasurements(fits)
+    one = layer_activation_bytes(_record(tp=2, dp=2), inventory, 256, "bf16-mixed", False, probed)
+    four = layer_activation_bytes(_record(tp=2, dp=2, ep=4), inventory, 256, "bf16-mixed", False, probed)
     fit = fits[(inventory.probe_key, 2, "selective", "bf16-mixed")]
     assert fit.check_error < 0.01  # the fit predicts a probe it was not fitted on
     # The probe's d·f term is the 16-bit copies of all E experts autocast keeps for backward (E·3·h·f_e elements,

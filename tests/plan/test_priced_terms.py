@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from lightning_seqpar.plan.pricing.layout_record import LayoutRecord
+from lightning_seqpar.plan.measuring.fits import ProbedMeasurements
 from lightning_seqpar.plan.pricing.kept import (activation_element_bytes, first_layer_saving, layer_activation_bytes,
-                                           outside_bytes)
+                                                outside_bytes)
 from lightning_seqpar.plan.measuring.probe import measure
 from recipes.benchmarking.plan_check import _built
 
@@ -31,7 +32,8 @@ def shared():
     for lora in (0, 4):
         with torch.device("meta"):
             inventories[lora] = inventory_of_hf_model(_built(dict(MODEL, lora_r=lora)))
-    return inventories, {}, {}  # the inventories, the probes' fits, the full-size measurements
+    # the inventories, the probes' fits, the full-size measurements
+    return inventories, ProbedMeasurements({}), {}
 
 
 GRID = [(precision, recompute, 4, tp) for precision in ("bf16-mixed", "bf16-true", "32-true")
