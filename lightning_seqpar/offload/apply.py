@@ -76,8 +76,8 @@ def apply_offload(model: nn.Module, modules: Any, pool: HostPool) -> int:
                              f"{type(layer).__name__}: leave ActivationOffload out for this model.")
         if "mlp" in names and "mlp" not in layer.mlp_slot.offload_modules:
             raise ValueError(f"modules=['mlp'] offloads a dense MLP; {label} has {type(layer.mlp_slot).__name__}: "
-                             f"offload its input instead (modules=['mlp_norm']) or the experts' (modules=['expert_fc1', "
-                             f"'moe_act']), or leave 'mlp' out.")
+                             f"offload its input instead (modules=['mlp_norm']) or the experts' "
+                             f"(modules=['expert_fc1', 'moe_act']), or leave 'mlp' out.")
     named = [n for n in names if n in EXPERT_MODULES]
     if named and not any(set(named) & set(layer.mlp_slot.offload_modules) for layer in layers):
         raise ValueError(f"modules={named} offloads the experts of a mixture; "

@@ -147,8 +147,8 @@ def step_times(hardware: Hardware, flops: float, attention_flops: float, gemm: t
     which one machine cannot measure, keeps the nominal inter-node bandwidth; and ``optimizer``: the optimizer step over
     ``optimizer_elements`` (the parameter elements this rank updates) at the measured rate, and ``elementwise``: the
     ``(operators, bytes)`` of the rank's other operators (:mod:`..measuring.work`) at the measured dispatch time and
-    memory bandwidth, the dispatch hidden behind the device's work where the device queues kernels (the nominal model has
-    neither term). The bubble idles for the compute and the element-wise work.
+    memory bandwidth, the dispatch hidden behind the device's work where the device queues kernels (the nominal model
+    has neither term). The bubble idles for the compute and the element-wise work.
 
     Args:
         flops, attention_flops: FLOPs this rank executes per step, and the core attention's share of them.
