@@ -13,7 +13,7 @@ import torch.nn as nn
 
 from lightning_seqpar.hf.layouts import hf_policies
 from lightning_seqpar.hf.vocabulary import HFVocabularyPolicy
-from lightning_seqpar.moe.capacity import DispatchConfig
+from lightning_seqpar.moe.dispatch_config import DispatchConfig
 from lightning_seqpar.rewriting import rewriter
 from lightning_seqpar.rewriting.encoder_policy import TransformerEncoderLayerPolicy, TransformerEncoderPolicy
 from lightning_seqpar.rewriting.policy import Policy

@@ -139,7 +139,7 @@ def memory_row(size: dict, index: int) -> Row:
     """One rank of a ``tp · cp``-rank world on the fake backend, two steps; its peak against the planner's."""
     import torch.distributed as dist
 
-    from lightning_seqpar import SelectiveRecompute, SeqParallelStrategy
+    from lightning_seqpar import LaunchConfig, SelectiveRecompute, SeqParallelStrategy
     from lightning_seqpar._compat import fake_process_group_store
     from lightning_seqpar.lightning.callbacks.layout_report import LayoutReport
     from lightning_seqpar.models.hf_module import HFCausalLMModule
@@ -150,7 +150,7 @@ def memory_row(size: dict, index: int) -> Row:
                       NODE_RANK="0")
     dist.init_process_group("fake", store=fake_process_group_store(), rank=0, world_size=world)
     report, phases = LayoutReport(seq_len=s, batch_size=1), _phase_peaks()
-    trainer = _trainer(size, 2, SeqParallelStrategy(tp=tp, cp=cp, process_group_backend="fake"),
+    trainer = _trainer(size, 2, SeqParallelStrategy(tp=tp, cp=cp, launch=LaunchConfig(backend="fake")),
                        [SelectiveRecompute(), report, phases], num_nodes=world)
     trainer.fit(HFCausalLMModule(config=dict(config)), _tokens(config["vocab_size"], s, 1, 2))
     case = f"Llama h={config['hidden_size']} L={config['num_hidden_layers']} tp {tp} cp {cp}, s {s}, rank 0 of {world}"
@@ -252,7 +252,7 @@ def speed_rows(size: dict, library: str) -> list[Row]:
     planner's step time against its own (:func:`step_time_row`)."""
     import torch
 
-    from lightning_seqpar import SelectiveRecompute, SeqParallelStrategy
+    from lightning_seqpar import RewriteConfig, SelectiveRecompute, SeqParallelStrategy
     from lightning_seqpar.lightning.callbacks.flops_utilization import peak_flops_of
     from lightning_seqpar.memory.activations import TransformerShape
     from lightning_seqpar.memory.flops import model_flops_per_iteration
@@ -263,7 +263,8 @@ def speed_rows(size: dict, library: str) -> list[Row]:
     if library == "plain":
         strategy, callbacks = "auto", [timer.callback()]
     else:
-        strategy = SeqParallelStrategy(tp=1, compile=size["compile"] if library == "ours compiled" else False)
+        compiled = size["compile"] if library == "ours compiled" else False
+        strategy = SeqParallelStrategy(tp=1, rewriting=RewriteConfig(compile=compiled))
         callbacks = [timer.callback(), SelectiveRecompute()]
     _trainer(size, steps, strategy, callbacks).fit(module, _tokens(config["vocab_size"], s, batch, steps))
     step = sorted(timer.times)[len(timer.times) // 2]
@@ -290,7 +291,8 @@ def _planned_step(size: dict, calibration: Any, config: dict, s: int, batch: int
         model = build_causal_lm(causal_lm_config(dict(config), attn_implementation="sdpa"))
     records = plan(inventory_of_hf_model(model), 1, s, batch, hardware=Hardware(memory=1e15, calibration=calibration),
                    precision=size["precision"], micro_batches=(batch,), context_parallel=(1,))
-    record = next(r for r in records if r.feasible and r.recompute == recompute and not r.modules and not r.offload)
+    record = next(r for r in records if r.feasible and r.layout.recompute == recompute
+                  and not r.layout.recompute_modules and not r.layout.offload)
     terms = ", ".join(f"{k} {v:.3f}" for k, v in record.step_time.items() if k != "total" and v > 0)
     return record.step_time["total"], terms
 

@@ -108,7 +108,7 @@ def check_extras(cfg: DictConfig) -> None:
     tokenizer = cfg.data.get("tokenizer")
     if tokenizer is not None and tokenizer != BYTES:
         require_extra("hf", f"data.tokenizer={tokenizer} (a Hugging Face tokenizer)")
-    if cfg.strategy.get("layout") is not None or cfg.strategy.get("tp") == "auto":
+    if "seq_len" in (cfg.strategy.get("layout") or {}) or cfg.strategy.get("tp") == "auto":
         require_extra("hf", "strategy=auto (the planner)")
 
 

@@ -92,8 +92,8 @@ def check_finite(state: Any, where: str) -> None:
             raise ValueError(
                 f"The checkpoint's {where} '{key}' holds {bad} non-finite value(s) (NaN/inf) of {tensor.numel()}. The "
                 f"file is corrupt or the run had diverged when it was saved; resuming would spread them to every "
-                f"weight. Resume from an earlier checkpoint, or pass SeqParallelStrategy(allow_non_finite_checkpoint=True) "
-                f"to load it anyway."
+                f"weight. Resume from an earlier checkpoint, or pass SeqParallelStrategy("
+                f"checkpointing=CheckpointConfig(allow_non_finite=True)) to load it anyway."
             )
 
 

@@ -119,7 +119,7 @@ def verified(path: Path, allow_unverified: bool = False,
             f"The checkpoint {path} has no {MANIFEST_FILE}, but its {TRAINER_STATE_FILE} names save {save_id}: it was "
             f"written with a manifest, which is gone, so none of its files can be checked. Restore {MANIFEST_FILE}, "
             f"resume from another checkpoint, or load it unchecked with SeqParallelStrategy("
-            f"allow_unverified_checkpoint=True) (the checkpoint commands: --allow-unverified).")
+            f"checkpointing=CheckpointConfig(allow_unverified=True)) (the checkpoint commands: --allow-unverified).")
     if not dist.is_initialized() or dist.get_rank() == 0:
         why = "its manifest is gone; loaded unchecked as asked" if save_id else "written before they existed"
         warnings.warn(f"The checkpoint {path} has no manifest ({why}): it is loaded without checking that its files "

@@ -6,7 +6,8 @@ from lightning_seqpar.context_parallel.batch import RankBatch, context_parallel_
 from lightning_seqpar.context_parallel.layout import (
     LAYOUT_ARGUMENT, ContextParallelBatch, check_context_length, documents_from_positions, local_indices,
 )
-from lightning_seqpar.context_parallel.runtime import COMMS, ContextParallel
+from lightning_seqpar.context_parallel.comms import COMMS
+from lightning_seqpar.context_parallel.runtime import ContextParallel
 
 __all__ = ["COMMS", "LAYOUT_ARGUMENT", "ContextParallel", "ContextParallelBatch", "RankBatch", "check_all_to_all_heads",
            "check_context_length", "context_parallel_attention", "context_parallel_batch", "documents_from_positions",

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 from typing import Optional
 
+from lightning_seqpar.context_parallel.comms import check_comm
 from lightning_seqpar.context_parallel.layout import LAYOUT_ARGUMENT, ContextParallelBatch
 from lightning_seqpar.parallel.collectives import ParallelGroup
-
-COMMS = ("ring", "all_to_all")
 
 
 class ContextParallel:
@@ -33,18 +32,7 @@ class ContextParallel:
     """
 
     def __init__(self, group: ParallelGroup, comm: str = "ring") -> None:
-        self.group, self.comm = group, self.check_comm(comm)
-
-    @staticmethod
-    def check_comm(comm: str) -> str:
-        """``comm`` if it names a context-parallel attention.
-
-        Raises:
-            ValueError: an unknown ``comm``.
-        """
-        if comm not in COMMS:
-            raise ValueError(f"cp_comm={comm!r}: context-parallel attention is 'ring' or 'all_to_all'.")
-        return comm
+        self.group, self.comm = group, check_comm(comm)
 
     @property
     def c(self) -> int:

@@ -20,7 +20,7 @@ The loader's batch is per data-parallel rank (Lightning's convention; context-pa
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 import torch
@@ -59,6 +59,8 @@ class AutoLayout:
         loss_chunks: the ``loss_chunk`` values to search (positions of a Hugging Face model's logits computed at a
             time; ``None`` in it: all of them); the strategy takes the chosen one. ``None``: the strategy's own
             ``loss_chunk`` only. The reference GPT's loss computes its logits whole whatever it says.
+        zero: the ZeRO stage the chosen layout runs with (``1``: the optimizer state sharded over the data-parallel
+            ranks, priced so).
         cache: where the planner's probe fits are kept between runs (``True``: the planner's own directory,
             :func:`~lightning_seqpar.plan.measuring.fit_cache.default_cache_directory`, shared with ``python -m
             lightning_seqpar.plan``; a path; ``False``: this run's memory only). A run launched again, on another
@@ -66,8 +68,8 @@ class AutoLayout:
 
     Raises:
         ValueError: a size below 1, a ``memory_budget`` that is not a size (or text without a unit below 1 MiB),
-            a headroom outside (0, 1], a context-parallel size below 1, an unknown ``cp_comm`` or schedule, or a
-            calibration file that is missing or damaged.
+            a headroom outside (0, 1], a context-parallel size below 1, an unknown ``cp_comm``, schedule or ZeRO
+            stage, or a calibration file that is missing or damaged.
     """
 
     seq_len: int
@@ -82,6 +84,7 @@ class AutoLayout:
     memory_choices: bool = False
     loss_chunks: Optional[tuple[Optional[int], ...]] = None
     cache: Union[bool, str] = True
+    zero: int = 0
 
     def __post_init__(self) -> None:
         if self.memory_budget is not None:  # "80GB", "24GiB", 24e9 (unitless text below 1 MiB is refused)
@@ -106,6 +109,9 @@ class AutoLayout:
         if not isinstance(self.cache, (bool, str)) or self.cache == "":
             raise ValueError(f"AutoLayout.cache={self.cache!r}: True (the planner's cache directory), a directory, or "
                              f"False (none).")
+        if self.zero not in (0, 1):
+            raise ValueError(f"AutoLayout.zero={self.zero!r}: 0 or 1 (the optimizer state sharded over data-parallel "
+                             f"ranks).")
         if self.calibration is not None:  # refused here, in the user's script, before any rank starts
             self.rates()
 
@@ -128,7 +134,7 @@ class AutoLayout:
 
 
 def auto_layout_of(layout: Union[None, str, AutoLayout, dict], tp: Any, pp: int, cp: int = 1) -> Optional[AutoLayout]:
-    """The strategy's ``layout`` argument as an :class:`AutoLayout` (``None``: the ``tp``/``pp`` given, checked).
+    """The strategy's ``layout`` argument as an :class:`AutoLayout` (``None``: no planner asked).
 
     Raises:
         ValueError: ``layout="auto"`` or ``tp="auto"`` without the run's shapes (the fix:
@@ -138,7 +144,7 @@ def auto_layout_of(layout: Union[None, str, AutoLayout, dict], tp: Any, pp: int,
     if layout is None and tp == "auto":
         layout = "auto"  # the same request, spelled on tp
         tp = 1
-    if layout is None:  # the sizes are ParallelConfig's to check
+    if layout is None:
         return None
     if layout == "auto":
         raise ValueError("layout='auto' (or tp='auto') plans for the run's shapes, which Lightning sets up only after the "
@@ -158,15 +164,15 @@ def auto_layout_of(layout: Union[None, str, AutoLayout, dict], tp: Any, pp: int,
     return layout
 
 
-def check_world(auto: Optional[AutoLayout], parallel: Any, world: int) -> None:
-    """A world of ``world`` processes splits into ``parallel`` (nothing to check under ``layout=AutoLayout``, which
+def check_world(auto: Optional[AutoLayout], layout: Any, world: int) -> None:
+    """A world of ``world`` processes splits into ``layout`` (nothing to check under ``layout=AutoLayout``, which
     chooses the layout for the world).
 
     Raises:
-        ValueError: from :meth:`~lightning_seqpar.lightning.config.ParallelConfig.dims`.
+        ValueError: from :meth:`~lightning_seqpar.layout.Layout.dims`.
     """
     if auto is None:
-        parallel.dims(world)
+        layout.dims(world)
 
 
 def hf_model_in(module: torch.nn.Module) -> Optional[torch.nn.Module]:
@@ -192,15 +198,15 @@ def declared_plan_config(module: torch.nn.Module) -> Optional[dict]:
     return None
 
 
-def planned_loss_chunk(module: torch.nn.Module, parallel: Any) -> Optional[int]:
-    """The ``loss_chunk`` the planner prices ``module``'s run with: the strategy's (``parallel.loss_chunk``, a Hugging
+def planned_loss_chunk(module: torch.nn.Module, layout: Any) -> Optional[int]:
+    """The ``loss_chunk`` the planner prices ``module``'s run with: the layout's (``layout.loss_chunk``, a Hugging
     Face model's head and loss rewritten to compute the logits that many positions at a time), ``None`` for a model
     priced by declaration (the reference GPT), whose own loss computes its logits whole.
 
     Raises:
         ValueError: as :func:`declared_plan_config`.
     """
-    return None if declared_plan_config(module) is not None else parallel.loss_chunk
+    return None if declared_plan_config(module) is not None else layout.loss_chunk
 
 
 def planned_model(module: torch.nn.Module) -> Optional[torch.nn.Module]:
@@ -240,46 +246,22 @@ class LayoutChoice:
     """What ``layout=AutoLayout(...)`` chose, made once (rank 0, or the launching process) and sent to every rank.
 
     Attributes:
-        record: the planner's :class:`~lightning_seqpar.plan.LayoutRecord`.
-        parallel: the strategy's :class:`~lightning_seqpar.lightning.config.ParallelConfig` with its ``tp`` and pipeline.
-        recompute: the recomputation granularity the run must add, or ``None`` (it has its own, or needs none).
+        record: the planner's :class:`~lightning_seqpar.plan.LayoutRecord` of the chosen layout (its predictions).
+        layout: the chosen :class:`~lightning_seqpar.Layout` (``record.layout``).
     """
 
     record: Any
-    parallel: Any
-    recompute: Optional[str]
 
-    def add_callbacks(self, trainer: Any) -> None:
-        """Add the chosen recomputation (with the modules recomputed by module, when the choice traded for memory) and
-        activation offload to ``trainer``'s callbacks, unless a :class:`~lightning_seqpar.SelectiveRecompute` (an
-        :class:`~lightning_seqpar.ActivationOffload`) is there already (added by an earlier call, or the run's)."""
-        trainer.callbacks.extend(c for c in memory_callbacks(self.record, self.recompute)
-                                 if not any(isinstance(existing, type(c)) for existing in trainer.callbacks))
+    @property
+    def layout(self) -> Any:
+        return self.record.layout
 
 
-def memory_callbacks(record: Any, recompute: Optional[str]) -> list:
-    """The callbacks a run needs to train as the planner's ``record`` was priced: a
-    :class:`~lightning_seqpar.SelectiveRecompute` of ``recompute`` (``None``: none of its own) with the record's modules
-    recomputed by module, and an :class:`~lightning_seqpar.ActivationOffload` of its offloaded modules."""
-    from lightning_seqpar.lightning.callbacks.activation_offload import ActivationOffload
-    from lightning_seqpar.lightning.callbacks.selective_recompute import SelectiveRecompute
-
-    out: list = []
-    modules = record.modules
-    if recompute is not None or modules:
-        granularity = recompute or "none"
-        base = {"selective": ["core_attn"], "full": ["full"], "none": []}[granularity]
-        out.append(SelectiveRecompute(modules=[*base, *modules]) if modules
-                   else SelectiveRecompute(granularity=granularity))
-    if record.offload:
-        out.append(ActivationOffload(modules=list(record.offload)))
-    return out
-
-
-def choose_layout(auto: AutoLayout, module: Any, trainer: Any, parallel: Any, *, world: int, gpus_per_node: int,
-                  device: torch.device, zero: int, sharded_context: Any, compiled: bool = False) -> LayoutChoice:
+def choose_layout(auto: AutoLayout, module: Any, trainer: Any, base: Any, *, world: int, gpus_per_node: int,
+                  device: torch.device, sharded_context: Any, compiled: bool = False) -> LayoutChoice:
     """Choose a layout (see the module docstring) for ``module`` trained by ``trainer`` on ``world`` processes, from
-    ``parallel`` (the strategy's :class:`~lightning_seqpar.lightning.config.ParallelConfig`), for the caller to
+    ``base`` (the strategy's :class:`~lightning_seqpar.Layout` before the choice: its ``ep`` and ``expert_tp``
+    bound the search when above 1), for the caller to
     apply. The planner probes layers on emulated ranks (CPU seconds): one process chooses, the others receive it.
 
     Args:
@@ -294,7 +276,6 @@ def choose_layout(auto: AutoLayout, module: Any, trainer: Any, parallel: Any, *,
     """
     from lightning_seqpar.lightning.callbacks.activation_offload import ActivationOffload
     from lightning_seqpar.lightning.callbacks.selective_recompute import SelectiveRecompute
-    from lightning_seqpar.pipeline_parallel import PipelineConfig
     from lightning_seqpar.plan import inventory_of_hf_model
 
     from lightning_seqpar.lightning.declared_model import model_for_checks
@@ -313,13 +294,13 @@ def choose_layout(auto: AutoLayout, module: Any, trainer: Any, parallel: Any, *,
     memory = _memory(auto, device)
     inventory = inventory_of_hf_model(model)
     schedules = tuple(s for s in auto.schedules if not (compiled and splits_backward(s))) or ("1F1B",)
-    loss_chunk = planned_loss_chunk(module, parallel)
+    loss_chunk = planned_loss_chunk(module, base)
     if loss_chunk is not None and auto.loss_chunks is not None:  # a Hugging Face model's: searched
         loss_chunk = tuple(dict.fromkeys(auto.loss_chunks))
-    options = dict(precision=str(trainer.precision), zero=zero, recompute=kinds, gpus_per_node=gpus_per_node,
+    options = dict(precision=str(trainer.precision), zero=auto.zero, recompute=kinds, gpus_per_node=gpus_per_node,
                    fits=auto.fits(),
-                   ep=parallel.ep if parallel.ep > 1 else None,
-                   expert_tp=parallel.expert_tp if parallel.expert_tp > 1 else None, schedules=schedules,
+                   ep=base.ep if base.ep > 1 else None,
+                   expert_tp=base.expert_tp if base.expert_tp > 1 else None, schedules=schedules,
                    memory_choices=auto.memory_choices and not existing and not offloading, loss_chunk=loss_chunk)
     ranked = rank_layouts(inventory, world, auto.seq_len, auto, memory, **options)
     if not ranked:
@@ -328,27 +309,14 @@ def choose_layout(auto: AutoLayout, module: Any, trainer: Any, parallel: Any, *,
     runner_up = ranked[1] if len(ranked) > 1 else None
     rank_zero_info(f"layout=auto chose {_describe(best)}: the fastest predicted step of the {len(ranked)} layouts that "
                    f"fit {auto.headroom:g} × {_size(memory)} per device; runner-up: "
-                   f"{_describe(runner_up) if runner_up else 'none'}")
-    chunk = best.loss_chunk if isinstance(loss_chunk, tuple) else parallel.loss_chunk  # searched: the chosen one
-    chosen = replace(parallel, tp=best.tp, cp=best.cp, cp_comm=best.cp_comm, ep=best.ep, expert_tp=best.expert_tp,
-                     loss_chunk=chunk, pipeline=PipelineConfig.build(
-        best.pp, best.num_microbatches if best.pp > 1 else None, best.schedule if best.pp > 1 else "1F1B", best.vpp, None))
-    return LayoutChoice(best, chosen, best.recompute if not existing and best.recompute != "none" else None)
-
-
-def _traded(record: Any) -> str:
-    return (f" + {'+'.join(record.modules)} recomputed" if record.modules else "") + (
-        f" + {','.join(record.offload)} offloaded" if record.offload else "")
+                   f"{_describe(runner_up) if runner_up else 'none'}. To train with it without planning again: "
+                   f"layout={best.layout}, or in a recipe: {best.layout.overrides()}")
+    return LayoutChoice(best)
 
 
 def _describe(record: Any) -> str:
-    return (f"tp={record.tp}{f' cp={record.cp} ({record.cp_comm})' if record.cp > 1 else ''} pp={record.pp} "
-            f"vpp={record.vpp}{f' {record.schedule}' if record.pp > 1 else ''} dp={record.dp}"
-            f"{f' ep={record.ep}' if record.ep > 1 else ''}"
-            f"{f' expert_tp={record.expert_tp}' if record.expert_tp > 1 else ''} micro_batch={record.micro_batch} "
-            f"m={record.num_microbatches} recompute={record.recompute}{_traded(record)} "
-            f"loss_chunk={record.loss_chunk or 'whole'}: {_size(record.bytes['total'])} on stage "
-            f"{record.stage} ({', '.join(f'{k} {_size(v)}' for k, v in record.bytes.items() if k != 'total')}), "
+    return (f"{record.layout} (dp={record.dp}, micro_batch={record.micro_batch}): {_size(record.bytes['total'])} on "
+            f"stage {record.stage} ({', '.join(f'{k} {_size(v)}' for k, v in record.bytes.items() if k != 'total')}), "
             f"step {record.step_time['total']:.3g} s ({record.timing})")
 
 
@@ -377,9 +345,10 @@ def rank_layouts(inventory: Any, world: int, seq_len: int, auto: AutoLayout, mem
                    micro_batches=auto.micro_batches, fits=fits, per_rank_batch=True,
                    context_parallel=auto.context_parallel, cp_comm=auto.cp_comm, schedule=schedules or auto.schedules,
                    memory_choices=memory_choices, loss_chunk=loss_chunk)
-    return [r for r in records if r.feasible and r.zero == zero and (not recompute or r.recompute in recompute)
-            and (ep is None or r.ep == ep) and (expert_tp is None or r.expert_tp == expert_tp)
-            and (r.pp > 1 or r.micro_batch == auto.batch_size)]  # no pipeline: the loader's whole batch
+    return [r for r in records if r.feasible and r.layout.zero == zero
+            and (not recompute or r.layout.recompute in recompute) and (ep is None or r.layout.ep == ep)
+            and (expert_tp is None or r.layout.expert_tp == expert_tp)
+            and (r.layout.pp > 1 or r.micro_batch == auto.batch_size)]  # no pipeline: the loader's whole batch
 
 
 def _nothing_fits(inventory: Any, world: int, auto: AutoLayout, memory: float, options: dict) -> str:

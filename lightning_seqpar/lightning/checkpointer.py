@@ -95,12 +95,12 @@ class Checkpointer:
         self.initial_weights: Optional[Mapping[str, Any]] = None  # read into the shards as they are made
         self.frozen_base: Optional[FrozenBase] = None  # where frozen weights were read from: not checkpointed again
 
-    def start(self, timeout: Any, mesh: Any, device: torch.device, data_parallel: Any, parallel: Any) -> None:
-        """Make the writer, once the process group exists; ``mesh`` and ``device`` are this rank's, ``data_parallel``
-        and ``parallel`` the strategy's settings (a checkpoint records ``zero`` and ``sequence_parallel``)."""
+    def start(self, timeout: Any, mesh: Any, device: torch.device, layout: Any) -> None:
+        """Make the writer, once the process group exists; ``mesh`` and ``device`` are this rank's, ``layout`` the
+        strategy's :class:`~lightning_seqpar.Layout` (a checkpoint records ``zero`` and ``sequence_parallel``)."""
         self._mesh, self._device = mesh, device
-        self._settings = {"zero": data_parallel.zero, "sequence_parallel": parallel.sequence_parallel}
-        pipeline = parallel.pipeline  # which layers each rank holds: a full checkpoint's optimizer state follows it
+        self._settings = {"zero": layout.zero, "sequence_parallel": layout.sequence_parallel}
+        pipeline = layout.pipeline  # which layers each rank holds: a full checkpoint's optimizer state follows it
         self._stages = {"virtual_stages": pipeline.virtual_stages, "placement": stage_placement_of(pipeline.schedule),
                         "split": list(pipeline.split) if pipeline.split is not None else None}
         # Background checkpoint writes run collectives of their own: never on training's process group.

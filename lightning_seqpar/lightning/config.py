@@ -1,105 +1,21 @@
-"""The strategy's settings, grouped by the part that owns them, each group validated once, in its constructor.
-
-``SeqParallelStrategy`` takes these objects (``parallel=ParallelConfig(...)``, ``checkpointing=CheckpointConfig(...)``,
-``data_parallel=...``, ``precision_config=PrecisionConfig(...)``) or the flat keywords they replace (``tp=``,
-``checkpoint_format=``, ``zero=`` ...), which stay as shorthands. The pipeline's are
-:class:`~lightning_seqpar.pipeline_parallel.config.PipelineConfig`, held by :class:`ParallelConfig`.
+"""The strategy's settings other than the layout, grouped by the part that owns them, each validated once, in its
+constructor: ``checkpointing=CheckpointConfig(...)``, ``precision_config=PrecisionConfig(...)``,
+``rewriting=RewriteConfig(...)``, ``launch=LaunchConfig(...)``. The layout (sizes, pipeline, parallelisms, ZeRO,
+memory choices) is :class:`~lightning_seqpar.layout.Layout`. Each may be given as a mapping of its fields (a recipe's
+``strategy.checkpointing.format=full``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Literal, Optional
+from dataclasses import dataclass, fields
+from datetime import timedelta
+from typing import Any, Literal, Mapping, Optional, Sequence, TypeVar, Union
 
-from lightning_seqpar.context_parallel import ContextParallel
-from lightning_seqpar.moe.capacity import DispatchConfig
-from lightning_seqpar.parallel.dims import ParallelDims, check_sizes
-from lightning_seqpar.pipeline_parallel import PipelineConfig
+from lightning_seqpar.layout import Layout
+from lightning_seqpar.lightning.launcher import check_start_method
+from lightning_seqpar.lightning.process_group import as_timedelta
 from lightning_seqpar.pipeline_parallel.schedules import splits_backward
-
-
-@dataclass(frozen=True)
-class ParallelConfig:
-    """How the model is split over the ranks: the layout's sizes and what each parallelism is run with.
-
-    Raises:
-        ValueError: a size that is not a positive integer, an unknown ``cp_comm``, a ``loss_chunk`` that is not a
-            positive integer or ``None``. The world-dependent checks are :meth:`dims`'.
-    """
-
-    tp: int = 1
-    """t: tensor-parallel size (ranks sharing each layer)."""
-    cp: int = 1
-    """c: context-parallel size (ranks sharing each sequence, attention included; a Hugging Face causal LM)."""
-    cp_comm: Literal["ring", "all_to_all"] = "ring"
-    """context-parallel attention (:mod:`lightning_seqpar.context_parallel`)."""
-    ep: int = 1
-    """expert-parallel size: ranks holding different experts, folded over the dense ranks (the expert grid)."""
-    expert_tp: int = 1
-    """etp, expert tensor-parallel size: ranks splitting each expert's width (1: whole experts on each rank of the
-    expert-parallel group); ``ep·expert_tp`` divides ``tp·cp·dp`` (the expert grid folds over the dense one)."""
-    moe: Optional[DispatchConfig] = field(default_factory=DispatchConfig)
-    """how a mixture of experts dispatches: dropless (default), or with a capacity factor and drop policy."""
-    pipeline: PipelineConfig = field(default_factory=PipelineConfig.build)
-    """p, micro-batches, schedule, virtual stages and stage split."""
-    sequence_parallel: bool = True
-    """shard LayerNorm/dropout/residual activations along the sequence (Korthikanti et al. 2022 §4.2.2); ignored when
-    ``tp == 1``."""
-    loss_parallel: bool = True
-    """compute the reference GPT's loss on vocabulary-sharded logits."""
-    loss_chunk: Optional[int] = 4096
-    """a Hugging Face model's LM head and loss run over this many positions at a time (``None``: all)."""
-
-    def __post_init__(self) -> None:
-        check_sizes(tp=self.tp, pp=self.pipeline.pp, cp=self.cp, ep=self.ep, expert_tp=self.expert_tp)
-        if self.moe is None:
-            object.__setattr__(self, "moe", DispatchConfig())
-        if isinstance(self.moe, dict):  # a recipe's strategy.moe mapping
-            unknown = set(self.moe) - {"capacity_factor", "drop_policy"}
-            if unknown:
-                raise ValueError(f"moe={self.moe!r}: unknown key(s) {sorted(unknown)}; the keys are capacity_factor and "
-                                 f"drop_policy.")
-            object.__setattr__(self, "moe", DispatchConfig(**self.moe))
-        if not isinstance(self.moe, DispatchConfig):
-            raise ValueError(f"moe={self.moe!r}: a DispatchConfig(capacity_factor=..., drop_policy=...) or a mapping "
-                             f"of those keys.")
-        ContextParallel.check_comm(self.cp_comm)
-        chunk = self.loss_chunk
-        if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1):
-            raise ValueError(f"loss_chunk={chunk!r}: a positive number of sequence positions, or None (no chunks).")
-
-    @property
-    def pp(self) -> int:
-        """p, the pipeline-parallel size."""
-        return self.pipeline.pp
-
-    def dims(self, world_size: int) -> ParallelDims:
-        """The layout over ``world_size`` ranks, validated (the one check of the sizes together).
-
-        Raises:
-            ValueError: from :class:`~lightning_seqpar.parallel.dims.ParallelDims`.
-        """
-        return ParallelDims(world_size, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep, etp=self.expert_tp)
-
-
-def parallel_config_of(parallel: Optional[ParallelConfig], **shorthands: object) -> ParallelConfig:
-    """``parallel``, or the :class:`ParallelConfig` of the strategy's flat keywords ``shorthands``.
-
-    Raises:
-        ValueError: ``parallel`` given together with a flat keyword set away from its default; from
-            :class:`ParallelConfig`.
-    """
-    flat = ParallelConfig(**shorthands)  # type: ignore[arg-type]
-    if parallel is None:
-        return flat
-    if not isinstance(parallel, ParallelConfig):
-        raise ValueError(f"parallel={parallel!r}: a ParallelConfig(tp=..., cp=..., pipeline=PipelineConfig.build(...)).")
-    default = ParallelConfig()
-    both = [name for name in shorthands if getattr(flat, name) != getattr(default, name)]
-    if both:
-        raise ValueError(f"parallel=ParallelConfig(...) was given with the keyword(s) {', '.join(both)} too: give each "
-                         f"setting once, inside ParallelConfig.")
-    return parallel
+from lightning_seqpar.transformer.compiling import CompileConfig, compile_config_of
 
 
 @dataclass(frozen=True)
@@ -125,35 +41,10 @@ class CheckpointConfig:
 
     def __post_init__(self) -> None:
         if self.format not in ("sharded", "full"):
-            raise ValueError(f"checkpoint_format must be 'sharded' or 'full', got {self.format!r}.")
+            raise ValueError(f"CheckpointConfig(format={self.format!r}): 'sharded' or 'full'.")
         if self.format == "full" and self.async_save:
-            raise ValueError("checkpoint_format='full' gathers the whole optimizer onto every rank and writes from "
-                             "rank 0; async_save=True needs checkpoint_format='sharded'.")
-
-
-@dataclass(frozen=True)
-class DataParallelConfig:
-    """How the optimizer state and gradients are kept over the data-parallel ranks
-    (:class:`~lightning_seqpar.optim.grad_sync.GradientSync`).
-
-    Raises:
-        ValueError: an unknown ``zero``; ``fp32_main_params`` without ``zero=1``.
-    """
-
-    zero: Literal[0, 1] = 0
-    """``1`` shards the optimizer state over the data-parallel ranks (ZeRO-1,
-    :mod:`lightning_seqpar.optim.distributed_optimizer`); ``0`` replicates it."""
-    fp32_main_params: bool = False
-    """with ``zero=1`` and 16-bit parameters (``precision="bf16-true"``), update a float32 copy of each rank's element
-    ranges and round it into the parameters (Megatron's main params: 4 bytes / d each)."""
-
-    def __post_init__(self) -> None:
-        if self.zero not in (0, 1):
-            raise ValueError(f"zero must be 0 (replicated optimizer state) or 1 (sharded over data-parallel ranks), "
-                             f"got {self.zero!r}.")
-        if self.fp32_main_params and self.zero != 1:
-            raise ValueError("fp32_main_params=True keeps float32 main params with the sharded optimizer state, and "
-                             "needs zero=1. Set zero=1 (and precision='bf16-true'), or leave fp32_main_params off.")
+            raise ValueError("CheckpointConfig(format='full') gathers the whole optimizer onto every rank and writes "
+                             "from rank 0; async_save=True needs format='sharded'.")
 
 
 @dataclass(frozen=True)
@@ -167,25 +58,93 @@ class PrecisionConfig:
     kept) in 16 bits, as Megatron does: Table 2's bytes, 16-bit residual additions."""
 
 
-def check_together(checkpointing: CheckpointConfig, data_parallel: DataParallelConfig,
-                   parallel: Optional[ParallelConfig] = None, compiled: Optional[Any] = None) -> None:
+@dataclass(frozen=True)
+class RewriteConfig:
+    """How the model's blocks are rewritten (:mod:`lightning_seqpar.rewriting`).
+
+    Raises:
+        ValueError: from :func:`~lightning_seqpar.transformer.compiling.compile_config_of`.
+    """
+
+    policies: Sequence[Any] = ()
+    """extra :class:`~lightning_seqpar.Policy` objects for the user's own block classes."""
+    verify: bool = True
+    """check the rewrite before training, without communication: a Hugging Face causal LM whole (a small copy on
+    emulated tp ranks), other declared blocks once per class and configuration."""
+    compile: Union[bool, CompileConfig, Mapping[str, Any], None] = False
+    """blocks through ``torch.compile(fullgraph=True)``: ``True``, a :class:`~lightning_seqpar.CompileConfig` or its
+    mapping; held as a ``CompileConfig`` or ``None``."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "policies", tuple(self.policies or ()))
+        object.__setattr__(self, "compile", compile_config_of(self.compile))
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """How the ranks start and wait for each other.
+
+    Raises:
+        ValueError: an unknown ``start_method``; a ``timeout`` that is not a positive number of seconds or a
+            ``timedelta``.
+    """
+
+    start_method: Literal["popen", "spawn", "fork"] = "popen"
+    """``"popen"`` (re-run the script per rank, like DDP), ``"spawn"`` or ``"fork"``."""
+    timeout: Union[float, timedelta, None] = None
+    """how long a collective may wait for a peer before the job fails (seconds or a ``timedelta``; ``None``: torch's
+    30 minutes): a stalled rank then ends the job with an error naming the collective, not a hang. Held as a
+    ``timedelta``."""
+    backend: Optional[str] = None
+    """the process group's backend; ``None``: ``"nccl"`` on GPUs, ``"gloo"`` on CPUs."""
+
+    def __post_init__(self) -> None:
+        check_start_method(self.start_method)
+        object.__setattr__(self, "timeout", as_timedelta(self.timeout))
+
+
+Config = TypeVar("Config")
+
+
+def config_of(value: Union[None, Config, Mapping[str, Any]], kind: type[Config], name: str) -> Config:
+    """The strategy's ``name=`` argument as a ``kind``: the defaults for ``None``, a mapping's fields.
+
+    Raises:
+        ValueError: anything else, or a mapping with keys ``kind`` does not have.
+    """
+    if value is None:
+        return kind()
+    if isinstance(value, kind):
+        return value
+    if isinstance(value, Mapping):
+        known = {f.name for f in fields(kind)}  # type: ignore[arg-type]
+        unknown = set(value) - known
+        if unknown:
+            raise ValueError(f"{name}={dict(value)!r}: unknown key(s) {sorted(unknown)}; {kind.__name__} has "
+                             f"{', '.join(sorted(known))}.")
+        return kind(**value)
+    raise ValueError(f"{name}={value!r}: a {kind.__name__}(...) or a mapping of its fields.")
+
+
+def check_together(checkpointing: CheckpointConfig, layout: Layout, compiled: Optional[CompileConfig] = None) -> None:
     """What one group cannot check alone.
 
     Raises:
-        ValueError: ``zero=1`` with the full checkpoint format, or with experts split over ``expert_tp > 1`` (the
+        ValueError: the pipeline's fields together (:attr:`~lightning_seqpar.Layout.pipeline`); ``zero=1`` with the
+            full checkpoint format, or with experts split over ``expert_tp > 1`` (the
             distributed optimizer's element ranges of a tensor split twice are not described to checkpoints); a
-            split schedule (ZB-H1, ZB-V, DualPipeV) with compiled blocks (``compiled``: a compile configuration): a
-            compiled block's backward is one graph.
+            split schedule (ZB-H1, ZB-V, DualPipeV) with compiled blocks (``compiled``): a compiled block's backward
+            is one graph.
     """
-    if checkpointing.format == "full" and data_parallel.zero:
-        raise ValueError("checkpoint_format='full' gathers the whole optimizer onto every rank and writes from rank 0; "
-                         "zero=1 needs checkpoint_format='sharded'.")
-    if parallel is not None and parallel.expert_tp > 1 and data_parallel.zero:
-        raise ValueError(f"zero=1 with expert_tp={parallel.expert_tp}: the distributed optimizer's element ranges of "
+    pipeline = layout.pipeline  # its fields checked together (PipelineConfig.build)
+    if checkpointing.format == "full" and layout.zero:
+        raise ValueError("CheckpointConfig(format='full') gathers the whole optimizer onto every rank and writes from "
+                         "rank 0; Layout(zero=1) needs format='sharded'.")
+    if layout.expert_tp > 1 and layout.zero:
+        raise ValueError(f"zero=1 with expert_tp={layout.expert_tp}: the distributed optimizer's element ranges of "
                          f"an expert split over both ep and expert_tp are not described to checkpoints. Use zero=0, "
                          f"or expert_tp=1 (whole experts, split over more ranks with ep).")
-    pipeline = parallel.pipeline if parallel is not None else None
-    if compiled is not None and pipeline is not None and splits_backward(pipeline.schedule):
-        raise ValueError(f"schedule={pipeline.schedule!r} with compile=True: a compiled block's backward runs as one "
-                         f"graph, so its weight gradients cannot be split from it into W actions. Train with "
-                         f"compile=False, or with schedule='1F1B'.")
+    if compiled is not None and splits_backward(pipeline.schedule):
+        raise ValueError(f"schedule={pipeline.schedule!r} with compile=True: a compiled block's backward runs "
+                         f"as one graph, so its weight gradients cannot be split from it into W actions. Train with "
+                         f"RewriteConfig(compile=False), or with schedule='1F1B'.")

@@ -21,8 +21,8 @@ def pipeline_microbatches(trainer: Any) -> int:
 def data_parallel_replicas(trainer: Any) -> int:
     """d: the replicas that see different batches (SeqParallelStrategy's data-parallel size; under another strategy,
     its processes)."""
-    parallel = getattr(trainer.strategy, "parallel", None)  # SeqParallelStrategy's ParallelConfig
-    return parallel.dims(trainer.world_size).dp if parallel is not None else trainer.world_size
+    layout = getattr(trainer.strategy, "layout", None)  # SeqParallelStrategy's Layout
+    return layout.dims(trainer.world_size).dp if layout is not None else trainer.world_size
 
 
 def loss_replicas(trainer: Any) -> int:

@@ -14,12 +14,13 @@ from lightning_seqpar.context_parallel import ContextParallel
 from lightning_seqpar.hf.init import hf_initializers
 from lightning_seqpar.transformer.lora import lora_initializers
 from lightning_seqpar.lightning.pipelined_steps import PipelinedSteps
-from lightning_seqpar.lightning.config import ParallelConfig
+from lightning_seqpar.layout import Layout
+from lightning_seqpar.lightning.config import RewriteConfig
 from lightning_seqpar.parallel.mesh import ParallelMesh
 from lightning_seqpar.parallel.random import RNGTracker
 from lightning_seqpar.build import build_rank
-from lightning_seqpar.rewriting import Policy, RewriteContext, RewritePlan
-from lightning_seqpar.transformer.compiling import CompileConfig, compile_blocks
+from lightning_seqpar.rewriting import RewriteContext, RewritePlan
+from lightning_seqpar.transformer.compiling import compile_blocks
 from lightning_seqpar.transformer.materialize import Materializer
 
 
@@ -67,18 +68,19 @@ def seed_streams(seed: int, mesh: ParallelMesh, device: torch.device) -> RNGTrac
     return RNGTracker.for_tensor_parallel(base, tp_rank, device)
 
 
-def parallelize(model: torch.nn.Module, mesh: ParallelMesh, device: torch.device, parallel: ParallelConfig, *,
-                seed: Optional[int], broadcast: Callable[[Any], Any], policies: Iterable[Policy], verify: bool,
-                source: Optional[Mapping[str, Any]] = None, compiled: Optional[CompileConfig] = None) -> ParallelModel:
+def parallelize(model: torch.nn.Module, mesh: ParallelMesh, device: torch.device, layout: Layout, *,
+                seed: Optional[int], broadcast: Callable[[Any], Any], rewriting: RewriteConfig,
+                source: Optional[Mapping[str, Any]] = None) -> ParallelModel:
     """Rewrite ``model`` (a LightningModule, in place) into this rank's tensor (+ sequence) and pipeline parallel
-    part, as ``parallel`` says (sequence and loss parallelism, the pipeline, the context-parallel attention when the
+    part, as ``layout`` says (sequence and loss parallelism, the pipeline, the context-parallel attention when the
     mesh has ``cp > 1``, the loss's chunk of positions: :class:`~lightning_seqpar.rewriting.RewriteContext`).
     ``seed``: base seed of the dropout streams and of meta-device materialization; ``None`` takes rank 0's
-    ``torch.initial_seed()`` through ``broadcast``. ``verify``: run the policies' self-checks (on rank 0;
-    every rank raises its verdict: :func:`~lightning_seqpar.build.build_rank`). ``source``: single-device weights read
+    ``torch.initial_seed()`` through ``broadcast``. ``rewriting``: the user's policies; whether to run the policies'
+    self-checks (on rank 0; every rank raises its verdict: :func:`~lightning_seqpar.build.build_rank`); compiled
+    blocks (every rewritten block's body through ``torch.compile``,
+    :func:`~lightning_seqpar.transformer.compiling.compile_blocks`). ``source``: single-device weights read
     straight into the shards of a model built on the meta device (checked already); what it lacks is drawn with
-    the owning model's initializer (Hugging Face's, found in the model) or the policy's. ``compiled``: every rewritten
-    block's body runs through ``torch.compile`` so (:func:`~lightning_seqpar.transformer.compiling.compile_blocks`).
+    the owning model's initializer (Hugging Face's, found in the model) or the policy's.
 
     Raises:
         ValueError: from the rewrite (nothing recognized, shapes that do not split) or the pipeline split, before
@@ -92,17 +94,18 @@ def parallelize(model: torch.nn.Module, mesh: ParallelMesh, device: torch.device
     # this rank keeps are allocated and filled from single-device submodules materialized one at a time from a
     # seed shared by every rank. Other stages' layers are never materialized.
     materializer = Materializer(seed, initializers=hf_initializers(model) + lora_initializers(model), source=source)
-    context = ContextParallel(mesh.context, parallel.cp_comm)  # one cp rank too: packed documents
-    ctx = RewriteContext(mesh.tensor, parallel.sequence_parallel, rng_tracker, parallel.loss_parallel, materializer,
-                         context=context, loss_chunk=parallel.loss_chunk, expert_group=mesh.group("ep"),
+    context = ContextParallel(mesh.context, layout.cp_comm)  # one cp rank too: packed documents
+    ctx = RewriteContext(mesh.tensor, layout.sequence_parallel, rng_tracker, layout.loss_parallel, materializer,
+                         context=context, loss_chunk=layout.loss_chunk, expert_group=mesh.group("ep"),
                          expert_tp_group=mesh.group("etp"), expert_dispatch_group=mesh.group("etp_ep"),
-                         data_group=mesh.data, dispatch=parallel.moe)
-    rank = build_rank(model, ctx, policies, verify=verify, pipeline=parallel.pipeline, pipeline_rank=mesh.pipeline.rank,
+                         data_group=mesh.data, dispatch=layout.moe)
+    rank = build_rank(model, ctx, rewriting.policies, verify=rewriting.verify, pipeline=layout.pipeline,
+                      pipeline_rank=mesh.pipeline.rank,
                       materializer=materializer, expert_parallel=mesh.dims.ep if mesh.dims is not None else 1,
                       checking_rank=dist.get_rank() == 0, broadcast=broadcast)
-    if compiled is not None:  # each block compiles at its first call, after the recomputation callbacks apply
-        compile_blocks(model, compiled)
-    steps = PipelinedSteps.of(rank.runtime, parallel.pipeline, mesh.pipeline, device, model) \
+    if rewriting.compile is not None:  # each block compiles at its first call, after the recomputation callbacks apply
+        compile_blocks(model, rewriting.compile)
+    steps = PipelinedSteps.of(rank.runtime, layout.pipeline, mesh.pipeline, device, model) \
         if rank.runtime is not None else None
     return ParallelModel(rng_tracker, rank.plan, steps, rank.remote_keys)
 
@@ -132,30 +135,30 @@ def check_before_start(strategy: Any, module: Any, trainer: Any = None, rank_zer
 
     if rank_zero and trainer is not None:  # layout=AutoLayout: chosen here, once
         strategy.choose_layout(module, trainer)
-    parallel = strategy.parallel
+    layout = strategy.layout
     if trainer is not None:
-        check_memory_callbacks(trainer.callbacks, parallel.cp)
+        check_memory_callbacks(trainer.callbacks, layout.cp)
     if not isinstance(module, torch.nn.Module) or is_overridden("setup", module):
         return
     module = model_for_checks(module, strategy.model_sharded_context)
     if module is None:  # its configure_model needs what only a rank has: the ranks check it
         return
-    group = ParallelGroup.virtual(parallel.tp)
-    sizes = {"expert_group": parallel.ep, "expert_tp_group": parallel.expert_tp}
+    group = ParallelGroup.virtual(layout.tp)
+    sizes = {"expert_group": layout.ep, "expert_tp_group": layout.expert_tp}
     virtual = {name: ParallelGroup.virtual(size) for name, size in sizes.items() if size > 1}
-    plan_rewrite(module, RewriteContext(group, parallel.sequence_parallel, None, parallel.loss_parallel,
-                                        dispatch=parallel.moe, **virtual), strategy.policies, verify=False)
-    if strategy.compile_config is not None and parallel.moe.capacity_factor is None and _holds_mixture(module):
+    plan_rewrite(module, RewriteContext(group, layout.sequence_parallel, None, layout.loss_parallel,
+                                        dispatch=layout.moe, **virtual), strategy.rewriting.policies, verify=False)
+    if strategy.rewriting.compile is not None and layout.moe.capacity_factor is None and _holds_mixture(module):
         raise ValueError("compile=True: the model holds a dropless mixture of experts, which is not compiled (its "
                          "dispatch reads the split sizes on the host: a graph break): give the experts a capacity "
-                         "(moe=DispatchConfig(capacity_factor=...): fixed sizes, no host read), or train with "
-                         "compile=False.")
-    if parallel.pipeline.enabled:  # the stage split of the layer stack (pipeline_split's sum, p·v ≤ L)
+                         "(Layout(moe=DispatchConfig(capacity_factor=...)): fixed sizes, no host read), or train "
+                         "with RewriteConfig(compile=False).")
+    if layout.pipeline.enabled:  # the stage split of the layer stack (pipeline_split's sum, p·v ≤ L)
         stacks = [m for m in module.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 1
                   and len({type(layer) for layer in m}) == 1]
         if stacks:  # the largest list of alike modules: the layers (the ranks check the rewritten stack itself)
             layers = max(stacks, key=lambda m: sum(p.numel() for p in m.parameters()))
-            parallel.pipeline.layout(len(layers))
+            layout.pipeline.layout(len(layers))
 
 
 def _holds_mixture(module: torch.nn.Module) -> bool:

@@ -103,7 +103,7 @@ def low_precision_residual(model: nn.Module, plugin: Precision) -> None:
     """
     if not isinstance(plugin, MixedPrecision):
         raise ValueError(
-            f"SeqParallelStrategy(low_precision_residual=True) casts the residual stream to autocast's 16-bit dtype "
+            f"PrecisionConfig(low_precision_residual=True) casts the residual stream to autocast's 16-bit dtype "
             f"and needs Trainer(precision='bf16-mixed') or '16-mixed'; got precision={plugin.precision!r}. "
             f"Under 'bf16-true' the residual stream is 16-bit already: drop the option."
         )

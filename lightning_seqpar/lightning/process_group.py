@@ -90,7 +90,8 @@ def report_failed_collective(exception: BaseException, rank: int, timeout: timed
         log.error(
             f"[rank {rank}] {failure.collective} timed out after {timeout.total_seconds():g} s "
             f"waiting for another rank: a peer is stalled (stopped, swapping, stuck in I/O) or far slower. The job "
-            f"stops. If the peers are only slow, raise SeqParallelStrategy(timeout=...) (recipe: strategy.timeout=SECONDS)."
+            f"stops. If the peers are only slow, raise LaunchConfig(timeout=...) (recipe: "
+            f"strategy.launch.timeout=SECONDS)."
         )
     else:
         log.error(f"[rank {rank}] {failure.collective} failed: another rank is gone ({exception}).")

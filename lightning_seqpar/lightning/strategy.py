@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from functools import partial
 from contextlib import contextmanager
-from datetime import timedelta
-from typing import Any, Callable, Generator, Iterable, Literal, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Generator, Mapping, Optional, Union
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
@@ -17,30 +16,30 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 import lightning_seqpar.lightning.process_group as process_group
+from lightning_seqpar.layout import Layout
 from lightning_seqpar.lightning._compat import optimizers_to_device, set_num_threads_if_needed
-from lightning_seqpar.lightning.auto_layout import AutoLayout, auto_layout_of, check_world, choose_layout
+from lightning_seqpar.lightning.auto_layout import AutoLayout, check_world, choose_layout
 from lightning_seqpar.lightning.checkpoint_io import AtomicCheckpointIO
 from lightning_seqpar.lightning.checkpointer import Checkpointer
 from lightning_seqpar.lightning.config import (
-    CheckpointConfig, DataParallelConfig, DispatchConfig, ParallelConfig, PrecisionConfig, check_together,
-    parallel_config_of,
+    CheckpointConfig, LaunchConfig, PrecisionConfig, RewriteConfig, check_together, config_of,
 )
-from lightning_seqpar.lightning.launcher import check_start_method, configure_launcher, stop_started_ranks
+from lightning_seqpar.lightning.launcher import configure_launcher, stop_started_ranks
+from lightning_seqpar.lightning.memory_callbacks import layout_of_run
 from lightning_seqpar.lightning.parallelize import check_before_start, parallelize
 from lightning_seqpar.lightning.pipelined_steps import PipelinedSteps, check_pipelined_module, refuse_predict
 from lightning_seqpar.lightning.precision import ShardAwareClipping, low_precision_residual, shard_aware
 from lightning_seqpar.lightning.preemption import add_preemption
-from lightning_seqpar.lightning.process_group import as_timedelta, report_failed_collective, start_process_group
+from lightning_seqpar.lightning.process_group import report_failed_collective, start_process_group
+from lightning_seqpar.lightning.strategy_arguments import layout_of, refuse_moved
 from lightning_seqpar.optim.grad_sync import GradientSync
 from lightning_seqpar.parallel import ParallelMesh, RNGTracker
 from lightning_seqpar.parallel.one_rank import decided_by_one_rank
-from lightning_seqpar.pipeline_parallel import PipelineConfig
-from lightning_seqpar.rewriting import Policy, RewritePlan
-from lightning_seqpar.transformer.compiling import CompileConfig, compile_config_of
+from lightning_seqpar.rewriting import RewritePlan
 
 
 class SeqParallelStrategy(ParallelStrategy):
-    """Tensor (+ sequence) and pipeline parallel training of an ordinary LightningModule.
+    """Tensor (+ sequence), context, expert and pipeline parallel training of an ordinary LightningModule.
 
     ``setup_environment``: the process groups (:class:`~lightning_seqpar.parallel.ParallelMesh`). ``setup``:
     rank 0's weights on every rank → the recognized blocks rewritten (:func:`lightning_seqpar.explain` shows which) →
@@ -51,89 +50,65 @@ class SeqParallelStrategy(ParallelStrategy):
 
     Parts it holds (each owns its state; the Lightning hooks below call them): :attr:`checkpointer`
     (:class:`~.checkpointer.Checkpointer`), :attr:`pipeline` (:class:`~.pipelined_steps.PipelinedSteps`, ``pp > 1``),
-    :attr:`grad_sync` (:class:`~lightning_seqpar.optim.grad_sync.GradientSync`, while fitting). Settings by part
-    (:mod:`.config`): ``parallel``, ``checkpointing``, ``data_parallel``, ``precision_config``; the flat keywords
-    are shorthands for their fields.
+    :attr:`grad_sync` (:class:`~lightning_seqpar.optim.grad_sync.GradientSync`, while fitting).
 
     Args:
-        tp, pp, cp, ep, expert_tp, moe, cp_comm, loss_chunk, sequence_parallel, loss_parallel: shorthands for the
-            fields of ``parallel`` (:class:`~.config.ParallelConfig`: t, p, c, e, etp, the experts' :class:`~.
-            DispatchConfig` or its mapping, the others documented there). Data-parallel size: ``world // (tp·cp·pp)``.
-        num_microbatches, schedule, virtual_stages, pipeline_split: shorthands for its ``pipeline``
-            (:class:`~lightning_seqpar.pipeline_parallel.PipelineConfig`: m, default ``pp``, DualPipeV ``2·pp``; a
-            schedule of :data:`~lightning_seqpar.pipeline_parallel.SCHEDULES`; v; the layers of each stage).
-        policies: extra :class:`~lightning_seqpar.Policy` objects for the user's own block classes.
-        verify_rewrite: check the rewrite before training, without communication: a Hugging Face causal LM whole (a
-            small copy on emulated tp ranks), other declared blocks once per class and configuration.
+        tp, pp, cp, ep: shorthands for the sizes of ``layout`` (t, p, c, e); the data-parallel size is
+            ``world // (tp·cp·pp)``.
+        layout: how the model is split and run (:class:`~lightning_seqpar.Layout`: pipeline schedule and micro-batches,
+            sequence/loss parallel, context-parallel attention, expert dispatch, ZeRO, loss chunks, recomputation and
+            offload), or :class:`~.auto_layout.AutoLayout`: the planner's best layout for the model, the world and the
+            device memory, chosen before the process groups are built. A mapping of either's fields (a recipe's).
+        checkpointing: :class:`~.config.CheckpointConfig` (format, async save, what loading accepts).
+        precision_config: :class:`~.config.PrecisionConfig`: what the strategy adds to Lightning's ``precision=``.
+        rewriting: :class:`~.config.RewriteConfig`: the user's own policies, the rewrite's self-check, compiled blocks.
         seed: base seed of the dropout streams; default: rank 0's ``torch.initial_seed()``.
-        start_method: ``"popen"`` (re-run the script per rank, like DDP), ``"spawn"`` or ``"fork"``.
-        process_group_backend: default ``"nccl"`` on GPUs, ``"gloo"`` on CPUs.
-        timeout: how long a collective may wait for a peer before the job fails (seconds or a ``timedelta``; default
-            torch's 30 minutes). A stalled rank then ends the job with an error naming the collective, not a hang.
-        allow_non_finite_checkpoint, allow_unverified_checkpoint, checkpoint_format, async_save, zero, fp32_main_params,
-            low_precision_residual: shorthands for fields of the groups ``checkpointing``, ``data_parallel`` and
-            ``precision_config`` (:mod:`.config`'s classes), which may be given instead.
-        layout: :class:`~.auto_layout.AutoLayout` (then no ``tp``/``pp``): the planner's best layout for the model,
-            the world and the device memory, chosen before the process groups are built (:mod:`.auto_layout`).
-        parallel: :class:`~.config.ParallelConfig`, instead of its shorthands above.
-        compile: blocks through ``torch.compile(fullgraph=True)``: ``True`` or a :class:`~lightning_seqpar.CompileConfig`.
+        launch: :class:`~.config.LaunchConfig`: start method, collective timeout, process group backend.
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: Lightning's.
 
     Raises:
-        ValueError: settings each config refuses, or that refuse each other (:func:`~.config.check_together`);
-            ``timeout`` not positive; ``tp``/``pp``/``cp`` not positive integers; a world not divisible by ``tp·cp·pp``;
-            at setup, ``low_precision_residual`` without autocast, a model with nothing to rewrite or with shapes that
-            do not split t ways, a layer count or batch that does not split into the stages or micro-batches asked.
+        TypeError: a keyword that moved into ``layout`` or a settings object, naming where
+            (:data:`~.strategy_arguments.MOVED`).
+        ValueError: settings each value refuses, or that refuse each other (:func:`~.config.check_together`); a size
+            given both as a shorthand and in ``layout``; a world not divisible by ``tp·cp·pp`` (when the Trainer is
+            made); at setup, ``low_precision_residual`` without autocast, a model with nothing to rewrite or with
+            shapes that do not split t ways, a layer count or batch that does not split into the stages or
+            micro-batches asked.
     """
 
     strategy_name = "seq_parallel"
 
     def __init__(
-        self,
-        tp: int = 1, pp: int = 1,
-        num_microbatches: Optional[int] = None,
-        schedule: str = "1F1B", virtual_stages: int = 1,
-        pipeline_split: Optional[Sequence[int]] = None,
-        sequence_parallel: bool = True, loss_parallel: bool = True,
-        policies: Optional[Iterable[Policy]] = None,
-        verify_rewrite: bool = True, compile: Union[bool, CompileConfig, Mapping[str, Any], None] = False,
+        self, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
+        layout: Union[Layout, AutoLayout, Mapping[str, Any], None] = None,
+        checkpointing: Union[CheckpointConfig, Mapping[str, Any], None] = None,
+        precision_config: Union[PrecisionConfig, Mapping[str, Any], None] = None,
+        rewriting: Union[RewriteConfig, Mapping[str, Any], None] = None,
         seed: Optional[int] = None,
-        start_method: Literal["popen", "spawn", "fork"] = "popen",
-        accelerator: Optional[Accelerator] = None, parallel_devices: Optional[list[torch.device]] = None,
+        launch: Union[LaunchConfig, Mapping[str, Any], None] = None,
+        accelerator: Optional[Accelerator] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
         checkpoint_io: Optional[CheckpointIO] = None,
         precision_plugin: Optional[Precision] = None,
-        process_group_backend: Optional[str] = None,
-        timeout: Union[float, timedelta, None] = None,
-        allow_non_finite_checkpoint: bool = False,
-        allow_unverified_checkpoint: bool = False,
-        checkpoint_format: Literal["sharded", "full"] = "sharded",
-        async_save: bool = False,
-        zero: Literal[0, 1] = 0,
-        fp32_main_params: bool = False,
-        low_precision_residual: bool = False,
-        checkpointing: Optional[CheckpointConfig] = None,
-        data_parallel: Optional[DataParallelConfig] = None,
-        precision_config: Optional[PrecisionConfig] = None,
-        layout: Optional[AutoLayout] = None,
-        cp: int = 1, cp_comm: Literal["ring", "all_to_all"] = "ring", loss_chunk: Optional[int] = 4096, ep: int = 1,
-        expert_tp: int = 1, moe: Union[DispatchConfig, dict, None] = None, parallel: Optional[ParallelConfig] = None,
+        **moved: Any,
     ) -> None:
-        self.auto, self.chosen_layout, self._layout_choice = auto_layout_of(layout, tp, pp, cp), None, None
-        self.parallel = parallel_config_of(parallel, tp=1 if tp == "auto" else tp, cp=cp, cp_comm=cp_comm, ep=ep, moe=moe,
-                                           expert_tp=expert_tp, sequence_parallel=sequence_parallel,
-                                           loss_parallel=loss_parallel, loss_chunk=loss_chunk, pipeline=PipelineConfig.build(
-                                               pp, num_microbatches, schedule, virtual_stages, pipeline_split))
+        refuse_moved(moved)
+        self.layout, self.auto = layout_of(layout, tp, pp, cp, ep)
+        self.rewriting = config_of(rewriting, RewriteConfig, "rewriting")
+        self.launch = config_of(launch, LaunchConfig, "launch")
+        self.precision_config = config_of(precision_config, PrecisionConfig, "precision_config")
+        checkpoint_config = config_of(checkpointing, CheckpointConfig, "checkpointing")
+        check_together(checkpoint_config, self.layout, self.rewriting.compile)
         reads = [partial(getattr, self, name) for name in ("lightning_module", "optimizers", "_parallelized")]  # pickle
-        self.checkpointer = Checkpointer(checkpointing or CheckpointConfig(
-            checkpoint_format, async_save, allow_non_finite_checkpoint, allow_unverified_checkpoint), *reads)
-        self.data_parallel = data_parallel or DataParallelConfig(zero, fp32_main_params)
-        check_together(self.checkpointer.config, self.data_parallel, self.parallel, compile_config_of(compile))
-        check_start_method(start_method)
-        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
-                         checkpoint_io=checkpoint_io or AtomicCheckpointIO(), precision_plugin=precision_plugin)
-        self.policies, self.verify_rewrite, self.compile_config = list(policies or ()), verify_rewrite, compile_config_of(compile)
-        self._seed, self._start_method, self.process_group_backend = seed, start_method, process_group_backend
-        self._timeout, self.precision_config = as_timedelta(timeout), precision_config or PrecisionConfig(low_precision_residual)
+        self.checkpointer = Checkpointer(checkpoint_config, *reads)
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io or AtomicCheckpointIO(),
+                         precision_plugin=precision_plugin)
+        self.process_group_backend = self.launch.backend
+        self.chosen_layout: Optional[Any] = None  # under AutoLayout: the planner's record of the layout it chose
+        self._seed = seed
+        self._layout_choice: Optional[Any] = None
         self._mesh: Optional[ParallelMesh] = None
         self.rng_tracker: Optional[RNGTracker] = None
         self.rewrite_plan: Optional[RewritePlan] = None
@@ -142,9 +117,9 @@ class SeqParallelStrategy(ParallelStrategy):
         self.grad_sync: Optional[GradientSync] = None  # the fit's data-parallel reduction (one owner)
         self.num_nodes = 1
 
-    tp = property(lambda self: self.parallel.tp, doc="t, the tensor-parallel size (``parallel.tp``).")
-    pp = property(lambda self: self.parallel.pp, doc="p, the pipeline-parallel size (``parallel.pp``).")
-    cp = property(lambda self: self.parallel.cp, doc="c, the context-parallel size (``parallel.cp``).")
+    tp = property(lambda self: self.layout.tp, doc="t, the tensor-parallel size (``layout.tp``).")
+    pp = property(lambda self: self.layout.pp, doc="p, the pipeline-parallel size (``layout.pp``).")
+    cp = property(lambda self: self.layout.cp, doc="c, the context-parallel size (``layout.cp``).")
 
     @property
     def mesh(self) -> ParallelMesh:
@@ -180,8 +155,9 @@ class SeqParallelStrategy(ParallelStrategy):
 
     @override
     def _configure_launcher(self) -> None:  # in Trainer(): a world that does not split fails there, before any rank
-        check_world(self.auto, self.parallel, self.num_nodes * self.num_processes)
-        self._launcher = configure_launcher(self, self.cluster_environment, self._start_method, check_before_start)
+        check_world(self.auto, self.layout, self.num_nodes * self.num_processes)
+        self._launcher = configure_launcher(self, self.cluster_environment, self.launch.start_method,
+                                            check_before_start)
 
     @override
     def setup_environment(self) -> None:
@@ -194,29 +170,33 @@ class SeqParallelStrategy(ParallelStrategy):
         if self.process_group_backend is None:
             self.process_group_backend = "nccl" if self.root_device.type == "cuda" else "gloo"
         assert self.cluster_environment is not None
-        self._failure_watch = start_process_group(self.cluster_environment, self.process_group_backend, self._timeout)
+        timeout = self.launch.timeout
+        self._failure_watch = start_process_group(self.cluster_environment, self.process_group_backend, timeout)
         self.choose_layout()  # layout=AutoLayout(...): from the model, world and device memory, before any allocation
-        dims = self.parallel.dims(self.world_size)  # validated once, before any collective but the choice's
-        self._mesh = ParallelMesh.build(device_type=self.root_device.type, timeout=self._timeout, dims=dims)
+        dims = self.layout.dims(self.world_size)  # validated once, before any collective but the choice's
+        self._mesh = ParallelMesh.build(device_type=self.root_device.type, timeout=timeout, dims=dims)
         plugin = self.precision_plugin
         assert isinstance(plugin, ShardAwareClipping)
         plugin.mesh = self._mesh
-        self.checkpointer.start(self._timeout, self._mesh, self.root_device, self.data_parallel, self.parallel)
+        self.checkpointer.start(timeout, self._mesh, self.root_device, self.layout)
 
     def choose_layout(self, module: Any = None, trainer: Any = None) -> None:
-        """``layout=AutoLayout(...)``: the planner's :class:`.auto_layout.LayoutChoice` becomes ``parallel``; made once
-        (the launching process, given ``module`` and ``trainer``, or rank 0) and sent to every rank."""
-        if self.auto is None:
-            return
+        """The run's :attr:`layout`: under ``layout=AutoLayout(...)`` the planner's choice
+        (:class:`.auto_layout.LayoutChoice`), made once (the launching process, given ``module`` and ``trainer``, or
+        rank 0) and sent to every rank; then its recomputation and offload made to agree with the run's callbacks
+        (:func:`.memory_callbacks.layout_of_run`)."""
         module = module if module is not None else self.lightning_module
-        choose = partial(choose_layout, self.auto, module, trainer or module.trainer, self.parallel, device=self.root_device,
-                         world=self.num_nodes * self.num_processes, gpus_per_node=self.num_processes, zero=self.data_parallel.zero,
-                         sharded_context=self.model_sharded_context, compiled=self.compile_config is not None)
-        # The launching process chooses before any rank starts; on the ranks, rank 0's choice is sent to every rank.
-        self._layout_choice = (self._layout_choice or choose()) if trainer is not None else decided_by_one_rank(
-            lambda: self._layout_choice or choose(), self.global_rank == 0, self.broadcast)
-        self.parallel, self.chosen_layout = self._layout_choice.parallel, self._layout_choice.record
-        self._layout_choice.add_callbacks(trainer or module.trainer)
+        run = trainer if trainer is not None else getattr(module, "_trainer", None)
+        if self.auto is not None:
+            choose = partial(choose_layout, self.auto, module, run, self.layout, device=self.root_device,
+                             world=self.num_nodes * self.num_processes, gpus_per_node=self.num_processes,
+                             sharded_context=self.model_sharded_context, compiled=self.rewriting.compile is not None)
+            # The launching process chooses before any rank starts; on the ranks, rank 0's choice is sent to every rank.
+            self._layout_choice = (self._layout_choice or choose()) if trainer is not None else decided_by_one_rank(
+                lambda: self._layout_choice or choose(), self.global_rank == 0, self.broadcast)
+            self.layout, self.chosen_layout = self._layout_choice.layout, self._layout_choice.record
+        if run is not None:
+            self.layout = layout_of_run(self.layout, run, chosen=self.auto is not None)
 
     @override
     def setup(self, trainer: Any) -> None:
@@ -224,9 +204,8 @@ class SeqParallelStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         if self.model is not self._parallelized:  # fit() then validate() on one trainer: rewritten once
             parallel = parallelize(
-                self.model, self.mesh, self.root_device, self.parallel, seed=self._seed, broadcast=self.broadcast,
-                policies=self.policies, verify=self.verify_rewrite, source=self.checkpointer.initial_weights,
-                compiled=self.compile_config)
+                self.model, self.mesh, self.root_device, self.layout, seed=self._seed, broadcast=self.broadcast,
+                rewriting=self.rewriting, source=self.checkpointer.initial_weights)
             self.checkpointer.initial_weights = None
             if self.precision_config.low_precision_residual:
                 low_precision_residual(self.model, self.precision_plugin)
@@ -241,8 +220,9 @@ class SeqParallelStrategy(ParallelStrategy):
             if self.pipeline is not None:
                 check_pipelined_module(self.lightning_module)
             self.setup_optimizers(trainer)
-            self.grad_sync = GradientSync.for_fit(self.grad_sync, self.model, self.optimizers, self.lr_scheduler_configs,
-                                                  self.mesh, self.data_parallel, self.pipeline is not None)
+            self.grad_sync = GradientSync.for_fit(self.grad_sync, self.model, self.optimizers,
+                                                  self.lr_scheduler_configs, self.mesh, self.layout,
+                                                  self.pipeline is not None)
             self.optimizers = self.grad_sync.optimizers
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -269,7 +249,7 @@ class SeqParallelStrategy(ParallelStrategy):
     # ---- Lightning's hooks, each handed to the part that owns it
     @property
     @override
-    def precision_plugin(self) -> Precision:  # kept as its shard_aware subclass: clipping must see every shard and stage
+    def precision_plugin(self) -> Precision:  # shard-aware: clipping must see every shard and stage
         self._precision_plugin = self._precision_plugin or shard_aware(None)
         return self._precision_plugin
 
@@ -282,13 +262,15 @@ class SeqParallelStrategy(ParallelStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self.pipeline is None:
             return super().training_step(*args, **kwargs)
-        return self.pipeline.run_training_step(self.lightning_module, self.precision_plugin, self.grad_sync, args, kwargs)
+        return self.pipeline.run_training_step(self.lightning_module, self.precision_plugin, self.grad_sync, args,
+                                               kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         if self.pipeline is None:
             return super().validation_step(*args, **kwargs)
-        return self.pipeline.run_evaluation_step(self.lightning_module, self.precision_plugin, "validation", args, kwargs)
+        return self.pipeline.run_evaluation_step(self.lightning_module, self.precision_plugin, "validation", args,
+                                                 kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -357,7 +339,8 @@ class SeqParallelStrategy(ParallelStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        if report_failed_collective(exception, self.global_rank, self._timeout, getattr(self, "_failure_watch", None)):
+        watch = getattr(self, "_failure_watch", None)
+        if report_failed_collective(exception, self.global_rank, self.launch.timeout, watch):
             stop_started_ranks(self.launcher, self.local_rank)
 
     @override
@@ -366,7 +349,8 @@ class SeqParallelStrategy(ParallelStrategy):
         if getattr(self, "_failure_watch", None) is not None:
             self._failure_watch.stop()  # a later run in this process (another Trainer) makes its own
         self.cluster_environment.teardown()  # type: ignore[union-attr]
-        module = self.lightning_module  # still on the meta device after a refused rewrite: its .cpu() would hide the error
+        # still on the meta device after a refused rewrite: its .cpu() would hide the error
+        module = self.lightning_module
         if module is not None and any(p.is_meta for p in module.parameters()):
             self.connect(None)  # type: ignore[arg-type]  # nothing to move back
         super().teardown()
@@ -376,5 +360,6 @@ class SeqParallelStrategy(ParallelStrategy):
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(cls.strategy_name, cls, description="lightning_seqpar with its defaults: tp=1")
         for tp in (2, 4, 8):
-            strategy_registry.register(f"{cls.strategy_name}_tp{tp}", cls, description=f"lightning_seqpar tp={tp}", tp=tp)
+            strategy_registry.register(f"{cls.strategy_name}_tp{tp}", cls, description=f"lightning_seqpar tp={tp}",
+                                       tp=tp)
 

@@ -22,6 +22,19 @@ mask and dropped probabilities, ``[b, a/t, s, s]``), ``attn_proj`` (the core att
 ``[s, b, f/t]``), ``expert_fc1`` (the rows a rank's experts receive, ``[R, h]``), ``moe_act`` (the experts' gate and up
 halves and the gate's activation, ``[R, f]`` each)."""
 
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp", "moe_act", "shared_experts", "moe", "full")
+"""The modules :func:`~lightning_seqpar.recompute.apply_recompute_modules` recomputes (Megatron-Core's
+``recompute_modules`` names): the core attention (QKᵀ, softmax, dropout, ·V: the paper's selective recomputation), the
+norms before attention and MLP (their outputs, ``[s/t, b, h]`` each, made again from their kept inputs when the input
+projections' backward reads them; pre-norm blocks), a dense MLP (its inner ``[s, b, f/t]`` activations: the
+all-gathered input, the fc1 outputs, the activation), the experts' activation (only the gate/up projection's output
+kept: the activation and its output made again in backward), a mixture's shared expert (a dense MLP on every token: its
+input kept), a mixture of experts (router, dispatch, experts, combine and shared expert run again in backward, their
+all-to-alls included; only its input is kept), whole layers."""
+BY_MODULE = tuple(m for m in RECOMPUTE_MODULES if m not in ("core_attn", "full"))
+"""The modules recomputed by module beside a granularity (a layout's ``recompute_modules``): the core attention is
+selective recomputation, ``full`` the full one."""
+
 EXPERT_MODULES = ("expert_fc1", "moe_act")
 DENSE_OFFLOAD_MODULES = tuple(m for m in OFFLOAD_MODULES if m not in EXPERT_MODULES)
 """The modules of a dense layer (what the memory model and the offload plan price)."""

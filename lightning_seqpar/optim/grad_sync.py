@@ -137,14 +137,14 @@ class GradientSync:
 
     @classmethod
     def for_fit(cls, previous: Optional["GradientSync"], module: nn.Module, optimizers: Sequence[Optimizer],
-                lr_scheduler_configs: Sequence[Any], mesh: ParallelMesh, data_parallel: Any,
+                lr_scheduler_configs: Sequence[Any], mesh: ParallelMesh, layout: Any,
                 pipelined: bool) -> "GradientSync":
-        """A fit's :class:`GradientSync` from its ``data_parallel`` settings (``zero``, ``fp32_main_params``);
-        ``previous`` (a fit before it on the same trainer) releases its hooks first."""
+        """A fit's :class:`GradientSync` from its layout's ``zero`` and ``fp32_main_params``
+        (:class:`~lightning_seqpar.Layout`); ``previous`` (a fit before it on the same trainer) releases its hooks
+        first."""
         if previous is not None:
             previous.remove()
-        return cls(module, optimizers, lr_scheduler_configs, mesh, data_parallel.zero, pipelined,
-                   data_parallel.fp32_main_params)
+        return cls(module, optimizers, lr_scheduler_configs, mesh, layout.zero, pipelined, layout.fp32_main_params)
 
     @contextmanager
     def final_backward(self, optimizer: Optimizer) -> Iterator[None]:

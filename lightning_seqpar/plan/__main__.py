@@ -66,16 +66,18 @@ def _count(flag: str, most: int) -> Callable[[str], int]:
 
 
 def _layout(r: LayoutRecord) -> str:
-    return (f"tp{r.tp}{f' cp{r.cp}' if r.cp > 1 else ''} pp{r.pp}{f'×v{r.vpp}' if r.vpp > 1 else ''}"
-            f"{f' {r.schedule}' if r.pp > 1 and splits_backward(r.schedule) else ''} dp{r.dp}"
-            f"{f' ep{r.ep}' if r.ep > 1 else ''}{f' etp{r.expert_tp}' if r.expert_tp > 1 else ''}"
-            f"{' zero1' if r.zero else ''} "
+    lay = r.layout
+    return (f"tp{lay.tp}{f' cp{lay.cp}' if lay.cp > 1 else ''} pp{lay.pp}"
+            f"{f'×v{lay.virtual_stages}' if lay.virtual_stages > 1 else ''}"
+            f"{f' {lay.schedule}' if lay.pp > 1 and splits_backward(lay.schedule) else ''} dp{r.dp}"
+            f"{f' ep{lay.ep}' if lay.ep > 1 else ''}{f' etp{lay.expert_tp}' if lay.expert_tp > 1 else ''}"
+            f"{' zero1' if lay.zero else ''} "
             f"mbs{r.micro_batch} {describe(r)}")
 
 
 def _experts_cell(r: LayoutRecord) -> str:
     """The ep column: ``e``, or ``e×etp`` where each expert's width is split over etp ranks too."""
-    return f"{r.ep}×{r.expert_tp}" if r.expert_tp > 1 else str(r.ep)
+    return f"{r.layout.ep}×{r.layout.expert_tp}" if r.layout.expert_tp > 1 else str(r.layout.ep)
 
 
 def _rule_of(reason: str) -> str:
@@ -89,21 +91,23 @@ def table(records: list[LayoutRecord], hardware: Hardware, top: int, verbose: bo
     for the GPU in one line with the smallest; ``verbose``: every rejected layout with its reason."""
     feasible = [r for r in records if r.feasible][:top]
     # a mixture of experts: its expert-parallel size (× expert_tp where it splits the widths), a column of its own
-    experts = any(r.ep > 1 or r.expert_tp > 1 for r in records)
+    experts = any(r.layout.ep > 1 or r.layout.expert_tp > 1 for r in records)
     # several pipeline schedules searched: the one each layout was priced with, a column of its own
-    schedules = len({r.schedule.replace("interleaved_", "") for r in records if r.pp > 1 and r.feasible}) > 1
-    chunks = len({r.loss_chunk for r in records if r.feasible}) > 1  # several loss_chunk searched: a column
+    schedules = len({r.layout.schedule.replace("interleaved_", "") for r in records
+                     if r.layout.pp > 1 and r.feasible}) > 1
+    chunks = len({r.layout.loss_chunk for r in records if r.feasible}) > 1  # several loss_chunk searched: a column
     head = (f"| rank | tp | cp | pp | vpp |{' schedule |' if schedules else ''} dp |{' ep |' if experts else ''} zero | "
             f"mbs | m | recompute |{' loss chunk |' if chunks else ''} params | grads | main | optim | act | other | "
             f"total GB | left GB | step s | bubble | MFU |")
     lines = [head, "|" + "---|" * (21 + experts + schedules + chunks)]
     for i, r in enumerate(feasible, 1):
-        b = r.bytes
-        mfu = r.flops["model"] / (r.step_time["total"] * r.tp * r.cp * r.pp * r.dp) / hardware.peak_flops
-        lines.append(f"| {i} | {r.tp} | {r.cp} | {r.pp} | {r.vpp} |{f' {r.schedule} |' if schedules else ''} {r.dp} |"
-                     f"{f' {_experts_cell(r)} |' if experts else ''} {r.zero} | "
-                     f"{r.micro_batch} | {r.num_microbatches} | "
-                     f"{describe(r)} | " + (f"{r.loss_chunk or 'whole'} | " if chunks else "")
+        b, lay = r.bytes, r.layout
+        mfu = r.flops["model"] / (r.step_time["total"] * lay.tp * lay.cp * lay.pp * r.dp) / hardware.peak_flops
+        lines.append(f"| {i} | {lay.tp} | {lay.cp} | {lay.pp} | {lay.virtual_stages} |"
+                     f"{f' {lay.schedule} |' if schedules else ''} {r.dp} |"
+                     f"{f' {_experts_cell(r)} |' if experts else ''} {lay.zero} | "
+                     f"{r.micro_batch} | {lay.num_microbatches} | "
+                     f"{describe(r)} | " + (f"{lay.loss_chunk or 'whole'} | " if chunks else "")
                      + " | ".join(f"{b[k] / GB:.1f}" for k in (
                          "parameters", "gradients", "main_params", "optimizer", "activations", "other", "total"))
                      + f" | {(hardware.memory - b['total']) / GB:.1f} | {r.step_time['total']:.2f} | {r.bubble:.2f} | "
@@ -354,13 +358,15 @@ def _answer(args: argparse.Namespace, inventory: Any, hardware: Hardware, gpu: s
     if args.dry_run and best is not None:
         from lightning_seqpar.plan.measuring.dry_run import dry_run
 
-        print(f"\nDry run of rank 1's layout (tp {best.tp}, pp {best.pp}, vpp {best.vpp}"
-              f"{f', {best.schedule}' if best.pp > 1 else ''}"
-              f"{f', ep {best.ep}' if best.ep > 1 else ''}{f', expert_tp {best.expert_tp}' if best.expert_tp > 1 else ''}), "
+        lay = best.layout
+        print(f"\nDry run of rank 1's layout (tp {lay.tp}, pp {lay.pp}, vpp {lay.virtual_stages}"
+              f"{f', {lay.schedule}' if lay.pp > 1 else ''}"
+              f"{f', ep {lay.ep}' if lay.ep > 1 else ''}"
+              f"{f', expert_tp {lay.expert_tp}' if lay.expert_tp > 1 else ''}), "
               f"built on the meta device:")
-        for rank in range(best.pp):
-            built = dry_run(load_model_config(args.model, args.seq_len), inventory, best.tp, best.pp, best.vpp, rank,
-                            args.precision, ep=best.ep, expert_tp=best.expert_tp, schedule=best.schedule)
+        for rank in range(lay.pp):
+            built = dry_run(load_model_config(args.model, args.seq_len), inventory, lay.tp, lay.pp, lay.virtual_stages,
+                            rank, args.precision, ep=lay.ep, expert_tp=lay.expert_tp, schedule=lay.schedule)
             print(f"  pipeline rank {rank}: parameters {built.measured:,} bytes built, {built.predicted:,} predicted"
                   f"{'' if built.measured == built.predicted else '  DIFFERENT'}")
     return True

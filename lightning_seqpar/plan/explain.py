@@ -12,7 +12,7 @@ from typing import Any, Iterable, Optional, Sequence
 
 import torch.nn as nn
 
-from lightning_seqpar.moe.capacity import DispatchConfig
+from lightning_seqpar.moe.dispatch_config import DispatchConfig
 from lightning_seqpar.pipeline_parallel.config import PipelineConfig
 from lightning_seqpar.pipeline_parallel.report import ScheduleReport, schedule_report
 from lightning_seqpar.pipeline_parallel.stage import find_layer_stack

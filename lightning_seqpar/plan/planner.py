@@ -18,6 +18,7 @@ import math
 from dataclasses import replace
 from typing import Any, Optional, Union
 
+from lightning_seqpar.layout import Layout
 from lightning_seqpar.memory.activations import TransformerShape
 from lightning_seqpar.memory.flops import hardware_flops_per_iteration, mlp_forward_flops, model_flops_per_iteration
 from lightning_seqpar.optim.grad_buckets import DEFAULT_BUCKET_BYTES
@@ -116,10 +117,11 @@ def plan(inventory: ModelInventory, gpus: int, seq_len: int, global_batch: int, 
                     continue  # the strategy refuses zero=1 with expert_tp > 1
                 priced: set[Optional[int]] = set()  # the chunk sizes this layout's loss runs with, priced once each
                 for chunk_size in chunk_sizes:
-                    record = LayoutRecord(tp, cp, pp, vpp, dp, zero, mbs, 0, recompute,
-                                          main_params=zero == 1 and precision == "bf16-true", ep=ep, expert_tp=etp,
-                                          cp_comm=cp_comm if cp > 1 else "ring", schedule=name if pp > 1 else "1F1B",
-                                          loss_chunk=chunk_size)
+                    layout = Layout(tp=tp, cp=cp, pp=pp, ep=ep, expert_tp=etp, virtual_stages=vpp,
+                                    schedule=name if pp > 1 else "1F1B", cp_comm=cp_comm if cp > 1 else "ring",
+                                    zero=zero, fp32_main_params=zero == 1 and precision == "bf16-true",
+                                    loss_chunk=chunk_size, recompute=recompute)
+                    record = LayoutRecord(layout, dp, mbs)
                     effective = loss_chunk_positions(record, inventory, seq_len // cp)
                     if effective in priced:
                         continue
@@ -132,7 +134,7 @@ def plan(inventory: ModelInventory, gpus: int, seq_len: int, global_batch: int, 
                     if memory_choices and record.bytes and not record.feasible:
                         if memory_choices_on is None:
                             records += traded(record, options)
-                        elif record.recompute != "full":  # (nothing to trade under full recomputation)
+                        elif record.layout.recompute != "full":  # (nothing to trade under full recomputation)
                             candidates.append((record, options))
     for record, options in sorted(candidates, key=lambda c: c[0].bytes["total"])[:memory_choices_on or 0]:
         records += traded(record, options)
@@ -146,16 +148,17 @@ def traded(record: LayoutRecord, options: tuple) -> list[LayoutRecord]:
     out = []
     mixture = options[0].experts is not None
     for modules, offload in trades(mixture):
-        if memory_choice_rule(record.recompute, modules, offload, record.cp, options[0].eager_attention,
+        if memory_choice_rule(record.layout.recompute, modules, offload, record.layout.cp, options[0].eager_attention,
                               mixture) is not None:
             continue
-        other = replace(record, modules=modules, offload=offload, feasible=False, reason=None, bytes={}, other={},
-                        host={}, flops={}, collective_bytes={}, step_time={})
+        other = replace(record, layout=record.layout.replace(recompute_modules=modules, offload=offload),
+                        feasible=False, reason=None, bytes={}, other={}, host={}, flops={}, collective_bytes={},
+                        step_time={})
         _evaluate(other, *options)
         if other.feasible:
             cost = other.step_time.get("offload", 0.0)
-            other.why = (f"{describe(other)}: {other.bytes['total'] / 1e9:.1f} GB where {record.recompute} alone needs "
-                         f"{record.bytes['total'] / 1e9:.1f} GB" + (
+            other.why = (f"{describe(other)}: {other.bytes['total'] / 1e9:.1f} GB where {record.layout.recompute} "
+                         f"alone needs {record.bytes['total'] / 1e9:.1f} GB" + (
                              "" if not offload else f", {other.host['moved_per_step'] / 1e9:.1f} GB each way per step"
                              + (f" adding {cost:.3f} s of host-link time" if cost else " hidden under the compute")))
         out.append(other)
@@ -164,16 +167,17 @@ def traded(record: LayoutRecord, options: tuple) -> list[LayoutRecord]:
 
 def predict(inventory: ModelInventory, record: LayoutRecord, seq_len: int, global_batch: int, *,
             hardware: Hardware = Hardware(), precision: str = "bf16-mixed", headroom: float = 0.8,
-            schedule: str = "1F1B", attention_dropout: bool = False, calibrate: bool = True,
+            schedule: Optional[str] = None, attention_dropout: bool = False, calibrate: bool = True,
             fits: Optional[dict[tuple, Any]] = None, optimizer: str = "adamw") -> LayoutRecord:
-    """Fill in ``record`` (one layout: its ``tp``, ``pp``, ``vpp``, ``dp``, ``zero``, ``micro_batch``, ``recompute``,
-    ``main_params``) as :func:`plan` does: its rules, bytes of its most loaded rank, FLOPs, traffic, step time.
-    ``fits``: the probes' cache, shared between calls. Returns ``record``.
+    """Fill in ``record`` (its :class:`~lightning_seqpar.Layout`, ``dp`` and ``micro_batch``) as :func:`plan` does:
+    its rules, bytes of its most loaded rank, FLOPs, traffic, step time. ``schedule``: the layout's own when
+    ``None``. ``fits``: the probes' cache, shared between calls. Returns ``record``.
 
     Raises:
         ValueError: an unknown precision or optimizer.
     """
     _check(precision, optimizer)
+    schedule = schedule or record.layout.schedule
     _evaluate(record, inventory, seq_len, global_batch, hardware, precision, headroom, schedule, attention_dropout,
               ProbedMeasurements({} if fits is None else fits) if calibrate else None, optimizer)
     return record
@@ -194,9 +198,9 @@ def _attention_call(record: LayoutRecord, shape: TransformerShape) -> float:
     """FLOPs of one core-attention call on a rank, forward and backward (``12·b·s²·h``, Eq. 7's share, over the rank's
     part): ``b`` sequences, ``h/t`` query width, ``s/c`` queries against ``s/c`` keys per block under the ring; the
     whole sequence over ``h/(t·c)`` under all-to-all context parallelism."""
-    b, s, width = record.micro_batch, shape.s / record.cp, shape.h / record.tp
-    if record.cp > 1 and record.cp_comm == "all_to_all":
-        s, width = shape.s, width / record.cp
+    b, s, width = record.micro_batch, shape.s / record.layout.cp, shape.h / record.layout.tp
+    if record.layout.cp > 1 and record.layout.cp_comm == "all_to_all":
+        s, width = shape.s, width / record.layout.cp
     return 12 * b * s * s * width
 
 
@@ -204,22 +208,23 @@ def _context_messages(record: LayoutRecord) -> int:
     """Messages one rank sends per layer and micro-batch in its context-parallel attention: the ring's key/value
     block to the next rank c − 1 times forward and, backward, the blocks and their gradients; all-to-all: q, k, v and
     the output forward, their gradients backward. A full recomputation's forward again."""
-    forward, backward = (record.cp - 1, 2 * (record.cp - 1)) if record.cp_comm == "ring" else (4, 4)
-    return forward * (2 if record.recompute == "full" else 1) + backward
+    lay = record.layout
+    forward, backward = (lay.cp - 1, 2 * (lay.cp - 1)) if lay.cp_comm == "ring" else (4, 4)
+    return forward * (2 if lay.recompute == "full" else 1) + backward
 
 
 def _context_bytes(inventory: ModelInventory, record: LayoutRecord, s: int, element: int) -> float:
     """Bytes one rank sends per layer and micro-batch in its context-parallel attention, forward and backward (the
     ring's key/value blocks and their gradients, or the all-to-alls: ``context_parallel.attention.bytes_per_layer``;
     a full recomputation's forward again); 0 without context parallelism."""
-    if record.cp == 1:
+    if record.layout.cp == 1:
         return 0.0
     from lightning_seqpar.context_parallel.attention import bytes_per_layer
 
-    sent = bytes_per_layer(record.cp_comm, record.micro_batch, s, inventory.num_heads, inventory.num_kv_heads,
-                           inventory.head_dim, record.tp, record.cp, element)
+    sent = bytes_per_layer(record.layout.cp_comm, record.micro_batch, s, inventory.num_heads, inventory.num_kv_heads,
+                           inventory.head_dim, record.layout.tp, record.layout.cp, element)
     forward, backward = (sum(sent[k].values()) for k in ("forward", "backward"))
-    return forward * (2 if record.recompute == "full" else 1) + backward
+    return forward * (2 if record.layout.recompute == "full" else 1) + backward
 
 
 def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_batch: int, hardware: Hardware,
@@ -229,16 +234,16 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
     """Fill ``record``: the rules' verdict, then its peak bytes, FLOPs, traffic and step time, and whether it fits;
     ``state_floor``: not priced past its model state where that alone exceeds the GPU (:func:`plan`)."""
     record.reason = layout_rule(record, inventory, s, global_batch, hardware)
-    if record.reason is None and record.pp > 1:
-        record.reason = chunks_rule(schedule, record.vpp)
+    if record.reason is None and record.layout.pp > 1:
+        record.reason = chunks_rule(schedule, record.layout.virtual_stages)
     if record.reason is not None:
         return
-    name = resolve_schedule(schedule, record.vpp) if record.pp > 1 else "1F1B"
-    record.schedule = name
-    layout = stage_layout(inventory, record.pp, record.vpp, placement=stage_placement_of(name))
+    name = resolve_schedule(schedule, record.layout.virtual_stages) if record.layout.pp > 1 else "1F1B"
+    record.layout = record.layout.replace(schedule=name)
+    layout = stage_layout(inventory, record.layout.pp, record.layout.virtual_stages, placement=stage_placement_of(name))
     if state_floor:
         floor, stage = max((rank_state(record, inventory, precision, optimizer, layout, rank).floor, rank)
-                           for rank in range(record.pp))
+                           for rank in range(record.layout.pp))
         if floor > headroom * hardware.memory:
             record.state_floor, record.stage = floor, stage
             record.reason = (f"its model state alone needs {floor / 1e9:.1f} GB > {headroom:g} × "
@@ -247,22 +252,22 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
     moved = peak_bytes(record, inventory, s, precision, dropout, measured, optimizer, layout)
     shape, executed = _flops(record, inventory, s, global_batch)
     traffic, held = _traffic(record, inventory, s, precision, hardware, layout)
-    tp, pp, vpp, dp, b, m = record.tp, record.pp, record.vpp, record.dp, record.micro_batch, record.num_microbatches
-    cp, local = record.cp, s // record.cp
-    layers_per_rank, width, ranks = inventory.num_layers // pp, record.ep * record.expert_tp, tp * cp * pp * dp
+    lay, dp, b = record.layout, record.dp, record.micro_batch
+    tp, pp, vpp, m, cp, local = lay.tp, lay.pp, lay.virtual_stages, lay.num_microbatches, lay.cp, s // lay.cp
+    layers_per_rank, width, ranks = inventory.num_layers // pp, lay.ep * lay.expert_tp, tp * cp * pp * dp
     record.bubble = (pp - 1) / (vpp * m) if pp > 1 else 0.0
     if pp > 1 and splits_backward(name):
         # idle over compute; F : B : W = 1 : 2 − w : w, w the deferred weights' share of the backward's weight GEMMs
         # (Eq. 7's 2 : 4 split of the FLOPs, halved: 1 : 1 : 1 when every weight trains; LoRA's W is its adapters'),
         # and under full recomputation B runs the layer's forward again first (Eq. 8): 1 : 3 − w : w
-        w, again = inventory.weight_gradient_share, 1.0 if record.recompute == "full" else 0.0
+        w, again = inventory.weight_gradient_share, 1.0 if lay.recompute == "full" else 0.0
         idle = bubble_fraction(name, m, pp, costs=(1.0, 2.0 - w + again, w))
         record.bubble = idle / (1 - idle)
-    attention = attention_flops(shape, global_batch, record.recompute)
+    attention = attention_flops(shape, global_batch, lay.recompute)
     ffn = inventory.ffn_hidden_size
     # the elements this rank's optimizer updates: its trainable shards, a 1/(d·c) range of them under zero 1
-    dense, experts = trained_elements(inventory, layout, record.stage, tp, record.ep, record.expert_tp)
-    if record.zero:
+    dense, experts = trained_elements(inventory, layout, record.stage, tp, lay.ep, lay.expert_tp)
+    if lay.zero:
         dense, experts = dense / (dp * cp), experts / max(1, tp * dp * cp // width)
     work = elementwise_work(record, inventory, s, precision, measured) if hardware.calibration is not None else None
     times = step_times(hardware, executed / ranks, attention / ranks,
@@ -270,12 +275,12 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
                        record.bubble,
                        optimizer_elements=dense + experts, elementwise=work)
     if optimizer == "muon":  # Newton-Schulz on the owned matrices, nominal; their pieces within the tp group
-        ns, sent = muon_step_cost(held, tp, record.ep, record.expert_tp, dp * cp if record.zero else 1)
+        ns, sent = muon_step_cost(held, tp, lay.ep, lay.expert_tp, dp * cp if lay.zero else 1)
         times["newton_schulz"] = ns / (hardware.efficiency * hardware.peak_flops)
         times["muon_exchange"] = sent / hardware.intra_node_bandwidth
     compute = times["compute"]
     record.timing = "measured rates" if hardware.calibration is not None else "rough estimate"
-    if record.offload:  # the host holds, at most, what the rank with the most layer-micro-batches in flight offloaded
+    if lay.offload:  # the host holds, at most, what the rank with the most layer-micro-batches in flight offloaded
         in_flight = max(sum(n * layout.sizes[layout.stages_of(rank)[c]] for c, n in enumerate(counts))
                         for rank in range(pp) for counts, _, _, _ in backward_moments(name, m, pp, vpp, rank))
         record.host, times["offload"] = host_traffic(moved, layers_per_rank, m, in_flight, compute,
@@ -298,13 +303,13 @@ def _flops(record: LayoutRecord, inventory: ModelInventory, s: int, global_batch
     """Model and hardware FLOPs per step into ``record.flops`` (Eq. 7, Eq. 8, with recomputation by module and the
     loss's chunks made again, less the weight-gradient GEMMs of frozen weights); returns the shape they were counted
     on and the hardware FLOPs."""
-    positions = loss_chunk_positions(record, inventory, s // record.cp)
+    positions = loss_chunk_positions(record, inventory, s // record.layout.cp)
     shape = TransformerShape(s=s, b=1, h=inventory.hidden_size, a=inventory.num_heads, L=inventory.num_layers,
                              v=inventory.vocab_size, ffn_hidden_size=inventory.ffn_hidden_size,
                              num_kv_heads=inventory.num_kv_heads, gated_mlp=inventory.gated_mlp)
     model = model_flops_per_iteration(shape, global_batch)
-    executed = hardware_flops_per_iteration(shape, global_batch, record.recompute)
-    if "mlp" in record.modules:  # one more MLP forward per layer
+    executed = hardware_flops_per_iteration(shape, global_batch, record.layout.recompute)
+    if "mlp" in record.layout.recompute_modules:  # one more MLP forward per layer
         executed += inventory.num_layers * mlp_forward_flops(shape, global_batch)
     if positions is not None:  # the loss in chunks: each chunk's logits made again in backward, the head's GEMM again
         executed += 2 * global_batch * s * inventory.hidden_size * inventory.vocab_size
@@ -318,17 +323,17 @@ def _traffic(record: LayoutRecord, inventory: ModelInventory, s: int, precision:
     """Bytes each rank sends per step by kind into ``record.collective_bytes``, and each kind's :class:`Traffic` (how
     many collectives, of which kind, over how many ranks, across nodes or not); also the entries the most loaded
     rank holds (:func:`~..pricing.state.held_entries`)."""
-    tp, pp, vpp, dp, b, m = record.tp, record.pp, record.vpp, record.dp, record.micro_batch, record.num_microbatches
-    cp, local = record.cp, s // record.cp
+    lay, dp, b = record.layout, record.dp, record.micro_batch
+    tp, pp, vpp, m, cp, local = lay.tp, lay.pp, lay.virtual_stages, lay.num_microbatches, lay.cp, s // lay.cp
     element = activation_element_bytes(precision)
     sbh = element * local * b * inventory.hidden_size
     layers_per_rank = inventory.num_layers // pp
     # g/ḡ pairs per layer: the attention's, and the MLP's (a mixture's shared expert; its routed experts use none)
     pairs = 1 + (inventory.experts is None or inventory.experts.shared_ffn > 0)
-    collectives = 4 * pairs + (2 * pairs if record.recompute == "full" else 0)
+    collectives = 4 * pairs + (2 * pairs if lay.recompute == "full" else 0)
     held = held_entries(inventory, layout, record.stage)
-    width = record.ep * record.expert_tp  # ranks splitting each expert tensor
-    dense, experts = trained_elements(inventory, layout, record.stage, tp, record.ep, record.expert_tp)
+    width = lay.ep * lay.expert_tp  # ranks splitting each expert tensor
+    dense, experts = trained_elements(inventory, layout, record.stage, tp, lay.ep, lay.expert_tp)
     expert_gradients, gradient_bytes = 4 * experts, 4 * dense
     record.collective_bytes = {
         "tensor": layers_per_rank * m * collectives * ring_bytes("all_gather", sbh, tp),
@@ -347,16 +352,16 @@ def _traffic(record: LayoutRecord, inventory: ModelInventory, s: int, precision:
         # one all-reduce per gradient bucket (dense and expert buckets apart); under zero 1 a reduce-scatter of the
         # gradients and an all-gather of the parameters per bucket, each half the volume, each at its own rate (gloo
         # on 2 CPU processes: a reduce-scatter at a third of the all-reduce's bandwidth)
-        "data": ((1 + (record.zero > 0)) * (math.ceil(gradient_bytes / DEFAULT_BUCKET_BYTES)
-                                           + math.ceil(expert_gradients / DEFAULT_BUCKET_BYTES)),
-                 ("reduce_scatter", "all_gather") if record.zero else ("all_reduce",), dp * cp, spans(ranks)),
+        "data": ((1 + (lay.zero > 0)) * (math.ceil(gradient_bytes / DEFAULT_BUCKET_BYTES)
+                                         + math.ceil(expert_gradients / DEFAULT_BUCKET_BYTES)),
+                 ("reduce_scatter", "all_gather") if lay.zero else ("all_reduce",), dp * cp, spans(ranks)),
         # (the nominal model prices every stage boundary at the network's rate)
         "pipeline": (2 * m * vpp, ("send_recv",), 2, hardware.calibration is None or spans(ranks)),
         # the dropless dispatch's split counts, its rows and the combine's forward (again under full recomputation),
         # the rows' and the combine's backward (moe/dispatch.py)
-        "expert": (moe_layers * m * (8 if record.recompute == "full" else 5), ("all_to_all",), width, spans(tp * width)),
-        "context": (layers_per_rank * m * _context_messages(record), ("all_to_all",) if record.cp_comm == "all_to_all"
-                    else ("send_recv",), cp, spans(tp * cp)),
+        "expert": (moe_layers * m * (8 if lay.recompute == "full" else 5), ("all_to_all",), width, spans(tp * width)),
+        "context": (layers_per_rank * m * _context_messages(record),
+                    ("all_to_all",) if lay.cp_comm == "all_to_all" else ("send_recv",), cp, spans(tp * cp)),
     }
     traffic = {kind: Traffic(record.collective_bytes[kind], count if record.collective_bytes[kind] else 0, collective,
                              group, inter) for kind, (count, collective, group, inter) in collectives_of.items()}

@@ -9,6 +9,7 @@ from typing import Any, Literal, Optional, Sequence
 import torch.nn as nn
 
 from lightning_seqpar.memory.activations import TransformerShape
+from lightning_seqpar.memory.conflicts import RECOMPUTE_MODULES
 from lightning_seqpar.recompute.planner import RecomputePlan
 from lightning_seqpar.transformer.core_attention import CoreAttention
 from lightning_seqpar.transformer.roles import LayerStack, ParallelLayer
@@ -166,17 +167,6 @@ def apply_recompute_plan(model: nn.Module, plan: RecomputePlan) -> None:
             _selective_outside_full(model)
     else:
         apply_recompute(model, plan.granularity)
-
-
-RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp", "moe_act", "shared_experts", "moe", "full")
-"""The modules :func:`apply_recompute_modules` recomputes (Megatron-Core's ``recompute_modules`` names): the core
-attention (QKᵀ, softmax, dropout, ·V: the paper's selective recomputation), the norms before attention and MLP (their
-outputs, ``[s/t, b, h]`` each, made again from their kept inputs when the input projections' backward reads them;
-pre-norm blocks), a dense MLP (its inner ``[s, b, f/t]``
-activations: the all-gathered input, the fc1 outputs, the activation), the experts' activation (only the gate/up projection's
-output kept: the activation and its output made again in backward), a mixture's shared expert (a dense MLP on every
-token: its input kept), a mixture of experts (router, dispatch, experts,
-combine and shared expert run again in backward, their all-to-alls included; only its input is kept), whole layers."""
 
 
 def module_names(modules: Any, known: Sequence[str]) -> list[str]:

@@ -3,7 +3,7 @@
     policy = DeclaredBlockPolicy(Block, BlockSpec(attention_norm="ln_1", mlp_norm="ln_2", qkv="attn.c_attn",
                                                   attention_out="attn.c_proj", mlp_in="mlp.c_fc",
                                                   mlp_out="mlp.c_proj", activation="F.gelu", num_heads="attn.n_head"))
-    SeqParallelStrategy(tp=2, policies=[policy])
+    SeqParallelStrategy(tp=2, rewriting=RewriteConfig(policies=[policy]))
 
 The built-in Hugging Face policy is one of these, its spec read off each model's config
 (:mod:`lightning_seqpar.hf.layouts`).

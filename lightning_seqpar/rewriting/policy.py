@@ -23,8 +23,9 @@ class Policy:
     """Rewrites instances of one block class.
 
     Subclass it (or :class:`StackPolicy` / :class:`ModelPolicy`), set :attr:`block`, and implement :meth:`check`, :meth:`describe`
-    and :meth:`rewrite`. Hand it to the strategy with ``SeqParallelStrategy(policies=[...])``, or let
-    the block class declare it (:class:`DeclaresPolicy`).
+    and :meth:`rewrite`. Hand it to the strategy with
+    ``SeqParallelStrategy(rewriting=RewriteConfig(policies=[...]))``, or let the block class declare it
+    (:class:`DeclaresPolicy`).
 
     What the replacement must provide (:mod:`lightning_seqpar.transformer.roles`), so that every feature works:
 

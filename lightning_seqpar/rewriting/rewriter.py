@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch.nn as nn
 
 from lightning_seqpar.context_parallel import ContextParallel
-from lightning_seqpar.moe.capacity import DispatchConfig
+from lightning_seqpar.moe.dispatch_config import DispatchConfig
 from lightning_seqpar.parallel.collectives import ParallelGroup
 from lightning_seqpar.rewriting.policy import DeclaresPolicy, Policy
 from lightning_seqpar.transformer.context import RewriteContext
@@ -210,8 +210,9 @@ def plan_rewrite(model: nn.Module, ctx: RewriteContext, policies: Iterable[Polic
             f"{_why_not(_candidate_blocks(model), registry)}. "
             f"Known blocks: {known}. Describe your block in a few lines: `DeclaredBlockPolicy(MyBlock, BlockSpec("
             f"attention_norm=..., qkv=... or q/k/v=..., attention_out=..., mlp_in=... or gate/up=..., mlp_out=..., "
-            f"activation=..., num_heads=...))` from lightning_seqpar, passed as `SeqParallelStrategy(policies=[...])`; "
-            f"or write a `lightning_seqpar.Policy` (or return one from the class's `parallel_policy()` classmethod)."
+            f"activation=..., num_heads=...))` from lightning_seqpar, passed as "
+            f"`SeqParallelStrategy(rewriting=RewriteConfig(policies=[...]))`; or write a `lightning_seqpar.Policy` (or "
+            f"return one from the class's `parallel_policy()` classmethod)."
         )
     refuse_unsupported_peft(model, [e.name for e in plan.entries if not e.policy.around_layers])
     policies = list(policies)

@@ -43,7 +43,7 @@ MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cu
 
 @dataclass(frozen=True)
 class CompileConfig:
-    """How the strategy compiles each rewritten block (``SeqParallelStrategy(compile=...)``).
+    """How the strategy compiles each rewritten block (``RewriteConfig(compile=...)``).
 
     Attributes:
         backend: a ``torch.compile`` backend: ``"inductor"`` (fused kernels; the default) or a debugging one
@@ -79,7 +79,8 @@ class CompileConfig:
 def compile_config_of(value: Union[bool, CompileConfig, Mapping[str, Any], None]) -> Optional[CompileConfig]:
     """The strategy's ``compile=`` argument as a :class:`CompileConfig`, or ``None`` (eager).
 
-    ``True``: the defaults (inductor); a mapping (a recipe's ``strategy.compile: {backend: aot_eager}``): its keys.
+    ``True``: the defaults (inductor); a mapping (a recipe's ``strategy.rewriting.compile: {backend: aot_eager}``):
+    its keys.
 
     Raises:
         ValueError: anything else, or a mapping with keys :class:`CompileConfig` does not have.

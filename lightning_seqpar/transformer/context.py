@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from lightning_seqpar.context_parallel.runtime import ContextParallel
-from lightning_seqpar.moe.capacity import DispatchConfig
+from lightning_seqpar.moe.dispatch_config import DispatchConfig
 from lightning_seqpar.parallel.collectives import ParallelGroup
 from lightning_seqpar.parallel.placement import placement_of
 from lightning_seqpar.parallel.random import RNGTracker

@@ -25,7 +25,7 @@ class MLPSlot(Protocol):
     Attributes:
         kind: the name that recomputes the whole slot (Megatron-Core's ``recompute_modules``): ``"mlp"`` for a
             dense MLP, ``"moe"`` for a mixture of experts.
-        recompute_modules: the names of :data:`~lightning_seqpar.recompute.apply.RECOMPUTE_MODULES` that recompute
+        recompute_modules: the names of :data:`~lightning_seqpar.memory.conflicts.RECOMPUTE_MODULES` that recompute
             something of this slot (its :attr:`kind`, and a mixture's ``moe_act`` and ``shared_experts``, the latter
             where it has a shared expert).
         offload_modules: the names of :data:`~lightning_seqpar.offload.OFFLOAD_MODULES` whose regions this slot runs:

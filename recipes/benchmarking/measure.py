@@ -15,7 +15,7 @@ from lightning_seqpar.memory.activations import (Recompute, TransformerShape, la
 from lightning_seqpar.memory.mixture import MixtureShape
 from lightning_seqpar.memory.tracker import LiveActivationTracker, StorageRecord
 from lightning_seqpar.models.gpt import GPT, GPTConfig
-from lightning_seqpar.moe.capacity import DispatchConfig
+from lightning_seqpar.moe.dispatch_config import DispatchConfig
 from lightning_seqpar.parallel.collectives import ParallelGroup
 from lightning_seqpar.parallel.random import RNGTracker
 from lightning_seqpar.offload import HostPool, apply_offload

@@ -66,6 +66,7 @@ class PipelineResult:
 def _fit(row: PipelineRow, cfg: dict[str, Any], device: torch.device, out_dir: str) -> None:
     import lightning.pytorch as pl
 
+    from lightning_seqpar import Layout
     from lightning_seqpar.lightning.strategy import SeqParallelStrategy
     from lightning_seqpar.memory.tracker import LiveActivationTracker
     from lightning_seqpar.models.gpt import GPTConfig
@@ -102,8 +103,8 @@ def _fit(row: PipelineRow, cfg: dict[str, Any], device: torch.device, out_dir: s
                 record["sends"] = sum(1 for steps in program.values() for step in steps
                                       for t in getattr(step, "transfers", ()) if t.send and not t.header)
 
-    strategy = SeqParallelStrategy(tp=row.tp, pp=row.pp, num_microbatches=cfg["num_microbatches"],
-                                   schedule=row.schedule)
+    strategy = SeqParallelStrategy(tp=row.tp, pp=row.pp, layout=Layout(num_microbatches=cfg["num_microbatches"],
+                                                                      schedule=row.schedule))
     steps = cfg["warmup"] + cfg["iters"] + 1
     trainer = pl.Trainer(accelerator=device.type, devices=row.world, strategy=strategy, max_steps=steps,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,

@@ -108,14 +108,15 @@ def _chosen(cfg: dict[str, Any], world: int, calibration: Any) -> list[tuple[int
 def _describe(r: Any) -> str:
     from lightning_seqpar.pipeline_parallel.schedules import V_SHAPED, splits_backward
 
-    pipeline = f" v {r.vpp}" if r.vpp > 1 and r.schedule not in V_SHAPED else \
-        f" {r.schedule}" if r.pp > 1 and splits_backward(r.schedule) else ""
-    experts = f" ep {r.ep}" if r.ep > 1 else ""
-    experts += f" etp {r.expert_tp}" if r.expert_tp > 1 else ""
+    lay = r.layout
+    pipeline = f" v {lay.virtual_stages}" if lay.virtual_stages > 1 and lay.schedule not in V_SHAPED else \
+        f" {lay.schedule}" if lay.pp > 1 and splits_backward(lay.schedule) else ""
+    experts = f" ep {lay.ep}" if lay.ep > 1 else ""
+    experts += f" etp {lay.expert_tp}" if lay.expert_tp > 1 else ""
     from lightning_seqpar.plan.pricing.memory_choices import describe
 
-    return (f"tp {r.tp}{f' cp {r.cp}' if r.cp > 1 else ''} pp {r.pp}{pipeline} dp {r.dp}{experts}"
-            f"{' zero 1' if r.zero else ''} mbs {r.micro_batch}{f' m {r.num_microbatches}' if r.pp > 1 else ''} "
+    return (f"tp {lay.tp}{f' cp {lay.cp}' if lay.cp > 1 else ''} pp {lay.pp}{pipeline} dp {r.dp}{experts}"
+            f"{' zero 1' if lay.zero else ''} mbs {r.micro_batch}{f' m {lay.num_microbatches}' if lay.pp > 1 else ''} "
             f"{describe(r).replace('|offload ', ', offload ')}")  # (a markdown table's cell: no bar)
 
 
@@ -125,8 +126,6 @@ def _measure(record: Any, cfg: dict[str, Any], world: int, device: torch.device)
     from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_seqpar import SeqParallelStrategy
-    from lightning_seqpar.lightning.auto_layout import memory_callbacks
-    from lightning_seqpar.lightning.config import DataParallelConfig
     from lightning_seqpar.lightning.callbacks import StepPeak
     from lightning_seqpar.memory.cuda_autocast import cuda_autocast_rules
 
@@ -153,27 +152,21 @@ def _measure(record: Any, cfg: dict[str, Any], world: int, device: torch.device)
 
     dp = record.dp
     per_rank = cfg["global_batch"] // dp
-    pipelined = record.pp > 1
+    pipelined = record.layout.pp > 1
     accumulate = 1 if pipelined else per_rank // record.micro_batch
     clock, peak = Clock(), StepPeak(step=1)
-    # the recomputation and offload the record was priced with (recomputation by module and offload: a traded layout)
-    recompute = None if record.recompute == "none" else record.recompute
-    callbacks: list = [clock, peak, *memory_callbacks(record, recompute)]
+    callbacks: list = [clock, peak]  # the layout's recomputation and offload: the strategy adds their callbacks
     if cfg["warmup"] < 2:
         raise ValueError(f"warmup={cfg['warmup']}: at least 2 (the second step's peak is measured, outside the timing).")
     steps = cfg["warmup"] + cfg["steps"] + 1  # one more: the last step's start ends the one before
-    pipeline = dict(num_microbatches=record.num_microbatches, schedule=record.schedule,
-                    virtual_stages=record.vpp) if pipelined else {}
-    strategy = SeqParallelStrategy(tp=record.tp, pp=record.pp, cp=record.cp, cp_comm=record.cp_comm, ep=record.ep,
-                                   expert_tp=record.expert_tp, data_parallel=DataParallelConfig(zero=record.zero,
-                                                                    fp32_main_params=record.main_params), **pipeline)
+    strategy = SeqParallelStrategy(layout=record.layout)  # the layout as priced, the planner's own value
     trainer = pl.Trainer(accelerator=device.type, devices=world, precision=cfg["precision"], max_steps=steps,
                          strategy=strategy, accumulate_grad_batches=accumulate, callbacks=callbacks, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          limit_val_batches=0, num_sanity_val_steps=0, use_distributed_sampler=False)
     # tensor- and context-parallel peers read the same batch: seeded by the data-parallel rank (the mesh's order,
     # tp fastest, then cp, then dp)
-    data_rank = dist.get_rank() // (record.tp * record.cp) % record.dp
+    data_rank = dist.get_rank() // (record.layout.tp * record.layout.cp) % record.dp
     tokens = torch.randint(0, cfg["vocab_size"], (steps * per_rank, cfg["s"]),
                            generator=torch.Generator().manual_seed(data_rank))
     autocast_rules = cuda_autocast_rules() if device.type == "cpu" else contextlib.nullcontext()

@@ -129,6 +129,7 @@ class _Measure:
 def _ours(row: Row, cfg: dict[str, Any], device: torch.device, out_dir: str) -> None:
     import lightning.pytorch as pl
 
+    from lightning_seqpar import Layout
     from lightning_seqpar.lightning.strategy import SeqParallelStrategy
     from lightning_seqpar.models.gpt import GPTConfig
     from lightning_seqpar.models.module import GPTLightningModule
@@ -149,7 +150,7 @@ def _ours(row: Row, cfg: dict[str, Any], device: torch.device, out_dir: str) -> 
                 group.log = None
 
     steps = cfg["warmup"] + cfg["iters"] + 1
-    strategy = SeqParallelStrategy(tp=row.tp, pp=row.pp, zero=row.zero)
+    strategy = SeqParallelStrategy(tp=row.tp, pp=row.pp, layout=Layout(zero=row.zero))
     trainer = pl.Trainer(accelerator=device.type, devices=row.world, strategy=strategy, max_steps=steps,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, num_sanity_val_steps=0, callbacks=[Callback()],

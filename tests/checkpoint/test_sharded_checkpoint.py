@@ -16,6 +16,7 @@ from lightning_seqpar.checkpoint.safe_reader import read_metadata
 from tests.helpers.distributed import run_distributed
 from tests.helpers.models import build
 from tests.helpers.resume import EPOCH_STEPS, epoch_loader, epoch_trainer, reference_epochs, train_epochs
+from tests.helpers.strategy import strategy_of
 
 pytestmark = pytest.mark.distributed  # starts processes: outside the fast lane
 
@@ -24,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _run(rank, world, tp, pp, zero, epochs, directory, resume, async_save=False):
     """Train the seeded tiny GPT under (tp, pp, dp = world/(tp·pp), zero); save last.ckpt; return logged losses."""
-    return train_epochs(rank, world, SeqParallelStrategy(tp=tp, pp=pp, zero=zero, async_save=async_save),
+    return train_epochs(rank, world, strategy_of(tp=tp, pp=pp, zero=zero, async_save=async_save),
                         build("gpt"), epochs, directory, resume)
 
 
@@ -111,7 +112,7 @@ def test_consolidated_checkpoint_loads_into_the_plain_model(saved, tmp_path):
 
 
 def _validatedepoch_trainer(world, tp, pp, **strategy):
-    trainer = epoch_trainer(SeqParallelStrategy(tp=tp, pp=pp, **strategy), world, 1)
+    trainer = epoch_trainer(strategy_of(tp=tp, pp=pp, **strategy), world, 1)
     module = build("gpt")
     trainer.validate(module, epoch_loader(1, 0), verbose=False)  # sets up the parallel model
     return trainer, module
@@ -183,7 +184,7 @@ def _async(rank, world, path):
 
     FileSystemWriter.write_data = gated
     probe = _GatedSave(path, gate)
-    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=SeqParallelStrategy(tp=2, async_save=True),
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy_of(tp=2, async_save=True),
                          precision="64-true", max_steps=4, logger=False, enable_checkpointing=False, callbacks=[probe],
                          enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
     trainer.fit(build("gpt"), epoch_loader(1, 0))  # teardown waits for the save in flight

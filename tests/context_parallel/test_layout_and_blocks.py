@@ -4,7 +4,7 @@ kernel against dense attention (values and gradients, float64), and the refusals
 import pytest
 import torch
 
-from lightning_seqpar import SeqParallelStrategy
+from lightning_seqpar import Layout, SeqParallelStrategy
 from lightning_seqpar.context_parallel import (
     LAYOUT_ARGUMENT, ContextParallel, ContextParallelBatch, check_all_to_all_heads, check_context_length,
     context_parallel_attention, documents_from_positions, local_indices,
@@ -178,7 +178,7 @@ def test_refusals_name_the_numbers_and_the_fix():
     with pytest.raises(ValueError, match=r"2 query heads and 1 key/value heads .*cp_comm='ring'"):
         check_all_to_all_heads(2, 1, 2, "here")
     with pytest.raises(ValueError, match="cp_comm='ulysses'"):
-        SeqParallelStrategy(cp=2, cp_comm="ulysses")
+        SeqParallelStrategy(cp=2, layout=Layout(cp_comm="ulysses"))
     with pytest.raises(ValueError, match="`cp` must be a positive integer, got 0"):
         SeqParallelStrategy(cp=0)
     with pytest.raises(ValueError, match=r"not divisible by tp·cp·pp = 2·2·1 = 4"):
@@ -252,9 +252,10 @@ def test_the_recipe_strategy_group_builds_a_context_parallel_strategy():
 
     conf = Path(__file__).resolve().parents[2] / "conf"
     with initialize_config_dir(str(conf), version_base=None):
-        cfg = compose("config", overrides=["model=llama_tiny", "strategy=tp2_cp2", "strategy.cp_comm=all_to_all"])
+        overrides = ["model=llama_tiny", "strategy=tp2_cp2", "strategy.layout.cp_comm=all_to_all"]
+        cfg = compose("config", overrides=overrides)
     strategy = SeqParallelStrategy(**OmegaConf.to_container(cfg.strategy, resolve=True))
-    assert (strategy.tp, strategy.cp, strategy.parallel.cp_comm) == (2, 2, "all_to_all")
+    assert (strategy.tp, strategy.cp, strategy.layout.cp_comm) == (2, 2, "all_to_all")
     assert cfg.model.block_size % (2 * strategy.cp * strategy.tp) == 0  # the published block splits
 
 

@@ -12,6 +12,7 @@ from lightning_seqpar.context_parallel.attention import bytes_per_layer
 from lightning_seqpar.parallel import CommunicationLog
 from tests.helpers.distributed import run_distributed
 from tests.helpers.models import BATCH, SEQ, build, loader, token_data
+from tests.helpers.strategy import strategy_of
 
 pytestmark = pytest.mark.distributed  # starts processes: outside the fast lane
 
@@ -33,7 +34,7 @@ class _Traffic(pl.Callback):
 def _train(rank, world_size, precision, comm):
     traffic = _Traffic()
     trainer = pl.Trainer(accelerator="cpu", devices=world_size, precision=precision, max_steps=2, logger=False,
-                         strategy=SeqParallelStrategy(cp=world_size, cp_comm=comm), callbacks=[traffic],
+                         strategy=strategy_of(cp=world_size, cp_comm=comm), callbacks=[traffic],
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          limit_val_batches=0, num_sanity_val_steps=0)
     torch.manual_seed(0)

@@ -11,7 +11,8 @@ import pytest
 import torch
 from torch import Tensor
 
-from lightning_seqpar import SelectiveRecompute, SeqParallelStrategy
+from lightning_seqpar import SelectiveRecompute
+from tests.helpers.strategy import strategy_of
 from tests.helpers.distributed import run_distributed
 from tests.helpers.models import BATCH, Recorder, build, loader, reference_run, token_data
 
@@ -55,8 +56,8 @@ def fit(case: Case, world_size: int, steps: int = STEPS, callbacks=(), epoch_ste
     trainer_kwargs.update(overrides)
     accumulate = trainer_kwargs.get("accumulate_grad_batches", 1)
     trainer = pl.Trainer(
-        strategy=SeqParallelStrategy(tp=case.tp, pp=case.pp, cp=case.cp, sequence_parallel=case.sequence_parallel,
-                                     **dict(case.strategy)),
+        strategy=strategy_of(tp=case.tp, pp=case.pp, cp=case.cp, sequence_parallel=case.sequence_parallel,
+                             **dict(case.strategy)),
         callbacks=[recorder, *extra], **trainer_kwargs,
     )
     data = token_data((epoch_steps or steps) * accumulate, case.dp(world_size), batch=case.batch)

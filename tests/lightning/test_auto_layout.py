@@ -54,8 +54,7 @@ def _fit(rank, world, budgets, fits):
             out.append(str(error))
             continue
         chosen = strategy.chosen_layout
-        out.append(((chosen.tp, chosen.pp, chosen.vpp, chosen.micro_batch, chosen.recompute),
-                    trainer.callback_metrics["train/loss"].item()))
+        out.append(((strategy.layout, chosen.micro_batch), trainer.callback_metrics["train/loss"].item()))
     return out, bool(planned)
 
 
@@ -75,7 +74,7 @@ def test_a_budget_chooses_the_best_layout_that_fits_and_it_trains():
     assert [planned for _, planned in results] == [True, False, False, False]  # rank 0 chose, for every rank
     best = fitting[0]
     for ((layout, loss), refusal), _ in results:
-        assert layout == (best.tp, best.pp, best.vpp, best.micro_batch, best.recompute)
+        assert layout == (best.layout, best.micro_batch)  # the planner's Layout is the one the strategy trained
         assert math.isfinite(loss)
         assert "no layout of this model fits 0.8 ×" in refusal and "The smallest that would fit: 8 devices" in refusal
 
@@ -97,17 +96,18 @@ def _fit_moe(rank, world, budget, fits):
                          enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0)
     trainer.fit(build("hf", **MOE), loader(token_data(2, strategy_dp(strategy, world), batch=BATCH), BATCH))
     chosen = strategy.chosen_layout
-    return ((chosen.tp, chosen.pp, chosen.ep, chosen.micro_batch, chosen.recompute), strategy.mesh.group("ep").size,
-            trainer.callback_metrics["train/loss"].item())
+    loss = trainer.callback_metrics["train/loss"].item()
+    return (strategy.layout, chosen.micro_batch), strategy.mesh.group("ep").size, loss
 
 
 def test_a_mixture_of_experts_gets_an_expert_parallel_size_chosen_and_trains():
     # The tightest budget whose best layout still splits the experts: the planner's choice, not a default.
     unbounded = _moe_ranked(1e12)
-    budget = next(b for b in sorted({r.bytes["total"] / 0.8 * 1.0001 for r in unbounded}) if _moe_ranked(b)[0].ep > 1)
+    budgets = sorted({r.bytes["total"] / 0.8 * 1.0001 for r in unbounded})
+    budget = next(b for b in budgets if _moe_ranked(b)[0].layout.ep > 1)
     best = _moe_ranked(budget)[0]
     for layout, ep_group, loss in run_distributed(_fit_moe, WORLD, budget, FITS):
-        assert layout == (best.tp, best.pp, best.ep, best.micro_batch, best.recompute) and ep_group == best.ep > 1
+        assert layout == (best.layout, best.micro_batch) and ep_group == best.layout.ep > 1
         assert math.isfinite(loss)
 
 
@@ -130,13 +130,13 @@ def _fit_gpt(rank, world, cases, fits):
     out = []
     for auto, by_hand, dp in cases:
         runs = []
-        for strategy in (SeqParallelStrategy(layout=AutoLayout(**auto)), SeqParallelStrategy(**by_hand)):
+        for strategy in (SeqParallelStrategy(layout=AutoLayout(**auto)), SeqParallelStrategy(layout=by_hand)):
             trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, precision="32-true", max_steps=2,
                                  logger=False, enable_checkpointing=False, enable_progress_bar=False,
                                  enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0)
             trainer.fit(build("gpt"), loader(token_data(2, dp, batch=BATCH), BATCH))  # the same batches
-            pipeline = strategy.parallel.pipeline
-            runs.append(((strategy.tp, strategy.mesh.cp, strategy.parallel.cp_comm, strategy.mesh.pp,
+            pipeline = strategy.layout.pipeline
+            runs.append(((strategy.layout, strategy.mesh.cp, strategy.layout.cp_comm, strategy.mesh.pp,
                           pipeline.schedule if strategy.mesh.pp > 1 else None),
                          trainer.callback_metrics["train/loss"].item()))
         out.append(runs)
@@ -146,19 +146,20 @@ def _fit_gpt(rank, world, cases, fits):
 def test_the_reference_gpt_gets_context_parallelism_or_a_zero_bubble_schedule_chosen_and_trains_as_given_by_hand():
     inventory = inventory_of_hf_model(planned_model(build("gpt")))
     ranked = lambda auto: rank_layouts(inventory, WORLD, SEQ, auto, auto.memory_budget, precision="32-true",  # noqa: E731
-                                       gpus_per_node=WORLD, fits=FITS, schedules=auto.schedules)
+                                       gpus_per_node=WORLD, fits=FITS, schedules=auto.schedules,
+                                       loss_chunk=None)  # the reference GPT's own loss: priced whole, as chosen
     context = dict(seq_len=SEQ, batch_size=BATCH, memory_budget=1e12, context_parallel=(2,), cp_comm="all_to_all")
     best_cp = ranked(AutoLayout(**context))[0]
     # The tightest budget without cp whose best layout is pipelined with ZB-H1.
     plain = dict(seq_len=SEQ, batch_size=BATCH, context_parallel=(1,))
     budgets = sorted({r.bytes["total"] / 0.8 * 1.0001 for r in ranked(AutoLayout(**plain, memory_budget=1e12))})
-    budget = next(b for b in budgets if ranked(AutoLayout(**plain, memory_budget=b))[0].schedule == "ZB-H1")
+    budget = next(b for b in budgets if ranked(AutoLayout(**plain, memory_budget=b))[0].layout.schedule == "ZB-H1")
     best_zb = ranked(AutoLayout(**plain, memory_budget=budget))[0]
-    assert best_cp.cp == 2 and best_zb.pp > 1
-    cases = [(context, dict(tp=best_cp.tp, cp=2, cp_comm="all_to_all"), best_cp.dp),
-             (dict(plain, memory_budget=budget), dict(tp=best_zb.tp, pp=best_zb.pp, schedule="ZB-H1",
-                                                       num_microbatches=best_zb.num_microbatches), best_zb.dp)]
-    expected = [(best_cp.tp, 2, "all_to_all", best_cp.pp, None), (best_zb.tp, 1, "ring", best_zb.pp, "ZB-H1")]
+    assert best_cp.layout.cp == 2 and best_zb.layout.pp > 1
+    # by hand: the planner's own Layout given back to the strategy, which trains it as the choice did
+    cases = [(context, best_cp.layout, best_cp.dp), (dict(plain, memory_budget=budget), best_zb.layout, best_zb.dp)]
+    expected = [(best_cp.layout, 2, "all_to_all", best_cp.layout.pp, None),
+                (best_zb.layout, 1, "ring", best_zb.layout.pp, "ZB-H1")]
     for rank_runs in run_distributed(_fit_gpt, WORLD, cases, FITS):
         for ((chosen, loss), (by_hand, loss_by_hand)), layout in zip(rank_runs, expected):
             assert chosen == by_hand == layout

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from lightning_seqpar.lightning.auto_layout import AutoLayout, auto_layout_of, choose_layout, planned_model, rank_layouts
-from lightning_seqpar.lightning.config import ParallelConfig
+from lightning_seqpar import Layout
+from lightning_seqpar.lightning.memory_callbacks import layout_of_run
 from lightning_seqpar.models import GPTConfig, GPTLightningModule
 from lightning_seqpar.plan import inventory_of_hf_model
 
@@ -49,19 +50,19 @@ def test_a_long_sequence_gets_context_parallelism_and_the_strategy_takes_it():
     budget = min(r.bytes["total"] for r in without) / 0.8 * 0.999  # no layout without cp fits
     assert not ranked(AutoLayout(LONG, 1, budget, context_parallel=(1,)), budget)
     best = ranked(AutoLayout(LONG, 1, budget), budget)[0]
-    assert best.cp > 1 and best.bytes["total"] <= 0.8 * budget
+    assert best.layout.cp > 1 and best.bytes["total"] <= 0.8 * budget
     trainer = SimpleNamespace(callbacks=[], precision="32-true")
     import lightning_seqpar.lightning.auto_layout as auto_layout
 
     plan, auto_layout.rank_layouts = auto_layout.rank_layouts, lambda *a, **k: plan(*a, **{**k, "fits": fits})
     try:
-        choice = choose_layout(AutoLayout(LONG, 1, budget, cp_comm="ring"), module, trainer, ParallelConfig(),
-                               world=WORLD, gpus_per_node=WORLD, device=torch.device("cpu"), zero=0,
+        choice = choose_layout(AutoLayout(LONG, 1, budget, cp_comm="ring"), module, trainer, Layout(),
+                               world=WORLD, gpus_per_node=WORLD, device=torch.device("cpu"),
                                sharded_context=contextlib.nullcontext)
     finally:
         auto_layout.rank_layouts = plan
-    assert (choice.parallel.tp, choice.parallel.cp, choice.parallel.cp_comm) == (best.tp, best.cp, "ring")
-    assert choice.parallel.dims(WORLD).dp == WORLD // (best.tp * best.cp * best.pp)
+    assert (choice.layout.tp, choice.layout.cp, choice.layout.cp_comm) == (best.layout.tp, best.layout.cp, "ring")
+    assert choice.layout.dims(WORLD).dp == WORLD // (best.layout.tp * best.layout.cp * best.layout.pp)
 
 
 def test_context_parallel_options_are_checked_when_given():
@@ -79,8 +80,8 @@ def _choose(module, auto, fits, compiled, world=WORLD):
 
     plan, auto_layout.rank_layouts = auto_layout.rank_layouts, lambda *a, **k: plan(*a, **{**k, "fits": fits})
     try:
-        return choose_layout(auto, module, SimpleNamespace(callbacks=[], precision="32-true"), ParallelConfig(),
-                             world=world, gpus_per_node=world, device=torch.device("cpu"), zero=0,
+        return choose_layout(auto, module, SimpleNamespace(callbacks=[], precision="32-true"), Layout(),
+                             world=world, gpus_per_node=world, device=torch.device("cpu"),
                              sharded_context=contextlib.nullcontext, compiled=compiled)
     finally:
         auto_layout.rank_layouts = plan
@@ -92,12 +93,12 @@ def test_a_zero_bubble_schedule_is_chosen_where_it_is_best_but_not_for_compiled_
     ranked = lambda budget: rank_layouts(inventory, WORLD, 8, AutoLayout(8, 4, budget, context_parallel=(1,)),  # noqa: E731
                                          budget, precision="32-true", gpus_per_node=WORLD, fits=fits)
     budget = next(b for b in sorted({r.bytes["total"] / 0.8 * 1.0001 for r in ranked(1e12)})
-                  if ranked(b)[0].schedule == "ZB-H1")
+                  if ranked(b)[0].layout.schedule == "ZB-H1")
     auto = AutoLayout(8, 4, budget, context_parallel=(1,))
     chosen = _choose(module, auto, fits, compiled=False)
-    assert chosen.record.schedule == chosen.parallel.pipeline.schedule == "ZB-H1" and chosen.parallel.pipeline.pp > 1
+    assert chosen.record.layout.schedule == chosen.layout.pipeline.schedule == "ZB-H1" and chosen.layout.pipeline.pp > 1
     compiled = _choose(module, auto, fits, compiled=True)  # a compiled block's backward is one graph: no W to split
-    assert compiled.parallel.pipeline.schedule != "ZB-H1" and compiled.record.schedule != "ZB-H1"
+    assert compiled.layout.pipeline.schedule != "ZB-H1" and compiled.record.layout.schedule != "ZB-H1"
     with pytest.raises(ValueError, match="schedules=\\('gpipe',\\): some of '1F1B', 'ZB-H1', 'ZB-V', 'DualPipeV'"):
         AutoLayout(8, 4, schedules=("gpipe",))
 
@@ -116,8 +117,8 @@ def test_a_lora_model_is_planned_with_its_adapters_trained_and_its_base_frozen()
     auto = AutoLayout(8, 4, 1e12, context_parallel=(1,))
     choice = _choose(module, auto, fits, compiled=False)
     ranked = rank_layouts(inventory, WORLD, 8, auto, 1e12, precision="32-true", gpus_per_node=WORLD, fits=fits)
-    assert choice.record.bytes == ranked[0].bytes and (choice.record.tp, choice.record.pp) == (ranked[0].tp, ranked[0].pp)
-    whole = next(r for r in ranked if (r.tp, r.pp, r.zero) == (1, 1, 0))  # every adapter whole on the rank
+    assert choice.record.bytes == ranked[0].bytes and choice.layout == ranked[0].layout
+    whole = next(r for r in ranked if (r.layout.tp, r.layout.pp, r.layout.zero) == (1, 1, 0))  # every adapter whole
     assert whole.bytes["gradients"] == 4 * trained  # float32 gradients of the adapters only
 
 
@@ -133,18 +134,18 @@ def test_memory_choices_let_a_layout_fit_by_offload_and_the_run_gets_the_callbac
     budget = min(r.bytes["total"] for r in ranked(1e12, False)) / 0.8 * 0.999  # nothing fits as it is
     assert not ranked(budget, False)
     best = ranked(budget, True)[0]
-    assert best.offload or best.modules
+    assert best.layout.offload or best.layout.recompute_modules
     auto = AutoLayout(s, 4, budget, context_parallel=(1,), memory_choices=True)
     choice = _choose(module, auto, fits, compiled=False, world=world)
-    assert (choice.record.modules, choice.record.offload) == (best.modules, best.offload)
+    assert choice.layout == best.layout and (best.layout.recompute_modules or best.layout.offload)
     trainer = SimpleNamespace(callbacks=[])
-    choice.add_callbacks(trainer)
+    layout = layout_of_run(choice.layout, trainer, chosen=True)
     offloads = [c for c in trainer.callbacks if isinstance(c, ActivationOffload)]
     recomputes = [c for c in trainer.callbacks if isinstance(c, SelectiveRecompute)]
-    assert [c.modules for c in offloads] == ([list(best.offload)] if best.offload else [])
-    assert bool(recomputes) == bool(best.modules or best.recompute != "none")
-    choice.add_callbacks(trainer)  # called again (the launching process, then a rank): nothing added twice
-    assert len(trainer.callbacks) == len(offloads) + len(recomputes)
+    assert [c.modules for c in offloads] == ([list(best.layout.offload)] if best.layout.offload else [])
+    assert bool(recomputes) == bool(best.layout.recompute_modules or best.layout.recompute != "none")
+    again = layout_of_run(choice.layout, trainer, chosen=True)  # the launching process, then a rank: added once
+    assert len(trainer.callbacks) == len(offloads) + len(recomputes) and again == layout == choice.layout
 
 
 def test_the_run_s_loss_chunk_is_priced_and_the_reference_gpt_s_loss_is_whole():
@@ -153,9 +154,9 @@ def test_the_run_s_loss_chunk_is_priced_and_the_reference_gpt_s_loss_is_whole():
     from lightning_seqpar.lightning.auto_layout import planned_loss_chunk
     from tests.helpers.models import build
 
-    parallel = ParallelConfig(loss_chunk=1024)
-    assert planned_loss_chunk(build("hf"), parallel) == 1024
-    assert planned_loss_chunk(build("gpt"), parallel) is None
+    layout = Layout(loss_chunk=1024)
+    assert planned_loss_chunk(build("hf"), layout) == 1024
+    assert planned_loss_chunk(build("gpt"), layout) is None
 
 
 def test_loss_chunks_are_searched_when_asked_and_the_strategy_takes_the_chosen_one():
@@ -178,7 +179,7 @@ def test_loss_chunks_are_searched_when_asked_and_the_strategy_takes_the_chosen_o
     assert not ranked(AutoLayout(64, 4, budget), None, budget)  # nothing fits with the whole logits
     auto = AutoLayout(64, 4, budget, loss_chunks=(None, 8))
     choice = _choose(module, auto, fits, compiled=False)
-    assert choice.record.loss_chunk == choice.parallel.loss_chunk == 8
+    assert choice.record.layout.loss_chunk == choice.layout.loss_chunk == 8
     with pytest.raises(ValueError, match=r"AutoLayout.loss_chunks=\(0,\): positive numbers of positions"):
         AutoLayout(64, 4, loss_chunks=(0,))
 
@@ -195,9 +196,9 @@ def test_a_pretrained_module_built_in_configure_model_is_planned_before_it_has_a
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "model")
     module = FineTuneModule(str(tmp_path / "model"), {"r": 2, "target_modules": ["q_proj", "v_proj"]})  # LoRA
     trainer = SimpleNamespace(callbacks=[], precision="32-true")
-    choice = choose_layout(AutoLayout(32, 2, 1e9), module, trainer, ParallelConfig(), world=2, gpus_per_node=2,
-                           device=torch.device("cpu"), zero=0, sharded_context=lambda: torch.device("meta"))
-    assert choice.record.feasible and choice.parallel.tp * choice.parallel.pipeline.pp * choice.record.dp == 2
+    choice = choose_layout(AutoLayout(32, 2, 1e9), module, trainer, Layout(), world=2, gpus_per_node=2,
+                           device=torch.device("cpu"), sharded_context=lambda: torch.device("meta"))
+    assert choice.record.feasible and choice.layout.tp * choice.layout.pipeline.pp * choice.record.dp == 2
     assert not hasattr(module, "model")  # the module is left as given: its ranks build it
 
 
@@ -208,8 +209,8 @@ def test_a_run_launched_again_reads_the_probes_its_first_launch_kept(tmp_path, m
     auto = AutoLayout(8, 4, 1e12, context_parallel=(1,), schedules=("1F1B",), cache=str(tmp_path))
 
     def choose():
-        return choose_layout(auto, module, SimpleNamespace(callbacks=[], precision="32-true"), ParallelConfig(),
-                             world=2, gpus_per_node=2, device=torch.device("cpu"), zero=0,
+        return choose_layout(auto, module, SimpleNamespace(callbacks=[], precision="32-true"), Layout(),
+                             world=2, gpus_per_node=2, device=torch.device("cpu"),
                              sharded_context=contextlib.nullcontext)
 
     first = choose()

@@ -6,7 +6,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from lightning_seqpar import SelectiveRecompute, SeqParallelStrategy, explain, validate_layout
+from lightning_seqpar import (
+    LaunchConfig, Layout, RewriteConfig, SelectiveRecompute, SeqParallelStrategy, explain, validate_layout,
+)
 from lightning_seqpar.models import GPT, GPTConfig
 from lightning_seqpar.parallel import ParallelGroup
 from lightning_seqpar.transformer.region import enter_parallel_region
@@ -99,7 +101,7 @@ def test_registered_names_carry_their_tensor_parallel_size():
 @pytest.mark.parametrize("timeout", [0, -5, "60"])
 def test_bad_timeouts(timeout):
     with pytest.raises(ValueError, match="timeout must be a positive number of seconds or a datetime.timedelta"):
-        SeqParallelStrategy(timeout=timeout)
+        SeqParallelStrategy(launch=LaunchConfig(timeout=timeout))
 
 
 def test_zero1_refuses_an_optimizer_that_is_not_elementwise():
@@ -122,8 +124,8 @@ def test_a_model_that_cannot_split_is_refused_before_any_rank_starts(tmp_path, s
 
     module = pl.LightningModule()
     module.gpt = GPT(GPTConfig(vocab_size=16, block_size=8, n_layer=1, n_head=3, n_embd=12))
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=SeqParallelStrategy(tp=2, start_method=start_method),
-                         logger=False, default_root_dir=tmp_path)
+    strategy = SeqParallelStrategy(tp=2, launch=LaunchConfig(start_method=start_method))
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False, default_root_dir=tmp_path)
     with pytest.raises(ValueError, match=r"n_head = 3 is not divisible by the tensor-parallel size tp = 2"):
         trainer.fit(module, loader(token_data(1, 1)))
     assert getattr(trainer.strategy.launcher, "procs", []) == [] and not torch.distributed.is_initialized()
@@ -134,11 +136,11 @@ def test_a_pipeline_split_the_model_cannot_take_is_refused_before_any_rank_start
 
     with pytest.raises(ValueError, match=r"pipeline_split=\[3\] must give 2 positive layer counts \(pp=2 × "
                                          r"virtual_stages=1\)"):
-        SeqParallelStrategy(pp=2, pipeline_split=[3])  # in the constructor: the recipe's config fails at once
+        SeqParallelStrategy(pp=2, layout=Layout(pipeline_split=[3]))  # in the constructor: a recipe fails at once
     module = pl.LightningModule()
     module.gpt = GPT(GPTConfig(vocab_size=16, block_size=8, n_layer=4, n_head=2, n_embd=8))
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=SeqParallelStrategy(pp=2, pipeline_split=[3, 3]),
-                         logger=False, default_root_dir=tmp_path)
+    strategy = SeqParallelStrategy(pp=2, layout=Layout(pipeline_split=[3, 3]))
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False, default_root_dir=tmp_path)
     with pytest.raises(ValueError, match=r"pipeline_split=\[3, 3\] must give 2 positive layer counts .* that sum to "
                                          r"the model's 4 layers"):
         trainer.fit(module, loader(token_data(1, 1)))
@@ -200,7 +202,7 @@ def test_a_budget_no_layout_fits_is_refused_once_before_any_rank_starts(tmp_path
     from tests.helpers.models import SEQ, build, loader, token_data
 
     strategy = SeqParallelStrategy(layout=AutoLayout(seq_len=SEQ, batch_size=2, memory_budget="1KB"),
-                                   start_method="popen")
+                                   launch=LaunchConfig(start_method="popen"))
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False, default_root_dir=tmp_path,
                          precision="32-true")
     with pytest.raises(ValueError, match=r"layout=auto: no layout of this model fits 0.8 × 1e-06 GB per device on 2 "
@@ -210,12 +212,14 @@ def test_a_budget_no_layout_fits_is_refused_once_before_any_rank_starts(tmp_path
 
 
 LAYOUT_ERRORS = [  # (strategy, model, callbacks, the one message): each checked before any rank starts
-    (dict(tp=1, pp=2, pipeline_split=[3, 1]), dict(n_layer=2), (),
+    (dict(tp=1, pp=2, layout=Layout(pipeline_split=[3, 1])), dict(n_layer=2), (),
      r"pipeline_split=\[3, 1\] must give 2 positive layer counts .* that sum to the model's 2 layers"),
     (dict(tp=2, ep=2), dict(n_experts=3), (), r"3 experts do not split over ep=2 ranks"),
-    (dict(tp=1, pp=2, schedule="ZB-V"), dict(n_layer=2), (), r"4 pipeline stages need at least 4 transformer layers"),
+    (dict(tp=1, pp=2, layout=Layout(schedule="ZB-V")), dict(n_layer=2), (),
+     r"4 pipeline stages need at least 4 transformer layers"),
     (dict(tp=2), {}, ("recompute mlp", "offload mlp"), r"mlp both recomputed \(mlp\) and offloaded"),
-    (dict(tp=2, ep=2, compile=True), dict(n_experts=4), (), r"compile=True: the model holds a dropless mixture"),
+    (dict(tp=2, ep=2, rewriting=RewriteConfig(compile=True)), dict(n_experts=4), (),
+     r"compile=True: the model holds a dropless mixture"),
 ]
 
 
@@ -242,8 +246,8 @@ def test_a_spawn_launch_checks_a_copy_of_a_module_built_in_configure_model(tmp_p
     from tests.helpers.models import loader, token_data
 
     module = GPTLightningModule(GPTConfig(vocab_size=16, block_size=8, n_layer=1, n_head=3, n_embd=12), empty_init=True)
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=SeqParallelStrategy(tp=2, start_method="spawn"),
-                         logger=False, default_root_dir=tmp_path)
+    strategy = SeqParallelStrategy(tp=2, launch=LaunchConfig(start_method="spawn"))
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False, default_root_dir=tmp_path)
     with pytest.raises(ValueError, match=r"n_head = 3 is not divisible by the tensor-parallel size tp = 2"):
         trainer.fit(module, loader(token_data(1, 1)))
     assert not hasattr(module, "gpt")  # the module the spawn launcher sends is left unbuilt, as given

@@ -12,11 +12,11 @@ pytestmark = pytest.mark.distributed
 
 # Each bound below is what a loaded machine (another test's job beside this one on 2 cores) stays under, and far below
 # what the fault it catches takes: a rank that waits out torch's default 30 minutes, or the recipe's 300 s stall timeout.
-TIMEOUT = 8  # strategy.timeout, seconds
+TIMEOUT = 8  # strategy.launch.timeout, seconds
 MARGIN = 40  # seconds allowed beyond it: the failing rank's teardown and Python's exit (about 15 s on an idle machine)
 
 
-ASYNC_SAVES = ("strategy.async_save=true", "trainer.val_check_interval=1")  # a background save every step
+ASYNC_SAVES = ("strategy.checkpointing.async_save=true", "trainer.val_check_interval=1")  # a background save every step
 
 
 @pytest.mark.parametrize("fault, extra", [("SIGSTOP", ()), ("SIGKILL", ()), ("SIGSTOP", ASYNC_SAVES)],
@@ -24,8 +24,8 @@ ASYNC_SAVES = ("strategy.async_save=true", "trainer.val_check_interval=1")  # a 
 def test_a_stalled_or_killed_rank_ends_the_job_within_the_timeout(tmp_path, fault, extra):
     """With saves in the background, the stalled rank may hold up the save's own group (it waited torch's default
     30 minutes before every group took the strategy's timeout)."""
-    job, log = start_recipe(tmp_path, "model=gpt_tiny", f"strategy.timeout={TIMEOUT}", "trainer.max_steps=100000",
-                            "trainer.enable_progress_bar=false", *extra)
+    job, log = start_recipe(tmp_path, "model=gpt_tiny", f"strategy.launch.timeout={TIMEOUT}",
+                            "trainer.max_steps=100000", "trainer.enable_progress_bar=false", *extra)
     try:
         wait_for(log, "All distributed processes registered", job)
         time.sleep(3)  # into setup or training: any collective waiting on the peer must give up
@@ -49,7 +49,7 @@ def test_a_stalled_or_killed_rank_ends_the_job_within_the_timeout(tmp_path, faul
 def test_ranks_end_with_a_launcher_that_dies(tmp_path):
     """The popen launcher (rank 0) killed outright: its other ranks are killed with it by the kernel, instead of
     waiting in a collective until the timeout."""
-    job, log = start_recipe(tmp_path, "model=gpt_tiny", "strategy.timeout=60", "trainer.max_steps=100000",
+    job, log = start_recipe(tmp_path, "model=gpt_tiny", "strategy.launch.timeout=60", "trainer.max_steps=100000",
                             "trainer.enable_progress_bar=false")
     try:
         wait_for(log, "All distributed processes registered", job)
@@ -113,9 +113,9 @@ def test_sigterm_saves_a_checkpoint_and_ends_every_rank_cleanly(tmp_path, during
 
     from tests.helpers.jobs import ROOT
 
-    saves = ["strategy.async_save=true", "trainer.val_check_interval=1"] if during == "a save" else []
+    saves = ["strategy.checkpointing.async_save=true", "trainer.val_check_interval=1"] if during == "a save" else []
     # a rank left behind would wait out the strategy's 300 s timeout
-    job, log = start_recipe(tmp_path, "model=gpt_tiny", "strategy.timeout=300", "trainer.max_steps=100000",
+    job, log = start_recipe(tmp_path, "model=gpt_tiny", "strategy.launch.timeout=300", "trainer.max_steps=100000",
                             "trainer.enable_progress_bar=false", *saves)
     try:
         # The layout line ends the fit's start (the planner's probes price the memory): preemption is handled from

@@ -10,6 +10,7 @@ from lightning_seqpar import SeqParallelStrategy
 from tests.helpers.jobs import ROOT, run_job
 from tests.helpers.models import build, loader, reference_run, token_data
 from tests.helpers.parity import STEPS
+from tests.helpers.strategy import strategy_of
 
 pytestmark = pytest.mark.distributed  # starts processes: outside the fast lane
 
@@ -19,7 +20,7 @@ def fit_and_compare(start_method: str) -> None:
     module = build("gpt")
     initial = {k: v.clone() for k, v in module.state_dict().items()}
     trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy=SeqParallelStrategy(tp=2, start_method=start_method),
+        accelerator="cpu", devices=2, strategy=strategy_of(tp=2, start_method=start_method),
         precision="64-true", max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
     )

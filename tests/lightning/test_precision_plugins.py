@@ -5,7 +5,7 @@ import pytest
 import torch
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 
-from lightning_seqpar import ParallelMesh, SeqParallelStrategy
+from lightning_seqpar import ParallelMesh, PrecisionConfig, SeqParallelStrategy
 from lightning_seqpar.lightning.precision import ShardAwareClipping, shard_aware
 from lightning_seqpar.transformer.residual import cast_residual_stream
 
@@ -73,7 +73,8 @@ def test_the_residual_stream_is_cast_to_autocasts_dtype_only_under_autocast():
 def test_a_16_bit_residual_stream_without_autocast_is_refused_at_setup(precision, tmp_path):
     from tests.helpers.models import build, loader, token_data
 
-    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=SeqParallelStrategy(low_precision_residual=True),
+    strategy = SeqParallelStrategy(precision_config=PrecisionConfig(low_precision_residual=True))
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy,
                          precision=precision, logger=False, default_root_dir=tmp_path, max_steps=1)
     try:
         with pytest.raises(ValueError, match=f"needs Trainer\\(precision='bf16-mixed'\\) or '16-mixed'; got precision='{precision}'"):

@@ -15,7 +15,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from lightning_seqpar import Preemption, SeqParallelStrategy
+from lightning_seqpar import CheckpointConfig, Preemption, SeqParallelStrategy
 from lightning_seqpar.models.gpt import GPTConfig
 from lightning_seqpar.models.module import GPTLightningModule
 
@@ -37,7 +37,8 @@ def _logged(root, async_save, every, signal=False, resume=None):
     val = DataLoader([(r[:-1], r[1:]) for r in rows[:4]], batch_size=2)
     callbacks = [ModelCheckpoint(dirpath=root / "checkpoints", save_last=True, every_n_train_steps=every),
                  Preemption()] + ([_Signal()] if signal else [])
-    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=SeqParallelStrategy(async_save=async_save),
+    strategy = SeqParallelStrategy(checkpointing=CheckpointConfig(async_save=async_save))
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy,
                          max_steps=STEPS, logger=CSVLogger(root, name="logs"), log_every_n_steps=1,
                          val_check_interval=1, limit_val_batches=1, num_sanity_val_steps=0, callbacks=callbacks,
                          enable_progress_bar=False, enable_model_summary=False)

@@ -37,6 +37,7 @@ from tests.helpers.hf_models import moe_config
 from tests.helpers.distributed import run_distributed
 from tests.helpers.models import merge_over_stages
 from tests.helpers.preference import write_preferences
+from tests.helpers.strategy import strategy_of
 
 pytestmark = pytest.mark.distributed  # starts processes: outside the fast lane
 
@@ -115,7 +116,7 @@ def _fit(rank, world_size, directory, layout):
     strategy, accumulate, lora, model, packed = LAYOUTS[layout]
     record, syncs = _Record(lora), HostSyncCounter()
     trainer = pl.Trainer(accelerator="cpu", devices=world_size, precision="64-true", max_steps=STEPS, logger=False,
-                         strategy=SeqParallelStrategy(**strategy), accumulate_grad_batches=accumulate,
+                         strategy=strategy_of(**strategy), accumulate_grad_batches=accumulate,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          num_sanity_val_steps=0, check_val_every_n_epoch=None, val_check_interval=1000,
                          callbacks=[record, syncs])
@@ -266,7 +267,7 @@ def test_every_gradient_is_one_process_mean_dpo_loss_over_each_steps_pairs(direc
 
 def _reference_pass(rank, world_size, directory, strategy):
     trainer = pl.Trainer(accelerator="cpu", devices=world_size, precision="64-true", logger=False,
-                         strategy=SeqParallelStrategy(**strategy), enable_progress_bar=False,
+                         strategy=strategy_of(**strategy), enable_progress_bar=False,
                          enable_model_summary=False)
     module = FineTuneModule(str(directory / "model"), None, objective="dpo")
     return compute_reference_logps(trainer, module, _data(directory))

@@ -58,7 +58,7 @@ def test_full_dpo_at_pp2_tp2_trains_packed_pairs_from_a_reference_computed_first
     tiny = ["trainer.max_steps=4", "trainer.val_check_interval=2", "data.block_size=64", "dpo.packing=true",
             "sample.max_new_tokens=4"]
     metrics, log = _run(full, tmp_path, model, tiny)
-    assert re.search(r"layout: tp=2 cp=1 pp=2 dp=1", log)
+    assert re.search(r"layout: Layout\(tp=2, pp=2[^)]*\) dp=1", log)
     cache = next((tmp_path / "pairs.jsonl.dpo-reference").glob("*.json"))
     assert f"written to {cache}" in log
     values = read_reference(cache, None)

@@ -80,5 +80,5 @@ def test_bad_dispatch_settings_are_refused_naming_the_value():
     from lightning_seqpar import SeqParallelStrategy
 
     with pytest.raises(ValueError, match=r"unknown key\(s\) \['factor'\]; the keys are capacity_factor and drop_policy"):
-        SeqParallelStrategy(ep=2, moe={"factor": 1.0})
-    assert SeqParallelStrategy(ep=2, moe={"capacity_factor": 1.5}).parallel.moe == DispatchConfig(1.5)
+        SeqParallelStrategy(ep=2, layout={"moe": {"factor": 1.0}})
+    assert SeqParallelStrategy(ep=2, layout={"moe": {"capacity_factor": 1.5}}).layout.moe == DispatchConfig(1.5)

@@ -8,7 +8,8 @@ resharding: test_moe_resume.py; export: test_moe_hf_directory.py."""
 import pytest
 import torch
 
-from lightning_seqpar.lightning.config import CheckpointConfig, DataParallelConfig, ParallelConfig, check_together
+from lightning_seqpar import Layout
+from lightning_seqpar.lightning.config import CheckpointConfig, check_together
 from lightning_seqpar.moe import GroupedExperts
 from lightning_seqpar.moe.dispatch import expert_tensor_parallel_pairs
 from lightning_seqpar.moe.experts import glu_layout
@@ -104,5 +105,5 @@ def test_what_cannot_split_twice_is_refused_by_name():
     with pytest.raises(ValueError, match="An expert width of 6 does not split over expert_tp=4 ranks"):
         GroupedExperts(4, 8, 6, expert_tp=4)
     with pytest.raises(ValueError, match="zero=1 with expert_tp=2.*Use zero=0, or expert_tp=1"):
-        check_together(CheckpointConfig(), DataParallelConfig(zero=1), ParallelConfig(ep=2, expert_tp=2))
-    check_together(CheckpointConfig(), DataParallelConfig(zero=1), ParallelConfig(ep=2))  # whole experts: accepted
+        check_together(CheckpointConfig(), Layout(ep=2, expert_tp=2, zero=1))
+    check_together(CheckpointConfig(), Layout(ep=2, zero=1))  # whole experts: accepted

@@ -22,6 +22,7 @@ from lightning_seqpar.models import HFCausalLMModule
 from tests.helpers.distributed import run_distributed
 from tests.helpers.hf_models import HFCausalLM
 from tests.helpers.models import token_data
+from tests.helpers.strategy import strategy_of
 
 pytestmark = pytest.mark.distributed
 
@@ -59,7 +60,7 @@ def _read_and_export(rank, world, root):
     for family in FAMILIES:
         for name, layout in LAYOUTS.items():
             module = FrozenExperts(pretrained=f"{root}/{family}")
-            trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=SeqParallelStrategy(**layout),
+            trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy_of(**layout),
                                  precision="64-true", logger=False, enable_checkpointing=False,
                                  enable_progress_bar=False, enable_model_summary=False)
             trainer.validate(module, DataLoader([(x[0], x[0])], batch_size=1), verbose=False)

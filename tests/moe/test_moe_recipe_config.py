@@ -18,14 +18,14 @@ def test_the_recipe_strategy_group_splits_the_tiny_mixture_s_experts(capsys):
     with initialize_config_dir(str(CONF), version_base=None):
         cfg = compose("config", overrides=["model=qwen3_moe_tiny", "strategy=tp2_ep2"])
     strategy = SeqParallelStrategy(**OmegaConf.to_container(cfg.strategy, resolve=True))
-    assert (strategy.tp, strategy.parallel.ep, strategy.parallel.expert_tp) == (2, 2, 1)
+    assert (strategy.tp, strategy.layout.ep, strategy.layout.expert_tp) == (2, 2, 1)
 
     class Corpus:  # what build_module reads of the data module
         vocab_size = 256
 
     module = build_module(cfg, Corpus(), decay_steps=10, optim={})
     module.configure_model()
-    plan = str(explain(module, tp=strategy.tp, ep=strategy.parallel.ep))
+    plan = str(explain(module, tp=strategy.tp, ep=strategy.layout.ep))
     assert "8 experts (mlp.experts) → 4 per rank over ep=2" in plan
 
 
@@ -50,17 +50,15 @@ def test_strategy_auto_takes_every_layout_key_the_other_groups_take():
     from lightning_seqpar.lightning.auto_layout import AutoLayout
 
     keys = lambda name: set(OmegaConf.load(CONF / "strategy" / f"{name}.yaml"))
-    chosen = {"num_microbatches", "schedule", "virtual_stages", "pipeline_split", "sequence_parallel", "loss_parallel",
-              "cp_comm"}  # the planner's, bounded under layout.* (schedules, micro_batches, cp_comm)
-    assert keys("pp2_tp2") - chosen <= keys("auto")
+    assert keys("pp2_tp2") == keys("auto")  # the same groups; under auto, layout.* bounds the planner's search
     with initialize_config_dir(str(CONF), version_base=None):
-        overrides = ["model=qwen3_moe_tiny", "strategy=auto", "strategy.ep=2", "strategy.expert_tp=1",
-                     "strategy.zero=1", "strategy.layout.memory_budget=2GB", "strategy.layout.schedules=[ZB-V]"]
+        overrides = ["model=qwen3_moe_tiny", "strategy=auto", "strategy.ep=2", "strategy.layout.zero=1",
+                     "strategy.layout.memory_budget=2GB", "strategy.layout.schedules=[ZB-V]"]
         cfg = compose("config", overrides=overrides)
         strategy = SeqParallelStrategy(**OmegaConf.to_container(cfg.strategy, resolve=True))
         assert isinstance(strategy.auto, AutoLayout) and strategy.auto.memory_budget == 2e9
         assert strategy.auto.schedules == ("ZB-V",) and strategy.auto.micro_batches == (1, 2, 4)
-        assert (strategy.parallel.ep, strategy.data_parallel.zero) == (2, 1)
+        assert (strategy.layout.ep, strategy.layout.zero, strategy.auto.zero) == (2, 1, 1)
         cfg = compose("config", overrides=["strategy=auto", "strategy.tp=2"])
     with pytest.raises(ValueError, match=r"chooses tp and pp; got tp=2, pp=1 as well: leave them out"):
         SeqParallelStrategy(**OmegaConf.to_container(cfg.strategy, resolve=True))

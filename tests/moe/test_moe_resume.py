@@ -12,6 +12,7 @@ from lightning_seqpar import SeqParallelStrategy
 from tests.helpers.distributed import run_distributed
 from tests.helpers.models import build
 from tests.helpers.resume import EPOCH_STEPS, reference_epochs, train_epochs
+from tests.helpers.strategy import strategy_of
 
 pytestmark = pytest.mark.distributed  # starts processes: outside the fast lane
 
@@ -24,7 +25,7 @@ LAYOUTS = (dict(tp=2, ep=2), dict(tp=2, ep=2, expert_tp=2), dict(tp=2, ep=1, exp
 def _lives(rank, world, root):
     losses = []
     for epoch, layout in enumerate(LAYOUTS):
-        losses += train_epochs(rank, world, SeqParallelStrategy(**layout), build("hf", **MODEL), epoch + 1,
+        losses += train_epochs(rank, world, strategy_of(**layout), build("hf", **MODEL), epoch + 1,
                                f"{root}/epoch{epoch}", f"{root}/epoch{epoch - 1}/last.ckpt" if epoch else None)
     return losses
 

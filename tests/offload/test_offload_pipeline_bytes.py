@@ -15,6 +15,7 @@ from lightning_seqpar.memory.activations import TransformerShape, layer_activati
 from lightning_seqpar.memory.tracker import LiveActivationTracker
 from tests.helpers.distributed import run_distributed
 from tests.helpers.models import SEQ, build, token_data
+from tests.helpers.strategy import strategy_of
 
 pytestmark = pytest.mark.distributed
 
@@ -54,7 +55,7 @@ def _measure(rank, world_size):
     out = []
     for choice in CHOICES:
         measure = _Measure()
-        trainer = pl.Trainer(strategy=SeqParallelStrategy(pp=P, num_microbatches=M), accelerator="cpu",
+        trainer = pl.Trainer(strategy=strategy_of(pp=P, num_microbatches=M), accelerator="cpu",
                              devices=world_size, precision="64-true", max_steps=1, logger=False,
                              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                              limit_val_batches=0, callbacks=[measure, *_callbacks(*choice)])

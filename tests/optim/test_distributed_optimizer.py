@@ -17,6 +17,7 @@ from lightning_seqpar.parallel import CommunicationLog
 from lightning_seqpar.parallel.placement import is_sequence_parallel
 from tests.helpers.distributed import run_distributed
 from tests.helpers.models import build, loader, token_data
+from tests.helpers.strategy import strategy_of
 
 pytestmark = pytest.mark.distributed  # starts processes: outside the fast lane
 
@@ -32,7 +33,7 @@ class _LogData(pl.Callback):
 
 def _fit(world_size, zero, precision="64-true", steps=2):
     logger = _LogData()
-    trainer = pl.Trainer(strategy=SeqParallelStrategy(tp=2, zero=zero), accelerator="cpu", devices=world_size,
+    trainer = pl.Trainer(strategy=strategy_of(tp=2, zero=zero), accelerator="cpu", devices=world_size,
                          precision=precision, max_steps=steps, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                          callbacks=[logger])
@@ -126,7 +127,7 @@ def _epochs(world_size, epochs, directory=None, resume=None, zero=1, main=True):
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     callbacks = [ModelCheckpoint(dirpath=directory, save_last=True, save_top_k=0)] if directory else []
-    trainer = pl.Trainer(strategy=SeqParallelStrategy(tp=2, zero=zero, fp32_main_params=main), accelerator="cpu",
+    trainer = pl.Trainer(strategy=strategy_of(tp=2, zero=zero, fp32_main_params=main), accelerator="cpu",
                          devices=world_size, precision="bf16-true", max_epochs=epochs, logger=False,
                          enable_checkpointing=bool(directory), enable_progress_bar=False, enable_model_summary=False,
                          num_sanity_val_steps=0, callbacks=callbacks, use_distributed_sampler=False)
@@ -157,4 +158,4 @@ def test_fp32_main_params_are_checkpointed_and_resume_exactly(tmp_path):
 
 def test_fp32_main_params_need_zero1():
     with pytest.raises(ValueError, match="needs zero=1"):
-        SeqParallelStrategy(tp=2, fp32_main_params=True)
+        strategy_of(tp=2, fp32_main_params=True)

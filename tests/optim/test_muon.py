@@ -22,6 +22,7 @@ from lightning_seqpar.parallel import CommunicationLog
 from tests.helpers.distributed import run_distributed
 from tests.helpers.hf_models import HFCausalLM
 from tests.helpers.models import BATCH, loader, token_data
+from tests.helpers.strategy import strategy_of
 
 pytestmark = pytest.mark.distributed  # starts processes: outside the fast lane
 
@@ -126,7 +127,7 @@ def _fit(world_size: int, family: str, **strategy) -> dict:
     dp = world_size // strategy.get("tp", 1)
     reference = _reference(module, dp)
     watch = _Watch()
-    trainer = pl.Trainer(strategy=SeqParallelStrategy(**strategy), accelerator="cpu", devices=world_size,
+    trainer = pl.Trainer(strategy=strategy_of(**strategy), accelerator="cpu", devices=world_size,
                          precision="64-true", max_epochs=1, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                          callbacks=[watch])

@@ -14,6 +14,7 @@ from lightning_seqpar.checkpoint.full_state import full_optimizer_state
 from tests.helpers.distributed import run_distributed
 from tests.helpers.resume import EPOCH_STEPS, reference_epochs, train_epochs
 from tests.optim.test_muon import MuonLM
+from tests.helpers.strategy import strategy_of
 
 pytestmark = pytest.mark.distributed  # starts processes: outside the fast lane
 
@@ -50,7 +51,7 @@ class _Watched(MuonLM):
 def _run(rank, world, tp, epochs, directory, resume, zero=0):
     torch.manual_seed(0)
     module = _Watched()
-    losses = train_epochs(rank, world, SeqParallelStrategy(tp=tp, zero=zero), module, epochs, directory, resume)
+    losses = train_epochs(rank, world, strategy_of(tp=tp, zero=zero), module, epochs, directory, resume)
     return losses, module.watch.seen
 
 

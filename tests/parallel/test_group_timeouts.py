@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.helpers.distributed import run_distributed
+from tests.helpers.strategy import strategy_of
 
 pytestmark = pytest.mark.distributed  # starts processes: outside the fast lane
 
@@ -28,7 +29,7 @@ def _strategy_groups(rank, world_size, directory):
     from tests.helpers.models import build, loader, token_data
 
     trainer = pl.Trainer(accelerator="cpu", devices=world_size, max_steps=1, logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, strategy=SeqParallelStrategy(tp=2, timeout=7, async_save=True),
+                         enable_model_summary=False, strategy=strategy_of(tp=2, timeout=7, async_save=True),
                          callbacks=[ModelCheckpoint(dirpath=directory, every_n_train_steps=1)])
     trainer.fit(build("gpt"), loader(token_data(1, 1)))
     mesh = trainer.strategy.mesh

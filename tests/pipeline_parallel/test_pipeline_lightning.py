@@ -19,6 +19,7 @@ from lightning_seqpar.models import GPTLightningModule
 from tests.helpers.distributed import run_distributed
 from tests.helpers.models import build, gpt_module, loader, token_data
 from tests.helpers.parity import Case, fit
+from tests.helpers.strategy import strategy_of
 
 pytestmark = pytest.mark.distributed  # starts processes: outside the fast lane
 
@@ -50,7 +51,7 @@ class SwallowsExceptions(GPTLightningModule):
 
 
 def _trainer(world_size, **strategy):
-    return pl.Trainer(strategy=SeqParallelStrategy(tp=2, pp=2, **strategy), accelerator="cpu", devices=world_size,
+    return pl.Trainer(strategy=strategy_of(tp=2, pp=2, **strategy), accelerator="cpu", devices=world_size,
                       precision="64-true", max_steps=1, logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
 

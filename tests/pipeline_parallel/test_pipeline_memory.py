@@ -13,6 +13,7 @@ from lightning_seqpar import SeqParallelStrategy
 from lightning_seqpar.memory.tracker import LiveActivationTracker
 from tests.helpers.distributed import run_distributed
 from tests.helpers.models import SEQ, build, token_data
+from tests.helpers.strategy import strategy_of
 
 pytestmark = pytest.mark.distributed  # starts processes: outside the fast lane
 
@@ -42,7 +43,7 @@ def _measure(rank, world_size, model=(), schedules=("1F1B", "gpipe", "ZB-H1")):
     for schedule in schedules:
         measure = _Measure()
         trainer = pl.Trainer(
-            strategy=SeqParallelStrategy(pp=P, num_microbatches=M, schedule=schedule), accelerator="cpu",
+            strategy=strategy_of(pp=P, num_microbatches=M, schedule=schedule), accelerator="cpu",
             devices=world_size, precision="64-true", max_steps=1, logger=False, enable_checkpointing=False,
             enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, callbacks=[measure],
         )

@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from lightning_seqpar import SeqParallelStrategy
+from lightning_seqpar import Layout, RewriteConfig, SeqParallelStrategy
 from lightning_seqpar.lightning.pipelined_steps import split_microbatches
 from lightning_seqpar.parallel import ParallelGroup
 from lightning_seqpar.pipeline_parallel import (
@@ -115,18 +115,19 @@ def test_layers_that_do_not_split_as_asked(layers, pp, v, split, match):
 @pytest.mark.parametrize("kwargs, match", [
     (dict(pp=2, num_microbatches=1), "num_microbatches=1 is smaller than pp=2"),
     (dict(pp=4, num_microbatches=6, virtual_stages=2), "divisible by pp; got 6 with pp=4"),
-    (dict(pp=2, schedule="zero_bubble"), "schedule must be one of"),
+    (dict(pp=2, schedule="zero_bubble"), "schedule=.zero_bubble.: one of 1F1B"),
     (dict(pp=2, schedule="gpipe", virtual_stages=2), "GPipe runs one model chunk per rank"),
     (dict(pp=2, schedule="interleaved_1F1B"), "needs virtual_stages >= 2"),
     (dict(pp=2, schedule="ZB-H1", virtual_stages=2), "ZB-H1 runs one model chunk per rank"),
-    (dict(pp=2, schedule="ZB-H1", compile=True), "cannot be split from it into W actions"),
+    (dict(pp=2, schedule="ZB-H1", compile=True), "cannot be split from it into W actions"),  # checked together
     (dict(pp=2, schedule="ZB-V", virtual_stages=3), "ZB-V places two model chunks per rank in a V"),
     (dict(pp=2, schedule="ZB-V", compile=True), "cannot be split from it into W actions"),
-    (dict(pp=2, virtual_stages=0), "virtual_stages must be a positive integer"),
+    (dict(pp=2, virtual_stages=0), "`virtual_stages` must be a positive integer, got 0"),
 ])
 def test_strategy_rejects_pipeline_settings_before_launching(kwargs, match):
+    compiled = kwargs.pop("compile", False)
     with pytest.raises(ValueError, match=match):
-        SeqParallelStrategy(**kwargs)
+        SeqParallelStrategy(pp=kwargs.pop("pp"), layout=Layout(**kwargs), rewriting=RewriteConfig(compile=compiled))
 
 
 def test_schedule_names():

@@ -108,10 +108,10 @@ def test_the_planner_prices_the_work_and_a_slow_dispatch_prefers_fewer_micro_bat
     slow = plan(llama, 1, 1024, 8, hardware=Hardware(calibration=_calibration(1e-2)), **kwargs)
     best = fast[0]
     assert best.step_time["elementwise"] > 0
-    fit = fits[(llama.probe_key, "work", 1, best.recompute, "32-true", (), (), False)]
+    fit = fits[(llama.probe_key, "work", 1, best.layout.recompute, "32-true", (), (), False)]
     operators, moved = fit.layer(1024, best.micro_batch, llama.head_dim, llama.ffn_hidden_size)
     rest = fit.rest(1024, best.micro_batch, llama.head_dim, llama.vocab_size)
-    m = best.num_microbatches
+    m = best.layout.num_microbatches
     expected = m * (4 * operators + rest[0]) * 1e-6 + m * (4 * moved + rest[1]) / 3e12
     assert best.step_time["elementwise"] == pytest.approx(expected)
     # each micro-batch dispatches every operator once: at 10 ms an operator, one micro-batch of 8 wins over the 8

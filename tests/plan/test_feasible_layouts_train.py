@@ -9,8 +9,7 @@ import math
 import lightning.pytorch as pl
 import pytest
 
-from lightning_seqpar import SelectiveRecompute, SeqParallelStrategy
-from lightning_seqpar.lightning.config import DataParallelConfig
+from lightning_seqpar import SeqParallelStrategy
 from lightning_seqpar.plan import Hardware, inventory_of_hf_model, plan, state_bytes
 from tests.helpers.distributed import run_distributed
 from tests.helpers.models import SEQ, build, loader, token_data
@@ -32,13 +31,13 @@ def _layouts():
                    micro_batches=(1, 2))
     kinds: dict[tuple, list] = {}
     for r in records:
-        kind = (r.tp, r.cp, r.pp, r.vpp, r.dp, r.zero)
-        if r.feasible and (r.cp == 1 or kind in CONTEXT_KINDS):
+        kind = (r.layout.tp, r.layout.cp, r.layout.pp, r.layout.virtual_stages, r.dp, r.layout.zero)
+        if r.feasible and (r.layout.cp == 1 or kind in CONTEXT_KINDS):
             kinds.setdefault(kind, []).append(r)
     chosen = []  # one per kind, the recomputation and micro-batch size taking turns
     for i, candidates in enumerate(kinds.values()):
         want = (("selective", "full", "none")[i % 3], (1, 2)[i % 2])
-        chosen.append(next((r for r in candidates if (r.recompute, r.micro_batch) == want), candidates[0]))
+        chosen.append(next((r for r in candidates if (r.layout.recompute, r.micro_batch) == want), candidates[0]))
     return chosen, records
 
 
@@ -46,13 +45,10 @@ def _steps(rank, world, layouts):
     out = []
     for r in layouts:
         held = _Held()
-        pipeline = dict(num_microbatches=r.num_microbatches, virtual_stages=r.vpp,
-                        schedule="interleaved_1F1B" if r.vpp > 1 else "1F1B") if r.pp > 1 else {}
-        strategy = SeqParallelStrategy(tp=r.tp, cp=r.cp, pp=r.pp, data_parallel=DataParallelConfig(zero=r.zero),
-                                       **pipeline)
-        callbacks = [held, *([SelectiveRecompute(granularity=r.recompute)] if r.recompute != "none" else [])]
+        strategy = SeqParallelStrategy(layout=r.layout)  # the planner's value as it is: recomputation included
+        callbacks = [held]
         # Micro-batches: the pipeline schedule's under pp, gradient accumulation otherwise; either way one step.
-        batch, accumulate = (GLOBAL_BATCH // r.dp, 1) if r.pp > 1 else (r.micro_batch, r.num_microbatches)
+        batch, accumulate = (GLOBAL_BATCH // r.dp, 1) if r.layout.pp > 1 else (r.micro_batch, r.layout.num_microbatches)
         trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, precision="32-true", max_steps=1,
                              accumulate_grad_batches=accumulate, logger=False, enable_checkpointing=False,
                              enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
@@ -65,7 +61,7 @@ def _steps(rank, world, layouts):
 
 def test_every_feasible_kind_of_layout_trains_and_holds_the_predicted_state():
     layouts, records = _layouts()
-    kinds = {(r.tp, r.cp, r.pp, r.vpp, r.dp, r.zero) for r in layouts}
+    kinds = {(r.layout.tp, r.layout.cp, r.layout.pp, r.layout.virtual_stages, r.dp, r.layout.zero) for r in layouts}
     # tp 4: vocabulary padded 13 -> 16; cp: the data group of d·c ranks reduces the gradients and shards ZeRO
     assert ({(2, 1, 2, 1, 1, 0), (1, 1, 2, 2, 2, 1), (4, 1, 1, 1, 1, 0)} | CONTEXT_KINDS) - kinds == set()
     assert any(not r.feasible for r in records)  # e.g. pp 4 x vpp 2 needs 8 layers
@@ -75,8 +71,10 @@ def test_every_feasible_kind_of_layout_trains_and_holds_the_predicted_state():
             loss, held = rank[index]
             assert math.isfinite(loss), r
             if held["coordinates"][0] == r.stage and held["coordinates"][1] == 0:  # the most loaded stage
-                state = state_bytes(inventory, r.tp, r.pp, r.dp * r.cp, pipeline_rank=r.stage, vpp=r.vpp, zero=r.zero,
-                                    precision="32-true", main_params=r.main_params)
+                lay = r.layout
+                state = state_bytes(inventory, lay.tp, lay.pp, r.dp * lay.cp, pipeline_rank=r.stage,
+                                    vpp=lay.virtual_stages, zero=lay.zero, precision="32-true",
+                                    main_params=lay.fp32_main_params)
                 predicted = {k: getattr(state, k) for k in ("parameters", "gradients", "main_params", "optimizer")}
                 assert {k: held[k] for k in predicted} == predicted, r
                 # at the peak: the state, less the .grad a first backward has not made when the step peaks there

@@ -10,6 +10,7 @@ import re
 import pytest
 import torch
 
+from lightning_seqpar import Layout
 from lightning_seqpar.plan import Hardware, LayoutRecord, model_inventory, plan, state_bytes
 from lightning_seqpar.plan.__main__ import main
 from lightning_seqpar.plan.pricing.rules import layout_rule as _rule
@@ -61,11 +62,8 @@ def test_the_vocabulary_is_padded_to_a_multiple_of_t_on_the_first_and_last_stage
     assert embedding.local_numel(3) == 42752 * 4096  # ceil(128256 / 3) rows
 
 
-def _record(**layout) -> LayoutRecord:
-    values = dict(tp=1, cp=1, pp=1, vpp=1, dp=1, zero=0, micro_batch=1, num_microbatches=0, recompute="selective",
-                  main_params=False)
-    values.update(layout)
-    return LayoutRecord(**values)
+def _record(dp: int = 1, micro_batch: int = 1, **layout) -> LayoutRecord:
+    return LayoutRecord(Layout(**{"recompute": "selective", **layout}), dp, micro_batch)
 
 
 @pytest.mark.parametrize("layout, seq_len, batch, reason", [
@@ -76,7 +74,7 @@ def _record(**layout) -> LayoutRecord:
     (dict(dp=3), 8192, 512, "global_batch=512 not divisible by dp·micro_batch=3"),
     (dict(pp=8, dp=64), 8192, 512, None),  # 8 micro-batches for 8 stages
     (dict(pp=8, dp=128), 8192, 512, "micro-batches=4 < pp=8: stages would idle"),
-    (dict(pp=4, vpp=2, dp=16, micro_batch=2), 8192, 192, "micro-batches=6 not divisible by pp=4"),
+    (dict(pp=4, virtual_stages=2, dp=16, micro_batch=2), 8192, 192, "micro-batches=6 not divisible by pp=4"),
     (dict(tp=8), 8190, 512, "seq_len=8190 not divisible by tp=8"),
 ])
 def test_each_rule_rejects_with_its_reason(inventories, layout, seq_len, batch, reason):
@@ -103,13 +101,13 @@ def test_context_parallel_rules_reject_with_their_reason(inventories, layout, se
 def test_the_search_covers_context_parallel_sizes_and_a_context_parallel_rank_holds_its_share(inventories):
     inventory = inventories["llama3-8b"]
     records = plan(inventory, 8, 32768, 8, calibrate=False, micro_batches=(1,))
-    assert {r.cp for r in records} == {1, 2, 4, 8}
-    assert {r.cp for r in plan(inventory, 8, 32768, 8, calibrate=False, micro_batches=(1,),
+    assert {r.layout.cp for r in records} == {1, 2, 4, 8}
+    assert {r.layout.cp for r in plan(inventory, 8, 32768, 8, calibrate=False, micro_batches=(1,),
                                context_parallel=(1,))} == {1}
-    by_layout = {(r.tp, r.cp, r.pp, r.dp, r.zero, r.recompute): r for r in records}
+    by_layout = {(r.layout.tp, r.layout.cp, r.layout.pp, r.dp, r.layout.zero, r.layout.recompute): r for r in records}
     # At s 32768 on 80 GB only layouts with cp fit: the explicit core attention's b·(a/t)·s² temporaries sink the rest
     fits = [r for r in records if r.feasible]
-    assert fits and all(r.cp > 1 for r in fits), [(r.tp, r.cp) for r in fits]
+    assert fits and all(r.layout.cp > 1 for r in fits), [(r.layout.tp, r.layout.cp) for r in fits]
     ring, plain = by_layout[(4, 2, 1, 1, 0, "none")], by_layout[(4, 1, 1, 2, 0, "none")]
     assert ring.collective_bytes["context"] > 0 == plain.collective_bytes["context"]
     # ZeRO shards the optimizer over the d·c ranks of the data group: a cp 2 rank holds what a dp 2 rank holds
@@ -145,7 +143,7 @@ def test_layouts_are_ranked_feasible_first_and_memory_rejections_name_the_bytes(
     assert records[:len(feasible)] == feasible
     too_big = [r for r in records if not r.feasible and r.bytes]
     assert too_big and all(r.reason.startswith("needs ") and "> 0.8 × 80 GB on stage" in r.reason for r in too_big)
-    assert any(r.tp == 1 and r.pp == 1 for r in too_big)  # 70B unsplit on 80 GB cannot fit
+    assert any(r.layout.tp == 1 and r.layout.pp == 1 for r in too_big)  # 70B unsplit on 80 GB cannot fit
     best = feasible[0]
     assert best.bytes["total"] == sum(v for k, v in best.bytes.items() if k != "total")
     assert set(best.step_time) == {"compute", "tensor", "data", "pipeline", "expert", "context", "bubble", "total"}
@@ -165,25 +163,28 @@ def test_the_command_line_prints_the_table_and_the_json_records(tmp_path, capsys
     assert main([str(tmp_path), "--gpus", "8", "--seq-len", "4096", "--global-batch", "32", "--json",
                  "--analytic"]) == 0
     records = json.loads(capsys.readouterr().out)
-    keys = {"tp", "cp", "pp", "vpp", "dp", "zero", "micro_batch", "recompute", "feasible", "reason", "bytes"}
+    keys = {"layout", "dp", "micro_batch", "feasible", "reason", "bytes"}
     assert records and all(keys <= set(r) for r in records)
+    assert all(Layout(**r["layout"]).pp == r["layout"]["pp"] for r in records)  # each row's Layout, as given back
     assert {r["feasible"] for r in records} == {True, False}
     assert all((r["reason"] is None) == r["feasible"] for r in records)
     parts = {"parameters", "gradients", "main_params", "optimizer", "activations", "other", "total"}
     assert all(set(r["bytes"]) == parts for r in records if r["feasible"])
-    assert {r["cp"] for r in records} == {1, 2, 4, 8} and {r["cp_comm"] for r in records} == {"ring"}
+    assert {r["layout"]["cp"] for r in records} == {1, 2, 4, 8}
+    assert {r["layout"]["cp_comm"] for r in records} == {"ring"}
     assert main([str(tmp_path), "--gpus", "8", "--seq-len", "4096", "--global-batch", "32", "--json", "--analytic",
                  "--cp", "1", "2", "--cp-comm", "all_to_all"]) == 0
     records = json.loads(capsys.readouterr().out)
-    assert {r["cp"] for r in records} == {1, 2}
-    assert {r["cp_comm"] for r in records if r["cp"] == 2} == {"all_to_all"}
+    assert {r["layout"]["cp"] for r in records} == {1, 2}
+    assert {r["layout"]["cp_comm"] for r in records if r["layout"]["cp"] == 2} == {"all_to_all"}
     assert main([str(tmp_path), "--gpus", "8", "--seq-len", "4096", "--global-batch", "32", "--json", "--analytic",
                  "--cp", "1", "--schedule", "ZB-H1"]) == 0
-    piped = [r for r in json.loads(capsys.readouterr().out) if r["feasible"] and r["pp"] > 1]
-    third = [r["bubble"] / ((r["pp"] - 1) / (3 * r["num_microbatches"])) for r in piped]  # ZB-H1's, F = B = W
+    piped = [r for r in json.loads(capsys.readouterr().out) if r["feasible"] and r["layout"]["pp"] > 1]
+    # ZB-H1's, F = B = W
+    third = [r["bubble"] / ((r["layout"]["pp"] - 1) / (3 * r["layout"]["num_microbatches"])) for r in piped]
     # (under full recomputation B makes the forward again: a heavier B idles more)
-    assert piped and all(r["vpp"] == 1 for r in piped)
-    assert all(x == pytest.approx(1.0) if r["recompute"] != "full" else x > 1.0 for r, x in zip(piped, third))
+    assert piped and all(r["layout"]["virtual_stages"] == 1 for r in piped)
+    assert all(x == pytest.approx(1.0) if r["layout"]["recompute"] != "full" else x > 1.0 for r, x in zip(piped, third))
     with pytest.raises(FileNotFoundError, match="neither a config.json"):
         main([str(tmp_path / "missing"), "--gpus", "8", "--seq-len", "4096", "--global-batch", "32"])
 
@@ -203,7 +204,7 @@ def test_calibrated_activations_come_from_the_model_s_own_layer():
     fit = fit_layer(inventory.config, 2, True, "selective", "bf16-mixed")
     per_layer = fit.bytes(512, 1, inventory.head_dim, inventory.ffn_hidden_size)
     # under the record's recomputation: a checkpointed attention keeps the prologue's mask
-    outside = fit_outside(inventory.config, 2, True, "bf16-mixed", recompute=record.recompute).bytes(
+    outside = fit_outside(inventory.config, 2, True, "bf16-mixed", recompute=record.layout.recompute).bytes(
         512, 1, inventory.head_dim, 1000)
     assert outside > 4 * 512 * 1000 / 2  # at least a float32 copy of the logits shard
     # pp 1: one micro-batch in flight, less its logits ([s·b, v/t], 16-bit), which live from the head to the end of the
@@ -309,13 +310,15 @@ def test_muon_is_planned_with_its_orthogonalisation_in_the_step(inventories):
     feasible = [r for r in records if r.feasible]
     assert feasible and all(r.step_time["newton_schulz"] > 0 for r in feasible)
     # a rank runs 1/t of its matrices' orthogonalisations (1/(t·d) under zero=1): the time falls with t at equal pp
-    by_tp = {r.tp: r.step_time["newton_schulz"] for r in feasible if r.pp == 1 and r.cp == 1 and not r.zero}
+    by_tp = {r.layout.tp: r.step_time["newton_schulz"] for r in feasible
+             if r.layout.pp == 1 and r.layout.cp == 1 and not r.layout.zero}
     assert len(by_tp) > 1 and all(by_tp[a] > by_tp[b] for a in by_tp for b in by_tp if a < b)
-    pairs = [(a, b) for a in feasible for b in feasible if (a.tp, a.pp, a.cp, a.dp, a.micro_batch, a.recompute) == (
-        b.tp, b.pp, b.cp, b.dp, b.micro_batch, b.recompute) and a.zero == 0 and b.zero == 1 and a.dp > 1]
+    pairs = [(a, b) for a in feasible for b in feasible
+             if (a.layout.replace(zero=1, fp32_main_params=b.layout.fp32_main_params), a.dp, a.micro_batch)
+             == (b.layout, b.dp, b.micro_batch) and a.layout.zero == 0 and a.dp > 1]
     assert pairs and all(b.step_time["newton_schulz"] < a.step_time["newton_schulz"] for a, b in pairs)
     assert all(b.bytes["optimizer"] < a.bytes["optimizer"] for a, b in pairs)  # the state over the data-parallel ranks
-    assert all((r.step_time["muon_exchange"] > 0) == (r.tp > 1 or bool(r.zero)) for r in feasible)
+    assert all((r.step_time["muon_exchange"] > 0) == (r.layout.tp > 1 or bool(r.layout.zero)) for r in feasible)
 
 
 def test_an_unknown_optimizer_is_refused_by_name(inventories):
@@ -327,7 +330,7 @@ def test_other_bytes_name_what_they_are(inventories):
     records = [r for r in plan(inventories["llama3-8b"], 16, 4096, 64, hardware=Hardware(memory=1e15),
                                calibrate=False) if r.feasible]
     assert all(sum(r.other.values()) == r.bytes["other"] for r in records)
-    accumulating = next(r for r in records if r.dp > 1 and r.zero == 0 and r.num_microbatches > 1)
+    accumulating = next(r for r in records if r.dp > 1 and r.layout.zero == 0 and r.layout.num_microbatches > 1)
     # bf16-mixed keeps float32 parameters: the earlier micro-batches' .grad beside the buckets is one of each
     assert accumulating.other["accumulated_gradients"] == accumulating.bytes["parameters"]
     named = set().union(*(r.other for r in records))
@@ -396,26 +399,26 @@ def test_zb_h1_layouts_take_a_third_of_the_bubble_and_the_first_rank_s_peak(inve
     is 1F1B's; interleaved layouts are refused for it by name."""
     options = dict(hardware=Hardware(memory=1e12), calibrate=False)
     def key(r):
-        return r.tp, r.cp, r.pp, r.vpp, r.dp, r.zero, r.micro_batch, r.recompute, r.modules, r.offload
+        return r.layout.replace(schedule="1F1B", num_microbatches=None), r.dp, r.micro_batch
 
     one_f_one_b = {key(r): r for r in plan(inventories["llama3-8b"], 16, 4096, 64, **options)
-                   if r.feasible and r.pp > 1}
+                   if r.feasible and r.layout.pp > 1}
     zb = plan(inventories["llama3-8b"], 16, 4096, 64, schedule="ZB-H1", **options)
     checked = 0
-    assert any(r.reason == f"ZB-H1 runs one model chunk per rank (vpp={r.vpp})" for r in zb)
+    assert any(r.reason == f"ZB-H1 runs one model chunk per rank (vpp={r.layout.virtual_stages})" for r in zb)
     for r in zb:
-        if r.pp > 1 and r.vpp > 1:
+        if r.layout.pp > 1 and r.layout.virtual_stages > 1:
             assert not r.feasible
             continue
         base = one_f_one_b.get(key(r))
         if base is None or not r.feasible:
             continue
-        m = r.num_microbatches
-        assert base.bubble == pytest.approx((r.pp - 1) / m)
-        if r.recompute == "full":  # B makes the forward again first: a heavier B idles more than a third
-            assert base.bubble > r.bubble > (r.pp - 1) / (3 * m)
+        m = r.layout.num_microbatches
+        assert base.bubble == pytest.approx((r.layout.pp - 1) / m)
+        if r.layout.recompute == "full":  # B makes the forward again first: a heavier B idles more than a third
+            assert base.bubble > r.bubble > (r.layout.pp - 1) / (3 * m)
         else:
-            assert r.bubble == pytest.approx((r.pp - 1) / (3 * m))
+            assert r.bubble == pytest.approx((r.layout.pp - 1) / (3 * m))
         # every stage holds p micro-batches from F to W, those past their B only what W reads (its linears' inputs
         # and output gradients), and a B makes no weight gradient: until a stage's first W its weights have no .grad.
         # So the first stage's peak is at most 1F1B's (less by at most the gradients), a later one's may pass it.
@@ -434,11 +437,11 @@ def test_the_loss_in_chunks_keeps_no_logits_and_the_command_line_sets_it(tmp_pat
     # (fused attention: no s² scores to make the peak elsewhere)
     inventory = model_inventory(LLAMA3_8B, 16384, "sdpa")
     options = dict(hardware=Hardware(memory=1e15), calibrate=False, context_parallel=(1,), schedule="1F1B")
-    chunked, whole = ({(r.tp, r.pp, r.vpp, r.micro_batch, r.recompute, r.zero): r
-                       for r in plan(inventory, 8, 16384, 8, loss_chunk=chunk, **options)}
+    chunked, whole = ({(r.layout.tp, r.layout.pp, r.layout.virtual_stages, r.micro_batch, r.layout.recompute,
+                        r.layout.zero): r for r in plan(inventory, 8, 16384, 8, loss_chunk=chunk, **options)}
                       for chunk in (4096, None))
     key = (8, 1, 1, 1, "none", 0)
-    assert chunked[key].loss_chunk == 4096 and whole[key].loss_chunk is None
+    assert chunked[key].layout.loss_chunk == 4096 and whole[key].layout.loss_chunk is None
     softmax = 4 * 16384 * 128256 / 8
     assert whole[key].bytes["total"] - chunked[key].bytes["total"] > softmax
     # and pays for it with the head's GEMM made again in backward: 2·B·s·h·v FLOPs a step
@@ -448,11 +451,11 @@ def test_the_loss_in_chunks_keeps_no_logits_and_the_command_line_sets_it(tmp_pat
         assert main([str(tmp_path), "--gpus", "8", "--seq-len", "8192", "--global-batch", "8", "--analytic", "--json",
                      "--loss-chunk", *values, "--cp", "1"]) == 0
         records = json.loads(capsys.readouterr().out)
-        assert {r["loss_chunk"] for r in records} == expected
+        assert {r["layout"]["loss_chunk"] for r in records} == expected
     # searched: a layout split over tp (its loss rewritten; 8192 positions a rank, past 2048) is priced twice; one
     # that is not (transformers' own loss, whole either way) once
-    priced = collections.Counter((r["tp"], r["pp"], r["vpp"], r["micro_batch"], r["recompute"], r["zero"],
-                                  r["schedule"]) for r in records)
+    priced = collections.Counter((*(r["layout"][k] for k in ("tp", "pp", "virtual_stages")), r["micro_batch"],
+                                  *(r["layout"][k] for k in ("recompute", "zero", "schedule"))) for r in records)
     assert priced[(8, 1, 1, 1, "none", 0, "1F1B")] == 2 and priced[(1, 8, 1, 1, "none", 0, "1F1B")] == 1
     assert main([str(tmp_path), "--gpus", "8", "--seq-len", "8192", "--global-batch", "8", "--analytic",
                  "--loss-chunk", "2048", "none", "--cp", "1"]) == 0
@@ -468,12 +471,13 @@ def test_memory_choices_on_the_smallest_layouts_only(inventories):
     few = plan(inventories["llama3-8b"], 8, 8192, 8, memory_choices_on=2, **options)
 
     def layout(r):
-        return (r.tp, r.cp, r.pp, r.vpp, r.dp, r.zero, r.micro_batch, r.recompute, r.schedule, r.loss_chunk)
+        return r.layout.replace(recompute_modules=(), offload=()), r.dp, r.micro_batch
 
-    plain = [r for r in few if not (r.modules or r.offload)]
-    tried = {layout(r) for r in few if r.modules or r.offload}
-    smallest = sorted((r for r in plain if r.bytes and not r.feasible and r.recompute != "full"),
+    plain = [r for r in few if not (r.layout.recompute_modules or r.layout.offload)]
+    tried = {layout(r) for r in few if r.layout.recompute_modules or r.layout.offload}
+    smallest = sorted((r for r in plain if r.bytes and not r.feasible and r.layout.recompute != "full"),
                       key=lambda r: r.bytes["total"])[:2]
     assert tried == {layout(r) for r in smallest}
-    assert len({layout(r) for r in every if r.modules or r.offload}) > len(tried)
-    assert [layout(r) for r in plain] == [layout(r) for r in every if not (r.modules or r.offload)]
+    assert len({layout(r) for r in every if r.layout.recompute_modules or r.layout.offload}) > len(tried)
+    assert [layout(r) for r in plain] == [layout(r) for r in every
+                                          if not (r.layout.recompute_modules or r.layout.offload)]

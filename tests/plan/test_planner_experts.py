@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from lightning_seqpar import Layout
 from lightning_seqpar.plan import Hardware, LayoutRecord, model_inventory, plan, state_bytes
 from lightning_seqpar.plan.measuring.calibration import Link
 from lightning_seqpar.plan.pricing.model_inventory import ExpertShape
@@ -30,11 +31,8 @@ def qwen3_moe():
     return model_inventory(QWEN3_30B_A3B)
 
 
-def _record(**layout) -> LayoutRecord:
-    values = dict(tp=1, cp=1, pp=1, vpp=1, dp=1, zero=0, micro_batch=1, num_microbatches=0, recompute="selective",
-                  main_params=False)
-    values.update(layout)
-    return LayoutRecord(**values)
+def _record(dp: int = 1, micro_batch: int = 1, **layout) -> LayoutRecord:
+    return LayoutRecord(Layout(**{"recompute": "selective", **layout}), dp, micro_batch)
 
 
 @pytest.mark.slow  # the planner's probes: outside the fast lane
@@ -49,10 +47,10 @@ def test_the_dispatch_pays_a_latency_for_each_all_to_all_it_makes(qwen3_moe):
     records = plan(qwen3_moe, 16, 4096, 64, calibrate=False, micro_batches=(1,),
                    hardware=Hardware(memory=1e15, gpus_per_node=16, calibration=calibration(collectives=links)))
     for recompute, count in (("selective", 5), ("none", 5), ("full", 8)):
-        record = next(r for r in records if r.feasible and r.ep > 1 and r.recompute == recompute)
-        layers = 48 // record.pp
+        record = next(r for r in records if r.feasible and r.layout.ep > 1 and r.layout.recompute == recompute)
+        layers = 48 // record.layout.pp
         assert record.step_time["expert"] == pytest.approx(
-            layers * record.num_microbatches * count * latency + record.collective_bytes["expert"] / bandwidth)
+            layers * record.layout.num_microbatches * count * latency + record.collective_bytes["expert"] / bandwidth)
 
 
 def test_the_experts_are_counted_exactly_and_split_over_ep_only(qwen3_moe):
@@ -119,30 +117,32 @@ def test_a_shared_expert_is_split_over_tp_and_a_pooled_router_loss_is_planned_un
 def test_the_planner_searches_ep_and_prices_its_all_to_all(qwen3_moe):
     records = plan(qwen3_moe, 16, 4096, 64, hardware=Hardware(), calibrate=False, micro_batches=(1,))
     feasible = [r for r in records if r.feasible]
-    assert {r.ep for r in records} == {1, 2, 4, 8, 16} and {r.expert_tp for r in records} == {1, 2, 4, 8, 16}
-    assert feasible and feasible[0].ep * feasible[0].expert_tp > 1  # whole experts on every rank do not fit 80 GB
-    assert all(r.ep * r.expert_tp > 1 or r.pp >= 4 for r in feasible)
-    assert not any(r.zero and r.expert_tp > 1 for r in records)  # the strategy refuses them together
+    assert {r.layout.ep for r in records} == {r.layout.expert_tp for r in records} == {1, 2, 4, 8, 16}
+    best = feasible[0].layout if feasible else None
+    assert best and best.ep * best.expert_tp > 1  # whole experts on every rank do not fit 80 GB
+    assert all(r.layout.ep * r.layout.expert_tp > 1 or r.layout.pp >= 4 for r in feasible)
+    assert not any(r.layout.zero and r.layout.expert_tp > 1 for r in records)  # the strategy refuses them together
     # Per micro-batch and MoE layer: n = s·b/t tokens, k pairs each, (e − 1)/e of them to other ranks, h elements
     # of 2 bytes, in the forward's dispatch and combine and the backward's two.
     unbounded = plan(qwen3_moe, 16, 4096, 64, hardware=Hardware(memory=1e15), calibrate=False, micro_batches=(1,))
-    same = {r.ep: r for r in unbounded if r.feasible and (r.tp, r.pp, r.vpp, r.zero, r.recompute, r.expert_tp) == (
-        2, 2, 1, 0, "selective", 1)}
+    same = {r.layout.ep: r for r in unbounded if r.feasible and r.layout.replace(ep=1, num_microbatches=None)
+            == Layout(tp=2, pp=2, recompute="selective")}
     assert sorted(same) == [1, 2, 4, 8]  # ep divides t·d = 8
     for ep, record in same.items():
         pairs = 4096 // 2 * 8 * (ep - 1) / ep
-        assert record.collective_bytes["expert"] == record.num_microbatches * 24 * 4 * pairs * 2048 * 2
+        assert record.collective_bytes["expert"] == record.layout.num_microbatches * 24 * 4 * pairs * 2048 * 2
     assert same[1].collective_bytes["expert"] == 0.0
     assert [same[ep].bytes["parameters"] for ep in (1, 2, 4, 8)] == sorted(
         (same[ep].bytes["parameters"] for ep in (1, 2, 4, 8)), reverse=True)
     assert same[8].step_time["expert"] > same[2].step_time["expert"] > 0
     # Under expert tensor parallelism each pair is etp width slices, (e·etp − 1)/(e·etp) of them to other ranks; the
     # rank's experts are 1/etp as wide, so its parameters shrink with e·etp alike.
-    width = {(r.ep, r.expert_tp): r for r in unbounded if r.feasible and (r.tp, r.pp, r.vpp, r.zero, r.recompute) == (
-        2, 2, 1, 0, "selective")}
+    width = {(r.layout.ep, r.layout.expert_tp): r for r in unbounded if r.feasible and r.layout.replace(
+        ep=1, expert_tp=1, num_microbatches=None) == Layout(tp=2, pp=2, recompute="selective")}
     for (ep, etp), record in width.items():
         pairs = 4096 // 2 * 8 * etp * (ep * etp - 1) / (ep * etp)
-        assert record.collective_bytes["expert"] == record.num_microbatches * 24 * 4 * pairs * 2048 * 2, (ep, etp)
+        m = record.layout.num_microbatches
+        assert record.collective_bytes["expert"] == m * 24 * 4 * pairs * 2048 * 2, (ep, etp)
     assert width[2, 2].bytes["parameters"] == width[4, 1].bytes["parameters"] < width[2, 1].bytes["parameters"]
     # Its activations keep etp times the rows of width h (the experts' input, the combine's pairs): 2·(etp − 1)·
     # s/t·b·k·h·2 bytes more per layer and micro-batch in flight than the same layout's whole experts at the same

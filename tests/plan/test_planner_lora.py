@@ -33,7 +33,7 @@ def _records(tmp_path, capsys, *flags):
     assert main([str(tmp_path), "--gpus", "8", "--seq-len", "4096", "--global-batch", "32", "--json", "--analytic",
                  "--cp", "1", "--precision", "32-true", *flags]) == 0
     records = json.loads(capsys.readouterr().out)
-    return next(r for r in records if (r["tp"], r["pp"], r["zero"]) == (1, 1, 0) and r["bytes"])
+    return next(r for r in records if r["bytes"] and [r["layout"][k] for k in ("tp", "pp", "zero")] == [1, 1, 0])
 
 
 TENSORS = 32 * 9 + 3  # a layer's 7 projections and 2 norms; the embedding, the final norm, the head
@@ -95,19 +95,20 @@ def test_lora_s_adapters_are_w_and_zero_bubble_schedules_are_priced_with_their_s
     a, g, d = LLAMA3_8B["num_attention_heads"], LLAMA3_8B["num_key_value_heads"], h // LLAMA3_8B["num_attention_heads"]
     assert weight_gradient_bytes(only_qv, 2048, 1, 2) == 2 * 2048 * (h / 2 + a * d / 2 + g * d / 2 + 2 * (r / 2 + r))
     options = dict(hardware=Hardware(memory=1e12), calibrate=False, schedule=("1F1B", "ZB-H1", "ZB-V"))
-    records = {(x.schedule, x.pp, x.tp, x.micro_batch): x for x in plan(lora, 8, 2048, 16, **options) if x.feasible}
+    records = {(x.layout.schedule, x.layout.pp, x.layout.tp, x.micro_batch): x
+               for x in plan(lora, 8, 2048, 16, **options) if x.feasible}
     zb_v = [x for key, x in records.items() if key[0] == "ZB-V"]
     assert zb_v
     for x in zb_v:
         w = lora.weight_gradient_share
-        again = 1.0 if x.recompute == "full" else 0.0  # full recomputation's B makes the forward again first
-        idle = bubble_fraction("ZB-V", x.num_microbatches, x.pp, costs=(1.0, 2.0 - w + again, w))
+        again = 1.0 if x.layout.recompute == "full" else 0.0  # full recomputation's B makes the forward again first
+        idle = bubble_fraction("ZB-V", x.layout.num_microbatches, x.layout.pp, costs=(1.0, 2.0 - w + again, w))
         assert x.bubble == idle / (1 - idle)
-        equal = bubble_fraction("ZB-V", x.num_microbatches, x.pp)
-        one = records.get(("1F1B", x.pp, x.tp, x.micro_batch))
+        equal = bubble_fraction("ZB-V", x.layout.num_microbatches, x.layout.pp)
+        one = records.get(("1F1B", x.layout.pp, x.layout.tp, x.micro_batch))
         assert equal / (1 - equal) < x.bubble < (one.bubble if one is not None else 1.0)
     refused = plan(nothing, 8, 2048, 16, **options)
-    assert not {"ZB-H1", "ZB-V"} & {x.schedule for x in refused if x.feasible}
+    assert not {"ZB-H1", "ZB-V"} & {x.layout.schedule for x in refused if x.feasible}
     assert any(x.reason == f"schedule={s} with no trained weight to defer to W (the split layers' weights are frozen), "
                            f"so W fills no bubble" for x in refused for s in ("ZB-H1", "ZB-V"))
 
@@ -177,7 +178,8 @@ def test_only_trained_parameters_accumulate_a_grad():
     assert largest_layer_weight(lora, 1) == 2 * adapter  # (gated MLP's factor 2)
     options = dict(hardware=Hardware(memory=1e12), calibrate=False, micro_batches=(1,), context_parallel=(1,),
                    precision="32-true")
-    record = next(r for r in plan(lora, 2, 32, 4, **options) if r.feasible and (r.tp, r.dp, r.zero) == (1, 2, 0))
+    record = next(r for r in plan(lora, 2, 32, 4, **options)
+                  if r.feasible and (r.layout.tp, r.dp, r.layout.zero) == (1, 2, 0))
     assert record.other["accumulated_gradients"] == state.trained
 
 
@@ -192,7 +194,7 @@ def test_frozen_weights_make_no_weight_gradient_gemm_and_the_step_s_flops_say_so
     frozen = plan(model_inventory(LLAMA3_8B, frozen=("embed_tokens", "lm_head")), 8, 4096, 32, **kwargs)
     for records, skipped in ((lora, layers + head), (frozen, head)):
         for record in records[:3]:
-            same = next(r for r in full if (r.tp, r.pp, r.vpp, r.dp, r.recompute) ==
-                        (record.tp, record.pp, record.vpp, record.dp, record.recompute))
+            same = next(r for r in full if (r.layout, r.dp, r.micro_batch) == (record.layout, record.dp,
+                                                                                record.micro_batch))
             assert same.flops["hardware"] - record.flops["hardware"] == 2 * tokens * skipped
             assert same.flops["model"] == record.flops["model"]

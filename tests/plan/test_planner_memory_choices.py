@@ -9,6 +9,7 @@ import pytest
 from lightning_seqpar.memory.activations import TransformerShape
 from lightning_seqpar.memory.flops import mlp_forward_flops
 from lightning_seqpar.offload import DENSE_OFFLOAD_MODULES
+from lightning_seqpar import Layout
 from lightning_seqpar.plan import Hardware, LayoutRecord, model_inventory, plan, predict
 from lightning_seqpar.plan.pricing.activations import layer_bytes, offloaded_layer_bytes
 from lightning_seqpar.plan.pricing.memory_choices import host_traffic
@@ -22,7 +23,8 @@ def inventory():
 
 
 def _predict(inventory, recompute="selective", modules=(), offload=(), tp=8, pp=1, **hardware):
-    record = LayoutRecord(tp, 1, pp, 1, 8 // (tp * pp), 0, 1, 0, recompute, False, modules=modules, offload=offload)
+    record = LayoutRecord(Layout(tp=tp, pp=pp, recompute=recompute, recompute_modules=modules, offload=offload),
+                          8 // (tp * pp), 1)
     return predict(inventory, record, S, BATCH, hardware=Hardware(memory=1e12, **hardware), calibrate=False)
 
 
@@ -35,7 +37,7 @@ def test_offload_leaves_the_offloaded_terms_on_the_host_and_counts_their_traffic
                             for m in offload)
     assert layer_bytes(inventory, S, 1, 8, recompute="selective", offload=offload) + per_layer == layer_bytes(
         inventory, S, 1, 8, recompute="selective")
-    layers, m = inventory.num_layers, base.num_microbatches
+    layers, m = inventory.num_layers, base.layout.num_microbatches
     assert moved.host["moved_per_step"] == per_layer * layers * m
     assert moved.host["held"] == per_layer * layers  # pp 1: one micro-batch's layers in flight
     # (the peak may fall at another moment of the step with the offload: less by at least the layers before the last)
@@ -59,7 +61,6 @@ def test_the_mlp_recomputed_keeps_its_input_and_costs_one_mlp_forward_per_layer(
     ("full", (), ("mlp",), "nothing to offload"),
     ("selective", (), ("core_attn",), "core_attn both recomputed (core_attn) and offloaded"),
     ("none", ("mlp",), ("mlp",), "mlp both recomputed (mlp) and offloaded"),
-    ("none", (), ("attention",), "not a module"),
     ("none", ("moe_act",), (), "this model has no mixture of experts"),
     ("none", (), ("expert_fc1",), "this model has no mixture of experts"),
     ("full", ("layernorm",), (), "recomputing modules changes nothing"),
@@ -79,12 +80,12 @@ def test_the_planner_trades_offload_for_memory_only_when_asked_and_says_why():
     options = dict(hardware=Hardware(), calibrate=False, context_parallel=(1,), micro_batches=(1,))
     plain = plan(inventory, 16, S, 16, **options)
     traded = plan(inventory, 16, S, 16, memory_choices=True, **options)
-    assert not any(r.offload or r.modules for r in plain)
-    chosen = [r for r in traded if r.feasible and (r.offload or r.modules)]
+    assert not any(r.layout.offload or r.layout.recompute_modules for r in plain)
+    chosen = [r for r in traded if r.feasible and (r.layout.offload or r.layout.recompute_modules)]
     assert chosen and all(r.why and "alone needs" in r.why for r in chosen)
     for r in chosen:  # each replaced a layout of the same sizes that did not fit
-        same = [p for p in plain if (p.tp, p.pp, p.vpp, p.dp, p.zero, p.micro_batch, p.recompute) ==
-                (r.tp, r.pp, r.vpp, r.dp, r.zero, r.micro_batch, r.recompute)]
+        untraded = r.layout.replace(recompute_modules=(), offload=())
+        same = [p for p in plain if (p.layout, p.dp, p.micro_batch) == (untraded, r.dp, r.micro_batch)]
         assert same and not same[0].feasible and same[0].bytes["total"] > r.bytes["total"]
     # the feasible ones compete by step time, traded or not
     times = [r.step_time["total"] for r in traded if r.feasible]
@@ -110,10 +111,10 @@ def test_a_mixture_trades_its_experts_modules_and_a_dense_mlp_s_are_refused_by_r
                                 num_experts_per_tok=2, moe_intermediate_size=32))
     records = plan(tiny, 2, 1024, 8, hardware=Hardware(memory=7e7), calibrate=False, micro_batches=(8,),
                    memory_choices=True)
-    tried = {(r.modules, r.offload) for r in records if r.modules or r.offload}
+    tried = {(r.layout.recompute_modules, r.layout.offload) for r in records
+             if r.layout.recompute_modules or r.layout.offload}
     assert tried == set(MIXTURE_TRADES)  # every trade is tried somewhere; none names the dense MLP
     for modules, offload in ((("mlp",), ()), ((), ("mlp",)), (("moe",), ("expert_fc1",)), (("moe_act",), ("moe_act",))):
-        record = predict(tiny, LayoutRecord(tp=1, cp=1, pp=1, vpp=1, dp=2, zero=0, micro_batch=1, num_microbatches=0,
-                                            recompute="none", main_params=False, modules=modules, offload=offload),
+        record = predict(tiny, LayoutRecord(Layout(recompute_modules=modules, offload=offload), 2, 1),
                          1024, 8, calibrate=False)
         assert not record.feasible and ("mixtures of experts" in record.reason or "both recomputed" in record.reason)

@@ -15,7 +15,9 @@ S, GPUS, BATCH = 2048, 16, 16
 
 
 def _key(r):
-    return (r.tp, r.cp, r.pp, r.vpp, r.dp, r.ep, r.zero, r.micro_batch, r.recompute, r.schedule)
+    lay = r.layout
+    return (lay.tp, lay.cp, lay.pp, lay.virtual_stages, r.dp, lay.ep, lay.zero, r.micro_batch, lay.recompute,
+            lay.schedule)
 
 
 @pytest.fixture(scope="module")
@@ -33,37 +35,39 @@ def test_each_layout_is_priced_per_schedule_as_a_search_of_that_schedule_alone(s
     assert together.keys() == alone.keys()
     for key, record in together.items():
         assert record.bytes == alone[key].bytes and record.step_time == alone[key].step_time
-    piped = [r for r in together.values() if r.pp > 1]
-    assert {r.schedule for r in piped} == {"1F1B", "interleaved_1F1B", "ZB-H1", "ZB-V", "DualPipeV"}
+    piped = [r for r in together.values() if r.layout.pp > 1]
+    assert {r.layout.schedule for r in piped} == {"1F1B", "interleaved_1F1B", "ZB-H1", "ZB-V", "DualPipeV"}
     heavier = []
     for r in piped:  # each one's bubble is its own schedule's (Narayanan et al. 2021; Qi et al. 2024, ZB-H1, ZB-V)
-        m, p, v = r.num_microbatches, r.pp, r.vpp
+        m, p, v = r.layout.num_microbatches, r.layout.pp, r.layout.virtual_stages
         expected = {"1F1B": (p - 1) / m, "interleaved_1F1B": (p - 1) / (v * m), "ZB-H1": (p - 1) / (3 * m),
                     "ZB-V": (p - 1) / (6 * m), "DualPipeV": (p - 1) / (6 * m)}  # idle over compute; ZB-V's from
         # m = 2p − 2 (a longer ramp below), DualPipeV's from its least m = 2p
-        if r.schedule == "ZB-V" and m < 2 * p - 2:
-            assert r.bubble > expected["ZB-V"] and r.vpp == 2
+        if r.layout.schedule == "ZB-V" and m < 2 * p - 2:
+            assert r.bubble > expected["ZB-V"] and r.layout.virtual_stages == 2
             continue
-        if splits_backward(r.schedule) and r.recompute == "full":  # B makes the forward again: a heavier B idles more
-            heavier.append((r, together.get(_key(r)[:8] + ("none", r.schedule))))
+        if splits_backward(r.layout.schedule) and r.layout.recompute == "full":  # B makes the forward again: idles more
+            heavier.append((r, together.get(_key(r)[:8] + ("none", r.layout.schedule))))
             continue
-        assert r.bubble == pytest.approx(expected[r.schedule]) and (r.schedule != "ZB-H1" or r.vpp == 1)
-        assert r.schedule not in ("ZB-V", "DualPipeV") or r.vpp == 2
+        assert r.bubble == pytest.approx(expected[r.layout.schedule])
+        assert r.layout.schedule != "ZB-H1" or r.layout.virtual_stages == 1
+        assert r.layout.schedule not in ("ZB-V", "DualPipeV") or r.layout.virtual_stages == 2
     pairs = [(r, twin) for r, twin in heavier if twin is not None]
     assert pairs and all(r.bubble > twin.bubble > 0 for r, twin in pairs)
     # DualPipeV's pairs run one after the other: ZB-V's bubble. Its peak differs: one chunk micro-batch more in flight,
     # but its steady state's whole backwards leave no W waiting (ZB-V's last rank holds many at its cool-down)
-    twins = [(r, together.get(_key(r)[:-1] + ("ZB-V",))) for r in piped if r.schedule == "DualPipeV"
-             and r.recompute != "full"]  # with F = B = W (B heavier, full recomputation's: at p 4, m 8, DualPipeV
-    # idles 11.1 % of its time, ZB-V 8.6 %)
+    # with F = B = W (B heavier, full recomputation's: at p 4, m 8, DualPipeV idles 11.1 % of its time, ZB-V 8.6 %)
+    twins = [(r, together.get(_key(r)[:-1] + ("ZB-V",))) for r in piped
+             if r.layout.schedule == "DualPipeV" and r.layout.recompute != "full"]
     assert twins and all(r.bubble == twin.bubble for r, twin in twins if twin is not None)
-    assert any(r.reason == f"micro-batches={r.num_microbatches} < 2·pp={2 * r.pp}: DualPipeV's warm-up sends 2·pp "
-               f"through rank 0's first chunk" for r in dualpipe_v if r.pp <= r.num_microbatches < 2 * r.pp)
-    assert all(r.schedule == "1F1B" for r in both if r.pp == 1)
+    short = [(r, r.layout.num_microbatches or 0, r.layout.pp) for r in dualpipe_v]
+    assert any(r.reason == f"micro-batches={m} < 2·pp={2 * p}: DualPipeV's warm-up sends 2·pp through rank 0's first "
+               f"chunk" for r, m, p in short if p <= m < 2 * p)
+    assert all(r.layout.schedule == "1F1B" for r in both if r.layout.pp == 1)
     # beside 1F1B, ZB-H1 is not offered chunks it cannot run (asked alone, they are refused by name)
-    assert not any(r.schedule == "ZB-H1" and r.vpp > 1 for r in both)
+    assert not any(r.layout.schedule == "ZB-H1" and r.layout.virtual_stages > 1 for r in both)
     assert any("ZB-H1 runs one model chunk per rank" in (r.reason or "") for r in zero_bubble)
-    assert not any(r.schedule == "ZB-V" and r.vpp != 2 for r in both)
+    assert not any(r.layout.schedule == "ZB-V" and r.layout.virtual_stages != 2 for r in both)
     assert any("ZB-V runs two model chunks per rank in a V (vpp=1)" in (r.reason or "") for r in v_shaped)
     ranked = [r.step_time["total"] for r in both if r.feasible]
     assert ranked == sorted(ranked)
@@ -78,7 +82,7 @@ def test_the_command_line_searches_every_schedule_by_default_and_names_each_row_
     assert "| ZB-V |" in out and "bubble (1F1B or ZB-H1 or ZB-V or DualPipeV where pp > 1)" in out
     assert main(args + ["--json"]) == 0
     records = json.loads(capsys.readouterr().out)
-    assert {r["schedule"] for r in records if r["feasible"] and r["pp"] > 1} == {"1F1B", "interleaved_1F1B", "ZB-H1",
-                                                                                "ZB-V", "DualPipeV"}
+    names = {r["layout"]["schedule"] for r in records if r["feasible"] and r["layout"]["pp"] > 1}
+    assert names == {"1F1B", "interleaved_1F1B", "ZB-H1", "ZB-V", "DualPipeV"}
     assert main(args + ["--schedule", "1F1B", "--top", "20"]) == 0
     assert "schedule" not in capsys.readouterr().out.split("\n")[1]  # one schedule: no column

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lightning_seqpar import Layout
 from lightning_seqpar.plan.pricing.layout_record import LayoutRecord
 from lightning_seqpar.plan.measuring.fits import ProbedMeasurements
 from lightning_seqpar.plan.pricing.kept import (activation_element_bytes, first_layer_saving, layer_activation_bytes,
@@ -53,7 +54,7 @@ def test_each_priced_term_is_the_measured_one_at_full_size(shared, precision, re
                                     training=inventory.training)
         return measured[key]
 
-    record = LayoutRecord(tp, 1, 1, 1, 2 // tp, 0, B, 1, recompute, False)
+    record = LayoutRecord(Layout(tp=tp, num_microbatches=1, recompute=recompute), 2 // tp, B)
     layer = layer_activation_bytes(record, inventory, S, precision, False, fits)
     saving = first_layer_saving(record, inventory, S, precision, fits)
     outside, prologue = outside_bytes(record, inventory, S, precision, activation_element_bytes(precision), fits)

@@ -10,8 +10,7 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 
-from lightning_seqpar import SeqParallelStrategy
-from lightning_seqpar.lightning.config import DataParallelConfig
+from lightning_seqpar import Layout, SeqParallelStrategy
 from lightning_seqpar.plan.measuring.models import inventory_of_hf_model
 from lightning_seqpar.plan.pricing.state import state_bytes
 from tests.helpers.distributed import run_distributed
@@ -75,9 +74,9 @@ def _measure(rank, world):
     out = []
     for options, tp, pp, zero, precision, main, extra in LAYOUTS:
         held = _Held()
-        parallel = DataParallelConfig(zero=zero, fp32_main_params=main)
+        layout = Layout(tp=tp, pp=pp, zero=zero, fp32_main_params=main, **extra)
         trainer = pl.Trainer(accelerator="cpu", devices=world, precision=precision, max_steps=1, logger=False,
-                             strategy=SeqParallelStrategy(tp=tp, pp=pp, data_parallel=parallel, **extra),
+                             strategy=SeqParallelStrategy(layout=layout),
                              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                              limit_val_batches=0, num_sanity_val_steps=0, callbacks=[held])
         trainer.fit(build("hf", labels=True, **options), loader(token_data(1, world // (tp * pp))))

@@ -16,8 +16,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_seqpar import ActivationOffload, SelectiveRecompute, SeqParallelStrategy
-from lightning_seqpar.lightning.config import DataParallelConfig
+from lightning_seqpar import ActivationOffload, Layout, SelectiveRecompute, SeqParallelStrategy
 from lightning_seqpar.memory.peak import PeakMemoryTracker
 from lightning_seqpar.plan import Hardware, LayoutRecord, inventory_of_hf_model, predict
 from tests.helpers.distributed import run_distributed
@@ -139,14 +138,14 @@ def _measure(rank, world, layouts=LAYOUTS, moe=False, s=S, vocab=CONFIG["vocab_s
         m = GLOBAL_BATCH // (dp * mbs)
         name = schedule[0] if schedule else "interleaved_1F1B" if vpp > 1 else "1F1B"
         pipeline = dict(num_microbatches=m, virtual_stages=vpp, schedule=name) if pp > 1 else {}
-        parallel = DataParallelConfig(zero=zero, fp32_main_params=zero == 1 and precision == "bf16-true")
+        layout = Layout(tp=tp, pp=pp, ep=ep, cp=cp, cp_comm=comm, zero=zero, loss_chunk=loss_chunk, expert_tp=expert_tp,
+                        fp32_main_params=zero == 1 and precision == "bf16-true", **pipeline)
         peak = StepPeak()
         callbacks = [peak, *_memory_callbacks(recompute)]
         # Micro-batches: the pipeline schedule's under pp, gradient accumulation otherwise.
         batch, accumulate = (GLOBAL_BATCH // dp, 1) if pp > 1 else (mbs, m)
         trainer = pl.Trainer(accelerator="cpu", devices=world, precision=precision, max_steps=2,
-                             strategy=SeqParallelStrategy(tp=tp, pp=pp, ep=ep, cp=cp, cp_comm=comm, data_parallel=parallel,
-                                                          loss_chunk=loss_chunk, expert_tp=expert_tp, **pipeline),
+                             strategy=SeqParallelStrategy(layout=layout),
                              accumulate_grad_batches=accumulate, logger=False, enable_checkpointing=False,
                              enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                              num_sanity_val_steps=0, callbacks=callbacks, use_distributed_sampler=False)
@@ -175,11 +174,12 @@ def _errors(layouts, moe, s=S, vocab=CONFIG["vocab_size"], loss_chunk=4096, lora
     for index, (tp, pp, vpp, zero, mbs, recompute, precision, *schedule) in enumerate(layouts):
         cp = schedule[2] if len(schedule) > 2 else 1
         granularity, modules, offload = _choices(recompute)
-        record = LayoutRecord(tp, cp, pp, vpp, world // (tp * cp * pp), zero, mbs, 0, granularity,
-                              main_params=zero == 1 and precision == "bf16-true",
-                              ep=schedule[1] if len(schedule) > 1 else 1,
-                              cp_comm=schedule[3] if len(schedule) > 3 else "ring", modules=modules, offload=offload,
-                              loss_chunk=loss_chunk, expert_tp=schedule[4] if len(schedule) > 4 else 1)
+        layout = Layout(tp=tp, cp=cp, pp=pp, virtual_stages=vpp, zero=zero, recompute=granularity,
+                        fp32_main_params=zero == 1 and precision == "bf16-true",
+                        ep=schedule[1] if len(schedule) > 1 else 1,
+                        cp_comm=schedule[3] if len(schedule) > 3 else "ring", recompute_modules=modules,
+                        offload=offload, loss_chunk=loss_chunk, expert_tp=schedule[4] if len(schedule) > 4 else 1)
+        record = LayoutRecord(layout, world // (tp * cp * pp), mbs)
         predict(inventory, record, s, GLOBAL_BATCH, hardware=Hardware(memory=1e12), precision=precision, fits=fits,
                 schedule=(schedule or ["1F1B"])[0])
         assert record.feasible, record.reason

@@ -157,11 +157,10 @@ def test_a_wrong_calibration_changes_the_ranking_and_the_rough_estimate_says_so(
     measured = plan(inventory, 16, S, 16, hardware=Hardware(calibration=calibration()), **kwargs)
     slow = plan(inventory, 16, S, 16, hardware=Hardware(calibration=calibration(slow_tensor=1000)), **kwargs)
     assert rough[0].timing == "rough estimate" and measured[0].timing == slow[0].timing == "measured rates"
-    assert measured[0].tp > 1  # fast links: tensor parallelism pays
-    assert slow[0].tp < measured[0].tp, (slow[0].tp, measured[0].tp)  # a 1000× slower g/ḡ moves the best layout
-    same = next(r for r in slow if (r.tp, r.pp, r.vpp, r.dp, r.zero, r.recompute) ==
-                (measured[0].tp, measured[0].pp, measured[0].vpp, measured[0].dp, measured[0].zero,
-                 measured[0].recompute))
+    assert measured[0].layout.tp > 1  # fast links: tensor parallelism pays
+    best, slow_best = measured[0], slow[0]
+    assert slow_best.layout.tp < best.layout.tp, (slow_best.layout, best.layout)  # a 1000× slower g/ḡ moves the best
+    same = next(r for r in slow if (r.layout, r.dp, r.micro_batch) == (best.layout, best.dp, best.micro_batch))
     assert same.step_time["tensor"] > 100 * measured[0].step_time["tensor"]
     assert same.step_time["compute"] == measured[0].step_time["compute"]
 
@@ -203,7 +202,7 @@ def test_the_gradient_reduction_pays_one_latency_per_bucket():
     records = plan(inventory, 16, S, 16, hardware=hardware, calibrate=False, context_parallel=(1,),
                    micro_batches=(1,))
     for zero in (0, 1):
-        record = next(r for r in records if r.feasible and r.dp > 1 and r.zero == zero)
+        record = next(r for r in records if r.feasible and r.dp > 1 and r.layout.zero == zero)
         d, sent = record.dp, record.collective_bytes["data"]
         gradients = sent * d / (2 * (d - 1))  # the float32 gradients each rank reduces
         buckets = math.ceil(gradients / DEFAULT_BUCKET_BYTES)
@@ -219,7 +218,7 @@ def test_the_optimizer_step_is_priced_over_the_elements_each_rank_updates():
     records = plan(inventory, 16, S, 16, hardware=hardware, calibrate=False, context_parallel=(1,),
                    micro_batches=(1,))
     for zero in (0, 1):
-        record = next(r for r in records if r.feasible and r.dp > 1 and r.zero == zero and r.pp == 1)
+        record = next(r for r in records if r.feasible and r.dp > 1 and r.layout.zero == zero and r.layout.pp == 1)
         elements = record.bytes["parameters"] / PARAMETER_BYTES["bf16-mixed"]  # the parameter elements held
         updated = elements / (record.dp if zero else 1)
         assert record.step_time["optimizer"] == pytest.approx(updated / 1e10), zero
@@ -266,9 +265,9 @@ def test_a_core_attention_call_is_priced_at_its_own_size():
     seen = set()
     for record in records:
         shape = TransformerShape(s=S, b=1, h=h, a=inventory.num_heads, L=inventory.num_layers)
-        b, t, c = record.micro_batch, record.tp, record.cp
-        expected = (12 * b * S * S * h / (t * c) if record.cp_comm == "all_to_all" and c > 1
+        b, t, c = record.micro_batch, record.layout.tp, record.layout.cp
+        expected = (12 * b * S * S * h / (t * c) if record.layout.cp_comm == "all_to_all" and c > 1
                     else 12 * b * (S / c) ** 2 * h / t)  # the ring's blocks: s/c queries against s/c keys
         assert _attention_call(record, shape) == pytest.approx(expected)
-        seen.add((c, record.cp_comm, b))
+        seen.add((c, record.layout.cp_comm, b))
     assert {(1, "ring", 1), (2, "ring", 2), (2, "all_to_all", 1)} <= seen

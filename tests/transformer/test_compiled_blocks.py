@@ -27,6 +27,7 @@ from lightning_seqpar.transformer.compiling import CompileConfig, compile_config
 from tests.helpers.distributed import run_distributed
 from tests.helpers.models import SEQ, build, token_data
 from tests.helpers.parity import Case, fit
+from tests.helpers.strategy import strategy_of
 
 pytestmark = pytest.mark.distributed
 
@@ -85,7 +86,7 @@ def _saved_bytes(rank: int, world: int, compiled: bool) -> tuple[int, list[tuple
     module = build("hf", labels=True, layers=2)
     trainer = pl.Trainer(accelerator="cpu", devices=world, precision="64-true", max_steps=1, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         strategy=SeqParallelStrategy(tp=2, compile={"backend": "aot_eager"} if compiled else False))
+                         strategy=strategy_of(tp=2, compile={"backend": "aot_eager"} if compiled else False))
     data = token_data(1, 1)
     trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=2))
     params = {p.untyped_storage().data_ptr() for p in module.parameters()}

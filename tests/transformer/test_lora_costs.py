@@ -9,8 +9,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from lightning_seqpar import SeqParallelStrategy
-from lightning_seqpar.lightning.config import DataParallelConfig
+from lightning_seqpar import Layout, SeqParallelStrategy
 from lightning_seqpar.parallel import CommunicationLog, ParallelGroup
 from lightning_seqpar.policies import rewrite
 from lightning_seqpar.rewriting import RewriteContext
@@ -84,7 +83,7 @@ def _frozen(rank, world_size):
     for zero in (0, 1):
         held = _Held()
         trainer = pl.Trainer(accelerator="cpu", devices=world_size, precision="64-true", max_steps=1, logger=False,
-                             strategy=SeqParallelStrategy(tp=2, data_parallel=DataParallelConfig(zero=zero)),
+                             strategy=SeqParallelStrategy(tp=2, layout=Layout(zero=zero)),
                              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                              limit_val_batches=0, num_sanity_val_steps=0, callbacks=[held])
         trainer.fit(build("hf", labels=True, lora="all"), loader(token_data(1, 2)))

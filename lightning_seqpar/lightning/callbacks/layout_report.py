@@ -24,26 +24,6 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 GB = 1e9
 
 
-def _memory_choices(trainer: pl.Trainer) -> tuple[str, tuple[str, ...], Optional[tuple[str, ...]]]:
-    """``(recompute, modules, offload)`` of the run's callbacks as the planner reads them: the paper's granularity,
-    the modules recomputed by module beside it (``("mlp",)``, ``("moe",)``), the modules offloaded (``None``: an offload planned from
-    a budget at the first batch, not known yet)."""
-    from lightning_seqpar.lightning.callbacks.activation_offload import ActivationOffload
-    from lightning_seqpar.lightning.callbacks.selective_recompute import SelectiveRecompute
-
-    recompute, modules = "none", ()
-    chosen = [c for c in trainer.callbacks if isinstance(c, SelectiveRecompute)]
-    if chosen and chosen[0].modules is not None:
-        names = chosen[0].modules
-        recompute = "full" if "full" in names else "selective" if "core_attn" in names else "none"
-        modules = tuple(n for n in names if n in ("layernorm", "mlp", "moe_act", "shared_experts", "moe"))
-    elif chosen and chosen[0].granularity in ("selective", "full"):
-        recompute = chosen[0].granularity
-    offloads = [c for c in trainer.callbacks if isinstance(c, ActivationOffload)]
-    offload = () if not offloads else None if offloads[0].modules is None else tuple(offloads[0].modules)
-    return recompute, modules, offload
-
-
 def _planned_model(module: pl.LightningModule) -> Optional[torch.nn.Module]:
     """The module's model rebuilt on the meta device as the planner reads it (``None``: not one it knows).
 
@@ -69,6 +49,7 @@ def predicted_peak(trainer: pl.Trainer, module: pl.LightningModule, seq_len: int
         Optional[int], str]:
     """``(bytes, how)``: the planner's predicted peak of the most loaded rank for this run, or ``(None, why not)``."""
     from lightning_seqpar.lightning.auto_layout import planned_loss_chunk
+    from lightning_seqpar.lightning.memory_callbacks import run_memory_choices
     from lightning_seqpar.plan import Hardware, LayoutRecord, inventory_of_hf_model, predict
 
     strategy = trainer.strategy
@@ -81,22 +62,19 @@ def predicted_peak(trainer: pl.Trainer, module: pl.LightningModule, seq_len: int
         return None, str(refusal)
     if model is None:
         return None, f"the planner does not know {type(module).__name__}'s model"
-    config = strategy.parallel.pipeline
-    dp = mesh.dp
-    m = config.num_microbatches if mesh.pp > 1 else 1
-    recompute, modules, offload = _memory_choices(trainer)
-    if offload is None:
+    layout = strategy.layout  # the run's: its memory choices read from the run's callbacks (layout_of_run)
+    choices = run_memory_choices(trainer.callbacks)
+    if choices is not None and choices[2] is None:
         return None, "the offload is planned from its budget at the first batch, after this prediction"
-    if mesh.cp > 1 and recompute == "selective":  # blockwise attention under cp: the callback leaves it as it is
-        recompute = "none"
-    record = LayoutRecord(mesh.tp, mesh.cp, mesh.pp, config.virtual_stages, dp, strategy.data_parallel.zero,
-                          max(1, batch_size // m), m, recompute,
-                          main_params=bool(getattr(strategy.data_parallel, "fp32_main_params", False)),
-                          ep=mesh.dims.ep if mesh.dims is not None else 1, cp_comm=strategy.parallel.cp_comm,
-                          modules=modules, offload=offload,
-                          loss_chunk=planned_loss_chunk(module, strategy.parallel))
+    if layout.cp > 1 and layout.recompute == "selective":  # blockwise attention under cp: the callback leaves it
+        layout = layout.replace(recompute="none")
+    m = layout.pipeline.num_microbatches if layout.pp > 1 else 1
+    # Priced as the run trains: the loss chunk the model's loss uses, m micro-batches (the canonical pipeline's).
+    record = LayoutRecord(layout.replace(loss_chunk=planned_loss_chunk(module, layout), num_microbatches=m,
+                                         virtual_stages=layout.pipeline.virtual_stages), mesh.dp,
+                          max(1, batch_size // m))
     precision = str(trainer.precision)
-    inventory, batch = inventory_of_hf_model(model), batch_size * dp * trainer.accumulate_grad_batches
+    inventory, batch = inventory_of_hf_model(model), batch_size * mesh.dp * trainer.accumulate_grad_batches
     options = dict(hardware=Hardware(memory=1e15), precision=precision if precision != "64-true" else "32-true")
     # The planner's probes run small copies of the model on CPU, seeded: the run's own generators are put back.
     with torch.random.fork_rng(devices=[]):
@@ -122,7 +100,7 @@ def measured_peak(device: torch.device) -> tuple[int, str]:
 
 
 class LayoutReport(pl.Callback):
-    """Logs (rank 0) ``layout: tp=… cp=… pp=… dp=… ep=… …; predicted peak per rank X GB`` when fitting starts and
+    """Logs (rank 0) ``layout: Layout(tp=…, pp=…, …) dp=…; predicted peak per rank X GB`` when fitting starts and
     ``peak memory: measured X GB (how) vs predicted Y GB`` when it ends.
 
     Args:
@@ -131,17 +109,19 @@ class LayoutReport(pl.Callback):
 
     Attributes:
         predicted: the prediction in bytes (``None`` where the planner cannot give one); measured: the peak at the end.
+        layout: the strategy's :class:`~lightning_seqpar.Layout` the run trained with (logged as Python to paste).
     """
 
     def __init__(self, seq_len: int, batch_size: int) -> None:
         self.seq_len, self.batch_size = seq_len, batch_size
         self.predicted: Optional[int] = None
         self.measured: Optional[int] = None
+        self.layout: Optional[Any] = None
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         mesh = getattr(trainer.strategy, "mesh", None)
-        ep = mesh.dims.ep if mesh is not None and mesh.dims is not None else 1
-        layout = (f"tp={mesh.tp} cp={mesh.cp} pp={mesh.pp} dp={mesh.dp} ep={ep}" if mesh is not None
+        self.layout = getattr(trainer.strategy, "layout", None)
+        layout = (f"{self.layout} dp={mesh.dp}" if mesh is not None and self.layout is not None
                   else f"{trainer.world_size} process(es), no model parallelism")
         try:
             self.predicted, how = predicted_peak(trainer, pl_module, self.seq_len, self.batch_size)

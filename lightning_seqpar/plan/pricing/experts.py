@@ -37,10 +37,11 @@ def expert_tensor_parallel_bytes(inventory: ModelInventory, record: Any, s: int,
     wide, so those stay (:mod:`lightning_seqpar.moe.dispatch`, ``expert_tensor_parallel_pairs``); nothing under full
     recomputation."""
     experts = inventory.experts
-    if experts is None or record.expert_tp == 1 or record.recompute == "full" or "moe" in record.modules:
+    lay = record.layout
+    if experts is None or lay.expert_tp == 1 or lay.recompute == "full" or "moe" in lay.recompute_modules:
         return 0.0
-    pairs = s * record.micro_batch / record.tp * experts.top_k
-    return 2 * (record.expert_tp - 1) * pairs * inventory.hidden_size * element
+    pairs = s * record.micro_batch / record.layout.tp * experts.top_k
+    return 2 * (record.layout.expert_tp - 1) * pairs * inventory.hidden_size * element
 
 
 def expert_layer_elements(inventory: ModelInventory) -> int:
@@ -59,10 +60,10 @@ def all_to_all_bytes(inventory: ModelInventory, record: Any, s: int, element: in
     ``(e·etp − 1)/(e·etp)`` of them under balanced routing, ``h`` elements each; per MoE layer the forward's dispatch and combine and the backward's two
     (three and three under full recomputation, which dispatches again)."""
     experts = inventory.experts
-    width = record.ep * record.expert_tp  # the etp_ep group a pair's etp width slices are sent over
+    width = record.layout.ep * record.layout.expert_tp  # the etp_ep group a pair's etp width slices are sent over
     if experts is None or width == 1:
         return 0.0
     layers = len({e.layer for e in held if e.expert})
-    pairs = s * record.micro_batch / record.tp * experts.top_k * record.expert_tp * (width - 1) / width
-    passes = 6 if record.recompute == "full" else 4
+    pairs = s * record.micro_batch / record.layout.tp * experts.top_k * record.layout.expert_tp * (width - 1) / width
+    passes = 6 if record.layout.recompute == "full" else 4
     return layers * passes * pairs * inventory.hidden_size * element

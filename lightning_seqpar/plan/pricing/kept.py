@@ -29,8 +29,7 @@ def never_negative(term: str, value: float, record: LayoutRecord) -> float:
             layout named, never an answer to give.
     """
     if value < -1.0:
-        layout = (f"tp {record.tp} cp {record.cp} pp {record.pp} dp {record.dp} mbs {record.micro_batch} "
-                  f"{record.recompute} recomputation")
+        layout = f"{record.layout} dp {record.dp} mbs {record.micro_batch}"
         raise ArithmeticError(f"The planner priced {term} at {value / 1e6:.2f} MB for {layout}: a fit read past its "
                               f"probes. Please report it with the model's config.")
     return max(0.0, value)
@@ -48,7 +47,7 @@ def layer_activation_bytes(record: LayoutRecord, inventory: ModelInventory, s: i
     layers cast inside their autograd functions, where autocast's cache does not apply, so every micro-batch's
     forward keeps its own); measured and scaled where the model can be probed."""
     element = activation_element_bytes(precision)
-    cp, local, recompute = record.cp, s // record.cp, record.recompute
+    cp, local, recompute = record.layout.cp, s // record.layout.cp, record.layout.recompute
     extra = 0.0
     if cp > 1 and recompute != "full":
         # Under context parallelism a rank's layer is the same layer over its s/c tokens but for its core attention,
@@ -56,17 +55,17 @@ def layer_activation_bytes(record: LayoutRecord, inventory: ModelInventory, s: i
         # keeps them too, with its output and log-sum-exp), its output and log-sum-exp, and no s² tensor.
         recompute = "selective" if inventory.eager_attention else "none"
         if inventory.eager_attention:
-            extra = context_attention_kept(inventory, s, record.micro_batch, record.tp, cp, element)
+            extra = context_attention_kept(inventory, s, record.micro_batch, record.layout.tp, cp, element)
     if measured is None or inventory.config is None:
         extra += expert_tensor_parallel_bytes(inventory, record, local, element)
-        return extra + layer_bytes(inventory, local, record.micro_batch, record.tp, True, recompute, element, dropout,
-                                   modules=record.modules, offload=record.offload)
+        return extra + layer_bytes(inventory, local, record.micro_batch, record.layout.tp, True, recompute, element,
+                                   dropout, modules=record.layout.recompute_modules, offload=record.layout.offload)
     kept = extra + layer_fit(record, inventory, recompute, precision, measured).bytes(
         local, record.micro_batch, inventory.head_dim, inventory.ffn_hidden_size, quadratic=cp == 1)
     if precision == "bf16-mixed" and recompute != "full":
         # The probe's rank holds every expert (ep 1), and autocast's 16-bit copy of each is kept for backward; a rank
         # of ep e casts its E/e experts only, each 1/etp of its width under expert tensor parallelism.
-        kept -= 2 * expert_layer_elements(inventory) * (1 - 1 / (record.ep * record.expert_tp))
+        kept -= 2 * expert_layer_elements(inventory) * (1 - 1 / (record.layout.ep * record.layout.expert_tp))
     return never_negative("a layer's activations", kept + expert_tensor_parallel_bytes(inventory, record, local,
                                                                                              element), record)
 
@@ -84,24 +83,25 @@ def layers_split_backward(record: LayoutRecord) -> bool:
     """Whether ``record``'s layers run with their backward split into B and W (a pipeline under ZB-H1, ZB-V or
     DualPipeV): their linears then keep other tensors (:func:`~lightning_seqpar.plan.measuring.probe.measure`'s
     ``split``)."""
-    return record.pp > 1 and splits_backward(record.schedule)
+    return record.layout.pp > 1 and splits_backward(record.layout.schedule)
 
 
 def cached_copy_bytes(inventory: ModelInventory, record: LayoutRecord, precision: str) -> int:
     """Bytes of one layer's autocast 16-bit weight copies that a split backward keeps for no micro-batch but that live
     in autocast's cache while a forward's region lasts (``bf16-mixed``, else 0): its column- and row-parallel
     weights' local shards (the split linears keep their float32 weights and cast them again in B)."""
-    if precision != "bf16-mixed" or not layers_split_backward(record) or record.recompute == "full":
+    if precision != "bf16-mixed" or not layers_split_backward(record) or record.layout.recompute == "full":
         return 0
     layer = next((e.layer for e in inventory.entries if e.part == "layer"), None)
-    return 2 * sum(e.numel // record.tp for e in inventory.entries
+    return 2 * sum(e.numel // record.layout.tp for e in inventory.entries
                    if e.part == "layer" and e.layer == layer and e.split in ("column", "row") and len(e.shape) == 2)
 
 
 def layer_fit(record: LayoutRecord, inventory: ModelInventory, recompute: str, precision: str,
               measured: Measurements) -> Any:
     """The measured fit of a layer under ``record`` with ``recompute`` (:meth:`Measurements.layer`)."""
-    return measured.layer(inventory, record.tp, recompute, precision, record.modules, record.offload,
+    lay = record.layout
+    return measured.layer(inventory, lay.tp, recompute, precision, lay.recompute_modules, lay.offload,
                           layers_split_backward(record))
 
 
@@ -112,9 +112,9 @@ def first_layer_saving(record: LayoutRecord, inventory: ModelInventory, s: int, 
     (under full recomputation its checkpoint keeps the layers' ``[s, b, h]`` copy of its input); 0 without a probed
     fit.
     Context-parallel layers are priced as their cp 1 twin's (:func:`layer_activation_bytes`)."""
-    if measured is None or inventory.config is None or record.cp > 1:
+    if measured is None or inventory.config is None or record.layout.cp > 1:
         return 0.0
-    fit = layer_fit(record, inventory, record.recompute, precision, measured)
+    fit = layer_fit(record, inventory, record.layout.recompute, precision, measured)
     return fit.first_layer_saving(s, record.micro_batch, inventory.head_dim, inventory.ffn_hidden_size)
 
 
@@ -123,9 +123,9 @@ def mlp_kept_bytes(record: LayoutRecord, inventory: ModelInventory, s: int, prec
     """Of a layer's bytes per micro-batch, its MLP's
     (:meth:`~lightning_seqpar.plan.measuring.probe.LayerFit.mlp_bytes`): gone
     when the layer's attention runs its backward; 0 without a probed fit. ``s``: the tokens a rank's layer sees."""
-    if measured is None or inventory.config is None or record.cp > 1:
+    if measured is None or inventory.config is None or record.layout.cp > 1:
         return 0.0
-    fit = layer_fit(record, inventory, record.recompute, precision, measured)
+    fit = layer_fit(record, inventory, record.layout.recompute, precision, measured)
     return fit.mlp_bytes(s, record.micro_batch, inventory.head_dim, inventory.ffn_hidden_size)
 
 
@@ -134,8 +134,8 @@ def loss_chunk_positions(record: LayoutRecord, inventory: ModelInventory, local:
     config the planner probes) whose head is split over tp or cp ranks (its head and loss rewritten, the
     vocabulary-parallel loss), and more than ``loss_chunk`` positions per rank
     (:meth:`~lightning_seqpar.tensor_parallel.vocab_logits.VocabShardedLogits.over_chunks`); else ``None``."""
-    chunk = record.loss_chunk
-    if chunk is None or local <= chunk or inventory.config is None or (record.tp == 1 and record.cp == 1):
+    chunk = record.layout.loss_chunk
+    if chunk is None or local <= chunk or inventory.config is None or (record.layout.tp == 1 and record.layout.cp == 1):
         return None
     return chunk
 
@@ -146,17 +146,19 @@ def outside_bytes(record: LayoutRecord, inventory: ModelInventory, s: int, preci
     the prologue every pipeline stage's forward makes again (attention mask, rotary tables, position ids): measured
     and scaled where the model can be probed (the analytic model has no prologue)."""
     if measured is None or inventory.config is None:
-        return outside_layers_bytes(inventory, s // record.cp, record.micro_batch, record.tp, True, True, element), 0.0
+        local = s // record.layout.cp
+        return outside_layers_bytes(inventory, local, record.micro_batch, record.layout.tp, True, True, element), 0.0
     # A recomputed attention's checkpoint (selective: the attention's, full: the layer's) keeps the prologue's
     # [b, 1, s, s] mask, one per micro-batch in flight (transients.py SCORE_TEMPORARIES); context-parallel attention
     # masks its blocks itself. Under full recomputation with one micro-batch in flight (pp 1) the full row of
     # SCORE_TEMPORARIES holds that one mask's share, as measured; on a pipeline every micro-batch in flight keeps
     # one (that row's share then counts one of them twice: a byte per score element at 4 heads per rank), so the
     # prologue is probed with the recomputation that keeps it.
-    kept_mask = record.cp == 1 and (record.recompute == "selective" or record.recompute == "full" and record.pp > 1)
-    recompute = record.recompute if kept_mask else "none"
-    fit = measured.outside(inventory, record.tp, precision, recompute)
-    sizes = (s // record.cp, record.micro_batch, inventory.head_dim, inventory.vocab_size)
+    lay = record.layout
+    kept_mask = lay.cp == 1 and (lay.recompute == "selective" or lay.recompute == "full" and lay.pp > 1)
+    recompute = record.layout.recompute if kept_mask else "none"
+    fit = measured.outside(inventory, record.layout.tp, precision, recompute)
+    sizes = (s // record.layout.cp, record.micro_batch, inventory.head_dim, inventory.vocab_size)
     outside = never_negative("what the forward keeps outside the layers", fit.bytes(*sizes), record)
     return outside, min(outside, never_negative("the prologue", fit.prologue_bytes(*sizes), record))
 
@@ -172,17 +174,16 @@ def elementwise_work(record: LayoutRecord, inventory: ModelInventory, s: int, pr
     ``None``)."""
     if measured is None or inventory.config is None:
         return None
-    split = layers_split_backward(record)
-    fit = measured.work(inventory, record.tp, record.recompute, precision, record.modules, record.offload, split)
-    local, b = s // record.cp, record.micro_batch
-    layer_ops, layer_bytes = fit.layer(local, b, inventory.head_dim, inventory.ffn_hidden_size, quadratic=record.cp == 1)
-    if record.cp > 1:  # the blockwise attention's merges and accumulators (and, op by op, its blocks' softmax)
-        fused, tp = not inventory.eager_attention, record.tp
+    split, lay = layers_split_backward(record), record.layout
+    fit = measured.work(inventory, lay.tp, lay.recompute, precision, lay.recompute_modules, lay.offload, split)
+    local, b = s // lay.cp, record.micro_batch
+    layer_ops, layer_bytes = fit.layer(local, b, inventory.head_dim, inventory.ffn_hidden_size, quadratic=lay.cp == 1)
+    if lay.cp > 1:  # the blockwise attention's merges and accumulators (and, op by op, its blocks' softmax)
+        fused, tp = not inventory.eager_attention, lay.tp
         heads, kv_heads = inventory.num_heads // tp, max(1, inventory.num_kv_heads // tp)
-        ops, moved = measured.context_work(record.cp, record.cp_comm, heads, kv_heads, inventory.head_dim, precision,
-                                           fused).layer(local, b, full=record.recompute == "full")
+        ops, moved = measured.context_work(lay.cp, lay.cp_comm, heads, kv_heads, inventory.head_dim, precision,
+                                           fused).layer(local, b, full=lay.recompute == "full")
         layer_ops, layer_bytes = layer_ops + ops, layer_bytes + moved
     rest_ops, rest_bytes = fit.rest(local, b, inventory.head_dim, inventory.vocab_size)
-    layers = inventory.num_layers / record.pp
-    m = record.num_microbatches
-    return (m * (layers * layer_ops + rest_ops / record.pp), m * (layers * layer_bytes + rest_bytes / record.pp))
+    layers, m = inventory.num_layers / lay.pp, lay.num_microbatches
+    return m * (layers * layer_ops + rest_ops / lay.pp), m * (layers * layer_bytes + rest_bytes / lay.pp)

@@ -1,11 +1,14 @@
 """One layout the planner considers, and what it predicts for it: the record :func:`~..planner.plan` returns and
-``python -m lightning_seqpar.plan --json`` prints. Its own module so the parts that price a layout
-(:mod:`.kept`, :mod:`.rules`) read it without importing the planner back."""
+``python -m lightning_seqpar.plan --json`` prints. The layout itself is a :class:`~lightning_seqpar.Layout`, the value
+the strategy takes; the record adds the batch's shape on a rank and the predictions. Its own module so the parts that
+price a layout (:mod:`.kept`, :mod:`.rules`) read it without importing the planner back."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
+
+from lightning_seqpar.layout import Layout
 
 
 @dataclass
@@ -13,17 +16,13 @@ class LayoutRecord:
     """One layout the planner considered (``--json`` prints these).
 
     Attributes:
-        tp, cp, pp, vpp, dp, zero, micro_batch, num_microbatches, recompute, main_params: the layout.
-        ep: the expert-parallel size of a mixture of experts (1 for a dense model).
-        expert_tp: the expert tensor-parallel size (each expert's width split over it; 1: whole experts).
-        modules: recomputation by module beside ``recompute`` (``("mlp",)``: the MLP keeps its input only).
-        offload: modules whose saved tensors wait in host memory (:data:`~lightning_seqpar.offload.OFFLOAD_MODULES`).
-        loss_chunk: positions of the loss's logits computed at a time (the strategy's ``loss_chunk``; ``None``: all at
-            once). A Hugging Face model split over tp or cp ranks whose ``s/c`` exceeds it keeps no logits or softmax
-            for backward: each chunk's are made again there, one chunk at a time.
-        cp_comm: the context-parallel attention's communication, ``ring`` or ``all_to_all`` (with ``cp > 1``). A
-            rank of ``cp = c`` holds ``s/c`` tokens (``dp`` counts replicas reading different batches, context-parallel
-            peers excluded: the data group that reduces gradients and shards ZeRO has ``d·c`` ranks).
+        layout: the :class:`~lightning_seqpar.Layout` priced (sizes, schedule and micro-batches, ZeRO and main params,
+            recomputation and offload, ``cp_comm``, ``loss_chunk``). A rank of ``cp = c`` holds ``s/c`` tokens; a
+            Hugging Face model split over tp or cp ranks whose ``s/c`` exceeds ``loss_chunk`` keeps no logits or
+            softmax for backward: each chunk's are made again there, one chunk at a time.
+        dp: replicas reading different batches (context-parallel peers excluded: the data group that reduces
+            gradients and shards ZeRO has ``d·c`` ranks).
+        micro_batch: sequences per micro-batch on a rank.
         feasible: it passes every rule and fits in memory.
         reason: why not (``None`` when feasible).
         bytes: the most loaded rank's predicted bytes at its step's peak: ``parameters``, ``gradients`` (none of
@@ -54,23 +53,9 @@ class LayoutRecord:
             temporary).
     """
 
-    tp: int
-    cp: int
-    pp: int
-    vpp: int
+    layout: Layout
     dp: int
-    zero: int
     micro_batch: int
-    num_microbatches: int
-    recompute: str
-    main_params: bool
-    ep: int = 1
-    expert_tp: int = 1
-    cp_comm: str = "ring"
-    schedule: str = "1F1B"
-    modules: tuple[str, ...] = ()
-    offload: tuple[str, ...] = ()
-    loss_chunk: Optional[int] = 4096
     feasible: bool = False
     reason: Optional[str] = None
     bytes: dict[str, int] = field(default_factory=dict)

@@ -55,12 +55,8 @@ def trades(mixture: bool) -> tuple:
 def memory_choice_rule(recompute: str, modules: tuple[str, ...], offload: tuple[str, ...], cp: int,
                        eager_attention: bool, mixture: bool = False) -> Optional[str]:
     """Why ``modules`` (recomputation by module beside ``recompute``) and ``offload`` cannot go together with the
-    layout (``mixture``: the model's MLPs are mixtures of experts), in the field's words; ``None``: they can."""
-    unknown = [m for m in modules if m not in ("layernorm", "mlp", "moe_act", "shared_experts", "moe", "core_attn")] + [
-        m for m in offload if m not in OFFLOAD_MODULES]
-    if unknown:
-        return (f"{unknown}: not a module recomputed by module (layernorm, mlp, moe_act, moe, core_attn) or offloaded "
-                f"({list(OFFLOAD_MODULES)})")
+    layout (``mixture``: the model's MLPs are mixtures of experts), in the field's words; ``None``: they can. (Their
+    names are the :class:`~lightning_seqpar.Layout`'s to check.)"""
     dense_only = [m for m in (*modules, *offload) if m == "mlp"]
     experts_only = [m for m in (*modules, *offload) if m in ("moe", "moe_act", "shared_experts", *EXPERT_MODULES)]
     if mixture and dense_only:
@@ -93,9 +89,9 @@ def largest_offloaded_share(inventory: Any, s: int, b: int, t: int, record: Any,
     a backward brings the offload back module by module and frees each module's share once its nodes have run."""
     from lightning_seqpar.plan.pricing.activations import offloaded_layer_bytes
 
-    options = dict(sequence_parallel=True, recompute=record.recompute, element=element, dropout=dropout,
-                   modules=record.modules)
-    shares = [offloaded_layer_bytes(inventory, s, b, t, offload=(m,), **options) for m in record.offload]
+    options = dict(sequence_parallel=True, recompute=record.layout.recompute, element=element, dropout=dropout,
+                   modules=record.layout.recompute_modules)
+    shares = [offloaded_layer_bytes(inventory, s, b, t, offload=(m,), **options) for m in record.layout.offload]
     return max(shares) / sum(shares) if sum(shares) else 0.0
 
 
@@ -117,5 +113,5 @@ def offload_backward_bytes(moved: float, kept: float, layers: int, share: float)
 def describe(record: Any) -> str:
     """The memory choices of a layout record, as the planner's table prints them: ``selective``, ``none+mlp``,
     ``selective|offload attn_norm,mlp``."""
-    text = record.recompute + "".join(f"+{m}" for m in record.modules)
-    return text + (f"|offload {','.join(record.offload)}" if record.offload else "")
+    text = record.layout.recompute + "".join(f"+{m}" for m in record.layout.recompute_modules)
+    return text + (f"|offload {','.join(record.layout.offload)}" if record.layout.offload else "")

@@ -91,9 +91,10 @@ def rank_state(record: LayoutRecord, inventory: ModelInventory, precision: str, 
                rank: int) -> StateBytes:
     """Pipeline rank ``rank``'s model-state bytes under ``record`` (gradients reduced, and ZeRO sharded, over the
     ``d·c`` ranks of the data group)."""
-    return state_bytes(inventory, record.tp, record.pp, record.dp * record.cp, pipeline_rank=rank, vpp=record.vpp,
-                       zero=record.zero, precision=precision, main_params=record.main_params, optimizer=optimizer,
-                       ep=record.ep, placement=layout.placement, expert_tp=record.expert_tp)
+    lay = record.layout
+    return state_bytes(inventory, lay.tp, lay.pp, record.dp * lay.cp, pipeline_rank=rank, vpp=lay.virtual_stages,
+                       zero=lay.zero, precision=precision, main_params=lay.fp32_main_params, optimizer=optimizer,
+                       ep=lay.ep, placement=layout.placement, expert_tp=lay.expert_tp)
 
 
 def peak_bytes(record: LayoutRecord, inventory: ModelInventory, s: int, precision: str, dropout: bool,
@@ -102,7 +103,7 @@ def peak_bytes(record: LayoutRecord, inventory: ModelInventory, s: int, precisio
     the module docstring). Returns the bytes one layer's offload moves per micro-batch (0 without offload)."""
     terms = layout_bytes(record, inventory, s, precision, dropout, measured)
     worst: tuple[float, int, dict[str, int], dict[str, int]] = (-1.0, 0, {}, {})
-    for rank in range(record.pp):
+    for rank in range(record.layout.pp):
         state = rank_state(record, inventory, precision, optimizer, layout, rank)
         _, gradients, activations, other = _rank_peak(record, terms, state, layout, rank, precision)
         parts = {k: int(v) for k, v in other.items() if v}
@@ -119,27 +120,27 @@ def peak_bytes(record: LayoutRecord, inventory: ModelInventory, s: int, precisio
 def layout_bytes(record: LayoutRecord, inventory: ModelInventory, s: int, precision: str, dropout: bool,
                  measured: Optional[Measurements]) -> LayoutBytes:
     """The :class:`LayoutBytes` of ``record`` at ``s`` tokens (a context-parallel rank's layers see ``s/c``)."""
-    tp, pp, vpp, b, cp = record.tp, record.pp, record.vpp, record.micro_batch, record.cp
+    tp, pp, vpp, cp = record.layout.tp, record.layout.pp, record.layout.virtual_stages, record.layout.cp
+    b = record.micro_batch
     local = s // cp
     element = activation_element_bytes(precision)
     per_layer = layer_activation_bytes(record, inventory, s, precision, dropout, measured)
     # What a layer's backward makes again or brings back: its kept bytes without recomputation and offload, less
     # with them. Of it, what the offload moves (the same layer's bytes with and without it).
     moved = recomputed = prefetched = 0.0
-    if record.recompute != "none" or record.modules:
-        whole = LayoutRecord(tp, cp, pp, vpp, record.dp, record.zero, b, record.num_microbatches, "none",
-                             record.main_params, ep=record.ep, expert_tp=record.expert_tp,
-                             loss_chunk=record.loss_chunk, offload=record.offload, schedule=record.schedule)
+    if record.layout.recompute != "none" or record.layout.recompute_modules:
+        whole = replace(record, layout=record.layout.replace(recompute="none", recompute_modules=()))
         kept_whole = layer_activation_bytes(whole, inventory, s, precision, dropout, measured)
         recomputed = max(0.0, kept_whole - per_layer)
-        if record.recompute == "selective":
+        if record.layout.recompute == "selective":
             # the core attention's part is remade in its own backward, after the layer's MLP backward: its moment
             # prices it (attention_backward), not the layer's (not beside the MLP's inner gradients)
-            plain = replace(record, modules=(), offload=())
+            plain = replace(record, layout=record.layout.replace(recompute_modules=(), offload=()))
             core = max(0.0, kept_whole - layer_activation_bytes(plain, inventory, s, precision, dropout, measured))
             recomputed = max(0.0, recomputed - core)
-    if record.offload:
-        unloaded = layer_activation_bytes(replace(record, offload=()), inventory, s, precision, dropout, measured)
+    if record.layout.offload:
+        unloaded = layer_activation_bytes(replace(record, layout=record.layout.replace(offload=())), inventory, s,
+                                          precision, dropout, measured)
         moved = max(0.0, unloaded - per_layer)
         recomputed += offload_backward_bytes(moved, per_layer, inventory.num_layers // (pp * vpp),
                                              largest_offloaded_share(inventory, local, b, tp, record, element, dropout))
@@ -176,19 +177,21 @@ def layout_bytes(record: LayoutRecord, inventory: ModelInventory, s: int, precis
         head = 3 * parameter * (padded_size(inventory.vocab_size, tp) // tp) * inventory.hidden_size
         loss_backward = max(logits + loss_forward, 4 * logits / element + loss_backward,
                             head + 4 * logits / element)
-    largest = largest_layer_weight(inventory, tp, record.ep, record.expert_tp)
+    largest = largest_layer_weight(inventory, tp, record.layout.ep, record.layout.expert_tp)
     if cp == 1:
-        attention_backward = attention_backward_bytes(inventory, s, b, tp, precision, record.recompute)
-        forward = forward_transient_bytes(inventory, s, b, tp, precision, record.recompute)
+        attention_backward = attention_backward_bytes(inventory, s, b, tp, precision, record.layout.recompute)
+        forward = forward_transient_bytes(inventory, s, b, tp, precision, record.layout.recompute)
     else:
-        attention_backward = context_transient_bytes(inventory, s, b, tp, cp, precision, True, record.cp_comm)
-        forward = context_transient_bytes(inventory, s, b, tp, cp, precision, False, record.cp_comm)
+        attention_backward = context_transient_bytes(inventory, s, b, tp, cp, precision, True, record.layout.cp_comm)
+        forward = context_transient_bytes(inventory, s, b, tp, cp, precision, False, record.layout.cp_comm)
     # a micro-batch past its B (a split backward): what its W reads, the split linears' inputs and output gradients
-    w_held = weight_gradient_bytes(inventory, local, b, tp, True, element) if splits_backward(record.schedule) else 0.0
+    split = splits_backward(record.layout.schedule)
+    w_held = weight_gradient_bytes(inventory, local, b, tp, True, element) if split else 0.0
     mlp_w_held = weight_gradient_bytes(inventory, local, b, tp, True, element, ("mlp",)) if w_held else 0.0
     backward = {(last, accumulating): backward_transient_bytes(
         inventory, local, b, tp, element, gradient, last, accumulating, recomputed, largest=largest, freed=epilogue,
-        loss=loss_backward, expert_tp=record.expert_tp) for last in (False, True) for accumulating in (False, True)}
+        loss=loss_backward, expert_tp=record.layout.expert_tp)
+        for last in (False, True) for accumulating in (False, True)}
     first_saving = first_layer_saving(record, inventory, local, precision, measured)
     mlp_kept = mlp_kept_bytes(record, inventory, local, precision, measured)
     return LayoutBytes(per_layer, moved, prefetched, first_saving, mlp_kept, cached, around, first_around, after,
@@ -199,21 +202,22 @@ def layout_bytes(record: LayoutRecord, inventory: ModelInventory, s: int, precis
 def _rank_peak(record: LayoutRecord, terms: LayoutBytes, state: StateBytes, layout: Any, rank: int,
                precision: str) -> Moment:
     """Pipeline rank ``rank``'s largest :data:`Moment` over its step (the module docstring's order)."""
-    pp, m = record.pp, record.num_microbatches
+    pp, m, zero = record.layout.pp, record.layout.num_microbatches, record.layout.zero
     parameter = PARAMETER_BYTES[precision]
     stages = layout.stages_of(rank)
     sizes = [layout.sizes[k] for k in stages]
     held_layers, final = sum(sizes), layout.num_stages - 1
     # (`.grad` exists for trained parameters only: LoRA's frozen base makes none)
-    accumulated = accumulation_bytes(state.trained, m, state.bucketed, record.zero == 0 and parameter < 4)
+    accumulated = accumulation_bytes(state.trained, m, state.bucketed, zero == 0 and parameter < 4)
     # `.grad` a step's first backward has not made yet (where the buckets are not the gradients).
-    unmade = state.gradients if not state.bucketed else (state.trained if record.zero == 0 and parameter < 4 else 0)
+    unmade = state.gradients if not state.bucketed else (state.trained if zero == 0 and parameter < 4 else 0)
     # what a micro-batch in flight keeps on each of this rank's chunks
     chunk_kept = [sizes[c] * terms.per_layer + (terms.first_around - terms.first_saving if stage == 0 else terms.around)
                   + (terms.after if stage == final else 0.0) for c, stage in enumerate(stages)]
     base = state.total - state.gradients
     peak: Moment = (state.total + state.temporary, state.gradients, 0.0, {"optimizer": state.temporary})
-    for counts, chunk, made, waiting in backward_moments(record.schedule, m, pp, record.vpp, rank):
+    moments = backward_moments(record.layout.schedule, m, pp, record.layout.virtual_stages, rank)
+    for counts, chunk, made, waiting in moments:
         # the share of this rank's gradients that exist (a split backward makes a chunk's in its first W)
         share = sum(size for size, ok in zip(sizes, made) if ok) / held_layers
         kept = sum(n * held for n, held in zip(counts, chunk_kept))
@@ -251,7 +255,7 @@ def _backward(record: LayoutRecord, terms: LayoutBytes, layers: int, last: bool,
     # recomputed, after its layer's MLP backward freed that half of the layer's kept bytes (kept probabilities are
     # the attention's own, and stay until it runs): its temporaries count beyond that. Under a split backward the
     # MLP's B leaves what its W reads in that half's place (a frozen MLP's W reads nothing: LoRA frees the half).
-    halved = record.recompute != "none" or bool(record.modules or record.offload)
+    halved = record.layout.recompute != "none" or bool(record.layout.recompute_modules or record.layout.offload)
     # Kept whole, a layer's MLP frees what it kept before the attention's backward too (its probed share).
     spent = max(0.0, (terms.per_layer / 2 if halved else terms.mlp_kept) - terms.mlp_w_held) + (
         terms.epilogue if last else 0.0)
