@@ -13,7 +13,6 @@ import torch.nn as nn
 
 from lightning_seqpar.hf.layouts import hf_policies
 from lightning_seqpar.hf.vocabulary import HFVocabularyPolicy
-from lightning_seqpar.moe.dispatch_config import DispatchConfig
 from lightning_seqpar.rewriting import rewriter
 from lightning_seqpar.rewriting.encoder_policy import TransformerEncoderLayerPolicy, TransformerEncoderPolicy
 from lightning_seqpar.rewriting.policy import Policy
@@ -57,23 +56,18 @@ def rewrite(model: nn.Module, ctx: RewriteContext, policies: Optional[Iterable[P
     return rewriter.rewrite(model, ctx, _with_defaults(policies), verify)
 
 
-def explain(model: nn.Module, tp: int, sequence_parallel: bool = True, policies: Optional[Iterable[Policy]] = None,
-            loss_parallel: bool = True, verify: bool = True, cp: int = 1, cp_comm: str = "ring", ep: int = 1,
-            moe: Optional[DispatchConfig] = None, seq_len: Optional[int] = None, micro_batch_size: int = 1,
-            bytes_per_element: int = 2, expert_tp: int = 1,
+def explain(model: nn.Module, ctx: RewriteContext, policies: Optional[Iterable[Policy]] = None, verify: bool = True,
+            seq_len: Optional[int] = None, micro_batch_size: int = 1, bytes_per_element: int = 2,
             pipeline: Optional[Callable[[nn.Module, Optional[Any]], Any]] = None) -> RewritePlan:
-    """Print and return what ``SeqParallelStrategy(tp=tp, cp=cp, cp_comm=cp_comm, ep=ep, expert_tp=expert_tp,
-    moe=moe)`` would rewrite in
-    ``model``; change nothing. With ``seq_len``, also the bytes one layer keeps per micro-batch of
-    ``micro_batch_size`` under each recomputation/offload choice (``plan.memory``;
-    :func:`lightning_seqpar.rewriting.rewriter.explain`).
+    """Print and return what a rewrite under ``ctx`` with the built-in policies after ``policies`` would do to
+    ``model``; change nothing (:func:`lightning_seqpar.rewriting.rewriter.explain`). The public
+    ``lightning_seqpar.explain`` (:func:`lightning_seqpar.plan.explain.explain`) makes ``ctx`` from the strategy's
+    settings and adds the pipeline's schedule with ``pp=``, through ``pipeline``.
 
-    Needs no process group. Raises the same ``ValueError`` as the real rewrite would. The public
-    ``lightning_seqpar.explain`` (:func:`lightning_seqpar.plan.explain.explain`) adds the pipeline's schedule with
-    ``pp=``, through ``pipeline``.
+    Needs no process group. Raises the same ``ValueError`` as the real rewrite would.
     """
-    return rewriter.explain(model, tp, _with_defaults(policies), sequence_parallel, loss_parallel, verify, cp, cp_comm,
-                            ep, moe, seq_len, micro_batch_size, bytes_per_element, expert_tp, pipeline)
+    return rewriter.explain(model, ctx, _with_defaults(policies), verify, seq_len, micro_batch_size, bytes_per_element,
+                            pipeline)
 
 
 def pipeline_placement(model: nn.Module, policies: Optional[Iterable[Policy]] = None) -> dict[str, str]:

@@ -183,8 +183,7 @@ class HFVocabularyPolicy(ModelPolicy):
         """
 
         def build(small: nn.Module, group: ParallelGroup) -> nn.Module:
-            return rewrite_small(small, RewriteContext(  # experts split over the emulated tp ranks too
-                group, ctx.sequence_parallel, None, ctx.loss_parallel, expert_group=group if ctx.ep > 1 else None))
+            return rewrite_small(small, ctx.emulated(group))  # experts split over the emulated tp ranks too
 
         check_causal_lm(module, ctx.tp, build, name)
 

@@ -10,7 +10,6 @@ from typing import Any, Callable, Iterable, Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from lightning_seqpar.context_parallel import ContextParallel
 from lightning_seqpar.hf.init import hf_initializers
 from lightning_seqpar.transformer.lora import lora_initializers
 from lightning_seqpar.lightning.pipelined_steps import PipelinedSteps
@@ -94,11 +93,7 @@ def parallelize(model: torch.nn.Module, mesh: ParallelMesh, device: torch.device
     # this rank keeps are allocated and filled from single-device submodules materialized one at a time from a
     # seed shared by every rank. Other stages' layers are never materialized.
     materializer = Materializer(seed, initializers=hf_initializers(model) + lora_initializers(model), source=source)
-    context = ContextParallel(mesh.context, layout.cp_comm)  # one cp rank too: packed documents
-    ctx = RewriteContext(mesh.tensor, layout.sequence_parallel, rng_tracker, layout.loss_parallel, materializer,
-                         context=context, loss_chunk=layout.loss_chunk, expert_group=mesh.group("ep"),
-                         expert_tp_group=mesh.group("etp"), expert_dispatch_group=mesh.group("etp_ep"),
-                         data_group=mesh.data, dispatch=layout.moe)
+    ctx = RewriteContext.of(layout, mesh, rng_tracker, materializer)
     rank = build_rank(model, ctx, rewriting.policies, verify=rewriting.verify, pipeline=layout.pipeline,
                       pipeline_rank=mesh.pipeline.rank,
                       materializer=materializer, expert_parallel=mesh.dims.ep if mesh.dims is not None else 1,
@@ -130,7 +125,6 @@ def check_before_start(strategy: Any, module: Any, trainer: Any = None, rank_zer
     from lightning.pytorch.utilities.model_helpers import is_overridden
 
     from lightning_seqpar.lightning.declared_model import model_for_checks
-    from lightning_seqpar.parallel.collectives import ParallelGroup
     from lightning_seqpar.policies import plan_rewrite
 
     if rank_zero and trainer is not None:  # layout=AutoLayout: chosen here, once
@@ -143,11 +137,9 @@ def check_before_start(strategy: Any, module: Any, trainer: Any = None, rank_zer
     module = model_for_checks(module, strategy.model_sharded_context)
     if module is None:  # its configure_model needs what only a rank has: the ranks check it
         return
-    group = ParallelGroup.virtual(layout.tp)
-    sizes = {"expert_group": layout.ep, "expert_tp_group": layout.expert_tp}
-    virtual = {name: ParallelGroup.virtual(size) for name, size in sizes.items() if size > 1}
-    plan_rewrite(module, RewriteContext(group, layout.sequence_parallel, None, layout.loss_parallel,
-                                        dispatch=layout.moe, **virtual), strategy.rewriting.policies, verify=False)
+    world = strategy.num_nodes * strategy.num_processes  # split by the layout already (check_world)
+    ctx = RewriteContext.of(layout, ParallelMesh.virtual(layout.dims(world)))  # rank 0's, as every rank rewrites
+    plan_rewrite(module, ctx, strategy.rewriting.policies, verify=False)
     if strategy.rewriting.compile is not None and layout.moe.capacity_factor is None and _holds_mixture(module):
         raise ValueError("compile=True: the model holds a dropless mixture of experts, which is not compiled (its "
                          "dispatch reads the split sizes on the host: a graph break): give the experts a capacity "

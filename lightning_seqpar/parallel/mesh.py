@@ -207,6 +207,21 @@ class ParallelMesh:
         return cls()
 
     @classmethod
+    def virtual(cls, dims: ParallelDims, rank: int = 0) -> "ParallelMesh":
+        """The mesh global rank ``rank`` of ``dims`` would hold, with no process group behind it: each named group
+        virtual (:meth:`~lightning_seqpar.parallel.collectives.ParallelGroup.virtual`, its collectives raise), of the
+        size ``dims`` gives and at ``rank``'s place in it. What a plan, a dry run or a check builds a rank with.
+
+        Raises:
+            ValueError: ``rank`` outside ``0 .. dims.world_size - 1``.
+        """
+        if not 0 <= rank < dims.world_size:
+            raise ValueError(f"rank={rank} is not a rank of a world of {dims.world_size}.")
+        groups = {name: ParallelGroup.virtual(dims.size(name), dims.group_of(name, rank).index(rank))
+                  for name in GROUPS}
+        return cls(groups, dims)
+
+    @classmethod
     def build(cls, tp: int = 1, pp: int = 1, device_type: str = "cpu", host_groups: Optional[bool] = None,
               timeout: Optional[timedelta] = None, cp: int = 1, dims: Optional[ParallelDims] = None
               ) -> "ParallelMesh":

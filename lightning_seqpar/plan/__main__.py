@@ -365,8 +365,7 @@ def _answer(args: argparse.Namespace, inventory: Any, hardware: Hardware, gpu: s
               f"{f', expert_tp {lay.expert_tp}' if lay.expert_tp > 1 else ''}), "
               f"built on the meta device:")
         for rank in range(lay.pp):
-            built = dry_run(load_model_config(args.model, args.seq_len), inventory, lay.tp, lay.pp, lay.virtual_stages,
-                            rank, args.precision, ep=lay.ep, expert_tp=lay.expert_tp, schedule=lay.schedule)
+            built = dry_run(load_model_config(args.model, args.seq_len), inventory, lay, rank, args.precision)
             print(f"  pipeline rank {rank}: parameters {built.measured:,} bytes built, {built.predicted:,} predicted"
                   f"{'' if built.measured == built.predicted else '  DIFFERENT'}")
     return True

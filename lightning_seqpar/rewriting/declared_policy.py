@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import inspect
-from dataclasses import replace
 from typing import Optional
 
 import torch
@@ -165,8 +164,7 @@ class DeclaredBlockPolicy(Policy):
         sample = self.sample_block(module)
         spec = self.spec_for(sample)
         # Experts split over ranks are checked split over the emulated tp ranks: the dispatch runs too.
-        verify_parallel_block(sample, spec, ctx.tp, ctx.sp, name, lambda block, c: ParallelBlock(
-            block, spec, replace(c, expert_group=c.group) if ctx.ep > 1 else c))
+        verify_parallel_block(sample, spec, ctx, name, lambda block, c: ParallelBlock(block, spec, c))
 
     def describe(self, module: nn.Module, ctx: RewriteContext) -> str:
         spec = self.spec_for(module)

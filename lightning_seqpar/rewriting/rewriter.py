@@ -12,9 +12,6 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch.nn as nn
 
-from lightning_seqpar.context_parallel import ContextParallel
-from lightning_seqpar.moe.dispatch_config import DispatchConfig
-from lightning_seqpar.parallel.collectives import ParallelGroup
 from lightning_seqpar.rewriting.policy import DeclaresPolicy, Policy
 from lightning_seqpar.transformer.context import RewriteContext
 from lightning_seqpar.transformer.lora import refuse_unsupported_peft
@@ -263,18 +260,17 @@ def rewrite(model: nn.Module, ctx: RewriteContext, policies: Iterable[Policy], v
     return plan
 
 
-def explain(model: nn.Module, tp: int, policies: Iterable[Policy], sequence_parallel: bool = True,
-            loss_parallel: bool = True, verify: bool = True, cp: int = 1, cp_comm: str = "ring", ep: int = 1,
-            moe: Optional[DispatchConfig] = None, seq_len: Optional[int] = None, micro_batch_size: int = 1,
-            bytes_per_element: int = 2, expert_tp: int = 1,
+def explain(model: nn.Module, ctx: RewriteContext, policies: Iterable[Policy], verify: bool = True,
+            seq_len: Optional[int] = None, micro_batch_size: int = 1, bytes_per_element: int = 2,
             pipeline: Optional[Callable[[nn.Module, Optional[Any]], Any]] = None) -> RewritePlan:
-    """Print and return what a rewrite with ``policies`` at ``tp`` (and context-parallel size ``cp``, experts split
-    over ``ep`` ranks, each expert's width over ``expert_tp``) would do to ``model``; change nothing. With ``seq_len`` (tokens of a sequence, the whole one
-    under cp) also the activation bytes one layer keeps on a rank per micro-batch of ``micro_batch_size`` sequences
-    under each recomputation and offload choice, and the bytes an offload moves (``bytes_per_element``: 2 for 16-bit
-    activations; :mod:`.memory_choices`, read from a meta-device copy rewritten the same way). ``pipeline``: called
-    with that copy and the memory table (or ``None``), its result kept as :attr:`RewritePlan.pipeline` (the pipeline
-    schedule's report, which this layer below the pipeline does not build itself).
+    """Print and return what a rewrite with ``policies`` under ``ctx`` (a rank's context over a virtual mesh:
+    :meth:`~lightning_seqpar.transformer.context.RewriteContext.of`) would do to ``model``; change nothing. With
+    ``seq_len`` (tokens of a sequence, the whole one under cp) also the activation bytes one layer keeps on a rank
+    per micro-batch of ``micro_batch_size`` sequences under each recomputation and offload choice, and the bytes an
+    offload moves (``bytes_per_element``: 2 for 16-bit activations; :mod:`.memory_choices`, read from a meta-device
+    copy rewritten the same way). ``pipeline``: called with that copy and the memory table (or ``None``), its result
+    kept as :attr:`RewritePlan.pipeline` (the pipeline schedule's report, which this layer below the pipeline does
+    not build itself).
 
     Needs no process group. Raises the same ``ValueError`` as the real rewrite would, and for ``seq_len`` or
     ``micro_batch_size`` below 1.
@@ -282,11 +278,6 @@ def explain(model: nn.Module, tp: int, policies: Iterable[Policy], sequence_para
     if seq_len is not None and (seq_len < 1 or micro_batch_size < 1):
         raise ValueError(f"explain(seq_len={seq_len}, micro_batch_size={micro_batch_size}): both must be at least 1 "
                          f"(tokens per sequence, sequences per micro-batch).")
-    context = ContextParallel(ParallelGroup.virtual(cp), cp_comm) if cp > 1 else None
-    ctx = RewriteContext(ParallelGroup.virtual(tp), sequence_parallel, None, loss_parallel, context=context,
-                         expert_group=ParallelGroup.virtual(ep) if ep > 1 else None, dispatch=moe or DispatchConfig(),
-                         expert_tp_group=ParallelGroup.virtual(expert_tp) if expert_tp > 1 else None,
-                         expert_dispatch_group=ParallelGroup.virtual(ep * expert_tp) if expert_tp > 1 else None)
     policies = list(policies)
     plan = plan_rewrite(model, ctx, policies, verify)
     if seq_len is not None or pipeline is not None:

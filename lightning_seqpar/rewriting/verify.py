@@ -53,16 +53,17 @@ def _output(result: Any) -> Tensor:
     return result[0] if isinstance(result, (tuple, list)) else result
 
 
-def verify_parallel_block(sample: nn.Module, spec: BlockSpec, tp: int, sequence_parallel: bool, name: str,
+def verify_parallel_block(sample: nn.Module, spec: BlockSpec, ctx: RewriteContext, name: str,
                           build: Callable[[nn.Module, RewriteContext], nn.Module]) -> float:
     """Compare ``sample`` (a block of the declared class, with values; consumed) with its parallel version at
-    ``tp`` (``build(block, ctx)`` makes one rank's parallel block); return the relative difference.
+    ``ctx``'s tp, on emulated ranks (:meth:`RewriteContext.emulated`; ``build(block, ctx)`` makes one rank's parallel
+    block); return the relative difference.
 
     Raises:
         ValueError: the outputs differ by more than :data:`RELATIVE_BOUND`, or the parallel block fails on the
             input: naming the block, the difference and the fix.
     """
-    sample = sample.double().eval()
+    sample, tp = sample.double().eval(), ctx.tp
     x, kwargs = _inputs(sample, spec, tp)
     with torch.no_grad():
         try:
@@ -74,7 +75,7 @@ def verify_parallel_block(sample: nn.Module, spec: BlockSpec, tp: int, sequence_
                              f"how the block is called (BlockSpec), or write a Policy for it.") from error
 
         def one_rank(group: ParallelGroup) -> Tensor:
-            block = build(sample, RewriteContext(group, sequence_parallel and tp > 1, None, True)).eval()
+            block = build(sample, ctx.emulated(group)).eval()
             return _output(block(x, **kwargs))
 
         try:

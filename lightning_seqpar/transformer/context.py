@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -11,6 +11,7 @@ import torch.nn as nn
 from lightning_seqpar.context_parallel.runtime import ContextParallel
 from lightning_seqpar.moe.dispatch_config import DispatchConfig
 from lightning_seqpar.parallel.collectives import ParallelGroup
+from lightning_seqpar.parallel.mesh import ParallelMesh
 from lightning_seqpar.parallel.placement import placement_of
 from lightning_seqpar.parallel.random import RNGTracker
 from lightning_seqpar.transformer.masks import MaskCache
@@ -56,6 +57,27 @@ class RewriteContext:
     expert_dispatch_group: Optional[ParallelGroup] = None
     data_group: Optional[ParallelGroup] = None
     dispatch: DispatchConfig = field(default_factory=DispatchConfig)
+
+    @classmethod
+    def of(cls, layout: Any, mesh: ParallelMesh, rng_tracker: Optional[RNGTracker] = None,
+           materialize: Optional[Materializer] = None) -> "RewriteContext":
+        """The one way a rank's rewrite context is made: ``layout``'s settings (a :class:`~lightning_seqpar.Layout`:
+        sequence and loss parallelism, ``cp_comm``, ``loss_chunk``, the experts' dispatch) over ``mesh``'s groups,
+        real (the run) or :meth:`~lightning_seqpar.parallel.mesh.ParallelMesh.virtual` (the dry run, the planner's
+        inventory, the strategy's checks before any rank starts, ``explain``). Read by attribute: this layer sits
+        below the layout's module."""
+        return cls(mesh.tensor, layout.sequence_parallel, rng_tracker, layout.loss_parallel, materialize,
+                   context=ContextParallel(mesh.context, layout.cp_comm), loss_chunk=layout.loss_chunk,
+                   expert_group=mesh.group("ep"), expert_tp_group=mesh.group("etp"),
+                   expert_dispatch_group=mesh.group("etp_ep"), data_group=mesh.data, dispatch=layout.moe)
+
+    def emulated(self, group: ParallelGroup) -> "RewriteContext":
+        """This rewrite on emulated tensor-parallel ranks ``group``: what a self-check builds its small copy with.
+        Sequence and loss parallelism kept; experts split over the same emulated ranks where this rewrite splits them
+        (their dispatch runs too, dropless: the check compares with one device); no streams, materializer,
+        context-parallel or data group."""
+        return RewriteContext(group, self.sequence_parallel, None, self.loss_parallel,
+                              expert_group=group if self.ep > 1 else None)
 
     def prepare(self, module: nn.Module, name: str, init: Optional[Initializer] = None) -> None:
         """Materialize ``module`` if it was built on the meta device (see :class:`Materializer`).

@@ -1,7 +1,8 @@
 """Each thing has one door: a schedule's split backward is asked through one predicate, a parameter's placement is
 imported from where it lives (not through a module that re-exports it), and the package has one map, in
 docs/architecture.md, naming every folder and top-level module; the pipeline moves a payload beside its activations
-without knowing what it is; the MLP slot is asked through its protocol, never type-tested."""
+without knowing what it is; the MLP slot is asked through its protocol, never type-tested; a rewrite context is made
+in one place, from a layout and a mesh."""
 
 from __future__ import annotations
 
@@ -69,3 +70,14 @@ def test_the_mlp_slot_is_asked_not_type_tested():
              if re.search(r"isinstance\([^)]*\b(MoEPart|DenseMLPPart)\b", line)
              or (re.search(r"\._mlp\b", line) and path.name != "declared_block.py")]
     assert not found, f"ask layer.mlp_slot (an MLPSlot) instead at {found}"
+
+
+def test_a_rewrite_context_is_made_in_one_place():
+    # The run, the checks before any rank starts, the dry run, the planner's inventory and probes, explain and the
+    # self-checks: each makes its context with RewriteContext.of(layout, mesh) or derives it (emulated), never
+    # by hand.
+    package = ROOT / "lightning_seqpar"
+    found = [f"{path.relative_to(ROOT)}:{n}" for path in sorted(package.rglob("*.py"))
+             if path.relative_to(package).as_posix() != "transformer/context.py"
+             for n, line in enumerate(path.read_text().splitlines(), 1) if re.search(r"\bRewriteContext\(", line)]
+    assert not found, f"make it with RewriteContext.of(layout, mesh) at {found}"

@@ -235,7 +235,8 @@ def test_full_size_ranks_built_on_the_meta_device_hold_the_predicted_parameters(
 
     config = PUBLISHED[name][0]
     for pipeline_rank in sorted({0, pp // 2, pp - 1}):
-        built = dry_run(config, inventories[name], tp, pp, vpp, pipeline_rank, "bf16-true", tp - 1)
+        built = dry_run(config, inventories[name], Layout(tp=tp, pp=pp, virtual_stages=vpp), pipeline_rank,
+                        "bf16-true", tp - 1)
         assert built.measured == built.predicted, pipeline_rank
 
 
@@ -247,11 +248,32 @@ def test_the_dry_run_builds_the_v_placement_a_zero_bubble_layout_is_priced_at(in
 
     config, inventory = PUBLISHED["llama3-8b"][0], inventories["llama3-8b"]
     head = (128256 // 8 * 4096 + 4096) * 2  # bf16: a tensor rank's head rows and the final norm
-    built = {(name, rank): dry_run(config, inventory, 8, 4, 2, rank, "bf16-true", 7, schedule=name)
+    built = {(name, rank): dry_run(config, inventory, Layout(tp=8, pp=4, virtual_stages=2, schedule=name), rank,
+                                   "bf16-true", 7)
              for name in (schedule, "1F1B") for rank in (0, 3)}
     assert all(run.measured == run.predicted for run in built.values())
     assert built[schedule, 0].measured - built["1F1B", 0].measured == head
     assert built["1F1B", 3].measured - built[schedule, 3].measured == head
+
+
+def test_the_dry_run_of_the_planner_s_best_zero_bubble_record_builds_its_v(inventories):
+    # The record's own Layout, as the command line's --dry-run takes it: built at its schedule and stage placement
+    from lightning_seqpar.plan.measuring.dry_run import dry_run
+
+    config, inventory = PUBLISHED["llama3-8b"][0], inventories["llama3-8b"]
+    records = plan(inventory, 32, 4096, 64, hardware=Hardware(memory=80e9), calibrate=False, context_parallel=(1,),
+                   schedule=("1F1B", "ZB-V"), micro_batches=(1,))
+    best = next(r for r in records if r.feasible and r.layout.pp > 1)
+    assert best.layout.schedule == "ZB-V"  # at these sizes the V wins the ranking
+    loop = best.layout.replace(schedule="1F1B")  # the same sizes in the loop placement (interleaved, v 2)
+    last = best.layout.pp - 1
+    v, looped = (dry_run(config, inventory, lay, 0, "bf16-true") for lay in (best.layout, loop))
+    assert v.measured == v.predicted and looped.measured == looped.predicted
+    tp = best.layout.tp
+    head = (-(-128256 // tp) * 4096 + 4096) * 2  # rank 0 of the V holds the head and the final norm too
+    assert v.measured - looped.measured == head
+    assert dry_run(config, inventory, best.layout, last, "bf16-true").measured == \
+        dry_run(config, inventory, loop, last, "bf16-true").measured - head
 
 
 @pytest.mark.slow  # the planner's probes: outside the fast lane

@@ -87,7 +87,8 @@ def test_a_full_size_rank_built_on_the_meta_device_holds_the_predicted_parameter
     from lightning_seqpar.plan.measuring.dry_run import dry_run
 
     for pipeline_rank in sorted({0, pp - 1}):
-        built = dry_run(QWEN3_30B_A3B, qwen3_moe, tp, pp, 1, pipeline_rank, "bf16-true", tp - 1, ep, expert_rank)
+        built = dry_run(QWEN3_30B_A3B, qwen3_moe, Layout(tp=tp, pp=pp, ep=ep), pipeline_rank, "bf16-true", tp - 1,
+                        expert_rank)
         assert built.measured == built.predicted, pipeline_rank
 
 

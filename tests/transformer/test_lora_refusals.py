@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from lightning_seqpar.parallel import ParallelGroup
-from lightning_seqpar.policies import explain, rewrite
+from lightning_seqpar import explain
+from lightning_seqpar.policies import rewrite
 from lightning_seqpar.rewriting import RewriteContext
 from lightning_seqpar.parallel.placement import is_sequence_parallel, shard_spec
 from lightning_seqpar.transformer.lora import LoRAColumnParallelLinear, LoRARowParallelLinear

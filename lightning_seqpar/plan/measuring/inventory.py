@@ -116,7 +116,8 @@ def _splits(model: nn.Module, mixture: bool, consume: bool) -> tuple[dict[str, S
     ``mixture``: some layer holds experts; ``consume``: ``model`` itself may be rewritten where no copy is needed."""
     import torch
 
-    from lightning_seqpar.parallel.collectives import ParallelGroup
+    from lightning_seqpar.layout import Layout
+    from lightning_seqpar.parallel.mesh import ParallelMesh
     from lightning_seqpar.parallel.placement import placement_of
     from lightning_seqpar.policies import rewrite
     from lightning_seqpar.tensor_parallel.layers import RowParallelLinear
@@ -127,9 +128,9 @@ def _splits(model: nn.Module, mixture: bool, consume: bool) -> tuple[dict[str, S
     def rewritten(expert_tp: int, source: nn.Module) -> nn.Module:
         holder = nn.Module()
         holder.model = source
-        width = ParallelGroup.virtual(expert_tp) if expert_tp > 1 else None
-        ctx = RewriteContext(ParallelGroup.virtual(1), True, None, True, Materializer(seed=0, device=torch.device("meta")),
-                             expert_tp_group=width, expert_dispatch_group=width)
+        layout = Layout(expert_tp=expert_tp)  # one dense rank, each expert's width over expert_tp
+        mesh = ParallelMesh.virtual(layout.dims(expert_tp))
+        ctx = RewriteContext.of(layout, mesh, materialize=Materializer(seed=0, device=torch.device("meta")))
         rewrite(holder, ctx, verify=False)
         return holder
 

@@ -241,7 +241,7 @@ def inventory_of_hf_model(model: Any, name: Optional[str] = None, consume: bool 
         if policy is not None:
             specs[path] = policy.spec_for(module)
     if not specs:
-        from lightning_seqpar.policies import explain
+        from lightning_seqpar.plan.explain import explain
 
         explain(model, tp=1, verify=False)  # raises, naming each block class and why it is not known
     from lightning_seqpar.plan.measuring.trained import trained_parts_of

@@ -46,6 +46,8 @@ class ProbeModels:
         from lightning_seqpar.hf.models import build_causal_lm
         from lightning_seqpar.plan.measuring.trained import apply_trained_parts
         from lightning_seqpar.policies import rewrite
+        from lightning_seqpar.layout import Layout
+        from lightning_seqpar.parallel.mesh import ParallelMesh
         from lightning_seqpar.transformer.context import RewriteContext
 
         key = (small.to_json_string(use_diff=False), None if training is None else training.key, dtype, group.size,
@@ -59,7 +61,9 @@ class ProbeModels:
         torch.manual_seed(0)
         # trained as the run is (LoRA, frozen names) before the dtype, as the run's precision casts its wrapped model
         model = apply_trained_parts(build_causal_lm(small), training).to(dtype).train()
-        rewrite(model, RewriteContext(group, sequence_parallel, None, True), verify=False)
+        # the run's context at the probe's tensor-parallel group; the loss whole (the planner prices its chunks)
+        layout = Layout(tp=group.size, sequence_parallel=sequence_parallel, loss_chunk=None)
+        rewrite(model, RewriteContext.of(layout, ParallelMesh({"tp": group})), verify=False)
         if self.most:
             self._held[key] = (copy.deepcopy(model), torch.get_rng_state())
             while len(self._held) > self.most:
