@@ -142,8 +142,8 @@ def check_stage_placement(saved: Any, stages: Mapping[str, Any]) -> None:
         f"The checkpoint's optimizer state was saved with the pipeline's layers placed as {dict(saved['stages'])}; this "
         f"run places them as {dict(stages)}. A full checkpoint keeps each rank's optimizer state in the order of the "
         f"layers it held, so it resumes only into the same schedule's placement, virtual_stages and pipeline_split. "
-        f"Resume with those, write sharded checkpoints (checkpoint_format='sharded': any layout resumes them), or start "
-        f"from the weights alone (load the checkpoint's 'state_dict' and fit without ckpt_path)."
+        f"Resume with those, write sharded checkpoints (CheckpointConfig(format='sharded'): any layout resumes "
+        f"them), or start from the weights alone (load the checkpoint's 'state_dict' and fit without ckpt_path)."
     )
 
 

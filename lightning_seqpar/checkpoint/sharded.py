@@ -92,7 +92,7 @@ def _unique_tensors(module: nn.Module) -> tuple[dict[str, Tensor], dict[str, str
     for name, value in module.state_dict(keep_vars=True).items():  # keep_vars: parameters carry their shard spec
         if not isinstance(value, Tensor):
             raise TypeError(f"state_dict entry '{name}' is a {type(value).__name__}, not a tensor: sharded checkpoints "
-                            f"hold tensors only. Use checkpoint_format='full' for this model.")
+                            f"hold tensors only. Use CheckpointConfig(format='full') for this model.")
         if isinstance(value, nn.Parameter) and id(value) in first:
             aliases[name] = first[id(value)]
             continue
@@ -211,7 +211,7 @@ def optimizer_entries(optimizer: torch.optim.Optimizer, names: Mapping[int, str]
         for key, value in state.items():
             if not isinstance(value, Tensor):
                 raise TypeError(f"Optimizer state '{key}' of '{names[id(param)]}' is a {type(value).__name__}: sharded "
-                                f"checkpoints hold tensors only. Use checkpoint_format='full'.")
+                                f"checkpoints hold tensors only. Use CheckpointConfig(format='full').")
             like_param = value.shape == param.shape and param.dim() > 0
             entries[f"{names[id(param)]}.{key}"] = dcp_view(value, shard_spec(param) if like_param else None,
                                                             meshes(param), inner_spec(param) if like_param else None)

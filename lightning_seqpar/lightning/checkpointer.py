@@ -1,6 +1,6 @@
 """How :class:`~lightning_seqpar.SeqParallelStrategy` saves and loads checkpoints: its :class:`Checkpointer` part.
 
-Two formats (``checkpoint_format``): ``"sharded"``, a directory written by every rank through
+Two formats (``CheckpointConfig.format``): ``"sharded"``, a directory written by every rank through
 ``torch.distributed.checkpoint`` that any layout loads (:mod:`lightning_seqpar.checkpoint`), and ``"full"``,
 one file holding the single-device model and optimizer, gathered onto every rank and written by rank 0.
 Both load whatever the setting. Also here: single-device weights (a state dict, ``.pt``, ``.safetensors``,

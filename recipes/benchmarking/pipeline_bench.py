@@ -123,7 +123,7 @@ def _fit(row: PipelineRow, cfg: dict[str, Any], device: torch.device, out_dir: s
         return
     pipeline_ranks = [gathered[r * row.tp] for r in range(row.pp)]  # the first tp rank of each stage
     traces = [rank["trace"] for rank in pipeline_ranks]
-    pipeline = strategy.parallel.pipeline
+    pipeline = strategy.layout.pipeline
     split = splits_backward(pipeline.schedule)
     # (ZB-V: two chunks per rank in a V, each action half a stage's work: the same costs per chunk)
     placed = dict(v=pipeline.virtual_stages, split=split, placement=stage_placement_of(pipeline.schedule))

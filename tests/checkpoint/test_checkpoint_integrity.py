@@ -174,7 +174,7 @@ def test_a_deleted_manifest_is_refused_unless_loading_unchecked_is_asked_for(sav
     checkpoint = _copy(saved, tmp_path)
     (checkpoint / MANIFEST_FILE).unlink()
     with pytest.raises(ValueError, match=r"has no manifest.json, but its trainer_state.pt names save \w+: it was "
-                                         r"written with a manifest, which is gone.*allow_unverified_checkpoint=True"):
+                                         r"written with a manifest, which is gone.*CheckpointConfig\(allow_unverified=True\)"):
         verified(checkpoint)
     errors = run_distributed(_load, 2, str(checkpoint))
     assert all(e is not None and "which is gone" in e for e in errors), errors

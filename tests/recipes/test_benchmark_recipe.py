@@ -73,7 +73,7 @@ def test_pipeline_benchmark_recipe_prices_each_schedule_s_trace(tmp_path):
            "warmup=0", f"out={tmp_path}"]
     run_job(cmd, tmp_path, timeout=400)
     with open(tmp_path / "benchmark_pipeline.csv") as f:
-        table = {r["layout"]["schedule"]: r for r in csv.DictReader(f)}
+        table = {r["schedule"]: r for r in csv.DictReader(f)}
     assert set(table) == {"1F1B", "ZB-H1", "ZB-V", "DualPipeV"}
     one, zb, v, dual = table["1F1B"], table["ZB-H1"], table["ZB-V"], table["DualPipeV"]
     # (p − 1)/(m + p − 1), /(3m + p − 1), /(6m + p − 1) twice

@@ -38,7 +38,7 @@ def test_a_difference_is_refused_naming_the_setting_responsible(family, setting)
     with pytest.raises(ValueError, match=r"does not compute what the model computes.*first part whose output differs "
                                          r"is model\.layers\.0 .*Settings the rewrite does not implement: " + setting) as error:
         explain(build("hf", family=family), tp=2)
-    assert "verify_rewrite" not in str(error.value)  # no refusal recommends turning the check off
+    assert "verify=False" not in str(error.value)  # no refusal recommends turning the check off
 
 
 def _tiny(config_class, **extra):

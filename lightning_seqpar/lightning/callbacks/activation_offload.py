@@ -110,7 +110,7 @@ class ActivationOffload(pl.Callback):
 
         assert self.memory_budget is not None
         strategy = trainer.strategy
-        mesh, config = getattr(strategy, "mesh", None), getattr(getattr(strategy, "parallel", None), "pipeline", None)
+        mesh, config = getattr(strategy, "mesh", None), getattr(getattr(strategy, "layout", None), "pipeline", None)
         p, c = (mesh.pp, mesh.cp) if mesh is not None else (1, 1)
         m, v = (config.num_microbatches, config.virtual_stages) if p > 1 and config is not None else (1, 1)
         rank = mesh.pipeline.rank if p > 1 else 0
