@@ -24,7 +24,7 @@ from __future__ import annotations
 import warnings
 
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
 import torch
 import torch.distributed as dist

@@ -71,4 +71,4 @@ def layout_of(layout: Union[None, str, Layout, AutoLayout, Mapping[str, Any]], t
     auto = auto_layout_of(layout, tp, pp, cp)
     if auto is None:
         raise ValueError(f"layout={layout!r}: a Layout(...), an AutoLayout(seq_len=..., batch_size=...) or None.")
-    return Layout(ep=ep, cp_comm=auto.cp_comm, zero=auto.zero), auto
+    return Layout(ep=ep, zero=auto.zero), auto  # a placeholder: ep bounds the search, zero is checked now

@@ -33,7 +33,6 @@ from __future__ import annotations
 from typing import Callable, Optional, Union
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
@@ -41,7 +40,7 @@ from torch.distributed.tensor import DTensor, Shard
 from lightning_seqpar._compat import sharded_tensor
 from lightning_seqpar.parallel.collectives import ParallelGroup
 from lightning_seqpar.parallel.placement import (
-    Placement, ShardGrid, ShardSpec, inner_spec, place, set_sequence_parallel, set_shard_spec, shard_spec,
+    ShardGrid, ShardSpec, inner_spec, set_sequence_parallel, set_shard_spec, shard_spec,
 )
 
 
