@@ -161,8 +161,8 @@ def _holds_mixture(module: torch.nn.Module) -> bool:
 
 def check_memory_callbacks(callbacks: Iterable[Any], cp: int) -> None:
     """Refuse a module that a ``SelectiveRecompute(modules=...)`` recomputes and an ``ActivationOffload`` offloads, from
-    the callbacks' own lists (what each layer checks once rewritten, core attention included,
-    :func:`~lightning_seqpar.offload.apply.check_offload_with_recompute`), before any rank starts.
+    the callbacks' own lists (what each layer checks again when its policy is set, core attention included,
+    :meth:`~lightning_seqpar.transformer.roles.ParallelLayer.memory_refusal`), before any rank starts.
 
     Raises:
         ValueError: naming the modules and the fix (:class:`~lightning_seqpar.memory.conflicts.OffloadConflict`).

@@ -4,13 +4,8 @@
 offloaded_activation_terms`."""
 
 from lightning_seqpar.memory.conflicts import DENSE_OFFLOAD_MODULES, OFFLOAD_MODULES
-from lightning_seqpar.offload.apply import (
-    LayerOffload,
-    apply_offload,
-    check_offload_modules,
-    check_offload_with_recompute,
-)
+from lightning_seqpar.offload.apply import LayerOffload, apply_offload, check_offload_modules
 from lightning_seqpar.offload.host_pool import HostCopy, HostPool
 
-__all__ = ["DENSE_OFFLOAD_MODULES", "OFFLOAD_MODULES", "HostCopy", "HostPool", "LayerOffload", "apply_offload", "check_offload_modules",
-           "check_offload_with_recompute"]
+__all__ = ["DENSE_OFFLOAD_MODULES", "OFFLOAD_MODULES", "HostCopy", "HostPool", "LayerOffload", "apply_offload",
+           "check_offload_modules"]

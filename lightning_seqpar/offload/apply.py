@@ -11,7 +11,7 @@ from typing import Any, Optional
 import torch.nn as nn
 from torch import Tensor
 
-from lightning_seqpar.memory.conflicts import EXPERT_MODULES, OFFLOAD_MODULES, offload_conflict
+from lightning_seqpar.memory.conflicts import EXPERT_MODULES, OFFLOAD_MODULES
 from lightning_seqpar.offload.host_pool import HostPool
 from lightning_seqpar.recompute.apply import module_names
 from lightning_seqpar.transformer.masks import FutureMask
@@ -49,45 +49,32 @@ class LayerOffload:
 def apply_offload(model: nn.Module, modules: Any, pool: HostPool) -> int:
     """Offload the named modules' saved tensors in every rewritten layer of ``model`` to ``pool``; return the number of
     layers set. ``modules=None`` undoes it. Layers checkpointed whole (full recomputation) keep only their input and
-    offload nothing.
+    offload nothing. Each layer's :class:`~lightning_seqpar.memory.layer_memory.LayerMemory` is replaced whole, its
+    recomputation kept.
 
     Raises:
-        ValueError: see :func:`check_offload_modules`; a rewritten layer that is not a
-            :class:`~lightning_seqpar.transformer.declared_block.ParallelBlock`, or one whose MLP is a mixture of
-            experts when ``"mlp"`` is named (by name, with the fix); no rewritten layer.
+        ValueError: see :func:`check_offload_modules`; no rewritten layer; expert modules named on a model without a
+            mixture of experts; what a layer refuses (:meth:`~lightning_seqpar.transformer.roles.ParallelLayer.
+            memory_refusal`: a layer that is not a parallel block, ``"mlp"`` where its MLP is a mixture, a compiled
+            body, a module it recomputes), by name with the fix. Nothing is changed then.
     """
     from lightning_seqpar.recompute.apply import rewritten_layers
-    from lightning_seqpar.transformer.declared_block import ParallelBlock
+    from lightning_seqpar.transformer.roles import set_layer_memories
 
     layers = rewritten_layers(model)
     if modules is None:
-        for layer in layers:
-            layer.offload = None
-            if layer.mlp_slot is not None:
-                layer.mlp_slot.offload_within(None)
+        set_layer_memories([(layer, layer.memory.replace(offload=None)) for layer in layers])
         return 0
     names = check_offload_modules(modules)
     if not layers:
         raise ValueError("Activation offload found no rewritten transformer layer in the model: is it rewritten?")
-    for layer in layers:
-        label = getattr(layer, "_name", type(layer).__name__)
-        if not isinstance(layer, ParallelBlock):
-            raise ValueError(f"Activation offload runs in the parallel blocks built from a BlockSpec; {label} is a "
-                             f"{type(layer).__name__}: leave ActivationOffload out for this model.")
-        if "mlp" in names and "mlp" not in layer.mlp_slot.offload_modules:
-            raise ValueError(f"modules=['mlp'] offloads a dense MLP; {label} has {type(layer.mlp_slot).__name__}: "
-                             f"offload its input instead (modules=['mlp_norm']) or the experts' "
-                             f"(modules=['expert_fc1', 'moe_act']), or leave 'mlp' out.")
     named = [n for n in names if n in EXPERT_MODULES]
-    if named and not any(set(named) & set(layer.mlp_slot.offload_modules) for layer in layers):
+    if named and not any(set(named) & set(getattr(layer.mlp_slot, "offload_modules", ())) for layer in layers):
         raise ValueError(f"modules={named} offloads the experts of a mixture; "
                          f"{getattr(layers[0], '_name', type(layers[0]).__name__)} has "
                          f"{type(layers[0].mlp_slot).__name__}: leave {named} out.")
     shared = LayerOffload(names, pool, layer_order(model, layers))
-    for layer in layers:
-        layer.offload = shared
-        # The slot's own regions (a mixture's experts) are the layer's: the same rules apply.
-        layer.mlp_slot.offload_within(layer.offloading if named else None)
+    set_layer_memories([(layer, layer.memory.replace(offload=shared)) for layer in layers])
     return len(layers)
 
 
@@ -104,31 +91,3 @@ def layer_order(model: nn.Module, layers: list) -> dict[int, int]:
     if len({parent for parent, _, _ in places}) == 1 and all(index.isdigit() for _, _, index in places):
         return {id(layer): int(index) for layer, (_, _, index) in zip(layers, places)}
     return {id(layer): i for i, layer in enumerate(layers)}
-
-
-def check_offload_with_recompute(model: nn.Module) -> None:
-    """Refuse a module both offloaded and recomputed (recomputation keeps nothing of it to offload, or rebuilds from
-    what it would move: :data:`~lightning_seqpar.memory.conflicts.OFFLOAD_CONFLICTS`).
-
-    Raises:
-        ValueError: ``core_attn`` offloaded where core attention is recomputed, ``mlp`` (``expert_fc1``, ``moe_act``)
-            where the MLP (the mixture) is, ``moe_act`` where the experts' activation is, or a norm's input where the
-            norm's output is rebuilt from it; naming the layer and the fix.
-    """
-    from lightning_seqpar.recompute.apply import rewritten_layers
-    from lightning_seqpar.transformer.core_attention import CoreAttention
-
-    for layer in rewritten_layers(model):
-        offload = layer.offload
-        if offload is None or layer.checkpointed_whole:
-            continue
-        experts = getattr(getattr(layer, "_mlp", None), "experts", None)
-        # what this layer recomputes, by the names SelectiveRecompute(modules=...) gives it
-        recomputed = {name for name, on in (
-            ("core_attn", any(isinstance(m, CoreAttention) and m.recompute for m in layer.modules())),
-            ("moe" if experts is not None else "mlp", layer.recompute_mlp),
-            ("moe_act", getattr(experts, "recompute_activation", False)),
-            ("layernorm", layer.recompute_norms)) if on}
-        conflict = offload_conflict(offload.names, recomputed)
-        if conflict is not None:
-            raise ValueError(f"{getattr(layer, '_name', type(layer).__name__)}: {conflict.message(offload.names)}")

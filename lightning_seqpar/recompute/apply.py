@@ -12,7 +12,7 @@ from lightning_seqpar.memory.activations import TransformerShape
 from lightning_seqpar.memory.conflicts import RECOMPUTE_MODULES
 from lightning_seqpar.recompute.planner import RecomputePlan
 from lightning_seqpar.transformer.core_attention import CoreAttention
-from lightning_seqpar.transformer.roles import LayerStack, ParallelLayer
+from lightning_seqpar.transformer.roles import LayerStack, ParallelLayer, set_layer_memories
 
 
 def _is_split(stack: LayerStack) -> bool:
@@ -49,77 +49,91 @@ def apply_recompute(
     * ``"full"``: checkpoint whole layers, Megatron's ``--recompute-method``:
       ``"uniform"`` checkpoints every chunk of ``num_layers`` consecutive layers (default 1);
       ``"block"`` checkpoints the first ``num_layers`` layers of each stack individually (default all).
-    * ``"none"``: undo either.
+    * ``"none"``: undo either (and recomputation by module).
+
+    Each layer's :class:`~lightning_seqpar.memory.layer_memory.LayerMemory` is replaced whole, its offload kept.
 
     Raises:
         ValueError: for an unknown granularity/method, ``num_layers < 1``, uniform chunks of more than one
-            layer on layers that are not inside a stack module, or a model with no layer to recompute.
+            layer on layers that are not inside a stack module, a model with no layer to recompute, or what a layer
+            refuses (:meth:`~lightning_seqpar.transformer.roles.ParallelLayer.memory_refusal`: its offload with
+            core attention recomputed); nothing is changed then.
     """
     if granularity not in ("selective", "full", "none"):
         raise ValueError(f"granularity must be 'selective', 'full' or 'none', got {granularity!r}.")
+    _check_method(method, num_layers)
+    if granularity == "selective":
+        attentions = [m for m in model.modules() if isinstance(m, CoreAttention)]
+        if not attentions and not fused_attention_layers(model):
+            raise ValueError("Selective recomputation found no CoreAttention module: is the model rewritten?")
+    full = (method, num_layers) if granularity == "full" else None
+    return _set_recompute(model, full, ("core_attn",) if granularity == "selective" else ())
+
+
+def _check_method(method: str, num_layers: Optional[int]) -> None:
     if method not in ("uniform", "block"):
         raise ValueError(f"method must be 'uniform' or 'block', got {method!r}.")
     if num_layers is not None and num_layers < 1:
         raise ValueError(f"num_layers must be >= 1, got {num_layers}.")
-    attentions = [m for m in model.modules() if isinstance(m, CoreAttention)]
+
+
+def _full_chunks(model: nn.Module, method: str, num_layers: Optional[int]
+                 ) -> tuple[dict[int, list[tuple[int, int]]], list[ParallelLayer]]:
+    """Full recomputation's choice: ``id(stack) → its checkpointed chunks`` and the bare layers that checkpoint
+    themselves (Megatron's ``uniform``/``block`` methods)."""
     stacks, layers = _layer_stacks(model)
-    for m in attentions:
-        m.recompute = granularity == "selective"
-    for stack in stacks:
-        stack.recompute_chunks = []
-    for layer in layers:
-        layer.recompute_layer = False
-    for layer in rewritten_layers(model):
-        layer.recompute_mlp = layer.recompute_norms = False  # module recomputation (apply_recompute_modules) undone too
-        if layer.mlp_slot is not None:
-            layer.mlp_slot.recompute_within(())
-        layer.checkpointed_whole = False
-    if granularity == "none":
-        return 0
-    if granularity == "selective":
-        if not attentions and not any(layer.fused_attention for layer in layers):
-            raise ValueError("Selective recomputation found no CoreAttention module: is the model rewritten?")
-        return len(attentions)  # layers with a fused kernel keep no s² tensor: nothing to recompute there
     if not stacks and not layers:
         raise ValueError("Full recomputation found no rewritten transformer layer in the model.")
-    count = 0
-    for stack in stacks:
-        n = len(stack.stack_layers())
-        if method == "uniform":
-            size = num_layers or 1
-            stack.recompute_chunks = [(i, min(i + size, n)) for i in range(0, n, size)]
-        else:
-            stack.recompute_chunks = [(i, i + 1) for i in range(min(num_layers or n, n))]
-        count += len(stack.recompute_chunks)
-        for lo, hi in stack.recompute_chunks:
-            for layer in stack.stack_layers()[lo:hi]:
-                layer.checkpointed_whole = True
     if layers and method == "uniform" and (num_layers or 1) > 1:
         raise ValueError(
             f"Uniform chunks of {num_layers} layers need the layers inside a stack (nn.TransformerEncoder or the "
             f"reference GPT) on one pipeline stage; these layers are called one by one by user code or split over "
             f"pipeline stages. Use num_layers=1 or method='block'."
         )
-    chosen = layers if method == "uniform" else layers[: num_layers or len(layers)]
-    for layer in chosen:
-        layer.recompute_layer = layer.checkpointed_whole = True
-    return count + len(chosen)
+    chunks = {}
+    for stack in stacks:
+        n = len(stack.stack_layers())
+        size = num_layers or 1
+        chunks[id(stack)] = ([(i, min(i + size, n)) for i in range(0, n, size)] if method == "uniform"
+                             else [(i, i + 1) for i in range(min(num_layers or n, n))])
+    return chunks, (layers if method == "uniform" else layers[: num_layers or len(layers)])
 
 
-def _outside_full(model: nn.Module) -> list[ParallelLayer]:
-    """The rewritten layers that are not checkpointed whole (in no stack's recompute chunk, not recompute_layer)."""
-    stacks, layers = _layer_stacks(model)
-    outside = [layer for stack in stacks for i, layer in enumerate(stack.stack_layers())
-               if not any(lo <= i < hi for lo, hi in stack.recompute_chunks)]
-    return outside + [layer for layer in layers if not layer.recompute_layer]
+def _parts(layer: ParallelLayer) -> set[str]:
+    """The recomputation-by-module names ``layer`` has a part for (``layernorm`` always: the layer refuses it where
+    its norms cannot be rebuilt)."""
+    names = {"layernorm"} | ({"core_attn"} if any(isinstance(m, CoreAttention) for m in layer.modules()) else set())
+    return names | set(layer.mlp_slot.recompute_modules if layer.mlp_slot is not None else ())
 
 
-def _selective_outside_full(model: nn.Module) -> None:
-    """Turn on selective recomputation in every layer that is not checkpointed whole."""
-    for layer in _outside_full(model):
-        for m in layer.modules():
-            if isinstance(m, CoreAttention):
-                m.recompute = True
+def _set_recompute(model: nn.Module, full: Optional[tuple[str, Optional[int]]], modules: Sequence[str]) -> int:
+    """Replace every rewritten layer's recomputation: whole layers as ``full`` (``(method, num_layers)``) chooses,
+    ``modules`` recomputed in the others; the stacks' chunks and any core attention outside a layer follow. Returns
+    the places set (chunks, self-checkpointing layers, modules)."""
+    stacks, _ = _layer_stacks(model)
+    chunks, own = _full_chunks(model, *full) if full is not None else ({}, [])
+    whole = {id(layer) for stack in stacks for lo, hi in chunks.get(id(stack), ())
+             for layer in stack.stack_layers()[lo:hi]} | {id(layer) for layer in own}
+    mine = {id(layer) for layer in own}
+    policies, count = [], sum(map(len, chunks.values())) + len(own)
+    for layer in rewritten_layers(model):
+        inside = id(layer) in whole
+        names = frozenset() if inside else frozenset(modules) & _parts(layer)
+        if layer.mlp_slot is not None and layer.mlp_slot.kind in names:  # recomputed whole: its parts are already
+            names -= set(layer.mlp_slot.recompute_modules) - {layer.mlp_slot.kind}
+        policies.append((layer, layer.memory.replace(whole=inside, checkpoints_itself=id(layer) in mine,
+                                                     recompute=names)))
+        attentions = sum(isinstance(m, CoreAttention) for m in layer.modules())
+        count += len(names - {"core_attn"}) + attentions * ("core_attn" in names)
+    set_layer_memories(policies)
+    for stack in stacks:
+        stack.recompute_chunks = chunks.get(id(stack), [])
+    inside_layers = {id(m) for layer in rewritten_layers(model) for m in layer.modules()}
+    for m in model.modules():  # a core attention no rewritten layer holds (a user's own module)
+        if isinstance(m, CoreAttention) and id(m) not in inside_layers:
+            m.recompute = "core_attn" in modules
+            count += m.recompute
+    return count
 
 
 def recompute_counts(model: nn.Module) -> tuple[int, int]:
@@ -162,9 +176,7 @@ def model_shape(model: nn.Module, s: int, b: int) -> tuple[TransformerShape, int
 def apply_recompute_plan(model: nn.Module, plan: RecomputePlan) -> None:
     """Apply a :class:`RecomputePlan`: full recomputation of its first layers, selective on the rest."""
     if plan.full_layers:
-        apply_recompute(model, "full", "block", plan.full_layers)
-        if plan.full_layers < len(rewritten_layers(model)):
-            _selective_outside_full(model)
+        _set_recompute(model, ("block", plan.full_layers), ("core_attn",))
     else:
         apply_recompute(model, plan.granularity)
 
@@ -186,21 +198,6 @@ def module_names(modules: Any, known: Sequence[str]) -> list[str]:
 def check_recompute_modules(modules: Any) -> list[str]:
     """``modules`` (a name or names) as a list, checked: names of :data:`RECOMPUTE_MODULES` (:func:`module_names`)."""
     return module_names(modules, RECOMPUTE_MODULES)
-
-
-def _check_rebuilds(layers: list[ParallelLayer], names: list[str]) -> None:
-    """Raises ``ValueError`` for a layer whose outputs ``names`` cannot rebuild: norms' outputs outside a pre-norm
-    parallel block (a post-norm block's norm output is the residual stream itself), or a compiled block (the rebuild's
-    saved-tensor hooks run in Python)."""
-    for layer in layers:
-        label = getattr(layer, "_name", type(layer).__name__)
-        if "layernorm" in names and not getattr(layer, "norm_first", False):
-            raise ValueError(f"modules=['layernorm'] rebuilds the outputs of the norms before attention and MLP; {label} "
-                             f"normalizes after the residual (post-norm), where the norm's output is the residual "
-                             f"stream: leave 'layernorm' out.")
-        if layer.compile_config is not None:
-            raise ValueError(f"modules={names} with compiled blocks (compile=True): the rebuild's saved-tensor hooks run "
-                             f"in Python, outside the graph. Train with compile=False, or leave {names} out.")
 
 
 def apply_recompute_modules(model: nn.Module, modules: Any, method: Literal["uniform", "block"] = "uniform",
@@ -231,21 +228,9 @@ def apply_recompute_modules(model: nn.Module, modules: Any, method: Literal["uni
             raise ValueError(f"modules=['{name}'] recomputes {what[name]}; {label} has {type(slot).__name__}: "
                              f"recompute it with modules=['{other}'] or whole (modules=['full']), or leave '{name}' "
                              f"out.")
-    if "layernorm" in names or "moe_act" in names:
-        _check_rebuilds(layers, [n for n in names if n in ("layernorm", "moe_act")])
-    count = apply_recompute(model, "full" if "full" in names else "none", method, num_layers)
-    outside = {id(layer) for layer in _outside_full(model)}
-    for layer, slot in zip(layers, slots):
-        inside = id(layer) not in outside  # checkpointed whole: its modules are recomputed with it already
-        layer.recompute_mlp = slot is not None and slot.kind in names and not inside
-        layer.recompute_norms = "layernorm" in names and not inside
-        if slot is not None and not inside and not layer.recompute_mlp:  # recomputed whole: its parts are already
-            count += slot.recompute_within([n for n in names if n in slot.recompute_modules and n != slot.kind])
-        count += layer.recompute_mlp + layer.recompute_norms
-        for m in layer.modules():
-            if isinstance(m, CoreAttention):
-                m.recompute = "core_attn" in names and not inside
-                count += m.recompute
+    _check_method(method, num_layers)
+    count = _set_recompute(model, (method, num_layers) if "full" in names else None,
+                           [n for n in names if n != "full"])
     if count == 0:
         raise ValueError(f"modules={names!r} found nothing to recompute: is the model rewritten? (Layers with a fused "
                          f"attention kernel keep no s² tensor for core_attn to drop.)")

@@ -85,6 +85,8 @@ class ParallelBlock(ParallelLayer):
             check_context_parallel`).
     """
 
+    runs_offload = True
+
     def __init__(self, block: nn.Module, spec: BlockSpec, ctx: RewriteContext, *, enter_region: bool = True,
                  exit_region: bool = True) -> None:
         super().__init__()

@@ -25,7 +25,10 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+from lightning_seqpar.memory.conflicts import EXPERT_MODULES
+from lightning_seqpar.memory.layer_memory import NO_MEMORY_POLICY, LayerMemory
 from lightning_seqpar.memory.saved_tensors import Rebuild, saved_tensor_policy
+from lightning_seqpar.transformer.core_attention import CoreAttention
 from lightning_seqpar.transformer.mlp_slot import MLPSlot
 
 
@@ -79,8 +82,9 @@ class ParallelLayer(nn.Module):
     layer, e.g. with :func:`lightning_seqpar.parallel.recomputed`).
 
     Attributes:
-        recompute_layer: checkpoint the whole layer (full recomputation); set by
-            :func:`~lightning_seqpar.recompute.apply_recompute`.
+        memory: what the layer recomputes and offloads in backward (one frozen value, replaced whole by
+            :meth:`set_memory`); :attr:`recompute_layer`, :attr:`checkpointed_whole`, :attr:`recompute_mlp`,
+            :attr:`recompute_norms` and :attr:`offload` read it.
         pipeline_stage: the virtual pipeline stage holding this layer, ``None`` when not split.
         fused_attention: the layer's core attention is a fused kernel (SDPA/flash), which keeps no ``s²``
             tensor: selective recomputation has nothing to recompute in it.
@@ -89,16 +93,88 @@ class ParallelLayer(nn.Module):
             stages exchange the tensor alone; the tuple is made last, in ``__call__``.
     """
 
-    recompute_layer: bool = False
-    recompute_mlp: bool = False  # the MLP slot recomputed by module (SelectiveRecompute(modules=["mlp"] / ["moe"]))
-    recompute_norms: bool = False  # the norms' outputs rebuilt in backward (SelectiveRecompute(modules=["layernorm"]))
-    checkpointed_whole: bool = False  # inside full recomputation, alone or in a stack's chunk (set by apply_recompute)
-    offload: Any = None  # a LayerOffload: the modules whose saved tensors go to host memory (ActivationOffload)
+    memory: LayerMemory = NO_MEMORY_POLICY
     compile_config: Any = None  # a CompileConfig: the body runs through torch.compile (set by compile_blocks)
+    runs_offload: bool = False  # its forward enters offloading(module) around each module's region
     returns_tuple: bool = False
     fused_attention: bool = False
     pipeline_stage: Optional[int] = None
     _router: Optional[LayerRouter] = None
+
+    @property
+    def recompute_layer(self) -> bool:
+        """Checkpoint the whole layer in its forward (full recomputation of a layer no stack checkpoints)."""
+        return self.memory.checkpoints_itself
+
+    @property
+    def checkpointed_whole(self) -> bool:
+        """Inside full recomputation, alone or in a stack's chunk: it keeps only its input."""
+        return self.memory.whole
+
+    @property
+    def recompute_mlp(self) -> bool:
+        """The MLP slot recomputed by module (``SelectiveRecompute(modules=["mlp"])`` or ``["moe"]``)."""
+        slot = self.mlp_slot
+        return slot is not None and slot.kind in self.memory.recomputed
+
+    @property
+    def recompute_norms(self) -> bool:
+        """The norms' outputs rebuilt in backward (``SelectiveRecompute(modules=["layernorm"])``)."""
+        return "layernorm" in self.memory.recomputed
+
+    @property
+    def offload(self) -> Any:
+        """The :class:`~lightning_seqpar.offload.apply.LayerOffload` of this layer's modules, or ``None``."""
+        return self.memory.offload
+
+    def memory_refusal(self, memory: LayerMemory) -> str:
+        """Why this layer cannot run ``memory``, with the fix; ``""`` when it can. The base layer runs full
+        recomputation and core attention's; a subclass that enters :meth:`offloading` says so
+        (:attr:`runs_offload`) and refuses what its own structure cannot run."""
+        label = getattr(self, "_name", type(self).__name__)
+        if memory.offload is not None and not self.runs_offload:
+            return (f"Activation offload runs in the parallel blocks built from a BlockSpec; {label} is a "
+                    f"{type(self).__name__}: leave ActivationOffload out for this model.")
+        slot = self.mlp_slot
+        if "mlp" in memory.offloaded and slot is not None and "mlp" not in slot.offload_modules:
+            return (f"modules=['mlp'] offloads a dense MLP; {label} has {type(slot).__name__}: offload its input "
+                    f"instead (modules=['mlp_norm']) or the experts' (modules=['expert_fc1', 'moe_act']), or leave "
+                    f"'mlp' out.")
+        if memory.offloaded and self.compile_config is not None:
+            return (f"ActivationOffload(modules={sorted(memory.offloaded)}) with compiled blocks (compile=True): the "
+                    f"offload's saved-tensor hooks run in Python, outside the compiled graph. Train with "
+                    f"compile=False, or recompute instead (SelectiveRecompute(modules=...)).")
+        rebuilt = sorted(memory.recomputed & {"layernorm", "moe_act"})
+        if rebuilt and self.compile_config is not None:
+            return (f"modules={rebuilt} with compiled blocks (compile=True): the rebuild's saved-tensor hooks run in "
+                    f"Python, outside the graph. Train with compile=False, or leave {rebuilt} out.")
+        if "layernorm" in memory.recomputed and not getattr(self, "norm_first", False):
+            return (f"modules=['layernorm'] rebuilds the outputs of the norms before attention and MLP; {label} "
+                    f"normalizes after the residual (post-norm), where the norm's output is the residual stream: "
+                    f"leave 'layernorm' out.")
+        conflict = memory.conflict()
+        return f"{label}: {conflict.message(memory.offloaded)}" if conflict is not None else ""
+
+    def set_memory(self, memory: LayerMemory) -> None:
+        """Make ``memory`` this layer's policy and hand its parts theirs: each core attention whether it recomputes,
+        the MLP slot what it recomputes and offloads inside itself.
+
+        Raises:
+            ValueError: :meth:`memory_refusal`'s reason; the layer keeps its policy.
+        """
+        refusal = self.memory_refusal(memory)
+        if refusal:
+            raise ValueError(refusal)
+        self.memory = memory
+        for module in self.modules():
+            if isinstance(module, CoreAttention):
+                module.recompute = "core_attn" in memory.recomputed
+        slot = self.mlp_slot
+        if slot is not None:
+            within = [n for n in memory.recomputed if n in slot.recompute_modules and n != slot.kind]
+            slot.recompute_within(() if self.recompute_mlp else within)
+            offloaded = memory.offloaded & set(slot.offload_modules) & set(EXPERT_MODULES)
+            slot.offload_within(self.offloading if offloaded else None)
 
     def offloading(self, module: str, *shared: Optional[Tensor], rebuild: Optional[Rebuild] = None) -> Any:
         """A context for the region of ``module``: the tensors autograd saves there are offloaded to host memory when
@@ -171,6 +247,20 @@ class LayerStack(nn.Module):
     def stack_layers(self) -> nn.ModuleList:
         """The layers this module runs, in order (an ``nn.ModuleList`` the pipeline may split)."""
         raise NotImplementedError(f"{type(self).__name__} must implement stack_layers().")
+
+
+def set_layer_memories(policies: Sequence[tuple[ParallelLayer, LayerMemory]]) -> None:
+    """Give each layer its policy, all or none: every layer is checked (:meth:`ParallelLayer.memory_refusal`) before
+    any is set, so a refusal leaves the model as it was.
+
+    Raises:
+        ValueError: the first refusal, naming the layer and the fix.
+    """
+    refusal = next((r for r in (layer.memory_refusal(m) for layer, m in policies) if r), "")
+    if refusal:
+        raise ValueError(refusal)
+    for layer, memory in policies:
+        layer.set_memory(memory)
 
 
 def require_divisible(name: str, what: str, value: int, tp: int) -> None:

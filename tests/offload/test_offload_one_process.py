@@ -14,12 +14,12 @@ from lightning_seqpar.memory.activations import layer_activation_terms, offloade
 from lightning_seqpar.memory.peak import PeakMemoryTracker
 from lightning_seqpar.models.gpt import GPT, GPTConfig
 from lightning_seqpar.offload import DENSE_OFFLOAD_MODULES, HostPool, apply_offload, check_offload_modules
-from lightning_seqpar.offload.apply import check_offload_with_recompute
 from lightning_seqpar.parallel import ParallelGroup
 from lightning_seqpar.parallel.random import RNGTracker
 from lightning_seqpar.policies import rewrite
 from lightning_seqpar.recompute import apply_recompute, apply_recompute_modules
 from lightning_seqpar.transformer.context import RewriteContext
+from lightning_seqpar.transformer.core_attention import CoreAttention
 from recipes.benchmarking.measure import measure_gpt_layer
 
 CHOICES = [(m,) for m in DENSE_OFFLOAD_MODULES] + list(itertools.combinations(DENSE_OFFLOAD_MODULES, 2))
@@ -150,15 +150,20 @@ def test_names_it_does_not_offload_are_refused(modules, message):
 def test_a_module_both_recomputed_and_offloaded_is_refused_by_name():
     model = _gpt()
     apply_offload(model, ["core_attn", "mlp"], HostPool("cpu"))
-    apply_recompute(model, "selective")
     with pytest.raises(ValueError, match=r"core_attn both recomputed \(core_attn\) and offloaded: recomputed core "
                                          r"attention keeps only q, k, v"):
-        check_offload_with_recompute(model)
-    apply_recompute_modules(model, ["mlp"])
+        apply_recompute(model, "selective")
     with pytest.raises(ValueError, match=r"mlp both recomputed \(mlp\) and offloaded: .* Offload 'mlp_norm' instead"):
-        check_offload_with_recompute(model)
+        apply_recompute_modules(model, ["mlp"])
+    layers = list(model.transformer.h)
+    assert not any(layer.recompute_mlp or layer.checkpointed_whole for layer in layers)  # each refusal changed nothing
+    assert not any(m.recompute for m in model.modules() if isinstance(m, CoreAttention))
     apply_recompute(model, "full")  # whole layers keep only their input: nothing left to offload, nothing refused
-    check_offload_with_recompute(model)
+    assert all(layer.checkpointed_whole and layer.offload is not None for layer in layers)
+    apply_offload(model, None, HostPool("cpu"))
+    apply_recompute(model, "selective")
+    with pytest.raises(ValueError, match=r"core_attn both recomputed"):  # the other order refuses the same
+        apply_offload(model, ["core_attn"], HostPool("cpu"))
 
 
 @pytest.mark.parametrize("config", ["config", "finetune"])
@@ -219,14 +224,15 @@ def test_the_experts_offload_their_rows_and_activation_inputs_and_train_bit_iden
 def test_a_module_offloaded_and_recomputed_is_refused_before_any_step(tmp_path):
     import lightning.pytorch as pl
 
-    from lightning_seqpar import ActivationOffload, SelectiveRecompute
+    from lightning_seqpar import ActivationOffload, SelectiveRecompute, SeqParallelStrategy
     from tests.helpers.models import build, loader, token_data
 
-    for recompute, offload, clash in ((dict(modules=["layernorm"]), ["attn_norm"], "['attn_norm']"),
-                                      (dict(granularity="selective"), ["core_attn", "mlp"], "['core_attn']")):
+    for recompute, offload, clash in ((dict(modules=["layernorm"]), ["attn_norm"], "attn_norm both recomputed"),
+                                      (dict(granularity="selective"), ["core_attn", "mlp"], "core_attn both")):
         trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
                              enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+                             strategy=SeqParallelStrategy(tp=1),
                              callbacks=[ActivationOffload(modules=offload), SelectiveRecompute(**recompute)])
-        with pytest.raises(ValueError, match=f"offloads {clash.replace('[', '.').replace(']', '.')}, which "):
+        with pytest.raises(ValueError, match=clash):
             trainer.fit(build("gpt"), loader(token_data(1, 1), 2))
         assert trainer.global_step == 0

@@ -2,7 +2,7 @@
 imported from where it lives (not through a module that re-exports it), and the package has one map, in
 docs/architecture.md, naming every folder and top-level module; the pipeline moves a payload beside its activations
 without knowing what it is; the MLP slot is asked through its protocol, never type-tested; a rewrite context is made
-in one place, from a layout and a mesh."""
+in one place, from a layout and a mesh; a layer's memory policy is set in one place."""
 
 from __future__ import annotations
 
@@ -81,3 +81,17 @@ def test_a_rewrite_context_is_made_in_one_place():
              if path.relative_to(package).as_posix() != "transformer/context.py"
              for n, line in enumerate(path.read_text().splitlines(), 1) if re.search(r"\bRewriteContext\(", line)]
     assert not found, f"make it with RewriteContext.of(layout, mesh) at {found}"
+
+
+def test_a_layer_s_memory_policy_is_set_in_one_place():
+    # Recomputation and offload replace a layer's frozen LayerMemory through ParallelLayer.set_memory (checked first),
+    # which alone hands core attention and the MLP slot their parts: nothing else assigns a layer's policy or its
+    # parts'.
+    package = ROOT / "lightning_seqpar"
+    found = [f"{path.relative_to(ROOT)}:{n}" for path in sorted(package.rglob("*.py"))
+             if path.relative_to(package).as_posix() != "transformer/roles.py"
+             for n, line in enumerate(path.read_text().splitlines(), 1)
+             if re.search(r"(?<!plan)\.(memory|offload|recompute_layer|recompute_mlp|recompute_norms|"
+                          r"checkpointed_whole)\s*=[^=]", line)
+             or (re.search(r"\.(recompute_within|offload_within)\(", line) and "def " not in line)]
+    assert not found, f"set the layer's policy with set_layer_memories / ParallelLayer.set_memory at {found}"

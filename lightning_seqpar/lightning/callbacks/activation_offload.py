@@ -9,7 +9,7 @@ import torch.nn as nn
 
 from lightning_seqpar.memory.activations import layer_activation_bytes
 from lightning_seqpar.memory.mixture import MixtureShape
-from lightning_seqpar.offload import HostPool, apply_offload, check_offload_modules, check_offload_with_recompute
+from lightning_seqpar.offload import HostPool, apply_offload, check_offload_modules
 from lightning_seqpar.offload.plan import OffloadPlan, plan_offload
 from lightning_seqpar.recompute import micro_batch_shape, model_shape, rewritten_layers
 from lightning_seqpar.transformer.core_attention import CoreAttention
@@ -46,10 +46,9 @@ class ActivationOffload(pl.Callback):
         ValueError: a name not in ``OFFLOAD_MODULES``, or not exactly one of ``modules`` and a positive
             ``memory_budget`` (at construction); a budget nothing fits, or one for a mixture the memory model does not
             price (a shared expert; mixtures of different shapes on one rank) (at the first batch); when fitting
-            starts, what
-            :func:`~lightning_seqpar.offload.apply_offload` and
-            :func:`~lightning_seqpar.offload.check_offload_with_recompute` refuse, and compiled blocks (``compile=True``:
-            the saved-tensor hooks run in Python, outside a graph).
+            starts (or at that batch), what :func:`~lightning_seqpar.offload.apply_offload` refuses: a module the
+            layers recompute, compiled blocks (``compile=True``: the saved-tensor hooks run in Python, outside a
+            graph). A ``SelectiveRecompute`` applied after this callback refuses the same conflicts.
     """
 
     def __init__(self, modules: Optional[list[str]] = None, memory_budget: Optional[float] = None,
@@ -63,46 +62,19 @@ class ActivationOffload(pl.Callback):
         self.plan: Optional[OffloadPlan] = None
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._refuse_recomputed(trainer)
-        compiled = [layer for layer in rewritten_layers(pl_module) if layer.compile_config is not None]
-        if compiled:
-            raise ValueError(f"ActivationOffload(modules={self.modules}) with compiled blocks (compile=True): the "
-                             f"offload's saved-tensor hooks run in Python, outside the compiled graph. Train with "
-                             f"compile=False, or recompute instead (SelectiveRecompute(modules=...)).")
+        if self.memory_budget is not None and any(layer.compile_config for layer in rewritten_layers(pl_module)):
+            raise ValueError("ActivationOffload(memory_budget=...) with compiled blocks (compile=True): the offload's "
+                             "saved-tensor hooks run in Python, outside the compiled graph. Train with compile=False, "
+                             "or recompute instead (SelectiveRecompute(modules=...)).")
         self.pool = HostPool(trainer.strategy.root_device, prefetch=self.prefetch)
         if self.modules is not None:
             apply_offload(pl_module, self.modules, self.pool)
-
-    def _refuse_recomputed(self, trainer: pl.Trainer) -> None:
-        """Refuse, from the callbacks' arguments and before any step, a module both offloaded here and recomputed by a
-        ``SelectiveRecompute`` (the layers are checked again once every callback has applied its choice)."""
-        from lightning_seqpar.lightning.callbacks.selective_recompute import SelectiveRecompute
-
-        if self.modules is None:
-            return
-        for callback in trainer.callbacks:
-            if not isinstance(callback, SelectiveRecompute) or "full" in (callback.modules or []):
-                continue
-            recomputed = set(callback.modules or ([] if callback.granularity != "selective" else ["core_attn"]))
-            clashes = {"core_attn": {"core_attn"}, "mlp": {"mlp"}, "layernorm": {"attn_norm", "mlp_norm"},
-                       "moe": {"expert_fc1", "moe_act"}, "moe_act": {"moe_act"}}
-            both = sorted({m for name in recomputed for m in clashes.get(name, ()) if m in self.modules})
-            if both:
-                raise ValueError(f"ActivationOffload(modules={self.modules}) offloads {both}, which "
-                                 f"SelectiveRecompute(modules={sorted(recomputed)}) recomputes or rebuilds from what it "
-                                 f"keeps: nothing of them is left to offload. Drop {both} from one of the two.")
-
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # every callback's on_fit_start has run: a recomputation configured there is known now
-        check_offload_with_recompute(pl_module)
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
         if self.memory_budget is not None and self.plan is None:
             self.plan = self.choose(trainer, pl_module, *micro_batch_shape(batch))
             apply_offload(pl_module, list(self.plan.modules) or None, self.pool)  # type: ignore[arg-type]
-        if batch_idx == 0:  # SelectiveRecompute("auto") plans at the first batch: check after it, whatever the order
-            check_offload_with_recompute(pl_module)
 
     def choose(self, trainer: pl.Trainer, model: nn.Module, s: int, b: int) -> OffloadPlan:
         """This rank's plan for batches of ``b`` sequences of ``s`` tokens (split into the pipeline's micro-batches)."""
