@@ -21,6 +21,7 @@ from lightning_seqpar.pipeline_parallel.comm_plan import (ACTIVATION, GRADIENT, 
 from lightning_seqpar.pipeline_parallel.p2p import Message, MessageValue, PostedBatch, StageTransport
 from lightning_seqpar.pipeline_parallel.schedules import Action, splits_backward
 from lightning_seqpar.pipeline_parallel.stage import StageRuntime
+from lightning_seqpar.pipeline_parallel.timeline import StepTimeline
 from lightning_seqpar.tensor_parallel.weight_gradients import WeightGradientStore
 
 
@@ -79,6 +80,8 @@ class PipelineExecutor:
     Attributes:
         observers: callables run after each action with ``(action, in_flight)``, for measurements (in flight: the
             micro-batches whose forward ran and whose last backward action, W where there is one, has not).
+        timeline: a :class:`~lightning_seqpar.pipeline_parallel.timeline.StepTimeline` that times every segment of
+            each step (F, B, W, posts, waits, the rest), or ``None`` (default: nothing timed).
 
     Raises:
         ValueError: a schedule with W actions without ``weight_gradients``; a transport whose tensors per message
@@ -102,6 +105,7 @@ class PipelineExecutor:
         self.runtime, self.transport, self.config = runtime, transport, config
         self.weight_gradients = weight_gradients
         self.observers: list[Callable[[Action, int], None]] = []
+        self.timeline: Optional[StepTimeline] = None
         self._programs: dict[tuple[bool, bool], list[Step]] = {}  # (forward-only, with headers) -> program
 
     @property
@@ -131,22 +135,27 @@ class PipelineExecutor:
         backward, else which parameters become final: those whose gradient W hands over (``True``, before the chunk's
         last W) or the others (``False``, before its last B).
         """
+        clock = self.timeline or _NO_TIMELINE
+        clock.start()
         headers = self.transport.begin_step((signature, forward_only))
         program = self._program(forward_only, headers)
         arming = self._arming(program)
         self.runtime.payload.forget()  # what a step that raised may have left
-        run = _Step(step, forward_only, StepResult())
+        run = _Step(step, forward_only, StepResult(), clock)
         for index, action in enumerate(program):
             if index in arming and before_last_backward is not None:
                 before_last_backward(*arming[index])
             if isinstance(action, Batch):
+                clock.lap("other")
                 run.posted.append(self.transport.post(action, run.outgoing))
+                clock.lap("post")
                 if any(t.header and not t.send for t in action.transfers):
                     run.wait_all()
                 continue
             needed = needs(action, self.layout, self.rank)  # (a stage on this rank hands its message over in memory)
             while needed is not None and needed.message not in run.received and run.posted:
                 run.wait_next()
+            clock.lap("other")
             if action.kind == "W":
                 assert self.weight_gradients is not None
                 self.weight_gradients.run((action.chunk, action.microbatch))
@@ -154,11 +163,14 @@ class PipelineExecutor:
                 self._forward(action, run)
             else:
                 self._backward(action, run)
+            clock.lap(action.kind, action.chunk, action.microbatch)
             held = len(run.saved) + (self.weight_gradients.pending if self._splits else 0)
             run.result.peak_in_flight = max(run.result.peak_in_flight, held)
             for observe in self.observers:
                 observe(action, held)
         run.wait_all()
+        clock.lap("other")
+        clock.stop()
         assert not run.outgoing and not run.received, (run.outgoing.keys(), run.received.keys())
         return run.result
 
@@ -240,6 +252,22 @@ class PipelineExecutor:
             run.received[message] = tuple(v.detach() for v in value)
 
 
+class _NoTimeline:
+    """What the executor laps when nothing is timed."""
+
+    def start(self) -> None:
+        pass
+
+    def lap(self, kind: str, chunk: Optional[int] = None, microbatch: Optional[int] = None) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+
+_NO_TIMELINE = _NoTimeline()
+
+
 @dataclass
 class _Step:
     """One :meth:`PipelineExecutor.run`'s state: the user's step, what is saved for backward, and the messages.
@@ -252,13 +280,16 @@ class _Step:
     step: Callable[[int], Any]
     forward_only: bool
     result: StepResult
+    clock: Any
     saved: dict[tuple[int, int], tuple[Optional[Tensor], Tensor]] = field(default_factory=dict)
     outgoing: dict[Message, MessageValue] = field(default_factory=dict)
     received: dict[Message, MessageValue] = field(default_factory=dict)
     posted: deque[PostedBatch] = field(default_factory=deque)
 
     def wait_next(self) -> None:
+        self.clock.lap("other")
         self.received.update(self.posted.popleft().wait())
+        self.clock.lap("wait")
 
     def wait_all(self) -> None:
         while self.posted:

@@ -18,6 +18,7 @@ from recipes.benchmarking.comm_counter import CollectiveCounter
 from recipes.benchmarking.native_tp import NativeBlock, parallelize_native
 from recipes.benchmarking.processes import run_on_processes
 from lightning_seqpar.memory.activations import TransformerShape, layer_activation_bytes
+from lightning_seqpar.memory.layer_memory import LayerMemory
 from lightning_seqpar.memory.tracker import LiveActivationTracker
 from lightning_seqpar.models.gpt import Block, GPTConfig
 from lightning_seqpar.models.parallel_gpt import parallel_gpt_block
@@ -95,8 +96,9 @@ def _ours(cfg: dict, group: ParallelGroup, device: torch.device, dtype: torch.dt
         ctx = RewriteContext(group, sp, RNGTracker.for_tensor_parallel(0, group.rank, device), True)
         block = Block(GPTConfig(n_embd=h, n_head=a, block_size=s, dropout=cfg["dropout"], ffn_hidden_size=f))
         layer = parallel_gpt_block(block, ctx).to(device, dtype).train()
-        layer.core_attention.recompute = recompute == "selective"
-        layer.recompute_layer = recompute == "full"
+        full = recompute == "full"
+        layer.set_memory(LayerMemory(whole=full, checkpoints_itself=full,
+                                     recompute=frozenset({"core_attn"} if recompute == "selective" else ())))
         local_s = s // t if sp else s
         make = lambda: torch.randn(local_s, b, h, device=device, dtype=dtype, requires_grad=True)  # noqa: E731
         fwd, bwd = _time(layer, make, cfg["warmup"], cfg["iters"], device)

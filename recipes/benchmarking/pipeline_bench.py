@@ -61,6 +61,11 @@ class PipelineResult:
     a rank than 1F1B: per rank they differ, the sum is the model's)"""
     tokens_per_s: float = 0.0
     step_ms: float = 0.0
+    flops: float = 0.0
+    """floating-point operations of the first step, all ranks (torch's ``FlopCounterMode``: matmuls and attention)"""
+    breakdown: list[dict[str, float]] = field(default_factory=list)
+    """per pipeline rank: host milliseconds per step by segment kind (:data:`~lightning_seqpar.pipeline_parallel.
+    timeline.KINDS`), the mean over the timed steps"""
 
 
 def _fit(row: PipelineRow, cfg: dict[str, Any], device: torch.device, out_dir: str) -> None:
@@ -74,13 +79,21 @@ def _fit(row: PipelineRow, cfg: dict[str, Any], device: torch.device, out_dir: s
     from lightning_seqpar.parallel.collectives import CommunicationLog
     from lightning_seqpar.pipeline_parallel.schedules import splits_backward, stage_placement_of, trace_bubble_fraction
 
-    record: dict[str, Any] = {"trace": [], "peak": 0, "times": [], "sends": 0, "collectives": 0}
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from lightning_seqpar.pipeline_parallel.timeline import StepTimeline
+
+    record: dict[str, Any] = {"trace": [], "peak": 0, "times": [], "sends": 0, "collectives": 0, "flops": 0,
+                              "breakdown": {}}
+    timeline = StepTimeline()
 
     class Measure(pl.Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             executor = trainer.strategy.pipeline.executor
-            if batch_idx == 0:  # the trace and the bytes of the first step
+            if batch_idx == 0:  # the trace, the bytes and the FLOPs of the first step
+                self.flops = FlopCounterMode(display=False).__enter__()
                 self.tracker = LiveActivationTracker(pl_module).__enter__()
+                executor.timeline = timeline
                 executor.observers.append(self.observe)
                 self.group = trainer.strategy.mesh.tensor
                 self.group.log = CommunicationLog()  # the group records each collective it runs
@@ -94,8 +107,12 @@ def _fit(row: PipelineRow, cfg: dict[str, Any], device: torch.device, out_dir: s
             if device.type == "cuda":
                 torch.cuda.synchronize()
             record["times"].append(time.perf_counter() - self.start)
+            if batch_idx == cfg["warmup"]:  # the steps timed from here on
+                timeline.clear()
             if batch_idx == 0:
                 self.tracker.__exit__(None, None, None)
+                self.flops.__exit__(None, None, None)
+                record["flops"] = self.flops.get_total_flops()
                 trainer.strategy.pipeline.executor.observers.clear()
                 record["collectives"] = len(self.group.log.records) if self.group.size > 1 else 0
                 self.group.log = None
@@ -117,6 +134,8 @@ def _fit(row: PipelineRow, cfg: dict[str, Any], device: torch.device, out_dir: s
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, cfg["vocab_size"], (steps * cfg["global_batch"], cfg["s"]), generator=g)
     trainer.fit(module, DataLoader(TensorDataset(tokens, tokens), batch_size=cfg["global_batch"]))
+    record["breakdown"] = {kind: 1000 * seconds / max(1, len(timeline.steps))
+                           for kind, seconds in timeline.totals().items()}
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, record)
     if trainer.global_rank != 0:
@@ -132,7 +151,8 @@ def _fit(row: PipelineRow, cfg: dict[str, Any], device: torch.device, out_dir: s
         row.schedule, row.pp, row.tp, trace_bubble_fraction(traces, **placed),
         trace_bubble_fraction(traces, costs=B_HEAVY_COSTS, **placed), [rank["peak"] for rank in pipeline_ranks],
         sum(rank["sends"] for rank in pipeline_ranks), sum(rank["collectives"] for rank in pipeline_ranks),
-        cfg["global_batch"] * cfg["s"] / step, 1000 * step)
+        cfg["global_batch"] * cfg["s"] / step, 1000 * step, float(sum(rank["flops"] for rank in gathered)),
+        [rank["breakdown"] for rank in pipeline_ranks])
     (Path(out_dir) / "result.pkl").write_bytes(pickle.dumps(asdict(result)))
 
 

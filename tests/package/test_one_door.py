@@ -87,9 +87,9 @@ def test_a_layer_s_memory_policy_is_set_in_one_place():
     # Recomputation and offload replace a layer's frozen LayerMemory through ParallelLayer.set_memory (checked first),
     # which alone hands core attention and the MLP slot their parts: nothing else assigns a layer's policy or its
     # parts'.
-    package = ROOT / "lightning_seqpar"
-    found = [f"{path.relative_to(ROOT)}:{n}" for path in sorted(package.rglob("*.py"))
-             if path.relative_to(package).as_posix() != "transformer/roles.py"
+    found = [f"{path.relative_to(ROOT)}:{n}" for path in SOURCES
+             if path.relative_to(ROOT).as_posix() != "lightning_seqpar/transformer/roles.py"
+             and path != Path(__file__).resolve()
              for n, line in enumerate(path.read_text().splitlines(), 1)
              if re.search(r"(?<!plan)\.(memory|offload|recompute_layer|recompute_mlp|recompute_norms|"
                           r"checkpointed_whole)\s*=[^=]", line)

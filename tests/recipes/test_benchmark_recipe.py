@@ -65,9 +65,9 @@ def test_context_parallel_benchmark_recipe_compares_tp_with_tp_times_cp(tmp_path
 
 def test_pipeline_benchmark_recipe_prices_each_schedule_s_trace(tmp_path):
     """pp 2 × tp 2: the executed traces give 1F1B's, ZB-H1's, ZB-V's and DualPipeV's bubbles under the cost model, the
-    split schedules move the weight gradients without adding a tensor-parallel collective, and no rank of ZB-H1's or
-    ZB-V's holds more than 1F1B's first beyond one send in flight (DualPipeV: one chunk micro-batch more than ZB-V,
-    2p + 1 of 2p)."""
+    split schedules move the weight gradients without adding a tensor-parallel collective or a FLOP, no rank of ZB-H1's
+    or ZB-V's holds more than 1F1B's first beyond one send in flight (DualPipeV: one chunk micro-batch more than ZB-V,
+    2p + 1 of 2p), and each rank's host time is broken down by segment."""
     cmd = [sys.executable, str(ROOT / "recipes" / "benchmark_pipeline.py"), "pp=[2]", "tp=2", "n_layer=4",
            "n_embd=32", "n_head=4", "s=32", "vocab_size=64", "global_batch=4", "num_microbatches=4", "iters=1",
            "warmup=0", f"out={tmp_path}"]
@@ -92,3 +92,12 @@ def test_pipeline_benchmark_recipe_prices_each_schedule_s_trace(tmp_path):
         # tensor when the next action peaks (seen on a loaded machine; on an idle one the peaks are equal)
         assert all(int(b) <= first + sent for b in split["peak KiB per rank"].split(" / "))
         assert float(split["tokens/s"]) > 0
+    # the same work under every schedule (torch's FLOP counter over the first step, all ranks), and where each rank's
+    # host time went: a row per schedule and pipeline rank, F, B (and W where split) timed
+    assert len({r["GFLOP/step"] for r in table.values()}) == 1 and float(one["GFLOP/step"]) > 0
+    with open(tmp_path / "benchmark_pipeline_actions.csv") as f:
+        actions = list(csv.DictReader(f))
+    assert [(r["schedule"], r["pp rank"]) for r in actions] == [(f"{name} pp 2", rank) for name in table
+                                                              for rank in "01"]
+    for r in actions:
+        assert float(r["F"]) > 0 and float(r["B"]) > 0 and (float(r["W"]) > 0) == (not r["schedule"].startswith("1F1B"))
