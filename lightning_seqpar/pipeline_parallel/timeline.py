@@ -41,8 +41,8 @@ class StepTimeline:
     clock: Callable[[], float] = time.perf_counter
     segments: list[Segment] = field(default_factory=list)
     steps: list[float] = field(default_factory=list)
-    _last: Optional[float] = None
-    _began: Optional[float] = None
+    _last: Optional[float] = field(default=None, init=False, repr=False)
+    _began: Optional[float] = field(default=None, init=False, repr=False)
 
     def start(self) -> None:
         """A step begins now."""

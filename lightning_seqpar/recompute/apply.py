@@ -77,11 +77,10 @@ def _check_method(method: str, num_layers: Optional[int]) -> None:
         raise ValueError(f"num_layers must be >= 1, got {num_layers}.")
 
 
-def _full_chunks(model: nn.Module, method: str, num_layers: Optional[int]
+def _full_chunks(stacks: list[LayerStack], layers: list[ParallelLayer], method: str, num_layers: Optional[int]
                  ) -> tuple[dict[int, list[tuple[int, int]]], list[ParallelLayer]]:
-    """Full recomputation's choice: ``id(stack) → its checkpointed chunks`` and the bare layers that checkpoint
-    themselves (Megatron's ``uniform``/``block`` methods)."""
-    stacks, layers = _layer_stacks(model)
+    """Full recomputation's choice over ``stacks`` and the layers outside them (:func:`_layer_stacks`): ``id(stack) →
+    its checkpointed chunks`` and the bare layers that checkpoint themselves (Megatron's ``uniform``/``block``)."""
     if not stacks and not layers:
         raise ValueError("Full recomputation found no rewritten transformer layer in the model.")
     if layers and method == "uniform" and (num_layers or 1) > 1:
@@ -110,13 +109,14 @@ def _set_recompute(model: nn.Module, full: Optional[tuple[str, Optional[int]]], 
     """Replace every rewritten layer's recomputation: whole layers as ``full`` (``(method, num_layers)``) chooses,
     ``modules`` recomputed in the others; the stacks' chunks and any core attention outside a layer follow. Returns
     the places set (chunks, self-checkpointing layers, modules)."""
-    stacks, _ = _layer_stacks(model)
-    chunks, own = _full_chunks(model, *full) if full is not None else ({}, [])
+    stacks, bare = _layer_stacks(model)
+    chunks, own = _full_chunks(stacks, bare, *full) if full is not None else ({}, [])
     whole = {id(layer) for stack in stacks for lo, hi in chunks.get(id(stack), ())
              for layer in stack.stack_layers()[lo:hi]} | {id(layer) for layer in own}
     mine = {id(layer) for layer in own}
+    layers = rewritten_layers(model)
     policies, count = [], sum(map(len, chunks.values())) + len(own)
-    for layer in rewritten_layers(model):
+    for layer in layers:
         inside = id(layer) in whole
         names = frozenset() if inside else frozenset(modules) & _parts(layer)
         if layer.mlp_slot is not None and layer.mlp_slot.kind in names:  # recomputed whole: its parts are already
@@ -128,7 +128,7 @@ def _set_recompute(model: nn.Module, full: Optional[tuple[str, Optional[int]]], 
     set_layer_memories(policies)
     for stack in stacks:
         stack.recompute_chunks = chunks.get(id(stack), [])
-    inside_layers = {id(m) for layer in rewritten_layers(model) for m in layer.modules()}
+    inside_layers = {id(m) for layer in layers for m in layer.modules()}
     for m in model.modules():  # a core attention no rewritten layer holds (a user's own module)
         if isinstance(m, CoreAttention) and id(m) not in inside_layers:
             m.recompute = "core_attn" in modules

@@ -131,9 +131,6 @@ class DenseMLPPart:
     def recompute_within(self, names: Sequence[str]) -> int:
         return 0  # nothing inside a dense MLP is recomputed apart from it
 
-    def recomputes_within(self) -> tuple[str, ...]:
-        return ()
-
     def offload_within(self, offloading: Optional[Callable[[str], Any]]) -> None:
         pass  # its one region is the block's
 

@@ -60,9 +60,6 @@ class MLPSlot(Protocol):
         excluded: the block recomputes the slot whole) and stop recomputing the others; ``()`` undoes all. Returns how
         many it set."""
 
-    def recomputes_within(self) -> tuple[str, ...]:
-        """The names :meth:`recompute_within` set."""
-
     def offload_within(self, offloading: Optional[Callable[[str], Any]]) -> None:
         """Run the regions of :attr:`offload_modules` that lie in this slot's own modules (a mixture's experts) under
         ``offloading(name)`` (the block's :meth:`~lightning_seqpar.transformer.roles.ParallelLayer.offloading`), or

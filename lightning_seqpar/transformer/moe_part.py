@@ -241,9 +241,6 @@ class MoEPart:
         self.recompute_shared = "shared_experts" in names and self.shared is not None
         return self.experts.recompute_activation + self.recompute_shared
 
-    def recomputes_within(self) -> tuple[str, ...]:
-        return ("moe_act",) * self.experts.recompute_activation + ("shared_experts",) * self.recompute_shared
-
     def offload_within(self, offloading: Optional[Callable[[str], Any]]) -> None:
         self.experts.offloading = offloading
 

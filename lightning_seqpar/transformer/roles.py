@@ -25,7 +25,6 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from lightning_seqpar.memory.conflicts import EXPERT_MODULES
 from lightning_seqpar.memory.layer_memory import NO_MEMORY_POLICY, LayerMemory
 from lightning_seqpar.memory.saved_tensors import Rebuild, saved_tensor_policy
 from lightning_seqpar.transformer.core_attention import CoreAttention
@@ -173,8 +172,7 @@ class ParallelLayer(nn.Module):
         if slot is not None:
             within = [n for n in memory.recomputed if n in slot.recompute_modules and n != slot.kind]
             slot.recompute_within(() if self.recompute_mlp else within)
-            offloaded = memory.offloaded & set(slot.offload_modules) & set(EXPERT_MODULES)
-            slot.offload_within(self.offloading if offloaded else None)
+            slot.offload_within(self.offloading if memory.offloaded & set(slot.offload_modules) else None)
 
     def offloading(self, module: str, *shared: Optional[Tensor], rebuild: Optional[Rebuild] = None) -> Any:
         """A context for the region of ``module``: the tensors autograd saves there are offloaded to host memory when

@@ -69,9 +69,10 @@ def test_a_mixture_s_parts_follow_its_layer_s_policy():
     model = _gpt(n_experts=4, experts_per_token=2)
     slots = [layer.mlp_slot for layer in rewritten_layers(model)]
     apply_recompute_modules(model, ["moe_act"])
-    assert all(slot.recomputes_within() == ("moe_act",) for slot in slots)
+    assert all(slot.experts.recompute_activation and not slot.recompute_shared for slot in slots)
     apply_recompute_modules(model, ["moe", "moe_act"])  # the whole mixture recomputed: nothing inside it is
-    assert all(layer.recompute_mlp and layer.mlp_slot.recomputes_within() == () for layer in rewritten_layers(model))
+    assert all(layer.recompute_mlp and not layer.mlp_slot.experts.recompute_activation
+               for layer in rewritten_layers(model))
     apply_recompute(model, "none")
     apply_offload(model, ["expert_fc1"], HostPool("cpu"))
     assert all(slot.experts.offloading is not None for slot in slots)

@@ -102,8 +102,7 @@ class ActivationOffload(pl.Callback):
         recomputed = [layer for layer in layers if not layer.checkpointed_whole]
         modules = (["mlp"] * any(layer.recompute_mlp and layer not in mixtures for layer in recomputed)
                    + ["moe"] * any(layer.recompute_mlp and layer in mixtures for layer in recomputed)
-                   + ["moe_act"] * any("moe_act" in layer.mlp_slot.recomputes_within()
-                                       for layer in recomputed if layer in mixtures)
+                   + ["moe_act"] * any("moe_act" in layer.memory.recomputed for layer in mixtures)
                    + ["layernorm"] * any(layer.recompute_norms for layer in layers))
         return plan_offload(shape, t, sp, budget, max(1, len(recomputed) // v), in_flight,
                             "selective" if selective else "none", modules, element, c=c,
