@@ -26,6 +26,7 @@ import contextlib
 from typing import Callable, Hashable, Iterator, Optional, Sequence
 
 import torch
+import torch.nn as nn
 from torch import Tensor
 
 
@@ -101,8 +102,40 @@ class WeightGradientStore:
 
 
 def accumulate(tensors: Sequence[Optional[Tensor]], gradients: Sequence[Optional[Tensor]]) -> None:
-    """Hand ``gradients`` to autograd for ``tensors`` (parameters, or views of them such as a Conv1D weight's
-    transpose), as the unsplit backward would have: accumulated into ``.grad`` by autograd, its hooks fired."""
-    pairs = [(t, g) for t, g in zip(tensors, gradients) if t is not None and g is not None]
-    if pairs:
-        torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+    """Add ``gradients`` to ``tensors``' ``.grad`` as the unsplit backward's autograd would have: in place
+    (``grad += gradient``, autograd's own accumulation, so the sum is bit for bit the unsplit backward's), then the
+    tensor's post-accumulate-grad hooks, as autograd's accumulation calls them.
+
+    autograd's engine, started once per weight, costs more than the GEMM of a small layer, and W starts it for every
+    projection of every micro-batch; torch's FSDP2 accumulates the same way after its reduce-scatter
+    (``_fsdp_collectives.py``: add into ``.grad``, then the parameter's ``_post_accumulate_grad_hooks``). autograd
+    keeps what it must do itself: a tensor's first gradient (placed by its layout rules), a tensor that is not a plain
+    leaf parameter (a view such as a Conv1D weight's transpose, a tensor subclass), one whose gradient hooks
+    (``register_hook``) must see the gradient before it is added."""
+    engine = [(t, g) for t, g in zip(tensors, gradients) if t is not None and g is not None and not _add_in_place(t, g)]
+    if engine:
+        torch.autograd.backward([t for t, _ in engine], [g for _, g in engine])
+
+
+def _direct(tensor: Tensor) -> bool:
+    """Whether ``tensor``'s gradient may be added outside autograd: a leaf that requires it, of torch's own tensor
+    classes, with no gradient pre-hooks (``register_hook``)."""
+    return (tensor.is_leaf and tensor.requires_grad and type(tensor) in (nn.Parameter, Tensor)
+            and not tensor._backward_hooks)
+
+
+def _add_in_place(tensor: Tensor, gradient: Tensor) -> bool:
+    """``tensor.grad += gradient`` with the hooks after; ``False`` where autograd must do it (:func:`_direct`; no
+    gradient yet, whose first one autograd places by its own layout rules; a gradient of another dtype or shape)."""
+    grad = tensor.grad
+    if grad is None or not _direct(tensor) or not (grad.dtype == gradient.dtype and grad.shape == gradient.shape
+                                                   and grad.is_contiguous() and gradient.layout == torch.strided):
+        return False
+    grad.add_(gradient)
+    _accumulated(tensor)
+    return True
+
+
+def _accumulated(tensor: Tensor) -> None:
+    for hook in (tensor._post_accumulate_grad_hooks or {}).values():
+        hook(tensor)

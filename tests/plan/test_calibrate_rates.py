@@ -6,7 +6,7 @@ import torch
 
 from lightning_seqpar.plan.measuring import calibrate
 from lightning_seqpar.plan.measuring.calibrate import SIZES, measure_device_rates
-from lightning_seqpar.plan.measuring.calibrate_layer import LAYER_SIZES, layer_step
+from lightning_seqpar.plan.measuring.calibrate_layer import LAYER_SIZES, PROJECTIONS, layer_step
 from lightning_seqpar.plan.measuring.work import OperatorCounter
 
 CPU = torch.device("cpu")
@@ -25,10 +25,13 @@ def test_every_rate_is_the_slowest_rank_s_time():
 
     rates = measure_device_rates(CPU, 1, slowest)
     gemm_sizes, calls = SIZES["cpu"][:2]
-    assert len(seen) == len(gemm_sizes) + len(calls) + 3  # GEMMs, attention calls, two layer sizes, optimizer
+    # GEMMs, attention calls, two layer sizes, the tiny one split, the optimizer
+    assert len(seen) == len(gemm_sizes) + len(calls) + 4
     for (n, rate), seconds in zip(rates.gemm, seen):
         assert rate == pytest.approx(2 * n ** 3 / (1000 * seconds))
     assert rates.optimizer == pytest.approx(SIZES["cpu"][3] / (1000 * seen[-1]))
+    tiny, split = seen[-4], seen[-2]
+    assert rates.split == pytest.approx(max(0.0, 1000 * (split - tiny)) / PROJECTIONS)
 
 
 def test_the_element_wise_rates_are_solved_from_a_decoder_layer_at_two_sizes():
@@ -46,6 +49,32 @@ def test_the_element_wise_rates_are_solved_from_a_decoder_layer_at_two_sizes():
     assert layers[1][1] > 1000 * layers[0][1]  # the large layer's time is its bytes', the tiny one's its dispatch
     solved_memory, solved_dispatch = calibrate._elementwise_rates(CPU, layers)
     assert solved_dispatch == pytest.approx(dispatch, rel=1e-9) and solved_memory == pytest.approx(memory, rel=1e-9)
+
+
+def test_the_split_layer_is_the_same_layer_with_its_projections_backward_split():
+    """The split overhead is measured on the tiny layer run both ways: with a store, B leaves every one of its
+    seven projections' weight gradients (and nothing else) to W, and B then W give the plain layer's gradients."""
+    import copy
+
+    from lightning_seqpar.plan.measuring.calibrate_layer import ReferenceLayer
+    from lightning_seqpar.tensor_parallel.weight_gradients import WeightGradientStore
+
+    b, s, h, heads, f = LAYER_SIZES["cpu"][0]
+    torch.manual_seed(0)
+    plain = ReferenceLayer(h, heads, f).double()
+    split = copy.deepcopy(plain)
+    split.store = WeightGradientStore()
+    x = torch.randn(b, s, h, dtype=torch.float64)
+    inputs = (x, torch.ones(1, 1, s, h // heads, dtype=torch.float64), torch.zeros(1, 1, s, h // heads,
+              dtype=torch.float64), torch.zeros(1, 1, s, s, dtype=torch.float64))
+    plain(*inputs).square().sum().backward()
+    with split.store.deferring():
+        split(*inputs).square().sum().backward()
+    waiting = [name for name, p in split.named_parameters() if p.grad is None]
+    assert len(waiting) == PROJECTIONS and all("norms" not in name for name in waiting)
+    assert split.store.run() == PROJECTIONS
+    for (name, p), q in zip(plain.named_parameters(), split.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-12, atol=1e-12, msg=name)
 
 
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])

@@ -25,13 +25,13 @@ S = 2048
 def calibration(slow_tensor: float = 1.0, **changes) -> StepCalibration:
     """A synthetic H100-like node (an asynchronous device): GEMMs 400 → 700 TFLOP/s, attention 100 → 300 TFLOP/s from
     calls of 1 GFLOP to 1 TFLOP, links 10 µs and 200 GB/s, an AdamW step over 10¹⁰ elements/s, element-wise work at
-    3 TB/s and 5 µs per operator;
+    3 TB/s and 5 µs per operator, 40 µs more per projection whose backward is split;
     ``slow_tensor`` divides the tensor-parallel all-gather's bandwidth."""
     links = tuple((kind, n, Link(1e-5, 2e11 / (slow_tensor if kind == "all_gather" else 1)))
                   for kind in COLLECTIVES for n in ((2,) if kind == "send_recv" else (2, 4, 8)))
     values = dict(device="synthetic", backend="nccl", world=8, gemm=((1024, 4e14), (8192, 7e14)),
                   attention=((10 ** 9, 1e14), (10 ** 12, 3e14)), collectives=links, optimizer=1e10, memory=3e12,
-                  dispatch=5e-6)
+                  dispatch=5e-6, split=4e-5)
     return StepCalibration(**{**values, **changes})
 
 
@@ -45,7 +45,11 @@ def test_a_calibration_file_round_trips_and_a_damaged_one_is_refused_naming_the_
         "a kind missing": json.dumps({**good, "collectives": [r for r in good["collectives"] if r[0] != "all_to_all"]}),
         "a negative bandwidth": json.dumps({**good, "collectives": [["all_gather", 2, 1e-5, -1.0]]
                                             + good["collectives"]}),
-        "another format": json.dumps({**good, "format": 6}),
+        "another format": json.dumps({**good, "format": 7}),
+        "format 5: no split-backward overhead": json.dumps(
+            {**{k: v for k, v in good.items() if k != "split"}, "format": 5}),
+        "no split overhead": json.dumps({k: v for k, v in good.items() if k != "split"}),
+        "a negative split overhead": json.dumps({**good, "split": -1e-6}),
         "format 4: collectives' latency back to back": json.dumps({**good, "format": 4}),
         "format 3: element-wise rates of an in-place add": json.dumps({**good, "format": 3}),
         "format 2: attention by sequence length": json.dumps({**good, "format": 2}),
@@ -271,3 +275,27 @@ def test_a_core_attention_call_is_priced_at_its_own_size():
         assert _attention_call(record, shape) == pytest.approx(expected)
         seen.add((c, record.layout.cp_comm, b))
     assert {(1, "ring", 1), (2, "ring", 2), (2, "all_to_all", 1)} <= seen
+
+
+def test_a_split_backward_s_host_work_is_priced_per_projection_and_micro_batch():
+    """A zero-bubble schedule's layout pays the calibrated split overhead for each deferred projection of each of its
+    rank's layers, once per micro-batch: summed on CPU, beside the dispatch it joins on an asynchronous device;
+    1F1B's layout pays none. With an overhead larger than the bubble it saves, ZB-H1 ranks behind 1F1B."""
+    inventory = model_inventory("gpt-22b", S, "eager")
+    projections = len(inventory.split_projections)
+    assert projections == 4  # qkv, proj, fc, proj
+    kwargs = dict(calibrate=False, context_parallel=(1,), micro_batches=(1,), schedule=("1F1B", "ZB-H1"))
+    for device, split in (("cpu", 4e-6), ("cpu", 4e-5), ("synthetic", 1.0)):
+        hardware = Hardware(calibration=calibration(device=device, split=split), memory=1e15)
+        records = [r for r in plan(inventory, 16, S, 16, hardware=hardware, **kwargs)
+                   if r.feasible and (r.layout.tp, r.layout.pp, r.dp, r.layout.recompute) == (8, 2, 1, "none")]
+        by_schedule = {r.layout.schedule: r for r in records}
+        zb, one = by_schedule["ZB-H1"], by_schedule["1F1B"]
+        assert "split" not in one.step_time
+        calls = zb.layout.num_microbatches * projections * inventory.num_layers // 2
+        if device == "cpu":
+            assert zb.step_time["split"] == pytest.approx(calls * split)
+        else:  # queued kernels: the host's split work shows where it outlasts the device's
+            assert 0 < zb.step_time["split"] <= calls * split
+        ranked_first = records.index(zb) < records.index(one)  # (feasible records come sorted by their step time)
+        assert ranked_first == (split < 1e-5) == (zb.step_time["total"] < one.step_time["total"]), (device, split)

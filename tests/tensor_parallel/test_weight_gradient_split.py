@@ -255,3 +255,71 @@ def test_lora_adapters_defer_their_weight_gradients_to_w(t):
         assert after_b == []  # every trained weight is an adapter's: none has its gradient before W
         assert inline[5] == sorted(grads)  # unsplit: all of them after the backward
         assert w_flops == expected_w > 0 and b_flops + w_flops == inline[2] == plain[2]
+
+
+def _micro_batches(kind: str, t: int, sp: bool, split: bool, engine: list, pre_hook: bool = False):
+    """Two micro-batches' backwards accumulated (W after each B when ``split``): the input's and the parameters'
+    gradients, the post-accumulate-grad hook calls per parameter (in W's when ``split``: torch calls them in B as
+    well, with ``.grad`` unchanged), and how often the second W started autograd's engine (``engine`` counts the
+    calls of ``torch.autograd.backward``). ``pre_hook``: a gradient hook on every weight, which doubles what it
+    sees."""
+    fulls, full_x, seed = _full(kind)
+
+    def rank(group: ParallelGroup):
+        layers = _layers(kind, fulls, group, sp)
+        params = [p for layer in layers for p in layer.parameters()]
+        store = WeightGradientStore() if split else None
+        split_weight_gradients(torch.nn.ModuleList(layers), store)
+        calls: collections.Counter = collections.Counter()
+        counting = [not split]
+        for i, p in enumerate(params):
+            p.register_post_accumulate_grad_hook(lambda p, i=i: calls.update([i]) if counting[0] else None)
+            if pre_hook and p.dim() == 2:
+                p.register_hook(lambda g: None if g is None else 2 * g)
+        x = _input(kind, full_x, group, sp)
+        started = 0
+        for micro_batch in range(2):
+            loss = _forward(kind, layers, x, group, sp, seed + 10 * micro_batch + group.rank)
+            with store.deferring() if split else contextlib.nullcontext():
+                loss.backward()
+            if split:
+                counting[0], before = True, len(engine)
+                store.run()
+                counting[0], started = False, len(engine) - before
+        deferred = [i for i, p in enumerate(params) if id(p) in (store.deferred if split else {id(p) for p in params})]
+        return x.grad, [p.grad for p in params], {i: calls[i] for i in deferred}, started
+
+    return run_emulated(t, rank)
+
+
+@pytest.fixture
+def engine(monkeypatch) -> list:
+    """The calls of ``torch.autograd.backward`` made while the test runs."""
+    calls: list = []
+    backward = torch.autograd.backward
+    monkeypatch.setattr(torch.autograd, "backward", lambda *a, **k: (calls.append(a), backward(*a, **k))[1])
+    return calls
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("t, sp", LAYOUTS, ids=lambda v: str(v))
+def test_w_adds_into_the_gradient_without_the_engine(kind, t, sp, engine):
+    """From the second micro-batch on, W adds its gradients into ``.grad`` in place as autograd's accumulation does
+    (no engine started per projection) and calls the post-accumulate-grad hooks: bit for bit the unsplit backward's
+    gradients (float64), each deferred parameter's hook called once per micro-batch, in W."""
+    plain, split = _micro_batches(kind, t, sp, False, engine), _micro_batches(kind, t, sp, True, engine)
+    weights = 2 if kind == "columns" else 1
+    for (x_grad, grads, _, _), (x_grad_split, grads_split, calls, started) in zip(plain, split):
+        assert torch.equal(x_grad, x_grad_split) and len(grads) == len(grads_split)
+        assert [i for i, (a, b) in enumerate(zip(grads, grads_split)) if not torch.equal(a, b)] == []
+        assert calls == {i: 2 for i in calls} and len(calls) == 2 * weights - (kind == "row") and started == 0
+
+
+def test_a_weight_with_a_gradient_hook_accumulates_through_autograd(engine):
+    """A hook that takes the gradient (``register_hook``) must see it before it is added: such a weight's W hands its
+    gradient to autograd, which runs the hook; the result is the unsplit backward's with the hook."""
+    for kind in KINDS:
+        (_, plain, plain_calls, _), = _micro_batches(kind, 1, False, False, engine, pre_hook=True)
+        (_, grads, calls, started), = _micro_batches(kind, 1, False, True, engine, pre_hook=True)
+        assert [i for i, (a, b) in enumerate(zip(grads, plain)) if not torch.equal(a, b)] == []
+        assert started == 1 and calls == {i: plain_calls[i] for i in calls} != {}

@@ -8,10 +8,10 @@ gloo on CPU, float32). Every rank measures the same things in the same order (NC
 
 - GEMMs ``[n, n] × [n, n]``, an AdamW step (multi-tensor, float32), core attention (``scaled_dot_product_attention``,
   causal, forward and backward, 8 heads of 64) and element-wise work (the bytes per second and dispatch of a Llama
-  decoder layer's element-wise operators, :mod:`.calibrate_layer`) on every rank at once, as training runs them: each
-  the median of five rounds that time every measurement once (trials of at least 20 ms after a warm-up; on CUDA with
-  events), kept as the slowest rank's time. Ranks share the host (its cores' caches and memory bandwidth; on a GPU
-  node, the CPU that dispatches): on 2 cores a float32 GEMM of 128 ran at 95 GFLOP/s alone and 74-79 beside its peer;
+  decoder layer's element-wise operators, and what splitting its backward into B and W adds: :mod:`.calibrate_layer`)
+  on every rank at once, as training runs them: each the median of five rounds that time every measurement once
+  (trials of at least 20 ms after a warm-up; on CUDA with events), kept as the slowest rank's time. Ranks share the
+  host (its cores' caches and memory bandwidth; on a GPU node, the CPU that dispatches): on 2 cores a float32 GEMM of 128 ran at 95 GFLOP/s alone and 74-79 beside its peer;
 - each collective (:data:`~.calibration.COLLECTIVES`) over the group of the first n ranks for n = 2, 4, … ≤ world, at
   three message sizes, through the library's own :class:`~lightning_seqpar.parallel.collectives.ParallelGroup` (the
   g/ḡ, gradient and dispatch paths the layers run; ``send_recv`` is the ring exchange of context-parallel attention
@@ -155,7 +155,7 @@ def measure_device_rates(device: torch.device, repeats: int = 3, slowest: Slowes
     Alone no process group is needed; with ``slowest`` (:func:`slowest_rank`) every rank of its group measures at
     once and each time is the slowest rank's. Every measurement is timed in the same rounds
     (:func:`_timed_in_rounds`)."""
-    from lightning_seqpar.plan.measuring.calibrate_layer import LAYER_SIZES, layer_step
+    from lightning_seqpar.plan.measuring.calibrate_layer import LAYER_SIZES, PROJECTIONS, layer_step
     from lightning_seqpar.plan.measuring.work import OperatorCounter
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -171,8 +171,9 @@ def measure_device_rates(device: torch.device, repeats: int = 3, slowest: Slowes
             step()
         fns.append(step)
         layers.append((size, counter.operators, counter.bytes, gemm_flops, attention_flops))
+    split_step = layer_step(LAYER_SIZES[device.type][0], device, dtype, split=True)[0]
     optimizer_step, elements = _optimizer_step(device)
-    seconds = _timed_in_rounds(fns + [optimizer_step], device, repeats, slowest)
+    seconds = _timed_in_rounds(fns + [split_step, optimizer_step], device, repeats, slowest)
     gemm = tuple((n, 2 * n ** 3 / t) for n, t in zip(gemm_sizes, seconds))
     flops = [12 * s * s * heads * head_dim for s, heads, head_dim in attention_calls]
     attention = tuple((f, f / t) for f, t in zip(flops, seconds[len(gemm):]))
@@ -180,12 +181,13 @@ def measure_device_rates(device: torch.device, repeats: int = 3, slowest: Slowes
     rates = StepCalibration(name, "nccl" if device.type == "cuda" else "gloo", 1, gemm, attention, (),
                             elements / seconds[-1], memory=1.0, dispatch=0.0)  # element-wise: from the layers below
     priced = []  # each layer's time less its GEMMs and attention, as the planner prices them
-    for ((b, s, h, _, f), operators, moved, gemm_flops, attention_flops), t in zip(
-            layers, seconds[len(gemm) + len(attention):]):
+    layer_seconds = seconds[len(gemm) + len(attention):-2]
+    for ((b, s, h, _, f), operators, moved, gemm_flops, attention_flops), t in zip(layers, layer_seconds):
         compute = gemm_flops / rates.gemm_rate(b * s, h, f) + attention_flops / rates.attention_rate(attention_flops)
         priced.append((operators, moved, max(t - compute, 0.0)))
     memory, dispatch = _elementwise_rates(device, priced)
-    return dataclasses.replace(rates, memory=memory, dispatch=dispatch)
+    split = max(0.0, seconds[-2] - layer_seconds[0]) / PROJECTIONS  # the same tiny layer, its backward split
+    return dataclasses.replace(rates, memory=memory, dispatch=dispatch, split=split)
 
 
 def _fit(points: list[tuple[float, float]]) -> Link:

@@ -17,15 +17,20 @@ reads them.
   layer forward and backward at a tiny size and at a model's, less its GEMMs and attention at the rates above
   (:mod:`.calibrate_layer`). On a device that queues kernels (CUDA) the host's dispatch runs ahead while the device
   works: it shows only where it outlasts the device's work (:meth:`StepCalibration.elementwise_seconds`).
+- The split backward of a zero-bubble schedule: the host seconds per projection and micro-batch that B and W apart
+  add to the unsplit backward (the layers' own autograd functions, W's closure and accumulation), from the tiny layer
+  run both ways (:mod:`.calibrate_layer`). On CPU the step pays it; on CUDA it joins the host's dispatch, hidden where
+  the device works longer.
 - Each collective by group size: latency α (s) and bandwidth β (bytes/s) fitted to ``time = α + sent/β``, ``sent``
   the bytes each rank sends (:func:`~..pricing.cost.ring_bytes`' convention), over messages of several sizes back to
   back; α is a small message's time as a step sees it, after compute on every rank, where that is larger
   (:func:`~.calibrate._link`).
 
-A file is JSON (``format`` 5; an older one is refused, measure again: format 1 had no element-wise rates, format 2
+A file is JSON (``format`` 6; an older one is refused, measure again: format 1 had no element-wise rates, format 2
 keyed attention by sequence length, which priced a launch-bound small call's rate for a model's large ones, format 3
 measured element-wise work on an in-place add, 4× a small Llama's rate on CPU, and rank 0 alone, format 4 timed
-collectives back to back only, a tenth of their latency after compute on 2 CPU processes); a damaged or edited one is
+collectives back to back only, a tenth of their latency after compute on 2 CPU processes, format 5 had no
+split-backward overhead); a damaged or edited one is
 refused naming the file and the field.
 """
 
@@ -37,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union
 
-FORMAT = 5
+FORMAT = 6
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send_recv")
 """The collectives measured: the tensor-parallel g/ḡ pair, data-parallel gradient reduction, expert dispatch and
 all-to-all context parallelism, pipeline and ring-attention transfers."""
@@ -72,6 +77,7 @@ class StepCalibration:
             arithmetic-bound ones such as the softmax's included).
         dispatch: seconds per operator beside its bytes (Python, autograd, a kernel's launch; views included,
             which launch none): the host's time.
+        split: host seconds a split backward (B, then W) adds per projection and micro-batch.
     """
 
     device: str
@@ -83,15 +89,18 @@ class StepCalibration:
     optimizer: float
     memory: float
     dispatch: float
+    split: float = 0.0
 
     @property
     def asynchronous(self) -> bool:
         """Whether the device runs kernels the host queued (CUDA) rather than each operator in the caller (CPU)."""
         return self.device != "cpu"
 
-    def elementwise_seconds(self, operators: float, moved: float, device_busy: float = 0.0) -> float:
+    def elementwise_seconds(self, operators: float, moved: float, device_busy: float = 0.0,
+                            split_projections: float = 0.0) -> float:
         """Seconds of ``operators`` element-wise operators reading and writing ``moved`` bytes in all, in a step whose
-        other device work (GEMMs, core attention) takes ``device_busy`` seconds.
+        other device work (GEMMs, core attention) takes ``device_busy`` seconds; with the host work of
+        ``split_projections`` projection backwards split into B and W (per micro-batch: :attr:`split`).
 
         On CPU each operator's dispatch and bytes take their turn: the sum. On an asynchronous device the host
         queues kernels ahead of the device, so the dispatch is hidden behind the device's work (``device_busy`` and
@@ -99,7 +108,7 @@ class StepCalibration:
         3,594 element-wise operators in 0.09 s of host time beside 0.11 s of GEMMs and bytes.
         """
         moving = moved / self.memory
-        host = operators * self.dispatch
+        host = operators * self.dispatch + split_projections * self.split
         if not self.asynchronous:
             return host + moving
         return moving + max(0.0, host - device_busy - moving)
@@ -134,7 +143,7 @@ class StepCalibration:
         return {"format": FORMAT, "device": self.device, "backend": self.backend, "world": self.world,
                 "gemm": [list(r) for r in self.gemm], "attention": [list(r) for r in self.attention],
                 "collectives": [[k, n, link.latency, link.bandwidth] for k, n, link in self.collectives],
-                "optimizer": self.optimizer, "memory": self.memory, "dispatch": self.dispatch}
+                "optimizer": self.optimizer, "memory": self.memory, "dispatch": self.dispatch, "split": self.split}
 
     def save(self, path: Union[str, Path]) -> None:
         """Write the file (whole or not at all: a temporary file renamed over it)."""
@@ -181,12 +190,13 @@ class StepCalibration:
         missing = [kind for kind in COLLECTIVES if not any(k == kind for k, _, _ in links)]
         if missing and int(data["world"]) > 1:  # one process measures no collective
             raise ValueError(f"'collectives' has no rows for {missing}")
-        optimizer, memory, dispatch = (float(data[k]) for k in ("optimizer", "memory", "dispatch"))
-        if not optimizer > 0 or not memory > 0 or not dispatch >= 0:
-            raise ValueError(f"'optimizer' needs elements/s > 0, 'memory' bytes/s > 0, 'dispatch' seconds >= 0, got "
-                             f"{data['optimizer']!r}, {data['memory']!r}, {data['dispatch']!r}")
+        optimizer, memory, dispatch, split = (float(data[k]) for k in ("optimizer", "memory", "dispatch", "split"))
+        if not optimizer > 0 or not memory > 0 or not dispatch >= 0 or not split >= 0:
+            raise ValueError(f"'optimizer' needs elements/s > 0, 'memory' bytes/s > 0, 'dispatch' and 'split' seconds "
+                             f">= 0, got {data['optimizer']!r}, {data['memory']!r}, {data['dispatch']!r}, "
+                             f"{data['split']!r}")
         return cls(str(data["device"]), str(data["backend"]), int(data["world"]), rates["gemm"], rates["attention"],
-                   tuple(links), optimizer, memory, dispatch)
+                   tuple(links), optimizer, memory, dispatch, split)
 
 
 def _interpolate(rows: tuple[tuple[int, float], ...], x: float) -> float:

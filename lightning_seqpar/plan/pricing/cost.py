@@ -136,7 +136,8 @@ class Traffic:
 
 def step_times(hardware: Hardware, flops: float, attention_flops: float, gemm: tuple[float, float, float],
                attention_call: float, traffic: dict[str, Traffic], bubble: float,
-               optimizer_elements: float = 0.0, elementwise: Optional[tuple[float, float]] = None) -> dict[str, float]:
+               optimizer_elements: float = 0.0, elementwise: Optional[tuple[float, float]] = None,
+               split_projections: float = 0.0) -> dict[str, float]:
     """Seconds per step of one rank, by term (``compute``, one per ``traffic`` kind, ``bubble``), nothing overlapped.
 
     Without a calibration (``hardware.calibration`` None) the rates are nominal, a rough estimate: compute at
@@ -148,7 +149,9 @@ def step_times(hardware: Hardware, flops: float, attention_flops: float, gemm: t
     ``optimizer_elements`` (the parameter elements this rank updates) at the measured rate, and ``elementwise``: the
     ``(operators, bytes)`` of the rank's other operators (:mod:`..measuring.work`) at the measured dispatch time and
     memory bandwidth, the dispatch hidden behind the device's work where the device queues kernels (the nominal model
-    has neither term). The bubble idles for the compute and the element-wise work.
+    has neither term), and ``split``: the host work of ``split_projections`` projection backwards split into B and W
+    (a zero-bubble schedule's, per micro-batch), beside that dispatch. The bubble idles for the compute, the
+    element-wise work and the split's.
 
     Args:
         flops, attention_flops: FLOPs this rank executes per step, and the core attention's share of them.
@@ -176,6 +179,11 @@ def step_times(hardware: Hardware, flops: float, attention_flops: float, gemm: t
     if calibration is not None and elementwise is not None:
         times["elementwise"] = calibration.elementwise_seconds(*elementwise, device_busy=compute)
         busy += times["elementwise"]
+    if calibration is not None and split_projections:
+        work = elementwise or (0.0, 0.0)
+        times["split"] = (calibration.elementwise_seconds(*work, compute, split_projections)
+                          - calibration.elementwise_seconds(*work, compute))
+        busy += times["split"]
     times["bubble"] = bubble * busy
     if calibration is not None:
         times["optimizer"] = optimizer_elements / calibration.optimizer
