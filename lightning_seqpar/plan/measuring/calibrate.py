@@ -11,7 +11,8 @@ gloo on CPU, float32). Every rank measures the same things in the same order (NC
   decoder layer's element-wise operators, and what splitting its backward into B and W adds: :mod:`.calibrate_layer`)
   on every rank at once, as training runs them: each the median of five rounds that time every measurement once
   (trials of at least 20 ms after a warm-up; on CUDA with events), kept as the slowest rank's time. Ranks share the
-  host (its cores' caches and memory bandwidth; on a GPU node, the CPU that dispatches): on 2 cores a float32 GEMM of 128 ran at 95 GFLOP/s alone and 74-79 beside its peer;
+  host (its cores' caches and memory bandwidth; on a GPU node, the CPU that dispatches): on 2 cores a float32 GEMM
+  of 128 ran at 95 GFLOP/s alone and 74-79 beside its peer;
 - each collective (:data:`~.calibration.COLLECTIVES`) over the group of the first n ranks for n = 2, 4, … ≤ world, at
   three message sizes, through the library's own :class:`~lightning_seqpar.parallel.collectives.ParallelGroup` (the
   g/ḡ, gradient and dispatch paths the layers run; ``send_recv`` is the ring exchange of context-parallel attention
