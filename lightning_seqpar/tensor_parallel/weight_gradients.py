@@ -9,10 +9,10 @@ every tensor-parallel collective again. Ours is inside our layers' functions
 deferring`, their backward computes the input gradient and starts its reduction (B), and leaves the weight gradient
 as a closure that computes exactly the weight GEMM from what B kept: the output gradient ``[s, b, out/t]`` and the
 input — under sequence parallelism its local shard ``[s/t, b, in]``, re-gathered in W (the all-gather the unsplit
-backward makes for the same GEMM moves there: the count of collectives is unchanged). W hands the gradient to autograd
-(``torch.autograd.backward`` on the weight tensor), so it accumulates into ``.grad`` exactly as the unsplit backward
-does and every hook that watches accumulation (gradient buckets, their overlapped data-parallel reduction) fires at W.
-A frozen weight has no W.
+backward makes for the same GEMM moves there: the count of collectives is unchanged). W accumulates the gradient into
+``.grad`` exactly as the unsplit backward's autograd does (in place, then the post-accumulate-grad hooks:
+:func:`accumulate`), so every hook that watches accumulation (gradient buckets, their overlapped data-parallel
+reduction) fires at W. A frozen weight has no W.
 
 torch calls a parameter's post-accumulate-grad hooks in B as well, with ``.grad`` unchanged (the function returned no
 gradient for it): ``None``, or what earlier W's accumulated. A hook that takes gradients must not act on that call: the
