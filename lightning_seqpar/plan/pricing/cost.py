@@ -56,9 +56,10 @@ class MeasuredRates(Protocol):
     def link(self, kind: str, n: int) -> Any:
         """The collective ``kind`` over ``n`` ranks: its ``seconds(sent bytes, count)``."""
 
-    def elementwise_seconds(self, operators: float, moved: float, device_busy: float = 0.0) -> float:
+    def elementwise_seconds(self, operators: float, moved: float, device_busy: float = 0.0,
+                            split_projections: float = 0.0) -> float:
         """Seconds of ``operators`` element-wise operators moving ``moved`` bytes, beside ``device_busy`` seconds of
-        GEMMs."""
+        GEMMs, with the host work of ``split_projections`` projection backwards split into B and W."""
 
 
 @dataclass(frozen=True)
