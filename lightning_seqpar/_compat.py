@@ -296,3 +296,19 @@ def muon_adjusted_lr(lr: float, adjust_lr_fn: Optional[str], shape: torch.Size) 
     from torch.optim._muon import _adjust_lr
 
     return _adjust_lr(lr, adjust_lr_fn, shape)
+
+
+def has_gradient_hooks(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` has hooks that take its gradient before it is accumulated (``register_hook``): a split
+    backward's W then hands the gradient to autograd, which runs them. torch keeps them in ``_backward_hooks`` and
+    offers no public way to ask (torch's FSDP2 reads the same attributes)."""
+    return bool(tensor._backward_hooks)
+
+
+def run_post_accumulate_grad_hooks(tensor: torch.Tensor) -> None:
+    """Call ``tensor``'s post-accumulate-grad hooks, as autograd's accumulation does after adding a gradient to
+    ``.grad``: a split backward's W adds its gradient in place without the engine
+    (:func:`lightning_seqpar.tensor_parallel.weight_gradients.accumulate`). torch has no public call for it; its own
+    FSDP2 runs ``_post_accumulate_grad_hooks`` the same way after its reduce-scatter."""
+    for hook in (tensor._post_accumulate_grad_hooks or {}).values():
+        hook(tensor)

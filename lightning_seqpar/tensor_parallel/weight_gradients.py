@@ -29,6 +29,8 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+from lightning_seqpar._compat import has_gradient_hooks, run_post_accumulate_grad_hooks
+
 
 class WeightGradientStore:
     """The W halves of deferred backwards, one group per B (a stage's backward of one micro-batch), each run once: by
@@ -108,7 +110,7 @@ def accumulate(tensors: Sequence[Optional[Tensor]], gradients: Sequence[Optional
 
     autograd's engine, started once per weight, costs more than the GEMM of a small layer, and W starts it for every
     projection of every micro-batch; torch's FSDP2 accumulates the same way after its reduce-scatter
-    (``_fsdp_collectives.py``: add into ``.grad``, then the parameter's ``_post_accumulate_grad_hooks``). autograd
+    (``_fsdp_collectives.py``: add into ``.grad``, then the parameter's post-accumulate-grad hooks). autograd
     keeps what it must do itself: a tensor's first gradient (placed by its layout rules), a tensor that is not a plain
     leaf parameter (a view such as a Conv1D weight's transpose, a tensor subclass), one whose gradient hooks
     (``register_hook``) must see the gradient before it is added."""
@@ -121,7 +123,7 @@ def _direct(tensor: Tensor) -> bool:
     """Whether ``tensor``'s gradient may be added outside autograd: a leaf that requires it, of torch's own tensor
     classes, with no gradient pre-hooks (``register_hook``)."""
     return (tensor.is_leaf and tensor.requires_grad and type(tensor) in (nn.Parameter, Tensor)
-            and not tensor._backward_hooks)
+            and not has_gradient_hooks(tensor))
 
 
 def _add_in_place(tensor: Tensor, gradient: Tensor) -> bool:
@@ -132,10 +134,6 @@ def _add_in_place(tensor: Tensor, gradient: Tensor) -> bool:
                                                    and grad.is_contiguous() and gradient.layout == torch.strided):
         return False
     grad.add_(gradient)
-    _accumulated(tensor)
+    run_post_accumulate_grad_hooks(tensor)
     return True
 
-
-def _accumulated(tensor: Tensor) -> None:
-    for hook in (tensor._post_accumulate_grad_hooks or {}).values():
-        hook(tensor)
