@@ -190,10 +190,10 @@ def _check(precision: str, optimizer: str) -> None:
         raise ValueError(f"optimizer={optimizer!r}: one of {sorted(OPTIMIZER_STATES)} (sgd: with momentum).")
 
 
-def _split_calls(inventory: ModelInventory, schedule: str, pp: int, m: int) -> int:
-    """Split projection backwards per layer and step under ``schedule``: each deferred projection once per
-    micro-batch, a LoRA adapter's two products twice (none where the backward is not split)."""
-    if pp == 1 or not splits_backward(schedule):
+def _split_calls(inventory: ModelInventory, schedule: str, m: int) -> int:
+    """Split projection backwards per layer and step under ``schedule`` (``1F1B`` without a pipeline): each deferred
+    projection once per micro-batch, a LoRA adapter's two products twice (none where the backward is not split)."""
+    if not splits_backward(schedule):
         return 0
     return m * sum(2 if p.rank else 1 for p in inventory.split_projections)
 
@@ -281,7 +281,7 @@ def _evaluate(record: LayoutRecord, inventory: ModelInventory, s: int, global_ba
     times = step_times(hardware, executed / ranks, attention / ranks,
                        (local * b, inventory.hidden_size, max(1, ffn // tp)), _attention_call(record, shape), traffic,
                        record.bubble, optimizer_elements=dense + experts, elementwise=work,
-                       split_projections=_split_calls(inventory, name, pp, m) * layers_per_rank)
+                       split_projections=_split_calls(inventory, name, m) * layers_per_rank)
     if optimizer == "muon":  # Newton-Schulz on the owned matrices, nominal; their pieces within the tp group
         ns, sent = muon_step_cost(held, tp, lay.ep, lay.expert_tp, dp * cp if lay.zero else 1)
         times["newton_schulz"] = ns / (hardware.efficiency * hardware.peak_flops)

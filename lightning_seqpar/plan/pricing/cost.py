@@ -180,10 +180,9 @@ def step_times(hardware: Hardware, flops: float, attention_flops: float, gemm: t
     if calibration is not None and elementwise is not None:
         times["elementwise"] = calibration.elementwise_seconds(*elementwise, device_busy=compute)
         busy += times["elementwise"]
-    if calibration is not None and split_projections:
-        work = elementwise or (0.0, 0.0)
-        times["split"] = (calibration.elementwise_seconds(*work, compute, split_projections)
-                          - calibration.elementwise_seconds(*work, compute))
+    if calibration is not None and split_projections:  # what the split's host work adds to the element-wise term
+        together = calibration.elementwise_seconds(*(elementwise or (0.0, 0.0)), compute, split_projections)
+        times["split"] = together - times.get("elementwise", 0.0)
         busy += times["split"]
     times["bubble"] = bubble * busy
     if calibration is not None:
