@@ -64,7 +64,7 @@ def moe_parts(mlp: Optional[nn.Module]) -> Optional[dict[str, Any]]:
     or ``shared_experts``, a Llama-family MLP) and its gate (``shared_expert_gate``); ``None`` when ``mlp`` is not one.
     """
     name = next((n for n in ("gate", "router") if isinstance(getattr(mlp, n, None), nn.Module)), None)
-    router, experts = getattr(mlp, name, None) if name else None, getattr(mlp, "experts", None)
+    router, experts = getattr(mlp, name, None) if name else None, linear_of(getattr(mlp, "experts", None))
     weight = getattr(router, "weight", None)
     if not isinstance(router, nn.Module) or isinstance(router, nn.Linear) or not isinstance(experts, nn.Module):
         return None
@@ -192,12 +192,7 @@ def llama_layout_mismatch(module: nn.Module) -> list[str]:
     if (not fused or _fused_qkv(attention)) and attention_output(attention) is None:
         reasons.append(f"attention output not o_proj/dense (attention has {_children(attention)})")
     mlp = next((getattr(module, n) for n in ("mlp", "feed_forward", "block_sparse_moe") if hasattr(module, n)), None)
-    experts = getattr(mlp, "experts", None)
-    if experts is not None and hasattr(experts, "base_layer") and hasattr(experts, "lora_A"):
-        reasons.append(f"LoRA on the experts' parameters (PEFT target_parameters="
-                       f"{getattr(experts, 'parameter_name', '?')!r}): not supported for experts split over ranks; "
-                       f"target the attention projections (target_modules), or train the experts fully")
-    elif moe_parts(mlp) is not None:
+    if moe_parts(mlp) is not None:
         if float(getattr(mlp, "jitter_noise", 0.0) or 0.0) > 0:
             reasons.append(f"router jitter noise (router_jitter_noise={mlp.jitter_noise}; train with 0)")
     elif any(n in _children(mlp) for n in ("experts", "router")) or hasattr(module, "block_sparse_moe"):

@@ -34,6 +34,7 @@ from torch import Tensor
 
 from lightning_seqpar.memory.saved_tensors import Rebuild, saved_tensor_policy
 from lightning_seqpar.moe.dispatch import check_expert_split, check_width_split
+from lightning_seqpar.moe.expert_adapter import ExpertAdapter, adapted
 from lightning_seqpar.moe.expert_product import expert_product
 from lightning_seqpar.parallel.random import recomputed
 from lightning_seqpar.tensor_parallel.layers import autocast_input
@@ -129,16 +130,19 @@ class GroupedExperts(nn.Module):
         the biases' stay in B."""
         return [self.gate_up_proj, self.down_proj]
 
-    def forward(self, rows: Tensor, tokens_per_expert: Sequence[int], counts: Optional[Tensor] = None) -> Tensor:
+    def forward(self, rows: Tensor, tokens_per_expert: Sequence[int], counts: Optional[Tensor] = None,
+                adapters: Sequence[ExpertAdapter] = ()) -> Tensor:
         """``rows`` ``[R, h]`` grouped by local expert (``tokens_per_expert[i]`` rows for expert i, in order) →
         ``[R, h]``. ``counts``: the same sizes as a device tensor ``[E/e]`` (the grouped GEMM's offsets come from it
-        without a host-to-device copy)."""
-        if self._grouped(rows):
+        without a host-to-device copy). ``adapters``: LoRA adapters on the packed projections
+        (:mod:`~lightning_seqpar.moe.expert_adapter`), at most one per projection."""
+        by_name = {adapter.parameter_name: adapter for adapter in adapters}
+        if self._grouped(rows, adapters):
             if counts is None:
                 counts = torch.tensor(list(tokens_per_expert), device=rows.device)
-            return self._grouped_forward(rows, counts, sum(tokens_per_expert))
-        if self.weight_gradients is not None:
-            return self._split_loop_forward(rows, list(tokens_per_expert))
+            return self._grouped_forward(rows, counts, sum(tokens_per_expert), by_name)
+        if self.weight_gradients is not None or by_name:
+            return self._product_loop_forward(rows, list(tokens_per_expert), by_name)
         outputs, down_bias = [], self._down_bias()
         for i, chunk in enumerate(rows.split(list(tokens_per_expert))):
             with self._region("expert_fc1"):
@@ -148,17 +152,18 @@ class GroupedExperts(nn.Module):
                 outputs.append(_linear(hidden, self.down_proj[i], _at(down_bias, i), self.transposed))
         return torch.cat(outputs) if outputs else rows
 
-    def _split_loop_forward(self, rows: Tensor, sizes: list[int]) -> Tensor:
-        """The loop's computation with each projection's weight gradient left to W (:mod:`.expert_product`); the
-        biases' gradients in B."""
+    def _product_loop_forward(self, rows: Tensor, sizes: list[int], adapters: dict[str, ExpertAdapter]) -> Tensor:
+        """The loop's computation, one product per projection over every expert's rows (:mod:`.expert_product`):
+        each weight gradient left to W under a split backward, the biases' in B; the adapters' products added."""
         store = self.weight_gradients
         with self._region("expert_fc1"):
             gate_up = expert_product(rows, self.gate_up_proj, self.transposed, store, sizes=sizes,
                                      bias=self.gate_up_proj_bias)
+            gate_up = adapted(gate_up, rows, adapters.get("gate_up_proj"), store, sizes=sizes)
         hidden, rebuild = self._activated(gate_up)
         with saved_tensor_policy(rebuild, None) if rebuild is not None else contextlib.nullcontext():
-            return expert_product(hidden, self.down_proj, self.transposed, store, sizes=sizes,
-                                  bias=self._down_bias())
+            out = expert_product(hidden, self.down_proj, self.transposed, store, sizes=sizes, bias=self._down_bias())
+            return adapted(out, hidden, adapters.get("down_proj"), store, sizes=sizes)
 
     def _activated(self, gate_up: Tensor) -> tuple[Tensor, Optional[Rebuild]]:
         """The activation of ``gate_up`` and, under :attr:`recompute_activation`, how to make it again (the output
@@ -182,9 +187,13 @@ class GroupedExperts(nn.Module):
         assert self.activation is not None, "the experts have neither an activation nor a glu"
         return self.activation(gate) * up
 
-    def _grouped(self, rows: Tensor) -> bool:
-        """Whether ``grouped_mm`` has a kernel for these operands (:meth:`uses_grouped_gemm`)."""
-        return rows.shape[0] > 0 and self.uses_grouped_gemm(_compute_dtype(rows))
+    def _grouped(self, rows: Tensor, adapters: Sequence[ExpertAdapter] = ()) -> bool:
+        """Whether ``grouped_mm`` has a kernel for these operands (:meth:`uses_grouped_gemm`), the adapters' rank
+        among them."""
+        dtype = _compute_dtype(rows)
+        size = torch.empty((), dtype=dtype).element_size()
+        return rows.shape[0] > 0 and self.uses_grouped_gemm(dtype) and all(
+            (adapter.rank * size) % 16 == 0 for adapter in adapters)
 
     def uses_grouped_gemm(self, dtype: torch.dtype) -> bool:
         """Whether rows computed in ``dtype`` take the grouped GEMM (its dtypes, the weights' too; every stride a
@@ -196,18 +205,22 @@ class GroupedExperts(nn.Module):
         return dtype in _GROUPED_DTYPES and self.gate_up_proj.dtype in _GROUPED_DTYPES and all(
             (w * size) % 16 == 0 for w in widths)
 
-    def _grouped_forward(self, rows: Tensor, counts: Tensor, total: int) -> Tensor:
+    def _grouped_forward(self, rows: Tensor, counts: Tensor, total: int, adapters: dict[str, ExpertAdapter]) -> Tensor:
         dtype = _compute_dtype(rows)  # grouped_mm takes no part in autocast: cast as F.linear would under it
         offsets = torch.cumsum(counts, 0).to(torch.int32)
+        store = self.weight_gradients
         with torch.autocast(rows.device.type, enabled=False):
             with self._region("expert_fc1"):
-                gate_up = self._grouped_linear(rows.to(dtype), self.gate_up_proj, offsets, dtype)
+                rows = rows.to(dtype)
+                gate_up = self._grouped_linear(rows, self.gate_up_proj, offsets, dtype)
+                gate_up = adapted(gate_up, rows, adapters.get("gate_up_proj"), store, offsets=offsets, dtype=dtype)
                 if self.gate_up_proj_bias is not None:
                     gate_up = gate_up + self.gate_up_proj_bias.to(dtype).repeat_interleave(counts, 0,
                                                                                            output_size=total)
             hidden, rebuild = self._activated(gate_up)
             with saved_tensor_policy(rebuild, None) if rebuild is not None else contextlib.nullcontext():
                 out = self._grouped_linear(hidden, self.down_proj, offsets, dtype)
+                out = adapted(out, hidden, adapters.get("down_proj"), store, offsets=offsets, dtype=dtype)
             if self.down_proj_bias is not None:
                 out = out + self._down_bias().to(dtype).repeat_interleave(counts, 0, output_size=total)
         return _ContiguousGradient.apply(out)

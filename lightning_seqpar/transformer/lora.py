@@ -104,7 +104,7 @@ def lora_parts(module: Any, where: str) -> Optional[LoRAParts]:
                      float(drop.p) if isinstance(drop, nn.Dropout) else 0.0)
 
 
-class _Weight(nn.Module):
+class AdapterWeight(nn.Module):
     """Holds one adapter matrix as ``weight``, so names stay PEFT's (``lora_A.default.weight``)."""
 
     def __init__(self, weight: nn.Parameter) -> None:
@@ -113,13 +113,15 @@ class _Weight(nn.Module):
 
 
 def _adapter_dicts(module: nn.Module, parts: LoRAParts, a: nn.Parameter, b: nn.Parameter) -> None:
-    module.lora_A = nn.ModuleDict({parts.name: _Weight(a)})
-    module.lora_B = nn.ModuleDict({parts.name: _Weight(b)})
+    module.lora_A = nn.ModuleDict({parts.name: AdapterWeight(a)})
+    module.lora_B = nn.ModuleDict({parts.name: AdapterWeight(b)})
 
 
-class _ParallelLoRA(nn.Module):
-    """What both parallel LoRA linears share: their adapter, and under a split backward its ``lora_A`` and ``lora_B``
-    products deferring their weight gradients to W through :attr:`weight_gradients` (the base splits its own)."""
+class ParallelLoRA(nn.Module):
+    """What every rewritten LoRA layer shares (the parallel linears here, the experts' in :mod:`.expert_lora`): one
+    adapter, switched off by :func:`adapters_disabled` (``adapter_enabled``), and under a split backward its ``lora_A``
+    and ``lora_B`` products deferring their weight gradients to W through :attr:`weight_gradients` (the base splits
+    its own)."""
 
     weight_gradients: Optional[WeightGradientStore] = None
     """The B/W split's store (:func:`~lightning_seqpar.tensor_parallel.split_backward.split_weight_gradients`)."""
@@ -129,7 +131,7 @@ class _ParallelLoRA(nn.Module):
         return [self.lora_A[self.adapter_name].weight, self.lora_B[self.adapter_name].weight]
 
 
-class LoRAColumnParallelLinear(_ParallelLoRA):
+class LoRAColumnParallelLinear(ParallelLoRA):
     """A :class:`ColumnParallelLinear` (``base_layer``) with a LoRA adapter; see the module docstring.
 
     Shapes: input ``[s/t, b, in]`` (SP) or ``[s, b, in]``; ``lora_A`` ``[r, in]`` replicated, ``lora_B``
@@ -173,7 +175,7 @@ class LoRAColumnParallelLinear(_ParallelLoRA):
         return self.base_layer(x) + self.adapter(x)
 
 
-class LoRARowParallelLinear(_ParallelLoRA):
+class LoRARowParallelLinear(ParallelLoRA):
     """A :class:`RowParallelLinear` (``base_layer``) with a LoRA adapter whose partial product joins the base's
     before the one reduction; see the module docstring.
 
@@ -204,10 +206,10 @@ class LoRARowParallelLinear(_ParallelLoRA):
 @contextmanager
 def adapters_disabled(model: nn.Module) -> Iterator[None]:
     """``model`` computes its frozen base for the duration (DPO's reference model: no second copy): PEFT's own LoRA
-    layers through ``PeftModel.disable_adapter()``, the rewritten parallel ones (:class:`LoRAColumnParallelLinear`,
-    :class:`LoRARowParallelLinear`) by their ``adapter_enabled`` flag, which no other code sets. Adapter dropout does
-    not run, so no random number is drawn."""
-    ours = [m for m in model.modules() if isinstance(m, _ParallelLoRA)]
+    layers through ``PeftModel.disable_adapter()``, the rewritten parallel ones (:class:`ParallelLoRA`: the linears
+    and the experts') by their ``adapter_enabled`` flag, which no other code sets. Adapter dropout does not run, so no
+    random number is drawn."""
+    ours = [m for m in model.modules() if isinstance(m, ParallelLoRA)]
     peft_layers = any(is_peft_tuner_layer(m) for m in model.modules())  # PEFT's disable_adapter refuses none left
     with model.disable_adapter() if peft_layers else nullcontext():
         for module in ours:

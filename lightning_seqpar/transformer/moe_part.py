@@ -42,7 +42,9 @@ from lightning_seqpar.tensor_parallel.sharding import mark_sequence_parallel
 from lightning_seqpar.parallel.placement import inner_spec
 from lightning_seqpar.transformer.mlp_part import DenseMLPPart, DenseMLPSpec
 from lightning_seqpar.transformer.context import RewriteContext
+from lightning_seqpar.transformer.expert_lora import experts_with_lora
 from lightning_seqpar.transformer.part_builder import PartBuilder
+from lightning_seqpar.transformer.tuner_layers import linear_of
 from lightning_seqpar.transformer.paths import resolve
 
 
@@ -117,7 +119,7 @@ class MoESpec:
     def check_split(self, block: nn.Module, ctx: RewriteContext, name: str) -> None:
         """Raises ``ValueError``: experts that ``ep`` does not divide, more experts per token than experts, tp > 1
         without sequence parallelism, a shared MLP whose width tp does not divide."""
-        experts = resolve(block, self.experts)
+        experts = linear_of(resolve(block, self.experts))
         count = getattr(experts, "num_experts", None) or getattr(getattr(experts, "down_proj", None), "shape", [0])[0]
         if count % ctx.ep:
             raise ValueError(f"{name}: {count} experts do not split over ep={ctx.ep} ranks: choose ep among the divisors "
@@ -139,7 +141,7 @@ class MoESpec:
 
     def describe(self, block: nn.Module, ctx: RewriteContext) -> str:
         """What :func:`~lightning_seqpar.explain` says of the mixture: experts per rank, the groups, the dispatch."""
-        count = resolve(block, self.experts).down_proj.shape[0]
+        count = linear_of(resolve(block, self.experts)).down_proj.shape[0]
         router = resolve(block, self.router)
         k = getattr(router, "top_k", None)
         width = "whole on each rank" if ctx.expert_tp == 1 else \
@@ -186,11 +188,15 @@ class MoEPart:
         self.recompute_shared = False  # the shared expert recomputed by module (modules=["shared_experts"])
         self.router = builder.resolve(spec.router)
         if ctx.sp:  # each tp rank routes its own tokens: the router's gradient is partial over tp
-            mark_sequence_parallel(self.router)
+            for module in self.router.modules():  # a LoRA adapter PEFT put on the router's weight too
+                mark_sequence_parallel(module)
         builder.place(spec.router, self.router, "router")
         group = ctx.expert_group if ctx.expert_group is not None else ParallelGroup()
         width = ctx.expert_tp_group if ctx.expert_tp_group is not None else ParallelGroup()
-        self.experts = builder.place(spec.experts, _local_experts(builder, spec, group, width), "experts")
+        self.experts = _local_experts(builder, spec, group, width)
+        # The experts inside the LoRA adapters PEFT nested around them, if any: what the forward calls.
+        self.adapted_experts = builder.place(spec.experts, experts_with_lora(
+            self.experts, builder.resolve(spec.experts), group, width, f"{builder.name} {spec.experts}"), "experts")
         self.ep, self.expert_tp = group.size, width.size
         # Each (token, expert) pair goes to every slice of the expert's width: E·etp slices over the etp·ep ranks.
         over = ctx.expert_dispatch_group if width.size > 1 else group
@@ -256,7 +262,7 @@ class MoEPart:
             chosen, scores = expert_tensor_parallel_pairs(chosen, scores, self.experts.num_experts, self.ep,
                                                           self.expert_tp)
         rows, routing = self.dispatcher.dispatch(tokens, chosen, scores)
-        computed = self.experts(rows, routing.tokens_per_expert, routing.expert_counts)
+        computed = self.adapted_experts(rows, routing.tokens_per_expert, routing.expert_counts)
         # The experts saved what their backward reads (nothing of the rows when frozen), and the combine keeps only
         # the pairs' outputs: neither [R, h] needs to live on through the combine and the shared expert.
         del rows
@@ -294,7 +300,7 @@ def _router_tokens(ctx: RewriteContext) -> RouterTokens:
 def _local_experts(builder: PartBuilder, spec: MoESpec, group: ParallelGroup, split: ParallelGroup) -> GroupedExperts:
     """This rank's ``E/e`` experts, sliced from the user's packed weights (and biases), each its ``f/etp`` slice of
     the width over ``split`` (the expert tensor-parallel group)."""
-    experts = builder.resolve(spec.experts)
+    experts = linear_of(builder.resolve(spec.experts))  # inside PEFT's adapters, if any: experts_with_lora
     weights = dict(experts.named_parameters(recurse=False))
     biases = {"gate_up_proj_bias", "down_proj_bias"} & set(weights)
     if set(weights) - biases != {"gate_up_proj", "down_proj"} or len(biases) == 1 or any(

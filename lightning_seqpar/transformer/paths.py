@@ -11,7 +11,8 @@ from lightning_seqpar.transformer.tuner_layers import linear_of
 
 
 def resolve(block: nn.Module, path: str) -> Any:
-    """The attribute at dotted ``path`` inside ``block``.
+    """The attribute at dotted ``path`` inside ``block``; a PEFT layer wrapping a module is looked through for what
+    it lacks (``mlp.experts.act_fn`` where LoRA wraps the experts).
 
     Raises:
         AttributeError: naming the first missing part and what exists there.
@@ -19,6 +20,8 @@ def resolve(block: nn.Module, path: str) -> Any:
     value: Any = block
     done = []
     for part in path.split("."):
+        if not hasattr(value, part) and hasattr(linear_of(value), part):
+            value = linear_of(value)
         if not hasattr(value, part):
             where = ".".join(done) or type(block).__name__
             children = sorted(n for n, _ in value.named_children()) if isinstance(value, nn.Module) else []

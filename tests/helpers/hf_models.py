@@ -15,8 +15,12 @@ SEVEN = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_p
 LORA = {"all": (SEVEN, False),  # B drawn too (PEFT's init_lora_weights=False): every adapter has a gradient at once
         "default": (SEVEN, True),  # PEFT's default: B = 0
         "attention": (["q_proj", "v_proj"], False),
-        "rows": (["o_proj", "down_proj"], False)}  # row-parallel only: adapters that add no communication
+        "rows": (["o_proj", "down_proj"], False),  # row-parallel only: adapters that add no communication
+        "experts": (["q_proj", "v_proj"], False)}  # and a mixture's packed experts: EXPERT_PARAMETERS
 """``lora=`` of :class:`HFCausalLM`: (target_modules, init_lora_weights) of a LoraConfig(r=2, lora_alpha=4)."""
+
+EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+"""PEFT's ``target_parameters`` of ``lora="experts"``: both packed projections of every mixture's experts."""
 
 
 MOE = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "gpt_oss", "granitemoe")
@@ -159,8 +163,9 @@ class HFCausalLM(pl.LightningModule):
             from peft import LoraConfig, get_peft_model
 
             targets, init = LORA[lora]
+            experts = EXPERT_PARAMETERS if lora == "experts" else None
             self.model = get_peft_model(self.model, LoraConfig(r=2, lora_alpha=4, target_modules=targets,
-                                                               init_lora_weights=init))
+                                                               target_parameters=experts, init_lora_weights=init))
         self.labels, self.optimizer = labels, optimizer
         self.padding, self.position_offset = padding, position_offset
         self.ignored_labels, self.documents = ignored_labels, documents
