@@ -216,7 +216,8 @@ class MoEPart:
         if spec.shared_gate:
             self.shared_gate = builder.resolve(spec.shared_gate)
             if ctx.sp:
-                mark_sequence_parallel(self.shared_gate)
+                for module in self.shared_gate.modules():  # with a LoRA adapter PEFT put on it
+                    mark_sequence_parallel(module)
             builder.place(spec.shared_gate, self.shared_gate, "shared expert gate")
 
     def mixture_shape(self, bytes_per_element: int) -> MixtureShape:

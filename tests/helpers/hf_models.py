@@ -16,7 +16,8 @@ LORA = {"all": (SEVEN, False),  # B drawn too (PEFT's init_lora_weights=False): 
         "default": (SEVEN, True),  # PEFT's default: B = 0
         "attention": (["q_proj", "v_proj"], False),
         "rows": (["o_proj", "down_proj"], False),  # row-parallel only: adapters that add no communication
-        "experts": (["q_proj", "v_proj"], False)}  # and a mixture's packed experts: EXPERT_PARAMETERS
+        "experts": (["q_proj", "v_proj"], False),  # and a mixture's packed experts: EXPERT_PARAMETERS
+        "all-linear": ("all-linear", False)}  # PEFT's choice per family (routers and experts of most mixtures)
 """``lora=`` of :class:`HFCausalLM`: (target_modules, init_lora_weights) of a LoraConfig(r=2, lora_alpha=4)."""
 
 EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
