@@ -129,8 +129,10 @@ def _direct(tensor: Tensor) -> bool:
 def _add_in_place(tensor: Tensor, gradient: Tensor) -> bool:
     """``tensor.grad += gradient`` with the hooks after; ``False`` where autograd must do it (:func:`_direct`; no
     gradient yet, whose first one autograd places by its own layout rules; a gradient of another dtype or shape)."""
+    if not _direct(tensor):  # (a view's .grad is not read: torch warns on it)
+        return False
     grad = tensor.grad
-    if grad is None or not _direct(tensor) or not (grad.dtype == gradient.dtype and grad.shape == gradient.shape
+    if grad is None or not (grad.dtype == gradient.dtype and grad.shape == gradient.shape
                                                    and grad.is_contiguous() and gradient.layout == torch.strided):
         return False
     grad.add_(gradient)
