@@ -43,6 +43,12 @@ def _gather(param: Tensor, value: Tensor, shards: Shards) -> Tensor:
     return gather_full(value, shard_spec(param), _over(param, shards), inner_spec(param), _inner_over(param, shards))
 
 
+def full_tensor(param: Tensor, shards: Shards) -> Tensor:
+    """The single-device value of ``param`` (collective over the groups its placement splits it over); a replicated
+    one as it is (detached)."""
+    return _gather(param, param.detach(), shards) if shard_spec(param) is not None else param.detach()
+
+
 def _split(param: Tensor, full: Tensor, shards: Shards) -> Tensor:
     """This rank's part of the single-device ``full``, shaped like ``param``'s shard."""
     value = shard_spec(param).shard(full, _over(param, shards))

@@ -218,7 +218,7 @@ def _write_file(path: Path, entries: list[TensorEntry], mine: dict[str, Tensor],
             if isinstance(piece, ExpertPiece):
                 if gathered is None or gathered[0] != piece.target:
                     gathered = None  # released before the next is gathered
-                    gathered = (piece.target, _shards(mine[piece.target], mesh))
+                    gathered = (piece.target, _shards(mine[piece.target], mesh, transform, piece.target))
                 shards = gathered[1]
                 if writer is not None:
                     local, rows = shards.shape[1], shards.shape[2] // piece.parts

@@ -31,7 +31,8 @@ from lightning_seqpar.checkpoint.destination import export_refusal, mark_export
 from lightning_seqpar.checkpoint.stages import merge_over_stages
 from lightning_seqpar.hf.streaming import SafetensorsStreamWriter, TensorEntry
 from lightning_seqpar.parallel.mesh import ParallelMesh
-from lightning_seqpar.parallel.placement import shard_spec
+from lightning_seqpar.checkpoint.full_state import full_tensor
+from lightning_seqpar.transformer.expert_lora import ExpertLoRA
 from lightning_seqpar.transformer.tuner_layers import is_peft_tuner_layer
 
 ADAPTER_FILE, CONFIG_FILE = "adapter_model.safetensors", "adapter_config.json"
@@ -61,8 +62,9 @@ def _adapters(model: nn.Module) -> list[tuple[str, str, nn.Module]]:
 
 
 def _gathered(param: Tensor, mesh: ParallelMesh) -> Tensor:
-    spec = shard_spec(param)
-    return (spec.gather(param.detach(), mesh.tensor) if spec is not None else param.detach()).cpu().clone()
+    """The single-device adapter: gathered over the groups its placement splits it over (tp; ep and etp for an
+    expert's)."""
+    return full_tensor(param, mesh).cpu().clone()
 
 
 def export_peft_adapter(module: nn.Module, mesh: ParallelMesh, out: os.PathLike | str, prefix: str = "model.",
@@ -143,7 +145,7 @@ def _json_default(value: Any) -> Any:
 def _base_key(key: str) -> str:
     """A PEFT-wrapped model's key as the base model's (``base_model.model.`` and ``base_layer.`` removed)."""
     key = key[len("base_model.model."):] if key.startswith("base_model.model.") else key
-    return key.replace(".base_layer.", ".")
+    return re.sub(r"(\.base_layer)+\.", ".", key)  # nested: one ParamWrapper per adapted expert weight
 
 
 class MergedLoRA:
@@ -154,7 +156,7 @@ class MergedLoRA:
 
     def __init__(self, module: nn.Module, prefix: str = "model.") -> None:
         self.prefix = prefix
-        self.adapted = {_base_key(f"{path}.base_layer.weight"): (layer, adapter)
+        self.adapted = {_base_key(f"{path}.base_layer.{getattr(layer, 'parameter_name', 'weight')}"): (layer, adapter)
                         for path, adapter, layer in _adapters(peft_model(module, prefix))}
 
     def names(self, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -165,6 +167,8 @@ class MergedLoRA:
         if name not in self.adapted:
             return weight
         layer, adapter = self.adapted[name]
+        if isinstance(layer, ExpertLoRA):  # this rank's experts (and slice of their width)
+            return weight + layer.delta_weight().detach().to(weight.dtype)
         a, b = layer.lora_A[adapter].weight.detach(), layer.lora_B[adapter].weight.detach()
         scaling = layer.scaling if isinstance(layer.scaling, (int, float)) else layer.scaling[adapter]
         return weight + scaling * (b.to(weight.dtype) @ a.to(weight.dtype))

@@ -30,6 +30,7 @@ Two layouts of :class:`ShardSpec` need care:
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable, Optional, Union
 
 import torch
@@ -227,6 +228,11 @@ def _grid_view(data: Tensor, spec: ShardSpec, inner: ShardSpec, grid: ShardGrid)
         raise ValueError(f"Cannot describe a tensor split twice with padding ({spec}, {inner}) to "
                          f"torch.distributed.checkpoint.")
     data = data.contiguous()
+    if spec.chunks > 1 and not spec.uneven:  # [k, n, ...] as split once (saved_shape): either layout reads the other
+        data = data.unflatten(spec.dim, (spec.chunks, -1))
+        inner = replace(inner, dim=inner.dim + 1) if inner.dim > spec.dim else inner
+        spec = ShardSpec(dim=spec.dim + 1, full_size=spec.full_size // spec.chunks,
+                         padded_size=spec.padded_size // spec.chunks)
     outer_size, inner_size = len(grid.ranks), len(grid.ranks[0])
     size = list(data.shape)
     size[spec.dim], size[inner.dim] = spec.full_size, inner.full_size

@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
+import torch
 import torch.nn as nn
 from torch import Tensor
 
@@ -94,16 +95,27 @@ class ExpertLoRA(ParallelLoRA):
     ``gate_up_proj``); ``forward`` as :meth:`GroupedExperts.forward`: rows ``[R, h]`` → ``[R, h]``.
     """
 
-    def __init__(self, base_layer: nn.Module, parts: ExpertLoRAParts, a: nn.Parameter, b: nn.Parameter) -> None:
+    def __init__(self, base_layer: nn.Module, parts: ExpertLoRAParts, a: nn.Parameter, b: nn.Parameter,
+                 transposed: bool) -> None:
         super().__init__()
         self.base_layer, self.parameter_name, self.adapter_name = base_layer, parts.parameter_name, parts.adapter_name
         self.rank, self.scaling, self.adapter_enabled = parts.rank, parts.scaling, True
+        self.transposed = transposed  # the experts' weights are [E, in, out]
         self.lora_A = nn.ModuleDict({parts.adapter_name: AdapterWeight(a)})
         self.lora_B = nn.ModuleDict({parts.adapter_name: AdapterWeight(b)})
 
     def adapter(self) -> ExpertAdapter:
         return ExpertAdapter(self.parameter_name, self.lora_A[self.adapter_name].weight,
                              self.lora_B[self.adapter_name].weight, self.rank, self.scaling)
+
+    def delta_weight(self) -> Tensor:
+        """``(α/r) · B_i A_i`` of this rank's experts, shaped like its shard of the weight (``[E/e, out, in]``, or
+        ``[E/e, in, out]`` transposed): what merging adds to it (PEFT's ``ParamWrapper.get_delta_weight``)."""
+        a, b = self.lora_A[self.adapter_name].weight, self.lora_B[self.adapter_name].weight
+        experts = a.shape[0] // self.rank
+        pattern = "o r e, e r i -> e i o" if self.transposed else "o r e, e r i -> e o i"
+        return torch.einsum(pattern, b.reshape(b.shape[0], self.rank, experts),
+                            a.reshape(experts, self.rank, a.shape[1])) * self.scaling
 
     def forward(self, rows: Tensor, tokens_per_expert: Sequence[int], counts: Optional[Tensor] = None,
                 adapters: Sequence[ExpertAdapter] = ()) -> Tensor:
@@ -122,7 +134,7 @@ def experts_with_lora(local: GroupedExperts, found: Any, ep: ParallelGroup, etp:
     module: nn.Module = local
     for parts in reversed(expert_adapters(found, where)):
         a, b = _split(parts, local, ep, etp)
-        module = ExpertLoRA(module, parts, a, b)
+        module = ExpertLoRA(module, parts, a, b, local.transposed)
     return module
 
 

@@ -40,7 +40,7 @@ def _adapted_experts(dtype: torch.dtype, transposed: bool) -> tuple[GroupedExper
     module: nn.Module = experts
     for parts in reversed(chain):
         module = ExpertLoRA(module, parts, nn.Parameter(parts.a.detach().clone()),
-                            nn.Parameter(parts.b.detach().clone()))
+                            nn.Parameter(parts.b.detach().clone()), transposed)
     return experts, module, {parts.parameter_name: parts for parts in chain}
 
 
@@ -66,6 +66,11 @@ def test_the_adapted_experts_compute_peft_s_merged_weights(dtype, transposed):
     rows = torch.randn(sum(SIZES), H, dtype=dtype)
     want = _merged(experts, adapters)(rows, SIZES)
     got = adapted(rows, SIZES)
+    for module in adapted.modules():  # the merged export's delta is PEFT's too
+        if isinstance(module, ExpertLoRA):
+            merged = _merged(experts, {module.parameter_name: adapters[module.parameter_name]})
+            delta = getattr(merged, module.parameter_name) - getattr(experts, module.parameter_name)
+            torch.testing.assert_close(module.delta_weight().detach(), delta, rtol=1e-5, atol=1e-6)
     tolerance = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got, want, **tolerance)
 
