@@ -42,7 +42,7 @@ from lightning_seqpar.tensor_parallel.sharding import mark_sequence_parallel
 from lightning_seqpar.parallel.placement import inner_spec
 from lightning_seqpar.transformer.mlp_part import DenseMLPPart, DenseMLPSpec
 from lightning_seqpar.transformer.context import RewriteContext
-from lightning_seqpar.transformer.expert_lora import experts_with_lora
+from lightning_seqpar.transformer.expert_lora import expert_adapters, experts_with_lora
 from lightning_seqpar.transformer.part_builder import PartBuilder
 from lightning_seqpar.transformer.tuner_layers import linear_of
 from lightning_seqpar.transformer.paths import resolve
@@ -118,7 +118,9 @@ class MoESpec:
 
     def check_split(self, block: nn.Module, ctx: RewriteContext, name: str) -> None:
         """Raises ``ValueError``: experts that ``ep`` does not divide, more experts per token than experts, tp > 1
-        without sequence parallelism, a shared MLP whose width tp does not divide."""
+        without sequence parallelism, a shared MLP whose width tp does not divide, a LoRA adapter on the experts that
+        the parallel experts do not train (:func:`~.expert_lora.expert_adapters`)."""
+        expert_adapters(resolve(block, self.experts), f"{name} {self.experts}")  # what their LoRA cannot be
         experts = linear_of(resolve(block, self.experts))
         count = getattr(experts, "num_experts", None) or getattr(getattr(experts, "down_proj", None), "shape", [0])[0]
         if count % ctx.ep:

@@ -57,14 +57,16 @@ def test_router_jitter_noise_is_refused_by_name():
         explain(module, tp=2, ep=2)
 
 
-def test_lora_on_the_experts_parameters_is_refused_by_name():
+def test_lora_on_the_experts_is_taken_and_a_merged_one_refused_by_name():
     from peft import LoraConfig, get_peft_model
 
     module = build("hf", family="qwen3_moe", labels=True)
     module.model = get_peft_model(module.model, LoraConfig(r=2, target_modules=["q_proj"],
                                                            target_parameters=["mlp.experts.gate_up_proj"]))
-    with pytest.raises(ValueError, match=r"Qwen3MoeDecoderLayer: LoRA on the experts' parameters \(PEFT "
-                                         r"target_parameters='gate_up_proj'\): not supported"):
+    explain(module, tp=2, ep=2)  # one packed projection adapted: the experts take it (tests/moe/test_expert_lora*.py)
+    module.model.base_model.model.model.layers[0].mlp.experts.merge()  # the experts' adapter alone
+    with pytest.raises(ValueError, match=r"layers\.0 mlp\.experts: this LoRA adapter on the experts cannot be trained "
+                                         r"under the strategy: its adapter is merged"):
         explain(module, tp=2, ep=2)
 
 
