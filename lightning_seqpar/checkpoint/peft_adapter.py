@@ -13,7 +13,7 @@ import json
 import re
 import struct
 from pathlib import Path
-from typing import Any, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch.nn as nn
 
@@ -52,6 +52,55 @@ def check_lora_targets(targets: Union[str, Sequence[str]], base: nn.Module) -> N
         raise ValueError(f"LoRA target_modules {unmatched} match no module of {type(base).__name__}, so no adapter "
                          f"would be put there. Its linear layers are named {', '.join(linear_names(base))}; set "
                          f"peft.target_modules to some of those.")
+
+
+def expert_parameter_targets(base: nn.Module) -> list[str]:
+    """PEFT ``target_parameters`` for LoRA on every mixture's experts in ``base``: both packed projections,
+    ``<mlp>.experts.gate_up_proj`` and ``<mlp>.experts.down_proj`` (``mlp``, or ``block_sparse_moe`` for GraniteMoE);
+    empty for a dense model. What ``"all-linear"`` means on a mixture, where PEFT's own rule skips the experts of some
+    families (gpt-oss, Qwen2-MoE)."""
+    from lightning_seqpar.hf.layouts import mlp_name, moe_parts
+
+    found = []
+    for module in base.modules():
+        name = mlp_name(module)
+        if moe_parts(getattr(module, name, None)) is not None:
+            found += [f"{name}.experts.{weight}" for weight in ("gate_up_proj", "down_proj")]
+    return sorted(set(found), key=found.index)
+
+
+def check_lora_parameters(targets: Optional[Sequence[str]], base: nn.Module) -> None:
+    """Refuse LoRA ``target_parameters`` that name no parameter of ``base`` (PEFT's rule: a parameter whose qualified
+    name is the target or ends with ``.target``).
+
+    Raises:
+        ValueError: naming the targets that match nothing and the packed expert weights the model has.
+    """
+    names = [name for name, _ in base.named_parameters()]
+    unmatched = [t for t in targets or () if not any(name == t or name.endswith("." + t) for name in names)]
+    if unmatched:
+        packed = sorted({name.split(".layers.")[-1].partition(".")[2] for name, p in base.named_parameters()
+                         if p.dim() == 3})
+        raise ValueError(f"LoRA target_parameters {unmatched} match no parameter of {type(base).__name__}. Its packed "
+                         f"expert weights are {packed or 'none (a dense model: use target_modules)'}; set "
+                         f"peft.target_parameters to some of those.")
+
+
+def lora_config(settings: dict) -> Any:
+    """PEFT's ``LoraConfig`` of LoRA settings as this project records them: ``r``, ``alpha``, ``dropout``,
+    ``target_modules`` (names, or ``"all-linear"``) and ``target_parameters`` (packed expert weights, or ``None``).
+
+    Raises:
+        ImportError: PEFT not installed, with the install command.
+    """
+    try:
+        from peft import LoraConfig
+    except ImportError as error:
+        raise ImportError("LoRA needs PEFT: pip install 'lightning_seqpar[peft]'.") from error
+    modules, parameters = settings["target_modules"], settings.get("target_parameters")
+    return LoraConfig(r=settings["r"], lora_alpha=settings["alpha"], lora_dropout=settings["dropout"],
+                      target_modules=modules if isinstance(modules, str) else list(modules),
+                      target_parameters=list(parameters) if parameters else None)
 
 
 def safetensors_shapes(file: Path) -> dict[str, tuple[int, ...]]:
@@ -97,6 +146,9 @@ def check_adapter_directory(directory: Union[str, Path], base: nn.Module, base_n
         if match is None:
             continue
         path, part = match["module"], match["part"]
+        if ".base_layer" in path or path.endswith(".experts"):  # PEFT's nested wrappers of packed expert weights
+            _check_expert_adapter(directory, made_for, base_name, key, shape, modules, path, part, config.get("r"))
+            continue
         module = modules.get(path)
         if module is None:
             raise ValueError(f"The adapter {directory} was made for {made_for}: it adapts {path}, which this base "
@@ -109,6 +161,29 @@ def check_adapter_directory(directory: Union[str, Path], base: nn.Module, base_n
                              f"base ({base_name}) needs {list(want)} for {path} (r={config.get('r')}). Start from an "
                              f"adapter of this base, or set model.pretrained to the base it was made for.")
     return config
+
+
+def _check_expert_adapter(directory: Path, made_for: str, base_name: str, key: str, shape: tuple[int, ...],
+                          modules: dict[str, nn.Module], path: str, part: str, r: Any) -> None:
+    """An adapter of a packed expert weight (``...experts[.base_layer].lora_A``): ``A`` ``[r·E, in]``, ``B``
+    ``[out, r·E]`` of one of the experts' two projections."""
+    experts = modules.get(path.replace(".base_layer", ""))
+    weights = [getattr(experts, n, None) for n in ("gate_up_proj", "down_proj")]
+    if experts is None or any(w is None or w.dim() != 3 for w in weights):
+        raise ValueError(f"The adapter {directory} was made for {made_for}: it adapts packed expert weights at "
+                         f"{path}, which this base ({base_name}) does not have. Start from an adapter of this base, "
+                         f"or set model.pretrained to the base it was made for.")
+    transposed = bool(getattr(experts, "is_transposed", False))
+    allowed = set()
+    for weight in weights:
+        count, first, second = weight.shape
+        fan_in, fan_out = (first, second) if transposed else (second, first)
+        allowed.add((r * count, fan_in) if part == "A" else (fan_out, r * count))
+    if tuple(shape) not in allowed:
+        raise ValueError(f"The adapter {directory} was made for {made_for}: its {key} is {list(shape)}, but this base "
+                         f"({base_name}) needs one of {sorted(map(list, allowed))} for the experts at "
+                         f"{path.replace('.base_layer', '')} (r={r}). Start from an adapter of this base, or set "
+                         f"model.pretrained to the base it was made for.")
 
 
 def _features(module: nn.Module) -> tuple[int, int]:

@@ -20,6 +20,7 @@ from typing import Any, Optional
 
 from lightning_seqpar.checkpoint.atomic import publish, temporary_path
 from lightning_seqpar.checkpoint.destination import mark_export, refuse_export_destination
+from lightning_seqpar.checkpoint.peft_adapter import lora_config
 from lightning_seqpar.hf.streaming import SafetensorsStreamWriter, TensorEntry
 
 ADAPTER_FILE, CONFIG_FILE = "adapter_model.safetensors", "adapter_config.json"
@@ -33,7 +34,7 @@ def adapter_keys(shapes: dict[str, Any]) -> dict[str, str]:
 
 def adapter_config(hparams: dict, base: Optional[str]) -> dict:
     """The ``adapter_config.json`` of a run: its adapter directory's own when it started from one, else PEFT's
-    ``LoraConfig`` of the recorded ``lora`` settings (``r``, ``alpha``, ``dropout``, ``target_modules``), naming
+    ``LoraConfig`` of the recorded ``lora`` settings (:func:`~.peft_adapter.lora_config`), naming
     ``base`` as the base model.
 
     Raises:
@@ -43,13 +44,7 @@ def adapter_config(hparams: dict, base: Optional[str]) -> dict:
     if hparams.get("adapter"):
         config = json.loads((Path(hparams["adapter"]) / CONFIG_FILE).read_text())
     elif isinstance(hparams.get("lora"), dict):
-        try:
-            from peft import LoraConfig
-        except ImportError as error:
-            raise ImportError("Exporting LoRA adapters needs PEFT: pip install 'lightning_seqpar[peft]'.") from error
-        lora = hparams["lora"]
-        config = LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
-                            target_modules=list(lora["target_modules"])).to_dict()
+        config = lora_config(hparams["lora"]).to_dict()
     else:
         raise ValueError("The checkpoint holds LoRA adapters but records no LoRA settings (it was not written by "
                          "FineTuneModule): export the adapters from the run with export_peft_adapter.")

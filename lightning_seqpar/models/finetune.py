@@ -11,7 +11,10 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
-from lightning_seqpar.checkpoint.peft_adapter import LORA_TARGETS, check_adapter_directory, check_lora_targets
+from lightning_seqpar.checkpoint.peft_adapter import (
+    LORA_TARGETS, check_adapter_directory, check_lora_parameters, check_lora_targets, expert_parameter_targets,
+    lora_config,
+)
 from lightning_seqpar.hf.layouts import freeze_routers
 from lightning_seqpar.hf.vocabulary import CausalLMLoss
 from lightning_seqpar.hf.models import build_causal_lm, pretrained_state_dict
@@ -20,7 +23,7 @@ from lightning_seqpar.models.dpo import PreferenceLoss, refuse_unsupported
 from lightning_seqpar.models.hf_module import HFCausalLMModule
 
 OBJECTIVES = ("sft", "dpo")
-LORA_DEFAULTS = {"r": 16, "alpha": 32, "dropout": 0.0, "target_modules": list(LORA_TARGETS)}
+LORA_DEFAULTS = {"r": 16, "alpha": 32, "dropout": 0.0, "target_modules": list(LORA_TARGETS), "target_parameters": None}
 
 
 class FineTuneModule(HFCausalLMModule):
@@ -47,8 +50,10 @@ class FineTuneModule(HFCausalLMModule):
     Args:
         pretrained: a local Hugging Face checkpoint directory (``config.json`` + ``*.safetensors``).
         lora: ``None`` for full fine-tuning, or LoRA's settings: ``r``, ``alpha``, ``dropout``, ``target_modules``
-            (defaults :data:`LORA_DEFAULTS`); the model is wrapped with ``peft.get_peft_model`` and only the adapters
-            train.
+            and ``target_parameters`` (a mixture's packed expert weights, ``mlp.experts.gate_up_proj`` and
+            ``mlp.experts.down_proj``) (defaults :data:`LORA_DEFAULTS`); ``target_modules="all-linear"`` on a mixture
+            adapts its experts too, unless ``target_parameters`` says otherwise. The model is wrapped with
+            ``peft.get_peft_model`` and only the adapters train.
         attn_implementation: ``"eager"`` or ``"sdpa"``.
         adapter: a PEFT adapter directory to start from (its ``adapter_config.json`` sets r, α, dropout and the
             targets; ``lora`` is then ignored).
@@ -81,10 +86,14 @@ class FineTuneModule(HFCausalLMModule):
         if adapter is not None:  # its own settings: the adapter continues as it was made
             saved = check_adapter_directory(adapter, base, pretrained)
             lora = {"r": saved["r"], "alpha": saved["lora_alpha"], "dropout": saved.get("lora_dropout", 0.0),
-                    "target_modules": sorted(saved["target_modules"])}
+                    "target_modules": sorted(saved.get("target_modules") or []),
+                    "target_parameters": sorted(saved.get("target_parameters") or []) or None}
         self.lora = None if lora is None else {**LORA_DEFAULTS, **lora}
         if self.lora is not None and adapter is None:
             check_lora_targets(self.lora["target_modules"], base)
+            if self.lora["target_modules"] == "all-linear" and self.lora["target_parameters"] is None:
+                self.lora["target_parameters"] = expert_parameter_targets(base) or None  # "all" includes the experts
+            check_lora_parameters(self.lora["target_parameters"], base)
         self.preference = PreferenceLoss(dpo_beta, dpo_loss, self.lora is not None) if objective == "dpo" else None
         self.reference_collector = None  # set during a reference pass (lightning_seqpar.models.dpo_reference)
         self.save_hyperparameters({"lora": self.lora, "adapter": adapter, "freeze_router": freeze_router,
@@ -127,16 +136,14 @@ class FineTuneModule(HFCausalLMModule):
     def with_adapters(self, model: Any) -> Any:
         """``model`` wrapped with PEFT as this module's LoRA settings (or its adapter directory's config) say."""
         try:
-            from peft import LoraConfig, PeftConfig, get_peft_model
+            from peft import PeftConfig, get_peft_model
         except ImportError as error:
             raise ImportError("LoRA needs PEFT: pip install 'lightning_seqpar[peft]'.") from error
-        if self.adapter is not None:  # the adapter's own config (its weights are read into the shards)
-            config = PeftConfig.from_pretrained(self.adapter)
-            config.inference_mode = False
-            return get_peft_model(model, config)
-        lora = self.lora
-        return get_peft_model(model, LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
-                                                target_modules=list(lora["target_modules"])))
+        if self.adapter is None:
+            return get_peft_model(model, lora_config(self.lora))
+        config = PeftConfig.from_pretrained(self.adapter)  # the adapter's own (its weights are read into the shards)
+        config.inference_mode = False
+        return get_peft_model(model, config)
 
     @property
     def reference_step(self) -> Optional[Callable[[dict, int], dict]]:
