@@ -38,18 +38,20 @@ CONVERSATIONS = [
 ]
 
 
-def make_chat_model_dir(directory, hidden: int = 32, layers: int = 2):
-    """A tiny random Llama saved with the chat tokenizer (its template included): a chat model's directory."""
+def make_chat_model_dir(directory, hidden: int = 32, layers: int = 2, experts: int = 0):
+    """A tiny random Llama (with ``experts``: a Qwen3-MoE of that many experts, top-2) saved with the chat tokenizer
+    (its template included): a chat model's directory."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3MoeConfig
 
     tokenizer = chat_tokenizer()
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
-                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=256, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
-    LlamaForCausalLM(config).save_pretrained(directory)
+    common = dict(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
+    config = Qwen3MoeConfig(**common, num_experts=experts, num_experts_per_tok=2, moe_intermediate_size=hidden // 2) \
+        if experts else LlamaConfig(**common)
+    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
 

@@ -91,3 +91,24 @@ def test_full_fine_tuning_exports_the_whole_model_and_bad_options_are_refused_fi
     base = AutoModelForCausalLM.from_pretrained(chat_dir / "model")
     assert all(not torch.equal(v, base.state_dict()[k]) for k, v in full.state_dict().items() if v.dim() == 2)
     assert AutoTokenizer.from_pretrained(tmp_path / "full").chat_template  # the tokenizer, template included
+
+
+def test_lora_on_a_mixture_s_experts_through_the_recipe(tmp_path):
+    """``peft.target_modules=all-linear`` on a Qwen3-MoE at tp 2 × ep 2: the adapter the recipe exports targets the
+    experts' packed weights and loads in PEFT with an adapter on every layer's experts."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers.chat_tokenizer import chat_records, make_chat_model_dir
+
+    make_chat_model_dir(tmp_path / "model", experts=4)
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chat_records(40)))
+    args = [f"{ROOT}/recipes/finetune.py", f"model.pretrained={tmp_path / 'model'}", f"data.path={tmp_path / 'chat.jsonl'}",
+            "peft=lora", "peft.r=2", "peft.target_modules=all-linear", "strategy=tp2_ep2", f"export_hf={tmp_path / 'adapter'}",
+            *(f"{k}={v}" for k, v in TINY.items())]
+    _run([sys.executable, *args], tmp_path)
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert {"mlp.experts.gate_up_proj", "mlp.experts.down_proj"} <= set(config["target_parameters"])
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "model"), tmp_path / "adapter")
+    experts = [n for n, _ in loaded.named_parameters() if ".mlp.experts." in n and ".lora_B." in n]
+    assert len(experts) == 2 * 2  # both packed weights of both layers

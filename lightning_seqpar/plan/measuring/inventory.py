@@ -11,7 +11,9 @@ by the strategy's own rewrite at one virtual tensor-parallel rank, and each para
 - ``replicated``: no split (norms, per-head norms, row-parallel biases, learned positions): whole on every rank;
 - ``expert``: a mixture of experts' packed weights (and biases) ``[E, …]``, split over the expert-parallel ranks:
   ``numel / e`` per rank, whatever t is; ``expert_width``: one also split along each expert's width under expert
-  tensor parallelism (gate/up, down and the gate/up bias; not the down projection's bias), ``numel / (e·etp)``. Their
+  tensor parallelism (gate/up, down and the gate/up bias; not the down projection's bias), ``numel / (e·etp)``. LoRA
+  adapters on the packed weights follow their experts: ``A`` ``[r·E, in]`` and ``B`` ``[out, r·E]`` split over ep,
+  ``B`` of gate/up and ``A`` of down along the width too (:mod:`lightning_seqpar.transformer.expert_lora`). Their
   data replicas are the expert data-parallel group, ``edp = t·c·d / (e·etp)`` ranks, not the dense ``d·c``
   (:mod:`..pricing.state`).
 
@@ -193,8 +195,9 @@ def _expert_shape(name: str, sample: nn.Module, spec: Any) -> ExpertShape:
         ValueError: a router that does not say its ``top_k`` (the planner cannot count the rows per token).
     """
     from lightning_seqpar.transformer.block_spec import out_features, resolve
+    from lightning_seqpar.transformer.tuner_layers import linear_of
 
-    down = resolve(sample, spec.experts).down_proj  # [E, h, f], or [E, f, h] transposed
+    down = linear_of(resolve(sample, spec.experts)).down_proj  # [E, h, f], or [E, f, h] transposed (inside PEFT's)
     top_k = getattr(resolve(sample, spec.router), "top_k", None)
     if not isinstance(top_k, int):
         raise ValueError(f"{name}: the router at {spec.router} has no integer `top_k`; the planner cannot count the "
