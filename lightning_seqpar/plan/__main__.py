@@ -174,7 +174,8 @@ def what_would_fit(records: list[LayoutRecord], inventory: Any, args: argparse.N
                                                 asked["attention"])
         elif model not in inventories:
             inventories[model] = model_inventory(args.model, asked["seq_len"], asked["attention"], asked["lora"],
-                                                 args.lora_targets, args.frozen, cache=_kept(fits))
+                                                 args.lora_targets, args.frozen, cache=_kept(fits),
+                                                 lora_experts=args.lora_experts and asked["lora"] is not None)
         # (a layout whose model state alone is too large is not priced further: no probes for it)
         again = plan(inventories[model], asked["gpus"], asked["seq_len"],
                      args.global_batch, hardware=hardware, precision=asked["precision"], headroom=args.headroom,
@@ -262,6 +263,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                              "for it); default: full fine-tuning")
     parser.add_argument("--lora-targets", nargs="+", default=list(LORA_TARGETS),
                         help=f"the modules LoRA adapts (default: {' '.join(LORA_TARGETS)})")
+    parser.add_argument("--lora-experts", action="store_true",
+                        help="with --lora: adapters on a mixture's packed experts too (PEFT's target_parameters "
+                             "mlp.experts.gate_up_proj and mlp.experts.down_proj), split with their experts")
     parser.add_argument("--frozen", nargs="+", default=(), metavar="NAME",
                         help="full fine-tuning with the parameters whose names contain NAME frozen (embed_tokens, "
                              "lm_head, router, ...)")
@@ -312,9 +316,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     fits: Any = {} if args.no_cache else FitCache(Path(args.cache) if args.cache else default_cache_directory())
     try:
         inventory = model_inventory(args.model, args.seq_len, args.attention, args.lora, args.lora_targets,
-                                    args.frozen, cache=_kept(fits))
+                                    args.frozen, cache=_kept(fits), lora_experts=args.lora_experts)
     except ValueError as error:  # a target or frozen name that matches nothing: the user's argument, named
-        if args.lora is None and not args.frozen:
+        if args.lora is None and not args.frozen and not args.lora_experts:
             raise
         parser.error(str(error))
     # (the workers start at the first probe: none for a question the cache answers)

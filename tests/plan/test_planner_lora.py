@@ -198,3 +198,37 @@ def test_frozen_weights_make_no_weight_gradient_gemm_and_the_step_s_flops_say_so
                                                                                 record.micro_batch))
             assert same.flops["hardware"] - record.flops["hardware"] == 2 * tokens * skipped
             assert same.flops["model"] == record.flops["model"]
+
+
+def test_lora_on_the_experts_is_counted_as_peft_counts_it_and_split_with_the_experts():
+    """``--lora 16 --lora-experts`` on Qwen3-30B-A3B: PEFT's ``target_parameters`` adapters on both packed projections
+    of 128 experts in 48 layers, beside q/k/v/o; per rank the experts' A and B split over ep with their experts, and B
+    of gate/up and A of down along the width over expert_tp too."""
+    from lightning_seqpar.plan import state_bytes
+    from lightning_seqpar.plan.measuring.models import load_model_config, meta_model, with_lora
+    from tests.plan.test_planner_experts import QWEN3_30B_A3B
+
+    attention_targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    inventory = model_inventory(QWEN3_30B_A3B, lora=16, lora_targets=attention_targets, lora_experts=True)
+    h, f, experts, r, layers = 2048, 768, 128, 16, 48
+    attention = layers * r * ((h + 4096) + 2 * (h + 512) + (4096 + h))  # q, k, v, o
+    a_gate_up, b_gate_up, a_down, b_down = r * experts * h, 2 * f * r * experts, r * experts * f, h * r * experts
+    assert inventory.num_trainable == attention + layers * (a_gate_up + b_gate_up + a_down + b_down)
+    peft_model = with_lora(meta_model(load_model_config(QWEN3_30B_A3B)), 16, attention_targets, experts=True)
+    assert inventory.num_trainable == peft_model.get_nb_trainable_parameters()[0]  # PEFT's own count
+    for ep, etp in ((8, 1), (4, 2)):  # tp 1 · dp 8: float32 gradients of the trained elements this rank holds
+        got = state_bytes(inventory, 1, 1, 8, ep=ep, expert_tp=etp, precision="32-true").gradients
+        per_layer = (a_gate_up + b_down) // ep + (b_gate_up + a_down) // (ep * etp)
+        assert got == 4 * (attention + layers * per_layer), (ep, etp)
+    with pytest.raises(ValueError, match="has no mixture of experts"):
+        model_inventory(LLAMA3_8B, lora=16, lora_experts=True)
+
+
+def test_lora_experts_without_a_rank_is_refused_on_the_command_line(tmp_path, capsys):
+    from tests.plan.test_planner_experts import QWEN3_30B_A3B
+
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
+    with pytest.raises(SystemExit):
+        main([str(tmp_path), "--gpus", "8", "--seq-len", "4096", "--global-batch", "32", "--analytic", "--no-cache",
+              "--lora-experts"])
+    assert "--lora-experts) needs a LoRA rank: give --lora R too" in capsys.readouterr().err

@@ -11,7 +11,9 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from lightning_seqpar.checkpoint.peft_adapter import LORA_TARGETS, check_lora_targets
+from lightning_seqpar.checkpoint.peft_adapter import (
+    LORA_TARGETS, check_lora_targets, expert_parameter_targets, lora_config,
+)
 from lightning_seqpar.plan.pricing.model_inventory import ModelInventory
 from lightning_seqpar.plan.measuring.inventory import inventory_of_model
 
@@ -121,11 +123,13 @@ def check_expert_sizes(options: dict, model_type: str, where: str) -> None:
 
 def model_inventory(model: Union[str, Path, dict], seq_len: int = 2048, attention: str = "eager",
                     lora: Optional[int] = None, lora_targets: Sequence[str] = LORA_TARGETS,
-                    frozen: Sequence[str] = (), cache: Optional[MutableMapping] = None) -> ModelInventory:
+                    frozen: Sequence[str] = (), cache: Optional[MutableMapping] = None,
+                    lora_experts: bool = False) -> ModelInventory:
     """Build ``model`` (see :func:`load_model_config`) on the meta device and classify its parameters as the rewrite
     splits them. ``attention``: the kernel the run will use, ``"eager"`` (the explicit core attention, whose ``s²``
     probabilities selective recomputation drops) or ``"sdpa"`` (fused: no ``s²`` tensor). ``lora``: LoRA of this rank
-    on ``lora_targets`` (:func:`with_lora`); ``frozen``: parameters held but not trained (:func:`freeze`).
+    on ``lora_targets`` (:func:`with_lora`), and with ``lora_experts`` on a mixture's packed experts too; ``frozen``:
+    parameters held but not trained (:func:`freeze`).
     ``cache``: where inventories are kept (a :class:`~.fit_cache.FitCache`, keyed by the config and these arguments),
     read instead of building the model when it holds this one.
 
@@ -138,8 +142,10 @@ def model_inventory(model: Union[str, Path, dict], seq_len: int = 2048, attentio
     if lora is not None and frozen:
         raise ValueError(f"frozen={list(frozen)} with LoRA: LoRA trains the adapters only, the base is frozen already; "
                          f"give one of them.")
+    if lora_experts and lora is None:
+        raise ValueError("LoRA on the experts (--lora-experts) needs a LoRA rank: give --lora R too.")
     key = ("inventory", json.dumps(options, sort_keys=True, default=str), attention, lora,
-           tuple(lora_targets) if lora is not None else (), tuple(frozen))
+           tuple(lora_targets) if lora is not None else (), tuple(frozen)) + (("experts",) if lora_experts else ())
     if cache is not None and key in cache:
         from lightning_seqpar.hf.models import causal_lm_config
 
@@ -150,7 +156,8 @@ def model_inventory(model: Union[str, Path, dict], seq_len: int = 2048, attentio
     built = meta_model(options, attention)
     name = str(options.get("_name_or_path") or type(built).__name__)
     if lora is not None:
-        built, name = with_lora(built, lora, lora_targets), f"{name} + LoRA r={lora}"
+        built = with_lora(built, lora, lora_targets, experts=lora_experts)
+        name = f"{name} + LoRA r={lora}{' (experts too)' if lora_experts else ''}"
     elif frozen:
         name = f"{name}, {freeze(built, frozen):,} parameters frozen"
     inventory = inventory_of_hf_model(built, name=name, consume=True)
@@ -174,24 +181,31 @@ def with_attention(inventory: ModelInventory, options: dict, attention: str) -> 
                    eager_attention=attention == "eager")
 
 
-def with_lora(model: Any, rank: int, targets: Sequence[str] = LORA_TARGETS) -> Any:
-    """``model`` (on the meta device) wrapped with PEFT's LoRA of rank ``rank`` on ``targets``, as
+def with_lora(model: Any, rank: int, targets: Sequence[str] = LORA_TARGETS, experts: bool = False) -> Any:
+    """``model`` (on the meta device) wrapped with PEFT's LoRA of rank ``rank`` on ``targets`` (and with ``experts``
+    on every mixture's packed expert weights, PEFT's ``target_parameters``), as
     :class:`~lightning_seqpar.models.FineTuneModule` wraps it: the base frozen (its parameters held, without gradients,
     main params or optimizer state), the adapters trained.
 
     Raises:
-        ValueError: a rank below 1, or targets that match no module (naming the model's linear layers).
+        ValueError: a rank below 1, targets that match no module (naming the model's linear layers), ``experts`` on a
+            model without experts.
         ImportError: PEFT not installed, with the install command.
     """
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise ValueError(f"LoRA rank {rank!r}: a positive integer (8, 16, 64, ...).")
     check_lora_targets(list(targets), model)
+    parameters = expert_parameter_targets(model) if experts else []
+    if experts and not parameters:
+        raise ValueError(f"LoRA on the experts (--lora-experts): {type(model).__name__} has no mixture of experts.")
+    settings = dict(r=rank, alpha=2 * rank, dropout=0.0, target_modules=list(targets), target_parameters=parameters)
     try:
-        from peft import LoraConfig, get_peft_model
+        config = lora_config(settings)
+        from peft import get_peft_model
     except ImportError as error:
         raise ImportError("Planning LoRA needs PEFT: pip install 'lightning_seqpar[peft]'.") from error
     with torch.device("meta"):
-        return get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(targets)))
+        return get_peft_model(model, config)
 
 
 def freeze(model: Any, patterns: Sequence[str]) -> int:
