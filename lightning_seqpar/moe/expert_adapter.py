@@ -10,7 +10,9 @@ Here the rank holds the ``A`` rows and ``B`` columns of its ``E/e`` experts in t
 ``[out, r·E/e]``), so the whole-model shapes stay PEFT's, and adds ``(α/r) · (x A_iᵀ) B_iᵀ`` to each expert's product:
 two products of width r per expert instead of a second ``[E/e, out, in]`` weight, the same function to rounding. Both
 go through :func:`~lightning_seqpar.moe.expert_product.expert_product`, so a split backward leaves their weight
-gradients to W, and the grouped GEMM computes them where the base takes it.
+gradients to W (handed to the adapter's own parameters), and the grouped GEMM computes them where the base takes it.
+``B``'s expert-major copy is made again in backward, not kept: a micro-batch in flight keeps the products' inputs only
+(the rows ``[R, in]`` and the ``[R, r]`` between the two).
 """
 
 from __future__ import annotations
@@ -51,13 +53,36 @@ class ExpertAdapter:
         """``rows`` ``[R, in]`` grouped by local expert → ``(α/r) · (rows A_iᵀ) B_iᵀ`` ``[R, out]``, computed as the
         base's product is (``offsets``: the grouped GEMM; ``sizes``: the loop), weight gradients to W under
         ``store``."""
-        experts = self.a.shape[0] // self.rank
-        a = self.a.view(experts, self.rank, self.a.shape[1])  # [E/e, r, in]
-        b = self.b.view(self.b.shape[0], self.rank, experts).permute(2, 0, 1)  # [E/e, out, r]
-        if offsets is not None:  # grouped_mm takes operands with a unit stride
-            b = b.contiguous()
-        low = expert_product(rows, a, False, store, offsets=offsets, sizes=sizes, dtype=dtype)  # [R, r]
-        return expert_product(low, b, False, store, offsets=offsets, sizes=sizes, dtype=dtype) * self.scaling
+        how = dict(offsets=offsets, sizes=sizes, dtype=dtype)
+        low = expert_product(rows, self.a, False, store, packed=_ExpertMajor(self.rank), **how)  # [R, r]
+        return expert_product(low, self.b, False, store, packed=_ExpertMinor(self.rank), **how) * self.scaling
+
+
+@dataclass(frozen=True)
+class _ExpertMajor:
+    """``A`` ``[r·E, in]`` as ``[E, r, in]``: a view."""
+
+    rank: int
+
+    def experts(self, parameter: Tensor) -> Tensor:
+        return parameter.view(-1, self.rank, parameter.shape[1])
+
+    def gradient(self, experts: Tensor) -> Tensor:
+        return experts.reshape(-1, experts.shape[2])
+
+
+@dataclass(frozen=True)
+class _ExpertMinor:
+    """``B`` ``[out, r·E]`` (expert i's columns ``i, i + E, …``) as ``[E, out, r]``: a contiguous copy, which the grouped
+    GEMM needs (a permuted view has no unit stride) and which the product makes again in backward rather than keep."""
+
+    rank: int
+
+    def experts(self, parameter: Tensor) -> Tensor:
+        return parameter.view(parameter.shape[0], self.rank, -1).permute(2, 0, 1).contiguous()
+
+    def gradient(self, experts: Tensor) -> Tensor:
+        return experts.permute(1, 2, 0).reshape(experts.shape[1], -1)
 
 
 def adapted(out: Tensor, rows: Tensor, adapter: Optional[ExpertAdapter], store: Optional[WeightGradientStore],
