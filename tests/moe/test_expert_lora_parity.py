@@ -4,7 +4,7 @@ adapters' weight gradients) and data parallelism with the distributed optimizer:
 gradient before each of 3 AdamW steps, the base frozen (no gradient anywhere else). Adapters drawn with
 ``init_lora_weights=False`` (B random), so A has a gradient from the first step.
 
-Families: Qwen3-MoE; gpt-oss (``[E, h, 2f]`` weights, biases, gate and up interleaved: its B split by contiguous
+Families: Qwen3-MoE, OLMoE, GLM-4.5 (a dense first layer, a shared expert); gpt-oss (``[E, h, 2f]`` weights, biases, gate and up interleaved: its B split by contiguous
 slices over expert_tp); Mixtral with whole layers recomputed; Qwen2-MoE's shared expert and its gate as ordinary
 LoRA linears beside the experts'; and ``target_modules="all-linear"``, where PEFT also adapts the router's weight
 (the router's adapters summed over tp like the router)."""
@@ -27,6 +27,8 @@ CASES = {
         moe("mixtral", 2, 2, "full", lora="experts"),           # whole layers recomputed
         moe("qwen3_moe", 2, 2, lora="all-linear"),              # + the router's weight, PEFT's choice
         moe("qwen2_moe", 2, 2, lora="all-linear"),              # the shared expert and its gate, PEFT's choice
+        moe("olmoe", 2, 2, lora="experts"),
+        moe("glm4_moe", 2, 2, lora="experts"),                  # a dense first layer, a shared expert, groups
     ],
     4: [
         moe("qwen3_moe", 2, 2, lora="experts", expert_tp=2),    # ep 2 × expert_tp 2
@@ -47,5 +49,7 @@ def test_expert_lora_matches_one_process_running_peft(runs, world_case):
     assert_matches_single_process(per_rank, case, world_size, LOSS_RTOL, 0, relative_error_below(GRAD_BOUND))
     grads = per_rank[0][case].grads[0]
     assert grads and all(".lora_A." in name or ".lora_B." in name for name in grads), sorted(grads)
-    if dict(case.model)["lora"] == "experts":  # both packed projections of every layer carry an adapter
-        assert sum(".experts." in name for name in grads) == 2 * 2 * 2, sorted(grads)
+    model = dict(case.model)
+    if model["lora"] == "experts":  # both packed projections of every mixture layer carry an adapter
+        mixtures = 1 if model["family"] == "glm4_moe" else 2  # GLM-4.5's first layer is dense
+        assert sum(".experts." in name for name in grads) == 2 * 2 * mixtures, sorted(grads)

@@ -70,6 +70,17 @@ def test_lora_on_the_experts_is_taken_and_a_merged_one_refused_by_name():
         explain(module, tp=2, ep=2)
 
 
+def test_lora_on_an_expert_tensor_other_than_the_packed_projections_is_refused_by_name():
+    from peft import LoraConfig, get_peft_model
+
+    module = build("hf", family="gpt_oss", labels=True)
+    module.model = get_peft_model(module.model, LoraConfig(r=2, target_modules=["q_proj"],
+                                                           target_parameters=["mlp.experts.gate_up_proj_bias"]))
+    with pytest.raises(ValueError, match=r"layers\.0 mlp\.experts: .* it adapts 'gate_up_proj_bias'; only the packed "
+                                         r"projections \['gate_up_proj', 'down_proj'\] take adapters"):
+        explain(module, tp=2, ep=2)
+
+
 def test_a_mixture_of_another_shape_is_refused_for_what_it_has():
     import transformers
 
