@@ -4,8 +4,8 @@ and 4 ranks, and transformers' own expert parallelism on the same model and data
     python recipes/benchmark_moe.py                 # on CPU (gloo), or on 4 GPUs (NCCL)
     python recipes/benchmark_moe.py s=1024 experts=16
 
-Prints one table (tokens/s, bytes rank 0 sends per step by kind, expert parameters per rank) and writes it as
-markdown and CSV (``out=...``).
+Prints one table (tokens/s, bytes rank 0 sends per step by kind, expert parameters per rank; under LoRA, on the
+attention alone or on the experts too, the adapter bytes per rank) and writes it as markdown and CSV (``out=...``).
 """
 
 from __future__ import annotations
@@ -24,17 +24,19 @@ from recipes.benchmarking.moe_bench import KINDS, MoEResult, run_moe_benchmark  
 from recipes.benchmarking.report import print_table, write_table  # noqa: E402
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
-COLUMNS = ["layout", "tokens/s"] + [f"{k} KiB" for k in KINDS] + ["expert params/rank"]
+COLUMNS = ["layout", "tokens/s"] + [f"{k} KiB" for k in KINDS] + ["expert params/rank", "adapter KiB/rank"]
 
 
 def rows(results: list[MoEResult]) -> list[list[str]]:
     return [[r.layout, f"{r.tokens_per_s:.0f}"] + [f"{r.sent_kib[k]:.0f}" if k in r.sent_kib else "-" for k in KINDS]
-            + [f"{r.expert_params_per_rank:,}"] for r in results]
+            + [f"{r.expert_params_per_rank:,}", f"{r.adapter_bytes_per_rank / 1024:,.0f}"
+               if r.adapter_bytes_per_rank else "-"] for r in results]
 
 
 @hydra.main(config_path=CONF_DIR, config_name="benchmark_moe", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     require_extra("hf", "recipes/benchmark_moe.py (a Hugging Face Qwen3-MoE)")  # said before any process starts
+    require_extra("peft", "recipes/benchmark_moe.py (its LoRA rows)")
     settings = OmegaConf.to_container(cfg, resolve=True)
     settings.pop("hydra", None)
     out = Path(settings.pop("out"))

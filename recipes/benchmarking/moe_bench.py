@@ -11,6 +11,10 @@ init, float32) and token batches, called as users call it (``model(input_ids=x, 
   4 bytes, forward and backward) and its split-size exchanges (``all_to_all``), and by tensor parallelism;
 - the expert parameters each rank holds.
 
+Two rows fine-tune with LoRA (PEFT, r ``lora_r``, the base frozen) at tp 2 × ep 2: on the attention projections only,
+and on the experts' packed weights too (``target_parameters``, :mod:`lightning_seqpar.transformer.expert_lora`); their
+last column is the adapter bytes rank 0 holds (float32).
+
 And one row of transformers' own expert parallelism on the same model and token batches
 (``from_pretrained(..., distributed_config=DistributedConfig(ep_size=2, fsdp_size=4, ep_implementation="all_to_all"))``:
 experts split over 2 ranks, everything FSDP-sharded over the 4, every rank its own batch; transformers 5.24 has no
@@ -40,17 +44,20 @@ class Layout:
     ep: int
     transformers: bool = False  # transformers' own expert parallelism (fsdp WORLD × ep), not the strategy's
     etp: int = 1  # expert tensor parallelism: each expert's width over etp ranks
+    lora: str = ""  # "": full training; "attention": LoRA on q/k/v/o; "experts": and on the experts' packed weights
 
     @property
     def name(self) -> str:
         if self.transformers:
             return f"transformers: fsdp {WORLD} x ep {self.ep} (all_to_all)"
         width = f" x expert_tp {self.etp}" if self.etp > 1 else ""
-        return f"tp {self.tp} x ep {self.ep}{width} (dp {WORLD // self.tp})"
+        lora = {"": "", "attention": ", LoRA on attention", "experts": ", LoRA on attention and experts"}[self.lora]
+        return f"tp {self.tp} x ep {self.ep}{width} (dp {WORLD // self.tp}){lora}"
 
 
 LAYOUTS = (Layout(2, 1), Layout(2, 2), Layout(2, 2, etp=2), Layout(2, 4), Layout(1, 4),
-           Layout(1, 2, transformers=True))
+           Layout(2, 2, lora="attention"), Layout(2, 2, lora="experts"), Layout(1, 2, transformers=True))
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
 
 @dataclass
@@ -59,9 +66,10 @@ class MoEResult:
     tokens_per_s: float
     sent_kib: dict
     expert_params_per_rank: int
+    adapter_bytes_per_rank: int = 0
 
 
-def _model(cfg: dict[str, Any], device: torch.device) -> torch.nn.Module:
+def _model(cfg: dict[str, Any], device: torch.device, lora: str = "") -> torch.nn.Module:
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
     torch.manual_seed(0)
@@ -72,6 +80,12 @@ def _model(cfg: dict[str, Any], device: torch.device) -> torch.nn.Module:
                             max_position_embeddings=cfg["s"], attn_implementation="sdpa")
     holder = torch.nn.Module()
     holder.model = AutoModelForCausalLM.from_config(config).to(device)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"] if lora == "experts" else None
+        holder.model = get_peft_model(holder.model, LoraConfig(r=cfg["lora_r"], lora_alpha=2 * cfg["lora_r"],
+                                                               target_modules=ATTENTION, target_parameters=experts))
     return holder
 
 
@@ -82,12 +96,12 @@ def _run(layout: Layout, cfg: dict[str, Any], device: torch.device, out_dir: str
     from lightning_seqpar.rewriting import RewriteContext
 
     mesh = ParallelMesh.build(dims=ParallelDims(WORLD, tp=layout.tp, ep=layout.ep, etp=layout.etp))
-    holder = _model(cfg, device)
+    holder = _model(cfg, device, layout.lora)
     rng = RNGTracker.for_tensor_parallel(0, mesh.tensor.rank, device)
     width = mesh.group("etp") if layout.etp > 1 else None
     rewrite(holder, RewriteContext(mesh.tensor, True, rng, True, expert_group=mesh.group("ep"), data_group=mesh.data,
                                    expert_tp_group=width, expert_dispatch_group=mesh.group("etp_ep") if width else None))
-    optimizer = torch.optim.AdamW(holder.parameters(), lr=1e-4)
+    optimizer = torch.optim.AdamW([p for p in holder.parameters() if p.requires_grad], lr=1e-4)
     g = torch.Generator().manual_seed(mesh.batch_rank)  # every replica its own tokens
     batches = [torch.randint(0, cfg["vocab_size"], (cfg["b"], cfg["s"]), generator=g).to(device)
                for _ in range(cfg["warmup"] + cfg["iters"] + 1)]
@@ -97,10 +111,12 @@ def _run(layout: Layout, cfg: dict[str, Any], device: torch.device, out_dir: str
         group.log = CommunicationLog()
     holder.model(input_ids=batches[-1], labels=batches[-1]).loss.backward()
     sent = {kind: sum(group.log.bytes_moved(kind) for group in groups if group.size > 1) / 1024 for kind in KINDS}
-    experts = sum(p.numel() for n, p in holder.named_parameters() if ".experts." in n)
+    experts = sum(p.numel() for n, p in holder.named_parameters() if ".experts." in n and ".lora_" not in n)
+    adapters = sum(p.numel() * p.element_size() for n, p in holder.named_parameters() if ".lora_" in n)
     if dist.get_rank() == 0:
         replicas = WORLD // layout.tp
-        result = MoEResult(layout.name, replicas * cfg["b"] * cfg["s"] / statistics.median(times), sent, experts)
+        result = MoEResult(layout.name, replicas * cfg["b"] * cfg["s"] / statistics.median(times), sent, experts,
+                           adapters)
         (Path(out_dir) / "result.pkl").write_bytes(pickle.dumps(asdict(result)))
 
 
@@ -135,7 +151,7 @@ def _worker(local_rank: int, layout: Layout, port: int, cfg: dict[str, Any], out
 
 def run_moe_benchmark(cfg: dict[str, Any], layouts: tuple[Layout, ...] = LAYOUTS) -> list[MoEResult]:
     """Every layout in 4 fresh processes; rank 0's results in order. ``cfg``: vocab_size, hidden, layers, heads,
-    kv_heads, experts, expert_width, top_k, b, s, warmup, iters.
+    kv_heads, experts, expert_width, top_k, b, s, warmup, iters, lora_r.
 
     Raises:
         ValueError: ``experts`` not divisible by a layout's ep, or ``s`` by its tp.
