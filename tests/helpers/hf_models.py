@@ -17,7 +17,8 @@ LORA = {"all": (SEVEN, False),  # B drawn too (PEFT's init_lora_weights=False): 
         "attention": (["q_proj", "v_proj"], False),
         "rows": (["o_proj", "down_proj"], False),  # row-parallel only: adapters that add no communication
         "experts": (["q_proj", "v_proj"], False),  # and a mixture's packed experts: EXPERT_PARAMETERS
-        "all-linear": ("all-linear", False)}  # PEFT's choice per family (routers and experts of most mixtures)
+        "all-linear": ("all-linear", False),  # PEFT's choice per family (routers and experts of most mixtures)
+        "all-linear+experts": ("all-linear", False)}  # and the experts in every family: what FineTuneModule asks
 """``lora=`` of :class:`HFCausalLM`: (target_modules, init_lora_weights) of a LoraConfig(r=2, lora_alpha=4)."""
 
 EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
@@ -164,7 +165,7 @@ class HFCausalLM(pl.LightningModule):
             from peft import LoraConfig, get_peft_model
 
             targets, init = LORA[lora]
-            experts = EXPERT_PARAMETERS if lora == "experts" else None
+            experts = EXPERT_PARAMETERS if lora in ("experts", "all-linear+experts") else None
             self.model = get_peft_model(self.model, LoraConfig(r=2, lora_alpha=4, target_modules=targets,
                                                                target_parameters=experts, init_lora_weights=init))
         self.labels, self.optimizer = labels, optimizer

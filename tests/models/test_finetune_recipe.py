@@ -8,6 +8,7 @@ import json
 import math
 import re
 import shlex
+import shutil
 import sys
 
 import pytest
@@ -112,3 +113,11 @@ def test_lora_on_a_mixture_s_experts_through_the_recipe(tmp_path):
     loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "model"), tmp_path / "adapter")
     experts = [n for n, _ in loaded.named_parameters() if ".mlp.experts." in n and ".lora_B." in n]
     assert len(experts) == 2 * 2  # both packed weights of both layers
+    # its checkpoint holds the adapters only and records its base: resumed on a copy of that base, it is refused
+    checkpoint = next((tmp_path / "outputs").rglob("last.ckpt"))
+    shutil.copytree(tmp_path / "model", tmp_path / "copy")
+    resumed = [arg.replace(str(tmp_path / "model"), str(tmp_path / "copy")) for arg in args
+               if not arg.startswith("export_hf=")] + [f"ckpt_path={checkpoint}", "trainer.max_steps=6"]
+    refused = _run([sys.executable, *resumed], tmp_path, check=False)
+    assert refused.returncode != 0
+    assert "holds the trainable weights only; its frozen weights were read from" in refused.stdout + refused.stderr

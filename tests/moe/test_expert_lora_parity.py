@@ -6,7 +6,7 @@ gradient before each of 3 AdamW steps, the base frozen (no gradient anywhere els
 
 Families: Qwen3-MoE, OLMoE, GLM-4.5 (a dense first layer, a shared expert); gpt-oss (``[E, h, 2f]`` weights, biases, gate and up interleaved: its B split by contiguous
 slices over expert_tp); Mixtral with whole layers recomputed; Qwen2-MoE's shared expert and its gate as ordinary
-LoRA linears beside the experts'; and ``target_modules="all-linear"``, where PEFT also adapts the router's weight
+LoRA linears beside the experts' (``all-linear`` and the experts, as the fine-tuning module asks); and ``target_modules="all-linear"``, where PEFT also adapts the router's weight
 (the router's adapters summed over tp like the router)."""
 
 import dataclasses
@@ -26,7 +26,7 @@ CASES = {
         moe("gpt_oss", 1, 1, lora="experts", expert_tp=2),      # the interleaved width over expert_tp (dp 2)
         moe("mixtral", 2, 2, "full", lora="experts"),           # whole layers recomputed
         moe("qwen3_moe", 2, 2, lora="all-linear"),              # + the router's weight, PEFT's choice
-        moe("qwen2_moe", 2, 2, lora="all-linear"),              # the shared expert and its gate, PEFT's choice
+        moe("qwen2_moe", 2, 2, lora="all-linear+experts"),      # the shared expert and its gate beside the experts
         moe("olmoe", 2, 2, lora="experts"),
         moe("glm4_moe", 2, 2, lora="experts"),                  # a dense first layer, a shared expert, groups
     ],
@@ -50,6 +50,6 @@ def test_expert_lora_matches_one_process_running_peft(runs, world_case):
     grads = per_rank[0][case].grads[0]
     assert grads and all(".lora_A." in name or ".lora_B." in name for name in grads), sorted(grads)
     model = dict(case.model)
-    if model["lora"] == "experts":  # both packed projections of every mixture layer carry an adapter
+    if model["lora"] in ("experts", "all-linear+experts"):  # both packed projections of every mixture layer
         mixtures = 1 if model["family"] == "glm4_moe" else 2  # GLM-4.5's first layer is dense
         assert sum(".experts." in name for name in grads) == 2 * 2 * mixtures, sorted(grads)

@@ -217,9 +217,10 @@ def test_lora_on_the_experts_is_counted_as_peft_counts_it_and_split_with_the_exp
     peft_model = with_lora(meta_model(load_model_config(QWEN3_30B_A3B)), 16, attention_targets, experts=True)
     assert inventory.num_trainable == peft_model.get_nb_trainable_parameters()[0]  # PEFT's own count
     for ep, etp in ((8, 1), (4, 2)):  # tp 1 · dp 8: float32 gradients of the trained elements this rank holds
-        got = state_bytes(inventory, 1, 1, 8, ep=ep, expert_tp=etp, precision="32-true").gradients
+        got = state_bytes(inventory, 1, 1, 8, ep=ep, expert_tp=etp, precision="32-true")
         per_layer = (a_gate_up + b_down) // ep + (b_gate_up + a_down) // (ep * etp)
-        assert got == 4 * (attention + layers * per_layer), (ep, etp)
+        assert got.gradients == 4 * (attention + layers * per_layer), (ep, etp)
+        assert got.optimizer - got.steps == 2 * 4 * (attention + layers * per_layer)  # AdamW's two float32 moments
     with pytest.raises(ValueError, match="has no mixture of experts"):
         model_inventory(LLAMA3_8B, lora=16, lora_experts=True)
 
