@@ -153,6 +153,7 @@ class MoESpec:
                 f"{f' (top-{k})' if k else ''} on each rank's {'s/t·b' if ctx.sp else 's·b'} tokens "
                 f"{'(sequence-parallel, weight summed over tp)' if ctx.sp else ''}; dispatch and combine by all-to-all "
                 f"over {'ep' if ctx.expert_tp == 1 else 'etp·ep'} ({_dispatch_text(ctx)})"
+                + _adapters_text(resolve(block, self.experts), ctx)
                 + (f"; shared expert {self.shared.describe(block, ctx)}" if self.shared is not None else "")
                 + (f", gated by {self.shared_gate}" if self.shared_gate else ""))
 
@@ -236,7 +237,9 @@ class MoEPart:
         return ("moe", "moe_act") + (("shared_experts",) if self.shared is not None else ())
 
     def unpriced(self) -> str:
-        return "a shared expert" if self.shared is not None else ""
+        parts = ["a shared expert"] * (self.shared is not None) + [
+            "LoRA on the experts (the rows their adapters keep)"] * (self.adapted_experts is not self.experts)
+        return " and ".join(parts)
 
     def not_compilable(self) -> str:
         if not self.dispatcher.reads_sizes_on_host:
@@ -280,6 +283,16 @@ class MoEPart:
                 shared = torch.sigmoid(self.shared_gate(x)) * shared
             out = out + shared
         return out if self.post_norm is None else self.post_norm(out)
+
+
+def _adapters_text(experts: nn.Module, ctx: RewriteContext) -> str:
+    """What :func:`~lightning_seqpar.explain` says of LoRA on the experts: the weights adapted, and how A and B split."""
+    chain = expert_adapters(experts, "")
+    if not chain:
+        return ""
+    width = "" if ctx.expert_tp == 1 else ", gate/up's B and down's A along the width over expert_tp"
+    names = ", ".join(parts.parameter_name for parts in reversed(chain))
+    return f"; LoRA r={chain[0].rank} on {names} (each expert's A and B with it over ep{width})"
 
 
 def _dispatch_text(ctx: RewriteContext) -> str:

@@ -63,7 +63,8 @@ def test_lora_on_the_experts_is_taken_and_a_merged_one_refused_by_name():
     module = build("hf", family="qwen3_moe", labels=True)
     module.model = get_peft_model(module.model, LoraConfig(r=2, target_modules=["q_proj"],
                                                            target_parameters=["mlp.experts.gate_up_proj"]))
-    explain(module, tp=2, ep=2)  # one packed projection adapted: the experts take it (tests/moe/test_expert_lora*.py)
+    said = str(explain(module, tp=2, ep=2))  # one packed projection adapted: taken (tests/moe/test_expert_lora*.py)
+    assert "LoRA r=2 on gate_up_proj (each expert's A and B with it over ep)" in said
     module.model.base_model.model.model.layers[0].mlp.experts.merge()  # the experts' adapter alone
     with pytest.raises(ValueError, match=r"layers\.0 mlp\.experts: this LoRA adapter on the experts cannot be trained "
                                          r"under the strategy: its adapter is merged"):
