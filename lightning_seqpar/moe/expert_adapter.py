@@ -73,8 +73,9 @@ class _ExpertMajor:
 
 @dataclass(frozen=True)
 class _ExpertMinor:
-    """``B`` ``[out, r·E]`` (expert i's columns ``i, i + E, …``) as ``[E, out, r]``: a contiguous copy, which the grouped
-    GEMM needs (a permuted view has no unit stride) and which the product makes again in backward rather than keep."""
+    """``B`` ``[out, r·E]`` (expert i's columns ``i, i + E, …``) as ``[E, out, r]``: a contiguous copy, which the
+    grouped GEMM needs (a permuted view has no unit stride) and which the product makes again in backward rather than
+    keep."""
 
     rank: int
 

@@ -3,9 +3,10 @@
 
 PEFT wraps the experts module once per targeted weight, nesting ``ParamWrapper`` layers (the outer one adapts the
 parameter named last). :class:`ExpertLoRA` keeps that nesting around this rank's
-:class:`~lightning_seqpar.moe.experts.GroupedExperts`, so names stay PEFT's (``experts.base_layer.lora_A.default.weight``,
-``experts.base_layer.base_layer.gate_up_proj``) in gradients, checkpoints and exports, and hands its adapter to the
-experts, which compute it low-rank (:mod:`lightning_seqpar.moe.expert_adapter`).
+:class:`~lightning_seqpar.moe.experts.GroupedExperts`, so names stay PEFT's
+(``experts.base_layer.lora_A.default.weight``, ``experts.base_layer.base_layer.gate_up_proj``) in gradients,
+checkpoints and exports, and hands its adapter to the experts, which compute it low-rank
+(:mod:`lightning_seqpar.moe.expert_adapter`).
 
 How the adapters split (the values are the one-device draw, sliced: training does not depend on the layout):
 

@@ -286,7 +286,7 @@ class MoEPart:
 
 
 def _adapters_text(experts: nn.Module, ctx: RewriteContext) -> str:
-    """What :func:`~lightning_seqpar.explain` says of LoRA on the experts: the weights adapted, and how A and B split."""
+    """What :func:`~lightning_seqpar.explain` says of LoRA on the experts: the weights adapted, how A and B split."""
     chain = expert_adapters(experts, "")
     if not chain:
         return ""

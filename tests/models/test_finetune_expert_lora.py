@@ -44,8 +44,8 @@ def test_all_linear_on_a_dense_model_adds_no_parameter_targets(tmp_path):
 
 def test_parameter_targets_that_name_nothing_are_refused_with_the_model_s_packed_weights(tmp_path):
     with pytest.raises(ValueError, match=r"target_parameters \['mlp.experts.up_proj'\] match no parameter of "
-                                         r"Qwen3MoeForCausalLM\. Its packed expert weights are \['mlp.experts.down_proj', "
-                                         r"'mlp.experts.gate_up_proj'\]"):
+                                         r"Qwen3MoeForCausalLM\. Its packed expert weights are "
+                                         r"\['mlp.experts.down_proj', 'mlp.experts.gate_up_proj'\]"):
         FineTuneModule(_model_dir(tmp_path, "qwen3_moe"),
                        lora={"r": 2, "target_modules": ["q_proj"], "target_parameters": ["mlp.experts.up_proj"]})
 

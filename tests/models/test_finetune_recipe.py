@@ -104,9 +104,9 @@ def test_lora_on_a_mixture_s_experts_through_the_recipe(tmp_path):
 
     make_chat_model_dir(tmp_path / "model", experts=4)
     (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chat_records(40)))
-    args = [f"{ROOT}/recipes/finetune.py", f"model.pretrained={tmp_path / 'model'}", f"data.path={tmp_path / 'chat.jsonl'}",
-            "peft=lora", "peft.r=2", "peft.target_modules=all-linear", "strategy=tp2_ep2", f"export_hf={tmp_path / 'adapter'}",
-            *(f"{k}={v}" for k, v in TINY.items())]
+    args = [f"{ROOT}/recipes/finetune.py", f"model.pretrained={tmp_path / 'model'}",
+            f"data.path={tmp_path / 'chat.jsonl'}", "peft=lora", "peft.r=2", "peft.target_modules=all-linear",
+            "strategy=tp2_ep2", f"export_hf={tmp_path / 'adapter'}", *(f"{k}={v}" for k, v in TINY.items())]
     _run([sys.executable, *args], tmp_path)
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert {"mlp.experts.gate_up_proj", "mlp.experts.down_proj"} <= set(config["target_parameters"])

@@ -4,10 +4,11 @@ adapters' weight gradients) and data parallelism with the distributed optimizer:
 gradient before each of 3 AdamW steps, the base frozen (no gradient anywhere else). Adapters drawn with
 ``init_lora_weights=False`` (B random), so A has a gradient from the first step.
 
-Families: Qwen3-MoE, OLMoE, GLM-4.5 (a dense first layer, a shared expert); gpt-oss (``[E, h, 2f]`` weights, biases, gate and up interleaved: its B split by contiguous
-slices over expert_tp); Mixtral with whole layers recomputed; Qwen2-MoE's shared expert and its gate as ordinary
-LoRA linears beside the experts' (``all-linear`` and the experts, as the fine-tuning module asks); and ``target_modules="all-linear"``, where PEFT also adapts the router's weight
-(the router's adapters summed over tp like the router)."""
+Families: Qwen3-MoE, OLMoE, GLM-4.5 (a dense first layer, a shared expert); gpt-oss (``[E, h, 2f]`` weights, biases,
+gate and up interleaved: its B split by contiguous slices over expert_tp); Mixtral with whole layers recomputed;
+Qwen2-MoE's shared expert and its gate as ordinary LoRA linears beside the experts' (``all-linear`` and the experts, as
+the fine-tuning module asks); and ``target_modules="all-linear"``, where PEFT also adapts the router's weight (the
+router's adapters summed over tp like the router)."""
 
 import dataclasses
 
