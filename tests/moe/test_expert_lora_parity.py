@@ -1,7 +1,7 @@
 """LoRA on a mixture's experts (PEFT's ``target_parameters`` on the packed ``gate_up_proj`` and ``down_proj``) trains
-like one process running PEFT under expert, expert tensor, tensor (+SP), pipeline (1F1B and ZB-H1, whose W takes the
-adapters' weight gradients) and data parallelism with the distributed optimizer: float64, the loss and every adapter's
-gradient before each of 3 AdamW steps, the base frozen (no gradient anywhere else). Adapters drawn with
+like one process running PEFT under expert, expert tensor, tensor (+SP), pipeline (1F1B, ZB-H1 and ZB-V, whose W
+takes the adapters' weight gradients) and data parallelism with the distributed optimizer: float64, the loss and every
+adapter's gradient before each of 3 AdamW steps, the base frozen (no gradient anywhere else). Adapters drawn with
 ``init_lora_weights=False`` (B random), so A has a gradient from the first step.
 
 Families: Qwen3-MoE, OLMoE, GLM-4.5 (a dense first layer, a shared expert); gpt-oss (``[E, h, 2f]`` weights, biases,
@@ -37,6 +37,8 @@ CASES = {
         moe("qwen3_moe", 2, 2, zero=1, lora="experts"),         # ep 2 × dp 2, the distributed optimizer over edp
         dataclasses.replace(moe("qwen3_moe", 1, 2, pp=2, lora="experts"),  # ZB-H1: the adapters' W deferred
                             strategy=(("ep", 2), ("schedule", "ZB-H1"))),
+        dataclasses.replace(moe("qwen3_moe", 1, 2, pp=2, lora="experts", layers=4),  # ZB-V: two chunks a rank
+                            strategy=(("ep", 2), ("schedule", "ZB-V"))),
     ],
 }
 
@@ -52,5 +54,5 @@ def test_expert_lora_matches_one_process_running_peft(runs, world_case):
     assert grads and all(".lora_A." in name or ".lora_B." in name for name in grads), sorted(grads)
     model = dict(case.model)
     if model["lora"] in ("experts", "all-linear+experts"):  # both packed projections of every mixture layer
-        mixtures = 1 if model["family"] == "glm4_moe" else 2  # GLM-4.5's first layer is dense
+        mixtures = model.get("layers", 2) - (model["family"] == "glm4_moe")  # GLM-4.5's first layer is dense
         assert sum(".experts." in name for name in grads) == 2 * 2 * mixtures, sorted(grads)
