@@ -71,10 +71,11 @@ def chat_records(n: int, seed: int = 0) -> list[dict]:
     return records
 
 
-def make_chat_dir(root, conversations: int):
-    """``root/model`` (:func:`make_chat_model_dir`) and ``root/chat.jsonl`` of ``conversations`` records; ``root``."""
+def make_chat_dir(root, conversations: int, experts: int = 0):
+    """``root/model`` (:func:`make_chat_model_dir`, a mixture of ``experts`` where given) and ``root/chat.jsonl`` of
+    ``conversations`` records; ``root``."""
     import json
 
-    make_chat_model_dir(root / "model")
+    make_chat_model_dir(root / "model", experts=experts)
     (root / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chat_records(conversations)))
     return root
