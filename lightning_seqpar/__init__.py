@@ -49,6 +49,7 @@ _EXPORTS = {
     "apply_recompute": "lightning_seqpar.recompute",
     "context_parallel_batch": "lightning_seqpar.context_parallel",
     "explain": "lightning_seqpar.plan.explain",
+    "generate": "lightning_seqpar.generation",
     "rewrite": "lightning_seqpar.policies",
     "validate_layout": "lightning_seqpar.parallel.mesh",
     "vocab_parallel_cross_entropy": "lightning_seqpar.tensor_parallel",

@@ -22,7 +22,7 @@ LAYERS = [
      "sequence of a rank", {"recompute", "offload", "pipeline_parallel", "optim", "checkpoint", "build"}),
     ("the layout: one value from the planner to the strategy", {"layout"}),
     ("planning: layouts, their bytes per rank and step time", {"plan"}),
-    ("Lightning integration", {"lightning"}),
+    ("Lightning integration; generation in the training layout", {"lightning", "generation"}),
     ("reference models and data (ordinary users of the library)", {"models", "data"}),
     ("package facade", {"__init__"}),
 ]

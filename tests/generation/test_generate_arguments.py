@@ -1,0 +1,51 @@
+"""``generate`` on one process, the fast lane: greedy tokens equal transformers' ``generate`` on the same model, a
+left-padded row continues as it would alone, and what it cannot take is refused by name before any forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_seqpar import generate
+from tests.helpers.models import build
+
+transformers = pytest.importorskip("transformers")
+
+PROMPTS = torch.tensor([[0, 0, 5, 3, 7], [4, 1, 2, 9, 11]])
+MASK = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+
+
+@pytest.fixture(scope="module")
+def model():
+    # SDPA: transformers' eager attention in float64 gives NaN on the rows of a left-padded prompt (a fully masked
+    # query row), which generation reads nothing of but which its matmuls carry on into the row's real positions.
+    model = build("hf", labels=True, attn_implementation="sdpa").double().model
+    model.generation_config.eos_token_id = None  # transformers' rows run to max_new_tokens, as ours without one
+    return model
+
+
+def test_greedy_tokens_are_transformers_and_a_padded_row_continues_as_alone(model):
+    got = generate(model, PROMPTS, 5, attention_mask=MASK)
+    for row in range(2):
+        alone = PROMPTS[row][MASK[row] == 1][None]
+        want = model.generate(input_ids=alone, max_new_tokens=5, do_sample=False, pad_token_id=0)
+        assert torch.equal(got[row, -5:], want[0, -5:]), (row, got, want)
+
+
+def test_a_row_stops_at_its_end_token_and_is_padded_after(model):
+    free = generate(model, PROMPTS[1:], 5)
+    end = int(free[0, 6])  # the row's second new token
+    got = generate(model, PROMPTS[1:], 5, eos_token_id=end, pad_token_id=0)
+    assert torch.equal(got, free[:, :7])  # every row ended: no forward after the end token
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(input_ids=torch.zeros(5, dtype=torch.long)), r"input_ids of shape \(5,\)"),
+    (dict(attention_mask=torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]])), "pad on the left"),
+    (dict(attention_mask=torch.ones(2, 4, dtype=torch.long)), r"attention_mask of shape \(2, 4\)"),
+    (dict(max_new_tokens=-1), "max_new_tokens=-1"),
+    (dict(do_sample=True, temperature=0.0), "temperature=0.0")])
+def test_what_generate_cannot_take_is_refused_by_name(model, kwargs, match):
+    arguments = {**dict(input_ids=PROMPTS, max_new_tokens=3), **kwargs}
+    with pytest.raises(ValueError, match=match):
+        generate(model, **arguments)
