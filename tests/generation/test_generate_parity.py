@@ -1,0 +1,144 @@
+"""Tokens out of a model in its training layout are one process's: after training under SeqParallelStrategy, every
+rank calls ``generate`` inside the run (a callback at the end of fit), and
+
+- greedy tokens of left-padded prompts equal transformers' ``generate`` of each prompt alone on the one-process model
+  with the trained weights (gathered from the run);
+- sampled tokens (temperature, top-k, top-p, a seeded generator) equal transformers' sampling of the same batch with
+  the same seed;
+- the returned log-probabilities equal the one-process forward's log-probabilities of the chosen tokens (float32)
+  within 1e-6: the trainer/rollout mismatch;
+- every rank of a tensor-parallel group returns the same tokens, and each data-parallel replica continues its own
+  prompts; rows end at their end-of-sequence token, and every replica stops with the last to end.
+
+Llama, Qwen3, Gemma 2 (soft-capped logits and attention, sliding windows), gpt-oss (attention sinks, experts) at
+tp 2; Qwen3-MoE at tp 2 × ep 2 with two data-parallel replicas. Float64, 2 training steps first."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from lightning_seqpar import generate
+from lightning_seqpar.checkpoint.full_state import full_state_dict
+from tests.helpers.distributed import run_distributed
+from tests.helpers.models import build, loader, token_data
+from tests.helpers.strategy import strategy_of
+
+pytestmark = pytest.mark.distributed  # starts processes: outside the fast lane
+
+NEW = 6
+END, PAD = 7, 12  # an end-of-sequence token some rows produce, and the padding after it
+SAMPLING = dict(do_sample=True, temperature=0.8, top_k=5, top_p=0.9)
+CASES = {2: [("llama", 2, 1), ("qwen3", 2, 1), ("gemma2", 2, 1), ("gpt_oss", 2, 1)], 4: [("qwen3_moe", 2, 2)]}
+"""(family, tp, ep) by world size."""
+
+
+def _prompts(replica: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Replica ``replica``'s prompts: two rows, the first left-padded by two."""
+    prompts = (torch.tensor([[0, 0, 5, 3, 7], [4, 1, 2, 9, 11]]) + 3 * replica) % 13
+    return prompts, torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+
+
+class _Generate(pl.Callback):
+    def on_train_end(self, trainer, pl_module):
+        replica = trainer.strategy.mesh.batch_rank
+        prompts, mask = _prompts(replica)
+        self.result = dict(
+            state=full_state_dict(pl_module, trainer.strategy.mesh), replica=replica,
+            greedy=generate(pl_module, prompts, NEW, attention_mask=mask, return_logprobs=True),
+            sampled=generate(pl_module, prompts[1:].expand(2, -1), NEW, generator=torch.Generator().manual_seed(3),
+                             **SAMPLING),
+            ended=generate(pl_module, prompts, NEW, attention_mask=mask, eos_token_id=END, pad_token_id=PAD))
+
+
+def _run(rank, world, family, tp, ep):
+    callback = _Generate()
+    trainer = pl.Trainer(accelerator="cpu", devices=world, precision="64-true", max_steps=2, logger=False,
+                         strategy=strategy_of(tp=tp, ep=ep), enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0, callbacks=[callback])
+    trainer.fit(build("hf", labels=True, family=family), loader(token_data(2, world // tp)))
+    return callback.result
+
+
+def _all_cases():
+    return [(world, case) for world, cases in CASES.items() for case in cases]
+
+
+@pytest.fixture(scope="module")
+def generated():
+    done = {}
+
+    def of(world, case):
+        if (world, case) not in done:
+            done[world, case] = run_distributed(_run, world, *case)
+        return done[world, case]
+    return of
+
+
+def _reference(family, state):
+    model = build("hf", labels=True, family=family).double()  # (its prompts unpadded: each alone, or of one length)
+    model.load_state_dict(state)
+    model.model.generation_config.eos_token_id = None  # every row runs to NEW tokens, as generate() without one
+    return model.model
+
+
+@pytest.mark.parametrize("world, case", _all_cases(), ids=lambda v: str(v))
+def test_generated_tokens_and_logprobs_are_one_process_s(generated, world, case):
+    per_rank = generated(world, case)
+    tp = case[1]
+    for rank, result in enumerate(per_rank):  # a tensor-parallel group returns the same tokens on every rank
+        first = per_rank[rank - rank % tp]
+        assert torch.equal(result["greedy"][0], first["greedy"][0]) and torch.equal(result["sampled"],
+                                                                                     first["sampled"])
+    for result in per_rank[::tp]:  # each data-parallel replica's own prompts
+        model = _reference(case[0], result["state"])
+        prompts, mask = _prompts(result["replica"])
+        tokens, logprobs = result["greedy"]
+        assert tokens.shape == (2, 5 + NEW) and torch.equal(tokens[:, :5], prompts)
+        for row in range(2):
+            alone = prompts[row][mask[row] == 1][None]
+            want = model.generate(input_ids=alone, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
+            assert torch.equal(tokens[row, 5:], want[0, -NEW:]), (case, row, tokens, want)
+            with torch.no_grad():
+                whole = want[0][None]
+                forward = model(input_ids=whole).logits.float().log_softmax(-1)[0, -NEW - 1:-1]
+            chosen = forward.gather(-1, whole[0, -NEW:, None]).squeeze(-1)
+            assert (logprobs[row] - chosen).abs().max().item() < 1e-6, (logprobs[row], chosen)
+        torch.manual_seed(3)  # transformers draws from the default generator
+        want = model.generate(input_ids=prompts[1:].expand(2, -1), max_new_tokens=NEW, pad_token_id=0, **SAMPLING)
+        assert torch.equal(result["sampled"], want), (result["sampled"], want)
+    if world > tp:  # the replicas continued different prompts
+        assert not torch.equal(per_rank[0]["greedy"][0], per_rank[tp]["greedy"][0])
+    # Rows end at END, padded after it; every replica stops together (its ranks share a mixture's all-to-all).
+    assert len({result["ended"].shape[1] for result in per_rank}) == 1
+    length = per_rank[0]["ended"].shape[1]
+    for result in per_rank:
+        free = result["greedy"][0][:, :length]
+        ended = (free[:, 5:] == END).int().cumsum(-1) - (free[:, 5:] == END).int() > 0  # after a row's first END
+        assert torch.equal(result["ended"][:, 5:], free[:, 5:].masked_fill(ended, PAD))
+    stopped = [bool((r["greedy"][0][:, 5:length] == END).any(-1).all()) for r in per_rank]
+    assert length == 5 + NEW or all(stopped)  # shorter only when every row of every replica had ended
+
+
+class _Refused(pl.Callback):
+    def on_train_end(self, trainer, pl_module):
+        try:
+            generate(pl_module, _prompts(0)[0], 2)
+            self.message = ""
+        except NotImplementedError as error:
+            self.message = str(error)
+
+
+def _pipelined(rank, world):
+    callback = _Refused()
+    trainer = pl.Trainer(accelerator="cpu", devices=world, precision="64-true", max_steps=1, logger=False,
+                         strategy=strategy_of(pp=2), enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0, callbacks=[callback])
+    trainer.fit(build("hf", labels=True), loader(token_data(1, 1)))
+    return callback.message
+
+
+def test_generation_under_pipeline_parallelism_is_refused_by_name_on_every_rank():
+    messages = run_distributed(_pipelined, 2)
+    assert all("generate() under pipeline parallelism (pp=2) is not implemented yet" in m for m in messages), messages
