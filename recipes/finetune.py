@@ -42,7 +42,7 @@ from omegaconf import DictConfig, OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: helpers of the recipes package
 
-from lightning_seqpar import SeqParallelStrategy  # noqa: E402
+from lightning_seqpar import SeqParallelStrategy, generate  # noqa: E402
 from lightning_seqpar.checkpoint.destination import refuse_export_destination  # noqa: E402
 from lightning_seqpar.checkpoint.peft_export import export_peft_adapter  # noqa: E402
 from lightning_seqpar.data.finetune_datamodule import FineTuneDataModule  # noqa: E402
@@ -115,26 +115,31 @@ def build(cfg: DictConfig, output_dir: Path) -> tuple[FineTuneModule, Any, pl.Tr
 
 
 def reply(module: FineTuneModule, trainer: pl.Trainer, data: Any, prompt: str, tokens: int) -> str:
-    """A greedy reply to ``prompt`` (one user turn, rendered with the chat template when there is one), from a
-    single-device copy of the fine-tuned model (collective: every rank calls it)."""
-    from transformers import AutoModelForCausalLM
-
+    """A greedy reply to ``prompt`` (one user turn, rendered with the chat template when there is one), generated in
+    the training layout (:func:`lightning_seqpar.generate`; under pipeline or context parallelism, which it does not
+    run yet, from a single-device copy of the fine-tuned model). Collective: every rank calls it."""
     hf = data.tokenizer.tokenizer
     if getattr(hf, "chat_template", None):
         ids = hf.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                      tokenize=True, return_dict=True)["input_ids"]
     else:
         ids = hf(prompt, add_special_tokens=False)["input_ids"]
+    prompt_ids = torch.tensor([ids], device=module.device)
+    pad = data.tokenizer.separator[0]
+    layout = trainer.strategy.layout
+    if layout.pp == 1 and layout.cp == 1:
+        out = generate(module, prompt_ids, tokens, eos_token_id=module.hf_config.eos_token_id, pad_token_id=pad)
+        return data.tokenizer.decode(out[0, len(ids):].tolist())
+    from transformers import AutoModelForCausalLM
+
     state = trainer.strategy.full_state_dict()  # collective: the single-device weights (LoRA: base and adapters)
     model = AutoModelForCausalLM.from_config(module.hf_config).to(module.device, torch.float32)
     if module.lora is not None:
         model = module.with_adapters(model)  # the same PEFT wrapping: the adapters' keys match
     model.load_state_dict({k[len("model."):]: v for k, v in state.items() if k.startswith("model.")})
     model.eval()
-    prompt_ids = torch.tensor([ids], device=module.device)
     with torch.no_grad():
-        out = model.generate(input_ids=prompt_ids, max_new_tokens=tokens, do_sample=False,
-                             pad_token_id=data.tokenizer.separator[0])
+        out = model.generate(input_ids=prompt_ids, max_new_tokens=tokens, do_sample=False, pad_token_id=pad)
     return data.tokenizer.decode(out[0, len(ids):].tolist())
 
 
