@@ -42,6 +42,7 @@ _EXPORTS = {
     "RNGTracker": "lightning_seqpar.parallel",
     "RewriteContext": "lightning_seqpar.rewriting",
     "RowParallelLinear": "lightning_seqpar.tensor_parallel",
+    "SampleText": "lightning_seqpar.lightning.callbacks",
     "SelectiveRecompute": "lightning_seqpar.lightning.callbacks",
     "Preemption": "lightning_seqpar.lightning.preemption",
     "SeqParallelStrategy": "lightning_seqpar.lightning.strategy",

@@ -48,7 +48,7 @@ from lightning_seqpar.checkpoint.peft_export import export_peft_adapter  # noqa:
 from lightning_seqpar.data.finetune_datamodule import FineTuneDataModule  # noqa: E402
 from lightning_seqpar.data.preference_datamodule import PreferenceDataModule  # noqa: E402
 from lightning_seqpar.extras import require_extra  # noqa: E402
-from lightning_seqpar.lightning.callbacks import LayoutReport, ParallelModelSummary  # noqa: E402
+from lightning_seqpar.lightning.callbacks import LayoutReport, ParallelModelSummary, SampleText  # noqa: E402
 from lightning_seqpar.models.dpo_reference import reference_for_run  # noqa: E402
 from lightning_seqpar.models.finetune import FineTuneModule  # noqa: E402
 from recipes.pretrain_gpt import CONF_DIR, memory_callbacks, route_logs_to_hydra  # noqa: E402
@@ -108,27 +108,35 @@ def build(cfg: DictConfig, output_dir: Path) -> tuple[FineTuneModule, Any, pl.Tr
     if cfg.trainer.get("enable_progress_bar", True):
         callbacks.append(TQDMProgressBar())  # Lightning's rich bar prints "Epoch 4/-2" for step-based runs
     callbacks += memory_callbacks(cfg)
+    if cfg.sample.get("every_n_steps"):  # replies logged during training (logs/.../samples.csv, and the log)
+        callbacks.append(SampleText([cfg.sample.prompt], lambda prompt: prompt_ids(data, prompt),
+                                    data.tokenizer.decode, cfg.sample.every_n_steps, cfg.sample.max_new_tokens,
+                                    module.hf_config.eos_token_id, data.tokenizer.separator[0]))
     trainer = pl.Trainer(strategy=SeqParallelStrategy(**OmegaConf.to_container(cfg.strategy, resolve=True)),
                          callbacks=callbacks, logger=CSVLogger(output_dir, name="logs"),
                          **OmegaConf.to_container(cfg.trainer, resolve=True))
     return module, data, trainer
 
 
+def prompt_ids(data: Any, prompt: str) -> list[int]:
+    """``prompt`` as one user turn, rendered with the chat template where the tokenizer has one, as token ids."""
+    hf = data.tokenizer.tokenizer
+    if getattr(hf, "chat_template", None):
+        return hf.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                      tokenize=True, return_dict=True)["input_ids"]
+    return hf(prompt, add_special_tokens=False)["input_ids"]
+
+
 def reply(module: FineTuneModule, trainer: pl.Trainer, data: Any, prompt: str, tokens: int) -> str:
     """A greedy reply to ``prompt`` (one user turn, rendered with the chat template when there is one), generated in
     the training layout (:func:`lightning_seqpar.generate`; under pipeline or context parallelism, which it does not
     run yet, from a single-device copy of the fine-tuned model). Collective: every rank calls it."""
-    hf = data.tokenizer.tokenizer
-    if getattr(hf, "chat_template", None):
-        ids = hf.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                     tokenize=True, return_dict=True)["input_ids"]
-    else:
-        ids = hf(prompt, add_special_tokens=False)["input_ids"]
-    prompt_ids = torch.tensor([ids], device=module.device)
+    ids = prompt_ids(data, prompt)
+    batch = torch.tensor([ids], device=module.device)
     pad = data.tokenizer.separator[0]
     layout = trainer.strategy.layout
     if layout.pp == 1 and layout.cp == 1:
-        out = generate(module, prompt_ids, tokens, eos_token_id=module.hf_config.eos_token_id, pad_token_id=pad)
+        out = generate(module, batch, tokens, eos_token_id=module.hf_config.eos_token_id, pad_token_id=pad)
         return data.tokenizer.decode(out[0, len(ids):].tolist())
     from transformers import AutoModelForCausalLM
 
@@ -139,7 +147,7 @@ def reply(module: FineTuneModule, trainer: pl.Trainer, data: Any, prompt: str, t
     model.load_state_dict({k[len("model."):]: v for k, v in state.items() if k.startswith("model.")})
     model.eval()
     with torch.no_grad():
-        out = model.generate(input_ids=prompt_ids, max_new_tokens=tokens, do_sample=False, pad_token_id=pad)
+        out = model.generate(input_ids=batch, max_new_tokens=tokens, do_sample=False, pad_token_id=pad)
     return data.tokenizer.decode(out[0, len(ids):].tolist())
 
 

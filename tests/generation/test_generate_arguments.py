@@ -49,3 +49,16 @@ def test_what_generate_cannot_take_is_refused_by_name(model, kwargs, match):
     arguments = {**dict(input_ids=PROMPTS, max_new_tokens=3), **kwargs}
     with pytest.raises(ValueError, match=match):
         generate(model, **arguments)
+
+
+def test_sample_text_refuses_what_it_cannot_do_before_training():
+    from types import SimpleNamespace
+
+    from lightning_seqpar import Layout, SampleText
+
+    with pytest.raises(ValueError, match="every_n_steps=0"):
+        SampleText(["hi"], list, str, 0)
+    callback = SampleText(["hi"], list, str, 2)
+    trainer = SimpleNamespace(strategy=SimpleNamespace(layout=Layout(pp=2)))
+    with pytest.raises(ValueError, match=r"pipeline or context parallelism \(pp=2, cp=1\)"):
+        callback.on_fit_start(trainer, None)

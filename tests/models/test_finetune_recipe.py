@@ -4,6 +4,7 @@ model exported and loaded by PEFT and transformers; and full fine-tuning with th
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 import re
@@ -96,7 +97,8 @@ def test_full_fine_tuning_exports_the_whole_model_and_bad_options_are_refused_fi
 
 def test_lora_on_a_mixture_s_experts_through_the_recipe(tmp_path):
     """``peft.target_modules=all-linear`` on a Qwen3-MoE at tp 2 × ep 2: the adapter the recipe exports targets the
-    experts' packed weights and loads in PEFT with an adapter on every layer's experts."""
+    experts' packed weights and loads in PEFT with an adapter on every layer's experts; replies sampled while it trains
+    (``sample.every_n_steps``) are logged."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -106,8 +108,13 @@ def test_lora_on_a_mixture_s_experts_through_the_recipe(tmp_path):
     (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chat_records(40)))
     args = [f"{ROOT}/recipes/finetune.py", f"model.pretrained={tmp_path / 'model'}",
             f"data.path={tmp_path / 'chat.jsonl'}", "peft=lora", "peft.r=2", "peft.target_modules=all-linear",
-            "strategy=tp2_ep2", f"export_hf={tmp_path / 'adapter'}", *(f"{k}={v}" for k, v in TINY.items())]
+            "strategy=tp2_ep2", f"export_hf={tmp_path / 'adapter'}", "sample.every_n_steps=2",
+            *(f"{k}={v}" for k, v in TINY.items())]
     _run([sys.executable, *args], tmp_path)
+    # replies generated in the training layout while it trained (experts over ep), at steps 2 and 4
+    with next((tmp_path / "outputs").rglob("samples.csv")).open(newline="") as handle:
+        samples = list(csv.reader(handle))
+    assert samples[0] == ["step", "prompt", "reply"] and [row[0] for row in samples[1:]] == ["2", "4"]
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert {"mlp.experts.gate_up_proj", "mlp.experts.down_proj"} <= set(config["target_parameters"])
     loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "model"), tmp_path / "adapter")
