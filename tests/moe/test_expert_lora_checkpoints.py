@@ -1,9 +1,10 @@
 """Adapters on a mixture's experts as users keep and share them: checkpoints reshard them with their experts (saved at
 tp 2 × ep 2, resumed with each expert's width split too, then into one full-format file at ep 1 × expert_tp 2, then
-over ep 4, then into a pipeline of 2 stages at ep 2) on the loss curve of the uninterrupted one-process run; and,
-trained at ep 2 × expert_tp 2 (tp 2, dp 2), they export as a PEFT adapter directory that ``PeftModel.from_pretrained``
-loads bit for bit as trained, with the one-process training's logits, and as a merged Hugging Face directory
-(``W_i + (α/r)·B_i·A_i`` per expert, written as the hub's per-expert tensors) with the adapted model's logits."""
+over ep 4, then with the optimizer state split over data-parallel ranks (zero 1), then into a pipeline of 2 stages at
+ep 2) on the loss curve of the uninterrupted one-process run; and, trained at ep 2 × expert_tp 2 (tp 2, dp 2), they
+export as a PEFT adapter directory that ``PeftModel.from_pretrained`` loads bit for bit as trained, with the
+one-process training's logits, and as a merged Hugging Face directory (``W_i + (α/r)·B_i·A_i`` per expert, written as
+the hub's per-expert tensors) with the adapted model's logits."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ pytestmark = pytest.mark.distributed  # starts processes: outside the fast lane
 
 MODEL = dict(family="qwen3_moe", labels=True, lora="experts")
 LAYOUTS = (dict(tp=2, ep=2), dict(tp=2, ep=2, expert_tp=2), dict(tp=2, ep=1, expert_tp=2, checkpoint_format="full"),
-           dict(tp=1, ep=4), dict(tp=1, pp=2, ep=2))
+           dict(tp=1, ep=4), dict(tp=2, ep=2, zero=1), dict(tp=1, pp=2, ep=2))
 
 
 def _lives(rank, world, root):
