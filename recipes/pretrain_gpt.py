@@ -31,7 +31,9 @@ from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, TQ
 from lightning.pytorch.loggers import CSVLogger
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_seqpar import ActivationOffload, FlopsUtilization, Preemption, SelectiveRecompute, SeqParallelStrategy
+from lightning_seqpar import (
+    ActivationOffload, FlopsUtilization, Preemption, SelectiveRecompute, SeqParallelStrategy, generate,
+)
 from lightning_seqpar.data import TextDataModule
 from lightning_seqpar.checkpoint.destination import refuse_export_destination
 from lightning_seqpar.data.tokenizer import BYTES, has_tokenizer
@@ -173,12 +175,19 @@ def sample(module: CausalLMModule, trainer: pl.Trainer, data: TextDataModule, cf
     """Generate from ``cfg.sample.prompt`` (tokenized by the corpus's tokenizer) or, for a token file without a
     tokenizer, from the validation split's first tokens (printed as ids); every rank must call it.
 
-    Under pipeline parallelism no rank holds the whole model, and under context parallelism each rank holds chunks of
-    the sequence (the model computes the loss, not whole-sequence logits): generate with a single-device copy
-    assembled from every stage and shard (the checkpoint's state dict).
+    In the training layout (a Hugging Face model through :func:`lightning_seqpar.generate`, the reference GPT through
+    its own sampling); under pipeline parallelism no rank holds the whole model, and under context parallelism each
+    rank holds chunks of the sequence (the model computes the loss, not whole-sequence logits): generate with a
+    single-device copy assembled from every stage and shard (the checkpoint's state dict).
     """
     prompt = data.prompt(cfg.sample.prompt)[None].to(module.device)
-    if isinstance(module, HFCausalLMModule):  # generation keeps a key/value cache: a single-device copy
+    in_layout = trainer.strategy.pp == 1 and trainer.strategy.cp == 1
+    if isinstance(module, HFCausalLMModule) and in_layout:
+        generator = torch.Generator(device=module.device).manual_seed(cfg.seed)  # same draws on every rank
+        out = generate(module, prompt, cfg.sample.max_new_tokens, do_sample=True, temperature=cfg.sample.temperature,
+                       top_k=cfg.sample.top_k, generator=generator, eos_token_id=module.model.config.eos_token_id)
+        return data.decode(out[0].cpu())
+    if isinstance(module, HFCausalLMModule):
         from transformers import AutoModelForCausalLM
 
         state = trainer.strategy.full_state_dict()  # collective: the single-device weights on every rank
@@ -189,7 +198,7 @@ def sample(module: CausalLMModule, trainer: pl.Trainer, data: TextDataModule, cf
         out = model.generate(prompt, max_new_tokens=cfg.sample.max_new_tokens, do_sample=True,
                              temperature=cfg.sample.temperature, top_k=cfg.sample.top_k)
         return data.decode(out[0].cpu())
-    if trainer.strategy.pp > 1 or trainer.strategy.cp > 1:
+    if not in_layout:
         state = trainer.strategy.full_state_dict()  # collective: the single-device weights on every rank
         module = GPTLightningModule(module.gpt.config)
         module.load_state_dict(state)
