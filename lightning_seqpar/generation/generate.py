@@ -2,10 +2,11 @@
 data-parallel replica continues its own batch of prompts, no rank ever holding more of the model than it trains with.
 
 Each new token runs the model's forward over the sequence so far, as training runs it (tensor and sequence
-parallelism, experts over ep and expert_tp); the logits of the last position are gathered over the vocabulary's
-tensor-parallel split, and the token is chosen as transformers' ``generate`` chooses it (:mod:`.next_token`). A draw
-is made by every rank from the same generator state and tensor-parallel rank 0's token is broadcast, so the ranks of a
-tensor-parallel group cannot disagree where a kernel's rounding differs between devices. Rows stop at their
+parallelism, experts over ep and expert_tp; the trainer's precision, autocast under ``bf16-mixed``); the logits of the
+last position are gathered over the vocabulary's tensor-parallel split, and the token is chosen as transformers'
+``generate`` chooses it (:mod:`.next_token`). A draw is made by every rank from the same generator state and
+tensor-parallel rank 0's token is broadcast, so the ranks of a tensor-parallel group cannot disagree where a kernel's
+rounding differs between devices. Rows stop at their
 end-of-sequence token; every rank runs the same number of forwards (a mixture's dispatch spans the data-parallel
 replicas), so the loop ends when every replica's rows have stopped.
 
@@ -15,6 +16,7 @@ by name).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Optional, Sequence, Union
 
 import torch
@@ -58,17 +60,21 @@ def generate(module: Any, input_ids: Tensor, max_new_tokens: int, *, attention_m
     """
     choice = TokenChoice(do_sample, temperature, top_k, top_p)
     model, strategy = _model_and_strategy(module)
+    trainer = getattr(module, "_trainer", None) if model is not module else None
+    precision = getattr(trainer, "precision_plugin", None)
     mask = _checked(input_ids, attention_mask, max_new_tokens)
     ends = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or ()),
                         dtype=input_ids.dtype, device=input_ids.device)
     pad = pad_token_id if pad_token_id is not None else int(ends[0]) if len(ends) else 0
     tensor, multiple = _tensor_group(strategy)
-    ids, done, chosen_logprobs = input_ids, torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device), []
+    done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+    ids, chosen_logprobs = input_ids, []
     training = model.training
     model.eval()  # no dropout while generating
     try:
         for _ in range(max_new_tokens):
-            logits = _last_logits(model, ids, mask, pad, multiple)  # [b, v], float32
+            with precision.forward_context() if precision is not None else contextlib.nullcontext():
+                logits = _last_logits(model, ids, mask, pad, multiple)  # [b, v], float32: as training computes it
             token = choice.pick(logits, generator)
             if tensor is not None:
                 tensor.broadcast(token, 0)

@@ -62,3 +62,31 @@ def test_sample_text_refuses_what_it_cannot_do_before_training():
     trainer = SimpleNamespace(strategy=SimpleNamespace(layout=Layout(pp=2)))
     with pytest.raises(ValueError, match=r"pipeline or context parallelism \(pp=2, cp=1\)"):
         callback.on_fit_start(trainer, None)
+
+
+def test_tokens_come_from_the_forward_training_runs_under_mixed_precision():
+    """Under ``bf16-mixed`` the trainer's autocast applies to generation as to the training step: the log-probabilities
+    are the autocast forward's, not a float32 forward's."""
+    import lightning.pytorch as pl
+
+    from tests.helpers.models import loader, token_data
+
+    class Generate(pl.Callback):
+        def on_train_end(self, trainer, pl_module):
+            self.tokens, self.logprobs = generate(pl_module, PROMPTS[1:], 3, return_logprobs=True)
+
+    callback = Generate()
+    module = build("hf", labels=True)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, precision="bf16-mixed", max_steps=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         limit_val_batches=0, num_sanity_val_steps=0, callbacks=[callback])
+    trainer.fit(module, loader(token_data(1, 1)))
+    tokens = callback.tokens
+
+    def logprobs(autocast: bool):
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            scores = module.model(input_ids=tokens).logits.float().log_softmax(-1)[0, -4:-1]
+        return scores.gather(-1, tokens[0, -3:, None]).squeeze(-1)
+
+    assert torch.equal(callback.logprobs[0], logprobs(True))
+    assert (callback.logprobs[0] - logprobs(False)).abs().max() > 1e-4
