@@ -66,7 +66,7 @@ def expert_parameter_targets(base: nn.Module) -> list[str]:
         name = mlp_name(module)
         if moe_parts(getattr(module, name, None)) is not None:
             found += [f"{name}.experts.{weight}" for weight in ("gate_up_proj", "down_proj")]
-    return sorted(set(found), key=found.index)
+    return list(dict.fromkeys(found))  # once each, in the model's order
 
 
 def check_lora_parameters(targets: Optional[Sequence[str]], base: nn.Module) -> None:

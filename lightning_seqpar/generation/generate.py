@@ -59,8 +59,7 @@ def generate(module: Any, input_ids: Tensor, max_new_tokens: int, *, attention_m
         NotImplementedError: pipeline or context parallelism, naming what to do instead.
     """
     choice = TokenChoice(do_sample, temperature, top_k, top_p)
-    model, strategy = _model_and_strategy(module)
-    trainer = getattr(module, "_trainer", None) if model is not module else None
+    model, trainer, strategy = _model_and_strategy(module)
     precision = getattr(trainer, "precision_plugin", None)
     mask = _checked(input_ids, attention_mask, max_new_tokens)
     ends = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or ()),
@@ -95,8 +94,9 @@ def generate(module: Any, input_ids: Tensor, max_new_tokens: int, *, attention_m
     return ids, logprobs
 
 
-def _model_and_strategy(module: Any) -> tuple[Any, Any]:
-    """The causal LM and, under ``SeqParallelStrategy``, the strategy (``None`` on one process).
+def _model_and_strategy(module: Any) -> tuple[Any, Any, Any]:
+    """The causal LM, the trainer of a LightningModule (``None`` for a bare model), and under ``SeqParallelStrategy``
+    the strategy (``None`` otherwise).
 
     Raises:
         NotImplementedError: pipeline or context parallelism.
@@ -107,14 +107,14 @@ def _model_and_strategy(module: Any) -> tuple[Any, Any]:
     strategy = getattr(trainer, "strategy", None)
     layout = getattr(strategy, "layout", None)
     if layout is None:
-        return model, None
+        return model, trainer, None
     if layout.pp > 1:
         raise NotImplementedError(f"generate() under pipeline parallelism (pp={layout.pp}) is not implemented yet: "
                                   f"generate from a run of the same model at pp=1 (its checkpoint resumes there).")
     if layout.cp > 1:
         raise NotImplementedError(f"generate() under context parallelism (cp={layout.cp}) is not implemented: decoding "
                                   f"one position at a time has no sequence to split. Generate at cp=1.")
-    return model, strategy
+    return model, trainer, strategy
 
 
 def _checked(input_ids: Tensor, attention_mask: Optional[Tensor], max_new_tokens: int) -> Tensor:

@@ -237,8 +237,11 @@ class MoEPart:
         return ("moe", "moe_act") + (("shared_experts",) if self.shared is not None else ())
 
     def unpriced(self) -> str:
-        parts = ["a shared expert"] * (self.shared is not None) + [
-            "LoRA on the experts (the rows their adapters keep)"] * (self.adapted_experts is not self.experts)
+        parts = []
+        if self.shared is not None:
+            parts.append("a shared expert")
+        if self.adapted_experts is not self.experts:
+            parts.append("LoRA on the experts (the rows their adapters keep)")
         return " and ".join(parts)
 
     def not_compilable(self) -> str:
