@@ -1,17 +1,18 @@
 """Text out of a model in the layout it trains in: every rank of the run calls :func:`generate` together, and each
 data-parallel replica continues its own batch of prompts, no rank ever holding more of the model than it trains with.
 
-Each new token runs the model's forward over the sequence so far, as training runs it (tensor and sequence
-parallelism, experts over ep and expert_tp; the trainer's precision, autocast under ``bf16-mixed``); the logits of the
-last position are gathered over the vocabulary's tensor-parallel split, and the token is chosen as transformers'
-``generate`` chooses it (:mod:`.next_token`). A draw is made by every rank from the same generator state and
-tensor-parallel rank 0's token is broadcast, so the ranks of a tensor-parallel group cannot disagree where a kernel's
-rounding differs between devices. Rows stop at their
+The prompt runs in one forward (the prefill), then each new token in a forward of its one position (the decode
+steps), the rewritten layers keeping this rank's keys and values in a transformers ``DynamicCache``
+(:mod:`lightning_seqpar.transformer.kv_cache`: ``[b, a_kv/t, s, d]`` per layer; a step whose positions do not split
+over t runs with sequence parallelism suspended). Experts over ep and expert_tp, the trainer's precision (autocast
+under ``bf16-mixed``) as in training. The logits of the last position are gathered over the vocabulary's
+tensor-parallel split, and the token is chosen as transformers' ``generate`` chooses it (:mod:`.next_token`). A draw
+is made by every rank from the same generator state and tensor-parallel rank 0's token is broadcast, so the ranks of a
+tensor-parallel group cannot disagree where a kernel's rounding differs between devices. Rows stop at their
 end-of-sequence token; every rank runs the same number of forwards (a mixture's dispatch spans the data-parallel
 replicas), so the loop ends when every replica's rows have stopped.
 
-Not yet: a key/value cache (each token recomputes the prefix: ``O(n²)``), pipeline and context parallelism (refused
-by name).
+Not yet: pipeline and context parallelism (refused by name).
 """
 
 from __future__ import annotations
@@ -21,10 +22,12 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_seqpar.generation.next_token import TokenChoice
+from lightning_seqpar.generation.staged_forward import StagedForward
+from lightning_seqpar.hf.kv_cache import new_cache
+from lightning_seqpar.transformer.kv_cache import step_sequence_parallel
 
 
 @torch.no_grad()
@@ -65,24 +68,48 @@ def generate(module: Any, input_ids: Tensor, max_new_tokens: int, *, attention_m
     ends = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or ()),
                         dtype=input_ids.dtype, device=input_ids.device)
     pad = pad_token_id if pad_token_id is not None else int(ends[0]) if len(ends) else 0
-    tensor, multiple = _tensor_group(strategy)
-    done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+    tensor, (sequence_parallel, t) = _tensor_group(strategy), _sequence_split(strategy)
+    staged = StagedForward(strategy.pipeline) if getattr(strategy, "pipeline", None) is not None else None
+    rows, device = input_ids.shape[0], input_ids.device
+    done = torch.zeros(rows, dtype=torch.bool, device=device)
     ids, chosen_logprobs = input_ids, []
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)  # as transformers' generate counts them
+    step = dict(input_ids=ids, position_ids=positions)  # the prefill: the whole prompt in one forward
+    caches = new_cache(model)
+    cache = next(iter(caches.values()))
     training = model.training
     model.eval()  # no dropout while generating
     try:
         for _ in range(max_new_tokens):
+            new = step["input_ids"].shape[1]
+            # Marked here for every stage's blocks (a later stage has no block entering the region to mark it).
+            splits = step_sequence_parallel(cache, True, new, sequence_parallel, t)
+
+            def forward(step: dict = step, mask: Tensor = mask) -> Any:
+                return model(**step, attention_mask=mask, **caches, use_cache=True)
+
             with precision.forward_context() if precision is not None else contextlib.nullcontext():
-                logits = _last_logits(model, ids, mask, pad, multiple)  # [b, v], float32: as training computes it
-            token = choice.pick(logits, generator)
-            if tensor is not None:
-                tensor.broadcast(token, 0)
-            token = torch.where(done, torch.full_like(token, pad), token)
+                if staged is None:
+                    logits = forward().logits[:, -1].float()  # [b, v], float32: as training computes it
+                else:
+                    logits = staged(forward, (new, rows, splits))  # the last stage's rank only
+                    staged.advance_remote(cache, new, device)
+            token = logprob = None
+            if logits is not None:
+                token = choice.pick(logits, generator)
+                if tensor is not None:
+                    tensor.broadcast(token, 0)
+                token = torch.where(done, torch.full_like(token, pad), token)
+                logprob = logits.log_softmax(-1).gather(-1, token[:, None]).squeeze(-1)
+            if staged is not None:
+                token, logprob = staged.share(token, logprob, rows, device)
+            assert token is not None and logprob is not None
             if return_logprobs:
-                chosen_logprobs.append(logits.log_softmax(-1).gather(-1, token[:, None]).squeeze(-1))
+                chosen_logprobs.append(logprob)
             ids = torch.cat([ids, token[:, None]], dim=1)
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
             done = done | torch.isin(token, ends)
+            step = dict(input_ids=token[:, None], position_ids=step["position_ids"][:, -1:] + 1)  # one position
             if len(ends) and _everyone_done(done):
                 break
     finally:
@@ -108,9 +135,6 @@ def _model_and_strategy(module: Any) -> tuple[Any, Any, Any]:
     layout = getattr(strategy, "layout", None)
     if layout is None:
         return model, trainer, None
-    if layout.pp > 1:
-        raise NotImplementedError(f"generate() under pipeline parallelism (pp={layout.pp}) is not implemented yet: "
-                                  f"generate from a run of the same model at pp=1 (its checkpoint resumes there).")
     if layout.cp > 1:
         raise NotImplementedError(f"generate() under context parallelism (cp={layout.cp}) is not implemented: decoding "
                                   f"one position at a time has no sequence to split. Generate at cp=1.")
@@ -136,25 +160,19 @@ def _checked(input_ids: Tensor, attention_mask: Optional[Tensor], max_new_tokens
     return mask
 
 
-def _tensor_group(strategy: Any) -> tuple[Any, int]:
-    """The tensor-parallel group the token is broadcast over (``None``: none), and the multiple the sequence is padded
-    to (t under sequence parallelism, which splits it over the t ranks)."""
+def _tensor_group(strategy: Any) -> Any:
+    """The tensor-parallel group the token is broadcast over (``None``: none)."""
     if strategy is None:
-        return None, 1
+        return None
     group = strategy.mesh.tensor
-    return (group if group.size > 1 else None), (group.size if strategy.layout.sequence_parallel else 1)
+    return group if group.size > 1 else None
 
 
-def _last_logits(model: Any, ids: Tensor, mask: Tensor, pad: int, multiple: int) -> Tensor:
-    """The logits ``[b, v]`` (float32) at the last position of ``ids``: the forward over the whole sequence, padded on
-    the right to a multiple of ``multiple`` (causal: the positions after it change nothing before it), positions
-    counted over the mask as transformers' ``generate`` counts them."""
-    length = ids.shape[1]
-    extra = -length % multiple
-    x, m = F.pad(ids, (0, extra), value=pad), F.pad(mask, (0, extra), value=0)
-    positions = (m.cumsum(-1) - 1).masked_fill(m == 0, 1)
-    logits = model(input_ids=x, attention_mask=m, position_ids=positions, use_cache=False).logits
-    return logits[:, length - 1].float()
+def _sequence_split(strategy: Any) -> tuple[bool, int]:
+    """Whether the layout runs sequence parallelism, and t."""
+    if strategy is None:
+        return False, 1
+    return bool(strategy.layout.sequence_parallel), strategy.mesh.tensor.size
 
 
 def _everyone_done(done: Tensor) -> bool:

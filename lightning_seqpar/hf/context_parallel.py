@@ -68,7 +68,7 @@ class ContextParallelEntry:
         """Name every argument, then take this rank's tokens (see the module docstring).
 
         Raises:
-            NotImplementedError: a key/value cache (generation), naming how to generate from the single-device model.
+            NotImplementedError: a key/value cache (generation) under cp > 1, naming the fix.
             TypeError: a cache position, a 4-D attention mask (its ``s × s`` could not be split), or
                 ``logits_to_keep`` other than 0.
             ValueError: a sequence length that does not split into ``2·c·t`` (:func:`check_context_length`).
@@ -79,12 +79,12 @@ class ContextParallelEntry:
         call.pop("self", None)
         call.update(call.pop("kwargs", {}) or {})
         if call.get("past_key_values") is not None or call.get("cache") is not None:
+            if self.context.c == 1:  # generation: each new position attends over the cache, not within documents
+                return args, kwargs
             raise NotImplementedError(
-                f"{self.name} was called with a key/value cache (past_key_values=, as generate() does): its layers "
-                f"are rewritten for training (split over tensor- or context-parallel ranks) and keep no key/value cache. Generation runs on the single-device model: gather it on every rank with "
-                f"trainer.strategy.full_state_dict() and load it into AutoModelForCausalLM.from_config(config), or "
-                f"export it (trainer.strategy.save_hf_pretrained(DIR), or python -m lightning_seqpar.checkpoint "
-                f"export-hf CHECKPOINT DIR) and generate from AutoModelForCausalLM.from_pretrained(DIR).")
+                f"{self.name} was called with a key/value cache (past_key_values=, as generate() does) under context "
+                f"parallelism (cp={self.context.c}): a decoded position has no sequence to split over the cp ranks. "
+                f"Generate from a run of the same model at cp=1 (its checkpoint resumes there).")
         if self.context.c == 1:
             return self._documents_only(args, kwargs, call)
         for name in _REFUSED:

@@ -64,4 +64,6 @@ def falcon_block_spec(module: nn.Module) -> BlockSpec:
         attention_out="self_attention.dense", mlp_in="mlp.dense_h_to_4h", mlp_out="mlp.dense_4h_to_h",
         activation="mlp.act", num_heads=heads, num_kv_heads=kv_heads, head_dim=module.self_attention.head_dim,
         rotary="apply_rotary_pos_emb", attention=hf_attention_implementation(config), returns_attention_weights=True,
+        layer_index="self_attention.layer_idx" if isinstance(getattr(module.self_attention, "layer_idx", None), int)
+        else None,
     )

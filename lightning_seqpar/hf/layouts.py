@@ -266,6 +266,11 @@ def _head_norm(attention: nn.Module, which: str) -> Optional[str]:
     return f"self_attn.{name}" if name else None
 
 
+def _layer_index(attention: nn.Module, path: str) -> Optional[str]:
+    """The path of the attention's slot in a key/value cache (transformers' ``layer_idx``), where it has one."""
+    return f"{path}.layer_idx" if isinstance(getattr(attention, "layer_idx", None), int) else None
+
+
 def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
@@ -319,6 +324,7 @@ def llama_block_spec(module: nn.Module) -> BlockSpec:
         rotary_dims=(getattr(module.self_attn, "head_dim", None) or config.hidden_size // heads)
         if getattr(config, "model_type", None) in _HALF_WIDTH_ROTARY else None,
         sinks="self_attn.sinks" if isinstance(getattr(module.self_attn, "sinks", None), nn.Parameter) else None,
+        layer_index=_layer_index(module.self_attn, "self_attn"),
     )
 
 
@@ -353,6 +359,7 @@ def gpt2_block_spec(module: nn.Module) -> BlockSpec:
         attention=hf_attention_implementation(config), transposed=True,
         arguments=("cache", "attention_mask", "encoder_hidden_states"),
         scaling=None if getattr(config, "scale_attn_weights", True) else 1.0,
+        layer_index=_layer_index(module.attn, "attn"),
     )
 
 
@@ -447,7 +454,7 @@ def neox_block_spec(module: nn.Module) -> BlockSpec:
         attention_dropout=float(getattr(config, "attention_dropout", 0.0) or 0.0),
         residual_dropouts=("post_attention_dropout", "post_mlp_dropout"), rotary="apply_rotary_pos_emb",
         attention=hf_attention_implementation(config), softmax_dtype=torch.float32,
-        scaling=getattr(module.attention, "scaling", None),
+        scaling=getattr(module.attention, "scaling", None), layer_index=_layer_index(module.attention, "attention"),
     )
 
 

@@ -44,7 +44,16 @@ class EmulatedGroup(ParallelGroup):
         super().__init__(None)
         self.size, self.rank, self._exchange = size, rank, exchange
 
+    def _note(self, kind: str, full_bytes: int) -> None:
+        """Record the collective as a real group records it (``full_bytes``: the global tensor)."""
+        if self.log is not None:
+            self.log.records.append(CollectiveRecord(kind, full_bytes, self.size))
+
     def all_reduce(self, tensor: Tensor, op: Any = dist.ReduceOp.SUM) -> Tensor:
+        self._note("all_reduce", tensor.numel() * tensor.element_size())
+        return self._reduced(tensor, op)
+
+    def _reduced(self, tensor: Tensor, op: Any = dist.ReduceOp.SUM) -> Tensor:
         combine = {dist.ReduceOp.SUM: torch.add, dist.ReduceOp.MAX: torch.maximum, dist.ReduceOp.MIN: torch.minimum}
         if op not in combine:
             raise NotImplementedError(f"An emulated group reduces by SUM, MAX or MIN, got {op}.")
@@ -56,10 +65,12 @@ class EmulatedGroup(ParallelGroup):
         return tensor
 
     def all_gather(self, tensor: Tensor, dim: int = 0) -> Tensor:
+        self._note("all_gather", self.size * tensor.numel() * tensor.element_size())
         return torch.cat(self._exchange.gather(self.rank, tensor.contiguous()), dim=dim)
 
     def reduce_scatter(self, tensor: Tensor) -> Tensor:
-        total = self.all_reduce(tensor.contiguous().clone())
+        self._note("reduce_scatter", tensor.numel() * tensor.element_size())
+        total = self._reduced(tensor.contiguous().clone())
         return total.chunk(self.size, dim=0)[self.rank].contiguous()
 
     def all_gather_start(self, tensor: Tensor) -> Pending:
@@ -73,6 +84,7 @@ class EmulatedGroup(ParallelGroup):
         return Pending(every[(self.rank - 1) % self.size])
 
     def broadcast(self, tensor: Tensor, src_rank: int = 0) -> Tensor:
+        self._note("broadcast", tensor.numel() * tensor.element_size())
         tensor.copy_(self._exchange.gather(self.rank, tensor.clone())[src_rank])
         return tensor
 
@@ -81,10 +93,9 @@ class EmulatedGroup(ParallelGroup):
         return torch.stack([sent[self.rank] for sent in every])
 
     def all_to_all_v(self, tensor: Tensor, send_splits: list[int], recv_splits: list[int]) -> Tensor:
-        if self.log is not None:  # what leaves the rank, as a real group records it
-            row = math.prod(tensor.shape[1:]) * tensor.element_size()
-            leaving = sum(n for rank, n in enumerate(send_splits) if rank != self.rank)
-            self.log.records.append(CollectiveRecord("all_to_all_v", leaving * row, self.size))
+        row = math.prod(tensor.shape[1:]) * tensor.element_size()
+        leaving = sum(n for rank, n in enumerate(send_splits) if rank != self.rank)
+        self._note("all_to_all_v", leaving * row)  # what leaves the rank, as a real group records it
         every = self._exchange.gather(self.rank, tensor.clone())
         splits = self._exchange.gather(self.rank, torch.tensor(send_splits))
         pieces = [sent.split(sizes.tolist())[self.rank] for sent, sizes in zip(every, splits)]

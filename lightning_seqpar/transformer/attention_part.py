@@ -64,6 +64,8 @@ class AttentionSpec:
         sinks: the path of a learned sink logit per query head, ``[a]`` (gpt-oss): one more softmax column per row,
             dropped before ``· V``. The parameter stays whole on every rank, each using its ``a/t`` heads' entries,
             its gradient summed over tp; explicit attention only (the fused kernel has no sinks).
+        layer_index: the layer's slot in a key/value cache (an int, or the path of one: Hugging Face's
+            ``self_attn.layer_idx``); ``None``: the block refuses a cache (:mod:`~lightning_seqpar.transformer.kv_cache`).
     """
 
     attention_norm: Optional[str]
@@ -90,6 +92,7 @@ class AttentionSpec:
     attention_softcap: Union[float, str, None] = None
     sliding_window: Union[int, str, None] = None
     sinks: Optional[str] = None
+    layer_index: Union[int, str, None] = None
 
     def inputs(self) -> list[str]:
         """The column-parallel input projections' paths (one all-gather for all)."""
@@ -153,6 +156,7 @@ class AttentionPart:
         self.rotary = builder.rotary(spec.rotary)
         self.rotary_dims = builder.value(spec.rotary_dims)
         self.window = builder.value(spec.sliding_window)
+        self.layer_index = builder.value(spec.layer_index)
         if ctx.cp > 1:
             self.check_context_parallel(ctx.cp, ctx.context.comm)
 

@@ -19,9 +19,11 @@ CACHE_NAMES = ("cache", "past_key_values", "layer_past")
 """Names of the key/value cache argument (transformers ≥ 5.24 passes ``cache``; earlier ``past_key_values``)."""
 
 NO_EFFECT = {
-    "use_cache": "the block keeps no key/value cache; a cache that would be read is refused",
+    "use_cache": "the cache object itself is what the block reads (filled without gradients, lightning_seqpar."
+                 "transformer.kv_cache)",
     "position_ids": "positions enter through position_embeddings, computed by the model from position_ids",
-    "cache_position": "indexes a key/value cache, which is refused whenever it holds tokens",
+    "cache_position": "the positions' slots in a key/value cache, which the cache's own update places after those it "
+                      "holds (transformers 5.x caches count them)",
     "output_attentions": "refused when true (the parallel block returns no attention probabilities)",
     "output_hidden_states": "hidden states are collected by the model, outside its layers",
     "num_items_in_batch": "a loss argument: the layers do not read it",

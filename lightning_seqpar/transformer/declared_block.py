@@ -23,6 +23,7 @@ Face passes them.
 
 from __future__ import annotations
 
+import contextlib
 from functools import partial
 from typing import Any, Callable, Optional
 
@@ -39,6 +40,10 @@ from lightning_seqpar.transformer.block_arguments import parse_block_arguments
 from lightning_seqpar.transformer.block_spec import BlockSpec
 from lightning_seqpar.transformer.context import RewriteContext
 from lightning_seqpar.transformer.dropout import ParallelDropout
+from lightning_seqpar.transformer.kv_cache import (
+    cached_keys_values, cached_mask, refuse_training_cache, step_sequence_parallel, suspended_sequence_parallel,
+    uses_cache,
+)
 from lightning_seqpar.transformer.masks import torch_attention_bias
 from lightning_seqpar.transformer.mlp_slot import MLPSlot
 from lightning_seqpar.transformer.part_builder import PartBuilder
@@ -71,15 +76,17 @@ class ParallelBlock(ParallelLayer):
     (the core attention's cached ``[s, s]`` mask, built once per length); with no mask, future positions are masked
     when the attention is declared causal.
 
-    A key/value cache is neither filled nor read (see :func:`refuse_used_cache`): a forward with the config's
-    default ``use_cache`` trains and validates as on one device; a cache holding past tokens is refused.
+    A key/value cache (transformers' ``Cache``) is filled and read in a forward without gradients (generation): each
+    rank keeps its own heads, ``[b, a_kv/t, s, d]`` (:mod:`~lightning_seqpar.transformer.kv_cache`); a step whose
+    positions do not split over t runs with sequence parallelism suspended. With gradients the config's default empty
+    cache changes nothing, and one holding past tokens is refused.
 
     Arguments are taken as :mod:`~lightning_seqpar.transformer.block_arguments` says: positional ones named by
     ``spec.arguments``, the cache under either name, those without effect listed; anything else is refused.
 
     Raises:
-        NotImplementedError: called with a key/value cache that holds past tokens, or again with a cache it has
-            already seen (generation).
+        NotImplementedError: called with gradients and a key/value cache that holds past tokens; called with a
+            cache under context parallelism; a cache for a block whose declaration names no layer index.
         TypeError: an argument the block does not understand, by name, before any communication.
         ValueError: at construction, what context parallelism cannot compute exactly (:meth:`AttentionPart.
             check_context_parallel`).
@@ -125,7 +132,9 @@ class ParallelBlock(ParallelLayer):
 
     def forward(self, hidden_states: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         call = parse_block_arguments(self._name, self.spec.arguments, args, kwargs)
-        refuse_used_cache(self, call.cache)
+        if uses_cache(call.cache) and call.layout is None:  # (with a layout: the model's own empty cache, unread)
+            return self._cached_forward(hidden_states, call)
+        refuse_training_cache(self._name, call.cache)
         x = enter_parallel_region(hidden_states, self.group, self.sp, self.batch_first) if self.enter_region \
             else hidden_states
         layout = call.layout if self.context is None else self.context.layer_layout(call.layout, self._name)
@@ -148,6 +157,22 @@ class ParallelBlock(ParallelLayer):
         else:
             x = body(x, call.position_embeddings, mask, causal, layout)
         return exit_parallel_region(x, self.group, self.sp, self.batch_first) if self.exit_region else x
+
+    def _cached_forward(self, hidden_states: Tensor, call: Any) -> Tensor:
+        """A forward without gradients that fills and reads a key/value cache (:mod:`~.kv_cache`): the eager body,
+        sequence parallelism suspended when the step's positions do not split over t."""
+        if self.context is not None and self.context.group.size > 1:
+            raise NotImplementedError(f"{self._name} was called with a key/value cache under context parallelism "
+                                      f"(cp={self.context.group.size}): generate with cp=1.")
+        positions = hidden_states.shape[1 if self.batch_first else 0]
+        split = step_sequence_parallel(call.cache, self.enter_region, positions, self.sp, self.group.size)
+        parts = (self._attention, self._mlp, getattr(self._mlp, "shared", None))
+        with suspended_sequence_parallel(self, parts) if self.sp and not split else contextlib.nullcontext():
+            x = enter_parallel_region(hidden_states, self.group, self.sp, self.batch_first) if self.enter_region \
+                else hidden_states
+            mask, causal = self._mask(call, x)
+            x = self._body(x, call.position_embeddings, mask, causal, None, call.cache)
+            return exit_parallel_region(x, self.group, self.sp, self.batch_first) if self.exit_region else x
 
     def not_compilable(self) -> str:
         """Why this block's body cannot be compiled whole, and the fix (``""``: it can; :mod:`~.compiling`). A mixture
@@ -207,12 +232,13 @@ class ParallelBlock(ParallelLayer):
             torch_attention_bias(src_mask, padding, is_causal, s, x.shape[1], heads, self.group, x.dtype, x.device)))
 
     def _body(self, x: Tensor, position_embeddings: Optional[tuple[Tensor, Tensor]], mask: Optional[Tensor],
-              causal: Optional[bool] = None, layout: Optional[ContextParallelBatch] = None) -> Tensor:
+              causal: Optional[bool] = None, layout: Optional[ContextParallelBatch] = None, cache: Any = None
+              ) -> Tensor:
         attention, mlp = self._attention, self._mlp
         if not self.norm_first:  # post-norm: norm(x + f(x))
             with self.offloading("qkv_linear", *(position_embeddings or ())):
                 q, k, v = attention.qkv(x, position_embeddings)
-            attended = self._attention_output(self._attend(q, k, v, mask, causal, layout))
+            attended = self._attention_output(self._attend(q, k, v, mask, causal, layout, cache))
             with self.offloading("attn_norm"):
                 x = attention.norm(x + self.attention_residual_dropout(attended))
             out = self.mlp_residual_dropout(self._mlp_forward(x))
@@ -220,16 +246,20 @@ class ParallelBlock(ParallelLayer):
                 return mlp.norm(x + out)
         q, k, v, parallel = self._before_attention(x, position_embeddings)
         if parallel is not None:
-            return self._after_attention(x, self._attend(q, k, v, mask, causal, layout), parallel)
+            return self._after_attention(x, self._attend(q, k, v, mask, causal, layout, cache), parallel)
         # In this order, and no name for the context or the projection's output: each is freed (where nothing saved
         # it for backward) before the MLP runs, and so are q, k and v (GQA's unexpanded k and v, q before its scaling),
         # instead of living through the MLP in this frame. A recomputed layer's forward runs here again in backward.
-        x = self._attention_residual(x, self._attend(q, k, v, mask, causal, layout))
+        x = self._attention_residual(x, self._attend(q, k, v, mask, causal, layout, cache))
         del q, k, v
         return self._mlp_residual(x)
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], causal: Optional[bool],
-                layout: Optional[ContextParallelBatch]) -> Tensor:
+                layout: Optional[ContextParallelBatch], cache: Any = None) -> Tensor:
+        if cache is not None:  # this rank's heads join the cache; attention over the past and the new positions
+            k, v = cached_keys_values(cache, k, v, self._attention.layer_index, self._name)
+            declared = self._attention.spec.causal if causal is None else causal
+            mask, causal = cached_mask(mask, declared, q.shape[-2], k.shape[-2], q.device)
         with self.offloading("core_attn", mask):
             return self._attention.attend(q, k, v, mask, causal, self.training, layout)
 
@@ -325,38 +355,3 @@ class ParallelBlock(ParallelLayer):
 def projected_norm(norm: nn.Module, x: Tensor) -> Tensor:
     """A norm's output in the dtype the input projections multiply in (autocast's, for a float32 output)."""
     return autocast_input(norm(x))
-
-
-CACHE_MARK = "tensor_parallel_layers_seen"
-"""Attribute set on a key/value cache object: the ids of the parallel layers that were called with it."""
-
-
-def refuse_used_cache(layer: nn.Module, cache: Any) -> None:
-    """Let a forward through with a key/value cache only when no past is read from it.
-
-    A Hugging Face model makes a new, empty cache for every call with ``use_cache=True`` (its config's default):
-    a training or validation forward then reads nothing from it, and the layer keeps no keys/values in it (it
-    computes no differently). A cache holding tokens (``past_key_values`` passed in), or one this layer has
-    already seen (generation reuses the cache of the previous step, which the layer left empty), would make the
-    layer attend to past tokens it does not have: refused. Costs no device synchronization (a cache's length is a
-    shape).
-
-    Raises:
-        NotImplementedError: naming the fix (``use_cache=False``, or generating from a single-device model).
-    """
-    if cache is None:
-        return
-    seen = getattr(cache, CACHE_MARK, None)
-    length = cache.get_seq_length() if hasattr(cache, "get_seq_length") else None
-    if length is None or length > 0 or (seen is not None and id(layer) in seen):
-        raise NotImplementedError(
-            f"{getattr(layer, '_name', type(layer).__name__)} was called with a key/value cache holding past tokens "
-            f"(cache= / past_key_values=, or "
-            f"generation): a tensor-parallel block keeps no key/value cache. Train and evaluate without passing "
-            f"past_key_values (use_cache=False, or the config's default, is fine); generate from the single-device "
-            f"model (e.g. lightning_seqpar.checkpoint.consolidate, or the strategy's full_state_dict())."
-        )
-    if seen is None:
-        seen = set()
-        setattr(cache, CACHE_MARK, seen)
-    seen.add(id(layer))

@@ -7,11 +7,14 @@ rank calls ``generate`` inside the run (a callback at the end of fit), and
   the same seed;
 - the returned log-probabilities equal the one-process forward's log-probabilities of the chosen tokens (float32)
   within 1e-6: the trainer/rollout mismatch;
-- every rank of a tensor-parallel group returns the same tokens, and each data-parallel replica continues its own
-  prompts; rows end at their end-of-sequence token, and every replica stops with the last to end.
+- every rank of a replica (its tensor- and pipeline-parallel ranks) returns the same tokens, and each data-parallel
+  replica continues its own prompts; rows end at their end-of-sequence token, and every replica stops with the last to
+  end.
 
 Llama, Qwen3, Gemma 2 (soft-capped logits and attention, sliding windows), gpt-oss (attention sinks, experts) at
-tp 2; Qwen3-MoE at tp 2 × ep 2 with two data-parallel replicas. Float64, 2 training steps first."""
+tp 2; Llama at pp 2 (1F1B's placement) and tp 2 × pp 2 (sequence parallelism on a later stage); Gemma 2 at pp 2 in
+ZB-V's placement (rank 0 holds the first and the last stage); Qwen3-MoE at tp 2 × ep 2 with two data-parallel
+replicas. Float64, 2 training steps first."""
 
 from __future__ import annotations
 
@@ -20,7 +23,6 @@ import pytest
 import torch
 
 from lightning_seqpar import generate
-from lightning_seqpar.checkpoint.full_state import full_state_dict
 from tests.helpers.distributed import run_distributed
 from tests.helpers.models import build, loader, token_data
 from tests.helpers.strategy import strategy_of
@@ -30,8 +32,10 @@ pytestmark = pytest.mark.distributed  # starts processes: outside the fast lane
 NEW = 6
 END, PAD = 7, 12  # an end-of-sequence token some rows produce, and the padding after it
 SAMPLING = dict(do_sample=True, temperature=0.8, top_k=5, top_p=0.9)
-CASES = {2: [("llama", 2, 1), ("qwen3", 2, 1), ("gemma2", 2, 1), ("gpt_oss", 2, 1)], 4: [("qwen3_moe", 2, 2)]}
-"""(family, tp, ep) by world size."""
+CASES = {2: [("llama", (("tp", 2),)), ("qwen3", (("tp", 2),)), ("gemma2", (("tp", 2),)), ("gpt_oss", (("tp", 2),)),
+             ("llama", (("pp", 2),)), ("gemma2", (("pp", 2), ("schedule", "ZB-V"), ("layers", 4)))],
+         4: [("qwen3_moe", (("tp", 2), ("ep", 2))), ("llama", (("tp", 2), ("pp", 2)))]}
+"""(family, layout) by world size; ``layers``: the model's (ZB-V's 2 chunks per rank need 4)."""
 
 
 def _prompts(replica: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,19 +49,22 @@ class _Generate(pl.Callback):
         replica = trainer.strategy.mesh.batch_rank
         prompts, mask = _prompts(replica)
         self.result = dict(
-            state=full_state_dict(pl_module, trainer.strategy.mesh), replica=replica,
+            state=trainer.strategy.full_state_dict(), replica=replica,
             greedy=generate(pl_module, prompts, NEW, attention_mask=mask, return_logprobs=True),
             sampled=generate(pl_module, prompts[1:].expand(2, -1), NEW, generator=torch.Generator().manual_seed(3),
                              **SAMPLING),
             ended=generate(pl_module, prompts, NEW, attention_mask=mask, eos_token_id=END, pad_token_id=PAD))
 
 
-def _run(rank, world, family, tp, ep):
+def _run(rank, world, family, layout):
+    settings = dict(layout)
+    layers = settings.pop("layers", 2)
     callback = _Generate()
     trainer = pl.Trainer(accelerator="cpu", devices=world, precision="64-true", max_steps=2, logger=False,
-                         strategy=strategy_of(tp=tp, ep=ep), enable_checkpointing=False, enable_progress_bar=False,
+                         strategy=strategy_of(**settings), enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0, callbacks=[callback])
-    trainer.fit(build("hf", labels=True, family=family), loader(token_data(2, world // tp)))
+    dp = world // settings.get("tp", 1) // settings.get("pp", 1)
+    trainer.fit(build("hf", labels=True, family=family, layers=layers), loader(token_data(2, dp)))
     return callback.result
 
 
@@ -76,8 +83,9 @@ def generated():
     return of
 
 
-def _reference(family, state):
-    model = build("hf", labels=True, family=family).double()  # (its prompts unpadded: each alone, or of one length)
+def _reference(family, layout, state):
+    # (its prompts unpadded: each alone, or of one length)
+    model = build("hf", labels=True, family=family, layers=dict(layout).get("layers", 2)).double()
     model.load_state_dict(state)
     model.model.generation_config.eos_token_id = None  # every row runs to NEW tokens, as generate() without one
     return model.model
@@ -86,13 +94,14 @@ def _reference(family, state):
 @pytest.mark.parametrize("world, case", _all_cases(), ids=lambda v: str(v))
 def test_generated_tokens_and_logprobs_are_one_process_s(generated, world, case):
     per_rank = generated(world, case)
-    tp = case[1]
-    for rank, result in enumerate(per_rank):  # a tensor-parallel group returns the same tokens on every rank
-        first = per_rank[rank - rank % tp]
+    replicas = {}
+    for result in per_rank:  # every rank of a replica (its tensor and pipeline ranks) returns the same tokens
+        first = replicas.setdefault(result["replica"], result)
         assert torch.equal(result["greedy"][0], first["greedy"][0]) and torch.equal(result["sampled"],
                                                                                      first["sampled"])
-    for result in per_rank[::tp]:  # each data-parallel replica's own prompts
-        model = _reference(case[0], result["state"])
+        assert torch.equal(result["greedy"][1], first["greedy"][1])  # and log-probabilities
+    for result in replicas.values():  # each data-parallel replica's own prompts
+        model = _reference(*case, result["state"])
         prompts, mask = _prompts(result["replica"])
         tokens, logprobs = result["greedy"]
         assert tokens.shape == (2, 5 + NEW) and torch.equal(tokens[:, :5], prompts)
@@ -108,8 +117,8 @@ def test_generated_tokens_and_logprobs_are_one_process_s(generated, world, case)
         torch.manual_seed(3)  # transformers draws from the default generator
         want = model.generate(input_ids=prompts[1:].expand(2, -1), max_new_tokens=NEW, pad_token_id=0, **SAMPLING)
         assert torch.equal(result["sampled"], want), (result["sampled"], want)
-    if world > tp:  # the replicas continued different prompts
-        assert not torch.equal(per_rank[0]["greedy"][0], per_rank[tp]["greedy"][0])
+    if len(replicas) > 1:  # the replicas continued different prompts
+        assert not torch.equal(replicas[0]["greedy"][0], replicas[1]["greedy"][0])
     # Rows end at END, padded after it; every replica stops together (its ranks share a mixture's all-to-all).
     assert len({result["ended"].shape[1] for result in per_rank}) == 1
     length = per_rank[0]["ended"].shape[1]
@@ -130,15 +139,15 @@ class _Refused(pl.Callback):
             self.message = str(error)
 
 
-def _pipelined(rank, world):
+def _context_parallel(rank, world):
     callback = _Refused()
     trainer = pl.Trainer(accelerator="cpu", devices=world, precision="64-true", max_steps=1, logger=False,
-                         strategy=strategy_of(pp=2), enable_checkpointing=False, enable_progress_bar=False,
+                         strategy=strategy_of(cp=2), enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0, callbacks=[callback])
     trainer.fit(build("hf", labels=True), loader(token_data(1, 1)))
     return callback.message
 
 
-def test_generation_under_pipeline_parallelism_is_refused_by_name_on_every_rank():
-    messages = run_distributed(_pipelined, 2)
-    assert all("generate() under pipeline parallelism (pp=2) is not implemented yet" in m for m in messages), messages
+def test_generation_under_context_parallelism_is_refused_by_name_on_every_rank():
+    messages = run_distributed(_context_parallel, 2)
+    assert all("generate() under context parallelism (cp=2) is not implemented" in m for m in messages), messages
