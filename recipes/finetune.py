@@ -129,13 +129,14 @@ def prompt_ids(data: Any, prompt: str) -> list[int]:
 
 def reply(module: FineTuneModule, trainer: pl.Trainer, data: Any, prompt: str, tokens: int) -> str:
     """A greedy reply to ``prompt`` (one user turn, rendered with the chat template when there is one), generated in
-    the training layout (:func:`lightning_seqpar.generate`; under pipeline or context parallelism, which it does not
-    run yet, from a single-device copy of the fine-tuned model). Collective: every rank calls it."""
+    the training layout (:func:`lightning_seqpar.generate`: every tensor, expert and pipeline layout; under context
+    parallelism, where no decoded position splits, from a single-device copy of the fine-tuned model). Collective:
+    every rank calls it."""
     ids = prompt_ids(data, prompt)
     batch = torch.tensor([ids], device=module.device)
     pad = data.tokenizer.separator[0]
     layout = trainer.strategy.layout
-    if layout.pp == 1 and layout.cp == 1:
+    if layout.cp == 1:
         out = generate(module, batch, tokens, eos_token_id=module.hf_config.eos_token_id, pad_token_id=pad)
         return data.tokenizer.decode(out[0, len(ids):].tolist())
     from transformers import AutoModelForCausalLM

@@ -175,22 +175,22 @@ def sample(module: CausalLMModule, trainer: pl.Trainer, data: TextDataModule, cf
     """Generate from ``cfg.sample.prompt`` (tokenized by the corpus's tokenizer) or, for a token file without a
     tokenizer, from the validation split's first tokens (printed as ids); every rank must call it.
 
-    In the training layout (a Hugging Face model through :func:`lightning_seqpar.generate`, the reference GPT through
-    its own sampling); under pipeline parallelism no rank holds the whole model, and under context parallelism each
-    rank holds chunks of the sequence (the model computes the loss, not whole-sequence logits): generate with a
-    single-device copy assembled from every stage and shard (the checkpoint's state dict).
+    In the training layout, through :func:`lightning_seqpar.generate` (a Hugging Face model over its key/value cache,
+    the reference GPT recomputing its context), at every tensor, expert and pipeline layout; under context parallelism
+    each rank holds chunks of the sequence and a decoded position has none to split: there the sample comes from a
+    single-device copy assembled from every shard (the checkpoint's state dict).
     """
     prompt = data.prompt(cfg.sample.prompt)[None].to(module.device)
-    in_layout = trainer.strategy.pp == 1 and trainer.strategy.cp == 1
-    if isinstance(module, HFCausalLMModule) and in_layout:
+    if trainer.strategy.cp == 1:
         generator = torch.Generator(device=module.device).manual_seed(cfg.seed)  # same draws on every rank
+        ends = module.model.config.eos_token_id if isinstance(module, HFCausalLMModule) else None
         out = generate(module, prompt, cfg.sample.max_new_tokens, do_sample=True, temperature=cfg.sample.temperature,
-                       top_k=cfg.sample.top_k, generator=generator, eos_token_id=module.model.config.eos_token_id)
+                       top_k=cfg.sample.top_k, generator=generator, eos_token_id=ends)
         return data.decode(out[0].cpu())
+    state = trainer.strategy.full_state_dict()  # collective: the single-device weights on every rank
     if isinstance(module, HFCausalLMModule):
         from transformers import AutoModelForCausalLM
 
-        state = trainer.strategy.full_state_dict()  # collective: the single-device weights on every rank
         model = AutoModelForCausalLM.from_config(module.model.config).to(module.device, module.dtype)
         model.load_state_dict({k[len("model."):]: v for k, v in state.items() if k.startswith("model.")})
         model.eval()
@@ -198,10 +198,8 @@ def sample(module: CausalLMModule, trainer: pl.Trainer, data: TextDataModule, cf
         out = model.generate(prompt, max_new_tokens=cfg.sample.max_new_tokens, do_sample=True,
                              temperature=cfg.sample.temperature, top_k=cfg.sample.top_k)
         return data.decode(out[0].cpu())
-    if not in_layout:
-        state = trainer.strategy.full_state_dict()  # collective: the single-device weights on every rank
-        module = GPTLightningModule(module.gpt.config)
-        module.load_state_dict(state)
+    module = GPTLightningModule(module.gpt.config)
+    module.load_state_dict(state)
     module.eval()
     generator = torch.Generator(device=module.device).manual_seed(cfg.seed)  # same draws on every rank
     out = module.gpt.generate(prompt, cfg.sample.max_new_tokens, cfg.sample.temperature, cfg.sample.top_k, generator)

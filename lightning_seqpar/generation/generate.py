@@ -1,18 +1,19 @@
 """Text out of a model in the layout it trains in: every rank of the run calls :func:`generate` together, and each
 data-parallel replica continues its own batch of prompts, no rank ever holding more of the model than it trains with.
 
-The prompt runs in one forward (the prefill), then each new token in a forward of its one position (the decode
-steps), the rewritten layers keeping this rank's keys and values in a transformers ``DynamicCache``
+A Hugging Face model's prompt runs in one forward (the prefill), then each new token in a forward of its one position
+(the decode steps), the rewritten layers keeping this rank's keys and values in a transformers ``DynamicCache``
 (:mod:`lightning_seqpar.transformer.kv_cache`: ``[b, a_kv/t, s, d]`` per layer; a step whose positions do not split
-over t runs with sequence parallelism suspended). Experts over ep and expert_tp, the trainer's precision (autocast
-under ``bf16-mixed``) as in training. The logits of the last position are gathered over the vocabulary's
+over t runs with sequence parallelism suspended); the reference GPT recomputes the sequence so far
+(:mod:`.model_steps`). Experts over ep and expert_tp, pipeline stages in any placement (:mod:`.staged_forward`), the
+trainer's precision (autocast under ``bf16-mixed``) as in training. The logits of the last position are gathered over the vocabulary's
 tensor-parallel split, and the token is chosen as transformers' ``generate`` chooses it (:mod:`.next_token`). A draw
 is made by every rank from the same generator state and tensor-parallel rank 0's token is broadcast, so the ranks of a
 tensor-parallel group cannot disagree where a kernel's rounding differs between devices. Rows stop at their
 end-of-sequence token; every rank runs the same number of forwards (a mixture's dispatch spans the data-parallel
 replicas), so the loop ends when every replica's rows have stopped.
 
-Not yet: pipeline and context parallelism (refused by name).
+Context parallelism is refused by name: a decoded position has no sequence to split.
 """
 
 from __future__ import annotations
@@ -24,10 +25,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_seqpar.generation.model_steps import model_steps
 from lightning_seqpar.generation.next_token import TokenChoice
 from lightning_seqpar.generation.staged_forward import StagedForward
-from lightning_seqpar.hf.kv_cache import new_cache
-from lightning_seqpar.transformer.kv_cache import step_sequence_parallel
 
 
 @torch.no_grad()
@@ -42,8 +42,8 @@ def generate(module: Any, input_ids: Tensor, max_new_tokens: int, *, attention_m
 
     Args:
         module: a LightningModule trained by ``SeqParallelStrategy`` whose ``model`` is the causal LM (a Hugging Face
-            model, PEFT-wrapped or not, called as ``model(input_ids=, attention_mask=, position_ids=)``), or such a
-            model itself on one process.
+            model, PEFT-wrapped or not, called as ``model(input_ids=, attention_mask=, position_ids=, cache=)``; or the
+            reference GPT, ``model(idx)``), or such a model itself on one process.
         do_sample, temperature, top_k, top_p: how each token is chosen (:class:`~.next_token.TokenChoice`).
         generator: the draws' generator (the same seed on every rank: the draw is broadcast from tensor-parallel
             rank 0 all the same).
@@ -57,9 +57,10 @@ def generate(module: Any, input_ids: Tensor, max_new_tokens: int, *, attention_m
         the log-probabilities ``[b, n]``.
 
     Raises:
-        ValueError: a prompt that is not ``[b, s]`` integer ids, a mask of another shape or padded on the right, a
-            negative ``max_new_tokens``, sampling settings out of range; naming the value and the fix.
-        NotImplementedError: pipeline or context parallelism, naming what to do instead.
+        ValueError: a prompt that is not ``[b, s]`` integer ids, a mask of another shape or padded on the right (or
+            padded at all for the reference GPT), a negative ``max_new_tokens``, sampling settings out of range;
+            naming the value and the fix.
+        NotImplementedError: context parallelism, naming what to do instead.
     """
     choice = TokenChoice(do_sample, temperature, top_k, top_p)
     model, trainer, strategy = _model_and_strategy(module)
@@ -73,27 +74,15 @@ def generate(module: Any, input_ids: Tensor, max_new_tokens: int, *, attention_m
     rows, device = input_ids.shape[0], input_ids.device
     done = torch.zeros(rows, dtype=torch.bool, device=device)
     ids, chosen_logprobs = input_ids, []
-    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)  # as transformers' generate counts them
-    step = dict(input_ids=ids, position_ids=positions)  # the prefill: the whole prompt in one forward
-    caches = new_cache(model)
-    cache = next(iter(caches.values()))
+    steps = model_steps(model, input_ids, mask, sequence_parallel, t)
     training = model.training
     model.eval()  # no dropout while generating
     try:
         for _ in range(max_new_tokens):
-            new = step["input_ids"].shape[1]
-            # Marked here for every stage's blocks (a later stage has no block entering the region to mark it).
-            splits = step_sequence_parallel(cache, True, new, sequence_parallel, t)
-
-            def forward(step: dict = step, mask: Tensor = mask) -> Any:
-                return model(**step, attention_mask=mask, **caches, use_cache=True)
-
+            signature = steps.begin()
             with precision.forward_context() if precision is not None else contextlib.nullcontext():
-                if staged is None:
-                    logits = forward().logits[:, -1].float()  # [b, v], float32: as training computes it
-                else:
-                    logits = staged(forward, (new, rows, splits))  # the last stage's rank only
-                    staged.advance_remote(cache, new, device)
+                # [b, v] float32; under pipeline parallelism on the last stage's rank only
+                logits = steps.forward() if staged is None else staged(steps.forward, signature)
             token = logprob = None
             if logits is not None:
                 token = choice.pick(logits, generator)
@@ -106,10 +95,9 @@ def generate(module: Any, input_ids: Tensor, max_new_tokens: int, *, attention_m
             assert token is not None and logprob is not None
             if return_logprobs:
                 chosen_logprobs.append(logprob)
+            steps.advance(token, staged)
             ids = torch.cat([ids, token[:, None]], dim=1)
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
             done = done | torch.isin(token, ends)
-            step = dict(input_ids=token[:, None], position_ids=step["position_ids"][:, -1:] + 1)  # one position
             if len(ends) and _everyone_done(done):
                 break
     finally:
@@ -126,10 +114,10 @@ def _model_and_strategy(module: Any) -> tuple[Any, Any, Any]:
     the strategy (``None`` otherwise).
 
     Raises:
-        NotImplementedError: pipeline or context parallelism.
+        NotImplementedError: context parallelism.
     """
     lightning_module = any(cls.__name__ == "LightningModule" for cls in type(module).__mro__)
-    model = module.model if lightning_module else module  # (a causal LM's own `model` is its base, not it)
+    model = _causal_lm(module) if lightning_module else module  # (a causal LM's own `model` is its base, not it)
     trainer = getattr(module, "_trainer", None) if lightning_module else None
     strategy = getattr(trainer, "strategy", None)
     layout = getattr(strategy, "layout", None)
@@ -139,6 +127,19 @@ def _model_and_strategy(module: Any) -> tuple[Any, Any, Any]:
         raise NotImplementedError(f"generate() under context parallelism (cp={layout.cp}) is not implemented: decoding "
                                   f"one position at a time has no sequence to split. Generate at cp=1.")
     return model, trainer, strategy
+
+
+def _causal_lm(module: Any) -> Any:
+    """The LightningModule's causal LM: its ``model`` (a Hugging Face model), or the reference GPT's ``gpt``.
+
+    Raises:
+        TypeError: a module with neither, naming where the model is expected.
+    """
+    for name in ("model", "gpt"):
+        if isinstance(getattr(module, name, None), torch.nn.Module):
+            return getattr(module, name)
+    raise TypeError(f"generate() looks for the causal LM of {type(module).__name__} at .model (a Hugging Face model) "
+                    f"or .gpt (the reference GPT); pass the model itself: generate(module.my_model, ...).")
 
 
 def _checked(input_ids: Tensor, attention_mask: Optional[Tensor], max_new_tokens: int) -> Tensor:

@@ -47,8 +47,8 @@ class StagedForward:
         return self.group.rank == self.last_rank
 
     def __call__(self, forward: Callable[[], Any], signature: tuple) -> Optional[Tensor]:
-        """Run ``forward`` (the model's call) as each stage this rank holds, in stage order; return the last position's
-        logits ``[b, v]`` (float32) on the last stage's rank, else ``None``. ``signature``: what the activations'
+        """Run ``forward`` (the model's call, returning the next position's logits ``[b, v]``) as each stage this rank
+        holds, in stage order; return those logits on the last stage's rank, else ``None``. ``signature``: what the activations'
         shapes depend on (positions, rows, whether sequence parallelism splits them)."""
         exchange = self.transport.begin_step(("generate",) + signature)
         payload, last = self.runtime.payload, self.layout.num_stages - 1
@@ -68,7 +68,7 @@ class StagedForward:
             sent, out = self.runtime.run(stage, incoming, forward)
             if stage == last:
                 payload.forward_ends()
-                logits = out.logits[:, -1].float()
+                logits = out
                 continue
             if not sent:
                 raise RuntimeError(f"Stage {stage} finished the generation forward without reaching its last layer.")

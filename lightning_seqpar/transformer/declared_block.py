@@ -164,6 +164,10 @@ class ParallelBlock(ParallelLayer):
         if self.context is not None and self.context.group.size > 1:
             raise NotImplementedError(f"{self._name} was called with a key/value cache under context parallelism "
                                       f"(cp={self.context.group.size}): generate with cp=1.")
+        if not self._attention.spec.causal:
+            raise NotImplementedError(f"{self._name} was called with a key/value cache but is declared non-causal "
+                                      f"(BlockSpec.causal=False): a cache continues a causal model, each position "
+                                      f"seeing only those before it. Generate from a causal language model.")
         positions = hidden_states.shape[1 if self.batch_first else 0]
         split = step_sequence_parallel(call.cache, self.enter_region, positions, self.sp, self.group.size)
         parts = (self._attention, self._mlp, getattr(self._mlp, "shared", None))

@@ -59,9 +59,24 @@ def test_sample_text_refuses_what_it_cannot_do_before_training():
     with pytest.raises(ValueError, match="every_n_steps=0"):
         SampleText(["hi"], list, str, 0)
     callback = SampleText(["hi"], list, str, 2)
-    trainer = SimpleNamespace(strategy=SimpleNamespace(layout=Layout(pp=2)))
-    with pytest.raises(ValueError, match=r"pipeline or context parallelism \(pp=2, cp=1\)"):
+    trainer = SimpleNamespace(strategy=SimpleNamespace(layout=Layout(cp=2)))
+    with pytest.raises(ValueError, match=r"context parallelism \(cp=2: a decoded position"):
         callback.on_fit_start(trainer, None)
+    callback.on_fit_start(SimpleNamespace(strategy=SimpleNamespace(layout=Layout(pp=2))), None)  # stages: generated
+
+
+def test_the_reference_gpt_takes_prompts_of_one_length_and_a_non_causal_model_is_refused():
+    from lightning_seqpar import RewriteContext, rewrite
+    from lightning_seqpar.parallel import ParallelGroup
+    from tests.helpers.models import EncoderLM
+
+    gpt = build("gpt").double().gpt
+    with pytest.raises(ValueError, match="GPT takes no attention mask, so its prompts cannot be left-padded"):
+        generate(gpt, PROMPTS, 2, attention_mask=MASK)
+    encoder = EncoderLM()
+    rewrite(encoder, RewriteContext(ParallelGroup(), False, None, True))
+    with pytest.raises(ValueError, match=r"blocks declared non-causal \(encoder.layers.0"):
+        generate(torch.nn.ModuleDict({"encoder": encoder.encoder}), PROMPTS, 2)  # a user's model holding it
 
 
 def test_tokens_come_from_the_forward_training_runs_under_mixed_precision():

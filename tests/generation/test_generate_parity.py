@@ -151,3 +151,36 @@ def _context_parallel(rank, world):
 def test_generation_under_context_parallelism_is_refused_by_name_on_every_rank():
     messages = run_distributed(_context_parallel, 2)
     assert all("generate() under context parallelism (cp=2) is not implemented" in m for m in messages), messages
+
+
+class _GenerateGPT(pl.Callback):
+    def on_train_end(self, trainer, pl_module):
+        prompts = _prompts(trainer.strategy.mesh.batch_rank)[0]  # one length (the reference GPT takes no mask)
+        self.result = dict(state=trainer.strategy.full_state_dict(), prompts=prompts,
+                           greedy=generate(pl_module, prompts, NEW, return_logprobs=True),
+                           sampled=generate(pl_module, prompts, NEW, generator=torch.Generator().manual_seed(3),
+                                            **SAMPLING))
+
+
+def _run_gpt(rank, world, layout):
+    callback = _GenerateGPT()
+    trainer = pl.Trainer(accelerator="cpu", devices=world, precision="64-true", max_steps=2, logger=False,
+                         strategy=strategy_of(**dict(layout)), enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0, callbacks=[callback])
+    trainer.fit(build("gpt"), loader(token_data(2, 1)))
+    return callback.result
+
+
+@pytest.mark.parametrize("layout", [(("tp", 2),), (("pp", 2),)], ids=str)
+def test_the_reference_gpt_generates_one_process_s_tokens(layout):
+    """The reference GPT (no cache: each token recomputes its last block_size tokens, padded to t under SP) at tp 2
+    and pp 2 gives the tokens and log-probabilities of the same function on the one-process model."""
+    per_rank = run_distributed(_run_gpt, 2, layout)
+    model = build("gpt").double()
+    model.load_state_dict(per_rank[0]["state"])
+    prompts = per_rank[0]["prompts"]
+    tokens, logprobs = generate(model, prompts, NEW, return_logprobs=True)
+    sampled = generate(model, prompts, NEW, generator=torch.Generator().manual_seed(3), **SAMPLING)
+    for result in per_rank:
+        assert torch.equal(result["greedy"][0], tokens) and torch.equal(result["sampled"], sampled)
+        assert (result["greedy"][1] - logprobs).abs().max().item() < 1e-6

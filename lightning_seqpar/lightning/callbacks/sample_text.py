@@ -35,7 +35,7 @@ class SampleText(pl.Callback):
 
     Raises:
         ValueError: ``every_n_steps`` or ``max_new_tokens`` below 1, no prompt; at the start of fit, a layout
-            :func:`~lightning_seqpar.generate` does not run in (pipeline or context parallelism), naming the fix.
+            :func:`~lightning_seqpar.generate` does not run in (context parallelism), naming the fix.
     """
 
     def __init__(self, prompts: Sequence[str], encode: Callable[[str], list[int]], decode: Callable[[list[int]], str],
@@ -54,10 +54,10 @@ class SampleText(pl.Callback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         layout = getattr(trainer.strategy, "layout", None)
-        if layout is not None and (layout.pp > 1 or layout.cp > 1):
-            raise ValueError(f"SampleText generates in the training layout, which it does not do yet under pipeline "
-                             f"or context parallelism (pp={layout.pp}, cp={layout.cp}): sample after training from "
-                             f"the exported model, or train with pp=1 and cp=1.")
+        if layout is not None and layout.cp > 1:
+            raise ValueError(f"SampleText generates in the training layout, which it does not do under context "
+                             f"parallelism (cp={layout.cp}: a decoded position has no sequence to split): sample "
+                             f"after training from the exported model, or train with cp=1.")
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
