@@ -54,6 +54,26 @@ class _Generate(pl.Callback):
             sampled=generate(pl_module, prompts[1:].expand(2, -1), NEW, generator=torch.Generator().manual_seed(3),
                              **SAMPLING),
             ended=generate(pl_module, prompts, NEW, attention_mask=mask, eos_token_id=END, pad_token_id=PAD))
+        if trainer.strategy.pipeline is None:  # (a training step under pp runs through the schedule)
+            self.result["peaks"] = _peaks(pl_module, prompts, mask)
+
+
+def _peaks(pl_module, prompts, mask):
+    """Peak bytes (parameters held, and every storage made) of a generation and of a training step's forward and
+    backward on the whole generated length; the bytes of this rank's parameters and of the whole model's."""
+    from lightning_seqpar.memory.peak import PeakMemoryTracker
+
+    with PeakMemoryTracker() as tracker:
+        tracker.hold(pl_module.parameters())
+        tokens = generate(pl_module, prompts, NEW, attention_mask=mask)
+    generation = tracker.peak
+    x = tokens[:, :10]  # (a length every layout's t divides)
+    with PeakMemoryTracker() as tracker:
+        tracker.hold(pl_module.parameters())
+        pl_module.model(input_ids=x, labels=x).loss.backward()
+    pl_module.zero_grad(set_to_none=True)
+    local = sum(p.numel() * p.element_size() for p in pl_module.parameters())
+    return generation, tracker.peak, local
 
 
 def _run(rank, world, family, layout):
@@ -117,6 +137,12 @@ def test_generated_tokens_and_logprobs_are_one_process_s(generated, world, case)
         torch.manual_seed(3)  # transformers draws from the default generator
         want = model.generate(input_ids=prompts[1:].expand(2, -1), max_new_tokens=NEW, pad_token_id=0, **SAMPLING)
         assert torch.equal(result["sampled"], want), (result["sampled"], want)
+    for result in per_rank:  # no rank gathers the model, nor holds more while generating than while training
+        if "peaks" in result:
+            generation, training, local = result["peaks"]
+            whole = sum(v.numel() * v.element_size() for v in result["state"].values())
+            # (a gathered copy of the model alone would add `whole` to what the rank holds)
+            assert generation <= training and generation - local < whole, (generation, training, local, whole)
     if len(replicas) > 1:  # the replicas continued different prompts
         assert not torch.equal(replicas[0]["greedy"][0], replicas[1]["greedy"][0])
     # Rows end at END, padded after it; every replica stops together (its ranks share a mixture's all-to-all).

@@ -101,3 +101,25 @@ def test_pipeline_benchmark_recipe_prices_each_schedule_s_trace(tmp_path):
                                                               for rank in "01"]
     for r in actions:
         assert float(r["F"]) > 0 and float(r["B"]) > 0 and (float(r["W"]) > 0) == (not r["schedule"].startswith("1F1B"))
+
+
+def test_generate_benchmark_recipe_counts_each_layout_s_cache_and_collectives(tmp_path):
+    """Every layout generates; rank 0's cache holds its a_kv/t heads of its stage's layers; a decoded token costs,
+    over tp, one all-reduce per layer's attention (the experts reduce nothing over tp) beside the embedding's, the
+    logits' all-gather and the token's broadcast, and at ep 2 a dispatch and a combine per layer."""
+    cmd = [sys.executable, str(ROOT / "recipes" / "benchmark_generate.py"), "vocab_size=64", "hidden=32", "heads=4",
+           "kv_heads=2", "experts=4", "expert_width=16", "layers=2", "b=2", "s=8", "n=3", "iters=1",
+           f"out={tmp_path}"]
+    run_job(cmd, tmp_path, timeout=400)
+    with open(tmp_path / "benchmark_generate.csv") as f:
+        table = {r["layout"]: r for r in csv.DictReader(f)}
+    assert list(table) == ["transformers generate (1 process)", "tp 1 (1 process)", "tp 2 (2 processes)",
+                           "pp 2 (2 processes)", "tp 2 x ep 2 (4 processes)"]
+    for row in table.values():
+        assert float(row["prefill tokens/s"]) > 0 and float(row["decode tokens/s"]) > 0
+    whole = 2 * 2 * 2 * (8 + 3 - 1) * 8 * 4 * 2 / 1024  # K and V, b, a_kv, positions, d, float32, layers: KiB
+    assert [float(table[k]["cache KiB (rank 0)"]) for k in table] == [round(whole)] * 2 + [round(whole / 2)] * 3
+    assert table["tp 2 (2 processes)"]["collectives per decoded token"] == "1 all_gather, 3 all_reduce, 1 broadcast"
+    assert table["pp 2 (2 processes)"]["collectives per decoded token"] == "1 pipeline send"
+    assert table["tp 2 x ep 2 (4 processes)"]["collectives per decoded token"] == (
+        "1 all_gather, 3 all_reduce, 2 all_to_all (ep), 4 all_to_all_v (ep), 1 broadcast")
