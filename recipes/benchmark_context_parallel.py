@@ -14,13 +14,12 @@ from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
-from rich.console import Console
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: the tools are the recipes package's
 
 from lightning_seqpar.extras import require_extra  # noqa: E402
 from recipes.benchmarking.context_bench import ContextResult, run_context_benchmark  # noqa: E402
-from recipes.benchmarking.report import print_table, write_table  # noqa: E402
+from recipes.benchmarking.report import publish  # noqa: E402
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "ring_send", "all_to_all")
@@ -44,10 +43,7 @@ def main(cfg: DictConfig) -> None:
              f"bytes and traffic of one more forward/backward; longest s doubling from {cfg.s_min} within "
              f"{cfg.budget_mib} MiB kept per rank; rank 0)")
     body = rows(results)
-    console = Console(width=180)
-    print_table(title, COLUMNS, body, ("layout",), console)
-    written = write_table(out, "benchmark_context_parallel", title, COLUMNS, body)
-    console.print(f"wrote {written[0]} and {written[1]}")
+    publish(out, "benchmark_context_parallel", title, COLUMNS, body, ("layout",))
 
 
 if __name__ == "__main__":

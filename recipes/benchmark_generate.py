@@ -15,13 +15,12 @@ from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
-from rich.console import Console
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: the tools are the recipes package's
 
 from lightning_seqpar.extras import require_extra  # noqa: E402
 from recipes.benchmarking.generate_bench import GenerateResult, run_generate_benchmark  # noqa: E402
-from recipes.benchmarking.report import print_table, write_table  # noqa: E402
+from recipes.benchmarking.report import publish  # noqa: E402
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 COLUMNS = ["layout", "prefill tokens/s", "decode tokens/s", "cache KiB (rank 0)", "collectives per decoded token"]
@@ -44,10 +43,7 @@ def main(cfg: DictConfig) -> None:
              f"{cfg.top_k}) v={cfg.vocab_size}; {cfg.b} prompts of {cfg.s} tokens per replica, {cfg.n} new tokens "
              f"(greedy), float32 (median of {cfg.iters})")
     body = rows(results)
-    console = Console(width=180)
-    print_table(title, COLUMNS, body, ("layout", "collectives per decoded token"), console)
-    written = write_table(out, "benchmark_generate", title, COLUMNS, body)
-    console.print(f"wrote {written[0]} and {written[1]}")
+    publish(out, "benchmark_generate", title, COLUMNS, body, ("layout", "collectives per decoded token"))
 
 
 if __name__ == "__main__":

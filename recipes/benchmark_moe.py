@@ -15,13 +15,12 @@ from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
-from rich.console import Console
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: the tools are the recipes package's
 
 from lightning_seqpar.extras import require_extra  # noqa: E402
 from recipes.benchmarking.moe_bench import KINDS, MoEResult, run_moe_benchmark  # noqa: E402
-from recipes.benchmarking.report import print_table, write_table  # noqa: E402
+from recipes.benchmarking.report import publish  # noqa: E402
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 COLUMNS = ["layout", "tokens/s"] + [f"{k} KiB" for k in KINDS] + ["expert params/rank", "adapter KiB/rank"]
@@ -45,10 +44,7 @@ def main(cfg: DictConfig) -> None:
              f"{cfg.top_k}) v={cfg.vocab_size}, {cfg.b} x {cfg.s} tokens per replica and step, float32, 4 processes "
              f"(median of {cfg.iters}; bytes of one more forward/backward sent by rank 0)")
     body = rows(results)
-    console = Console(width=180)
-    print_table(title, COLUMNS, body, ("layout",), console)
-    written = write_table(out, "benchmark_moe", title, COLUMNS, body)
-    console.print(f"wrote {written[0]} and {written[1]}")
+    publish(out, "benchmark_moe", title, COLUMNS, body, ("layout",))
 
 
 if __name__ == "__main__":

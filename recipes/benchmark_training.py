@@ -14,11 +14,10 @@ from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
-from rich.console import Console
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: the tools are the recipes package's
 
-from recipes.benchmarking.report import print_table, write_table  # noqa: E402
+from recipes.benchmarking.report import publish  # noqa: E402
 from recipes.benchmarking.training_bench import KINDS, TrainingResult, run_training_benchmark  # noqa: E402
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
@@ -40,10 +39,7 @@ def main(cfg: DictConfig) -> None:
              f"{cfg.global_batch} x {cfg.s} tokens per step, {cfg.precision} (median of {cfg.iters}; bytes and comm "
              f"time from one more, counted step; rank 0)")
     body = rows(results)
-    console = Console(width=180)
-    print_table(title, COLUMNS, body, ("library", "layout"), console)
-    written = write_table(out, "benchmark_training", title, COLUMNS, body)
-    console.print(f"wrote {written[0]} and {written[1]}")
+    publish(out, "benchmark_training", title, COLUMNS, body, ("library", "layout"))
 
 if __name__ == "__main__":
     main()

@@ -36,3 +36,13 @@ def write_table(out: Path, stem: str, title: str, columns: Sequence[str], body: 
     lines += ["", *notes, ""] if notes else [""]
     md_path.write_text("\n".join(lines))
     return md_path, csv_path
+
+
+def publish(out: Path, stem: str, title: str, columns: Sequence[str], body: Sequence[Sequence[str]],
+            text_columns: Sequence[str]) -> None:
+    """A benchmark's one table: printed (:func:`print_table`), written as ``out/stem.csv`` and ``.md``
+    (:func:`write_table`), and where it went said."""
+    console = Console(width=180)
+    print_table(title, columns, body, text_columns, console)
+    written = write_table(out, stem, title, columns, body)
+    console.print(f"wrote {written[0]} and {written[1]}")
