@@ -56,6 +56,9 @@ class _Generate(pl.Callback):
             ended=generate(pl_module, prompts, NEW, attention_mask=mask, eos_token_id=END, pad_token_id=PAD))
         if trainer.strategy.pipeline is None:  # (a training step under pp runs through the schedule)
             self.result["peaks"] = _peaks(pl_module, prompts, mask)
+            # transformers' own generate on the rewritten model: its DynamicCache holds each rank's heads
+            self.result["transformers"] = pl_module.model.generate(
+                input_ids=prompts[1:], max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0)
 
 
 def _peaks(pl_module, prompts, mask):
@@ -137,6 +140,9 @@ def test_generated_tokens_and_logprobs_are_one_process_s(generated, world, case)
         torch.manual_seed(3)  # transformers draws from the default generator
         want = model.generate(input_ids=prompts[1:].expand(2, -1), max_new_tokens=NEW, pad_token_id=0, **SAMPLING)
         assert torch.equal(result["sampled"], want), (result["sampled"], want)
+    for result in per_rank:  # transformers' generate in the layout: the unpadded prompt's greedy tokens
+        if "transformers" in result:
+            assert torch.equal(result["transformers"][0], result["greedy"][0][1]), (result["transformers"], result)
     for result in per_rank:  # no rank gathers the model, nor holds more while generating than while training
         if "peaks" in result:
             generation, training, local = result["peaks"]
