@@ -12,6 +12,7 @@ import importlib.util
 EXTRAS: dict[str, tuple[str, ...]] = {
     "hf": ("transformers", "safetensors", "tokenizers"),
     "peft": ("peft", "transformers", "safetensors", "tokenizers"),
+    "math": ("math_verify",),
 }
 """Each extra's importable top-level modules (``setup.cfg``'s ``[options.extras_require]``, by import name)."""
 

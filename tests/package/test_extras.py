@@ -12,7 +12,7 @@ from lightning_seqpar.extras import EXTRAS, has_extra, missing_modules, require_
 from tests.package.test_versions import SETUP_CFG
 
 IMPORT_NAMES = {"transformers": "transformers", "safetensors": "safetensors", "tokenizers": "tokenizers",
-                "peft": "peft"}
+                "peft": "peft", "math-verify": "math_verify"}
 
 
 def _block(monkeypatch, *names: str) -> None:
