@@ -80,6 +80,10 @@ class CausalLMLoss:
     float64, from sharded or whole logits; ``num_items_in_batch`` is not applied. Under context parallelism the entry
     sums it over the cp ranks like any loss.
 
+    ``token_logps=True``: the loss is ``[b, s]``, each target token's log-probability ``log p`` (0 where the label is
+    ignored), aligned with the shifted labels (position j: the log-probability of token j+1), the same way; what GRPO's
+    ratios read. Refused under context parallelism (no rank holds a whole row).
+
     ``sum_per_document=`` a ``[b, s, D]`` bool tensor (packed rows: token j of row i belongs to document d), aligned
     with ``labels`` (with ``shift_labels`` when those are given): the loss is ``[b, D]``, each document's cross entropy
     summed over its supervised tokens, the same way (a product with the documents' one-hot weights, so no shape
@@ -93,13 +97,16 @@ class CausalLMLoss:
 
     def __call__(self, logits: Tensor, labels: Tensor, vocab_size: int, num_items_in_batch: Optional[Tensor] = None,
                  ignore_index: int = -100, shift_labels: Optional[Tensor] = None, sum_per_row: bool = False,
-                 sum_per_document: Optional[Tensor] = None, **kwargs: Any) -> Tensor:
+                 sum_per_document: Optional[Tensor] = None, token_logps: bool = False, **kwargs: Any) -> Tensor:
+        if self.context_parallel and token_logps:
+            raise NotImplementedError("token_logps=True under context parallelism: each rank holds chunks of the "
+                                      "sequence, and per-token log-probabilities are not gathered. Use cp=1.")
         if self.context_parallel and shift_labels is None:
             raise ValueError("Under context parallelism the model's loss was called without shift_labels=: its forward "
                              "does not pass its keyword arguments on to loss_function, so the labels of this rank's "
                              "chunks would be shifted within them. Train this model without cp.")
         documents = sum_per_document
-        per_row = sum_per_row or documents is not None
+        per_row = sum_per_row or documents is not None or token_logps
         if not isinstance(logits, VocabShardedLogits) and not per_row:
             return self.original(logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
                                  ignore_index=ignore_index, shift_labels=shift_labels, **kwargs)
@@ -108,7 +115,10 @@ class CausalLMLoss:
             if documents is not None:  # each target's document: the next token's
                 documents = F.pad(documents, (0, 0, 0, 1))[:, 1:]
 
-        def reduced(per_token: Tensor, rows: slice) -> Tensor:  # [b, rows] -> [b] or [b, D]
+        def reduced(per_token: Tensor, rows: slice) -> Tensor:  # [b, rows] -> [b], [b, D] or [b, s]
+            if token_logps:  # log p, placed at the rows' positions (zero elsewhere: chunks add up to the whole row)
+                first, last, _ = rows.indices(shift_labels.shape[-1])
+                return F.pad(-per_token, (first, shift_labels.shape[-1] - last))
             if documents is None:
                 return per_token.sum(-1)
             return torch.einsum("bs,bsd->bd", per_token, documents[:, rows].to(per_token.device, per_token.dtype))

@@ -1,0 +1,32 @@
+"""GRPO's completion mask and the rollout's refusals, on one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_seqpar.models.grpo_rollout import completion_mask, rollout
+from tests.helpers.models import build
+
+
+def test_the_completion_mask_keeps_each_row_through_its_first_end_token():
+    completions = torch.tensor([[3, 7, 5, 7], [1, 2, 3, 4], [7, 0, 0, 0]])
+    assert completion_mask(completions, [7]).tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]
+    assert completion_mask(completions, []).tolist() == [[1.0] * 4] * 3
+
+
+def test_a_model_whose_loss_is_not_per_token_is_refused_with_the_fix():
+    from lightning_seqpar.models.grpo_rollout import Rollout, policy_logps
+
+    model = build("hf", labels=True).double().model
+    ones = torch.ones(2, 3, dtype=torch.long)
+    batch = Rollout(ones, ones, ones, ones.float(), ones.float(), 2)
+    with pytest.raises(ValueError, match=r"loss of shape \(\) for token_logps=True.*CausalLMLoss\(model.loss_function"):
+        policy_logps(model, batch)
+
+
+def test_fewer_than_two_generations_per_prompt_is_refused():
+    model = build("hf", labels=True).double().model
+    prompts, mask = torch.tensor([[4, 1, 2]]), torch.ones(1, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match="grpo.num_generations=1: GRPO compares G >= 2"):
+        rollout(model, prompts, mask, 1, 4)
