@@ -25,6 +25,7 @@ import torch
 from lightning_seqpar import generate
 from tests.helpers.distributed import run_distributed
 from tests.helpers.models import build, loader, token_data
+from tests.helpers.prompts import replica_prompts
 from tests.helpers.strategy import strategy_of
 
 pytestmark = pytest.mark.distributed  # starts processes: outside the fast lane
@@ -38,16 +39,10 @@ CASES = {2: [("llama", (("tp", 2),)), ("qwen3", (("tp", 2),)), ("gemma2", (("tp"
 """(family, layout) by world size; ``layers``: the model's (ZB-V's 2 chunks per rank need 4)."""
 
 
-def _prompts(replica: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Replica ``replica``'s prompts: two rows, the first left-padded by two."""
-    prompts = (torch.tensor([[0, 0, 5, 3, 7], [4, 1, 2, 9, 11]]) + 3 * replica) % 13
-    return prompts, torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
-
-
 class _Generate(pl.Callback):
     def on_train_end(self, trainer, pl_module):
         replica = trainer.strategy.mesh.batch_rank
-        prompts, mask = _prompts(replica)
+        prompts, mask = replica_prompts(replica)
         self.result = dict(
             state=trainer.strategy.full_state_dict(), replica=replica,
             greedy=generate(pl_module, prompts, NEW, attention_mask=mask, return_logprobs=True),
@@ -125,7 +120,7 @@ def test_generated_tokens_and_logprobs_are_one_process_s(generated, world, case)
         assert torch.equal(result["greedy"][1], first["greedy"][1])  # and log-probabilities
     for result in replicas.values():  # each data-parallel replica's own prompts
         model = _reference(*case, result["state"])
-        prompts, mask = _prompts(result["replica"])
+        prompts, mask = replica_prompts(result["replica"])
         tokens, logprobs = result["greedy"]
         assert tokens.shape == (2, 5 + NEW) and torch.equal(tokens[:, :5], prompts)
         for row in range(2):
@@ -165,7 +160,7 @@ def test_generated_tokens_and_logprobs_are_one_process_s(generated, world, case)
 class _Refused(pl.Callback):
     def on_train_end(self, trainer, pl_module):
         try:
-            generate(pl_module, _prompts(0)[0], 2)
+            generate(pl_module, replica_prompts(0)[0], 2)
             self.message = ""
         except NotImplementedError as error:
             self.message = str(error)
@@ -187,7 +182,7 @@ def test_generation_under_context_parallelism_is_refused_by_name_on_every_rank()
 
 class _GenerateGPT(pl.Callback):
     def on_train_end(self, trainer, pl_module):
-        prompts = _prompts(trainer.strategy.mesh.batch_rank)[0]  # one length (the reference GPT takes no mask)
+        prompts = replica_prompts(trainer.strategy.mesh.batch_rank)[0]  # one length (the reference GPT takes no mask)
         self.result = dict(state=trainer.strategy.full_state_dict(), prompts=prompts,
                            greedy=generate(pl_module, prompts, NEW, return_logprobs=True),
                            sampled=generate(pl_module, prompts, NEW, generator=torch.Generator().manual_seed(3),

@@ -15,6 +15,7 @@ from lightning_seqpar.hf.vocabulary import CausalLMLoss
 from lightning_seqpar.models.grpo_rollout import policy_logps, rollout
 from tests.helpers.distributed import run_distributed
 from tests.helpers.models import build, loader, token_data
+from tests.helpers.prompts import replica_prompts
 from tests.helpers.strategy import strategy_of
 
 pytestmark = pytest.mark.distributed  # starts processes: outside the fast lane
@@ -22,15 +23,10 @@ pytestmark = pytest.mark.distributed  # starts processes: outside the fast lane
 G, NEW, END = 3, 6, 7
 
 
-def _prompts(replica: int) -> tuple[torch.Tensor, torch.Tensor]:
-    prompts = (torch.tensor([[0, 0, 5, 3, 7], [4, 1, 2, 9, 11]]) + 3 * replica) % 13
-    return prompts, torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
-
-
 class _Rollout(pl.Callback):
     def on_train_end(self, trainer, pl_module):
         replica = trainer.strategy.mesh.batch_rank
-        prompts, mask = _prompts(replica)
+        prompts, mask = replica_prompts(replica)
         batch = rollout(pl_module, prompts, mask, G, NEW, temperature=0.9, generator=torch.Generator().manual_seed(5),
                         eos_token_id=END, pad_token_id=0)
         with torch.no_grad():
@@ -54,7 +50,7 @@ def test_rollouts_and_their_log_probabilities_are_one_process_s(world):
         model = build("hf", labels=True, attn_implementation="sdpa").double()
         model.load_state_dict(result["state"])
         model.model.loss_function = CausalLMLoss(model.model.loss_function)  # per-token log-probabilities
-        prompts, mask = _prompts(result["replica"])
+        prompts, mask = replica_prompts(result["replica"])
         want = rollout(model.model, prompts, mask, G, NEW, temperature=0.9, generator=torch.Generator().manual_seed(5),
                        eos_token_id=END, pad_token_id=0)
         got = result["batch"]
