@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from lightning_seqpar import generate
+from lightning_seqpar.memory.kv_cache import kv_cache_bytes, layer_windows
 from tests.helpers.distributed import run_distributed
 from tests.helpers.models import build, loader, token_data
 from tests.helpers.prompts import replica_prompts
@@ -49,11 +50,36 @@ class _Generate(pl.Callback):
             sampled=generate(pl_module, prompts[1:].expand(2, -1), NEW, generator=torch.Generator().manual_seed(3),
                              **SAMPLING),
             ended=generate(pl_module, prompts, NEW, attention_mask=mask, eos_token_id=END, pad_token_id=PAD))
+        self.result["cache"] = _cache_bytes(pl_module, prompts, mask)
         if trainer.strategy.pipeline is None:  # (a training step under pp runs through the schedule)
             self.result["peaks"] = _peaks(pl_module, prompts, mask)
             # transformers' own generate on the rewritten model: its DynamicCache holds each rank's heads
             self.result["transformers"] = pl_module.model.generate(
                 input_ids=prompts[1:], max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0)
+
+
+def _cache_bytes(pl_module, prompts, mask):
+    """Bytes of the key/value cache a greedy generation leaves on this rank: of the layers it holds (its heads), and of
+    the other layers' slots (one byte per position each)."""
+    import lightning_seqpar.generation.model_steps as model_steps
+
+    made = []
+    original = model_steps.new_cache
+    model_steps.new_cache = lambda model: made.append(original(model)) or made[-1]  # a spy on the cache generate makes
+    try:
+        generate(pl_module, prompts, NEW, attention_mask=mask)
+    finally:
+        model_steps.new_cache = original
+    cache = next(iter(made[0].values()))
+    runtime = getattr(pl_module.trainer.strategy.pipeline, "executor", None)
+    runtime = runtime.runtime if runtime is not None else None
+    held = set(range(len(cache.layers))) if runtime is None else {
+        i for stage in runtime.layout.stages_of(pl_module.trainer.strategy.pipeline.pipeline.rank)
+        for i in range(*runtime.layout.bounds(stage))}
+    size = lambda layer: layer.keys.numel() * layer.keys.element_size() * 2  # noqa: E731 (keys and values)
+    return (sum(size(layer) for i, layer in enumerate(cache.layers) if i in held),
+            sum(size(layer) for i, layer in enumerate(cache.layers) if i not in held), sorted(held),
+            pl_module.trainer.strategy.mesh.tensor.size)
 
 
 def _peaks(pl_module, prompts, mask):
@@ -135,6 +161,15 @@ def test_generated_tokens_and_logprobs_are_one_process_s(generated, world, case)
         torch.manual_seed(3)  # transformers draws from the default generator
         want = model.generate(input_ids=prompts[1:].expand(2, -1), max_new_tokens=NEW, pad_token_id=0, **SAMPLING)
         assert torch.equal(result["sampled"], want), (result["sampled"], want)
+    config = _reference(*case, per_rank[0]["state"]).config
+    kv_heads, head_dim = config.num_key_value_heads, getattr(config, "head_dim", None) or \
+        config.hidden_size // config.num_attention_heads
+    windows = layer_windows(config)
+    for result in per_rank:  # each rank's cache: its layers' a_kv/t heads, the formula's bytes exactly
+        heads, remote, held, t = result["cache"]
+        assert heads == kv_cache_bytes(2, 5 + NEW - 1, kv_heads, head_dim, t, 8, [windows[i] for i in held])
+        others = [w for i, w in enumerate(windows) if i not in held]  # keys and values: a byte per position kept
+        assert remote == kv_cache_bytes(1, 5 + NEW - 1, 1, 1, 1, 1, others)
     for result in per_rank:  # transformers' generate in the layout: the unpadded prompt's greedy tokens
         if "transformers" in result:
             assert torch.equal(result["transformers"][0], result["greedy"][0][1]), (result["transformers"], result)
