@@ -33,7 +33,8 @@ from lightning_seqpar.generation.staged_forward import StagedForward
 @torch.no_grad()
 def generate(module: Any, input_ids: Tensor, max_new_tokens: int, *, attention_mask: Optional[Tensor] = None,
              do_sample: bool = False, temperature: float = 1.0, top_k: Optional[int] = None,
-             top_p: Optional[float] = None, generator: Optional[torch.Generator] = None,
+             top_p: Optional[float] = None,
+             generator: Union[torch.Generator, Sequence[torch.Generator], None] = None,
              eos_token_id: Union[int, Sequence[int], None] = None, pad_token_id: Optional[int] = None,
              return_logprobs: bool = False) -> Union[Tensor, tuple[Tensor, Tensor]]:
     """Continue ``input_ids`` ``[b, s]`` (this data-parallel replica's prompts, left-padded where ``attention_mask``
@@ -46,7 +47,8 @@ def generate(module: Any, input_ids: Tensor, max_new_tokens: int, *, attention_m
             reference GPT, ``model(idx)``), or such a model itself on one process.
         do_sample, temperature, top_k, top_p: how each token is chosen (:class:`~.next_token.TokenChoice`).
         generator: the draws' generator (the same seed on every rank: the draw is broadcast from tensor-parallel
-            rank 0 all the same).
+            rank 0 all the same), or one per row: each row's draws then do not depend on which rows share its batch
+            (the same samples whatever the data-parallel split).
         eos_token_id: the token (or tokens) that ends a row; the row is padded with ``pad_token_id`` after it
             (default: the first end-of-sequence token, else 0).
         return_logprobs: also return the chosen tokens' log-probabilities ``[b, n]`` (float32) under the model's

@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -53,8 +53,18 @@ class TokenChoice:
             scores = scores.masked_fill(below.scatter(-1, order, below), float("-inf"))
         return scores
 
-    def pick(self, logits: Tensor, generator: Optional[torch.Generator]) -> Tensor:
-        """The next token ``[b]`` from ``logits`` ``[b, v]`` (float32)."""
+    def pick(self, logits: Tensor, generator: Union[torch.Generator, Sequence[torch.Generator], None]) -> Tensor:
+        """The next token ``[b]`` from ``logits`` ``[b, v]`` (float32); ``generator``: one for the batch (rows drawn
+        in order), or one per row (each row's draws its own: the same whichever rows share its batch).
+
+        Raises:
+            ValueError: a sequence of generators of another length than the rows.
+        """
         if not self.do_sample:
             return logits.argmax(-1)
-        return torch.multinomial(self.scores(logits).softmax(-1), 1, generator=generator).squeeze(1)
+        probabilities = self.scores(logits).softmax(-1)
+        if generator is None or isinstance(generator, torch.Generator):
+            return torch.multinomial(probabilities, 1, generator=generator).squeeze(1)
+        if len(generator) != len(probabilities):
+            raise ValueError(f"{len(generator)} generators for {len(probabilities)} rows: one per row, or one for all.")
+        return torch.cat([torch.multinomial(row[None], 1, generator=g)[0] for row, g in zip(probabilities, generator)])

@@ -65,20 +65,41 @@ def completion_mask(completions: Tensor, ends: Sequence[int]) -> Tensor:
     return (~after).float()
 
 
-def rollout(module: Any, prompt_ids: Tensor, prompt_mask: Tensor, group_size: int, max_completion_length: int, *,
-            temperature: float = 1.0, top_p: Optional[float] = None, top_k: Optional[int] = None,
-            generator: Optional[torch.Generator] = None, eos_token_id: Union[int, Sequence[int], None] = None,
-            pad_token_id: int = 0) -> Rollout:
-    """Sample ``group_size`` completions of each prompt ``[n, P]`` (left-padded where ``prompt_mask`` has zeros) by
-    :func:`lightning_seqpar.generate`. Collective: every rank of the run calls it.
+def completion_generators(seeds: Sequence[int], group_size: int, device: Any = "cpu") -> list[torch.Generator]:
+    """One generator per completion, completion g of the prompt of seed ``seeds[i]`` seeded with ``seeds[i]·2¹⁶ + g``:
+    each completion's draws depend on its prompt's seed (e.g. its index in the whole step) and g only, not on the
+    replica or micro-batch it falls in.
 
     Raises:
-        ValueError: ``group_size`` below 2 (GRPO compares completions of one prompt), and as ``generate``.
+        ValueError: G of 2¹⁶ or more.
+    """
+    if group_size >= 2**16:
+        raise ValueError(f"grpo.num_generations={group_size}: below {2**16}.")
+    return [torch.Generator(device).manual_seed(int(seed) * 2**16 + g) for seed in seeds for g in range(group_size)]
+
+
+def rollout(module: Any, prompt_ids: Tensor, prompt_mask: Tensor, group_size: int, max_completion_length: int, *,
+            temperature: float = 1.0, top_p: Optional[float] = None, top_k: Optional[int] = None,
+            generator: Union[torch.Generator, Sequence[torch.Generator], None] = None,
+            seeds: Optional[Sequence[int]] = None, eos_token_id: Union[int, Sequence[int], None] = None,
+            pad_token_id: int = 0) -> Rollout:
+    """Sample ``group_size`` completions of each prompt ``[n, P]`` (left-padded where ``prompt_mask`` has zeros) by
+    :func:`lightning_seqpar.generate`. Collective: every rank of the run calls it. ``seeds`` (one per prompt): each
+    completion draws from its own generator (:func:`completion_generators`), so the samples do not depend on how the
+    step's prompts are split over replicas and micro-batches; else ``generator`` (one, or one per completion).
+
+    Raises:
+        ValueError: ``group_size`` below 2 (GRPO compares completions of one prompt), ``seeds`` not one per prompt,
+            and as ``generate``.
     """
     from lightning_seqpar.generation import generate
 
     if group_size < 2:
         raise ValueError(f"grpo.num_generations={group_size}: GRPO compares G >= 2 completions of each prompt.")
+    if seeds is not None:
+        if len(seeds) != len(prompt_ids):
+            raise ValueError(f"{len(seeds)} seeds for {len(prompt_ids)} prompts: one per prompt.")
+        generator = completion_generators(seeds, group_size, prompt_ids.device)
     ids, mask = prompt_ids.repeat_interleave(group_size, 0), prompt_mask.repeat_interleave(group_size, 0)
     tokens, logps = generate(module, ids, max_completion_length, attention_mask=mask, do_sample=True,
                              temperature=temperature, top_p=top_p, top_k=top_k, generator=generator,

@@ -50,3 +50,13 @@ def test_greedy_takes_the_most_likely_token():
 def test_settings_out_of_range_are_refused_by_name(settings, match):
     with pytest.raises(ValueError, match=match):
         TokenChoice(True, **settings)
+
+
+def test_a_generator_per_row_draws_each_row_as_alone():
+    logits = torch.randn(3, 13, generator=torch.Generator().manual_seed(0))
+    choice = TokenChoice(do_sample=True, temperature=2.0)
+    together = choice.pick(logits, [torch.Generator().manual_seed(s) for s in (1, 2, 3)])
+    alone = [choice.pick(logits[i:i + 1], torch.Generator().manual_seed(s)) for i, s in enumerate((1, 2, 3))]
+    assert torch.equal(together, torch.cat(alone))
+    with pytest.raises(ValueError, match="2 generators for 3 rows"):
+        choice.pick(logits, [torch.Generator(), torch.Generator()])

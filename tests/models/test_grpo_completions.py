@@ -25,6 +25,21 @@ def test_a_model_whose_loss_is_not_per_token_is_refused_with_the_fix():
         policy_logps(model, batch)
 
 
+def test_with_a_seed_per_prompt_a_completion_s_draws_do_not_depend_on_its_batch():
+    """The step's prompts split over replicas or micro-batches draw the samples they draw together: each completion
+    from its own generator (its prompt's seed and its index in the group)."""
+    model = build("hf", labels=True, attn_implementation="sdpa").double().model
+    prompts, mask = torch.tensor([[0, 0, 5, 3, 7], [4, 1, 2, 9, 11]]), torch.tensor([[0, 0, 1, 1, 1], [1] * 5])
+    together = rollout(model, prompts, mask, 3, 6, temperature=1.5, seeds=[10, 11])
+    first = rollout(model, prompts[:1, 2:], mask[:1, 2:], 3, 6, temperature=1.5, seeds=[10])
+    second = rollout(model, prompts[1:], mask[1:], 3, 6, temperature=1.5, seeds=[11])
+    assert torch.equal(together.completion_ids[:3], first.completion_ids)
+    assert torch.equal(together.completion_ids[3:], second.completion_ids)
+    assert len({tuple(row.tolist()) for row in together.completion_ids}) > 2  # the draws differ within a group
+    with pytest.raises(ValueError, match="1 seeds for 2 prompts"):
+        rollout(model, prompts, mask, 3, 6, seeds=[10])
+
+
 def test_fewer_than_two_generations_per_prompt_is_refused():
     model = build("hf", labels=True).double().model
     prompts, mask = torch.tensor([[4, 1, 2]]), torch.ones(1, 3, dtype=torch.long)
