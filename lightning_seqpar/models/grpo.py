@@ -33,7 +33,7 @@ invariant to tp, pp and cp, not to how completions are grouped into micro-batche
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 import torch
 from torch import Tensor
@@ -45,7 +45,8 @@ _STD_EPSILON = 1e-4  # TRL's: added to the standard deviation before dividing
 
 
 def group_advantages(rewards: Tensor, group_size: int, scale: str = "group") -> tuple[Tensor, Tensor]:
-    """The advantages ``[N]`` of ``rewards`` ``[N]`` (N = groups · G, each group's G completions adjacent) and the
+    """The advantages ``[N]`` of ``rewards`` ``[N]`` (N = groups · G, each group's G completions adjacent; NaN: a
+    completion no reward function scored, left out of its group's statistics and given no advantage) and the
     standard deviation each was scaled by (``[N]``; zero where a group's rewards are all equal).
 
     Raises:
@@ -57,12 +58,23 @@ def group_advantages(rewards: Tensor, group_size: int, scale: str = "group") -> 
     if scale not in SCALES:
         raise ValueError(f"scale_rewards={scale!r}: one of {SCALES}.")
     groups = rewards.view(-1, group_size)
-    centred = (groups - groups.mean(-1, keepdim=True)).reshape(-1)
+    centred = (groups - groups.nanmean(-1, keepdim=True)).reshape(-1)
     if scale == "batch":
-        std = rewards.std().expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
+        std = _nanstd(rewards, None).expand_as(rewards)
     else:  # "group", and "none" (which reports the group's std but does not divide by it)
-        std = groups.std(-1, keepdim=True).expand_as(groups).reshape(-1)
-    return (centred if scale == "none" else centred / (std + _STD_EPSILON)), std
+        std = _nanstd(groups, -1).expand_as(groups).reshape(-1)
+    advantages = centred if scale == "none" else centred / (std + _STD_EPSILON)
+    return torch.nan_to_num(advantages, nan=0.0), std  # an unscorable completion (NaN reward): no advantage (TRL)
+
+
+def _nanstd(values: Tensor, dim: Optional[int]) -> Tensor:
+    """The standard deviation over ``dim`` (all: ``None``) of the values that are not NaN, with Bessel's correction
+    (NaN where fewer than two are), kept as a dimension of size 1 (TRL's ``nanstd``)."""
+    dims = tuple(range(values.dim())) if dim is None else (dim,)
+    mean = values.nanmean(dim=dims, keepdim=True)
+    count = (~torch.isnan(values)).sum(dim=dims, keepdim=True)
+    variance = ((values - mean) ** 2).nansum(dim=dims, keepdim=True) / (count - 1).clamp(min=1)
+    return torch.where(count > 1, variance.sqrt(), torch.full_like(variance, float("nan")))
 
 
 @dataclass(frozen=True)
@@ -70,14 +82,17 @@ class StepCounts:
     """What a step's normaliser counts, over all its micro-batches on every data-parallel replica.
 
     Attributes:
-        completions: N_seq.
+        completions: N_seq (an int, or a tensor: no host read).
         tokens: N_tok, the completion tokens (the mask's ones).
         shares: micro-batches times data-parallel replicas (``bnpo`` averages their token means).
+        batch_tokens: ``bnpo``'s count: the completion tokens of the micro-batch whose token mean it takes (the batch
+            a replica rolled out, which a pipeline splits further); ``None``: the rows given to :meth:`GRPOLoss.share`.
     """
 
-    completions: int
-    tokens: int
+    completions: Union[int, Tensor]
+    tokens: Union[int, Tensor]
     shares: int = 1
+    batch_tokens: Union[int, Tensor, None] = None
 
 
 @dataclass(frozen=True)
@@ -143,12 +158,17 @@ class GRPOLoss:
         """
         masked = per_token * mask
         if self.loss_type == "grpo":
-            return (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).sum() / max(counts.completions, 1)
+            return (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).sum() / _at_least_one(counts.completions)
         if self.loss_type == "dr_grpo":
-            return masked.sum() / (max(counts.completions, 1) * self.max_completion_length)
+            return masked.sum() / (_at_least_one(counts.completions) * self.max_completion_length)
         if self.loss_type == "dapo":
-            return masked.sum() / max(counts.tokens, 1)
-        return masked.sum() / mask.sum().clamp(min=1.0) / counts.shares  # bnpo: this micro-batch's token mean
+            return masked.sum() / _at_least_one(counts.tokens)
+        tokens = mask.sum() if counts.batch_tokens is None else counts.batch_tokens
+        return masked.sum() / _at_least_one(tokens) / counts.shares  # bnpo: its micro-batch's token mean
+
+
+def _at_least_one(count: Union[int, Tensor]) -> Union[int, Tensor]:
+    return count.clamp(min=1) if isinstance(count, Tensor) else max(count, 1)
 
 
 def kl_k3(logps: Tensor, ref_logps: Tensor) -> Tensor:
