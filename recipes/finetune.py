@@ -15,6 +15,12 @@ the mean over the supervised tokens of each optimizer step, as one process would
 loss and perplexity on the held-out examples' supervised tokens, a reply decoded from ``sample.prompt`` and the
 exports asked for. Every field of ``conf/finetune.yaml`` can be overridden on the command line (Hydra).
 
+``objective=grpo``: the data is prompts (``{"prompt": str | [messages], "answer": ..., ...}``; any other column is
+handed to the reward functions), ``data.batch_size`` prompts per rank and step, each rolled out ``grpo.num_generations``
+times in the training layout before the step and trained with GRPO's loss (``grpo.loss_type``: dapo, grpo, dr_grpo,
+bnpo; ``grpo.reward``: contains, exact_match, math, or ``package.module:function``). TRL's rollout metrics are logged
+(``reward``, ``reward_std``, ``rewards/<name>/mean``, ...).
+
 ``objective=dpo``: the data is preference pairs (``{"prompt", "chosen", "rejected"}`` texts, or ``chosen`` and
 ``rejected`` conversations; :mod:`lightning_seqpar.data.preference`), ``data.batch_size`` pairs per micro-batch
 (``dpo.packing=true``: rows of ``data.block_size`` tokens holding whole pairs, each reply attending to itself), and
@@ -47,6 +53,7 @@ from lightning_seqpar.checkpoint.destination import refuse_export_destination  #
 from lightning_seqpar.checkpoint.peft_export import export_peft_adapter  # noqa: E402
 from lightning_seqpar.data.finetune_datamodule import FineTuneDataModule  # noqa: E402
 from lightning_seqpar.data.preference_datamodule import PreferenceDataModule  # noqa: E402
+from lightning_seqpar.data.prompt_datamodule import PromptDataModule  # noqa: E402
 from lightning_seqpar.extras import require_extra  # noqa: E402
 from lightning_seqpar.lightning.callbacks import LayoutReport, ParallelModelSummary, SampleText  # noqa: E402
 from lightning_seqpar.models.dpo_reference import reference_for_run  # noqa: E402
@@ -68,8 +75,9 @@ def check_options(cfg: DictConfig, output_dir: Path) -> None:
     require_extra("hf", "recipes/finetune.py (a Hugging Face model)")
     if cfg.peft.kind == "lora":
         require_extra("peft", "peft=lora")
-    if cfg.objective not in ("sft", "dpo"):
-        raise ValueError(f"objective={cfg.objective!r}: sft (supervised fine-tuning) or dpo (preference pairs).")
+    if cfg.objective not in ("sft", "dpo", "grpo"):
+        raise ValueError(f"objective={cfg.objective!r}: sft (supervised fine-tuning), dpo (preference pairs) or grpo "
+                         f"(prompts and verifiable rewards).")
     if cfg.export_hf_merged and cfg.peft.kind != "lora":
         raise ValueError("export_hf_merged needs peft=lora (full fine-tuning has no adapters to merge): use export_hf.")
     for out in (cfg.export_hf, cfg.export_hf_merged):
@@ -81,7 +89,10 @@ def check_options(cfg: DictConfig, output_dir: Path) -> None:
 def build(cfg: DictConfig, output_dir: Path) -> tuple[FineTuneModule, Any, pl.Trainer]:
     dpo = cfg.objective == "dpo"
     tokenizer = cfg.data.tokenizer or cfg.model.pretrained
-    if dpo:  # one reply per row, padded, unless dpo.packing (data.packing is the supervised examples')
+    grpo = OmegaConf.to_container(cfg.grpo, resolve=True) if cfg.objective == "grpo" else None
+    if grpo is not None:  # prompts, rolled out before each step
+        data = PromptDataModule(cfg.data.path, tokenizer, cfg.data.batch_size, grpo.pop("max_prompt_length"), cfg.seed)
+    elif dpo:  # one reply per row, padded, unless dpo.packing (data.packing is the supervised examples')
         data = PreferenceDataModule(cfg.data.path, tokenizer, cfg.data.block_size, cfg.data.batch_size,
                                     cfg.data.overflow, cfg.data.val_fraction, cfg.seed,
                                     packing=cfg.dpo.get("packing", False))
@@ -97,7 +108,7 @@ def build(cfg: DictConfig, output_dir: Path) -> tuple[FineTuneModule, Any, pl.Tr
     optim["optimizer"] = optim.pop("name", "adamw")
     module = FineTuneModule(cfg.model.pretrained, lora, cfg.model.attn_implementation, adapter,
                             freeze_router=cfg.model.freeze_router, max_steps=cfg.trainer.max_steps,
-                            objective=cfg.objective, dpo_beta=cfg.dpo.beta, dpo_loss=cfg.dpo.loss, **optim)
+                            objective=cfg.objective, dpo_beta=cfg.dpo.beta, dpo_loss=cfg.dpo.loss, grpo=grpo, **optim)
     callbacks: list[pl.Callback] = [
         ModelCheckpoint(dirpath=output_dir / cfg.checkpoint_dir, filename="step{step:06d}",
                         auto_insert_metric_name=False, save_last=True, every_n_train_steps=cfg.trainer.val_check_interval),
@@ -162,7 +173,8 @@ def main(cfg: DictConfig) -> dict:
     if cfg.objective == "dpo":  # full fine-tuning: the reference's log-probabilities first (collective)
         data.reference = reference_for_run(trainer, module, data, cfg.dpo.reference)
     trainer.fit(module, datamodule=data, ckpt_path=cfg.ckpt_path)
-    if trainer.global_step % cfg.trainer.val_check_interval or "val/loss" not in trainer.callback_metrics:
+    unvalidated = trainer.global_step % cfg.trainer.val_check_interval or "val/loss" not in trainer.callback_metrics
+    if cfg.objective != "grpo" and unvalidated:  # (GRPO's prompts hold no loss out: its metrics are the rollouts')
         trainer.validate(module, datamodule=data, verbose=False)  # the last step was not validated yet
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     if cfg.objective == "sft":

@@ -215,14 +215,16 @@ class PreferenceLoss:
 
 
 def refuse_unsupported(config: Any, objective: str) -> None:
-    """Refuse, before training, a model whose loss DPO cannot read per row.
+    """Refuse, before training, a model whose loss DPO cannot read per row (GRPO: per token).
 
     Raises:
         ValueError: a mixture of experts recording its router logits (transformers adds the load-balancing loss to
             the loss, which is per row here), naming the fix.
     """
-    if objective == "dpo" and getattr(config, "output_router_logits", False):
+    if objective in ("dpo", "grpo") and getattr(config, "output_router_logits", False):
+        reads = "per row" if objective == "dpo" else "per token"
         raise ValueError(f"{getattr(config, 'model_type', 'the model')} records its router logits "
                          f"(output_router_logits=True), and transformers adds their load-balancing loss to the loss, "
-                         f"which DPO reads per row. Set output_router_logits=False in its config for DPO.")
+                         f"which {objective.upper()} reads {reads}. Set output_router_logits=False in its config for "
+                         f"{objective.upper()}.")
 

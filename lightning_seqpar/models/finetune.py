@@ -20,9 +20,10 @@ from lightning_seqpar.hf.vocabulary import CausalLMLoss
 from lightning_seqpar.hf.models import build_causal_lm, pretrained_state_dict
 from lightning_seqpar.lightning.loss_average import data_parallel_replicas, loss_replicas, pipeline_microbatches
 from lightning_seqpar.models.dpo import PreferenceLoss, refuse_unsupported
+from lightning_seqpar.models.grpo_objective import GRPOObjective, GRPOSettings
 from lightning_seqpar.models.hf_module import HFCausalLMModule
 
-OBJECTIVES = ("sft", "dpo")
+OBJECTIVES = ("sft", "dpo", "grpo")
 LORA_DEFAULTS = {"r": 16, "alpha": 32, "dropout": 0.0, "target_modules": list(LORA_TARGETS), "target_parameters": None}
 
 
@@ -38,6 +39,10 @@ class FineTuneModule(HFCausalLMModule):
     mean over the step's supervised tokens, however they fall across rows, ranks and micro-batches. Validation logs
     the mean over the supervised tokens of the validation batches run (``val/loss``; all of the split unless
     ``limit_val_batches`` stops it earlier); the recipe reports its exponential (``val/ppl``).
+
+    With ``objective="grpo"`` batches are prompts (:class:`~lightning_seqpar.data.prompt_datamodule.PromptDataModule`),
+    rolled out before each step and trained with GRPO's loss (:mod:`~lightning_seqpar.models.grpo_objective`, with
+    ``grpo``'s :class:`~lightning_seqpar.models.grpo_objective.GRPOSettings`); TRL's rollout metrics are logged.
 
     With ``objective="dpo"`` batches are preference pairs
     (:class:`~lightning_seqpar.data.preference_datamodule.PreferenceDataModule`: rows ``2i`` chosen, ``2i+1``
@@ -62,6 +67,7 @@ class FineTuneModule(HFCausalLMModule):
         objective: ``"sft"`` or ``"dpo"``.
         dpo_beta: β of the DPO loss.
         dpo_loss: ``"sigmoid"`` (DPO) or ``"ipo"``.
+        grpo: GRPO's settings (:class:`~lightning_seqpar.models.grpo_objective.GRPOSettings`' fields).
         **optimization: :class:`~lightning_seqpar.models.module.CausalLMModule`'s arguments.
 
     Raises:
@@ -74,7 +80,8 @@ class FineTuneModule(HFCausalLMModule):
 
     def __init__(self, pretrained: str, lora: Optional[dict] = None, attn_implementation: str = "eager",
                  adapter: Optional[str] = None, freeze_router: bool = False, objective: str = "sft",
-                 dpo_beta: float = 0.1, dpo_loss: str = "sigmoid", **optimization: Any) -> None:
+                 dpo_beta: float = 0.1, dpo_loss: str = "sigmoid", grpo: Optional[dict] = None,
+                 **optimization: Any) -> None:
         super().__init__(None, pretrained, attn_implementation, **optimization)
         if objective not in OBJECTIVES:
             raise ValueError(f"objective={objective!r}: one of {OBJECTIVES}.")
@@ -96,8 +103,10 @@ class FineTuneModule(HFCausalLMModule):
             check_lora_parameters(self.lora["target_parameters"], base)
         self.preference = PreferenceLoss(dpo_beta, dpo_loss, self.lora is not None) if objective == "dpo" else None
         self.reference_collector = None  # set during a reference pass (lightning_seqpar.models.dpo_reference)
+        self.grpo_settings = GRPOSettings(**(grpo or {})) if objective == "grpo" else None
+        self.grpo: Optional[GRPOObjective] = None  # made at fit start, from the data module's prompts
         self.save_hyperparameters({"lora": self.lora, "adapter": adapter, "freeze_router": freeze_router,
-                                   "objective": objective, "dpo_beta": dpo_beta, "dpo_loss": dpo_loss})
+                                   "objective": objective, "dpo_beta": dpo_beta, "dpo_loss": dpo_loss, "grpo": grpo})
 
     def declared_model(self) -> Any:
         """The model ``configure_model`` builds, its routers frozen and LoRA's adapters around it as configured, without
@@ -124,7 +133,7 @@ class FineTuneModule(HFCausalLMModule):
             model = PeftModel.from_pretrained(model, self.adapter, is_trainable=True)
         elif self.lora is not None:
             model = self.with_adapters(model)
-        if self.preference is not None:  # per-row sums (sum_per_row=True) from whole logits too, at tp = cp = 1
+        if self.preference is not None or self.grpo_settings is not None:  # per row / per token, at tp = cp = 1 too
             causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
             causal_lm.loss_function = CausalLMLoss(causal_lm.loss_function)
         self.model = model
@@ -185,9 +194,31 @@ class FineTuneModule(HFCausalLMModule):
                       on_step=training, on_epoch=not training, batch_size=pairs)
         return loss
 
+    def on_fit_start(self) -> None:
+        """GRPO: its objective, from the data module's prompts, columns and tokenizer
+        (:class:`~lightning_seqpar.data.prompt_datamodule.PromptDataModule`)."""
+        if self.grpo_settings is None:
+            return
+        data = self.trainer.datamodule
+        pad = int(data.tokenizer.separator[-1])
+        self.grpo = GRPOObjective(self.grpo_settings, data.decode, data.prompts, data.columns,
+                                  eos_token_id=self.hf_config.eos_token_id, pad_token_id=pad)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """GRPO: the rollout of the batch's prompts, before the step (and its pipeline schedule); its metrics logged
+        under TRL's names."""
+        if self.grpo is None:
+            return
+        self.grpo.roll_out(self, batch)
+        self.log_dict(self.grpo.metrics, sync_dist=True)
+
     def training_step(self, batch: dict, batch_idx: int) -> Tensor:
         if self.preference is not None:
             return self._preference_step(batch, training=True)
+        if self.grpo is not None:
+            loss = self.grpo.loss(self, batch)
+            self.log("train/loss", loss / loss_replicas(self.trainer), prog_bar=True, sync_dist=True)
+            return loss
         count = batch["num_items_in_step"][0].clamp_min(1).to(torch.float64)
         divisor = count / loss_replicas(self.trainer)
         loss = self.model(**self._model_inputs(batch), num_items_in_batch=divisor).loss
