@@ -218,6 +218,7 @@ class FineTuneModule(HFCausalLMModule):
         if self.grpo is not None:
             loss = self.grpo.loss(self, batch)
             self.log("train/loss", loss / loss_replicas(self.trainer), prog_bar=True, sync_dist=True)
+            self.log_dict(self.grpo.loss_metrics, sync_dist=True)
             return loss
         count = batch["num_items_in_step"][0].clamp_min(1).to(torch.float64)
         divisor = count / loss_replicas(self.trainer)

@@ -35,11 +35,10 @@ import torch
 from torch import Tensor
 
 from lightning_seqpar.lightning.loss_average import loss_replicas, pipeline_microbatches
-from lightning_seqpar.models.grpo import GRPOLoss, StepCounts, group_advantages
+from lightning_seqpar.models.grpo import GRPOLoss, StepCounts, clip_ratios, group_advantages
 from lightning_seqpar.models.grpo_rewards import Rewards
 from lightning_seqpar.models.grpo_rollout import Rollout, policy_logps, rollout
 
-_ROWS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages", "step_counts")
 
 
 @dataclass(frozen=True)
@@ -94,6 +93,7 @@ class GRPOObjective:
     eos_token_id: Union[int, Sequence[int], None]
     pad_token_id: int = 0
     metrics: dict[str, Tensor] = field(default_factory=dict)
+    loss_metrics: dict[str, Tensor] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         s = self.settings
@@ -130,11 +130,13 @@ class GRPOObjective:
         rows = len(prompts)
         batch.update(prompt_ids=done.prompt_ids, prompt_mask=done.prompt_mask, completion_ids=done.completion_ids,
                      completion_mask=done.completion_mask, advantages=advantages.to(done.logps.dtype),
-                     step_counts=counts.expand(rows, -1).contiguous())
+                     rollout_logps=done.logps, step_counts=counts.expand(rows, -1).contiguous())
         self._measure(module, rewards, total, std, done)
 
     def loss(self, module: Any, batch: dict) -> Tensor:
-        """The rows' share of the step's loss, times what the framework averages over (see the module docstring)."""
+        """The rows' share of the step's loss, times what the framework averages over (see the module docstring); sets
+        :attr:`loss_metrics`: ``clip_ratio/region_mean`` (TRL's) and the rollout's log-probabilities against the
+        training forward's (``logps/rollout_mismatch_mean``, ``_max``: the trainer/rollout mismatch)."""
         part = Rollout(batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], batch["completion_mask"],
                        batch["completion_mask"], self.settings.num_generations)
         layout = getattr(module.trainer.strategy, "layout", None)
@@ -143,7 +145,14 @@ class GRPOObjective:
         t = module.trainer.strategy.mesh.tensor.size if layout is not None and layout.sequence_parallel else 1
         logps = policy_logps(module.model, part, 2 * t, self.pad_token_id)
         mask = batch["completion_mask"].to(logps.dtype)
-        per_token = self.objective.per_token(logps, logps.detach(), batch["advantages"].to(logps.dtype))
+        advantages = batch["advantages"].to(logps.dtype)
+        per_token = self.objective.per_token(logps, logps.detach(), advantages)
+        tokens = mask.sum().clamp(min=1)
+        clipped = clip_ratios(logps.detach(), logps.detach(), advantages, mask, self.objective)["region_mean"]
+        mismatch = (logps.detach() - batch["rollout_logps"].to(logps.dtype)).abs() * mask
+        self.loss_metrics = {"clip_ratio/region_mean": clipped[0] / tokens,
+                             "logps/rollout_mismatch_mean": mismatch.sum() / tokens,
+                             "logps/rollout_mismatch_max": mismatch.max()}
         counts = batch["step_counts"][0].to(logps.dtype)
         trainer = module.trainer
         shares = loss_replicas(trainer) // pipeline_microbatches(trainer)  # d·a: the batches bnpo averages over
