@@ -82,8 +82,9 @@ class GRPOObjective:
         eos_token_id, pad_token_id: where a completion ends, and what pads it.
 
     Raises:
-        ValueError: ``beta > 0`` (v1: the reference forward is not run here), and from :class:`~.grpo.GRPOLoss`,
-            :class:`~.grpo_rewards.Rewards` and :meth:`~.grpo_rewards.Rewards.check_columns`.
+        ValueError: from :class:`~.grpo.GRPOLoss`, :class:`~.grpo_rewards.Rewards` and
+            :meth:`~.grpo_rewards.Rewards.check_columns`; at the first rollout, ``beta > 0`` on a model without LoRA
+            adapters (its reference would be a second, frozen copy).
     """
 
     settings: GRPOSettings
@@ -97,9 +98,6 @@ class GRPOObjective:
 
     def __post_init__(self) -> None:
         s = self.settings
-        if s.beta != 0.0:
-            raise ValueError(f"grpo.beta={s.beta}: the KL term needs the reference's log-probabilities, which this "
-                             f"objective does not compute yet; train with beta=0 (TRL's default).")
         self.objective = GRPOLoss(s.loss_type, s.epsilon, s.epsilon_high, s.beta, s.max_completion_length)
         self.rewards = Rewards(list(s.reward), s.reward_weights)
         self.rewards.check_columns(list(self.columns))
@@ -128,6 +126,8 @@ class GRPOObjective:
         advantages, std = group_advantages(total, s.num_generations, s.scale_rewards)
         counts = self._counts(module, done, accumulation)
         rows = len(prompts)
+        if s.beta != 0.0:
+            batch["ref_logps"] = self._reference(module, done)
         batch.update(prompt_ids=done.prompt_ids, prompt_mask=done.prompt_mask, completion_ids=done.completion_ids,
                      completion_mask=done.completion_mask, advantages=advantages.to(done.logps.dtype),
                      rollout_logps=done.logps, step_counts=counts.expand(rows, -1).contiguous())
@@ -146,7 +146,8 @@ class GRPOObjective:
         logps = policy_logps(module.model, part, 2 * t, self.pad_token_id)
         mask = batch["completion_mask"].to(logps.dtype)
         advantages = batch["advantages"].to(logps.dtype)
-        per_token = self.objective.per_token(logps, logps.detach(), advantages)
+        reference = batch["ref_logps"].to(logps.dtype) if "ref_logps" in batch else None
+        per_token = self.objective.per_token(logps, logps.detach(), advantages, reference)
         tokens = mask.sum().clamp(min=1)
         clipped = clip_ratios(logps.detach(), logps.detach(), advantages, mask, self.objective)["region_mean"]
         mismatch = (logps.detach() - batch["rollout_logps"].to(logps.dtype)).abs() * mask
@@ -158,6 +159,42 @@ class GRPOObjective:
         shares = loss_replicas(trainer) // pipeline_microbatches(trainer)  # d·a: the batches bnpo averages over
         share = self.objective.share(per_token, mask, StepCounts(counts[0], counts[1], shares, counts[2]))
         return share * loss_replicas(trainer)
+
+    def _reference(self, module: Any, done: Rollout) -> Tensor:
+        """``[N, C]``: the reference's log-probability of each completion token, at rollout time: the model with its
+        LoRA adapters off (no second copy), without gradients; under pipeline parallelism a forward through the
+        stages in order (:class:`~lightning_seqpar.generation.staged_forward.StagedForward`), its values on the last
+        stage's ranks (which compute the loss), zeros elsewhere.
+
+        Raises:
+            ValueError: a model without LoRA adapters, naming the fix.
+        """
+        from lightning_seqpar.generation.staged_forward import StagedForward
+        from lightning_seqpar.transformer.lora import ParallelLoRA, adapters_disabled
+        from lightning_seqpar.transformer.tuner_layers import is_peft_tuner_layer
+
+        model = module.model
+        if not any(isinstance(m, ParallelLoRA) or is_peft_tuner_layer(m) for m in model.modules()):
+            raise ValueError(f"grpo.beta={self.settings.beta}: the KL term's reference is the base with LoRA's adapters "
+                             f"off, and this model has none (full fine-tuning would keep a second, frozen copy, which "
+                             f"is not implemented). Train with peft=lora, or with beta=0 (TRL's default).")
+        strategy = module.trainer.strategy
+        layout = getattr(strategy, "layout", None)
+        t = strategy.mesh.tensor.size if layout is not None and layout.sequence_parallel else 1
+        pipeline = getattr(strategy, "pipeline", None)
+        training = model.training
+        model.eval()  # (no adapter or attention dropout in the reference)
+        try:
+            with torch.no_grad(), adapters_disabled(model):
+                forward = lambda: policy_logps(model, done, 2 * t, self.pad_token_id)  # noqa: E731
+                if pipeline is None:
+                    return forward()
+                staged = StagedForward(pipeline)
+                out = staged(forward, ("reference", *done.completion_ids.shape, done.prompt_ids.shape[1]))
+        finally:
+            model.train(training)
+        return out if out is not None else torch.zeros(done.completion_ids.shape, dtype=done.logps.dtype,
+                                                       device=done.logps.device)
 
     def _scored(self, module: Any, done: Rollout, prompts: list[int]) -> Tensor:
         """``[N, k]`` rewards, computed on the replica's first rank (tensor- and pipeline-parallel rank 0) and

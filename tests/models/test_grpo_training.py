@@ -30,12 +30,18 @@ def threes(prompts, completions, answer, **columns):
 
 
 class GRPOModule(pl.LightningModule):
-    def __init__(self, loss_type: str) -> None:
+    def __init__(self, loss_type: str, beta: float = 0.0) -> None:
         super().__init__()
         self.model = build("hf", labels=True, attn_implementation="sdpa").model
         self.model.loss_function = CausalLMLoss(self.model.loss_function)  # per-token log-probabilities
+        if beta:  # the KL term's reference: the base, LoRA's adapters off
+            from peft import LoraConfig, get_peft_model
+
+            self.model = get_peft_model(self.model, LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj",
+                                                                                                 "down_proj"],
+                                                               init_lora_weights=False))  # B drawn: the two differ
         settings = GRPOSettings(num_generations=3, max_completion_length=5, loss_type=loss_type, reward=[threes],
-                                seed=1)
+                                seed=1, beta=beta)
         self.grpo = GRPOObjective(settings, lambda ids: " ".join(map(str, ids)), PROMPTS, {"answer": ANSWERS},
                                   eos_token_id=END)
 
@@ -55,9 +61,9 @@ def _data(replicas: int) -> DataLoader:
     return DataLoader(rows, batch_size=len(PROMPTS) // replicas)
 
 
-def _step(rank, world, layout, loss_type, accumulation=1):
+def _step(rank, world, layout, loss_type, accumulation=1, beta=0.0):
     torch.manual_seed(0)
-    module = GRPOModule(loss_type)
+    module = GRPOModule(loss_type, beta)
     strategy = strategy_of(**dict(layout)) if layout else "auto"
     trainer = pl.Trainer(accelerator="cpu", devices=world, precision="64-true", max_steps=1, logger=False,
                          accumulate_grad_batches=accumulation,
@@ -108,3 +114,17 @@ def test_dapo_under_gradient_accumulation_is_refused_with_the_fix():
     message = run_distributed(_refused, 1)[0]
     assert "grpo.loss_type=dapo normalises by the step's completion tokens" in message
     assert "accumulate_grad_batches=2" in message and "pipeline micro-batches" in message
+
+
+def test_the_kl_term_s_reference_is_the_base_with_the_adapters_off_at_every_layout():
+    """beta > 0 with LoRA: the reference's log-probabilities are taken at rollout time with the adapters off (under
+    pp through the stages in order); the step equals one process's at tp 2 and pp 2."""
+    before, want, _ = run_distributed(_step, 1, None, "dapo", 1, 0.5)[0]
+    adapters = [k for k in want if "lora_" in k]
+    assert adapters and max((want[k] - before[k]).abs().max().item() for k in adapters) > 1e-3
+    _, without, _ = run_distributed(_step, 1, None, "dapo", 1, 1e-12)[0]  # the same adapters, next to no KL
+    assert max((want[k] - without[k]).abs().max().item() for k in adapters) > 1e-4  # the KL term pulls
+    for world, layout in LAYOUTS[:2]:
+        for _, got, _ in run_distributed(_step, world, layout, "dapo", 1, 0.5):
+            worst = max((got[k] - want[k]).abs().max().item() for k in want)
+            assert worst < 1e-10, (layout, worst)
