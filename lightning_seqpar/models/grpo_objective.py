@@ -175,9 +175,9 @@ class GRPOObjective:
 
         model = module.model
         if not any(isinstance(m, ParallelLoRA) or is_peft_tuner_layer(m) for m in model.modules()):
-            raise ValueError(f"grpo.beta={self.settings.beta}: the KL term's reference is the base with LoRA's adapters "
-                             f"off, and this model has none (full fine-tuning would keep a second, frozen copy, which "
-                             f"is not implemented). Train with peft=lora, or with beta=0 (TRL's default).")
+            raise ValueError(f"grpo.beta={self.settings.beta}: the KL term's reference is the base with LoRA's "
+                             f"adapters off, and this model has none (full fine-tuning would keep a second, frozen "
+                             f"copy, which is not implemented). Train with peft=lora, or with beta=0 (TRL's default).")
         strategy = module.trainer.strategy
         layout = getattr(strategy, "layout", None)
         t = strategy.mesh.tensor.size if layout is not None and layout.sequence_parallel else 1
