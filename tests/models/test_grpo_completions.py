@@ -45,3 +45,14 @@ def test_fewer_than_two_generations_per_prompt_is_refused():
     prompts, mask = torch.tensor([[4, 1, 2]]), torch.ones(1, 3, dtype=torch.long)
     with pytest.raises(ValueError, match="grpo.num_generations=1: GRPO compares G >= 2"):
         rollout(model, prompts, mask, 1, 4)
+
+
+def test_the_kl_term_without_lora_is_refused_with_the_fix():
+    from types import SimpleNamespace
+
+    from lightning_seqpar.models.grpo_objective import GRPOObjective, GRPOSettings
+
+    objective = GRPOObjective(GRPOSettings(beta=0.1), str, ["p"], {"answer": ["a"]}, eos_token_id=2)
+    module = SimpleNamespace(model=build("hf", labels=True).model)
+    with pytest.raises(ValueError, match="grpo.beta=0.1: the KL term's reference is the base with LoRA's adapters off"):
+        objective._reference(module, None)
