@@ -5,7 +5,8 @@ strategy at that layout (one optimizer step at learning rate 0, so the weights s
 then times :func:`lightning_seqpar.generate` (greedy, ``b`` prompts of ``s`` tokens, ``n`` new tokens):
 
 - prefill tokens/s: ``b·s`` over the seconds of a generation of 1 token (the prompt's forward and one choice);
-- decode tokens/s: ``b·(n − 1)`` over the seconds the other ``n − 1`` tokens add (median of ``iters``);
+- decode tokens/s: ``b·(n − 1)`` over the seconds the other ``n − 1`` tokens add (the median over ``iters`` pairs of a
+  generation of 1 token and one of n, each pair run back to back);
 - the key/value cache bytes on rank 0 after ``s + n − 1`` positions
   (:func:`~lightning_seqpar.memory.kv_cache.kv_cache_bytes` of its layers);
 - the collectives rank 0 runs for one decoded token (counted), in its tensor-parallel group (an all-reduce per
@@ -75,17 +76,18 @@ def _prompts(cfg: dict[str, Any], device: torch.device) -> torch.Tensor:
     return torch.randint(0, cfg["vocab_size"], (cfg["b"], cfg["s"]), generator=g).to(device)
 
 
-def _seconds(run: Any, device: torch.device, iters: int) -> float:
-    """The median seconds of ``run()`` over ``iters`` calls after one warm-up."""
-    times = []
-    for i in range(iters + 1):
+def _seconds(one: Any, whole: Any, device: torch.device, iters: int) -> tuple[float, float]:
+    """The median seconds of ``one()`` (a generation of 1 token: the prefill) and of what ``whole()`` (n tokens) takes
+    beyond it, measured in pairs after one warm-up pair (so a load that changes between them cancels in each pair)."""
+    def timed(run: Any) -> float:
         start = time.perf_counter()
         run()
         if device.type == "cuda":
             torch.cuda.synchronize()
-        if i:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        return time.perf_counter() - start
+
+    pairs = [(timed(one), timed(whole)) for _ in range(iters + 1)][1:]
+    return statistics.median(p for p, _ in pairs), statistics.median(w - p for p, w in pairs)
 
 
 def _transformers(cfg: dict[str, Any], device: torch.device, out_dir: str) -> None:
@@ -99,14 +101,14 @@ def _transformers(cfg: dict[str, Any], device: torch.device, out_dir: str) -> No
         return lambda: model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=n,
                                       min_new_tokens=n, do_sample=False, pad_token_id=0)
 
-    first, whole = _seconds(run(1), device, cfg["iters"]), _seconds(run(cfg["n"]), device, cfg["iters"])
+    first, decode = _seconds(run(1), run(cfg["n"]), device, cfg["iters"])
     config = model.config
     from lightning_seqpar.memory.kv_cache import kv_cache_bytes, layer_windows
 
     cache = kv_cache_bytes(cfg["b"], cfg["s"] + cfg["n"] - 1, config.num_key_value_heads,
                            config.hidden_size // config.num_attention_heads, 1, 4, layer_windows(config))
     _write(out_dir, GenerateResult("transformers generate (1 process)", cfg["b"] * cfg["s"] / first,
-                                   cfg["b"] * (cfg["n"] - 1) / (whole - first), cache, {}))
+                                   cfg["b"] * (cfg["n"] - 1) / decode, cache, {}))
 
 
 def _write(out_dir: str, result: GenerateResult) -> None:
@@ -139,7 +141,7 @@ def _strategy_run(layout: Layout, cfg: dict[str, Any], device: torch.device, out
         def on_train_end(self, trainer, module):
             prompts = _prompts(cfg, module.device)
             run = lambda n: lambda: generate(module, prompts, n)  # noqa: E731
-            first, whole = _seconds(run(1), device, cfg["iters"]), _seconds(run(cfg["n"]), device, cfg["iters"])
+            first, decode = _seconds(run(1), run(cfg["n"]), device, cfg["iters"])
             mesh, stage = trainer.strategy.mesh, trainer.strategy.pipeline
             groups = {"": mesh.tensor, " (ep)": mesh.group("ep") if layout.ep > 1 else None}
             counts = []
@@ -169,7 +171,7 @@ def _strategy_run(layout: Layout, cfg: dict[str, Any], device: torch.device, out
                                    config.hidden_size // config.num_attention_heads, layout.tp, 4, held)
             if dist.get_rank() == 0:
                 _write(out_dir, GenerateResult(layout.name, cfg["b"] * cfg["s"] / first,
-                                               cfg["b"] * (cfg["n"] - 1) / (whole - first), cache,
+                                               cfg["b"] * (cfg["n"] - 1) / decode, cache,
                                                {k: v for k, v in sorted(per_token.items()) if v}))
 
     os.environ.update(RANK=str(dist.get_rank()), WORLD_SIZE=str(layout.world), LOCAL_RANK=str(dist.get_rank()),
