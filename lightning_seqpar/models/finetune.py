@@ -209,8 +209,15 @@ class FineTuneModule(HFCausalLMModule):
         under TRL's names."""
         if self.grpo is None:
             return
+        start = _synchronized_clock(self.device)
         self.grpo.roll_out(self, batch)
-        self.log_dict(self.grpo.metrics, sync_dist=True)
+        self._update_start = _synchronized_clock(self.device)
+        self.log_dict({**self.grpo.metrics, "time/rollout_s": self._update_start - start}, sync_dist=True)
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """GRPO: the seconds of the step's update (forward, backward, optimizer; after the rollout)."""
+        if self.grpo is not None:
+            self.log("time/update_s", _synchronized_clock(self.device) - self._update_start, sync_dist=True)
 
     def training_step(self, batch: dict, batch_idx: int) -> Tensor:
         if self.preference is not None:
@@ -255,3 +262,13 @@ class FineTuneModule(HFCausalLMModule):
 
     def on_validation_epoch_end(self) -> None:
         pass  # val/loss is a sum of logged shares (validation_step): no metric objects to compute
+
+
+def _synchronized_clock(device: torch.device) -> float:
+    """``time.perf_counter()`` once the device's queued work is done (CUDA: a synchronization; a step's timing
+    only)."""
+    import time
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
