@@ -203,9 +203,10 @@ class GRPOObjective:
         mesh = getattr(strategy, "mesh", None)
         first = mesh is None or (mesh.tensor.rank == 0 and mesh.pipeline.rank == 0)
         rewards = torch.zeros(len(prompts), len(self.rewards.functions), dtype=torch.float64)
-        if first:
-            texts = [self.decode(row[keep == 1].tolist()) for row, keep in zip(done.completion_ids.cpu(),
-                                                                              done.completion_mask.cpu())]
+        if first:  # each completion's text without its end token (TRL decodes skipping special tokens)
+            ends = set([self.eos_token_id] if isinstance(self.eos_token_id, int) else list(self.eos_token_id or ()))
+            texts = [self.decode([i for i in row[keep == 1].tolist() if i not in ends])
+                     for row, keep in zip(done.completion_ids.cpu(), done.completion_mask.cpu())]
             rewards = self.rewards.per_function([self.prompts[i] for i in prompts], texts,
                                                 {k: [v[i] for i in prompts] for k, v in self.columns.items()})
         if mesh is not None:

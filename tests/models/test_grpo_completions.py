@@ -56,3 +56,20 @@ def test_the_kl_term_without_lora_is_refused_with_the_fix():
     module = SimpleNamespace(model=build("hf", labels=True).model)
     with pytest.raises(ValueError, match="grpo.beta=0.1: the KL term's reference is the base with LoRA's adapters off"):
         objective._reference(module, None)
+
+
+def test_the_rewards_read_each_completion_without_its_end_token():
+    """TRL decodes completions skipping special tokens: exact_match sees "four", not "four <|end|>"."""
+    from types import SimpleNamespace
+
+    from lightning_seqpar.models.grpo_objective import GRPOObjective, GRPOSettings
+    from lightning_seqpar.models.grpo_rollout import Rollout
+
+    words = {3: "four", 4: "five", 2: "<|end|>", 0: "<pad>"}
+    objective = GRPOObjective(GRPOSettings(num_generations=2, reward=["exact_match"]),
+                              lambda ids: " ".join(words[i] for i in ids), ["q"], {"answer": ["four"]}, eos_token_id=2)
+    completions = torch.tensor([[3, 2, 0], [4, 2, 0]])
+    done = Rollout(torch.ones(2, 1, dtype=torch.long), torch.ones(2, 1, dtype=torch.long), completions,
+                   completion_mask(completions, [2]), torch.zeros(2, 3), 2)
+    module = SimpleNamespace(trainer=SimpleNamespace(strategy=SimpleNamespace()))
+    assert objective._scored(module, done, [0, 0]).squeeze(-1).tolist() == [1.0, 0.0]
