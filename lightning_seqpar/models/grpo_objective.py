@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from lightning_seqpar.lightning.loss_average import loss_replicas, pipeline_microbatches
-from lightning_seqpar.models.grpo import GRPOLoss, StepCounts, clip_ratios, group_advantages
+from lightning_seqpar.models.grpo import GRPOLoss, StepCounts, clip_ratios, group_advantages, kl_k3
 from lightning_seqpar.models.grpo_rewards import Rewards
 from lightning_seqpar.models.grpo_rollout import Rollout, policy_logps, rollout
 
@@ -135,8 +135,9 @@ class GRPOObjective:
 
     def loss(self, module: Any, batch: dict) -> Tensor:
         """The rows' share of the step's loss, times what the framework averages over (see the module docstring); sets
-        :attr:`loss_metrics`: ``clip_ratio/region_mean`` (TRL's) and the rollout's log-probabilities against the
-        training forward's (``logps/rollout_mismatch_mean``, ``_max``: the trainer/rollout mismatch)."""
+        :attr:`loss_metrics`: ``clip_ratio/region_mean`` and, with the KL term, ``kl`` (TRL's), and the rollout's
+        log-probabilities against the training forward's (``logps/rollout_mismatch_mean``, ``_max``: the
+        trainer/rollout mismatch)."""
         part = Rollout(batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], batch["completion_mask"],
                        batch["completion_mask"], self.settings.num_generations)
         layout = getattr(module.trainer.strategy, "layout", None)
@@ -154,6 +155,8 @@ class GRPOObjective:
         self.loss_metrics = {"clip_ratio/region_mean": clipped[0] / tokens,
                              "logps/rollout_mismatch_mean": mismatch.sum() / tokens,
                              "logps/rollout_mismatch_max": mismatch.max()}
+        if reference is not None:  # TRL's kl: the k3 estimate's mean over the completion tokens
+            self.loss_metrics["kl"] = (kl_k3(logps.detach(), reference) * mask).sum() / tokens
         counts = batch["step_counts"][0].to(logps.dtype)
         trainer = module.trainer
         shares = loss_replicas(trainer) // pipeline_microbatches(trainer)  # d·a: the batches bnpo averages over

@@ -61,7 +61,7 @@ def _data(replicas: int) -> DataLoader:
     return DataLoader(rows, batch_size=len(PROMPTS) // replicas)
 
 
-def _step(rank, world, layout, loss_type, accumulation=1, beta=0.0):
+def _step(rank, world, layout, loss_type, accumulation=1, beta=0.0):  # (before, after, the rollout's metrics)
     torch.manual_seed(0)
     module = GRPOModule(loss_type, beta)
     strategy = strategy_of(**dict(layout)) if layout else "auto"
@@ -73,7 +73,7 @@ def _step(rank, world, layout, loss_type, accumulation=1, beta=0.0):
     replicas = world // dict(layout).get("tp", 1) // dict(layout).get("pp", 1) if layout else 1
     trainer.fit(module, _data(replicas * accumulation))
     after = trainer.strategy.full_state_dict() if layout else module.state_dict()
-    return before, after, {k: float(v) for k, v in module.grpo.metrics.items()}
+    return before, after, {k: float(v) for k, v in {**module.grpo.metrics, **module.grpo.loss_metrics}.items()}
 
 
 LAYOUTS = [(2, (("tp", 2),)), (2, (("pp", 2),)), (4, (("tp", 2), ("pp", 1)))]
@@ -119,7 +119,8 @@ def test_dapo_under_gradient_accumulation_is_refused_with_the_fix():
 def test_the_kl_term_s_reference_is_the_base_with_the_adapters_off_at_every_layout():
     """beta > 0 with LoRA: the reference's log-probabilities are taken at rollout time with the adapters off (under
     pp through the stages in order); the step equals one process's at tp 2 and pp 2."""
-    before, want, _ = run_distributed(_step, 1, None, "dapo", 1, 0.5)[0]
+    before, want, metrics = run_distributed(_step, 1, None, "dapo", 1, 0.5)[0]
+    assert metrics["kl"] > 0  # the adapters (B drawn) move the policy from the base
     adapters = [k for k in want if "lora_" in k]
     assert adapters and max((want[k] - before[k]).abs().max().item() for k in adapters) > 1e-3
     _, without, _ = run_distributed(_step, 1, None, "dapo", 1, 1e-12)[0]  # the same adapters, next to no KL
