@@ -23,7 +23,7 @@ from lightning_seqpar.hf.context_parallel import install_context_parallel
 from lightning_seqpar.hf.model_check import check_causal_lm
 from lightning_seqpar.parallel.collectives import ParallelGroup
 from lightning_seqpar.rewriting.policy import ModelPolicy
-from lightning_seqpar.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from lightning_seqpar.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy, vocab_parallel_entropy
 from lightning_seqpar.tensor_parallel.embedding import VocabParallelEmbedding, embedding_scale
 from lightning_seqpar.parallel.split_sizes import padded_size
 from lightning_seqpar.tensor_parallel.vocab_logits import VocabShardedLogits
@@ -82,7 +82,9 @@ class CausalLMLoss:
 
     ``token_logps=True``: the loss is ``[b, s]``, each target token's log-probability ``log p`` (0 where the label is
     ignored), aligned with the shifted labels (position j: the log-probability of token j+1), the same way; what GRPO's
-    ratios read. Refused under context parallelism (no rank holds a whole row).
+    ratios read. With ``token_entropy=True`` too: ``[2, b, s]``, those and each position's entropy over the vocabulary
+    (nats, without gradients; :func:`~lightning_seqpar.tensor_parallel.cross_entropy.vocab_parallel_entropy` from
+    sharded logits). Refused under context parallelism (no rank holds a whole row).
 
     ``sum_per_document=`` a ``[b, s, D]`` bool tensor (packed rows: token j of row i belongs to document d), aligned
     with ``labels`` (with ``shift_labels`` when those are given): the loss is ``[b, D]``, each document's cross entropy
@@ -97,7 +99,8 @@ class CausalLMLoss:
 
     def __call__(self, logits: Tensor, labels: Tensor, vocab_size: int, num_items_in_batch: Optional[Tensor] = None,
                  ignore_index: int = -100, shift_labels: Optional[Tensor] = None, sum_per_row: bool = False,
-                 sum_per_document: Optional[Tensor] = None, token_logps: bool = False, **kwargs: Any) -> Tensor:
+                 sum_per_document: Optional[Tensor] = None, token_logps: bool = False, token_entropy: bool = False,
+                 **kwargs: Any) -> Tensor:
         if self.context_parallel and token_logps:
             raise NotImplementedError("token_logps=True under context parallelism: each rank holds chunks of the "
                                       "sequence, and per-token log-probabilities are not gathered. Use cp=1.")
@@ -115,10 +118,14 @@ class CausalLMLoss:
             if documents is not None:  # each target's document: the next token's
                 documents = F.pad(documents, (0, 0, 0, 1))[:, 1:]
 
-        def reduced(per_token: Tensor, rows: slice) -> Tensor:  # [b, rows] -> [b], [b, D] or [b, s]
+        def reduced(per_token: Tensor, rows: slice, entropy: Optional[Tensor] = None) -> Tensor:
+            """[b, rows] -> [b], [b, D], [b, s] (token_logps) or [2, b, s] (and token_entropy)."""
             if token_logps:  # log p, placed at the rows' positions (zero elsewhere: chunks add up to the whole row)
                 first, last, _ = rows.indices(shift_labels.shape[-1])
-                return F.pad(-per_token, (first, shift_labels.shape[-1] - last))
+                placed = F.pad(-per_token, (first, shift_labels.shape[-1] - last))
+                if entropy is None:
+                    return placed
+                return torch.stack([placed, F.pad(entropy.to(placed.dtype), (first, shift_labels.shape[-1] - last))])
             if documents is None:
                 return per_token.sum(-1)
             return torch.einsum("bs,bsd->bd", per_token, documents[:, rows].to(per_token.device, per_token.dtype))
@@ -127,14 +134,19 @@ class CausalLMLoss:
             upcast = logits.to(torch.promote_types(logits.dtype, torch.float32))
             per_token = F.cross_entropy(upcast.flatten(0, -2), shift_labels.flatten().to(logits.device),
                                         ignore_index=ignore_index, reduction="none")
-            return reduced(per_token.view(shift_labels.shape), slice(None))
+            entropy = None
+            if token_entropy:
+                with torch.no_grad():
+                    entropy = -(upcast.softmax(-1) * upcast.log_softmax(-1)).sum(-1)
+            return reduced(per_token.view(shift_labels.shape), slice(None), entropy)
 
         def summed(local: Tensor, rows: slice) -> Tensor:  # [b, rows, v'/t], upcast as transformers does
             target = shift_labels[:, rows].to(local.device)
             if per_row:
                 upcast = local.to(torch.promote_types(local.dtype, torch.float32))
+                entropy = vocab_parallel_entropy(upcast, logits.group, logits.vocab_size) if token_entropy else None
                 return reduced(vocab_parallel_cross_entropy(upcast, target, logits.group, logits.vocab_size,
-                                                            ignore_index=ignore_index, reduction="none"), rows)
+                                                            ignore_index=ignore_index, reduction="none"), rows, entropy)
             return vocab_parallel_cross_entropy(local.float(), target, logits.group, logits.vocab_size,
                                                 ignore_index=ignore_index, reduction="sum")
 

@@ -37,7 +37,7 @@ from torch import Tensor
 from lightning_seqpar.lightning.loss_average import loss_replicas, pipeline_microbatches
 from lightning_seqpar.models.grpo import GRPOLoss, StepCounts, clip_ratios, group_advantages, kl_k3
 from lightning_seqpar.models.grpo_rewards import Rewards
-from lightning_seqpar.models.grpo_rollout import Rollout, policy_logps, rollout
+from lightning_seqpar.models.grpo_rollout import Rollout, policy_logps, policy_logps_and_entropy, rollout
 
 
 
@@ -135,8 +135,8 @@ class GRPOObjective:
 
     def loss(self, module: Any, batch: dict) -> Tensor:
         """The rows' share of the step's loss, times what the framework averages over (see the module docstring); sets
-        :attr:`loss_metrics`: ``clip_ratio/region_mean`` and, with the KL term, ``kl`` (TRL's), and the rollout's
-        log-probabilities against the training forward's (``logps/rollout_mismatch_mean``, ``_max``: the
+        :attr:`loss_metrics`: ``clip_ratio/region_mean``, ``entropy`` and, with the KL term, ``kl`` (TRL's), and the
+        rollout's log-probabilities against the training forward's (``logps/rollout_mismatch_mean``, ``_max``: the
         trainer/rollout mismatch)."""
         part = Rollout(batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], batch["completion_mask"],
                        batch["completion_mask"], self.settings.num_generations)
@@ -144,7 +144,7 @@ class GRPOObjective:
         # Positions that restart at 0 (left padding) are attended as packed documents, in two halves of the row, over
         # t ranks under sequence parallelism: the row padded to a multiple of 2·t (labels -100 there).
         t = module.trainer.strategy.mesh.tensor.size if layout is not None and layout.sequence_parallel else 1
-        logps = policy_logps(module.model, part, 2 * t, self.pad_token_id)
+        logps, entropy = policy_logps_and_entropy(module.model, part, 2 * t, self.pad_token_id)
         mask = batch["completion_mask"].to(logps.dtype)
         advantages = batch["advantages"].to(logps.dtype)
         reference = batch["ref_logps"].to(logps.dtype) if "ref_logps" in batch else None
@@ -152,7 +152,7 @@ class GRPOObjective:
         tokens = mask.sum().clamp(min=1)
         clipped = clip_ratios(logps.detach(), logps.detach(), advantages, mask, self.objective)["region_mean"]
         mismatch = (logps.detach() - batch["rollout_logps"].to(logps.dtype)).abs() * mask
-        self.loss_metrics = {"clip_ratio/region_mean": clipped[0] / tokens,
+        self.loss_metrics = {"clip_ratio/region_mean": clipped[0] / tokens, "entropy": (entropy * mask).sum() / tokens,
                              "logps/rollout_mismatch_mean": mismatch.sum() / tokens,
                              "logps/rollout_mismatch_max": mismatch.max()}
         if reference is not None:  # TRL's kl: the k3 estimate's mean over the completion tokens

@@ -120,13 +120,27 @@ def policy_logps(model: Any, batch: Rollout, multiple: int = 1, pad: int = 0) ->
         ValueError: the model's loss did not come back per token (its loss function is not a ``CausalLMLoss``, or its
             forward does not pass keyword arguments on to it), naming the fix.
     """
+    return _completion_positions(model, batch, multiple, pad, entropy=False)[0]
+
+
+def policy_logps_and_entropy(model: Any, batch: Rollout, multiple: int = 1, pad: int = 0) -> tuple[Tensor, Tensor]:
+    """:func:`policy_logps` and each completion position's entropy over the vocabulary ``[N, C]`` (nats, without
+    gradients; 0 off the mask), from the same forward."""
+    return _completion_positions(model, batch, multiple, pad, entropy=True)  # type: ignore[return-value]
+
+
+def _completion_positions(model: Any, batch: Rollout, multiple: int, pad: int, entropy: bool) -> tuple[Tensor, ...]:
     inputs = batch.model_inputs(multiple, pad)
-    per_position = model(**inputs, token_logps=True).loss  # [N, s]: log p of the token after each position
-    if per_position is None or tuple(per_position.shape) != tuple(inputs["labels"].shape):
-        raise ValueError(f"{type(model).__name__} returned a loss of shape "
-                         f"{None if per_position is None else tuple(per_position.shape)} for token_logps=True, not one "
-                         f"per position {tuple(inputs['labels'].shape)}: its loss function is not lightning_seqpar's "
-                         f"CausalLMLoss (the strategy installs it; on one device: model.loss_function = "
-                         f"CausalLMLoss(model.loss_function)), or its forward does not pass keyword arguments to it.")
-    first = batch.prompt_ids.shape[1] - 1
-    return per_position[:, first:first + batch.completion_ids.shape[1]] * batch.completion_mask.to(per_position.dtype)
+    want = tuple(inputs["labels"].shape)
+    extra = {"token_entropy": True} if entropy else {}
+    per_position = model(**inputs, token_logps=True, **extra).loss  # log p of the token after each position
+    got = None if per_position is None else tuple(per_position.shape)
+    if got != ((2, *want) if entropy else want):
+        raise ValueError(f"{type(model).__name__} returned a loss of shape {got} for token_logps=True, not one per "
+                         f"position {want}: its loss function is not lightning_seqpar's CausalLMLoss (the strategy "
+                         f"installs it; on one device: model.loss_function = CausalLMLoss(model.loss_function)), or "
+                         f"its forward does not pass keyword arguments to it.")
+    first, width = batch.prompt_ids.shape[1] - 1, batch.completion_ids.shape[1]
+    rows = per_position if entropy else per_position[None]
+    kept = batch.completion_mask.to(rows.dtype)
+    return tuple(values[:, first:first + width] * kept for values in rows)

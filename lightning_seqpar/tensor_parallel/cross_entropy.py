@@ -105,3 +105,21 @@ def vocab_parallel_cross_entropy(
     if reduction == "sum":
         return loss.sum()
     return loss.sum() / (target != ignore_index).sum().clamp(min=1)
+
+
+@torch.no_grad()
+def vocab_parallel_entropy(logits: Tensor, group: ParallelGroup, vocab_size: int) -> Tensor:
+    """The entropy ``−Σ p log p`` (nats) of each position's distribution over the whole vocabulary ``[...]``, from this
+    rank's shard of the logits ``[..., v'/t]`` (columns ≥ v are padding), without gradients: a metric (GRPO's
+    ``entropy``). ``H = log S − Σ (e/S)·z`` with ``z`` the logits less their global maximum, ``e = exp z`` and ``S =
+    Σ e``: three all-reduces over ``[...]`` (a maximum, two sums), nothing of ``[..., v]`` gathered."""
+    per_rank = logits.shape[-1]
+    start = group.rank * per_rank
+    valid = torch.arange(start, start + per_rank, device=logits.device) < vocab_size
+    logits = logits.float() if logits.element_size() < 4 else logits
+    peak = group.all_reduce(logits.masked_fill(~valid, float("-inf")).amax(dim=-1), op=dist.ReduceOp.MAX)
+    shifted = (logits - peak.unsqueeze(-1)).masked_fill(~valid, float("-inf"))
+    exps = shifted.exp()
+    total = group.all_reduce(exps.sum(dim=-1))
+    weighted = group.all_reduce((exps * shifted.masked_fill(~valid, 0.0)).sum(dim=-1))
+    return total.log() - weighted / total

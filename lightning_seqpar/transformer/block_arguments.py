@@ -31,6 +31,8 @@ NO_EFFECT = {
     "ignore_index": "a loss argument: the layers do not read it",
     "token_logps": "a loss argument (per-token log-probabilities, lightning_seqpar.hf.vocabulary.CausalLMLoss): the "
                    "layers do not read it",
+    "token_entropy": "a loss argument (per-position entropies, lightning_seqpar.hf.vocabulary.CausalLMLoss): the "
+                     "layers do not read it",
     "sum_per_row": "a loss argument (per-row log-probabilities, lightning_seqpar.hf.vocabulary.CausalLMLoss): the "
                    "layers do not read it",
     "sum_per_document": "a loss argument (per-document log-probabilities of packed rows, "

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import sys
 
 import pytest
@@ -40,10 +41,11 @@ def test_grpo_through_the_recipe_logs_trl_s_metrics_and_resumes_bit_identically(
     assert sorted(straight) == ["0", "1", "2"]
     for name in ("reward", "reward_std", "rewards/contains/mean", "frac_reward_zero_std", "completions/mean_length",
                  "completions/clipped_ratio", "train/loss", "clip_ratio/region_mean", "logps/rollout_mismatch_max",
-                 "time/rollout_s", "time/update_s"):
+                 "time/rollout_s", "time/update_s", "entropy"):
         assert name in straight["0"], name
     assert 0 < float(straight["0"]["completions/mean_length"]) <= 6
     assert float(straight["0"]["logps/rollout_mismatch_max"]) < 1e-4  # float32: the rollout's and training's forwards
+    assert 0 < float(straight["0"]["entropy"]) <= math.log(41)  # nats: at most ln(v) over the tiny chat vocabulary
     run_job([*recipe, "trainer.max_steps=2", f"hydra.run.dir={tmp_path / 'first'}"], tmp_path, timeout=600)
     checkpoint = next((tmp_path / "first").rglob("last.ckpt"))
     run_job([*recipe, "trainer.max_steps=3", f"ckpt_path={checkpoint}", f"hydra.run.dir={tmp_path / 'resumed'}"],
