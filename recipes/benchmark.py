@@ -12,13 +12,13 @@ import sys
 from pathlib import Path
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from rich.console import Console
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: the tools are the recipes package's
 
 from recipes.benchmarking.layer_bench import LayerResult, run_layer_benchmark  # noqa: E402
-from recipes.benchmarking.report import print_table, write_table  # noqa: E402
+from recipes.benchmarking.report import print_table, settings_and_out, write_table  # noqa: E402
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 COLUMNS = ["library", "configuration", "forward ms", "backward ms", "combined ms", "overhead %",
@@ -41,9 +41,7 @@ def summary(results: list[LayerResult]) -> str:
 
 @hydra.main(config_path=CONF_DIR, config_name="benchmark", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    settings = OmegaConf.to_container(cfg, resolve=True)
-    settings.pop("hydra", None)
-    out = Path(settings.pop("out"))
+    settings, out = settings_and_out(cfg)
     meta, results = run_layer_benchmark(settings)
     title = (f"One layer, t={meta['t']}, s={cfg.s}, b={cfg.b}, h={cfg.h}, a={cfg.a}, {meta['dtype']}, "
              f"{meta['device']} (median of {cfg.iters})")

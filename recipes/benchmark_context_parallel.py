@@ -13,13 +13,13 @@ import sys
 from pathlib import Path
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: the tools are the recipes package's
 
 from lightning_seqpar.extras import require_extra  # noqa: E402
 from recipes.benchmarking.context_bench import ContextResult, run_context_benchmark  # noqa: E402
-from recipes.benchmarking.report import publish  # noqa: E402
+from recipes.benchmarking.report import publish, settings_and_out  # noqa: E402
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "ring_send", "all_to_all")
@@ -34,9 +34,7 @@ def rows(results: list[ContextResult]) -> list[list[str]]:
 @hydra.main(config_path=CONF_DIR, config_name="benchmark_context_parallel", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     require_extra("hf", "recipes/benchmark_context_parallel.py (a Hugging Face Llama)")  # said before any process starts
-    settings = OmegaConf.to_container(cfg, resolve=True)
-    settings.pop("hydra", None)
-    out = Path(settings.pop("out"))
+    settings, out = settings_and_out(cfg)
     results = run_context_benchmark(settings)
     title = (f"Llama L={cfg.layers} h={cfg.hidden} a={cfg.heads} a_kv={cfg.kv_heads} v={cfg.vocab_size}, {cfg.b} x "
              f"{cfg.s} tokens per step, {cfg.attention} attention, float32, 4 processes (median of {cfg.iters}; kept "

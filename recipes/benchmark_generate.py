@@ -14,13 +14,13 @@ import sys
 from pathlib import Path
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: the tools are the recipes package's
 
 from lightning_seqpar.extras import require_extra  # noqa: E402
 from recipes.benchmarking.generate_bench import GenerateResult, run_generate_benchmark  # noqa: E402
-from recipes.benchmarking.report import publish  # noqa: E402
+from recipes.benchmarking.report import publish, settings_and_out  # noqa: E402
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 COLUMNS = ["layout", "prefill tokens/s", "decode tokens/s", "cache KiB (rank 0)", "collectives per decoded token"]
@@ -35,9 +35,7 @@ def rows(results: list[GenerateResult]) -> list[list[str]]:
 @hydra.main(config_path=CONF_DIR, config_name="benchmark_generate", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     require_extra("hf", "recipes/benchmark_generate.py (a Hugging Face Qwen3-MoE)")  # said before any process starts
-    settings = OmegaConf.to_container(cfg, resolve=True)
-    settings.pop("hydra", None)
-    out = Path(settings.pop("out"))
+    settings, out = settings_and_out(cfg)
     results = run_generate_benchmark(settings)
     title = (f"Qwen3-MoE L={cfg.layers} h={cfg.hidden} a={cfg.heads} a_kv={cfg.kv_heads} E={cfg.experts} (top-"
              f"{cfg.top_k}) v={cfg.vocab_size}; {cfg.b} prompts of {cfg.s} tokens per replica, {cfg.n} new tokens "

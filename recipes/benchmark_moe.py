@@ -14,13 +14,13 @@ import sys
 from pathlib import Path
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: the tools are the recipes package's
 
 from lightning_seqpar.extras import require_extra  # noqa: E402
 from recipes.benchmarking.moe_bench import KINDS, MoEResult, run_moe_benchmark  # noqa: E402
-from recipes.benchmarking.report import publish  # noqa: E402
+from recipes.benchmarking.report import publish, settings_and_out  # noqa: E402
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 COLUMNS = ["layout", "tokens/s"] + [f"{k} KiB" for k in KINDS] + ["expert params/rank", "adapter KiB/rank"]
@@ -36,9 +36,7 @@ def rows(results: list[MoEResult]) -> list[list[str]]:
 def main(cfg: DictConfig) -> None:
     require_extra("hf", "recipes/benchmark_moe.py (a Hugging Face Qwen3-MoE)")  # said before any process starts
     require_extra("peft", "recipes/benchmark_moe.py (its LoRA rows)")
-    settings = OmegaConf.to_container(cfg, resolve=True)
-    settings.pop("hydra", None)
-    out = Path(settings.pop("out"))
+    settings, out = settings_and_out(cfg)
     results = run_moe_benchmark(settings)
     title = (f"Qwen3-MoE L={cfg.layers} h={cfg.hidden} a={cfg.heads} E={cfg.experts} (f={cfg.expert_width}, top-"
              f"{cfg.top_k}) v={cfg.vocab_size}, {cfg.b} x {cfg.s} tokens per replica and step, float32, 4 processes "

@@ -14,13 +14,13 @@ import sys
 from pathlib import Path
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from rich.console import Console
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: the tools are the recipes package's
 
 from recipes.benchmarking.pipeline_bench import PipelineResult, PipelineRow, run_pipeline_benchmark  # noqa: E402
-from recipes.benchmarking.report import print_table, write_table  # noqa: E402
+from recipes.benchmarking.report import print_table, settings_and_out, write_table  # noqa: E402
 from lightning_seqpar.pipeline_parallel.timeline import KINDS  # noqa: E402
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
@@ -43,9 +43,7 @@ def breakdown_rows(results: list[PipelineResult]) -> list[list[str]]:
 
 @hydra.main(config_path=CONF_DIR, config_name="benchmark_pipeline", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    settings = OmegaConf.to_container(cfg, resolve=True)
-    settings.pop("hydra", None)
-    out = Path(settings.pop("out"))
+    settings, out = settings_and_out(cfg)
     layout = [PipelineRow(schedule, pp, cfg.tp) for pp in cfg.pp for schedule in cfg.schedules]
     results = run_pipeline_benchmark(settings, layout)
     title = (f"Pipeline schedules, GPT L={cfg.n_layer} h={cfg.n_embd} v={cfg.vocab_size}, {cfg.global_batch} x "

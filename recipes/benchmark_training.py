@@ -13,11 +13,11 @@ import sys
 from pathlib import Path
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: the tools are the recipes package's
 
-from recipes.benchmarking.report import publish  # noqa: E402
+from recipes.benchmarking.report import publish, settings_and_out  # noqa: E402
 from recipes.benchmarking.training_bench import KINDS, TrainingResult, run_training_benchmark  # noqa: E402
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
@@ -31,9 +31,8 @@ def rows(results: list[TrainingResult]) -> list[list[str]]:
 
 @hydra.main(config_path=CONF_DIR, config_name="benchmark_training", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    settings = OmegaConf.to_container(cfg, resolve=True)
-    settings.pop("hydra", None)
-    out, only = Path(settings.pop("out")), settings.pop("only")
+    settings, out = settings_and_out(cfg)
+    only = settings.pop("only")
     results = run_training_benchmark(settings, only=only)
     title = (f"Training step, GPT L={cfg.n_layer} h={cfg.n_embd} a={cfg.n_head} v={cfg.vocab_size}, "
              f"{cfg.global_batch} x {cfg.s} tokens per step, {cfg.precision} (median of {cfg.iters}; bytes and comm "

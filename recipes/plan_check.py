@@ -16,14 +16,14 @@ import sys
 from pathlib import Path
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from rich.console import Console
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: the tools are the recipes package's
 
 from lightning_seqpar.extras import require_extra  # noqa: E402
 from recipes.benchmarking.plan_check import CheckRow, run_plan_check  # noqa: E402
-from recipes.benchmarking.report import print_table, write_table  # noqa: E402
+from recipes.benchmarking.report import print_table, settings_and_out, write_table  # noqa: E402
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 COLUMNS = ["layout", "planned rank", "predicted s", "measured s", "predicted / measured", "measured rank",
@@ -42,9 +42,7 @@ def rows(results: list[CheckRow]) -> list[list[str]]:
 @hydra.main(config_path=CONF_DIR, config_name="plan_check", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     require_extra("hf", "recipes/plan_check.py (a Hugging Face Llama or Qwen3-MoE)")  # said before any process starts
-    settings = OmegaConf.to_container(cfg, resolve=True)
-    settings.pop("hydra", None)
-    out = Path(settings.pop("out"))
+    settings, out = settings_and_out(cfg)
     out.mkdir(parents=True, exist_ok=True)
     settings["calibration_out"] = str(out / "calibration.json")  # the rates the predictions used
     results = run_plan_check(settings)

@@ -6,8 +6,8 @@ A Hugging Face model's prompt runs in one forward (the prefill), then each new t
 (:mod:`lightning_seqpar.transformer.kv_cache`: ``[b, a_kv/t, s, d]`` per layer; a step whose positions do not split
 over t runs with sequence parallelism suspended); the reference GPT recomputes the sequence so far
 (:mod:`.model_steps`). Experts over ep and expert_tp, pipeline stages in any placement (:mod:`.staged_forward`), the
-trainer's precision (autocast under ``bf16-mixed``) as in training. The logits of the last position are gathered over the vocabulary's
-tensor-parallel split, and the token is chosen as transformers' ``generate`` chooses it (:mod:`.next_token`). A draw
+trainer's precision (autocast under ``bf16-mixed``) as in training. The last position's logits are gathered over
+the vocabulary's tensor-parallel split, and the token is chosen as transformers' ``generate`` chooses it (:mod:`.next_token`). A draw
 is made by every rank from the same generator state and tensor-parallel rank 0's token is broadcast, so the ranks of a
 tensor-parallel group cannot disagree where a kernel's rounding differs between devices. Rows stop at their
 end-of-sequence token; every rank runs the same number of forwards (a mixture's dispatch spans the data-parallel
@@ -175,7 +175,7 @@ def _sequence_split(strategy: Any) -> tuple[bool, int]:
     """Whether the layout runs sequence parallelism, and t."""
     if strategy is None:
         return False, 1
-    return bool(strategy.layout.sequence_parallel), strategy.mesh.tensor.size
+    return bool(strategy.layout.sequence_parallel), strategy.layout.tp
 
 
 def _everyone_done(done: Tensor) -> bool:

@@ -48,8 +48,8 @@ class StagedForward:
 
     def __call__(self, forward: Callable[[], Any], signature: tuple) -> Optional[Tensor]:
         """Run ``forward`` (the model's call, returning the next position's logits ``[b, v]``) as each stage this rank
-        holds, in stage order; return those logits on the last stage's rank, else ``None``. ``signature``: what the activations'
-        shapes depend on (positions, rows, whether sequence parallelism splits them)."""
+        holds, in stage order; return those logits on the last stage's rank, else ``None``. ``signature``: what the
+        activations' shapes depend on (positions, rows, whether sequence parallelism splits them)."""
         exchange = self.transport.begin_step(("generate",) + signature)
         payload, last = self.runtime.payload, self.layout.num_stages - 1
         payload.forget()

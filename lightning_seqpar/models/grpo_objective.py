@@ -140,11 +140,8 @@ class GRPOObjective:
         trainer/rollout mismatch)."""
         part = Rollout(batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], batch["completion_mask"],
                        batch["completion_mask"], self.settings.num_generations)
-        layout = getattr(module.trainer.strategy, "layout", None)
-        # Positions that restart at 0 (left padding) are attended as packed documents, in two halves of the row, over
-        # t ranks under sequence parallelism: the row padded to a multiple of 2·t (labels -100 there).
-        t = module.trainer.strategy.mesh.tensor.size if layout is not None and layout.sequence_parallel else 1
-        logps, entropy = policy_logps_and_entropy(module.model, part, 2 * t, self.pad_token_id)
+        multiple = _row_multiple(module.trainer.strategy)
+        logps, entropy = policy_logps_and_entropy(module.model, part, multiple, self.pad_token_id)
         mask = batch["completion_mask"].to(logps.dtype)
         advantages = batch["advantages"].to(logps.dtype)
         reference = batch["ref_logps"].to(logps.dtype) if "ref_logps" in batch else None
@@ -182,14 +179,12 @@ class GRPOObjective:
                              f"adapters off, and this model has none (full fine-tuning would keep a second, frozen "
                              f"copy, which is not implemented). Train with peft=lora, or with beta=0 (TRL's default).")
         strategy = module.trainer.strategy
-        layout = getattr(strategy, "layout", None)
-        t = strategy.mesh.tensor.size if layout is not None and layout.sequence_parallel else 1
-        pipeline = getattr(strategy, "pipeline", None)
+        multiple, pipeline = _row_multiple(strategy), getattr(strategy, "pipeline", None)
         training = model.training
         model.eval()  # (no adapter or attention dropout in the reference)
         try:
             with torch.no_grad(), adapters_disabled(model):
-                forward = lambda: policy_logps(model, done, 2 * t, self.pad_token_id)  # noqa: E731
+                forward = lambda: policy_logps(model, done, multiple, self.pad_token_id)  # noqa: E731
                 if pipeline is None:
                     return forward()
                 staged = StagedForward(pipeline)
@@ -202,9 +197,8 @@ class GRPOObjective:
     def _scored(self, module: Any, done: Rollout, prompts: list[int]) -> Tensor:
         """``[N, k]`` rewards, computed on the replica's first rank (tensor- and pipeline-parallel rank 0) and
         broadcast over the replica's other ranks."""
-        strategy = module.trainer.strategy
-        mesh = getattr(strategy, "mesh", None)
-        first = mesh is None or (mesh.tensor.rank == 0 and mesh.pipeline.rank == 0)
+        mesh = getattr(module.trainer.strategy, "mesh", None)
+        first = mesh is None or mesh.leads_replica
         rewards = torch.zeros(len(prompts), len(self.rewards.functions), dtype=torch.float64)
         if first:  # each completion's text without its end token (TRL decodes skipping special tokens)
             ends = set([self.eos_token_id] if isinstance(self.eos_token_id, int) else list(self.eos_token_id or ()))
@@ -213,9 +207,7 @@ class GRPOObjective:
             rewards = self.rewards.per_function([self.prompts[i] for i in prompts], texts,
                                                 {k: [v[i] for i in prompts] for k, v in self.columns.items()})
         if mesh is not None:
-            rewards = rewards.to(done.logps.device)
-            mesh.tensor.broadcast(rewards, 0)  # within the first stage: from its tp rank 0
-            mesh.pipeline.broadcast(rewards, 0)  # then from the first stage to the others
+            rewards = mesh.share_within_replica(rewards.to(done.logps.device))
         return rewards.cpu()
 
     def _counts(self, module: Any, done: Rollout, accumulation: int) -> Tensor:
@@ -225,9 +217,8 @@ class GRPOObjective:
         mine = done.completion_mask.sum().to(torch.float64)
         every = torch.stack([torch.tensor(float(len(done.completion_ids)), dtype=torch.float64, device=mine.device),
                              mine])
-        if mesh is not None and mesh.data.size > 1:
-            mesh.data.all_reduce(every)
-            every = every / mesh.context.size  # (context-parallel peers hold the same batch)
+        if mesh is not None:
+            every = mesh.sum_over_batches(every)
         return torch.stack([every[0] * accumulation, every[1], mine])
 
     def _measure(self, module: Any, rewards: Tensor, total: Tensor, std: Tensor, done: Rollout) -> None:
@@ -241,3 +232,10 @@ class GRPOObjective:
                         "completions/clipped_ratio": clipped.double().mean(),
                         **{f"rewards/{name}/mean": torch.nanmean(rewards[:, j])
                            for j, name in enumerate(self.rewards.names)}}
+
+
+def _row_multiple(strategy: Any) -> int:
+    """What the training forward's rows are padded to: positions that restart at 0 (left padding) are attended as
+    packed documents, in two halves of the row, over t ranks under sequence parallelism: 2·t (labels -100 there)."""
+    layout = getattr(strategy, "layout", None)
+    return 2 * (layout.tp if layout is not None and layout.sequence_parallel else 1)

@@ -16,6 +16,7 @@ from datetime import timedelta
 from typing import Any, Mapping, Optional
 
 import torch.distributed as dist
+from torch import Tensor
 
 from lightning_seqpar.parallel.collectives import ParallelGroup
 from lightning_seqpar.parallel.dims import GROUPS, ParallelDims
@@ -195,6 +196,26 @@ class ParallelMesh:
     def batch_rank(self) -> int:
         """This rank's data-parallel rank (which batch it reads): context-parallel peers read the same one."""
         return self.data.rank // self.context.size
+
+    def sum_over_batches(self, counts: Tensor) -> Tensor:
+        """``counts`` (of this rank's batch) summed over the d data-parallel batches: the sum over ``data`` (d·c
+        ranks) divided by c, since context-parallel peers hold the same batch. One all-reduce; a new tensor."""
+        if self.data.size == 1:
+            return counts.clone()
+        return self.data.all_reduce(counts.clone()) / self.context.size
+
+    @property
+    def leads_replica(self) -> bool:
+        """Whether this rank is its replica's first (tensor- and pipeline-parallel rank 0): where work done once per
+        replica is done, then :meth:`share_within_replica`."""
+        return self.tensor.rank == 0 and self.pipeline.rank == 0
+
+    def share_within_replica(self, values: Tensor) -> Tensor:
+        """The replica's first rank's ``values`` on every rank of the replica, in place: broadcast over tp (the first
+        stage's groups carry it; the others' are overwritten next), then over pp from the first stage."""
+        self.tensor.broadcast(values, 0)
+        self.pipeline.broadcast(values, 0)
+        return values
 
     @property
     def pp(self) -> int:

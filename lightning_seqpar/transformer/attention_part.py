@@ -65,7 +65,7 @@ class AttentionSpec:
             dropped before ``· V``. The parameter stays whole on every rank, each using its ``a/t`` heads' entries,
             its gradient summed over tp; explicit attention only (the fused kernel has no sinks).
         layer_index: the layer's slot in a key/value cache (an int, or the path of one: Hugging Face's
-            ``self_attn.layer_idx``); ``None``: the block refuses a cache (:mod:`~lightning_seqpar.transformer.kv_cache`).
+            ``self_attn.layer_idx``); ``None``: the block refuses a cache (:mod:`~.kv_cache`).
     """
 
     attention_norm: Optional[str]

@@ -99,9 +99,11 @@ class CoreAttention(nn.Module):
         return torch.matmul(probs, v)  # [b, a, s, d]
 
     def _softmax(self, scores: Tensor) -> Tensor:
-        narrower = self.softmax_dtype is not None and torch.finfo(self.softmax_dtype).min > torch.finfo(scores.dtype).min
-        if narrower:  # float64 scores, float32 softmax: a masked score would cast to -inf, a fully masked row to NaN
-            scores = scores.clamp(min=torch.finfo(self.softmax_dtype).min)  # (a left pad's row: uniform, as in float32)
+        floor = None if self.softmax_dtype is None else torch.finfo(self.softmax_dtype).min
+        if floor is not None and floor > torch.finfo(scores.dtype).min:
+            # float64 scores, float32 softmax: a masked score would cast to -inf, a fully masked row to NaN (a left
+            # pad's own row); clamped, that row is uniform, as in float32
+            scores = scores.clamp(min=floor)
         return F.softmax(scores, dim=-1, dtype=self.softmax_dtype).to(scores.dtype)
 
     def extra_repr(self) -> str:

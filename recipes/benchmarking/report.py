@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import csv
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from rich.console import Console
 from rich.table import Table
@@ -46,3 +46,13 @@ def publish(out: Path, stem: str, title: str, columns: Sequence[str], body: Sequ
     print_table(title, columns, body, text_columns, console)
     written = write_table(out, stem, title, columns, body)
     console.print(f"wrote {written[0]} and {written[1]}")
+
+
+def settings_and_out(cfg: Any) -> tuple[dict, Path]:
+    """A benchmark's Hydra config as plain settings (its ``hydra`` and ``out`` keys taken off) and where its table
+    goes (``out``)."""
+    from omegaconf import OmegaConf
+
+    settings = OmegaConf.to_container(cfg, resolve=True)
+    settings.pop("hydra", None)
+    return settings, Path(settings.pop("out"))

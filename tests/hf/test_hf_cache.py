@@ -58,7 +58,7 @@ GENERATE = dict(max_new_tokens=NEW, do_sample=False, return_dict_in_generate=Tru
 
 
 def _generated_at_tp_2(reference, prompt, sequence_parallel=True, context=None, **settings):
-    """transformers' ``generate`` on two emulated tensor-parallel ranks of ``reference``, rewritten; each rank's output."""
+    """transformers' ``generate`` on two emulated tensor-parallel ranks of ``reference``, rewritten: each rank's."""
     def one_rank(group):
         model = copy.deepcopy(reference)
         rewrite(model, RewriteContext(group, sequence_parallel, None, True, context=context))

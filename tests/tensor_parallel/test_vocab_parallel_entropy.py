@@ -17,7 +17,8 @@ def test_the_entropy_from_shards_is_the_whole_logits_entropy():
     logits = torch.randn(3, 5, 13, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 3
     want = -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1)
     padded = torch.cat([logits, torch.full((3, 5, 1), 50.0, dtype=torch.float64)], -1)  # v' = 14: one padding column
-    got = run_emulated(2, lambda group: vocab_parallel_entropy(padded[..., 7 * group.rank:7 * group.rank + 7], group, 13))
+    shard = lambda rank: padded[..., 7 * rank:7 * rank + 7]  # noqa: E731
+    got = run_emulated(2, lambda group: vocab_parallel_entropy(shard(group.rank), group, 13))
     for entropy in got:
         torch.testing.assert_close(entropy, want, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(vocab_parallel_entropy(logits, ParallelGroup(), 13), want, rtol=1e-12, atol=1e-12)
